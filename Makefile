@@ -1,0 +1,53 @@
+# wxfer - the two commands a new user needs are `make demo` and `make test`.
+# `make setup` (run by both) installs the Debian packages, creates .venv with a CPU torch,
+# and builds the extension in place. It is idempotent.
+
+PY        ?= .venv/bin/python
+VENV_STAMP = .venv/.wxfer-deps-3
+APT_PKGS   = libfabric-dev libfabric-bin libibverbs-dev rdma-core build-essential python3-dev
+PIP_PKGS   = torch==2.13.0 numpy pytest pytest-timeout hypothesis pandas matplotlib nbformat nbclient ipykernel setuptools wheel
+SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_FLAGS ?= -q -ra
+GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+.PHONY: setup apt venv build test demo gpu-test asan-test fuzz clean
+
+setup: apt venv build
+
+apt:
+	@dpkg -s $(APT_PKGS) >/dev/null 2>&1 || { \
+	  echo "make setup: installing Debian packages: $(APT_PKGS)"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $(APT_PKGS) >/dev/null; }
+
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP):
+	@test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PIP_PKGS)
+	@touch $@
+
+build: $(VENV_STAMP)
+	$(PY) setup.py -q build_ext --inplace
+
+test: setup
+	$(PY) -m pytest $(PYTEST_FLAGS) tests
+
+demo: setup
+	$(PY) -m wxfer demo
+
+# On a GPU machine (its python3 already has torch): build in place, run the gpu tests and
+# the GPU benchmarks. Logs go to $$OUT when it is set.
+gpu-test:
+	$(GPU_ENV) python3 setup.py -q build_ext --inplace
+	$(GPU_ENV) python3 -m pytest -q -ra -m "gpu or gpu2" tests
+
+asan-test: setup
+	WXFER_SANITIZE=1 $(PY) setup.py -q build_ext --inplace --force
+	PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	  $(PY) -m pytest $(PYTEST_FLAGS) tests/test_desc.py tests/test_fabric.py
+	$(PY) setup.py -q build_ext --inplace --force
+
+clean:
+	rm -rf build wxfer/*.so *.egg-info

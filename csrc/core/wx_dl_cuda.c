@@ -1,0 +1,107 @@
+/* wx_dl_cuda.c - the libcuda table (see wx_dl_cuda.h). */
+#include "wx_dl_cuda.h"
+
+#ifdef WX_HAVE_CUDA
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "wx_common.h"
+#include "wx_dl.h"
+
+static wx_cuda_api_t wx__cuda;
+static pthread_once_t wx__cuda_once = PTHREAD_ONCE_INIT;
+static char wx__cuda_why[256];
+static int wx__cuda_ok;
+
+#define WX__SYM(field, sym)                                                                  \
+    do {                                                                                     \
+        if (wx_dl_sym(lib, "libcuda.so.1", sym, (void **)&wx__cuda.field, wx__cuda_why,     \
+                      sizeof wx__cuda_why))                                                  \
+            return;                                                                          \
+    } while (0)
+#define WX__OPT(field, sym)                                                                  \
+    do {                                                                                     \
+        char ignore[64];                                                                     \
+        wx_dl_sym(lib, "libcuda.so.1", sym, (void **)&wx__cuda.field, ignore, sizeof ignore); \
+    } while (0)
+
+static void wx__cuda_load(void)
+{
+    void *lib = wx_dl_open("WXFER_LIBCUDA", "libcuda.so.1", wx__cuda_why, sizeof wx__cuda_why);
+    CUresult r;
+    if (!lib)
+        return;
+    WX__SYM(cuInit, "cuInit");
+    WX__SYM(cuDriverGetVersion, "cuDriverGetVersion");
+    WX__SYM(cuGetErrorString, "cuGetErrorString");
+    WX__SYM(cuGetErrorName, "cuGetErrorName");
+    WX__SYM(cuDeviceGet, "cuDeviceGet");
+    WX__SYM(cuDeviceGetCount, "cuDeviceGetCount");
+    WX__SYM(cuDeviceGetAttribute, "cuDeviceGetAttribute");
+    WX__SYM(cuDeviceGetPCIBusId, "cuDeviceGetPCIBusId");
+    WX__SYM(cuDeviceCanAccessPeer, "cuDeviceCanAccessPeer");
+    WX__SYM(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    WX__SYM(cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+    WX__SYM(cuCtxSetCurrent, "cuCtxSetCurrent");
+    WX__SYM(cuCtxGetCurrent, "cuCtxGetCurrent");
+    WX__SYM(cuCtxEnablePeerAccess, "cuCtxEnablePeerAccess");
+    WX__SYM(cuCtxSynchronize, "cuCtxSynchronize");
+    WX__SYM(cuPointerGetAttribute, "cuPointerGetAttribute");
+    WX__SYM(cuMemGetAddressRange, "cuMemGetAddressRange_v2");
+    WX__SYM(cuMemAlloc, "cuMemAlloc_v2");
+    WX__SYM(cuMemFree, "cuMemFree_v2");
+    WX__SYM(cuMemcpyDtoH, "cuMemcpyDtoH_v2");
+    WX__SYM(cuMemcpyHtoD, "cuMemcpyHtoD_v2");
+    WX__SYM(cuMemcpyAsync, "cuMemcpyAsync");
+    WX__SYM(cuMemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
+    WX__SYM(cuMemcpyPeerAsync, "cuMemcpyPeerAsync");
+    WX__SYM(cuIpcGetMemHandle, "cuIpcGetMemHandle");
+    WX__SYM(cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
+    WX__SYM(cuIpcCloseMemHandle, "cuIpcCloseMemHandle");
+    WX__SYM(cuStreamCreate, "cuStreamCreate");
+    WX__SYM(cuStreamDestroy, "cuStreamDestroy_v2");
+    WX__SYM(cuStreamSynchronize, "cuStreamSynchronize");
+    WX__SYM(cuStreamWaitEvent, "cuStreamWaitEvent");
+    WX__SYM(cuEventCreate, "cuEventCreate");
+    WX__SYM(cuEventDestroy, "cuEventDestroy_v2");
+    WX__SYM(cuEventRecord, "cuEventRecord");
+    WX__SYM(cuEventQuery, "cuEventQuery");
+    WX__SYM(cuEventSynchronize, "cuEventSynchronize");
+    WX__SYM(cuEventElapsedTime, "cuEventElapsedTime");
+    WX__OPT(cuMemGetHandleForAddressRange, "cuMemGetHandleForAddressRange");
+    WX__OPT(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
+    WX__OPT(cuMemRelease, "cuMemRelease");
+    r = wx__cuda.cuInit(0);
+    if (r != CUDA_SUCCESS) {
+        const char *name = "?";
+        wx__cuda.cuGetErrorName(r, &name);
+        snprintf(wx__cuda_why, sizeof wx__cuda_why, "cuInit failed: %s (is there a GPU?)", name);
+        return;
+    }
+    wx__cuda_ok = 1;
+}
+
+const wx_cuda_api_t *wx_cuda(char *why, size_t why_len)
+{
+    pthread_once(&wx__cuda_once, wx__cuda_load);
+    if (!wx__cuda_ok) {
+        if (why)
+            snprintf(why, why_len, "%s", wx__cuda_why);
+        return NULL;
+    }
+    return &wx__cuda;
+}
+
+int wx_cuda_err(CUresult r, const char *call)
+{
+    const char *name = "CUDA_ERROR_UNKNOWN", *text = "";
+    if (wx__cuda_ok) {
+        wx__cuda.cuGetErrorName(r, &name);
+        wx__cuda.cuGetErrorString(r, &text);
+    }
+    return wx_errf(-EIO, "%s failed: %s (%s)", call, name ? name : "?", text ? text : "");
+}
+#else
+typedef int wx__dl_cuda_empty_unit;
+#endif

@@ -1,0 +1,188 @@
+/* wx_transport.h - the one-sided write transport interface.
+ *
+ * A transport moves bytes from a local buffer into memory that another process registered,
+ * without that process's code taking part (one-sided). Each backend (fabric, verbs,
+ * cuda_ipc) fills a wx_transport_ops_t; the generic layer in wx_transport.c owns
+ * everything the backends share:
+ *
+ *   - the table of local registrations (wx_mr_t) and the export blob that lists them;
+ *   - the table of connected peers (wx_peer_t), each with the regions that peer exported;
+ *   - validation of every write BEFORE the backend sees it: the remote key must be one the
+ *     peer exported, the range must lie inside that region, the local range inside the
+ *     local buffer. Backends never post an unchecked write (some providers, e.g. libfabric
+ *     shm, do not check keys themselves).
+ *
+ * Connection setup is a three-step handshake carried by the caller's control plane
+ * (TCPStore, a pipe, ...):
+ *     writer:  wx_connect_request(t, export_blob)  -> peer, request bytes
+ *     target:  wx_accept(t, request)                -> reply bytes
+ *     writer:  wx_connect_finish(t, peer, reply)
+ * A backend that needs no handshake returns an empty request; the caller may then skip
+ * the round trip and call wx_connect_finish with an empty reply.
+ *
+ * Completions: a backend invokes op->done() exactly once for every write it accepted,
+ * from a native thread it owns (its progress thread) or from inside a call made by the
+ * caller. done() must be short and must not call back into the transport with its locks
+ * held. close() completes every outstanding op with -ECANCELED before returning.
+ *
+ * All functions return 0 (or a count) or a negative errno, with the reason in
+ * wx_last_error().
+ */
+#ifndef WX_TRANSPORT_H
+#define WX_TRANSPORT_H
+
+#include <pthread.h>
+
+#include "wx_common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum wx_kind { WX_KIND_FABRIC = 1, WX_KIND_VERBS = 2, WX_KIND_CUDA_IPC = 3 };
+enum wx_mem { WX_MEM_HOST = 1, WX_MEM_CUDA = 2 };
+
+#define WX_ADDR_MAX 256  /* transport address of a process (fabric ep name, ...) */
+#define WX_BLOB_MAX 192  /* backend-specific remote info of a region (IPC handle, ...) */
+#define WX_CONN_MAX 4096 /* connection request / reply */
+
+/* What a remote writer needs to know about one registered region. */
+typedef struct wx_rinfo {
+    uint64_t key;   /* remote key */
+    uint64_t rbase; /* remote address of byte 0: a virtual address, or 0 where the
+                     * backend addresses regions by offset */
+    uint64_t len;
+    uint32_t mem;   /* enum wx_mem */
+    int32_t device; /* CUDA ordinal, -1 for host */
+    uint32_t blob_len;
+    uint8_t blob[WX_BLOB_MAX];
+} wx_rinfo_t;
+
+/* A local registration. The generic layer fills addr/len/mem/device/id before calling
+ * ops->reg; the backend fills key, rbase, blob, and keeps its own state in priv/ldesc. */
+typedef struct wx_mr {
+    void *addr;
+    uint64_t len;
+    uint32_t mem;
+    int32_t device;
+    uint32_t id;      /* unique in this transport */
+    uint64_t key;     /* set by backend (or left 0 to let the generic layer assign one) */
+    uint64_t rbase;   /* set by backend */
+    uint32_t blob_len;
+    uint8_t blob[WX_BLOB_MAX];
+    void *priv;       /* backend state */
+    void *ldesc;      /* backend descriptor for local use as a write source (may be NULL) */
+    int exported;     /* listed in export blobs (regions registered as write targets) */
+    struct wx_mr *next;
+} wx_mr_t;
+
+typedef struct wx_peer {
+    uint32_t id;
+    uint32_t addr_len;
+    uint8_t addr[WX_ADDR_MAX];
+    uint32_t nregions;
+    wx_rinfo_t *regions; /* what the peer exported (validation table) */
+    void *priv;          /* backend per-peer state */
+    int connected;
+    char name[64];       /* for messages: "peer 3 (fabric addr 127.0.0.1:4044)" */
+} wx_peer_t;
+
+/* One validated write: [local->addr + loff, +len) -> remote region at roff. */
+typedef struct wx_wr {
+    wx_mr_t *local;
+    uint64_t loff;
+    const wx_rinfo_t *remote;
+    uint64_t roff;
+    uint64_t len;
+} wx_wr_t;
+
+typedef struct wx_op wx_op_t;
+struct wx_op {
+    /* status: 0, or a negative errno; msg: NULL or a reason ("remote access error ..."). */
+    void (*done)(wx_op_t *op, int status, const char *msg);
+    uint64_t wr_id;
+    void *user;
+};
+
+typedef struct wx_transport wx_transport_t;
+
+typedef struct wx_transport_ops {
+    const char *name;
+    int kind; /* enum wx_kind */
+    /* 0 if usable on this machine; otherwise a negative errno with the reason in `why`. */
+    int (*probe)(const wx_opts_t *opts, char *why, size_t why_len);
+    /* Allocate a backend struct whose first member is wx_transport_t; the generic layer
+     * initialises that member after open returns. */
+    int (*open)(const wx_opts_t *opts, wx_transport_t **out);
+    void (*close)(wx_transport_t *t);
+    int (*address)(wx_transport_t *t, uint8_t *buf, size_t *len);
+    int (*reg)(wx_transport_t *t, wx_mr_t *mr);
+    void (*dereg)(wx_transport_t *t, wx_mr_t *mr);
+    int (*conn_request)(wx_transport_t *t, wx_peer_t *p, uint8_t *req, size_t *req_len);
+    int (*conn_accept)(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
+                       size_t *rep_len);
+    int (*conn_finish)(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len);
+    void (*disconnect)(wx_transport_t *t, wx_peer_t *p);
+    /* Post one validated write of at most t->max_write bytes. Returns 0 when posted (done()
+     * will follow), -EAGAIN when the send queue is full (retry after a completion), or
+     * another negative errno (done() will not be called). */
+    int (*write)(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
+    /* Optional: a one-line description of the backend's state (provider, device, ...). */
+    int (*info)(wx_transport_t *t, char *buf, size_t len);
+} wx_transport_ops_t;
+
+struct wx_transport {
+    const wx_transport_ops_t *ops;
+    pthread_mutex_t lock; /* guards mrs and peers (not the backend's data path) */
+    wx_mr_t *mrs;
+    uint32_t next_mr_id;
+    uint64_t next_key;
+    wx_peer_t **peers;
+    uint32_t npeers, cap_peers;
+    /* Backend limits, set by open(): */
+    uint64_t max_write;     /* largest single write the backend posts */
+    uint32_t max_inflight;  /* writes the backend can have outstanding */
+    int needs_local_reg;    /* write sources must be registered (verbs, efa) */
+    int key_is_backend;     /* backend chooses keys (otherwise the generic layer does) */
+};
+
+/* Backends compiled into this build (NULL-terminated). */
+extern const wx_transport_ops_t *const wx_transports[];
+const wx_transport_ops_t *wx_transport_find(const char *name);
+
+int wx_transport_open(const char *name, const wx_opts_t *opts, wx_transport_t **out);
+void wx_transport_close(wx_transport_t *t);
+
+/* Register [addr, addr+len). `exported` regions are listed by wx_export and may be written
+ * by peers; others are write sources only. */
+int wx_reg(wx_transport_t *t, void *addr, uint64_t len, uint32_t mem, int32_t device,
+           int exported, wx_mr_t **out);
+int wx_dereg(wx_transport_t *t, wx_mr_t *mr);
+/* Remote info for one registration (what a descriptor carries). */
+void wx_mr_rinfo(const wx_mr_t *mr, wx_rinfo_t *ri);
+
+/* Export blob: this process's transport address and every exported region. Versioned. */
+int wx_export(wx_transport_t *t, uint8_t *buf, size_t cap, size_t *len);
+
+int wx_connect_request(wx_transport_t *t, const uint8_t *export_blob, size_t blob_len,
+                       wx_peer_t **peer, uint8_t *req, size_t *req_len);
+int wx_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
+              size_t *rep_len);
+int wx_connect_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len);
+/* Replace the region table of a connected peer from a newer export blob (same address). */
+int wx_peer_update(wx_transport_t *t, wx_peer_t *p, const uint8_t *export_blob, size_t blob_len);
+wx_peer_t *wx_peer_by_addr(wx_transport_t *t, const uint8_t *addr, uint32_t addr_len);
+wx_peer_t *wx_peer_by_id(wx_transport_t *t, uint32_t id);
+
+/* Check a write against the peer's exported table and the local buffer, then hand it to
+ * the backend. `rkey` and `rlen` come from the writer's descriptor. On success *ri points
+ * to the peer's table entry. */
+int wx_validate(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
+                uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff,
+                const wx_rinfo_t **ri);
+int wx_post_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
