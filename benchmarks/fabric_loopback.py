@@ -4,8 +4,8 @@
 
 Two processes on this host: a target (wxfer.testing.TargetProcess) that registers one
 64 MiB buffer and runs no code per write, and this process, which writes a registered
-source into it with Transport.write (split into the backend's chunks, all in flight) and
-times each call. The last write of every size is checked byte for byte. Prints one line
+source into it through one wxfer Engine (split into the backend's chunks, up to its depth
+in flight), timing submit -> wait for each write. The last write of every size is checked byte for byte. Prints one line
 per (provider, size) and a JSON list last, with the machine description.
 """
 import argparse
@@ -40,12 +40,15 @@ def main():
             t = _wxfer.Transport("fabric", opts)
             tgt.connect(t)
             rs = t.register(src, export=False)
-            t.write(rs, 0, tgt.descriptors[0], 0, cap, timeout=60)  # warm-up
+            eng = _wxfer.Engine(t, timeout=60)
+            eng.submit(rs, [(tgt.descriptors[0], 0, 0, cap)])  # warm-up
+            eng.wait(timeout=60)
             for n in sizes:
                 times = []
                 for _ in range(args.reps):
                     t0 = time.perf_counter()
-                    t.write(rs, 0, tgt.descriptors[0], 0, n, timeout=60)
+                    eng.submit(rs, [(tgt.descriptors[0], 0, 0, n)])
+                    eng.wait(timeout=60)
                     times.append(time.perf_counter() - t0)
                 ok = tgt.read(0)[:n] == src[:n].tobytes()
                 row = {"provider": prov, "bytes": n, "best_gbps": n / min(times) / 1e9,
@@ -54,6 +57,7 @@ def main():
                 rows.append(row)
                 print("%-4s %3d MiB: median %5.2f GB/s, best %5.2f GB/s, verified=%s"
                       % (prov, n >> 20, row["median_gbps"], row["best_gbps"], ok), flush=True)
+            eng.close()
             rs.close()
             t.close()
     print(json.dumps({"machine": machine, "results": rows}))

@@ -92,6 +92,9 @@ def test_mr_mode_and_limits_follow_the_provider():
     t.close()
     t = _wxfer.Transport("fabric", {"provider": "shm", "hmem": "off"})
     assert "mr_mode=0x10 " in t.info()  # FI_MR_VIRT_ADDR
+    # shm's fi_cq_sread does not drive incoming writes: poll, with a remote-write counter
+    # (FI_RMA_EVENT) telling an idle target when to poll fast
+    assert "progress=poll+cntr " in t.info()
     buf = np.zeros(4096, np.uint8)
     r = t.register(buf)
     assert _wxfer.decode_descriptor(r.descriptor)["region"]["base"] == buf.ctypes.data

@@ -20,6 +20,7 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
@@ -62,6 +63,7 @@ typedef struct wx_fab {
     struct fid_av *av;
     struct fid_cq *cq;
     struct fid_ep *ep;
+    struct fid_cntr *rcntr; /* poll mode: counts writes that landed here (FI_RMA_EVENT) */
     uint64_t mr_mode;
     int hmem;           /* provider offers FI_HMEM */
     int want_wait;      /* option progress: try a CQ wait object */

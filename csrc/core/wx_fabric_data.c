@@ -219,16 +219,19 @@ static void wx__fab_scan_deadlines(wx_fab_t *f, uint64_t now)
 }
 
 /* Poll mode (no CQ wait object that drives the provider, e.g. shm): spin while our own
- * writes are in flight, else short naps. The target side never sees completions for the
- * writes it receives, so it cannot tell busy from idle: its naps stay short (50 us) so that
- * incoming writes are processed promptly, at the cost of ~20k wake-ups/s per transport. */
-static void wx__fab_nap(unsigned idle, int busy)
+ * writes are in flight; 50 us naps for a while after the last sign of traffic (a
+ * completion, or the remote-write counter moving on a target); 1 ms naps when idle. A
+ * target without the counter cannot tell busy from idle and keeps the 50 us naps. */
+#define WX_FAB_HOT_NS (200 * 1000000ull)
+static void wx__fab_nap(wx_fab_t *f, unsigned idle, uint64_t since_activity)
 {
     struct timespec ts = {0, 50000};
-    if (busy && idle < 64) {
+    if (f->posted > 0 && idle < 64) {
         sched_yield();
         return;
     }
+    if (f->rcntr && f->posted == 0 && since_activity > WX_FAB_HOT_NS)
+        ts.tv_nsec = 1000000;
     nanosleep(&ts, NULL);
 }
 
@@ -236,7 +239,7 @@ static void *wx__fab_progress(void *arg)
 {
     wx_fab_t *f = arg;
     struct fi_cq_entry ent[WX_FAB_BATCH];
-    uint64_t last_scan = wx_now_ns();
+    uint64_t last_scan = wx_now_ns(), last_activity = last_scan, landed = 0;
     unsigned idle = 0;
     while (!atomic_load(&f->stop)) {
         ssize_t n;
@@ -250,21 +253,33 @@ static void *wx__fab_progress(void *arg)
             if (f->serialize)
                 pthread_mutex_unlock(&f->dlock);
         }
+        now = wx_now_ns();
         if (n > 0) {
             idle = 0;
+            last_activity = now;
             for (ssize_t i = 0; i < n; i++)
                 wx__fab_finish(f, ent[i].op_context, 0, NULL);
         } else if (n == -FI_EAVAIL) {
             idle = 0;
+            last_activity = now;
             wx__fab_readerr(f);
         } else if (n == -FI_EAGAIN) {
-            if (!f->cq_wait)
-                wx__fab_nap(idle++, f->posted > 0);
+            if (!f->cq_wait) {
+                if (f->rcntr) {
+                    uint64_t c = fi_cntr_read(f->rcntr);
+                    if (c != landed) {
+                        landed = c;
+                        last_activity = now;
+                    }
+                }
+                if (f->posted)
+                    last_activity = now;
+                wx__fab_nap(f, idle++, now - last_activity);
+            }
         } else {
             wx_debugf("fabric: CQ read failed: %s (%zd)", wx_fi_strerror((int)n), n);
-            wx__fab_nap(1000, 0);
+            nanosleep(&(struct timespec){0, 1000000}, NULL);
         }
-        now = wx_now_ns();
         if (now - last_scan > WX_FAB_SCAN_NS) {
             last_scan = now;
             wx__fab_scan_deadlines(f, now);
