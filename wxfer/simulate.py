@@ -272,15 +272,19 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
                 else:
                     break
 
+    def ready_time(m):
+        ti = plan.mesh_tasks[m][mptr[m]]
+        s = max(mbusy[m], release[group_of_mesh[m]])
+        if cluster.cpu_offload:
+            s = max(s, max(h2d_done[(r, ti)] for r in plan.meshes[m]))
+        return s
+
     def try_start(m, now):
         """Start as many all-gathers on mesh m as possible up to time `now`."""
         lst = plan.mesh_tasks[m]
         while mptr[m] < len(lst) and m not in inflight_ag:
             ti = lst[mptr[m]]
-            g = group_of_mesh[m]
-            s = max(mbusy[m], release[g])
-            if cluster.cpu_offload:
-                s = max(s, max(h2d_done[(r, ti)] for r in plan.meshes[m]))
+            s = ready_time(m)
             if s > now:
                 return
             nd = need(m, ti)
@@ -341,7 +345,7 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             cands = [job_act_time[j] for j in pending_act]
             for m in mptr:
                 if mptr[m] < len(plan.mesh_tasks[m]) and m not in inflight_ag:
-                    cands.append(max(mbusy[m], release[group_of_mesh[m]]))
+                    cands.append(ready_time(m))
             nxt = min([c for c in cands if c > now], default=np.inf)
             if not np.isfinite(nxt):
                 raise RuntimeError("simulation stalled (watermark smaller than one task?)")
