@@ -39,6 +39,7 @@ class SimResult:
     timeline: list = field(default_factory=list)   # (stage, rank, task, start, end)
     steps: int = 0
     sim_wall_s: float = 0.0
+    trace: dict = field(default_factory=dict)      # per network step: t, bytes into inference / out of trainers
 
     def utilisation(self) -> dict:
         """Per link kind: bytes / (bandwidth x simulated time) for each link."""
@@ -325,6 +326,8 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     max_steps = steps * 200
     last_write = 0.0
     open_meshes = list(range(len(plan.meshes)))
+    tr_t, tr_w, tr_ag = [], [], []
+    gpu_finish = np.zeros(ngpu)
     while True:
         for m in open_meshes:
             try_start(m, now + dt)
@@ -364,6 +367,9 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
         dem = np.concatenate([pdem, np.array(ag_rem)[agi]]) if agi.size else pdem
         alloc = _waterfill(fa, fb, cap * dt, dem)
         palloc = alloc[:starts.size]
+        tr_t.append(now)
+        tr_w.append(float(palloc.sum()))
+        tr_ag.append(float(alloc[starts.size:].sum()))
         # FIFO inside each pair
         if active.size:
             rem_a = erem[active]
@@ -378,6 +384,7 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
                 de = active[done]
                 tend = now + dt * np.minimum(frac_end[done], 1.0)
                 erem[de] = 0.0
+                np.maximum.at(gpu_finish, egpu[de], tend)
                 for e, te in zip(de.tolist(), tend.tolist()):
                     j = int(ejob[e])
                     job_entries_left[j] -= 1
@@ -413,4 +420,6 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             raise RuntimeError("simulation did not finish (more than 200x the lower bound)")
     total = max(last_write, stage_end["allgather"], stage_end["quant"])
     stage_end["write"] = last_write
-    return SimResult(total, lb, bname, lbytes, lbw, stage_end, timeline, nstep, _time.perf_counter() - w0)
+    trace = dict(t=np.array(tr_t), dt=dt, write_bytes=np.array(tr_w), allgather_bytes=np.array(tr_ag),
+                 infer_capacity=ngpu * nic * dt, infer_finish_s=gpu_finish)
+    return SimResult(total, lb, bname, lbytes, lbw, stage_end, timeline, nstep, _time.perf_counter() - w0, trace)

@@ -340,6 +340,9 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         else:
             groups.append([m])
             group_ranks.append(set(rs))
+    # the lightest group first: its preparation is short, so writes start at once and
+    # its (often large, dense) tasks drain while the heavier groups prepare
+    groups.sort(key=lambda ms: (sum(mesh_bytes[m] for m in ms), ms[0]))
     group_of = {m: g for g, ms in enumerate(groups) for m in ms}
     mesh_tasks: dict[int, list[int]] = {m: [] for m in range(len(meshes))}
     for t in tasks:
