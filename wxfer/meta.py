@@ -215,13 +215,13 @@ def synthesize_train(preset: Preset, cluster: Cluster) -> list[TrainParam]:
 
 
 def workers_from_expanded(ex: Expanded, cluster: Cluster) -> list[InferWorker]:
-    """Inference workers of every replica holding the layout of an expansion."""
-    workers = []
-    for rep in range(cluster.replicas):
-        for r in range(cluster.infer_tp):
-            params = {d.name: InferParam(d.name, d.shape, d.dtype) for d in ex.dest[r].values()}
-            workers.append(InferWorker(rep, r, cluster.infer_tp, cluster.infer_ep, params))
-    return workers
+    """Inference workers of every replica holding the layout of an expansion.
+
+    Workers of the same rank in different replicas share one (read-only) params dict."""
+    per_rank = [{d.name: InferParam(d.name, d.shape, d.dtype) for d in ex.dest[r].values()}
+                for r in range(cluster.infer_tp)]
+    return [InferWorker(rep, r, cluster.infer_tp, cluster.infer_ep, per_rank[r])
+            for rep in range(cluster.replicas) for r in range(cluster.infer_tp)]
 
 
 @dataclass

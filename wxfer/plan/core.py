@@ -186,16 +186,24 @@ class Plan:
 
 def _merge_shards(shards: list[Shard]) -> list[Shard]:
     """Merge shards that are adjacent in the same destination (consecutive experts)."""
-    shards = sorted(shards, key=lambda s: (s.rank, s.dst, s.offset))
+    groups: dict[tuple, list[Shard]] = {}
+    for sh in shards:
+        groups.setdefault((sh.rank, sh.dst, sh.kind, sh.dtype), []).append(sh)
     out: list[Shard] = []
-    for s in shards:
-        if out:
-            p = out[-1]
-            if (p.rank == s.rank and p.dst == s.dst and p.kind == s.kind and p.dtype == s.dtype
-                    and p.offset + p.nbytes == s.offset):
-                out[-1] = Shard(p.rank, p.dst, p.offset, p.nbytes + s.nbytes, p.kind, p.dtype, p.pieces + s.pieces)
-                continue
-        out.append(s)
+    for key in sorted(groups, key=lambda k: (k[0], k[1])):
+        run = sorted(groups[key], key=lambda x: x.offset)
+        i = 0
+        while i < len(run):
+            j, end, pieces = i + 1, run[i].offset + run[i].nbytes, list(run[i].pieces)
+            while j < len(run) and run[j].offset == end:
+                end += run[j].nbytes
+                pieces += run[j].pieces
+                j += 1
+            first = run[i]
+            out.append(first if j == i + 1 else
+                       Shard(first.rank, first.dst, first.offset, end - first.offset, first.kind, first.dtype,
+                             tuple(pieces)))
+            i = j
     return out
 
 
@@ -216,9 +224,10 @@ def _mesh_options(comp_sources, params: Mapping[str, TrainParam]) -> tuple[tuple
 
 
 def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], preset: Preset,
-               quant: str | None = None, ignore: Iterable[str] = (), expanded: Expanded | None = None,
+               quant: str | None = "preset", ignore: Iterable[str] = (), expanded: Expanded | None = None,
                max_task_bytes: int = 1 << 30, check: bool = True, gpus_per_node: int = 8) -> Plan:
-    """Compute the plan.  Raises PlanError listing every mismatch (by name) when the
+    """Compute the plan.  quant: "fp8", None (BF16) or "preset" (the preset's choice).
+    Raises PlanError listing every mismatch (by name) when the
     training params, the mapping and the inference workers do not agree.
 
     gpus_per_node tells which meshes all-gather over the NICs (those spanning nodes):
@@ -242,8 +251,9 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         problems.append(f"no worker for replica {rep} rank {r}")
     if problems:
         raise PlanError(problems)
-    quant = quant if quant is not None else preset.quant
+    quant = preset.quant if quant == "preset" else quant      # None means BF16
     params = {p.name: p for p in train}
+    pbytes = {p.name: p.nbytes for p in train}
     layout = Layout(tp, ep, quant)
     ex = expanded if expanded is not None and expanded.layout == layout else expand(
         preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore)
@@ -257,7 +267,11 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
             dest_nbytes[r, name_id[n]] = p.nbytes
     for n in ex.unmatched:
         problems.append(f"training parameter {n} is not used by any rule and not ignored")
+    validated = set()
     for w in workers:
+        if (id(w.params), w.rank) in validated:   # replicas sharing one params dict
+            continue
+        validated.add((id(w.params), w.rank))
         exp = ex.dest[w.rank]
         for n, p in exp.items():
             q = w.params.get(n)
@@ -283,7 +297,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         if c.merge_key is not None and len(opts) == 1:
             key = (c.merge_key, opts)
             lst = pending.get(key)
-            size = sum(params[s].nbytes for s in c.sources)
+            size = sum(pbytes[s] for s in c.sources)
             if lst is None or lst[1] + size > max_task_bytes:
                 lst = [[], 0]
                 pending[key] = lst
@@ -300,7 +314,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
     for name, comps, opts in raw_tasks:
         sources = tuple(s for c in comps for s in c.sources)
         shards = _merge_shards([s for c in comps for s in c.shards]) if len(comps) > 1 else list(comps[0].shards)
-        tasks.append(Task(len(tasks), name, sources, -1, -1, sum(params[s].nbytes for s in sources), shards))
+        tasks.append(Task(len(tasks), name, sources, -1, -1, sum(pbytes[s] for s in sources), shards))
         options.append(opts)
 
     def mid(m):
