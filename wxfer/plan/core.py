@@ -12,6 +12,7 @@ Vocabulary
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -207,6 +208,31 @@ def _merge_shards(shards: list[Shard]) -> list[Shard]:
     return out
 
 
+def _deal(u_n: np.ndarray, ranks: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """Sender of each unit: largest units first, each to the least loaded rank of the
+    mesh (ties: the mesh order).  Updates `load` in place."""
+    o = np.argsort(-u_n, kind="stable")
+    rk = ranks[np.argsort(load[ranks], kind="stable")]
+    snd = np.empty(o.size, np.int64)
+    m = rk.size
+    loc = load[rk]
+    if m == 1:
+        snd[:] = rk[0]
+    elif loc[-1] - loc[0] <= u_n[o[-1]] and (u_n[o[0]] == u_n[o[-1]] or o.size <= m):
+        snd[o] = rk[np.arange(o.size) % m]          # already balanced: round robin
+    else:
+        heap = [(float(v), i) for i, v in enumerate(loc)]
+        heapq.heapify(heap)
+        pick = np.empty(o.size, np.int64)
+        for k, size in enumerate(u_n[o].tolist()):
+            v, i = heap[0]
+            heapq.heapreplace(heap, (v + size, i))
+            pick[k] = i
+        snd[o] = rk[pick]
+    np.add.at(load, snd, u_n)
+    return snd
+
+
 def _ag_nic_bytes(src_bytes: int, mesh: tuple[int, ...], gpus_per_node: int) -> float:
     """Bytes a ring all-gather puts on each rank's NIC (0 inside a node: NVLink)."""
     k = len(mesh)
@@ -333,7 +359,8 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         if len(opts) == 1:
             m = opts[0]
         else:
-            sums = [load[list(o)].sum() for o in opts]
+            # ties go away from rank 0 (the controller also serves the TCPStore)
+            sums = [load[list(o)].sum() + (0.5 if 0 in o else 0.0) for o in opts]
             m = opts[int(np.argmin(sums))]
         t.mesh = mid(m)
         load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node) + wbytes / len(m)
@@ -392,12 +419,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
                 u_shard = np.repeat(np.arange(S), replicas)
                 u_rep = np.tile(np.arange(replicas), S)
                 u_n = sb[u_shard]
-                # largest units first, round robin over the ranks from least to most loaded
-                o = np.argsort(-u_n, kind="stable")
-                rk = ranks[np.argsort(load[ranks], kind="stable")]
-                snd = np.empty(o.size, np.int64)
-                snd[o] = rk[np.arange(o.size) % rk.size]
-                np.add.at(load, snd, u_n)
+                snd = _deal(u_n, ranks, load)
                 sh_rank = np.array([s.rank for s in t.shards], np.int64)
                 sh_dst = np.array([name_id[s.dst] for s in t.shards], np.int64)
                 sh_off = np.array([s.offset for s in t.shards], np.int64)
