@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 BLOCK = 128  # FP8 block size (rows and columns) of weight_scale_inv
 
@@ -42,8 +42,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Rows [r0, r1) and columns [c0, c1) of source `src` (c0 = c1 = 0 for 1-D sources)."""
     src: str
     r0: int
@@ -63,8 +62,7 @@ class Piece:
         return self.rows * (self.cols if self.c1 else 1)
 
 
-@dataclass(frozen=True)
-class Shard:
+class Shard(NamedTuple):
     """One contiguous byte region of destination parameter `dst` on inference rank `rank`.
 
     kind: "raw" (cast to `dtype`), "fp8" (e4m3 bytes, each piece quantized on its own
