@@ -78,6 +78,7 @@ typedef struct wx__ci_map {
     CUdeviceptr dptr; /* allocation base in this process */
     CUcontext ctx;    /* primary context it was opened in (NULL for self), retained by it */
     int ctx_dev;      /* that context's ordinal */
+    int fallback;     /* opened in the owner GPU's context because the writer's failed */
     int self;         /* the owner is this process: dptr = alloc_base, nothing opened */
     int local_dev;    /* owner GPU's ordinal here, -1 if not visible */
     uint32_t refs;    /* transports holding it (the table is process-wide) */

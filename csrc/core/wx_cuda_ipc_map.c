@@ -124,6 +124,7 @@ static int wx__ci_open_map(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri
                       wx__ci_errname(c, r), m->local_dev);
             ctx = octx;
             ctx_dev = m->local_dev;
+            m->fallback = 1;
             r = CUDA_SUCCESS;
         }
     }
@@ -194,10 +195,15 @@ int wx__ci_map_get(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri, wx__ci
     ref = calloc(1, sizeof *ref);
     if (!ref)
         return wx_errf(-ENOMEM, "cuda_ipc: out of memory");
+    /* The same allocation may be open in another context of this process (a transport of
+     * another GPU, or map=owner); share an entry only where this transport would open it,
+     * or where that open had to fall back to the owner GPU's context. */
     pthread_mutex_lock(&wx__ci_gmu);
     for (m = wx__ci_gmaps[h]; m; m = m->next)
-        if (wx__ci_same(m, &b) && (m->self || m->ctx == c->ctx ||
-                                   (c->map_owner && m->local_dev >= 0)))
+        if (wx__ci_same(m, &b) &&
+            (m->self || m->ctx == c->ctx ||
+             (m->local_dev >= 0 && m->ctx_dev == m->local_dev &&
+              (c->map_owner || m->fallback))))
             break;
     if (!m) {
         rc = wx__ci_open_map(c, p, ri, &b, &m);
