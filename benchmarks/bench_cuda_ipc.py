@@ -34,6 +34,8 @@ import time
 
 TIMEOUT = 300
 MiB = 1 << 20
+# run from a checkout: the in-place build of wxfer is in the repository root
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_size(s):
@@ -265,6 +267,10 @@ def main():
         rc, rchild = ctx.Pipe()
         rx = ctx.Process(target=receiver, args=(rchild, rdev, max(sizes), queue))
         rx.start()
+        if not rc.poll(120):
+            print("[%s] receiver process failed to start (exit code %s)" % (pl, rx.exitcode))
+            rx.kill()
+            continue
         blob, desc = rc.recv()
         base = {"wdev": wdev, "rdev": rdev, "sizes": sizes, "reps": a.reps}
         raw = run_job(ctx, dict(base, kind="raw"))
