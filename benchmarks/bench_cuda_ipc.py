@@ -18,7 +18,7 @@ and the ratio ours / raw. Every number is the median of --reps repetitions.
       [--placements cross,same] [--opts streams=4,split=0]
 
 --diagnose adds, at 256 MiB and 1 GiB across GPUs, one fresh writer process per variant of
-the backend's options (map=owner, peer_access=0, ipc_lazy=0, streams=1, split) and a
+the backend's options (map=owner, peer_access=1, ipc_lazy=0, streams=1, split) and a
 profile of the naive path (which copy kinds the driver ran), to tell the causes apart.
 Needs torch with CUDA; GPU numbers come only from a GPU machine.
 """
@@ -320,8 +320,8 @@ def main():
                 naive["shared_tensor_device"], naive["current_device"]))
         if a.diagnose and pl == "cross":
             dsizes = [256 * MiB, 1 << 30]
-            variants = [{}, {"map": "owner"}, {"peer_access": "0"},
-                        {"peer_access": "0", "ipc_lazy": "0"}, {"streams": "1"},
+            variants = [{}, {"map": "owner"}, {"map": "owner", "peer_access": "1"},
+                        {"peer_access": "1"}, {"ipc_lazy": "0"}, {"streams": "1"},
                         {"split": str(128 * MiB), "streams": "8"}]
             entry["diagnose"] = []
             print("  diagnose (fresh writer process per variant, sizes %s):" %

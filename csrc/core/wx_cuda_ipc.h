@@ -139,7 +139,8 @@ typedef struct wx__ci {
     uint32_t nslots;
     int free_head;
     uint32_t ninflight;
-    wx__ci_comp_t *comps;
+    uint32_t *fifo;     /* busy slots in posting order (ring of nslots) */
+    uint32_t fhead, fcount;
     pthread_t thr;
     int thr_started;
     /* opened handles */

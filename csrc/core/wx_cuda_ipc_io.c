@@ -4,8 +4,8 @@
  * A write is one cuMemcpyAsync (or up to WX_CI_SPLIT_MAX pieces over several streams when
  * the `split` option asks for it) from the source to the mapped target allocation, followed
  * by an event per piece. The copy engines of the writer's GPU do the work; the target
- * process runs nothing. The progress thread holds the writer's context current, scans the
- * busy slots with cuEventQuery, and calls op->done() outside the lock. While writes are in
+ * process runs nothing. The progress thread holds the writer's context current, polls the
+ * oldest write's events with cuEventQuery, and calls op->done() outside the lock. While writes are in
  * flight it polls (yield, then sleeps of a few microseconds with the timer slack lowered);
  * when none are, it sleeps on a condition variable. Every wait is bounded.
  */
@@ -41,7 +41,8 @@ static void wx__ci_slot_free(wx__ci_t *c, wx__ci_slot_t *s)
     c->ninflight--;
 }
 
-/* 1: finished (status in *st, message in msg), 0: still running. Caller holds c->mu. */
+/* 1: finished (status in *st, message in msg), 0: still running. Needs no lock: a busy
+ * slot's events and fields change only when it is freed, which only this thread does. */
 static int wx__ci_slot_poll(wx__ci_t *c, wx__ci_slot_t *s, int *st, char *msg, size_t len)
 {
     for (uint32_t i = 0; i < s->nev; i++) {
@@ -63,55 +64,55 @@ static int wx__ci_slot_poll(wx__ci_t *c, wx__ci_slot_t *s, int *st, char *msg, s
     return 1;
 }
 
+/* The progress thread polls the OLDEST write only (writes finish about in posting order:
+ * they share the copy engines), without holding the lock, so posting never waits behind
+ * event queries. A later write that finished first is completed right after the older one. */
 static void *wx__ci_progress(void *arg)
 {
     wx__ci_t *c = arg;
     unsigned idle = 0;
+    wx__ci_comp_t k;
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); /* short sleeps really short */
     c->cu->cuCtxSetCurrent(c->ctx);
     pthread_mutex_lock(&c->mu);
     while (!c->stop) {
-        uint32_t n = 0;
-        if (c->ninflight == 0) {
+        wx__ci_slot_t *s;
+        int fin;
+        if (c->fcount == 0) {
             struct timespec ts;
             wx__ci_deadline(&ts, 50 * 1000000ull);
             pthread_cond_timedwait(&c->cv, &c->mu, &ts);
             idle = 0;
             continue;
         }
-        for (uint32_t i = 0; i < c->nslots; i++) {
-            wx__ci_slot_t *s = &c->slots[i];
-            wx__ci_comp_t *k = &c->comps[n];
-            if (!s->busy || !wx__ci_slot_poll(c, s, &k->status, k->msg, sizeof k->msg))
-                continue;
-            k->op = s->op;
-            if (k->status == 0) {
-                c->nwrites++;
-                c->nbytes += s->len;
+        s = &c->slots[c->fifo[c->fhead]];
+        pthread_mutex_unlock(&c->mu);
+        fin = wx__ci_slot_poll(c, s, &k.status, k.msg, sizeof k.msg);
+        if (!fin) {
+            if (idle++ < 200) {
+                sched_yield();
             } else {
-                c->nerrors++;
-            }
-            wx__ci_slot_free(c, s);
-            n++;
-        }
-        if (n) {
-            pthread_cond_broadcast(&c->cv); /* close() may be draining */
-            pthread_mutex_unlock(&c->mu);
-            for (uint32_t i = 0; i < n; i++) {
-                wx__ci_comp_t *k = &c->comps[i];
-                k->op->done(k->op, k->status, k->status ? k->msg : NULL);
+                struct timespec ts = {0, 4000};
+                nanosleep(&ts, NULL);
             }
             pthread_mutex_lock(&c->mu);
-            idle = 0;
             continue;
         }
-        pthread_mutex_unlock(&c->mu);
-        if (idle++ < 200) {
-            sched_yield();
+        pthread_mutex_lock(&c->mu);
+        c->fhead = (c->fhead + 1) % c->nslots;
+        c->fcount--;
+        k.op = s->op;
+        if (k.status == 0) {
+            c->nwrites++;
+            c->nbytes += s->len;
         } else {
-            struct timespec ts = {0, 4000};
-            nanosleep(&ts, NULL);
+            c->nerrors++;
         }
+        wx__ci_slot_free(c, s);
+        pthread_cond_broadcast(&c->cv); /* close() may be draining */
+        pthread_mutex_unlock(&c->mu);
+        k.op->done(k.op, k.status, k.status ? k.msg : NULL);
+        idle = 0;
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
@@ -137,8 +138,8 @@ int wx__ci_io_start(wx__ci_t *c)
     }
     c->nslots = c->base.max_inflight;
     c->slots = calloc(c->nslots, sizeof *c->slots);
-    c->comps = calloc(c->nslots, sizeof *c->comps);
-    if (!c->slots || !c->comps) {
+    c->fifo = calloc(c->nslots, sizeof *c->fifo);
+    if (!c->slots || !c->fifo) {
         rc = wx_errf(-ENOMEM, "cuda_ipc: out of memory");
         goto fail_slots;
     }
@@ -148,6 +149,7 @@ int wx__ci_io_start(wx__ci_t *c)
         c->free_head = k;
     }
     c->ninflight = 0;
+    c->fhead = c->fcount = 0;
     c->stop = 0;
     if (pthread_create(&c->thr, NULL, wx__ci_progress, c) != 0) {
         rc = wx_errf(-EAGAIN, "cuda_ipc: cannot start the progress thread");
@@ -158,9 +160,9 @@ int wx__ci_io_start(wx__ci_t *c)
     return 0;
 fail_slots:
     free(c->slots);
-    free(c->comps);
+    free(c->fifo);
     c->slots = NULL;
-    c->comps = NULL;
+    c->fifo = NULL;
     c->nslots = 0;
 fail_streams:
     while (i-- > 0)
@@ -207,9 +209,9 @@ void wx__ci_io_stop(wx__ci_t *c)
         wx__ci_pop(c, saved);
     }
     free(c->slots);
-    free(c->comps);
+    free(c->fifo);
     c->slots = NULL;
-    c->comps = NULL;
+    c->fifo = NULL;
     c->nslots = 0;
     c->started = 0;
 }
@@ -309,6 +311,8 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
     s->op = op;
     s->len = len;
     snprintf(s->peer, sizeof s->peer, "%s", p->name);
+    c->fifo[(c->fhead + c->fcount) % c->nslots] = (uint32_t)(s - c->slots);
+    c->fcount++;
     c->ninflight++;
     pthread_cond_broadcast(&c->cv);
     rc = 0;

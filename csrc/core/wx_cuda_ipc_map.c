@@ -113,6 +113,7 @@ static int wx__ci_open_map(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri
         ctx_dev = m->local_dev;
     }
     r = wx__ci_open_in(c, ctx, b, &m->dptr);
+    r2 = CUDA_SUCCESS;
     if (r != CUDA_SUCCESS && ctx == c->ctx && m->local_dev >= 0 && m->local_dev != c->dev &&
         wx__ci_retain(c, m->local_dev, &octx) == 0) {
         /* The writer's GPU cannot map it (no peer path): map it in the owner GPU's context
@@ -130,13 +131,17 @@ static int wx__ci_open_map(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri
     }
     if (r != CUDA_SUCCESS) {
         int gone = kill((pid_t)b->pid, 0) != 0 && errno == ESRCH;
+        char also[128] = "";
+        if (r2 != CUDA_SUCCESS)
+            snprintf(also, sizeof also, " in cuda:%d's context, %s in the owner GPU's (cuda:%d)",
+                     c->dev, wx__ci_errname(c, r2), m->local_dev);
         int rc = wx_errf(gone ? -ESTALE : -EIO,
                          "cuda_ipc: %s: cannot open the CUDA IPC handle of region key 0x%llx "
                          "(allocation 0x%llx, %llu bytes on GPU %s, cuda:%d of pid %u): "
-                         "cuIpcOpenMemHandle failed: %s%s",
+                         "cuIpcOpenMemHandle failed: %s%s%s",
                          p->name, (unsigned long long)ri->key,
                          (unsigned long long)b->alloc_base, (unsigned long long)b->alloc_size,
-                         b->pci, b->device, b->pid, wx__ci_errname(c, r),
+                         b->pci, b->device, b->pid, wx__ci_errname(c, r), also,
                          gone ? "; the owner process no longer exists, so the handle is stale "
                                 "(get a fresh export from the running receiver)"
                               : "; the owner may have freed the memory or exited");
