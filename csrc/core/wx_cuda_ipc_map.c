@@ -144,7 +144,9 @@ static int wx__ci_open_map(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri
                          b->pci, b->device, b->pid, wx__ci_errname(c, r), also,
                          gone ? "; the owner process no longer exists, so the handle is stale "
                                 "(get a fresh export from the running receiver)"
-                              : "; the owner may have freed the memory or exited");
+                         : !c->ipc_lazy ? "; option ipc_lazy=0 is set, and on the machines "
+                                          "measured the open fails without the lazy flag"
+                                        : "; the owner may have freed the memory or exited");
         free(m);
         return rc;
     }
