@@ -328,6 +328,7 @@ class Experts(Rule):
         quant = ctx.layout.quant == "fp8" and self.fp8
         prefix = _fmt(self.dst, b)
         w13, w2 = prefix + ".w13_weight", prefix + ".w2_weight"
+        w13s, w2s = scale_name(w13), scale_name(w2)
         if ep:
             if E % tp:
                 raise MappingError(f"{prefix}: {E} experts cannot be split over EP={tp}")
@@ -367,9 +368,9 @@ class Experts(Rule):
                     _check_fp8_piece(pd, (hidden, inter), True, w2, tp if not ep else 1)
                     shards += [
                         Shard(r, w13, le * 2 * ir * hidden, 2 * ir * hidden, "fp8", wdt, (pg, pu)),
-                        Shard(r, scale_name(w13), le * s13, s13, "scale", "float32", (pg, pu)),
+                        Shard(r, w13s, le * s13, s13, "scale", "float32", (pg, pu)),
                         Shard(r, w2, le * hidden * ir, hidden * ir, "fp8", wdt, (pd,)),
-                        Shard(r, scale_name(w2), le * s2, s2, "scale", "float32", (pd,)),
+                        Shard(r, w2s, le * s2, s2, "scale", "float32", (pd,)),
                     ]
                 else:
                     shards += [

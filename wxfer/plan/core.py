@@ -186,17 +186,33 @@ class Plan:
 
 def _merge_shards(shards: list[Shard]) -> list[Shard]:
     """Merge shards that are adjacent in the same destination (consecutive experts)."""
-    shards = sorted(shards, key=lambda s: (s.rank, s.dst, s.offset))
+    groups: dict[tuple, list[Shard]] = {}
+    for sh in shards:
+        groups.setdefault((sh.rank, sh.dst, sh.kind, sh.dtype), []).append(sh)
     out: list[Shard] = []
-    for s in shards:
-        if out:
-            p = out[-1]
-            if (p.rank == s.rank and p.dst == s.dst and p.kind == s.kind and p.dtype == s.dtype
-                    and p.offset + p.nbytes == s.offset):
-                out[-1] = Shard(p.rank, p.dst, p.offset, p.nbytes + s.nbytes, p.kind, p.dtype, p.pieces + s.pieces)
-                continue
-        out.append(s)
+    for key in sorted(groups, key=lambda k: (k[0], k[1])):
+        run = sorted(groups[key], key=lambda x: x.offset)
+        i = 0
+        while i < len(run):
+            j, end, pieces = i + 1, run[i].offset + run[i].nbytes, list(run[i].pieces)
+            while j < len(run) and run[j].offset == end:
+                end += run[j].nbytes
+                pieces += run[j].pieces
+                j += 1
+            first = run[i]
+            out.append(first if j == i + 1 else
+                       Shard(first.rank, first.dst, first.offset, end - first.offset, first.kind, first.dtype,
+                             tuple(pieces)))
+            i = j
     return out
+
+
+def _ag_nic_bytes(src_bytes: int, mesh: tuple[int, ...], gpus_per_node: int) -> float:
+    """Bytes a ring all-gather puts on each rank's NIC (0 inside a node: NVLink)."""
+    k = len(mesh)
+    if k == 1 or len({r // gpus_per_node for r in mesh}) == 1:
+        return 0.0
+    return src_bytes * (k - 1) / k
 
 
 def _mesh_options(comp_sources, params: Mapping[str, TrainParam]) -> tuple[tuple[int, ...], ...]:
@@ -208,10 +224,14 @@ def _mesh_options(comp_sources, params: Mapping[str, TrainParam]) -> tuple[tuple
 
 
 def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], preset: Preset,
-               quant: str | None = None, ignore: Iterable[str] = (), expanded: Expanded | None = None,
-               max_task_bytes: int = 1 << 30, check: bool = True) -> Plan:
-    """Compute the plan.  Raises PlanError listing every mismatch (by name) when the
-    training params, the mapping and the inference workers do not agree."""
+               quant: str | None = "preset", ignore: Iterable[str] = (), expanded: Expanded | None = None,
+               max_task_bytes: int = 1 << 30, check: bool = True, gpus_per_node: int = 8) -> Plan:
+    """Compute the plan.  quant: "fp8", None (BF16) or "preset" (the preset's choice).
+    Raises PlanError listing every mismatch (by name) when the
+    training params, the mapping and the inference workers do not agree.
+
+    gpus_per_node tells which meshes all-gather over the NICs (those spanning nodes):
+    their all-gather bytes count in the per-NIC balance."""
     t0 = time.perf_counter()
     workers = sorted(workers, key=lambda w: (w.replica, w.rank))
     if not workers:
@@ -231,8 +251,9 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         problems.append(f"no worker for replica {rep} rank {r}")
     if problems:
         raise PlanError(problems)
-    quant = quant if quant is not None else preset.quant
+    quant = preset.quant if quant == "preset" else quant      # None means BF16
     params = {p.name: p for p in train}
+    pbytes = {p.name: p.nbytes for p in train}
     layout = Layout(tp, ep, quant)
     ex = expanded if expanded is not None and expanded.layout == layout else expand(
         preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore)
@@ -246,7 +267,11 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
             dest_nbytes[r, name_id[n]] = p.nbytes
     for n in ex.unmatched:
         problems.append(f"training parameter {n} is not used by any rule and not ignored")
+    validated = set()
     for w in workers:
+        if (id(w.params), w.rank) in validated:   # replicas sharing one params dict
+            continue
+        validated.add((id(w.params), w.rank))
         exp = ex.dest[w.rank]
         for n, p in exp.items():
             q = w.params.get(n)
@@ -272,7 +297,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         if c.merge_key is not None and len(opts) == 1:
             key = (c.merge_key, opts)
             lst = pending.get(key)
-            size = sum(params[s].nbytes for s in c.sources)
+            size = sum(pbytes[s] for s in c.sources)
             if lst is None or lst[1] + size > max_task_bytes:
                 lst = [[], 0]
                 pending[key] = lst
@@ -289,7 +314,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
     for name, comps, opts in raw_tasks:
         sources = tuple(s for c in comps for s in c.sources)
         shards = _merge_shards([s for c in comps for s in c.shards]) if len(comps) > 1 else list(comps[0].shards)
-        tasks.append(Task(len(tasks), name, sources, -1, -1, sum(params[s].nbytes for s in sources), shards))
+        tasks.append(Task(len(tasks), name, sources, -1, -1, sum(pbytes[s] for s in sources), shards))
         options.append(opts)
 
     def mid(m):
@@ -311,8 +336,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
             sums = [load[list(o)].sum() for o in opts]
             m = opts[int(np.argmin(sums))]
         t.mesh = mid(m)
-        ag = t.src_bytes * (len(m) - 1) / len(m)
-        load[list(m)] += ag + wbytes / len(m)
+        load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node) + wbytes / len(m)
 
     # ---- mesh groups: greedy colouring of the overlap graph, biggest meshes first
     mesh_bytes = np.zeros(len(meshes))
@@ -330,6 +354,9 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         else:
             groups.append([m])
             group_ranks.append(set(rs))
+    # the lightest group first: its preparation is short, so writes start at once and
+    # its (often large, dense) tasks drain while the heavier groups prepare
+    groups.sort(key=lambda ms: (sum(mesh_bytes[m] for m in ms), ms[0]))
     group_of = {m: g for g, ms in enumerate(groups) for m in ms}
     mesh_tasks: dict[int, list[int]] = {m: [] for m in range(len(meshes))}
     for t in tasks:
@@ -349,8 +376,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
     load = np.zeros(train_world, np.float64)
     for t in tasks:
         m = meshes[t.mesh]
-        if len(m) > 1:
-            load[list(m)] += t.src_bytes * (len(m) - 1) / len(m)
+        load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node)
     cols: dict[str, list[np.ndarray]] = {k: [] for k in
                                           ("sender", "task", "shard", "replica", "rank", "dst", "off", "n", "src")}
     ngpu = replicas * tp
