@@ -9,34 +9,46 @@
 
 #include "wx_desc.h"
 
+/* Backends are referenced weakly: a backend whose source is absent from a build (or
+ * whose headers were missing) simply is not listed. */
+#define WX__WEAK __attribute__((weak))
 #ifdef WX_HAVE_FABRIC
-extern const wx_transport_ops_t wx_fabric_ops;
+extern const wx_transport_ops_t wx_fabric_ops WX__WEAK;
 #endif
 #ifdef WX_HAVE_VERBS
-extern const wx_transport_ops_t wx_verbs_ops;
+extern const wx_transport_ops_t wx_verbs_ops WX__WEAK;
 #endif
 #ifdef WX_HAVE_CUDA
-extern const wx_transport_ops_t wx_cuda_ipc_ops;
+extern const wx_transport_ops_t wx_cuda_ipc_ops WX__WEAK;
 #endif
 
-const wx_transport_ops_t *const wx_transports[] = {
+static const wx_transport_ops_t *wx__backend(int i)
+{
+    switch (i) {
 #ifdef WX_HAVE_FABRIC
-    &wx_fabric_ops,
+    case 0:
+        return &wx_fabric_ops;
 #endif
 #ifdef WX_HAVE_VERBS
-    &wx_verbs_ops,
+    case 1:
+        return &wx_verbs_ops;
 #endif
 #ifdef WX_HAVE_CUDA
-    &wx_cuda_ipc_ops,
+    case 2:
+        return &wx_cuda_ipc_ops;
 #endif
-    NULL,
-};
+    default:
+        return NULL;
+    }
+}
 
 const wx_transport_ops_t *wx_transport_find(const char *name)
 {
-    for (const wx_transport_ops_t *const *o = wx_transports; *o; o++)
-        if (strcmp((*o)->name, name) == 0)
-            return *o;
+    for (int i = 0; i < 3; i++) {
+        const wx_transport_ops_t *o = wx__backend(i);
+        if (o && strcmp(o->name, name) == 0)
+            return o;
+    }
     return NULL;
 }
 

@@ -146,8 +146,7 @@ struct wx_transport {
     int key_is_backend;     /* backend chooses keys (otherwise the generic layer does) */
 };
 
-/* Backends compiled into this build (NULL-terminated). */
-extern const wx_transport_ops_t *const wx_transports[];
+/* The backend called `name`, or NULL when it is not part of this build. */
 const wx_transport_ops_t *wx_transport_find(const char *name);
 
 int wx_transport_open(const char *name, const wx_opts_t *opts, wx_transport_t **out);

@@ -1,5 +1,251 @@
-/* placeholder replaced by the bindings in the next commit */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-static struct PyModuleDef wx_module = {PyModuleDef_HEAD_INIT, "_wxfer", NULL, 0, NULL};
+/* module.c - wxfer._wxfer: module state, the error type, and module-level functions.
+ * Multi-phase init with heap types (PEP 489 / PEP 630). */
+#include "wx_py.h"
+
+#include <string.h>
+
+#include "wx_desc.h"
+
+static struct PyModuleDef wx_module;
+
+wx_py_state_t *wx_py_state_of(PyObject *obj)
+{
+    return (wx_py_state_t *)PyType_GetModuleState(Py_TYPE(obj));
+}
+
+PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context)
+{
+    const char *why = wx_last_error();
+    PyObject *args;
+    char msg[WX_ERRMSG_MAX + 128];
+    int err = rc < 0 ? -rc : rc;
+    if (why && *why)
+        snprintf(msg, sizeof msg, "%s: %s", context, why);
+    else
+        snprintf(msg, sizeof msg, "%s: %s", context, strerror(err));
+    args = Py_BuildValue("(is)", err, msg);
+    if (args) {
+        PyErr_SetObject(st->Error, args);
+        Py_DECREF(args);
+    }
+    return NULL;
+}
+
+int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeout_s)
+{
+    uint64_t start = wx_now_ns();
+    const uint64_t slice = 100ull * 1000 * 1000;
+    for (;;) {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = fn(arg, slice);
+        Py_END_ALLOW_THREADS
+        if (rc != -EAGAIN)
+            return rc;
+        if (PyErr_CheckSignals() < 0)
+            return -EINTR;
+        if (timeout_s >= 0 && (double)(wx_now_ns() - start) / 1e9 > timeout_s)
+            return -ETIMEDOUT;
+    }
+}
+
+static const char *const wx__known[] = {"fabric", "verbs", "cuda_ipc", NULL};
+
+static const char *wx__compiled_out(const char *name)
+{
+#ifdef WX_OUT_FABRIC
+    if (strcmp(name, "fabric") == 0)
+        return WX_OUT_FABRIC;
+#endif
+#ifdef WX_OUT_VERBS
+    if (strcmp(name, "verbs") == 0)
+        return WX_OUT_VERBS;
+#endif
+#ifdef WX_OUT_CUDA_IPC
+    if (strcmp(name, "cuda_ipc") == 0)
+        return WX_OUT_CUDA_IPC;
+#endif
+    WX_UNUSED(name);
+    return "not part of this build";
+}
+
+static PyObject *wx_backends(PyObject *m, PyObject *noargs)
+{
+    PyObject *d = PyDict_New();
+    if (!d)
+        return NULL;
+    for (const char *const *n = wx__known; *n; n++) {
+        const wx_transport_ops_t *ops = wx_transport_find(*n);
+        PyObject *v;
+        if (!ops) {
+            v = Py_BuildValue("(Os)", Py_False, wx__compiled_out(*n));
+        } else {
+            char why[WX_ERRMSG_MAX] = "";
+            int rc;
+            Py_BEGIN_ALLOW_THREADS
+            rc = ops->probe(NULL, why, sizeof why);
+            Py_END_ALLOW_THREADS
+            v = Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
+        }
+        if (!v || PyDict_SetItemString(d, *n, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return d;
+}
+
+static PyObject *wx__rinfo_dict(const wx_rinfo_t *ri)
+{
+    return Py_BuildValue("{s:K,s:K,s:K,s:s,s:i,s:y#}", "key", (unsigned long long)ri->key,
+                         "base", (unsigned long long)ri->rbase, "nbytes",
+                         (unsigned long long)ri->len, "mem",
+                         ri->mem == WX_MEM_CUDA ? "cuda" : "host", "device", (int)ri->device,
+                         "blob", (const char *)ri->blob, (Py_ssize_t)ri->blob_len);
+}
+
+static const char *wx__kind_name(uint32_t kind)
+{
+    return kind == WX_KIND_FABRIC ? "fabric" : kind == WX_KIND_VERBS ? "verbs" : "cuda_ipc";
+}
+
+static PyObject *wx_decode_descriptor(PyObject *m, PyObject *arg)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    Py_buffer view;
+    wx_desc_t d;
+    int rc;
+    PyObject *ri, *out;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    rc = wx_desc_decode(view.buf, (size_t)view.len, &d);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "decode_descriptor");
+    ri = wx__rinfo_dict(&d.ri);
+    if (!ri)
+        return NULL;
+    out = Py_BuildValue("{s:s,s:y#,s:N}", "transport", wx__kind_name(d.kind), "address",
+                        (const char *)d.addr, (Py_ssize_t)d.addr_len, "region", ri);
+    return out;
+}
+
+static PyObject *wx_decode_export(PyObject *m, PyObject *arg)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    Py_buffer view;
+    uint8_t addr[WX_ADDR_MAX];
+    uint32_t kind, addr_len, n;
+    wx_rinfo_t *regions;
+    PyObject *lst, *out;
+    int rc;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    rc = wx_export_decode(view.buf, (size_t)view.len, &kind, addr, &addr_len, &n, &regions);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "decode_export");
+    lst = PyList_New(n);
+    if (!lst) {
+        free(regions);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        PyObject *r = wx__rinfo_dict(&regions[i]);
+        if (!r) {
+            free(regions);
+            Py_DECREF(lst);
+            return NULL;
+        }
+        PyList_SET_ITEM(lst, i, r);
+    }
+    free(regions);
+    out = Py_BuildValue("{s:s,s:y#,s:N}", "transport", wx__kind_name(kind), "address",
+                        (const char *)addr, (Py_ssize_t)addr_len, "regions", lst);
+    return out;
+}
+
+static PyObject *wx_parse_size_py(PyObject *m, PyObject *arg)
+{
+    const char *s = PyUnicode_AsUTF8(arg);
+    uint64_t v;
+    if (!s)
+        return NULL;
+    if (wx_parse_size(s, &v)) {
+        PyErr_Format(PyExc_ValueError, "not a size: %R (expected e.g. 4096, 64MiB, 2GiB)", arg);
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+static PyMethodDef wx_methods[] = {
+    {"backends", wx_backends, METH_NOARGS,
+     "backends() -> {name: (usable, why_not)} for every transport wxfer knows."},
+    {"decode_descriptor", wx_decode_descriptor, METH_O,
+     "decode_descriptor(bytes) -> dict; raises Error on truncated/garbage/wrong-version input."},
+    {"decode_export", wx_decode_export, METH_O,
+     "decode_export(bytes) -> dict with the owner's address and its exported regions."},
+    {"parse_size", wx_parse_size_py, METH_O, "parse_size('64MiB') -> 67108864"},
+    {NULL, NULL, 0, NULL},
+};
+
+static int wx_exec(PyObject *m)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    st->Error = PyErr_NewExceptionWithDoc(
+        "wxfer._wxfer.Error",
+        "A wxfer operation failed. args: (errno, message); the message names the call, the "
+        "peer and the reason.",
+        PyExc_OSError, NULL);
+    if (!st->Error || PyModule_AddObjectRef(m, "Error", st->Error) < 0)
+        return -1;
+    if (wx_py_transport_init_types(m, st) < 0 || wx_py_engine_init_types(m, st) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(m, "MEM_HOST", WX_MEM_HOST) < 0 ||
+        PyModule_AddIntConstant(m, "MEM_CUDA", WX_MEM_CUDA) < 0)
+        return -1;
+    return 0;
+}
+
+static int wx_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    Py_VISIT(st->Error);
+    Py_VISIT(st->Transport);
+    Py_VISIT(st->Region);
+    Py_VISIT(st->Engine);
+    return 0;
+}
+
+static int wx_clear(PyObject *m)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    Py_CLEAR(st->Error);
+    Py_CLEAR(st->Transport);
+    Py_CLEAR(st->Region);
+    Py_CLEAR(st->Engine);
+    return 0;
+}
+
+static void wx_free(void *m) { wx_clear((PyObject *)m); }
+
+static PyModuleDef_Slot wx_slots[] = {
+    {Py_mod_exec, wx_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef wx_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "wxfer._wxfer",
+    .m_doc = "wxfer native core: transports, registrations, the transfer engine.",
+    .m_size = sizeof(wx_py_state_t),
+    .m_methods = wx_methods,
+    .m_slots = wx_slots,
+    .m_traverse = wx_traverse,
+    .m_clear = wx_clear,
+    .m_free = wx_free,
+};
+
 PyMODINIT_FUNC PyInit__wxfer(void) { return PyModuleDef_Init(&wx_module); }

@@ -1,0 +1,664 @@
+/* wx_engine.c - per-stage FIFO queues, watermark, chunked posting, completions, trace.
+ * See wx_engine.h for the flow. One mutex guards the engine's queues and counters; the
+ * transport is called without it held. */
+#include "wx_engine.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "wx_dl_cuda.h"
+
+#define WX__IDLE_NS (100 * 1000 * 1000ull) /* how long an idle stage thread sleeps */
+
+typedef struct wx__task wx__task_t;
+
+typedef struct wx__eop {
+    wx_op_t op;
+    wx__task_t *task;
+    uint64_t len;
+} wx__eop_t;
+
+struct wx__task {
+    uint64_t id;
+    wx_task_spec_t spec;
+    wx_dest_t *dests;
+    uint32_t nchunks, posted, completed;
+    uint32_t cur_dest;   /* posting cursor */
+    uint64_t cur_off;
+    int status;
+    int finished;
+    int in_post; /* still queued for posting: only the post thread may finish it */
+    uint64_t deadline;
+    wx__eop_t *ops;
+    wx_trace_rec_t rec;
+    wx__task_t *next;      /* ready/post/done queue link */
+    wx__task_t *act_prev, *act_next; /* active list (posted, unfinished) */
+};
+
+typedef struct wx__queue {
+    wx__task_t *head, *tail;
+} wx__queue_t;
+
+struct wx_engine {
+    wx_transport_t *t;
+    wx_engine_opts_t o;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_admit, cv_ready, cv_post, cv_done;
+    wx__queue_t ready, post, done;
+    wx__task_t *active;
+    uint64_t held, held_peak, inflight, submitted, completed, bytes_written, next_id;
+    int err;
+    char errmsg[WX_ERRMSG_MAX];
+    int stop, destroyed;
+    uint64_t refs; /* 1 for the owner + one per outstanding write */
+    pthread_t th_ready, th_post;
+    int started;
+    wx_trace_rec_t *trace;
+    size_t ntrace, cap_trace;
+};
+
+static void wx__q_push(wx__queue_t *q, wx__task_t *t)
+{
+    t->next = NULL;
+    if (q->tail)
+        q->tail->next = t;
+    else
+        q->head = t;
+    q->tail = t;
+}
+
+static wx__task_t *wx__q_pop(wx__queue_t *q)
+{
+    wx__task_t *t = q->head;
+    if (t) {
+        q->head = t->next;
+        if (!q->head)
+            q->tail = NULL;
+        t->next = NULL;
+    }
+    return t;
+}
+
+static void wx__abstime(struct timespec *ts, uint64_t ns)
+{
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += (time_t)(ns / 1000000000ull);
+    ts->tv_nsec += (long)(ns % 1000000000ull);
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+static void wx__wait(pthread_cond_t *cv, pthread_mutex_t *mu, uint64_t ns)
+{
+    struct timespec ts;
+    wx__abstime(&ts, ns);
+    pthread_cond_timedwait(cv, mu, &ts);
+}
+
+static void wx__init_cond(pthread_cond_t *cv)
+{
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &a);
+    pthread_condattr_destroy(&a);
+}
+
+/* First error sticks. Called with mu held. */
+static void wx__set_error(wx_engine_t *e, int err, const char *msg)
+{
+    if (e->err)
+        return;
+    e->err = err;
+    snprintf(e->errmsg, sizeof e->errmsg, "%s", msg);
+    pthread_cond_broadcast(&e->cv_admit);
+    pthread_cond_broadcast(&e->cv_done);
+    pthread_cond_broadcast(&e->cv_post);
+}
+
+static void wx__free_engine(wx_engine_t *e)
+{
+    wx__task_t *t;
+    while ((t = wx__q_pop(&e->done))) {
+        free(t->ops);
+        free(t->dests);
+        free(t);
+    }
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv_admit);
+    pthread_cond_destroy(&e->cv_ready);
+    pthread_cond_destroy(&e->cv_post);
+    pthread_cond_destroy(&e->cv_done);
+    free(e->trace);
+    free(e);
+}
+
+/* Called with mu held when a task will see no more completions. */
+static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
+{
+    if (t->finished)
+        return;
+    t->finished = 1;
+    if (!t->status)
+        t->status = status;
+    t->rec.t_done = wx_now_ns();
+    t->rec.status = t->status;
+    t->rec.nwrites = t->completed;
+    if (t->act_prev || t->act_next || e->active == t) {
+        if (t->act_prev)
+            t->act_prev->act_next = t->act_next;
+        else
+            e->active = t->act_next;
+        if (t->act_next)
+            t->act_next->act_prev = t->act_prev;
+        t->act_prev = t->act_next = NULL;
+    }
+    e->held -= t->spec.held_bytes;
+    e->completed++;
+    if (e->ntrace == e->cap_trace) {
+        size_t cap = e->cap_trace ? 2 * e->cap_trace : 256;
+        wx_trace_rec_t *nt = realloc(e->trace, cap * sizeof *nt);
+        if (nt) {
+            e->trace = nt;
+            e->cap_trace = cap;
+        }
+    }
+    if (e->ntrace < e->cap_trace)
+        e->trace[e->ntrace++] = t->rec;
+    wx__q_push(&e->done, t);
+    pthread_cond_broadcast(&e->cv_done);
+    pthread_cond_broadcast(&e->cv_admit);
+}
+
+/* Called with mu held: fail the engine if a posted task has outlived its deadline. */
+static void wx__check_deadlines(wx_engine_t *e)
+{
+    uint64_t now = wx_now_ns();
+    char msg[WX_ERRMSG_MAX];
+    for (wx__task_t *t = e->active; t; t = t->act_next) {
+        if (now > t->deadline && !e->err) {
+            const wx_dest_t *d = &t->dests[t->cur_dest < t->spec.ndests ? t->cur_dest : 0];
+            snprintf(msg, sizeof msg,
+                     "task %llu (tag %llu): %u of %u writes to %s not complete after %.1f s "
+                     "(is the peer alive?)",
+                     (unsigned long long)t->id, (unsigned long long)t->spec.tag,
+                     t->posted - t->completed, t->nchunks, d->peer->name,
+                     (double)e->o.timeout_ns / 1e9);
+            wx__set_error(e, -ETIMEDOUT, msg);
+        }
+    }
+}
+
+static void wx__op_done(wx_op_t *op, int status, const char *why)
+{
+    wx__eop_t *eo = (wx__eop_t *)op;
+    wx__task_t *t = eo->task;
+    wx_engine_t *e = (wx_engine_t *)op->user;
+    int free_now;
+    pthread_mutex_lock(&e->mu);
+    t->completed++;
+    e->inflight--;
+    if (status == 0) {
+        e->bytes_written += eo->len;
+    } else {
+        char msg[WX_ERRMSG_MAX];
+        const wx_dest_t *d = &t->dests[0];
+        if (!t->status)
+            t->status = status;
+        snprintf(msg, sizeof msg, "task %llu (tag %llu): write to %s failed: %s (errno %d: %s)",
+                 (unsigned long long)t->id, (unsigned long long)t->spec.tag, d->peer->name,
+                 why ? why : "no reason given", -status, strerror(-status));
+        wx__set_error(e, status, msg);
+    }
+    if (!t->in_post && t->completed == t->posted)
+        wx__finish(e, t, 0);
+    pthread_cond_broadcast(&e->cv_post);
+    e->refs--;
+    free_now = e->destroyed && e->refs == 0;
+    pthread_mutex_unlock(&e->mu);
+    if (free_now)
+        wx__free_engine(e);
+}
+
+#ifdef WX_HAVE_CUDA
+static int wx__wait_event(wx_engine_t *e, wx__task_t *t, char *msg, size_t len)
+{
+    char why[256];
+    const wx_cuda_api_t *cu = wx_cuda(why, sizeof why);
+    CUdevice dev;
+    CUcontext ctx;
+    CUresult r;
+    uint64_t deadline = wx_now_ns() + e->o.timeout_ns;
+    if (!cu) {
+        snprintf(msg, len, "task %llu: cannot wait for its CUDA event: %s",
+                 (unsigned long long)t->spec.tag, why);
+        return -ENODEV;
+    }
+    if (cu->cuDeviceGet(&dev, t->spec.cuda_device) == CUDA_SUCCESS &&
+        cu->cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS) {
+        cu->cuCtxSetCurrent(ctx);
+        cu->cuDevicePrimaryCtxRelease(dev);
+    }
+    for (;;) {
+        r = cu->cuEventQuery((CUevent)t->spec.cuda_event);
+        if (r == CUDA_SUCCESS)
+            return 0;
+        if (r != CUDA_ERROR_NOT_READY) {
+            wx_cuda_err(r, "cuEventQuery");
+            snprintf(msg, len, "task %llu (tag %llu): %s", (unsigned long long)t->id,
+                     (unsigned long long)t->spec.tag, wx_last_error());
+            return -EIO;
+        }
+        if (wx_now_ns() > deadline || e->stop) {
+            snprintf(msg, len, "task %llu (tag %llu): its CUDA event did not complete in %.1f s",
+                     (unsigned long long)t->id, (unsigned long long)t->spec.tag,
+                     (double)e->o.timeout_ns / 1e9);
+            return -ETIMEDOUT;
+        }
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    }
+}
+#else
+static int wx__wait_event(wx_engine_t *e, wx__task_t *t, char *msg, size_t len)
+{
+    WX_UNUSED(e);
+    snprintf(msg, len, "task %llu: has a CUDA event but this build has no CUDA support",
+             (unsigned long long)t->spec.tag);
+    return -ENOSYS;
+}
+#endif
+
+/* Stage: wait for the buffer to be produced. */
+static void *wx__ready_main(void *arg)
+{
+    wx_engine_t *e = arg;
+    char msg[WX_ERRMSG_MAX];
+    pthread_mutex_lock(&e->mu);
+    while (!e->stop) {
+        wx__task_t *t = wx__q_pop(&e->ready);
+        if (!t) {
+            wx__wait(&e->cv_ready, &e->mu, WX__IDLE_NS);
+            continue;
+        }
+        if (t->spec.cuda_event && !e->err) {
+            int rc;
+            pthread_mutex_unlock(&e->mu);
+            rc = wx__wait_event(e, t, msg, sizeof msg);
+            pthread_mutex_lock(&e->mu);
+            if (rc) {
+                t->status = rc;
+                wx__set_error(e, rc, msg);
+            }
+        }
+        t->rec.t_ready = wx_now_ns();
+        t->in_post = 1;
+        wx__q_push(&e->post, t);
+        pthread_cond_broadcast(&e->cv_post);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+/* Stage: split into chunks and post them, keeping at most depth in flight. */
+static void *wx__post_main(void *arg)
+{
+    wx_engine_t *e = arg;
+    char msg[WX_ERRMSG_MAX];
+    pthread_mutex_lock(&e->mu);
+    while (!e->stop) {
+        wx__task_t *t = e->post.head;
+        if (!t) {
+            wx__check_deadlines(e);
+            wx__wait(&e->cv_post, &e->mu, WX__IDLE_NS);
+            continue;
+        }
+        if (e->err || t->status || t->posted == t->nchunks) {
+            wx__q_pop(&e->post);
+            t->in_post = 0;
+            if (t->posted == t->nchunks && !t->status)
+                t->rec.t_post_last = wx_now_ns();
+            else if (!t->status)
+                t->status = -ECANCELED; /* the engine failed elsewhere */
+            if (t->completed == t->posted)
+                wx__finish(e, t, t->status);
+            continue;
+        }
+        if (e->inflight >= e->o.depth) {
+            wx__check_deadlines(e);
+            wx__wait(&e->cv_post, &e->mu, 10 * 1000 * 1000ull);
+            continue;
+        }
+        /* next chunk */
+        {
+            const wx_dest_t *d = &t->dests[t->cur_dest];
+            uint64_t len = d->len - t->cur_off;
+            wx__eop_t *eo = &t->ops[t->posted];
+            wx_wr_t wr;
+            int rc;
+            if (len > e->o.chunk)
+                len = e->o.chunk;
+            wr.local = t->spec.src;
+            wr.loff = d->loff + t->cur_off;
+            wr.remote = d->ri;
+            wr.roff = d->roff + t->cur_off;
+            wr.len = len;
+            eo->op.done = wx__op_done;
+            eo->op.user = e;
+            eo->op.wr_id = (t->id << 20) | t->posted;
+            eo->task = t;
+            eo->len = len;
+            if (t->posted == 0) {
+                t->rec.t_post_first = wx_now_ns();
+                t->deadline = t->rec.t_post_first + e->o.timeout_ns;
+                t->act_next = e->active;
+                if (e->active)
+                    e->active->act_prev = t;
+                e->active = t;
+            }
+            t->posted++;
+            e->inflight++;
+            e->refs++;
+            pthread_mutex_unlock(&e->mu);
+            rc = wx_post_write(e->t, d->peer, &wr, &eo->op);
+            if (rc)
+                snprintf(msg, sizeof msg, "task %llu (tag %llu): posting a write to %s failed: %s",
+                         (unsigned long long)t->id, (unsigned long long)t->spec.tag,
+                         d->peer->name, wx_last_error());
+            pthread_mutex_lock(&e->mu);
+            if (rc) {
+                t->posted--;
+                e->inflight--;
+                e->refs--;
+                if (rc == -EAGAIN) {
+                    wx__check_deadlines(e);
+                    wx__wait(&e->cv_post, &e->mu, 1000 * 1000ull);
+                    continue;
+                }
+                t->status = rc;
+                wx__set_error(e, rc, msg);
+                continue;
+            }
+            t->cur_off += len;
+            if (t->cur_off == d->len) {
+                t->cur_dest++;
+                t->cur_off = 0;
+            }
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+int wx_engine_create(wx_transport_t *t, const wx_engine_opts_t *o, wx_engine_t **out)
+{
+    wx_engine_t *e = calloc(1, sizeof *e);
+    if (!e)
+        return wx_errf(-ENOMEM, "engine: out of memory");
+    e->t = t;
+    e->o = *o;
+    if (!e->o.chunk || e->o.chunk > t->max_write)
+        e->o.chunk = t->max_write;
+    if (!e->o.depth || e->o.depth > t->max_inflight)
+        e->o.depth = t->max_inflight;
+    if (!e->o.timeout_ns)
+        e->o.timeout_ns = 30ull * 1000 * 1000 * 1000;
+    pthread_mutex_init(&e->mu, NULL);
+    wx__init_cond(&e->cv_admit);
+    wx__init_cond(&e->cv_ready);
+    wx__init_cond(&e->cv_post);
+    wx__init_cond(&e->cv_done);
+    e->refs = 1;
+    e->next_id = 1;
+    /* Handshake: each stage thread is running before create returns (libuv style). */
+    if (pthread_create(&e->th_ready, NULL, wx__ready_main, e)) {
+        wx__free_engine(e);
+        return wx_errf(-EAGAIN, "engine: cannot start the ready-stage thread");
+    }
+    if (pthread_create(&e->th_post, NULL, wx__post_main, e)) {
+        pthread_mutex_lock(&e->mu);
+        e->stop = 1;
+        pthread_cond_broadcast(&e->cv_ready);
+        pthread_mutex_unlock(&e->mu);
+        pthread_join(e->th_ready, NULL);
+        wx__free_engine(e);
+        return wx_errf(-EAGAIN, "engine: cannot start the post-stage thread");
+    }
+    e->started = 1;
+    *out = e;
+    return 0;
+}
+
+void wx_engine_destroy(wx_engine_t *e)
+{
+    wx__task_t *t;
+    int free_now;
+    if (!e)
+        return;
+    pthread_mutex_lock(&e->mu);
+    e->stop = 1;
+    pthread_cond_broadcast(&e->cv_ready);
+    pthread_cond_broadcast(&e->cv_post);
+    pthread_mutex_unlock(&e->mu);
+    pthread_join(e->th_ready, NULL);
+    pthread_join(e->th_post, NULL);
+    pthread_mutex_lock(&e->mu);
+    /* Tasks that never reached the wire: finished as cancelled (their owners stay
+     * unreaped: the caller reaps before destroying). */
+    while ((t = wx__q_pop(&e->ready)))
+        wx__finish(e, t, -ECANCELED);
+    while ((t = e->post.head)) {
+        wx__q_pop(&e->post);
+        t->in_post = 0;
+        t->status = t->status ? t->status : -ECANCELED;
+        if (t->completed == t->posted)
+            wx__finish(e, t, -ECANCELED);
+    }
+    e->destroyed = 1;
+    e->refs--;
+    free_now = e->refs == 0;
+    pthread_mutex_unlock(&e->mu);
+    if (free_now)
+        wx__free_engine(e);
+}
+
+int wx_engine_admit(wx_engine_t *e, uint64_t held_bytes, uint64_t slice_ns, uint64_t *t_admit)
+{
+    uint64_t end = wx_now_ns() + slice_ns;
+    int rc;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        if (e->err) {
+            rc = wx_errf(e->err, "%s", e->errmsg);
+            break;
+        }
+        if (!e->o.watermark || e->held == 0 || e->held + held_bytes <= e->o.watermark) {
+            e->held += held_bytes;
+            if (e->held > e->held_peak)
+                e->held_peak = e->held;
+            *t_admit = wx_now_ns();
+            rc = 0;
+            break;
+        }
+        wx__check_deadlines(e);
+        if (wx_now_ns() >= end) {
+            rc = -EAGAIN;
+            break;
+        }
+        wx__wait(&e->cv_admit, &e->mu, end - wx_now_ns() < 50000000ull ? end - wx_now_ns()
+                                                                         : 50000000ull);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+void wx_engine_unadmit(wx_engine_t *e, uint64_t held_bytes)
+{
+    pthread_mutex_lock(&e->mu);
+    e->held -= held_bytes;
+    pthread_cond_broadcast(&e->cv_admit);
+    pthread_mutex_unlock(&e->mu);
+}
+
+int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_submit,
+                     uint64_t t_admit, uint64_t *id)
+{
+    wx__task_t *t = calloc(1, sizeof *t);
+    uint64_t nchunks = 0, chunk = e->o.chunk;
+    if (!t)
+        return wx_errf(-ENOMEM, "submit: out of memory");
+    for (uint32_t i = 0; i < spec->ndests; i++)
+        nchunks += spec->dests[i].len ? (spec->dests[i].len + chunk - 1) / chunk : 0;
+    if (nchunks >= (1u << 20)) {
+        free(t);
+        return wx_errf(-E2BIG, "submit: task needs %llu writes (at most %u per task)",
+                       (unsigned long long)nchunks, 1u << 20);
+    }
+    t->dests = malloc((spec->ndests ? spec->ndests : 1) * sizeof *t->dests);
+    t->ops = calloc(nchunks ? nchunks : 1, sizeof *t->ops);
+    if (!t->dests || !t->ops) {
+        free(t->dests);
+        free(t->ops);
+        free(t);
+        return wx_errf(-ENOMEM, "submit: out of memory");
+    }
+    /* zero-length destinations are dropped so that the cursor never stalls on one */
+    t->spec = *spec;
+    t->spec.ndests = 0;
+    for (uint32_t i = 0; i < spec->ndests; i++)
+        if (spec->dests[i].len)
+            t->dests[t->spec.ndests++] = spec->dests[i];
+    t->spec.dests = t->dests;
+    t->nchunks = (uint32_t)nchunks;
+    t->rec.tag = spec->tag;
+    t->rec.bytes = 0;
+    for (uint32_t i = 0; i < spec->ndests; i++)
+        t->rec.bytes += spec->dests[i].len;
+    t->rec.held = spec->held_bytes;
+    t->rec.ndests = t->spec.ndests;
+    t->rec.t_submit = t_submit;
+    t->rec.t_admit = t_admit;
+    pthread_mutex_lock(&e->mu);
+    if (e->err) {
+        int err = e->err;
+        wx_errf(err, "%s", e->errmsg);
+        pthread_mutex_unlock(&e->mu);
+        free(t->dests);
+        free(t->ops);
+        free(t);
+        return err;
+    }
+    t->id = e->next_id++;
+    t->rec.id = t->id;
+    e->submitted++;
+    *id = t->id;
+    if (nchunks == 0) {
+        t->rec.t_ready = t->rec.t_post_first = t->rec.t_post_last = wx_now_ns();
+        wx__finish(e, t, 0);
+    } else {
+        wx__q_push(&e->ready, t);
+        pthread_cond_broadcast(&e->cv_ready);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return 0;
+}
+
+int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
+{
+    uint64_t end = wx_now_ns() + slice_ns;
+    int rc = 0;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        wx__check_deadlines(e);
+        if (e->err) {
+            rc = wx_errf(e->err, "%s", e->errmsg);
+            break;
+        }
+        if (e->completed == e->submitted)
+            break;
+        if (wx_now_ns() >= end) {
+            rc = -EAGAIN;
+            break;
+        }
+        wx__wait(&e->cv_done, &e->mu, end - wx_now_ns() < 50000000ull ? end - wx_now_ns()
+                                                                        : 50000000ull);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg)
+{
+    wx__queue_t q;
+    wx__task_t *t;
+    int n = 0;
+    pthread_mutex_lock(&e->mu);
+    q = e->done;
+    e->done.head = e->done.tail = NULL;
+    pthread_mutex_unlock(&e->mu);
+    while ((t = wx__q_pop(&q))) {
+        if (cb)
+            cb(t->spec.owner, arg);
+        free(t->ops);
+        free(t->dests);
+        free(t);
+        n++;
+    }
+    return n;
+}
+
+int wx_engine_error(wx_engine_t *e, char *msg, size_t len)
+{
+    int err;
+    pthread_mutex_lock(&e->mu);
+    err = e->err;
+    if (msg && len)
+        snprintf(msg, len, "%s", e->errmsg);
+    pthread_mutex_unlock(&e->mu);
+    return err;
+}
+
+void wx_engine_clear_error(wx_engine_t *e)
+{
+    pthread_mutex_lock(&e->mu);
+    e->err = 0;
+    e->errmsg[0] = '\0';
+    pthread_mutex_unlock(&e->mu);
+}
+
+void wx_engine_stats(wx_engine_t *e, wx_engine_stats_t *s)
+{
+    pthread_mutex_lock(&e->mu);
+    s->submitted = e->submitted;
+    s->completed = e->completed;
+    s->bytes_written = e->bytes_written;
+    s->held = e->held;
+    s->held_peak = e->held_peak;
+    s->inflight = e->inflight;
+    pthread_mutex_unlock(&e->mu);
+}
+
+int wx_engine_trace(wx_engine_t *e, wx_trace_rec_t **out, size_t *n)
+{
+    pthread_mutex_lock(&e->mu);
+    *out = malloc((e->ntrace ? e->ntrace : 1) * sizeof **out);
+    if (!*out) {
+        pthread_mutex_unlock(&e->mu);
+        return wx_errf(-ENOMEM, "trace: out of memory");
+    }
+    memcpy(*out, e->trace, e->ntrace * sizeof **out);
+    *n = e->ntrace;
+    pthread_mutex_unlock(&e->mu);
+    return 0;
+}
+
+void wx_engine_trace_clear(wx_engine_t *e)
+{
+    pthread_mutex_lock(&e->mu);
+    e->ntrace = 0;
+    pthread_mutex_unlock(&e->mu);
+}

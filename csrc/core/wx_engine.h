@@ -1,0 +1,92 @@
+/* wx_engine.h - the native transfer engine.
+ *
+ * A task is one source buffer written to one or more destinations. Tasks flow through
+ * per-stage FIFO queues served by native threads (never calling Python):
+ *
+ *   admit (caller, watermark) -> [ready queue] ready thread: wait for the CUDA event that
+ *   marks the buffer produced -> [post queue] post thread: split each destination into
+ *   chunks of at most `chunk` bytes and post them, up to `depth` in flight -> completions
+ *   (transport's thread) -> [done list] -> reap (caller's thread: release the buffer's
+ *   owner, e.g. the DLPack deleter).
+ *
+ * Watermark: a task is admitted only while the bytes held by admitted, not yet completed
+ * tasks plus its own stay under the watermark (a task larger than the watermark is
+ * admitted alone). Every wait is bounded: admission and wait take a time slice and return
+ * -EAGAIN when it passes, so a caller can check for signals and loop; every posted task
+ * has a deadline (`timeout_ns`), after which the engine fails with -ETIMEDOUT naming the
+ * task and peer. The first error sticks: later submits and waits return it.
+ */
+#ifndef WX_ENGINE_H
+#define WX_ENGINE_H
+
+#include "wx_transport.h"
+
+typedef struct wx_engine wx_engine_t;
+
+typedef struct wx_engine_opts {
+    uint64_t watermark;  /* bytes; 0 = unlimited */
+    uint64_t chunk;      /* largest write posted; 0 = transport's max_write */
+    uint32_t depth;      /* writes in flight; 0 = transport's max_inflight */
+    uint64_t timeout_ns; /* per-task deadline from its first post; 0 = 30 s */
+} wx_engine_opts_t;
+
+typedef struct wx_dest {
+    wx_peer_t *peer;
+    const wx_rinfo_t *ri; /* validated entry in the peer's table */
+    uint64_t roff;        /* offset in the remote region */
+    uint64_t loff;        /* offset in the source buffer */
+    uint64_t len;
+} wx_dest_t;
+
+typedef struct wx_task_spec {
+    wx_mr_t *src;         /* registered source, or an unregistered wx_mr_t describing it */
+    uint64_t held_bytes;  /* bytes counted against the watermark */
+    void *cuda_event;     /* CUevent to wait for before posting, or NULL */
+    int cuda_device;
+    const wx_dest_t *dests; /* copied by submit */
+    uint32_t ndests;
+    uint64_t tag;         /* caller's id, reported in errors and the trace */
+    void *owner;          /* handed back by wx_engine_reap once the task is finished */
+} wx_task_spec_t;
+
+typedef struct wx_trace_rec {
+    uint64_t id, tag, bytes, held;
+    uint32_t ndests, nwrites;
+    int status;
+    uint64_t t_submit, t_admit, t_ready, t_post_first, t_post_last, t_done;
+} wx_trace_rec_t;
+
+typedef struct wx_engine_stats {
+    uint64_t submitted, completed, bytes_written, held, held_peak, inflight;
+} wx_engine_stats_t;
+
+int wx_engine_create(wx_transport_t *t, const wx_engine_opts_t *o, wx_engine_t **out);
+/* Stop the threads. Tasks still in flight keep the engine's memory alive until the
+ * transport completes or cancels their writes; their owners are then never reaped, so
+ * call wx_engine_wait first. */
+void wx_engine_destroy(wx_engine_t *e);
+
+/* Block up to slice_ns for room under the watermark. 0: admitted (counted as held);
+ * -EAGAIN: slice passed; other: the engine's error. */
+int wx_engine_admit(wx_engine_t *e, uint64_t held_bytes, uint64_t slice_ns, uint64_t *t_admit);
+/* Queue an admitted task. Destinations must have been validated. t_submit: when the caller
+ * first asked (before admission); t_admit: from wx_engine_admit. */
+int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_submit,
+                     uint64_t t_admit, uint64_t *id);
+/* Undo a wx_engine_admit whose task will not be submitted. */
+void wx_engine_unadmit(wx_engine_t *e, uint64_t held_bytes);
+/* Wait up to slice_ns for every submitted task to finish. 0: all done; -EAGAIN: slice
+ * passed; other: the engine's error (message in *msg). */
+int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns);
+/* Hand the owners of finished tasks to cb (on the caller's thread). Returns the count. */
+int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg);
+/* The sticky error (0 if none) and its message. */
+int wx_engine_error(wx_engine_t *e, char *msg, size_t len);
+/* Clear a sticky error after the caller handled it (tasks in flight keep running). */
+void wx_engine_clear_error(wx_engine_t *e);
+void wx_engine_stats(wx_engine_t *e, wx_engine_stats_t *s);
+/* Copy out the trace records (finished and unfinished tasks); *out is malloc'ed. */
+int wx_engine_trace(wx_engine_t *e, wx_trace_rec_t **out, size_t *n);
+void wx_engine_trace_clear(wx_engine_t *e);
+
+#endif

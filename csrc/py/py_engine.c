@@ -1,0 +1,405 @@
+/* py_engine.c - the Engine type: submit tasks, wait, reap owners, read the trace. */
+#include "wx_py.h"
+
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *transport; /* wx_py_transport_t */
+    wx_engine_t *e;
+    double timeout_s;
+} wx_py_engine_t;
+
+/* What keeps a task's source alive until its writes completed; released on a Python
+ * thread by reap (never from a native thread). */
+typedef struct {
+    PyObject *region;   /* a Region source, or NULL */
+    wx_py_buf_t buf;    /* an imported tensor source */
+    wx_mr_t *mr;        /* per-task registration (transports that need one), or NULL */
+    wx_mr_t bare;       /* an unregistered description of the source */
+    wx_transport_t *t;
+} wx__owner_t;
+
+static void wx__owner_free(void *owner, void *arg)
+{
+    wx__owner_t *o = owner;
+    if (o->mr && o->t)
+        wx_dereg(o->t, o->mr);
+    wx_py_buf_release(&o->buf);
+    Py_XDECREF(o->region);
+    PyMem_Free(o);
+}
+
+static int wx__live(wx_py_engine_t *self)
+{
+    if (!self->e) {
+        PyErr_SetString(PyExc_ValueError, "engine is closed");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *wx_engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"transport", "watermark", "chunk", "depth", "timeout", NULL};
+    wx_py_state_t *st = PyType_GetModuleState(type);
+    PyObject *tr;
+    unsigned long long watermark = 0, chunk = 0;
+    unsigned int depth = 0;
+    double timeout = 30.0;
+    wx_engine_opts_t o;
+    wx_py_engine_t *self;
+    int rc;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|KKId:Engine", kwlist, st->Transport, &tr,
+                                     &watermark, &chunk, &depth, &timeout))
+        return NULL;
+    if (!((wx_py_transport_t *)tr)->t) {
+        PyErr_SetString(PyExc_ValueError, "Engine: transport is closed");
+        return NULL;
+    }
+    if (timeout <= 0) {
+        PyErr_SetString(PyExc_ValueError, "Engine: timeout must be > 0 seconds");
+        return NULL;
+    }
+    o.watermark = watermark;
+    o.chunk = chunk;
+    o.depth = depth;
+    o.timeout_ns = (uint64_t)(timeout * 1e9);
+    self = (wx_py_engine_t *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    rc = wx_engine_create(((wx_py_transport_t *)tr)->t, &o, &self->e);
+    if (rc) {
+        Py_DECREF(self);
+        return wx_py_raise(st, rc, "Engine");
+    }
+    self->transport = Py_NewRef(tr);
+    self->timeout_s = timeout;
+    ((wx_py_transport_t *)tr)->engines++;
+    return (PyObject *)self;
+}
+
+static void wx__engine_close(wx_py_engine_t *self)
+{
+    if (self->e) {
+        wx_engine_t *e = self->e;
+        self->e = NULL;
+        wx_engine_reap(e, wx__owner_free, NULL);
+        Py_BEGIN_ALLOW_THREADS
+        wx_engine_destroy(e);
+        Py_END_ALLOW_THREADS
+        /* tasks that were still in flight keep their sources alive (never reaped) */
+        ((wx_py_transport_t *)self->transport)->engines--;
+    }
+}
+
+static void wx_engine_dealloc(PyObject *op)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    wx__engine_close(self);
+    Py_CLEAR(self->transport);
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+typedef struct {
+    wx_engine_t *e;
+    uint64_t held, t_admit;
+} wx__admit_t;
+
+static int wx__admit_fn(void *arg, uint64_t slice)
+{
+    wx__admit_t *a = arg;
+    return wx_engine_admit(a->e, a->held, slice, &a->t_admit);
+}
+
+static int wx__wait_fn(void *arg, uint64_t slice) { return wx_engine_wait((wx_engine_t *)arg, slice); }
+
+static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"src", "dests", "event", "device", "tag", "held", NULL};
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    wx_py_state_t *st = wx_py_state_of(op);
+    wx_py_transport_t *tr;
+    PyObject *src, *dests, *seq = NULL, *event = Py_None, *held_obj = Py_None;
+    int device = -1;
+    unsigned long long tag = 0;
+    wx__owner_t *own = NULL;
+    wx_dest_t *dv = NULL;
+    Py_ssize_t n;
+    wx_task_spec_t spec;
+    wx__admit_t adm;
+    uint64_t t0 = wx_now_ns(), id;
+    int rc;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OiKO:submit", kwlist, &src, &dests, &event,
+                                     &device, &tag, &held_obj))
+        return NULL;
+    if (!wx__live(self))
+        return NULL;
+    tr = (wx_py_transport_t *)self->transport;
+    if (!tr->t) {
+        PyErr_SetString(PyExc_ValueError, "submit: transport is closed");
+        return NULL;
+    }
+    own = PyMem_Calloc(1, sizeof *own);
+    if (!own)
+        return PyErr_NoMemory();
+    own->t = tr->t;
+    memset(&spec, 0, sizeof spec);
+    if (PyObject_TypeCheck(src, st->Region)) {
+        wx_py_region_t *r = (wx_py_region_t *)src;
+        if (r->transport != self->transport || !r->mr) {
+            PyErr_SetString(PyExc_ValueError,
+                            "submit: src Region is closed or belongs to another transport");
+            goto fail;
+        }
+        own->region = Py_NewRef(src);
+        spec.src = r->mr;
+    } else {
+        if (wx_py_buf_get(src, 0, "submit", &own->buf) < 0)
+            goto fail;
+        if (tr->t->needs_local_reg) {
+            rc = wx_reg(tr->t, own->buf.addr, own->buf.nbytes, own->buf.mem, own->buf.device, 0,
+                        &own->mr);
+            if (rc) {
+                wx_py_raise(st, rc, "submit: registering the source");
+                goto fail;
+            }
+            spec.src = own->mr;
+        } else {
+            own->bare.addr = own->buf.addr;
+            own->bare.len = own->buf.nbytes;
+            own->bare.mem = own->buf.mem;
+            own->bare.device = own->buf.device;
+            spec.src = &own->bare;
+        }
+    }
+    /* Validate every destination before anything is admitted or posted. */
+    seq = PySequence_Fast(dests, "submit: dests must be a sequence of "
+                                 "(descriptor, dst_offset, src_offset, nbytes)");
+    if (!seq)
+        goto fail;
+    n = PySequence_Fast_GET_SIZE(seq);
+    dv = PyMem_Calloc((size_t)(n ? n : 1), sizeof *dv);
+    if (!dv) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PySequence_Fast_GET_ITEM(seq, i), *desc;
+        unsigned long long roff, loff, nb;
+        if (!PyArg_ParseTuple(d, "OKKK", &desc, &roff, &loff, &nb)) {
+            PyErr_Format(PyExc_TypeError,
+                         "submit: dests[%zd] must be (descriptor, dst_offset, src_offset, nbytes)",
+                         i);
+            goto fail;
+        }
+        if (wx_py_dest(st, tr, desc, roff, loff, nb, spec.src, &dv[i]) < 0) {
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            PyErr_NormalizeException(&et, &ev, &tb);
+            PyErr_Format(et, "submit: dests[%zd] (tag %llu): %S", i, tag, ev);
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+            goto fail;
+        }
+    }
+    spec.dests = dv;
+    spec.ndests = (uint32_t)n;
+    spec.tag = tag;
+    spec.owner = own;
+    spec.held_bytes = spec.src->len;
+    if (held_obj != Py_None) {
+        spec.held_bytes = PyLong_AsUnsignedLongLong(held_obj);
+        if (PyErr_Occurred())
+            goto fail;
+    }
+    if (event != Py_None) {
+        spec.cuda_event = PyLong_AsVoidPtr(event);
+        if (PyErr_Occurred())
+            goto fail;
+        spec.cuda_device = device >= 0 ? device : (own->buf.device >= 0 ? own->buf.device : 0);
+    }
+    /* free finished owners first: it is what makes room under the watermark */
+    wx_engine_reap(self->e, wx__owner_free, NULL);
+    adm.e = self->e;
+    adm.held = spec.held_bytes;
+    rc = wx_py_wait(wx__admit_fn, &adm, -1);
+    if (rc) {
+        if (rc != -EINTR)
+            wx_py_raise(st, rc, "submit");
+        goto fail;
+    }
+    rc = wx_engine_submit(self->e, &spec, t0, adm.t_admit, &id);
+    if (rc) {
+        wx_engine_unadmit(self->e, spec.held_bytes);
+        wx_py_raise(st, rc, "submit");
+        goto fail;
+    }
+    Py_DECREF(seq);
+    PyMem_Free(dv);
+    return PyLong_FromUnsignedLongLong(id);
+fail:
+    Py_XDECREF(seq);
+    PyMem_Free(dv);
+    wx__owner_free(own, NULL);
+    return NULL;
+}
+
+static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"timeout", NULL};
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    PyObject *tmo = Py_None;
+    double timeout = -1;
+    int rc;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:wait", kwlist, &tmo))
+        return NULL;
+    if (!wx__live(self))
+        return NULL;
+    if (tmo != Py_None) {
+        timeout = PyFloat_AsDouble(tmo);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    rc = wx_py_wait(wx__wait_fn, self->e, timeout);
+    wx_engine_reap(self->e, wx__owner_free, NULL);
+    if (rc == -EINTR)
+        return NULL;
+    if (rc == -ETIMEDOUT && !wx_engine_error(self->e, NULL, 0)) {
+        wx_errf(-ETIMEDOUT, "tasks still in flight after %.1f s", timeout);
+        return wx_py_raise(wx_py_state_of(op), rc, "Engine.wait");
+    }
+    if (rc)
+        return wx_py_raise(wx_py_state_of(op), rc, "Engine.wait");
+    Py_RETURN_NONE;
+}
+
+static PyObject *wx_engine_reap_py(PyObject *op, PyObject *noargs)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    if (!wx__live(self))
+        return NULL;
+    return PyLong_FromLong(wx_engine_reap(self->e, wx__owner_free, NULL));
+}
+
+static PyObject *wx_engine_error_py(PyObject *op, PyObject *noargs)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    char msg[WX_ERRMSG_MAX];
+    int err;
+    if (!wx__live(self))
+        return NULL;
+    err = wx_engine_error(self->e, msg, sizeof msg);
+    if (!err)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(is)", -err, msg);
+}
+
+static PyObject *wx_engine_clear_error_py(PyObject *op, PyObject *noargs)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    if (!wx__live(self))
+        return NULL;
+    wx_engine_clear_error(self->e);
+    Py_RETURN_NONE;
+}
+
+static PyObject *wx_engine_stats_py(PyObject *op, PyObject *noargs)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    wx_engine_stats_t s;
+    if (!wx__live(self))
+        return NULL;
+    wx_engine_stats(self->e, &s);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "submitted", s.submitted, "completed",
+                         s.completed, "bytes_written", s.bytes_written, "held", s.held,
+                         "held_peak", s.held_peak, "inflight", s.inflight);
+}
+
+static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"clear", NULL};
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    wx_trace_rec_t *recs;
+    size_t n;
+    int clear = 0, rc;
+    PyObject *lst;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|p:trace", kwlist, &clear))
+        return NULL;
+    if (!wx__live(self))
+        return NULL;
+    rc = wx_engine_trace(self->e, &recs, &n);
+    if (rc)
+        return wx_py_raise(wx_py_state_of(op), rc, "Engine.trace");
+    if (clear)
+        wx_engine_trace_clear(self->e);
+    lst = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; lst && i < n; i++) {
+        wx_trace_rec_t *r = &recs[i];
+        PyObject *d = Py_BuildValue(
+            "{s:K,s:K,s:K,s:K,s:I,s:I,s:i,s:K,s:K,s:K,s:K,s:K,s:K}", "id", r->id, "tag", r->tag,
+            "bytes", r->bytes, "held", r->held, "ndests", r->ndests, "nwrites", r->nwrites,
+            "status", r->status, "t_submit", r->t_submit, "t_admit", r->t_admit, "t_ready",
+            r->t_ready, "t_post_first", r->t_post_first, "t_post_last", r->t_post_last, "t_done",
+            r->t_done);
+        if (!d) {
+            Py_CLEAR(lst);
+            break;
+        }
+        PyList_SET_ITEM(lst, (Py_ssize_t)i, d);
+    }
+    free(recs);
+    return lst;
+}
+
+static PyObject *wx_engine_close_py(PyObject *op, PyObject *noargs)
+{
+    wx__engine_close((wx_py_engine_t *)op);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef wx_engine_methods[] = {
+    {"submit", (PyCFunction)(void (*)(void))wx_engine_submit_py, METH_VARARGS | METH_KEYWORDS,
+     "submit(src, dests, event=None, device=-1, tag=0, held=None) -> task id.\n"
+     "src: a Region of this transport, or a DLPack producer / buffer kept alive until its writes "
+     "completed. dests: [(descriptor, dst_offset, src_offset, nbytes), ...], all validated "
+     "before anything is queued. event: a CUDA event handle (int) to wait for before posting. "
+     "Blocks (GIL released, Ctrl-C works) while the watermark is reached."},
+    {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
+     "wait(timeout=None): until every submitted task finished; raises Error on a failure."},
+    {"reap", wx_engine_reap_py, METH_NOARGS, "Release the sources of finished tasks; count."},
+    {"error", wx_engine_error_py, METH_NOARGS, "The sticky error as (errno, message), or None."},
+    {"clear_error", wx_engine_clear_error_py, METH_NOARGS, "Forget the sticky error."},
+    {"stats", wx_engine_stats_py, METH_NOARGS, "Counters."},
+    {"trace", (PyCFunction)(void (*)(void))wx_engine_trace_py, METH_VARARGS | METH_KEYWORDS,
+     "trace(clear=False) -> per-task records with monotonic ns timestamps per stage."},
+    {"close", wx_engine_close_py, METH_NOARGS, "Stop the engine's threads."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot wx_engine_slots[] = {
+    {Py_tp_new, wx_engine_new},
+    {Py_tp_dealloc, wx_engine_dealloc},
+    {Py_tp_methods, wx_engine_methods},
+    {Py_tp_doc, "Engine(transport, watermark=0, chunk=0, depth=0, timeout=30.0): native "
+                "per-stage queues that post one-sided writes."},
+    {0, NULL},
+};
+
+static PyType_Spec wx_engine_spec = {
+    .name = "wxfer._wxfer.Engine",
+    .basicsize = sizeof(wx_py_engine_t),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = wx_engine_slots,
+};
+
+int wx_py_engine_init_types(PyObject *m, wx_py_state_t *st)
+{
+    st->Engine = (PyTypeObject *)PyType_FromModuleAndSpec(m, &wx_engine_spec, NULL);
+    if (!st->Engine || PyModule_AddType(m, st->Engine) < 0)
+        return -1;
+    return 0;
+}

@@ -1,0 +1,71 @@
+/* wx_py.h - shared declarations of the Python binding (the only code that includes
+ * Python.h). */
+#ifndef WX_PY_H
+#define WX_PY_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "wx_engine.h"
+#include "wx_transport.h"
+
+typedef struct {
+    PyObject *Error;         /* wxfer._wxfer.Error (OSError subclass) */
+    PyTypeObject *Transport;
+    PyTypeObject *Region;
+    PyTypeObject *Engine;
+} wx_py_state_t;
+
+/* A buffer taken from a DLPack producer or the buffer protocol, kept alive until
+ * wx_py_buf_release. */
+typedef struct {
+    void *addr;
+    uint64_t nbytes;
+    uint32_t mem;   /* WX_MEM_HOST / WX_MEM_CUDA */
+    int32_t device; /* CUDA ordinal or -1 */
+    int readonly;
+    void *managed;  /* wx_dl_managed_t or wx_dl_managed_v1_t */
+    int versioned;
+    Py_buffer view;
+    int has_view;
+} wx_py_buf_t;
+
+typedef struct {
+    PyObject_HEAD
+    wx_transport_t *t;
+    char name[32];
+    int engines; /* open Engines using t: close() is refused while any is open */
+} wx_py_transport_t;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *transport; /* wx_py_transport_t, kept alive */
+    wx_mr_t *mr;
+    wx_py_buf_t buf;
+    PyObject *descriptor; /* bytes, built lazily */
+} wx_py_region_t;
+
+wx_py_state_t *wx_py_state_of(PyObject *obj);
+
+/* Raise wxfer._wxfer.Error(-rc, "<context>: <wx_last_error()>"). Returns NULL. */
+PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context);
+
+/* Import obj (DLPack producer or buffer). stream_none: for CUDA tensors ask the producer
+ * not to synchronise (the caller orders work with an event). Returns 0 or -1 with an
+ * exception set. */
+int wx_py_buf_get(PyObject *obj, int need_writable, const char *what, wx_py_buf_t *b);
+void wx_py_buf_release(wx_py_buf_t *b);
+
+/* Decode a descriptor, find its connected peer and validate a write against it. */
+int wx_py_dest(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *desc, uint64_t roff,
+               uint64_t loff, uint64_t nbytes, const wx_mr_t *src, wx_dest_t *out);
+
+int wx_py_transport_init_types(PyObject *m, wx_py_state_t *st);
+int wx_py_engine_init_types(PyObject *m, wx_py_state_t *st);
+
+/* Wait on fn(arg, slice) with the GIL released, in slices, checking signals between
+ * slices; gives up after timeout_s (< 0: never) with -ETIMEDOUT. Returns fn's result
+ * (0 or negative errno), or -EINTR with a Python exception set after a signal. */
+int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeout_s);
+
+#endif

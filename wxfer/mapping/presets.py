@@ -1,0 +1,295 @@
+"""Presets: Hugging Face configs, their training parameter shapes, and HF -> vLLM rules.
+
+Config values are copied from the models' published config.json files:
+
+- Kimi-K2 (moonshotai/Kimi-K2-Instruct): hidden 7168, 61 layers, first_k_dense_replace 1,
+  384 routed experts + 1 shared, moe_intermediate 2048, intermediate 18432, vocab 163840,
+  q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64,
+  v_head_dim 128, 64 heads, untied embeddings.
+- DeepSeek-V3: as Kimi-K2 but 128 heads, 256 routed experts, first_k_dense_replace 3,
+  vocab 129280.
+- Qwen3-235B-A22B: hidden 4096, 94 layers, 64 heads, 4 KV heads, head_dim 128,
+  128 experts, moe_intermediate 1536, vocab 151936, untied.
+- Qwen3-30B-A3B: hidden 2048, 48 layers, 32 heads, 4 KV heads, head_dim 128, 128 experts,
+  moe_intermediate 768, vocab 151936.
+- Qwen3-8B: hidden 4096, 36 layers, 32 heads, 8 KV heads, head_dim 128, intermediate
+  12288, vocab 151936, untied.
+- Llama-3-8B: hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336, vocab 128256.
+- Qwen2-7B: hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944,
+  vocab 152064, q/k/v biases.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from .rules import Experts, Fuse, Ignore, Row, Rule
+
+L = "model.layers.{L}."
+
+
+@dataclass
+class Preset:
+    """A model family: how to list its HF parameters, and its HF -> vLLM rules."""
+    name: str
+    arch: str                       # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v3"
+    rules: list[Rule]
+    config: dict = field(default_factory=dict)
+    infer_tp: int = 1               # a sensible default inference layout for the CLI
+    infer_ep: bool = False
+    quant: str | None = None
+
+    def hf_params(self, config: Mapping | None = None) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
+        """name -> (global shape, dtype, expert index or None) of the training model."""
+        return HF_PARAMS[self.arch](dict(config or self.config))
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+def _attn_gqa(c, i, out, bias=False, qk_norm=False):
+    H, nh = c["hidden_size"], c["num_attention_heads"]
+    nkv = c.get("num_key_value_heads", nh)
+    hd = c.get("head_dim") or H // nh
+    p = L.replace("{L}", str(i)) + "self_attn."
+    out[p + "q_proj.weight"] = ((nh * hd, H), "bfloat16", None)
+    out[p + "k_proj.weight"] = ((nkv * hd, H), "bfloat16", None)
+    out[p + "v_proj.weight"] = ((nkv * hd, H), "bfloat16", None)
+    if bias:
+        out[p + "q_proj.bias"] = ((nh * hd,), "bfloat16", None)
+        out[p + "k_proj.bias"] = ((nkv * hd,), "bfloat16", None)
+        out[p + "v_proj.bias"] = ((nkv * hd,), "bfloat16", None)
+    out[p + "o_proj.weight"] = ((H, nh * hd), "bfloat16", None)
+    if qk_norm:
+        out[p + "q_norm.weight"] = ((hd,), "bfloat16", None)
+        out[p + "k_norm.weight"] = ((hd,), "bfloat16", None)
+
+
+def _mlp(prefix, H, inter, out, expert=None):
+    out[prefix + "gate_proj.weight"] = ((inter, H), "bfloat16", expert)
+    out[prefix + "up_proj.weight"] = ((inter, H), "bfloat16", expert)
+    out[prefix + "down_proj.weight"] = ((H, inter), "bfloat16", expert)
+
+
+def _ends(c, out):
+    H, V = c["hidden_size"], c["vocab_size"]
+    out["model.norm.weight"] = ((H,), "bfloat16", None)
+    if not c.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = ((V, H), "bfloat16", None)
+
+
+def _dense_params(c, bias=False, qk_norm=False):
+    H = c["hidden_size"]
+    out = {"model.embed_tokens.weight": ((c["vocab_size"], H), "bfloat16", None)}
+    for i in range(c["num_hidden_layers"]):
+        p = L.replace("{L}", str(i))
+        out[p + "input_layernorm.weight"] = ((H,), "bfloat16", None)
+        _attn_gqa(c, i, out, bias, qk_norm)
+        out[p + "post_attention_layernorm.weight"] = ((H,), "bfloat16", None)
+        _mlp(p + "mlp.", H, c["intermediate_size"], out)
+    _ends(c, out)
+    return out
+
+
+def _qwen3_moe_params(c):
+    H = c["hidden_size"]
+    E, I = c["num_experts"], c["moe_intermediate_size"]
+    out = {"model.embed_tokens.weight": ((c["vocab_size"], H), "bfloat16", None)}
+    for i in range(c["num_hidden_layers"]):
+        p = L.replace("{L}", str(i))
+        out[p + "input_layernorm.weight"] = ((H,), "bfloat16", None)
+        _attn_gqa(c, i, out, False, True)
+        out[p + "post_attention_layernorm.weight"] = ((H,), "bfloat16", None)
+        out[p + "mlp.gate.weight"] = ((E, H), "bfloat16", None)
+        for e in range(E):
+            _mlp(f"{p}mlp.experts.{e}.", H, I, out, e)
+    _ends(c, out)
+    return out
+
+
+def _deepseek_params(c):
+    H, nh = c["hidden_size"], c["num_attention_heads"]
+    qr, kr = c["q_lora_rank"], c["kv_lora_rank"]
+    nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    E, I, Im = c["n_routed_experts"], c["intermediate_size"], c["moe_intermediate_size"]
+    ns = c.get("n_shared_experts", 1)
+    out = {"model.embed_tokens.weight": ((c["vocab_size"], H), "bfloat16", None)}
+    for i in range(c["num_hidden_layers"]):
+        p = L.replace("{L}", str(i))
+        a = p + "self_attn."
+        out[p + "input_layernorm.weight"] = ((H,), "bfloat16", None)
+        out[a + "q_a_proj.weight"] = ((qr, H), "bfloat16", None)
+        out[a + "q_a_layernorm.weight"] = ((qr,), "bfloat16", None)
+        out[a + "q_b_proj.weight"] = ((nh * (nope + rope), qr), "bfloat16", None)
+        out[a + "kv_a_proj_with_mqa.weight"] = ((kr + rope, H), "bfloat16", None)
+        out[a + "kv_a_layernorm.weight"] = ((kr,), "bfloat16", None)
+        out[a + "kv_b_proj.weight"] = ((nh * (nope + vd), kr), "bfloat16", None)
+        out[a + "o_proj.weight"] = ((H, nh * vd), "bfloat16", None)
+        out[p + "post_attention_layernorm.weight"] = ((H,), "bfloat16", None)
+        if i < c.get("first_k_dense_replace", 0):
+            _mlp(p + "mlp.", H, I, out)
+        else:
+            out[p + "mlp.gate.weight"] = ((E, H), "bfloat16", None)
+            out[p + "mlp.gate.e_score_correction_bias"] = ((E,), "float32", None)
+            for e in range(E):
+                _mlp(f"{p}mlp.experts.{e}.", H, Im, out, e)
+            _mlp(p + "mlp.shared_experts.", H, Im * ns, out)
+    _ends(c, out)
+    return out
+
+
+HF_PARAMS: dict[str, Callable] = {
+    "llama": lambda c: _dense_params(c),
+    "qwen2": lambda c: _dense_params(c, bias=True),
+    "qwen3": lambda c: _dense_params(c, qk_norm=True),
+    "qwen3_moe": _qwen3_moe_params,
+    "deepseek_v3": _deepseek_params,
+}
+
+# --------------------------------------------------------------------------- rules
+
+
+def _common_rules() -> list[Rule]:
+    return [
+        Fuse("model.embed_tokens.weight", ("model.embed_tokens.weight",), fp8=False),  # vocab parallel
+        Fuse("lm_head.weight", ("lm_head.weight",), fp8=False),                        # vocab parallel
+        Fuse("model.norm.weight", ("model.norm.weight",), tp=False),
+        Fuse(L + "input_layernorm.weight", (L + "input_layernorm.weight",), tp=False),
+        Fuse(L + "post_attention_layernorm.weight", (L + "post_attention_layernorm.weight",), tp=False),
+    ]
+
+
+def _gqa_rules(bias=False, qk_norm=False) -> list[Rule]:
+    a = L + "self_attn."
+    heads = ("num_attention_heads", "num_key_value_heads", "num_key_value_heads")
+    rules: list[Rule] = [
+        Fuse(a + "qkv_proj.weight", (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"), heads=heads),
+        Row(a + "o_proj.weight", (a + "o_proj.weight",)),
+    ]
+    if bias:
+        rules.append(Fuse(a + "qkv_proj.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), heads=heads))
+    if qk_norm:
+        rules += [Fuse(a + "q_norm.weight", (a + "q_norm.weight",), tp=False),
+                  Fuse(a + "k_norm.weight", (a + "k_norm.weight",), tp=False)]
+    return rules
+
+
+def _mlp_rules(prefix: str) -> list[Rule]:
+    return [Fuse(prefix + "gate_up_proj.weight", (prefix + "gate_proj.weight", prefix + "up_proj.weight")),
+            Row(prefix + "down_proj.weight", (prefix + "down_proj.weight",))]
+
+
+def _experts_rule(n_key: str) -> Rule:
+    e = L + "mlp.experts.{E}."
+    return Experts(L + "mlp.experts", (e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"),
+                   n_experts_key=n_key)
+
+
+def dense_rules(bias=False, qk_norm=False) -> list[Rule]:
+    return _common_rules() + _gqa_rules(bias, qk_norm) + _mlp_rules(L + "mlp.")
+
+
+def qwen3_moe_rules() -> list[Rule]:
+    return (_common_rules() + _gqa_rules(False, True)
+            + [Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=False),
+               _experts_rule("num_experts")])
+
+
+def deepseek_rules() -> list[Rule]:
+    a = L + "self_attn."
+    return _common_rules() + [
+        # MLA: q_a_proj and kv_a_proj_with_mqa fused and replicated (vLLM disable_tp=True)
+        Fuse(a + "fused_qkv_a_proj.weight", (a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight"), tp=False),
+        Fuse(a + "q_a_layernorm.weight", (a + "q_a_layernorm.weight",), tp=False),
+        Fuse(a + "kv_a_layernorm.weight", (a + "kv_a_layernorm.weight",), tp=False),
+        Fuse(a + "q_b_proj.weight", (a + "q_b_proj.weight",), heads=("num_attention_heads",)),
+        Fuse(a + "kv_b_proj.weight", (a + "kv_b_proj.weight",), heads=("num_attention_heads",)),
+        Row(a + "o_proj.weight", (a + "o_proj.weight",)),
+        *_mlp_rules(L + "mlp."),                      # the first_k_dense_replace dense layers
+        *_mlp_rules(L + "mlp.shared_experts."),
+        Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=False),          # router: BF16
+        Fuse(L + "mlp.gate.e_score_correction_bias", (L + "mlp.gate.e_score_correction_bias",),
+             tp=False, fp8=False, dtype="float32"),
+        _experts_rule("n_routed_experts"),
+    ]
+
+
+ARCH_RULES: dict[str, Callable[[], list[Rule]]] = {
+    "llama": dense_rules,
+    "qwen2": lambda: dense_rules(bias=True),
+    "qwen3": lambda: dense_rules(qk_norm=True),
+    "qwen3_moe": qwen3_moe_rules,
+    "deepseek_v3": deepseek_rules,
+}
+
+# --------------------------------------------------------------------------- configs
+
+KIMI_K2 = dict(
+    architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, num_hidden_layers=61,
+    first_k_dense_replace=1, n_routed_experts=384, n_shared_experts=1, moe_intermediate_size=2048,
+    intermediate_size=18432, vocab_size=163840, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=64,
+    num_key_value_heads=64, num_experts_per_tok=8, tie_word_embeddings=False)
+DEEPSEEK_V3 = dict(KIMI_K2, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+                   first_k_dense_replace=3, vocab_size=129280)
+QWEN3_235B = dict(
+    architectures=["Qwen3MoeForCausalLM"], hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+    intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)
+QWEN3_30B = dict(QWEN3_235B, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                 moe_intermediate_size=768, intermediate_size=6144)
+QWEN3_8B = dict(
+    architectures=["Qwen3ForCausalLM"], hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)
+QWEN3_TINY = dict(
+    architectures=["Qwen3ForCausalLM"], hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=1024, tie_word_embeddings=True)
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+QWEN2_7B = dict(
+    architectures=["Qwen2ForCausalLM"], hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+    num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)
+
+ARCH_OF = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
+           "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+def arch_of(config: Mapping) -> str:
+    for a in config.get("architectures", []):
+        if a in ARCH_OF:
+            return ARCH_OF[a]
+    mt = config.get("model_type", "")
+    for k, v in {"deepseek": "deepseek_v3", "kimi": "deepseek_v3", "qwen3_moe": "qwen3_moe",
+                 "qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}.items():
+        if mt.startswith(k):
+            return v
+    raise ValueError(f"unknown architecture {config.get('architectures')} / {mt!r}")
+
+
+def from_config(name: str, config: Mapping, **kw) -> Preset:
+    arch = arch_of(config)
+    return Preset(name, arch, ARCH_RULES[arch](), dict(config), **kw)
+
+
+PRESETS: dict[str, Callable[[], Preset]] = {
+    "kimi-k2": lambda: from_config("kimi-k2", KIMI_K2, infer_tp=16, infer_ep=True, quant="fp8"),
+    "deepseek-v3": lambda: from_config("deepseek-v3", DEEPSEEK_V3, infer_tp=16, infer_ep=True, quant="fp8"),
+    "qwen3-235b": lambda: from_config("qwen3-235b", QWEN3_235B, infer_tp=8, infer_ep=True, quant="fp8"),
+    "qwen3-30b-a3b": lambda: from_config("qwen3-30b-a3b", QWEN3_30B, infer_tp=4, infer_ep=True, quant="fp8"),
+    "qwen3-8b": lambda: from_config("qwen3-8b", QWEN3_8B, infer_tp=2),
+    "qwen3-tiny": lambda: from_config("qwen3-tiny", QWEN3_TINY, infer_tp=2),
+    "llama3-8b": lambda: from_config("llama3-8b", LLAMA3_8B, infer_tp=2),
+    "qwen2-7b": lambda: from_config("qwen2-7b", QWEN2_7B, infer_tp=2),
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
+
+
+__all__ = ["Preset", "PRESETS", "get_preset", "from_config", "arch_of", "HF_PARAMS", "ARCH_RULES",
+           "dense_rules", "qwen3_moe_rules", "deepseek_rules", "Ignore"]

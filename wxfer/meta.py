@@ -1,0 +1,244 @@
+"""Parameter metadata of the training and inference sides, and the cluster description.
+
+Three sources:
+
+- `from_fsdp_model(model)`: a live training model under FSDP2 (DTensor parameters).
+- `from_inference_worker(named_tensors, ...)`: a live inference worker's parameters in
+  the inference layout, plus per-parameter descriptors (opaque bytes, e.g. address and
+  remote key of the registered memory).
+- `synthesize(preset_or_config, cluster)`: both sides from a Hugging Face config dict and
+  a `Cluster`, with no GPU -- a 1T-parameter plan on a laptop.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from .mapping import Expanded, Layout, Preset, dtype_size, expand, from_config, get_preset
+
+
+@dataclass(frozen=True)
+class TrainParam:
+    """One training parameter.
+
+    meshes: the independent groups of global ranks that can each produce the full tensor
+    with one ``full_tensor()`` collective among themselves (one group under plain FSDP;
+    one per replica under HSDP; one single-rank group per rank for a replicated tensor).
+    """
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    meshes: tuple[tuple[int, ...], ...]
+    placements: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({r for m in self.meshes for r in m}))
+
+
+@dataclass(frozen=True)
+class InferParam:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass
+class InferWorker:
+    """One inference GPU: its replica, its rank inside the replica, its parameters."""
+    replica: int
+    rank: int                      # TP rank inside the replica (also its EP rank when EP is on)
+    tp: int
+    ep: bool = False
+    params: dict[str, InferParam] = field(default_factory=dict)
+    descriptors: dict[str, bytes] = field(default_factory=dict)
+    gpu: int | None = None         # global index; defaults to replica * tp + rank
+
+    def __post_init__(self):
+        if self.gpu is None:
+            self.gpu = self.replica * self.tp + self.rank
+
+
+@dataclass
+class Cluster:
+    """Hardware and sharding description used to synthesize metadata and to simulate.
+
+    Bandwidths are per GPU and per direction, in GB/s (1e9 bytes/s).  One NIC per GPU.
+    Training layout: dense parameters FSDP-sharded over the `dense_shard` GPUs of a node
+    (HSDP-replicated across nodes, so any node can produce them); routed experts
+    partitioned over expert meshes of `expert_shard` ranks, one per node (the same
+    local GPU index on consecutive node blocks), i.e. sharded across nodes.
+    """
+    train_gpus: int = 8
+    infer_gpus: int = 2
+    infer_tp: int = 2
+    infer_ep: bool = False
+    quant: str | None = None
+    gpus_per_node: int = 8
+    nic_gbps: float = 400.0                # line rate in Gb/s
+    nic_efficiency: float = 1.0            # fraction of line rate achievable by RDMA writes
+    nvlink_GBps: float = 370.0             # measured NCCL broadcast on H200 NVLink
+    pcie_GBps: float = 55.0                # measured pinned H2D
+    mem_GBps: float = 2100.0               # measured device-to-device copy
+    dense_shard: int = 8                   # FSDP size for dense params (<= gpus_per_node: inside a node)
+    expert_shard: int = 2                  # FSDP size for routed experts (across nodes)
+    cpu_offload: bool = False
+    watermark_bytes: int = 8 << 30         # prepared-but-unsent bytes per trainer rank
+    barrier_s: float = 0.5e-3              # gloo barrier between mesh groups
+    write_latency_s: float = 5e-6
+
+    @property
+    def nic_GBps(self) -> float:
+        return self.nic_gbps / 8 * self.nic_efficiency
+
+    @property
+    def replicas(self) -> int:
+        if self.infer_gpus % self.infer_tp:
+            raise ValueError(f"infer_gpus={self.infer_gpus} is not a multiple of infer_tp={self.infer_tp}")
+        return self.infer_gpus // self.infer_tp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.infer_tp, self.infer_ep, self.quant)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+
+# --------------------------------------------------------------------------- FSDP2
+
+
+def _dtype_name(dt) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _mesh_groups(mesh_ranks, placements) -> tuple[tuple[int, ...], ...]:
+    """Groups of ranks that can produce the full tensor among themselves.
+
+    Mesh dims with a Replicate placement enumerate independent groups; Shard / Partial
+    dims must take part in the collective."""
+    import numpy as np
+    arr = np.asarray(mesh_ranks)
+    rep = [d for d, p in enumerate(placements) if type(p).__name__ == "Replicate"]
+    other = [d for d in range(arr.ndim) if d not in rep]
+    arr = arr.transpose(rep + other)
+    n_groups = math.prod(arr.shape[:len(rep)])
+    arr = arr.reshape(n_groups, -1)
+    return tuple(tuple(int(x) for x in row) for row in arr)
+
+
+def from_fsdp_model(model, world_size: int | None = None) -> list[TrainParam]:
+    """Metadata of every parameter of a model sharded with FSDP2 (`fully_shard`).
+
+    DTensor parameters: the global shape and dtype, the mesh's placements and the rank
+    groups that can run ``full_tensor()``.  Plain tensors (not sharded) are producible by
+    every rank alone."""
+    from torch.distributed.tensor import DTensor
+    if world_size is None:
+        import torch.distributed as dist
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    out = []
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            out.append(TrainParam(name, tuple(p.shape), _dtype_name(p.dtype),
+                                  _mesh_groups(mesh.mesh.tolist(), p.placements),
+                                  tuple(repr(x) for x in p.placements)))
+        else:
+            out.append(TrainParam(name, tuple(p.shape), _dtype_name(p.dtype),
+                                  tuple((r,) for r in range(world_size)), ("Replicate()",)))
+    return out
+
+
+# --------------------------------------------------------------------------- inference
+
+
+def from_inference_worker(named_tensors: Iterable, replica: int, rank: int, tp: int, ep: bool = False,
+                          descriptors: Mapping[str, bytes] | None = None, gpu: int | None = None) -> InferWorker:
+    """Metadata of a live inference worker: `named_tensors` yields (name, tensor) in the
+    inference layout (anything with .shape and .dtype); `descriptors` maps each name to
+    opaque bytes (address, remote key, ...) that the plan carries to the senders."""
+    params = {}
+    for name, t in named_tensors:
+        params[name] = InferParam(name, tuple(int(x) for x in t.shape), _dtype_name(t.dtype))
+    desc = dict(descriptors or {})
+    bad = [n for n in desc if n not in params]
+    if bad:
+        raise ValueError(f"descriptors for unknown parameters: {bad}")
+    for n, d in desc.items():
+        if not isinstance(d, (bytes, bytearray)):
+            raise TypeError(f"descriptor of {n} must be bytes, got {type(d).__name__}")
+    return InferWorker(replica, rank, tp, ep, params, {k: bytes(v) for k, v in desc.items()}, gpu)
+
+
+# --------------------------------------------------------------------------- synthesized
+
+
+def train_meshes(cluster: Cluster, n_experts_hint: int = 0):
+    """(dense groups, expert meshes) of the synthesized training layout."""
+    n, g = cluster.train_gpus, cluster.gpus_per_node
+    ds = min(cluster.dense_shard, n)
+    if n % ds:
+        raise ValueError(f"train_gpus={n} not a multiple of dense_shard={ds}")
+    dense = tuple(tuple(range(i, i + ds)) for i in range(0, n, ds))
+    es = min(cluster.expert_shard, n)
+    if n % es:
+        raise ValueError(f"train_gpus={n} not a multiple of expert_shard={es}")
+    stride = n // es  # mesh k = {k, k + stride, ...}: one rank per node block when stride >= gpus/node
+    experts = tuple(tuple(k + j * stride for j in range(es)) for k in range(stride))
+    return dense, experts
+
+
+def synthesize_train(preset: Preset, cluster: Cluster) -> list[TrainParam]:
+    dense, emeshes = train_meshes(cluster)
+    out = []
+    hp = preset.hf_params()
+    n_exp = max((e for (_, _, e) in hp.values() if e is not None), default=-1) + 1
+    per_mesh = max(1, -(-n_exp // len(emeshes))) if n_exp else 1
+    for name, (shape, dtype, expert) in hp.items():
+        if expert is None:
+            pl = ("Replicate()", "Shard(dim=0)") if len(dense) > 1 else ("Shard(dim=0)",)
+            out.append(TrainParam(name, shape, dtype, dense, pl))
+        else:
+            m = emeshes[(expert // per_mesh) % len(emeshes)]
+            out.append(TrainParam(name, shape, dtype, (m,), ("Shard(dim=0)",)))
+    return out
+
+
+def workers_from_expanded(ex: Expanded, cluster: Cluster) -> list[InferWorker]:
+    """Inference workers of every replica holding the layout of an expansion.
+
+    Workers of the same rank in different replicas share one (read-only) params dict."""
+    per_rank = [{d.name: InferParam(d.name, d.shape, d.dtype) for d in ex.dest[r].values()}
+                for r in range(cluster.infer_tp)]
+    return [InferWorker(rep, r, cluster.infer_tp, cluster.infer_ep, per_rank[r])
+            for rep in range(cluster.replicas) for r in range(cluster.infer_tp)]
+
+
+@dataclass
+class Synthesized:
+    preset: Preset
+    cluster: Cluster
+    train: list[TrainParam]
+    workers: list[InferWorker]
+    expanded: Expanded
+
+
+def synthesize(preset: Preset | str | Mapping, cluster: Cluster) -> Synthesized:
+    """Training params and inference workers from a preset name, a Preset or an HF config dict."""
+    if isinstance(preset, str):
+        preset = get_preset(preset)
+    elif not isinstance(preset, Preset):
+        preset = from_config("custom", preset)
+    train = synthesize_train(preset, cluster)
+    ex = expand(preset.rules, {p.name: p.shape for p in train}, cluster.layout, preset.config)
+    return Synthesized(preset, cluster, train, workers_from_expanded(ex, cluster), ex)

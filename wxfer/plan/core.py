@@ -1,0 +1,476 @@
+"""Building the static plan: tasks, mesh groups, sender choice, per-rank order.
+
+Vocabulary
+- task: the training sources prepared together on one mesh (one ``full_tensor()`` per
+  source on every rank of the mesh), and the destination shards they produce.
+- mesh group: meshes that are pairwise disjoint run their tasks in parallel; all trainer
+  ranks pass a barrier between groups, so collectives on overlapping meshes never
+  interleave.
+- transfer: one one-sided write: trainer rank, task, destination (replica, inference
+  rank, parameter), byte offset and length in the destination, and source offset in
+  the sender's packed buffer of that task.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from ..mapping import Expanded, Layout, Piece, Preset, Shard, expand
+from ..meta import InferWorker, TrainParam
+
+KINDS = ("raw", "fp8", "scale")
+
+
+class PlanError(ValueError):
+    """The plan cannot be built or does not cover the destination; lists every problem."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        shown = self.problems[:200]
+        more = f"\n  ... and {len(self.problems) - 200} more" if len(self.problems) > 200 else ""
+        super().__init__(f"{len(self.problems)} problem(s):\n  " + "\n  ".join(shown) + more)
+
+
+@dataclass
+class Task:
+    id: int
+    name: str
+    sources: tuple[str, ...]
+    mesh: int                       # index into Plan.meshes
+    group: int = -1
+    src_bytes: int = 0              # bytes of the full training tensors (what full_tensor() gathers)
+    shards: list[Shard] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """The static schedule.  Transfer columns are numpy arrays sorted by (sender, order)."""
+    tp: int
+    replicas: int
+    quant: str | None
+    ep: bool
+    train_world: int
+    meshes: list[tuple[int, ...]]
+    groups: list[list[int]]                      # group -> mesh ids
+    mesh_tasks: dict[int, list[int]]             # mesh -> ordered task ids (within its group)
+    tasks: list[Task]
+    names: list[str]                             # destination parameter name table
+    dest_nbytes: np.ndarray                      # [tp, len(names)] bytes of each dest param per rank (-1 absent)
+    gpu_of: np.ndarray                           # [replicas, tp] global inference GPU index
+    # transfers
+    sender: np.ndarray
+    task: np.ndarray
+    shard: np.ndarray                            # index into task.shards
+    replica: np.ndarray
+    infer_rank: np.ndarray
+    dst: np.ndarray                              # index into names
+    dst_offset: np.ndarray
+    nbytes: np.ndarray
+    src_offset: np.ndarray
+    train_params: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)
+    descriptors: dict[tuple[int, str], bytes] = field(default_factory=dict)   # (gpu, name) -> bytes
+    build_s: float = 0.0
+    preset: str = ""
+
+    # ---------------------------------------------------------------- views
+    @property
+    def n_transfers(self) -> int:
+        return int(self.sender.size)
+
+    @property
+    def gpu(self) -> np.ndarray:
+        return self.gpu_of[self.replica, self.infer_rank]
+
+    @property
+    def infer_gpus(self) -> int:
+        return self.replicas * self.tp
+
+    def bytes_per_train_rank(self) -> np.ndarray:
+        return np.bincount(self.sender, weights=self.nbytes, minlength=self.train_world)
+
+    def bytes_per_infer_gpu(self) -> np.ndarray:
+        return np.bincount(self.gpu, weights=self.nbytes, minlength=int(self.gpu_of.max()) + 1)
+
+    def bytes_per_replica(self) -> int:
+        return int(self.dest_nbytes[self.dest_nbytes > 0].sum())
+
+    def rank_schedule(self, rank: int) -> list[list[tuple[int, np.ndarray]]]:
+        """For each mesh group, the ordered (task id, transfer indices sent by `rank`) that
+        `rank` takes part in (it joins full_tensor() of every task of its mesh even when
+        it sends nothing).  A barrier follows every group."""
+        out = []
+        sel = np.flatnonzero(self.sender == rank)
+        by_task: dict[int, np.ndarray] = {}
+        if sel.size:
+            t = self.task[sel]
+            cuts = np.flatnonzero(np.diff(t)) + 1
+            for chunk in np.split(sel, cuts):
+                by_task[int(self.task[chunk[0]])] = chunk
+        for g in self.groups:
+            lst = []
+            for m in g:
+                if rank in self.meshes[m]:
+                    lst = [(t, by_task.get(t, np.empty(0, np.int64))) for t in self.mesh_tasks[m]]
+                    break
+            out.append(lst)
+        return out
+
+    def transfer(self, i: int) -> dict:
+        """One transfer as a dict (for humans and tests)."""
+        return dict(sender=int(self.sender[i]), task=int(self.task[i]), replica=int(self.replica[i]),
+                    infer_rank=int(self.infer_rank[i]), gpu=int(self.gpu[i]), dst=self.names[self.dst[i]],
+                    dst_offset=int(self.dst_offset[i]), nbytes=int(self.nbytes[i]),
+                    src_offset=int(self.src_offset[i]))
+
+    def packed_shards(self, rank: int, task: int) -> list[tuple[int, Shard]]:
+        """(src offset, shard) of the packed buffer `rank` prepares for `task`."""
+        sel = np.flatnonzero((self.sender == rank) & (self.task == task))
+        seen = {}
+        for i in sel:
+            seen.setdefault(int(self.src_offset[i]), int(self.shard[i]))
+        return [(off, self.tasks[task].shards[s]) for off, s in sorted(seen.items())]
+
+    # notebook helpers live in wxfer.plan.notebook; serialization in wxfer.plan.serialize
+    def to_bytes(self) -> bytes:
+        from .serialize import encode
+        return encode(self)
+
+    @staticmethod
+    def from_bytes(data: bytes) -> "Plan":
+        from .serialize import decode
+        return decode(data)
+
+    def check(self, workers: Sequence[InferWorker] | None = None, raise_: bool = True) -> list[str]:
+        from .check import check_coverage
+        problems = check_coverage(self, workers)
+        if problems and raise_:
+            raise PlanError(problems)
+        return problems
+
+    def check_deadlock_free(self) -> None:
+        from .check import check_deadlock_free
+        check_deadlock_free(self)
+
+    def simulate(self, cluster):
+        from ..simulate import simulate
+        return simulate(self, cluster)
+
+    def summary(self) -> dict:
+        from .notebook import summary
+        return summary(self)
+
+    def to_pandas(self):
+        from .notebook import to_pandas
+        return to_pandas(self)
+
+    def _repr_html_(self) -> str:
+        from .notebook import repr_html
+        return repr_html(self)
+
+    def plot_bytes(self, ax=None):
+        from .notebook import plot_bytes
+        return plot_bytes(self, ax)
+
+    def __repr__(self) -> str:
+        return (f"<Plan {self.preset or ''} tasks={len(self.tasks)} transfers={self.n_transfers} "
+                f"groups={len(self.groups)} trainers={self.train_world} infer={self.replicas}x{self.tp}>")
+
+
+# ---------------------------------------------------------------------------- build
+
+
+def _merge_shards(shards: list[Shard]) -> list[Shard]:
+    """Merge shards that are adjacent in the same destination (consecutive experts)."""
+    groups: dict[tuple, list[Shard]] = {}
+    for sh in shards:
+        groups.setdefault((sh.rank, sh.dst, sh.kind, sh.dtype), []).append(sh)
+    out: list[Shard] = []
+    for key in sorted(groups, key=lambda k: (k[0], k[1])):
+        run = sorted(groups[key], key=lambda x: x.offset)
+        i = 0
+        while i < len(run):
+            j, end, pieces = i + 1, run[i].offset + run[i].nbytes, list(run[i].pieces)
+            while j < len(run) and run[j].offset == end:
+                end += run[j].nbytes
+                pieces += run[j].pieces
+                j += 1
+            first = run[i]
+            out.append(first if j == i + 1 else
+                       Shard(first.rank, first.dst, first.offset, end - first.offset, first.kind, first.dtype,
+                             tuple(pieces)))
+            i = j
+    return out
+
+
+def _deal(u_n: np.ndarray, ranks: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """Sender of each unit: largest units first, each to the least loaded rank of the
+    mesh (ties: the mesh order).  Updates `load` in place."""
+    o = np.argsort(-u_n, kind="stable")
+    rk = ranks[np.argsort(load[ranks], kind="stable")]
+    snd = np.empty(o.size, np.int64)
+    m = rk.size
+    loc = load[rk]
+    if m == 1:
+        snd[:] = rk[0]
+    elif loc[-1] - loc[0] <= u_n[o[-1]] and (u_n[o[0]] == u_n[o[-1]] or o.size <= m):
+        snd[o] = rk[np.arange(o.size) % m]          # already balanced: round robin
+    else:
+        heap = [(float(v), i) for i, v in enumerate(loc)]
+        heapq.heapify(heap)
+        pick = np.empty(o.size, np.int64)
+        for k, size in enumerate(u_n[o].tolist()):
+            v, i = heap[0]
+            heapq.heapreplace(heap, (v + size, i))
+            pick[k] = i
+        snd[o] = rk[pick]
+    np.add.at(load, snd, u_n)
+    return snd
+
+
+def _ag_nic_bytes(src_bytes: int, mesh: tuple[int, ...], gpus_per_node: int) -> float:
+    """Bytes a ring all-gather puts on each rank's NIC (0 inside a node: NVLink)."""
+    k = len(mesh)
+    if k == 1 or len({r // gpus_per_node for r in mesh}) == 1:
+        return 0.0
+    return src_bytes * (k - 1) / k
+
+
+def _mesh_options(comp_sources, params: Mapping[str, TrainParam]) -> tuple[tuple[int, ...], ...]:
+    opts = None
+    for s in comp_sources:
+        m = set(params[s].meshes)
+        opts = m if opts is None else opts & m
+    return tuple(sorted(opts or ()))
+
+
+def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], preset: Preset,
+               quant: str | None = "preset", ignore: Iterable[str] = (), expanded: Expanded | None = None,
+               max_task_bytes: int = 1 << 30, check: bool = True, gpus_per_node: int = 8) -> Plan:
+    """Compute the plan.  quant: "fp8", None (BF16) or "preset" (the preset's choice).
+    Raises PlanError listing every mismatch (by name) when the
+    training params, the mapping and the inference workers do not agree.
+
+    gpus_per_node tells which meshes all-gather over the NICs (those spanning nodes):
+    their all-gather bytes count in the per-NIC balance."""
+    t0 = time.perf_counter()
+    workers = sorted(workers, key=lambda w: (w.replica, w.rank))
+    if not workers:
+        raise PlanError(["no inference workers"])
+    tp, ep = workers[0].tp, workers[0].ep
+    replicas = max(w.replica for w in workers) + 1
+    problems = []
+    gpu_of = np.full((replicas, tp), -1, np.int64)
+    for w in workers:
+        if w.tp != tp or w.ep != ep:
+            problems.append(f"worker replica {w.replica} rank {w.rank}: tp={w.tp} ep={w.ep}, others tp={tp} ep={ep}")
+            continue
+        if gpu_of[w.replica, w.rank] >= 0:
+            problems.append(f"two workers claim replica {w.replica} rank {w.rank}")
+        gpu_of[w.replica, w.rank] = w.gpu
+    for rep, r in zip(*np.nonzero(gpu_of < 0)):
+        problems.append(f"no worker for replica {rep} rank {r}")
+    if problems:
+        raise PlanError(problems)
+    quant = preset.quant if quant == "preset" else quant      # None means BF16
+    params = {p.name: p for p in train}
+    pbytes = {p.name: p.nbytes for p in train}
+    layout = Layout(tp, ep, quant)
+    ex = expanded if expanded is not None and expanded.layout == layout else expand(
+        preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore)
+
+    # ---- names and destination sizes; compare with what the workers hold
+    names = sorted({n for r in ex.dest for n in ex.dest[r]})
+    name_id = {n: i for i, n in enumerate(names)}
+    dest_nbytes = np.full((tp, len(names)), -1, np.int64)
+    for r, d in ex.dest.items():
+        for n, p in d.items():
+            dest_nbytes[r, name_id[n]] = p.nbytes
+    for n in ex.unmatched:
+        problems.append(f"training parameter {n} is not used by any rule and not ignored")
+    validated = set()
+    for w in workers:
+        if (id(w.params), w.rank) in validated:   # replicas sharing one params dict
+            continue
+        validated.add((id(w.params), w.rank))
+        exp = ex.dest[w.rank]
+        for n, p in exp.items():
+            q = w.params.get(n)
+            if q is None:
+                problems.append(f"{n}: expected on replica {w.replica} rank {w.rank} but the worker lacks it")
+            elif tuple(q.shape) != tuple(p.shape) or q.dtype != p.dtype:
+                problems.append(f"{n} on replica {w.replica} rank {w.rank}: worker has {tuple(q.shape)} {q.dtype}, "
+                                f"mapping produces {tuple(p.shape)} {p.dtype}")
+        for n in w.params:
+            if n not in exp:
+                problems.append(f"{n} on replica {w.replica} rank {w.rank}: no rule writes this destination")
+
+    # ---- tasks: components, merged per (merge_key, mesh), split at max_task_bytes
+    meshes: list[tuple[int, ...]] = []
+    mesh_id: dict[tuple[int, ...], int] = {}
+    pending: dict[object, list] = {}
+    raw_tasks: list[tuple[str, list, tuple]] = []  # (name, components, mesh options)
+    for c in ex.components:
+        opts = _mesh_options(c.sources, params)
+        if not opts:
+            problems.append(f"{c.rule}: sources {list(c.sources)} share no mesh that can produce them all")
+            continue
+        if c.merge_key is not None and len(opts) == 1:
+            key = (c.merge_key, opts)
+            lst = pending.get(key)
+            size = sum(pbytes[s] for s in c.sources)
+            if lst is None or lst[1] + size > max_task_bytes:
+                lst = [[], 0]
+                pending[key] = lst
+                raw_tasks.append((c.rule, lst[0], opts))
+            lst[0].append(c)
+            lst[1] += size
+        else:
+            raw_tasks.append((c.rule, [c], opts))
+    if problems:
+        raise PlanError(problems)
+    train_world = max((r for p in train for m in p.meshes for r in m), default=-1) + 1
+    tasks: list[Task] = []
+    options: list[tuple] = []
+    for name, comps, opts in raw_tasks:
+        sources = tuple(s for c in comps for s in c.sources)
+        shards = _merge_shards([s for c in comps for s in c.shards]) if len(comps) > 1 else list(comps[0].shards)
+        tasks.append(Task(len(tasks), name, sources, -1, -1, sum(pbytes[s] for s in sources), shards))
+        options.append(opts)
+
+    def mid(m):
+        if m not in mesh_id:
+            mesh_id[m] = len(meshes)
+            meshes.append(m)
+        return mesh_id[m]
+
+    # ---- all-gather load per rank (what full_tensor() puts on each rank), then choose meshes
+    load = np.zeros(train_world, np.float64)
+    order = sorted(range(len(tasks)), key=lambda i: -tasks[i].src_bytes * replicas)
+    shard_bytes = [np.array([s.nbytes for s in t.shards], np.int64) for t in tasks]
+    for i in order:
+        t, opts = tasks[i], options[i]
+        wbytes = float(shard_bytes[i].sum()) * replicas
+        if len(opts) == 1:
+            m = opts[0]
+        else:
+            # ties go away from rank 0 (the controller also serves the TCPStore)
+            sums = [load[list(o)].sum() + (0.5 if 0 in o else 0.0) for o in opts]
+            m = opts[int(np.argmin(sums))]
+        t.mesh = mid(m)
+        load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node) + wbytes / len(m)
+
+    # ---- mesh groups: greedy colouring of the overlap graph, biggest meshes first
+    mesh_bytes = np.zeros(len(meshes))
+    for t in tasks:
+        mesh_bytes[t.mesh] += t.src_bytes
+    groups: list[list[int]] = []
+    group_ranks: list[set] = []
+    for m in sorted(range(len(meshes)), key=lambda m: (-mesh_bytes[m], m)):
+        rs = set(meshes[m])
+        for g, used in enumerate(group_ranks):
+            if not used & rs:
+                groups[g].append(m)
+                used |= rs
+                break
+        else:
+            groups.append([m])
+            group_ranks.append(set(rs))
+    # the lightest group first: its preparation is short, so writes start at once and
+    # its (often large, dense) tasks drain while the heavier groups prepare
+    groups.sort(key=lambda ms: (sum(mesh_bytes[m] for m in ms), ms[0]))
+    group_of = {m: g for g, ms in enumerate(groups) for m in ms}
+    mesh_tasks: dict[int, list[int]] = {m: [] for m in range(len(meshes))}
+    for t in tasks:
+        t.group = group_of[t.mesh]
+        mesh_tasks[t.mesh].append(t.id)
+    # stagger: mesh k starts its list at a different point so that meshes work on
+    # different layers (and so different receivers) at the same moment
+    for g in groups:
+        for k, m in enumerate(g):
+            lst = mesh_tasks[m]
+            if len(lst) > 1:
+                s = (k * len(lst)) // len(g)
+                mesh_tasks[m] = lst[s:] + lst[:s]
+
+    # ---- senders: every (shard, replica) unit to a rank of the task's mesh, balancing
+    # bytes per trainer NIC (the all-gather bytes already counted)
+    load = np.zeros(train_world, np.float64)
+    for t in tasks:
+        m = meshes[t.mesh]
+        load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node)
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in
+                                          ("sender", "task", "shard", "replica", "rank", "dst", "off", "n", "src")}
+    ngpu = replicas * tp
+    for g in groups:
+        for m in g:
+            ranks = np.array(meshes[m], np.int64)
+            for ti in mesh_tasks[m]:
+                t = tasks[ti]
+                S = len(t.shards)
+                if S == 0:
+                    continue
+                sb = shard_bytes[ti]
+                u_shard = np.repeat(np.arange(S), replicas)
+                u_rep = np.tile(np.arange(replicas), S)
+                u_n = sb[u_shard]
+                snd = _deal(u_n, ranks, load)
+                sh_rank = np.array([s.rank for s in t.shards], np.int64)
+                sh_dst = np.array([name_id[s.dst] for s in t.shards], np.int64)
+                sh_off = np.array([s.offset for s in t.shards], np.int64)
+                u_gpu = u_rep * tp + sh_rank[u_shard]
+                # per sender: rotate the destination order by sender so that the ranks
+                # of a mesh start on different receivers
+                rot = (u_gpu - snd * 7919) % ngpu
+                o2 = np.lexsort((rot, snd))
+                snd, u_shard, u_rep, u_n = snd[o2], u_shard[o2], u_rep[o2], u_n[o2]
+                # source offsets: each sender packs every distinct shard it sends once
+                key = snd * S + u_shard
+                _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+                fo = np.argsort(first)
+                sizes = sb[u_shard[first[fo]]]
+                sfo = snd[first[fo]]
+                cs = np.cumsum(sizes) - sizes
+                seg = np.cumsum(np.r_[0, (np.diff(sfo) != 0).astype(np.int64)])
+                starts = np.r_[0, np.flatnonzero(np.diff(sfo)) + 1]
+                off_u = np.empty(fo.size, np.int64)
+                off_u[fo] = cs - cs[starts][seg]
+                src = off_u[inv.reshape(-1)]
+                cols["sender"].append(snd)
+                cols["task"].append(np.full(snd.size, ti, np.int64))
+                cols["shard"].append(u_shard)
+                cols["replica"].append(u_rep)
+                cols["rank"].append(sh_rank[u_shard])
+                cols["dst"].append(sh_dst[u_shard])
+                cols["off"].append(sh_off[u_shard])
+                cols["n"].append(u_n)
+                cols["src"].append(src)
+    cat = {k: (np.concatenate(v) if v else np.empty(0, np.int64)) for k, v in cols.items()}
+    # global order: by sender, then by the sender's task sequence (group order, mesh order)
+    seq = np.zeros(len(tasks), np.int64)
+    k = 0
+    for g in groups:
+        for m in g:
+            for ti in mesh_tasks[m]:
+                seq[ti] = k
+                k += 1
+    o = np.lexsort((np.arange(cat["task"].size), seq[cat["task"]], cat["sender"]))
+    plan = Plan(tp=tp, replicas=replicas, quant=quant, ep=ep, train_world=train_world, meshes=meshes,
+                groups=groups, mesh_tasks=mesh_tasks, tasks=tasks, names=names, dest_nbytes=dest_nbytes,
+                gpu_of=gpu_of, sender=cat["sender"][o], task=cat["task"][o], shard=cat["shard"][o],
+                replica=cat["replica"][o], infer_rank=cat["rank"][o], dst=cat["dst"][o],
+                dst_offset=cat["off"][o], nbytes=cat["n"][o], src_offset=cat["src"][o],
+                train_params={p.name: (tuple(p.shape), p.dtype) for p in train},
+                ignored=sorted(ex.ignored), preset=preset.name)
+    for w in workers:
+        for n, d in w.descriptors.items():
+            plan.descriptors[(int(w.gpu), n)] = d
+    if check:
+        plan.check(workers)
+    plan.build_s = time.perf_counter() - t0
+    return plan
