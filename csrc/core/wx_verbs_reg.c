@@ -108,7 +108,7 @@ static int wx__reg_dmabuf(wx_verbs_t *t, const wx_cuda_api_t *cu, wx__vreg_t *r,
 static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_len)
 {
     const wx_cuda_api_t *cu;
-    char why[256] = "", dwhy[256] = "not tried";
+    char why[512] = "", dwhy[512] = "not tried";
     CUdeviceptr base;
     size_t size;
     CUdevice dev;

@@ -14,6 +14,8 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
+#include <dirent.h>
+#include <time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -145,24 +147,49 @@ emu_shm_t *emu_shm_open_lid(uint32_t lid)
     return s;
 }
 
+/* 1 if the HCA file at path belongs to a live process, or is too new to judge (its creator
+ * may not have written the header yet). */
 static int emu_owner_alive(const char *path)
 {
     emu_shm_t hdr;
+    struct stat st;
     int fd = open(path, O_RDONLY | O_CLOEXEC), alive = 0;
     if (fd < 0)
         return 0;
     if (read(fd, &hdr, offsetof(emu_shm_t, mr)) == (ssize_t)offsetof(emu_shm_t, mr) &&
-        hdr.magic == EMU_MAGIC && (kill(hdr.pid, 0) == 0 || errno == EPERM) &&
-        emu_proc_starttime(hdr.pid) == hdr.starttime)
-        alive = 1;
+        hdr.magic == EMU_MAGIC)
+        alive = (kill(hdr.pid, 0) == 0 || errno == EPERM) &&
+                emu_proc_starttime(hdr.pid) == hdr.starttime;
+    else
+        alive = fstat(fd, &st) == 0 && time(NULL) - st.st_mtime < 5;
     close(fd);
     return alive;
+}
+
+/* Remove HCA files left by emulated HCAs whose process died without closing the device. */
+static void emu_sweep(void)
+{
+    char prefix[64], path[400];
+    struct dirent *e;
+    DIR *d = opendir("/dev/shm");
+    if (!d)
+        return;
+    snprintf(prefix, sizeof prefix, "wxemu_verbs.%u.lid", (unsigned)getuid());
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, prefix, strlen(prefix)) != 0)
+            continue;
+        snprintf(path, sizeof path, "/dev/shm/%s", e->d_name);
+        if (!emu_owner_alive(path))
+            unlink(path);
+    }
+    closedir(d);
 }
 
 /* Claim a LID: the HCA file is created with O_EXCL; files of dead processes are reclaimed. */
 static int emu_claim_lid(emu_ctx_t *ec)
 {
     uint32_t lid = (uint32_t)(getpid() * 7u + (uint32_t)ec->devidx * 131u) % 0xbff0u + 1;
+    emu_sweep();
     for (int tries = 0; tries < 0xbff0; tries++, lid = lid % 0xbff0u + 1) {
         char path[128];
         int fd;

@@ -585,6 +585,238 @@ static int sc_topo(void)
     return 0;
 }
 
+
+/* ---- the emulation's own rules, straight through the libibverbs table ------------------ */
+
+static int poll1(struct ibv_cq *cq, struct ibv_wc *wc, double secs)
+{
+    uint64_t end = wx_now_ns() + (uint64_t)(secs * 1e9);
+    for (;;) {
+        int n = ibv_poll_cq(cq, 1, wc);
+        if (n != 0 || wx_now_ns() > end)
+            return n;
+        usleep(100);
+    }
+}
+
+typedef struct epair {
+    struct ibv_qp *a, *b; /* a writes into b (same process: loopback through the HCA) */
+} epair_t;
+
+static struct ibv_qp *mkqp(const wx_verbs_api_t *v, struct ibv_pd *pd, struct ibv_cq *cq,
+                           uint32_t wr)
+{
+    struct ibv_qp_init_attr ia;
+    memset(&ia, 0, sizeof ia);
+    ia.send_cq = ia.recv_cq = cq;
+    ia.qp_type = IBV_QPT_RC;
+    ia.cap.max_send_wr = wr;
+    ia.cap.max_recv_wr = 1;
+    ia.cap.max_send_sge = 1;
+    ia.cap.max_recv_sge = 1;
+    return v->create_qp(pd, &ia);
+}
+
+static int to_init(const wx_verbs_api_t *v, struct ibv_qp *q, int access, int mask_extra)
+{
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = 1;
+    a.qp_access_flags = (unsigned)access;
+    return v->modify_qp(q, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | mask_extra);
+}
+
+static int to_rtr(const wx_verbs_api_t *v, struct ibv_qp *q, uint32_t dqpn, uint16_t dlid,
+                  uint32_t rq_psn, int drop)
+{
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = IBV_MTU_1024;
+    a.dest_qp_num = dqpn;
+    a.rq_psn = rq_psn;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = 12;
+    a.ah_attr.port_num = 1;
+    a.ah_attr.dlid = dlid;
+    return v->modify_qp(q, &a, (IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                                IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
+                                IBV_QP_MIN_RNR_TIMER) & ~drop);
+}
+
+static int to_rts(const wx_verbs_api_t *v, struct ibv_qp *q, uint32_t sq_psn)
+{
+    struct ibv_qp_attr a;
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTS;
+    a.sq_psn = sq_psn;
+    a.timeout = 14;
+    a.retry_cnt = 7;
+    a.rnr_retry = 7;
+    a.max_rd_atomic = 1;
+    return v->modify_qp(q, &a, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                                   IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
+}
+
+static void connect_pair(const wx_verbs_api_t *v, epair_t *p, uint16_t lid, uint32_t psn_a,
+                         uint32_t psn_b_expect)
+{
+    CHECK(to_init(v, p->a, 0, IBV_QP_ACCESS_FLAGS) == 0, "a init");
+    CHECK(to_init(v, p->b, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, IBV_QP_ACCESS_FLAGS) == 0,
+          "b init");
+    CHECK(to_rtr(v, p->b, p->a->qp_num, lid, psn_b_expect, 0) == 0, "b rtr");
+    CHECK(to_rtr(v, p->a, p->b->qp_num, lid, 0, 0) == 0, "a rtr");
+    CHECK(to_rts(v, p->a, psn_a) == 0, "a rts");
+}
+
+static int post_write(struct ibv_qp *q, uint64_t id, void *src, uint32_t len, uint32_t lkey,
+                      void *dst, uint32_t rkey, int sig)
+{
+    struct ibv_sge sge = {(uint64_t)(uintptr_t)src, len, lkey};
+    struct ibv_send_wr wr, *bad;
+    memset(&wr, 0, sizeof wr);
+    wr.wr_id = id;
+    wr.opcode = IBV_WR_RDMA_WRITE;
+    wr.send_flags = sig ? IBV_SEND_SIGNALED : 0;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.wr.rdma.remote_addr = (uint64_t)(uintptr_t)dst;
+    wr.wr.rdma.rkey = rkey;
+    return ibv_post_send(q, &wr, &bad);
+}
+
+static int sc_emu_rules(void)
+{
+    char why[512];
+    const wx_verbs_api_t *v = wx_verbs_api(why, sizeof why);
+    struct ibv_device **list;
+    struct ibv_context *ctx;
+    struct ibv_pd *pd;
+    struct ibv_cq *cq, *small;
+    struct ibv_port_attr pa;
+    struct ibv_mr *src, *dst, *ro;
+    struct ibv_wc wc;
+    static char sbuf[8192], dbuf[8192];
+    epair_t p;
+    uint16_t lid;
+    int n;
+    CHECK(v && v->emulated, "emulation not loaded: %s", why);
+    list = v->get_device_list(&n);
+    CHECK(list && n >= 1, "devices");
+    ctx = v->open_device(list[0]);
+    CHECK(ctx, "open");
+    CHECK(wx_ibv_query_port(v, ctx, 1, &pa) == 0 && pa.state == IBV_PORT_ACTIVE &&
+              pa.max_msg_sz > 0, "port");
+    CHECK(wx_ibv_query_port(v, ctx, 2, &pa) == EINVAL, "port 2 must not exist");
+    CHECK(wx_ibv_query_port(v, ctx, 1, &pa) == 0, "port");
+    lid = pa.lid;
+    pd = v->alloc_pd(ctx);
+    cq = v->create_cq(ctx, 64, NULL, NULL, 0);
+    CHECK(pd && cq, "pd/cq");
+    /* access flag rules at registration */
+    CHECK(!v->reg_mr(pd, dbuf, sizeof dbuf, IBV_ACCESS_REMOTE_WRITE) && errno == EINVAL,
+          "REMOTE_WRITE without LOCAL_WRITE must be EINVAL");
+    src = v->reg_mr(pd, sbuf, sizeof sbuf, IBV_ACCESS_LOCAL_WRITE);
+    dst = v->reg_mr(pd, dbuf, sizeof dbuf, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    ro = v->reg_mr(pd, dbuf, 4096, IBV_ACCESS_LOCAL_WRITE); /* no remote write */
+    CHECK(src && dst && ro, "reg");
+    CHECK(!v->reg_mr(pd, (void *)16, 4096, IBV_ACCESS_LOCAL_WRITE) && errno == EFAULT,
+          "unmapped memory must be EFAULT");
+    /* state machine and masks */
+    p.a = mkqp(v, pd, cq, 4);
+    p.b = mkqp(v, pd, cq, 4);
+    CHECK(p.a && p.b, "qp");
+    CHECK(to_init(v, p.a, 0, 0) == EINVAL, "RESET->INIT without ACCESS_FLAGS must be EINVAL");
+    CHECK(to_rtr(v, p.a, p.b->qp_num, lid, 0, 0) == EINVAL, "RESET->RTR must be EINVAL");
+    CHECK(to_init(v, p.a, 0, IBV_QP_ACCESS_FLAGS) == 0, "init");
+    CHECK(post_write(p.a, 1, sbuf, 8, src->lkey, dbuf, dst->rkey, 1) == EINVAL,
+          "post_send before RTS must be EINVAL");
+    CHECK(to_rts(v, p.a, 0) == EINVAL, "INIT->RTS must be EINVAL");
+    CHECK(to_rtr(v, p.a, p.b->qp_num, lid, 0, IBV_QP_DEST_QPN) == EINVAL,
+          "INIT->RTR without DEST_QPN must be EINVAL");
+    CHECK(to_rtr(v, p.a, p.b->qp_num, 0, 0, 0) == EINVAL, "IB path without a LID must be EINVAL");
+    CHECK(v->modify_qp(p.a, &(struct ibv_qp_attr){.qp_state = IBV_QPS_RESET}, IBV_QP_STATE) == 0,
+          "to RESET");
+    connect_pair(v, &p, lid, 100, 100);
+    /* a good write lands */
+    memset(sbuf, 0x5a, 64);
+    CHECK(post_write(p.a, 2, sbuf, 64, src->lkey, dbuf + 100, dst->rkey, 1) == 0, "post");
+    CHECK(poll1(cq, &wc, 5) == 1 && wc.status == IBV_WC_SUCCESS && wc.wr_id == 2 &&
+              wc.qp_num == p.a->qp_num, "good write: status %d", wc.status);
+    CHECK(dbuf[100] == 0x5a && dbuf[163] == 0x5a && dbuf[164] == 0, "bytes landed");
+    /* an MR without REMOTE_WRITE: remote access error; then unsignaled WRs flush */
+    CHECK(post_write(p.a, 3, sbuf, 8, src->lkey, dbuf, ro->rkey, 0) == 0, "post");
+    CHECK(post_write(p.a, 4, sbuf, 8, src->lkey, dbuf, dst->rkey, 0) == 0, "post");
+    CHECK(poll1(cq, &wc, 5) == 1 && wc.status == IBV_WC_REM_ACCESS_ERR && wc.wr_id == 3,
+          "no REMOTE_WRITE: status %d (%s)", wc.status, v->wc_status_str(wc.status));
+    CHECK(poll1(cq, &wc, 5) == 1 && wc.status == IBV_WC_WR_FLUSH_ERR && wc.wr_id == 4,
+          "flush after error: status %d", wc.status);
+    CHECK(!strcmp(v->wc_status_str(IBV_WC_RETRY_EXC_ERR), "transport retry counter exceeded"),
+          "status strings");
+    v->destroy_qp(p.a);
+    v->destroy_qp(p.b);
+    /* max_send_wr: unsignaled WRs keep their slots until a later CQE is polled */
+    p.a = mkqp(v, pd, cq, 4);
+    p.b = mkqp(v, pd, cq, 4);
+    connect_pair(v, &p, lid, 7, 7);
+    for (int i = 0; i < 4; i++)
+        CHECK(post_write(p.a, 10 + i, sbuf, 8, src->lkey, dbuf, dst->rkey, 0) == 0, "post %d", i);
+    CHECK(post_write(p.a, 14, sbuf, 8, src->lkey, dbuf, dst->rkey, 1) == ENOMEM,
+          "posting beyond max_send_wr must be ENOMEM");
+    v->destroy_qp(p.a);
+    v->destroy_qp(p.b);
+    /* CQ overrun */
+    small = v->create_cq(ctx, 2, NULL, NULL, 0);
+    {
+        struct ibv_qp_init_attr ia;
+        memset(&ia, 0, sizeof ia);
+        ia.send_cq = ia.recv_cq = small;
+        ia.qp_type = IBV_QPT_RC;
+        ia.cap.max_send_wr = 8;
+        ia.cap.max_send_sge = 1;
+        p.a = v->create_qp(pd, &ia);
+    }
+    p.b = mkqp(v, pd, cq, 4);
+    connect_pair(v, &p, lid, 9, 9);
+    for (int i = 0; i < 4; i++)
+        CHECK(post_write(p.a, 20 + i, sbuf, 8, src->lkey, dbuf, dst->rkey, 1) == 0, "post");
+    usleep(200000);
+    CHECK(ibv_poll_cq(small, 1, &wc) == -EOVERFLOW, "CQ overrun must be reported");
+    CHECK(v->destroy_cq(small) == EBUSY, "destroying a CQ that QPs use must be EBUSY");
+    v->destroy_qp(p.a);
+    v->destroy_qp(p.b);
+    CHECK(v->destroy_cq(small) == 0, "destroy cq");
+    /* PSN mismatch and a target that is not ready: no ACK, retries run out */
+    p.a = mkqp(v, pd, cq, 4);
+    p.b = mkqp(v, pd, cq, 4);
+    connect_pair(v, &p, lid, 5, 6);
+    CHECK(post_write(p.a, 30, sbuf, 8, src->lkey, dbuf, dst->rkey, 1) == 0, "post");
+    CHECK(poll1(cq, &wc, 10) == 1 && wc.status == IBV_WC_RETRY_EXC_ERR, "PSN mismatch: %d",
+          wc.status);
+    v->destroy_qp(p.a);
+    v->destroy_qp(p.b);
+    p.a = mkqp(v, pd, cq, 4);
+    p.b = mkqp(v, pd, cq, 4);
+    connect_pair(v, &p, lid, 5, 5);
+    CHECK(v->modify_qp(p.b, &(struct ibv_qp_attr){.qp_state = IBV_QPS_RESET}, IBV_QP_STATE) == 0,
+          "b reset");
+    CHECK(post_write(p.a, 31, sbuf, 8, src->lkey, dbuf, dst->rkey, 1) == 0, "post");
+    CHECK(poll1(cq, &wc, 10) == 1 && wc.status == IBV_WC_RETRY_EXC_ERR, "target not ready: %d",
+          wc.status);
+    CHECK(v->dealloc_pd(pd) == EBUSY, "dealloc_pd with objects must be EBUSY");
+    v->destroy_qp(p.a);
+    v->destroy_qp(p.b);
+    v->dereg_mr(ro);
+    v->dereg_mr(dst);
+    v->dereg_mr(src);
+    CHECK(v->destroy_cq(cq) == 0 && v->dealloc_pd(pd) == 0, "unwind");
+    v->close_device(ctx);
+    v->free_device_list(list);
+    printf("emulation rules: ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *sc = argc > 1 ? argv[1] : "basic";
@@ -604,6 +836,8 @@ int main(int argc, char **argv)
     }
     wo = mkopts(kv, n);
     to = (wx_opts_t){0, NULL, NULL};
+    if (!strcmp(sc, "emu_rules"))
+        return sc_emu_rules();
     if (!strcmp(sc, "parse"))
         return sc_parse();
     if (!strcmp(sc, "topo"))
