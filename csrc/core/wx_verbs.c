@@ -464,21 +464,25 @@ static int wx__verbs_write(wx_transport_t *tt, wx_peer_t *p, const wx_wr_t *wr, 
         return wx_errf(-EPROTO, "verbs: remote region (key 0x%llx) carries no rkeys",
                        (unsigned long long)wr->remote->key);
     rnn = wr->remote->blob[0];
-    start = pv->rr;
+    /* One QP lock at a time (writers may run on several threads). A QP in the error state
+     * fails the write at once with the completion that broke it. */
     for (uint32_t i = 0; i < pv->nqp; i++) {
-        wx__vqp_t *c = pv->qps[(start + i) % pv->nqp];
+        wx__vqp_t *c = pv->qps[i];
         pthread_mutex_lock(&c->lock);
         if (c->broken) {
             rc = wx_errf(c->broken_errno ? c->broken_errno : -EIO, "%s", c->err);
             pthread_mutex_unlock(&c->lock);
-            if (q)
-                pthread_mutex_unlock(&q->lock);
             return rc;
         }
-        if (!q && c->head - c->tail < c->depth - 1) {
+        pthread_mutex_unlock(&c->lock);
+    }
+    start = __atomic_fetch_add(&pv->rr, 1, __ATOMIC_RELAXED);
+    for (uint32_t i = 0; i < pv->nqp; i++) {
+        wx__vqp_t *c = pv->qps[(start + i) % pv->nqp];
+        pthread_mutex_lock(&c->lock);
+        if (!c->broken && c->head - c->tail < c->depth - 1) {
             q = c; /* keep its lock */
-            pv->rr = (start + i + 1) % pv->nqp;
-            continue;
+            break;
         }
         pthread_mutex_unlock(&c->lock);
     }

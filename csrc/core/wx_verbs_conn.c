@@ -118,7 +118,8 @@ void wx__verbs_destroy_qp(wx_verbs_t *t, wx__vqp_t *q)
     free(q);
 }
 
-static int wx__qp_create(wx_verbs_t *t, wx__vnic_t *n, uint32_t depth, int access, wx__vqp_t **out)
+static int wx__qp_create(wx_verbs_t *t, wx__vnic_t *n, uint32_t depth, int access,
+                         wx_peer_t *peer, int remote_nic, wx__vqp_t **out)
 {
     const wx_verbs_api_t *v = t->v;
     struct ibv_qp_init_attr ia;
@@ -140,7 +141,8 @@ static int wx__qp_create(wx_verbs_t *t, wx__vnic_t *n, uint32_t depth, int acces
     pthread_mutex_init(&q->lock, NULL);
     q->nic = n;
     q->depth = depth;
-    q->remote_nic = -1;
+    q->remote_nic = remote_nic;
+    q->peer = peer; /* set before the progress thread can see the QP */
     q->psn = (uint32_t)((wx_now_ns() ^ ((uint64_t)getpid() << 12) ^ (uintptr_t)q) & 0xffffff);
     memset(&ia, 0, sizeof ia);
     ia.send_cq = n->cq;
@@ -288,13 +290,11 @@ int wx__verbs_conn_request(wx_transport_t *tt, wx_peer_t *p, uint8_t *req, size_
             wx__free_peer(t, pv);
             return rc;
         }
-        rc = wx__qp_create(t, &t->nic[ln], t->depth, 0, &q);
+        rc = wx__qp_create(t, &t->nic[ln], t->depth, 0, p, tn, &q);
         if (rc) {
             wx__free_peer(t, pv);
             return rc;
         }
-        q->peer = p;
-        q->remote_nic = tn;
         pv->qps[pv->nqp++] = q;
         wx__fill_info(t, q, &e, ln, tn);
         memcpy(req + WX__QHDR + k * sizeof e, &e, sizeof e);
@@ -353,7 +353,7 @@ int wx__verbs_conn_accept(wx_transport_t *tt, const uint8_t *req, size_t req_len
         }
         /* The target never posts: a send queue of one is enough. */
         rc = wx__qp_create(t, &t->nic[in[k].tnic], 1,
-                           IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, &q);
+                           IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, NULL, -1, &q);
         if (rc)
             break;
         made[k] = q;

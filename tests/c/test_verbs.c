@@ -238,6 +238,8 @@ static void finish(wctx_t *w)
     CHECK(waitpid(w->child, &st, 0) == w->child && WIFEXITED(st) && WEXITSTATUS(st) == 0,
           "target exited badly");
     wx_transport_close(w->t);
+    free(w->sbuf);
+    free(w->mirror);
 }
 
 static uint64_t lcg(uint64_t *s)
@@ -458,6 +460,8 @@ static int sc_gone(const wx_opts_t *wo, const wx_opts_t *to)
     for (int i = 1; i < 8; i++)
         CHECK(o[i].status != 0, "op %d after the failure succeeded", i);
     wx_transport_close(w.t);
+    free(w.sbuf);
+    free(w.mirror);
     return 0;
 }
 
