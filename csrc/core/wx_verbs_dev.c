@@ -112,7 +112,9 @@ int wx__verbs_gpu_pci_path(const char *sysfs, const char *busid, char *out, size
     snprintf(path, sizeof path, "%s/bus/pci/devices/%s", sysfs ? sysfs : "/sys", id);
     if (!realpath(path, real))
         return -ENOENT;
-    snprintf(out, len, "%s", real);
+    if (strlen(real) >= len)
+        return -ENAMETOOLONG;
+    memcpy(out, real, strlen(real) + 1);
     return 0;
 }
 
@@ -120,11 +122,12 @@ static int wx__nic_pci(const char *ibdev_path, char *out, size_t len)
 {
     char path[512], real[PATH_MAX];
     snprintf(path, sizeof path, "%s/device", ibdev_path);
-    if (!realpath(path, real)) {
-        out[0] = '\0';
+    out[0] = '\0';
+    if (!realpath(path, real))
         return -ENOENT;
-    }
-    snprintf(out, len, "%s", real);
+    if (strlen(real) >= len)
+        return -ENAMETOOLONG;
+    memcpy(out, real, strlen(real) + 1);
     return 0;
 }
 
