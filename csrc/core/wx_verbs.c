@@ -430,6 +430,12 @@ static void wx__verbs_close(wx_transport_t *tt)
         wx__verbs_fail_qp(t, q, -ECANCELED, "transport closed");
         wx__verbs_destroy_qp(t, q);
     }
+    /* Peer states of handshakes that never finished (their QPs went above). */
+    while (t->vpeers) {
+        wx__vpeer_t *pv = t->vpeers;
+        t->vpeers = pv->next;
+        free(pv);
+    }
     for (r = t->regs; r; r = next) {
         next = r->next;
         for (int i = t->nnic - 1; i >= 0; i--)

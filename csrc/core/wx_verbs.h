@@ -64,6 +64,7 @@ typedef struct wx__vpeer {
     wx__vqp_t *qps[2 * WX_VERBS_MAX_NICS * 4];
     uint32_t rr;
     uint32_t remote_nnic;
+    struct wx__vpeer *next; /* all of this transport's, for close */
 } wx__vpeer_t;
 
 /* One ibv MR per local NIC for a registered range, shared by every wx_mr_t inside it. */
@@ -99,6 +100,7 @@ typedef struct wx_verbs {
     pthread_mutex_t qlock;
     wx__vqp_t **qps;
     uint32_t nqps, cap_qps;
+    wx__vpeer_t *vpeers;
     /* registration cache */
     pthread_mutex_t rlock;
     wx__vreg_t *regs;

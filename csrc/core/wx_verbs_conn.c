@@ -239,6 +239,13 @@ static int wx__qp_connect(wx_verbs_t *t, wx__vqp_t *q, const wx__qpinfo_t *r, co
 
 static void wx__free_peer(wx_verbs_t *t, wx__vpeer_t *pv)
 {
+    wx__vpeer_t **pp;
+    pthread_mutex_lock(&t->qlock);
+    for (pp = &t->vpeers; *pp && *pp != pv; pp = &(*pp)->next)
+        ;
+    if (*pp)
+        *pp = pv->next;
+    pthread_mutex_unlock(&t->qlock);
     for (uint32_t i = 0; i < pv->nqp; i++)
         wx__verbs_destroy_qp(t, pv->qps[i]);
     free(pv);
@@ -269,6 +276,10 @@ int wx__verbs_conn_request(wx_transport_t *tt, wx_peer_t *p, uint8_t *req, size_
     if (!pv)
         return wx_errf(-ENOMEM, "verbs: out of memory");
     pv->remote_nnic = (uint32_t)rnn;
+    pthread_mutex_lock(&t->qlock);
+    pv->next = t->vpeers;
+    t->vpeers = pv;
+    pthread_mutex_unlock(&t->qlock);
     memset(req, 0, WX__QHDR);
     memcpy(req, WX__REQ_MAGIC, 4);
     req[4] = WX__VER;

@@ -136,6 +136,8 @@ typedef struct emu_cfg {
     const char *sysfs;
 } emu_cfg_t;
 
+/* Internal to the emulation: not exported from libwxemu_verbs.so. */
+#pragma GCC visibility push(hidden)
 extern emu_cfg_t emu_cfg;
 
 /* wxemu_verbs_hca.c */
@@ -150,5 +152,6 @@ uint64_t emu_proc_starttime(pid_t pid);
 emu_shm_t *emu_shm_open_lid(uint32_t lid);
 void emu_gid_of(uint32_t lid, int index, union ibv_gid *gid);
 uint32_t emu_lid_of_gid(const union ibv_gid *gid);
+#pragma GCC visibility pop
 
 #endif
