@@ -50,7 +50,10 @@ def cprog(tmp_path_factory):
 
 def _env(emu_lib, **extra):
     env = dict(os.environ)
-    env["WXFER_LIBIBVERBS"] = emu_lib
+    if emu_lib:  # None: the real libibverbs (rdma-marked runs)
+        env["WXFER_LIBIBVERBS"] = emu_lib
+    else:
+        env.pop("WXFER_LIBIBVERBS", None)
     env["WXEMU_VERBS_RETRY_CAP_MS"] = "1000"
     env.pop("WXFER_IB_DEVICES", None)
     env.update({k: str(v) for k, v in extra.items()})
@@ -129,6 +132,12 @@ def test_extension_has_no_libibverbs_symbols():
 
 # ---- the Python API in child processes -------------------------------------------------------
 
+@pytest.fixture(params=["emulated", pytest.param("real", marks=pytest.mark.rdma)])
+def lib(request, emu_lib):
+    """The same Python-level tests against the emulation (CI) and, where there is an RDMA
+    device, against the real libibverbs."""
+    return emu_lib if request.param == "emulated" else None
+
 def _run_py(emu_lib, code, timeout=120, **env):
     r = subprocess.run([PY, "-c", textwrap.dedent(code)], env=_env(emu_lib, **env), cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
@@ -175,8 +184,8 @@ def test_selftest_connect_two_endpoints(emu_lib):
             server.wait()
 
 
-def test_python_writes_land_many_sizes_offsets_and_qps(emu_lib):
-    _run_py(emu_lib, """
+def test_python_writes_land_many_sizes_offsets_and_qps(lib):
+    _run_py(lib, """
         import numpy as np
         from wxfer import _wxfer
         from wxfer.testing import TargetProcess
@@ -206,12 +215,12 @@ def test_python_writes_land_many_sizes_offsets_and_qps(emu_lib):
     """)
 
 
-def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(emu_lib):
+def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(lib):
     """A bad rkey and an out-of-range address reach the (emulated) HCA through the test-only
     corruption options, which skip past the generic pre-check; the HCA answers
     IBV_WC_REM_ACCESS_ERR like a real one and the step raises. The generic pre-check itself is
     tested with a forged descriptor."""
-    _run_py(emu_lib, """
+    _run_py(lib, """
         import numpy as np
         from wxfer import _wxfer
         from wxfer.testing import TargetProcess
@@ -263,8 +272,8 @@ def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(emu_lib):
     """)
 
 
-def test_python_vanished_target_errors_not_hangs(emu_lib):
-    _run_py(emu_lib, """
+def test_python_vanished_target_errors_not_hangs(lib):
+    _run_py(lib, """
         import time
         import numpy as np
         from wxfer import _wxfer
@@ -317,3 +326,34 @@ def test_real_device_selftest():
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["verified"] and not res["emulated"]
+
+
+@pytest.mark.gpu
+def test_gpu_memory_on_the_emulation_fails_cleanly_naming_both_paths(emu_lib):
+    """The emulation has no dma-buf importer and cannot pin GPU memory (no peermem): the
+    registration must fail with a message that names why each path failed."""
+    _run_py(emu_lib, """
+        import torch
+        from wxfer import _wxfer
+        x = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+        t = _wxfer.Transport("verbs", {"gpu": "0"})
+        try:
+            t.register(x)
+            raise AssertionError("registered GPU memory on the emulation")
+        except _wxfer.Error as e:
+            m = str(e)
+            assert "dma-buf" in m and "peermem" in m, m
+            print(m)
+        t.close()
+        print("OK")
+    """)
+
+
+@pytest.mark.gpu
+@pytest.mark.rdma
+def test_real_device_gpu_selftest():
+    r = subprocess.run([PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--gpu", "--json",
+                        "--size", "256MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["verified"] and res["registration"] in ("dmabuf", "peermem")
