@@ -357,3 +357,13 @@ def test_real_device_gpu_selftest():
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["verified"] and res["registration"] in ("dmabuf", "peermem")
+
+
+def test_selftest_without_devices_reports_why(emu_lib):
+    r = subprocess.run([PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--json",
+                        "--size", "1MiB"], env=_env(emu_lib, WXEMU_VERBS_DEVICES="0"), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["verified"] is False and "no RDMA devices" in res["error"]
+    assert "Traceback" not in r.stdout + r.stderr

@@ -192,7 +192,19 @@ def _opts(args) -> dict:
 def run_verbs_selftest(args, log=print) -> dict:
     """Entry point called by ``python -m wxfer selftest --transport verbs``. ``args`` has
     device, gpu (bool), emulated, connect, size, iters, chunk (as the CLI parses them).
-    Returns at least transport, bytes, verified, gbps, registration."""
+    Returns at least transport, bytes, verified, gbps, registration; on failure verified is
+    False and ``error`` says why (no traceback for the expected failures: no device,
+    registration refused, a write failing with its completion status)."""
+    try:
+        return _run(args, log)
+    except (OSError, RuntimeError, TimeoutError, ValueError, subprocess.CalledProcessError) as e:
+        msg = "%s: %s" % (type(e).__name__, e)
+        log("wxfer selftest: verbs FAILED: %s" % msg)
+        return {"transport": "verbs", "bytes": 0, "verified": False, "gbps": 0.0,
+                "registration": "none", "error": msg}
+
+
+def _run(args, log) -> dict:
     from wxfer import _wxfer
     opts = _opts(args)
     size = _wxfer.parse_size(str(getattr(args, "size", "64MiB")))
