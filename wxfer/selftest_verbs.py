@@ -215,7 +215,15 @@ def _run(args, log) -> dict:
         return serve_verbs_selftest(args, int(args.serve or _PORT), log)
     if getattr(args, "connect", None):
         host, _, port = args.connect.partition(":")
-        conn = mpc.Client((host, int(port or _PORT)), authkey=_authkey())
+        deadline = time.monotonic() + 30.0  # the target may still be starting
+        while True:
+            try:
+                conn = mpc.Client((host, int(port or _PORT)), authkey=_authkey())
+                break
+            except ConnectionRefusedError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         conn.send(("hello", size, gpu))
         try:
             return _writer(conn, opts, size, iters, chunk, gpu, log)
