@@ -66,6 +66,7 @@ C_CASES = [
     ("parse", [], {}),
     ("topo", [], {}),
     ("options", [], {}),
+    ("choice", [], {"WXEMU_VERBS_DEVICES": "2"}),
     ("cache", [], {}),
     ("emu_rules", [], {"WXEMU_VERBS_RETRY_CAP_MS": "200"}),
     ("basic", [], {}),

@@ -536,6 +536,41 @@ static int sc_options(const wx_opts_t *wo, const wx_opts_t *to)
     return 0;
 }
 
+/* two emulated devices: inclusion order, exclusion, striping over both by default */
+static int sc_choice(void)
+{
+    wx_transport_t *t;
+    char info[2048];
+    setenv("WXFER_IB_DEVICES", "^wxemu0", 1);
+    CHECK(wx_transport_open("verbs", NULL, &t) == 0, "%s", wx_last_error());
+    t->ops->info(t, info, sizeof info);
+    CHECK(strstr(info, "nics=wxemu1:1(") && !strstr(info, "wxemu0:"), "exclusion: %s", info);
+    wx_transport_close(t);
+    setenv("WXFER_IB_DEVICES", "wxemu1,wxemu0", 1);
+    CHECK(wx_transport_open("verbs", NULL, &t) == 0, "%s", wx_last_error());
+    t->ops->info(t, info, sizeof info);
+    CHECK(strstr(info, "nics=wxemu1:1(") && strstr(info, "),wxemu0:1("), "order: %s", info);
+    wx_transport_close(t);
+    unsetenv("WXFER_IB_DEVICES");
+    {
+        const char *kv[] = {"device", "wxemu0"};
+        wx_opts_t o = mkopts(kv, 1);
+        setenv("WXFER_IB_DEVICES", "wxemu1", 1); /* the option wins over the environment */
+        CHECK(wx_transport_open("verbs", &o, &t) == 0, "%s", wx_last_error());
+        t->ops->info(t, info, sizeof info);
+        CHECK(strstr(info, "nics=wxemu0:1(") && !strstr(info, "wxemu1"), "option: %s", info);
+        wx_transport_close(t);
+        unsetenv("WXFER_IB_DEVICES");
+    }
+    CHECK(wx_transport_open("verbs", NULL, &t) == 0, "%s", wx_last_error());
+    t->ops->info(t, info, sizeof info);
+    CHECK(strstr(info, "wxemu0:1(") && strstr(info, "wxemu1:1(") && strstr(info, "all active"),
+          "default: %s", info);
+    wx_transport_close(t);
+    printf("nic choice: ok\n");
+    return 0;
+}
+
 static int sc_parse(void)
 {
     char names[8][64];
@@ -842,6 +877,8 @@ int main(int argc, char **argv)
     to = (wx_opts_t){0, NULL, NULL};
     if (!strcmp(sc, "emu_rules"))
         return sc_emu_rules();
+    if (!strcmp(sc, "choice"))
+        return sc_choice();
     if (!strcmp(sc, "parse"))
         return sc_parse();
     if (!strcmp(sc, "topo"))
