@@ -33,3 +33,10 @@ def test_kimi_serialization_is_compact(kimi):
     _, plan = kimi
     data = plan.to_bytes()
     assert len(data) < 8 * plan.n_transfers                     # a few bytes per transfer after zlib
+
+
+def test_kimi_senders_start_on_different_receivers(kimi):
+    _, plan = kimi
+    first = np.r_[0, np.flatnonzero(np.diff(plan.sender)) + 1]      # each sender's first write
+    hits = np.bincount(plan.gpu[first], minlength=plan.infer_gpus)
+    assert (hits > 0).sum() > 100 and hits.max() <= 8                # 256 senders over 128 receivers

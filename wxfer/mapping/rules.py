@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 BLOCK = 128  # FP8 block size (rows and columns) of weight_scale_inv
 
@@ -42,8 +42,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Rows [r0, r1) and columns [c0, c1) of source `src` (c0 = c1 = 0 for 1-D sources)."""
     src: str
     r0: int
@@ -63,8 +62,7 @@ class Piece:
         return self.rows * (self.cols if self.c1 else 1)
 
 
-@dataclass(frozen=True)
-class Shard:
+class Shard(NamedTuple):
     """One contiguous byte region of destination parameter `dst` on inference rank `rank`.
 
     kind: "raw" (cast to `dtype`), "fp8" (e4m3 bytes, each piece quantized on its own
@@ -117,6 +115,12 @@ def _compile(template: str) -> re.Pattern:
     pat = re.escape(template)
     pat = pat.replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
     return re.compile(pat + r"\Z")
+
+
+def _suffix(template: str) -> str:
+    """The literal tail of a template (after its last placeholder): a cheap pre-filter."""
+    i = max(template.rfind("}"), -1)
+    return template[i + 1:]
 
 
 def _fmt(template: str, b: Mapping[str, str]) -> str:
@@ -184,8 +188,11 @@ class Rule:
 
     def bindings(self, names: Iterable[str]) -> list[dict[str, str]]:
         pat = _compile(self.anchors()[0])
+        tail = _suffix(self.anchors()[0])
         seen, out = set(), []
         for n in names:
+            if not n.endswith(tail):
+                continue
             m = pat.match(n)
             if m:
                 key = m.group("L") if "L" in pat.groupindex else ""
@@ -310,8 +317,11 @@ class Experts(Rule):
 
     def bindings(self, names):
         pat = _compile(self.srcs[0])
+        tail = _suffix(self.srcs[0])
         groups: dict[str, set[int]] = {}
         for n in names:
+            if not n.endswith(tail):
+                continue
             m = pat.match(n)
             if m:
                 groups.setdefault(m.group("L"), set()).add(int(m.group("E")))
@@ -363,9 +373,10 @@ class Experts(Rule):
                 pg, pu = Piece(gate, c0, c0 + ir, 0, hidden), Piece(up, c0, c0 + ir, 0, hidden)
                 pd = Piece(down, 0, hidden, c0, c0 + ir)
                 if quant:
-                    _check_fp8_piece(pg, (inter, hidden), False, w13, tp if not ep else 1)
-                    _check_fp8_piece(pu, (inter, hidden), True, w13, tp if not ep else 1)
-                    _check_fp8_piece(pd, (hidden, inter), True, w2, tp if not ep else 1)
+                    if e == experts[0]:   # every expert has the same shapes and slices
+                        _check_fp8_piece(pg, (inter, hidden), False, w13, tp if not ep else 1)
+                        _check_fp8_piece(pu, (inter, hidden), True, w13, tp if not ep else 1)
+                        _check_fp8_piece(pd, (hidden, inter), True, w2, tp if not ep else 1)
                     shards += [
                         Shard(r, w13, le * 2 * ir * hidden, 2 * ir * hidden, "fp8", wdt, (pg, pu)),
                         Shard(r, w13s, le * s13, s13, "scale", "float32", (pg, pu)),

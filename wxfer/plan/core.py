@@ -192,7 +192,9 @@ def _merge_shards(shards: list[Shard]) -> list[Shard]:
         groups.setdefault((sh.rank, sh.dst, sh.kind, sh.dtype), []).append(sh)
     out: list[Shard] = []
     for key in sorted(groups, key=lambda k: (k[0], k[1])):
-        run = sorted(groups[key], key=lambda x: x.offset)
+        run = groups[key]
+        if any(run[i].offset > run[i + 1].offset for i in range(len(run) - 1)):
+            run = sorted(run, key=lambda x: x.offset)
         i = 0
         while i < len(run):
             j, end, pieces = i + 1, run[i].offset + run[i].nbytes, list(run[i].pieces)
@@ -231,6 +233,21 @@ def _deal(u_n: np.ndarray, ranks: np.ndarray, load: np.ndarray) -> np.ndarray:
         snd[o] = rk[pick]
     np.add.at(load, snd, u_n)
     return snd
+
+
+def _src_offsets(snd, shard, sizes):
+    """Offset of each unit's shard in its sender's packed buffer (each shard once, in
+    order of first use)."""
+    offs: dict = {}
+    cur: dict = {}
+    for s, sh in zip(snd, shard):
+        k = (s, sh)
+        v = offs.get(k)
+        if v is None:
+            v = cur.get(s, 0)
+            offs[k] = v
+            cur[s] = v + sizes[sh]
+        yield v
 
 
 def _ag_nic_bytes(src_bytes: int, mesh: tuple[int, ...], gpus_per_node: int) -> float:
@@ -424,23 +441,14 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
                 sh_dst = np.array([name_id[s.dst] for s in t.shards], np.int64)
                 sh_off = np.array([s.offset for s in t.shards], np.int64)
                 u_gpu = u_rep * tp + sh_rank[u_shard]
-                # per sender: rotate the destination order by sender so that the ranks
-                # of a mesh start on different receivers
-                rot = (u_gpu - snd * 7919) % ngpu
+                # per sender: a pseudo-random destination order that differs from sender
+                # to sender, so that senders do not start on (and move through) the same
+                # receivers at the same moment
+                rot = ((u_gpu + 1) * 0x9E3779B1 + (snd + 1) * 0x85EBCA77) & 0xFFFFFFFF
                 o2 = np.lexsort((rot, snd))
                 snd, u_shard, u_rep, u_n = snd[o2], u_shard[o2], u_rep[o2], u_n[o2]
                 # source offsets: each sender packs every distinct shard it sends once
-                key = snd * S + u_shard
-                _, first, inv = np.unique(key, return_index=True, return_inverse=True)
-                fo = np.argsort(first)
-                sizes = sb[u_shard[first[fo]]]
-                sfo = snd[first[fo]]
-                cs = np.cumsum(sizes) - sizes
-                seg = np.cumsum(np.r_[0, (np.diff(sfo) != 0).astype(np.int64)])
-                starts = np.r_[0, np.flatnonzero(np.diff(sfo)) + 1]
-                off_u = np.empty(fo.size, np.int64)
-                off_u[fo] = cs - cs[starts][seg]
-                src = off_u[inv.reshape(-1)]
+                src = np.fromiter(_src_offsets(snd.tolist(), u_shard.tolist(), sb.tolist()), np.int64, snd.size)
                 cols["sender"].append(snd)
                 cols["task"].append(np.full(snd.size, ti, np.int64))
                 cols["shard"].append(u_shard)
