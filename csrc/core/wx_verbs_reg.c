@@ -112,7 +112,7 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
     CUdeviceptr base;
     size_t size;
     CUdevice dev;
-    CUcontext ctx;
+    CUcontext ctx, prev = NULL;
     struct stat st;
     int rc = -ENOSYS, peermem;
     cu = wx_cuda(why, sizeof why);
@@ -121,8 +121,10 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
     if (cu->cuDeviceGet(&dev, r->device) != CUDA_SUCCESS ||
         cu->cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS)
         return wx_errf(-ENODEV, "verbs: CUDA device %d unavailable", r->device);
+    cu->cuCtxGetCurrent(&prev);
     cu->cuCtxSetCurrent(ctx);
     if (cu->cuMemGetAddressRange(&base, &size, (CUdeviceptr)r->base) != CUDA_SUCCESS) {
+        cu->cuCtxSetCurrent(prev);
         cu->cuDevicePrimaryCtxRelease(dev);
         return wx_errf(-EINVAL, "verbs: %p is not CUDA memory of device %d",
                        (void *)(uintptr_t)r->base, r->device);
@@ -141,6 +143,7 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
             if (!r->mr[i]) {
                 int e = errno ? errno : EIO;
                 wx__unreg(t, r);
+                cu->cuCtxSetCurrent(prev);
                 cu->cuDevicePrimaryCtxRelease(dev);
                 return wx_errf(-e, "verbs: cannot register GPU %d memory on %s: dma-buf: %s; "
                                    "ibv_reg_mr on the device pointer: %s (nvidia-peermem %s)",
@@ -152,12 +155,14 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
         snprintf(note, note_len, "dmabuf not used: %s", dwhy);
         rc = 0;
     } else if (rc) {
+        cu->cuCtxSetCurrent(prev);
         cu->cuDevicePrimaryCtxRelease(dev);
         return wx_errf(rc, "verbs: dma-buf registration of GPU %d memory failed: %s",
                        r->device, dwhy);
     } else {
         snprintf(note, note_len, "peermem not needed: dma-buf worked");
     }
+    cu->cuCtxSetCurrent(prev);
     cu->cuDevicePrimaryCtxRelease(dev);
     return rc;
 }
