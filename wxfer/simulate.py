@@ -10,7 +10,8 @@ by a barrier over all trainer ranks):
    next all-gather only when every rank of it has room under the watermark for the full
    tensor plus its packed buffer.
 3. fuse / quantize / pack on each sending rank at memory speed (one stream per rank).
-4. one-sided writes: per (sender, receiver) pair FIFO, all pairs sharing the NICs by
+4. one-sided writes: each rank keeps the writes of at most `max_inflight_tasks` tasks
+   posted (in plan order); per (sender, receiver) pair FIFO, all pairs sharing the NICs by
    iterative water-filling (an approximation of max-min fairness that is work-conserving:
    every unfinished flow is stopped by a saturated link or by its own demand).
 
@@ -329,6 +330,11 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     open_meshes = list(range(len(plan.meshes)))
     tr_t, tr_w, tr_ag = [], [], []
     gpu_finish = np.zeros(ngpu)
+    from collections import deque
+    queued = [deque() for _ in range(world)]          # packed jobs waiting to be posted
+    posted = np.zeros(world, np.int64)                # jobs with writes in flight, per rank
+    post_ranks: set = set()
+    max_posted = max(1, int(cluster.max_inflight_tasks))
     while True:
         for m in open_meshes:
             try_start(m, now + dt)
@@ -338,13 +344,26 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             ready = [j for j in pending_act if job_act_time[j] <= now]
             if ready:
                 pending_act[:] = [j for j in pending_act if job_act_time[j] > now]
-                new = np.concatenate([np.arange(job_start[j], job_end[j]) for j in ready])
-                active = np.concatenate([active, new])
+                for j in sorted(ready):
+                    r = int(job_rank[j])
+                    queued[r].append(j)
+                    post_ranks.add(r)
+        if post_ranks:
+            new = []
+            for r in post_ranks:
+                q = queued[r]
+                while q and posted[r] < max_posted:
+                    j = q.popleft()
+                    posted[r] += 1
+                    new.append(np.arange(job_start[j], job_end[j]))
+            post_ranks.clear()
+            if new:
+                active = np.concatenate([active] + new)
                 active = active[np.argsort(erank_of_order[active], kind="stable")]
         ag_live = sorted(ag_live_set)
         if jobs_left == 0 and not inflight_ag and all(mptr[m] >= len(plan.mesh_tasks[m]) for m in mptr):
             break
-        if active.size == 0 and not ag_live:
+        if active.size == 0 and not ag_live and not any(queued[r] for r in range(world)):
             # nothing flows: jump to the next stage event
             cands = [job_act_time[j] for j in pending_act]
             for m in mptr:
@@ -395,6 +414,9 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
                         jobs_left -= 1
                         r = int(job_rank[j])
                         mem[r] -= job_packed[j]
+                        posted[r] -= 1
+                        if queued[r]:
+                            post_ranks.add(r)
                         last_write = max(last_write, te2)
                         if record:
                             timeline.append(("write", r, int(job_task[j]), job_act_time[j], te2))
