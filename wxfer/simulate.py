@@ -10,8 +10,9 @@ by a barrier over all trainer ranks):
    next all-gather only when every rank of it has room under the watermark for the full
    tensor plus its packed buffer.
 3. fuse / quantize / pack on each sending rank at memory speed (one stream per rank).
-4. one-sided writes: each rank keeps the writes of at most `max_inflight_tasks` tasks
-   posted (in plan order); per (sender, receiver) pair FIFO, all pairs sharing the NICs by
+4. one-sided writes: each rank keeps at most `max_posted_bytes` of writes posted (at
+   least one task's; tasks in plan order); per (sender, receiver) pair FIFO, all pairs
+   sharing the NICs by
    iterative water-filling (an approximation of max-min fairness that is work-conserving:
    every unfinished flow is stopped by a saturated link or by its own demand).
 
@@ -333,8 +334,10 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     from collections import deque
     queued = [deque() for _ in range(world)]          # packed jobs waiting to be posted
     posted = np.zeros(world, np.int64)                # jobs with writes in flight, per rank
+    posted_bytes = np.zeros(world)
+    job_wbytes = np.bincount(ejob, ebytes, J) if J else np.zeros(0)
     post_ranks: set = set()
-    max_posted = max(1, int(cluster.max_inflight_tasks))
+    max_posted = float(cluster.max_posted_bytes)
     while True:
         for m in open_meshes:
             try_start(m, now + dt)
@@ -352,9 +355,10 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             new = []
             for r in post_ranks:
                 q = queued[r]
-                while q and posted[r] < max_posted:
+                while q and (posted[r] == 0 or posted_bytes[r] + job_wbytes[q[0]] <= max_posted):
                     j = q.popleft()
                     posted[r] += 1
+                    posted_bytes[r] += job_wbytes[j]
                     new.append(np.arange(job_start[j], job_end[j]))
             post_ranks.clear()
             if new:
@@ -415,6 +419,7 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
                         r = int(job_rank[j])
                         mem[r] -= job_packed[j]
                         posted[r] -= 1
+                        posted_bytes[r] -= job_wbytes[j]
                         if queued[r]:
                             post_ranks.add(r)
                         last_write = max(last_write, te2)
