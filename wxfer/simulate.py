@@ -154,6 +154,10 @@ def lower_bound(plan, cluster) -> tuple[float, str]:
 
 
 def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult:
+    """Predict one update of `plan` on `cluster` (a wxfer.meta.Cluster).
+
+    steps: network time steps per lower bound (accuracy vs. speed); record: keep the
+    per-stage timeline (for `timeline_frame()` / `plot_timeline()`)."""
     import time as _time
     w0 = _time.perf_counter()
     world, ngpu = plan.train_world, int(plan.gpu_of.max()) + 1
@@ -163,7 +167,6 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     wm = float(cluster.watermark_bytes)
     lbytes, lbw = _links(plan, cluster)
     lb, bname = lower_bound(plan, cluster)
-    T = len(plan.tasks)
 
     # ---- jobs: (sender, task) runs of the transfer table; entries: (job, gpu) aggregates
     n = plan.n_transfers
@@ -222,8 +225,6 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
                     for r in plan.meshes[m]:
                         d = plan.tasks[ti].src_bytes / k / pcie_bw
                         h2d_done[(r, ti)] = hfree[r] + d
-                        if record:
-                            pass
                         hfree[r] += d
     timeline = []
     if record and cluster.cpu_offload:
