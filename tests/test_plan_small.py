@@ -175,3 +175,19 @@ def test_expected_destination_for_a_tiny_qwen3_end_to_end_reference():
     buf = packed_buffer(plan, int(plan.sender[0]), t, full)
     assert buf.numel() == max(int(plan.src_offset[i] + plan.nbytes[i]) for i in range(plan.n_transfers)
                               if plan.sender[i] == plan.sender[0] and plan.task[i] == t)
+
+
+def test_inconsistent_workers_are_refused_by_name():
+    ws = _workers(1)
+    ws[1].tp = 4
+    with pytest.raises(PlanError, match="tp=4"):
+        build_plan(_train(), ws, _preset())
+    ws = _workers(1)
+    ws[1].rank = 5
+    with pytest.raises(PlanError) as ei:
+        build_plan(_train(), ws, _preset())
+    assert "worker replica 0 rank 5: rank outside [0, 2)" in ei.value.problems
+    assert "no worker for replica 0 rank 1" in ei.value.problems
+    ws = _workers(1) + _workers(1)[:1]
+    with pytest.raises(PlanError, match="two workers claim replica 0 rank 0"):
+        build_plan(_train(), ws, _preset())

@@ -314,6 +314,9 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         if w.tp != tp or w.ep != ep:
             problems.append(f"worker replica {w.replica} rank {w.rank}: tp={w.tp} ep={w.ep}, others tp={tp} ep={ep}")
             continue
+        if not (0 <= w.rank < tp and w.replica >= 0):
+            problems.append(f"worker replica {w.replica} rank {w.rank}: rank outside [0, {tp}) or negative replica")
+            continue
         if gpu_of[w.replica, w.rank] >= 0:
             problems.append(f"two workers claim replica {w.replica} rank {w.rank}")
         gpu_of[w.replica, w.rank] = w.gpu
