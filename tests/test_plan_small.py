@@ -186,7 +186,7 @@ def test_inconsistent_workers_are_refused_by_name():
     ws[1].rank = 5
     with pytest.raises(PlanError) as ei:
         build_plan(_train(), ws, _preset())
-    assert "worker replica 0 rank 5: rank outside [0, 2)" in ei.value.problems
+    assert "worker replica 0 rank 5: rank outside [0, 2) or negative replica" in ei.value.problems
     assert "no worker for replica 0 rank 1" in ei.value.problems
     ws = _workers(1) + _workers(1)[:1]
     with pytest.raises(PlanError, match="two workers claim replica 0 rank 0"):
