@@ -72,12 +72,12 @@ def test_two_trainers_tp2_fused_qkv_fp8_one_replica():
 
 def test_two_replicas_each_trainer_serves_one_replica():
     plan = build_plan(_train(), _workers(2), _preset())
-    # trainer 0 feeds replica 0, trainer 1 replica 1; trainer 1 starts with inference
-    # rank 1 so that the two senders do not hit the same rank first.  The packed buffer
-    # holds each shard once, in sending order.
+    # trainer 0 feeds replica 0, trainer 1 replica 1, each visiting the inference ranks in
+    # its own pseudo-random order (here both start with rank 1, on different GPUs).  The
+    # packed buffer holds each shard once, in sending order.
     assert _rows(plan) == [
-        (0, 0, 0, 0, W, 0, 49152, 0), (0, 0, 0, 0, S, 0, 12, 49152),
-        (0, 0, 0, 1, W, 0, 49152, 49164), (0, 0, 0, 1, S, 0, 12, 98316),
+        (0, 0, 0, 1, W, 0, 49152, 0), (0, 0, 0, 1, S, 0, 12, 49152),
+        (0, 0, 0, 0, W, 0, 49152, 49164), (0, 0, 0, 0, S, 0, 12, 98316),
         (1, 0, 1, 1, W, 0, 49152, 0), (1, 0, 1, 1, S, 0, 12, 49152),
         (1, 0, 1, 0, W, 0, 49152, 49164), (1, 0, 1, 0, S, 0, 12, 98316),
     ]
