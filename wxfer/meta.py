@@ -95,6 +95,7 @@ class Cluster:
     watermark_bytes: int = 8 << 30         # prepared-but-unsent bytes per trainer rank
     barrier_s: float = 0.5e-3              # gloo barrier between mesh groups
     write_latency_s: float = 5e-6
+    max_posted_bytes: int = 16 << 30       # writes a trainer rank keeps posted at once (>= one task's)
 
     @property
     def nic_GBps(self) -> float:
@@ -136,23 +137,34 @@ def _mesh_groups(mesh_ranks, placements) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(x) for x in row) for row in arr)
 
 
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
+
+
+def clean_name(name: str) -> str:
+    """Drop the wrapper components torch.compile / activation checkpointing / DDP insert."""
+    parts = [p for p in name.split(".") if p + "." not in _WRAPPER_PREFIXES]
+    return ".".join(parts)
+
+
 def from_fsdp_model(model, world_size: int | None = None) -> list[TrainParam]:
     """Metadata of every parameter of a model sharded with FSDP2 (`fully_shard`).
 
     DTensor parameters: the global shape and dtype, the mesh's placements and the rank
     groups that can run ``full_tensor()``.  Plain tensors (not sharded) are producible by
-    every rank alone."""
+    every rank alone.  Wrapper components in names (``_orig_mod``,
+    ``_checkpoint_wrapped_module``, ...) are dropped so that names match Hugging Face's."""
     from torch.distributed.tensor import DTensor
     if world_size is None:
         import torch.distributed as dist
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     out = []
     for name, p in model.named_parameters():
+        name = clean_name(name)
         if isinstance(p, DTensor):
             mesh = p.device_mesh
             out.append(TrainParam(name, tuple(p.shape), _dtype_name(p.dtype),
                                   _mesh_groups(mesh.mesh.tolist(), p.placements),
-                                  tuple(str(x) for x in p.placements)))
+                                  tuple(repr(x) for x in p.placements)))
         else:
             out.append(TrainParam(name, tuple(p.shape), _dtype_name(p.dtype),
                                   tuple((r,) for r in range(world_size)), ("Replicate()",)))
@@ -206,22 +218,45 @@ def synthesize_train(preset: Preset, cluster: Cluster) -> list[TrainParam]:
     per_mesh = max(1, -(-n_exp // len(emeshes))) if n_exp else 1
     for name, (shape, dtype, expert) in hp.items():
         if expert is None:
-            pl = ("Replicate()", "Shard(0)") if len(dense) > 1 else ("Shard(0)",)
+            pl = ("Replicate()", "Shard(dim=0)") if len(dense) > 1 else ("Shard(dim=0)",)
             out.append(TrainParam(name, shape, dtype, dense, pl))
         else:
             m = emeshes[(expert // per_mesh) % len(emeshes)]
-            out.append(TrainParam(name, shape, dtype, (m,), ("Shard(0)",)))
+            out.append(TrainParam(name, shape, dtype, (m,), ("Shard(dim=0)",)))
     return out
 
 
+def expert_group_of(train: Iterable[TrainParam]) -> int:
+    """How many consecutive routed experts share a mesh (gcd over layers; 1 if none)."""
+    import re
+    from math import gcd
+    pat = re.compile(r"^(.*\.experts)\.(\d+)\.")
+    by_layer: dict[str, dict[int, tuple]] = {}
+    for p in train:
+        m = pat.match(p.name)
+        if m:
+            by_layer.setdefault(m.group(1), {})[int(m.group(2))] = p.meshes
+    g = 0
+    for d in by_layer.values():
+        es = sorted(d)
+        run = 1
+        for a, b in zip(es, es[1:]):
+            if b == a + 1 and d[a] == d[b]:
+                run += 1
+            else:
+                g, run = gcd(g, run), 1
+        g = gcd(g, run)
+    return max(g, 1)
+
+
 def workers_from_expanded(ex: Expanded, cluster: Cluster) -> list[InferWorker]:
-    """Inference workers of every replica holding the layout of an expansion."""
-    workers = []
-    for rep in range(cluster.replicas):
-        for r in range(cluster.infer_tp):
-            params = {d.name: InferParam(d.name, d.shape, d.dtype) for d in ex.dest[r].values()}
-            workers.append(InferWorker(rep, r, cluster.infer_tp, cluster.infer_ep, params))
-    return workers
+    """Inference workers of every replica holding the layout of an expansion.
+
+    Workers of the same rank in different replicas share one (read-only) params dict."""
+    per_rank = [{d.name: InferParam(d.name, d.shape, d.dtype) for d in ex.dest[r].values()}
+                for r in range(cluster.infer_tp)]
+    return [InferWorker(rep, r, cluster.infer_tp, cluster.infer_ep, per_rank[r])
+            for rep in range(cluster.replicas) for r in range(cluster.infer_tp)]
 
 
 @dataclass
@@ -240,5 +275,6 @@ def synthesize(preset: Preset | str | Mapping, cluster: Cluster) -> Synthesized:
     elif not isinstance(preset, Preset):
         preset = from_config("custom", preset)
     train = synthesize_train(preset, cluster)
-    ex = expand(preset.rules, {p.name: p.shape for p in train}, cluster.layout, preset.config)
+    layout = Layout(cluster.infer_tp, cluster.infer_ep, cluster.quant, expert_group_of(train))
+    ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config)
     return Synthesized(preset, cluster, train, workers_from_expanded(ex, cluster), ex)

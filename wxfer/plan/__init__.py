@@ -9,6 +9,7 @@ Entry points::
 """
 from .core import Plan, PlanError, Task, build_plan
 from .check import check_coverage, check_deadlock_free
+from .reference import expected_destination, packed_buffer
 
 
 def plan_for(preset, cluster, **kw) -> Plan:
@@ -17,9 +18,11 @@ def plan_for(preset, cluster, **kw) -> Plan:
     from ..meta import synthesize
     t0 = time.perf_counter()
     s = synthesize(preset, cluster)
+    kw.setdefault("gpus_per_node", cluster.gpus_per_node)
     plan = build_plan(s.train, s.workers, s.preset, quant=cluster.quant, expanded=s.expanded, **kw)
     plan.build_s = time.perf_counter() - t0
     return plan
 
 
-__all__ = ["Plan", "PlanError", "Task", "build_plan", "plan_for", "check_coverage", "check_deadlock_free"]
+__all__ = ["Plan", "PlanError", "Task", "build_plan", "plan_for", "check_coverage", "check_deadlock_free",
+           "expected_destination", "packed_buffer"]
