@@ -36,6 +36,8 @@ typedef struct wx_fab_peer {
     char name[64];        /* copy of wx_peer_t.name for messages */
     fi_addr_t fa;
     int in_av;
+    uint64_t eagain_since; /* start of an unbroken run of -FI_EAGAIN answers, else 0 */
+    uint64_t eagain_check; /* next liveness check during such a run (shm) */
     long pid;             /* shm: the peer's process id (from its address), else 0 */
     int gone;             /* shm: that process no longer exists */      /* a write was accepted: the provider's connection is up */
     atomic_uint inflight;

@@ -24,7 +24,7 @@
 #define WX_FAB_WAIT_MS 50   /* longest blocking CQ wait: bounds how long close() waits */
 #define WX_FAB_SCAN_NS (100 * 1000000ull)
 #define WX_FAB_BATCH 32
-#define WX_FAB_EAGAIN_MAX_NS (30 * 1000000000ull) /* bound of the -FI_EAGAIN retries when
+#define WX_FAB_EAGAIN_MAX_NS (30 * 1000000000ull) /* -FI_EAGAIN run that fails a peer when
                                                     * the op timeout is off */
 
 int wx__fab_slots_init(wx_fab_t *f)
@@ -327,57 +327,48 @@ void wx__fab_cancel_all(wx_fab_t *f)
     f->posted = f->abandoned = 0;
 }
 
-/* fi_writemsg, retried while the provider answers -FI_EAGAIN. Not handing -EAGAIN back
- * to the caller is deliberate: tcp;ofi_rxm answers -FI_EAGAIN while the connection to a new
- * peer is being set up (and, at times, forever after the peer died), shm when its queues
- * are full; in every case the progress thread is what frees the way, so waiting here is
- * short - and bounded by the op timeout, after which the peer is failed. */
+/* One fi_writemsg. -FI_EAGAIN becomes -EAGAIN (the caller retries after a completion or a
+ * short wait): tcp;ofi_rxm answers it while the connection to a new peer is being set up,
+ * shm when its queues are full. It is also how tcp;ofi_rxm at times answers for a peer that
+ * died, forever, so an unbroken run of -FI_EAGAIN longer than the op timeout fails the peer
+ * (-ETIMEDOUT), and for shm a peer whose process is gone fails at once (-EPIPE). */
 static ssize_t wx__fab_post(wx_fab_t *f, wx_fab_peer_t *fp, const struct fi_msg_rma *msg,
                             char *why, size_t why_len)
 {
-    uint64_t start = 0, next_check = 0, bound = f->op_timeout_ns ? f->op_timeout_ns
-                                                                 : WX_FAB_EAGAIN_MAX_NS;
-    unsigned spins = 0;
-    for (;;) {
-        ssize_t rc;
-        uint64_t now;
-        if (f->serialize)
-            pthread_mutex_lock(&f->dlock);
-        rc = fi_writemsg(f->ep, msg, f->write_flags);
-        if (f->serialize)
-            pthread_mutex_unlock(&f->dlock);
-        if (rc != -FI_EAGAIN)
-            return rc;
-        now = wx_now_ns();
-        if (!start)
-            start = now;
-        if (fp->failed || atomic_load(&f->stop)) {
-            snprintf(why, why_len, "%s", fp->failed ? fp->why : "fabric: transport closing");
-            return fp->failed ? fp->failed : -ECANCELED;
-        }
-        if (now >= next_check) {
-            next_check = now + WX_FAB_SCAN_NS;
-            if (fp->pid && kill((pid_t)fp->pid, 0) == -1 && errno == ESRCH) {
-                snprintf(why, why_len, "fabric: cannot write to %s: the peer process (pid %ld) "
-                                       "has exited (provider %s)",
-                         fp->name, fp->pid, f->prov);
-                return -EPIPE;
-            }
-        }
-        if (now - start > bound) {
-            snprintf(why, why_len,
-                     "fabric: provider %s refused every write to %s for %.1f s (-FI_EAGAIN): is "
-                     "the peer process still alive?",
-                     f->prov, fp->name, (double)(now - start) / 1e9);
-            return -ETIMEDOUT;
-        }
-        if (spins++ < 32) {
-            sched_yield();
-        } else {
-            struct timespec ts = {0, 20000};
-            nanosleep(&ts, NULL);
+    uint64_t now, bound = f->op_timeout_ns ? f->op_timeout_ns : WX_FAB_EAGAIN_MAX_NS;
+    ssize_t rc;
+    if (f->serialize)
+        pthread_mutex_lock(&f->dlock);
+    rc = fi_writemsg(f->ep, msg, f->write_flags);
+    if (f->serialize)
+        pthread_mutex_unlock(&f->dlock);
+    if (rc != -FI_EAGAIN) {
+        if (rc == 0)
+            fp->eagain_since = 0;
+        return rc;
+    }
+    now = wx_now_ns();
+    if (!fp->eagain_since) {
+        fp->eagain_since = now;
+        fp->eagain_check = now;
+    }
+    if (fp->pid && now >= fp->eagain_check) {
+        fp->eagain_check = now + WX_FAB_SCAN_NS;
+        if (kill((pid_t)fp->pid, 0) == -1 && errno == ESRCH) {
+            snprintf(why, why_len, "fabric: cannot write to %s: the peer process (pid %ld) "
+                                   "has exited (provider %s)",
+                     fp->name, fp->pid, f->prov);
+            return -EPIPE;
         }
     }
+    if (now - fp->eagain_since > bound) {
+        snprintf(why, why_len,
+                 "fabric: provider %s refused every write to %s for %.1f s (-FI_EAGAIN): is "
+                 "the peer process still alive?",
+                 f->prov, fp->name, (double)(now - fp->eagain_since) / 1e9);
+        return -ETIMEDOUT;
+    }
+    return -FI_EAGAIN;
 }
 
 int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
@@ -455,6 +446,10 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     atomic_fetch_sub(&fp->inflight, 1);
     if (why[0])
         return wx_errf((int)rc, "%s", why);
+    if (rc == -FI_EAGAIN)
+        return wx_errf(-EAGAIN, "fabric: provider %s cannot take another write to %s now; "
+                                "retry after a completion",
+                       f->prov, fp->name);
     return wx__fab_err((int)rc,
                        "fabric: fi_writemsg(%s, wr_id %llu, %llu bytes -> key 0x%llx + %llu)",
                        fp->name, (unsigned long long)op->wr_id, (unsigned long long)wr->len,
