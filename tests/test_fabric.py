@@ -290,7 +290,7 @@ def fabric_pair(tmp_path_factory):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("scenario", ["landed", "small", "refuse", "closeout"])
+@pytest.mark.parametrize("scenario", ["basic", "landed", "small", "refuse", "dead", "closeout"])
 def test_c_program(fabric_pair, provider, scenario):
     r = subprocess.run([fabric_pair, provider, scenario, "timeout=3"], capture_output=True,
                        text=True, timeout=80)

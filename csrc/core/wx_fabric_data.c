@@ -308,6 +308,30 @@ void wx__fab_thread_stop(wx_fab_t *f)
     f->thread_started = 0;
 }
 
+void wx__fab_cancel_peer(wx_fab_t *f, wx_fab_peer_t *fp, const char *why)
+{
+    if (!f->slots)
+        return;
+    for (;;) {
+        wx_op_t *op = NULL;
+        pthread_mutex_lock(&f->slot_lock);
+        for (uint32_t i = 0; i < f->depth && !op; i++) {
+            wx_fab_slot_t *s = &f->slots[i];
+            if (s->state == WX_FAB_POSTED && s->fp == fp) {
+                op = s->op;
+                s->op = NULL;
+                s->state = WX_FAB_ABANDONED;
+                f->posted--;
+                f->abandoned++;
+            }
+        }
+        pthread_mutex_unlock(&f->slot_lock);
+        if (!op)
+            return;
+        op->done(op, -ECANCELED, why);
+    }
+}
+
 void wx__fab_cancel_all(wx_fab_t *f)
 {
     if (!f->slots)

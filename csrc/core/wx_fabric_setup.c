@@ -482,6 +482,7 @@ static void wx__fab_disconnect(wx_transport_t *t, wx_peer_t *p)
     if (!fp)
         return;
     p->priv = NULL;
+    wx__fab_cancel_peer(f, fp, "fabric: transport closed (peer disconnected)");
     /* Writes still in flight keep the AV entry until the endpoint closes; fp itself is
      * freed at close. */
     if (!fp->in_av || atomic_load(&fp->inflight))

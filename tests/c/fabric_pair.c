@@ -17,6 +17,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <glob.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -392,6 +393,19 @@ static void sc_dead(void)
     CHECK(write_all(&P, 0, 0, 1u << 20, 10, why, sizeof why) == 0, "first write: %s", why);
     kill(P.child, SIGKILL);
     CHECK(waitpid(P.child, &st, 0) == P.child, "waitpid");
+    {
+        /* shm: a process killed before closing its endpoint leaves /dev/shm/PID:N:N */
+        char pat[64];
+        glob_t g;
+        snprintf(pat, sizeof pat, "/dev/shm/%d:*", (int)P.child);
+        if (glob(pat, 0, NULL, &g) == 0) {
+            for (size_t i = 0; i < g.gl_pathc; i++) {
+                printf("  removing what the killed target left: %s\n", g.gl_pathv[i]);
+                unlink(g.gl_pathv[i]);
+            }
+            globfree(&g);
+        }
+    }
     P.child = -1;
     t0 = now_s();
     rc = 0;
