@@ -264,11 +264,40 @@ def test_close_with_writes_in_flight_completes_them(pair):
 @pytest.mark.gpu
 def test_cuda_memory_without_fi_hmem_is_refused_clearly():
     import torch
-    t = _wxfer.Transport("fabric", {"provider": "tcp"})
+    # hmem=off: the provider is opened without FI_HMEM whatever this libfabric offers
+    t = _wxfer.Transport("fabric", {"provider": "tcp", "hmem": "off"})
     assert "hmem=no" in t.info()
     x = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     with pytest.raises(_wxfer.Error, match="does not offer FI_HMEM"):
         t.register(x)
+    with pytest.raises(_wxfer.Error, match="does not offer FI_HMEM"):
+        t.register(x, export=False)
+    t.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_cuda_target_where_the_provider_offers_fi_hmem():
+    import torch
+    t = _wxfer.Transport("fabric", {"provider": "shm"})
+    if "hmem=yes" not in t.info():
+        t.close()
+        pytest.skip("this libfabric's shm provider does not offer FI_HMEM")
+    dst = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    try:
+        rd = t.register(dst)
+    except _wxfer.Error as e:
+        t.close()
+        pytest.skip("FI_HMEM offered but CUDA registration failed here: %s" % e)
+    src = torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8)
+    rs = t.register(src, export=False)
+    peer, req = t.connect_request(t.export())  # loopback: write into our own GPU buffer
+    t.connect_finish(peer, t.accept(req) if req else b"")
+    t.write(rs, 0, rd.descriptor, 0, 1 << 20, timeout=20)
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), src)
+    rs.close()
+    rd.close()
     t.close()
 
 
