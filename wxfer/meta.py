@@ -152,7 +152,7 @@ def from_fsdp_model(model, world_size: int | None = None) -> list[TrainParam]:
             mesh = p.device_mesh
             out.append(TrainParam(name, tuple(p.shape), _dtype_name(p.dtype),
                                   _mesh_groups(mesh.mesh.tolist(), p.placements),
-                                  tuple(str(x) for x in p.placements)))
+                                  tuple(repr(x) for x in p.placements)))
         else:
             out.append(TrainParam(name, tuple(p.shape), _dtype_name(p.dtype),
                                   tuple((r,) for r in range(world_size)), ("Replicate()",)))
@@ -206,11 +206,11 @@ def synthesize_train(preset: Preset, cluster: Cluster) -> list[TrainParam]:
     per_mesh = max(1, -(-n_exp // len(emeshes))) if n_exp else 1
     for name, (shape, dtype, expert) in hp.items():
         if expert is None:
-            pl = ("Replicate()", "Shard(0)") if len(dense) > 1 else ("Shard(0)",)
+            pl = ("Replicate()", "Shard(dim=0)") if len(dense) > 1 else ("Shard(dim=0)",)
             out.append(TrainParam(name, shape, dtype, dense, pl))
         else:
             m = emeshes[(expert // per_mesh) % len(emeshes)]
-            out.append(TrainParam(name, shape, dtype, (m,), ("Shard(0)",)))
+            out.append(TrainParam(name, shape, dtype, (m,), ("Shard(dim=0)",)))
     return out
 
 

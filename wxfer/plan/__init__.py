@@ -17,6 +17,7 @@ def plan_for(preset, cluster, **kw) -> Plan:
     from ..meta import synthesize
     t0 = time.perf_counter()
     s = synthesize(preset, cluster)
+    kw.setdefault("gpus_per_node", cluster.gpus_per_node)
     plan = build_plan(s.train, s.workers, s.preset, quant=cluster.quant, expanded=s.expanded, **kw)
     plan.build_s = time.perf_counter() - t0
     return plan

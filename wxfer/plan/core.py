@@ -199,6 +199,14 @@ def _merge_shards(shards: list[Shard]) -> list[Shard]:
     return out
 
 
+def _ag_nic_bytes(src_bytes: int, mesh: tuple[int, ...], gpus_per_node: int) -> float:
+    """Bytes a ring all-gather puts on each rank's NIC (0 inside a node: NVLink)."""
+    k = len(mesh)
+    if k == 1 or len({r // gpus_per_node for r in mesh}) == 1:
+        return 0.0
+    return src_bytes * (k - 1) / k
+
+
 def _mesh_options(comp_sources, params: Mapping[str, TrainParam]) -> tuple[tuple[int, ...], ...]:
     opts = None
     for s in comp_sources:
@@ -209,9 +217,12 @@ def _mesh_options(comp_sources, params: Mapping[str, TrainParam]) -> tuple[tuple
 
 def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], preset: Preset,
                quant: str | None = None, ignore: Iterable[str] = (), expanded: Expanded | None = None,
-               max_task_bytes: int = 1 << 30, check: bool = True) -> Plan:
+               max_task_bytes: int = 1 << 30, check: bool = True, gpus_per_node: int = 8) -> Plan:
     """Compute the plan.  Raises PlanError listing every mismatch (by name) when the
-    training params, the mapping and the inference workers do not agree."""
+    training params, the mapping and the inference workers do not agree.
+
+    gpus_per_node tells which meshes all-gather over the NICs (those spanning nodes):
+    their all-gather bytes count in the per-NIC balance."""
     t0 = time.perf_counter()
     workers = sorted(workers, key=lambda w: (w.replica, w.rank))
     if not workers:
@@ -311,8 +322,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
             sums = [load[list(o)].sum() for o in opts]
             m = opts[int(np.argmin(sums))]
         t.mesh = mid(m)
-        ag = t.src_bytes * (len(m) - 1) / len(m)
-        load[list(m)] += ag + wbytes / len(m)
+        load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node) + wbytes / len(m)
 
     # ---- mesh groups: greedy colouring of the overlap graph, biggest meshes first
     mesh_bytes = np.zeros(len(meshes))
@@ -349,8 +359,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
     load = np.zeros(train_world, np.float64)
     for t in tasks:
         m = meshes[t.mesh]
-        if len(m) > 1:
-            load[list(m)] += t.src_bytes * (len(m) - 1) / len(m)
+        load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node)
     cols: dict[str, list[np.ndarray]] = {k: [] for k in
                                           ("sender", "task", "shard", "replica", "rank", "dst", "off", "n", "src")}
     ngpu = replicas * tp

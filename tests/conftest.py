@@ -1,0 +1,32 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _cuda_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    n = None
+    for item in items:
+        if "gpu" in item.keywords or "gpu2" in item.keywords:
+            if n is None:
+                n = _cuda_count()
+            need = 2 if "gpu2" in item.keywords else 1
+            if n < need:
+                item.add_marker(pytest.mark.skip(
+                    reason="needs %d CUDA GPU(s), this machine has %d" % (need, n)))
+        if "rdma" in item.keywords:
+            devs = os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else []
+            if not devs:
+                item.add_marker(pytest.mark.skip(reason="needs an RDMA device (/sys/class/infiniband is empty)"))

@@ -1,0 +1,194 @@
+"""The native engine over real processes and the libfabric transport (tcp and shm):
+bytes land, odd sizes and offsets, many small tasks, the watermark, refused writes, a
+vanished peer, and the GIL released while waiting."""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import wxfer
+from wxfer import _wxfer
+from wxfer.testing import TargetProcess
+from wxfer.trace import held_over_time, to_chrome
+
+PROVIDERS = ["tcp", "shm"]
+
+pytestmark = pytest.mark.skipif(not wxfer.backends()["fabric"]["available"],
+                                reason="fabric backend unavailable: %s"
+                                % wxfer.backends()["fabric"]["reason"])
+
+
+def rand(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.fixture(params=PROVIDERS)
+def pair(request):
+    opts = {"provider": request.param}
+    with TargetProcess("fabric", opts, [1 << 20, 3 * 4096 + 17]) as tgt:
+        t = _wxfer.Transport("fabric", opts)
+        tgt.connect(t)
+        yield t, tgt
+        t.close()
+
+
+def test_odd_sizes_and_unaligned_offsets(pair):
+    t, tgt = pair
+    size = 1 << 20
+    expect = np.zeros(size, dtype=np.uint8)
+    src = rand(size, 1)
+    eng = _wxfer.Engine(t, chunk=64 * 1024 + 3)  # odd chunk size: writes split unevenly
+    rng = np.random.default_rng(2)
+    dests = []
+    cursor = 0
+    while cursor < size - 1:  # disjoint, odd-length, unaligned pieces
+        n = int(rng.integers(1, 100_000))
+        n = min(n, size - cursor)
+        soff = int(rng.integers(0, size - n + 1))
+        dests.append((tgt.descriptors[0], cursor, soff, n))
+        expect[cursor:cursor + n] = src[soff:soff + n]
+        cursor += n + int(rng.integers(0, 7))
+    eng.submit(src, dests, tag=7)
+    eng.wait(timeout=60)
+    got = np.frombuffer(tgt.read(0), dtype=np.uint8)
+    assert np.array_equal(got, expect)
+    st = eng.stats()
+    assert st["bytes_written"] == sum(d[3] for d in dests)
+    assert st["completed"] == st["submitted"] == 1
+    eng.close()
+
+
+def test_many_small_tasks_into_two_regions(pair):
+    t, tgt = pair
+    eng = _wxfer.Engine(t)
+    n1, n2 = 1 << 20, 3 * 4096 + 17
+    exp1, exp2 = np.zeros(n1, np.uint8), np.zeros(n2, np.uint8)
+    for i in range(400):
+        if i % 2:
+            size, off = 1 + (i * 37) % 60, (i * 131) % (n2 - 64)
+            data = rand(size, i)
+            eng.submit(data, [(tgt.descriptors[1], off, 0, size)], tag=i)
+            exp2[off:off + size] = data
+        else:
+            size, off = 2048 + i, i * 2500
+            data = rand(size, i)
+            eng.submit(data, [(tgt.descriptors[0], off, 0, size)], tag=i)
+            exp1[off:off + size] = data
+    eng.wait(timeout=60)
+    assert np.array_equal(np.frombuffer(tgt.read(0), np.uint8), exp1)
+    assert np.array_equal(np.frombuffer(tgt.read(1), np.uint8), exp2)
+    recs = eng.trace()
+    assert len(recs) == 400 and all(r["status"] == 0 for r in recs)
+    assert all(r["t_submit"] <= r["t_admit"] <= r["t_ready"] <= r["t_post_first"]
+               <= r["t_done"] for r in recs)
+    chrome = to_chrome(recs)
+    assert sum(1 for e in chrome["traceEvents"] if e["ph"] == "X") >= 4 * 400 - 10
+    eng.close()
+
+
+def test_watermark_is_never_exceeded(pair):
+    t, tgt = pair
+    wm = 256 * 1024
+    eng = _wxfer.Engine(t, watermark=wm, chunk=32 * 1024)
+    task = 60 * 1024
+    for i in range(40):
+        eng.submit(rand(task, i), [(tgt.descriptors[0], (i * task) % ((1 << 20) - task), 0, task)],
+                   tag=i)
+    eng.wait(timeout=60)
+    recs = eng.trace()
+    assert len(recs) == 40
+    peak = max(h for _, h in held_over_time(recs))
+    assert peak <= wm
+    assert peak >= 3 * task  # the watermark allowed overlap, and it was used
+    assert eng.stats()["held_peak"] <= wm
+    assert eng.stats()["held"] == 0
+    eng.close()
+
+
+def test_bad_key_and_out_of_range_refused_before_posting(pair):
+    t, tgt = pair
+    eng = _wxfer.Engine(t)
+    good = tgt.descriptors[1]
+    d = bytearray(good)
+    # the key is the first u64 of the region record, after the 8-byte header, the u32
+    # address length and the address
+    alen = int.from_bytes(d[8:12], "little")
+    koff = 12 + alen
+    d[koff:koff + 8] = (int.from_bytes(d[koff:koff + 8], "little") ^ 0x5A5A).to_bytes(8, "little")
+    with pytest.raises(_wxfer.Error, match="key 0x"):
+        eng.submit(rand(16, 0), [(bytes(d), 0, 0, 16)])
+    with pytest.raises(_wxfer.Error, match="outside"):
+        eng.submit(rand(64, 0), [(good, 3 * 4096 + 17 - 10, 0, 64)])
+    with pytest.raises(_wxfer.Error, match="outside"):
+        eng.submit(rand(64, 0), [(good, 0, 32, 64)])  # source range past the source
+    # a task with one bad destination among good ones writes nothing at all
+    with pytest.raises(_wxfer.Error):
+        eng.submit(rand(64, 0), [(good, 0, 0, 64), (good, 1 << 40, 0, 1)])
+    eng.wait(timeout=10)
+    assert tgt.read(1) == bytes(3 * 4096 + 17)
+    assert eng.stats()["submitted"] == 0
+    eng.close()
+
+
+def test_write_primitive(pair):
+    t, tgt = pair
+    src = rand(5000, 9)
+    r = t.register(src, export=False)
+    t.write(r, 100, tgt.descriptors[1], 7, 4321, timeout=30)
+    got = np.frombuffer(tgt.read(1), np.uint8)
+    assert np.array_equal(got[7:7 + 4321], src[100:100 + 4321])
+    assert not got[:7].any() and not got[7 + 4321:].any()
+    with pytest.raises(_wxfer.Error, match="local range"):
+        t.write(r, 4000, tgt.descriptors[1], 0, 2000)
+    r.close()
+
+
+def test_gil_released_while_waiting(pair):
+    t, tgt = pair
+    eng = _wxfer.Engine(t, watermark=64 * 1024, chunk=4096, depth=2)
+    ticks = 0
+    stop = threading.Event()
+
+    def spin():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            time.sleep(0.0005)
+
+    th = threading.Thread(target=spin)
+    th.start()
+    try:
+        t0 = time.perf_counter()
+        for i in range(30):  # blocks in admission (watermark) with the GIL released
+            eng.submit(rand(60 * 1024, i), [(tgt.descriptors[0], 0, 0, 60 * 1024)])
+        eng.wait(timeout=60)
+        elapsed = time.perf_counter() - t0
+    finally:
+        stop.set()
+        th.join()
+    assert ticks > 10, (ticks, elapsed)
+    eng.close()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_vanished_peer_raises_within_bounded_time(provider):
+    opts = {"provider": provider}
+    tgt = TargetProcess("fabric", opts, [4 << 20])
+    t = _wxfer.Transport("fabric", opts)
+    tgt.connect(t)
+    desc = tgt.descriptors[0]
+    tgt.kill()
+    eng = _wxfer.Engine(t, timeout=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(_wxfer.Error) as ei:
+        for i in range(4):
+            eng.submit(rand(1 << 20, i), [(desc, i << 20, 0, 1 << 20)])
+        eng.wait(timeout=30)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 20, elapsed
+    assert "peer" in str(ei.value)
+    eng.close()
+    t0 = time.monotonic()
+    t.close()
+    assert time.monotonic() - t0 < 20

@@ -1,0 +1,152 @@
+"""Small plans written out by hand: 2 trainers, TP2 inference, fused qkv, FP8."""
+import numpy as np
+import pytest
+import torch
+
+from wxfer.mapping import Fuse, Ignore, Preset, pack_shard, quantize_fp8_block
+from wxfer.meta import InferParam, InferWorker, TrainParam
+from wxfer.plan import PlanError, build_plan
+
+W, S = "attn.qkv.weight", "attn.qkv.weight_scale_inv"
+
+
+def _preset(extra=()):
+    return Preset("hand", "custom", [Fuse(W, ("attn.q.weight", "attn.k.weight", "attn.v.weight"),
+                                          heads=("n_heads", "n_kv", "n_kv")), *extra],
+                  config={"n_heads": 2, "n_kv": 1}, quant="fp8")
+
+
+def _train(mesh=((0, 1),)):
+    return [TrainParam("attn.q.weight", (256, 128), "bfloat16", mesh),
+            TrainParam("attn.k.weight", (128, 128), "bfloat16", mesh),
+            TrainParam("attn.v.weight", (128, 128), "bfloat16", mesh)]
+
+
+def _workers(replicas=1):
+    params = {W: InferParam(W, (384, 128), "float8_e4m3fn"), S: InferParam(S, (3, 1), "float32")}
+    return [InferWorker(rep, r, 2, False, dict(params), {W: bytes([rep, r])}) for rep in range(replicas) for r in range(2)]
+
+
+def _rows(plan):
+    return [(int(plan.sender[i]), int(plan.task[i]), int(plan.replica[i]), int(plan.infer_rank[i]),
+             plan.names[plan.dst[i]], int(plan.dst_offset[i]), int(plan.nbytes[i]), int(plan.src_offset[i]))
+            for i in range(plan.n_transfers)]
+
+
+def test_two_trainers_tp2_fused_qkv_fp8_one_replica():
+    plan = build_plan(_train(), _workers(1), _preset())
+    # one task (q, k, v fused) on mesh (0, 1); each rank of the inference TP group needs
+    # [q_r | k | v] (the single KV head is replicated) as 384x128 FP8 + 3x1 float32 scales.
+    assert len(plan.tasks) == 1 and plan.tasks[0].sources == ("attn.q.weight", "attn.k.weight", "attn.v.weight")
+    assert plan.meshes == [(0, 1)] and plan.groups == [[0]]
+    #          sender task replica rank dst  offset  length  src offset
+    assert _rows(plan) == [
+        (0, 0, 0, 0, W, 0, 49152, 0),
+        (0, 0, 0, 0, S, 0, 12, 49152),
+        (1, 0, 0, 1, W, 0, 49152, 0),
+        (1, 0, 0, 1, S, 0, 12, 49152),
+    ]
+    assert plan.descriptors[(1, W)] == bytes([0, 1])
+    plan.check()
+    plan.check_deadlock_free()
+    sched = plan.rank_schedule(1)
+    assert [[t for t, _ in g] for g in sched] == [[0]] and list(sched[0][0][1]) == [2, 3]
+
+    # the bytes each transfer carries rebuild exactly what the mapping says
+    g = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(*s, generator=g).to(torch.bfloat16) for n, (s, _) in plan.train_params.items()}
+    dest = {}
+    for rank in range(2):
+        packed = {off: pack_shard(sh, full) for off, sh in plan.packed_shards(rank, 0)}
+        buf = torch.cat([packed[o] for o in sorted(packed)])
+        for i in np.flatnonzero(plan.sender == rank):
+            t = plan.transfer(i)
+            d = dest.setdefault((t["gpu"], t["dst"]), torch.zeros(49152 if t["dst"] == W else 12, dtype=torch.uint8))
+            d[t["dst_offset"]:t["dst_offset"] + t["nbytes"]] = buf[t["src_offset"]:t["src_offset"] + t["nbytes"]]
+    for r in range(2):
+        q, s = quantize_fp8_block(torch.cat([full["attn.q.weight"][128 * r:128 * (r + 1)],
+                                             full["attn.k.weight"], full["attn.v.weight"]]))
+        assert torch.equal(dest[(r, W)], q.view(torch.uint8).reshape(-1))
+        assert torch.equal(dest[(r, S)], s.view(torch.uint8).reshape(-1))
+
+
+def test_two_replicas_each_trainer_serves_one_replica():
+    plan = build_plan(_train(), _workers(2), _preset())
+    # trainer 0 feeds replica 0, trainer 1 replica 1; trainer 1 starts with inference
+    # rank 1 so that the two senders do not hit the same rank first.  The packed buffer
+    # holds each shard once, in sending order.
+    assert _rows(plan) == [
+        (0, 0, 0, 0, W, 0, 49152, 0), (0, 0, 0, 0, S, 0, 12, 49152),
+        (0, 0, 0, 1, W, 0, 49152, 49164), (0, 0, 0, 1, S, 0, 12, 98316),
+        (1, 0, 1, 1, W, 0, 49152, 0), (1, 0, 1, 1, S, 0, 12, 49152),
+        (1, 0, 1, 0, W, 0, 49152, 49164), (1, 0, 1, 0, S, 0, 12, 98316),
+    ]
+    assert list(plan.bytes_per_train_rank()) == [98328, 98328]
+    assert list(plan.bytes_per_infer_gpu()) == [49164] * 4
+
+
+def test_coverage_catches_a_missing_and_a_duplicated_byte():
+    plan = build_plan(_train(), _workers(1), _preset())
+    assert plan.check() == []
+    plan.nbytes[0] -= 1                                   # last byte of rank 0's weight never written
+    probs = plan.check(raise_=False)
+    assert probs == [f"bytes [49151, 49152) of {W} on replica 0 rank 0 are never written"]
+    with pytest.raises(PlanError, match="never written"):
+        plan.check()
+    plan.nbytes[0] += 1
+    for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset"):
+        a = getattr(plan, k)
+        setattr(plan, k, np.r_[a, a[3]])                  # rank 1's scale written a second time
+    probs = plan.check(raise_=False)
+    assert probs == [f"bytes [0, 12) of {S} on replica 0 rank 1 are written twice"]
+    plan.dst_offset[-1] = 4                              # overlapping write that also runs past the end
+    probs = plan.check(raise_=False)
+    assert f"bytes [4, 16) of {S} on replica 0 rank 1 are outside the parameter (12 bytes)" in probs
+    assert f"bytes [4, 12) of {S} on replica 0 rank 1 are written twice" in probs
+
+
+def test_mismatches_listed_by_name():
+    train = _train() + [TrainParam("attn.extra.weight", (4, 4), "bfloat16", ((0, 1),)),
+                        TrainParam("rotary.inv_freq", (4,), "float32", ((0, 1),))]
+    workers = _workers(1)
+    del workers[1].params[S]
+    workers[0].params[W] = InferParam(W, (384, 64), "float8_e4m3fn")
+    workers[0].params["lm_head.weight"] = InferParam("lm_head.weight", (4, 4), "bfloat16")
+    with pytest.raises(PlanError) as ei:
+        build_plan(train, workers, _preset(), ignore=[r"rotary\..*"])
+    p = ei.value.problems
+    assert "training parameter attn.extra.weight is not used by any rule and not ignored" in p
+    assert f"{S}: expected on replica 0 rank 1 but the worker lacks it" in p
+    assert any(x.startswith(f"{W} on replica 0 rank 0: worker has (384, 64)") for x in p)
+    assert "lm_head.weight on replica 0 rank 0: no rule writes this destination" in p
+    assert not any("rotary" in x for x in p)
+    # declared in the mapping instead: the Ignore rule
+    plan = build_plan(_train() + [TrainParam("rotary.inv_freq", (4,), "float32", ((0, 1),))], _workers(1),
+                      _preset([Ignore("", ("rotary.inv_freq",))]))
+    assert plan.ignored == ["rotary.inv_freq"]
+
+
+def test_sources_on_different_meshes_are_refused():
+    train = _train()
+    train[2] = TrainParam("attn.v.weight", (128, 128), "bfloat16", ((2, 3),))
+    with pytest.raises(PlanError, match="share no mesh"):
+        build_plan(train, _workers(1), _preset())
+
+
+def test_overlapping_meshes_get_separate_groups_and_deadlock_check_bites():
+    pre = Preset("hand2", "custom", [Fuse("a", ("a",)), Fuse("b", ("b",)), Fuse("c", ("c",))], quant=None)
+    train = [TrainParam("a", (8, 4), "bfloat16", ((0, 1),)), TrainParam("b", (8, 4), "bfloat16", ((1, 2),)),
+             TrainParam("c", (8, 4), "bfloat16", ((3,),))]
+    ws = [InferWorker(0, r, 2, False, {n: InferParam(n, (4, 4), "bfloat16") for n in "abc"}) for r in range(2)]
+    plan = build_plan(train, ws, pre)
+    gm = [sorted(plan.meshes[m] for m in g) for g in plan.groups]
+    assert sorted(gm) == [[(0, 1), (3,)], [(1, 2)]]
+    for g in plan.groups:                                  # meshes of one group are disjoint
+        ranks = [r for m in g for r in plan.meshes[m]]
+        assert len(ranks) == len(set(ranks))
+    plan.check_deadlock_free()
+    assert set(plan.sender.tolist()) == {0, 1, 2, 3}        # every trainer sends something
+    # break the invariant: put the overlapping meshes in one group
+    plan.groups = [[m for g in plan.groups for m in g]]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        plan.check_deadlock_free()

@@ -1,0 +1,37 @@
+"""python -m wxfer {selftest,plan,demo,backends} ..."""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: python -m wxfer COMMAND [options]
+
+commands:
+  selftest   two local processes, one-sided writes, bytes checked, GB/s printed
+  plan       build and simulate a transfer plan for a preset model and cluster
+  demo       the end-to-end job on an embedded default (until it exists: the self-test)
+  backends   which transports are usable here, and why not
+"""
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "selftest":
+        from .selftest import main as run
+    elif cmd == "plan":
+        from .plan_cli import main as run
+    elif cmd == "demo":
+        from .demo import main as run
+    elif cmd == "backends":
+        from .selftest import backends_main as run
+    else:
+        print("unknown command %r\n\n%s" % (cmd, USAGE), file=sys.stderr)
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""``python -m wxfer selftest``: two local processes, one registers a buffer, the other
+writes into it with one-sided writes through wxfer's own engine and transport, then the
+target checks every byte. Prints GB/s; with ``--json`` one JSON object as the last line.
+
+The target process runs no code per write: it registers, answers the connection
+handshake, and after the writer says it is done, compares its buffer with the expected
+pattern.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+
+_TIMEOUT = 60.0  # seconds any wait on the other process may take
+
+
+def _pattern(seed: int, size: int):
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _target_main(conn, transport: str, opts: dict, size: int) -> None:
+    import numpy as np
+    from wxfer import _wxfer
+    try:
+        t = _wxfer.Transport(transport, opts)
+        buf = np.zeros(size, dtype=np.uint8)
+        region = t.register(buf)
+        conn.send(("ready", t.export(), region.descriptor, t.info()))
+    except Exception as e:  # report setup errors to the writer instead of dying silently
+        conn.send(("error", "%s: %s" % (type(e).__name__, e)))
+        return
+    while conn.poll(_TIMEOUT):
+        msg = conn.recv()
+        if msg[0] == "accept":
+            conn.send(("reply", t.accept(msg[1])))
+        elif msg[0] == "verify":
+            expected = _pattern(msg[1], size)
+            bad = np.flatnonzero(buf != expected)
+            conn.send(("verified", bad.size == 0, int(bad[0]) if bad.size else -1, int(bad.size)))
+        elif msg[0] == "exit":
+            break
+    region.close()
+    t.close()
+
+
+def _expect(conn, what: str):
+    if not conn.poll(_TIMEOUT):
+        raise TimeoutError("selftest: the target process did not answer %r within %.0f s"
+                           % (what, _TIMEOUT))
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError("selftest: target process failed: %s" % msg[1])
+    if msg[0] != what:
+        raise RuntimeError("selftest: expected %r from the target, got %r" % (what, msg[0]))
+    return msg
+
+
+def connect(t, export_blob: bytes, exchange) -> int:
+    """Connect transport ``t`` to the process that produced ``export_blob``; ``exchange``
+    sends a handshake request to that process and returns its reply."""
+    peer, req = t.connect_request(export_blob)
+    t.connect_finish(peer, exchange(req) if req else b"")
+    return peer
+
+
+def run_selftest(transport: str = "fabric", opts: dict | None = None, size: int = 64 << 20,
+                 iters: int = 5, chunk: int = 0, log=print) -> dict:
+    """Run the two-process self-test and return the figures (see module doc)."""
+    import numpy as np
+    from wxfer import _wxfer
+    opts = dict(opts or {})
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_target_main, args=(child, transport, opts, size), daemon=True)
+    proc.start()
+    result = {"transport": transport, "provider": opts.get("provider", ""), "bytes": size,
+              "verified": False, "gbps": 0.0}
+    try:
+        _, blob, desc, target_info = _expect(parent, "ready")
+        t = _wxfer.Transport(transport, opts)
+
+        def exchange(req):
+            parent.send(("accept", req))
+            return _expect(parent, "reply")[1]
+
+        connect(t, blob, exchange)
+        eng = _wxfer.Engine(t, chunk=chunk, timeout=_TIMEOUT)
+        times = []
+        seed = 0
+        for i in range(iters):
+            seed = 1000 + i
+            src = _pattern(seed, size)
+            region = t.register(src, export=False)
+            t0 = time.perf_counter()
+            eng.submit(region, [(desc, 0, 0, size)], tag=i)
+            eng.wait(timeout=_TIMEOUT)
+            times.append(time.perf_counter() - t0)
+            region.close()
+        parent.send(("verify", seed))
+        _, ok, first_bad, nbad = _expect(parent, "verified")
+        best = min(times)
+        result.update(
+            verified=bool(ok), gbps=size / best / 1e9, best_s=best,
+            mean_s=sum(times) / len(times), iters=iters, first_mismatch=first_bad,
+            mismatches=nbad, writer_info=t.info(), target_info=target_info,
+            machine="%s, %s, %d CPUs, Python %s" % (platform.node(), platform.machine(),
+                                                     os.cpu_count() or 0,
+                                                     platform.python_version()))
+        log("wxfer selftest: %s %s, %d bytes x %d, best %.3f ms, %.2f GB/s, verified=%s"
+            % (transport, opts.get("provider", ""), size, iters, best * 1e3, result["gbps"], ok))
+        if not ok:
+            log("  %d bytes differ, first at offset %d" % (nbad, first_bad))
+        eng.close()
+        t.close()
+    finally:
+        try:
+            parent.send(("exit",))
+        except OSError:
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    return result
+
+
+def backends_main(argv) -> int:
+    import wxfer
+    for name, b in wxfer.backends().items():
+        print("%-9s %s" % (name, "available" if b["available"] else "unavailable: " + b["reason"]))
+    return 0
+
+
+def main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="python -m wxfer selftest")
+    ap.add_argument("--transport", default="fabric", choices=["fabric", "verbs", "cuda_ipc"])
+    ap.add_argument("--provider", default="tcp", help="fabric provider: tcp, shm, efa")
+    ap.add_argument("--iface", default=None, help="fabric network interface (tcp)")
+    ap.add_argument("--size", default="64MiB", help="bytes per write, e.g. 4KiB, 64MiB")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--chunk", default="0", help="largest single write (0: the transport's)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument("--device", default=None, help="verbs: RDMA device[:port]")
+    ap.add_argument("--gpu", action="store_true", help="verbs: use GPU memory")
+    ap.add_argument("--emulated", action="store_true", help="verbs: use the test emulation")
+    ap.add_argument("--connect", default=None, help="verbs: the other host")
+    args = ap.parse_args(argv)
+    from wxfer import _wxfer
+    size = _wxfer.parse_size(args.size)
+    if args.transport == "verbs":
+        from .selftest_verbs import run_verbs_selftest
+        res = run_verbs_selftest(args)
+    else:
+        opts = {}
+        if args.transport == "fabric":
+            opts["provider"] = args.provider
+            if args.iface:
+                opts["iface"] = args.iface
+        res = run_selftest(args.transport, opts, size=size, iters=args.iters,
+                           chunk=_wxfer.parse_size(args.chunk))
+    if args.json:
+        print(json.dumps(res))
+    return 0 if res.get("verified") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,101 @@
+"""A write target in another process, for tests, notebooks and the self-test.
+
+``TargetProcess(transport, options, sizes)`` starts a process (spawn) that registers one
+zeroed buffer per size with the transport, exports them, and then only answers requests
+from this process: the connection handshake, and reading its buffers back to check what
+landed. It runs no code per write.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+TIMEOUT = 60.0
+
+
+def _serve(conn, transport, options, sizes):
+    import numpy as np
+    from wxfer import _wxfer
+    try:
+        t = _wxfer.Transport(transport, options)
+        bufs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+        regions = [t.register(b) for b in bufs]
+        conn.send(("ready", t.export(), [r.descriptor for r in regions], t.info()))
+    except Exception as e:
+        conn.send(("error", "%s: %s" % (type(e).__name__, e)))
+        return
+    while conn.poll(TIMEOUT):
+        msg = conn.recv()
+        op = msg[0]
+        if op == "accept":
+            conn.send(("ok", t.accept(msg[1])))
+        elif op == "read":
+            conn.send(("ok", bufs[msg[1]].tobytes()))
+        elif op == "fill":
+            bufs[msg[1]][:] = msg[2]
+            conn.send(("ok", None))
+        elif op == "exit":
+            break
+    for r in regions:
+        r.close()
+    t.close()
+    conn.send(("bye", None))
+
+
+class TargetProcess:
+    def __init__(self, transport: str, options: dict | None, sizes):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, transport, dict(options or {}),
+                                                     list(sizes)), daemon=True)
+        self.proc.start()
+        msg = self._recv()
+        self.export, self.descriptors, self.info = msg[1], msg[2], msg[3]
+
+    def _recv(self, timeout=TIMEOUT):
+        if not self._conn.poll(timeout):
+            raise TimeoutError("target process did not answer within %.0f s" % timeout)
+        msg = self._conn.recv()
+        if msg[0] == "error":
+            raise RuntimeError("target process failed: %s" % msg[1])
+        return msg
+
+    def call(self, *msg):
+        self._conn.send(msg)
+        return self._recv()[1]
+
+    def accept(self, req: bytes) -> bytes:
+        return self.call("accept", req)
+
+    def read(self, i: int = 0) -> bytes:
+        return self.call("read", i)
+
+    def fill(self, i: int, value: int) -> None:
+        self.call("fill", i, value)
+
+    def connect(self, t) -> int:
+        """Connect transport ``t`` (in this process) to the target."""
+        peer, req = t.connect_request(self.export)
+        t.connect_finish(peer, self.accept(req) if req else b"")
+        return peer
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._conn.send(("exit",))
+                self._recv(15)
+            except (OSError, EOFError, TimeoutError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
