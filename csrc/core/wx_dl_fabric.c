@@ -1,0 +1,70 @@
+/* wx_dl_fabric.c - the libfabric table (see wx_dl_fabric.h). */
+#include "wx_dl_fabric.h"
+
+#ifdef WX_HAVE_FABRIC
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "wx_common.h"
+#include "wx_dl.h"
+
+static wx_fi_api_t wx__fi;
+static pthread_once_t wx__fi_once = PTHREAD_ONCE_INIT;
+static char wx__fi_why[256];
+static int wx__fi_ok;
+
+#define WX__SYM(field)                                                                      \
+    do {                                                                                    \
+        if (wx_dl_sym(lib, "libfabric.so.1", #field, (void **)&wx__fi.field, wx__fi_why,   \
+                      sizeof wx__fi_why))                                                   \
+            return;                                                                         \
+    } while (0)
+
+static void wx__fi_load(void)
+{
+    void *lib = wx_dl_open("WXFER_LIBFABRIC", "libfabric.so.1", wx__fi_why, sizeof wx__fi_why);
+    char ignore[128];
+    uint32_t v;
+    if (!lib)
+        return;
+    WX__SYM(fi_getinfo);
+    WX__SYM(fi_freeinfo);
+    WX__SYM(fi_dupinfo);
+    WX__SYM(fi_fabric);
+    WX__SYM(fi_strerror);
+    WX__SYM(fi_version);
+    wx_dl_sym(lib, "libfabric.so.1", "fi_tostr", (void **)&wx__fi.fi_tostr, ignore,
+              sizeof ignore);
+    v = wx__fi.fi_version();
+    if (FI_MAJOR(v) != 1 || FI_MINOR(v) < 9) {
+        snprintf(wx__fi_why, sizeof wx__fi_why,
+                 "libfabric %u.%u is too old (wxfer needs 1.9 or newer)", FI_MAJOR(v),
+                 FI_MINOR(v));
+        return;
+    }
+    wx__fi_ok = 1;
+}
+
+const wx_fi_api_t *wx_fi(char *why, size_t why_len)
+{
+    pthread_once(&wx__fi_once, wx__fi_load);
+    if (!wx__fi_ok) {
+        if (why)
+            snprintf(why, why_len, "%s", wx__fi_why);
+        return NULL;
+    }
+    return &wx__fi;
+}
+
+const char *wx_fi_strerror(int rc)
+{
+    if (rc < 0)
+        rc = -rc;
+    if (wx__fi_ok)
+        return wx__fi.fi_strerror(rc);
+    return strerror(rc);
+}
+#else
+typedef int wx__dl_fabric_empty_unit;
+#endif

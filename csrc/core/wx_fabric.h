@@ -1,0 +1,113 @@
+/* wx_fabric.h - private state of the libfabric backend (wx_fabric_*.c).
+ *
+ * One transport = one fabric, domain, address vector, completion queue and FI_EP_RDM
+ * endpoint, plus a native progress thread that reads the CQ. The thread is needed on both
+ * sides: over tcp;ofi_rxm and shm the target's provider only accepts connections and lands
+ * incoming writes while somebody reads its CQ, and on the writer it turns completions into
+ * op->done() calls.
+ *
+ * Files: wx_fabric_setup.c (probe/open/close, address, peers), wx_fabric_mr.c
+ * (registration), wx_fabric_data.c (write, progress thread, completions).
+ */
+#ifndef WX_FABRIC_H
+#define WX_FABRIC_H
+
+#ifdef WX_HAVE_FABRIC
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include "wx_dl_fabric.h"
+#include "wx_transport.h"
+
+enum { WX_FAB_FREE = 0, WX_FAB_POSTED = 1, WX_FAB_ABANDONED = 2 };
+
+/* Per-peer state. Lives until the transport closes (slots of writes in flight point to it
+ * after the generic layer has freed the wx_peer_t). */
+typedef struct wx_fab_peer {
+    struct wx_fab_peer *next;
+    char name[64];        /* copy of wx_peer_t.name for messages */
+    fi_addr_t fa;
+    int in_av;
+    atomic_uint inflight;
+    int failed;           /* a write to it failed for good: refuse further writes */
+    char why[WX_ERRMSG_MAX]; /* ... and why */
+} wx_fab_peer_t;
+
+/* One outstanding write. ctx must stay first: the provider hands its address back. */
+typedef struct wx_fab_slot {
+    struct fi_context2 ctx;
+    wx_op_t *op;
+    wx_fab_peer_t *fp;
+    uint64_t len;
+    uint64_t posted_ns;
+    int state;
+    struct wx_fab_slot *next_free;
+} wx_fab_slot_t;
+
+typedef struct wx_fab {
+    wx_transport_t base; /* first */
+    const wx_fi_api_t *api;
+    struct fi_info *info;
+    struct fid_fabric *fabric;
+    struct fid_domain *domain;
+    struct fid_av *av;
+    struct fid_cq *cq;
+    struct fid_ep *ep;
+    uint64_t mr_mode;
+    int hmem;           /* provider offers FI_HMEM */
+    int want_wait;      /* option progress: try a CQ wait object */
+    int cq_wait;        /* CQ has a wait object: the thread blocks in fi_cq_sread */
+    int serialize;      /* provider is not FI_THREAD_SAFE: dlock around every data call */
+    uint64_t write_flags;
+    uint64_t chunk;
+    uint32_t depth;
+    uint64_t op_timeout_ns;
+
+    pthread_mutex_t dlock;     /* data-path calls, only when serialize */
+    pthread_mutex_t slot_lock; /* slots, free list, counters */
+    wx_fab_slot_t *slots;
+    wx_fab_slot_t *free_slots;
+    uint32_t posted;           /* slots in state POSTED */
+    uint32_t abandoned;        /* slots in state ABANDONED */
+
+    wx_fab_peer_t *fpeers;     /* every wx_fab_peer_t, freed at close (under slot_lock) */
+
+    pthread_t thread;
+    int thread_started;
+    atomic_int stop;
+
+    uint8_t addr[WX_ADDR_MAX];
+    size_t addr_len;
+    char addr_str[128];
+    char prov[64];
+    char dom[64];
+
+    atomic_ullong n_writes, n_bytes, n_errors, n_timeouts;
+} wx_fab_t;
+
+#define WX_FAB(t) ((wx_fab_t *)(t))
+
+/* wx_fabric_mr.c */
+int wx__fab_reg(wx_transport_t *t, wx_mr_t *mr);
+void wx__fab_dereg(wx_transport_t *t, wx_mr_t *mr);
+
+/* wx_fabric_data.c */
+int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
+int wx__fab_slots_init(wx_fab_t *f);
+int wx__fab_thread_start(wx_fab_t *f);
+void wx__fab_thread_stop(wx_fab_t *f);
+/* After the endpoint is closed: done(-ECANCELED) for every POSTED slot, free the slots. */
+void wx__fab_cancel_all(wx_fab_t *f);
+
+/* Record "call failed: fi_strerror (-rc)" with context; returns a negative errno. */
+int wx__fab_err(int rc, const char *fmt, ...) WX_PRINTF(2, 3);
+#endif
+
+#endif

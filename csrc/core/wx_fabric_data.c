@@ -1,0 +1,364 @@
+/* wx_fabric_data.c - the data path of the libfabric backend: posting writes, the progress
+ * thread that reads the CQ, completions and errors, per-op deadlines.
+ *
+ * Every write is posted with FI_DELIVERY_COMPLETE, so its completion means the bytes are
+ * in the target's memory (over tcp;ofi_rxm a plain completion can come earlier).
+ *
+ * Slots: one per outstanding write (depth of them), holding the provider's fi_context2
+ * and the caller's op. A slot is FREE, POSTED (the provider owns it, done() pending) or
+ * ABANDONED (its deadline passed: done(-ETIMEDOUT) was called, but the provider still owns
+ * the context, so the slot is reused only after the provider completes it or the endpoint
+ * is closed).
+ */
+#include "wx_fabric.h"
+
+#ifdef WX_HAVE_FABRIC
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define WX_FAB_WAIT_MS 50   /* longest blocking CQ wait: bounds how long close() waits */
+#define WX_FAB_SCAN_NS (100 * 1000000ull)
+#define WX_FAB_BATCH 32
+
+int wx__fab_slots_init(wx_fab_t *f)
+{
+    f->slots = calloc(f->depth, sizeof *f->slots);
+    if (!f->slots)
+        return wx_errf(-ENOMEM, "fabric: out of memory for %u write slots", f->depth);
+    for (uint32_t i = f->depth; i-- > 0;) {
+        f->slots[i].next_free = f->free_slots;
+        f->free_slots = &f->slots[i];
+    }
+    return 0;
+}
+
+static wx_fab_slot_t *wx__fab_slot_of(wx_fab_t *f, void *ctx)
+{
+    wx_fab_slot_t *s = ctx;
+    if (!f->slots || s < f->slots || s >= f->slots + f->depth)
+        return NULL;
+    return s;
+}
+
+/* Release a slot (slot_lock held); returns its previous state. */
+static int wx__fab_slot_put(wx_fab_t *f, wx_fab_slot_t *s)
+{
+    int state = s->state;
+    if (state == WX_FAB_POSTED)
+        f->posted--;
+    else if (state == WX_FAB_ABANDONED)
+        f->abandoned--;
+    if (state != WX_FAB_FREE) {
+        s->state = WX_FAB_FREE;
+        s->op = NULL;
+        s->next_free = f->free_slots;
+        f->free_slots = s;
+    }
+    return state;
+}
+
+static int wx__fab_is_conn_error(int err)
+{
+    switch (err) {
+    case ECONNREFUSED:
+    case ECONNRESET:
+    case ECONNABORTED:
+    case ENOTCONN:
+    case EPIPE:
+    case EHOSTUNREACH:
+    case ENETUNREACH:
+    case ETIMEDOUT:
+    case EHOSTDOWN:
+    case ESHUTDOWN:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static void wx__fab_peer_fail(wx_fab_peer_t *fp, int err, const char *why)
+{
+    if (!fp || fp->failed)
+        return;
+    snprintf(fp->why, sizeof fp->why, "%s", why);
+    fp->failed = err;
+}
+
+/* A completion for ctx: free the slot, then (outside every lock) tell the caller. */
+static void wx__fab_finish(wx_fab_t *f, void *ctx, int status, const char *msg)
+{
+    wx_fab_slot_t *s = wx__fab_slot_of(f, ctx);
+    wx_op_t *op;
+    wx_fab_peer_t *fp;
+    int state;
+    if (!s) {
+        wx_debugf("fabric: completion with unknown context %p (status %d)", ctx, status);
+        return;
+    }
+    pthread_mutex_lock(&f->slot_lock);
+    op = s->op;
+    fp = s->fp;
+    state = wx__fab_slot_put(f, s);
+    pthread_mutex_unlock(&f->slot_lock);
+    if (state == WX_FAB_FREE)
+        return;
+    if (fp)
+        atomic_fetch_sub(&fp->inflight, 1);
+    if (state == WX_FAB_POSTED && op)
+        op->done(op, status, msg);
+}
+
+static void wx__fab_readerr(wx_fab_t *f)
+{
+    struct fi_cq_err_entry e;
+    char pbuf[160], msg[WX_ERRMSG_MAX];
+    const char *pe = "";
+    wx_fab_slot_t *s;
+    ssize_t rc;
+    int err;
+
+    memset(&e, 0, sizeof e);
+    if (f->serialize)
+        pthread_mutex_lock(&f->dlock);
+    rc = fi_cq_readerr(f->cq, &e, 0);
+    if (rc == 1 && e.prov_errno)
+        pe = fi_cq_strerror(f->cq, e.prov_errno, e.err_data, pbuf, sizeof pbuf);
+    if (f->serialize)
+        pthread_mutex_unlock(&f->dlock);
+    if (rc != 1) {
+        wx_debugf("fabric: fi_cq_readerr returned %zd", rc);
+        return;
+    }
+    err = e.err ? e.err : FI_EIO;
+    s = wx__fab_slot_of(f, e.op_context);
+    if (!s || s->state == WX_FAB_FREE) {
+        wx_debugf("fabric: error completion without a write: %s (%d; provider: %s)",
+                  wx_fi_strerror(err), err, pe ? pe : "");
+        return;
+    }
+    atomic_fetch_add(&f->n_errors, 1);
+    snprintf(msg, sizeof msg,
+             "fabric: write to %s (wr_id %llu, %llu bytes) failed: %s (%d; provider %s: %s)",
+             s->fp ? s->fp->name : "?", s->op ? (unsigned long long)s->op->wr_id : 0ull,
+             (unsigned long long)s->len, wx_fi_strerror(err), err, f->prov,
+             pe && *pe ? pe : "no details");
+    if (wx__fab_is_conn_error(err))
+        wx__fab_peer_fail(s->fp, -err, msg);
+    wx__fab_finish(f, s, err < FI_ERRNO_OFFSET ? -err : -EIO, msg);
+}
+
+/* Writes past their deadline: done(-ETIMEDOUT) now, slot kept until the provider lets go. */
+static void wx__fab_scan_deadlines(wx_fab_t *f, uint64_t now)
+{
+    char msg[WX_ERRMSG_MAX];
+    if (!f->op_timeout_ns)
+        return;
+    for (;;) {
+        wx_fab_slot_t *late = NULL;
+        wx_op_t *op;
+        pthread_mutex_lock(&f->slot_lock);
+        if (f->posted)
+            for (uint32_t i = 0; i < f->depth; i++) {
+                wx_fab_slot_t *s = &f->slots[i];
+                if (s->state == WX_FAB_POSTED && now - s->posted_ns > f->op_timeout_ns) {
+                    late = s;
+                    break;
+                }
+            }
+        if (!late) {
+            pthread_mutex_unlock(&f->slot_lock);
+            return;
+        }
+        op = late->op;
+        late->state = WX_FAB_ABANDONED;
+        late->op = NULL;
+        f->posted--;
+        f->abandoned++;
+        snprintf(msg, sizeof msg,
+                 "fabric: write to %s (wr_id %llu, %llu bytes) not completed after %.1f s "
+                 "(provider %s): is the peer process still alive and progressing?",
+                 late->fp ? late->fp->name : "?", op ? (unsigned long long)op->wr_id : 0ull,
+                 (unsigned long long)late->len, (double)f->op_timeout_ns / 1e9, f->prov);
+        wx__fab_peer_fail(late->fp, -ETIMEDOUT, msg);
+        pthread_mutex_unlock(&f->slot_lock);
+        atomic_fetch_add(&f->n_timeouts, 1);
+        if (op)
+            op->done(op, -ETIMEDOUT, msg);
+    }
+}
+
+static void wx__fab_nap(unsigned idle, int busy)
+{
+    struct timespec ts = {0, 0};
+    if (busy && idle < 64) {
+        sched_yield();
+        return;
+    }
+    ts.tv_nsec = busy ? 20000 : (idle < 1000 ? 100000 : 1000000);
+    nanosleep(&ts, NULL);
+}
+
+static void *wx__fab_progress(void *arg)
+{
+    wx_fab_t *f = arg;
+    struct fi_cq_entry ent[WX_FAB_BATCH];
+    uint64_t last_scan = wx_now_ns();
+    unsigned idle = 0;
+    while (!atomic_load(&f->stop)) {
+        ssize_t n;
+        uint64_t now;
+        if (f->cq_wait) {
+            n = fi_cq_sread(f->cq, ent, WX_FAB_BATCH, NULL, WX_FAB_WAIT_MS);
+        } else {
+            if (f->serialize)
+                pthread_mutex_lock(&f->dlock);
+            n = fi_cq_read(f->cq, ent, WX_FAB_BATCH);
+            if (f->serialize)
+                pthread_mutex_unlock(&f->dlock);
+        }
+        if (n > 0) {
+            idle = 0;
+            for (ssize_t i = 0; i < n; i++)
+                wx__fab_finish(f, ent[i].op_context, 0, NULL);
+        } else if (n == -FI_EAVAIL) {
+            idle = 0;
+            wx__fab_readerr(f);
+        } else if (n == -FI_EAGAIN) {
+            if (!f->cq_wait)
+                wx__fab_nap(idle++, f->posted > 0);
+        } else {
+            wx_debugf("fabric: CQ read failed: %s (%zd)", wx_fi_strerror((int)n), n);
+            wx__fab_nap(1000, 0);
+        }
+        now = wx_now_ns();
+        if (now - last_scan > WX_FAB_SCAN_NS) {
+            last_scan = now;
+            wx__fab_scan_deadlines(f, now);
+        }
+    }
+    return NULL;
+}
+
+int wx__fab_thread_start(wx_fab_t *f)
+{
+    int rc;
+    atomic_store(&f->stop, 0);
+    rc = pthread_create(&f->thread, NULL, wx__fab_progress, f);
+    if (rc)
+        return wx_errf(-rc, "fabric: pthread_create(progress thread) failed: %s", strerror(rc));
+    f->thread_started = 1;
+    return 0;
+}
+
+void wx__fab_thread_stop(wx_fab_t *f)
+{
+    if (!f->thread_started)
+        return;
+    atomic_store(&f->stop, 1);
+    pthread_join(f->thread, NULL);
+    f->thread_started = 0;
+}
+
+void wx__fab_cancel_all(wx_fab_t *f)
+{
+    if (!f->slots)
+        return;
+    for (uint32_t i = 0; i < f->depth; i++) {
+        wx_fab_slot_t *s = &f->slots[i];
+        wx_op_t *op = s->op;
+        int state = s->state;
+        s->state = WX_FAB_FREE;
+        s->op = NULL;
+        if (state == WX_FAB_POSTED && op)
+            op->done(op, -ECANCELED, "fabric: transport closed");
+    }
+    free(f->slots);
+    f->slots = NULL;
+    f->free_slots = NULL;
+    f->posted = f->abandoned = 0;
+}
+
+int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
+{
+    wx_fab_t *f = WX_FAB(t);
+    wx_fab_peer_t *fp = p->priv;
+    wx_fab_slot_t *s;
+    struct iovec iov;
+    struct fi_rma_iov rma;
+    struct fi_msg_rma msg;
+    void *desc;
+    ssize_t rc;
+
+    if (!fp || !fp->in_av)
+        return wx_errf(-ENOTCONN, "fabric: %s is not connected", p->name);
+    if (fp->failed)
+        return wx_errf(fp->failed, "fabric: refusing write to %s, an earlier one failed: %s",
+                       fp->name, fp->why);
+    if (!wr->local)
+        return wx_errf(-EINVAL, "fabric: write to %s needs a registered source region", p->name);
+    desc = wr->local->ldesc;
+    if (!desc && ((f->mr_mode & FI_MR_LOCAL) ||
+                  (wr->local->mem == WX_MEM_CUDA && (f->mr_mode & FI_MR_HMEM))))
+        return wx_errf(-EINVAL, "fabric: source region %u is not registered with provider %s",
+                       wr->local->id, f->prov);
+
+    pthread_mutex_lock(&f->slot_lock);
+    s = f->free_slots;
+    if (!s) {
+        pthread_mutex_unlock(&f->slot_lock);
+        return wx_errf(-EAGAIN, "fabric: %u writes in flight (depth %u); retry after a completion",
+                       f->posted, f->depth);
+    }
+    f->free_slots = s->next_free;
+    s->state = WX_FAB_POSTED;
+    s->op = op;
+    s->fp = fp;
+    s->len = wr->len;
+    s->posted_ns = wx_now_ns();
+    f->posted++;
+    pthread_mutex_unlock(&f->slot_lock);
+    atomic_fetch_add(&fp->inflight, 1);
+
+    iov.iov_base = (uint8_t *)wr->local->addr + wr->loff;
+    iov.iov_len = wr->len;
+    rma.addr = wr->remote->rbase + wr->roff;
+    rma.len = wr->len;
+    rma.key = wr->remote->key;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = fp->fa;
+    msg.rma_iov = &rma;
+    msg.rma_iov_count = 1;
+    msg.context = &s->ctx;
+
+    if (f->serialize)
+        pthread_mutex_lock(&f->dlock);
+    rc = fi_writemsg(f->ep, &msg, f->write_flags);
+    if (f->serialize)
+        pthread_mutex_unlock(&f->dlock);
+    if (rc == 0) {
+        atomic_fetch_add(&f->n_writes, 1);
+        atomic_fetch_add(&f->n_bytes, wr->len);
+        return 0;
+    }
+    pthread_mutex_lock(&f->slot_lock);
+    wx__fab_slot_put(f, s);
+    pthread_mutex_unlock(&f->slot_lock);
+    atomic_fetch_sub(&fp->inflight, 1);
+    if (rc == -FI_EAGAIN)
+        return wx_errf(-EAGAIN, "fabric: provider %s cannot take another write to %s now; retry "
+                                "after a completion",
+                       f->prov, fp->name);
+    return wx__fab_err((int)rc,
+                       "fabric: fi_writemsg(%s, wr_id %llu, %llu bytes -> key 0x%llx + %llu)",
+                       fp->name, (unsigned long long)op->wr_id, (unsigned long long)wr->len,
+                       (unsigned long long)wr->remote->key, (unsigned long long)wr->roff);
+}
+#else
+typedef int wx__fabric_data_empty_unit;
+#endif
