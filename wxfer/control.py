@@ -158,8 +158,7 @@ def writer_connect(ctl: Control, transport, rank: int, gpu: int, export_blob: by
     rep = ctl.get("hs/rep/%d/%d" % (rank, gpu), f"the handshake reply of inference worker gpu {gpu} "
                                                 f"to trainer rank {rank}", timeout)
     rep = decode_result(rep, f"inference worker gpu {gpu} answering trainer rank {rank}")
-    if req or rep:
-        transport.connect_finish(peer, rep)
+    transport.connect_finish(peer, rep)
     return peer
 
 

@@ -147,8 +147,10 @@ class Qwen3ForCausalLM(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
+        import zlib
         for n, p in self.named_parameters():
+            # seeded per name: the same value whichever experts this rank holds
+            g = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(n.encode()))
             with torch.no_grad():
                 if p.dim() == 1:
                     p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
