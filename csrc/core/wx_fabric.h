@@ -35,6 +35,10 @@ typedef struct wx_fab_peer {
     char name[64];        /* copy of wx_peer_t.name for messages */
     fi_addr_t fa;
     int in_av;
+    int established;
+    uint64_t eagain_since; /* first of an unbroken run of -FI_EAGAIN answers, else 0 */
+    long pid;             /* shm: the peer's process id (from its address), else 0 */
+    int gone;             /* shm: that process no longer exists */      /* a write was accepted: the provider's connection is up */
     atomic_uint inflight;
     int failed;           /* a write to it failed for good: refuse further writes */
     char why[WX_ERRMSG_MAX]; /* ... and why */

@@ -13,7 +13,9 @@
 #include "wx_fabric.h"
 
 #ifdef WX_HAVE_FABRIC
+#include <errno.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +24,7 @@
 #define WX_FAB_WAIT_MS 50   /* longest blocking CQ wait: bounds how long close() waits */
 #define WX_FAB_SCAN_NS (100 * 1000000ull)
 #define WX_FAB_BATCH 32
+#define WX_FAB_CONNECT_NS (5 * 1000000000ull) /* first write to a peer: connection setup */
 
 int wx__fab_slots_init(wx_fab_t *f)
 {
@@ -150,24 +153,38 @@ static void wx__fab_readerr(wx_fab_t *f)
     wx__fab_finish(f, s, err < FI_ERRNO_OFFSET ? -err : -EIO, msg);
 }
 
-/* Writes past their deadline: done(-ETIMEDOUT) now, slot kept until the provider lets go. */
+/* shm: mark peers whose process is gone (slot_lock held). */
+static void wx__fab_check_gone(wx_fab_t *f)
+{
+    for (wx_fab_peer_t *fp = f->fpeers; fp; fp = fp->next)
+        if (fp->pid && !fp->gone && atomic_load(&fp->inflight) &&
+            kill((pid_t)fp->pid, 0) == -1 && errno == ESRCH)
+            fp->gone = 1;
+}
+
+/* Writes past their deadline, or to a process that is gone: done() with an error now; the
+ * slot is kept until the provider lets go of it. */
 static void wx__fab_scan_deadlines(wx_fab_t *f, uint64_t now)
 {
     char msg[WX_ERRMSG_MAX];
-    if (!f->op_timeout_ns)
-        return;
     for (;;) {
         wx_fab_slot_t *late = NULL;
         wx_op_t *op;
+        int status;
         pthread_mutex_lock(&f->slot_lock);
-        if (f->posted)
+        if (f->posted) {
+            wx__fab_check_gone(f);
             for (uint32_t i = 0; i < f->depth; i++) {
                 wx_fab_slot_t *s = &f->slots[i];
-                if (s->state == WX_FAB_POSTED && now - s->posted_ns > f->op_timeout_ns) {
+                if (s->state == WX_FAB_POSTED &&
+                    ((s->fp && s->fp->gone) ||
+                     (f->op_timeout_ns && now > s->posted_ns &&
+                      now - s->posted_ns > f->op_timeout_ns))) {
                     late = s;
                     break;
                 }
             }
+        }
         if (!late) {
             pthread_mutex_unlock(&f->slot_lock);
             return;
@@ -177,27 +194,40 @@ static void wx__fab_scan_deadlines(wx_fab_t *f, uint64_t now)
         late->op = NULL;
         f->posted--;
         f->abandoned++;
-        snprintf(msg, sizeof msg,
-                 "fabric: write to %s (wr_id %llu, %llu bytes) not completed after %.1f s "
-                 "(provider %s): is the peer process still alive and progressing?",
-                 late->fp ? late->fp->name : "?", op ? (unsigned long long)op->wr_id : 0ull,
-                 (unsigned long long)late->len, (double)f->op_timeout_ns / 1e9, f->prov);
-        wx__fab_peer_fail(late->fp, -ETIMEDOUT, msg);
+        if (late->fp && late->fp->gone) {
+            status = -EPIPE;
+            snprintf(msg, sizeof msg,
+                     "fabric: write to %s (wr_id %llu, %llu bytes) cannot complete: the peer "
+                     "process (pid %ld) has exited (provider %s)",
+                     late->fp->name, op ? (unsigned long long)op->wr_id : 0ull,
+                     (unsigned long long)late->len, late->fp->pid, f->prov);
+        } else {
+            status = -ETIMEDOUT;
+            snprintf(msg, sizeof msg,
+                     "fabric: write to %s (wr_id %llu, %llu bytes) not completed after %.1f s "
+                     "(provider %s): is the peer process still alive and progressing?",
+                     late->fp ? late->fp->name : "?", op ? (unsigned long long)op->wr_id : 0ull,
+                     (unsigned long long)late->len, (double)f->op_timeout_ns / 1e9, f->prov);
+        }
+        wx__fab_peer_fail(late->fp, status, msg);
         pthread_mutex_unlock(&f->slot_lock);
         atomic_fetch_add(&f->n_timeouts, 1);
         if (op)
-            op->done(op, -ETIMEDOUT, msg);
+            op->done(op, status, msg);
     }
 }
 
+/* Poll mode (no CQ wait object that drives the provider, e.g. shm): spin while our own
+ * writes are in flight, else short naps. The target side never sees completions for the
+ * writes it receives, so it cannot tell busy from idle: its naps stay short (50 us) so that
+ * incoming writes are processed promptly, at the cost of ~20k wake-ups/s per transport. */
 static void wx__fab_nap(unsigned idle, int busy)
 {
-    struct timespec ts = {0, 0};
+    struct timespec ts = {0, 50000};
     if (busy && idle < 64) {
         sched_yield();
         return;
     }
-    ts.tv_nsec = busy ? 20000 : (idle < 1000 ? 100000 : 1000000);
     nanosleep(&ts, NULL);
 }
 
@@ -336,12 +366,29 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     msg.rma_iov_count = 1;
     msg.context = &s->ctx;
 
-    if (f->serialize)
-        pthread_mutex_lock(&f->dlock);
-    rc = fi_writemsg(f->ep, &msg, f->write_flags);
-    if (f->serialize)
-        pthread_mutex_unlock(&f->dlock);
+    for (uint64_t end = 0;;) {
+        if (f->serialize)
+            pthread_mutex_lock(&f->dlock);
+        rc = fi_writemsg(f->ep, &msg, f->write_flags);
+        if (f->serialize)
+            pthread_mutex_unlock(&f->dlock);
+        /* tcp;ofi_rxm answers -FI_EAGAIN until the connection to a new peer is up (the
+         * progress thread drives it): wait for that here, bounded, rather than bouncing
+         * every first write back to the caller. */
+        if (rc != -FI_EAGAIN || fp->established)
+            break;
+        if (!end)
+            end = wx_now_ns() + WX_FAB_CONNECT_NS;
+        else if (wx_now_ns() > end)
+            break;
+        {
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+    }
     if (rc == 0) {
+        fp->established = 1;
+        fp->eagain_since = 0;
         atomic_fetch_add(&f->n_writes, 1);
         atomic_fetch_add(&f->n_bytes, wr->len);
         return 0;
@@ -350,6 +397,24 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     wx__fab_slot_put(f, s);
     pthread_mutex_unlock(&f->slot_lock);
     atomic_fetch_sub(&fp->inflight, 1);
+    if (rc == -FI_EAGAIN && f->op_timeout_ns) {
+        /* Back-pressure is normal; a provider that refuses every write to a peer for a
+         * whole op timeout (tcp;ofi_rxm after the peer died, at times) is not. */
+        uint64_t now = wx_now_ns();
+        if (!fp->eagain_since) {
+            fp->eagain_since = now;
+        } else if (now - fp->eagain_since > f->op_timeout_ns) {
+            char why[WX_ERRMSG_MAX];
+            snprintf(why, sizeof why,
+                     "fabric: provider %s refused every write to %s for %.1f s (-FI_EAGAIN): "
+                     "is the peer process still alive?",
+                     f->prov, fp->name, (double)(now - fp->eagain_since) / 1e9);
+            pthread_mutex_lock(&f->slot_lock);
+            wx__fab_peer_fail(fp, -ETIMEDOUT, why);
+            pthread_mutex_unlock(&f->slot_lock);
+            return wx_errf(-ETIMEDOUT, "%s", why);
+        }
+    }
     if (rc == -FI_EAGAIN)
         return wx_errf(-EAGAIN, "fabric: provider %s cannot take another write to %s now; retry "
                                 "after a completion",

@@ -371,6 +371,19 @@ static int wx__fab_address(wx_transport_t *t, uint8_t *buf, size_t *len)
     return 0;
 }
 
+/* shm names its endpoints "[fi_shm://]PID:N:N" (libfabric 1.17): the writer uses the pid
+ * to notice a target that exited (shm itself would leave such writes pending forever). */
+static long wx__fab_shm_pid(const uint8_t *addr, uint32_t len)
+{
+    char s[WX_ADDR_MAX + 1], *p, *end;
+    long pid;
+    memcpy(s, addr, len);
+    s[len] = '\0';
+    p = strstr(s, "://") ? strstr(s, "://") + 3 : s;
+    pid = strtol(p, &end, 10);
+    return end != p && *end == ':' && pid > 0 ? pid : 0;
+}
+
 /* No handshake: the peer's address is in its export blob; insert it into the AV. */
 static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, size_t *req_len)
 {
@@ -403,6 +416,7 @@ static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, s
         fp->in_av = 1;
     }
     fp->failed = 0;
+    fp->pid = strcmp(f->prov, "shm") == 0 ? wx__fab_shm_pid(p->addr, p->addr_len) : 0;
     if (fi_av_straddr(f->av, p->addr, str, &sl))
         snprintf(p->name, sizeof p->name, "peer %u (%.48s)", p->id, str);
     snprintf(fp->name, sizeof fp->name, "%s", p->name);
