@@ -167,6 +167,7 @@ def _trainer(rank, world, a, ctl):
             ctl.set_json("demo/expect/%d/%d" % (step, rank), exp)
             if not a["moe"]:
                 out = model(eval_ids)
+                model.reshard()    # FSDP2 keeps the root unsharded after a forward without backward
                 if rank == 0:
                     torch.save({"ids": eval_ids.cpu(), "logits": out.float().cpu()},
                                os.path.join(a["dir"], "step%d_train.pt" % step))

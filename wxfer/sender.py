@@ -92,6 +92,8 @@ class Sender:
         # ---- 1. metadata of this rank
         err = None
         try:
+            if hasattr(model, "reshard"):
+                model.reshard()   # FSDP2: the sharded DTensor parameters, even after a no-grad forward
             self.params = {n: p for n, p in model.named_parameters()}
             self.ctl.set_json("train/%d" % self.rank, pipeline.train_metadata(model))
         except Exception as e:  # noqa: BLE001
