@@ -101,3 +101,10 @@ def test_train_meshes_and_cluster_validation():
     with pytest.raises(ValueError, match="multiple of infer_tp"):
         Cluster(infer_gpus=6, infer_tp=4).replicas
     assert TrainParam("x", (2, 3), "bfloat16", ((0, 1), (2, 3))).ranks == (0, 1, 2, 3)
+
+
+def test_wrapper_prefixes_are_dropped():
+    from wxfer.meta import clean_name
+    assert clean_name("_orig_mod.model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
+    assert clean_name("model.embed_tokens.weight") == "model.embed_tokens.weight"

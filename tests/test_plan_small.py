@@ -150,3 +150,28 @@ def test_overlapping_meshes_get_separate_groups_and_deadlock_check_bites():
     plan.groups = [[m for g in plan.groups for m in g]]
     with pytest.raises(RuntimeError, match="deadlock"):
         plan.check_deadlock_free()
+
+
+def test_expected_destination_for_a_tiny_qwen3_end_to_end_reference():
+    """The helpers the end-to-end test uses: replaying a plan's transfers from the
+    reference packed buffers gives, on every GPU, the vLLM layout of the model."""
+    from wxfer.meta import Cluster
+    from wxfer.plan import expected_destination, packed_buffer, plan_for
+    c = Cluster(train_gpus=2, infer_gpus=4, infer_tp=2)
+    plan = plan_for("qwen3-tiny", c)
+    g = torch.Generator().manual_seed(3)
+    full = {n: torch.randn(*s, generator=g).to(torch.bfloat16) for n, (s, _) in plan.train_params.items()}
+    a = "model.layers.1.self_attn."
+    for gpu in range(4):
+        d = expected_destination(plan, gpu, full)
+        r = gpu % 2
+        qkv = d[a + "qkv_proj.weight"].view(torch.bfloat16).view(-1, 256)
+        want = torch.cat([full[a + "q_proj.weight"][128 * r:128 * (r + 1)], full[a + "k_proj.weight"][64 * r:64 * (r + 1)],
+                          full[a + "v_proj.weight"][64 * r:64 * (r + 1)]])
+        assert torch.equal(qkv, want)
+        assert torch.equal(d["model.norm.weight"].view(torch.bfloat16), full["model.norm.weight"])
+        assert set(d) == set(n for n in plan.names if plan.dest_nbytes[r, plan.names.index(n)] >= 0)
+    t = int(plan.task[0])
+    buf = packed_buffer(plan, int(plan.sender[0]), t, full)
+    assert buf.numel() == max(int(plan.src_offset[i] + plan.nbytes[i]) for i in range(plan.n_transfers)
+                              if plan.sender[i] == plan.sender[0] and plan.task[i] == t)

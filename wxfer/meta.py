@@ -136,18 +136,29 @@ def _mesh_groups(mesh_ranks, placements) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(x) for x in row) for row in arr)
 
 
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
+
+
+def clean_name(name: str) -> str:
+    """Drop the wrapper components torch.compile / activation checkpointing / DDP insert."""
+    parts = [p for p in name.split(".") if p + "." not in _WRAPPER_PREFIXES]
+    return ".".join(parts)
+
+
 def from_fsdp_model(model, world_size: int | None = None) -> list[TrainParam]:
     """Metadata of every parameter of a model sharded with FSDP2 (`fully_shard`).
 
     DTensor parameters: the global shape and dtype, the mesh's placements and the rank
     groups that can run ``full_tensor()``.  Plain tensors (not sharded) are producible by
-    every rank alone."""
+    every rank alone.  Wrapper components in names (``_orig_mod``,
+    ``_checkpoint_wrapped_module``, ...) are dropped so that names match Hugging Face's."""
     from torch.distributed.tensor import DTensor
     if world_size is None:
         import torch.distributed as dist
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     out = []
     for name, p in model.named_parameters():
+        name = clean_name(name)
         if isinstance(p, DTensor):
             mesh = p.device_mesh
             out.append(TrainParam(name, tuple(p.shape), _dtype_name(p.dtype),
@@ -215,13 +226,13 @@ def synthesize_train(preset: Preset, cluster: Cluster) -> list[TrainParam]:
 
 
 def workers_from_expanded(ex: Expanded, cluster: Cluster) -> list[InferWorker]:
-    """Inference workers of every replica holding the layout of an expansion."""
-    workers = []
-    for rep in range(cluster.replicas):
-        for r in range(cluster.infer_tp):
-            params = {d.name: InferParam(d.name, d.shape, d.dtype) for d in ex.dest[r].values()}
-            workers.append(InferWorker(rep, r, cluster.infer_tp, cluster.infer_ep, params))
-    return workers
+    """Inference workers of every replica holding the layout of an expansion.
+
+    Workers of the same rank in different replicas share one (read-only) params dict."""
+    per_rank = [{d.name: InferParam(d.name, d.shape, d.dtype) for d in ex.dest[r].values()}
+                for r in range(cluster.infer_tp)]
+    return [InferWorker(rep, r, cluster.infer_tp, cluster.infer_ep, per_rank[r])
+            for rep in range(cluster.replicas) for r in range(cluster.infer_tp)]
 
 
 @dataclass

@@ -62,9 +62,9 @@ def run(args) -> dict:
         gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps, nvlink_GBps=args.nvlink_gbytes,
         pcie_GBps=args.pcie_gbytes, dense_shard=args.dense_shard, expert_shard=args.expert_shard,
         cpu_offload=args.cpu_offload, watermark_bytes=int(args.watermark_gb * (1 << 30)))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_for(preset, cluster)
-    build_s = time.perf_counter() - t0
+    build_s, build_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     s = plan.summary()
     out = dict(preset=preset.name, train_gpus=cluster.train_gpus, infer_gpus=cluster.infer_gpus,
                infer_tp=tp, infer_ep=cluster.infer_ep, quant=cluster.quant or "bf16", nic_gbps=cluster.nic_gbps,
@@ -72,7 +72,8 @@ def run(args) -> dict:
                max_bytes_per_infer_gpu=s["max_bytes_per_infer_gpu"],
                max_bytes_per_train_gpu=s["max_bytes_per_train_gpu"],
                min_bytes_per_train_gpu=s["min_bytes_per_train_gpu"], tasks=s["tasks"],
-               mesh_groups=s["mesh_groups"], transfers=s["transfers"], build_s=round(build_s, 3))
+               mesh_groups=s["mesh_groups"], transfers=s["transfers"], build_s=round(build_s, 3),
+               build_cpu_s=round(build_cpu_s, 3))
     if args.out:
         data = plan.to_bytes()
         with open(args.out, "wb") as f:
@@ -88,7 +89,10 @@ def run(args) -> dict:
         from .simulate import lower_bound
         lb, bn = lower_bound(plan, cluster)
         out.update(lower_bound_s=round(lb, 4), simulated_s=None, bottleneck=bn)
-    out["machine"] = f"{platform.platform()}, {os.cpu_count()} CPUs"
+    machine = f"{platform.platform()}, {os.cpu_count()} CPUs"
+    if hasattr(os, "getloadavg"):
+        machine += f", load average {os.getloadavg()[0]:.1f}"
+    out["machine"] = machine
     return out
 
 

@@ -39,6 +39,7 @@ class SimResult:
     timeline: list = field(default_factory=list)   # (stage, rank, task, start, end)
     steps: int = 0
     sim_wall_s: float = 0.0
+    trace: dict = field(default_factory=dict)      # per network step: t, bytes into inference / out of trainers
 
     def utilisation(self) -> dict:
         """Per link kind: bytes / (bandwidth x simulated time) for each link."""
@@ -272,15 +273,19 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
                 else:
                     break
 
+    def ready_time(m):
+        ti = plan.mesh_tasks[m][mptr[m]]
+        s = max(mbusy[m], release[group_of_mesh[m]])
+        if cluster.cpu_offload:
+            s = max(s, max(h2d_done[(r, ti)] for r in plan.meshes[m]))
+        return s
+
     def try_start(m, now):
         """Start as many all-gathers on mesh m as possible up to time `now`."""
         lst = plan.mesh_tasks[m]
         while mptr[m] < len(lst) and m not in inflight_ag:
             ti = lst[mptr[m]]
-            g = group_of_mesh[m]
-            s = max(mbusy[m], release[g])
-            if cluster.cpu_offload:
-                s = max(s, max(h2d_done[(r, ti)] for r in plan.meshes[m]))
+            s = ready_time(m)
             if s > now:
                 return
             nd = need(m, ti)
@@ -321,6 +326,8 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     max_steps = steps * 200
     last_write = 0.0
     open_meshes = list(range(len(plan.meshes)))
+    tr_t, tr_w, tr_ag = [], [], []
+    gpu_finish = np.zeros(ngpu)
     while True:
         for m in open_meshes:
             try_start(m, now + dt)
@@ -341,7 +348,7 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             cands = [job_act_time[j] for j in pending_act]
             for m in mptr:
                 if mptr[m] < len(plan.mesh_tasks[m]) and m not in inflight_ag:
-                    cands.append(max(mbusy[m], release[group_of_mesh[m]]))
+                    cands.append(ready_time(m))
             nxt = min([c for c in cands if c > now], default=np.inf)
             if not np.isfinite(nxt):
                 raise RuntimeError("simulation stalled (watermark smaller than one task?)")
@@ -360,6 +367,9 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
         dem = np.concatenate([pdem, np.array(ag_rem)[agi]]) if agi.size else pdem
         alloc = _waterfill(fa, fb, cap * dt, dem)
         palloc = alloc[:starts.size]
+        tr_t.append(now)
+        tr_w.append(float(palloc.sum()))
+        tr_ag.append(float(alloc[starts.size:].sum()))
         # FIFO inside each pair
         if active.size:
             rem_a = erem[active]
@@ -374,6 +384,7 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
                 de = active[done]
                 tend = now + dt * np.minimum(frac_end[done], 1.0)
                 erem[de] = 0.0
+                np.maximum.at(gpu_finish, egpu[de], tend)
                 for e, te in zip(de.tolist(), tend.tolist()):
                     j = int(ejob[e])
                     job_entries_left[j] -= 1
@@ -409,4 +420,6 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             raise RuntimeError("simulation did not finish (more than 200x the lower bound)")
     total = max(last_write, stage_end["allgather"], stage_end["quant"])
     stage_end["write"] = last_write
-    return SimResult(total, lb, bname, lbytes, lbw, stage_end, timeline, nstep, _time.perf_counter() - w0)
+    trace = dict(t=np.array(tr_t), dt=dt, write_bytes=np.array(tr_w), allgather_bytes=np.array(tr_ag),
+                 infer_capacity=ngpu * nic * dt, infer_finish_s=gpu_finish)
+    return SimResult(total, lb, bname, lbytes, lbw, stage_end, timeline, nstep, _time.perf_counter() - w0, trace)

@@ -119,6 +119,12 @@ def _compile(template: str) -> re.Pattern:
     return re.compile(pat + r"\Z")
 
 
+def _suffix(template: str) -> str:
+    """The literal tail of a template (after its last placeholder): a cheap pre-filter."""
+    i = max(template.rfind("}"), -1)
+    return template[i + 1:]
+
+
 def _fmt(template: str, b: Mapping[str, str]) -> str:
     return template.replace("{L}", b.get("L", "{L}")).replace("{E}", b.get("E", "{E}"))
 
@@ -184,8 +190,11 @@ class Rule:
 
     def bindings(self, names: Iterable[str]) -> list[dict[str, str]]:
         pat = _compile(self.anchors()[0])
+        tail = _suffix(self.anchors()[0])
         seen, out = set(), []
         for n in names:
+            if not n.endswith(tail):
+                continue
             m = pat.match(n)
             if m:
                 key = m.group("L") if "L" in pat.groupindex else ""
@@ -310,8 +319,11 @@ class Experts(Rule):
 
     def bindings(self, names):
         pat = _compile(self.srcs[0])
+        tail = _suffix(self.srcs[0])
         groups: dict[str, set[int]] = {}
         for n in names:
+            if not n.endswith(tail):
+                continue
             m = pat.match(n)
             if m:
                 groups.setdefault(m.group("L"), set()).add(int(m.group("E")))
@@ -328,6 +340,7 @@ class Experts(Rule):
         quant = ctx.layout.quant == "fp8" and self.fp8
         prefix = _fmt(self.dst, b)
         w13, w2 = prefix + ".w13_weight", prefix + ".w2_weight"
+        w13s, w2s = scale_name(w13), scale_name(w2)
         if ep:
             if E % tp:
                 raise MappingError(f"{prefix}: {E} experts cannot be split over EP={tp}")
@@ -362,14 +375,15 @@ class Experts(Rule):
                 pg, pu = Piece(gate, c0, c0 + ir, 0, hidden), Piece(up, c0, c0 + ir, 0, hidden)
                 pd = Piece(down, 0, hidden, c0, c0 + ir)
                 if quant:
-                    _check_fp8_piece(pg, (inter, hidden), False, w13, tp if not ep else 1)
-                    _check_fp8_piece(pu, (inter, hidden), True, w13, tp if not ep else 1)
-                    _check_fp8_piece(pd, (hidden, inter), True, w2, tp if not ep else 1)
+                    if e == experts[0]:   # every expert has the same shapes and slices
+                        _check_fp8_piece(pg, (inter, hidden), False, w13, tp if not ep else 1)
+                        _check_fp8_piece(pu, (inter, hidden), True, w13, tp if not ep else 1)
+                        _check_fp8_piece(pd, (hidden, inter), True, w2, tp if not ep else 1)
                     shards += [
                         Shard(r, w13, le * 2 * ir * hidden, 2 * ir * hidden, "fp8", wdt, (pg, pu)),
-                        Shard(r, scale_name(w13), le * s13, s13, "scale", "float32", (pg, pu)),
+                        Shard(r, w13s, le * s13, s13, "scale", "float32", (pg, pu)),
                         Shard(r, w2, le * hidden * ir, hidden * ir, "fp8", wdt, (pd,)),
-                        Shard(r, scale_name(w2), le * s2, s2, "scale", "float32", (pd,)),
+                        Shard(r, w2s, le * s2, s2, "scale", "float32", (pd,)),
                     ]
                 else:
                     shards += [

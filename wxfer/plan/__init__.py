@@ -9,6 +9,7 @@ Entry points::
 """
 from .core import Plan, PlanError, Task, build_plan
 from .check import check_coverage, check_deadlock_free
+from .reference import expected_destination, packed_buffer
 
 
 def plan_for(preset, cluster, **kw) -> Plan:
@@ -23,4 +24,5 @@ def plan_for(preset, cluster, **kw) -> Plan:
     return plan
 
 
-__all__ = ["Plan", "PlanError", "Task", "build_plan", "plan_for", "check_coverage", "check_deadlock_free"]
+__all__ = ["Plan", "PlanError", "Task", "build_plan", "plan_for", "check_coverage", "check_deadlock_free",
+           "expected_destination", "packed_buffer"]

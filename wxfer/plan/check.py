@@ -64,7 +64,11 @@ def check_coverage(plan, workers: Sequence | None = None) -> list[str]:
         probs.append(f"{where(kk)} is never written")
     if workers is not None:
         name_id = {n: i for i, n in enumerate(plan.names)}
+        seen = set()
         for w in workers:
+            if (id(w.params), w.rank) in seen:      # replicas sharing one params dict
+                continue
+            seen.add((id(w.params), w.rank))
             for nme, p in w.params.items():
                 d = name_id.get(nme, -1)
                 if d < 0 or plan.dest_nbytes[w.rank, d] < 0:

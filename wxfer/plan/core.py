@@ -12,6 +12,7 @@ Vocabulary
 """
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -186,17 +187,67 @@ class Plan:
 
 def _merge_shards(shards: list[Shard]) -> list[Shard]:
     """Merge shards that are adjacent in the same destination (consecutive experts)."""
-    shards = sorted(shards, key=lambda s: (s.rank, s.dst, s.offset))
+    groups: dict[tuple, list[Shard]] = {}
+    for sh in shards:
+        groups.setdefault((sh.rank, sh.dst, sh.kind, sh.dtype), []).append(sh)
     out: list[Shard] = []
-    for s in shards:
-        if out:
-            p = out[-1]
-            if (p.rank == s.rank and p.dst == s.dst and p.kind == s.kind and p.dtype == s.dtype
-                    and p.offset + p.nbytes == s.offset):
-                out[-1] = Shard(p.rank, p.dst, p.offset, p.nbytes + s.nbytes, p.kind, p.dtype, p.pieces + s.pieces)
-                continue
-        out.append(s)
+    for key in sorted(groups, key=lambda k: (k[0], k[1])):
+        run = groups[key]
+        if any(run[i].offset > run[i + 1].offset for i in range(len(run) - 1)):
+            run = sorted(run, key=lambda x: x.offset)
+        i = 0
+        while i < len(run):
+            j, end, pieces = i + 1, run[i].offset + run[i].nbytes, list(run[i].pieces)
+            while j < len(run) and run[j].offset == end:
+                end += run[j].nbytes
+                pieces += run[j].pieces
+                j += 1
+            first = run[i]
+            out.append(first if j == i + 1 else
+                       Shard(first.rank, first.dst, first.offset, end - first.offset, first.kind, first.dtype,
+                             tuple(pieces)))
+            i = j
     return out
+
+
+def _deal(u_n: np.ndarray, ranks: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """Sender of each unit: largest units first, each to the least loaded rank of the
+    mesh (ties: the mesh order).  Updates `load` in place."""
+    o = np.argsort(-u_n, kind="stable")
+    rk = ranks[np.argsort(load[ranks], kind="stable")]
+    snd = np.empty(o.size, np.int64)
+    m = rk.size
+    loc = load[rk]
+    if m == 1:
+        snd[:] = rk[0]
+    elif loc[-1] - loc[0] <= u_n[o[-1]] and (u_n[o[0]] == u_n[o[-1]] or o.size <= m):
+        snd[o] = rk[np.arange(o.size) % m]          # already balanced: round robin
+    else:
+        heap = [(float(v), i) for i, v in enumerate(loc)]
+        heapq.heapify(heap)
+        pick = np.empty(o.size, np.int64)
+        for k, size in enumerate(u_n[o].tolist()):
+            v, i = heap[0]
+            heapq.heapreplace(heap, (v + size, i))
+            pick[k] = i
+        snd[o] = rk[pick]
+    np.add.at(load, snd, u_n)
+    return snd
+
+
+def _src_offsets(snd, shard, sizes):
+    """Offset of each unit's shard in its sender's packed buffer (each shard once, in
+    order of first use)."""
+    offs: dict = {}
+    cur: dict = {}
+    for s, sh in zip(snd, shard):
+        k = (s, sh)
+        v = offs.get(k)
+        if v is None:
+            v = cur.get(s, 0)
+            offs[k] = v
+            cur[s] = v + sizes[sh]
+        yield v
 
 
 def _ag_nic_bytes(src_bytes: int, mesh: tuple[int, ...], gpus_per_node: int) -> float:
@@ -216,9 +267,10 @@ def _mesh_options(comp_sources, params: Mapping[str, TrainParam]) -> tuple[tuple
 
 
 def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], preset: Preset,
-               quant: str | None = None, ignore: Iterable[str] = (), expanded: Expanded | None = None,
+               quant: str | None = "preset", ignore: Iterable[str] = (), expanded: Expanded | None = None,
                max_task_bytes: int = 1 << 30, check: bool = True, gpus_per_node: int = 8) -> Plan:
-    """Compute the plan.  Raises PlanError listing every mismatch (by name) when the
+    """Compute the plan.  quant: "fp8", None (BF16) or "preset" (the preset's choice).
+    Raises PlanError listing every mismatch (by name) when the
     training params, the mapping and the inference workers do not agree.
 
     gpus_per_node tells which meshes all-gather over the NICs (those spanning nodes):
@@ -242,8 +294,9 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         problems.append(f"no worker for replica {rep} rank {r}")
     if problems:
         raise PlanError(problems)
-    quant = quant if quant is not None else preset.quant
+    quant = preset.quant if quant == "preset" else quant      # None means BF16
     params = {p.name: p for p in train}
+    pbytes = {p.name: p.nbytes for p in train}
     layout = Layout(tp, ep, quant)
     ex = expanded if expanded is not None and expanded.layout == layout else expand(
         preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore)
@@ -257,7 +310,11 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
             dest_nbytes[r, name_id[n]] = p.nbytes
     for n in ex.unmatched:
         problems.append(f"training parameter {n} is not used by any rule and not ignored")
+    validated = set()
     for w in workers:
+        if (id(w.params), w.rank) in validated:   # replicas sharing one params dict
+            continue
+        validated.add((id(w.params), w.rank))
         exp = ex.dest[w.rank]
         for n, p in exp.items():
             q = w.params.get(n)
@@ -283,7 +340,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         if c.merge_key is not None and len(opts) == 1:
             key = (c.merge_key, opts)
             lst = pending.get(key)
-            size = sum(params[s].nbytes for s in c.sources)
+            size = sum(pbytes[s] for s in c.sources)
             if lst is None or lst[1] + size > max_task_bytes:
                 lst = [[], 0]
                 pending[key] = lst
@@ -300,7 +357,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
     for name, comps, opts in raw_tasks:
         sources = tuple(s for c in comps for s in c.sources)
         shards = _merge_shards([s for c in comps for s in c.shards]) if len(comps) > 1 else list(comps[0].shards)
-        tasks.append(Task(len(tasks), name, sources, -1, -1, sum(params[s].nbytes for s in sources), shards))
+        tasks.append(Task(len(tasks), name, sources, -1, -1, sum(pbytes[s] for s in sources), shards))
         options.append(opts)
 
     def mid(m):
@@ -319,7 +376,8 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         if len(opts) == 1:
             m = opts[0]
         else:
-            sums = [load[list(o)].sum() for o in opts]
+            # ties go away from rank 0 (the controller also serves the TCPStore)
+            sums = [load[list(o)].sum() + (0.5 if 0 in o else 0.0) for o in opts]
             m = opts[int(np.argmin(sums))]
         t.mesh = mid(m)
         load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node) + wbytes / len(m)
@@ -340,6 +398,9 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         else:
             groups.append([m])
             group_ranks.append(set(rs))
+    # the lightest group first: its preparation is short, so writes start at once and
+    # its (often large, dense) tasks drain while the heavier groups prepare
+    groups.sort(key=lambda ms: (sum(mesh_bytes[m] for m in ms), ms[0]))
     group_of = {m: g for g, ms in enumerate(groups) for m in ms}
     mesh_tasks: dict[int, list[int]] = {m: [] for m in range(len(meshes))}
     for t in tasks:
@@ -375,33 +436,19 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
                 u_shard = np.repeat(np.arange(S), replicas)
                 u_rep = np.tile(np.arange(replicas), S)
                 u_n = sb[u_shard]
-                # largest units first, round robin over the ranks from least to most loaded
-                o = np.argsort(-u_n, kind="stable")
-                rk = ranks[np.argsort(load[ranks], kind="stable")]
-                snd = np.empty(o.size, np.int64)
-                snd[o] = rk[np.arange(o.size) % rk.size]
-                np.add.at(load, snd, u_n)
+                snd = _deal(u_n, ranks, load)
                 sh_rank = np.array([s.rank for s in t.shards], np.int64)
                 sh_dst = np.array([name_id[s.dst] for s in t.shards], np.int64)
                 sh_off = np.array([s.offset for s in t.shards], np.int64)
                 u_gpu = u_rep * tp + sh_rank[u_shard]
-                # per sender: rotate the destination order by sender so that the ranks
-                # of a mesh start on different receivers
-                rot = (u_gpu - snd * 7919) % ngpu
+                # per sender: a pseudo-random destination order that differs from sender
+                # to sender, so that senders do not start on (and move through) the same
+                # receivers at the same moment
+                rot = ((u_gpu + 1) * 0x9E3779B1 + (snd + 1) * 0x85EBCA77) & 0xFFFFFFFF
                 o2 = np.lexsort((rot, snd))
                 snd, u_shard, u_rep, u_n = snd[o2], u_shard[o2], u_rep[o2], u_n[o2]
                 # source offsets: each sender packs every distinct shard it sends once
-                key = snd * S + u_shard
-                _, first, inv = np.unique(key, return_index=True, return_inverse=True)
-                fo = np.argsort(first)
-                sizes = sb[u_shard[first[fo]]]
-                sfo = snd[first[fo]]
-                cs = np.cumsum(sizes) - sizes
-                seg = np.cumsum(np.r_[0, (np.diff(sfo) != 0).astype(np.int64)])
-                starts = np.r_[0, np.flatnonzero(np.diff(sfo)) + 1]
-                off_u = np.empty(fo.size, np.int64)
-                off_u[fo] = cs - cs[starts][seg]
-                src = off_u[inv.reshape(-1)]
+                src = np.fromiter(_src_offsets(snd.tolist(), u_shard.tolist(), sb.tolist()), np.int64, snd.size)
                 cols["sender"].append(snd)
                 cols["task"].append(np.full(snd.size, ti, np.int64))
                 cols["shard"].append(u_shard)

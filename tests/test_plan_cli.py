@@ -1,0 +1,39 @@
+"""`python -m wxfer plan` / wxfer.plan_cli.main."""
+import json
+import subprocess
+import sys
+
+from wxfer.plan import Plan
+from wxfer.plan_cli import main
+
+KEYS = {"params", "bytes_per_replica", "max_bytes_per_infer_gpu", "max_bytes_per_train_gpu", "lower_bound_s",
+        "simulated_s", "build_s", "transfers"}
+
+
+def test_json_last_line(capsys, tmp_path):
+    out = tmp_path / "plan.bin"
+    rc = main(["--preset", "qwen3-30b-a3b", "--train-gpus", "16", "--infer-gpus", "8", "--infer-tp", "4",
+               "--nic-gbps", "400", "--json", "--out", str(out), "--steps", "300"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert KEYS <= set(d)
+    assert d["infer_ep"] is True and d["quant"] == "fp8"
+    assert d["simulated_s"] >= d["lower_bound_s"] > 0
+    assert d["max_bytes_per_infer_gpu"] * 4 >= d["bytes_per_replica"]
+    plan = Plan.from_bytes(out.read_bytes())
+    assert plan.n_transfers == d["transfers"] and plan.check() == []
+
+
+def test_refusal_names_the_parameter(capsys):
+    rc = main(["--preset", "qwen3-235b", "--train-gpus", "8", "--infer-tp", "8", "--no-infer-ep", "--no-sim"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "mlp.experts.0.gate_proj.weight" in err and "128" in err
+
+
+def test_python_dash_m_entry_point():
+    p = subprocess.run([sys.executable, "-m", "wxfer.plan_cli", "--preset", "qwen3-tiny", "--train-gpus", "2",
+                        "--infer-gpus", "4", "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout.strip().splitlines()[-1])
+    assert d["infer_gpus"] == 4 and d["transfers"] > 0 and KEYS <= set(d)
