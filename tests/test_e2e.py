@@ -78,11 +78,12 @@ def test_demo_mesh_groups_with_an_expert_sub_mesh(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
-def test_demo_gpu_bf16_and_fp8():
-    for fp8 in (False, True):
-        res = _demo(fp8=fp8, replicas=1, trainers=1, steps=2, timeout=240)
+def test_demo_gpu_bf16_and_fp8_cpu_offload():
+    for fp8, off in ((False, False), (True, True)):
+        res = _demo(fp8=fp8, cpu_offload=off, replicas=1, trainers=1, steps=2, timeout=240)
         _check(res, 2)
-        assert res["device"] == "cuda" and res["logits_ok"]
+        assert res["device"] == "cuda" and res["logits_ok"] and res["transport"] == "cuda_ipc"
+        print("gpu demo:", json.dumps(res))
 
 
 @pytest.mark.gpu2

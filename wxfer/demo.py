@@ -81,6 +81,7 @@ def _trainer(rank, world, a, ctl):
     import torch.distributed as dist
     from datetime import timedelta
     from torch.distributed.device_mesh import init_device_mesh
+    from . import pipeline
     from .mapping import Layout, expand, pack_shard
     from .models import Qwen3ForCausalLM, preset_for, shard_fsdp2
     from .sender import Sender
@@ -159,7 +160,9 @@ def _trainer(rank, world, a, ctl):
         moved.append(sum(x[1] for x in per))
         # expectations: the mapping's reference bytes of every destination shard
         with torch.no_grad():
-            fulls = {n: p.full_tensor() for n, p in model.named_parameters()}
+            # (offloaded shards go to the device first, as the sender's stage 1 does)
+            fulls = {n: pipeline.full_tensor(p, pipeline.local_to_device(p, device))
+                     for n, p in model.named_parameters()}
             exp = {}
             for c in mine:
                 for s in c.shards:
@@ -261,7 +264,7 @@ def _worker(gidx, a, ctl):
 # --------------------------------------------------------------------------- the parent
 
 
-def run_demo(trainers: int = 2, replicas: int = 2, tp: int = 2, steps: int = 3, fp8: bool = False,
+def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps: int = 3, fp8: bool = False,
              cpu_offload: bool = False, moe: bool = False, size: str = "small", unchanged_step: bool = False,
              batch: int = 4, seq: int = 64, lr: float = 1e-3, watermark: str = "256MiB",
              transport: str = "auto", trace_dir: str | None = None, timeout: float = 600.0,
@@ -273,6 +276,11 @@ def run_demo(trainers: int = 2, replicas: int = 2, tp: int = 2, steps: int = 3, 
     from . import control
     from .models import logits_close, logits_from_shards
     gpu = torch.cuda.is_available() and os.environ.get("WXFER_DEMO_CPU") != "1"
+    if trainers is None:
+        trainers = min(2, torch.cuda.device_count()) if gpu else 2
+    if gpu and trainers > torch.cuda.device_count():
+        raise ValueError(f"--trainers {trainers} needs {trainers} GPUs (NCCL: one rank per GPU), this machine "
+                         f"has {torch.cuda.device_count()}; use fewer trainers or WXFER_DEMO_CPU=1")
     port = control.free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=TIMEOUT),
                           wait_for_workers=False)
@@ -379,7 +387,7 @@ def run_demo(trainers: int = 2, replicas: int = 2, tp: int = 2, steps: int = 3, 
 
 def main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m wxfer demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trainers", type=int, default=2)
+    ap.add_argument("--trainers", type=int, default=None, help="default 2 (on GPUs: min(2, GPUs))")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
