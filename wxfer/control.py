@@ -54,7 +54,7 @@ def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_
     if store is not None and not isinstance(store, str):
         return store
     if store is None:
-        store = os.environ.get("WXFER_STORE")
+        store = os.environ.get("WXFER_STORE") or None
     if store is None:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         store = "%s:%s" % (host, os.environ.get("WXFER_STORE_PORT", DEFAULT_PORT))
