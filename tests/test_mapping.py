@@ -197,3 +197,22 @@ def test_piece_and_experts_rule_are_declarative():
     b = r.bindings(["a.3.0.g", "a.3.1.g", "a.4.0.g", "x"])
     assert b == [{"L": "3", "_experts": [0, 1]}, {"L": "4", "_experts": [0]}]
     assert Piece("x", 0, 256, 0, 128).numel() == 256 * 128 and BLOCK == 128
+
+
+@pytest.mark.parametrize("ep", [True, False])
+def test_expert_grouping_changes_no_byte(ep):
+    pre = get_preset("qwen3-30b-a3b")
+    cfg = dict(pre.config, num_hidden_layers=1, num_experts=6, hidden_size=256, moe_intermediate_size=256,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=256)
+    shapes = _shapes(pre, cfg)
+    t = _rand_tensors(shapes, 5)
+    one = expand(pre.rules, shapes, Layout(tp=2, ep=ep, quant="fp8", expert_group=1), cfg)
+    three = expand(pre.rules, shapes, Layout(tp=2, ep=ep, quant="fp8", expert_group=3), cfg)
+    n_one = sum(len(c.shards) for c in one.components)
+    n_three = sum(len(c.shards) for c in three.components)
+    assert n_three < n_one and len(three.components) < len(one.components)
+    for r in range(2):
+        a, b = _assemble(one, r, t), _assemble(three, r, t)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k

@@ -37,3 +37,16 @@ def test_python_dash_m_entry_point():
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout.strip().splitlines()[-1])
     assert d["infer_gpus"] == 4 and d["transfers"] > 0 and KEYS <= set(d)
+
+
+def test_plan_modules_import_light():
+    """No torch, pandas, matplotlib or native extension just to build a plan."""
+    code = ("import sys, wxfer.plan, wxfer.simulate, wxfer.meta, wxfer.mapping, wxfer.plan_cli\n"
+            "from wxfer.meta import Cluster\n"
+            "from wxfer.plan import plan_for\n"
+            "p = plan_for('qwen3-8b', Cluster(train_gpus=8, infer_gpus=4, infer_tp=2))\n"
+            "p.simulate(Cluster(train_gpus=8, infer_gpus=4, infer_tp=2)); p.summary(); p._repr_html_()\n"
+            "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'wxfer._wxfer') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"

@@ -30,4 +30,4 @@ def test_kimi_k2_notebook_executes(tmp_path, monkeypatch):
     assert "simulated" in text and "lower bound" in text
     html = "".join(o.get("data", {}).get("text/html", "") for o in outs)
     assert "wxfer plan" in html                              # plan._repr_html_ rendered
-    assert sum("image/png" in o.get("data", {}) for o in outs) >= 3  # bytes, timeline, utilisation plots
+    assert sum("image/png" in o.get("data", {}) for o in outs) >= 4  # bytes, utilisation, timeline, busy

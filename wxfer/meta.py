@@ -225,6 +225,29 @@ def synthesize_train(preset: Preset, cluster: Cluster) -> list[TrainParam]:
     return out
 
 
+def expert_group_of(train: Iterable[TrainParam]) -> int:
+    """How many consecutive routed experts share a mesh (gcd over layers; 1 if none)."""
+    import re
+    from math import gcd
+    pat = re.compile(r"^(.*\.experts)\.(\d+)\.")
+    by_layer: dict[str, dict[int, tuple]] = {}
+    for p in train:
+        m = pat.match(p.name)
+        if m:
+            by_layer.setdefault(m.group(1), {})[int(m.group(2))] = p.meshes
+    g = 0
+    for d in by_layer.values():
+        es = sorted(d)
+        run = 1
+        for a, b in zip(es, es[1:]):
+            if b == a + 1 and d[a] == d[b]:
+                run += 1
+            else:
+                g, run = gcd(g, run), 1
+        g = gcd(g, run)
+    return max(g, 1)
+
+
 def workers_from_expanded(ex: Expanded, cluster: Cluster) -> list[InferWorker]:
     """Inference workers of every replica holding the layout of an expansion.
 
@@ -251,5 +274,6 @@ def synthesize(preset: Preset | str | Mapping, cluster: Cluster) -> Synthesized:
     elif not isinstance(preset, Preset):
         preset = from_config("custom", preset)
     train = synthesize_train(preset, cluster)
-    ex = expand(preset.rules, {p.name: p.shape for p in train}, cluster.layout, preset.config)
+    layout = Layout(cluster.infer_tp, cluster.infer_ep, cluster.quant, expert_group_of(train))
+    ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config)
     return Synthesized(preset, cluster, train, workers_from_expanded(ex, cluster), ex)

@@ -148,7 +148,9 @@ def main(argv) -> int:
     ap.add_argument("--device", default=None, help="verbs: RDMA device[:port]")
     ap.add_argument("--gpu", action="store_true", help="verbs: use GPU memory")
     ap.add_argument("--emulated", action="store_true", help="verbs: use the test emulation")
-    ap.add_argument("--connect", default=None, help="verbs: the other host")
+    ap.add_argument("--connect", default=None, help="verbs: the other host (HOST[:PORT])")
+    ap.add_argument("--serve", nargs="?", const=18515, type=int, default=None,
+                    help="verbs: be the target for a --connect writer on this port")
     args = ap.parse_args(argv)
     from wxfer import _wxfer
     size = _wxfer.parse_size(args.size)

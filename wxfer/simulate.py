@@ -80,8 +80,9 @@ class SimResult:
         import matplotlib.pyplot as plt
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.5))
-        u = self.utilisation()
-        ax.boxplot([u[k] for k in u if u[k].size], labels=[k for k in u if u[k].size])
+        u = {k: v for k, v in self.utilisation().items() if v.size}
+        ax.boxplot(list(u.values()))
+        ax.set_xticks(range(1, len(u) + 1), list(u))
         ax.set_ylabel("utilisation")
         return ax
 

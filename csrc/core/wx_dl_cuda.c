@@ -69,9 +69,12 @@ static void wx__cuda_load(void)
     WX__SYM(cuEventQuery, "cuEventQuery");
     WX__SYM(cuEventSynchronize, "cuEventSynchronize");
     WX__SYM(cuEventElapsedTime, "cuEventElapsedTime");
+    WX__SYM(cuCtxGetDevice, "cuCtxGetDevice");
+    WX__SYM(cuDeviceGetName, "cuDeviceGetName");
     WX__OPT(cuMemGetHandleForAddressRange, "cuMemGetHandleForAddressRange");
     WX__OPT(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
     WX__OPT(cuMemRelease, "cuMemRelease");
+    WX__OPT(cuDeviceGetUuid, "cuDeviceGetUuid_v2");
     r = wx__cuda.cuInit(0);
     if (r != CUDA_SUCCESS) {
         const char *name = "?";

@@ -53,6 +53,10 @@ typedef struct wx_cuda_api {
                                               CUmemRangeHandleType, unsigned long long);
     CUresult (*cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle *, void *);
     CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
+    CUresult (*cuDeviceGetUuid)(CUuuid *, CUdevice);
+    /* cuda_ipc additions (required) */
+    CUresult (*cuCtxGetDevice)(CUdevice *);
+    CUresult (*cuDeviceGetName)(char *, int, CUdevice);
 } wx_cuda_api_t;
 
 /* Load libcuda.so.1 (or $WXFER_LIBCUDA) once and call cuInit(0). Returns the table, or

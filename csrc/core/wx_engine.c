@@ -30,6 +30,7 @@ struct wx__task {
     int status;
     int finished;
     int in_post; /* still queued for posting: only the post thread may finish it */
+    int on_active; /* linked into the engine's active list */
     uint64_t deadline;
     wx__eop_t *ops;
     wx_trace_rec_t rec;
@@ -148,7 +149,8 @@ static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     t->rec.t_done = wx_now_ns();
     t->rec.status = t->status;
     t->rec.nwrites = t->completed;
-    if (t->act_prev || t->act_next || e->active == t) {
+    if (t->on_active) {
+        t->on_active = 0;
         if (t->act_prev)
             t->act_prev->act_next = t->act_next;
         else
@@ -352,7 +354,8 @@ static void *wx__post_main(void *arg)
             eo->op.wr_id = (t->id << 20) | t->posted;
             eo->task = t;
             eo->len = len;
-            if (t->posted == 0) {
+            if (!t->on_active) {
+                t->on_active = 1;
                 t->rec.t_post_first = wx_now_ns();
                 t->deadline = t->rec.t_post_first + e->o.timeout_ns;
                 t->act_next = e->active;

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 BLOCK = 128  # FP8 block size (rows and columns) of weight_scale_inv
 
@@ -42,8 +42,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """Rows [r0, r1) and columns [c0, c1) of source `src` (c0 = c1 = 0 for 1-D sources)."""
     src: str
     r0: int
@@ -63,8 +62,7 @@ class Piece:
         return self.rows * (self.cols if self.c1 else 1)
 
 
-@dataclass(frozen=True)
-class Shard:
+class Shard(NamedTuple):
     """One contiguous byte region of destination parameter `dst` on inference rank `rank`.
 
     kind: "raw" (cast to `dtype`), "fp8" (e4m3 bytes, each piece quantized on its own
@@ -103,10 +101,15 @@ class Component:
 
 @dataclass(frozen=True)
 class Layout:
-    """Inference layout of one replica: TP size and whether experts are expert-parallel."""
+    """Inference layout of one replica: TP size and whether experts are expert-parallel.
+
+    expert_group: routed experts are emitted in components of this many consecutive
+    experts (those a training mesh holds together), with their shards already merged;
+    it changes no byte, only how many objects the expansion builds."""
     tp: int = 1
     ep: bool = False
     quant: str | None = None  # "fp8" or None (BF16)
+    expert_group: int = 1
 
 
 def scale_name(weight_name: str) -> str:
@@ -360,37 +363,52 @@ class Experts(Rule):
                 params.append(DestParam(r, scale_name(w2), (el, cdiv(hidden, BLOCK), cdiv(ir, BLOCK)), "float32"))
         s13 = (cdiv(2 * ir, BLOCK) * cdiv(hidden, BLOCK) * 4) if quant else 0
         s2 = (cdiv(hidden, BLOCK) * cdiv(ir, BLOCK) * 4) if quant else 0
+        g = max(1, int(ctx.layout.expert_group))
         comps = []
-        for e in experts:
-            be = {**b, "E": str(e)}
-            gate, up, down = (_fmt(s, be) for s in self.srcs)
-            for s, want in ((gate, (inter, hidden)), (up, (inter, hidden)), (down, (hidden, inter))):
-                if ctx.shape(s, prefix) != want:
-                    raise MappingError(f"{s}: shape {ctx.shape(s, prefix)} but expected {want}")
-            ranks = [e // el] if ep else range(tp)
-            shards = []
-            for r in ranks:
-                le = e - r * el if ep else e
-                c0 = 0 if ep else r * ir
-                pg, pu = Piece(gate, c0, c0 + ir, 0, hidden), Piece(up, c0, c0 + ir, 0, hidden)
-                pd = Piece(down, 0, hidden, c0, c0 + ir)
-                if quant:
-                    if e == experts[0]:   # every expert has the same shapes and slices
+        for gs in range(0, len(experts), g):
+            names: list[str] = []
+            per_rank: dict[int, list] = {}
+            for e in experts[gs:gs + g]:
+                be = {**b, "E": str(e)}
+                gate, up, down = (_fmt(s, be) for s in self.srcs)
+                for s, want in ((gate, (inter, hidden)), (up, (inter, hidden)), (down, (hidden, inter))):
+                    if ctx.shape(s, prefix) != want:
+                        raise MappingError(f"{s}: shape {ctx.shape(s, prefix)} but expected {want}")
+                names += (gate, up, down)
+                for r in ([e // el] if ep else range(tp)):
+                    c0 = 0 if ep else r * ir
+                    pg, pu = Piece(gate, c0, c0 + ir, 0, hidden), Piece(up, c0, c0 + ir, 0, hidden)
+                    pd = Piece(down, 0, hidden, c0, c0 + ir)
+                    if quant and e == experts[0]:   # every expert has the same shapes and slices
                         _check_fp8_piece(pg, (inter, hidden), False, w13, tp if not ep else 1)
                         _check_fp8_piece(pu, (inter, hidden), True, w13, tp if not ep else 1)
                         _check_fp8_piece(pd, (hidden, inter), True, w2, tp if not ep else 1)
-                    shards += [
-                        Shard(r, w13, le * 2 * ir * hidden, 2 * ir * hidden, "fp8", wdt, (pg, pu)),
-                        Shard(r, w13s, le * s13, s13, "scale", "float32", (pg, pu)),
-                        Shard(r, w2, le * hidden * ir, hidden * ir, "fp8", wdt, (pd,)),
-                        Shard(r, w2s, le * s2, s2, "scale", "float32", (pd,)),
-                    ]
-                else:
-                    shards += [
-                        Shard(r, w13, le * 2 * ir * hidden * es, 2 * ir * hidden * es, "raw", wdt, (pg, pu)),
-                        Shard(r, w2, le * hidden * ir * es, hidden * ir * es, "raw", wdt, (pd,)),
-                    ]
-            comps.append(Component((gate, up, down), shards, ("experts", prefix), prefix))
+                    per_rank.setdefault(r, []).append((e - r * el if ep else e, pg, pu, pd))
+            shards: list[Shard] = []
+            for r, items in per_rank.items():
+                i = 0
+                while i < len(items):           # runs of consecutive local experts
+                    j = i + 1
+                    while j < len(items) and items[j][0] == items[j - 1][0] + 1:
+                        j += 1
+                    run = items[i:j]
+                    le, n = run[0][0], len(run)
+                    p13 = tuple(p for it in run for p in (it[1], it[2]))
+                    p2 = tuple(it[3] for it in run)
+                    if quant:
+                        shards += [
+                            Shard(r, w13, le * 2 * ir * hidden, n * 2 * ir * hidden, "fp8", wdt, p13),
+                            Shard(r, w13s, le * s13, n * s13, "scale", "float32", p13),
+                            Shard(r, w2, le * hidden * ir, n * hidden * ir, "fp8", wdt, p2),
+                            Shard(r, w2s, le * s2, n * s2, "scale", "float32", p2),
+                        ]
+                    else:
+                        shards += [
+                            Shard(r, w13, le * 2 * ir * hidden * es, n * 2 * ir * hidden * es, "raw", wdt, p13),
+                            Shard(r, w2, le * hidden * ir * es, n * hidden * ir * es, "raw", wdt, p2),
+                        ]
+                    i = j
+            comps.append(Component(tuple(names), shards, ("experts", prefix), prefix))
         return params, comps
 
 

@@ -79,10 +79,10 @@ def check_coverage(plan, workers: Sequence | None = None) -> list[str]:
     # senders must belong to their task's mesh
     if plan.n_transfers:
         mesh_of = np.array([t.mesh for t in plan.tasks], np.int64)
-        ok = np.zeros(plan.n_transfers, bool)
+        member = np.zeros((len(plan.meshes), plan.train_world), bool)
         for m, ranks in enumerate(plan.meshes):
-            sel = mesh_of[plan.task] == m
-            ok[sel] = np.isin(plan.sender[sel], ranks)
+            member[m, list(ranks)] = True
+        ok = member[mesh_of[plan.task], plan.sender]
         for i in np.flatnonzero(~ok)[:50]:
             probs.append(f"transfer {i}: rank {plan.sender[i]} is not in the mesh of task {plan.task[i]}")
     return probs

@@ -212,26 +212,38 @@ def _merge_shards(shards: list[Shard]) -> list[Shard]:
 
 def _deal(u_n: np.ndarray, ranks: np.ndarray, load: np.ndarray) -> np.ndarray:
     """Sender of each unit: largest units first, each to the least loaded rank of the
-    mesh (ties: the mesh order).  Updates `load` in place."""
+    mesh (ties: the mesh order); once the ranks are level to within the next unit, the
+    rest goes round robin (what the greedy rule does then anyway for equal units).
+    Updates `load` in place."""
     o = np.argsort(-u_n, kind="stable")
     rk = ranks[np.argsort(load[ranks], kind="stable")]
     snd = np.empty(o.size, np.int64)
     m = rk.size
-    loc = load[rk]
     if m == 1:
         snd[:] = rk[0]
-    elif loc[-1] - loc[0] <= u_n[o[-1]] and (u_n[o[0]] == u_n[o[-1]] or o.size <= m):
-        snd[o] = rk[np.arange(o.size) % m]          # already balanced: round robin
-    else:
-        heap = [(float(v), i) for i, v in enumerate(loc)]
-        heapq.heapify(heap)
-        pick = np.empty(o.size, np.int64)
-        for k, size in enumerate(u_n[o].tolist()):
-            v, i = heap[0]
-            heapq.heapreplace(heap, (v + size, i))
-            pick[k] = i
-        snd[o] = rk[pick]
-    np.add.at(load, snd, u_n)
+        np.add.at(load, snd, u_n)
+        return snd
+    sizes = u_n[o].tolist()
+    loc = load[rk].tolist()
+    heap = [(v, i) for i, v in enumerate(loc)]
+    heapq.heapify(heap)
+    hi = max(loc)
+    pick = np.empty(o.size, np.int64)
+    k = 0
+    n = len(sizes)
+    while k < n:
+        v, i = heap[0]
+        if hi - v <= sizes[k] and all(x == sizes[k] for x in sizes[k:k + m]) and k + m <= n:
+            break                        # level: the next units go round robin
+        heapq.heapreplace(heap, (v + sizes[k], i))
+        hi = max(hi, v + sizes[k])
+        pick[k] = i
+        k += 1
+    if k < n:
+        order = [i for _, i in sorted(heap)]          # least loaded first
+        pick[k:] = np.array(order, np.int64)[np.arange(n - k) % m]
+    snd[o] = rk[pick]
+    load += np.bincount(snd, u_n, load.size)
     return snd
 
 
@@ -248,6 +260,22 @@ def _src_offsets(snd, shard, sizes):
             offs[k] = v
             cur[s] = v + sizes[sh]
         yield v
+
+
+def _packed_offsets(snd: np.ndarray, u_shard: np.ndarray, sb: np.ndarray) -> np.ndarray:
+    if snd.size <= 256:
+        return np.fromiter(_src_offsets(snd.tolist(), u_shard.tolist(), sb.tolist()), np.int64, snd.size)
+    key = snd * sb.size + u_shard
+    _, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    fo = np.argsort(first)                    # distinct (sender, shard) in order of first use
+    sizes = sb[u_shard[first[fo]]]
+    sfo = snd[first[fo]]
+    cs = np.cumsum(sizes) - sizes
+    newseg = np.concatenate(([True], sfo[1:] != sfo[:-1]))
+    seg = np.cumsum(newseg) - 1
+    off_u = np.empty(fo.size, np.int64)
+    off_u[fo] = cs - cs[np.flatnonzero(newseg)][seg]
+    return off_u[inv.reshape(-1)]
 
 
 def _ag_nic_bytes(src_bytes: int, mesh: tuple[int, ...], gpus_per_node: int) -> float:
@@ -297,9 +325,13 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
     quant = preset.quant if quant == "preset" else quant      # None means BF16
     params = {p.name: p for p in train}
     pbytes = {p.name: p.nbytes for p in train}
-    layout = Layout(tp, ep, quant)
-    ex = expanded if expanded is not None and expanded.layout == layout else expand(
-        preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore)
+    from ..meta import expert_group_of
+    lay = expanded.layout if expanded is not None else None
+    if lay is not None and (lay.tp, lay.ep, lay.quant) == (tp, ep, quant) and not ignore:
+        ex = expanded
+    else:
+        layout = Layout(tp, ep, quant, expert_group_of(train))
+        ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore)
 
     # ---- names and destination sizes; compare with what the workers hold
     names = sorted({n for r in ex.dest for n in ex.dest[r]})
@@ -448,7 +480,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
                 o2 = np.lexsort((rot, snd))
                 snd, u_shard, u_rep, u_n = snd[o2], u_shard[o2], u_rep[o2], u_n[o2]
                 # source offsets: each sender packs every distinct shard it sends once
-                src = np.fromiter(_src_offsets(snd.tolist(), u_shard.tolist(), sb.tolist()), np.int64, snd.size)
+                src = _packed_offsets(snd, u_shard, sb)
                 cols["sender"].append(snd)
                 cols["task"].append(np.full(snd.size, ti, np.int64))
                 cols["shard"].append(u_shard)
