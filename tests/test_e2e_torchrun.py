@@ -37,8 +37,10 @@ WORKER = textwrap.dedent("""
     import sys, torch
     from wxfer.models import TINY, inference_params, preset_for
     from wxfer.receiver import Receiver
-    rank = int(sys.argv[1])
+    rank, broken = int(sys.argv[1]), sys.argv[2] == "broken"
     params = inference_params(TINY, 2, rank)
+    if broken and rank == 1:
+        del params["model.layers.1.mlp.down_proj.weight"]
     recv = Receiver(params, mapping=preset_for(TINY).name, replica=0, rank=rank, tp=2, replicas=1, timeout=60)
     print("worker", rank, "version", recv.wait_version(2, 60), flush=True)
     nan = sum(int(torch.isnan(t.float()).sum()) for t in params.values())
@@ -48,7 +50,8 @@ WORKER = textwrap.dedent("""
 
 
 @pytest.mark.timeout(180)
-def test_sender_under_torchrun_hosts_the_store(tmp_path):
+@pytest.mark.parametrize("case", ["ok", "broken"])
+def test_sender_under_torchrun_hosts_the_store(tmp_path, case):
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "worker.py").write_text(WORKER)
     sport = free_port()
@@ -58,7 +61,7 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path):
                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                            str(tmp_path / "trainer.py")], env=dict(env, WXFER_STORE=""), cwd=tmp_path,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ws = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r)], env=env, cwd=tmp_path,
+    ws = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r), case], env=env, cwd=tmp_path,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outs = []
     try:
@@ -69,6 +72,17 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path):
         for p in [tr] + ws:
             if p.poll() is None:
                 p.kill()
+    if case == "broken":
+        # the controller's error is raised on both trainer ranks and in both workers, by name
+        bad = "model.layers.1.mlp.down_proj.weight: expected on replica 0 rank 1 but the worker lacks it"
+        assert tr.returncode != 0 and ws[0].returncode != 0 and ws[1].returncode != 0
+        for r in (0, 1):     # torchrun prefixes each rank's traceback lines with [rankN]
+            assert any(ln.startswith(f"[rank{r}]") and "SetupError" in ln for ln in outs[0].splitlines()), \
+                outs[0][-3000:]
+        assert bad in outs[0]
+        for out in outs[1:]:
+            assert "SetupError" in out and bad in out, out[-3000:]
+        return
     assert tr.returncode == 0, outs[0][-3000:]
     assert "rank 0 pushed" in outs[0] and "rank 1 pushed" in outs[0]
     for r, (p, out) in enumerate(zip(ws, outs[1:])):

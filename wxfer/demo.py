@@ -325,6 +325,10 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
                 break
             time.sleep(0.05)
         if failed:
+            # let the others fail too (setup errors reach every process), then collect them
+            end = time.monotonic() + 15
+            while any(p.is_alive() for _, p in procs) and time.monotonic() < end:
+                time.sleep(0.1)
             errs = {}
             for k in ["trainer%d" % r for r in range(trainers)] + ["worker%d" % g for g in range(replicas * tp)]:
                 if ctl.check("demo/error/" + k):

@@ -183,6 +183,14 @@ class Sender:
         topts.pop("iface", None)
         if os.environ.get("WXFER_IFACE"):
             topts["iface"] = os.environ["WXFER_IFACE"]
+        if tname == "cuda_ipc":
+            import socket
+            far = sorted(g for g, w in self.workers.items() if w.get("host") != socket.gethostname())
+            if far:
+                raise SetupError(f"transport cuda_ipc joins GPUs of one host, but inference worker gpu {far[0]} is on "
+                                 f"{self.workers[far[0]].get('host')!r} and trainer rank {self.rank} on "
+                                 f"{socket.gethostname()!r}; give the receivers transport='verbs' or 'fabric' "
+                                 "(or set WXFER_TRANSPORT there)")
         self.transport_name = tname
         self.transport = _wxfer.Transport(tname, topts)
         self.watermark = _parse_size(watermark)
