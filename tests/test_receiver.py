@@ -238,3 +238,25 @@ def test_vllm_worker_extension_builds_the_receiver(monkeypatch):
     assert w.wxfer_version() == 7 and w.wxfer_wait(3) == 7
     w.wxfer_close()
     assert seen["closed"]
+
+
+def test_a_receiver_gone_mid_run_fails_the_push_in_bounded_time(store):
+    import time
+    from wxfer.sender import Sender
+    s, addr = store
+    params = inference_params(TINY, 1, 0)
+    th, box = _in_thread(Receiver, params, mapping=preset_for(TINY).name, store=addr, name="gone", timeout=T)
+    sender = Sender(_tiny_model(), mapping=preset_for(TINY), store=addr, name="gone", timeout=T, write_timeout=5)
+    th.join(T)
+    recv = box["value"]
+    sender.push()
+    assert recv.version() == 1
+    recv.close()                          # the inference worker's memory and transport are gone
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as ei:
+        sender.push()
+    assert time.monotonic() - t0 < 20
+    # the error names the rank, the step, the peer and the plan task
+    msg = str(ei.value)
+    assert "trainer rank 0, step 2" in msg and "peer" in msg and "[plan task" in msg, msg
+    sender.close()

@@ -26,6 +26,9 @@ from .control import Control, SetupError
 from .receiver import _unb64, decode_param_descriptor, transport_choice
 
 
+STAMP_TAG = 1 << 62     # engine tag of the version-stamp writes (plan tasks use their index)
+
+
 def _parse_size(v) -> int:
     if isinstance(v, int):
         return v
@@ -264,11 +267,14 @@ class Sender:
         try:
             self.engine.wait(timeout=timeout)
         except Exception as e:
+            import re
             msg = str(e)
-            for t, n in self.task_names.items():
-                if f"tag {t}" in msg or f"task {t}" in msg:
-                    msg += f" [task {t} = {n}]"
-                    break
+            m = re.search(r"\(tag (\d+)\)", msg)
+            if m and int(m.group(1)) in self.task_names:
+                t = int(m.group(1))
+                msg += f" [plan task {t}: {self.task_names[t]}]"
+            elif m and int(m.group(1)) == STAMP_TAG:
+                msg += " [the version stamps]"
             self.engine.clear_error()
             raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: {msg}") from e
 
@@ -279,7 +285,7 @@ class Sender:
             self.stamp_src.fill_(h.version)
             if self.stamp_src.is_cuda:
                 torch_sync(self.device)
-            self.engine.submit(self.stamp_src, self.stamp_dests, tag=1 << 62)
+            self.engine.submit(self.stamp_src, self.stamp_dests, tag=STAMP_TAG)
             self._wait_engine(t, "writing the version stamps")
         if h._barrier is not None:
             h._barrier.wait(self.timeout)
