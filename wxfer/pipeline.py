@@ -202,6 +202,8 @@ def full_tensor(p, local):
     from torch.distributed.tensor import DTensor
     if not isinstance(p, DTensor):
         return local
+    if local is p._local_tensor:
+        return p.full_tensor()           # not offloaded: the parameter itself
     d = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                            stride=p.stride())
     return d.full_tensor()
@@ -216,12 +218,14 @@ def pack(shards, fulls: dict):
 def prepare(op: TaskOp, device):
     """Stages 1-2 of one task; returns the packed uint8 buffer (None when this rank only takes
     part in the collectives)."""
-    fulls = {}
-    for name, p in op.sources:
-        fulls[name] = full_tensor(p, local_to_device(p, device))
-    if not op.sends:
-        return None
-    buf = pack(op.shards, fulls)
+    import torch
+    with torch.no_grad():
+        fulls = {}
+        for name, p in op.sources:
+            fulls[name] = full_tensor(p, local_to_device(p, device))
+        if not op.sends:
+            return None
+        buf = pack(op.shards, fulls)
     if buf.numel() != op.nbytes:
         raise AssertionError(f"task {op.name}: packed {buf.numel()} bytes, plan says {op.nbytes}")
     return buf
