@@ -8,13 +8,29 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from wxfer.mapping import get_preset
 from wxfer.meta import Cluster, TrainParam, from_fsdp_model, from_inference_worker, synthesize, train_meshes
+from wxfer.plan import build_plan
 
 
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _hf_module(params):
+    """An nn.Module tree whose named_parameters() are exactly `params` (HF names)."""
+    root = torch.nn.Module()
+    for name, (shape, dtype, _) in params.items():
+        mod = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(torch.randn(*shape).to(getattr(torch, dtype))))
+    return root
 
 
 def _fsdp_worker(rank, world, port, outdir):
@@ -32,8 +48,14 @@ def _fsdp_worker(rank, world, port, outdir):
         meta = from_fsdp_model(model)
         # the metadata's claim: every rank of the mesh produces the full tensor with full_tensor()
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        # a tiny Qwen3 with Hugging Face names, sharded per layer like a real job
+        qwen = _hf_module(get_preset("qwen3-tiny").hf_params())
+        for layer in qwen.model.layers.children():
+            fully_shard(layer, mesh=mesh)
+        fully_shard(qwen, mesh=mesh)
         torch.save({"meta": meta, "shapes": {n: tuple(t.shape) for n, t in full.items()},
-                    "local": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}},
+                    "local": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
+                    "qwen": from_fsdp_model(qwen)},
                    os.path.join(outdir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -55,6 +77,13 @@ def test_from_fsdp2_model_two_gloo_processes():
     for n, p in by.items():
         assert res[0]["shapes"][n] == p.shape            # full_tensor() gives the global shape
         assert res[0]["local"][n][0] < p.shape[0]         # while each rank holds a shard
+    # a plan straight from live FSDP2 metadata: both ranks of the mesh send
+    qwen = res[1]["qwen"]
+    assert qwen == res[0]["qwen"] and all(p.meshes == ((0, 1),) for p in qwen)
+    s = synthesize("qwen3-tiny", Cluster(train_gpus=2, infer_gpus=4, infer_tp=2))
+    plan = build_plan(qwen, s.workers, s.preset)
+    assert plan.check() == [] and set(plan.sender.tolist()) == {0, 1}
+    assert len(plan.tasks) == len(s.expanded.components)
 
 
 def test_mesh_groups_for_hsdp_placements():

@@ -50,3 +50,15 @@ def test_plan_modules_import_light():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_hf_config_file_instead_of_a_preset(tmp_path, capsys):
+    from wxfer.mapping.presets import QWEN3_TINY
+    cfg = dict(QWEN3_TINY, num_hidden_layers=3, model_type="qwen3")
+    del cfg["architectures"]                                  # found through model_type
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["--config", str(path), "--train-gpus", "4", "--infer-tp", "2", "--infer-gpus", "2",
+                 "--json", "--steps", "200"]) == 0
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert d["preset"] == "config.json" and d["tasks"] == 2 + 3 * 8   # embed, norm; per layer 2 norms, qkv, o, q/k norms, gate_up, down

@@ -95,6 +95,7 @@ class Cluster:
     watermark_bytes: int = 8 << 30         # prepared-but-unsent bytes per trainer rank
     barrier_s: float = 0.5e-3              # gloo barrier between mesh groups
     write_latency_s: float = 5e-6
+    max_posted_bytes: int = 16 << 30       # writes a trainer rank keeps posted at once (>= one task's)
 
     @property
     def nic_GBps(self) -> float:

@@ -10,7 +10,9 @@ by a barrier over all trainer ranks):
    next all-gather only when every rank of it has room under the watermark for the full
    tensor plus its packed buffer.
 3. fuse / quantize / pack on each sending rank at memory speed (one stream per rank).
-4. one-sided writes: per (sender, receiver) pair FIFO, all pairs sharing the NICs by
+4. one-sided writes: each rank keeps at most `max_posted_bytes` of writes posted (at
+   least one task's; tasks in plan order); per (sender, receiver) pair FIFO, all pairs
+   sharing the NICs by
    iterative water-filling (an approximation of max-min fairness that is work-conserving:
    every unfinished flow is stopped by a saturated link or by its own demand).
 
@@ -152,6 +154,10 @@ def lower_bound(plan, cluster) -> tuple[float, str]:
 
 
 def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult:
+    """Predict one update of `plan` on `cluster` (a wxfer.meta.Cluster).
+
+    steps: network time steps per lower bound (accuracy vs. speed); record: keep the
+    per-stage timeline (for `timeline_frame()` / `plot_timeline()`)."""
     import time as _time
     w0 = _time.perf_counter()
     world, ngpu = plan.train_world, int(plan.gpu_of.max()) + 1
@@ -161,7 +167,6 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     wm = float(cluster.watermark_bytes)
     lbytes, lbw = _links(plan, cluster)
     lb, bname = lower_bound(plan, cluster)
-    T = len(plan.tasks)
 
     # ---- jobs: (sender, task) runs of the transfer table; entries: (job, gpu) aggregates
     n = plan.n_transfers
@@ -183,18 +188,28 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
         ejob = egpu = np.empty(0, np.int64)
         ebytes = np.empty(0)
     J = job_rank.size
-    epair = job_rank[ejob] * ngpu + egpu
-    # static FIFO order: by pair, then by the sender's job sequence (job ids follow it)
-    eorder = np.lexsort((ejob, epair))
-    erank_of_order = np.empty_like(eorder)
-    erank_of_order[eorder] = np.arange(eorder.size)     # position of entry in static order
+    E = ejob.size
+    # pairs (sender, receiver); each pair is a FIFO of its entries in the sender's job order
+    pkeys, epair = np.unique(job_rank[ejob] * ngpu + egpu, return_inverse=True)
+    epair = epair.reshape(-1)
+    pair_rank, pair_gpu = pkeys // ngpu, pkeys % ngpu
+    P = pkeys.size
+    order = np.lexsort((ejob, epair))                  # FIFO positions
+    pos_of = np.empty(E, np.int64)
+    pos_of[order] = np.arange(E)
+    srem = ebytes[order].copy()                         # remaining bytes by FIFO position
+    ssize = ebytes[order]
+    sentry = order
+    pstart = np.searchsorted(epair[order], np.arange(P))
+    head = pstart.copy()                                # first unfinished position of each pair
+    pend = pstart.copy()                                # one past the last posted position
+    pair_rem = np.zeros(P)
     job_entries_left = np.bincount(ejob, minlength=J)
     job_start = np.searchsorted(ejob, np.arange(J))     # ejob is sorted (ukey sorted)
     job_end = np.searchsorted(ejob, np.arange(J), side="right")
     jobs_of_task = {}
     for j in range(J):
         jobs_of_task.setdefault(int(job_task[j]), []).append(j)
-    erem = ebytes.copy()
 
     # ---- mesh / rank state
     task_mesh = np.array([t.mesh for t in plan.tasks], np.int64)
@@ -220,8 +235,6 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
                     for r in plan.meshes[m]:
                         d = plan.tasks[ti].src_bytes / k / pcie_bw
                         h2d_done[(r, ti)] = hfree[r] + d
-                        if record:
-                            pass
                         hfree[r] += d
     timeline = []
     if record and cluster.cpu_offload:
@@ -318,7 +331,6 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
 
     dt = max(lb, 1e-6) / steps
     now = 0.0
-    active = np.empty(0, np.int64)      # entry ids, kept sorted by static FIFO position
     cap = np.concatenate([np.full(world, nic), np.full(world, nic), np.full(ngpu, nic)])
     jobs_left = J
     nstep = 0
@@ -329,6 +341,13 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     open_meshes = list(range(len(plan.meshes)))
     tr_t, tr_w, tr_ag = [], [], []
     gpu_finish = np.zeros(ngpu)
+    from collections import deque
+    queued = [deque() for _ in range(world)]          # packed jobs waiting to be posted
+    posted = np.zeros(world, np.int64)                # jobs with writes in flight, per rank
+    posted_bytes = np.zeros(world)
+    job_wbytes = np.bincount(ejob, ebytes, J) if J else np.zeros(0)
+    post_ranks: set = set()
+    max_posted = float(cluster.max_posted_bytes)
     while True:
         for m in open_meshes:
             try_start(m, now + dt)
@@ -338,13 +357,29 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             ready = [j for j in pending_act if job_act_time[j] <= now]
             if ready:
                 pending_act[:] = [j for j in pending_act if job_act_time[j] > now]
-                new = np.concatenate([np.arange(job_start[j], job_end[j]) for j in ready])
-                active = np.concatenate([active, new])
-                active = active[np.argsort(erank_of_order[active], kind="stable")]
+                for j in sorted(ready):
+                    r = int(job_rank[j])
+                    queued[r].append(j)
+                    post_ranks.add(r)
+        if post_ranks:
+            for r in post_ranks:
+                q = queued[r]
+                while q and (posted[r] == 0 or posted_bytes[r] + job_wbytes[q[0]] <= max_posted):
+                    j = q.popleft()
+                    posted[r] += 1
+                    posted_bytes[r] += job_wbytes[j]
+                    es = np.arange(job_start[j], job_end[j])
+                    ps, poss = epair[es], pos_of[es]
+                    if (poss != pend[ps]).any():
+                        raise RuntimeError("writes posted out of FIFO order")
+                    pend[ps] += 1
+                    pair_rem[ps] += srem[poss]
+            post_ranks.clear()
         ag_live = sorted(ag_live_set)
         if jobs_left == 0 and not inflight_ag and all(mptr[m] >= len(plan.mesh_tasks[m]) for m in mptr):
             break
-        if active.size == 0 and not ag_live:
+        ap = np.flatnonzero(pend > head)               # pairs with posted, unfinished writes
+        if ap.size == 0 and not ag_live and not any(queued[r] for r in range(world)):
             # nothing flows: jump to the next stage event
             cands = [job_act_time[j] for j in pending_act]
             for m in mptr:
@@ -356,52 +391,61 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             now = nxt
             continue
         # ---- one network step
-        pair = job_rank[ejob[active]] * ngpu + egpu[active]
-        seg = np.r_[True, pair[1:] != pair[:-1]] if active.size else np.empty(0, bool)
-        starts = np.flatnonzero(seg)
-        pdem = np.add.reduceat(erem[active], starts) if active.size else np.empty(0)
-        prk = pair[starts] // ngpu
-        pgp = pair[starts] % ngpu
+        nap = ap.size
         agi = np.array(ag_live, np.int64)
-        fa = np.concatenate([prk, np.array(ag_src, np.int64)[agi]]) if agi.size else prk
-        fb = np.concatenate([2 * world + pgp, world + np.array(ag_dst, np.int64)[agi]]) if agi.size else 2 * world + pgp
-        dem = np.concatenate([pdem, np.array(ag_rem)[agi]]) if agi.size else pdem
+        fa = pair_rank[ap]
+        fb = 2 * world + pair_gpu[ap]
+        dem = np.maximum(pair_rem[ap], 0.0)
+        if agi.size:
+            fa = np.concatenate([fa, np.array(ag_src, np.int64)[agi]])
+            fb = np.concatenate([fb, world + np.array(ag_dst, np.int64)[agi]])
+            dem = np.concatenate([dem, np.array(ag_rem)[agi]])
         alloc = _waterfill(fa, fb, cap * dt, dem)
-        palloc = alloc[:starts.size]
+        palloc = alloc[:nap]
         tr_t.append(now)
         tr_w.append(float(palloc.sum()))
-        tr_ag.append(float(alloc[starts.size:].sum()))
-        # FIFO inside each pair
-        if active.size:
-            rem_a = erem[active]
-            cs = np.cumsum(rem_a)
-            seg_id = np.cumsum(seg) - 1
-            before = cs - rem_a - (cs - rem_a)[starts][seg_id]
-            got = np.clip(palloc[seg_id] - before, 0, rem_a)
-            frac_end = np.where(got > 0, (before + got) / np.maximum(palloc[seg_id], 1e-30), 0.0)
-            erem[active] = rem_a - got
-            done = erem[active] <= 1e-6 * np.maximum(ebytes[active], 1)
-            if done.any():
-                de = active[done]
-                tend = now + dt * np.minimum(frac_end[done], 1.0)
-                erem[de] = 0.0
-                np.maximum.at(gpu_finish, egpu[de], tend)
-                for e, te in zip(de.tolist(), tend.tolist()):
-                    j = int(ejob[e])
-                    job_entries_left[j] -= 1
-                    if job_entries_left[j] == 0:
-                        te2 = te + cluster.write_latency_s
-                        job_done_time[j] = te2
-                        jobs_left -= 1
-                        r = int(job_rank[j])
-                        mem[r] -= job_packed[j]
-                        last_write = max(last_write, te2)
-                        if record:
-                            timeline.append(("write", r, int(job_task[j]), job_act_time[j], te2))
-                active = active[~done]
+        tr_ag.append(float(alloc[nap:].sum()))
+        # FIFO inside each pair: consume head entries until the pair's bytes are spent
+        left = palloc.copy()
+        used = np.zeros(nap)
+        while nap:
+            sel = np.flatnonzero((left > 0) & (head[ap] < pend[ap]))
+            if sel.size == 0:
+                break
+            p_, h_ = ap[sel], head[ap[sel]]
+            take = np.minimum(srem[h_], left[sel])
+            srem[h_] -= take
+            pair_rem[p_] -= take
+            left[sel] -= take
+            used[sel] += take
+            fin = srem[h_] <= 1e-6 * np.maximum(ssize[h_], 1.0)
+            if not fin.any():
+                break
+            hf, pf = h_[fin], p_[fin]
+            pair_rem[pf] -= srem[hf]
+            srem[hf] = 0.0
+            head[pf] += 1
+            tend = now + dt * np.minimum(used[sel][fin] / np.maximum(palloc[sel][fin], 1e-30), 1.0)
+            np.maximum.at(gpu_finish, pair_gpu[pf], tend)
+            for e, te in zip(sentry[hf].tolist(), tend.tolist()):
+                j = int(ejob[e])
+                job_entries_left[j] -= 1
+                if job_entries_left[j] == 0:
+                    te2 = te + cluster.write_latency_s
+                    job_done_time[j] = te2
+                    jobs_left -= 1
+                    r = int(job_rank[j])
+                    mem[r] -= job_packed[j]
+                    posted[r] -= 1
+                    posted_bytes[r] -= job_wbytes[j]
+                    if queued[r]:
+                        post_ranks.add(r)
+                    last_write = max(last_write, te2)
+                    if record:
+                        timeline.append(("write", r, int(job_task[j]), job_act_time[j], te2))
         # all-gather flows
         for q, i in enumerate(agi.tolist()):
-            got = alloc[starts.size + q]
+            got = alloc[nap + q]
             ag_rem[i] -= got
             if ag_rem[i] <= 1e-6 * max(got, 1):
                 ag_done_ids.add(i)

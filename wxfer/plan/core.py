@@ -13,14 +13,13 @@ Vocabulary
 from __future__ import annotations
 
 import heapq
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..mapping import Expanded, Layout, Piece, Preset, Shard, expand
+from ..mapping import Expanded, Layout, Preset, Shard, expand
 from ..meta import InferWorker, TrainParam
 
 KINDS = ("raw", "fp8", "scale")
