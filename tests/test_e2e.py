@@ -69,11 +69,12 @@ def test_demo_fp8_with_cpu_offload(monkeypatch):
 @pytest.mark.timeout(200)
 def test_demo_mesh_groups_with_an_expert_sub_mesh(monkeypatch):
     # 4 trainers as 2 x 2: dense layers HSDP over rows {0,1},{2,3}; routed experts FSDP over
-    # the columns {0,2},{1,3} (each column holds half of the experts) -> 2 mesh groups
+    # the columns {0,2},{1,3} (each column holds half of the experts) -> 2 mesh groups;
+    # inference side: expert parallel (each TP rank holds whole experts)
     _cpu(monkeypatch)
-    res = _demo(moe=True, trainers=4, replicas=1, steps=2)
+    res = _demo(moe=True, ep=True, trainers=4, replicas=1, steps=2)
     _check(res, 2)
-    assert res["mesh_groups"] == 2
+    assert res["mesh_groups"] == 2 and res["ep"]
 
 
 @pytest.mark.gpu

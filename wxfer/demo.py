@@ -128,7 +128,7 @@ def _trainer(rank, world, a, ctl):
         for n in ns:
             holders.setdefault(n, set()).add(r)
     preset = preset_for(cfg)
-    ex = expand(preset.rules, {n: s for n, (s, _) in sender.plan.train_params.items()}, Layout(a["tp"], False, "fp8" if a["fp8"] else None), cfg)
+    ex = expand(preset.rules, {n: s for n, (s, _) in sender.plan.train_params.items()}, Layout(a["tp"], a["ep"], "fp8" if a["fp8"] else None), cfg)
     mine = [c for c in ex.components if min(set.intersection(*(holders[s] for s in c.sources))) == rank]
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     g = torch.Generator().manual_seed(1234)
@@ -224,9 +224,9 @@ def _worker(gidx, a, ctl):
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-    params = inference_params(a["cfg"], tp, rank, "fp8" if a["fp8"] else None, device=dev)
+    params = inference_params(a["cfg"], tp, rank, "fp8" if a["fp8"] else None, ep=a["ep"], device=dev)
     recv = Receiver(params, mapping=_preset_name(a["cfg"]), store=a["store"], replica=replica, rank=rank,
-                    tp=tp, replicas=a["replicas"], name=a["name"], timeout=TIMEOUT)
+                    tp=tp, replicas=a["replicas"], ep=a["ep"], name=a["name"], timeout=TIMEOUT)
     prev = None
     nsteps = a["steps"] + (1 if a["unchanged_step"] else 0)
     for step in range(1, nsteps + 1):
@@ -266,6 +266,7 @@ def _worker(gidx, a, ctl):
 
 def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps: int = 3, fp8: bool = False,
              cpu_offload: bool = False, moe: bool = False, size: str = "small", unchanged_step: bool = False,
+             ep: bool = False,
              batch: int = 4, seq: int = 64, lr: float = 1e-3, watermark: str = "256MiB",
              transport: str = "auto", trace_dir: str | None = None, timeout: float = 600.0,
              log=print) -> dict:
@@ -289,7 +290,7 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
     tmp = tempfile.mkdtemp(prefix="wxfer-demo-")
     cfg = _cfg(size, moe)
     a = dict(store="127.0.0.1:%d" % port, name=name, master_port=control.free_port(), cfg=cfg, tp=tp,
-             replicas=replicas, trainers=trainers, steps=steps, fp8=fp8, cpu_offload=cpu_offload, moe=moe,
+             replicas=replicas, trainers=trainers, steps=steps, fp8=fp8, cpu_offload=cpu_offload, moe=moe, ep=ep,
              unchanged_step=unchanged_step, batch=batch, seq=seq, lr=lr, watermark=watermark, gpu=gpu,
              transport=transport, dir=tmp, trace_dir=trace_dir)
     ctx = mp.get_context("spawn")
@@ -366,7 +367,7 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
             bitexact=bitexact, logits_ok=logits_ok, logits_rel_err=logit_err, unchanged_ok=unchanged_ok,
             transport=res["transport"], bytes_per_step=bps, moved_bytes=res["moved"], step_s=step_s,
             gbps=bps / best / 1e9, gbps_mean=bps * len(step_s) / sum(step_s) / 1e9,
-            trainers=trainers, replicas=replicas, tp=tp, fp8=fp8, cpu_offload=cpu_offload, moe=moe,
+            trainers=trainers, replicas=replicas, tp=tp, fp8=fp8, cpu_offload=cpu_offload, moe=moe, ep=ep,
             model=size if not moe else "tiny-moe", tasks=res["tasks"], mesh_groups=res["groups"],
             transfers=res["transfers"], setup_s=max(r["setup_s"] for r in res["ranks"]),
             held_peak=max(r["held_peak"] for r in res["ranks"]), total_s=total_s, device="cuda" if gpu else "cpu",
@@ -375,7 +376,7 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
         log("wxfer demo: %d trainers -> %d replicas x TP%d (%s%s%s), %s: %d bytes/step, best %.3f s "
             "(%.3f GB/s), bit-exact %s, logits %s%s, verified=%s"
             % (trainers, replicas, tp, "FP8" if fp8 else "BF16", ", CPU offload" if cpu_offload else "",
-               ", MoE expert sub-mesh" if moe else "", out["transport"], bps, best, out["gbps"], bitexact,
+               ", MoE expert sub-mesh" + (", EP inference" if ep else "") if moe else "", out["transport"], bps, best, out["gbps"], bitexact,
                "n/a" if moe else "ok (max rel err %.3g)" % max(logit_err) if logits_ok else "MISMATCH %s" % logit_err,
                "" if unchanged_ok is None else ", unchanged step identical %s" % unchanged_ok, out["verified"]))
         return out
@@ -399,6 +400,7 @@ def main(argv) -> int:
     ap.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPUOffloadPolicy on the trainers")
     ap.add_argument("--moe", action="store_true",
                     help="tiny Qwen3-MoE, experts sharded on sub-meshes of a 2 x N trainer mesh")
+    ap.add_argument("--ep", action="store_true", help="with --moe: expert-parallel inference layout")
     ap.add_argument("--size", default="small", choices=["tiny", "small", "medium"])
     ap.add_argument("--unchanged-step", action="store_true",
                     help="push once more without training: same bytes, receivers bit-identical")
@@ -410,7 +412,7 @@ def main(argv) -> int:
     args = ap.parse_args(argv)
     try:
         res = run_demo(args.trainers, args.replicas, args.tp, args.steps, args.fp8, args.cpu_offload, args.moe,
-                       args.size, args.unchanged_step, watermark=args.watermark, transport=args.transport,
+                       args.size, args.unchanged_step, ep=args.ep, watermark=args.watermark, transport=args.transport,
                        trace_dir=args.trace_dir, timeout=args.timeout)
     except Exception as e:  # noqa: BLE001
         print("wxfer demo: %s" % e, file=sys.stderr)
