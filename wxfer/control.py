@@ -153,13 +153,25 @@ def writer_connect(ctl: Control, transport, rank: int, gpu: int, export_blob: by
                    timeout: float | None = None) -> int:
     """Trainer side: connect `transport` to receiver `gpu` (its export blob), exchanging the
     handshake through the store.  Returns the peer id."""
+    peer = writer_request(ctl, transport, rank, gpu, export_blob)
+    writer_finish(ctl, transport, rank, gpu, peer, timeout)
+    return peer
+
+
+def writer_request(ctl: Control, transport, rank: int, gpu: int, export_blob: bytes) -> int:
+    """Step 1 (trainer): post the handshake request for receiver `gpu`; returns the peer id.
+    A trainer posts all its requests first, then collects the replies (writer_finish)."""
     peer, req = transport.connect_request(export_blob)
     ctl.set("hs/req/%d/%d" % (rank, gpu), req)
+    return peer
+
+
+def writer_finish(ctl: Control, transport, rank: int, gpu: int, peer: int, timeout: float | None = None) -> None:
+    """Step 3 (trainer): the receiver's reply, then finish the connection."""
     rep = ctl.get("hs/rep/%d/%d" % (rank, gpu), f"the handshake reply of inference worker gpu {gpu} "
                                                 f"to trainer rank {rank}", timeout)
     rep = decode_result(rep, f"inference worker gpu {gpu} answering trainer rank {rank}")
     transport.connect_finish(peer, rep)
-    return peer
 
 
 def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float | None = None) -> None:

@@ -201,8 +201,10 @@ class Sender:
         self.stamp_src = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.stamp_dests = []
         self.peers = {}
+        for g, w in self.workers.items():      # all requests first, then the replies
+            self.peers[g] = control.writer_request(self.ctl, self.transport, self.rank, g, _unb64(w["export"]))
         for g, w in self.workers.items():
-            self.peers[g] = control.writer_connect(self.ctl, self.transport, self.rank, g, _unb64(w["export"]))
+            control.writer_finish(self.ctl, self.transport, self.rank, g, self.peers[g])
             slot = senders[g].index(self.rank)
             self.stamp_dests.append((_unb64(w["stamp"]), 8 * slot, 0, 8))
         self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
