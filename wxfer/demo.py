@@ -226,7 +226,8 @@ def _worker(gidx, a, ctl):
         dev = torch.device("cpu")
     params = inference_params(a["cfg"], tp, rank, "fp8" if a["fp8"] else None, ep=a["ep"], device=dev)
     recv = Receiver(params, mapping=_preset_name(a["cfg"]), store=a["store"], replica=replica, rank=rank,
-                    tp=tp, replicas=a["replicas"], ep=a["ep"], name=a["name"], timeout=TIMEOUT)
+                    tp=tp, replicas=a["replicas"], ep=a["ep"], name=a["name"], timeout=TIMEOUT,
+                    transport=a["transport"])
     prev = None
     nsteps = a["steps"] + (1 if a["unchanged_step"] else 0)
     for step in range(1, nsteps + 1):
