@@ -84,6 +84,8 @@ def test_demo_gpu_bf16_and_fp8_cpu_offload():
         res = _demo(fp8=fp8, cpu_offload=off, replicas=1, trainers=1, steps=2, timeout=240)
         _check(res, 2)
         assert res["device"] == "cuda" and res["logits_ok"] and res["transport"] == "cuda_ipc"
+        # weight memory registered per caching-allocator segment: fewer regions than parameters
+        assert all(mode == "segments" and 0 < regions < params for params, regions, mode in res["receiver_regions"])
         print("gpu demo:", json.dumps(res))
 
 
@@ -92,5 +94,6 @@ def test_demo_gpu_bf16_and_fp8_cpu_offload():
 def test_demo_two_gpus_trainers_and_receivers_spread():
     res = _demo(trainers=2, replicas=1, tp=2, steps=3, size="small", timeout=240)
     _check(res, 3)
-    assert res["device"] == "cuda" and res["logits_ok"]
+    assert res["device"] == "cuda" and res["logits_ok"] and res["transport"] == "cuda_ipc"
+    assert all(mode == "segments" for _, _, mode in res["receiver_regions"])
     print("gpu2 demo:", json.dumps(res))

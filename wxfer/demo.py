@@ -256,7 +256,8 @@ def _worker(gidx, a, ctl):
             torch.save({n: t.cpu() for n, t in params.items()}, os.path.join(a["dir"], "step%d_gpu%d.pt" % (step, gidx)))
         ctl.set_json("demo/report/%d/%d" % (step, gidx), dict(
             gpu=gidx, ok=not bad and not unc, checked=checked, mismatches=bad[:20], n_mismatches=len(bad),
-            not_covered=unc[:20], digest=whole, same_as_previous=(whole == prev), version=recv.version()))
+            not_covered=unc[:20], digest=whole, same_as_previous=(whole == prev), version=recv.version(),
+            registration=recv.stats() if step == 1 else None))
         prev = whole
     ctl.get("demo/done", "the trainers to finish", TIMEOUT)
     recv.close()
@@ -373,7 +374,9 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
             transfers=res["transfers"], setup_s=max(r["setup_s"] for r in res["ranks"]),
             held_peak=max(r["held_peak"] for r in res["ranks"]), total_s=total_s, device="cuda" if gpu else "cpu",
             machine="%s, %s, %d CPUs" % (platform.node(), platform.machine(), os.cpu_count() or 0),
-            mismatches=[m for s in per_step for r in s["reports"] for m in r["mismatches"]][:20])
+            mismatches=[m for s in per_step for r in s["reports"] for m in r["mismatches"]][:20],
+            receiver_regions=[(r["registration"]["params"], r["registration"]["regions"],
+                               r["registration"]["register_mode"]) for r in per_step[0]["reports"]])
         log("wxfer demo: %d trainers -> %d replicas x TP%d (%s%s%s), %s: %d bytes/step, best %.3f s "
             "(%.3f GB/s), bit-exact %s, logits %s%s, verified=%s"
             % (trainers, replicas, tp, "FP8" if fp8 else "BF16", ", CPU offload" if cpu_offload else "",

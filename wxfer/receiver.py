@@ -183,12 +183,15 @@ class Receiver:
         import torch
         tensors = list(self.params.values())
         seg = {}
+        self.register_mode = "storages"
         if self.device.type == "cuda" and mode in ("auto", "segments"):
             try:
                 seg = _segment_bases(tensors)
+                self.register_mode = "segments"
             except Exception as e:  # noqa: BLE001 -- fall back to storages
                 if mode == "segments":
                     raise SetupError(f"wxfer.Receiver: reading the CUDA allocator segments: {e}") from e
+                self.register_mode = f"storages (segments unavailable: {type(e).__name__}: {e})"
         by_base = {}    # base address -> (region, base address)
         self.param_desc = {}
         t0 = time.perf_counter()
@@ -264,7 +267,8 @@ class Receiver:
             delay = min(delay * 2, 0.02)
 
     def stats(self) -> dict:
-        return dict(gpu=self.gpu, regions=self.n_regions, params=len(self.params), register_s=self.register_s,
+        return dict(gpu=self.gpu, regions=self.n_regions, register_mode=self.register_mode,
+                    params=len(self.params), register_s=self.register_s,
                     bytes=sum(t.numel() * t.element_size() for t in self.params.values()),
                     transport=self.transport_name, senders=list(self.senders))
 
