@@ -72,12 +72,12 @@ def test_two_trainers_tp2_fused_qkv_fp8_one_replica():
 
 def test_two_replicas_each_trainer_serves_one_replica():
     plan = build_plan(_train(), _workers(2), _preset())
-    # trainer 0 feeds replica 0, trainer 1 replica 1; trainer 1 starts with inference
-    # rank 1 so that the two senders do not hit the same rank first.  The packed buffer
-    # holds each shard once, in sending order.
+    # trainer 0 feeds replica 0, trainer 1 replica 1, each visiting the inference ranks in
+    # its own pseudo-random order (here both start with rank 1, on different GPUs).  The
+    # packed buffer holds each shard once, in sending order.
     assert _rows(plan) == [
-        (0, 0, 0, 0, W, 0, 49152, 0), (0, 0, 0, 0, S, 0, 12, 49152),
-        (0, 0, 0, 1, W, 0, 49152, 49164), (0, 0, 0, 1, S, 0, 12, 98316),
+        (0, 0, 0, 1, W, 0, 49152, 0), (0, 0, 0, 1, S, 0, 12, 49152),
+        (0, 0, 0, 0, W, 0, 49152, 49164), (0, 0, 0, 0, S, 0, 12, 98316),
         (1, 0, 1, 1, W, 0, 49152, 0), (1, 0, 1, 1, S, 0, 12, 49152),
         (1, 0, 1, 0, W, 0, 49152, 49164), (1, 0, 1, 0, S, 0, 12, 98316),
     ]
@@ -175,3 +175,19 @@ def test_expected_destination_for_a_tiny_qwen3_end_to_end_reference():
     buf = packed_buffer(plan, int(plan.sender[0]), t, full)
     assert buf.numel() == max(int(plan.src_offset[i] + plan.nbytes[i]) for i in range(plan.n_transfers)
                               if plan.sender[i] == plan.sender[0] and plan.task[i] == t)
+
+
+def test_inconsistent_workers_are_refused_by_name():
+    ws = _workers(1)
+    ws[1].tp = 4
+    with pytest.raises(PlanError, match="tp=4"):
+        build_plan(_train(), ws, _preset())
+    ws = _workers(1)
+    ws[1].rank = 5
+    with pytest.raises(PlanError) as ei:
+        build_plan(_train(), ws, _preset())
+    assert "worker replica 0 rank 5: rank outside [0, 2) or negative replica" in ei.value.problems
+    assert "no worker for replica 0 rank 1" in ei.value.problems
+    ws = _workers(1) + _workers(1)[:1]
+    with pytest.raises(PlanError, match="two workers claim replica 0 rank 0"):
+        build_plan(_train(), ws, _preset())

@@ -49,15 +49,16 @@ def _target_main(conn, transport: str, opts: dict, size: int) -> None:
     t.close()
 
 
-def _expect(conn, what: str):
+def _expect(conn, what: str, who: str = "selftest"):
+    """The next message from the target process, which must be `what`."""
     if not conn.poll(_TIMEOUT):
-        raise TimeoutError("selftest: the target process did not answer %r within %.0f s"
-                           % (what, _TIMEOUT))
+        raise TimeoutError("%s: the target process did not answer %r within %.0f s"
+                           % (who, what, _TIMEOUT))
     msg = conn.recv()
     if msg[0] == "error":
-        raise RuntimeError("selftest: target process failed: %s" % msg[1])
+        raise RuntimeError("%s: target process failed: %s" % (who, msg[1]))
     if msg[0] != what:
-        raise RuntimeError("selftest: expected %r from the target, got %r" % (what, msg[0]))
+        raise RuntimeError("%s: expected %r from the target, got %r" % (who, what, msg[0]))
     return msg
 
 

@@ -21,6 +21,8 @@ import re
 import subprocess
 import time
 
+from .selftest import _expect as _selftest_expect
+
 _TIMEOUT = 60.0
 _PORT = 18515
 _AUTH_ENV = "WXFER_SELFTEST_KEY"
@@ -94,15 +96,7 @@ def _spawned_target(conn, opts, size, gpu, env):
 
 
 def _expect(conn, what: str):
-    if not conn.poll(_TIMEOUT):
-        raise TimeoutError("verbs selftest: the target did not answer %r within %.0f s"
-                           % (what, _TIMEOUT))
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError("verbs selftest: target failed: %s" % msg[1])
-    if msg[0] != what:
-        raise RuntimeError("verbs selftest: expected %r from the target, got %r" % (what, msg[0]))
-    return msg
+    return _selftest_expect(conn, what, "verbs selftest")
 
 
 def registration_of(info: str) -> str:

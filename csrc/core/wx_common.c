@@ -30,6 +30,17 @@ uint64_t wx_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+void wx_deadline_after(struct timespec *ts, uint64_t ns)
+{
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += (time_t)(ns / 1000000000ull);
+    ts->tv_nsec += (long)(ns % 1000000000ull);
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
 void wx_debugf(const char *fmt, ...)
 {
     static int enabled = -1;

@@ -36,6 +36,10 @@ void wx_clear_error(void);
 
 /* Monotonic clock in nanoseconds. */
 uint64_t wx_now_ns(void);
+/* The CLOCK_MONOTONIC time `ns` from now, for pthread_cond_timedwait on a condition
+ * variable created with pthread_condattr_setclock(CLOCK_MONOTONIC). */
+struct timespec;
+void wx_deadline_after(struct timespec *ts, uint64_t ns);
 
 /* Debug logging to stderr, enabled by WXFER_DEBUG=1. */
 void wx_debugf(const char *fmt, ...) WX_PRINTF(1, 2);

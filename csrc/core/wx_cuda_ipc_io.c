@@ -19,16 +19,6 @@
 #include <sys/prctl.h>
 #include <time.h>
 
-static void wx__ci_deadline(struct timespec *ts, uint64_t ns)
-{
-    clock_gettime(CLOCK_MONOTONIC, ts);
-    ts->tv_sec += (time_t)(ns / 1000000000ull);
-    ts->tv_nsec += (long)(ns % 1000000000ull);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
 
 static void wx__ci_slot_free(wx__ci_t *c, wx__ci_slot_t *s)
 {
@@ -80,7 +70,7 @@ static void *wx__ci_progress(void *arg)
         int fin;
         if (c->fcount == 0) {
             struct timespec ts;
-            wx__ci_deadline(&ts, 50 * 1000000ull);
+            wx_deadline_after(&ts, 50 * 1000000ull);
             pthread_cond_timedwait(&c->cv, &c->mu, &ts);
             idle = 0;
             continue;
@@ -182,7 +172,7 @@ void wx__ci_io_stop(wx__ci_t *c)
         pthread_mutex_unlock(&c->mu);
         return;
     }
-    wx__ci_deadline(&ts, 10ull * 1000000000ull);
+    wx_deadline_after(&ts, 10ull * 1000000000ull);
     while (c->ninflight > 0)
         if (pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT)
             break;

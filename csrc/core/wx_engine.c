@@ -82,21 +82,10 @@ static wx__task_t *wx__q_pop(wx__queue_t *q)
     return t;
 }
 
-static void wx__abstime(struct timespec *ts, uint64_t ns)
-{
-    clock_gettime(CLOCK_MONOTONIC, ts);
-    ts->tv_sec += (time_t)(ns / 1000000000ull);
-    ts->tv_nsec += (long)(ns % 1000000000ull);
-    if (ts->tv_nsec >= 1000000000L) {
-        ts->tv_sec++;
-        ts->tv_nsec -= 1000000000L;
-    }
-}
-
 static void wx__wait(pthread_cond_t *cv, pthread_mutex_t *mu, uint64_t ns)
 {
     struct timespec ts;
-    wx__abstime(&ts, ns);
+    wx_deadline_after(&ts, ns);
     pthread_cond_timedwait(cv, mu, &ts);
 }
 

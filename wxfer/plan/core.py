@@ -314,6 +314,9 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         if w.tp != tp or w.ep != ep:
             problems.append(f"worker replica {w.replica} rank {w.rank}: tp={w.tp} ep={w.ep}, others tp={tp} ep={ep}")
             continue
+        if not (0 <= w.rank < tp and w.replica >= 0):
+            problems.append(f"worker replica {w.replica} rank {w.rank}: rank outside [0, {tp}) or negative replica")
+            continue
         if gpu_of[w.replica, w.rank] >= 0:
             problems.append(f"two workers claim replica {w.replica} rank {w.rank}")
         gpu_of[w.replica, w.rank] = w.gpu
@@ -473,9 +476,9 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
                 sh_off = np.array([s.offset for s in t.shards], np.int64)
                 u_gpu = u_rep * tp + sh_rank[u_shard]
                 # per sender: a pseudo-random destination order that differs from sender
-                # to sender, so that senders do not start on (and move through) the same
-                # receivers at the same moment
-                rot = ((u_gpu + 1) * 0x9E3779B1 + (snd + 1) * 0x85EBCA77) & 0xFFFFFFFF
+                # to sender and task to task, so that senders do not start on (and move
+                # through) the same receivers at the same moment
+                rot = ((u_gpu + 1) * 0x9E3779B1 + (snd + 1) * 0x85EBCA77 + (ti + 1) * 0xC2B2AE3D) & 0xFFFFFFFF
                 o2 = np.lexsort((rot, snd))
                 snd, u_shard, u_rep, u_n = snd[o2], u_shard[o2], u_rep[o2], u_n[o2]
                 # source offsets: each sender packs every distinct shard it sends once
