@@ -20,6 +20,7 @@
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
@@ -35,8 +36,6 @@ typedef struct wx_fab_peer {
     char name[64];        /* copy of wx_peer_t.name for messages */
     fi_addr_t fa;
     int in_av;
-    int established;
-    uint64_t eagain_since; /* first of an unbroken run of -FI_EAGAIN answers, else 0 */
     long pid;             /* shm: the peer's process id (from its address), else 0 */
     int gone;             /* shm: that process no longer exists */      /* a write was accepted: the provider's connection is up */
     atomic_uint inflight;
@@ -64,6 +63,7 @@ typedef struct wx_fab {
     struct fid_av *av;
     struct fid_cq *cq;
     struct fid_ep *ep;
+    struct fid_cntr *rcntr; /* poll mode: counts writes that landed here (FI_RMA_EVENT) */
     uint64_t mr_mode;
     int hmem;           /* provider offers FI_HMEM */
     int want_wait;      /* option progress: try a CQ wait object */

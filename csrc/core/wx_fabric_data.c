@@ -24,7 +24,8 @@
 #define WX_FAB_WAIT_MS 50   /* longest blocking CQ wait: bounds how long close() waits */
 #define WX_FAB_SCAN_NS (100 * 1000000ull)
 #define WX_FAB_BATCH 32
-#define WX_FAB_CONNECT_NS (5 * 1000000000ull) /* first write to a peer: connection setup */
+#define WX_FAB_EAGAIN_MAX_NS (30 * 1000000000ull) /* bound of the -FI_EAGAIN retries when
+                                                    * the op timeout is off */
 
 int wx__fab_slots_init(wx_fab_t *f)
 {
@@ -176,7 +177,7 @@ static void wx__fab_scan_deadlines(wx_fab_t *f, uint64_t now)
             wx__fab_check_gone(f);
             for (uint32_t i = 0; i < f->depth; i++) {
                 wx_fab_slot_t *s = &f->slots[i];
-                if (s->state == WX_FAB_POSTED &&
+                if (s->state == WX_FAB_POSTED && now > s->posted_ns &&
                     ((s->fp && s->fp->gone) ||
                      (f->op_timeout_ns && now > s->posted_ns &&
                       now - s->posted_ns > f->op_timeout_ns))) {
@@ -218,16 +219,19 @@ static void wx__fab_scan_deadlines(wx_fab_t *f, uint64_t now)
 }
 
 /* Poll mode (no CQ wait object that drives the provider, e.g. shm): spin while our own
- * writes are in flight, else short naps. The target side never sees completions for the
- * writes it receives, so it cannot tell busy from idle: its naps stay short (50 us) so that
- * incoming writes are processed promptly, at the cost of ~20k wake-ups/s per transport. */
-static void wx__fab_nap(unsigned idle, int busy)
+ * writes are in flight; 50 us naps for a while after the last sign of traffic (a
+ * completion, or the remote-write counter moving on a target); 1 ms naps when idle. A
+ * target without the counter cannot tell busy from idle and keeps the 50 us naps. */
+#define WX_FAB_HOT_NS (200 * 1000000ull)
+static void wx__fab_nap(wx_fab_t *f, unsigned idle, uint64_t since_activity)
 {
     struct timespec ts = {0, 50000};
-    if (busy && idle < 64) {
+    if (f->posted > 0 && idle < 64) {
         sched_yield();
         return;
     }
+    if (f->rcntr && f->posted == 0 && since_activity > WX_FAB_HOT_NS)
+        ts.tv_nsec = 1000000;
     nanosleep(&ts, NULL);
 }
 
@@ -235,7 +239,7 @@ static void *wx__fab_progress(void *arg)
 {
     wx_fab_t *f = arg;
     struct fi_cq_entry ent[WX_FAB_BATCH];
-    uint64_t last_scan = wx_now_ns();
+    uint64_t last_scan = wx_now_ns(), last_activity = last_scan, landed = 0;
     unsigned idle = 0;
     while (!atomic_load(&f->stop)) {
         ssize_t n;
@@ -249,21 +253,33 @@ static void *wx__fab_progress(void *arg)
             if (f->serialize)
                 pthread_mutex_unlock(&f->dlock);
         }
+        now = wx_now_ns();
         if (n > 0) {
             idle = 0;
+            last_activity = now;
             for (ssize_t i = 0; i < n; i++)
                 wx__fab_finish(f, ent[i].op_context, 0, NULL);
         } else if (n == -FI_EAVAIL) {
             idle = 0;
+            last_activity = now;
             wx__fab_readerr(f);
         } else if (n == -FI_EAGAIN) {
-            if (!f->cq_wait)
-                wx__fab_nap(idle++, f->posted > 0);
+            if (!f->cq_wait) {
+                if (f->rcntr) {
+                    uint64_t c = fi_cntr_read(f->rcntr);
+                    if (c != landed) {
+                        landed = c;
+                        last_activity = now;
+                    }
+                }
+                if (f->posted)
+                    last_activity = now;
+                wx__fab_nap(f, idle++, now - last_activity);
+            }
         } else {
             wx_debugf("fabric: CQ read failed: %s (%zd)", wx_fi_strerror((int)n), n);
-            wx__fab_nap(1000, 0);
+            nanosleep(&(struct timespec){0, 1000000}, NULL);
         }
-        now = wx_now_ns();
         if (now - last_scan > WX_FAB_SCAN_NS) {
             last_scan = now;
             wx__fab_scan_deadlines(f, now);
@@ -311,6 +327,59 @@ void wx__fab_cancel_all(wx_fab_t *f)
     f->posted = f->abandoned = 0;
 }
 
+/* fi_writemsg, retried while the provider answers -FI_EAGAIN. Not handing -EAGAIN back
+ * to the caller is deliberate: tcp;ofi_rxm answers -FI_EAGAIN while the connection to a new
+ * peer is being set up (and, at times, forever after the peer died), shm when its queues
+ * are full; in every case the progress thread is what frees the way, so waiting here is
+ * short - and bounded by the op timeout, after which the peer is failed. */
+static ssize_t wx__fab_post(wx_fab_t *f, wx_fab_peer_t *fp, const struct fi_msg_rma *msg,
+                            char *why, size_t why_len)
+{
+    uint64_t start = 0, next_check = 0, bound = f->op_timeout_ns ? f->op_timeout_ns
+                                                                 : WX_FAB_EAGAIN_MAX_NS;
+    unsigned spins = 0;
+    for (;;) {
+        ssize_t rc;
+        uint64_t now;
+        if (f->serialize)
+            pthread_mutex_lock(&f->dlock);
+        rc = fi_writemsg(f->ep, msg, f->write_flags);
+        if (f->serialize)
+            pthread_mutex_unlock(&f->dlock);
+        if (rc != -FI_EAGAIN)
+            return rc;
+        now = wx_now_ns();
+        if (!start)
+            start = now;
+        if (fp->failed || atomic_load(&f->stop)) {
+            snprintf(why, why_len, "%s", fp->failed ? fp->why : "fabric: transport closing");
+            return fp->failed ? fp->failed : -ECANCELED;
+        }
+        if (now >= next_check) {
+            next_check = now + WX_FAB_SCAN_NS;
+            if (fp->pid && kill((pid_t)fp->pid, 0) == -1 && errno == ESRCH) {
+                snprintf(why, why_len, "fabric: cannot write to %s: the peer process (pid %ld) "
+                                       "has exited (provider %s)",
+                         fp->name, fp->pid, f->prov);
+                return -EPIPE;
+            }
+        }
+        if (now - start > bound) {
+            snprintf(why, why_len,
+                     "fabric: provider %s refused every write to %s for %.1f s (-FI_EAGAIN): is "
+                     "the peer process still alive?",
+                     f->prov, fp->name, (double)(now - start) / 1e9);
+            return -ETIMEDOUT;
+        }
+        if (spins++ < 32) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
 int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
 {
     wx_fab_t *f = WX_FAB(t);
@@ -319,6 +388,7 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     struct iovec iov;
     struct fi_rma_iov rma;
     struct fi_msg_rma msg;
+    char why[WX_ERRMSG_MAX] = "";
     void *desc;
     ssize_t rc;
 
@@ -347,7 +417,7 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     s->op = op;
     s->fp = fp;
     s->len = wr->len;
-    s->posted_ns = wx_now_ns();
+    s->posted_ns = UINT64_MAX; /* not subject to deadlines until the provider took it */
     f->posted++;
     pthread_mutex_unlock(&f->slot_lock);
     atomic_fetch_add(&fp->inflight, 1);
@@ -366,59 +436,25 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     msg.rma_iov_count = 1;
     msg.context = &s->ctx;
 
-    for (uint64_t end = 0;;) {
-        if (f->serialize)
-            pthread_mutex_lock(&f->dlock);
-        rc = fi_writemsg(f->ep, &msg, f->write_flags);
-        if (f->serialize)
-            pthread_mutex_unlock(&f->dlock);
-        /* tcp;ofi_rxm answers -FI_EAGAIN until the connection to a new peer is up (the
-         * progress thread drives it): wait for that here, bounded, rather than bouncing
-         * every first write back to the caller. */
-        if (rc != -FI_EAGAIN || fp->established)
-            break;
-        if (!end)
-            end = wx_now_ns() + WX_FAB_CONNECT_NS;
-        else if (wx_now_ns() > end)
-            break;
-        {
-            struct timespec ts = {0, 50000};
-            nanosleep(&ts, NULL);
-        }
-    }
+    rc = wx__fab_post(f, fp, &msg, why, sizeof why);
     if (rc == 0) {
-        fp->established = 1;
-        fp->eagain_since = 0;
+        uint64_t now = wx_now_ns();
+        pthread_mutex_lock(&f->slot_lock);
+        if (s->op == op && s->state == WX_FAB_POSTED && s->posted_ns == UINT64_MAX)
+            s->posted_ns = now;
+        pthread_mutex_unlock(&f->slot_lock);
         atomic_fetch_add(&f->n_writes, 1);
         atomic_fetch_add(&f->n_bytes, wr->len);
         return 0;
     }
     pthread_mutex_lock(&f->slot_lock);
     wx__fab_slot_put(f, s);
+    if (why[0] && (rc == -ETIMEDOUT || rc == -EPIPE))
+        wx__fab_peer_fail(fp, (int)rc, why);
     pthread_mutex_unlock(&f->slot_lock);
     atomic_fetch_sub(&fp->inflight, 1);
-    if (rc == -FI_EAGAIN && f->op_timeout_ns) {
-        /* Back-pressure is normal; a provider that refuses every write to a peer for a
-         * whole op timeout (tcp;ofi_rxm after the peer died, at times) is not. */
-        uint64_t now = wx_now_ns();
-        if (!fp->eagain_since) {
-            fp->eagain_since = now;
-        } else if (now - fp->eagain_since > f->op_timeout_ns) {
-            char why[WX_ERRMSG_MAX];
-            snprintf(why, sizeof why,
-                     "fabric: provider %s refused every write to %s for %.1f s (-FI_EAGAIN): "
-                     "is the peer process still alive?",
-                     f->prov, fp->name, (double)(now - fp->eagain_since) / 1e9);
-            pthread_mutex_lock(&f->slot_lock);
-            wx__fab_peer_fail(fp, -ETIMEDOUT, why);
-            pthread_mutex_unlock(&f->slot_lock);
-            return wx_errf(-ETIMEDOUT, "%s", why);
-        }
-    }
-    if (rc == -FI_EAGAIN)
-        return wx_errf(-EAGAIN, "fabric: provider %s cannot take another write to %s now; retry "
-                                "after a completion",
-                       f->prov, fp->name);
+    if (why[0])
+        return wx_errf((int)rc, "%s", why);
     return wx__fab_err((int)rc,
                        "fabric: fi_writemsg(%s, wr_id %llu, %llu bytes -> key 0x%llx + %llu)",
                        fp->name, (unsigned long long)op->wr_id, (unsigned long long)wr->len,

@@ -79,12 +79,13 @@ static const char *wx__fab_default_iface(const char *prov)
 }
 
 static struct fi_info *wx__fab_hints(const wx_fi_api_t *api, const char *prov, int hmem,
-                                     int thread_safe)
+                                     int thread_safe, int rma_event)
 {
     struct fi_info *h = api->fi_dupinfo(NULL);
     if (!h)
         return NULL;
-    h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0);
+    h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0) |
+              (rma_event ? FI_RMA_EVENT : 0);
     h->mode = FI_CONTEXT | FI_CONTEXT2;
     h->ep_attr->type = FI_EP_RDM;
     h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
@@ -101,9 +102,9 @@ static struct fi_info *wx__fab_hints(const wx_fi_api_t *api, const char *prov, i
 
 /* Run fi_getinfo for one combination of (hmem, thread_safe); on success *out is the list. */
 static int wx__fab_getinfo(const wx_fi_api_t *api, const char *prov, int hmem, int thread_safe,
-                           struct fi_info **out)
+                           int rma_event, struct fi_info **out)
 {
-    struct fi_info *h = wx__fab_hints(api, prov, hmem, thread_safe);
+    struct fi_info *h = wx__fab_hints(api, prov, hmem, thread_safe, rma_event);
     uint32_t ver = api->fi_version();
     int rc;
     if (!h)
@@ -132,6 +133,9 @@ static struct fi_info *wx__fab_pick(struct fi_info *list, const char *iface, cha
     return NULL;
 }
 
+/* Try (hmem, thread-safe, rma-event) from most to least wanted. FI_RMA_EVENT is only
+ * asked for in poll mode: a remote-write counter tells an idle target that writes are
+ * arriving, so it can nap longer while none do (tcp;ofi_rxm does not offer it). */
 static int wx__fab_select(wx_fab_t *f, const char *prov, const char *iface, const char *hmem_opt)
 {
     const wx_fi_api_t *api = f->api;
@@ -140,23 +144,25 @@ static int wx__fab_select(wx_fab_t *f, const char *prov, const char *iface, cons
     char seen[256] = "";
     for (int hmem = hmem_first; hmem >= (hmem_last ? 0 : 1); hmem--) {
         for (int safe = 1; safe >= 0; safe--) {
-            struct fi_info *list = NULL, *pick;
-            int rc = wx__fab_getinfo(api, prov, hmem, safe, &list);
-            if (rc) {
-                last_rc = rc;
-                continue;
-            }
-            pick = wx__fab_pick(list, iface, seen, sizeof seen);
-            if (pick) {
-                f->info = api->fi_dupinfo(pick);
+            for (int ev = !f->want_wait; ev >= 0; ev--) {
+                struct fi_info *list = NULL, *pick;
+                int rc = wx__fab_getinfo(api, prov, hmem, safe, ev, &list);
+                if (rc) {
+                    last_rc = rc;
+                    continue;
+                }
+                pick = wx__fab_pick(list, iface, seen, sizeof seen);
+                if (pick) {
+                    f->info = api->fi_dupinfo(pick);
+                    api->fi_freeinfo(list);
+                    if (!f->info)
+                        return wx_errf(-ENOMEM, "fabric: out of memory copying fi_info");
+                    f->serialize = !safe;
+                    return 0;
+                }
                 api->fi_freeinfo(list);
-                if (!f->info)
-                    return wx_errf(-ENOMEM, "fabric: out of memory copying fi_info");
-                f->serialize = !safe;
-                return 0;
+                last_rc = -FI_ENODATA;
             }
-            api->fi_freeinfo(list);
-            last_rc = -FI_ENODATA;
         }
     }
     if (seen[0])
@@ -190,6 +196,8 @@ static void wx__fab_teardown(wx_fab_t *f)
         free(f->fpeers);
         f->fpeers = next;
     }
+    if (f->rcntr)
+        fi_close(&f->rcntr->fid);
     if (f->cq)
         fi_close(&f->cq->fid);
     if (f->av)
@@ -271,11 +279,11 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
     pthread_mutex_init(&f->dlock, NULL);
     snprintf(f->prov, sizeof f->prov, "%s", prov);
     f->op_timeout_ns = timeout_s * 1000000000ull;
+
     /* auto: block in fi_cq_sread where that drives the provider (tcp;ofi_rxm), poll
      * otherwise (shm's sread sleeps through incoming writes). */
     f->want_wait = strcmp(progress, "wait") == 0 ||
                    (strcmp(progress, "auto") == 0 && wx__fab_is_tcp(prov));
-
     rc = wx__fab_select(f, prov, iface, hmem_opt);
     if (rc)
         goto fail;
@@ -319,6 +327,22 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
         (rc = fi_ep_bind(f->ep, &f->cq->fid, FI_TRANSMIT | FI_RECV))) {
         rc = wx__fab_err(rc, "fabric: fi_ep_bind(provider %s)", prov);
         goto fail;
+    }
+    if (f->info->caps & FI_RMA_EVENT) {
+        struct fi_cntr_attr ca;
+        memset(&ca, 0, sizeof ca);
+        ca.events = FI_CNTR_EVENTS_COMP;
+        ca.wait_obj = FI_WAIT_NONE;
+        rc = fi_cntr_open(f->domain, &ca, &f->rcntr, NULL);
+        if (!rc)
+            rc = fi_ep_bind(f->ep, &f->rcntr->fid, FI_REMOTE_WRITE);
+        if (rc) {
+            wx_debugf("fabric: no remote-write counter (%s); the target polls at a fixed rate",
+                      wx_fi_strerror(rc));
+            if (f->rcntr)
+                fi_close(&f->rcntr->fid);
+            f->rcntr = NULL;
+        }
     }
     rc = fi_enable(f->ep);
     if (rc) {
@@ -476,12 +500,12 @@ static int wx__fab_info(wx_transport_t *t, char *buf, size_t len)
     int n;
     pthread_mutex_lock(&f->slot_lock);
     n = snprintf(buf, len,
-                 "fabric provider=%s domain=%s addr=%s mr_mode=0x%llx hmem=%s progress=%s%s "
+                 "fabric provider=%s domain=%s addr=%s mr_mode=0x%llx hmem=%s progress=%s%s%s "
                  "chunk=%llu depth=%u inflight=%u abandoned=%u writes=%llu bytes=%llu "
                  "errors=%llu timeouts=%llu",
                  f->prov, f->dom, f->addr_str, (unsigned long long)f->mr_mode,
                  f->hmem ? "yes" : "no", f->cq_wait ? "sread" : "poll",
-                 f->serialize ? "+lock" : "", (unsigned long long)f->chunk, f->depth, f->posted,
+                 f->serialize ? "+lock" : "", f->rcntr ? "+cntr" : "", (unsigned long long)f->chunk, f->depth, f->posted,
                  f->abandoned, (unsigned long long)atomic_load(&f->n_writes),
                  (unsigned long long)atomic_load(&f->n_bytes),
                  (unsigned long long)atomic_load(&f->n_errors),
