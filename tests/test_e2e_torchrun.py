@@ -27,7 +27,8 @@ TRAINER = textwrap.dedent("""
             for p in model.parameters():
                 p.add_(0.01)
         sender.push()
-    print("rank", dist.get_rank(), "pushed", sender.bytes_per_step, flush=True)
+    # one write per line: both ranks share torchrun's stdout (unbuffered)
+    print(f"rank {dist.get_rank()} pushed {sender.bytes_per_step}", flush=True)
     dist.barrier()
     sender.close()
     dist.destroy_process_group()
