@@ -10,6 +10,9 @@ __version__ = "0.1.0"
 
 _NATIVE = ("Transport", "Region", "Engine", "Error", "decode_descriptor", "decode_export",
            "parse_size")
+# the product, imported on first use (they need torch)
+_PY = {"Sender": ("sender", "Sender"), "PushHandle": ("sender", "PushHandle"),
+       "Receiver": ("receiver", "Receiver"), "SetupError": ("control", "SetupError")}
 
 
 def _native():
@@ -35,7 +38,11 @@ def backends() -> dict:
 def __getattr__(name):
     if name in _NATIVE:
         return getattr(_native(), name)
+    if name in _PY:
+        import importlib
+        mod, attr = _PY[name]
+        return getattr(importlib.import_module("." + mod, __name__), attr)
     raise AttributeError("module 'wxfer' has no attribute %r" % name)
 
 
-__all__ = ["backends", "__version__", *_NATIVE]
+__all__ = ["backends", "__version__", *_NATIVE, *_PY]

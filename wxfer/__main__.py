@@ -8,7 +8,7 @@ USAGE = """usage: python -m wxfer COMMAND [options]
 commands:
   selftest   two local processes, one-sided writes, bytes checked, GB/s printed
   plan       build and simulate a transfer plan for a preset model and cluster
-  demo       the end-to-end job on an embedded default (until it exists: the self-test)
+  demo       trainers (FSDP2) -> inference workers: train, push, verify bit for bit and logits, GB/s
   backends   which transports are usable here, and why not
 """
 

@@ -1,0 +1,99 @@
+"""The demo's checks, small: real processes (FSDP2 trainers over gloo, inference workers),
+real sockets (fabric tcp).  Each run: every inference parameter equals, bit for bit, the
+mapping's reference packing of the trainers' weights, and the inference replicas' logits
+match the trainer's.  GPU variants carry the gpu / gpu2 markers."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from wxfer import _wxfer
+
+FABRIC = _wxfer.backends()["fabric"][0]
+needs_fabric = pytest.mark.skipif(not FABRIC, reason="fabric transport not built: %s"
+                                  % _wxfer.backends()["fabric"][1])
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _demo(monkeypatch=None, **kw):
+    from wxfer.demo import run_demo
+    kw.setdefault("size", "tiny")
+    kw.setdefault("timeout", 150)
+    kw.setdefault("log", lambda *a: None)
+    return run_demo(**kw)
+
+
+def _cpu(monkeypatch):
+    monkeypatch.setenv("WXFER_DEMO_CPU", "1")
+
+
+def _check(res, steps):
+    assert res["steps"] == steps and res["verified"], res
+    assert res["bitexact"] and not res["mismatches"]
+    assert len(res["step_s"]) == steps and all(t > 0 for t in res["step_s"])
+    assert res["bytes_per_step"] > 0 and res["gbps"] > 0
+
+
+@needs_fabric
+@pytest.mark.timeout(200)
+def test_demo_cli_bf16_json_and_unchanged_step():
+    env = dict(os.environ, WXFER_DEMO_CPU="1", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", "wxfer", "demo", "--size", "tiny", "--steps", "2", "--unchanged-step",
+                        "--json", "--timeout", "150"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    for k in ("steps", "verified", "transport", "bytes_per_step", "step_s", "gbps"):
+        assert k in res
+    _check(res, 3)
+    assert res["transport"] == "fabric" and res["replicas"] == 2 and res["tp"] == 2
+    assert res["logits_ok"] and max(res["logits_rel_err"]) < 0.02
+    # the step with nothing changed moved the same bytes and left the receivers identical
+    assert res["unchanged_ok"] is True
+    assert len(set(res["moved_bytes"])) == 1
+    assert "step 3 (nothing changed)" in p.stdout
+
+
+@needs_fabric
+@pytest.mark.timeout(200)
+def test_demo_fp8_with_cpu_offload(monkeypatch):
+    _cpu(monkeypatch)
+    res = _demo(fp8=True, cpu_offload=True, replicas=1, steps=2)
+    _check(res, 2)
+    assert res["fp8"] and res["cpu_offload"] and res["logits_ok"]
+    assert 0 < max(res["logits_rel_err"]) < 0.25
+
+
+@needs_fabric
+@pytest.mark.timeout(200)
+def test_demo_mesh_groups_with_an_expert_sub_mesh(monkeypatch):
+    # 4 trainers as 2 x 2: dense layers HSDP over rows {0,1},{2,3}; routed experts FSDP over
+    # the columns {0,2},{1,3} (each column holds half of the experts) -> 2 mesh groups;
+    # inference side: expert parallel (each TP rank holds whole experts)
+    _cpu(monkeypatch)
+    res = _demo(moe=True, ep=True, trainers=4, replicas=1, steps=2)
+    _check(res, 2)
+    assert res["mesh_groups"] == 2 and res["ep"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_demo_gpu_bf16_and_fp8_cpu_offload():
+    for fp8, off in ((False, False), (True, True)):
+        res = _demo(fp8=fp8, cpu_offload=off, replicas=1, trainers=1, steps=2, timeout=240)
+        _check(res, 2)
+        assert res["device"] == "cuda" and res["logits_ok"] and res["transport"] == "cuda_ipc"
+        # weight memory registered per caching-allocator segment: fewer regions than parameters
+        assert all(mode == "segments" and 0 < regions < params for params, regions, mode in res["receiver_regions"])
+        print("gpu demo:", json.dumps(res))
+
+
+@pytest.mark.gpu2
+@pytest.mark.timeout(300)
+def test_demo_two_gpus_trainers_and_receivers_spread():
+    res = _demo(trainers=2, replicas=1, tp=2, steps=3, size="small", timeout=240)
+    _check(res, 3)
+    assert res["device"] == "cuda" and res["logits_ok"] and res["transport"] == "cuda_ipc"
+    assert all(mode == "segments" for _, _, mode in res["receiver_regions"])
+    print("gpu2 demo:", json.dumps(res))

@@ -1,0 +1,234 @@
+"""Control plane: discovery through torch.distributed's TCPStore, the connection handshake
+carried through the store, and gloo helpers among the trainers.
+
+The inference workers are not in the trainers' process group, so everything that crosses
+the two sides goes through one TCPStore (hosted by trainer rank 0 unless the user brings
+their own).  Every wait is bounded and its error names the key, the peer and the timeout.
+
+Keys live under ``wxfer/<name>/``::
+
+    infer/<gpu>                 a receiver's metadata (JSON)            receiver -> rank 0
+    infer/count                 counter of receivers that published       receiver
+    train/<rank>                a trainer's metadata digest (JSON)        trainer -> rank 0
+    plan                        b"OK" + plan bytes  |  b"ER" + message    rank 0 -> all
+    senders/<gpu>               JSON list of trainer ranks writing to gpu rank 0 -> receiver
+    hs/req/<rank>/<gpu>         handshake request (may be empty)          trainer -> receiver
+    hs/rep/<rank>/<gpu>         handshake reply                           receiver -> trainer
+    ready/<gpu>                 receiver finished its handshakes          receiver -> trainers
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from datetime import timedelta
+
+DEFAULT_PORT = 29650
+DEFAULT_TIMEOUT = 300.0
+
+
+class SetupError(RuntimeError):
+    """Setup failed (on this process or on another one; the message says where)."""
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"store address {addr!r} must be host:port")
+    return host or "127.0.0.1", int(port)
+
+
+def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_TIMEOUT):
+    """A torch.distributed Store from what the user gave.
+
+    - a Store object: used as is;
+    - "host:port": a TCPStore there (hosted here when `is_master`);
+    - None: $WXFER_STORE ("host:port"), else $MASTER_ADDR with port $WXFER_STORE_PORT
+      (default 29650), hosted by trainer rank 0 (`is_master`).
+    """
+    import torch.distributed as dist
+    if store is not None and not isinstance(store, str):
+        return store
+    if store is None:
+        store = os.environ.get("WXFER_STORE") or None
+    if store is None:
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        store = "%s:%s" % (host, os.environ.get("WXFER_STORE_PORT", DEFAULT_PORT))
+    host, port = parse_addr(store)
+    try:
+        return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False, use_libuv=True)
+    except Exception as e:
+        role = "host" if is_master else "reach"
+        raise SetupError(f"wxfer: cannot {role} the TCPStore at {host}:{port} within {timeout:.0f} s: "
+                         f"{type(e).__name__}: {e}") from e
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Control:
+    """Namespaced, bounded access to the store."""
+
+    def __init__(self, store, name: str = "default", timeout: float = DEFAULT_TIMEOUT):
+        self.store = store
+        self.prefix = "wxfer/%s/" % name
+        self.timeout = float(timeout)
+
+    def key(self, k: str) -> str:
+        return self.prefix + k
+
+    def set(self, k: str, value) -> None:
+        if isinstance(value, str):
+            value = value.encode()
+        self.store.set(self.key(k), bytes(value))
+
+    def add(self, k: str, n: int) -> int:
+        return int(self.store.add(self.key(k), n))
+
+    def check(self, k: str) -> bool:
+        return bool(self.store.check([self.key(k)]))
+
+    def get(self, k: str, what: str, timeout: float | None = None) -> bytes:
+        """The value of `k`, waiting at most `timeout` seconds; `what` says what it is and
+        who should have written it (used in the error)."""
+        t = self.timeout if timeout is None else float(timeout)
+        try:
+            self.store.wait([self.key(k)], timedelta(seconds=t))
+        except Exception as e:  # DistStoreError / RuntimeError depending on torch version
+            raise TimeoutError(f"wxfer: waited {t:.0f} s for {what} (store key {self.key(k)!r}): "
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        return bytes(self.store.get(self.key(k)))
+
+    def get_json(self, k: str, what: str, timeout: float | None = None):
+        return json.loads(self.get(k, what, timeout).decode())
+
+    def set_json(self, k: str, obj) -> None:
+        self.set(k, json.dumps(obj, separators=(",", ":")))
+
+    def wait_count(self, k: str, n: int, what: str, timeout: float | None = None) -> int:
+        """Wait until counter `k` reaches `n` (polling, bounded)."""
+        t = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + t
+        delay = 0.005
+        while True:
+            v = self.add(k, 0)
+            if v >= n:
+                return v
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"wxfer: waited {t:.0f} s for {what}: {v} of {n} arrived "
+                                   f"(store counter {self.key(k)!r})")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
+# --------------------------------------------------------------------------- result / error broadcast
+
+OK, ERR = b"OK", b"ER"
+
+
+def encode_result(payload: bytes | None, error: str | None) -> bytes:
+    return ERR + error.encode() if error is not None else OK + (payload or b"")
+
+
+def decode_result(data: bytes, where: str) -> bytes:
+    if data[:2] == ERR:
+        raise SetupError(f"wxfer: setup failed on {where}: {data[2:].decode(errors='replace')}")
+    if data[:2] != OK:
+        raise SetupError(f"wxfer: malformed setup message from {where}")
+    return data[2:]
+
+
+# --------------------------------------------------------------------------- handshake through the store
+
+
+def writer_connect(ctl: Control, transport, rank: int, gpu: int, export_blob: bytes,
+                   timeout: float | None = None) -> int:
+    """Trainer side: connect `transport` to receiver `gpu` (its export blob), exchanging the
+    handshake through the store.  Returns the peer id."""
+    peer = writer_request(ctl, transport, rank, gpu, export_blob)
+    writer_finish(ctl, transport, rank, gpu, peer, timeout)
+    return peer
+
+
+def writer_request(ctl: Control, transport, rank: int, gpu: int, export_blob: bytes) -> int:
+    """Step 1 (trainer): post the handshake request for receiver `gpu`; returns the peer id.
+    A trainer posts all its requests first, then collects the replies (writer_finish)."""
+    peer, req = transport.connect_request(export_blob)
+    ctl.set("hs/req/%d/%d" % (rank, gpu), req)
+    return peer
+
+
+def writer_finish(ctl: Control, transport, rank: int, gpu: int, peer: int, timeout: float | None = None) -> None:
+    """Step 3 (trainer): the receiver's reply, then finish the connection."""
+    rep = ctl.get("hs/rep/%d/%d" % (rank, gpu), f"the handshake reply of inference worker gpu {gpu} "
+                                                f"to trainer rank {rank}", timeout)
+    rep = decode_result(rep, f"inference worker gpu {gpu} answering trainer rank {rank}")
+    transport.connect_finish(peer, rep)
+
+
+def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float | None = None) -> None:
+    """Receiver side: answer the handshake request of trainer `rank`."""
+    req = ctl.get("hs/req/%d/%d" % (rank, gpu), f"the handshake request of trainer rank {rank} "
+                                                f"to inference worker gpu {gpu}", timeout)
+    try:
+        rep = transport.accept(req) if req else b""
+        ctl.set("hs/rep/%d/%d" % (rank, gpu), encode_result(rep, None))
+    except Exception as e:
+        ctl.set("hs/rep/%d/%d" % (rank, gpu), encode_result(None, f"{type(e).__name__}: {e}"))
+        raise SetupError(f"wxfer: inference worker gpu {gpu}: accepting trainer rank {rank}: {e}") from e
+
+
+# --------------------------------------------------------------------------- gloo among trainers
+
+
+def gloo_group(timeout: float = DEFAULT_TIMEOUT):
+    """A gloo process group over all trainer ranks (the default group when it is gloo)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+
+
+def agree(group, error: str | None, rank: int, what: str) -> None:
+    """Every rank learns every rank's setup error; all of them raise (naming the ranks)."""
+    import torch.distributed as dist
+    if group is None:
+        if error:
+            raise SetupError(f"wxfer: {what} failed on trainer rank {rank}: {error}")
+        return
+    errs = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errs, error, group=group)
+    bad = [(r, e) for r, e in enumerate(errs) if e]
+    if bad:
+        raise SetupError(f"wxfer: {what} failed on %d trainer rank(s):\n  " % len(bad)
+                         + "\n  ".join(f"rank {r}: {e}" for r, e in bad))
+
+
+class Barrier:
+    """An asynchronous gloo barrier (stage 4) whose wait is bounded."""
+
+    def __init__(self, group, what: str):
+        import torch.distributed as dist
+        self.what = what
+        self.work = dist.barrier(group=group, async_op=True) if group is not None else None
+
+    def wait(self, timeout: float) -> None:
+        if self.work is None:
+            return
+        try:
+            ok = self.work.wait(timedelta(seconds=timeout))
+        except Exception as e:
+            raise TimeoutError(f"wxfer: {self.what} did not complete within {timeout:.0f} s: {e}") from e
+        if ok is False:
+            raise TimeoutError(f"wxfer: {self.what} did not complete within {timeout:.0f} s")
+        self.work = None

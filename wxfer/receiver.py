@@ -1,0 +1,306 @@
+"""The inference side: register weight memory once, publish metadata, answer the trainers'
+connection handshakes during setup, and then run nothing per step.
+
+    recv = wxfer.Receiver(model.named_parameters(), mapping="qwen3-8b", store="host:29650",
+                          replica=0, rank=tp_rank, tp=2, replicas=4)
+    ...
+    recv.version()   # the training step whose weights are fully in place (-1: none yet)
+
+Memory is registered per storage (or, on CUDA with ``register="segments"``, per caching
+allocator segment), deduplicated, so parameters that share memory cost one registration.
+Each parameter's descriptor is (byte offset in its region, the region's descriptor); the
+trainers add the plan's destination offsets to it.
+
+Version stamps: one int64 slot per sending trainer rank, in registered memory next to the
+weights.  A sender writes its step number into its slot only after all its data writes
+for that step have landed; ``version()`` is the minimum over the senders that write here.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import struct
+import time
+
+from . import control
+from .control import Control, SetupError
+
+_DESC_HEAD = struct.Struct("<Q")
+
+
+def encode_param_descriptor(region_descriptor: bytes, offset: int) -> bytes:
+    return _DESC_HEAD.pack(offset) + bytes(region_descriptor)
+
+
+def decode_param_descriptor(data: bytes) -> tuple[bytes, int]:
+    if len(data) < _DESC_HEAD.size + 1:
+        raise ValueError("wxfer: parameter descriptor too short (%d bytes)" % len(data))
+    (off,) = _DESC_HEAD.unpack_from(data)
+    return bytes(data[_DESC_HEAD.size:]), off
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(bytes(b)).decode()
+
+
+def _unb64(s: str) -> bytes:
+    return base64.b64decode(s.encode())
+
+
+def _dtype_name(dt) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def transport_choice(transport: str, device_type: str, options: dict | None = None) -> tuple[str, dict]:
+    """(backend name, options) for "auto" or an explicit name.
+
+    auto: CUDA memory -> "cuda_ipc" when available (GPUs of one node), else "verbs", else
+    "fabric"; host memory -> "fabric" with provider $WXFER_FABRIC_PROVIDER (default tcp).
+    $WXFER_TRANSPORT overrides "auto"."""
+    from . import _wxfer
+    opts = dict(options or {})
+    if transport == "auto":
+        transport = os.environ.get("WXFER_TRANSPORT", "auto")
+    avail = _wxfer.backends()
+    if transport == "auto":
+        order = ("cuda_ipc", "verbs", "fabric") if device_type == "cuda" else ("fabric",)
+        for name in order:
+            if avail.get(name, (False, ""))[0]:
+                transport = name
+                break
+        else:
+            raise SetupError("wxfer: no usable transport for %s memory: %s" % (device_type, "; ".join(
+                "%s: %s" % (n, avail.get(n, (False, "unknown"))[1]) for n in order)))
+    elif not avail.get(transport, (False, "unknown transport"))[0]:
+        raise SetupError("wxfer: transport %r is not usable here: %s"
+                         % (transport, avail.get(transport, (False, "unknown transport"))[1]))
+    if transport == "fabric":
+        opts.setdefault("provider", os.environ.get("WXFER_FABRIC_PROVIDER", "tcp"))
+        if os.environ.get("WXFER_IFACE"):
+            opts.setdefault("iface", os.environ["WXFER_IFACE"])
+    return transport, opts
+
+
+def _storage_base(t):
+    """A uint8 tensor over the whole storage of `t` (shares its memory)."""
+    import torch
+    st = t.untyped_storage()
+    base = torch.empty(0, dtype=torch.uint8, device=t.device)
+    base.set_(st, 0, (st.nbytes(),), (1,))
+    return base
+
+
+class _CudaRange:
+    """A raw CUDA address range as a __cuda_array_interface__ producer."""
+
+    def __init__(self, addr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
+                                         "version": 3, "strides": None}
+
+
+def _segment_bases(tensors):
+    """{storage ptr: (segment base tensor, segment address)} for CUDA tensors, from the caching
+    allocator's snapshot; storages not found in a segment are left out."""
+    import torch
+    segs = []
+    for s in torch.cuda.memory_snapshot():
+        segs.append((int(s["address"]), int(s["total_size"]), int(s["device"])))
+    segs.sort()
+    out, made = {}, {}
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        for a, n, dev in segs:
+            if a <= ptr < a + n and dev == t.device.index:
+                if a not in made:
+                    with torch.cuda.device(dev):
+                        made[a] = torch.as_tensor(_CudaRange(a, n), device="cuda:%d" % dev)
+                out[ptr] = (made[a], a)
+                break
+    return out
+
+
+class Receiver:
+    """Register `named_parameters` (inference layout) for one-sided writes and publish them.
+
+    named_parameters: iterable of (name, tensor) or a dict; every tensor contiguous.
+    mapping: the preset name (or Preset) the trainers use; checked against theirs.
+    store: a torch Store, "host:port", or None ($WXFER_STORE / $MASTER_ADDR:$WXFER_STORE_PORT).
+    replica, rank: this worker's replica index and TP rank; tp, replicas: the layout.
+    The constructor returns after every trainer that writes here has connected (bounded
+    by `timeout`); setup errors of the trainers' controller are raised here too.
+    """
+
+    def __init__(self, named_parameters, mapping=None, store=None, replica: int = 0, rank: int = 0,
+                 tp: int = 1, replicas: int = 1, ep: bool = False, transport: str = "auto",
+                 transport_options: dict | None = None, name: str = "default",
+                 timeout: float = control.DEFAULT_TIMEOUT, register: str = "auto",
+                 stamp_slots: int = 1024):
+        import torch
+        from . import _wxfer
+        if not (0 <= rank < tp) or not (0 <= replica < replicas):
+            raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} "
+                             "is out of range")
+        items = list(named_parameters.items() if hasattr(named_parameters, "items") else named_parameters)
+        self.params = {}
+        for n, t in items:
+            t = t.detach() if isinstance(t, torch.Tensor) else t
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"wxfer.Receiver: parameter {n} is a {type(t).__name__}, not a tensor")
+            if not t.is_contiguous():
+                raise ValueError(f"wxfer.Receiver: parameter {n} is not contiguous; one-sided writes "
+                                 "fill parameters as flat byte ranges")
+            if n in self.params:
+                raise ValueError(f"wxfer.Receiver: parameter {n} listed twice")
+            self.params[n] = t
+        if not self.params:
+            raise ValueError("wxfer.Receiver: no parameters")
+        self.replica, self.rank, self.tp, self.replicas, self.ep = replica, rank, tp, replicas, ep
+        self.gpu = replica * tp + rank
+        self.timeout = float(timeout)
+        devs = {t.device for t in self.params.values()}
+        if len(devs) != 1:
+            raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
+        self.device = devs.pop()
+        self.mapping_name = _mapping_name(mapping)
+        self.ctl = Control(control.resolve_store(store, False, timeout), name, timeout)
+        self.transport_name, self.transport_options = transport_choice(
+            transport, self.device.type, transport_options)
+        self.transport = _wxfer.Transport(self.transport_name, self.transport_options)
+        self.regions = []
+        self._closed = False
+        try:
+            self._register(register, stamp_slots)
+            self._publish()
+            self._handshakes()
+        except Exception:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+    def _register(self, mode: str, stamp_slots: int) -> None:
+        import torch
+        tensors = list(self.params.values())
+        seg = {}
+        self.register_mode = "storages"
+        if self.device.type == "cuda" and mode in ("auto", "segments"):
+            try:
+                seg = _segment_bases(tensors)
+                self.register_mode = "segments"
+            except Exception as e:  # noqa: BLE001 -- fall back to storages
+                if mode == "segments":
+                    raise SetupError(f"wxfer.Receiver: reading the CUDA allocator segments: {e}") from e
+                self.register_mode = f"storages (segments unavailable: {type(e).__name__}: {e})"
+        by_base = {}    # base address -> (region, base address)
+        self.param_desc = {}
+        t0 = time.perf_counter()
+        for n, t in self.params.items():
+            sptr = t.untyped_storage().data_ptr()
+            if sptr in seg:
+                base, addr = seg[sptr]
+            else:
+                base, addr = None, sptr
+            if addr not in by_base:
+                if base is None:
+                    base = _storage_base(t)
+                try:
+                    reg = self.transport.register(base, export=True)
+                except Exception as e:
+                    raise SetupError(f"wxfer.Receiver gpu {self.gpu}: registering the memory of {n} "
+                                     f"({base.numel()} bytes on {t.device}): {e}") from e
+                self.regions.append(reg)
+                by_base[addr] = (reg, addr)
+            reg, addr = by_base[addr]
+            off = t.data_ptr() - addr
+            if off < 0 or off + t.numel() * t.element_size() > reg.nbytes:
+                raise SetupError(f"wxfer.Receiver: parameter {n} lies outside its registered region")
+            self.param_desc[n] = encode_param_descriptor(reg.descriptor, off)
+        self.stamps = torch.full((stamp_slots,), -1, dtype=torch.int64, device=self.device)
+        self.stamp_region = self.transport.register(self.stamps, export=True)
+        self.regions.append(self.stamp_region)
+        self.register_s = time.perf_counter() - t0
+        self.n_regions = len(by_base)
+
+    def _publish(self) -> None:
+        meta = dict(
+            gpu=self.gpu, replica=self.replica, rank=self.rank, tp=self.tp, replicas=self.replicas,
+            ep=self.ep, mapping=self.mapping_name, transport=self.transport_name,
+            options=self.transport_options, export=_b64(self.transport.export()),
+            params={n: [list(t.shape), _dtype_name(t.dtype)] for n, t in self.params.items()},
+            desc={n: _b64(d) for n, d in self.param_desc.items()},
+            stamp=_b64(self.stamp_region.descriptor), stamp_slots=int(self.stamps.numel()),
+            host=socket.gethostname(), pid=os.getpid(), device=str(self.device))
+        self.ctl.set_json("infer/%d" % self.gpu, meta)
+        self.ctl.add("infer/count", 1)
+
+    def _handshakes(self) -> None:
+        st = self.ctl.get("status", "the trainers' plan (trainer rank 0 builds it once every "
+                                    "inference worker has published)")
+        control.decode_result(st, "trainer rank 0 (controller)")
+        self.senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
+        for r in self.senders:
+            control.target_accept(self.ctl, self.transport, r, self.gpu)
+        self.ctl.set("ready/%d" % self.gpu, b"1")
+
+    # ------------------------------------------------------------------ per step: nothing
+    def version(self) -> int:
+        """The step whose weights are fully in place here (-1 before the first push)."""
+        if not self.senders:
+            return -1
+        return int(self.stamps[:len(self.senders)].min().item())
+
+    def wait_version(self, version: int, timeout: float = 60.0) -> int:
+        """Poll (bounded) until version() >= `version`; returns it."""
+        deadline = time.monotonic() + timeout
+        delay = 0.0005
+        while True:
+            v = self.version()
+            if v >= version:
+                return v
+            if time.monotonic() > deadline:
+                stamps = self.stamps[:len(self.senders)].tolist()
+                late = [r for r, s in zip(self.senders, stamps) if s < version]
+                raise TimeoutError(f"wxfer.Receiver gpu {self.gpu}: version {v} after {timeout:.0f} s, "
+                                   f"waiting for {version}; trainer ranks not done: {late}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    def stats(self) -> dict:
+        return dict(gpu=self.gpu, regions=self.n_regions, register_mode=self.register_mode,
+                    params=len(self.params), register_s=self.register_s,
+                    bytes=sum(t.numel() * t.element_size() for t in self.params.values()),
+                    transport=self.transport_name, senders=list(self.senders))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for r in self.regions:
+            try:
+                r.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self.regions = []
+        try:
+            self.transport.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"<wxfer.Receiver replica {self.replica} rank {self.rank}/{self.tp} {len(self.params)} params "
+                f"{self.transport_name}>")
+
+
+def _mapping_name(mapping) -> str:
+    if mapping is None:
+        return ""
+    if isinstance(mapping, str):
+        return mapping
+    return getattr(mapping, "name", "") or ""

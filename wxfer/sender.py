@@ -1,0 +1,339 @@
+"""The trainer side: ``Sender`` on every training rank, and the one-line hook ``push()``.
+
+    sender = wxfer.Sender(model, mapping="qwen3-8b", store="host:29650")   # every rank
+    for step in ...:
+        loss.backward(); optimizer.step()
+        sender.push()                      # returns when this rank's writes have landed
+
+Setup (once): every rank publishes its parameter metadata; rank 0 waits for the
+receivers' metadata, builds and checks the plan and hands it (serialized, versioned) to
+every rank through the store; every rank connects to the receivers it writes to.  A
+setup error on any rank (or on rank 0's controller) is raised on every rank.
+
+A step replays the plan: for each mesh group, for each task of this rank in order,
+H2D (offloaded FSDP) -> full_tensor() + fusion + FP8 + packing -> Engine.submit; an
+asynchronous gloo barrier after the group's last full_tensor(); then, once this rank's
+writes have landed, its version stamp into every receiver it wrote to.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from . import control, pipeline
+from .control import Control, SetupError
+from .receiver import _unb64, decode_param_descriptor, transport_choice
+
+
+STAMP_TAG = 1 << 62     # engine tag of the version-stamp writes (plan tasks use their index)
+
+
+def _parse_size(v) -> int:
+    if isinstance(v, int):
+        return v
+    from . import _wxfer
+    return int(_wxfer.parse_size(str(v)))
+
+
+class PushHandle:
+    """What ``push(async_op=True)`` returns: every task is submitted (sources packed);
+    ``wait()`` returns once this rank's writes and version stamps have landed."""
+
+    def __init__(self, sender, version, t0, barrier, keep):
+        self._s, self.version, self._t0, self._barrier, self._keep = sender, version, t0, barrier, keep
+        self._done = False
+        self.seconds = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> float:
+        if not self._done:
+            self._s._finish(self, timeout)
+            self._done = True
+        return self.seconds
+
+
+class Sender:
+    """Push this rank's share of the model to the inference workers after each step.
+
+    model: the training model (FSDP2 ``fully_shard``ed, or plain).  mapping: a preset
+    name, a wxfer.mapping.Preset or an HF config dict.  store: a torch Store, "host:port"
+    or None (rank 0 hosts a TCPStore at $WXFER_STORE or $MASTER_ADDR:$WXFER_STORE_PORT).
+    transport: "auto" (what the receivers registered with) or a backend name.
+    watermark: bytes of prepared-but-unsent buffers per rank (the Engine blocks admission
+    above it), e.g. "2GiB".  device: where stage 2 runs (default: cuda:current when CUDA
+    is available, else cpu).
+    """
+
+    def __init__(self, model, mapping, store=None, transport: str = "auto", watermark="2GiB",
+                 name: str = "default", timeout: float = control.DEFAULT_TIMEOUT, device=None,
+                 transport_options: dict | None = None, host_store: bool | None = None,
+                 write_timeout: float = 60.0):
+        import torch
+        import torch.distributed as dist
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.timeout = float(timeout)
+        self.write_timeout = float(write_timeout)
+        self.version = 0
+        self._pending = None
+        self.engine = self.transport = None
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.group = control.gloo_group(timeout)
+        if host_store is None:
+            host_store = self.rank == 0 and store is None
+        self.ctl = Control(control.resolve_store(store, host_store, timeout), name, timeout)
+        self._store_host = host_store
+        self.mapping = mapping
+        self.setup_s = {}
+        t0 = time.perf_counter()
+        # ---- 1. metadata of this rank
+        err = None
+        try:
+            if hasattr(model, "reshard"):
+                model.reshard()   # FSDP2: the sharded DTensor parameters, even after a no-grad forward
+            self.params = {n: p for n, p in model.named_parameters()}
+            self.ctl.set_json("train/%d" % self.rank, pipeline.train_metadata(model))
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"
+        control.agree(self.group, err, self.rank, "publishing training metadata")
+        # ---- 2. rank 0 builds the plan; every rank receives it (or the error)
+        if self.rank == 0:
+            self._controller(mapping)
+        self.setup_s["plan"] = time.perf_counter() - t0
+        data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)")
+        self.plan = pipeline.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
+        # ---- 3. this rank's program, transport, connections
+        err = None
+        t1 = time.perf_counter()
+        try:
+            self._connect(transport, transport_options, watermark)
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"
+        control.agree(self.group, err, self.rank, "connecting to the inference workers")
+        self.setup_s["connect"] = time.perf_counter() - t1
+
+    # ------------------------------------------------------------------ setup
+    def _controller(self, mapping) -> None:
+        ctl = self.ctl
+        try:
+            per_rank = [ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}")
+                        for r in range(self.world)]
+            train, problems = pipeline.merge_train_metadata(per_rank)
+            if problems:
+                raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
+            first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
+            n = first["replicas"] * first["tp"]
+            ctl.wait_count("infer/count", n, f"the {n} inference workers' metadata")
+            workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}")
+                                 for g in range(1, n)]
+            probs = []
+            pname = getattr(pipeline.get_preset(mapping), "name", "")
+            for w in workers:
+                if w["mapping"] and pname and w["mapping"] != pname:
+                    probs.append(f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, "
+                                 f"the trainers {pname!r}")
+                if (w["transport"], w["options"]) != (first["transport"], first["options"]):
+                    probs.append(f"inference worker gpu {w['gpu']} registered with {w['transport']} "
+                                 f"{w['options']}, gpu 0 with {first['transport']} {first['options']}")
+                if (w["replicas"], w["tp"]) != (first["replicas"], first["tp"]):
+                    probs.append(f"inference worker gpu {w['gpu']}: replicas={w['replicas']} tp={w['tp']}, "
+                                 f"gpu 0 says replicas={first['replicas']} tp={first['tp']}")
+            if probs:
+                raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
+            plan = pipeline.build_controller_plan(train, workers, mapping)
+            senders = pipeline.receivers_of(plan)
+            for w in workers:
+                if len(senders[w["gpu"]]) > w["stamp_slots"]:
+                    raise SetupError(f"inference worker gpu {w['gpu']} has {w['stamp_slots']} version "
+                                     f"stamp slots but {len(senders[w['gpu']])} trainers write to it")
+            blob = pipeline.plan_to_bytes(plan)
+        except Exception as e:  # noqa: BLE001 -- every rank and every receiver learns it
+            msg = f"{type(e).__name__}: {e}"
+            ctl.set("plan", control.encode_result(None, msg))
+            ctl.set("status", control.encode_result(None, msg))
+            raise SetupError(f"wxfer: building the plan on trainer rank 0 failed: {msg}") from e
+        for g, s in senders.items():
+            ctl.set_json("senders/%d" % g, s)
+        ctl.set("plan", control.encode_result(blob, None))
+        ctl.set("status", control.encode_result(b"", None))
+
+    def _connect(self, transport, transport_options, watermark) -> None:
+        from . import _wxfer
+        import torch
+        self.program = pipeline.RankProgram.from_plan(self.plan, self.rank, self.params)
+        senders = pipeline.receivers_of(self.plan)
+        # every gpu this rank writes to (data and version stamp)
+        self.workers = {}
+        for g in self.program.gpus:
+            self.workers[g] = self.ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}")
+        names = {(w["transport"], json.dumps(w["options"], sort_keys=True)) for w in self.workers.values()}
+        if len(names) > 1:
+            raise SetupError(f"inference workers use different transports: {sorted(names)}")
+        if names:
+            tname, topts = names.pop()
+            topts = dict(json.loads(topts), **(transport_options or {}))
+            if transport not in ("auto", tname):
+                raise SetupError(f"transport={transport!r} but the inference workers registered their "
+                                 f"memory with {tname!r}")
+        else:
+            tname, topts = transport_choice(transport, self.device.type, transport_options)
+        topts.pop("iface", None)
+        if os.environ.get("WXFER_IFACE"):
+            topts["iface"] = os.environ["WXFER_IFACE"]
+        if tname == "cuda_ipc":
+            import socket
+            far = sorted(g for g, w in self.workers.items() if w.get("host") != socket.gethostname())
+            if far:
+                raise SetupError(f"transport cuda_ipc joins GPUs of one host, but inference worker gpu {far[0]} is on "
+                                 f"{self.workers[far[0]].get('host')!r} and trainer rank {self.rank} on "
+                                 f"{socket.gethostname()!r}; give the receivers transport='verbs' or 'fabric' "
+                                 "(or set WXFER_TRANSPORT there)")
+        self.transport_name = tname
+        self.transport = _wxfer.Transport(tname, topts)
+        self.watermark = _parse_size(watermark)
+        self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout)
+        self.stamp_src = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.stamp_dests = []
+        self.peers = {}
+        for g, w in self.workers.items():      # all requests first, then the replies
+            self.peers[g] = control.writer_request(self.ctl, self.transport, self.rank, g, _unb64(w["export"]))
+        for g, w in self.workers.items():
+            control.writer_finish(self.ctl, self.transport, self.rank, g, self.peers[g])
+            slot = senders[g].index(self.rank)
+            self.stamp_dests.append((_unb64(w["stamp"]), 8 * slot, 0, 8))
+        self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
+
+    # ------------------------------------------------------------------ per step
+    @property
+    def bytes_per_step(self) -> int:
+        """Bytes of weights this rank writes per push (version stamps not counted)."""
+        return self.program.bytes_per_step
+
+    def push(self, async_op: bool = False, version: int | None = None):
+        """Replay the plan for the current weights.  Returns the seconds it took, or with
+        ``async_op=True`` a PushHandle (call ``wait()`` before the weights change again)."""
+        import torch
+        if self._pending is not None and not self._pending.done():
+            self._pending.wait()
+        self.version = self.version + 1 if version is None else int(version)
+        t0 = time.perf_counter()
+        keep = []          # CUDA events must outlive the engine's wait on them
+        barrier = None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            for gi, ops in enumerate(self.program.groups):
+                if barrier is not None:
+                    barrier.wait(self.timeout)
+                for op in ops:
+                    self._run_task(op, keep)
+                # stage 4: the barrier overlaps this group's writes
+                barrier = control.Barrier(self.group, f"the barrier after mesh group {gi} "
+                                                      f"(trainer rank {self.rank}, step {self.version})")
+        except Exception:
+            self._abort()
+            raise
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        h = PushHandle(self, self.version, t0, barrier, keep)
+        self._pending = h
+        if async_op:
+            return h
+        return h.wait()
+
+    def _run_task(self, op, keep) -> None:
+        import torch
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                buf = pipeline.prepare(op, self.device)
+                if buf is None:
+                    return
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+            keep.append(ev)
+            self.engine.submit(buf, op.dests, event=ev.cuda_event, device=self.device.index, tag=op.task,
+                               held=op.nbytes)
+        else:
+            buf = pipeline.prepare(op, self.device)
+            if buf is None:
+                return
+            self.engine.submit(buf, op.dests, tag=op.task, held=op.nbytes)
+
+    def _wait_engine(self, timeout, what) -> None:
+        try:
+            self.engine.wait(timeout=timeout)
+        except Exception as e:
+            import re
+            msg = str(e)
+            m = re.search(r"\(tag (\d+)\)", msg)
+            if m and int(m.group(1)) in self.task_names:
+                t = int(m.group(1))
+                msg += f" [plan task {t}: {self.task_names[t]}]"
+            elif m and int(m.group(1)) == STAMP_TAG:
+                msg += " [the version stamps]"
+            self.engine.clear_error()
+            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: {msg}") from e
+
+    def _finish(self, h: PushHandle, timeout) -> None:
+        t = self.write_timeout if timeout is None else timeout
+        self._wait_engine(t, "waiting for the weight writes")
+        if self.stamp_dests:
+            self.stamp_src.fill_(h.version)
+            if self.stamp_src.is_cuda:
+                torch_sync(self.device)
+            self.engine.submit(self.stamp_src, self.stamp_dests, tag=STAMP_TAG)
+            self._wait_engine(t, "writing the version stamps")
+        if h._barrier is not None:
+            h._barrier.wait(self.timeout)
+        h.seconds = time.perf_counter() - h._t0
+        h._keep.clear()
+
+    def _abort(self) -> None:
+        try:
+            self.engine.wait(timeout=self.write_timeout)
+        except Exception:  # noqa: BLE001
+            self.engine.clear_error()
+
+    # ------------------------------------------------------------------ inspection
+    def trace(self, clear: bool = False):
+        return self.engine.trace(clear=clear)
+
+    def write_trace(self, path: str) -> None:
+        from .trace import write_chrome
+        write_chrome(self.trace(), path, pid=self.rank, name=f"wxfer trainer rank {self.rank}")
+
+    def stats(self) -> dict:
+        s = dict(self.engine.stats())
+        s.update(rank=self.rank, bytes_per_step=self.bytes_per_step, receivers=list(self.workers),
+                 transport=self.transport_name, setup_s=self.setup_s)
+        return s
+
+    def close(self) -> None:
+        if self._pending is not None and not self._pending.done():
+            try:
+                self._pending.wait()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def torch_sync(device) -> None:
+    import torch
+    torch.cuda.synchronize(device)

@@ -1,0 +1,116 @@
+"""Plugging the wxfer Receiver into vLLM workers, without changing vLLM.
+
+vLLM lets a user add methods to every worker with a *worker extension class*, and call
+them on all workers with ``collective_rpc``.  This module is such a class::
+
+    from vllm import LLM
+    llm = LLM(model="Qwen/Qwen3-8B", tensor_parallel_size=2,
+              worker_extension_cls="wxfer.vllm_adapter.WxferWorkerExtension")
+    # once, while the trainers construct their wxfer.Sender:
+    llm.collective_rpc("wxfer_setup", kwargs=dict(store="trainer0:29650", mapping="qwen3-8b",
+                                                  replica=0, replicas=4))
+    # before each generation round, make sure step s is in place:
+    llm.collective_rpc("wxfer_wait", args=(s, 60.0))
+
+Each worker registers its own weight memory (the model's parameters, in vLLM's layout:
+fused ``qkv_proj``/``gate_up_proj``, FP8 ``weight_scale_inv``...), publishes it, answers
+the trainers' connection handshakes and then runs nothing per step: the trainers write
+straight into the weights.  Only the parameters the mapping writes are registered;
+others (activation scales, KV-cache scales) are listed in the setup result.
+
+vLLM is not a dependency: everything that touches it is in ``_vllm_parallel_info`` and
+``_vllm_model``, and the rest is plain Python tested without vLLM.
+"""
+from __future__ import annotations
+
+import re
+
+
+def expected_destinations(mapping, hf_config: dict, tp: int, rank: int, quant: str | None = None,
+                          ep: bool = False) -> dict:
+    """name -> (shape, dtype) the mapping writes on inference rank `rank`."""
+    from .mapping import Layout, expand
+    from .pipeline import get_preset
+    preset = get_preset(mapping)
+    cfg = dict(preset.config, **(hf_config or {}))
+    shapes = {n: s for n, (s, _, _) in preset.hf_params(cfg).items()}
+    dest = expand(preset.rules, shapes, Layout(tp, ep, quant), cfg).dest[rank]
+    return {n: (tuple(d.shape), d.dtype) for n, d in dest.items()}
+
+
+def select_parameters(named_parameters, expected: dict, skip: str | None = None):
+    """(selected [(name, tensor)], left out [names], missing [names]).
+
+    Parameters the mapping writes are selected; others are left out; destinations the
+    model lacks are reported as missing (the plan would refuse them anyway, by name)."""
+    pat = re.compile(skip) if skip else None
+    sel, left = [], []
+    seen = set()
+    for n, t in named_parameters:
+        if (pat and pat.search(n)) or n not in expected:
+            left.append(n)
+            continue
+        sel.append((n, t))
+        seen.add(n)
+    missing = sorted(set(expected) - seen)
+    return sel, left, missing
+
+
+def quant_of(named_parameters) -> str | None:
+    return "fp8" if any(str(t.dtype).endswith("float8_e4m3fn") for _, t in named_parameters) else None
+
+
+class WxferWorkerExtension:
+    """Methods added to every vLLM worker (``worker_extension_cls``)."""
+
+    _wxfer = None
+
+    # ---- the two places that know vLLM's internals
+    def _vllm_parallel_info(self) -> dict:
+        from vllm.distributed import parallel_state as ps
+        pc = self.vllm_config.parallel_config
+        return dict(tp=ps.get_tensor_model_parallel_world_size(), rank=ps.get_tensor_model_parallel_rank(),
+                    dp_rank=getattr(pc, "data_parallel_rank", 0), dp=getattr(pc, "data_parallel_size", 1),
+                    ep=bool(getattr(pc, "enable_expert_parallel", False)))
+
+    def _vllm_model(self):
+        return self.model_runner.model
+
+    def _vllm_hf_config(self) -> dict:
+        return self.vllm_config.model_config.hf_config.to_dict()
+
+    # ---- the RPCs
+    def wxfer_setup(self, store=None, mapping=None, replica: int | None = None, replicas: int | None = None,
+                    name: str = "default", timeout: float = 300.0, skip: str | None = None,
+                    transport: str = "auto") -> dict:
+        from .receiver import Receiver
+        info = self._vllm_parallel_info()
+        model = self._vllm_model()
+        named = list(model.named_parameters())
+        quant = quant_of(named)
+        expected = expected_destinations(mapping, self._vllm_hf_config(), info["tp"], info["rank"], quant, info["ep"])
+        sel, left, missing = select_parameters(named, expected, skip)
+        if missing:
+            raise RuntimeError(f"wxfer: vLLM worker tp rank {info['rank']} lacks {len(missing)} parameter(s) the "
+                               f"mapping writes: {missing[:10]}")
+        replica = info["dp_rank"] if replica is None else replica
+        replicas = info["dp"] if replicas is None else replicas
+        self._wxfer = Receiver(sel, mapping=mapping, store=store, replica=replica, rank=info["rank"],
+                               tp=info["tp"], replicas=replicas, ep=info["ep"], name=name, timeout=timeout,
+                               transport=transport)
+        out = self._wxfer.stats()
+        out.update(left_out=left, quant=quant)
+        return out
+
+    def wxfer_version(self) -> int:
+        return self._wxfer.version() if self._wxfer is not None else -1
+
+    def wxfer_wait(self, version: int, timeout: float = 60.0) -> int:
+        if self._wxfer is None:
+            raise RuntimeError("wxfer: call wxfer_setup first")
+        return self._wxfer.wait_version(version, timeout)
+
+    def wxfer_close(self) -> None:
+        if self._wxfer is not None:
+            self._wxfer.close()
+            self._wxfer = None
