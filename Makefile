@@ -3,14 +3,14 @@
 # and builds the extension in place. It is idempotent.
 
 PY        ?= .venv/bin/python
-VENV_STAMP = .venv/.wxfer-deps-3
+VENV_STAMP = .venv/.wxfer-deps-4
 APT_PKGS   = libfabric-dev libfabric-bin libibverbs-dev rdma-core build-essential python3-dev
-PIP_PKGS   = torch==2.13.0 numpy pytest pytest-timeout hypothesis pandas matplotlib nbformat nbclient ipykernel setuptools wheel
+PIP_PKGS   = torch==2.13.0 numpy pytest pytest-timeout hypothesis pandas matplotlib nbformat nbclient ipykernel setuptools wheel atheris
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -q -ra
 GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup apt venv build test demo gpu-test asan-test fuzz clean
+.PHONY: setup apt venv build test demo gpu-test gpu-bench asan-test clean
 
 setup: apt venv build
 
@@ -37,11 +37,17 @@ test: setup
 demo: setup
 	$(PY) -m wxfer demo
 
-# On a GPU machine (its python3 already has torch): build in place, run the gpu tests and
-# the GPU benchmarks. Logs go to $$OUT when it is set.
+# On a GPU machine (its python3 already has torch): build in place and run the gpu tests.
+# `make gpu-bench` then runs the GPU benchmarks; logs go to $$OUT (or ./.out) when set.
+LOGDIR ?= $(if $(OUT),$(OUT),.out)
 gpu-test:
 	$(GPU_ENV) python3 setup.py -q build_ext --inplace
 	$(GPU_ENV) python3 -m pytest -q -ra -m "gpu or gpu2" tests
+
+gpu-bench:
+	mkdir -p $(LOGDIR)
+	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_cuda_ipc.py --json 2>&1 | tee $(LOGDIR)/bench_cuda_ipc.log
+	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 -m wxfer demo --json 2>&1 | tee $(LOGDIR)/demo_gpu.log
 
 asan-test: setup
 	WXFER_SANITIZE=1 $(PY) setup.py -q build_ext --inplace --force

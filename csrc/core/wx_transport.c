@@ -88,6 +88,8 @@ int wx_transport_open(const char *name, const wx_opts_t *opts, wx_transport_t **
 void wx_transport_close(wx_transport_t *t)
 {
     wx_mr_t *mr, *next;
+    wx_peer_t **peers;
+    uint32_t npeers;
     if (!t)
         return;
     for (uint32_t i = 0; i < t->npeers; i++) {
@@ -103,15 +105,19 @@ void wx_transport_close(wx_transport_t *t)
         free(mr);
     }
     t->mrs = NULL;
-    for (uint32_t i = 0; i < t->npeers; i++) {
-        free(t->peers[i]->regions);
-        free(t->peers[i]);
-    }
-    free(t->peers);
+    /* Peers outlive the backend's close: the done() callbacks it makes for cancelled ops
+     * may still name them. */
+    peers = t->peers;
+    npeers = t->npeers;
     t->peers = NULL;
     t->npeers = 0;
     pthread_mutex_destroy(&t->lock);
     t->ops->close(t);
+    for (uint32_t i = 0; i < npeers; i++) {
+        free(peers[i]->regions);
+        free(peers[i]);
+    }
+    free(peers);
 }
 
 int wx_reg(wx_transport_t *t, void *addr, uint64_t len, uint32_t mem, int32_t device,
