@@ -12,9 +12,12 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
