@@ -152,7 +152,7 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
             }
         }
         r->how = "peermem";
-        snprintf(note, note_len, "dmabuf not used: %s", dwhy);
+        snprintf(note, note_len, "dmabuf not used: %.200s", dwhy);
         rc = 0;
     } else if (rc) {
         cu->cuCtxSetCurrent(prev);
