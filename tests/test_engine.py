@@ -10,6 +10,7 @@ import pytest
 import wxfer
 from wxfer import _wxfer
 from wxfer.testing import TargetProcess
+from wxfer.testing import pattern as rand
 from wxfer.trace import held_over_time, to_chrome
 
 PROVIDERS = ["tcp", "shm"]
@@ -17,10 +18,6 @@ PROVIDERS = ["tcp", "shm"]
 pytestmark = pytest.mark.skipif(not wxfer.backends()["fabric"]["available"],
                                 reason="fabric backend unavailable: %s"
                                 % wxfer.backends()["fabric"]["reason"])
-
-
-def rand(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 @pytest.fixture(params=PROVIDERS)

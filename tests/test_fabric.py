@@ -21,6 +21,7 @@ import pytest
 import wxfer
 from wxfer import _wxfer
 from wxfer.testing import TargetProcess
+from wxfer.testing import pattern as rand
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROVIDERS = ["tcp", "shm"]
@@ -28,10 +29,6 @@ PROVIDERS = ["tcp", "shm"]
 pytestmark = pytest.mark.skipif(not wxfer.backends()["fabric"]["available"],
                                 reason="fabric backend unavailable: %s"
                                 % wxfer.backends()["fabric"]["reason"])
-
-
-def rand(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
 @pytest.fixture(params=PROVIDERS)

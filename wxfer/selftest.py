@@ -16,12 +16,9 @@ import platform
 import sys
 import time
 
+from .testing import pattern, stop_process
+
 _TIMEOUT = 60.0  # seconds any wait on the other process may take
-
-
-def _pattern(seed: int, size: int):
-    import numpy as np
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
 def _target_main(conn, transport: str, opts: dict, size: int) -> None:
@@ -40,7 +37,7 @@ def _target_main(conn, transport: str, opts: dict, size: int) -> None:
         if msg[0] == "accept":
             conn.send(("reply", t.accept(msg[1])))
         elif msg[0] == "verify":
-            expected = _pattern(msg[1], size)
+            expected = pattern(size, msg[1])
             bad = np.flatnonzero(buf != expected)
             conn.send(("verified", bad.size == 0, int(bad[0]) if bad.size else -1, int(bad.size)))
         elif msg[0] == "exit":
@@ -96,7 +93,7 @@ def run_selftest(transport: str = "fabric", opts: dict | None = None, size: int 
         seed = 0
         for i in range(iters):
             seed = 1000 + i
-            src = _pattern(seed, size)
+            src = pattern(size, seed)
             region = t.register(src, export=False)
             t0 = time.perf_counter()
             eng.submit(region, [(desc, 0, 0, size)], tag=i)
@@ -120,13 +117,7 @@ def run_selftest(transport: str = "fabric", opts: dict | None = None, size: int 
         eng.close()
         t.close()
     finally:
-        try:
-            parent.send(("exit",))
-        except OSError:
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        stop_process(parent, proc)
     return result
 
 

@@ -22,6 +22,7 @@ import subprocess
 import time
 
 from .selftest import _expect as _selftest_expect
+from .testing import pattern, stop_process
 
 _TIMEOUT = 60.0
 _PORT = 18515
@@ -38,11 +39,6 @@ def emulation_library() -> str:
                            "is not next to this package); the emulation is never shipped")
     out = subprocess.run(["sh", script], check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
-
-
-def _pattern(seed: int, size: int):
-    import numpy as np
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
 def _alloc(size: int, gpu: int, fill=None):
@@ -82,7 +78,7 @@ def _target_loop(conn, opts: dict, size: int, gpu: int) -> None:
             except Exception as e:
                 conn.send(("error", "%s: %s" % (type(e).__name__, e)))
         elif msg[0] == "verify":
-            bad = np.flatnonzero(_to_numpy(buf) != _pattern(msg[1], size))
+            bad = np.flatnonzero(_to_numpy(buf) != pattern(size, msg[1]))
             conn.send(("verified", bad.size == 0, int(bad[0]) if bad.size else -1, int(bad.size)))
         elif msg[0] == "exit":
             break
@@ -123,7 +119,7 @@ def _writer(conn, opts: dict, size: int, iters: int, chunk: int, gpu: int, log) 
     # Register every source once, outside the timed loop (never register per step).
     srcs = []
     for i in range(iters):
-        buf = _alloc(size, gpu, _pattern(1000 + i, size))
+        buf = _alloc(size, gpu, pattern(size, 1000 + i))
         srcs.append((1000 + i, buf, t.register(buf, export=False)))
     if gpu >= 0:
         import torch
@@ -238,10 +234,4 @@ def _run(args, log) -> dict:
     try:
         return _writer(parent, opts, size, iters, chunk, gpu, log)
     finally:
-        try:
-            parent.send(("exit",))
-        except OSError:
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        stop_process(parent, proc)

@@ -12,6 +12,24 @@ import multiprocessing as mp
 TIMEOUT = 60.0
 
 
+def pattern(size: int, seed: int):
+    """`size` reproducible random bytes (a numpy uint8 array) for write checks."""
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def stop_process(conn, proc) -> None:
+    """Ask a helper process to exit over its pipe, then make sure it is gone (bounded)."""
+    try:
+        conn.send(("exit",))
+    except OSError:
+        pass
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
 def _serve(conn, transport, options, sizes):
     import numpy as np
     from wxfer import _wxfer
