@@ -276,36 +276,45 @@ def pack_into(shards, fulls: dict, nbytes: int, device):
     buffer: one allocation, each piece copied (and cast) once, an FP8 piece quantized once for
     its fp8 and scale shards."""
     import torch
-    from .mapping.reference import _piece_tensor, quantize_fp8_block
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    quant = {}
+    quant: dict = {}
     off = 0
     for sh in shards:
-        start = off
-        for pc in sh.pieces:
-            t = _piece_tensor(pc, fulls)
-            if sh.kind != "raw":
-                qs = quant.get(pc)
-                if qs is None:
-                    qs = quant[pc] = quantize_fp8_block(t)
-                t = qs[0] if sh.kind == "fp8" else qs[1]
-                dt = t.dtype
-            else:
-                dt = getattr(torch, sh.dtype)
-            nb = t.numel() * dt.itemsize
-            if nb:
-                dst = out[off:off + nb]
-                if off % dt.itemsize == 0:
-                    dst.view(dt).view(t.shape).copy_(t)
-                else:                        # unaligned: cast first, then copy the bytes
-                    src = t.to(dt).contiguous()
-                    dst.copy_(src.view(-1).view(torch.uint8))
-            off += nb
-        if off - start != sh.nbytes:
-            raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
+        off = pack_shard_into(sh, fulls, out, off, quant)
     if off != nbytes:
         raise AssertionError(f"packed {off} bytes, expected {nbytes}")
     return out
+
+
+def pack_shard_into(sh, fulls: dict, out, off: int, quant: dict | None = None) -> int:
+    """Write shard `sh`'s reference bytes into the uint8 tensor `out` at byte `off`; returns
+    the offset after it.  `quant` caches FP8 quantizations per piece across shards."""
+    import torch
+    from .mapping.reference import _piece_tensor, quantize_fp8_block
+    if quant is None:
+        quant = {}
+    start = off
+    for pc in sh.pieces:
+        t = _piece_tensor(pc, fulls)
+        if sh.kind != "raw":
+            qs = quant.get(pc)
+            if qs is None:
+                qs = quant[pc] = quantize_fp8_block(t)
+            t = qs[0] if sh.kind == "fp8" else qs[1]
+            dt = t.dtype
+        else:
+            dt = getattr(torch, sh.dtype)
+        nb = t.numel() * dt.itemsize
+        if nb:
+            dst = out[off:off + nb]
+            if off % dt.itemsize == 0 and (out.storage_offset() + off) % dt.itemsize == 0:
+                dst.view(dt).view(t.shape).copy_(t)
+            else:                        # unaligned: cast first, then copy the bytes
+                dst.copy_(t.to(dt).contiguous().view(-1).view(torch.uint8))
+        off += nb
+    if off - start != sh.nbytes:
+        raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
+    return off
 
 
 def _whole(op: TaskOp, fulls: dict, fresh: set):
