@@ -1,0 +1,725 @@
+"""wxfer against the common approaches, side by side on the same devices in one run (issue 7).
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        python benchmarks/bench_baselines.py --out benchmarks/baselines --json      # 2 GPUs
+    python benchmarks/bench_baselines.py --dry-run --json                           # CPU, tiny models
+
+Two processes: a trainer (rank 0, GPU 0) holding a model with Hugging Face names and
+random weights of the real shapes, and one inference worker (rank 1, GPU 1 "disagg", or
+GPU 0 as well "colocated") holding the inference layout of the mapping preset (vLLM
+names, fused qkv / gate_up / experts, BF16 or FP8 with block scales).  Per configuration
+(model x quantization x layout), after warm-up, the median of --reps steps of:
+
+  link      the link bound: a raw copy of the bytes the inference worker must receive
+            (GPU 0 -> GPU 1 peer copy in one process; on one GPU an on-device copy), in
+            1 GiB pieces;
+  wxfer     Sender.push() (the plan, the pipeline, one-sided writes through the engine);
+  rank0     the rank-0 pattern (verl, slime, OpenRLHF, AReaL): full_tensor() on the
+            trainer, buckets of about 1 GiB (double-buffered) broadcast over NCCL (CPU:
+            gloo; colocated: one shared CUDA IPC bucket pair, since NCCL refuses two ranks on
+            one GPU) to the inference rank, which copies every tensor of a bucket into its
+            own layout (fusion, TP slice, FP8 quantization on the inference side);
+  per-tensor one call (a pickled message) and one transfer (a broadcast; colocated: a CUDA
+            IPC handle) per training tensor; the inference rank copies into its layout once
+            a fused parameter's sources are all in.
+
+Every method ends with the inference worker's memory checked against wxfer's (per-parameter
+byte sums, memory reset to 0xFF before each method).  Outputs in --out: results.json,
+table.md, chart.png, trace-<config>.json (wxfer's per-stage Chrome trace of one step),
+machine.txt; the table is printed; --json prints one JSON object last.
+
+A configuration whose processes fail or exceed --config-timeout is reported as an error
+and the run goes on with the next one (fresh processes); --max-s bounds the whole run, and
+results are written after every configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pickle
+import platform
+import socket
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+METHODS = ("link", "wxfer", "rank0", "per-tensor")
+GPU_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
+CPU_MODELS = ("tiny", "tiny-moe")
+GiB = 1 << 30
+
+
+# --------------------------------------------------------------------------- models
+
+
+def model_spec(name: str):
+    """(config dict, mapping preset) of a benchmark model."""
+    from wxfer.mapping import get_preset
+    from wxfer.models import TINY, TINY_MOE, preset_for
+    if name == "tiny":
+        return dict(TINY), preset_for(TINY)
+    if name == "tiny-moe":
+        return dict(TINY_MOE), preset_for(TINY_MOE)
+    p = get_preset(name)
+    return dict(p.config), p
+
+
+class _Model:
+    """What wxfer.Sender needs of a model: named_parameters() (plain tensors: one trainer rank)."""
+
+    def __init__(self, params: dict):
+        self._p = params
+
+    def named_parameters(self):
+        return list(self._p.items())
+
+
+def train_params(preset, cfg, device, seed: int = 0) -> dict:
+    import torch
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for n, (shape, dt, _) in preset.hf_params(cfg).items():
+        t = torch.empty(shape, dtype=getattr(torch, dt), device=device)
+        if t.dim() == 1:
+            t.normal_(1.0, 0.1, generator=g)
+        else:
+            t.normal_(0.0, 0.02, generator=g)
+        out[n] = t
+    return out
+
+
+def expanded(preset, cfg, quant):
+    from wxfer.mapping import Layout, expand
+    shapes = {n: s for n, (s, _, _) in preset.hf_params(cfg).items()}
+    ex = expand(preset.rules, shapes, Layout(1, False, quant), cfg)
+    if ex.errors:
+        raise RuntimeError("mapping errors: " + "; ".join(ex.errors[:5]))
+    return ex
+
+
+def infer_params(ex, device) -> dict:
+    import torch
+    return {n: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for n, d in ex.dest[0].items()}
+
+
+def _bytes(t):
+    import torch
+    return t.reshape(-1).view(torch.uint8)
+
+
+def reset(params: dict) -> None:
+    for t in params.values():
+        _bytes(t).fill_(0xFF)
+
+
+def checksums(params: dict) -> list:
+    import torch
+    return [int(_bytes(t).sum(dtype=torch.int64)) for _, t in sorted(params.items())]
+
+
+def buckets(ex, sizes: dict, bucket_bytes: int):
+    """Components grouped into buckets of about bucket_bytes (a component never split; a
+    bucket grows to hold the largest one): (capacity, [(used bytes, [(component, {src: offset})])])."""
+    comps = [c for c in ex.components if c.shards]
+    biggest = max(sum(_align(sizes[s]) for s in c.sources) for c in comps)
+    cap = max(bucket_bytes, biggest)
+    out, cur, used = [], [], 0
+    for c in comps:
+        need = sum(_align(sizes[s]) for s in c.sources)
+        if cur and used + need > cap:
+            out.append((used, cur))
+            cur, used = [], 0
+        offs = {}
+        for s in c.sources:
+            offs[s] = used
+            used += _align(sizes[s])
+        cur.append((c, offs))
+    if cur:
+        out.append((used, cur))
+    return cap, out
+
+
+def _align(n: int, a: int = 256) -> int:
+    return -(-n // a) * a
+
+
+# --------------------------------------------------------------------------- the two processes
+
+
+class _Link:
+    """Synchronization and messages between the trainer (0) and the inference rank (1)."""
+
+    def __init__(self, rank, gpu_data: bool):
+        import torch
+        import torch.distributed as dist
+        self.dist, self.torch, self.rank = dist, torch, rank
+        self.gpu_data = gpu_data            # data collectives over NCCL (CUDA tensors)
+
+    def barrier(self):
+        t = self.torch.zeros(1)
+        self.dist.all_reduce(t)             # CPU tensor: gloo
+
+    def obj(self, o=None, src=0):
+        lst = [o]
+        self.dist.broadcast_object_list(lst, src=src, device=self.torch.device("cpu"))   # gloo
+        return lst[0]
+
+    def bcast(self, t, async_op=True):
+        return self.dist.broadcast(t, src=0, async_op=async_op)
+
+
+def _sync_dev(dev):
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _proc(rank: int, a: dict, configs: list, q) -> None:
+    try:
+        _proc_main(rank, a, configs)
+        q.put((rank, None))
+    except BaseException:  # noqa: BLE001
+        q.put((rank, traceback.format_exc()[-3000:]))
+        raise
+
+
+def _proc_main(rank: int, a: dict, configs: list) -> None:
+    import torch
+    import torch.distributed as dist
+    from wxfer import control
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    store = control.resolve_store(a["store"], False, a["timeout"])
+    ctl = control.Control(store, a["name"], a["timeout"])
+    gpu = not a["dry_run"]
+    for ci, cfg in configs:
+        layout = cfg["layout"]
+        if gpu:
+            dev = torch.device("cuda", 0 if (rank == 0 or layout == "colocated") else 1)
+            torch.cuda.set_device(dev)
+        else:
+            dev = torch.device("cpu")
+        ctl.set("at/%d/%d" % (ci, rank), b"setup")
+        _STATE.clear()
+        res = _run_config(rank, ci, cfg, a, dev, store, ctl)
+        if rank == 0:
+            ctl.set_json("res/%d" % ci, res)
+        torch.cuda.empty_cache() if gpu else None
+
+
+def _run_config(rank, ci, cfg, a, dev, store, ctl):
+    import torch
+    import torch.distributed as dist
+    from wxfer import pipeline
+    from wxfer.receiver import Receiver
+    from wxfer.sender import Sender
+    gpu = dev.type == "cuda"
+    quant = "fp8" if cfg["quant"] == "fp8" else None
+    colocated_gpu = gpu and cfg["layout"] == "colocated"
+    conf, preset = model_spec(cfg["model"])
+    ex = expanded(preset, conf, quant)
+    dest_bytes = ex.dest_bytes(0)
+    methods = [m for m in a["methods"] if (ci, m) not in {tuple(x) for x in a["skip"]}]
+    res = dict(config=cfg, dest_bytes=dest_bytes, methods={}, errors={})
+    trainer = rank == 0
+    t0 = time.perf_counter()
+    if trainer:
+        params = train_params(preset, conf, dev)
+        res["train_bytes"] = sum(t.numel() * t.element_size() for t in params.values())
+        res["train_tensors"] = len(params)
+    else:
+        params = infer_params(ex, dev)
+    _sync_dev(dev)
+    res["alloc_s"] = time.perf_counter() - t0
+    name = "bench%d" % ci
+    sums = {}
+
+    def mark(m):
+        ctl.set("at/%d/%d" % (ci, rank), m.encode())
+
+    # ---- 1. link bound (trainer process only)
+    if "link" in methods and trainer:
+        mark("link")
+        dst_dev = torch.device("cuda", 1 if cfg["layout"] == "disagg" else 0) if gpu else dev
+        piece = min(GiB, dest_bytes)
+        src = torch.empty(piece, dtype=torch.uint8, device=dev).fill_(7)
+        dst = torch.empty(piece, dtype=torch.uint8, device=dst_dev)
+        times = []
+        for i in range(a["warmup"] + a["reps"]):
+            _sync_dev(dev), _sync_dev(dst_dev)
+            t = time.perf_counter()
+            left = dest_bytes
+            while left > 0:
+                n = min(piece, left)
+                dst[:n].copy_(src[:n], non_blocking=True)
+                left -= n
+            _sync_dev(dev), _sync_dev(dst_dev)
+            if i >= a["warmup"]:
+                times.append(time.perf_counter() - t)
+        res["methods"]["link"] = _summ(times, dest_bytes)
+        del src, dst
+
+    # ---- 2. wxfer (no torch.distributed group: one trainer rank)
+    if "wxfer" in methods:
+        mark("wxfer")
+        if trainer:
+            s = Sender(_Model(params), mapping=preset, store=store, name=name, watermark=a["watermark"],
+                       timeout=a["timeout"], write_timeout=a["timeout"])
+            try:
+                times = []
+                for i in range(a["warmup"] + a["reps"]):
+                    if i == a["warmup"] + a["reps"] - 1:
+                        s.trace(clear=True)
+                    _sync_dev(dev)
+                    t = time.perf_counter()
+                    s.push()
+                    if i >= a["warmup"]:
+                        times.append(time.perf_counter() - t)
+                if a.get("out"):
+                    s.write_trace(os.path.join(a["out"], "trace-%s.json" % _cfg_name(cfg)))
+                res["methods"]["wxfer"] = _summ(times, dest_bytes)
+                res["wxfer_tasks"] = len(s.plan.tasks)
+                res["wxfer_transport"] = s.transport_name
+                res["wxfer_bytes_per_step"] = s.bytes_per_step
+            finally:
+                ctl.set("wx_done/%d" % ci, b"1")
+                s.close()
+            sums["wxfer"] = ctl.get_json("sum/%d/wxfer" % ci, "the inference rank's checksums after wxfer")
+        else:
+            reset(params)
+            r = Receiver(params, mapping=preset.name, store=store, name=name, timeout=a["timeout"])
+            try:
+                ctl.get("wx_done/%d" % ci, "the trainer's wxfer steps", a["timeout"])
+                _sync_dev(dev)
+                ctl.set_json("sum/%d/wxfer" % ci, checksums(params))
+            finally:
+                r.close()
+
+    # ---- 3, 4: the baselines share one process group (gloo; NCCL for CUDA data when disagg)
+    base = [m for m in methods if m in ("rank0", "per-tensor")]
+    if base:
+        backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
+        dist.init_process_group(backend, store=dist.PrefixStore("pg%d" % ci, store), rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=a["timeout"]))
+        link = _Link(rank, gpu and not colocated_gpu)
+        try:
+            sizes = None
+            if trainer:
+                sizes = {n: t.numel() * t.element_size() for n, t in params.items()}
+            sizes = link.obj(sizes)
+            meta = link.obj({n: (tuple(t.shape), t.dtype) for n, t in params.items()} if trainer else None)
+            for m in base:
+                mark(m)
+                fn = _rank0 if m == "rank0" else _per_tensor
+                if not trainer:
+                    reset(params)
+                link.barrier()
+                times = []
+                for i in range(a["warmup"] + a["reps"]):
+                    link.barrier()
+                    t = time.perf_counter()
+                    fn(link, ex, params, sizes, meta, dev, a, colocated_gpu, i)
+                    _sync_dev(dev)
+                    link.barrier()
+                    if i >= a["warmup"]:
+                        times.append(time.perf_counter() - t)
+                got = link.obj(checksums(params) if not trainer else None, src=1)
+                if trainer:
+                    res["methods"][m] = _summ(times, dest_bytes)
+                    sums[m] = got
+        finally:
+            dist.destroy_process_group()
+    if trainer and "wxfer" in sums:
+        res["checks"] = {m: (v == sums["wxfer"]) for m, v in sums.items() if m != "wxfer"}
+        res["checks"]["wxfer_written"] = bool(sums["wxfer"]) and all(
+            v != 0xFF * n for v, n in zip(sums["wxfer"], _sizes_sorted(ex)))
+    return res
+
+
+def _sizes_sorted(ex):
+    return [d.nbytes for _, d in sorted(ex.dest[0].items())]
+
+
+def _summ(times, nbytes):
+    ts = sorted(times)
+    med = ts[len(ts) // 2]
+    return dict(seconds=med, best=ts[0], times=times, gbps=nbytes / med / 1e9)
+
+
+def _fulls_in(bucket_t, offs, sizes, meta):
+    import torch
+    out = {}
+    for s, o in offs.items():
+        shape, dt = meta[s]
+        out[s] = bucket_t[o:o + sizes[s]].view(dt).view(shape)
+    return out
+
+
+def _write_component(c, fulls, params):
+    from wxfer import pipeline
+    quant = {}
+    for sh in c.shards:
+        if sh.rank == 0:
+            pipeline.pack_shard_into(sh, fulls, _bytes(params[sh.dst]), sh.offset, quant)
+
+
+def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
+    """The rank-0 pattern, one step."""
+    import torch
+    from wxfer import pipeline
+    cap, plan = _rank0_plan(ex, sizes, a)
+    st = _state(link, "rank0", lambda: _rank0_buffers(link, cap, dev, ipc))
+    bufs = st["bufs"]
+    works = [None] * len(plan)
+    for k, (used, bucket) in enumerate(plan):
+        b = bufs[k % 2][:used]                        # only the filled part moves
+        if link.rank == 0:
+            if k >= 2:                                # double buffering: slot k % 2 free again
+                if ipc:
+                    _flag(link, src=1)                # the inference rank copied bucket k - 2 out
+                else:
+                    works[k - 2].wait()
+            for c, offs in bucket:
+                for s, o in offs.items():
+                    full = pipeline.full_tensor(params[s], params[s])      # one trainer rank: itself
+                    b[o:o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
+            if ipc:
+                _sync_dev(dev)
+                _flag(link, src=0)
+            else:
+                works[k] = link.bcast(b)
+        else:
+            if ipc:
+                _flag(link, src=0)
+            else:
+                link.bcast(b).wait()
+            for c, offs in bucket:
+                _write_component(c, _fulls_in(b, offs, sizes, meta), params)
+            if ipc:
+                _sync_dev(dev)
+                _flag(link, src=1)
+    if link.rank == 0:
+        for w in works:
+            if w is not None:
+                w.wait()
+        if ipc:                                   # the last two slots' acknowledgements
+            for _ in range(min(2, len(plan))):
+                _flag(link, src=1)
+
+
+def _flag(link, src):
+    import torch
+    import torch.distributed as dist
+    t = torch.zeros(1)
+    dist.broadcast(t, src=src)
+
+
+_STATE: dict = {}
+
+
+def _state(link, key, make):
+    """Per-configuration state made on the first step (buffers, IPC handles opened once)."""
+    if key not in _STATE:
+        _STATE[key] = make()
+    return _STATE[key]
+
+
+def _rank0_plan(ex, sizes, a):
+    k = ("plan", id(ex))
+    if k not in _STATE:
+        _STATE[k] = buckets(ex, sizes, a["bucket"])
+    return _STATE[k]
+
+
+def _rank0_buffers(link, cap, dev, ipc):
+    import torch
+    if not ipc:
+        return dict(bufs=[torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)])
+    from torch.multiprocessing.reductions import reduce_tensor
+    if link.rank == 0:
+        bufs = [torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)]
+        link.obj([reduce_tensor(b) for b in bufs])
+    else:
+        bufs = [fn(*args) for fn, args in link.obj(None)]
+    return dict(bufs=bufs)
+
+
+def _per_tensor(link, ex, params, sizes, meta, dev, a, ipc, step):
+    """The per-tensor pattern, one step: per training tensor one call (a pickled message)
+    and one transfer; the inference rank writes a fused parameter once its sources are in."""
+    import torch
+    comps = _STATE.setdefault(("comps", id(ex)), [c for c in ex.components if c.shards])
+    if link.rank == 0:
+        from torch.multiprocessing.reductions import reduce_tensor
+        for c in comps:
+            for s in c.sources:
+                t = params[s]
+                if ipc:
+                    link.obj((s, reduce_tensor(t)))
+                else:
+                    link.obj(s)
+                    link.bcast(t, async_op=False)
+        if ipc:
+            _flag(link, src=1)
+        return
+    for c in comps:
+        fulls = {}
+        for _ in c.sources:
+            if ipc:
+                s, (fn, args) = link.obj(None)
+                fulls[s] = fn(*args)
+            else:
+                s = link.obj(None)
+                shape, dt = meta[s]
+                t = torch.empty(shape, dtype=dt, device=dev)
+                link.bcast(t, async_op=False)
+                fulls[s] = t
+        _write_component(c, fulls, params)
+    if ipc:
+        _sync_dev(dev)
+        _flag(link, src=1)
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def _cfg_name(c) -> str:
+    return "%s-%s-%s" % (c["model"], c["quant"], c["layout"])
+
+
+def machine(dry_run: bool) -> dict:
+    import torch
+    import wxfer
+    m = dict(host=socket.gethostname(), platform=platform.platform(), cpus=os.cpu_count(),
+             python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             env={k: os.environ.get(k) for k in NO_MULTICAST}, dry_run=dry_run,
+             backends={k: v for k, v in wxfer.backends().items()})
+    try:
+        m["load"] = os.getloadavg()
+    except OSError:
+        pass
+    try:
+        m["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True, timeout=10).stdout.strip()
+    except Exception:  # noqa: BLE001
+        pass
+    if not dry_run and torch.cuda.is_available():
+        m["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        for args in (["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                     ["nvidia-smi", "topo", "-m"]):
+            try:
+                m[" ".join(args[:2])] = subprocess.run(args, capture_output=True, text=True, timeout=20).stdout
+            except Exception:  # noqa: BLE001
+                pass
+    return m
+
+
+def table(results: list) -> str:
+    lines = ["| configuration | method | seconds | GB/s | x link bound | x best baseline | check |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        name = _cfg_name(r["config"])
+        if r.get("error") and not r.get("methods"):
+            lines.append(f"| {name} | - | error: {r['error'].strip().splitlines()[-1][:120]} | | | | |")
+            continue
+        ms = r["methods"]
+        link = ms.get("link", {}).get("seconds")
+        basel = [ms[m]["seconds"] for m in ("rank0", "per-tensor") if m in ms]
+        best = min(basel) if basel else None
+        for m in METHODS:
+            if m not in ms:
+                if m in r.get("errors", {}):
+                    lines.append(f"| {name} | {m} | error: {r['errors'][m][:120]} | | | | |")
+                continue
+            s = ms[m]["seconds"]
+            xl = f"{link / s:.2f}" if link and m != "link" else ("1.00" if m == "link" else "")
+            xb = f"{best / s:.2f}" if best and m != "link" else ""
+            chk = r.get("checks", {}).get(m, "")
+            chk = "" if chk == "" else ("same bytes as wxfer" if chk else "DIFFERS from wxfer")
+            lines.append(f"| {name} | {m} | {s:.4f} | {ms[m]['gbps']:.2f} | {xl} | {xb} | {chk} |")
+    return "\n".join(lines)
+
+
+def chart(results: list, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001
+        return False
+    rows = [r for r in results if r.get("methods")]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(rows)), 4.5))
+    w = 0.8 / len(METHODS)
+    for j, m in enumerate(METHODS):
+        xs = [i + (j - (len(METHODS) - 1) / 2) * w for i in range(len(rows))]
+        ys = [r["methods"].get(m, {}).get("gbps", 0.0) for r in rows]
+        ax.bar(xs, ys, w, label=m)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([_cfg_name(r["config"]).replace("-", "\n", 2) for r in rows], fontsize=8)
+    ax.set_ylabel("GB/s (bytes the inference GPU receives / step time)")
+    ax.set_title("wxfer vs baselines" + (" (CPU dry run: not GPU figures)" if rows and rows[0].get("dry_run") else ""))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _parse_size(v: str) -> int:
+    from wxfer import _wxfer
+    return int(_wxfer.parse_size(v))
+
+
+def run(args) -> dict:
+    import multiprocessing as mp
+    import torch.distributed as dist
+    from wxfer import control
+    for k, v in NO_MULTICAST.items():
+        os.environ.setdefault(k, v)
+    models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
+    layouts = args.layouts.split(",") if args.layouts else (["disagg"] if args.dry_run else ["disagg", "colocated"])
+    quants = args.quant.split(",")
+    methods = args.methods.split(",")
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"unknown methods {bad}; known: {METHODS}")
+    configs = [dict(model=m, quant=q, layout=l) for m in models for q in quants for l in layouts]
+    out = args.out
+    if out:
+        os.makedirs(out, exist_ok=True)
+    port = control.free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout),
+                          wait_for_workers=False)
+    a = dict(store="127.0.0.1:%d" % port, name="bb%d" % os.getpid(), dry_run=args.dry_run, timeout=args.timeout,
+             methods=methods, warmup=args.warmup, reps=args.reps, bucket=_parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
+             watermark=args.watermark, out=os.path.abspath(out) if out else None, skip=[])
+    ctl = control.Control(store, a["name"], args.timeout)
+    mach = machine(args.dry_run)
+    results: list = [None] * len(configs)
+    t_start = time.perf_counter()
+    todo = list(range(len(configs)))
+    ctx = mp.get_context("spawn")
+    attempt = 0
+    while todo and time.perf_counter() - t_start < args.max_s:
+        attempt += 1
+        a["name"] = "bb%d_%d" % (os.getpid(), attempt)
+        ctl = control.Control(store, a["name"], args.timeout)
+        q = ctx.Queue()
+        work = [(ci, configs[ci]) for ci in todo]
+        procs = [ctx.Process(target=_proc, args=(r, a, work, q), daemon=True) for r in range(2)]
+        for p in procs:
+            p.start()
+        failed = None
+        cfg_t0 = time.perf_counter()
+        while True:
+            # collect finished configurations
+            while todo and ctl.check("res/%d" % todo[0]):
+                ci = todo.pop(0)
+                r = ctl.get_json("res/%d" % ci, "result")
+                r["dry_run"] = args.dry_run
+                results[ci] = r
+                cfg_t0 = time.perf_counter()
+                _write(out, results, mach, args)
+                print(f"[{time.perf_counter() - t_start:.0f} s] {_cfg_name(configs[ci])}: " +
+                      ", ".join(f"{m} {v['seconds']:.4f} s" for m, v in r["methods"].items()), flush=True)
+            if not todo:
+                break
+            dead = [p for p in procs if not p.is_alive()]
+            over = time.perf_counter() - cfg_t0 > args.config_timeout or time.perf_counter() - t_start > args.max_s
+            if dead or over:
+                why = "timed out" if over else "a process exited"
+                try:
+                    while True:
+                        r, err = q.get_nowait()
+                        if err:
+                            why = f"rank {r}: {err}"
+                except Exception:  # noqa: BLE001
+                    pass
+                failed = (todo[0], why)
+                break
+            time.sleep(0.2)
+        for p in procs:
+            if p.is_alive():
+                p.join(5 if failed is None else 0.1)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        if failed is not None:
+            ci, why = failed
+            at = ctl.check("at/%d/0" % ci) and ctl.get("at/%d/0" % ci, "at").decode()
+            if at in METHODS and at != "link" and [ci, at] not in a["skip"]:
+                # skip the failing method and retry the configuration with fresh processes
+                a["skip"].append([ci, at])
+                prev = results[ci] or dict(config=configs[ci], methods={}, errors={})
+                prev.setdefault("errors", {})[at] = why.strip().splitlines()[-1] if why.strip() else why
+                results[ci] = prev
+            else:
+                results[ci] = dict(config=configs[ci], methods={}, errors={}, error=why)
+                todo.remove(ci)
+            print(f"{_cfg_name(configs[ci])}: {at or 'setup'} failed: {why.strip().splitlines()[-1] if why.strip() else why}",
+                  flush=True)
+    for ci in todo:
+        results[ci] = results[ci] or dict(config=configs[ci], methods={}, errors={}, error="not run: --max-s reached")
+    # merge errors recorded before a retry into the retried result
+    res = dict(machine=mach, results=results, table=table(results), total_s=time.perf_counter() - t_start,
+               dry_run=args.dry_run)
+    _write(out, results, mach, args)
+    return res
+
+
+def _write(out, results, mach, args) -> None:
+    if not out:
+        return
+    done = [r for r in results if r is not None]
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(dict(machine=mach, results=done, dry_run=args.dry_run, argv=sys.argv[1:]), f, indent=1)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table(done) + "\n")
+    with open(os.path.join(out, "machine.txt"), "w") as f:
+        for k, v in mach.items():
+            f.write(f"{k}: {v}\n")
+    chart(done, os.path.join(out, "chart.png"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU: tiny models, gloo instead of NCCL, CPU tensors, fabric transport (seconds)")
+    ap.add_argument("--models", default=None, help="comma list (default qwen3-8b,qwen3-30b-a3b; dry run tiny,tiny-moe)")
+    ap.add_argument("--quant", default="bf16,fp8", help="comma list of bf16, fp8 (inference side)")
+    ap.add_argument("--layouts", default=None, help="disagg (GPU 0 -> GPU 1), colocated (one GPU); "
+                                                    "default both (dry run: disagg)")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--bucket", default=None, help="rank-0 bucket size, grown to the largest fused parameter "
+                                                   "(default 1GiB; dry run 1MiB)")
+    ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark")
+    ap.add_argument("--timeout", type=float, default=300.0, help="every wait inside a configuration")
+    ap.add_argument("--config-timeout", type=float, default=400.0, help="one configuration, all methods")
+    ap.add_argument("--max-s", type=float, default=560.0, help="the whole run (results so far are written)")
+    ap.add_argument("--out", default=None, help="directory for results.json, table.md, chart.png, traces")
+    ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    args = ap.parse_args(argv)
+    res = run(args)
+    print(res["table"])
+    if args.dry_run:
+        print("(CPU dry run: tiny models over gloo / fabric tcp on this machine; these are not GPU figures)")
+    if args.json:
+        print(json.dumps(dict(res, table=None)))
+    ok = all(r.get("methods") and not r.get("error") for r in res["results"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""benchmarks/bench_baselines.py (issue 7) cannot rot: its CPU dry run (tiny dense and MoE
+models, BF16 and FP8, gloo + fabric tcp) runs every method end to end, and the rank-0
+pattern and the per-tensor pattern leave the inference memory bit-identical to wxfer's."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def test_buckets_hold_whole_components_and_every_source_once():
+    import bench_baselines as bb
+    conf, preset = bb.model_spec("tiny-moe")
+    ex = bb.expanded(preset, conf, "fp8")
+    sizes = {n: 4 * 1024 for n in preset.hf_params(conf)}
+    sizes["model.embed_tokens.weight"] = 50_000              # bigger than the bucket: the bucket grows
+    cap, plan = bb.buckets(ex, sizes, 16 * 1024)
+    assert cap >= 50_000
+    seen = []
+    for used, bucket in plan:
+        assert 0 < used <= cap
+        spans = sorted((o, o + sizes[s]) for _, offs in bucket for s, o in offs.items())
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))        # no overlap
+        assert spans[-1][1] <= used
+        seen += [s for c, offs in bucket for s in c.sources]
+    want = [s for c in ex.components if c.shards for s in c.sources]
+    assert seen == want
+
+
+@pytest.mark.timeout(120)
+def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
+    out = tmp_path / "bb"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_baselines.py"), "--dry-run",
+                        "--reps", "1", "--out", str(out), "--json", "--max-s", "90"],
+                       capture_output=True, text=True, timeout=110, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["dry_run"] and res["machine"]["cpus"]
+    names = [(r["config"]["model"], r["config"]["quant"]) for r in res["results"]]
+    assert names == [("tiny", "bf16"), ("tiny", "fp8"), ("tiny-moe", "bf16"), ("tiny-moe", "fp8")]
+    for r in res["results"]:
+        assert set(r["methods"]) == {"link", "wxfer", "rank0", "per-tensor"}, r
+        assert all(m["seconds"] > 0 and m["gbps"] > 0 for m in r["methods"].values())
+        assert r["checks"] == {"rank0": True, "per-tensor": True, "wxfer_written": True}, r
+        assert r["wxfer_bytes_per_step"] == r["dest_bytes"]
+        c = r["config"]
+        trace = json.loads((out / ("trace-%s-%s-disagg.json" % (c["model"], c["quant"]))).read_text())
+        assert trace["traceEvents"]
+    assert "| tiny-fp8-disagg | wxfer |" in (out / "table.md").read_text()
+    assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((out / "results.json").read_text())
+    assert len(saved["results"]) == 4 and "not GPU figures" in p.stdout
+
+
+def test_unknown_method_is_refused():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_baselines.py"), "--dry-run",
+                        "--methods", "wxfer,nope"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert p.returncode != 0 and "unknown methods" in p.stderr + p.stdout
