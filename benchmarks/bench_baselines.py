@@ -186,9 +186,12 @@ def _proc(rank: int, a: dict, configs: list, q) -> None:
     try:
         _proc_main(rank, a, configs)
         q.put((rank, None))
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001 -- report, then die at once (native threads may linger)
+        traceback.print_exc()
         q.put((rank, traceback.format_exc()[-3000:]))
-        raise
+        q.close()
+        q.join_thread()
+        os._exit(1)
 
 
 def _proc_main(rank: int, a: dict, configs: list) -> None:
@@ -211,7 +214,9 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
         res = _run_config(rank, ci, cfg, a, dev, store, ctl)
         if rank == 0:
             ctl.set_json("res/%d" % ci, res)
-        torch.cuda.empty_cache() if gpu else None
+        _STATE.clear()
+        if gpu:
+            torch.cuda.empty_cache()
 
 
 def _run_config(rank, ci, cfg, a, dev, store, ctl):
@@ -306,7 +311,8 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
     base = [m for m in methods if m in ("rank0", "per-tensor")]
     if base:
         backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
-        dist.init_process_group(backend, store=dist.PrefixStore("pg%d" % ci, store), rank=rank, world_size=2,
+        mark("baselines-setup")
+        dist.init_process_group(backend, store=dist.PrefixStore("pg/%s/%d" % (a["name"], ci), store), rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=a["timeout"]))
         link = _Link(rank, gpu and not colocated_gpu)
         try:
@@ -317,12 +323,15 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
             meta = link.obj({n: (tuple(t.shape), t.dtype) for n, t in params.items()} if trainer else None)
             for m in base:
                 mark(m)
+                if not trainer and os.environ.get("BB_FAIL_METHOD") == m:    # tests: a failing method
+                    raise RuntimeError(f"injected failure in {m}")
                 fn = _rank0 if m == "rank0" else _per_tensor
                 if not trainer:
                     reset(params)
                 link.barrier()
                 times = []
-                for i in range(a["warmup"] + a["reps"]):
+                reps = a["reps"] if m == "rank0" else min(a["reps"], a["per_tensor_reps"])
+                for i in range(a["warmup"] + reps):
                     link.barrier()
                     t = time.perf_counter()
                     fn(link, ex, params, sizes, meta, dev, a, colocated_gpu, i)
@@ -580,12 +589,24 @@ def _parse_size(v: str) -> int:
     return int(_wxfer.parse_size(v))
 
 
+_CHILDREN: list = []
+
+
+def _kill_children(*_):
+    for p in _CHILDREN:
+        if p.is_alive():
+            p.kill()
+    raise SystemExit(1)
+
+
 def run(args) -> dict:
     import multiprocessing as mp
     import torch.distributed as dist
     from wxfer import control
+    import signal
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
+    signal.signal(signal.SIGTERM, _kill_children)
     models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
     layouts = args.layouts.split(",") if args.layouts else (["disagg"] if args.dry_run else ["disagg", "colocated"])
     quants = args.quant.split(",")
@@ -593,7 +614,8 @@ def run(args) -> dict:
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise SystemExit(f"unknown methods {bad}; known: {METHODS}")
-    configs = [dict(model=m, quant=q, layout=l) for m in models for q in quants for l in layouts]
+    # the disaggregated layout first (the headline), dense before MoE
+    configs = [dict(model=m, quant=q, layout=l) for l in layouts for m in models for q in quants]
     out = args.out
     if out:
         os.makedirs(out, exist_ok=True)
@@ -601,7 +623,7 @@ def run(args) -> dict:
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout),
                           wait_for_workers=False)
     a = dict(store="127.0.0.1:%d" % port, name="bb%d" % os.getpid(), dry_run=args.dry_run, timeout=args.timeout,
-             methods=methods, warmup=args.warmup, reps=args.reps, bucket=_parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
+             methods=methods, warmup=args.warmup, reps=args.reps, per_tensor_reps=args.per_tensor_reps, bucket=_parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
              watermark=args.watermark, out=os.path.abspath(out) if out else None, skip=[])
     ctl = control.Control(store, a["name"], args.timeout)
     mach = machine(args.dry_run)
@@ -619,6 +641,7 @@ def run(args) -> dict:
         procs = [ctx.Process(target=_proc, args=(r, a, work, q), daemon=True) for r in range(2)]
         for p in procs:
             p.start()
+        _CHILDREN[:] = procs
         failed = None
         cfg_t0 = time.perf_counter()
         while True:
@@ -627,6 +650,8 @@ def run(args) -> dict:
                 ci = todo.pop(0)
                 r = ctl.get_json("res/%d" % ci, "result")
                 r["dry_run"] = args.dry_run
+                if results[ci]:                  # errors of methods skipped on an earlier attempt
+                    r["errors"] = dict(results[ci].get("errors", {}), **r.get("errors", {}))
                 results[ci] = r
                 cfg_t0 = time.perf_counter()
                 _write(out, results, mach, args)
@@ -635,6 +660,23 @@ def run(args) -> dict:
             if not todo:
                 break
             dead = [p for p in procs if not p.is_alive()]
+            try:
+                r, err = q.get_nowait()
+                if err:
+                    errs = {r: err}
+                    time.sleep(1.0)                  # the other rank's error, when it has one
+                    try:
+                        while True:
+                            r2, e2 = q.get_nowait()
+                            if e2:
+                                errs[r2] = e2
+                    except Exception:  # noqa: BLE001
+                        pass
+                    failed = (todo[0], "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}"
+                                                  for k, v in sorted(errs.items(), reverse=True)))
+                    break
+            except Exception:  # noqa: BLE001 -- nothing reported
+                pass
             over = time.perf_counter() - cfg_t0 > args.config_timeout or time.perf_counter() - t_start > args.max_s
             if dead or over:
                 why = "timed out" if over else "a process exited"
@@ -701,12 +743,14 @@ def main(argv=None) -> int:
                                                     "default both (dry run: disagg)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="timed steps per method after --warmup (median reported)")
+    ap.add_argument("--per-tensor-reps", type=int, default=1,
+                    help="timed steps of the per-tensor pattern (slow: one call per tensor, 18,867 on the MoE)")
     ap.add_argument("--bucket", default=None, help="rank-0 bucket size, grown to the largest fused parameter "
                                                    "(default 1GiB; dry run 1MiB)")
     ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark")
     ap.add_argument("--timeout", type=float, default=300.0, help="every wait inside a configuration")
-    ap.add_argument("--config-timeout", type=float, default=400.0, help="one configuration, all methods")
+    ap.add_argument("--config-timeout", type=float, default=240.0, help="one configuration, all methods")
     ap.add_argument("--max-s", type=float, default=560.0, help="the whole run (results so far are written)")
     ap.add_argument("--out", default=None, help="directory for results.json, table.md, chart.png, traces")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -717,7 +761,7 @@ def main(argv=None) -> int:
         print("(CPU dry run: tiny models over gloo / fabric tcp on this machine; these are not GPU figures)")
     if args.json:
         print(json.dumps(dict(res, table=None)))
-    ok = all(r.get("methods") and not r.get("error") for r in res["results"])
+    ok = all(r.get("methods") and not r.get("error") and not r.get("errors") for r in res["results"])
     return 0 if ok else 1
 
 

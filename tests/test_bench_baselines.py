@@ -62,3 +62,17 @@ def test_unknown_method_is_refused():
                         "--methods", "wxfer,nope"], capture_output=True, text=True, timeout=60,
                        env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     assert p.returncode != 0 and "unknown methods" in p.stderr + p.stdout
+
+
+@pytest.mark.timeout(90)
+def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
+    out = tmp_path / "bb"
+    env = dict(os.environ, PYTHONPATH=ROOT, BB_FAIL_METHOD="rank0")     # the inference rank raises in rank0
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_baselines.py"), "--dry-run",
+                        "--models", "tiny", "--quant", "bf16", "--reps", "1", "--timeout", "30", "--out", str(out),
+                        "--json"], capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])["results"][0]
+    assert "injected failure in rank0" in r["errors"]["rank0"]
+    assert set(r["methods"]) == {"link", "wxfer", "per-tensor"} and r["checks"]["per-tensor"] is True
+    assert "| tiny-bf16-disagg | rank0 | error: rank 1: RuntimeError: injected failure" in (out / "table.md").read_text()
