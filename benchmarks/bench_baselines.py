@@ -162,6 +162,7 @@ class _Link:
         import torch.distributed as dist
         self.dist, self.torch, self.rank = dist, torch, rank
         self.gpu_data = gpu_data            # data collectives over NCCL (CUDA tensors)
+        self.pending = []                   # signals sent, not yet known to be received
 
     def barrier(self):
         t = self.torch.zeros(1)
@@ -202,6 +203,8 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
     store = control.resolve_store(a["store"], False, a["timeout"])
     ctl = control.Control(store, a["name"], a["timeout"])
     gpu = not a["dry_run"]
+    if not gpu:
+        torch.multiprocessing.set_sharing_strategy("file_system")   # CPU tensors shared by name
     for ci, cfg in configs:
         layout = cfg["layout"]
         if gpu:
@@ -227,7 +230,7 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
     from wxfer.sender import Sender
     gpu = dev.type == "cuda"
     quant = "fp8" if cfg["quant"] == "fp8" else None
-    colocated_gpu = gpu and cfg["layout"] == "colocated"
+    colocated_gpu = cfg["layout"] == "colocated"          # shared memory instead of broadcasts
     conf, preset = model_spec(cfg["model"])
     ex = expanded(preset, conf, quant)
     dest_bytes = ex.dest_bytes(0)
@@ -392,7 +395,7 @@ def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
         if link.rank == 0:
             if k >= 2:                                # double buffering: slot k % 2 free again
                 if ipc:
-                    _flag(link, src=1)                # the inference rank copied bucket k - 2 out
+                    _flag(link, 1, ACK + k - 2)       # the inference rank copied bucket k - 2 out
                 else:
                     works[k - 2].wait()
             for c, offs in bucket:
@@ -401,36 +404,55 @@ def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
                     b[o:o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
             if ipc:
                 _sync_dev(dev)
-                _flag(link, src=0)
+                _flag(link, 0, READY + k)
             else:
                 works[k] = link.bcast(b)
         else:
             if ipc:
-                _flag(link, src=0)
+                _flag(link, 0, READY + k)
             else:
                 link.bcast(b).wait()
             for c, offs in bucket:
                 _write_component(c, _fulls_in(b, offs, sizes, meta), params)
             if ipc:
                 _sync_dev(dev)
-                _flag(link, src=1)
+                _flag(link, 1, ACK + k)
     if link.rank == 0:
         for w in works:
             if w is not None:
                 w.wait()
         if ipc:                                   # the last two slots' acknowledgements
-            for _ in range(min(2, len(plan))):
-                _flag(link, src=1)
+            for k in range(max(0, len(plan) - 2), len(plan)):
+                _flag(link, 1, ACK + k)
+    _drain(link)
 
 
-def _flag(link, src):
+def _flag(link, src, tag):
+    """A point-to-point signal from rank `src` to the other rank (gloo, matched by tag)."""
     import torch
     import torch.distributed as dist
     t = torch.zeros(1)
-    dist.broadcast(t, src=src)
+    if link.rank == src:                  # not blocking: gloo matches a send with its receive
+        link.pending.append((dist.isend(t, dst=1 - src, tag=tag), t))
+    else:
+        dist.recv(t, src=src, tag=tag)
+
+
+def _drain(link):
+    for w, _ in link.pending:
+        w.wait()
+    link.pending.clear()
+
+
+def _share(obj) -> bytes:
+    """Tensors pickled as shared-memory handles (CUDA IPC; CPU: file_system shared memory)."""
+    from multiprocessing.reduction import ForkingPickler
+    import torch.multiprocessing  # noqa: F401 -- registers the tensor reductions
+    return bytes(ForkingPickler.dumps(obj))
 
 
 _STATE: dict = {}
+READY, ACK = 1 << 20, 1 << 21            # p2p tags of the shared-bucket handshake
 
 
 def _state(link, key, make):
@@ -451,12 +473,11 @@ def _rank0_buffers(link, cap, dev, ipc):
     import torch
     if not ipc:
         return dict(bufs=[torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)])
-    from torch.multiprocessing.reductions import reduce_tensor
     if link.rank == 0:
         bufs = [torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)]
-        link.obj([reduce_tensor(b) for b in bufs])
+        link.obj(_share(bufs))
     else:
-        bufs = [fn(*args) for fn, args in link.obj(None)]
+        bufs = pickle.loads(link.obj(None))
     return dict(bufs=bufs)
 
 
@@ -466,24 +487,23 @@ def _per_tensor(link, ex, params, sizes, meta, dev, a, ipc, step):
     import torch
     comps = _STATE.setdefault(("comps", id(ex)), [c for c in ex.components if c.shards])
     if link.rank == 0:
-        from torch.multiprocessing.reductions import reduce_tensor
         for c in comps:
             for s in c.sources:
                 t = params[s]
                 if ipc:
-                    link.obj((s, reduce_tensor(t)))
+                    link.obj((s, _share(t)))
                 else:
                     link.obj(s)
                     link.bcast(t, async_op=False)
         if ipc:
-            _flag(link, src=1)
+            _flag(link, 1, ACK)
         return
     for c in comps:
         fulls = {}
         for _ in c.sources:
             if ipc:
-                s, (fn, args) = link.obj(None)
-                fulls[s] = fn(*args)
+                s, blob = link.obj(None)
+                fulls[s] = pickle.loads(blob)
             else:
                 s = link.obj(None)
                 shape, dt = meta[s]
@@ -493,7 +513,8 @@ def _per_tensor(link, ex, params, sizes, meta, dev, a, ipc, step):
         _write_component(c, fulls, params)
     if ipc:
         _sync_dev(dev)
-        _flag(link, src=1)
+        _flag(link, 1, ACK)
+        _drain(link)
 
 
 # --------------------------------------------------------------------------- the parent
@@ -608,7 +629,7 @@ def run(args) -> dict:
         os.environ.setdefault(k, v)
     signal.signal(signal.SIGTERM, _kill_children)
     models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
-    layouts = args.layouts.split(",") if args.layouts else (["disagg"] if args.dry_run else ["disagg", "colocated"])
+    layouts = args.layouts.split(",") if args.layouts else ["disagg", "colocated"]
     quants = args.quant.split(",")
     methods = args.methods.split(",")
     bad = [m for m in methods if m not in METHODS]
@@ -739,8 +760,8 @@ def main(argv=None) -> int:
                     help="CPU: tiny models, gloo instead of NCCL, CPU tensors, fabric transport (seconds)")
     ap.add_argument("--models", default=None, help="comma list (default qwen3-8b,qwen3-30b-a3b; dry run tiny,tiny-moe)")
     ap.add_argument("--quant", default="bf16,fp8", help="comma list of bf16, fp8 (inference side)")
-    ap.add_argument("--layouts", default=None, help="disagg (GPU 0 -> GPU 1), colocated (one GPU); "
-                                                    "default both (dry run: disagg)")
+    ap.add_argument("--layouts", default=None, help="disagg (GPU 0 -> GPU 1), colocated (one GPU); default both "
+                                                    "(dry run: separate CPU processes; colocated shares memory)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=3, help="timed steps per method after --warmup (median reported)")

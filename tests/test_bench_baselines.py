@@ -1,6 +1,7 @@
 """benchmarks/bench_baselines.py (issue 7) cannot rot: its CPU dry run (tiny dense and MoE
-models, BF16 and FP8, gloo + fabric tcp) runs every method end to end, and the rank-0
-pattern and the per-tensor pattern leave the inference memory bit-identical to wxfer's."""
+models, BF16 and FP8, gloo + fabric tcp; the colocated layout through shared memory handles
+as on one GPU through CUDA IPC) runs every method end to end, and the rank-0 pattern and the
+per-tensor pattern leave the inference memory bit-identical to wxfer's."""
 import json
 import os
 import subprocess
@@ -41,20 +42,20 @@ def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["dry_run"] and res["machine"]["cpus"]
-    names = [(r["config"]["model"], r["config"]["quant"]) for r in res["results"]]
-    assert names == [("tiny", "bf16"), ("tiny", "fp8"), ("tiny-moe", "bf16"), ("tiny-moe", "fp8")]
+    names = [(r["config"]["layout"], r["config"]["model"], r["config"]["quant"]) for r in res["results"]]
+    assert names == [(l, m, q) for l in ("disagg", "colocated") for m in ("tiny", "tiny-moe") for q in ("bf16", "fp8")]
     for r in res["results"]:
         assert set(r["methods"]) == {"link", "wxfer", "rank0", "per-tensor"}, r
         assert all(m["seconds"] > 0 and m["gbps"] > 0 for m in r["methods"].values())
         assert r["checks"] == {"rank0": True, "per-tensor": True, "wxfer_written": True}, r
         assert r["wxfer_bytes_per_step"] == r["dest_bytes"]
         c = r["config"]
-        trace = json.loads((out / ("trace-%s-%s-disagg.json" % (c["model"], c["quant"]))).read_text())
+        trace = json.loads((out / ("trace-%s-%s-%s.json" % (c["model"], c["quant"], c["layout"]))).read_text())
         assert trace["traceEvents"]
     assert "| tiny-fp8-disagg | wxfer |" in (out / "table.md").read_text()
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((out / "results.json").read_text())
-    assert len(saved["results"]) == 4 and "not GPU figures" in p.stdout
+    assert len(saved["results"]) == 8 and "not GPU figures" in p.stdout
 
 
 def test_unknown_method_is_refused():
