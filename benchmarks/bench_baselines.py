@@ -157,11 +157,10 @@ def _align(n: int, a: int = 256) -> int:
 class _Link:
     """Synchronization and messages between the trainer (0) and the inference rank (1)."""
 
-    def __init__(self, rank, gpu_data: bool):
+    def __init__(self, rank):
         import torch
         import torch.distributed as dist
         self.dist, self.torch, self.rank = dist, torch, rank
-        self.gpu_data = gpu_data            # data collectives over NCCL (CUDA tensors)
         self.pending = []                   # signals sent, not yet known to be received
 
     def barrier(self):
@@ -230,7 +229,7 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
     from wxfer.sender import Sender
     gpu = dev.type == "cuda"
     quant = "fp8" if cfg["quant"] == "fp8" else None
-    colocated_gpu = cfg["layout"] == "colocated"          # shared memory instead of broadcasts
+    shared = cfg["layout"] == "colocated"          # shared-memory handles instead of broadcasts
     conf, preset = model_spec(cfg["model"])
     ex = expanded(preset, conf, quant)
     dest_bytes = ex.dest_bytes(0)
@@ -246,7 +245,7 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         params = infer_params(ex, dev)
     _sync_dev(dev)
     res["alloc_s"] = time.perf_counter() - t0
-    name = "bench%d" % ci
+    name = "%s_%d" % (a["name"], ci)                 # fresh per attempt: no stale keys after a retry
     sums = {}
 
     def mark(m):
@@ -315,9 +314,9 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
     if base:
         backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
         mark("baselines-setup")
-        dist.init_process_group(backend, store=dist.PrefixStore("pg/%s/%d" % (a["name"], ci), store), rank=rank, world_size=2,
+        dist.init_process_group(backend, store=dist.PrefixStore("pg/%s" % name, store), rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=a["timeout"]))
-        link = _Link(rank, gpu and not colocated_gpu)
+        link = _Link(rank)
         try:
             sizes = None
             if trainer:
@@ -337,7 +336,7 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
                 for i in range(a["warmup"] + reps):
                     link.barrier()
                     t = time.perf_counter()
-                    fn(link, ex, params, sizes, meta, dev, a, colocated_gpu, i)
+                    fn(link, ex, params, sizes, meta, dev, a, shared, i)
                     _sync_dev(dev)
                     link.barrier()
                     if i >= a["warmup"]:
