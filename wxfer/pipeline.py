@@ -217,7 +217,7 @@ def full_tensor(p, local):
     return d.full_tensor()
 
 
-_GATHER_SPECS: dict = {}
+_GATHER_SPECS: dict = {}        # id(parameter) -> (weak reference, spec)
 
 
 def _gather_spec(p):
@@ -226,7 +226,7 @@ def _gather_spec(p):
     Static per parameter: computed once."""
     key = id(p)
     hit = _GATHER_SPECS.get(key)
-    if hit is not None and hit[0] is p:
+    if hit is not None and hit[0]() is p:
         return hit[1]
     spec = None
     try:
@@ -245,7 +245,11 @@ def _gather_spec(p):
                 spec = (mesh.get_group(d), w, c, (rows,) + tuple(p.shape[1:]), n)
     except Exception:  # noqa: BLE001 -- anything unusual: the generic DTensor path
         spec = None
-    _GATHER_SPECS[key] = (p, spec)
+    import weakref
+    if len(_GATHER_SPECS) > 100_000:                 # parameters of models long gone
+        for k in [k for k, (ref, _) in _GATHER_SPECS.items() if ref() is None]:
+            del _GATHER_SPECS[k]
+    _GATHER_SPECS[key] = (weakref.ref(p), spec)     # no reference kept to the parameter
     return spec
 
 
