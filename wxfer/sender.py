@@ -51,8 +51,10 @@ class PushHandle:
 
     def wait(self, timeout: float | None = None) -> float:
         if not self._done:
-            self._s._finish(self, timeout)
-            self._done = True
+            try:
+                self._s._finish(self, timeout)
+            finally:
+                self._done = True      # a failed step is reported once, not again by the next push
         return self.seconds
 
 
@@ -237,7 +239,9 @@ class Sender:
         self.transport_name = tname
         self.transport = _wxfer.Transport(tname, topts)
         self.watermark = _parse_size(watermark)
-        self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout)
+        # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
+        self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout,
+                                    isolate=True)
         self.stamp_src = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.stamp_dests = []
         self.peers = {}
@@ -248,6 +252,7 @@ class Sender:
             slot = senders[g].index(self.rank)
             self.stamp_dests.append((_unb64(w["stamp"]), 8 * slot, 0, 8))
         self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
+        self._gpu_of_peer = {pid: g for g, pid in self.peers.items()}
         self._gpu_of_region = {}
         for g, w in self.workers.items():
             for d in w["desc"].values():
@@ -348,18 +353,55 @@ class Sender:
                 msg += f" [plan task {t}: {self.task_names[t]}]"
             elif m and int(m.group(1)) == STAMP_TAG:
                 msg += " [the version stamps]"
+            for p in sorted(set(re.findall(r"\bpeer (\d+)\b", msg))):
+                if int(p) in self._gpu_of_peer:
+                    msg += f" [peer {p} is {self._worker_name(self._gpu_of_peer[int(p)])}]"
             self.engine.clear_error()
             raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: {msg}") from e
 
+    def _worker_name(self, g: int) -> str:
+        w = self.workers.get(g, {})
+        return (f"inference worker gpu {g} (replica {w.get('replica')} rank {w.get('rank')}, "
+                f"{w.get('host')} pid {w.get('pid')})")
+
+    def _failed_workers(self) -> dict:
+        """{gpu: reason} of the receivers whose writes failed or were late (the engine skips
+        them from then on; the others go on)."""
+        import re
+        out = {}
+        for pid, err, msg in self.engine.failed_peers():
+            m = re.search(r"\(tag (\d+)\)", msg)
+            if m and int(m.group(1)) in self.task_names:
+                msg += f" [plan task {m.group(1)}: {self.task_names[int(m.group(1))]}]"
+            elif m and int(m.group(1)) == STAMP_TAG:
+                msg += " [the version stamps]"
+            out[self._gpu_of_peer.get(pid, -1)] = f"{msg} (errno {err})"
+        return out
+
     def _finish(self, h: PushHandle, timeout) -> None:
         t = self.write_timeout if timeout is None else timeout
+        # every task has its own deadline (write_timeout from its first write); a receiver
+        # that stops answering fails alone at that deadline, so wait a little longer here
+        t = 1.5 * t + 1.0
         self._wait_engine(t, "waiting for the weight writes")
+        failed = self._failed_workers()
         if self.stamp_dests:
             self.stamp_src.fill_(h.version)
             if self.stamp_src.is_cuda:
                 torch_sync(self.device)
+            # the engine skips the failed receivers: the others get their stamp, since every
+            # one of their writes of this step has landed
             self.engine.submit(self.stamp_src, self.stamp_dests, tag=STAMP_TAG)
             self._wait_engine(t, "writing the version stamps")
+            failed = self._failed_workers()
+        if failed:
+            self._sums = None
+            ok = sorted(set(self.workers) - set(failed))
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}, step {h.version}: the writes to "
+                f"{len(failed)} inference worker(s) failed; they are skipped from now on:\n  "
+                + "\n  ".join(f"{self._worker_name(g)}: {why}" for g, why in sorted(failed.items()))
+                + f"\nthe other workers ({ok}) received every byte of step {h.version} and its version stamp")
         if self._sums is not None:
             self._last_sums, self._sums = self._sums, None
             from .verify import request
