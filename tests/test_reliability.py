@@ -193,3 +193,18 @@ def test_verify_mode_checks_what_landed_and_reports_a_scribble(store, monkeypatc
     sender.close()
     for r in recvs:
         r.close()
+
+
+def test_a_worker_that_never_registers_is_named_at_the_deadline(store):
+    from wxfer.sender import Sender
+    s, addr = store
+    th, box = _in_thread(Receiver, inference_params(TINY, 2, 0), store=addr, replica=0, rank=0, tp=2,
+                         replicas=1, name="late", timeout=T)
+    t0 = __import__("time").monotonic()
+    with pytest.raises(SetupError) as ei:
+        Sender(_model(), mapping=preset_for(TINY), store=addr, name="late", timeout=2)
+    assert __import__("time").monotonic() - t0 < 10
+    msg = str(ei.value)
+    assert "1 arrived" in msg and "inference worker gpu 1 (replica 0 rank 1) has not registered" in msg, msg
+    th.join(T)
+    assert isinstance(box.get("error"), SetupError)
