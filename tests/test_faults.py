@@ -31,8 +31,7 @@ def store():
 
 
 def _spawn(*args):
-    from wxfer.testing import sanitizer_child_env
-    env = dict(sanitizer_child_env(), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                WXFER_FABRIC_PROVIDER="tcp")
     return subprocess.Popen([sys.executable, os.path.join(HERE, "fault_worker.py")] + [str(a) for a in args],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

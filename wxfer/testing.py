@@ -18,6 +18,15 @@ def pattern(size: int, seed: int):
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+def build_env() -> dict:
+    """The environment for the C compiler run by tests: without the sanitizer runtime that
+    `make asan-test` preloads (the compiler is not what is under test)."""
+    import os
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
 def stop_process(conn, proc) -> None:
     """Ask a helper process to exit over its pipe, then make sure it is gone (bounded)."""
     try:
@@ -59,32 +68,13 @@ def _serve(conn, transport, options, sizes):
     conn.send(("bye", None))
 
 
-def sanitizer_child_env(env=None) -> dict:
-    """The environment for a helper process. Under `make asan-test` (ASAN_OPTIONS set) the
-    helper unwinds allocation stacks fully, so that tests/lsan.supp can tell numpy's and
-    CPython's own exit-time leaks from ours (the pytest process itself keeps the fast
-    unwinder: the full one is several times slower)."""
-    import os
-    env = dict(os.environ if env is None else env)
-    if env.get("ASAN_OPTIONS") and "fast_unwind_on_malloc" not in env["ASAN_OPTIONS"]:
-        env["ASAN_OPTIONS"] += ":fast_unwind_on_malloc=0"
-    return env
-
-
 class TargetProcess:
     def __init__(self, transport: str, options: dict | None, sizes):
-        import os
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, transport, dict(options or {}),
                                                      list(sizes)), daemon=True)
-        saved = os.environ.get("ASAN_OPTIONS")
-        os.environ.update(sanitizer_child_env())      # spawn passes os.environ to the child
-        try:
-            self.proc.start()
-        finally:
-            if saved is not None:
-                os.environ["ASAN_OPTIONS"] = saved
+        self.proc.start()
         msg = self._recv()
         self.export, self.descriptors, self.info = msg[1], msg[2], msg[3]
 
