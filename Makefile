@@ -51,8 +51,10 @@ gpu-bench:
 
 asan-test: setup
 	WXFER_SANITIZE=1 $(PY) setup.py -q build_ext --inplace --force
-	PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	  $(PY) -m pytest $(PYTEST_FLAGS) tests/test_desc.py tests/test_engine.py tests/test_fabric.py tests/test_verbs.py
+	PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=1 \
+	  LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0 \
+	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+	  $(PY) -m pytest $(PYTEST_FLAGS) tests/test_desc.py tests/test_engine.py tests/test_fabric.py tests/test_verbs.py tests/test_faults.py
 	$(PY) setup.py -q build_ext --inplace --force
 
 clean:

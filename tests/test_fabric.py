@@ -20,6 +20,7 @@ import pytest
 
 import wxfer
 from wxfer import _wxfer
+from wxfer.testing import build_env
 from wxfer.testing import TargetProcess
 from wxfer.testing import pattern as rand
 
@@ -310,7 +311,7 @@ def fabric_pair(tmp_path_factory):
         p for p in sorted(glob.glob(os.path.join(ROOT, "csrc", "core", "*.c")))]
     subprocess.run([cc, "-std=gnu11", "-O2", "-g", "-DWX_HAVE_FABRIC=1",
                     "-I" + os.path.join(ROOT, "csrc", "core"), "-o", exe] + srcs
-                   + ["-ldl", "-lpthread"], check=True, timeout=120)
+                   + ["-ldl", "-lpthread"], check=True, timeout=120, env=build_env())
     return exe
 
 

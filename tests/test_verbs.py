@@ -18,6 +18,8 @@ import textwrap
 
 import pytest
 
+from wxfer.testing import build_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 
@@ -33,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="session")
 def emu_lib():
-    out = subprocess.run(["sh", os.path.join(ROOT, "csrc", "testing", "build.sh")],
+    out = subprocess.run(["sh", os.path.join(ROOT, "csrc", "testing", "build.sh")], env=build_env(),
                          check=True, capture_output=True, text=True)
     path = out.stdout.strip().splitlines()[-1]
     assert os.path.exists(path)
@@ -43,7 +45,7 @@ def emu_lib():
 @pytest.fixture(scope="session")
 def cprog(tmp_path_factory):
     d = tmp_path_factory.mktemp("verbs_c")
-    out = subprocess.run(["sh", os.path.join(ROOT, "tests", "c", "build_test_verbs.sh"), str(d)],
+    out = subprocess.run(["sh", os.path.join(ROOT, "tests", "c", "build_test_verbs.sh"), str(d)], env=build_env(),
                          check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
 

@@ -42,13 +42,18 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_TIMEOUT):
+def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_TIMEOUT, bind: str | None = None):
     """A torch.distributed Store from what the user gave.
 
     - a Store object: used as is;
     - "host:port": a TCPStore there (hosted here when `is_master`);
     - None: $WXFER_STORE ("host:port"), else $MASTER_ADDR with port $WXFER_STORE_PORT
       (default 29650), hosted by trainer rank 0 (`is_master`).
+
+    The hosted store listens only on `bind` (an IPv4/IPv6 address or an interface name such
+    as "eth1"; default $WXFER_STORE_BIND, else the store's host when that is a literal IP
+    address, else every interface as torch does): the control plane carries the keys that
+    grant remote write into the receivers' memory, so keep it on the cluster network.
     """
     import torch.distributed as dist
     if store is not None and not isinstance(store, str):
@@ -59,13 +64,68 @@ def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
         store = "%s:%s" % (host, os.environ.get("WXFER_STORE_PORT", DEFAULT_PORT))
     host, port = parse_addr(store)
+    lsock = None
     try:
-        return dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout),
-                             wait_for_workers=False, use_libuv=True)
+        if is_master:
+            addr = bind_address(host, bind)
+            if addr is not None:
+                lsock = _listen(addr, port)
+        st = dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout),
+                           wait_for_workers=False, use_libuv=True,
+                           master_listen_fd=lsock.fileno() if lsock is not None else None)
     except Exception as e:
+        if lsock is not None:
+            lsock.close()
         role = "host" if is_master else "reach"
         raise SetupError(f"wxfer: cannot {role} the TCPStore at {host}:{port} within {timeout:.0f} s: "
                          f"{type(e).__name__}: {e}") from e
+    if lsock is not None:
+        lsock.detach()          # the store serves on (and owns) this socket now
+    return st
+
+
+def _is_ip(s: str) -> bool:
+    import ipaddress
+    try:
+        ipaddress.ip_address(s.strip("[]"))
+        return True
+    except ValueError:
+        return False
+
+
+def iface_address(iface: str) -> str:
+    """The IPv4 address of network interface `iface` (Linux)."""
+    import fcntl
+    import struct
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface.encode()[:15]))  # SIOCGIFADDR
+        except OSError as e:
+            raise SetupError(f"wxfer: interface {iface!r} has no IPv4 address: {e}") from None
+    return socket.inet_ntoa(res[20:24])
+
+
+def bind_address(host: str, bind: str | None = None) -> str | None:
+    """The address the hosted store listens on (None: every interface)."""
+    bind = bind or os.environ.get("WXFER_STORE_BIND") or None
+    if bind is None:
+        return host.strip("[]") if _is_ip(host) else None
+    if bind in ("*", "0.0.0.0", "::"):
+        return None
+    return bind.strip("[]") if _is_ip(bind) else iface_address(bind)
+
+
+def _listen(addr: str, port: int) -> socket.socket:
+    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port))
+        s.listen(1024)
+    except OSError as e:
+        s.close()
+        raise OSError(f"binding the store to {addr}:{port}: {e}") from None
+    return s
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -136,7 +136,7 @@ class Receiver:
                  tp: int = 1, replicas: int = 1, ep: bool = False, transport: str = "auto",
                  transport_options: dict | None = None, name: str = "default",
                  timeout: float = control.DEFAULT_TIMEOUT, register: str = "auto",
-                 stamp_slots: int = 1024):
+                 stamp_slots: int = 1024, verify: bool | None = None):
         import torch
         from . import _wxfer
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
@@ -169,11 +169,18 @@ class Receiver:
             transport, self.device.type, transport_options)
         self.transport = _wxfer.Transport(self.transport_name, self.transport_options)
         self.regions = []
+        self.region_base = {}     # region descriptor -> uint8 tensor over it (verify mode)
+        self.param_range = {}     # name -> (region descriptor, offset, nbytes)
+        self.verifier = None
         self._closed = False
         try:
             self._register(register, stamp_slots)
             self._publish()
             self._handshakes()
+            from .verify import Checker, verify_enabled
+            if verify_enabled(verify):
+                self.verifier = Checker(self)
+                self.verifier.start()
         except Exception:
             self.close()
             raise
@@ -210,12 +217,14 @@ class Receiver:
                     raise SetupError(f"wxfer.Receiver gpu {self.gpu}: registering the memory of {n} "
                                      f"({base.numel()} bytes on {t.device}): {e}") from e
                 self.regions.append(reg)
+                self.region_base[bytes(reg.descriptor)] = base
                 by_base[addr] = (reg, addr)
             reg, addr = by_base[addr]
             off = t.data_ptr() - addr
             if off < 0 or off + t.numel() * t.element_size() > reg.nbytes:
                 raise SetupError(f"wxfer.Receiver: parameter {n} lies outside its registered region")
             self.param_desc[n] = encode_param_descriptor(reg.descriptor, off)
+            self.param_range[n] = (bytes(reg.descriptor), off, t.numel() * t.element_size())
         self.stamps = torch.full((stamp_slots,), -1, dtype=torch.int64, device=self.device)
         self.stamp_region = self.transport.register(self.stamps, export=True)
         self.regions.append(self.stamp_region)
@@ -231,6 +240,13 @@ class Receiver:
             desc={n: _b64(d) for n, d in self.param_desc.items()},
             stamp=_b64(self.stamp_region.descriptor), stamp_slots=int(self.stamps.numel()),
             host=socket.gethostname(), pid=os.getpid(), device=str(self.device))
+        # one worker per (replica, rank): a second one is refused, and so is the whole setup
+        if self.ctl.add("infer/claim/%d" % self.gpu, 1) > 1:
+            self.ctl.set_json("infer/dup/%d" % self.gpu, dict(host=meta["host"], pid=meta["pid"]))
+            self.ctl.add("infer/dups", 1)
+            raise SetupError(f"wxfer.Receiver: replica {self.replica} rank {self.rank} (gpu {self.gpu}) is "
+                             f"already registered by another inference worker; this one "
+                             f"({meta['host']} pid {meta['pid']}) is refused")
         self.ctl.set_json("infer/%d" % self.gpu, meta)
         self.ctl.add("infer/count", 1)
 
@@ -276,6 +292,8 @@ class Receiver:
         if self._closed:
             return
         self._closed = True
+        if self.verifier is not None:
+            self.verifier.stop()
         for r in self.regions:
             try:
                 r.close()

@@ -23,7 +23,8 @@ import time
 
 from . import control, pipeline
 from .control import Control, SetupError
-from .receiver import _unb64, decode_param_descriptor, transport_choice
+from .receiver import _b64, _unb64, decode_param_descriptor, transport_choice
+from .verify import verify_enabled
 
 
 STAMP_TAG = 1 << 62     # engine tag of the version-stamp writes (plan tasks use their index)
@@ -50,8 +51,10 @@ class PushHandle:
 
     def wait(self, timeout: float | None = None) -> float:
         if not self._done:
-            self._s._finish(self, timeout)
-            self._done = True
+            try:
+                self._s._finish(self, timeout)
+            finally:
+                self._done = True      # a failed step is reported once, not again by the next push
         return self.seconds
 
 
@@ -64,13 +67,15 @@ class Sender:
     transport: "auto" (what the receivers registered with) or a backend name.
     watermark: bytes of prepared-but-unsent buffers per rank (the Engine blocks admission
     above it), e.g. "2GiB".  device: where stage 2 runs (default: cuda:current when CUDA
-    is available, else cpu).
+    is available, else cpu).  write_timeout: seconds a step's writes may take before push()
+    fails naming the task and the inference worker (30 s).  store_bind: the address or
+    interface the hosted TCPStore listens on (see wxfer.control.resolve_store).
     """
 
     def __init__(self, model, mapping, store=None, transport: str = "auto", watermark="2GiB",
                  name: str = "default", timeout: float = control.DEFAULT_TIMEOUT, device=None,
                  transport_options: dict | None = None, host_store: bool | None = None,
-                 write_timeout: float = 60.0):
+                 write_timeout: float = 30.0, store_bind: str | None = None):
         import torch
         import torch.distributed as dist
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -79,6 +84,8 @@ class Sender:
         self.write_timeout = float(write_timeout)
         self.version = 0
         self._pending = None
+        self._sums = self._last_sums = self.last_verify = None
+        self._verify = False
         self.engine = self.transport = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -87,7 +94,7 @@ class Sender:
         self.group = control.gloo_group(timeout)
         if host_store is None:
             host_store = self.rank == 0 and store is None
-        self.ctl = Control(control.resolve_store(store, host_store, timeout), name, timeout)
+        self.ctl = Control(control.resolve_store(store, host_store, timeout, bind=store_bind), name, timeout)
         self._store_host = host_store
         self.mapping = mapping
         self.setup_s = {}
@@ -129,7 +136,8 @@ class Sender:
                 raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
             first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
             n = first["replicas"] * first["tp"]
-            ctl.wait_count("infer/count", n, f"the {n} inference workers' metadata")
+            self._tp = first["tp"]
+            self._wait_workers(n)
             workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}")
                                  for g in range(1, n)]
             probs = []
@@ -147,6 +155,7 @@ class Sender:
             if probs:
                 raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
             plan = pipeline.build_controller_plan(train, workers, mapping)
+            plan.check()     # every destination byte written exactly once, by one sender, in range
             senders = pipeline.receivers_of(plan)
             for w in workers:
                 if len(senders[w["gpu"]]) > w["stamp_slots"]:
@@ -162,6 +171,39 @@ class Sender:
             ctl.set_json("senders/%d" % g, s)
         ctl.set("plan", control.encode_result(blob, None))
         ctl.set("status", control.encode_result(b"", None))
+
+    def _wait_workers(self, n: int) -> None:
+        """Wait (bounded) for the `n` inference workers; a worker registered twice, or one
+        missing at the deadline, is refused naming every such worker."""
+        ctl = self.ctl
+        deadline = time.monotonic() + self.timeout
+        delay, dup_seen = 0.005, None
+        while True:
+            have = ctl.add("infer/count", 0)
+            dups = ctl.add("infer/dups", 0)
+            now = time.monotonic()
+            if dups and dup_seen is None:
+                dup_seen = now
+            if have >= n and not dups:
+                return
+            # a duplicate may stand in for a missing worker: give the others 1 s, then refuse
+            if (dup_seen is not None and (have >= n or now - dup_seen > 1.0)) or now > deadline:
+                probs = []
+                for g in range(n):
+                    if ctl.check("infer/dup/%d" % g):
+                        d = ctl.get_json("infer/dup/%d" % g, "a duplicate worker's note", 1)
+                        w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
+                        probs.append(f"inference worker gpu {g} (replica {g // max(1, self._tp)} rank "
+                                     f"{g % max(1, self._tp)}) registered twice: {w['host']} pid {w['pid']} "
+                                     f"and {d['host']} pid {d['pid']}")
+                    elif not ctl.check("infer/%d" % g):
+                        probs.append(f"inference worker gpu {g} (replica {g // max(1, self._tp)} rank "
+                                     f"{g % max(1, self._tp)}) has not registered")
+                head = ("inference workers registered twice or missing" if dups else
+                        f"waited {self.timeout:.0f} s for the {n} inference workers' metadata, {have} arrived")
+                raise SetupError(head + ":\n  " + "\n  ".join(probs))
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
 
     def _connect(self, transport, transport_options, watermark) -> None:
         from . import _wxfer
@@ -197,7 +239,9 @@ class Sender:
         self.transport_name = tname
         self.transport = _wxfer.Transport(tname, topts)
         self.watermark = _parse_size(watermark)
-        self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout)
+        # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
+        self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout,
+                                    isolate=True)
         self.stamp_src = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.stamp_dests = []
         self.peers = {}
@@ -208,6 +252,11 @@ class Sender:
             slot = senders[g].index(self.rank)
             self.stamp_dests.append((_unb64(w["stamp"]), 8 * slot, 0, 8))
         self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
+        self._gpu_of_peer = {pid: g for g, pid in self.peers.items()}
+        self._gpu_of_region = {}
+        for g, w in self.workers.items():
+            for d in w["desc"].values():
+                self._gpu_of_region[decode_param_descriptor(_unb64(d))[0]] = g
 
     # ------------------------------------------------------------------ per step
     @property
@@ -215,12 +264,18 @@ class Sender:
         """Bytes of weights this rank writes per push (version stamps not counted)."""
         return self.program.bytes_per_step
 
-    def push(self, async_op: bool = False, version: int | None = None):
+    def push(self, async_op: bool = False, version: int | None = None, verify: bool | None = None):
         """Replay the plan for the current weights.  Returns the seconds it took, or with
-        ``async_op=True`` a PushHandle (call ``wait()`` before the weights change again)."""
+        ``async_op=True`` a PushHandle (call ``wait()`` before the weights change again).
+
+        verify (default: $WXFER_VERIFY=1): checksum every write's source bytes here, and once
+        they landed ask every receiver written to for the checksum of what it holds there;
+        any mismatch raises wxfer.verify.VerifyError naming the worker, parameter and bytes."""
         import torch
         if self._pending is not None and not self._pending.done():
             self._pending.wait()
+        self._verify = verify_enabled(verify)
+        self._sums = {} if self._verify else None
         self.version = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
         keep = []          # CUDA events must outlive the engine's wait on them
@@ -257,13 +312,34 @@ class Sender:
                 ev = torch.cuda.Event()
                 ev.record(self.stream)
             keep.append(ev)
+            if self._sums is not None:
+                with torch.cuda.stream(self.stream):
+                    self._checksum(op, buf)
             self.engine.submit(buf, op.dests, event=ev.cuda_event, device=self.device.index, tag=op.task,
                                held=op.nbytes)
         else:
             buf = pipeline.prepare(op, self.device)
             if buf is None:
                 return
+            if self._sums is not None:
+                self._checksum(op, buf)
             self.engine.submit(buf, op.dests, tag=op.task, held=op.nbytes)
+
+    def _checksum(self, op, buf) -> None:
+        from .verify import crc
+        flat = buf.reshape(-1).view(__import__("torch").uint8)
+        for rdesc, doff, soff, n in op.dests:
+            g = self._gpu_of_region[bytes(rdesc)]
+            self._sums.setdefault(g, []).append((_b64(rdesc), int(doff), int(n), crc(flat[soff:soff + n]), op.name))
+
+    def verify(self, timeout: float | None = None) -> dict:
+        """Check again that every receiver holds what the last push sent (checksums of the
+        last push made with verify on).  Raises VerifyError listing any mismatch."""
+        if not self._last_sums:
+            raise RuntimeError("wxfer: Sender.verify() needs a previous push(verify=True)")
+        from .verify import request
+        return request(self.ctl, self.rank, self.version, self._last_sums, self.workers,
+                       self.write_timeout if timeout is None else timeout)
 
     def _wait_engine(self, timeout, what) -> None:
         try:
@@ -277,18 +353,59 @@ class Sender:
                 msg += f" [plan task {t}: {self.task_names[t]}]"
             elif m and int(m.group(1)) == STAMP_TAG:
                 msg += " [the version stamps]"
+            for p in sorted(set(re.findall(r"\bpeer (\d+)\b", msg))):
+                if int(p) in self._gpu_of_peer:
+                    msg += f" [peer {p} is {self._worker_name(self._gpu_of_peer[int(p)])}]"
             self.engine.clear_error()
             raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: {msg}") from e
 
+    def _worker_name(self, g: int) -> str:
+        w = self.workers.get(g, {})
+        return (f"inference worker gpu {g} (replica {w.get('replica')} rank {w.get('rank')}, "
+                f"{w.get('host')} pid {w.get('pid')})")
+
+    def _failed_workers(self) -> dict:
+        """{gpu: reason} of the receivers whose writes failed or were late (the engine skips
+        them from then on; the others go on)."""
+        import re
+        out = {}
+        for pid, err, msg in self.engine.failed_peers():
+            m = re.search(r"\(tag (\d+)\)", msg)
+            if m and int(m.group(1)) in self.task_names:
+                msg += f" [plan task {m.group(1)}: {self.task_names[int(m.group(1))]}]"
+            elif m and int(m.group(1)) == STAMP_TAG:
+                msg += " [the version stamps]"
+            out[self._gpu_of_peer.get(pid, -1)] = f"{msg} (errno {err})"
+        return out
+
     def _finish(self, h: PushHandle, timeout) -> None:
         t = self.write_timeout if timeout is None else timeout
+        # every task has its own deadline (write_timeout from its first write); a receiver
+        # that stops answering fails alone at that deadline, so wait a little longer here
+        t = 1.5 * t + 1.0
         self._wait_engine(t, "waiting for the weight writes")
+        failed = self._failed_workers()
         if self.stamp_dests:
             self.stamp_src.fill_(h.version)
             if self.stamp_src.is_cuda:
                 torch_sync(self.device)
+            # the engine skips the failed receivers: the others get their stamp, since every
+            # one of their writes of this step has landed
             self.engine.submit(self.stamp_src, self.stamp_dests, tag=STAMP_TAG)
             self._wait_engine(t, "writing the version stamps")
+            failed = self._failed_workers()
+        if failed:
+            self._sums = None
+            ok = sorted(set(self.workers) - set(failed))
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}, step {h.version}: the writes to "
+                f"{len(failed)} inference worker(s) failed; they are skipped from now on:\n  "
+                + "\n  ".join(f"{self._worker_name(g)}: {why}" for g, why in sorted(failed.items()))
+                + f"\nthe other workers ({ok}) received every byte of step {h.version} and its version stamp")
+        if self._sums is not None:
+            self._last_sums, self._sums = self._sums, None
+            from .verify import request
+            self.last_verify = request(self.ctl, self.rank, h.version, self._last_sums, self.workers, t)
         if h._barrier is not None:
             h._barrier.wait(self.timeout)
         h.seconds = time.perf_counter() - h._t0

@@ -18,6 +18,15 @@ def pattern(size: int, seed: int):
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+def build_env() -> dict:
+    """The environment for the C compiler run by tests: without the sanitizer runtime that
+    `make asan-test` preloads (the compiler is not what is under test)."""
+    import os
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    return env
+
+
 def stop_process(conn, proc) -> None:
     """Ask a helper process to exit over its pipe, then make sure it is gone (bounded)."""
     try:

@@ -18,13 +18,27 @@ typedef struct wx__eop {
     wx_op_t op;
     wx__task_t *task;
     uint64_t len;
+    uint32_t dest;  /* index in task->dests */
+    uint8_t done;   /* its completion arrived */
+    uint8_t abandoned; /* its peer failed (isolate): no longer waited for */
 } wx__eop_t;
+
+#define WX__MAX_FAILED 64 /* failed peers remembered with their reason (isolate) */
+
+typedef struct wx__failed {
+    wx_peer_t *peer;
+    int err;
+    char msg[WX_ERRMSG_MAX / 2];
+} wx__failed_t;
 
 struct wx__task {
     uint64_t id;
     wx_task_spec_t spec;
     wx_dest_t *dests;
     uint32_t nchunks, posted, completed;
+    uint32_t skipped; /* chunks not posted because their peer failed (isolate) */
+    uint32_t live;    /* posted, not completed, not abandoned */
+    int queued_done;  /* on the done queue */
     uint32_t cur_dest;   /* posting cursor */
     uint64_t cur_off;
     int status;
@@ -52,7 +66,9 @@ struct wx_engine {
     uint64_t held, held_peak, inflight, submitted, completed, bytes_written, next_id;
     int err;
     char errmsg[WX_ERRMSG_MAX];
-    int stop, destroyed;
+    int stop, stopped, destroyed;
+    wx__failed_t failed[WX__MAX_FAILED];
+    uint32_t nfailed;
     uint64_t refs; /* 1 for the owner + one per outstanding write */
     pthread_t th_ready, th_post;
     int started;
@@ -127,6 +143,65 @@ static void wx__free_engine(wx_engine_t *e)
     free(e);
 }
 
+static int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p)
+{
+    for (uint32_t i = 0; i < e->nfailed; i++)
+        if (e->failed[i].peer == p)
+            return 1;
+    return 0;
+}
+
+static void wx__finish(wx_engine_t *e, wx__task_t *t, int status);
+
+/* isolate: finish every task left waiting only for abandoned writes. mu held. */
+static void wx__finish_abandoned(wx_engine_t *e)
+{
+    int again = 1;
+    while (again) {
+        again = 0;
+        for (wx__task_t *t = e->active; t; t = t->act_next) {
+            if (!t->in_post && !t->finished && t->live == 0) {
+                wx__finish(e, t, -EHOSTUNREACH);
+                again = 1; /* the active list changed */
+                break;
+            }
+        }
+    }
+}
+
+/* isolate: remember that peer p failed, and stop waiting for its writes in flight (they
+ * keep their task's memory and source until they complete, e.g. when the transport
+ * closes). mu held. */
+static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, int err, const char *msg)
+{
+    if (wx__peer_failed(e, p))
+        return;
+    if (e->nfailed == WX__MAX_FAILED) { /* too many to name: the engine fails */
+        wx__set_error(e, err, msg);
+        return;
+    }
+    e->failed[e->nfailed].peer = p;
+    e->failed[e->nfailed].err = err;
+    snprintf(e->failed[e->nfailed].msg, sizeof e->failed[0].msg, "%s", msg);
+    e->nfailed++;
+    for (wx__task_t *t = e->active; t; t = t->act_next) {
+        for (uint32_t i = 0; i < t->posted; i++) {
+            wx__eop_t *eo = &t->ops[i];
+            if (!eo->done && !eo->abandoned && t->dests[eo->dest].peer == p) {
+                eo->abandoned = 1;
+                t->live--;
+                e->inflight--;
+                if (!t->status)
+                    t->rec.status = err;
+            }
+        }
+    }
+    wx__finish_abandoned(e);
+    pthread_cond_broadcast(&e->cv_post);
+    pthread_cond_broadcast(&e->cv_done);
+    pthread_cond_broadcast(&e->cv_admit);
+}
+
 /* Called with mu held when a task will see no more completions. */
 static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
 {
@@ -160,18 +235,40 @@ static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     }
     if (e->ntrace < e->cap_trace)
         e->trace[e->ntrace++] = t->rec;
-    wx__q_push(&e->done, t);
+    if (t->completed == t->posted) { /* else: abandoned writes still out (isolate) */
+        t->queued_done = 1;
+        wx__q_push(&e->done, t);
+    }
     pthread_cond_broadcast(&e->cv_done);
     pthread_cond_broadcast(&e->cv_admit);
 }
 
-/* Called with mu held: fail the engine if a posted task has outlived its deadline. */
+/* Called with mu held: fail the engine if a posted task has outlived its deadline; with
+ * isolate, fail only the peers whose writes are late. */
 static void wx__check_deadlines(wx_engine_t *e)
 {
     uint64_t now = wx_now_ns();
     char msg[WX_ERRMSG_MAX];
     for (wx__task_t *t = e->active; t; t = t->act_next) {
-        if (now > t->deadline && !e->err) {
+        if (now <= t->deadline || e->err)
+            continue;
+        if (e->o.isolate) {
+            for (uint32_t i = 0; i < t->posted; i++) {
+                wx__eop_t *eo = &t->ops[i];
+                wx_peer_t *p = t->dests[eo->dest].peer;
+                if (eo->done || eo->abandoned || wx__peer_failed(e, p))
+                    continue;
+                snprintf(msg, sizeof msg,
+                         "task %llu (tag %llu): writes to %s not complete after %.1f s "
+                         "(is the peer alive?)",
+                         (unsigned long long)t->id, (unsigned long long)t->spec.tag, p->name,
+                         (double)e->o.timeout_ns / 1e9);
+                wx__fail_peer(e, p, -ETIMEDOUT, msg);
+                return; /* the active list may have changed; the next check goes on */
+            }
+            continue;
+        }
+        {
             const wx_dest_t *d = &t->dests[t->cur_dest < t->spec.ndests ? t->cur_dest : 0];
             snprintf(msg, sizeof msg,
                      "task %llu (tag %llu): %u of %u writes to %s not complete after %.1f s "
@@ -192,21 +289,37 @@ static void wx__op_done(wx_op_t *op, int status, const char *why)
     int free_now;
     pthread_mutex_lock(&e->mu);
     t->completed++;
-    e->inflight--;
+    eo->done = 1;
+    if (!eo->abandoned) {
+        e->inflight--;
+        t->live--;
+    }
     if (status == 0) {
         e->bytes_written += eo->len;
-    } else {
+    } else if (!eo->abandoned) {
         char msg[WX_ERRMSG_MAX];
-        const wx_dest_t *d = &t->dests[0];
-        if (!t->status)
-            t->status = status;
+        const wx_dest_t *d = &t->dests[eo->dest];
         snprintf(msg, sizeof msg, "task %llu (tag %llu): write to %s failed: %s (errno %d: %s)",
                  (unsigned long long)t->id, (unsigned long long)t->spec.tag, d->peer->name,
                  why ? why : "no reason given", -status, strerror(-status));
-        wx__set_error(e, status, msg);
+        if (e->o.isolate) {
+            wx__fail_peer(e, d->peer, status, msg);
+        } else {
+            if (!t->status)
+                t->status = status;
+            wx__set_error(e, status, msg);
+        }
     }
-    if (!t->in_post && t->completed == t->posted)
+    if (t->finished) {
+        /* a late completion of an abandoned write: the task can go once all are back */
+        if (!t->queued_done && t->completed == t->posted) {
+            t->queued_done = 1;
+            wx__q_push(&e->done, t);
+            pthread_cond_broadcast(&e->cv_done);
+        }
+    } else if (!t->in_post && t->live == 0) {
         wx__finish(e, t, 0);
+    }
     pthread_cond_broadcast(&e->cv_post);
     e->refs--;
     free_now = e->destroyed && e->refs == 0;
@@ -308,14 +421,24 @@ static void *wx__post_main(void *arg)
             wx__wait(&e->cv_post, &e->mu, WX__IDLE_NS);
             continue;
         }
-        if (e->err || t->status || t->posted == t->nchunks) {
+        /* isolate: the rest of a destination whose peer failed is skipped */
+        while (e->o.isolate && t->cur_dest < t->spec.ndests &&
+               wx__peer_failed(e, t->dests[t->cur_dest].peer)) {
+            const wx_dest_t *d = &t->dests[t->cur_dest];
+            t->skipped += (uint32_t)((d->len - t->cur_off + e->o.chunk - 1) / e->o.chunk);
+            t->cur_dest++;
+            t->cur_off = 0;
+            if (!t->rec.status)
+                t->rec.status = -EHOSTUNREACH;
+        }
+        if (e->err || t->status || t->posted + t->skipped == t->nchunks) {
             wx__q_pop(&e->post);
             t->in_post = 0;
-            if (t->posted == t->nchunks && !t->status)
+            if (t->posted + t->skipped == t->nchunks && !t->status)
                 t->rec.t_post_last = wx_now_ns();
             else if (!t->status)
                 t->status = -ECANCELED; /* the engine failed elsewhere */
-            if (t->completed == t->posted)
+            if (t->live == 0)
                 wx__finish(e, t, t->status);
             continue;
         }
@@ -343,6 +466,7 @@ static void *wx__post_main(void *arg)
             eo->op.wr_id = (t->id << 20) | t->posted;
             eo->task = t;
             eo->len = len;
+            eo->dest = t->cur_dest;
             if (!t->on_active) {
                 t->on_active = 1;
                 t->rec.t_post_first = wx_now_ns();
@@ -353,6 +477,7 @@ static void *wx__post_main(void *arg)
                 e->active = t;
             }
             t->posted++;
+            t->live++;
             e->inflight++;
             e->refs++;
             pthread_mutex_unlock(&e->mu);
@@ -364,11 +489,19 @@ static void *wx__post_main(void *arg)
             pthread_mutex_lock(&e->mu);
             if (rc) {
                 t->posted--;
-                e->inflight--;
+                if (!eo->abandoned) { /* else wx__fail_peer ran meanwhile and counted it */
+                    t->live--;
+                    e->inflight--;
+                }
                 e->refs--;
+                memset(eo, 0, sizeof *eo);
                 if (rc == -EAGAIN) {
                     wx__check_deadlines(e);
                     wx__wait(&e->cv_post, &e->mu, 1000 * 1000ull);
+                    continue;
+                }
+                if (e->o.isolate) {
+                    wx__fail_peer(e, d->peer, rc, msg); /* the loop skips its writes */
                     continue;
                 }
                 t->status = rc;
@@ -425,13 +558,16 @@ int wx_engine_create(wx_transport_t *t, const wx_engine_opts_t *o, wx_engine_t *
     return 0;
 }
 
-void wx_engine_destroy(wx_engine_t *e)
+void wx_engine_stop(wx_engine_t *e)
 {
     wx__task_t *t;
-    int free_now;
     if (!e)
         return;
     pthread_mutex_lock(&e->mu);
+    if (e->stopped) {
+        pthread_mutex_unlock(&e->mu);
+        return;
+    }
     e->stop = 1;
     pthread_cond_broadcast(&e->cv_ready);
     pthread_cond_broadcast(&e->cv_post);
@@ -439,17 +575,28 @@ void wx_engine_destroy(wx_engine_t *e)
     pthread_join(e->th_ready, NULL);
     pthread_join(e->th_post, NULL);
     pthread_mutex_lock(&e->mu);
-    /* Tasks that never reached the wire: finished as cancelled (their owners stay
-     * unreaped: the caller reaps before destroying). */
+    /* Tasks that never reached the wire: finished as cancelled, their owners left for
+     * the caller's wx_engine_reap. */
     while ((t = wx__q_pop(&e->ready)))
         wx__finish(e, t, -ECANCELED);
     while ((t = e->post.head)) {
         wx__q_pop(&e->post);
         t->in_post = 0;
         t->status = t->status ? t->status : -ECANCELED;
-        if (t->completed == t->posted)
+        if (t->live == 0)
             wx__finish(e, t, -ECANCELED);
     }
+    e->stopped = 1;
+    pthread_mutex_unlock(&e->mu);
+}
+
+void wx_engine_destroy(wx_engine_t *e)
+{
+    int free_now;
+    if (!e)
+        return;
+    wx_engine_stop(e);
+    pthread_mutex_lock(&e->mu);
     e->destroyed = 1;
     e->refs--;
     free_now = e->refs == 0;
@@ -600,6 +747,21 @@ int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg
         free(t);
         n++;
     }
+    return n;
+}
+
+uint32_t wx_engine_failed_peers(wx_engine_t *e, uint32_t *ids, int *errs, char (*msgs)[WX_ERRMSG_MAX / 2],
+                                uint32_t max)
+{
+    uint32_t n;
+    pthread_mutex_lock(&e->mu);
+    n = e->nfailed;
+    for (uint32_t i = 0; i < n && i < max; i++) {
+        ids[i] = e->failed[i].peer->id;
+        errs[i] = e->failed[i].err;
+        memcpy(msgs[i], e->failed[i].msg, sizeof msgs[i]);
+    }
+    pthread_mutex_unlock(&e->mu);
     return n;
 }
 

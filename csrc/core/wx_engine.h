@@ -14,7 +14,9 @@
  * admitted alone). Every wait is bounded: admission and wait take a time slice and return
  * -EAGAIN when it passes, so a caller can check for signals and loop; every posted task
  * has a deadline (`timeout_ns`), after which the engine fails with -ETIMEDOUT naming the
- * task and peer. The first error sticks: later submits and waits return it.
+ * task and peer. The first error sticks: later submits and waits return it. With
+ * `isolate`, a failed or late peer fails alone (wx_engine_failed_peers) and the other
+ * peers' writes complete.
  */
 #ifndef WX_ENGINE_H
 #define WX_ENGINE_H
@@ -28,6 +30,9 @@ typedef struct wx_engine_opts {
     uint64_t chunk;      /* largest write posted; 0 = transport's max_write */
     uint32_t depth;      /* writes in flight; 0 = transport's max_inflight */
     uint64_t timeout_ns; /* per-task deadline from its first post; 0 = 30 s */
+    uint32_t isolate;    /* 1: a peer whose write fails or is late fails alone: its writes
+                          * in flight are abandoned, its later writes skipped, the other
+                          * peers' writes go on; see wx_engine_failed_peers */
 } wx_engine_opts_t;
 
 typedef struct wx_dest {
@@ -61,9 +66,12 @@ typedef struct wx_engine_stats {
 } wx_engine_stats_t;
 
 int wx_engine_create(wx_transport_t *t, const wx_engine_opts_t *o, wx_engine_t **out);
-/* Stop the threads. Tasks still in flight keep the engine's memory alive until the
+/* Stop the threads; queued tasks finish as cancelled (reap their owners afterwards).
+ * Idempotent. */
+void wx_engine_stop(wx_engine_t *e);
+/* Stop, then release. Tasks still in flight keep the engine's memory alive until the
  * transport completes or cancels their writes; their owners are then never reaped, so
- * call wx_engine_wait first. */
+ * call wx_engine_wait (or close the transport) and reap first. */
 void wx_engine_destroy(wx_engine_t *e);
 
 /* Block up to slice_ns for room under the watermark. 0: admitted (counted as held);
@@ -80,6 +88,10 @@ void wx_engine_unadmit(wx_engine_t *e, uint64_t held_bytes);
 int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns);
 /* Hand the owners of finished tasks to cb (on the caller's thread). Returns the count. */
 int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg);
+/* isolate: the peers that failed (ids, errno, first reason), at most max of them; returns
+ * how many failed. wx_engine_wait does not report them. */
+uint32_t wx_engine_failed_peers(wx_engine_t *e, uint32_t *ids, int *errs, char (*msgs)[WX_ERRMSG_MAX / 2],
+                                uint32_t max);
 /* The sticky error (0 if none) and its message. */
 int wx_engine_error(wx_engine_t *e, char *msg, size_t len);
 /* Clear a sticky error after the caller handled it (tasks in flight keep running). */

@@ -41,17 +41,18 @@ static int wx__live(wx_py_engine_t *self)
 
 static PyObject *wx_engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"transport", "watermark", "chunk", "depth", "timeout", NULL};
+    static char *kwlist[] = {"transport", "watermark", "chunk", "depth", "timeout", "isolate", NULL};
     wx_py_state_t *st = PyType_GetModuleState(type);
     PyObject *tr;
     unsigned long long watermark = 0, chunk = 0;
     unsigned int depth = 0;
     double timeout = 30.0;
+    int isolate = 0;
     wx_engine_opts_t o;
     wx_py_engine_t *self;
     int rc;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|KKId:Engine", kwlist, st->Transport, &tr,
-                                     &watermark, &chunk, &depth, &timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|KKIdp:Engine", kwlist, st->Transport, &tr,
+                                     &watermark, &chunk, &depth, &timeout, &isolate))
         return NULL;
     if (!((wx_py_transport_t *)tr)->t) {
         PyErr_SetString(PyExc_ValueError, "Engine: transport is closed");
@@ -65,6 +66,7 @@ static PyObject *wx_engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     o.chunk = chunk;
     o.depth = depth;
     o.timeout_ns = (uint64_t)(timeout * 1e9);
+    o.isolate = (uint32_t)isolate;
     self = (wx_py_engine_t *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
@@ -86,8 +88,10 @@ static void wx__engine_close(wx_py_engine_t *self)
         self->e = NULL;
         wx_engine_reap(e, wx__owner_free, NULL);
         Py_BEGIN_ALLOW_THREADS
-        wx_engine_destroy(e);
+        wx_engine_stop(e);
         Py_END_ALLOW_THREADS
+        wx_engine_reap(e, wx__owner_free, NULL); /* the tasks stop() cancelled */
+        wx_engine_destroy(e);
         /* tasks that were still in flight keep their sources alive (never reaped) */
         ((wx_py_transport_t *)self->transport)->engines--;
     }
@@ -298,6 +302,36 @@ static PyObject *wx_engine_error_py(PyObject *op, PyObject *noargs)
     return Py_BuildValue("(is)", -err, msg);
 }
 
+static PyObject *wx_engine_failed_peers_py(PyObject *op, PyObject *noargs)
+{
+    enum { MAXN = 64 };
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    uint32_t ids[MAXN], n;
+    int errs[MAXN];
+    char(*msgs)[WX_ERRMSG_MAX / 2];
+    PyObject *out;
+    WX_UNUSED(noargs);
+    if (!wx__live(self))
+        return NULL;
+    msgs = PyMem_Malloc(MAXN * sizeof *msgs);
+    if (!msgs)
+        return PyErr_NoMemory();
+    n = wx_engine_failed_peers(self->e, ids, errs, msgs, MAXN);
+    if (n > MAXN)
+        n = MAXN;
+    out = PyList_New(n);
+    for (uint32_t i = 0; out && i < n; i++) {
+        PyObject *it = Py_BuildValue("(Iis)", ids[i], -errs[i], msgs[i]);
+        if (!it) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, it);
+    }
+    PyMem_Free(msgs);
+    return out;
+}
+
 static PyObject *wx_engine_clear_error_py(PyObject *op, PyObject *noargs)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
@@ -373,6 +407,9 @@ static PyMethodDef wx_engine_methods[] = {
     {"reap", wx_engine_reap_py, METH_NOARGS, "Release the sources of finished tasks; count."},
     {"error", wx_engine_error_py, METH_NOARGS, "The sticky error as (errno, message), or None."},
     {"clear_error", wx_engine_clear_error_py, METH_NOARGS, "Forget the sticky error."},
+    {"failed_peers", wx_engine_failed_peers_py, METH_NOARGS,
+     "With isolate=True: [(peer id, errno, reason)] of the peers that failed; their writes "
+     "are skipped, the other peers' go on."},
     {"stats", wx_engine_stats_py, METH_NOARGS, "Counters."},
     {"trace", (PyCFunction)(void (*)(void))wx_engine_trace_py, METH_VARARGS | METH_KEYWORDS,
      "trace(clear=False) -> per-task records with monotonic ns timestamps per stage."},

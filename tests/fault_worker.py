@@ -1,0 +1,72 @@
+"""Helper processes for tests/test_faults.py (not a test module).
+
+    python tests/fault_worker.py receiver STORE NAME REPLICA REPLICAS OUT
+        an inference worker (TINY model, TP 1): registers, then waits (bounded) for the
+        store key test/dump/<gpu>, saves its parameters and version() to OUT/<gpu>.pt, exits.
+    python tests/fault_worker.py trainer STORE NAME KILL_AFTER_TASKS
+        a trainer (world 1): pushes step 1, changes the weights, and during step 2 kills
+        itself with SIGKILL after KILL_AFTER_TASKS tasks were handed to the engine.
+"""
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from wxfer.models import TINY, Qwen3ForCausalLM, inference_params, preset_for
+
+T = 30.0
+
+
+def receiver(store, name, replica, replicas, out):
+    from wxfer import control
+    from wxfer.receiver import Receiver
+    params = inference_params(TINY, 1, 0)
+    r = Receiver(params, mapping=preset_for(TINY).name, store=store, name=name, replica=replica,
+                 replicas=replicas, tp=1, rank=0, timeout=T)
+    print("ready", r.gpu, flush=True)
+    ctl = r.ctl
+    ctl.get("test/dump/%d" % r.gpu, "the test's dump request", 60)
+    torch.save(dict(params=params, version=r.version()), os.path.join(out, "%d.pt" % r.gpu))
+    ctl.set("test/dumped/%d" % r.gpu, b"1")
+    r.close()
+    del control
+
+
+def model():
+    torch.manual_seed(0)
+    m = Qwen3ForCausalLM(TINY)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def trainer(store, name, kill_after):
+    from wxfer.sender import Sender
+    m = model()
+    s = Sender(m, mapping=preset_for(TINY), store=store, name=name, timeout=T, write_timeout=10,
+               watermark="64KiB")
+    s.push()
+    print("pushed 1", flush=True)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1.5)
+    real, n = s._run_task, [0]
+
+    def run_task(op, keep):
+        real(op, keep)
+        n[0] += 1
+        if n[0] == kill_after:
+            time.sleep(0.2)            # let the writes handed over so far land
+            os.kill(os.getpid(), signal.SIGKILL)
+    s._run_task = run_task
+    s.push()
+    print("pushed 2 (the kill did not happen)", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "receiver":
+        receiver(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    else:
+        trainer(sys.argv[2], sys.argv[3], int(sys.argv[4]))

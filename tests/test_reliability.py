@@ -1,0 +1,210 @@
+"""Issue 8: bad input refused at setup in one message with nothing written; a plan that
+writes a byte twice refused; a receiver registered twice refused; verify mode; the
+control plane bound to a chosen address.  In one process: receivers in threads, fabric tcp."""
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from wxfer import _wxfer, control
+from wxfer.control import SetupError
+from wxfer.models import TINY, Qwen3ForCausalLM, inference_params, preset_for
+from wxfer.receiver import Receiver
+
+pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
+T = 20.0
+
+
+@pytest.fixture
+def store():
+    port = control.free_port()
+    s = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=T), wait_for_workers=False)
+    return s, "127.0.0.1:%d" % port
+
+
+def _in_thread(fn, *a, **kw):
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn(*a, **kw)
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
+def _model(cfg=TINY):
+    torch.manual_seed(0)
+    m = Qwen3ForCausalLM(cfg)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def _snapshot(params):
+    return [{n: t.clone() for n, t in p.items()} for p in params]
+
+
+def _untouched(params, snap):
+    return all(torch.equal(a[n].view(-1).view(torch.uint8), p[n].view(-1).view(torch.uint8))
+               for p, a in zip(params, snap) for n in p)
+
+
+def _refused(addr, name, params, ranks, cfg=TINY, mapping=None):
+    """Start receivers with `params` at (replica, rank) `ranks`; a Sender must be refused.
+    Returns (the sender's message, the receivers' errors)."""
+    from wxfer.sender import Sender
+    mapping = mapping or preset_for(TINY)
+    tp = max(r for _, r in ranks) + 1
+    replicas = max(q for q, _ in ranks) + 1
+    ths = [_in_thread(Receiver, p, store=addr, replica=q, rank=r, tp=tp, replicas=replicas, name=name, timeout=T)
+           for p, (q, r) in zip(params, ranks)]
+    with pytest.raises(SetupError) as ei:
+        Sender(_model(cfg), mapping=mapping, store=addr, name=name, timeout=T)
+    errs = []
+    for th, box in ths:
+        th.join(T)
+        assert not th.is_alive()
+        errs.append(box.get("error"))
+    return str(ei.value), errs
+
+
+def test_store_listens_only_on_the_chosen_address(monkeypatch):
+    port = control.free_port()
+    st = control.resolve_store("127.0.0.1:%d" % port, True, 5)
+    lst = [ln.split() for ln in open("/proc/net/tcp").read().splitlines()[1:]]
+    mine = [f[1] for f in lst if f[3] == "0A" and f[1].endswith(":%04X" % port)]
+    assert mine == ["0100007F:%04X" % port]          # 127.0.0.1 only, not 0.0.0.0
+    c = control.resolve_store("127.0.0.1:%d" % port, False, 5)
+    c.set("k", b"v")
+    assert st.get("k") == b"v"
+    # by interface name, and through the environment
+    assert control.bind_address("myhost", "lo") == "127.0.0.1"
+    monkeypatch.setenv("WXFER_STORE_BIND", "127.0.0.1")
+    assert control.bind_address("myhost") == "127.0.0.1"
+    monkeypatch.delenv("WXFER_STORE_BIND")
+    assert control.bind_address("myhost") is None and control.bind_address("10.1.2.3") == "10.1.2.3"
+    with pytest.raises(SetupError, match="no-such-if0"):
+        control.bind_address("myhost", "no-such-if0")
+
+
+def test_mismatches_are_listed_in_one_message_and_nothing_is_written(store):
+    s, addr = store
+    params = [inference_params(TINY, 2, r) for r in range(2)]
+    del params[1]["model.layers.1.mlp.down_proj.weight"]                              # missing name
+    params[0]["model.layers.0.extra.weight"] = torch.zeros(4, dtype=torch.bfloat16)     # unknown name
+    params[0]["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(128, 3, dtype=torch.bfloat16)  # shape
+    params[1]["model.norm.weight"] = torch.zeros(256, dtype=torch.float32)             # dtype
+    params[1]["lm_head.weight"] = torch.zeros(100, 256, dtype=torch.bfloat16)          # smaller than planned
+    snap = _snapshot(params)
+    msg, errs = _refused(addr, "mm", params, [(0, 0), (0, 1)])
+    for needle in ("model.layers.1.mlp.down_proj.weight: expected on replica 0 rank 1",
+                   "model.layers.0.extra.weight on replica 0 rank 0: no rule writes",
+                   "model.layers.0.self_attn.o_proj.weight on replica 0 rank 0: worker has (128, 3)",
+                   "model.norm.weight on replica 0 rank 1: worker has (256,) float32",
+                   "lm_head.weight on replica 0 rank 1: worker has (100, 256)"):
+        assert needle in msg, msg
+    assert all(isinstance(e, SetupError) and "model.norm.weight" in str(e) for e in errs)
+    assert _untouched(params, snap)
+
+
+def test_fp8_tp_split_not_on_128_blocks_is_refused_naming_every_weight(store):
+    s, addr = store
+    cfg = dict(TINY, intermediate_size=384)        # 192 rows per TP rank: not whole 128-row blocks
+    params = [inference_params(cfg, 2, r) for r in range(2)]
+    for p in params:                               # the receivers hold FP8 weights: the plan is FP8
+        p["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(
+            p["model.layers.0.self_attn.qkv_proj.weight"].shape, dtype=torch.float8_e4m3fn)
+    snap = _snapshot(params)
+    msg, errs = _refused(addr, "fp8", params, [(0, 0), (0, 1)], cfg=cfg)
+    for layer in (0, 1):
+        assert f"model.layers.{layer}.mlp.down_proj.weight" in msg and "128" in msg, msg
+        assert f"model.layers.{layer}.mlp.gate_up_proj" in msg or f"model.layers.{layer}.mlp.gate_proj" in msg, msg
+    assert all(isinstance(e, SetupError) for e in errs)
+    assert _untouched(params, snap)
+
+
+def test_a_receiver_registered_twice_is_refused_naming_it(store):
+    s, addr = store
+    params = [inference_params(TINY, 2, r) for r in (0, 0, 1)]
+    snap = _snapshot(params)
+    msg, errs = _refused(addr, "dup", params, [(0, 0), (0, 0), (0, 1)])
+    assert "gpu 0 (replica 0 rank 0) registered twice" in msg, msg
+    dup = [e for e in errs if "already registered" in str(e)]
+    assert len(dup) == 1 and all(isinstance(e, SetupError) for e in errs), errs
+    assert _untouched(params, snap)
+
+
+def test_a_plan_writing_a_byte_twice_is_refused_before_any_write(store, monkeypatch):
+    import numpy as np
+    from wxfer import pipeline
+    real = pipeline.build_controller_plan
+
+    def twice(*a, **kw):
+        plan = real(*a, **kw)
+        for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset"):
+            arr = getattr(plan, k)
+            setattr(plan, k, np.r_[arr, arr[0]])      # transfer 0 sent a second time
+        return plan
+    monkeypatch.setattr(pipeline, "build_controller_plan", twice)
+    s, addr = store
+    params = [inference_params(TINY, 1, 0)]
+    snap = _snapshot(params)
+    msg, errs = _refused(addr, "twice", params, [(0, 0)])
+    assert "written twice" in msg, msg
+    assert isinstance(errs[0], SetupError) and "written twice" in str(errs[0])
+    assert _untouched(params, snap)
+
+
+def test_verify_mode_checks_what_landed_and_reports_a_scribble(store, monkeypatch):
+    from wxfer.sender import Sender
+    from wxfer.verify import VerifyError
+    s, addr = store
+    params = [inference_params(TINY, 2, r) for r in range(2)]
+    ths = [_in_thread(Receiver, params[r], store=addr, replica=0, rank=r, tp=2, replicas=1, name="ver",
+                      timeout=T, verify=True) for r in range(2)]
+    sender = Sender(_model(), mapping=preset_for(TINY), store=addr, name="ver", timeout=T, write_timeout=10)
+    recvs = []
+    for th, box in ths:
+        th.join(T)
+        recvs.append(box["value"])
+    sender.push()                                  # verify off: the receivers are not asked
+    assert sender.last_verify is None and recvs[0].verifier.reports == []
+    monkeypatch.setenv("WXFER_VERIFY", "1")
+    sender.push()
+    rep = sender.last_verify
+    assert sorted(rep) == [0, 1] and all(r["mismatch"] == [] and r["version"] == 2 for r in rep.values())
+    total = sum(r["bytes"] for r in rep.values())
+    assert total == sender.bytes_per_step
+    # scribble on a receiver's tensor after the push: the report names worker, parameter, bytes
+    params[1]["model.layers.0.mlp.down_proj.weight"].view(-1)[10] = 7.0
+    with pytest.raises(VerifyError) as ei:
+        sender.verify()
+    msg = str(ei.value)
+    assert "inference worker gpu 1 (replica 0 rank 1): model.layers.0.mlp.down_proj.weight bytes" in msg, msg
+    assert "step 2" in msg and msg.count("mismatch") == 1 and "gpu 0" not in msg
+    # the next verified push rewrites the bytes and passes again
+    sender.push(verify=True)
+    assert all(r["mismatch"] == [] for r in sender.last_verify.values())
+    sender.close()
+    for r in recvs:
+        r.close()
+
+
+def test_a_worker_that_never_registers_is_named_at_the_deadline(store):
+    from wxfer.sender import Sender
+    s, addr = store
+    th, box = _in_thread(Receiver, inference_params(TINY, 2, 0), store=addr, replica=0, rank=0, tp=2,
+                         replicas=1, name="late", timeout=T)
+    t0 = __import__("time").monotonic()
+    with pytest.raises(SetupError) as ei:
+        Sender(_model(), mapping=preset_for(TINY), store=addr, name="late", timeout=2)
+    assert __import__("time").monotonic() - t0 < 10
+    msg = str(ei.value)
+    assert "1 arrived" in msg and "inference worker gpu 1 (replica 0 rank 1) has not registered" in msg, msg
+    th.join(T)
+    assert isinstance(box.get("error"), SetupError)
