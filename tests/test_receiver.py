@@ -1,7 +1,6 @@
 """Receiver: registration (deduplicated, contiguous only), descriptors, version stamps, setup
 errors raised on both sides; the whole Sender -> Receiver path in one process (threads,
 fabric tcp); and the vLLM worker extension's pure-Python parts."""
-import threading
 from datetime import timedelta
 
 import pytest
@@ -26,17 +25,7 @@ def store():
     return s, "127.0.0.1:%d" % port
 
 
-def _in_thread(fn, *a, **kw):
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn(*a, **kw)
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    return th, box
+from wxfer.testing import in_thread as _in_thread  # noqa: E402
 
 
 def test_descriptor_round_trip():

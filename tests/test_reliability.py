@@ -1,7 +1,6 @@
 """Issue 8: bad input refused at setup in one message with nothing written; a plan that
 writes a byte twice refused; a receiver registered twice refused; verify mode; the
 control plane bound to a chosen address.  In one process: receivers in threads, fabric tcp."""
-import threading
 from datetime import timedelta
 
 import pytest
@@ -24,17 +23,7 @@ def store():
     return s, "127.0.0.1:%d" % port
 
 
-def _in_thread(fn, *a, **kw):
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn(*a, **kw)
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    return th, box
+from wxfer.testing import in_thread as _in_thread  # noqa: E402
 
 
 def _model(cfg=TINY):

@@ -27,6 +27,22 @@ def build_env() -> dict:
     return env
 
 
+def in_thread(fn, *a, **kw):
+    """Run fn(*a, **kw) in a daemon thread; returns (thread, box) where box gets "value" or
+    "error" (the exception) once it finished. For tests that drive two sides in one process."""
+    import threading
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn(*a, **kw)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
 def stop_process(conn, proc) -> None:
     """Ask a helper process to exit over its pipe, then make sure it is gone (bounded)."""
     try:
