@@ -381,11 +381,8 @@ class Sender:
     def _finish(self, h: PushHandle, timeout) -> None:
         t = self.write_timeout if timeout is None else timeout
         # every task has its own deadline (write_timeout from its first write); a receiver
-        # that stops answering fails alone at that deadline. A task posted late (its writes
-        # queued behind ones to the silent receiver) starts its deadline late, so this outer
-        # bound leaves room for a second deadline: the engine's own error, which names the
-        # peer and the task, must come first.
-        t = 2.5 * t + 2.0
+        # that stops answering fails alone at that deadline, so wait a little longer here
+        t = 1.5 * t + 1.0
         self._wait_engine(t, "waiting for the weight writes")
         failed = self._failed_workers()
         if self.stamp_dests:
