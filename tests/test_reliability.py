@@ -1,6 +1,7 @@
 """Issue 8: bad input refused at setup in one message with nothing written; a plan that
 writes a byte twice refused; a receiver registered twice refused; verify mode; the
 control plane bound to a chosen address.  In one process: receivers in threads, fabric tcp."""
+import time
 from datetime import timedelta
 
 import pytest
@@ -52,6 +53,15 @@ def _refused(addr, name, params, ranks, cfg=TINY, mapping=None):
     replicas = max(q for q, _ in ranks) + 1
     ths = [_in_thread(Receiver, p, store=addr, replica=q, rank=r, tp=tp, replicas=replicas, name=name, timeout=T)
            for p, (q, r) in zip(params, ranks)]
+    if len(set(ranks)) < len(ranks):
+        # a duplicate is caught only if it claims its slot before the trainers' setup is
+        # through (a later one is refused on its own): start the Sender once every worker
+        # has published or been refused, so the check does not depend on thread scheduling under load
+        ctl = control.Control(control.resolve_store(addr, False, T), name, T)
+        deadline = time.monotonic() + T
+        while ctl.add("infer/count", 0) + ctl.add("infer/dups", 0) < len(ranks):
+            assert time.monotonic() < deadline, "the receivers never claimed their slots"
+            time.sleep(0.01)
     with pytest.raises(SetupError) as ei:
         Sender(_model(cfg), mapping=mapping, store=addr, name=name, timeout=T)
     errs = []
