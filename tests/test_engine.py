@@ -189,3 +189,29 @@ def test_vanished_peer_raises_within_bounded_time(provider):
     t0 = time.monotonic()
     t.close()
     assert time.monotonic() - t0 < 20
+
+
+def test_isolate_fails_a_peer_whose_writes_are_never_accepted():
+    """A transport that keeps answering -EAGAIN for one peer (as tcp;ofi_rxm does for a while
+    for a peer that died, here forced by the TEST-ONLY option _test_refuse_peer): with
+    isolate, that peer fails at the task deadline naming it, and the other peer gets every
+    byte. Without the deadline covering writes that never got posted, this waited forever."""
+    opts = {"provider": "tcp", "timeout": 120}
+    with TargetProcess("fabric", opts, [1 << 20]) as good, TargetProcess("fabric", opts, [1 << 20]) as bad:
+        t = _wxfer.Transport("fabric", dict(opts, _test_refuse_peer=1))
+        assert good.connect(t) == 0 and bad.connect(t) == 1
+        eng = _wxfer.Engine(t, timeout=1.5, isolate=True)
+        srcs = [rand(1 << 18, i) for i in range(4)]
+        t0 = time.monotonic()
+        for i, s in enumerate(srcs):
+            eng.submit(s, [(good.descriptors[0], i << 18, 0, 1 << 18), (bad.descriptors[0], i << 18, 0, 1 << 18)])
+        eng.wait(timeout=20)
+        took = time.monotonic() - t0
+        failed = eng.failed_peers()
+        assert [f[0] for f in failed] == [1], failed
+        assert "not accepted for 1.5 s" in failed[0][2] and "peer 1" in failed[0][2], failed
+        assert took < 1.5 + 3, took
+        assert good.read(0) == b"".join(s.tobytes() for s in srcs)
+        assert bad.read(0) == bytes(1 << 20)           # nothing reached the refused peer
+        eng.close()
+        t.close()

@@ -266,6 +266,20 @@ static void wx__check_deadlines(wx_engine_t *e)
                 wx__fail_peer(e, p, -ETIMEDOUT, msg);
                 return; /* the active list may have changed; the next check goes on */
             }
+            /* nothing of it in flight, yet still posting: the transport keeps refusing the
+             * write at the cursor (-EAGAIN, e.g. a provider reconnecting to a dead peer).
+             * Blame that peer, or this task would hold up every other peer's writes. */
+            if (t->in_post && t->cur_dest < t->spec.ndests &&
+                !wx__peer_failed(e, t->dests[t->cur_dest].peer)) {
+                wx_peer_t *p = t->dests[t->cur_dest].peer;
+                snprintf(msg, sizeof msg,
+                         "task %llu (tag %llu): writes to %s not accepted for %.1f s: the "
+                         "transport keeps refusing them (is the peer alive?)",
+                         (unsigned long long)t->id, (unsigned long long)t->spec.tag, p->name,
+                         (double)e->o.timeout_ns / 1e9);
+                wx__fail_peer(e, p, -ETIMEDOUT, msg);
+                return;
+            }
             continue;
         }
         {

@@ -412,6 +412,9 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     if (fp->failed)
         return wx_errf(fp->failed, "fabric: refusing write to %s, an earlier one failed: %s",
                        fp->name, fp->why);
+    if (p->id == f->test_refuse_peer)
+        return wx_errf(-EAGAIN, "fabric: TEST ONLY: refusing every write to %s "
+                                "(option _test_refuse_peer)", p->name);
     if (!wr->local)
         return wx_errf(-EINVAL, "fabric: write to %s needs a registered source region", p->name);
     desc = wr->local->ldesc;

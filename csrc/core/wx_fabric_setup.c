@@ -26,7 +26,8 @@
 #define WX_FAB_DEFAULT_TIMEOUT_S 30
 
 static const char *const wx__fab_known[] = {"provider", "iface",   "chunk",    "depth",
-                                            "hmem",     "timeout", "progress", NULL};
+                                            "hmem",     "timeout", "progress",
+                                            "_test_refuse_peer", NULL};
 
 static int wx__fab_errno(int rc)
 {
@@ -241,7 +242,7 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
     char why[256];
     const wx_fi_api_t *api = wx_fi(why, sizeof why);
     const char *prov, *iface, *hmem_opt, *progress;
-    uint64_t chunk, depth, timeout_s, max_msg;
+    uint64_t chunk, depth, timeout_s, max_msg, refuse;
     struct fi_av_attr av_attr;
     wx_fab_t *f;
     int rc;
@@ -264,7 +265,8 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
                        progress);
     if ((rc = wx_opt_u64(opts, "chunk", WX_FAB_DEFAULT_CHUNK, &chunk)) ||
         (rc = wx_opt_u64(opts, "depth", WX_FAB_DEFAULT_DEPTH, &depth)) ||
-        (rc = wx_opt_u64(opts, "timeout", WX_FAB_DEFAULT_TIMEOUT_S, &timeout_s)))
+        (rc = wx_opt_u64(opts, "timeout", WX_FAB_DEFAULT_TIMEOUT_S, &timeout_s)) ||
+        (rc = wx_opt_u64(opts, "_test_refuse_peer", UINT64_MAX, &refuse)))
         return rc;
     if (chunk == 0 || depth == 0 || depth > 65536)
         return wx_errf(-EINVAL, "transport fabric: chunk must be > 0 and depth in 1..65536 "
@@ -279,6 +281,7 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
     pthread_mutex_init(&f->dlock, NULL);
     snprintf(f->prov, sizeof f->prov, "%s", prov);
     f->op_timeout_ns = timeout_s * 1000000000ull;
+    f->test_refuse_peer = refuse;
 
     /* auto: block in fi_cq_sread where that drives the provider (tcp;ofi_rxm), poll
      * otherwise (shm's sread sleeps through incoming writes). */
