@@ -215,3 +215,34 @@ def test_isolate_fails_a_peer_whose_writes_are_never_accepted():
         assert bad.read(0) == bytes(1 << 20)           # nothing reached the refused peer
         eng.close()
         t.close()
+
+
+def test_engine_closed_with_writes_out_releases_their_sources_when_the_transport_closes():
+    """Closing an Engine while writes are still out to a receiver that stopped answering
+    (SIGSTOP) must not leak their sources: the Engine is parked on its Transport, whose
+    close cancels those writes, and then the sources are released."""
+    import os
+    import signal
+    import sys
+    opts = {"provider": "tcp"}
+    with TargetProcess("fabric", opts, [4 << 20]) as tgt:
+        t = _wxfer.Transport("fabric", opts)
+        tgt.connect(t)
+        eng = _wxfer.Engine(t, timeout=30)
+        eng.submit(rand(4096, 1), [(tgt.descriptors[0], 0, 0, 4096)])   # connection set up
+        eng.wait(timeout=20)
+        os.kill(tgt.proc.pid, signal.SIGSTOP)
+        try:
+            src = rand(4 << 20, 3)
+            base = sys.getrefcount(src)
+            eng.submit(src, [(tgt.descriptors[0], 0, 0, 4 << 20)])
+            deadline = time.monotonic() + 10
+            while eng.stats()["inflight"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert eng.stats()["inflight"] > 0
+            eng.close()                                  # writes still out: parked, source held
+            assert sys.getrefcount(src) > base
+            t.close()                                    # cancels them; the source is let go
+            assert sys.getrefcount(src) == base
+        finally:
+            os.kill(tgt.proc.pid, signal.SIGCONT)

@@ -779,6 +779,15 @@ uint32_t wx_engine_failed_peers(wx_engine_t *e, uint32_t *ids, int *errs, char (
     return n;
 }
 
+uint64_t wx_engine_writes_out(wx_engine_t *e)
+{
+    uint64_t n;
+    pthread_mutex_lock(&e->mu);
+    n = e->refs - (e->destroyed ? 0 : 1);
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
 int wx_engine_error(wx_engine_t *e, char *msg, size_t len)
 {
     int err;

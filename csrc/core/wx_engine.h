@@ -92,6 +92,8 @@ int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg
  * how many failed. wx_engine_wait does not report them. */
 uint32_t wx_engine_failed_peers(wx_engine_t *e, uint32_t *ids, int *errs, char (*msgs)[WX_ERRMSG_MAX / 2],
                                 uint32_t max);
+/* Writes posted and not yet completed by the transport (abandoned ones included). */
+uint64_t wx_engine_writes_out(wx_engine_t *e);
 /* The sticky error (0 if none) and its message. */
 int wx_engine_error(wx_engine_t *e, char *msg, size_t len);
 /* Clear a sticky error after the caller handled it (tasks in flight keep running). */

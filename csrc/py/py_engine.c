@@ -81,19 +81,42 @@ static PyObject *wx_engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     return (PyObject *)self;
 }
 
+/* After the transport closed: its registrations are gone, so no dereg. */
+static void wx__owner_free_closed(void *owner, void *arg)
+{
+    ((wx__owner_t *)owner)->t = NULL;
+    wx__owner_free(owner, arg);
+}
+
+void wx_py_engine_release_parked(wx_engine_t *e)
+{
+    wx_engine_reap(e, wx__owner_free_closed, NULL);
+    wx_engine_destroy(e);
+}
+
 static void wx__engine_close(wx_py_engine_t *self)
 {
     if (self->e) {
         wx_engine_t *e = self->e;
+        wx_py_transport_t *tr = (wx_py_transport_t *)self->transport;
         self->e = NULL;
         wx_engine_reap(e, wx__owner_free, NULL);
         Py_BEGIN_ALLOW_THREADS
         wx_engine_stop(e);
         Py_END_ALLOW_THREADS
         wx_engine_reap(e, wx__owner_free, NULL); /* the tasks stop() cancelled */
-        wx_engine_destroy(e);
-        /* tasks that were still in flight keep their sources alive (never reaped) */
-        ((wx_py_transport_t *)self->transport)->engines--;
+        tr->engines--;
+        if (wx_engine_writes_out(e) && tr->t) {
+            /* writes still out (a dead or silent peer): their sources must stay alive until
+             * the transport completes them, at the latest when it closes */
+            wx_engine_t **np = PyMem_Realloc(tr->parked, (size_t)(tr->nparked + 1) * sizeof *np);
+            if (np) {
+                tr->parked = np;
+                tr->parked[tr->nparked++] = e;
+                return;
+            }
+        }
+        wx_engine_destroy(e); /* (a failed park leaves in-flight sources unreleased) */
     }
 }
 

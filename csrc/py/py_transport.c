@@ -253,9 +253,14 @@ static void wx__transport_close(wx_py_transport_t *self)
         wx_transport_t *t = self->t;
         self->t = NULL;
         Py_BEGIN_ALLOW_THREADS
-        wx_transport_close(t);
+        wx_transport_close(t); /* completes every write still out, parked engines' too */
         Py_END_ALLOW_THREADS
     }
+    for (int i = 0; i < self->nparked; i++)
+        wx_py_engine_release_parked(self->parked[i]);
+    PyMem_Free(self->parked);
+    self->parked = NULL;
+    self->nparked = 0;
 }
 
 static void wx_transport_dealloc(PyObject *op)

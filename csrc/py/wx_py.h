@@ -35,7 +35,16 @@ typedef struct {
     wx_transport_t *t;
     char name[32];
     int engines; /* open Engines using t: close() is refused while any is open */
+    /* Engines closed while writes were still out (to a peer that died or stopped
+     * answering): kept here until the transport closes, which cancels those writes; then
+     * their tasks' sources are released (wx_py_engine_release_parked). */
+    wx_engine_t **parked;
+    int nparked;
 } wx_py_transport_t;
+
+/* Release the sources of a parked engine's tasks, once its transport closed (so without
+ * deregistering), and free it. */
+void wx_py_engine_release_parked(wx_engine_t *e);
 
 typedef struct {
     PyObject_HEAD
