@@ -1,5 +1,5 @@
 """Issue 8 faults, with real processes over fabric tcp: an inference worker killed in the
-middle of a step; a trainer killed in the middle of a step."""
+middle of a step (and restarted); a trainer killed in the middle of a step."""
 import os
 import signal
 import subprocess
@@ -57,7 +57,8 @@ def _expected(model):
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
     """kill: SIGKILL (its connections reset); stop: SIGSTOP (it stops answering; only the
-    write deadline, write_timeout=3 s here, can tell)."""
+    write deadline, write_timeout=3 s here, can tell).  Then a new process for that worker
+    registers again and the trainer's next push takes it."""
     from wxfer.sender import Sender
     s, addr = store
     procs = [_spawn("receiver", addr, "kw" + fault, q, 2, tmp_path) for q in range(2)]
@@ -103,15 +104,30 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
         msg = str(ei.value)
         assert time.monotonic() - t0 < wt, msg             # no second wait for the dead one
         assert "step 3" in msg and "inference worker gpu 1" in msg and "gpu 0" not in msg, msg
-        # the other worker got every byte of steps 2 and 3 and their version stamps
+        # worker gpu 1 is started again: it registers anew and the next push takes it, with
+        # no error and no restart of the trainer
         ctl = control.Control(s, "kw" + fault, T)
-        ctl.set("test/dump/0", b"1")
-        ctl.get("test/dumped/0", "worker 0's dump", T)
-        got = torch.load(tmp_path / "0.pt")
-        assert got["version"] == 3
-        for dst, off, b in _expected(m):
-            flat = got["params"][dst].view(-1).view(torch.uint8)
-            assert torch.equal(flat[off:off + b.numel()], b), dst
+        (tmp_path / "new").mkdir()
+        procs.append(_spawn("receiver", addr, "kw" + fault, 1, 2, tmp_path / "new"))
+        deadline = time.monotonic() + T
+        while not ctl.check("infer/1/e1"):
+            assert time.monotonic() < deadline and procs[-1].poll() is None, procs[-1].communicate()[0]
+            time.sleep(0.05)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.5)
+        sender.push()
+        assert sender.stats()["rejoined"] == 1
+        # the other worker got every byte of steps 2, 3 and 4 and their version stamps, the
+        # restarted one every byte of step 4 and its stamp
+        for g, path in ((0, tmp_path / "0.pt"), (1, tmp_path / "new" / "1.pt")):
+            ctl.set("test/dump/%d" % g, b"1")
+            ctl.get("test/dumped/%d" % g, f"worker {g}'s dump", T)
+            got = torch.load(path)
+            assert got["version"] == 4, (g, got["version"])
+            for dst, off, b in _expected(m):
+                flat = got["params"][dst].view(-1).view(torch.uint8)
+                assert torch.equal(flat[off:off + b.numel()], b), (g, dst)
         sender.close()
     finally:
         if fault == "stop" and procs[1].poll() is None:

@@ -207,3 +207,96 @@ def test_a_worker_that_never_registers_is_named_at_the_deadline(store):
     assert "1 arrived" in msg and "inference worker gpu 1 (replica 0 rank 1) has not registered" in msg, msg
     th.join(T)
     assert isinstance(box.get("error"), SetupError)
+
+
+def _landed(model, params, rank, tp=2):
+    """Every byte the plan writes to TP rank `rank` is in `params`."""
+    from wxfer.mapping import Layout, expand, pack_shard
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    ex = expand(preset_for(TINY).rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, False, None), TINY)
+    return all(torch.equal(params[sh.dst].view(-1).view(torch.uint8)[sh.offset:sh.offset + b.numel()], b)
+               for c in ex.components for sh in c.shards if sh.rank == rank for b in [pack_shard(sh, full)])
+
+
+def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
+    """A worker registered again for gpu 1 after setup (a restart: new memory, new transport
+    address) is taken by the trainer at its next push() without restarting: a new
+    connection, its tasks for gpu 1 pointed at the new memory, gpu 0's destinations and
+    the plan untouched.  A restart that does not match is refused on both sides, and the
+    worker it would have replaced keeps its place.  (In one process, so the replaced
+    workers are left open: closing one fabric tcp transport here can stall the completions
+    of the others; tests/test_faults.py kills and restarts a real process.)"""
+    from wxfer.sender import Sender
+    s, addr = store
+    name = "restart"
+    kw = dict(mapping=preset_for(TINY).name, store=addr, replica=0, tp=2, replicas=1, name=name, timeout=T)
+    params = [inference_params(TINY, 2, r) for r in range(2)]
+    ths = [_in_thread(Receiver, params[r], rank=r, **kw) for r in range(2)]
+    model = _model()
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, write_timeout=5)
+    recvs = []
+    for th, box in ths:
+        th.join(T)
+        recvs.append(box["value"])
+    sender.push()
+    ctl = control.Control(s, name, T)
+    plan_bytes = ctl.get("plan", "plan")
+
+    def dests_of(g):
+        return [[d for d in op.dests if sender._gpu_of_region[bytes(d[0])] == g]
+                for ops in sender.program.groups for op in ops]
+    dests0 = dests_of(0)
+
+    def bump():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+
+    def restart(p):
+        th, box = _in_thread(Receiver, p, rank=1, **kw)
+        e = ctl.add("infer/epoch/1", 0) + 1
+        deadline = time.monotonic() + T
+        while not ctl.check("infer/1/e%d" % e):      # registered; now it waits for the trainer
+            assert time.monotonic() < deadline and th.is_alive(), box
+            time.sleep(0.01)
+        return th, box
+
+    # a restart is taken at the next push, with no error
+    old = params[1]
+    params[1] = inference_params(TINY, 2, 1)
+    th, box = restart(params[1])
+    bump()
+    sender.push()                                 # step 2
+    th.join(T)
+    assert "error" not in box, box.get("error")
+    new = box["value"]
+    assert new.epoch == 1 and new.version() == 2 and recvs[0].version() == 2
+    assert _landed(model, params[1], 1) and _landed(model, params[0], 0)
+    assert recvs[1].version() == 1 and not _landed(model, old, 1)   # the replaced one: no longer written
+    assert sender.stats()["rejoined"] == 1
+    assert ctl.get("plan", "plan") == plan_bytes  # the controller did not plan again
+    assert dests_of(0) == dests0 and dests_of(1) != []
+    bump()
+    sender.push()
+    assert new.version() == 3 and _landed(model, params[1], 1)
+
+    # a restart whose parameters differ is refused: the trainer says why, once; the restarted
+    # worker raises; the worker in place keeps its place
+    bad = inference_params(TINY, 2, 1)
+    bad["model.norm.weight"] = torch.zeros(7, dtype=bad["model.norm.weight"].dtype)
+    th, box = restart(bad)
+    bump()
+    with pytest.raises(RuntimeError) as ei:
+        sender.push()
+    msg = str(ei.value)
+    assert "its restart (epoch 2) was refused" in msg and "model.norm.weight: shape/dtype [[7], 'bfloat16']" in msg, msg
+    assert "restarted inference worker(s) refused" in msg and "the other workers ([0, 1]) received" in msg, msg
+    th.join(T)
+    assert isinstance(box.get("error"), SetupError) and "refused by the trainers" in str(box["error"])
+    assert new.version() == 4 and _landed(model, params[1], 1) and recvs[0].version() == 4
+    bump()
+    sender.push()                                 # reported once; gpu 1 is still written
+    assert new.version() == 5 and _landed(model, params[1], 1)
+    sender.close()
+    for r in recvs + [new]:
+        r.close()

@@ -131,6 +131,7 @@ class TaskOp:
     dests: list                   # [(region descriptor, dst offset, src offset, nbytes)]
     nbytes: int                   # packed buffer size
     gpus: set = field(default_factory=set)
+    idx: object = None            # the plan's transfer indices of this task on this rank
 
     @property
     def sends(self) -> bool:
@@ -147,7 +148,6 @@ class RankProgram:
     @staticmethod
     def from_plan(plan, rank: int, params: dict) -> "RankProgram":
         """params: training name -> parameter object (DTensor or tensor) on this rank."""
-        gpu_all = plan.gpu
         decoded: dict[bytes, tuple[bytes, int]] = {}
         groups, gpus, total = [], set(), 0
         for g in plan.rank_schedule(rank):
@@ -165,24 +165,44 @@ class RankProgram:
                         raise AssertionError(f"task {task.name}: packed shard offsets not contiguous at {o}")
                     shards.append(sh)
                     off += sh.nbytes
-                dests, tg = [], set()
-                for i in idx.tolist():
-                    gpu = int(gpu_all[i])
-                    key = plan.descriptors.get((gpu, plan.names[plan.dst[i]]))
-                    if key is None:
-                        raise KeyError(f"wxfer: the plan has no descriptor for {plan.names[plan.dst[i]]} on "
-                                       f"inference gpu {gpu}")
-                    if key not in decoded:
-                        decoded[key] = decode_param_descriptor(key)
-                    rdesc, base = decoded[key]
-                    dests.append((rdesc, base + int(plan.dst_offset[i]), int(plan.src_offset[i]),
-                                  int(plan.nbytes[i])))
-                    tg.add(gpu)
-                    total += int(plan.nbytes[i])
+                dests, tg, n = _dests(plan, idx, decoded)
+                total += n
                 gpus |= tg
-                ops.append(TaskOp(t, task.name, [(s, params[s]) for s in task.sources], shards, dests, off, tg))
+                ops.append(TaskOp(t, task.name, [(s, params[s]) for s in task.sources], shards, dests, off, tg,
+                                  idx))
             groups.append(ops)
         return RankProgram(rank, groups, sorted(gpus), total)
+
+    def retarget(self, plan, gpu: int) -> int:
+        """Rebuild the destinations of the tasks that write to inference `gpu` from the
+        plan's descriptors (after a restarted worker registered new memory); every other
+        destination is left as it is.  Returns the number of tasks changed."""
+        decoded: dict[bytes, tuple[bytes, int]] = {}
+        n = 0
+        for ops in self.groups:
+            for op in ops:
+                if gpu in op.gpus:
+                    op.dests, op.gpus, _ = _dests(plan, op.idx, decoded)
+                    n += 1
+        return n
+
+
+def _dests(plan, idx, decoded) -> tuple[list, set, int]:
+    """(destinations, inference gpus, bytes) of the plan's transfers `idx`."""
+    dests, tg, total = [], set(), 0
+    for i in idx.tolist():
+        gpu = int(plan.gpu[i])
+        key = plan.descriptors.get((gpu, plan.names[plan.dst[i]]))
+        if key is None:
+            raise KeyError(f"wxfer: the plan has no descriptor for {plan.names[plan.dst[i]]} on "
+                           f"inference gpu {gpu}")
+        if key not in decoded:
+            decoded[key] = decode_param_descriptor(key)
+        rdesc, base = decoded[key]
+        dests.append((rdesc, base + int(plan.dst_offset[i]), int(plan.src_offset[i]), int(plan.nbytes[i])))
+        tg.add(gpu)
+        total += int(plan.nbytes[i])
+    return dests, tg, total
 
 
 # --------------------------------------------------------------------------- stages 1 and 2

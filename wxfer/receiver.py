@@ -130,6 +130,12 @@ class Receiver:
     replica, rank: this worker's replica index and TP rank; tp, replicas: the layout.
     The constructor returns after every trainer that writes here has connected (bounded
     by `timeout`); setup errors of the trainers' controller are raised here too.
+
+    A worker started again for a (replica, rank) after the trainers' setup (a restart)
+    registers anew and replaces the previous one: the trainers connect to it at their
+    next push() and write there from then on, with the plan unchanged for every other
+    worker.  Its parameters must match the first worker's (names, shapes, dtypes) and
+    the constructor waits (bounded by `timeout`) for that next push.
     """
 
     def __init__(self, named_parameters, mapping=None, store=None, replica: int = 0, rank: int = 0,
@@ -240,8 +246,19 @@ class Receiver:
             desc={n: _b64(d) for n, d in self.param_desc.items()},
             stamp=_b64(self.stamp_region.descriptor), stamp_slots=int(self.stamps.numel()),
             host=socket.gethostname(), pid=os.getpid(), device=str(self.device))
-        # one worker per (replica, rank): a second one is refused, and so is the whole setup
+        # one worker per (replica, rank): during setup a second one is refused, and so is the
+        # whole setup; once the trainers' setup is through, a new one is a restart: it
+        # replaces the previous one at the trainers' next push()
+        self.epoch = 0
         if self.ctl.add("infer/claim/%d" % self.gpu, 1) > 1:
+            if self.ctl.check("status"):
+                control.decode_result(self.ctl.get("status", "the trainers' setup status"),
+                                      "trainer rank 0 (controller)")
+                self.epoch = self.ctl.add("infer/epoch/%d" % self.gpu, 1)
+                meta["epoch"] = self.epoch
+                self.ctl.set_json("infer/%d/e%d" % (self.gpu, self.epoch), meta)
+                self.ctl.add("infer/rejoins", 1)
+                return
             self.ctl.set_json("infer/dup/%d" % self.gpu, dict(host=meta["host"], pid=meta["pid"]))
             self.ctl.add("infer/dups", 1)
             raise SetupError(f"wxfer.Receiver: replica {self.replica} rank {self.rank} (gpu {self.gpu}) is "
@@ -251,6 +268,8 @@ class Receiver:
         self.ctl.add("infer/count", 1)
 
     def _handshakes(self) -> None:
+        if self.epoch:
+            return self._rejoin_handshakes()
         st = self.ctl.get("status", "the trainers' plan (trainer rank 0 builds it once every "
                                     "inference worker has published)")
         control.decode_result(st, "trainer rank 0 (controller)")
@@ -258,6 +277,30 @@ class Receiver:
         for r in self.senders:
             control.target_accept(self.ctl, self.transport, r, self.gpu)
         self.ctl.set("ready/%d" % self.gpu, b"1")
+
+    def _rejoin_handshakes(self) -> None:
+        """A restarted worker: every trainer writing here connects at its next push();
+        wait (bounded by `timeout`) for each one, or for a trainer's refusal."""
+        self.senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
+        refused = "rejoin/refused/%d/e%d" % (self.gpu, self.epoch)
+        deadline = time.monotonic() + self.timeout
+        for r in self.senders:
+            req = control._hs("req", r, self.gpu, self.epoch)
+            delay = 0.005
+            while not self.ctl.check(req):
+                if self.ctl.check(refused):
+                    raise SetupError(f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} "
+                                     f"rank {self.rank}): refused by the trainers: "
+                                     + self.ctl.get(refused, "the trainers' refusal").decode(errors="replace"))
+                if time.monotonic() > deadline:
+                    raise SetupError(f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} rank "
+                                     f"{self.rank}): trainer rank {r} did not connect within {self.timeout:.0f} s "
+                                     "(the trainers pick up a restarted worker at their next push())")
+                time.sleep(delay)
+                delay = min(2 * delay, 0.1)
+            control.target_accept(self.ctl, self.transport, r, self.gpu, epoch=self.epoch,
+                                  req=self.ctl.get(req, "a trainer's handshake request"))
+        self.ctl.set("ready/%d/e%d" % (self.gpu, self.epoch), b"1")
 
     # ------------------------------------------------------------------ per step: nothing
     def version(self) -> int:

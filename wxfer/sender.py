@@ -243,20 +243,84 @@ class Sender:
         self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout,
                                     isolate=True)
         self.stamp_src = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.stamp_dests = []
+        self._stamp_dest = {}
         self.peers = {}
         for g, w in self.workers.items():      # all requests first, then the replies
             self.peers[g] = control.writer_request(self.ctl, self.transport, self.rank, g, _unb64(w["export"]))
         for g, w in self.workers.items():
             control.writer_finish(self.ctl, self.transport, self.rank, g, self.peers[g])
-            slot = senders[g].index(self.rank)
-            self.stamp_dests.append((_unb64(w["stamp"]), 8 * slot, 0, 8))
+            self._stamp_dest[g] = (_unb64(w["stamp"]), 8 * senders[g].index(self.rank), 0, 8)
         self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
         self._gpu_of_peer = {pid: g for g, pid in self.peers.items()}
         self._gpu_of_region = {}
         for g, w in self.workers.items():
             for d in w["desc"].values():
                 self._gpu_of_region[decode_param_descriptor(_unb64(d))[0]] = g
+        self._epoch = {g: 0 for g in self.workers}
+        self._rejoins_seen = 0
+        self._refused = {}           # gpu -> why its restarted worker was not taken (reported once)
+        self.rejoined = 0            # restarted workers taken so far
+
+    @property
+    def stamp_dests(self) -> list:
+        return list(self._stamp_dest.values())
+
+    # ------------------------------------------------------------------ restarted workers
+    def _adopt_rejoins(self) -> None:
+        """Take the inference workers restarted since the last push (one store round trip
+        when there are none): connect to each, point this rank's destinations for it at its
+        new memory; every other worker keeps its plan.  A restart that does not match the
+        worker it replaces is refused (it stays skipped, and the push reports it)."""
+        n = self.ctl.add("infer/rejoins", 0)
+        if n == self._rejoins_seen:
+            return
+        for g in sorted(self.workers):
+            e = self.ctl.add("infer/epoch/%d" % g, 0)
+            if e > self._epoch[g]:
+                self._epoch[g] = e
+                try:
+                    self._adopt(g, e)
+                    self._refused.pop(g, None)
+                except Exception as ex:  # noqa: BLE001 -- reported by this push, the others go on
+                    why = f"{type(ex).__name__}: {ex}"
+                    self._refused[g] = f"its restart (epoch {e}) was refused: {why}"
+                    self.ctl.set("rejoin/refused/%d/e%d" % (g, e), f"trainer rank {self.rank}: {why}")
+        self._rejoins_seen = n
+
+    def _adopt(self, g: int, e: int) -> None:
+        old = self.workers[g]
+        w = self.ctl.get_json("infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}", 30)
+        probs = []
+        for k in ("transport", "options", "mapping", "replicas", "tp", "replica", "rank", "ep"):
+            if w.get(k) != old.get(k):
+                probs.append(f"{k} {w.get(k)!r}, before {old.get(k)!r}")
+        for name in sorted(set(old["params"]) | set(w["params"])):
+            a, b = old["params"].get(name), w["params"].get(name)
+            if a != b:
+                probs.append(f"{name}: " + ("missing" if b is None else "not in the plan" if a is None
+                                            else f"shape/dtype {b}, the plan has {a}"))
+        slot = self._stamp_dest[g][1] // 8
+        if w["stamp_slots"] <= slot:
+            probs.append(f"{w['stamp_slots']} version stamp slots, trainer rank {self.rank} needs slot {slot}")
+        if probs:
+            raise SetupError(f"restarted inference worker gpu {g} ({w['host']} pid {w['pid']}) does not match "
+                             "the one it replaces:\n    " + "\n    ".join(probs))
+        peer = control.writer_connect(self.ctl, self.transport, self.rank, g, _unb64(w["export"]),
+                                      self.timeout, epoch=e)
+        # the new worker's memory: its descriptors into the plan, this rank's tasks for it
+        for name, d in w["desc"].items():
+            self.plan.descriptors[(g, name)] = _unb64(d)
+        self.program.retarget(self.plan, g)
+        for d in old["desc"].values():
+            self._gpu_of_region.pop(decode_param_descriptor(_unb64(d))[0], None)
+        for d in w["desc"].values():
+            self._gpu_of_region[decode_param_descriptor(_unb64(d))[0]] = g
+        self._gpu_of_peer.pop(self.peers[g], None)   # the old peer's writes (if any) stay abandoned
+        self.peers[g] = peer
+        self._gpu_of_peer[peer] = g
+        self._stamp_dest[g] = (_unb64(w["stamp"]), self._stamp_dest[g][1], 0, 8)
+        self.workers[g] = w
+        self.rejoined += 1
 
     # ------------------------------------------------------------------ per step
     @property
@@ -278,6 +342,7 @@ class Sender:
         self._sums = {} if self._verify else None
         self.version = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
+        self._adopt_rejoins()
         keep = []          # CUDA events must outlive the engine's wait on them
         barrier = None
         if self.stream is not None:
@@ -370,12 +435,14 @@ class Sender:
         import re
         out = {}
         for pid, err, msg in self.engine.failed_peers():
+            if pid not in self._gpu_of_peer:
+                continue                  # a worker since replaced by its restart
             m = re.search(r"\(tag (\d+)\)", msg)
             if m and int(m.group(1)) in self.task_names:
                 msg += f" [plan task {m.group(1)}: {self.task_names[int(m.group(1))]}]"
             elif m and int(m.group(1)) == STAMP_TAG:
                 msg += " [the version stamps]"
-            out[self._gpu_of_peer.get(pid, -1)] = f"{msg} (errno {err})"
+            out[self._gpu_of_peer[pid]] = f"{msg} (errno {err})"
         return out
 
     def _finish(self, h: PushHandle, timeout) -> None:
@@ -394,14 +461,22 @@ class Sender:
             self.engine.submit(self.stamp_src, self.stamp_dests, tag=STAMP_TAG)
             self._wait_engine(t, "writing the version stamps")
             failed = self._failed_workers()
-        if failed:
+        refused, self._refused = self._refused, {}
+        if failed or refused:
             self._sums = None
+            parts = []
+            if failed:
+                parts.append(f"the writes to {len(failed)} inference worker(s) failed; they are skipped from now "
+                             "on (a restarted one is taken at the next push):\n  "
+                             + "\n  ".join(f"{self._worker_name(g)}: {why}" for g, why in sorted(failed.items())))
+            if refused:
+                parts.append(f"{len(refused)} restarted inference worker(s) refused (the one in place, if alive, "
+                             "is still written):\n  "
+                             + "\n  ".join(f"inference worker gpu {g}: {why}" for g, why in sorted(refused.items())))
             ok = sorted(set(self.workers) - set(failed))
-            raise RuntimeError(
-                f"wxfer: trainer rank {self.rank}, step {h.version}: the writes to "
-                f"{len(failed)} inference worker(s) failed; they are skipped from now on:\n  "
-                + "\n  ".join(f"{self._worker_name(g)}: {why}" for g, why in sorted(failed.items()))
-                + f"\nthe other workers ({ok}) received every byte of step {h.version} and its version stamp")
+            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {h.version}: " + "\n".join(parts)
+                               + f"\nthe other workers ({ok}) received every byte of step {h.version} and its "
+                                 "version stamp")
         if self._sums is not None:
             self._last_sums, self._sums = self._sums, None
             from .verify import request
@@ -428,6 +503,7 @@ class Sender:
     def stats(self) -> dict:
         s = dict(self.engine.stats())
         s.update(rank=self.rank, bytes_per_step=self.bytes_per_step, receivers=list(self.workers),
+                 rejoined=self.rejoined,
                  transport=self.transport_name, setup_s=self.setup_s)
         return s
 

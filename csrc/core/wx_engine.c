@@ -11,6 +11,8 @@
 #include "wx_dl_cuda.h"
 
 #define WX__IDLE_NS (100 * 1000 * 1000ull) /* how long an idle stage thread sleeps */
+#define WX__EAGAIN_MIN_NS (1000 * 1000ull)    /* retry after a transport's -EAGAIN ... */
+#define WX__EAGAIN_MAX_NS (32 * 1000 * 1000ull) /* ... backing off up to this */
 
 typedef struct wx__task wx__task_t;
 
@@ -427,6 +429,7 @@ static void *wx__post_main(void *arg)
 {
     wx_engine_t *e = arg;
     char msg[WX_ERRMSG_MAX];
+    uint64_t eagain_ns = WX__EAGAIN_MIN_NS;
     pthread_mutex_lock(&e->mu);
     while (!e->stop) {
         wx__task_t *t = e->post.head;
@@ -510,8 +513,13 @@ static void *wx__post_main(void *arg)
                 e->refs--;
                 memset(eo, 0, sizeof *eo);
                 if (rc == -EAGAIN) {
+                    /* woken by the next completion; else back off (1 ms doubling to 32
+                     * ms): retrying a peer the provider is reconnecting to every 1 ms
+                     * starved tcp;ofi_rxm's progress for the healthy peers */
                     wx__check_deadlines(e);
-                    wx__wait(&e->cv_post, &e->mu, 1000 * 1000ull);
+                    wx__wait(&e->cv_post, &e->mu, eagain_ns);
+                    if (eagain_ns < WX__EAGAIN_MAX_NS)
+                        eagain_ns *= 2;
                     continue;
                 }
                 if (e->o.isolate) {
@@ -522,6 +530,7 @@ static void *wx__post_main(void *arg)
                 wx__set_error(e, rc, msg);
                 continue;
             }
+            eagain_ns = WX__EAGAIN_MIN_NS;
             t->cur_off += len;
             if (t->cur_off == d->len) {
                 t->cur_dest++;
