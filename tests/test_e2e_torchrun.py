@@ -89,3 +89,122 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path, case):
     for r, (p, out) in enumerate(zip(ws, outs[1:])):
         assert p.returncode == 0, out[-3000:]
         assert f"worker {r} version 2" in out and f"worker {r} nan 0" in out
+
+
+FAULT_TRAINER = textwrap.dedent("""
+    import time, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from wxfer.models import TINY, Qwen3ForCausalLM, preset_for, shard_fsdp2
+    from wxfer.sender import Sender
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = shard_fsdp2(Qwen3ForCausalLM(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
+    sender = Sender(model, mapping=preset_for(TINY), timeout=60, write_timeout=3)
+    ctl = sender.ctl
+    def bump():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+    bump(); sender.push()
+    ctl.set("test/step1/%d" % rank, b"1")
+    ctl.get("test/killed", "the test killing worker gpu 1", 60)
+    bump()
+    t0 = time.monotonic()
+    try:
+        sender.push()
+        print(f"rank {rank} step 2 did not fail", flush=True)
+    except RuntimeError as e:
+        named = "inference worker gpu 1 (replica 0 rank 1" in str(e)
+        print(f"rank {rank} step 2 failed after {time.monotonic() - t0:.1f} s, naming gpu 1: {named}; "
+              + str(e).splitlines()[0], flush=True)
+    ctl.set("test/step2/%d" % rank, b"1")
+    ctl.get("test/restarted", "the test restarting worker gpu 1", 60)
+    bump(); sender.push()
+    print(f"rank {rank} step 3 ok rejoined {sender.stats()['rejoined']}", flush=True)
+    dist.barrier()
+    sender.close()
+    dist.destroy_process_group()
+""")
+
+FAULT_WORKER = textwrap.dedent("""
+    import sys, torch
+    from wxfer.models import TINY, inference_params, preset_for
+    from wxfer.receiver import Receiver
+    rank, want = int(sys.argv[1]), int(sys.argv[2])
+    params = inference_params(TINY, 2, rank)
+    recv = Receiver(params, mapping=preset_for(TINY).name, replica=0, rank=rank, tp=2, replicas=1, timeout=60)
+    print("worker", rank, "epoch", recv.epoch, "senders", recv.senders, flush=True)
+    print("worker", rank, "version", recv.wait_version(want, 60), flush=True)
+    recv.ctl.get("test/done/%d" % rank, "the test's go-ahead", 60)
+    recv.close()
+""")
+
+
+@pytest.mark.timeout(240)
+def test_two_trainers_both_name_a_killed_worker_and_both_take_its_restart(tmp_path):
+    """FSDP2 over two trainer ranks.  Worker gpu 1 is killed between steps: in step 2 every
+    trainer raises naming it, within write_timeout + slack (the ranks that write to it see
+    it; the others learn it from them, so an SPMD loop stays in step) while gpu 0 gets
+    every byte; then a new process for gpu 1 registers again and step 3 reaches it from
+    its writers, with no restart of theirs."""
+    import signal
+    import time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from wxfer.control import Control
+    (tmp_path / "trainer.py").write_text(FAULT_TRAINER)
+    (tmp_path / "worker.py").write_text(FAULT_WORKER)
+    sport = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT, WXFER_STORE_PORT=str(sport), WXFER_STORE="127.0.0.1:%d" % sport,
+               OMP_NUM_THREADS="1", WXFER_FABRIC_PROVIDER="tcp")
+
+    def spawn(*args, **kw):
+        return subprocess.Popen([sys.executable] + [str(a) for a in args], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, **kw)
+    tr = spawn("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", free_port(), tmp_path / "trainer.py", env=dict(env, WXFER_STORE=""))
+    ws = [spawn(tmp_path / "worker.py", 0, 3, env=env), spawn(tmp_path / "worker.py", 1, 99, env=env)]
+    procs = [tr] + ws
+    try:
+        deadline = time.monotonic() + 120
+        while True:     # trainer rank 0 hosts the store: connect once it is up
+            try:
+                ctl = Control(dist.TCPStore("127.0.0.1", sport, is_master=False, timeout=timedelta(seconds=60),
+                                            wait_for_workers=False), "default", 60)
+                break
+            except Exception:  # noqa: BLE001
+                assert time.monotonic() < deadline and tr.poll() is None
+                time.sleep(0.5)
+        for r in (0, 1):
+            ctl.get("test/step1/%d" % r, f"trainer rank {r}'s step 1", 120)
+        ws[1].send_signal(signal.SIGKILL)
+        ws[1].wait(10)
+        ctl.set("test/killed", b"1")
+        for r in (0, 1):
+            ctl.get("test/step2/%d" % r, f"trainer rank {r}'s step 2", 60)
+        ws.append(spawn(tmp_path / "worker.py", 1, 3, env=env))
+        procs.append(ws[-1])
+        while not ctl.check("infer/1/e1"):
+            assert ws[-1].poll() is None
+            time.sleep(0.05)
+        ctl.set("test/restarted", b"1")
+        for r in (0, 1):
+            ctl.set("test/done/%d" % r, b"1")
+        outs = [p.communicate(timeout=120)[0] for p in (tr, ws[0], ws[2])]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert tr.returncode == 0, outs[0][-3000:]
+    for r in (0, 1):
+        line = [ln for ln in outs[0].splitlines() if f"rank {r} step 2" in ln]
+        assert line and "failed after" in line[0] and "naming gpu 1: True" in line[0], outs[0]
+        assert float(line[0].split("failed after ")[1].split(" s")[0]) < 3 + 5, line
+    import re
+    rejoined = {int(r): int(n) for r, n in re.findall(r"rank (\d) step 3 ok rejoined (\d)", outs[0])}
+    assert sorted(rejoined) == [0, 1], outs[0][-3000:]
+    assert ws[0].returncode == 0 and "worker 0 version 3" in outs[1], outs[1]
+    m = re.search(r"worker 1 epoch 1 senders \[([\d, ]*)\]", outs[2])
+    assert ws[2].returncode == 0 and m and "worker 1 version 3" in outs[2], outs[2]
+    writers = {int(x) for x in m.group(1).split(",")}
+    assert writers and {r for r, n in rejoined.items() if n == 1} == writers, (rejoined, writers)

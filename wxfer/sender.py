@@ -13,7 +13,9 @@ setup error on any rank (or on rank 0's controller) is raised on every rank.
 A step replays the plan: for each mesh group, for each task of this rank in order,
 H2D (offloaded FSDP) -> full_tensor() + fusion + FP8 + packing -> Engine.submit; an
 asynchronous gloo barrier after the group's last full_tensor(); then, once this rank's
-writes have landed, its version stamp into every receiver it wrote to.
+writes have landed, its version stamp into every receiver it wrote to.  A failure seen by
+any rank is raised on every rank (one gloo all-reduce of a flag per push).  An inference
+worker restarted since the last push is connected and written from this push on.
 """
 from __future__ import annotations
 
@@ -462,6 +464,7 @@ class Sender:
             self._wait_engine(t, "writing the version stamps")
             failed = self._failed_workers()
         refused, self._refused = self._refused, {}
+        own = None
         if failed or refused:
             self._sums = None
             parts = []
@@ -474,17 +477,44 @@ class Sender:
                              "is still written):\n  "
                              + "\n  ".join(f"inference worker gpu {g}: {why}" for g, why in sorted(refused.items())))
             ok = sorted(set(self.workers) - set(failed))
-            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {h.version}: " + "\n".join(parts)
-                               + f"\nthe other workers ({ok}) received every byte of step {h.version} and its "
-                                 "version stamp")
-        if self._sums is not None:
+            own = ("\n".join(parts) + f"\nthe other workers ({ok}) received every byte of step {h.version} "
+                   "and its version stamp")
+        if own is None and self._sums is not None:
             self._last_sums, self._sums = self._sums, None
             from .verify import request
             self.last_verify = request(self.ctl, self.rank, h.version, self._last_sums, self.workers, t)
         if h._barrier is not None:
             h._barrier.wait(self.timeout)
+        # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
+        others = self._failures_elsewhere(own)
+        if own is not None or others:
+            msg = f"wxfer: trainer rank {self.rank}, step {h.version}: " + (
+                own if own is not None else "this rank's writes all landed, but")
+            msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
+            raise RuntimeError(msg)
         h.seconds = time.perf_counter() - h._t0
         h._keep.clear()
+
+    def _failures_elsewhere(self, own: str | None) -> list:
+        """[(rank, report)] of the other trainer ranks whose step failed: one gloo all_reduce
+        of a flag per push, the reports gathered only when a flag is set."""
+        if self.group is None or self.world == 1:
+            return []
+        import torch
+        import torch.distributed as dist
+        from datetime import timedelta
+        flag = torch.tensor([0 if own is None else 1], dtype=torch.int32)
+        work = dist.all_reduce(flag, group=self.group, async_op=True)
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except Exception as e:
+            raise TimeoutError(f"wxfer: trainer rank {self.rank}, step {self.version}: the other trainer ranks "
+                               f"did not finish the step within {self.timeout:.0f} s: {e}") from e
+        if int(flag.item()) == 0:
+            return []
+        reports = [None] * self.world
+        dist.all_gather_object(reports, own, group=self.group)
+        return [(r, o) for r, o in enumerate(reports) if o is not None and r != self.rank]
 
     def _abort(self) -> None:
         try:
