@@ -1,7 +1,7 @@
 /* wx_engine.c - per-stage FIFO queues, watermark, chunked posting, completions, trace.
  * See wx_engine.h for the flow. One mutex guards the engine's queues and counters; the
  * transport is called without it held. */
-#include "wx_engine.h"
+#include "wx_engine_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,69 +14,6 @@
 #define WX__EAGAIN_MIN_NS (1000 * 1000ull)    /* retry after a transport's -EAGAIN ... */
 #define WX__EAGAIN_MAX_NS (32 * 1000 * 1000ull) /* ... backing off up to this */
 
-typedef struct wx__task wx__task_t;
-
-typedef struct wx__eop {
-    wx_op_t op;
-    wx__task_t *task;
-    uint64_t len;
-    uint32_t dest;  /* index in task->dests */
-    uint8_t done;   /* its completion arrived */
-    uint8_t abandoned; /* its peer failed (isolate): no longer waited for */
-} wx__eop_t;
-
-#define WX__MAX_FAILED 64 /* failed peers remembered with their reason (isolate) */
-
-typedef struct wx__failed {
-    wx_peer_t *peer;
-    int err;
-    char msg[WX_ERRMSG_MAX / 2];
-} wx__failed_t;
-
-struct wx__task {
-    uint64_t id;
-    wx_task_spec_t spec;
-    wx_dest_t *dests;
-    uint32_t nchunks, posted, completed;
-    uint32_t skipped; /* chunks not posted because their peer failed (isolate) */
-    uint32_t live;    /* posted, not completed, not abandoned */
-    int queued_done;  /* on the done queue */
-    uint32_t cur_dest;   /* posting cursor */
-    uint64_t cur_off;
-    int status;
-    int finished;
-    int in_post; /* still queued for posting: only the post thread may finish it */
-    int on_active; /* linked into the engine's active list */
-    uint64_t deadline;
-    wx__eop_t *ops;
-    wx_trace_rec_t rec;
-    wx__task_t *next;      /* ready/post/done queue link */
-    wx__task_t *act_prev, *act_next; /* active list (posted, unfinished) */
-};
-
-typedef struct wx__queue {
-    wx__task_t *head, *tail;
-} wx__queue_t;
-
-struct wx_engine {
-    wx_transport_t *t;
-    wx_engine_opts_t o;
-    pthread_mutex_t mu;
-    pthread_cond_t cv_admit, cv_ready, cv_post, cv_done;
-    wx__queue_t ready, post, done;
-    wx__task_t *active;
-    uint64_t held, held_peak, inflight, submitted, completed, bytes_written, next_id;
-    int err;
-    char errmsg[WX_ERRMSG_MAX];
-    int stop, stopped, destroyed;
-    wx__failed_t failed[WX__MAX_FAILED];
-    uint32_t nfailed;
-    uint64_t refs; /* 1 for the owner + one per outstanding write */
-    pthread_t th_ready, th_post;
-    int started;
-    wx_trace_rec_t *trace;
-    size_t ntrace, cap_trace;
-};
 
 static void wx__q_push(wx__queue_t *q, wx__task_t *t)
 {
@@ -771,80 +708,4 @@ int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg
         n++;
     }
     return n;
-}
-
-uint32_t wx_engine_failed_peers(wx_engine_t *e, uint32_t *ids, int *errs, char (*msgs)[WX_ERRMSG_MAX / 2],
-                                uint32_t max)
-{
-    uint32_t n;
-    pthread_mutex_lock(&e->mu);
-    n = e->nfailed;
-    for (uint32_t i = 0; i < n && i < max; i++) {
-        ids[i] = e->failed[i].peer->id;
-        errs[i] = e->failed[i].err;
-        memcpy(msgs[i], e->failed[i].msg, sizeof msgs[i]);
-    }
-    pthread_mutex_unlock(&e->mu);
-    return n;
-}
-
-uint64_t wx_engine_writes_out(wx_engine_t *e)
-{
-    uint64_t n;
-    pthread_mutex_lock(&e->mu);
-    n = e->refs - (e->destroyed ? 0 : 1);
-    pthread_mutex_unlock(&e->mu);
-    return n;
-}
-
-int wx_engine_error(wx_engine_t *e, char *msg, size_t len)
-{
-    int err;
-    pthread_mutex_lock(&e->mu);
-    err = e->err;
-    if (msg && len)
-        snprintf(msg, len, "%s", e->errmsg);
-    pthread_mutex_unlock(&e->mu);
-    return err;
-}
-
-void wx_engine_clear_error(wx_engine_t *e)
-{
-    pthread_mutex_lock(&e->mu);
-    e->err = 0;
-    e->errmsg[0] = '\0';
-    pthread_mutex_unlock(&e->mu);
-}
-
-void wx_engine_stats(wx_engine_t *e, wx_engine_stats_t *s)
-{
-    pthread_mutex_lock(&e->mu);
-    s->submitted = e->submitted;
-    s->completed = e->completed;
-    s->bytes_written = e->bytes_written;
-    s->held = e->held;
-    s->held_peak = e->held_peak;
-    s->inflight = e->inflight;
-    pthread_mutex_unlock(&e->mu);
-}
-
-int wx_engine_trace(wx_engine_t *e, wx_trace_rec_t **out, size_t *n)
-{
-    pthread_mutex_lock(&e->mu);
-    *out = malloc((e->ntrace ? e->ntrace : 1) * sizeof **out);
-    if (!*out) {
-        pthread_mutex_unlock(&e->mu);
-        return wx_errf(-ENOMEM, "trace: out of memory");
-    }
-    memcpy(*out, e->trace, e->ntrace * sizeof **out);
-    *n = e->ntrace;
-    pthread_mutex_unlock(&e->mu);
-    return 0;
-}
-
-void wx_engine_trace_clear(wx_engine_t *e)
-{
-    pthread_mutex_lock(&e->mu);
-    e->ntrace = 0;
-    pthread_mutex_unlock(&e->mu);
 }

@@ -1,0 +1,72 @@
+/* wx_engine_int.h - the engine's private state, shared by wx_engine.c (the stages) and
+ * wx_engine_info.c (errors, failed peers, stats, trace). Not part of the interface. */
+#ifndef WX_ENGINE_INT_H
+#define WX_ENGINE_INT_H
+
+#include "wx_engine.h"
+
+typedef struct wx__task wx__task_t;
+
+typedef struct wx__eop {
+    wx_op_t op;
+    wx__task_t *task;
+    uint64_t len;
+    uint32_t dest;  /* index in task->dests */
+    uint8_t done;   /* its completion arrived */
+    uint8_t abandoned; /* its peer failed (isolate): no longer waited for */
+} wx__eop_t;
+
+#define WX__MAX_FAILED 64 /* failed peers remembered with their reason (isolate) */
+
+typedef struct wx__failed {
+    wx_peer_t *peer;
+    int err;
+    char msg[WX_ERRMSG_MAX / 2];
+} wx__failed_t;
+
+struct wx__task {
+    uint64_t id;
+    wx_task_spec_t spec;
+    wx_dest_t *dests;
+    uint32_t nchunks, posted, completed;
+    uint32_t skipped; /* chunks not posted because their peer failed (isolate) */
+    uint32_t live;    /* posted, not completed, not abandoned */
+    int queued_done;  /* on the done queue */
+    uint32_t cur_dest;   /* posting cursor */
+    uint64_t cur_off;
+    int status;
+    int finished;
+    int in_post; /* still queued for posting: only the post thread may finish it */
+    int on_active; /* linked into the engine's active list */
+    uint64_t deadline;
+    wx__eop_t *ops;
+    wx_trace_rec_t rec;
+    wx__task_t *next;      /* ready/post/done queue link */
+    wx__task_t *act_prev, *act_next; /* active list (posted, unfinished) */
+};
+
+typedef struct wx__queue {
+    wx__task_t *head, *tail;
+} wx__queue_t;
+
+struct wx_engine {
+    wx_transport_t *t;
+    wx_engine_opts_t o;
+    pthread_mutex_t mu;
+    pthread_cond_t cv_admit, cv_ready, cv_post, cv_done;
+    wx__queue_t ready, post, done;
+    wx__task_t *active;
+    uint64_t held, held_peak, inflight, submitted, completed, bytes_written, next_id;
+    int err;
+    char errmsg[WX_ERRMSG_MAX];
+    int stop, stopped, destroyed;
+    wx__failed_t failed[WX__MAX_FAILED];
+    uint32_t nfailed;
+    uint64_t refs; /* 1 for the owner + one per outstanding write */
+    pthread_t th_ready, th_post;
+    int started;
+    wx_trace_rec_t *trace;
+    size_t ntrace, cap_trace;
+};
+
+#endif
