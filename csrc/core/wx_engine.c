@@ -182,6 +182,17 @@ static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     pthread_cond_broadcast(&e->cv_admit);
 }
 
+/* isolate: peer p fails for task t's deadline. mu held. */
+static void wx__fail_late(wx_engine_t *e, const wx__task_t *t, wx_peer_t *p, const char *what,
+                          const char *why)
+{
+    char msg[WX_ERRMSG_MAX];
+    snprintf(msg, sizeof msg, "task %llu (tag %llu): writes to %s %s %.1f s%s (is the peer alive?)",
+             (unsigned long long)t->id, (unsigned long long)t->spec.tag, p->name, what,
+             (double)e->o.timeout_ns / 1e9, why);
+    wx__fail_peer(e, p, -ETIMEDOUT, msg);
+}
+
 /* Called with mu held: fail the engine if a posted task has outlived its deadline; with
  * isolate, fail only the peers whose writes are late. */
 static void wx__check_deadlines(wx_engine_t *e)
@@ -197,12 +208,7 @@ static void wx__check_deadlines(wx_engine_t *e)
                 wx_peer_t *p = t->dests[eo->dest].peer;
                 if (eo->done || eo->abandoned || wx__peer_failed(e, p))
                     continue;
-                snprintf(msg, sizeof msg,
-                         "task %llu (tag %llu): writes to %s not complete after %.1f s "
-                         "(is the peer alive?)",
-                         (unsigned long long)t->id, (unsigned long long)t->spec.tag, p->name,
-                         (double)e->o.timeout_ns / 1e9);
-                wx__fail_peer(e, p, -ETIMEDOUT, msg);
+                wx__fail_late(e, t, p, "not complete after", "");
                 return; /* the active list may have changed; the next check goes on */
             }
             /* nothing of it in flight, yet still posting: the transport keeps refusing the
@@ -210,13 +216,8 @@ static void wx__check_deadlines(wx_engine_t *e)
              * Blame that peer, or this task would hold up every other peer's writes. */
             if (t->in_post && t->cur_dest < t->spec.ndests &&
                 !wx__peer_failed(e, t->dests[t->cur_dest].peer)) {
-                wx_peer_t *p = t->dests[t->cur_dest].peer;
-                snprintf(msg, sizeof msg,
-                         "task %llu (tag %llu): writes to %s not accepted for %.1f s: the "
-                         "transport keeps refusing them (is the peer alive?)",
-                         (unsigned long long)t->id, (unsigned long long)t->spec.tag, p->name,
-                         (double)e->o.timeout_ns / 1e9);
-                wx__fail_peer(e, p, -ETIMEDOUT, msg);
+                wx__fail_late(e, t, t->dests[t->cur_dest].peer, "not accepted for",
+                              ": the transport keeps refusing them");
                 return;
             }
             continue;
