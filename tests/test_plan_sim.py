@@ -62,3 +62,25 @@ def test_never_below_the_lower_bound(train, tp, reps, offload):
     plan = plan_for("qwen3-tiny", c)
     r = simulate(plan, c, steps=200, record=False)
     assert r.simulated_s >= r.lower_bound_s * (1 - 1e-9)
+
+
+def test_writes_inside_a_node_use_the_write_path_bandwidth():
+    """Issue 9's 8-GPU layout: 4 FSDP trainers and 2 x TP2 receivers on one node, writing over
+    NVLink (cuda_ipc): with write_GBps the bound and the simulation follow that rate, not the
+    NIC's; a plan with all-gathers across nodes is refused in that mode."""
+    c = Cluster(train_gpus=4, infer_gpus=4, infer_tp=2, gpus_per_node=8, dense_shard=4, write_GBps=390.0)
+    plan = plan_for("qwen3-8b", c)
+    r = simulate(plan, c)
+    per_gpu = max(plan.nbytes[plan.gpu == g].sum() for g in range(4))
+    per_rank = max(plan.nbytes[plan.sender == s].sum() for s in range(4))
+    assert r.link_bytes["train_send"].max() == per_rank and r.link_bytes["infer_recv"].max() == per_gpu
+    assert r.link_bw["train_send"] == r.link_bw["infer_recv"] == 390e9
+    ag = r.link_bytes["nvlink"].max() / 370e9                  # the all-gathers, inside the node
+    assert r.link_bytes["train_nic_send"].max() == 0           # nothing on the NICs
+    assert r.lower_bound_s == pytest.approx(max(per_gpu / 390e9, per_rank / 390e9, ag), rel=1e-6)
+    assert r.lower_bound_s <= r.simulated_s < 1.1 * r.lower_bound_s
+    nic = simulate(plan, Cluster(train_gpus=4, infer_gpus=4, infer_tp=2, gpus_per_node=8, dense_shard=4))
+    assert nic.simulated_s > 5 * r.simulated_s            # 50 GB/s NIC against 390 GB/s
+    with pytest.raises(ValueError, match="across nodes"):
+        c2 = Cluster(train_gpus=16, infer_gpus=4, infer_tp=2, gpus_per_node=8, write_GBps=390.0, expert_shard=2)
+        simulate(plan_for("qwen3-30b-a3b", c2), c2)

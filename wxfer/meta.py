@@ -96,10 +96,19 @@ class Cluster:
     barrier_s: float = 0.5e-3              # gloo barrier between mesh groups
     write_latency_s: float = 5e-6
     max_posted_bytes: int = 16 << 30       # writes a trainer rank keeps posted at once (>= one task's)
+    # the trainer -> inference write path per GPU and direction, GB/s; None: the NIC.  Set it
+    # (e.g. to the measured cuda_ipc peer-copy rate) when trainers and receivers share a node
+    # and write over NVLink; the all-gathers are then still modelled on their own NVLink.
+    write_GBps: float | None = None
 
     @property
     def nic_GBps(self) -> float:
         return self.nic_gbps / 8 * self.nic_efficiency
+
+    @property
+    def write_bw(self) -> float:
+        """Bytes/s of the write path per GPU and direction (the NIC unless write_GBps is set)."""
+        return (self.nic_GBps if self.write_GBps is None else self.write_GBps) * 1e9
 
     @property
     def replicas(self) -> int:

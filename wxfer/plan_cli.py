@@ -32,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nic-gbps", type=float, default=400.0)
     p.add_argument("--nvlink-gbytes", type=float, default=370.0, help="per GPU, GB/s")
     p.add_argument("--pcie-gbytes", type=float, default=55.0, help="per GPU, GB/s")
+    p.add_argument("--write-gbytes", type=float, default=None,
+                   help="trainer -> inference write path per GPU, GB/s (default: the NIC); e.g. the measured "
+                        "cuda_ipc rate when trainers and receivers share a node")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--dense-shard", type=int, default=8, help="FSDP size of dense params (inside a node)")
     p.add_argument("--expert-shard", type=int, default=2, help="FSDP size of routed experts (across nodes)")
@@ -61,7 +64,8 @@ def run(args) -> dict:
         quant=(preset.quant if args.quant is None else (None if args.quant == "bf16" else args.quant)),
         gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps, nvlink_GBps=args.nvlink_gbytes,
         pcie_GBps=args.pcie_gbytes, dense_shard=args.dense_shard, expert_shard=args.expert_shard,
-        cpu_offload=args.cpu_offload, watermark_bytes=int(args.watermark_gb * (1 << 30)))
+        cpu_offload=args.cpu_offload, watermark_bytes=int(args.watermark_gb * (1 << 30)),
+        write_GBps=args.write_gbytes)
     t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_for(preset, cluster)
     build_s, build_cpu_s = time.perf_counter() - t0, time.process_time() - c0

@@ -136,8 +136,16 @@ def _links(plan, cluster):
             recv_t[list(m)] += b
     recv_i = np.bincount(plan.gpu, plan.nbytes, ngpu).astype(float)
     nic = cluster.nic_GBps * 1e9
-    lb = dict(train_nic_send=send, train_nic_recv=recv_t, infer_nic_recv=recv_i, nvlink=nvl)
-    bw = dict(train_nic_send=nic, train_nic_recv=nic, infer_nic_recv=nic, nvlink=cluster.nvlink_GBps * 1e9)
+    w = cluster.write_bw
+    if cluster.write_GBps is not None:     # writes on their own path: NIC carries only all-gathers
+        wsend = np.bincount(plan.sender, plan.nbytes, world).astype(float)
+        lb = dict(train_send=wsend, infer_recv=recv_i, train_nic_send=send - wsend, train_nic_recv=recv_t,
+                  nvlink=nvl)
+        bw = dict(train_send=w, infer_recv=w, train_nic_send=nic, train_nic_recv=nic,
+                  nvlink=cluster.nvlink_GBps * 1e9)
+    else:
+        lb = dict(train_nic_send=send, train_nic_recv=recv_t, infer_nic_recv=recv_i, nvlink=nvl)
+        bw = dict(train_nic_send=nic, train_nic_recv=nic, infer_nic_recv=nic, nvlink=cluster.nvlink_GBps * 1e9)
     if cluster.cpu_offload:
         lb["pcie"] = pcie
         bw["pcie"] = cluster.pcie_GBps * 1e9
@@ -214,6 +222,9 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     # ---- mesh / rank state
     task_mesh = np.array([t.mesh for t in plan.tasks], np.int64)
     mesh_intra = [len({r // gpn for r in m}) == 1 for m in plan.meshes]
+    if cluster.write_GBps is not None and not all(mesh_intra[t.mesh] for t in plan.tasks if len(plan.meshes[t.mesh]) > 1):
+        raise ValueError("Cluster.write_GBps models writes inside one node, but this plan has all-gathers across "
+                         "nodes (they would share the write path's capacity in this model)")
     group_of_mesh = {m: g for g, ms in enumerate(plan.groups) for m in ms}
     G = len(plan.groups)
     group_left = np.zeros(G, np.int64)
@@ -331,7 +342,8 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
 
     dt = max(lb, 1e-6) / steps
     now = 0.0
-    cap = np.concatenate([np.full(world, nic), np.full(world, nic), np.full(ngpu, nic)])
+    wbw = cluster.write_bw
+    cap = np.concatenate([np.full(world, wbw), np.full(world, nic), np.full(ngpu, wbw)])
     jobs_left = J
     nstep = 0
     ag_done_ids = set()
@@ -466,5 +478,5 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     total = max(last_write, stage_end["allgather"], stage_end["quant"])
     stage_end["write"] = last_write
     trace = dict(t=np.array(tr_t), dt=dt, write_bytes=np.array(tr_w), allgather_bytes=np.array(tr_ag),
-                 infer_capacity=ngpu * nic * dt, infer_finish_s=gpu_finish)
+                 infer_capacity=ngpu * wbw * dt, infer_finish_s=gpu_finish)
     return SimResult(total, lb, bname, lbytes, lbw, stage_end, timeline, nstep, _time.perf_counter() - w0, trace)
