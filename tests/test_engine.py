@@ -9,7 +9,7 @@ import pytest
 
 import wxfer
 from wxfer import _wxfer
-from wxfer.testing import TargetProcess
+from wxfer.testing import TargetProcess, connected_fabric
 from wxfer.testing import pattern as rand
 from wxfer.trace import held_over_time, to_chrome
 
@@ -22,12 +22,8 @@ pytestmark = pytest.mark.skipif(not wxfer.backends()["fabric"]["available"],
 
 @pytest.fixture(params=PROVIDERS)
 def pair(request):
-    opts = {"provider": request.param}
-    with TargetProcess("fabric", opts, [1 << 20, 3 * 4096 + 17]) as tgt:
-        t = _wxfer.Transport("fabric", opts)
-        tgt.connect(t)
+    with connected_fabric(request.param, [1 << 20, 3 * 4096 + 17]) as (t, tgt):
         yield t, tgt
-        t.close()
 
 
 def test_odd_sizes_and_unaligned_offsets(pair):

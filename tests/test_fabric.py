@@ -11,8 +11,9 @@ very moment each completion arrives.
 import glob
 import os
 import shutil
-import subprocess
 import struct
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -21,7 +22,7 @@ import pytest
 import wxfer
 from wxfer import _wxfer
 from wxfer.testing import build_env
-from wxfer.testing import TargetProcess
+from wxfer.testing import TargetProcess, connected_fabric
 from wxfer.testing import pattern as rand
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,12 +35,8 @@ pytestmark = pytest.mark.skipif(not wxfer.backends()["fabric"]["available"],
 
 @pytest.fixture(params=PROVIDERS)
 def pair(request):
-    opts = {"provider": request.param}
-    with TargetProcess("fabric", opts, [1 << 20, 9 << 20]) as tgt:
-        t = _wxfer.Transport("fabric", opts)
-        tgt.connect(t)
+    with connected_fabric(request.param, [1 << 20, 9 << 20]) as (t, tgt):
         yield t, tgt, request.param
-        t.close()
 
 
 # --- options and provider selection (single process) -----------------------------------
@@ -241,6 +238,23 @@ def test_shm_close_leaves_nothing_in_dev_shm():
     tgt.close()
     assert tgt.proc.exitcode == 0
     assert not glob.glob("/dev/shm/%d:*" % pid)
+
+
+def test_shm_file_left_by_a_dead_process_with_our_pid_does_not_block_shm():
+    """A process killed with an shm endpoint open leaves /dev/shm/PID:0:0; shm refused (EBUSY)
+    to open an endpoint in a later process that got the same pid (seen in CI: pid reuse
+    after the fault tests' kills). The first shm open of a process removes such leftovers."""
+    code = ("import os, sys\n"
+            "open('/dev/shm/%d:0:0' % os.getpid(), 'w').write('stale')\n"
+            "from wxfer import _wxfer\n"
+            "t = _wxfer.Transport('fabric', {'provider': 'shm'})\n"
+            "t2 = _wxfer.Transport('fabric', {'provider': 'shm'})   # a second one keeps the first's file\n"
+            "t2.close(); t.close()\n"
+            "assert not [f for f in os.listdir('/dev/shm') if f.startswith('%d:' % os.getpid())]\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
 @pytest.mark.timeout(60)

@@ -15,11 +15,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from .mapping import Expanded, Layout, Preset, dtype_size, expand, from_config, get_preset
+from .mapping import Expanded, Layout, Preset, expand, from_config, get_preset
+from .mapping.rules import Sized
 
 
 @dataclass(frozen=True)
-class TrainParam:
+class TrainParam(Sized):
     """One training parameter.
 
     meshes: the independent groups of global ranks that can each produce the full tensor
@@ -33,23 +34,15 @@ class TrainParam:
     placements: tuple[str, ...] = ()
 
     @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_size(self.dtype)
-
-    @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted({r for m in self.meshes for r in m}))
 
 
 @dataclass(frozen=True)
-class InferParam:
+class InferParam(Sized):
     name: str
     shape: tuple[int, ...]
     dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * dtype_size(self.dtype)
 
 
 @dataclass

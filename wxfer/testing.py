@@ -7,6 +7,7 @@ landed. It runs no code per write.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 
 TIMEOUT = 60.0
@@ -122,8 +123,15 @@ class TargetProcess:
         return peer
 
     def kill(self) -> None:
+        import glob
+        import os
         self.proc.kill()
         self.proc.join(10)
+        for f in glob.glob("/dev/shm/%d:*" % self.proc.pid):   # what a killed shm endpoint leaves
+            try:
+                os.unlink(f)
+            except OSError:
+                pass
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -142,3 +150,18 @@ class TargetProcess:
 
     def __exit__(self, *exc):
         self.close()
+
+
+@contextlib.contextmanager
+def connected_fabric(provider: str, sizes):
+    """(writer Transport, TargetProcess with buffers of `sizes`), connected over libfabric
+    `provider`; both closed on exit."""
+    from . import _wxfer
+    opts = {"provider": provider}
+    with TargetProcess("fabric", opts, sizes) as tgt:
+        t = _wxfer.Transport("fabric", opts)
+        try:
+            tgt.connect(t)
+            yield t, tgt
+        finally:
+            t.close()

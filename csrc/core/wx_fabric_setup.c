@@ -15,10 +15,13 @@
 #include "wx_fabric.h"
 
 #ifdef WX_HAVE_FABRIC
+#include <dirent.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define WX_FAB_API_MIN FI_VERSION(1, 9)
 #define WX_FAB_DEFAULT_CHUNK (4ull << 20)
@@ -237,6 +240,39 @@ static int wx__fab_open_cq(wx_fab_t *f)
     return 0;
 }
 
+/* shm names its shared-memory file /dev/shm/PID:N:N and refuses (EBUSY) to enable an
+ * endpoint whose name exists. A process killed before closing leaves its file behind, and
+ * a later process that gets the same pid could not open shm at all. Files named after our
+ * own pid that exist before this process opened any shm endpoint can only be such leftovers:
+ * the first shm open of the process removes them (under a lock, so that a second transport
+ * opening at the same time waits until they are gone). */
+static void wx__fab_shm_unlink_stale(void)
+{
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    static long done_pid; /* per process, also in a forked child */
+    char prefix[32], path[300];
+    DIR *d;
+    struct dirent *de;
+    size_t n;
+    pthread_mutex_lock(&mu);
+    if (done_pid != (long)getpid()) {
+        done_pid = (long)getpid();
+        n = (size_t)snprintf(prefix, sizeof prefix, "%ld:", (long)getpid());
+        d = opendir("/dev/shm");
+        while (d && (de = readdir(d))) {
+            if (strncmp(de->d_name, prefix, n) == 0) {
+                snprintf(path, sizeof path, "/dev/shm/%s", de->d_name);
+                if (unlink(path) == 0)
+                    wx_debugf("fabric: removed %s, left by an earlier process with pid %ld", path,
+                              (long)getpid());
+            }
+        }
+        if (d)
+            closedir(d);
+    }
+    pthread_mutex_unlock(&mu);
+}
+
 static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
 {
     char why[256];
@@ -347,6 +383,8 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
             f->rcntr = NULL;
         }
     }
+    if (strcmp(prov, "shm") == 0)
+        wx__fab_shm_unlink_stale();
     rc = fi_enable(f->ep);
     if (rc) {
         rc = wx__fab_err(rc, "fabric: fi_enable(provider %s, domain %s)", prov, f->dom);

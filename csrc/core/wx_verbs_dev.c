@@ -98,9 +98,21 @@ int wx__verbs_pci_distance(const char *a, const char *b)
     return (na - common) + (nb - common);
 }
 
+/* The resolved form of sysfs link `path` into out[len]. */
+static int wx__realpath_into(const char *path, char *out, size_t len)
+{
+    char real[PATH_MAX];
+    if (!realpath(path, real))
+        return -ENOENT;
+    if (strlen(real) >= len)
+        return -ENAMETOOLONG;
+    memcpy(out, real, strlen(real) + 1);
+    return 0;
+}
+
 int wx__verbs_gpu_pci_path(const char *sysfs, const char *busid, char *out, size_t len)
 {
-    char id[32], path[512], real[PATH_MAX];
+    char id[32], path[512];
     const char *c = strchr(busid, ':');
     size_t i;
     /* "00000000:17:00.0" (NVML) and "0000:17:00.0" (CUDA) both name domain 0000. */
@@ -110,25 +122,15 @@ int wx__verbs_gpu_pci_path(const char *sysfs, const char *busid, char *out, size
         id[i] = (char)tolower((unsigned char)busid[i]);
     id[i] = '\0';
     snprintf(path, sizeof path, "%s/bus/pci/devices/%s", sysfs ? sysfs : "/sys", id);
-    if (!realpath(path, real))
-        return -ENOENT;
-    if (strlen(real) >= len)
-        return -ENAMETOOLONG;
-    memcpy(out, real, strlen(real) + 1);
-    return 0;
+    return wx__realpath_into(path, out, len);
 }
 
 static int wx__nic_pci(const char *ibdev_path, char *out, size_t len)
 {
-    char path[512], real[PATH_MAX];
+    char path[512];
     snprintf(path, sizeof path, "%s/device", ibdev_path);
     out[0] = '\0';
-    if (!realpath(path, real))
-        return -ENOENT;
-    if (strlen(real) >= len)
-        return -ENAMETOOLONG;
-    memcpy(out, real, strlen(real) + 1);
-    return 0;
+    return wx__realpath_into(path, out, len);
 }
 
 static int wx__gpu_path(int gpu, char *out, size_t len, char *why, size_t why_len)

@@ -78,16 +78,22 @@ class Shard(NamedTuple):
     pieces: tuple[Piece, ...]
 
 
-@dataclass(frozen=True)
-class DestParam:
-    rank: int
-    name: str
+class Sized:
+    """A parameter description with `shape` and `dtype`: its size in bytes."""
     shape: tuple[int, ...]
     dtype: str
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class DestParam(Sized):
+    rank: int
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
 
 
 @dataclass
