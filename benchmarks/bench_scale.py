@@ -145,6 +145,7 @@ def _pg(a, phase, rank, world):
 def _wxfer_phase(role, i, a, cfg, dev, ctl):
     import torch
     import torch.distributed as dist
+    from wxfer import pipeline
     from wxfer.receiver import Receiver
     conf, preset = bb.model_spec(cfg["model"])
     quant = "fp8" if cfg["quant"] == "fp8" else None
@@ -197,7 +198,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
         per = (16 if a["dry_run"] else 256) * MiB // n
         inp = torch.empty(per, dtype=torch.uint8, device=dev)
         out = torch.empty(per * n, dtype=torch.uint8, device=dev)
-        t = timed(lambda: dist.all_gather_into_tensor(out, inp), dev)
+        t = timed(lambda: pipeline.all_gather_single(out, inp), dev)
         bw["allgather_GBps"] = per * (n - 1) / t / 1e9          # bytes into each rank over its link
         del inp, out
     s = Sender(model, mapping=preset, store=a["store"], name=name, watermark=a["watermark"], timeout=a["timeout"],
@@ -268,7 +269,7 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
         loc = shards[s]
         out = torch.empty((loc.shape[0] * n,) + tuple(loc.shape[1:]), dtype=dt, device=dev)
         if n > 1:
-            dist.all_gather_into_tensor(out, loc, group=tgroup)
+            pipeline.all_gather_single(out, loc, group=tgroup)
         else:
             out.copy_(loc)
         return out[:sh[0]]

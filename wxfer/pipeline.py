@@ -221,7 +221,7 @@ def full_tensor(p, local):
     """Stage 2a: the whole tensor, gathered over the parameter's mesh.
 
     The common FSDP2 placements (one ``Shard(0)`` mesh dimension, the others
-    ``Replicate()``: FSDP, HSDP) go straight to one ``all_gather_into_tensor`` on that
+    ``Replicate()``: FSDP, HSDP) go straight to one ``all_gather_single`` on that
     dimension's process group; anything else through ``DTensor.full_tensor()``.  Both give
     the same bytes (the rows of torch.chunk-style shards, in rank order)."""
     from torch.distributed.tensor import DTensor
@@ -285,8 +285,16 @@ def _gather_rows(local, g):
     else:
         inp = local.contiguous()
     out = torch.empty((w * c,) + rest, dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(out, inp, group=group)
+    all_gather_single(out, inp, group=group)
     return out if n == w * c else out[:n]
+
+
+def all_gather_single(out, inp, group=None, async_op=False):
+    """torch.distributed.all_gather_single where torch has it (2.13 deprecates
+    all_gather_into_tensor, its older name), else all_gather_into_tensor."""
+    import torch.distributed as dist
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def pack(shards, fulls: dict):
