@@ -209,7 +209,7 @@ def decode_result(data: bytes, where: str) -> bytes:
 # --------------------------------------------------------------------------- handshake through the store
 
 
-def _hs(kind: str, rank: int, gpu: int, epoch: int = 0) -> str:
+def hs_key(kind: str, rank: int, gpu: int, epoch: int = 0) -> str:
     """Store key of a handshake message; a restarted worker (epoch >= 1) gets fresh keys."""
     return "hs/%s/%d/%d" % (kind, rank, gpu) + ("/e%d" % epoch if epoch else "")
 
@@ -227,31 +227,29 @@ def writer_request(ctl: Control, transport, rank: int, gpu: int, export_blob: by
     """Step 1 (trainer): post the handshake request for receiver `gpu`; returns the peer id.
     A trainer posts all its requests first, then collects the replies (writer_finish)."""
     peer, req = transport.connect_request(export_blob)
-    ctl.set(_hs("req", rank, gpu, epoch), req)
+    ctl.set(hs_key("req", rank, gpu, epoch), req)
     return peer
 
 
 def writer_finish(ctl: Control, transport, rank: int, gpu: int, peer: int, timeout: float | None = None,
                   epoch: int = 0) -> None:
     """Step 3 (trainer): the receiver's reply, then finish the connection."""
-    rep = ctl.get(_hs("rep", rank, gpu, epoch), f"the handshake reply of inference worker gpu {gpu} "
+    rep = ctl.get(hs_key("rep", rank, gpu, epoch), f"the handshake reply of inference worker gpu {gpu} "
                                                 f"to trainer rank {rank}", timeout)
     rep = decode_result(rep, f"inference worker gpu {gpu} answering trainer rank {rank}")
     transport.connect_finish(peer, rep)
 
 
 def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float | None = None,
-                  epoch: int = 0, req: bytes | None = None) -> None:
-    """Receiver side: answer the handshake request of trainer `rank` (`req` when the caller
-    already read it)."""
-    if req is None:
-        req = ctl.get(_hs("req", rank, gpu, epoch), f"the handshake request of trainer rank {rank} "
-                                                    f"to inference worker gpu {gpu}", timeout)
+                  epoch: int = 0) -> None:
+    """Receiver side: answer the handshake request of trainer `rank`."""
+    req = ctl.get(hs_key("req", rank, gpu, epoch), f"the handshake request of trainer rank {rank} "
+                                                f"to inference worker gpu {gpu}", timeout)
     try:
         rep = transport.accept(req) if req else b""
-        ctl.set(_hs("rep", rank, gpu, epoch), encode_result(rep, None))
+        ctl.set(hs_key("rep", rank, gpu, epoch), encode_result(rep, None))
     except Exception as e:
-        ctl.set(_hs("rep", rank, gpu, epoch), encode_result(None, f"{type(e).__name__}: {e}"))
+        ctl.set(hs_key("rep", rank, gpu, epoch), encode_result(None, f"{type(e).__name__}: {e}"))
         raise SetupError(f"wxfer: inference worker gpu {gpu}: accepting trainer rank {rank}: {e}") from e
 
 

@@ -285,7 +285,7 @@ class Receiver:
         refused = "rejoin/refused/%d/e%d" % (self.gpu, self.epoch)
         deadline = time.monotonic() + self.timeout
         for r in self.senders:
-            req = control._hs("req", r, self.gpu, self.epoch)
+            req = control.hs_key("req", r, self.gpu, self.epoch)
             delay = 0.005
             while not self.ctl.check(req):
                 if self.ctl.check(refused):
@@ -298,8 +298,7 @@ class Receiver:
                                      "(the trainers pick up a restarted worker at their next push())")
                 time.sleep(delay)
                 delay = min(2 * delay, 0.1)
-            control.target_accept(self.ctl, self.transport, r, self.gpu, epoch=self.epoch,
-                                  req=self.ctl.get(req, "a trainer's handshake request"))
+            control.target_accept(self.ctl, self.transport, r, self.gpu, epoch=self.epoch)
         self.ctl.set("ready/%d/e%d" % (self.gpu, self.epoch), b"1")
 
     # ------------------------------------------------------------------ per step: nothing

@@ -254,10 +254,7 @@ class Sender:
             self._stamp_dest[g] = (_unb64(w["stamp"]), 8 * senders[g].index(self.rank), 0, 8)
         self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
         self._gpu_of_peer = {pid: g for g, pid in self.peers.items()}
-        self._gpu_of_region = {}
-        for g, w in self.workers.items():
-            for d in w["desc"].values():
-                self._gpu_of_region[decode_param_descriptor(_unb64(d))[0]] = g
+        self._gpu_of_region = {r: g for g, w in self.workers.items() for r in _regions(w)}
         self._epoch = {g: 0 for g in self.workers}
         self._rejoins_seen = 0
         self._refused = {}           # gpu -> why its restarted worker was not taken (reported once)
@@ -313,10 +310,9 @@ class Sender:
         for name, d in w["desc"].items():
             self.plan.descriptors[(g, name)] = _unb64(d)
         self.program.retarget(self.plan, g)
-        for d in old["desc"].values():
-            self._gpu_of_region.pop(decode_param_descriptor(_unb64(d))[0], None)
-        for d in w["desc"].values():
-            self._gpu_of_region[decode_param_descriptor(_unb64(d))[0]] = g
+        for r in _regions(old):
+            self._gpu_of_region.pop(r, None)
+        self._gpu_of_region.update((r, g) for r in _regions(w))
         self._gpu_of_peer.pop(self.peers[g], None)   # the old peer's writes (if any) stay abandoned
         self.peers[g] = peer
         self._gpu_of_peer[peer] = g
@@ -555,6 +551,11 @@ class Sender:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _regions(worker: dict) -> set:
+    """The region descriptors of an inference worker's published parameter descriptors."""
+    return {decode_param_descriptor(_unb64(d))[0] for d in worker["desc"].values()}
 
 
 def torch_sync(device) -> None:
