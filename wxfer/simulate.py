@@ -117,7 +117,8 @@ def _links(plan, cluster):
     """Bytes per link from the plan alone (used for the lower bound and utilisation)."""
     world, ngpu = plan.train_world, int(plan.gpu_of.max()) + 1
     gpn = cluster.gpus_per_node
-    send = np.bincount(plan.sender, plan.nbytes, world).astype(float)
+    writes = np.bincount(plan.sender, plan.nbytes, world).astype(float)
+    ag_send = np.zeros(world)                   # cross-node all-gathers, over the NICs
     recv_t = np.zeros(world)
     nvl = np.zeros(world)
     pcie = np.zeros(world)
@@ -132,20 +133,17 @@ def _links(plan, cluster):
         if len({r // gpn for r in m}) == 1:
             nvl[list(m)] += b
         else:
-            send[list(m)] += b
+            ag_send[list(m)] += b
             recv_t[list(m)] += b
     recv_i = np.bincount(plan.gpu, plan.nbytes, ngpu).astype(float)
-    nic = cluster.nic_GBps * 1e9
-    w = cluster.write_bw
+    nic, w = cluster.nic_GBps * 1e9, cluster.write_bw
     if cluster.write_GBps is not None:     # writes on their own path: NIC carries only all-gathers
-        wsend = np.bincount(plan.sender, plan.nbytes, world).astype(float)
-        lb = dict(train_send=wsend, infer_recv=recv_i, train_nic_send=send - wsend, train_nic_recv=recv_t,
-                  nvlink=nvl)
-        bw = dict(train_send=w, infer_recv=w, train_nic_send=nic, train_nic_recv=nic,
-                  nvlink=cluster.nvlink_GBps * 1e9)
+        lb = dict(train_send=writes, infer_recv=recv_i, train_nic_send=ag_send, train_nic_recv=recv_t, nvlink=nvl)
+        bw = dict(train_send=w, infer_recv=w, train_nic_send=nic, train_nic_recv=nic)
     else:
-        lb = dict(train_nic_send=send, train_nic_recv=recv_t, infer_nic_recv=recv_i, nvlink=nvl)
-        bw = dict(train_nic_send=nic, train_nic_recv=nic, infer_nic_recv=nic, nvlink=cluster.nvlink_GBps * 1e9)
+        lb = dict(train_nic_send=writes + ag_send, train_nic_recv=recv_t, infer_nic_recv=recv_i, nvlink=nvl)
+        bw = dict(train_nic_send=nic, train_nic_recv=nic, infer_nic_recv=nic)
+    bw["nvlink"] = cluster.nvlink_GBps * 1e9
     if cluster.cpu_offload:
         lb["pcie"] = pcie
         bw["pcie"] = cluster.pcie_GBps * 1e9
