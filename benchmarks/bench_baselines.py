@@ -96,18 +96,18 @@ def train_params(preset, cfg, device, seed: int = 0) -> dict:
     return out
 
 
-def expanded(preset, cfg, quant):
+def expanded(preset, cfg, quant, tp: int = 1):
     from wxfer.mapping import Layout, expand
     shapes = {n: s for n, (s, _, _) in preset.hf_params(cfg).items()}
-    ex = expand(preset.rules, shapes, Layout(1, False, quant), cfg)
+    ex = expand(preset.rules, shapes, Layout(tp, False, quant), cfg)
     if ex.errors:
         raise RuntimeError("mapping errors: " + "; ".join(ex.errors[:5]))
     return ex
 
 
-def infer_params(ex, device) -> dict:
+def infer_params(ex, device, rank: int = 0) -> dict:
     import torch
-    return {n: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for n, d in ex.dest[0].items()}
+    return {n: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for n, d in ex.dest[rank].items()}
 
 
 def _bytes(t):

@@ -77,36 +77,14 @@ def device_of(a: dict, role: str, i: int):
     return torch.device("cuda", g)
 
 
-def layout_ex(preset, cfg, tp: int, quant):
-    from wxfer.mapping import Layout, expand
-    shapes = {n: s for n, (s, _, _) in preset.hf_params(cfg).items()}
-    ex = expand(preset.rules, shapes, Layout(tp, False, quant), cfg)
-    if ex.errors:
-        raise RuntimeError("mapping errors: " + "; ".join(ex.errors[:5]))
-    return ex
-
-
-def infer_params(ex, rank: int, dev) -> dict:
-    import torch
-    out = {n: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=dev) for n, d in ex.dest[rank].items()}
-    bb.reset(out)
-    return out
-
-
-def sync(dev) -> None:
-    import torch
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def timed(fn, dev, reps: int = 3) -> float:
     fn()
-    sync(dev)
+    bb._sync_dev(dev)
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         fn()
-        sync(dev)
+        bb._sync_dev(dev)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -151,12 +129,12 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
     quant = "fp8" if cfg["quant"] == "fp8" else None
     tp, name = a["tp"], a["name"] + "_wx"
     if role == "receiver":
-        ex = layout_ex(preset, conf, tp, quant)
-        params = infer_params(ex, i % tp, dev)
+        params = bb.infer_params(bb.expanded(preset, conf, quant, tp), dev, i % tp)
+        bb.reset(params)
         r = Receiver(params, mapping=preset.name, store=a["store"], replica=i // tp, rank=i % tp, tp=tp,
                      replicas=a["replicas"], name=name, timeout=a["timeout"])
         ctl.get("wx/done", "the trainers' wxfer steps", a["timeout"])
-        sync(dev)
+        bb._sync_dev(dev)
         ctl.set_json("sum/wxfer/%d" % i, dict(sums=bb.checksums(params), version=r.version()))
         r.close()
         return
@@ -180,7 +158,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
             if tuple(loc.shape) != tuple(want.shape):
                 raise RuntimeError(f"{pn}: FSDP2 local shard {tuple(loc.shape)}, expected {tuple(want.shape)}")
             loc.copy_(want)
-    sync(dev)
+    bb._sync_dev(dev)
     # bandwidths for the simulator, measured here
     bw = {}
     if i == 0:
@@ -205,7 +183,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
                write_timeout=a["timeout"])
     times = []
     for k in range(a["warmup"] + a["reps"]):
-        sync(dev)
+        bb._sync_dev(dev)
         dist.barrier()
         t = time.perf_counter()
         s.push()
@@ -244,7 +222,7 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
     _pg(a, "rank0", g, n + m)
     tgroup = dist.new_group(list(range(n)))
     bgroup = dist.new_group([0] + list(range(n, n + m)))
-    ex = layout_ex(preset, conf, tp, quant)
+    ex = bb.expanded(preset, conf, quant, tp)
     hf = preset.hf_params(conf)
     meta = {s: (tuple(sh), getattr(torch, dt)) for s, (sh, dt, _) in hf.items()}
     sizes = {s: int(torch.Size(sh).numel()) * torch.empty(0, dtype=dt).element_size() for s, (sh, dt) in meta.items()}
@@ -261,7 +239,8 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
             shards[s] = pad
             del full
     else:
-        params = infer_params(ex, i % tp, dev)
+        params = bb.infer_params(ex, dev, i % tp)
+        bb.reset(params)
     bufs = [torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)] if (g == 0 or not trainer) else None
 
     def gather(s):
@@ -304,11 +283,11 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
         dist.all_reduce(torch.zeros(1))                     # CPU tensor: gloo, every process
     times = []
     for k in range(a["warmup"] + a["reps"]):
-        sync(dev)
+        bb._sync_dev(dev)
         barrier()
         t = time.perf_counter()
         step()
-        sync(dev)
+        bb._sync_dev(dev)
         barrier()
         if k >= a["warmup"]:
             times.append(time.perf_counter() - t)
