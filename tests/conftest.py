@@ -30,3 +30,15 @@ def pytest_collection_modifyitems(config, items):
             devs = os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else []
             if not devs:
                 item.add_marker(pytest.mark.skip(reason="needs an RDMA device (/sys/class/infiniband is empty)"))
+
+
+@pytest.fixture
+def store(request):
+    """(a TCPStore hosted by this test, "host:port"), its timeout the test module's T."""
+    from datetime import timedelta
+    import torch.distributed as dist
+    from wxfer import control
+    port = control.free_port()
+    t = getattr(request.module, "T", 30.0)
+    s = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=t), wait_for_workers=False)
+    return s, "127.0.0.1:%d" % port

@@ -6,11 +6,9 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from wxfer import _wxfer, control
 from wxfer.models import TINY, inference_params, preset_for
@@ -21,13 +19,7 @@ ROOT = os.path.dirname(HERE)
 T = 30.0
 sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
-
-
-@pytest.fixture
-def store():
-    port = control.free_port()
-    s = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=T), wait_for_workers=False)
-    return s, "127.0.0.1:%d" % port
+from wxfer.testing import expected_shards  # noqa: E402
 
 
 def _spawn(*args):
@@ -48,10 +40,7 @@ def _reap(procs):
 
 
 def _expected(model):
-    from wxfer.mapping import Layout, expand, pack_shard
-    full = {n: p.detach() for n, p in model.named_parameters()}
-    ex = expand(preset_for(TINY).rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(1, False, None), TINY)
-    return [(sh.dst, sh.offset, pack_shard(sh, full)) for c in ex.components for sh in c.shards]
+    return [(dst, off, b) for _, dst, off, b in expected_shards(model, TINY)]
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])

@@ -1,15 +1,12 @@
 """Receiver: registration (deduplicated, contiguous only), descriptors, version stamps, setup
 errors raised on both sides; the whole Sender -> Receiver path in one process (threads,
 fabric tcp); and the vLLM worker extension's pure-Python parts."""
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from wxfer import _wxfer, control
 from wxfer.control import SetupError
-from wxfer.mapping import Layout, expand, pack_shard
 from wxfer.models import TINY, Qwen3ForCausalLM, inference_params, preset_for
 from wxfer.receiver import Receiver, decode_param_descriptor, encode_param_descriptor
 
@@ -18,14 +15,7 @@ pytestmark = pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 T = 30.0
 
 
-@pytest.fixture
-def store():
-    port = control.free_port()
-    s = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=T), wait_for_workers=False)
-    return s, "127.0.0.1:%d" % port
-
-
-from wxfer.testing import in_thread as _in_thread  # noqa: E402
+from wxfer.testing import expected_shards, in_thread as _in_thread  # noqa: E402
 
 
 def test_descriptor_round_trip():
@@ -65,13 +55,9 @@ def _tiny_model():
 
 
 def _expected(model, tp, quant):
-    full = {n: p.detach() for n, p in model.named_parameters()}
-    preset = preset_for(TINY)
-    ex = expand(preset.rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, False, quant), TINY)
     out = [dict() for _ in range(tp)]
-    for c in ex.components:
-        for sh in c.shards:
-            out[sh.rank].setdefault(sh.dst, []).append((sh.offset, pack_shard(sh, full)))
+    for rank, dst, off, b in expected_shards(model, TINY, tp, quant):
+        out[rank].setdefault(dst, []).append((off, b))
     return out
 
 

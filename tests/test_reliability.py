@@ -2,11 +2,9 @@
 writes a byte twice refused; a receiver registered twice refused; verify mode; the
 control plane bound to a chosen address.  In one process: receivers in threads, fabric tcp."""
 import time
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from wxfer import _wxfer, control
 from wxfer.control import SetupError
@@ -17,14 +15,7 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 T = 20.0
 
 
-@pytest.fixture
-def store():
-    port = control.free_port()
-    s = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=T), wait_for_workers=False)
-    return s, "127.0.0.1:%d" % port
-
-
-from wxfer.testing import in_thread as _in_thread  # noqa: E402
+from wxfer.testing import expected_shards, in_thread as _in_thread  # noqa: E402
 
 
 def _model(cfg=TINY):
@@ -211,11 +202,8 @@ def test_a_worker_that_never_registers_is_named_at_the_deadline(store):
 
 def _landed(model, params, rank, tp=2):
     """Every byte the plan writes to TP rank `rank` is in `params`."""
-    from wxfer.mapping import Layout, expand, pack_shard
-    full = {n: p.detach() for n, p in model.named_parameters()}
-    ex = expand(preset_for(TINY).rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, False, None), TINY)
-    return all(torch.equal(params[sh.dst].view(-1).view(torch.uint8)[sh.offset:sh.offset + b.numel()], b)
-               for c in ex.components for sh in c.shards if sh.rank == rank for b in [pack_shard(sh, full)])
+    return all(torch.equal(params[dst].view(-1).view(torch.uint8)[off:off + b.numel()], b)
+               for r, dst, off, b in expected_shards(model, TINY, tp) if r == rank)
 
 
 def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):

@@ -165,3 +165,15 @@ def connected_fabric(provider: str, sizes):
             yield t, tgt
         finally:
             t.close()
+
+
+def expected_shards(model, config: dict, tp: int = 1, quant: str | None = None) -> list:
+    """[(TP rank, destination name, byte offset, uint8 bytes)]: what the mapping of the tiny
+    models (wxfer.models.preset_for(config)) writes to each inference rank for `model`'s
+    current weights, by the reference packing."""
+    from .mapping import Layout, expand, pack_shard
+    from .models import preset_for
+    full = {n: p.detach() for n, p in model.named_parameters()}
+    ex = expand(preset_for(config).rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, False, quant),
+                config)
+    return [(sh.rank, sh.dst, sh.offset, pack_shard(sh, full)) for c in ex.components for sh in c.shards]

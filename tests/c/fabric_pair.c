@@ -30,20 +30,9 @@
 
 #include "wx_desc.h"
 #include "wx_transport.h"
+#include "check.h"
 
 #define TBUF (72u << 20) /* target buffer */
-#define FAIL(...)                                                                           \
-    do {                                                                                    \
-        fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                \
-        fprintf(stderr, __VA_ARGS__);                                                       \
-        fprintf(stderr, "\n");                                                              \
-        exit(1);                                                                            \
-    } while (0)
-#define CHECK(c, ...)                                                                       \
-    do {                                                                                    \
-        if (!(c))                                                                           \
-            FAIL(__VA_ARGS__);                                                              \
-    } while (0)
 
 typedef struct top {
     wx_op_t op;

@@ -17,20 +17,9 @@
 #include "wx_desc.h"
 #include "wx_transport.h"
 #include "wx_verbs.h"
+#include "check.h"
 
 #define BUF (4u << 20)
-#define FAIL(...)                                                                            \
-    do {                                                                                     \
-        fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                 \
-        fprintf(stderr, __VA_ARGS__);                                                        \
-        fprintf(stderr, "\n");                                                               \
-        exit(1);                                                                             \
-    } while (0)
-#define CHECK(c, ...)                                                                        \
-    do {                                                                                     \
-        if (!(c))                                                                            \
-            FAIL(__VA_ARGS__);                                                               \
-    } while (0)
 
 static int to_child[2], to_parent[2];
 
