@@ -452,8 +452,8 @@ static void *wx__post_main(void *arg)
                 memset(eo, 0, sizeof *eo);
                 if (rc == -EAGAIN) {
                     /* woken by the next completion; else back off (1 ms doubling to 32
-                     * ms): retrying a peer the provider is reconnecting to every 1 ms
-                     * starved tcp;ofi_rxm's progress for the healthy peers */
+                     * ms), so that a peer the provider keeps refusing (reconnecting to a
+                     * dead one) is not retried 1000 times a second until its deadline */
                     wx__check_deadlines(e);
                     wx__wait(&e->cv_post, &e->mu, eagain_ns);
                     if (eagain_ns < WX__EAGAIN_MAX_NS)
