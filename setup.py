@@ -12,6 +12,7 @@ wxfer.backends(); the libraries themselves are dlopened at run time.
 """
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,29 +40,41 @@ def have_header(header, include_dirs=()):
         return subprocess.call(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
 
 
-define_macros = []
-include_dirs = [os.path.join("csrc", "core")]
-compiled_out = {}
+# The native parts, one folder each (csrc/backends/<name>/ per transport); csrc/testing
+# (the libibverbs emulation) is built by the tests, never into the extension.
+NATIVE_DIRS = ["csrc/core", "csrc/transport", "csrc/engine",
+               *sorted(glob.glob("csrc/backends/*")), "csrc/py"]
 
-if have_header("rdma/fabric.h"):
-    define_macros.append(("WX_HAVE_FABRIC", "1"))
-else:
-    compiled_out["fabric"] = "libfabric headers (rdma/fabric.h) were missing at build time"
-if have_header("infiniband/verbs.h"):
-    define_macros.append(("WX_HAVE_VERBS", "1"))
-else:
-    compiled_out["verbs"] = "rdma-core headers (infiniband/verbs.h) were missing at build time"
+
+def backends():
+    """(name, NAME, SWITCH, header) for each line of csrc/transport/wx_backends.def."""
+    pat = re.compile(r'^WX_BACKEND\((\w+),\s*(\w+),\s*\d+,\s*(\w+),\s*"([^"]+)"\)', re.M)
+    with open(os.path.join(HERE, "csrc", "transport", "wx_backends.def")) as f:
+        return pat.findall(f.read())
+
+
+define_macros = []
+include_dirs = list(NATIVE_DIRS)
+compiled_out = {}
 cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
 cuda_inc = os.path.join(cuda_home, "include")
-if have_header("cuda.h", [cuda_inc]):
-    define_macros.append(("WX_HAVE_CUDA", "1"))
-    include_dirs.append(cuda_inc)
-else:
-    compiled_out["cuda_ipc"] = "CUDA headers (cuda.h) were missing at build time (CUDA_HOME=%s)" % cuda_home
-
-for name, why in compiled_out.items():
-    define_macros.append(("WX_OUT_" + name.upper(), '"%s"' % why.replace('"', "'")))
-    print("wxfer: compiling out %s: %s" % (name, why), file=sys.stderr)
+have = {}
+for name, upper, switch, header in backends():
+    extra = [cuda_inc] if header == "cuda.h" else []
+    if switch not in have:
+        have[switch] = have_header(header, extra)
+        if have[switch]:
+            define_macros.append(("WX_HAVE_" + switch, "1"))
+            include_dirs += extra
+    if have[switch]:
+        define_macros.append(("WX_OUT_" + upper, '""'))
+    else:
+        why = "%s was missing at build time" % header
+        if header == "cuda.h":
+            why += " (CUDA_HOME=%s)" % cuda_home
+        compiled_out[name] = why
+        define_macros.append(("WX_OUT_" + upper, '"%s"' % why.replace('"', "'")))
+        print("wxfer: compiling out %s: %s" % (name, why), file=sys.stderr)
 
 extra_compile_args = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                       "-Wno-missing-field-initializers", "-fvisibility=hidden"]
@@ -77,7 +90,7 @@ if _flag("WXFER_SANITIZE"):
 if _flag("WXFER_WERROR"):
     extra_compile_args.append("-Werror")
 
-sources = sorted(glob.glob("csrc/core/*.c")) + sorted(glob.glob("csrc/py/*.c"))
+sources = [c for d in NATIVE_DIRS for c in sorted(glob.glob(os.path.join(d, "*.c")))]
 
 setup(
     ext_modules=[
@@ -88,7 +101,8 @@ setup(
             define_macros=define_macros,
             extra_compile_args=extra_compile_args,
             extra_link_args=extra_link_args,
-            depends=sorted(glob.glob("csrc/core/*.h")) + sorted(glob.glob("csrc/py/*.h")),
+            depends=[h for d in NATIVE_DIRS for h in sorted(glob.glob(os.path.join(d, "*.h")))]
+            + ["csrc/transport/wx_backends.def"],
         )
     ],
 )

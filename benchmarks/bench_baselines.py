@@ -197,7 +197,7 @@ def _proc(rank: int, a: dict, configs: list, q) -> None:
 def _proc_main(rank: int, a: dict, configs: list) -> None:
     import torch
     import torch.distributed as dist
-    from wxfer import control
+    from wxfer.runtime import control
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     store = control.resolve_store(a["store"], False, a["timeout"])
     ctl = control.Control(store, a["name"], a["timeout"])
@@ -224,9 +224,9 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
 def _run_config(rank, ci, cfg, a, dev, store, ctl):
     import torch
     import torch.distributed as dist
-    from wxfer import pipeline
-    from wxfer.receiver import Receiver
-    from wxfer.sender import Sender
+    from wxfer.runtime import prepare
+    from wxfer.runtime.receiver import Receiver
+    from wxfer.runtime.sender import Sender
     gpu = dev.type == "cuda"
     quant = "fp8" if cfg["quant"] == "fp8" else None
     shared = cfg["layout"] == "colocated"          # shared-memory handles instead of broadcasts
@@ -374,17 +374,17 @@ def _fulls_in(bucket_t, offs, sizes, meta):
 
 
 def _write_component(c, fulls, params):
-    from wxfer import pipeline
+    from wxfer.runtime import prepare
     quant = {}
     for sh in c.shards:
         if sh.rank == 0:
-            pipeline.pack_shard_into(sh, fulls, _bytes(params[sh.dst]), sh.offset, quant)
+            prepare.pack_shard_into(sh, fulls, _bytes(params[sh.dst]), sh.offset, quant)
 
 
 def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
     """The rank-0 pattern, one step."""
     import torch
-    from wxfer import pipeline
+    from wxfer.runtime import prepare
     cap, plan = _rank0_plan(ex, sizes, a)
     st = _state(link, "rank0", lambda: _rank0_buffers(link, cap, dev, ipc))
     bufs = st["bufs"]
@@ -399,7 +399,7 @@ def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
                     works[k - 2].wait()
             for c, offs in bucket:
                 for s, o in offs.items():
-                    full = pipeline.full_tensor(params[s], params[s])      # one trainer rank: itself
+                    full = prepare.full_tensor(params[s], params[s])      # one trainer rank: itself
                     b[o:o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
             if ipc:
                 _sync_dev(dev)
@@ -622,7 +622,7 @@ def _kill_children(*_):
 def run(args) -> dict:
     import multiprocessing as mp
     import torch.distributed as dist
-    from wxfer import control
+    from wxfer.runtime import control
     import signal
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)

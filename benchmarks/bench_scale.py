@@ -19,7 +19,7 @@ Per configuration (model x BF16/FP8 on the inference side), in fresh processes e
           median of --reps.  Measured in the same processes: the write link (a peer copy
           trainer 0 GPU -> receiver 0 GPU; CPU: a memcpy), the trainers' all-gather
           bandwidth (all_gather_into_tensor of 256 MiB) and an on-device copy; with them,
-          ``wxfer.simulate`` predicts the step for the plan the trainers use.
+          ``wxfer.plan.simulate`` predicts the step for the plan the trainers use.
   rank0   the same weights as plain row shards; per ~1 GiB bucket every trainer all-gathers
           its parameters (what ``full_tensor()`` does), trainer 0 packs the bucket and
           broadcasts it (NCCL; CPU: gloo; double-buffered) to every inference rank, which
@@ -93,7 +93,7 @@ def timed(fn, dev, reps: int = 3) -> float:
 
 
 def _child(role: str, i: int, phase: str, a: dict, cfg: dict) -> None:
-    from wxfer import control
+    from wxfer.runtime import control
     ctl = control.Control(control.resolve_store(a["store"], False, a["timeout"]), a["name"], a["timeout"])
     try:
         import torch
@@ -113,7 +113,7 @@ def _child(role: str, i: int, phase: str, a: dict, cfg: dict) -> None:
 
 def _pg(a, phase, rank, world):
     import torch.distributed as dist
-    from wxfer import control
+    from wxfer.runtime import control
     store = control.resolve_store(a["store"], False, a["timeout"])
     backend = "gloo" if a["dry_run"] else ("nccl" if phase == "wxfer" else "cpu:gloo,cuda:nccl")
     dist.init_process_group(backend, store=dist.PrefixStore("pg/%s/%s" % (a["name"], phase), store), rank=rank,
@@ -123,8 +123,8 @@ def _pg(a, phase, rank, world):
 def _wxfer_phase(role, i, a, cfg, dev, ctl):
     import torch
     import torch.distributed as dist
-    from wxfer import pipeline
-    from wxfer.receiver import Receiver
+    from wxfer.runtime import prepare
+    from wxfer.runtime.receiver import Receiver
     conf, preset = bb.model_spec(cfg["model"])
     quant = "fp8" if cfg["quant"] == "fp8" else None
     tp, name = a["tp"], a["name"] + "_wx"
@@ -140,9 +140,9 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
         return
     from torch.distributed.device_mesh import init_device_mesh
     from wxfer.models import Qwen3ForCausalLM, shard_fsdp2
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     from wxfer.meta import Cluster
-    from wxfer.simulate import simulate
+    from wxfer.plan.simulate import simulate
     n = a["trainers"]
     _pg(a, "wxfer", i, n)
     moe = "num_experts" in conf
@@ -176,7 +176,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
         per = (16 if a["dry_run"] else 256) * MiB // n
         inp = torch.empty(per, dtype=torch.uint8, device=dev)
         out = torch.empty(per * n, dtype=torch.uint8, device=dev)
-        t = timed(lambda: pipeline.all_gather_single(out, inp), dev)
+        t = timed(lambda: prepare.all_gather_single(out, inp), dev)
         bw["allgather_GBps"] = per * (n - 1) / t / 1e9          # bytes into each rank over its link
         del inp, out
     s = Sender(model, mapping=preset, store=a["store"], name=name, watermark=a["watermark"], timeout=a["timeout"],
@@ -213,7 +213,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
 def _rank0_phase(role, i, a, cfg, dev, ctl):
     import torch
     import torch.distributed as dist
-    from wxfer import pipeline
+    from wxfer.runtime import prepare
     conf, preset = bb.model_spec(cfg["model"])
     quant = "fp8" if cfg["quant"] == "fp8" else None
     n, tp = a["trainers"], a["tp"]
@@ -248,7 +248,7 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
         loc = shards[s]
         out = torch.empty((loc.shape[0] * n,) + tuple(loc.shape[1:]), dtype=dt, device=dev)
         if n > 1:
-            pipeline.all_gather_single(out, loc, group=tgroup)
+            prepare.all_gather_single(out, loc, group=tgroup)
         else:
             out.copy_(loc)
         return out[:sh[0]]
@@ -274,7 +274,7 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
                     fulls = bb._fulls_in(b, offs, sizes, meta)
                     for sh in c.shards:
                         if sh.rank == i % tp:
-                            pipeline.pack_shard_into(sh, fulls, bb._bytes(params[sh.dst]), sh.offset, qc)
+                            prepare.pack_shard_into(sh, fulls, bb._bytes(params[sh.dst]), sh.offset, qc)
         for w in works:
             if w is not None:
                 w.wait()
@@ -302,7 +302,7 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
 
 
 def _phase(ctx, a, cfg, phase, timeout) -> dict:
-    from wxfer import control
+    from wxfer.runtime import control
     procs = [ctx.Process(target=_child, args=("trainer", r, phase, a, cfg), daemon=True) for r in range(a["trainers"])]
     procs += [ctx.Process(target=_child, args=("receiver", j, phase, a, cfg), daemon=True)
               for j in range(a["replicas"] * a["tp"])]
@@ -340,7 +340,7 @@ def run(args) -> dict:
     import multiprocessing as mp
     import torch
     import torch.distributed as dist
-    from wxfer import control
+    from wxfer.runtime import control
     for k, v in bb.NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     lay = dict(LAYOUTS[args.layout]) if args.layout else dict(trainers=2, replicas=1, tp=2, colocated=True)

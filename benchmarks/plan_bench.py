@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from wxfer.meta import Cluster  # noqa: E402
 from wxfer.plan import plan_for  # noqa: E402
-from wxfer.simulate import simulate  # noqa: E402
+from wxfer.plan.simulate import simulate  # noqa: E402
 
 CONFIGS = {
     "kimi-k2 256->8x16 EP fp8": ("kimi-k2", dict(train_gpus=256, infer_gpus=128, infer_tp=16, infer_ep=True,

@@ -37,7 +37,7 @@ def store(request):
     """(a TCPStore hosted by this test, "host:port"), its timeout the test module's T."""
     from datetime import timedelta
     import torch.distributed as dist
-    from wxfer import control
+    from wxfer.runtime import control
     port = control.free_port()
     t = getattr(request.module, "T", 30.0)
     s = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=t), wait_for_workers=False)

@@ -20,8 +20,8 @@ T = 30.0
 
 
 def receiver(store, name, replica, replicas, out):
-    from wxfer import control
-    from wxfer.receiver import Receiver
+    from wxfer.runtime import control
+    from wxfer.runtime.receiver import Receiver
     params = inference_params(TINY, 1, 0)
     r = Receiver(params, mapping=preset_for(TINY).name, store=store, name=name, replica=replica,
                  replicas=replicas, tp=1, rank=0, timeout=T)
@@ -43,7 +43,7 @@ def model():
 
 
 def trainer(store, name, kill_after):
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     m = model()
     s = Sender(m, mapping=preset_for(TINY), store=store, name=name, timeout=T, write_timeout=10,
                watermark="64KiB")

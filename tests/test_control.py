@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("torch.distributed")
 import torch.distributed as dist  # noqa: E402
 
-from wxfer import control  # noqa: E402
-from wxfer.control import Control, SetupError  # noqa: E402
+from wxfer.runtime import control  # noqa: E402
+from wxfer.runtime.control import Control, SetupError  # noqa: E402
 
 from wxfer import _wxfer  # noqa: E402
 

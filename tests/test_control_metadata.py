@@ -5,10 +5,11 @@ import base64
 import pytest
 import torch
 
-from wxfer import pipeline
-from wxfer.control import SetupError
+from wxfer.runtime import program
+from wxfer.runtime import prepare
+from wxfer.runtime.control import SetupError
 from wxfer.models import TINY, inference_params, preset_for
-from wxfer.receiver import decode_param_descriptor, encode_param_descriptor
+from wxfer.runtime.receiver import decode_param_descriptor, encode_param_descriptor
 
 
 def _meta(name, shape, meshes, placements=("Shard(dim=0)",), dtype="float32"):
@@ -20,7 +21,7 @@ def test_merge_unions_the_meshes_of_ranks_holding_a_parameter():
     dense = _meta("d", (8, 4), [(0, 1), (2, 3)], ("Replicate()", "Shard(dim=0)"))
     per_rank = [[dense, _meta("e0", (4, 4), [(0, 2)])], [dense, _meta("e1", (4, 4), [(1, 3)])],
                 [dense, _meta("e0", (4, 4), [(0, 2)])], [dense, _meta("e1", (4, 4), [(1, 3)])]]
-    train, problems = pipeline.merge_train_metadata(per_rank)
+    train, problems = program.merge_train_metadata(per_rank)
     by = {p.name: p for p in train}
     assert not problems
     assert by["d"].meshes == ((0, 1), (2, 3)) and by["e0"].meshes == ((0, 2),) and by["e1"].meshes == ((1, 3),)
@@ -28,14 +29,14 @@ def test_merge_unions_the_meshes_of_ranks_holding_a_parameter():
 
 def test_merge_reports_disagreeing_ranks_by_name():
     per_rank = [[_meta("w", (8, 4), [(0, 1)])], [_meta("w", (8, 5), [(0, 1)])]]
-    _, problems = pipeline.merge_train_metadata(per_rank)
+    _, problems = program.merge_train_metadata(per_rank)
     assert len(problems) == 1 and "training parameter w" in problems[0] and "rank 1" in problems[0]
 
 
 def test_plain_tensors_are_producible_only_where_reported():
     rep = ("Replicate()",)
     per_rank = [[_meta("p", (3,), [(0,), (1,)], rep)], [], [_meta("p", (3,), [(0,), (1,), (2,)], rep)]]
-    train, _ = pipeline.merge_train_metadata(per_rank)
+    train, _ = program.merge_train_metadata(per_rank)
     assert train[0].meshes == ((0,), (2,))
 
 
@@ -58,24 +59,24 @@ def _train(world=2):
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_controller_plan_and_rank_programs(quant):
     metas, model = _train()
-    train, problems = pipeline.merge_train_metadata([metas, metas])
+    train, problems = program.merge_train_metadata([metas, metas])
     assert not problems
     workers = [_worker_meta(rep, r, 2, quant) for rep in range(2) for r in range(2)]
-    plan = pipeline.build_controller_plan(train, workers, preset_for(TINY))
+    plan = program.build_controller_plan(train, workers, preset_for(TINY))
     assert plan.quant == quant and plan.replicas == 2 and plan.tp == 2
-    plan = pipeline.plan_from_bytes(pipeline.plan_to_bytes(plan))      # what every rank receives
-    senders = pipeline.receivers_of(plan)
+    plan = program.plan_from_bytes(program.plan_to_bytes(plan))      # what every rank receives
+    senders = program.receivers_of(plan)
     assert sorted(senders) == [0, 1, 2, 3] and all(s for s in senders.values())
     params = dict(model.named_parameters())
     total = 0
     for rank in (0, 1):
-        prog = pipeline.RankProgram.from_plan(plan, rank, params)
+        prog = program.RankProgram.from_plan(plan, rank, params)
         total += prog.bytes_per_step
         for ops in prog.groups:
             for op in ops:
                 for desc, off, src, n in op.dests:
                     assert desc[:1] == b"R" and off >= 0 and 0 <= src and src + n <= op.nbytes
-                buf = pipeline.prepare(op, torch.device("cpu"))
+                buf = prepare.prepare(op, torch.device("cpu"))
                 assert (buf is None) == (not op.sends)
                 if buf is not None:
                     assert buf.numel() == op.nbytes
@@ -84,20 +85,20 @@ def test_controller_plan_and_rank_programs(quant):
 
 def test_a_worker_lacking_a_parameter_is_named():
     metas, _ = _train()
-    train, _ = pipeline.merge_train_metadata([metas, metas])
+    train, _ = program.merge_train_metadata([metas, metas])
     workers = [_worker_meta(0, r, 2, missing=("model.norm.weight",) if r else ()) for r in range(2)]
     for w in workers:
         w["replicas"] = 1
     with pytest.raises(ValueError, match="model.norm.weight: expected on replica 0 rank 1"):
-        pipeline.build_controller_plan(train, workers, preset_for(TINY))
+        program.build_controller_plan(train, workers, preset_for(TINY))
 
 
 def test_get_preset_forms():
-    assert pipeline.get_preset("qwen3-8b").name == "qwen3-8b"
-    assert pipeline.get_preset(dict(TINY)).arch == "qwen3"
+    assert program.get_preset("qwen3-8b").name == "qwen3-8b"
+    assert program.get_preset(dict(TINY)).arch == "qwen3"
     p = preset_for(TINY)
-    assert pipeline.get_preset(p) is p
+    assert program.get_preset(p) is p
     with pytest.raises(TypeError):
-        pipeline.get_preset(3)
+        program.get_preset(3)
     assert decode_param_descriptor(encode_param_descriptor(b"x", 5)) == (b"x", 5)
     assert issubclass(SetupError, RuntimeError)

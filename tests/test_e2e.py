@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _demo(monkeypatch=None, **kw):
-    from wxfer.demo import run_demo
+    from wxfer.tools.demo import run_demo
     kw.setdefault("size", "tiny")
     kw.setdefault("timeout", 150)
     kw.setdefault("log", lambda *a: None)

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from wxfer import _wxfer
-from wxfer.control import free_port
+from wxfer.runtime.control import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -18,7 +18,7 @@ TRAINER = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from wxfer.models import TINY, Qwen3ForCausalLM, preset_for, shard_fsdp2
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     dist.init_process_group("gloo")
     model = shard_fsdp2(Qwen3ForCausalLM(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
     sender = Sender(model, mapping=preset_for(TINY), timeout=60)      # store=None: rank 0 hosts it
@@ -37,7 +37,7 @@ TRAINER = textwrap.dedent("""
 WORKER = textwrap.dedent("""
     import sys, torch
     from wxfer.models import TINY, inference_params, preset_for
-    from wxfer.receiver import Receiver
+    from wxfer.runtime.receiver import Receiver
     rank, broken = int(sys.argv[1]), sys.argv[2] == "broken"
     params = inference_params(TINY, 2, rank)
     if broken and rank == 1:
@@ -95,7 +95,7 @@ FAULT_TRAINER = textwrap.dedent("""
     import time, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from wxfer.models import TINY, Qwen3ForCausalLM, preset_for, shard_fsdp2
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = shard_fsdp2(Qwen3ForCausalLM(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
@@ -129,7 +129,7 @@ FAULT_TRAINER = textwrap.dedent("""
 FAULT_WORKER = textwrap.dedent("""
     import sys, torch
     from wxfer.models import TINY, inference_params, preset_for
-    from wxfer.receiver import Receiver
+    from wxfer.runtime.receiver import Receiver
     rank, want = int(sys.argv[1]), int(sys.argv[2])
     params = inference_params(TINY, 2, rank)
     recv = Receiver(params, mapping=preset_for(TINY).name, replica=0, rank=rank, tp=2, replicas=1, timeout=60)
@@ -151,7 +151,7 @@ def test_two_trainers_both_name_a_killed_worker_and_both_take_its_restart(tmp_pa
     import time
     from datetime import timedelta
     import torch.distributed as dist
-    from wxfer.control import Control
+    from wxfer.runtime.control import Control
     (tmp_path / "trainer.py").write_text(FAULT_TRAINER)
     (tmp_path / "worker.py").write_text(FAULT_WORKER)
     sport = free_port()

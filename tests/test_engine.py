@@ -11,7 +11,7 @@ import wxfer
 from wxfer import _wxfer
 from wxfer.testing import TargetProcess, connected_fabric
 from wxfer.testing import pattern as rand
-from wxfer.trace import held_over_time, to_chrome
+from wxfer.runtime.trace import held_over_time, to_chrome
 
 PROVIDERS = ["tcp", "shm"]
 

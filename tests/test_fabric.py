@@ -321,10 +321,11 @@ def fabric_pair(tmp_path_factory):
     if not cc:
         pytest.skip("no C compiler")
     exe = str(tmp_path_factory.mktemp("c") / "fabric_pair")
+    dirs = [os.path.join(ROOT, "csrc", d) for d in ("core", "transport", "engine", "backends/fabric")]
     srcs = [os.path.join(ROOT, "tests", "c", "fabric_pair.c")] + [
-        p for p in sorted(glob.glob(os.path.join(ROOT, "csrc", "core", "*.c")))]
-    subprocess.run([cc, "-std=gnu11", "-O2", "-g", "-DWX_HAVE_FABRIC=1",
-                    "-I" + os.path.join(ROOT, "csrc", "core"), "-o", exe] + srcs
+        p for d in dirs for p in sorted(glob.glob(os.path.join(d, "*.c")))]
+    subprocess.run([cc, "-std=gnu11", "-O2", "-g", "-DWX_HAVE_FABRIC=1"]
+                   + ["-I" + d for d in dirs] + ["-o", exe] + srcs
                    + ["-ldl", "-lpthread"], check=True, timeout=120, env=build_env())
     return exe
 

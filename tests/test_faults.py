@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from wxfer import _wxfer, control
+from wxfer import _wxfer
+from wxfer.runtime import control
 from wxfer.models import TINY, inference_params, preset_for
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -48,7 +49,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
     """kill: SIGKILL (its connections reset); stop: SIGSTOP (it stops answering; only the
     write deadline, write_timeout=3 s here, can tell).  Then a new process for that worker
     registers again and the trainer's next push takes it."""
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     s, addr = store
     procs = [_spawn("receiver", addr, "kw" + fault, q, 2, tmp_path) for q in range(2)]
     try:
@@ -125,7 +126,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
 
 
 def test_a_trainer_killed_mid_step_leaves_the_step_incomplete(store):
-    from wxfer.receiver import Receiver
+    from wxfer.runtime.receiver import Receiver
     s, addr = store
     params = inference_params(TINY, 1, 0)
     box = {}

@@ -1,14 +1,15 @@
 """The trainer's fast per-task paths give the mapping's reference bytes exactly: packing
-straight into one buffer (pipeline.pack_into: casts, FP8 quantized once for fp8 + scale,
+straight into one buffer (prepare.pack_into: casts, FP8 quantized once for fp8 + scale,
 unaligned pieces, 1-D pieces) and the direct all-gather of row-sharded DTensors
-(pipeline.full_tensor), uneven shards included, against DTensor.full_tensor()."""
+(prepare.full_tensor), uneven shards included, against DTensor.full_tensor()."""
 import os
 import socket
 
 import pytest
 import torch
 
-from wxfer import pipeline
+from wxfer.runtime import program
+from wxfer.runtime import prepare
 from wxfer.mapping.reference import pack_task
 from wxfer.mapping.rules import Piece, Shard
 
@@ -48,23 +49,23 @@ def test_pack_into_matches_the_reference_packing():
     ]
     total = sum(s.nbytes for s in shards)
     ref = pack_task(shards, fulls)
-    got = pipeline.pack_into(shards, fulls, total, torch.device("cpu"))
+    got = prepare.pack_into(shards, fulls, total, torch.device("cpu"))
     assert got.dtype == torch.uint8 and got.numel() == total == ref.numel()
     assert torch.equal(got, ref)
     with pytest.raises(AssertionError, match="expected"):
-        pipeline.pack_into(shards, fulls, total + 1, torch.device("cpu"))
+        prepare.pack_into(shards, fulls, total + 1, torch.device("cpu"))
 
 
 def test_whole_task_is_sent_without_a_copy_only_from_fresh_memory():
     full = torch.arange(64, dtype=torch.bfloat16).reshape(8, 8)
     sh = _shard("raw", "bfloat16", Piece("w", 0, 8, 0, 8))
-    op = pipeline.TaskOp(0, "t", [("w", None)], [sh], [(b"", 0, 0, sh.nbytes)], sh.nbytes)
-    buf = pipeline._whole(op, {"w": full}, {"w"})
+    op = program.TaskOp(0, "t", [("w", None)], [sh], [(b"", 0, 0, sh.nbytes)], sh.nbytes)
+    buf = prepare._whole(op, {"w": full}, {"w"})
     assert buf is not None and buf.data_ptr() == full.data_ptr() and torch.equal(buf, pack_task([sh], {"w": full}))
-    assert pipeline._whole(op, {"w": full}, set()) is None             # the parameter itself: copied
+    assert prepare._whole(op, {"w": full}, set()) is None             # the parameter itself: copied
     cast = _shard("raw", "float32", Piece("w", 0, 8, 0, 8))
-    op2 = pipeline.TaskOp(0, "t", [("w", None)], [cast], [(b"", 0, 0, cast.nbytes)], cast.nbytes)
-    assert pipeline._whole(op2, {"w": full}, {"w"}) is None
+    op2 = program.TaskOp(0, "t", [("w", None)], [cast], [(b"", 0, 0, cast.nbytes)], cast.nbytes)
+    assert prepare._whole(op2, {"w": full}, {"w"}) is None
 
 
 def _gather_main(rank, world, port, q):
@@ -82,13 +83,13 @@ def _gather_main(rank, world, port, q):
             full = torch.randn(rows, 6).to(torch.bfloat16)
             for m, pl in ((mesh, [DShard(0)]), (mesh2, [Replicate(), DShard(0)])):
                 d = distribute_tensor(full, m, pl)
-                assert pipeline._gather_spec(d) is not None
-                fast = pipeline.full_tensor(d, d._local_tensor)
+                assert prepare._gather_spec(d) is not None
+                fast = prepare.full_tensor(d, d._local_tensor)
                 out.append(torch.equal(fast, d.full_tensor()) and torch.equal(fast, full))
         v = distribute_tensor(torch.randn(9), mesh, [DShard(0)])
-        out.append(torch.equal(pipeline.full_tensor(v, v._local_tensor), v.full_tensor()))
+        out.append(torch.equal(prepare.full_tensor(v, v._local_tensor), v.full_tensor()))
         c = distribute_tensor(torch.randn(4, 6), mesh, [DShard(1)])          # not rows: generic path
-        out.append(pipeline._gather_spec(c) is None and torch.equal(pipeline.full_tensor(c, c._local_tensor),
+        out.append(prepare._gather_spec(c) is None and torch.equal(prepare.full_tensor(c, c._local_tensor),
                                                                       c.full_tensor()))
         q.put((rank, out))
         dist.destroy_process_group()

@@ -1,10 +1,10 @@
-"""`python -m wxfer plan` / wxfer.plan_cli.main."""
+"""`python -m wxfer plan` / wxfer.plan.cli.main."""
 import json
 import subprocess
 import sys
 
 from wxfer.plan import Plan
-from wxfer.plan_cli import main
+from wxfer.plan.cli import main
 
 KEYS = {"params", "bytes_per_replica", "max_bytes_per_infer_gpu", "max_bytes_per_train_gpu", "lower_bound_s",
         "simulated_s", "build_s", "transfers"}
@@ -32,7 +32,7 @@ def test_refusal_names_the_parameter(capsys):
 
 
 def test_python_dash_m_entry_point():
-    p = subprocess.run([sys.executable, "-m", "wxfer.plan_cli", "--preset", "qwen3-tiny", "--train-gpus", "2",
+    p = subprocess.run([sys.executable, "-m", "wxfer.plan.cli", "--preset", "qwen3-tiny", "--train-gpus", "2",
                         "--infer-gpus", "4", "--json"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout.strip().splitlines()[-1])
@@ -41,7 +41,7 @@ def test_python_dash_m_entry_point():
 
 def test_plan_modules_import_light():
     """No torch, pandas, matplotlib or native extension just to build a plan."""
-    code = ("import sys, wxfer.plan, wxfer.simulate, wxfer.meta, wxfer.mapping, wxfer.plan_cli\n"
+    code = ("import sys, wxfer.plan, wxfer.plan.simulate, wxfer.meta, wxfer.mapping, wxfer.plan.cli\n"
             "from wxfer.meta import Cluster\n"
             "from wxfer.plan import plan_for\n"
             "p = plan_for('qwen3-8b', Cluster(train_gpus=8, infer_gpus=4, infer_tp=2))\n"

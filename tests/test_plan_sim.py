@@ -4,7 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from wxfer.meta import Cluster
 from wxfer.plan import plan_for
-from wxfer.simulate import lower_bound, simulate
+from wxfer.plan.simulate import lower_bound, simulate
 
 
 def test_one_trainer_one_gpu_is_bytes_over_bandwidth():

@@ -5,10 +5,11 @@ fabric tcp); and the vLLM worker extension's pure-Python parts."""
 import pytest
 import torch
 
-from wxfer import _wxfer, control
-from wxfer.control import SetupError
+from wxfer import _wxfer
+from wxfer.runtime import control
+from wxfer.runtime.control import SetupError
 from wxfer.models import TINY, Qwen3ForCausalLM, inference_params, preset_for
-from wxfer.receiver import Receiver, decode_param_descriptor, encode_param_descriptor
+from wxfer.runtime.receiver import Receiver, decode_param_descriptor, encode_param_descriptor
 
 FABRIC = _wxfer.backends()["fabric"][0]
 pytestmark = pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
@@ -63,7 +64,7 @@ def _expected(model, tp, quant):
 
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_sender_to_receivers_in_one_process(store, quant):
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     s, addr = store
     name = "one" + str(quant)
     tp = 2
@@ -114,7 +115,7 @@ def test_sender_to_receivers_in_one_process(store, quant):
 
 
 def test_a_mismatch_is_raised_on_the_trainer_and_on_every_receiver(store):
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     s, addr = store
     tp = 2
     params = [inference_params(TINY, tp, r) for r in range(tp)]
@@ -134,7 +135,7 @@ def test_a_mismatch_is_raised_on_the_trainer_and_on_every_receiver(store):
 
 
 def test_receivers_that_disagree_on_the_mapping_are_refused(store):
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     s, addr = store
     ths = [_in_thread(Receiver, inference_params(TINY, 1, 0), mapping="llama3-8b", store=addr, name="map",
                       timeout=T)]
@@ -148,7 +149,7 @@ def test_receivers_that_disagree_on_the_mapping_are_refused(store):
 
 
 def test_vllm_adapter_selects_what_the_mapping_writes():
-    from wxfer.vllm_adapter import expected_destinations, quant_of, select_parameters
+    from wxfer.integrations.vllm import expected_destinations, quant_of, select_parameters
     exp = expected_destinations(preset_for(TINY), TINY, 2, 1, "fp8")
     assert exp["model.layers.0.self_attn.qkv_proj.weight"] == ((256 + 128 + 128, 256), "float8_e4m3fn")
     assert exp["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == ((4, 2), "float32")
@@ -162,8 +163,8 @@ def test_vllm_adapter_selects_what_the_mapping_writes():
 
 
 def test_vllm_worker_extension_builds_the_receiver(monkeypatch):
-    import wxfer.receiver
-    from wxfer.vllm_adapter import WxferWorkerExtension
+    import wxfer.runtime.receiver
+    from wxfer.integrations.vllm import WxferWorkerExtension
     seen = {}
 
     class FakeReceiver:
@@ -182,7 +183,7 @@ def test_vllm_worker_extension_builds_the_receiver(monkeypatch):
         def close(self):
             seen["closed"] = True
 
-    monkeypatch.setattr(wxfer.receiver, "Receiver", FakeReceiver)
+    monkeypatch.setattr(wxfer.runtime.receiver, "Receiver", FakeReceiver)
     model = torch.nn.Module()
     holder = inference_params(TINY, 2, 1)
     for n, t in holder.items():          # nested modules named like vLLM's
@@ -217,7 +218,7 @@ def test_vllm_worker_extension_builds_the_receiver(monkeypatch):
 
 def test_a_receiver_gone_mid_run_fails_the_push_in_bounded_time(store):
     import time
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     s, addr = store
     params = inference_params(TINY, 1, 0)
     th, box = _in_thread(Receiver, params, mapping=preset_for(TINY).name, store=addr, name="gone", timeout=T)

@@ -6,10 +6,11 @@ import time
 import pytest
 import torch
 
-from wxfer import _wxfer, control
-from wxfer.control import SetupError
+from wxfer import _wxfer
+from wxfer.runtime import control
+from wxfer.runtime.control import SetupError
 from wxfer.models import TINY, Qwen3ForCausalLM, inference_params, preset_for
-from wxfer.receiver import Receiver
+from wxfer.runtime.receiver import Receiver
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 T = 20.0
@@ -38,7 +39,7 @@ def _untouched(params, snap):
 def _refused(addr, name, params, ranks, cfg=TINY, mapping=None):
     """Start receivers with `params` at (replica, rank) `ranks`; a Sender must be refused.
     Returns (the sender's message, the receivers' errors)."""
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     mapping = mapping or preset_for(TINY)
     tp = max(r for _, r in ranks) + 1
     replicas = max(q for q, _ in ranks) + 1
@@ -131,8 +132,8 @@ def test_a_receiver_registered_twice_is_refused_naming_it(store):
 
 def test_a_plan_writing_a_byte_twice_is_refused_before_any_write(store, monkeypatch):
     import numpy as np
-    from wxfer import pipeline
-    real = pipeline.build_controller_plan
+    from wxfer.runtime import program
+    real = program.build_controller_plan
 
     def twice(*a, **kw):
         plan = real(*a, **kw)
@@ -140,7 +141,7 @@ def test_a_plan_writing_a_byte_twice_is_refused_before_any_write(store, monkeypa
             arr = getattr(plan, k)
             setattr(plan, k, np.r_[arr, arr[0]])      # transfer 0 sent a second time
         return plan
-    monkeypatch.setattr(pipeline, "build_controller_plan", twice)
+    monkeypatch.setattr(program, "build_controller_plan", twice)
     s, addr = store
     params = [inference_params(TINY, 1, 0)]
     snap = _snapshot(params)
@@ -151,8 +152,8 @@ def test_a_plan_writing_a_byte_twice_is_refused_before_any_write(store, monkeypa
 
 
 def test_verify_mode_checks_what_landed_and_reports_a_scribble(store, monkeypatch):
-    from wxfer.sender import Sender
-    from wxfer.verify import VerifyError
+    from wxfer.runtime.sender import Sender
+    from wxfer.runtime.verify import VerifyError
     s, addr = store
     params = [inference_params(TINY, 2, r) for r in range(2)]
     ths = [_in_thread(Receiver, params[r], store=addr, replica=0, rank=r, tp=2, replicas=1, name="ver",
@@ -186,7 +187,7 @@ def test_verify_mode_checks_what_landed_and_reports_a_scribble(store, monkeypatc
 
 
 def test_a_worker_that_never_registers_is_named_at_the_deadline(store):
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     s, addr = store
     th, box = _in_thread(Receiver, inference_params(TINY, 2, 0), store=addr, replica=0, rank=0, tp=2,
                          replicas=1, name="late", timeout=T)
@@ -214,7 +215,7 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
     worker it would have replaced keeps its place.  (In one process, so the replaced
     workers are left open: closing one fabric tcp transport here can stall the completions
     of the others; tests/test_faults.py kills and restarts a real process.)"""
-    from wxfer.sender import Sender
+    from wxfer.runtime.sender import Sender
     s, addr = store
     name = "restart"
     kw = dict(mapping=preset_for(TINY).name, store=addr, replica=0, tp=2, replicas=1, name=name, timeout=T)

@@ -162,13 +162,13 @@ def test_selftest_emulated_json(emu_lib):
 def test_selftest_connect_two_endpoints(emu_lib):
     port = 20000 + os.getpid() % 20000
     server = subprocess.Popen(
-        [PY, "-c", "import types, wxfer.selftest_verbs as s; "
+        [PY, "-c", "import types, wxfer.tools.selftest_verbs as s; "
                    "s.serve_verbs_selftest(types.SimpleNamespace(device=None, emulated=True), %d)"
          % port], env=_env(emu_lib), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)
     try:
         out = _run_py(emu_lib, """
-            import time, types, wxfer.selftest_verbs as s
+            import time, types, wxfer.tools.selftest_verbs as s
             a = types.SimpleNamespace(device=None, emulated=True, gpu=False, size="1MiB",
                                       iters=2, chunk="0", connect="127.0.0.1:%d")
             for i in range(100):

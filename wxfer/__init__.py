@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 _NATIVE = ("Transport", "Region", "Engine", "Error", "decode_descriptor", "decode_export",
            "parse_size")
 # the product, imported on first use (they need torch)
-_PY = {"Sender": ("sender", "Sender"), "PushHandle": ("sender", "PushHandle"),
-       "Receiver": ("receiver", "Receiver"), "SetupError": ("control", "SetupError")}
+_PY = {"Sender": ("runtime.sender", "Sender"), "PushHandle": ("runtime.sender", "PushHandle"),
+       "Receiver": ("runtime.receiver", "Receiver"), "SetupError": ("runtime.control", "SetupError")}
 
 
 def _native():

@@ -20,13 +20,13 @@ def main(argv=None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "selftest":
-        from .selftest import main as run
+        from .tools.selftest import main as run
     elif cmd == "plan":
-        from .plan_cli import main as run
+        from .plan.cli import main as run
     elif cmd == "demo":
-        from .demo import main as run
+        from .tools.demo import main as run
     elif cmd == "backends":
-        from .selftest import backends_main as run
+        from .tools.selftest import backends_main as run
     else:
         print("unknown command %r\n\n%s" % (cmd, USAGE), file=sys.stderr)
         return 2

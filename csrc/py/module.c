@@ -49,23 +49,16 @@ int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeou
     }
 }
 
-static const char *const wx__known[] = {"fabric", "verbs", "cuda_ipc", NULL};
-
+/* Why a backend of wx_backends.def is absent: setup.py defines WX_OUT_<NAME> for each
+ * ("" when it was built). */
+#define WX__OUT_STR(x) ("" x)
 static const char *wx__compiled_out(const char *name)
 {
-#ifdef WX_OUT_FABRIC
-    if (strcmp(name, "fabric") == 0)
-        return WX_OUT_FABRIC;
-#endif
-#ifdef WX_OUT_VERBS
-    if (strcmp(name, "verbs") == 0)
-        return WX_OUT_VERBS;
-#endif
-#ifdef WX_OUT_CUDA_IPC
-    if (strcmp(name, "cuda_ipc") == 0)
-        return WX_OUT_CUDA_IPC;
-#endif
-    WX_UNUSED(name);
+#define WX_BACKEND(nm, NAME, kind, sw, hdr)                       \
+    if (strcmp(name, #nm) == 0 && WX__OUT_STR(WX_OUT_##NAME)[0]) \
+        return WX__OUT_STR(WX_OUT_##NAME);
+#include "wx_backends.def"
+#undef WX_BACKEND
     return "not part of this build";
 }
 
@@ -74,11 +67,12 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
     PyObject *d = PyDict_New();
     if (!d)
         return NULL;
-    for (const char *const *n = wx__known; *n; n++) {
-        const wx_transport_ops_t *ops = wx_transport_find(*n);
+    const wx_transport_ops_t *ops;
+    const char *n;
+    for (int i = 0; wx_transport_backend(i, &n, &ops) == 0; i++) {
         PyObject *v;
         if (!ops) {
-            v = Py_BuildValue("(Os)", Py_False, wx__compiled_out(*n));
+            v = Py_BuildValue("(Os)", Py_False, wx__compiled_out(n));
         } else {
             char why[WX_ERRMSG_MAX] = "";
             int rc;
@@ -87,7 +81,7 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
             Py_END_ALLOW_THREADS
             v = Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
         }
-        if (!v || PyDict_SetItemString(d, *n, v) < 0) {
+        if (!v || PyDict_SetItemString(d, n, v) < 0) {
             Py_XDECREF(v);
             Py_DECREF(d);
             return NULL;
@@ -108,7 +102,8 @@ static PyObject *wx__rinfo_dict(const wx_rinfo_t *ri)
 
 static const char *wx__kind_name(uint32_t kind)
 {
-    return kind == WX_KIND_FABRIC ? "fabric" : kind == WX_KIND_VERBS ? "verbs" : "cuda_ipc";
+    const char *n = wx_kind_name(kind);
+    return n ? n : "unknown";
 }
 
 static PyObject *wx_decode_descriptor(PyObject *m, PyObject *arg)

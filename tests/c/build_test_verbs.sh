@@ -3,9 +3,10 @@
 set -eu
 root=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-/tmp}
+c=$root/csrc
 ${CC:-cc} -std=gnu11 -O1 -g -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers \
-    -DWX_HAVE_VERBS -I"$root/csrc/core" -o "$out/test_verbs" "$root/tests/c/test_verbs.c" \
-    "$root/csrc/core/wx_common.c" "$root/csrc/core/wx_desc.c" "$root/csrc/core/wx_dl.c" \
-    "$root/csrc/core/wx_transport.c" "$root/csrc/core/wx_dl_verbs.c" "$root"/csrc/core/wx_verbs*.c \
-    -ldl -lpthread
+    -DWX_HAVE_VERBS -I"$c/core" -I"$c/transport" -I"$c/backends/verbs" \
+    -o "$out/test_verbs" "$root/tests/c/test_verbs.c" \
+    "$c"/core/wx_common.c "$c"/core/wx_dl.c "$c"/transport/*.c "$c"/backends/verbs/*.c \
+    ${WXFER_C_FLAGS:-} -ldl -lpthread
 echo "$out/test_verbs"

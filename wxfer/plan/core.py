@@ -157,7 +157,7 @@ class Plan:
         check_deadlock_free(self)
 
     def simulate(self, cluster):
-        from ..simulate import simulate
+        from .simulate import simulate
         return simulate(self, cluster)
 
     def summary(self) -> dict:

@@ -1,4 +1,4 @@
-/* wx_verbs_dev.c - verbs backend: which NICs to use (PCIe topology, WXFER_IB_DEVICES),
+/* wx_verbs_setup.c - verbs backend: which NICs to use (PCIe topology, WXFER_IB_DEVICES),
  * their ports and GIDs, and the per-NIC protection domain and completion queue. */
 #include "wx_verbs.h"
 

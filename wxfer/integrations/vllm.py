@@ -5,7 +5,7 @@ them on all workers with ``collective_rpc``.  This module is such a class::
 
     from vllm import LLM
     llm = LLM(model="Qwen/Qwen3-8B", tensor_parallel_size=2,
-              worker_extension_cls="wxfer.vllm_adapter.WxferWorkerExtension")
+              worker_extension_cls="wxfer.integrations.vllm.WxferWorkerExtension")
     # once, while the trainers construct their wxfer.Sender:
     llm.collective_rpc("wxfer_setup", kwargs=dict(store="trainer0:29650", mapping="qwen3-8b",
                                                   replica=0, replicas=4))
@@ -29,8 +29,8 @@ import re
 def expected_destinations(mapping, hf_config: dict, tp: int, rank: int, quant: str | None = None,
                           ep: bool = False) -> dict:
     """name -> (shape, dtype) the mapping writes on inference rank `rank`."""
-    from .mapping import Layout, expand
-    from .pipeline import get_preset
+    from ..mapping import Layout, expand
+    from ..runtime.program import get_preset
     preset = get_preset(mapping)
     cfg = dict(preset.config, **(hf_config or {}))
     shapes = {n: s for n, (s, _, _) in preset.hf_params(cfg).items()}
@@ -83,7 +83,7 @@ class WxferWorkerExtension:
     def wxfer_setup(self, store=None, mapping=None, replica: int | None = None, replicas: int | None = None,
                     name: str = "default", timeout: float = 300.0, skip: str | None = None,
                     transport: str = "auto") -> dict:
-        from .receiver import Receiver
+        from ..runtime.receiver import Receiver
         info = self._vllm_parallel_info()
         model = self._vllm_model()
         named = list(model.named_parameters())

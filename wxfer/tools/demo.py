@@ -32,12 +32,12 @@ TIMEOUT = 120.0
 
 
 def _cfg(size: str, moe: bool) -> dict:
-    from .models import CONFIGS
+    from ..models import CONFIGS
     return dict(CONFIGS["tiny-moe" if moe else size])
 
 
 def _preset_name(cfg: dict) -> str:
-    from .models import preset_for
+    from ..models import preset_for
     return preset_for(cfg).name
 
 
@@ -64,7 +64,7 @@ def _trainer_main(rank: int, world: int, a: dict) -> None:
     import torch
     import torch.distributed as dist
     from datetime import timedelta
-    from . import control
+    from ..runtime import control
     ctl = control.Control(control.resolve_store(a["store"], False, TIMEOUT), a["name"], TIMEOUT)
     try:
         _trainer(rank, world, a, ctl)
@@ -81,10 +81,10 @@ def _trainer(rank, world, a, ctl):
     import torch.distributed as dist
     from datetime import timedelta
     from torch.distributed.device_mesh import init_device_mesh
-    from . import pipeline
-    from .mapping import Layout, expand, pack_shard
-    from .models import Qwen3ForCausalLM, preset_for, shard_fsdp2
-    from .sender import Sender
+    from ..runtime import prepare
+    from ..mapping import Layout, expand, pack_shard
+    from ..models import Qwen3ForCausalLM, preset_for, shard_fsdp2
+    from ..runtime.sender import Sender
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["master_port"]))
     torch.set_num_threads(1)
     gpu = a["gpu"]
@@ -161,7 +161,7 @@ def _trainer(rank, world, a, ctl):
         # expectations: the mapping's reference bytes of every destination shard
         with torch.no_grad():
             # (offloaded shards go to the device first, as the sender's stage 1 does)
-            fulls = {n: pipeline.full_tensor(p, pipeline.local_to_device(p, device))
+            fulls = {n: prepare.full_tensor(p, prepare.local_to_device(p, device))
                      for n, p in model.named_parameters()}
             exp = {}
             for c in mine:
@@ -203,7 +203,7 @@ def _trainer(rank, world, a, ctl):
 
 
 def _worker_main(gpu_index: int, a: dict) -> None:
-    from . import control
+    from ..runtime import control
     ctl = control.Control(control.resolve_store(a["store"], False, TIMEOUT), a["name"], TIMEOUT)
     try:
         _worker(gpu_index, a, ctl)
@@ -214,8 +214,8 @@ def _worker_main(gpu_index: int, a: dict) -> None:
 
 def _worker(gidx, a, ctl):
     import torch
-    from .models import inference_params
-    from .receiver import Receiver
+    from ..models import inference_params
+    from ..runtime.receiver import Receiver
     torch.set_num_threads(1)
     tp = a["tp"]
     replica, rank = divmod(gidx, tp)
@@ -276,8 +276,8 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
     import torch
     from datetime import timedelta
     import torch.distributed as dist
-    from . import control
-    from .models import logits_close, logits_from_shards
+    from ..runtime import control
+    from ..models import logits_close, logits_from_shards
     gpu = torch.cuda.is_available() and os.environ.get("WXFER_DEMO_CPU") != "1"
     if trainers is None:
         trainers = min(2, torch.cuda.device_count()) if gpu else 2

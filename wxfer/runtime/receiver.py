@@ -59,7 +59,7 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
     auto: CUDA memory -> "cuda_ipc" when available (GPUs of one node), else "verbs", else
     "fabric"; host memory -> "fabric" with provider $WXFER_FABRIC_PROVIDER (default tcp).
     $WXFER_TRANSPORT overrides "auto"."""
-    from . import _wxfer
+    from .. import _wxfer
     opts = dict(options or {})
     if transport == "auto":
         transport = os.environ.get("WXFER_TRANSPORT", "auto")
@@ -144,7 +144,7 @@ class Receiver:
                  timeout: float = control.DEFAULT_TIMEOUT, register: str = "auto",
                  stamp_slots: int = 1024, verify: bool | None = None):
         import torch
-        from . import _wxfer
+        from .. import _wxfer
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
             raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} "
                              "is out of range")

@@ -16,7 +16,7 @@ import time
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .mapping import PRESETS
+    from ..mapping import PRESETS
     p = argparse.ArgumentParser(prog="python -m wxfer plan", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-tiny")
@@ -48,9 +48,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
-    from .mapping import from_config, get_preset
-    from .meta import Cluster
-    from .plan import plan_for
+    from ..mapping import from_config, get_preset
+    from ..meta import Cluster
+    from . import plan_for
     from .simulate import simulate
     if args.config:
         with open(args.config) as f:

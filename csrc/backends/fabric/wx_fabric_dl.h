@@ -1,4 +1,4 @@
-/* wx_dl_fabric.h - libfabric, loaded from libfabric.so.1 at run time.
+/* wx_fabric_dl.h - libfabric, loaded from libfabric.so.1 at run time.
  *
  * Compiled only when rdma/fabric.h was found at build time (WX_HAVE_FABRIC). Only the
  * symbols libfabric really exports are looked up here: fi_getinfo, fi_freeinfo,
@@ -10,8 +10,8 @@
  *
  * $WXFER_LIBFABRIC overrides the library path.
  */
-#ifndef WX_DL_FABRIC_H
-#define WX_DL_FABRIC_H
+#ifndef WX_FABRIC_DL_H
+#define WX_FABRIC_DL_H
 
 #ifdef WX_HAVE_FABRIC
 #include <stddef.h>

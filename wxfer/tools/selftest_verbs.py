@@ -22,7 +22,7 @@ import subprocess
 import time
 
 from .selftest import _expect as _selftest_expect
-from .testing import pattern, stop_process
+from ..testing import pattern, stop_process
 
 _TIMEOUT = 60.0
 _PORT = 18515

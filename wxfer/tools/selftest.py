@@ -16,7 +16,7 @@ import platform
 import sys
 import time
 
-from .testing import pattern, stop_process
+from ..testing import pattern, stop_process
 
 _TIMEOUT = 60.0  # seconds any wait on the other process may take
 

@@ -1,4 +1,4 @@
-/* wx_dl_verbs.h - libibverbs, loaded from libibverbs.so.1 at run time.
+/* wx_verbs_dl.h - libibverbs, loaded from libibverbs.so.1 at run time.
  *
  * Compiled only when infiniband/verbs.h was found at build time (WX_HAVE_VERBS).
  * $WXFER_LIBIBVERBS may name another file; the test suite points it at the EMULATION
@@ -13,8 +13,8 @@
  * must not use those names directly (the extension would then carry undefined ibv_* symbols)
  * and calls the helpers below, which do what the inline would do through this table.
  */
-#ifndef WX_DL_VERBS_H
-#define WX_DL_VERBS_H
+#ifndef WX_VERBS_DL_H
+#define WX_VERBS_DL_H
 
 #ifdef WX_HAVE_VERBS
 #include <infiniband/verbs.h>

@@ -9,46 +9,38 @@
 
 #include "wx_desc.h"
 
-/* Backends are referenced weakly: a backend whose source is absent from a build (or
- * whose headers were missing) simply is not listed. */
+/* Backends are referenced weakly: a backend compiled out (its headers were missing, so its
+ * files compile to nothing) leaves its ops symbol undefined, and its entry NULL. */
 #define WX__WEAK __attribute__((weak))
-#ifdef WX_HAVE_FABRIC
-extern const wx_transport_ops_t wx_fabric_ops WX__WEAK;
-#endif
-#ifdef WX_HAVE_VERBS
-extern const wx_transport_ops_t wx_verbs_ops WX__WEAK;
-#endif
-#ifdef WX_HAVE_CUDA
-extern const wx_transport_ops_t wx_cuda_ipc_ops WX__WEAK;
-#endif
+#define WX_BACKEND(name, NAME, kind, sw, hdr) extern const wx_transport_ops_t wx_##name##_ops WX__WEAK;
+#include "wx_backends.def"
+#undef WX_BACKEND
 
-static const wx_transport_ops_t *wx__backend(int i)
+static const struct {
+    const char *name;
+    const wx_transport_ops_t *ops;
+} wx__backends[] = {
+#define WX_BACKEND(name, NAME, kind, sw, hdr) {#name, &wx_##name##_ops},
+#include "wx_backends.def"
+#undef WX_BACKEND
+};
+
+int wx_transport_backend(int i, const char **name, const wx_transport_ops_t **ops)
 {
-    switch (i) {
-#ifdef WX_HAVE_FABRIC
-    case 0:
-        return &wx_fabric_ops;
-#endif
-#ifdef WX_HAVE_VERBS
-    case 1:
-        return &wx_verbs_ops;
-#endif
-#ifdef WX_HAVE_CUDA
-    case 2:
-        return &wx_cuda_ipc_ops;
-#endif
-    default:
-        return NULL;
-    }
+    if (i < 0 || (size_t)i >= sizeof wx__backends / sizeof wx__backends[0])
+        return -ENOENT;
+    *name = wx__backends[i].name;
+    *ops = wx__backends[i].ops;
+    return 0;
 }
 
 const wx_transport_ops_t *wx_transport_find(const char *name)
 {
-    for (int i = 0; i < 3; i++) {
-        const wx_transport_ops_t *o = wx__backend(i);
-        if (o && strcmp(o->name, name) == 0)
+    const wx_transport_ops_t *o;
+    const char *n;
+    for (int i = 0; wx_transport_backend(i, &n, &o) == 0; i++)
+        if (o && strcmp(n, name) == 0)
             return o;
-    }
     return NULL;
 }
 

@@ -1,4 +1,4 @@
-/* wx_verbs.c - the verbs backend (ibverbs RC RDMA WRITE): ops table, open/close, the data
+/* wx_verbs_data.c - the verbs backend (ibverbs RC RDMA WRITE): ops table, open/close, the data
  * path and the progress thread.
  *
  * Data path: one RDMA WRITE work request per validated write (<= base.max_write, which is

@@ -1,5 +1,5 @@
-/* wx_cuda_ipc.c - the cuda_ipc backend: setup, registration, connection, and the table of
- * opened IPC handles. The data path is in wx_cuda_ipc_io.c; wx_cuda_ipc.h says how the
+/* wx_cuda_ipc_setup.c - the cuda_ipc backend: setup, registration, connection, and the table of
+ * opened IPC handles. The data path is in wx_cuda_ipc_data.c; wx_cuda_ipc.h says how the
  * whole works. */
 #include "wx_cuda_ipc.h"
 

@@ -1,4 +1,4 @@
-/* wx_fabric_mr.c - memory registration for the libfabric backend.
+/* wx_fabric_reg.c - memory registration for the libfabric backend.
  *
  * What the returned fi_info's mr_mode says decides everything here:
  *   FI_MR_VIRT_ADDR  remote addresses are virtual addresses: rbase = addr (shm, efa);

@@ -1,5 +1,5 @@
-/* wx_cuda_ipc.h - private to the cuda_ipc backend (wx_cuda_ipc.c: setup, registration,
- * connection and the table of opened handles; wx_cuda_ipc_io.c: the data path).
+/* wx_cuda_ipc.h - private to the cuda_ipc backend (wx_cuda_ipc_setup.c: setup, registration,
+ * connection and the table of opened handles; wx_cuda_ipc_data.c: the data path).
  *
  * How it works (docs/cuda_ipc.md has the measurements behind the choices):
  *   - The target registers CUDA memory; reg() finds the whole allocation around it
@@ -152,7 +152,7 @@ typedef struct wx__ci {
     char pci[16];
 } wx__ci_t;
 
-/* wx_cuda_ipc.c */
+/* wx_cuda_ipc_setup.c */
 const wx__ci_proc_t *wx__ci_proc(void);
 const char *wx__ci_errname(const wx__ci_t *c, CUresult r);
 void wx__ci_dev_ids(wx__ci_t *c, int dev, uint8_t uuid[16], char pci[16]);
@@ -171,7 +171,7 @@ int wx__ci_map_get(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri, wx__ci
 /* Drop this transport's references (the last one closes the handle). Caller holds c->mu. */
 void wx__ci_maps_close(wx__ci_t *c);
 
-/* wx_cuda_ipc_io.c */
+/* wx_cuda_ipc_data.c */
 int wx__ci_io_start(wx__ci_t *c);
 void wx__ci_io_stop(wx__ci_t *c);
 int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);

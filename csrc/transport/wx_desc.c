@@ -90,7 +90,7 @@ static int wx__get_header(wx__rbuf_t *r, char tag, uint8_t version, const char *
     if (h[3] != version)
         return wx_errf(-EPROTO, "%s version %u, this build reads version %u", what, h[3],
                        version);
-    if (h[4] < WX_KIND_FABRIC || h[4] > WX_KIND_CUDA_IPC)
+    if (!wx_kind_name(h[4]))
         return wx_errf(-EPROTO, "%s names unknown transport kind %u", what, h[4]);
     *kind = h[4];
     if (wx__get_u32(r, addr_len))

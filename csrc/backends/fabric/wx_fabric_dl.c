@@ -1,5 +1,5 @@
-/* wx_dl_fabric.c - the libfabric table (see wx_dl_fabric.h). */
-#include "wx_dl_fabric.h"
+/* wx_fabric_dl.c - the libfabric table (see wx_fabric_dl.h). */
+#include "wx_fabric_dl.h"
 
 #ifdef WX_HAVE_FABRIC
 #include <pthread.h>

@@ -23,7 +23,7 @@ import json
 import os
 import time
 
-from . import control, pipeline
+from . import control, prepare, program
 from .control import Control, SetupError
 from .receiver import _b64, _unb64, decode_param_descriptor, transport_choice
 from .verify import verify_enabled
@@ -35,7 +35,7 @@ STAMP_TAG = 1 << 62     # engine tag of the version-stamp writes (plan tasks use
 def _parse_size(v) -> int:
     if isinstance(v, int):
         return v
-    from . import _wxfer
+    from .. import _wxfer
     return int(_wxfer.parse_size(str(v)))
 
 
@@ -71,7 +71,7 @@ class Sender:
     above it), e.g. "2GiB".  device: where stage 2 runs (default: cuda:current when CUDA
     is available, else cpu).  write_timeout: seconds a step's writes may take before push()
     fails naming the task and the inference worker (30 s).  store_bind: the address or
-    interface the hosted TCPStore listens on (see wxfer.control.resolve_store).
+    interface the hosted TCPStore listens on (see wxfer.runtime.control.resolve_store).
     """
 
     def __init__(self, model, mapping, store=None, transport: str = "auto", watermark="2GiB",
@@ -107,7 +107,7 @@ class Sender:
             if hasattr(model, "reshard"):
                 model.reshard()   # FSDP2: the sharded DTensor parameters, even after a no-grad forward
             self.params = {n: p for n, p in model.named_parameters()}
-            self.ctl.set_json("train/%d" % self.rank, pipeline.train_metadata(model))
+            self.ctl.set_json("train/%d" % self.rank, program.train_metadata(model))
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"
         control.agree(self.group, err, self.rank, "publishing training metadata")
@@ -116,7 +116,7 @@ class Sender:
             self._controller(mapping)
         self.setup_s["plan"] = time.perf_counter() - t0
         data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)")
-        self.plan = pipeline.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
+        self.plan = program.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
         # ---- 3. this rank's program, transport, connections
         err = None
         t1 = time.perf_counter()
@@ -133,7 +133,7 @@ class Sender:
         try:
             per_rank = [ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}")
                         for r in range(self.world)]
-            train, problems = pipeline.merge_train_metadata(per_rank)
+            train, problems = program.merge_train_metadata(per_rank)
             if problems:
                 raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
             first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
@@ -143,7 +143,7 @@ class Sender:
             workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}")
                                  for g in range(1, n)]
             probs = []
-            pname = getattr(pipeline.get_preset(mapping), "name", "")
+            pname = getattr(program.get_preset(mapping), "name", "")
             for w in workers:
                 if w["mapping"] and pname and w["mapping"] != pname:
                     probs.append(f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, "
@@ -156,14 +156,14 @@ class Sender:
                                  f"gpu 0 says replicas={first['replicas']} tp={first['tp']}")
             if probs:
                 raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
-            plan = pipeline.build_controller_plan(train, workers, mapping)
+            plan = program.build_controller_plan(train, workers, mapping)
             plan.check()     # every destination byte written exactly once, by one sender, in range
-            senders = pipeline.receivers_of(plan)
+            senders = program.receivers_of(plan)
             for w in workers:
                 if len(senders[w["gpu"]]) > w["stamp_slots"]:
                     raise SetupError(f"inference worker gpu {w['gpu']} has {w['stamp_slots']} version "
                                      f"stamp slots but {len(senders[w['gpu']])} trainers write to it")
-            blob = pipeline.plan_to_bytes(plan)
+            blob = program.plan_to_bytes(plan)
         except Exception as e:  # noqa: BLE001 -- every rank and every receiver learns it
             msg = f"{type(e).__name__}: {e}"
             ctl.set("plan", control.encode_result(None, msg))
@@ -208,10 +208,10 @@ class Sender:
             delay = min(delay * 2, 0.1)
 
     def _connect(self, transport, transport_options, watermark) -> None:
-        from . import _wxfer
+        from .. import _wxfer
         import torch
-        self.program = pipeline.RankProgram.from_plan(self.plan, self.rank, self.params)
-        senders = pipeline.receivers_of(self.plan)
+        self.program = program.RankProgram.from_plan(self.plan, self.rank, self.params)
+        senders = program.receivers_of(self.plan)
         # every gpu this rank writes to (data and version stamp)
         self.workers = {}
         for g in self.program.gpus:
@@ -332,7 +332,7 @@ class Sender:
 
         verify (default: $WXFER_VERIFY=1): checksum every write's source bytes here, and once
         they landed ask every receiver written to for the checksum of what it holds there;
-        any mismatch raises wxfer.verify.VerifyError naming the worker, parameter and bytes."""
+        any mismatch raises wxfer.runtime.verify.VerifyError naming the worker, parameter and bytes."""
         import torch
         if self._pending is not None and not self._pending.done():
             self._pending.wait()
@@ -369,7 +369,7 @@ class Sender:
         import torch
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                buf = pipeline.prepare(op, self.device)
+                buf = prepare.prepare(op, self.device)
                 if buf is None:
                     return
                 ev = torch.cuda.Event()
@@ -381,7 +381,7 @@ class Sender:
             self.engine.submit(buf, op.dests, event=ev.cuda_event, device=self.device.index, tag=op.task,
                                held=op.nbytes)
         else:
-            buf = pipeline.prepare(op, self.device)
+            buf = prepare.prepare(op, self.device)
             if buf is None:
                 return
             if self._sums is not None:

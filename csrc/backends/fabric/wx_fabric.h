@@ -6,7 +6,7 @@
  * incoming writes while somebody reads its CQ, and on the writer it turns completions into
  * op->done() calls.
  *
- * Files: wx_fabric_setup.c (probe/open/close, address, peers), wx_fabric_mr.c
+ * Files: wx_fabric_setup.c (probe/open/close, address, peers), wx_fabric_reg.c
  * (registration), wx_fabric_data.c (write, progress thread, completions).
  *
  * Options: provider (tcp = "tcp;ofi_rxm", shm, efa, or an exact provider string), iface
@@ -44,7 +44,7 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
-#include "wx_dl_fabric.h"
+#include "wx_fabric_dl.h"
 #include "wx_transport.h"
 
 enum { WX_FAB_FREE = 0, WX_FAB_POSTED = 1, WX_FAB_ABANDONED = 2 };
@@ -123,7 +123,7 @@ typedef struct wx_fab {
 
 #define WX_FAB(t) ((wx_fab_t *)(t))
 
-/* wx_fabric_mr.c */
+/* wx_fabric_reg.c */
 int wx__fab_reg(wx_transport_t *t, wx_mr_t *mr);
 void wx__fab_dereg(wx_transport_t *t, wx_mr_t *mr);
 

@@ -1,8 +1,8 @@
 /* wx_verbs.h - private header of the verbs backend (ibverbs RC RDMA WRITE).
  *
- * Split like NCCL's net_ib: wx_verbs_dev.c (NIC choice, ports, GIDs), wx_verbs_reg.c
+ * Split like NCCL's net_ib: wx_verbs_setup.c (NIC choice, ports, GIDs), wx_verbs_reg.c
  * (memory registration and its cache), wx_verbs_conn.c (queue pairs and the handshake),
- * wx_verbs.c (ops table, data path, progress thread). See docs/verbs.md.
+ * wx_verbs_data.c (ops table, data path, progress thread). See docs/verbs.md.
  */
 #ifndef WX_VERBS_H
 #define WX_VERBS_H
@@ -11,7 +11,7 @@
 #include <infiniband/verbs.h>
 #include <pthread.h>
 
-#include "wx_dl_verbs.h"
+#include "wx_verbs_dl.h"
 #include "wx_transport.h"
 
 #define WX_VERBS_MAX_NICS 8
@@ -117,7 +117,7 @@ typedef struct wx_verbs {
     char choice[400]; /* how the NICs were chosen */
 } wx_verbs_t;
 
-/* wx_verbs_dev.c */
+/* wx_verbs_setup.c */
 int wx__verbs_open_nics(wx_verbs_t *t, const char *device_opt);
 void wx__verbs_close_nics(wx_verbs_t *t);
 /* Parse a plain `dev[:port],dev[:port]` list (a leading '^' makes it an exclusion list).
@@ -144,7 +144,7 @@ int wx__verbs_conn_finish(wx_transport_t *tt, wx_peer_t *p, const uint8_t *rep, 
 void wx__verbs_disconnect(wx_transport_t *tt, wx_peer_t *p);
 void wx__verbs_destroy_qp(wx_verbs_t *t, wx__vqp_t *q);
 
-/* wx_verbs.c */
+/* wx_verbs_data.c */
 int wx__verbs_add_qp(wx_verbs_t *t, wx__vqp_t *q);
 void wx__verbs_fail_qp(wx_verbs_t *t, wx__vqp_t *q, int err, const char *msg);
 #endif

@@ -39,7 +39,27 @@
 extern "C" {
 #endif
 
-enum wx_kind { WX_KIND_FABRIC = 1, WX_KIND_VERBS = 2, WX_KIND_CUDA_IPC = 3 };
+/* WX_KIND_FABRIC, WX_KIND_VERBS, WX_KIND_CUDA_IPC: one per line of wx_backends.def */
+enum wx_kind {
+#define WX_BACKEND(name, NAME, kind, sw, hdr) WX_KIND_##NAME = kind,
+#include "wx_backends.def"
+#undef WX_BACKEND
+    WX_KIND__END
+};
+
+/* The name of a transport kind ("fabric", ...), NULL for a kind this build does not know. */
+static inline const char *wx_kind_name(uint32_t kind)
+{
+    switch (kind) {
+#define WX_BACKEND(name, NAME, k, sw, hdr) \
+    case k:                                \
+        return #name;
+#include "wx_backends.def"
+#undef WX_BACKEND
+    default:
+        return NULL;
+    }
+}
 enum wx_mem { WX_MEM_HOST = 1, WX_MEM_CUDA = 2 };
 
 #define WX_ADDR_MAX 256  /* transport address of a process (fabric ep name, ...) */
@@ -148,6 +168,9 @@ struct wx_transport {
 
 /* The backend called `name`, or NULL when it is not part of this build. */
 const wx_transport_ops_t *wx_transport_find(const char *name);
+/* The i-th backend of wx_backends.def (0-based) in *name; its ops, or NULL when this build
+ * compiled it out. Returns -ENOENT past the last one. */
+int wx_transport_backend(int i, const char **name, const wx_transport_ops_t **ops);
 
 int wx_transport_open(const char *name, const wx_opts_t *opts, wx_transport_t **out);
 void wx_transport_close(wx_transport_t *t);

@@ -1,5 +1,5 @@
-/* wx_dl_verbs.c - the libibverbs table (see wx_dl_verbs.h). */
-#include "wx_dl_verbs.h"
+/* wx_verbs_dl.c - the libibverbs table (see wx_verbs_dl.h). */
+#include "wx_verbs_dl.h"
 
 #ifdef WX_HAVE_VERBS
 #include <pthread.h>

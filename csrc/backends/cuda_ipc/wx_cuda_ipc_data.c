@@ -1,4 +1,4 @@
-/* wx_cuda_ipc_io.c - the cuda_ipc data path: posting copies on the backend's own streams,
+/* wx_cuda_ipc_data.c - the cuda_ipc data path: posting copies on the backend's own streams,
  * and the progress thread that polls their events and completes the ops.
  *
  * A write is one cuMemcpyAsync (or up to WX_CI_SPLIT_MAX pieces over several streams when

@@ -1,0 +1,1 @@
+"""Glue for inference engines (vLLM worker extension)."""

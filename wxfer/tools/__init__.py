@@ -1,0 +1,1 @@
+"""Command-line tools: the end-to-end demo and the transport self-tests (python -m wxfer ...)."""
