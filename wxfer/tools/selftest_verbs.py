@@ -32,7 +32,7 @@ _AUTH_ENV = "WXFER_SELFTEST_KEY"
 def emulation_library() -> str:
     """Build (if needed) and return the path of the libibverbs emulation. Only a source
     checkout has it: it is a test tool and never shipped."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = os.path.join(root, "csrc", "testing", "build.sh")
     if not os.path.exists(script):
         raise RuntimeError("--emulated needs a source checkout of wxfer (csrc/testing/build.sh "
