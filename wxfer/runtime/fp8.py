@@ -49,8 +49,9 @@ def nvrtc_dirs() -> list:
     return out
 
 
-def _native_why(device) -> str | None:
-    """None when the native kernel can quantize tensors on `device`, else why not."""
+def _native_why(device, probe: bool = True) -> str | None:
+    """None when the native kernel can quantize tensors on `device`, else why not. probe=False:
+    "" when that is not known yet (the kernel has not been compiled for that device)."""
     mode = os.environ.get("WXFER_FP8", "").strip().lower()
     if mode == "reference":
         return "WXFER_FP8=reference"
@@ -62,6 +63,8 @@ def _native_why(device) -> str | None:
     with _lock:
         if idx in _probed:
             return _probed[idx]
+        if not probe:
+            return ""
         try:
             from .. import _wxfer
         except ImportError as e:
@@ -73,10 +76,12 @@ def _native_why(device) -> str | None:
         return why
 
 
-def info(device=None) -> dict:
-    """{"quantizer": "native" | "reference", "reason": ...} for CUDA tensors on `device` (default:
+def info(device=None, probe: bool = True) -> dict:
+    """{"quantizer": "native" | "reference", "reason": ...} for tensors on `device` (default:
     the current CUDA device; on a machine without CUDA, the reference and why), with the number
-    of calls each quantizer served so far in this process."""
+    of calls each quantizer served so far in this process. Probing a CUDA device loads libnvrtc
+    and compiles the kernel (once); probe=False answers "none" instead when that has not
+    happened yet."""
     torch = _torch()
     if device is None:
         device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
@@ -84,8 +89,11 @@ def info(device=None) -> dict:
     if device is None:
         why = "no CUDA device (torch.cuda.is_available() is False)"
     else:
-        why = _native_why(torch.device(device))
-    if why is None:
+        why = _native_why(torch.device(device), probe)
+    if why == "":
+        d = {"quantizer": "none", "reason": f"no FP8 piece quantized on {torch.device(device)} yet "
+             "(the native kernel is compiled at first use)"}
+    elif why is None:
         d = {"quantizer": "native", "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}"}
     else:
         d = {"quantizer": "reference", "reason": why}
