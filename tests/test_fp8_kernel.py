@@ -203,3 +203,26 @@ def test_nan_propagates_to_the_block(dev):
     rq, rs = quantize_fp8_block(t)
     assert torch.equal(out[qo:qo + t.numel()].view(256, 256)[128:].cpu(),
                        rq.view(torch.uint8)[128:].cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_reference_itself_is_the_same_on_cuda_and_cpu(dev, dtype):
+    # torch on CUDA multiplies by the reciprocal of a Python-scalar divisor; the reference
+    # divides by a tensor so that its CUDA and CPU scales (and bytes) agree
+    t = _data((1000, 700), dtype, dev, seed=31)
+    qg, sg = quantize_fp8_block(t)
+    qc, sc = quantize_fp8_block(t.cpu())
+    assert torch.equal(sg.cpu().view(torch.int32), sc.view(torch.int32))
+    assert torch.equal(qg.cpu().view(torch.uint8), qc.view(torch.uint8))
+
+
+def test_forced_reference_on_cuda_gives_the_native_bytes(dev, monkeypatch):
+    ts = [_data((300, 260), torch.bfloat16, dev, seed=37), _data((128, 384), torch.float32, dev, seed=38)]
+    jobs, n = _layout(ts, 1, 1, 1)
+    nat = torch.zeros(n, dtype=torch.uint8, device=dev)
+    assert fp8.quantize_into(nat, jobs) == "native"
+    monkeypatch.setenv("WXFER_FP8", "reference")
+    assert fp8.info(dev) == dict(fp8.info(dev), quantizer="reference", reason="WXFER_FP8=reference")
+    ref = torch.zeros(n, dtype=torch.uint8, device=dev)
+    assert fp8.quantize_into(ref, jobs) == "reference"
+    assert torch.equal(nat, ref)

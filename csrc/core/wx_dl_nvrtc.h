@@ -29,8 +29,8 @@ typedef struct wx_nvrtc_api {
 /* Load NVRTC once (thread-safe; the first call's answer is kept). Tried in order:
  * $WXFER_LIBNVRTC (a path; when set, only it), then libnvrtc.so.<major> for the CUDA 13
  * and 12 majors (the driver's own major first), each by the loader's search path, then in
- * each of `dirs` (ndirs of them, e.g. the pip wheels' nvidia/cuda_nvrtc/lib), the directory
- * of the loaded libcuda, $CUDA_HOME/lib64 and /usr/local/cuda/lib64.
+ * the directory of the loaded libcuda, $CUDA_HOME/lib64, /usr/local/cuda/lib64 and each of
+ * `dirs` (ndirs of them, e.g. the pip wheels' nvidia/cuda_nvrtc/lib).
  * Returns the table, or NULL with the reason (what was tried) in why. */
 const wx_nvrtc_api_t *wx_nvrtc(const char *const *dirs, int ndirs, char *why, size_t why_len);
 
