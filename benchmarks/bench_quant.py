@@ -12,16 +12,19 @@ an on-device copy of the same source bytes (dst.copy_(src)) measured in the same
 counted the same way (read + written). Every figure is the median of --reps repetitions of
 --iters calls, timed with CUDA events. The native bytes are checked against the reference.
 
-  python3 benchmarks/bench_quant.py [--json] [--reps 5] [--iters 20]
+  python3 benchmarks/bench_quant.py [--json] [--reps 5] [--iters 20] [--native-only]
+  python3 benchmarks/bench_quant.py --minb 2,3,4,5   # the native kernel compiled for n CTAs/SM
   python3 benchmarks/bench_quant.py --dry-run      # CPU, small shapes (CI)
 
-WXFER_FP8_MINB=<n> compiles the kernel for n CTAs per SM (register budget; default 4).
+WXFER_FP8_MINB=<n> compiles the kernel for n CTAs per SM (register budget; default 4);
+--minb runs one child process per value (the kernel is compiled once per process).
 """
 import argparse
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -128,7 +131,11 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="CPU, small shapes, reference only")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--native-only", action="store_true", help="skip the (slow) reference")
+    ap.add_argument("--minb", help="comma-separated CTAs-per-SM values to compare (child processes)")
     a = ap.parse_args(argv)
+    if a.minb:
+        return sweep_minb(a)
     import torch
     from wxfer.runtime import fp8
     if a.dry_run:
@@ -140,7 +147,8 @@ def main(argv=None):
         dev = torch.device("cuda", torch.cuda.current_device())
     shapes = CASES["dry" if a.dry_run else "full"]
     inf = fp8.info(dev)
-    quantizers = ["reference"] + (["native"] if inf["quantizer"] == "native" else [])
+    quantizers = ([] if a.native_only and inf["quantizer"] == "native" else ["reference"]) + \
+        (["native"] if inf["quantizer"] == "native" else [])
     g = torch.Generator(device="cpu").manual_seed(0)
     dense = torch.randn(*shapes["dense"], generator=g).to(torch.bfloat16).to(dev)
     experts = torch.randn(*shapes["experts"], generator=g).to(torch.bfloat16).to(dev)
@@ -163,6 +171,30 @@ def main(argv=None):
         print(json.dumps(dict(bench="quant", machine=platform.node(), gpu=gpu, torch=torch.__version__,
                               dry_run=a.dry_run, native=inf, results=rows)))
     return 1 if any(r.get("identical") is False for r in rows) else 0
+
+
+def sweep_minb(a):
+    """The native rows for each WXFER_FP8_MINB value, one child process each."""
+    rows, gpu = [], None
+    for v in a.minb.split(","):
+        env = dict(os.environ, WXFER_FP8_MINB=v.strip())
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--native-only", "--reps", str(a.reps),
+               "--iters", str(a.iters)]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            print(p.stdout[-2000:] + p.stderr[-2000:], file=sys.stderr)
+            return p.returncode
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        gpu = res["gpu"]
+        rows += [dict(r, minb=int(v)) for r in res["results"] if r["quantizer"] == "native"]
+    print(f"bench_quant --minb on {platform.node()}, {gpu}")
+    print("| case | CTAs/SM | ms | effective GB/s | vs copy |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['minb']} | {r['ms']:.3f} | {r['GBps']:.1f} | {r['vs_copy']:.3f} |")
+    if a.json:
+        print(json.dumps(dict(bench="quant-minb", machine=platform.node(), gpu=gpu, results=rows)))
+    return 0
 
 
 if __name__ == "__main__":

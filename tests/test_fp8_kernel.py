@@ -226,3 +226,27 @@ def test_forced_reference_on_cuda_gives_the_native_bytes(dev, monkeypatch):
     ref = torch.zeros(n, dtype=torch.uint8, device=dev)
     assert fp8.quantize_into(ref, jobs) == "reference"
     assert torch.equal(nat, ref)
+
+
+def test_pack_into_on_cuda_one_launch_per_task_equals_the_cpu_packing(dev, monkeypatch):
+    from wxfer.mapping.reference import pack_task
+    from wxfer.mapping.rules import Piece, Shard
+    from wxfer.runtime import prepare
+    fulls = {"qkv.q": _data((512, 384), torch.bfloat16, dev, seed=41),
+             "qkv.k": _data((128, 384), torch.bfloat16, dev, seed=42),
+             "up": _data((300, 384), torch.float32, dev, seed=43)}
+    pcs = [Piece("qkv.q", 0, 256, 0, 384), Piece("qkv.k", 0, 128, 0, 384), Piece("up", 64, 300, 128, 384)]
+
+    def nb(kind, ps):
+        return sum(p.rows * p.cols if kind == "fp8" else -(-p.rows // 128) * -(-p.cols // 128) * 4 for p in ps)
+    shards = [Shard(0, "w", 0, nb("fp8", pcs), "fp8", "float8_e4m3fn", tuple(pcs)),
+              Shard(0, "raw", 0, 10 * 384 * 2, "raw", "bfloat16", (Piece("up", 0, 10, 0, 384),)),
+              Shard(0, "w_s", 0, nb("scale", pcs), "scale", "float32", tuple(pcs))]
+    launches = []
+    real = fp8._native
+    monkeypatch.setattr(fp8, "_native", lambda out, jobs: launches.append(len(jobs)) or real(out, jobs))
+    total = sum(s.nbytes for s in shards)
+    got = prepare.pack_into(shards, fulls, total, dev)
+    assert launches == [3]
+    want = pack_task(shards, {k: v.cpu() for k, v in fulls.items()})
+    assert torch.equal(got.cpu(), want)
