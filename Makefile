@@ -47,6 +47,7 @@ gpu-test:
 gpu-bench:
 	mkdir -p $(LOGDIR)
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_cuda_ipc.py --json 2>&1 | tee $(LOGDIR)/bench_cuda_ipc.log
+	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_quant.py --json 2>&1 | tee $(LOGDIR)/bench_quant.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 -m wxfer demo --json 2>&1 | tee $(LOGDIR)/demo_gpu.log
 
 asan-test: setup

@@ -71,6 +71,10 @@ static void wx__cuda_load(void)
     WX__SYM(cuEventElapsedTime, "cuEventElapsedTime");
     WX__SYM(cuCtxGetDevice, "cuCtxGetDevice");
     WX__SYM(cuDeviceGetName, "cuDeviceGetName");
+    WX__SYM(cuModuleLoadData, "cuModuleLoadData");
+    WX__SYM(cuModuleUnload, "cuModuleUnload");
+    WX__SYM(cuModuleGetFunction, "cuModuleGetFunction");
+    WX__SYM(cuLaunchKernel, "cuLaunchKernel");
     WX__OPT(cuMemGetHandleForAddressRange, "cuMemGetHandleForAddressRange");
     WX__OPT(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
     WX__OPT(cuMemRelease, "cuMemRelease");

@@ -57,6 +57,13 @@ typedef struct wx_cuda_api {
     /* cuda_ipc additions (required) */
     CUresult (*cuCtxGetDevice)(CUdevice *);
     CUresult (*cuDeviceGetName)(char *, int, CUdevice);
+    /* prepare (the FP8 kernel) additions (required) */
+    CUresult (*cuModuleLoadData)(CUmodule *, const void *);
+    CUresult (*cuModuleUnload)(CUmodule);
+    CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
+    CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
+                               unsigned int, unsigned int, unsigned int, CUstream, void **,
+                               void **);
 } wx_cuda_api_t;
 
 /* Load libcuda.so.1 (or $WXFER_LIBCUDA) once and call cuInit(0). Returns the table, or

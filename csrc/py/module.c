@@ -196,7 +196,8 @@ static int wx_exec(PyObject *m)
         PyExc_OSError, NULL);
     if (!st->Error || PyModule_AddObjectRef(m, "Error", st->Error) < 0)
         return -1;
-    if (wx_py_transport_init_types(m, st) < 0 || wx_py_engine_init_types(m, st) < 0)
+    if (wx_py_transport_init_types(m, st) < 0 || wx_py_engine_init_types(m, st) < 0 ||
+        wx_py_prepare_init(m) < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "MEM_HOST", WX_MEM_HOST) < 0 ||
         PyModule_AddIntConstant(m, "MEM_CUDA", WX_MEM_CUDA) < 0)

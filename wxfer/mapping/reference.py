@@ -6,7 +6,7 @@ shard must contain, and `pack_task` the packed buffer a trainer rank sends.  The
 prepare stage may compute the same thing faster; it must match these bytes exactly.
 
 FP8: each piece is quantized on its own 128x128 grid; per block
-``scale_inv = max(amax(|w|), 1e-12) / 448`` in float32 and
+``scale_inv = max(amax(|w|), 1e-12) / 448`` in float32 (IEEE division, on every device) and
 ``fp8 = clamp(w / scale_inv, -448, 448).to(float8_e4m3fn)``, so that
 ``w ~= fp8.float() * scale_inv``.
 """
@@ -36,7 +36,10 @@ def quantize_fp8_block(w, block: int = BLOCK):
     pad[:rows, :cols] = wf
     blocks = pad.view(rb, block, cb, block)
     amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.clamp(amax, min=1e-12) / FP8_MAX
+    # IEEE division by a tensor: torch on CUDA turns `x / python_scalar` into x * (1 / 448),
+    # which can differ from x / 448 in the last bit; this way CPU, CUDA and the native kernel
+    # (wxfer.runtime.fp8) give the same scales.
+    scale = torch.clamp(amax, min=1e-12) / torch.full_like(amax, FP8_MAX)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     q = q.view(rb * block, cb * block)[:rows, :cols].to(torch.float8_e4m3fn)
     return q.contiguous(), scale.to(torch.float32).contiguous()

@@ -108,37 +108,47 @@ def pack(shards, fulls: dict):
 
 def pack_into(shards, fulls: dict, nbytes: int, device):
     """The same bytes as ``pack`` (the mapping's reference packing), written straight into one
-    buffer: one allocation, each piece copied (and cast) once, an FP8 piece quantized once for
-    its fp8 and scale shards."""
+    buffer: one allocation, each raw piece copied (and cast) once, and every FP8 piece of the
+    task quantized by one ``fp8.quantize_into`` call (one kernel launch on CUDA) that writes its
+    fp8 bytes and its scales at their offsets."""
     import torch
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    quant: dict = {}
+    fp8_pieces: dict = {}
     off = 0
     for sh in shards:
-        off = pack_shard_into(sh, fulls, out, off, quant)
+        off = _pack_raw(sh, fulls, out, off, fp8_pieces)
     if off != nbytes:
         raise AssertionError(f"packed {off} bytes, expected {nbytes}")
+    _quantize(out, fulls, fp8_pieces)
     return out
 
 
 def pack_shard_into(sh, fulls: dict, out, off: int, quant: dict | None = None) -> int:
     """Write shard `sh`'s reference bytes into the uint8 tensor `out` at byte `off`; returns
-    the offset after it.  `quant` caches FP8 quantizations per piece across shards."""
+    the offset after it. An FP8 or scale shard's pieces are quantized in one call. `quant` is
+    accepted for older callers and unused: the quantizer writes each shard's part directly."""
+    fp8_pieces: dict = {}
+    end = _pack_raw(sh, fulls, out, off, fp8_pieces)
+    _quantize(out, fulls, fp8_pieces)
+    return end
+
+
+def _pack_raw(sh, fulls: dict, out, off: int, fp8_pieces: dict) -> int:
+    """Copy (and cast) the pieces of a raw shard into `out` at `off`; for an fp8 / scale shard
+    record each piece's byte offset in fp8_pieces[piece] = ([fp8 offsets], [scale offsets]).
+    Returns the offset after the shard."""
     import torch
-    from ..mapping.reference import _piece_tensor, quantize_fp8_block
-    if quant is None:
-        quant = {}
+    from ..mapping.reference import _piece_tensor
     start = off
     for pc in sh.pieces:
-        t = _piece_tensor(pc, fulls)
         if sh.kind != "raw":
-            qs = quant.get(pc)
-            if qs is None:
-                qs = quant[pc] = quantize_fp8_block(t)
-            t = qs[0] if sh.kind == "fp8" else qs[1]
-            dt = t.dtype
-        else:
-            dt = getattr(torch, sh.dtype)
+            slot = fp8_pieces.setdefault(pc, ([], []))
+            slot[0 if sh.kind == "fp8" else 1].append(off)
+            rows, cols = pc.rows, pc.cols
+            off += rows * cols if sh.kind == "fp8" else -(-rows // 128) * -(-cols // 128) * 4
+            continue
+        t = _piece_tensor(pc, fulls)
+        dt = getattr(torch, sh.dtype)
         nb = t.numel() * dt.itemsize
         if nb:
             dst = out[off:off + nb]
@@ -150,6 +160,25 @@ def pack_shard_into(sh, fulls: dict, out, off: int, quant: dict | None = None) -
     if off - start != sh.nbytes:
         raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
     return off
+
+
+def _quantize(out, fulls: dict, fp8_pieces: dict) -> None:
+    """Quantize every recorded FP8 piece in one fp8.quantize_into call: a piece found in an fp8
+    shard and in a scale shard is one job writing both (a piece sent twice: one job per copy)."""
+    if not fp8_pieces:
+        return
+    from itertools import zip_longest
+    from ..mapping.reference import _piece_tensor
+    from . import fp8
+    jobs = []
+    for pc, (qs, ss) in fp8_pieces.items():
+        t = _piece_tensor(pc, fulls)
+        if t.dim() != 2:
+            raise ValueError(f"FP8 piece {pc}: its source {pc.src!r} is {t.dim()}-D, FP8 block "
+                             "quantization needs a 2-D tensor")
+        for qo, so in zip_longest(qs, ss):
+            jobs.append((t, qo, so))
+    fp8.quantize_into(out, jobs)
 
 
 def _whole(op: TaskOp, fulls: dict, fresh: set):

@@ -530,7 +530,8 @@ class Sender:
         s = dict(self.engine.stats())
         s.update(rank=self.rank, bytes_per_step=self.bytes_per_step, receivers=list(self.workers),
                  rejoined=self.rejoined,
-                 transport=self.transport_name, setup_s=self.setup_s)
+                 transport=self.transport_name, setup_s=self.setup_s,
+                 quantizer=_quantizer_stats(self.device))
         return s
 
     def close(self) -> None:
@@ -551,6 +552,17 @@ class Sender:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _quantizer_stats(device) -> dict:
+    """Which FP8 quantizer ran last in this process and why (fp8.last()), else which one would
+    run on `device` (without compiling the kernel just for this), with the call counts."""
+    from . import fp8
+    d = fp8.info(device, probe=False)
+    ran = fp8.last()
+    if ran is not None:
+        d.update(ran)
+    return d
 
 
 def _regions(worker: dict) -> set:

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""The block-FP8 quantizer alone: the reference (wxfer.mapping.reference.quantize_fp8_block
+and copies) against the native kernel (csrc/prepare/wx_fp8_kernel.cu, one launch per call),
+both through wxfer.runtime.fp8.quantize_into writing into one packed uint8 buffer.
+
+Cases (bfloat16 sources, as a trainer's weights):
+  dense          one 12288x4096 tensor
+  experts-1      128 experts of 768x2048 (one 3-D tensor), all in one call (one launch)
+  experts-128    the same experts, one call (one launch) per expert
+Effective GB/s counts the bytes read (bf16) and written (fp8 + float32 scales). The bound is
+an on-device copy of the same source bytes (dst.copy_(src)) measured in the same run,
+counted the same way (read + written). Every figure is the median of --reps repetitions of
+--iters calls, timed with CUDA events. The native bytes are checked against the reference.
+
+  python3 benchmarks/bench_quant.py [--json] [--reps 5] [--iters 20] [--native-only]
+  python3 benchmarks/bench_quant.py --minb 2,3,4,5   # the native kernel compiled for n CTAs/SM
+  python3 benchmarks/bench_quant.py --dry-run      # CPU, small shapes (CI)
+
+WXFER_FP8_MINB=<n> compiles the kernel for n CTAs per SM (register budget; default 4);
+--minb runs one child process per value (the kernel is compiled once per process).
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CASES = {"full": {"dense": (12288, 4096), "experts": (128, 768, 2048)},
+         "dry": {"dense": (384, 520), "experts": (4, 256, 384)}}
+
+
+def _sync(dev):
+    import torch
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn, dev, iters, reps):
+    """Median seconds per call of fn over reps repetitions of iters calls."""
+    import torch
+    fn()
+    _sync(dev)
+    times = []
+    for _ in range(reps):
+        if dev.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(iters):
+                fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3 / iters)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def layout(ts):
+    """Jobs (tensor, fp8 offset, scale offset) packing each tensor's fp8 bytes then its scales,
+    like an fp8 shard followed by its scale shard; and the buffer size."""
+    jobs, off = [], 0
+    for t in ts:
+        jobs.append([t, off, None])
+        off += t.numel()
+    for j in jobs:
+        r, c = j[0].shape
+        j[2] = off
+        off += -(-r // 128) * -(-c // 128) * 4
+    return [tuple(j) for j in jobs], off
+
+
+def quantize(out, jobs, quantizer):
+    from wxfer.runtime import fp8
+    old = os.environ.get("WXFER_FP8")
+    os.environ["WXFER_FP8"] = quantizer
+    try:
+        return fp8.quantize_into(out, jobs)
+    finally:
+        if old is None:
+            del os.environ["WXFER_FP8"]
+        else:
+            os.environ["WXFER_FP8"] = old
+
+
+def run_case(name, ts, calls, dev, quantizers, iters, reps):
+    """Rows for one case: ts the source tensors, calls how to split them into calls."""
+    import torch
+    jobs, nbytes = layout(ts)
+    groups = [jobs] if calls == 1 else [[j] for j in jobs]
+    src_bytes = sum(t.numel() * t.element_size() for t in ts)
+    moved = src_bytes + nbytes                          # read + written
+    out = {q: torch.zeros(nbytes, dtype=torch.uint8, device=dev) for q in quantizers}
+    ran = {}
+
+    def fn_for(q):
+        def fn():
+            for g in groups:
+                ran[q] = quantize(out[q], g, q)
+        return fn
+    src = torch.cat([t.reshape(-1) for t in ts])
+    dst = torch.empty_like(src)
+    copy_s = timed(lambda: dst.copy_(src), dev, iters, reps)
+    copy_gbps = 2 * src_bytes / copy_s / 1e9
+    rows = []
+    for q in quantizers:
+        it = iters if q == "native" else max(1, iters // 10)
+        s = timed(fn_for(q), dev, it, reps)
+        gbps = moved / s / 1e9
+        rows.append(dict(case=name, quantizer=q, ran=ran.get(q), launches=len(groups) if ran.get(q) == "native" else 0,
+                         pieces=len(jobs), bytes_moved=moved, ms=round(s * 1e3, 4), GBps=round(gbps, 3),
+                         copy_ms=round(copy_s * 1e3, 4), copy_GBps=round(copy_gbps, 3),
+                         vs_copy=round(gbps / copy_gbps, 3)))
+    if len(quantizers) > 1:
+        same = all(torch.equal(out[quantizers[0]], out[q]) for q in quantizers[1:])
+        for r in rows:
+            r["identical"] = same
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="also print one JSON line")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, small shapes, reference only")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--native-only", action="store_true", help="skip the (slow) reference")
+    ap.add_argument("--minb", help="comma-separated CTAs-per-SM values to compare (child processes)")
+    a = ap.parse_args(argv)
+    if a.minb:
+        return sweep_minb(a)
+    import torch
+    from wxfer.runtime import fp8
+    if a.dry_run:
+        dev = torch.device("cpu")
+        a.reps, a.iters = min(a.reps, 2), min(a.iters, 2)
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("bench_quant: needs a CUDA GPU (or --dry-run)")
+        dev = torch.device("cuda", torch.cuda.current_device())
+    shapes = CASES["dry" if a.dry_run else "full"]
+    inf = fp8.info(dev)
+    quantizers = ([] if a.native_only and inf["quantizer"] == "native" else ["reference"]) + \
+        (["native"] if inf["quantizer"] == "native" else [])
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dense = torch.randn(*shapes["dense"], generator=g).to(torch.bfloat16).to(dev)
+    experts = torch.randn(*shapes["experts"], generator=g).to(torch.bfloat16).to(dev)
+    ex = [experts[e] for e in range(experts.shape[0])]
+    rows = []
+    rows += run_case("dense %dx%d" % shapes["dense"], [dense], 1, dev, quantizers, a.iters, a.reps)
+    rows += run_case("experts %dx%dx%d, one call" % shapes["experts"], ex, 1, dev, quantizers, a.iters, a.reps)
+    rows += run_case("experts %dx%dx%d, call per expert" % shapes["experts"], ex, len(ex), dev, quantizers,
+                     max(1, a.iters // 4), a.reps)
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none (CPU dry run)"
+    print(f"bench_quant on {platform.node()}, {gpu}; native quantizer: {inf['quantizer']} ({inf['reason']})")
+    print("| case | quantizer | launches | ms | effective GB/s | on-device copy GB/s | vs copy |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['quantizer']} | {r['launches']} | {r['ms']:.3f} | {r['GBps']:.1f} | "
+              f"{r['copy_GBps']:.1f} | {r['vs_copy']:.3f} |")
+    if any(r.get("identical") is False for r in rows):
+        print("bench_quant: the native bytes differ from the reference", file=sys.stderr)
+    if a.json:
+        print(json.dumps(dict(bench="quant", machine=platform.node(), gpu=gpu, torch=torch.__version__,
+                              dry_run=a.dry_run, native=inf, results=rows)))
+    return 1 if any(r.get("identical") is False for r in rows) else 0
+
+
+def sweep_minb(a):
+    """The native rows for each WXFER_FP8_MINB value, one child process each."""
+    rows, gpu = [], None
+    for v in a.minb.split(","):
+        env = dict(os.environ, WXFER_FP8_MINB=v.strip())
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--native-only", "--reps", str(a.reps),
+               "--iters", str(a.iters)]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            print(p.stdout[-2000:] + p.stderr[-2000:], file=sys.stderr)
+            return p.returncode
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        gpu = res["gpu"]
+        rows += [dict(r, minb=int(v)) for r in res["results"] if r["quantizer"] == "native"]
+    print(f"bench_quant --minb on {platform.node()}, {gpu}")
+    print("| case | CTAs/SM | ms | effective GB/s | vs copy |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['minb']} | {r['ms']:.3f} | {r['GBps']:.1f} | {r['vs_copy']:.3f} |")
+    if a.json:
+        print(json.dumps(dict(bench="quant-minb", machine=platform.node(), gpu=gpu, results=rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

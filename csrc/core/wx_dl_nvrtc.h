@@ -1,0 +1,37 @@
+/* wx_dl_nvrtc.h - NVRTC (the CUDA runtime compiler), loaded from libnvrtc.so.* at run time.
+ *
+ * Needs no NVRTC header at build time: the few entries used are declared here with their
+ * C ABI (nvrtcResult is an int enum, 0 = NVRTC_SUCCESS; nvrtcProgram an opaque pointer).
+ */
+#ifndef WX_DL_NVRTC_H
+#define WX_DL_NVRTC_H
+
+#include <stddef.h>
+
+typedef int wx_nvrtc_result;
+typedef struct wx__nvrtc_program *wx_nvrtc_program;
+
+typedef struct wx_nvrtc_api {
+    const char *(*nvrtcGetErrorString)(wx_nvrtc_result);
+    wx_nvrtc_result (*nvrtcVersion)(int *, int *);
+    wx_nvrtc_result (*nvrtcCreateProgram)(wx_nvrtc_program *, const char *, const char *, int,
+                                          const char *const *, const char *const *);
+    wx_nvrtc_result (*nvrtcDestroyProgram)(wx_nvrtc_program *);
+    wx_nvrtc_result (*nvrtcCompileProgram)(wx_nvrtc_program, int, const char *const *);
+    wx_nvrtc_result (*nvrtcGetProgramLogSize)(wx_nvrtc_program, size_t *);
+    wx_nvrtc_result (*nvrtcGetProgramLog)(wx_nvrtc_program, char *);
+    wx_nvrtc_result (*nvrtcGetCUBINSize)(wx_nvrtc_program, size_t *);
+    wx_nvrtc_result (*nvrtcGetCUBIN)(wx_nvrtc_program, char *);
+    int major, minor; /* nvrtcVersion() */
+    char path[512];   /* the file loaded */
+} wx_nvrtc_api_t;
+
+/* Load NVRTC once (thread-safe; the first call's answer is kept). Tried in order:
+ * $WXFER_LIBNVRTC (a path; when set, only it), then libnvrtc.so.<major> for the CUDA 13
+ * and 12 majors (the driver's own major first), each by the loader's search path, then in
+ * the directory of the loaded libcuda, $CUDA_HOME/lib64, /usr/local/cuda/lib64 and each of
+ * `dirs` (ndirs of them, e.g. the pip wheels' nvidia/cuda_nvrtc/lib).
+ * Returns the table, or NULL with the reason (what was tried) in why. */
+const wx_nvrtc_api_t *wx_nvrtc(const char *const *dirs, int ndirs, char *why, size_t why_len);
+
+#endif

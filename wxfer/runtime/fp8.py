@@ -1,0 +1,196 @@
+"""Block-FP8 quantization straight into a packed buffer.
+
+``quantize_into(out, jobs)`` quantizes every job (a 2-D source view and the byte offsets of
+its e4m3 bytes and of its float32 scales in the uint8 buffer ``out``) with one launch of the
+native kernel (csrc/prepare/wx_fp8_kernel.cu, compiled with NVRTC at first use; see
+docs/prepare.md) on the current CUDA stream, or, where that kernel cannot run (CPU tensors,
+no CUDA driver or libnvrtc, a GPU older than compute capability 8.9, ``WXFER_FP8=reference``),
+with ``wxfer.mapping.reference.quantize_fp8_block`` and copies. Both give the same bytes.
+``info()`` says which one would run and why; ``last()`` which one ran last.
+"""
+from __future__ import annotations
+
+import array
+import os
+import sys
+import threading
+
+_BLOCK = 128
+_CODES = None                     # torch dtype -> the kernel's dtype code
+_probed: dict = {}                # CUDA ordinal -> None (usable) or the reason it is not
+_lock = threading.Lock()
+_calls = {"native": 0, "reference": 0}
+_last: dict | None = None
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _codes():
+    global _CODES
+    if _CODES is None:
+        torch = _torch()
+        _CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+    return _CODES
+
+
+def nvrtc_dirs() -> list:
+    """Directories where pip wheels put libnvrtc (nvidia-cuda-nvrtc-cu12, nvidia-cu13, torch)."""
+    subs = (("nvidia", "cuda_nvrtc", "lib"), ("nvidia", "cu13", "lib"), ("nvidia", "cu12", "lib"),
+            ("torch", "lib"))
+    out = []
+    for base in sys.path:
+        for sub in subs:
+            d = os.path.join(base or ".", *sub)
+            if d not in out and os.path.isdir(d):
+                out.append(d)
+    return out
+
+
+def _native_why(device, probe: bool = True) -> str | None:
+    """None when the native kernel can quantize tensors on `device`, else why not. probe=False:
+    "" when that is not known yet (the kernel has not been compiled for that device)."""
+    mode = os.environ.get("WXFER_FP8", "").strip().lower()
+    if mode == "reference":
+        return "WXFER_FP8=reference"
+    if mode not in ("", "native", "auto"):
+        return f"WXFER_FP8={mode!r} (expected native or reference): using the reference"
+    if device.type != "cuda":
+        return f"tensors on {device.type}: the native kernel runs on CUDA devices only"
+    idx = device.index if device.index is not None else _torch().cuda.current_device()
+    with _lock:
+        if idx in _probed:
+            return _probed[idx]
+        if not probe:
+            return ""
+        try:
+            from .. import _wxfer
+        except ImportError as e:
+            why = f"the native extension wxfer._wxfer is not built ({e})"
+        else:
+            ok, why = _wxfer.fp8_probe(idx, nvrtc_dirs())
+            why = None if ok else why
+        _probed[idx] = why
+        return why
+
+
+def info(device=None, probe: bool = True) -> dict:
+    """{"quantizer": "native" | "reference", "reason": ...} for tensors on `device` (default:
+    the current CUDA device; on a machine without CUDA, the reference and why), with the number
+    of calls each quantizer served so far in this process. Probing a CUDA device loads libnvrtc
+    and compiles the kernel (once); probe=False answers "none" instead when that has not
+    happened yet."""
+    torch = _torch()
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else None)
+    if device is None:
+        why = "no CUDA device (torch.cuda.is_available() is False)"
+    else:
+        why = _native_why(torch.device(device), probe)
+    if why == "":
+        d = {"quantizer": "none", "reason": f"no FP8 piece quantized on {torch.device(device)} yet "
+             "(the native kernel is compiled at first use)"}
+    elif why is None:
+        d = {"quantizer": "native", "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}"}
+    else:
+        d = {"quantizer": "reference", "reason": why}
+    d.update(native_calls=_calls["native"], reference_calls=_calls["reference"])
+    return d
+
+
+def last() -> dict | None:
+    """The quantizer of the last quantize_into call and why ({"quantizer", "reason"}), or None."""
+    return None if _last is None else dict(_last)
+
+
+def _norm(out, jobs):
+    """[(2-D tensor, q_off or None, s_off or None)] of the non-empty jobs, checked against out."""
+    if out.dim() != 1 or out.dtype != _torch().uint8 or not out.is_contiguous():
+        raise ValueError(f"quantize_into: out must be a contiguous 1-D uint8 tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    n = out.numel()
+    res = []
+    for i, job in enumerate(jobs):
+        t, qo, so = job
+        if t.dim() != 2:
+            raise ValueError(f"quantize_into: job {i}: FP8 block quantization needs a 2-D tensor, "
+                             f"got shape {tuple(t.shape)}")
+        if t.device != out.device:
+            raise ValueError(f"quantize_into: job {i} is on {t.device}, out on {out.device}")
+        rows, cols = t.shape
+        if rows == 0 or cols == 0:
+            continue
+        need = ((qo, rows * cols, "fp8"),
+                (so, -(-rows // _BLOCK) * -(-cols // _BLOCK) * 4, "scale"))
+        for off, nb, what in need:
+            if off is not None and (off < 0 or off + nb > n):
+                raise ValueError(f"quantize_into: job {i} ({rows}x{cols}): its {what} bytes "
+                                 f"[{off}, {off + nb}) are not inside out ({n} bytes)")
+        if qo is None and so is None:
+            continue
+        res.append((t, qo, so))
+    return res
+
+
+def quantize_into(out, jobs) -> str:
+    """Quantize each job ``(tensor, fp8_offset | None, scale_offset | None)`` into the uint8
+    tensor `out`: the e4m3 bytes (rows*cols, row-major) at fp8_offset and the float32 scales
+    ([ceil(rows/128), ceil(cols/128)], row-major) at scale_offset, any alignment. The tensors
+    are 2-D views (row/column slices, one expert of a 3-D tensor) on out's device. Returns the
+    quantizer used ("native": one kernel launch on the current CUDA stream; "reference")."""
+    global _last
+    jobs = _norm(out, jobs)
+    why = _native_why(out.device)
+    if jobs and why is None:
+        _native(out, jobs)
+        kind, reason = "native", "one NVRTC-compiled kernel launch"
+    else:
+        _reference(out, jobs)
+        kind, reason = "reference", why or "nothing to quantize"
+    if jobs:
+        _calls[kind] += 1
+        _last = {"quantizer": kind, "reason": reason}
+    return kind
+
+
+def _reference(out, jobs) -> None:
+    from ..mapping.reference import quantize_fp8_block
+    torch = _torch()
+    for t, qo, so in jobs:
+        q, s = quantize_fp8_block(t)
+        if qo is not None:
+            out[qo:qo + q.numel()].copy_(q.view(-1).view(torch.uint8))
+        if so is not None:
+            out[so:so + s.numel() * 4].copy_(s.view(-1).view(torch.uint8))
+
+
+def _native(out, jobs) -> None:
+    from .. import _wxfer
+    torch = _torch()
+    codes = _codes()
+    table = array.array("q")
+    keep = []                     # sources made contiguous / cast: alive until the launch
+    tiles = 0
+    for t, qo, so in jobs:
+        rows, cols = t.shape
+        if t.dtype not in codes:  # the reference computes in float32 too: same bytes
+            t = t.to(torch.float32)
+            keep.append(t)
+        if cols > 1 and t.stride(1) != 1:
+            t = t.contiguous()
+            keep.append(t)
+        ld = t.stride(0) if rows > 1 else cols
+        table.extend((t.data_ptr(), codes[t.dtype], ld, rows, cols,
+                      -1 if qo is None else qo, -1 if so is None else so, tiles))
+        tiles += -(-rows // _BLOCK) * -(-cols // _BLOCK)
+    host = torch.frombuffer(table, dtype=torch.int64)
+    pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
+    pinned.copy_(host)
+    dev = pinned.to(out.device, non_blocking=True)   # stream-ordered; the host block is kept
+    stream = torch.cuda.current_stream(out.device)   # by torch until the copy ran
+    _wxfer.fp8_launch(out.device.index, stream.cuda_stream, out.data_ptr(), out.numel(), table,
+                      dev.data_ptr())
+    del keep, dev                                    # freed in stream order by the allocator
