@@ -28,6 +28,16 @@ def _have_verbs_header() -> bool:
     return os.path.exists("/usr/include/infiniband/verbs.h")
 
 
+def _testing_build() -> bool:
+    from wxfer import _wxfer
+    return bool(getattr(_wxfer, "TESTING", 0))
+
+
+needs_testing_build = pytest.mark.skipif(
+    not _testing_build(),
+    reason="the fault-injection options (_test_rkey_xor, _test_raddr_add) are compiled only into "
+           "test builds: build with WXFER_TESTING=1 (make build / make test do)")
+
 pytestmark = pytest.mark.skipif(
     not _have_verbs_header(),
     reason="rdma-core headers (infiniband/verbs.h) missing: the verbs backend is compiled out")
@@ -218,6 +228,7 @@ def test_python_writes_land_many_sizes_offsets_and_qps(lib):
     """)
 
 
+@needs_testing_build
 def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(lib):
     """A bad rkey and an out-of-range address reach the (emulated) HCA through the test-only
     corruption options, which skip past the generic pre-check; the HCA answers

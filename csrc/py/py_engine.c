@@ -143,6 +143,16 @@ static int wx__admit_fn(void *arg, uint64_t slice)
 
 static int wx__wait_fn(void *arg, uint64_t slice) { return wx_engine_wait((wx_engine_t *)arg, slice); }
 
+/* Raise for rc from e: the engine's sticky error with its fields when rc is that error,
+ * else wx_py_raise. Returns NULL. */
+static PyObject *wx__raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, const char *context)
+{
+    wx_engine_fail_t f;
+    if (wx_engine_error(e, &f) == rc && rc)
+        return wx_py_raise_fail(st, &f, context);
+    return wx_py_raise(st, rc, context);
+}
+
 static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"src", "dests", "event", "device", "tag", "held", NULL};
@@ -256,13 +266,13 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     rc = wx_py_wait(wx__admit_fn, &adm, -1);
     if (rc) {
         if (rc != -EINTR)
-            wx_py_raise(st, rc, "submit");
+            wx__raise_engine(st, self->e, rc, "submit");
         goto fail;
     }
     rc = wx_engine_submit(self->e, &spec, t0, adm.t_admit, &id);
     if (rc) {
         wx_engine_unadmit(self->e, spec.held_bytes);
-        wx_py_raise(st, rc, "submit");
+        wx__raise_engine(st, self->e, rc, "submit");
         goto fail;
     }
     Py_DECREF(seq);
@@ -295,12 +305,12 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
     wx_engine_reap(self->e, wx__owner_free, NULL);
     if (rc == -EINTR)
         return NULL;
-    if (rc == -ETIMEDOUT && !wx_engine_error(self->e, NULL, 0)) {
+    if (rc == -ETIMEDOUT && !wx_engine_error(self->e, NULL)) {
         wx_errf(-ETIMEDOUT, "tasks still in flight after %.1f s", timeout);
         return wx_py_raise(wx_py_state_of(op), rc, "Engine.wait");
     }
     if (rc)
-        return wx_py_raise(wx_py_state_of(op), rc, "Engine.wait");
+        return wx__raise_engine(wx_py_state_of(op), self->e, rc, "Engine.wait");
     Py_RETURN_NONE;
 }
 
@@ -315,43 +325,40 @@ static PyObject *wx_engine_reap_py(PyObject *op, PyObject *noargs)
 static PyObject *wx_engine_error_py(PyObject *op, PyObject *noargs)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
-    char msg[WX_ERRMSG_MAX];
-    int err;
+    wx_engine_fail_t f;
     if (!wx__live(self))
         return NULL;
-    err = wx_engine_error(self->e, msg, sizeof msg);
-    if (!err)
+    if (!wx_engine_error(self->e, &f))
         Py_RETURN_NONE;
-    return Py_BuildValue("(is)", -err, msg);
+    return wx_py_fail_error(wx_py_state_of(op), &f, "Engine");
 }
 
 static PyObject *wx_engine_failed_peers_py(PyObject *op, PyObject *noargs)
 {
     enum { MAXN = 64 };
     wx_py_engine_t *self = (wx_py_engine_t *)op;
-    uint32_t ids[MAXN], n;
-    int errs[MAXN];
-    char(*msgs)[WX_ERRMSG_MAX / 2];
+    wx_engine_fail_t *fs;
+    uint32_t n;
     PyObject *out;
     WX_UNUSED(noargs);
     if (!wx__live(self))
         return NULL;
-    msgs = PyMem_Malloc(MAXN * sizeof *msgs);
-    if (!msgs)
+    fs = PyMem_Malloc(MAXN * sizeof *fs);
+    if (!fs)
         return PyErr_NoMemory();
-    n = wx_engine_failed_peers(self->e, ids, errs, msgs, MAXN);
+    n = wx_engine_failed_peers(self->e, fs, MAXN);
     if (n > MAXN)
         n = MAXN;
     out = PyList_New(n);
     for (uint32_t i = 0; out && i < n; i++) {
-        PyObject *it = Py_BuildValue("(Iis)", ids[i], -errs[i], msgs[i]);
+        PyObject *it = wx_py_fail_error(wx_py_state_of(op), &fs[i], "Engine");
         if (!it) {
             Py_CLEAR(out);
             break;
         }
         PyList_SET_ITEM(out, i, it);
     }
-    PyMem_Free(msgs);
+    PyMem_Free(fs);
     return out;
 }
 
@@ -371,9 +378,10 @@ static PyObject *wx_engine_stats_py(PyObject *op, PyObject *noargs)
     if (!wx__live(self))
         return NULL;
     wx_engine_stats(self->e, &s);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "submitted", s.submitted, "completed",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "submitted", s.submitted, "completed",
                          s.completed, "bytes_written", s.bytes_written, "held", s.held,
-                         "held_peak", s.held_peak, "inflight", s.inflight);
+                         "held_peak", s.held_peak, "inflight", s.inflight, "trace_dropped",
+                         s.trace_dropped);
 }
 
 static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
@@ -388,7 +396,7 @@ static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
         return NULL;
     if (!wx__live(self))
         return NULL;
-    rc = wx_engine_trace(self->e, &recs, &n);
+    rc = wx_engine_trace(self->e, &recs, &n, NULL);
     if (rc)
         return wx_py_raise(wx_py_state_of(op), rc, "Engine.trace");
     if (clear)
@@ -428,14 +436,18 @@ static PyMethodDef wx_engine_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None): until every submitted task finished; raises Error on a failure."},
     {"reap", wx_engine_reap_py, METH_NOARGS, "Release the sources of finished tasks; count."},
-    {"error", wx_engine_error_py, METH_NOARGS, "The sticky error as (errno, message), or None."},
+    {"error", wx_engine_error_py, METH_NOARGS,
+     "The sticky error as an Error (not raised; its fields say task, tag, peer, stage), or None."},
     {"clear_error", wx_engine_clear_error_py, METH_NOARGS, "Forget the sticky error."},
     {"failed_peers", wx_engine_failed_peers_py, METH_NOARGS,
-     "With isolate=True: [(peer id, errno, reason)] of the peers that failed; their writes "
-     "are skipped, the other peers' go on."},
+     "With isolate=True: [Error] of the peers that failed (each one's first failure, not raised: "
+     "fields peer, errno, task, tag, stage, reason); their writes are skipped, the other peers' "
+     "go on."},
     {"stats", wx_engine_stats_py, METH_NOARGS, "Counters."},
     {"trace", (PyCFunction)(void (*)(void))wx_engine_trace_py, METH_VARARGS | METH_KEYWORDS,
-     "trace(clear=False) -> per-task records with monotonic ns timestamps per stage."},
+     "trace(clear=False) -> per-task records with monotonic ns timestamps per stage, of the last "
+     "65536 finished tasks (stats()['trace_dropped'] counts older ones dropped since the last "
+     "clear)."},
     {"close", wx_engine_close_py, METH_NOARGS, "Stop the engine's threads."},
     {NULL, NULL, 0, NULL},
 };

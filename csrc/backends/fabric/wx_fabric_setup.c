@@ -30,7 +30,10 @@
 
 static const char *const wx__fab_known[] = {"provider", "iface",   "chunk",    "depth",
                                             "hmem",     "timeout", "progress",
-                                            "_test_refuse_peer", NULL};
+#ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
+                                            "_test_refuse_peer",
+#endif
+                                            NULL};
 
 static int wx__fab_errno(int rc)
 {
@@ -278,7 +281,10 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
     char why[256];
     const wx_fi_api_t *api = wx_fi(why, sizeof why);
     const char *prov, *iface, *hmem_opt, *progress;
-    uint64_t chunk, depth, timeout_s, max_msg, refuse;
+    uint64_t chunk, depth, timeout_s, max_msg;
+#ifdef WX_TESTING
+    uint64_t refuse;
+#endif
     struct fi_av_attr av_attr;
     wx_fab_t *f;
     int rc;
@@ -301,9 +307,12 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
                        progress);
     if ((rc = wx_opt_u64(opts, "chunk", WX_FAB_DEFAULT_CHUNK, &chunk)) ||
         (rc = wx_opt_u64(opts, "depth", WX_FAB_DEFAULT_DEPTH, &depth)) ||
-        (rc = wx_opt_u64(opts, "timeout", WX_FAB_DEFAULT_TIMEOUT_S, &timeout_s)) ||
-        (rc = wx_opt_u64(opts, "_test_refuse_peer", UINT64_MAX, &refuse)))
+        (rc = wx_opt_u64(opts, "timeout", WX_FAB_DEFAULT_TIMEOUT_S, &timeout_s)))
         return rc;
+#ifdef WX_TESTING
+    if ((rc = wx_opt_u64(opts, "_test_refuse_peer", UINT64_MAX, &refuse)))
+        return rc;
+#endif
     if (chunk == 0 || depth == 0 || depth > 65536)
         return wx_errf(-EINVAL, "transport fabric: chunk must be > 0 and depth in 1..65536 "
                                 "(got chunk=%llu depth=%llu)",
@@ -317,7 +326,9 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
     pthread_mutex_init(&f->dlock, NULL);
     snprintf(f->prov, sizeof f->prov, "%s", prov);
     f->op_timeout_ns = timeout_s * 1000000000ull;
+#ifdef WX_TESTING
     f->test_refuse_peer = refuse;
+#endif
 
     /* auto: block in fi_cq_sread where that drives the provider (tcp;ofi_rxm), poll
      * otherwise (shm's sread sleeps through incoming writes). */
