@@ -30,8 +30,12 @@ $(VENV_STAMP):
 
 # The in-place build is the test build: WXFER_TESTING=1 compiles in the fault-injection
 # options the tests use; a wheel or `pip install` never has them.
+# (--force when the extension there is not a test build: setuptools does not see a changed
+# macro as a reason to rebuild.)
 build: $(VENV_STAMP)
-	WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace
+	@f=; $(PY) -c "import sys, wxfer._wxfer as w; sys.exit(not w.TESTING)" 2>/dev/null || f=--force; \
+	echo "WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f"; \
+	WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f
 
 test: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests

@@ -104,6 +104,7 @@ static int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p)
 }
 
 static void wx__finish(wx_engine_t *e, wx__task_t *t, int status);
+static void wx__active_remove(wx_engine_t *e, wx__task_t *t);
 
 /* isolate: finish every task left waiting only for abandoned writes. mu held. */
 static void wx__finish_abandoned(wx_engine_t *e)
@@ -165,16 +166,7 @@ static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     t->rec.t_done = wx_now_ns();
     t->rec.status = t->status;
     t->rec.nwrites = t->completed;
-    if (t->on_active) {
-        t->on_active = 0;
-        if (t->act_prev)
-            t->act_prev->act_next = t->act_next;
-        else
-            e->active = t->act_next;
-        if (t->act_next)
-            t->act_next->act_prev = t->act_prev;
-        t->act_prev = t->act_next = NULL;
-    }
+    wx__active_remove(e, t);
     e->held -= t->spec.held_bytes;
     e->completed++;
     wx__trace_add(e, &t->rec);
@@ -360,12 +352,123 @@ static void *wx__ready_main(void *arg)
     return NULL;
 }
 
+/* The active list: posted, unfinished tasks, which the deadline checks and a failing peer
+ * walk. mu held. */
+static void wx__active_add(wx_engine_t *e, wx__task_t *t)
+{
+    t->on_active = 1;
+    t->act_prev = NULL;
+    t->act_next = e->active;
+    if (e->active)
+        e->active->act_prev = t;
+    e->active = t;
+}
+
+static void wx__active_remove(wx_engine_t *e, wx__task_t *t)
+{
+    if (!t->on_active)
+        return;
+    t->on_active = 0;
+    if (t->act_prev)
+        t->act_prev->act_next = t->act_next;
+    else
+        e->active = t->act_next;
+    if (t->act_next)
+        t->act_next->act_prev = t->act_prev;
+    t->act_prev = t->act_next = NULL;
+}
+
+/* isolate: move t's cursor past the rest of every destination whose peer failed. mu held. */
+static void wx__post_skip_failed(wx_engine_t *e, wx__task_t *t)
+{
+    while (e->o.isolate && t->cur_dest < t->spec.ndests &&
+           wx__peer_failed(e, t->dests[t->cur_dest].peer)) {
+        const wx_dest_t *d = &t->dests[t->cur_dest];
+        t->skipped += (uint32_t)((d->len - t->cur_off + e->o.chunk - 1) / e->o.chunk);
+        t->cur_dest++;
+        t->cur_off = 0;
+        if (!t->rec.status)
+            t->rec.status = -EHOSTUNREACH;
+    }
+}
+
+/* The head task t is done posting (all posted or skipped, or the engine failed): off the
+ * post queue, and finished once nothing of it is in flight. mu held. */
+static void wx__post_retire(wx_engine_t *e, wx__task_t *t)
+{
+    wx__q_pop(&e->post);
+    t->in_post = 0;
+    if (t->posted + t->skipped == t->nchunks && !t->status)
+        t->rec.t_post_last = wx_now_ns();
+    else if (!t->status)
+        t->status = -ECANCELED; /* the engine failed elsewhere */
+    if (t->live == 0)
+        wx__finish(e, t, t->status);
+}
+
+/* Post the chunk of t at its cursor; mu held, released around the transport's call.
+ * Returns 0 when posted (the cursor moved on), else the transport's error, with the write
+ * undone and, for errors other than -EAGAIN, its failure in *f. */
+static int wx__post_chunk(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
+{
+    const wx_dest_t *d = &t->dests[t->cur_dest];
+    uint64_t len = d->len - t->cur_off;
+    wx__eop_t *eo = &t->ops[t->posted];
+    wx_wr_t wr;
+    int rc;
+    if (len > e->o.chunk)
+        len = e->o.chunk;
+    wr.local = t->spec.src;
+    wr.loff = d->loff + t->cur_off;
+    wr.remote = &d->ri;
+    wr.roff = d->roff + t->cur_off;
+    wr.len = len;
+    eo->op.done = wx__op_done;
+    eo->op.user = e;
+    eo->op.wr_id = (t->id << 20) | t->posted;
+    eo->task = t;
+    eo->len = len;
+    eo->dest = t->cur_dest;
+    if (!t->on_active) {
+        t->rec.t_post_first = wx_now_ns();
+        t->deadline = t->rec.t_post_first + e->o.timeout_ns;
+        wx__active_add(e, t);
+    }
+    t->posted++;
+    t->live++;
+    e->inflight++;
+    e->refs++;
+    pthread_mutex_unlock(&e->mu);
+    rc = wx_post_write(e->t, d->peer, &wr, &eo->op);
+    if (rc && rc != -EAGAIN)
+        wx__fail_fill(f, rc, t, d->peer, "post", "posting a write to %s failed: %s",
+                      d->peer->name, wx_last_error());
+    pthread_mutex_lock(&e->mu);
+    if (rc) {
+        t->posted--;
+        if (!eo->abandoned) { /* else wx__fail_peer ran meanwhile and counted it */
+            t->live--;
+            e->inflight--;
+        }
+        e->refs--;
+        memset(eo, 0, sizeof *eo);
+        return rc;
+    }
+    t->cur_off += len;
+    if (t->cur_off == d->len) {
+        t->cur_dest++;
+        t->cur_off = 0;
+    }
+    return 0;
+}
+
 /* Stage: split into chunks and post them, keeping at most depth in flight. */
 static void *wx__post_main(void *arg)
 {
     wx_engine_t *e = arg;
     wx_engine_fail_t f;
     uint64_t eagain_ns = WX__EAGAIN_MIN_NS;
+    int rc;
     pthread_mutex_lock(&e->mu);
     while (!e->stop) {
         wx__task_t *t = e->post.head;
@@ -374,25 +477,9 @@ static void *wx__post_main(void *arg)
             wx__wait(&e->cv_post, &e->mu, WX__IDLE_NS);
             continue;
         }
-        /* isolate: the rest of a destination whose peer failed is skipped */
-        while (e->o.isolate && t->cur_dest < t->spec.ndests &&
-               wx__peer_failed(e, t->dests[t->cur_dest].peer)) {
-            const wx_dest_t *d = &t->dests[t->cur_dest];
-            t->skipped += (uint32_t)((d->len - t->cur_off + e->o.chunk - 1) / e->o.chunk);
-            t->cur_dest++;
-            t->cur_off = 0;
-            if (!t->rec.status)
-                t->rec.status = -EHOSTUNREACH;
-        }
+        wx__post_skip_failed(e, t);
         if (e->err || t->status || t->posted + t->skipped == t->nchunks) {
-            wx__q_pop(&e->post);
-            t->in_post = 0;
-            if (t->posted + t->skipped == t->nchunks && !t->status)
-                t->rec.t_post_last = wx_now_ns();
-            else if (!t->status)
-                t->status = -ECANCELED; /* the engine failed elsewhere */
-            if (t->live == 0)
-                wx__finish(e, t, t->status);
+            wx__post_retire(e, t);
             continue;
         }
         if (e->inflight >= e->o.depth) {
@@ -400,77 +487,22 @@ static void *wx__post_main(void *arg)
             wx__wait(&e->cv_post, &e->mu, 10 * 1000 * 1000ull);
             continue;
         }
-        /* next chunk */
-        {
-            const wx_dest_t *d = &t->dests[t->cur_dest];
-            uint64_t len = d->len - t->cur_off;
-            wx__eop_t *eo = &t->ops[t->posted];
-            wx_wr_t wr;
-            int rc;
-            if (len > e->o.chunk)
-                len = e->o.chunk;
-            wr.local = t->spec.src;
-            wr.loff = d->loff + t->cur_off;
-            wr.remote = &d->ri;
-            wr.roff = d->roff + t->cur_off;
-            wr.len = len;
-            eo->op.done = wx__op_done;
-            eo->op.user = e;
-            eo->op.wr_id = (t->id << 20) | t->posted;
-            eo->task = t;
-            eo->len = len;
-            eo->dest = t->cur_dest;
-            if (!t->on_active) {
-                t->on_active = 1;
-                t->rec.t_post_first = wx_now_ns();
-                t->deadline = t->rec.t_post_first + e->o.timeout_ns;
-                t->act_next = e->active;
-                if (e->active)
-                    e->active->act_prev = t;
-                e->active = t;
-            }
-            t->posted++;
-            t->live++;
-            e->inflight++;
-            e->refs++;
-            pthread_mutex_unlock(&e->mu);
-            rc = wx_post_write(e->t, d->peer, &wr, &eo->op);
-            if (rc)
-                wx__fail_fill(&f, rc, t, d->peer, "post", "posting a write to %s failed: %s",
-                              d->peer->name, wx_last_error());
-            pthread_mutex_lock(&e->mu);
-            if (rc) {
-                t->posted--;
-                if (!eo->abandoned) { /* else wx__fail_peer ran meanwhile and counted it */
-                    t->live--;
-                    e->inflight--;
-                }
-                e->refs--;
-                memset(eo, 0, sizeof *eo);
-                if (rc == -EAGAIN) {
-                    /* woken by the next completion; else back off (1 ms doubling to 32
-                     * ms), so that a peer the provider keeps refusing (reconnecting to a
-                     * dead one) is not retried 1000 times a second until its deadline */
-                    wx__check_deadlines(e);
-                    wx__wait(&e->cv_post, &e->mu, eagain_ns);
-                    if (eagain_ns < WX__EAGAIN_MAX_NS)
-                        eagain_ns *= 2;
-                    continue;
-                }
-                if (e->o.isolate) {
-                    wx__fail_peer(e, d->peer, &f); /* the loop skips its writes */
-                    continue;
-                }
-                t->status = rc;
-                wx__set_error(e, &f);
-                continue;
-            }
+        rc = wx__post_chunk(e, t, &f);
+        if (rc == 0) {
             eagain_ns = WX__EAGAIN_MIN_NS;
-            t->cur_off += len;
-            if (t->cur_off == d->len) {
-                t->cur_dest++;
-                t->cur_off = 0;
-            }
+        } else if (rc == -EAGAIN) {
+            /* woken by the next completion; else back off (1 ms doubling to 32 ms), so that
+             * a peer the provider keeps refusing (reconnecting to a dead one) is not retried
+             * 1000 times a second until its deadline */
+            wx__check_deadlines(e);
+            wx__wait(&e->cv_post, &e->mu, eagain_ns);
+            if (eagain_ns < WX__EAGAIN_MAX_NS)
+                eagain_ns *= 2;
+        } else if (e->o.isolate) {
+            wx__fail_peer(e, t->dests[t->cur_dest].peer, &f); /* the loop skips its writes */
+        } else {
+            t->status = rc;
+            wx__set_error(e, &f);
         }
     }
     pthread_mutex_unlock(&e->mu);

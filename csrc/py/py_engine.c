@@ -153,18 +153,105 @@ static PyObject *wx__raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, con
     return wx_py_raise(st, rc, context);
 }
 
+/* submit's source: a Region of this engine's transport, or an imported buffer (registered
+ * for this task where the transport needs that). Fills own and spec->src; 0 or -1 with an
+ * exception set. */
+static int wx__submit_src(wx_py_engine_t *self, wx_py_state_t *st, PyObject *src,
+                          wx__owner_t *own, wx_task_spec_t *spec)
+{
+    wx_py_transport_t *tr = (wx_py_transport_t *)self->transport;
+    int rc;
+    if (PyObject_TypeCheck(src, st->Region)) {
+        wx_py_region_t *r = (wx_py_region_t *)src;
+        if (r->transport != self->transport || !r->mr) {
+            PyErr_SetString(PyExc_ValueError,
+                            "submit: src Region is closed or belongs to another transport");
+            return -1;
+        }
+        own->region = Py_NewRef(src);
+        spec->src = r->mr;
+        return 0;
+    }
+    if (wx_py_buf_get(src, 0, "submit", &own->buf) < 0)
+        return -1;
+    if (tr->t->needs_local_reg) {
+        rc = wx_reg(tr->t, own->buf.addr, own->buf.nbytes, own->buf.mem, own->buf.device, 0,
+                    &own->mr);
+        if (rc) {
+            wx_py_raise(st, rc, "submit: registering the source");
+            return -1;
+        }
+        spec->src = own->mr;
+        return 0;
+    }
+    own->bare.addr = own->buf.addr;
+    own->bare.len = own->buf.nbytes;
+    own->bare.mem = own->buf.mem;
+    own->bare.device = own->buf.device;
+    spec->src = &own->bare;
+    return 0;
+}
+
+/* submit's destinations, every one validated against src before anything is admitted or
+ * posted. *out is PyMem-allocated; 0 or -1 with an exception set. */
+static int wx__submit_dests(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *dests,
+                            unsigned long long tag, const wx_mr_t *src, wx_dest_t **out,
+                            uint32_t *ndests)
+{
+    PyObject *seq = PySequence_Fast(dests, "submit: dests must be a sequence of "
+                                           "(descriptor, dst_offset, src_offset, nbytes)");
+    Py_ssize_t n;
+    wx_dest_t *dv;
+    if (!seq)
+        return -1;
+    n = PySequence_Fast_GET_SIZE(seq);
+    dv = PyMem_Calloc((size_t)(n ? n : 1), sizeof *dv);
+    if (!dv) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PySequence_Fast_GET_ITEM(seq, i), *desc;
+        unsigned long long roff, loff, nb;
+        if (!PyArg_ParseTuple(d, "OKKK", &desc, &roff, &loff, &nb)) {
+            PyErr_Format(PyExc_TypeError,
+                         "submit: dests[%zd] must be (descriptor, dst_offset, src_offset, nbytes)",
+                         i);
+            goto fail;
+        }
+        if (wx_py_dest(st, tr, desc, roff, loff, nb, src, &dv[i]) < 0) {
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            PyErr_NormalizeException(&et, &ev, &tb);
+            PyErr_Format(et, "submit: dests[%zd] (tag %llu): %S", i, tag, ev);
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+            goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    *out = dv;
+    *ndests = (uint32_t)n;
+    return 0;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(dv);
+    return -1;
+}
+
 static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"src", "dests", "event", "device", "tag", "held", NULL};
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     wx_py_state_t *st = wx_py_state_of(op);
     wx_py_transport_t *tr;
-    PyObject *src, *dests, *seq = NULL, *event = Py_None, *held_obj = Py_None;
+    PyObject *src, *dests, *event = Py_None, *held_obj = Py_None;
     int device = -1;
     unsigned long long tag = 0;
     wx__owner_t *own = NULL;
     wx_dest_t *dv = NULL;
-    Py_ssize_t n;
     wx_task_spec_t spec;
     wx__admit_t adm;
     uint64_t t0 = wx_now_ns(), id;
@@ -184,67 +271,10 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
         return PyErr_NoMemory();
     own->t = tr->t;
     memset(&spec, 0, sizeof spec);
-    if (PyObject_TypeCheck(src, st->Region)) {
-        wx_py_region_t *r = (wx_py_region_t *)src;
-        if (r->transport != self->transport || !r->mr) {
-            PyErr_SetString(PyExc_ValueError,
-                            "submit: src Region is closed or belongs to another transport");
-            goto fail;
-        }
-        own->region = Py_NewRef(src);
-        spec.src = r->mr;
-    } else {
-        if (wx_py_buf_get(src, 0, "submit", &own->buf) < 0)
-            goto fail;
-        if (tr->t->needs_local_reg) {
-            rc = wx_reg(tr->t, own->buf.addr, own->buf.nbytes, own->buf.mem, own->buf.device, 0,
-                        &own->mr);
-            if (rc) {
-                wx_py_raise(st, rc, "submit: registering the source");
-                goto fail;
-            }
-            spec.src = own->mr;
-        } else {
-            own->bare.addr = own->buf.addr;
-            own->bare.len = own->buf.nbytes;
-            own->bare.mem = own->buf.mem;
-            own->bare.device = own->buf.device;
-            spec.src = &own->bare;
-        }
-    }
-    /* Validate every destination before anything is admitted or posted. */
-    seq = PySequence_Fast(dests, "submit: dests must be a sequence of "
-                                 "(descriptor, dst_offset, src_offset, nbytes)");
-    if (!seq)
+    if (wx__submit_src(self, st, src, own, &spec) < 0 ||
+        wx__submit_dests(st, tr, dests, tag, spec.src, &dv, &spec.ndests) < 0)
         goto fail;
-    n = PySequence_Fast_GET_SIZE(seq);
-    dv = PyMem_Calloc((size_t)(n ? n : 1), sizeof *dv);
-    if (!dv) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *d = PySequence_Fast_GET_ITEM(seq, i), *desc;
-        unsigned long long roff, loff, nb;
-        if (!PyArg_ParseTuple(d, "OKKK", &desc, &roff, &loff, &nb)) {
-            PyErr_Format(PyExc_TypeError,
-                         "submit: dests[%zd] must be (descriptor, dst_offset, src_offset, nbytes)",
-                         i);
-            goto fail;
-        }
-        if (wx_py_dest(st, tr, desc, roff, loff, nb, spec.src, &dv[i]) < 0) {
-            PyObject *et, *ev, *tb;
-            PyErr_Fetch(&et, &ev, &tb);
-            PyErr_NormalizeException(&et, &ev, &tb);
-            PyErr_Format(et, "submit: dests[%zd] (tag %llu): %S", i, tag, ev);
-            Py_XDECREF(et);
-            Py_XDECREF(ev);
-            Py_XDECREF(tb);
-            goto fail;
-        }
-    }
     spec.dests = dv;
-    spec.ndests = (uint32_t)n;
     spec.tag = tag;
     spec.owner = own;
     spec.held_bytes = spec.src->len;
@@ -275,11 +305,9 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
         wx__raise_engine(st, self->e, rc, "submit");
         goto fail;
     }
-    Py_DECREF(seq);
     PyMem_Free(dv);
     return PyLong_FromUnsignedLongLong(id);
 fail:
-    Py_XDECREF(seq);
     PyMem_Free(dv);
     wx__owner_free(own, NULL);
     return NULL;
