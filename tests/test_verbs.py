@@ -267,6 +267,13 @@ def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(lib):
                 eng.submit(r, [(d, 0, 0, 65536)], tag=7)
                 eng.wait(timeout=10.0)
             expect_raise(step, "IBV_WC_REM_ACCESS_ERR")
+            try:
+                eng.wait(timeout=10.0)                 # the sticky error, raised again
+            except _wxfer.Error as e:                  # its fields, filled by the engine
+                assert (e.tag, e.peer, e.stage) == (7, 0, "write"), (e.tag, e.peer, e.stage)
+                assert e.task >= 1 and e.errno > 0 and e.reason in str(e), str(e)
+            else:
+                raise AssertionError("the sticky error was not raised again")
             eng.close(); r.close(); t.close()
             # generic pre-check (no corruption): forged descriptor and out-of-range offset
             t = _wxfer.Transport("verbs", {})
