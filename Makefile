@@ -4,13 +4,13 @@
 
 PY        ?= .venv/bin/python
 VENV_STAMP = .venv/.wxfer-deps-4
-APT_PKGS   = libfabric-dev libfabric-bin libibverbs-dev rdma-core build-essential python3-dev
+APT_PKGS   = libfabric-dev libfabric-bin libibverbs-dev rdma-core build-essential python3-dev clang clang-format
 PIP_PKGS   = torch==2.13.0 numpy pytest pytest-timeout hypothesis pandas matplotlib nbformat nbclient ipykernel setuptools wheel atheris
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -q -ra
 GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup apt venv build test demo gpu-test gpu-bench asan-test clean
+.PHONY: setup apt venv build test demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
 
 setup: apt venv build
 
@@ -28,8 +28,14 @@ $(VENV_STAMP):
 	$(PY) -m pip install -q $(PIP_PKGS)
 	@touch $@
 
+# The in-place build is the test build: WXFER_TESTING=1 compiles in the fault-injection
+# options the tests use; a wheel or `pip install` never has them.
+# (--force when the extension there is not a test build: setuptools does not see a changed
+# macro as a reason to rebuild.)
 build: $(VENV_STAMP)
-	$(PY) setup.py -q build_ext --inplace
+	@f=; $(PY) -c "import sys, wxfer._wxfer as w; sys.exit(not w.TESTING)" 2>/dev/null || f=--force; \
+	echo "WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f"; \
+	WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f
 
 test: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
@@ -50,13 +56,48 @@ gpu-bench:
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_quant.py --json 2>&1 | tee $(LOGDIR)/bench_quant.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 -m wxfer demo --json 2>&1 | tee $(LOGDIR)/demo_gpu.log
 
+# The whole suite with the extension built with ASan+UBSan (C programs the tests build get
+# the same flags through WXFER_C_FLAGS); then the plain test build again.
+ASAN_TESTS ?= tests
 asan-test: setup
-	WXFER_SANITIZE=1 $(PY) setup.py -q build_ext --inplace --force
+	WXFER_SANITIZE=1 WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace --force
 	PYTHONMALLOC=malloc ASAN_OPTIONS=detect_leaks=1 \
 	  LSAN_OPTIONS=suppressions=$(CURDIR)/tests/lsan.supp:print_suppressions=0 \
 	  LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	  $(PY) -m pytest $(PYTEST_FLAGS) tests/test_desc.py tests/test_engine.py tests/test_fabric.py tests/test_verbs.py tests/test_faults.py
-	$(PY) setup.py -q build_ext --inplace --force
+	  $(PY) -m pytest $(PYTEST_FLAGS) $(ASAN_TESTS); rc=$$?; \
+	WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace --force; exit $$rc
+
+# The native test programs (engine threads, progress threads) under ThreadSanitizer.
+tsan-test: apt
+	sh tests/c/tsan.sh build/tsan
+
+# libFuzzer over the C decoders of csrc/transport/wx_desc.c, for FUZZ_SECONDS.
+FUZZ_SECONDS ?= 60
+fuzz: build
+	mkdir -p build/fuzz
+	clang -g -O1 -fsanitize=fuzzer,address,undefined -Icsrc/core -Icsrc/transport \
+	  -o build/fuzz/fuzz_desc tests/fuzz/fuzz_desc.c csrc/transport/wx_desc.c csrc/core/wx_common.c
+	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz/seeds.py build/fuzz/corpus
+	build/fuzz/fuzz_desc -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -print_final_stats=1 \
+	  -artifact_prefix=build/fuzz/ build/fuzz/corpus
+
+# Style and types: ruff (lint + format, pyproject.toml), clang-format (.clang-format), mypy.
+# `make format` applies the formatters; `make lint` checks without changing anything.
+LINT_PKGS = ruff==0.17.6 mypy==2.4.1
+C_FILES   = $(shell git ls-files 'csrc/*.c' 'csrc/*.h' 'tests/c/*.c' 'tests/c/*.h' 'tests/fuzz/*.c')
+lint-deps: $(VENV_STAMP)
+	@$(PY) -m ruff --version >/dev/null 2>&1 && $(PY) -m mypy --version >/dev/null 2>&1 || \
+	  $(PY) -m pip install -q $(LINT_PKGS)
+format: lint-deps
+	$(PY) -m ruff format .
+	clang-format -i $(C_FILES)
+lint: lint-deps
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	clang-format --dry-run -Werror $(C_FILES)
+MYPY_PATHS ?=
+typecheck: lint-deps
+	$(PY) -m mypy $(MYPY_PATHS)
 
 clean:
 	rm -rf build wxfer/*.so *.egg-info

@@ -5,6 +5,9 @@ Build switches (environment variables):
   WXFER_SANITIZE=1  AddressSanitizer + UndefinedBehaviorSanitizer (run with
                     LD_PRELOAD of libasan and PYTHONMALLOC=malloc; see `make asan-test`)
   WXFER_WERROR=1    warnings are errors
+  WXFER_TESTING=1   compile in the fault-injection options the tests use (_test_refuse_peer,
+                    _test_rkey_xor, _test_raddr_add; wxfer._wxfer.TESTING is then 1). `make
+                    build` / `make test` set it; a wheel or `pip install` never does.
   CUDA_HOME         where cuda.h lives (default /usr/local/cuda)
 
 Each backend whose headers are missing is compiled out and reported unavailable by
@@ -112,6 +115,8 @@ if _flag("WXFER_SANITIZE"):
     san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined"]
     extra_compile_args += san + ["-O1", "-g"]
     extra_link_args += san
+if _flag("WXFER_TESTING"):
+    define_macros.append(("WX_TESTING", "1"))
 if _flag("WXFER_WERROR"):
     extra_compile_args.append("-Werror")
 

@@ -324,7 +324,7 @@ def fabric_pair(tmp_path_factory):
     dirs = [os.path.join(ROOT, "csrc", d) for d in ("core", "transport", "engine", "backends/fabric")]
     srcs = [os.path.join(ROOT, "tests", "c", "fabric_pair.c")] + [
         p for d in dirs for p in sorted(glob.glob(os.path.join(d, "*.c")))]
-    subprocess.run([cc, "-std=gnu11", "-O2", "-g", "-DWX_HAVE_FABRIC=1"]
+    subprocess.run([cc, "-std=gnu11", "-O2", "-g", "-DWX_HAVE_FABRIC=1"] + os.environ.get("WXFER_C_FLAGS", "").split()
                    + ["-I" + d for d in dirs] + ["-o", exe] + srcs
                    + ["-ldl", "-lpthread"], check=True, timeout=120, env=build_env())
     return exe
@@ -332,7 +332,7 @@ def fabric_pair(tmp_path_factory):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("scenario", ["basic", "landed", "small", "refuse", "dead", "closeout"])
+@pytest.mark.parametrize("scenario", ["basic", "landed", "small", "refuse", "dead", "closeout", "engine"])
 def test_c_program(fabric_pair, provider, scenario):
     r = subprocess.run([fabric_pair, provider, scenario, "timeout=3"], capture_output=True,
                        text=True, timeout=80)

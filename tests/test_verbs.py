@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -27,6 +26,16 @@ PY = sys.executable
 def _have_verbs_header() -> bool:
     return os.path.exists("/usr/include/infiniband/verbs.h")
 
+
+def _testing_build() -> bool:
+    from wxfer import _wxfer
+    return bool(getattr(_wxfer, "TESTING", 0))
+
+
+needs_testing_build = pytest.mark.skipif(
+    not _testing_build(),
+    reason="the fault-injection options (_test_rkey_xor, _test_raddr_add) are compiled only into "
+           "test builds: build with WXFER_TESTING=1 (make build / make test do)")
 
 pytestmark = pytest.mark.skipif(
     not _have_verbs_header(),
@@ -218,6 +227,7 @@ def test_python_writes_land_many_sizes_offsets_and_qps(lib):
     """)
 
 
+@needs_testing_build
 def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(lib):
     """A bad rkey and an out-of-range address reach the (emulated) HCA through the test-only
     corruption options, which skip past the generic pre-check; the HCA answers
@@ -257,6 +267,13 @@ def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(lib):
                 eng.submit(r, [(d, 0, 0, 65536)], tag=7)
                 eng.wait(timeout=10.0)
             expect_raise(step, "IBV_WC_REM_ACCESS_ERR")
+            try:
+                eng.wait(timeout=10.0)                 # the sticky error, raised again
+            except _wxfer.Error as e:                  # its fields, filled by the engine
+                assert (e.tag, e.peer, e.stage) == (7, 0, "write"), (e.tag, e.peer, e.stage)
+                assert e.task >= 1 and e.errno > 0 and e.reason in str(e), str(e)
+            else:
+                raise AssertionError("the sticky error was not raised again")
             eng.close(); r.close(); t.close()
             # generic pre-check (no corruption): forged descriptor and out-of-range offset
             t = _wxfer.Transport("verbs", {})

@@ -1,6 +1,6 @@
 /* wx_common.h - shared helpers of the plain-C core.
  *
- * Conventions (DESIGN.md section 4 and 6):
+ * Conventions (the project's rules for native code):
  *   - every fallible function returns 0 (or a count) on success and a negative errno on failure;
  *   - the human-readable reason of the most recent failure on this thread is kept in a
  *     thread-local buffer (wx_errf / wx_last_error); the Python layer turns the pair

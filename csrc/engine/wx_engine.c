@@ -54,15 +54,28 @@ static void wx__init_cond(pthread_cond_t *cv)
 }
 
 /* First error sticks. Called with mu held. */
-static void wx__set_error(wx_engine_t *e, int err, const char *msg)
+static void wx__set_error(wx_engine_t *e, const wx_engine_fail_t *f)
 {
     if (e->err)
         return;
-    e->err = err;
-    snprintf(e->errmsg, sizeof e->errmsg, "%s", msg);
+    e->err = f->err;
+    e->fail = *f;
     pthread_cond_broadcast(&e->cv_admit);
     pthread_cond_broadcast(&e->cv_done);
     pthread_cond_broadcast(&e->cv_post);
+}
+
+/* e->stop is written under mu (atomically), read under mu by the stage loops and without
+ * it by wx__wait_event's poll. */
+static inline void wx__set_stop(wx_engine_t *e) { __atomic_store_n(&e->stop, 1, __ATOMIC_RELEASE); }
+static inline int wx__stopping(wx_engine_t *e) { return __atomic_load_n(&e->stop, __ATOMIC_ACQUIRE); }
+
+/* The sticky error, with its message in wx_last_error(). mu held. */
+static int wx__errf_sticky(wx_engine_t *e)
+{
+    char msg[WX_ERRMSG_MAX];
+    wx_engine_fail_msg(&e->fail, msg, sizeof msg);
+    return wx_errf(e->err, "%s", msg);
 }
 
 static void wx__free_engine(wx_engine_t *e)
@@ -91,6 +104,7 @@ static int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p)
 }
 
 static void wx__finish(wx_engine_t *e, wx__task_t *t, int status);
+static void wx__active_remove(wx_engine_t *e, wx__task_t *t);
 
 /* isolate: finish every task left waiting only for abandoned writes. mu held. */
 static void wx__finish_abandoned(wx_engine_t *e)
@@ -111,17 +125,17 @@ static void wx__finish_abandoned(wx_engine_t *e)
 /* isolate: remember that peer p failed, and stop waiting for its writes in flight (they
  * keep their task's memory and source until they complete, e.g. when the transport
  * closes). mu held. */
-static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, int err, const char *msg)
+static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *f)
 {
+    int err = f->err;
     if (wx__peer_failed(e, p))
         return;
     if (e->nfailed == WX__MAX_FAILED) { /* too many to name: the engine fails */
-        wx__set_error(e, err, msg);
+        wx__set_error(e, f);
         return;
     }
     e->failed[e->nfailed].peer = p;
-    e->failed[e->nfailed].err = err;
-    snprintf(e->failed[e->nfailed].msg, sizeof e->failed[0].msg, "%s", msg);
+    e->failed[e->nfailed].f = *f;
     e->nfailed++;
     for (wx__task_t *t = e->active; t; t = t->act_next) {
         for (uint32_t i = 0; i < t->posted; i++) {
@@ -152,28 +166,10 @@ static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     t->rec.t_done = wx_now_ns();
     t->rec.status = t->status;
     t->rec.nwrites = t->completed;
-    if (t->on_active) {
-        t->on_active = 0;
-        if (t->act_prev)
-            t->act_prev->act_next = t->act_next;
-        else
-            e->active = t->act_next;
-        if (t->act_next)
-            t->act_next->act_prev = t->act_prev;
-        t->act_prev = t->act_next = NULL;
-    }
+    wx__active_remove(e, t);
     e->held -= t->spec.held_bytes;
     e->completed++;
-    if (e->ntrace == e->cap_trace) {
-        size_t cap = e->cap_trace ? 2 * e->cap_trace : 256;
-        wx_trace_rec_t *nt = realloc(e->trace, cap * sizeof *nt);
-        if (nt) {
-            e->trace = nt;
-            e->cap_trace = cap;
-        }
-    }
-    if (e->ntrace < e->cap_trace)
-        e->trace[e->ntrace++] = t->rec;
+    wx__trace_add(e, &t->rec);
     if (t->completed == t->posted) { /* else: abandoned writes still out (isolate) */
         t->queued_done = 1;
         wx__q_push(&e->done, t);
@@ -186,11 +182,10 @@ static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
 static void wx__fail_late(wx_engine_t *e, const wx__task_t *t, wx_peer_t *p, const char *what,
                           const char *why)
 {
-    char msg[WX_ERRMSG_MAX];
-    snprintf(msg, sizeof msg, "task %llu (tag %llu): writes to %s %s %.1f s%s (is the peer alive?)",
-             (unsigned long long)t->id, (unsigned long long)t->spec.tag, p->name, what,
-             (double)e->o.timeout_ns / 1e9, why);
-    wx__fail_peer(e, p, -ETIMEDOUT, msg);
+    wx_engine_fail_t f;
+    wx__fail_fill(&f, -ETIMEDOUT, t, p, "deadline", "writes to %s %s %.1f s%s (is the peer alive?)",
+                  p->name, what, (double)e->o.timeout_ns / 1e9, why);
+    wx__fail_peer(e, p, &f);
 }
 
 /* Called with mu held: fail the engine if a posted task has outlived its deadline; with
@@ -198,7 +193,7 @@ static void wx__fail_late(wx_engine_t *e, const wx__task_t *t, wx_peer_t *p, con
 static void wx__check_deadlines(wx_engine_t *e)
 {
     uint64_t now = wx_now_ns();
-    char msg[WX_ERRMSG_MAX];
+    wx_engine_fail_t f;
     for (wx__task_t *t = e->active; t; t = t->act_next) {
         if (now <= t->deadline || e->err)
             continue;
@@ -224,13 +219,11 @@ static void wx__check_deadlines(wx_engine_t *e)
         }
         {
             const wx_dest_t *d = &t->dests[t->cur_dest < t->spec.ndests ? t->cur_dest : 0];
-            snprintf(msg, sizeof msg,
-                     "task %llu (tag %llu): %u of %u writes to %s not complete after %.1f s "
-                     "(is the peer alive?)",
-                     (unsigned long long)t->id, (unsigned long long)t->spec.tag,
-                     t->posted - t->completed, t->nchunks, d->peer->name,
-                     (double)e->o.timeout_ns / 1e9);
-            wx__set_error(e, -ETIMEDOUT, msg);
+            wx__fail_fill(&f, -ETIMEDOUT, t, d->peer, "deadline",
+                          "%u of %u writes to %s not complete after %.1f s (is the peer alive?)",
+                          t->posted - t->completed, t->nchunks, d->peer->name,
+                          (double)e->o.timeout_ns / 1e9);
+            wx__set_error(e, &f);
         }
     }
 }
@@ -251,17 +244,16 @@ static void wx__op_done(wx_op_t *op, int status, const char *why)
     if (status == 0) {
         e->bytes_written += eo->len;
     } else if (!eo->abandoned) {
-        char msg[WX_ERRMSG_MAX];
+        wx_engine_fail_t f;
         const wx_dest_t *d = &t->dests[eo->dest];
-        snprintf(msg, sizeof msg, "task %llu (tag %llu): write to %s failed: %s (errno %d: %s)",
-                 (unsigned long long)t->id, (unsigned long long)t->spec.tag, d->peer->name,
-                 why ? why : "no reason given", -status, strerror(-status));
+        wx__fail_fill(&f, status, t, d->peer, "write", "write to %s failed: %s (errno %d: %s)",
+                      d->peer->name, why ? why : "no reason given", -status, strerror(-status));
         if (e->o.isolate) {
-            wx__fail_peer(e, d->peer, status, msg);
+            wx__fail_peer(e, d->peer, &f);
         } else {
             if (!t->status)
                 t->status = status;
-            wx__set_error(e, status, msg);
+            wx__set_error(e, &f);
         }
     }
     if (t->finished) {
@@ -283,7 +275,7 @@ static void wx__op_done(wx_op_t *op, int status, const char *why)
 }
 
 #ifdef WX_HAVE_CUDA
-static int wx__wait_event(wx_engine_t *e, wx__task_t *t, char *msg, size_t len)
+static int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
 {
     char why[256];
     const wx_cuda_api_t *cu = wx_cuda(why, sizeof why);
@@ -292,8 +284,7 @@ static int wx__wait_event(wx_engine_t *e, wx__task_t *t, char *msg, size_t len)
     CUresult r;
     uint64_t deadline = wx_now_ns() + e->o.timeout_ns;
     if (!cu) {
-        snprintf(msg, len, "task %llu: cannot wait for its CUDA event: %s",
-                 (unsigned long long)t->spec.tag, why);
+        wx__fail_fill(f, -ENODEV, t, NULL, "ready", "cannot wait for its CUDA event: %s", why);
         return -ENODEV;
     }
     if (cu->cuDeviceGet(&dev, t->spec.cuda_device) == CUDA_SUCCESS &&
@@ -307,14 +298,13 @@ static int wx__wait_event(wx_engine_t *e, wx__task_t *t, char *msg, size_t len)
             return 0;
         if (r != CUDA_ERROR_NOT_READY) {
             wx_cuda_err(r, "cuEventQuery");
-            snprintf(msg, len, "task %llu (tag %llu): %s", (unsigned long long)t->id,
-                     (unsigned long long)t->spec.tag, wx_last_error());
+            wx__fail_fill(f, -EIO, t, NULL, "ready", "%s", wx_last_error());
             return -EIO;
         }
-        if (wx_now_ns() > deadline || e->stop) {
-            snprintf(msg, len, "task %llu (tag %llu): its CUDA event did not complete in %.1f s",
-                     (unsigned long long)t->id, (unsigned long long)t->spec.tag,
-                     (double)e->o.timeout_ns / 1e9);
+        if (wx_now_ns() > deadline || wx__stopping(e)) {
+            wx__fail_fill(f, -ETIMEDOUT, t, NULL, "ready",
+                          "its CUDA event did not complete in %.1f s",
+                          (double)e->o.timeout_ns / 1e9);
             return -ETIMEDOUT;
         }
         struct timespec ts = {0, 20000};
@@ -322,11 +312,11 @@ static int wx__wait_event(wx_engine_t *e, wx__task_t *t, char *msg, size_t len)
     }
 }
 #else
-static int wx__wait_event(wx_engine_t *e, wx__task_t *t, char *msg, size_t len)
+static int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
 {
     WX_UNUSED(e);
-    snprintf(msg, len, "task %llu: has a CUDA event but this build has no CUDA support",
-             (unsigned long long)t->spec.tag);
+    wx__fail_fill(f, -ENOSYS, t, NULL, "ready",
+                  "has a CUDA event but this build has no CUDA support");
     return -ENOSYS;
 }
 #endif
@@ -335,7 +325,7 @@ static int wx__wait_event(wx_engine_t *e, wx__task_t *t, char *msg, size_t len)
 static void *wx__ready_main(void *arg)
 {
     wx_engine_t *e = arg;
-    char msg[WX_ERRMSG_MAX];
+    wx_engine_fail_t f;
     pthread_mutex_lock(&e->mu);
     while (!e->stop) {
         wx__task_t *t = wx__q_pop(&e->ready);
@@ -346,11 +336,11 @@ static void *wx__ready_main(void *arg)
         if (t->spec.cuda_event && !e->err) {
             int rc;
             pthread_mutex_unlock(&e->mu);
-            rc = wx__wait_event(e, t, msg, sizeof msg);
+            rc = wx__wait_event(e, t, &f);
             pthread_mutex_lock(&e->mu);
             if (rc) {
                 t->status = rc;
-                wx__set_error(e, rc, msg);
+                wx__set_error(e, &f);
             }
         }
         t->rec.t_ready = wx_now_ns();
@@ -362,12 +352,123 @@ static void *wx__ready_main(void *arg)
     return NULL;
 }
 
+/* The active list: posted, unfinished tasks, which the deadline checks and a failing peer
+ * walk. mu held. */
+static void wx__active_add(wx_engine_t *e, wx__task_t *t)
+{
+    t->on_active = 1;
+    t->act_prev = NULL;
+    t->act_next = e->active;
+    if (e->active)
+        e->active->act_prev = t;
+    e->active = t;
+}
+
+static void wx__active_remove(wx_engine_t *e, wx__task_t *t)
+{
+    if (!t->on_active)
+        return;
+    t->on_active = 0;
+    if (t->act_prev)
+        t->act_prev->act_next = t->act_next;
+    else
+        e->active = t->act_next;
+    if (t->act_next)
+        t->act_next->act_prev = t->act_prev;
+    t->act_prev = t->act_next = NULL;
+}
+
+/* isolate: move t's cursor past the rest of every destination whose peer failed. mu held. */
+static void wx__post_skip_failed(wx_engine_t *e, wx__task_t *t)
+{
+    while (e->o.isolate && t->cur_dest < t->spec.ndests &&
+           wx__peer_failed(e, t->dests[t->cur_dest].peer)) {
+        const wx_dest_t *d = &t->dests[t->cur_dest];
+        t->skipped += (uint32_t)((d->len - t->cur_off + e->o.chunk - 1) / e->o.chunk);
+        t->cur_dest++;
+        t->cur_off = 0;
+        if (!t->rec.status)
+            t->rec.status = -EHOSTUNREACH;
+    }
+}
+
+/* The head task t is done posting (all posted or skipped, or the engine failed): off the
+ * post queue, and finished once nothing of it is in flight. mu held. */
+static void wx__post_retire(wx_engine_t *e, wx__task_t *t)
+{
+    wx__q_pop(&e->post);
+    t->in_post = 0;
+    if (t->posted + t->skipped == t->nchunks && !t->status)
+        t->rec.t_post_last = wx_now_ns();
+    else if (!t->status)
+        t->status = -ECANCELED; /* the engine failed elsewhere */
+    if (t->live == 0)
+        wx__finish(e, t, t->status);
+}
+
+/* Post the chunk of t at its cursor; mu held, released around the transport's call.
+ * Returns 0 when posted (the cursor moved on), else the transport's error, with the write
+ * undone and, for errors other than -EAGAIN, its failure in *f. */
+static int wx__post_chunk(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
+{
+    const wx_dest_t *d = &t->dests[t->cur_dest];
+    uint64_t len = d->len - t->cur_off;
+    wx__eop_t *eo = &t->ops[t->posted];
+    wx_wr_t wr;
+    int rc;
+    if (len > e->o.chunk)
+        len = e->o.chunk;
+    wr.local = t->spec.src;
+    wr.loff = d->loff + t->cur_off;
+    wr.remote = &d->ri;
+    wr.roff = d->roff + t->cur_off;
+    wr.len = len;
+    eo->op.done = wx__op_done;
+    eo->op.user = e;
+    eo->op.wr_id = (t->id << 20) | t->posted;
+    eo->task = t;
+    eo->len = len;
+    eo->dest = t->cur_dest;
+    if (!t->on_active) {
+        t->rec.t_post_first = wx_now_ns();
+        t->deadline = t->rec.t_post_first + e->o.timeout_ns;
+        wx__active_add(e, t);
+    }
+    t->posted++;
+    t->live++;
+    e->inflight++;
+    e->refs++;
+    pthread_mutex_unlock(&e->mu);
+    rc = wx_post_write(e->t, d->peer, &wr, &eo->op);
+    if (rc && rc != -EAGAIN)
+        wx__fail_fill(f, rc, t, d->peer, "post", "posting a write to %s failed: %s",
+                      d->peer->name, wx_last_error());
+    pthread_mutex_lock(&e->mu);
+    if (rc) {
+        t->posted--;
+        if (!eo->abandoned) { /* else wx__fail_peer ran meanwhile and counted it */
+            t->live--;
+            e->inflight--;
+        }
+        e->refs--;
+        memset(eo, 0, sizeof *eo);
+        return rc;
+    }
+    t->cur_off += len;
+    if (t->cur_off == d->len) {
+        t->cur_dest++;
+        t->cur_off = 0;
+    }
+    return 0;
+}
+
 /* Stage: split into chunks and post them, keeping at most depth in flight. */
 static void *wx__post_main(void *arg)
 {
     wx_engine_t *e = arg;
-    char msg[WX_ERRMSG_MAX];
+    wx_engine_fail_t f;
     uint64_t eagain_ns = WX__EAGAIN_MIN_NS;
+    int rc;
     pthread_mutex_lock(&e->mu);
     while (!e->stop) {
         wx__task_t *t = e->post.head;
@@ -376,25 +477,9 @@ static void *wx__post_main(void *arg)
             wx__wait(&e->cv_post, &e->mu, WX__IDLE_NS);
             continue;
         }
-        /* isolate: the rest of a destination whose peer failed is skipped */
-        while (e->o.isolate && t->cur_dest < t->spec.ndests &&
-               wx__peer_failed(e, t->dests[t->cur_dest].peer)) {
-            const wx_dest_t *d = &t->dests[t->cur_dest];
-            t->skipped += (uint32_t)((d->len - t->cur_off + e->o.chunk - 1) / e->o.chunk);
-            t->cur_dest++;
-            t->cur_off = 0;
-            if (!t->rec.status)
-                t->rec.status = -EHOSTUNREACH;
-        }
+        wx__post_skip_failed(e, t);
         if (e->err || t->status || t->posted + t->skipped == t->nchunks) {
-            wx__q_pop(&e->post);
-            t->in_post = 0;
-            if (t->posted + t->skipped == t->nchunks && !t->status)
-                t->rec.t_post_last = wx_now_ns();
-            else if (!t->status)
-                t->status = -ECANCELED; /* the engine failed elsewhere */
-            if (t->live == 0)
-                wx__finish(e, t, t->status);
+            wx__post_retire(e, t);
             continue;
         }
         if (e->inflight >= e->o.depth) {
@@ -402,78 +487,22 @@ static void *wx__post_main(void *arg)
             wx__wait(&e->cv_post, &e->mu, 10 * 1000 * 1000ull);
             continue;
         }
-        /* next chunk */
-        {
-            const wx_dest_t *d = &t->dests[t->cur_dest];
-            uint64_t len = d->len - t->cur_off;
-            wx__eop_t *eo = &t->ops[t->posted];
-            wx_wr_t wr;
-            int rc;
-            if (len > e->o.chunk)
-                len = e->o.chunk;
-            wr.local = t->spec.src;
-            wr.loff = d->loff + t->cur_off;
-            wr.remote = d->ri;
-            wr.roff = d->roff + t->cur_off;
-            wr.len = len;
-            eo->op.done = wx__op_done;
-            eo->op.user = e;
-            eo->op.wr_id = (t->id << 20) | t->posted;
-            eo->task = t;
-            eo->len = len;
-            eo->dest = t->cur_dest;
-            if (!t->on_active) {
-                t->on_active = 1;
-                t->rec.t_post_first = wx_now_ns();
-                t->deadline = t->rec.t_post_first + e->o.timeout_ns;
-                t->act_next = e->active;
-                if (e->active)
-                    e->active->act_prev = t;
-                e->active = t;
-            }
-            t->posted++;
-            t->live++;
-            e->inflight++;
-            e->refs++;
-            pthread_mutex_unlock(&e->mu);
-            rc = wx_post_write(e->t, d->peer, &wr, &eo->op);
-            if (rc)
-                snprintf(msg, sizeof msg, "task %llu (tag %llu): posting a write to %s failed: %s",
-                         (unsigned long long)t->id, (unsigned long long)t->spec.tag,
-                         d->peer->name, wx_last_error());
-            pthread_mutex_lock(&e->mu);
-            if (rc) {
-                t->posted--;
-                if (!eo->abandoned) { /* else wx__fail_peer ran meanwhile and counted it */
-                    t->live--;
-                    e->inflight--;
-                }
-                e->refs--;
-                memset(eo, 0, sizeof *eo);
-                if (rc == -EAGAIN) {
-                    /* woken by the next completion; else back off (1 ms doubling to 32
-                     * ms), so that a peer the provider keeps refusing (reconnecting to a
-                     * dead one) is not retried 1000 times a second until its deadline */
-                    wx__check_deadlines(e);
-                    wx__wait(&e->cv_post, &e->mu, eagain_ns);
-                    if (eagain_ns < WX__EAGAIN_MAX_NS)
-                        eagain_ns *= 2;
-                    continue;
-                }
-                if (e->o.isolate) {
-                    wx__fail_peer(e, d->peer, rc, msg); /* the loop skips its writes */
-                    continue;
-                }
-                t->status = rc;
-                wx__set_error(e, rc, msg);
-                continue;
-            }
+        rc = wx__post_chunk(e, t, &f);
+        if (rc == 0) {
             eagain_ns = WX__EAGAIN_MIN_NS;
-            t->cur_off += len;
-            if (t->cur_off == d->len) {
-                t->cur_dest++;
-                t->cur_off = 0;
-            }
+        } else if (rc == -EAGAIN) {
+            /* woken by the next completion; else back off (1 ms doubling to 32 ms), so that
+             * a peer the provider keeps refusing (reconnecting to a dead one) is not retried
+             * 1000 times a second until its deadline */
+            wx__check_deadlines(e);
+            wx__wait(&e->cv_post, &e->mu, eagain_ns);
+            if (eagain_ns < WX__EAGAIN_MAX_NS)
+                eagain_ns *= 2;
+        } else if (e->o.isolate) {
+            wx__fail_peer(e, t->dests[t->cur_dest].peer, &f); /* the loop skips its writes */
+        } else {
+            t->status = rc;
+            wx__set_error(e, &f);
         }
     }
     pthread_mutex_unlock(&e->mu);
@@ -500,14 +529,15 @@ int wx_engine_create(wx_transport_t *t, const wx_engine_opts_t *o, wx_engine_t *
     wx__init_cond(&e->cv_done);
     e->refs = 1;
     e->next_id = 1;
-    /* Handshake: each stage thread is running before create returns (libuv style). */
+    /* Both stage threads are started here; each waits on its queue (no handshake: a task
+     * submitted before a thread first runs waits in its queue until it does). */
     if (pthread_create(&e->th_ready, NULL, wx__ready_main, e)) {
         wx__free_engine(e);
         return wx_errf(-EAGAIN, "engine: cannot start the ready-stage thread");
     }
     if (pthread_create(&e->th_post, NULL, wx__post_main, e)) {
         pthread_mutex_lock(&e->mu);
-        e->stop = 1;
+        wx__set_stop(e);
         pthread_cond_broadcast(&e->cv_ready);
         pthread_mutex_unlock(&e->mu);
         pthread_join(e->th_ready, NULL);
@@ -529,7 +559,7 @@ void wx_engine_stop(wx_engine_t *e)
         pthread_mutex_unlock(&e->mu);
         return;
     }
-    e->stop = 1;
+    wx__set_stop(e);
     pthread_cond_broadcast(&e->cv_ready);
     pthread_cond_broadcast(&e->cv_post);
     pthread_mutex_unlock(&e->mu);
@@ -573,7 +603,7 @@ int wx_engine_admit(wx_engine_t *e, uint64_t held_bytes, uint64_t slice_ns, uint
     pthread_mutex_lock(&e->mu);
     for (;;) {
         if (e->err) {
-            rc = wx_errf(e->err, "%s", e->errmsg);
+            rc = wx__errf_sticky(e);
             break;
         }
         if (!e->o.watermark || e->held == 0 || e->held + held_bytes <= e->o.watermark) {
@@ -644,8 +674,7 @@ int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_subm
     t->rec.t_admit = t_admit;
     pthread_mutex_lock(&e->mu);
     if (e->err) {
-        int err = e->err;
-        wx_errf(err, "%s", e->errmsg);
+        int err = wx__errf_sticky(e);
         pthread_mutex_unlock(&e->mu);
         free(t->dests);
         free(t->ops);
@@ -675,7 +704,7 @@ int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
     for (;;) {
         wx__check_deadlines(e);
         if (e->err) {
-            rc = wx_errf(e->err, "%s", e->errmsg);
+            rc = wx__errf_sticky(e);
             break;
         }
         if (e->completed == e->submitted)

@@ -37,7 +37,8 @@ typedef struct wx_engine_opts {
 
 typedef struct wx_dest {
     wx_peer_t *peer;
-    const wx_rinfo_t *ri; /* validated entry in the peer's table */
+    wx_rinfo_t ri;        /* copy of the validated entry of the peer's table (the table
+                           * itself may be replaced while the task is queued) */
     uint64_t roff;        /* offset in the remote region */
     uint64_t loff;        /* offset in the source buffer */
     uint64_t len;
@@ -54,6 +55,8 @@ typedef struct wx_task_spec {
     void *owner;          /* handed back by wx_engine_reap once the task is finished */
 } wx_task_spec_t;
 
+#define WX_ENGINE_TRACE_MAX 65536 /* trace records kept (a ring: the oldest go first) */
+
 typedef struct wx_trace_rec {
     uint64_t id, tag, bytes, held;
     uint32_t ndests, nwrites;
@@ -61,8 +64,24 @@ typedef struct wx_trace_rec {
     uint64_t t_submit, t_admit, t_ready, t_post_first, t_post_last, t_done;
 } wx_trace_rec_t;
 
+/* One failure, as data, filled where it happens; wx_engine_fail_msg makes the one-line
+ * message users read from it. */
+typedef struct wx_engine_fail {
+    int err;           /* negative errno */
+    uint64_t task;     /* the task's id (what wx_engine_submit returned); 0: none */
+    uint64_t tag;      /* its caller's tag */
+    int64_t peer;      /* the peer's id (wx_peer_t.id); -1: none */
+    const char *stage; /* static: "ready" (its CUDA event), "post", "write" (a completion),
+                        * "deadline" */
+    char reason[WX_ERRMSG_MAX / 2];
+} wx_engine_fail_t;
+
+/* "task 3 (tag 7), peer 1, write: <reason>" into buf. */
+void wx_engine_fail_msg(const wx_engine_fail_t *f, char *buf, size_t len);
+
 typedef struct wx_engine_stats {
     uint64_t submitted, completed, bytes_written, held, held_peak, inflight;
+    uint64_t trace_dropped; /* trace records overwritten since the last clear */
 } wx_engine_stats_t;
 
 int wx_engine_create(wx_transport_t *t, const wx_engine_opts_t *o, wx_engine_t **out);
@@ -84,23 +103,24 @@ int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_subm
 /* Undo a wx_engine_admit whose task will not be submitted. */
 void wx_engine_unadmit(wx_engine_t *e, uint64_t held_bytes);
 /* Wait up to slice_ns for every submitted task to finish. 0: all done; -EAGAIN: slice
- * passed; other: the engine's error (message in *msg). */
+ * passed; other: the engine's error (its message in wx_last_error(), its fields from
+ * wx_engine_error). */
 int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns);
 /* Hand the owners of finished tasks to cb (on the caller's thread). Returns the count. */
 int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg);
-/* isolate: the peers that failed (ids, errno, first reason), at most max of them; returns
+/* isolate: the peers that failed (each one's first failure), at most max of them; returns
  * how many failed. wx_engine_wait does not report them. */
-uint32_t wx_engine_failed_peers(wx_engine_t *e, uint32_t *ids, int *errs, char (*msgs)[WX_ERRMSG_MAX / 2],
-                                uint32_t max);
+uint32_t wx_engine_failed_peers(wx_engine_t *e, wx_engine_fail_t *out, uint32_t max);
 /* Writes posted and not yet completed by the transport (abandoned ones included). */
 uint64_t wx_engine_writes_out(wx_engine_t *e);
-/* The sticky error (0 if none) and its message. */
-int wx_engine_error(wx_engine_t *e, char *msg, size_t len);
+/* The sticky error (0 if none); its fields in *f when f is not NULL. */
+int wx_engine_error(wx_engine_t *e, wx_engine_fail_t *f);
 /* Clear a sticky error after the caller handled it (tasks in flight keep running). */
 void wx_engine_clear_error(wx_engine_t *e);
 void wx_engine_stats(wx_engine_t *e, wx_engine_stats_t *s);
-/* Copy out the trace records (finished and unfinished tasks); *out is malloc'ed. */
-int wx_engine_trace(wx_engine_t *e, wx_trace_rec_t **out, size_t *n);
+/* Copy out the trace records of the last WX_ENGINE_TRACE_MAX finished tasks, oldest first;
+ * *out is malloc'ed; *dropped (may be NULL): records overwritten since the last clear. */
+int wx_engine_trace(wx_engine_t *e, wx_trace_rec_t **out, size_t *n, uint64_t *dropped);
 void wx_engine_trace_clear(wx_engine_t *e);
 
 #endif

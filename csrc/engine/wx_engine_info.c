@@ -2,21 +2,44 @@
  * error, counters, the trace. Each takes the engine's mutex briefly. */
 #include "wx_engine_int.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-uint32_t wx_engine_failed_peers(wx_engine_t *e, uint32_t *ids, int *errs, char (*msgs)[WX_ERRMSG_MAX / 2],
-                                uint32_t max)
+void wx__fail_fill(wx_engine_fail_t *f, int err, const wx__task_t *t, const wx_peer_t *p,
+                   const char *stage, const char *fmt, ...)
+{
+    va_list ap;
+    f->err = err;
+    f->task = t ? t->id : 0;
+    f->tag = t ? t->spec.tag : 0;
+    f->peer = p ? (int64_t)p->id : -1;
+    f->stage = stage;
+    va_start(ap, fmt);
+    vsnprintf(f->reason, sizeof f->reason, fmt, ap);
+    va_end(ap);
+}
+
+void wx_engine_fail_msg(const wx_engine_fail_t *f, char *buf, size_t len)
+{
+    char peer[32] = "";
+    if (f->peer >= 0)
+        snprintf(peer, sizeof peer, ", peer %lld", (long long)f->peer);
+    if (f->task)
+        snprintf(buf, len, "task %llu (tag %llu)%s, %s: %s", (unsigned long long)f->task,
+                 (unsigned long long)f->tag, peer, f->stage ? f->stage : "?", f->reason);
+    else
+        snprintf(buf, len, "%s%s: %s", f->stage ? f->stage : "?", peer, f->reason);
+}
+
+uint32_t wx_engine_failed_peers(wx_engine_t *e, wx_engine_fail_t *out, uint32_t max)
 {
     uint32_t n;
     pthread_mutex_lock(&e->mu);
     n = e->nfailed;
-    for (uint32_t i = 0; i < n && i < max; i++) {
-        ids[i] = e->failed[i].peer->id;
-        errs[i] = e->failed[i].err;
-        memcpy(msgs[i], e->failed[i].msg, sizeof msgs[i]);
-    }
+    for (uint32_t i = 0; i < n && i < max; i++)
+        out[i] = e->failed[i].f;
     pthread_mutex_unlock(&e->mu);
     return n;
 }
@@ -30,13 +53,13 @@ uint64_t wx_engine_writes_out(wx_engine_t *e)
     return n;
 }
 
-int wx_engine_error(wx_engine_t *e, char *msg, size_t len)
+int wx_engine_error(wx_engine_t *e, wx_engine_fail_t *f)
 {
     int err;
     pthread_mutex_lock(&e->mu);
     err = e->err;
-    if (msg && len)
-        snprintf(msg, len, "%s", e->errmsg);
+    if (f)
+        *f = e->fail;
     pthread_mutex_unlock(&e->mu);
     return err;
 }
@@ -45,7 +68,7 @@ void wx_engine_clear_error(wx_engine_t *e)
 {
     pthread_mutex_lock(&e->mu);
     e->err = 0;
-    e->errmsg[0] = '\0';
+    memset(&e->fail, 0, sizeof e->fail);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -58,19 +81,50 @@ void wx_engine_stats(wx_engine_t *e, wx_engine_stats_t *s)
     s->held = e->held;
     s->held_peak = e->held_peak;
     s->inflight = e->inflight;
+    s->trace_dropped = e->trace_dropped;
     pthread_mutex_unlock(&e->mu);
 }
 
-int wx_engine_trace(wx_engine_t *e, wx_trace_rec_t **out, size_t *n)
+/* Keep rec in the trace ring (the oldest record makes room once it is full). mu held. */
+void wx__trace_add(wx_engine_t *e, const wx_trace_rec_t *rec)
 {
+    if (e->ntrace == e->cap_trace && e->cap_trace < WX_ENGINE_TRACE_MAX) {
+        size_t cap = e->cap_trace ? 2 * e->cap_trace : 256;
+        wx_trace_rec_t *nt;
+        if (cap > WX_ENGINE_TRACE_MAX)
+            cap = WX_ENGINE_TRACE_MAX;
+        nt = realloc(e->trace, cap * sizeof *nt);
+        if (nt) {
+            e->trace = nt;
+            e->cap_trace = cap;
+        }
+    }
+    if (e->ntrace < e->cap_trace) {
+        e->trace[e->ntrace++] = *rec;
+    } else if (e->cap_trace) { /* full (or out of memory to grow): overwrite the oldest */
+        e->trace[e->trace_head] = *rec;
+        e->trace_head = (e->trace_head + 1) % e->cap_trace;
+        e->trace_dropped++;
+    } else {
+        e->trace_dropped++;
+    }
+}
+
+int wx_engine_trace(wx_engine_t *e, wx_trace_rec_t **out, size_t *n, uint64_t *dropped)
+{
+    size_t first;
     pthread_mutex_lock(&e->mu);
     *out = malloc((e->ntrace ? e->ntrace : 1) * sizeof **out);
     if (!*out) {
         pthread_mutex_unlock(&e->mu);
         return wx_errf(-ENOMEM, "trace: out of memory");
     }
-    memcpy(*out, e->trace, e->ntrace * sizeof **out);
+    first = e->ntrace - e->trace_head; /* records from the oldest to the ring's end */
+    memcpy(*out, e->trace + e->trace_head, first * sizeof **out);
+    memcpy(*out + first, e->trace, e->trace_head * sizeof **out);
     *n = e->ntrace;
+    if (dropped)
+        *dropped = e->trace_dropped;
     pthread_mutex_unlock(&e->mu);
     return 0;
 }
@@ -79,5 +133,7 @@ void wx_engine_trace_clear(wx_engine_t *e)
 {
     pthread_mutex_lock(&e->mu);
     e->ntrace = 0;
+    e->trace_head = 0;
+    e->trace_dropped = 0;
     pthread_mutex_unlock(&e->mu);
 }

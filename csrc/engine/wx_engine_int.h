@@ -20,8 +20,7 @@ typedef struct wx__eop {
 
 typedef struct wx__failed {
     wx_peer_t *peer;
-    int err;
-    char msg[WX_ERRMSG_MAX / 2];
+    wx_engine_fail_t f;
 } wx__failed_t;
 
 struct wx__task {
@@ -58,15 +57,23 @@ struct wx_engine {
     wx__task_t *active;
     uint64_t held, held_peak, inflight, submitted, completed, bytes_written, next_id;
     int err;
-    char errmsg[WX_ERRMSG_MAX];
+    wx_engine_fail_t fail; /* the sticky error's fields */
     int stop, stopped, destroyed;
     wx__failed_t failed[WX__MAX_FAILED];
     uint32_t nfailed;
     uint64_t refs; /* 1 for the owner + one per outstanding write */
     pthread_t th_ready, th_post;
     int started;
-    wx_trace_rec_t *trace;
-    size_t ntrace, cap_trace;
+    wx_trace_rec_t *trace; /* ring of WX_ENGINE_TRACE_MAX, allocated as it fills */
+    size_t ntrace, cap_trace, trace_head; /* trace_head: the oldest record once full */
+    uint64_t trace_dropped;
 };
+
+/* The fields of a failure of task t (NULL: none) at peer p (NULL: none); the reason is
+ * printf-formatted. */
+void wx__fail_fill(wx_engine_fail_t *f, int err, const wx__task_t *t, const wx_peer_t *p,
+                   const char *stage, const char *fmt, ...) __attribute__((format(printf, 6, 7)));
+/* Keep a finished task's record in the trace ring. mu held. */
+void wx__trace_add(wx_engine_t *e, const wx_trace_rec_t *rec);
 
 #endif

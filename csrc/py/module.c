@@ -31,6 +31,47 @@ PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context)
     return NULL;
 }
 
+static int wx__set_field(PyObject *obj, const char *name, PyObject *v)
+{
+    int rc;
+    if (!v)
+        return -1;
+    rc = PyObject_SetAttrString(obj, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+PyObject *wx_py_fail_error(wx_py_state_t *st, const wx_engine_fail_t *f, const char *context)
+{
+    char what[WX_ERRMSG_MAX], msg[WX_ERRMSG_MAX + 128];
+    int err = f->err < 0 ? -f->err : f->err;
+    PyObject *exc;
+    wx_engine_fail_msg(f, what, sizeof what);
+    snprintf(msg, sizeof msg, "%s: %s", context, what);
+    exc = PyObject_CallFunction(st->Error, "is", err, msg);
+    if (!exc)
+        return NULL;
+    if (wx__set_field(exc, "task", f->task ? PyLong_FromUnsignedLongLong(f->task) : Py_NewRef(Py_None)) ||
+        wx__set_field(exc, "tag", f->task ? PyLong_FromUnsignedLongLong(f->tag) : Py_NewRef(Py_None)) ||
+        wx__set_field(exc, "peer", f->peer >= 0 ? PyLong_FromLongLong(f->peer) : Py_NewRef(Py_None)) ||
+        wx__set_field(exc, "stage", f->stage ? PyUnicode_FromString(f->stage) : Py_NewRef(Py_None)) ||
+        wx__set_field(exc, "reason", PyUnicode_FromString(f->reason))) {
+        Py_DECREF(exc);
+        return NULL;
+    }
+    return exc;
+}
+
+PyObject *wx_py_raise_fail(wx_py_state_t *st, const wx_engine_fail_t *f, const char *context)
+{
+    PyObject *exc = wx_py_fail_error(st, f, context);
+    if (exc) {
+        PyErr_SetObject(st->Error, exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
 int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeout_s)
 {
     uint64_t start = wx_now_ns();
@@ -192,12 +233,23 @@ static int wx_exec(PyObject *m)
     st->Error = PyErr_NewExceptionWithDoc(
         "wxfer._wxfer.Error",
         "A wxfer operation failed. args: (errno, message); the message names the call, the "
-        "peer and the reason.",
+        "peer and the reason. A failure of the engine's tasks also has it as data: task (the "
+        "id submit returned), tag (the caller's), peer (the peer id), stage ('ready', 'post', "
+        "'write' or 'deadline') and reason; each is None where it does not apply.",
         PyExc_OSError, NULL);
     if (!st->Error || PyModule_AddObjectRef(m, "Error", st->Error) < 0)
         return -1;
+    for (const char **f = (const char *[]){"task", "tag", "peer", "stage", "reason", NULL}; *f; f++)
+        if (PyObject_SetAttrString(st->Error, *f, Py_None) < 0)
+            return -1;
     if (wx_py_transport_init_types(m, st) < 0 || wx_py_engine_init_types(m, st) < 0 ||
         wx_py_prepare_init(m) < 0)
+        return -1;
+#ifdef WX_TESTING
+    if (PyModule_AddIntConstant(m, "TESTING", 1) < 0)
+#else
+    if (PyModule_AddIntConstant(m, "TESTING", 0) < 0)
+#endif
         return -1;
     if (PyModule_AddIntConstant(m, "MEM_HOST", WX_MEM_HOST) < 0 ||
         PyModule_AddIntConstant(m, "MEM_CUDA", WX_MEM_CUDA) < 0)

@@ -143,18 +143,115 @@ static int wx__admit_fn(void *arg, uint64_t slice)
 
 static int wx__wait_fn(void *arg, uint64_t slice) { return wx_engine_wait((wx_engine_t *)arg, slice); }
 
+/* Raise for rc from e: the engine's sticky error with its fields when rc is that error,
+ * else wx_py_raise. Returns NULL. */
+static PyObject *wx__raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, const char *context)
+{
+    wx_engine_fail_t f;
+    if (wx_engine_error(e, &f) == rc && rc)
+        return wx_py_raise_fail(st, &f, context);
+    return wx_py_raise(st, rc, context);
+}
+
+/* submit's source: a Region of this engine's transport, or an imported buffer (registered
+ * for this task where the transport needs that). Fills own and spec->src; 0 or -1 with an
+ * exception set. */
+static int wx__submit_src(wx_py_engine_t *self, wx_py_state_t *st, PyObject *src,
+                          wx__owner_t *own, wx_task_spec_t *spec)
+{
+    wx_py_transport_t *tr = (wx_py_transport_t *)self->transport;
+    int rc;
+    if (PyObject_TypeCheck(src, st->Region)) {
+        wx_py_region_t *r = (wx_py_region_t *)src;
+        if (r->transport != self->transport || !r->mr) {
+            PyErr_SetString(PyExc_ValueError,
+                            "submit: src Region is closed or belongs to another transport");
+            return -1;
+        }
+        own->region = Py_NewRef(src);
+        spec->src = r->mr;
+        return 0;
+    }
+    if (wx_py_buf_get(src, 0, "submit", &own->buf) < 0)
+        return -1;
+    if (tr->t->needs_local_reg) {
+        rc = wx_reg(tr->t, own->buf.addr, own->buf.nbytes, own->buf.mem, own->buf.device, 0,
+                    &own->mr);
+        if (rc) {
+            wx_py_raise(st, rc, "submit: registering the source");
+            return -1;
+        }
+        spec->src = own->mr;
+        return 0;
+    }
+    own->bare.addr = own->buf.addr;
+    own->bare.len = own->buf.nbytes;
+    own->bare.mem = own->buf.mem;
+    own->bare.device = own->buf.device;
+    spec->src = &own->bare;
+    return 0;
+}
+
+/* submit's destinations, every one validated against src before anything is admitted or
+ * posted. *out is PyMem-allocated; 0 or -1 with an exception set. */
+static int wx__submit_dests(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *dests,
+                            unsigned long long tag, const wx_mr_t *src, wx_dest_t **out,
+                            uint32_t *ndests)
+{
+    PyObject *seq = PySequence_Fast(dests, "submit: dests must be a sequence of "
+                                           "(descriptor, dst_offset, src_offset, nbytes)");
+    Py_ssize_t n;
+    wx_dest_t *dv;
+    if (!seq)
+        return -1;
+    n = PySequence_Fast_GET_SIZE(seq);
+    dv = PyMem_Calloc((size_t)(n ? n : 1), sizeof *dv);
+    if (!dv) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PySequence_Fast_GET_ITEM(seq, i), *desc;
+        unsigned long long roff, loff, nb;
+        if (!PyArg_ParseTuple(d, "OKKK", &desc, &roff, &loff, &nb)) {
+            PyErr_Format(PyExc_TypeError,
+                         "submit: dests[%zd] must be (descriptor, dst_offset, src_offset, nbytes)",
+                         i);
+            goto fail;
+        }
+        if (wx_py_dest(st, tr, desc, roff, loff, nb, src, &dv[i]) < 0) {
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            PyErr_NormalizeException(&et, &ev, &tb);
+            PyErr_Format(et, "submit: dests[%zd] (tag %llu): %S", i, tag, ev);
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+            goto fail;
+        }
+    }
+    Py_DECREF(seq);
+    *out = dv;
+    *ndests = (uint32_t)n;
+    return 0;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(dv);
+    return -1;
+}
+
 static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"src", "dests", "event", "device", "tag", "held", NULL};
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     wx_py_state_t *st = wx_py_state_of(op);
     wx_py_transport_t *tr;
-    PyObject *src, *dests, *seq = NULL, *event = Py_None, *held_obj = Py_None;
+    PyObject *src, *dests, *event = Py_None, *held_obj = Py_None;
     int device = -1;
     unsigned long long tag = 0;
     wx__owner_t *own = NULL;
     wx_dest_t *dv = NULL;
-    Py_ssize_t n;
     wx_task_spec_t spec;
     wx__admit_t adm;
     uint64_t t0 = wx_now_ns(), id;
@@ -174,67 +271,10 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
         return PyErr_NoMemory();
     own->t = tr->t;
     memset(&spec, 0, sizeof spec);
-    if (PyObject_TypeCheck(src, st->Region)) {
-        wx_py_region_t *r = (wx_py_region_t *)src;
-        if (r->transport != self->transport || !r->mr) {
-            PyErr_SetString(PyExc_ValueError,
-                            "submit: src Region is closed or belongs to another transport");
-            goto fail;
-        }
-        own->region = Py_NewRef(src);
-        spec.src = r->mr;
-    } else {
-        if (wx_py_buf_get(src, 0, "submit", &own->buf) < 0)
-            goto fail;
-        if (tr->t->needs_local_reg) {
-            rc = wx_reg(tr->t, own->buf.addr, own->buf.nbytes, own->buf.mem, own->buf.device, 0,
-                        &own->mr);
-            if (rc) {
-                wx_py_raise(st, rc, "submit: registering the source");
-                goto fail;
-            }
-            spec.src = own->mr;
-        } else {
-            own->bare.addr = own->buf.addr;
-            own->bare.len = own->buf.nbytes;
-            own->bare.mem = own->buf.mem;
-            own->bare.device = own->buf.device;
-            spec.src = &own->bare;
-        }
-    }
-    /* Validate every destination before anything is admitted or posted. */
-    seq = PySequence_Fast(dests, "submit: dests must be a sequence of "
-                                 "(descriptor, dst_offset, src_offset, nbytes)");
-    if (!seq)
+    if (wx__submit_src(self, st, src, own, &spec) < 0 ||
+        wx__submit_dests(st, tr, dests, tag, spec.src, &dv, &spec.ndests) < 0)
         goto fail;
-    n = PySequence_Fast_GET_SIZE(seq);
-    dv = PyMem_Calloc((size_t)(n ? n : 1), sizeof *dv);
-    if (!dv) {
-        PyErr_NoMemory();
-        goto fail;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *d = PySequence_Fast_GET_ITEM(seq, i), *desc;
-        unsigned long long roff, loff, nb;
-        if (!PyArg_ParseTuple(d, "OKKK", &desc, &roff, &loff, &nb)) {
-            PyErr_Format(PyExc_TypeError,
-                         "submit: dests[%zd] must be (descriptor, dst_offset, src_offset, nbytes)",
-                         i);
-            goto fail;
-        }
-        if (wx_py_dest(st, tr, desc, roff, loff, nb, spec.src, &dv[i]) < 0) {
-            PyObject *et, *ev, *tb;
-            PyErr_Fetch(&et, &ev, &tb);
-            PyErr_NormalizeException(&et, &ev, &tb);
-            PyErr_Format(et, "submit: dests[%zd] (tag %llu): %S", i, tag, ev);
-            Py_XDECREF(et);
-            Py_XDECREF(ev);
-            Py_XDECREF(tb);
-            goto fail;
-        }
-    }
     spec.dests = dv;
-    spec.ndests = (uint32_t)n;
     spec.tag = tag;
     spec.owner = own;
     spec.held_bytes = spec.src->len;
@@ -256,20 +296,18 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     rc = wx_py_wait(wx__admit_fn, &adm, -1);
     if (rc) {
         if (rc != -EINTR)
-            wx_py_raise(st, rc, "submit");
+            wx__raise_engine(st, self->e, rc, "submit");
         goto fail;
     }
     rc = wx_engine_submit(self->e, &spec, t0, adm.t_admit, &id);
     if (rc) {
         wx_engine_unadmit(self->e, spec.held_bytes);
-        wx_py_raise(st, rc, "submit");
+        wx__raise_engine(st, self->e, rc, "submit");
         goto fail;
     }
-    Py_DECREF(seq);
     PyMem_Free(dv);
     return PyLong_FromUnsignedLongLong(id);
 fail:
-    Py_XDECREF(seq);
     PyMem_Free(dv);
     wx__owner_free(own, NULL);
     return NULL;
@@ -295,12 +333,12 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
     wx_engine_reap(self->e, wx__owner_free, NULL);
     if (rc == -EINTR)
         return NULL;
-    if (rc == -ETIMEDOUT && !wx_engine_error(self->e, NULL, 0)) {
+    if (rc == -ETIMEDOUT && !wx_engine_error(self->e, NULL)) {
         wx_errf(-ETIMEDOUT, "tasks still in flight after %.1f s", timeout);
         return wx_py_raise(wx_py_state_of(op), rc, "Engine.wait");
     }
     if (rc)
-        return wx_py_raise(wx_py_state_of(op), rc, "Engine.wait");
+        return wx__raise_engine(wx_py_state_of(op), self->e, rc, "Engine.wait");
     Py_RETURN_NONE;
 }
 
@@ -315,43 +353,40 @@ static PyObject *wx_engine_reap_py(PyObject *op, PyObject *noargs)
 static PyObject *wx_engine_error_py(PyObject *op, PyObject *noargs)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
-    char msg[WX_ERRMSG_MAX];
-    int err;
+    wx_engine_fail_t f;
     if (!wx__live(self))
         return NULL;
-    err = wx_engine_error(self->e, msg, sizeof msg);
-    if (!err)
+    if (!wx_engine_error(self->e, &f))
         Py_RETURN_NONE;
-    return Py_BuildValue("(is)", -err, msg);
+    return wx_py_fail_error(wx_py_state_of(op), &f, "Engine");
 }
 
 static PyObject *wx_engine_failed_peers_py(PyObject *op, PyObject *noargs)
 {
     enum { MAXN = 64 };
     wx_py_engine_t *self = (wx_py_engine_t *)op;
-    uint32_t ids[MAXN], n;
-    int errs[MAXN];
-    char(*msgs)[WX_ERRMSG_MAX / 2];
+    wx_engine_fail_t *fs;
+    uint32_t n;
     PyObject *out;
     WX_UNUSED(noargs);
     if (!wx__live(self))
         return NULL;
-    msgs = PyMem_Malloc(MAXN * sizeof *msgs);
-    if (!msgs)
+    fs = PyMem_Malloc(MAXN * sizeof *fs);
+    if (!fs)
         return PyErr_NoMemory();
-    n = wx_engine_failed_peers(self->e, ids, errs, msgs, MAXN);
+    n = wx_engine_failed_peers(self->e, fs, MAXN);
     if (n > MAXN)
         n = MAXN;
     out = PyList_New(n);
     for (uint32_t i = 0; out && i < n; i++) {
-        PyObject *it = Py_BuildValue("(Iis)", ids[i], -errs[i], msgs[i]);
+        PyObject *it = wx_py_fail_error(wx_py_state_of(op), &fs[i], "Engine");
         if (!it) {
             Py_CLEAR(out);
             break;
         }
         PyList_SET_ITEM(out, i, it);
     }
-    PyMem_Free(msgs);
+    PyMem_Free(fs);
     return out;
 }
 
@@ -371,9 +406,10 @@ static PyObject *wx_engine_stats_py(PyObject *op, PyObject *noargs)
     if (!wx__live(self))
         return NULL;
     wx_engine_stats(self->e, &s);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K}", "submitted", s.submitted, "completed",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "submitted", s.submitted, "completed",
                          s.completed, "bytes_written", s.bytes_written, "held", s.held,
-                         "held_peak", s.held_peak, "inflight", s.inflight);
+                         "held_peak", s.held_peak, "inflight", s.inflight, "trace_dropped",
+                         s.trace_dropped);
 }
 
 static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
@@ -388,7 +424,7 @@ static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
         return NULL;
     if (!wx__live(self))
         return NULL;
-    rc = wx_engine_trace(self->e, &recs, &n);
+    rc = wx_engine_trace(self->e, &recs, &n, NULL);
     if (rc)
         return wx_py_raise(wx_py_state_of(op), rc, "Engine.trace");
     if (clear)
@@ -428,14 +464,18 @@ static PyMethodDef wx_engine_methods[] = {
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None): until every submitted task finished; raises Error on a failure."},
     {"reap", wx_engine_reap_py, METH_NOARGS, "Release the sources of finished tasks; count."},
-    {"error", wx_engine_error_py, METH_NOARGS, "The sticky error as (errno, message), or None."},
+    {"error", wx_engine_error_py, METH_NOARGS,
+     "The sticky error as an Error (not raised; its fields say task, tag, peer, stage), or None."},
     {"clear_error", wx_engine_clear_error_py, METH_NOARGS, "Forget the sticky error."},
     {"failed_peers", wx_engine_failed_peers_py, METH_NOARGS,
-     "With isolate=True: [(peer id, errno, reason)] of the peers that failed; their writes "
-     "are skipped, the other peers' go on."},
+     "With isolate=True: [Error] of the peers that failed (each one's first failure, not raised: "
+     "fields peer, errno, task, tag, stage, reason); their writes are skipped, the other peers' "
+     "go on."},
     {"stats", wx_engine_stats_py, METH_NOARGS, "Counters."},
     {"trace", (PyCFunction)(void (*)(void))wx_engine_trace_py, METH_VARARGS | METH_KEYWORDS,
-     "trace(clear=False) -> per-task records with monotonic ns timestamps per stage."},
+     "trace(clear=False) -> per-task records with monotonic ns timestamps per stage, of the last "
+     "65536 finished tasks (stats()['trace_dropped'] counts older ones dropped since the last "
+     "clear)."},
     {"close", wx_engine_close_py, METH_NOARGS, "Stop the engine's threads."},
     {NULL, NULL, 0, NULL},
 };

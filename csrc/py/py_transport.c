@@ -482,7 +482,6 @@ int wx_py_dest(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *desc, uint64_
     Py_buffer view;
     wx_desc_t d;
     wx_peer_t *p;
-    const wx_rinfo_t *ri;
     int rc;
     if (PyObject_GetBuffer(desc, &view, PyBUF_SIMPLE) < 0)
         return -1;
@@ -503,13 +502,12 @@ int wx_py_dest(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *desc, uint64_
         wx_py_raise(st, -ENOTCONN, "write");
         return -1;
     }
-    rc = wx_validate(tr->t, p, d.ri.key, d.ri.rbase, d.ri.len, roff, nbytes, src, loff, &ri);
+    rc = wx_validate(tr->t, p, d.ri.key, d.ri.rbase, d.ri.len, roff, nbytes, src, loff, &out->ri);
     if (rc) {
         wx_py_raise(st, rc, "write");
         return -1;
     }
     out->peer = p;
-    out->ri = ri;
     out->roff = roff;
     out->loff = loff;
     out->len = nbytes;
@@ -538,6 +536,7 @@ static PyObject *wx_transport_write(PyObject *op, PyObject *args, PyObject *kw)
     wx_engine_opts_t eo = {0, 0, 0, 0};
     wx_task_spec_t spec;
     wx__sync_t s = {NULL};
+    wx_engine_fail_t fail;
     uint64_t id, t0 = wx_now_ns(), ta;
     int rc;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OKOKK|d:write", kwlist, &src, &loff, &dst, &roff,
@@ -576,11 +575,14 @@ static PyObject *wx_transport_write(PyObject *op, PyObject *args, PyObject *kw)
     }
     rc = wx_py_wait(wx__sync_wait, &s, timeout + 5.0);
     wx_engine_reap(s.e, wx__drop_owner, NULL);
+    fail.err = wx_engine_error(s.e, &fail);
     Py_BEGIN_ALLOW_THREADS
     wx_engine_destroy(s.e);
     Py_END_ALLOW_THREADS
     if (rc == -EINTR)
         return NULL;
+    if (rc && rc == fail.err)
+        return wx_py_raise_fail(st, &fail, "Transport.write");
     if (rc)
         return wx_py_raise(st, rc, "Transport.write");
     Py_RETURN_NONE;

@@ -58,9 +58,16 @@ wx_py_state_t *wx_py_state_of(PyObject *obj);
 
 /* Raise wxfer._wxfer.Error(-rc, "<context>: <wx_last_error()>"). Returns NULL. */
 PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context);
+/* An engine failure as a wxfer._wxfer.Error: args (errno, "<context>: <message>"), and
+ * the fields task, tag, peer, stage, reason from f (None where f has none). New
+ * reference, not raised; NULL with an exception set. */
+PyObject *wx_py_fail_error(wx_py_state_t *st, const wx_engine_fail_t *f, const char *context);
+/* Raise wx_py_fail_error(st, f, context). Returns NULL. */
+PyObject *wx_py_raise_fail(wx_py_state_t *st, const wx_engine_fail_t *f, const char *context);
 
-/* Import obj (DLPack producer or buffer). stream_none: for CUDA tensors ask the producer
- * not to synchronise (the caller orders work with an event). Returns 0 or -1 with an
+/* Import obj (DLPack producer or buffer). CUDA tensors are asked for with stream=-1 (the
+ * producer does not synchronise: the caller orders work with an event). need_writable:
+ * refuse a read-only buffer; what: names the call in errors. Returns 0 or -1 with an
  * exception set. */
 int wx_py_buf_get(PyObject *obj, int need_writable, const char *what, wx_py_buf_t *b);
 void wx_py_buf_release(wx_py_buf_t *b);

@@ -257,7 +257,8 @@ int wx_connect_request(wx_transport_t *t, const uint8_t *export_blob, size_t blo
         return rc;
     p = wx_peer_by_addr(t, addr, addr_len);
     if (p && p->connected) {
-        /* Connected already: refresh its table, no new handshake. */
+        /* Connected already: refresh its table, no new handshake. Writes validated against
+         * the old table hold copies of their entries (wx_validate), so freeing it is safe. */
         pthread_mutex_lock(&t->lock);
         free(p->regions);
         p->regions = regions;
@@ -292,11 +293,12 @@ int wx_connect_request(wx_transport_t *t, const uint8_t *export_blob, size_t blo
         t->peers[t->npeers++] = p;
         snprintf(p->name, sizeof p->name, "peer %u", p->id);
         pthread_mutex_unlock(&t->lock);
-    } else {
-        free(p->regions);
     }
+    pthread_mutex_lock(&t->lock);
+    free(p->regions); /* a retried handshake's table; queued writes hold copies */
     p->regions = regions;
     p->nregions = n;
+    pthread_mutex_unlock(&t->lock);
     *req_len = cap;
     rc = t->ops->conn_request(t, p, req, req_len);
     if (rc)
@@ -327,34 +329,11 @@ int wx_connect_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_
     return 0;
 }
 
-int wx_peer_update(wx_transport_t *t, wx_peer_t *p, const uint8_t *export_blob, size_t blob_len)
-{
-    uint8_t addr[WX_ADDR_MAX];
-    uint32_t addr_len, n;
-    wx_rinfo_t *regions;
-    int rc = wx__decode_for(t, export_blob, blob_len, addr, &addr_len, &n, &regions);
-    if (rc)
-        return rc;
-    if (addr_len != p->addr_len || memcmp(addr, p->addr, addr_len) != 0) {
-        free(regions);
-        return wx_errf(-EINVAL, "%s: export blob belongs to another process", p->name);
-    }
-    pthread_mutex_lock(&t->lock);
-    free(p->regions);
-    p->regions = regions;
-    p->nregions = n;
-    pthread_mutex_unlock(&t->lock);
-    return 0;
-}
-
-int wx_validate(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
-                uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff,
-                const wx_rinfo_t **ri)
+/* The entry of p's table for rkey, checked against the descriptor. t->lock held. */
+static int wx__check_remote(const wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
+                            uint64_t roff, uint64_t len, wx_rinfo_t *ri)
 {
     const wx_rinfo_t *hit = NULL;
-    WX_UNUSED(t);
-    if (!p->connected)
-        return wx_errf(-ENOTCONN, "%s is not connected", p->name);
     for (uint32_t i = 0; i < p->nregions; i++)
         if (p->regions[i].key == rkey) {
             hit = &p->regions[i];
@@ -377,13 +356,28 @@ int wx_validate(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, 
                        "region (key 0x%llx, %s)",
                        (unsigned long long)roff, (unsigned long long)(roff + len),
                        (unsigned long long)hit->len, (unsigned long long)rkey, p->name);
+    *ri = *hit;
+    return 0;
+}
+
+int wx_validate(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
+                uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff,
+                wx_rinfo_t *ri)
+{
+    int rc;
+    if (!p->connected)
+        return wx_errf(-ENOTCONN, "%s is not connected", p->name);
+    pthread_mutex_lock(&t->lock);
+    rc = wx__check_remote(p, rkey, rbase, rlen, roff, len, ri);
+    pthread_mutex_unlock(&t->lock);
+    if (rc)
+        return rc;
     if (local && (loff > local->len || len > local->len - loff))
         return wx_errf(-ERANGE,
                        "write refused: local range [%llu, %llu) is outside the %llu-byte "
                        "source buffer",
                        (unsigned long long)loff, (unsigned long long)(loff + len),
                        (unsigned long long)local->len);
-    *ri = hit;
     return 0;
 }
 

@@ -101,7 +101,8 @@ typedef struct wx_peer {
     uint32_t addr_len;
     uint8_t addr[WX_ADDR_MAX];
     uint32_t nregions;
-    wx_rinfo_t *regions; /* what the peer exported (validation table) */
+    wx_rinfo_t *regions; /* what the peer exported (validation table); read and replaced
+                          * under t->lock only */
     void *priv;          /* backend per-peer state */
     int connected;
     char name[64];       /* for messages: "peer 3 (fabric addr 127.0.0.1:4044)" */
@@ -191,17 +192,17 @@ int wx_connect_request(wx_transport_t *t, const uint8_t *export_blob, size_t blo
 int wx_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
               size_t *rep_len);
 int wx_connect_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len);
-/* Replace the region table of a connected peer from a newer export blob (same address). */
-int wx_peer_update(wx_transport_t *t, wx_peer_t *p, const uint8_t *export_blob, size_t blob_len);
 wx_peer_t *wx_peer_by_addr(wx_transport_t *t, const uint8_t *addr, uint32_t addr_len);
 wx_peer_t *wx_peer_by_id(wx_transport_t *t, uint32_t id);
 
-/* Check a write against the peer's exported table and the local buffer, then hand it to
- * the backend. `rkey` and `rlen` come from the writer's descriptor. On success *ri points
- * to the peer's table entry. */
+/* Check a write against the peer's exported table and the local buffer (it does not post:
+ * wx_post_write does). `rkey`, `rbase` and `rlen` come from the writer's descriptor. On
+ * success *ri is a copy of the peer's table entry, taken under t->lock: a later refresh
+ * of the table (wx_connect_request with a newer export blob) frees the table, never the
+ * copy a queued write holds. */
 int wx_validate(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
                 uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff,
-                const wx_rinfo_t **ri);
+                wx_rinfo_t *ri);
 int wx_post_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
 
 #ifdef __cplusplus

@@ -185,7 +185,7 @@ static void setup(wctx_t *w, const wx_opts_t *wopts, const wx_opts_t *topts)
 /* A validated write through the generic layer (retrying on -EAGAIN). */
 static int gwrite(wctx_t *w, top_t *o, uint64_t loff, uint64_t roff, uint64_t len)
 {
-    const wx_rinfo_t *ri;
+    wx_rinfo_t ri;
     wx_wr_t wr;
     int rc = wx_validate(w->t, w->p, w->dst.key, w->dst.rbase, w->dst.len, roff, len, w->src,
                          loff, &ri);
@@ -196,7 +196,7 @@ static int gwrite(wctx_t *w, top_t *o, uint64_t loff, uint64_t roff, uint64_t le
     o->op.wr_id = (loff << 24) ^ roff;
     wr.local = w->src;
     wr.loff = loff;
-    wr.remote = ri;
+    wr.remote = &ri;
     wr.roff = roff;
     wr.len = len;
     for (int spin = 0;; spin++) {
@@ -340,7 +340,7 @@ static int sc_badkey(const wx_opts_t *wo, const wx_opts_t *to)
     wait_op(&o, 5);
     CHECK(o.status == 0, "%s", o.msg);
     {
-        const wx_rinfo_t *ri;
+        wx_rinfo_t ri;
         rc = wx_validate(w.t, w.p, w.dst.key ^ 0x100, w.dst.rbase, w.dst.len, 0, 16, w.src, 0, &ri);
         CHECK(rc == -EACCES, "pre-check must refuse an unknown key (rc %d)", rc);
         rc = wx_validate(w.t, w.p, w.dst.key, w.dst.rbase, w.dst.len, BUF - 8, 16, w.src, 0, &ri);

@@ -408,19 +408,22 @@ class Sender:
         try:
             self.engine.wait(timeout=timeout)
         except Exception as e:
-            import re
-            msg = str(e)
-            m = re.search(r"\(tag (\d+)\)", msg)
-            if m and int(m.group(1)) in self.task_names:
-                t = int(m.group(1))
-                msg += f" [plan task {t}: {self.task_names[t]}]"
-            elif m and int(m.group(1)) == STAMP_TAG:
-                msg += " [the version stamps]"
-            for p in sorted(set(re.findall(r"\bpeer (\d+)\b", msg))):
-                if int(p) in self._gpu_of_peer:
-                    msg += f" [peer {p} is {self._worker_name(self._gpu_of_peer[int(p)])}]"
             self.engine.clear_error()
-            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: {msg}") from e
+            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: "
+                               f"{self._describe(e)}") from e
+
+    def _describe(self, err: BaseException) -> str:
+        """The user's message for an engine failure: the engine's own, and from its fields
+        (wxfer.Error.tag, .peer) the plan task and the inference worker it concerns."""
+        msg = str(err)
+        tag, peer = getattr(err, "tag", None), getattr(err, "peer", None)
+        if tag is not None and tag in self.task_names:
+            msg += f" [plan task {tag}: {self.task_names[tag]}]"
+        elif tag == STAMP_TAG:
+            msg += " [the version stamps]"
+        if peer is not None and peer in self._gpu_of_peer:
+            msg += f" [peer {peer} is {self._worker_name(self._gpu_of_peer[peer])}]"
+        return msg
 
     def _worker_name(self, g: int) -> str:
         w = self.workers.get(g, {})
@@ -430,17 +433,11 @@ class Sender:
     def _failed_workers(self) -> dict:
         """{gpu: reason} of the receivers whose writes failed or were late (the engine skips
         them from then on; the others go on)."""
-        import re
         out = {}
-        for pid, err, msg in self.engine.failed_peers():
-            if pid not in self._gpu_of_peer:
+        for err in self.engine.failed_peers():
+            if err.peer not in self._gpu_of_peer:
                 continue                  # a worker since replaced by its restart
-            m = re.search(r"\(tag (\d+)\)", msg)
-            if m and int(m.group(1)) in self.task_names:
-                msg += f" [plan task {m.group(1)}: {self.task_names[int(m.group(1))]}]"
-            elif m and int(m.group(1)) == STAMP_TAG:
-                msg += " [the version stamps]"
-            out[self._gpu_of_peer[pid]] = f"{msg} (errno {err})"
+            out[self._gpu_of_peer[err.peer]] = f"{self._describe(err)} (errno {err.errno})"
         return out
 
     def _finish(self, h: PushHandle, timeout) -> None:

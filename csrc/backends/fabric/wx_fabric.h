@@ -95,9 +95,11 @@ typedef struct wx_fab {
     uint64_t chunk;
     uint32_t depth;
     uint64_t op_timeout_ns;
+#ifdef WX_TESTING
     uint64_t test_refuse_peer; /* TEST ONLY (_test_refuse_peer): writes to this peer id get
                                 * -EAGAIN forever, as from a provider reconnecting to a dead
                                 * peer; UINT64_MAX = off */
+#endif
 
     pthread_mutex_t dlock;     /* data-path calls, only when serialize */
     pthread_mutex_t slot_lock; /* slots, free list, counters */

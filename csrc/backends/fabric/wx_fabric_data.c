@@ -223,14 +223,26 @@ static void wx__fab_scan_deadlines(wx_fab_t *f, uint64_t now)
  * completion, or the remote-write counter moving on a target); 1 ms naps when idle. A
  * target without the counter cannot tell busy from idle and keeps the 50 us naps. */
 #define WX_FAB_HOT_NS (200 * 1000000ull)
+/* Writes in flight: f->posted is changed by the writers' threads under slot_lock, so the
+ * progress thread reads it under the lock too (an unlocked read was a data race, TSan). */
+static uint32_t wx__fab_posted(wx_fab_t *f)
+{
+    uint32_t n;
+    pthread_mutex_lock(&f->slot_lock);
+    n = f->posted;
+    pthread_mutex_unlock(&f->slot_lock);
+    return n;
+}
+
 static void wx__fab_nap(wx_fab_t *f, unsigned idle, uint64_t since_activity)
 {
     struct timespec ts = {0, 50000};
-    if (f->posted > 0 && idle < 64) {
+    uint32_t posted = wx__fab_posted(f);
+    if (posted > 0 && idle < 64) {
         sched_yield();
         return;
     }
-    if (f->rcntr && f->posted == 0 && since_activity > WX_FAB_HOT_NS)
+    if (f->rcntr && posted == 0 && since_activity > WX_FAB_HOT_NS)
         ts.tv_nsec = 1000000;
     nanosleep(&ts, NULL);
 }
@@ -272,7 +284,7 @@ static void *wx__fab_progress(void *arg)
                         last_activity = now;
                     }
                 }
-                if (f->posted)
+                if (wx__fab_posted(f))
                     last_activity = now;
                 wx__fab_nap(f, idle++, now - last_activity);
             }
@@ -412,9 +424,11 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     if (fp->failed)
         return wx_errf(fp->failed, "fabric: refusing write to %s, an earlier one failed: %s",
                        fp->name, fp->why);
+#ifdef WX_TESTING
     if (p->id == f->test_refuse_peer)
         return wx_errf(-EAGAIN, "fabric: TEST ONLY: refusing every write to %s "
                                 "(option _test_refuse_peer)", p->name);
+#endif
     if (!wr->local)
         return wx_errf(-EINVAL, "fabric: write to %s needs a registered source region", p->name);
     desc = wr->local->ldesc;
@@ -426,9 +440,10 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     pthread_mutex_lock(&f->slot_lock);
     s = f->free_slots;
     if (!s) {
+        uint32_t posted = f->posted; /* read under the lock (TSan) */
         pthread_mutex_unlock(&f->slot_lock);
         return wx_errf(-EAGAIN, "fabric: %u writes in flight (depth %u); retry after a completion",
-                       f->posted, f->depth);
+                       posted, f->depth);
     }
     f->free_slots = s->next_free;
     s->state = WX_FAB_POSTED;

@@ -30,7 +30,10 @@
 
 static const char *const wx__fab_known[] = {"provider", "iface",   "chunk",    "depth",
                                             "hmem",     "timeout", "progress",
-                                            "_test_refuse_peer", NULL};
+#ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
+                                            "_test_refuse_peer",
+#endif
+                                            NULL};
 
 static int wx__fab_errno(int rc)
 {
@@ -273,57 +276,142 @@ static void wx__fab_shm_unlink_stale(void)
     pthread_mutex_unlock(&mu);
 }
 
+/* The options of Transport("fabric", ...), checked. */
+typedef struct wx__fab_cfg {
+    const char *prov, *iface, *hmem, *progress;
+    uint64_t chunk, depth, timeout_s;
+    uint64_t refuse; /* _test_refuse_peer (test builds) */
+} wx__fab_cfg_t;
+
+static int wx__fab_parse(const wx_opts_t *opts, wx__fab_cfg_t *c)
+{
+    int rc = wx_opt_check(opts, "fabric", wx__fab_known);
+    if (rc)
+        return rc;
+    c->prov = wx__fab_prov_name(wx_opt_str(opts, "provider", "tcp"));
+    c->iface = wx_opt_str(opts, "iface", wx__fab_default_iface(c->prov));
+    c->hmem = wx_opt_str(opts, "hmem", "auto");
+    if (strcmp(c->hmem, "auto") && strcmp(c->hmem, "on") && strcmp(c->hmem, "off"))
+        return wx_errf(-EINVAL, "transport fabric: option hmem=%s: expected auto, on or off",
+                       c->hmem);
+    c->progress = wx_opt_str(opts, "progress", "auto");
+    if (strcmp(c->progress, "auto") && strcmp(c->progress, "wait") && strcmp(c->progress, "poll"))
+        return wx_errf(-EINVAL,
+                       "transport fabric: option progress=%s: expected auto, wait or poll",
+                       c->progress);
+    if ((rc = wx_opt_u64(opts, "chunk", WX_FAB_DEFAULT_CHUNK, &c->chunk)) ||
+        (rc = wx_opt_u64(opts, "depth", WX_FAB_DEFAULT_DEPTH, &c->depth)) ||
+        (rc = wx_opt_u64(opts, "timeout", WX_FAB_DEFAULT_TIMEOUT_S, &c->timeout_s)))
+        return rc;
+    c->refuse = UINT64_MAX;
+#ifdef WX_TESTING
+    if ((rc = wx_opt_u64(opts, "_test_refuse_peer", UINT64_MAX, &c->refuse)))
+        return rc;
+#endif
+    if (c->chunk == 0 || c->depth == 0 || c->depth > 65536)
+        return wx_errf(-EINVAL, "transport fabric: chunk must be > 0 and depth in 1..65536 "
+                                "(got chunk=%llu depth=%llu)",
+                       (unsigned long long)c->chunk, (unsigned long long)c->depth);
+    return 0;
+}
+
+/* The remote-write counter, where the provider has one (a target then tells busy from
+ * idle); without it the target polls at a fixed rate. */
+static void wx__fab_open_rcntr(wx_fab_t *f)
+{
+    struct fi_cntr_attr ca;
+    int rc;
+    memset(&ca, 0, sizeof ca);
+    ca.events = FI_CNTR_EVENTS_COMP;
+    ca.wait_obj = FI_WAIT_NONE;
+    rc = fi_cntr_open(f->domain, &ca, &f->rcntr, NULL);
+    if (!rc)
+        rc = fi_ep_bind(f->ep, &f->rcntr->fid, FI_REMOTE_WRITE);
+    if (rc) {
+        wx_debugf("fabric: no remote-write counter (%s); the target polls at a fixed rate",
+                  wx_fi_strerror(rc));
+        if (f->rcntr)
+            fi_close(&f->rcntr->fid);
+        f->rcntr = NULL;
+    }
+}
+
+/* fi_fabric, fi_domain, the AV, the CQ, the endpoint bound to them, enabled, and its
+ * address. f->info is the chosen provider's. */
+static int wx__fab_open_ep(wx_fab_t *f)
+{
+    const wx_fi_api_t *api = f->api;
+    const char *prov = f->prov;
+    struct fi_av_attr av_attr;
+    size_t sl = sizeof f->addr_str;
+    int rc = api->fi_fabric(f->info->fabric_attr, &f->fabric, NULL);
+    if (rc)
+        return wx__fab_err(rc, "fabric: fi_fabric(provider %s)", prov);
+    rc = fi_domain(f->fabric, f->info, &f->domain, NULL);
+    if (rc)
+        return wx__fab_err(rc, "fabric: fi_domain(provider %s, domain %s)", prov, f->dom);
+    memset(&av_attr, 0, sizeof av_attr);
+    av_attr.type = f->info->domain_attr->av_type != FI_AV_UNSPEC ? f->info->domain_attr->av_type
+                                                                 : FI_AV_TABLE;
+    rc = fi_av_open(f->domain, &av_attr, &f->av, NULL);
+    if (rc)
+        return wx__fab_err(rc, "fabric: fi_av_open(provider %s)", prov);
+    rc = wx__fab_open_cq(f);
+    if (rc)
+        return rc;
+    rc = fi_endpoint(f->domain, f->info, &f->ep, NULL);
+    if (rc)
+        return wx__fab_err(rc, "fabric: fi_endpoint(provider %s, domain %s)", prov, f->dom);
+    if ((rc = fi_ep_bind(f->ep, &f->av->fid, 0)) ||
+        (rc = fi_ep_bind(f->ep, &f->cq->fid, FI_TRANSMIT | FI_RECV)))
+        return wx__fab_err(rc, "fabric: fi_ep_bind(provider %s)", prov);
+    if (f->info->caps & FI_RMA_EVENT)
+        wx__fab_open_rcntr(f);
+    if (strcmp(prov, "shm") == 0)
+        wx__fab_shm_unlink_stale();
+    rc = fi_enable(f->ep);
+    if (rc)
+        return wx__fab_err(rc, "fabric: fi_enable(provider %s, domain %s)", prov, f->dom);
+    f->addr_len = sizeof f->addr;
+    rc = fi_getname(&f->ep->fid, f->addr, &f->addr_len);
+    if (rc)
+        return wx__fab_err(rc, "fabric: fi_getname(provider %s)", prov);
+    if (!fi_av_straddr(f->av, f->addr, f->addr_str, &sl))
+        snprintf(f->addr_str, sizeof f->addr_str, "?");
+    return 0;
+}
+
 static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
 {
     char why[256];
     const wx_fi_api_t *api = wx_fi(why, sizeof why);
-    const char *prov, *iface, *hmem_opt, *progress;
-    uint64_t chunk, depth, timeout_s, max_msg, refuse;
-    struct fi_av_attr av_attr;
+    wx__fab_cfg_t c;
+    uint64_t max_msg, depth;
     wx_fab_t *f;
     int rc;
 
     if (!api)
         return wx_errf(-ENOENT, "transport fabric unavailable: %s", why);
-    rc = wx_opt_check(opts, "fabric", wx__fab_known);
+    rc = wx__fab_parse(opts, &c);
     if (rc)
         return rc;
-    prov = wx__fab_prov_name(wx_opt_str(opts, "provider", "tcp"));
-    iface = wx_opt_str(opts, "iface", wx__fab_default_iface(prov));
-    hmem_opt = wx_opt_str(opts, "hmem", "auto");
-    if (strcmp(hmem_opt, "auto") && strcmp(hmem_opt, "on") && strcmp(hmem_opt, "off"))
-        return wx_errf(-EINVAL, "transport fabric: option hmem=%s: expected auto, on or off",
-                       hmem_opt);
-    progress = wx_opt_str(opts, "progress", "auto");
-    if (strcmp(progress, "auto") && strcmp(progress, "wait") && strcmp(progress, "poll"))
-        return wx_errf(-EINVAL,
-                       "transport fabric: option progress=%s: expected auto, wait or poll",
-                       progress);
-    if ((rc = wx_opt_u64(opts, "chunk", WX_FAB_DEFAULT_CHUNK, &chunk)) ||
-        (rc = wx_opt_u64(opts, "depth", WX_FAB_DEFAULT_DEPTH, &depth)) ||
-        (rc = wx_opt_u64(opts, "timeout", WX_FAB_DEFAULT_TIMEOUT_S, &timeout_s)) ||
-        (rc = wx_opt_u64(opts, "_test_refuse_peer", UINT64_MAX, &refuse)))
-        return rc;
-    if (chunk == 0 || depth == 0 || depth > 65536)
-        return wx_errf(-EINVAL, "transport fabric: chunk must be > 0 and depth in 1..65536 "
-                                "(got chunk=%llu depth=%llu)",
-                       (unsigned long long)chunk, (unsigned long long)depth);
-
     f = calloc(1, sizeof *f);
     if (!f)
         return wx_errf(-ENOMEM, "transport fabric: out of memory");
     f->api = api;
     pthread_mutex_init(&f->slot_lock, NULL);
     pthread_mutex_init(&f->dlock, NULL);
-    snprintf(f->prov, sizeof f->prov, "%s", prov);
-    f->op_timeout_ns = timeout_s * 1000000000ull;
-    f->test_refuse_peer = refuse;
+    snprintf(f->prov, sizeof f->prov, "%s", c.prov);
+    f->op_timeout_ns = c.timeout_s * 1000000000ull;
+#ifdef WX_TESTING
+    f->test_refuse_peer = c.refuse;
+#endif
 
     /* auto: block in fi_cq_sread where that drives the provider (tcp;ofi_rxm), poll
      * otherwise (shm's sread sleeps through incoming writes). */
-    f->want_wait = strcmp(progress, "wait") == 0 ||
-                   (strcmp(progress, "auto") == 0 && wx__fab_is_tcp(prov));
-    rc = wx__fab_select(f, prov, iface, hmem_opt);
+    f->want_wait = strcmp(c.progress, "wait") == 0 ||
+                   (strcmp(c.progress, "auto") == 0 && wx__fab_is_tcp(c.prov));
+    rc = wx__fab_select(f, c.prov, c.iface, c.hmem);
     if (rc)
         goto fail;
     snprintf(f->dom, sizeof f->dom, "%s", f->info->domain_attr->name);
@@ -331,81 +419,14 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
     f->hmem = (f->info->caps & FI_HMEM) != 0;
     f->write_flags = FI_COMPLETION | FI_DELIVERY_COMPLETE;
     max_msg = f->info->ep_attr->max_msg_size;
-    f->chunk = chunk < max_msg ? chunk : max_msg;
+    f->chunk = c.chunk < max_msg ? c.chunk : max_msg;
+    depth = c.depth;
     if (f->info->tx_attr->size && depth > f->info->tx_attr->size)
         depth = f->info->tx_attr->size;
     f->depth = (uint32_t)depth;
 
-    rc = api->fi_fabric(f->info->fabric_attr, &f->fabric, NULL);
-    if (rc) {
-        rc = wx__fab_err(rc, "fabric: fi_fabric(provider %s)", prov);
-        goto fail;
-    }
-    rc = fi_domain(f->fabric, f->info, &f->domain, NULL);
-    if (rc) {
-        rc = wx__fab_err(rc, "fabric: fi_domain(provider %s, domain %s)", prov, f->dom);
-        goto fail;
-    }
-    memset(&av_attr, 0, sizeof av_attr);
-    av_attr.type = f->info->domain_attr->av_type != FI_AV_UNSPEC ? f->info->domain_attr->av_type
-                                                                 : FI_AV_TABLE;
-    rc = fi_av_open(f->domain, &av_attr, &f->av, NULL);
-    if (rc) {
-        rc = wx__fab_err(rc, "fabric: fi_av_open(provider %s)", prov);
-        goto fail;
-    }
-    rc = wx__fab_open_cq(f);
-    if (rc)
-        goto fail;
-    rc = fi_endpoint(f->domain, f->info, &f->ep, NULL);
-    if (rc) {
-        rc = wx__fab_err(rc, "fabric: fi_endpoint(provider %s, domain %s)", prov, f->dom);
-        goto fail;
-    }
-    if ((rc = fi_ep_bind(f->ep, &f->av->fid, 0)) ||
-        (rc = fi_ep_bind(f->ep, &f->cq->fid, FI_TRANSMIT | FI_RECV))) {
-        rc = wx__fab_err(rc, "fabric: fi_ep_bind(provider %s)", prov);
-        goto fail;
-    }
-    if (f->info->caps & FI_RMA_EVENT) {
-        struct fi_cntr_attr ca;
-        memset(&ca, 0, sizeof ca);
-        ca.events = FI_CNTR_EVENTS_COMP;
-        ca.wait_obj = FI_WAIT_NONE;
-        rc = fi_cntr_open(f->domain, &ca, &f->rcntr, NULL);
-        if (!rc)
-            rc = fi_ep_bind(f->ep, &f->rcntr->fid, FI_REMOTE_WRITE);
-        if (rc) {
-            wx_debugf("fabric: no remote-write counter (%s); the target polls at a fixed rate",
-                      wx_fi_strerror(rc));
-            if (f->rcntr)
-                fi_close(&f->rcntr->fid);
-            f->rcntr = NULL;
-        }
-    }
-    if (strcmp(prov, "shm") == 0)
-        wx__fab_shm_unlink_stale();
-    rc = fi_enable(f->ep);
-    if (rc) {
-        rc = wx__fab_err(rc, "fabric: fi_enable(provider %s, domain %s)", prov, f->dom);
-        goto fail;
-    }
-    f->addr_len = sizeof f->addr;
-    rc = fi_getname(&f->ep->fid, f->addr, &f->addr_len);
-    if (rc) {
-        rc = wx__fab_err(rc, "fabric: fi_getname(provider %s)", prov);
-        goto fail;
-    }
-    {
-        size_t sl = sizeof f->addr_str;
-        if (!fi_av_straddr(f->av, f->addr, f->addr_str, &sl))
-            snprintf(f->addr_str, sizeof f->addr_str, "?");
-    }
-    rc = wx__fab_slots_init(f);
-    if (rc)
-        goto fail;
-    rc = wx__fab_thread_start(f);
-    if (rc)
+    if ((rc = wx__fab_open_ep(f)) || (rc = wx__fab_slots_init(f)) ||
+        (rc = wx__fab_thread_start(f)))
         goto fail;
 
     f->base.max_write = f->chunk;

@@ -93,8 +93,10 @@ typedef struct wx_verbs {
     uint32_t sig_every;
     uint8_t timeout, retry_cnt;
     const char *reg_mode;  /* "auto", "dmabuf", "peermem" */
+#ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
     uint32_t test_rkey_xor;  /* TEST ONLY: corrupt rkeys to exercise the HCA's own check */
     uint64_t test_raddr_add; /* TEST ONLY: shift remote addresses past the region */
+#endif
     uint64_t nonce;
     /* queue pairs (writer and target side), indexed by wr_id */
     pthread_mutex_t qlock;

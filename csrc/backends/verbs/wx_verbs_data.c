@@ -32,7 +32,11 @@ typedef struct wx__done {
 
 static const char *const wx__verbs_known[] = {
     "device", "gid_index", "chunk", "depth", "gpu", "qps", "sig_every", "timeout", "retry_cnt",
-    "reg", "_test_rkey_xor", "_test_raddr_add", NULL};
+    "reg",
+#ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
+    "_test_rkey_xor", "_test_raddr_add",
+#endif
+    NULL};
 
 static int wx__status_errno(enum ibv_wc_status st)
 {
@@ -382,11 +386,13 @@ static int wx__verbs_open(const wx_opts_t *opts, wx_transport_t **out)
     }
     t->reg_mode = strcmp(t->reg_mode, "dmabuf") == 0 ? "dmabuf"
                   : strcmp(t->reg_mode, "peermem") == 0 ? "peermem" : "auto";
+#ifdef WX_TESTING
     if ((rc = wx__opt_int(opts, "_test_rkey_xor", 0, 0, 0xffffffffu, &u)))
         goto fail;
     t->test_rkey_xor = (uint32_t)u;
     if ((rc = wx__opt_int(opts, "_test_raddr_add", 0, 0, ~0ull, &t->test_raddr_add)))
         goto fail;
+#endif
     t->nonce = wx_now_ns() ^ ((uint64_t)getpid() << 40) ^ (uint64_t)(uintptr_t)t;
     rc = wx__verbs_open_nics(t, wx_opt_str(opts, "device", NULL));
     if (rc)
@@ -500,7 +506,9 @@ static int wx__verbs_write(wx_transport_t *tt, wx_peer_t *p, const wx_wr_t *wr, 
                        rnn, q->remote_nic);
     }
     memcpy(&rkey, wr->remote->blob + 4 + 4 * q->remote_nic, 4);
+#ifdef WX_TESTING
     rkey ^= t->test_rkey_xor;
+#endif
     sig = q->unsig_run + 1 >= t->sig_every || q->head - q->tail + 2 >= q->depth;
     sge.addr = (uint64_t)(uintptr_t)wr->local->addr + wr->loff;
     sge.length = (uint32_t)wr->len;
@@ -511,7 +519,10 @@ static int wx__verbs_write(wx_transport_t *tt, wx_peer_t *p, const wx_wr_t *wr, 
     swr.send_flags = sig ? IBV_SEND_SIGNALED : 0;
     swr.sg_list = &sge;
     swr.num_sge = wr->len ? 1 : 0;
-    swr.wr.rdma.remote_addr = wr->remote->rbase + wr->roff + t->test_raddr_add;
+    swr.wr.rdma.remote_addr = wr->remote->rbase + wr->roff;
+#ifdef WX_TESTING
+    swr.wr.rdma.remote_addr += t->test_raddr_add;
+#endif
     swr.wr.rdma.rkey = rkey;
     pthread_mutex_lock(&t->wlock);
     t->inflight++;
@@ -573,9 +584,11 @@ static int wx__verbs_info(wx_transport_t *tt, char *buf, size_t len)
             t->reg_why[0] ? t->reg_why : "nothing registered yet",
             (unsigned long long)t->reg_calls, (unsigned long long)t->reg_hits);
     pthread_mutex_unlock(&t->rlock);
+#ifdef WX_TESTING
     if (t->test_rkey_xor || t->test_raddr_add)
         WX__ADD(" TEST-ONLY-CORRUPTION rkey_xor=0x%x raddr_add=%llu", t->test_rkey_xor,
                 (unsigned long long)t->test_raddr_add);
+#endif
 #undef WX__ADD
     return 0;
 }

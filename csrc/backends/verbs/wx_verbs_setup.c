@@ -266,121 +266,122 @@ static int wx__nic_setup(wx_verbs_t *t, wx__vnic_t *n)
     return 0;
 }
 
-int wx__verbs_open_nics(wx_verbs_t *t, const char *device_opt)
+/* What wx__verbs_open_nics picks from: the device list, the list the option device (or
+ * WXFER_IB_DEVICES) names, and the NICs opened so far (closed again unless kept). */
+typedef struct wx__nic_pick {
+    struct ibv_device **list;
+    int ndev;
+    char names[32][64];
+    int ports[32], nlist, exclude;
+    const char *spec, *src;
+    wx__vnic_t cand[WX_VERBS_MAX_NICS];
+    int ncand;
+} wx__nic_pick_t;
+
+/* The NICs a list names, in its order; every one must exist. */
+static int wx__nics_named(wx_verbs_t *t, wx__nic_pick_t *k)
 {
     const wx_verbs_api_t *v = t->v;
-    char names[32][64], gpath[PATH_MAX], why[256];
-    int ports[32], nlist = 0, exclude = 0, ndev = 0, rc = 0, mind = INT_MAX;
-    const char *spec = device_opt && *device_opt ? device_opt : getenv("WXFER_IB_DEVICES");
-    const char *src = device_opt && *device_opt ? "option device" : "WXFER_IB_DEVICES";
-    struct ibv_device **list = v->get_device_list(&ndev);
-    wx__vnic_t cand[WX_VERBS_MAX_NICS];
-    int ncand = 0;
+    for (int i = 0; i < k->nlist && k->ncand < WX_VERBS_MAX_NICS; i++) {
+        struct ibv_device *d = NULL;
+        char have[256] = "";
+        int rc;
+        for (int j = 0; j < k->ndev; j++) {
+            if (strcmp(v->get_device_name(k->list[j]), k->names[i]) == 0)
+                d = k->list[j];
+            if (strlen(have) + 70 < sizeof have)
+                snprintf(have + strlen(have), sizeof have - strlen(have), "%s%s",
+                         j ? ", " : "", v->get_device_name(k->list[j]));
+        }
+        if (!d)
+            return wx_errf(-ENODEV, "%s names RDMA device '%s', which does not exist "
+                                    "(devices: %s)", k->src, k->names[i], have);
+        rc = wx__nic_open(t, d, k->ports[i], 1, &k->cand[k->ncand]);
+        if (rc)
+            return rc;
+        k->ncand++;
+    }
+    snprintf(t->choice, sizeof t->choice, "from %s=%s", k->src, k->spec);
+    return 0;
+}
 
-    if (!list || ndev <= 0) {
-        if (list)
-            v->free_device_list(list);
-        return wx_errf(-ENODEV, "no RDMA devices: ibv_get_device_list (%s) found none",
-                       v->path);
-    }
-    if (spec && *spec) {
-        nlist = wx__verbs_parse_list(spec, names, ports, 32, &exclude);
-        if (nlist < 0) {
-            v->free_device_list(list);
-            return nlist;
-        }
-    }
-    if (nlist > 0 && !exclude) {
-        for (int i = 0; i < nlist && ncand < WX_VERBS_MAX_NICS; i++) {
-            struct ibv_device *d = NULL;
-            char have[256] = "";
-            for (int k = 0; k < ndev; k++) {
-                if (strcmp(v->get_device_name(list[k]), names[i]) == 0)
-                    d = list[k];
-                if (strlen(have) + 70 < sizeof have)
-                    snprintf(have + strlen(have), sizeof have - strlen(have), "%s%s",
-                             k ? ", " : "", v->get_device_name(list[k]));
+/* Every device with an active port, but those (or the ports) the list excludes. */
+static int wx__nics_active(wx_verbs_t *t, wx__nic_pick_t *k)
+{
+    const wx_verbs_api_t *v = t->v;
+    for (int j = 0; j < k->ndev && k->ncand < WX_VERBS_MAX_NICS; j++) {
+        const char *nm = v->get_device_name(k->list[j]);
+        int port = 0, skip = 0;
+        for (int i = 0; i < k->nlist; i++)
+            if (strcmp(k->names[i], nm) == 0) {
+                if (k->ports[i] == 0)
+                    skip = 1;
+                else
+                    port = -k->ports[i]; /* excluded port */
             }
-            if (!d) {
-                rc = wx_errf(-ENODEV, "%s names RDMA device '%s', which does not exist "
-                                      "(devices: %s)", src, names[i], have);
-                goto out;
-            }
-            rc = wx__nic_open(t, d, ports[i], 1, &cand[ncand]);
-            if (rc)
-                goto out;
-            ncand++;
-        }
-        snprintf(t->choice, sizeof t->choice, "from %s=%s", src, spec);
-    } else {
-        for (int k = 0; k < ndev && ncand < WX_VERBS_MAX_NICS; k++) {
-            const char *nm = v->get_device_name(list[k]);
-            int port = 0, skip = 0;
-            for (int i = 0; i < nlist; i++)
-                if (strcmp(names[i], nm) == 0) {
-                    if (ports[i] == 0)
-                        skip = 1;
-                    else
-                        port = -ports[i]; /* excluded port */
-                }
-            if (skip)
+        if (skip)
+            continue;
+        if (port < 0) {
+            /* excluded one port: take the first other active port */
+            wx__vnic_t n;
+            if (wx__nic_open(t, k->list[j], 0, 0, &n))
                 continue;
-            if (port < 0) {
-                /* excluded one port: take the first other active port */
-                int ex = -port;
-                wx__vnic_t n;
-                if (wx__nic_open(t, list[k], 0, 0, &n))
-                    continue;
-                if (n.port == ex) {
-                    v->close_device(n.ctx);
-                    continue;
-                }
-                cand[ncand++] = n;
+            if (n.port == -port) {
+                v->close_device(n.ctx);
                 continue;
             }
-            if (wx__nic_open(t, list[k], 0, 0, &cand[ncand]) == 0)
-                ncand++;
+            k->cand[k->ncand++] = n;
+            continue;
         }
-        if (ncand == 0) {
-            rc = wx_errf(-ENETDOWN, "no RDMA device with an active port (%d devices%s%s)", ndev,
-                         nlist ? ", after exclusions from " : "", nlist ? src : "");
-            goto out;
-        }
-        snprintf(t->choice, sizeof t->choice, "%s%s", nlist ? "all but excluded by " : "all active",
-                 nlist ? src : "");
-        /* Nearest to the GPU by PCIe topology; ties are striped. */
-        if (t->gpu >= 0) {
-            why[0] = '\0';
-            if (wx__gpu_path(t->gpu, gpath, sizeof gpath, why, sizeof why) == 0) {
-                for (int i = 0; i < ncand; i++) {
-                    cand[i].distance = cand[i].pci[0] ? wx__verbs_pci_distance(gpath, cand[i].pci)
-                                                      : -1;
-                    if (cand[i].distance >= 0 && cand[i].distance < mind)
-                        mind = cand[i].distance;
-                }
-                if (mind != INT_MAX) {
-                    int keep = 0;
-                    for (int i = 0; i < ncand; i++) {
-                        if (cand[i].distance == mind)
-                            cand[keep++] = cand[i];
-                        else
-                            v->close_device(cand[i].ctx);
-                    }
-                    ncand = keep;
-                    snprintf(t->choice, sizeof t->choice, "nearest to GPU %d (%d PCI hops)",
-                             t->gpu, mind);
-                } else {
-                    snprintf(t->choice, sizeof t->choice,
-                             "all active (PCI path of the NICs unknown)");
-                }
-            } else {
-                snprintf(t->choice, sizeof t->choice, "all active (GPU %d topology unknown: %s)",
-                         t->gpu, why);
-            }
-        }
+        if (wx__nic_open(t, k->list[j], 0, 0, &k->cand[k->ncand]) == 0)
+            k->ncand++;
     }
-    for (int i = 0; i < ncand; i++) {
-        t->nic[i] = cand[i];
+    if (k->ncand == 0)
+        return wx_errf(-ENETDOWN, "no RDMA device with an active port (%d devices%s%s)", k->ndev,
+                       k->nlist ? ", after exclusions from " : "", k->nlist ? k->src : "");
+    snprintf(t->choice, sizeof t->choice, "%s%s", k->nlist ? "all but excluded by " : "all active",
+             k->nlist ? k->src : "");
+    return 0;
+}
+
+/* Keep the candidates nearest to the GPU by PCIe topology (ties are striped). */
+static void wx__nics_nearest(wx_verbs_t *t, wx__nic_pick_t *k)
+{
+    const wx_verbs_api_t *v = t->v;
+    char gpath[PATH_MAX], why[256] = "";
+    int mind = INT_MAX, keep = 0;
+    if (wx__gpu_path(t->gpu, gpath, sizeof gpath, why, sizeof why) != 0) {
+        snprintf(t->choice, sizeof t->choice, "all active (GPU %d topology unknown: %s)", t->gpu,
+                 why);
+        return;
+    }
+    for (int i = 0; i < k->ncand; i++) {
+        k->cand[i].distance = k->cand[i].pci[0] ? wx__verbs_pci_distance(gpath, k->cand[i].pci)
+                                                : -1;
+        if (k->cand[i].distance >= 0 && k->cand[i].distance < mind)
+            mind = k->cand[i].distance;
+    }
+    if (mind == INT_MAX) {
+        snprintf(t->choice, sizeof t->choice, "all active (PCI path of the NICs unknown)");
+        return;
+    }
+    for (int i = 0; i < k->ncand; i++) {
+        if (k->cand[i].distance == mind)
+            k->cand[keep++] = k->cand[i];
+        else
+            v->close_device(k->cand[i].ctx);
+    }
+    k->ncand = keep;
+    snprintf(t->choice, sizeof t->choice, "nearest to GPU %d (%d PCI hops)", t->gpu, mind);
+}
+
+/* The candidates become t's NICs, each with its PD and CQ. */
+static int wx__nics_setup(wx_verbs_t *t, wx__nic_pick_t *k)
+{
+    const wx_verbs_api_t *v = t->v;
+    for (int i = 0; i < k->ncand; i++) {
+        int rc;
+        t->nic[i] = k->cand[i];
         t->nic[i].index = i;
         t->nnic = i + 1;
         rc = wx__nic_setup(t, &t->nic[i]);
@@ -388,17 +389,51 @@ int wx__verbs_open_nics(wx_verbs_t *t, const char *device_opt)
             /* the failed NIC's context is still open; close it with the rest */
             t->nic[i].pd = NULL;
             t->nic[i].cq = NULL;
-            for (int k = i + 1; k < ncand; k++)
-                v->close_device(cand[k].ctx);
-            ncand = 0;
-            goto out;
+            for (int j = i + 1; j < k->ncand; j++)
+                v->close_device(k->cand[j].ctx);
+            k->ncand = 0;
+            return rc;
         }
     }
-    ncand = 0;
-out:
-    for (int i = 0; i < ncand; i++)
-        v->close_device(cand[i].ctx);
-    v->free_device_list(list);
+    k->ncand = 0;
+    return 0;
+}
+
+int wx__verbs_open_nics(wx_verbs_t *t, const char *device_opt)
+{
+    const wx_verbs_api_t *v = t->v;
+    wx__nic_pick_t *k = calloc(1, sizeof *k);
+    int rc = 0;
+    if (!k)
+        return wx_errf(-ENOMEM, "verbs: out of memory");
+    k->spec = device_opt && *device_opt ? device_opt : getenv("WXFER_IB_DEVICES");
+    k->src = device_opt && *device_opt ? "option device" : "WXFER_IB_DEVICES";
+    k->list = v->get_device_list(&k->ndev);
+    if (!k->list || k->ndev <= 0) {
+        if (k->list)
+            v->free_device_list(k->list);
+        free(k);
+        return wx_errf(-ENODEV, "no RDMA devices: ibv_get_device_list (%s) found none",
+                       v->path);
+    }
+    if (k->spec && *k->spec) {
+        k->nlist = wx__verbs_parse_list(k->spec, k->names, k->ports, 32, &k->exclude);
+        if (k->nlist < 0)
+            rc = k->nlist;
+    }
+    if (!rc && k->nlist > 0 && !k->exclude) {
+        rc = wx__nics_named(t, k);
+    } else if (!rc) {
+        rc = wx__nics_active(t, k);
+        if (!rc && t->gpu >= 0)
+            wx__nics_nearest(t, k);
+    }
+    if (!rc)
+        rc = wx__nics_setup(t, k);
+    for (int i = 0; i < k->ncand; i++)
+        v->close_device(k->cand[i].ctx);
+    v->free_device_list(k->list);
+    free(k);
     if (rc)
         wx__verbs_close_nics(t);
     return rc;
