@@ -665,7 +665,8 @@ def run(args, emit=print) -> dict:
             if errs or dead or over or late:
                 at = {r: ctl.get("at/%d" % r, "at").decode() for r in (0, 1) if ctl.check("at/%d" % r)}
                 why_ = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errs.items())) or \
-                    ("timed out (%s)" % at if (over or late) else "a process exited (%s)" % at)
+                    ("timed out (at %s)" % at if (over or late) else "%s (at %s)" % (", ".join(
+                        "rank %d exited with %s" % (r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive()), at))
                 failed = (i, why_)
                 break
             time.sleep(0.1)
@@ -772,7 +773,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-s", type=float, default=240.0, help="steps are not started after this many seconds")
     ap.add_argument("--grace-s", type=float, default=45.0, help="a step still running this long after --max-s "
                                                                   "is stopped (processes killed)")
-    ap.add_argument("--step-timeout", type=float, default=150.0, help="one step (a hang: processes restarted)")
+    ap.add_argument("--step-timeout", type=float, default=200.0, help="one step (a hang: processes restarted)")
     ap.add_argument("--timeout", type=float, default=120.0, help="every wait inside a step")
     ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark")
     ap.add_argument("--h2d-probe", default="4GiB", help="bytes copied to measure the pinned H2D bandwidth")
