@@ -344,6 +344,8 @@ class Trainer:
             k = self.k
             self.k += 1
             self.ctl.set_json("s/%d/req/%d" % (i, k), [list(x) for x in socket_paths])
+            if a["ckpt_req"] == "post":        # as checkpoint-engine's own test (queue.put): no wait
+                return
             got = wait_any(self.ctl, ["s/%d/ack/%d" % (i, k), "s/%d/fail/1" % i],
                            "the worker's update_weights_from_ipc", a["timeout"])
             if got.endswith("/1") and "fail" in got:
@@ -372,6 +374,9 @@ class Trainer:
             def one(_):
                 update()
         times = self.timed(one, step_name(s))
+        if self.k:                             # the worker has finished every request
+            wait_any(self.ctl, ["s/%d/ack/%d" % (i, self.k - 1), "s/%d/fail/1" % i], "the worker's last update",
+                     a["timeout"])
         nt = len(times)
         out = dict(_summ(times, bb.expanded(self.preset, self.conf, "fp8" if s["quant"] == "fp8" else None)
                          .dest_bytes(0)), version=checkpoint_engine.__version__,
@@ -632,7 +637,7 @@ def run(args, emit=print) -> dict:
              warmup=args.warmup, reps=args.reps, method_s=args.method_s, deadline=t_start + args.max_s,
              watermark=args.watermark, logs=os.path.abspath(logs) if logs else None,
              h2d_probe=bb._parse_size(args.h2d_probe), loader_bucket=bb._parse_size(args.loader_bucket),
-             ckpt_mem_fraction=args.ckpt_mem_fraction)
+             ckpt_mem_fraction=args.ckpt_mem_fraction, ckpt_req=args.ckpt_req)
     results: list = [None] * len(steps)
     todo = list(range(len(steps)))
     ctx = mp.get_context("spawn")
@@ -780,6 +785,10 @@ def main(argv=None) -> int:
     ap.add_argument("--loader-bucket", default="64KiB", help="dry run: bucket size of the load_fn-only check")
     ap.add_argument("--ckpt-mem-fraction", type=float, default=0.8,
                     help="checkpoint-engine's mem_fraction (its buckets: this share of free GPU memory / 3)")
+    ap.add_argument("--ckpt-req", choices=("wait", "post"), default="wait",
+                    help="checkpoint-engine's req_func: wait until the worker's update_weights_from_ipc returned "
+                         "(as vLLM's collective_rpc HTTP call does), or post the request and return at once "
+                         "(as checkpoint-engine's own test does with queue.put)")
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "ckpt.json") if os.environ.get("OUT") else None,
                     help="the results as one JSON file (default $OUT/ckpt.json when $OUT is set)")
     ap.add_argument("--logs", default=os.environ.get("OUT") or None,
