@@ -133,6 +133,12 @@ class Trainer:
             self.W = self.fsdp = None
             self.refs = {}
             self._free_pool()
+            if self.dev.type == "cuda":      # the FSDP2 model's pinned blocks, cached by torch
+                import gc
+                import torch
+                gc.collect()
+                torch.cuda.empty_cache()
+                getattr(torch._C, "_host_emptyCache", lambda: None)()
             self.m = s["model"]
             self.conf, self.preset = bb.model_spec(s["model"])
             self.hf = self.preset.hf_params(self.conf)
@@ -196,8 +202,7 @@ class Trainer:
         if s["job"] == "host" and m == "wxfer":
             self._free_pool()              # one host copy of the weights at a time
             if self.fsdp is None:
-                self.weights()
-                self.ref(s["quant"], ex)
+                self.ref(s["quant"], ex)           # made from the GPU weights unless already known
                 self.free_weights()
                 self.fsdp = fsdp_model(preset, conf, self.dev)
         elif s["job"] == "gpu":
