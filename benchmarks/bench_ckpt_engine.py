@@ -1,0 +1,816 @@
+"""wxfer against MoonshotAI's checkpoint-engine on one GPU, in the same run (issue 16).
+
+    # the GPU machine has no registry: carry the wheels (benchmarks/README.md lists them)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site python3 benchmarks/bench_ckpt_engine.py --json --out $OUT/ckpt.json
+    python benchmarks/bench_ckpt_engine.py --dry-run --json          # CPU, tiny models
+
+Two processes on GPU 0: a trainer holding the weights (Hugging Face names, random values of
+the real shapes of qwen3-8b / qwen3-30b-a3b) and an inference worker holding the vLLM layout
+of the mapping preset (fused qkv / gate_up / experts, BF16 or FP8 with block scales, TP1),
+as wxfer's Receiver and bench_baselines use it.  Per model x quantization, two jobs:
+
+  host   weights in host memory.  bound: the training bytes over a pinned H2D copy (its
+         bandwidth measured here).  wxfer: an FSDP2 model (world 1) under CPUOffloadPolicy,
+         Sender.push().  checkpoint-engine: its normal input, a ParameterServer holding
+         the registered checkpoint in its pinned pool; the timed step is update().
+  gpu    weights on the GPU.  bound: an on-device copy of the bytes the worker receives.
+         wxfer: Sender.push() of the plain GPU tensors.  checkpoint-engine: its API takes
+         GPU tensors only at register_checkpoint, which copies them into its pinned host
+         pool; update() always reads that pool (H2D).  The timed step is what a training
+         loop must do per step: register_checkpoint (shared pool) + gather_metas + update.
+
+checkpoint-engine runs in its colocated broadcast mode: ParameterServer(world_size=1)
+with an NCCL group, update(name, req_func) with ranks=None; req_func hands the ZeroMQ
+socket paths to the worker, which calls checkpoint_engine.worker.update_weights_from_ipc
+(..., run=load_fn).  load_fn (class Loader) does what checkpoint-engine leaves to the
+engine's loader: fusion, TP slice and FP8 block quantization on the inference side, with
+the mapping's reference packing (wxfer.runtime.prepare.pack_shard_into).  After every
+method the worker's memory (reset to 0xFF first) is fingerprinted per parameter (byte sum
+and position-weighted byte sum) and compared with the reference packing of the same
+weights computed on the trainer.  checkpoint-engine's own log lines (loguru) are parsed
+for its bucket size, bucket count and per-bucket times.
+
+A step that fails is reported and the run goes on (fresh processes after a hang);
+--max-s bounds the whole run.  Without checkpoint-engine (not importable, or the CPU dry
+run: it needs CUDA) its rows are reported as skipped, saying why.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import bench_baselines as bb  # noqa: E402  -- model_spec, expanded, infer_params, reset, machine, _sync_dev
+from ckpt_engine_parts import (Loader, LogTap, _Plain, compare, feed_in_buckets, fingerprints,  # noqa: E402
+                               fsdp_model, reference, train_weights)
+
+GPU_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
+CPU_MODELS = ("tiny", "tiny-moe")
+JOBS = ("gpu", "host")
+GiB = 1 << 30
+
+
+def ckpt_engine():
+    """(module, None) or (None, why it cannot be used)."""
+    try:
+        import checkpoint_engine
+        return checkpoint_engine, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"checkpoint-engine not importable ({type(e).__name__}: {e})"
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def make_steps(models, quants, jobs, dry_run: bool) -> list:
+    """The order keeps host memory to one copy of the weights at a time: per model, the GPU
+    job (weights on the GPU; checkpoint-engine's pool filled from them), then the host job
+    (checkpoint-engine's pool; then the FSDP2 offloaded model after the pool is freed)."""
+    steps = []
+    for m in models:
+        if "gpu" in jobs:
+            for q in quants:
+                steps += [dict(model=m, quant=q, job="gpu", method=x) for x in ("bound", "wxfer", "ckpt-engine")]
+                if dry_run:
+                    steps.append(dict(model=m, quant=q, job="gpu", method="loader"))
+        if "host" in jobs:
+            for q in quants:
+                steps += [dict(model=m, quant=q, job="host", method=x) for x in ("bound", "ckpt-engine")]
+            steps += [dict(model=m, quant=q, job="host", method="wxfer") for q in quants]
+    for i, s in enumerate(steps):
+        s["i"] = i
+    return steps
+
+
+def step_name(s) -> str:
+    return "%s-%s-%s:%s" % (s["model"], s["quant"], s["job"], s["method"])
+
+
+def wait_any(ctl, keys, what: str, timeout: float):
+    """The first of `keys` present in the store (polled, bounded)."""
+    deadline, delay = time.monotonic() + timeout, 0.001
+    while True:
+        for k in keys:
+            if ctl.check(k):
+                return k
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what} (store keys {keys})")
+        time.sleep(delay)
+        delay = min(2 * delay, 0.02)
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """Rank 0: the weights, the bounds, wxfer's Sender and checkpoint-engine's ParameterServer."""
+
+    def __init__(self, a, store, ctl, dev):
+        self.a, self.store, self.ctl, self.dev = a, store, ctl, dev
+        self.m = None                      # model whose state is held
+        self.W = None                      # its weights on the device (gpu job)
+        self.fsdp = None                   # its FSDP2 offloaded model (host job)
+        self.refs: dict = {}               # quant -> reference fingerprints
+        self.ps = self.tap = None
+        self.pool = None                   # (model, checkpoint name) registered in the pool
+        self.k = 0                         # update requests sent
+
+    # ---- state of one model
+    def model(self, s):
+        if self.m != s["model"]:
+            self.W = self.fsdp = None
+            self.refs = {}
+            self._free_pool()
+            if self.dev.type == "cuda":      # the FSDP2 model's pinned blocks, cached by torch
+                import gc
+                import torch
+                gc.collect()
+                torch.cuda.empty_cache()
+                getattr(torch._C, "_host_emptyCache", lambda: None)()
+            self.m = s["model"]
+            self.conf, self.preset = bb.model_spec(s["model"])
+            self.hf = self.preset.hf_params(self.conf)
+        return self.conf, self.preset
+
+    def weights(self):
+        if self.W is None:
+            self.W = train_weights(self.preset, self.conf, self.dev)
+            bb._sync_dev(self.dev)
+        return self.W
+
+    def free_weights(self):
+        self.W = None
+        if self.dev.type == "cuda":
+            import torch
+            torch.cuda.empty_cache()
+
+    def ref(self, q, ex):
+        if q not in self.refs:
+            had = self.W is not None
+            self.refs[q] = reference(ex, self.weights())
+            if not had and self.fsdp is not None:
+                self.free_weights()
+        return self.refs[q]
+
+    def train_bytes(self):
+        import torch
+        return sum(int(torch.Size(sh).numel()) * getattr(torch, dt).itemsize for sh, dt, _ in self.hf.values())
+
+    # ---- timing
+    def timed(self, fn, label):
+        a, times, t0 = self.a, [], time.perf_counter()
+        for k in range(a["warmup"] + a["reps"]):
+            self.ctl.set("at/0", f"{label} step {k}")
+            bb._sync_dev(self.dev)
+            t = time.perf_counter()
+            fn(k)
+            bb._sync_dev(self.dev)
+            if k >= a["warmup"]:
+                times.append(time.perf_counter() - t)
+                if time.perf_counter() - t0 > a["method_s"] or time.time() > a["deadline"]:
+                    break
+        return times
+
+    # ---- one step
+    def run(self, s) -> dict:
+        conf, preset = self.model(s)
+        quant = "fp8" if s["quant"] == "fp8" else None
+        ex = bb.expanded(preset, conf, quant)
+        res = dict(step=s, dest_bytes=ex.dest_bytes(0), train_bytes=self.train_bytes(), train_tensors=len(self.hf))
+        m = s["method"]
+        if m == "bound":
+            res.update(self.bound(s, ex))
+            return res
+        if m == "ckpt-engine":
+            why = self.a["ckpt_skip"]
+            if why:
+                res["skipped"] = why
+                self.ctl.set("s/%d/skip" % s["i"], why)
+                return res
+        if s["job"] == "host" and m == "wxfer":
+            self._free_pool()              # one host copy of the weights at a time
+            if self.fsdp is None:
+                self.ref(s["quant"], ex)           # made from the GPU weights unless already known
+                self.free_weights()
+                self.fsdp = fsdp_model(preset, conf, self.dev)
+        elif s["job"] == "gpu":
+            self.weights()
+        want = self.ref(s["quant"], ex)
+        if s["job"] == "host" and m == "ckpt-engine":
+            self.free_weights()
+        i = s["i"]
+        self.ctl.set("s/%d/go" % i, b"1")
+        wait_any(self.ctl, ["s/%d/ready" % i, "s/%d/fail/1" % i], "the inference worker's setup", self.a["timeout"])
+        err = None
+        try:
+            self._fail_if_peer(i)
+            if m == "wxfer":
+                res.update(self.wxfer(s))
+            elif m == "ckpt-engine":
+                res.update(self.ckpt(s))
+            elif m == "loader":
+                pass                       # the worker does it alone
+        except Exception as e:  # noqa: BLE001 -- reported, the worker told
+            err = f"{type(e).__name__}: {e}"
+            self.ctl.set("s/%d/fail/0" % i, err)
+            res["error"] = err
+            res["traceback"] = traceback.format_exc()[-2000:]
+        if err is None:
+            self.ctl.set("s/%d/done" % i, b"1")
+            k = wait_any(self.ctl, ["s/%d/sums" % i, "s/%d/fail/1" % i], "the worker's fingerprints", self.a["timeout"])
+            if k.endswith("sums"):
+                got = self.ctl.get_json("s/%d/sums" % i, "fingerprints")
+                res["check"] = compare(got["fp"], want, ex)
+                res["worker"] = got.get("info", {})
+                if m == "loader" and res["worker"].get("loader"):
+                    res.update(_summ([res["worker"]["loader"]["load_fn_s"]], res["dest_bytes"]))
+            else:
+                res["error"] = "inference worker: " + self.ctl.get(k, "error").decode()
+        return res
+
+    def _fail_if_peer(self, i):
+        if self.ctl.check("s/%d/fail/1" % i):
+            raise RuntimeError("inference worker: " + self.ctl.get("s/%d/fail/1" % i, "error").decode())
+
+    def bound(self, s, ex) -> dict:
+        import torch
+        gpu = self.dev.type == "cuda"
+        if s["job"] == "gpu":              # on-device copy of the bytes the worker receives
+            n = ex.dest_bytes(0)
+            piece = min(GiB, n)
+            src = torch.empty(piece, dtype=torch.uint8, device=self.dev).fill_(7)
+            dst = torch.empty(piece, dtype=torch.uint8, device=self.dev)
+
+            def one(_):
+                left = n
+                while left > 0:
+                    k = min(piece, left)
+                    dst[:k].copy_(src[:k], non_blocking=True)
+                    left -= k
+            times = self.timed(one, step_name(s))
+            return dict(_summ(times, ex.dest_bytes(0)), what="on-device copy of the received bytes")
+        n = self.train_bytes()             # pinned H2D of the training bytes, bandwidth measured
+        piece = min(GiB, n)
+        total = min(n, self.a["h2d_probe"])
+        src = torch.empty(piece, dtype=torch.uint8, pin_memory=gpu).fill_(7)
+        dst = torch.empty(piece, dtype=torch.uint8, device=self.dev)
+
+        def one(_):
+            left = total
+            while left > 0:
+                k = min(piece, left)
+                dst[:k].copy_(src[:k], non_blocking=True)
+                left -= k
+        times = self.timed(one, step_name(s))
+        gbps = total / min(times) / 1e9
+        sec = n / (gbps * 1e9)
+        return dict(seconds=sec, best=sec, times=[sec], gbps=ex.dest_bytes(0) / sec / 1e9, h2d_GBps=gbps,
+                    probe_bytes=total, what="pinned H2D of the training bytes" + ("" if gpu else " (CPU: a host copy)"))
+
+    def wxfer(self, s) -> dict:
+        from wxfer.runtime.sender import Sender
+        a, i = self.a, s["i"]
+        model = _Plain(self.W) if s["job"] == "gpu" else self.fsdp
+        t0 = time.perf_counter()
+        snd = Sender(model, mapping=self.preset, store=self.store, name="%s_%d" % (a["name"], i),
+                     watermark=a["watermark"], timeout=a["timeout"], write_timeout=a["timeout"])
+        try:
+            setup = time.perf_counter() - t0
+            last = a["warmup"] + a["reps"] - 1
+
+            def one(k):
+                if k == last or k == a["warmup"]:
+                    snd.trace(clear=True)
+                snd.push()
+            times = self.timed(one, step_name(s))
+            out = dict(_summ(times, bb.expanded(self.preset, self.conf, "fp8" if s["quant"] == "fp8" else None)
+                             .dest_bytes(0)), setup_s=setup, tasks=len(snd.plan.tasks),
+                       transport=snd.transport_name, bytes_per_step=snd.bytes_per_step)
+            if a.get("logs"):
+                p = os.path.join(a["logs"], "trace-%s-%s-%s.json" % (s["model"], s["quant"], s["job"]))
+                snd.write_trace(p)
+                out["trace"] = p
+            return out
+        finally:
+            snd.close()
+
+    # ---- checkpoint-engine
+    def _ps_server(self):
+        if self.ps is None:
+            from checkpoint_engine.ps import ParameterServer
+            from wxfer.runtime import control
+            os.environ.setdefault("RANK", "0")          # ParameterServer reads RANK when rank=0 (falsy)
+            os.environ.setdefault("WORLD_SIZE", "1")
+            logs = self.a.get("logs")
+            self.tap = LogTap(os.path.join(logs, "checkpoint-engine.log") if logs else None)
+            self.ps = ParameterServer(rank=0, world_size=1, auto_pg=False, mem_fraction=self.a["ckpt_mem_fraction"],
+                                      master_addr="127.0.0.1", master_port=control.free_port())
+        return self.ps
+
+    def _free_pool(self):
+        if self.pool is not None and self.ps is not None:
+            self.ps.unregister_checkpoint(self.pool[1], force=True)
+        self.pool = None
+
+    def _register(self, name, tensors):
+        ps = self._ps_server()
+        if self.pool is not None:
+            ps.unregister_checkpoint(self.pool[1])          # the shared pool stays allocated
+        self.pool = None
+        t = time.perf_counter()
+        ps.register_checkpoint(name, named_tensors=tensors, use_shared_memory_pool=True)
+        t1 = time.perf_counter()
+        ps.gather_metas(name)
+        self.pool = (self.m, name)
+        return t1 - t, time.perf_counter() - t1
+
+    def ckpt(self, s) -> dict:
+        import checkpoint_engine
+        a, i = self.a, s["i"]
+        ps = self._ps_server()
+        self.k = 0                             # the worker counts this step's requests from 0
+        name = "bench-%s" % s["model"]
+        parts: dict = dict(register_s=[], gather_s=[], update_s=[])
+        logs: list = []
+
+        def req(socket_paths):                 # what vLLM's collective_rpc would carry
+            k = self.k
+            self.k += 1
+            self.ctl.set_json("s/%d/req/%d" % (i, k), [list(x) for x in socket_paths])
+            if a["ckpt_req"] == "post":        # as checkpoint-engine's own test (queue.put): no wait
+                return
+            got = wait_any(self.ctl, ["s/%d/ack/%d" % (i, k), "s/%d/fail/1" % i],
+                           "the worker's update_weights_from_ipc", a["timeout"])
+            if got.endswith("/1") and "fail" in got:
+                raise RuntimeError("inference worker failed")
+
+        def update():
+            mark = self.tap.mark()
+            t = time.perf_counter()
+            ps.update(name, req)
+            parts["update_s"].append(time.perf_counter() - t)
+            logs.append(self.tap.parse(mark))
+
+        if s["job"] == "gpu":
+            def one(_):
+                r, g = self._register(name, self.W)
+                parts["register_s"].append(r)
+                parts["gather_s"].append(g)
+                update()
+        else:
+            if self.pool != (self.m, name):
+                had = self.W is not None
+                self._register(name, self.weights())
+                if not had:
+                    self.free_weights()
+
+            def one(_):
+                update()
+        times = self.timed(one, step_name(s))
+        if self.k:                             # the worker has finished every request
+            wait_any(self.ctl, ["s/%d/ack/%d" % (i, self.k - 1), "s/%d/fail/1" % i], "the worker's last update",
+                     a["timeout"])
+        nt = len(times)
+        out = dict(_summ(times, bb.expanded(self.preset, self.conf, "fp8" if s["quant"] == "fp8" else None)
+                         .dest_bytes(0)), version=checkpoint_engine.__version__,
+                   parts={k: _med(v[-nt:]) for k, v in parts.items() if v}, ckpt_log=logs[-1] if logs else {})
+        return out
+
+
+def _med(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _summ(times, nbytes):
+    med = _med(times)
+    return dict(seconds=med, best=min(times), times=times, gbps=nbytes / med / 1e9)
+
+
+# --------------------------------------------------------------------------- the inference worker
+
+
+class Worker:
+    """Rank 1: the vLLM-layout parameters, written by wxfer's Receiver or checkpoint-engine."""
+
+    def __init__(self, a, store, ctl, dev):
+        self.a, self.store, self.ctl, self.dev = a, store, ctl, dev
+        self.key = None
+        self.params = None
+        self.zmq_ctx = None
+
+    def layout(self, s):
+        import torch
+        k = (s["model"], s["quant"])
+        if self.key != k:
+            self.params = None
+            if self.dev.type == "cuda":
+                torch.cuda.empty_cache()
+            conf, preset = bb.model_spec(s["model"])
+            self.conf, self.preset = conf, preset
+            self.ex = bb.expanded(preset, conf, "fp8" if s["quant"] == "fp8" else None)
+            self.params = bb.infer_params(self.ex, self.dev)
+            self.key = k
+        return self.ex
+
+    def run(self, s) -> None:
+        i, a = s["i"], self.a
+        if s["method"] == "bound":
+            return
+        got = wait_any(self.ctl, ["s/%d/go" % i, "s/%d/skip" % i, "s/%d/fail/0" % i],
+                       "the trainer's start of " + step_name(s), a["step_timeout"])
+        if not got.endswith("go"):
+            return
+        info: dict = {}
+        try:
+            ex = self.layout(s)
+            bb.reset(self.params)
+            if os.environ.get("BCE_FAIL_METHOD") == s["method"]:         # tests: a failing step
+                raise RuntimeError(f"injected failure in {s['method']}")
+            if s["method"] == "wxfer":
+                self.wxfer(s, info)
+            elif s["method"] == "ckpt-engine":
+                self.ckpt(s, info, ex)
+            elif s["method"] == "loader":
+                self.ctl.set("s/%d/ready" % i, b"1")
+                fulls = train_weights(self.preset, self.conf, self.dev)
+                ld = Loader(ex, self.params)
+                feed_in_buckets(ld, fulls, a["loader_bucket"])
+                info["loader"] = ld.stats()
+                del fulls
+            bb._sync_dev(self.dev)
+            self.ctl.set_json("s/%d/sums" % i, dict(fp=fingerprints(self.params), info=info))
+        except Exception as e:  # noqa: BLE001 -- reported to the trainer
+            traceback.print_exc()
+            self.ctl.set("s/%d/fail/1" % i, f"{type(e).__name__}: {e}")
+
+    def _wait_end(self, i, what):
+        k = wait_any(self.ctl, ["s/%d/done" % i, "s/%d/fail/0" % i], what, self.a["step_timeout"])
+        if not k.endswith("done"):
+            raise RuntimeError("trainer failed: " + self.ctl.get(k, "error").decode())
+
+    def wxfer(self, s, info) -> None:
+        from wxfer.runtime.receiver import Receiver
+        i = s["i"]
+        self.ctl.set("s/%d/ready" % i, b"1")          # the Receiver waits for the Sender's plan
+        r = Receiver(self.params, mapping=self.preset.name, store=self.store, name="%s_%d" % (self.a["name"], i),
+                     timeout=self.a["timeout"])
+        try:
+            self._wait_end(i, "the trainer's wxfer steps")
+            info["version"] = r.version()
+        finally:
+            r.close()
+
+    def ckpt(self, s, info, ex) -> None:
+        import torch
+        import zmq
+        from checkpoint_engine.worker import update_weights_from_ipc
+        i, a = s["i"], self.a
+        if self.zmq_ctx is None:
+            self.zmq_ctx = zmq.Context()
+        gpu = self.dev.type == "cuda"
+        uuid = "GPU-%s" % torch.cuda.get_device_properties(self.dev.index or 0).uuid if gpu else None
+        ld = Loader(ex, self.params)
+        self.ctl.set("s/%d/ready" % i, b"1")
+        k, stats = 0, []
+        while True:
+            got = wait_any(self.ctl, ["s/%d/req/%d" % (i, k), "s/%d/done" % i, "s/%d/fail/0" % i],
+                           "the trainer's next update request", a["step_timeout"])
+            if not got.endswith("/%d" % k) or "/req/" not in got:
+                break
+            paths = dict(tuple(x) for x in self.ctl.get_json(got, "socket paths"))
+            handle = paths.get(uuid) or (next(iter(paths.values())) if len(paths) == 1 else None)
+            if handle is None:
+                raise RuntimeError(f"no checkpoint-engine socket for this GPU ({uuid}) in {sorted(paths)}")
+            ld.begin()
+            update_weights_from_ipc(self.zmq_ctx, handle, self.dev.index if gpu else None, run=ld)
+            st = ld.stats()
+            stats.append(st)
+            self.ctl.set_json("s/%d/ack/%d" % (i, k), st)
+            if not st["complete"]:
+                raise RuntimeError(f"update {k}: the loader wrote {st['components']} of {st['of']} components "
+                                   f"({st['missing_sources']} sources never arrived)")
+            k += 1
+        if got.endswith("fail/0"):
+            raise RuntimeError("trainer failed: " + self.ctl.get(got, "error").decode())
+        info["updates"] = k
+        info["loader"] = stats[-1] if stats else {}
+        if stats:
+            info["load_fn_s"] = _med([x["load_fn_s"] for x in stats])
+
+
+# --------------------------------------------------------------------------- the two processes
+
+
+def _child(rank: int, a: dict, steps: list, q) -> None:
+    try:
+        _child_main(rank, a, steps)
+        q.put((rank, None))
+    except BaseException:  # noqa: BLE001 -- report, then die at once (native threads may linger)
+        traceback.print_exc()
+        q.put((rank, traceback.format_exc()[-3000:]))
+        q.close()
+        q.join_thread()
+        os._exit(1)
+
+
+def _shim():
+    """Tests only: $BCE_CPU_SHIM names a file whose install() lets checkpoint-engine's code run
+    on CPU (tests/ckpt_engine_cpu_shim.py)."""
+    path = os.environ.get("BCE_CPU_SHIM")
+    if not path:
+        return False
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_bce_cpu_shim", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["_bce_cpu_shim"] = mod
+    spec.loader.exec_module(mod)
+    mod.install()
+    return True
+
+
+def _child_main(rank: int, a: dict, steps: list) -> None:
+    import torch
+    import torch.distributed as dist
+    from wxfer.runtime import control
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    gpu = not a["dry_run"]
+    if gpu:
+        torch.cuda.set_device(0)
+        dev = torch.device("cuda", 0)
+    else:
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        dev = torch.device("cpu")
+    shim = _shim()
+    mod, why = ckpt_engine()
+    if mod is not None and not gpu and not shim:
+        why = "checkpoint-engine needs CUDA (its DeviceManager takes cuda or npu only): not run in the CPU dry run"
+    a = dict(a, ckpt_skip=why)
+    store = control.resolve_store(a["store"], False, a["timeout"])
+    ctl = control.Control(store, a["name"], a["timeout"])
+    if rank == 0:          # one trainer rank: the group FSDP2's mesh and the ParameterServer use
+        dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", rank=0, world_size=1,
+                                store=dist.PrefixStore("pg/" + a["name"], store),
+                                timeout=datetime.timedelta(seconds=a["timeout"]))
+        side = Trainer(a, store, ctl, dev)
+    else:
+        side = Worker(a, store, ctl, dev)
+    for s in steps:
+        ctl.set("at/%d" % rank, step_name(s))
+        if gpu:
+            torch.cuda.empty_cache()           # checkpoint-engine sizes its buckets by the free memory
+        if rank == 0:
+            if time.time() > a["deadline"]:
+                res = dict(step=s, skipped="not run: --max-s reached")
+                ctl.set("s/%d/skip" % s["i"], b"budget")
+            else:
+                try:
+                    res = side.run(s)
+                except Exception as e:  # noqa: BLE001 -- this step's error; the next step goes on
+                    traceback.print_exc()
+                    res = dict(step=s, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-2000:])
+                    ctl.set("s/%d/fail/0" % s["i"], res["error"])
+            ctl.set_json("res/%d" % s["i"], res)
+        else:
+            side.run(s)
+    if rank == 0 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+_CHILDREN: list = []
+
+
+def _kill_children(*_):
+    for p in _CHILDREN:
+        if p.is_alive():
+            p.kill()
+    raise SystemExit(1)
+
+
+def _spawn(ctx, a, work):
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, a, work, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    _CHILDREN[:] = procs
+    return procs, q
+
+
+def _stop(procs, now: bool):
+    for p in procs:
+        if p.is_alive():
+            p.join(0.1 if now else 10)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def run(args, emit=print) -> dict:
+    import multiprocessing as mp
+    import signal
+    import torch.distributed as dist
+    from wxfer.runtime import control
+    for k, v in bb.NO_MULTICAST.items():
+        os.environ.setdefault(k, v)
+    signal.signal(signal.SIGTERM, _kill_children)
+    models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
+    steps = make_steps(models, args.quant.split(","), args.jobs.split(","), args.dry_run)
+    logs = args.logs
+    if logs:
+        os.makedirs(logs, exist_ok=True)
+    t_start = time.time()
+    port = control.free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout),
+                          wait_for_workers=False)
+    mod, why = ckpt_engine()
+    a = dict(store="127.0.0.1:%d" % port, dry_run=args.dry_run, timeout=args.timeout, step_timeout=args.step_timeout,
+             warmup=args.warmup, reps=args.reps, method_s=args.method_s, deadline=t_start + args.max_s,
+             watermark=args.watermark, logs=os.path.abspath(logs) if logs else None,
+             h2d_probe=bb._parse_size(args.h2d_probe), loader_bucket=bb._parse_size(args.loader_bucket),
+             ckpt_mem_fraction=args.ckpt_mem_fraction, ckpt_req=args.ckpt_req)
+    results: list = [None] * len(steps)
+    todo = list(range(len(steps)))
+    ctx = mp.get_context("spawn")
+    attempt = 0
+    while todo:
+        attempt += 1
+        a["name"] = "bce%d_%d" % (os.getpid(), attempt)
+        ctl = control.Control(store, a["name"], args.timeout)
+        procs, q = _spawn(ctx, a, [steps[i] for i in todo])
+        failed, t_step = None, time.time()
+        while todo:
+            i = todo[0]
+            if ctl.check("res/%d" % i):
+                results[i] = ctl.get_json("res/%d" % i, "result")
+                todo.pop(0)
+                t_step = time.time()
+                emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
+                continue
+            errs = {}
+            try:
+                while True:
+                    r, e = q.get_nowait()
+                    if e:
+                        errs[r] = e
+            except Exception:  # noqa: BLE001 -- queue empty
+                pass
+            dead = any(not p.is_alive() for p in procs)
+            over = time.time() - t_step > args.step_timeout
+            late = time.time() > t_start + args.max_s + args.grace_s
+            if errs or dead or over or late:
+                at = {r: ctl.get("at/%d" % r, "at").decode() for r in (0, 1) if ctl.check("at/%d" % r)}
+                why_ = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errs.items())) or \
+                    ("timed out (at %s)" % at if (over or late) else "%s (at %s)" % (", ".join(
+                        "rank %d exited with %s" % (r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive()), at))
+                failed = (i, why_)
+                break
+            time.sleep(0.1)
+        _stop(procs, failed is not None)
+        if failed is not None:
+            i, why_ = failed
+            results[i] = dict(step=steps[i], error=why_)
+            todo.remove(i)
+            emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
+            if time.time() > t_start + args.max_s:
+                for j in todo:
+                    results[j] = dict(step=steps[j], skipped="not run: --max-s reached")
+                todo = []
+    cases = summarize(results)
+    out = dict(type="summary", machine=bb.machine(args.dry_run), ckpt_engine=getattr(mod, "__version__", None),
+               ckpt_engine_why=why, command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+               dry_run=args.dry_run, total_s=time.time() - t_start, cases=cases, steps=results)
+    out["table"] = table(cases, out)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    if logs:
+        with open(os.path.join(logs, "ckpt-engine-table.md"), "w") as f:
+            f.write(out["table"] + "\n")
+    return out
+
+
+def _row_view(r) -> dict:
+    keep = ("seconds", "gbps", "best", "times", "error", "skipped", "check", "parts", "ckpt_log", "version",
+            "h2d_GBps", "what", "tasks", "transport", "setup_s", "dest_bytes", "train_bytes", "worker")
+    return {k: r[k] for k in keep if k in r}
+
+
+def summarize(results) -> list:
+    """Per model x quantization x job: the bound, wxfer and checkpoint-engine, with ratios."""
+    cases: dict = {}
+    for r in results:
+        if r is None:
+            continue
+        s = r["step"]
+        c = cases.setdefault((s["model"], s["quant"], s["job"]), dict(model=s["model"], quant=s["quant"],
+                                                                        job=s["job"], methods={}))
+        c["methods"][s["method"]] = _row_view(r)
+    out = []
+    for c in cases.values():
+        ms = c["methods"]
+        b = ms.get("bound", {}).get("seconds")
+        for k, v in ms.items():
+            if v.get("seconds") and b and k != "bound":
+                v["x_bound"] = b / v["seconds"]
+        w, ck = ms.get("wxfer", {}).get("seconds"), ms.get("ckpt-engine", {}).get("seconds")
+        if w and ck:
+            c["ckpt_over_wxfer"] = ck / w
+        out.append(c)
+    return out
+
+
+JOB_TEXT = dict(host="weights in host memory", gpu="weights on the GPU")
+WHAT = {("host", "wxfer"): "wxfer (FSDP2, CPUOffloadPolicy)", ("gpu", "wxfer"): "wxfer (GPU tensors)",
+        ("host", "ckpt-engine"): "checkpoint-engine update()",
+        ("gpu", "ckpt-engine"): "checkpoint-engine register + update()", ("gpu", "loader"): "load_fn only (no ckpt-engine)"}
+
+
+def table(cases, out) -> str:
+    v = out.get("ckpt_engine") or "-"
+    lines = [f"checkpoint-engine {v}; {out['command']}", "",
+             "| model | quant | job | method | seconds | GB/s | x bound | ckpt-engine / wxfer | check |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in cases:
+        for m in ("bound", "wxfer", "ckpt-engine", "loader"):
+            r = c["methods"].get(m)
+            if r is None:
+                continue
+            name = "bound: " + r.get("what", "") if m == "bound" else WHAT.get((c["job"], m), m)
+            head = f"| {c['model']} | {c['quant']} | {JOB_TEXT[c['job']]} | {name} |"
+            if r.get("error") or r.get("skipped"):
+                lines.append(f"{head} {'error' if r.get('error') else 'skipped'}: "
+                             f"{(r.get('error') or r.get('skipped'))[:160]} | | | | |")
+                continue
+            ratio = f"{c['ckpt_over_wxfer']:.2f}" if m == "wxfer" and c.get("ckpt_over_wxfer") else ""
+            chk = r.get("check")
+            chk = "" if chk is None else ("same bytes as the reference" if chk["ok"]
+                                          else f"DIFFERS ({chk['differ']}: {chk['first']})")
+            xb = "1.00" if m == "bound" else (f"{r['x_bound']:.2f}" if r.get("x_bound") else "")
+            extra = ""
+            if m == "ckpt-engine" and r.get("parts"):
+                extra = " (" + ", ".join(f"{k[:-2]} {x:.3f}" for k, x in r["parts"].items() if x is not None) + ")"
+            lines.append(f"{head} {r['seconds']:.4f}{extra} | {r['gbps']:.1f} | {xb} | {ratio} | {chk} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny models, gloo, fabric tcp (checkpoint-engine "
+                                                           "needs CUDA: its rows are skipped)")
+    ap.add_argument("--models", default=None, help="comma list (default qwen3-8b,qwen3-30b-a3b; dry run tiny,tiny-moe)")
+    ap.add_argument("--quant", default="bf16,fp8", help="comma list of bf16, fp8 (the inference side)")
+    ap.add_argument("--jobs", default="gpu,host", help="comma list: gpu (weights on the GPU), host (in host memory)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5, help="timed steps after --warmup (median reported)")
+    ap.add_argument("--method-s", type=float, default=12.0, help="stop timing a method after this many seconds "
+                                                                  "(at least one timed step)")
+    ap.add_argument("--max-s", type=float, default=240.0, help="steps are not started after this many seconds")
+    ap.add_argument("--grace-s", type=float, default=45.0, help="a step still running this long after --max-s "
+                                                                  "is stopped (processes killed)")
+    ap.add_argument("--step-timeout", type=float, default=200.0, help="one step (a hang: processes restarted)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="every wait inside a step")
+    ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark")
+    ap.add_argument("--h2d-probe", default="4GiB", help="bytes copied to measure the pinned H2D bandwidth")
+    ap.add_argument("--loader-bucket", default="64KiB", help="dry run: bucket size of the load_fn-only check")
+    ap.add_argument("--ckpt-mem-fraction", type=float, default=0.8,
+                    help="checkpoint-engine's mem_fraction (its buckets: this share of free GPU memory / 3)")
+    ap.add_argument("--ckpt-req", choices=("wait", "post"), default="wait",
+                    help="checkpoint-engine's req_func: wait until the worker's update_weights_from_ipc returned "
+                         "(as vLLM's collective_rpc HTTP call does), or post the request and return at once "
+                         "(as checkpoint-engine's own test does with queue.put)")
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "ckpt.json") if os.environ.get("OUT") else None,
+                    help="the results as one JSON file (default $OUT/ckpt.json when $OUT is set)")
+    ap.add_argument("--logs", default=os.environ.get("OUT") or None,
+                    help="directory for checkpoint-engine's log, wxfer traces and the table (default $OUT)")
+    ap.add_argument("--json", action="store_true", help="print JSON lines: one per step, a summary last")
+    args = ap.parse_args(argv)
+    out = run(args, emit=print if args.json else (lambda *a, **k: None))
+    print(out["table"])
+    if args.dry_run:
+        print("(CPU dry run: tiny models on this machine; these are not GPU figures)")
+    if out.get("ckpt_engine_why"):
+        print("checkpoint-engine rows skipped: " + out["ckpt_engine_why"])
+    if args.json:
+        print(json.dumps(dict(out, table=None)))
+    bad = [r for r in out["steps"] if r is None or r.get("error") or (r.get("check") and not r["check"]["ok"])]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
