@@ -3,9 +3,9 @@
 # and builds the extension in place. It is idempotent.
 
 PY        ?= .venv/bin/python
-VENV_STAMP = .venv/.wxfer-deps-4
+VENV_STAMP = .venv/.wxfer-deps-5
 APT_PKGS   = libfabric-dev libfabric-bin libibverbs-dev rdma-core build-essential python3-dev
-PIP_PKGS   = torch==2.13.0 numpy pytest pytest-timeout hypothesis pandas matplotlib nbformat nbclient ipykernel setuptools wheel atheris
+PIP_PKGS   = torch==2.13.0 numpy pytest pytest-timeout hypothesis pandas matplotlib nbformat nbclient ipykernel setuptools wheel atheris build transformers
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -q -ra
 GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
