@@ -10,7 +10,7 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -q -ra
 GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup apt venv build test demo gpu-test gpu-bench asan-test clean
+.PHONY: setup apt venv build test test-installed demo gpu-test gpu-bench asan-test clean
 
 setup: apt venv build
 
@@ -31,8 +31,13 @@ $(VENV_STAMP):
 build: $(VENV_STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
+# the suite from the checkout, then the installed wheel from outside it (.ci/installed.sh)
 test: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
+	$(MAKE) --no-print-directory test-installed
+
+test-installed: setup
+	PY=$(PY) bash .ci/installed.sh
 
 demo: setup
 	$(PY) -m wxfer demo
@@ -58,4 +63,4 @@ asan-test: setup
 	$(PY) setup.py -q build_ext --inplace --force
 
 clean:
-	rm -rf build wxfer/*.so *.egg-info
+	rm -rf build dist wxfer/*.so *.egg-info
