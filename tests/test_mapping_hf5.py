@@ -112,7 +112,8 @@ def test_fused_experts_bytes_equal_per_expert_layout(arch, ep, quant):
     if quant is None:
         w13 = out["model.layers.1.mlp.experts.w13_weight"].view(torch.bfloat16).view(dst.shape)
         assert torch.equal(w13[le], torch.cat([gate, up]))
-        w2 = out["model.layers.1.mlp.experts.w2_weight"].view(torch.bfloat16).view(a.dest[1]["model.layers.1.mlp.experts.w2_weight"].shape)
+        w2d = a.dest[1]["model.layers.1.mlp.experts.w2_weight"]
+        w2 = out["model.layers.1.mlp.experts.w2_weight"].view(torch.bfloat16).view(w2d.shape)
         assert torch.equal(w2[le], dn[e][:, c])
     else:
         assert dst.dtype == "float8_e4m3fn"

@@ -4,7 +4,8 @@ Spawns trainer processes (FSDP2 ``fully_shard``; gloo on CPU, NCCL on GPUs) trai
 transformers' own ``Qwen3ForCausalLM`` (``--moe``: ``Qwen3MoeForCausalLM``, experts fused
 3-D as transformers 5 stores them) built from a small config with random weights, and
 inference worker processes holding the same model in vLLM's layout (fused qkv / gate_up /
-w13, TP or EP shards, FP8 block weights with ``--fp8``).  Trainers train a few steps on random data and ``push()`` after each; then
+w13, TP or EP shards, FP8 block weights with ``--fp8``).  Trainers train a few steps on
+random data and ``push()`` after each; then
 
   (a) every inference worker checks that each of its parameters equals, bit for bit,
       what the mapping's reference packing makes of the trainers' current weights;
