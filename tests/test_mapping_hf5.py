@@ -189,3 +189,15 @@ def test_synthesized_plan_from_fused_experts_covers_the_same_bytes():
     gu = [p for p in a.train if p.name.endswith("experts.gate_up_proj")]
     assert len(gu) == 2 and gu[0].shape == (128, 2 * 768, 2048) and gu[0].meshes == (tuple(range(8)),)
     assert a.expanded.dest == b.expanded.dest
+
+
+def test_sender_mapping_from_a_config_built_in_code():
+    # the Sender's and Receiver's `mapping=model.config.to_dict()` (architectures None)
+    from wxfer.runtime.program import get_preset
+    for cfg, arch in ((_qwen3_moe_cfg(), "qwen3_moe"), (_deepseek_cfg(), "deepseek_v3"),
+                      (transformers.Qwen3Config(num_hidden_layers=1), "qwen3")):
+        pre = get_preset(cfg.to_dict())
+        assert pre.arch == arch
+        real = _meta_params(cfg)
+        lay = Layout(tp=1)
+        assert expand(pre.rules, real, lay, pre.config).used == set(real)
