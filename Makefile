@@ -3,14 +3,14 @@
 # and builds the extension in place. It is idempotent.
 
 PY        ?= .venv/bin/python
-VENV_STAMP = .venv/.wxfer-deps-4
+VENV_STAMP = .venv/.wxfer-deps-5
 APT_PKGS   = libfabric-dev libfabric-bin libibverbs-dev rdma-core build-essential python3-dev clang clang-format
-PIP_PKGS   = torch==2.13.0 numpy pytest pytest-timeout hypothesis pandas matplotlib nbformat nbclient ipykernel setuptools wheel atheris
+PIP_PKGS   = torch==2.13.0 numpy pytest pytest-timeout hypothesis pandas matplotlib nbformat nbclient ipykernel setuptools wheel atheris build transformers
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -q -ra
 GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup apt venv build test demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
+.PHONY: setup apt venv build test test-installed demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
 
 setup: apt venv build
 
@@ -37,8 +37,13 @@ build: $(VENV_STAMP)
 	echo "WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f"; \
 	WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f
 
+# the suite from the checkout, then the installed wheel from outside it (.ci/installed.sh)
 test: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
+	$(MAKE) --no-print-directory test-installed
+
+test-installed: setup
+	PY=$(PY) bash .ci/installed.sh
 
 demo: setup
 	$(PY) -m wxfer demo
@@ -100,4 +105,4 @@ typecheck: lint-deps
 	$(PY) -m mypy $(MYPY_PATHS)
 
 clean:
-	rm -rf build wxfer/*.so *.egg-info
+	rm -rf build dist wxfer/*.so *.egg-info

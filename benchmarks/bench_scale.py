@@ -139,15 +139,14 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
         r.close()
         return
     from torch.distributed.device_mesh import init_device_mesh
-    from wxfer.models import Qwen3ForCausalLM, shard_fsdp2
+    from wxfer.models import shard_fsdp2, train_model
     from wxfer.runtime.sender import Sender
     from wxfer.meta import Cluster
     from wxfer.plan.simulate import simulate
     n = a["trainers"]
     _pg(a, "wxfer", i, n)
-    moe = "num_experts" in conf
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(conf, local_experts=list(range(conf["num_experts"])) if moe else None)
+        model = train_model(conf)     # transformers' class (MoE: experts fused 3-D, as transformers 5)
     model = model.to(torch.bfloat16)
     shard_fsdp2(model, init_device_mesh(dev.type, (n,)))
     model.to_empty(device=dev)
@@ -214,6 +213,7 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
     import torch
     import torch.distributed as dist
     from wxfer.runtime import prepare
+    from wxfer.mapping import Layout, expand
     conf, preset = bb.model_spec(cfg["model"])
     quant = "fp8" if cfg["quant"] == "fp8" else None
     n, tp = a["trainers"], a["tp"]
@@ -222,8 +222,8 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
     _pg(a, "rank0", g, n + m)
     tgroup = dist.new_group(list(range(n)))
     bgroup = dist.new_group([0] + list(range(n, n + m)))
-    ex = bb.expanded(preset, conf, quant, tp)
-    hf = preset.hf_params(conf)
+    hf = preset.hf_params(conf, fused_experts=True)         # the names of the transformers 5 model
+    ex = expand(preset.rules, {s: sh for s, (sh, _, _) in hf.items()}, Layout(tp, False, quant), conf)
     meta = {s: (tuple(sh), getattr(torch, dt)) for s, (sh, dt, _) in hf.items()}
     sizes = {s: int(torch.Size(sh).numel()) * torch.empty(0, dtype=dt).element_size() for s, (sh, dt) in meta.items()}
     cap, plan = bb.buckets(ex, sizes, a["bucket"])

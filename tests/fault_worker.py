@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from wxfer.models import TINY, Qwen3ForCausalLM, inference_params, preset_for
+from wxfer.models import TINY, train_model, inference_params, preset_for
 
 T = 30.0
 
@@ -36,7 +36,7 @@ def receiver(store, name, replica, replicas, out):
 
 def model():
     torch.manual_seed(0)
-    m = Qwen3ForCausalLM(TINY)
+    m = train_model(TINY)
     for p in m.parameters():
         p.requires_grad_(False)
     return m

@@ -51,8 +51,8 @@ def _worker_meta(rep, rank, tp, quant=None, missing=()):
 
 
 def _train(world=2):
-    from wxfer.models import Qwen3ForCausalLM
-    m = Qwen3ForCausalLM(TINY)
+    from wxfer.models import train_model
+    m = train_model(TINY)
     return [_meta(n, tuple(p.shape), [tuple(range(world))]) for n, p in m.named_parameters()], m
 
 

@@ -68,13 +68,27 @@ def test_demo_fp8_with_cpu_offload(monkeypatch):
 @needs_fabric
 @pytest.mark.timeout(200)
 def test_demo_mesh_groups_with_an_expert_sub_mesh(monkeypatch):
-    # 4 trainers as 2 x 2: dense layers HSDP over rows {0,1},{2,3}; routed experts FSDP over
-    # the columns {0,2},{1,3} (each column holds half of the experts) -> 2 mesh groups;
-    # inference side: expert parallel (each TP rank holds whole experts)
+    # 4 trainers as 2 x 2 training transformers' Qwen3MoeForCausalLM (experts fused 3-D, as
+    # transformers 5 stores them): dense layers HSDP sharded over the rows {0,1},{2,3}; the
+    # routed experts HSDP sharded (along the experts) over the columns {0,2},{1,3} -> 2 mesh
+    # groups; inference side: expert parallel (each TP rank holds whole experts); logits
+    # through transformers' forward
     _cpu(monkeypatch)
     res = _demo(moe=True, ep=True, trainers=4, replicas=1, steps=2)
     _check(res, 2)
-    assert res["mesh_groups"] == 2 and res["ep"]
+    assert res["mesh_groups"] == 2 and res["ep"] and res["logits_ok"]
+    assert res["logits_rel_err"] == [0.0]          # BF16: the inference bytes are the trainers' weights in BF16
+
+
+@needs_fabric
+@pytest.mark.timeout(200)
+def test_demo_moe_fp8_experts_tp_sliced(monkeypatch):
+    # without expert parallelism every inference rank holds every expert's half of the
+    # intermediate dimension, FP8 on each expert's own 128x128 grid, from the fused 3-D params
+    _cpu(monkeypatch)
+    res = _demo(moe=True, fp8=True, trainers=2, replicas=1, steps=1)
+    _check(res, 1)
+    assert res["fp8"] and not res["ep"] and res["logits_ok"] and 0 < max(res["logits_rel_err"]) < 0.25
 
 
 @pytest.mark.gpu

@@ -17,10 +17,10 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 TRAINER = textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from wxfer.models import TINY, Qwen3ForCausalLM, preset_for, shard_fsdp2
+    from wxfer.models import TINY, train_model, preset_for, shard_fsdp2
     from wxfer.runtime.sender import Sender
     dist.init_process_group("gloo")
-    model = shard_fsdp2(Qwen3ForCausalLM(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
+    model = shard_fsdp2(train_model(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
     sender = Sender(model, mapping=preset_for(TINY), timeout=60)      # store=None: rank 0 hosts it
     for step in (1, 2):
         with torch.no_grad():
@@ -94,11 +94,11 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path, case):
 FAULT_TRAINER = textwrap.dedent("""
     import time, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from wxfer.models import TINY, Qwen3ForCausalLM, preset_for, shard_fsdp2
+    from wxfer.models import TINY, train_model, preset_for, shard_fsdp2
     from wxfer.runtime.sender import Sender
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = shard_fsdp2(Qwen3ForCausalLM(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
+    model = shard_fsdp2(train_model(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
     sender = Sender(model, mapping=preset_for(TINY), timeout=60, write_timeout=3)
     ctl = sender.ctl
     def bump():

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from wxfer.mapping import (BLOCK, Experts, Fuse, Layout, MappingError, Piece, Row, dequantize_fp8_block, expand,
+from wxfer.mapping import (BLOCK, Experts, Fuse, Ignore, Layout, MappingError, Piece, Row, dequantize_fp8_block, expand,
                            get_preset, pack_shard, quantize_fp8_block)
 
 
@@ -150,8 +150,15 @@ def test_user_rule_in_a_few_lines():
     shapes = _shapes(pre)
     shapes["model.layers.0.mlp.my_gate.weight"] = (128, 256)
     shapes["model.layers.0.mlp.my_up.weight"] = (128, 256)
-    with_extra = expand(pre.rules, shapes, Layout(tp=2), pre.config)
-    assert with_extra.unmatched == ["model.layers.0.mlp.my_gate.weight", "model.layers.0.mlp.my_up.weight"]
+    with pytest.raises(MappingError) as ei:        # a parameter no rule reads: refused, by name
+        expand(pre.rules, shapes, Layout(tp=2), pre.config)
+    assert "model.layers.0.mlp.my_gate.weight, model.layers.0.mlp.my_up.weight" in str(ei.value)
+    assert "Ignore" in str(ei.value)
+    lax = expand(pre.rules, shapes, Layout(tp=2), pre.config, strict=False)
+    assert lax.unmatched == ["model.layers.0.mlp.my_gate.weight", "model.layers.0.mlp.my_up.weight"]
+    ign = expand(pre.rules + [Ignore("", ("model.layers.{L}.mlp.my_gate.weight", "model.layers.{L}.mlp.my_up.weight"))],
+                 shapes, Layout(tp=2), pre.config)
+    assert ign.ignored == {"model.layers.0.mlp.my_gate.weight", "model.layers.0.mlp.my_up.weight"}
     pre.rules.append(Fuse("model.layers.{L}.mlp.my_gate_up.weight",
                           ("model.layers.{L}.mlp.my_gate.weight", "model.layers.{L}.mlp.my_up.weight")))
     ex = expand(pre.rules, shapes, Layout(tp=2), pre.config)

@@ -8,7 +8,7 @@ import torch
 from wxfer import _wxfer
 from wxfer.runtime import control
 from wxfer.runtime.control import SetupError
-from wxfer.models import TINY, Qwen3ForCausalLM, inference_params, preset_for
+from wxfer.models import TINY, train_model, inference_params, preset_for
 from wxfer.runtime.receiver import Receiver, decode_param_descriptor, encode_param_descriptor
 
 FABRIC = _wxfer.backends()["fabric"][0]
@@ -49,7 +49,7 @@ def test_registration_is_per_storage_and_refuses_non_contiguous(store):
 
 
 def _tiny_model():
-    m = Qwen3ForCausalLM(TINY)
+    m = train_model(TINY)
     for p in m.parameters():
         p.requires_grad_(False)
     return m

@@ -9,7 +9,7 @@ import torch
 from wxfer import _wxfer
 from wxfer.runtime import control
 from wxfer.runtime.control import SetupError
-from wxfer.models import TINY, Qwen3ForCausalLM, inference_params, preset_for
+from wxfer.models import TINY, train_model, inference_params, preset_for
 from wxfer.runtime.receiver import Receiver
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -21,7 +21,7 @@ from wxfer.testing import expected_shards, in_thread as _in_thread  # noqa: E402
 
 def _model(cfg=TINY):
     torch.manual_seed(0)
-    m = Qwen3ForCausalLM(cfg)
+    m = train_model(cfg)
     for p in m.parameters():
         p.requires_grad_(False)
     return m

@@ -212,10 +212,13 @@ def train_meshes(cluster: Cluster, n_experts_hint: int = 0):
     return dense, experts
 
 
-def synthesize_train(preset: Preset, cluster: Cluster) -> list[TrainParam]:
+def synthesize_train(preset: Preset, cluster: Cluster, fused_experts: bool = False) -> list[TrainParam]:
+    """Training parameters on the cluster's meshes.  fused_experts: transformers 5's fused
+    3-D expert parameters (one per layer and projection), FSDP-sharded along the experts
+    over the dense meshes, instead of one parameter per expert on the expert meshes."""
     dense, emeshes = train_meshes(cluster)
     out = []
-    hp = preset.hf_params()
+    hp = preset.hf_params(fused_experts=fused_experts)
     n_exp = max((e for (_, _, e) in hp.values() if e is not None), default=-1) + 1
     per_mesh = max(1, -(-n_exp // len(emeshes))) if n_exp else 1
     for name, (shape, dtype, expert) in hp.items():
@@ -270,13 +273,14 @@ class Synthesized:
     expanded: Expanded
 
 
-def synthesize(preset: Preset | str | Mapping, cluster: Cluster) -> Synthesized:
-    """Training params and inference workers from a preset name, a Preset or an HF config dict."""
+def synthesize(preset: Preset | str | Mapping, cluster: Cluster, fused_experts: bool = False) -> Synthesized:
+    """Training params and inference workers from a preset name, a Preset or an HF config dict
+    (fused_experts: the transformers 5 training layout of routed experts)."""
     if isinstance(preset, str):
         preset = get_preset(preset)
     elif not isinstance(preset, Preset):
         preset = from_config("custom", preset)
-    train = synthesize_train(preset, cluster)
+    train = synthesize_train(preset, cluster, fused_experts)
     layout = Layout(cluster.infer_tp, cluster.infer_ep, cluster.quant, expert_group_of(train))
     ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config)
     return Synthesized(preset, cluster, train, workers_from_expanded(ex, cluster), ex)

@@ -14,14 +14,15 @@ Adding a rule for your own model (see docs/plan.md)::
     preset.rules.append(Fuse("model.layers.{L}.mlp.my_gate_up.weight",
                              ("model.layers.{L}.mlp.my_gate.weight", "model.layers.{L}.mlp.my_up.weight")))
 """
-from .rules import (BLOCK, Component, DestParam, Expanded, Experts, Fuse, Ignore, Layout, MappingError,
-                    Piece, Row, Rule, Shard, cdiv, dtype_size, expand, scale_name)
+from .rules import (BLOCK, Component, DestParam, Expanded, Experts, Fuse, FusedExperts, Ignore, Layout,
+                    MappingError, Piece, Row, Rule, Shard, cdiv, dtype_size, expand, scale_name)
 from .presets import (ARCH_RULES, HF_PARAMS, PRESETS, Preset, arch_of, deepseek_rules, dense_rules,
                       from_config, get_preset, qwen3_moe_rules)
 from .reference import dequantize_fp8_block, pack_shard, pack_task, quantize_fp8_block
 
 __all__ = [
-    "BLOCK", "Component", "DestParam", "Expanded", "Experts", "Fuse", "Ignore", "Layout", "MappingError",
+    "BLOCK", "Component", "DestParam", "Expanded", "Experts", "Fuse", "FusedExperts", "Ignore", "Layout",
+    "MappingError",
     "Piece", "Row", "Rule", "Shard", "cdiv", "dtype_size", "expand", "scale_name", "ARCH_RULES",
     "HF_PARAMS", "PRESETS", "Preset", "arch_of", "deepseek_rules", "dense_rules", "from_config",
     "get_preset", "qwen3_moe_rules", "dequantize_fp8_block", "pack_shard", "pack_task", "quantize_fp8_block",

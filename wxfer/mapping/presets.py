@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from .rules import Experts, Fuse, Ignore, Row, Rule
+from .rules import Experts, Fuse, FusedExperts, Ignore, Row, Rule
 
 L = "model.layers.{L}."
 
@@ -39,9 +39,15 @@ class Preset:
     infer_ep: bool = False
     quant: str | None = None
 
-    def hf_params(self, config: Mapping | None = None) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
-        """name -> (global shape, dtype, expert index or None) of the training model."""
-        return HF_PARAMS[self.arch](dict(config or self.config))
+    def hf_params(self, config: Mapping | None = None, fused_experts: bool = False
+                  ) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
+        """name -> (global shape, dtype, expert index or None) of the training model.
+
+        Routed experts as transformers 4 names them (one parameter per expert and
+        projection, with its expert index), or with fused_experts=True as transformers 5
+        does (``mlp.experts.gate_up_proj`` [E, 2 x inter, hidden] and
+        ``mlp.experts.down_proj`` [E, hidden, inter] per layer, expert index None)."""
+        return HF_PARAMS[self.arch](_as_dict(config or self.config, self.arch), fused_experts)
 
 
 # --------------------------------------------------------------------------- shapes
@@ -91,7 +97,16 @@ def _dense_params(c, bias=False, qk_norm=False):
     return out
 
 
-def _qwen3_moe_params(c):
+def _experts(prefix, H, E, I, out, fused):
+    if fused:
+        out[prefix + "gate_up_proj"] = ((E, 2 * I, H), "bfloat16", None)
+        out[prefix + "down_proj"] = ((E, H, I), "bfloat16", None)
+        return
+    for e in range(E):
+        _mlp(f"{prefix}{e}.", H, I, out, e)
+
+
+def _qwen3_moe_params(c, fused=False):
     H = c["hidden_size"]
     E, I = c["num_experts"], c["moe_intermediate_size"]
     out = {"model.embed_tokens.weight": ((c["vocab_size"], H), "bfloat16", None)}
@@ -101,13 +116,12 @@ def _qwen3_moe_params(c):
         _attn_gqa(c, i, out, False, True)
         out[p + "post_attention_layernorm.weight"] = ((H,), "bfloat16", None)
         out[p + "mlp.gate.weight"] = ((E, H), "bfloat16", None)
-        for e in range(E):
-            _mlp(f"{p}mlp.experts.{e}.", H, I, out, e)
+        _experts(p + "mlp.experts.", H, E, I, out, fused)
     _ends(c, out)
     return out
 
 
-def _deepseek_params(c):
+def _deepseek_params(c, fused=False):
     H, nh = c["hidden_size"], c["num_attention_heads"]
     qr, kr = c["q_lora_rank"], c["kv_lora_rank"]
     nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
@@ -130,18 +144,18 @@ def _deepseek_params(c):
             _mlp(p + "mlp.", H, I, out)
         else:
             out[p + "mlp.gate.weight"] = ((E, H), "bfloat16", None)
-            out[p + "mlp.gate.e_score_correction_bias"] = ((E,), "float32", None)
-            for e in range(E):
-                _mlp(f"{p}mlp.experts.{e}.", H, Im, out, e)
+            if not fused:    # transformers 5 keeps it as a buffer, not a parameter
+                out[p + "mlp.gate.e_score_correction_bias"] = ((E,), "float32", None)
+            _experts(p + "mlp.experts.", H, E, Im, out, fused)
             _mlp(p + "mlp.shared_experts.", H, Im * ns, out)
     _ends(c, out)
     return out
 
 
 HF_PARAMS: dict[str, Callable] = {
-    "llama": lambda c: _dense_params(c),
-    "qwen2": lambda c: _dense_params(c, bias=True),
-    "qwen3": lambda c: _dense_params(c, qk_norm=True),
+    "llama": lambda c, fused=False: _dense_params(c),
+    "qwen2": lambda c, fused=False: _dense_params(c, bias=True),
+    "qwen3": lambda c, fused=False: _dense_params(c, qk_norm=True),
     "qwen3_moe": _qwen3_moe_params,
     "deepseek_v3": _deepseek_params,
 }
@@ -179,10 +193,14 @@ def _mlp_rules(prefix: str) -> list[Rule]:
             Row(prefix + "down_proj.weight", (prefix + "down_proj.weight",))]
 
 
-def _experts_rule(n_key: str) -> Rule:
+def _experts_rules(n_key: str) -> list[Rule]:
+    """Routed experts as transformers 4 names them (per expert) and as transformers 5 does
+    (fused 3-D); a model has one or the other, the rule that finds its names applies."""
     e = L + "mlp.experts.{E}."
-    return Experts(L + "mlp.experts", (e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"),
-                   n_experts_key=n_key)
+    return [Experts(L + "mlp.experts", (e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"),
+                    n_experts_key=n_key),
+            FusedExperts(L + "mlp.experts", (L + "mlp.experts.gate_up_proj", L + "mlp.experts.down_proj"),
+                         n_experts_key=n_key)]
 
 
 def dense_rules(bias=False, qk_norm=False) -> list[Rule]:
@@ -192,7 +210,7 @@ def dense_rules(bias=False, qk_norm=False) -> list[Rule]:
 def qwen3_moe_rules() -> list[Rule]:
     return (_common_rules() + _gqa_rules(False, True)
             + [Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=False),
-               _experts_rule("num_experts")])
+               *_experts_rules("num_experts")])
 
 
 def deepseek_rules() -> list[Rule]:
@@ -210,7 +228,7 @@ def deepseek_rules() -> list[Rule]:
         Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=False),          # router: BF16
         Fuse(L + "mlp.gate.e_score_correction_bias", (L + "mlp.gate.e_score_correction_bias",),
              tp=False, fp8=False, dtype="float32"),
-        _experts_rule("n_routed_experts"),
+        *_experts_rules("n_routed_experts"),
     ]
 
 
@@ -255,21 +273,51 @@ ARCH_OF = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3
            "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 
 
+MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "qwen3_moe": "qwen3_moe",
+               "qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+
+
+# transformers 5 writes some keys under a canonical name (its configs' attribute_map):
+# Qwen3-MoE's num_experts and DeepSeek-V3's n_routed_experts are num_local_experts in to_dict()
+ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"},
+           "deepseek_v3": {"n_routed_experts": "num_local_experts"}}
+
+
+def _as_dict(config, arch: str | None = None) -> dict:
+    """A config dict from a dict or a transformers PretrainedConfig (its to_dict()), with
+    the keys the presets read under their transformers 4 names too."""
+    if hasattr(config, "to_dict") and not isinstance(config, Mapping):
+        config = config.to_dict()
+    config = dict(config)
+    for ours, theirs in ALIASES.get(arch, {}).items():
+        if ours not in config and theirs in config:
+            config[ours] = config[theirs]
+    return config
+
+
 def arch_of(config: Mapping) -> str:
-    for a in config.get("architectures", []):
+    """The preset architecture of a Hugging Face config: from `architectures`, else from
+    `model_type` (a config built in code has architectures=None)."""
+    config = _as_dict(config)
+    archs = config.get("architectures") or []
+    for a in archs:
         if a in ARCH_OF:
             return ARCH_OF[a]
-    mt = config.get("model_type", "")
-    for k, v in {"deepseek": "deepseek_v3", "kimi": "deepseek_v3", "qwen3_moe": "qwen3_moe",
-                 "qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}.items():
-        if mt.startswith(k):
-            return v
-    raise ValueError(f"unknown architecture {config.get('architectures')} / {mt!r}")
+    mt = config.get("model_type") or ""
+    if mt in MODEL_TYPES:
+        return MODEL_TYPES[mt]
+    raise ValueError(
+        f"no mapping preset for a config with architectures={config.get('architectures')!r} and "
+        f"model_type={mt!r}: pass a config whose architectures lists one of {sorted(ARCH_OF)} or whose "
+        f"model_type is one of {sorted(MODEL_TYPES)}, or pass mapping=wxfer.mapping.Preset(name, arch, rules, "
+        f"config) with your own rules (docs/mapping.md)")
 
 
 def from_config(name: str, config: Mapping, **kw) -> Preset:
+    """The preset of a Hugging Face config (a dict, e.g. ``model.config.to_dict()``, or a
+    transformers config object) for its architecture's rules."""
     arch = arch_of(config)
-    return Preset(name, arch, ARCH_RULES[arch](), dict(config), **kw)
+    return Preset(name, arch, ARCH_RULES[arch](), _as_dict(config, arch), **kw)
 
 
 PRESETS: dict[str, Callable[[], Preset]] = {

@@ -59,6 +59,8 @@ def _piece_tensor(p: Piece, tensors: Mapping):
         raise KeyError(f"full tensor for {p.src!r} not supplied") from None
     if t.dim() == 1:
         return t[p.r0:p.r1]
+    if t.dim() == 3:                 # fused experts [E, rows, cols]: pieces address [E x rows, cols]
+        t = t.reshape(-1, t.shape[-1])
     return t[p.r0:p.r1, p.c0:p.c1]
 
 

@@ -313,9 +313,83 @@ class Row(Rule):
         return params, [Component((src,), shards, None, dst)]
 
 
+def _expert_split(prefix: str, E: int, inter: int, tp: int, ep: bool) -> tuple[int, int]:
+    """(experts per rank, intermediate rows per rank) of one layer's routed experts."""
+    if ep:
+        if E % tp:
+            raise MappingError(f"{prefix}: {E} experts cannot be split over EP={tp}")
+        return E // tp, inter
+    if inter % tp:
+        raise MappingError(f"{prefix}: intermediate size {inter} not divisible by TP={tp}")
+    return E, inter // tp
+
+
+def _expert_params(prefix: str, tp: int, el: int, ir: int, hidden: int, quant: bool, wdt: str) -> list[DestParam]:
+    w13, w2 = prefix + ".w13_weight", prefix + ".w2_weight"
+    params = []
+    for r in range(tp):
+        params.append(DestParam(r, w13, (el, 2 * ir, hidden), wdt))
+        params.append(DestParam(r, w2, (el, hidden, ir), wdt))
+        if quant:
+            params.append(DestParam(r, scale_name(w13), (el, cdiv(2 * ir, BLOCK), cdiv(hidden, BLOCK)), "float32"))
+            params.append(DestParam(r, scale_name(w2), (el, cdiv(hidden, BLOCK), cdiv(ir, BLOCK)), "float32"))
+    return params
+
+
+def _expert_shards(per_rank: dict, prefix: str, ir: int, hidden: int, quant: bool, wdt: str) -> list[Shard]:
+    """Shards of w13 / w2 (and their scales) from per_rank[r] = [(local expert, gate piece,
+    up piece, down piece), ...]: one shard per run of consecutive local experts."""
+    w13, w2 = prefix + ".w13_weight", prefix + ".w2_weight"
+    w13s, w2s = scale_name(w13), scale_name(w2)
+    es = 1 if quant else dtype_size(wdt)
+    s13 = (cdiv(2 * ir, BLOCK) * cdiv(hidden, BLOCK) * 4) if quant else 0
+    s2 = (cdiv(hidden, BLOCK) * cdiv(ir, BLOCK) * 4) if quant else 0
+    n13, n2 = 2 * ir * hidden, hidden * ir
+    shards: list[Shard] = []
+    for r, items in per_rank.items():
+        i = 0
+        while i < len(items):           # runs of consecutive local experts
+            j = i + 1
+            while j < len(items) and items[j][0] == items[j - 1][0] + 1:
+                j += 1
+            run = items[i:j]
+            le, n = run[0][0], len(run)
+            p13 = tuple(p for it in run for p in (it[1], it[2]))
+            p2 = tuple(it[3] for it in run)
+            if quant:
+                shards += [Shard(r, w13, le * n13, n * n13, "fp8", wdt, p13),
+                           Shard(r, w13s, le * s13, n * s13, "scale", "float32", p13),
+                           Shard(r, w2, le * n2, n * n2, "fp8", wdt, p2),
+                           Shard(r, w2s, le * s2, n * s2, "scale", "float32", p2)]
+            else:
+                shards += [Shard(r, w13, le * n13 * es, n * n13 * es, "raw", wdt, p13),
+                           Shard(r, w2, le * n2 * es, n * n2 * es, "raw", wdt, p2)]
+            i = j
+    return shards
+
+
+def _check_fp8_experts(srcs, inter: int, hidden: int, ir: int, c0: int, prefix: str, tp: int) -> None:
+    """The FP8 rule for one expert's slices (every expert has the same shapes and slices);
+    srcs: the names of the gate, up and down sources of expert 0, for the message."""
+    g = Piece(srcs[0], c0, c0 + ir, 0, hidden)
+    u = Piece(srcs[1], c0, c0 + ir, 0, hidden)
+    d = Piece(srcs[2], 0, hidden, c0, c0 + ir)
+    _check_fp8_piece(g, (inter, hidden), False, prefix + ".w13_weight", tp)
+    _check_fp8_piece(u, (inter, hidden), True, prefix + ".w13_weight", tp)
+    _check_fp8_piece(d, (hidden, inter), True, prefix + ".w2_weight", tp)
+
+
+def _ranks_of_expert(e: int, el: int, ir: int, tp: int, ep: bool):
+    """(rank, local expert index, first intermediate row) for each rank holding expert e."""
+    if ep:
+        return [(e // el, e - (e // el) * el, 0)]
+    return [(r, e, r * ir) for r in range(tp)]
+
+
 @dataclass
 class Experts(Rule):
-    """Routed experts of one layer into vLLM's fused-MoE tensors.
+    """Routed experts of one layer, one parameter per expert and projection (transformers 4:
+    ``mlp.experts.{E}.gate_proj.weight``), into vLLM's fused-MoE tensors.
 
     srcs = (gate, up, down) templates with {L} and {E}; dst = prefix such as
     "model.layers.{L}.mlp.experts" giving "<prefix>.w13_weight" [local experts,
@@ -341,86 +415,87 @@ class Experts(Rule):
     def expand(self, b, ctx):
         tp, ep = ctx.layout.tp, ctx.layout.ep
         experts = b["_experts"]
-        E = int(ctx.config.get(self.n_experts_key, len(experts)))
-        if experts != list(range(E)):
-            raise MappingError(f"{_fmt(self.dst, b)}: found experts {experts[:4]}... but config says {E}")
-        g0 = [_fmt(self.srcs[0], {**b, "E": "0"})][0]
-        inter, hidden = ctx.shape(g0, self.dst)
-        quant = ctx.layout.quant == "fp8" and self.fp8
+        E = int(ctx.config.get(self.n_experts_key, ctx.config.get("num_local_experts", len(experts))))
         prefix = _fmt(self.dst, b)
-        w13, w2 = prefix + ".w13_weight", prefix + ".w2_weight"
-        w13s, w2s = scale_name(w13), scale_name(w2)
-        if ep:
-            if E % tp:
-                raise MappingError(f"{prefix}: {E} experts cannot be split over EP={tp}")
-            el, ir = E // tp, inter
-        else:
-            if inter % tp:
-                raise MappingError(f"{prefix}: intermediate size {inter} not divisible by TP={tp}")
-            el, ir = E, inter // tp
+        if experts != list(range(E)):
+            raise MappingError(f"{prefix}: found experts {experts[:4]}... but config says {E}")
+        inter, hidden = ctx.shape(_fmt(self.srcs[0], {**b, "E": "0"}), prefix)
+        quant = ctx.layout.quant == "fp8" and self.fp8
+        el, ir = _expert_split(prefix, E, inter, tp, ep)
+        if quant:
+            for r in range(1 if ep else tp):
+                _check_fp8_experts([_fmt(x, {**b, "E": "0"}) for x in self.srcs], inter, hidden, ir, r * ir,
+                                   prefix, 1 if ep else tp)
         wdt = "float8_e4m3fn" if quant else self.dtype
-        es = 1 if quant else dtype_size(self.dtype)
-        params = []
-        for r in range(tp):
-            params.append(DestParam(r, w13, (el, 2 * ir, hidden), wdt))
-            params.append(DestParam(r, w2, (el, hidden, ir), wdt))
-            if quant:
-                params.append(DestParam(r, scale_name(w13), (el, cdiv(2 * ir, BLOCK), cdiv(hidden, BLOCK)), "float32"))
-                params.append(DestParam(r, scale_name(w2), (el, cdiv(hidden, BLOCK), cdiv(ir, BLOCK)), "float32"))
-        s13 = (cdiv(2 * ir, BLOCK) * cdiv(hidden, BLOCK) * 4) if quant else 0
-        s2 = (cdiv(hidden, BLOCK) * cdiv(ir, BLOCK) * 4) if quant else 0
+        params = _expert_params(prefix, tp, el, ir, hidden, quant, wdt)
         g = max(1, int(ctx.layout.expert_group))
         comps = []
         for gs in range(0, len(experts), g):
             names: list[str] = []
             per_rank: dict[int, list] = {}
             for e in experts[gs:gs + g]:
-                be = {**b, "E": str(e)}
-                gate, up, down = (_fmt(s, be) for s in self.srcs)
+                gate, up, down = (_fmt(s, {**b, "E": str(e)}) for s in self.srcs)
                 for s, want in ((gate, (inter, hidden)), (up, (inter, hidden)), (down, (hidden, inter))):
                     if ctx.shape(s, prefix) != want:
                         raise MappingError(f"{s}: shape {ctx.shape(s, prefix)} but expected {want}")
                 names += (gate, up, down)
-                for r in ([e // el] if ep else range(tp)):
-                    c0 = 0 if ep else r * ir
-                    pg, pu = Piece(gate, c0, c0 + ir, 0, hidden), Piece(up, c0, c0 + ir, 0, hidden)
-                    pd = Piece(down, 0, hidden, c0, c0 + ir)
-                    if quant and e == experts[0]:   # every expert has the same shapes and slices
-                        _check_fp8_piece(pg, (inter, hidden), False, w13, tp if not ep else 1)
-                        _check_fp8_piece(pu, (inter, hidden), True, w13, tp if not ep else 1)
-                        _check_fp8_piece(pd, (hidden, inter), True, w2, tp if not ep else 1)
-                    per_rank.setdefault(r, []).append((e - r * el if ep else e, pg, pu, pd))
-            shards: list[Shard] = []
-            for r, items in per_rank.items():
-                i = 0
-                while i < len(items):           # runs of consecutive local experts
-                    j = i + 1
-                    while j < len(items) and items[j][0] == items[j - 1][0] + 1:
-                        j += 1
-                    run = items[i:j]
-                    le, n = run[0][0], len(run)
-                    p13 = tuple(p for it in run for p in (it[1], it[2]))
-                    p2 = tuple(it[3] for it in run)
-                    if quant:
-                        shards += [
-                            Shard(r, w13, le * 2 * ir * hidden, n * 2 * ir * hidden, "fp8", wdt, p13),
-                            Shard(r, w13s, le * s13, n * s13, "scale", "float32", p13),
-                            Shard(r, w2, le * hidden * ir, n * hidden * ir, "fp8", wdt, p2),
-                            Shard(r, w2s, le * s2, n * s2, "scale", "float32", p2),
-                        ]
-                    else:
-                        shards += [
-                            Shard(r, w13, le * 2 * ir * hidden * es, n * 2 * ir * hidden * es, "raw", wdt, p13),
-                            Shard(r, w2, le * hidden * ir * es, n * hidden * ir * es, "raw", wdt, p2),
-                        ]
-                    i = j
+                for r, le, c0 in _ranks_of_expert(e, el, ir, tp, ep):
+                    per_rank.setdefault(r, []).append((le, Piece(gate, c0, c0 + ir, 0, hidden),
+                                                       Piece(up, c0, c0 + ir, 0, hidden),
+                                                       Piece(down, 0, hidden, c0, c0 + ir)))
+            shards = _expert_shards(per_rank, prefix, ir, hidden, quant, wdt)
             comps.append(Component(tuple(names), shards, ("experts", prefix), prefix))
         return params, comps
 
 
 @dataclass
+class FusedExperts(Rule):
+    """Routed experts of one layer stored as two 3-D parameters (transformers 5:
+    ``mlp.experts.gate_up_proj`` [E, 2 x inter, hidden], [gate | up] per expert, and
+    ``mlp.experts.down_proj`` [E, hidden, inter]; FSDP2 shards them along dim 0, the
+    experts), into the same vLLM tensors as `Experts`, byte for byte.
+
+    srcs = (gate_up, down) templates with {L}.  A piece addresses a source as the 2-D
+    matrix [E x rows, cols] (expert e's rows follow expert e-1's), so expert e's gate is
+    rows [e*2*inter, e*2*inter + inter) of gate_up; FP8 quantizes each piece, i.e. each
+    expert's slice, on its own 128x128 grid."""
+    n_experts_key: str = "n_routed_experts"
+
+    def expand(self, b, ctx):
+        tp, ep = ctx.layout.tp, ctx.layout.ep
+        prefix = _fmt(self.dst, b)
+        gu, dn = (_fmt(s, b) for s in self.srcs)
+        sg, sd = ctx.shape(gu, prefix), ctx.shape(dn, prefix)
+        if len(sg) != 3 or sg[1] % 2:
+            raise MappingError(f"{gu}: shape {sg}, expected [experts, 2 x intermediate, hidden]")
+        E, inter, hidden = sg[0], sg[1] // 2, sg[2]
+        if sd != (E, hidden, inter):
+            raise MappingError(f"{dn}: shape {sd} but expected {(E, hidden, inter)} (from {gu} {sg})")
+        want = int(ctx.config.get(self.n_experts_key, ctx.config.get("num_local_experts", E)))
+        if want != E:
+            raise MappingError(f"{gu}: {E} experts but config says {self.n_experts_key}={want}")
+        quant = ctx.layout.quant == "fp8" and self.fp8
+        el, ir = _expert_split(prefix, E, inter, tp, ep)
+        if quant:
+            for r in range(1 if ep else tp):
+                _check_fp8_experts((gu + " (gate)", gu + " (up)", dn), inter, hidden, ir, r * ir, prefix,
+                                   1 if ep else tp)
+        wdt = "float8_e4m3fn" if quant else self.dtype
+        per_rank: dict[int, list] = {}
+        for e in range(E):
+            g0, d0 = e * 2 * inter, e * hidden
+            for r, le, c0 in _ranks_of_expert(e, el, ir, tp, ep):
+                per_rank.setdefault(r, []).append((le, Piece(gu, g0 + c0, g0 + c0 + ir, 0, hidden),
+                                                   Piece(gu, g0 + inter + c0, g0 + inter + c0 + ir, 0, hidden),
+                                                   Piece(dn, d0, d0 + hidden, c0, c0 + ir)))
+        shards = _expert_shards(per_rank, prefix, ir, hidden, quant, wdt)
+        return (_expert_params(prefix, tp, el, ir, hidden, quant, wdt),
+                [Component((gu, dn), shards, ("experts", prefix), prefix)])
+
+@dataclass
 class Ignore(Rule):
-    """Training parameters (templates in srcs) deliberately not sent."""
+    """Training parameters (templates in srcs, with {L} / {E}) deliberately not sent:
+    ``Ignore("", ("model.layers.{L}.mlp.my_probe.weight",))``."""
 
     def bindings(self, names):
         return []
@@ -443,12 +518,15 @@ class Expanded:
 
 
 def expand(rules: Sequence[Rule], shapes: Mapping[str, tuple[int, ...]], layout: Layout,
-           config: Mapping, ignore: Iterable[str] = ()) -> Expanded:
+           config: Mapping, ignore: Iterable[str] = (), strict: bool = True) -> Expanded:
     """Apply `rules` to training params `shapes` (name -> global shape).
 
-    Raises MappingError (listing every problem by name) when a rule cannot be applied.
-    Training parameters no rule consumes are reported in `unmatched` (the plan's
-    coverage check turns them into errors unless ignored).
+    Raises MappingError (listing every problem by name) when a rule cannot be applied,
+    and (strict, the default) when a training parameter is read by no rule and listed by
+    no `Ignore` rule (nor matched by a regular expression of `ignore`): every byte of the
+    training model is either sent or deliberately left out.  strict=False reports such
+    parameters in `unmatched` instead, for a caller that collects every problem first
+    (the plan builder does, then refuses them all at once).
     """
     ctx = _Ctx(shapes, layout, config)
     names = list(shapes)
@@ -479,4 +557,9 @@ def expand(rules: Sequence[Rule], shapes: Mapping[str, tuple[int, ...]], layout:
         raise MappingError("mapping failed:\n  " + "\n  ".join(errors))
     ignored = {n for n in names if n not in used and any(p.match(n) for p in ign_pats)}
     unmatched = [n for n in names if n not in used and n not in ignored]
+    if strict and unmatched:
+        more = f" (and {len(unmatched) - 20} more)" if len(unmatched) > 20 else ""
+        raise MappingError(
+            f"{len(unmatched)} training parameter(s) read by no rule: {', '.join(unmatched[:20])}{more}; add a "
+            f"rule that reads them, or an Ignore rule listing them to leave them out on purpose")
     return Expanded(layout, dest, comps, used, ignored, unmatched)

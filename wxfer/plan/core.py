@@ -333,7 +333,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         ex = expanded
     else:
         layout = Layout(tp, ep, quant, expert_group_of(train))
-        ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore)
+        ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore, strict=False)
 
     # ---- names and destination sizes; compare with what the workers hold
     names = sorted({n for r in ex.dest for n in ex.dest[r]})

@@ -1,14 +1,17 @@
 """``python -m wxfer demo``: the whole product on one machine.
 
-Spawns trainer processes (FSDP2 ``fully_shard``; gloo on CPU, NCCL on GPUs) holding a
-tiny Qwen3-style model with Hugging Face names, and inference worker processes holding
-the same model in vLLM's layout (fused qkv / gate_up, TP shards, FP8 block weights with
-``--fp8``).  Trainers train a few steps on random data and ``push()`` after each; then
+Spawns trainer processes (FSDP2 ``fully_shard``; gloo on CPU, NCCL on GPUs) training
+transformers' own ``Qwen3ForCausalLM`` (``--moe``: ``Qwen3MoeForCausalLM``, experts fused
+3-D as transformers 5 stores them) built from a small config with random weights, and
+inference worker processes holding the same model in vLLM's layout (fused qkv / gate_up /
+w13, TP or EP shards, FP8 block weights with ``--fp8``).  Trainers train a few steps on
+random data and ``push()`` after each; then
 
   (a) every inference worker checks that each of its parameters equals, bit for bit,
       what the mapping's reference packing makes of the trainers' current weights;
   (b) this process rebuilds each replica's model from its shards (de-fuse, gather TP,
-      dequantize) and compares its logits with the trainer's, within FP8 tolerance.
+      dequantize), runs it through the transformers model's own forward and compares its
+      logits with the trainer's, within FP8 tolerance.
 
 Prints per-step push time and GB/s; ``--json`` prints one JSON object last.
 """
@@ -83,7 +86,7 @@ def _trainer(rank, world, a, ctl):
     from torch.distributed.device_mesh import init_device_mesh
     from ..runtime import prepare
     from ..mapping import Layout, expand, pack_shard
-    from ..models import Qwen3ForCausalLM, preset_for, shard_fsdp2
+    from ..models import logits as model_logits, preset_for, shard_fsdp2, train_model
     from ..runtime.sender import Sender
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["master_port"]))
     torch.set_num_threads(1)
@@ -96,19 +99,19 @@ def _trainer(rank, world, a, ctl):
     dist.init_process_group("nccl" if gpu else "gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT))
     cfg = a["cfg"]
+    model = train_model(cfg)           # transformers' own class, random weights (the same on every rank)
     if a["moe"]:
         if world % 2:
             raise ValueError("--moe needs an even number of trainers (a 2 x N mesh)")
+        from torch.distributed.device_mesh import DeviceMesh
+        # dense layers HSDP: sharded over the rows {0..N-1}, {N..2N-1}, replicated across them;
+        # routed experts HSDP on the transposed mesh: sharded (dim 0, the experts) over the
+        # columns {c, c+N}, replicated across them -- their own mesh groups
         mesh = init_device_mesh(dev_type, (2, world // 2), mesh_dim_names=("rep", "shard"))
-        E = cfg["num_experts"]
-        col = mesh.get_coordinate()[1]
-        ncol = world // 2
-        local = [e for e in range(E) if e * ncol // E == col]     # expert set of this column
-        model = Qwen3ForCausalLM(cfg, local_experts=local)
-        expert_mesh = mesh["rep"]                                 # the column: a sub-mesh
+        expert_mesh = DeviceMesh(dev_type, torch.arange(world).view(2, world // 2).T.contiguous(),
+                                 mesh_dim_names=("erep", "eshard"))
     else:
         mesh = init_device_mesh(dev_type, (world,))
-        model = Qwen3ForCausalLM(cfg)
         expert_mesh = None
     if gpu:
         model = model.cuda()
@@ -140,7 +143,7 @@ def _trainer(rank, world, a, ctl):
         if train:
             gen = torch.Generator().manual_seed(step * 7919 + rank)
             ids = torch.randint(0, cfg["vocab_size"], (a["batch"], a["seq"] + 1), generator=gen).to(device)
-            logits = model(ids[:, :-1])
+            logits = model_logits(model, ids[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                      ids[:, 1:].reshape(-1))
             loss.backward()
@@ -168,11 +171,12 @@ def _trainer(rank, world, a, ctl):
                 for s in c.shards:
                     exp["%d|%s|%d|%d" % (s.rank, s.dst, s.offset, s.nbytes)] = _digest(_bytes_of(pack_shard(s, fulls)))
             ctl.set_json("demo/expect/%d/%d" % (step, rank), exp)
-            if not a["moe"] and step == a["steps"]:     # logits of the last trained step
-                out = model(eval_ids)
+            if step == a["steps"]:     # logits of the last trained step (transformers' forward)
+                out = model_logits(model, eval_ids)
                 model.reshard()    # FSDP2 keeps the root unsharded after a forward without backward
                 if rank == 0:
-                    torch.save({"ids": eval_ids.cpu(), "logits": out.float().cpu()},
+                    torch.save({"ids": eval_ids.cpu(), "logits": out.float().cpu(),
+                                "weights": {n: f.detach().float().cpu() for n, f in fulls.items()}},
                                os.path.join(a["dir"], "step%d_train.pt" % step))
             del fulls
         if rank == 0:
@@ -277,7 +281,7 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
     from datetime import timedelta
     import torch.distributed as dist
     from ..runtime import control
-    from ..models import logits_close, logits_from_shards
+    from ..models import logits_close, logits_from_shards, logits_of_weights
     gpu = torch.cuda.is_available() and os.environ.get("WXFER_DEMO_CPU") != "1"
     if trainers is None:
         trainers = min(2, torch.cuda.device_count()) if gpu else 2
@@ -347,15 +351,18 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
         # (b) logits of every replica, rebuilt from its shards, against the trainer's
         logit_err = []
         logits_ok = True
-        if not moe:
-            for s in (steps,):
-                ref = torch.load(os.path.join(tmp, "step%d_train.pt" % s))
-                for rep in range(replicas):
-                    shards = [torch.load(os.path.join(tmp, "step%d_gpu%d.pt" % (s, rep * tp + r))) for r in range(tp)]
-                    ok, err = logits_close(ref["logits"], logits_from_shards(cfg, shards, ref["ids"]),
-                                           "fp8" if fp8 else None)
-                    logits_ok &= ok
-                    logit_err.append(round(err, 5))
+        # the reference: transformers' forward of the trainers' weights at the inference side's
+        # BF16 precision (the trainers' own FSDP2 forward in float32 is reported beside it)
+        ref = torch.load(os.path.join(tmp, "step%d_train.pt" % steps))
+        ref_logits = logits_of_weights(cfg, ref["weights"], ref["ids"], torch.bfloat16)
+        train_err = []
+        for rep in range(replicas):
+            shards = [torch.load(os.path.join(tmp, "step%d_gpu%d.pt" % (steps, rep * tp + r))) for r in range(tp)]
+            got = logits_from_shards(cfg, shards, ref["ids"], ep)
+            ok, err = logits_close(ref_logits, got, "fp8" if fp8 else None)
+            logits_ok &= ok
+            logit_err.append(round(err, 5))
+            train_err.append(round(logits_close(ref["logits"], got, None)[1], 5))
         unchanged_ok = None
         if unchanged_step:
             last, prev = per_step[-1], per_step[-2]
@@ -366,7 +373,8 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
         best = min(step_s)
         out = dict(
             steps=len(step_s), verified=bool(bitexact and logits_ok and unchanged_ok is not False),
-            bitexact=bitexact, logits_ok=logits_ok, logits_rel_err=logit_err, unchanged_ok=unchanged_ok,
+            bitexact=bitexact, logits_ok=logits_ok, logits_rel_err=logit_err, logits_rel_err_fp32=train_err,
+            unchanged_ok=unchanged_ok,
             transport=res["transport"], bytes_per_step=bps, moved_bytes=res["moved"], step_s=step_s,
             gbps=bps / best / 1e9, gbps_mean=bps * len(step_s) / sum(step_s) / 1e9,
             trainers=trainers, replicas=replicas, tp=tp, fp8=fp8, cpu_offload=cpu_offload, moe=moe, ep=ep,
@@ -381,7 +389,7 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
             "(%.3f GB/s), bit-exact %s, logits %s%s, verified=%s"
             % (trainers, replicas, tp, "FP8" if fp8 else "BF16", ", CPU offload" if cpu_offload else "",
                ", MoE expert sub-mesh" + (", EP inference" if ep else "") if moe else "", out["transport"], bps, best, out["gbps"], bitexact,
-               "n/a" if moe else "ok (max rel err %.3g)" % max(logit_err) if logits_ok else "MISMATCH %s" % logit_err,
+               "ok (max rel err %.3g)" % max(logit_err) if logits_ok else "MISMATCH %s" % logit_err,
                "" if unchanged_ok is None else ", unchanged step identical %s" % unchanged_ok, out["verified"]))
         return out
     finally:
@@ -403,7 +411,7 @@ def main(argv) -> int:
     ap.add_argument("--fp8", action="store_true", help="FP8 e4m3 block weights on the inference side")
     ap.add_argument("--cpu-offload", action="store_true", help="FSDP2 CPUOffloadPolicy on the trainers")
     ap.add_argument("--moe", action="store_true",
-                    help="tiny Qwen3-MoE, experts sharded on sub-meshes of a 2 x N trainer mesh")
+                    help="tiny Qwen3-MoE (transformers 5 fused experts), experts on their own mesh of a 2 x N trainer mesh")
     ap.add_argument("--ep", action="store_true", help="with --moe: expert-parallel inference layout")
     ap.add_argument("--size", default="small", choices=["tiny", "small", "medium"])
     ap.add_argument("--unchanged-step", action="store_true",
