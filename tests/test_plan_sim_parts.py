@@ -111,16 +111,31 @@ def test_rings_use_the_nic_receive_links():
 
 
 def test_stage_model_formulas():
-    c = Cluster(pcie_GBps=10.0, nvlink_GBps=100.0, mem_GBps=1000.0)
+    from wxfer.plan.calibrate import CALIBRATIONS
+    c = Cluster(pcie_GBps=10.0, nvlink_GBps=100.0, mem_GBps=1000.0, calibration=CALIBRATIONS["free-stage2"])
 
     class T:
         src_bytes = 8e9
+        sources = ("a", "b")
     m = _StageModel(c)
     assert m.h2d_s(T, 4) == pytest.approx(2e9 / 10e9)
     assert m.allgather_s(T, 4) == pytest.approx(6e9 / 100e9)
     assert m.allgather_s(T, 1) == 0.0
     assert m.ring_bytes(T, 2) == 4e9
     assert m.pack_s(T, 2e9) == pytest.approx(10e9 / 1000e9)
+    assert m.host_gather_s(T) == 0.0 and m.write_post_s(10) == 0.0 and not m.serial
+    from wxfer.meta import Calibration
+    cal = Calibration(host_task_s=1.0, host_param_s=0.5, host_piece_s=0.25, pack_launch_s=0.125, quant_GBps=100.0,
+                      copy_GBps=500.0, coll_call_s=0.01, write_call_s=0.001, h2d_call_s=0.1)
+    m = _StageModel(Cluster(pcie_GBps=10.0, nvlink_GBps=100.0, calibration=cal))
+    assert m.host_gather_s(T) == 1.0 + 2 * 0.5                        # per task + per source
+    assert m.host_pack_s(4) == 1.0                                    # per piece
+    assert m.h2d_s(T, 4) == pytest.approx(2 * 0.1 + 2e9 / 10e9)
+    assert m.allgather_s(T, 4) == pytest.approx(2 * 0.01 + 6e9 / 100e9)
+    assert m.allgather_s(T, 1) == 0.0                                 # no collective on a 1-rank mesh
+    assert m.pack_s(T, 2e9, pieces=3, fp8=True) == pytest.approx(3 * 0.125 + 10e9 / 100e9)
+    assert m.pack_s(T, 2e9, pieces=3, fp8=False) == pytest.approx(3 * 0.125 + 10e9 / 500e9)
+    assert m.write_post_s(10) == pytest.approx(0.01) and m.serial
 
 
 # ---------------------------------------------------------------- the order of events
@@ -128,7 +143,8 @@ def test_stage_model_formulas():
 
 def _meshes(preset="qwen3-tiny", **kw):
     kw = dict(dict(train_gpus=4, infer_gpus=2, infer_tp=2, gpus_per_node=2, dense_shard=2, expert_shard=2), **kw)
-    c = Cluster(**kw)
+    from wxfer.plan.calibrate import CALIBRATIONS
+    c = Cluster(**kw, calibration=CALIBRATIONS["free-stage2"])
     plan = plan_for(preset, c)
     ngpu = int(plan.gpu_of.max()) + 1
     jb = _jobs(plan, ngpu)

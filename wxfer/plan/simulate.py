@@ -42,6 +42,14 @@ class SimResult:
     steps: int = 0
     sim_wall_s: float = 0.0
     trace: dict = field(default_factory=dict)      # per network step: t, bytes into inference / out of trainers
+    stage_busy_s: dict = field(default_factory=dict)   # stage -> busiest rank's seconds in it (links: the bound)
+    calibration: str = ""
+
+    @property
+    def bound_by(self) -> str:
+        """The stage with the most seconds on its busiest rank (or the links' lower bound)."""
+        b = self.stage_busy_s
+        return max(b, key=b.get) if b else "links"
 
     def utilisation(self) -> dict:
         """Per link kind: bytes / (bandwidth x simulated time) for each link."""
@@ -51,7 +59,8 @@ class SimResult:
         u = self.utilisation()
         return dict(simulated_s=self.simulated_s, lower_bound_s=self.lower_bound_s,
                     ratio=self.simulated_s / self.lower_bound_s if self.lower_bound_s else float("nan"),
-                    bottleneck=self.bottleneck,
+                    bottleneck=self.bottleneck, bound_by=self.bound_by, calibration=self.calibration,
+                    stage_busy_s=self.stage_busy_s,
                     max_utilisation={k: float(v.max()) if v.size else 0.0 for k, v in u.items()},
                     mean_utilisation={k: float(v.mean()) if v.size else 0.0 for k, v in u.items()},
                     stage_end_s=self.stage_end_s)
@@ -185,6 +194,10 @@ class _Jobs:
     wbytes: np.ndarray           # [J] bytes the job writes
     of_task: dict                # task -> [job]
     packed_of: dict              # (rank, task) -> packed bytes
+    pieces: np.ndarray = None    # [J] pieces the job packs (one launch each; an FP8 piece once for fp8 + scale)
+    fp8: np.ndarray = None       # [J] whether it quantizes
+    nwrites: np.ndarray = None   # [J] transfers (one write each)
+    job_of: dict = None          # (rank, task) -> job
 
     @property
     def n(self) -> int:
@@ -210,10 +223,32 @@ def _jobs(plan, ngpu: int) -> _Jobs:
     of_task: dict = {}
     for j in range(J):
         of_task.setdefault(int(jtask[j]), []).append(j)
+    pieces, fp8, nwrites = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
     return _Jobs(jrank, jtask, packed, ejob, egpu, ebytes,
                  np.searchsorted(ejob, np.arange(J)), np.searchsorted(ejob, np.arange(J), side="right"),
                  np.bincount(ejob, ebytes, J) if J else np.zeros(0), of_task,
-                 {(int(jrank[j]), int(jtask[j])): packed[j] for j in range(J)})
+                 {(int(jrank[j]), int(jtask[j])): packed[j] for j in range(J)}, pieces, fp8, nwrites,
+                 {(int(jrank[j]), int(jtask[j])): j for j in range(J)})
+
+
+def _job_pieces(plan, job_of, J: int):
+    """Per job: pieces packed (each distinct shard of its buffer once; a scale shard shares its
+    fp8 shard's quantization), whether any is FP8, and its number of writes."""
+    nwrites = np.bincount(job_of, minlength=J).astype(np.int64) if J else np.zeros(0, np.int64)
+    pieces = np.zeros(J, np.int64)
+    fp8 = np.zeros(J, bool)
+    if not J:
+        return pieces, fp8, nwrites
+    key = job_of * (int(plan.src_offset.max()) + 1) + plan.src_offset      # one per packed shard
+    _, first = np.unique(key, return_index=True)
+    for i in first.tolist():
+        sh = plan.tasks[int(plan.task[i])].shards[int(plan.shard[i])]
+        j = int(job_of[i])
+        if sh.kind == "fp8":
+            fp8[j] = True
+        if sh.kind != "scale":
+            pieces[j] += len(sh.pieces)
+    return pieces, fp8, nwrites
 
 
 class _Network:
@@ -375,30 +410,51 @@ class _Network:
 
 
 class _StageModel:
-    """Seconds of each stage of one task (the cluster's bandwidths)."""
+    """Seconds of each stage of one task: the cluster's bandwidths plus its calibration's
+    per-call costs and rates (wxfer.meta.Calibration)."""
 
     def __init__(self, cluster):
+        cal = cluster.cal
+        self.cal = cal
         self.offload = bool(cluster.cpu_offload)
         self.pcie_bw = cluster.pcie_GBps * 1e9
         self.nvl_bw = cluster.nvlink_GBps * 1e9
         self.mem_bw = cluster.mem_GBps * 1e9
+        self.copy_bw = self.mem_bw if cal.copy_GBps is None else cal.copy_GBps * 1e9
+        self.quant_bw = self.mem_bw if cal.quant_GBps is None else cal.quant_GBps * 1e9
         self.barrier_s = float(cluster.barrier_s)
+        self.serial, self.host_sync = bool(cal.serial), bool(cal.host_sync)
 
     def h2d_s(self, task, k: int) -> float:
-        """Copy this rank's 1/k of the task's sources over PCIe."""
-        return task.src_bytes / k / self.pcie_bw
+        """Copy this rank's 1/k of the task's sources over PCIe (one copy per source)."""
+        return self.cal.h2d_call_s * len(task.sources) + task.src_bytes / k / self.pcie_bw
+
+    def host_gather_s(self, task) -> float:
+        """Host work before the task's collectives: per task and per source parameter."""
+        return self.cal.host_task_s + self.cal.host_param_s * len(task.sources)
+
+    def host_pack_s(self, pieces: int) -> float:
+        """Host work to issue the packing of `pieces` pieces."""
+        return self.cal.host_piece_s * pieces
+
+    def coll_call_s(self, task, k: int) -> float:
+        return self.cal.coll_call_s * len(task.sources) if k > 1 else 0.0
 
     def allgather_s(self, task, k: int) -> float:
         """An all-gather inside a node (or none, k == 1): each rank receives (k-1)/k."""
-        return (task.src_bytes * (k - 1) / k) / self.nvl_bw
+        return self.coll_call_s(task, k) + (task.src_bytes * (k - 1) / k) / self.nvl_bw
 
     def ring_bytes(self, task, k: int) -> float:
         """Bytes each ring flow of a cross-node all-gather carries."""
         return task.src_bytes * (k - 1) / k
 
-    def pack_s(self, task, packed: float) -> float:
-        """Fuse / quantize / pack: read the full tensors, write the packed buffer."""
-        return (task.src_bytes + packed) / self.mem_bw
+    def pack_s(self, task, packed: float, pieces: int = 0, fp8: bool = False) -> float:
+        """Fuse / quantize / pack: one launch per piece, the full tensors read and the packed
+        buffer written at the quantizer's rate (FP8) or the copy rate."""
+        return self.cal.pack_launch_s * pieces + (task.src_bytes + packed) / (self.quant_bw if fp8 else self.copy_bw)
+
+    def write_post_s(self, nwrites: int) -> float:
+        return self.cal.write_call_s * nwrites
 
 
 class _Meshes:
@@ -428,7 +484,10 @@ class _Meshes:
         self.timeline = []
         self.h2d_done = self._h2d() if model.offload else {}
         self.mem = np.zeros(world)
-        self.quant_free = np.zeros(world)
+        self.quant_free = np.zeros(world)     # end of the rank's last packing
+        self.host_free = np.zeros(world)      # when the rank's host is done with its last task
+        self.dev_free = np.zeros(world)       # serial: end of the rank's last gather or packing
+        self.busy_s = {k: np.zeros(world) for k in ("host", "allgather", "pack")}   # seconds per rank
         self.ptr = {m: 0 for m in range(len(plan.meshes))}
         self.busy = {m: 0.0 for m in range(len(plan.meshes))}   # end of the mesh's last all-gather
         self.open = list(range(len(plan.meshes)))
@@ -457,10 +516,18 @@ class _Meshes:
         return all(self.ptr[m] >= len(self.plan.mesh_tasks[m]) for m in self.ptr)
 
     def ready_time(self, m: int) -> float:
+        """When mesh m's next all-gather can start: the mesh, its group, its H2D, every rank's
+        host having issued it (and, serial, every rank's stream free)."""
         ti = self.plan.mesh_tasks[m][self.ptr[m]]
         s = max(self.busy[m], self.release[self.group_of_mesh[m]])
+        ranks = self.plan.meshes[m]
         if self.model.offload:
-            s = max(s, max(self.h2d_done[(r, ti)] for r in self.plan.meshes[m]))
+            s = max(s, max(self.h2d_done[(r, ti)] for r in ranks))
+        hg = self.model.host_gather_s(self.plan.tasks[ti])
+        if hg > 0:
+            s = max(s, max(self.host_free[r] for r in ranks) + hg)
+        if self.model.serial:
+            s = max(s, max(self.dev_free[r] for r in ranks))
         return s
 
     def start(self, now: float, net: _Network) -> None:
@@ -492,6 +559,11 @@ class _Meshes:
                 net.add_ring(m, ti, s, ranks, self.model.ring_bytes(plan.tasks[ti], k))
                 return
 
+    def ring_end(self, m: int, ti: int, start: float, t_flows: float) -> None:
+        """A cross-node all-gather's ring flows finished at t_flows (plus its per-call cost)."""
+        k = len(self.plan.meshes[m])
+        self.end_allgather(m, ti, start, t_flows + self.model.coll_call_s(self.plan.tasks[ti], k))
+
     def end_allgather(self, m: int, ti: int, start: float, t_end: float) -> None:
         """All-gather of task ti ended: pack on the senders, free the full tensors, release
         the next group when this was its group's last."""
@@ -501,19 +573,34 @@ class _Meshes:
             for r in plan.meshes[m]:
                 self.timeline.append(("allgather", r, ti, start, t_end))
         self.stage_end["allgather"] = max(self.stage_end["allgather"], t_end)
+        md = self.model
+        hg = md.host_gather_s(task)
         for r in plan.meshes[m]:
-            pk = jb.packed_of.get((r, ti), 0.0)
-            if pk > 0:
-                q0 = max(t_end, self.quant_free[r])
-                q1 = q0 + self.model.pack_s(task, pk)
+            j = jb.job_of.get((r, ti))
+            # the host after issuing the gather (host_sync: after waiting for it)
+            hr = t_end if md.host_sync else self.host_free[r] + hg
+            self.busy_s["host"][r] += hg
+            self.busy_s["allgather"][r] += t_end - start
+            if j is not None and jb.packed[j] > 0:
+                pieces = int(jb.pieces[j])
+                hp = hr + md.host_pack_s(pieces)
+                q0 = max(t_end, self.quant_free[r], hp)
+                q1 = q0 + md.pack_s(task, jb.packed[j], pieces, bool(jb.fp8[j]))
                 self.quant_free[r] = q1
+                self.dev_free[r] = q1
+                self.host_free[r] = q1 if md.host_sync else hp
+                self.busy_s["host"][r] += md.host_pack_s(pieces)
+                self.busy_s["pack"][r] += q1 - q0
                 self.stage_end["quant"] = max(self.stage_end["quant"], q1)
                 if self.record:
                     self.timeline.append(("quant", r, ti, q0, q1))
+            else:
+                self.host_free[r] = hr
+                self.dev_free[r] = max(self.dev_free[r], t_end)
+            if j is not None:
+                self.act_time[j] = max(self.quant_free[r], self.host_free[r]) + md.write_post_s(int(jb.nwrites[j]))
+                self.pending.append(j)
             self.mem[r] -= task.src_bytes
-        for j in jb.of_task.get(ti, ()):
-            self.act_time[j] = self.quant_free[jb.rank[j]]
-            self.pending.append(j)
         self.busy[m] = t_end
         g = self.group_of_mesh[m]
         self.group_left[g] -= 1
@@ -594,15 +681,19 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             meshes.job_done(j, te)
             last_write = max(last_write, te)
         for m, ti, s in rings_done:
-            meshes.end_allgather(m, ti, s, now + dt)
+            meshes.ring_end(m, ti, s, now + dt)
         now += dt
         nstep += 1
         if nstep > max_steps:
             raise RuntimeError("simulation did not finish (more than 200x the lower bound)")
     stage_end = meshes.stage_end
-    total = max(last_write, stage_end["allgather"], stage_end["quant"])
+    total = max(last_write, stage_end["allgather"], stage_end["quant"]) + cluster.cal.push_fixed_s
     stage_end["write"] = last_write
+    busy = {k: float(v.max()) if v.size else 0.0 for k, v in meshes.busy_s.items()}
+    busy["h2d"] = stage_end["h2d"]
+    busy["links"] = lb
+    busy["push_fixed"] = cluster.cal.push_fixed_s
     trace = dict(t=np.array(tr_t), dt=dt, write_bytes=np.array(tr_w), allgather_bytes=np.array(tr_ag),
                  infer_capacity=ngpu * cluster.write_bw * dt, infer_finish_s=net.gpu_finish)
     return SimResult(total, lb, bname, lbytes, lbw, stage_end, meshes.timeline, nstep, _time.perf_counter() - w0,
-                     trace)
+                     trace, busy, cluster.cal.name)
