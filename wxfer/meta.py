@@ -95,6 +95,9 @@ class Calibration:
     # runtime: one side stream); host_sync = the host waits for each (CPU: the host does the work)
     serial: bool = True
     host_sync: bool = False
+    # the writes' work shares the CPU cores with stage 2 (the CPU demo: trainers, transport threads and
+    # receivers on the same few cores): the push is at least stage 2 on the busiest rank plus the writes' bound
+    cpu_shared: bool = False
     # measured link rates (None: the Cluster's), GB/s per GPU and direction
     allgather_GBps: float | None = None    # the trainers' all-gather bus rate
     write_GBps: float | None = None        # the write path (transport) between two processes

@@ -63,7 +63,7 @@ def from_dict(d: dict) -> Calibration:
         v = d[f.name]
         if f.name in ("name", "source"):
             kw[f.name] = str(v)
-        elif f.name in ("serial", "host_sync"):
+        elif f.name in ("serial", "host_sync", "cpu_shared"):
             if not isinstance(v, bool):
                 raise ValueError(f"calibration field {f.name} must be true or false, got {v!r}")
             kw[f.name] = v

@@ -687,7 +687,13 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
         if nstep > max_steps:
             raise RuntimeError("simulation did not finish (more than 200x the lower bound)")
     stage_end = meshes.stage_end
-    total = max(last_write, stage_end["allgather"], stage_end["quant"]) + cluster.cal.push_fixed_s
+    total = max(last_write, stage_end["allgather"], stage_end["quant"])
+    if cluster.cal.cpu_shared:      # stage 2 and the writes take turns on the same cores
+        per_rank = sum(meshes.busy_s.values())
+        wl = max((float(v.max() / lbw[k]) for k, v in lbytes.items()
+                  if k in ("train_send", "infer_recv", "train_nic_send", "infer_nic_recv") and v.size), default=0.0)
+        total = max(total, (float(per_rank.max()) if per_rank.size else 0.0) + wl)
+    total += cluster.cal.push_fixed_s
     stage_end["write"] = last_write
     busy = {k: float(v.max()) if v.size else 0.0 for k, v in meshes.busy_s.items()}
     busy["h2d"] = stage_end["h2d"]
