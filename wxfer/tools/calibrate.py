@@ -215,6 +215,11 @@ def measure_links(dev, quick: bool) -> dict:
         region.close()
         eng.close()
         t.close()
+        if dev.type == "cuda" and ngpu < 2:
+            # NCCL takes one rank per GPU; on one GPU the trainers' meshes have one rank (no collective)
+            out.update(allgather_backend="none (one GPU: NCCL needs a GPU per rank)", coll_call_s=0.0,
+                       allgather_GBps=None)
+            return out
         # the all-gather: this process is rank 0, the helper rank 1
         parent.send(("allgather",))
         a = _allgather_rank(0, ag, dev)
@@ -249,6 +254,49 @@ def _fit(rows, ys):
     return np.zeros(A.shape[1])
 
 
+def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None) -> dict:
+    """Host seconds per task and per parameter, and the fixed cost per push, fitted on the
+    engine's trace of `pushes` pushes of an existing `wxfer.Sender` (after one warm-up push).
+    A gap between two tasks' submissions is the second task's host work; on CPU (the
+    sender's device) it also holds the packing, subtracted at `copy_GBps`.  A benchmark can
+    call this on its own trainer rank and put the result into a Calibration."""
+    import time as _t
+    from ..runtime.sender import STAMP_TAG
+    cpu = sender.device.type == "cpu"
+    ops = {op.task: op for g in sender.program.groups for op in g}
+    samples, fixed, push_s = [], [], []
+    sender.push()                                         # warm-up
+    for _ in range(pushes):
+        sender.trace(clear=True)
+        t0 = _t.perf_counter_ns()
+        sender.push()
+        t1 = _t.perf_counter_ns()
+        recs = sorted((r for r in sender.trace() if r["tag"] != STAMP_TAG and r["tag"] in ops),
+                      key=lambda r: r["t_submit"])
+        if not recs:
+            continue
+        push_s.append((t1 - t0) / 1e9)
+        fixed.append(((recs[0]["t_submit"] - t0) + (t1 - max(r["t_done"] for r in recs))) / 1e9)
+        prev = t0
+        for r in recs:
+            op = ops[r["tag"]]
+            pieces = sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")
+            src = sum(p.numel() * p.element_size() for _, p in op.sources)
+            work = (src + op.nbytes) / (copy_GBps * 1e9) if cpu and copy_GBps else 0.0
+            samples.append(((1.0, len(op.sources), pieces), (r["t_submit"] - prev) / 1e9 - work))
+            prev = r["t_submit"]
+    if not samples:
+        raise RuntimeError("host_costs: the pushes traced no task of this rank")
+    # one receiver: a task's pieces follow its parameters (q, k, v: 3 and 3), so the per-piece
+    # cost cannot be told apart from the per-parameter one here: fitted as per task + per parameter
+    coef = list(_fit([s_[0][:2] for s_ in samples], [max(0.0, s_[1]) for s_ in samples])) + [0.0]
+    fixed.sort()
+    push_s.sort()
+    return dict(host_task_s=float(coef[0]), host_param_s=float(coef[1]), host_piece_s=float(coef[2]),
+                push_fixed_s=fixed[len(fixed) // 2], host_push_s=push_s[len(push_s) // 2],
+                host_tasks=len(ops), host_samples=len(samples))
+
+
 def measure_host(dev, kernels: dict, quick: bool) -> dict:
     """Host seconds per task / parameter / piece and per push, from the trace of real pushes:
     one trainer rank (a plain model) -> one receiver, in this process."""
@@ -258,7 +306,7 @@ def measure_host(dev, kernels: dict, quick: bool) -> dict:
     from ..models import TINY, Qwen3ForCausalLM, inference_params, preset_for
     from ..runtime import control
     from ..runtime.receiver import Receiver
-    from ..runtime.sender import STAMP_TAG, Sender
+    from ..runtime.sender import Sender
     from ..testing import in_thread
     cfg = dict(TINY, num_hidden_layers=4)
     port = control.free_port()
@@ -278,38 +326,7 @@ def measure_host(dev, kernels: dict, quick: bool) -> dict:
         raise box["error"]
     recv = box["value"]
     try:
-        ops = {op.task: op for g in sender.program.groups for op in g}
-        pushes = 3 if quick else 8
-        samples, fixed, push_s = [], [], []
-        sender.push()                                         # warm-up
-        for _ in range(pushes):
-            sender.trace(clear=True)
-            t0 = time.perf_counter_ns()
-            sender.push()
-            t1 = time.perf_counter_ns()
-            recs = sorted((r for r in sender.trace() if r["tag"] != STAMP_TAG and r["tag"] in ops),
-                          key=lambda r: r["t_submit"])
-            if not recs:
-                continue
-            push_s.append((t1 - t0) / 1e9)
-            fixed.append(((recs[0]["t_submit"] - t0) + (t1 - max(r["t_done"] for r in recs))) / 1e9)
-            prev = t0
-            for r in recs:
-                op = ops[r["tag"]]
-                pieces = sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")
-                src = sum(p.numel() * p.element_size() for _, p in op.sources)
-                work = (src + op.nbytes) / (kernels["copy_GBps"] * 1e9) if dev.type == "cpu" else 0.0
-                samples.append(((1.0, len(op.sources), pieces), (r["t_submit"] - prev) / 1e9 - work))
-                prev = r["t_submit"]
-        # one receiver: a task's pieces follow its parameters (q, k, v: 3 and 3), so the per-piece
-        # cost cannot be told apart from the per-parameter one here: fitted as per task + per parameter
-        coef = _fit([s[0][:2] for s in samples], [max(0.0, s[1]) for s in samples])
-        coef = list(coef) + [0.0]
-        fixed.sort()
-        push_s.sort()
-        return dict(host_task_s=float(coef[0]), host_param_s=float(coef[1]), host_piece_s=float(coef[2]),
-                    push_fixed_s=fixed[len(fixed) // 2], host_push_s=push_s[len(push_s) // 2],
-                    host_tasks=len(ops), host_samples=len(samples))
+        return host_costs(sender, 3 if quick else 8, kernels["copy_GBps"])
     finally:
         sender.close()
         recv.close()
@@ -342,9 +359,9 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
         det["host_error"] = f"{type(e).__name__}: {e}"
         log("calibrate: host cost not measured: " + det["host_error"])
     det.update(measure_links(dev, quick))
-    log("calibrate: %s writes %.2f GB/s, %.1f us per write; %s all-gather %.2f GB/s, %.1f us per call"
+    log("calibrate: %s writes %.2f GB/s, %.1f us per write; %s all-gather %s GB/s, %.1f us per call"
         % (det["transport"], det["write_GBps"], det["write_call_s"] * 1e6, det["allgather_backend"],
-           det["allgather_GBps"], det["coll_call_s"] * 1e6))
+           "%.2f" % det["allgather_GBps"] if det["allgather_GBps"] else "-", det["coll_call_s"] * 1e6))
     machine = "%s, %s, %d CPUs" % (platform.node(), platform.machine(), os.cpu_count() or 0)
     if dev.type == "cuda":
         machine += ", " + torch.cuda.get_device_name(dev)
