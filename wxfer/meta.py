@@ -96,7 +96,8 @@ class Calibration:
     serial: bool = True
     host_sync: bool = False
     # the writes' work shares the CPU cores with stage 2 (the CPU demo: trainers, transport threads and
-    # receivers on the same few cores): the push is at least stage 2 on the busiest rank plus the writes' bound
+    # receivers on the same few cores): the push is at least stage 2 on the busiest rank plus all the writes'
+    # bytes at the write rate (measured with one writer and one target on those cores)
     cpu_shared: bool = False
     # measured link rates (None: the Cluster's), GB/s per GPU and direction
     allgather_GBps: float | None = None    # the trainers' all-gather bus rate

@@ -689,9 +689,10 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     stage_end = meshes.stage_end
     total = max(last_write, stage_end["allgather"], stage_end["quant"])
     if cluster.cal.cpu_shared:      # stage 2 and the writes take turns on the same cores
+        # the write rate was measured with one writer and one target using the machine's cores: every
+        # trainer's writes take turns on them (all bytes / that rate)
         per_rank = sum(meshes.busy_s.values())
-        wl = max((float(v.max() / lbw[k]) for k, v in lbytes.items()
-                  if k in ("train_send", "infer_recv", "train_nic_send", "infer_nic_recv") and v.size), default=0.0)
+        wl = float(plan.nbytes.sum()) / cluster.write_bw if plan.n_transfers else 0.0
         total = max(total, (float(per_rank.max()) if per_rank.size else 0.0) + wl)
     total += cluster.cal.push_fixed_s
     stage_end["write"] = last_write

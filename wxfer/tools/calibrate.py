@@ -95,8 +95,8 @@ def measure_kernels(dev, quick: bool) -> dict:
     rate = (b_big - b_small) / max(t_big - t_small, 1e-9)
     launch = max(0.0, t_small - b_small / rate)
     src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    t_copy = _timed(lambda: dst.copy_(src), dev, iters)
+    # into fresh memory each time, as the packing does (one new buffer per task)
+    t_copy = _timed(lambda: torch.empty_like(src).copy_(src), dev, iters)
     return dict(quantizer=name, quant_GBps=rate / 1e9, pack_launch_s=launch, copy_GBps=2 * src.numel() / t_copy / 1e9,
                 quant_shape=[n, n], quant_s=t_big, quant_small_s=t_small)
 
@@ -148,12 +148,20 @@ def _allgather_rank(rank: int, ag: dict, dev) -> dict:
     dist.init_process_group(ag["backend"], init_method="tcp://127.0.0.1:%d" % ag["port"], rank=rank, world_size=2,
                             timeout=timedelta(seconds=_TIMEOUT))
     try:
-        out = {}
-        for n in ag["sizes"]:                      # bytes each rank contributes
-            inp = torch.ones(n, dtype=torch.uint8, device=dev)
-            res = torch.empty(2 * n, dtype=torch.uint8, device=dev)
-            dist.barrier()
-            out[n] = _timed(lambda: all_gather_single(res, inp), dev, ag["iters"])
+        inps = {n: torch.ones(n, dtype=torch.uint8, device=dev) for n in ag["sizes"]}
+        times = {n: [] for n in ag["sizes"]}
+        dist.barrier()
+        for it in range(ag["iters"] + 1):
+            # rounds over every size, so that a burst of load elsewhere hits all sizes alike; each into a
+            # fresh output, as full_tensor() does
+            for n, inp in inps.items():
+                dist.barrier()                      # both ranks start together (not timed)
+                t0 = time.perf_counter()
+                all_gather_single(torch.empty(2 * n, dtype=torch.uint8, device=dev), inp)
+                _sync(dev)
+                if it:                              # round 0 is the warm-up
+                    times[n].append(time.perf_counter() - t0)
+        out = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
         return out
     finally:
         dist.destroy_process_group()
@@ -224,11 +232,14 @@ def measure_links(dev, quick: bool) -> dict:
         parent.send(("allgather",))
         a = _allgather_rank(0, ag, dev)
         _expect(parent, "done")
-        # t = per call + received bytes / bus rate (each of the 2 ranks receives the other's half),
-        # fitted over the sizes; the simulator charges (k-1)/k of the gathered bytes at that rate
-        coef = _fit([(1.0, float(n)) for n in sizes], [a[n] for n in sizes])
+        # t = per call + received bytes / bus rate (each of the 2 ranks receives the other's half);
+        # the simulator charges (k-1)/k of the gathered bytes at that rate
+        # per call: the smallest all-gather; the rate: the slope over the others
+        call = a[sizes[0]]
+        big = sizes[1:]
+        slope = sum(n * (a[n] - call) for n in big) / sum(n * n for n in big)
         out.update(allgather_backend=ag["backend"], allgather_s={str(n): a[n] for n in sizes},
-                   coll_call_s=float(coef[0]), allgather_GBps=1.0 / max(float(coef[1]), 1e-15) / 1e9)
+                   coll_call_s=float(call), allgather_GBps=1.0 / max(float(slope), 1e-15) / 1e9)
     finally:
         stop_process(parent, proc)
     return out
