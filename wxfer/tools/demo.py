@@ -10,7 +10,9 @@ the same model in vLLM's layout (fused qkv / gate_up, TP shards, FP8 block weigh
   (b) this process rebuilds each replica's model from its shards (de-fuse, gather TP,
       dequantize) and compares its logits with the trainer's, within FP8 tolerance.
 
-Prints per-step push time and GB/s; ``--json`` prints one JSON object last.
+Prints per-step push time and GB/s; ``--json`` prints one JSON object last, with
+``simulated_s``: the simulator on the trainers' own plan, calibrated on this machine right
+after the run (``python -m wxfer calibrate --quick``; ``--no-simulate`` skips it).
 """
 from __future__ import annotations
 
@@ -271,7 +273,7 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
              ep: bool = False,
              batch: int = 4, seq: int = 64, lr: float = 1e-3, watermark: str = "256MiB",
              transport: str = "auto", trace_dir: str | None = None, timeout: float = 600.0,
-             log=print, simulate: bool = True) -> dict:
+             log=print, simulate: bool = False) -> dict:
     import multiprocessing as mp
     import torch
     from datetime import timedelta
