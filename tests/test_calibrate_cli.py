@@ -45,3 +45,21 @@ def test_simulate_measured_on_a_plan_with_a_given_calibration():
     nsrc = max(sum(len(plan.tasks[t].sources) for t in plan.mesh_tasks[m]) for m in plan.mesh_tasks)
     assert r["simulated_s"] >= nsrc * 1e-3 and r["calibration"]["name"] == "given"
     assert r["simulated_bound_by"] in r["simulated_stage_busy_s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(240)
+def test_calibrate_on_a_gpu(tmp_path):
+    """On the H200: the quantizer and the copy on the GPU, writes over cuda_ipc between two
+    processes (the same GPU twice when there is one), NCCL all-gather on two GPUs."""
+    out = tmp_path / "gpu.json"
+    p = subprocess.run([sys.executable, "-m", "wxfer", "calibrate", "--quick", "--json", "--out", str(out)],
+                       capture_output=True, text=True, timeout=230)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(p.stdout.strip().splitlines()[-1])
+    from wxfer.plan.calibrate import load
+    cal = load(str(out))
+    assert cal.name == "measured-cuda" and not cal.host_sync and cal.serial
+    assert cal.quant_GBps > 50 and cal.copy_GBps > 500          # H200: reference ~170 GB/s, copy ~2 TB/s
+    assert d["measured"]["transport"] == "cuda_ipc" and cal.write_GBps > 50
+    assert d["measured"]["calibrate_s"] < 60

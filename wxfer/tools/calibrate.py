@@ -384,8 +384,9 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
         name="measured-" + dev.type, pack_launch_s=det["pack_launch_s"], quant_GBps=det["quant_GBps"],
         copy_GBps=det["copy_GBps"], coll_call_s=det["coll_call_s"], write_call_s=det["write_call_s"],
         serial=True, host_sync=dev.type == "cpu", cpu_shared=dev.type == "cpu", allgather_GBps=det["allgather_GBps"], write_GBps=det["write_GBps"],
-        source="measured by `python -m wxfer calibrate%s` on %s, %s" % (
-            " --quick" if quick else "", machine, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+        source="measured by `python -m wxfer calibrate%s` on %s, %s%s" % (
+            " --quick" if quick else "", machine, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "; host costs not measured (%s): the h200 defaults" % det["host_error"] if "host_error" in det else ""),
         **host)
     det.update(machine=machine, calibrate_s=time.perf_counter() - t0)
     return cal, det
