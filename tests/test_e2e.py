@@ -44,9 +44,10 @@ def test_demo_cli_bf16_json_and_unchanged_step():
                         "--json", "--timeout", "150"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    for k in ("steps", "verified", "transport", "bytes_per_step", "step_s", "gbps"):
+    for k in ("steps", "verified", "transport", "bytes_per_step", "step_s", "gbps", "simulated_s"):
         assert k in res
     _check(res, 3)
+    assert res["simulated_s"] > 0 and res["calibration"]["name"] == "measured-cpu"    # issue 15
     assert res["transport"] == "fabric" and res["replicas"] == 2 and res["tp"] == 2
     assert res["logits_ok"] and max(res["logits_rel_err"]) < 0.02
     # the step with nothing changed moved the same bytes and left the receivers identical

@@ -62,3 +62,23 @@ def test_hf_config_file_instead_of_a_preset(tmp_path, capsys):
                  "--json", "--steps", "200"]) == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert d["preset"] == "config.json" and d["tasks"] == 2 + 3 * 8   # embed, norm; per layer 2 norms, qkv, o, q/k norms, gate_up, down
+
+
+def test_calibration_by_name_and_file(capsys, tmp_path):
+    from wxfer.meta import Calibration
+    from wxfer.plan.calibrate import save
+    args = ["--preset", "qwen3-8b", "--train-gpus", "8", "--infer-gpus", "4", "--infer-tp", "2", "--json",
+            "--steps", "300"]
+    out = {}
+    for name in ("free-stage2", "h200"):
+        assert main(args + ["--calibration", name]) == 0
+        out[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["free-stage2"]["calibration"] == "free-stage2" and out["h200"]["calibration"] == "h200"
+    assert out["h200"]["simulated_s"] > out["free-stage2"]["simulated_s"]
+    f = tmp_path / "slow.json"
+    save(Calibration(name="slowhost", host_param_s=0.1), str(f))
+    assert main(args + ["--calibration", str(f)]) == 0
+    d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert d["calibration"] == "slowhost" and d["bound_by"] == "host" and d["simulated_s"] > 1.0
+    assert main(args + ["--calibration", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err

@@ -1,14 +1,21 @@
-"""The simulator: never below the lower bound, close to it when balanced, models each stage."""
+"""The simulator: never below the lower bound, close to it when balanced, models each stage.
+
+The link-model tests use the "free-stage2" calibration (no host time, stage 2 at memory
+speed) so that the bound they check is the links'; the calibrated terms are tested in
+tests/test_plan_calibrate.py."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from wxfer.meta import Cluster
 from wxfer.plan import plan_for
+from wxfer.plan.calibrate import CALIBRATIONS
 from wxfer.plan.simulate import lower_bound, simulate
+
+FREE = CALIBRATIONS["free-stage2"]
 
 
 def test_one_trainer_one_gpu_is_bytes_over_bandwidth():
-    c = Cluster(train_gpus=1, infer_gpus=1, infer_tp=1, nic_gbps=8.0)      # 1 GB/s
+    c = Cluster(train_gpus=1, infer_gpus=1, infer_tp=1, nic_gbps=8.0, calibration=FREE)      # 1 GB/s
     plan = plan_for("qwen3-tiny", c)
     r = simulate(plan, c)
     nbytes = plan.nbytes.sum()
@@ -19,7 +26,7 @@ def test_one_trainer_one_gpu_is_bytes_over_bandwidth():
 
 
 def test_balanced_plan_is_close_to_the_bound():
-    c = Cluster(train_gpus=16, infer_gpus=8, infer_tp=2, quant="fp8")
+    c = Cluster(train_gpus=16, infer_gpus=8, infer_tp=2, quant="fp8", calibration=FREE)
     plan = plan_for("qwen3-8b", c)
     r = simulate(plan, c)
     s = r.summary()
@@ -45,7 +52,7 @@ def test_cross_node_allgathers_and_offload_count_in_the_bound():
 
 def test_a_tight_watermark_and_barriers_slow_things_down_but_finish():
     c = Cluster(train_gpus=8, infer_gpus=4, infer_tp=2, quant="fp8", gpus_per_node=2, dense_shard=2,
-                expert_shard=4, infer_ep=True)
+                expert_shard=4, infer_ep=True, calibration=FREE)
     plan = plan_for("qwen3-30b-a3b", c)
     fast = simulate(plan, c, steps=300, record=False)
     c.watermark_bytes = 1
@@ -68,7 +75,8 @@ def test_writes_inside_a_node_use_the_write_path_bandwidth():
     """Issue 9's 8-GPU layout: 4 FSDP trainers and 2 x TP2 receivers on one node, writing over
     NVLink (cuda_ipc): with write_GBps the bound and the simulation follow that rate, not the
     NIC's; a plan with all-gathers across nodes is refused in that mode."""
-    c = Cluster(train_gpus=4, infer_gpus=4, infer_tp=2, gpus_per_node=8, dense_shard=4, write_GBps=390.0)
+    c = Cluster(train_gpus=4, infer_gpus=4, infer_tp=2, gpus_per_node=8, dense_shard=4, write_GBps=390.0,
+                calibration=FREE)
     plan = plan_for("qwen3-8b", c)
     r = simulate(plan, c)
     per_gpu = max(plan.nbytes[plan.gpu == g].sum() for g in range(4))
@@ -79,7 +87,8 @@ def test_writes_inside_a_node_use_the_write_path_bandwidth():
     assert r.link_bytes["train_nic_send"].max() == 0           # nothing on the NICs
     assert r.lower_bound_s == pytest.approx(max(per_gpu / 390e9, per_rank / 390e9, ag), rel=1e-6)
     assert r.lower_bound_s <= r.simulated_s < 1.1 * r.lower_bound_s
-    nic = simulate(plan, Cluster(train_gpus=4, infer_gpus=4, infer_tp=2, gpus_per_node=8, dense_shard=4))
+    nic = simulate(plan, Cluster(train_gpus=4, infer_gpus=4, infer_tp=2, gpus_per_node=8, dense_shard=4,
+                                 calibration=FREE))
     assert nic.simulated_s > 5 * r.simulated_s            # 50 GB/s NIC against 390 GB/s
     with pytest.raises(ValueError, match="across nodes"):
         c2 = Cluster(train_gpus=16, infer_gpus=4, infer_tp=2, gpus_per_node=8, write_GBps=390.0, expert_shard=2)

@@ -1,4 +1,4 @@
-"""python -m wxfer {selftest,plan,demo,backends} ..."""
+"""python -m wxfer {selftest,plan,demo,calibrate,backends} ..."""
 from __future__ import annotations
 
 import sys
@@ -10,6 +10,7 @@ commands:
   plan       build and simulate a transfer plan for a preset model and cluster
   demo       trainers (FSDP2) -> inference workers: train, push, verify bit for bit and logits, GB/s
   backends   which transports are usable here, and why not
+  calibrate  measure the simulator's figures here (quantizer, all-gather, writes, host cost per task)
 """
 
 
@@ -25,6 +26,8 @@ def main(argv=None) -> int:
         from .plan.cli import main as run
     elif cmd == "demo":
         from .tools.demo import main as run
+    elif cmd == "calibrate":
+        from .tools.calibrate import main as run
     elif cmd == "backends":
         from .tools.selftest import backends_main as run
     else:

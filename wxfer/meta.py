@@ -62,6 +62,68 @@ class InferWorker:
 
 
 @dataclass
+class Calibration:
+    """The per-task costs of stage 2, the collectives and the write path that the simulator
+    charges on top of the links' bandwidths (which live in `Cluster`).
+
+    Defaults: one H200 with wxfer's runtime as of issue 13 (per-parameter Python host
+    work, the reference FP8 quantizer).  `wxfer.plan.calibrate.CALIBRATIONS` has other named
+    sets ("free-stage2": the old model, stage 2 at memory speed and no host time; "h200-native":
+    the one-pass quantizer kernel), and ``python -m wxfer calibrate --json`` measures one on
+    the current machine.  Optional link rates (None: the Cluster's) are what that command
+    measured on this machine; `apply()` puts them into a Cluster."""
+    name: str = "h200"
+    # host (Python) work on a trainer rank per task: fixed + per source parameter + per packed piece
+    host_task_s: float = 0.0               # one H200 (issue 13): not separable from the per-parameter figure
+    host_param_s: float = 0.25e-3          # one H200 (issue 13): ~0.25 ms of host work per parameter (311-param
+    #                                        1.7B-class model as slow as 399-param Qwen3-8B), 1-parameter tasks
+    host_piece_s: float = 0.0              # one H200 (issue 13): included in host_param_s
+    # fuse / quantize / pack: per launch (one per packed piece) + bytes (full tensors read + buffer written) / rate
+    pack_launch_s: float = 90e-6           # one H200 (issue 13): 128 experts, one reference quantize each: 15 ms,
+    #                                        of which 128 x 4.7 MB at 170 GB/s is 3.5 ms -> ~90 us per piece
+    quant_GBps: float | None = 170.0       # None: Cluster.mem_GBps; one H200 (issue 13): wxfer.mapping.reference.quantize_fp8_block,
+    #                                        150-190 GB/s effective (BF16 read + FP8 written)
+    copy_GBps: float | None = None         # BF16 packing; None: Cluster.mem_GBps (the on-device copy, 2.1 TB/s H200)
+    # the collective (full_tensor) per call (one per source parameter) on top of bytes / link rate
+    coll_call_s: float = 0.0               # not measured on the H200 yet (calibrate measures it)
+    # the write path per write (one per transfer, posted one after the other by a rank's engine)
+    write_call_s: float = 0.0              # not measured on the H200 yet; the engine's stages were 72 ms of a
+    #                                        3.1 s Qwen3-30B-A3B push (issue 13): small next to stage 2
+    h2d_call_s: float = 0.0                # per offloaded source parameter; not measured on the H200 yet
+    push_fixed_s: float = 0.0              # per push: version stamps, the flag all-reduce, the last barrier
+    # how a rank runs stage 2: serial = its gathers and packs on one stream, one after the other (wxfer's
+    # runtime: one side stream); host_sync = the host waits for each (CPU: the host does the work)
+    serial: bool = True
+    host_sync: bool = False
+    # the writes' work shares the CPU cores with stage 2 (the CPU demo: trainers, transport threads and
+    # receivers on the same few cores): the push is at least stage 2 on the busiest rank plus all the writes'
+    # bytes at the write rate (measured with one writer and one target on those cores)
+    cpu_shared: bool = False
+    # measured link rates (None: the Cluster's), GB/s per GPU and direction
+    allgather_GBps: float | None = None    # the trainers' all-gather bus rate
+    write_GBps: float | None = None        # the write path (transport) between two processes
+    h2d_GBps: float | None = None          # pinned host-to-device
+    source: str = "defaults: one H200, wxfer at issue 13 (per-parameter Python, reference quantizer)"
+
+    def host_s(self, nsrc: int, pieces: int) -> float:
+        """Host seconds of one task on one rank."""
+        return self.host_task_s + self.host_param_s * nsrc + self.host_piece_s * pieces
+
+    def apply(self, cluster: "Cluster", **kw) -> "Cluster":
+        """A copy of `cluster` using this calibration and its measured link rates."""
+        from dataclasses import replace
+        upd = dict(calibration=self)
+        if self.allgather_GBps is not None:
+            upd["nvlink_GBps"] = self.allgather_GBps
+        if self.write_GBps is not None:
+            upd["write_GBps"] = self.write_GBps
+        if self.h2d_GBps is not None:
+            upd["pcie_GBps"] = self.h2d_GBps
+        upd.update(kw)
+        return replace(cluster, **upd)
+
+
+@dataclass
 class Cluster:
     """Hardware and sharding description used to synthesize metadata and to simulate.
 
@@ -79,9 +141,9 @@ class Cluster:
     gpus_per_node: int = 8
     nic_gbps: float = 400.0                # line rate in Gb/s
     nic_efficiency: float = 1.0            # fraction of line rate achievable by RDMA writes
-    nvlink_GBps: float = 370.0             # measured NCCL broadcast on H200 NVLink
-    pcie_GBps: float = 55.0                # measured pinned H2D
-    mem_GBps: float = 2100.0               # measured device-to-device copy
+    nvlink_GBps: float = 370.0             # measured NCCL broadcast on 2 x H200 NVLink (DESIGN.md)
+    pcie_GBps: float = 55.0                # measured pinned H2D on one H200 (55.4 GB/s, issue 13)
+    mem_GBps: float = 2100.0               # measured device-to-device copy on one H200 (what "free-stage2" packs at)
     dense_shard: int = 8                   # FSDP size for dense params (<= gpus_per_node: inside a node)
     expert_shard: int = 2                  # FSDP size for routed experts (across nodes)
     cpu_offload: bool = False
@@ -91,8 +153,15 @@ class Cluster:
     max_posted_bytes: int = 16 << 30       # writes a trainer rank keeps posted at once (>= one task's)
     # the trainer -> inference write path per GPU and direction, GB/s; None: the NIC.  Set it
     # (e.g. to the measured cuda_ipc peer-copy rate) when trainers and receivers share a node
-    # and write over NVLink; the all-gathers are then still modelled on their own NVLink.
+    # and write over NVLink; the all-gathers are then still modelled on their own NVLink.  Measured
+    # between two H200s over cuda_ipc: 392-394 GB/s.
     write_GBps: float | None = None
+    # per-task costs of stage 2, collectives and writes (see Calibration); None: Calibration() (H200)
+    calibration: Calibration | None = None
+
+    @property
+    def cal(self) -> Calibration:
+        return self.calibration if self.calibration is not None else Calibration()
 
     @property
     def nic_GBps(self) -> float:

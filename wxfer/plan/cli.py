@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--expert-shard", type=int, default=2, help="FSDP size of routed experts (across nodes)")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--watermark-gb", type=float, default=8.0)
+    p.add_argument("--calibration", default=None,
+                   help="per-task costs: a file from `python -m wxfer calibrate --out FILE` or a name "
+                        "(h200 = default, h200-native, free-stage2 = the model before issue 15); the links "
+                        "stay the ones given here")
     p.add_argument("--steps", type=int, default=1500, help="simulation steps per lower bound")
     p.add_argument("--no-sim", action="store_true")
     p.add_argument("--out", help="write the serialized plan to this file")
@@ -66,6 +70,8 @@ def run(args) -> dict:
         pcie_GBps=args.pcie_gbytes, dense_shard=args.dense_shard, expert_shard=args.expert_shard,
         cpu_offload=args.cpu_offload, watermark_bytes=int(args.watermark_gb * (1 << 30)),
         write_GBps=args.write_gbytes)
+    from .calibrate import get as get_calibration
+    cluster.calibration = get_calibration(args.calibration)
     t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_for(preset, cluster)
     build_s, build_cpu_s = time.perf_counter() - t0, time.process_time() - c0
@@ -88,7 +94,8 @@ def run(args) -> dict:
         r = simulate(plan, cluster, steps=args.steps, record=False)
         out.update(lower_bound_s=round(r.lower_bound_s, 4), simulated_s=round(r.simulated_s, 4),
                    ratio=round(r.simulated_s / r.lower_bound_s, 4), bottleneck=r.bottleneck,
-                   sim_s=round(time.perf_counter() - t1, 3))
+                   bound_by=r.bound_by, stage_busy_s={k: round(v, 4) for k, v in r.stage_busy_s.items()},
+                   calibration=cluster.cal.name, sim_s=round(time.perf_counter() - t1, 3))
     else:
         from .simulate import lower_bound
         lb, bn = lower_bound(plan, cluster)

@@ -13,7 +13,9 @@ random data and ``push()`` after each; then
       dequantize), runs it through the transformers model's own forward and compares its
       logits with the trainer's, within FP8 tolerance.
 
-Prints per-step push time and GB/s; ``--json`` prints one JSON object last.
+Prints per-step push time and GB/s; ``--json`` prints one JSON object last, with
+``simulated_s``: the simulator on the trainers' own plan, calibrated on this machine right
+after the run (``python -m wxfer calibrate --quick``; ``--no-simulate`` skips it).
 """
 from __future__ import annotations
 
@@ -275,7 +277,7 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
              ep: bool = False,
              batch: int = 4, seq: int = 64, lr: float = 1e-3, watermark: str = "256MiB",
              transport: str = "auto", trace_dir: str | None = None, timeout: float = 600.0,
-             log=print) -> dict:
+             log=print, simulate: bool = False) -> dict:
     import multiprocessing as mp
     import torch
     from datetime import timedelta
@@ -385,6 +387,13 @@ def run_demo(trainers: int | None = None, replicas: int = 2, tp: int = 2, steps:
             mismatches=[m for s in per_step for r in s["reports"] for m in r["mismatches"]][:20],
             receiver_regions=[(r["registration"]["params"], r["registration"]["regions"],
                                r["registration"]["register_mode"]) for r in per_step[0]["reports"]])
+        if simulate:      # the simulator on the trainers' own plan, calibrated here after the run (issue 15)
+            from .calibrate import simulate_measured
+            plan = control.decode_result(ctl.get("plan", "the trainers' plan"), "trainer rank 0 (controller)")
+            out.update(simulate_measured(plan, log=log))
+            out["simulated_vs_median"] = out["simulated_s"] / sorted(step_s)[len(step_s) // 2]
+            log("simulated %.3f s (bound by %s) against a median push of %.3f s"
+                % (out["simulated_s"], out["simulated_bound_by"], sorted(step_s)[len(step_s) // 2]))
         log("wxfer demo: %d trainers -> %d replicas x TP%d (%s%s%s), %s: %d bytes/step, best %.3f s "
             "(%.3f GB/s), bit-exact %s, logits %s%s, verified=%s"
             % (trainers, replicas, tp, "FP8" if fp8 else "BF16", ", CPU offload" if cpu_offload else "",
@@ -421,11 +430,13 @@ def main(argv) -> int:
     ap.add_argument("--trace-dir", default=None, help="write a Chrome trace per trainer rank here")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument("--no-simulate", action="store_true",
+                    help="skip calibrating this machine and simulating the plan (simulated_s)")
     args = ap.parse_args(argv)
     try:
         res = run_demo(args.trainers, args.replicas, args.tp, args.steps, args.fp8, args.cpu_offload, args.moe,
                        args.size, args.unchanged_step, ep=args.ep, watermark=args.watermark, transport=args.transport,
-                       trace_dir=args.trace_dir, timeout=args.timeout)
+                       trace_dir=args.trace_dir, timeout=args.timeout, simulate=not args.no_simulate)
     except Exception as e:  # noqa: BLE001
         print("wxfer demo: %s" % e, file=sys.stderr)
         if args.json:

@@ -1,0 +1,125 @@
+"""The simulator's calibrated terms (host per task / parameter / piece, quantizer and copy
+rates, per-call costs, fixed cost per push), the named calibrations, their JSON files and
+predict()."""
+import json
+
+import numpy as np
+import pytest
+
+from wxfer.meta import Calibration, Cluster
+from wxfer.plan import plan_for
+from wxfer.plan.calibrate import CALIBRATIONS, cluster_for, from_dict, get, load, predict, save
+from wxfer.plan.simulate import simulate
+
+FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5)     # links that cost ~nothing
+
+
+def _one(quant=None, **cal):
+    c = Cluster(train_gpus=1, infer_gpus=1, infer_tp=1, quant=quant, calibration=Calibration(**cal), **FAST)
+    return c, plan_for("qwen3-tiny", c)
+
+
+def test_host_time_per_parameter_adds_up_on_one_rank():
+    c, plan = _one(host_param_s=1e-3, pack_launch_s=0.0, quant_GBps=None)
+    r = simulate(plan, c, record=False)
+    nsrc = sum(len(t.sources) for t in plan.tasks)
+    assert r.simulated_s == pytest.approx(nsrc * 1e-3, rel=0.02)       # the host issues one task after another
+    assert r.bound_by == "host" and r.stage_busy_s["host"] == pytest.approx(nsrc * 1e-3)
+    c2, _ = _one(host_param_s=2e-3, pack_launch_s=0.0, quant_GBps=None)
+    assert simulate(plan, c2, record=False).simulated_s == pytest.approx(2 * r.simulated_s, rel=0.02)
+
+
+def test_host_per_task_and_per_piece():
+    c, plan = _one(host_param_s=0.0, host_task_s=1e-3, host_piece_s=1e-4, pack_launch_s=0.0, quant_GBps=None)
+    r = simulate(plan, c, record=False)
+    from wxfer.plan.simulate import _jobs
+    pieces = _jobs(plan, 1).pieces.sum()
+    assert r.simulated_s == pytest.approx(len(plan.tasks) * 1e-3 + pieces * 1e-4, rel=0.02)
+
+
+def test_a_slow_quantizer_bounds_an_fp8_push_and_not_a_bf16_one():
+    c, plan = _one("fp8", host_param_s=0.0, pack_launch_s=0.0, quant_GBps=0.1, copy_GBps=1e5)
+    r = simulate(plan, c, record=False)
+    from wxfer.plan.simulate import _jobs
+    jb = _jobs(plan, 1)
+    work = sum((plan.tasks[int(t)].src_bytes + p) / (0.1e9 if q else 1e14)
+               for t, p, q in zip(jb.task, jb.packed, jb.fp8))
+    assert jb.fp8.any() and not jb.fp8.all()                  # norms and embeddings stay BF16
+    assert r.simulated_s == pytest.approx(work, rel=0.02) and r.bound_by == "pack"
+    cb, pb = _one(None, host_param_s=0.0, pack_launch_s=0.0, quant_GBps=0.1, copy_GBps=1e5)
+    assert simulate(pb, cb, record=False).simulated_s < r.simulated_s / 50
+
+
+def test_launch_cost_per_piece_and_write_cost_per_transfer():
+    c, plan = _one(host_param_s=0.0, pack_launch_s=1e-3, quant_GBps=None)
+    from wxfer.plan.simulate import _jobs
+    jb = _jobs(plan, 1)
+    assert simulate(plan, c, record=False).simulated_s == pytest.approx(jb.pieces.sum() * 1e-3, rel=0.02)
+    c2, _ = _one(host_param_s=0.0, pack_launch_s=0.0, quant_GBps=None, write_call_s=1e-3)
+    # writes are posted after their task is packed: the last job's writes end the push
+    r2 = simulate(plan, c2, record=False)
+    assert int(jb.nwrites[-1]) * 1e-3 <= r2.simulated_s <= int(jb.nwrites.sum()) * 1e-3 + 1e-3
+
+
+def test_serial_stream_and_host_sync():
+    base = dict(host_param_s=1e-3, pack_launch_s=0.0, quant_GBps=0.5, copy_GBps=0.5)
+    c = Cluster(train_gpus=2, infer_gpus=2, infer_tp=2, gpus_per_node=2, dense_shard=2, nvlink_GBps=0.5,
+                nic_gbps=8000.0)
+    plan = plan_for("qwen3-tiny", c)
+    t = {}
+    for name, kw in (("pipelined", dict(serial=False)), ("serial", dict(serial=True)),
+                     ("sync", dict(serial=True, host_sync=True))):
+        t[name] = simulate(plan, Calibration(**base, **kw).apply(c), record=False).simulated_s
+    assert t["pipelined"] < t["serial"] < t["sync"]
+    # host_sync: the host waits for each gather and packing: the sum of all of them on the busiest rank
+    r = simulate(plan, Calibration(**base, serial=True, host_sync=True).apply(c), record=False)
+    b = r.stage_busy_s
+    assert r.simulated_s == pytest.approx(b["host"] + b["allgather"] + b["pack"], rel=0.05)
+
+
+def test_push_fixed_cost_is_added_once():
+    c, plan = _one(host_param_s=0.0, pack_launch_s=0.0, quant_GBps=None)
+    a = simulate(plan, c, record=False).simulated_s
+    c.calibration = Calibration(host_param_s=0.0, pack_launch_s=0.0, quant_GBps=None, push_fixed_s=0.25)
+    assert simulate(plan, c, record=False).simulated_s == pytest.approx(a + 0.25)
+
+
+def test_named_calibrations_and_the_default():
+    assert Cluster().cal == CALIBRATIONS["h200"] == Calibration()
+    assert Calibration().host_param_s == 0.25e-3 and Calibration().quant_GBps == 170.0
+    free = CALIBRATIONS["free-stage2"]
+    assert free.host_param_s == 0 and free.quant_GBps is None and not free.serial
+    assert get("h200-native").quant_GBps > 3000
+    with pytest.raises(ValueError, match="no such file"):
+        get("no-such-calibration")
+
+
+def test_json_round_trip_and_bad_values(tmp_path):
+    cal = Calibration(name="x", host_task_s=1e-4, write_GBps=3.5, host_sync=True)
+    p = tmp_path / "c.json"
+    save(cal, str(p), extra=dict(measured={"anything": 1}))
+    assert load(str(p)) == cal
+    d = json.loads(p.read_text())
+    d["quant_GBps"] = "fast"
+    with pytest.raises(ValueError, match="quant_GBps"):
+        from_dict(d)
+    d["quant_GBps"] = -1
+    with pytest.raises(ValueError, match="quant_GBps"):
+        from_dict(d)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not JSON"):
+        load(str(tmp_path / "bad.json"))
+
+
+def test_predict_uses_the_measured_rates():
+    c = Cluster(train_gpus=2, infer_gpus=4, infer_tp=2, gpus_per_node=2, dense_shard=2)
+    plan = plan_for("qwen3-tiny", c)
+    slow = Calibration(host_param_s=0.0, pack_launch_s=0.0, quant_GBps=None, write_GBps=0.01, allgather_GBps=100.0)
+    fast = Calibration(host_param_s=0.0, pack_launch_s=0.0, quant_GBps=None, write_GBps=1.0, allgather_GBps=100.0)
+    per_rank = np.bincount(plan.sender, plan.nbytes, 2).max()
+    assert predict(plan, slow) == pytest.approx(per_rank / 0.01e9, rel=0.05)
+    assert predict(plan, slow) > 50 * predict(plan, fast)
+    cl = cluster_for(plan, slow)
+    assert cl.write_GBps == 0.01 and cl.nvlink_GBps == 100.0 and cl.train_gpus == 2 and cl.infer_gpus == 4
+    r0 = predict(plan, slow, rank=0)
+    assert 0 < r0 <= predict(plan, slow) * 1.001

@@ -1,0 +1,126 @@
+"""Calibrations of the simulator: named sets, JSON files, and ``predict()``.
+
+A `wxfer.meta.Calibration` holds the per-task costs the simulator charges on top of the
+links (host work per task / parameter / piece, the quantizer and copy rates, per-call
+costs of the collective and of a write, a fixed cost per push) and, when measured on a
+machine, that machine's link rates.  ``python -m wxfer calibrate --json --out FILE``
+(wxfer.tools.calibrate) measures one; ``python -m wxfer plan --calibration FILE|NAME``
+and `Calibration` objects passed to `Cluster(calibration=...)` use it.
+
+    from wxfer.plan.calibrate import load, predict
+    cal = load("calib.json")                 # or a name of CALIBRATIONS
+    seconds = predict(plan, cal)             # the trainers' own plan, this machine's figures
+
+Pure Python (no torch, no native extension).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields, replace
+
+from ..meta import Calibration, Cluster
+
+# Named calibrations.  "h200" is the default (Calibration()); see its field comments.
+CALIBRATIONS: dict[str, Calibration] = {
+    "h200": Calibration(),
+    # the model before issue 15: stage 2 at memory speed (Cluster.mem_GBps), no host time, gathers
+    # and packs pipelined on separate streams; reproduces Kimi-K2 1.315 s / Qwen3-235B 0.594 s
+    "free-stage2": Calibration(name="free-stage2", host_task_s=0.0, host_param_s=0.0, host_piece_s=0.0,
+                               pack_launch_s=0.0, quant_GBps=None, copy_GBps=None, serial=False,
+                               source="the pre-issue-15 model: stage 2 free (memory speed, no host time)"),
+    # the one-pass block-FP8 kernel measured on one H200 (issue 13): 3.3 TB/s on 12288x4096,
+    # 3.6 TB/s on 128 grouped experts of 768x2048; 128 experts one launch each: 2.7 ms -> ~21 us per
+    # launch; host work still the per-parameter 0.25 ms of today's runtime
+    "h200-native": Calibration(name="h200-native", quant_GBps=3450.0, pack_launch_s=21e-6,
+                               source="one H200, issue 13: native one-pass FP8 kernel, today's host costs"),
+}
+
+
+def get(cal) -> Calibration:
+    """A Calibration from a Calibration, a name of CALIBRATIONS, a dict or a JSON file path."""
+    if isinstance(cal, Calibration):
+        return cal
+    if cal is None:
+        return Calibration()
+    if isinstance(cal, dict):
+        return from_dict(cal)
+    if isinstance(cal, str):
+        if cal in CALIBRATIONS:
+            return CALIBRATIONS[cal]
+        return load(cal)
+    raise TypeError(f"calibration must be a Calibration, a name ({sorted(CALIBRATIONS)}), a dict or a path, "
+                    f"got {type(cal).__name__}")
+
+
+def from_dict(d: dict) -> Calibration:
+    """The Calibration in a dict (what `to_dict` / ``calibrate --json`` write; unknown keys
+    such as the measurements' details are ignored, a wrong type is refused by name)."""
+    d = d.get("calibration", d)
+    kw = {}
+    for f in fields(Calibration):
+        if f.name not in d:
+            continue
+        v = d[f.name]
+        if f.name in ("name", "source"):
+            kw[f.name] = str(v)
+        elif f.name in ("serial", "host_sync", "cpu_shared"):
+            if not isinstance(v, bool):
+                raise ValueError(f"calibration field {f.name} must be true or false, got {v!r}")
+            kw[f.name] = v
+        elif v is None:
+            kw[f.name] = None
+        else:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"calibration field {f.name} must be a number >= 0, got {v!r}")
+            kw[f.name] = float(v)
+    return Calibration(**kw)
+
+
+def to_dict(cal: Calibration) -> dict:
+    return asdict(cal)
+
+
+def load(path: str) -> Calibration:
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"calibration {path!r}: no such file, and not a name of {sorted(CALIBRATIONS)}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"calibration file {path}: not JSON ({e})") from None
+    return from_dict(d)
+
+
+def save(cal: Calibration, path: str, extra: dict | None = None) -> None:
+    with open(path, "w") as f:
+        json.dump(dict(to_dict(cal), **(extra or {})), f, indent=1)
+
+
+def cluster_for(plan, cal, **kw) -> Cluster:
+    """A Cluster describing the machine a calibration was measured on, sized for `plan`:
+    the plan's trainers and receivers on one host (all-gathers at the measured all-gather
+    rate, writes at the measured write rate), `cal`'s costs.  `kw` overrides any field."""
+    cal = get(cal)
+    world = plan.train_world
+    ngpu = int(plan.gpu_of.max()) + 1
+    base = dict(train_gpus=world, infer_gpus=ngpu, infer_tp=plan.tp, infer_ep=plan.ep, quant=plan.quant,
+                gpus_per_node=max(world, ngpu, 1), dense_shard=world, expert_shard=1,
+                write_GBps=cal.write_GBps if cal.write_GBps is not None else 50.0)
+    base.update(kw)
+    return cal.apply(Cluster(**base))
+
+
+def predict(plan, calibration, rank: int | None = None, cluster: Cluster | None = None, steps: int = 400,
+            **cluster_kw) -> float:
+    """Seconds one push of `plan` takes, simulated with `calibration` (a Calibration, a name
+    or a JSON path) on the machine it describes (`cluster_for`), or on `cluster` (its link
+    rates, this calibration's costs).  rank: None for the whole push (the slowest trainer),
+    else when that trainer rank's last write lands (plus the per-push fixed cost)."""
+    from .simulate import simulate
+    cal = get(calibration)
+    c = cluster_for(plan, cal, **cluster_kw) if cluster is None else replace(cluster, calibration=cal)
+    r = simulate(plan, c, steps=steps, record=rank is not None)
+    if rank is None:
+        return float(r.simulated_s)
+    ends = [e for st, rk, _, _, e in r.timeline if rk == rank and st in ("write", "quant", "allgather")]
+    return float(max(ends, default=0.0)) + cal.push_fixed_s

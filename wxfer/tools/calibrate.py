@@ -1,0 +1,437 @@
+"""``python -m wxfer calibrate``: measure the simulator's figures on this machine.
+
+Measures, in well under a minute (``--quick``: a few seconds of work plus one helper
+process), on the GPU when torch.cuda is available, else on the CPU:
+
+- the FP8 quantizer (``wxfer.runtime.fp8.quantize_into`` when present, else the reference
+  ``wxfer.mapping.reference.quantize_fp8_block``): rate on a large tensor, cost per launch
+  on a 128 x 128 one; and the on-device copy rate (BF16 packing);
+- an all-gather between two processes (gloo on CPU; NCCL on GPUs, one per process, the
+  same GPU twice when there is only one): cost per call and bus rate;
+- writes through the transport the receivers would pick (fabric tcp on CPU, cuda_ipc on
+  GPUs) between two processes, with wxfer's own Transport and Engine: cost per write and rate;
+- the host cost of a task, from the trace of a short real push (a Sender and a Receiver
+  in this process, one trainer rank): per task / parameter / piece by least squares over
+  its tasks, and the push's fixed cost (before the first task, after the last write).
+
+Prints the calibration (``--json``: one JSON object last); ``--out FILE`` writes it for
+``python -m wxfer plan --calibration FILE`` and `wxfer.plan.calibrate.load`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+
+_TIMEOUT = 60.0
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        import torch
+        torch.cuda.synchronize(dev)
+
+
+def _timed(fn, dev, iters: int) -> float:
+    """Median seconds of fn() over `iters` runs after one warm-up."""
+    fn()
+    _sync(dev)
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+# --------------------------------------------------------------------------- quantizer, copy
+
+
+def _quantizer():
+    """(name, fn(bf16 2-D tensor)) of the quantizer the runtime uses."""
+    try:
+        from ..runtime import fp8 as _fp8          # the native one-pass kernel, where built
+        qi = _fp8.quantize_into
+    except Exception as e:  # noqa: BLE001 -- not there: the reference
+        why = f"wxfer.runtime.fp8.quantize_into unavailable ({type(e).__name__})"
+        qi = None
+    if qi is not None:
+        import torch
+        from ..mapping.reference import FP8_MAX  # noqa: F401 -- same definition
+
+        def native(w):
+            rows, cols = w.shape
+            q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
+            s = torch.empty((-(-rows // 128), -(-cols // 128)), dtype=torch.float32, device=w.device)
+            qi(w, q, s)
+            return q, s
+        try:
+            import torch
+            native(torch.ones(128, 128, dtype=torch.bfloat16))
+            return "wxfer.runtime.fp8.quantize_into", native
+        except Exception as e:  # noqa: BLE001
+            why = f"wxfer.runtime.fp8.quantize_into(src, fp8_out, scale_out) failed: {type(e).__name__}: {e}"
+    from ..mapping.reference import quantize_fp8_block
+    return "wxfer.mapping.reference.quantize_fp8_block (%s)" % why, quantize_fp8_block
+
+
+def measure_kernels(dev, quick: bool) -> dict:
+    import torch
+    name, q = _quantizer()
+    n = 1024 if quick else (2048 if dev.type == "cpu" else 8192)
+    w = torch.randn(n, n, device=dev).to(torch.bfloat16)
+    iters = 3 if quick else 7
+    t_big = _timed(lambda: q(w), dev, iters)
+    small = torch.randn(128, 128, device=dev).to(torch.bfloat16)
+    t_small = _timed(lambda: q(small), dev, iters * 4)
+    # t = launch + bytes / rate through the two sizes; bytes = BF16 read + FP8 written (as issue 13 counts)
+    b_big, b_small = w.numel() * 3, small.numel() * 3
+    rate = (b_big - b_small) / max(t_big - t_small, 1e-9)
+    launch = max(0.0, t_small - b_small / rate)
+    src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
+    # into fresh memory each time, as the packing does (one new buffer per task)
+    t_copy = _timed(lambda: torch.empty_like(src).copy_(src), dev, iters)
+    return dict(quantizer=name, quant_GBps=rate / 1e9, pack_launch_s=launch, copy_GBps=2 * src.numel() / t_copy / 1e9,
+                quant_shape=[n, n], quant_s=t_big, quant_small_s=t_small)
+
+
+# --------------------------------------------------------------------------- the helper process
+
+
+def _helper_main(conn, transport: str, opts: dict, size: int, device: str, ag: dict) -> None:
+    """Rank 1 of the all-gather, and the write target (registered memory, answers the handshake)."""
+    import torch
+    from wxfer import _wxfer
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        t = _wxfer.Transport(transport, opts)
+        buf = torch.zeros(size, dtype=torch.uint8, device=dev)
+        region = t.register(buf, export=True)
+        conn.send(("ready", t.export(), region.descriptor))
+    except Exception as e:  # noqa: BLE001 -- reported to the parent
+        conn.send(("error", "%s: %s" % (type(e).__name__, e)))
+        return
+    while conn.poll(_TIMEOUT):
+        msg = conn.recv()
+        if msg[0] == "accept":
+            conn.send(("reply", t.accept(msg[1])))
+        elif msg[0] == "allgather":
+            if t is not None:             # the writes are done: no transport threads during the all-gather
+                region.close()
+                t.close()
+                t = None
+            try:
+                _allgather_rank(1, ag, dev)
+                conn.send(("done",))
+            except Exception as e:  # noqa: BLE001
+                conn.send(("error", "%s: %s" % (type(e).__name__, e)))
+        elif msg[0] == "exit":
+            break
+    if t is not None:
+        region.close()
+        t.close()
+
+
+def _allgather_rank(rank: int, ag: dict, dev) -> dict:
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+    from ..runtime.prepare import all_gather_single
+    dist.init_process_group(ag["backend"], init_method="tcp://127.0.0.1:%d" % ag["port"], rank=rank, world_size=2,
+                            timeout=timedelta(seconds=_TIMEOUT))
+    try:
+        inps = {n: torch.ones(n, dtype=torch.uint8, device=dev) for n in ag["sizes"]}
+        times = {n: [] for n in ag["sizes"]}
+        dist.barrier()
+        for it in range(ag["iters"] + 1):
+            # rounds over every size, so that a burst of load elsewhere hits all sizes alike; each into a
+            # fresh output, as full_tensor() does
+            for n, inp in inps.items():
+                dist.barrier()                      # both ranks start together (not timed)
+                t0 = time.perf_counter()
+                all_gather_single(torch.empty(2 * n, dtype=torch.uint8, device=dev), inp)
+                _sync(dev)
+                if it:                              # round 0 is the warm-up
+                    times[n].append(time.perf_counter() - t0)
+        out = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def _expect(conn, what):
+    if not conn.poll(_TIMEOUT):
+        raise TimeoutError(f"calibrate: the helper process did not answer {what!r} within {_TIMEOUT:.0f} s")
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"calibrate: the helper process failed: {msg[1]}")
+    if msg[0] != what:
+        raise RuntimeError(f"calibrate: expected {what!r} from the helper, got {msg[0]!r}")
+    return msg
+
+
+def measure_links(dev, quick: bool) -> dict:
+    """Writes through the transport and an all-gather, against one helper process."""
+    import torch
+    from wxfer import _wxfer
+    from ..runtime import control
+    from ..runtime.receiver import transport_choice
+    from ..testing import stop_process
+    tname, opts = transport_choice("auto", dev.type)
+    size = (8 << 20) if quick else (64 << 20)
+    ngpu = torch.cuda.device_count() if dev.type == "cuda" else 0
+    hdev = "cuda:%d" % (1 % ngpu) if ngpu else "cpu"
+    sizes = [256, 256 << 10, 1 << 20, size // 2] if quick else [256, 64 << 10, 256 << 10, 1 << 20, 4 << 20, size // 2]
+    ag = dict(backend="nccl" if ngpu else "gloo", port=control.free_port(), sizes=sizes, iters=11 if quick else 21)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_helper_main, args=(child, tname, opts, size, hdev, ag), daemon=True)
+    proc.start()
+    out = dict(transport=tname, transport_options=opts, write_bytes=size, helper_device=hdev)
+    try:
+        _, blob, desc = _expect(parent, "ready")
+        t = _wxfer.Transport(tname, opts)
+        peer, req = t.connect_request(blob)
+        if req:
+            parent.send(("accept", req))
+            t.connect_finish(peer, _expect(parent, "reply")[1])
+        else:
+            t.connect_finish(peer, b"")
+        eng = _wxfer.Engine(t, timeout=_TIMEOUT)
+        src = torch.ones(size, dtype=torch.uint8, device=dev)
+        region = t.register(src, export=False)
+        iters = 3 if quick else 5
+
+        def write(dests):
+            eng.submit(region, dests, tag=0)
+            eng.wait(timeout=_TIMEOUT)
+        t_big = _timed(lambda: write([(desc, 0, 0, size)]), dev, iters)
+        nsmall = 256
+        small = [(desc, i * 4096, i * 4096, 4096) for i in range(nsmall)]
+        t_small = _timed(lambda: write(small), dev, iters)
+        rate = size / t_big
+        out.update(write_GBps=rate / 1e9, write_call_s=max(0.0, (t_small - nsmall * 4096 / rate) / nsmall),
+                   write_s=t_big, write_small_s=t_small, write_small_n=nsmall)
+        region.close()
+        eng.close()
+        t.close()
+        if dev.type == "cuda" and ngpu < 2:
+            # NCCL takes one rank per GPU; on one GPU the trainers' meshes have one rank (no collective)
+            out.update(allgather_backend="none (one GPU: NCCL needs a GPU per rank)", coll_call_s=0.0,
+                       allgather_GBps=None)
+            return out
+        # the all-gather: this process is rank 0, the helper rank 1
+        parent.send(("allgather",))
+        a = _allgather_rank(0, ag, dev)
+        _expect(parent, "done")
+        # t = per call + received bytes / bus rate (each of the 2 ranks receives the other's half);
+        # the simulator charges (k-1)/k of the gathered bytes at that rate
+        # per call: the smallest all-gather; the rate: the slope over the others
+        call = a[sizes[0]]
+        big = sizes[1:]
+        slope = sum(n * (a[n] - call) for n in big) / sum(n * n for n in big)
+        out.update(allgather_backend=ag["backend"], allgather_s={str(n): a[n] for n in sizes},
+                   coll_call_s=float(call), allgather_GBps=1.0 / max(float(slope), 1e-15) / 1e9)
+    finally:
+        stop_process(parent, proc)
+    return out
+
+
+# --------------------------------------------------------------------------- host cost of a task
+
+
+def _fit(rows, ys):
+    """Non-negative least squares by elimination: columns with a negative coefficient are
+    dropped and the rest refitted.  Returns one coefficient per column."""
+    import numpy as np
+    A = np.asarray(rows, float)
+    y = np.asarray(ys, float)
+    keep = list(range(A.shape[1]))
+    while keep:
+        coef, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
+        if (coef >= 0).all():
+            out = np.zeros(A.shape[1])
+            out[keep] = coef
+            return out
+        keep.pop(int(np.argmin(coef)))
+    return np.zeros(A.shape[1])
+
+
+def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None) -> dict:
+    """Host seconds per task and per parameter, and the fixed cost per push, fitted on the
+    engine's trace of `pushes` pushes of an existing `wxfer.Sender` (after one warm-up push).
+    A gap between two tasks' submissions is the second task's host work; on CPU (the
+    sender's device) it also holds the packing, subtracted at `copy_GBps`.  A benchmark can
+    call this on its own trainer rank and put the result into a Calibration."""
+    import time as _t
+    from ..runtime.sender import STAMP_TAG
+    cpu = sender.device.type == "cpu"
+    ops = {op.task: op for g in sender.program.groups for op in g}
+    samples, fixed, push_s = [], [], []
+    sender.push()                                         # warm-up
+    for _ in range(pushes):
+        sender.trace(clear=True)
+        t0 = _t.perf_counter_ns()
+        sender.push()
+        t1 = _t.perf_counter_ns()
+        recs = sorted((r for r in sender.trace() if r["tag"] != STAMP_TAG and r["tag"] in ops),
+                      key=lambda r: r["t_submit"])
+        if not recs:
+            continue
+        push_s.append((t1 - t0) / 1e9)
+        fixed.append(((recs[0]["t_submit"] - t0) + (t1 - max(r["t_done"] for r in recs))) / 1e9)
+        prev = t0
+        for r in recs:
+            op = ops[r["tag"]]
+            pieces = sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")
+            src = sum(p.numel() * p.element_size() for _, p in op.sources)
+            work = (src + op.nbytes) / (copy_GBps * 1e9) if cpu and copy_GBps else 0.0
+            samples.append(((1.0, len(op.sources), pieces), (r["t_submit"] - prev) / 1e9 - work))
+            prev = r["t_submit"]
+    if not samples:
+        raise RuntimeError("host_costs: the pushes traced no task of this rank")
+    # one receiver: a task's pieces follow its parameters (q, k, v: 3 and 3), so the per-piece
+    # cost cannot be told apart from the per-parameter one here: fitted as per task + per parameter
+    coef = list(_fit([s_[0][:2] for s_ in samples], [max(0.0, s_[1]) for s_ in samples])) + [0.0]
+    fixed.sort()
+    push_s.sort()
+    return dict(host_task_s=float(coef[0]), host_param_s=float(coef[1]), host_piece_s=float(coef[2]),
+                push_fixed_s=fixed[len(fixed) // 2], host_push_s=push_s[len(push_s) // 2],
+                host_tasks=len(ops), host_samples=len(samples))
+
+
+def measure_host(dev, kernels: dict, quick: bool) -> dict:
+    """Host seconds per task / parameter / piece and per push, from the trace of real pushes:
+    one trainer rank (a plain model) -> one receiver, in this process."""
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+    from ..models import TINY, Qwen3ForCausalLM, inference_params, preset_for
+    from ..runtime import control
+    from ..runtime.receiver import Receiver
+    from ..runtime.sender import Sender
+    from ..testing import in_thread
+    cfg = dict(TINY, num_hidden_layers=4)
+    port = control.free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=_TIMEOUT),
+                          wait_for_workers=False)
+    addr = "127.0.0.1:%d" % port
+    name = "calib%d" % os.getpid()
+    params = inference_params(cfg, 1, 0, None, device=dev)
+    th, box = in_thread(Receiver, params, mapping=preset_for(cfg).name, store=addr, replica=0, rank=0, tp=1,
+                        replicas=1, name=name, timeout=_TIMEOUT)
+    model = Qwen3ForCausalLM(cfg).to(dev)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    sender = Sender(model, mapping=preset_for(cfg), store=addr, name=name, timeout=_TIMEOUT, device=dev)
+    th.join(_TIMEOUT)
+    if "error" in box:
+        raise box["error"]
+    recv = box["value"]
+    try:
+        return host_costs(sender, 3 if quick else 8, kernels["copy_GBps"])
+    finally:
+        sender.close()
+        recv.close()
+
+
+# --------------------------------------------------------------------------- all of it
+
+
+def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
+    """(Calibration, details dict) measured here."""
+    import torch
+    from ..meta import Calibration
+    t0 = time.perf_counter()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+    else:
+        torch.set_num_threads(1)      # as the demo's trainers (and one rank per core) run
+    det = dict(device=str(dev), quick=quick)
+    det.update(measure_kernels(dev, quick))
+    log("calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s"
+        % (det["quant_GBps"], det["pack_launch_s"] * 1e6, det["copy_GBps"]))
+    try:
+        det.update(measure_host(dev, det, quick))
+        log("calibrate: host %.1f us per task + %.1f us per parameter + %.1f us per piece; %.2f ms per push"
+            % (det["host_task_s"] * 1e6, det["host_param_s"] * 1e6, det["host_piece_s"] * 1e6,
+               det["push_fixed_s"] * 1e3))
+    except Exception as e:  # noqa: BLE001 -- keep the rest; say why
+        det["host_error"] = f"{type(e).__name__}: {e}"
+        log("calibrate: host cost not measured: " + det["host_error"])
+    det.update(measure_links(dev, quick))
+    log("calibrate: %s writes %.2f GB/s, %.1f us per write; %s all-gather %s GB/s, %.1f us per call"
+        % (det["transport"], det["write_GBps"], det["write_call_s"] * 1e6, det["allgather_backend"],
+           "%.2f" % det["allgather_GBps"] if det["allgather_GBps"] else "-", det["coll_call_s"] * 1e6))
+    machine = "%s, %s, %d CPUs" % (platform.node(), platform.machine(), os.cpu_count() or 0)
+    if dev.type == "cuda":
+        machine += ", " + torch.cuda.get_device_name(dev)
+    if hasattr(os, "getloadavg"):
+        machine += ", load average %.1f" % os.getloadavg()[0]
+    keys = ("host_task_s", "host_param_s", "host_piece_s", "push_fixed_s")
+    host = {k: det[k] for k in keys if k in det}
+    cal = Calibration(
+        name="measured-" + dev.type, pack_launch_s=det["pack_launch_s"], quant_GBps=det["quant_GBps"],
+        copy_GBps=det["copy_GBps"], coll_call_s=det["coll_call_s"], write_call_s=det["write_call_s"],
+        serial=True, host_sync=dev.type == "cpu", cpu_shared=dev.type == "cpu", allgather_GBps=det["allgather_GBps"], write_GBps=det["write_GBps"],
+        source="measured by `python -m wxfer calibrate%s` on %s, %s%s" % (
+            " --quick" if quick else "", machine, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "; host costs not measured (%s): the h200 defaults" % det["host_error"] if "host_error" in det else ""),
+        **host)
+    det.update(machine=machine, calibrate_s=time.perf_counter() - t0)
+    return cal, det
+
+
+def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> dict:
+    """For a benchmark or the demo: simulate `plan` (a Plan or its bytes: the trainers' own) with
+    `calibration` (a Calibration, a name, a path) or, when None, one measured now on this
+    machine.  Returns dict(simulated_s, lower_bound_s, bound_by, calibration: its dict)."""
+    from ..plan import Plan
+    from ..plan.calibrate import cluster_for, get, to_dict
+    from ..plan.simulate import simulate
+    if isinstance(plan, (bytes, bytearray)):
+        plan = Plan.from_bytes(bytes(plan))
+    if calibration is None:
+        cal, det = measure(quick=quick, log=log)
+    else:
+        cal, det = get(calibration), {}
+    r = simulate(plan, cluster_for(plan, cal), steps=400, record=False)
+    return dict(simulated_s=r.simulated_s, simulated_lower_bound_s=r.lower_bound_s, simulated_bound_by=r.bound_by,
+                simulated_stage_busy_s=r.stage_busy_s, calibration=dict(to_dict(cal), measured=det))
+
+
+def main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="python -m wxfer calibrate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions (a few seconds)")
+    ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
+    ap.add_argument("--out", default=None, help="write the calibration (JSON) here")
+    ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    args = ap.parse_args(argv)
+    from ..plan.calibrate import save, to_dict
+    try:
+        cal, det = measure(args.quick, args.device, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
+    except Exception as e:  # noqa: BLE001
+        print("wxfer calibrate: %s: %s" % (type(e).__name__, e), file=sys.stderr)
+        return 1
+    if args.out:
+        save(cal, args.out, extra=dict(measured=det))
+    if args.json:
+        print(json.dumps(dict(to_dict(cal), measured=det)))
+    else:
+        for k, v in to_dict(cal).items():
+            print("%16s: %s" % (k, v))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
