@@ -66,17 +66,20 @@ def _quantizer():
         from ..mapping.reference import FP8_MAX  # noqa: F401 -- same definition
 
         def native(w):
+            # the packing's own call: fp8 bytes then the float32 scales, in one uint8 buffer
             rows, cols = w.shape
-            q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=w.device)
-            s = torch.empty((-(-rows // 128), -(-cols // 128)), dtype=torch.float32, device=w.device)
-            qi(w, q, s)
-            return q, s
+            nq = rows * cols
+            out = torch.empty(nq + 4 * (-(-rows // 128)) * (-(-cols // 128)), dtype=torch.uint8,
+                              device=w.device)
+            kind = qi(out, [(w, 0, nq)])
+            return out, kind
+        import torch
+        probe = torch.ones(128, 128, dtype=torch.bfloat16)
         try:
-            import torch
-            native(torch.ones(128, 128, dtype=torch.bfloat16))
+            native(probe)
             return "wxfer.runtime.fp8.quantize_into", native
         except Exception as e:  # noqa: BLE001
-            why = f"wxfer.runtime.fp8.quantize_into(src, fp8_out, scale_out) failed: {type(e).__name__}: {e}"
+            why = f"wxfer.runtime.fp8.quantize_into(out, jobs) failed: {type(e).__name__}: {e}"
     from ..mapping.reference import quantize_fp8_block
     return "wxfer.mapping.reference.quantize_fp8_block (%s)" % why, quantize_fp8_block
 
@@ -88,6 +91,8 @@ def measure_kernels(dev, quick: bool) -> dict:
     w = torch.randn(n, n, device=dev).to(torch.bfloat16)
     iters = 3 if quick else 7
     t_big = _timed(lambda: q(w), dev, iters)
+    if name == "wxfer.runtime.fp8.quantize_into":
+        name += " (%s)" % q(w)[1]          # which of its quantizers ran on this device
     small = torch.randn(128, 128, device=dev).to(torch.bfloat16)
     t_small = _timed(lambda: q(small), dev, iters * 4)
     # t = launch + bytes / rate through the two sizes; bytes = BF16 read + FP8 written (as issue 13 counts)
@@ -314,7 +319,7 @@ def measure_host(dev, kernels: dict, quick: bool) -> dict:
     import torch
     import torch.distributed as dist
     from datetime import timedelta
-    from ..models import TINY, Qwen3ForCausalLM, inference_params, preset_for
+    from ..models import TINY, inference_params, preset_for, train_model
     from ..runtime import control
     from ..runtime.receiver import Receiver
     from ..runtime.sender import Sender
@@ -328,7 +333,7 @@ def measure_host(dev, kernels: dict, quick: bool) -> dict:
     params = inference_params(cfg, 1, 0, None, device=dev)
     th, box = in_thread(Receiver, params, mapping=preset_for(cfg).name, store=addr, replica=0, rank=0, tp=1,
                         replicas=1, name=name, timeout=_TIMEOUT)
-    model = Qwen3ForCausalLM(cfg).to(dev)
+    model = train_model(cfg).to(dev)
     for p in model.parameters():
         p.requires_grad_(False)
     sender = Sender(model, mapping=preset_for(cfg), store=addr, name=name, timeout=_TIMEOUT, device=dev)
