@@ -329,3 +329,14 @@ def test_every_16_bit_pattern_against_many_scales(dev, dtype):
     t = torch.cat(tiles, 1).to(dtype).to(dev)
     jobs, n = _layout([t], 16, 16, 0)
     _run(dev, n, jobs)
+
+
+@pytest.mark.parametrize("npieces", [1, 8, 9])
+def test_table_in_the_launch_parameters_or_in_device_memory(dev, monkeypatch, npieces):
+    # <= 8 pieces travel in the launch's parameters, more in a device table; both give the
+    # reference bytes, and forcing the device table for a small launch does too
+    ts = [_data((130 + 7 * i, 260 - 5 * i), DTYPES[i % 3], dev, seed=60 + i) for i in range(npieces)]
+    jobs, n = _layout(ts, 1, 1, 1)
+    _run(dev, n, jobs)
+    monkeypatch.setattr(fp8, "_INLINE", 0)
+    _run(dev, n, jobs)

@@ -324,8 +324,17 @@ int wx_fp8_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes
     CUresult r;
     if (rc)
         return rc;
-    if (!out || !dev_pieces)
-        return wx_errf(-EINVAL, "fp8: null %s address", out ? "piece table" : "output");
+    struct {
+        wx_fp8_piece_t p[WX_FP8_INLINE]; /* the kernel's wx_fp8_inline */
+    } inl;
+    if (!out)
+        return wx_errf(-EINVAL, "fp8: null output address");
+    if (!dev_pieces && n > WX_FP8_INLINE)
+        return wx_errf(-EINVAL, "fp8: null piece table address with %d pieces (at most %d travel "
+                       "in the launch's parameters)", n, WX_FP8_INLINE);
+    memset(&inl, 0, sizeof inl);
+    if (!dev_pieces)
+        memcpy(inl.p, host, (size_t)n * sizeof *host);
     if ((rc = wx__device_fn(device, NULL, 0, &ctx, &fn, &sms, why, sizeof why)) != 0)
         return wx_errf(rc, "fp8 kernel unavailable: %s", why);
     nt = (int)ntiles;
@@ -336,7 +345,7 @@ int wx_fp8_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes
     cu->cuCtxGetCurrent(&prev);
     if (prev != ctx)
         cu->cuCtxSetCurrent(ctx);
-    void *args[] = {&dp, &n, &op, &nt};
+    void *args[] = {&dp, &n, &op, &nt, &inl};
     r = cu->cuLaunchKernel(fn, (unsigned)grid, 1, 1, 256, 1, 1, 0, (CUstream)(uintptr_t)stream,
                            args, NULL);
     if (prev != ctx)

@@ -316,8 +316,23 @@ __device__ __forceinline__ void wx_tile(const wx_fp8_piece &pc, wx_i64 tr, wx_i6
     }
 }
 
+/* Up to WX_INLINE pieces travel in the launch's parameters instead of a device table (no
+ * host-to-device copy for small launches: wx_fp8.c fills it when no table is given). */
+#define WX_INLINE 8
+struct wx_fp8_inline {
+    wx_fp8_piece p[WX_INLINE];
+};
+
+/* Read-only loads: through the non-coherent cache from global memory (G), plain ones from
+ * the __grid_constant__ parameter (generic addressing). */
+template <bool G, typename T> __device__ __forceinline__ T wx_ld(const T *p)
+{
+    return G ? __ldg(p) : *p;
+}
+
 /* The piece holding tile t: the last i with pieces[i].tile0 <= t (pieces[0].tile0 == 0),
  * found by the warp 32 candidates at a time. */
+template <bool G>
 __device__ __forceinline__ int wx_find_piece(const wx_fp8_piece *pieces, int n, wx_i64 t)
 {
     const int lane = threadIdx.x & 31;
@@ -325,7 +340,7 @@ __device__ __forceinline__ int wx_find_piece(const wx_fp8_piece *pieces, int n, 
     while (hi - lo > 1) {
         int step = (hi - lo + 31) / 32;
         int idx = lo + lane * step;
-        bool ok = idx < hi && __ldg(&pieces[idx].tile0) <= t;
+        bool ok = idx < hi && wx_ld<G>(&pieces[idx].tile0) <= t;
         wx_u32 b = __ballot_sync(0xffffffffu, ok);
         lo += (31 - __clz(b)) * step;
         hi = min(lo + step, hi);
@@ -333,29 +348,41 @@ __device__ __forceinline__ int wx_find_piece(const wx_fp8_piece *pieces, int n, 
     return lo;
 }
 
-/* The piece of tile t, read from the table. */
-__device__ __forceinline__ void wx_piece_of(const wx_fp8_piece *pieces, int n, wx_i64 t,
-                                            wx_fp8_piece &pc)
+template <bool G>
+__device__ __forceinline__ void wx_piece_read(const wx_fp8_piece *pieces, int n, wx_i64 t,
+                                              wx_fp8_piece &pc)
 {
-    const wx_fp8_piece *pp = &pieces[wx_find_piece(pieces, n, t)];
-    pc.src = __ldg(&pp->src);
-    pc.dtype = __ldg(&pp->dtype);
-    pc.ld = __ldg(&pp->ld);
-    pc.rows = __ldg(&pp->rows);
-    pc.cols = __ldg(&pp->cols);
-    pc.q_off = __ldg(&pp->q_off);
-    pc.s_off = __ldg(&pp->s_off);
-    pc.tile0 = __ldg(&pp->tile0);
+    const wx_fp8_piece *pp = &pieces[wx_find_piece<G>(pieces, n, t)];
+    pc.src = wx_ld<G>(&pp->src);
+    pc.dtype = wx_ld<G>(&pp->dtype);
+    pc.ld = wx_ld<G>(&pp->ld);
+    pc.rows = wx_ld<G>(&pp->rows);
+    pc.cols = wx_ld<G>(&pp->cols);
+    pc.q_off = wx_ld<G>(&pp->q_off);
+    pc.s_off = wx_ld<G>(&pp->s_off);
+    pc.tile0 = wx_ld<G>(&pp->tile0);
+}
+
+/* The piece of tile t, from the device table, or from the launch's parameters when the
+ * table pointer is null. */
+__device__ __forceinline__ void wx_piece_of(const wx_fp8_piece *pieces, const wx_fp8_inline &inl,
+                                            int n, wx_i64 t, wx_fp8_piece &pc)
+{
+    if (pieces)
+        wx_piece_read<true>(pieces, n, t, pc);
+    else
+        wx_piece_read<false>(inl.p, n, t, pc);
 }
 
 #if !WX_PERSIST
 extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
-    wx_fp8_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles)
+    wx_fp8_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles,
+                 const __grid_constant__ wx_fp8_inline inl)
 {
     __shared__ wx_u32 red[WX_WARPS];
     const wx_i64 t = blockIdx.x;
     wx_fp8_piece pc;
-    wx_piece_of(pieces, n, t, pc);
+    wx_piece_of(pieces, inl, n, t, pc);
     const wx_i64 cb = (pc.cols + WX_TILE - 1) / WX_TILE;
     const wx_i64 lt = t - pc.tile0, tr = lt / cb, tc = lt - tr * cb;
     if (pc.dtype == 0)
@@ -378,11 +405,11 @@ struct wx_job {
     int salign;    /* (dst | pitch) & 15: fp8 row starts aligned to 16 when 0 */
 };
 
-__device__ __forceinline__ void wx_job_of(const wx_fp8_piece *pieces, int n, wx_i64 t,
-                                          unsigned char *out, wx_job &j)
+__device__ __forceinline__ void wx_job_of(const wx_fp8_piece *pieces, const wx_fp8_inline &inl,
+                                          int n, wx_i64 t, unsigned char *out, wx_job &j)
 {
     wx_fp8_piece pc;
-    wx_piece_of(pieces, n, t, pc);
+    wx_piece_of(pieces, inl, n, t, pc);
     const wx_i64 cb = (pc.cols + WX_TILE - 1) / WX_TILE;
     const wx_i64 lt = t - pc.tile0, tr = lt / cb, tc = lt - tr * cb;
     const wx_i64 es = pc.dtype == 2 ? 4 : 2;
@@ -514,7 +541,8 @@ __device__ __forceinline__ void wx_run(const wx_job &j, const uint4 *v, wx_u32 *
  * the next 16-bit tile are loaded before the current one is reduced and stored, and the tile
  * after it is looked up once those loads are in flight. */
 extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
-    wx_fp8_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles)
+    wx_fp8_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles,
+                 const __grid_constant__ wx_fp8_inline inl)
 {
     __shared__ wx_u32 red[2][WX_WARPS];
     const wx_i64 g = gridDim.x;
@@ -523,11 +551,11 @@ extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
         return;
     wx_job cur, nxt;
     uint4 vc[WX_NCH], vn[WX_NCH];
-    wx_job_of(pieces, n, t, out, cur);
+    wx_job_of(pieces, inl, n, t, out, cur);
     if (cur.dt != 2)
         wx_load16(cur, vc);
     if (t + g < ntiles)
-        wx_job_of(pieces, n, t + g, out, nxt);
+        wx_job_of(pieces, inl, n, t + g, out, nxt);
     for (int it = 0;; it++, t += g) {
         const bool more = t + g < ntiles;
         if (more && nxt.dt != 2)
@@ -540,7 +568,7 @@ extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
         for (int c = 0; c < WX_NCH; c++)
             vc[c] = vn[c];
         if (t + 2 * g < ntiles)
-            wx_job_of(pieces, n, t + 2 * g, out, nxt);
+            wx_job_of(pieces, inl, n, t + 2 * g, out, nxt);
     }
 }
 #endif

@@ -16,6 +16,7 @@ import sys
 import threading
 
 _BLOCK = 128
+_INLINE = 8                       # pieces that travel in the launch's parameters (WX_FP8_INLINE)
 _CODES = None                     # torch dtype -> the kernel's dtype code
 _probed: dict = {}                # CUDA ordinal -> None (usable) or the reason it is not
 _lock = threading.Lock()
@@ -186,11 +187,16 @@ def _native(out, jobs) -> None:
         table.extend((t.data_ptr(), codes[t.dtype], ld, rows, cols,
                       -1 if qo is None else qo, -1 if so is None else so, tiles))
         tiles += -(-rows // _BLOCK) * -(-cols // _BLOCK)
+    stream = torch.cuda.current_stream(out.device)
+    if len(jobs) <= _INLINE:                         # the table travels in the launch's
+        _wxfer.fp8_launch(out.device.index, stream.cuda_stream, out.data_ptr(), out.numel(),
+                          table, 0)                  # parameters: no copy, no allocation
+        del keep
+        return
     host = torch.frombuffer(table, dtype=torch.int64)
     pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
     pinned.copy_(host)
     dev = pinned.to(out.device, non_blocking=True)   # stream-ordered; the host block is kept
-    stream = torch.cuda.current_stream(out.device)   # by torch until the copy ran
     _wxfer.fp8_launch(out.device.index, stream.cuda_stream, out.data_ptr(), out.numel(), table,
-                      dev.data_ptr())
+                      dev.data_ptr())                # by torch until the copy ran
     del keep, dev                                    # freed in stream order by the allocator
