@@ -5,6 +5,7 @@ experts, fused and TP-sliced pieces (one straddling the full tensor's block grid
 bfloat16 / float16 / float32 sources, unaligned offsets and many pieces in one launch.
 Bytes outside the pieces' outputs stay untouched. Needs a CUDA GPU of compute capability
 >= 8.9 and libnvrtc (the test fails, with the reason, when the native kernel is not used)."""
+import os
 import random
 
 import pytest
@@ -23,6 +24,9 @@ def dev():
     d = torch.device("cuda", torch.cuda.current_device())
     inf = fp8.info(d)
     assert inf["quantizer"] == "native", f"the native FP8 kernel is not used: {inf['reason']}"
+    # the kernel variant under test (WXFER_FP8_VARIANT, csrc/prepare/wx_fp8_kernel.cu) is the one compiled
+    assert inf["variant"] == (os.environ.get("WXFER_FP8_VARIANT", "").strip() or "v0")
+    print(f"fp8 kernel variant {inf['variant']}")
     return d
 
 

@@ -89,10 +89,10 @@ static struct {
     int state; /* 0 not tried, 1 ready, -1 failed */
 } wx__devs[WX__MAX_DEV];
 
-/* The kernel variant (WXFER_FP8_VARIANT=v0..v3, default v0; wx_fp8_kernel.cu lists them) and
+/* The kernel variant (WXFER_FP8_VARIANT=v0..v4, default v0; wx_fp8_kernel.cu lists them) and
  * its CTAs per SM (WXFER_FP8_MINB, else the variant's default), read once: the compiled
  * binary and the loaded modules keep them for the life of the process. */
-#define WX__NVARIANT 4
+#define WX__NVARIANT 5
 static int wx__variant = -1, wx__minb;
 
 static int wx__variant_of(char *why, size_t why_len)
@@ -122,7 +122,7 @@ static int wx__variant_of(char *why, size_t why_len)
 /* CTAs per SM of the persistent variants' grid: what the kernel's launch bounds allow. */
 static int wx__ctas_per_sm(void)
 {
-    return wx__minb > 0 ? wx__minb : 2;
+    return wx__minb > 0 ? wx__minb : wx__variant >= 4 ? 1 : 2; /* the kernel's WX_MINB */
 }
 
 /* The kernel compiled for compute capability cc (once per architecture). */

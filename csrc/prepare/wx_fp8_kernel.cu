@@ -40,18 +40,24 @@ struct wx_fp8_piece {
  *   1  0 with the fast exact division of 16-bit sources (wx_div_fast);
  *   2  1 on a persistent grid (SMs x WX_MINB CTAs, each looping over tiles), the next tile's
  *      16-bit chunks loaded before the current tile is reduced, quantized and stored;
- *   3  2 with 16 contiguous elements per thread and row: one 16-byte fp8 store each. */
+ *   3  2 with 16 contiguous elements per thread and row: one 16-byte fp8 store each;
+ *   4  3 with the loop unrolled twice over two alternating buffers (no register copies, the
+ *      loads of the tile after next issued before the next tile's chunks are used); one CTA
+ *      per SM by default (186 registers; with 2 it spills). */
 #ifndef WX_VARIANT
 #define WX_VARIANT 0
 #endif
 #define WX_FASTDIV (WX_VARIANT >= 1)
 #define WX_PERSIST (WX_VARIANT >= 2)
 #define WX_K (WX_VARIANT >= 3 ? 2 : 1) /* adjacent 16-byte source chunks per thread and row */
+#define WX_ALT (WX_VARIANT >= 4) /* the persistent loop alternates two buffers (no copies) */
 
 #define WX_TILE 128
 #define WX_THREADS 256
 #ifndef WX_MINB
-#if WX_PERSIST
+#if WX_ALT
+#define WX_MINB 1 /* two tiles of 16-bit chunks and two jobs in registers: 186 registers */
+#elif WX_PERSIST
 #define WX_MINB 2 /* two tiles of 16-bit chunks in registers per thread */
 #else
 #define WX_MINB 4 /* CTAs per SM the register budget allows (wx_fp8.c may set it) */
@@ -537,6 +543,7 @@ __device__ __forceinline__ void wx_run(const wx_job &j, const uint4 *v, wx_u32 *
         wx_tile32(j, red);
 }
 
+#if !WX_ALT
 /* Persistent grid: CTA b takes tiles b, b + G, b + 2G, ... (G = gridDim.x). The chunks of
  * the next 16-bit tile are loaded before the current one is reduced and stored, and the tile
  * after it is looked up once those loads are in flight. */
@@ -571,4 +578,51 @@ extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
             wx_job_of(pieces, inl, n, t + 2 * g, out, nxt);
     }
 }
+#else
+/* One step of the persistent loop at tile t (job cur, chunks vc), the next tile t + g being
+ * job nxt: load nxt's chunks into vn, quantize cur, then make cur the job of tile t + 2g.
+ * The loop alternates the two buffers (no register copies), so the loads of the tile after
+ * next are issued before the next tile's chunks are first used. False: t was the last. */
+__device__ __forceinline__ bool wx_step(const wx_fp8_piece *pieces, const wx_fp8_inline &inl,
+                                        int n, unsigned char *out, wx_i64 ntiles, wx_i64 g,
+                                        wx_i64 &t, int it, wx_job &cur, uint4 *vc, wx_job &nxt,
+                                        uint4 *vn, wx_u32 (*red)[WX_WARPS])
+{
+    const bool more = t + g < ntiles;
+    if (more && nxt.dt != 2)
+        wx_load16(nxt, vn);
+    wx_run(cur, vc, red[it & 1]);
+    if (!more)
+        return false;
+    if (t + 2 * g < ntiles)
+        wx_job_of(pieces, inl, n, t + 2 * g, out, cur);
+    t += g;
+    return true;
+}
+
+/* Persistent grid, two buffers alternating (variant 4). */
+extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
+    wx_fp8_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles,
+                 const __grid_constant__ wx_fp8_inline inl)
+{
+    __shared__ wx_u32 red[2][WX_WARPS];
+    const wx_i64 g = gridDim.x;
+    wx_i64 t = blockIdx.x;
+    if (t >= ntiles)
+        return;
+    wx_job a, b;
+    uint4 va[WX_NCH], vb[WX_NCH];
+    wx_job_of(pieces, inl, n, t, out, a);
+    if (a.dt != 2)
+        wx_load16(a, va);
+    if (t + g < ntiles)
+        wx_job_of(pieces, inl, n, t + g, out, b);
+    for (int it = 0;; it += 2) {
+        if (!wx_step(pieces, inl, n, out, ntiles, g, t, it, a, va, b, vb, red))
+            break;
+        if (!wx_step(pieces, inl, n, out, ntiles, g, t, it + 1, b, vb, a, va, red))
+            break;
+    }
+}
+#endif
 #endif
