@@ -172,6 +172,16 @@ def _reference(out, jobs) -> None:
             out[so:so + s.numel() * 4].copy_(s.view(-1).view(torch.uint8))
 
 
+def _raw_stream(device) -> int:
+    """The current CUDA stream of `device` as a CUstream value (torch's private raw getter
+    when it has one: no Stream object per call)."""
+    torch = _torch()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _native(out, jobs) -> None:
     from .. import _wxfer
     torch = _torch()
@@ -191,9 +201,9 @@ def _native(out, jobs) -> None:
         table.extend((t.data_ptr(), codes[t.dtype], ld, rows, cols,
                       -1 if qo is None else qo, -1 if so is None else so, tiles))
         tiles += -(-rows // _BLOCK) * -(-cols // _BLOCK)
-    stream = torch.cuda.current_stream(out.device)
+    stream = _raw_stream(out.device)
     if len(jobs) <= _INLINE:                         # the table travels in the launch's
-        _wxfer.fp8_launch(out.device.index, stream.cuda_stream, out.data_ptr(), out.numel(),
+        _wxfer.fp8_launch(out.device.index, stream, out.data_ptr(), out.numel(),
                           table, 0)                  # parameters: no copy, no allocation
         del keep
         return
@@ -201,6 +211,6 @@ def _native(out, jobs) -> None:
     pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
     pinned.copy_(host)
     dev = pinned.to(out.device, non_blocking=True)   # stream-ordered; the host block is kept
-    _wxfer.fp8_launch(out.device.index, stream.cuda_stream, out.data_ptr(), out.numel(), table,
+    _wxfer.fp8_launch(out.device.index, stream, out.data_ptr(), out.numel(), table,
                       dev.data_ptr())                # by torch until the copy ran
     del keep, dev                                    # freed in stream order by the allocator
