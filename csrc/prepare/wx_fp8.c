@@ -89,10 +89,10 @@ static struct {
     int state; /* 0 not tried, 1 ready, -1 failed */
 } wx__devs[WX__MAX_DEV];
 
-/* The kernel variant (WXFER_FP8_VARIANT=v0..v4, default v0; wx_fp8_kernel.cu lists them) and
+/* The kernel variant (WXFER_FP8_VARIANT=v0..v5, default v0; wx_fp8_kernel.cu lists them) and
  * its CTAs per SM (WXFER_FP8_MINB, else the variant's default), read once: the compiled
  * binary and the loaded modules keep them for the life of the process. */
-#define WX__NVARIANT 5
+#define WX__NVARIANT 6
 static int wx__variant = -1, wx__minb;
 
 static int wx__variant_of(char *why, size_t why_len)
@@ -339,15 +339,15 @@ int wx_fp8_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes
         return wx_errf(rc, "fp8 kernel unavailable: %s", why);
     nt = (int)ntiles;
     grid = ntiles; /* one CTA per tile; persistent variants (v2+): as many as stay resident */
-    if (wx__variant >= 2 && grid > (uint64_t)sms * (uint64_t)wx__ctas_per_sm())
+    if (wx__variant >= 2 && wx__variant <= 4 && grid > (uint64_t)sms * (uint64_t)wx__ctas_per_sm())
         grid = (uint64_t)sms * (uint64_t)wx__ctas_per_sm();
     cu = wx_cuda(NULL, 0);
     cu->cuCtxGetCurrent(&prev);
     if (prev != ctx)
         cu->cuCtxSetCurrent(ctx);
     void *args[] = {&dp, &n, &op, &nt, &inl};
-    r = cu->cuLaunchKernel(fn, (unsigned)grid, 1, 1, 256, 1, 1, 0, (CUstream)(uintptr_t)stream,
-                           args, NULL);
+    r = cu->cuLaunchKernel(fn, (unsigned)grid, 1, 1, wx__variant == 5 ? 128 : 256, 1, 1, 0,
+                           (CUstream)(uintptr_t)stream, args, NULL); /* the kernel's WX_THREADS */
     if (prev != ctx)
         cu->cuCtxSetCurrent(prev);
     if (r != CUDA_SUCCESS)

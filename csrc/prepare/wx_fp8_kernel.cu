@@ -43,17 +43,18 @@ struct wx_fp8_piece {
  *   3  2 with 16 contiguous elements per thread and row: one 16-byte fp8 store each;
  *   4  3 with the loop unrolled twice over two alternating buffers (no register copies, the
  *      loads of the tile after next issued before the next tile's chunks are used); one CTA
- *      per SM by default (186 registers; with 2 it spills). */
+ *      per SM by default (180 registers; with 2 it spills);
+ *   5  1 with 128 threads per tile, each holding 128 elements (16 chunks) of a 16-bit tile. */
 #ifndef WX_VARIANT
 #define WX_VARIANT 0
 #endif
 #define WX_FASTDIV (WX_VARIANT >= 1)
-#define WX_PERSIST (WX_VARIANT >= 2)
+#define WX_PERSIST (WX_VARIANT >= 2 && WX_VARIANT <= 4)
 #define WX_K (WX_VARIANT >= 3 ? 2 : 1) /* adjacent 16-byte source chunks per thread and row */
-#define WX_ALT (WX_VARIANT >= 4) /* the persistent loop alternates two buffers (no copies) */
+#define WX_ALT (WX_VARIANT == 4) /* the persistent loop alternates two buffers (no copies) */
 
 #define WX_TILE 128
-#define WX_THREADS 256
+#define WX_THREADS (WX_VARIANT == 5 ? 128 : 256) /* wx_fp8.c launches as many */
 #ifndef WX_MINB
 #if WX_ALT
 #define WX_MINB 1 /* two tiles of 16-bit chunks and two jobs in registers: 186 registers */
