@@ -10,8 +10,9 @@
  * amax = max |w| in float32 (NaN propagates), scale = max(amax, 1e-12f) / 448 (IEEE
  * division), q = clamp(w / scale, -448, 448) rounded to float8_e4m3fn, nearest-even.
  *
- * Variant 0 (the others are listed below): one CTA of 256 threads per tile. A thread owns 64 elements: NP chunks of 16 bytes
- * (8 bf16/fp16 or 4 float32), chunk c of pass p at row p*RPP + tid/CPR, column
+ * Variant 0 (the others are listed below): one CTA of 256 threads per tile. A thread owns
+ * 64 elements: NP chunks of 16 bytes (8 bf16/fp16 or 4 float32), chunk c of pass p at row
+ * p*RPP + tid/CPR, column
  * (tid%CPR)*VEC of the tile, so that a warp reads 512 contiguous bytes per pass. The amax
  * is taken on the raw bits (|x| of IEEE formats orders like an unsigned integer, NaN above
  * inf), reduced by warp and through shared memory. 16-bit sources stay in registers for the
