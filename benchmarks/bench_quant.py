@@ -14,10 +14,14 @@ counted the same way (read + written). Every figure is the median of --reps repe
 
   python3 benchmarks/bench_quant.py [--json] [--reps 5] [--iters 20] [--native-only]
   python3 benchmarks/bench_quant.py --minb 2,3,4,5   # the native kernel compiled for n CTAs/SM
+  python3 benchmarks/bench_quant.py --variants v0,v1,v2,v3,v2:3   # kernel variants (children)
   python3 benchmarks/bench_quant.py --dry-run      # CPU, small shapes (CI)
 
-WXFER_FP8_MINB=<n> compiles the kernel for n CTAs per SM (register budget; default 4);
---minb runs one child process per value (the kernel is compiled once per process).
+WXFER_FP8_MINB=<n> compiles the kernel for n CTAs per SM (register budget; default 4, 2 for
+the persistent variants); --minb runs one child process per value (the kernel is compiled
+once per process). WXFER_FP8_VARIANT=v<n> picks a kernel variant (csrc/prepare/
+wx_fp8_kernel.cu lists them; default v0); --variants runs one child per variant (v<n>:<minb>
+also sets WXFER_FP8_MINB), each checking its bytes against the reference, and prints one table.
 """
 import argparse
 import json
@@ -77,12 +81,16 @@ def layout(ts):
     return [tuple(j) for j in jobs], off
 
 
-def quantize(out, jobs, quantizer):
+def quantize(out, groups, quantizer):
+    """One fp8.quantize_into call per group of jobs, WXFER_FP8 set to `quantizer` around all
+    of them (not per call: the environment update is no part of a call's cost)."""
     from wxfer.runtime import fp8
     old = os.environ.get("WXFER_FP8")
     os.environ["WXFER_FP8"] = quantizer
     try:
-        return fp8.quantize_into(out, jobs)
+        for g in groups:
+            kind = fp8.quantize_into(out, g)
+        return kind
     finally:
         if old is None:
             del os.environ["WXFER_FP8"]
@@ -90,8 +98,9 @@ def quantize(out, jobs, quantizer):
             os.environ["WXFER_FP8"] = old
 
 
-def run_case(name, ts, calls, dev, quantizers, iters, reps):
-    """Rows for one case: ts the source tensors, calls how to split them into calls."""
+def run_case(name, ts, calls, dev, quantizers, iters, reps, check=False):
+    """Rows for one case: ts the source tensors, calls how to split them into calls. check:
+    also quantize once (untimed) with the reference and compare every byte."""
     import torch
     jobs, nbytes = layout(ts)
     groups = [jobs] if calls == 1 else [[j] for j in jobs]
@@ -102,8 +111,7 @@ def run_case(name, ts, calls, dev, quantizers, iters, reps):
 
     def fn_for(q):
         def fn():
-            for g in groups:
-                ran[q] = quantize(out[q], g, q)
+            ran[q] = quantize(out[q], groups, q)
         return fn
     src = torch.cat([t.reshape(-1) for t in ts])
     dst = torch.empty_like(src)
@@ -118,6 +126,10 @@ def run_case(name, ts, calls, dev, quantizers, iters, reps):
                          pieces=len(jobs), bytes_moved=moved, ms=round(s * 1e3, 4), GBps=round(gbps, 3),
                          copy_ms=round(copy_s * 1e3, 4), copy_GBps=round(copy_gbps, 3),
                          vs_copy=round(gbps / copy_gbps, 3)))
+    if check and "reference" not in quantizers:
+        out["reference"] = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        fn_for("reference")()
+        quantizers = ["reference"] + list(quantizers)
     if len(quantizers) > 1:
         same = all(torch.equal(out[quantizers[0]], out[q]) for q in quantizers[1:])
         for r in rows:
@@ -133,9 +145,14 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--native-only", action="store_true", help="skip the (slow) reference")
     ap.add_argument("--minb", help="comma-separated CTAs-per-SM values to compare (child processes)")
+    ap.add_argument("--variants", help="comma-separated kernel variants v<n>[:<minb>] to compare "
+                    "(child processes; each checked byte for byte against the reference)")
+    ap.add_argument("--check-only-native", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.minb:
         return sweep_minb(a)
+    if a.variants:
+        return sweep_variants(a)
     import torch
     from wxfer.runtime import fp8
     if a.dry_run:
@@ -149,15 +166,17 @@ def main(argv=None):
     inf = fp8.info(dev)
     quantizers = ([] if a.native_only and inf["quantizer"] == "native" else ["reference"]) + \
         (["native"] if inf["quantizer"] == "native" else [])
+    chk = a.check_only_native
     g = torch.Generator(device="cpu").manual_seed(0)
     dense = torch.randn(*shapes["dense"], generator=g).to(torch.bfloat16).to(dev)
     experts = torch.randn(*shapes["experts"], generator=g).to(torch.bfloat16).to(dev)
     ex = [experts[e] for e in range(experts.shape[0])]
     rows = []
-    rows += run_case("dense %dx%d" % shapes["dense"], [dense], 1, dev, quantizers, a.iters, a.reps)
-    rows += run_case("experts %dx%dx%d, one call" % shapes["experts"], ex, 1, dev, quantizers, a.iters, a.reps)
+    rows += run_case("dense %dx%d" % shapes["dense"], [dense], 1, dev, quantizers, a.iters, a.reps, chk)
+    rows += run_case("experts %dx%dx%d, one call" % shapes["experts"], ex, 1, dev, quantizers, a.iters, a.reps,
+                     chk)
     rows += run_case("experts %dx%dx%d, call per expert" % shapes["experts"], ex, len(ex), dev, quantizers,
-                     max(1, a.iters // 4), a.reps)
+                     max(1, a.iters // 4), a.reps, chk)
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none (CPU dry run)"
     print(f"bench_quant on {platform.node()}, {gpu}; native quantizer: {inf['quantizer']} ({inf['reason']})")
     print("| case | quantizer | launches | ms | effective GB/s | on-device copy GB/s | vs copy |")
@@ -169,7 +188,8 @@ def main(argv=None):
         print("bench_quant: the native bytes differ from the reference", file=sys.stderr)
     if a.json:
         print(json.dumps(dict(bench="quant", machine=platform.node(), gpu=gpu, torch=torch.__version__,
-                              dry_run=a.dry_run, native=inf, results=rows)))
+                              dry_run=a.dry_run, native=inf, variant=os.environ.get("WXFER_FP8_VARIANT", "v0"),
+                              minb=os.environ.get("WXFER_FP8_MINB", ""), results=rows)))
     return 1 if any(r.get("identical") is False for r in rows) else 0
 
 
@@ -195,6 +215,57 @@ def sweep_minb(a):
     if a.json:
         print(json.dumps(dict(bench="quant-minb", machine=platform.node(), gpu=gpu, results=rows)))
     return 0
+
+
+def sweep_variants(a):
+    """The native rows of each kernel variant (v<n>[:<minb>]), one child process each, every
+    case's bytes compared with the reference's (quantized once, untimed) in that child."""
+    import re
+    specs = [v.strip() for v in a.variants.split(",") if v.strip()]
+    for v in specs:
+        if not re.fullmatch(r"v\d+(:\d+)?", v):
+            sys.exit(f"bench_quant: --variants {v!r}: expected v<n> or v<n>:<CTAs per SM>")
+    rows, gpu, bad = [], None, []
+    for v in specs:
+        name, _, minb = v.partition(":")
+        env = dict(os.environ, WXFER_FP8_VARIANT=name)
+        env.pop("WXFER_FP8_MINB", None)
+        if minb:
+            env["WXFER_FP8_MINB"] = minb
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--native-only", "--check-only-native",
+               "--reps", str(a.reps), "--iters", str(a.iters)] + (["--dry-run"] if a.dry_run else [])
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if p.returncode != 0 and not p.stdout.strip().endswith("}"):
+            print(f"bench_quant: variant {v} failed:\n" + p.stdout[-2000:] + p.stderr[-2000:], file=sys.stderr)
+            bad.append(v)
+            continue
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        gpu = res["gpu"]
+        if res.get("variant") != name or res.get("minb") != minb:
+            print(f"bench_quant: variant {v}: the child ran {res.get('variant')}:{res.get('minb')}", file=sys.stderr)
+            bad.append(v)
+            continue
+        if not a.dry_run and res["native"]["quantizer"] != "native":
+            print(f"bench_quant: variant {v}: the native kernel did not run: {res['native']['reason']}",
+                  file=sys.stderr)
+            bad.append(v)
+            continue
+        want = "reference" if a.dry_run else "native"
+        rows += [dict(r, variant=v) for r in res["results"] if r["quantizer"] == want]
+    print(f"bench_quant --variants on {platform.node()}, {gpu}")
+    print("| case | variant | ms | effective GB/s | vs copy | identical to the reference |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['variant']} | {r['ms']:.3f} | {r['GBps']:.1f} | {r['vs_copy']:.3f} | "
+              f"{r.get('identical')} |")
+    if a.json:
+        print(json.dumps(dict(bench="quant-variants", machine=platform.node(), gpu=gpu, dry_run=a.dry_run,
+                              failed=bad, results=rows)))
+    differ = [r for r in rows if r.get("identical") is False]
+    if differ:
+        print("bench_quant: bytes differ from the reference: " +
+              ", ".join(sorted({r["variant"] for r in differ})), file=sys.stderr)
+    return 1 if bad or differ else 0
 
 
 if __name__ == "__main__":

@@ -145,3 +145,16 @@ def test_sender_stats_report_the_quantizer():
     fp8.quantize_into(torch.zeros(64, dtype=torch.uint8), [(torch.ones(4, 4), 0, 16)])
     d = _quantizer_stats(torch.device("cpu"))
     assert d["quantizer"] == "reference" and d["reference_calls"] >= 1
+
+
+def test_launch_without_a_device_table_takes_at_most_8_pieces():
+    # up to 8 pieces travel in the launch's parameters (device table address 0); more need a
+    # device table: refused before any CUDA call, naming the count
+    tab, tiles = [], 0
+    for i in range(9):
+        tab += _piece(rows=128, cols=128, q=i * 16384, s=-1, tile0=tiles)
+        tiles += 1
+    with pytest.raises(_wx.Error, match="null piece table address with 9 pieces \\(at most 8"):
+        _wx.fp8_launch(0, 0, 0x20000, 9 * 16384, array.array("q", tab), 0)
+    with pytest.raises(_wx.Error, match="null output address"):
+        _wx.fp8_launch(0, 0, 0, 9 * 16384, array.array("q", tab), 0)

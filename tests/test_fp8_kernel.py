@@ -5,6 +5,7 @@ experts, fused and TP-sliced pieces (one straddling the full tensor's block grid
 bfloat16 / float16 / float32 sources, unaligned offsets and many pieces in one launch.
 Bytes outside the pieces' outputs stay untouched. Needs a CUDA GPU of compute capability
 >= 8.9 and libnvrtc (the test fails, with the reason, when the native kernel is not used)."""
+import os
 import random
 
 import pytest
@@ -23,6 +24,9 @@ def dev():
     d = torch.device("cuda", torch.cuda.current_device())
     inf = fp8.info(d)
     assert inf["quantizer"] == "native", f"the native FP8 kernel is not used: {inf['reason']}"
+    # the kernel variant under test (WXFER_FP8_VARIANT, csrc/prepare/wx_fp8_kernel.cu) is the one compiled
+    assert inf["variant"] == (os.environ.get("WXFER_FP8_VARIANT", "").strip() or "v0")
+    print(f"fp8 kernel variant {inf['variant']}")
     return d
 
 
@@ -250,3 +254,93 @@ def test_pack_into_on_cuda_one_launch_per_task_equals_the_cpu_packing(dev, monke
     assert launches == [3]
     want = pack_task(shards, {k: v.cpu() for k, v in fulls.items()})
     assert torch.equal(got.cpu(), want)
+
+
+def _edge_tiles(dtype, seed):
+    """A 384x512 tensor whose 128x128 tiles stress the division (variant v1+ divides 16-bit
+    sources by multiplying with rcp.rn(scale) and one fma correction): random bit patterns of
+    every finite magnitude (subnormals included), exact e4m3 ties and their float neighbours
+    under power-of-two scales, tiles below the 1e-12 amax floor, subnormal-only tiles, signed
+    zeros inside non-zero tiles, amax at the format's largest finite value."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = torch.empty(384, 512, dtype=torch.float32)
+    ib = {torch.bfloat16: (torch.int16, 0x7f80), torch.float16: (torch.int16, 0x7c00),
+          torch.float32: (torch.int32, 0x7f800000)}[dtype]
+    nbits = 16 if dtype != torch.float32 else 32
+
+    def rand_bits(n):
+        hi = 1 << (nbits - 1)
+        b = torch.randint(-hi, hi, (n,), generator=g, dtype=torch.int64)
+        b = torch.where((b & ib[1]) == ib[1], b & ~(1 << (nbits - 2)), b)   # no inf / NaN
+        return b.to(ib[0]).view(dtype).float()
+    # tiles (row block, col block): 0,* random bits; 1,0 ties; 1,1 below the floor; 1,2 subnormals; ...
+    for c in range(4):
+        w[:128, c * 128:(c + 1) * 128] = rand_bits(128 * 128).view(128, 128)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # +0 .. 448
+    mids = (e4m3[1:] + e4m3[:-1]) / 2                                                    # exact ties
+    k = 2.0 ** -3 if dtype == torch.float16 else 2.0 ** 20
+    vals = torch.cat([mids, e4m3, torch.tensor([448.0])]) * k       # amax 448 k: the scale is k
+    tie = vals[torch.randint(0, vals.numel(), (128 * 128,), generator=g)]
+    tie = tie * torch.where(torch.rand(128 * 128, generator=g) < 0.5, -1.0, 1.0)
+    tie[:3] = torch.tensor([448.0 * k, -448.0 * k, 0.0])
+    w[128:256, 0:128] = tie.view(128, 128)
+    tiny = 1e-13 if dtype != torch.float16 else 0.0
+    w[128:256, 128:256] = torch.randn(128, 128, generator=g) * tiny
+    sub = {torch.bfloat16: 1e-39, torch.float16: 3e-6, torch.float32: 1e-40}[dtype]
+    w[128:256, 256:384] = torch.randn(128, 128, generator=g) * sub
+    mixed = torch.randn(128, 128, generator=g)
+    mixed[::3, ::2] = -0.0
+    mixed[1::5] *= sub
+    w[128:256, 384:512] = mixed
+    fmax = torch.finfo(dtype).max
+    big = torch.randn(128, 512, generator=g).clamp(-4, 4) * (fmax / 4)
+    big[0, :: 128] = fmax
+    big[1, 1:: 128] = -fmax
+    w[256:384] = big
+    t = w.to(dtype)
+    if dtype != torch.float32:
+        t[128:256, 0:128] = tie.view(128, 128).to(dtype)   # exact in 16 bits: 5 significant bits
+    return t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_division_edge_cases_every_byte(dev, dtype):
+    for seed in range(3):
+        t = _edge_tiles(dtype, seed)
+        assert torch.isfinite(t.float()).all()
+        t = t.to(dev)
+        for q_align, s_align, gap in ((16, 16, 0), (1, 1, 3)):
+            jobs, n = _layout([t], q_align, s_align, gap)
+            _run(dev, n, jobs)
+        jobs, n = _layout([t[1:, 3:], t[:, 129:300]], 1, 1, 1)   # unaligned rows: other tiles
+        _run(dev, n, jobs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_16_bit_pattern_against_many_scales(dev, dtype):
+    # every finite bf16 / fp16 value x once per tile, in tiles whose amax is one of many
+    # magnitudes (the first element of each tile): all significand pairs the kernel meets
+    allb = torch.arange(-32768, 32768, dtype=torch.int64).to(torch.int16).view(dtype).float()
+    allb = allb[torch.isfinite(allb)]
+    g = torch.Generator(device="cpu").manual_seed(43)
+    tiles = []
+    for i in range(24):
+        amax = float(allb.abs().max()) * 2.0 ** -float(torch.randint(0, 30, (1,), generator=g))
+        x = allb[allb.abs() <= amax]
+        x = x[torch.randperm(x.numel(), generator=g)]
+        x = torch.cat([torch.tensor([amax]), x])[:128 * 128]
+        tiles.append(torch.nn.functional.pad(x, (0, 128 * 128 - x.numel())).view(128, 128))
+    t = torch.cat(tiles, 1).to(dtype).to(dev)
+    jobs, n = _layout([t], 16, 16, 0)
+    _run(dev, n, jobs)
+
+
+@pytest.mark.parametrize("npieces", [1, 8, 9])
+def test_table_in_the_launch_parameters_or_in_device_memory(dev, monkeypatch, npieces):
+    # <= 8 pieces travel in the launch's parameters, more in a device table; both give the
+    # reference bytes, and forcing the device table for a small launch does too
+    ts = [_data((130 + 7 * i, 260 - 5 * i), DTYPES[i % 3], dev, seed=60 + i) for i in range(npieces)]
+    jobs, n = _layout(ts, 1, 1, 1)
+    _run(dev, n, jobs)
+    monkeypatch.setattr(fp8, "_INLINE", 0)
+    _run(dev, n, jobs)

@@ -84,23 +84,61 @@ static int wx__nbins;
 static struct {
     CUcontext ctx; /* the primary context, retained once and kept */
     CUfunction fn;
+    int sms;       /* multiprocessors (the persistent variants' grid) */
     char why[512];
     int state; /* 0 not tried, 1 ready, -1 failed */
 } wx__devs[WX__MAX_DEV];
 
+/* The kernel variant (WXFER_FP8_VARIANT=v0..v5, default v0; wx_fp8_kernel.cu lists them) and
+ * its CTAs per SM (WXFER_FP8_MINB, else the variant's default), read once: the compiled
+ * binary and the loaded modules keep them for the life of the process. */
+#define WX__NVARIANT 6
+static int wx__variant = -1, wx__minb;
+
+static int wx__variant_of(char *why, size_t why_len)
+{
+    if (wx__variant < 0) {
+        const char *v = getenv("WXFER_FP8_VARIANT"), *mb = getenv("WXFER_FP8_MINB");
+        char *end = NULL;
+        long n = 0;
+        if (v && *v) {
+            n = strtol(v[0] == 'v' ? v + 1 : v, &end, 10);
+            if (*end || end == v || n < 0 || n >= WX__NVARIANT) {
+                snprintf(why, why_len, "WXFER_FP8_VARIANT=%.40s (expected v0 to v%d)", v,
+                         WX__NVARIANT - 1);
+                return -EINVAL;
+            }
+        }
+        wx__minb = mb && *mb ? atoi(mb) : 0;
+        if (wx__minb < 0 || wx__minb > 32) {
+            snprintf(why, why_len, "WXFER_FP8_MINB=%.40s (expected 1 to 32)", mb);
+            return -EINVAL;
+        }
+        wx__variant = (int)n;
+    }
+    return 0;
+}
+
+/* CTAs per SM of the persistent variants' grid: what the kernel's launch bounds allow. */
+static int wx__ctas_per_sm(void)
+{
+    return wx__minb > 0 ? wx__minb : wx__variant >= 4 ? 1 : 2; /* the kernel's WX_MINB */
+}
+
 /* The kernel compiled for compute capability cc (once per architecture). */
 static int wx__compile(const wx_nvrtc_api_t *nv, int cc, char *why, size_t why_len)
 {
-    char arch[48], minb[48];
+    char arch[48], minb[48], variant[48];
     const char *opts[4];
     int nopt = 0, r;
     wx_nvrtc_program prog = NULL;
-    const char *env = getenv("WXFER_FP8_MINB");
     snprintf(arch, sizeof arch, "--gpu-architecture=sm_%d", cc);
     opts[nopt++] = arch;
     opts[nopt++] = "--fmad=false"; /* no contraction: IEEE division and conversions only */
-    if (env && *env) {
-        snprintf(minb, sizeof minb, "-DWX_MINB=%d", atoi(env));
+    snprintf(variant, sizeof variant, "-DWX_VARIANT=%d", wx__variant);
+    opts[nopt++] = variant;
+    if (wx__minb > 0) {
+        snprintf(minb, sizeof minb, "-DWX_MINB=%d", wx__minb);
         opts[nopt++] = minb;
     }
     r = nv->nvrtcCreateProgram(&prog, wx_fp8_kernel_src, "wx_fp8_kernel.cu", 0, NULL, NULL);
@@ -118,8 +156,9 @@ static int wx__compile(const wx_nvrtc_api_t *nv, int cc, char *why, size_t why_l
                 snprintf(log, sizeof log, "%s", full);
             free(full);
         }
-        snprintf(why, why_len, "NVRTC %d.%d (%.160s) could not compile the FP8 kernel for sm_%d: %.40s: %.200s",
-                 nv->major, nv->minor, nv->path, cc, nv->nvrtcGetErrorString(r), log);
+        snprintf(why, why_len, "NVRTC %d.%d (%.160s) could not compile the FP8 kernel (variant "
+                 "v%d) for sm_%d: %.40s: %.200s", nv->major, nv->minor, nv->path, wx__variant, cc,
+                 nv->nvrtcGetErrorString(r), log);
         nv->nvrtcDestroyProgram(&prog);
         return -EIO;
     }
@@ -161,6 +200,8 @@ static int wx__cubin(int cc, const char *const *dirs, int ndirs, const char **bi
         snprintf(why, why_len, "more than %d GPU architectures in one process", WX__MAX_ARCH);
         return -ENOSPC;
     }
+    if ((rc = wx__variant_of(why, why_len)) != 0)
+        return rc;
     nv = wx_nvrtc(dirs, ndirs, why, why_len);
     if (!nv)
         return -ENOENT;
@@ -193,6 +234,9 @@ static int wx__device_setup(const wx_cuda_api_t *cu, int device, const char *con
     }
     cu->cuDeviceGetAttribute(&maj, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
     cu->cuDeviceGetAttribute(&min, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+    if (cu->cuDeviceGetAttribute(&wx__devs[device].sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+                                 dev) != CUDA_SUCCESS || wx__devs[device].sms < 1)
+        wx__devs[device].sms = 1;
     if (maj * 10 + min < 89) {
         snprintf(why, why_len, "cuda:%d has compute capability %d.%d; the kernel's FP8 conversion "
                  "(cvt.rn.satfinite.e4m3x2) needs 8.9 or newer", device, maj, min);
@@ -230,7 +274,7 @@ cuda_fail:
 
 /* The device's context and kernel, set up at first use; the answer (or failure) is kept. */
 static int wx__device_fn(int device, const char *const *dirs, int ndirs, CUcontext *ctx,
-                         CUfunction *fn, char *why, size_t why_len)
+                         CUfunction *fn, int *sms, char *why, size_t why_len)
 {
     const wx_cuda_api_t *cu = wx_cuda(why, why_len);
     int rc = 0;
@@ -249,6 +293,8 @@ static int wx__device_fn(int device, const char *const *dirs, int ndirs, CUconte
     if (wx__devs[device].state == 1) {
         *ctx = wx__devs[device].ctx;
         *fn = wx__devs[device].fn;
+        if (sms)
+            *sms = wx__devs[device].sms;
         rc = 0;
     } else {
         snprintf(why, why_len, "%s", wx__devs[device].why);
@@ -262,7 +308,7 @@ int wx_fp8_probe(int device, const char *const *dirs, int ndirs, char *why, size
 {
     CUcontext ctx;
     CUfunction fn;
-    return wx__device_fn(device, dirs, ndirs, &ctx, &fn, why, why_len);
+    return wx__device_fn(device, dirs, ndirs, &ctx, &fn, NULL, why, why_len);
 }
 
 int wx_fp8_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes,
@@ -273,22 +319,35 @@ int wx_fp8_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes
     CUcontext ctx, prev = NULL;
     CUfunction fn;
     CUdeviceptr dp = (CUdeviceptr)dev_pieces, op = (CUdeviceptr)out;
-    uint64_t ntiles = 0;
-    int rc = wx_fp8_check(host, n, out_nbytes, &ntiles);
+    uint64_t ntiles = 0, grid;
+    int rc = wx_fp8_check(host, n, out_nbytes, &ntiles), sms = 1, nt;
     CUresult r;
     if (rc)
         return rc;
-    if (!out || !dev_pieces)
-        return wx_errf(-EINVAL, "fp8: null %s address", out ? "piece table" : "output");
-    if ((rc = wx__device_fn(device, NULL, 0, &ctx, &fn, why, sizeof why)) != 0)
+    struct {
+        wx_fp8_piece_t p[WX_FP8_INLINE]; /* the kernel's wx_fp8_inline */
+    } inl;
+    if (!out)
+        return wx_errf(-EINVAL, "fp8: null output address");
+    if (!dev_pieces && n > WX_FP8_INLINE)
+        return wx_errf(-EINVAL, "fp8: null piece table address with %d pieces (at most %d travel "
+                       "in the launch's parameters)", n, WX_FP8_INLINE);
+    memset(&inl, 0, sizeof inl);
+    if (!dev_pieces)
+        memcpy(inl.p, host, (size_t)n * sizeof *host);
+    if ((rc = wx__device_fn(device, NULL, 0, &ctx, &fn, &sms, why, sizeof why)) != 0)
         return wx_errf(rc, "fp8 kernel unavailable: %s", why);
+    nt = (int)ntiles;
+    grid = ntiles; /* one CTA per tile; persistent variants (v2+): as many as stay resident */
+    if (wx__variant >= 2 && wx__variant <= 4 && grid > (uint64_t)sms * (uint64_t)wx__ctas_per_sm())
+        grid = (uint64_t)sms * (uint64_t)wx__ctas_per_sm();
     cu = wx_cuda(NULL, 0);
     cu->cuCtxGetCurrent(&prev);
     if (prev != ctx)
         cu->cuCtxSetCurrent(ctx);
-    void *args[] = {&dp, &n, &op};
-    r = cu->cuLaunchKernel(fn, (unsigned)ntiles, 1, 1, 256, 1, 1, 0, (CUstream)(uintptr_t)stream,
-                           args, NULL);
+    void *args[] = {&dp, &n, &op, &nt, &inl};
+    r = cu->cuLaunchKernel(fn, (unsigned)grid, 1, 1, wx__variant == 5 ? 128 : 256, 1, 1, 0,
+                           (CUstream)(uintptr_t)stream, args, NULL); /* the kernel's WX_THREADS */
     if (prev != ctx)
         cu->cuCtxSetCurrent(prev);
     if (r != CUDA_SUCCESS)

@@ -17,6 +17,7 @@
 enum { WX_FP8_BF16 = 0, WX_FP8_F16 = 1, WX_FP8_F32 = 2 };
 #define WX_FP8_TILE 128
 #define WX_FP8_MAX_PIECES (1 << 20)
+#define WX_FP8_INLINE 8 /* up to this many pieces may travel in the launch's parameters */
 
 /* One piece; the layout is the kernel's struct wx_fp8_piece (8 x 64 bits). */
 typedef struct wx_fp8_piece {
@@ -43,7 +44,8 @@ int wx_fp8_probe(int device, const char *const *dirs, int ndirs, char *why, size
 /* Launch the kernel over the n pieces on `stream` (a CUstream; 0 is the legacy default
  * stream) of `device`. `host` is the validated table (wx_fp8_check) and `dev_pieces` the
  * device address of the same bytes, which must stay valid until the kernel ran (stream
- * order). Returns 0 or a negative errno (wx_last_error says why). */
+ * order); dev_pieces 0 with n <= WX_FP8_INLINE: the table is copied into the launch's
+ * parameters (no device copy). Returns 0 or a negative errno (wx_last_error says why). */
 int wx_fp8_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes,
                   const wx_fp8_piece_t *host, uint64_t dev_pieces, int n);
 

@@ -121,7 +121,7 @@ static PyMethodDef wx__prepare_methods[] = {
     {"fp8_launch", wx_fp8_launch_py, METH_VARARGS,
      "fp8_launch(device, stream, out_ptr, out_nbytes, pieces, device_pieces_ptr): one launch "
      "of the FP8 kernel on the stream; pieces as for fp8_check, device_pieces_ptr the same "
-     "bytes in device memory."},
+     "bytes in device memory, or 0 for at most 8 pieces (passed in the launch's parameters)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,11 +16,13 @@ import sys
 import threading
 
 _BLOCK = 128
+_INLINE = 8                       # pieces that travel in the launch's parameters (WX_FP8_INLINE)
 _CODES = None                     # torch dtype -> the kernel's dtype code
 _probed: dict = {}                # CUDA ordinal -> None (usable) or the reason it is not
 _lock = threading.Lock()
 _calls = {"native": 0, "reference": 0}
 _last: dict | None = None
+_variant: list = []               # the kernel variant compiled (WXFER_FP8_VARIANT at first use)
 
 
 def _torch():
@@ -72,6 +74,8 @@ def _native_why(device, probe: bool = True) -> str | None:
         else:
             ok, why = _wxfer.fp8_probe(idx, nvrtc_dirs())
             why = None if ok else why
+            if ok and not _variant:         # read by the extension at its first compile
+                _variant.append(os.environ.get("WXFER_FP8_VARIANT", "").strip() or "v0")
         _probed[idx] = why
         return why
 
@@ -94,7 +98,8 @@ def info(device=None, probe: bool = True) -> dict:
         d = {"quantizer": "none", "reason": f"no FP8 piece quantized on {torch.device(device)} yet "
              "(the native kernel is compiled at first use)"}
     elif why is None:
-        d = {"quantizer": "native", "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}"}
+        d = {"quantizer": "native", "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}",
+             "variant": _variant[0] if _variant else "v0"}
     else:
         d = {"quantizer": "reference", "reason": why}
     d.update(native_calls=_calls["native"], reference_calls=_calls["reference"])
@@ -167,6 +172,16 @@ def _reference(out, jobs) -> None:
             out[so:so + s.numel() * 4].copy_(s.view(-1).view(torch.uint8))
 
 
+def _raw_stream(device) -> int:
+    """The current CUDA stream of `device` as a CUstream value (torch's private raw getter
+    when it has one: no Stream object per call)."""
+    torch = _torch()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _native(out, jobs) -> None:
     from .. import _wxfer
     torch = _torch()
@@ -186,11 +201,16 @@ def _native(out, jobs) -> None:
         table.extend((t.data_ptr(), codes[t.dtype], ld, rows, cols,
                       -1 if qo is None else qo, -1 if so is None else so, tiles))
         tiles += -(-rows // _BLOCK) * -(-cols // _BLOCK)
+    stream = _raw_stream(out.device)
+    if len(jobs) <= _INLINE:                         # the table travels in the launch's
+        _wxfer.fp8_launch(out.device.index, stream, out.data_ptr(), out.numel(),
+                          table, 0)                  # parameters: no copy, no allocation
+        del keep
+        return
     host = torch.frombuffer(table, dtype=torch.int64)
     pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
     pinned.copy_(host)
     dev = pinned.to(out.device, non_blocking=True)   # stream-ordered; the host block is kept
-    stream = torch.cuda.current_stream(out.device)   # by torch until the copy ran
-    _wxfer.fp8_launch(out.device.index, stream.cuda_stream, out.data_ptr(), out.numel(), table,
-                      dev.data_ptr())
+    _wxfer.fp8_launch(out.device.index, stream, out.data_ptr(), out.numel(), table,
+                      dev.data_ptr())                # by torch until the copy ran
     del keep, dev                                    # freed in stream order by the allocator
