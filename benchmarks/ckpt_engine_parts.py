@@ -32,22 +32,40 @@ def train_weights(preset, conf, dev) -> dict:
     return {n: weight(n, s, getattr(torch, dt), dev) for n, (s, dt, _) in preset.hf_params(conf).items()}
 
 
+def fused_or_plain(name: str, shape, dtype, dev):
+    """The training tensor `name`, where transformers 5's fused experts hold the same bytes as
+    the per-expert tensors of train_weights: gate_up_proj[e] = [gate_e | up_e] (rows), down_proj[e]
+    = down_e. So both jobs' trainers (plain tensors with per-expert names, transformers' class
+    with fused ones) give the receivers the same bytes."""
+    import torch
+    pre, _, last = name.rpartition(".")
+    if pre.endswith("mlp.experts") and last in ("gate_up_proj", "down_proj"):
+        E = shape[0]
+        if last == "down_proj":
+            parts = [weight(f"{pre}.{e}.down_proj.weight", shape[1:], dtype, dev) for e in range(E)]
+        else:
+            half = (shape[1] // 2, shape[2])
+            parts = [torch.cat([weight(f"{pre}.{e}.gate_proj.weight", half, dtype, dev),
+                                weight(f"{pre}.{e}.up_proj.weight", half, dtype, dev)]) for e in range(E)]
+        return torch.stack(parts)
+    return weight(name, shape, dtype, dev)
+
+
 def fsdp_model(preset, conf, dev):
     """An FSDP2 model (world 1) under CPUOffloadPolicy holding the same bytes as train_weights."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from wxfer.models import Qwen3ForCausalLM, shard_fsdp2
+    from wxfer.models import shard_fsdp2, train_model
     with torch.device("meta"):
-        moe = "num_experts" in conf
-        model = Qwen3ForCausalLM(conf, local_experts=list(range(conf["num_experts"])) if moe else None)
+        model = train_model(conf)         # transformers' own class (experts fused, as in transformers 5)
     model = model.to(torch.bfloat16)
     model.to_empty(device=dev)
-    want = preset.hf_params(conf)
+    want = preset.hf_params(conf, fused_experts=True)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n not in want or tuple(want[n][0]) != tuple(p.shape):
                 raise RuntimeError(f"model parameter {n} {tuple(p.shape)} is not in the preset's shapes")
-            p.copy_(weight(n, p.shape, p.dtype, dev))
+            p.copy_(fused_or_plain(n, p.shape, p.dtype, dev))
     shard_fsdp2(model, init_device_mesh(dev.type, (1,)), offload=True)
     bb._sync_dev(dev)
     if dev.type == "cuda":
