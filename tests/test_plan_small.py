@@ -191,3 +191,54 @@ def test_inconsistent_workers_are_refused_by_name():
     ws = _workers(1) + _workers(1)[:1]
     with pytest.raises(PlanError, match="two workers claim replica 0 rank 0"):
         build_plan(_train(), ws, _preset())
+
+
+
+def _layered(layers=3):
+    from wxfer.mapping import from_config
+    cfg = dict(architectures=["Qwen3ForCausalLM"], hidden_size=256, num_hidden_layers=layers,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512,
+               vocab_size=1024, tie_word_embeddings=False)
+    return from_config("layered", cfg)
+
+
+def test_coarse_tasks_one_per_layer_and_destination_set_bytes_unchanged():
+    """FSDP2 units: every component of a decoder layer on one mesh forms one task (split at
+    max_task_bytes); the bytes every inference GPU receives are those of the per-component
+    plan; on a one-rank mesh whole-row raw pieces stay tasks of their own (zero copy)."""
+    from wxfer.meta import Cluster, synthesize
+    from wxfer.plan import expected_destination
+    pre = _layered()
+    s = synthesize(pre, Cluster(train_gpus=2, infer_gpus=2, infer_tp=2, dense_shard=2, quant="fp8"))
+    coarse = build_plan(s.train, s.workers, pre, quant="fp8")
+    fine = build_plan(s.train, s.workers, pre, quant="fp8", coarse=False)
+    layer_tasks = [t for t in coarse.tasks if ".layers." in t.sources[0]]
+    assert sorted(t.name for t in layer_tasks) == [f"model.layers.{i}" for i in range(3)]
+    assert all({n.split(".")[2] for n in t.sources} == {t.name.split(".")[-1]} for t in layer_tasks)
+    assert len(coarse.tasks) == 3 + 1 and len(fine.tasks) > 3 * 6       # + the root unit
+    assert sorted(n for t in coarse.tasks for n in t.sources) == sorted(n for t in fine.tasks for n in t.sources)
+    g = torch.Generator().manual_seed(1)
+    full = {n: torch.randn(*sh, generator=g).to(torch.bfloat16) for n, (sh, _) in coarse.train_params.items()}
+    for gpu in range(2):
+        a, b = expected_destination(coarse, gpu, full), expected_destination(fine, gpu, full)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    coarse.check_deadlock_free()
+    # the size bound splits a layer; a task exceeds it only when one component does
+    bound = layer_tasks[0].src_bytes // 3
+    small = build_plan(s.train, s.workers, pre, quant="fp8", max_task_bytes=bound)
+    assert len(small.tasks) > len(coarse.tasks) + 3
+    for t in small.tasks:
+        assert t.src_bytes <= bound or len(fine_components(fine, t)) == 1, t.name
+    # one trainer holding whole tensors, BF16, TP1: raw whole pieces are direct tasks
+    one = synthesize(pre, Cluster(train_gpus=1, infer_gpus=1, infer_tp=1, dense_shard=1))
+    p1 = build_plan(one.train, one.workers, pre, quant=None)
+    direct = [t for t in p1.tasks if len(t.sources) == 1 and len(t.shards) == 1
+              and t.shards[0].kind == "raw" and len(t.shards[0].pieces) == 1]
+    assert {"model.layers.0.self_attn.o_proj.weight", "model.norm.weight"} <= {t.sources[0] for t in direct}
+    fused = [t for t in p1.tasks if t not in direct]
+    assert fused and all(t.name.startswith("model.layers.") for t in fused)   # qkv, gate_up: grouped
+
+
+def fine_components(fine, task):
+    """The per-component tasks of `fine` whose sources `task` holds."""
+    return [t for t in fine.tasks if set(t.sources) <= set(task.sources)]
