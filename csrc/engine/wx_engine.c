@@ -576,7 +576,8 @@ int wx_engine_admit(wx_engine_t *e, uint64_t held_bytes, uint64_t slice_ns, uint
             rc = wx_errf(e->err, "%s", e->errmsg);
             break;
         }
-        if (!e->o.watermark || e->held == 0 || e->held + held_bytes <= e->o.watermark) {
+        if (!e->o.watermark || held_bytes == 0 || e->held == 0 ||
+            e->held + held_bytes <= e->o.watermark) {
             e->held += held_bytes;
             if (e->held > e->held_peak)
                 e->held_peak = e->held;
