@@ -28,8 +28,8 @@ def full_tensor(p, local):
     dimension's process group; anything else through ``DTensor.full_tensor()``.  Both give
     the same bytes (the rows of torch.chunk-style shards, in rank order)."""
     from torch.distributed.tensor import DTensor
-    if not isinstance(p, DTensor):
-        return local
+    if not isinstance(p, DTensor) or (tuple(local.shape) == tuple(p.shape) and _is_whole(p)):
+        return local                     # this rank holds all of it (1-rank mesh, Replicate)
     g = _gather_spec(p)
     if g is not None and tuple(local.shape) == g[3]:
         return _gather_rows(local, g)
