@@ -223,6 +223,17 @@ def test_coarse_tasks_one_per_layer_and_destination_set_bytes_unchanged():
         a, b = expected_destination(coarse, gpu, full), expected_destination(fine, gpu, full)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     coarse.check_deadlock_free()
+    sm = coarse.summary()                               # the notebook sees the grouping
+    assert sm["tasks"] == 4 and sm["sources_per_task"] > 3 and sm["largest_task_bytes"] == max(
+        t.src_bytes for t in coarse.tasks)
+    assert "sources each" in coarse._repr_html_()
+    try:
+        frame = coarse.tasks_frame()
+    except ImportError:
+        frame = None
+    if frame is not None:
+        assert list(frame["name"])[1:] == [t.name for t in coarse.tasks][1:]
+        assert int(frame["bytes_written"].sum()) == int(coarse.nbytes.sum())
     # the size bound splits a layer; a task exceeds it only when one component does
     bound = layer_tasks[0].src_bytes // 3
     small = build_plan(s.train, s.workers, pre, quant="fp8", max_task_bytes=bound)

@@ -169,6 +169,10 @@ class Plan:
         from .notebook import to_pandas
         return to_pandas(self)
 
+    def tasks_frame(self):
+        from .notebook import tasks_frame
+        return tasks_frame(self)
+
     def _repr_html_(self) -> str:
         from .notebook import repr_html
         return repr_html(self)
