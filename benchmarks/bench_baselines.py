@@ -2,7 +2,12 @@
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         python benchmarks/bench_baselines.py --out benchmarks/baselines --json      # 2 GPUs
+    python benchmarks/bench_baselines.py --layouts colocated --out DIR --json        # 1 GPU, ~4 min
     python benchmarks/bench_baselines.py --dry-run --json                           # CPU, tiny models
+
+Trainers (bb_fsdp.py): plain tensors, or FSDP2 on transformers' own model classes (with
+CPU offload for one row); wxfer is measured for two watermarks (peak extra memory, host
+time per task and per parameter); tables in bb_report.py.
 
 Two processes: a trainer (rank 0, GPU 0) holding a model with Hugging Face names and
 random weights of the real shapes, and one inference worker (rank 1, GPU 1 "disagg", or
@@ -229,6 +234,8 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
         if rank == 0:
             ctl.set_json("res/%d" % ci, res)
         _STATE.clear()
+        import gc
+        gc.collect()                       # FSDP2 modules hold reference cycles: free them now
         if gpu:
             torch.cuda.empty_cache()
 
