@@ -312,6 +312,8 @@ def run(prep: TaskPrep, op: TaskOp, device):
     stream): the packed uint8 buffer, the parameter's own bytes (zero copy), or None when
     this rank only takes part in the collectives."""
     import torch
+    if prep.zero_copy:                   # the parameter's own bytes: nothing to make
+        return _local(prep.whole[0][1]).reshape(-1).view(torch.uint8)
     fulls, fresh = {}, set()
     for name, p in prep.whole:
         local = _local(p)
