@@ -240,14 +240,23 @@ def test_coarse_tasks_one_per_layer_and_destination_set_bytes_unchanged():
     assert len(small.tasks) > len(coarse.tasks) + 3
     for t in small.tasks:
         assert t.src_bytes <= bound or len(fine_components(fine, t)) == 1, t.name
-    # one trainer holding whole tensors, BF16, TP1: raw whole pieces are direct tasks
-    one = synthesize(pre, Cluster(train_gpus=1, infer_gpus=1, infer_tp=1, dense_shard=1))
-    p1 = build_plan(one.train, one.workers, pre, quant=None)
-    direct = [t for t in p1.tasks if len(t.sources) == 1 and len(t.shards) == 1
-              and t.shards[0].kind == "raw" and len(t.shards[0].pieces) == 1]
-    assert {"model.layers.0.self_attn.o_proj.weight", "model.norm.weight"} <= {t.sources[0] for t in direct}
-    fused = [t for t in p1.tasks if t not in direct]
-    assert fused and all(t.name.startswith("model.layers.") for t in fused)   # qkv, gate_up: grouped
+    # one trainer holding whole tensors, BF16: every task is one source and raw whole-row
+    # pieces (zero copy), the fused qkv / gate_up cut at their sources, same bytes
+    for tp in (1, 2):
+        one = synthesize(pre, Cluster(train_gpus=1, infer_gpus=tp, infer_tp=tp, dense_shard=1))
+        p1 = build_plan(one.train, one.workers, pre, quant=None)
+        ref = build_plan(one.train, one.workers, pre, quant=None, coarse=False)
+        direct = [t for t in p1.tasks if len(t.sources) == 1
+                  and all(len(sh.pieces) == 1 and sh.kind == "raw" for sh in t.shards)]
+        rest = [t for t in p1.tasks if t not in direct]      # TP2: o_proj, down_proj split by columns
+        assert [sorted(n.split(".")[-2] for n in t.sources) for t in rest] == \
+            ([] if tp == 1 else [["down_proj", "o_proj"]] * 3)
+        qkv = [t for t in p1.tasks if t.name.endswith("qkv_proj.weight")]
+        assert len(qkv) == 3 * 3 and all(len(t.shards) == tp for t in qkv)
+        for gpu in range(tp):
+            a, b = expected_destination(p1, gpu, full), expected_destination(ref, gpu, full)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        p1.check()
 
 
 def fine_components(fine, task):

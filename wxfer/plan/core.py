@@ -21,6 +21,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from ..mapping import Expanded, Layout, Preset, Shard, expand
+from ..mapping.rules import Component
 from ..meta import InferWorker, TrainParam
 
 KINDS = ("raw", "fp8", "scale")
@@ -331,6 +332,34 @@ def _direct(c, params: Mapping[str, TrainParam], opts) -> bool:
     return True
 
 
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "int8": 1, "uint8": 1,
+             "int32": 4, "int64": 8}
+
+
+def _split_direct(c, params: Mapping[str, TrainParam], opts):
+    """A component of several sources whose raw shards are whole rows of their sources in
+    the sources' own dtype (a BF16 fused qkv or gate_up, any TP): one component per
+    source, each shard cut at its pieces (the same bytes at the same offsets), so that
+    each is sent from its parameter's own memory.  None when that does not apply."""
+    if len(c.sources) < 2 or not opts or any(len(m) != 1 for m in opts):
+        return None
+    cuts: dict[str, list] = {}
+    for sh in c.shards:
+        off = sh.offset
+        for pc in sh.pieces:
+            src = params[pc.src]
+            size = _ITEMSIZE.get(src.dtype)
+            if (sh.kind != "raw" or sh.dtype != src.dtype or size is None or len(src.shape) > 2
+                    or (len(src.shape) == 2 and (pc.c0 != 0 or pc.c1 != src.shape[1]))):
+                return None
+            nb = pc.numel() * size
+            cuts.setdefault(pc.src, []).append(Shard(sh.rank, sh.dst, off, nb, "raw", sh.dtype, (pc,)))
+            off += nb
+        if off != sh.offset + sh.nbytes:
+            return None
+    return [Component((s,), cuts.get(s, []), None, c.rule) for s in c.sources]
+
+
 def _grid(workers: Sequence[InferWorker]):
     """(sorted workers, tp, ep, replicas, gpu_of) of the inference side; PlanError on a hole
     or a disagreement."""
@@ -398,11 +427,15 @@ def _make_tasks(ex, params: Mapping[str, TrainParam], max_task_bytes: int, coars
     pbytes = {n: p.nbytes for n, p in params.items()}
     pending: dict[object, list] = {}
     raw_tasks: list[tuple[str, list, tuple]] = []  # (name, components, mesh options)
+    comps = []
     for c in ex.components:
         opts = _mesh_options(c.sources, params)
         if not opts:
             problems.append(f"{c.rule}: sources {list(c.sources)} share no mesh that can produce them all")
             continue
+        split = _split_direct(c, params, opts) if coarse else None
+        comps += [(x, _mesh_options(x.sources, params)) for x in split] if split else [(c, opts)]
+    for c, opts in comps:
         key = name = None
         if len(opts) == 1 and not _direct(c, params, opts):
             unit = _unit_of(c.sources) if coarse else None
