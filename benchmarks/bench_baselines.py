@@ -243,9 +243,6 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
 def _run_config(rank, ci, cfg, a, dev, store, ctl):
     import torch
     import torch.distributed as dist
-    from wxfer.runtime import prepare
-    from wxfer.runtime.receiver import Receiver
-    from wxfer.runtime.sender import Sender
     gpu = dev.type == "cuda"
     quant = "fp8" if cfg["quant"] == "fp8" else None
     shared = cfg["layout"] == "colocated"          # shared-memory handles instead of broadcasts
@@ -373,7 +370,6 @@ def _make_trainer(res, cfg, kind, conf, preset, quant, ex, dev, store, name, a):
     """(training tensors by name, model for the Sender, training stepper, own process group?)
     of the configuration's trainer; FSDP2 on transformers' class falls back to plain tensors
     (with a printed note) when the mapping cannot send that class's parameters."""
-    import torch
     if kind != "plain":
         gaps = bb_fsdp.mapping_gaps(preset, conf, quant, ex.dest[0])
         if gaps:
