@@ -225,6 +225,29 @@ def wxfer_receiver(params, preset, store, ctl, name: str, ci: int, a: dict, dev,
     return sums
 
 
+def reference_checksums(ex, fulls: dict, dev) -> list:
+    """Per destination parameter of inference rank 0 (sorted by name, as bench_baselines'
+    checksums), the byte sum of what wxfer.mapping's reference packing makes from the
+    trainer's whole tensors: the receiver must hold exactly that.  One destination at a
+    time (one buffer of its size)."""
+    import torch
+    from wxfer.runtime import prepare
+    by: dict = {}
+    for c in ex.components:
+        for sh in c.shards:
+            if sh.rank == 0:
+                by.setdefault(sh.dst, []).append(sh)
+    out = []
+    with torch.no_grad():
+        for n, d in sorted(ex.dest[0].items()):
+            buf = torch.full((d.nbytes,), 0xFF, dtype=torch.uint8, device=dev)
+            for sh in by.get(n, []):
+                prepare.pack_shard_into(sh, fulls, buf, sh.offset, {})
+            out.append(int(buf.sum(dtype=torch.int64)))
+            del buf
+    return out
+
+
 def init_group(store, name: str, gpu: bool, timeout: float) -> None:
     """The trainer's own 1-rank process group (FSDP2 needs one; the receiver is not in it)."""
     import datetime

@@ -58,6 +58,8 @@ def table(results: list, cfg_name) -> str:
             xb = f"{best / s:.2f}" if best and m not in ("link", "h2d") else ""
             chk = r.get("checks", {}).get(m, "")
             chk = "" if chk == "" else ("same bytes as wxfer" if chk else "DIFFERS from wxfer")
+            if m == "wxfer" and "reference" in r.get("checks", {}):
+                chk = "reference bytes" if r["checks"]["reference"] else "DIFFERS from the reference"
             lines.append(f"| {name} | {m} | {s:.4f} | {ms[m]['gbps']:.2f} | {xl} | {xb} | {chk} |")
     return "\n".join(lines) + "\n\n" + wxfer_table(results, cfg_name)
 

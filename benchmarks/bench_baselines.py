@@ -363,6 +363,8 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         res["checks"] = {m: (v == sums["wxfer"]) for m, v in sums.items() if m != "wxfer"}
         res["checks"]["wxfer_written"] = bool(sums["wxfer"]) and all(
             v != 0xFF * n for v, n in zip(sums["wxfer"], _sizes_sorted(ex)))
+        # the receiver holds the mapping's reference bytes of the trainer's final weights
+        res["checks"]["reference"] = bb_fsdp.reference_checksums(ex, params, dev) == sums["wxfer"]
     return res
 
 

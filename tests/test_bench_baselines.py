@@ -50,8 +50,8 @@ def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
         fsdp = r["config"]["trainer"] != "plain"
         assert set(r["methods"]) == ({"link", "wxfer"} if fsdp else {"link", "wxfer", "rank0", "per-tensor"}), r
         assert all(m["seconds"] > 0 and m["gbps"] > 0 for m in r["methods"].values())
-        assert r["checks"] == ({"wxfer_written": True} if fsdp else
-                               {"rank0": True, "per-tensor": True, "wxfer_written": True}), r
+        assert r["checks"] == ({"wxfer_written": True, "reference": True} if fsdp else
+                               {"rank0": True, "per-tensor": True, "wxfer_written": True, "reference": True}), r
         assert r["wxfer_bytes_per_step"] == r["dest_bytes"]
         byw = r["wxfer_by_watermark"]                  # two watermarks, each with its host times
         assert sorted(int(w) for w in byw) == [256 << 20, 2 << 30]
