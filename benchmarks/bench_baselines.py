@@ -2,7 +2,12 @@
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         python benchmarks/bench_baselines.py --out benchmarks/baselines --json      # 2 GPUs
+    python benchmarks/bench_baselines.py --layouts colocated --out DIR --json        # 1 GPU, ~4 min
     python benchmarks/bench_baselines.py --dry-run --json                           # CPU, tiny models
+
+Trainers (bb_fsdp.py): plain tensors, or FSDP2 on transformers' own model classes (with
+CPU offload for one row); wxfer is measured for two watermarks (peak extra memory, host
+time per task and per parameter); tables in bb_report.py.
 
 Two processes: a trainer (rank 0, GPU 0) holding a model with Hugging Face names and
 random weights of the real shapes, and one inference worker (rank 1, GPU 1 "disagg", or
@@ -46,6 +51,9 @@ import sys
 import time
 import traceback
 
+import bb_fsdp
+import bb_report
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -68,8 +76,17 @@ def model_spec(name: str):
         return dict(TINY), preset_for(TINY)
     if name == "tiny-moe":
         return dict(TINY_MOE), preset_for(TINY_MOE)
+    if name == "qwen3-1.7b":
+        from wxfer.mapping import from_config
+        return dict(QWEN3_1_7B), from_config(name, QWEN3_1_7B, infer_tp=1)
     p = get_preset(name)
     return dict(p.config), p
+
+
+# a 1.7B-class dense model: 28 layers, hidden 2048, untied lm_head: 311 tensors, 4.06 GB BF16
+QWEN3_1_7B = dict(architectures=["Qwen3ForCausalLM"], hidden_size=2048, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=6144,
+                  vocab_size=151936, tie_word_embeddings=False)
 
 
 class _Model:
@@ -217,6 +234,8 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
         if rank == 0:
             ctl.set_json("res/%d" % ci, res)
         _STATE.clear()
+        import gc
+        gc.collect()                       # FSDP2 modules hold reference cycles: free them now
         if gpu:
             torch.cuda.empty_cache()
 
@@ -224,9 +243,6 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
 def _run_config(rank, ci, cfg, a, dev, store, ctl):
     import torch
     import torch.distributed as dist
-    from wxfer.runtime import prepare
-    from wxfer.runtime.receiver import Receiver
-    from wxfer.runtime.sender import Sender
     gpu = dev.type == "cuda"
     quant = "fp8" if cfg["quant"] == "fp8" else None
     shared = cfg["layout"] == "colocated"          # shared-memory handles instead of broadcasts
@@ -236,16 +252,23 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
     methods = [m for m in a["methods"] if (ci, m) not in {tuple(x) for x in a["skip"]}]
     res = dict(config=cfg, dest_bytes=dest_bytes, methods={}, errors={})
     trainer = rank == 0
+    kind = cfg.get("trainer", "plain")
+    if kind != "plain":                            # the baselines are defined for plain tensors
+        methods = [m for m in methods if m not in ("rank0", "per-tensor")]
+        if kind == "fsdp2-offload":
+            methods.insert(1, "h2d")
     t0 = time.perf_counter()
+    name = "%s_%d" % (a["name"], ci)                 # fresh per attempt: no stale keys after a retry
+    model = stepper = None
+    group = False
     if trainer:
-        params = train_params(preset, conf, dev)
+        params, model, stepper, group = _make_trainer(res, cfg, kind, conf, preset, quant, ex, dev, store, name, a)
         res["train_bytes"] = sum(t.numel() * t.element_size() for t in params.values())
         res["train_tensors"] = len(params)
     else:
         params = infer_params(ex, dev)
     _sync_dev(dev)
     res["alloc_s"] = time.perf_counter() - t0
-    name = "%s_%d" % (a["name"], ci)                 # fresh per attempt: no stale keys after a retry
     sums = {}
 
     def mark(m):
@@ -272,48 +295,37 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
                 times.append(time.perf_counter() - t)
         res["methods"]["link"] = _summ(times, dest_bytes)
         del src, dst
+    if "h2d" in methods and trainer and gpu:       # the bound of a CPU-offloaded trainer
+        mark("h2d")
+        nb = res["train_bytes"]
+        res["methods"]["h2d"] = _summ(bb_fsdp.copy_bound(nb, torch.device("cpu"), dev, a["warmup"], a["reps"],
+                                                         pinned=True), nb)
 
-    # ---- 2. wxfer (no torch.distributed group: one trainer rank)
+    # ---- 2. wxfer: a fresh Sender and Receiver per watermark (bb_fsdp)
     if "wxfer" in methods:
         mark("wxfer")
         if trainer:
-            s = Sender(_Model(params), mapping=preset, store=store, name=name, watermark=a["watermark"],
-                       timeout=a["timeout"], write_timeout=a["timeout"])
-            try:
-                times = []
-                for i in range(a["warmup"] + a["reps"]):
-                    if i == a["warmup"] + a["reps"] - 1:
-                        s.trace(clear=True)
-                    _sync_dev(dev)
-                    t = time.perf_counter()
-                    s.push()
-                    if i >= a["warmup"]:
-                        times.append(time.perf_counter() - t)
-                if a.get("out"):
-                    s.write_trace(os.path.join(a["out"], "trace-%s.json" % _cfg_name(cfg)))
-                res["methods"]["wxfer"] = _summ(times, dest_bytes)
-                res["wxfer_tasks"] = len(s.plan.tasks)
-                res["wxfer_transport"] = s.transport_name
-                res["wxfer_bytes_per_step"] = s.bytes_per_step
-            finally:
-                ctl.set("wx_done/%d" % ci, b"1")
-                s.close()
+            tpath = os.path.join(a["out"], "trace-%s.json" % _cfg_name(cfg)) if a.get("out") else None
+            byw = bb_fsdp.wxfer_trainer(model, stepper, preset, store, ctl, name, ci, a, dev, _summ, tpath)
+            head = byw[str(a["watermarks"][0])]
+            res["wxfer_by_watermark"] = byw
+            res["methods"]["wxfer"] = {k: head[k] for k in ("seconds", "best", "times", "gbps")}
+            res["wxfer_tasks"], res["wxfer_transport"] = head["tasks"], head["transport"]
+            res["wxfer_bytes_per_step"] = head["bytes_per_step"]
             sums["wxfer"] = ctl.get_json("sum/%d/wxfer" % ci, "the inference rank's checksums after wxfer")
         else:
-            reset(params)
-            r = Receiver(params, mapping=preset.name, store=store, name=name, timeout=a["timeout"])
-            try:
-                ctl.get("wx_done/%d" % ci, "the trainer's wxfer steps", a["timeout"])
-                _sync_dev(dev)
-                ctl.set_json("sum/%d/wxfer" % ci, checksums(params))
-            finally:
-                r.close()
+            ctl.set_json("sum/%d/wxfer" % ci, bb_fsdp.wxfer_receiver(params, preset, store, ctl, name, ci, a, dev,
+                                                                      reset, checksums))
+    if group:
+        dist.destroy_process_group()
 
     # ---- 3, 4: the baselines share one process group (gloo; NCCL for CUDA data when disagg)
     base = [m for m in methods if m in ("rank0", "per-tensor")]
     if base:
         backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
         mark("baselines-setup")
+        if dist.is_initialized():             # left by a configuration that failed
+            dist.destroy_process_group()
         dist.init_process_group(backend, store=dist.PrefixStore("pg/%s" % name, store), rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=a["timeout"]))
         link = _Link(rank)
@@ -351,7 +363,33 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         res["checks"] = {m: (v == sums["wxfer"]) for m, v in sums.items() if m != "wxfer"}
         res["checks"]["wxfer_written"] = bool(sums["wxfer"]) and all(
             v != 0xFF * n for v, n in zip(sums["wxfer"], _sizes_sorted(ex)))
+        # the receiver holds the mapping's reference bytes of the trainer's final weights
+        res["checks"]["reference"] = bb_fsdp.reference_checksums(ex, params, dev) == sums["wxfer"]
     return res
+
+
+def _make_trainer(res, cfg, kind, conf, preset, quant, ex, dev, store, name, a):
+    """(training tensors by name, model for the Sender, training stepper, own process group?)
+    of the configuration's trainer; FSDP2 on transformers' class falls back to plain tensors
+    (with a printed note) when the mapping cannot send that class's parameters."""
+    if kind != "plain":
+        gaps = bb_fsdp.mapping_gaps(preset, conf, quant, ex.dest[0])
+        if gaps:
+            note = (f"{_cfg_name(cfg)}: transformers' {conf['architectures'][0]} is not sent by this mapping "
+                    f"({'; '.join(gaps[:3])}): the plain-tensor trainer instead")
+            print("note:", note, flush=True)
+            res["note"], kind = note, "plain"
+    res["trainer_used"] = kind
+    if kind == "plain":
+        params = train_params(preset, conf, dev)
+        res["train_step"] = "in-place"
+        return params, _Model(params), bb_fsdp.Trainer(_Model(params), "in-place", dev, conf["vocab_size"]), False
+    bb_fsdp.init_group(store, name, dev.type == "cuda", a["timeout"])
+    model = bb_fsdp.fsdp2_model(conf, dev, kind == "fsdp2-offload")
+    res["train_step"] = bb_fsdp.train_kind(cfg, conf["architectures"][0], a["dry_run"])
+    from torch.distributed.tensor import DTensor
+    params = {n: (p._local_tensor if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
+    return params, model, bb_fsdp.Trainer(model, res["train_step"], dev, conf["vocab_size"]), True
 
 
 def _sizes_sorted(ex):
@@ -520,7 +558,31 @@ def _per_tensor(link, ex, params, sizes, meta, dev, a, ipc, step):
 
 
 def _cfg_name(c) -> str:
-    return "%s-%s-%s" % (c["model"], c["quant"], c["layout"])
+    t = c.get("trainer", "plain")
+    return "%s-%s-%s" % (c["model"], c["quant"], c["layout"]) + ("" if t == "plain" else "-" + t)
+
+
+# the default configurations (each layout): (model, quant, trainer)
+GPU_CONFIGS = [("qwen3-8b", "bf16", "plain"), ("qwen3-8b", "bf16", "fsdp2"), ("qwen3-8b", "fp8", "fsdp2"),
+               ("qwen3-1.7b", "bf16", "fsdp2"), ("qwen3-1.7b", "bf16", "fsdp2-offload"),
+               ("qwen3-30b-a3b", "bf16", "fsdp2"), ("qwen3-30b-a3b", "fp8", "fsdp2")]
+CPU_CONFIGS = [(m, q, "plain") for m in CPU_MODELS for q in ("bf16", "fp8")]
+CPU_EXTRA = [("tiny", "bf16", "fsdp2"), ("tiny-moe", "fp8", "fsdp2")]      # colocated only
+
+
+def configs_for(args, layouts) -> list:
+    """The curated list, or the cross product of what --models / --quant / --trainers name."""
+    if args.models or args.quant or args.trainers:
+        models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
+        quants = (args.quant or "bf16,fp8").split(",")
+        trainers = (args.trainers or "plain").split(",")
+        return [dict(model=m, quant=q, layout=l, trainer=t) for l in layouts for t in trainers
+                for m in models for q in quants]
+    out = []
+    for l in layouts:
+        base = CPU_CONFIGS + (CPU_EXTRA if l == "colocated" else []) if args.dry_run else GPU_CONFIGS
+        out += [dict(model=m, quant=q, layout=l, trainer=t) for m, q, t in base]
+    return out
 
 
 def machine(dry_run: bool) -> dict:
@@ -552,56 +614,11 @@ def machine(dry_run: bool) -> dict:
 
 
 def table(results: list) -> str:
-    lines = ["| configuration | method | seconds | GB/s | x link bound | x best baseline | check |",
-             "|---|---|---|---|---|---|---|"]
-    for r in results:
-        name = _cfg_name(r["config"])
-        if r.get("error") and not r.get("methods"):
-            lines.append(f"| {name} | - | error: {r['error'].strip().splitlines()[-1][:120]} | | | | |")
-            continue
-        ms = r["methods"]
-        link = ms.get("link", {}).get("seconds")
-        basel = [ms[m]["seconds"] for m in ("rank0", "per-tensor") if m in ms]
-        best = min(basel) if basel else None
-        for m in METHODS:
-            if m not in ms:
-                if m in r.get("errors", {}):
-                    lines.append(f"| {name} | {m} | error: {r['errors'][m][:120]} | | | | |")
-                continue
-            s = ms[m]["seconds"]
-            xl = f"{link / s:.2f}" if link and m != "link" else ("1.00" if m == "link" else "")
-            xb = f"{best / s:.2f}" if best and m != "link" else ""
-            chk = r.get("checks", {}).get(m, "")
-            chk = "" if chk == "" else ("same bytes as wxfer" if chk else "DIFFERS from wxfer")
-            lines.append(f"| {name} | {m} | {s:.4f} | {ms[m]['gbps']:.2f} | {xl} | {xb} | {chk} |")
-    return "\n".join(lines)
+    return bb_report.table(results, _cfg_name)
 
 
 def chart(results: list, path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001
-        return False
-    rows = [r for r in results if r.get("methods")]
-    if not rows:
-        return False
-    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(rows)), 4.5))
-    w = 0.8 / len(METHODS)
-    for j, m in enumerate(METHODS):
-        xs = [i + (j - (len(METHODS) - 1) / 2) * w for i in range(len(rows))]
-        ys = [r["methods"].get(m, {}).get("gbps", 0.0) for r in rows]
-        ax.bar(xs, ys, w, label=m)
-    ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([_cfg_name(r["config"]).replace("-", "\n", 2) for r in rows], fontsize=8)
-    ax.set_ylabel("GB/s (bytes the inference GPU receives / step time)")
-    ax.set_title("wxfer vs baselines" + (" (CPU dry run: not GPU figures)" if rows and rows[0].get("dry_run") else ""))
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return bb_report.chart(results, path, _cfg_name)
 
 
 def _parse_size(v: str) -> int:
@@ -627,15 +644,13 @@ def run(args) -> dict:
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     signal.signal(signal.SIGTERM, _kill_children)
-    models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
     layouts = args.layouts.split(",") if args.layouts else ["disagg", "colocated"]
-    quants = args.quant.split(",")
     methods = args.methods.split(",")
     bad = [m for m in methods if m not in METHODS]
     if bad:
         raise SystemExit(f"unknown methods {bad}; known: {METHODS}")
     # the disaggregated layout first (the headline), dense before MoE
-    configs = [dict(model=m, quant=q, layout=l) for l in layouts for m in models for q in quants]
+    configs = configs_for(args, layouts)
     out = args.out
     if out:
         os.makedirs(out, exist_ok=True)
@@ -644,7 +659,7 @@ def run(args) -> dict:
                           wait_for_workers=False)
     a = dict(store="127.0.0.1:%d" % port, name="bb%d" % os.getpid(), dry_run=args.dry_run, timeout=args.timeout,
              methods=methods, warmup=args.warmup, reps=args.reps, per_tensor_reps=args.per_tensor_reps, bucket=_parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
-             watermark=args.watermark, out=os.path.abspath(out) if out else None, skip=[])
+             watermarks=[_parse_size(args.watermark), _parse_size(args.watermark2)], out=os.path.abspath(out) if out else None, skip=[])
     ctl = control.Control(store, a["name"], args.timeout)
     mach = machine(args.dry_run)
     results: list = [None] * len(configs)
@@ -758,17 +773,20 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: tiny models, gloo instead of NCCL, CPU tensors, fabric transport (seconds)")
     ap.add_argument("--models", default=None, help="comma list (default qwen3-8b,qwen3-30b-a3b; dry run tiny,tiny-moe)")
-    ap.add_argument("--quant", default="bf16,fp8", help="comma list of bf16, fp8 (inference side)")
+    ap.add_argument("--quant", default=None, help="comma list of bf16, fp8 (inference side)")
+    ap.add_argument("--trainers", default=None, help="comma list of plain, fsdp2, fsdp2-offload (with --models or "
+                                                     "--quant: their cross product; default: the curated list)")
     ap.add_argument("--layouts", default=None, help="disagg (GPU 0 -> GPU 1), colocated (one GPU); default both "
                                                     "(dry run: separate CPU processes; colocated shares memory)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=3, help="timed steps per method after --warmup (median reported)")
+    ap.add_argument("--reps", type=int, default=5, help="timed steps per method after --warmup (median reported)")
     ap.add_argument("--per-tensor-reps", type=int, default=1,
                     help="timed steps of the per-tensor pattern (slow: one call per tensor, 18,867 on the MoE)")
     ap.add_argument("--bucket", default=None, help="rank-0 bucket size, grown to the largest fused parameter "
                                                    "(default 1GiB; dry run 1MiB)")
-    ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark")
+    ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark (the timed steps)")
+    ap.add_argument("--watermark2", default="256MiB", help="a second watermark: peak memory and steps again")
     ap.add_argument("--timeout", type=float, default=300.0, help="every wait inside a configuration")
     ap.add_argument("--config-timeout", type=float, default=240.0, help="one configuration, all methods")
     ap.add_argument("--max-s", type=float, default=560.0, help="the whole run (results so far are written)")

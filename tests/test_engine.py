@@ -100,6 +100,42 @@ def test_watermark_is_never_exceeded(pair):
     eng.close()
 
 
+def test_reserve_admits_before_the_source_exists(pair):
+    """reserve() admits under the watermark before the caller makes the source (what the
+    Sender does, so a push holds at most the watermark plus one task); a reserved submit is
+    not admitted twice; a failed reserved submit and unreserve() give the bytes back; a task
+    holding nothing (zero copy) is never held back."""
+    t, tgt = pair
+    wm, task = 256 * 1024, 60 * 1024
+    eng = _wxfer.Engine(t, watermark=wm, chunk=32 * 1024)
+    for i in range(30):
+        ta = eng.reserve(task)
+        assert eng.stats()["held"] <= wm
+        src = rand(task, i)                                      # made after admission
+        eng.submit(src, [(tgt.descriptors[0], (i * task) % ((1 << 20) - task), 0, task)], tag=i,
+                   held=task, reserved=ta)
+    eng.wait(timeout=60)
+    recs = eng.trace()
+    assert len(recs) == 30 and all(r["t_admit"] <= r["t_submit"] for r in recs)
+    assert max(h for _, h in held_over_time(recs)) <= wm and eng.stats()["held_peak"] <= wm
+    assert eng.stats()["held"] == 0
+    ta = eng.reserve(task)
+    with pytest.raises(_wxfer.Error, match="outside"):
+        eng.submit(rand(64, 0), [(tgt.descriptors[1], 1 << 40, 0, 64)], held=task, reserved=ta)
+    assert eng.stats()["held"] == 0                              # given back by the failed submit
+    with pytest.raises(ValueError, match="held="):
+        eng.submit(rand(64, 0), [(tgt.descriptors[1], 0, 0, 64)], reserved=ta)
+    eng.unreserve(eng.reserve(2 * wm) * 0 + 2 * wm)              # alone: admitted, then given back
+    assert eng.stats()["held"] == 0
+    big = eng.reserve(2 * wm)                                    # over the watermark, alone
+    t0 = time.monotonic()
+    eng.reserve(0)                                               # holds nothing: not held back
+    assert time.monotonic() - t0 < 1.0
+    eng.unreserve(2 * wm)
+    assert big > 0 and eng.stats()["held"] == 0
+    eng.close()
+
+
 def test_bad_key_and_out_of_range_refused_before_posting(pair):
     t, tgt = pair
     eng = _wxfer.Engine(t)

@@ -83,7 +83,12 @@ def test_from_fsdp2_model_two_gloo_processes():
     s = synthesize("qwen3-tiny", Cluster(train_gpus=2, infer_gpus=4, infer_tp=2))
     plan = build_plan(qwen, s.workers, s.preset)
     assert plan.check() == [] and set(plan.sender.tolist()) == {0, 1}
-    assert len(plan.tasks) == len(s.expanded.components)
+    # one task per FSDP2 unit (the root, each decoder layer); one per component when asked
+    layers = s.preset.config["num_hidden_layers"]
+    assert len(plan.tasks) == 1 + layers and {t.name for t in plan.tasks} == {"root"} | {
+        f"model.layers.{i}" for i in range(layers)}
+    fine = build_plan(qwen, s.workers, s.preset, coarse=False)
+    assert len(fine.tasks) == len(s.expanded.components)
 
 
 def test_mesh_groups_for_hsdp_placements():

@@ -68,6 +68,49 @@ def test_whole_task_is_sent_without_a_copy_only_from_fresh_memory():
     assert prepare._whole(op2, {"w": full}, {"w"}) is None
 
 
+def test_zero_copy_task_reads_the_parameter_itself():
+    """One source held whole, raw whole-row pieces in its own dtype, in any packed order:
+    the write reads the parameter's memory, each destination's source offset moved to its
+    piece's bytes there; anything else (a cast, a column slice) is packed."""
+    w = torch.nn.Parameter(torch.randn(8, 6).to(torch.bfloat16))
+    top = _shard("raw", "bfloat16", Piece("w", 0, 4, 0, 6))
+    bot = _shard("raw", "bfloat16", Piece("w", 4, 8, 0, 6))
+    n = top.nbytes
+    # packed order: bottom half first; the second destination reads a part of the top half
+    op = program.TaskOp(0, "t", [("w", w)], [bot, top], [(b"a", 0, 0, n), (b"b", 0, n + 12, n - 12)], 2 * n)
+    prep = prepare.task_prep(op, torch.device("cpu"))
+    assert prep.direct == "w" and prep.zero_copy and prep.held == 0
+    with torch.no_grad():
+        buf = prepare.run(prep, op, torch.device("cpu"))
+    assert buf.data_ptr() == w.data_ptr()
+    ref = pack_task([bot, top], {"w": w.detach()})
+    for (_, _, s0, ln), (_, _, s1, _) in zip(op.dests, prep.dests):
+        assert torch.equal(buf[s1:s1 + ln], ref[s0:s0 + ln])
+    assert [d[2] for d in prep.dests] == [n, 12]
+    cast = _shard("raw", "float32", Piece("w", 0, 8, 0, 6))
+    op2 = program.TaskOp(0, "t", [("w", w)], [cast], [(b"", 0, 0, cast.nbytes)], cast.nbytes)
+    cols = _shard("raw", "bfloat16", Piece("w", 0, 8, 0, 3))
+    op3 = program.TaskOp(0, "t", [("w", w)], [cols], [(b"", 0, 0, cols.nbytes)], cols.nbytes)
+    for o in (op2, op3):
+        p = prepare.task_prep(o, torch.device("cpu"))
+        assert p.direct is None and p.held == o.nbytes
+        with torch.no_grad():
+            assert torch.equal(prepare.run(p, o, torch.device("cpu")), pack_task(o.shards, {"w": w.detach()}))
+
+
+def test_host_times_from_a_trace():
+    from wxfer.runtime.trace import host_times, to_chrome
+    recs = [dict(id=i, tag=i, bytes=10, held=10, ndests=1, nwrites=1, status=0, t_submit=1000 + 100 * i + 40,
+                 t_admit=1000 + 100 * i, t_ready=1000 + 100 * i + 50, t_post_first=1000 + 100 * i + 60,
+                 t_post_last=1000 + 100 * i + 60, t_done=1000 + 100 * i + 90) for i in range(4)]
+    recs.append(dict(recs[0], tag=99, t_admit=5000, t_submit=4990))      # not reserved: no host time
+    h = host_times(recs, {0: 2, 1: 2, 2: 4, 3: 2}, skip_tags={99})
+    assert h["tasks"] == 4 and h["params"] == 10 and h["host_s"] == pytest.approx(160e-9)
+    assert h["per_task_us"] == pytest.approx(0.04) and h["per_param_us"] == pytest.approx(0.016)
+    ev = [e for e in to_chrome(recs)["traceEvents"] if e["ph"] == "X"]
+    assert sum(e["cat"] == "prepare" for e in ev) == 4
+
+
 def _gather_main(rank, world, port, q):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -91,6 +134,26 @@ def _gather_main(rank, world, port, q):
         c = distribute_tensor(torch.randn(4, 6), mesh, [DShard(1)])          # not rows: generic path
         out.append(prepare._gather_spec(c) is None and torch.equal(prepare.full_tensor(c, c._local_tensor),
                                                                       c.full_tensor()))
+        # a coarse task: one all-gather for all row-sharded sources of a dtype (uneven rows, 1-D,
+        # a rank holding nothing), DTensor for the rest; the packed bytes are the reference's
+        fulls = {"w1": torch.randn(8, 6).to(torch.bfloat16), "w2": torch.randn(7, 130).to(torch.bfloat16),
+                 "n": torch.randn(5).to(torch.bfloat16), "one": torch.randn(1, 6).to(torch.bfloat16),
+                 "f": torch.randn(4, 6), "cols": torch.randn(4, 6).to(torch.bfloat16)}
+        srcs = [(k, distribute_tensor(v, mesh, [DShard(1) if k == "cols" else DShard(0)])) for k, v in fulls.items()]
+        shards = [_shard("raw", "bfloat16", Piece("w1", 0, 8, 0, 6), Piece("one", 0, 1, 0, 6)),
+                  _shard("fp8", "float8_e4m3fn", Piece("w2", 1, 7, 0, 130)),
+                  _shard("scale", "float32", Piece("w2", 1, 7, 0, 130)),
+                  _shard("raw", "bfloat16", Piece("n", 1, 5)), _shard("raw", "float32", Piece("f", 0, 4, 2, 6)),
+                  _shard("raw", "bfloat16", Piece("cols", 0, 4, 1, 5))]
+        nb = sum(x.nbytes for x in shards)
+        op = program.TaskOp(0, "coarse", srcs, shards, [(b"", 0, 0, nb)], nb)
+        prep = prepare.task_prep(op, torch.device("cpu"))
+        out.append(len(prep.gathers) == 2 and sorted(len(g.items) for g in prep.gathers) == [1, 4]
+                   and [n for n, _ in prep.generic] == ["cols"] and prep.direct is None)
+        for _ in range(2):                   # the same TaskPrep every step
+            with torch.no_grad():
+                got = prepare.run(prep, op, torch.device("cpu"))
+            out.append(torch.equal(got, pack_task(shards, fulls)))
         q.put((rank, out))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001

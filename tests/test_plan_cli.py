@@ -61,7 +61,8 @@ def test_hf_config_file_instead_of_a_preset(tmp_path, capsys):
     assert main(["--config", str(path), "--train-gpus", "4", "--infer-tp", "2", "--infer-gpus", "2",
                  "--json", "--steps", "200"]) == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert d["preset"] == "config.json" and d["tasks"] == 2 + 3 * 8   # embed, norm; per layer 2 norms, qkv, o, q/k norms, gate_up, down
+    assert d["preset"] == "config.json" and d["tasks"] == 1 + 3   # the root unit (embed, norm); one task per layer
+
 
 
 def test_calibration_by_name_and_file(capsys, tmp_path):

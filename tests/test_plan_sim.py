@@ -89,7 +89,10 @@ def test_writes_inside_a_node_use_the_write_path_bandwidth():
     assert r.lower_bound_s <= r.simulated_s < 1.1 * r.lower_bound_s
     nic = simulate(plan, Cluster(train_gpus=4, infer_gpus=4, infer_tp=2, gpus_per_node=8, dense_shard=4,
                                  calibration=FREE))
-    assert nic.simulated_s > 5 * r.simulated_s            # 50 GB/s NIC against 390 GB/s
+    # 50 GB/s NICs against 390 GB/s writes (whose bound is the 370 GB/s all-gather here):
+    # the NICs' bytes, balanced to within 2%, set the time
+    assert nic.bottleneck.startswith("train_nic_send") and nic.simulated_s > 4.5 * r.simulated_s
+    assert nic.simulated_s < 1.03 * nic.lower_bound_s
     with pytest.raises(ValueError, match="across nodes"):
         c2 = Cluster(train_gpus=16, infer_gpus=4, infer_tp=2, gpus_per_node=8, write_GBps=390.0, expert_shard=2)
         simulate(plan_for("qwen3-30b-a3b", c2), c2)

@@ -191,3 +191,74 @@ def test_inconsistent_workers_are_refused_by_name():
     ws = _workers(1) + _workers(1)[:1]
     with pytest.raises(PlanError, match="two workers claim replica 0 rank 0"):
         build_plan(_train(), ws, _preset())
+
+
+
+def _layered(layers=3):
+    from wxfer.mapping import from_config
+    cfg = dict(architectures=["Qwen3ForCausalLM"], hidden_size=256, num_hidden_layers=layers,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512,
+               vocab_size=1024, tie_word_embeddings=False)
+    return from_config("layered", cfg)
+
+
+def test_coarse_tasks_one_per_layer_and_destination_set_bytes_unchanged():
+    """FSDP2 units: every component of a decoder layer on one mesh forms one task (split at
+    max_task_bytes); the bytes every inference GPU receives are those of the per-component
+    plan; on a one-rank mesh whole-row raw pieces stay tasks of their own (zero copy)."""
+    from wxfer.meta import Cluster, synthesize
+    from wxfer.plan import expected_destination
+    pre = _layered()
+    s = synthesize(pre, Cluster(train_gpus=2, infer_gpus=2, infer_tp=2, dense_shard=2, quant="fp8"))
+    coarse = build_plan(s.train, s.workers, pre, quant="fp8")
+    fine = build_plan(s.train, s.workers, pre, quant="fp8", coarse=False)
+    layer_tasks = [t for t in coarse.tasks if ".layers." in t.sources[0]]
+    assert sorted(t.name for t in layer_tasks) == [f"model.layers.{i}" for i in range(3)]
+    assert all({n.split(".")[2] for n in t.sources} == {t.name.split(".")[-1]} for t in layer_tasks)
+    assert len(coarse.tasks) == 3 + 1 and len(fine.tasks) > 3 * 6       # + the root unit
+    assert sorted(n for t in coarse.tasks for n in t.sources) == sorted(n for t in fine.tasks for n in t.sources)
+    g = torch.Generator().manual_seed(1)
+    full = {n: torch.randn(*sh, generator=g).to(torch.bfloat16) for n, (sh, _) in coarse.train_params.items()}
+    for gpu in range(2):
+        a, b = expected_destination(coarse, gpu, full), expected_destination(fine, gpu, full)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    coarse.check_deadlock_free()
+    sm = coarse.summary()                               # the notebook sees the grouping
+    assert sm["tasks"] == 4 and sm["sources_per_task"] > 3 and sm["largest_task_bytes"] == max(
+        t.src_bytes for t in coarse.tasks)
+    assert "sources each" in coarse._repr_html_()
+    try:
+        frame = coarse.tasks_frame()
+    except ImportError:
+        frame = None
+    if frame is not None:
+        assert list(frame["name"])[1:] == [t.name for t in coarse.tasks][1:]
+        assert int(frame["bytes_written"].sum()) == int(coarse.nbytes.sum())
+    # the size bound splits a layer; a task exceeds it only when one component does
+    bound = layer_tasks[0].src_bytes // 3
+    small = build_plan(s.train, s.workers, pre, quant="fp8", max_task_bytes=bound)
+    assert len(small.tasks) > len(coarse.tasks) + 3
+    for t in small.tasks:
+        assert t.src_bytes <= bound or len(fine_components(fine, t)) == 1, t.name
+    # one trainer holding whole tensors, BF16: every task is one source and raw whole-row
+    # pieces (zero copy), the fused qkv / gate_up cut at their sources, same bytes
+    for tp in (1, 2):
+        one = synthesize(pre, Cluster(train_gpus=1, infer_gpus=tp, infer_tp=tp, dense_shard=1))
+        p1 = build_plan(one.train, one.workers, pre, quant=None)
+        ref = build_plan(one.train, one.workers, pre, quant=None, coarse=False)
+        direct = [t for t in p1.tasks if len(t.sources) == 1
+                  and all(len(sh.pieces) == 1 and sh.kind == "raw" for sh in t.shards)]
+        rest = [t for t in p1.tasks if t not in direct]      # TP2: o_proj, down_proj split by columns
+        assert [sorted(n.split(".")[-2] for n in t.sources) for t in rest] == \
+            ([] if tp == 1 else [["down_proj", "o_proj"]] * 3)
+        qkv = [t for t in p1.tasks if t.name.endswith("qkv_proj.weight")]
+        assert len(qkv) == 3 * 3 and all(len(t.shards) == tp for t in qkv)
+        for gpu in range(tp):
+            a, b = expected_destination(p1, gpu, full), expected_destination(ref, gpu, full)
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        p1.check()
+
+
+def fine_components(fine, task):
+    """The per-component tasks of `fine` whose sources `task` holds."""
+    return [t for t in fine.tasks if set(t.sources) <= set(task.sources)]

@@ -114,6 +114,33 @@ def test_sender_to_receivers_in_one_process(store, quant):
         r.close()
 
 
+def test_a_parameter_over_the_watermark_is_named_at_setup(store):
+    import warnings
+    from wxfer.runtime.sender import Sender
+    s, addr = store
+    params = inference_params(TINY, 1, 0, None)
+    th, box = _in_thread(Receiver, params, mapping=preset_for(TINY).name, store=addr, replica=0, rank=0, tp=1,
+                         replicas=1, name="wmw", timeout=T)
+    model = _tiny_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sender = Sender(model, mapping=preset_for(TINY), store=addr, name="wmw", timeout=T, watermark="200KiB")
+    th.join(T)
+    assert "error" not in box, box.get("error")
+    msgs = " ".join(str(w.message) for w in caught)
+    # float32 training weights cast to BF16: packed, so they count; 512x256 x 4 bytes > 200 KiB
+    assert "model.embed_tokens.weight (524288 bytes) is larger than the watermark (204800 bytes)" in msgs
+    assert "model.norm.weight" not in msgs
+    sender.push()
+    assert box["value"].version() == 1
+    exp = _expected(model, 1, None)[0]
+    for n, lst in exp.items():
+        got = params[n].view(-1).view(torch.uint8)
+        assert all(torch.equal(got[off:off + b.numel()], b) for off, b in lst), n
+    sender.close()
+    box["value"].close()
+
+
 def test_a_mismatch_is_raised_on_the_trainer_and_on_every_receiver(store):
     from wxfer.runtime.sender import Sender
     s, addr = store

@@ -198,6 +198,17 @@ static void wx__check_deadlines(wx_engine_t *e)
         if (now <= t->deadline || e->err)
             continue;
         if (e->o.isolate) {
+            /* the transport keeps refusing the write at the cursor (-EAGAIN: e.g. a provider
+             * reconnecting to a dead peer, which can also hold up the completions of the
+             * writes already posted to live peers): blame the refused peer first, and give
+             * the task's other writes half a timeout more to complete once it is skipped */
+            if (t->in_post && t->refused && t->cur_dest < t->spec.ndests &&
+                !wx__peer_failed(e, t->dests[t->cur_dest].peer)) {
+                t->deadline = now + e->o.timeout_ns / 2; /* (t is in_post: not finished below) */
+                wx__fail_late(e, t, t->dests[t->cur_dest].peer, "not accepted for",
+                              ": the transport keeps refusing them");
+                return;
+            }
             for (uint32_t i = 0; i < t->posted; i++) {
                 wx__eop_t *eo = &t->ops[i];
                 wx_peer_t *p = t->dests[eo->dest].peer;
@@ -490,7 +501,9 @@ static void *wx__post_main(void *arg)
         rc = wx__post_chunk(e, t, &f);
         if (rc == 0) {
             eagain_ns = WX__EAGAIN_MIN_NS;
+            t->refused = 0;
         } else if (rc == -EAGAIN) {
+            t->refused = 1;
             /* woken by the next completion; else back off (1 ms doubling to 32 ms), so that
              * a peer the provider keeps refusing (reconnecting to a dead one) is not retried
              * 1000 times a second until its deadline */
@@ -606,7 +619,8 @@ int wx_engine_admit(wx_engine_t *e, uint64_t held_bytes, uint64_t slice_ns, uint
             rc = wx__errf_sticky(e);
             break;
         }
-        if (!e->o.watermark || e->held == 0 || e->held + held_bytes <= e->o.watermark) {
+        if (!e->o.watermark || held_bytes == 0 || e->held == 0 ||
+            e->held + held_bytes <= e->o.watermark) {
             e->held += held_bytes;
             if (e->held > e->held_peak)
                 e->held_peak = e->held;

@@ -36,6 +36,7 @@ struct wx__task {
     int status;
     int finished;
     int in_post; /* still queued for posting: only the post thread may finish it */
+    int refused; /* the last post of the write at the cursor returned -EAGAIN */
     int on_active; /* linked into the engine's active list */
     uint64_t deadline;
     wx__eop_t *ops;

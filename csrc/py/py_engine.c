@@ -243,32 +243,45 @@ fail:
 
 static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"src", "dests", "event", "device", "tag", "held", NULL};
+    static char *kwlist[] = {"src", "dests", "event", "device", "tag", "held", "reserved", NULL};
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     wx_py_state_t *st = wx_py_state_of(op);
     wx_py_transport_t *tr;
-    PyObject *src, *dests, *event = Py_None, *held_obj = Py_None;
+    PyObject *src, *dests, *event = Py_None, *held_obj = Py_None, *resv = Py_None;
     int device = -1;
     unsigned long long tag = 0;
     wx__owner_t *own = NULL;
     wx_dest_t *dv = NULL;
     wx_task_spec_t spec;
     wx__admit_t adm;
-    uint64_t t0 = wx_now_ns(), id;
-    int rc;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OiKO:submit", kwlist, &src, &dests, &event,
-                                     &device, &tag, &held_obj))
+    uint64_t t0 = wx_now_ns(), id, resv_held = 0;
+    int rc, resv_live = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OiKOO:submit", kwlist, &src, &dests, &event,
+                                     &device, &tag, &held_obj, &resv))
         return NULL;
     if (!wx__live(self))
         return NULL;
+    if (resv != Py_None) {
+        /* reserved: the held bytes were admitted by reserve(); any failure gives them back */
+        if (held_obj == Py_None) {
+            PyErr_SetString(PyExc_ValueError, "submit: reserved= needs held= (the bytes reserved)");
+            return NULL;
+        }
+        resv_held = PyLong_AsUnsignedLongLong(held_obj);
+        if (PyErr_Occurred())
+            return NULL;
+        resv_live = 1;
+    }
     tr = (wx_py_transport_t *)self->transport;
     if (!tr->t) {
         PyErr_SetString(PyExc_ValueError, "submit: transport is closed");
-        return NULL;
+        goto fail_resv;
     }
     own = PyMem_Calloc(1, sizeof *own);
-    if (!own)
-        return PyErr_NoMemory();
+    if (!own) {
+        PyErr_NoMemory();
+        goto fail_resv;
+    }
     own->t = tr->t;
     memset(&spec, 0, sizeof spec);
     if (wx__submit_src(self, st, src, own, &spec) < 0 ||
@@ -289,19 +302,27 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
             goto fail;
         spec.cuda_device = device >= 0 ? device : (own->buf.device >= 0 ? own->buf.device : 0);
     }
-    /* free finished owners first: it is what makes room under the watermark */
-    wx_engine_reap(self->e, wx__owner_free, NULL);
-    adm.e = self->e;
-    adm.held = spec.held_bytes;
-    rc = wx_py_wait(wx__admit_fn, &adm, -1);
-    if (rc) {
-        if (rc != -EINTR)
-            wx__raise_engine(st, self->e, rc, "submit");
-        goto fail;
+    if (resv != Py_None) {
+        /* admitted before the source was made (reserve()): its time, no second admission */
+        adm.t_admit = PyLong_AsUnsignedLongLong(resv);
+        if (PyErr_Occurred())
+            goto fail;
+    } else {
+        /* free finished owners first: it is what makes room under the watermark */
+        wx_engine_reap(self->e, wx__owner_free, NULL);
+        adm.e = self->e;
+        adm.held = spec.held_bytes;
+        rc = wx_py_wait(wx__admit_fn, &adm, -1);
+        if (rc) {
+            if (rc != -EINTR)
+                wx__raise_engine(st, self->e, rc, "submit");
+            goto fail;
+        }
     }
     rc = wx_engine_submit(self->e, &spec, t0, adm.t_admit, &id);
     if (rc) {
         wx_engine_unadmit(self->e, spec.held_bytes);
+        resv_live = 0;
         wx__raise_engine(st, self->e, rc, "submit");
         goto fail;
     }
@@ -310,6 +331,9 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
 fail:
     PyMem_Free(dv);
     wx__owner_free(own, NULL);
+fail_resv:
+    if (resv_live)
+        wx_engine_unadmit(self->e, resv_held);
     return NULL;
 }
 
@@ -339,6 +363,44 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
     }
     if (rc)
         return wx__raise_engine(wx_py_state_of(op), self->e, rc, "Engine.wait");
+    Py_RETURN_NONE;
+}
+
+/* reserve(held) -> admission time (ns): admit `held` bytes under the watermark before the
+ * source exists (the caller then makes it and submits with reserved=<that time>, or calls
+ * unreserve(held)); the sources of finished tasks are released before and after waiting. */
+static PyObject *wx_engine_reserve_py(PyObject *op, PyObject *arg)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    wx__admit_t adm;
+    int rc;
+    if (!wx__live(self))
+        return NULL;
+    adm.held = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    adm.e = self->e;
+    wx_engine_reap(self->e, wx__owner_free, NULL);
+    rc = wx_py_wait(wx__admit_fn, &adm, -1);
+    if (rc) {
+        if (rc == -EINTR)
+            return NULL;
+        return wx_py_raise(wx_py_state_of(op), rc, "reserve");
+    }
+    wx_engine_reap(self->e, wx__owner_free, NULL);
+    return PyLong_FromUnsignedLongLong(adm.t_admit);
+}
+
+static PyObject *wx_engine_unreserve_py(PyObject *op, PyObject *arg)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    unsigned long long held;
+    if (!wx__live(self))
+        return NULL;
+    held = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    wx_engine_unadmit(self->e, held);
     Py_RETURN_NONE;
 }
 
@@ -460,7 +522,12 @@ static PyMethodDef wx_engine_methods[] = {
      "src: a Region of this transport, or a DLPack producer / buffer kept alive until its writes "
      "completed. dests: [(descriptor, dst_offset, src_offset, nbytes), ...], all validated "
      "before anything is queued. event: a CUDA event handle (int) to wait for before posting. "
-     "Blocks (GIL released, Ctrl-C works) while the watermark is reached."},
+     "Blocks (GIL released, Ctrl-C works) while the watermark is reached. reserved: the time "
+     "reserve() returned; the task's held bytes were admitted then (no second admission)."},
+    {"reserve", wx_engine_reserve_py, METH_O,
+     "reserve(held) -> admission time (ns): admit held bytes under the watermark before the "
+     "source is made; blocks like submit. Follow with submit(..., reserved=t) or unreserve(held)."},
+    {"unreserve", wx_engine_unreserve_py, METH_O, "unreserve(held): give back a reserve()."},
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None): until every submitted task finished; raises Error on a failure."},
     {"reap", wx_engine_reap_py, METH_NOARGS, "Release the sources of finished tasks; count."},

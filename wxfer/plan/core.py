@@ -13,6 +13,7 @@ Vocabulary
 from __future__ import annotations
 
 import heapq
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
@@ -20,6 +21,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from ..mapping import Expanded, Layout, Preset, Shard, expand
+from ..mapping.rules import Component
 from ..meta import InferWorker, TrainParam
 
 KINDS = ("raw", "fp8", "scale")
@@ -168,6 +170,10 @@ class Plan:
         from .notebook import to_pandas
         return to_pandas(self)
 
+    def tasks_frame(self):
+        from .notebook import tasks_frame
+        return tasks_frame(self)
+
     def _repr_html_(self) -> str:
         from .notebook import repr_html
         return repr_html(self)
@@ -293,16 +299,70 @@ def _mesh_options(comp_sources, params: Mapping[str, TrainParam]) -> tuple[tuple
     return tuple(sorted(opts or ()))
 
 
-def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], preset: Preset,
-               quant: str | None = "preset", ignore: Iterable[str] = (), expanded: Expanded | None = None,
-               max_task_bytes: int = 1 << 30, check: bool = True, gpus_per_node: int = 8) -> Plan:
-    """Compute the plan.  quant: "fp8", None (BF16) or "preset" (the preset's choice).
-    Raises PlanError listing every mismatch (by name) when the
-    training params, the mapping and the inference workers do not agree.
+_UNIT = re.compile(r"^(.*?\blayers\.\d+)\.")
 
-    gpus_per_node tells which meshes all-gather over the NICs (those spanning nodes):
-    their all-gather bytes count in the per-NIC balance."""
-    t0 = time.perf_counter()
+
+def _unit_of(sources: Sequence[str]) -> str | None:
+    """The FSDP2 ``fully_shard`` unit the sources belong to: the decoder layer prefix
+    ``...layers.<L>`` shared by all of them, "" (the root unit) when none is in a layer,
+    None when they span units."""
+    units = set()
+    for s in sources:
+        m = _UNIT.match(s)
+        units.add(m.group(1) if m else "")
+    return units.pop() if len(units) == 1 else None
+
+
+def _direct(c, params: Mapping[str, TrainParam], opts) -> bool:
+    """A component whose bytes can be written from the training parameter's own memory
+    (zero copy): one source, produced by one rank alone, every shard one raw piece of
+    whole rows in the source's own dtype.  Such a component stays a task of its own."""
+    if len(c.sources) != 1 or not opts or any(len(m) != 1 for m in opts):
+        return False
+    src = params[c.sources[0]]
+    cols = src.shape[1] if len(src.shape) == 2 else 0
+    if len(src.shape) > 2:
+        return False
+    for sh in c.shards:
+        if sh.kind != "raw" or sh.dtype != src.dtype or len(sh.pieces) != 1:
+            return False
+        pc = sh.pieces[0]
+        if cols and (pc.c0 != 0 or pc.c1 != cols):
+            return False
+    return True
+
+
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "int8": 1, "uint8": 1,
+             "int32": 4, "int64": 8}
+
+
+def _split_direct(c, params: Mapping[str, TrainParam], opts):
+    """A component of several sources whose raw shards are whole rows of their sources in
+    the sources' own dtype (a BF16 fused qkv or gate_up, any TP): one component per
+    source, each shard cut at its pieces (the same bytes at the same offsets), so that
+    each is sent from its parameter's own memory.  None when that does not apply."""
+    if len(c.sources) < 2 or not opts or any(len(m) != 1 for m in opts):
+        return None
+    cuts: dict[str, list] = {}
+    for sh in c.shards:
+        off = sh.offset
+        for pc in sh.pieces:
+            src = params[pc.src]
+            size = _ITEMSIZE.get(src.dtype)
+            if (sh.kind != "raw" or sh.dtype != src.dtype or size is None or len(src.shape) > 2
+                    or (len(src.shape) == 2 and (pc.c0 != 0 or pc.c1 != src.shape[1]))):
+                return None
+            nb = pc.numel() * size
+            cuts.setdefault(pc.src, []).append(Shard(sh.rank, sh.dst, off, nb, "raw", sh.dtype, (pc,)))
+            off += nb
+        if off != sh.offset + sh.nbytes:
+            return None
+    return [Component((s,), cuts.get(s, []), None, c.rule) for s in c.sources]
+
+
+def _grid(workers: Sequence[InferWorker]):
+    """(sorted workers, tp, ep, replicas, gpu_of) of the inference side; PlanError on a hole
+    or a disagreement."""
     workers = sorted(workers, key=lambda w: (w.replica, w.rank))
     if not workers:
         raise PlanError(["no inference workers"])
@@ -324,18 +384,11 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         problems.append(f"no worker for replica {rep} rank {r}")
     if problems:
         raise PlanError(problems)
-    quant = preset.quant if quant == "preset" else quant      # None means BF16
-    params = {p.name: p for p in train}
-    pbytes = {p.name: p.nbytes for p in train}
-    from ..meta import expert_group_of
-    lay = expanded.layout if expanded is not None else None
-    if lay is not None and (lay.tp, lay.ep, lay.quant) == (tp, ep, quant) and not ignore:
-        ex = expanded
-    else:
-        layout = Layout(tp, ep, quant, expert_group_of(train))
-        ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore, strict=False)
+    return workers, tp, ep, replicas, gpu_of
 
-    # ---- names and destination sizes; compare with what the workers hold
+
+def _dest_tables(ex, workers, tp: int, problems: list):
+    """(names, name id, dest_nbytes [tp, names]); compares with what the workers hold."""
     names = sorted({n for r in ex.dest for n in ex.dest[r]})
     name_id = {n: i for i, n in enumerate(names)}
     dest_nbytes = np.full((tp, len(names)), -1, np.int64)
@@ -360,63 +413,84 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
         for n in w.params:
             if n not in exp:
                 problems.append(f"{n} on replica {w.replica} rank {w.rank}: no rule writes this destination")
+    return names, name_id, dest_nbytes
 
-    # ---- tasks: components, merged per (merge_key, mesh), split at max_task_bytes
-    meshes: list[tuple[int, ...]] = []
-    mesh_id: dict[tuple[int, ...], int] = {}
+
+def _make_tasks(ex, params: Mapping[str, TrainParam], max_task_bytes: int, coarse: bool, problems: list):
+    """Tasks from the expansion's components, and each task's mesh options.
+
+    Components of one FSDP2 unit (a decoder layer, or the root) that have one mesh and go
+    to the same inference ranks form one task (one collective, one pack, one submit);
+    with coarse=False only components with equal merge keys (consecutive experts) merge.
+    A task grows until the next component would take it past max_task_bytes (a single
+    larger component is a task alone).  Components that can be sent zero-copy stay alone."""
+    pbytes = {n: p.nbytes for n, p in params.items()}
     pending: dict[object, list] = {}
     raw_tasks: list[tuple[str, list, tuple]] = []  # (name, components, mesh options)
+    comps = []
     for c in ex.components:
         opts = _mesh_options(c.sources, params)
         if not opts:
             problems.append(f"{c.rule}: sources {list(c.sources)} share no mesh that can produce them all")
             continue
-        if c.merge_key is not None and len(opts) == 1:
-            key = (c.merge_key, opts)
-            lst = pending.get(key)
-            size = sum(pbytes[s] for s in c.sources)
-            if lst is None or lst[1] + size > max_task_bytes:
-                lst = [[], 0]
-                pending[key] = lst
-                raw_tasks.append((c.rule, lst[0], opts))
-            lst[0].append(c)
-            lst[1] += size
-        else:
+        split = _split_direct(c, params, opts) if coarse else None
+        comps += [(x, _mesh_options(x.sources, params)) for x in split] if split else [(c, opts)]
+    for c, opts in comps:
+        key = name = None
+        if len(opts) == 1 and not _direct(c, params, opts):
+            unit = _unit_of(c.sources) if coarse else None
+            if unit is not None:
+                key, name = ("unit", unit, opts, frozenset(s.rank for s in c.shards)), unit or "root"
+            elif c.merge_key is not None:
+                key, name = (c.merge_key, opts), c.rule
+        if key is None:
             raw_tasks.append((c.rule, [c], opts))
-    if problems:
-        raise PlanError(problems)
-    train_world = max((r for p in train for m in p.meshes for r in m), default=-1) + 1
+            continue
+        size = sum(pbytes[s] for s in c.sources)
+        lst = pending.get(key)
+        if lst is None or lst[1] + size > max_task_bytes:
+            lst = pending[key] = [[], 0]
+            raw_tasks.append((name, lst[0], opts))
+        lst[0].append(c)
+        lst[1] += size
     tasks: list[Task] = []
     options: list[tuple] = []
     for name, comps, opts in raw_tasks:
-        sources = tuple(s for c in comps for s in c.sources)
+        if len(comps) == 1:
+            name = comps[0].rule
+        sources = tuple(dict.fromkeys(s for c in comps for s in c.sources))
         shards = _merge_shards([s for c in comps for s in c.shards]) if len(comps) > 1 else list(comps[0].shards)
         tasks.append(Task(len(tasks), name, sources, -1, -1, sum(pbytes[s] for s in sources), shards))
         options.append(opts)
+    return tasks, options
 
-    def mid(m):
-        if m not in mesh_id:
-            mesh_id[m] = len(meshes)
-            meshes.append(m)
-        return mesh_id[m]
 
-    # ---- all-gather load per rank (what full_tensor() puts on each rank), then choose meshes
+def _choose_meshes(tasks, options, replicas: int, train_world: int, gpus_per_node: int):
+    """Each task's mesh (balancing the all-gather and write bytes per rank); the mesh table."""
+    meshes: list[tuple[int, ...]] = []
+    mesh_id: dict[tuple[int, ...], int] = {}
     load = np.zeros(train_world, np.float64)
     order = sorted(range(len(tasks)), key=lambda i: -tasks[i].src_bytes * replicas)
-    shard_bytes = [np.array([s.nbytes for s in t.shards], np.int64) for t in tasks]
     for i in order:
         t, opts = tasks[i], options[i]
-        wbytes = float(shard_bytes[i].sum()) * replicas
+        wbytes = float(sum(s.nbytes for s in t.shards)) * replicas
         if len(opts) == 1:
             m = opts[0]
         else:
             # ties go away from rank 0 (the controller also serves the TCPStore)
             sums = [load[list(o)].sum() + (0.5 if 0 in o else 0.0) for o in opts]
             m = opts[int(np.argmin(sums))]
-        t.mesh = mid(m)
+        if m not in mesh_id:
+            mesh_id[m] = len(meshes)
+            meshes.append(m)
+        t.mesh = mesh_id[m]
         load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node) + wbytes / len(m)
+    return meshes
 
-    # ---- mesh groups: greedy colouring of the overlap graph, biggest meshes first
+
+def _mesh_groups(tasks, meshes):
+    """Greedy colouring of the mesh overlap graph (biggest meshes first), lightest group
+    first; each mesh's ordered task list, staggered between the meshes of a group."""
     mesh_bytes = np.zeros(len(meshes))
     for t in tasks:
         mesh_bytes[t.mesh] += t.src_bytes
@@ -448,65 +522,96 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
             if len(lst) > 1:
                 s = (k * len(lst)) // len(g)
                 mesh_tasks[m] = lst[s:] + lst[:s]
+    return groups, mesh_tasks
 
-    # ---- senders: every (shard, replica) unit to a rank of the task's mesh, balancing
-    # bytes per trainer NIC (the all-gather bytes already counted)
+
+def _task_transfers(t: Task, ranks: np.ndarray, load: np.ndarray, replicas: int, tp: int, name_id) -> dict:
+    """The transfers of one task: every (shard, replica) unit to a rank of the task's mesh,
+    in a per-sender pseudo-random destination order, with packed source offsets."""
+    S = len(t.shards)
+    sb = np.array([s.nbytes for s in t.shards], np.int64)
+    u_shard = np.repeat(np.arange(S), replicas)
+    u_rep = np.tile(np.arange(replicas), S)
+    u_n = sb[u_shard]
+    snd = _deal(u_n, ranks, load)
+    sh_rank = np.array([s.rank for s in t.shards], np.int64)
+    sh_dst = np.array([name_id[s.dst] for s in t.shards], np.int64)
+    sh_off = np.array([s.offset for s in t.shards], np.int64)
+    u_gpu = u_rep * tp + sh_rank[u_shard]
+    # per sender: a pseudo-random destination order that differs from sender to sender
+    # and task to task, so that senders do not start on (and move through) the same
+    # receivers at the same moment
+    ti = t.id
+    rot = ((u_gpu + 1) * 0x9E3779B1 + (snd + 1) * 0x85EBCA77 + (ti + 1) * 0xC2B2AE3D) & 0xFFFFFFFF
+    o2 = np.lexsort((rot, snd))
+    snd, u_shard, u_rep, u_n = snd[o2], u_shard[o2], u_rep[o2], u_n[o2]
+    # source offsets: each sender packs every distinct shard it sends once
+    src = _packed_offsets(snd, u_shard, sb)
+    return dict(sender=snd, task=np.full(snd.size, ti, np.int64), shard=u_shard, replica=u_rep,
+                rank=sh_rank[u_shard], dst=sh_dst[u_shard], off=sh_off[u_shard], n=u_n, src=src)
+
+
+def _transfers(tasks, meshes, groups, mesh_tasks, replicas, tp, train_world, gpus_per_node, name_id) -> dict:
+    """Every transfer, balancing bytes per trainer NIC (the all-gather bytes counted
+    first), sorted by sender, then by the sender's task sequence (group, mesh order)."""
     load = np.zeros(train_world, np.float64)
     for t in tasks:
         m = meshes[t.mesh]
         load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node)
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in
-                                          ("sender", "task", "shard", "replica", "rank", "dst", "off", "n", "src")}
-    ngpu = replicas * tp
-    for g in groups:
-        for m in g:
-            ranks = np.array(meshes[m], np.int64)
-            for ti in mesh_tasks[m]:
-                t = tasks[ti]
-                S = len(t.shards)
-                if S == 0:
-                    continue
-                sb = shard_bytes[ti]
-                u_shard = np.repeat(np.arange(S), replicas)
-                u_rep = np.tile(np.arange(replicas), S)
-                u_n = sb[u_shard]
-                snd = _deal(u_n, ranks, load)
-                sh_rank = np.array([s.rank for s in t.shards], np.int64)
-                sh_dst = np.array([name_id[s.dst] for s in t.shards], np.int64)
-                sh_off = np.array([s.offset for s in t.shards], np.int64)
-                u_gpu = u_rep * tp + sh_rank[u_shard]
-                # per sender: a pseudo-random destination order that differs from sender
-                # to sender and task to task, so that senders do not start on (and move
-                # through) the same receivers at the same moment
-                rot = ((u_gpu + 1) * 0x9E3779B1 + (snd + 1) * 0x85EBCA77 + (ti + 1) * 0xC2B2AE3D) & 0xFFFFFFFF
-                o2 = np.lexsort((rot, snd))
-                snd, u_shard, u_rep, u_n = snd[o2], u_shard[o2], u_rep[o2], u_n[o2]
-                # source offsets: each sender packs every distinct shard it sends once
-                src = _packed_offsets(snd, u_shard, sb)
-                cols["sender"].append(snd)
-                cols["task"].append(np.full(snd.size, ti, np.int64))
-                cols["shard"].append(u_shard)
-                cols["replica"].append(u_rep)
-                cols["rank"].append(sh_rank[u_shard])
-                cols["dst"].append(sh_dst[u_shard])
-                cols["off"].append(sh_off[u_shard])
-                cols["n"].append(u_n)
-                cols["src"].append(src)
-    cat = {k: (np.concatenate(v) if v else np.empty(0, np.int64)) for k, v in cols.items()}
-    # global order: by sender, then by the sender's task sequence (group order, mesh order)
+    keys = ("sender", "task", "shard", "replica", "rank", "dst", "off", "n", "src")
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in keys}
     seq = np.zeros(len(tasks), np.int64)
     k = 0
     for g in groups:
         for m in g:
+            ranks = np.array(meshes[m], np.int64)
             for ti in mesh_tasks[m]:
                 seq[ti] = k
                 k += 1
+                if tasks[ti].shards:
+                    for key, v in _task_transfers(tasks[ti], ranks, load, replicas, tp, name_id).items():
+                        cols[key].append(v)
+    cat = {k: (np.concatenate(v) if v else np.empty(0, np.int64)) for k, v in cols.items()}
     o = np.lexsort((np.arange(cat["task"].size), seq[cat["task"]], cat["sender"]))
+    return {k: v[o] for k, v in cat.items()}
+
+
+def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], preset: Preset,
+               quant: str | None = "preset", ignore: Iterable[str] = (), expanded: Expanded | None = None,
+               max_task_bytes: int = 1 << 30, check: bool = True, gpus_per_node: int = 8,
+               coarse: bool = True) -> Plan:
+    """Compute the plan.  quant: "fp8", None (BF16) or "preset" (the preset's choice).
+    Raises PlanError listing every mismatch (by name) when the
+    training params, the mapping and the inference workers do not agree.
+
+    gpus_per_node tells which meshes all-gather over the NICs (those spanning nodes):
+    their all-gather bytes count in the per-NIC balance.  coarse: one task per FSDP2 unit
+    (decoder layer) and destination set, split at max_task_bytes of training bytes."""
+    t0 = time.perf_counter()
+    workers, tp, ep, replicas, gpu_of = _grid(workers)
+    quant = preset.quant if quant == "preset" else quant      # None means BF16
+    params = {p.name: p for p in train}
+    from ..meta import expert_group_of
+    lay = expanded.layout if expanded is not None else None
+    if lay is not None and (lay.tp, lay.ep, lay.quant) == (tp, ep, quant) and not ignore:
+        ex = expanded
+    else:
+        layout = Layout(tp, ep, quant, expert_group_of(train))
+        ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore, strict=False)
+    problems: list[str] = []
+    names, name_id, dest_nbytes = _dest_tables(ex, workers, tp, problems)
+    tasks, options = _make_tasks(ex, params, max_task_bytes, coarse, problems)
+    if problems:
+        raise PlanError(problems)
+    train_world = max((r for p in train for m in p.meshes for r in m), default=-1) + 1
+    meshes = _choose_meshes(tasks, options, replicas, train_world, gpus_per_node)
+    groups, mesh_tasks = _mesh_groups(tasks, meshes)
+    c = _transfers(tasks, meshes, groups, mesh_tasks, replicas, tp, train_world, gpus_per_node, name_id)
     plan = Plan(tp=tp, replicas=replicas, quant=quant, ep=ep, train_world=train_world, meshes=meshes,
                 groups=groups, mesh_tasks=mesh_tasks, tasks=tasks, names=names, dest_nbytes=dest_nbytes,
-                gpu_of=gpu_of, sender=cat["sender"][o], task=cat["task"][o], shard=cat["shard"][o],
-                replica=cat["replica"][o], infer_rank=cat["rank"][o], dst=cat["dst"][o],
-                dst_offset=cat["off"][o], nbytes=cat["n"][o], src_offset=cat["src"][o],
+                gpu_of=gpu_of, sender=c["sender"], task=c["task"], shard=c["shard"],
+                replica=c["replica"], infer_rank=c["rank"], dst=c["dst"],
+                dst_offset=c["off"], nbytes=c["n"], src_offset=c["src"],
                 train_params={p.name: (tuple(p.shape), p.dtype) for p in train},
                 ignored=sorted(ex.ignored), preset=preset.name)
     for w in workers:

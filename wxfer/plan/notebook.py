@@ -18,7 +18,23 @@ def summary(plan) -> dict:
         max_bytes_per_infer_gpu=int(per_gpu.max()) if per_gpu.size else 0,
         max_bytes_per_train_gpu=int(per_train.max()) if per_train.size else 0,
         min_bytes_per_train_gpu=int(per_train.min()) if per_train.size else 0,
-        idle_train_gpus=int((per_train == 0).sum()), build_s=round(plan.build_s, 3))
+        idle_train_gpus=int((per_train == 0).sum()), build_s=round(plan.build_s, 3),
+        largest_task_bytes=max((t.src_bytes for t in plan.tasks), default=0),
+        sources_per_task=round(sum(len(t.sources) for t in plan.tasks) / max(1, len(plan.tasks)), 2))
+
+
+def tasks_frame(plan):
+    """One row per task: its name (the FSDP2 unit, or the mapping rule), mesh, group,
+    number of sources and shards, training bytes, bytes written."""
+    import pandas as pd
+    sent = np.bincount(plan.task, weights=plan.nbytes, minlength=len(plan.tasks)) if plan.n_transfers else \
+        np.zeros(len(plan.tasks))
+    return pd.DataFrame({
+        "task": [t.id for t in plan.tasks], "name": [t.name for t in plan.tasks],
+        "mesh": [t.mesh for t in plan.tasks], "group": [t.group for t in plan.tasks],
+        "sources": [len(t.sources) for t in plan.tasks], "shards": [len(t.shards) for t in plan.tasks],
+        "src_bytes": [t.src_bytes for t in plan.tasks], "bytes_written": sent.astype(np.int64),
+    })
 
 
 def to_pandas(plan):
@@ -43,7 +59,8 @@ def repr_html(plan) -> str:
     rows = [("preset", s["preset"]), ("parameters", f"{s['params'] / 1e9:,.1f} B"),
             ("training GPUs", s["train_gpus"]), ("inference", f"{s['replicas']} replicas x TP{s['tp']}"
                                                    f"{' (EP)' if s['ep'] else ''}, {s['quant']}"),
-            ("bytes per replica", _gb(s["bytes_per_replica"])), ("tasks", f"{s['tasks']:,}"),
+            ("bytes per replica", _gb(s["bytes_per_replica"])), ("tasks", f"{s['tasks']:,} ({s['sources_per_task']} sources each, "
+                                                            f"largest {_gb(s['largest_task_bytes'])})"),
             ("mesh groups", s["mesh_groups"]), ("transfers", f"{s['transfers']:,}"),
             ("max bytes per inference GPU", _gb(s["max_bytes_per_infer_gpu"])),
             ("bytes per training GPU (min / max)",

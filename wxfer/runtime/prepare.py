@@ -28,8 +28,8 @@ def full_tensor(p, local):
     dimension's process group; anything else through ``DTensor.full_tensor()``.  Both give
     the same bytes (the rows of torch.chunk-style shards, in rank order)."""
     from torch.distributed.tensor import DTensor
-    if not isinstance(p, DTensor):
-        return local
+    if not isinstance(p, DTensor) or (tuple(local.shape) == tuple(p.shape) and _is_whole(p)):
+        return local                     # this rank holds all of it (1-rank mesh, Replicate)
     g = _gather_spec(p)
     if g is not None and tuple(local.shape) == g[3]:
         return _gather_rows(local, g)
@@ -203,21 +203,197 @@ def _whole(op: TaskOp, fulls: dict, fresh: set):
 
 def prepare(op: TaskOp, device):
     """Stages 1-2 of one task; returns the packed uint8 buffer (None when this rank only takes
-    part in the collectives)."""
+    part in the collectives).  The Sender uses ``task_prep`` once and ``run`` every step."""
     import torch
     with torch.no_grad():
-        fulls, fresh = {}, set()
-        for name, p in op.sources:
-            local = local_to_device(p, device)
-            f = full_tensor(p, local)
-            fulls[name] = f
-            if f is not local and f.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
-                fresh.add(name)
-        if not op.sends:
+        prep = op.prep if op.prep is not None and op.prep.device == device else task_prep(op, device)
+        buf = run(prep, op, device)
+    return buf
+
+
+# --------------------------------------------------------------------------- per task, once
+
+
+class TaskPrep:
+    """What does not change between steps for one task on this rank: how each source is
+    obtained (whole on this rank; in one coalesced row all-gather per process group and
+    dtype; through DTensor otherwise), whether the write reads the parameter's own memory
+    (zero copy), the destinations as the engine takes them, the bytes it holds."""
+    __slots__ = ("device", "whole", "gathers", "generic", "direct", "zero_copy", "dests", "held",
+                 "nparams", "event", "largest")
+
+    def __init__(self, device):
+        self.device = device
+        self.whole: list = []          # [(name, parameter)]: this rank holds the whole tensor
+        self.gathers: list = []        # [_Gather]
+        self.generic: list = []        # [(name, parameter)]: DTensor.full_tensor()
+        self.direct = None             # source name when the buffer is that source's bytes
+        self.zero_copy = False         # direct, and the parameter's own memory (no H2D)
+        self.dests: list = []
+        self.held = 0
+        self.nparams = 0
+        self.event = None
+        self.largest = (0, "")         # (bytes, name) of the largest source
+
+
+class _Gather:
+    __slots__ = ("group", "w", "dtype", "items", "sizes", "total", "pads")
+
+    def __init__(self, group, w, dtype):
+        self.group, self.w, self.dtype = group, w, dtype
+        self.items: list = []          # [(name, parameter, padded rows per rank, local rows, rest, rows)]
+        self.sizes: list = []          # elements per rank of each item
+        self.total = 0
+        self.pads: list = []           # zero tensors padding uneven shards (made once)
+
+
+def _is_whole(p) -> bool:
+    """This rank holds all of `p`: a plain tensor, or a DTensor on a 1-rank mesh or replicated."""
+    from torch.distributed.tensor import DTensor, Replicate
+    if not isinstance(p, DTensor):
+        return True
+    if p.device_mesh.size() == 1 or all(type(pl) is Replicate for pl in p.placements):
+        return tuple(p._local_tensor.shape) == tuple(p.shape)
+    return False
+
+
+def _local(p):
+    from torch.distributed.tensor import DTensor
+    return p._local_tensor if isinstance(p, DTensor) else p.detach()
+
+
+def task_prep(op: TaskOp, device) -> TaskPrep:
+    """Decide once how task `op` is prepared on this rank (see TaskPrep)."""
+    import math
+    import torch
+    prep = TaskPrep(device)
+    prep.nparams = len(op.sources)
+    by_group: dict = {}
+    for name, p in op.sources:
+        nb = p.numel() * p.element_size()
+        if nb > prep.largest[0]:
+            prep.largest = (nb, name)
+        if _is_whole(p):
+            prep.whole.append((name, p))
+            continue
+        g = _gather_spec(p)
+        local = _local(p)
+        if g is None or tuple(local.shape) != g[3]:
+            prep.generic.append((name, p))
+            continue
+        group, w, c, lshape, n = g
+        key = (id(group), w, p.dtype)
+        gat = by_group.get(key)
+        if gat is None:
+            gat = by_group[key] = _Gather(group, w, p.dtype)
+            prep.gathers.append(gat)
+        rest = tuple(lshape[1:])
+        gat.items.append((name, p, c, lshape[0], rest, n))
+        gat.sizes.append(c * math.prod(rest))
+        gat.total += c * math.prod(rest)
+        if lshape[0] != c:
+            gat.pads.append(torch.zeros((c - lshape[0]) * math.prod(rest), dtype=p.dtype, device=device))
+    prep.dests = list(op.dests)
+    prep.held = op.nbytes
+    if op.sends and len(op.sources) == 1 and prep.whole:
+        d = _direct_dests(op, prep.whole[0][1])
+        if d is not None:
+            name, p = prep.whole[0]
+            prep.direct, prep.dests = name, d
+            prep.zero_copy = _local(p).device == device
+            prep.held = 0 if prep.zero_copy else p.numel() * p.element_size()
+    return prep
+
+
+def _direct_dests(op: TaskOp, p):
+    """The task's destinations with source offsets into the parameter's own bytes when every
+    packed shard is one raw piece of whole rows in the parameter's dtype (so the bytes of
+    each shard are a contiguous range of the parameter), else None."""
+    local = _local(p)
+    if not local.is_contiguous() or local.dim() > 2 or str(local.dtype) != "torch." + op.shards[0].dtype:
+        return None
+    row = local.element_size() * (local.shape[1] if local.dim() == 2 else 1)
+    starts, pos = [], 0
+    for sh in op.shards:
+        if sh.kind != "raw" or len(sh.pieces) != 1 or "torch." + sh.dtype != str(local.dtype):
             return None
-        buf = _whole(op, fulls, fresh)
-        if buf is None:
-            buf = pack_into(op.shards, fulls, op.nbytes, device)
+        pc = sh.pieces[0]
+        if local.dim() == 2 and (pc.c0 != 0 or pc.c1 != local.shape[1]):
+            return None
+        starts.append((pos, pos + sh.nbytes, pc.r0 * row))
+        pos += sh.nbytes
+    out = []
+    for rdesc, doff, soff, n in op.dests:
+        for a, b, base in starts:
+            if a <= soff and soff + n <= b:
+                out.append((rdesc, doff, base + soff - a, n))
+                break
+        else:
+            return None
+    return out
+
+
+# --------------------------------------------------------------------------- per task, every step
+
+
+def run(prep: TaskPrep, op: TaskOp, device):
+    """Stages 1-2 of one task with its TaskPrep (call under torch.no_grad(), on the side
+    stream): the packed uint8 buffer, the parameter's own bytes (zero copy), or None when
+    this rank only takes part in the collectives."""
+    import torch
+    if prep.zero_copy:                   # the parameter's own bytes: nothing to make
+        return _local(prep.whole[0][1]).reshape(-1).view(torch.uint8)
+    fulls, fresh = {}, set()
+    for name, p in prep.whole:
+        local = _local(p)
+        if local.device != device:
+            local = local.to(device, non_blocking=True)
+            fresh.add(name)
+        fulls[name] = local
+    for g in prep.gathers:
+        _gather_many(g, fulls, device)
+        fresh.update(it[0] for it in g.items)
+    for name, p in prep.generic:
+        fulls[name] = full_tensor(p, local_to_device(p, device))
+        fresh.add(name)
+    if not op.sends:
+        return None
+    if prep.direct is not None:
+        return fulls[prep.direct].reshape(-1).view(torch.uint8)
+    buf = _whole(op, fulls, fresh)
+    if buf is None:
+        buf = pack_into(op.shards, fulls, op.nbytes, device)
     if buf.numel() != op.nbytes:
         raise AssertionError(f"task {op.name}: packed {buf.numel()} bytes, plan says {op.nbytes}")
     return buf
+
+
+def _gather_many(g: _Gather, fulls: dict, device) -> None:
+    """One all-gather for every row-sharded source of a process group and dtype (as FSDP2's
+    unshard: the local shards concatenated, padded to equal rows), then each source's whole
+    tensor copied out of the gathered ranks in one kernel."""
+    import torch
+    parts, k = [], 0
+    for name, p, c, rows, rest, n in g.items:
+        local = _local(p)
+        if local.device != device:
+            local = local.to(device, non_blocking=True)
+        parts.append(local.reshape(-1))
+        if rows != c:
+            parts.append(g.pads[k])
+            k += 1
+    inp = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+    out = torch.empty(g.w * g.total, dtype=g.dtype, device=device)
+    all_gather_single(out, inp, group=g.group)
+    del inp
+    if len(g.items) == 1:
+        name, p, c, rows, rest, n = g.items[0]
+        full = out.view((g.w * c,) + rest)
+        fulls[name] = full if n == g.w * c else full[:n]
+        return
+    outs = [torch.empty((g.w * c,) + rest, dtype=g.dtype, device=device) for _, _, c, _, rest, _ in g.items]
+    torch.split_with_sizes_copy(out.view(g.w, g.total), g.sizes, dim=1,
+                                out=[o.view(g.w, -1) for o in outs])
+    del out
+    for (name, p, c, rows, rest, n), o in zip(g.items, outs):
+        fulls[name] = o if n == g.w * c else o[:n]

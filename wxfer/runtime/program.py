@@ -74,7 +74,7 @@ def merge_train_metadata(per_rank: list[list[dict]]):
     return out, problems
 
 
-def build_controller_plan(train_params, workers_meta: list[dict], mapping):
+def build_controller_plan(train_params, workers_meta: list[dict], mapping, max_task_bytes: int = 1 << 30):
     """Rank 0: the plan from the merged training metadata and the receivers' metadata."""
     from ..meta import from_inference_worker
     from ..plan import build_plan
@@ -88,7 +88,7 @@ def build_controller_plan(train_params, workers_meta: list[dict], mapping):
             quant = "fp8"
         workers.append(from_inference_worker(named, m["replica"], m["rank"], m["tp"], m["ep"],
                                              {n: _unb64(d) for n, d in m["desc"].items()}, m["gpu"]))
-    plan = build_plan(train_params, workers, preset, quant=quant)
+    plan = build_plan(train_params, workers, preset, quant=quant, max_task_bytes=max_task_bytes)
     plan.check_deadlock_free()
     return plan
 
@@ -132,6 +132,7 @@ class TaskOp:
     nbytes: int                   # packed buffer size
     gpus: set = field(default_factory=set)
     idx: object = None            # the plan's transfer indices of this task on this rank
+    prep: object = None           # wxfer.runtime.prepare.TaskPrep (made once by the Sender)
 
     @property
     def sends(self) -> bool:
@@ -183,6 +184,7 @@ class RankProgram:
             for op in ops:
                 if gpu in op.gpus:
                     op.dests, op.gpus, _ = _dests(plan, op.idx, decoded)
+                    op.prep = None            # its destinations changed: prepared again
                     n += 1
         return n
 

@@ -32,6 +32,14 @@ from .verify import verify_enabled
 STAMP_TAG = 1 << 62     # engine tag of the version-stamp writes (plan tasks use their index)
 
 
+def task_bound(watermark: int) -> int:
+    """The plan's size bound of a task (training bytes) under a watermark: half of it, so
+    that two tasks fit (one prepared while the other is written), within [16 MiB, 1 GiB]."""
+    if not watermark:
+        return 1 << 30
+    return int(min(1 << 30, max(16 << 20, watermark // 2)))
+
+
 def _parse_size(v) -> int:
     if isinstance(v, int):
         return v
@@ -99,6 +107,8 @@ class Sender:
         self.ctl = Control(control.resolve_store(store, host_store, timeout, bind=store_bind), name, timeout)
         self._store_host = host_store
         self.mapping = mapping
+        self.watermark = _parse_size(watermark)
+        self.last_submit_s = None
         self.setup_s = {}
         t0 = time.perf_counter()
         # ---- 1. metadata of this rank
@@ -156,7 +166,8 @@ class Sender:
                                  f"gpu 0 says replicas={first['replicas']} tp={first['tp']}")
             if probs:
                 raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
-            plan = program.build_controller_plan(train, workers, mapping)
+            plan = program.build_controller_plan(train, workers, mapping,
+                                                 max_task_bytes=task_bound(self.watermark))
             plan.check()     # every destination byte written exactly once, by one sender, in range
             senders = program.receivers_of(plan)
             for w in workers:
@@ -240,7 +251,6 @@ class Sender:
                                  "(or set WXFER_TRANSPORT there)")
         self.transport_name = tname
         self.transport = _wxfer.Transport(tname, topts)
-        self.watermark = _parse_size(watermark)
         # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
         self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout,
                                     isolate=True)
@@ -253,12 +263,31 @@ class Sender:
             control.writer_finish(self.ctl, self.transport, self.rank, g, self.peers[g])
             self._stamp_dest[g] = (_unb64(w["stamp"]), 8 * senders[g].index(self.rank), 0, 8)
         self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
+        self.task_params = {op.task: len(op.sources) for ops in self.program.groups for op in ops}
+        self._prepare_tasks()
         self._gpu_of_peer = {pid: g for g, pid in self.peers.items()}
         self._gpu_of_region = {r: g for g, w in self.workers.items() for r in _regions(w)}
         self._epoch = {g: 0 for g in self.workers}
         self._rejoins_seen = 0
         self._refused = {}           # gpu -> why its restarted worker was not taken (reported once)
         self.rejoined = 0            # restarted workers taken so far
+
+    def _prepare_tasks(self) -> None:
+        """Per task, once: how its sources are gathered, zero copy or not, what it holds
+        (prepare.TaskPrep); warn about a parameter the watermark cannot hold."""
+        import warnings
+        over = []
+        for ops in self.program.groups:
+            for op in ops:
+                op.prep = prepare.task_prep(op, self.device)
+                nb, name = op.prep.largest
+                if self.watermark and op.sends and op.prep.held and nb > self.watermark:
+                    over.append((nb, name, op.prep.held))
+        for nb, name, held in sorted(over, reverse=True)[:20]:
+            warnings.warn(f"wxfer: training parameter {name} ({nb} bytes) is larger than the watermark "
+                          f"({self.watermark} bytes) on trainer rank {self.rank}: its task ({held} bytes) is "
+                          "admitted alone, so a push's extra GPU memory can reach the watermark plus that "
+                          "task's buffer", stacklevel=3)
 
     @property
     def stamp_dests(self) -> list:
@@ -343,55 +372,74 @@ class Sender:
         self._adopt_rejoins()
         keep = []          # CUDA events must outlive the engine's wait on them
         barrier = None
+        ev = None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            ev = torch.cuda.Event()           # what the zero-copy writes wait for
+            ev.record(self.stream)
+            keep.append(ev)
         try:
-            for gi, ops in enumerate(self.program.groups):
-                if barrier is not None:
-                    barrier.wait(self.timeout)
-                for op in ops:
-                    self._run_task(op, keep)
-                # stage 4: the barrier overlaps this group's writes
-                barrier = control.Barrier(self.group, f"the barrier after mesh group {gi} "
-                                                      f"(trainer rank {self.rank}, step {self.version})")
+            with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None
+                                   else _nullcontext()):
+                for gi, ops in enumerate(self.program.groups):
+                    if barrier is not None:
+                        barrier.wait(self.timeout)
+                    for op in ops:
+                        self._run_task(op, ev)
+                    # stage 4: the barrier overlaps this group's writes
+                    barrier = control.Barrier(self.group, f"the barrier after mesh group {gi} "
+                                                          f"(trainer rank {self.rank}, step {self.version})")
         except Exception:
             self._abort()
             raise
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.last_submit_s = time.perf_counter() - t0
         h = PushHandle(self, self.version, t0, barrier, keep)
         self._pending = h
         if async_op:
             return h
         return h.wait()
 
-    def _run_task(self, op, keep) -> None:
-        import torch
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                buf = prepare.prepare(op, self.device)
-                if buf is None:
-                    return
-                ev = torch.cuda.Event()
-                ev.record(self.stream)
-            keep.append(ev)
+    def _run_task(self, op, push_event) -> None:
+        """One task (on the side stream, under no_grad): admitted under the watermark before
+        its buffer is made, prepared, submitted.  A zero-copy task waits for the push's one
+        event (the training stream's work before push()); the others for their own."""
+        prep = op.prep
+        if prep is None:
+            prep = op.prep = prepare.task_prep(op, self.device)
+        if not op.sends:
+            prepare.run(prep, op, self.device)          # the collectives only
+            return
+        held = prep.held
+        t_admit = self.engine.reserve(held)
+        try:
+            buf = prepare.run(prep, op, self.device)
+            ev = None
+            if self.stream is not None:
+                if prep.zero_copy:
+                    ev = push_event
+                else:
+                    if prep.event is None:
+                        import torch
+                        prep.event = torch.cuda.Event()
+                    ev = prep.event
+                    ev.record(self.stream)
             if self._sums is not None:
-                with torch.cuda.stream(self.stream):
-                    self._checksum(op, buf)
-            self.engine.submit(buf, op.dests, event=ev.cuda_event, device=self.device.index, tag=op.task,
-                               held=op.nbytes)
+                self._checksum(op, buf, prep.dests)
+        except BaseException:
+            self.engine.unreserve(held)
+            raise
+        if ev is not None:
+            self.engine.submit(buf, prep.dests, event=ev.cuda_event, device=self.device.index, tag=op.task,
+                               held=held, reserved=t_admit)
         else:
-            buf = prepare.prepare(op, self.device)
-            if buf is None:
-                return
-            if self._sums is not None:
-                self._checksum(op, buf)
-            self.engine.submit(buf, op.dests, tag=op.task, held=op.nbytes)
+            self.engine.submit(buf, prep.dests, tag=op.task, held=held, reserved=t_admit)
 
-    def _checksum(self, op, buf) -> None:
+    def _checksum(self, op, buf, dests) -> None:
         from .verify import crc
         flat = buf.reshape(-1).view(__import__("torch").uint8)
-        for rdesc, doff, soff, n in op.dests:
+        for rdesc, doff, soff, n in dests:
             g = self._gpu_of_region[bytes(rdesc)]
             self._sums.setdefault(g, []).append((_b64(rdesc), int(doff), int(n), crc(flat[soff:soff + n]), op.name))
 
@@ -519,6 +567,13 @@ class Sender:
     def trace(self, clear: bool = False):
         return self.engine.trace(clear=clear)
 
+    def host_times(self, records=None) -> dict:
+        """Host time of the push loop's stages 1-2 per task and per parameter, from the
+        engine trace (default: the records so far; wxfer.runtime.trace.host_times)."""
+        from .trace import host_times
+        recs = self.trace() if records is None else records
+        return host_times(recs, self.task_params, skip_tags={STAMP_TAG})
+
     def write_trace(self, path: str) -> None:
         from .trace import write_chrome
         write_chrome(self.trace(), path, pid=self.rank, name=f"wxfer trainer rank {self.rank}")
@@ -526,7 +581,7 @@ class Sender:
     def stats(self) -> dict:
         s = dict(self.engine.stats())
         s.update(rank=self.rank, bytes_per_step=self.bytes_per_step, receivers=list(self.workers),
-                 rejoined=self.rejoined,
+                 rejoined=self.rejoined, last_submit_s=self.last_submit_s,
                  transport=self.transport_name, setup_s=self.setup_s,
                  quantizer=_quantizer_stats(self.device))
         return s
@@ -565,6 +620,11 @@ def _quantizer_stats(device) -> dict:
 def _regions(worker: dict) -> set:
     """The region descriptors of an inference worker's published parameter descriptors."""
     return {decode_param_descriptor(_unb64(d))[0] for d in worker["desc"].values()}
+
+
+def _nullcontext():
+    import contextlib
+    return contextlib.nullcontext()
 
 
 def torch_sync(device) -> None:
