@@ -32,6 +32,10 @@ class SetupError(RuntimeError):
     """Setup failed (on this process or on another one; the message says where)."""
 
 
+class CollectiveError(TimeoutError):
+    """A gloo collective among the trainer ranks failed or timed out: a rank died or hung."""
+
+
 # --------------------------------------------------------------------------- the store
 
 
@@ -295,7 +299,7 @@ class Barrier:
         try:
             ok = self.work.wait(timedelta(seconds=timeout))
         except Exception as e:
-            raise TimeoutError(f"wxfer: {self.what} did not complete within {timeout:.0f} s: {e}") from e
+            raise CollectiveError(f"wxfer: {self.what} did not complete within {timeout:.0f} s: {e}") from e
         if ok is False:
-            raise TimeoutError(f"wxfer: {self.what} did not complete within {timeout:.0f} s")
+            raise CollectiveError(f"wxfer: {self.what} did not complete within {timeout:.0f} s")
         self.work = None

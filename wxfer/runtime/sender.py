@@ -10,17 +10,24 @@ receivers' metadata, builds and checks the plan and hands it (serialized, versio
 every rank through the store; every rank connects to the receivers it writes to.  A
 setup error on any rank (or on rank 0's controller) is raised on every rank.
 
-A step replays the plan: for each mesh group, for each task of this rank in order,
-H2D (offloaded FSDP) -> full_tensor() + fusion + FP8 + packing -> Engine.submit; an
-asynchronous gloo barrier after the group's last full_tensor(); then, once this rank's
-writes have landed, its version stamp into every receiver it wrote to.  A failure seen by
-any rank is raised on every rank (one gloo all-reduce of a flag per push).  An inference
-worker restarted since the last push is connected and written from this push on.
+A step first writes its number into this rank's *begin* stamp slot on every receiver it
+writes to (and waits until those landed), then replays the plan: for each mesh group, for
+each task of this rank in order, H2D (offloaded FSDP) -> full_tensor() + fusion + FP8 +
+packing -> Engine.submit; an asynchronous gloo barrier after the group's last
+full_tensor(); then, once this rank's writes have landed, its *end* stamp into every
+receiver it wrote to (Receiver.version() counts a step only where begin == end).  A
+receiver this rank gives up on, or a step it abandons half written, is recorded in the
+store (torn/<gpu>/e<epoch>/<i>) for Receiver.state().  A failure seen by any rank, raised
+anywhere inside push(), is raised on every rank (the same barriers, then one gloo
+all-reduce of a flag per push, are joined on every path).  One push() at a time per
+Sender: a second one from another thread is refused.  An inference worker restarted since
+the last push is connected and written from this push on.
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 from . import control, prepare, program
@@ -52,11 +59,12 @@ class PushHandle:
         return self._done
 
     def wait(self, timeout: float | None = None) -> float:
-        if not self._done:
-            try:
-                self._s._finish(self, timeout)
-            finally:
-                self._done = True      # a failed step is reported once, not again by the next push
+        with self._s._lock:            # one thread finishes a step; another waits for it
+            if not self._done:
+                try:
+                    self._s._finish(self, timeout)
+                finally:
+                    self._done = True      # a failed step is reported once, not again by the next push
         return self.seconds
 
 
@@ -88,6 +96,9 @@ class Sender:
         self._pending = None
         self._sums = self._last_sums = self.last_verify = None
         self._verify = False
+        self._lock = threading.RLock()     # push() / PushHandle.wait(): one step at a time
+        self._marked = set()
+        self._epoch = {}
         self.engine = self.transport = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -245,13 +256,16 @@ class Sender:
         self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout,
                                     isolate=True)
         self.stamp_src = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.begin_src = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._stamp_dest = {}
+        self._begin_dest = {}
         self.peers = {}
         for g, w in self.workers.items():      # all requests first, then the replies
             self.peers[g] = control.writer_request(self.ctl, self.transport, self.rank, g, _unb64(w["export"]))
         for g, w in self.workers.items():
             control.writer_finish(self.ctl, self.transport, self.rank, g, self.peers[g])
             self._stamp_dest[g] = (_unb64(w["stamp"]), 8 * senders[g].index(self.rank), 0, 8)
+            self._begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + 8 * senders[g].index(self.rank), 0, 8)
         self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
         self._gpu_of_peer = {pid: g for g, pid in self.peers.items()}
         self._gpu_of_region = {r: g for g, w in self.workers.items() for r in _regions(w)}
@@ -317,6 +331,7 @@ class Sender:
         self.peers[g] = peer
         self._gpu_of_peer[peer] = g
         self._stamp_dest[g] = (_unb64(w["stamp"]), self._stamp_dest[g][1], 0, 8)
+        self._begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + self._stamp_dest[g][1], 0, 8)
         self.workers[g] = w
         self.rejoined += 1
 
@@ -333,6 +348,16 @@ class Sender:
         verify (default: $WXFER_VERIFY=1): checksum every write's source bytes here, and once
         they landed ask every receiver written to for the checksum of what it holds there;
         any mismatch raises wxfer.runtime.verify.VerifyError naming the worker, parameter and bytes."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"wxfer: trainer rank {self.rank}: push() called while another push() (or "
+                               "PushHandle.wait()) of this Sender is running in another thread; one step at "
+                               "a time (the trainer ranks' collectives and the version stamps are per step)")
+        try:
+            return self._push(async_op, version, verify)
+        finally:
+            self._lock.release()
+
+    def _push(self, async_op, version, verify):
         import torch
         if self._pending is not None and not self._pending.done():
             self._pending.wait()
@@ -343,9 +368,11 @@ class Sender:
         self._adopt_rejoins()
         keep = []          # CUDA events must outlive the engine's wait on them
         barrier = None
+        issued = 0         # barriers issued so far (every rank issues one per mesh group)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
+            self._write_begin(self.version)
             for gi, ops in enumerate(self.program.groups):
                 if barrier is not None:
                     barrier.wait(self.timeout)
@@ -354,8 +381,17 @@ class Sender:
                 # stage 4: the barrier overlaps this group's writes
                 barrier = control.Barrier(self.group, f"the barrier after mesh group {gi} "
                                                       f"(trainer rank {self.rank}, step {self.version})")
-        except Exception:
+                issued += 1
+        except Exception as e:
             self._abort()
+            own = f"{type(e).__name__}: {e}"
+            self._mark(set(self.workers) - self._dropped(), self.version, f"trainer rank {self.rank} gave up on step {self.version} "
+                                                   f"half written: {own}")
+            self._join_failed(e, own, barrier, issued)
+            raise
+        except BaseException as e:       # KeyboardInterrupt, SystemExit: record, no collectives
+            self._mark(set(self.workers) - self._dropped(), self.version, f"trainer rank {self.rank} stopped in step {self.version}: "
+                                                   f"{type(e).__name__}")
             raise
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
@@ -364,6 +400,62 @@ class Sender:
         if async_op:
             return h
         return h.wait()
+
+    def _write_begin(self, version: int) -> None:
+        """This rank's begin stamps, landed before its first data write of the step."""
+        if not self._begin_dest:
+            return
+        self.begin_src.fill_(version)
+        if self.begin_src.is_cuda:
+            torch_sync(self.device)
+        # a receiver that fails here is skipped by the engine for the data writes too
+        self.engine.submit(self.begin_src, list(self._begin_dest.values()), tag=STAMP_TAG)
+        self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps")
+
+    def _mark(self, gpus, step: int, why: str, writer="self") -> None:
+        """Record in the store, for Receiver.state(), that the writes of `writer` (this rank;
+        None: some trainer rank) of step `step` to `gpus` were abandoned.  Best effort: a
+        store that cannot be reached leaves the receivers' stamps to say "being written"."""
+        writer = self.rank if writer == "self" else writer
+        for g in sorted(gpus):
+            try:
+                e = self._epoch[g] if g in self._epoch else self.ctl.add("infer/epoch/%d" % g, 0)
+                if (g, e, writer, step) in self._marked:
+                    continue
+                self._marked.add((g, e, writer, step))
+                base = "torn/%d/e%d" % (g, e)
+                i = self.ctl.add(base, 1)
+                self.ctl.set_json("%s/%d" % (base, i), dict(step=int(step), writer=writer, by=self.rank, why=why))
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _dropped(self) -> set:
+        return getattr(self, "_dropped_gpus", set())
+
+    def _join_failed(self, exc, own: str, barrier, issued: int) -> None:
+        """This rank failed inside the task loop: join the collectives the other ranks are
+        in (the barriers of the remaining mesh groups, then the failure flag), so that every
+        rank raises this failure within its bounds instead of hanging.  A failure of a
+        collective itself (a rank died or hung) is raised as it is: the group is broken."""
+        if self.group is None or self.world == 1 or isinstance(exc, control.CollectiveError):
+            if isinstance(exc, control.CollectiveError):
+                self._mark(program.receivers_of(self.plan), self.version,
+                           f"a trainer rank other than {self.rank} died or hung in step {self.version} ({exc})",
+                           writer=None)
+            return
+        try:
+            if barrier is not None:
+                barrier.wait(self.timeout)
+            for gi in range(issued, len(self.program.groups)):
+                control.Barrier(self.group, f"the barrier after mesh group {gi} (trainer rank {self.rank}, "
+                                            f"step {self.version}, after its failure)").wait(self.timeout)
+            others = self._failures_elsewhere(own)
+        except Exception as e2:  # noqa: BLE001 -- the others are gone too: report ours
+            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {own}\n(and telling the "
+                               f"other trainer ranks failed: {e2})") from exc
+        if others:
+            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {own}"
+                               + "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)) from exc
 
     def _run_task(self, op, keep) -> None:
         import torch
@@ -444,6 +536,36 @@ class Sender:
         return out
 
     def _finish(self, h: PushHandle, timeout) -> None:
+        exc = None
+        try:
+            own = self._finish_writes(h, timeout)
+        except Exception as e:  # noqa: BLE001 -- joined with the other ranks below, then raised
+            exc, own = e, f"{type(e).__name__}: {e}"
+            self._mark(set(self.workers) - self._dropped(), h.version,
+                       f"trainer rank {self.rank} gave up on step {h.version}: {own}")
+        if h._barrier is not None:
+            try:
+                h._barrier.wait(self.timeout)
+            except Exception as e:
+                self._mark(program.receivers_of(self.plan), h.version,
+                           f"a trainer rank other than {self.rank} died or hung in step {h.version} ({e})",
+                           writer=None)
+                raise control.CollectiveError(f"{e}" + (f"\n(and this rank: {own})" if own else "")) from exc
+        # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
+        others = self._failures_elsewhere(own)
+        if exc is not None and not others:
+            raise exc
+        if own is not None or others:
+            msg = f"wxfer: trainer rank {self.rank}, step {h.version}: " + (
+                own if own is not None else "this rank's writes all landed, but")
+            msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
+            raise RuntimeError(msg) from exc
+        h.seconds = time.perf_counter() - h._t0
+        h._keep.clear()
+
+    def _finish_writes(self, h: PushHandle, timeout):
+        """Wait for this rank's data writes, write its end stamps, verify; returns this rank's
+        failure report (None: every receiver got every byte and its stamp)."""
         t = self.write_timeout if timeout is None else timeout
         # every task has its own deadline (write_timeout from its first write); a receiver
         # that stops answering fails alone at that deadline, so wait a little longer here
@@ -459,6 +581,12 @@ class Sender:
             self.engine.submit(self.stamp_src, self.stamp_dests, tag=STAMP_TAG)
             self._wait_engine(t, "writing the version stamps")
             failed = self._failed_workers()
+        if failed:
+            new = set(failed) - self._dropped()
+            self._dropped_gpus = self._dropped() | set(failed)
+            for g in sorted(new):
+                self._mark([g], h.version, f"trainer rank {self.rank} gave up on its writes of step {h.version} "
+                                           f"here and skips this worker from now on: {failed[g]}")
         refused, self._refused = self._refused, {}
         own = None
         if failed or refused:
@@ -479,17 +607,7 @@ class Sender:
             self._last_sums, self._sums = self._sums, None
             from .verify import request
             self.last_verify = request(self.ctl, self.rank, h.version, self._last_sums, self.workers, t)
-        if h._barrier is not None:
-            h._barrier.wait(self.timeout)
-        # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
-        others = self._failures_elsewhere(own)
-        if own is not None or others:
-            msg = f"wxfer: trainer rank {self.rank}, step {h.version}: " + (
-                own if own is not None else "this rank's writes all landed, but")
-            msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
-            raise RuntimeError(msg)
-        h.seconds = time.perf_counter() - h._t0
-        h._keep.clear()
+        return own
 
     def _failures_elsewhere(self, own: str | None) -> list:
         """[(rank, report)] of the other trainer ranks whose step failed: one gloo all_reduce
@@ -504,7 +622,10 @@ class Sender:
         try:
             work.wait(timedelta(seconds=self.timeout))
         except Exception as e:
-            raise TimeoutError(f"wxfer: trainer rank {self.rank}, step {self.version}: the other trainer ranks "
+            self._mark(program.receivers_of(self.plan), self.version,
+                       f"a trainer rank other than {self.rank} died or hung in step {self.version} ({e})",
+                       writer=None)
+            raise control.CollectiveError(f"wxfer: trainer rank {self.rank}, step {self.version}: the other trainer ranks "
                                f"did not finish the step within {self.timeout:.0f} s: {e}") from e
         if int(flag.item()) == 0:
             return []
