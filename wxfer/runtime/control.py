@@ -15,6 +15,15 @@ Keys live under ``wxfer/<name>/``::
     hs/req/<rank>/<gpu>         handshake request (may be empty)          trainer -> receiver
     hs/rep/<rank>/<gpu>         handshake reply                           receiver -> trainer
     ready/<gpu>                 receiver finished its handshakes          receiver -> trainers
+    plan/acks, status/acks      counters: the plan/status was read        trainers / receivers
+    setup                       b"OK" | b"ER" + message: the trainers'    rank 0 -> receivers
+                                connect phase (every rank's) is over
+    setup/acks                  counter: a receiver read `setup`          receivers
+    torn/<gpu>/e<epoch>[/<i>]   counter / a trainer's record of giving    trainers -> receiver
+                                up on that worker (Receiver.state())
+
+Every wait polls (at most 50 ms apart), so Ctrl-C is honoured within that, and ends at
+the deadline it names.
 """
 from __future__ import annotations
 
@@ -160,16 +169,30 @@ class Control:
     def check(self, k: str) -> bool:
         return bool(self.store.check([self.key(k)]))
 
-    def get(self, k: str, what: str, timeout: float | None = None) -> bytes:
+    def get(self, k: str, what: str, timeout: float | None = None, abort: str | None = None,
+            abort_where: str = "") -> bytes:
         """The value of `k`, waiting at most `timeout` seconds; `what` says what it is and
-        who should have written it (used in the error)."""
+        who should have written it (used in the error).  Polls (Ctrl-C is honoured within
+        50 ms).  abort: a key holding an encode_result(); when it appears holding an error,
+        that error is raised (SetupError, naming `abort_where`) instead of waiting on."""
         t = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + t
+        delay = 0.001
+        key = self.key(k)
         try:
-            self.store.wait([self.key(k)], timedelta(seconds=t))
-        except Exception as e:  # DistStoreError / RuntimeError depending on torch version
-            raise TimeoutError(f"wxfer: waited {t:.0f} s for {what} (store key {self.key(k)!r}): "
+            while not self.store.check([key]):
+                if abort is not None and self.check(abort):
+                    decode_result(bytes(self.store.get(self.key(abort))), abort_where)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"wxfer: waited {t:.0f} s for {what} (store key {key!r})")
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
+        except (TimeoutError, SetupError):
+            raise
+        except Exception as e:  # the store itself failed (its host exited)
+            raise TimeoutError(f"wxfer: waiting for {what} (store key {key!r}): the store failed: "
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        return bytes(self.store.get(self.key(k)))
+        return bytes(self.store.get(key))
 
     def get_json(self, k: str, what: str, timeout: float | None = None):
         return json.loads(self.get(k, what, timeout).decode())
@@ -190,7 +213,7 @@ class Control:
                 raise TimeoutError(f"wxfer: waited {t:.0f} s for {what}: {v} of {n} arrived "
                                    f"(store counter {self.key(k)!r})")
             time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, 0.05)
 
 
 # --------------------------------------------------------------------------- result / error broadcast
@@ -246,9 +269,11 @@ def writer_finish(ctl: Control, transport, rank: int, gpu: int, peer: int, timeo
 
 def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float | None = None,
                   epoch: int = 0) -> None:
-    """Receiver side: answer the handshake request of trainer `rank`."""
+    """Receiver side: answer the handshake request of trainer `rank` (or raise the trainers'
+    setup error, should their connect phase fail first)."""
     req = ctl.get(hs_key("req", rank, gpu, epoch), f"the handshake request of trainer rank {rank} "
-                                                f"to inference worker gpu {gpu}", timeout)
+                                                f"to inference worker gpu {gpu}", timeout,
+                  abort=None if epoch else "setup", abort_where="the trainers (connecting to the inference workers)")
     try:
         rep = transport.accept(req) if req else b""
         ctl.set(hs_key("rep", rank, gpu, epoch), encode_result(rep, None))
@@ -285,6 +310,27 @@ def agree(group, error: str | None, rank: int, what: str) -> None:
                          + "\n  ".join(f"rank {r}: {e}" for r, e in bad))
 
 
+def wait_work(work, timeout: float, what: str) -> None:
+    """Wait for a gloo Work, polling (Ctrl-C within 50 ms), at most `timeout` seconds;
+    CollectiveError when it fails or is late (a trainer rank died or hung)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    try:
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"wxfer: {what} did not complete within {timeout:.0f} s "
+                                      "(a trainer rank died or hung?)")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+        ok = work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except CollectiveError:
+        raise
+    except Exception as e:
+        raise CollectiveError(f"wxfer: {what} failed: {e}") from e
+    if ok is False:
+        raise CollectiveError(f"wxfer: {what} did not complete within {timeout:.0f} s")
+
+
 class Barrier:
     """An asynchronous gloo barrier (stage 4) whose wait is bounded."""
 
@@ -296,10 +342,5 @@ class Barrier:
     def wait(self, timeout: float) -> None:
         if self.work is None:
             return
-        try:
-            ok = self.work.wait(timedelta(seconds=timeout))
-        except Exception as e:
-            raise CollectiveError(f"wxfer: {self.what} did not complete within {timeout:.0f} s: {e}") from e
-        if ok is False:
-            raise CollectiveError(f"wxfer: {self.what} did not complete within {timeout:.0f} s")
-        self.work = None
+        work, self.work = self.work, None
+        wait_work(work, timeout, self.what)

@@ -290,11 +290,17 @@ class Receiver:
             return self._rejoin_handshakes()
         st = self.ctl.get("status", "the trainers' plan (trainer rank 0 builds it once every "
                                     "inference worker has published)")
+        self.ctl.add("status/acks", 1)
         control.decode_result(st, "trainer rank 0 (controller)")
-        self.senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
-        for r in self.senders:
+        senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
+        for r in senders:
             control.target_accept(self.ctl, self.transport, r, self.gpu)
         self.ctl.set("ready/%d" % self.gpu, b"1")
+        # every trainer rank's connect phase (to every worker) is over, or its error is here
+        done = self.ctl.get("setup", "the trainers' word that their connect phase is over")
+        self.ctl.add("setup/acks", 1)
+        control.decode_result(done, "the trainers (connecting to the inference workers)")
+        self.senders = senders
 
     def _rejoin_handshakes(self) -> None:
         """A restarted worker: every trainer writing here connects at its next push();
@@ -357,7 +363,8 @@ class Receiver:
         - ``complete``: ``version`` is the step fully in place (-1: no push yet);
         - ``writing``: trainer rank(s) ``ranks`` are writing step ``step`` (for ``for_s`` s);
         - ``torn``: step ``step`` was left half written (``why``: which trainer rank gave up
-          or died); the weights mix two steps until a push reaches this worker again;
+          or died); the weights mix two steps until a push reaches this worker again
+          (``final`` False: the trainers said their next push will);
         - ``dropped``: the trainers gave up on this worker at step ``step`` (``why``); it holds
           step ``version`` complete but will not be written again until it is restarted.
 
@@ -365,7 +372,7 @@ class Receiver:
         has recorded giving up on this worker or some sender is mid-step."""
         if not self.senders:
             return dict(state="complete", version=-1, step=None, ranks=[], why="", for_s=0.0,
-                        message=f"inference worker gpu {self.gpu}: no push yet")
+                        final=False, message=f"inference worker gpu {self.gpu}: no push yet")
         end, begin = self._stamps()
         busy = [(r, b) for r, b, e in zip(self.senders, begin, end) if b != e]
         now = time.monotonic()
@@ -379,7 +386,7 @@ class Receiver:
             if busy:       # nobody left to finish the step: the trainers' store is gone
                 step = max(b for _, b in busy)
                 return dict(state="torn", version=-1, step=step, ranks=[r for r, _ in busy], for_s=now - first,
-                            why="the trainers' store cannot be reached (the trainer hosting it died?)",
+                            final=True, why="the trainers' store cannot be reached (the trainer hosting it died?)",
                             message=f"inference worker gpu {self.gpu}: torn since step {step}: trainer rank(s) "
                                     f"{[r for r, _ in busy]} did not finish it and the trainers' store cannot "
                                     "be reached (the trainer hosting it died?)")
@@ -392,25 +399,28 @@ class Receiver:
             m = min(live, key=lambda m: m["step"])
             why = "; ".join(sorted({x["why"] for x in live}))
             kind = "torn" if busy else "dropped"
-            msg = (f"{where}: torn since step {m['step']}: {why}" if busy else
+            final = any(x.get("final", True) for x in live)
+            msg = (f"{where}: torn since step {m['step']}: {why}" + ("" if final else
+                   " (the trainers go on: their next push to this worker rewrites it)") if busy else
                    f"{where}: dropped by the trainers at step {m['step']} ({why}); it holds step {v} "
                    "complete and is not written again until it is restarted")
             return dict(state=kind, version=v, step=m["step"], ranks=sorted({x.get("writer") for x in live},
                                                                              key=str),
-                        why=why, for_s=now - first, message=msg)
+                        why=why, for_s=now - first, final=final, message=msg)
         if busy:
             step = max(b for _, b in busy)
             return dict(state="writing", version=-1, step=step, ranks=[r for r, _ in busy], why="",
-                        for_s=now - first,
+                        for_s=now - first, final=False,
                         message=f"{where}: step {step} being written by trainer rank(s) "
                                 f"{[r for r, _ in busy]} (for {now - first:.1f} s)")
         return dict(state="complete", version=v, step=v, ranks=[], why="", for_s=0.0,
-                    message=f"{where}: step {v} complete")
+                    final=False, message=f"{where}: step {v} complete")
 
     def wait_version(self, version: int, timeout: float = 60.0) -> int:
         """Poll (bounded) until version() >= `version`; returns it.  Raises TornError as soon
-        as the trainers record that they gave up on this worker (or on a step half written
-        here), and TimeoutError naming the trainer ranks not done at the deadline."""
+        as the trainers record that they gave up on this worker for good (dropped it, or a
+        trainer rank died or stopped with a step half written here), and TimeoutError naming
+        the trainer ranks not done (and the state) at the deadline."""
         deadline = time.monotonic() + timeout
         delay, checked = 0.0005, 0.0
         while True:
@@ -421,7 +431,7 @@ class Receiver:
             if now - checked >= 0.1:
                 checked = now
                 st = self.state()
-                if st["state"] in ("torn", "dropped"):
+                if st["state"] in ("torn", "dropped") and st.get("final", True):
                     raise TornError(f"wxfer.Receiver: {st['message']} (waiting for version {version})")
             if now > deadline:
                 st = self.state()

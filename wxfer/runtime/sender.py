@@ -109,6 +109,7 @@ class Sender:
             host_store = self.rank == 0 and store is None
         self.ctl = Control(control.resolve_store(store, host_store, timeout, bind=store_bind), name, timeout)
         self._store_host = host_store
+        self._hosted = store is None or host_store   # a trainer process hosts the store
         self.mapping = mapping
         self.setup_s = {}
         t0 = time.perf_counter()
@@ -124,9 +125,19 @@ class Sender:
         control.agree(self.group, err, self.rank, "publishing training metadata")
         # ---- 2. rank 0 builds the plan; every rank receives it (or the error)
         if self.rank == 0:
-            self._controller(mapping)
+            try:
+                self._controller(mapping)
+            except SetupError:
+                # the store lives in this process: before raising (and maybe exiting) let the
+                # other ranks and the registered receivers read the error from it
+                self._linger("plan/acks", self.world - 1, "status/acks", self.ctl.add("infer/count", 0))
+                raise
         self.setup_s["plan"] = time.perf_counter() - t0
         data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)")
+        if self.rank:
+            self.ctl.add("plan/acks", 1)
+            if data[:2] == control.ERR:   # torchrun ends rank 0 once this rank exits: wait for the receivers
+                self._linger(None, 0, "status/acks", self.ctl.add("infer/count", 0))
         self.plan = program.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
         # ---- 3. this rank's program, transport, connections
         err = None
@@ -135,7 +146,17 @@ class Sender:
             self._connect(transport, transport_options, watermark)
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"
-        control.agree(self.group, err, self.rank, "connecting to the inference workers")
+        try:
+            control.agree(self.group, err, self.rank, "connecting to the inference workers")
+        except SetupError as e:
+            if self.rank == 0:     # the receivers learn it too (they wait for this key)
+                self.ctl.set("setup", control.encode_result(None, str(e)))
+            # every rank waits for the receivers to read it: the store lives in rank 0, and a
+            # launcher (torchrun) ends rank 0 as soon as another rank exits
+            self._linger(None, 0, "setup/acks", len(program.receivers_of(self.plan)))
+            raise
+        if self.rank == 0:
+            self.ctl.set("setup", control.encode_result(b"", None))
         self.setup_s["connect"] = time.perf_counter() - t1
 
     # ------------------------------------------------------------------ setup
@@ -184,6 +205,18 @@ class Sender:
             ctl.set_json("senders/%d" % g, s)
         ctl.set("plan", control.encode_result(blob, None))
         ctl.set("status", control.encode_result(b"", None))
+
+    def _linger(self, trainer_key, trainers: int, recv_key, receivers: int) -> None:
+        """After a setup error: wait (up to `timeout` for the other trainer
+        ranks, 10 s for the receivers) until they read it from the store a trainer hosts."""
+        if not self._hosted:
+            return
+        for key, n, t in ((trainer_key, trainers, self.timeout), (recv_key, receivers, min(self.timeout, 10.0))):
+            if key is None or n <= 0:
+                continue
+            deadline = time.monotonic() + t
+            while self.ctl.add(key, 0) < n and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def _wait_workers(self, n: int) -> None:
         """Wait (bounded) for the `n` inference workers; a worker registered twice, or one
@@ -368,7 +401,7 @@ class Sender:
         self._adopt_rejoins()
         keep = []          # CUDA events must outlive the engine's wait on them
         barrier = None
-        issued = 0         # barriers issued so far (every rank issues one per mesh group)
+        at = (0, -1)       # (mesh group, task) reached: a failure drains the collectives from there
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
@@ -376,18 +409,19 @@ class Sender:
             for gi, ops in enumerate(self.program.groups):
                 if barrier is not None:
                     barrier.wait(self.timeout)
-                for op in ops:
+                for oi, op in enumerate(ops):
+                    at = (gi, oi)
                     self._run_task(op, keep)
                 # stage 4: the barrier overlaps this group's writes
+                at = (gi, len(ops))
                 barrier = control.Barrier(self.group, f"the barrier after mesh group {gi} "
                                                       f"(trainer rank {self.rank}, step {self.version})")
-                issued += 1
+                at = (gi + 1, -1)
         except Exception as e:
-            self._abort()
             own = f"{type(e).__name__}: {e}"
-            self._mark(set(self.workers) - self._dropped(), self.version, f"trainer rank {self.rank} gave up on step {self.version} "
-                                                   f"half written: {own}")
-            self._join_failed(e, own, barrier, issued)
+            self._mark(set(self.workers) - self._dropped(), self.version,
+                       f"trainer rank {self.rank} gave up on step {self.version} half written: {own}", final=False)
+            self._join_failed(e, own, barrier, at)
             raise
         except BaseException as e:       # KeyboardInterrupt, SystemExit: record, no collectives
             self._mark(set(self.workers) - self._dropped(), self.version, f"trainer rank {self.rank} stopped in step {self.version}: "
@@ -412,10 +446,11 @@ class Sender:
         self.engine.submit(self.begin_src, list(self._begin_dest.values()), tag=STAMP_TAG)
         self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps")
 
-    def _mark(self, gpus, step: int, why: str, writer="self") -> None:
+    def _mark(self, gpus, step: int, why: str, writer="self", final: bool = True) -> None:
         """Record in the store, for Receiver.state(), that the writes of `writer` (this rank;
-        None: some trainer rank) of step `step` to `gpus` were abandoned.  Best effort: a
-        store that cannot be reached leaves the receivers' stamps to say "being written"."""
+        None: some trainer rank) of step `step` to `gpus` were abandoned; `final`: no later
+        push of this rank will repair them (it skips the worker, or is going away).  Best
+        effort: a store that cannot be reached leaves the stamps to say "being written"."""
         writer = self.rank if writer == "self" else writer
         for g in sorted(gpus):
             try:
@@ -425,30 +460,45 @@ class Sender:
                 self._marked.add((g, e, writer, step))
                 base = "torn/%d/e%d" % (g, e)
                 i = self.ctl.add(base, 1)
-                self.ctl.set_json("%s/%d" % (base, i), dict(step=int(step), writer=writer, by=self.rank, why=why))
+                self.ctl.set_json("%s/%d" % (base, i), dict(step=int(step), writer=writer, by=self.rank, why=why,
+                                                           final=bool(final)))
             except Exception:  # noqa: BLE001
                 pass
 
     def _dropped(self) -> set:
         return getattr(self, "_dropped_gpus", set())
 
-    def _join_failed(self, exc, own: str, barrier, issued: int) -> None:
-        """This rank failed inside the task loop: join the collectives the other ranks are
-        in (the barriers of the remaining mesh groups, then the failure flag), so that every
-        rank raises this failure within its bounds instead of hanging.  A failure of a
-        collective itself (a rank died or hung) is raised as it is: the group is broken."""
-        if self.group is None or self.world == 1 or isinstance(exc, control.CollectiveError):
-            if isinstance(exc, control.CollectiveError):
-                self._mark(program.receivers_of(self.plan), self.version,
-                           f"a trainer rank other than {self.rank} died or hung in step {self.version} ({exc})",
-                           writer=None)
+    def _join_failed(self, exc, own: str, barrier, at) -> None:
+        """This rank failed inside the task loop at task `at` = (mesh group, index): take part
+        in what the other ranks are in -- the collectives (full_tensor) of the remaining tasks,
+        run without writing, and the barriers of the remaining mesh groups -- then join the
+        failure flag, so that every rank raises this failure within its bounds instead of
+        hanging.  A failure of a collective itself (a rank died or hung) is raised as it is:
+        the group is broken.  (A failure raised from inside a task's full_tensor() leaves the
+        FSDP collectives one task out of step: the others fail at their collective timeout.)"""
+        broken = isinstance(exc, control.CollectiveError)
+        if broken:
+            self._mark(program.receivers_of(self.plan), self.version,
+                       f"a trainer rank other than {self.rank} died or hung in step {self.version} ({exc})",
+                       writer=None)
+        if self.group is None or self.world == 1 or broken:
+            self._abort()
             return
+        groups = self.program.groups
+        gi, oi = at
         try:
+            for g in range(gi, len(groups)):
+                if g > gi and barrier is not None:
+                    barrier.wait(self.timeout)
+                start = oi + 1 if g == gi else 0
+                if g == gi and oi >= len(groups[g]):
+                    continue            # this group's barrier was issued already
+                self._drain(groups[g][start:])
+                barrier = control.Barrier(self.group, f"the barrier after mesh group {g} (trainer rank "
+                                                      f"{self.rank}, step {self.version}, after its failure)")
+            self._abort()
             if barrier is not None:
                 barrier.wait(self.timeout)
-            for gi in range(issued, len(self.program.groups)):
-                control.Barrier(self.group, f"the barrier after mesh group {gi} (trainer rank {self.rank}, "
-                                            f"step {self.version}, after its failure)").wait(self.timeout)
             others = self._failures_elsewhere(own)
         except Exception as e2:  # noqa: BLE001 -- the others are gone too: report ours
             raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {own}\n(and telling the "
@@ -456,6 +506,17 @@ class Sender:
         if others:
             raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {own}"
                                + "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)) from exc
+
+    def _drain(self, ops) -> None:
+        """The collectives of `ops` (stage 1-2, nothing written), for the other ranks' sake."""
+        import contextlib
+        import torch
+        for op in ops:
+            try:
+                with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                    prepare.prepare(op, self.device)
+            except Exception:  # noqa: BLE001 -- this step is failed already
+                pass
 
     def _run_task(self, op, keep) -> None:
         import torch
@@ -542,7 +603,7 @@ class Sender:
         except Exception as e:  # noqa: BLE001 -- joined with the other ranks below, then raised
             exc, own = e, f"{type(e).__name__}: {e}"
             self._mark(set(self.workers) - self._dropped(), h.version,
-                       f"trainer rank {self.rank} gave up on step {h.version}: {own}")
+                       f"trainer rank {self.rank} gave up on step {h.version}: {own}", final=False)
         if h._barrier is not None:
             try:
                 h._barrier.wait(self.timeout)
@@ -620,7 +681,7 @@ class Sender:
         flag = torch.tensor([0 if own is None else 1], dtype=torch.int32)
         work = dist.all_reduce(flag, group=self.group, async_op=True)
         try:
-            work.wait(timedelta(seconds=self.timeout))
+            control.wait_work(work, self.timeout, f"the failure flag of step {self.version} (trainer rank {self.rank})")
         except Exception as e:
             self._mark(program.receivers_of(self.plan), self.version,
                        f"a trainer rank other than {self.rank} died or hung in step {self.version} ({e})",
