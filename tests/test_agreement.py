@@ -5,7 +5,8 @@ inference workers in their own processes; fabric tcp):
   the collectives stay in step, and the next push works on both (17.3);
 - a trainer rank failing its connect phase fails setup on every trainer rank *and* in every
   Receiver constructor, promptly (17.3);
-- a second push() from another thread while one runs is refused, clearly (17.4).
+- a second push() from another thread while one runs is refused, clearly (17.4);
+- trainer ranks given different mappings are refused on every process (17.6).
 """
 import os
 import re
@@ -28,12 +29,15 @@ TRAINER = textwrap.dedent("""
     from wxfer.models import TINY, Qwen3ForCausalLM, preset_for, shard_fsdp2
     from wxfer.runtime.sender import Sender
     case = sys.argv[1]
+    import os
+    dist_rank1 = lambda: os.environ.get("RANK") == "1"
+    mapping = preset_for(dict(TINY, rms_norm_eps=1e-5)) if case == "mapping" and dist_rank1() else preset_for(TINY)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = shard_fsdp2(Qwen3ForCausalLM(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
     opts = {"no_such_option": "1"} if case == "connect" and rank == 1 else None
     try:
-        sender = Sender(model, mapping=preset_for(TINY), timeout=40, write_timeout=3, transport_options=opts)
+        sender = Sender(model, mapping=mapping, timeout=40, write_timeout=3, transport_options=opts)
     except Exception as e:
         print(f"rank {rank} setup failed: {type(e).__name__}: " + str(e).replace(chr(10), " | "), flush=True)
         sys.exit(3)
@@ -168,3 +172,12 @@ def test_a_connect_failure_on_one_rank_fails_every_trainer_and_the_receiver(tmp_
     took = float(re.search(r"failed after ([\d.]+) s", wout).group(1))
     assert took < 40, wout                                   # not its full timeout
     print(f"connect failure reached the receiver in {took:.1f} s (run {time.monotonic() - t0:.0f} s)")
+
+
+@pytest.mark.timeout(180)
+def test_trainer_ranks_given_different_mappings_are_refused_everywhere(tmp_path):
+    tr, w, (tout, wout) = _run(tmp_path, "mapping")
+    for r in (0, 1):
+        line = [ln for ln in tout.splitlines() if f"rank {r} setup failed" in ln]
+        assert line and "SetupError" in line[0] and "trainer rank 1 was given mapping" in line[0], tout[-4000:]
+    assert w.returncode == 3 and "SetupError" in wout and "trainer rank 1 was given mapping" in wout, wout[-3000:]

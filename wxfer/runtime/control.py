@@ -83,9 +83,12 @@ def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_
             addr = bind_address(host, bind)
             if addr is not None:
                 lsock = _listen(addr, port)
-        st = dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout),
-                           wait_for_workers=False, use_libuv=True,
-                           master_listen_fd=lsock.fileno() if lsock is not None else None)
+        if is_master:
+            st = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout),
+                               wait_for_workers=False, use_libuv=True,
+                               master_listen_fd=lsock.fileno() if lsock is not None else None)
+        else:
+            st = _connect_store(host, port, timeout)
     except Exception as e:
         if lsock is not None:
             lsock.close()
@@ -95,6 +98,27 @@ def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_
     if lsock is not None:
         lsock.detach()          # the store serves on (and owns) this socket now
     return st
+
+
+def _connect_store(host: str, port: int, timeout: float):
+    """A TCPStore client, connecting within `timeout`: wait (quietly, interruptibly, by the
+    deadline) until the port accepts a TCP connection, then connect the store with what is
+    left (torch's own retries stretch one attempt to 2-3x its timeout and log each)."""
+    import torch.distributed as dist
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host.strip("[]"), port), timeout=max(0.05, min(1.0, left))).close()
+            break
+        except OSError as e:
+            if left <= delay:
+                raise TimeoutError(f"nothing accepted a connection at {host}:{port}: {e}") from None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+                         wait_for_workers=False, use_libuv=True)
 
 
 def _is_ip(s: str) -> bool:

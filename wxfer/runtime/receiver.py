@@ -292,6 +292,12 @@ class Receiver:
                                     "inference worker has published)")
         self.ctl.add("status/acks", 1)
         control.decode_result(st, "trainer rank 0 (controller)")
+        lay = self.ctl.get_json("layout", "the inference layout the trainers planned for", 5)
+        if (lay["replicas"], lay["tp"]) != (self.replicas, self.tp) or self.gpu >= lay["workers"]:
+            raise SetupError(f"wxfer.Receiver gpu {self.gpu}: this worker says replica {self.replica} of "
+                             f"{self.replicas}, rank {self.rank} of tp={self.tp}, but the trainers planned for "
+                             f"replicas={lay['replicas']} tp={lay['tp']} (from inference worker gpu 0): the "
+                             "inference workers disagree on the layout")
         senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
         for r in senders:
             control.target_accept(self.ctl, self.transport, r, self.gpu)

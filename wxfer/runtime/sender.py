@@ -113,9 +113,10 @@ class Sender:
         self.mapping = mapping
         self.setup_s = {}
         t0 = time.perf_counter()
-        # ---- 1. metadata of this rank
+        # ---- 1. metadata of this rank (and the mapping it was given: every rank's must agree)
         err = None
         try:
+            self.ctl.set_json("train/%d/mapping" % self.rank, _mapping_digest(mapping))
             if hasattr(model, "reshard"):
                 model.reshard()   # FSDP2: the sharded DTensor parameters, even after a no-grad forward
             self.params = {n: p for n, p in model.named_parameters()}
@@ -130,20 +131,26 @@ class Sender:
             except SetupError:
                 # the store lives in this process: before raising (and maybe exiting) let the
                 # other ranks and the registered receivers read the error from it
-                self._linger("plan/acks", self.world - 1, "status/acks", self.ctl.add("infer/count", 0))
+                self._linger("plan/acks", self.world - 1, "status/acks", None)
                 raise
         self.setup_s["plan"] = time.perf_counter() - t0
         data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)")
         if self.rank:
             self.ctl.add("plan/acks", 1)
             if data[:2] == control.ERR:   # torchrun ends rank 0 once this rank exits: wait for the receivers
-                self._linger(None, 0, "status/acks", self.ctl.add("infer/count", 0))
+                self._linger(None, 0, "status/acks", None)
         self.plan = program.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
         # ---- 3. this rank's program, transport, connections
         err = None
         t1 = time.perf_counter()
         try:
             self._connect(transport, transport_options, watermark)
+            if self.rank == 0:      # a worker that registered after the plan was built, outside its layout
+                n = len(program.receivers_of(self.plan))
+                late = self.ctl.add("infer/count", 0) - n
+                if late > 0:
+                    raise SetupError(f"{late} inference worker(s) registered beyond the {n} the plan is for "
+                                     "(the inference workers disagree on replicas/tp; see their own errors)")
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"
         try:
@@ -166,6 +173,11 @@ class Sender:
             per_rank = [ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}")
                         for r in range(self.world)]
             train, problems = program.merge_train_metadata(per_rank)
+            digests = [ctl.get_json("train/%d/mapping" % r, f"the mapping of trainer rank {r}")
+                       for r in range(self.world)]
+            problems = list(problems) + [f"trainer rank {r} was given mapping {d['name']!r} (digest {d['sha'][:12]}), "
+                                         f"rank 0 {digests[0]['name']!r} (digest {digests[0]['sha'][:12]})"
+                                         for r, d in enumerate(digests) if d != digests[0]]
             if problems:
                 raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
             first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
@@ -175,6 +187,13 @@ class Sender:
             workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}")
                                  for g in range(1, n)]
             probs = []
+            extra = ctl.add("infer/count", 0) - n      # registered beyond gpu 0's layout
+            for g in range(n, n + max(0, extra) + 8):
+                if extra > 0 and ctl.check("infer/%d" % g):
+                    w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
+                    probs.append(f"inference worker gpu {g} (replica {w['replica']} of {w['replicas']}, rank "
+                                 f"{w['rank']} of tp={w['tp']}) lies outside gpu 0's layout replicas="
+                                 f"{first['replicas']} tp={first['tp']} ({n} workers)")
             pname = getattr(program.get_preset(mapping), "name", "")
             for w in workers:
                 if w["mapping"] and pname and w["mapping"] != pname:
@@ -203,6 +222,7 @@ class Sender:
             raise SetupError(f"wxfer: building the plan on trainer rank 0 failed: {msg}") from e
         for g, s in senders.items():
             ctl.set_json("senders/%d" % g, s)
+        ctl.set("layout", json.dumps(dict(replicas=first["replicas"], tp=first["tp"], workers=n)))
         ctl.set("plan", control.encode_result(blob, None))
         ctl.set("status", control.encode_result(b"", None))
 
@@ -211,11 +231,26 @@ class Sender:
         ranks, 10 s for the receivers) until they read it from the store a trainer hosts."""
         if not self._hosted:
             return
+        try:
+            self._linger_on(trainer_key, trainers, recv_key, receivers)
+        except Exception:  # noqa: BLE001 -- the store's host exited: nothing left to wait for
+            pass
+
+    def _linger_on(self, trainer_key, trainers, recv_key, receivers) -> None:
         for key, n, t in ((trainer_key, trainers, self.timeout), (recv_key, receivers, min(self.timeout, 10.0))):
-            if key is None or n <= 0:
+            if key is None or n == 0:
                 continue
             deadline = time.monotonic() + t
-            while self.ctl.add(key, 0) < n and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                want = n
+                if want is None:       # every receiver of gpu 0's layout (it may not have registered yet)
+                    try:
+                        w = self.ctl.get_json("infer/0", "", 0) if self.ctl.check("infer/0") else None
+                    except Exception:  # noqa: BLE001
+                        w = None
+                    want = w["replicas"] * w["tp"] if w else 1
+                if self.ctl.add(key, 0) >= want:
+                    break
                 time.sleep(0.02)
 
     def _wait_workers(self, n: int) -> None:
@@ -335,7 +370,9 @@ class Sender:
 
     def _adopt(self, g: int, e: int) -> None:
         old = self.workers[g]
-        w = self.ctl.get_json("infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}", 30)
+        # bounded by write_timeout: a restarted worker that died again must not stall the push longer
+        w = self.ctl.get_json("infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}",
+                              self.write_timeout)
         probs = []
         for k in ("transport", "options", "mapping", "replicas", "tp", "replica", "rank", "ep"):
             if w.get(k) != old.get(k):
@@ -352,7 +389,7 @@ class Sender:
             raise SetupError(f"restarted inference worker gpu {g} ({w['host']} pid {w['pid']}) does not match "
                              "the one it replaces:\n    " + "\n    ".join(probs))
         peer = control.writer_connect(self.ctl, self.transport, self.rank, g, _unb64(w["export"]),
-                                      self.timeout, epoch=e)
+                                      self.write_timeout, epoch=e)
         # the new worker's memory: its descriptors into the plan, this rank's tasks for it
         for name, d in w["desc"].items():
             self.plan.descriptors[(g, name)] = _unb64(d)
@@ -733,6 +770,16 @@ class Sender:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _mapping_digest(mapping) -> dict:
+    """{name, sha}: what a trainer rank was given as `mapping` (compared across ranks)."""
+    import hashlib
+    try:
+        p = program.get_preset(mapping)
+    except Exception as e:  # noqa: BLE001 -- reported by the controller as a disagreement or its own error
+        return dict(name=repr(mapping)[:80], sha=hashlib.sha256(f"{type(e).__name__}: {e}".encode()).hexdigest())
+    return dict(name=getattr(p, "name", ""), sha=hashlib.sha256(repr(p).encode()).hexdigest())
 
 
 def _regions(worker: dict) -> set:

@@ -1,0 +1,78 @@
+"""Issue 17.5: every wait ends by the deadline it names and honours Ctrl-C within ~100 ms.
+The store connect with nothing listening; a store wait and a gloo wait interrupted by
+SIGINT in a real process."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from wxfer.runtime import control
+from wxfer.runtime.control import SetupError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_store_connect_ends_by_its_timeout():
+    import torch.distributed  # noqa: F401 -- not counted in the wait
+    port = control.free_port()
+    t0 = time.monotonic()
+    with pytest.raises(SetupError, match="within 2 s"):
+        control.resolve_store("127.0.0.1:%d" % port, False, 2)
+    took = time.monotonic() - t0
+    assert 1.9 < took < 2.6, took             # torch's own retries took 2.1-2.6x
+
+
+WAITER = textwrap.dedent("""
+    import sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from wxfer.runtime import control
+    kind, port = sys.argv[1], int(sys.argv[2])
+    st = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    if kind == "store":
+        ctl = control.Control(st, "w", 60)
+        wait = lambda: ctl.get("never", "a key nobody sets")
+    else:                       # a barrier whose other rank never arrives (it sleeps)
+        import subprocess
+        other = subprocess.Popen([sys.executable, "-c", (
+            "import time; from datetime import timedelta; import torch.distributed as dist; "
+            f"st = dist.TCPStore('127.0.0.1', {port}, is_master=False, timeout=timedelta(seconds=60)); "
+            "dist.init_process_group('gloo', store=st, rank=1, world_size=2); time.sleep(30)")])
+        dist.init_process_group("gloo", store=st, rank=0, world_size=2, timeout=timedelta(seconds=60))
+        wait = lambda: control.Barrier(dist.group.WORLD, "a barrier").wait(60)
+    print("waiting", flush=True)
+    t0 = time.monotonic()
+    try:
+        wait()
+    except KeyboardInterrupt:
+        print(f"KeyboardInterrupt after {time.monotonic() - t0:.2f} s", flush=True)
+    if kind == "gloo":
+        other.kill()
+    import os
+    os._exit(0)
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["store", "gloo"])
+def test_ctrl_c_in_a_wait_is_honoured_at_once(tmp_path, kind):
+    (tmp_path / "w.py").write_text(WAITER)
+    p = subprocess.Popen([sys.executable, str(tmp_path / "w.py"), kind, str(control.free_port())],
+                         env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "waiting"
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out = p.communicate(timeout=20)[0]
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "KeyboardInterrupt after" in out, out
+    assert took < 2.0, (took, out)             # not at the wait's 60 s deadline
