@@ -76,3 +76,38 @@ def test_ctrl_c_in_a_wait_is_honoured_at_once(tmp_path, kind):
             p.kill()
     assert "KeyboardInterrupt after" in out, out
     assert took < 2.0, (took, out)             # not at the wait's 60 s deadline
+
+
+def _tiny():
+    import torch
+    from wxfer.models import TINY, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(TINY)
+
+
+@pytest.mark.timeout(60)
+def test_host_store_takes_a_bool_or_0_1_and_refuses_anything_else():
+    from wxfer.models import TINY, preset_for
+    from wxfer.runtime.sender import Sender
+    with pytest.raises(TypeError, match="host_store must be True, False or None, got 'yes'"):
+        Sender(_tiny(), mapping=preset_for(TINY), store="127.0.0.1:1", host_store="yes", timeout=1)
+    # 1 means True: this process hosts the store (then waits, bounded, for a worker)
+    port = control.free_port()
+    t0 = time.monotonic()
+    with pytest.raises(SetupError, match="inference worker gpu 0"):
+        Sender(_tiny(), mapping=preset_for(TINY), store="127.0.0.1:%d" % port, host_store=1, timeout=1)
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_layout_claim_is_refused_quickly(store):
+    from wxfer.models import TINY, preset_for
+    from wxfer.runtime.sender import Sender
+    s, addr = store
+    ctl = control.Control(s, "huge", 5)
+    ctl.set_json("infer/0", dict(replicas=10 ** 9, tp=1, gpu=0))
+    ctl.add("infer/count", 1)
+    t0 = time.monotonic()
+    with pytest.raises(SetupError, match="gpu 0 says replicas=1000000000 tp=1: 1000000000 workers, 1 registered"):
+        Sender(_tiny(), mapping=preset_for(TINY), store=addr, name="huge", timeout=1)
+    assert time.monotonic() - t0 < 10

@@ -107,6 +107,9 @@ class Sender:
         self.group = control.gloo_group(timeout)
         if host_store is None:
             host_store = self.rank == 0 and store is None
+        elif host_store not in (True, False):      # 1 / 0 are accepted as True / False
+            raise TypeError(f"wxfer.Sender: host_store must be True, False or None, got {host_store!r}")
+        host_store = bool(host_store)
         self.ctl = Control(control.resolve_store(store, host_store, timeout, bind=store_bind), name, timeout)
         self._store_host = host_store
         self._hosted = store is None or host_store   # a trainer process hosts the store
@@ -271,6 +274,10 @@ class Sender:
             if (dup_seen is not None and (have >= n or now - dup_seen > 1.0)) or now > deadline:
                 probs = []
                 for g in range(n):
+                    if len(probs) >= 20:       # gpu 0 may claim a huge layout: name the first 20
+                        probs.append(f"... (gpu 0 says replicas={n // max(1, self._tp)} tp={self._tp}: "
+                                     f"{n} workers, {have} registered)")
+                        break
                     if ctl.check("infer/dup/%d" % g):
                         d = ctl.get_json("infer/dup/%d" % g, "a duplicate worker's note", 1)
                         w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
