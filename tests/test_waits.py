@@ -111,3 +111,11 @@ def test_a_huge_layout_claim_is_refused_quickly(store):
     with pytest.raises(SetupError, match="gpu 0 says replicas=1000000000 tp=1: 1000000000 workers, 1 registered"):
         Sender(_tiny(), mapping=preset_for(TINY), store=addr, name="huge", timeout=1)
     assert time.monotonic() - t0 < 10
+
+
+def test_descriptor_decoders_raise_a_value_error():
+    from wxfer import _wxfer
+    for fn in (_wxfer.decode_descriptor, _wxfer.decode_export):
+        with pytest.raises(ValueError) as ei:
+            fn(b"\x01\x02garbage")
+        assert isinstance(ei.value, _wxfer.Error) and ei.value.errno > 0, ei.value
