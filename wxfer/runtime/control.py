@@ -171,21 +171,67 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class Control:
-    """Namespaced, bounded access to the store."""
+_MAC_HEAD = b"WXH1"
 
-    def __init__(self, store, name: str = "default", timeout: float = DEFAULT_TIMEOUT):
+
+def job_secret(secret) -> bytes | None:
+    """The job secret as bytes: `secret` (str or bytes), else $WXFER_SECRET, else None."""
+    if secret is None:
+        secret = os.environ.get("WXFER_SECRET") or None
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
+        raise ValueError("wxfer: the job secret must be a str or bytes of at least 16 bytes")
+    return bytes(secret)
+
+
+class Control:
+    """Namespaced, bounded access to the store.
+
+    secret (bytes, see job_secret): every record written is authenticated with
+    HMAC-SHA256 over its key and value, and every record read is checked, so a store writer
+    without the secret can neither alter (redirect: swap two descriptors) nor inject records
+    (metadata, plans, handshakes, verify reports).  Counters (``add``) are not covered: a
+    forged count can stall or fail setup, not redirect a write."""
+
+    def __init__(self, store, name: str = "default", timeout: float = DEFAULT_TIMEOUT, secret: bytes | None = None):
         self.store = store
         self.prefix = "wxfer/%s/" % name
         self.timeout = float(timeout)
+        self.secret = secret
 
     def key(self, k: str) -> str:
         return self.prefix + k
 
+    def _mac(self, key: str, value: bytes) -> bytes:
+        import hashlib
+        import hmac
+        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def _open(self, k: str, raw: bytes) -> bytes:
+        """The value of a record read from the store, checked when there is a secret."""
+        signed = raw[:4] == _MAC_HEAD and len(raw) >= 36
+        if self.secret is None:
+            if signed:
+                raise SetupError(f"wxfer: store record {self.key(k)!r} is authenticated with a job secret this "
+                                 "process lacks: give it the same secret (secret= or $WXFER_SECRET)")
+            return raw
+        import hmac
+        if not signed or not hmac.compare_digest(raw[4:36], self._mac(self.key(k), raw[36:])):
+            raise SetupError(f"wxfer: store record {self.key(k)!r} fails authentication with the job secret: "
+                             "it was altered or written by someone without the secret (or this process and "
+                             "the writer use different secrets)")
+        return raw[36:]
+
     def set(self, k: str, value) -> None:
         if isinstance(value, str):
             value = value.encode()
-        self.store.set(self.key(k), bytes(value))
+        value = bytes(value)
+        if self.secret is not None:
+            value = _MAC_HEAD + self._mac(self.key(k), value) + value
+        self.store.set(self.key(k), value)
 
     def add(self, k: str, n: int) -> int:
         return int(self.store.add(self.key(k), n))
@@ -206,7 +252,7 @@ class Control:
         try:
             while not self.store.check([key]):
                 if abort is not None and self.check(abort):
-                    decode_result(bytes(self.store.get(self.key(abort))), abort_where)
+                    decode_result(self._open(abort, bytes(self.store.get(self.key(abort)))), abort_where)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"wxfer: waited {t:.0f} s for {what} (store key {key!r})")
                 time.sleep(delay)
@@ -216,7 +262,7 @@ class Control:
         except Exception as e:  # the store itself failed (its host exited)
             raise TimeoutError(f"wxfer: waiting for {what} (store key {key!r}): the store failed: "
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        return bytes(self.store.get(key))
+        return self._open(k, bytes(self.store.get(key)))
 
     def get_json(self, k: str, what: str, timeout: float | None = None):
         return json.loads(self.get(k, what, timeout).decode())

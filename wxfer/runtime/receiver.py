@@ -141,7 +141,8 @@ class Receiver:
     store: a torch Store, "host:port", or None ($WXFER_STORE / $MASTER_ADDR:$WXFER_STORE_PORT).
     replica, rank: this worker's replica index and TP rank; tp, replicas: the layout.
     The constructor returns after every trainer that writes here has connected (bounded
-    by `timeout`); setup errors of the trainers' controller are raised here too.
+    by `timeout`); setup errors of the trainers are raised here too.  secret (default
+    $WXFER_SECRET): the trainers' job secret; every store record is then authenticated.
 
     A worker started again for a (replica, rank) after the trainers' setup (a restart)
     registers anew and replaces the previous one: the trainers connect to it at their
@@ -154,7 +155,7 @@ class Receiver:
                  tp: int = 1, replicas: int = 1, ep: bool = False, transport: str = "auto",
                  transport_options: dict | None = None, name: str = "default",
                  timeout: float = control.DEFAULT_TIMEOUT, register: str = "auto",
-                 stamp_slots: int = 1024, verify: bool | None = None):
+                 stamp_slots: int = 1024, verify: bool | None = None, secret=None):
         import torch
         from .. import _wxfer
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
@@ -182,7 +183,8 @@ class Receiver:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
         self.device = devs.pop()
         self.mapping_name = _mapping_name(mapping)
-        self.ctl = Control(control.resolve_store(store, False, timeout), name, timeout)
+        self.ctl = Control(control.resolve_store(store, False, timeout), name, timeout,
+                           secret=control.job_secret(secret))
         self.transport_name, self.transport_options = transport_choice(
             transport, self.device.type, transport_options)
         self.transport = _wxfer.Transport(self.transport_name, self.transport_options)

@@ -80,12 +80,15 @@ class Sender:
     is available, else cpu).  write_timeout: seconds a step's writes may take before push()
     fails naming the task and the inference worker (30 s).  store_bind: the address or
     interface the hosted TCPStore listens on (see wxfer.runtime.control.resolve_store).
+    secret (default $WXFER_SECRET): a job secret (>= 16 bytes) shared with the receivers;
+    with it every record in the store is authenticated (HMAC-SHA256, control.Control), so
+    a store writer without it can neither redirect nor inject writes.
     """
 
     def __init__(self, model, mapping, store=None, transport: str = "auto", watermark="2GiB",
                  name: str = "default", timeout: float = control.DEFAULT_TIMEOUT, device=None,
                  transport_options: dict | None = None, host_store: bool | None = None,
-                 write_timeout: float = 30.0, store_bind: str | None = None):
+                 write_timeout: float = 30.0, store_bind: str | None = None, secret=None):
         import torch
         import torch.distributed as dist
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -110,7 +113,8 @@ class Sender:
         elif host_store not in (True, False):      # 1 / 0 are accepted as True / False
             raise TypeError(f"wxfer.Sender: host_store must be True, False or None, got {host_store!r}")
         host_store = bool(host_store)
-        self.ctl = Control(control.resolve_store(store, host_store, timeout, bind=store_bind), name, timeout)
+        self.ctl = Control(control.resolve_store(store, host_store, timeout, bind=store_bind), name, timeout,
+                           secret=control.job_secret(secret))
         self._store_host = host_store
         self._hosted = store is None or host_store   # a trainer process hosts the store
         self.mapping = mapping
