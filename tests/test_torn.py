@@ -77,3 +77,37 @@ def test_a_receiver_dropped_mid_step_learns_it_is_torn(store, tmp_path):
         if procs[1].poll() is None:
             procs[1].send_signal(signal.SIGCONT)
         _reap(procs)
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_worker_that_dies_before_the_push_costs_write_timeout_not_the_setup_timeout(store, tmp_path):
+    """Issue 17.5: the push takes a restarted worker; one that died before that push must
+    not hold it for the setup timeout (30 s here) waiting for its handshake reply."""
+    from wxfer.runtime.sender import Sender
+    s, addr = store
+    procs = [_spawn("receiver", addr, "rdie", 0, 1, tmp_path)]
+    try:
+        m = fault_worker.model()
+        sender = Sender(m, mapping=preset_for(TINY), store=addr, name="rdie", timeout=T, write_timeout=2)
+        sender.push()
+        ctl = control.Control(s, "rdie", T)
+        (tmp_path / "new").mkdir()
+        procs.append(_spawn("receiver", addr, "rdie", 0, 1, tmp_path / "new"))
+        deadline = time.monotonic() + T
+        while not ctl.check("infer/0/e1"):
+            assert time.monotonic() < deadline and procs[-1].poll() is None, procs[-1].communicate()[0]
+            time.sleep(0.05)
+        procs[-1].send_signal(signal.SIGKILL)
+        procs[-1].wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="restarted inference worker\\(s\\) refused") as ei:
+            sender.push()
+        took = time.monotonic() - t0
+        print(f"push with a dead restart: {took:.2f} s: {ei.value}")
+        assert took < 2 + 3, took
+        ctl.set("test/dump/0", b"1")           # the worker in place still got step 2
+        ctl.get("test/dumped/0", "worker 0's dump", T)
+        assert torch.load(tmp_path / "0.pt")["version"] == 2
+        sender.close()
+    finally:
+        _reap(procs)
