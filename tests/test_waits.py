@@ -119,3 +119,27 @@ def test_descriptor_decoders_raise_a_value_error():
         with pytest.raises(ValueError) as ei:
             fn(b"\x01\x02garbage")
         assert isinstance(ei.value, _wxfer.Error) and ei.value.errno > 0, ei.value
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_stamp_descriptor_is_named_as_the_version_stamps(store):
+    """Issue 17.7: a garbage stamp descriptor in a worker's metadata is reported as the
+    version stamps of that worker, not as `tag 4611686018427387904`."""
+    from wxfer.models import TINY, inference_params, preset_for
+    from wxfer.runtime.receiver import Receiver
+    from wxfer.runtime.sender import Sender
+    from wxfer.testing import in_thread
+    s, addr = store
+    th, box = in_thread(Receiver, inference_params(TINY, 1, 0), mapping=preset_for(TINY).name, store=addr,
+                        name="badstamp", timeout=20)
+    sender = Sender(_tiny(), mapping=preset_for(TINY), store=addr, name="badstamp", timeout=20, write_timeout=3)
+    th.join(20)
+    g, (desc, off, soff, n) = next(iter(sender._begin_dest.items()))
+    sender._begin_dest[g] = (b"\x00" * len(desc), off, soff, n)
+    with pytest.raises(RuntimeError) as ei:
+        sender.push()
+    msg = str(ei.value)
+    assert "the begin version stamps to inference workers [0] were refused" in msg, msg
+    assert "4611686018427387904" not in msg, msg
+    sender.close()
+    box["value"].close()

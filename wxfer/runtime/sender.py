@@ -491,8 +491,18 @@ class Sender:
         if self.begin_src.is_cuda:
             torch_sync(self.device)
         # a receiver that fails here is skipped by the engine for the data writes too
-        self.engine.submit(self.begin_src, list(self._begin_dest.values()), tag=STAMP_TAG)
+        self._submit_stamps(self.begin_src, self._begin_dest, "begin")
         self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps")
+
+    def _submit_stamps(self, src, dests: dict, which: str) -> None:
+        """Hand this rank's `which` (begin/end) stamp writes to the engine; a refusal (a bad
+        stamp descriptor in a worker's metadata) names the stamps and the workers."""
+        try:
+            self.engine.submit(src, list(dests.values()), tag=STAMP_TAG)
+        except Exception as e:
+            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "
+                               f"to inference workers {sorted(dests)} were refused: "
+                               + str(e).replace(f"(tag {STAMP_TAG})", "(the version stamps)")) from e
 
     def _mark(self, gpus, step: int, why: str, writer="self", final: bool = True) -> None:
         """Record in the store, for Receiver.state(), that the writes of `writer` (this rank;
@@ -687,7 +697,7 @@ class Sender:
                 torch_sync(self.device)
             # the engine skips the failed receivers: the others get their stamp, since every
             # one of their writes of this step has landed
-            self.engine.submit(self.stamp_src, self.stamp_dests, tag=STAMP_TAG)
+            self._submit_stamps(self.stamp_src, self._stamp_dest, "end")
             self._wait_engine(t, "writing the version stamps")
             failed = self._failed_workers()
         if failed:
