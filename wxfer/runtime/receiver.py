@@ -140,8 +140,9 @@ class Receiver:
     mapping: the preset name (or Preset) the trainers use; checked against theirs.
     store: a torch Store, "host:port", or None ($WXFER_STORE / $MASTER_ADDR:$WXFER_STORE_PORT).
     replica, rank: this worker's replica index and TP rank; tp, replicas: the layout.
-    The constructor returns after every trainer that writes here has connected (bounded
-    by `timeout`); setup errors of the trainers are raised here too.  secret (default
+    The constructor returns once every trainer that writes here has connected and the
+    trainers' connect phase is over (bounded by `timeout`); setup errors of any trainer
+    rank (planning or connecting) are raised here too.  secret (default
     $WXFER_SECRET): the trainers' job secret; every store record is then authenticated.
 
     A worker started again for a (replica, rank) after the trainers' setup (a restart)
