@@ -2,7 +2,9 @@
 
     python tests/fault_worker.py receiver STORE NAME REPLICA REPLICAS OUT
         an inference worker (TINY model, TP 1): registers, then waits (bounded) for the
-        store key test/dump/<gpu>, saves its parameters and version() to OUT/<gpu>.pt, exits.
+        store key test/dump/<gpu>, saves its parameters, version() and state() to
+        OUT/<gpu>.pt, exits.  A dump request "wait N" first calls wait_version(N, 20) and
+        saves what it raised (wait_error) and after how many seconds (wait_s).
     python tests/fault_worker.py trainer STORE NAME KILL_AFTER_TASKS
         a trainer (world 1): pushes step 1, changes the weights, and during step 2 kills
         itself with SIGKILL after KILL_AFTER_TASKS tasks were handed to the engine.
@@ -27,8 +29,18 @@ def receiver(store, name, replica, replicas, out):
                  replicas=replicas, tp=1, rank=0, timeout=T)
     print("ready", r.gpu, flush=True)
     ctl = r.ctl
-    ctl.get("test/dump/%d" % r.gpu, "the test's dump request", 60)
-    torch.save(dict(params=params, version=r.version()), os.path.join(out, "%d.pt" % r.gpu))
+    req = ctl.get("test/dump/%d" % r.gpu, "the test's dump request", 60).decode()
+    extra = {}
+    if req.startswith("wait "):
+        t0 = time.monotonic()
+        try:
+            r.wait_version(int(req.split()[1]), 20)
+            extra["wait_error"] = None
+        except Exception as e:  # noqa: BLE001 -- handed to the test
+            extra["wait_error"] = f"{type(e).__name__}: {e}"
+        extra["wait_s"] = time.monotonic() - t0
+    torch.save(dict(params=params, version=r.version(), state=r.state(), **extra),
+               os.path.join(out, "%d.pt" % r.gpu))
     ctl.set("test/dumped/%d" % r.gpu, b"1")
     r.close()
     del control

@@ -103,7 +103,7 @@ def test_sender_to_receivers_in_one_process(store, quant):
     moved = sender.engine.stats()["bytes_written"]
     snap = [{n: t.clone() for n, t in p.items()} for p in params]
     sender.push()
-    assert sender.engine.stats()["bytes_written"] - moved == sender.bytes_per_step + 8 * tp
+    assert sender.engine.stats()["bytes_written"] - moved == sender.bytes_per_step + 2 * 8 * tp   # begin + end stamps
     assert all(torch.equal(snap[r][n].view(torch.uint8), params[r][n].view(torch.uint8))
                for r in range(tp) for n in params[r])
     assert recvs[0].wait_version(3, 5) == 3
@@ -259,7 +259,8 @@ def test_a_receiver_gone_mid_run_fails_the_push_in_bounded_time(store):
     with pytest.raises(RuntimeError) as ei:
         sender.push()
     assert time.monotonic() - t0 < 20
-    # the error names the rank, the step, the peer and the plan task
+    # the error names the rank, the step, the peer and what failed: the step's first write to
+    # it, its begin version stamp (written before any data write of the step)
     msg = str(ei.value)
-    assert "trainer rank 0, step 2" in msg and "peer" in msg and "[plan task" in msg, msg
+    assert "trainer rank 0, step 2" in msg and "peer" in msg and "[the version stamps]" in msg, msg
     sender.close()

@@ -5,6 +5,32 @@
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+
+void wx_sigs_save(wx_sigs_t *s)
+{
+    memset(s->saved, 0, sizeof s->saved);
+    for (int i = 1; i < NSIG; i++)
+        if (i != SIGKILL && i != SIGSTOP && sigaction(i, NULL, &s->sa[i]) == 0)
+            s->saved[i] = 1;
+}
+
+void wx_sigs_restore(const wx_sigs_t *s)
+{
+    struct sigaction now;
+    for (int i = 1; i < NSIG; i++) {
+        if (!s->saved[i] || sigaction(i, NULL, &now) != 0)
+            continue;
+        if (now.sa_handler != s->sa[i].sa_handler || now.sa_flags != s->sa[i].sa_flags)
+            sigaction(i, &s->sa[i], NULL);
+    }
+}
+
+void wx_sigs_quiet_env(void)
+{
+    setenv("IPATH_NO_BACKTRACE", "1", 0);   /* libinfinipath (psm) */
+    setenv("HFI_NO_BACKTRACE", "1", 0);     /* libpsm2 */
+}
 
 void *wx_dl_open(const char *env, const char *dflt, char *why, size_t why_len)
 {
@@ -12,8 +38,12 @@ void *wx_dl_open(const char *env, const char *dflt, char *why, size_t why_len)
     void *h;
     if (!path || !*path)
         path = dflt;
+    wx_sigs_t sigs;
+    wx_sigs_quiet_env();
+    wx_sigs_save(&sigs);
     dlerror();
     h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    wx_sigs_restore(&sigs);
     if (!h) {
         const char *e = dlerror();
         snprintf(why, why_len, "cannot load %s: %s", path, e ? e : "unknown error");

@@ -9,9 +9,28 @@
 #ifndef WX_DL_H
 #define WX_DL_H
 
+#include <signal.h>
 #include <stddef.h>
 
-/* dlopen `env` or else `dflt`; on failure fill why and return NULL. */
+/* Every signal disposition of the process, saved so that a foreign library that installs
+ * its own handlers (Debian's libfabric pulls in libinfinipath, which takes SIGINT, SIGTERM,
+ * SIGSEGV, SIGABRT, SIGBUS and SIGILL) leaves the process as it found it. */
+typedef struct {
+    struct sigaction sa[NSIG];
+    unsigned char saved[NSIG];
+} wx_sigs_t;
+
+/* Save every disposition into *s. */
+void wx_sigs_save(wx_sigs_t *s);
+/* Put back every disposition saved in *s that has changed since (a library's handler goes;
+ * a handler installed meanwhile by someone else is overwritten too: the window is a load). */
+void wx_sigs_restore(const wx_sigs_t *s);
+/* The environment variables the libraries wxfer loads honour to leave signals alone
+ * (IPATH_NO_BACKTRACE, HFI_NO_BACKTRACE); set to 1 unless the user set them. */
+void wx_sigs_quiet_env(void);
+
+/* dlopen `env` or else `dflt`; on failure fill why and return NULL.  The signal
+ * dispositions are saved before and restored after (wx_sigs_t). */
 void *wx_dl_open(const char *env, const char *dflt, char *why, size_t why_len);
 /* dlsym `name` into *slot; on failure fill why (naming the symbol) and return -ENOENT. */
 int wx_dl_sym(void *lib, const char *libname, const char *name, void **slot, char *why,

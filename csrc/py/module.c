@@ -147,9 +147,25 @@ static const char *wx__kind_name(uint32_t kind)
     return n ? n : "unknown";
 }
 
-static PyObject *wx_decode_descriptor(PyObject *m, PyObject *arg)
+/* A decoder's failure: wxfer._wxfer.DecodeError, an Error that is also a ValueError (bad
+ * input, not a failed operation). */
+static PyObject *wx__decode_fail(PyObject *m, int rc, const char *context)
 {
     wx_py_state_t *st = PyModule_GetState(m);
+    PyObject *cls = PyObject_GetAttrString(m, "DecodeError");
+    PyObject *saved = st->Error;
+    if (cls)
+        st->Error = cls;
+    else
+        PyErr_Clear();
+    wx_py_raise(st, rc, context);
+    st->Error = saved;
+    Py_XDECREF(cls);
+    return NULL;
+}
+
+static PyObject *wx_decode_descriptor(PyObject *m, PyObject *arg)
+{
     Py_buffer view;
     wx_desc_t d;
     int rc;
@@ -159,7 +175,7 @@ static PyObject *wx_decode_descriptor(PyObject *m, PyObject *arg)
     rc = wx_desc_decode(view.buf, (size_t)view.len, &d);
     PyBuffer_Release(&view);
     if (rc)
-        return wx_py_raise(st, rc, "decode_descriptor");
+        return wx__decode_fail(m, rc, "decode_descriptor");
     ri = wx__rinfo_dict(&d.ri);
     if (!ri)
         return NULL;
@@ -170,7 +186,6 @@ static PyObject *wx_decode_descriptor(PyObject *m, PyObject *arg)
 
 static PyObject *wx_decode_export(PyObject *m, PyObject *arg)
 {
-    wx_py_state_t *st = PyModule_GetState(m);
     Py_buffer view;
     uint8_t addr[WX_ADDR_MAX];
     uint32_t kind, addr_len, n;
@@ -182,7 +197,7 @@ static PyObject *wx_decode_export(PyObject *m, PyObject *arg)
     rc = wx_export_decode(view.buf, (size_t)view.len, &kind, addr, &addr_len, &n, &regions);
     PyBuffer_Release(&view);
     if (rc)
-        return wx_py_raise(st, rc, "decode_export");
+        return wx__decode_fail(m, rc, "decode_export");
     lst = PyList_New(n);
     if (!lst) {
         free(regions);
@@ -242,6 +257,20 @@ static int wx_exec(PyObject *m)
     for (const char **f = (const char *[]){"task", "tag", "peer", "stage", "reason", NULL}; *f; f++)
         if (PyObject_SetAttrString(st->Error, *f, Py_None) < 0)
             return -1;
+    {
+        PyObject *bases = PyTuple_Pack(2, st->Error, PyExc_ValueError);
+        PyObject *de = bases ? PyErr_NewExceptionWithDoc(
+                                   "wxfer._wxfer.DecodeError",
+                                   "A descriptor or export blob is truncated, garbage or of another "
+                                   "version: an Error that is also a ValueError.",
+                                   bases, NULL)
+                             : NULL;
+        Py_XDECREF(bases);
+        if (!de || PyModule_AddObject(m, "DecodeError", de) < 0) {
+            Py_XDECREF(de);
+            return -1;
+        }
+    }
     if (wx_py_transport_init_types(m, st) < 0 || wx_py_engine_init_types(m, st) < 0 ||
         wx_py_prepare_init(m) < 0)
         return -1;

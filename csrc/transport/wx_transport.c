@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "wx_desc.h"
+#include "wx_dl.h"
 
 /* Backends are referenced weakly: a backend compiled out (its headers were missing, so its
  * files compile to nothing) leaves its ops symbol undefined, and its entry NULL. */
@@ -57,7 +58,17 @@ int wx_transport_open(const char *name, const wx_opts_t *opts, wx_transport_t **
     rc = ops->probe(opts, why, sizeof why);
     if (rc)
         return wx_errf(rc, "transport %s unavailable: %s", name, why);
-    rc = ops->open(opts, &t);
+    /* the libraries' own setup (provider init, fi_getinfo, fi_fabric, device open) may
+     * install signal handlers: the process keeps the ones it had */
+    {
+        wx_sigs_t *sigs = malloc(sizeof *sigs);
+        if (sigs)
+            wx_sigs_save(sigs);
+        rc = ops->open(opts, &t);
+        if (sigs)
+            wx_sigs_restore(sigs);
+        free(sigs);
+    }
     if (rc)
         return rc;
     t->ops = ops;

@@ -15,6 +15,15 @@ Keys live under ``wxfer/<name>/``::
     hs/req/<rank>/<gpu>         handshake request (may be empty)          trainer -> receiver
     hs/rep/<rank>/<gpu>         handshake reply                           receiver -> trainer
     ready/<gpu>                 receiver finished its handshakes          receiver -> trainers
+    plan/acks, status/acks      counters: the plan/status was read        trainers / receivers
+    setup                       b"OK" | b"ER" + message: the trainers'    rank 0 -> receivers
+                                connect phase (every rank's) is over
+    setup/acks                  counter: a receiver read `setup`          receivers
+    torn/<gpu>/e<epoch>[/<i>]   counter / a trainer's record of giving    trainers -> receiver
+                                up on that worker (Receiver.state())
+
+Every wait polls (at most 50 ms apart), so Ctrl-C is honoured within that, and ends at
+the deadline it names.
 """
 from __future__ import annotations
 
@@ -30,6 +39,10 @@ DEFAULT_TIMEOUT = 300.0
 
 class SetupError(RuntimeError):
     """Setup failed (on this process or on another one; the message says where)."""
+
+
+class CollectiveError(TimeoutError):
+    """A gloo collective among the trainer ranks failed or timed out: a rank died or hung."""
 
 
 # --------------------------------------------------------------------------- the store
@@ -70,9 +83,12 @@ def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_
             addr = bind_address(host, bind)
             if addr is not None:
                 lsock = _listen(addr, port)
-        st = dist.TCPStore(host, port, is_master=is_master, timeout=timedelta(seconds=timeout),
-                           wait_for_workers=False, use_libuv=True,
-                           master_listen_fd=lsock.fileno() if lsock is not None else None)
+        if is_master:
+            st = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout),
+                               wait_for_workers=False, use_libuv=True,
+                               master_listen_fd=lsock.fileno() if lsock is not None else None)
+        else:
+            st = _connect_store(host, port, timeout)
     except Exception as e:
         if lsock is not None:
             lsock.close()
@@ -82,6 +98,27 @@ def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_
     if lsock is not None:
         lsock.detach()          # the store serves on (and owns) this socket now
     return st
+
+
+def _connect_store(host: str, port: int, timeout: float):
+    """A TCPStore client, connecting within `timeout`: wait (quietly, interruptibly, by the
+    deadline) until the port accepts a TCP connection, then connect the store with what is
+    left (torch's own retries stretch one attempt to 2-3x its timeout and log each)."""
+    import torch.distributed as dist
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host.strip("[]"), port), timeout=max(0.05, min(1.0, left))).close()
+            break
+        except OSError as e:
+            if left <= delay:
+                raise TimeoutError(f"nothing accepted a connection at {host}:{port}: {e}") from None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+                         wait_for_workers=False, use_libuv=True)
 
 
 def _is_ip(s: str) -> bool:
@@ -134,21 +171,67 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-class Control:
-    """Namespaced, bounded access to the store."""
+_MAC_HEAD = b"WXH1"
 
-    def __init__(self, store, name: str = "default", timeout: float = DEFAULT_TIMEOUT):
+
+def job_secret(secret) -> bytes | None:
+    """The job secret as bytes: `secret` (str or bytes), else $WXFER_SECRET, else None."""
+    if secret is None:
+        secret = os.environ.get("WXFER_SECRET") or None
+    if secret is None:
+        return None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
+        raise ValueError("wxfer: the job secret must be a str or bytes of at least 16 bytes")
+    return bytes(secret)
+
+
+class Control:
+    """Namespaced, bounded access to the store.
+
+    secret (bytes, see job_secret): every record written is authenticated with
+    HMAC-SHA256 over its key and value, and every record read is checked, so a store writer
+    without the secret can neither alter (redirect: swap two descriptors) nor inject records
+    (metadata, plans, handshakes, verify reports).  Counters (``add``) are not covered: a
+    forged count can stall or fail setup, not redirect a write."""
+
+    def __init__(self, store, name: str = "default", timeout: float = DEFAULT_TIMEOUT, secret: bytes | None = None):
         self.store = store
         self.prefix = "wxfer/%s/" % name
         self.timeout = float(timeout)
+        self.secret = secret
 
     def key(self, k: str) -> str:
         return self.prefix + k
 
+    def _mac(self, key: str, value: bytes) -> bytes:
+        import hashlib
+        import hmac
+        return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+
+    def _open(self, k: str, raw: bytes) -> bytes:
+        """The value of a record read from the store, checked when there is a secret."""
+        signed = raw[:4] == _MAC_HEAD and len(raw) >= 36
+        if self.secret is None:
+            if signed:
+                raise SetupError(f"wxfer: store record {self.key(k)!r} is authenticated with a job secret this "
+                                 "process lacks: give it the same secret (secret= or $WXFER_SECRET)")
+            return raw
+        import hmac
+        if not signed or not hmac.compare_digest(raw[4:36], self._mac(self.key(k), raw[36:])):
+            raise SetupError(f"wxfer: store record {self.key(k)!r} fails authentication with the job secret: "
+                             "it was altered or written by someone without the secret (or this process and "
+                             "the writer use different secrets)")
+        return raw[36:]
+
     def set(self, k: str, value) -> None:
         if isinstance(value, str):
             value = value.encode()
-        self.store.set(self.key(k), bytes(value))
+        value = bytes(value)
+        if self.secret is not None:
+            value = _MAC_HEAD + self._mac(self.key(k), value) + value
+        self.store.set(self.key(k), value)
 
     def add(self, k: str, n: int) -> int:
         return int(self.store.add(self.key(k), n))
@@ -156,16 +239,30 @@ class Control:
     def check(self, k: str) -> bool:
         return bool(self.store.check([self.key(k)]))
 
-    def get(self, k: str, what: str, timeout: float | None = None) -> bytes:
+    def get(self, k: str, what: str, timeout: float | None = None, abort: str | None = None,
+            abort_where: str = "") -> bytes:
         """The value of `k`, waiting at most `timeout` seconds; `what` says what it is and
-        who should have written it (used in the error)."""
+        who should have written it (used in the error).  Polls (Ctrl-C is honoured within
+        50 ms).  abort: a key holding an encode_result(); when it appears holding an error,
+        that error is raised (SetupError, naming `abort_where`) instead of waiting on."""
         t = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + t
+        delay = 0.001
+        key = self.key(k)
         try:
-            self.store.wait([self.key(k)], timedelta(seconds=t))
-        except Exception as e:  # DistStoreError / RuntimeError depending on torch version
-            raise TimeoutError(f"wxfer: waited {t:.0f} s for {what} (store key {self.key(k)!r}): "
+            while not self.store.check([key]):
+                if abort is not None and self.check(abort):
+                    decode_result(self._open(abort, bytes(self.store.get(self.key(abort)))), abort_where)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"wxfer: waited {t:.0f} s for {what} (store key {key!r})")
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
+        except (TimeoutError, SetupError):
+            raise
+        except Exception as e:  # the store itself failed (its host exited)
+            raise TimeoutError(f"wxfer: waiting for {what} (store key {key!r}): the store failed: "
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-        return bytes(self.store.get(self.key(k)))
+        return self._open(k, bytes(self.store.get(key)))
 
     def get_json(self, k: str, what: str, timeout: float | None = None):
         return json.loads(self.get(k, what, timeout).decode())
@@ -186,7 +283,7 @@ class Control:
                 raise TimeoutError(f"wxfer: waited {t:.0f} s for {what}: {v} of {n} arrived "
                                    f"(store counter {self.key(k)!r})")
             time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, 0.05)
 
 
 # --------------------------------------------------------------------------- result / error broadcast
@@ -242,9 +339,11 @@ def writer_finish(ctl: Control, transport, rank: int, gpu: int, peer: int, timeo
 
 def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float | None = None,
                   epoch: int = 0) -> None:
-    """Receiver side: answer the handshake request of trainer `rank`."""
+    """Receiver side: answer the handshake request of trainer `rank` (or raise the trainers'
+    setup error, should their connect phase fail first)."""
     req = ctl.get(hs_key("req", rank, gpu, epoch), f"the handshake request of trainer rank {rank} "
-                                                f"to inference worker gpu {gpu}", timeout)
+                                                f"to inference worker gpu {gpu}", timeout,
+                  abort=None if epoch else "setup", abort_where="the trainers (connecting to the inference workers)")
     try:
         rep = transport.accept(req) if req else b""
         ctl.set(hs_key("rep", rank, gpu, epoch), encode_result(rep, None))
@@ -281,6 +380,27 @@ def agree(group, error: str | None, rank: int, what: str) -> None:
                          + "\n  ".join(f"rank {r}: {e}" for r, e in bad))
 
 
+def wait_work(work, timeout: float, what: str) -> None:
+    """Wait for a gloo Work, polling (Ctrl-C within 50 ms), at most `timeout` seconds;
+    CollectiveError when it fails or is late (a trainer rank died or hung)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    try:
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"wxfer: {what} did not complete within {timeout:.0f} s "
+                                      "(a trainer rank died or hung?)")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+        ok = work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except CollectiveError:
+        raise
+    except Exception as e:
+        raise CollectiveError(f"wxfer: {what} failed: {e}") from e
+    if ok is False:
+        raise CollectiveError(f"wxfer: {what} did not complete within {timeout:.0f} s")
+
+
 class Barrier:
     """An asynchronous gloo barrier (stage 4) whose wait is bounded."""
 
@@ -292,10 +412,5 @@ class Barrier:
     def wait(self, timeout: float) -> None:
         if self.work is None:
             return
-        try:
-            ok = self.work.wait(timedelta(seconds=timeout))
-        except Exception as e:
-            raise TimeoutError(f"wxfer: {self.what} did not complete within {timeout:.0f} s: {e}") from e
-        if ok is False:
-            raise TimeoutError(f"wxfer: {self.what} did not complete within {timeout:.0f} s")
-        self.work = None
+        work, self.work = self.work, None
+        wait_work(work, timeout, self.what)

@@ -11,9 +11,15 @@ allocator segment), deduplicated, so parameters that share memory cost one regis
 Each parameter's descriptor is (byte offset in its region, the region's descriptor); the
 trainers add the plan's destination offsets to it.
 
-Version stamps: one int64 slot per sending trainer rank, in registered memory next to the
-weights.  A sender writes its step number into its slot only after all its data writes
-for that step have landed; ``version()`` is the minimum over the senders that write here.
+Version stamps (a seqlock per writing trainer): two int64 slots per sending trainer rank,
+in registered memory next to the weights.  A sender writes step N into its *begin* slot,
+and waits until that write has landed, before its first data write of step N; it writes N
+into its *end* slot only after all its data writes of step N have landed.  ``version()``
+is the step whose weights are all in place: the minimum end stamp when every sender's
+begin equals its end, else -1 (some sender is writing, or gave up, or died, mid-step).
+``state()`` says which, with the trainers' word from the store ("torn/<gpu>/..."): a
+trainer that gives up on this worker (or on a step) records it there, so a worker the
+trainers dropped learns it at its next ``state()`` / ``wait_version()``.
 """
 from __future__ import annotations
 
@@ -28,6 +34,12 @@ from . import control
 from .control import Control, SetupError
 
 _DESC_HEAD = struct.Struct("<Q")
+
+
+class TornError(RuntimeError):
+    """The weights here are not a complete step and will not become one without a new
+    push to this worker: a trainer gave up or died in the middle of writing them, or the
+    trainers dropped this worker (``Receiver.state()`` says which)."""
 
 
 def encode_param_descriptor(region_descriptor: bytes, offset: int) -> bytes:
@@ -128,8 +140,10 @@ class Receiver:
     mapping: the preset name (or Preset) the trainers use; checked against theirs.
     store: a torch Store, "host:port", or None ($WXFER_STORE / $MASTER_ADDR:$WXFER_STORE_PORT).
     replica, rank: this worker's replica index and TP rank; tp, replicas: the layout.
-    The constructor returns after every trainer that writes here has connected (bounded
-    by `timeout`); setup errors of the trainers' controller are raised here too.
+    The constructor returns once every trainer that writes here has connected and the
+    trainers' connect phase is over (bounded by `timeout`); setup errors of any trainer
+    rank (planning or connecting) are raised here too.  secret (default
+    $WXFER_SECRET): the trainers' job secret; every store record is then authenticated.
 
     A worker started again for a (replica, rank) after the trainers' setup (a restart)
     registers anew and replaces the previous one: the trainers connect to it at their
@@ -142,7 +156,7 @@ class Receiver:
                  tp: int = 1, replicas: int = 1, ep: bool = False, transport: str = "auto",
                  transport_options: dict | None = None, name: str = "default",
                  timeout: float = control.DEFAULT_TIMEOUT, register: str = "auto",
-                 stamp_slots: int = 1024, verify: bool | None = None):
+                 stamp_slots: int = 1024, verify: bool | None = None, secret=None):
         import torch
         from .. import _wxfer
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
@@ -170,7 +184,8 @@ class Receiver:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
         self.device = devs.pop()
         self.mapping_name = _mapping_name(mapping)
-        self.ctl = Control(control.resolve_store(store, False, timeout), name, timeout)
+        self.ctl = Control(control.resolve_store(store, False, timeout), name, timeout,
+                           secret=control.job_secret(secret))
         self.transport_name, self.transport_options = transport_choice(
             transport, self.device.type, transport_options)
         self.transport = _wxfer.Transport(self.transport_name, self.transport_options)
@@ -179,6 +194,9 @@ class Receiver:
         self.param_range = {}     # name -> (region descriptor, offset, nbytes)
         self.verifier = None
         self._closed = False
+        self.senders = []
+        self._busy_key = self._busy_since = None
+        self._marks_checked, self._last_marks = -1.0, []
         try:
             self._register(register, stamp_slots)
             self._publish()
@@ -231,7 +249,9 @@ class Receiver:
                 raise SetupError(f"wxfer.Receiver: parameter {n} lies outside its registered region")
             self.param_desc[n] = encode_param_descriptor(reg.descriptor, off)
             self.param_range[n] = (bytes(reg.descriptor), off, t.numel() * t.element_size())
-        self.stamps = torch.full((stamp_slots,), -1, dtype=torch.int64, device=self.device)
+        # end stamps in [0, stamp_slots), begin stamps in [stamp_slots, 2 * stamp_slots)
+        self.stamps = torch.full((2 * stamp_slots,), -1, dtype=torch.int64, device=self.device)
+        self.stamp_slots = int(stamp_slots)
         self.stamp_region = self.transport.register(self.stamps, export=True)
         self.regions.append(self.stamp_region)
         self.register_s = time.perf_counter() - t0
@@ -244,7 +264,8 @@ class Receiver:
             options=self.transport_options, export=_b64(self.transport.export()),
             params={n: [list(t.shape), _dtype_name(t.dtype)] for n, t in self.params.items()},
             desc={n: _b64(d) for n, d in self.param_desc.items()},
-            stamp=_b64(self.stamp_region.descriptor), stamp_slots=int(self.stamps.numel()),
+            stamp=_b64(self.stamp_region.descriptor), stamp_slots=self.stamp_slots,
+            stamp_begin=8 * self.stamp_slots,
             host=socket.gethostname(), pid=os.getpid(), device=str(self.device))
         # one worker per (replica, rank): during setup a second one is refused, and so is the
         # whole setup; once the trainers' setup is through, a new one is a restart: it
@@ -272,11 +293,23 @@ class Receiver:
             return self._rejoin_handshakes()
         st = self.ctl.get("status", "the trainers' plan (trainer rank 0 builds it once every "
                                     "inference worker has published)")
+        self.ctl.add("status/acks", 1)
         control.decode_result(st, "trainer rank 0 (controller)")
-        self.senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
-        for r in self.senders:
+        lay = self.ctl.get_json("layout", "the inference layout the trainers planned for", 5)
+        if (lay["replicas"], lay["tp"]) != (self.replicas, self.tp) or self.gpu >= lay["workers"]:
+            raise SetupError(f"wxfer.Receiver gpu {self.gpu}: this worker says replica {self.replica} of "
+                             f"{self.replicas}, rank {self.rank} of tp={self.tp}, but the trainers planned for "
+                             f"replicas={lay['replicas']} tp={lay['tp']} (from inference worker gpu 0): the "
+                             "inference workers disagree on the layout")
+        senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
+        for r in senders:
             control.target_accept(self.ctl, self.transport, r, self.gpu)
         self.ctl.set("ready/%d" % self.gpu, b"1")
+        # every trainer rank's connect phase (to every worker) is over, or its error is here
+        done = self.ctl.get("setup", "the trainers' word that their connect phase is over")
+        self.ctl.add("setup/acks", 1)
+        control.decode_result(done, "the trainers (connecting to the inference workers)")
+        self.senders = senders
 
     def _rejoin_handshakes(self) -> None:
         """A restarted worker: every trainer writing here connects at its next push();
@@ -302,25 +335,119 @@ class Receiver:
         self.ctl.set("ready/%d/e%d" % (self.gpu, self.epoch), b"1")
 
     # ------------------------------------------------------------------ per step: nothing
+    def _stamps(self) -> tuple[list, list]:
+        """(end stamps, begin stamps) of the senders, the end ones read first: a begin
+        read after an equal end means that sender was not writing when its end was read."""
+        n = len(self.senders)
+        end = self.stamps[:n].tolist()
+        begin = self.stamps[self.stamp_slots:self.stamp_slots + n].tolist()
+        return end, begin
+
     def version(self) -> int:
-        """The step whose weights are fully in place here (-1 before the first push)."""
+        """The step whose weights are all in place here; -1 before the first push, and while
+        any trainer is writing (or gave up, or died, in the middle of writing) a step here.
+        A reader that wants its use of the weights covered checks it again afterwards: the
+        same value, not -1, means no write touched them in between."""
         if not self.senders:
             return -1
-        return int(self.stamps[:len(self.senders)].min().item())
+        end, begin = self._stamps()
+        if any(b != e for b, e in zip(begin, end)):
+            return -1
+        return int(min(end))
+
+    def _marks(self):
+        """The trainers' records of giving up on this worker (store keys torn/<gpu>/e<epoch>/<i>);
+        None when the store cannot be reached."""
+        base = "torn/%d/e%d" % (self.gpu, self.epoch)
+        try:
+            n = self.ctl.add(base, 0)
+            return [self.ctl.get_json("%s/%d" % (base, i), "a trainer's record of giving up", 5)
+                    for i in range(1, n + 1) if self.ctl.check("%s/%d" % (base, i))]
+        except Exception:  # noqa: BLE001 -- the store is gone
+            return None
+
+    def state(self) -> dict:
+        """What the weights here are, one of:
+
+        - ``complete``: ``version`` is the step fully in place (-1: no push yet);
+        - ``writing``: trainer rank(s) ``ranks`` are writing step ``step`` (for ``for_s`` s);
+        - ``torn``: step ``step`` was left half written (``why``: which trainer rank gave up
+          or died); the weights mix two steps until a push reaches this worker again
+          (``final`` False: the trainers said their next push will);
+        - ``dropped``: the trainers gave up on this worker at step ``step`` (``why``); it holds
+          step ``version`` complete but will not be written again until it is restarted.
+
+        ``message`` says it in one line.  Reads the store (one round trip) only when a trainer
+        has recorded giving up on this worker or some sender is mid-step."""
+        if not self.senders:
+            return dict(state="complete", version=-1, step=None, ranks=[], why="", for_s=0.0,
+                        final=False, message=f"inference worker gpu {self.gpu}: no push yet")
+        end, begin = self._stamps()
+        busy = [(r, b) for r, b, e in zip(self.senders, begin, end) if b != e]
+        now = time.monotonic()
+        first = self._busy_since if busy and self._busy_key == busy else now
+        self._busy_key, self._busy_since = (busy, first) if busy else (None, None)
+        v = -1 if busy else int(min(end))
+        if busy or self._marks_checked + 0.1 < now:
+            self._marks_checked, self._last_marks = now, self._marks()
+        marks = self._last_marks
+        if marks is None:
+            if busy:       # nobody left to finish the step: the trainers' store is gone
+                step = max(b for _, b in busy)
+                return dict(state="torn", version=-1, step=step, ranks=[r for r, _ in busy], for_s=now - first,
+                            final=True, why="the trainers' store cannot be reached (the trainer hosting it died?)",
+                            message=f"inference worker gpu {self.gpu}: torn since step {step}: trainer rank(s) "
+                                    f"{[r for r, _ in busy]} did not finish it and the trainers' store cannot "
+                                    "be reached (the trainer hosting it died?)")
+            marks = []
+        endof = dict(zip(self.senders, end))
+        live = [m for m in marks if (m.get("writer") is None and busy) or
+                (m.get("writer") in endof and endof[m["writer"]] < m["step"])]
+        where = f"inference worker gpu {self.gpu} (replica {self.replica} rank {self.rank})"
+        if live:
+            m = min(live, key=lambda m: m["step"])
+            why = "; ".join(sorted({x["why"] for x in live}))
+            kind = "torn" if busy else "dropped"
+            final = any(x.get("final", True) for x in live)
+            msg = (f"{where}: torn since step {m['step']}: {why}" + ("" if final else
+                   " (the trainers go on: their next push to this worker rewrites it)") if busy else
+                   f"{where}: dropped by the trainers at step {m['step']} ({why}); it holds step {v} "
+                   "complete and is not written again until it is restarted")
+            return dict(state=kind, version=v, step=m["step"], ranks=sorted({x.get("writer") for x in live},
+                                                                             key=str),
+                        why=why, for_s=now - first, final=final, message=msg)
+        if busy:
+            step = max(b for _, b in busy)
+            return dict(state="writing", version=-1, step=step, ranks=[r for r, _ in busy], why="",
+                        for_s=now - first, final=False,
+                        message=f"{where}: step {step} being written by trainer rank(s) "
+                                f"{[r for r, _ in busy]} (for {now - first:.1f} s)")
+        return dict(state="complete", version=v, step=v, ranks=[], why="", for_s=0.0,
+                    final=False, message=f"{where}: step {v} complete")
 
     def wait_version(self, version: int, timeout: float = 60.0) -> int:
-        """Poll (bounded) until version() >= `version`; returns it."""
+        """Poll (bounded) until version() >= `version`; returns it.  Raises TornError as soon
+        as the trainers record that they gave up on this worker for good (dropped it, or a
+        trainer rank died or stopped with a step half written here), and TimeoutError naming
+        the trainer ranks not done (and the state) at the deadline."""
         deadline = time.monotonic() + timeout
-        delay = 0.0005
+        delay, checked = 0.0005, 0.0
         while True:
             v = self.version()
             if v >= version:
                 return v
-            if time.monotonic() > deadline:
-                stamps = self.stamps[:len(self.senders)].tolist()
-                late = [r for r, s in zip(self.senders, stamps) if s < version]
+            now = time.monotonic()
+            if now - checked >= 0.1:
+                checked = now
+                st = self.state()
+                if st["state"] in ("torn", "dropped") and st.get("final", True):
+                    raise TornError(f"wxfer.Receiver: {st['message']} (waiting for version {version})")
+            if now > deadline:
+                st = self.state()
+                end, _ = self._stamps()
+                late = [r for r, s in zip(self.senders, end) if s < version]
                 raise TimeoutError(f"wxfer.Receiver gpu {self.gpu}: version {v} after {timeout:.0f} s, "
-                                   f"waiting for {version}; trainer ranks not done: {late}")
+                                   f"waiting for {version}; trainer ranks not done: {late}; {st['message']}")
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 

@@ -10,21 +10,29 @@ receivers' metadata, builds and checks the plan and hands it (serialized, versio
 every rank through the store; every rank connects to the receivers it writes to.  A
 setup error on any rank (or on rank 0's controller) is raised on every rank.
 
-A step replays the plan: for each mesh group, for each task of this rank in order,
-H2D (offloaded FSDP) -> full_tensor() + fusion + FP8 + packing -> Engine.submit; an
-asynchronous gloo barrier after the group's last full_tensor(); then, once this rank's
-writes have landed, its version stamp into every receiver it wrote to.  A failure seen by
-any rank is raised on every rank (one gloo all-reduce of a flag per push).  An inference
-worker restarted since the last push is connected and written from this push on.
+A step first writes its number into this rank's *begin* stamp slot on every receiver it
+writes to (and waits until those landed), then replays the plan: for each mesh group, for
+each task of this rank in order, H2D (offloaded FSDP) -> full_tensor() + fusion + FP8 +
+packing -> Engine.submit; an asynchronous gloo barrier after the group's last
+full_tensor(); then, once this rank's writes have landed, its *end* stamp into every
+receiver it wrote to (Receiver.version() counts a step only where begin == end).  A
+receiver this rank gives up on, or a step it abandons half written, is recorded in the
+store (torn/<gpu>/e<epoch>/<i>) for Receiver.state().  A failure seen by any rank, raised
+anywhere inside push(), is raised on every rank (the same barriers, then one gloo
+all-reduce of a flag per push, are joined on every path).  One push() at a time per
+Sender: a second one from another thread is refused.  An inference worker restarted since
+the last push is connected and written from this push on.
 """
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 
 from . import control, prepare, program
 from .control import Control, SetupError
+from .faults import FaultsMixin, mapping_digest
 from .receiver import _b64, _unb64, decode_param_descriptor, transport_choice
 from .verify import verify_enabled
 
@@ -60,15 +68,16 @@ class PushHandle:
         return self._done
 
     def wait(self, timeout: float | None = None) -> float:
-        if not self._done:
-            try:
-                self._s._finish(self, timeout)
-            finally:
-                self._done = True      # a failed step is reported once, not again by the next push
+        with self._s._lock:            # one thread finishes a step; another waits for it
+            if not self._done:
+                try:
+                    self._s._finish(self, timeout)
+                finally:
+                    self._done = True      # a failed step is reported once, not again by the next push
         return self.seconds
 
 
-class Sender:
+class Sender(FaultsMixin):
     """Push this rank's share of the model to the inference workers after each step.
 
     model: the training model (FSDP2 ``fully_shard``ed, or plain).  mapping: a preset
@@ -80,12 +89,15 @@ class Sender:
     is available, else cpu).  write_timeout: seconds a step's writes may take before push()
     fails naming the task and the inference worker (30 s).  store_bind: the address or
     interface the hosted TCPStore listens on (see wxfer.runtime.control.resolve_store).
+    secret (default $WXFER_SECRET): a job secret (>= 16 bytes) shared with the receivers;
+    with it every record in the store is authenticated (HMAC-SHA256, control.Control), so
+    a store writer without it can neither redirect nor inject writes.
     """
 
     def __init__(self, model, mapping, store=None, transport: str = "auto", watermark="2GiB",
                  name: str = "default", timeout: float = control.DEFAULT_TIMEOUT, device=None,
                  transport_options: dict | None = None, host_store: bool | None = None,
-                 write_timeout: float = 30.0, store_bind: str | None = None):
+                 write_timeout: float = 30.0, store_bind: str | None = None, secret=None):
         import torch
         import torch.distributed as dist
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -96,6 +108,9 @@ class Sender:
         self._pending = None
         self._sums = self._last_sums = self.last_verify = None
         self._verify = False
+        self._lock = threading.RLock()     # push() / PushHandle.wait(): one step at a time
+        self._marked = set()
+        self._epoch = {}
         self.engine = self.transport = None
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -104,16 +119,22 @@ class Sender:
         self.group = control.gloo_group(timeout)
         if host_store is None:
             host_store = self.rank == 0 and store is None
-        self.ctl = Control(control.resolve_store(store, host_store, timeout, bind=store_bind), name, timeout)
+        elif host_store not in (True, False):      # 1 / 0 are accepted as True / False
+            raise TypeError(f"wxfer.Sender: host_store must be True, False or None, got {host_store!r}")
+        host_store = bool(host_store)
+        self.ctl = Control(control.resolve_store(store, host_store, timeout, bind=store_bind), name, timeout,
+                           secret=control.job_secret(secret))
         self._store_host = host_store
+        self._hosted = store is None or host_store   # a trainer process hosts the store
         self.mapping = mapping
         self.watermark = _parse_size(watermark)
         self.last_submit_s = None
         self.setup_s = {}
         t0 = time.perf_counter()
-        # ---- 1. metadata of this rank
+        # ---- 1. metadata of this rank (and the mapping it was given: every rank's must agree)
         err = None
         try:
+            self.ctl.set_json("train/%d/mapping" % self.rank, mapping_digest(mapping))
             if hasattr(model, "reshard"):
                 model.reshard()   # FSDP2: the sharded DTensor parameters, even after a no-grad forward
             self.params = {n: p for n, p in model.named_parameters()}
@@ -123,27 +144,63 @@ class Sender:
         control.agree(self.group, err, self.rank, "publishing training metadata")
         # ---- 2. rank 0 builds the plan; every rank receives it (or the error)
         if self.rank == 0:
-            self._controller(mapping)
+            try:
+                self._controller(mapping)
+            except SetupError:
+                # the store lives in this process: before raising (and maybe exiting) let the
+                # other ranks and the registered receivers read the error from it
+                self._linger("plan/acks", self.world - 1, "status/acks", None)
+                raise
         self.setup_s["plan"] = time.perf_counter() - t0
         data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)")
+        if self.rank:
+            self.ctl.add("plan/acks", 1)
+            if data[:2] == control.ERR:   # torchrun ends rank 0 once this rank exits: wait for the receivers
+                self._linger(None, 0, "status/acks", None)
         self.plan = program.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
         # ---- 3. this rank's program, transport, connections
-        err = None
         t1 = time.perf_counter()
-        try:
-            self._connect(transport, transport_options, watermark)
-        except Exception as e:  # noqa: BLE001
-            err = f"{type(e).__name__}: {e}"
-        control.agree(self.group, err, self.rank, "connecting to the inference workers")
+        self._connect_phase(transport, transport_options, watermark)
         self.setup_s["connect"] = time.perf_counter() - t1
 
     # ------------------------------------------------------------------ setup
+    def _connect_phase(self, transport, transport_options, watermark) -> None:
+        """Setup step 3 on every rank; its verdict (every rank's errors) reaches every rank
+        through gloo and every receiver through the store key `setup`."""
+        err = None
+        try:
+            self._connect(transport, transport_options, watermark)
+            if self.rank == 0:      # a worker that registered after the plan was built, outside its layout
+                n = len(program.receivers_of(self.plan))
+                late = self.ctl.add("infer/count", 0) - n
+                if late > 0:
+                    raise SetupError(f"{late} inference worker(s) registered beyond the {n} the plan is for "
+                                     "(the inference workers disagree on replicas/tp; see their own errors)")
+        except Exception as e:  # noqa: BLE001
+            err = f"{type(e).__name__}: {e}"
+        try:
+            control.agree(self.group, err, self.rank, "connecting to the inference workers")
+        except SetupError as e:
+            if self.rank == 0:     # the receivers learn it too (they wait for this key)
+                self.ctl.set("setup", control.encode_result(None, str(e)))
+            # every rank waits for the receivers to read it: the store lives in rank 0, and a
+            # launcher (torchrun) ends rank 0 as soon as another rank exits
+            self._linger(None, 0, "setup/acks", len(program.receivers_of(self.plan)))
+            raise
+        if self.rank == 0:
+            self.ctl.set("setup", control.encode_result(b"", None))
+
     def _controller(self, mapping) -> None:
         ctl = self.ctl
         try:
             per_rank = [ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}")
                         for r in range(self.world)]
             train, problems = program.merge_train_metadata(per_rank)
+            digests = [ctl.get_json("train/%d/mapping" % r, f"the mapping of trainer rank {r}")
+                       for r in range(self.world)]
+            problems = list(problems) + [f"trainer rank {r} was given mapping {d['name']!r} (digest {d['sha'][:12]}), "
+                                         f"rank 0 {digests[0]['name']!r} (digest {digests[0]['sha'][:12]})"
+                                         for r, d in enumerate(digests) if d != digests[0]]
             if problems:
                 raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
             first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
@@ -153,6 +210,13 @@ class Sender:
             workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}")
                                  for g in range(1, n)]
             probs = []
+            extra = ctl.add("infer/count", 0) - n      # registered beyond gpu 0's layout
+            for g in range(n, n + max(0, extra) + 8):
+                if extra > 0 and ctl.check("infer/%d" % g):
+                    w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
+                    probs.append(f"inference worker gpu {g} (replica {w['replica']} of {w['replicas']}, rank "
+                                 f"{w['rank']} of tp={w['tp']}) lies outside gpu 0's layout replicas="
+                                 f"{first['replicas']} tp={first['tp']} ({n} workers)")
             pname = getattr(program.get_preset(mapping), "name", "")
             for w in workers:
                 if w["mapping"] and pname and w["mapping"] != pname:
@@ -182,6 +246,7 @@ class Sender:
             raise SetupError(f"wxfer: building the plan on trainer rank 0 failed: {msg}") from e
         for g, s in senders.items():
             ctl.set_json("senders/%d" % g, s)
+        ctl.set("layout", json.dumps(dict(replicas=first["replicas"], tp=first["tp"], workers=n)))
         ctl.set("plan", control.encode_result(blob, None))
         ctl.set("status", control.encode_result(b"", None))
 
@@ -203,6 +268,10 @@ class Sender:
             if (dup_seen is not None and (have >= n or now - dup_seen > 1.0)) or now > deadline:
                 probs = []
                 for g in range(n):
+                    if len(probs) >= 20:       # gpu 0 may claim a huge layout: name the first 20
+                        probs.append(f"... (gpu 0 says replicas={n // max(1, self._tp)} tp={self._tp}: "
+                                     f"{n} workers, {have} registered)")
+                        break
                     if ctl.check("infer/dup/%d" % g):
                         d = ctl.get_json("infer/dup/%d" % g, "a duplicate worker's note", 1)
                         w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
@@ -255,13 +324,16 @@ class Sender:
         self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout,
                                     isolate=True)
         self.stamp_src = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.begin_src = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._stamp_dest = {}
+        self._begin_dest = {}
         self.peers = {}
         for g, w in self.workers.items():      # all requests first, then the replies
             self.peers[g] = control.writer_request(self.ctl, self.transport, self.rank, g, _unb64(w["export"]))
         for g, w in self.workers.items():
             control.writer_finish(self.ctl, self.transport, self.rank, g, self.peers[g])
             self._stamp_dest[g] = (_unb64(w["stamp"]), 8 * senders[g].index(self.rank), 0, 8)
+            self._begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + 8 * senders[g].index(self.rank), 0, 8)
         self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
         self.task_params = {op.task: len(op.sources) for ops in self.program.groups for op in ops}
         self._prepare_tasks()
@@ -317,7 +389,9 @@ class Sender:
 
     def _adopt(self, g: int, e: int) -> None:
         old = self.workers[g]
-        w = self.ctl.get_json("infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}", 30)
+        # bounded by write_timeout: a restarted worker that died again must not stall the push longer
+        w = self.ctl.get_json("infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}",
+                              self.write_timeout)
         probs = []
         for k in ("transport", "options", "mapping", "replicas", "tp", "replica", "rank", "ep"):
             if w.get(k) != old.get(k):
@@ -334,7 +408,7 @@ class Sender:
             raise SetupError(f"restarted inference worker gpu {g} ({w['host']} pid {w['pid']}) does not match "
                              "the one it replaces:\n    " + "\n    ".join(probs))
         peer = control.writer_connect(self.ctl, self.transport, self.rank, g, _unb64(w["export"]),
-                                      self.timeout, epoch=e)
+                                      self.write_timeout, epoch=e)
         # the new worker's memory: its descriptors into the plan, this rank's tasks for it
         for name, d in w["desc"].items():
             self.plan.descriptors[(g, name)] = _unb64(d)
@@ -346,6 +420,7 @@ class Sender:
         self.peers[g] = peer
         self._gpu_of_peer[peer] = g
         self._stamp_dest[g] = (_unb64(w["stamp"]), self._stamp_dest[g][1], 0, 8)
+        self._begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + self._stamp_dest[g][1], 0, 8)
         self.workers[g] = w
         self.rejoined += 1
 
@@ -362,6 +437,16 @@ class Sender:
         verify (default: $WXFER_VERIFY=1): checksum every write's source bytes here, and once
         they landed ask every receiver written to for the checksum of what it holds there;
         any mismatch raises wxfer.runtime.verify.VerifyError naming the worker, parameter and bytes."""
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(f"wxfer: trainer rank {self.rank}: push() called while another push() (or "
+                               "PushHandle.wait()) of this Sender is running in another thread; one step at "
+                               "a time (the trainer ranks' collectives and the version stamps are per step)")
+        try:
+            return self._push(async_op, version, verify)
+        finally:
+            self._lock.release()
+
+    def _push(self, async_op, version, verify):
         import torch
         if self._pending is not None and not self._pending.done():
             self._pending.wait()
@@ -373,24 +458,36 @@ class Sender:
         keep = []          # CUDA events must outlive the engine's wait on them
         barrier = None
         ev = None
+        at = (0, -1)       # (mesh group, task) reached: a failure drains the collectives from there
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             ev = torch.cuda.Event()           # what the zero-copy writes wait for
             ev.record(self.stream)
             keep.append(ev)
         try:
+            self._write_begin(self.version)
             with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None
                                    else _nullcontext()):
                 for gi, ops in enumerate(self.program.groups):
                     if barrier is not None:
                         barrier.wait(self.timeout)
-                    for op in ops:
+                    for oi, op in enumerate(ops):
+                        at = (gi, oi)
                         self._run_task(op, ev)
                     # stage 4: the barrier overlaps this group's writes
+                    at = (gi, len(ops))
                     barrier = control.Barrier(self.group, f"the barrier after mesh group {gi} "
                                                           f"(trainer rank {self.rank}, step {self.version})")
-        except Exception:
-            self._abort()
+                    at = (gi + 1, -1)
+        except Exception as e:
+            own = f"{type(e).__name__}: {e}"
+            self._mark(set(self.workers) - self._dropped(), self.version,
+                       f"trainer rank {self.rank} gave up on step {self.version} half written: {own}", final=False)
+            self._join_failed(e, own, barrier, at)
+            raise
+        except BaseException as e:       # KeyboardInterrupt, SystemExit: record, no collectives
+            self._mark(set(self.workers) - self._dropped(), self.version, f"trainer rank {self.rank} stopped in step {self.version}: "
+                                                   f"{type(e).__name__}")
             raise
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
@@ -400,6 +497,27 @@ class Sender:
         if async_op:
             return h
         return h.wait()
+
+    def _write_begin(self, version: int) -> None:
+        """This rank's begin stamps, landed before its first data write of the step."""
+        if not self._begin_dest:
+            return
+        self.begin_src.fill_(version)
+        if self.begin_src.is_cuda:
+            torch_sync(self.device)
+        # a receiver that fails here is skipped by the engine for the data writes too
+        self._submit_stamps(self.begin_src, self._begin_dest, "begin")
+        self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps")
+
+    def _submit_stamps(self, src, dests: dict, which: str) -> None:
+        """Hand this rank's `which` (begin/end) stamp writes to the engine; a refusal (a bad
+        stamp descriptor in a worker's metadata) names the stamps and the workers."""
+        try:
+            self.engine.submit(src, list(dests.values()), tag=STAMP_TAG)
+        except Exception as e:
+            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "
+                               f"to inference workers {sorted(dests)} were refused: "
+                               + str(e).replace(f"(tag {STAMP_TAG})", "(the version stamps)")) from e
 
     def _run_task(self, op, push_event) -> None:
         """One task (on the side stream, under no_grad): admitted under the watermark before
@@ -489,6 +607,36 @@ class Sender:
         return out
 
     def _finish(self, h: PushHandle, timeout) -> None:
+        exc = None
+        try:
+            own = self._finish_writes(h, timeout)
+        except Exception as e:  # noqa: BLE001 -- joined with the other ranks below, then raised
+            exc, own = e, f"{type(e).__name__}: {e}"
+            self._mark(set(self.workers) - self._dropped(), h.version,
+                       f"trainer rank {self.rank} gave up on step {h.version}: {own}", final=False)
+        if h._barrier is not None:
+            try:
+                h._barrier.wait(self.timeout)
+            except Exception as e:
+                self._mark(program.receivers_of(self.plan), h.version,
+                           f"a trainer rank other than {self.rank} died or hung in step {h.version} ({e})",
+                           writer=None)
+                raise control.CollectiveError(f"{e}" + (f"\n(and this rank: {own})" if own else "")) from exc
+        # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
+        others = self._failures_elsewhere(own)
+        if exc is not None and not others:
+            raise exc
+        if own is not None or others:
+            msg = f"wxfer: trainer rank {self.rank}, step {h.version}: " + (
+                own if own is not None else "this rank's writes all landed, but")
+            msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
+            raise RuntimeError(msg) from exc
+        h.seconds = time.perf_counter() - h._t0
+        h._keep.clear()
+
+    def _finish_writes(self, h: PushHandle, timeout):
+        """Wait for this rank's data writes, write its end stamps, verify; returns this rank's
+        failure report (None: every receiver got every byte and its stamp)."""
         t = self.write_timeout if timeout is None else timeout
         # every task has its own deadline (write_timeout from its first write); a receiver
         # that stops answering fails alone at that deadline, so wait a little longer here
@@ -501,9 +649,15 @@ class Sender:
                 torch_sync(self.device)
             # the engine skips the failed receivers: the others get their stamp, since every
             # one of their writes of this step has landed
-            self.engine.submit(self.stamp_src, self.stamp_dests, tag=STAMP_TAG)
+            self._submit_stamps(self.stamp_src, self._stamp_dest, "end")
             self._wait_engine(t, "writing the version stamps")
             failed = self._failed_workers()
+        if failed:
+            new = set(failed) - self._dropped()
+            self._dropped_gpus = self._dropped() | set(failed)
+            for g in sorted(new):
+                self._mark([g], h.version, f"trainer rank {self.rank} gave up on its writes of step {h.version} "
+                                           f"here and skips this worker from now on: {failed[g]}")
         refused, self._refused = self._refused, {}
         own = None
         if failed or refused:
@@ -524,17 +678,7 @@ class Sender:
             self._last_sums, self._sums = self._sums, None
             from .verify import request
             self.last_verify = request(self.ctl, self.rank, h.version, self._last_sums, self.workers, t)
-        if h._barrier is not None:
-            h._barrier.wait(self.timeout)
-        # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
-        others = self._failures_elsewhere(own)
-        if own is not None or others:
-            msg = f"wxfer: trainer rank {self.rank}, step {h.version}: " + (
-                own if own is not None else "this rank's writes all landed, but")
-            msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
-            raise RuntimeError(msg)
-        h.seconds = time.perf_counter() - h._t0
-        h._keep.clear()
+        return own
 
     def _failures_elsewhere(self, own: str | None) -> list:
         """[(rank, report)] of the other trainer ranks whose step failed: one gloo all_reduce
@@ -547,9 +691,12 @@ class Sender:
         flag = torch.tensor([0 if own is None else 1], dtype=torch.int32)
         work = dist.all_reduce(flag, group=self.group, async_op=True)
         try:
-            work.wait(timedelta(seconds=self.timeout))
+            control.wait_work(work, self.timeout, f"the failure flag of step {self.version} (trainer rank {self.rank})")
         except Exception as e:
-            raise TimeoutError(f"wxfer: trainer rank {self.rank}, step {self.version}: the other trainer ranks "
+            self._mark(program.receivers_of(self.plan), self.version,
+                       f"a trainer rank other than {self.rank} died or hung in step {self.version} ({e})",
+                       writer=None)
+            raise control.CollectiveError(f"wxfer: trainer rank {self.rank}, step {self.version}: the other trainer ranks "
                                f"did not finish the step within {self.timeout:.0f} s: {e}") from e
         if int(flag.item()) == 0:
             return []
