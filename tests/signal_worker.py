@@ -17,7 +17,7 @@ def main(store):
     terms = []
     signal.signal(signal.SIGTERM, lambda s, f: terms.append(s))
     import torch
-    from wxfer.models import TINY, Qwen3ForCausalLM, inference_params, preset_for
+    from wxfer.models import TINY, inference_params, preset_for, train_model
     from wxfer.runtime.receiver import Receiver
     from wxfer.runtime.sender import Sender
     params = inference_params(TINY, 1, 0)
@@ -25,7 +25,7 @@ def main(store):
     th = threading.Thread(target=lambda: keep.append(Receiver(params, mapping=preset_for(TINY).name, store=store,
                                                               name="sig", timeout=30)), daemon=True)
     th.start()
-    m = Qwen3ForCausalLM(TINY)
+    m = train_model(TINY)
     s = Sender(m, mapping=preset_for(TINY), store=store, name="sig", timeout=30, write_timeout=10)
     s.push()
     print("ready", flush=True)

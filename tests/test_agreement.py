@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 TRAINER = textwrap.dedent("""
     import sys, threading, time, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from wxfer.models import TINY, Qwen3ForCausalLM, preset_for, shard_fsdp2
+    from wxfer.models import TINY, preset_for, shard_fsdp2, train_model
     from wxfer.runtime.sender import Sender
     case = sys.argv[1]
     import os
@@ -34,7 +34,7 @@ TRAINER = textwrap.dedent("""
     mapping = preset_for(dict(TINY, rms_norm_eps=1e-5)) if case == "mapping" and dist_rank1() else preset_for(TINY)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = shard_fsdp2(Qwen3ForCausalLM(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
+    model = shard_fsdp2(train_model(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
     opts = {"no_such_option": "1"} if case == "connect" and rank == 1 else None
     try:
         sender = Sender(model, mapping=mapping, timeout=40, write_timeout=3, transport_options=opts)

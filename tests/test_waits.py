@@ -80,9 +80,9 @@ def test_ctrl_c_in_a_wait_is_honoured_at_once(tmp_path, kind):
 
 def _tiny():
     import torch
-    from wxfer.models import TINY, Qwen3ForCausalLM
+    from wxfer.models import TINY, train_model
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(TINY)
+    return train_model(TINY)
 
 
 @pytest.mark.timeout(60)

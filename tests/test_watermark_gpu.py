@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
-from wxfer.models import Qwen3ForCausalLM
+from wxfer.models import train_model
 from wxfer.models.infer import inference_params, preset_for
-from wxfer.models.qwen3 import TINY
+from wxfer.models import TINY
 
 T = 120.0
 MiB = 1 << 20
@@ -44,7 +44,7 @@ def test_push_peak_memory_is_within_the_watermark_plus_the_largest_task(store):
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     with torch.device(dev):
-        model = Qwen3ForCausalLM(CONFIG)
+        model = train_model(CONFIG)
     for p in model.parameters():
         p.requires_grad_(False)
     ctx = mp.get_context("spawn")
