@@ -20,7 +20,7 @@ counted the same way (read + written). Every figure is the median of --reps repe
 WXFER_FP8_MINB=<n> compiles the kernel for n CTAs per SM (register budget; default 4, 2 for
 the persistent variants); --minb runs one child process per value (the kernel is compiled
 once per process). WXFER_FP8_VARIANT=v<n> picks a kernel variant (csrc/prepare/
-wx_fp8_kernel.cu lists them; default v0); --variants runs one child per variant (v<n>:<minb>
+wx_fp8_kernel.cu lists them; default v3); --variants runs one child per variant (v<n>:<minb>
 also sets WXFER_FP8_MINB), each checking its bytes against the reference, and prints one table.
 """
 import argparse
@@ -188,7 +188,7 @@ def main(argv=None):
         print("bench_quant: the native bytes differ from the reference", file=sys.stderr)
     if a.json:
         print(json.dumps(dict(bench="quant", machine=platform.node(), gpu=gpu, torch=torch.__version__,
-                              dry_run=a.dry_run, native=inf, variant=os.environ.get("WXFER_FP8_VARIANT", "v0"),
+                              dry_run=a.dry_run, native=inf, variant=os.environ.get("WXFER_FP8_VARIANT", "") or fp8.DEFAULT_VARIANT,
                               minb=os.environ.get("WXFER_FP8_MINB", ""), results=rows)))
     return 1 if any(r.get("identical") is False for r in rows) else 0
 

@@ -25,7 +25,8 @@ def dev():
     inf = fp8.info(d)
     assert inf["quantizer"] == "native", f"the native FP8 kernel is not used: {inf['reason']}"
     # the kernel variant under test (WXFER_FP8_VARIANT, csrc/prepare/wx_fp8_kernel.cu) is the one compiled
-    assert inf["variant"] == (os.environ.get("WXFER_FP8_VARIANT", "").strip() or "v0")
+    from wxfer.runtime.fp8 import DEFAULT_VARIANT
+    assert inf["variant"] == (os.environ.get("WXFER_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
     print(f"fp8 kernel variant {inf['variant']}")
     return d
 

@@ -89,10 +89,12 @@ static struct {
     int state; /* 0 not tried, 1 ready, -1 failed */
 } wx__devs[WX__MAX_DEV];
 
-/* The kernel variant (WXFER_FP8_VARIANT=v0..v5, default v0; wx_fp8_kernel.cu lists them) and
+/* The kernel variant (WXFER_FP8_VARIANT=v0..v5, default v3: the fastest on both H200 cases
+ * of benchmarks/bench_quant.py --variants, 2026-12-01; wx_fp8_kernel.cu lists them) and
  * its CTAs per SM (WXFER_FP8_MINB, else the variant's default), read once: the compiled
  * binary and the loaded modules keep them for the life of the process. */
 #define WX__NVARIANT 6
+#define WX__DEFAULT_VARIANT 3 /* = wxfer.runtime.fp8.DEFAULT_VARIANT */
 static int wx__variant = -1, wx__minb;
 
 static int wx__variant_of(char *why, size_t why_len)
@@ -100,7 +102,7 @@ static int wx__variant_of(char *why, size_t why_len)
     if (wx__variant < 0) {
         const char *v = getenv("WXFER_FP8_VARIANT"), *mb = getenv("WXFER_FP8_MINB");
         char *end = NULL;
-        long n = 0;
+        long n = WX__DEFAULT_VARIANT;
         if (v && *v) {
             n = strtol(v[0] == 'v' ? v + 1 : v, &end, 10);
             if (*end || end == v || n < 0 || n >= WX__NVARIANT) {

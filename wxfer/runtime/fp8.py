@@ -22,6 +22,7 @@ _probed: dict = {}                # CUDA ordinal -> None (usable) or the reason 
 _lock = threading.Lock()
 _calls = {"native": 0, "reference": 0}
 _last: dict | None = None
+DEFAULT_VARIANT = "v3"           # = WX__DEFAULT_VARIANT in csrc/prepare/wx_fp8.c
 _variant: list = []               # the kernel variant compiled (WXFER_FP8_VARIANT at first use)
 
 
@@ -75,7 +76,7 @@ def _native_why(device, probe: bool = True) -> str | None:
             ok, why = _wxfer.fp8_probe(idx, nvrtc_dirs())
             why = None if ok else why
             if ok and not _variant:         # read by the extension at its first compile
-                _variant.append(os.environ.get("WXFER_FP8_VARIANT", "").strip() or "v0")
+                _variant.append(os.environ.get("WXFER_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
         _probed[idx] = why
         return why
 
@@ -99,7 +100,7 @@ def info(device=None, probe: bool = True) -> dict:
              "(the native kernel is compiled at first use)"}
     elif why is None:
         d = {"quantizer": "native", "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}",
-             "variant": _variant[0] if _variant else "v0"}
+             "variant": _variant[0] if _variant else DEFAULT_VARIANT}
     else:
         d = {"quantizer": "reference", "reason": why}
     d.update(native_calls=_calls["native"], reference_calls=_calls["reference"])
