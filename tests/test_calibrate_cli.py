@@ -25,7 +25,8 @@ def test_calibrate_quick_writes_a_calibration_the_plan_cli_takes(tmp_path, capsy
     assert cal.host_task_s + cal.host_param_s > 0                  # a real push has host work per task
     assert 0 <= cal.write_call_s < 0.1 and 0 <= cal.coll_call_s < 0.5
     m = d["measured"]
-    assert m["transport"] == "fabric" and m["allgather_backend"] == "gloo" and m["host_tasks"] > 10
+    # a 4-layer model: one task per decoder layer (FSDP2 unit) and the root unit's, per push
+    assert m["transport"] == "fabric" and m["allgather_backend"] == "gloo" and m["host_tasks"] >= 5
     assert "quantize" in m["quantizer"] and m["calibrate_s"] < 60
     from wxfer.plan.cli import main
     assert main(["--preset", "qwen3-tiny", "--train-gpus", "2", "--infer-gpus", "2", "--infer-tp", "2",

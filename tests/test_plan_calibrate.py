@@ -65,7 +65,7 @@ def test_serial_stream_and_host_sync():
     base = dict(host_param_s=1e-3, pack_launch_s=0.0, quant_GBps=0.5, copy_GBps=0.5)
     c = Cluster(train_gpus=2, infer_gpus=2, infer_tp=2, gpus_per_node=2, dense_shard=2, nvlink_GBps=0.5,
                 nic_gbps=8000.0)
-    plan = plan_for("qwen3-tiny", c)
+    plan = plan_for("qwen3-tiny", c, coarse=False)    # many tasks per rank: something to overlap
     t = {}
     for name, kw in (("pipelined", dict(serial=False)), ("serial", dict(serial=True)),
                      ("sync", dict(serial=True, host_sync=True))):
