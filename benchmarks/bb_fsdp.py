@@ -201,11 +201,45 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
                      host=s.host_times(recs), submit_s=s.last_submit_s, bytes_per_step=s.bytes_per_step,
                      transport=s.transport_name)
             r["within_watermark"] = None if r["peak_extra"] is None else r["peak_extra"] <= wm + largest + (1 << 20)
+            if wi == 0:
+                r.update(simulated(s, dev, a))
             out[str(wm)] = r
         finally:
             ctl.set("wx_done/%d/%d" % (ci, wi), b"1")
             s.close()
     return out
+
+
+_KERNELS: dict = {}
+
+
+def simulated(sender, dev, a: dict) -> dict:
+    """The simulator's prediction of this push (issue 15): the trainers' own plan, with a
+    calibration measured in this run: the host costs fitted on this Sender's own trace (a few
+    more pushes), the quantizer and copy rates on this device (once per process), the write
+    path at the link bound measured for this configuration (`a["_link_GBps"]`: colocated
+    writes are on-device copies)."""
+    try:
+        from wxfer.meta import Calibration
+        from wxfer.plan.calibrate import predict
+        from wxfer.tools.calibrate import host_costs, measure_kernels
+        if dev.type not in _KERNELS:
+            _KERNELS[dev.type] = measure_kernels(dev, quick=dev.type == "cpu")
+        k = _KERNELS[dev.type]
+        h = host_costs(sender, 2, k["copy_GBps"])
+        link = a.get("_link_GBps") or k["copy_GBps"]
+        cpu = dev.type == "cpu"
+        cal = Calibration(name="bench-same-run", pack_launch_s=k["pack_launch_s"], quant_GBps=k["quant_GBps"],
+                          copy_GBps=k["copy_GBps"], write_GBps=link, write_call_s=0.0, serial=True,
+                          host_sync=cpu, cpu_shared=cpu,
+                          **{x: h[x] for x in ("host_task_s", "host_param_s", "host_piece_s", "push_fixed_s")
+                             if x in h})
+        return dict(simulated_s=predict(sender.plan, cal, rank=0), simulated_calibration=dict(
+            quant_GBps=k["quant_GBps"], copy_GBps=k["copy_GBps"], write_GBps=link,
+            host_task_us=h.get("host_task_s", 0) * 1e6, host_param_us=h.get("host_param_s", 0) * 1e6,
+            push_fixed_ms=h.get("push_fixed_s", 0) * 1e3))
+    except Exception as e:  # noqa: BLE001 -- the measurement stands without it
+        return dict(simulated_error=f"{type(e).__name__}: {e}")
 
 
 def wxfer_receiver(params, preset, store, ctl, name: str, ci: int, a: dict, dev, reset, checksums) -> list:

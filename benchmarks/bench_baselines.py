@@ -294,6 +294,7 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
             if i >= a["warmup"]:
                 times.append(time.perf_counter() - t)
         res["methods"]["link"] = _summ(times, dest_bytes)
+        a["_link_GBps"] = res["methods"]["link"]["gbps"]
         del src, dst
     if "h2d" in methods and trainer and gpu:       # the bound of a CPU-offloaded trainer
         mark("h2d")
