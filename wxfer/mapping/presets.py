@@ -279,8 +279,8 @@ MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "qwen3_mo
 
 # transformers 5 writes some keys under a canonical name (its configs' attribute_map):
 # Qwen3-MoE's num_experts and DeepSeek-V3's n_routed_experts are num_local_experts in to_dict()
-ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"},
-           "deepseek_v3": {"n_routed_experts": "num_local_experts"}}
+ALIASES: dict[str | None, dict[str, str]] = {"qwen3_moe": {"num_experts": "num_local_experts"},
+                                             "deepseek_v3": {"n_routed_experts": "num_local_experts"}}
 
 
 def _as_dict(config, arch: str | None = None) -> dict:

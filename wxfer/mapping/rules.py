@@ -255,7 +255,8 @@ class Fuse(Rule):
             shape = (rows, ncols) if ndim == 2 else (rows,)
             if quant:
                 params.append(DestParam(r, dst, shape, "float8_e4m3fn"))
-                params.append(DestParam(r, scale_name(dst), (sum(cdiv(p.rows, BLOCK) for p in pieces), cdiv(ncols, BLOCK)), "float32"))
+                params.append(DestParam(r, scale_name(dst),
+                                        (sum(cdiv(p.rows, BLOCK) for p in pieces), cdiv(ncols, BLOCK)), "float32"))
             else:
                 params.append(DestParam(r, dst, shape, self.dtype))
             shards += _make_shards(r, dst, pieces, fulls, quant, self.dtype, tp)
@@ -305,7 +306,8 @@ class Row(Rule):
                 params.append(DestParam(r, dst, (full[0], k), "float8_e4m3fn"))
                 params.append(DestParam(r, scale_name(dst), (cdiv(full[0], BLOCK), cdiv(k, BLOCK)), "float32"))
                 shards.append(Shard(r, dst, 0, full[0] * k, "fp8", "float8_e4m3fn", (p,)))
-                shards.append(Shard(r, scale_name(dst), 0, cdiv(full[0], BLOCK) * cdiv(k, BLOCK) * 4, "scale", "float32", (p,)))
+                shards.append(Shard(r, scale_name(dst), 0, cdiv(full[0], BLOCK) * cdiv(k, BLOCK) * 4, "scale",
+                                    "float32", (p,)))
             else:
                 es = dtype_size(self.dtype)
                 params.append(DestParam(r, dst, (full[0], k), self.dtype))

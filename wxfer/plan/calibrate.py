@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, fields, replace
+from typing import Any
 
 from ..meta import Calibration, Cluster
 
@@ -56,7 +57,7 @@ def from_dict(d: dict) -> Calibration:
     """The Calibration in a dict (what `to_dict` / ``calibrate --json`` write; unknown keys
     such as the measurements' details are ignored, a wrong type is refused by name)."""
     d = d.get("calibration", d)
-    kw = {}
+    kw: dict[str, Any] = {}
     for f in fields(Calibration):
         if f.name not in d:
             continue

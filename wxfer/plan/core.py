@@ -132,7 +132,7 @@ class Plan:
     def packed_shards(self, rank: int, task: int) -> list[tuple[int, Shard]]:
         """(src offset, shard) of the packed buffer `rank` prepares for `task`."""
         sel = np.flatnonzero((self.sender == rank) & (self.task == task))
-        seen = {}
+        seen: dict[int, int] = {}
         for i in sel:
             seen.setdefault(int(self.src_offset[i]), int(self.shard[i]))
         return [(off, self.tasks[task].shards[s]) for off, s in sorted(seen.items())]
@@ -379,6 +379,7 @@ def _grid(workers: Sequence[InferWorker]):
             continue
         if gpu_of[w.replica, w.rank] >= 0:
             problems.append(f"two workers claim replica {w.replica} rank {w.rank}")
+        assert w.gpu is not None      # InferWorker.__post_init__ sets it
         gpu_of[w.replica, w.rank] = w.gpu
     for rep, r in zip(*np.nonzero(gpu_of < 0)):
         problems.append(f"no worker for replica {rep} rank {r}")
@@ -427,7 +428,7 @@ def _make_tasks(ex, params: Mapping[str, TrainParam], max_task_bytes: int, coars
     pbytes = {n: p.nbytes for n, p in params.items()}
     pending: dict[object, list] = {}
     raw_tasks: list[tuple[str, list, tuple]] = []  # (name, components, mesh options)
-    comps = []
+    comps: list = []
     for c in ex.components:
         opts = _mesh_options(c.sources, params)
         if not opts:
@@ -435,6 +436,8 @@ def _make_tasks(ex, params: Mapping[str, TrainParam], max_task_bytes: int, coars
             continue
         split = _split_direct(c, params, opts) if coarse else None
         comps += [(x, _mesh_options(x.sources, params)) for x in split] if split else [(c, opts)]
+    key: tuple | None
+    name: str | None
     for c, opts in comps:
         key = name = None
         if len(opts) == 1 and not _direct(c, params, opts):
@@ -450,6 +453,7 @@ def _make_tasks(ex, params: Mapping[str, TrainParam], max_task_bytes: int, coars
         lst = pending.get(key)
         if lst is None or lst[1] + size > max_task_bytes:
             lst = pending[key] = [[], 0]
+            assert name is not None       # set with key
             raw_tasks.append((name, lst[0], opts))
         lst[0].append(c)
         lst[1] += size
@@ -598,6 +602,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
     else:
         layout = Layout(tp, ep, quant, expert_group_of(train))
         ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore, strict=False)
+    assert ex is not None              # `expanded` is used only when it has a layout
     problems: list[str] = []
     names, name_id, dest_nbytes = _dest_tables(ex, workers, tp, problems)
     tasks, options = _make_tasks(ex, params, max_task_bytes, coarse, problems)
@@ -615,6 +620,7 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
                 train_params={p.name: (tuple(p.shape), p.dtype) for p in train},
                 ignored=sorted(ex.ignored), preset=preset.name)
     for w in workers:
+        assert w.gpu is not None
         for n, d in w.descriptors.items():
             plan.descriptors[(int(w.gpu), n)] = d
     if check:

@@ -59,8 +59,9 @@ def repr_html(plan) -> str:
     rows = [("preset", s["preset"]), ("parameters", f"{s['params'] / 1e9:,.1f} B"),
             ("training GPUs", s["train_gpus"]), ("inference", f"{s['replicas']} replicas x TP{s['tp']}"
                                                    f"{' (EP)' if s['ep'] else ''}, {s['quant']}"),
-            ("bytes per replica", _gb(s["bytes_per_replica"])), ("tasks", f"{s['tasks']:,} ({s['sources_per_task']} sources each, "
-                                                            f"largest {_gb(s['largest_task_bytes'])})"),
+            ("bytes per replica", _gb(s["bytes_per_replica"])),
+            ("tasks", f"{s['tasks']:,} ({s['sources_per_task']} sources each, "
+                      f"largest {_gb(s['largest_task_bytes'])})"),
             ("mesh groups", s["mesh_groups"]), ("transfers", f"{s['transfers']:,}"),
             ("max bytes per inference GPU", _gb(s["max_bytes_per_infer_gpu"])),
             ("bytes per training GPU (min / max)",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from typing import cast
 
 import numpy as np
 
@@ -64,8 +65,8 @@ def encode(plan: Plan) -> bytes:
         tasks=[[t.name, t.mesh, t.group, t.src_bytes] for t in plan.tasks],
         arrays=[[k, "u1" if v.dtype == np.uint8 else "i8", int(v.size)] for k, v in arrays.items()])
     hj = json.dumps(header, separators=(",", ":")).encode()
-    body = b"".join([struct.pack("<I", len(hj)), hj] + [np.ascontiguousarray(v).astype(v.dtype.newbyteorder("<")).tobytes()
-                                                        for v in arrays.values()])
+    body = b"".join([struct.pack("<I", len(hj)), hj]
+                    + [np.ascontiguousarray(v).astype(v.dtype.newbyteorder("<")).tobytes() for v in arrays.values()])
     comp = zlib.compress(body, 1)
     return _HEAD.pack(MAGIC, VERSION, len(comp), zlib.crc32(comp)) + comp
 
@@ -114,7 +115,7 @@ def _decode_body(body: bytes) -> Plan:
     pos = 4 + hl
     arrs = {}
     for k, dt, cnt in h["arrays"]:
-        dtype = {"u1": np.dtype("<u1"), "i8": np.dtype("<i8")}[dt]
+        dtype = cast(np.dtype, {"u1": np.dtype("<u1"), "i8": np.dtype("<i8")}[dt])
         nb = int(cnt) * dtype.itemsize
         if cnt < 0 or pos + nb > len(body):
             _fail(f"array {k} runs past the end")

@@ -26,6 +26,7 @@ and receive, inference NIC receive, NVLink, PCIe), of bytes / bandwidth.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class SimResult:
     def bound_by(self) -> str:
         """The stage with the most seconds on its busiest rank (or the links' lower bound)."""
         b = self.stage_busy_s
-        return max(b, key=b.get) if b else "links"
+        return max(b, key=b.__getitem__) if b else "links"
 
     def utilisation(self) -> dict:
         """Per link kind: bytes / (bandwidth x simulated time) for each link."""
@@ -194,10 +195,10 @@ class _Jobs:
     wbytes: np.ndarray           # [J] bytes the job writes
     of_task: dict                # task -> [job]
     packed_of: dict              # (rank, task) -> packed bytes
-    pieces: np.ndarray = None    # [J] pieces the job packs (one launch each; an FP8 piece once for fp8 + scale)
-    fp8: np.ndarray = None       # [J] whether it quantizes
-    nwrites: np.ndarray = None   # [J] transfers (one write each)
-    job_of: dict = None          # (rank, task) -> job
+    pieces: np.ndarray | None = None    # [J] pieces the job packs (one launch each; an FP8 piece once for fp8 + scale)
+    fp8: np.ndarray | None = None       # [J] whether it quantizes
+    nwrites: np.ndarray | None = None   # [J] transfers (one write each)
+    job_of: dict | None = None          # (rank, task) -> job
 
     @property
     def n(self) -> int:
@@ -283,14 +284,16 @@ class _Network:
         self.pend = pstart.copy()                             # one past the last posted position
         self.pair_rem = np.zeros(P)
         self.entries_left = np.bincount(jobs.ejob, minlength=jobs.n)
-        self.queued = [deque() for _ in range(world)]         # packed jobs waiting to be posted
+        self.queued: list[deque] = [deque() for _ in range(world)]   # packed jobs waiting to be posted
         self.posted = np.zeros(world, np.int64)
         self.posted_bytes = np.zeros(world)
         self.post_ranks: set = set()
         self.jobs_left = jobs.n
         self.gpu_finish = np.zeros(ngpu)
         # ring flows of cross-node all-gathers
-        self.ag_src, self.ag_dst, self.ag_rem = [], [], []
+        self.ag_src: list = []
+        self.ag_dst: list = []
+        self.ag_rem: list = []
         self.ag_live: set = set()
         self.ag_done: set = set()
         self.rings: dict = {}                                 # mesh -> (task, start, flow ids)
@@ -345,7 +348,7 @@ class _Network:
         nap = ap.size
         left = palloc.copy()
         used = np.zeros(nap)
-        done = []
+        done: list = []
         while nap:
             sel = np.flatnonzero((left > 0) & (head[ap] < pend[ap]))
             if sel.size == 0:
@@ -481,7 +484,7 @@ class _Meshes:
         for g in range(G):                      # empty groups release at once
             if self.group_left[g] == 0:
                 self.release[g + 1] = self.release[g]
-        self.timeline = []
+        self.timeline: list = []
         self.h2d_done = self._h2d() if model.offload else {}
         self.mem = np.zeros(world)
         self.quant_free = np.zeros(world)     # end of the rank's last packing
@@ -492,7 +495,7 @@ class _Meshes:
         self.busy = {m: 0.0 for m in range(len(plan.meshes))}   # end of the mesh's last all-gather
         self.open = list(range(len(plan.meshes)))
         self.act_time = np.full(jobs.n, np.inf)
-        self.pending = []                                       # jobs packed later than now
+        self.pending: list = []                                 # jobs packed later than now
         self.stage_end = {"h2d": max(self.h2d_done.values(), default=0.0), "allgather": 0.0, "quant": 0.0,
                           "write": 0.0}
 
@@ -568,6 +571,7 @@ class _Meshes:
         """All-gather of task ti ended: pack on the senders, free the full tensors, release
         the next group when this was its group's last."""
         plan, jb = self.plan, self.jobs
+        assert jb.job_of is not None and jb.pieces is not None and jb.fp8 is not None and jb.nwrites is not None
         task = plan.tasks[ti]
         if self.record:
             for r in plan.meshes[m]:
@@ -691,7 +695,7 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     if cluster.cal.cpu_shared:      # stage 2 and the writes take turns on the same cores
         # the write rate was measured with one writer and one target using the machine's cores: every
         # trainer's writes take turns on them (all bytes / that rate)
-        per_rank = sum(meshes.busy_s.values())
+        per_rank = cast(np.ndarray, sum(meshes.busy_s.values()))   # busy_s is never empty: not the 0 start
         wl = float(plan.nbytes.sum()) / cluster.write_bw if plan.n_transfers else 0.0
         total = max(total, (float(per_rank.max()) if per_rank.size else 0.0) + wl)
     total += cluster.cal.push_fixed_s
