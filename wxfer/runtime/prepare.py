@@ -220,7 +220,7 @@ class TaskPrep:
     dtype; through DTensor otherwise), whether the write reads the parameter's own memory
     (zero copy), the destinations as the engine takes them, the bytes it holds."""
     __slots__ = ("device", "whole", "gathers", "generic", "direct", "zero_copy", "dests", "held",
-                 "nparams", "event", "largest")
+                 "nparams", "event", "largest", "fast")
 
     def __init__(self, device):
         self.device = device
@@ -234,6 +234,8 @@ class TaskPrep:
         self.nparams = 0
         self.event = None
         self.largest = (0, "")         # (bytes, name) of the largest source
+        self.fast = None               # zero copy: (Engine.prepare's task, parameter, is DTensor,
+        #                                data_ptr, numel) -- the Sender's, made at the first push
 
 
 class _Gather:

@@ -38,6 +38,7 @@ from .verify import verify_enabled
 
 
 STAMP_TAG = 1 << 62     # engine tag of the version-stamp writes (plan tasks use their index)
+FAST_BATCH = 32         # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
 
 
 def task_bound(watermark: int) -> int:
@@ -471,9 +472,24 @@ class Sender(FaultsMixin):
                 for gi, ops in enumerate(self.program.groups):
                     if barrier is not None:
                         barrier.wait(self.timeout)
+                    batch = []         # zero-copy tasks, handed to the engine in one call
                     for oi, op in enumerate(ops):
                         at = (gi, oi)
+                        fast = self._fast_task(op)
+                        if fast is not None:
+                            batch.append(fast)
+                            if len(batch) >= FAST_BATCH:
+                                self._submit_fast(batch, ev)
+                                batch = []
+                            continue
+                        if batch:
+                            at = (gi, oi - 1)    # a failure here: task oi's collectives are still to drain
+                            self._submit_fast(batch, ev)
+                            batch = []
+                            at = (gi, oi)
                         self._run_task(op, ev)
+                    if batch:
+                        self._submit_fast(batch, ev)
                     # stage 4: the barrier overlaps this group's writes
                     at = (gi, len(ops))
                     barrier = control.Barrier(self.group, f"the barrier after mesh group {gi} "
@@ -518,6 +534,53 @@ class Sender(FaultsMixin):
             raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "
                                f"to inference workers {sorted(dests)} were refused: "
                                + str(e).replace(f"(tag {STAMP_TAG})", "(the version stamps)")) from e
+
+    def _fast_task(self, op):
+        """The engine's prepared task (Engine.prepare) of a zero-copy task: its parameter's
+        memory registered once as a Region of the transport (export=False), its destinations
+        validated once; made again when the parameter's memory moved (its data_ptr or size
+        changed since) or its destinations did (RankProgram.retarget drops op.prep).  None for
+        the other tasks.  With verify on, the bytes are checksummed here as in _run_task."""
+        prep = op.prep
+        if prep is None or not prep.zero_copy or not op.sends:
+            return None
+        fast = prep.fast
+        if fast is not None:
+            local = fast[1]._local_tensor if fast[2] else fast[1]
+            if local.data_ptr() != fast[3] or local.numel() != fast[4]:
+                fast = None
+        if fast is None:
+            fast = self._make_fast(op)
+            if fast is None:
+                return None
+            prep = op.prep
+        if self._sums is not None:
+            self._checksum(op, prepare.run(prep, op, self.device), prep.dests)
+        return fast[0]
+
+    def _make_fast(self, op):
+        import torch
+        from torch.distributed.tensor import DTensor
+        if op.prep.fast is not None:       # the memory moved: decide again from the new tensor
+            op.prep = prepare.task_prep(op, self.device)
+        prep = op.prep
+        if not prep.zero_copy:
+            return None
+        p = prep.whole[0][1]
+        is_dt = isinstance(p, DTensor)
+        local = p._local_tensor if is_dt else p
+        region = self.transport.register(local.detach().reshape(-1).view(torch.uint8), export=False)
+        task = self.engine.prepare(region, prep.dests, tag=op.task)
+        prep.fast = (task, p, is_dt, local.data_ptr(), local.numel())
+        return prep.fast
+
+    def _submit_fast(self, batch, push_event) -> None:
+        """Hand prepared zero-copy tasks to the engine in one call; they wait for the push's
+        one event (the training stream's work before push())."""
+        if push_event is not None:
+            self.engine.submit_prepared(batch, event=push_event.cuda_event, device=self.device.index)
+        else:
+            self.engine.submit_prepared(batch)
 
     def _run_task(self, op, push_event) -> None:
         """One task (on the side stream, under no_grad): admitted under the watermark before
