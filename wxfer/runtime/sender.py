@@ -347,12 +347,15 @@ class Sender(FaultsMixin):
 
     def _prepare_tasks(self) -> None:
         """Per task, once: how its sources are gathered, zero copy or not, what it holds
-        (prepare.TaskPrep); warn about a parameter the watermark cannot hold."""
+        (prepare.TaskPrep), a zero-copy task's source registered and its destinations
+        validated (Engine.prepare); warn about a parameter the watermark cannot hold."""
         import warnings
         over = []
         for ops in self.program.groups:
             for op in ops:
                 op.prep = prepare.task_prep(op, self.device)
+                if op.prep.zero_copy and op.sends:
+                    self._make_fast(op)
                 nb, name = op.prep.largest
                 if self.watermark and op.sends and op.prep.held and nb > self.watermark:
                     over.append((nb, name, op.prep.held))
@@ -805,6 +808,10 @@ class Sender(FaultsMixin):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        for ops in getattr(getattr(self, "program", None), "groups", ()):
+            for op in ops:
+                if op.prep is not None:
+                    op.prep.fast = None    # the zero-copy Regions, released before their transport
         if self.transport is not None:
             self.transport.close()
             self.transport = None
