@@ -163,3 +163,32 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
     sender.close()
     for r in recvs + [new]:
         r.close()
+
+
+def test_a_prepared_task_to_a_vanished_peer_fails_naming_its_tag_and_peer():
+    from wxfer.testing import TargetProcess
+    opts = {"provider": "tcp"}
+    tgt = TargetProcess("fabric", opts, [4 << 20])
+    t = _wxfer.Transport("fabric", opts)
+    eng = _wxfer.Engine(t, timeout=3.0, isolate=True)
+    try:
+        peer = tgt.connect(t)
+        desc = tgt.descriptors[0]
+        srcs = [torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(4)]
+        tasks = [eng.prepare(t.register(s, export=False), [(desc, i << 20, 0, 1 << 20)], tag=40 + i)
+                 for i, s in enumerate(srcs)]
+        tgt.kill()
+        t0 = time.monotonic()
+        eng.submit_prepared(tasks)
+        eng.wait(timeout=30)          # isolate: the peer fails alone, reported by failed_peers()
+        assert time.monotonic() - t0 < 20
+        failed = eng.failed_peers()
+        assert len(failed) == 1, failed
+        err = failed[0]
+        assert err.peer == peer and err.tag in (40, 41, 42, 43) and err.errno > 0, (err.peer, err.tag, str(err))
+        assert "(tag %d)" % err.tag in str(err), str(err)
+        recs = eng.trace()
+        assert sorted(r["tag"] for r in recs) == [40, 41, 42, 43]
+    finally:
+        eng.close()
+        t.close()
