@@ -355,7 +355,7 @@ class Sender(FaultsMixin):
             for op in ops:
                 op.prep = prepare.task_prep(op, self.device)
                 if op.prep.zero_copy and op.sends:
-                    self._make_fast(op)
+                    prepare.zero_copy_task(op, self.device, self.transport, self.engine)
                 nb, name = op.prep.largest
                 if self.watermark and op.sends and op.prep.held and nb > self.watermark:
                     over.append((nb, name, op.prep.held))
@@ -539,43 +539,15 @@ class Sender(FaultsMixin):
                                + str(e).replace(f"(tag {STAMP_TAG})", "(the version stamps)")) from e
 
     def _fast_task(self, op):
-        """The engine's prepared task (Engine.prepare) of a zero-copy task: its parameter's
-        memory registered once as a Region of the transport (export=False), its destinations
-        validated once; made again when the parameter's memory moved (its data_ptr or size
-        changed since) or its destinations did (RankProgram.retarget drops op.prep).  None for
-        the other tasks.  With verify on, the bytes are checksummed here as in _run_task."""
+        """The engine's prepared task of a zero-copy task (prepare.zero_copy_task), or None;
+        with verify on its bytes are checksummed here, as in _run_task."""
         prep = op.prep
         if prep is None or not prep.zero_copy or not op.sends:
             return None
-        fast = prep.fast
-        if fast is not None:
-            local = fast[1]._local_tensor if fast[2] else fast[1]
-            if local.data_ptr() != fast[3] or local.numel() != fast[4]:
-                fast = None
-        if fast is None:
-            fast = self._make_fast(op)
-            if fast is None:
-                return None
-            prep = op.prep
-        if self._sums is not None:
-            self._checksum(op, prepare.run(prep, op, self.device), prep.dests)
-        return fast[0]
-
-    def _make_fast(self, op):
-        import torch
-        from torch.distributed.tensor import DTensor
-        if op.prep.fast is not None:       # the memory moved: decide again from the new tensor
-            op.prep = prepare.task_prep(op, self.device)
-        prep = op.prep
-        if not prep.zero_copy:
-            return None
-        p = prep.whole[0][1]
-        is_dt = isinstance(p, DTensor)
-        local = p._local_tensor if is_dt else p
-        region = self.transport.register(local.detach().reshape(-1).view(torch.uint8), export=False)
-        task = self.engine.prepare(region, prep.dests, tag=op.task)
-        prep.fast = (task, p, is_dt, local.data_ptr(), local.numel())
-        return prep.fast
+        task = prepare.zero_copy_task(op, self.device, self.transport, self.engine)
+        if task is not None and self._sums is not None:
+            self._checksum(op, prepare.run(op.prep, op, self.device), op.prep.dests)
+        return task
 
     def _submit_fast(self, batch, push_event) -> None:
         """Hand prepared zero-copy tasks to the engine in one call; they wait for the push's
