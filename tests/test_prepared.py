@@ -114,12 +114,12 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
     # tp=2: the column-sliced (row-parallel) weights are packed; the rest is zero copy, so
     # a push interleaves prepared batches with packed tasks
     assert len(ops) > len(every) // 2 and len(ops) < len(every)
-    assert all(op.prep.fast is not None for op in ops)          # registered at setup
-    assert all(op.prep.fast is None for op in every if not op.prep.zero_copy)
+    assert all(op.prep.fast is None for op in every)            # registered at the first push
     sender.push()
     assert [r.version() for r in recvs] == [1, 1]
     assert _landed(model, params[0], 0) and _landed(model, params[1], 1)
     assert all(op.prep.fast is not None for op in ops)
+    assert all(op.prep.fast is None for op in every if not op.prep.zero_copy)
     first = {op.task: op.prep.fast[0] for op in ops}
 
     # in place: the same prepared tasks, the new bytes

@@ -336,11 +336,13 @@ def _direct_dests(op: TaskOp, p):
 
 
 def zero_copy_task(op: TaskOp, device, transport, engine):
-    """The engine's prepared task (``Engine.prepare``) of zero-copy task `op`, made at setup:
-    its parameter's memory registered once as a Region of `transport` (export=False), its
-    destinations validated once.  Each call checks that the parameter still has the same
-    memory (data_ptr and size); if not (``param.data = ...``), the task is decided again
-    (``task_prep``) and registered again.  ``RankProgram.retarget`` drops ``op.prep``, so a
+    """The engine's prepared task (``Engine.prepare``) of zero-copy task `op`, made at the
+    first push (not at setup: FSDP2's lazy init may still move the sharded storage, and the
+    Region would keep the old one alive): its parameter's memory registered once as a Region
+    of `transport` (export=False), its destinations validated once.  Each call checks that
+    the parameter still has the same memory (data_ptr and size); if not (``param.data =
+    ...``), the task is decided again (``task_prep``) and registered again (the old storage
+    is released then).  ``RankProgram.retarget`` drops ``op.prep``, so a
     restarted worker's tasks are prepared again for its new memory.  None when the task is
     not (or no longer) zero copy."""
     prep = op.prep

@@ -347,15 +347,13 @@ class Sender(FaultsMixin):
 
     def _prepare_tasks(self) -> None:
         """Per task, once: how its sources are gathered, zero copy or not, what it holds
-        (prepare.TaskPrep), a zero-copy task's source registered and its destinations
-        validated (Engine.prepare); warn about a parameter the watermark cannot hold."""
+        (prepare.TaskPrep); warn about a parameter the watermark cannot hold.  (A zero-copy
+        task's source is registered at the first push: prepare.zero_copy_task.)"""
         import warnings
         over = []
         for ops in self.program.groups:
             for op in ops:
                 op.prep = prepare.task_prep(op, self.device)
-                if op.prep.zero_copy and op.sends:
-                    prepare.zero_copy_task(op, self.device, self.transport, self.engine)
                 nb, name = op.prep.largest
                 if self.watermark and op.sends and op.prep.held and nb > self.watermark:
                     over.append((nb, name, op.prep.held))
