@@ -293,6 +293,7 @@ static int wx_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->Transport);
     Py_VISIT(st->Region);
     Py_VISIT(st->Engine);
+    Py_VISIT(st->Prepared);
     return 0;
 }
 
@@ -303,6 +304,7 @@ static int wx_clear(PyObject *m)
     Py_CLEAR(st->Transport);
     Py_CLEAR(st->Region);
     Py_CLEAR(st->Engine);
+    Py_CLEAR(st->Prepared);
     return 0;
 }
 

@@ -14,6 +14,7 @@ typedef struct {
     PyTypeObject *Transport;
     PyTypeObject *Region;
     PyTypeObject *Engine;
+    PyTypeObject *Prepared;  /* Engine.prepare's tasks */
 } wx_py_state_t;
 
 /* A buffer taken from a DLPack producer or the buffer protocol, kept alive until

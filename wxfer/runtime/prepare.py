@@ -220,7 +220,7 @@ class TaskPrep:
     dtype; through DTensor otherwise), whether the write reads the parameter's own memory
     (zero copy), the destinations as the engine takes them, the bytes it holds."""
     __slots__ = ("device", "whole", "gathers", "generic", "direct", "zero_copy", "dests", "held",
-                 "nparams", "event", "largest")
+                 "nparams", "event", "largest", "fast")
 
     def __init__(self, device):
         self.device = device
@@ -234,6 +234,8 @@ class TaskPrep:
         self.nparams = 0
         self.event = None
         self.largest = (0, "")         # (bytes, name) of the largest source
+        self.fast = None               # zero copy: (Engine.prepare's task, parameter, is DTensor,
+        #                                data_ptr, numel) -- the Sender's, made at the first push
 
 
 class _Gather:
@@ -331,6 +333,35 @@ def _direct_dests(op: TaskOp, p):
         else:
             return None
     return out
+
+
+def zero_copy_task(op: TaskOp, device, transport, engine):
+    """The engine's prepared task (``Engine.prepare``) of zero-copy task `op`, made at the
+    first push (not at setup: FSDP2's lazy init may still move the sharded storage, and the
+    Region would keep the old one alive): its parameter's memory registered once as a Region
+    of `transport` (export=False), its destinations validated once.  Each call checks that
+    the parameter still has the same memory (data_ptr and size); if not (``param.data =
+    ...``), the task is decided again (``task_prep``) and registered again (the old storage
+    is released then).  ``RankProgram.retarget`` drops ``op.prep``, so a
+    restarted worker's tasks are prepared again for its new memory.  None when the task is
+    not (or no longer) zero copy."""
+    prep = op.prep
+    fast = prep.fast
+    if fast is not None:
+        local = fast[1]._local_tensor if fast[2] else fast[1]
+        if local.data_ptr() == fast[3] and local.numel() == fast[4]:
+            return fast[0]
+        prep = op.prep = task_prep(op, device)       # the memory moved: decide again
+    if not prep.zero_copy or not op.sends:
+        return None
+    import torch
+    from torch.distributed.tensor import DTensor
+    p = prep.whole[0][1]
+    is_dt = isinstance(p, DTensor)
+    local = p._local_tensor if is_dt else p
+    region = transport.register(local.detach().reshape(-1).view(torch.uint8), export=False)
+    prep.fast = (engine.prepare(region, prep.dests, tag=op.task), p, is_dt, local.data_ptr(), local.numel())
+    return prep.fast[0]
 
 
 # --------------------------------------------------------------------------- per task, every step

@@ -38,6 +38,7 @@ from .verify import verify_enabled
 
 
 STAMP_TAG = 1 << 62     # engine tag of the version-stamp writes (plan tasks use their index)
+FAST_BATCH = 32         # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
 
 
 def task_bound(watermark: int) -> int:
@@ -346,7 +347,8 @@ class Sender(FaultsMixin):
 
     def _prepare_tasks(self) -> None:
         """Per task, once: how its sources are gathered, zero copy or not, what it holds
-        (prepare.TaskPrep); warn about a parameter the watermark cannot hold."""
+        (prepare.TaskPrep); warn about a parameter the watermark cannot hold.  (A zero-copy
+        task's source is registered at the first push: prepare.zero_copy_task.)"""
         import warnings
         over = []
         for ops in self.program.groups:
@@ -471,9 +473,24 @@ class Sender(FaultsMixin):
                 for gi, ops in enumerate(self.program.groups):
                     if barrier is not None:
                         barrier.wait(self.timeout)
+                    batch = []         # zero-copy tasks, handed to the engine in one call
                     for oi, op in enumerate(ops):
                         at = (gi, oi)
+                        fast = self._fast_task(op)
+                        if fast is not None:
+                            batch.append(fast)
+                            if len(batch) >= FAST_BATCH:
+                                self._submit_fast(batch, ev)
+                                batch = []
+                            continue
+                        if batch:
+                            at = (gi, oi - 1)    # a failure here: task oi's collectives are still to drain
+                            self._submit_fast(batch, ev)
+                            batch = []
+                            at = (gi, oi)
                         self._run_task(op, ev)
+                    if batch:
+                        self._submit_fast(batch, ev)
                     # stage 4: the barrier overlaps this group's writes
                     at = (gi, len(ops))
                     barrier = control.Barrier(self.group, f"the barrier after mesh group {gi} "
@@ -518,6 +535,25 @@ class Sender(FaultsMixin):
             raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "
                                f"to inference workers {sorted(dests)} were refused: "
                                + str(e).replace(f"(tag {STAMP_TAG})", "(the version stamps)")) from e
+
+    def _fast_task(self, op):
+        """The engine's prepared task of a zero-copy task (prepare.zero_copy_task), or None;
+        with verify on its bytes are checksummed here, as in _run_task."""
+        prep = op.prep
+        if prep is None or not prep.zero_copy or not op.sends:
+            return None
+        task = prepare.zero_copy_task(op, self.device, self.transport, self.engine)
+        if task is not None and self._sums is not None:
+            self._checksum(op, prepare.run(op.prep, op, self.device), op.prep.dests)
+        return task
+
+    def _submit_fast(self, batch, push_event) -> None:
+        """Hand prepared zero-copy tasks to the engine in one call; they wait for the push's
+        one event (the training stream's work before push())."""
+        if push_event is not None:
+            self.engine.submit_prepared(batch, event=push_event.cuda_event, device=self.device.index)
+        else:
+            self.engine.submit_prepared(batch)
 
     def _run_task(self, op, push_event) -> None:
         """One task (on the side stream, under no_grad): admitted under the watermark before
@@ -742,6 +778,10 @@ class Sender(FaultsMixin):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        for ops in getattr(getattr(self, "program", None), "groups", ()):
+            for op in ops:
+                if op.prep is not None:
+                    op.prep.fast = None    # the zero-copy Regions, released before their transport
         if self.transport is not None:
             self.transport.close()
             self.transport = None

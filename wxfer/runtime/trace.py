@@ -49,7 +49,8 @@ def to_chrome(records, pid: int = 0, name: str = "wxfer") -> dict:
 def host_times(records, params_of: dict | None = None, skip_tags=()) -> dict:
     """Host time of the push loop from a trace: per task, the host time of its stages 1-2
     (t_admit .. t_submit of a task the Sender reserved before preparing it; the
-    Engine.submit call itself is not in it).  params_of: tag -> number of training
+    Engine.submit call itself is not in it; 0 for a task submitted by
+    Engine.submit_prepared, which has no stages 1-2).  params_of: tag -> number of training
     parameters of the task.  Returns tasks, params, host_s (sum), per_task_us and
     per_param_us (means), median_task_us."""
     hs = []
