@@ -178,3 +178,30 @@ def test_direct_all_gather_matches_dtensor_full_tensor():
     for r in range(3):
         assert isinstance(res[r], list), res[r]
         assert res[r] and all(res[r]), (r, res[r])
+
+
+def test_consecutive_raw_pieces_of_one_source_are_copied_as_one():
+    """A raw shard whose pieces are consecutive row ranges of one source (transformers 5's
+    fused experts: expert e's gate and up rows follow expert e-1's) is packed with one copy,
+    byte for byte the reference's; pieces that are not contiguous stay apart."""
+    import torch
+    from wxfer.mapping import Piece, Shard, pack_shard
+    from wxfer.runtime import prepare
+    E, inter, hidden = 4, 3, 5
+    gu = torch.randn(E, 2 * inter, hidden).to(torch.bfloat16)
+    other = torch.randn(7, hidden).to(torch.bfloat16)
+    pieces = []
+    for e in range(E):
+        pieces += [Piece("gu", e * 2 * inter, e * 2 * inter + inter, 0, hidden),
+                   Piece("gu", e * 2 * inter + inter, (e + 1) * 2 * inter, 0, hidden)]
+    pieces += [Piece("o", 0, 2, 0, hidden), Piece("o", 4, 7, 0, hidden), Piece("o", 2, 4, 0, hidden),
+               Piece("o", 0, 3, 1, 4), Piece("o", 3, 5, 1, 4)]
+    nbytes = sum(p.rows * p.cols for p in pieces) * 2
+    sh = Shard(dst="w", rank=0, offset=0, nbytes=nbytes, kind="raw", dtype="bfloat16", pieces=tuple(pieces))
+    merged = prepare._coalesced(sh)
+    assert merged[0] == Piece("gu", 0, E * 2 * inter, 0, hidden)          # 8 pieces -> 1
+    assert len(merged) == 1 + 3 + 1     # o[0:2], o[4:7], o[2:4] stay apart; the two column slices merge
+    fulls = {"gu": gu, "o": other}
+    out = torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+    assert prepare.pack_shard_into(sh, fulls, out, 0) == nbytes
+    assert torch.equal(out, pack_shard(sh, fulls))

@@ -140,7 +140,7 @@ def _pack_raw(sh, fulls: dict, out, off: int, fp8_pieces: dict) -> int:
     import torch
     from ..mapping.reference import _piece_tensor
     start = off
-    for pc in sh.pieces:
+    for pc in (sh.pieces if sh.kind != "raw" else _coalesced(sh)):
         if sh.kind != "raw":
             slot = fp8_pieces.setdefault(pc, ([], []))
             slot[0 if sh.kind == "fp8" else 1].append(off)
@@ -160,6 +160,31 @@ def _pack_raw(sh, fulls: dict, out, off: int, fp8_pieces: dict) -> int:
     if off - start != sh.nbytes:
         raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
     return off
+
+
+_COALESCED: dict = {}                  # id(shard) -> (shard, its raw pieces merged)
+
+
+def _coalesced(sh) -> tuple:
+    """A raw shard's pieces with runs of consecutive row ranges of one source (same columns)
+    merged into one piece: the same bytes (row-major slices concatenated in order), one copy
+    instead of one per piece -- 128 experts of a transformers 5 fused gate_up_proj [E, 2I, H]
+    are 256 pieces of rows of one [E x 2I, H] matrix, written as one. Computed once per shard
+    (plan shards live as long as the plan)."""
+    hit = _COALESCED.get(id(sh))
+    if hit is not None and hit[0] is sh:
+        return hit[1]
+    out: list = []
+    for pc in sh.pieces:
+        if out:
+            last = out[-1]
+            if last.src == pc.src and last.r1 == pc.r0 and (last.c0, last.c1) == (pc.c0, pc.c1):
+                out[-1] = last._replace(r1=pc.r1)
+                continue
+        out.append(pc)
+    merged = tuple(out)
+    _COALESCED[id(sh)] = (sh, merged)
+    return merged
 
 
 def _quantize(out, fulls: dict, fp8_pieces: dict) -> None:
