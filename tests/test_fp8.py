@@ -124,8 +124,10 @@ def test_pack_into_quantizes_each_piece_once_for_its_fp8_and_scale_shards(monkey
               Shard(0, "a_s", 0, nb("scale", [pw, pe1]), "scale", "float32", (pw, pe1)),
               Shard(1, "b_s", 0, nb("scale", [pe2]), "scale", "float32", (pe2,))]
     calls = []
-    real = fp8.quantize_into
+    real, real_cached = fp8.quantize_into, fp8.quantize_cached
     monkeypatch.setattr(fp8, "quantize_into", lambda out, jobs: calls.append(list(jobs)) or real(out, jobs))
+    monkeypatch.setattr(fp8, "quantize_cached",            # pack_into's call: its jobs, once
+                        lambda out, key, build: calls.append(list(build())) or real_cached(out, key, build))
     total = sum(s.nbytes for s in shards)
     got = prepare.pack_into(shards, fulls, total, torch.device("cpu"))
     assert torch.equal(got, pack_task(shards, fulls))

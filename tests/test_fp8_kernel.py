@@ -345,3 +345,29 @@ def test_table_in_the_launch_parameters_or_in_device_memory(dev, monkeypatch, np
     _run(dev, n, jobs)
     monkeypatch.setattr(fp8, "_INLINE", 0)
     _run(dev, n, jobs)
+
+
+def test_pack_into_reuses_the_piece_table_while_the_sources_stay(dev):
+    """A task's second and later packings launch with the piece table of the first (the
+    Sender's shards are the same objects every push): the bytes follow the sources' new
+    contents in place, and a source at a new address builds a new table."""
+    from wxfer.mapping.reference import pack_task
+    from wxfer.mapping.rules import Piece, Shard
+    from wxfer.runtime import prepare
+    E, inter, hidden = 12, 128, 256
+    gu = _data((E, 2 * inter, hidden), torch.bfloat16, dev, seed=51)
+    pcs = [Piece("gu", r, r + inter, 0, hidden) for r in range(0, E * 2 * inter, inter)]   # 24 pieces
+    q = sum(p.rows * p.cols for p in pcs)
+    s = sum(-(-p.rows // 128) * -(-p.cols // 128) * 4 for p in pcs)
+    shards = [Shard(0, "w13", 0, q, "fp8", "float8_e4m3fn", tuple(pcs)),
+              Shard(0, "w13_s", 0, s, "scale", "float32", tuple(pcs))]
+    before = len(fp8._TABLES)
+    for step in range(3):
+        got = prepare.pack_into(shards, {"gu": gu}, q + s, dev)
+        assert torch.equal(got.cpu(), pack_task(shards, {"gu": gu.cpu()})), step
+        gu.mul_(-1.5)                                     # new contents, same memory
+    assert len(fp8._TABLES) == before + 1                 # one table, reused twice
+    moved = gu.clone()
+    got = prepare.pack_into(shards, {"gu": moved}, q + s, dev)
+    assert torch.equal(got.cpu(), pack_task(shards, {"gu": moved.cpu()}))
+    assert len(fp8._TABLES) == before + 2

@@ -110,17 +110,52 @@ def pack_into(shards, fulls: dict, nbytes: int, device):
     """The same bytes as ``pack`` (the mapping's reference packing), written straight into one
     buffer: one allocation, each raw piece copied (and cast) once, and every FP8 piece of the
     task quantized by one ``fp8.quantize_into`` call (one kernel launch on CUDA) that writes its
-    fp8 bytes and its scales at their offsets."""
+    fp8 bytes and its scales at their offsets. Where the plan's shards are the same objects
+    from push to push (a Sender's tasks), where each FP8 piece goes is worked out once, and the
+    kernel's piece table is reused while the sources stay at the same addresses."""
     import torch
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    fp8_pieces: dict = {}
-    off = 0
-    for sh in shards:
-        off = _pack_raw(sh, fulls, out, off, fp8_pieces)
-    if off != nbytes:
-        raise AssertionError(f"packed {off} bytes, expected {nbytes}")
-    _quantize(out, fulls, fp8_pieces)
+    lay = _layout(shards)
+    raw, fp8_pieces, srcs, end = lay[1], lay[2], lay[3], lay[4]
+    for sh, off in raw:
+        _pack_raw(sh, fulls, out, off, {})
+    if end != nbytes:
+        raise AssertionError(f"packed {end} bytes, expected {nbytes}")
+    if fp8_pieces:
+        key = (id(lay), tuple((fulls[n].data_ptr(), tuple(fulls[n].stride()), fulls[n].dtype) for n in srcs))
+        from . import fp8
+        fp8.quantize_cached(out, key, lambda: _jobs(fulls, fp8_pieces))
     return out
+
+
+_LAYOUTS: dict = {}                    # id(shards) -> (shards, raw [(shard, offset)], fp8 pieces, srcs, end)
+
+
+def _layout(shards) -> tuple:
+    """Where each shard of a task goes in its packed buffer, once per shards object: the raw
+    shards with their offsets, and fp8_pieces[piece] = ([fp8 offsets], [scale offsets])."""
+    hit = _LAYOUTS.get(id(shards))
+    if hit is not None and hit[0] is shards:
+        return hit
+    raw, fp8_pieces, off = [], {}, 0
+    for sh in shards:
+        if sh.kind == "raw":
+            raw.append((sh, off))
+            off += sh.nbytes
+            continue
+        start = off
+        for pc in sh.pieces:
+            slot = fp8_pieces.setdefault(pc, ([], []))
+            slot[0 if sh.kind == "fp8" else 1].append(off)
+            off += pc.rows * pc.cols if sh.kind == "fp8" else -(-pc.rows // 128) * -(-pc.cols // 128) * 4
+        if off - start != sh.nbytes:
+            raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
+    srcs = tuple(sorted({pc.src for pc in fp8_pieces}))
+    lay = (shards, raw, fp8_pieces, srcs, off)
+    if len(_LAYOUTS) > 65536:
+        _LAYOUTS.clear()
+    _LAYOUTS[id(shards)] = lay
+    return lay
 
 
 def pack_shard_into(sh, fulls: dict, out, off: int, quant: dict | None = None) -> int:
@@ -187,14 +222,11 @@ def _coalesced(sh) -> tuple:
     return merged
 
 
-def _quantize(out, fulls: dict, fp8_pieces: dict) -> None:
-    """Quantize every recorded FP8 piece in one fp8.quantize_into call: a piece found in an fp8
-    shard and in a scale shard is one job writing both (a piece sent twice: one job per copy)."""
-    if not fp8_pieces:
-        return
+def _jobs(fulls: dict, fp8_pieces: dict) -> list:
+    """The quantize_into jobs of the recorded FP8 pieces: a piece found in an fp8 shard and in a
+    scale shard is one job writing both (a piece sent twice: one job per copy)."""
     from itertools import zip_longest
     from ..mapping.reference import _piece_tensor
-    from . import fp8
     jobs = []
     for pc, (qs, ss) in fp8_pieces.items():
         t = _piece_tensor(pc, fulls)
@@ -203,7 +235,15 @@ def _quantize(out, fulls: dict, fp8_pieces: dict) -> None:
                              "quantization needs a 2-D tensor")
         for qo, so in zip_longest(qs, ss):
             jobs.append((t, qo, so))
-    fp8.quantize_into(out, jobs)
+    return jobs
+
+
+def _quantize(out, fulls: dict, fp8_pieces: dict) -> None:
+    """Quantize every recorded FP8 piece in one fp8.quantize_into call."""
+    if not fp8_pieces:
+        return
+    from . import fp8
+    fp8.quantize_into(out, _jobs(fulls, fp8_pieces))
 
 
 def _whole(op: TaskOp, fulls: dict, fresh: set):
