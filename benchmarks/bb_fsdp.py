@@ -18,19 +18,22 @@ the timed steps, the peak extra GPU memory of a push (max_memory_allocated durin
 what was allocated before), and the host time per task and per parameter from the engine
 trace of the last step.
 """
+
 from __future__ import annotations
 
-import os
 import time
 
-HF_CLASSES = {"Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
-              "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+HF_CLASSES = {
+    "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 GiB = 1 << 30
 
 
 def hf_class(conf: dict):
     """(model class, config object) of transformers for a benchmark config dict."""
     import transformers
+
     arch = conf["architectures"][0]
     cfg_name, cls_name = HF_CLASSES[arch]
     kw = {k: v for k, v in conf.items() if k != "architectures"}
@@ -43,6 +46,7 @@ def mapping_gaps(preset, conf: dict, quant, want_dest: dict) -> list[str]:
     the one the receiver holds (built from the checkpoint names)."""
     import torch
     from wxfer.mapping import Layout, expand
+
     try:
         cls, cfg = hf_class(conf)
         with torch.device("meta"):
@@ -68,6 +72,7 @@ def fsdp2_model(conf: dict, dev, offload: bool, seed: int = 0):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
     cls, cfg = hf_class(conf)
     torch.manual_seed(seed)
     prev = torch.get_default_dtype()
@@ -92,6 +97,7 @@ class Trainer:
 
     def __init__(self, model, kind: str, dev, vocab: int):
         import torch
+
         self.model, self.kind, self.dev = model, kind, dev
         self.params = [p for _, p in model.named_parameters()]
         self.opt = torch.optim.SGD(self.params, lr=1e-4) if kind == "sgd" else None
@@ -100,6 +106,7 @@ class Trainer:
 
     def step(self) -> None:
         import torch
+
         if self.kind == "sgd":
             out = self.model(input_ids=self.ids)
             out.logits.float().square().mean().backward()
@@ -107,10 +114,11 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             return
         from torch.distributed.tensor import DTensor
+
         self.sign = -self.sign
         with torch.no_grad():
             for p in self.params:
-                (p._local_tensor if isinstance(p, DTensor) else p).mul_(1.0 + self.sign * 2 ** -7)
+                (p._local_tensor if isinstance(p, DTensor) else p).mul_(1.0 + self.sign * 2**-7)
 
 
 def train_kind(cfg: dict, arch: str, dry_run: bool) -> str:
@@ -123,6 +131,7 @@ def copy_bound(nbytes: int, src_dev, dst_dev, warmup: int, reps: int, pinned: bo
     """Seconds of each of `reps` copies of nbytes in 1 GiB pieces after `warmup` (the link
     bound; pinned: H2D from pinned host memory, the bound of a CPU-offloaded trainer)."""
     import torch
+
     piece = min(GiB, max(1, nbytes))
     src = torch.empty(piece, dtype=torch.uint8, device=src_dev, pin_memory=pinned).fill_(7)
     dst = torch.empty(piece, dtype=torch.uint8, device=dst_dev)
@@ -143,12 +152,14 @@ def copy_bound(nbytes: int, src_dev, dst_dev, warmup: int, reps: int, pinned: bo
 
 def _sync(dev):
     import torch
+
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
 
 def _peak_start(dev):
     import torch
+
     if dev.type != "cuda":
         return None
     torch.cuda.synchronize(dev)
@@ -159,6 +170,7 @@ def _peak_start(dev):
 
 def _peak_end(dev, base):
     import torch
+
     if base is None:
         return None
     torch.cuda.synchronize(dev)
@@ -169,10 +181,18 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
     """Rank 0: per watermark a fresh Sender; steps (trained in between), peak extra memory,
     host times.  Returns {watermark: figures}; the first watermark's are the headline."""
     from wxfer.runtime.sender import Sender
+
     out = {}
     for wi, wm in enumerate(a["watermarks"]):
-        s = Sender(model, mapping=preset, store=store, name="%s_w%d" % (name, wi), watermark=wm,
-                   timeout=a["timeout"], write_timeout=a["timeout"])
+        s = Sender(
+            model,
+            mapping=preset,
+            store=store,
+            name="%s_w%d" % (name, wi),
+            watermark=wm,
+            timeout=a["timeout"],
+            write_timeout=a["timeout"],
+        )
         try:
             n = a["warmup"] + (a["reps"] if wi == 0 else max(1, a["reps"] // 2))
             times, peaks = [], []
@@ -196,10 +216,18 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
                 s.write_trace(trace_path)
             largest = max((op.prep.held for g in s.program.groups for op in g if op.prep is not None), default=0)
             zero = sum(1 for g in s.program.groups for op in g if op.prep is not None and op.prep.zero_copy)
-            r = dict(summ(times, s.bytes_per_step), watermark=s.watermark, peak_extra=max(peaks) if peaks else None,
-                     largest_task=largest, tasks=len(s.plan.tasks), zero_copy_tasks=zero,
-                     host=s.host_times(recs), submit_s=s.last_submit_s, bytes_per_step=s.bytes_per_step,
-                     transport=s.transport_name)
+            r = dict(
+                summ(times, s.bytes_per_step),
+                watermark=s.watermark,
+                peak_extra=max(peaks) if peaks else None,
+                largest_task=largest,
+                tasks=len(s.plan.tasks),
+                zero_copy_tasks=zero,
+                host=s.host_times(recs),
+                submit_s=s.last_submit_s,
+                bytes_per_step=s.bytes_per_step,
+                transport=s.transport_name,
+            )
             r["within_watermark"] = None if r["peak_extra"] is None else r["peak_extra"] <= wm + largest + (1 << 20)
             if wi == 0:
                 r.update(simulated(s, dev, a))
@@ -223,21 +251,36 @@ def simulated(sender, dev, a: dict) -> dict:
         from wxfer.meta import Calibration
         from wxfer.plan.calibrate import predict
         from wxfer.tools.calibrate import host_costs, measure_kernels
+
         if dev.type not in _KERNELS:
             _KERNELS[dev.type] = measure_kernels(dev, quick=dev.type == "cpu")
         k = _KERNELS[dev.type]
         h = host_costs(sender, 2, k["copy_GBps"])
         link = a.get("_link_GBps") or k["copy_GBps"]
         cpu = dev.type == "cpu"
-        cal = Calibration(name="bench-same-run", pack_launch_s=k["pack_launch_s"], quant_GBps=k["quant_GBps"],
-                          copy_GBps=k["copy_GBps"], write_GBps=link, write_call_s=0.0, serial=True,
-                          host_sync=cpu, cpu_shared=cpu,
-                          **{x: h[x] for x in ("host_task_s", "host_param_s", "host_piece_s", "push_fixed_s")
-                             if x in h})
-        return dict(simulated_s=predict(sender.plan, cal, rank=0), simulated_calibration=dict(
-            quant_GBps=k["quant_GBps"], copy_GBps=k["copy_GBps"], write_GBps=link,
-            host_task_us=h.get("host_task_s", 0) * 1e6, host_param_us=h.get("host_param_s", 0) * 1e6,
-            push_fixed_ms=h.get("push_fixed_s", 0) * 1e3))
+        cal = Calibration(
+            name="bench-same-run",
+            pack_launch_s=k["pack_launch_s"],
+            quant_GBps=k["quant_GBps"],
+            copy_GBps=k["copy_GBps"],
+            write_GBps=link,
+            write_call_s=0.0,
+            serial=True,
+            host_sync=cpu,
+            cpu_shared=cpu,
+            **{x: h[x] for x in ("host_task_s", "host_param_s", "host_piece_s", "push_fixed_s") if x in h},
+        )
+        return dict(
+            simulated_s=predict(sender.plan, cal, rank=0),
+            simulated_calibration=dict(
+                quant_GBps=k["quant_GBps"],
+                copy_GBps=k["copy_GBps"],
+                write_GBps=link,
+                host_task_us=h.get("host_task_s", 0) * 1e6,
+                host_param_us=h.get("host_param_s", 0) * 1e6,
+                push_fixed_ms=h.get("push_fixed_s", 0) * 1e3,
+            ),
+        )
     except Exception as e:  # noqa: BLE001 -- the measurement stands without it
         return dict(simulated_error=f"{type(e).__name__}: {e}")
 
@@ -246,6 +289,7 @@ def wxfer_receiver(params, preset, store, ctl, name: str, ci: int, a: dict, dev,
     """Rank 1: a fresh Receiver per watermark; the checksums after the last one's steps (the
     weights the baselines send next)."""
     from wxfer.runtime.receiver import Receiver
+
     sums = None
     for wi, _ in enumerate(a["watermarks"]):
         reset(params)
@@ -266,6 +310,7 @@ def reference_checksums(ex, fulls: dict, dev) -> list:
     time (one buffer of its size)."""
     import torch
     from wxfer.runtime import prepare
+
     by: dict = {}
     for c in ex.components:
         for sh in c.shards:
@@ -286,7 +331,13 @@ def init_group(store, name: str, gpu: bool, timeout: float) -> None:
     """The trainer's own 1-rank process group (FSDP2 needs one; the receiver is not in it)."""
     import datetime
     import torch.distributed as dist
-    if dist.is_initialized():                 # left by a configuration that failed
+
+    if dist.is_initialized():  # left by a configuration that failed
         dist.destroy_process_group()
-    dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", store=dist.PrefixStore("fsdp/%s" % name, store),
-                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if gpu else "gloo",
+        store=dist.PrefixStore("fsdp/%s" % name, store),
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=timeout),
+    )

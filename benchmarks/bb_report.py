@@ -1,4 +1,5 @@
 """Tables and the chart of bench_baselines.py."""
+
 from __future__ import annotations
 
 METHODS = ("link", "h2d", "wxfer", "rank0", "per-tensor")
@@ -12,9 +13,12 @@ def wxfer_table(results: list, cfg_name) -> str:
     """Per configuration and watermark: wxfer's median push against the bound measured in
     the same run, peak extra GPU memory of a push against watermark + largest task, tasks
     (zero copy), host time per step, per task and per parameter (engine trace, last step)."""
-    lines = ["| configuration | trainer (step) | watermark | push s | x bound | peak extra GB | "
-             "watermark + largest task GB | holds | tasks (zero copy) | host ms / step | host us / task | "
-             "host us / param |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| configuration | trainer (step) | watermark | push s | x bound | peak extra GB | "
+        "watermark + largest task GB | holds | tasks (zero copy) | host ms / step | host us / task | "
+        "host us / param |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         byw = r.get("wxfer_by_watermark")
         if not byw:
@@ -26,25 +30,29 @@ def wxfer_table(results: list, cfg_name) -> str:
             lim = int(wm) + w["largest_task"]
             held = "" if w["within_watermark"] is None else ("yes" if w["within_watermark"] else "NO")
             h = w["host"]
-            lines.append(f"| {cfg_name(r['config'])} | {r.get('trainer_used', '')} ({r.get('train_step', '')}) | "
-                         f"{int(wm) / 2 ** 20:.0f} MiB | {w['seconds']:.4f} | {x} | {_gb(w['peak_extra'])} | "
-                         f"{_gb(lim)} | {held} | {w['tasks']} ({w['zero_copy_tasks']}) | {h['host_s'] * 1e3:.2f} | "
-                         f"{h['per_task_us']:.0f} | {h['per_param_us']:.1f} |")
+            lines.append(
+                f"| {cfg_name(r['config'])} | {r.get('trainer_used', '')} ({r.get('train_step', '')}) | "
+                f"{int(wm) / 2**20:.0f} MiB | {w['seconds']:.4f} | {x} | {_gb(w['peak_extra'])} | "
+                f"{_gb(lim)} | {held} | {w['tasks']} ({w['zero_copy_tasks']}) | {h['host_s'] * 1e3:.2f} | "
+                f"{h['per_task_us']:.0f} | {h['per_param_us']:.1f} |"
+            )
     notes = [r["note"] for r in results if r.get("note")]
     return "\n".join(lines + [""] + [f"Note: {n}" for n in notes])
 
 
 def table(results: list, cfg_name) -> str:
     """The methods table, then wxfer's per-watermark table."""
-    lines = ["| configuration | method | seconds | GB/s | x bound | x best baseline | check |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| configuration | method | seconds | GB/s | x bound | x best baseline | check |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         name = cfg_name(r["config"])
         if r.get("error") and not r.get("methods"):
             lines.append(f"| {name} | - | error: {r['error'].strip().splitlines()[-1][:120]} | | | | |")
             continue
         ms = r["methods"]
-        bound = "h2d" if "h2d" in ms else "link"         # a CPU-offloaded trainer: pinned H2D
+        bound = "h2d" if "h2d" in ms else "link"  # a CPU-offloaded trainer: pinned H2D
         link = ms.get(bound, {}).get("seconds")
         basel = [ms[m]["seconds"] for m in ("rank0", "per-tensor") if m in ms]
         best = min(basel) if basel else None
@@ -67,6 +75,7 @@ def table(results: list, cfg_name) -> str:
 def chart(results: list, path: str, cfg_name) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:  # noqa: BLE001
@@ -89,5 +98,3 @@ def chart(results: list, path: str, cfg_name) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
-
-

@@ -37,6 +37,7 @@ A configuration whose processes fail or exceed --config-timeout is reported as a
 and the run goes on with the next one (fresh processes); --max-s bounds the whole run, and
 results are written after every configuration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,21 +73,31 @@ def model_spec(name: str):
     """(config dict, mapping preset) of a benchmark model."""
     from wxfer.mapping import get_preset
     from wxfer.models import TINY, TINY_MOE, preset_for
+
     if name == "tiny":
         return dict(TINY), preset_for(TINY)
     if name == "tiny-moe":
         return dict(TINY_MOE), preset_for(TINY_MOE)
     if name == "qwen3-1.7b":
         from wxfer.mapping import from_config
+
         return dict(QWEN3_1_7B), from_config(name, QWEN3_1_7B, infer_tp=1)
     p = get_preset(name)
     return dict(p.config), p
 
 
 # a 1.7B-class dense model: 28 layers, hidden 2048, untied lm_head: 311 tensors, 4.06 GB BF16
-QWEN3_1_7B = dict(architectures=["Qwen3ForCausalLM"], hidden_size=2048, num_hidden_layers=28,
-                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=6144,
-                  vocab_size=151936, tie_word_embeddings=False)
+QWEN3_1_7B = dict(
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=2048,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=6144,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
 
 
 class _Model:
@@ -101,6 +112,7 @@ class _Model:
 
 def train_params(preset, cfg, device, seed: int = 0) -> dict:
     import torch
+
     g = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for n, (shape, dt, _) in preset.hf_params(cfg).items():
@@ -115,6 +127,7 @@ def train_params(preset, cfg, device, seed: int = 0) -> dict:
 
 def expanded(preset, cfg, quant, tp: int = 1):
     from wxfer.mapping import Layout, expand
+
     shapes = {n: s for n, (s, _, _) in preset.hf_params(cfg).items()}
     ex = expand(preset.rules, shapes, Layout(tp, False, quant), cfg)
     if ex.errors:
@@ -124,11 +137,13 @@ def expanded(preset, cfg, quant, tp: int = 1):
 
 def infer_params(ex, device, rank: int = 0) -> dict:
     import torch
+
     return {n: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for n, d in ex.dest[rank].items()}
 
 
 def _bytes(t):
     import torch
+
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -139,6 +154,7 @@ def reset(params: dict) -> None:
 
 def checksums(params: dict) -> list:
     import torch
+
     return [int(_bytes(t).sum(dtype=torch.int64)) for _, t in sorted(params.items())]
 
 
@@ -177,16 +193,17 @@ class _Link:
     def __init__(self, rank):
         import torch
         import torch.distributed as dist
+
         self.dist, self.torch, self.rank = dist, torch, rank
-        self.pending = []                   # signals sent, not yet known to be received
+        self.pending = []  # signals sent, not yet known to be received
 
     def barrier(self):
         t = self.torch.zeros(1)
-        self.dist.all_reduce(t)             # CPU tensor: gloo
+        self.dist.all_reduce(t)  # CPU tensor: gloo
 
     def obj(self, o=None, src=0):
         lst = [o]
-        self.dist.broadcast_object_list(lst, src=src, device=self.torch.device("cpu"))   # gloo
+        self.dist.broadcast_object_list(lst, src=src, device=self.torch.device("cpu"))  # gloo
         return lst[0]
 
     def bcast(self, t, async_op=True):
@@ -195,6 +212,7 @@ class _Link:
 
 def _sync_dev(dev):
     import torch
+
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -213,14 +231,14 @@ def _proc(rank: int, a: dict, configs: list, q) -> None:
 
 def _proc_main(rank: int, a: dict, configs: list) -> None:
     import torch
-    import torch.distributed as dist
     from wxfer.runtime import control
+
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     store = control.resolve_store(a["store"], False, a["timeout"])
     ctl = control.Control(store, a["name"], a["timeout"])
     gpu = not a["dry_run"]
     if not gpu:
-        torch.multiprocessing.set_sharing_strategy("file_system")   # CPU tensors shared by name
+        torch.multiprocessing.set_sharing_strategy("file_system")  # CPU tensors shared by name
     for ci, cfg in configs:
         layout = cfg["layout"]
         if gpu:
@@ -235,7 +253,8 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
             ctl.set_json("res/%d" % ci, res)
         _STATE.clear()
         import gc
-        gc.collect()                       # FSDP2 modules hold reference cycles: free them now
+
+        gc.collect()  # FSDP2 modules hold reference cycles: free them now
         if gpu:
             torch.cuda.empty_cache()
 
@@ -243,9 +262,10 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
 def _run_config(rank, ci, cfg, a, dev, store, ctl):
     import torch
     import torch.distributed as dist
+
     gpu = dev.type == "cuda"
     quant = "fp8" if cfg["quant"] == "fp8" else None
-    shared = cfg["layout"] == "colocated"          # shared-memory handles instead of broadcasts
+    shared = cfg["layout"] == "colocated"  # shared-memory handles instead of broadcasts
     conf, preset = model_spec(cfg["model"])
     ex = expanded(preset, conf, quant)
     dest_bytes = ex.dest_bytes(0)
@@ -253,12 +273,12 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
     res = dict(config=cfg, dest_bytes=dest_bytes, methods={}, errors={})
     trainer = rank == 0
     kind = cfg.get("trainer", "plain")
-    if kind != "plain":                            # the baselines are defined for plain tensors
+    if kind != "plain":  # the baselines are defined for plain tensors
         methods = [m for m in methods if m not in ("rank0", "per-tensor")]
         if kind == "fsdp2-offload":
             methods.insert(1, "h2d")
     t0 = time.perf_counter()
-    name = "%s_%d" % (a["name"], ci)                 # fresh per attempt: no stale keys after a retry
+    name = "%s_%d" % (a["name"], ci)  # fresh per attempt: no stale keys after a retry
     model = stepper = None
     group = False
     if trainer:
@@ -296,11 +316,12 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         res["methods"]["link"] = _summ(times, dest_bytes)
         a["_link_GBps"] = res["methods"]["link"]["gbps"]
         del src, dst
-    if "h2d" in methods and trainer and gpu:       # the bound of a CPU-offloaded trainer
+    if "h2d" in methods and trainer and gpu:  # the bound of a CPU-offloaded trainer
         mark("h2d")
         nb = res["train_bytes"]
-        res["methods"]["h2d"] = _summ(bb_fsdp.copy_bound(nb, torch.device("cpu"), dev, a["warmup"], a["reps"],
-                                                         pinned=True), nb)
+        res["methods"]["h2d"] = _summ(
+            bb_fsdp.copy_bound(nb, torch.device("cpu"), dev, a["warmup"], a["reps"], pinned=True), nb
+        )
 
     # ---- 2. wxfer: a fresh Sender and Receiver per watermark (bb_fsdp)
     if "wxfer" in methods:
@@ -315,8 +336,10 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
             res["wxfer_bytes_per_step"] = head["bytes_per_step"]
             sums["wxfer"] = ctl.get_json("sum/%d/wxfer" % ci, "the inference rank's checksums after wxfer")
         else:
-            ctl.set_json("sum/%d/wxfer" % ci, bb_fsdp.wxfer_receiver(params, preset, store, ctl, name, ci, a, dev,
-                                                                      reset, checksums))
+            ctl.set_json(
+                "sum/%d/wxfer" % ci,
+                bb_fsdp.wxfer_receiver(params, preset, store, ctl, name, ci, a, dev, reset, checksums),
+            )
     if group:
         dist.destroy_process_group()
 
@@ -325,10 +348,15 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
     if base:
         backend = "cpu:gloo,cuda:nccl" if gpu else "gloo"
         mark("baselines-setup")
-        if dist.is_initialized():             # left by a configuration that failed
+        if dist.is_initialized():  # left by a configuration that failed
             dist.destroy_process_group()
-        dist.init_process_group(backend, store=dist.PrefixStore("pg/%s" % name, store), rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=a["timeout"]))
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg/%s" % name, store),
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=a["timeout"]),
+        )
         link = _Link(rank)
         try:
             sizes = None
@@ -338,7 +366,7 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
             meta = link.obj({n: (tuple(t.shape), t.dtype) for n, t in params.items()} if trainer else None)
             for m in base:
                 mark(m)
-                if not trainer and os.environ.get("BB_FAIL_METHOD") == m:    # tests: a failing method
+                if not trainer and os.environ.get("BB_FAIL_METHOD") == m:  # tests: a failing method
                     raise RuntimeError(f"injected failure in {m}")
                 fn = _rank0 if m == "rank0" else _per_tensor
                 if not trainer:
@@ -363,10 +391,12 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
     if trainer and "wxfer" in sums:
         res["checks"] = {m: (v == sums["wxfer"]) for m, v in sums.items() if m != "wxfer"}
         res["checks"]["wxfer_written"] = bool(sums["wxfer"]) and all(
-            v != 0xFF * n for v, n in zip(sums["wxfer"], _sizes_sorted(ex)))
+            v != 0xFF * n for v, n in zip(sums["wxfer"], _sizes_sorted(ex))
+        )
         # the receiver holds the mapping's reference bytes of the trainer's final weights
-        res["checks"]["reference"] = bb_fsdp.reference_checksums(_ex_of(ex, params, preset, conf, quant), params,
-                                                                 dev) == sums["wxfer"]
+        res["checks"]["reference"] = (
+            bb_fsdp.reference_checksums(_ex_of(ex, params, preset, conf, quant), params, dev) == sums["wxfer"]
+        )
     return res
 
 
@@ -377,6 +407,7 @@ def _ex_of(ex, params: dict, preset, conf, quant):
     if set(params) <= srcs:
         return ex
     from wxfer.mapping import Layout, expand
+
     return expand(preset.rules, {n: tuple(t.shape) for n, t in params.items()}, Layout(1, False, quant), conf)
 
 
@@ -387,8 +418,10 @@ def _make_trainer(res, cfg, kind, conf, preset, quant, ex, dev, store, name, a):
     if kind != "plain":
         gaps = bb_fsdp.mapping_gaps(preset, conf, quant, ex.dest[0])
         if gaps:
-            note = (f"{_cfg_name(cfg)}: transformers' {conf['architectures'][0]} is not sent by this mapping "
-                    f"({'; '.join(gaps[:3])}): the plain-tensor trainer instead")
+            note = (
+                f"{_cfg_name(cfg)}: transformers' {conf['architectures'][0]} is not sent by this mapping "
+                f"({'; '.join(gaps[:3])}): the plain-tensor trainer instead"
+            )
             print("note:", note, flush=True)
             res["note"], kind = note, "plain"
     res["trainer_used"] = kind
@@ -400,6 +433,7 @@ def _make_trainer(res, cfg, kind, conf, preset, quant, ex, dev, store, name, a):
     model = bb_fsdp.fsdp2_model(conf, dev, kind == "fsdp2-offload")
     res["train_step"] = bb_fsdp.train_kind(cfg, conf["architectures"][0], a["dry_run"])
     from torch.distributed.tensor import DTensor
+
     params = {n: (p._local_tensor if isinstance(p, DTensor) else p) for n, p in model.named_parameters()}
     return params, model, bb_fsdp.Trainer(model, res["train_step"], dev, conf["vocab_size"]), True
 
@@ -415,16 +449,17 @@ def _summ(times, nbytes):
 
 
 def _fulls_in(bucket_t, offs, sizes, meta):
-    import torch
+
     out = {}
     for s, o in offs.items():
         shape, dt = meta[s]
-        out[s] = bucket_t[o:o + sizes[s]].view(dt).view(shape)
+        out[s] = bucket_t[o : o + sizes[s]].view(dt).view(shape)
     return out
 
 
 def _write_component(c, fulls, params):
     from wxfer.runtime import prepare
+
     quant = {}
     for sh in c.shards:
         if sh.rank == 0:
@@ -433,24 +468,24 @@ def _write_component(c, fulls, params):
 
 def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
     """The rank-0 pattern, one step."""
-    import torch
     from wxfer.runtime import prepare
+
     cap, plan = _rank0_plan(ex, sizes, a)
     st = _state(link, "rank0", lambda: _rank0_buffers(link, cap, dev, ipc))
     bufs = st["bufs"]
     works = [None] * len(plan)
     for k, (used, bucket) in enumerate(plan):
-        b = bufs[k % 2][:used]                        # only the filled part moves
+        b = bufs[k % 2][:used]  # only the filled part moves
         if link.rank == 0:
-            if k >= 2:                                # double buffering: slot k % 2 free again
+            if k >= 2:  # double buffering: slot k % 2 free again
                 if ipc:
-                    _flag(link, 1, ACK + k - 2)       # the inference rank copied bucket k - 2 out
+                    _flag(link, 1, ACK + k - 2)  # the inference rank copied bucket k - 2 out
                 else:
                     works[k - 2].wait()
             for c, offs in bucket:
                 for s, o in offs.items():
-                    full = prepare.full_tensor(params[s], params[s])      # one trainer rank: itself
-                    b[o:o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
+                    full = prepare.full_tensor(params[s], params[s])  # one trainer rank: itself
+                    b[o : o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
             if ipc:
                 _sync_dev(dev)
                 _flag(link, 0, READY + k)
@@ -470,7 +505,7 @@ def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
         for w in works:
             if w is not None:
                 w.wait()
-        if ipc:                                   # the last two slots' acknowledgements
+        if ipc:  # the last two slots' acknowledgements
             for k in range(max(0, len(plan) - 2), len(plan)):
                 _flag(link, 1, ACK + k)
     _drain(link)
@@ -480,8 +515,9 @@ def _flag(link, src, tag):
     """A point-to-point signal from rank `src` to the other rank (gloo, matched by tag)."""
     import torch
     import torch.distributed as dist
+
     t = torch.zeros(1)
-    if link.rank == src:                  # not blocking: gloo matches a send with its receive
+    if link.rank == src:  # not blocking: gloo matches a send with its receive
         link.pending.append((dist.isend(t, dst=1 - src, tag=tag), t))
     else:
         dist.recv(t, src=src, tag=tag)
@@ -497,11 +533,12 @@ def _share(obj) -> bytes:
     """Tensors pickled as shared-memory handles (CUDA IPC; CPU: file_system shared memory)."""
     from multiprocessing.reduction import ForkingPickler
     import torch.multiprocessing  # noqa: F401 -- registers the tensor reductions
+
     return bytes(ForkingPickler.dumps(obj))
 
 
 _STATE: dict = {}
-READY, ACK = 1 << 20, 1 << 21            # p2p tags of the shared-bucket handshake
+READY, ACK = 1 << 20, 1 << 21  # p2p tags of the shared-bucket handshake
 
 
 def _state(link, key, make):
@@ -520,6 +557,7 @@ def _rank0_plan(ex, sizes, a):
 
 def _rank0_buffers(link, cap, dev, ipc):
     import torch
+
     if not ipc:
         return dict(bufs=[torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)])
     if link.rank == 0:
@@ -534,6 +572,7 @@ def _per_tensor(link, ex, params, sizes, meta, dev, a, ipc, step):
     """The per-tensor pattern, one step: per training tensor one call (a pickled message)
     and one transfer; the inference rank writes a fused parameter once its sources are in."""
     import torch
+
     comps = _STATE.setdefault(("comps", id(ex)), [c for c in ex.components if c.shards])
     if link.rank == 0:
         for c in comps:
@@ -575,11 +614,17 @@ def _cfg_name(c) -> str:
 
 
 # the default configurations (each layout): (model, quant, trainer)
-GPU_CONFIGS = [("qwen3-8b", "bf16", "plain"), ("qwen3-8b", "bf16", "fsdp2"), ("qwen3-8b", "fp8", "fsdp2"),
-               ("qwen3-1.7b", "bf16", "fsdp2"), ("qwen3-1.7b", "bf16", "fsdp2-offload"),
-               ("qwen3-30b-a3b", "bf16", "fsdp2"), ("qwen3-30b-a3b", "fp8", "fsdp2")]
+GPU_CONFIGS = [
+    ("qwen3-8b", "bf16", "plain"),
+    ("qwen3-8b", "bf16", "fsdp2"),
+    ("qwen3-8b", "fp8", "fsdp2"),
+    ("qwen3-1.7b", "bf16", "fsdp2"),
+    ("qwen3-1.7b", "bf16", "fsdp2-offload"),
+    ("qwen3-30b-a3b", "bf16", "fsdp2"),
+    ("qwen3-30b-a3b", "fp8", "fsdp2"),
+]
 CPU_CONFIGS = [(m, q, "plain") for m in CPU_MODELS for q in ("bf16", "fp8")]
-CPU_EXTRA = [("tiny", "bf16", "fsdp2"), ("tiny-moe", "fp8", "fsdp2")]      # colocated only
+CPU_EXTRA = [("tiny", "bf16", "fsdp2"), ("tiny-moe", "fp8", "fsdp2")]  # colocated only
 
 
 def configs_for(args, layouts) -> list:
@@ -588,8 +633,13 @@ def configs_for(args, layouts) -> list:
         models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
         quants = (args.quant or "bf16,fp8").split(",")
         trainers = (args.trainers or "plain").split(",")
-        return [dict(model=m, quant=q, layout=l, trainer=t) for l in layouts for t in trainers
-                for m in models for q in quants]
+        return [
+            dict(model=m, quant=q, layout=l, trainer=t)
+            for l in layouts
+            for t in trainers
+            for m in models
+            for q in quants
+        ]
     out = []
     for l in layouts:
         base = CPU_CONFIGS + (CPU_EXTRA if l == "colocated" else []) if args.dry_run else GPU_CONFIGS
@@ -600,24 +650,35 @@ def configs_for(args, layouts) -> list:
 def machine(dry_run: bool) -> dict:
     import torch
     import wxfer
-    m = dict(host=socket.gethostname(), platform=platform.platform(), cpus=os.cpu_count(),
-             python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
-             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             env={k: os.environ.get(k) for k in NO_MULTICAST}, dry_run=dry_run,
-             backends={k: v for k, v in wxfer.backends().items()})
+
+    m = dict(
+        host=socket.gethostname(),
+        platform=platform.platform(),
+        cpus=os.cpu_count(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        env={k: os.environ.get(k) for k in NO_MULTICAST},
+        dry_run=dry_run,
+        backends={k: v for k, v in wxfer.backends().items()},
+    )
     try:
         m["load"] = os.getloadavg()
     except OSError:
         pass
     try:
-        m["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True, timeout=10).stdout.strip()
+        m["commit"] = subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
     except Exception:  # noqa: BLE001
         pass
     if not dry_run and torch.cuda.is_available():
         m["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        for args in (["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                     ["nvidia-smi", "topo", "-m"]):
+        for args in (
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            ["nvidia-smi", "topo", "-m"],
+        ):
             try:
                 m[" ".join(args[:2])] = subprocess.run(args, capture_output=True, text=True, timeout=20).stdout
             except Exception:  # noqa: BLE001
@@ -635,6 +696,7 @@ def chart(results: list, path: str) -> bool:
 
 def _parse_size(v: str) -> int:
     from wxfer import _wxfer
+
     return int(_wxfer.parse_size(v))
 
 
@@ -653,6 +715,7 @@ def run(args) -> dict:
     import torch.distributed as dist
     from wxfer.runtime import control
     import signal
+
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     signal.signal(signal.SIGTERM, _kill_children)
@@ -667,11 +730,23 @@ def run(args) -> dict:
     if out:
         os.makedirs(out, exist_ok=True)
     port = control.free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout),
-                          wait_for_workers=False)
-    a = dict(store="127.0.0.1:%d" % port, name="bb%d" % os.getpid(), dry_run=args.dry_run, timeout=args.timeout,
-             methods=methods, warmup=args.warmup, reps=args.reps, per_tensor_reps=args.per_tensor_reps, bucket=_parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
-             watermarks=[_parse_size(args.watermark), _parse_size(args.watermark2)], out=os.path.abspath(out) if out else None, skip=[])
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout), wait_for_workers=False
+    )
+    a = dict(
+        store="127.0.0.1:%d" % port,
+        name="bb%d" % os.getpid(),
+        dry_run=args.dry_run,
+        timeout=args.timeout,
+        methods=methods,
+        warmup=args.warmup,
+        reps=args.reps,
+        per_tensor_reps=args.per_tensor_reps,
+        bucket=_parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
+        watermarks=[_parse_size(args.watermark), _parse_size(args.watermark2)],
+        out=os.path.abspath(out) if out else None,
+        skip=[],
+    )
     ctl = control.Control(store, a["name"], args.timeout)
     mach = machine(args.dry_run)
     results: list = [None] * len(configs)
@@ -697,13 +772,16 @@ def run(args) -> dict:
                 ci = todo.pop(0)
                 r = ctl.get_json("res/%d" % ci, "result")
                 r["dry_run"] = args.dry_run
-                if results[ci]:                  # errors of methods skipped on an earlier attempt
+                if results[ci]:  # errors of methods skipped on an earlier attempt
                     r["errors"] = dict(results[ci].get("errors", {}), **r.get("errors", {}))
                 results[ci] = r
                 cfg_t0 = time.perf_counter()
                 _write(out, results, mach, args)
-                print(f"[{time.perf_counter() - t_start:.0f} s] {_cfg_name(configs[ci])}: " +
-                      ", ".join(f"{m} {v['seconds']:.4f} s" for m, v in r["methods"].items()), flush=True)
+                print(
+                    f"[{time.perf_counter() - t_start:.0f} s] {_cfg_name(configs[ci])}: "
+                    + ", ".join(f"{m} {v['seconds']:.4f} s" for m, v in r["methods"].items()),
+                    flush=True,
+                )
             if not todo:
                 break
             dead = [p for p in procs if not p.is_alive()]
@@ -711,7 +789,7 @@ def run(args) -> dict:
                 r, err = q.get_nowait()
                 if err:
                     errs = {r: err}
-                    time.sleep(1.0)                  # the other rank's error, when it has one
+                    time.sleep(1.0)  # the other rank's error, when it has one
                     try:
                         while True:
                             r2, e2 = q.get_nowait()
@@ -719,8 +797,12 @@ def run(args) -> dict:
                                 errs[r2] = e2
                     except Exception:  # noqa: BLE001
                         pass
-                    failed = (todo[0], "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}"
-                                                  for k, v in sorted(errs.items(), reverse=True)))
+                    failed = (
+                        todo[0],
+                        "; ".join(
+                            f"rank {k}: {v.strip().splitlines()[-1]}" for k, v in sorted(errs.items(), reverse=True)
+                        ),
+                    )
                     break
             except Exception:  # noqa: BLE001 -- nothing reported
                 pass
@@ -755,13 +837,16 @@ def run(args) -> dict:
             else:
                 results[ci] = dict(config=configs[ci], methods={}, errors={}, error=why)
                 todo.remove(ci)
-            print(f"{_cfg_name(configs[ci])}: {at or 'setup'} failed: {why.strip().splitlines()[-1] if why.strip() else why}",
-                  flush=True)
+            print(
+                f"{_cfg_name(configs[ci])}: {at or 'setup'} failed: {why.strip().splitlines()[-1] if why.strip() else why}",  # noqa: E501
+                flush=True,
+            )
     for ci in todo:
         results[ci] = results[ci] or dict(config=configs[ci], methods={}, errors={}, error="not run: --max-s reached")
     # merge errors recorded before a retry into the retried result
-    res = dict(machine=mach, results=results, table=table(results), total_s=time.perf_counter() - t_start,
-               dry_run=args.dry_run)
+    res = dict(
+        machine=mach, results=results, table=table(results), total_s=time.perf_counter() - t_start, dry_run=args.dry_run
+    )
     _write(out, results, mach, args)
     return res
 
@@ -782,21 +867,39 @@ def _write(out, results, mach, args) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dry-run", action="store_true",
-                    help="CPU: tiny models, gloo instead of NCCL, CPU tensors, fabric transport (seconds)")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU: tiny models, gloo instead of NCCL, CPU tensors, fabric transport (seconds)",
+    )
     ap.add_argument("--models", default=None, help="comma list (default qwen3-8b,qwen3-30b-a3b; dry run tiny,tiny-moe)")
     ap.add_argument("--quant", default=None, help="comma list of bf16, fp8 (inference side)")
-    ap.add_argument("--trainers", default=None, help="comma list of plain, fsdp2, fsdp2-offload (with --models or "
-                                                     "--quant: their cross product; default: the curated list)")
-    ap.add_argument("--layouts", default=None, help="disagg (GPU 0 -> GPU 1), colocated (one GPU); default both "
-                                                    "(dry run: separate CPU processes; colocated shares memory)")
+    ap.add_argument(
+        "--trainers",
+        default=None,
+        help="comma list of plain, fsdp2, fsdp2-offload (with --models or "
+        "--quant: their cross product; default: the curated list)",
+    )
+    ap.add_argument(
+        "--layouts",
+        default=None,
+        help="disagg (GPU 0 -> GPU 1), colocated (one GPU); default both "
+        "(dry run: separate CPU processes; colocated shares memory)",
+    )
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5, help="timed steps per method after --warmup (median reported)")
-    ap.add_argument("--per-tensor-reps", type=int, default=1,
-                    help="timed steps of the per-tensor pattern (slow: one call per tensor, 18,867 on the MoE)")
-    ap.add_argument("--bucket", default=None, help="rank-0 bucket size, grown to the largest fused parameter "
-                                                   "(default 1GiB; dry run 1MiB)")
+    ap.add_argument(
+        "--per-tensor-reps",
+        type=int,
+        default=1,
+        help="timed steps of the per-tensor pattern (slow: one call per tensor, 18,867 on the MoE)",
+    )
+    ap.add_argument(
+        "--bucket",
+        default=None,
+        help="rank-0 bucket size, grown to the largest fused parameter (default 1GiB; dry run 1MiB)",
+    )
     ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark (the timed steps)")
     ap.add_argument("--watermark2", default="256MiB", help="a second watermark: peak memory and steps again")
     ap.add_argument("--timeout", type=float, default=300.0, help="every wait inside a configuration")

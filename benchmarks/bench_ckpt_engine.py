@@ -36,6 +36,7 @@ A step that fails is reported and the run goes on (fresh processes after a hang)
 --max-s bounds the whole run.  Without checkpoint-engine (not importable, or the CPU dry
 run: it needs CUDA) its rows are reported as skipped, saying why.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,17 @@ for _p in (ROOT, HERE):
         sys.path.insert(0, _p)
 
 import bench_baselines as bb  # noqa: E402  -- model_spec, expanded, infer_params, reset, machine, _sync_dev
-from ckpt_engine_parts import (Loader, LogTap, _Plain, compare, feed_in_buckets, fingerprints,  # noqa: E402
-                               fsdp_model, reference, train_weights)
+from ckpt_engine_parts import (  # noqa: E402
+    Loader,
+    LogTap,
+    _Plain,
+    compare,
+    feed_in_buckets,
+    fingerprints,  # noqa: E402
+    fsdp_model,
+    reference,
+    train_weights,
+)
 
 GPU_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
 CPU_MODELS = ("tiny", "tiny-moe")
@@ -66,6 +76,7 @@ def ckpt_engine():
     """(module, None) or (None, why it cannot be used)."""
     try:
         import checkpoint_engine
+
         return checkpoint_engine, None
     except Exception as e:  # noqa: BLE001
         return None, f"checkpoint-engine not importable ({type(e).__name__}: {e})"
@@ -119,13 +130,13 @@ class Trainer:
 
     def __init__(self, a, store, ctl, dev):
         self.a, self.store, self.ctl, self.dev = a, store, ctl, dev
-        self.m = None                      # model whose state is held
-        self.W = None                      # its weights on the device (gpu job)
-        self.fsdp = None                   # its FSDP2 offloaded model (host job)
-        self.refs: dict = {}               # quant -> reference fingerprints
+        self.m = None  # model whose state is held
+        self.W = None  # its weights on the device (gpu job)
+        self.fsdp = None  # its FSDP2 offloaded model (host job)
+        self.refs: dict = {}  # quant -> reference fingerprints
         self.ps = self.tap = None
-        self.pool = None                   # (model, checkpoint name) registered in the pool
-        self.k = 0                         # update requests sent
+        self.pool = None  # (model, checkpoint name) registered in the pool
+        self.k = 0  # update requests sent
 
     # ---- state of one model
     def model(self, s):
@@ -133,9 +144,10 @@ class Trainer:
             self.W = self.fsdp = None
             self.refs = {}
             self._free_pool()
-            if self.dev.type == "cuda":      # the FSDP2 model's pinned blocks, cached by torch
+            if self.dev.type == "cuda":  # the FSDP2 model's pinned blocks, cached by torch
                 import gc
                 import torch
+
                 gc.collect()
                 torch.cuda.empty_cache()
                 getattr(torch._C, "_host_emptyCache", lambda: None)()
@@ -154,6 +166,7 @@ class Trainer:
         self.W = None
         if self.dev.type == "cuda":
             import torch
+
             torch.cuda.empty_cache()
 
     def ref(self, q, ex):
@@ -166,6 +179,7 @@ class Trainer:
 
     def train_bytes(self):
         import torch
+
         return sum(int(torch.Size(sh).numel()) * getattr(torch, dt).itemsize for sh, dt, _ in self.hf.values())
 
     # ---- timing
@@ -200,9 +214,9 @@ class Trainer:
                 self.ctl.set("s/%d/skip" % s["i"], why)
                 return res
         if s["job"] == "host" and m == "wxfer":
-            self._free_pool()              # one host copy of the weights at a time
+            self._free_pool()  # one host copy of the weights at a time
             if self.fsdp is None:
-                self.ref(s["quant"], ex)           # made from the GPU weights unless already known
+                self.ref(s["quant"], ex)  # made from the GPU weights unless already known
                 self.free_weights()
                 self.fsdp = fsdp_model(preset, conf, self.dev)
         elif s["job"] == "gpu":
@@ -221,7 +235,7 @@ class Trainer:
             elif m == "ckpt-engine":
                 res.update(self.ckpt(s))
             elif m == "loader":
-                pass                       # the worker does it alone
+                pass  # the worker does it alone
         except Exception as e:  # noqa: BLE001 -- reported, the worker told
             err = f"{type(e).__name__}: {e}"
             self.ctl.set("s/%d/fail/0" % i, err)
@@ -246,8 +260,9 @@ class Trainer:
 
     def bound(self, s, ex) -> dict:
         import torch
+
         gpu = self.dev.type == "cuda"
-        if s["job"] == "gpu":              # on-device copy of the bytes the worker receives
+        if s["job"] == "gpu":  # on-device copy of the bytes the worker receives
             n = ex.dest_bytes(0)
             piece = min(GiB, n)
             src = torch.empty(piece, dtype=torch.uint8, device=self.dev).fill_(7)
@@ -259,9 +274,10 @@ class Trainer:
                     k = min(piece, left)
                     dst[:k].copy_(src[:k], non_blocking=True)
                     left -= k
+
             times = self.timed(one, step_name(s))
             return dict(_summ(times, ex.dest_bytes(0)), what="on-device copy of the received bytes")
-        n = self.train_bytes()             # pinned H2D of the training bytes, bandwidth measured
+        n = self.train_bytes()  # pinned H2D of the training bytes, bandwidth measured
         piece = min(GiB, n)
         total = min(n, self.a["h2d_probe"])
         src = torch.empty(piece, dtype=torch.uint8, pin_memory=gpu).fill_(7)
@@ -273,19 +289,35 @@ class Trainer:
                 k = min(piece, left)
                 dst[:k].copy_(src[:k], non_blocking=True)
                 left -= k
+
         times = self.timed(one, step_name(s))
         gbps = total / min(times) / 1e9
         sec = n / (gbps * 1e9)
-        return dict(seconds=sec, best=sec, times=[sec], gbps=ex.dest_bytes(0) / sec / 1e9, h2d_GBps=gbps,
-                    probe_bytes=total, what="pinned H2D of the training bytes" + ("" if gpu else " (CPU: a host copy)"))
+        return dict(
+            seconds=sec,
+            best=sec,
+            times=[sec],
+            gbps=ex.dest_bytes(0) / sec / 1e9,
+            h2d_GBps=gbps,
+            probe_bytes=total,
+            what="pinned H2D of the training bytes" + ("" if gpu else " (CPU: a host copy)"),
+        )
 
     def wxfer(self, s) -> dict:
         from wxfer.runtime.sender import Sender
+
         a, i = self.a, s["i"]
         model = _Plain(self.W) if s["job"] == "gpu" else self.fsdp
         t0 = time.perf_counter()
-        snd = Sender(model, mapping=self.preset, store=self.store, name="%s_%d" % (a["name"], i),
-                     watermark=a["watermark"], timeout=a["timeout"], write_timeout=a["timeout"])
+        snd = Sender(
+            model,
+            mapping=self.preset,
+            store=self.store,
+            name="%s_%d" % (a["name"], i),
+            watermark=a["watermark"],
+            timeout=a["timeout"],
+            write_timeout=a["timeout"],
+        )
         try:
             setup = time.perf_counter() - t0
             last = a["warmup"] + a["reps"] - 1
@@ -294,10 +326,15 @@ class Trainer:
                 if k == last or k == a["warmup"]:
                     snd.trace(clear=True)
                 snd.push()
+
             times = self.timed(one, step_name(s))
-            out = dict(_summ(times, bb.expanded(self.preset, self.conf, "fp8" if s["quant"] == "fp8" else None)
-                             .dest_bytes(0)), setup_s=setup, tasks=len(snd.plan.tasks),
-                       transport=snd.transport_name, bytes_per_step=snd.bytes_per_step)
+            out = dict(
+                _summ(times, bb.expanded(self.preset, self.conf, "fp8" if s["quant"] == "fp8" else None).dest_bytes(0)),
+                setup_s=setup,
+                tasks=len(snd.plan.tasks),
+                transport=snd.transport_name,
+                bytes_per_step=snd.bytes_per_step,
+            )
             if a.get("logs"):
                 p = os.path.join(a["logs"], "trace-%s-%s-%s.json" % (s["model"], s["quant"], s["job"]))
                 snd.write_trace(p)
@@ -311,12 +348,19 @@ class Trainer:
         if self.ps is None:
             from checkpoint_engine.ps import ParameterServer
             from wxfer.runtime import control
-            os.environ.setdefault("RANK", "0")          # ParameterServer reads RANK when rank=0 (falsy)
+
+            os.environ.setdefault("RANK", "0")  # ParameterServer reads RANK when rank=0 (falsy)
             os.environ.setdefault("WORLD_SIZE", "1")
             logs = self.a.get("logs")
             self.tap = LogTap(os.path.join(logs, "checkpoint-engine.log") if logs else None)
-            self.ps = ParameterServer(rank=0, world_size=1, auto_pg=False, mem_fraction=self.a["ckpt_mem_fraction"],
-                                      master_addr="127.0.0.1", master_port=control.free_port())
+            self.ps = ParameterServer(
+                rank=0,
+                world_size=1,
+                auto_pg=False,
+                mem_fraction=self.a["ckpt_mem_fraction"],
+                master_addr="127.0.0.1",
+                master_port=control.free_port(),
+            )
         return self.ps
 
     def _free_pool(self):
@@ -327,7 +371,7 @@ class Trainer:
     def _register(self, name, tensors):
         ps = self._ps_server()
         if self.pool is not None:
-            ps.unregister_checkpoint(self.pool[1])          # the shared pool stays allocated
+            ps.unregister_checkpoint(self.pool[1])  # the shared pool stays allocated
         self.pool = None
         t = time.perf_counter()
         ps.register_checkpoint(name, named_tensors=tensors, use_shared_memory_pool=True)
@@ -338,21 +382,26 @@ class Trainer:
 
     def ckpt(self, s) -> dict:
         import checkpoint_engine
+
         a, i = self.a, s["i"]
         ps = self._ps_server()
-        self.k = 0                             # the worker counts this step's requests from 0
+        self.k = 0  # the worker counts this step's requests from 0
         name = "bench-%s" % s["model"]
         parts: dict = dict(register_s=[], gather_s=[], update_s=[])
         logs: list = []
 
-        def req(socket_paths):                 # what vLLM's collective_rpc would carry
+        def req(socket_paths):  # what vLLM's collective_rpc would carry
             k = self.k
             self.k += 1
             self.ctl.set_json("s/%d/req/%d" % (i, k), [list(x) for x in socket_paths])
-            if a["ckpt_req"] == "post":        # as checkpoint-engine's own test (queue.put): no wait
+            if a["ckpt_req"] == "post":  # as checkpoint-engine's own test (queue.put): no wait
                 return
-            got = wait_any(self.ctl, ["s/%d/ack/%d" % (i, k), "s/%d/fail/1" % i],
-                           "the worker's update_weights_from_ipc", a["timeout"])
+            got = wait_any(
+                self.ctl,
+                ["s/%d/ack/%d" % (i, k), "s/%d/fail/1" % i],
+                "the worker's update_weights_from_ipc",
+                a["timeout"],
+            )
             if got.endswith("/1") and "fail" in got:
                 raise RuntimeError("inference worker failed")
 
@@ -364,6 +413,7 @@ class Trainer:
             logs.append(self.tap.parse(mark))
 
         if s["job"] == "gpu":
+
             def one(_):
                 r, g = self._register(name, self.W)
                 parts["register_s"].append(r)
@@ -378,14 +428,19 @@ class Trainer:
 
             def one(_):
                 update()
+
         times = self.timed(one, step_name(s))
-        if self.k:                             # the worker has finished every request
-            wait_any(self.ctl, ["s/%d/ack/%d" % (i, self.k - 1), "s/%d/fail/1" % i], "the worker's last update",
-                     a["timeout"])
+        if self.k:  # the worker has finished every request
+            wait_any(
+                self.ctl, ["s/%d/ack/%d" % (i, self.k - 1), "s/%d/fail/1" % i], "the worker's last update", a["timeout"]
+            )
         nt = len(times)
-        out = dict(_summ(times, bb.expanded(self.preset, self.conf, "fp8" if s["quant"] == "fp8" else None)
-                         .dest_bytes(0)), version=checkpoint_engine.__version__,
-                   parts={k: _med(v[-nt:]) for k, v in parts.items() if v}, ckpt_log=logs[-1] if logs else {})
+        out = dict(
+            _summ(times, bb.expanded(self.preset, self.conf, "fp8" if s["quant"] == "fp8" else None).dest_bytes(0)),
+            version=checkpoint_engine.__version__,
+            parts={k: _med(v[-nt:]) for k, v in parts.items() if v},
+            ckpt_log=logs[-1] if logs else {},
+        )
         return out
 
 
@@ -413,6 +468,7 @@ class Worker:
 
     def layout(self, s):
         import torch
+
         k = (s["model"], s["quant"])
         if self.key != k:
             self.params = None
@@ -429,15 +485,19 @@ class Worker:
         i, a = s["i"], self.a
         if s["method"] == "bound":
             return
-        got = wait_any(self.ctl, ["s/%d/go" % i, "s/%d/skip" % i, "s/%d/fail/0" % i],
-                       "the trainer's start of " + step_name(s), a["step_timeout"])
+        got = wait_any(
+            self.ctl,
+            ["s/%d/go" % i, "s/%d/skip" % i, "s/%d/fail/0" % i],
+            "the trainer's start of " + step_name(s),
+            a["step_timeout"],
+        )
         if not got.endswith("go"):
             return
         info: dict = {}
         try:
             ex = self.layout(s)
             bb.reset(self.params)
-            if os.environ.get("BCE_FAIL_METHOD") == s["method"]:         # tests: a failing step
+            if os.environ.get("BCE_FAIL_METHOD") == s["method"]:  # tests: a failing step
                 raise RuntimeError(f"injected failure in {s['method']}")
             if s["method"] == "wxfer":
                 self.wxfer(s, info)
@@ -463,10 +523,16 @@ class Worker:
 
     def wxfer(self, s, info) -> None:
         from wxfer.runtime.receiver import Receiver
+
         i = s["i"]
-        self.ctl.set("s/%d/ready" % i, b"1")          # the Receiver waits for the Sender's plan
-        r = Receiver(self.params, mapping=self.preset.name, store=self.store, name="%s_%d" % (self.a["name"], i),
-                     timeout=self.a["timeout"])
+        self.ctl.set("s/%d/ready" % i, b"1")  # the Receiver waits for the Sender's plan
+        r = Receiver(
+            self.params,
+            mapping=self.preset.name,
+            store=self.store,
+            name="%s_%d" % (self.a["name"], i),
+            timeout=self.a["timeout"],
+        )
         try:
             self._wait_end(i, "the trainer's wxfer steps")
             info["version"] = r.version()
@@ -477,6 +543,7 @@ class Worker:
         import torch
         import zmq
         from checkpoint_engine.worker import update_weights_from_ipc
+
         i, a = s["i"], self.a
         if self.zmq_ctx is None:
             self.zmq_ctx = zmq.Context()
@@ -486,8 +553,12 @@ class Worker:
         self.ctl.set("s/%d/ready" % i, b"1")
         k, stats = 0, []
         while True:
-            got = wait_any(self.ctl, ["s/%d/req/%d" % (i, k), "s/%d/done" % i, "s/%d/fail/0" % i],
-                           "the trainer's next update request", a["step_timeout"])
+            got = wait_any(
+                self.ctl,
+                ["s/%d/req/%d" % (i, k), "s/%d/done" % i, "s/%d/fail/0" % i],
+                "the trainer's next update request",
+                a["step_timeout"],
+            )
             if not got.endswith("/%d" % k) or "/req/" not in got:
                 break
             paths = dict(tuple(x) for x in self.ctl.get_json(got, "socket paths"))
@@ -500,8 +571,10 @@ class Worker:
             stats.append(st)
             self.ctl.set_json("s/%d/ack/%d" % (i, k), st)
             if not st["complete"]:
-                raise RuntimeError(f"update {k}: the loader wrote {st['components']} of {st['of']} components "
-                                   f"({st['missing_sources']} sources never arrived)")
+                raise RuntimeError(
+                    f"update {k}: the loader wrote {st['components']} of {st['of']} components "
+                    f"({st['missing_sources']} sources never arrived)"
+                )
             k += 1
         if got.endswith("fail/0"):
             raise RuntimeError("trainer failed: " + self.ctl.get(got, "error").decode())
@@ -533,6 +606,7 @@ def _shim():
     if not path:
         return False
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("_bce_cpu_shim", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["_bce_cpu_shim"] = mod
@@ -545,6 +619,7 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
     import torch
     import torch.distributed as dist
     from wxfer.runtime import control
+
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     gpu = not a["dry_run"]
     if gpu:
@@ -560,17 +635,21 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
     a = dict(a, ckpt_skip=why)
     store = control.resolve_store(a["store"], False, a["timeout"])
     ctl = control.Control(store, a["name"], a["timeout"])
-    if rank == 0:          # one trainer rank: the group FSDP2's mesh and the ParameterServer use
-        dist.init_process_group("cpu:gloo,cuda:nccl" if gpu else "gloo", rank=0, world_size=1,
-                                store=dist.PrefixStore("pg/" + a["name"], store),
-                                timeout=datetime.timedelta(seconds=a["timeout"]))
+    if rank == 0:  # one trainer rank: the group FSDP2's mesh and the ParameterServer use
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl" if gpu else "gloo",
+            rank=0,
+            world_size=1,
+            store=dist.PrefixStore("pg/" + a["name"], store),
+            timeout=datetime.timedelta(seconds=a["timeout"]),
+        )
         side = Trainer(a, store, ctl, dev)
     else:
         side = Worker(a, store, ctl, dev)
     for s in steps:
         ctl.set("at/%d" % rank, step_name(s))
         if gpu:
-            torch.cuda.empty_cache()           # checkpoint-engine sizes its buckets by the free memory
+            torch.cuda.empty_cache()  # checkpoint-engine sizes its buckets by the free memory
         if rank == 0:
             if time.time() > a["deadline"]:
                 res = dict(step=s, skipped="not run: --max-s reached")
@@ -625,6 +704,7 @@ def run(args, emit=print) -> dict:
     import signal
     import torch.distributed as dist
     from wxfer.runtime import control
+
     for k, v in bb.NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     signal.signal(signal.SIGTERM, _kill_children)
@@ -635,14 +715,26 @@ def run(args, emit=print) -> dict:
         os.makedirs(logs, exist_ok=True)
     t_start = time.time()
     port = control.free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout), wait_for_workers=False
+    )
     mod, why = ckpt_engine()
-    a = dict(store="127.0.0.1:%d" % port, dry_run=args.dry_run, timeout=args.timeout, step_timeout=args.step_timeout,
-             warmup=args.warmup, reps=args.reps, method_s=args.method_s, deadline=t_start + args.max_s,
-             watermark=args.watermark, logs=os.path.abspath(logs) if logs else None,
-             h2d_probe=bb._parse_size(args.h2d_probe), loader_bucket=bb._parse_size(args.loader_bucket),
-             ckpt_mem_fraction=args.ckpt_mem_fraction, ckpt_req=args.ckpt_req)
+    a = dict(
+        store="127.0.0.1:%d" % port,
+        dry_run=args.dry_run,
+        timeout=args.timeout,
+        step_timeout=args.step_timeout,
+        warmup=args.warmup,
+        reps=args.reps,
+        method_s=args.method_s,
+        deadline=t_start + args.max_s,
+        watermark=args.watermark,
+        logs=os.path.abspath(logs) if logs else None,
+        h2d_probe=bb._parse_size(args.h2d_probe),
+        loader_bucket=bb._parse_size(args.loader_bucket),
+        ckpt_mem_fraction=args.ckpt_mem_fraction,
+        ckpt_req=args.ckpt_req,
+    )
     results: list = [None] * len(steps)
     todo = list(range(len(steps)))
     ctx = mp.get_context("spawn")
@@ -674,9 +766,17 @@ def run(args, emit=print) -> dict:
             late = time.time() > t_start + args.max_s + args.grace_s
             if errs or dead or over or late:
                 at = {r: ctl.get("at/%d" % r, "at").decode() for r in (0, 1) if ctl.check("at/%d" % r)}
-                why_ = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errs.items())) or \
-                    ("timed out (at %s)" % at if (over or late) else "%s (at %s)" % (", ".join(
-                        "rank %d exited with %s" % (r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive()), at))
+                why_ = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errs.items())) or (
+                    "timed out (at %s)" % at
+                    if (over or late)
+                    else "%s (at %s)"
+                    % (
+                        ", ".join(
+                            "rank %d exited with %s" % (r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive()
+                        ),
+                        at,
+                    )
+                )
                 failed = (i, why_)
                 break
             time.sleep(0.1)
@@ -691,9 +791,17 @@ def run(args, emit=print) -> dict:
                     results[j] = dict(step=steps[j], skipped="not run: --max-s reached")
                 todo = []
     cases = summarize(results)
-    out = dict(type="summary", machine=bb.machine(args.dry_run), ckpt_engine=getattr(mod, "__version__", None),
-               ckpt_engine_why=why, command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-               dry_run=args.dry_run, total_s=time.time() - t_start, cases=cases, steps=results)
+    out = dict(
+        type="summary",
+        machine=bb.machine(args.dry_run),
+        ckpt_engine=getattr(mod, "__version__", None),
+        ckpt_engine_why=why,
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        dry_run=args.dry_run,
+        total_s=time.time() - t_start,
+        cases=cases,
+        steps=results,
+    )
     out["table"] = table(cases, out)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -706,8 +814,26 @@ def run(args, emit=print) -> dict:
 
 
 def _row_view(r) -> dict:
-    keep = ("seconds", "gbps", "best", "times", "error", "skipped", "check", "parts", "ckpt_log", "version",
-            "h2d_GBps", "what", "tasks", "transport", "setup_s", "dest_bytes", "train_bytes", "worker")
+    keep = (
+        "seconds",
+        "gbps",
+        "best",
+        "times",
+        "error",
+        "skipped",
+        "check",
+        "parts",
+        "ckpt_log",
+        "version",
+        "h2d_GBps",
+        "what",
+        "tasks",
+        "transport",
+        "setup_s",
+        "dest_bytes",
+        "train_bytes",
+        "worker",
+    )
     return {k: r[k] for k in keep if k in r}
 
 
@@ -718,8 +844,9 @@ def summarize(results) -> list:
         if r is None:
             continue
         s = r["step"]
-        c = cases.setdefault((s["model"], s["quant"], s["job"]), dict(model=s["model"], quant=s["quant"],
-                                                                        job=s["job"], methods={}))
+        c = cases.setdefault(
+            (s["model"], s["quant"], s["job"]), dict(model=s["model"], quant=s["quant"], job=s["job"], methods={})
+        )
         c["methods"][s["method"]] = _row_view(r)
     out = []
     for c in cases.values():
@@ -736,16 +863,23 @@ def summarize(results) -> list:
 
 
 JOB_TEXT = dict(host="weights in host memory", gpu="weights on the GPU")
-WHAT = {("host", "wxfer"): "wxfer (FSDP2, CPUOffloadPolicy)", ("gpu", "wxfer"): "wxfer (GPU tensors)",
-        ("host", "ckpt-engine"): "checkpoint-engine update()",
-        ("gpu", "ckpt-engine"): "checkpoint-engine register + update()", ("gpu", "loader"): "load_fn only (no ckpt-engine)"}
+WHAT = {
+    ("host", "wxfer"): "wxfer (FSDP2, CPUOffloadPolicy)",
+    ("gpu", "wxfer"): "wxfer (GPU tensors)",
+    ("host", "ckpt-engine"): "checkpoint-engine update()",
+    ("gpu", "ckpt-engine"): "checkpoint-engine register + update()",
+    ("gpu", "loader"): "load_fn only (no ckpt-engine)",
+}
 
 
 def table(cases, out) -> str:
     v = out.get("ckpt_engine") or "-"
-    lines = [f"checkpoint-engine {v}; {out['command']}", "",
-             "| model | quant | job | method | seconds | GB/s | x bound | ckpt-engine / wxfer | check |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"checkpoint-engine {v}; {out['command']}",
+        "",
+        "| model | quant | job | method | seconds | GB/s | x bound | ckpt-engine / wxfer | check |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in cases:
         for m in ("bound", "wxfer", "ckpt-engine", "loader"):
             r = c["methods"].get(m)
@@ -754,13 +888,18 @@ def table(cases, out) -> str:
             name = "bound: " + r.get("what", "") if m == "bound" else WHAT.get((c["job"], m), m)
             head = f"| {c['model']} | {c['quant']} | {JOB_TEXT[c['job']]} | {name} |"
             if r.get("error") or r.get("skipped"):
-                lines.append(f"{head} {'error' if r.get('error') else 'skipped'}: "
-                             f"{(r.get('error') or r.get('skipped'))[:160]} | | | | |")
+                lines.append(
+                    f"{head} {'error' if r.get('error') else 'skipped'}: "
+                    f"{(r.get('error') or r.get('skipped'))[:160]} | | | | |"
+                )
                 continue
             ratio = f"{c['ckpt_over_wxfer']:.2f}" if m == "wxfer" and c.get("ckpt_over_wxfer") else ""
             chk = r.get("check")
-            chk = "" if chk is None else ("same bytes as the reference" if chk["ok"]
-                                          else f"DIFFERS ({chk['differ']}: {chk['first']})")
+            chk = (
+                ""
+                if chk is None
+                else ("same bytes as the reference" if chk["ok"] else f"DIFFERS ({chk['differ']}: {chk['first']})")
+            )
             xb = "1.00" if m == "bound" else (f"{r['x_bound']:.2f}" if r.get("x_bound") else "")
             extra = ""
             if m == "ckpt-engine" and r.get("parts"):
@@ -771,33 +910,58 @@ def table(cases, out) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny models, gloo, fabric tcp (checkpoint-engine "
-                                                           "needs CUDA: its rows are skipped)")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, tiny models, gloo, fabric tcp (checkpoint-engine needs CUDA: its rows are skipped)",
+    )
     ap.add_argument("--models", default=None, help="comma list (default qwen3-8b,qwen3-30b-a3b; dry run tiny,tiny-moe)")
     ap.add_argument("--quant", default="bf16,fp8", help="comma list of bf16, fp8 (the inference side)")
     ap.add_argument("--jobs", default="gpu,host", help="comma list: gpu (weights on the GPU), host (in host memory)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5, help="timed steps after --warmup (median reported)")
-    ap.add_argument("--method-s", type=float, default=12.0, help="stop timing a method after this many seconds "
-                                                                  "(at least one timed step)")
+    ap.add_argument(
+        "--method-s",
+        type=float,
+        default=12.0,
+        help="stop timing a method after this many seconds (at least one timed step)",
+    )
     ap.add_argument("--max-s", type=float, default=240.0, help="steps are not started after this many seconds")
-    ap.add_argument("--grace-s", type=float, default=45.0, help="a step still running this long after --max-s "
-                                                                  "is stopped (processes killed)")
+    ap.add_argument(
+        "--grace-s",
+        type=float,
+        default=45.0,
+        help="a step still running this long after --max-s is stopped (processes killed)",
+    )
     ap.add_argument("--step-timeout", type=float, default=200.0, help="one step (a hang: processes restarted)")
     ap.add_argument("--timeout", type=float, default=120.0, help="every wait inside a step")
     ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark")
     ap.add_argument("--h2d-probe", default="4GiB", help="bytes copied to measure the pinned H2D bandwidth")
     ap.add_argument("--loader-bucket", default="64KiB", help="dry run: bucket size of the load_fn-only check")
-    ap.add_argument("--ckpt-mem-fraction", type=float, default=0.8,
-                    help="checkpoint-engine's mem_fraction (its buckets: this share of free GPU memory / 3)")
-    ap.add_argument("--ckpt-req", choices=("wait", "post"), default="wait",
-                    help="checkpoint-engine's req_func: wait until the worker's update_weights_from_ipc returned "
-                         "(as vLLM's collective_rpc HTTP call does), or post the request and return at once "
-                         "(as checkpoint-engine's own test does with queue.put)")
-    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "ckpt.json") if os.environ.get("OUT") else None,
-                    help="the results as one JSON file (default $OUT/ckpt.json when $OUT is set)")
-    ap.add_argument("--logs", default=os.environ.get("OUT") or None,
-                    help="directory for checkpoint-engine's log, wxfer traces and the table (default $OUT)")
+    ap.add_argument(
+        "--ckpt-mem-fraction",
+        type=float,
+        default=0.8,
+        help="checkpoint-engine's mem_fraction (its buckets: this share of free GPU memory / 3)",
+    )
+    ap.add_argument(
+        "--ckpt-req",
+        choices=("wait", "post"),
+        default="wait",
+        help="checkpoint-engine's req_func: wait until the worker's update_weights_from_ipc returned "
+        "(as vLLM's collective_rpc HTTP call does), or post the request and return at once "
+        "(as checkpoint-engine's own test does with queue.put)",
+    )
+    ap.add_argument(
+        "--out",
+        default=os.path.join(os.environ["OUT"], "ckpt.json") if os.environ.get("OUT") else None,
+        help="the results as one JSON file (default $OUT/ckpt.json when $OUT is set)",
+    )
+    ap.add_argument(
+        "--logs",
+        default=os.environ.get("OUT") or None,
+        help="directory for checkpoint-engine's log, wxfer traces and the table (default $OUT)",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON lines: one per step, a summary last")
     args = ap.parse_args(argv)
     out = run(args, emit=print if args.json else (lambda *a, **k: None))

@@ -22,6 +22,7 @@ the backend's options (map=owner, peer_access=1, ipc_lazy=0, streams=1, split) a
 profile of the naive path (which copy kinds the driver ran), to tell the causes apart.
 Needs torch with CUDA; GPU numbers come only from a GPU machine.
 """
+
 import argparse
 import json
 import multiprocessing as mp
@@ -54,10 +55,12 @@ def iters_for(size):
 
 # ---- processes --------------------------------------------------------------------------
 
+
 def receiver(conn, device, nbytes, queue):
     """Receiving process: allocate, register, export; then run nothing until told to exit."""
     import torch
     from wxfer import _wxfer
+
     torch.cuda.set_device(device)
     dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     t = _wxfer.Transport("cuda_ipc", {})
@@ -65,7 +68,7 @@ def receiver(conn, device, nbytes, queue):
     conn.send((t.export(), r.descriptor))
     while conn.poll(TIMEOUT):
         msg = conn.recv()
-        if msg == "share":          # the naive path: torch.multiprocessing's CUDA IPC
+        if msg == "share":  # the naive path: torch.multiprocessing's CUDA IPC
             queue.put(dst)
             conn.send("shared")
         elif msg == "check":
@@ -94,12 +97,14 @@ def worker(conn, job):
         conn.send(_worker(job))
     except Exception as e:  # report instead of hanging the parent
         import traceback
+
         conn.send({"error": "%s: %s" % (type(e).__name__, e), "trace": traceback.format_exc()})
 
 
 def _worker(job):
     import torch
     from wxfer import _wxfer
+
     kind, wdev, rdev, sizes, reps = job["kind"], job["wdev"], job["rdev"], job["sizes"], job["reps"]
     torch.cuda.set_device(wdev)
     src = torch.randint(0, 255, (max(sizes),), dtype=torch.uint8, device=wdev)
@@ -136,6 +141,7 @@ def _worker(job):
             res["gbps"][n] = n * it / dt / 1e9
         if job.get("profile"):
             from torch.profiler import ProfilerActivity, profile
+
             n = sizes[-1]
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 x[:n].copy_(src[:n])
@@ -209,19 +215,29 @@ def run_job(ctx, job, timeout=TIMEOUT):
 
 # ---- machine ------------------------------------------------------------------------------
 
+
 def machine():
     import torch
-    m = {"python": platform.python_version(), "torch": torch.__version__,
-         "cuda": torch.version.cuda, "gpus": [], "host": platform.node()}
+
+    m = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": [],
+        "host": platform.node(),
+    }
     for i in range(torch.cuda.device_count()):
         m["gpus"].append(torch.cuda.get_device_name(i))
     try:
-        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,pci.bus_id",
-                            "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        q = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,pci.bus_id", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         m["nvidia_smi"] = q.stdout.strip().splitlines()
         m["driver"] = m["nvidia_smi"][0].split(",")[1].strip() if m["nvidia_smi"] else "?"
-        topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True,
-                              timeout=30)
+        topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
         m["topology"] = topo.stdout.strip().splitlines()[:4]
     except Exception as e:  # no nvidia-smi: still report what torch knows
         m["driver"] = "? (%s)" % e
@@ -229,6 +245,7 @@ def machine():
 
 
 # ---- main ---------------------------------------------------------------------------------
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -240,10 +257,10 @@ def main():
     ap.add_argument("--diagnose", action="store_true")
     ap.add_argument("--json", action="store_true", help="also print one JSON line at the end")
     a = ap.parse_args()
-    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                 ("NVSHMEM_DISABLE_NVLS", "1")):
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
     import torch
+
     if not torch.cuda.is_available():
         print("bench_cuda_ipc: no CUDA GPU here; nothing measured", file=sys.stderr)
         return 2
@@ -251,9 +268,10 @@ def main():
     opts = dict(kv.split("=", 1) for kv in a.opts.split(",") if kv)
     ngpu = torch.cuda.device_count()
     m = machine()
-    print("machine: %d x %s | driver %s | torch %s (CUDA %s) | python %s" % (
-        ngpu, ", ".join(sorted(set(m["gpus"]))), m.get("driver"), m["torch"], m["cuda"],
-        m["python"]))
+    print(
+        "machine: %d x %s | driver %s | torch %s (CUDA %s) | python %s"
+        % (ngpu, ", ".join(sorted(set(m["gpus"]))), m.get("driver"), m["torch"], m["cuda"], m["python"])
+    )
     for line in m.get("topology", []):
         print("  topo: " + line)
     ctx = mp.get_context("spawn")
@@ -277,21 +295,18 @@ def main():
         ours = run_job(ctx, dict(base, kind="ours", opts=opts, blob=blob, desc=desc, conn=rc))
         naive = None
         if pl == "cross" and not a.no_naive:
-            naive = run_job(ctx, dict(base, kind="naive", queue=queue, conn=rc,
-                                      profile=a.diagnose))
-        entry = {"writer": "cuda:%d" % wdev, "receiver": "cuda:%d" % rdev, "raw": raw,
-                 "ours": ours, "naive": naive}
+            naive = run_job(ctx, dict(base, kind="naive", queue=queue, conn=rc, profile=a.diagnose))
+        entry = {"writer": "cuda:%d" % wdev, "receiver": "cuda:%d" % rdev, "raw": raw, "ours": ours, "naive": naive}
         rawname = "peer copy" if pl == "cross" else "on-device copy"
         target = 0.90 if pl == "cross" else 0.80
-        print("\n[%s] writer process cuda:%d -> receiver process cuda:%d  (raw = %s in one "
-              "process; target ours >= %d%% of raw for >= 256 MiB)" % (
-                  pl, wdev, rdev, rawname, target * 100))
+        print(
+            "\n[%s] writer process cuda:%d -> receiver process cuda:%d  (raw = %s in one "
+            "process; target ours >= %d%% of raw for >= 256 MiB)" % (pl, wdev, rdev, rawname, target * 100)
+        )
         for r in (raw, ours, naive):
             if r and "error" in r:
-                print("  ERROR in %s job: %s\n%s" % (r.get("kind", "?"), r["error"],
-                                                     r.get("trace", "")))
-        hdr = "  %8s  %10s  %10s  %6s  %12s" % ("size", "ours GB/s", "raw GB/s", "ratio",
-                                                  "ours 1-by-1")
+                print("  ERROR in %s job: %s\n%s" % (r.get("kind", "?"), r["error"], r.get("trace", "")))
+        hdr = "  %8s  %10s  %10s  %6s  %12s" % ("size", "ours GB/s", "raw GB/s", "ratio", "ours 1-by-1")
         if naive:
             hdr += "  %11s" % "naive GB/s"
         print(hdr)
@@ -305,42 +320,52 @@ def main():
             if ratio is not None and n >= 256 * MiB:
                 flag = " ok" if ratio >= target else " BELOW"
             line = "  %8s  %10s  %10s  %6s  %12s" % (
-                fmt_size(n), "%.1f" % o if o else "-", "%.1f" % w if w else "-",
-                ("%.2f" % ratio + flag) if ratio else "-", "%.1f" % s1 if s1 else "-")
+                fmt_size(n),
+                "%.1f" % o if o else "-",
+                "%.1f" % w if w else "-",
+                ("%.2f" % ratio + flag) if ratio else "-",
+                "%.1f" % s1 if s1 else "-",
+            )
             nv = naive.get("gbps", {}).get(n) if naive else None
             if naive:
                 line += "  %11s" % ("%.1f" % nv if nv else "-")
             print(line)
-            rows.append({"size": n, "ours": o, "raw": w, "ratio": ratio, "ours_serial": s1,
-                         "naive": nv})
+            rows.append({"size": n, "ours": o, "raw": w, "ratio": ratio, "ours_serial": s1, "naive": nv})
         entry["rows"] = rows
         print("  ours: %s | bytes check: %s" % (ours.get("info", "?"), ours.get("check", "?")))
         if naive and "shared_tensor_device" in naive:
-            print("  naive: shared tensor on %s, writer's current device cuda:%s" % (
-                naive["shared_tensor_device"], naive["current_device"]))
+            print(
+                "  naive: shared tensor on %s, writer's current device cuda:%s"
+                % (naive["shared_tensor_device"], naive["current_device"])
+            )
         if a.diagnose and pl == "cross":
             dsizes = [256 * MiB, 1 << 30]
-            variants = [{}, {"map": "owner"}, {"map": "owner", "peer_access": "1"},
-                        {"peer_access": "1"}, {"ipc_lazy": "0"}, {"streams": "1"},
-                        {"split": str(128 * MiB), "streams": "8"}]
+            variants = [
+                {},
+                {"map": "owner"},
+                {"map": "owner", "peer_access": "1"},
+                {"peer_access": "1"},
+                {"ipc_lazy": "0"},
+                {"streams": "1"},
+                {"split": str(128 * MiB), "streams": "8"},
+            ]
             entry["diagnose"] = []
-            print("  diagnose (fresh writer process per variant, sizes %s):" %
-                  ", ".join(fmt_size(s) for s in dsizes))
+            print("  diagnose (fresh writer process per variant, sizes %s):" % ", ".join(fmt_size(s) for s in dsizes))
             for v in variants:
-                r = run_job(ctx, dict(base, kind="ours", opts=v, sizes=dsizes, blob=blob,
-                                      desc=desc, conn=rc))
+                r = run_job(ctx, dict(base, kind="ours", opts=v, sizes=dsizes, blob=blob, desc=desc, conn=rc))
                 entry["diagnose"].append(r)
-                vals = ", ".join("%.1f" % r["gbps"][s] for s in dsizes) if "gbps" in r else \
-                    r.get("error", "?")
-                print("    ours %-36s %s GB/s  [%s]" % (
-                    ",".join("%s=%s" % kv for kv in v.items()) or "(defaults)", vals,
-                    r.get("check", "")))
+                vals = ", ".join("%.1f" % r["gbps"][s] for s in dsizes) if "gbps" in r else r.get("error", "?")
+                print(
+                    "    ours %-36s %s GB/s  [%s]"
+                    % (",".join("%s=%s" % kv for kv in v.items()) or "(defaults)", vals, r.get("check", ""))
+                )
             if naive and naive.get("profile"):
                 print("    naive path, profiler: " + "; ".join(naive["profile"]))
         rc.send("exit")
         rx.join(60)
         report["placements"][pl] = entry
     if a.json:
+
         def clean(o):
             if isinstance(o, dict):
                 return {str(k): clean(v) for k, v in o.items() if k not in ("conn", "queue")}
@@ -349,6 +374,7 @@ def main():
             if isinstance(o, bytes):
                 return o.hex()[:32]
             return o
+
         print("JSON " + json.dumps(clean(report)))
     return 0
 

@@ -13,6 +13,7 @@ Two measurements, printed as one JSON object with the machine name:
 
     python3 benchmarks/bench_push_host.py [--provider shm] [--tasks 2000] [--layers 28] [--steps 7]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ def bench_engine(provider: str, ntasks: int, reps: int) -> dict:
     import torch
     from wxfer import _wxfer
     from wxfer.testing import connected_fabric
+
     size = 4096
     out = {}
     with connected_fabric(provider, [size * ntasks]) as (t, tgt):
@@ -73,15 +75,29 @@ def bench_push(provider: str, layers: int, steps: int) -> dict:
     from wxfer.runtime.receiver import Receiver
     from wxfer.runtime.sender import Sender
     from wxfer.testing import in_thread
+
     cfg = dict(TINY, num_hidden_layers=layers)
     port = control.free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+    store = dist.TCPStore(  # noqa: F841 -- the store server lives as long as this reference
+        "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False
+    )
     addr = "127.0.0.1:%d" % port
     params = inference_params(cfg, 1, 0, None)
-    th, box = in_thread(Receiver, params, mapping=preset_for(cfg).name, store=addr, replica=0, rank=0, tp=1,
-                        replicas=1, name="bench", timeout=60, transport="fabric",
-                        transport_options={"provider": provider})
-    model = train_model(cfg).to(torch.bfloat16)     # the inference dtype: every task zero-copy
+    th, box = in_thread(
+        Receiver,
+        params,
+        mapping=preset_for(cfg).name,
+        store=addr,
+        replica=0,
+        rank=0,
+        tp=1,
+        replicas=1,
+        name="bench",
+        timeout=60,
+        transport="fabric",
+        transport_options={"provider": provider},
+    )
+    model = train_model(cfg).to(torch.bfloat16)  # the inference dtype: every task zero-copy
     for p in model.parameters():
         p.requires_grad_(False)
     sender = Sender(model, mapping=preset_for(cfg), store=addr, name="bench", timeout=60, watermark="64MiB")
@@ -91,18 +107,25 @@ def bench_push(provider: str, layers: int, steps: int) -> dict:
     recv = box["value"]
     ops = [op for g in sender.program.groups for op in g if op.sends]
     zc = sum(1 for op in ops if op.prep is not None and op.prep.zero_copy)
-    sender.push()                      # warm-up
+    sender.push()  # warm-up
     sub, tot = [], []
     for _ in range(steps):
         s = sender.push()
         sub.append(sender.last_submit_s)
         tot.append(s)
     ht = sender.host_times()
-    res = dict(tasks=len(ops), zero_copy_tasks=zc, bytes_per_step=sender.bytes_per_step,
-               last_submit_ms=statistics.median(sub) * 1e3,
-               last_submit_us_per_task=statistics.median(sub) / max(1, len(ops)) * 1e6,
-               push_ms=statistics.median(tot) * 1e3, trace_host_per_task_us=ht["per_task_us"],
-               version=recv.version(), layers=layers, provider=provider)
+    res = dict(
+        tasks=len(ops),
+        zero_copy_tasks=zc,
+        bytes_per_step=sender.bytes_per_step,
+        last_submit_ms=statistics.median(sub) * 1e3,
+        last_submit_us_per_task=statistics.median(sub) / max(1, len(ops)) * 1e6,
+        push_ms=statistics.median(tot) * 1e3,
+        trace_host_per_task_us=ht["per_task_us"],
+        version=recv.version(),
+        layers=layers,
+        provider=provider,
+    )
     sender.close()
     recv.close()
     return res

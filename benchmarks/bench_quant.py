@@ -23,6 +23,7 @@ once per process). WXFER_FP8_VARIANT=v<n> picks a kernel variant (csrc/prepare/
 wx_fp8_kernel.cu lists them; default v3); --variants runs one child per variant (v<n>:<minb>
 also sets WXFER_FP8_MINB), each checking its bytes against the reference, and prints one table.
 """
+
 import argparse
 import json
 import os
@@ -34,12 +35,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CASES = {"full": {"dense": (12288, 4096), "experts": (128, 768, 2048)},
-         "dry": {"dense": (384, 520), "experts": (4, 256, 384)}}
+CASES = {
+    "full": {"dense": (12288, 4096), "experts": (128, 768, 2048)},
+    "dry": {"dense": (384, 520), "experts": (4, 256, 384)},
+}
 
 
 def _sync(dev):
     import torch
+
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
 
@@ -47,6 +51,7 @@ def _sync(dev):
 def timed(fn, dev, iters, reps):
     """Median seconds per call of fn over reps repetitions of iters calls."""
     import torch
+
     fn()
     _sync(dev)
     times = []
@@ -85,6 +90,7 @@ def quantize(out, groups, quantizer):
     """One fp8.quantize_into call per group of jobs, WXFER_FP8 set to `quantizer` around all
     of them (not per call: the environment update is no part of a call's cost)."""
     from wxfer.runtime import fp8
+
     old = os.environ.get("WXFER_FP8")
     os.environ["WXFER_FP8"] = quantizer
     try:
@@ -102,17 +108,20 @@ def run_case(name, ts, calls, dev, quantizers, iters, reps, check=False):
     """Rows for one case: ts the source tensors, calls how to split them into calls. check:
     also quantize once (untimed) with the reference and compare every byte."""
     import torch
+
     jobs, nbytes = layout(ts)
     groups = [jobs] if calls == 1 else [[j] for j in jobs]
     src_bytes = sum(t.numel() * t.element_size() for t in ts)
-    moved = src_bytes + nbytes                          # read + written
+    moved = src_bytes + nbytes  # read + written
     out = {q: torch.zeros(nbytes, dtype=torch.uint8, device=dev) for q in quantizers}
     ran = {}
 
     def fn_for(q):
         def fn():
             ran[q] = quantize(out[q], groups, q)
+
         return fn
+
     src = torch.cat([t.reshape(-1) for t in ts])
     dst = torch.empty_like(src)
     copy_s = timed(lambda: dst.copy_(src), dev, iters, reps)
@@ -122,10 +131,21 @@ def run_case(name, ts, calls, dev, quantizers, iters, reps, check=False):
         it = iters if q == "native" else max(1, iters // 10)
         s = timed(fn_for(q), dev, it, reps)
         gbps = moved / s / 1e9
-        rows.append(dict(case=name, quantizer=q, ran=ran.get(q), launches=len(groups) if ran.get(q) == "native" else 0,
-                         pieces=len(jobs), bytes_moved=moved, ms=round(s * 1e3, 4), GBps=round(gbps, 3),
-                         copy_ms=round(copy_s * 1e3, 4), copy_GBps=round(copy_gbps, 3),
-                         vs_copy=round(gbps / copy_gbps, 3)))
+        rows.append(
+            dict(
+                case=name,
+                quantizer=q,
+                ran=ran.get(q),
+                launches=len(groups) if ran.get(q) == "native" else 0,
+                pieces=len(jobs),
+                bytes_moved=moved,
+                ms=round(s * 1e3, 4),
+                GBps=round(gbps, 3),
+                copy_ms=round(copy_s * 1e3, 4),
+                copy_GBps=round(copy_gbps, 3),
+                vs_copy=round(gbps / copy_gbps, 3),
+            )
+        )
     if check and "reference" not in quantizers:
         out["reference"] = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
         fn_for("reference")()
@@ -145,8 +165,11 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--native-only", action="store_true", help="skip the (slow) reference")
     ap.add_argument("--minb", help="comma-separated CTAs-per-SM values to compare (child processes)")
-    ap.add_argument("--variants", help="comma-separated kernel variants v<n>[:<minb>] to compare "
-                    "(child processes; each checked byte for byte against the reference)")
+    ap.add_argument(
+        "--variants",
+        help="comma-separated kernel variants v<n>[:<minb>] to compare "
+        "(child processes; each checked byte for byte against the reference)",
+    )
     ap.add_argument("--check-only-native", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.minb:
@@ -155,6 +178,7 @@ def main(argv=None):
         return sweep_variants(a)
     import torch
     from wxfer.runtime import fp8
+
     if a.dry_run:
         dev = torch.device("cpu")
         a.reps, a.iters = min(a.reps, 2), min(a.iters, 2)
@@ -164,8 +188,9 @@ def main(argv=None):
         dev = torch.device("cuda", torch.cuda.current_device())
     shapes = CASES["dry" if a.dry_run else "full"]
     inf = fp8.info(dev)
-    quantizers = ([] if a.native_only and inf["quantizer"] == "native" else ["reference"]) + \
-        (["native"] if inf["quantizer"] == "native" else [])
+    quantizers = ([] if a.native_only and inf["quantizer"] == "native" else ["reference"]) + (
+        ["native"] if inf["quantizer"] == "native" else []
+    )
     chk = a.check_only_native
     g = torch.Generator(device="cpu").manual_seed(0)
     dense = torch.randn(*shapes["dense"], generator=g).to(torch.bfloat16).to(dev)
@@ -173,23 +198,44 @@ def main(argv=None):
     ex = [experts[e] for e in range(experts.shape[0])]
     rows = []
     rows += run_case("dense %dx%d" % shapes["dense"], [dense], 1, dev, quantizers, a.iters, a.reps, chk)
-    rows += run_case("experts %dx%dx%d, one call" % shapes["experts"], ex, 1, dev, quantizers, a.iters, a.reps,
-                     chk)
-    rows += run_case("experts %dx%dx%d, call per expert" % shapes["experts"], ex, len(ex), dev, quantizers,
-                     max(1, a.iters // 4), a.reps, chk)
+    rows += run_case("experts %dx%dx%d, one call" % shapes["experts"], ex, 1, dev, quantizers, a.iters, a.reps, chk)
+    rows += run_case(
+        "experts %dx%dx%d, call per expert" % shapes["experts"],
+        ex,
+        len(ex),
+        dev,
+        quantizers,
+        max(1, a.iters // 4),
+        a.reps,
+        chk,
+    )
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none (CPU dry run)"
     print(f"bench_quant on {platform.node()}, {gpu}; native quantizer: {inf['quantizer']} ({inf['reason']})")
     print("| case | quantizer | launches | ms | effective GB/s | on-device copy GB/s | vs copy |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['quantizer']} | {r['launches']} | {r['ms']:.3f} | {r['GBps']:.1f} | "
-              f"{r['copy_GBps']:.1f} | {r['vs_copy']:.3f} |")
+        print(
+            f"| {r['case']} | {r['quantizer']} | {r['launches']} | {r['ms']:.3f} | {r['GBps']:.1f} | "
+            f"{r['copy_GBps']:.1f} | {r['vs_copy']:.3f} |"
+        )
     if any(r.get("identical") is False for r in rows):
         print("bench_quant: the native bytes differ from the reference", file=sys.stderr)
     if a.json:
-        print(json.dumps(dict(bench="quant", machine=platform.node(), gpu=gpu, torch=torch.__version__,
-                              dry_run=a.dry_run, native=inf, variant=os.environ.get("WXFER_FP8_VARIANT", "") or fp8.DEFAULT_VARIANT,
-                              minb=os.environ.get("WXFER_FP8_MINB", ""), results=rows)))
+        print(
+            json.dumps(
+                dict(
+                    bench="quant",
+                    machine=platform.node(),
+                    gpu=gpu,
+                    torch=torch.__version__,
+                    dry_run=a.dry_run,
+                    native=inf,
+                    variant=os.environ.get("WXFER_FP8_VARIANT", "") or fp8.DEFAULT_VARIANT,
+                    minb=os.environ.get("WXFER_FP8_MINB", ""),
+                    results=rows,
+                )
+            )
+        )
     return 1 if any(r.get("identical") is False for r in rows) else 0
 
 
@@ -198,8 +244,16 @@ def sweep_minb(a):
     rows, gpu = [], None
     for v in a.minb.split(","):
         env = dict(os.environ, WXFER_FP8_MINB=v.strip())
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--native-only", "--reps", str(a.reps),
-               "--iters", str(a.iters)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--json",
+            "--native-only",
+            "--reps",
+            str(a.reps),
+            "--iters",
+            str(a.iters),
+        ]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if p.returncode != 0:
             print(p.stdout[-2000:] + p.stderr[-2000:], file=sys.stderr)
@@ -221,6 +275,7 @@ def sweep_variants(a):
     """The native rows of each kernel variant (v<n>[:<minb>]), one child process each, every
     case's bytes compared with the reference's (quantized once, untimed) in that child."""
     import re
+
     specs = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in specs:
         if not re.fullmatch(r"v\d+(:\d+)?", v):
@@ -232,8 +287,17 @@ def sweep_variants(a):
         env.pop("WXFER_FP8_MINB", None)
         if minb:
             env["WXFER_FP8_MINB"] = minb
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--native-only", "--check-only-native",
-               "--reps", str(a.reps), "--iters", str(a.iters)] + (["--dry-run"] if a.dry_run else [])
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--json",
+            "--native-only",
+            "--check-only-native",
+            "--reps",
+            str(a.reps),
+            "--iters",
+            str(a.iters),
+        ] + (["--dry-run"] if a.dry_run else [])
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         if p.returncode != 0 and not p.stdout.strip().endswith("}"):
             print(f"bench_quant: variant {v} failed:\n" + p.stdout[-2000:] + p.stderr[-2000:], file=sys.stderr)
@@ -246,8 +310,9 @@ def sweep_variants(a):
             bad.append(v)
             continue
         if not a.dry_run and res["native"]["quantizer"] != "native":
-            print(f"bench_quant: variant {v}: the native kernel did not run: {res['native']['reason']}",
-                  file=sys.stderr)
+            print(
+                f"bench_quant: variant {v}: the native kernel did not run: {res['native']['reason']}", file=sys.stderr
+            )
             bad.append(v)
             continue
         want = "reference" if a.dry_run else "native"
@@ -256,15 +321,29 @@ def sweep_variants(a):
     print("| case | variant | ms | effective GB/s | vs copy | identical to the reference |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['variant']} | {r['ms']:.3f} | {r['GBps']:.1f} | {r['vs_copy']:.3f} | "
-              f"{r.get('identical')} |")
+        print(
+            f"| {r['case']} | {r['variant']} | {r['ms']:.3f} | {r['GBps']:.1f} | {r['vs_copy']:.3f} | "
+            f"{r.get('identical')} |"
+        )
     if a.json:
-        print(json.dumps(dict(bench="quant-variants", machine=platform.node(), gpu=gpu, dry_run=a.dry_run,
-                              failed=bad, results=rows)))
+        print(
+            json.dumps(
+                dict(
+                    bench="quant-variants",
+                    machine=platform.node(),
+                    gpu=gpu,
+                    dry_run=a.dry_run,
+                    failed=bad,
+                    results=rows,
+                )
+            )
+        )
     differ = [r for r in rows if r.get("identical") is False]
     if differ:
-        print("bench_quant: bytes differ from the reference: " +
-              ", ".join(sorted({r["variant"] for r in differ})), file=sys.stderr)
+        print(
+            "bench_quant: bytes differ from the reference: " + ", ".join(sorted({r["variant"] for r in differ})),
+            file=sys.stderr,
+        )
     return 1 if bad or differ else 0
 
 

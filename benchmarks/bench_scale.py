@@ -29,6 +29,7 @@ Per configuration (model x BF16/FP8 on the inference side), in fresh processes e
 Every inference rank's memory is compared after each method (per-parameter byte sums).
 Outputs (--out): results.json, table.md, machine.txt; --json prints one JSON object last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import bench_baselines as bb  # noqa: E402  -- models, buckets, machine description
 
-LAYOUTS = {"8gpu": dict(trainers=4, replicas=2, tp=2, colocated=False),
-           "4gpu": dict(trainers=4, replicas=2, tp=2, colocated=True),
-           "2gpu": dict(trainers=2, replicas=1, tp=2, colocated=True)}
+LAYOUTS = {
+    "8gpu": dict(trainers=4, replicas=2, tp=2, colocated=False),
+    "4gpu": dict(trainers=4, replicas=2, tp=2, colocated=True),
+    "2gpu": dict(trainers=2, replicas=1, tp=2, colocated=True),
+}
 MiB = 1 << 20
 
 
@@ -57,6 +60,7 @@ MiB = 1 << 20
 def weight(name: str, shape, dtype, dev):
     """The full tensor of training parameter `name`: deterministic, the same in every process."""
     import torch
+
     g = torch.Generator(device=dev).manual_seed(zlib.crc32(name.encode()))
     t = torch.randn(tuple(shape), generator=g, device=dev, dtype=torch.float32)
     t = t.mul_(0.1).add_(1.0) if len(shape) == 1 else t.mul_(0.02)
@@ -71,6 +75,7 @@ def rows(full, n: int, r: int):
 
 def device_of(a: dict, role: str, i: int):
     import torch
+
     if a["dry_run"]:
         return torch.device("cpu")
     g = i if role == "trainer" or a["colocated"] else a["trainers"] + i
@@ -94,9 +99,11 @@ def timed(fn, dev, reps: int = 3) -> float:
 
 def _child(role: str, i: int, phase: str, a: dict, cfg: dict) -> None:
     from wxfer.runtime import control
+
     ctl = control.Control(control.resolve_store(a["store"], False, a["timeout"]), a["name"], a["timeout"])
     try:
         import torch
+
         torch.set_num_threads(1 if a["dry_run"] else 4)
         dev = device_of(a, role, i)
         if dev.type == "cuda":
@@ -107,6 +114,7 @@ def _child(role: str, i: int, phase: str, a: dict, cfg: dict) -> None:
         raise
     finally:
         import torch.distributed as dist
+
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -114,10 +122,16 @@ def _child(role: str, i: int, phase: str, a: dict, cfg: dict) -> None:
 def _pg(a, phase, rank, world):
     import torch.distributed as dist
     from wxfer.runtime import control
+
     store = control.resolve_store(a["store"], False, a["timeout"])
     backend = "gloo" if a["dry_run"] else ("nccl" if phase == "wxfer" else "cpu:gloo,cuda:nccl")
-    dist.init_process_group(backend, store=dist.PrefixStore("pg/%s/%s" % (a["name"], phase), store), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=a["timeout"]))
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("pg/%s/%s" % (a["name"], phase), store),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=a["timeout"]),
+    )
 
 
 def _wxfer_phase(role, i, a, cfg, dev, ctl):
@@ -125,14 +139,24 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
     import torch.distributed as dist
     from wxfer.runtime import prepare
     from wxfer.runtime.receiver import Receiver
+
     conf, preset = bb.model_spec(cfg["model"])
     quant = "fp8" if cfg["quant"] == "fp8" else None
     tp, name = a["tp"], a["name"] + "_wx"
     if role == "receiver":
         params = bb.infer_params(bb.expanded(preset, conf, quant, tp), dev, i % tp)
         bb.reset(params)
-        r = Receiver(params, mapping=preset.name, store=a["store"], replica=i // tp, rank=i % tp, tp=tp,
-                     replicas=a["replicas"], name=name, timeout=a["timeout"])
+        r = Receiver(
+            params,
+            mapping=preset.name,
+            store=a["store"],
+            replica=i // tp,
+            rank=i % tp,
+            tp=tp,
+            replicas=a["replicas"],
+            name=name,
+            timeout=a["timeout"],
+        )
         ctl.get("wx/done", "the trainers' wxfer steps", a["timeout"])
         bb._sync_dev(dev)
         ctl.set_json("sum/wxfer/%d" % i, dict(sums=bb.checksums(params), version=r.version()))
@@ -143,10 +167,11 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
     from wxfer.runtime.sender import Sender
     from wxfer.meta import Cluster
     from wxfer.plan.simulate import simulate
+
     n = a["trainers"]
     _pg(a, "wxfer", i, n)
     with torch.device("meta"):
-        model = train_model(conf)     # transformers' class (MoE: experts fused 3-D, as transformers 5)
+        model = train_model(conf)  # transformers' class (MoE: experts fused 3-D, as transformers 5)
     model = model.to(torch.bfloat16)
     shard_fsdp2(model, init_device_mesh(dev.type, (n,)))
     model.to_empty(device=dev)
@@ -176,10 +201,17 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
         inp = torch.empty(per, dtype=torch.uint8, device=dev)
         out = torch.empty(per * n, dtype=torch.uint8, device=dev)
         t = timed(lambda: prepare.all_gather_single(out, inp), dev)
-        bw["allgather_GBps"] = per * (n - 1) / t / 1e9          # bytes into each rank over its link
+        bw["allgather_GBps"] = per * (n - 1) / t / 1e9  # bytes into each rank over its link
         del inp, out
-    s = Sender(model, mapping=preset, store=a["store"], name=name, watermark=a["watermark"], timeout=a["timeout"],
-               write_timeout=a["timeout"])
+    s = Sender(
+        model,
+        mapping=preset,
+        store=a["store"],
+        name=name,
+        watermark=a["watermark"],
+        timeout=a["timeout"],
+        write_timeout=a["timeout"],
+    )
     times = []
     for k in range(a["warmup"] + a["reps"]):
         bb._sync_dev(dev)
@@ -194,13 +226,26 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
     nbytes = [None] * n
     dist.all_gather_object(nbytes, s.bytes_per_step)
     if i == 0:
-        res = dict(bb._summ(times, sum(nbytes)), bytes=sum(nbytes), bytes_per_rank=nbytes, tasks=len(s.plan.tasks),
-                   transport=s.transport_name, bandwidths=bw)
+        res = dict(
+            bb._summ(times, sum(nbytes)),
+            bytes=sum(nbytes),
+            bytes_per_rank=nbytes,
+            tasks=len(s.plan.tasks),
+            transport=s.transport_name,
+            bandwidths=bw,
+        )
         if a.get("out"):
             s.write_trace(os.path.join(a["out"], "trace-%s-%s.json" % (cfg["model"], cfg["quant"])))
-        c = Cluster(train_gpus=n, infer_gpus=a["replicas"] * tp, infer_tp=tp, gpus_per_node=1 << 20,
-                    nvlink_GBps=bw.get("allgather_GBps", bw["mem_GBps"]), mem_GBps=bw["mem_GBps"],
-                    write_GBps=bw["write_GBps"], watermark_bytes=bb._parse_size(a["watermark"]))
+        c = Cluster(
+            train_gpus=n,
+            infer_gpus=a["replicas"] * tp,
+            infer_tp=tp,
+            gpus_per_node=1 << 20,
+            nvlink_GBps=bw.get("allgather_GBps", bw["mem_GBps"]),
+            mem_GBps=bw["mem_GBps"],
+            write_GBps=bw["write_GBps"],
+            watermark_bytes=bb._parse_size(a["watermark"]),
+        )
         sim = simulate(s.plan, c, record=False)
         res["simulated"] = dict(seconds=sim.simulated_s, lower_bound_s=sim.lower_bound_s, bottleneck=sim.bottleneck)
         ctl.set_json("res/wxfer", res)
@@ -214,6 +259,7 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
     import torch.distributed as dist
     from wxfer.runtime import prepare
     from wxfer.mapping import Layout, expand
+
     conf, preset = bb.model_spec(cfg["model"])
     quant = "fp8" if cfg["quant"] == "fp8" else None
     n, tp = a["trainers"], a["tp"]
@@ -222,7 +268,7 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
     _pg(a, "rank0", g, n + m)
     tgroup = dist.new_group(list(range(n)))
     bgroup = dist.new_group([0] + list(range(n, n + m)))
-    hf = preset.hf_params(conf, fused_experts=True)         # the names of the transformers 5 model
+    hf = preset.hf_params(conf, fused_experts=True)  # the names of the transformers 5 model
     ex = expand(preset.rules, {s: sh for s, (sh, _, _) in hf.items()}, Layout(tp, False, quant), conf)
     meta = {s: (tuple(sh), getattr(torch, dt)) for s, (sh, dt, _) in hf.items()}
     sizes = {s: int(torch.Size(sh).numel()) * torch.empty(0, dtype=dt).element_size() for s, (sh, dt) in meta.items()}
@@ -232,10 +278,10 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
         shards = {}
         for s, (sh, dt) in meta.items():
             full = weight(s, sh, dt, dev)
-            per = -(-sh[0] // n)                            # padded rows per rank, for the all-gather
+            per = -(-sh[0] // n)  # padded rows per rank, for the all-gather
             loc = rows(full, n, i)
             pad = torch.zeros((per,) + tuple(sh[1:]), dtype=dt, device=dev)
-            pad[:loc.shape[0]].copy_(loc)
+            pad[: loc.shape[0]].copy_(loc)
             shards[s] = pad
             del full
     else:
@@ -251,19 +297,19 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
             prepare.all_gather_single(out, loc, group=tgroup)
         else:
             out.copy_(loc)
-        return out[:sh[0]]
+        return out[: sh[0]]
 
     def step():
         works = [None] * len(plan)
         for k, (used, bucket) in enumerate(plan):
             if trainer:
                 if g == 0 and k >= 2:
-                    works[k - 2].wait()                     # double buffering: slot k % 2 free again
+                    works[k - 2].wait()  # double buffering: slot k % 2 free again
                 for c, offs in bucket:
                     for s, o in offs.items():
-                        full = gather(s)                     # every trainer: full_tensor()
+                        full = gather(s)  # every trainer: full_tensor()
                         if g == 0:
-                            bufs[k % 2][o:o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
+                            bufs[k % 2][o : o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
                 if g == 0:
                     works[k] = dist.broadcast(bufs[k % 2][:used], src=0, group=bgroup, async_op=True)
             else:
@@ -280,7 +326,8 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
                 w.wait()
 
     def barrier():
-        dist.all_reduce(torch.zeros(1))                     # CPU tensor: gloo, every process
+        dist.all_reduce(torch.zeros(1))  # CPU tensor: gloo, every process
+
     times = []
     for k in range(a["warmup"] + a["reps"]):
         bb._sync_dev(dev)
@@ -303,9 +350,12 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
 
 def _phase(ctx, a, cfg, phase, timeout) -> dict:
     from wxfer.runtime import control
+
     procs = [ctx.Process(target=_child, args=("trainer", r, phase, a, cfg), daemon=True) for r in range(a["trainers"])]
-    procs += [ctx.Process(target=_child, args=("receiver", j, phase, a, cfg), daemon=True)
-              for j in range(a["replicas"] * a["tp"])]
+    procs += [
+        ctx.Process(target=_child, args=("receiver", j, phase, a, cfg), daemon=True)
+        for j in range(a["replicas"] * a["tp"])
+    ]
     for p in procs:
         p.start()
     ctl = control.Control(control.resolve_store(a["store"], False, a["timeout"]), a["name"], a["timeout"])
@@ -319,14 +369,17 @@ def _phase(ctx, a, cfg, phase, timeout) -> dict:
                 for p in procs:
                     p.join(30)
                 return res
-            errs = {w: ctl.get("err/%s/%s" % (phase, w), "error").decode(errors="replace")
-                    for w in [f"trainer{r}" for r in range(a["trainers"])] + [f"receiver{j}" for j in range(m)]
-                    if ctl.check("err/%s/%s" % (phase, w))}
+            errs = {
+                w: ctl.get("err/%s/%s" % (phase, w), "error").decode(errors="replace")
+                for w in [f"trainer{r}" for r in range(a["trainers"])] + [f"receiver{j}" for j in range(m)]
+                if ctl.check("err/%s/%s" % (phase, w))
+            }
             dead = [p for p in procs if p.exitcode not in (None, 0)]
             if errs or dead or time.monotonic() - t0 > timeout:
                 time.sleep(1.0 if not errs else 0.5)
                 why = "; ".join(f"{w}: {e.strip().splitlines()[-1]}" for w, e in sorted(errs.items())) or (
-                    f"{len(dead)} process(es) died" if dead else f"over {timeout:.0f} s")
+                    f"{len(dead)} process(es) died" if dead else f"over {timeout:.0f} s"
+                )
                 return dict(error=why)
             time.sleep(0.05)
     finally:
@@ -341,6 +394,7 @@ def run(args) -> dict:
     import torch
     import torch.distributed as dist
     from wxfer.runtime import control
+
     for k, v in bb.NO_MULTICAST.items():
         os.environ.setdefault(k, v)
     lay = dict(LAYOUTS[args.layout]) if args.layout else dict(trainers=2, replicas=1, tp=2, colocated=True)
@@ -352,19 +406,30 @@ def run(args) -> dict:
     need = lay["trainers"] if lay["colocated"] else lay["trainers"] + lay["replicas"] * lay["tp"]
     need = max(need, lay["replicas"] * lay["tp"])
     if not args.dry_run and torch.cuda.device_count() < need:
-        raise SystemExit(f"this layout needs {need} GPUs, this machine has {torch.cuda.device_count()} "
-                         "(--dry-run runs it on the CPU)")
+        raise SystemExit(
+            f"this layout needs {need} GPUs, this machine has {torch.cuda.device_count()} "
+            "(--dry-run runs it on the CPU)"
+        )
     models = args.models.split(",") if args.models else list(bb.CPU_MODELS if args.dry_run else bb.GPU_MODELS)
     configs = [dict(model=mo, quant=q) for mo in models for q in args.quant.split(",")]
     port = control.free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout),
-                          wait_for_workers=False)
+    store = dist.TCPStore(  # noqa: F841 -- the store server lives as long as this reference
+        "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout), wait_for_workers=False
+    )
     out = os.path.abspath(args.out) if args.out else None
     if out:
         os.makedirs(out, exist_ok=True)
-    base = dict(lay, store="127.0.0.1:%d" % port, dry_run=args.dry_run, timeout=args.timeout, warmup=args.warmup,
-                reps=args.reps, watermark=args.watermark, out=out,
-                bucket=bb._parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")))
+    base = dict(
+        lay,
+        store="127.0.0.1:%d" % port,
+        dry_run=args.dry_run,
+        timeout=args.timeout,
+        warmup=args.warmup,
+        reps=args.reps,
+        watermark=args.watermark,
+        out=out,
+        bucket=bb._parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
+    )
     mach = bb.machine(args.dry_run)
     ctx = mp.get_context("spawn")
     results, t_start = [], time.perf_counter()
@@ -389,25 +454,34 @@ def run(args) -> dict:
             r["sim_over_measured"] = w["simulated"]["seconds"] / w["seconds"]
             r["wxfer_written"] = all(s["version"] == args.warmup + args.reps for s in w["sums"])
         results.append(r)
-        print(f"[{time.perf_counter() - t_start:.0f} s] {cfg['model']} {cfg['quant']}: " + "; ".join(
-            f"{k} {v['seconds']:.4f} s" if "seconds" in v else f"{k} {v.get('error')}"
-            for k, v in (("wxfer", w), ("rank0", z))), flush=True)
+        print(
+            f"[{time.perf_counter() - t_start:.0f} s] {cfg['model']} {cfg['quant']}: "
+            + "; ".join(
+                f"{k} {v['seconds']:.4f} s" if "seconds" in v else f"{k} {v.get('error')}"
+                for k, v in (("wxfer", w), ("rank0", z))
+            ),
+            flush=True,
+        )
         _write(out, results, mach)
     return dict(layout=lay, results=results, machine=mach, table=table(results))
 
 
 def table(results: list) -> str:
-    lines = ["| model | quant | senders | wxfer s | wxfer GB/s | rank0 s | rank0 / wxfer | simulated s | sim / measured "
-             "| bottleneck (sim) | check |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | quant | senders | wxfer s | wxfer GB/s | rank0 s | rank0 / wxfer | simulated s | sim / measured "
+        "| bottleneck (sim) | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         w, z, c = r.get("wxfer", {}), r.get("rank0", {}), r["config"]
-        f = (lambda d, k, fmt: format(d[k], fmt) if k in d else "-")
+        f = lambda d, k, fmt: format(d[k], fmt) if k in d else "-"
         lines.append(
-            f"| {c['model']} | {c['quant']} | {r['layout']['trainers']} | {f(w, 'seconds', '.4f')} | {f(w, 'gbps', '.1f')} "
+            f"| {c['model']} | {c['quant']} | {r['layout']['trainers']} | {f(w, 'seconds', '.4f')} | {f(w, 'gbps', '.1f')} "  # noqa: E501
             f"| {f(z, 'seconds', '.4f') if 'seconds' in z else z.get('error', '-')[:60]} "
             f"| {f(r, 'rank0_over_wxfer', '.2f')} | {f(w.get('simulated', {}), 'seconds', '.4f')} "
             f"| {f(r, 'sim_over_measured', '.2f')} | {w.get('simulated', {}).get('bottleneck', '-')} "
-            f"| {('ok' if r.get('check') else 'MISMATCH') if 'check' in r else '-'} |")
+            f"| {('ok' if r.get('check') else 'MISMATCH') if 'check' in r else '-'} |"
+        )
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@ deterministic training weights (plain tensors and an FSDP2 CPU-offloaded model h
 same bytes), per-parameter fingerprints and the reference packing's fingerprints, the
 inference-side load_fn checkpoint-engine calls (``Loader``) and a reader of
 checkpoint-engine's own log lines (``LogTap``)."""
+
 from __future__ import annotations
 
 import re
@@ -12,7 +13,7 @@ import zlib
 
 import bench_baselines as bb  # noqa: E402  -- _sync_dev
 
-CH = 1 << 24                      # fingerprint chunk (bytes)
+CH = 1 << 24  # fingerprint chunk (bytes)
 
 
 # --------------------------------------------------------------------------- weights and checks
@@ -21,6 +22,7 @@ CH = 1 << 24                      # fingerprint chunk (bytes)
 def weight(name: str, shape, dtype, dev):
     """Training tensor `name`: deterministic per name, the same wherever it is made."""
     import torch
+
     g = torch.Generator(device=dev).manual_seed(zlib.crc32(name.encode()))
     t = torch.randn(tuple(shape), generator=g, device=dev, dtype=torch.float32)
     t = t.mul_(0.1).add_(1.0) if len(shape) == 1 else t.mul_(0.02)
@@ -29,6 +31,7 @@ def weight(name: str, shape, dtype, dev):
 
 def train_weights(preset, conf, dev) -> dict:
     import torch
+
     return {n: weight(n, s, getattr(torch, dt), dev) for n, (s, dt, _) in preset.hf_params(conf).items()}
 
 
@@ -38,6 +41,7 @@ def fused_or_plain(name: str, shape, dtype, dev):
     = down_e. So both jobs' trainers (plain tensors with per-expert names, transformers' class
     with fused ones) give the receivers the same bytes."""
     import torch
+
     pre, _, last = name.rpartition(".")
     if pre.endswith("mlp.experts") and last in ("gate_up_proj", "down_proj"):
         E = shape[0]
@@ -45,8 +49,15 @@ def fused_or_plain(name: str, shape, dtype, dev):
             parts = [weight(f"{pre}.{e}.down_proj.weight", shape[1:], dtype, dev) for e in range(E)]
         else:
             half = (shape[1] // 2, shape[2])
-            parts = [torch.cat([weight(f"{pre}.{e}.gate_proj.weight", half, dtype, dev),
-                                weight(f"{pre}.{e}.up_proj.weight", half, dtype, dev)]) for e in range(E)]
+            parts = [
+                torch.cat(
+                    [
+                        weight(f"{pre}.{e}.gate_proj.weight", half, dtype, dev),
+                        weight(f"{pre}.{e}.up_proj.weight", half, dtype, dev),
+                    ]
+                )
+                for e in range(E)
+            ]
         return torch.stack(parts)
     return weight(name, shape, dtype, dev)
 
@@ -56,8 +67,9 @@ def fsdp_model(preset, conf, dev):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from wxfer.models import shard_fsdp2, train_model
+
     with torch.device("meta"):
-        model = train_model(conf)         # transformers' own class (experts fused, as in transformers 5)
+        model = train_model(conf)  # transformers' own class (experts fused, as in transformers 5)
     model = model.to(torch.bfloat16)
     model.to_empty(device=dev)
     want = preset.hf_params(conf, fused_experts=True)
@@ -85,6 +97,7 @@ class _Plain:
 
 def _u8(t):
     import torch
+
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -95,21 +108,23 @@ def _range_sums(b, p0: int):
     """(sum of bytes, sum of (position + 1) * byte) of the uint8 tensor `b` lying at byte `p0`
     of its parameter, as device int64 scalars (wrapping: compared modulo 2**64)."""
     import torch
+
     ar = _AR.get(b.device)
     if ar is None:
         ar = _AR[b.device] = torch.arange(1, CH + 1, dtype=torch.int64, device=b.device)
     s0 = torch.zeros((), dtype=torch.int64, device=b.device)
     s1 = torch.zeros((), dtype=torch.int64, device=b.device)
     for k in range(0, b.numel(), CH):
-        c = b[k:k + CH].to(torch.int64)
+        c = b[k : k + CH].to(torch.int64)
         cs = c.sum()
         s0 += cs
-        s1 += cs * (p0 + k) + (c * ar[:c.numel()]).sum()
+        s1 += cs * (p0 + k) + (c * ar[: c.numel()]).sum()
     return s0, s1
 
 
 def _fold(pairs) -> list:
     import torch
+
     if not pairs:
         return []
     return torch.stack([torch.stack(p) for p in pairs]).cpu().tolist()
@@ -118,6 +133,7 @@ def _fold(pairs) -> list:
 def fingerprints(params: dict) -> list:
     """Per parameter (sorted by name): [byte sum, position-weighted byte sum]."""
     import torch
+
     with torch.no_grad():
         return _fold([_range_sums(_u8(t), 0) for _, t in sorted(params.items())])
 
@@ -130,6 +146,7 @@ def reference(ex, fulls: dict) -> list:
     """The fingerprints the worker must hold: the mapping's reference packing of `fulls`."""
     import torch
     from wxfer.runtime import prepare
+
     dest = ex.dest[0]
     acc = {}
     with torch.no_grad():
@@ -152,7 +169,9 @@ def reference(ex, fulls: dict) -> list:
 
 def compare(got, want, ex) -> dict:
     names = sorted(ex.dest[0])
-    bad = [names[k] for k, (g, w) in enumerate(zip(got, want)) if [x % (1 << 64) for x in g] != [x % (1 << 64) for x in w]]
+    bad = [
+        names[k] for k, (g, w) in enumerate(zip(got, want)) if [x % (1 << 64) for x in g] != [x % (1 << 64) for x in w]
+    ]
     if len(got) != len(want):
         bad.append(f"{len(got)} parameters fingerprinted, {len(want)} expected")
     return dict(ok=not bad, differ=len(bad), first=bad[:3])
@@ -185,6 +204,7 @@ class Loader:
 
     def __call__(self, weights) -> None:
         import torch
+
         t0 = time.perf_counter()
         kept = []
         with torch.no_grad():
@@ -214,6 +234,7 @@ class Loader:
 
     def _write(self, c, fulls) -> None:
         from wxfer.runtime import prepare
+
         quant: dict = {}
         for sh in c.shards:
             if sh.rank == 0:
@@ -221,15 +242,24 @@ class Loader:
 
     def stats(self) -> dict:
         left = sorted(s for d in self.pending.values() for s in d)
-        return dict(components=self.done, of=len(self.comps), calls=self.calls, clones=self.clones,
-                    clone_bytes=self.clone_bytes, load_fn_s=self.seconds, missing_sources=len(left),
-                    ignored=sorted(self.ignored)[:5], complete=self.done == len(self.comps) and not left)
+        return dict(
+            components=self.done,
+            of=len(self.comps),
+            calls=self.calls,
+            clones=self.clones,
+            clone_bytes=self.clone_bytes,
+            load_fn_s=self.seconds,
+            missing_sources=len(left),
+            ignored=sorted(self.ignored)[:5],
+            complete=self.done == len(self.comps) and not left,
+        )
 
 
 def feed_in_buckets(loader: Loader, fulls: dict, bucket_bytes: int) -> None:
     """The loader-only check (no checkpoint-engine): the tensors in name order, packed into
     uint8 buckets of about `bucket_bytes` (256-byte aligned), each handed over as views."""
     import torch
+
     names = sorted(fulls)
     al = [-(-fulls[n].numel() * fulls[n].element_size() // 256) * 256 for n in names]
     dev = fulls[names[0]].device
@@ -241,8 +271,8 @@ def feed_in_buckets(loader: Loader, fulls: dict, bucket_bytes: int) -> None:
         while i < len(names) and (not batch or used + al[i] <= bucket_bytes):
             t = fulls[names[i]]
             n = t.numel() * t.element_size()
-            buf[base + used:base + used + n].copy_(_u8(t))
-            batch.append((names[i], buf[base + used:base + used + n].view(t.dtype).view(t.shape)))
+            buf[base + used : base + used + n].copy_(_u8(t))
+            batch.append((names[i], buf[base + used : base + used + n].view(t.dtype).view(t.shape)))
             used += al[i]
             i += 1
         loader(batch)
@@ -255,15 +285,18 @@ def feed_in_buckets(loader: Loader, fulls: dict, bucket_bytes: int) -> None:
 class LogTap:
     """checkpoint-engine's loguru lines (time, message), kept and parsed per update."""
 
-    PAT = dict(bucket=re.compile(r"begin to update bucket (\d+)/(\d+)"),
-               size=re.compile(r"auto detect bucket size ([\d.]+) GiB"),
-               done=re.compile(r"weights broadcast done"),
-               reg=re.compile(r"register pin_memory for bucket (\d+)/(\d+)"),
-               begin=re.compile(r"\[rank\d+\] update checkpoint \S+$"),
-               end=re.compile(r"\[rank\d+\] update checkpoint \S+ with ranks \S+ done\."))
+    PAT = dict(
+        bucket=re.compile(r"begin to update bucket (\d+)/(\d+)"),
+        size=re.compile(r"auto detect bucket size ([\d.]+) GiB"),
+        done=re.compile(r"weights broadcast done"),
+        reg=re.compile(r"register pin_memory for bucket (\d+)/(\d+)"),
+        begin=re.compile(r"\[rank\d+\] update checkpoint \S+$"),
+        end=re.compile(r"\[rank\d+\] update checkpoint \S+ with ranks \S+ done\."),
+    )
 
     def __init__(self, path: str | None):
         from loguru import logger
+
         self.lines: list = []
         logger.remove()
         logger.add(sys.stderr, level="WARNING")
@@ -286,10 +319,10 @@ class LogTap:
                 begin = t
             elif self.PAT["end"].match(m):
                 end = t
-            elif (g := self.PAT["bucket"].search(m)):
+            elif g := self.PAT["bucket"].search(m):
                 starts.append(t)
                 out["buckets"] = int(g.group(2))
-            elif (g := self.PAT["size"].search(m)):
+            elif g := self.PAT["size"].search(m):
                 out["bucket_GiB"] = float(g.group(1))
             elif "use h2d buffer" in m:
                 out["h2d_buffer"] = True
@@ -297,7 +330,7 @@ class LogTap:
                 out["h2d_buffer"] = False
             elif self.PAT["done"].search(m):
                 done = t
-            elif (g := self.PAT["reg"].search(m)):
+            elif g := self.PAT["reg"].search(m):
                 out["pool_buckets"] = int(g.group(2))
         if starts:
             gaps = [b - a for a, b in zip(starts, starts[1:] + ([done] if done else []))]

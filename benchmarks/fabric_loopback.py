@@ -8,6 +8,7 @@ source into it through one wxfer Engine (split into the backend's chunks, up to 
 in flight), timing submit -> wait for each write. The last write of every size is checked byte for byte. Prints one line
 per (provider, size) and a JSON list last, with the machine description.
 """
+
 import argparse
 import json
 import os
@@ -23,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main():
     from wxfer import _wxfer
     from wxfer.testing import TargetProcess
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--providers", default="tcp,shm")
     ap.add_argument("--sizes", default="1,4,16,64", help="MiB")
@@ -31,8 +33,7 @@ def main():
     args = ap.parse_args()
     sizes = [int(s) << 20 for s in args.sizes.split(",")]
     cap = max(sizes)
-    machine = "%s, %s, %d CPUs, %s" % (platform.node(), platform.machine(), os.cpu_count() or 0,
-                                      platform.platform())
+    machine = "%s, %s, %d CPUs, %s" % (platform.node(), platform.machine(), os.cpu_count() or 0, platform.platform())
     rows = []
     src = np.random.default_rng(0).integers(0, 256, cap, dtype=np.uint8)
     for prov in args.providers.split(","):
@@ -54,12 +55,21 @@ def main():
                     eng.wait(timeout=60)
                     times.append(time.perf_counter() - t0)
                 ok = tgt.read(0)[:n] == src[:n].tobytes()
-                row = {"provider": prov, "bytes": n, "best_gbps": n / min(times) / 1e9,
-                       "median_gbps": n / float(np.median(times)) / 1e9, "reps": args.reps,
-                       "verified": ok, "info": t.info()}
+                row = {
+                    "provider": prov,
+                    "bytes": n,
+                    "best_gbps": n / min(times) / 1e9,
+                    "median_gbps": n / float(np.median(times)) / 1e9,
+                    "reps": args.reps,
+                    "verified": ok,
+                    "info": t.info(),
+                }
                 rows.append(row)
-                print("%-4s %3d MiB: median %5.2f GB/s, best %5.2f GB/s, verified=%s"
-                      % (prov, n >> 20, row["median_gbps"], row["best_gbps"], ok), flush=True)
+                print(
+                    "%-4s %3d MiB: median %5.2f GB/s, best %5.2f GB/s, verified=%s"
+                    % (prov, n >> 20, row["median_gbps"], row["best_gbps"], ok),
+                    flush=True,
+                )
             eng.close()
             rs.close()
             t.close()

@@ -7,6 +7,7 @@
 Prints one line per configuration and the machine it ran on.  Targets (issue 3):
 Kimi-K2 simulated within 3% of the lower bound, plan built in <= 10 s on 2 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,24 +24,35 @@ from wxfer.plan import plan_for  # noqa: E402
 from wxfer.plan.simulate import simulate  # noqa: E402
 
 CONFIGS = {
-    "kimi-k2 256->8x16 EP fp8": ("kimi-k2", dict(train_gpus=256, infer_gpus=128, infer_tp=16, infer_ep=True,
-                                                  quant="fp8")),
-    "qwen3-235b 128->4x8 EP fp8": ("qwen3-235b", dict(train_gpus=128, infer_gpus=32, infer_tp=8, infer_ep=True,
-                                                       quant="fp8")),
+    "kimi-k2 256->8x16 EP fp8": (
+        "kimi-k2",
+        dict(train_gpus=256, infer_gpus=128, infer_tp=16, infer_ep=True, quant="fp8"),
+    ),
+    "qwen3-235b 128->4x8 EP fp8": (
+        "qwen3-235b",
+        dict(train_gpus=128, infer_gpus=32, infer_tp=8, infer_ep=True, quant="fp8"),
+    ),
 }
 EXTRA = {
-    "kimi-k2 256->8x16 TP-experts fp8": ("kimi-k2", dict(train_gpus=256, infer_gpus=128, infer_tp=16,
-                                                          infer_ep=False, quant="fp8")),
-    "kimi-k2 256->8x16 EP fp8 cpu-offload": ("kimi-k2", dict(train_gpus=256, infer_gpus=128, infer_tp=16,
-                                                              infer_ep=True, quant="fp8", cpu_offload=True)),
-    "qwen3-235b 128->4x8 EP bf16": ("qwen3-235b", dict(train_gpus=128, infer_gpus=32, infer_tp=8, infer_ep=True,
-                                                        quant=None)),
+    "kimi-k2 256->8x16 TP-experts fp8": (
+        "kimi-k2",
+        dict(train_gpus=256, infer_gpus=128, infer_tp=16, infer_ep=False, quant="fp8"),
+    ),
+    "kimi-k2 256->8x16 EP fp8 cpu-offload": (
+        "kimi-k2",
+        dict(train_gpus=256, infer_gpus=128, infer_tp=16, infer_ep=True, quant="fp8", cpu_offload=True),
+    ),
+    "qwen3-235b 128->4x8 EP bf16": (
+        "qwen3-235b",
+        dict(train_gpus=128, infer_gpus=32, infer_tp=8, infer_ep=True, quant=None),
+    ),
     "qwen3-8b 16->4x2 fp8": ("qwen3-8b", dict(train_gpus=16, infer_gpus=8, infer_tp=2, quant="fp8")),
 }
 
 
 def run(name, preset, kw, steps, calibration=None):
     from wxfer.plan.calibrate import get
+
     c = Cluster(nic_gbps=400, calibration=get(calibration), **kw)
     t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_for(preset, c)
@@ -52,15 +64,29 @@ def run(name, preset, kw, steps, calibration=None):
     r = simulate(plan, c, steps=steps, record=False)
     sim = time.perf_counter() - t2
     s = plan.summary()
-    return dict(config=name, params=s["params"], bytes_per_replica=s["bytes_per_replica"],
-                max_bytes_per_infer_gpu=s["max_bytes_per_infer_gpu"],
-                max_bytes_per_train_gpu=s["max_bytes_per_train_gpu"],
-                min_bytes_per_train_gpu=s["min_bytes_per_train_gpu"], tasks=s["tasks"],
-                transfers=s["transfers"], mesh_groups=s["mesh_groups"], plan_bytes=len(data),
-                build_s=round(build, 2), build_cpu_s=round(build_cpu, 2), encode_s=round(enc, 2), sim_wall_s=round(sim, 2),
-                lower_bound_s=round(r.lower_bound_s, 4), simulated_s=round(r.simulated_s, 4),
-                ratio=round(r.simulated_s / r.lower_bound_s, 4), bottleneck=r.bottleneck, bound_by=r.bound_by,
-                calibration=c.cal.name, stage_busy_s={k: round(v, 4) for k, v in r.stage_busy_s.items()})
+    return dict(
+        config=name,
+        params=s["params"],
+        bytes_per_replica=s["bytes_per_replica"],
+        max_bytes_per_infer_gpu=s["max_bytes_per_infer_gpu"],
+        max_bytes_per_train_gpu=s["max_bytes_per_train_gpu"],
+        min_bytes_per_train_gpu=s["min_bytes_per_train_gpu"],
+        tasks=s["tasks"],
+        transfers=s["transfers"],
+        mesh_groups=s["mesh_groups"],
+        plan_bytes=len(data),
+        build_s=round(build, 2),
+        build_cpu_s=round(build_cpu, 2),
+        encode_s=round(enc, 2),
+        sim_wall_s=round(sim, 2),
+        lower_bound_s=round(r.lower_bound_s, 4),
+        simulated_s=round(r.simulated_s, 4),
+        ratio=round(r.simulated_s / r.lower_bound_s, 4),
+        bottleneck=r.bottleneck,
+        bound_by=r.bound_by,
+        calibration=c.cal.name,
+        stage_busy_s={k: round(v, 4) for k, v in r.stage_busy_s.items()},
+    )
 
 
 def main(argv=None) -> int:
@@ -68,22 +94,29 @@ def main(argv=None) -> int:
     ap.add_argument("--all", action="store_true")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--calibration", default=None, help="a name (h200 = default, h200-native, free-stage2) or a "
-                                                        "file from `python -m wxfer calibrate --out FILE`")
+    ap.add_argument(
+        "--calibration",
+        default=None,
+        help="a name (h200 = default, h200-native, free-stage2) or a file from `python -m wxfer calibrate --out FILE`",
+    )
     a = ap.parse_args(argv)
-    print(f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"machine: {platform.platform()}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, load average {os.getloadavg()[0]:.1f}"
+    )
     cfgs = dict(CONFIGS, **(EXTRA if a.all else {}))
     for name, (preset, kw) in cfgs.items():
         d = run(name, preset, kw, a.steps, a.calibration)
         if a.json:
             print(json.dumps(d))
         else:
-            print(f"{name:40s} build {d['build_s']:5.2f} s (cpu {d['build_cpu_s']:5.2f} s)  sim {d['sim_wall_s']:5.2f} s  "
-                  f"transfers {d['transfers']:>9,}  plan {d['plan_bytes'] / 1e6:6.2f} MB  "
-                  f"max/GPU {d['max_bytes_per_infer_gpu'] / 1e9:6.2f} GB  lower bound {d['lower_bound_s']:.3f} s  "
-                  f"simulated {d['simulated_s']:.3f} s  ratio {d['ratio']:.4f}  ({d['bottleneck']}; {d['calibration']}: "
-                  f"bound by {d['bound_by']})")
+            print(
+                f"{name:40s} build {d['build_s']:5.2f} s (cpu {d['build_cpu_s']:5.2f} s)  sim {d['sim_wall_s']:5.2f} s  "  # noqa: E501
+                f"transfers {d['transfers']:>9,}  plan {d['plan_bytes'] / 1e6:6.2f} MB  "
+                f"max/GPU {d['max_bytes_per_infer_gpu'] / 1e9:6.2f} GB  lower bound {d['lower_bound_s']:.3f} s  "
+                f"simulated {d['simulated_s']:.3f} s  ratio {d['ratio']:.4f}  ({d['bottleneck']}; {d['calibration']}: "
+                f"bound by {d['bound_by']})"
+            )
     return 0
 
 

@@ -9,6 +9,7 @@ host allocations by plain ones; the CUDA IPC handle of the shared bucket buffer 
 shared-memory (file_system) handle that the worker rebuilds.  The copies, the buckets,
 the messages and the worker's state machine are checkpoint-engine's.
 """
+
 from __future__ import annotations
 
 import types
@@ -67,6 +68,7 @@ class CpuDeviceManager:
 def rebuild(manager: bytes, handle: bytes, size: int, numel: int):
     """The worker side of share(): the same shared-memory storage as a uint8 tensor."""
     import torch
+
     st = torch.UntypedStorage._new_shared_filename_cpu(manager, handle, size)
     return torch.empty(0, dtype=torch.uint8).set_(st, 0, (numel,), (1,))
 
@@ -82,11 +84,13 @@ def share(t):
 def install():
     import torch
     import torch.multiprocessing
+
     torch.multiprocessing.set_sharing_strategy("file_system")
     import checkpoint_engine.device_utils as du
     import checkpoint_engine.pin_memory as pm
     import checkpoint_engine.ps as ps
     import checkpoint_engine.worker as wk
+
     du.DeviceManager = ps.DeviceManager = wk.DeviceManager = CpuDeviceManager
     ps.reduce_tensor = share
 

@@ -11,6 +11,7 @@ if ROOT not in sys.path:
 def _cuda_count() -> int:
     try:
         import torch
+
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
         return 0
@@ -24,8 +25,7 @@ def pytest_collection_modifyitems(config, items):
                 n = _cuda_count()
             need = 2 if "gpu2" in item.keywords else 1
             if n < need:
-                item.add_marker(pytest.mark.skip(
-                    reason="needs %d CUDA GPU(s), this machine has %d" % (need, n)))
+                item.add_marker(pytest.mark.skip(reason="needs %d CUDA GPU(s), this machine has %d" % (need, n)))
         if "rdma" in item.keywords:
             devs = os.listdir("/sys/class/infiniband") if os.path.isdir("/sys/class/infiniband") else []
             if not devs:
@@ -38,6 +38,7 @@ def store(request):
     from datetime import timedelta
     import torch.distributed as dist
     from wxfer.runtime import control
+
     port = control.free_port()
     t = getattr(request.module, "T", 30.0)
     s = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=t), wait_for_workers=False)

@@ -1,14 +1,15 @@
 """Helper processes for tests/test_faults.py (not a test module).
 
-    python tests/fault_worker.py receiver STORE NAME REPLICA REPLICAS OUT
-        an inference worker (TINY model, TP 1): registers, then waits (bounded) for the
-        store key test/dump/<gpu>, saves its parameters, version() and state() to
-        OUT/<gpu>.pt, exits.  A dump request "wait N" first calls wait_version(N, 20) and
-        saves what it raised (wait_error) and after how many seconds (wait_s).
-    python tests/fault_worker.py trainer STORE NAME KILL_AFTER_TASKS
-        a trainer (world 1): pushes step 1, changes the weights, and during step 2 kills
-        itself with SIGKILL after KILL_AFTER_TASKS tasks were handed to the engine.
+python tests/fault_worker.py receiver STORE NAME REPLICA REPLICAS OUT
+    an inference worker (TINY model, TP 1): registers, then waits (bounded) for the
+    store key test/dump/<gpu>, saves its parameters, version() and state() to
+    OUT/<gpu>.pt, exits.  A dump request "wait N" first calls wait_version(N, 20) and
+    saves what it raised (wait_error) and after how many seconds (wait_s).
+python tests/fault_worker.py trainer STORE NAME KILL_AFTER_TASKS
+    a trainer (world 1): pushes step 1, changes the weights, and during step 2 kills
+    itself with SIGKILL after KILL_AFTER_TASKS tasks were handed to the engine.
 """
+
 import os
 import signal
 import sys
@@ -24,9 +25,19 @@ T = 30.0
 def receiver(store, name, replica, replicas, out):
     from wxfer.runtime import control
     from wxfer.runtime.receiver import Receiver
+
     params = inference_params(TINY, 1, 0)
-    r = Receiver(params, mapping=preset_for(TINY).name, store=store, name=name, replica=replica,
-                 replicas=replicas, tp=1, rank=0, timeout=T)
+    r = Receiver(
+        params,
+        mapping=preset_for(TINY).name,
+        store=store,
+        name=name,
+        replica=replica,
+        replicas=replicas,
+        tp=1,
+        rank=0,
+        timeout=T,
+    )
     print("ready", r.gpu, flush=True)
     ctl = r.ctl
     req = ctl.get("test/dump/%d" % r.gpu, "the test's dump request", 60).decode()
@@ -39,8 +50,7 @@ def receiver(store, name, replica, replicas, out):
         except Exception as e:  # noqa: BLE001 -- handed to the test
             extra["wait_error"] = f"{type(e).__name__}: {e}"
         extra["wait_s"] = time.monotonic() - t0
-    torch.save(dict(params=params, version=r.version(), state=r.state(), **extra),
-               os.path.join(out, "%d.pt" % r.gpu))
+    torch.save(dict(params=params, version=r.version(), state=r.state(), **extra), os.path.join(out, "%d.pt" % r.gpu))
     ctl.set("test/dumped/%d" % r.gpu, b"1")
     r.close()
     del control
@@ -56,9 +66,9 @@ def model():
 
 def trainer(store, name, kill_after):
     from wxfer.runtime.sender import Sender
+
     m = model()
-    s = Sender(m, mapping=preset_for(TINY), store=store, name=name, timeout=T, write_timeout=10,
-               watermark="64KiB")
+    s = Sender(m, mapping=preset_for(TINY), store=store, name=name, timeout=T, write_timeout=10, watermark="64KiB")
     s.push()
     print("pushed 1", flush=True)
     with torch.no_grad():
@@ -70,8 +80,9 @@ def trainer(store, name, kill_after):
         real(op, keep)
         n[0] += 1
         if n[0] == kill_after:
-            time.sleep(0.2)            # let the writes handed over so far land
+            time.sleep(0.2)  # let the writes handed over so far land
             os.kill(os.getpid(), signal.SIGKILL)
+
     s._run_task = run_task
     s.push()
     print("pushed 2 (the kill did not happen)", flush=True)

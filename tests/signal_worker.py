@@ -1,11 +1,12 @@
 """Helper process for tests/test_signals.py (not a test module).
 
-    python tests/signal_worker.py STORE
-        installs its own SIGTERM handler, opens a fabric transport (a Receiver in a thread
-        and a Sender, world 1, TINY model), pushes until interrupted; prints what it sees:
-        "ready" once the first push returned, "term handler" when its SIGTERM handler ran,
-        "KeyboardInterrupt" and "finally" when SIGINT arrives.
+python tests/signal_worker.py STORE
+    installs its own SIGTERM handler, opens a fabric transport (a Receiver in a thread
+    and a Sender, world 1, TINY model), pushes until interrupted; prints what it sees:
+    "ready" once the first push returned, "term handler" when its SIGTERM handler ran,
+    "KeyboardInterrupt" and "finally" when SIGINT arrives.
 """
+
 import os
 import signal
 import sys
@@ -16,14 +17,18 @@ import time
 def main(store):
     terms = []
     signal.signal(signal.SIGTERM, lambda s, f: terms.append(s))
-    import torch
     from wxfer.models import TINY, inference_params, preset_for, train_model
     from wxfer.runtime.receiver import Receiver
     from wxfer.runtime.sender import Sender
+
     params = inference_params(TINY, 1, 0)
-    keep = []          # the receiver must outlive its thread
-    th = threading.Thread(target=lambda: keep.append(Receiver(params, mapping=preset_for(TINY).name, store=store,
-                                                              name="sig", timeout=30)), daemon=True)
+    keep = []  # the receiver must outlive its thread
+    th = threading.Thread(
+        target=lambda: keep.append(
+            Receiver(params, mapping=preset_for(TINY).name, store=store, name="sig", timeout=30)
+        ),
+        daemon=True,
+    )
     th.start()
     m = train_model(TINY)
     s = Sender(m, mapping=preset_for(TINY), store=store, name="sig", timeout=30, write_timeout=10)
@@ -43,7 +48,7 @@ def main(store):
     finally:
         print("finally", flush=True)
         sys.stdout.flush()
-        os._exit(0)        # the receiver thread is a daemon blocked in nothing we need
+        os._exit(0)  # the receiver thread is a daemon blocked in nothing we need
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ inference workers in their own processes; fabric tcp):
 - a second push() from another thread while one runs is refused, clearly (17.4);
 - trainer ranks given different mappings are refused on every process (17.6).
 """
+
 import os
 import re
 import subprocess
@@ -122,14 +123,42 @@ def _run(tmp_path, case):
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "worker.py").write_text(WORKER)
     sport = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, WXFER_STORE_PORT=str(sport), WXFER_STORE="127.0.0.1:%d" % sport,
-               OMP_NUM_THREADS="1", WXFER_FABRIC_PROVIDER="tcp")
-    tr = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                           str(tmp_path / "trainer.py"), case], env=dict(env, WXFER_STORE=""), cwd=tmp_path,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    w = subprocess.Popen([sys.executable, str(tmp_path / "worker.py")], env=env, cwd=tmp_path,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        WXFER_STORE_PORT=str(sport),
+        WXFER_STORE="127.0.0.1:%d" % sport,
+        OMP_NUM_THREADS="1",
+        WXFER_FABRIC_PROVIDER="tcp",
+    )
+    tr = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(tmp_path / "trainer.py"),
+            case,
+        ],
+        env=dict(env, WXFER_STORE=""),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    w = subprocess.Popen(
+        [sys.executable, str(tmp_path / "worker.py")],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     outs = []
     try:
         for p in (tr, w):
@@ -149,7 +178,7 @@ def test_a_push_failure_on_one_rank_reaches_the_other_and_concurrent_pushes_are_
         line = [ln for ln in tout.splitlines() if f"rank {r} step 2 " in ln]
         assert line and "did not fail" not in line[0], tout[-4000:]
         took = float(re.search(r"after ([\d.]+) s", line[0]).group(1))
-        assert took < 3 + 2, line[0]                         # within write_timeout (+ slack)
+        assert took < 3 + 2, line[0]  # within write_timeout (+ slack)
         assert "injected failure on rank 0" in line[0], line[0]
         if r == 1:
             assert "trainer rank 0 reports" in line[0], line[0]
@@ -170,7 +199,7 @@ def test_a_connect_failure_on_one_rank_fails_every_trainer_and_the_receiver(tmp_
     assert w.returncode == 3 and "worker setup failed" in wout, wout[-3000:]
     assert "SetupError" in wout and "no_such_option" in wout and "rank 1" in wout, wout[-3000:]
     took = float(re.search(r"failed after ([\d.]+) s", wout).group(1))
-    assert took < 40, wout                                   # not its full timeout
+    assert took < 40, wout  # not its full timeout
     print(f"connect failure reached the receiver in {took:.1f} s (run {time.monotonic() - t0:.0f} s)")
 
 

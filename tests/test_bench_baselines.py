@@ -2,6 +2,7 @@
 models, BF16 and FP8, gloo + fabric tcp; the colocated layout through shared memory handles
 as on one GPU through CUDA IPC) runs every method end to end, and the rank-0 pattern and the
 per-tensor pattern leave the inference memory bit-identical to wxfer's."""
+
 import json
 import os
 import subprocess
@@ -15,17 +16,18 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 def test_buckets_hold_whole_components_and_every_source_once():
     import bench_baselines as bb
+
     conf, preset = bb.model_spec("tiny-moe")
     ex = bb.expanded(preset, conf, "fp8")
     sizes = {n: 4 * 1024 for n in preset.hf_params(conf)}
-    sizes["model.embed_tokens.weight"] = 50_000              # bigger than the bucket: the bucket grows
+    sizes["model.embed_tokens.weight"] = 50_000  # bigger than the bucket: the bucket grows
     cap, plan = bb.buckets(ex, sizes, 16 * 1024)
     assert cap >= 50_000
     seen = []
     for used, bucket in plan:
         assert 0 < used <= cap
         spans = sorted((o, o + sizes[s]) for _, offs in bucket for s, o in offs.items())
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))        # no overlap
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
         assert spans[-1][1] <= used
         seen += [s for c, offs in bucket for s in c.sources]
     want = [s for c in ex.components if c.shards for s in c.sources]
@@ -36,35 +38,62 @@ def test_buckets_hold_whole_components_and_every_source_once():
 def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
     out = tmp_path / "bb"
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_baselines.py"), "--dry-run",
-                        "--reps", "1", "--out", str(out), "--json", "--max-s", "150"],
-                       capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_baselines.py"),
+            "--dry-run",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+            "--json",
+            "--max-s",
+            "150",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["dry_run"] and res["machine"]["cpus"]
-    names = [(r["config"]["layout"], r["config"]["model"], r["config"]["quant"], r["config"]["trainer"])
-             for r in res["results"]]
+    names = [
+        (r["config"]["layout"], r["config"]["model"], r["config"]["quant"], r["config"]["trainer"])
+        for r in res["results"]
+    ]
     plain = [(l, m, q, "plain") for l in ("disagg", "colocated") for m in ("tiny", "tiny-moe") for q in ("bf16", "fp8")]
     assert names == plain + [("colocated", "tiny", "bf16", "fsdp2"), ("colocated", "tiny-moe", "fp8", "fsdp2")]
     for r in res["results"]:
         fsdp = r["config"]["trainer"] != "plain"
         assert set(r["methods"]) == ({"link", "wxfer"} if fsdp else {"link", "wxfer", "rank0", "per-tensor"}), r
         assert all(m["seconds"] > 0 and m["gbps"] > 0 for m in r["methods"].values())
-        assert r["checks"] == ({"wxfer_written": True, "reference": True} if fsdp else
-                               {"rank0": True, "per-tensor": True, "wxfer_written": True, "reference": True}), r
+        assert r["checks"] == (
+            {"wxfer_written": True, "reference": True}
+            if fsdp
+            else {"rank0": True, "per-tensor": True, "wxfer_written": True, "reference": True}
+        ), r
         assert r["wxfer_bytes_per_step"] == r["dest_bytes"]
-        byw = r["wxfer_by_watermark"]                  # two watermarks, each with its host times
+        byw = r["wxfer_by_watermark"]  # two watermarks, each with its host times
         assert sorted(int(w) for w in byw) == [256 << 20, 2 << 30]
         # host times of stages 1-2 per task (0 for zero-copy tasks: nothing to prepare), and the
         # loop's wall time up to the last submission
-        assert all(w["host"]["tasks"] == w["tasks"] and w["host"]["per_param_us"] >= 0 and w["submit_s"] > 0
-                   for w in byw.values())
+        assert all(
+            w["host"]["tasks"] == w["tasks"] and w["host"]["per_param_us"] >= 0 and w["submit_s"] > 0
+            for w in byw.values()
+        )
         assert any(w["host"]["per_param_us"] > 0 for w in byw.values()) or all(
-            w["zero_copy_tasks"] == w["tasks"] for w in byw.values())
+            w["zero_copy_tasks"] == w["tasks"] for w in byw.values()
+        )
         assert "simulated_s" in byw[str(2 << 30)], byw[str(2 << 30)].get("simulated_error")
         c = r["config"]
-        trace = json.loads((out / ("trace-%s-%s-%s%s.json" % (c["model"], c["quant"], c["layout"],
-                                                              "-fsdp2" if fsdp else ""))).read_text())
+        trace = json.loads(
+            (
+                out / ("trace-%s-%s-%s%s.json" % (c["model"], c["quant"], c["layout"], "-fsdp2" if fsdp else ""))
+            ).read_text()
+        )
         assert trace["traceEvents"]
     # transformers' dense class is sent as is; its MoE class (fused 3-D experts) falls back
     # to the plain trainer with a note while the mapping does not know those names
@@ -79,21 +108,54 @@ def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
 
 
 def test_unknown_method_is_refused():
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_baselines.py"), "--dry-run",
-                        "--methods", "wxfer,nope"], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_baselines.py"),
+            "--dry-run",
+            "--methods",
+            "wxfer,nope",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        cwd=ROOT,
+    )
     assert p.returncode != 0 and "unknown methods" in p.stderr + p.stdout
 
 
 @pytest.mark.timeout(90)
 def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
     out = tmp_path / "bb"
-    env = dict(os.environ, PYTHONPATH=ROOT, BB_FAIL_METHOD="rank0")     # the inference rank raises in rank0
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_baselines.py"), "--dry-run",
-                        "--models", "tiny", "--quant", "bf16", "--reps", "1", "--timeout", "30", "--out", str(out),
-                        "--json"], capture_output=True, text=True, timeout=80, env=env, cwd=ROOT)
+    env = dict(os.environ, PYTHONPATH=ROOT, BB_FAIL_METHOD="rank0")  # the inference rank raises in rank0
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_baselines.py"),
+            "--dry-run",
+            "--models",
+            "tiny",
+            "--quant",
+            "bf16",
+            "--reps",
+            "1",
+            "--timeout",
+            "30",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=env,
+        cwd=ROOT,
+    )
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])["results"][0]
     assert "injected failure in rank0" in r["errors"]["rank0"]
     assert set(r["methods"]) == {"link", "wxfer", "per-tensor"} and r["checks"]["per-tensor"] is True
-    assert "| tiny-bf16-disagg | rank0 | error: rank 1: RuntimeError: injected failure" in (out / "table.md").read_text()
+    assert (
+        "| tiny-bf16-disagg | rank0 | error: rank 1: RuntimeError: injected failure" in (out / "table.md").read_text()
+    )

@@ -4,6 +4,7 @@ buckets, also FP8), the fingerprints see misplaced rows, and the CPU dry run run
 method but checkpoint-engine end to end, saying why that one is skipped.  Where
 checkpoint-engine is importable, its own code (ParameterServer, update_weights_from_ipc)
 runs on CPU through tests/ckpt_engine_cpu_shim.py."""
+
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ def test_loader_in_small_buckets_writes_the_reference_bytes(model, quant):
     import torch
     import bench_baselines as bb
     import ckpt_engine_parts as cp
+
     conf, preset = bb.model_spec(model)
     ex = bb.expanded(preset, conf, "fp8" if quant == "fp8" else None)
     fulls = cp.train_weights(preset, conf, torch.device("cpu"))
@@ -45,9 +47,30 @@ def _run(tmp_path, *extra, env=None, timeout=150):
     e = dict(os.environ, PYTHONPATH=ROOT)
     e.pop("OUT", None)
     e.update(env or {})
-    p = subprocess.run([sys.executable, BENCH, "--dry-run", "--reps", "1", "--json", "--out", str(out),
-                        "--logs", str(tmp_path / "logs"), "--timeout", "40", "--step-timeout", "60", *extra],
-                       capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+    p = subprocess.run(
+        [
+            sys.executable,
+            BENCH,
+            "--dry-run",
+            "--reps",
+            "1",
+            "--json",
+            "--out",
+            str(out),
+            "--logs",
+            str(tmp_path / "logs"),
+            "--timeout",
+            "40",
+            "--step-timeout",
+            "60",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+        cwd=ROOT,
+    )
     lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     return p, lines, out
 
@@ -62,7 +85,7 @@ def test_dry_run_runs_everything_but_checkpoint_engine_and_says_why(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows, summary = lines[:-1], lines[-1]
     assert summary["type"] == "summary" and all(r["type"] == "row" for r in rows)
-    assert len(rows) == len(summary["steps"]) == 2 * 2 * 7          # models x quants x (4 gpu + 3 host steps)
+    assert len(rows) == len(summary["steps"]) == 2 * 2 * 7  # models x quants x (4 gpu + 3 host steps)
     for m in ("tiny", "tiny-moe"):
         for q in ("bf16", "fp8"):
             for job in ("gpu", "host"):
@@ -95,6 +118,7 @@ def test_a_failing_step_is_reported_and_the_others_still_run(tmp_path):
 def _ckpt_importable():
     try:
         import checkpoint_engine  # noqa: F401
+
         return True
     except Exception:  # noqa: BLE001
         return False
@@ -104,8 +128,11 @@ def _ckpt_importable():
 @pytest.mark.skipif(not _ckpt_importable(), reason="checkpoint-engine is not installed here")
 def test_checkpoint_engine_itself_on_cpu_leaves_the_reference_bytes(tmp_path):
     shim = os.path.join(ROOT, "tests", "ckpt_engine_cpu_shim.py")
-    env = {"BCE_CPU_SHIM": shim, "PS_MAX_BUCKET_SIZE_GB": "0.0002",          # many buckets
-           "PYTHONPATH": os.pathsep.join([ROOT] + [x for x in sys.path if "site" in x])}
+    env = {
+        "BCE_CPU_SHIM": shim,
+        "PS_MAX_BUCKET_SIZE_GB": "0.0002",  # many buckets
+        "PYTHONPATH": os.pathsep.join([ROOT] + [x for x in sys.path if "site" in x]),
+    }
     p, lines, _ = _run(tmp_path, "--models", "tiny-moe", env=env, timeout=190)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = lines[-1]

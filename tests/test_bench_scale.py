@@ -3,6 +3,7 @@ processes -> 1 replica x TP2, gloo + fabric tcp, tiny model) runs wxfer and the 
 broadcast end to end on the same weights, the rank-0 pattern leaves every inference rank
 bit-identical to wxfer, every receiver reaches the last version, and the simulator's
 prediction for the trainers' own plan is reported beside the measured time."""
+
 import json
 import os
 import subprocess
@@ -17,23 +18,46 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 def test_row_shards_are_torch_chunk_and_weights_are_deterministic():
     import torch
     import bench_scale as bs
+
     w = bs.weight("model.layers.0.mlp.up_proj.weight", (7, 3), torch.bfloat16, torch.device("cpu"))
     assert torch.equal(w, bs.weight("model.layers.0.mlp.up_proj.weight", (7, 3), torch.bfloat16, torch.device("cpu")))
-    assert not torch.equal(w, bs.weight("model.layers.0.mlp.gate_proj.weight", (7, 3), torch.bfloat16,
-                                        torch.device("cpu")))
+    assert not torch.equal(
+        w, bs.weight("model.layers.0.mlp.gate_proj.weight", (7, 3), torch.bfloat16, torch.device("cpu"))
+    )
     parts = [bs.rows(w, 4, r) for r in range(4)]
     assert [p.shape[0] for p in parts] == [2, 2, 2, 1] and torch.equal(torch.cat(parts), w)
-    assert bs.rows(w[:2], 4, 3).shape[0] == 0              # more ranks than rows: empty shards
+    assert bs.rows(w[:2], 4, 3).shape[0] == 0  # more ranks than rows: empty shards
 
 
 @pytest.mark.timeout(240)
 def test_dry_run_wxfer_and_rank0_agree_and_the_simulator_is_reported(tmp_path):
     out = tmp_path / "bs"
     env = dict(os.environ, PYTHONPATH=ROOT, WXFER_FABRIC_PROVIDER="tcp")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_scale.py"), "--dry-run",
-                        "--models", "tiny", "--quant", "bf16,fp8", "--reps", "1", "--out", str(out), "--json",
-                        "--config-timeout", "100", "--max-s", "200"],
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=230)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_scale.py"),
+            "--dry-run",
+            "--models",
+            "tiny",
+            "--quant",
+            "bf16,fp8",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+            "--json",
+            "--config-timeout",
+            "100",
+            "--max-s",
+            "200",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["layout"] == dict(trainers=2, replicas=1, tp=2, colocated=True)
@@ -44,7 +68,10 @@ def test_dry_run_wxfer_and_rank0_agree_and_the_simulator_is_reported(tmp_path):
         w = r["wxfer"]
         assert w["seconds"] > 0 and w["bytes"] == sum(w["bytes_per_rank"]) > 0
         assert all(v > 0 for v in w["bandwidths"].values()) and set(w["bandwidths"]) == {
-            "write_GBps", "mem_GBps", "allgather_GBps"}
+            "write_GBps",
+            "mem_GBps",
+            "allgather_GBps",
+        }
         assert 0 < w["simulated"]["lower_bound_s"] <= w["simulated"]["seconds"]
         assert r["sim_over_measured"] == pytest.approx(w["simulated"]["seconds"] / w["seconds"])
         assert r["rank0_over_wxfer"] == pytest.approx(r["rank0"]["seconds"] / w["seconds"])

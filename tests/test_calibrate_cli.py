@@ -1,5 +1,6 @@
 """`python -m wxfer calibrate --quick --json --out FILE` on this machine (CPU): a valid file
 that the plan CLI and wxfer.plan.calibrate.load take."""
+
 import json
 import subprocess
 import sys
@@ -14,23 +15,47 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 @pytest.mark.timeout(180)
 def test_calibrate_quick_writes_a_calibration_the_plan_cli_takes(tmp_path, capsys):
     out = tmp_path / "cal.json"
-    p = subprocess.run([sys.executable, "-m", "wxfer", "calibrate", "--quick", "--json", "--device", "cpu",
-                        "--out", str(out)], capture_output=True, text=True, timeout=170)
+    p = subprocess.run(
+        [sys.executable, "-m", "wxfer", "calibrate", "--quick", "--json", "--device", "cpu", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(p.stdout.strip().splitlines()[-1])
     from wxfer.plan.calibrate import load
+
     cal = load(str(out))
     assert cal.name == "measured-cpu" and cal.host_sync and cal.serial
     assert cal.quant_GBps > 0 and cal.copy_GBps > 0 and cal.write_GBps > 0 and cal.allgather_GBps > 0
-    assert cal.host_task_s + cal.host_param_s > 0                  # a real push has host work per task
+    assert cal.host_task_s + cal.host_param_s > 0  # a real push has host work per task
     assert 0 <= cal.write_call_s < 0.1 and 0 <= cal.coll_call_s < 0.5
     m = d["measured"]
     # a 4-layer model: one task per decoder layer (FSDP2 unit) and the root unit's, per push
     assert m["transport"] == "fabric" and m["allgather_backend"] == "gloo" and m["host_tasks"] >= 5
     assert "quantize" in m["quantizer"] and m["calibrate_s"] < 60
     from wxfer.plan.cli import main
-    assert main(["--preset", "qwen3-tiny", "--train-gpus", "2", "--infer-gpus", "2", "--infer-tp", "2",
-                 "--calibration", str(out), "--json", "--steps", "200"]) == 0
+
+    assert (
+        main(
+            [
+                "--preset",
+                "qwen3-tiny",
+                "--train-gpus",
+                "2",
+                "--infer-gpus",
+                "2",
+                "--infer-tp",
+                "2",
+                "--calibration",
+                str(out),
+                "--json",
+                "--steps",
+                "200",
+            ]
+        )
+        == 0
+    )
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert r["calibration"] == "measured-cpu" and r["simulated_s"] >= r["lower_bound_s"]
 
@@ -39,6 +64,7 @@ def test_simulate_measured_on_a_plan_with_a_given_calibration():
     from wxfer.meta import Calibration, Cluster
     from wxfer.plan import plan_for
     from wxfer.tools.calibrate import simulate_measured
+
     c = Cluster(train_gpus=2, infer_gpus=4, infer_tp=2, gpus_per_node=2, dense_shard=2)
     plan = plan_for("qwen3-tiny", c)
     cal = Calibration(name="given", host_param_s=1e-3, write_GBps=1.0, allgather_GBps=1.0, host_sync=True)
@@ -54,13 +80,18 @@ def test_calibrate_on_a_gpu(tmp_path):
     """On the H200: the quantizer and the copy on the GPU, writes over cuda_ipc between two
     processes (the same GPU twice when there is one), NCCL all-gather on two GPUs."""
     out = tmp_path / "gpu.json"
-    p = subprocess.run([sys.executable, "-m", "wxfer", "calibrate", "--quick", "--json", "--out", str(out)],
-                       capture_output=True, text=True, timeout=230)
+    p = subprocess.run(
+        [sys.executable, "-m", "wxfer", "calibrate", "--quick", "--json", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     d = json.loads(p.stdout.strip().splitlines()[-1])
     from wxfer.plan.calibrate import load
+
     cal = load(str(out))
     assert cal.name == "measured-cuda" and not cal.host_sync and cal.serial
-    assert cal.quant_GBps > 50 and cal.copy_GBps > 500          # H200: reference ~170 GB/s, copy ~2 TB/s
+    assert cal.quant_GBps > 50 and cal.copy_GBps > 500  # H200: reference ~170 GB/s, copy ~2 TB/s
     assert d["measured"]["transport"] == "cuda_ipc" and cal.write_GBps > 50
     assert d["measured"]["calibrate_s"] < 60

@@ -1,11 +1,11 @@
 """Control plane: bounded store access, error broadcast, the handshake through the store, and
 the whole setup (metadata -> plan -> connections) in one process with threads."""
+
 import threading
 import time
 from datetime import timedelta
 
 import pytest
-import torch
 
 pytest.importorskip("torch.distributed")
 import torch.distributed as dist  # noqa: E402
@@ -93,11 +93,15 @@ def test_resolve_store_address_forms(store, monkeypatch):
 @needs_fabric
 def test_handshake_through_the_store_then_a_write(store):
     import numpy as np
+
     tgt = _wxfer.Transport("fabric", {"provider": "tcp"})
     wr = _wxfer.Transport("fabric", {"provider": "tcp"})
     buf = np.zeros(4096, np.uint8)
     reg = tgt.register(buf)
-    ctl_t, ctl_w = Control(control.resolve_store(store.addr), "hs", 10), Control(control.resolve_store(store.addr), "hs", 10)
+    ctl_t, ctl_w = (
+        Control(control.resolve_store(store.addr), "hs", 10),
+        Control(control.resolve_store(store.addr), "hs", 10),
+    )
     th = threading.Thread(target=control.target_accept, args=(ctl_t, tgt, 5, 9))
     th.start()
     control.writer_connect(ctl_w, wr, 5, 9, tgt.export())

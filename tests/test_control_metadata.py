@@ -1,5 +1,6 @@
 """The controller's side of setup without processes: merging the trainers' metadata (expert
 parallelism), building the plan from receivers' metadata, and one rank's program."""
+
 import base64
 
 import pytest
@@ -13,14 +14,19 @@ from wxfer.runtime.receiver import decode_param_descriptor, encode_param_descrip
 
 
 def _meta(name, shape, meshes, placements=("Shard(dim=0)",), dtype="float32"):
-    return dict(name=name, shape=list(shape), dtype=dtype, meshes=[list(m) for m in meshes],
-                placements=list(placements))
+    return dict(
+        name=name, shape=list(shape), dtype=dtype, meshes=[list(m) for m in meshes], placements=list(placements)
+    )
 
 
 def test_merge_unions_the_meshes_of_ranks_holding_a_parameter():
     dense = _meta("d", (8, 4), [(0, 1), (2, 3)], ("Replicate()", "Shard(dim=0)"))
-    per_rank = [[dense, _meta("e0", (4, 4), [(0, 2)])], [dense, _meta("e1", (4, 4), [(1, 3)])],
-                [dense, _meta("e0", (4, 4), [(0, 2)])], [dense, _meta("e1", (4, 4), [(1, 3)])]]
+    per_rank = [
+        [dense, _meta("e0", (4, 4), [(0, 2)])],
+        [dense, _meta("e1", (4, 4), [(1, 3)])],
+        [dense, _meta("e0", (4, 4), [(0, 2)])],
+        [dense, _meta("e1", (4, 4), [(1, 3)])],
+    ]
     train, problems = program.merge_train_metadata(per_rank)
     by = {p.name: p for p in train}
     assert not problems
@@ -42,16 +48,25 @@ def test_plain_tensors_are_producible_only_where_reported():
 
 def _worker_meta(rep, rank, tp, quant=None, missing=()):
     params = inference_params(TINY, tp, rank, quant)
-    desc = {n: base64.b64encode(encode_param_descriptor(b"R%d" % (rep * tp + rank), 64 * i)).decode()
-            for i, n in enumerate(params)}
-    return dict(gpu=rep * tp + rank, replica=rep, rank=rank, tp=tp, replicas=2, ep=False,
-                params={n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in params.items()
-                        if n not in missing},
-                desc={n: d for n, d in desc.items() if n not in missing})
+    desc = {
+        n: base64.b64encode(encode_param_descriptor(b"R%d" % (rep * tp + rank), 64 * i)).decode()
+        for i, n in enumerate(params)
+    }
+    return dict(
+        gpu=rep * tp + rank,
+        replica=rep,
+        rank=rank,
+        tp=tp,
+        replicas=2,
+        ep=False,
+        params={n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in params.items() if n not in missing},
+        desc={n: d for n, d in desc.items() if n not in missing},
+    )
 
 
 def _train(world=2):
     from wxfer.models import train_model
+
     m = train_model(TINY)
     return [_meta(n, tuple(p.shape), [tuple(range(world))]) for n, p in m.named_parameters()], m
 
@@ -64,7 +79,7 @@ def test_controller_plan_and_rank_programs(quant):
     workers = [_worker_meta(rep, r, 2, quant) for rep in range(2) for r in range(2)]
     plan = program.build_controller_plan(train, workers, preset_for(TINY))
     assert plan.quant == quant and plan.replicas == 2 and plan.tp == 2
-    plan = program.plan_from_bytes(program.plan_to_bytes(plan))      # what every rank receives
+    plan = program.plan_from_bytes(program.plan_to_bytes(plan))  # what every rank receives
     senders = program.receivers_of(plan)
     assert sorted(senders) == [0, 1, 2, 3] and all(s for s in senders.values())
     params = dict(model.named_parameters())

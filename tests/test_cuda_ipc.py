@@ -5,6 +5,7 @@ without one. The receiving process is a separate process (multiprocessing, spawn
 registers its memory, sends its export blob, and then runs nothing until the writer asks it
 to read its memory back for the byte comparison.
 """
+
 import multiprocessing as mp
 import os
 import re
@@ -35,7 +36,7 @@ ARENA = [
     ("q_proj.weight", "bfloat16", (1024, 1024)),
     ("experts.w13", "float8_e4m3fn", (2048, 2048)),
     ("experts.w13.scale", "float32", (16, 16)),
-    ("embed", "bfloat16", (4096, 4096)),   # 32 MiB: several engine chunks
+    ("embed", "bfloat16", (4096, 4096)),  # 32 MiB: several engine chunks
 ]
 SEPARATE = ("lm_head", "float8_e4m3fn", (4096, 2048))  # 8 MiB, its own allocation
 
@@ -67,14 +68,15 @@ def _receiver(conn, device, env):
         views, regions, off = {}, {}, 0
         for (name, dt, shp), (_, padded) in zip(ARENA, sizes):
             nb = _nbytes(dt, shp)
-            views[name] = arena[off:off + nb].view(_dtype(dt)).view(shp)
+            views[name] = arena[off : off + nb].view(_dtype(dt)).view(shp)
             off += padded
         name, dt, shp = SEPARATE
         views[name] = torch.zeros(shp, dtype=_dtype(dt), device=device)
         for name, v in views.items():
             regions[name] = t.register(v, export=True)
-        conn.send(("ok", t.export(), {n: r.descriptor for n, r in regions.items()},
-                   {n: r.nbytes for n, r in regions.items()}))
+        conn.send(
+            ("ok", t.export(), {n: r.descriptor for n, r in regions.items()}, {n: r.nbytes for n, r in regions.items()})
+        )
     except Exception as e:  # reported to the test, which asserts on it
         conn.send(("error", "%s: %s" % (type(e).__name__, e)))
         return
@@ -192,7 +194,7 @@ def _roundtrip(wdev, rdev):
         loff, roff, n = 1 << 20, (5 << 20) + 4096, 2 << 20
         eng.submit(regs[name], [(rx.desc[name], roff, loff, n)])
         e = bytearray(rx.nbytes[name])
-        e[roff:roff + n] = _as_bytes(srcs[name])[loff:loff + n]
+        e[roff : roff + n] = _as_bytes(srcs[name])[loff : loff + n]
         expect[name] = bytes(e)
         eng.wait(timeout=60)
         eng.close()

@@ -4,6 +4,7 @@ fusion, TP 1).  A trainer process (FSDP2 over gloo, transformers' Qwen3ForCausal
 through it into a receiver in this process holding its own transformers model in BF16;
 every parameter must equal the trainer's weights in BF16, and the engine model's logits the
 logits of those weights."""
+
 import multiprocessing as mp
 import os
 import re
@@ -16,8 +17,10 @@ from wxfer import _wxfer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "mapping.md")
 FABRIC = _wxfer.backends()["fabric"][0]
-pytestmark = [pytest.mark.skipif(not FABRIC, reason="fabric transport not built"),
-              pytest.mark.skipif(not os.path.exists(DOC), reason="docs/mapping.md is not here (installed tests)")]
+pytestmark = [
+    pytest.mark.skipif(not FABRIC, reason="fabric transport not built"),
+    pytest.mark.skipif(not os.path.exists(DOC), reason="docs/mapping.md is not here (installed tests)"),
+]
 T = 60.0
 
 
@@ -36,6 +39,7 @@ def _trainer(addr, preset, cfg, out_path, port):
     from wxfer.models import logits, shard_fsdp2, train_model
     from wxfer.runtime import prepare
     from wxfer.runtime.sender import Sender
+
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -62,12 +66,13 @@ def test_hf_layout_preset_from_the_docs_between_two_processes(store, tmp_path):
     from wxfer.mapping import Fuse, Layout, expand
     from wxfer.runtime import control
     from wxfer.runtime.receiver import Receiver
+
     fn = _doc_preset_fn()
     cfg = dict(TINY)
     preset = fn(cfg)
     assert all(isinstance(r, Fuse) for r in preset.rules)
     # the preset covers every parameter of transformers' model, each into itself
-    engine = train_model(cfg, seed=99, dtype=torch.bfloat16)      # the engine's own model, other weights
+    engine = train_model(cfg, seed=99, dtype=torch.bfloat16)  # the engine's own model, other weights
     shapes = {n: tuple(p.shape) for n, p in engine.named_parameters()}
     ex = expand(preset.rules, shapes, Layout(tp=1), cfg)
     assert {n: d.shape for n, d in ex.dest[0].items()} == shapes
@@ -77,8 +82,17 @@ def test_hf_layout_preset_from_the_docs_between_two_processes(store, tmp_path):
     proc.start()
     try:
         before = {n: p.detach().clone() for n, p in engine.named_parameters()}
-        recv = Receiver(engine.named_parameters(), mapping=preset, store=addr, replica=0, rank=0, tp=1, replicas=1,
-                        name="custom", timeout=T)
+        recv = Receiver(
+            engine.named_parameters(),
+            mapping=preset,
+            store=addr,
+            replica=0,
+            rank=0,
+            tp=1,
+            replicas=1,
+            name="custom",
+            timeout=T,
+        )
         assert recv.wait_version(1, T) == 1
         proc.join(T)
         assert proc.exitcode == 0, proc.exitcode
@@ -89,9 +103,9 @@ def test_hf_layout_preset_from_the_docs_between_two_processes(store, tmp_path):
         assert any(not torch.equal(before[n], p.detach()) for n, p in engine.named_parameters())
         ids = torch.randint(0, cfg["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(5))
         with torch.no_grad():
-            got = logits(engine, ids).float()      # the engine's model, its own forward, in BF16
+            got = logits(engine, ids).float()  # the engine's model, its own forward, in BF16
         ok, err = logits_close(logits_of_weights(cfg, full, ids, torch.bfloat16), got, None)
-        assert ok and err < 0.01, err          # BF16 arithmetic (and BF16 rotary tables) against FP32
+        assert ok and err < 0.01, err  # BF16 arithmetic (and BF16 rotary tables) against FP32
         recv.close()
     finally:
         if proc.is_alive():

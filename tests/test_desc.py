@@ -1,5 +1,6 @@
 """Descriptor and export-blob decoding: round trips, and clean errors (never a crash) on
 truncated, garbage and wrong-version input."""
+
 import os
 import random
 import struct
@@ -22,16 +23,14 @@ def desc(addr=b"addr-bytes", version=1, kind=KIND_FABRIC, **kw):
 def export(addr=b"addr", regions=(), version=1, kind=KIND_FABRIC, count=None):
     body = b"".join(rinfo(**r) for r in regions)
     n = len(regions) if count is None else count
-    return (b"WXE" + bytes([version, kind, 0, 0, 0]) + struct.pack("<I", len(addr)) + addr
-            + struct.pack("<I", n) + body)
+    return b"WXE" + bytes([version, kind, 0, 0, 0]) + struct.pack("<I", len(addr)) + addr + struct.pack("<I", n) + body
 
 
 def test_descriptor_round_trip_fields():
     d = _wxfer.decode_descriptor(desc(addr=b"xyz", key=0xABC, base=0x10, nbytes=99, blob=b"hi"))
     assert d["transport"] == "fabric"
     assert d["address"] == b"xyz"
-    assert d["region"] == {"key": 0xABC, "base": 0x10, "nbytes": 99, "mem": "host",
-                           "device": -1, "blob": b"hi"}
+    assert d["region"] == {"key": 0xABC, "base": 0x10, "nbytes": 99, "mem": "host", "device": -1, "blob": b"hi"}
 
 
 def test_export_round_trip():

@@ -1,6 +1,7 @@
 """Issue 17.6: inference workers disagreeing on the layout (one says replicas=1, another
 replica 1 of 2) are refused at setup on every process: the trainer names the worker outside
 gpu 0's layout, and both workers raise, promptly.  Real worker processes over fabric tcp."""
+
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ from test_faults import _reap, _spawn  # noqa: E402
 @pytest.mark.timeout(120)
 def test_workers_disagreeing_on_replicas_are_refused_everywhere(store, tmp_path):
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     procs = [_spawn("receiver", addr, "dis", 0, 1, tmp_path), _spawn("receiver", addr, "dis", 1, 2, tmp_path)]
     try:
@@ -31,8 +33,11 @@ def test_workers_disagreeing_on_replicas_are_refused_everywhere(store, tmp_path)
         while ctl.add("infer/count", 0) < 2:
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.05)
-        with pytest.raises(SetupError, match="inference worker gpu 1 \\(replica 1 of 2, rank 0 of tp=1\\) lies "
-                                             "outside gpu 0's layout replicas=1 tp=1"):
+        with pytest.raises(
+            SetupError,
+            match="inference worker gpu 1 \\(replica 1 of 2, rank 0 of tp=1\\) lies "
+            "outside gpu 0's layout replicas=1 tp=1",
+        ):
             Sender(fault_worker.model(), mapping=preset_for(TINY), store=addr, name="dis", timeout=T)
         t0 = time.monotonic()
         outs = [p.communicate(timeout=T)[0] for p in procs]

@@ -2,6 +2,7 @@
 real sockets (fabric tcp).  Each run: every inference parameter equals, bit for bit, the
 mapping's reference packing of the trainers' weights, and the inference replicas' logits
 match the trainer's.  GPU variants carry the gpu / gpu2 markers."""
+
 import json
 import os
 import subprocess
@@ -12,13 +13,13 @@ import pytest
 from wxfer import _wxfer
 
 FABRIC = _wxfer.backends()["fabric"][0]
-needs_fabric = pytest.mark.skipif(not FABRIC, reason="fabric transport not built: %s"
-                                  % _wxfer.backends()["fabric"][1])
+needs_fabric = pytest.mark.skipif(not FABRIC, reason="fabric transport not built: %s" % _wxfer.backends()["fabric"][1])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _demo(monkeypatch=None, **kw):
     from wxfer.tools.demo import run_demo
+
     kw.setdefault("size", "tiny")
     kw.setdefault("timeout", 150)
     kw.setdefault("log", lambda *a: None)
@@ -40,14 +41,33 @@ def _check(res, steps):
 @pytest.mark.timeout(200)
 def test_demo_cli_bf16_json_and_unchanged_step():
     env = dict(os.environ, WXFER_DEMO_CPU="1", PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "wxfer", "demo", "--size", "tiny", "--steps", "2", "--unchanged-step",
-                        "--json", "--timeout", "150"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=190)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wxfer",
+            "demo",
+            "--size",
+            "tiny",
+            "--steps",
+            "2",
+            "--unchanged-step",
+            "--json",
+            "--timeout",
+            "150",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=190,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     for k in ("steps", "verified", "transport", "bytes_per_step", "step_s", "gbps", "simulated_s"):
         assert k in res
     _check(res, 3)
-    assert res["simulated_s"] > 0 and res["calibration"]["name"] == "measured-cpu"    # issue 15
+    assert res["simulated_s"] > 0 and res["calibration"]["name"] == "measured-cpu"  # issue 15
     assert res["transport"] == "fabric" and res["replicas"] == 2 and res["tp"] == 2
     assert res["logits_ok"] and max(res["logits_rel_err"]) < 0.02
     # the step with nothing changed moved the same bytes and left the receivers identical
@@ -78,7 +98,7 @@ def test_demo_mesh_groups_with_an_expert_sub_mesh(monkeypatch):
     res = _demo(moe=True, ep=True, trainers=4, replicas=1, steps=2)
     _check(res, 2)
     assert res["mesh_groups"] == 2 and res["ep"] and res["logits_ok"]
-    assert res["logits_rel_err"] == [0.0]          # BF16: the inference bytes are the trainers' weights in BF16
+    assert res["logits_rel_err"] == [0.0]  # BF16: the inference bytes are the trainers' weights in BF16
 
 
 @needs_fabric

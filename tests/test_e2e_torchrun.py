@@ -1,6 +1,7 @@
 """Under torchrun, with no store given: trainer rank 0 hosts the TCPStore at
 $MASTER_ADDR:$WXFER_STORE_PORT, the inference workers (separate processes, not in the
 trainers' process group) find it through $WXFER_STORE."""
+
 import os
 import subprocess
 import sys
@@ -56,14 +57,43 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path, case):
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "worker.py").write_text(WORKER)
     sport = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, WXFER_STORE_PORT=str(sport), WXFER_STORE="127.0.0.1:%d" % sport,
-               OMP_NUM_THREADS="1")
-    tr = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                           str(tmp_path / "trainer.py")], env=dict(env, WXFER_STORE=""), cwd=tmp_path,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ws = [subprocess.Popen([sys.executable, str(tmp_path / "worker.py"), str(r), case], env=env, cwd=tmp_path,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        WXFER_STORE_PORT=str(sport),
+        WXFER_STORE="127.0.0.1:%d" % sport,
+        OMP_NUM_THREADS="1",
+    )
+    tr = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(tmp_path / "trainer.py"),
+        ],
+        env=dict(env, WXFER_STORE=""),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ws = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "worker.py"), str(r), case],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     outs = []
     try:
         for p in [tr] + ws:
@@ -77,9 +107,10 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path, case):
         # the controller's error is raised on both trainer ranks and in both workers, by name
         bad = "model.layers.1.mlp.down_proj.weight: expected on replica 0 rank 1 but the worker lacks it"
         assert tr.returncode != 0 and ws[0].returncode != 0 and ws[1].returncode != 0
-        for r in (0, 1):     # torchrun prefixes each rank's traceback lines with [rankN]
-            assert any(ln.startswith(f"[rank{r}]") and "SetupError" in ln for ln in outs[0].splitlines()), \
-                outs[0][-3000:]
+        for r in (0, 1):  # torchrun prefixes each rank's traceback lines with [rankN]
+            assert any(ln.startswith(f"[rank{r}]") and "SetupError" in ln for ln in outs[0].splitlines()), outs[0][
+                -3000:
+            ]
         assert bad in outs[0]
         for out in outs[1:]:
             assert "SetupError" in out and bad in out, out[-3000:]
@@ -152,25 +183,54 @@ def test_two_trainers_both_name_a_killed_worker_and_both_take_its_restart(tmp_pa
     from datetime import timedelta
     import torch.distributed as dist
     from wxfer.runtime.control import Control
+
     (tmp_path / "trainer.py").write_text(FAULT_TRAINER)
     (tmp_path / "worker.py").write_text(FAULT_WORKER)
     sport = free_port()
-    env = dict(os.environ, PYTHONPATH=ROOT, WXFER_STORE_PORT=str(sport), WXFER_STORE="127.0.0.1:%d" % sport,
-               OMP_NUM_THREADS="1", WXFER_FABRIC_PROVIDER="tcp")
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        WXFER_STORE_PORT=str(sport),
+        WXFER_STORE="127.0.0.1:%d" % sport,
+        OMP_NUM_THREADS="1",
+        WXFER_FABRIC_PROVIDER="tcp",
+    )
 
     def spawn(*args, **kw):
-        return subprocess.Popen([sys.executable] + [str(a) for a in args], cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, **kw)
-    tr = spawn("-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", free_port(), tmp_path / "trainer.py", env=dict(env, WXFER_STORE=""))
+        return subprocess.Popen(
+            [sys.executable] + [str(a) for a in args],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            **kw,
+        )
+
+    tr = spawn(
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        free_port(),
+        tmp_path / "trainer.py",
+        env=dict(env, WXFER_STORE=""),
+    )
     ws = [spawn(tmp_path / "worker.py", 0, 3, env=env), spawn(tmp_path / "worker.py", 1, 99, env=env)]
     procs = [tr] + ws
     try:
         deadline = time.monotonic() + 120
-        while True:     # trainer rank 0 hosts the store: connect once it is up
+        while True:  # trainer rank 0 hosts the store: connect once it is up
             try:
-                ctl = Control(dist.TCPStore("127.0.0.1", sport, is_master=False, timeout=timedelta(seconds=60),
-                                            wait_for_workers=False), "default", 60)
+                ctl = Control(
+                    dist.TCPStore(
+                        "127.0.0.1", sport, is_master=False, timeout=timedelta(seconds=60), wait_for_workers=False
+                    ),
+                    "default",
+                    60,
+                )
                 break
             except Exception:  # noqa: BLE001
                 assert time.monotonic() < deadline and tr.poll() is None
@@ -201,6 +261,7 @@ def test_two_trainers_both_name_a_killed_worker_and_both_take_its_restart(tmp_pa
         assert line and "failed after" in line[0] and "naming gpu 1: True" in line[0], outs[0]
         assert float(line[0].split("failed after ")[1].split(" s")[0]) < 3 + 5, line
     import re
+
     rejoined = {int(r): int(n) for r, n in re.findall(r"rank (\d) step 3 ok rejoined (\d)", outs[0])}
     assert sorted(rejoined) == [0, 1], outs[0][-3000:]
     assert ws[0].returncode == 0 and "worker 0 version 3" in outs[1], outs[1]

@@ -1,6 +1,7 @@
 """The native engine over real processes and the libfabric transport (tcp and shm):
 bytes land, odd sizes and offsets, many small tasks, the watermark, refused writes, a
 vanished peer, and the GIL released while waiting."""
+
 import errno
 import threading
 import time
@@ -16,9 +17,10 @@ from wxfer.runtime.trace import held_over_time, to_chrome
 
 PROVIDERS = ["tcp", "shm"]
 
-pytestmark = pytest.mark.skipif(not wxfer.backends()["fabric"]["available"],
-                                reason="fabric backend unavailable: %s"
-                                % wxfer.backends()["fabric"]["reason"])
+pytestmark = pytest.mark.skipif(
+    not wxfer.backends()["fabric"]["available"],
+    reason="fabric backend unavailable: %s" % wxfer.backends()["fabric"]["reason"],
+)
 
 
 @pytest.fixture(params=PROVIDERS)
@@ -41,7 +43,7 @@ def test_odd_sizes_and_unaligned_offsets(pair):
         n = min(n, size - cursor)
         soff = int(rng.integers(0, size - n + 1))
         dests.append((tgt.descriptors[0], cursor, soff, n))
-        expect[cursor:cursor + n] = src[soff:soff + n]
+        expect[cursor : cursor + n] = src[soff : soff + n]
         cursor += n + int(rng.integers(0, 7))
     eng.submit(src, dests, tag=7)
     eng.wait(timeout=60)
@@ -63,19 +65,18 @@ def test_many_small_tasks_into_two_regions(pair):
             size, off = 1 + (i * 37) % 60, (i * 131) % (n2 - 64)
             data = rand(size, i)
             eng.submit(data, [(tgt.descriptors[1], off, 0, size)], tag=i)
-            exp2[off:off + size] = data
+            exp2[off : off + size] = data
         else:
             size, off = 2048 + i, i * 2500
             data = rand(size, i)
             eng.submit(data, [(tgt.descriptors[0], off, 0, size)], tag=i)
-            exp1[off:off + size] = data
+            exp1[off : off + size] = data
     eng.wait(timeout=60)
     assert np.array_equal(np.frombuffer(tgt.read(0), np.uint8), exp1)
     assert np.array_equal(np.frombuffer(tgt.read(1), np.uint8), exp2)
     recs = eng.trace()
     assert len(recs) == 400 and all(r["status"] == 0 for r in recs)
-    assert all(r["t_submit"] <= r["t_admit"] <= r["t_ready"] <= r["t_post_first"]
-               <= r["t_done"] for r in recs)
+    assert all(r["t_submit"] <= r["t_admit"] <= r["t_ready"] <= r["t_post_first"] <= r["t_done"] for r in recs)
     chrome = to_chrome(recs)
     assert sum(1 for e in chrome["traceEvents"] if e["ph"] == "X") >= 4 * 400 - 10
     eng.close()
@@ -87,8 +88,7 @@ def test_watermark_is_never_exceeded(pair):
     eng = _wxfer.Engine(t, watermark=wm, chunk=32 * 1024)
     task = 60 * 1024
     for i in range(40):
-        eng.submit(rand(task, i), [(tgt.descriptors[0], (i * task) % ((1 << 20) - task), 0, task)],
-                   tag=i)
+        eng.submit(rand(task, i), [(tgt.descriptors[0], (i * task) % ((1 << 20) - task), 0, task)], tag=i)
     eng.wait(timeout=60)
     recs = eng.trace()
     assert len(recs) == 40
@@ -111,9 +111,8 @@ def test_reserve_admits_before_the_source_exists(pair):
     for i in range(30):
         ta = eng.reserve(task)
         assert eng.stats()["held"] <= wm
-        src = rand(task, i)                                      # made after admission
-        eng.submit(src, [(tgt.descriptors[0], (i * task) % ((1 << 20) - task), 0, task)], tag=i,
-                   held=task, reserved=ta)
+        src = rand(task, i)  # made after admission
+        eng.submit(src, [(tgt.descriptors[0], (i * task) % ((1 << 20) - task), 0, task)], tag=i, held=task, reserved=ta)
     eng.wait(timeout=60)
     recs = eng.trace()
     assert len(recs) == 30 and all(r["t_admit"] <= r["t_submit"] for r in recs)
@@ -122,14 +121,14 @@ def test_reserve_admits_before_the_source_exists(pair):
     ta = eng.reserve(task)
     with pytest.raises(_wxfer.Error, match="outside"):
         eng.submit(rand(64, 0), [(tgt.descriptors[1], 1 << 40, 0, 64)], held=task, reserved=ta)
-    assert eng.stats()["held"] == 0                              # given back by the failed submit
+    assert eng.stats()["held"] == 0  # given back by the failed submit
     with pytest.raises(ValueError, match="held="):
         eng.submit(rand(64, 0), [(tgt.descriptors[1], 0, 0, 64)], reserved=ta)
-    eng.unreserve(eng.reserve(2 * wm) * 0 + 2 * wm)              # alone: admitted, then given back
+    eng.unreserve(eng.reserve(2 * wm) * 0 + 2 * wm)  # alone: admitted, then given back
     assert eng.stats()["held"] == 0
-    big = eng.reserve(2 * wm)                                    # over the watermark, alone
+    big = eng.reserve(2 * wm)  # over the watermark, alone
     t0 = time.monotonic()
-    eng.reserve(0)                                               # holds nothing: not held back
+    eng.reserve(0)  # holds nothing: not held back
     assert time.monotonic() - t0 < 1.0
     eng.unreserve(2 * wm)
     assert big > 0 and eng.stats()["held"] == 0
@@ -145,7 +144,7 @@ def test_bad_key_and_out_of_range_refused_before_posting(pair):
     # address length and the address
     alen = int.from_bytes(d[8:12], "little")
     koff = 12 + alen
-    d[koff:koff + 8] = (int.from_bytes(d[koff:koff + 8], "little") ^ 0x5A5A).to_bytes(8, "little")
+    d[koff : koff + 8] = (int.from_bytes(d[koff : koff + 8], "little") ^ 0x5A5A).to_bytes(8, "little")
     with pytest.raises(_wxfer.Error, match="key 0x"):
         eng.submit(rand(16, 0), [(bytes(d), 0, 0, 16)])
     with pytest.raises(_wxfer.Error, match="outside"):
@@ -167,8 +166,8 @@ def test_write_primitive(pair):
     r = t.register(src, export=False)
     t.write(r, 100, tgt.descriptors[1], 7, 4321, timeout=30)
     got = np.frombuffer(tgt.read(1), np.uint8)
-    assert np.array_equal(got[7:7 + 4321], src[100:100 + 4321])
-    assert not got[:7].any() and not got[7 + 4321:].any()
+    assert np.array_equal(got[7 : 7 + 4321], src[100 : 100 + 4321])
+    assert not got[:7].any() and not got[7 + 4321 :].any()
     with pytest.raises(_wxfer.Error, match="local range"):
         t.write(r, 4000, tgt.descriptors[1], 0, 2000)
     r.close()
@@ -219,7 +218,7 @@ def test_vanished_peer_raises_within_bounded_time(provider):
     assert elapsed < 20, elapsed
     assert "peer" in str(ei.value)
     err = ei.value
-    if err.task is not None:               # failed in the engine (not refused at submit)
+    if err.task is not None:  # failed in the engine (not refused at submit)
         assert err.peer == 0 and err.stage in ("post", "write", "deadline"), (err.peer, err.stage)
         assert err.tag == 0 and err.errno > 0 and err.reason in str(err)
         assert "task %d (tag 0), peer 0, %s: " % (err.task, err.stage) in str(err), str(err)
@@ -229,8 +228,11 @@ def test_vanished_peer_raises_within_bounded_time(provider):
     assert time.monotonic() - t0 < 20
 
 
-@pytest.mark.skipif(not _wxfer.TESTING, reason="the fault-injection option _test_refuse_peer is compiled "
-                    "only into test builds: build with WXFER_TESTING=1 (make build / make test do)")
+@pytest.mark.skipif(
+    not _wxfer.TESTING,
+    reason="the fault-injection option _test_refuse_peer is compiled "
+    "only into test builds: build with WXFER_TESTING=1 (make build / make test do)",
+)
 def test_isolate_fails_a_peer_whose_writes_are_never_accepted():
     """A transport that keeps answering -EAGAIN for one peer (as tcp;ofi_rxm does for a while
     for a peer that died, here forced by the TEST-ONLY option _test_refuse_peer): with
@@ -253,10 +255,10 @@ def test_isolate_fails_a_peer_whose_writes_are_never_accepted():
         assert isinstance(f, _wxfer.Error) and f.errno == errno.ETIMEDOUT and f.stage == "deadline", f
         assert f.tag in range(4) and f.task in range(1, 5), (f.tag, f.task)
         assert "not accepted for 1.5 s" in f.reason and "peer 1" in str(f), str(f)
-        assert eng.error() is None                      # isolate: the engine itself goes on
+        assert eng.error() is None  # isolate: the engine itself goes on
         assert took < 1.5 + 3, took
         assert good.read(0) == b"".join(s.tobytes() for s in srcs)
-        assert bad.read(0) == bytes(1 << 20)           # nothing reached the refused peer
+        assert bad.read(0) == bytes(1 << 20)  # nothing reached the refused peer
         eng.close()
         t.close()
 
@@ -268,12 +270,13 @@ def test_engine_closed_with_writes_out_releases_their_sources_when_the_transport
     import os
     import signal
     import sys
+
     opts = {"provider": "tcp"}
     with TargetProcess("fabric", opts, [4 << 20]) as tgt:
         t = _wxfer.Transport("fabric", opts)
         tgt.connect(t)
         eng = _wxfer.Engine(t, timeout=30)
-        eng.submit(rand(4096, 1), [(tgt.descriptors[0], 0, 0, 4096)])   # connection set up
+        eng.submit(rand(4096, 1), [(tgt.descriptors[0], 0, 0, 4096)])  # connection set up
         eng.wait(timeout=20)
         os.kill(tgt.proc.pid, signal.SIGSTOP)
         try:
@@ -284,9 +287,9 @@ def test_engine_closed_with_writes_out_releases_their_sources_when_the_transport
             while eng.stats()["inflight"] == 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert eng.stats()["inflight"] > 0
-            eng.close()                                  # writes still out: parked, source held
+            eng.close()  # writes still out: parked, source held
             assert sys.getrefcount(src) > base
-            t.close()                                    # cancels them; the source is let go
+            t.close()  # cancels them; the source is let go
             assert sys.getrefcount(src) == base
         finally:
             os.kill(tgt.proc.pid, signal.SIGCONT)
@@ -297,14 +300,14 @@ def _reordered_export(blob: bytes, order) -> bytes:
     csrc/transport/wx_desc.h: header, u32 address length, address, u32 n, n entries of
     key, rbase, len (u64), mem, device, blob_len (u32), blob)."""
     off = 12 + int.from_bytes(blob[8:12], "little")
-    n = int.from_bytes(blob[off:off + 4], "little")
+    n = int.from_bytes(blob[off : off + 4], "little")
     entries, p = [], off + 4
     for _ in range(n):
-        size = 36 + int.from_bytes(blob[p + 32:p + 36], "little")
-        entries.append(blob[p:p + size])
+        size = 36 + int.from_bytes(blob[p + 32 : p + 36], "little")
+        entries.append(blob[p : p + size])
         p += size
     assert p == len(blob) and sorted(order) == list(range(n))
-    return blob[:off + 4] + b"".join(entries[i] for i in order)
+    return blob[: off + 4] + b"".join(entries[i] for i in order)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -322,12 +325,12 @@ def test_peer_table_refreshed_while_writes_to_it_are_queued(provider):
         key = _wxfer.decode_descriptor(tgt.descriptors[0])["region"]["key"]
         keys = [r["key"] for r in _wxfer.decode_export(tgt.export)["regions"]]
         first = [keys.index(key), 1 - keys.index(key)]  # descriptor 0's region first
-        t.connect_request(_reordered_export(tgt.export, first))       # a refresh: no handshake
-        eng = _wxfer.Engine(t, chunk=512, depth=1, timeout=30)         # 512 writes, one at a time
+        t.connect_request(_reordered_export(tgt.export, first))  # a refresh: no handshake
+        eng = _wxfer.Engine(t, chunk=512, depth=1, timeout=30)  # 512 writes, one at a time
         srcs = [rand(size, 100 + i) for i in range(n)]
         for i, s in enumerate(srcs):
             eng.submit(s, [(tgt.descriptors[0], i * size, 0, size)], tag=i)
-        for _ in range(8):                                             # the worker re-exports
+        for _ in range(8):  # the worker re-exports
             peer, req = t.connect_request(_reordered_export(tgt.export, first[::-1]))
             assert (peer, req) == (0, b"")
         eng.wait(timeout=60)
@@ -345,7 +348,7 @@ def test_trace_is_a_bounded_ring(pair):
     eng = _wxfer.Engine(t)
     n = 65536 + 100
     for i in range(n):
-        eng.submit(rand(1, 0), [], tag=i)              # no destination: finishes at submit
+        eng.submit(rand(1, 0), [], tag=i)  # no destination: finishes at submit
     tr = eng.trace()
     assert len(tr) == 65536 and eng.stats()["trace_dropped"] == 100
     assert [r["tag"] for r in tr[:3]] == [100, 101, 102] and tr[-1]["tag"] == n - 1

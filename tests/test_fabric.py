@@ -8,6 +8,7 @@ The engine-level tests over the same backend live in test_engine.py; the C-level
 program tests/c/fabric_pair.c (built and run below) checks the target's memory at the
 very moment each completion arrives.
 """
+
 import glob
 import os
 import shutil
@@ -28,9 +29,10 @@ from wxfer.testing import pattern as rand
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROVIDERS = ["tcp", "shm"]
 
-pytestmark = pytest.mark.skipif(not wxfer.backends()["fabric"]["available"],
-                                reason="fabric backend unavailable: %s"
-                                % wxfer.backends()["fabric"]["reason"])
+pytestmark = pytest.mark.skipif(
+    not wxfer.backends()["fabric"]["available"],
+    reason="fabric backend unavailable: %s" % wxfer.backends()["fabric"]["reason"],
+)
 
 
 @pytest.fixture(params=PROVIDERS)
@@ -41,18 +43,22 @@ def pair(request):
 
 # --- options and provider selection (single process) -----------------------------------
 
+
 def test_unknown_option_is_rejected():
     with pytest.raises(_wxfer.Error, match="unknown option 'bogus'"):
         _wxfer.Transport("fabric", {"provider": "tcp", "bogus": "1"})
 
 
-@pytest.mark.parametrize("opts,match", [
-    ({"chunk": "lots"}, "chunk=lots"),
-    ({"depth": "0"}, "depth"),
-    ({"hmem": "maybe"}, "hmem=maybe"),
-    ({"progress": "fast"}, "progress=fast"),
-    ({"provider": "no-such-provider"}, "fi_getinfo"),
-])
+@pytest.mark.parametrize(
+    "opts,match",
+    [
+        ({"chunk": "lots"}, "chunk=lots"),
+        ({"depth": "0"}, "depth"),
+        ({"hmem": "maybe"}, "hmem=maybe"),
+        ({"progress": "fast"}, "progress=fast"),
+        ({"provider": "no-such-provider"}, "fi_getinfo"),
+    ],
+)
 def test_bad_option_values(opts, match):
     with pytest.raises(_wxfer.Error, match=match):
         _wxfer.Transport("fabric", opts)
@@ -108,6 +114,7 @@ def test_generic_keys_are_unique_per_registration():
 
 # --- two processes ----------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_odd_sizes_unaligned_offsets_and_nothing_else_touched(pair):
     t, tgt, _ = pair
@@ -116,10 +123,16 @@ def test_odd_sizes_unaligned_offsets_and_nothing_else_touched(pair):
     rs = t.register(src, export=False)
     expect = np.zeros(n, np.uint8)
     # 9 MiB + 3 crosses two 4 MiB chunks: the writes are split by Transport.write's engine
-    for size, loff, roff in [(1, 0, 0), (3, 1, 4095), (4097, 7, 10001), (65537, 13, 1 << 20),
-                             ((4 << 20) + 5, 5, 2 * 4096 + 3), ((9 << 20) - 7, 3, 1)]:
+    for size, loff, roff in [
+        (1, 0, 0),
+        (3, 1, 4095),
+        (4097, 7, 10001),
+        (65537, 13, 1 << 20),
+        ((4 << 20) + 5, 5, 2 * 4096 + 3),
+        ((9 << 20) - 7, 3, 1),
+    ]:
         t.write(rs, loff, tgt.descriptors[1], roff, size, timeout=20)
-        expect[roff:roff + size] = src[loff:loff + size]
+        expect[roff : roff + size] = src[loff : loff + size]
         got = np.frombuffer(tgt.read(1), np.uint8)
         assert np.array_equal(got, expect), "size %d at %d" % (size, roff)
     assert np.frombuffer(tgt.read(0), np.uint8).max() == 0  # the other region untouched
@@ -136,7 +149,7 @@ def test_many_small_writes(pair):
         size = 1 + (i * 29) % 64
         roff = (i * 3331) % ((1 << 20) - 64)
         t.write(rs, i * 64, tgt.descriptors[0], roff, size, timeout=10)
-        expect[roff:roff + size] = src[i * 64:i * 64 + size]
+        expect[roff : roff + size] = src[i * 64 : i * 64 + size]
     assert np.array_equal(np.frombuffer(tgt.read(0), np.uint8), expect)
     assert "errors=0 " in t.info()
     rs.close()
@@ -244,16 +257,24 @@ def test_shm_file_left_by_a_dead_process_with_our_pid_does_not_block_shm():
     """A process killed with an shm endpoint open leaves /dev/shm/PID:0:0; shm refused (EBUSY)
     to open an endpoint in a later process that got the same pid (seen in CI: pid reuse
     after the fault tests' kills). The first shm open of a process removes such leftovers."""
-    code = ("import os, sys\n"
-            "open('/dev/shm/%d:0:0' % os.getpid(), 'w').write('stale')\n"
-            "from wxfer import _wxfer\n"
-            "t = _wxfer.Transport('fabric', {'provider': 'shm'})\n"
-            "t2 = _wxfer.Transport('fabric', {'provider': 'shm'})   # a second one keeps the first's file\n"
-            "t2.close(); t.close()\n"
-            "assert not [f for f in os.listdir('/dev/shm') if f.startswith('%d:' % os.getpid())]\n"
-            "print('ok')\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                       capture_output=True, text=True, timeout=60)
+    code = (
+        "import os, sys\n"
+        "open('/dev/shm/%d:0:0' % os.getpid(), 'w').write('stale')\n"
+        "from wxfer import _wxfer\n"
+        "t = _wxfer.Transport('fabric', {'provider': 'shm'})\n"
+        "t2 = _wxfer.Transport('fabric', {'provider': 'shm'})   # a second one keeps the first's file\n"
+        "t2.close(); t.close()\n"
+        "assert not [f for f in os.listdir('/dev/shm') if f.startswith('%d:' % os.getpid())]\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
@@ -276,6 +297,7 @@ def test_close_with_writes_in_flight_completes_them(pair):
 @pytest.mark.gpu
 def test_cuda_memory_without_fi_hmem_is_refused_clearly():
     import torch
+
     # hmem=off: the provider is opened without FI_HMEM whatever this libfabric offers
     t = _wxfer.Transport("fabric", {"provider": "tcp", "hmem": "off"})
     assert "hmem=no" in t.info()
@@ -291,6 +313,7 @@ def test_cuda_memory_without_fi_hmem_is_refused_clearly():
 @pytest.mark.timeout(60)
 def test_cuda_target_where_the_provider_offers_fi_hmem():
     import torch
+
     t = _wxfer.Transport("fabric", {"provider": "shm"})
     if "hmem=yes" not in t.info():
         t.close()
@@ -315,6 +338,7 @@ def test_cuda_target_where_the_provider_offers_fi_hmem():
 
 # --- the C-level test program -----------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def fabric_pair(tmp_path_factory):
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -323,10 +347,19 @@ def fabric_pair(tmp_path_factory):
     exe = str(tmp_path_factory.mktemp("c") / "fabric_pair")
     dirs = [os.path.join(ROOT, "csrc", d) for d in ("core", "transport", "engine", "backends/fabric")]
     srcs = [os.path.join(ROOT, "tests", "c", "fabric_pair.c")] + [
-        p for d in dirs for p in sorted(glob.glob(os.path.join(d, "*.c")))]
-    subprocess.run([cc, "-std=gnu11", "-O2", "-g", "-DWX_HAVE_FABRIC=1"] + os.environ.get("WXFER_C_FLAGS", "").split()
-                   + ["-I" + d for d in dirs] + ["-o", exe] + srcs
-                   + ["-ldl", "-lpthread"], check=True, timeout=120, env=build_env())
+        p for d in dirs for p in sorted(glob.glob(os.path.join(d, "*.c")))
+    ]
+    subprocess.run(
+        [cc, "-std=gnu11", "-O2", "-g", "-DWX_HAVE_FABRIC=1"]
+        + os.environ.get("WXFER_C_FLAGS", "").split()
+        + ["-I" + d for d in dirs]
+        + ["-o", exe]
+        + srcs
+        + ["-ldl", "-lpthread"],
+        check=True,
+        timeout=120,
+        env=build_env(),
+    )
     return exe
 
 
@@ -334,7 +367,6 @@ def fabric_pair(tmp_path_factory):
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("scenario", ["basic", "landed", "small", "refuse", "dead", "closeout", "engine"])
 def test_c_program(fabric_pair, provider, scenario):
-    r = subprocess.run([fabric_pair, provider, scenario, "timeout=3"], capture_output=True,
-                       text=True, timeout=80)
+    r = subprocess.run([fabric_pair, provider, scenario, "timeout=3"], capture_output=True, text=True, timeout=80)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "%s ok" % scenario in r.stdout

@@ -1,5 +1,6 @@
 """Issue 8 faults, with real processes over fabric tcp: an inference worker killed in the
 middle of a step (and restarted); a trainer killed in the middle of a step."""
+
 import os
 import signal
 import subprocess
@@ -24,10 +25,15 @@ from wxfer.testing import expected_shards  # noqa: E402
 
 
 def _spawn(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               WXFER_FABRIC_PROVIDER="tcp")
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "fault_worker.py")] + [str(a) for a in args],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), WXFER_FABRIC_PROVIDER="tcp")
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "fault_worker.py")] + [str(a) for a in args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _reap(procs):
@@ -50,13 +56,15 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
     write deadline, write_timeout=3 s here, can tell).  Then a new process for that worker
     registers again and the trainer's next push takes it."""
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     procs = [_spawn("receiver", addr, "kw" + fault, q, 2, tmp_path) for q in range(2)]
     try:
         m = fault_worker.model()
         wt = 3.0
-        sender = Sender(m, mapping=preset_for(TINY), store=addr, name="kw" + fault, timeout=T, write_timeout=wt,
-                        watermark="64KiB")
+        sender = Sender(
+            m, mapping=preset_for(TINY), store=addr, name="kw" + fault, timeout=T, write_timeout=wt, watermark="64KiB"
+        )
         sender.push()
         with torch.no_grad():
             for p in m.parameters():
@@ -75,6 +83,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
                     procs[1].wait(10)
                 else:
                     procs[1].send_signal(signal.SIGSTOP)
+
         sender._run_task = run_task
         t0 = time.monotonic()
         with pytest.raises(RuntimeError) as ei:
@@ -82,7 +91,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
         took = time.monotonic() - t0
         msg = str(ei.value)
         print(f"worker {fault} mid-step: push failed after {took:.2f} s: {msg}")
-        assert took < wt + 5, took                     # within write_timeout (+ slack)
+        assert took < wt + 5, took  # within write_timeout (+ slack)
         if fault == "stop":
             assert "not complete after 3.0 s" in msg, msg
         assert "step 2" in msg and "inference worker gpu 1 (replica 1 rank 0," in msg, msg
@@ -95,7 +104,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
         with pytest.raises(RuntimeError) as ei:
             sender.push()
         msg = str(ei.value)
-        assert time.monotonic() - t0 < wt, msg             # no second wait for the dead one
+        assert time.monotonic() - t0 < wt, msg  # no second wait for the dead one
         assert "step 3" in msg and "inference worker gpu 1" in msg and "gpu 0" not in msg, msg
         # worker gpu 1 is started again: it registers anew and the next push takes it, with
         # no error and no restart of the trainer
@@ -120,7 +129,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
             assert got["version"] == 4, (g, got["version"])
             for dst, off, b in _expected(m):
                 flat = got["params"][dst].view(-1).view(torch.uint8)
-                assert torch.equal(flat[off:off + b.numel()], b), (g, dst)
+                assert torch.equal(flat[off : off + b.numel()], b), (g, dst)
         sender.close()
     finally:
         if fault == "stop" and procs[1].poll() is None:
@@ -130,13 +139,18 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
 
 def test_a_trainer_killed_mid_step_leaves_the_step_incomplete(store):
     from wxfer.runtime.receiver import Receiver
+
     s, addr = store
     params = inference_params(TINY, 1, 0)
     box = {}
-    th = threading.Thread(target=lambda: box.setdefault("r", Receiver(
-        params, mapping=preset_for(TINY).name, store=addr, name="kt", timeout=T)), daemon=True)
+    th = threading.Thread(
+        target=lambda: box.setdefault(
+            "r", Receiver(params, mapping=preset_for(TINY).name, store=addr, name="kt", timeout=T)
+        ),
+        daemon=True,
+    )
     th.start()
-    p = _spawn("trainer", addr, "kt", 2)     # of 3 tasks (one per FSDP2 unit): root, layer 0, layer 1
+    p = _spawn("trainer", addr, "kt", 2)  # of 3 tasks (one per FSDP2 unit): root, layer 0, layer 1
     try:
         out, _ = p.communicate(timeout=120)
     finally:
@@ -145,8 +159,9 @@ def test_a_trainer_killed_mid_step_leaves_the_step_incomplete(store):
     recv = box["r"]
     assert p.returncode == -signal.SIGKILL, out
     assert "pushed 1" in out and "pushed 2" not in out, out
-    step1 = {n: b.view(-1).view(torch.uint8) for n, b in
-             ((n, t) for n, t in [(d, None) for d in []])}   # placeholder for clarity
+    step1 = {
+        n: b.view(-1).view(torch.uint8) for n, b in ((n, t) for n, t in [(d, None) for d in []])
+    }  # placeholder for clarity
     del step1
     # some bytes of step 2 landed, but version() still says 1: step 2 is incomplete
     m = fault_worker.model()
@@ -155,10 +170,12 @@ def test_a_trainer_killed_mid_step_leaves_the_step_incomplete(store):
         for q in m.parameters():
             q.mul_(1.5)
     exp2 = _expected(m)
-    landed2 = sum(torch.equal(params[d].view(-1).view(torch.uint8)[o:o + b.numel()], b) for d, o, b in exp2)
-    still1 = sum(torch.equal(params[d].view(-1).view(torch.uint8)[o:o + b.numel()], b) for d, o, b in exp1)
-    print(f"trainer killed mid-step: {landed2} shards of step 2 landed, {still1} still hold step 1, "
-          f"version() = {recv.version()}")
+    landed2 = sum(torch.equal(params[d].view(-1).view(torch.uint8)[o : o + b.numel()], b) for d, o, b in exp2)
+    still1 = sum(torch.equal(params[d].view(-1).view(torch.uint8)[o : o + b.numel()], b) for d, o, b in exp1)
+    print(
+        f"trainer killed mid-step: {landed2} shards of step 2 landed, {still1} still hold step 1, "
+        f"version() = {recv.version()}"
+    )
     # the begin stamp of step 2 landed before its first data write: version() counts no step
     # while the weights mix steps 1 and 2, and state() says step 2 is (still) being written
     assert recv.version() == -1

@@ -2,6 +2,7 @@
 at any offsets, info() names why the native kernel is not used, the native piece table is
 validated (wx_fp8_check) with errors naming the piece, and Sender.stats() reports the
 quantizer. The kernel itself: tests/test_fp8_kernel.py (gpu)."""
+
 import array
 
 import pytest
@@ -21,19 +22,25 @@ def test_fallback_writes_the_reference_bytes_at_unaligned_offsets():
     g = torch.Generator().manual_seed(3)
     full = torch.randn(300, 520, generator=g).to(torch.bfloat16)
     experts = torch.randn(4, 130, 260, generator=g, dtype=torch.float32)
-    jobs_t = [full[64:320, 3:200], full[:, 128:256], experts[2], experts[1, :, 5:6],
-              torch.randn(1, 77, generator=g).to(torch.float16), torch.randn(9, 9, generator=g).double()]
+    jobs_t = [
+        full[64:320, 3:200],
+        full[:, 128:256],
+        experts[2],
+        experts[1, :, 5:6],
+        torch.randn(1, 77, generator=g).to(torch.float16),
+        torch.randn(9, 9, generator=g).double(),
+    ]
     out = torch.full((400_000,), 0xA5, dtype=torch.uint8)
     want = out.clone()
     jobs, off = [], 1
     for i, t in enumerate(jobs_t):
         q, s = quantize_fp8_block(t)
-        qo = off if i != 4 else None             # one job writes only its scales
+        qo = off if i != 4 else None  # one job writes only its scales
         if qo is not None:
-            want[qo:qo + q.numel()] = _bytes(q)
+            want[qo : qo + q.numel()] = _bytes(q)
             off += q.numel() + 3
         so = off
-        want[so:so + s.numel() * 4] = _bytes(s)
+        want[so : so + s.numel() * 4] = _bytes(s)
         off += s.numel() * 4 + 1
         jobs.append((t, qo, so))
     assert fp8.quantize_into(out, jobs) == "reference"
@@ -52,7 +59,7 @@ def test_fallback_checks_offsets_and_shapes():
         fp8.quantize_into(out, [(torch.randn(4), 0, None)])
     with pytest.raises(ValueError, match="uint8"):
         fp8.quantize_into(out.view(torch.int8), [(t, 0, None)])
-    assert fp8.quantize_into(out, [(torch.empty(0, 30), 0, 4)]) == "reference"   # nothing to do
+    assert fp8.quantize_into(out, [(torch.empty(0, 30), 0, 4)]) == "reference"  # nothing to do
 
 
 def test_info_names_why_the_native_kernel_is_not_used(monkeypatch):
@@ -98,7 +105,7 @@ def test_piece_table_is_validated_naming_the_piece():
         with pytest.raises(_wx.Error, match=msg):
             _wx.fp8_check(array.array("q", p), 78000)
     with pytest.raises(_wx.Error, match="piece 1: tile0 0, expected 9"):
-        _wx.fp8_check(array.array("q", _piece() + _piece()), 10 ** 6)
+        _wx.fp8_check(array.array("q", _piece() + _piece()), 10**6)
     with pytest.raises(ValueError, match="pieces of 64 bytes"):
         _wx.fp8_check(array.array("q", [1, 2, 3]), 100)
     with pytest.raises(_wx.Error, match="tiles in one launch"):
@@ -109,29 +116,36 @@ def test_pack_into_quantizes_each_piece_once_for_its_fp8_and_scale_shards(monkey
     from wxfer.mapping.reference import pack_task
     from wxfer.mapping.rules import Piece, Shard
     from wxfer.runtime import prepare
+
     g = torch.Generator().manual_seed(5)
-    fulls = {"w": torch.randn(300, 260, generator=g).to(torch.bfloat16),
-             "e": torch.randn(256, 384, generator=g).to(torch.bfloat16)}
+    fulls = {
+        "w": torch.randn(300, 260, generator=g).to(torch.bfloat16),
+        "e": torch.randn(256, 384, generator=g).to(torch.bfloat16),
+    }
     pw, pe1, pe2 = Piece("w", 0, 300, 0, 260), Piece("e", 0, 128, 0, 384), Piece("e", 128, 256, 128, 384)
 
     def nb(kind, pcs):
-        return sum(p.rows * p.cols if kind == "fp8" else -(-p.rows // 128) * -(-p.cols // 128) * 4
-                   for p in pcs)
+        return sum(p.rows * p.cols if kind == "fp8" else -(-p.rows // 128) * -(-p.cols // 128) * 4 for p in pcs)
 
-    shards = [Shard(0, "a", 0, nb("fp8", [pw, pe1]), "fp8", "float8_e4m3fn", (pw, pe1)),
-              Shard(0, "r", 0, 300 * 260 * 2, "raw", "bfloat16", (pw,)),
-              Shard(0, "b", 0, nb("fp8", [pe2]), "fp8", "float8_e4m3fn", (pe2,)),
-              Shard(0, "a_s", 0, nb("scale", [pw, pe1]), "scale", "float32", (pw, pe1)),
-              Shard(1, "b_s", 0, nb("scale", [pe2]), "scale", "float32", (pe2,))]
+    shards = [
+        Shard(0, "a", 0, nb("fp8", [pw, pe1]), "fp8", "float8_e4m3fn", (pw, pe1)),
+        Shard(0, "r", 0, 300 * 260 * 2, "raw", "bfloat16", (pw,)),
+        Shard(0, "b", 0, nb("fp8", [pe2]), "fp8", "float8_e4m3fn", (pe2,)),
+        Shard(0, "a_s", 0, nb("scale", [pw, pe1]), "scale", "float32", (pw, pe1)),
+        Shard(1, "b_s", 0, nb("scale", [pe2]), "scale", "float32", (pe2,)),
+    ]
     calls = []
     real, real_cached = fp8.quantize_into, fp8.quantize_cached
     monkeypatch.setattr(fp8, "quantize_into", lambda out, jobs: calls.append(list(jobs)) or real(out, jobs))
-    monkeypatch.setattr(fp8, "quantize_cached",            # pack_into's call: its jobs, once
-                        lambda out, key, build: calls.append(list(build())) or real_cached(out, key, build))
+    monkeypatch.setattr(
+        fp8,
+        "quantize_cached",  # pack_into's call: its jobs, once
+        lambda out, key, build: calls.append(list(build())) or real_cached(out, key, build),
+    )
     total = sum(s.nbytes for s in shards)
     got = prepare.pack_into(shards, fulls, total, torch.device("cpu"))
     assert torch.equal(got, pack_task(shards, fulls))
-    assert len(calls) == 1 and len(calls[0]) == 3                   # one call, one job per piece
+    assert len(calls) == 1 and len(calls[0]) == 3  # one call, one job per piece
     assert all(qo is not None and so is not None for _, qo, so in calls[0])
     calls.clear()
     out = torch.zeros(shards[3].nbytes, dtype=torch.uint8)
@@ -142,6 +156,7 @@ def test_pack_into_quantizes_each_piece_once_for_its_fp8_and_scale_shards(monkey
 
 def test_sender_stats_report_the_quantizer():
     from wxfer.runtime.sender import _quantizer_stats
+
     d = _quantizer_stats(torch.device("cpu"))
     assert d["quantizer"] in ("native", "reference") and d["reason"]
     fp8.quantize_into(torch.zeros(64, dtype=torch.uint8), [(torch.ones(4, 4), 0, 16)])

@@ -5,6 +5,7 @@ experts, fused and TP-sliced pieces (one straddling the full tensor's block grid
 bfloat16 / float16 / float32 sources, unaligned offsets and many pieces in one launch.
 Bytes outside the pieces' outputs stay untouched. Needs a CUDA GPU of compute capability
 >= 8.9 and libnvrtc (the test fails, with the reason, when the native kernel is not used)."""
+
 import os
 import random
 
@@ -26,6 +27,7 @@ def dev():
     assert inf["quantizer"] == "native", f"the native FP8 kernel is not used: {inf['reason']}"
     # the kernel variant under test (WXFER_FP8_VARIANT, csrc/prepare/wx_fp8_kernel.cu) is the one compiled
     from wxfer.runtime.fp8 import DEFAULT_VARIANT
+
     assert inf["variant"] == (os.environ.get("WXFER_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
     print(f"fp8 kernel variant {inf['variant']}")
     return d
@@ -53,9 +55,9 @@ def _expected(out_cpu, jobs):
     for t, qo, so in jobs:
         q, s = quantize_fp8_block(t)
         if qo is not None:
-            out_cpu[qo:qo + q.numel()] = q.view(-1).view(torch.uint8).cpu()
+            out_cpu[qo : qo + q.numel()] = q.view(-1).view(torch.uint8).cpu()
         if so is not None:
-            out_cpu[so:so + s.numel() * 4] = s.view(-1).view(torch.uint8).cpu()
+            out_cpu[so : so + s.numel() * 4] = s.view(-1).view(torch.uint8).cpu()
     return out_cpu
 
 
@@ -66,8 +68,10 @@ def _run(dev, nbytes, jobs):
     want = _expected(torch.full((nbytes,), FILL, dtype=torch.uint8), jobs)
     got = out.cpu()
     bad = (got != want).nonzero().view(-1)
-    assert bad.numel() == 0, (f"{bad.numel()} bytes differ, first at {bad[:8].tolist()}: "
-                              f"got {got[bad[:8]].tolist()} want {want[bad[:8]].tolist()}")
+    assert bad.numel() == 0, (
+        f"{bad.numel()} bytes differ, first at {bad[:8].tolist()}: "
+        f"got {got[bad[:8]].tolist()} want {want[bad[:8]].tolist()}"
+    )
 
 
 def _layout(ts, q_align=1, s_align=1, gap=0):
@@ -87,8 +91,9 @@ def _layout(ts, q_align=1, s_align=1, gap=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(128, 128), (300, 260), (1, 4096), (4096, 1), (1, 1), (129, 127),
-                                   (5, 3), (768, 2048), (256, 136), (2, 7)])
+@pytest.mark.parametrize(
+    "shape", [(128, 128), (300, 260), (1, 4096), (4096, 1), (1, 1), (129, 127), (5, 3), (768, 2048), (256, 136), (2, 7)]
+)
 def test_one_piece_every_byte(dev, dtype, shape):
     t = _data(shape, dtype, dev, seed=hash(shape) % 1000)
     for q_align, s_align, gap in ((16, 16, 0), (1, 1, 3), (8, 4, 1)):
@@ -105,7 +110,7 @@ def test_all_zero_blocks_and_negative_zero(dev, dtype):
     t[300, 5] = 1e-3
     jobs, n = _layout([t], 1, 1, 1)
     _run(dev, n, jobs)
-    _, s = quantize_fp8_block(t)             # the zero blocks took the 1e-12 floor
+    _, s = quantize_fp8_block(t)  # the zero blocks took the 1e-12 floor
     floor = (torch.tensor(1e-12, dtype=torch.float32) / 448).item()
     assert s[0, 0].item() == floor and s[1, 2].item() == floor and s[2, 1].item() == floor and s[2, 0].item() > floor
 
@@ -115,7 +120,7 @@ def test_3d_experts_in_one_launch(dev, dtype):
     w = _data((16, 300, 260), dtype, dev, seed=5)
     jobs, n = _layout([w[e] for e in range(16)], 1, 1, 0)
     _run(dev, n, jobs)
-    jobs, n = _layout([w[e, :, 128:] for e in range(16)], 4, 1, 1)   # column halves of experts
+    jobs, n = _layout([w[e, :, 128:] for e in range(16)], 4, 1, 1)  # column halves of experts
     _run(dev, n, jobs)
 
 
@@ -138,14 +143,21 @@ def test_fused_qkv_pieces_in_one_shard(dev):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tp_slices_and_a_scale_block_straddling_the_boundary(dev, dtype):
     full = _data((640, 520), dtype, dev, seed=11)
-    pieces = [full[0:256], full[256:512], full[512:640],          # row slices (TP rank rows)
-              full[:, 128:256], full[:, 384:520],                 # column slices: strided rows
-              full[64:320],                                       # its 128-row blocks straddle
-              full[64:192, 200:330],                              # the full tensor's grid
-              full[:, 3:200], full[7:9, 1:2], full[639:640, :]]   # unaligned source starts
+    pieces = [
+        full[0:256],
+        full[256:512],
+        full[512:640],  # row slices (TP rank rows)
+        full[:, 128:256],
+        full[:, 384:520],  # column slices: strided rows
+        full[64:320],  # its 128-row blocks straddle
+        full[64:192, 200:330],  # the full tensor's grid
+        full[:, 3:200],
+        full[7:9, 1:2],
+        full[639:640, :],
+    ]  # unaligned source starts
     jobs, n = _layout(pieces, 1, 1, 1)
     _run(dev, n, jobs)
-    gate_up = full[:320], full[320:]                              # halves of a fused tensor
+    gate_up = full[:320], full[320:]  # halves of a fused tensor
     jobs, n = _layout(gate_up, 16, 4, 0)
     _run(dev, n, jobs)
 
@@ -176,7 +188,7 @@ def test_runs_on_the_current_stream(dev):
     out = torch.full((n,), FILL, dtype=torch.uint8, device=dev)
     s.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(s):
-        t2 = t * 1                      # produced on s: the kernel must run after it on s
+        t2 = t * 1  # produced on s: the kernel must run after it on s
         jobs2 = [(t2, jobs[0][1], jobs[0][2])]
         assert fp8.quantize_into(out, jobs2) == "native"
     s.synchronize()
@@ -201,13 +213,12 @@ def test_nan_propagates_to_the_block(dev):
     out = torch.zeros(n, dtype=torch.uint8, device=dev)
     fp8.quantize_into(out, jobs)
     qo, so = jobs[0][1], jobs[0][2]
-    q = out[qo:qo + t.numel()].view(torch.float8_e4m3fn).view(256, 256).float()
-    s = out[so:so + 16].view(torch.float32).view(2, 2)
+    q = out[qo : qo + t.numel()].view(torch.float8_e4m3fn).view(256, 256).float()
+    s = out[so : so + 16].view(torch.float32).view(2, 2)
     assert torch.isnan(s[0, 0]) and not torch.isnan(s[1:, :]).any() and not torch.isnan(s[0, 1])
     assert torch.isnan(q[:128, :128]).all() and not torch.isnan(q[128:]).any()
     rq, rs = quantize_fp8_block(t)
-    assert torch.equal(out[qo:qo + t.numel()].view(256, 256)[128:].cpu(),
-                       rq.view(torch.uint8)[128:].cpu())
+    assert torch.equal(out[qo : qo + t.numel()].view(256, 256)[128:].cpu(), rq.view(torch.uint8)[128:].cpu())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -237,16 +248,22 @@ def test_pack_into_on_cuda_one_launch_per_task_equals_the_cpu_packing(dev, monke
     from wxfer.mapping.reference import pack_task
     from wxfer.mapping.rules import Piece, Shard
     from wxfer.runtime import prepare
-    fulls = {"qkv.q": _data((512, 384), torch.bfloat16, dev, seed=41),
-             "qkv.k": _data((128, 384), torch.bfloat16, dev, seed=42),
-             "up": _data((300, 384), torch.float32, dev, seed=43)}
+
+    fulls = {
+        "qkv.q": _data((512, 384), torch.bfloat16, dev, seed=41),
+        "qkv.k": _data((128, 384), torch.bfloat16, dev, seed=42),
+        "up": _data((300, 384), torch.float32, dev, seed=43),
+    }
     pcs = [Piece("qkv.q", 0, 256, 0, 384), Piece("qkv.k", 0, 128, 0, 384), Piece("up", 64, 300, 128, 384)]
 
     def nb(kind, ps):
         return sum(p.rows * p.cols if kind == "fp8" else -(-p.rows // 128) * -(-p.cols // 128) * 4 for p in ps)
-    shards = [Shard(0, "w", 0, nb("fp8", pcs), "fp8", "float8_e4m3fn", tuple(pcs)),
-              Shard(0, "raw", 0, 10 * 384 * 2, "raw", "bfloat16", (Piece("up", 0, 10, 0, 384),)),
-              Shard(0, "w_s", 0, nb("scale", pcs), "scale", "float32", tuple(pcs))]
+
+    shards = [
+        Shard(0, "w", 0, nb("fp8", pcs), "fp8", "float8_e4m3fn", tuple(pcs)),
+        Shard(0, "raw", 0, 10 * 384 * 2, "raw", "bfloat16", (Piece("up", 0, 10, 0, 384),)),
+        Shard(0, "w_s", 0, nb("scale", pcs), "scale", "float32", tuple(pcs)),
+    ]
     launches = []
     real = fp8._native
     monkeypatch.setattr(fp8, "_native", lambda out, jobs: launches.append(len(jobs)) or real(out, jobs))
@@ -265,22 +282,26 @@ def _edge_tiles(dtype, seed):
     zeros inside non-zero tiles, amax at the format's largest finite value."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     w = torch.empty(384, 512, dtype=torch.float32)
-    ib = {torch.bfloat16: (torch.int16, 0x7f80), torch.float16: (torch.int16, 0x7c00),
-          torch.float32: (torch.int32, 0x7f800000)}[dtype]
+    ib = {
+        torch.bfloat16: (torch.int16, 0x7F80),
+        torch.float16: (torch.int16, 0x7C00),
+        torch.float32: (torch.int32, 0x7F800000),
+    }[dtype]
     nbits = 16 if dtype != torch.float32 else 32
 
     def rand_bits(n):
         hi = 1 << (nbits - 1)
         b = torch.randint(-hi, hi, (n,), generator=g, dtype=torch.int64)
-        b = torch.where((b & ib[1]) == ib[1], b & ~(1 << (nbits - 2)), b)   # no inf / NaN
+        b = torch.where((b & ib[1]) == ib[1], b & ~(1 << (nbits - 2)), b)  # no inf / NaN
         return b.to(ib[0]).view(dtype).float()
+
     # tiles (row block, col block): 0,* random bits; 1,0 ties; 1,1 below the floor; 1,2 subnormals; ...
     for c in range(4):
-        w[:128, c * 128:(c + 1) * 128] = rand_bits(128 * 128).view(128, 128)
-    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # +0 .. 448
-    mids = (e4m3[1:] + e4m3[:-1]) / 2                                                    # exact ties
-    k = 2.0 ** -3 if dtype == torch.float16 else 2.0 ** 20
-    vals = torch.cat([mids, e4m3, torch.tensor([448.0])]) * k       # amax 448 k: the scale is k
+        w[:128, c * 128 : (c + 1) * 128] = rand_bits(128 * 128).view(128, 128)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # +0 .. 448
+    mids = (e4m3[1:] + e4m3[:-1]) / 2  # exact ties
+    k = 2.0**-3 if dtype == torch.float16 else 2.0**20
+    vals = torch.cat([mids, e4m3, torch.tensor([448.0])]) * k  # amax 448 k: the scale is k
     tie = vals[torch.randint(0, vals.numel(), (128 * 128,), generator=g)]
     tie = tie * torch.where(torch.rand(128 * 128, generator=g) < 0.5, -1.0, 1.0)
     tie[:3] = torch.tensor([448.0 * k, -448.0 * k, 0.0])
@@ -295,12 +316,12 @@ def _edge_tiles(dtype, seed):
     w[128:256, 384:512] = mixed
     fmax = torch.finfo(dtype).max
     big = torch.randn(128, 512, generator=g).clamp(-4, 4) * (fmax / 4)
-    big[0, :: 128] = fmax
-    big[1, 1:: 128] = -fmax
+    big[0, ::128] = fmax
+    big[1, 1::128] = -fmax
     w[256:384] = big
     t = w.to(dtype)
     if dtype != torch.float32:
-        t[128:256, 0:128] = tie.view(128, 128).to(dtype)   # exact in 16 bits: 5 significant bits
+        t[128:256, 0:128] = tie.view(128, 128).to(dtype)  # exact in 16 bits: 5 significant bits
     return t
 
 
@@ -313,7 +334,7 @@ def test_division_edge_cases_every_byte(dev, dtype):
         for q_align, s_align, gap in ((16, 16, 0), (1, 1, 3)):
             jobs, n = _layout([t], q_align, s_align, gap)
             _run(dev, n, jobs)
-        jobs, n = _layout([t[1:, 3:], t[:, 129:300]], 1, 1, 1)   # unaligned rows: other tiles
+        jobs, n = _layout([t[1:, 3:], t[:, 129:300]], 1, 1, 1)  # unaligned rows: other tiles
         _run(dev, n, jobs)
 
 
@@ -329,7 +350,7 @@ def test_every_16_bit_pattern_against_many_scales(dev, dtype):
         amax = float(allb.abs().max()) * 2.0 ** -float(torch.randint(0, 30, (1,), generator=g))
         x = allb[allb.abs() <= amax]
         x = x[torch.randperm(x.numel(), generator=g)]
-        x = torch.cat([torch.tensor([amax]), x])[:128 * 128]
+        x = torch.cat([torch.tensor([amax]), x])[: 128 * 128]
         tiles.append(torch.nn.functional.pad(x, (0, 128 * 128 - x.numel())).view(128, 128))
     t = torch.cat(tiles, 1).to(dtype).to(dev)
     jobs, n = _layout([t], 16, 16, 0)
@@ -354,19 +375,22 @@ def test_pack_into_reuses_the_piece_table_while_the_sources_stay(dev):
     from wxfer.mapping.reference import pack_task
     from wxfer.mapping.rules import Piece, Shard
     from wxfer.runtime import prepare
+
     E, inter, hidden = 12, 128, 256
     gu = _data((E, 2 * inter, hidden), torch.bfloat16, dev, seed=51)
-    pcs = [Piece("gu", r, r + inter, 0, hidden) for r in range(0, E * 2 * inter, inter)]   # 24 pieces
+    pcs = [Piece("gu", r, r + inter, 0, hidden) for r in range(0, E * 2 * inter, inter)]  # 24 pieces
     q = sum(p.rows * p.cols for p in pcs)
     s = sum(-(-p.rows // 128) * -(-p.cols // 128) * 4 for p in pcs)
-    shards = [Shard(0, "w13", 0, q, "fp8", "float8_e4m3fn", tuple(pcs)),
-              Shard(0, "w13_s", 0, s, "scale", "float32", tuple(pcs))]
+    shards = [
+        Shard(0, "w13", 0, q, "fp8", "float8_e4m3fn", tuple(pcs)),
+        Shard(0, "w13_s", 0, s, "scale", "float32", tuple(pcs)),
+    ]
     before = len(fp8._TABLES)
     for step in range(3):
         got = prepare.pack_into(shards, {"gu": gu}, q + s, dev)
         assert torch.equal(got.cpu(), pack_task(shards, {"gu": gu.cpu()})), step
-        gu.mul_(-1.5)                                     # new contents, same memory
-    assert len(fp8._TABLES) == before + 1                 # one table, reused twice
+        gu.mul_(-1.5)  # new contents, same memory
+    assert len(fp8._TABLES) == before + 1  # one table, reused twice
     moved = gu.clone()
     got = prepare.pack_into(shards, {"gu": moved}, q + s, dev)
     assert torch.equal(got.cpu(), pack_task(shards, {"gu": moved.cpu()}))

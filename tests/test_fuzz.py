@@ -1,5 +1,6 @@
 """Runs the decoder fuzz target for a bounded time (CI), seeded with real descriptors,
 export blobs and a real plan."""
+
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ SECONDS = int(os.environ.get("WXFER_FUZZ_SECONDS", "20"))
 def _seeds():
     from wxfer.meta import Cluster
     from wxfer.plan import plan_for
+
     seeds = []
     if wxfer.backends()["fabric"]["available"]:
         t = _wxfer.Transport("fabric", {"provider": "tcp"})
@@ -41,10 +43,20 @@ def test_decoders_survive_fuzzing(tmp_path):
         (corpus / ("seed%d" % i)).write_bytes(s)
     env = dict(os.environ, PYTHONPATH=ROOT)
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "fuzz", "fuzz_decoders.py"), str(corpus),
-         "-max_total_time=%d" % SECONDS, "-rss_limit_mb=4096", "-timeout=10",
-         "-artifact_prefix=%s/" % tmp_path],
-        env=env, capture_output=True, text=True, timeout=SECONDS + 120)
+        [
+            sys.executable,
+            os.path.join(ROOT, "tests", "fuzz", "fuzz_decoders.py"),
+            str(corpus),
+            "-max_total_time=%d" % SECONDS,
+            "-rss_limit_mb=4096",
+            "-timeout=10",
+            "-artifact_prefix=%s/" % tmp_path,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SECONDS + 120,
+    )
     tail = (out.stdout + out.stderr)[-3000:]
     assert out.returncode == 0, tail
     assert "Done" in tail, tail

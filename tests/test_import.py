@@ -1,5 +1,6 @@
 """The package imports, and says which backends are unusable and why, on a machine that
 lacks libcuda / libibverbs (simulated by pointing the loaders at files that do not exist)."""
+
 import json
 import os
 import subprocess
@@ -13,13 +14,17 @@ def _backends(env_extra):
     env["PYTHONPATH"] = ROOT
     out = subprocess.run(
         [sys.executable, "-c", "import json, wxfer; print(json.dumps(wxfer.backends()))"],
-        env=env, capture_output=True, text=True, timeout=60, check=True)
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_import_without_libcuda_and_libibverbs_says_why():
-    b = _backends({"WXFER_LIBCUDA": "/nonexistent/libcuda.so.1",
-                   "WXFER_LIBIBVERBS": "/nonexistent/libibverbs.so.1"})
+    b = _backends({"WXFER_LIBCUDA": "/nonexistent/libcuda.so.1", "WXFER_LIBIBVERBS": "/nonexistent/libibverbs.so.1"})
     assert set(b) == {"fabric", "verbs", "cuda_ipc"}
     for name in ("cuda_ipc", "verbs"):
         assert b[name]["available"] is False
@@ -39,7 +44,8 @@ def test_missing_libfabric_is_reported():
 
 def test_cli_backends_lists_every_transport():
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-m", "wxfer", "backends"], env=env,
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "wxfer", "backends"], env=env, capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     for name in ("fabric", "verbs", "cuda_ipc"):
         assert name in out

@@ -1,11 +1,25 @@
 """HF -> vLLM mapping: fusion, TP/EP slicing, KV replication, FP8 block scales, refusals."""
+
 import math
 
 import pytest
 import torch
 
-from wxfer.mapping import (BLOCK, Experts, Fuse, Ignore, Layout, MappingError, Piece, Row, dequantize_fp8_block, expand,
-                           get_preset, pack_shard, quantize_fp8_block)
+from wxfer.mapping import (
+    BLOCK,
+    Experts,
+    Fuse,
+    Ignore,
+    Layout,
+    MappingError,
+    Piece,
+    Row,
+    dequantize_fp8_block,
+    expand,
+    get_preset,
+    pack_shard,
+    quantize_fp8_block,
+)
 
 
 def _shapes(preset, config=None):
@@ -18,7 +32,7 @@ def _assemble(ex, rank, tensors):
     for c in ex.components:
         for s in c.shards:
             if s.rank == rank:
-                out[s.dst][s.offset:s.offset + s.nbytes] = pack_shard(s, tensors)
+                out[s.dst][s.offset : s.offset + s.nbytes] = pack_shard(s, tensors)
     return {n: b.view(getattr(torch, ex.dest[rank][n].dtype)).view(ex.dest[rank][n].shape) for n, b in out.items()}
 
 
@@ -28,18 +42,22 @@ def _rand_tensors(shapes, seed=0):
 
 
 def test_qkv_kv_heads_replicated_when_tp_exceeds_kv_heads():
-    cfg = dict(get_preset("qwen3-tiny").config)          # 4 heads, 2 KV heads, head_dim 64
+    cfg = dict(get_preset("qwen3-tiny").config)  # 4 heads, 2 KV heads, head_dim 64
     pre = get_preset("qwen3-tiny")
     shapes = _shapes(pre)
     ex = expand(pre.rules, shapes, Layout(tp=4), cfg)
     q = "model.layers.0.self_attn.q_proj.weight"
     k = "model.layers.0.self_attn.k_proj.weight"
     for r in range(4):
-        (shard,) = [s for c in ex.components for s in c.shards
-                    if s.rank == r and s.dst == "model.layers.0.self_attn.qkv_proj.weight"]
+        (shard,) = [
+            s
+            for c in ex.components
+            for s in c.shards
+            if s.rank == r and s.dst == "model.layers.0.self_attn.qkv_proj.weight"
+        ]
         pq, pk, pv = shard.pieces
-        assert (pq.src, pq.r0, pq.r1) == (q, 64 * r, 64 * (r + 1))      # one query head per rank
-        h = r * 2 // 4                                                  # KV head r // 2, replicated twice
+        assert (pq.src, pq.r0, pq.r1) == (q, 64 * r, 64 * (r + 1))  # one query head per rank
+        h = r * 2 // 4  # KV head r // 2, replicated twice
         assert (pk.src, pk.r0, pk.r1) == (k, 64 * h, 64 * (h + 1))
         assert (pv.r0, pv.r1) == (64 * h, 64 * (h + 1))
         assert ex.dest[r]["model.layers.0.self_attn.qkv_proj.weight"].shape == (192, 256)
@@ -60,12 +78,14 @@ def test_tp2_dense_bytes_bit_for_bit_bf16():
     for r in range(2):
         d = _assemble(ex, r, t)
         m = "model.layers.1.mlp."
-        gu = torch.cat([t[m + "gate_proj.weight"][256 * r:256 * (r + 1)], t[m + "up_proj.weight"][256 * r:256 * (r + 1)]])
+        gu = torch.cat(
+            [t[m + "gate_proj.weight"][256 * r : 256 * (r + 1)], t[m + "up_proj.weight"][256 * r : 256 * (r + 1)]]
+        )
         assert torch.equal(d[m + "gate_up_proj.weight"], gu)
-        assert torch.equal(d[m + "down_proj.weight"], t[m + "down_proj.weight"][:, 256 * r:256 * (r + 1)])
-        assert torch.equal(d["model.embed_tokens.weight"], t["model.embed_tokens.weight"][512 * r:512 * (r + 1)])
+        assert torch.equal(d[m + "down_proj.weight"], t[m + "down_proj.weight"][:, 256 * r : 256 * (r + 1)])
+        assert torch.equal(d["model.embed_tokens.weight"], t["model.embed_tokens.weight"][512 * r : 512 * (r + 1)])
         assert torch.equal(d["model.norm.weight"], t["model.norm.weight"])
-        assert "lm_head.weight" not in d                       # tied embeddings
+        assert "lm_head.weight" not in d  # tied embeddings
 
 
 def test_fp8_block_quantization_roundtrip_and_shapes():
@@ -75,17 +95,29 @@ def test_fp8_block_quantization_roundtrip_and_shapes():
     assert s.dtype == torch.float32 and s.shape == (math.ceil(300 / 128), math.ceil(200 / 128))
     back = dequantize_fp8_block(q, s)
     blk = s.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :200]
-    assert ((back - w).abs() <= blk * 448 * 2 ** -3 + 1e-6).all()      # e4m3: 3 mantissa bits
+    assert ((back - w).abs() <= blk * 448 * 2**-3 + 1e-6).all()  # e4m3: 3 mantissa bits
     assert (back - w).abs().max() < 0.2 * w.abs().max()
     # the largest element of a block maps to +-448
     assert q.to(torch.float32).abs().max() == 448
 
 
 def test_mla_fused_qkv_a_scale_offsets_and_fp8_bytes():
-    cfg = dict(get_preset("kimi-k2").config, num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4,
-               hidden_size=256, q_lora_rank=256, kv_lora_rank=32, qk_rope_head_dim=64, qk_nope_head_dim=128,
-               v_head_dim=128, num_attention_heads=4, moe_intermediate_size=256, intermediate_size=256,
-               vocab_size=512)
+    cfg = dict(
+        get_preset("kimi-k2").config,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        hidden_size=256,
+        q_lora_rank=256,
+        kv_lora_rank=32,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        num_attention_heads=4,
+        moe_intermediate_size=256,
+        intermediate_size=256,
+        vocab_size=512,
+    )
     pre = get_preset("kimi-k2")
     shapes = _shapes(pre, cfg)
     ex = expand(pre.rules, shapes, Layout(tp=2, ep=True, quant="fp8"), cfg)
@@ -96,9 +128,9 @@ def test_mla_fused_qkv_a_scale_offsets_and_fp8_bytes():
     # q_a: 2 scale rows, kv_a (96 rows) starts at ceil(256/128) = 2 and takes 1 row
     assert d[a + "fused_qkv_a_proj.weight_scale_inv"].shape == (3, 2)
     assert d["model.embed_tokens.weight"].dtype == "bfloat16"
-    assert d["model.layers.1.mlp.gate.weight"].dtype == "bfloat16"      # router stays BF16
+    assert d["model.layers.1.mlp.gate.weight"].dtype == "bfloat16"  # router stays BF16
     assert d["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == "float32"
-    assert d["model.layers.1.mlp.experts.w13_weight"].shape == (2, 512, 256)   # EP: 2 local experts
+    assert d["model.layers.1.mlp.experts.w13_weight"].shape == (2, 512, 256)  # EP: 2 local experts
     assert d["model.layers.1.mlp.experts.w13_weight_scale_inv"].shape == (2, 4, 2)
     assert d["model.layers.1.mlp.experts.w2_weight"].shape == (2, 256, 256)
     t = _rand_tensors(shapes, 2)
@@ -117,15 +149,25 @@ def test_mla_fused_qkv_a_scale_offsets_and_fp8_bytes():
     qg, _ = quantize_fp8_block(t[e + "gate_proj.weight"])
     qu, _ = quantize_fp8_block(t[e + "up_proj.weight"])
     assert torch.equal(w13.view(torch.uint8), torch.cat([qg, qu]).view(torch.uint8))
-    deq = dequantize_fp8_block(out["model.layers.1.mlp.experts.w2_weight"][1],
-                               out["model.layers.1.mlp.experts.w2_weight_scale_inv"][1])
+    deq = dequantize_fp8_block(
+        out["model.layers.1.mlp.experts.w2_weight"][1], out["model.layers.1.mlp.experts.w2_weight_scale_inv"][1]
+    )
     assert torch.allclose(deq, t[e + "down_proj.weight"].float(), rtol=0.07, atol=0.05)
 
 
 def test_experts_tp_sliced_without_ep():
     pre = get_preset("qwen3-30b-a3b")
-    cfg = dict(pre.config, num_hidden_layers=1, num_experts=4, hidden_size=256, moe_intermediate_size=256,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=256)
+    cfg = dict(
+        pre.config,
+        num_hidden_layers=1,
+        num_experts=4,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=256,
+    )
     shapes = _shapes(pre, cfg)
     ex = expand(pre.rules, shapes, Layout(tp=2, ep=False, quant="fp8"), cfg)
     assert ex.dest[0]["model.layers.0.mlp.experts.w13_weight"].shape == (4, 256, 256)
@@ -134,7 +176,7 @@ def test_experts_tp_sliced_without_ep():
 
 
 def test_fp8_split_not_multiple_of_128_is_refused_with_name():
-    pre = get_preset("qwen3-235b")           # moe_intermediate 1536: 192 per rank at TP8
+    pre = get_preset("qwen3-235b")  # moe_intermediate 1536: 192 per rank at TP8
     cfg = dict(pre.config, num_hidden_layers=1, num_experts=2)
     with pytest.raises(MappingError) as ei:
         expand(pre.rules, _shapes(pre, cfg), Layout(tp=8, ep=False, quant="fp8"), cfg)
@@ -150,17 +192,25 @@ def test_user_rule_in_a_few_lines():
     shapes = _shapes(pre)
     shapes["model.layers.0.mlp.my_gate.weight"] = (128, 256)
     shapes["model.layers.0.mlp.my_up.weight"] = (128, 256)
-    with pytest.raises(MappingError) as ei:        # a parameter no rule reads: refused, by name
+    with pytest.raises(MappingError) as ei:  # a parameter no rule reads: refused, by name
         expand(pre.rules, shapes, Layout(tp=2), pre.config)
     assert "model.layers.0.mlp.my_gate.weight, model.layers.0.mlp.my_up.weight" in str(ei.value)
     assert "Ignore" in str(ei.value)
     lax = expand(pre.rules, shapes, Layout(tp=2), pre.config, strict=False)
     assert lax.unmatched == ["model.layers.0.mlp.my_gate.weight", "model.layers.0.mlp.my_up.weight"]
-    ign = expand(pre.rules + [Ignore("", ("model.layers.{L}.mlp.my_gate.weight", "model.layers.{L}.mlp.my_up.weight"))],
-                 shapes, Layout(tp=2), pre.config)
+    ign = expand(
+        pre.rules + [Ignore("", ("model.layers.{L}.mlp.my_gate.weight", "model.layers.{L}.mlp.my_up.weight"))],
+        shapes,
+        Layout(tp=2),
+        pre.config,
+    )
     assert ign.ignored == {"model.layers.0.mlp.my_gate.weight", "model.layers.0.mlp.my_up.weight"}
-    pre.rules.append(Fuse("model.layers.{L}.mlp.my_gate_up.weight",
-                          ("model.layers.{L}.mlp.my_gate.weight", "model.layers.{L}.mlp.my_up.weight")))
+    pre.rules.append(
+        Fuse(
+            "model.layers.{L}.mlp.my_gate_up.weight",
+            ("model.layers.{L}.mlp.my_gate.weight", "model.layers.{L}.mlp.my_up.weight"),
+        )
+    )
     ex = expand(pre.rules, shapes, Layout(tp=2), pre.config)
     assert not ex.unmatched
     assert ex.dest[1]["model.layers.0.mlp.my_gate_up.weight"].shape == (128, 256)
@@ -209,8 +259,17 @@ def test_piece_and_experts_rule_are_declarative():
 @pytest.mark.parametrize("ep", [True, False])
 def test_expert_grouping_changes_no_byte(ep):
     pre = get_preset("qwen3-30b-a3b")
-    cfg = dict(pre.config, num_hidden_layers=1, num_experts=6, hidden_size=256, moe_intermediate_size=256,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=256)
+    cfg = dict(
+        pre.config,
+        num_hidden_layers=1,
+        num_experts=6,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=256,
+    )
     shapes = _shapes(pre, cfg)
     t = _rand_tensors(shapes, 5)
     one = expand(pre.rules, shapes, Layout(tp=2, ep=ep, quant="fp8", expert_group=1), cfg)

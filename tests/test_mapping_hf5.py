@@ -4,31 +4,63 @@
 The names and shapes come from transformers' own model classes built on the meta device;
 the inference bytes (EP and TP, BF16 and FP8 with each expert on its own 128x128 grid) must
 equal, bit for bit, those of the transformers 4 per-expert layout of the same weights."""
+
 import pytest
 import torch
 
-from wxfer.mapping import (Layout, MappingError, arch_of, dequantize_fp8_block, expand, from_config,
-                           pack_shard, quantize_fp8_block)
+from wxfer.mapping import (
+    Layout,
+    MappingError,
+    arch_of,
+    dequantize_fp8_block,
+    expand,
+    from_config,
+    pack_shard,
+    quantize_fp8_block,
+)
 from wxfer.runtime import prepare
 
 transformers = pytest.importorskip("transformers")
 
-E, H, I = 4, 256, 256          # 128-multiples: FP8 splits on whole blocks at TP 2
+E, H, I = 4, 256, 256  # 128-multiples: FP8 splits on whole blocks at TP 2
 
 
 def _qwen3_moe_cfg():
-    return transformers.Qwen3MoeConfig(hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=128, num_experts=E, num_experts_per_tok=2,
-                                       moe_intermediate_size=I, intermediate_size=512, vocab_size=512)
+    return transformers.Qwen3MoeConfig(
+        hidden_size=H,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        num_experts=E,
+        num_experts_per_tok=2,
+        moe_intermediate_size=I,
+        intermediate_size=512,
+        vocab_size=512,
+    )
 
 
 def _deepseek_cfg():
-    return transformers.DeepseekV3Config(hidden_size=H, num_hidden_layers=2, first_k_dense_replace=1,
-                                         n_routed_experts=E, n_shared_experts=1, moe_intermediate_size=I,
-                                         intermediate_size=512, vocab_size=512, q_lora_rank=256, kv_lora_rank=128,
-                                         qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
-                                         num_attention_heads=4, num_key_value_heads=4, n_group=1, topk_group=1,
-                                         num_experts_per_tok=2)
+    return transformers.DeepseekV3Config(
+        hidden_size=H,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=E,
+        n_shared_experts=1,
+        moe_intermediate_size=I,
+        intermediate_size=512,
+        vocab_size=512,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+    )
 
 
 CFGS = {"qwen3_moe": _qwen3_moe_cfg, "deepseek_v3": _deepseek_cfg}
@@ -45,12 +77,12 @@ def _split(fused):
     out = {}
     for n, t in fused.items():
         if n.endswith("mlp.experts.gate_up_proj"):
-            base = n[:-len("gate_up_proj")]
+            base = n[: -len("gate_up_proj")]
             for e in range(t.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = t[e, :t.shape[1] // 2]
-                out[f"{base}{e}.up_proj.weight"] = t[e, t.shape[1] // 2:]
+                out[f"{base}{e}.gate_proj.weight"] = t[e, : t.shape[1] // 2]
+                out[f"{base}{e}.up_proj.weight"] = t[e, t.shape[1] // 2 :]
         elif n.endswith("mlp.experts.down_proj"):
-            base = n[:-len("down_proj")]
+            base = n[: -len("down_proj")]
             for e in range(t.shape[0]):
                 out[f"{base}{e}.down_proj.weight"] = t[e]
         else:
@@ -63,7 +95,7 @@ def _assemble(ex, rank, tensors):
     for c in ex.components:
         for s in c.shards:
             if s.rank == rank:
-                out[s.dst][s.offset:s.offset + s.nbytes] = pack_shard(s, tensors)
+                out[s.dst][s.offset : s.offset + s.nbytes] = pack_shard(s, tensors)
     return out
 
 
@@ -72,7 +104,7 @@ def test_preset_names_and_shapes_are_transformers_own(arch):
     cfg = CFGS[arch]()
     real = _meta_params(cfg)
     d = cfg.to_dict()
-    assert not d.get("architectures")                  # a config built in code: model_type decides
+    assert not d.get("architectures")  # a config built in code: model_type decides
     pre = from_config("x", d)
     assert pre.arch == arch == arch_of(cfg)
     ours = {n: s for n, (s, _, _) in pre.hf_params(d, fused_experts=True).items()}
@@ -107,7 +139,7 @@ def test_fused_experts_bytes_equal_per_expert_layout(arch, ep, quant):
     dst = a.dest[1]["model.layers.1.mlp.experts.w13_weight"]
     gu = fused["model.layers.1.mlp.experts.gate_up_proj"]
     dn = fused["model.layers.1.mlp.experts.down_proj"]
-    e, le, c = (3, 1, slice(0, I)) if ep else (2, 2, slice(I // 2, I))     # EP: experts 2, 3 on rank 1
+    e, le, c = (3, 1, slice(0, I)) if ep else (2, 2, slice(I // 2, I))  # EP: experts 2, 3 on rank 1
     gate, up = gu[e, :I][c], gu[e, I:][c]
     if quant is None:
         w13 = out["model.layers.1.mlp.experts.w13_weight"].view(torch.bfloat16).view(dst.shape)
@@ -133,7 +165,7 @@ def test_the_senders_packer_matches_the_reference_on_3d_sources():
     pre = from_config("x", d)
     shapes = {n: s for n, (s, _, _) in pre.hf_params(d, fused_experts=True).items()}
     g = torch.Generator().manual_seed(3)
-    t = {n: torch.randn(*s, generator=g) for n, s in shapes.items()}      # float32, as trainers hold them
+    t = {n: torch.randn(*s, generator=g) for n, s in shapes.items()}  # float32, as trainers hold them
     for quant in (None, "fp8"):
         ex = expand(pre.rules, shapes, Layout(tp=2, ep=False, quant=quant), d)
         (c,) = [c for c in ex.components if c.rule == "model.layers.0.mlp.experts"]
@@ -167,12 +199,13 @@ def test_config_without_architectures_or_known_model_type_says_what_to_pass():
 @pytest.mark.parametrize("name", ["kimi-k2", "qwen3-235b"])
 def test_full_size_presets_same_destinations_from_fused_experts(name):
     from wxfer.mapping import get_preset
+
     pre = get_preset(name)
     cfg = dict(pre.config, num_hidden_layers=3)
     lay = Layout(pre.infer_tp, pre.infer_ep, pre.quant)
     fused = expand(pre.rules, {n: s for n, (s, _, _) in pre.hf_params(cfg, fused_experts=True).items()}, lay, cfg)
     per = expand(pre.rules, {n: s for n, (s, _, _) in pre.hf_params(cfg).items()}, lay, cfg)
-    if name == "kimi-k2":      # transformers 5 keeps e_score_correction_bias as a buffer: not a training parameter
+    if name == "kimi-k2":  # transformers 5 keeps e_score_correction_bias as a buffer: not a training parameter
         for r in per.dest:
             per.dest[r] = {n: p for n, p in per.dest[r].items() if not n.endswith("e_score_correction_bias")}
     assert fused.dest == per.dest
@@ -182,6 +215,7 @@ def test_full_size_presets_same_destinations_from_fused_experts(name):
 def test_synthesized_plan_from_fused_experts_covers_the_same_bytes():
     from wxfer.meta import Cluster, synthesize
     from wxfer.mapping import get_preset
+
     pre = get_preset("qwen3-30b-a3b")
     pre.config = dict(pre.config, num_hidden_layers=2)
     cl = Cluster(train_gpus=8, infer_gpus=4, infer_tp=4, infer_ep=True, quant="fp8")
@@ -194,8 +228,12 @@ def test_synthesized_plan_from_fused_experts_covers_the_same_bytes():
 def test_sender_mapping_from_a_config_built_in_code():
     # the Sender's and Receiver's `mapping=model.config.to_dict()` (architectures None)
     from wxfer.runtime.program import get_preset
-    for cfg, arch in ((_qwen3_moe_cfg(), "qwen3_moe"), (_deepseek_cfg(), "deepseek_v3"),
-                      (transformers.Qwen3Config(num_hidden_layers=1), "qwen3")):
+
+    for cfg, arch in (
+        (_qwen3_moe_cfg(), "qwen3_moe"),
+        (_deepseek_cfg(), "deepseek_v3"),
+        (transformers.Qwen3Config(num_hidden_layers=1), "qwen3"),
+    ):
         pre = get_preset(cfg.to_dict())
         assert pre.arch == arch
         real = _meta_params(cfg)

@@ -2,6 +2,7 @@
 here), and the version is defined once.  Run from the installed wheel (`make test` runs it
 so, see .ci/installed.sh), WXFER_INSTALLED=<checkout> also asserts that the wxfer imported
 is the installed one, not the checkout."""
+
 import importlib
 import os
 import pkgutil
@@ -11,14 +12,25 @@ import wxfer
 
 # every module of the source tree; the installed package must hold the same
 MODULES = sorted(
-    ["wxfer", "wxfer.__main__", "wxfer.meta", "wxfer.testing",
-     *("wxfer.integrations." + m for m in ("vllm",)),
-     *("wxfer.mapping." + m for m in ("presets", "reference", "rules")),
-     *("wxfer.models." + m for m in ("infer", "train")),
-     *("wxfer.plan." + m for m in ("check", "cli", "core", "notebook", "reference", "serialize", "simulate")),
-     *("wxfer.runtime." + m for m in ("control", "prepare", "program", "receiver", "sender", "trace", "verify")),
-     *("wxfer.tools." + m for m in ("demo", "selftest", "selftest_verbs")),
-     "wxfer.integrations", "wxfer.mapping", "wxfer.models", "wxfer.plan", "wxfer.runtime", "wxfer.tools"])
+    [
+        "wxfer",
+        "wxfer.__main__",
+        "wxfer.meta",
+        "wxfer.testing",
+        *("wxfer.integrations." + m for m in ("vllm",)),
+        *("wxfer.mapping." + m for m in ("presets", "reference", "rules")),
+        *("wxfer.models." + m for m in ("infer", "train")),
+        *("wxfer.plan." + m for m in ("check", "cli", "core", "notebook", "reference", "serialize", "simulate")),
+        *("wxfer.runtime." + m for m in ("control", "prepare", "program", "receiver", "sender", "trace", "verify")),
+        *("wxfer.tools." + m for m in ("demo", "selftest", "selftest_verbs")),
+        "wxfer.integrations",
+        "wxfer.mapping",
+        "wxfer.models",
+        "wxfer.plan",
+        "wxfer.runtime",
+        "wxfer.tools",
+    ]
+)
 
 
 def _found():
@@ -36,23 +48,26 @@ def test_every_module_is_there_and_imports():
     for name in sorted(found):
         importlib.import_module(name)
     from wxfer import _wxfer, Receiver, Sender  # noqa: F401  -- the extension and the entry points
+
     assert callable(Sender) and callable(Receiver)
 
 
 def test_version_defined_once():
     from importlib import metadata
+
     v = wxfer.__version__
     assert v and v[0].isdigit()
     try:
-        assert metadata.version("wxfer") == v        # installed: the wheel's metadata is the same string
+        assert metadata.version("wxfer") == v  # installed: the wheel's metadata is the same string
     except metadata.PackageNotFoundError:
-        pass                                           # the checkout, not installed
+        pass  # the checkout, not installed
 
 
 def test_installed_package_not_the_checkout():
     checkout = os.environ.get("WXFER_INSTALLED")
     if not checkout:
         import pytest
+
         pytest.skip("runs from the installed wheel only (WXFER_INSTALLED=<checkout>, see .ci/installed.sh)")
     here = os.path.realpath(wxfer.__file__)
     assert os.sep + "site-packages" + os.sep in here, here

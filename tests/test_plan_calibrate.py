@@ -1,6 +1,7 @@
 """The simulator's calibrated terms (host per task / parameter / piece, quantizer and copy
 rates, per-call costs, fixed cost per push), the named calibrations, their JSON files and
 predict()."""
+
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ from wxfer.plan import plan_for
 from wxfer.plan.calibrate import CALIBRATIONS, cluster_for, from_dict, get, load, predict, save
 from wxfer.plan.simulate import simulate
 
-FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5)     # links that cost ~nothing
+FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5)  # links that cost ~nothing
 
 
 def _one(quant=None, **cal):
@@ -23,7 +24,7 @@ def test_host_time_per_parameter_adds_up_on_one_rank():
     c, plan = _one(host_param_s=1e-3, pack_launch_s=0.0, quant_GBps=None)
     r = simulate(plan, c, record=False)
     nsrc = sum(len(t.sources) for t in plan.tasks)
-    assert r.simulated_s == pytest.approx(nsrc * 1e-3, rel=0.02)       # the host issues one task after another
+    assert r.simulated_s == pytest.approx(nsrc * 1e-3, rel=0.02)  # the host issues one task after another
     assert r.bound_by == "host" and r.stage_busy_s["host"] == pytest.approx(nsrc * 1e-3)
     c2, _ = _one(host_param_s=2e-3, pack_launch_s=0.0, quant_GBps=None)
     assert simulate(plan, c2, record=False).simulated_s == pytest.approx(2 * r.simulated_s, rel=0.02)
@@ -33,6 +34,7 @@ def test_host_per_task_and_per_piece():
     c, plan = _one(host_param_s=0.0, host_task_s=1e-3, host_piece_s=1e-4, pack_launch_s=0.0, quant_GBps=None)
     r = simulate(plan, c, record=False)
     from wxfer.plan.simulate import _jobs
+
     pieces = _jobs(plan, 1).pieces.sum()
     assert r.simulated_s == pytest.approx(len(plan.tasks) * 1e-3 + pieces * 1e-4, rel=0.02)
 
@@ -41,10 +43,12 @@ def test_a_slow_quantizer_bounds_an_fp8_push_and_not_a_bf16_one():
     c, plan = _one("fp8", host_param_s=0.0, pack_launch_s=0.0, quant_GBps=0.1, copy_GBps=1e5)
     r = simulate(plan, c, record=False)
     from wxfer.plan.simulate import _jobs
+
     jb = _jobs(plan, 1)
-    work = sum((plan.tasks[int(t)].src_bytes + p) / (0.1e9 if q else 1e14)
-               for t, p, q in zip(jb.task, jb.packed, jb.fp8))
-    assert jb.fp8.any() and not jb.fp8.all()                  # norms and embeddings stay BF16
+    work = sum(
+        (plan.tasks[int(t)].src_bytes + p) / (0.1e9 if q else 1e14) for t, p, q in zip(jb.task, jb.packed, jb.fp8)
+    )
+    assert jb.fp8.any() and not jb.fp8.all()  # norms and embeddings stay BF16
     assert r.simulated_s == pytest.approx(work, rel=0.02) and r.bound_by == "pack"
     cb, pb = _one(None, host_param_s=0.0, pack_launch_s=0.0, quant_GBps=0.1, copy_GBps=1e5)
     assert simulate(pb, cb, record=False).simulated_s < r.simulated_s / 50
@@ -53,6 +57,7 @@ def test_a_slow_quantizer_bounds_an_fp8_push_and_not_a_bf16_one():
 def test_launch_cost_per_piece_and_write_cost_per_transfer():
     c, plan = _one(host_param_s=0.0, pack_launch_s=1e-3, quant_GBps=None)
     from wxfer.plan.simulate import _jobs
+
     jb = _jobs(plan, 1)
     assert simulate(plan, c, record=False).simulated_s == pytest.approx(jb.pieces.sum() * 1e-3, rel=0.02)
     c2, _ = _one(host_param_s=0.0, pack_launch_s=0.0, quant_GBps=None, write_call_s=1e-3)
@@ -63,12 +68,16 @@ def test_launch_cost_per_piece_and_write_cost_per_transfer():
 
 def test_serial_stream_and_host_sync():
     base = dict(host_param_s=1e-3, pack_launch_s=0.0, quant_GBps=0.5, copy_GBps=0.5)
-    c = Cluster(train_gpus=2, infer_gpus=2, infer_tp=2, gpus_per_node=2, dense_shard=2, nvlink_GBps=0.5,
-                nic_gbps=8000.0)
-    plan = plan_for("qwen3-tiny", c, coarse=False)    # many tasks per rank: something to overlap
+    c = Cluster(
+        train_gpus=2, infer_gpus=2, infer_tp=2, gpus_per_node=2, dense_shard=2, nvlink_GBps=0.5, nic_gbps=8000.0
+    )
+    plan = plan_for("qwen3-tiny", c, coarse=False)  # many tasks per rank: something to overlap
     t = {}
-    for name, kw in (("pipelined", dict(serial=False)), ("serial", dict(serial=True)),
-                     ("sync", dict(serial=True, host_sync=True))):
+    for name, kw in (
+        ("pipelined", dict(serial=False)),
+        ("serial", dict(serial=True)),
+        ("sync", dict(serial=True, host_sync=True)),
+    ):
         t[name] = simulate(plan, Calibration(**base, **kw).apply(c), record=False).simulated_s
     assert t["pipelined"] < t["serial"] < t["sync"]
     # host_sync: the host waits for each gather and packing: the sum of all of them on the busiest rank

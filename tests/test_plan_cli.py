@@ -1,4 +1,5 @@
 """`python -m wxfer plan` / wxfer.plan.cli.main."""
+
 import json
 import subprocess
 import sys
@@ -6,14 +7,39 @@ import sys
 from wxfer.plan import Plan
 from wxfer.plan.cli import main
 
-KEYS = {"params", "bytes_per_replica", "max_bytes_per_infer_gpu", "max_bytes_per_train_gpu", "lower_bound_s",
-        "simulated_s", "build_s", "transfers"}
+KEYS = {
+    "params",
+    "bytes_per_replica",
+    "max_bytes_per_infer_gpu",
+    "max_bytes_per_train_gpu",
+    "lower_bound_s",
+    "simulated_s",
+    "build_s",
+    "transfers",
+}
 
 
 def test_json_last_line(capsys, tmp_path):
     out = tmp_path / "plan.bin"
-    rc = main(["--preset", "qwen3-30b-a3b", "--train-gpus", "16", "--infer-gpus", "8", "--infer-tp", "4",
-               "--nic-gbps", "400", "--json", "--out", str(out), "--steps", "300"])
+    rc = main(
+        [
+            "--preset",
+            "qwen3-30b-a3b",
+            "--train-gpus",
+            "16",
+            "--infer-gpus",
+            "8",
+            "--infer-tp",
+            "4",
+            "--nic-gbps",
+            "400",
+            "--json",
+            "--out",
+            str(out),
+            "--steps",
+            "300",
+        ]
+    )
     assert rc == 0
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert KEYS <= set(d)
@@ -32,8 +58,23 @@ def test_refusal_names_the_parameter(capsys):
 
 
 def test_python_dash_m_entry_point():
-    p = subprocess.run([sys.executable, "-m", "wxfer.plan.cli", "--preset", "qwen3-tiny", "--train-gpus", "2",
-                        "--infer-gpus", "4", "--json"], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wxfer.plan.cli",
+            "--preset",
+            "qwen3-tiny",
+            "--train-gpus",
+            "2",
+            "--infer-gpus",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout.strip().splitlines()[-1])
     assert d["infer_gpus"] == 4 and d["transfers"] > 0 and KEYS <= set(d)
@@ -41,12 +82,14 @@ def test_python_dash_m_entry_point():
 
 def test_plan_modules_import_light():
     """No torch, pandas, matplotlib or native extension just to build a plan."""
-    code = ("import sys, wxfer.plan, wxfer.plan.simulate, wxfer.meta, wxfer.mapping, wxfer.plan.cli\n"
-            "from wxfer.meta import Cluster\n"
-            "from wxfer.plan import plan_for\n"
-            "p = plan_for('qwen3-8b', Cluster(train_gpus=8, infer_gpus=4, infer_tp=2))\n"
-            "p.simulate(Cluster(train_gpus=8, infer_gpus=4, infer_tp=2)); p.summary(); p._repr_html_()\n"
-            "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'wxfer._wxfer') if m in sys.modules))")
+    code = (
+        "import sys, wxfer.plan, wxfer.plan.simulate, wxfer.meta, wxfer.mapping, wxfer.plan.cli\n"
+        "from wxfer.meta import Cluster\n"
+        "from wxfer.plan import plan_for\n"
+        "p = plan_for('qwen3-8b', Cluster(train_gpus=8, infer_gpus=4, infer_tp=2))\n"
+        "p.simulate(Cluster(train_gpus=8, infer_gpus=4, infer_tp=2)); p.summary(); p._repr_html_()\n"
+        "print(sorted(m for m in ('torch', 'pandas', 'matplotlib', 'wxfer._wxfer') if m in sys.modules))"
+    )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
@@ -54,22 +97,50 @@ def test_plan_modules_import_light():
 
 def test_hf_config_file_instead_of_a_preset(tmp_path, capsys):
     from wxfer.mapping.presets import QWEN3_TINY
+
     cfg = dict(QWEN3_TINY, num_hidden_layers=3, model_type="qwen3")
-    del cfg["architectures"]                                  # found through model_type
+    del cfg["architectures"]  # found through model_type
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    assert main(["--config", str(path), "--train-gpus", "4", "--infer-tp", "2", "--infer-gpus", "2",
-                 "--json", "--steps", "200"]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                str(path),
+                "--train-gpus",
+                "4",
+                "--infer-tp",
+                "2",
+                "--infer-gpus",
+                "2",
+                "--json",
+                "--steps",
+                "200",
+            ]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert d["preset"] == "config.json" and d["tasks"] == 1 + 3   # the root unit (embed, norm); one task per layer
-
+    assert d["preset"] == "config.json" and d["tasks"] == 1 + 3  # the root unit (embed, norm); one task per layer
 
 
 def test_calibration_by_name_and_file(capsys, tmp_path):
     from wxfer.meta import Calibration
     from wxfer.plan.calibrate import save
-    args = ["--preset", "qwen3-8b", "--train-gpus", "8", "--infer-gpus", "4", "--infer-tp", "2", "--json",
-            "--steps", "300"]
+
+    args = [
+        "--preset",
+        "qwen3-8b",
+        "--train-gpus",
+        "8",
+        "--infer-gpus",
+        "4",
+        "--infer-tp",
+        "2",
+        "--json",
+        "--steps",
+        "300",
+    ]
     out = {}
     for name in ("free-stage2", "h200"):
         assert main(args + ["--calibration", name]) == 0

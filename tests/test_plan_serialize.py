@@ -1,4 +1,5 @@
 """Versioned plan bytes: round trip, and clean ValueErrors on hostile input."""
+
 import json
 import struct
 import zlib
@@ -16,12 +17,30 @@ COLS = ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset",
 
 @pytest.fixture(scope="module")
 def plan():
-    c = Cluster(train_gpus=4, infer_gpus=4, infer_tp=2, gpus_per_node=2, dense_shard=2, expert_shard=2,
-                infer_ep=True, quant="fp8")
+    c = Cluster(
+        train_gpus=4,
+        infer_gpus=4,
+        infer_tp=2,
+        gpus_per_node=2,
+        dense_shard=2,
+        expert_shard=2,
+        infer_ep=True,
+        quant="fp8",
+    )
     from wxfer.mapping import get_preset
+
     pre = get_preset("qwen3-30b-a3b")
-    pre.config = dict(pre.config, num_hidden_layers=2, num_experts=8, hidden_size=256, moe_intermediate_size=256,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=512)
+    pre.config = dict(
+        pre.config,
+        num_hidden_layers=2,
+        num_experts=8,
+        hidden_size=256,
+        moe_intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=512,
+    )
     p = plan_for(pre, c)
     p.descriptors[(3, p.names[0])] = b"\x00addr\xff"
     return p
@@ -31,8 +50,9 @@ def _same(a: Plan, b: Plan):
     for k in COLS:
         assert np.array_equal(getattr(a, k), getattr(b, k)), k
     assert a.names == b.names and a.meshes == b.meshes and a.groups == b.groups and a.mesh_tasks == b.mesh_tasks
-    assert [(t.name, t.sources, t.mesh, t.group, t.src_bytes, t.shards) for t in a.tasks] == \
-           [(t.name, t.sources, t.mesh, t.group, t.src_bytes, t.shards) for t in b.tasks]
+    assert [(t.name, t.sources, t.mesh, t.group, t.src_bytes, t.shards) for t in a.tasks] == [
+        (t.name, t.sources, t.mesh, t.group, t.src_bytes, t.shards) for t in b.tasks
+    ]
     assert np.array_equal(a.dest_nbytes, b.dest_nbytes) and np.array_equal(a.gpu_of, b.gpu_of)
     assert a.train_params == b.train_params and a.descriptors == b.descriptors and a.ignored == b.ignored
     assert (a.tp, a.replicas, a.quant, a.ep, a.train_world) == (b.tp, b.replicas, b.quant, b.ep, b.train_world)
@@ -44,7 +64,7 @@ def test_round_trip(plan):
     back = Plan.from_bytes(data)
     _same(plan, back)
     assert back.check() == []
-    assert len(data) < 40 * plan.n_transfers + 20000          # compact
+    assert len(data) < 40 * plan.n_transfers + 20000  # compact
 
 
 def test_every_truncation_is_a_clean_value_error(plan):
@@ -78,10 +98,10 @@ def _wrap(body: bytes) -> bytes:
 
 
 def test_valid_checksum_but_garbage_inside(plan):
-    body = zlib.decompress(plan.to_bytes()[_HEAD.size:])
+    body = zlib.decompress(plan.to_bytes()[_HEAD.size :])
     (hl,) = struct.unpack_from("<I", body)
-    header = json.loads(body[4:4 + hl])
-    arrays = body[4 + hl:]
+    header = json.loads(body[4 : 4 + hl])
+    arrays = body[4 + hl :]
     for junk in (b"", b"\x01\x00", b"\xff\xff\xff\xff{}", struct.pack("<I", 2) + b"[]", struct.pack("<I", 3) + b"{x}"):
         with pytest.raises(ValueError):
             Plan.from_bytes(_wrap(junk))
@@ -90,11 +110,17 @@ def test_valid_checksum_but_garbage_inside(plan):
         hj = json.dumps(h).encode()
         return _wrap(struct.pack("<I", len(hj)) + hj + arr)
 
-    Plan.from_bytes(with_header(header))                     # re-wrapping untouched parts is fine
-    for mutate in (lambda h: h.update(tp=0), lambda h: h["meshes"].append([999]),
-                   lambda h: h.update(names=h["names"][:1]), lambda h: h["tasks"].pop(),
-                   lambda h: h["arrays"][0].__setitem__(2, 10 ** 12), lambda h: h["groups"].pop(),
-                   lambda h: h.pop("names"), lambda h: h["tasks"][0].__setitem__(1, -1)):
+    Plan.from_bytes(with_header(header))  # re-wrapping untouched parts is fine
+    for mutate in (
+        lambda h: h.update(tp=0),
+        lambda h: h["meshes"].append([999]),
+        lambda h: h.update(names=h["names"][:1]),
+        lambda h: h["tasks"].pop(),
+        lambda h: h["arrays"][0].__setitem__(2, 10**12),
+        lambda h: h["groups"].pop(),
+        lambda h: h.pop("names"),
+        lambda h: h["tasks"][0].__setitem__(1, -1),
+    ):
         h = json.loads(json.dumps(header))
         mutate(h)
         with pytest.raises(ValueError):
@@ -102,9 +128,9 @@ def test_valid_checksum_but_garbage_inside(plan):
     # an out-of-range index inside the transfer columns
     names = [a[0] for a in header["arrays"]]
     sizes = [a[2] * (1 if a[1] == "u1" else 8) for a in header["arrays"]]
-    pos = sum(sizes[:names.index("t_sender")])
+    pos = sum(sizes[: names.index("t_sender")])
     arr = bytearray(arrays)
-    struct.pack_into("<q", arr, pos, 10 ** 6)
+    struct.pack_into("<q", arr, pos, 10**6)
     with pytest.raises(ValueError, match="sender out of range"):
         Plan.from_bytes(with_header(header, bytes(arr)))
 

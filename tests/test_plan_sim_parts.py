@@ -1,5 +1,6 @@
 """The simulator's parts, each alone: the water-filling step, the write network (FIFOs,
 posting window, rings), the stage model and the order of stage events."""
+
 import numpy as np
 import pytest
 
@@ -19,7 +20,7 @@ def test_waterfill_shares_a_link_equally():
 
 def test_waterfill_is_work_conserving_when_a_flow_needs_less():
     alloc = _waterfill(np.array([0, 1]), np.array([2, 2]), np.array([100.0, 100.0, 10.0]), np.array([2.0, 50.0]))
-    assert alloc == pytest.approx([2.0, 8.0])                 # the short flow's unused share goes to the other
+    assert alloc == pytest.approx([2.0, 8.0])  # the short flow's unused share goes to the other
 
 
 def test_waterfill_max_min_over_two_bottlenecks():
@@ -42,9 +43,19 @@ def _two_jobs(sizes=(100.0, 100.0), gpus=(0, 0)):
     J = len(sizes)
     gpus = gpus[:J]
     ej = np.arange(J)
-    return _Jobs(rank=np.zeros(J, np.int64), task=np.arange(J), packed=np.array(sizes, float), ejob=ej,
-                 egpu=np.array(gpus, np.int64), ebytes=np.array(sizes, float), start=ej, end=ej + 1, wbytes=np.array(sizes, float),
-                 of_task={j: [j] for j in range(J)}, packed_of={(0, j): sizes[j] for j in range(J)})
+    return _Jobs(
+        rank=np.zeros(J, np.int64),
+        task=np.arange(J),
+        packed=np.array(sizes, float),
+        ejob=ej,
+        egpu=np.array(gpus, np.int64),
+        ebytes=np.array(sizes, float),
+        start=ej,
+        end=ej + 1,
+        wbytes=np.array(sizes, float),
+        of_task={j: [j] for j in range(J)},
+        packed_of={(0, j): sizes[j] for j in range(J)},
+    )
 
 
 def _run(net, dt=1.0, limit=1000):
@@ -63,23 +74,23 @@ def _run(net, dt=1.0, limit=1000):
 def test_a_pair_is_fifo_and_finishes_at_bytes_over_bandwidth():
     jb = _two_jobs()
     net = _Network(jb, world=1, ngpu=1, nic_bw=10.0, write_bw=10.0, max_posted=1e9, write_latency_s=0.0)
-    net.queue([1, 0])                                         # queued in job order whatever the call order
+    net.queue([1, 0])  # queued in job order whatever the call order
     assert list(net.queued[0]) == [0, 1]
     done = _run(net)
-    assert done[0] == pytest.approx(10.0) and done[1] == pytest.approx(20.0)   # 100 B each at 10 B/s, in order
+    assert done[0] == pytest.approx(10.0) and done[1] == pytest.approx(20.0)  # 100 B each at 10 B/s, in order
 
 
 def test_posting_window_holds_back_the_next_job():
-    jb = _two_jobs(gpus=(0, 1))                               # different receivers: could run side by side
+    jb = _two_jobs(gpus=(0, 1))  # different receivers: could run side by side
     net = _Network(jb, world=1, ngpu=2, nic_bw=1e9, write_bw=10.0, max_posted=150.0, write_latency_s=0.0)
     net.queue([0, 1])
     net.post()
-    assert net.posted[0] == 1 and list(net.queued[0]) == [1]   # 100 + 100 > 150: one at a time
+    assert net.posted[0] == 1 and list(net.queued[0]) == [1]  # 100 + 100 > 150: one at a time
     done = _run(net)
     assert done[1] == pytest.approx(20.0)
     wide = _Network(jb, world=1, ngpu=2, nic_bw=1e9, write_bw=20.0, max_posted=1e9, write_latency_s=0.0)
     wide.queue([0, 1])
-    d2 = _run(wide)                                           # both posted: the sender's 20 B/s shared
+    d2 = _run(wide)  # both posted: the sender's 20 B/s shared
     assert d2[0] == pytest.approx(10.0) and d2[1] == pytest.approx(10.0)
 
 
@@ -89,7 +100,7 @@ def test_write_latency_is_added_and_out_of_order_posting_is_refused():
     net.queue([0])
     assert _run(net, limit=10)[0] == pytest.approx(10.5)
     bad = _Network(jb, world=1, ngpu=1, nic_bw=10.0, write_bw=10.0, max_posted=1e9, write_latency_s=0.0)
-    bad.queued[0].append(1)                                   # job 1 before job 0 of the same pair
+    bad.queued[0].append(1)  # job 1 before job 0 of the same pair
     bad.post_ranks.add(0)
     with pytest.raises(RuntimeError, match="out of FIFO order"):
         bad.post()
@@ -104,7 +115,7 @@ def test_rings_use_the_nic_receive_links():
     for step in range(3):
         _, rd, _, agb = net.step(net.active_pairs(), float(step), 1.0)
         rings += rd
-    assert rings == [(3, 7, 0.0)] and not net.rings and not net.ag_live   # 10 B per flow at 5 B/s: 2 steps
+    assert rings == [(3, 7, 0.0)] and not net.rings and not net.ag_live  # 10 B per flow at 5 B/s: 2 steps
 
 
 # ---------------------------------------------------------------- the stage model
@@ -112,11 +123,13 @@ def test_rings_use_the_nic_receive_links():
 
 def test_stage_model_formulas():
     from wxfer.plan.calibrate import CALIBRATIONS
+
     c = Cluster(pcie_GBps=10.0, nvlink_GBps=100.0, mem_GBps=1000.0, calibration=CALIBRATIONS["free-stage2"])
 
     class T:
         src_bytes = 8e9
         sources = ("a", "b")
+
     m = _StageModel(c)
     assert m.h2d_s(T, 4) == pytest.approx(2e9 / 10e9)
     assert m.allgather_s(T, 4) == pytest.approx(6e9 / 100e9)
@@ -125,14 +138,24 @@ def test_stage_model_formulas():
     assert m.pack_s(T, 2e9) == pytest.approx(10e9 / 1000e9)
     assert m.host_gather_s(T) == 0.0 and m.write_post_s(10) == 0.0 and not m.serial
     from wxfer.meta import Calibration
-    cal = Calibration(host_task_s=1.0, host_param_s=0.5, host_piece_s=0.25, pack_launch_s=0.125, quant_GBps=100.0,
-                      copy_GBps=500.0, coll_call_s=0.01, write_call_s=0.001, h2d_call_s=0.1)
+
+    cal = Calibration(
+        host_task_s=1.0,
+        host_param_s=0.5,
+        host_piece_s=0.25,
+        pack_launch_s=0.125,
+        quant_GBps=100.0,
+        copy_GBps=500.0,
+        coll_call_s=0.01,
+        write_call_s=0.001,
+        h2d_call_s=0.1,
+    )
     m = _StageModel(Cluster(pcie_GBps=10.0, nvlink_GBps=100.0, calibration=cal))
-    assert m.host_gather_s(T) == 1.0 + 2 * 0.5                        # per task + per source
-    assert m.host_pack_s(4) == 1.0                                    # per piece
+    assert m.host_gather_s(T) == 1.0 + 2 * 0.5  # per task + per source
+    assert m.host_pack_s(4) == 1.0  # per piece
     assert m.h2d_s(T, 4) == pytest.approx(2 * 0.1 + 2e9 / 10e9)
     assert m.allgather_s(T, 4) == pytest.approx(2 * 0.01 + 6e9 / 100e9)
-    assert m.allgather_s(T, 1) == 0.0                                 # no collective on a 1-rank mesh
+    assert m.allgather_s(T, 1) == 0.0  # no collective on a 1-rank mesh
     assert m.pack_s(T, 2e9, pieces=3, fp8=True) == pytest.approx(3 * 0.125 + 10e9 / 100e9)
     assert m.pack_s(T, 2e9, pieces=3, fp8=False) == pytest.approx(3 * 0.125 + 10e9 / 500e9)
     assert m.write_post_s(10) == pytest.approx(0.01) and m.serial
@@ -144,6 +167,7 @@ def test_stage_model_formulas():
 def _meshes(preset="qwen3-tiny", **kw):
     kw = dict(dict(train_gpus=4, infer_gpus=2, infer_tp=2, gpus_per_node=2, dense_shard=2, expert_shard=2), **kw)
     from wxfer.plan.calibrate import CALIBRATIONS
+
     c = Cluster(**kw, calibration=CALIBRATIONS["free-stage2"])
     plan = plan_for(preset, c)
     ngpu = int(plan.gpu_of.max()) + 1
@@ -159,19 +183,19 @@ def test_jobs_group_the_transfer_table_by_sender_and_task():
         sel = (plan.sender == jb.rank[j]) & (plan.task == jb.task[j])
         assert jb.wbytes[j] == plan.nbytes[sel].sum()
         assert jb.packed[j] == (plan.src_offset[sel] + plan.nbytes[sel]).max()
-        assert (np.diff(jb.egpu[jb.start[j]:jb.end[j]]) > 0).all()      # one entry per receiver
+        assert (np.diff(jb.egpu[jb.start[j] : jb.end[j]]) > 0).all()  # one entry per receiver
 
 
 def test_allgathers_follow_plan_order_and_packing_follows_them():
     plan, c, jb, net, ms = _meshes()
-    ms.start(1.0, net)                                        # everything ready by t = 1 s: intra-node meshes
+    ms.start(1.0, net)  # everything ready by t = 1 s: intra-node meshes
     assert ms.finished()
     ag = [(r, ti, s, e) for st, r, ti, s, e in ms.timeline if st == "allgather"]
     for m, lst in plan.mesh_tasks.items():
         r0 = plan.meshes[m][0]
         starts = [s for r, ti, s, e in ag if r == r0 and ti in lst]
         ends = {ti: e for r, ti, s, e in ag if r == r0}
-        assert starts == sorted(starts)                       # plan order, one after the other
+        assert starts == sorted(starts)  # plan order, one after the other
         seq = [ends[ti] for ti in lst]
         assert seq == sorted(seq)
     q = {(r, ti): (s, e) for st, r, ti, s, e in ms.timeline if st == "quant"}
@@ -179,16 +203,25 @@ def test_allgathers_follow_plan_order_and_packing_follows_them():
     for (r, ti), (s, e) in q.items():
         assert s >= agend[(r, ti)] - 1e-15 and e > s
     for j in range(jb.n):
-        assert ms.act_time[j] == q[(int(jb.rank[j]), int(jb.task[j]))][1]     # ready when packed
+        assert ms.act_time[j] == q[(int(jb.rank[j]), int(jb.task[j]))][1]  # ready when packed
 
 
 def test_next_group_waits_for_the_barrier():
-    plan, c, jb, net, ms = _meshes("qwen3-30b-a3b", barrier_s=0.25, train_gpus=8, gpus_per_node=8, watermark_bytes=1 << 40, infer_gpus=4, quant="fp8",
-                                   expert_shard=4, infer_ep=True)
+    plan, c, jb, net, ms = _meshes(
+        "qwen3-30b-a3b",
+        barrier_s=0.25,
+        train_gpus=8,
+        gpus_per_node=8,
+        watermark_bytes=1 << 40,
+        infer_gpus=4,
+        quant="fp8",
+        expert_shard=4,
+        infer_ep=True,
+    )
     assert len(plan.groups) >= 2
     ms.start(10.0, net)
-    assert not ms.finished()            # group 1's meshes were tried before group 0 ended
-    ms.start(10.0, net)                 # (the event loop calls start() at every step)
+    assert not ms.finished()  # group 1's meshes were tried before group 0 ended
+    ms.start(10.0, net)  # (the event loop calls start() at every step)
     assert ms.finished()
     g0 = {ti for m in plan.groups[0] for ti in plan.mesh_tasks[m]}
     ag = [(ti, s, e) for st, r, ti, s, e in ms.timeline if st == "allgather"]
@@ -201,7 +234,7 @@ def test_watermark_stops_the_next_allgather_until_buffers_are_released():
     plan, c, jb, net, ms = _meshes(watermark_bytes=1)
     ms.start(10.0, net)
     started = sum(1 for st, *_ in ms.timeline if st == "allgather")
-    assert 0 < started < len(plan.tasks) * 2                  # one task per mesh, then held
+    assert 0 < started < len(plan.tasks) * 2  # one task per mesh, then held
     assert not ms.finished()
     # the first task's writes landing releases its buffers: the mesh goes on
     before = sum(ms.ptr.values())

@@ -2,6 +2,7 @@
 once, submitted every step), and the Sender's zero-copy tasks that use them: every byte
 lands over fabric tcp, a parameter whose memory moved is registered again, verify mode,
 and a restarted worker's tasks re-pointed at its new memory."""
+
 import gc
 import time
 
@@ -26,14 +27,16 @@ def test_prepared_tasks_write_every_byte_and_keep_their_source_alive():
         srcs = [torch.full((size,), i + 1, dtype=torch.uint8) for i in range(n)]
         regions = [t.register(s, export=False) for s in srcs]
         # two destinations per task: each half of the source to its own place
-        tasks = [e.prepare(r, [(desc, i * size, 0, 400), (desc, i * size + 400, 400, size - 400)], tag=10 + i)
-                 for i, r in enumerate(regions)]
+        tasks = [
+            e.prepare(r, [(desc, i * size, 0, 400), (desc, i * size + 400, 400, size - 400)], tag=10 + i)
+            for i, r in enumerate(regions)
+        ]
         assert [p.tag for p in tasks] == [10, 11, 12, 13, 14] and tasks[0].nbytes == size
         assert tasks[0].region is regions[0]
         assert e.submit_prepared(tasks) == n
         e.wait(timeout=T)
         assert tgt.read(0) == torch.cat(srcs).numpy().tobytes()
-        assert e.stats()["held_peak"] == 0           # a Region's memory is not held by the engine
+        assert e.stats()["held_peak"] == 0  # a Region's memory is not held by the engine
         # the same tasks again after the sources changed in place: the new bytes
         for s in srcs:
             s.add_(100)
@@ -53,9 +56,9 @@ def test_prepared_tasks_write_every_byte_and_keep_their_source_alive():
             e.prepare(src, [(desc, 0, 0, size)])
         r = t.register(src, export=False)
         with pytest.raises(Exception, match=r"dests\[0\] \(tag 7\)"):
-            e.prepare(r, [(desc, 0, 0, size + 1)], tag=7)          # past the source's end
+            e.prepare(r, [(desc, 0, 0, size + 1)], tag=7)  # past the source's end
         with pytest.raises(Exception, match=r"dests\[0\] \(tag 8\)"):
-            e.prepare(r, [(desc, size * n - 10, 0, 20)], tag=8)    # past the destination's end
+            e.prepare(r, [(desc, size * n - 10, 0, 20)], tag=8)  # past the destination's end
         with pytest.raises(TypeError, match=r"dests\[0\] must be"):
             e.prepare(r, [(desc, 0)])
         ok = e.prepare(r, [(desc, 0, 0, size)], tag=1)
@@ -63,7 +66,7 @@ def test_prepared_tasks_write_every_byte_and_keep_their_source_alive():
         with pytest.raises(TypeError, match=r"tasks\[1\] is a int, not a Prepared"):
             e.submit_prepared([ok, 5])
         e.wait(timeout=T)
-        assert e.stats()["submitted"] == before + 1             # tasks[0] went, nothing after
+        assert e.stats()["submitted"] == before + 1  # tasks[0] went, nothing after
         r.close()
         with pytest.raises(ValueError, match=r"tasks\[0\] \(tag 1\): its Region is closed"):
             e.submit_prepared([ok])
@@ -82,28 +85,32 @@ def test_prepared_tasks_write_every_byte_and_keep_their_source_alive():
 
 def _bf16_model():
     torch.manual_seed(0)
-    m = train_model(TINY).to(torch.bfloat16)       # the inference dtype: every task is zero copy
+    m = train_model(TINY).to(torch.bfloat16)  # the inference dtype: every task is zero copy
     for p in m.parameters():
         p.requires_grad_(False)
     return m
 
 
 def _landed(model, params, rank, tp=2):
-    return all(torch.equal(params[dst].view(-1).view(torch.uint8)[off:off + b.numel()], b)
-               for r, dst, off, b in expected_shards(model, TINY, tp) if r == rank)
+    return all(
+        torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b)
+        for r, dst, off, b in expected_shards(model, TINY, tp)
+        if r == rank
+    )
 
 
 def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restarts(store):
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     name = "fast"
-    kw = dict(mapping=preset_for(TINY).name, store=addr, replica=0, tp=2, replicas=1, name=name, timeout=T,
-              verify=True)
+    kw = dict(mapping=preset_for(TINY).name, store=addr, replica=0, tp=2, replicas=1, name=name, timeout=T, verify=True)
     params = [inference_params(TINY, 2, r) for r in range(2)]
     ths = [in_thread(Receiver, params[r], rank=r, **kw) for r in range(2)]
     model = _bf16_model()
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, write_timeout=5,
-                    watermark="1MiB")
+    sender = Sender(
+        model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, write_timeout=5, watermark="1MiB"
+    )
     recvs = []
     for th, box in ths:
         th.join(T)
@@ -114,7 +121,7 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
     # tp=2: the column-sliced (row-parallel) weights are packed; the rest is zero copy, so
     # a push interleaves prepared batches with packed tasks
     assert len(ops) > len(every) // 2 and len(ops) < len(every)
-    assert all(op.prep.fast is None for op in every)            # registered at the first push
+    assert all(op.prep.fast is None for op in every)  # registered at the first push
     sender.push()
     assert [r.version() for r in recvs] == [1, 1]
     assert _landed(model, params[0], 0) and _landed(model, params[1], 1)
@@ -159,7 +166,7 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
     new = box["value"]
     assert new.version() == 4 and recvs[0].version() == 4 and recvs[1].version() == 3
     assert _landed(model, params[1], 1) and _landed(model, params[0], 0)
-    assert not _landed(model, old, 1)                 # the replaced worker is no longer written
+    assert not _landed(model, old, 1)  # the replaced worker is no longer written
     sender.close()
     for r in recvs + [new]:
         r.close()
@@ -167,6 +174,7 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
 
 def test_a_prepared_task_to_a_vanished_peer_fails_naming_its_tag_and_peer():
     from wxfer.testing import TargetProcess
+
     opts = {"provider": "tcp"}
     tgt = TargetProcess("fabric", opts, [4 << 20])
     t = _wxfer.Transport("fabric", opts)
@@ -175,12 +183,14 @@ def test_a_prepared_task_to_a_vanished_peer_fails_naming_its_tag_and_peer():
         peer = tgt.connect(t)
         desc = tgt.descriptors[0]
         srcs = [torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(4)]
-        tasks = [eng.prepare(t.register(s, export=False), [(desc, i << 20, 0, 1 << 20)], tag=40 + i)
-                 for i, s in enumerate(srcs)]
+        tasks = [
+            eng.prepare(t.register(s, export=False), [(desc, i << 20, 0, 1 << 20)], tag=40 + i)
+            for i, s in enumerate(srcs)
+        ]
         tgt.kill()
         t0 = time.monotonic()
         eng.submit_prepared(tasks)
-        eng.wait(timeout=30)          # isolate: the peer fails alone, reported by failed_peers()
+        eng.wait(timeout=30)  # isolate: the peer fails alone, reported by failed_peers()
         assert time.monotonic() - t0 < 20
         failed = eng.failed_peers()
         assert len(failed) == 1, failed

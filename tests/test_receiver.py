@@ -35,10 +35,11 @@ def test_registration_is_per_storage_and_refuses_non_contiguous(store):
     meta = ctl.get_json("infer/0", "receiver metadata")
     assert meta["params"]["a"] == [[20, 20], "bfloat16"] and meta["tp"] == 1 and meta["transport"] == "fabric"
     import base64
+
     da = decode_param_descriptor(base64.b64decode(meta["desc"]["a"]))
     db = decode_param_descriptor(base64.b64decode(meta["desc"]["b"]))
     dc = decode_param_descriptor(base64.b64decode(meta["desc"]["c"]))
-    assert da[0] == db[0] != dc[0]          # a and b share one registered storage
+    assert da[0] == db[0] != dc[0]  # a and b share one registered storage
     assert (da[1], db[1], dc[1]) == (0, 800, 0)
     # the controller refuses: the receivers learn it and raise it too
     ctl.set("status", control.encode_result(None, "PlanError: model.x is missing"))
@@ -65,12 +66,26 @@ def _expected(model, tp, quant):
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_sender_to_receivers_in_one_process(store, quant):
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     name = "one" + str(quant)
     tp = 2
     params = [inference_params(TINY, tp, r, quant) for r in range(tp)]
-    ths = [_in_thread(Receiver, params[r], mapping=preset_for(TINY).name, store=addr, replica=0, rank=r, tp=tp,
-                      replicas=1, name=name, timeout=T) for r in range(tp)]
+    ths = [
+        _in_thread(
+            Receiver,
+            params[r],
+            mapping=preset_for(TINY).name,
+            store=addr,
+            replica=0,
+            rank=r,
+            tp=tp,
+            replicas=1,
+            name=name,
+            timeout=T,
+        )
+        for r in range(tp)
+    ]
     model = _tiny_model()
     sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="1MiB")
     recvs = []
@@ -86,7 +101,7 @@ def test_sender_to_receivers_in_one_process(store, quant):
         for n, lst in exp[r].items():
             got = params[r][n].view(-1).view(torch.uint8)
             for off, b in lst:
-                assert torch.equal(got[off:off + b.numel()], b), f"{n} on rank {r} differs at {off}"
+                assert torch.equal(got[off : off + b.numel()], b), f"{n} on rank {r} differs at {off}"
     # the watermark (1 MiB) bounded what was in flight
     st = sender.stats()
     assert 0 < st["held_peak"] <= (1 << 20) + max(op.nbytes for g in sender.program.groups for op in g)
@@ -103,9 +118,10 @@ def test_sender_to_receivers_in_one_process(store, quant):
     moved = sender.engine.stats()["bytes_written"]
     snap = [{n: t.clone() for n, t in p.items()} for p in params]
     sender.push()
-    assert sender.engine.stats()["bytes_written"] - moved == sender.bytes_per_step + 2 * 8 * tp   # begin + end stamps
-    assert all(torch.equal(snap[r][n].view(torch.uint8), params[r][n].view(torch.uint8))
-               for r in range(tp) for n in params[r])
+    assert sender.engine.stats()["bytes_written"] - moved == sender.bytes_per_step + 2 * 8 * tp  # begin + end stamps
+    assert all(
+        torch.equal(snap[r][n].view(torch.uint8), params[r][n].view(torch.uint8)) for r in range(tp) for n in params[r]
+    )
     assert recvs[0].wait_version(3, 5) == 3
     with pytest.raises(TimeoutError, match="trainer ranks not done: \\[0\\]"):
         recvs[0].wait_version(4, 0.05)
@@ -117,10 +133,21 @@ def test_sender_to_receivers_in_one_process(store, quant):
 def test_a_parameter_over_the_watermark_is_named_at_setup(store):
     import warnings
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     params = inference_params(TINY, 1, 0, None)
-    th, box = _in_thread(Receiver, params, mapping=preset_for(TINY).name, store=addr, replica=0, rank=0, tp=1,
-                         replicas=1, name="wmw", timeout=T)
+    th, box = _in_thread(
+        Receiver,
+        params,
+        mapping=preset_for(TINY).name,
+        store=addr,
+        replica=0,
+        rank=0,
+        tp=1,
+        replicas=1,
+        name="wmw",
+        timeout=T,
+    )
     model = _tiny_model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -136,20 +163,23 @@ def test_a_parameter_over_the_watermark_is_named_at_setup(store):
     exp = _expected(model, 1, None)[0]
     for n, lst in exp.items():
         got = params[n].view(-1).view(torch.uint8)
-        assert all(torch.equal(got[off:off + b.numel()], b) for off, b in lst), n
+        assert all(torch.equal(got[off : off + b.numel()], b) for off, b in lst), n
     sender.close()
     box["value"].close()
 
 
 def test_a_mismatch_is_raised_on_the_trainer_and_on_every_receiver(store):
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     tp = 2
     params = [inference_params(TINY, tp, r) for r in range(tp)]
     del params[1]["model.layers.1.mlp.down_proj.weight"]
     params[0]["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(3, 3, dtype=torch.bfloat16)
-    ths = [_in_thread(Receiver, params[r], store=addr, replica=0, rank=r, tp=tp, replicas=1, name="bad",
-                      timeout=T) for r in range(tp)]
+    ths = [
+        _in_thread(Receiver, params[r], store=addr, replica=0, rank=r, tp=tp, replicas=1, name="bad", timeout=T)
+        for r in range(tp)
+    ]
     with pytest.raises(SetupError) as ei:
         Sender(_tiny_model(), mapping=preset_for(TINY), store=addr, name="bad", timeout=T)
     msg = str(ei.value)
@@ -163,9 +193,9 @@ def test_a_mismatch_is_raised_on_the_trainer_and_on_every_receiver(store):
 
 def test_receivers_that_disagree_on_the_mapping_are_refused(store):
     from wxfer.runtime.sender import Sender
+
     s, addr = store
-    ths = [_in_thread(Receiver, inference_params(TINY, 1, 0), mapping="llama3-8b", store=addr, name="map",
-                      timeout=T)]
+    ths = [_in_thread(Receiver, inference_params(TINY, 1, 0), mapping="llama3-8b", store=addr, name="map", timeout=T)]
     with pytest.raises(SetupError, match="uses mapping 'llama3-8b'"):
         Sender(_tiny_model(), mapping=preset_for(TINY), store=addr, name="map", timeout=T)
     ths[0][0].join(T)
@@ -177,6 +207,7 @@ def test_receivers_that_disagree_on_the_mapping_are_refused(store):
 
 def test_vllm_adapter_selects_what_the_mapping_writes():
     from wxfer.integrations.vllm import expected_destinations, quant_of, select_parameters
+
     exp = expected_destinations(preset_for(TINY), TINY, 2, 1, "fp8")
     assert exp["model.layers.0.self_attn.qkv_proj.weight"] == ((256 + 128 + 128, 256), "float8_e4m3fn")
     assert exp["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == ((4, 2), "float32")
@@ -192,6 +223,7 @@ def test_vllm_adapter_selects_what_the_mapping_writes():
 def test_vllm_worker_extension_builds_the_receiver(monkeypatch):
     import wxfer.runtime.receiver
     from wxfer.integrations.vllm import WxferWorkerExtension
+
     seen = {}
 
     class FakeReceiver:
@@ -213,7 +245,7 @@ def test_vllm_worker_extension_builds_the_receiver(monkeypatch):
     monkeypatch.setattr(wxfer.runtime.receiver, "Receiver", FakeReceiver)
     model = torch.nn.Module()
     holder = inference_params(TINY, 2, 1)
-    for n, t in holder.items():          # nested modules named like vLLM's
+    for n, t in holder.items():  # nested modules named like vLLM's
         mod = model
         *path, leaf = n.split(".")
         for part in path:
@@ -246,6 +278,7 @@ def test_vllm_worker_extension_builds_the_receiver(monkeypatch):
 def test_a_receiver_gone_mid_run_fails_the_push_in_bounded_time(store):
     import time
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     params = inference_params(TINY, 1, 0)
     th, box = _in_thread(Receiver, params, mapping=preset_for(TINY).name, store=addr, name="gone", timeout=T)
@@ -254,7 +287,7 @@ def test_a_receiver_gone_mid_run_fails_the_push_in_bounded_time(store):
     recv = box["value"]
     sender.push()
     assert recv.version() == 1
-    recv.close()                          # the inference worker's memory and transport are gone
+    recv.close()  # the inference worker's memory and transport are gone
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as ei:
         sender.push()

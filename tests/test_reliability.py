@@ -1,6 +1,7 @@
 """Issue 8: bad input refused at setup in one message with nothing written; a plan that
 writes a byte twice refused; a receiver registered twice refused; verify mode; the
 control plane bound to a chosen address.  In one process: receivers in threads, fabric tcp."""
+
 import time
 
 import pytest
@@ -32,19 +33,25 @@ def _snapshot(params):
 
 
 def _untouched(params, snap):
-    return all(torch.equal(a[n].view(-1).view(torch.uint8), p[n].view(-1).view(torch.uint8))
-               for p, a in zip(params, snap) for n in p)
+    return all(
+        torch.equal(a[n].view(-1).view(torch.uint8), p[n].view(-1).view(torch.uint8))
+        for p, a in zip(params, snap)
+        for n in p
+    )
 
 
 def _refused(addr, name, params, ranks, cfg=TINY, mapping=None):
     """Start receivers with `params` at (replica, rank) `ranks`; a Sender must be refused.
     Returns (the sender's message, the receivers' errors)."""
     from wxfer.runtime.sender import Sender
+
     mapping = mapping or preset_for(TINY)
     tp = max(r for _, r in ranks) + 1
     replicas = max(q for q, _ in ranks) + 1
-    ths = [_in_thread(Receiver, p, store=addr, replica=q, rank=r, tp=tp, replicas=replicas, name=name, timeout=T)
-           for p, (q, r) in zip(params, ranks)]
+    ths = [
+        _in_thread(Receiver, p, store=addr, replica=q, rank=r, tp=tp, replicas=replicas, name=name, timeout=T)
+        for p, (q, r) in zip(params, ranks)
+    ]
     if len(set(ranks)) < len(ranks):
         # a duplicate is caught only if it claims its slot before the trainers' setup is
         # through (a later one is refused on its own): start the Sender once every worker
@@ -69,7 +76,7 @@ def test_store_listens_only_on_the_chosen_address(monkeypatch):
     st = control.resolve_store("127.0.0.1:%d" % port, True, 5)
     lst = [ln.split() for ln in open("/proc/net/tcp").read().splitlines()[1:]]
     mine = [f[1] for f in lst if f[3] == "0A" and f[1].endswith(":%04X" % port)]
-    assert mine == ["0100007F:%04X" % port]          # 127.0.0.1 only, not 0.0.0.0
+    assert mine == ["0100007F:%04X" % port]  # 127.0.0.1 only, not 0.0.0.0
     c = control.resolve_store("127.0.0.1:%d" % port, False, 5)
     c.set("k", b"v")
     assert st.get("k") == b"v"
@@ -86,18 +93,20 @@ def test_store_listens_only_on_the_chosen_address(monkeypatch):
 def test_mismatches_are_listed_in_one_message_and_nothing_is_written(store):
     s, addr = store
     params = [inference_params(TINY, 2, r) for r in range(2)]
-    del params[1]["model.layers.1.mlp.down_proj.weight"]                              # missing name
-    params[0]["model.layers.0.extra.weight"] = torch.zeros(4, dtype=torch.bfloat16)     # unknown name
+    del params[1]["model.layers.1.mlp.down_proj.weight"]  # missing name
+    params[0]["model.layers.0.extra.weight"] = torch.zeros(4, dtype=torch.bfloat16)  # unknown name
     params[0]["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(128, 3, dtype=torch.bfloat16)  # shape
-    params[1]["model.norm.weight"] = torch.zeros(256, dtype=torch.float32)             # dtype
-    params[1]["lm_head.weight"] = torch.zeros(100, 256, dtype=torch.bfloat16)          # smaller than planned
+    params[1]["model.norm.weight"] = torch.zeros(256, dtype=torch.float32)  # dtype
+    params[1]["lm_head.weight"] = torch.zeros(100, 256, dtype=torch.bfloat16)  # smaller than planned
     snap = _snapshot(params)
     msg, errs = _refused(addr, "mm", params, [(0, 0), (0, 1)])
-    for needle in ("model.layers.1.mlp.down_proj.weight: expected on replica 0 rank 1",
-                   "model.layers.0.extra.weight on replica 0 rank 0: no rule writes",
-                   "model.layers.0.self_attn.o_proj.weight on replica 0 rank 0: worker has (128, 3)",
-                   "model.norm.weight on replica 0 rank 1: worker has (256,) float32",
-                   "lm_head.weight on replica 0 rank 1: worker has (100, 256)"):
+    for needle in (
+        "model.layers.1.mlp.down_proj.weight: expected on replica 0 rank 1",
+        "model.layers.0.extra.weight on replica 0 rank 0: no rule writes",
+        "model.layers.0.self_attn.o_proj.weight on replica 0 rank 0: worker has (128, 3)",
+        "model.norm.weight on replica 0 rank 1: worker has (256,) float32",
+        "lm_head.weight on replica 0 rank 1: worker has (100, 256)",
+    ):
         assert needle in msg, msg
     assert all(isinstance(e, SetupError) and "model.norm.weight" in str(e) for e in errs)
     assert _untouched(params, snap)
@@ -105,11 +114,12 @@ def test_mismatches_are_listed_in_one_message_and_nothing_is_written(store):
 
 def test_fp8_tp_split_not_on_128_blocks_is_refused_naming_every_weight(store):
     s, addr = store
-    cfg = dict(TINY, intermediate_size=384)        # 192 rows per TP rank: not whole 128-row blocks
+    cfg = dict(TINY, intermediate_size=384)  # 192 rows per TP rank: not whole 128-row blocks
     params = [inference_params(cfg, 2, r) for r in range(2)]
-    for p in params:                               # the receivers hold FP8 weights: the plan is FP8
+    for p in params:  # the receivers hold FP8 weights: the plan is FP8
         p["model.layers.0.self_attn.qkv_proj.weight"] = torch.zeros(
-            p["model.layers.0.self_attn.qkv_proj.weight"].shape, dtype=torch.float8_e4m3fn)
+            p["model.layers.0.self_attn.qkv_proj.weight"].shape, dtype=torch.float8_e4m3fn
+        )
     snap = _snapshot(params)
     msg, errs = _refused(addr, "fp8", params, [(0, 0), (0, 1)], cfg=cfg)
     for layer in (0, 1):
@@ -133,14 +143,16 @@ def test_a_receiver_registered_twice_is_refused_naming_it(store):
 def test_a_plan_writing_a_byte_twice_is_refused_before_any_write(store, monkeypatch):
     import numpy as np
     from wxfer.runtime import program
+
     real = program.build_controller_plan
 
     def twice(*a, **kw):
         plan = real(*a, **kw)
         for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset"):
             arr = getattr(plan, k)
-            setattr(plan, k, np.r_[arr, arr[0]])      # transfer 0 sent a second time
+            setattr(plan, k, np.r_[arr, arr[0]])  # transfer 0 sent a second time
         return plan
+
     monkeypatch.setattr(program, "build_controller_plan", twice)
     s, addr = store
     params = [inference_params(TINY, 1, 0)]
@@ -154,16 +166,21 @@ def test_a_plan_writing_a_byte_twice_is_refused_before_any_write(store, monkeypa
 def test_verify_mode_checks_what_landed_and_reports_a_scribble(store, monkeypatch):
     from wxfer.runtime.sender import Sender
     from wxfer.runtime.verify import VerifyError
+
     s, addr = store
     params = [inference_params(TINY, 2, r) for r in range(2)]
-    ths = [_in_thread(Receiver, params[r], store=addr, replica=0, rank=r, tp=2, replicas=1, name="ver",
-                      timeout=T, verify=True) for r in range(2)]
+    ths = [
+        _in_thread(
+            Receiver, params[r], store=addr, replica=0, rank=r, tp=2, replicas=1, name="ver", timeout=T, verify=True
+        )
+        for r in range(2)
+    ]
     sender = Sender(_model(), mapping=preset_for(TINY), store=addr, name="ver", timeout=T, write_timeout=10)
     recvs = []
     for th, box in ths:
         th.join(T)
         recvs.append(box["value"])
-    sender.push()                                  # verify off: the receivers are not asked
+    sender.push()  # verify off: the receivers are not asked
     assert sender.last_verify is None and recvs[0].verifier.reports == []
     monkeypatch.setenv("WXFER_VERIFY", "1")
     sender.push()
@@ -188,9 +205,11 @@ def test_verify_mode_checks_what_landed_and_reports_a_scribble(store, monkeypatc
 
 def test_a_worker_that_never_registers_is_named_at_the_deadline(store):
     from wxfer.runtime.sender import Sender
+
     s, addr = store
-    th, box = _in_thread(Receiver, inference_params(TINY, 2, 0), store=addr, replica=0, rank=0, tp=2,
-                         replicas=1, name="late", timeout=T)
+    th, box = _in_thread(
+        Receiver, inference_params(TINY, 2, 0), store=addr, replica=0, rank=0, tp=2, replicas=1, name="late", timeout=T
+    )
     t0 = __import__("time").monotonic()
     with pytest.raises(SetupError) as ei:
         Sender(_model(), mapping=preset_for(TINY), store=addr, name="late", timeout=2)
@@ -203,8 +222,11 @@ def test_a_worker_that_never_registers_is_named_at_the_deadline(store):
 
 def _landed(model, params, rank, tp=2):
     """Every byte the plan writes to TP rank `rank` is in `params`."""
-    return all(torch.equal(params[dst].view(-1).view(torch.uint8)[off:off + b.numel()], b)
-               for r, dst, off, b in expected_shards(model, TINY, tp) if r == rank)
+    return all(
+        torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b)
+        for r, dst, off, b in expected_shards(model, TINY, tp)
+        if r == rank
+    )
 
 
 def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
@@ -216,6 +238,7 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
     workers are left open: closing one fabric tcp transport here can stall the completions
     of the others; tests/test_faults.py kills and restarts a real process.)"""
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     name = "restart"
     kw = dict(mapping=preset_for(TINY).name, store=addr, replica=0, tp=2, replicas=1, name=name, timeout=T)
@@ -232,8 +255,12 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
     plan_bytes = ctl.get("plan", "plan")
 
     def dests_of(g):
-        return [[d for d in op.dests if sender._gpu_of_region[bytes(d[0])] == g]
-                for ops in sender.program.groups for op in ops]
+        return [
+            [d for d in op.dests if sender._gpu_of_region[bytes(d[0])] == g]
+            for ops in sender.program.groups
+            for op in ops
+        ]
+
     dests0 = dests_of(0)
 
     def bump():
@@ -245,7 +272,7 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
         th, box = _in_thread(Receiver, p, rank=1, **kw)
         e = ctl.add("infer/epoch/1", 0) + 1
         deadline = time.monotonic() + T
-        while not ctl.check("infer/1/e%d" % e):      # registered; now it waits for the trainer
+        while not ctl.check("infer/1/e%d" % e):  # registered; now it waits for the trainer
             assert time.monotonic() < deadline and th.is_alive(), box
             time.sleep(0.01)
         return th, box
@@ -255,13 +282,13 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
     params[1] = inference_params(TINY, 2, 1)
     th, box = restart(params[1])
     bump()
-    sender.push()                                 # step 2
+    sender.push()  # step 2
     th.join(T)
     assert "error" not in box, box.get("error")
     new = box["value"]
     assert new.epoch == 1 and new.version() == 2 and recvs[0].version() == 2
     assert _landed(model, params[1], 1) and _landed(model, params[0], 0)
-    assert recvs[1].version() == 1 and not _landed(model, old, 1)   # the replaced one: no longer written
+    assert recvs[1].version() == 1 and not _landed(model, old, 1)  # the replaced one: no longer written
     assert sender.stats()["rejoined"] == 1
     assert ctl.get("plan", "plan") == plan_bytes  # the controller did not plan again
     assert dests_of(0) == dests0 and dests_of(1) != []
@@ -284,7 +311,7 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
     assert isinstance(box.get("error"), SetupError) and "refused by the trainers" in str(box["error"])
     assert new.version() == 4 and _landed(model, params[1], 1) and recvs[0].version() == 4
     bump()
-    sender.push()                                 # reported once; gpu 1 is still written
+    sender.push()  # reported once; gpu 1 is still written
     assert new.version() == 5 and _landed(model, params[1], 1)
     sender.close()
     for r in recvs + [new]:

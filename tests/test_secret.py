@@ -3,6 +3,7 @@ record is authenticated (HMAC-SHA256 over key and value): a store writer without
 who swaps two same-size descriptors (lm_head <-> embed_tokens) or injects a record is refused
 at setup, on the trainer and on the receiver; with the record intact the push is exact.
 Real receiver processes over fabric tcp."""
+
 import json
 import os
 import subprocess
@@ -29,8 +30,14 @@ from test_faults import _expected, _reap  # noqa: E402
 
 def _spawn(*args):
     env = dict(os.environ, PYTHONPATH=ROOT, WXFER_FABRIC_PROVIDER="tcp", WXFER_SECRET=SECRET)
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "fault_worker.py")] + [str(a) for a in args],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "fault_worker.py")] + [str(a) for a in args],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _wait_registered(s, name, procs):
@@ -44,6 +51,7 @@ def _wait_registered(s, name, procs):
 @pytest.mark.timeout(150)
 def test_a_swapped_descriptor_is_refused_and_an_intact_store_works(store, tmp_path, monkeypatch):
     from wxfer.runtime.sender import Sender
+
     monkeypatch.delenv("WXFER_SECRET", raising=False)
     s, addr = store
     # 1. tampered: lm_head's and embed_tokens' descriptors (same size) swapped in the record
@@ -58,8 +66,7 @@ def test_a_swapped_descriptor_is_refused_and_an_intact_store_works(store, tmp_pa
         d["lm_head.weight"], d["model.embed_tokens.weight"] = d["model.embed_tokens.weight"], d["lm_head.weight"]
         s.set(key, raw[:36] + json.dumps(meta, separators=(",", ":")).encode())
         with pytest.raises(SetupError, match="infer/0' fails authentication"):
-            Sender(fault_worker.model(), mapping=preset_for(TINY), store=addr, name="sec1", timeout=T,
-                   secret=SECRET)
+            Sender(fault_worker.model(), mapping=preset_for(TINY), store=addr, name="sec1", timeout=T, secret=SECRET)
         out = procs[0].communicate(timeout=T)[0]
         assert procs[0].returncode != 0 and "fails authentication" in out, out[-2000:]
     finally:
@@ -76,7 +83,7 @@ def test_a_swapped_descriptor_is_refused_and_an_intact_store_works(store, tmp_pa
         got = torch.load(tmp_path / "0.pt")
         assert got["version"] == 1
         for dst, off, b in _expected(m):
-            assert torch.equal(got["params"][dst].view(-1).view(torch.uint8)[off:off + b.numel()], b), dst
+            assert torch.equal(got["params"][dst].view(-1).view(torch.uint8)[off : off + b.numel()], b), dst
         sender.close()
     finally:
         _reap(procs)
@@ -86,13 +93,13 @@ def test_records_without_the_secret_are_refused(store):
     s, _ = store
     plain = control.Control(s, "sec3", 5)
     keyed = control.Control(s, "sec3", 5, secret=control.job_secret(SECRET))
-    plain.set("plan", b"OKforged")                      # injected without the secret
+    plain.set("plan", b"OKforged")  # injected without the secret
     with pytest.raises(SetupError, match="fails authentication"):
         keyed.get("plan", "the plan")
     keyed.set("infer/0", b"{}")
     assert keyed.get("infer/0", "x") == b"{}"
     with pytest.raises(SetupError, match="lacks"):
-        plain.get("infer/0", "x")                       # a process without the secret is told so
+        plain.get("infer/0", "x")  # a process without the secret is told so
     other = control.Control(s, "sec3", 5, secret=control.job_secret("another-secret-of-16+"))
     with pytest.raises(SetupError, match="fails authentication"):
         other.get("infer/0", "x")

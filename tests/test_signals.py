@@ -2,6 +2,7 @@
 libfabric pulls in libinfinipath, which installs its own SIGINT/SIGTERM/SIGSEGV/... handlers
 when loaded; a training script's SIGTERM handler must still run and Ctrl-C must still be a
 KeyboardInterrupt (with `finally`), also during push().  A real process over fabric tcp."""
+
 import os
 import signal
 import subprocess
@@ -11,7 +12,6 @@ import time
 import pytest
 
 from wxfer import _wxfer
-from wxfer.runtime import control
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,19 +34,24 @@ def _wait_line(p, want, timeout):
 @pytest.mark.timeout(120)
 def test_sigterm_and_sigint_reach_the_script_after_a_fabric_transport_opened(store):
     _, addr = store
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               WXFER_FABRIC_PROVIDER="tcp")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), WXFER_FABRIC_PROVIDER="tcp")
     env.pop("IPATH_NO_BACKTRACE", None)
     env.pop("HFI_NO_BACKTRACE", None)
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "signal_worker.py"), addr], env=env, cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "signal_worker.py"), addr],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_line(p, "ready", 90)
-        p.send_signal(signal.SIGTERM)              # the script's own handler, not the library's
+        p.send_signal(signal.SIGTERM)  # the script's own handler, not the library's
         _wait_line(p, "term handler", 10)
         assert p.poll() is None
         time.sleep(0.1)
-        p.send_signal(signal.SIGINT)               # while it pushes: KeyboardInterrupt, finally
+        p.send_signal(signal.SIGINT)  # while it pushes: KeyboardInterrupt, finally
         rest = p.communicate(timeout=20)[0]
     finally:
         if p.poll() is None:

@@ -3,6 +3,7 @@ a step for longer than write_timeout: the trainer gives up on it; after SIGCONT 
 it abandoned still land (fabric tcp cannot fence them), but version() counts no step there,
 state() says "torn since step 2 (trainer rank 0 gave up)", and wait_version raises at once
 instead of waiting out its timeout.  Real processes over fabric tcp."""
+
 import os
 import signal
 import sys
@@ -26,34 +27,37 @@ from test_faults import _expected, _reap, _spawn  # noqa: E402
 @pytest.mark.timeout(150)
 def test_a_receiver_dropped_mid_step_learns_it_is_torn(store, tmp_path):
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     procs = [_spawn("receiver", addr, "torn", q, 2, tmp_path) for q in range(2)]
     try:
         m = fault_worker.model()
-        sender = Sender(m, mapping=preset_for(TINY), store=addr, name="torn", timeout=T, write_timeout=3,
-                        watermark="64KiB")
+        sender = Sender(
+            m, mapping=preset_for(TINY), store=addr, name="torn", timeout=T, write_timeout=3, watermark="64KiB"
+        )
         sender.push()
         with torch.no_grad():
             for p in m.parameters():
                 p.mul_(1.5)
         real, n = sender._run_task, [0]
 
-        def run_task(op, keep):            # stop worker gpu 1 once step 2 is under way
+        def run_task(op, keep):  # stop worker gpu 1 once step 2 is under way
             real(op, keep)
             n[0] += 1
             if n[0] == 3:
                 procs[1].send_signal(signal.SIGSTOP)
+
         sender._run_task = run_task
         with pytest.raises(RuntimeError, match="inference worker gpu 1"):
             sender.push()
         sender._run_task = real
-        procs[1].send_signal(signal.SIGCONT)   # what the trainer abandoned may land now
+        procs[1].send_signal(signal.SIGCONT)  # what the trainer abandoned may land now
         time.sleep(1.0)
         with torch.no_grad():
             for p in m.parameters():
                 p.mul_(1.5)
         with pytest.raises(RuntimeError, match="inference worker gpu 1"):
-            sender.push()                  # step 3: gpu 1 is skipped, gpu 0 gets it all
+            sender.push()  # step 3: gpu 1 is skipped, gpu 0 gets it all
         ctl = control.Control(s, "torn", T)
         got = {}
         for g in (0, 1):
@@ -65,7 +69,7 @@ def test_a_receiver_dropped_mid_step_learns_it_is_torn(store, tmp_path):
         assert got[0]["version"] == 3 and got[0]["state"]["state"] == "complete", got[0]["state"]
         assert got[0]["wait_error"] is None
         for dst, off, b in _expected(m):
-            assert torch.equal(got[0]["params"][dst].view(-1).view(torch.uint8)[off:off + b.numel()], b), dst
+            assert torch.equal(got[0]["params"][dst].view(-1).view(torch.uint8)[off : off + b.numel()], b), dst
         # the dropped one: never reports a step while it holds a mix; says why; does not wait
         st = got[1]["state"]
         assert got[1]["version"] == -1, st
@@ -84,6 +88,7 @@ def test_a_restarted_worker_that_dies_before_the_push_costs_write_timeout_not_th
     """Issue 17.5: the push takes a restarted worker; one that died before that push must
     not hold it for the setup timeout (30 s here) waiting for its handshake reply."""
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     procs = [_spawn("receiver", addr, "rdie", 0, 1, tmp_path)]
     try:
@@ -105,7 +110,7 @@ def test_a_restarted_worker_that_dies_before_the_push_costs_write_timeout_not_th
         took = time.monotonic() - t0
         print(f"push with a dead restart: {took:.2f} s: {ei.value}")
         assert took < 2 + 3, took
-        ctl.set("test/dump/0", b"1")           # the worker in place still got step 2
+        ctl.set("test/dump/0", b"1")  # the worker in place still got step 2
         ctl.get("test/dumped/0", "worker 0's dump", T)
         assert torch.load(tmp_path / "0.pt")["version"] == 2
         sender.close()

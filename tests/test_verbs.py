@@ -8,6 +8,7 @@ Every emulated run happens in a child process, so this pytest process never load
 emulation in place of a real libibverbs. `rdma`-marked tests use the real library and skip
 where /sys/class/infiniband is empty.
 """
+
 import json
 import os
 import shutil
@@ -29,23 +30,30 @@ def _have_verbs_header() -> bool:
 
 def _testing_build() -> bool:
     from wxfer import _wxfer
+
     return bool(getattr(_wxfer, "TESTING", 0))
 
 
 needs_testing_build = pytest.mark.skipif(
     not _testing_build(),
     reason="the fault-injection options (_test_rkey_xor, _test_raddr_add) are compiled only into "
-           "test builds: build with WXFER_TESTING=1 (make build / make test do)")
+    "test builds: build with WXFER_TESTING=1 (make build / make test do)",
+)
 
 pytestmark = pytest.mark.skipif(
-    not _have_verbs_header(),
-    reason="rdma-core headers (infiniband/verbs.h) missing: the verbs backend is compiled out")
+    not _have_verbs_header(), reason="rdma-core headers (infiniband/verbs.h) missing: the verbs backend is compiled out"
+)
 
 
 @pytest.fixture(scope="session")
 def emu_lib():
-    out = subprocess.run(["sh", os.path.join(ROOT, "csrc", "testing", "build.sh")], env=build_env(),
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        ["sh", os.path.join(ROOT, "csrc", "testing", "build.sh")],
+        env=build_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     path = out.stdout.strip().splitlines()[-1]
     assert os.path.exists(path)
     return path
@@ -54,8 +62,13 @@ def emu_lib():
 @pytest.fixture(scope="session")
 def cprog(tmp_path_factory):
     d = tmp_path_factory.mktemp("verbs_c")
-    out = subprocess.run(["sh", os.path.join(ROOT, "tests", "c", "build_test_verbs.sh"), str(d)], env=build_env(),
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        ["sh", os.path.join(ROOT, "tests", "c", "build_test_verbs.sh"), str(d)],
+        env=build_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -95,34 +108,39 @@ C_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case,args,env", C_CASES,
-                         ids=["-".join([c] + a + ["%s=%s" % kv for kv in e.items()])
-                              for c, a, e in C_CASES])
+@pytest.mark.parametrize(
+    "case,args,env", C_CASES, ids=["-".join([c] + a + ["%s=%s" % kv for kv in e.items()]) for c, a, e in C_CASES]
+)
 def test_c_scenario(cprog, emu_lib, case, args, env):
-    r = subprocess.run([cprog, case] + args, env=_env(emu_lib, **env), capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run([cprog, case] + args, env=_env(emu_lib, **env), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, "%s %s failed:\n%s\n%s" % (case, args, r.stdout, r.stderr)
 
 
 def test_max_write_follows_port_max_msg(cprog, emu_lib):
-    r = subprocess.run([cprog, "basic", "chunk=4MiB"],
-                       env=_env(emu_lib, WXEMU_VERBS_MAX_MSG="65536"), capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [cprog, "basic", "chunk=4MiB"],
+        env=_env(emu_lib, WXEMU_VERBS_MAX_MSG="65536"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "max_write=65536" in r.stdout
 
 
 def test_roce_picks_a_rocev2_gid(cprog, emu_lib):
-    r = subprocess.run([cprog, "basic"], env=_env(emu_lib, WXEMU_VERBS_LINK="eth"),
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [cprog, "basic"], env=_env(emu_lib, WXEMU_VERBS_LINK="eth"), capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     # the emulated RoCE port lists a RoCE v1 GID at 0 and a RoCE v2 IPv4-mapped one at 1
     assert "RoCE" in r.stdout and "gid_index 1" in r.stdout
 
 
 def test_vanished_peer_fails_within_retry_time(cprog, emu_lib):
-    r = subprocess.run([cprog, "gone"], env=_env(emu_lib, WXEMU_VERBS_RETRY_CAP_MS="5000"),
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [cprog, "gone"], env=_env(emu_lib, WXEMU_VERBS_RETRY_CAP_MS="5000"), capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     secs = float(r.stdout.split("vanished peer: ")[1].split("s:")[0])
     # timeout=14, retry_cnt=7: 4.096us * 2^14 * 8 = 0.54 s on a real HCA
@@ -133,16 +151,17 @@ def test_extension_has_no_libibverbs_symbols():
     """Everything goes through the dlopen table: a verbs.h inline that references a library
     symbol (ibv_query_port, ibv_reg_mr, ...) would leave an undefined ibv_* symbol."""
     import glob
+
     sos = glob.glob(os.path.join(ROOT, "wxfer", "_wxfer*.so"))
     if not sos or not shutil.which("nm"):
         pytest.skip("extension not built in place or nm missing")
-    out = subprocess.run(["nm", "-D", "--undefined-only", sos[0]], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(["nm", "-D", "--undefined-only", sos[0]], capture_output=True, text=True, check=True).stdout
     bad = [l for l in out.splitlines() if "ibv_" in l]
     assert not bad, bad
 
 
 # ---- the Python API in child processes -------------------------------------------------------
+
 
 @pytest.fixture(params=["emulated", pytest.param("real", marks=pytest.mark.rdma)])
 def lib(request, emu_lib):
@@ -150,17 +169,42 @@ def lib(request, emu_lib):
     device, against the real libibverbs."""
     return emu_lib if request.param == "emulated" else None
 
+
 def _run_py(emu_lib, code, timeout=120, **env):
-    r = subprocess.run([PY, "-c", textwrap.dedent(code)], env=_env(emu_lib, **env), cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [PY, "-c", textwrap.dedent(code)],
+        env=_env(emu_lib, **env),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, "child failed:\n%s\n%s" % (r.stdout, r.stderr)
     return r.stdout
 
 
 def test_selftest_emulated_json(emu_lib):
-    r = subprocess.run([PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--emulated",
-                        "--json", "--size", "8MiB", "--iters", "2"],
-                       env=_env(emu_lib), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "wxfer",
+            "selftest",
+            "--transport",
+            "verbs",
+            "--emulated",
+            "--json",
+            "--size",
+            "8MiB",
+            "--iters",
+            "2",
+        ],
+        env=_env(emu_lib),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["transport"] == "verbs" and res["verified"] is True
@@ -171,12 +215,22 @@ def test_selftest_emulated_json(emu_lib):
 def test_selftest_connect_two_endpoints(emu_lib):
     port = 20000 + os.getpid() % 20000
     server = subprocess.Popen(
-        [PY, "-c", "import types, wxfer.tools.selftest_verbs as s; "
-                   "s.serve_verbs_selftest(types.SimpleNamespace(device=None, emulated=True), %d)"
-         % port], env=_env(emu_lib), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        [
+            PY,
+            "-c",
+            "import types, wxfer.tools.selftest_verbs as s; "
+            "s.serve_verbs_selftest(types.SimpleNamespace(device=None, emulated=True), %d)" % port,
+        ],
+        env=_env(emu_lib),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        out = _run_py(emu_lib, """
+        out = _run_py(
+            emu_lib,
+            """
             import time, types, wxfer.tools.selftest_verbs as s
             a = types.SimpleNamespace(device=None, emulated=True, gpu=False, size="1MiB",
                                       iters=2, chunk="0", connect="127.0.0.1:%d")
@@ -187,7 +241,9 @@ def test_selftest_connect_two_endpoints(emu_lib):
                     time.sleep(0.1)
             assert r["verified"] and r["registration"] == "host", r
             print("OK")
-        """ % port)
+        """
+            % port,
+        )
         assert "OK" in out
         server.wait(30)
     finally:
@@ -197,7 +253,9 @@ def test_selftest_connect_two_endpoints(emu_lib):
 
 
 def test_python_writes_land_many_sizes_offsets_and_qps(lib):
-    _run_py(lib, """
+    _run_py(
+        lib,
+        """
         import numpy as np
         from wxfer import _wxfer
         from wxfer.testing import TargetProcess
@@ -224,7 +282,8 @@ def test_python_writes_land_many_sizes_offsets_and_qps(lib):
             eng.close()
             r.close(); t.close()
         print("OK")
-    """)
+    """,
+    )
 
 
 @needs_testing_build
@@ -233,7 +292,9 @@ def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(lib):
     corruption options, which skip past the generic pre-check; the HCA answers
     IBV_WC_REM_ACCESS_ERR like a real one and the step raises. The generic pre-check itself is
     tested with a forged descriptor."""
-    _run_py(lib, """
+    _run_py(
+        lib,
+        """
         import numpy as np
         from wxfer import _wxfer
         from wxfer.testing import TargetProcess
@@ -289,11 +350,14 @@ def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(lib):
             r.close(); t.close()
             assert not any(np.frombuffer(tp.read(0), dtype=np.uint8)), "bytes landed despite errors"
         print("OK")
-    """)
+    """,
+    )
 
 
 def test_python_vanished_target_errors_not_hangs(lib):
-    _run_py(lib, """
+    _run_py(
+        lib,
+        """
         import time
         import numpy as np
         from wxfer import _wxfer
@@ -314,11 +378,14 @@ def test_python_vanished_target_errors_not_hangs(lib):
         assert time.time() - t0 < 10
         r.close(); t.close()
         print("OK")
-    """)
+    """,
+    )
 
 
 def test_python_registration_is_cached(emu_lib):
-    _run_py(emu_lib, """
+    _run_py(
+        emu_lib,
+        """
         import ctypes, os
         import numpy as np
         from wxfer import _wxfer
@@ -335,14 +402,20 @@ def test_python_registration_is_cached(emu_lib):
         for r in (r1, r2, r3): r.close()
         t.close()
         print("OK")
-    """)
+    """,
+    )
 
 
 @pytest.mark.rdma
 def test_real_device_selftest():
     """On a machine with an RDMA device: the self-test through the real libibverbs."""
-    r = subprocess.run([PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--json",
-                        "--size", "64MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--json", "--size", "64MiB"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["verified"] and not res["emulated"]
@@ -352,7 +425,9 @@ def test_real_device_selftest():
 def test_gpu_memory_on_the_emulation_fails_cleanly_naming_both_paths(emu_lib):
     """The emulation has no dma-buf importer and cannot pin GPU memory (no peermem): the
     registration must fail with a message that names why each path failed."""
-    _run_py(emu_lib, """
+    _run_py(
+        emu_lib,
+        """
         import torch
         from wxfer import _wxfer
         x = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
@@ -366,23 +441,34 @@ def test_gpu_memory_on_the_emulation_fails_cleanly_naming_both_paths(emu_lib):
             print(m)
         t.close()
         print("OK")
-    """)
+    """,
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.rdma
 def test_real_device_gpu_selftest():
-    r = subprocess.run([PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--gpu", "--json",
-                        "--size", "256MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--gpu", "--json", "--size", "256MiB"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["verified"] and res["registration"] in ("dmabuf", "peermem")
 
 
 def test_selftest_without_devices_reports_why(emu_lib):
-    r = subprocess.run([PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--json",
-                        "--size", "1MiB"], env=_env(emu_lib, WXEMU_VERBS_DEVICES="0"), cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--json", "--size", "1MiB"],
+        env=_env(emu_lib, WXEMU_VERBS_DEVICES="0"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["verified"] is False and "no RDMA devices" in res["error"]

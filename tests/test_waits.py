@@ -1,6 +1,7 @@
 """Issue 17.5: every wait ends by the deadline it names and honours Ctrl-C within ~100 ms.
 The store connect with nothing listening; a store wait and a gloo wait interrupted by
 SIGINT in a real process."""
+
 import os
 import signal
 import subprocess
@@ -18,12 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_the_store_connect_ends_by_its_timeout():
     import torch.distributed  # noqa: F401 -- not counted in the wait
+
     port = control.free_port()
     t0 = time.monotonic()
     with pytest.raises(SetupError, match="within 2 s"):
         control.resolve_store("127.0.0.1:%d" % port, False, 2)
     took = time.monotonic() - t0
-    assert 1.9 < took < 2.6, took             # torch's own retries took 2.1-2.6x
+    assert 1.9 < took < 2.6, took  # torch's own retries took 2.1-2.6x
 
 
 WAITER = textwrap.dedent("""
@@ -61,9 +63,13 @@ WAITER = textwrap.dedent("""
 @pytest.mark.parametrize("kind", ["store", "gloo"])
 def test_ctrl_c_in_a_wait_is_honoured_at_once(tmp_path, kind):
     (tmp_path / "w.py").write_text(WAITER)
-    p = subprocess.Popen([sys.executable, str(tmp_path / "w.py"), kind, str(control.free_port())],
-                         env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+    p = subprocess.Popen(
+        [sys.executable, str(tmp_path / "w.py"), kind, str(control.free_port())],
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         assert p.stdout.readline().strip() == "waiting"
         time.sleep(1.0)
@@ -75,12 +81,13 @@ def test_ctrl_c_in_a_wait_is_honoured_at_once(tmp_path, kind):
         if p.poll() is None:
             p.kill()
     assert "KeyboardInterrupt after" in out, out
-    assert took < 2.0, (took, out)             # not at the wait's 60 s deadline
+    assert took < 2.0, (took, out)  # not at the wait's 60 s deadline
 
 
 def _tiny():
     import torch
     from wxfer.models import TINY, train_model
+
     torch.manual_seed(0)
     return train_model(TINY)
 
@@ -89,6 +96,7 @@ def _tiny():
 def test_host_store_takes_a_bool_or_0_1_and_refuses_anything_else():
     from wxfer.models import TINY, preset_for
     from wxfer.runtime.sender import Sender
+
     with pytest.raises(TypeError, match="host_store must be True, False or None, got 'yes'"):
         Sender(_tiny(), mapping=preset_for(TINY), store="127.0.0.1:1", host_store="yes", timeout=1)
     # 1 means True: this process hosts the store (then waits, bounded, for a worker)
@@ -103,9 +111,10 @@ def test_host_store_takes_a_bool_or_0_1_and_refuses_anything_else():
 def test_a_huge_layout_claim_is_refused_quickly(store):
     from wxfer.models import TINY, preset_for
     from wxfer.runtime.sender import Sender
+
     s, addr = store
     ctl = control.Control(s, "huge", 5)
-    ctl.set_json("infer/0", dict(replicas=10 ** 9, tp=1, gpu=0))
+    ctl.set_json("infer/0", dict(replicas=10**9, tp=1, gpu=0))
     ctl.add("infer/count", 1)
     t0 = time.monotonic()
     with pytest.raises(SetupError, match="gpu 0 says replicas=1000000000 tp=1: 1000000000 workers, 1 registered"):
@@ -115,6 +124,7 @@ def test_a_huge_layout_claim_is_refused_quickly(store):
 
 def test_descriptor_decoders_raise_a_value_error():
     from wxfer import _wxfer
+
     for fn in (_wxfer.decode_descriptor, _wxfer.decode_export):
         with pytest.raises(ValueError) as ei:
             fn(b"\x01\x02garbage")
@@ -129,9 +139,11 @@ def test_a_bad_stamp_descriptor_is_named_as_the_version_stamps(store):
     from wxfer.runtime.receiver import Receiver
     from wxfer.runtime.sender import Sender
     from wxfer.testing import in_thread
+
     s, addr = store
-    th, box = in_thread(Receiver, inference_params(TINY, 1, 0), mapping=preset_for(TINY).name, store=addr,
-                        name="badstamp", timeout=20)
+    th, box = in_thread(
+        Receiver, inference_params(TINY, 1, 0), mapping=preset_for(TINY).name, store=addr, name="badstamp", timeout=20
+    )
     sender = Sender(_tiny(), mapping=preset_for(TINY), store=addr, name="badstamp", timeout=20, write_timeout=3)
     th.join(20)
     g, (desc, off, soff, n) = next(iter(sender._begin_dest.items()))

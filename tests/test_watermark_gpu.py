@@ -3,6 +3,7 @@
 the watermark plus the largest task's buffer, for two watermarks; a parameter larger than
 the watermark is named at setup.  Trainer (this process) and receiver (a spawned process)
 share GPU 0, as colocated RL does; cuda_ipc carries the writes."""
+
 import multiprocessing as mp
 import warnings
 
@@ -18,17 +19,35 @@ MiB = 1 << 20
 # float32 training weights cast to BF16: every task is packed (BF16 weights of their own
 # dtype would be written zero copy); 8 layers of ~97 MB packed each, more than either
 # watermark holds; the 268 MB float32 embedding is larger than the small watermark
-CONFIG = dict(TINY, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
-              head_dim=128, intermediate_size=6144, vocab_size=32768)
+CONFIG = dict(
+    TINY,
+    hidden_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    vocab_size=32768,
+)
 
 
 def _receiver(addr, name, q_in, q_out):
     from wxfer.runtime.receiver import Receiver
+
     try:
         torch.cuda.set_device(0)
         params = inference_params(CONFIG, 1, 0, None, device="cuda:0")
-        r = Receiver(params, mapping=preset_for(CONFIG).name, store=addr, replica=0, rank=0, tp=1, replicas=1,
-                     name=name, timeout=T)
+        r = Receiver(
+            params,
+            mapping=preset_for(CONFIG).name,
+            store=addr,
+            replica=0,
+            rank=0,
+            tp=1,
+            replicas=1,
+            name=name,
+            timeout=T,
+        )
         q_in.get(timeout=T)
         q_out.put(r.version())
         r.close()
@@ -40,6 +59,7 @@ def _receiver(addr, name, q_in, q_out):
 @pytest.mark.timeout(400)
 def test_push_peak_memory_is_within_the_watermark_plus_the_largest_task(store):
     from wxfer.runtime.sender import Sender
+
     _, addr = store
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -65,7 +85,7 @@ def test_push_peak_memory_is_within_the_watermark_plus_the_largest_task(store):
             big = [p.largest for p in packed if p.largest[0] > wm]
             assert len(over) == len(big) and all(n in " ".join(over) for _, n in big)
             assert (wm < 256 * MiB) == any("model.embed_tokens.weight" in o for o in over)
-            s.push()                                   # warm-up (allocator, CUDA events)
+            s.push()  # warm-up (allocator, CUDA events)
             torch.cuda.synchronize(dev)
             base = torch.cuda.memory_allocated(dev)
             torch.cuda.reset_peak_memory_stats(dev)

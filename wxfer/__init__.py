@@ -4,15 +4,19 @@ writes driven by the trainers, replaying a static plan computed once.
 The native core (``wxfer._wxfer``) is imported lazily, so the pure-Python parts (the plan,
 the mapping, the simulator) work on a machine where the extension is not built.
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-_NATIVE = ("Transport", "Region", "Engine", "Error", "decode_descriptor", "decode_export",
-           "parse_size")
+_NATIVE = ("Transport", "Region", "Engine", "Error", "decode_descriptor", "decode_export", "parse_size")
 # the product, imported on first use (they need torch)
-_PY = {"Sender": ("runtime.sender", "Sender"), "PushHandle": ("runtime.sender", "PushHandle"),
-       "Receiver": ("runtime.receiver", "Receiver"), "SetupError": ("runtime.control", "SetupError")}
+_PY = {
+    "Sender": ("runtime.sender", "Sender"),
+    "PushHandle": ("runtime.sender", "PushHandle"),
+    "Receiver": ("runtime.receiver", "Receiver"),
+    "SetupError": ("runtime.control", "SetupError"),
+}
 
 
 def _native():
@@ -21,7 +25,8 @@ def _native():
     except ImportError as e:  # pragma: no cover - depends on the build
         raise ImportError(
             "wxfer's native extension is not built: run `make setup` (or "
-            "`python setup.py build_ext --inplace`) first (%s)" % e) from e
+            "`python setup.py build_ext --inplace`) first (%s)" % e
+        ) from e
     return _wxfer
 
 
@@ -31,8 +36,7 @@ def backends() -> dict:
     Returns ``{name: {"available": bool, "reason": str}}`` for every transport wxfer knows
     ("fabric", "verbs", "cuda_ipc"); ``reason`` is empty when available.
     """
-    return {name: {"available": ok, "reason": why}
-            for name, (ok, why) in _native().backends().items()}
+    return {name: {"available": ok, "reason": why} for name, (ok, why) in _native().backends().items()}
 
 
 def __getattr__(name):
@@ -40,6 +44,7 @@ def __getattr__(name):
         return getattr(_native(), name)
     if name in _PY:
         import importlib
+
         mod, attr = _PY[name]
         return getattr(importlib.import_module("." + mod, __name__), attr)
     raise AttributeError("module 'wxfer' has no attribute %r" % name)

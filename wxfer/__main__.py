@@ -1,4 +1,5 @@
 """python -m wxfer {selftest,plan,demo,calibrate,backends} ..."""
+
 from __future__ import annotations
 
 import sys

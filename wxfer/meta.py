@@ -9,6 +9,7 @@ Three sources:
 - `synthesize(preset_or_config, cluster)`: both sides from a Hugging Face config dict and
   a `Cluster`, with no GPU -- a 1T-parameter plan on a laptop.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,6 +28,7 @@ class TrainParam(Sized):
     with one ``full_tensor()`` collective among themselves (one group under plain FSDP;
     one per replica under HSDP; one single-rank group per rank for a replicated tensor).
     """
+
     name: str
     shape: tuple[int, ...]
     dtype: str
@@ -48,13 +50,14 @@ class InferParam(Sized):
 @dataclass
 class InferWorker:
     """One inference GPU: its replica, its rank inside the replica, its parameters."""
+
     replica: int
-    rank: int                      # TP rank inside the replica (also its EP rank when EP is on)
+    rank: int  # TP rank inside the replica (also its EP rank when EP is on)
     tp: int
     ep: bool = False
     params: dict[str, InferParam] = field(default_factory=dict)
     descriptors: dict[str, bytes] = field(default_factory=dict)
-    gpu: int | None = None         # global index; defaults to replica * tp + rank
+    gpu: int | None = None  # global index; defaults to replica * tp + rank
 
     def __post_init__(self):
         if self.gpu is None:
@@ -72,25 +75,28 @@ class Calibration:
     the one-pass quantizer kernel), and ``python -m wxfer calibrate --json`` measures one on
     the current machine.  Optional link rates (None: the Cluster's) are what that command
     measured on this machine; `apply()` puts them into a Cluster."""
+
     name: str = "h200"
     # host (Python) work on a trainer rank per task: fixed + per source parameter + per packed piece
-    host_task_s: float = 0.0               # one H200 (issue 13): not separable from the per-parameter figure
-    host_param_s: float = 0.25e-3          # one H200 (issue 13): ~0.25 ms of host work per parameter (311-param
+    host_task_s: float = 0.0  # one H200 (issue 13): not separable from the per-parameter figure
+    host_param_s: float = 0.25e-3  # one H200 (issue 13): ~0.25 ms of host work per parameter (311-param
     #                                        1.7B-class model as slow as 399-param Qwen3-8B), 1-parameter tasks
-    host_piece_s: float = 0.0              # one H200 (issue 13): included in host_param_s
+    host_piece_s: float = 0.0  # one H200 (issue 13): included in host_param_s
     # fuse / quantize / pack: per launch (one per packed piece) + bytes (full tensors read + buffer written) / rate
-    pack_launch_s: float = 90e-6           # one H200 (issue 13): 128 experts, one reference quantize each: 15 ms,
+    pack_launch_s: float = 90e-6  # one H200 (issue 13): 128 experts, one reference quantize each: 15 ms,
     #                                        of which 128 x 4.7 MB at 170 GB/s is 3.5 ms -> ~90 us per piece
-    quant_GBps: float | None = 170.0       # None: Cluster.mem_GBps; one H200 (issue 13): wxfer.mapping.reference.quantize_fp8_block,
+    quant_GBps: float | None = (
+        170.0  # None: Cluster.mem_GBps; one H200 (issue 13): wxfer.mapping.reference.quantize_fp8_block,
+    )
     #                                        150-190 GB/s effective (BF16 read + FP8 written)
-    copy_GBps: float | None = None         # BF16 packing; None: Cluster.mem_GBps (the on-device copy, 2.1 TB/s H200)
+    copy_GBps: float | None = None  # BF16 packing; None: Cluster.mem_GBps (the on-device copy, 2.1 TB/s H200)
     # the collective (full_tensor) per call (one per source parameter) on top of bytes / link rate
-    coll_call_s: float = 0.0               # not measured on the H200 yet (calibrate measures it)
+    coll_call_s: float = 0.0  # not measured on the H200 yet (calibrate measures it)
     # the write path per write (one per transfer, posted one after the other by a rank's engine)
-    write_call_s: float = 0.0              # not measured on the H200 yet; the engine's stages were 72 ms of a
+    write_call_s: float = 0.0  # not measured on the H200 yet; the engine's stages were 72 ms of a
     #                                        3.1 s Qwen3-30B-A3B push (issue 13): small next to stage 2
-    h2d_call_s: float = 0.0                # per offloaded source parameter; not measured on the H200 yet
-    push_fixed_s: float = 0.0              # per push: version stamps, the flag all-reduce, the last barrier
+    h2d_call_s: float = 0.0  # per offloaded source parameter; not measured on the H200 yet
+    push_fixed_s: float = 0.0  # per push: version stamps, the flag all-reduce, the last barrier
     # how a rank runs stage 2: serial = its gathers and packs on one stream, one after the other (wxfer's
     # runtime: one side stream); host_sync = the host waits for each (CPU: the host does the work)
     serial: bool = True
@@ -100,9 +106,9 @@ class Calibration:
     # bytes at the write rate (measured with one writer and one target on those cores)
     cpu_shared: bool = False
     # measured link rates (None: the Cluster's), GB/s per GPU and direction
-    allgather_GBps: float | None = None    # the trainers' all-gather bus rate
-    write_GBps: float | None = None        # the write path (transport) between two processes
-    h2d_GBps: float | None = None          # pinned host-to-device
+    allgather_GBps: float | None = None  # the trainers' all-gather bus rate
+    write_GBps: float | None = None  # the write path (transport) between two processes
+    h2d_GBps: float | None = None  # pinned host-to-device
     source: str = "defaults: one H200, wxfer at issue 13 (per-parameter Python, reference quantizer)"
 
     def host_s(self, nsrc: int, pieces: int) -> float:
@@ -112,6 +118,7 @@ class Calibration:
     def apply(self, cluster: "Cluster", **kw) -> "Cluster":
         """A copy of `cluster` using this calibration and its measured link rates."""
         from dataclasses import replace
+
         upd = dict(calibration=self)
         if self.allgather_GBps is not None:
             upd["nvlink_GBps"] = self.allgather_GBps
@@ -133,24 +140,25 @@ class Cluster:
     partitioned over expert meshes of `expert_shard` ranks, one per node (the same
     local GPU index on consecutive node blocks), i.e. sharded across nodes.
     """
+
     train_gpus: int = 8
     infer_gpus: int = 2
     infer_tp: int = 2
     infer_ep: bool = False
     quant: str | None = None
     gpus_per_node: int = 8
-    nic_gbps: float = 400.0                # line rate in Gb/s
-    nic_efficiency: float = 1.0            # fraction of line rate achievable by RDMA writes
-    nvlink_GBps: float = 370.0             # measured NCCL broadcast on 2 x H200 NVLink (DESIGN.md)
-    pcie_GBps: float = 55.0                # measured pinned H2D on one H200 (55.4 GB/s, issue 13)
-    mem_GBps: float = 2100.0               # measured device-to-device copy on one H200 (what "free-stage2" packs at)
-    dense_shard: int = 8                   # FSDP size for dense params (<= gpus_per_node: inside a node)
-    expert_shard: int = 2                  # FSDP size for routed experts (across nodes)
+    nic_gbps: float = 400.0  # line rate in Gb/s
+    nic_efficiency: float = 1.0  # fraction of line rate achievable by RDMA writes
+    nvlink_GBps: float = 370.0  # measured NCCL broadcast on 2 x H200 NVLink (DESIGN.md)
+    pcie_GBps: float = 55.0  # measured pinned H2D on one H200 (55.4 GB/s, issue 13)
+    mem_GBps: float = 2100.0  # measured device-to-device copy on one H200 (what "free-stage2" packs at)
+    dense_shard: int = 8  # FSDP size for dense params (<= gpus_per_node: inside a node)
+    expert_shard: int = 2  # FSDP size for routed experts (across nodes)
     cpu_offload: bool = False
-    watermark_bytes: int = 8 << 30         # prepared-but-unsent bytes per trainer rank
-    barrier_s: float = 0.5e-3              # gloo barrier between mesh groups
+    watermark_bytes: int = 8 << 30  # prepared-but-unsent bytes per trainer rank
+    barrier_s: float = 0.5e-3  # gloo barrier between mesh groups
     write_latency_s: float = 5e-6
-    max_posted_bytes: int = 16 << 30       # writes a trainer rank keeps posted at once (>= one task's)
+    max_posted_bytes: int = 16 << 30  # writes a trainer rank keeps posted at once (>= one task's)
     # the trainer -> inference write path per GPU and direction, GB/s; None: the NIC.  Set it
     # (e.g. to the measured cuda_ipc peer-copy rate) when trainers and receivers share a node
     # and write over NVLink; the all-gathers are then still modelled on their own NVLink.  Measured
@@ -199,11 +207,12 @@ def _mesh_groups(mesh_ranks, placements) -> tuple[tuple[int, ...], ...]:
     Mesh dims with a Replicate placement enumerate independent groups; Shard / Partial
     dims must take part in the collective."""
     import numpy as np
+
     arr = np.asarray(mesh_ranks)
     rep = [d for d, p in enumerate(placements) if type(p).__name__ == "Replicate"]
     other = [d for d in range(arr.ndim) if d not in rep]
     arr = arr.transpose(rep + other)
-    n_groups = math.prod(arr.shape[:len(rep)])
+    n_groups = math.prod(arr.shape[: len(rep)])
     arr = arr.reshape(n_groups, -1)
     return tuple(tuple(int(x) for x in row) for row in arr)
 
@@ -225,28 +234,46 @@ def from_fsdp_model(model, world_size: int | None = None) -> list[TrainParam]:
     every rank alone.  Wrapper components in names (``_orig_mod``,
     ``_checkpoint_wrapped_module``, ...) are dropped so that names match Hugging Face's."""
     from torch.distributed.tensor import DTensor
+
     if world_size is None:
         import torch.distributed as dist
+
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     out = []
     for name, p in model.named_parameters():
         name = clean_name(name)
         if isinstance(p, DTensor):
             mesh = p.device_mesh
-            out.append(TrainParam(name, tuple(p.shape), _dtype_name(p.dtype),
-                                  _mesh_groups(mesh.mesh.tolist(), p.placements),
-                                  tuple(repr(x) for x in p.placements)))
+            out.append(
+                TrainParam(
+                    name,
+                    tuple(p.shape),
+                    _dtype_name(p.dtype),
+                    _mesh_groups(mesh.mesh.tolist(), p.placements),
+                    tuple(repr(x) for x in p.placements),
+                )
+            )
         else:
-            out.append(TrainParam(name, tuple(p.shape), _dtype_name(p.dtype),
-                                  tuple((r,) for r in range(world_size)), ("Replicate()",)))
+            out.append(
+                TrainParam(
+                    name, tuple(p.shape), _dtype_name(p.dtype), tuple((r,) for r in range(world_size)), ("Replicate()",)
+                )
+            )
     return out
 
 
 # --------------------------------------------------------------------------- inference
 
 
-def from_inference_worker(named_tensors: Iterable, replica: int, rank: int, tp: int, ep: bool = False,
-                          descriptors: Mapping[str, bytes] | None = None, gpu: int | None = None) -> InferWorker:
+def from_inference_worker(
+    named_tensors: Iterable,
+    replica: int,
+    rank: int,
+    tp: int,
+    ep: bool = False,
+    descriptors: Mapping[str, bytes] | None = None,
+    gpu: int | None = None,
+) -> InferWorker:
     """Metadata of a live inference worker: `named_tensors` yields (name, tensor) in the
     inference layout (anything with .shape and .dtype); `descriptors` maps each name to
     opaque bytes (address, remote key, ...) that the plan carries to the senders."""
@@ -268,7 +295,7 @@ def from_inference_worker(named_tensors: Iterable, replica: int, rank: int, tp: 
 
 def train_meshes(cluster: Cluster, n_experts_hint: int = 0):
     """(dense groups, expert meshes) of the synthesized training layout."""
-    n, g = cluster.train_gpus, cluster.gpus_per_node
+    n = cluster.train_gpus
     ds = min(cluster.dense_shard, n)
     if n % ds:
         raise ValueError(f"train_gpus={n} not a multiple of dense_shard={ds}")
@@ -304,6 +331,7 @@ def expert_group_of(train: Iterable[TrainParam]) -> int:
     """How many consecutive routed experts share a mesh (gcd over layers; 1 if none)."""
     import re
     from math import gcd
+
     pat = re.compile(r"^(.*\.experts)\.(\d+)\.")
     by_layer: dict[str, dict[int, tuple]] = {}
     for p in train:
@@ -327,10 +355,14 @@ def workers_from_expanded(ex: Expanded, cluster: Cluster) -> list[InferWorker]:
     """Inference workers of every replica holding the layout of an expansion.
 
     Workers of the same rank in different replicas share one (read-only) params dict."""
-    per_rank = [{d.name: InferParam(d.name, d.shape, d.dtype) for d in ex.dest[r].values()}
-                for r in range(cluster.infer_tp)]
-    return [InferWorker(rep, r, cluster.infer_tp, cluster.infer_ep, per_rank[r])
-            for rep in range(cluster.replicas) for r in range(cluster.infer_tp)]
+    per_rank = [
+        {d.name: InferParam(d.name, d.shape, d.dtype) for d in ex.dest[r].values()} for r in range(cluster.infer_tp)
+    ]
+    return [
+        InferWorker(rep, r, cluster.infer_tp, cluster.infer_ep, per_rank[r])
+        for rep in range(cluster.replicas)
+        for r in range(cluster.infer_tp)
+    ]
 
 
 @dataclass

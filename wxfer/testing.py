@@ -5,6 +5,7 @@ zeroed buffer per size with the transport, exports them, and then only answers r
 from this process: the connection handshake, and reading its buffers back to check what
 landed. It runs no code per write.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +17,7 @@ TIMEOUT = 60.0
 def pattern(size: int, seed: int):
     """`size` reproducible random bytes (a numpy uint8 array) for write checks."""
     import numpy as np
+
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
@@ -23,6 +25,7 @@ def build_env() -> dict:
     """The environment for the C compiler run by tests: without the sanitizer runtime that
     `make asan-test` preloads (the compiler is not what is under test)."""
     import os
+
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     return env
@@ -32,6 +35,7 @@ def in_thread(fn, *a, **kw):
     """Run fn(*a, **kw) in a daemon thread; returns (thread, box) where box gets "value" or
     "error" (the exception) once it finished. For tests that drive two sides in one process."""
     import threading
+
     box = {}
 
     def run():
@@ -39,6 +43,7 @@ def in_thread(fn, *a, **kw):
             box["value"] = fn(*a, **kw)
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
+
     th = threading.Thread(target=run, daemon=True)
     th.start()
     return th, box
@@ -59,6 +64,7 @@ def stop_process(conn, proc) -> None:
 def _serve(conn, transport, options, sizes):
     import numpy as np
     from wxfer import _wxfer
+
     try:
         t = _wxfer.Transport(transport, options)
         bufs = [np.zeros(n, dtype=np.uint8) for n in sizes]
@@ -89,8 +95,7 @@ class TargetProcess:
     def __init__(self, transport: str, options: dict | None, sizes):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, transport, dict(options or {}),
-                                                     list(sizes)), daemon=True)
+        self.proc = ctx.Process(target=_serve, args=(child, transport, dict(options or {}), list(sizes)), daemon=True)
         self.proc.start()
         msg = self._recv()
         self.export, self.descriptors, self.info = msg[1], msg[2], msg[3]
@@ -125,9 +130,10 @@ class TargetProcess:
     def kill(self) -> None:
         import glob
         import os
+
         self.proc.kill()
         self.proc.join(10)
-        for f in glob.glob("/dev/shm/%d:*" % self.proc.pid):   # what a killed shm endpoint leaves
+        for f in glob.glob("/dev/shm/%d:*" % self.proc.pid):  # what a killed shm endpoint leaves
             try:
                 os.unlink(f)
             except OSError:
@@ -157,6 +163,7 @@ def connected_fabric(provider: str, sizes):
     """(writer Transport, TargetProcess with buffers of `sizes`), connected over libfabric
     `provider`; both closed on exit."""
     from . import _wxfer
+
     opts = {"provider": provider}
     with TargetProcess("fabric", opts, sizes) as tgt:
         t = _wxfer.Transport("fabric", opts)
@@ -173,7 +180,9 @@ def expected_shards(model, config: dict, tp: int = 1, quant: str | None = None) 
     current weights, by the reference packing."""
     from .mapping import Layout, expand, pack_shard
     from .models import preset_for
+
     full = {n: p.detach() for n, p in model.named_parameters()}
-    ex = expand(preset_for(config).rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, False, quant),
-                config)
+    ex = expand(
+        preset_for(config).rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, False, quant), config
+    )
     return [(sh.rank, sh.dst, sh.offset, pack_shard(sh, full)) for c in ex.components for sh in c.shards]

@@ -28,8 +28,8 @@ void wx_sigs_restore(const wx_sigs_t *s)
 
 void wx_sigs_quiet_env(void)
 {
-    setenv("IPATH_NO_BACKTRACE", "1", 0);   /* libinfinipath (psm) */
-    setenv("HFI_NO_BACKTRACE", "1", 0);     /* libpsm2 */
+    setenv("IPATH_NO_BACKTRACE", "1", 0); /* libinfinipath (psm) */
+    setenv("HFI_NO_BACKTRACE", "1", 0);   /* libpsm2 */
 }
 
 void *wx_dl_open(const char *env, const char *dflt, char *why, size_t why_len)

@@ -14,16 +14,16 @@ static pthread_once_t wx__cuda_once = PTHREAD_ONCE_INIT;
 static char wx__cuda_why[256];
 static int wx__cuda_ok;
 
-#define WX__SYM(field, sym)                                                                  \
-    do {                                                                                     \
-        if (wx_dl_sym(lib, "libcuda.so.1", sym, (void **)&wx__cuda.field, wx__cuda_why,     \
-                      sizeof wx__cuda_why))                                                  \
-            return;                                                                          \
+#define WX__SYM(field, sym)                                                                        \
+    do {                                                                                           \
+        if (wx_dl_sym(lib, "libcuda.so.1", sym, (void **)&wx__cuda.field, wx__cuda_why,            \
+                      sizeof wx__cuda_why))                                                        \
+            return;                                                                                \
     } while (0)
-#define WX__OPT(field, sym)                                                                  \
-    do {                                                                                     \
-        char ignore[64];                                                                     \
-        wx_dl_sym(lib, "libcuda.so.1", sym, (void **)&wx__cuda.field, ignore, sizeof ignore); \
+#define WX__OPT(field, sym)                                                                        \
+    do {                                                                                           \
+        char ignore[64];                                                                           \
+        wx_dl_sym(lib, "libcuda.so.1", sym, (void **)&wx__cuda.field, ignore, sizeof ignore);      \
     } while (0)
 
 static void wx__cuda_load(void)

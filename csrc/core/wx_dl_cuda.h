@@ -33,8 +33,7 @@ typedef struct wx_cuda_api {
     CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void *, size_t);
     CUresult (*cuMemcpyAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
     CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
-    CUresult (*cuMemcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t,
-                                  CUstream);
+    CUresult (*cuMemcpyPeerAsync)(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t, CUstream);
     CUresult (*cuIpcGetMemHandle)(CUipcMemHandle *, CUdeviceptr);
     CUresult (*cuIpcOpenMemHandle)(CUdeviceptr *, CUipcMemHandle, unsigned int);
     CUresult (*cuIpcCloseMemHandle)(CUdeviceptr);
@@ -49,8 +48,8 @@ typedef struct wx_cuda_api {
     CUresult (*cuEventSynchronize)(CUevent);
     CUresult (*cuEventElapsedTime)(float *, CUevent, CUevent);
     /* optional (NULL when the driver lacks them) */
-    CUresult (*cuMemGetHandleForAddressRange)(void *, CUdeviceptr, size_t,
-                                              CUmemRangeHandleType, unsigned long long);
+    CUresult (*cuMemGetHandleForAddressRange)(void *, CUdeviceptr, size_t, CUmemRangeHandleType,
+                                              unsigned long long);
     CUresult (*cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle *, void *);
     CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
     CUresult (*cuDeviceGetUuid)(CUuuid *, CUdevice);

@@ -47,9 +47,9 @@ static int wx__nvrtc_syms(void *lib, const char *path)
         size_t off;
     } syms[] = {
 #define WX__E(f) {#f, offsetof(wx_nvrtc_api_t, f)}
-        WX__E(nvrtcGetErrorString), WX__E(nvrtcVersion),         WX__E(nvrtcCreateProgram),
-        WX__E(nvrtcDestroyProgram), WX__E(nvrtcCompileProgram),  WX__E(nvrtcGetProgramLogSize),
-        WX__E(nvrtcGetProgramLog),  WX__E(nvrtcGetCUBINSize),    WX__E(nvrtcGetCUBIN),
+        WX__E(nvrtcGetErrorString), WX__E(nvrtcVersion),        WX__E(nvrtcCreateProgram),
+        WX__E(nvrtcDestroyProgram), WX__E(nvrtcCompileProgram), WX__E(nvrtcGetProgramLogSize),
+        WX__E(nvrtcGetProgramLog),  WX__E(nvrtcGetCUBINSize),   WX__E(nvrtcGetCUBIN),
 #undef WX__E
     };
     for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++)
@@ -94,8 +94,8 @@ static void wx__nvrtc_load(const char *const *dirs, int ndirs)
         if (wx__try(env, tried, sizeof tried) == 0)
             return;
         if (!wx__nvrtc_why[0])
-            snprintf(wx__nvrtc_why, sizeof wx__nvrtc_why, "cannot load WXFER_LIBNVRTC=%s: %s",
-                     env, wx__last_dlerror);
+            snprintf(wx__nvrtc_why, sizeof wx__nvrtc_why, "cannot load WXFER_LIBNVRTC=%s: %s", env,
+                     wx__last_dlerror);
         wx__nvrtc_state = -1;
         return;
     }
@@ -108,8 +108,10 @@ static void wx__nvrtc_load(const char *const *dirs, int ndirs)
         if (wx__try(path, tried, sizeof tried) == 0)
             return;
         for (int d = -3; d < ndirs; d++) {
-            const char *dir = d == -3 ? hint : d == -2 ? (home && *home ? home : NULL)
-                            : d == -1 ? "/usr/local/cuda" : dirs[d];
+            const char *dir = d == -3   ? hint
+                              : d == -2 ? (home && *home ? home : NULL)
+                              : d == -1 ? "/usr/local/cuda"
+                                        : dirs[d];
             const char *sub = (d == -2 || d == -1) ? "/lib64" : "";
             if (!dir || !*dir)
                 continue;

@@ -10,8 +10,8 @@
 
 #include "wx_dl_cuda.h"
 
-#define WX__IDLE_NS (100 * 1000 * 1000ull) /* how long an idle stage thread sleeps */
-#define WX__EAGAIN_MIN_NS (1000 * 1000ull)    /* retry after a transport's -EAGAIN ... */
+#define WX__IDLE_NS (100 * 1000 * 1000ull)      /* how long an idle stage thread sleeps */
+#define WX__EAGAIN_MIN_NS (1000 * 1000ull)      /* retry after a transport's -EAGAIN ... */
 #define WX__EAGAIN_MAX_NS (32 * 1000 * 1000ull) /* ... backing off up to this */
 
 
@@ -68,7 +68,10 @@ static void wx__set_error(wx_engine_t *e, const wx_engine_fail_t *f)
 /* e->stop is written under mu (atomically), read under mu by the stage loops and without
  * it by wx__wait_event's poll. */
 static inline void wx__set_stop(wx_engine_t *e) { __atomic_store_n(&e->stop, 1, __ATOMIC_RELEASE); }
-static inline int wx__stopping(wx_engine_t *e) { return __atomic_load_n(&e->stop, __ATOMIC_ACQUIRE); }
+static inline int wx__stopping(wx_engine_t *e)
+{
+    return __atomic_load_n(&e->stop, __ATOMIC_ACQUIRE);
+}
 
 /* The sticky error, with its message in wx_last_error(). mu held. */
 static int wx__errf_sticky(wx_engine_t *e)
@@ -452,8 +455,8 @@ static int wx__post_chunk(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
     pthread_mutex_unlock(&e->mu);
     rc = wx_post_write(e->t, d->peer, &wr, &eo->op);
     if (rc && rc != -EAGAIN)
-        wx__fail_fill(f, rc, t, d->peer, "post", "posting a write to %s failed: %s",
-                      d->peer->name, wx_last_error());
+        wx__fail_fill(f, rc, t, d->peer, "post", "posting a write to %s failed: %s", d->peer->name,
+                      wx_last_error());
     pthread_mutex_lock(&e->mu);
     if (rc) {
         t->posted--;
@@ -633,8 +636,8 @@ int wx_engine_admit(wx_engine_t *e, uint64_t held_bytes, uint64_t slice_ns, uint
             rc = -EAGAIN;
             break;
         }
-        wx__wait(&e->cv_admit, &e->mu, end - wx_now_ns() < 50000000ull ? end - wx_now_ns()
-                                                                         : 50000000ull);
+        wx__wait(&e->cv_admit, &e->mu,
+                 end - wx_now_ns() < 50000000ull ? end - wx_now_ns() : 50000000ull);
     }
     pthread_mutex_unlock(&e->mu);
     return rc;
@@ -727,8 +730,8 @@ int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
             rc = -EAGAIN;
             break;
         }
-        wx__wait(&e->cv_done, &e->mu, end - wx_now_ns() < 50000000ull ? end - wx_now_ns()
-                                                                        : 50000000ull);
+        wx__wait(&e->cv_done, &e->mu,
+                 end - wx_now_ns() < 50000000ull ? end - wx_now_ns() : 50000000ull);
     }
     pthread_mutex_unlock(&e->mu);
     return rc;

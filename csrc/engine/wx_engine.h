@@ -37,22 +37,22 @@ typedef struct wx_engine_opts {
 
 typedef struct wx_dest {
     wx_peer_t *peer;
-    wx_rinfo_t ri;        /* copy of the validated entry of the peer's table (the table
+    wx_rinfo_t ri; /* copy of the validated entry of the peer's table (the table
                            * itself may be replaced while the task is queued) */
-    uint64_t roff;        /* offset in the remote region */
-    uint64_t loff;        /* offset in the source buffer */
+    uint64_t roff; /* offset in the remote region */
+    uint64_t loff; /* offset in the source buffer */
     uint64_t len;
 } wx_dest_t;
 
 typedef struct wx_task_spec {
-    wx_mr_t *src;         /* registered source, or an unregistered wx_mr_t describing it */
-    uint64_t held_bytes;  /* bytes counted against the watermark */
-    void *cuda_event;     /* CUevent to wait for before posting, or NULL */
+    wx_mr_t *src;        /* registered source, or an unregistered wx_mr_t describing it */
+    uint64_t held_bytes; /* bytes counted against the watermark */
+    void *cuda_event;    /* CUevent to wait for before posting, or NULL */
     int cuda_device;
     const wx_dest_t *dests; /* copied by submit */
     uint32_t ndests;
-    uint64_t tag;         /* caller's id, reported in errors and the trace */
-    void *owner;          /* handed back by wx_engine_reap once the task is finished */
+    uint64_t tag; /* caller's id, reported in errors and the trace */
+    void *owner;  /* handed back by wx_engine_reap once the task is finished */
 } wx_task_spec_t;
 
 #define WX_ENGINE_TRACE_MAX 65536 /* trace records kept (a ring: the oldest go first) */

@@ -11,8 +11,8 @@ typedef struct wx__eop {
     wx_op_t op;
     wx__task_t *task;
     uint64_t len;
-    uint32_t dest;  /* index in task->dests */
-    uint8_t done;   /* its completion arrived */
+    uint32_t dest;     /* index in task->dests */
+    uint8_t done;      /* its completion arrived */
     uint8_t abandoned; /* its peer failed (isolate): no longer waited for */
 } wx__eop_t;
 
@@ -28,20 +28,20 @@ struct wx__task {
     wx_task_spec_t spec;
     wx_dest_t *dests;
     uint32_t nchunks, posted, completed;
-    uint32_t skipped; /* chunks not posted because their peer failed (isolate) */
-    uint32_t live;    /* posted, not completed, not abandoned */
-    int queued_done;  /* on the done queue */
-    uint32_t cur_dest;   /* posting cursor */
+    uint32_t skipped;  /* chunks not posted because their peer failed (isolate) */
+    uint32_t live;     /* posted, not completed, not abandoned */
+    int queued_done;   /* on the done queue */
+    uint32_t cur_dest; /* posting cursor */
     uint64_t cur_off;
     int status;
     int finished;
-    int in_post; /* still queued for posting: only the post thread may finish it */
-    int refused; /* the last post of the write at the cursor returned -EAGAIN */
+    int in_post;   /* still queued for posting: only the post thread may finish it */
+    int refused;   /* the last post of the write at the cursor returned -EAGAIN */
     int on_active; /* linked into the engine's active list */
     uint64_t deadline;
     wx__eop_t *ops;
     wx_trace_rec_t rec;
-    wx__task_t *next;      /* ready/post/done queue link */
+    wx__task_t *next;                /* ready/post/done queue link */
     wx__task_t *act_prev, *act_next; /* active list (posted, unfinished) */
 };
 
@@ -65,7 +65,7 @@ struct wx_engine {
     uint64_t refs; /* 1 for the owner + one per outstanding write */
     pthread_t th_ready, th_post;
     int started;
-    wx_trace_rec_t *trace; /* ring of WX_ENGINE_TRACE_MAX, allocated as it fills */
+    wx_trace_rec_t *trace;                /* ring of WX_ENGINE_TRACE_MAX, allocated as it fills */
     size_t ntrace, cap_trace, trace_head; /* trace_head: the oldest record once full */
     uint64_t trace_dropped;
 };

@@ -20,9 +20,11 @@ static int wx__range(int i, const char *what, int64_t off, uint64_t n, uint64_t 
     if (off == -1)
         return 0;
     if (off < 0 || (uint64_t)off > size || n > size - (uint64_t)off)
-        return wx_errf(-EINVAL, "fp8 piece %d: its %s bytes [%lld, %lld + %llu) are not inside "
-                       "the %llu-byte output", i, what, (long long)off, (long long)off,
-                       (unsigned long long)n, (unsigned long long)size);
+        return wx_errf(-EINVAL,
+                       "fp8 piece %d: its %s bytes [%lld, %lld + %llu) are not inside "
+                       "the %llu-byte output",
+                       i, what, (long long)off, (long long)off, (unsigned long long)n,
+                       (unsigned long long)size);
     return 0;
 }
 
@@ -40,9 +42,10 @@ int wx_fp8_check(const wx_fp8_piece_t *p, int n, uint64_t out_nbytes, uint64_t *
                            (long long)q->dtype);
         if (q->rows < 1 || q->cols < 1 || q->rows > (1ll << 40) || q->cols > (1ll << 40) ||
             q->ld < 0 || q->ld > (1ll << 40))
-            return wx_errf(-EINVAL, "fp8 piece %d: rows %lld, cols %lld, ld %lld (need rows, "
-                           "cols >= 1 and ld >= 0)", i, (long long)q->rows, (long long)q->cols,
-                           (long long)q->ld);
+            return wx_errf(-EINVAL,
+                           "fp8 piece %d: rows %lld, cols %lld, ld %lld (need rows, "
+                           "cols >= 1 and ld >= 0)",
+                           i, (long long)q->rows, (long long)q->cols, (long long)q->ld);
         es = q->dtype == WX_FP8_F32 ? 4 : 2;
         if (!q->src || q->src % es)
             return wx_errf(-EINVAL, "fp8 piece %d: source address 0x%llx is not %s-aligned", i,
@@ -84,7 +87,7 @@ static int wx__nbins;
 static struct {
     CUcontext ctx; /* the primary context, retained once and kept */
     CUfunction fn;
-    int sms;       /* multiprocessors (the persistent variants' grid) */
+    int sms; /* multiprocessors (the persistent variants' grid) */
     char why[512];
     int state; /* 0 not tried, 1 ready, -1 failed */
 } wx__devs[WX__MAX_DEV];
@@ -158,9 +161,10 @@ static int wx__compile(const wx_nvrtc_api_t *nv, int cc, char *why, size_t why_l
                 snprintf(log, sizeof log, "%s", full);
             free(full);
         }
-        snprintf(why, why_len, "NVRTC %d.%d (%.160s) could not compile the FP8 kernel (variant "
-                 "v%d) for sm_%d: %.40s: %.200s", nv->major, nv->minor, nv->path, wx__variant, cc,
-                 nv->nvrtcGetErrorString(r), log);
+        snprintf(why, why_len,
+                 "NVRTC %d.%d (%.160s) could not compile the FP8 kernel (variant "
+                 "v%d) for sm_%d: %.40s: %.200s",
+                 nv->major, nv->minor, nv->path, wx__variant, cc, nv->nvrtcGetErrorString(r), log);
         nv->nvrtcDestroyProgram(&prog);
         return -EIO;
     }
@@ -172,7 +176,8 @@ static int wx__compile(const wx_nvrtc_api_t *nv, int cc, char *why, size_t why_l
     nv->nvrtcDestroyProgram(&prog);
     if (r || !bin) {
         free(bin);
-        snprintf(why, why_len, "nvrtcGetCUBIN: %s", r ? nv->nvrtcGetErrorString(r) : "out of memory");
+        snprintf(why, why_len, "nvrtcGetCUBIN: %s",
+                 r ? nv->nvrtcGetErrorString(r) : "out of memory");
         return -EIO;
     }
     wx__bins[wx__nbins].cc = cc;
@@ -220,8 +225,8 @@ static int wx__cubin(int cc, const char *const *dirs, int ndirs, const char **bi
 
 /* Compile (once per architecture) and load (once per device) the kernel into the device's
  * primary context. Fills the slot's ctx/fn, or its why. Called with wx__mu held. */
-static int wx__device_setup(const wx_cuda_api_t *cu, int device, const char *const *dirs,
-                            int ndirs, char *why, size_t why_len)
+static int wx__device_setup(const wx_cuda_api_t *cu, int device, const char *const *dirs, int ndirs,
+                            char *why, size_t why_len)
 {
     CUdevice dev;
     CUcontext prev = NULL, ctx;
@@ -237,11 +242,14 @@ static int wx__device_setup(const wx_cuda_api_t *cu, int device, const char *con
     cu->cuDeviceGetAttribute(&maj, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
     cu->cuDeviceGetAttribute(&min, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
     if (cu->cuDeviceGetAttribute(&wx__devs[device].sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
-                                 dev) != CUDA_SUCCESS || wx__devs[device].sms < 1)
+                                 dev) != CUDA_SUCCESS ||
+        wx__devs[device].sms < 1)
         wx__devs[device].sms = 1;
     if (maj * 10 + min < 89) {
-        snprintf(why, why_len, "cuda:%d has compute capability %d.%d; the kernel's FP8 conversion "
-                 "(cvt.rn.satfinite.e4m3x2) needs 8.9 or newer", device, maj, min);
+        snprintf(why, why_len,
+                 "cuda:%d has compute capability %d.%d; the kernel's FP8 conversion "
+                 "(cvt.rn.satfinite.e4m3x2) needs 8.9 or newer",
+                 device, maj, min);
         return -ENOTSUP;
     }
     if ((rc = wx__cubin(maj * 10 + min, dirs, ndirs, &bin, why, why_len)) != 0)
@@ -332,8 +340,10 @@ int wx_fp8_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes
     if (!out)
         return wx_errf(-EINVAL, "fp8: null output address");
     if (!dev_pieces && n > WX_FP8_INLINE)
-        return wx_errf(-EINVAL, "fp8: null piece table address with %d pieces (at most %d travel "
-                       "in the launch's parameters)", n, WX_FP8_INLINE);
+        return wx_errf(-EINVAL,
+                       "fp8: null piece table address with %d pieces (at most %d travel "
+                       "in the launch's parameters)",
+                       n, WX_FP8_INLINE);
     memset(&inl, 0, sizeof inl);
     if (!dev_pieces)
         memcpy(inl.p, host, (size_t)n * sizeof *host);

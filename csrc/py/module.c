@@ -51,10 +51,14 @@ PyObject *wx_py_fail_error(wx_py_state_t *st, const wx_engine_fail_t *f, const c
     exc = PyObject_CallFunction(st->Error, "is", err, msg);
     if (!exc)
         return NULL;
-    if (wx__set_field(exc, "task", f->task ? PyLong_FromUnsignedLongLong(f->task) : Py_NewRef(Py_None)) ||
-        wx__set_field(exc, "tag", f->task ? PyLong_FromUnsignedLongLong(f->tag) : Py_NewRef(Py_None)) ||
-        wx__set_field(exc, "peer", f->peer >= 0 ? PyLong_FromLongLong(f->peer) : Py_NewRef(Py_None)) ||
-        wx__set_field(exc, "stage", f->stage ? PyUnicode_FromString(f->stage) : Py_NewRef(Py_None)) ||
+    if (wx__set_field(exc, "task",
+                      f->task ? PyLong_FromUnsignedLongLong(f->task) : Py_NewRef(Py_None)) ||
+        wx__set_field(exc, "tag",
+                      f->task ? PyLong_FromUnsignedLongLong(f->tag) : Py_NewRef(Py_None)) ||
+        wx__set_field(exc, "peer",
+                      f->peer >= 0 ? PyLong_FromLongLong(f->peer) : Py_NewRef(Py_None)) ||
+        wx__set_field(exc, "stage",
+                      f->stage ? PyUnicode_FromString(f->stage) : Py_NewRef(Py_None)) ||
         wx__set_field(exc, "reason", PyUnicode_FromString(f->reason))) {
         Py_DECREF(exc);
         return NULL;
@@ -78,11 +82,8 @@ int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeou
     const uint64_t slice = 100ull * 1000 * 1000;
     for (;;) {
         int rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = fn(arg, slice);
-        Py_END_ALLOW_THREADS
-        if (rc != -EAGAIN)
-            return rc;
+        Py_BEGIN_ALLOW_THREADS rc = fn(arg, slice);
+        Py_END_ALLOW_THREADS if (rc != -EAGAIN) return rc;
         if (PyErr_CheckSignals() < 0)
             return -EINTR;
         if (timeout_s >= 0 && (double)(wx_now_ns() - start) / 1e9 > timeout_s)
@@ -95,8 +96,8 @@ int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeou
 #define WX__OUT_STR(x) ("" x)
 static const char *wx__compiled_out(const char *name)
 {
-#define WX_BACKEND(nm, NAME, kind, sw, hdr)                       \
-    if (strcmp(name, #nm) == 0 && WX__OUT_STR(WX_OUT_##NAME)[0]) \
+#define WX_BACKEND(nm, NAME, kind, sw, hdr)                                                        \
+    if (strcmp(name, #nm) == 0 && WX__OUT_STR(WX_OUT_##NAME)[0])                                   \
         return WX__OUT_STR(WX_OUT_##NAME);
 #include "wx_backends.def"
 #undef WX_BACKEND
@@ -117,10 +118,9 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
         } else {
             char why[WX_ERRMSG_MAX] = "";
             int rc;
-            Py_BEGIN_ALLOW_THREADS
-            rc = ops->probe(NULL, why, sizeof why);
-            Py_END_ALLOW_THREADS
-            v = Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
+            Py_BEGIN_ALLOW_THREADS rc = ops->probe(NULL, why, sizeof why);
+            Py_END_ALLOW_THREADS v =
+                Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
         }
         if (!v || PyDict_SetItemString(d, n, v) < 0) {
             Py_XDECREF(v);
@@ -134,10 +134,9 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
 
 static PyObject *wx__rinfo_dict(const wx_rinfo_t *ri)
 {
-    return Py_BuildValue("{s:K,s:K,s:K,s:s,s:i,s:y#}", "key", (unsigned long long)ri->key,
-                         "base", (unsigned long long)ri->rbase, "nbytes",
-                         (unsigned long long)ri->len, "mem",
-                         ri->mem == WX_MEM_CUDA ? "cuda" : "host", "device", (int)ri->device,
+    return Py_BuildValue("{s:K,s:K,s:K,s:s,s:i,s:y#}", "key", (unsigned long long)ri->key, "base",
+                         (unsigned long long)ri->rbase, "nbytes", (unsigned long long)ri->len,
+                         "mem", ri->mem == WX_MEM_CUDA ? "cuda" : "host", "device", (int)ri->device,
                          "blob", (const char *)ri->blob, (Py_ssize_t)ri->blob_len);
 }
 
@@ -259,12 +258,13 @@ static int wx_exec(PyObject *m)
             return -1;
     {
         PyObject *bases = PyTuple_Pack(2, st->Error, PyExc_ValueError);
-        PyObject *de = bases ? PyErr_NewExceptionWithDoc(
-                                   "wxfer._wxfer.DecodeError",
-                                   "A descriptor or export blob is truncated, garbage or of another "
-                                   "version: an Error that is also a ValueError.",
-                                   bases, NULL)
-                             : NULL;
+        PyObject *de = bases
+                           ? PyErr_NewExceptionWithDoc(
+                                 "wxfer._wxfer.DecodeError",
+                                 "A descriptor or export blob is truncated, garbage or of another "
+                                 "version: an Error that is also a ValueError.",
+                                 bases, NULL)
+                           : NULL;
         Py_XDECREF(bases);
         if (!de || PyModule_AddObject(m, "DecodeError", de) < 0) {
             Py_XDECREF(de);

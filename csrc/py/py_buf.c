@@ -114,8 +114,8 @@ int wx_py_buf_get(PyObject *obj, int need_writable, const char *what, wx_py_buf_
         if (PyCapsule_IsValid(cap, "dltensor_versioned")) {
             wx_dl_managed_v1_t *mt = PyCapsule_GetPointer(cap, "dltensor_versioned");
             if (mt->version.major != 1) {
-                PyErr_Format(PyExc_ValueError, "%s: DLPack major version %u is not supported",
-                             what, mt->version.major);
+                PyErr_Format(PyExc_ValueError, "%s: DLPack major version %u is not supported", what,
+                             mt->version.major);
                 Py_DECREF(cap);
                 return -1;
             }

@@ -4,8 +4,7 @@
 #include <string.h>
 
 typedef struct {
-    PyObject_HEAD
-    PyObject *transport; /* wx_py_transport_t */
+    PyObject_HEAD PyObject *transport; /* wx_py_transport_t */
     wx_engine_t *e;
     double timeout_s;
 } wx_py_engine_t;
@@ -13,10 +12,10 @@ typedef struct {
 /* What keeps a task's source alive until its writes completed; released on a Python
  * thread by reap (never from a native thread). */
 typedef struct {
-    PyObject *region;   /* a Region source, or NULL */
-    wx_py_buf_t buf;    /* an imported tensor source */
-    wx_mr_t *mr;        /* per-task registration (transports that need one), or NULL */
-    wx_mr_t bare;       /* an unregistered description of the source */
+    PyObject *region; /* a Region source, or NULL */
+    wx_py_buf_t buf;  /* an imported tensor source */
+    wx_mr_t *mr;      /* per-task registration (transports that need one), or NULL */
+    wx_mr_t bare;     /* an unregistered description of the source */
     wx_transport_t *t;
 } wx__owner_t;
 
@@ -41,7 +40,8 @@ static int wx__live(wx_py_engine_t *self)
 
 static PyObject *wx_engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"transport", "watermark", "chunk", "depth", "timeout", "isolate", NULL};
+    static char *kwlist[] = {"transport", "watermark", "chunk", "depth",
+                             "timeout",   "isolate",   NULL};
     wx_py_state_t *st = PyType_GetModuleState(type);
     PyObject *tr;
     unsigned long long watermark = 0, chunk = 0;
@@ -101,10 +101,9 @@ static void wx__engine_close(wx_py_engine_t *self)
         wx_py_transport_t *tr = (wx_py_transport_t *)self->transport;
         self->e = NULL;
         wx_engine_reap(e, wx__owner_free, NULL);
-        Py_BEGIN_ALLOW_THREADS
-        wx_engine_stop(e);
-        Py_END_ALLOW_THREADS
-        wx_engine_reap(e, wx__owner_free, NULL); /* the tasks stop() cancelled */
+        Py_BEGIN_ALLOW_THREADS wx_engine_stop(e);
+        Py_END_ALLOW_THREADS wx_engine_reap(e, wx__owner_free,
+                                            NULL); /* the tasks stop() cancelled */
         tr->engines--;
         if (wx_engine_writes_out(e) && tr->t) {
             /* writes still out (a dead or silent peer): their sources must stay alive until
@@ -141,7 +140,10 @@ static int wx__admit_fn(void *arg, uint64_t slice)
     return wx_engine_admit(a->e, a->held, slice, &a->t_admit);
 }
 
-static int wx__wait_fn(void *arg, uint64_t slice) { return wx_engine_wait((wx_engine_t *)arg, slice); }
+static int wx__wait_fn(void *arg, uint64_t slice)
+{
+    return wx_engine_wait((wx_engine_t *)arg, slice);
+}
 
 /* Raise for rc from e: the engine's sticky error with its fields when rc is that error,
  * else wx_py_raise. Returns NULL. */
@@ -156,8 +158,8 @@ static PyObject *wx__raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, con
 /* submit's source: a Region of this engine's transport, or an imported buffer (registered
  * for this task where the transport needs that). Fills own and spec->src; 0 or -1 with an
  * exception set. */
-static int wx__submit_src(wx_py_engine_t *self, wx_py_state_t *st, PyObject *src,
-                          wx__owner_t *own, wx_task_spec_t *spec)
+static int wx__submit_src(wx_py_engine_t *self, wx_py_state_t *st, PyObject *src, wx__owner_t *own,
+                          wx_task_spec_t *spec)
 {
     wx_py_transport_t *tr = (wx_py_transport_t *)self->transport;
     int rc;
@@ -340,9 +342,8 @@ fail_resv:
 /* ---- prepared tasks: a Region source and its destinations, validated once ---- */
 
 typedef struct {
-    PyObject_HEAD
-    PyObject *region; /* wx_py_region_t of the engine's transport */
-    wx_dest_t *dv;    /* validated destinations (their peers are the transport's) */
+    PyObject_HEAD PyObject *region; /* wx_py_region_t of the engine's transport */
+    wx_dest_t *dv;                  /* validated destinations (their peers are the transport's) */
     uint32_t ndests;
     uint64_t tag, nbytes;
 } wx_py_prepared_t;
@@ -410,13 +411,14 @@ static PyObject *wx_engine_prepare_py(PyObject *op, PyObject *args, PyObject *kw
     if (!wx__live(self))
         return NULL;
     if (!PyObject_TypeCheck(src, st->Region)) {
-        PyErr_Format(PyExc_TypeError, "prepare: src must be a Region of this engine's transport "
-                     "(Transport.register(tensor, export=False)), got %s", Py_TYPE(src)->tp_name);
+        PyErr_Format(PyExc_TypeError,
+                     "prepare: src must be a Region of this engine's transport "
+                     "(Transport.register(tensor, export=False)), got %s",
+                     Py_TYPE(src)->tp_name);
         return NULL;
     }
     r = (wx_py_region_t *)src;
-    if (r->transport != self->transport || !r->mr ||
-        !((wx_py_transport_t *)self->transport)->t) {
+    if (r->transport != self->transport || !r->mr || !((wx_py_transport_t *)self->transport)->t) {
         PyErr_SetString(PyExc_ValueError,
                         "prepare: src Region is closed or belongs to another transport");
         return NULL;
@@ -451,15 +453,18 @@ static int wx__submit_one_prepared(wx_py_engine_t *self, wx_py_state_t *st, PyOb
     uint64_t t0 = wx_now_ns(), ta, id;
     int rc;
     if (!PyObject_TypeCheck(item, st->Prepared)) {
-        PyErr_Format(PyExc_TypeError, "submit_prepared: tasks[%zd] is a %s, not a Prepared "
-                     "(Engine.prepare)", i, Py_TYPE(item)->tp_name);
+        PyErr_Format(PyExc_TypeError,
+                     "submit_prepared: tasks[%zd] is a %s, not a Prepared "
+                     "(Engine.prepare)",
+                     i, Py_TYPE(item)->tp_name);
         return -1;
     }
     r = (wx_py_region_t *)p->region;
-    if (r->transport != self->transport || !r->mr ||
-        !((wx_py_transport_t *)self->transport)->t) {
-        PyErr_Format(PyExc_ValueError, "submit_prepared: tasks[%zd] (tag %llu): its Region is "
-                     "closed or belongs to another transport", i, (unsigned long long)p->tag);
+    if (r->transport != self->transport || !r->mr || !((wx_py_transport_t *)self->transport)->t) {
+        PyErr_Format(PyExc_ValueError,
+                     "submit_prepared: tasks[%zd] (tag %llu): its Region is "
+                     "closed or belongs to another transport",
+                     i, (unsigned long long)p->tag);
         return -1;
     }
     own = PyMem_Calloc(1, sizeof *own);
@@ -522,7 +527,8 @@ static PyObject *wx_engine_submit_prepared_py(PyObject *op, PyObject *args, PyOb
     n = PySequence_Fast_GET_SIZE(seq);
     wx_engine_reap(self->e, wx__owner_free, NULL);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (wx__submit_one_prepared(self, st, PySequence_Fast_GET_ITEM(seq, i), i, ev, device) < 0) {
+        if (wx__submit_one_prepared(self, st, PySequence_Fast_GET_ITEM(seq, i), i, ev, device) <
+            0) {
             Py_DECREF(seq);
             return NULL;
         }
@@ -663,9 +669,8 @@ static PyObject *wx_engine_stats_py(PyObject *op, PyObject *noargs)
         return NULL;
     wx_engine_stats(self->e, &s);
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "submitted", s.submitted, "completed",
-                         s.completed, "bytes_written", s.bytes_written, "held", s.held,
-                         "held_peak", s.held_peak, "inflight", s.inflight, "trace_dropped",
-                         s.trace_dropped);
+                         s.completed, "bytes_written", s.bytes_written, "held", s.held, "held_peak",
+                         s.held_peak, "inflight", s.inflight, "trace_dropped", s.trace_dropped);
 }
 
 static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
@@ -688,12 +693,12 @@ static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
     lst = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; lst && i < n; i++) {
         wx_trace_rec_t *r = &recs[i];
-        PyObject *d = Py_BuildValue(
-            "{s:K,s:K,s:K,s:K,s:I,s:I,s:i,s:K,s:K,s:K,s:K,s:K,s:K}", "id", r->id, "tag", r->tag,
-            "bytes", r->bytes, "held", r->held, "ndests", r->ndests, "nwrites", r->nwrites,
-            "status", r->status, "t_submit", r->t_submit, "t_admit", r->t_admit, "t_ready",
-            r->t_ready, "t_post_first", r->t_post_first, "t_post_last", r->t_post_last, "t_done",
-            r->t_done);
+        PyObject *d =
+            Py_BuildValue("{s:K,s:K,s:K,s:K,s:I,s:I,s:i,s:K,s:K,s:K,s:K,s:K,s:K}", "id", r->id,
+                          "tag", r->tag, "bytes", r->bytes, "held", r->held, "ndests", r->ndests,
+                          "nwrites", r->nwrites, "status", r->status, "t_submit", r->t_submit,
+                          "t_admit", r->t_admit, "t_ready", r->t_ready, "t_post_first",
+                          r->t_post_first, "t_post_last", r->t_post_last, "t_done", r->t_done);
         if (!d) {
             Py_CLEAR(lst);
             break;

@@ -16,8 +16,10 @@ static int wx__pieces(PyObject *obj, Py_buffer *view, const wx_fp8_piece_t **p, 
         return -1;
     if (view->len <= 0 || view->len % (Py_ssize_t)sizeof(wx_fp8_piece_t) ||
         view->len / (Py_ssize_t)sizeof(wx_fp8_piece_t) > WX_FP8_MAX_PIECES) {
-        PyErr_Format(PyExc_ValueError, "fp8 piece table: %zd bytes (expected 1 to %d pieces of "
-                     "%zu bytes)", view->len, WX_FP8_MAX_PIECES, sizeof(wx_fp8_piece_t));
+        PyErr_Format(PyExc_ValueError,
+                     "fp8 piece table: %zd bytes (expected 1 to %d pieces of "
+                     "%zu bytes)",
+                     view->len, WX_FP8_MAX_PIECES, sizeof(wx_fp8_piece_t));
         PyBuffer_Release(view);
         return -1;
     }
@@ -77,10 +79,9 @@ static PyObject *wx_fp8_probe_py(PyObject *m, PyObject *args)
             if (!(d[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i))))
                 goto out;
     }
-    Py_BEGIN_ALLOW_THREADS
-    rc = wx_fp8_probe(device, d, nd, why, sizeof why);
-    Py_END_ALLOW_THREADS
-    res = Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
+    Py_BEGIN_ALLOW_THREADS rc = wx_fp8_probe(device, d, nd, why, sizeof why);
+    Py_END_ALLOW_THREADS res =
+        Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
 out:
     free(d);
     Py_XDECREF(seq);
@@ -101,10 +102,8 @@ static PyObject *wx_fp8_launch_py(PyObject *m, PyObject *args)
         return NULL;
     if ((n = wx__pieces(obj, &view, &p, &copy)) < 0)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = wx_fp8_launch(device, stream, out, out_nbytes, p, dev_pieces, n);
-    Py_END_ALLOW_THREADS
-    free(copy);
+    Py_BEGIN_ALLOW_THREADS rc = wx_fp8_launch(device, stream, out, out_nbytes, p, dev_pieces, n);
+    Py_END_ALLOW_THREADS free(copy);
     PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(st, rc, "fp8_launch");

@@ -73,13 +73,13 @@ static PyObject *wx_region_descriptor(PyObject *op, void *closure)
     return Py_XNewRef(self->descriptor);
 }
 
-#define WX__REGION_U64(fname, expr)                                                          \
-    static PyObject *fname(PyObject *op, void *closure)                                      \
-    {                                                                                        \
-        wx_py_region_t *self = (wx_py_region_t *)op;                                         \
-        if (!wx__region_live(self))                                                          \
-            return NULL;                                                                     \
-        return PyLong_FromUnsignedLongLong((unsigned long long)(expr));                      \
+#define WX__REGION_U64(fname, expr)                                                                \
+    static PyObject *fname(PyObject *op, void *closure)                                            \
+    {                                                                                              \
+        wx_py_region_t *self = (wx_py_region_t *)op;                                               \
+        if (!wx__region_live(self))                                                                \
+            return NULL;                                                                           \
+        return PyLong_FromUnsignedLongLong((unsigned long long)(expr));                            \
     }
 WX__REGION_U64(wx_region_nbytes, self->mr->len)
 WX__REGION_U64(wx_region_addr, (uintptr_t)self->mr->addr)
@@ -114,10 +114,9 @@ static PyObject *wx_region_repr(PyObject *op)
     wx_py_region_t *self = (wx_py_region_t *)op;
     if (!self->mr || !((wx_py_transport_t *)self->transport)->t)
         return PyUnicode_FromString("<wxfer Region (closed)>");
-    return PyUnicode_FromFormat("<wxfer Region %llu bytes on %s key=0x%llx>",
-                                (unsigned long long)self->mr->len,
-                                self->mr->mem == WX_MEM_CUDA ? "cuda" : "cpu",
-                                (unsigned long long)self->mr->key);
+    return PyUnicode_FromFormat(
+        "<wxfer Region %llu bytes on %s key=0x%llx>", (unsigned long long)self->mr->len,
+        self->mr->mem == WX_MEM_CUDA ? "cuda" : "cpu", (unsigned long long)self->mr->key);
 }
 
 static PyGetSetDef wx_region_getset[] = {
@@ -217,11 +216,10 @@ static PyObject *wx_transport_new(PyTypeObject *type, PyObject *args, PyObject *
         o.keys = keys;
         o.vals = vals;
     }
-    Py_BEGIN_ALLOW_THREADS
-    wx_clear_error();
+    Py_BEGIN_ALLOW_THREADS wx_clear_error();
     rc = wx_transport_open(name, &o, &t);
-    Py_END_ALLOW_THREADS
-    if (rc) {
+    Py_END_ALLOW_THREADS if (rc)
+    {
         char ctx[96];
         snprintf(ctx, sizeof ctx, "Transport(%s)", name);
         wx_py_raise(st, rc, ctx);
@@ -252,8 +250,8 @@ static void wx__transport_close(wx_py_transport_t *self)
     if (self->t) {
         wx_transport_t *t = self->t;
         self->t = NULL;
-        Py_BEGIN_ALLOW_THREADS
-        wx_transport_close(t); /* completes every write still out, parked engines' too */
+        Py_BEGIN_ALLOW_THREADS wx_transport_close(
+            t); /* completes every write still out, parked engines' too */
         Py_END_ALLOW_THREADS
     }
     for (int i = 0; i < self->nparked; i++)
@@ -274,8 +272,10 @@ static void wx_transport_dealloc(PyObject *op)
 static PyObject *wx_transport_close_py(PyObject *op, PyObject *noargs)
 {
     if (((wx_py_transport_t *)op)->engines) {
-        PyErr_Format(PyExc_ValueError, "Transport.close: %d Engine(s) still use this transport; "
-                     "close them first", ((wx_py_transport_t *)op)->engines);
+        PyErr_Format(PyExc_ValueError,
+                     "Transport.close: %d Engine(s) still use this transport; "
+                     "close them first",
+                     ((wx_py_transport_t *)op)->engines);
         return NULL;
     }
     wx__transport_close((wx_py_transport_t *)op);
@@ -306,10 +306,10 @@ static PyObject *wx_transport_register(PyObject *op, PyObject *args, PyObject *k
         Py_DECREF(r);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS
-    rc = wx_reg(self->t, r->buf.addr, r->buf.nbytes, r->buf.mem, r->buf.device, exported, &r->mr);
-    Py_END_ALLOW_THREADS
-    if (rc) {
+    Py_BEGIN_ALLOW_THREADS rc =
+        wx_reg(self->t, r->buf.addr, r->buf.nbytes, r->buf.mem, r->buf.device, exported, &r->mr);
+    Py_END_ALLOW_THREADS if (rc)
+    {
         Py_DECREF(r);
         return wx_py_raise(st, rc, "Transport.register");
     }
@@ -353,10 +353,9 @@ static PyObject *wx_transport_connect_request(PyObject *op, PyObject *arg)
         return NULL;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = wx_connect_request(self->t, view.buf, (size_t)view.len, &p, req, &req_len);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
+    Py_BEGIN_ALLOW_THREADS rc =
+        wx_connect_request(self->t, view.buf, (size_t)view.len, &p, req, &req_len);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(wx_py_state_of(op), rc, "Transport.connect_request");
     return Py_BuildValue("(Iy#)", p->id, (const char *)req, (Py_ssize_t)req_len);
@@ -373,10 +372,8 @@ static PyObject *wx_transport_accept(PyObject *op, PyObject *arg)
         return NULL;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = wx_accept(self->t, view.buf, (size_t)view.len, rep, &rep_len);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
+    Py_BEGIN_ALLOW_THREADS rc = wx_accept(self->t, view.buf, (size_t)view.len, rep, &rep_len);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(wx_py_state_of(op), rc, "Transport.accept");
     return PyBytes_FromStringAndSize((const char *)rep, (Py_ssize_t)rep_len);
@@ -398,14 +395,12 @@ static PyObject *wx_transport_connect_finish(PyObject *op, PyObject *args)
     p = wx_peer_by_id(self->t, id);
     if (!p) {
         PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "connect_finish: no peer %u (use the id from connect_request)",
-                     id);
+        PyErr_Format(PyExc_ValueError,
+                     "connect_finish: no peer %u (use the id from connect_request)", id);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS
-    rc = wx_connect_finish(self->t, p, view.buf, (size_t)view.len);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&view);
+    Py_BEGIN_ALLOW_THREADS rc = wx_connect_finish(self->t, p, view.buf, (size_t)view.len);
+    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(wx_py_state_of(op), rc, "Transport.connect_finish");
     Py_RETURN_NONE;
@@ -492,13 +487,16 @@ int wx_py_dest(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *desc, uint64_
         return -1;
     }
     if (d.kind != (uint32_t)tr->t->ops->kind) {
-        PyErr_Format(PyExc_ValueError, "destination descriptor is for another transport (kind %u), "
-                     "this is %s", d.kind, tr->name);
+        PyErr_Format(PyExc_ValueError,
+                     "destination descriptor is for another transport (kind %u), "
+                     "this is %s",
+                     d.kind, tr->name);
         return -1;
     }
     p = wx_peer_by_addr(tr->t, d.addr, d.addr_len);
     if (!p || !p->connected) {
-        wx_errf(-ENOTCONN, "the descriptor's owner is not connected; connect to its export() first");
+        wx_errf(-ENOTCONN,
+                "the descriptor's owner is not connected; connect to its export() first");
         wx_py_raise(st, -ENOTCONN, "write");
         return -1;
     }
@@ -519,7 +517,10 @@ typedef struct {
     wx_engine_t *e;
 } wx__sync_t;
 
-static int wx__sync_wait(void *arg, uint64_t slice) { return wx_engine_wait(((wx__sync_t *)arg)->e, slice); }
+static int wx__sync_wait(void *arg, uint64_t slice)
+{
+    return wx_engine_wait(((wx__sync_t *)arg)->e, slice);
+}
 
 static void wx__drop_owner(void *owner, void *arg) { Py_DECREF((PyObject *)owner); }
 
@@ -545,7 +546,8 @@ static PyObject *wx_transport_write(PyObject *op, PyObject *args, PyObject *kw)
     if (!wx__transport_live(self))
         return NULL;
     if (!PyObject_TypeCheck(src, st->Region) || ((wx_py_region_t *)src)->transport != op) {
-        PyErr_SetString(PyExc_TypeError, "write: src must be a Region registered with this transport");
+        PyErr_SetString(PyExc_TypeError,
+                        "write: src must be a Region registered with this transport");
         return NULL;
     }
     r = (wx_py_region_t *)src;
@@ -576,11 +578,8 @@ static PyObject *wx_transport_write(PyObject *op, PyObject *args, PyObject *kw)
     rc = wx_py_wait(wx__sync_wait, &s, timeout + 5.0);
     wx_engine_reap(s.e, wx__drop_owner, NULL);
     fail.err = wx_engine_error(s.e, &fail);
-    Py_BEGIN_ALLOW_THREADS
-    wx_engine_destroy(s.e);
-    Py_END_ALLOW_THREADS
-    if (rc == -EINTR)
-        return NULL;
+    Py_BEGIN_ALLOW_THREADS wx_engine_destroy(s.e);
+    Py_END_ALLOW_THREADS if (rc == -EINTR) return NULL;
     if (rc && rc == fail.err)
         return wx_py_raise_fail(st, &fail, "Transport.write");
     if (rc)

@@ -6,8 +6,14 @@
 #include <stdint.h>
 
 enum { WX_DL_CPU = 1, WX_DL_CUDA = 2, WX_DL_CUDA_HOST = 3, WX_DL_CUDA_MANAGED = 13 };
-enum { WX_DL_INT = 0, WX_DL_UINT = 1, WX_DL_FLOAT = 2, WX_DL_BFLOAT = 4, WX_DL_BOOL = 6,
-       WX_DL_FLOAT8_E4M3FN = 10 };
+enum {
+    WX_DL_INT = 0,
+    WX_DL_UINT = 1,
+    WX_DL_FLOAT = 2,
+    WX_DL_BFLOAT = 4,
+    WX_DL_BOOL = 6,
+    WX_DL_FLOAT8_E4M3FN = 10
+};
 
 #define WX_DL_FLAG_READ_ONLY (1ull << 0)
 

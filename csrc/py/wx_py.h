@@ -10,11 +10,11 @@
 #include "wx_transport.h"
 
 typedef struct {
-    PyObject *Error;         /* wxfer._wxfer.Error (OSError subclass) */
+    PyObject *Error; /* wxfer._wxfer.Error (OSError subclass) */
     PyTypeObject *Transport;
     PyTypeObject *Region;
     PyTypeObject *Engine;
-    PyTypeObject *Prepared;  /* Engine.prepare's tasks */
+    PyTypeObject *Prepared; /* Engine.prepare's tasks */
 } wx_py_state_t;
 
 /* A buffer taken from a DLPack producer or the buffer protocol, kept alive until
@@ -25,15 +25,14 @@ typedef struct {
     uint32_t mem;   /* WX_MEM_HOST / WX_MEM_CUDA */
     int32_t device; /* CUDA ordinal or -1 */
     int readonly;
-    void *managed;  /* wx_dl_managed_t or wx_dl_managed_v1_t */
+    void *managed; /* wx_dl_managed_t or wx_dl_managed_v1_t */
     int versioned;
     Py_buffer view;
     int has_view;
 } wx_py_buf_t;
 
 typedef struct {
-    PyObject_HEAD
-    wx_transport_t *t;
+    PyObject_HEAD wx_transport_t *t;
     char name[32];
     int engines; /* open Engines using t: close() is refused while any is open */
     /* Engines closed while writes were still out (to a peer that died or stopped
@@ -48,8 +47,7 @@ typedef struct {
 void wx_py_engine_release_parked(wx_engine_t *e);
 
 typedef struct {
-    PyObject_HEAD
-    PyObject *transport; /* wx_py_transport_t, kept alive */
+    PyObject_HEAD PyObject *transport; /* wx_py_transport_t, kept alive */
     wx_mr_t *mr;
     wx_py_buf_t buf;
     PyObject *descriptor; /* bytes, built lazily */

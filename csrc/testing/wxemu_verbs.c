@@ -116,8 +116,10 @@ uint64_t emu_proc_starttime(pid_t pid)
     if (!p)
         return 0;
     /* fields after ")": state(3) ... starttime(22) */
-    if (sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d "
-                      "%*d %llu", &st) != 1)
+    if (sscanf(p + 2,
+               "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d "
+               "%*d %llu",
+               &st) != 1)
         return 0;
     return st;
 }
@@ -296,8 +298,10 @@ int ibv_close_device(struct ibv_context *ctx)
 {
     emu_ctx_t *ec = (emu_ctx_t *)ctx;
     if (ec->nres > 0)
-        fprintf(stderr, "wxemu_verbs (emulation): ibv_close_device with %d objects still "
-                        "allocated (a real driver leaks them)\n", ec->nres);
+        fprintf(stderr,
+                "wxemu_verbs (emulation): ibv_close_device with %d objects still "
+                "allocated (a real driver leaks them)\n",
+                ec->nres);
     emu_hca_stop(ec);
     __atomic_store_n(&ec->shm->magic, 0, __ATOMIC_RELEASE);
     munmap(ec->shm, sizeof *ec->shm);
@@ -393,8 +397,8 @@ int _ibv_query_gid_ex(struct ibv_context *ctx, uint32_t port, uint32_t index,
     emu_gid_of(ec->lid, (int)index, &e->gid);
     e->gid_index = index;
     e->port_num = port;
-    e->gid_type = !emu_cfg.eth ? IBV_GID_TYPE_IB
-                               : (index == 0 ? IBV_GID_TYPE_ROCE_V1 : IBV_GID_TYPE_ROCE_V2);
+    e->gid_type =
+        !emu_cfg.eth ? IBV_GID_TYPE_IB : (index == 0 ? IBV_GID_TYPE_ROCE_V1 : IBV_GID_TYPE_ROCE_V2);
     return 0;
 }
 
@@ -432,8 +436,8 @@ int ibv_dealloc_pd(struct ibv_pd *pd)
     return 0;
 }
 
-#define EMU_ACCESS_KNOWN                                                                     \
-    (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |            \
+#define EMU_ACCESS_KNOWN                                                                           \
+    (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |                   \
      IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND | IBV_ACCESS_RELAXED_ORDERING)
 
 static int emu_mapped(void *addr, size_t len)
@@ -520,8 +524,8 @@ struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
     return ibv_reg_mr_iova2(pd, addr, len, (uint64_t)(uintptr_t)addr, (unsigned)access);
 }
 
-struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t off, size_t len, uint64_t iova,
-                                 int fd, int access)
+struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t off, size_t len, uint64_t iova, int fd,
+                                 int access)
 {
     (void)pd, (void)off, (void)len, (void)iova, (void)fd, (void)access;
     errno = EOPNOTSUPP; /* the emulation has no dma-buf importer */
@@ -700,13 +704,13 @@ static int emu_masks(int cur, int next, int *req, int *opt)
     if (cur == IBV_QPS_RTR && next == IBV_QPS_RTS) {
         *req |= IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                 IBV_QP_MAX_QP_RD_ATOMIC;
-        *opt = IBV_QP_CUR_STATE | IBV_QP_ACCESS_FLAGS | IBV_QP_MIN_RNR_TIMER |
-               IBV_QP_ALT_PATH | IBV_QP_PATH_MIG_STATE;
+        *opt = IBV_QP_CUR_STATE | IBV_QP_ACCESS_FLAGS | IBV_QP_MIN_RNR_TIMER | IBV_QP_ALT_PATH |
+               IBV_QP_PATH_MIG_STATE;
         return 0;
     }
     if (cur == IBV_QPS_RTS && next == IBV_QPS_RTS) {
-        *opt = IBV_QP_CUR_STATE | IBV_QP_ACCESS_FLAGS | IBV_QP_MIN_RNR_TIMER |
-               IBV_QP_ALT_PATH | IBV_QP_PATH_MIG_STATE;
+        *opt = IBV_QP_CUR_STATE | IBV_QP_ACCESS_FLAGS | IBV_QP_MIN_RNR_TIMER | IBV_QP_ALT_PATH |
+               IBV_QP_PATH_MIG_STATE;
         return 0;
     }
     return -1;

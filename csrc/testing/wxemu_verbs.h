@@ -33,7 +33,7 @@
 
 /* Shared with other processes (the remote HCA reads these). */
 typedef struct emu_mr_slot {
-    uint32_t key;   /* lkey == rkey; 0 = free */
+    uint32_t key; /* lkey == rkey; 0 = free */
     uint32_t pd;
     uint32_t access;
     uint32_t pad;

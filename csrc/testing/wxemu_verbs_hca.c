@@ -21,9 +21,19 @@
 #include <unistd.h>
 
 /* vendor_err values of the emulation, for messages only */
-enum { EMU_VE_NONE = 0, EMU_VE_KEY = 0x51, EMU_VE_BOUNDS = 0x52, EMU_VE_ACCESS = 0x53,
-       EMU_VE_PD = 0x54, EMU_VE_NOPEER = 0x81, EMU_VE_NOQP = 0x82, EMU_VE_PSN = 0x83,
-       EMU_VE_MTU = 0x84, EMU_VE_FAULT = 0x91, EMU_VE_PTRACE = 0x92 };
+enum {
+    EMU_VE_NONE = 0,
+    EMU_VE_KEY = 0x51,
+    EMU_VE_BOUNDS = 0x52,
+    EMU_VE_ACCESS = 0x53,
+    EMU_VE_PD = 0x54,
+    EMU_VE_NOPEER = 0x81,
+    EMU_VE_NOQP = 0x82,
+    EMU_VE_PSN = 0x83,
+    EMU_VE_MTU = 0x84,
+    EMU_VE_FAULT = 0x91,
+    EMU_VE_PTRACE = 0x92
+};
 
 /* Called with ec->lock held. */
 void emu_cq_push(emu_cq_t *cq, emu_qp_t *q, uint64_t wr_id, enum ibv_wc_status st,
@@ -36,8 +46,10 @@ void emu_cq_push(emu_cq_t *cq, emu_qp_t *q, uint64_t wr_id, enum ibv_wc_status s
         /* CQ overrun: a real HCA raises IBV_EVENT_CQ_ERR and the QPs on it stop working. */
         emu_ctx_t *ec = q->ec;
         cq->overrun = 1;
-        fprintf(stderr, "wxemu_verbs (emulation): CQ overrun (%u entries): QPs on it go to "
-                        "the error state\n", cq->cap);
+        fprintf(stderr,
+                "wxemu_verbs (emulation): CQ overrun (%u entries): QPs on it go to "
+                "the error state\n",
+                cq->cap);
         for (int i = 0; i < EMU_MAX_QP; i++)
             if (ec->qps[i] && (ec->qps[i]->scq == cq || ec->qps[i]->rcq == cq)) {
                 ec->qps[i]->qp.state = IBV_QPS_ERR;
@@ -265,9 +277,10 @@ static enum ibv_wc_status emu_exec(emu_qp_t *q, const emu_wqe_t *w, uint32_t *ve
             }
             if (e == EPERM) {
                 *ve = EMU_VE_PTRACE;
-                fprintf(stderr, "wxemu_verbs (emulation): process_vm_writev into pid %d: %s "
-                                "(ptrace permission; see docs/verbs.md)\n", R->pid,
-                        strerror(e));
+                fprintf(stderr,
+                        "wxemu_verbs (emulation): process_vm_writev into pid %d: %s "
+                        "(ptrace permission; see docs/verbs.md)\n",
+                        R->pid, strerror(e));
                 return IBV_WC_GENERAL_ERR;
             }
             *ve = EMU_VE_FAULT; /* the registered range is no longer mapped */

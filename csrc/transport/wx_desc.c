@@ -88,16 +88,14 @@ static int wx__get_header(wx__rbuf_t *r, char tag, uint8_t version, const char *
     if (h[0] != 'W' || h[1] != 'X' || h[2] != (uint8_t)tag)
         return wx_errf(-EPROTO, "not a wxfer %s (bad magic)", what);
     if (h[3] != version)
-        return wx_errf(-EPROTO, "%s version %u, this build reads version %u", what, h[3],
-                       version);
+        return wx_errf(-EPROTO, "%s version %u, this build reads version %u", what, h[3], version);
     if (!wx_kind_name(h[4]))
         return wx_errf(-EPROTO, "%s names unknown transport kind %u", what, h[4]);
     *kind = h[4];
     if (wx__get_u32(r, addr_len))
         return wx_errf(-EBADMSG, "%s truncated in address length", what);
     if (*addr_len > WX_ADDR_MAX)
-        return wx_errf(-EBADMSG, "%s address length %u exceeds %u", what, *addr_len,
-                       WX_ADDR_MAX);
+        return wx_errf(-EBADMSG, "%s address length %u exceeds %u", what, *addr_len, WX_ADDR_MAX);
     if (wx__get(r, addr, *addr_len))
         return wx_errf(-EBADMSG, "%s truncated in address", what);
     return 0;
@@ -217,8 +215,8 @@ int wx_export_decode(const uint8_t *buf, size_t len, uint32_t *kind, uint8_t *ad
     /* each record is at least 36 bytes: refuse counts the buffer cannot hold before
      * allocating */
     if ((uint64_t)*n * 36 > len - r.off)
-        return wx_errf(-EBADMSG, "export blob truncated: %u regions need more than %zu bytes",
-                       *n, len - r.off);
+        return wx_errf(-EBADMSG, "export blob truncated: %u regions need more than %zu bytes", *n,
+                       len - r.off);
     v = calloc(*n ? *n : 1, sizeof *v);
     if (!v)
         return wx_errf(-ENOMEM, "export blob: out of memory for %u regions", *n);

@@ -13,7 +13,8 @@
 /* Backends are referenced weakly: a backend compiled out (its headers were missing, so its
  * files compile to nothing) leaves its ops symbol undefined, and its entry NULL. */
 #define WX__WEAK __attribute__((weak))
-#define WX_BACKEND(name, NAME, kind, sw, hdr) extern const wx_transport_ops_t wx_##name##_ops WX__WEAK;
+#define WX_BACKEND(name, NAME, kind, sw, hdr)                                                      \
+    extern const wx_transport_ops_t wx_##name##_ops WX__WEAK;
 #include "wx_backends.def"
 #undef WX_BACKEND
 
@@ -123,8 +124,8 @@ void wx_transport_close(wx_transport_t *t)
     free(peers);
 }
 
-int wx_reg(wx_transport_t *t, void *addr, uint64_t len, uint32_t mem, int32_t device,
-           int exported, wx_mr_t **out)
+int wx_reg(wx_transport_t *t, void *addr, uint64_t len, uint32_t mem, int32_t device, int exported,
+           wx_mr_t **out)
 {
     wx_mr_t *mr;
     int rc;
@@ -239,8 +240,8 @@ wx_peer_t *wx_peer_by_id(wx_transport_t *t, uint32_t id)
     return found;
 }
 
-static int wx__decode_for(wx_transport_t *t, const uint8_t *blob, size_t blob_len,
-                          uint8_t *addr, uint32_t *addr_len, uint32_t *n, wx_rinfo_t **regions)
+static int wx__decode_for(wx_transport_t *t, const uint8_t *blob, size_t blob_len, uint8_t *addr,
+                          uint32_t *addr_len, uint32_t *n, wx_rinfo_t **regions)
 {
     uint32_t kind;
     int rc = wx_export_decode(blob, blob_len, &kind, addr, addr_len, n, regions);
@@ -249,8 +250,8 @@ static int wx__decode_for(wx_transport_t *t, const uint8_t *blob, size_t blob_le
     if (kind != (uint32_t)t->ops->kind) {
         free(*regions);
         *regions = NULL;
-        return wx_errf(-EPROTO, "export blob is for transport kind %u, this transport is %s",
-                       kind, t->ops->name);
+        return wx_errf(-EPROTO, "export blob is for transport kind %u, this transport is %s", kind,
+                       t->ops->name);
     }
     return 0;
 }
@@ -318,8 +319,7 @@ int wx_connect_request(wx_transport_t *t, const uint8_t *export_blob, size_t blo
     return 0;
 }
 
-int wx_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
-              size_t *rep_len)
+int wx_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep, size_t *rep_len)
 {
     if (req_len == 0) {
         *rep_len = 0;
@@ -372,8 +372,7 @@ static int wx__check_remote(const wx_peer_t *p, uint64_t rkey, uint64_t rbase, u
 }
 
 int wx_validate(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
-                uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff,
-                wx_rinfo_t *ri)
+                uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff, wx_rinfo_t *ri)
 {
     int rc;
     if (!p->connected)
@@ -396,7 +395,6 @@ int wx_post_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
 {
     if (wr->len > t->max_write)
         return wx_errf(-EMSGSIZE, "write of %llu bytes exceeds %s's limit of %llu per write",
-                       (unsigned long long)wr->len, t->ops->name,
-                       (unsigned long long)t->max_write);
+                       (unsigned long long)wr->len, t->ops->name, (unsigned long long)t->max_write);
     return t->ops->write(t, p, wr, op);
 }

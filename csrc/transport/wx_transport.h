@@ -51,8 +51,8 @@ enum wx_kind {
 static inline const char *wx_kind_name(uint32_t kind)
 {
     switch (kind) {
-#define WX_BACKEND(name, NAME, k, sw, hdr) \
-    case k:                                \
+#define WX_BACKEND(name, NAME, k, sw, hdr)                                                         \
+    case k:                                                                                        \
         return #name;
 #include "wx_backends.def"
 #undef WX_BACKEND
@@ -85,14 +85,14 @@ typedef struct wx_mr {
     uint64_t len;
     uint32_t mem;
     int32_t device;
-    uint32_t id;      /* unique in this transport */
-    uint64_t key;     /* set by backend (or left 0 to let the generic layer assign one) */
-    uint64_t rbase;   /* set by backend */
+    uint32_t id;    /* unique in this transport */
+    uint64_t key;   /* set by backend (or left 0 to let the generic layer assign one) */
+    uint64_t rbase; /* set by backend */
     uint32_t blob_len;
     uint8_t blob[WX_BLOB_MAX];
-    void *priv;       /* backend state */
-    void *ldesc;      /* backend descriptor for local use as a write source (may be NULL) */
-    int exported;     /* listed in export blobs (regions registered as write targets) */
+    void *priv;   /* backend state */
+    void *ldesc;  /* backend descriptor for local use as a write source (may be NULL) */
+    int exported; /* listed in export blobs (regions registered as write targets) */
     struct wx_mr *next;
 } wx_mr_t;
 
@@ -105,7 +105,7 @@ typedef struct wx_peer {
                           * under t->lock only */
     void *priv;          /* backend per-peer state */
     int connected;
-    char name[64];       /* for messages: "peer 3 (fabric addr 127.0.0.1:4044)" */
+    char name[64]; /* for messages: "peer 3 (fabric addr 127.0.0.1:4044)" */
 } wx_peer_t;
 
 /* One validated write: [local->addr + loff, +len) -> remote region at roff. */
@@ -161,10 +161,10 @@ struct wx_transport {
     wx_peer_t **peers;
     uint32_t npeers, cap_peers;
     /* Backend limits, set by open(): */
-    uint64_t max_write;     /* largest single write the backend posts */
-    uint32_t max_inflight;  /* writes the backend can have outstanding */
-    int needs_local_reg;    /* write sources must be registered (verbs, efa) */
-    int key_is_backend;     /* backend chooses keys (otherwise the generic layer does) */
+    uint64_t max_write;    /* largest single write the backend posts */
+    uint32_t max_inflight; /* writes the backend can have outstanding */
+    int needs_local_reg;   /* write sources must be registered (verbs, efa) */
+    int key_is_backend;    /* backend chooses keys (otherwise the generic layer does) */
 };
 
 /* The backend called `name`, or NULL when it is not part of this build. */
@@ -178,8 +178,8 @@ void wx_transport_close(wx_transport_t *t);
 
 /* Register [addr, addr+len). `exported` regions are listed by wx_export and may be written
  * by peers; others are write sources only. */
-int wx_reg(wx_transport_t *t, void *addr, uint64_t len, uint32_t mem, int32_t device,
-           int exported, wx_mr_t **out);
+int wx_reg(wx_transport_t *t, void *addr, uint64_t len, uint32_t mem, int32_t device, int exported,
+           wx_mr_t **out);
 int wx_dereg(wx_transport_t *t, wx_mr_t *mr);
 /* Remote info for one registration (what a descriptor carries). */
 void wx_mr_rinfo(const wx_mr_t *mr, wx_rinfo_t *ri);
@@ -189,8 +189,7 @@ int wx_export(wx_transport_t *t, uint8_t *buf, size_t cap, size_t *len);
 
 int wx_connect_request(wx_transport_t *t, const uint8_t *export_blob, size_t blob_len,
                        wx_peer_t **peer, uint8_t *req, size_t *req_len);
-int wx_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
-              size_t *rep_len);
+int wx_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep, size_t *rep_len);
 int wx_connect_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len);
 wx_peer_t *wx_peer_by_addr(wx_transport_t *t, const uint8_t *addr, uint32_t addr_len);
 wx_peer_t *wx_peer_by_id(wx_transport_t *t, uint32_t id);
@@ -201,8 +200,7 @@ wx_peer_t *wx_peer_by_id(wx_transport_t *t, uint32_t id);
  * of the table (wx_connect_request with a newer export blob) frees the table, never the
  * copy a queued write holds. */
 int wx_validate(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
-                uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff,
-                wx_rinfo_t *ri);
+                uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff, wx_rinfo_t *ri);
 int wx_post_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
 
 #ifdef __cplusplus

@@ -44,7 +44,7 @@ typedef struct top {
     atomic_int calls;
     int status;
     char msg[512];
-    uint8_t *check;     /* when set: compare at completion (landed check) */
+    uint8_t *check; /* when set: compare at completion (landed check) */
     const uint8_t *want;
     uint64_t check_len;
     atomic_int *mismatch;
@@ -194,8 +194,8 @@ static int post(pair_t *P, top_t *o, uint64_t loff, uint64_t roff, uint64_t len)
     wx_rinfo_t ri;
     wx_wr_t wr;
     double end = now_s() + 20;
-    int rc = wx_validate(P->t, P->peer, P->ri.key, P->ri.rbase, P->ri.len, roff, len, P->src,
-                         loff, &ri);
+    int rc =
+        wx_validate(P->t, P->peer, P->ri.key, P->ri.rbase, P->ri.len, roff, len, P->src, loff, &ri);
     if (rc)
         return rc;
     wr.local = P->src;
@@ -469,8 +469,8 @@ static void sc_bench(void)
             best = g > best ? g : best;
         }
         CHECK(memcmp(P.tbuf, P.sbuf, len) == 0, "bench bytes differ");
-        printf("bench %s %3llu MiB: mean %.2f GB/s, best %.2f GB/s (%d reps, chunk %llu)\n",
-               g_prov, (unsigned long long)mib[i], sum / reps, best, reps,
+        printf("bench %s %3llu MiB: mean %.2f GB/s, best %.2f GB/s (%d reps, chunk %llu)\n", g_prov,
+               (unsigned long long)mib[i], sum / reps, best, reps,
                (unsigned long long)P.t->max_write);
     }
     pair_stop(&P);
@@ -542,8 +542,9 @@ int main(int argc, char **argv)
 {
     int n = 0;
     if (argc < 3) {
-        fprintf(stderr, "usage: %s PROVIDER basic|landed|small|refuse|dead|closeout|engine|bench "
-                        "[key=value ...]\n",
+        fprintf(stderr,
+                "usage: %s PROVIDER basic|landed|small|refuse|dead|closeout|engine|bench "
+                "[key=value ...]\n",
                 argv[0]);
         return 2;
     }

@@ -52,10 +52,7 @@ static void check(float a, float s)
 }
 
 /* Every significand in [1, 2) with `bits` explicit fraction bits (as float32). */
-static float sig(uint32_t i, int bits)
-{
-    return f_of(0x3f800000u | (i << (23 - bits)));
-}
+static float sig(uint32_t i, int bits) { return f_of(0x3f800000u | (i << (23 - bits))); }
 
 int main(int argc, char **argv)
 {

@@ -187,8 +187,8 @@ static int gwrite(wctx_t *w, top_t *o, uint64_t loff, uint64_t roff, uint64_t le
 {
     wx_rinfo_t ri;
     wx_wr_t wr;
-    int rc = wx_validate(w->t, w->p, w->dst.key, w->dst.rbase, w->dst.len, roff, len, w->src,
-                         loff, &ri);
+    int rc =
+        wx_validate(w->t, w->p, w->dst.key, w->dst.rbase, w->dst.len, roff, len, w->src, loff, &ri);
     if (rc)
         return rc;
     memset(o, 0, sizeof *o);
@@ -255,8 +255,7 @@ static void many_writes(wctx_t *w, int count, uint64_t maxlen, uint64_t seed)
         }
         for (int i = 0; i < n; i++) {
             wait_op(&ops[i], 20);
-            CHECK(ops[i].status == 0, "op %d failed: %d %s", base + i, ops[i].status,
-                  ops[i].msg);
+            CHECK(ops[i].status == 0, "op %d failed: %d %s", base + i, ops[i].status, ops[i].msg);
         }
     }
     free(ops);
@@ -356,7 +355,8 @@ static int sc_badkey(const wx_opts_t *wo, const wx_opts_t *to)
     CHECK(o.status == -EACCES, "bad rkey: want -EACCES, got %d", o.status);
     CHECK(strstr(o.msg, "IBV_WC_REM_ACCESS_ERR") && strstr(o.msg, "remote access error") &&
               strstr(o.msg, "qp_num 0x") && strstr(o.msg, "wr_id 0x") &&
-              strstr(o.msg, "op wr_id 0xabc"), "message lacks status/qp_num/wr_id: %s", o.msg);
+              strstr(o.msg, "op wr_id 0xabc"),
+          "message lacks status/qp_num/wr_id: %s", o.msg);
     /* the QP is in the error state: the next write fails at once, with the reason */
     rc = gwrite(&w, &o2, 0, 0, 16);
     CHECK(rc == -EACCES && strstr(wx_last_error(), "remote access error"),
@@ -395,8 +395,8 @@ static int sc_stale(const wx_opts_t *wo, const wx_opts_t *to)
     CHECK(gwrite(&w, &o, 0, 0, 100) == 0, "%s", wx_last_error());
     wait_op(&o, 5);
     printf("stale key: status %d: %s\n", o.status, o.msg);
-    CHECK(o.status == -EACCES && strstr(o.msg, "IBV_WC_REM_ACCESS_ERR"), "stale: %d %s",
-          o.status, o.msg);
+    CHECK(o.status == -EACCES && strstr(o.msg, "IBV_WC_REM_ACCESS_ERR"), "stale: %d %s", o.status,
+          o.msg);
     finish(&w);
     return 0;
 }
@@ -507,7 +507,8 @@ static int sc_options(const wx_opts_t *wo, const wx_opts_t *to)
     (void)wo, (void)to;
     o = mkopts(kv1, 1);
     CHECK(wx_transport_open("verbs", &o, &t) == -ENODEV && strstr(wx_last_error(), "nosuch0") &&
-              strstr(wx_last_error(), "wxemu0"), "unknown device: %s", wx_last_error());
+              strstr(wx_last_error(), "wxemu0"),
+          "unknown device: %s", wx_last_error());
     o = mkopts(kv2, 1);
     CHECK(wx_transport_open("verbs", &o, &t) == -EINVAL, "unknown option");
     o = mkopts(kv3, 1);
@@ -566,7 +567,8 @@ static int sc_parse(void)
     int ports[8], ex, n;
     n = wx__verbs_parse_list("mlx5_0:1, mlx5_3 ,mlx5_2:2", names, ports, 8, &ex);
     CHECK(n == 3 && !ex && !strcmp(names[1], "mlx5_3") && ports[0] == 1 && ports[1] == 0 &&
-              ports[2] == 2, "parse list");
+              ports[2] == 2,
+          "parse list");
     n = wx__verbs_parse_list("^mlx5_1,mlx5_4:1", names, ports, 8, &ex);
     CHECK(n == 2 && ex && !strcmp(names[0], "mlx5_1") && ports[1] == 1, "parse exclusion");
     CHECK(wx__verbs_parse_list("mlx5_.*", names, ports, 8, &ex) == -EINVAL, "regex refused");
@@ -586,16 +588,17 @@ static int sc_topo(void)
     char dir[] = "/tmp/wxtopoXXXXXX", cmd[2048], path[512];
     int rc;
     CHECK(mkdtemp(dir), "mkdtemp");
-    snprintf(cmd, sizeof cmd,
-             "set -e; cd %s; "
-             "mkdir -p devices/pci0000:00/0000:00:01.0/0000:01:00.0 "
-             "devices/pci0000:00/0000:00:01.0/0000:01:00.1 "
-             "devices/pci0000:80/0000:80:01.0/0000:81:00.0 class/infiniband/wxemu0 "
-             "class/infiniband/wxemu1 bus/pci/devices; "
-             "ln -s ../../../devices/pci0000:80/0000:80:01.0/0000:81:00.0 class/infiniband/wxemu0/device; "
-             "ln -s ../../../devices/pci0000:00/0000:00:01.0/0000:01:00.1 class/infiniband/wxemu1/device; "
-             "ln -s ../../../devices/pci0000:00/0000:00:01.0/0000:01:00.0 bus/pci/devices/0000:01:00.0",
-             dir);
+    snprintf(
+        cmd, sizeof cmd,
+        "set -e; cd %s; "
+        "mkdir -p devices/pci0000:00/0000:00:01.0/0000:01:00.0 "
+        "devices/pci0000:00/0000:00:01.0/0000:01:00.1 "
+        "devices/pci0000:80/0000:80:01.0/0000:81:00.0 class/infiniband/wxemu0 "
+        "class/infiniband/wxemu1 bus/pci/devices; "
+        "ln -s ../../../devices/pci0000:80/0000:80:01.0/0000:81:00.0 class/infiniband/wxemu0/device; "
+        "ln -s ../../../devices/pci0000:00/0000:00:01.0/0000:01:00.1 class/infiniband/wxemu1/device; "
+        "ln -s ../../../devices/pci0000:00/0000:00:01.0/0000:01:00.0 bus/pci/devices/0000:01:00.0",
+        dir);
     CHECK(system(cmd) == 0, "fake sysfs");
     rc = wx__verbs_gpu_pci_path(dir, "00000000:01:00.0", path, sizeof path);
     CHECK(rc == 0 && strstr(path, "0000:01:00.0"), "gpu path %d %s", rc, path);
@@ -668,9 +671,10 @@ static int to_rtr(const wx_verbs_api_t *v, struct ibv_qp *q, uint32_t dqpn, uint
     a.min_rnr_timer = 12;
     a.ah_attr.port_num = 1;
     a.ah_attr.dlid = dlid;
-    return v->modify_qp(q, &a, (IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
-                                IBV_QP_MIN_RNR_TIMER) & ~drop);
+    return v->modify_qp(q, &a,
+                        (IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                         IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) &
+                            ~drop);
 }
 
 static int to_rts(const wx_verbs_api_t *v, struct ibv_qp *q, uint32_t sq_psn)
@@ -683,15 +687,17 @@ static int to_rts(const wx_verbs_api_t *v, struct ibv_qp *q, uint32_t sq_psn)
     a.retry_cnt = 7;
     a.rnr_retry = 7;
     a.max_rd_atomic = 1;
-    return v->modify_qp(q, &a, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
-                                   IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
+    return v->modify_qp(q, &a,
+                        IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                            IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
 }
 
 static void connect_pair(const wx_verbs_api_t *v, epair_t *p, uint16_t lid, uint32_t psn_a,
                          uint32_t psn_b_expect)
 {
     CHECK(to_init(v, p->a, 0, IBV_QP_ACCESS_FLAGS) == 0, "a init");
-    CHECK(to_init(v, p->b, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, IBV_QP_ACCESS_FLAGS) == 0,
+    CHECK(to_init(v, p->b, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE, IBV_QP_ACCESS_FLAGS) ==
+              0,
           "b init");
     CHECK(to_rtr(v, p->b, p->a->qp_num, lid, psn_b_expect, 0) == 0, "b rtr");
     CHECK(to_rtr(v, p->a, p->b->qp_num, lid, 0, 0) == 0, "a rtr");
@@ -735,7 +741,8 @@ static int sc_emu_rules(void)
     ctx = v->open_device(list[0]);
     CHECK(ctx, "open");
     CHECK(wx_ibv_query_port(v, ctx, 1, &pa) == 0 && pa.state == IBV_PORT_ACTIVE &&
-              pa.max_msg_sz > 0, "port");
+              pa.max_msg_sz > 0,
+          "port");
     CHECK(wx_ibv_query_port(v, ctx, 2, &pa) == EINVAL, "port 2 must not exist");
     CHECK(wx_ibv_query_port(v, ctx, 1, &pa) == 0, "port");
     lid = pa.lid;
@@ -771,7 +778,8 @@ static int sc_emu_rules(void)
     memset(sbuf, 0x5a, 64);
     CHECK(post_write(p.a, 2, sbuf, 64, src->lkey, dbuf + 100, dst->rkey, 1) == 0, "post");
     CHECK(poll1(cq, &wc, 5) == 1 && wc.status == IBV_WC_SUCCESS && wc.wr_id == 2 &&
-              wc.qp_num == p.a->qp_num, "good write: status %d", wc.status);
+              wc.qp_num == p.a->qp_num,
+          "good write: status %d", wc.status);
     CHECK(dbuf[100] == 0x5a && dbuf[163] == 0x5a && dbuf[164] == 0, "bytes landed");
     /* an MR without REMOTE_WRITE: remote access error; then unsignaled WRs flush */
     CHECK(post_write(p.a, 3, sbuf, 8, src->lkey, dbuf, ro->rkey, 0) == 0, "post");

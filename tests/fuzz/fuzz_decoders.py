@@ -6,7 +6,7 @@ Accepted outcomes for any input: a value, or wxfer's own Error / ValueError. Any
 
     python tests/fuzz/fuzz_decoders.py CORPUS_DIR -max_total_time=60
 """
-import struct
+
 import sys
 import zlib
 
@@ -19,8 +19,7 @@ with atheris.instrument_imports():
 
 def _wrap_plan(body: bytes) -> bytes:
     comp = zlib.compress(body)
-    return serialize._HEAD.pack(serialize.MAGIC, serialize.VERSION, len(comp),
-                                zlib.crc32(comp)) + comp
+    return serialize._HEAD.pack(serialize.MAGIC, serialize.VERSION, len(comp), zlib.crc32(comp)) + comp
 
 
 def one_input(data: bytes) -> None:

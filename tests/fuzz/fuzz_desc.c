@@ -61,8 +61,7 @@ static void wx__fz_export(const uint8_t *p, size_t n)
     wx__fz_check(wx_export_encode(kind, addr, alen, nreg, regs, out, cap, &len) == 0);
     wx__fz_check(len == cap && wx__fz_same(p, out, len));
     wx__fz_check(wx_export_decode(out, len, &kind2, addr2, &alen2, &nreg2, &regs2) == 0);
-    wx__fz_check(kind2 == kind && alen2 == alen && nreg2 == nreg &&
-                 memcmp(addr2, addr, alen) == 0);
+    wx__fz_check(kind2 == kind && alen2 == alen && nreg2 == nreg && memcmp(addr2, addr, alen) == 0);
     for (uint32_t i = 0; i < nreg; i++)
         wx__fz_check(regs2[i].key == regs[i].key && regs2[i].len == regs[i].len &&
                      regs2[i].blob_len == regs[i].blob_len &&

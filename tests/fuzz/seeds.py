@@ -1,6 +1,7 @@
 """Write the seed corpus of the libFuzzer target tests/fuzz/fuzz_desc.c into DIR: a real
 descriptor and a real export blob of the fabric transport (first byte: 0 = descriptor,
 1 = export blob), plus a few hand-made edge cases. Usage: python tests/fuzz/seeds.py DIR"""
+
 import os
 import sys
 

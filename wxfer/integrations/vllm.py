@@ -21,16 +21,19 @@ others (activation scales, KV-cache scales) are listed in the setup result.
 vLLM is not a dependency: everything that touches it is in ``_vllm_parallel_info`` and
 ``_vllm_model``, and the rest is plain Python tested without vLLM.
 """
+
 from __future__ import annotations
 
 import re
 
 
-def expected_destinations(mapping, hf_config: dict, tp: int, rank: int, quant: str | None = None,
-                          ep: bool = False) -> dict:
+def expected_destinations(
+    mapping, hf_config: dict, tp: int, rank: int, quant: str | None = None, ep: bool = False
+) -> dict:
     """name -> (shape, dtype) the mapping writes on inference rank `rank`."""
     from ..mapping import Layout, expand
     from ..runtime.program import get_preset
+
     preset = get_preset(mapping)
     cfg = dict(preset.config, **(hf_config or {}))
     shapes = {n: s for n, (s, _, _) in preset.hf_params(cfg).items()}
@@ -68,10 +71,15 @@ class WxferWorkerExtension:
     # ---- the two places that know vLLM's internals
     def _vllm_parallel_info(self) -> dict:
         from vllm.distributed import parallel_state as ps
+
         pc = self.vllm_config.parallel_config
-        return dict(tp=ps.get_tensor_model_parallel_world_size(), rank=ps.get_tensor_model_parallel_rank(),
-                    dp_rank=getattr(pc, "data_parallel_rank", 0), dp=getattr(pc, "data_parallel_size", 1),
-                    ep=bool(getattr(pc, "enable_expert_parallel", False)))
+        return dict(
+            tp=ps.get_tensor_model_parallel_world_size(),
+            rank=ps.get_tensor_model_parallel_rank(),
+            dp_rank=getattr(pc, "data_parallel_rank", 0),
+            dp=getattr(pc, "data_parallel_size", 1),
+            ep=bool(getattr(pc, "enable_expert_parallel", False)),
+        )
 
     def _vllm_model(self):
         return self.model_runner.model
@@ -80,10 +88,19 @@ class WxferWorkerExtension:
         return self.vllm_config.model_config.hf_config.to_dict()
 
     # ---- the RPCs
-    def wxfer_setup(self, store=None, mapping=None, replica: int | None = None, replicas: int | None = None,
-                    name: str = "default", timeout: float = 300.0, skip: str | None = None,
-                    transport: str = "auto") -> dict:
+    def wxfer_setup(
+        self,
+        store=None,
+        mapping=None,
+        replica: int | None = None,
+        replicas: int | None = None,
+        name: str = "default",
+        timeout: float = 300.0,
+        skip: str | None = None,
+        transport: str = "auto",
+    ) -> dict:
         from ..runtime.receiver import Receiver
+
         info = self._vllm_parallel_info()
         model = self._vllm_model()
         named = list(model.named_parameters())
@@ -91,13 +108,25 @@ class WxferWorkerExtension:
         expected = expected_destinations(mapping, self._vllm_hf_config(), info["tp"], info["rank"], quant, info["ep"])
         sel, left, missing = select_parameters(named, expected, skip)
         if missing:
-            raise RuntimeError(f"wxfer: vLLM worker tp rank {info['rank']} lacks {len(missing)} parameter(s) the "
-                               f"mapping writes: {missing[:10]}")
+            raise RuntimeError(
+                f"wxfer: vLLM worker tp rank {info['rank']} lacks {len(missing)} parameter(s) the "
+                f"mapping writes: {missing[:10]}"
+            )
         replica = info["dp_rank"] if replica is None else replica
         replicas = info["dp"] if replicas is None else replicas
-        self._wxfer = Receiver(sel, mapping=mapping, store=store, replica=replica, rank=info["rank"],
-                               tp=info["tp"], replicas=replicas, ep=info["ep"], name=name, timeout=timeout,
-                               transport=transport)
+        self._wxfer = Receiver(
+            sel,
+            mapping=mapping,
+            store=store,
+            replica=replica,
+            rank=info["rank"],
+            tp=info["tp"],
+            replicas=replicas,
+            ep=info["ep"],
+            name=name,
+            timeout=timeout,
+            transport=transport,
+        )
         out = self._wxfer.stats()
         out.update(left_out=left, quant=quant)
         return out

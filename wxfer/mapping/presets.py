@@ -18,6 +18,7 @@ Config values are copied from the models' published config.json files:
 - Qwen2-7B: hidden 3584, 28 layers, 28 heads, 4 KV heads, intermediate 18944,
   vocab 152064, q/k/v biases.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,16 +32,18 @@ L = "model.layers.{L}."
 @dataclass
 class Preset:
     """A model family: how to list its HF parameters, and its HF -> vLLM rules."""
+
     name: str
-    arch: str                       # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v3"
+    arch: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "deepseek_v3"
     rules: list[Rule]
     config: dict = field(default_factory=dict)
-    infer_tp: int = 1               # a sensible default inference layout for the CLI
+    infer_tp: int = 1  # a sensible default inference layout for the CLI
     infer_ep: bool = False
     quant: str | None = None
 
-    def hf_params(self, config: Mapping | None = None, fused_experts: bool = False
-                  ) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
+    def hf_params(
+        self, config: Mapping | None = None, fused_experts: bool = False
+    ) -> dict[str, tuple[tuple[int, ...], str, int | None]]:
         """name -> (global shape, dtype, expert index or None) of the training model.
 
         Routed experts as transformers 4 names them (one parameter per expert and
@@ -144,7 +147,7 @@ def _deepseek_params(c, fused=False):
             _mlp(p + "mlp.", H, I, out)
         else:
             out[p + "mlp.gate.weight"] = ((E, H), "bfloat16", None)
-            if not fused:    # transformers 5 keeps it as a buffer, not a parameter
+            if not fused:  # transformers 5 keeps it as a buffer, not a parameter
                 out[p + "mlp.gate.e_score_correction_bias"] = ((E,), "float32", None)
             _experts(p + "mlp.experts.", H, E, Im, out, fused)
             _mlp(p + "mlp.shared_experts.", H, Im * ns, out)
@@ -166,7 +169,7 @@ HF_PARAMS: dict[str, Callable] = {
 def _common_rules() -> list[Rule]:
     return [
         Fuse("model.embed_tokens.weight", ("model.embed_tokens.weight",), fp8=False),  # vocab parallel
-        Fuse("lm_head.weight", ("lm_head.weight",), fp8=False),                        # vocab parallel
+        Fuse("lm_head.weight", ("lm_head.weight",), fp8=False),  # vocab parallel
         Fuse("model.norm.weight", ("model.norm.weight",), tp=False),
         Fuse(L + "input_layernorm.weight", (L + "input_layernorm.weight",), tp=False),
         Fuse(L + "post_attention_layernorm.weight", (L + "post_attention_layernorm.weight",), tp=False),
@@ -183,24 +186,34 @@ def _gqa_rules(bias=False, qk_norm=False) -> list[Rule]:
     if bias:
         rules.append(Fuse(a + "qkv_proj.bias", (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"), heads=heads))
     if qk_norm:
-        rules += [Fuse(a + "q_norm.weight", (a + "q_norm.weight",), tp=False),
-                  Fuse(a + "k_norm.weight", (a + "k_norm.weight",), tp=False)]
+        rules += [
+            Fuse(a + "q_norm.weight", (a + "q_norm.weight",), tp=False),
+            Fuse(a + "k_norm.weight", (a + "k_norm.weight",), tp=False),
+        ]
     return rules
 
 
 def _mlp_rules(prefix: str) -> list[Rule]:
-    return [Fuse(prefix + "gate_up_proj.weight", (prefix + "gate_proj.weight", prefix + "up_proj.weight")),
-            Row(prefix + "down_proj.weight", (prefix + "down_proj.weight",))]
+    return [
+        Fuse(prefix + "gate_up_proj.weight", (prefix + "gate_proj.weight", prefix + "up_proj.weight")),
+        Row(prefix + "down_proj.weight", (prefix + "down_proj.weight",)),
+    ]
 
 
 def _experts_rules(n_key: str) -> list[Rule]:
     """Routed experts as transformers 4 names them (per expert) and as transformers 5 does
     (fused 3-D); a model has one or the other, the rule that finds its names applies."""
     e = L + "mlp.experts.{E}."
-    return [Experts(L + "mlp.experts", (e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"),
-                    n_experts_key=n_key),
-            FusedExperts(L + "mlp.experts", (L + "mlp.experts.gate_up_proj", L + "mlp.experts.down_proj"),
-                         n_experts_key=n_key)]
+    return [
+        Experts(
+            L + "mlp.experts",
+            (e + "gate_proj.weight", e + "up_proj.weight", e + "down_proj.weight"),
+            n_experts_key=n_key,
+        ),
+        FusedExperts(
+            L + "mlp.experts", (L + "mlp.experts.gate_up_proj", L + "mlp.experts.down_proj"), n_experts_key=n_key
+        ),
+    ]
 
 
 def dense_rules(bias=False, qk_norm=False) -> list[Rule]:
@@ -208,9 +221,11 @@ def dense_rules(bias=False, qk_norm=False) -> list[Rule]:
 
 
 def qwen3_moe_rules() -> list[Rule]:
-    return (_common_rules() + _gqa_rules(False, True)
-            + [Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=False),
-               *_experts_rules("num_experts")])
+    return (
+        _common_rules()
+        + _gqa_rules(False, True)
+        + [Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=False), *_experts_rules("num_experts")]
+    )
 
 
 def deepseek_rules() -> list[Rule]:
@@ -223,11 +238,16 @@ def deepseek_rules() -> list[Rule]:
         Fuse(a + "q_b_proj.weight", (a + "q_b_proj.weight",), heads=("num_attention_heads",)),
         Fuse(a + "kv_b_proj.weight", (a + "kv_b_proj.weight",), heads=("num_attention_heads",)),
         Row(a + "o_proj.weight", (a + "o_proj.weight",)),
-        *_mlp_rules(L + "mlp."),                      # the first_k_dense_replace dense layers
+        *_mlp_rules(L + "mlp."),  # the first_k_dense_replace dense layers
         *_mlp_rules(L + "mlp.shared_experts."),
-        Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=False),          # router: BF16
-        Fuse(L + "mlp.gate.e_score_correction_bias", (L + "mlp.gate.e_score_correction_bias",),
-             tp=False, fp8=False, dtype="float32"),
+        Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=False),  # router: BF16
+        Fuse(
+            L + "mlp.gate.e_score_correction_bias",
+            (L + "mlp.gate.e_score_correction_bias",),
+            tp=False,
+            fp8=False,
+            dtype="float32",
+        ),
         *_experts_rules("n_routed_experts"),
     ]
 
@@ -243,44 +263,123 @@ ARCH_RULES: dict[str, Callable[[], list[Rule]]] = {
 # --------------------------------------------------------------------------- configs
 
 KIMI_K2 = dict(
-    architectures=["DeepseekV3ForCausalLM"], hidden_size=7168, num_hidden_layers=61,
-    first_k_dense_replace=1, n_routed_experts=384, n_shared_experts=1, moe_intermediate_size=2048,
-    intermediate_size=18432, vocab_size=163840, q_lora_rank=1536, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=64,
-    num_key_value_heads=64, num_experts_per_tok=8, tie_word_embeddings=False)
-DEEPSEEK_V3 = dict(KIMI_K2, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
-                   first_k_dense_replace=3, vocab_size=129280)
+    architectures=["DeepseekV3ForCausalLM"],
+    hidden_size=7168,
+    num_hidden_layers=61,
+    first_k_dense_replace=1,
+    n_routed_experts=384,
+    n_shared_experts=1,
+    moe_intermediate_size=2048,
+    intermediate_size=18432,
+    vocab_size=163840,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    num_experts_per_tok=8,
+    tie_word_embeddings=False,
+)
+DEEPSEEK_V3 = dict(
+    KIMI_K2,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_routed_experts=256,
+    first_k_dense_replace=3,
+    vocab_size=129280,
+)
 QWEN3_235B = dict(
-    architectures=["Qwen3MoeForCausalLM"], hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
-    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
-    intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)
-QWEN3_30B = dict(QWEN3_235B, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
-                 moe_intermediate_size=768, intermediate_size=6144)
+    architectures=["Qwen3MoeForCausalLM"],
+    hidden_size=4096,
+    num_hidden_layers=94,
+    num_attention_heads=64,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=1536,
+    intermediate_size=12288,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
+QWEN3_30B = dict(
+    QWEN3_235B,
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    moe_intermediate_size=768,
+    intermediate_size=6144,
+)
 QWEN3_8B = dict(
-    architectures=["Qwen3ForCausalLM"], hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=4096,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=12288,
+    vocab_size=151936,
+    tie_word_embeddings=False,
+)
 QWEN3_TINY = dict(
-    architectures=["Qwen3ForCausalLM"], hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=1024, tie_word_embeddings=True)
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    vocab_size=1024,
+    tie_word_embeddings=True,
+)
 LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"], hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False)
+    architectures=["LlamaForCausalLM"],
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 QWEN2_7B = dict(
-    architectures=["Qwen2ForCausalLM"], hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-    num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)
+    architectures=["Qwen2ForCausalLM"],
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
 
-ARCH_OF = {"DeepseekV3ForCausalLM": "deepseek_v3", "Qwen3MoeForCausalLM": "qwen3_moe",
-           "Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+ARCH_OF = {
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+}
 
 
-MODEL_TYPES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "qwen3_moe": "qwen3_moe",
-               "qwen3": "qwen3", "qwen2": "qwen2", "llama": "llama"}
+MODEL_TYPES = {
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+    "qwen3_moe": "qwen3_moe",
+    "qwen3": "qwen3",
+    "qwen2": "qwen2",
+    "llama": "llama",
+}
 
 
 # transformers 5 writes some keys under a canonical name (its configs' attribute_map):
 # Qwen3-MoE's num_experts and DeepSeek-V3's n_routed_experts are num_local_experts in to_dict()
-ALIASES: dict[str | None, dict[str, str]] = {"qwen3_moe": {"num_experts": "num_local_experts"},
-                                             "deepseek_v3": {"n_routed_experts": "num_local_experts"}}
+ALIASES: dict[str | None, dict[str, str]] = {
+    "qwen3_moe": {"num_experts": "num_local_experts"},
+    "deepseek_v3": {"n_routed_experts": "num_local_experts"},
+}
 
 
 def _as_dict(config, arch: str | None = None) -> dict:
@@ -310,7 +409,8 @@ def arch_of(config: Mapping) -> str:
         f"no mapping preset for a config with architectures={config.get('architectures')!r} and "
         f"model_type={mt!r}: pass a config whose architectures lists one of {sorted(ARCH_OF)} or whose "
         f"model_type is one of {sorted(MODEL_TYPES)}, or pass mapping=wxfer.mapping.Preset(name, arch, rules, "
-        f"config) with your own rules (docs/mapping.md)")
+        f"config) with your own rules (docs/mapping.md)"
+    )
 
 
 def from_config(name: str, config: Mapping, **kw) -> Preset:
@@ -339,5 +439,16 @@ def get_preset(name: str) -> Preset:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
 
 
-__all__ = ["Preset", "PRESETS", "get_preset", "from_config", "arch_of", "HF_PARAMS", "ARCH_RULES",
-           "dense_rules", "qwen3_moe_rules", "deepseek_rules", "Ignore"]
+__all__ = [
+    "Preset",
+    "PRESETS",
+    "get_preset",
+    "from_config",
+    "arch_of",
+    "HF_PARAMS",
+    "ARCH_RULES",
+    "dense_rules",
+    "qwen3_moe_rules",
+    "deepseek_rules",
+    "Ignore",
+]

@@ -10,6 +10,7 @@ FP8: each piece is quantized on its own 128x128 grid; per block
 ``fp8 = clamp(w / scale_inv, -448, 448).to(float8_e4m3fn)``, so that
 ``w ~= fp8.float() * scale_inv``.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -21,6 +22,7 @@ FP8_MAX = 448.0
 
 def _torch():
     import torch
+
     return torch
 
 
@@ -58,10 +60,10 @@ def _piece_tensor(p: Piece, tensors: Mapping):
     except KeyError:
         raise KeyError(f"full tensor for {p.src!r} not supplied") from None
     if t.dim() == 1:
-        return t[p.r0:p.r1]
-    if t.dim() == 3:                 # fused experts [E, rows, cols]: pieces address [E x rows, cols]
+        return t[p.r0 : p.r1]
+    if t.dim() == 3:  # fused experts [E, rows, cols]: pieces address [E x rows, cols]
         t = t.reshape(-1, t.shape[-1])
-    return t[p.r0:p.r1, p.c0:p.c1]
+    return t[p.r0 : p.r1, p.c0 : p.c1]
 
 
 def _as_bytes(t):

@@ -12,6 +12,7 @@ produces its bytes from the full training tensors: an ordered tuple of `Piece`s
 Nothing here touches a GPU or torch; `wxfer.mapping.reference` turns a shard recipe
 into bytes with torch ops.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,15 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 BLOCK = 128  # FP8 block size (rows and columns) of weight_scale_inv
 
 DTYPE_SIZE = {
-    "float8_e4m3fn": 1, "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8,
-    "int8": 1, "uint8": 1, "int32": 4, "int64": 8,
+    "float8_e4m3fn": 1,
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
 }
 
 
@@ -44,6 +52,7 @@ def cdiv(a: int, b: int) -> int:
 
 class Piece(NamedTuple):
     """Rows [r0, r1) and columns [c0, c1) of source `src` (c0 = c1 = 0 for 1-D sources)."""
+
     src: str
     r0: int
     r1: int
@@ -69,6 +78,7 @@ class Shard(NamedTuple):
     128x128 grid) or "scale" (the float32 weight_scale_inv rows of the same pieces).
     The bytes are the pieces' bytes concatenated in order (row-major).
     """
+
     rank: int
     dst: str
     offset: int
@@ -80,6 +90,7 @@ class Shard(NamedTuple):
 
 class Sized:
     """A parameter description with `shape` and `dtype`: its size in bytes."""
+
     shape: tuple[int, ...]
     dtype: str
 
@@ -99,6 +110,7 @@ class DestParam(Sized):
 @dataclass
 class Component:
     """Training sources that must be prepared together, and the shards they produce."""
+
     sources: tuple[str, ...]
     shards: list[Shard]
     merge_key: object = None  # components with equal key on one mesh may merge into one task
@@ -112,6 +124,7 @@ class Layout:
     expert_group: routed experts are emitted in components of this many consecutive
     experts (those a training mesh holds together), with their shards already merged;
     it changes no byte, only how many objects the expansion builds."""
+
     tp: int = 1
     ep: bool = False
     quant: str | None = None  # "fp8" or None (BF16)
@@ -131,7 +144,7 @@ def _compile(template: str) -> re.Pattern:
 def _suffix(template: str) -> str:
     """The literal tail of a template (after its last placeholder): a cheap pre-filter."""
     i = max(template.rfind("}"), -1)
-    return template[i + 1:]
+    return template[i + 1 :]
 
 
 def _fmt(template: str, b: Mapping[str, str]) -> str:
@@ -163,15 +176,18 @@ def _check_fp8_piece(p: Piece, full: tuple[int, ...], last: bool, dst: str, tp: 
         raise MappingError(
             f"cannot split {what}: its rows [{p.r0}, {p.r1}) are not whole {BLOCK}-row blocks "
             f"({p.rows} rows per rank); choose a TP size that splits it in {BLOCK}-row blocks, "
-            f"expert parallelism, or BF16")
+            f"expert parallelism, or BF16"
+        )
     if len(full) == 2 and (p.c0 % BLOCK or (p.cols % BLOCK and p.c1 != full[1])):
         raise MappingError(
             f"cannot split {what}: its columns [{p.c0}, {p.c1}) are not whole {BLOCK}-column "
-            f"blocks ({p.cols} columns per rank)")
+            f"blocks ({p.cols} columns per rank)"
+        )
 
 
-def _make_shards(rank: int, dst: str, pieces: list[Piece], fulls: list[tuple[int, ...]],
-                 quant: bool, dtype: str, tp: int) -> list[Shard]:
+def _make_shards(
+    rank: int, dst: str, pieces: list[Piece], fulls: list[tuple[int, ...]], quant: bool, dtype: str, tp: int
+) -> list[Shard]:
     """Shards filling a whole 2-D/1-D destination (and its scale) from `pieces`."""
     ncols = pieces[0].cols if pieces[0].c1 else 0
     if quant:
@@ -179,9 +195,10 @@ def _make_shards(rank: int, dst: str, pieces: list[Piece], fulls: list[tuple[int
             _check_fp8_piece(p, f, i == len(pieces) - 1, dst, tp)
         rows = sum(p.rows for p in pieces)
         srows = sum(cdiv(p.rows, BLOCK) for p in pieces)
-        return [Shard(rank, dst, 0, rows * ncols, "fp8", "float8_e4m3fn", tuple(pieces)),
-                Shard(rank, scale_name(dst), 0, srows * cdiv(ncols, BLOCK) * 4, "scale", "float32",
-                      tuple(pieces))]
+        return [
+            Shard(rank, dst, 0, rows * ncols, "fp8", "float8_e4m3fn", tuple(pieces)),
+            Shard(rank, scale_name(dst), 0, srows * cdiv(ncols, BLOCK) * 4, "scale", "float32", tuple(pieces)),
+        ]
     n = sum(p.numel() for p in pieces)
     return [Shard(rank, dst, 0, n * dtype_size(dtype), "raw", dtype, tuple(pieces))]
 
@@ -189,10 +206,11 @@ def _make_shards(rank: int, dst: str, pieces: list[Piece], fulls: list[tuple[int
 @dataclass
 class Rule:
     """Base class. `dst` and `srcs` are templates with {L} (layer) and {E} (expert)."""
+
     dst: str
     srcs: tuple[str, ...] = ()
-    fp8: bool = True           # quantized to FP8 when the layout says quant="fp8" and it is 2-D
-    dtype: str = "bfloat16"    # destination dtype when not quantized
+    fp8: bool = True  # quantized to FP8 when the layout says quant="fp8" and it is 2-D
+    dtype: str = "bfloat16"  # destination dtype when not quantized
 
     def anchors(self) -> tuple[str, ...]:
         return self.srcs[:1]
@@ -230,6 +248,7 @@ class Fuse(Rule):
     replicated (rank r holds head r * heads // tp).  tp=False: replicated on every rank.
     A single source with tp=True is a plain column-parallel (or vocab-parallel) weight.
     """
+
     tp: bool = True
     heads: tuple[str | None, ...] = ()
 
@@ -255,8 +274,11 @@ class Fuse(Rule):
             shape = (rows, ncols) if ndim == 2 else (rows,)
             if quant:
                 params.append(DestParam(r, dst, shape, "float8_e4m3fn"))
-                params.append(DestParam(r, scale_name(dst),
-                                        (sum(cdiv(p.rows, BLOCK) for p in pieces), cdiv(ncols, BLOCK)), "float32"))
+                params.append(
+                    DestParam(
+                        r, scale_name(dst), (sum(cdiv(p.rows, BLOCK) for p in pieces), cdiv(ncols, BLOCK)), "float32"
+                    )
+                )
             else:
                 params.append(DestParam(r, dst, shape, self.dtype))
             shards += _make_shards(r, dst, pieces, fulls, quant, self.dtype, tp)
@@ -306,8 +328,9 @@ class Row(Rule):
                 params.append(DestParam(r, dst, (full[0], k), "float8_e4m3fn"))
                 params.append(DestParam(r, scale_name(dst), (cdiv(full[0], BLOCK), cdiv(k, BLOCK)), "float32"))
                 shards.append(Shard(r, dst, 0, full[0] * k, "fp8", "float8_e4m3fn", (p,)))
-                shards.append(Shard(r, scale_name(dst), 0, cdiv(full[0], BLOCK) * cdiv(k, BLOCK) * 4, "scale",
-                                    "float32", (p,)))
+                shards.append(
+                    Shard(r, scale_name(dst), 0, cdiv(full[0], BLOCK) * cdiv(k, BLOCK) * 4, "scale", "float32", (p,))
+                )
             else:
                 es = dtype_size(self.dtype)
                 params.append(DestParam(r, dst, (full[0], k), self.dtype))
@@ -350,7 +373,7 @@ def _expert_shards(per_rank: dict, prefix: str, ir: int, hidden: int, quant: boo
     shards: list[Shard] = []
     for r, items in per_rank.items():
         i = 0
-        while i < len(items):           # runs of consecutive local experts
+        while i < len(items):  # runs of consecutive local experts
             j = i + 1
             while j < len(items) and items[j][0] == items[j - 1][0] + 1:
                 j += 1
@@ -359,13 +382,17 @@ def _expert_shards(per_rank: dict, prefix: str, ir: int, hidden: int, quant: boo
             p13 = tuple(p for it in run for p in (it[1], it[2]))
             p2 = tuple(it[3] for it in run)
             if quant:
-                shards += [Shard(r, w13, le * n13, n * n13, "fp8", wdt, p13),
-                           Shard(r, w13s, le * s13, n * s13, "scale", "float32", p13),
-                           Shard(r, w2, le * n2, n * n2, "fp8", wdt, p2),
-                           Shard(r, w2s, le * s2, n * s2, "scale", "float32", p2)]
+                shards += [
+                    Shard(r, w13, le * n13, n * n13, "fp8", wdt, p13),
+                    Shard(r, w13s, le * s13, n * s13, "scale", "float32", p13),
+                    Shard(r, w2, le * n2, n * n2, "fp8", wdt, p2),
+                    Shard(r, w2s, le * s2, n * s2, "scale", "float32", p2),
+                ]
             else:
-                shards += [Shard(r, w13, le * n13 * es, n * n13 * es, "raw", wdt, p13),
-                           Shard(r, w2, le * n2 * es, n * n2 * es, "raw", wdt, p2)]
+                shards += [
+                    Shard(r, w13, le * n13 * es, n * n13 * es, "raw", wdt, p13),
+                    Shard(r, w2, le * n2 * es, n * n2 * es, "raw", wdt, p2),
+                ]
             i = j
     return shards
 
@@ -400,6 +427,7 @@ class Experts(Rule):
     [r*E/tp, (r+1)*E/tp) whole; otherwise every rank holds every expert, sliced along
     the intermediate dimension.
     """
+
     n_experts_key: str = "n_routed_experts"
 
     def bindings(self, names):
@@ -426,8 +454,9 @@ class Experts(Rule):
         el, ir = _expert_split(prefix, E, inter, tp, ep)
         if quant:
             for r in range(1 if ep else tp):
-                _check_fp8_experts([_fmt(x, {**b, "E": "0"}) for x in self.srcs], inter, hidden, ir, r * ir,
-                                   prefix, 1 if ep else tp)
+                _check_fp8_experts(
+                    [_fmt(x, {**b, "E": "0"}) for x in self.srcs], inter, hidden, ir, r * ir, prefix, 1 if ep else tp
+                )
         wdt = "float8_e4m3fn" if quant else self.dtype
         params = _expert_params(prefix, tp, el, ir, hidden, quant, wdt)
         g = max(1, int(ctx.layout.expert_group))
@@ -435,16 +464,21 @@ class Experts(Rule):
         for gs in range(0, len(experts), g):
             names: list[str] = []
             per_rank: dict[int, list] = {}
-            for e in experts[gs:gs + g]:
+            for e in experts[gs : gs + g]:
                 gate, up, down = (_fmt(s, {**b, "E": str(e)}) for s in self.srcs)
                 for s, want in ((gate, (inter, hidden)), (up, (inter, hidden)), (down, (hidden, inter))):
                     if ctx.shape(s, prefix) != want:
                         raise MappingError(f"{s}: shape {ctx.shape(s, prefix)} but expected {want}")
                 names += (gate, up, down)
                 for r, le, c0 in _ranks_of_expert(e, el, ir, tp, ep):
-                    per_rank.setdefault(r, []).append((le, Piece(gate, c0, c0 + ir, 0, hidden),
-                                                       Piece(up, c0, c0 + ir, 0, hidden),
-                                                       Piece(down, 0, hidden, c0, c0 + ir)))
+                    per_rank.setdefault(r, []).append(
+                        (
+                            le,
+                            Piece(gate, c0, c0 + ir, 0, hidden),
+                            Piece(up, c0, c0 + ir, 0, hidden),
+                            Piece(down, 0, hidden, c0, c0 + ir),
+                        )
+                    )
             shards = _expert_shards(per_rank, prefix, ir, hidden, quant, wdt)
             comps.append(Component(tuple(names), shards, ("experts", prefix), prefix))
         return params, comps
@@ -461,6 +495,7 @@ class FusedExperts(Rule):
     matrix [E x rows, cols] (expert e's rows follow expert e-1's), so expert e's gate is
     rows [e*2*inter, e*2*inter + inter) of gate_up; FP8 quantizes each piece, i.e. each
     expert's slice, on its own 128x128 grid."""
+
     n_experts_key: str = "n_routed_experts"
 
     def expand(self, b, ctx):
@@ -480,19 +515,28 @@ class FusedExperts(Rule):
         el, ir = _expert_split(prefix, E, inter, tp, ep)
         if quant:
             for r in range(1 if ep else tp):
-                _check_fp8_experts((gu + " (gate)", gu + " (up)", dn), inter, hidden, ir, r * ir, prefix,
-                                   1 if ep else tp)
+                _check_fp8_experts(
+                    (gu + " (gate)", gu + " (up)", dn), inter, hidden, ir, r * ir, prefix, 1 if ep else tp
+                )
         wdt = "float8_e4m3fn" if quant else self.dtype
         per_rank: dict[int, list] = {}
         for e in range(E):
             g0, d0 = e * 2 * inter, e * hidden
             for r, le, c0 in _ranks_of_expert(e, el, ir, tp, ep):
-                per_rank.setdefault(r, []).append((le, Piece(gu, g0 + c0, g0 + c0 + ir, 0, hidden),
-                                                   Piece(gu, g0 + inter + c0, g0 + inter + c0 + ir, 0, hidden),
-                                                   Piece(dn, d0, d0 + hidden, c0, c0 + ir)))
+                per_rank.setdefault(r, []).append(
+                    (
+                        le,
+                        Piece(gu, g0 + c0, g0 + c0 + ir, 0, hidden),
+                        Piece(gu, g0 + inter + c0, g0 + inter + c0 + ir, 0, hidden),
+                        Piece(dn, d0, d0 + hidden, c0, c0 + ir),
+                    )
+                )
         shards = _expert_shards(per_rank, prefix, ir, hidden, quant, wdt)
-        return (_expert_params(prefix, tp, el, ir, hidden, quant, wdt),
-                [Component((gu, dn), shards, ("experts", prefix), prefix)])
+        return (
+            _expert_params(prefix, tp, el, ir, hidden, quant, wdt),
+            [Component((gu, dn), shards, ("experts", prefix), prefix)],
+        )
+
 
 @dataclass
 class Ignore(Rule):
@@ -506,12 +550,13 @@ class Ignore(Rule):
 @dataclass
 class Expanded:
     """Result of applying a mapping to training metadata for one inference layout."""
+
     layout: Layout
-    dest: dict[int, dict[str, DestParam]]          # rank -> name -> param (ordered)
+    dest: dict[int, dict[str, DestParam]]  # rank -> name -> param (ordered)
     components: list[Component]
     used: set[str]
     ignored: set[str]
-    unmatched: list[str]                            # training params no rule used nor ignored
+    unmatched: list[str]  # training params no rule used nor ignored
     errors: list[str] = field(default_factory=list)
 
     def dest_bytes(self, rank: int | None = None) -> int:
@@ -519,8 +564,14 @@ class Expanded:
         return sum(p.nbytes for r in ranks for p in self.dest[r].values())
 
 
-def expand(rules: Sequence[Rule], shapes: Mapping[str, tuple[int, ...]], layout: Layout,
-           config: Mapping, ignore: Iterable[str] = (), strict: bool = True) -> Expanded:
+def expand(
+    rules: Sequence[Rule],
+    shapes: Mapping[str, tuple[int, ...]],
+    layout: Layout,
+    config: Mapping,
+    ignore: Iterable[str] = (),
+    strict: bool = True,
+) -> Expanded:
     """Apply `rules` to training params `shapes` (name -> global shape).
 
     Raises MappingError (listing every problem by name) when a rule cannot be applied,
@@ -563,5 +614,6 @@ def expand(rules: Sequence[Rule], shapes: Mapping[str, tuple[int, ...]], layout:
         more = f" (and {len(unmatched) - 20} more)" if len(unmatched) > 20 else ""
         raise MappingError(
             f"{len(unmatched)} training parameter(s) read by no rule: {', '.join(unmatched[:20])}{more}; add a "
-            f"rule that reads them, or an Ignore rule listing them to leave them out on purpose")
+            f"rule that reads them, or an Ignore rule listing them to leave them out on purpose"
+        )
     return Expanded(layout, dest, comps, used, ignored, unmatched)

@@ -3,6 +3,7 @@
 with ``weight_scale_inv``), and the way back to Hugging Face names (de-fuse, gather the
 TP shards, dequantize) to compare the inference model's logits with the trainer's.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,9 @@ def inference_layout(config: dict, tp: int, quant: str | None = None, ep: bool =
     return expand(preset.rules, shapes, Layout(tp, ep, quant), config).dest
 
 
-def inference_params(config: dict, tp: int, rank: int, quant: str | None = None, ep: bool = False,
-                     device="cpu") -> dict:
+def inference_params(
+    config: dict, tp: int, rank: int, quant: str | None = None, ep: bool = False, device="cpu"
+) -> dict:
     """Freshly allocated (NaN-filled where floating point, so an unwritten byte shows)
     parameters of inference rank `rank`, in the inference layout."""
     out = {}
@@ -44,7 +46,7 @@ def _deq(sd: dict, name: str):
 def _split_rows(w, sizes):
     out, o = [], 0
     for s in sizes:
-        out.append(w[o:o + s])
+        out.append(w[o : o + s])
         o += s
     return out
 
@@ -64,17 +66,19 @@ def _heads_of(heads: int, tp: int):
 
 def _experts_hf(config: dict, shards: list[dict], p: str, ep: bool) -> dict:
     """transformers 5's fused expert tensors of layer prefix `p` from the vLLM w13 / w2."""
+
     def deq3(sd, name):
         w = sd[name]
         if w.dtype != torch.float8_e4m3fn:
             return w.float()
         s = sd[scale_name(name)]
         return torch.stack([dequantize_fp8_block(w[e], s[e], BLOCK) for e in range(w.shape[0])])
+
     w13 = [deq3(s, p + "mlp.experts.w13_weight") for s in shards]
     w2 = [deq3(s, p + "mlp.experts.w2_weight") for s in shards]
-    if ep:                                  # rank r holds experts [r*E/tp, (r+1)*E/tp) whole
+    if ep:  # rank r holds experts [r*E/tp, (r+1)*E/tp) whole
         return {p + "mlp.experts.gate_up_proj": torch.cat(w13), p + "mlp.experts.down_proj": torch.cat(w2)}
-    ir = w13[0].shape[1] // 2               # every rank: all experts, intermediate rows sliced
+    ir = w13[0].shape[1] // 2  # every rank: all experts, intermediate rows sliced
     gate = torch.cat([w[:, :ir] for w in w13], 1)
     up = torch.cat([w[:, ir:] for w in w13], 1)
     return {p + "mlp.experts.gate_up_proj": torch.cat([gate, up], 1), p + "mlp.experts.down_proj": torch.cat(w2, 2)}
@@ -90,15 +94,21 @@ def reconstruct_hf(config: dict, shards: list[dict], ep: bool = False) -> dict:
     kv_r = (nkv * hd // tp) if tp <= nkv else hd
     kv_ranks = _heads_of(nkv, tp)
     moe = "num_experts" in config
-    sd = {"model.embed_tokens.weight": torch.cat([_deq(s, "model.embed_tokens.weight") for s in shards]),
-          "model.norm.weight": _deq(shards[0], "model.norm.weight")}
+    sd = {
+        "model.embed_tokens.weight": torch.cat([_deq(s, "model.embed_tokens.weight") for s in shards]),
+        "model.norm.weight": _deq(shards[0], "model.norm.weight"),
+    }
     if not config.get("tie_word_embeddings", False):
         sd["lm_head.weight"] = torch.cat([_deq(s, "lm_head.weight") for s in shards])
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        for n in (p + "input_layernorm.weight", p + "post_attention_layernorm.weight", a + "q_norm.weight",
-                  a + "k_norm.weight") + ((p + "mlp.gate.weight",) if moe else ()):
+        for n in (
+            p + "input_layernorm.weight",
+            p + "post_attention_layernorm.weight",
+            a + "q_norm.weight",
+            a + "k_norm.weight",
+        ) + ((p + "mlp.gate.weight",) if moe else ()):
             sd[n] = _deq(shards[0], n)
         qkv = [_split_rows(_deq(s, a + "qkv_proj.weight"), (q_r, kv_r, kv_r)) for s in shards]
         sd[a + "q_proj.weight"] = torch.cat([x[0] for x in qkv])
@@ -120,12 +130,13 @@ def logits_from_shards(config: dict, shards: list[dict], ids, ep: bool = False):
     """Logits of the inference replica's weights (de-fused, dequantized), through the
     transformers model's own forward, on token ids."""
     from .train import logits, train_model
+
     m = train_model(config)
     sd = reconstruct_hf(config, [{k: v.cpu() for k, v in s.items()} for s in shards], ep)
     names = set(dict(m.named_parameters()))
     if names != set(sd):
         raise KeyError(f"reconstruction lacks {sorted(names - set(sd))}, has unknown {sorted(set(sd) - names)}")
-    m.load_state_dict(sd, strict=False)      # strict=False: the rotary buffers are not weights
+    m.load_state_dict(sd, strict=False)  # strict=False: the rotary buffers are not weights
     with torch.no_grad():
         return logits(m, ids).float()
 
@@ -134,12 +145,13 @@ def logits_of_weights(config: dict, weights: dict, ids, dtype=None):
     """Logits, through the transformers model's own forward, of full training weights
     (name -> tensor), first rounded to `dtype` (e.g. torch.bfloat16) when given."""
     from .train import logits, train_model
+
     m = train_model(config)
     names = set(dict(m.named_parameters()))
     if names != set(weights):
         raise KeyError(f"weights lack {sorted(names - set(weights))}, have unknown {sorted(set(weights) - names)}")
     sd = {n: (w.to(dtype) if dtype is not None else w).float().cpu() for n, w in weights.items()}
-    m.load_state_dict(sd, strict=False)      # strict=False: the rotary buffers are not weights
+    m.load_state_dict(sd, strict=False)  # strict=False: the rotary buffers are not weights
     with torch.no_grad():
         return logits(m, ids).float()
 

@@ -8,32 +8,76 @@ the routed experts of a MoE layer as two fused 3-D parameters
 (``mlp.experts.gate_up_proj`` [E, 2 x inter, hidden], ``mlp.experts.down_proj``
 [E, hidden, inter]); FSDP2 shards them along dim 0, the experts.
 """
+
 from __future__ import annotations
 
 # head_dim 128 and 128-row TP shards so that FP8 block quantization applies with TP=2
-TINY = dict(architectures=["Qwen3ForCausalLM"], hidden_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=128, intermediate_size=512,
-            vocab_size=512, tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0)
-SMALL = dict(TINY, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-             head_dim=64, intermediate_size=1536, vocab_size=4096)
-MEDIUM = dict(TINY, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-              head_dim=128, intermediate_size=3072, vocab_size=8192)
-TINY_MOE = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=256, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_experts=4,
-                num_experts_per_tok=2, moe_intermediate_size=256, intermediate_size=512, vocab_size=512,
-                tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=10000.0)
+TINY = dict(
+    architectures=["Qwen3ForCausalLM"],
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    intermediate_size=512,
+    vocab_size=512,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+SMALL = dict(
+    TINY,
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=4096,
+)
+MEDIUM = dict(
+    TINY,
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=8192,
+)
+TINY_MOE = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    intermediate_size=512,
+    vocab_size=512,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
 CONFIGS = {"tiny": TINY, "small": SMALL, "medium": MEDIUM, "tiny-moe": TINY_MOE}
 
-_CLASSES = {"Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
-            "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+_CLASSES = {
+    "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 
 
 def _classes(config: dict):
     import transformers
+
     arch = (config.get("architectures") or [None])[0]
     if arch not in _CLASSES:
-        raise ValueError(f"wxfer.models: no transformers class for architectures={config.get('architectures')!r}; "
-                         f"known: {sorted(_CLASSES)}")
+        raise ValueError(
+            f"wxfer.models: no transformers class for architectures={config.get('architectures')!r}; "
+            f"known: {sorted(_CLASSES)}"
+        )
     c, m = _CLASSES[arch]
     return getattr(transformers, c), getattr(transformers, m)
 
@@ -52,6 +96,7 @@ def train_model(config: dict, seed: int = 0, dtype=None):
     seeded: every rank builds the same weights), float32 unless `dtype`.  Builds on the
     current default device (``with torch.device("meta"):`` gives a meta model)."""
     import torch
+
     _, model_cls = _classes(config)
     c = hf_config(config)
     with torch.random.fork_rng(devices=[]):
@@ -73,6 +118,7 @@ def shard_fsdp2(model, mesh, expert_mesh=None, offload: bool = False):
     the experts).  offload: CPUOffloadPolicy (pinned when CUDA is present)."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
     kw = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
     for layer in model.model.layers:
         experts = getattr(layer.mlp, "experts", None)

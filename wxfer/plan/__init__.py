@@ -7,6 +7,7 @@ Entry points::
     plan = plan_for("kimi-k2", Cluster(train_gpus=256, infer_gpus=128, infer_tp=16, infer_ep=True, quant="fp8"))
     plan.check(); plan.simulate(cluster); plan.to_bytes(); Plan.from_bytes(b)
 """
+
 from .core import Plan, PlanError, Task, build_plan
 from .check import check_coverage, check_deadlock_free
 from .reference import expected_destination, packed_buffer
@@ -16,6 +17,7 @@ def plan_for(preset, cluster, **kw) -> Plan:
     """Synthesize both sides from a preset (name, Preset or HF config dict) and build the plan."""
     import time
     from ..meta import synthesize
+
     t0 = time.perf_counter()
     s = synthesize(preset, cluster)
     kw.setdefault("gpus_per_node", cluster.gpus_per_node)
@@ -24,5 +26,14 @@ def plan_for(preset, cluster, **kw) -> Plan:
     return plan
 
 
-__all__ = ["Plan", "PlanError", "Task", "build_plan", "plan_for", "check_coverage", "check_deadlock_free",
-           "expected_destination", "packed_buffer"]
+__all__ = [
+    "Plan",
+    "PlanError",
+    "Task",
+    "build_plan",
+    "plan_for",
+    "check_coverage",
+    "check_deadlock_free",
+    "expected_destination",
+    "packed_buffer",
+]

@@ -13,6 +13,7 @@ and `Calibration` objects passed to `Cluster(calibration=...)` use it.
 
 Pure Python (no torch, no native extension).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,14 +27,26 @@ CALIBRATIONS: dict[str, Calibration] = {
     "h200": Calibration(),
     # the model before issue 15: stage 2 at memory speed (Cluster.mem_GBps), no host time, gathers
     # and packs pipelined on separate streams; reproduces Kimi-K2 1.315 s / Qwen3-235B 0.594 s
-    "free-stage2": Calibration(name="free-stage2", host_task_s=0.0, host_param_s=0.0, host_piece_s=0.0,
-                               pack_launch_s=0.0, quant_GBps=None, copy_GBps=None, serial=False,
-                               source="the pre-issue-15 model: stage 2 free (memory speed, no host time)"),
+    "free-stage2": Calibration(
+        name="free-stage2",
+        host_task_s=0.0,
+        host_param_s=0.0,
+        host_piece_s=0.0,
+        pack_launch_s=0.0,
+        quant_GBps=None,
+        copy_GBps=None,
+        serial=False,
+        source="the pre-issue-15 model: stage 2 free (memory speed, no host time)",
+    ),
     # the one-pass block-FP8 kernel measured on one H200 (issue 13): 3.3 TB/s on 12288x4096,
     # 3.6 TB/s on 128 grouped experts of 768x2048; 128 experts one launch each: 2.7 ms -> ~21 us per
     # launch; host work still the per-parameter 0.25 ms of today's runtime
-    "h200-native": Calibration(name="h200-native", quant_GBps=3450.0, pack_launch_s=21e-6,
-                               source="one H200, issue 13: native one-pass FP8 kernel, today's host costs"),
+    "h200-native": Calibration(
+        name="h200-native",
+        quant_GBps=3450.0,
+        pack_launch_s=21e-6,
+        source="one H200, issue 13: native one-pass FP8 kernel, today's host costs",
+    ),
 }
 
 
@@ -49,8 +62,10 @@ def get(cal) -> Calibration:
         if cal in CALIBRATIONS:
             return CALIBRATIONS[cal]
         return load(cal)
-    raise TypeError(f"calibration must be a Calibration, a name ({sorted(CALIBRATIONS)}), a dict or a path, "
-                    f"got {type(cal).__name__}")
+    raise TypeError(
+        f"calibration must be a Calibration, a name ({sorted(CALIBRATIONS)}), a dict or a path, "
+        f"got {type(cal).__name__}"
+    )
 
 
 def from_dict(d: dict) -> Calibration:
@@ -104,20 +119,30 @@ def cluster_for(plan, cal, **kw) -> Cluster:
     cal = get(cal)
     world = plan.train_world
     ngpu = int(plan.gpu_of.max()) + 1
-    base = dict(train_gpus=world, infer_gpus=ngpu, infer_tp=plan.tp, infer_ep=plan.ep, quant=plan.quant,
-                gpus_per_node=max(world, ngpu, 1), dense_shard=world, expert_shard=1,
-                write_GBps=cal.write_GBps if cal.write_GBps is not None else 50.0)
+    base = dict(
+        train_gpus=world,
+        infer_gpus=ngpu,
+        infer_tp=plan.tp,
+        infer_ep=plan.ep,
+        quant=plan.quant,
+        gpus_per_node=max(world, ngpu, 1),
+        dense_shard=world,
+        expert_shard=1,
+        write_GBps=cal.write_GBps if cal.write_GBps is not None else 50.0,
+    )
     base.update(kw)
     return cal.apply(Cluster(**base))
 
 
-def predict(plan, calibration, rank: int | None = None, cluster: Cluster | None = None, steps: int = 400,
-            **cluster_kw) -> float:
+def predict(
+    plan, calibration, rank: int | None = None, cluster: Cluster | None = None, steps: int = 400, **cluster_kw
+) -> float:
     """Seconds one push of `plan` takes, simulated with `calibration` (a Calibration, a name
     or a JSON path) on the machine it describes (`cluster_for`), or on `cluster` (its link
     rates, this calibration's costs).  rank: None for the whole push (the slowest trainer),
     else when that trainer rank's last write lands (plus the per-push fixed cost)."""
     from .simulate import simulate
+
     cal = get(calibration)
     c = cluster_for(plan, cal, **cluster_kw) if cluster is None else replace(cluster, calibration=cal)
     r = simulate(plan, c, steps=steps, record=rank is not None)

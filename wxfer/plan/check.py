@@ -1,4 +1,5 @@
 """Checks run before anything is sent: byte coverage and deadlock freedom."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -35,13 +36,12 @@ def check_coverage(plan, workers: Sequence | None = None) -> list[str]:
 
     bad = np.flatnonzero((size < 0) | (end > size) | (off < 0))
     for i in bad[:100]:
-        probs.append(f"bytes [{off[i]}, {end[i]}) of {where(k[i])} are outside the parameter "
-                     f"({max(size[i], 0)} bytes)")
+        probs.append(f"bytes [{off[i]}, {end[i]}) of {where(k[i])} are outside the parameter ({max(size[i], 0)} bytes)")
     if o.size:
         new = np.r_[True, k[1:] != k[:-1]]
         grp = np.cumsum(new) - 1
         big = int(max(end.max(), size.max(), 0)) + 1
-        run = np.maximum.accumulate(end + grp * big) - grp * big   # running max of ends per group
+        run = np.maximum.accumulate(end + grp * big) - grp * big  # running max of ends per group
         prev_end = np.where(new, 0, np.r_[0, run[:-1]])
         gap = np.flatnonzero(off > prev_end)
         dup = np.flatnonzero(off < prev_end)
@@ -66,7 +66,7 @@ def check_coverage(plan, workers: Sequence | None = None) -> list[str]:
         name_id = {n: i for i, n in enumerate(plan.names)}
         seen = set()
         for w in workers:
-            if (id(w.params), w.rank) in seen:      # replicas sharing one params dict
+            if (id(w.params), w.rank) in seen:  # replicas sharing one params dict
                 continue
             seen.add((id(w.params), w.rank))
             for nme, p in w.params.items():
@@ -74,8 +74,10 @@ def check_coverage(plan, workers: Sequence | None = None) -> list[str]:
                 if d < 0 or plan.dest_nbytes[w.rank, d] < 0:
                     probs.append(f"{nme} on replica {w.replica} rank {w.rank}: no transfer writes it")
                 elif p.nbytes != plan.dest_nbytes[w.rank, d]:
-                    probs.append(f"{nme} on replica {w.replica} rank {w.rank}: worker has {p.nbytes} bytes, "
-                                 f"plan writes {plan.dest_nbytes[w.rank, d]}")
+                    probs.append(
+                        f"{nme} on replica {w.replica} rank {w.rank}: worker has {p.nbytes} bytes, "
+                        f"plan writes {plan.dest_nbytes[w.rank, d]}"
+                    )
     # senders must belong to their task's mesh
     if plan.n_transfers:
         mesh_of = np.array([t.mesh for t in plan.tasks], np.int64)

@@ -5,6 +5,7 @@ Example::
     python -m wxfer plan --preset kimi-k2 --train-gpus 256 --infer-gpus 128 --infer-tp 16 \\
         --nic-gbps 400 --json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,7 @@ import time
 
 def _parser() -> argparse.ArgumentParser:
     from ..mapping import PRESETS
+
     p = argparse.ArgumentParser(prog="python -m wxfer plan", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-tiny")
@@ -25,25 +27,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--infer-gpus", type=int, default=None, help="default: one replica")
     p.add_argument("--infer-tp", type=int, default=None, help="default: the preset's")
     ep = p.add_mutually_exclusive_group()
-    ep.add_argument("--infer-ep", dest="infer_ep", action="store_true", default=None,
-                    help="experts expert-parallel over the TP ranks (preset default for MoE)")
+    ep.add_argument(
+        "--infer-ep",
+        dest="infer_ep",
+        action="store_true",
+        default=None,
+        help="experts expert-parallel over the TP ranks (preset default for MoE)",
+    )
     ep.add_argument("--no-infer-ep", dest="infer_ep", action="store_false")
     p.add_argument("--quant", choices=["fp8", "bf16"], default=None, help="default: the preset's")
     p.add_argument("--nic-gbps", type=float, default=400.0)
     p.add_argument("--nvlink-gbytes", type=float, default=370.0, help="per GPU, GB/s")
     p.add_argument("--pcie-gbytes", type=float, default=55.0, help="per GPU, GB/s")
-    p.add_argument("--write-gbytes", type=float, default=None,
-                   help="trainer -> inference write path per GPU, GB/s (default: the NIC); e.g. the measured "
-                        "cuda_ipc rate when trainers and receivers share a node")
+    p.add_argument(
+        "--write-gbytes",
+        type=float,
+        default=None,
+        help="trainer -> inference write path per GPU, GB/s (default: the NIC); e.g. the measured "
+        "cuda_ipc rate when trainers and receivers share a node",
+    )
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--dense-shard", type=int, default=8, help="FSDP size of dense params (inside a node)")
     p.add_argument("--expert-shard", type=int, default=2, help="FSDP size of routed experts (across nodes)")
     p.add_argument("--cpu-offload", action="store_true")
     p.add_argument("--watermark-gb", type=float, default=8.0)
-    p.add_argument("--calibration", default=None,
-                   help="per-task costs: a file from `python -m wxfer calibrate --out FILE` or a name "
-                        "(h200 = default, h200-native, free-stage2 = the model before issue 15); the links "
-                        "stay the ones given here")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="per-task costs: a file from `python -m wxfer calibrate --out FILE` or a name "
+        "(h200 = default, h200-native, free-stage2 = the model before issue 15); the links "
+        "stay the ones given here",
+    )
     p.add_argument("--steps", type=int, default=1500, help="simulation steps per lower bound")
     p.add_argument("--no-sim", action="store_true")
     p.add_argument("--out", help="write the serialized plan to this file")
@@ -56,6 +70,7 @@ def run(args) -> dict:
     from ..meta import Cluster
     from . import plan_for
     from .simulate import simulate
+
     if args.config:
         with open(args.config) as f:
             preset = from_config(os.path.basename(args.config), json.load(f))
@@ -63,27 +78,47 @@ def run(args) -> dict:
         preset = get_preset(args.preset)
     tp = args.infer_tp or preset.infer_tp
     cluster = Cluster(
-        train_gpus=args.train_gpus, infer_gpus=args.infer_gpus or tp, infer_tp=tp,
+        train_gpus=args.train_gpus,
+        infer_gpus=args.infer_gpus or tp,
+        infer_tp=tp,
         infer_ep=preset.infer_ep if args.infer_ep is None else args.infer_ep,
         quant=(preset.quant if args.quant is None else (None if args.quant == "bf16" else args.quant)),
-        gpus_per_node=args.gpus_per_node, nic_gbps=args.nic_gbps, nvlink_GBps=args.nvlink_gbytes,
-        pcie_GBps=args.pcie_gbytes, dense_shard=args.dense_shard, expert_shard=args.expert_shard,
-        cpu_offload=args.cpu_offload, watermark_bytes=int(args.watermark_gb * (1 << 30)),
-        write_GBps=args.write_gbytes)
+        gpus_per_node=args.gpus_per_node,
+        nic_gbps=args.nic_gbps,
+        nvlink_GBps=args.nvlink_gbytes,
+        pcie_GBps=args.pcie_gbytes,
+        dense_shard=args.dense_shard,
+        expert_shard=args.expert_shard,
+        cpu_offload=args.cpu_offload,
+        watermark_bytes=int(args.watermark_gb * (1 << 30)),
+        write_GBps=args.write_gbytes,
+    )
     from .calibrate import get as get_calibration
+
     cluster.calibration = get_calibration(args.calibration)
     t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_for(preset, cluster)
     build_s, build_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     s = plan.summary()
-    out = dict(preset=preset.name, train_gpus=cluster.train_gpus, infer_gpus=cluster.infer_gpus,
-               infer_tp=tp, infer_ep=cluster.infer_ep, quant=cluster.quant or "bf16", nic_gbps=cluster.nic_gbps,
-               params=s["params"], bytes_per_replica=s["bytes_per_replica"],
-               max_bytes_per_infer_gpu=s["max_bytes_per_infer_gpu"],
-               max_bytes_per_train_gpu=s["max_bytes_per_train_gpu"],
-               min_bytes_per_train_gpu=s["min_bytes_per_train_gpu"], tasks=s["tasks"],
-               mesh_groups=s["mesh_groups"], transfers=s["transfers"], build_s=round(build_s, 3),
-               build_cpu_s=round(build_cpu_s, 3))
+    out = dict(
+        preset=preset.name,
+        train_gpus=cluster.train_gpus,
+        infer_gpus=cluster.infer_gpus,
+        infer_tp=tp,
+        infer_ep=cluster.infer_ep,
+        quant=cluster.quant or "bf16",
+        nic_gbps=cluster.nic_gbps,
+        params=s["params"],
+        bytes_per_replica=s["bytes_per_replica"],
+        max_bytes_per_infer_gpu=s["max_bytes_per_infer_gpu"],
+        max_bytes_per_train_gpu=s["max_bytes_per_train_gpu"],
+        min_bytes_per_train_gpu=s["min_bytes_per_train_gpu"],
+        tasks=s["tasks"],
+        mesh_groups=s["mesh_groups"],
+        transfers=s["transfers"],
+        build_s=round(build_s, 3),
+        build_cpu_s=round(build_cpu_s, 3),
+    )
     if args.out:
         data = plan.to_bytes()
         with open(args.out, "wb") as f:
@@ -92,12 +127,19 @@ def run(args) -> dict:
     if not args.no_sim:
         t1 = time.perf_counter()
         r = simulate(plan, cluster, steps=args.steps, record=False)
-        out.update(lower_bound_s=round(r.lower_bound_s, 4), simulated_s=round(r.simulated_s, 4),
-                   ratio=round(r.simulated_s / r.lower_bound_s, 4), bottleneck=r.bottleneck,
-                   bound_by=r.bound_by, stage_busy_s={k: round(v, 4) for k, v in r.stage_busy_s.items()},
-                   calibration=cluster.cal.name, sim_s=round(time.perf_counter() - t1, 3))
+        out.update(
+            lower_bound_s=round(r.lower_bound_s, 4),
+            simulated_s=round(r.simulated_s, 4),
+            ratio=round(r.simulated_s / r.lower_bound_s, 4),
+            bottleneck=r.bottleneck,
+            bound_by=r.bound_by,
+            stage_busy_s={k: round(v, 4) for k, v in r.stage_busy_s.items()},
+            calibration=cluster.cal.name,
+            sim_s=round(time.perf_counter() - t1, 3),
+        )
     else:
         from .simulate import lower_bound
+
         lb, bn = lower_bound(plan, cluster)
         out.update(lower_bound_s=round(lb, 4), simulated_s=None, bottleneck=bn)
     machine = f"{platform.platform()}, {os.cpu_count()} CPUs"
@@ -111,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         out = run(args)
-    except ValueError as e:   # mapping / plan errors name the parameter
+    except ValueError as e:  # mapping / plan errors name the parameter
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not args.json:

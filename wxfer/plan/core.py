@@ -10,6 +10,7 @@ Vocabulary
   rank, parameter), byte offset and length in the destination, and source offset in
   the sender's packed buffer of that task.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -42,40 +43,41 @@ class Task:
     id: int
     name: str
     sources: tuple[str, ...]
-    mesh: int                       # index into Plan.meshes
+    mesh: int  # index into Plan.meshes
     group: int = -1
-    src_bytes: int = 0              # bytes of the full training tensors (what full_tensor() gathers)
+    src_bytes: int = 0  # bytes of the full training tensors (what full_tensor() gathers)
     shards: list[Shard] = field(default_factory=list)
 
 
 @dataclass
 class Plan:
     """The static schedule.  Transfer columns are numpy arrays sorted by (sender, order)."""
+
     tp: int
     replicas: int
     quant: str | None
     ep: bool
     train_world: int
     meshes: list[tuple[int, ...]]
-    groups: list[list[int]]                      # group -> mesh ids
-    mesh_tasks: dict[int, list[int]]             # mesh -> ordered task ids (within its group)
+    groups: list[list[int]]  # group -> mesh ids
+    mesh_tasks: dict[int, list[int]]  # mesh -> ordered task ids (within its group)
     tasks: list[Task]
-    names: list[str]                             # destination parameter name table
-    dest_nbytes: np.ndarray                      # [tp, len(names)] bytes of each dest param per rank (-1 absent)
-    gpu_of: np.ndarray                           # [replicas, tp] global inference GPU index
+    names: list[str]  # destination parameter name table
+    dest_nbytes: np.ndarray  # [tp, len(names)] bytes of each dest param per rank (-1 absent)
+    gpu_of: np.ndarray  # [replicas, tp] global inference GPU index
     # transfers
     sender: np.ndarray
     task: np.ndarray
-    shard: np.ndarray                            # index into task.shards
+    shard: np.ndarray  # index into task.shards
     replica: np.ndarray
     infer_rank: np.ndarray
-    dst: np.ndarray                              # index into names
+    dst: np.ndarray  # index into names
     dst_offset: np.ndarray
     nbytes: np.ndarray
     src_offset: np.ndarray
     train_params: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
-    descriptors: dict[tuple[int, str], bytes] = field(default_factory=dict)   # (gpu, name) -> bytes
+    descriptors: dict[tuple[int, str], bytes] = field(default_factory=dict)  # (gpu, name) -> bytes
     build_s: float = 0.0
     preset: str = ""
 
@@ -124,10 +126,17 @@ class Plan:
 
     def transfer(self, i: int) -> dict:
         """One transfer as a dict (for humans and tests)."""
-        return dict(sender=int(self.sender[i]), task=int(self.task[i]), replica=int(self.replica[i]),
-                    infer_rank=int(self.infer_rank[i]), gpu=int(self.gpu[i]), dst=self.names[self.dst[i]],
-                    dst_offset=int(self.dst_offset[i]), nbytes=int(self.nbytes[i]),
-                    src_offset=int(self.src_offset[i]))
+        return dict(
+            sender=int(self.sender[i]),
+            task=int(self.task[i]),
+            replica=int(self.replica[i]),
+            infer_rank=int(self.infer_rank[i]),
+            gpu=int(self.gpu[i]),
+            dst=self.names[self.dst[i]],
+            dst_offset=int(self.dst_offset[i]),
+            nbytes=int(self.nbytes[i]),
+            src_offset=int(self.src_offset[i]),
+        )
 
     def packed_shards(self, rank: int, task: int) -> list[tuple[int, Shard]]:
         """(src offset, shard) of the packed buffer `rank` prepares for `task`."""
@@ -140,15 +149,18 @@ class Plan:
     # notebook helpers live in wxfer.plan.notebook; serialization in wxfer.plan.serialize
     def to_bytes(self) -> bytes:
         from .serialize import encode
+
         return encode(self)
 
     @staticmethod
     def from_bytes(data: bytes) -> "Plan":
         from .serialize import decode
+
         return decode(data)
 
     def check(self, workers: Sequence[InferWorker] | None = None, raise_: bool = True) -> list[str]:
         from .check import check_coverage
+
         problems = check_coverage(self, workers)
         if problems and raise_:
             raise PlanError(problems)
@@ -156,35 +168,44 @@ class Plan:
 
     def check_deadlock_free(self) -> None:
         from .check import check_deadlock_free
+
         check_deadlock_free(self)
 
     def simulate(self, cluster):
         from .simulate import simulate
+
         return simulate(self, cluster)
 
     def summary(self) -> dict:
         from .notebook import summary
+
         return summary(self)
 
     def to_pandas(self):
         from .notebook import to_pandas
+
         return to_pandas(self)
 
     def tasks_frame(self):
         from .notebook import tasks_frame
+
         return tasks_frame(self)
 
     def _repr_html_(self) -> str:
         from .notebook import repr_html
+
         return repr_html(self)
 
     def plot_bytes(self, ax=None):
         from .notebook import plot_bytes
+
         return plot_bytes(self, ax)
 
     def __repr__(self) -> str:
-        return (f"<Plan {self.preset or ''} tasks={len(self.tasks)} transfers={self.n_transfers} "
-                f"groups={len(self.groups)} trainers={self.train_world} infer={self.replicas}x{self.tp}>")
+        return (
+            f"<Plan {self.preset or ''} tasks={len(self.tasks)} transfers={self.n_transfers} "
+            f"groups={len(self.groups)} trainers={self.train_world} infer={self.replicas}x{self.tp}>"
+        )
 
 
 # ---------------------------------------------------------------------------- build
@@ -208,9 +229,13 @@ def _merge_shards(shards: list[Shard]) -> list[Shard]:
                 pieces += run[j].pieces
                 j += 1
             first = run[i]
-            out.append(first if j == i + 1 else
-                       Shard(first.rank, first.dst, first.offset, end - first.offset, first.kind, first.dtype,
-                             tuple(pieces)))
+            out.append(
+                first
+                if j == i + 1
+                else Shard(
+                    first.rank, first.dst, first.offset, end - first.offset, first.kind, first.dtype, tuple(pieces)
+                )
+            )
             i = j
     return out
 
@@ -238,14 +263,14 @@ def _deal(u_n: np.ndarray, ranks: np.ndarray, load: np.ndarray) -> np.ndarray:
     n = len(sizes)
     while k < n:
         v, i = heap[0]
-        if hi - v <= sizes[k] and all(x == sizes[k] for x in sizes[k:k + m]) and k + m <= n:
-            break                        # level: the next units go round robin
+        if hi - v <= sizes[k] and all(x == sizes[k] for x in sizes[k : k + m]) and k + m <= n:
+            break  # level: the next units go round robin
         heapq.heapreplace(heap, (v + sizes[k], i))
         hi = max(hi, v + sizes[k])
         pick[k] = i
         k += 1
     if k < n:
-        order = [i for _, i in sorted(heap)]          # least loaded first
+        order = [i for _, i in sorted(heap)]  # least loaded first
         pick[k:] = np.array(order, np.int64)[np.arange(n - k) % m]
     snd[o] = rk[pick]
     load += np.bincount(snd, u_n, load.size)
@@ -272,7 +297,7 @@ def _packed_offsets(snd: np.ndarray, u_shard: np.ndarray, sb: np.ndarray) -> np.
         return np.fromiter(_src_offsets(snd.tolist(), u_shard.tolist(), sb.tolist()), np.int64, snd.size)
     key = snd * sb.size + u_shard
     _, first, inv = np.unique(key, return_index=True, return_inverse=True)
-    fo = np.argsort(first)                    # distinct (sender, shard) in order of first use
+    fo = np.argsort(first)  # distinct (sender, shard) in order of first use
     sizes = sb[u_shard[first[fo]]]
     sfo = snd[first[fo]]
     cs = np.cumsum(sizes) - sizes
@@ -332,8 +357,17 @@ def _direct(c, params: Mapping[str, TrainParam], opts) -> bool:
     return True
 
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "int8": 1, "uint8": 1,
-             "int32": 4, "int64": 8}
+_ITEMSIZE = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+}
 
 
 def _split_direct(c, params: Mapping[str, TrainParam], opts):
@@ -349,8 +383,13 @@ def _split_direct(c, params: Mapping[str, TrainParam], opts):
         for pc in sh.pieces:
             src = params[pc.src]
             size = _ITEMSIZE.get(src.dtype)
-            if (sh.kind != "raw" or sh.dtype != src.dtype or size is None or len(src.shape) > 2
-                    or (len(src.shape) == 2 and (pc.c0 != 0 or pc.c1 != src.shape[1]))):
+            if (
+                sh.kind != "raw"
+                or sh.dtype != src.dtype
+                or size is None
+                or len(src.shape) > 2
+                or (len(src.shape) == 2 and (pc.c0 != 0 or pc.c1 != src.shape[1]))
+            ):
                 return None
             nb = pc.numel() * size
             cuts.setdefault(pc.src, []).append(Shard(sh.rank, sh.dst, off, nb, "raw", sh.dtype, (pc,)))
@@ -379,7 +418,7 @@ def _grid(workers: Sequence[InferWorker]):
             continue
         if gpu_of[w.replica, w.rank] >= 0:
             problems.append(f"two workers claim replica {w.replica} rank {w.rank}")
-        assert w.gpu is not None      # InferWorker.__post_init__ sets it
+        assert w.gpu is not None  # InferWorker.__post_init__ sets it
         gpu_of[w.replica, w.rank] = w.gpu
     for rep, r in zip(*np.nonzero(gpu_of < 0)):
         problems.append(f"no worker for replica {rep} rank {r}")
@@ -400,7 +439,7 @@ def _dest_tables(ex, workers, tp: int, problems: list):
         problems.append(f"training parameter {n} is not used by any rule and not ignored")
     validated = set()
     for w in workers:
-        if (id(w.params), w.rank) in validated:   # replicas sharing one params dict
+        if (id(w.params), w.rank) in validated:  # replicas sharing one params dict
             continue
         validated.add((id(w.params), w.rank))
         exp = ex.dest[w.rank]
@@ -409,8 +448,10 @@ def _dest_tables(ex, workers, tp: int, problems: list):
             if q is None:
                 problems.append(f"{n}: expected on replica {w.replica} rank {w.rank} but the worker lacks it")
             elif tuple(q.shape) != tuple(p.shape) or q.dtype != p.dtype:
-                problems.append(f"{n} on replica {w.replica} rank {w.rank}: worker has {tuple(q.shape)} {q.dtype}, "
-                                f"mapping produces {tuple(p.shape)} {p.dtype}")
+                problems.append(
+                    f"{n} on replica {w.replica} rank {w.rank}: worker has {tuple(q.shape)} {q.dtype}, "
+                    f"mapping produces {tuple(p.shape)} {p.dtype}"
+                )
         for n in w.params:
             if n not in exp:
                 problems.append(f"{n} on replica {w.replica} rank {w.rank}: no rule writes this destination")
@@ -453,7 +494,7 @@ def _make_tasks(ex, params: Mapping[str, TrainParam], max_task_bytes: int, coars
         lst = pending.get(key)
         if lst is None or lst[1] + size > max_task_bytes:
             lst = pending[key] = [[], 0]
-            assert name is not None       # set with key
+            assert name is not None  # set with key
             raw_tasks.append((name, lst[0], opts))
         lst[0].append(c)
         lst[1] += size
@@ -551,8 +592,17 @@ def _task_transfers(t: Task, ranks: np.ndarray, load: np.ndarray, replicas: int,
     snd, u_shard, u_rep, u_n = snd[o2], u_shard[o2], u_rep[o2], u_n[o2]
     # source offsets: each sender packs every distinct shard it sends once
     src = _packed_offsets(snd, u_shard, sb)
-    return dict(sender=snd, task=np.full(snd.size, ti, np.int64), shard=u_shard, replica=u_rep,
-                rank=sh_rank[u_shard], dst=sh_dst[u_shard], off=sh_off[u_shard], n=u_n, src=src)
+    return dict(
+        sender=snd,
+        task=np.full(snd.size, ti, np.int64),
+        shard=u_shard,
+        replica=u_rep,
+        rank=sh_rank[u_shard],
+        dst=sh_dst[u_shard],
+        off=sh_off[u_shard],
+        n=u_n,
+        src=src,
+    )
 
 
 def _transfers(tasks, meshes, groups, mesh_tasks, replicas, tp, train_world, gpus_per_node, name_id) -> dict:
@@ -580,10 +630,18 @@ def _transfers(tasks, meshes, groups, mesh_tasks, replicas, tp, train_world, gpu
     return {k: v[o] for k, v in cat.items()}
 
 
-def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], preset: Preset,
-               quant: str | None = "preset", ignore: Iterable[str] = (), expanded: Expanded | None = None,
-               max_task_bytes: int = 1 << 30, check: bool = True, gpus_per_node: int = 8,
-               coarse: bool = True) -> Plan:
+def build_plan(
+    train: Sequence[TrainParam],
+    workers: Sequence[InferWorker],
+    preset: Preset,
+    quant: str | None = "preset",
+    ignore: Iterable[str] = (),
+    expanded: Expanded | None = None,
+    max_task_bytes: int = 1 << 30,
+    check: bool = True,
+    gpus_per_node: int = 8,
+    coarse: bool = True,
+) -> Plan:
     """Compute the plan.  quant: "fp8", None (BF16) or "preset" (the preset's choice).
     Raises PlanError listing every mismatch (by name) when the
     training params, the mapping and the inference workers do not agree.
@@ -593,16 +651,17 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
     (decoder layer) and destination set, split at max_task_bytes of training bytes."""
     t0 = time.perf_counter()
     workers, tp, ep, replicas, gpu_of = _grid(workers)
-    quant = preset.quant if quant == "preset" else quant      # None means BF16
+    quant = preset.quant if quant == "preset" else quant  # None means BF16
     params = {p.name: p for p in train}
     from ..meta import expert_group_of
+
     lay = expanded.layout if expanded is not None else None
     if lay is not None and (lay.tp, lay.ep, lay.quant) == (tp, ep, quant) and not ignore:
         ex = expanded
     else:
         layout = Layout(tp, ep, quant, expert_group_of(train))
         ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore, strict=False)
-    assert ex is not None              # `expanded` is used only when it has a layout
+    assert ex is not None  # `expanded` is used only when it has a layout
     problems: list[str] = []
     names, name_id, dest_nbytes = _dest_tables(ex, workers, tp, problems)
     tasks, options = _make_tasks(ex, params, max_task_bytes, coarse, problems)
@@ -612,13 +671,32 @@ def build_plan(train: Sequence[TrainParam], workers: Sequence[InferWorker], pres
     meshes = _choose_meshes(tasks, options, replicas, train_world, gpus_per_node)
     groups, mesh_tasks = _mesh_groups(tasks, meshes)
     c = _transfers(tasks, meshes, groups, mesh_tasks, replicas, tp, train_world, gpus_per_node, name_id)
-    plan = Plan(tp=tp, replicas=replicas, quant=quant, ep=ep, train_world=train_world, meshes=meshes,
-                groups=groups, mesh_tasks=mesh_tasks, tasks=tasks, names=names, dest_nbytes=dest_nbytes,
-                gpu_of=gpu_of, sender=c["sender"], task=c["task"], shard=c["shard"],
-                replica=c["replica"], infer_rank=c["rank"], dst=c["dst"],
-                dst_offset=c["off"], nbytes=c["n"], src_offset=c["src"],
-                train_params={p.name: (tuple(p.shape), p.dtype) for p in train},
-                ignored=sorted(ex.ignored), preset=preset.name)
+    plan = Plan(
+        tp=tp,
+        replicas=replicas,
+        quant=quant,
+        ep=ep,
+        train_world=train_world,
+        meshes=meshes,
+        groups=groups,
+        mesh_tasks=mesh_tasks,
+        tasks=tasks,
+        names=names,
+        dest_nbytes=dest_nbytes,
+        gpu_of=gpu_of,
+        sender=c["sender"],
+        task=c["task"],
+        shard=c["shard"],
+        replica=c["replica"],
+        infer_rank=c["rank"],
+        dst=c["dst"],
+        dst_offset=c["off"],
+        nbytes=c["n"],
+        src_offset=c["src"],
+        train_params={p.name: (tuple(p.shape), p.dtype) for p in train},
+        ignored=sorted(ex.ignored),
+        preset=preset.name,
+    )
     for w in workers:
         assert w.gpu is not None
         for n, d in w.descriptors.items():

@@ -4,6 +4,7 @@ inference GPU must hold after an update, from the full training tensors (torch o
 The end-to-end test compares the receivers' memory with `expected_destination`, and a
 prepare stage can be checked against `packed_buffer`.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -16,6 +17,7 @@ from ..mapping import pack_shard
 def packed_buffer(plan, rank: int, task: int, tensors: Mapping):
     """uint8 tensor: the packed buffer `rank` sends for `task` (offsets = src_offset)."""
     import torch
+
     parts = []
     pos = 0
     for off, sh in plan.packed_shards(rank, task):
@@ -31,6 +33,7 @@ def expected_destination(plan, gpu: int, tensors: Mapping) -> dict:
     """name -> uint8 tensor: every destination parameter of inference GPU `gpu`, built by
     replaying the plan's transfers from the reference packed buffers."""
     import torch
+
     rep, rank = (int(x[0]) for x in np.nonzero(plan.gpu_of == gpu))
     out = {}
     for d in np.flatnonzero(plan.dest_nbytes[rank] >= 0):
@@ -43,5 +46,5 @@ def expected_destination(plan, gpu: int, tensors: Mapping) -> dict:
             cache[key] = packed_buffer(plan, key[0], key[1], tensors)
         src, n = int(plan.src_offset[i]), int(plan.nbytes[i])
         o = int(plan.dst_offset[i])
-        out[plan.names[plan.dst[i]]][o:o + n] = cache[key][src:src + n]
+        out[plan.names[plan.dst[i]]][o : o + n] = cache[key][src : src + n]
     return out

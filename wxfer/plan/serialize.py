@@ -9,6 +9,7 @@ Layout (little endian)::
 Decoding never trusts its input: a wrong magic, version, length, checksum, JSON, array
 size or an index out of range raises ValueError.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,11 +43,17 @@ def encode(plan: Plan) -> bytes:
     arrays["task_src"] = np.array([src_id[s] for t in plan.tasks for s in t.sources], np.int64)
     arrays["task_shard_start"] = np.cumsum([0] + [len(t.shards) for t in plan.tasks]).astype(np.int64)
     shards = [s for t in plan.tasks for s in t.shards]
-    sh = np.array([(s.rank, name_id[s.dst], s.offset, s.nbytes, KINDS.index(s.kind), DTYPES.index(s.dtype),
-                    len(s.pieces)) for s in shards], np.int64).reshape(-1, 7)
+    sh = np.array(
+        [
+            (s.rank, name_id[s.dst], s.offset, s.nbytes, KINDS.index(s.kind), DTYPES.index(s.dtype), len(s.pieces))
+            for s in shards
+        ],
+        np.int64,
+    ).reshape(-1, 7)
     arrays["shard"] = sh.reshape(-1)
-    arrays["piece"] = np.array([(src_id[p.src], p.r0, p.r1, p.c0, p.c1) for s in shards for p in s.pieces],
-                               np.int64).reshape(-1)
+    arrays["piece"] = np.array(
+        [(src_id[p.src], p.r0, p.r1, p.c0, p.c1) for s in shards for p in s.pieces], np.int64
+    ).reshape(-1)
     for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset"):
         arrays["t_" + k] = np.asarray(getattr(plan, k), np.int64)
     arrays["dest_nbytes"] = plan.dest_nbytes.reshape(-1).astype(np.int64)
@@ -56,17 +63,29 @@ def encode(plan: Plan) -> bytes:
     arrays["desc_len"] = np.array([len(d) for _, d in descs], np.int64)
     arrays["desc_blob"] = np.frombuffer(b"".join(d for _, d in descs), np.uint8)
     header = dict(
-        tp=plan.tp, replicas=plan.replicas, quant=plan.quant, ep=plan.ep, train_world=plan.train_world,
-        preset=plan.preset, build_s=plan.build_s, names=plan.names, src_names=src_names,
+        tp=plan.tp,
+        replicas=plan.replicas,
+        quant=plan.quant,
+        ep=plan.ep,
+        train_world=plan.train_world,
+        preset=plan.preset,
+        build_s=plan.build_s,
+        names=plan.names,
+        src_names=src_names,
         n_train_params=len(plan.train_params),
-        train_params=[[list(v[0]), v[1]] for v in plan.train_params.values()], ignored=plan.ignored,
-        meshes=[list(m) for m in plan.meshes], groups=plan.groups,
+        train_params=[[list(v[0]), v[1]] for v in plan.train_params.values()],
+        ignored=plan.ignored,
+        meshes=[list(m) for m in plan.meshes],
+        groups=plan.groups,
         mesh_tasks=[plan.mesh_tasks[m] for m in range(len(plan.meshes))],
         tasks=[[t.name, t.mesh, t.group, t.src_bytes] for t in plan.tasks],
-        arrays=[[k, "u1" if v.dtype == np.uint8 else "i8", int(v.size)] for k, v in arrays.items()])
+        arrays=[[k, "u1" if v.dtype == np.uint8 else "i8", int(v.size)] for k, v in arrays.items()],
+    )
     hj = json.dumps(header, separators=(",", ":")).encode()
-    body = b"".join([struct.pack("<I", len(hj)), hj]
-                    + [np.ascontiguousarray(v).astype(v.dtype.newbyteorder("<")).tobytes() for v in arrays.values()])
+    body = b"".join(
+        [struct.pack("<I", len(hj)), hj]
+        + [np.ascontiguousarray(v).astype(v.dtype.newbyteorder("<")).tobytes() for v in arrays.values()]
+    )
     comp = zlib.compress(body, 1)
     return _HEAD.pack(MAGIC, VERSION, len(comp), zlib.crc32(comp)) + comp
 
@@ -86,7 +105,7 @@ def decode(data: bytes) -> Plan:
         _fail("bad magic (not a wxfer plan)")
     if ver != VERSION:
         _fail(f"version {ver}, this wxfer reads version {VERSION}")
-    comp = data[_HEAD.size:]
+    comp = data[_HEAD.size :]
     if len(comp) != n:
         _fail(f"truncated or padded: {len(comp)} payload bytes, header says {n}")
     if zlib.crc32(comp) != crc:
@@ -109,7 +128,7 @@ def _decode_body(body: bytes) -> Plan:
     (hl,) = struct.unpack_from("<I", body)
     if 4 + hl > len(body):
         _fail("header length beyond the body")
-    h = json.loads(body[4:4 + hl].decode())
+    h = json.loads(body[4 : 4 + hl].decode())
     if not isinstance(h, dict):
         _fail("header is not an object")
     pos = 4 + hl
@@ -141,9 +160,17 @@ def _decode_body(body: bytes) -> Plan:
     _mono(shs, T, sh.shape[0], "task shards")
     if ts.size and (ts.min() < 0 or ts.max() >= S):
         _fail("source index out of range")
-    if sh.size and (sh[:, 0].min() < 0 or sh[:, 0].max() >= tp or sh[:, 1].min() < 0 or sh[:, 1].max() >= N
-                    or sh[:, 4].min() < 0 or sh[:, 4].max() >= len(KINDS) or sh[:, 5].min() < 0
-                    or sh[:, 5].max() >= len(DTYPES) or sh[:, 6].min() < 0):
+    if sh.size and (
+        sh[:, 0].min() < 0
+        or sh[:, 0].max() >= tp
+        or sh[:, 1].min() < 0
+        or sh[:, 1].max() >= N
+        or sh[:, 4].min() < 0
+        or sh[:, 4].max() >= len(KINDS)
+        or sh[:, 5].min() < 0
+        or sh[:, 5].max() >= len(DTYPES)
+        or sh[:, 6].min() < 0
+    ):
         _fail("shard field out of range")
     if int(sh[:, 6].sum()) != pc.shape[0]:
         _fail("piece count mismatch")
@@ -153,21 +180,32 @@ def _decode_body(body: bytes) -> Plan:
     tasks = []
     shard_list = []
     for i, (rk, dn, off, nb, kd, dt, _) in enumerate(sh.tolist()):
-        ps = tuple(Piece(src_names[a], b, c, d, e) for a, b, c, d, e in pc[pstart[i]:pstart[i + 1]].tolist())
+        ps = tuple(Piece(src_names[a], b, c, d, e) for a, b, c, d, e in pc[pstart[i] : pstart[i + 1]].tolist())
         shard_list.append(Shard(rk, names[dn], off, nb, KINDS[kd], DTYPES[dt], ps))
     for i, (name, mesh, group, sb) in enumerate(h["tasks"]):
         if not 0 <= int(mesh) < len(meshes):
             _fail("task mesh out of range")
-        tasks.append(Task(i, str(name), tuple(src_names[j] for j in ts[tss[i]:tss[i + 1]]), int(mesh), int(group),
-                          int(sb), shard_list[shs[i]:shs[i + 1]]))
+        tasks.append(
+            Task(
+                i,
+                str(name),
+                tuple(src_names[j] for j in ts[tss[i] : tss[i + 1]]),
+                int(mesh),
+                int(group),
+                int(sb),
+                shard_list[shs[i] : shs[i + 1]],
+            )
+        )
     groups = [[int(m) for m in g] for g in h["groups"]]
     if sorted(m for g in groups for m in g) != list(range(len(meshes))):
         _fail("groups do not partition the meshes")
     mesh_tasks = {m: [int(t) for t in lst] for m, lst in enumerate(h["mesh_tasks"])}
     if len(mesh_tasks) != len(meshes) or sorted(t for l in mesh_tasks.values() for t in l) != list(range(T)):
         _fail("mesh task lists do not partition the tasks")
-    cols = {k: arrs["t_" + k] for k in ("sender", "task", "shard", "replica", "infer_rank", "dst",
-                                        "dst_offset", "nbytes", "src_offset")}
+    cols = {
+        k: arrs["t_" + k]
+        for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset")
+    }
     n = cols["sender"].size
     if any(v.size != n for v in cols.values()):
         _fail("transfer columns differ in length")
@@ -194,13 +232,28 @@ def _decode_body(body: bytes) -> Plan:
     for (g, nid), ln in zip(dk.tolist(), dl.tolist()):
         if not 0 <= nid < N:
             _fail("descriptor name out of range")
-        descriptors[(g, names[nid])] = blob[p:p + ln].tobytes()
+        descriptors[(g, names[nid])] = blob[p : p + ln].tobytes()
         p += ln
-    return Plan(tp=tp, replicas=R, quant=h["quant"], ep=bool(h["ep"]), train_world=world, meshes=meshes,
-                groups=groups, mesh_tasks=mesh_tasks, tasks=tasks, names=names,
-                dest_nbytes=dest_nbytes.reshape(tp, N), gpu_of=gpu_of.reshape(R, tp), **cols,
-                train_params=train_params, ignored=[str(x) for x in h["ignored"]], descriptors=descriptors,
-                build_s=float(h["build_s"]), preset=str(h["preset"]))
+    return Plan(
+        tp=tp,
+        replicas=R,
+        quant=h["quant"],
+        ep=bool(h["ep"]),
+        train_world=world,
+        meshes=meshes,
+        groups=groups,
+        mesh_tasks=mesh_tasks,
+        tasks=tasks,
+        names=names,
+        dest_nbytes=dest_nbytes.reshape(tp, N),
+        gpu_of=gpu_of.reshape(R, tp),
+        **cols,
+        train_params=train_params,
+        ignored=[str(x) for x in h["ignored"]],
+        descriptors=descriptors,
+        build_s=float(h["build_s"]),
+        preset=str(h["preset"]),
+    )
 
 
 def _mono(starts, count, total, what):

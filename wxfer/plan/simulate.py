@@ -23,6 +23,7 @@ write completes.
 The lower bound is the largest, over every link that carries bytes (trainer NIC send
 and receive, inference NIC receive, NVLink, PCIe), of bytes / bandwidth.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -36,14 +37,14 @@ class SimResult:
     simulated_s: float
     lower_bound_s: float
     bottleneck: str
-    link_bytes: dict                       # link kind -> array of bytes per link
-    link_bw: dict                          # link kind -> bandwidth (bytes/s)
-    stage_end_s: dict                      # stage -> time the last event of that stage ends
-    timeline: list = field(default_factory=list)   # (stage, rank, task, start, end)
+    link_bytes: dict  # link kind -> array of bytes per link
+    link_bw: dict  # link kind -> bandwidth (bytes/s)
+    stage_end_s: dict  # stage -> time the last event of that stage ends
+    timeline: list = field(default_factory=list)  # (stage, rank, task, start, end)
     steps: int = 0
     sim_wall_s: float = 0.0
-    trace: dict = field(default_factory=dict)      # per network step: t, bytes into inference / out of trainers
-    stage_busy_s: dict = field(default_factory=dict)   # stage -> busiest rank's seconds in it (links: the bound)
+    trace: dict = field(default_factory=dict)  # per network step: t, bytes into inference / out of trainers
+    stage_busy_s: dict = field(default_factory=dict)  # stage -> busiest rank's seconds in it (links: the bound)
     calibration: str = ""
 
     @property
@@ -58,21 +59,28 @@ class SimResult:
 
     def summary(self) -> dict:
         u = self.utilisation()
-        return dict(simulated_s=self.simulated_s, lower_bound_s=self.lower_bound_s,
-                    ratio=self.simulated_s / self.lower_bound_s if self.lower_bound_s else float("nan"),
-                    bottleneck=self.bottleneck, bound_by=self.bound_by, calibration=self.calibration,
-                    stage_busy_s=self.stage_busy_s,
-                    max_utilisation={k: float(v.max()) if v.size else 0.0 for k, v in u.items()},
-                    mean_utilisation={k: float(v.mean()) if v.size else 0.0 for k, v in u.items()},
-                    stage_end_s=self.stage_end_s)
+        return dict(
+            simulated_s=self.simulated_s,
+            lower_bound_s=self.lower_bound_s,
+            ratio=self.simulated_s / self.lower_bound_s if self.lower_bound_s else float("nan"),
+            bottleneck=self.bottleneck,
+            bound_by=self.bound_by,
+            calibration=self.calibration,
+            stage_busy_s=self.stage_busy_s,
+            max_utilisation={k: float(v.max()) if v.size else 0.0 for k, v in u.items()},
+            mean_utilisation={k: float(v.mean()) if v.size else 0.0 for k, v in u.items()},
+            stage_end_s=self.stage_end_s,
+        )
 
     def timeline_frame(self):
         import pandas as pd
+
         return pd.DataFrame(self.timeline, columns=["stage", "rank", "task", "start", "end"])
 
     def plot_timeline(self, ax=None, max_ranks: int = 64):
         """Gantt chart of the stages for the first `max_ranks` trainer ranks."""
         import matplotlib.pyplot as plt
+
         if ax is None:
             _, ax = plt.subplots(figsize=(12, 5))
         colors = {"h2d": "tab:gray", "allgather": "tab:blue", "quant": "tab:green", "write": "tab:orange"}
@@ -90,6 +98,7 @@ class SimResult:
 
     def plot_utilisation(self, ax=None):
         import matplotlib.pyplot as plt
+
         if ax is None:
             _, ax = plt.subplots(figsize=(8, 3.5))
         u = {k: v for k, v in self.utilisation().items() if v.size}
@@ -128,7 +137,7 @@ def _links(plan, cluster):
     world, ngpu = plan.train_world, int(plan.gpu_of.max()) + 1
     gpn = cluster.gpus_per_node
     writes = np.bincount(plan.sender, plan.nbytes, world).astype(float)
-    ag_send = np.zeros(world)                   # cross-node all-gathers, over the NICs
+    ag_send = np.zeros(world)  # cross-node all-gathers, over the NICs
     recv_t = np.zeros(world)
     nvl = np.zeros(world)
     pcie = np.zeros(world)
@@ -147,7 +156,7 @@ def _links(plan, cluster):
             recv_t[list(m)] += b
     recv_i = np.bincount(plan.gpu, plan.nbytes, ngpu).astype(float)
     nic, w = cluster.nic_GBps * 1e9, cluster.write_bw
-    if cluster.write_GBps is not None:     # writes on their own path: NIC carries only all-gathers
+    if cluster.write_GBps is not None:  # writes on their own path: NIC carries only all-gathers
         lb = dict(train_send=writes, infer_recv=recv_i, train_nic_send=ag_send, train_nic_recv=recv_t, nvlink=nvl)
         bw = dict(train_send=w, infer_recv=w, train_nic_send=nic, train_nic_recv=nic)
     else:
@@ -184,21 +193,22 @@ def lower_bound(plan, cluster) -> tuple[float, str]:
 class _Jobs:
     """(sender, task) runs of the transfer table ("jobs") and their writes summed per
     receiver GPU ("entries", sorted by job)."""
-    rank: np.ndarray             # [J] sending trainer rank
-    task: np.ndarray             # [J] plan task
-    packed: np.ndarray           # [J] bytes of the job's packed buffer
-    ejob: np.ndarray             # [E] job of each entry
-    egpu: np.ndarray             # [E] receiving GPU of each entry
-    ebytes: np.ndarray           # [E] bytes
-    start: np.ndarray            # [J] first entry of the job
-    end: np.ndarray              # [J] one past its last entry
-    wbytes: np.ndarray           # [J] bytes the job writes
-    of_task: dict                # task -> [job]
-    packed_of: dict              # (rank, task) -> packed bytes
-    pieces: np.ndarray | None = None    # [J] pieces the job packs (one launch each; an FP8 piece once for fp8 + scale)
-    fp8: np.ndarray | None = None       # [J] whether it quantizes
-    nwrites: np.ndarray | None = None   # [J] transfers (one write each)
-    job_of: dict | None = None          # (rank, task) -> job
+
+    rank: np.ndarray  # [J] sending trainer rank
+    task: np.ndarray  # [J] plan task
+    packed: np.ndarray  # [J] bytes of the job's packed buffer
+    ejob: np.ndarray  # [E] job of each entry
+    egpu: np.ndarray  # [E] receiving GPU of each entry
+    ebytes: np.ndarray  # [E] bytes
+    start: np.ndarray  # [J] first entry of the job
+    end: np.ndarray  # [J] one past its last entry
+    wbytes: np.ndarray  # [J] bytes the job writes
+    of_task: dict  # task -> [job]
+    packed_of: dict  # (rank, task) -> packed bytes
+    pieces: np.ndarray | None = None  # [J] pieces the job packs (one launch each; an FP8 piece once for fp8 + scale)
+    fp8: np.ndarray | None = None  # [J] whether it quantizes
+    nwrites: np.ndarray | None = None  # [J] transfers (one write each)
+    job_of: dict | None = None  # (rank, task) -> job
 
     @property
     def n(self) -> int:
@@ -225,11 +235,23 @@ def _jobs(plan, ngpu: int) -> _Jobs:
     for j in range(J):
         of_task.setdefault(int(jtask[j]), []).append(j)
     pieces, fp8, nwrites = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
-    return _Jobs(jrank, jtask, packed, ejob, egpu, ebytes,
-                 np.searchsorted(ejob, np.arange(J)), np.searchsorted(ejob, np.arange(J), side="right"),
-                 np.bincount(ejob, ebytes, J) if J else np.zeros(0), of_task,
-                 {(int(jrank[j]), int(jtask[j])): packed[j] for j in range(J)}, pieces, fp8, nwrites,
-                 {(int(jrank[j]), int(jtask[j])): j for j in range(J)})
+    return _Jobs(
+        jrank,
+        jtask,
+        packed,
+        ejob,
+        egpu,
+        ebytes,
+        np.searchsorted(ejob, np.arange(J)),
+        np.searchsorted(ejob, np.arange(J), side="right"),
+        np.bincount(ejob, ebytes, J) if J else np.zeros(0),
+        of_task,
+        {(int(jrank[j]), int(jtask[j])): packed[j] for j in range(J)},
+        pieces,
+        fp8,
+        nwrites,
+        {(int(jrank[j]), int(jtask[j])): j for j in range(J)},
+    )
 
 
 def _job_pieces(plan, job_of, J: int):
@@ -240,7 +262,7 @@ def _job_pieces(plan, job_of, J: int):
     fp8 = np.zeros(J, bool)
     if not J:
         return pieces, fp8, nwrites
-    key = job_of * (int(plan.src_offset.max()) + 1) + plan.src_offset      # one per packed shard
+    key = job_of * (int(plan.src_offset.max()) + 1) + plan.src_offset  # one per packed shard
     _, first = np.unique(key, return_index=True)
     for i in first.tolist():
         sh = plan.tasks[int(plan.task[i])].shards[int(plan.shard[i])]
@@ -261,9 +283,18 @@ class _Network:
     its queued jobs in order while it has fewer than `max_posted` bytes posted (at least one
     job).  `step()` moves one time step of bytes."""
 
-    def __init__(self, jobs: _Jobs, world: int, ngpu: int, nic_bw: float, write_bw: float, max_posted: float,
-                 write_latency_s: float):
+    def __init__(
+        self,
+        jobs: _Jobs,
+        world: int,
+        ngpu: int,
+        nic_bw: float,
+        write_bw: float,
+        max_posted: float,
+        write_latency_s: float,
+    ):
         from collections import deque
+
         self.jobs, self.world, self.ngpu = jobs, world, ngpu
         self.write_latency_s = write_latency_s
         self.max_posted = float(max_posted)
@@ -273,18 +304,18 @@ class _Network:
         self.epair = epair.reshape(-1)
         self.pair_rank, self.pair_gpu = pkeys // ngpu, pkeys % ngpu
         P = pkeys.size
-        order = np.lexsort((jobs.ejob, self.epair))          # FIFO positions
+        order = np.lexsort((jobs.ejob, self.epair))  # FIFO positions
         self.pos_of = np.empty(E, np.int64)
         self.pos_of[order] = np.arange(E)
-        self.srem = jobs.ebytes[order].copy()                 # remaining bytes by FIFO position
+        self.srem = jobs.ebytes[order].copy()  # remaining bytes by FIFO position
         self.ssize = jobs.ebytes[order]
         self.sentry = order
         pstart = np.searchsorted(self.epair[order], np.arange(P))
-        self.head = pstart.copy()                             # first unfinished position of each pair
-        self.pend = pstart.copy()                             # one past the last posted position
+        self.head = pstart.copy()  # first unfinished position of each pair
+        self.pend = pstart.copy()  # one past the last posted position
         self.pair_rem = np.zeros(P)
         self.entries_left = np.bincount(jobs.ejob, minlength=jobs.n)
-        self.queued: list[deque] = [deque() for _ in range(world)]   # packed jobs waiting to be posted
+        self.queued: list[deque] = [deque() for _ in range(world)]  # packed jobs waiting to be posted
         self.posted = np.zeros(world, np.int64)
         self.posted_bytes = np.zeros(world)
         self.post_ranks: set = set()
@@ -296,7 +327,7 @@ class _Network:
         self.ag_rem: list = []
         self.ag_live: set = set()
         self.ag_done: set = set()
-        self.rings: dict = {}                                 # mesh -> (task, start, flow ids)
+        self.rings: dict = {}  # mesh -> (task, start, flow ids)
 
     # ---- writes
     def queue(self, jobs_ready) -> None:
@@ -481,23 +512,22 @@ class _Meshes:
             self.group_left[t.group] += 1
         self.release = np.full(G + 1, np.inf)
         self.release[0] = 0.0
-        for g in range(G):                      # empty groups release at once
+        for g in range(G):  # empty groups release at once
             if self.group_left[g] == 0:
                 self.release[g + 1] = self.release[g]
         self.timeline: list = []
         self.h2d_done = self._h2d() if model.offload else {}
         self.mem = np.zeros(world)
-        self.quant_free = np.zeros(world)     # end of the rank's last packing
-        self.host_free = np.zeros(world)      # when the rank's host is done with its last task
-        self.dev_free = np.zeros(world)       # serial: end of the rank's last gather or packing
-        self.busy_s = {k: np.zeros(world) for k in ("host", "allgather", "pack")}   # seconds per rank
+        self.quant_free = np.zeros(world)  # end of the rank's last packing
+        self.host_free = np.zeros(world)  # when the rank's host is done with its last task
+        self.dev_free = np.zeros(world)  # serial: end of the rank's last gather or packing
+        self.busy_s = {k: np.zeros(world) for k in ("host", "allgather", "pack")}  # seconds per rank
         self.ptr = {m: 0 for m in range(len(plan.meshes))}
-        self.busy = {m: 0.0 for m in range(len(plan.meshes))}   # end of the mesh's last all-gather
+        self.busy = {m: 0.0 for m in range(len(plan.meshes))}  # end of the mesh's last all-gather
         self.open = list(range(len(plan.meshes)))
         self.act_time = np.full(jobs.n, np.inf)
-        self.pending: list = []                                 # jobs packed later than now
-        self.stage_end = {"h2d": max(self.h2d_done.values(), default=0.0), "allgather": 0.0, "quant": 0.0,
-                          "write": 0.0}
+        self.pending: list = []  # jobs packed later than now
+        self.stage_end = {"h2d": max(self.h2d_done.values(), default=0.0), "allgather": 0.0, "quant": 0.0, "write": 0.0}
 
     def _h2d(self) -> dict:
         """(rank, task) -> end of its H2D: one stream per rank, in the rank's task order."""
@@ -610,7 +640,7 @@ class _Meshes:
         self.group_left[g] -= 1
         if self.group_left[g] == 0:
             self.release[g + 1] = self.stage_end["allgather"] + self.model.barrier_s
-            for g2 in range(g + 1, self.G):   # cascade over empty groups
+            for g2 in range(g + 1, self.G):  # cascade over empty groups
                 if self.group_left[g2] == 0:
                     self.release[g2 + 1] = self.release[g2]
                 else:
@@ -650,18 +680,21 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     steps: network time steps per lower bound (accuracy vs. speed); record: keep the
     per-stage timeline (for `timeline_frame()` / `plot_timeline()`)."""
     import time as _time
+
     w0 = _time.perf_counter()
     world, ngpu = plan.train_world, int(plan.gpu_of.max()) + 1
     gpn = cluster.gpus_per_node
-    if cluster.write_GBps is not None and any(len({r // gpn for r in plan.meshes[t.mesh]}) > 1
-                                              for t in plan.tasks):
-        raise ValueError("Cluster.write_GBps models writes inside one node, but this plan has all-gathers across "
-                         "nodes (they would share the write path's capacity in this model)")
+    if cluster.write_GBps is not None and any(len({r // gpn for r in plan.meshes[t.mesh]}) > 1 for t in plan.tasks):
+        raise ValueError(
+            "Cluster.write_GBps models writes inside one node, but this plan has all-gathers across "
+            "nodes (they would share the write path's capacity in this model)"
+        )
     lbytes, lbw = _links(plan, cluster)
     lb, bname = lower_bound(plan, cluster)
     jobs = _jobs(plan, ngpu)
-    net = _Network(jobs, world, ngpu, cluster.nic_GBps * 1e9, cluster.write_bw, cluster.max_posted_bytes,
-                   cluster.write_latency_s)
+    net = _Network(
+        jobs, world, ngpu, cluster.nic_GBps * 1e9, cluster.write_bw, cluster.max_posted_bytes, cluster.write_latency_s
+    )
     meshes = _Meshes(plan, cluster, _StageModel(cluster), jobs, record)
     dt = max(lb, 1e-6) / steps
     now, nstep, max_steps, last_write = 0.0, 0, steps * 200, 0.0
@@ -692,10 +725,10 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
             raise RuntimeError("simulation did not finish (more than 200x the lower bound)")
     stage_end = meshes.stage_end
     total = max(last_write, stage_end["allgather"], stage_end["quant"])
-    if cluster.cal.cpu_shared:      # stage 2 and the writes take turns on the same cores
+    if cluster.cal.cpu_shared:  # stage 2 and the writes take turns on the same cores
         # the write rate was measured with one writer and one target using the machine's cores: every
         # trainer's writes take turns on them (all bytes / that rate)
-        per_rank = cast(np.ndarray, sum(meshes.busy_s.values()))   # busy_s is never empty: not the 0 start
+        per_rank = cast(np.ndarray, sum(meshes.busy_s.values()))  # busy_s is never empty: not the 0 start
         wl = float(plan.nbytes.sum()) / cluster.write_bw if plan.n_transfers else 0.0
         total = max(total, (float(per_rank.max()) if per_rank.size else 0.0) + wl)
     total += cluster.cal.push_fixed_s
@@ -704,7 +737,25 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
     busy["h2d"] = stage_end["h2d"]
     busy["links"] = lb
     busy["push_fixed"] = cluster.cal.push_fixed_s
-    trace = dict(t=np.array(tr_t), dt=dt, write_bytes=np.array(tr_w), allgather_bytes=np.array(tr_ag),
-                 infer_capacity=ngpu * cluster.write_bw * dt, infer_finish_s=net.gpu_finish)
-    return SimResult(total, lb, bname, lbytes, lbw, stage_end, meshes.timeline, nstep, _time.perf_counter() - w0,
-                     trace, busy, cluster.cal.name)
+    trace = dict(
+        t=np.array(tr_t),
+        dt=dt,
+        write_bytes=np.array(tr_w),
+        allgather_bytes=np.array(tr_ag),
+        infer_capacity=ngpu * cluster.write_bw * dt,
+        infer_finish_s=net.gpu_finish,
+    )
+    return SimResult(
+        total,
+        lb,
+        bname,
+        lbytes,
+        lbw,
+        stage_end,
+        meshes.timeline,
+        nstep,
+        _time.perf_counter() - w0,
+        trace,
+        busy,
+        cluster.cal.name,
+    )

@@ -25,6 +25,7 @@ Keys live under ``wxfer/<name>/``::
 Every wait polls (at most 50 ms apart), so Ctrl-C is honoured within that, and ends at
 the deadline it names.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,6 +70,7 @@ def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_
     grant remote write into the receivers' memory, so keep it on the cluster network.
     """
     import torch.distributed as dist
+
     if store is not None and not isinstance(store, str):
         return store
     if store is None:
@@ -84,19 +86,26 @@ def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_
             if addr is not None:
                 lsock = _listen(addr, port)
         if is_master:
-            st = dist.TCPStore(host, port, is_master=True, timeout=timedelta(seconds=timeout),
-                               wait_for_workers=False, use_libuv=True,
-                               master_listen_fd=lsock.fileno() if lsock is not None else None)
+            st = dist.TCPStore(
+                host,
+                port,
+                is_master=True,
+                timeout=timedelta(seconds=timeout),
+                wait_for_workers=False,
+                use_libuv=True,
+                master_listen_fd=lsock.fileno() if lsock is not None else None,
+            )
         else:
             st = _connect_store(host, port, timeout)
     except Exception as e:
         if lsock is not None:
             lsock.close()
         role = "host" if is_master else "reach"
-        raise SetupError(f"wxfer: cannot {role} the TCPStore at {host}:{port} within {timeout:.0f} s: "
-                         f"{type(e).__name__}: {e}") from e
+        raise SetupError(
+            f"wxfer: cannot {role} the TCPStore at {host}:{port} within {timeout:.0f} s: {type(e).__name__}: {e}"
+        ) from e
     if lsock is not None:
-        lsock.detach()          # the store serves on (and owns) this socket now
+        lsock.detach()  # the store serves on (and owns) this socket now
     return st
 
 
@@ -105,6 +114,7 @@ def _connect_store(host: str, port: int, timeout: float):
     deadline) until the port accepts a TCP connection, then connect the store with what is
     left (torch's own retries stretch one attempt to 2-3x its timeout and log each)."""
     import torch.distributed as dist
+
     deadline = time.monotonic() + timeout
     delay = 0.01
     while True:
@@ -117,12 +127,19 @@ def _connect_store(host: str, port: int, timeout: float):
                 raise TimeoutError(f"nothing accepted a connection at {host}:{port}: {e}") from None
             time.sleep(delay)
             delay = min(2 * delay, 0.1)
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
-                         wait_for_workers=False, use_libuv=True)
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=False,
+        timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+        wait_for_workers=False,
+        use_libuv=True,
+    )
 
 
 def _is_ip(s: str) -> bool:
     import ipaddress
+
     try:
         ipaddress.ip_address(s.strip("[]"))
         return True
@@ -134,6 +151,7 @@ def iface_address(iface: str) -> str:
     """The IPv4 address of network interface `iface` (Linux)."""
     import fcntl
     import struct
+
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface.encode()[:15]))  # SIOCGIFADDR
@@ -208,6 +226,7 @@ class Control:
     def _mac(self, key: str, value: bytes) -> bytes:
         import hashlib
         import hmac
+
         return hmac.new(self.secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
 
     def _open(self, k: str, raw: bytes) -> bytes:
@@ -215,14 +234,19 @@ class Control:
         signed = raw[:4] == _MAC_HEAD and len(raw) >= 36
         if self.secret is None:
             if signed:
-                raise SetupError(f"wxfer: store record {self.key(k)!r} is authenticated with a job secret this "
-                                 "process lacks: give it the same secret (secret= or $WXFER_SECRET)")
+                raise SetupError(
+                    f"wxfer: store record {self.key(k)!r} is authenticated with a job secret this "
+                    "process lacks: give it the same secret (secret= or $WXFER_SECRET)"
+                )
             return raw
         import hmac
+
         if not signed or not hmac.compare_digest(raw[4:36], self._mac(self.key(k), raw[36:])):
-            raise SetupError(f"wxfer: store record {self.key(k)!r} fails authentication with the job secret: "
-                             "it was altered or written by someone without the secret (or this process and "
-                             "the writer use different secrets)")
+            raise SetupError(
+                f"wxfer: store record {self.key(k)!r} fails authentication with the job secret: "
+                "it was altered or written by someone without the secret (or this process and "
+                "the writer use different secrets)"
+            )
         return raw[36:]
 
     def set(self, k: str, value) -> None:
@@ -239,8 +263,9 @@ class Control:
     def check(self, k: str) -> bool:
         return bool(self.store.check([self.key(k)]))
 
-    def get(self, k: str, what: str, timeout: float | None = None, abort: str | None = None,
-            abort_where: str = "") -> bytes:
+    def get(
+        self, k: str, what: str, timeout: float | None = None, abort: str | None = None, abort_where: str = ""
+    ) -> bytes:
         """The value of `k`, waiting at most `timeout` seconds; `what` says what it is and
         who should have written it (used in the error).  Polls (Ctrl-C is honoured within
         50 ms).  abort: a key holding an encode_result(); when it appears holding an error,
@@ -260,8 +285,10 @@ class Control:
         except (TimeoutError, SetupError):
             raise
         except Exception as e:  # the store itself failed (its host exited)
-            raise TimeoutError(f"wxfer: waiting for {what} (store key {key!r}): the store failed: "
-                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+            raise TimeoutError(
+                f"wxfer: waiting for {what} (store key {key!r}): the store failed: "
+                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ) from None
         return self._open(k, bytes(self.store.get(key)))
 
     def get_json(self, k: str, what: str, timeout: float | None = None):
@@ -280,8 +307,9 @@ class Control:
             if v >= n:
                 return v
             if time.monotonic() > deadline:
-                raise TimeoutError(f"wxfer: waited {t:.0f} s for {what}: {v} of {n} arrived "
-                                   f"(store counter {self.key(k)!r})")
+                raise TimeoutError(
+                    f"wxfer: waited {t:.0f} s for {what}: {v} of {n} arrived (store counter {self.key(k)!r})"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -311,8 +339,9 @@ def hs_key(kind: str, rank: int, gpu: int, epoch: int = 0) -> str:
     return "hs/%s/%d/%d" % (kind, rank, gpu) + ("/e%d" % epoch if epoch else "")
 
 
-def writer_connect(ctl: Control, transport, rank: int, gpu: int, export_blob: bytes,
-                   timeout: float | None = None, epoch: int = 0) -> int:
+def writer_connect(
+    ctl: Control, transport, rank: int, gpu: int, export_blob: bytes, timeout: float | None = None, epoch: int = 0
+) -> int:
     """Trainer side: connect `transport` to receiver `gpu` (its export blob), exchanging the
     handshake through the store.  Returns the peer id."""
     peer = writer_request(ctl, transport, rank, gpu, export_blob, epoch)
@@ -328,22 +357,29 @@ def writer_request(ctl: Control, transport, rank: int, gpu: int, export_blob: by
     return peer
 
 
-def writer_finish(ctl: Control, transport, rank: int, gpu: int, peer: int, timeout: float | None = None,
-                  epoch: int = 0) -> None:
+def writer_finish(
+    ctl: Control, transport, rank: int, gpu: int, peer: int, timeout: float | None = None, epoch: int = 0
+) -> None:
     """Step 3 (trainer): the receiver's reply, then finish the connection."""
-    rep = ctl.get(hs_key("rep", rank, gpu, epoch), f"the handshake reply of inference worker gpu {gpu} "
-                                                f"to trainer rank {rank}", timeout)
+    rep = ctl.get(
+        hs_key("rep", rank, gpu, epoch),
+        f"the handshake reply of inference worker gpu {gpu} to trainer rank {rank}",
+        timeout,
+    )
     rep = decode_result(rep, f"inference worker gpu {gpu} answering trainer rank {rank}")
     transport.connect_finish(peer, rep)
 
 
-def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float | None = None,
-                  epoch: int = 0) -> None:
+def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float | None = None, epoch: int = 0) -> None:
     """Receiver side: answer the handshake request of trainer `rank` (or raise the trainers'
     setup error, should their connect phase fail first)."""
-    req = ctl.get(hs_key("req", rank, gpu, epoch), f"the handshake request of trainer rank {rank} "
-                                                f"to inference worker gpu {gpu}", timeout,
-                  abort=None if epoch else "setup", abort_where="the trainers (connecting to the inference workers)")
+    req = ctl.get(
+        hs_key("req", rank, gpu, epoch),
+        f"the handshake request of trainer rank {rank} to inference worker gpu {gpu}",
+        timeout,
+        abort=None if epoch else "setup",
+        abort_where="the trainers (connecting to the inference workers)",
+    )
     try:
         rep = transport.accept(req) if req else b""
         ctl.set(hs_key("rep", rank, gpu, epoch), encode_result(rep, None))
@@ -358,6 +394,7 @@ def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float |
 def gloo_group(timeout: float = DEFAULT_TIMEOUT):
     """A gloo process group over all trainer ranks (the default group when it is gloo)."""
     import torch.distributed as dist
+
     if not dist.is_initialized():
         return None
     if dist.get_backend() == "gloo":
@@ -368,6 +405,7 @@ def gloo_group(timeout: float = DEFAULT_TIMEOUT):
 def agree(group, error: str | None, rank: int, what: str) -> None:
     """Every rank learns every rank's setup error; all of them raise (naming the ranks)."""
     import torch.distributed as dist
+
     if group is None:
         if error:
             raise SetupError(f"wxfer: {what} failed on trainer rank {rank}: {error}")
@@ -376,8 +414,10 @@ def agree(group, error: str | None, rank: int, what: str) -> None:
     dist.all_gather_object(errs, error, group=group)
     bad = [(r, e) for r, e in enumerate(errs) if e]
     if bad:
-        raise SetupError(f"wxfer: {what} failed on %d trainer rank(s):\n  " % len(bad)
-                         + "\n  ".join(f"rank {r}: {e}" for r, e in bad))
+        raise SetupError(
+            f"wxfer: {what} failed on %d trainer rank(s):\n  " % len(bad)
+            + "\n  ".join(f"rank {r}: {e}" for r, e in bad)
+        )
 
 
 def wait_work(work, timeout: float, what: str) -> None:
@@ -388,8 +428,9 @@ def wait_work(work, timeout: float, what: str) -> None:
     try:
         while not work.is_completed():
             if time.monotonic() > deadline:
-                raise CollectiveError(f"wxfer: {what} did not complete within {timeout:.0f} s "
-                                      "(a trainer rank died or hung?)")
+                raise CollectiveError(
+                    f"wxfer: {what} did not complete within {timeout:.0f} s (a trainer rank died or hung?)"
+                )
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
         ok = work.wait(timedelta(seconds=max(1.0, deadline - time.monotonic())))
@@ -406,6 +447,7 @@ class Barrier:
 
     def __init__(self, group, what: str):
         import torch.distributed as dist
+
         self.what = what
         self.work = dist.barrier(group=group, async_op=True) if group is not None else None
 

@@ -1,6 +1,7 @@
 """The Sender's failure paths (issue 17): records of abandoned writes for Receiver.state(),
 joining the other trainer ranks' collectives after a failure inside push(), and waiting
 after a setup error until the other processes have read it.  A mixin of Sender."""
+
 from __future__ import annotations
 
 import time
@@ -29,7 +30,7 @@ class FaultsMixin:
             deadline = time.monotonic() + t
             while time.monotonic() < deadline:
                 want = n
-                if want is None:       # every receiver of gpu 0's layout (it may not have registered yet)
+                if want is None:  # every receiver of gpu 0's layout (it may not have registered yet)
                     try:
                         w = self.ctl.get_json("infer/0", "", 0) if self.ctl.check("infer/0") else None
                     except Exception:  # noqa: BLE001
@@ -53,8 +54,9 @@ class FaultsMixin:
                 self._marked.add((g, e, writer, step))
                 base = "torn/%d/e%d" % (g, e)
                 i = self.ctl.add(base, 1)
-                self.ctl.set_json("%s/%d" % (base, i), dict(step=int(step), writer=writer, by=self.rank, why=why,
-                                                           final=bool(final)))
+                self.ctl.set_json(
+                    "%s/%d" % (base, i), dict(step=int(step), writer=writer, by=self.rank, why=why, final=bool(final))
+                )
             except Exception:  # noqa: BLE001
                 pass
 
@@ -71,9 +73,12 @@ class FaultsMixin:
         FSDP collectives one task out of step: the others fail at their collective timeout.)"""
         broken = isinstance(exc, control.CollectiveError)
         if broken:
-            self._mark(program.receivers_of(self.plan), self.version,
-                       f"a trainer rank other than {self.rank} died or hung in step {self.version} ({exc})",
-                       writer=None)
+            self._mark(
+                program.receivers_of(self.plan),
+                self.version,
+                f"a trainer rank other than {self.rank} died or hung in step {self.version} ({exc})",
+                writer=None,
+            )
         if self.group is None or self.world == 1 or broken:
             self._abort()
             return
@@ -85,29 +90,39 @@ class FaultsMixin:
                     barrier.wait(self.timeout)
                 start = oi + 1 if g == gi else 0
                 if g == gi and oi >= len(groups[g]):
-                    continue            # this group's barrier was issued already
+                    continue  # this group's barrier was issued already
                 self._drain(groups[g][start:])
-                barrier = control.Barrier(self.group, f"the barrier after mesh group {g} (trainer rank "
-                                                      f"{self.rank}, step {self.version}, after its failure)")
+                barrier = control.Barrier(
+                    self.group,
+                    f"the barrier after mesh group {g} (trainer rank "
+                    f"{self.rank}, step {self.version}, after its failure)",
+                )
             self._abort()
             if barrier is not None:
                 barrier.wait(self.timeout)
             others = self._failures_elsewhere(own)
         except Exception as e2:  # noqa: BLE001 -- the others are gone too: report ours
-            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {own}\n(and telling the "
-                               f"other trainer ranks failed: {e2})") from exc
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}, step {self.version}: {own}\n(and telling the "
+                f"other trainer ranks failed: {e2})"
+            ) from exc
         if others:
-            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {own}"
-                               + "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)) from exc
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}, step {self.version}: {own}"
+                + "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
+            ) from exc
 
     def _drain(self, ops) -> None:
         """The collectives of `ops` (stage 1-2, nothing written), for the other ranks' sake."""
         import contextlib
         import torch
+
         for op in ops:
             try:
-                with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None
-                                       else contextlib.nullcontext()):
+                with (
+                    torch.no_grad(),
+                    torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext(),
+                ):
                     # the same collectives as _run_task's (one all-gather per task and group)
                     prep = op.prep if op.prep is not None else prepare.task_prep(op, self.device)
                     op.prep = prep
@@ -119,6 +134,7 @@ class FaultsMixin:
 def mapping_digest(mapping) -> dict:
     """{name, sha}: what a trainer rank was given as `mapping` (compared across ranks)."""
     import hashlib
+
     try:
         p = program.get_preset(mapping)
     except Exception as e:  # noqa: BLE001 -- reported by the controller as a disagreement or its own error

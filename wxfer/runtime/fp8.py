@@ -8,6 +8,7 @@ no CUDA driver or libnvrtc, a GPU older than compute capability 8.9, ``WXFER_FP8
 with ``wxfer.mapping.reference.quantize_fp8_block`` and copies. Both give the same bytes.
 ``info()`` says which one would run and why; ``last()`` which one ran last.
 """
+
 from __future__ import annotations
 
 import array
@@ -16,18 +17,19 @@ import sys
 import threading
 
 _BLOCK = 128
-_INLINE = 8                       # pieces that travel in the launch's parameters (WX_FP8_INLINE)
-_CODES = None                     # torch dtype -> the kernel's dtype code
-_probed: dict = {}                # CUDA ordinal -> None (usable) or the reason it is not
+_INLINE = 8  # pieces that travel in the launch's parameters (WX_FP8_INLINE)
+_CODES = None  # torch dtype -> the kernel's dtype code
+_probed: dict = {}  # CUDA ordinal -> None (usable) or the reason it is not
 _lock = threading.Lock()
 _calls = {"native": 0, "reference": 0}
 _last: dict | None = None
-DEFAULT_VARIANT = "v3"           # = WX__DEFAULT_VARIANT in csrc/prepare/wx_fp8.c
-_variant: list = []               # the kernel variant compiled (WXFER_FP8_VARIANT at first use)
+DEFAULT_VARIANT = "v3"  # = WX__DEFAULT_VARIANT in csrc/prepare/wx_fp8.c
+_variant: list = []  # the kernel variant compiled (WXFER_FP8_VARIANT at first use)
 
 
 def _torch():
     import torch
+
     return torch
 
 
@@ -41,8 +43,7 @@ def _codes():
 
 def nvrtc_dirs() -> list:
     """Directories where pip wheels put libnvrtc (nvidia-cuda-nvrtc-cu12, nvidia-cu13, torch)."""
-    subs = (("nvidia", "cuda_nvrtc", "lib"), ("nvidia", "cu13", "lib"), ("nvidia", "cu12", "lib"),
-            ("torch", "lib"))
+    subs = (("nvidia", "cuda_nvrtc", "lib"), ("nvidia", "cu13", "lib"), ("nvidia", "cu12", "lib"), ("torch", "lib"))
     out = []
     for base in sys.path:
         for sub in subs:
@@ -75,7 +76,7 @@ def _native_why(device, probe: bool = True) -> str | None:
         else:
             ok, why = _wxfer.fp8_probe(idx, nvrtc_dirs())
             why = None if ok else why
-            if ok and not _variant:         # read by the extension at its first compile
+            if ok and not _variant:  # read by the extension at its first compile
                 _variant.append(os.environ.get("WXFER_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
         _probed[idx] = why
         return why
@@ -89,18 +90,23 @@ def info(device=None, probe: bool = True) -> dict:
     happened yet."""
     torch = _torch()
     if device is None:
-        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                  else None)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     if device is None:
         why = "no CUDA device (torch.cuda.is_available() is False)"
     else:
         why = _native_why(torch.device(device), probe)
     if why == "":
-        d = {"quantizer": "none", "reason": f"no FP8 piece quantized on {torch.device(device)} yet "
-             "(the native kernel is compiled at first use)"}
+        d = {
+            "quantizer": "none",
+            "reason": f"no FP8 piece quantized on {torch.device(device)} yet "
+            "(the native kernel is compiled at first use)",
+        }
     elif why is None:
-        d = {"quantizer": "native", "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}",
-             "variant": _variant[0] if _variant else DEFAULT_VARIANT}
+        d = {
+            "quantizer": "native",
+            "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}",
+            "variant": _variant[0] if _variant else DEFAULT_VARIANT,
+        }
     else:
         d = {"quantizer": "reference", "reason": why}
     d.update(native_calls=_calls["native"], reference_calls=_calls["reference"])
@@ -115,26 +121,29 @@ def last() -> dict | None:
 def _norm(out, jobs):
     """[(2-D tensor, q_off or None, s_off or None)] of the non-empty jobs, checked against out."""
     if out.dim() != 1 or out.dtype != _torch().uint8 or not out.is_contiguous():
-        raise ValueError(f"quantize_into: out must be a contiguous 1-D uint8 tensor, got "
-                         f"{tuple(out.shape)} {out.dtype}")
+        raise ValueError(
+            f"quantize_into: out must be a contiguous 1-D uint8 tensor, got {tuple(out.shape)} {out.dtype}"
+        )
     n = out.numel()
     res = []
     for i, job in enumerate(jobs):
         t, qo, so = job
         if t.dim() != 2:
-            raise ValueError(f"quantize_into: job {i}: FP8 block quantization needs a 2-D tensor, "
-                             f"got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"quantize_into: job {i}: FP8 block quantization needs a 2-D tensor, got shape {tuple(t.shape)}"
+            )
         if t.device != out.device:
             raise ValueError(f"quantize_into: job {i} is on {t.device}, out on {out.device}")
         rows, cols = t.shape
         if rows == 0 or cols == 0:
             continue
-        need = ((qo, rows * cols, "fp8"),
-                (so, -(-rows // _BLOCK) * -(-cols // _BLOCK) * 4, "scale"))
+        need = ((qo, rows * cols, "fp8"), (so, -(-rows // _BLOCK) * -(-cols // _BLOCK) * 4, "scale"))
         for off, nb, what in need:
             if off is not None and (off < 0 or off + nb > n):
-                raise ValueError(f"quantize_into: job {i} ({rows}x{cols}): its {what} bytes "
-                                 f"[{off}, {off + nb}) are not inside out ({n} bytes)")
+                raise ValueError(
+                    f"quantize_into: job {i} ({rows}x{cols}): its {what} bytes "
+                    f"[{off}, {off + nb}) are not inside out ({n} bytes)"
+                )
         if qo is None and so is None:
             continue
         res.append((t, qo, so))
@@ -164,13 +173,14 @@ def quantize_into(out, jobs) -> str:
 
 def _reference(out, jobs) -> None:
     from ..mapping.reference import quantize_fp8_block
+
     torch = _torch()
     for t, qo, so in jobs:
         q, s = quantize_fp8_block(t)
         if qo is not None:
-            out[qo:qo + q.numel()].copy_(q.view(-1).view(torch.uint8))
+            out[qo : qo + q.numel()].copy_(q.view(-1).view(torch.uint8))
         if so is not None:
-            out[so:so + s.numel() * 4].copy_(s.view(-1).view(torch.uint8))
+            out[so : so + s.numel() * 4].copy_(s.view(-1).view(torch.uint8))
 
 
 def _raw_stream(device) -> int:
@@ -188,10 +198,11 @@ def _native(out, jobs):
     quantize_cached when the launch read the jobs' own memory (no temporary made here), else
     None."""
     from .. import _wxfer
+
     torch = _torch()
     codes = _codes()
     table = array.array("q")
-    keep = []                     # sources made contiguous / cast: alive until the launch
+    keep = []  # sources made contiguous / cast: alive until the launch
     tiles = 0
     for t, qo, so in jobs:
         rows, cols = t.shape
@@ -202,24 +213,27 @@ def _native(out, jobs):
             t = t.contiguous()
             keep.append(t)
         ld = t.stride(0) if rows > 1 else cols
-        table.extend((t.data_ptr(), codes[t.dtype], ld, rows, cols,
-                      -1 if qo is None else qo, -1 if so is None else so, tiles))
+        table.extend(
+            (t.data_ptr(), codes[t.dtype], ld, rows, cols, -1 if qo is None else qo, -1 if so is None else so, tiles)
+        )
         tiles += -(-rows // _BLOCK) * -(-cols // _BLOCK)
     stream = _raw_stream(out.device)
-    if len(jobs) <= _INLINE:                         # the table travels in the launch's
-        _wxfer.fp8_launch(out.device.index, stream, out.data_ptr(), out.numel(),
-                          table, 0)                  # parameters: no copy, no allocation
+    if len(jobs) <= _INLINE:  # the table travels in the launch's
+        _wxfer.fp8_launch(
+            out.device.index, stream, out.data_ptr(), out.numel(), table, 0
+        )  # parameters: no copy, no allocation
         return None if keep else (table, None)
     host = torch.frombuffer(table, dtype=torch.int64)
     pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
     pinned.copy_(host)
-    dev = pinned.to(out.device, non_blocking=True)   # stream-ordered; the host block is kept
-    _wxfer.fp8_launch(out.device.index, stream, out.data_ptr(), out.numel(), table,
-                      dev.data_ptr())                # by torch until the copy ran
-    return None if keep else (table, dev)            # else freed in stream order by the allocator
+    dev = pinned.to(out.device, non_blocking=True)  # stream-ordered; the host block is kept
+    _wxfer.fp8_launch(
+        out.device.index, stream, out.data_ptr(), out.numel(), table, dev.data_ptr()
+    )  # by torch until the copy ran
+    return None if keep else (table, dev)  # else freed in stream order by the allocator
 
 
-_TABLES: dict = {}                # key -> (host table, device table, device, out bytes)
+_TABLES: dict = {}  # key -> (host table, device table, device, out bytes)
 _TABLES_MAX = 4096
 
 
@@ -234,8 +248,15 @@ def quantize_cached(out, key, build) -> str:
     ent = _TABLES.get(key)
     if ent is not None and ent[2] == out.device and ent[3] == out.numel() and _native_why(out.device) is None:
         from .. import _wxfer
-        _wxfer.fp8_launch(out.device.index, _raw_stream(out.device), out.data_ptr(), out.numel(), ent[0],
-                          0 if ent[1] is None else ent[1].data_ptr())
+
+        _wxfer.fp8_launch(
+            out.device.index,
+            _raw_stream(out.device),
+            out.data_ptr(),
+            out.numel(),
+            ent[0],
+            0 if ent[1] is None else ent[1].data_ptr(),
+        )
         _calls["native"] += 1
         _last = {"quantizer": "native", "reason": "one NVRTC-compiled kernel launch (piece table reused)"}
         return "native"

@@ -4,6 +4,7 @@ on the task's mesh, fusion, FP8 quantization and packing into the task's send bu
 The plan adapter (``wxfer.runtime.program``) says what each task holds; this module only
 turns a ``TaskOp`` into the bytes the engine writes.
 """
+
 from __future__ import annotations
 
 from .program import TaskOp
@@ -14,6 +15,7 @@ from .program import TaskOp
 def local_to_device(p, device):
     """Stage 1: this rank's shard of `p` on `device` (an H2D copy when it was offloaded)."""
     from torch.distributed.tensor import DTensor
+
     local = p._local_tensor if isinstance(p, DTensor) else p.detach()
     if local.device != device:
         local = local.to(device, non_blocking=True)
@@ -28,19 +30,19 @@ def full_tensor(p, local):
     dimension's process group; anything else through ``DTensor.full_tensor()``.  Both give
     the same bytes (the rows of torch.chunk-style shards, in rank order)."""
     from torch.distributed.tensor import DTensor
+
     if not isinstance(p, DTensor) or (tuple(local.shape) == tuple(p.shape) and _is_whole(p)):
-        return local                     # this rank holds all of it (1-rank mesh, Replicate)
+        return local  # this rank holds all of it (1-rank mesh, Replicate)
     g = _gather_spec(p)
     if g is not None and tuple(local.shape) == g[3]:
         return _gather_rows(local, g)
     if local is p._local_tensor:
-        return p.full_tensor()           # not offloaded: the parameter itself
-    d = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                           stride=p.stride())
+        return p.full_tensor()  # not offloaded: the parameter itself
+    d = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     return d.full_tensor()
 
 
-_GATHER_SPECS: dict = {}        # id(parameter) -> (weak reference, spec)
+_GATHER_SPECS: dict = {}  # id(parameter) -> (weak reference, spec)
 
 
 def _gather_spec(p):
@@ -54,6 +56,7 @@ def _gather_spec(p):
     spec = None
     try:
         from torch.distributed.tensor import Replicate, Shard
+
         pls = tuple(p.placements)
         dims = [i for i, pl in enumerate(pls) if type(pl) is Shard and pl.dim == 0]
         others_ok = all(type(pl) is Replicate for i, pl in enumerate(pls) if i not in dims)
@@ -69,22 +72,23 @@ def _gather_spec(p):
     except Exception:  # noqa: BLE001 -- anything unusual: the generic DTensor path
         spec = None
     import weakref
-    if len(_GATHER_SPECS) > 100_000:                 # parameters of models long gone
+
+    if len(_GATHER_SPECS) > 100_000:  # parameters of models long gone
         for k in [k for k, (ref, _) in _GATHER_SPECS.items() if ref() is None]:
             del _GATHER_SPECS[k]
-    _GATHER_SPECS[key] = (weakref.ref(p), spec)     # no reference kept to the parameter
+    _GATHER_SPECS[key] = (weakref.ref(p), spec)  # no reference kept to the parameter
     return spec
 
 
 def _gather_rows(local, g):
     import torch
-    import torch.distributed as dist
+
     group, w, c, lshape, n = g
     rest = tuple(lshape[1:])
-    if lshape[0] != c:                       # uneven shards: pad to c rows (torch.chunk)
+    if lshape[0] != c:  # uneven shards: pad to c rows (torch.chunk)
         inp = local.new_zeros((c,) + rest)
         if lshape[0]:
-            inp[:lshape[0]].copy_(local)
+            inp[: lshape[0]].copy_(local)
     else:
         inp = local.contiguous()
     out = torch.empty((w * c,) + rest, dtype=local.dtype, device=local.device)
@@ -96,6 +100,7 @@ def all_gather_single(out, inp, group=None, async_op=False):
     """torch.distributed.all_gather_single where torch has it (2.13 deprecates
     all_gather_into_tensor, its older name), else all_gather_into_tensor."""
     import torch.distributed as dist
+
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=async_op)
 
@@ -103,6 +108,7 @@ def all_gather_single(out, inp, group=None, async_op=False):
 def pack(shards, fulls: dict):
     """Stage 2b: fusion, FP8 and packing -- the mapping's reference packing, shards in order."""
     from ..mapping import pack_task
+
     return pack_task(shards, fulls)
 
 
@@ -114,6 +120,7 @@ def pack_into(shards, fulls: dict, nbytes: int, device):
     from push to push (a Sender's tasks), where each FP8 piece goes is worked out once, and the
     kernel's piece table is reused while the sources stay at the same addresses."""
     import torch
+
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
     lay = _layout(shards)
     raw, fp8_pieces, srcs, end = lay[1], lay[2], lay[3], lay[4]
@@ -124,11 +131,12 @@ def pack_into(shards, fulls: dict, nbytes: int, device):
     if fp8_pieces:
         key = (id(lay), tuple((fulls[n].data_ptr(), tuple(fulls[n].stride()), fulls[n].dtype) for n in srcs))
         from . import fp8
+
         fp8.quantize_cached(out, key, lambda: _jobs(fulls, fp8_pieces))
     return out
 
 
-_LAYOUTS: dict = {}                    # id(shards) -> (shards, raw [(shard, offset)], fp8 pieces, srcs, end)
+_LAYOUTS: dict = {}  # id(shards) -> (shards, raw [(shard, offset)], fp8 pieces, srcs, end)
 
 
 def _layout(shards) -> tuple:
@@ -174,8 +182,9 @@ def _pack_raw(sh, fulls: dict, out, off: int, fp8_pieces: dict) -> int:
     Returns the offset after the shard."""
     import torch
     from ..mapping.reference import _piece_tensor
+
     start = off
-    for pc in (sh.pieces if sh.kind != "raw" else _coalesced(sh)):
+    for pc in sh.pieces if sh.kind != "raw" else _coalesced(sh):
         if sh.kind != "raw":
             slot = fp8_pieces.setdefault(pc, ([], []))
             slot[0 if sh.kind == "fp8" else 1].append(off)
@@ -186,10 +195,10 @@ def _pack_raw(sh, fulls: dict, out, off: int, fp8_pieces: dict) -> int:
         dt = getattr(torch, sh.dtype)
         nb = t.numel() * dt.itemsize
         if nb:
-            dst = out[off:off + nb]
+            dst = out[off : off + nb]
             if off % dt.itemsize == 0 and (out.storage_offset() + off) % dt.itemsize == 0:
                 dst.view(dt).view(t.shape).copy_(t)
-            else:                        # unaligned: cast first, then copy the bytes
+            else:  # unaligned: cast first, then copy the bytes
                 dst.copy_(t.to(dt).contiguous().view(-1).view(torch.uint8))
         off += nb
     if off - start != sh.nbytes:
@@ -197,7 +206,7 @@ def _pack_raw(sh, fulls: dict, out, off: int, fp8_pieces: dict) -> int:
     return off
 
 
-_COALESCED: dict = {}                  # id(shard) -> (shard, its raw pieces merged)
+_COALESCED: dict = {}  # id(shard) -> (shard, its raw pieces merged)
 
 
 def _coalesced(sh) -> tuple:
@@ -227,12 +236,14 @@ def _jobs(fulls: dict, fp8_pieces: dict) -> list:
     scale shard is one job writing both (a piece sent twice: one job per copy)."""
     from itertools import zip_longest
     from ..mapping.reference import _piece_tensor
+
     jobs = []
     for pc, (qs, ss) in fp8_pieces.items():
         t = _piece_tensor(pc, fulls)
         if t.dim() != 2:
-            raise ValueError(f"FP8 piece {pc}: its source {pc.src!r} is {t.dim()}-D, FP8 block "
-                             "quantization needs a 2-D tensor")
+            raise ValueError(
+                f"FP8 piece {pc}: its source {pc.src!r} is {t.dim()}-D, FP8 block quantization needs a 2-D tensor"
+            )
         for qo, so in zip_longest(qs, ss):
             jobs.append((t, qo, so))
     return jobs
@@ -243,6 +254,7 @@ def _quantize(out, fulls: dict, fp8_pieces: dict) -> None:
     if not fp8_pieces:
         return
     from . import fp8
+
     fp8.quantize_into(out, _jobs(fulls, fp8_pieces))
 
 
@@ -263,6 +275,7 @@ def _whole(op: TaskOp, fulls: dict, fresh: set):
     if pc.r0 != 0 or pc.r1 != t.shape[0] or (t.dim() == 2 and (pc.c0 != 0 or pc.c1 != t.shape[1])):
         return None
     import torch
+
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -270,6 +283,7 @@ def prepare(op: TaskOp, device):
     """Stages 1-2 of one task; returns the packed uint8 buffer (None when this rank only takes
     part in the collectives).  The Sender uses ``task_prep`` once and ``run`` every step."""
     import torch
+
     with torch.no_grad():
         prep = op.prep if op.prep is not None and op.prep.device == device else task_prep(op, device)
         buf = run(prep, op, device)
@@ -284,22 +298,35 @@ class TaskPrep:
     obtained (whole on this rank; in one coalesced row all-gather per process group and
     dtype; through DTensor otherwise), whether the write reads the parameter's own memory
     (zero copy), the destinations as the engine takes them, the bytes it holds."""
-    __slots__ = ("device", "whole", "gathers", "generic", "direct", "zero_copy", "dests", "held",
-                 "nparams", "event", "largest", "fast")
+
+    __slots__ = (
+        "device",
+        "whole",
+        "gathers",
+        "generic",
+        "direct",
+        "zero_copy",
+        "dests",
+        "held",
+        "nparams",
+        "event",
+        "largest",
+        "fast",
+    )
 
     def __init__(self, device):
         self.device = device
-        self.whole: list = []          # [(name, parameter)]: this rank holds the whole tensor
-        self.gathers: list = []        # [_Gather]
-        self.generic: list = []        # [(name, parameter)]: DTensor.full_tensor()
-        self.direct = None             # source name when the buffer is that source's bytes
-        self.zero_copy = False         # direct, and the parameter's own memory (no H2D)
+        self.whole: list = []  # [(name, parameter)]: this rank holds the whole tensor
+        self.gathers: list = []  # [_Gather]
+        self.generic: list = []  # [(name, parameter)]: DTensor.full_tensor()
+        self.direct = None  # source name when the buffer is that source's bytes
+        self.zero_copy = False  # direct, and the parameter's own memory (no H2D)
         self.dests: list = []
         self.held = 0
         self.nparams = 0
         self.event = None
-        self.largest = (0, "")         # (bytes, name) of the largest source
-        self.fast = None               # zero copy: (Engine.prepare's task, parameter, is DTensor,
+        self.largest = (0, "")  # (bytes, name) of the largest source
+        self.fast = None  # zero copy: (Engine.prepare's task, parameter, is DTensor,
         #                                data_ptr, numel) -- the Sender's, made at the first push
 
 
@@ -308,15 +335,16 @@ class _Gather:
 
     def __init__(self, group, w, dtype):
         self.group, self.w, self.dtype = group, w, dtype
-        self.items: list = []          # [(name, parameter, padded rows per rank, local rows, rest, rows)]
-        self.sizes: list = []          # elements per rank of each item
+        self.items: list = []  # [(name, parameter, padded rows per rank, local rows, rest, rows)]
+        self.sizes: list = []  # elements per rank of each item
         self.total = 0
-        self.pads: list = []           # zero tensors padding uneven shards (made once)
+        self.pads: list = []  # zero tensors padding uneven shards (made once)
 
 
 def _is_whole(p) -> bool:
     """This rank holds all of `p`: a plain tensor, or a DTensor on a 1-rank mesh or replicated."""
     from torch.distributed.tensor import DTensor, Replicate
+
     if not isinstance(p, DTensor):
         return True
     if p.device_mesh.size() == 1 or all(type(pl) is Replicate for pl in p.placements):
@@ -326,6 +354,7 @@ def _is_whole(p) -> bool:
 
 def _local(p):
     from torch.distributed.tensor import DTensor
+
     return p._local_tensor if isinstance(p, DTensor) else p.detach()
 
 
@@ -333,6 +362,7 @@ def task_prep(op: TaskOp, device) -> TaskPrep:
     """Decide once how task `op` is prepared on this rank (see TaskPrep)."""
     import math
     import torch
+
     prep = TaskPrep(device)
     prep.nparams = len(op.sources)
     by_group: dict = {}
@@ -416,11 +446,12 @@ def zero_copy_task(op: TaskOp, device, transport, engine):
         local = fast[1]._local_tensor if fast[2] else fast[1]
         if local.data_ptr() == fast[3] and local.numel() == fast[4]:
             return fast[0]
-        prep = op.prep = task_prep(op, device)       # the memory moved: decide again
+        prep = op.prep = task_prep(op, device)  # the memory moved: decide again
     if not prep.zero_copy or not op.sends:
         return None
     import torch
     from torch.distributed.tensor import DTensor
+
     p = prep.whole[0][1]
     is_dt = isinstance(p, DTensor)
     local = p._local_tensor if is_dt else p
@@ -437,7 +468,8 @@ def run(prep: TaskPrep, op: TaskOp, device):
     stream): the packed uint8 buffer, the parameter's own bytes (zero copy), or None when
     this rank only takes part in the collectives."""
     import torch
-    if prep.zero_copy:                   # the parameter's own bytes: nothing to make
+
+    if prep.zero_copy:  # the parameter's own bytes: nothing to make
         return _local(prep.whole[0][1]).reshape(-1).view(torch.uint8)
     fulls, fresh = {}, set()
     for name, p in prep.whole:
@@ -469,6 +501,7 @@ def _gather_many(g: _Gather, fulls: dict, device) -> None:
     unshard: the local shards concatenated, padded to equal rows), then each source's whole
     tensor copied out of the gathered ranks in one kernel."""
     import torch
+
     parts, k = [], 0
     for name, p, c, rows, rest, n in g.items:
         local = _local(p)
@@ -488,8 +521,7 @@ def _gather_many(g: _Gather, fulls: dict, device) -> None:
         fulls[name] = full if n == g.w * c else full[:n]
         return
     outs = [torch.empty((g.w * c,) + rest, dtype=g.dtype, device=device) for _, _, c, _, rest, _ in g.items]
-    torch.split_with_sizes_copy(out.view(g.w, g.total), g.sizes, dim=1,
-                                out=[o.view(g.w, -1) for o in outs])
+    torch.split_with_sizes_copy(out.view(g.w, g.total), g.sizes, dim=1, out=[o.view(g.w, -1) for o in outs])
     del out
     for (name, p, c, rows, rest, n), o in zip(g.items, outs):
         fulls[name] = o if n == g.w * c else o[:n]

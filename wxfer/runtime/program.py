@@ -15,6 +15,7 @@ Stages of one task (the native Engine owns the queues, the watermark and the ord
   4. (in the sender) an asynchronous gloo barrier after the last full_tensor() of a
      mesh group, waited for before the next group's first collective.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,21 +29,33 @@ from .receiver import decode_param_descriptor
 def get_preset(mapping):
     """A wxfer.mapping.Preset from a preset name, a Preset, or a Hugging Face config dict."""
     from ..mapping import Preset, from_config, get_preset as _get
+
     if isinstance(mapping, Preset):
         return mapping
     if isinstance(mapping, str):
         return _get(mapping)
     if isinstance(mapping, dict):
         return from_config(mapping.get("name_or_path", "custom"), mapping)
-    raise TypeError(f"wxfer: mapping must be a preset name, a wxfer.mapping.Preset or an HF config dict, "
-                    f"got {type(mapping).__name__}")
+    raise TypeError(
+        f"wxfer: mapping must be a preset name, a wxfer.mapping.Preset or an HF config dict, "
+        f"got {type(mapping).__name__}"
+    )
 
 
 def train_metadata(model) -> list[dict]:
     """This rank's view of the training parameters (JSON-able)."""
     from ..meta import from_fsdp_model
-    return [dict(name=p.name, shape=list(p.shape), dtype=p.dtype, meshes=[list(m) for m in p.meshes],
-                 placements=list(p.placements)) for p in from_fsdp_model(model)]
+
+    return [
+        dict(
+            name=p.name,
+            shape=list(p.shape),
+            dtype=p.dtype,
+            meshes=[list(m) for m in p.meshes],
+            placements=list(p.placements),
+        )
+        for p in from_fsdp_model(model)
+    ]
 
 
 def merge_train_metadata(per_rank: list[list[dict]]):
@@ -50,6 +63,7 @@ def merge_train_metadata(per_rank: list[list[dict]]):
     is producible by the union of the meshes the ranks report.  Returns (TrainParams,
     problems)."""
     from ..meta import TrainParam
+
     merged: dict[str, dict] = {}
     problems = []
     for rank, params in enumerate(per_rank):
@@ -59,8 +73,10 @@ def merge_train_metadata(per_rank: list[list[dict]]):
                 merged[p["name"]] = dict(p, meshes={tuple(m) for m in p["meshes"]}, seen=[rank])
                 continue
             if q["shape"] != p["shape"] or q["dtype"] != p["dtype"]:
-                problems.append(f"training parameter {p['name']}: rank {q['seen'][0]} has {q['shape']} {q['dtype']}, "
-                                f"rank {rank} has {p['shape']} {p['dtype']}")
+                problems.append(
+                    f"training parameter {p['name']}: rank {q['seen'][0]} has {q['shape']} {q['dtype']}, "
+                    f"rank {rank} has {p['shape']} {p['dtype']}"
+                )
             q["meshes"] |= {tuple(m) for m in p["meshes"]}
             q["seen"].append(rank)
     out = []
@@ -69,8 +85,9 @@ def merge_train_metadata(per_rank: list[list[dict]]):
         if q["placements"] == ["Replicate()"] and all(len(m) == 1 for m in meshes):
             # a plain tensor: only ranks that reported it can produce it
             meshes = [(r,) for r in sorted(set(q["seen"]))]
-        out.append(TrainParam(n, tuple(q["shape"]), q["dtype"], tuple(tuple(m) for m in meshes),
-                              tuple(q["placements"])))
+        out.append(
+            TrainParam(n, tuple(q["shape"]), q["dtype"], tuple(tuple(m) for m in meshes), tuple(q["placements"]))
+        )
     return out, problems
 
 
@@ -79,6 +96,7 @@ def build_controller_plan(train_params, workers_meta: list[dict], mapping, max_t
     from ..meta import from_inference_worker
     from ..plan import build_plan
     from .receiver import _unb64
+
     preset = get_preset(mapping)
     workers = []
     quant = None
@@ -86,8 +104,11 @@ def build_controller_plan(train_params, workers_meta: list[dict], mapping, max_t
         named = [(n, _Shape(s, d)) for n, (s, d) in m["params"].items()]
         if any(d == "float8_e4m3fn" for _, (s, d) in m["params"].items()):
             quant = "fp8"
-        workers.append(from_inference_worker(named, m["replica"], m["rank"], m["tp"], m["ep"],
-                                             {n: _unb64(d) for n, d in m["desc"].items()}, m["gpu"]))
+        workers.append(
+            from_inference_worker(
+                named, m["replica"], m["rank"], m["tp"], m["ep"], {n: _unb64(d) for n, d in m["desc"].items()}, m["gpu"]
+            )
+        )
     plan = build_plan(train_params, workers, preset, quant=quant, max_task_bytes=max_task_bytes)
     plan.check_deadlock_free()
     return plan
@@ -105,12 +126,14 @@ def plan_to_bytes(plan) -> bytes:
 
 def plan_from_bytes(data: bytes):
     from ..plan import Plan
+
     return Plan.from_bytes(data)
 
 
 def receivers_of(plan) -> dict[int, list[int]]:
     """gpu -> sorted trainer ranks writing to it."""
     import numpy as np
+
     out: dict[int, list[int]] = {int(g): [] for g in plan.gpu_of.reshape(-1)}
     if plan.n_transfers:
         pairs = np.unique(np.stack([plan.gpu, plan.sender], 1), axis=0)
@@ -126,13 +149,13 @@ def receivers_of(plan) -> dict[int, list[int]]:
 class TaskOp:
     task: int
     name: str
-    sources: list                 # [(name, parameter)] in the task's order
-    shards: list                  # [Shard] in packed order (src offsets contiguous from 0)
-    dests: list                   # [(region descriptor, dst offset, src offset, nbytes)]
-    nbytes: int                   # packed buffer size
+    sources: list  # [(name, parameter)] in the task's order
+    shards: list  # [Shard] in packed order (src offsets contiguous from 0)
+    dests: list  # [(region descriptor, dst offset, src offset, nbytes)]
+    nbytes: int  # packed buffer size
     gpus: set = field(default_factory=set)
-    idx: object = None            # the plan's transfer indices of this task on this rank
-    prep: object = None           # wxfer.runtime.prepare.TaskPrep (made once by the Sender)
+    idx: object = None  # the plan's transfer indices of this task on this rank
+    prep: object = None  # wxfer.runtime.prepare.TaskPrep (made once by the Sender)
 
     @property
     def sends(self) -> bool:
@@ -142,8 +165,8 @@ class TaskOp:
 @dataclass
 class RankProgram:
     rank: int
-    groups: list                  # [[TaskOp]] per mesh group (possibly empty lists)
-    gpus: list                    # receivers this rank writes to
+    groups: list  # [[TaskOp]] per mesh group (possibly empty lists)
+    gpus: list  # receivers this rank writes to
     bytes_per_step: int
 
     @staticmethod
@@ -157,8 +180,9 @@ class RankProgram:
                 task = plan.tasks[t]
                 missing = [s for s in task.sources if s not in params]
                 if missing:
-                    raise KeyError(f"wxfer: trainer rank {rank} takes part in task {task.name} but does not "
-                                   f"hold {missing}")
+                    raise KeyError(
+                        f"wxfer: trainer rank {rank} takes part in task {task.name} but does not hold {missing}"
+                    )
                 packed = plan.packed_shards(rank, t)
                 shards, off = [], 0
                 for o, sh in packed:
@@ -169,8 +193,7 @@ class RankProgram:
                 dests, tg, n = _dests(plan, idx, decoded)
                 total += n
                 gpus |= tg
-                ops.append(TaskOp(t, task.name, [(s, params[s]) for s in task.sources], shards, dests, off, tg,
-                                  idx))
+                ops.append(TaskOp(t, task.name, [(s, params[s]) for s in task.sources], shards, dests, off, tg, idx))
             groups.append(ops)
         return RankProgram(rank, groups, sorted(gpus), total)
 
@@ -184,7 +207,7 @@ class RankProgram:
             for op in ops:
                 if gpu in op.gpus:
                     op.dests, op.gpus, _ = _dests(plan, op.idx, decoded)
-                    op.prep = None            # its destinations changed: prepared again
+                    op.prep = None  # its destinations changed: prepared again
                     n += 1
         return n
 
@@ -196,8 +219,7 @@ def _dests(plan, idx, decoded) -> tuple[list, set, int]:
         gpu = int(plan.gpu[i])
         key = plan.descriptors.get((gpu, plan.names[plan.dst[i]]))
         if key is None:
-            raise KeyError(f"wxfer: the plan has no descriptor for {plan.names[plan.dst[i]]} on "
-                           f"inference gpu {gpu}")
+            raise KeyError(f"wxfer: the plan has no descriptor for {plan.names[plan.dst[i]]} on inference gpu {gpu}")
         if key not in decoded:
             decoded[key] = decode_param_descriptor(key)
         rdesc, base = decoded[key]
@@ -205,5 +227,3 @@ def _dests(plan, idx, decoded) -> tuple[list, set, int]:
         tg.add(gpu)
         total += int(plan.nbytes[i])
     return dests, tg, total
-
-

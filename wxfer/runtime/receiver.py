@@ -21,10 +21,10 @@ begin equals its end, else -1 (some sender is writing, or gave up, or died, mid-
 trainer that gives up on this worker (or on a step) records it there, so a worker the
 trainers dropped learns it at its next ``state()`` / ``wait_version()``.
 """
+
 from __future__ import annotations
 
 import base64
-import json
 import os
 import socket
 import struct
@@ -50,7 +50,7 @@ def decode_param_descriptor(data: bytes) -> tuple[bytes, int]:
     if len(data) < _DESC_HEAD.size + 1:
         raise ValueError("wxfer: parameter descriptor too short (%d bytes)" % len(data))
     (off,) = _DESC_HEAD.unpack_from(data)
-    return bytes(data[_DESC_HEAD.size:]), off
+    return bytes(data[_DESC_HEAD.size :]), off
 
 
 def _b64(b: bytes) -> str:
@@ -72,6 +72,7 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
     "fabric"; host memory -> "fabric" with provider $WXFER_FABRIC_PROVIDER (default tcp).
     $WXFER_TRANSPORT overrides "auto"."""
     from .. import _wxfer
+
     opts = dict(options or {})
     if transport == "auto":
         transport = os.environ.get("WXFER_TRANSPORT", "auto")
@@ -83,11 +84,15 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
                 transport = name
                 break
         else:
-            raise SetupError("wxfer: no usable transport for %s memory: %s" % (device_type, "; ".join(
-                "%s: %s" % (n, avail.get(n, (False, "unknown"))[1]) for n in order)))
+            raise SetupError(
+                "wxfer: no usable transport for %s memory: %s"
+                % (device_type, "; ".join("%s: %s" % (n, avail.get(n, (False, "unknown"))[1]) for n in order))
+            )
     elif not avail.get(transport, (False, "unknown transport"))[0]:
-        raise SetupError("wxfer: transport %r is not usable here: %s"
-                         % (transport, avail.get(transport, (False, "unknown transport"))[1]))
+        raise SetupError(
+            "wxfer: transport %r is not usable here: %s"
+            % (transport, avail.get(transport, (False, "unknown transport"))[1])
+        )
     if transport == "fabric":
         opts.setdefault("provider", os.environ.get("WXFER_FABRIC_PROVIDER", "tcp"))
         if os.environ.get("WXFER_IFACE"):
@@ -98,6 +103,7 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
 def _storage_base(t):
     """A uint8 tensor over the whole storage of `t` (shares its memory)."""
     import torch
+
     st = t.untyped_storage()
     base = torch.empty(0, dtype=torch.uint8, device=t.device)
     base.set_(st, 0, (st.nbytes(),), (1,))
@@ -108,14 +114,20 @@ class _CudaRange:
     """A raw CUDA address range as a __cuda_array_interface__ producer."""
 
     def __init__(self, addr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
-                                         "version": 3, "strides": None}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (addr, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 def _segment_bases(tensors):
     """{storage ptr: (segment base tensor, segment address)} for CUDA tensors, from the caching
     allocator's snapshot; storages not found in a segment are left out."""
     import torch
+
     segs = []
     for s in torch.cuda.memory_snapshot():
         segs.append((int(s["address"]), int(s["total_size"]), int(s["device"])))
@@ -152,16 +164,30 @@ class Receiver:
     the constructor waits (bounded by `timeout`) for that next push.
     """
 
-    def __init__(self, named_parameters, mapping=None, store=None, replica: int = 0, rank: int = 0,
-                 tp: int = 1, replicas: int = 1, ep: bool = False, transport: str = "auto",
-                 transport_options: dict | None = None, name: str = "default",
-                 timeout: float = control.DEFAULT_TIMEOUT, register: str = "auto",
-                 stamp_slots: int = 1024, verify: bool | None = None, secret=None):
+    def __init__(
+        self,
+        named_parameters,
+        mapping=None,
+        store=None,
+        replica: int = 0,
+        rank: int = 0,
+        tp: int = 1,
+        replicas: int = 1,
+        ep: bool = False,
+        transport: str = "auto",
+        transport_options: dict | None = None,
+        name: str = "default",
+        timeout: float = control.DEFAULT_TIMEOUT,
+        register: str = "auto",
+        stamp_slots: int = 1024,
+        verify: bool | None = None,
+        secret=None,
+    ):
         import torch
         from .. import _wxfer
+
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
-            raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} "
-                             "is out of range")
+            raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} is out of range")
         items = list(named_parameters.items() if hasattr(named_parameters, "items") else named_parameters)
         self.params = {}
         for n, t in items:
@@ -169,8 +195,10 @@ class Receiver:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"wxfer.Receiver: parameter {n} is a {type(t).__name__}, not a tensor")
             if not t.is_contiguous():
-                raise ValueError(f"wxfer.Receiver: parameter {n} is not contiguous; one-sided writes "
-                                 "fill parameters as flat byte ranges")
+                raise ValueError(
+                    f"wxfer.Receiver: parameter {n} is not contiguous; one-sided writes "
+                    "fill parameters as flat byte ranges"
+                )
             if n in self.params:
                 raise ValueError(f"wxfer.Receiver: parameter {n} listed twice")
             self.params[n] = t
@@ -184,14 +212,14 @@ class Receiver:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
         self.device = devs.pop()
         self.mapping_name = _mapping_name(mapping)
-        self.ctl = Control(control.resolve_store(store, False, timeout), name, timeout,
-                           secret=control.job_secret(secret))
-        self.transport_name, self.transport_options = transport_choice(
-            transport, self.device.type, transport_options)
+        self.ctl = Control(
+            control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
+        )
+        self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
         self.transport = _wxfer.Transport(self.transport_name, self.transport_options)
         self.regions = []
-        self.region_base = {}     # region descriptor -> uint8 tensor over it (verify mode)
-        self.param_range = {}     # name -> (region descriptor, offset, nbytes)
+        self.region_base = {}  # region descriptor -> uint8 tensor over it (verify mode)
+        self.param_range = {}  # name -> (region descriptor, offset, nbytes)
         self.verifier = None
         self._closed = False
         self.senders = []
@@ -202,6 +230,7 @@ class Receiver:
             self._publish()
             self._handshakes()
             from .verify import Checker, verify_enabled
+
             if verify_enabled(verify):
                 self.verifier = Checker(self)
                 self.verifier.start()
@@ -212,6 +241,7 @@ class Receiver:
     # ------------------------------------------------------------------ setup
     def _register(self, mode: str, stamp_slots: int) -> None:
         import torch
+
         tensors = list(self.params.values())
         seg = {}
         self.register_mode = "storages"
@@ -223,7 +253,7 @@ class Receiver:
                 if mode == "segments":
                     raise SetupError(f"wxfer.Receiver: reading the CUDA allocator segments: {e}") from e
                 self.register_mode = f"storages (segments unavailable: {type(e).__name__}: {e})"
-        by_base = {}    # base address -> (region, base address)
+        by_base = {}  # base address -> (region, base address)
         self.param_desc = {}
         t0 = time.perf_counter()
         for n, t in self.params.items():
@@ -238,8 +268,10 @@ class Receiver:
                 try:
                     reg = self.transport.register(base, export=True)
                 except Exception as e:
-                    raise SetupError(f"wxfer.Receiver gpu {self.gpu}: registering the memory of {n} "
-                                     f"({base.numel()} bytes on {t.device}): {e}") from e
+                    raise SetupError(
+                        f"wxfer.Receiver gpu {self.gpu}: registering the memory of {n} "
+                        f"({base.numel()} bytes on {t.device}): {e}"
+                    ) from e
                 self.regions.append(reg)
                 self.region_base[bytes(reg.descriptor)] = base
                 by_base[addr] = (reg, addr)
@@ -259,22 +291,34 @@ class Receiver:
 
     def _publish(self) -> None:
         meta = dict(
-            gpu=self.gpu, replica=self.replica, rank=self.rank, tp=self.tp, replicas=self.replicas,
-            ep=self.ep, mapping=self.mapping_name, transport=self.transport_name,
-            options=self.transport_options, export=_b64(self.transport.export()),
+            gpu=self.gpu,
+            replica=self.replica,
+            rank=self.rank,
+            tp=self.tp,
+            replicas=self.replicas,
+            ep=self.ep,
+            mapping=self.mapping_name,
+            transport=self.transport_name,
+            options=self.transport_options,
+            export=_b64(self.transport.export()),
             params={n: [list(t.shape), _dtype_name(t.dtype)] for n, t in self.params.items()},
             desc={n: _b64(d) for n, d in self.param_desc.items()},
-            stamp=_b64(self.stamp_region.descriptor), stamp_slots=self.stamp_slots,
+            stamp=_b64(self.stamp_region.descriptor),
+            stamp_slots=self.stamp_slots,
             stamp_begin=8 * self.stamp_slots,
-            host=socket.gethostname(), pid=os.getpid(), device=str(self.device))
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=str(self.device),
+        )
         # one worker per (replica, rank): during setup a second one is refused, and so is the
         # whole setup; once the trainers' setup is through, a new one is a restart: it
         # replaces the previous one at the trainers' next push()
         self.epoch = 0
         if self.ctl.add("infer/claim/%d" % self.gpu, 1) > 1:
             if self.ctl.check("status"):
-                control.decode_result(self.ctl.get("status", "the trainers' setup status"),
-                                      "trainer rank 0 (controller)")
+                control.decode_result(
+                    self.ctl.get("status", "the trainers' setup status"), "trainer rank 0 (controller)"
+                )
                 self.epoch = self.ctl.add("infer/epoch/%d" % self.gpu, 1)
                 meta["epoch"] = self.epoch
                 self.ctl.set_json("infer/%d/e%d" % (self.gpu, self.epoch), meta)
@@ -282,25 +326,30 @@ class Receiver:
                 return
             self.ctl.set_json("infer/dup/%d" % self.gpu, dict(host=meta["host"], pid=meta["pid"]))
             self.ctl.add("infer/dups", 1)
-            raise SetupError(f"wxfer.Receiver: replica {self.replica} rank {self.rank} (gpu {self.gpu}) is "
-                             f"already registered by another inference worker; this one "
-                             f"({meta['host']} pid {meta['pid']}) is refused")
+            raise SetupError(
+                f"wxfer.Receiver: replica {self.replica} rank {self.rank} (gpu {self.gpu}) is "
+                f"already registered by another inference worker; this one "
+                f"({meta['host']} pid {meta['pid']}) is refused"
+            )
         self.ctl.set_json("infer/%d" % self.gpu, meta)
         self.ctl.add("infer/count", 1)
 
     def _handshakes(self) -> None:
         if self.epoch:
             return self._rejoin_handshakes()
-        st = self.ctl.get("status", "the trainers' plan (trainer rank 0 builds it once every "
-                                    "inference worker has published)")
+        st = self.ctl.get(
+            "status", "the trainers' plan (trainer rank 0 builds it once every inference worker has published)"
+        )
         self.ctl.add("status/acks", 1)
         control.decode_result(st, "trainer rank 0 (controller)")
         lay = self.ctl.get_json("layout", "the inference layout the trainers planned for", 5)
         if (lay["replicas"], lay["tp"]) != (self.replicas, self.tp) or self.gpu >= lay["workers"]:
-            raise SetupError(f"wxfer.Receiver gpu {self.gpu}: this worker says replica {self.replica} of "
-                             f"{self.replicas}, rank {self.rank} of tp={self.tp}, but the trainers planned for "
-                             f"replicas={lay['replicas']} tp={lay['tp']} (from inference worker gpu 0): the "
-                             "inference workers disagree on the layout")
+            raise SetupError(
+                f"wxfer.Receiver gpu {self.gpu}: this worker says replica {self.replica} of "
+                f"{self.replicas}, rank {self.rank} of tp={self.tp}, but the trainers planned for "
+                f"replicas={lay['replicas']} tp={lay['tp']} (from inference worker gpu 0): the "
+                "inference workers disagree on the layout"
+            )
         senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
         for r in senders:
             control.target_accept(self.ctl, self.transport, r, self.gpu)
@@ -322,13 +371,17 @@ class Receiver:
             delay = 0.005
             while not self.ctl.check(req):
                 if self.ctl.check(refused):
-                    raise SetupError(f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} "
-                                     f"rank {self.rank}): refused by the trainers: "
-                                     + self.ctl.get(refused, "the trainers' refusal").decode(errors="replace"))
+                    raise SetupError(
+                        f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} "
+                        f"rank {self.rank}): refused by the trainers: "
+                        + self.ctl.get(refused, "the trainers' refusal").decode(errors="replace")
+                    )
                 if time.monotonic() > deadline:
-                    raise SetupError(f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} rank "
-                                     f"{self.rank}): trainer rank {r} did not connect within {self.timeout:.0f} s "
-                                     "(the trainers pick up a restarted worker at their next push())")
+                    raise SetupError(
+                        f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} rank "
+                        f"{self.rank}): trainer rank {r} did not connect within {self.timeout:.0f} s "
+                        "(the trainers pick up a restarted worker at their next push())"
+                    )
                 time.sleep(delay)
                 delay = min(2 * delay, 0.1)
             control.target_accept(self.ctl, self.transport, r, self.gpu, epoch=self.epoch)
@@ -340,7 +393,7 @@ class Receiver:
         read after an equal end means that sender was not writing when its end was read."""
         n = len(self.senders)
         end = self.stamps[:n].tolist()
-        begin = self.stamps[self.stamp_slots:self.stamp_slots + n].tolist()
+        begin = self.stamps[self.stamp_slots : self.stamp_slots + n].tolist()
         return end, begin
 
     def version(self) -> int:
@@ -361,8 +414,11 @@ class Receiver:
         base = "torn/%d/e%d" % (self.gpu, self.epoch)
         try:
             n = self.ctl.add(base, 0)
-            return [self.ctl.get_json("%s/%d" % (base, i), "a trainer's record of giving up", 5)
-                    for i in range(1, n + 1) if self.ctl.check("%s/%d" % (base, i))]
+            return [
+                self.ctl.get_json("%s/%d" % (base, i), "a trainer's record of giving up", 5)
+                for i in range(1, n + 1)
+                if self.ctl.check("%s/%d" % (base, i))
+            ]
         except Exception:  # noqa: BLE001 -- the store is gone
             return None
 
@@ -380,8 +436,16 @@ class Receiver:
         ``message`` says it in one line.  Reads the store (one round trip) only when a trainer
         has recorded giving up on this worker or some sender is mid-step."""
         if not self.senders:
-            return dict(state="complete", version=-1, step=None, ranks=[], why="", for_s=0.0,
-                        final=False, message=f"inference worker gpu {self.gpu}: no push yet")
+            return dict(
+                state="complete",
+                version=-1,
+                step=None,
+                ranks=[],
+                why="",
+                for_s=0.0,
+                final=False,
+                message=f"inference worker gpu {self.gpu}: no push yet",
+            )
         end, begin = self._stamps()
         busy = [(r, b) for r, b, e in zip(self.senders, begin, end) if b != e]
         now = time.monotonic()
@@ -392,38 +456,73 @@ class Receiver:
             self._marks_checked, self._last_marks = now, self._marks()
         marks = self._last_marks
         if marks is None:
-            if busy:       # nobody left to finish the step: the trainers' store is gone
+            if busy:  # nobody left to finish the step: the trainers' store is gone
                 step = max(b for _, b in busy)
-                return dict(state="torn", version=-1, step=step, ranks=[r for r, _ in busy], for_s=now - first,
-                            final=True, why="the trainers' store cannot be reached (the trainer hosting it died?)",
-                            message=f"inference worker gpu {self.gpu}: torn since step {step}: trainer rank(s) "
-                                    f"{[r for r, _ in busy]} did not finish it and the trainers' store cannot "
-                                    "be reached (the trainer hosting it died?)")
+                return dict(
+                    state="torn",
+                    version=-1,
+                    step=step,
+                    ranks=[r for r, _ in busy],
+                    for_s=now - first,
+                    final=True,
+                    why="the trainers' store cannot be reached (the trainer hosting it died?)",
+                    message=f"inference worker gpu {self.gpu}: torn since step {step}: trainer rank(s) "
+                    f"{[r for r, _ in busy]} did not finish it and the trainers' store cannot "
+                    "be reached (the trainer hosting it died?)",
+                )
             marks = []
         endof = dict(zip(self.senders, end))
-        live = [m for m in marks if (m.get("writer") is None and busy) or
-                (m.get("writer") in endof and endof[m["writer"]] < m["step"])]
+        live = [
+            m
+            for m in marks
+            if (m.get("writer") is None and busy) or (m.get("writer") in endof and endof[m["writer"]] < m["step"])
+        ]
         where = f"inference worker gpu {self.gpu} (replica {self.replica} rank {self.rank})"
         if live:
             m = min(live, key=lambda m: m["step"])
             why = "; ".join(sorted({x["why"] for x in live}))
             kind = "torn" if busy else "dropped"
             final = any(x.get("final", True) for x in live)
-            msg = (f"{where}: torn since step {m['step']}: {why}" + ("" if final else
-                   " (the trainers go on: their next push to this worker rewrites it)") if busy else
-                   f"{where}: dropped by the trainers at step {m['step']} ({why}); it holds step {v} "
-                   "complete and is not written again until it is restarted")
-            return dict(state=kind, version=v, step=m["step"], ranks=sorted({x.get("writer") for x in live},
-                                                                             key=str),
-                        why=why, for_s=now - first, final=final, message=msg)
+            msg = (
+                f"{where}: torn since step {m['step']}: {why}"
+                + ("" if final else " (the trainers go on: their next push to this worker rewrites it)")
+                if busy
+                else f"{where}: dropped by the trainers at step {m['step']} ({why}); it holds step {v} "
+                "complete and is not written again until it is restarted"
+            )
+            return dict(
+                state=kind,
+                version=v,
+                step=m["step"],
+                ranks=sorted({x.get("writer") for x in live}, key=str),
+                why=why,
+                for_s=now - first,
+                final=final,
+                message=msg,
+            )
         if busy:
             step = max(b for _, b in busy)
-            return dict(state="writing", version=-1, step=step, ranks=[r for r, _ in busy], why="",
-                        for_s=now - first, final=False,
-                        message=f"{where}: step {step} being written by trainer rank(s) "
-                                f"{[r for r, _ in busy]} (for {now - first:.1f} s)")
-        return dict(state="complete", version=v, step=v, ranks=[], why="", for_s=0.0,
-                    final=False, message=f"{where}: step {v} complete")
+            return dict(
+                state="writing",
+                version=-1,
+                step=step,
+                ranks=[r for r, _ in busy],
+                why="",
+                for_s=now - first,
+                final=False,
+                message=f"{where}: step {step} being written by trainer rank(s) "
+                f"{[r for r, _ in busy]} (for {now - first:.1f} s)",
+            )
+        return dict(
+            state="complete",
+            version=v,
+            step=v,
+            ranks=[],
+            why="",
+            for_s=0.0,
+            final=False,
+            message=f"{where}: step {v} complete",
+        )
 
     def wait_version(self, version: int, timeout: float = 60.0) -> int:
         """Poll (bounded) until version() >= `version`; returns it.  Raises TornError as soon
@@ -446,16 +545,24 @@ class Receiver:
                 st = self.state()
                 end, _ = self._stamps()
                 late = [r for r, s in zip(self.senders, end) if s < version]
-                raise TimeoutError(f"wxfer.Receiver gpu {self.gpu}: version {v} after {timeout:.0f} s, "
-                                   f"waiting for {version}; trainer ranks not done: {late}; {st['message']}")
+                raise TimeoutError(
+                    f"wxfer.Receiver gpu {self.gpu}: version {v} after {timeout:.0f} s, "
+                    f"waiting for {version}; trainer ranks not done: {late}; {st['message']}"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
 
     def stats(self) -> dict:
-        return dict(gpu=self.gpu, regions=self.n_regions, register_mode=self.register_mode,
-                    params=len(self.params), register_s=self.register_s,
-                    bytes=sum(t.numel() * t.element_size() for t in self.params.values()),
-                    transport=self.transport_name, senders=list(self.senders))
+        return dict(
+            gpu=self.gpu,
+            regions=self.n_regions,
+            register_mode=self.register_mode,
+            params=len(self.params),
+            register_s=self.register_s,
+            bytes=sum(t.numel() * t.element_size() for t in self.params.values()),
+            transport=self.transport_name,
+            senders=list(self.senders),
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -481,8 +588,10 @@ class Receiver:
         self.close()
 
     def __repr__(self):
-        return (f"<wxfer.Receiver replica {self.replica} rank {self.rank}/{self.tp} {len(self.params)} params "
-                f"{self.transport_name}>")
+        return (
+            f"<wxfer.Receiver replica {self.replica} rank {self.rank}/{self.tp} {len(self.params)} params "
+            f"{self.transport_name}>"
+        )
 
 
 def _mapping_name(mapping) -> str:

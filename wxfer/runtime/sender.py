@@ -23,6 +23,7 @@ all-reduce of a flag per push, are joined on every path).  One push() at a time 
 Sender: a second one from another thread is refused.  An inference worker restarted since
 the last push is connected and written from this push on.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,8 @@ from .receiver import _b64, _unb64, decode_param_descriptor, transport_choice
 from .verify import verify_enabled
 
 
-STAMP_TAG = 1 << 62     # engine tag of the version-stamp writes (plan tasks use their index)
-FAST_BATCH = 32         # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
+STAMP_TAG = 1 << 62  # engine tag of the version-stamp writes (plan tasks use their index)
+FAST_BATCH = 32  # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
 
 
 def task_bound(watermark: int) -> int:
@@ -53,6 +54,7 @@ def _parse_size(v) -> int:
     if isinstance(v, int):
         return v
     from .. import _wxfer
+
     return int(_wxfer.parse_size(str(v)))
 
 
@@ -69,12 +71,12 @@ class PushHandle:
         return self._done
 
     def wait(self, timeout: float | None = None) -> float:
-        with self._s._lock:            # one thread finishes a step; another waits for it
+        with self._s._lock:  # one thread finishes a step; another waits for it
             if not self._done:
                 try:
                     self._s._finish(self, timeout)
                 finally:
-                    self._done = True      # a failed step is reported once, not again by the next push
+                    self._done = True  # a failed step is reported once, not again by the next push
         return self.seconds
 
 
@@ -95,12 +97,25 @@ class Sender(FaultsMixin):
     a store writer without it can neither redirect nor inject writes.
     """
 
-    def __init__(self, model, mapping, store=None, transport: str = "auto", watermark="2GiB",
-                 name: str = "default", timeout: float = control.DEFAULT_TIMEOUT, device=None,
-                 transport_options: dict | None = None, host_store: bool | None = None,
-                 write_timeout: float = 30.0, store_bind: str | None = None, secret=None):
+    def __init__(
+        self,
+        model,
+        mapping,
+        store=None,
+        transport: str = "auto",
+        watermark="2GiB",
+        name: str = "default",
+        timeout: float = control.DEFAULT_TIMEOUT,
+        device=None,
+        transport_options: dict | None = None,
+        host_store: bool | None = None,
+        write_timeout: float = 30.0,
+        store_bind: str | None = None,
+        secret=None,
+    ):
         import torch
         import torch.distributed as dist
+
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.timeout = float(timeout)
@@ -109,24 +124,30 @@ class Sender(FaultsMixin):
         self._pending = None
         self._sums = self._last_sums = self.last_verify = None
         self._verify = False
-        self._lock = threading.RLock()     # push() / PushHandle.wait(): one step at a time
+        self._lock = threading.RLock()  # push() / PushHandle.wait(): one step at a time
         self._marked = set()
         self._epoch = {}
         self.engine = self.transport = None
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.group = control.gloo_group(timeout)
         if host_store is None:
             host_store = self.rank == 0 and store is None
-        elif host_store not in (True, False):      # 1 / 0 are accepted as True / False
+        elif host_store not in (True, False):  # 1 / 0 are accepted as True / False
             raise TypeError(f"wxfer.Sender: host_store must be True, False or None, got {host_store!r}")
         host_store = bool(host_store)
-        self.ctl = Control(control.resolve_store(store, host_store, timeout, bind=store_bind), name, timeout,
-                           secret=control.job_secret(secret))
+        self.ctl = Control(
+            control.resolve_store(store, host_store, timeout, bind=store_bind),
+            name,
+            timeout,
+            secret=control.job_secret(secret),
+        )
         self._store_host = host_store
-        self._hosted = store is None or host_store   # a trainer process hosts the store
+        self._hosted = store is None or host_store  # a trainer process hosts the store
         self.mapping = mapping
         self.watermark = _parse_size(watermark)
         self.last_submit_s = None
@@ -137,7 +158,7 @@ class Sender(FaultsMixin):
         try:
             self.ctl.set_json("train/%d/mapping" % self.rank, mapping_digest(mapping))
             if hasattr(model, "reshard"):
-                model.reshard()   # FSDP2: the sharded DTensor parameters, even after a no-grad forward
+                model.reshard()  # FSDP2: the sharded DTensor parameters, even after a no-grad forward
             self.params = {n: p for n, p in model.named_parameters()}
             self.ctl.set_json("train/%d" % self.rank, program.train_metadata(model))
         except Exception as e:  # noqa: BLE001
@@ -156,7 +177,7 @@ class Sender(FaultsMixin):
         data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)")
         if self.rank:
             self.ctl.add("plan/acks", 1)
-            if data[:2] == control.ERR:   # torchrun ends rank 0 once this rank exits: wait for the receivers
+            if data[:2] == control.ERR:  # torchrun ends rank 0 once this rank exits: wait for the receivers
                 self._linger(None, 0, "status/acks", None)
         self.plan = program.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
         # ---- 3. this rank's program, transport, connections
@@ -171,18 +192,20 @@ class Sender(FaultsMixin):
         err = None
         try:
             self._connect(transport, transport_options, watermark)
-            if self.rank == 0:      # a worker that registered after the plan was built, outside its layout
+            if self.rank == 0:  # a worker that registered after the plan was built, outside its layout
                 n = len(program.receivers_of(self.plan))
                 late = self.ctl.add("infer/count", 0) - n
                 if late > 0:
-                    raise SetupError(f"{late} inference worker(s) registered beyond the {n} the plan is for "
-                                     "(the inference workers disagree on replicas/tp; see their own errors)")
+                    raise SetupError(
+                        f"{late} inference worker(s) registered beyond the {n} the plan is for "
+                        "(the inference workers disagree on replicas/tp; see their own errors)"
+                    )
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"
         try:
             control.agree(self.group, err, self.rank, "connecting to the inference workers")
         except SetupError as e:
-            if self.rank == 0:     # the receivers learn it too (they wait for this key)
+            if self.rank == 0:  # the receivers learn it too (they wait for this key)
                 self.ctl.set("setup", control.encode_result(None, str(e)))
             # every rank waits for the receivers to read it: the store lives in rank 0, and a
             # launcher (torchrun) ends rank 0 as soon as another rank exits
@@ -194,51 +217,65 @@ class Sender(FaultsMixin):
     def _controller(self, mapping) -> None:
         ctl = self.ctl
         try:
-            per_rank = [ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}")
-                        for r in range(self.world)]
+            per_rank = [
+                ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}") for r in range(self.world)
+            ]
             train, problems = program.merge_train_metadata(per_rank)
-            digests = [ctl.get_json("train/%d/mapping" % r, f"the mapping of trainer rank {r}")
-                       for r in range(self.world)]
-            problems = list(problems) + [f"trainer rank {r} was given mapping {d['name']!r} (digest {d['sha'][:12]}), "
-                                         f"rank 0 {digests[0]['name']!r} (digest {digests[0]['sha'][:12]})"
-                                         for r, d in enumerate(digests) if d != digests[0]]
+            digests = [
+                ctl.get_json("train/%d/mapping" % r, f"the mapping of trainer rank {r}") for r in range(self.world)
+            ]
+            problems = list(problems) + [
+                f"trainer rank {r} was given mapping {d['name']!r} (digest {d['sha'][:12]}), "
+                f"rank 0 {digests[0]['name']!r} (digest {digests[0]['sha'][:12]})"
+                for r, d in enumerate(digests)
+                if d != digests[0]
+            ]
             if problems:
                 raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
             first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
             n = first["replicas"] * first["tp"]
             self._tp = first["tp"]
             self._wait_workers(n)
-            workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}")
-                                 for g in range(1, n)]
+            workers = [first] + [
+                ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}") for g in range(1, n)
+            ]
             probs = []
-            extra = ctl.add("infer/count", 0) - n      # registered beyond gpu 0's layout
+            extra = ctl.add("infer/count", 0) - n  # registered beyond gpu 0's layout
             for g in range(n, n + max(0, extra) + 8):
                 if extra > 0 and ctl.check("infer/%d" % g):
                     w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
-                    probs.append(f"inference worker gpu {g} (replica {w['replica']} of {w['replicas']}, rank "
-                                 f"{w['rank']} of tp={w['tp']}) lies outside gpu 0's layout replicas="
-                                 f"{first['replicas']} tp={first['tp']} ({n} workers)")
+                    probs.append(
+                        f"inference worker gpu {g} (replica {w['replica']} of {w['replicas']}, rank "
+                        f"{w['rank']} of tp={w['tp']}) lies outside gpu 0's layout replicas="
+                        f"{first['replicas']} tp={first['tp']} ({n} workers)"
+                    )
             pname = getattr(program.get_preset(mapping), "name", "")
             for w in workers:
                 if w["mapping"] and pname and w["mapping"] != pname:
-                    probs.append(f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, "
-                                 f"the trainers {pname!r}")
+                    probs.append(
+                        f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, the trainers {pname!r}"
+                    )
                 if (w["transport"], w["options"]) != (first["transport"], first["options"]):
-                    probs.append(f"inference worker gpu {w['gpu']} registered with {w['transport']} "
-                                 f"{w['options']}, gpu 0 with {first['transport']} {first['options']}")
+                    probs.append(
+                        f"inference worker gpu {w['gpu']} registered with {w['transport']} "
+                        f"{w['options']}, gpu 0 with {first['transport']} {first['options']}"
+                    )
                 if (w["replicas"], w["tp"]) != (first["replicas"], first["tp"]):
-                    probs.append(f"inference worker gpu {w['gpu']}: replicas={w['replicas']} tp={w['tp']}, "
-                                 f"gpu 0 says replicas={first['replicas']} tp={first['tp']}")
+                    probs.append(
+                        f"inference worker gpu {w['gpu']}: replicas={w['replicas']} tp={w['tp']}, "
+                        f"gpu 0 says replicas={first['replicas']} tp={first['tp']}"
+                    )
             if probs:
                 raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
-            plan = program.build_controller_plan(train, workers, mapping,
-                                                 max_task_bytes=task_bound(self.watermark))
-            plan.check()     # every destination byte written exactly once, by one sender, in range
+            plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=task_bound(self.watermark))
+            plan.check()  # every destination byte written exactly once, by one sender, in range
             senders = program.receivers_of(plan)
             for w in workers:
                 if len(senders[w["gpu"]]) > w["stamp_slots"]:
-                    raise SetupError(f"inference worker gpu {w['gpu']} has {w['stamp_slots']} version "
-                                     f"stamp slots but {len(senders[w['gpu']])} trainers write to it")
+                    raise SetupError(
+                        f"inference worker gpu {w['gpu']} has {w['stamp_slots']} version "
+                        f"stamp slots but {len(senders[w['gpu']])} trainers write to it"
+                    )
             blob = program.plan_to_bytes(plan)
         except Exception as e:  # noqa: BLE001 -- every rank and every receiver learns it
             msg = f"{type(e).__name__}: {e}"
@@ -269,21 +306,30 @@ class Sender(FaultsMixin):
             if (dup_seen is not None and (have >= n or now - dup_seen > 1.0)) or now > deadline:
                 probs = []
                 for g in range(n):
-                    if len(probs) >= 20:       # gpu 0 may claim a huge layout: name the first 20
-                        probs.append(f"... (gpu 0 says replicas={n // max(1, self._tp)} tp={self._tp}: "
-                                     f"{n} workers, {have} registered)")
+                    if len(probs) >= 20:  # gpu 0 may claim a huge layout: name the first 20
+                        probs.append(
+                            f"... (gpu 0 says replicas={n // max(1, self._tp)} tp={self._tp}: "
+                            f"{n} workers, {have} registered)"
+                        )
                         break
                     if ctl.check("infer/dup/%d" % g):
                         d = ctl.get_json("infer/dup/%d" % g, "a duplicate worker's note", 1)
                         w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
-                        probs.append(f"inference worker gpu {g} (replica {g // max(1, self._tp)} rank "
-                                     f"{g % max(1, self._tp)}) registered twice: {w['host']} pid {w['pid']} "
-                                     f"and {d['host']} pid {d['pid']}")
+                        probs.append(
+                            f"inference worker gpu {g} (replica {g // max(1, self._tp)} rank "
+                            f"{g % max(1, self._tp)}) registered twice: {w['host']} pid {w['pid']} "
+                            f"and {d['host']} pid {d['pid']}"
+                        )
                     elif not ctl.check("infer/%d" % g):
-                        probs.append(f"inference worker gpu {g} (replica {g // max(1, self._tp)} rank "
-                                     f"{g % max(1, self._tp)}) has not registered")
-                head = ("inference workers registered twice or missing" if dups else
-                        f"waited {self.timeout:.0f} s for the {n} inference workers' metadata, {have} arrived")
+                        probs.append(
+                            f"inference worker gpu {g} (replica {g // max(1, self._tp)} rank "
+                            f"{g % max(1, self._tp)}) has not registered"
+                        )
+                head = (
+                    "inference workers registered twice or missing"
+                    if dups
+                    else f"waited {self.timeout:.0f} s for the {n} inference workers' metadata, {have} arrived"
+                )
                 raise SetupError(head + ":\n  " + "\n  ".join(probs))
             time.sleep(delay)
             delay = min(delay * 2, 0.1)
@@ -291,6 +337,7 @@ class Sender(FaultsMixin):
     def _connect(self, transport, transport_options, watermark) -> None:
         from .. import _wxfer
         import torch
+
         self.program = program.RankProgram.from_plan(self.plan, self.rank, self.params)
         senders = program.receivers_of(self.plan)
         # every gpu this rank writes to (data and version stamp)
@@ -304,8 +351,9 @@ class Sender(FaultsMixin):
             tname, topts = names.pop()
             topts = dict(json.loads(topts), **(transport_options or {}))
             if transport not in ("auto", tname):
-                raise SetupError(f"transport={transport!r} but the inference workers registered their "
-                                 f"memory with {tname!r}")
+                raise SetupError(
+                    f"transport={transport!r} but the inference workers registered their memory with {tname!r}"
+                )
         else:
             tname, topts = transport_choice(transport, self.device.type, transport_options)
         topts.pop("iface", None)
@@ -313,23 +361,25 @@ class Sender(FaultsMixin):
             topts["iface"] = os.environ["WXFER_IFACE"]
         if tname == "cuda_ipc":
             import socket
+
             far = sorted(g for g, w in self.workers.items() if w.get("host") != socket.gethostname())
             if far:
-                raise SetupError(f"transport cuda_ipc joins GPUs of one host, but inference worker gpu {far[0]} is on "
-                                 f"{self.workers[far[0]].get('host')!r} and trainer rank {self.rank} on "
-                                 f"{socket.gethostname()!r}; give the receivers transport='verbs' or 'fabric' "
-                                 "(or set WXFER_TRANSPORT there)")
+                raise SetupError(
+                    f"transport cuda_ipc joins GPUs of one host, but inference worker gpu {far[0]} is on "
+                    f"{self.workers[far[0]].get('host')!r} and trainer rank {self.rank} on "
+                    f"{socket.gethostname()!r}; give the receivers transport='verbs' or 'fabric' "
+                    "(or set WXFER_TRANSPORT there)"
+                )
         self.transport_name = tname
         self.transport = _wxfer.Transport(tname, topts)
         # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
-        self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout,
-                                    isolate=True)
+        self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout, isolate=True)
         self.stamp_src = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.begin_src = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._stamp_dest = {}
         self._begin_dest = {}
         self.peers = {}
-        for g, w in self.workers.items():      # all requests first, then the replies
+        for g, w in self.workers.items():  # all requests first, then the replies
             self.peers[g] = control.writer_request(self.ctl, self.transport, self.rank, g, _unb64(w["export"]))
         for g, w in self.workers.items():
             control.writer_finish(self.ctl, self.transport, self.rank, g, self.peers[g])
@@ -342,14 +392,15 @@ class Sender(FaultsMixin):
         self._gpu_of_region = {r: g for g, w in self.workers.items() for r in _regions(w)}
         self._epoch = {g: 0 for g in self.workers}
         self._rejoins_seen = 0
-        self._refused = {}           # gpu -> why its restarted worker was not taken (reported once)
-        self.rejoined = 0            # restarted workers taken so far
+        self._refused = {}  # gpu -> why its restarted worker was not taken (reported once)
+        self.rejoined = 0  # restarted workers taken so far
 
     def _prepare_tasks(self) -> None:
         """Per task, once: how its sources are gathered, zero copy or not, what it holds
         (prepare.TaskPrep); warn about a parameter the watermark cannot hold.  (A zero-copy
         task's source is registered at the first push: prepare.zero_copy_task.)"""
         import warnings
+
         over = []
         for ops in self.program.groups:
             for op in ops:
@@ -358,10 +409,13 @@ class Sender(FaultsMixin):
                 if self.watermark and op.sends and op.prep.held and nb > self.watermark:
                     over.append((nb, name, op.prep.held))
         for nb, name, held in sorted(over, reverse=True)[:20]:
-            warnings.warn(f"wxfer: training parameter {name} ({nb} bytes) is larger than the watermark "
-                          f"({self.watermark} bytes) on trainer rank {self.rank}: its task ({held} bytes) is "
-                          "admitted alone, so a push's extra GPU memory can reach the watermark plus that "
-                          "task's buffer", stacklevel=3)
+            warnings.warn(
+                f"wxfer: training parameter {name} ({nb} bytes) is larger than the watermark "
+                f"({self.watermark} bytes) on trainer rank {self.rank}: its task ({held} bytes) is "
+                "admitted alone, so a push's extra GPU memory can reach the watermark plus that "
+                "task's buffer",
+                stacklevel=3,
+            )
 
     @property
     def stamp_dests(self) -> list:
@@ -392,8 +446,9 @@ class Sender(FaultsMixin):
     def _adopt(self, g: int, e: int) -> None:
         old = self.workers[g]
         # bounded by write_timeout: a restarted worker that died again must not stall the push longer
-        w = self.ctl.get_json("infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}",
-                              self.write_timeout)
+        w = self.ctl.get_json(
+            "infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}", self.write_timeout
+        )
         probs = []
         for k in ("transport", "options", "mapping", "replicas", "tp", "replica", "rank", "ep"):
             if w.get(k) != old.get(k):
@@ -401,16 +456,27 @@ class Sender(FaultsMixin):
         for name in sorted(set(old["params"]) | set(w["params"])):
             a, b = old["params"].get(name), w["params"].get(name)
             if a != b:
-                probs.append(f"{name}: " + ("missing" if b is None else "not in the plan" if a is None
-                                            else f"shape/dtype {b}, the plan has {a}"))
+                probs.append(
+                    f"{name}: "
+                    + (
+                        "missing"
+                        if b is None
+                        else "not in the plan"
+                        if a is None
+                        else f"shape/dtype {b}, the plan has {a}"
+                    )
+                )
         slot = self._stamp_dest[g][1] // 8
         if w["stamp_slots"] <= slot:
             probs.append(f"{w['stamp_slots']} version stamp slots, trainer rank {self.rank} needs slot {slot}")
         if probs:
-            raise SetupError(f"restarted inference worker gpu {g} ({w['host']} pid {w['pid']}) does not match "
-                             "the one it replaces:\n    " + "\n    ".join(probs))
-        peer = control.writer_connect(self.ctl, self.transport, self.rank, g, _unb64(w["export"]),
-                                      self.write_timeout, epoch=e)
+            raise SetupError(
+                f"restarted inference worker gpu {g} ({w['host']} pid {w['pid']}) does not match "
+                "the one it replaces:\n    " + "\n    ".join(probs)
+            )
+        peer = control.writer_connect(
+            self.ctl, self.transport, self.rank, g, _unb64(w["export"]), self.write_timeout, epoch=e
+        )
         # the new worker's memory: its descriptors into the plan, this rank's tasks for it
         for name, d in w["desc"].items():
             self.plan.descriptors[(g, name)] = _unb64(d)
@@ -418,7 +484,7 @@ class Sender(FaultsMixin):
         for r in _regions(old):
             self._gpu_of_region.pop(r, None)
         self._gpu_of_region.update((r, g) for r in _regions(w))
-        self._gpu_of_peer.pop(self.peers[g], None)   # the old peer's writes (if any) stay abandoned
+        self._gpu_of_peer.pop(self.peers[g], None)  # the old peer's writes (if any) stay abandoned
         self.peers[g] = peer
         self._gpu_of_peer[peer] = g
         self._stamp_dest[g] = (_unb64(w["stamp"]), self._stamp_dest[g][1], 0, 8)
@@ -440,9 +506,11 @@ class Sender(FaultsMixin):
         they landed ask every receiver written to for the checksum of what it holds there;
         any mismatch raises wxfer.runtime.verify.VerifyError naming the worker, parameter and bytes."""
         if not self._lock.acquire(blocking=False):
-            raise RuntimeError(f"wxfer: trainer rank {self.rank}: push() called while another push() (or "
-                               "PushHandle.wait()) of this Sender is running in another thread; one step at "
-                               "a time (the trainer ranks' collectives and the version stamps are per step)")
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}: push() called while another push() (or "
+                "PushHandle.wait()) of this Sender is running in another thread; one step at "
+                "a time (the trainer ranks' collectives and the version stamps are per step)"
+            )
         try:
             return self._push(async_op, version, verify)
         finally:
@@ -450,6 +518,7 @@ class Sender(FaultsMixin):
 
     def _push(self, async_op, version, verify):
         import torch
+
         if self._pending is not None and not self._pending.done():
             self._pending.wait()
         self._verify = verify_enabled(verify)
@@ -457,23 +526,22 @@ class Sender(FaultsMixin):
         self.version = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
         self._adopt_rejoins()
-        keep = []          # CUDA events must outlive the engine's wait on them
+        keep = []  # CUDA events must outlive the engine's wait on them
         barrier = None
         ev = None
-        at = (0, -1)       # (mesh group, task) reached: a failure drains the collectives from there
+        at = (0, -1)  # (mesh group, task) reached: a failure drains the collectives from there
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            ev = torch.cuda.Event()           # what the zero-copy writes wait for
+            ev = torch.cuda.Event()  # what the zero-copy writes wait for
             ev.record(self.stream)
             keep.append(ev)
         try:
             self._write_begin(self.version)
-            with torch.no_grad(), (torch.cuda.stream(self.stream) if self.stream is not None
-                                   else _nullcontext()):
+            with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
                 for gi, ops in enumerate(self.program.groups):
                     if barrier is not None:
                         barrier.wait(self.timeout)
-                    batch = []         # zero-copy tasks, handed to the engine in one call
+                    batch = []  # zero-copy tasks, handed to the engine in one call
                     for oi, op in enumerate(ops):
                         at = (gi, oi)
                         fast = self._fast_task(op)
@@ -484,7 +552,7 @@ class Sender(FaultsMixin):
                                 batch = []
                             continue
                         if batch:
-                            at = (gi, oi - 1)    # a failure here: task oi's collectives are still to drain
+                            at = (gi, oi - 1)  # a failure here: task oi's collectives are still to drain
                             self._submit_fast(batch, ev)
                             batch = []
                             at = (gi, oi)
@@ -493,18 +561,26 @@ class Sender(FaultsMixin):
                         self._submit_fast(batch, ev)
                     # stage 4: the barrier overlaps this group's writes
                     at = (gi, len(ops))
-                    barrier = control.Barrier(self.group, f"the barrier after mesh group {gi} "
-                                                          f"(trainer rank {self.rank}, step {self.version})")
+                    barrier = control.Barrier(
+                        self.group, f"the barrier after mesh group {gi} (trainer rank {self.rank}, step {self.version})"
+                    )
                     at = (gi + 1, -1)
         except Exception as e:
             own = f"{type(e).__name__}: {e}"
-            self._mark(set(self.workers) - self._dropped(), self.version,
-                       f"trainer rank {self.rank} gave up on step {self.version} half written: {own}", final=False)
+            self._mark(
+                set(self.workers) - self._dropped(),
+                self.version,
+                f"trainer rank {self.rank} gave up on step {self.version} half written: {own}",
+                final=False,
+            )
             self._join_failed(e, own, barrier, at)
             raise
-        except BaseException as e:       # KeyboardInterrupt, SystemExit: record, no collectives
-            self._mark(set(self.workers) - self._dropped(), self.version, f"trainer rank {self.rank} stopped in step {self.version}: "
-                                                   f"{type(e).__name__}")
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: record, no collectives
+            self._mark(
+                set(self.workers) - self._dropped(),
+                self.version,
+                f"trainer rank {self.rank} stopped in step {self.version}: {type(e).__name__}",
+            )
             raise
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
@@ -532,9 +608,11 @@ class Sender(FaultsMixin):
         try:
             self.engine.submit(src, list(dests.values()), tag=STAMP_TAG)
         except Exception as e:
-            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "
-                               f"to inference workers {sorted(dests)} were refused: "
-                               + str(e).replace(f"(tag {STAMP_TAG})", "(the version stamps)")) from e
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "
+                f"to inference workers {sorted(dests)} were refused: "
+                + str(e).replace(f"(tag {STAMP_TAG})", "(the version stamps)")
+            ) from e
 
     def _fast_task(self, op):
         """The engine's prepared task of a zero-copy task (prepare.zero_copy_task), or None;
@@ -563,7 +641,7 @@ class Sender(FaultsMixin):
         if prep is None:
             prep = op.prep = prepare.task_prep(op, self.device)
         if not op.sends:
-            prepare.run(prep, op, self.device)          # the collectives only
+            prepare.run(prep, op, self.device)  # the collectives only
             return
         held = prep.held
         t_admit = self.engine.reserve(held)
@@ -576,6 +654,7 @@ class Sender(FaultsMixin):
                 else:
                     if prep.event is None:
                         import torch
+
                         prep.event = torch.cuda.Event()
                     ev = prep.event
                     ev.record(self.stream)
@@ -585,17 +664,19 @@ class Sender(FaultsMixin):
             self.engine.unreserve(held)
             raise
         if ev is not None:
-            self.engine.submit(buf, prep.dests, event=ev.cuda_event, device=self.device.index, tag=op.task,
-                               held=held, reserved=t_admit)
+            self.engine.submit(
+                buf, prep.dests, event=ev.cuda_event, device=self.device.index, tag=op.task, held=held, reserved=t_admit
+            )
         else:
             self.engine.submit(buf, prep.dests, tag=op.task, held=held, reserved=t_admit)
 
     def _checksum(self, op, buf, dests) -> None:
         from .verify import crc
+
         flat = buf.reshape(-1).view(__import__("torch").uint8)
         for rdesc, doff, soff, n in dests:
             g = self._gpu_of_region[bytes(rdesc)]
-            self._sums.setdefault(g, []).append((_b64(rdesc), int(doff), int(n), crc(flat[soff:soff + n]), op.name))
+            self._sums.setdefault(g, []).append((_b64(rdesc), int(doff), int(n), crc(flat[soff : soff + n]), op.name))
 
     def verify(self, timeout: float | None = None) -> dict:
         """Check again that every receiver holds what the last push sent (checksums of the
@@ -603,16 +684,24 @@ class Sender(FaultsMixin):
         if not self._last_sums:
             raise RuntimeError("wxfer: Sender.verify() needs a previous push(verify=True)")
         from .verify import request
-        return request(self.ctl, self.rank, self.version, self._last_sums, self.workers,
-                       self.write_timeout if timeout is None else timeout)
+
+        return request(
+            self.ctl,
+            self.rank,
+            self.version,
+            self._last_sums,
+            self.workers,
+            self.write_timeout if timeout is None else timeout,
+        )
 
     def _wait_engine(self, timeout, what) -> None:
         try:
             self.engine.wait(timeout=timeout)
         except Exception as e:
             self.engine.clear_error()
-            raise RuntimeError(f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: "
-                               f"{self._describe(e)}") from e
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: {self._describe(e)}"
+            ) from e
 
     def _describe(self, err: BaseException) -> str:
         """The user's message for an engine failure: the engine's own, and from its fields
@@ -629,8 +718,10 @@ class Sender(FaultsMixin):
 
     def _worker_name(self, g: int) -> str:
         w = self.workers.get(g, {})
-        return (f"inference worker gpu {g} (replica {w.get('replica')} rank {w.get('rank')}, "
-                f"{w.get('host')} pid {w.get('pid')})")
+        return (
+            f"inference worker gpu {g} (replica {w.get('replica')} rank {w.get('rank')}, "
+            f"{w.get('host')} pid {w.get('pid')})"
+        )
 
     def _failed_workers(self) -> dict:
         """{gpu: reason} of the receivers whose writes failed or were late (the engine skips
@@ -638,7 +729,7 @@ class Sender(FaultsMixin):
         out = {}
         for err in self.engine.failed_peers():
             if err.peer not in self._gpu_of_peer:
-                continue                  # a worker since replaced by its restart
+                continue  # a worker since replaced by its restart
             out[self._gpu_of_peer[err.peer]] = f"{self._describe(err)} (errno {err.errno})"
         return out
 
@@ -648,15 +739,22 @@ class Sender(FaultsMixin):
             own = self._finish_writes(h, timeout)
         except Exception as e:  # noqa: BLE001 -- joined with the other ranks below, then raised
             exc, own = e, f"{type(e).__name__}: {e}"
-            self._mark(set(self.workers) - self._dropped(), h.version,
-                       f"trainer rank {self.rank} gave up on step {h.version}: {own}", final=False)
+            self._mark(
+                set(self.workers) - self._dropped(),
+                h.version,
+                f"trainer rank {self.rank} gave up on step {h.version}: {own}",
+                final=False,
+            )
         if h._barrier is not None:
             try:
                 h._barrier.wait(self.timeout)
             except Exception as e:
-                self._mark(program.receivers_of(self.plan), h.version,
-                           f"a trainer rank other than {self.rank} died or hung in step {h.version} ({e})",
-                           writer=None)
+                self._mark(
+                    program.receivers_of(self.plan),
+                    h.version,
+                    f"a trainer rank other than {self.rank} died or hung in step {h.version} ({e})",
+                    writer=None,
+                )
                 raise control.CollectiveError(f"{e}" + (f"\n(and this rank: {own})" if own else "")) from exc
         # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
         others = self._failures_elsewhere(own)
@@ -664,7 +762,8 @@ class Sender(FaultsMixin):
             raise exc
         if own is not None or others:
             msg = f"wxfer: trainer rank {self.rank}, step {h.version}: " + (
-                own if own is not None else "this rank's writes all landed, but")
+                own if own is not None else "this rank's writes all landed, but"
+            )
             msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
             raise RuntimeError(msg) from exc
         h.seconds = time.perf_counter() - h._t0
@@ -692,27 +791,38 @@ class Sender(FaultsMixin):
             new = set(failed) - self._dropped()
             self._dropped_gpus = self._dropped() | set(failed)
             for g in sorted(new):
-                self._mark([g], h.version, f"trainer rank {self.rank} gave up on its writes of step {h.version} "
-                                           f"here and skips this worker from now on: {failed[g]}")
+                self._mark(
+                    [g],
+                    h.version,
+                    f"trainer rank {self.rank} gave up on its writes of step {h.version} "
+                    f"here and skips this worker from now on: {failed[g]}",
+                )
         refused, self._refused = self._refused, {}
         own = None
         if failed or refused:
             self._sums = None
             parts = []
             if failed:
-                parts.append(f"the writes to {len(failed)} inference worker(s) failed; they are skipped from now "
-                             "on (a restarted one is taken at the next push):\n  "
-                             + "\n  ".join(f"{self._worker_name(g)}: {why}" for g, why in sorted(failed.items())))
+                parts.append(
+                    f"the writes to {len(failed)} inference worker(s) failed; they are skipped from now "
+                    "on (a restarted one is taken at the next push):\n  "
+                    + "\n  ".join(f"{self._worker_name(g)}: {why}" for g, why in sorted(failed.items()))
+                )
             if refused:
-                parts.append(f"{len(refused)} restarted inference worker(s) refused (the one in place, if alive, "
-                             "is still written):\n  "
-                             + "\n  ".join(f"inference worker gpu {g}: {why}" for g, why in sorted(refused.items())))
+                parts.append(
+                    f"{len(refused)} restarted inference worker(s) refused (the one in place, if alive, "
+                    "is still written):\n  "
+                    + "\n  ".join(f"inference worker gpu {g}: {why}" for g, why in sorted(refused.items()))
+                )
             ok = sorted(set(self.workers) - set(failed))
-            own = ("\n".join(parts) + f"\nthe other workers ({ok}) received every byte of step {h.version} "
-                   "and its version stamp")
+            own = (
+                "\n".join(parts) + f"\nthe other workers ({ok}) received every byte of step {h.version} "
+                "and its version stamp"
+            )
         if own is None and self._sums is not None:
             self._last_sums, self._sums = self._sums, None
             from .verify import request
+
             self.last_verify = request(self.ctl, self.rank, h.version, self._last_sums, self.workers, t)
         return own
 
@@ -723,17 +833,22 @@ class Sender(FaultsMixin):
             return []
         import torch
         import torch.distributed as dist
-        from datetime import timedelta
+
         flag = torch.tensor([0 if own is None else 1], dtype=torch.int32)
         work = dist.all_reduce(flag, group=self.group, async_op=True)
         try:
             control.wait_work(work, self.timeout, f"the failure flag of step {self.version} (trainer rank {self.rank})")
         except Exception as e:
-            self._mark(program.receivers_of(self.plan), self.version,
-                       f"a trainer rank other than {self.rank} died or hung in step {self.version} ({e})",
-                       writer=None)
-            raise control.CollectiveError(f"wxfer: trainer rank {self.rank}, step {self.version}: the other trainer ranks "
-                               f"did not finish the step within {self.timeout:.0f} s: {e}") from e
+            self._mark(
+                program.receivers_of(self.plan),
+                self.version,
+                f"a trainer rank other than {self.rank} died or hung in step {self.version} ({e})",
+                writer=None,
+            )
+            raise control.CollectiveError(
+                f"wxfer: trainer rank {self.rank}, step {self.version}: the other trainer ranks "
+                f"did not finish the step within {self.timeout:.0f} s: {e}"
+            ) from e
         if int(flag.item()) == 0:
             return []
         reports = [None] * self.world
@@ -754,19 +869,27 @@ class Sender(FaultsMixin):
         """Host time of the push loop's stages 1-2 per task and per parameter, from the
         engine trace (default: the records so far; wxfer.runtime.trace.host_times)."""
         from .trace import host_times
+
         recs = self.trace() if records is None else records
         return host_times(recs, self.task_params, skip_tags={STAMP_TAG})
 
     def write_trace(self, path: str) -> None:
         from .trace import write_chrome
+
         write_chrome(self.trace(), path, pid=self.rank, name=f"wxfer trainer rank {self.rank}")
 
     def stats(self) -> dict:
         s = dict(self.engine.stats())
-        s.update(rank=self.rank, bytes_per_step=self.bytes_per_step, receivers=list(self.workers),
-                 rejoined=self.rejoined, last_submit_s=self.last_submit_s,
-                 transport=self.transport_name, setup_s=self.setup_s,
-                 quantizer=_quantizer_stats(self.device))
+        s.update(
+            rank=self.rank,
+            bytes_per_step=self.bytes_per_step,
+            receivers=list(self.workers),
+            rejoined=self.rejoined,
+            last_submit_s=self.last_submit_s,
+            transport=self.transport_name,
+            setup_s=self.setup_s,
+            quantizer=_quantizer_stats(self.device),
+        )
         return s
 
     def close(self) -> None:
@@ -781,7 +904,7 @@ class Sender(FaultsMixin):
         for ops in getattr(getattr(self, "program", None), "groups", ()):
             for op in ops:
                 if op.prep is not None:
-                    op.prep.fast = None    # the zero-copy Regions, released before their transport
+                    op.prep.fast = None  # the zero-copy Regions, released before their transport
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -797,6 +920,7 @@ def _quantizer_stats(device) -> dict:
     """Which FP8 quantizer ran last in this process and why (fp8.last()), else which one would
     run on `device` (without compiling the kernel just for this), with the call counts."""
     from . import fp8
+
     d = fp8.info(device, probe=False)
     ran = fp8.last()
     if ran is not None:
@@ -811,9 +935,11 @@ def _regions(worker: dict) -> set:
 
 def _nullcontext():
     import contextlib
+
     return contextlib.nullcontext()
 
 
 def torch_sync(device) -> None:
     import torch
+
     torch.cuda.synchronize(device)

@@ -7,12 +7,13 @@ the Sender reserved before preparing it (``Engine.reserve``) was admitted first:
 t_admit .. t_submit is the host time of its stages 1-2 (``prepare``).
 Open the file at ui.perfetto.dev or chrome://tracing.
 """
+
 from __future__ import annotations
 
 import json
 
 STAGES = (
-    ("prepare", "t_admit", "t_submit"),      # reserved tasks only: admitted, then prepared
+    ("prepare", "t_admit", "t_submit"),  # reserved tasks only: admitted, then prepared
     ("admit", "t_submit", "t_admit"),
     ("ready", "t_admit", "t_ready"),
     ("post", "t_ready", "t_post_last"),
@@ -31,18 +32,24 @@ def to_chrome(records, pid: int = 0, name: str = "wxfer") -> dict:
     """Turn engine trace records into a Chrome trace dict (``traceEvents``)."""
     events = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}]
     for tid, (stage, _, _) in enumerate(STAGES):
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                       "args": {"name": stage}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": stage}})
     t0 = min((min(r["t_submit"], r["t_admit"] or r["t_submit"]) for r in records), default=0)
     for r in records:
         for tid, (stage, a, b) in enumerate(STAGES):
             lo, hi = _span(r, stage, a, b)
             if lo and hi and hi >= lo and not (stage == "prepare" and hi == lo):
-                events.append({
-                    "ph": "X", "name": "task %d" % r["tag"], "cat": stage, "pid": pid,
-                    "tid": tid, "ts": (lo - t0) / 1e3, "dur": (hi - lo) / 1e3,
-                    "args": {"bytes": r["bytes"], "held": r["held"], "status": r["status"]},
-                })
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": "task %d" % r["tag"],
+                        "cat": stage,
+                        "pid": pid,
+                        "tid": tid,
+                        "ts": (lo - t0) / 1e3,
+                        "dur": (hi - lo) / 1e3,
+                        "args": {"bytes": r["bytes"], "held": r["held"], "status": r["status"]},
+                    }
+                )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -64,8 +71,14 @@ def host_times(records, params_of: dict | None = None, skip_tags=()) -> dict:
         return dict(tasks=0, params=0, host_s=0.0, per_task_us=0.0, per_param_us=0.0, median_task_us=0.0)
     tot = sum(hs) / 1e9
     srt = sorted(hs)
-    return dict(tasks=len(hs), params=nparams, host_s=tot, per_task_us=tot / len(hs) * 1e6,
-                per_param_us=tot / max(1, nparams) * 1e6, median_task_us=srt[len(srt) // 2] / 1e3)
+    return dict(
+        tasks=len(hs),
+        params=nparams,
+        host_s=tot,
+        per_task_us=tot / len(hs) * 1e6,
+        per_param_us=tot / max(1, nparams) * 1e6,
+        median_task_us=srt[len(srt) // 2] / 1e3,
+    )
 
 
 def write_chrome(records, path: str, **kw) -> None:

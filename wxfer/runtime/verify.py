@@ -12,6 +12,7 @@ recomputes the CRC-32 of those bytes in its own memory and answers under
 ``verify/res/<rank>/<gpu>/<seq>`` with the mismatches, by parameter.  The trainer waits for
 every answer (bounded) and raises VerifyError with the report.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,18 +56,25 @@ def request(ctl, rank: int, version: int, sums: dict, workers: dict, timeout: fl
     for g, seq in seqs.items():
         w = workers.get(g, {})
         who = f"inference worker gpu {g} (replica {w.get('replica')} rank {w.get('rank')})"
-        rep = ctl.get_json("verify/res/%d/%d/%d" % (rank, g, seq),
-                           f"the verify answer of {who} (is it running with verify on: "
-                           "Receiver(verify=True) or WXFER_VERIFY=1?)", timeout)
+        rep = ctl.get_json(
+            "verify/res/%d/%d/%d" % (rank, g, seq),
+            f"the verify answer of {who} (is it running with verify on: Receiver(verify=True) or WXFER_VERIFY=1?)",
+            timeout,
+        )
         out[g] = rep
         for m in rep["mismatch"]:
-            bad.append(f"{who}: {m['param']} bytes [{m['start']}, {m['end']}) (plan task {m['task']}): "
-                       f"sent crc32 {m['sent']:08x}, landed {m['landed']:08x}")
+            bad.append(
+                f"{who}: {m['param']} bytes [{m['start']}, {m['end']}) (plan task {m['task']}): "
+                f"sent crc32 {m['sent']:08x}, landed {m['landed']:08x}"
+            )
         for e in rep.get("errors", []):
             bad.append(f"{who}: {e}")
     if bad:
-        raise VerifyError(f"wxfer: verify failed for trainer rank {rank}, step {version}: "
-                          f"{len(bad)} mismatch(es):\n  " + "\n  ".join(bad), out)
+        raise VerifyError(
+            f"wxfer: verify failed for trainer rank {rank}, step {version}: "
+            f"{len(bad)} mismatch(es):\n  " + "\n  ".join(bad),
+            out,
+        )
     return out
 
 
@@ -91,6 +99,7 @@ class Checker:
 
     def check(self, req: dict) -> dict:
         import base64
+
         mism, errors, checked = [], [], 0
         for rd64, off, n, sent, task in req["writes"]:
             rdesc = base64.b64decode(rd64)
@@ -98,7 +107,7 @@ class Checker:
             if base is None or off < 0 or off + n > base.numel():
                 errors.append(f"write [{off}, {off + n}) (plan task {task}) is not inside a region registered here")
                 continue
-            got = crc(base[off:off + n])
+            got = crc(base[off : off + n])
             checked += n
             if got != sent:
                 for name, a, b in self._locate(rdesc, off, n) or [("<no parameter>", off, off + n)]:
@@ -128,6 +137,7 @@ class Checker:
                     if self._stop.is_set():
                         return
                     time.sleep(0.5)
+
         self._thread = threading.Thread(target=run, name=f"wxfer-verify-gpu{self.r.gpu}", daemon=True)
         self._thread.start()
 

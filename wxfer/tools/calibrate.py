@@ -17,6 +17,7 @@ process), on the GPU when torch.cuda is available, else on the CPU:
 Prints the calibration (``--json``: one JSON object last); ``--out FILE`` writes it for
 ``python -m wxfer plan --calibration FILE`` and `wxfer.plan.calibrate.load`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ _TIMEOUT = 60.0
 def _sync(dev):
     if dev.type == "cuda":
         import torch
+
         torch.cuda.synchronize(dev)
 
 
@@ -56,7 +58,8 @@ def _timed(fn, dev, iters: int) -> float:
 def _quantizer():
     """(name, fn(bf16 2-D tensor)) of the quantizer the runtime uses."""
     try:
-        from ..runtime import fp8 as _fp8          # the native one-pass kernel, where built
+        from ..runtime import fp8 as _fp8  # the native one-pass kernel, where built
+
         qi = _fp8.quantize_into
     except Exception as e:  # noqa: BLE001 -- not there: the reference
         why = f"wxfer.runtime.fp8.quantize_into unavailable ({type(e).__name__})"
@@ -69,11 +72,10 @@ def _quantizer():
             # the packing's own call: fp8 bytes then the float32 scales, in one uint8 buffer
             rows, cols = w.shape
             nq = rows * cols
-            out = torch.empty(nq + 4 * (-(-rows // 128)) * (-(-cols // 128)), dtype=torch.uint8,
-                              device=w.device)
+            out = torch.empty(nq + 4 * (-(-rows // 128)) * (-(-cols // 128)), dtype=torch.uint8, device=w.device)
             kind = qi(out, [(w, 0, nq)])
             return out, kind
-        import torch
+
         probe = torch.ones(128, 128, dtype=torch.bfloat16)
         try:
             native(probe)
@@ -81,18 +83,20 @@ def _quantizer():
         except Exception as e:  # noqa: BLE001
             why = f"wxfer.runtime.fp8.quantize_into(out, jobs) failed: {type(e).__name__}: {e}"
     from ..mapping.reference import quantize_fp8_block
+
     return "wxfer.mapping.reference.quantize_fp8_block (%s)" % why, quantize_fp8_block
 
 
 def measure_kernels(dev, quick: bool) -> dict:
     import torch
+
     name, q = _quantizer()
     n = 1024 if quick else (2048 if dev.type == "cpu" else 8192)
     w = torch.randn(n, n, device=dev).to(torch.bfloat16)
     iters = 3 if quick else 7
     t_big = _timed(lambda: q(w), dev, iters)
     if name == "wxfer.runtime.fp8.quantize_into":
-        name += " (%s)" % q(w)[1]          # which of its quantizers ran on this device
+        name += " (%s)" % q(w)[1]  # which of its quantizers ran on this device
     small = torch.randn(128, 128, device=dev).to(torch.bfloat16)
     t_small = _timed(lambda: q(small), dev, iters * 4)
     # t = launch + bytes / rate through the two sizes; bytes = BF16 read + FP8 written (as issue 13 counts)
@@ -102,8 +106,15 @@ def measure_kernels(dev, quick: bool) -> dict:
     src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
     # into fresh memory each time, as the packing does (one new buffer per task)
     t_copy = _timed(lambda: torch.empty_like(src).copy_(src), dev, iters)
-    return dict(quantizer=name, quant_GBps=rate / 1e9, pack_launch_s=launch, copy_GBps=2 * src.numel() / t_copy / 1e9,
-                quant_shape=[n, n], quant_s=t_big, quant_small_s=t_small)
+    return dict(
+        quantizer=name,
+        quant_GBps=rate / 1e9,
+        pack_launch_s=launch,
+        copy_GBps=2 * src.numel() / t_copy / 1e9,
+        quant_shape=[n, n],
+        quant_s=t_big,
+        quant_small_s=t_small,
+    )
 
 
 # --------------------------------------------------------------------------- the helper process
@@ -113,6 +124,7 @@ def _helper_main(conn, transport: str, opts: dict, size: int, device: str, ag: d
     """Rank 1 of the all-gather, and the write target (registered memory, answers the handshake)."""
     import torch
     from wxfer import _wxfer
+
     try:
         dev = torch.device(device)
         if dev.type == "cuda":
@@ -129,7 +141,7 @@ def _helper_main(conn, transport: str, opts: dict, size: int, device: str, ag: d
         if msg[0] == "accept":
             conn.send(("reply", t.accept(msg[1])))
         elif msg[0] == "allgather":
-            if t is not None:             # the writes are done: no transport threads during the all-gather
+            if t is not None:  # the writes are done: no transport threads during the all-gather
                 region.close()
                 t.close()
                 t = None
@@ -150,8 +162,14 @@ def _allgather_rank(rank: int, ag: dict, dev) -> dict:
     import torch.distributed as dist
     from datetime import timedelta
     from ..runtime.prepare import all_gather_single
-    dist.init_process_group(ag["backend"], init_method="tcp://127.0.0.1:%d" % ag["port"], rank=rank, world_size=2,
-                            timeout=timedelta(seconds=_TIMEOUT))
+
+    dist.init_process_group(
+        ag["backend"],
+        init_method="tcp://127.0.0.1:%d" % ag["port"],
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=_TIMEOUT),
+    )
     try:
         inps = {n: torch.ones(n, dtype=torch.uint8, device=dev) for n in ag["sizes"]}
         times = {n: [] for n in ag["sizes"]}
@@ -160,11 +178,11 @@ def _allgather_rank(rank: int, ag: dict, dev) -> dict:
             # rounds over every size, so that a burst of load elsewhere hits all sizes alike; each into a
             # fresh output, as full_tensor() does
             for n, inp in inps.items():
-                dist.barrier()                      # both ranks start together (not timed)
+                dist.barrier()  # both ranks start together (not timed)
                 t0 = time.perf_counter()
                 all_gather_single(torch.empty(2 * n, dtype=torch.uint8, device=dev), inp)
                 _sync(dev)
-                if it:                              # round 0 is the warm-up
+                if it:  # round 0 is the warm-up
                     times[n].append(time.perf_counter() - t0)
         out = {n: sorted(v)[len(v) // 2] for n, v in times.items()}
         return out
@@ -190,6 +208,7 @@ def measure_links(dev, quick: bool) -> dict:
     from ..runtime import control
     from ..runtime.receiver import transport_choice
     from ..testing import stop_process
+
     tname, opts = transport_choice("auto", dev.type)
     size = (8 << 20) if quick else (64 << 20)
     ngpu = torch.cuda.device_count() if dev.type == "cuda" else 0
@@ -218,20 +237,27 @@ def measure_links(dev, quick: bool) -> dict:
         def write(dests):
             eng.submit(region, dests, tag=0)
             eng.wait(timeout=_TIMEOUT)
+
         t_big = _timed(lambda: write([(desc, 0, 0, size)]), dev, iters)
         nsmall = 256
         small = [(desc, i * 4096, i * 4096, 4096) for i in range(nsmall)]
         t_small = _timed(lambda: write(small), dev, iters)
         rate = size / t_big
-        out.update(write_GBps=rate / 1e9, write_call_s=max(0.0, (t_small - nsmall * 4096 / rate) / nsmall),
-                   write_s=t_big, write_small_s=t_small, write_small_n=nsmall)
+        out.update(
+            write_GBps=rate / 1e9,
+            write_call_s=max(0.0, (t_small - nsmall * 4096 / rate) / nsmall),
+            write_s=t_big,
+            write_small_s=t_small,
+            write_small_n=nsmall,
+        )
         region.close()
         eng.close()
         t.close()
         if dev.type == "cuda" and ngpu < 2:
             # NCCL takes one rank per GPU; on one GPU the trainers' meshes have one rank (no collective)
-            out.update(allgather_backend="none (one GPU: NCCL needs a GPU per rank)", coll_call_s=0.0,
-                       allgather_GBps=None)
+            out.update(
+                allgather_backend="none (one GPU: NCCL needs a GPU per rank)", coll_call_s=0.0, allgather_GBps=None
+            )
             return out
         # the all-gather: this process is rank 0, the helper rank 1
         parent.send(("allgather",))
@@ -243,8 +269,12 @@ def measure_links(dev, quick: bool) -> dict:
         call = a[sizes[0]]
         big = sizes[1:]
         slope = sum(n * (a[n] - call) for n in big) / sum(n * n for n in big)
-        out.update(allgather_backend=ag["backend"], allgather_s={str(n): a[n] for n in sizes},
-                   coll_call_s=float(call), allgather_GBps=1.0 / max(float(slope), 1e-15) / 1e9)
+        out.update(
+            allgather_backend=ag["backend"],
+            allgather_s={str(n): a[n] for n in sizes},
+            coll_call_s=float(call),
+            allgather_GBps=1.0 / max(float(slope), 1e-15) / 1e9,
+        )
     finally:
         stop_process(parent, proc)
     return out
@@ -257,6 +287,7 @@ def _fit(rows, ys):
     """Non-negative least squares by elimination: columns with a negative coefficient are
     dropped and the rest refitted.  Returns one coefficient per column."""
     import numpy as np
+
     A = np.asarray(rows, float)
     y = np.asarray(ys, float)
     keep = list(range(A.shape[1]))
@@ -278,17 +309,19 @@ def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None) -> dict:
     call this on its own trainer rank and put the result into a Calibration."""
     import time as _t
     from ..runtime.sender import STAMP_TAG
+
     cpu = sender.device.type == "cpu"
     ops = {op.task: op for g in sender.program.groups for op in g}
     samples, fixed, push_s = [], [], []
-    sender.push()                                         # warm-up
+    sender.push()  # warm-up
     for _ in range(pushes):
         sender.trace(clear=True)
         t0 = _t.perf_counter_ns()
         sender.push()
         t1 = _t.perf_counter_ns()
-        recs = sorted((r for r in sender.trace() if r["tag"] != STAMP_TAG and r["tag"] in ops),
-                      key=lambda r: r["t_submit"])
+        recs = sorted(
+            (r for r in sender.trace() if r["tag"] != STAMP_TAG and r["tag"] in ops), key=lambda r: r["t_submit"]
+        )
         if not recs:
             continue
         push_s.append((t1 - t0) / 1e9)
@@ -308,15 +341,20 @@ def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None) -> dict:
     coef = list(_fit([s_[0][:2] for s_ in samples], [max(0.0, s_[1]) for s_ in samples])) + [0.0]
     fixed.sort()
     push_s.sort()
-    return dict(host_task_s=float(coef[0]), host_param_s=float(coef[1]), host_piece_s=float(coef[2]),
-                push_fixed_s=fixed[len(fixed) // 2], host_push_s=push_s[len(push_s) // 2],
-                host_tasks=len(ops), host_samples=len(samples))
+    return dict(
+        host_task_s=float(coef[0]),
+        host_param_s=float(coef[1]),
+        host_piece_s=float(coef[2]),
+        push_fixed_s=fixed[len(fixed) // 2],
+        host_push_s=push_s[len(push_s) // 2],
+        host_tasks=len(ops),
+        host_samples=len(samples),
+    )
 
 
 def measure_host(dev, kernels: dict, quick: bool) -> dict:
     """Host seconds per task / parameter / piece and per push, from the trace of real pushes:
     one trainer rank (a plain model) -> one receiver, in this process."""
-    import torch
     import torch.distributed as dist
     from datetime import timedelta
     from ..models import TINY, inference_params, preset_for, train_model
@@ -324,15 +362,27 @@ def measure_host(dev, kernels: dict, quick: bool) -> dict:
     from ..runtime.receiver import Receiver
     from ..runtime.sender import Sender
     from ..testing import in_thread
+
     cfg = dict(TINY, num_hidden_layers=4)
     port = control.free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=_TIMEOUT),
-                          wait_for_workers=False)
+    store = dist.TCPStore(  # noqa: F841 -- the store server lives as long as this reference
+        "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=_TIMEOUT), wait_for_workers=False
+    )
     addr = "127.0.0.1:%d" % port
     name = "calib%d" % os.getpid()
     params = inference_params(cfg, 1, 0, None, device=dev)
-    th, box = in_thread(Receiver, params, mapping=preset_for(cfg).name, store=addr, replica=0, rank=0, tp=1,
-                        replicas=1, name=name, timeout=_TIMEOUT)
+    th, box = in_thread(
+        Receiver,
+        params,
+        mapping=preset_for(cfg).name,
+        store=addr,
+        replica=0,
+        rank=0,
+        tp=1,
+        replicas=1,
+        name=name,
+        timeout=_TIMEOUT,
+    )
     model = train_model(cfg).to(dev)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -355,29 +405,46 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
     """(Calibration, details dict) measured here."""
     import torch
     from ..meta import Calibration
+
     t0 = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         torch.cuda.set_device(dev)
     else:
-        torch.set_num_threads(1)      # as the demo's trainers (and one rank per core) run
+        torch.set_num_threads(1)  # as the demo's trainers (and one rank per core) run
     det = dict(device=str(dev), quick=quick)
     det.update(measure_kernels(dev, quick))
-    log("calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s"
-        % (det["quant_GBps"], det["pack_launch_s"] * 1e6, det["copy_GBps"]))
+    log(
+        "calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s"
+        % (det["quant_GBps"], det["pack_launch_s"] * 1e6, det["copy_GBps"])
+    )
     try:
         det.update(measure_host(dev, det, quick))
-        log("calibrate: host %.1f us per task + %.1f us per parameter + %.1f us per piece; %.2f ms per push"
-            % (det["host_task_s"] * 1e6, det["host_param_s"] * 1e6, det["host_piece_s"] * 1e6,
-               det["push_fixed_s"] * 1e3))
+        log(
+            "calibrate: host %.1f us per task + %.1f us per parameter + %.1f us per piece; %.2f ms per push"
+            % (
+                det["host_task_s"] * 1e6,
+                det["host_param_s"] * 1e6,
+                det["host_piece_s"] * 1e6,
+                det["push_fixed_s"] * 1e3,
+            )
+        )
     except Exception as e:  # noqa: BLE001 -- keep the rest; say why
         det["host_error"] = f"{type(e).__name__}: {e}"
         log("calibrate: host cost not measured: " + det["host_error"])
     det.update(measure_links(dev, quick))
-    log("calibrate: %s writes %.2f GB/s, %.1f us per write; %s all-gather %s GB/s, %.1f us per call"
-        % (det["transport"], det["write_GBps"], det["write_call_s"] * 1e6, det["allgather_backend"],
-           "%.2f" % det["allgather_GBps"] if det["allgather_GBps"] else "-", det["coll_call_s"] * 1e6))
+    log(
+        "calibrate: %s writes %.2f GB/s, %.1f us per write; %s all-gather %s GB/s, %.1f us per call"
+        % (
+            det["transport"],
+            det["write_GBps"],
+            det["write_call_s"] * 1e6,
+            det["allgather_backend"],
+            "%.2f" % det["allgather_GBps"] if det["allgather_GBps"] else "-",
+            det["coll_call_s"] * 1e6,
+        )
+    )
     machine = "%s, %s, %d CPUs" % (platform.node(), platform.machine(), os.cpu_count() or 0)
     if dev.type == "cuda":
         machine += ", " + torch.cuda.get_device_name(dev)
@@ -386,13 +453,26 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
     keys = ("host_task_s", "host_param_s", "host_piece_s", "push_fixed_s")
     host = {k: det[k] for k in keys if k in det}
     cal = Calibration(
-        name="measured-" + dev.type, pack_launch_s=det["pack_launch_s"], quant_GBps=det["quant_GBps"],
-        copy_GBps=det["copy_GBps"], coll_call_s=det["coll_call_s"], write_call_s=det["write_call_s"],
-        serial=True, host_sync=dev.type == "cpu", cpu_shared=dev.type == "cpu", allgather_GBps=det["allgather_GBps"], write_GBps=det["write_GBps"],
-        source="measured by `python -m wxfer calibrate%s` on %s, %s%s" % (
-            " --quick" if quick else "", machine, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "; host costs not measured (%s): the h200 defaults" % det["host_error"] if "host_error" in det else ""),
-        **host)
+        name="measured-" + dev.type,
+        pack_launch_s=det["pack_launch_s"],
+        quant_GBps=det["quant_GBps"],
+        copy_GBps=det["copy_GBps"],
+        coll_call_s=det["coll_call_s"],
+        write_call_s=det["write_call_s"],
+        serial=True,
+        host_sync=dev.type == "cpu",
+        cpu_shared=dev.type == "cpu",
+        allgather_GBps=det["allgather_GBps"],
+        write_GBps=det["write_GBps"],
+        source="measured by `python -m wxfer calibrate%s` on %s, %s%s"
+        % (
+            " --quick" if quick else "",
+            machine,
+            time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "; host costs not measured (%s): the h200 defaults" % det["host_error"] if "host_error" in det else "",
+        ),
+        **host,
+    )
     det.update(machine=machine, calibrate_s=time.perf_counter() - t0)
     return cal, det
 
@@ -404,6 +484,7 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
     from ..plan import Plan
     from ..plan.calibrate import cluster_for, get, to_dict
     from ..plan.simulate import simulate
+
     if isinstance(plan, (bytes, bytearray)):
         plan = Plan.from_bytes(bytes(plan))
     if calibration is None:
@@ -411,8 +492,13 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
     else:
         cal, det = get(calibration), {}
     r = simulate(plan, cluster_for(plan, cal), steps=400, record=False)
-    return dict(simulated_s=r.simulated_s, simulated_lower_bound_s=r.lower_bound_s, simulated_bound_by=r.bound_by,
-                simulated_stage_busy_s=r.stage_busy_s, calibration=dict(to_dict(cal), measured=det))
+    return dict(
+        simulated_s=r.simulated_s,
+        simulated_lower_bound_s=r.lower_bound_s,
+        simulated_bound_by=r.bound_by,
+        simulated_stage_busy_s=r.stage_busy_s,
+        calibration=dict(to_dict(cal), measured=det),
+    )
 
 
 def main(argv) -> int:
@@ -423,6 +509,7 @@ def main(argv) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args(argv)
     from ..plan.calibrate import save, to_dict
+
     try:
         cal, det = measure(args.quick, args.device, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
     except Exception as e:  # noqa: BLE001

@@ -6,6 +6,7 @@ The target process runs no code per write: it registers, answers the connection
 handshake, and after the writer says it is done, compares its buffer with the expected
 pattern.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ _TIMEOUT = 60.0  # seconds any wait on the other process may take
 def _target_main(conn, transport: str, opts: dict, size: int) -> None:
     import numpy as np
     from wxfer import _wxfer
+
     try:
         t = _wxfer.Transport(transport, opts)
         buf = np.zeros(size, dtype=np.uint8)
@@ -49,8 +51,7 @@ def _target_main(conn, transport: str, opts: dict, size: int) -> None:
 def _expect(conn, what: str, who: str = "selftest"):
     """The next message from the target process, which must be `what`."""
     if not conn.poll(_TIMEOUT):
-        raise TimeoutError("%s: the target process did not answer %r within %.0f s"
-                           % (who, what, _TIMEOUT))
+        raise TimeoutError("%s: the target process did not answer %r within %.0f s" % (who, what, _TIMEOUT))
     msg = conn.recv()
     if msg[0] == "error":
         raise RuntimeError("%s: target process failed: %s" % (who, msg[1]))
@@ -67,18 +68,24 @@ def connect(t, export_blob: bytes, exchange) -> int:
     return peer
 
 
-def run_selftest(transport: str = "fabric", opts: dict | None = None, size: int = 64 << 20,
-                 iters: int = 5, chunk: int = 0, log=print) -> dict:
+def run_selftest(
+    transport: str = "fabric", opts: dict | None = None, size: int = 64 << 20, iters: int = 5, chunk: int = 0, log=print
+) -> dict:
     """Run the two-process self-test and return the figures (see module doc)."""
-    import numpy as np
     from wxfer import _wxfer
+
     opts = dict(opts or {})
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_target_main, args=(child, transport, opts, size), daemon=True)
     proc.start()
-    result = {"transport": transport, "provider": opts.get("provider", ""), "bytes": size,
-              "verified": False, "gbps": 0.0}
+    result = {
+        "transport": transport,
+        "provider": opts.get("provider", ""),
+        "bytes": size,
+        "verified": False,
+        "gbps": 0.0,
+    }
     try:
         _, blob, desc, target_info = _expect(parent, "ready")
         t = _wxfer.Transport(transport, opts)
@@ -104,14 +111,22 @@ def run_selftest(transport: str = "fabric", opts: dict | None = None, size: int 
         _, ok, first_bad, nbad = _expect(parent, "verified")
         best = min(times)
         result.update(
-            verified=bool(ok), gbps=size / best / 1e9, best_s=best,
-            mean_s=sum(times) / len(times), iters=iters, first_mismatch=first_bad,
-            mismatches=nbad, writer_info=t.info(), target_info=target_info,
-            machine="%s, %s, %d CPUs, Python %s" % (platform.node(), platform.machine(),
-                                                     os.cpu_count() or 0,
-                                                     platform.python_version()))
-        log("wxfer selftest: %s %s, %d bytes x %d, best %.3f ms, %.2f GB/s, verified=%s"
-            % (transport, opts.get("provider", ""), size, iters, best * 1e3, result["gbps"], ok))
+            verified=bool(ok),
+            gbps=size / best / 1e9,
+            best_s=best,
+            mean_s=sum(times) / len(times),
+            iters=iters,
+            first_mismatch=first_bad,
+            mismatches=nbad,
+            writer_info=t.info(),
+            target_info=target_info,
+            machine="%s, %s, %d CPUs, Python %s"
+            % (platform.node(), platform.machine(), os.cpu_count() or 0, platform.python_version()),
+        )
+        log(
+            "wxfer selftest: %s %s, %d bytes x %d, best %.3f ms, %.2f GB/s, verified=%s"
+            % (transport, opts.get("provider", ""), size, iters, best * 1e3, result["gbps"], ok)
+        )
         if not ok:
             log("  %d bytes differ, first at offset %d" % (nbad, first_bad))
         eng.close()
@@ -123,6 +138,7 @@ def run_selftest(transport: str = "fabric", opts: dict | None = None, size: int 
 
 def backends_main(argv) -> int:
     import wxfer
+
     for name, b in wxfer.backends().items():
         print("%-9s %s" % (name, "available" if b["available"] else "unavailable: " + b["reason"]))
     return 0
@@ -141,13 +157,21 @@ def main(argv) -> int:
     ap.add_argument("--gpu", action="store_true", help="verbs: use GPU memory")
     ap.add_argument("--emulated", action="store_true", help="verbs: use the test emulation")
     ap.add_argument("--connect", default=None, help="verbs: the other host (HOST[:PORT])")
-    ap.add_argument("--serve", nargs="?", const=18515, type=int, default=None,
-                    help="verbs: be the target for a --connect writer on this port")
+    ap.add_argument(
+        "--serve",
+        nargs="?",
+        const=18515,
+        type=int,
+        default=None,
+        help="verbs: be the target for a --connect writer on this port",
+    )
     args = ap.parse_args(argv)
     from wxfer import _wxfer
+
     size = _wxfer.parse_size(args.size)
     if args.transport == "verbs":
         from .selftest_verbs import run_verbs_selftest
+
         res = run_verbs_selftest(args)
     else:
         opts = {}
@@ -155,8 +179,7 @@ def main(argv) -> int:
             opts["provider"] = args.provider
             if args.iface:
                 opts["iface"] = args.iface
-        res = run_selftest(args.transport, opts, size=size, iters=args.iters,
-                           chunk=_wxfer.parse_size(args.chunk))
+        res = run_selftest(args.transport, opts, size=size, iters=args.iters, chunk=_wxfer.parse_size(args.chunk))
     if args.json:
         print(json.dumps(res))
     return 0 if res.get("verified") else 1

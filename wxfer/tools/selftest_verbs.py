@@ -11,6 +11,7 @@ RDMA WRITEs into it, then the target checks every byte. Two local processes by d
 an emulated HCA. That proves the code path, not the hardware; the result says
 ``"emulated": true``. See docs/verbs.md.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -35,8 +36,10 @@ def emulation_library() -> str:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     script = os.path.join(root, "csrc", "testing", "build.sh")
     if not os.path.exists(script):
-        raise RuntimeError("--emulated needs a source checkout of wxfer (csrc/testing/build.sh "
-                           "is not next to this package); the emulation is never shipped")
+        raise RuntimeError(
+            "--emulated needs a source checkout of wxfer (csrc/testing/build.sh "
+            "is not next to this package); the emulation is never shipped"
+        )
     out = subprocess.run(["sh", script], check=True, capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1]
 
@@ -44,9 +47,11 @@ def emulation_library() -> str:
 def _alloc(size: int, gpu: int, fill=None):
     """A uint8 buffer on the host (numpy) or on CUDA device `gpu` (torch)."""
     import numpy as np
+
     if gpu < 0:
         return np.zeros(size, dtype=np.uint8) if fill is None else fill.copy()
     import torch
+
     if fill is None:
         return torch.zeros(size, dtype=torch.uint8, device="cuda:%d" % gpu)
     return torch.from_numpy(fill).to("cuda:%d" % gpu)
@@ -59,6 +64,7 @@ def _to_numpy(buf):
 def _target_loop(conn, opts: dict, size: int, gpu: int) -> None:
     import numpy as np
     from wxfer import _wxfer
+
     try:
         o = dict(opts)
         if gpu >= 0:
@@ -102,6 +108,7 @@ def registration_of(info: str) -> str:
 
 def _writer(conn, opts: dict, size: int, iters: int, chunk: int, gpu: int, log) -> dict:
     from wxfer import _wxfer
+
     _, blob, desc, target_info = _expect(conn, "ready")
     o = dict(opts)
     if gpu >= 0:
@@ -123,6 +130,7 @@ def _writer(conn, opts: dict, size: int, iters: int, chunk: int, gpu: int, log) 
         srcs.append((1000 + i, buf, t.register(buf, export=False)))
     if gpu >= 0:
         import torch
+
         torch.cuda.synchronize(gpu)
     for i, (seed, _, region) in enumerate(srcs):
         t0 = time.perf_counter()
@@ -134,17 +142,28 @@ def _writer(conn, opts: dict, size: int, iters: int, chunk: int, gpu: int, log) 
     info = t.info()
     best = min(times)
     res = {
-        "transport": "verbs", "bytes": size, "verified": bool(ok), "gbps": size / best / 1e9,
-        "registration": registration_of(info), "target_registration": registration_of(target_info),
-        "emulated": "EMULATED" in info, "best_s": best, "mean_s": sum(times) / len(times),
-        "iters": iters, "first_mismatch": first_bad, "mismatches": nbad, "writer_info": info,
+        "transport": "verbs",
+        "bytes": size,
+        "verified": bool(ok),
+        "gbps": size / best / 1e9,
+        "registration": registration_of(info),
+        "target_registration": registration_of(target_info),
+        "emulated": "EMULATED" in info,
+        "best_s": best,
+        "mean_s": sum(times) / len(times),
+        "iters": iters,
+        "first_mismatch": first_bad,
+        "mismatches": nbad,
+        "writer_info": info,
         "target_info": target_info,
-        "machine": "%s, %s, %d CPUs, Python %s" % (platform.node(), platform.machine(),
-                                                 os.cpu_count() or 0, platform.python_version()),
+        "machine": "%s, %s, %d CPUs, Python %s"
+        % (platform.node(), platform.machine(), os.cpu_count() or 0, platform.python_version()),
     }
-    log("wxfer selftest: verbs%s, %d bytes x %d, best %.3f ms, %.2f GB/s, registration=%s, "
-        "verified=%s" % (" (EMULATED)" if res["emulated"] else "", size, iters, best * 1e3,
-                         res["gbps"], res["registration"], ok))
+    log(
+        "wxfer selftest: verbs%s, %d bytes x %d, best %.3f ms, %.2f GB/s, registration=%s, "
+        "verified=%s"
+        % (" (EMULATED)" if res["emulated"] else "", size, iters, best * 1e3, res["gbps"], res["registration"], ok)
+    )
     if not ok:
         log("  %d bytes differ, first at offset %d" % (nbad, first_bad))
     for _, _, region in srcs:
@@ -166,8 +185,7 @@ def serve_verbs_selftest(args, port: int = _PORT, log=print) -> dict:
         conn = ls.accept()
         _, size, gpu = conn.recv()
         _target_loop(conn, opts, size, gpu)
-    return {"transport": "verbs", "served": True, "bytes": size, "verified": True,
-            "gbps": 0.0, "registration": "n/a"}
+    return {"transport": "verbs", "served": True, "bytes": size, "verified": True, "gbps": 0.0, "registration": "n/a"}
 
 
 def _opts(args) -> dict:
@@ -190,12 +208,12 @@ def run_verbs_selftest(args, log=print) -> dict:
     except (OSError, RuntimeError, TimeoutError, ValueError, subprocess.CalledProcessError) as e:
         msg = "%s: %s" % (type(e).__name__, e)
         log("wxfer selftest: verbs FAILED: %s" % msg)
-        return {"transport": "verbs", "bytes": 0, "verified": False, "gbps": 0.0,
-                "registration": "none", "error": msg}
+        return {"transport": "verbs", "bytes": 0, "verified": False, "gbps": 0.0, "registration": "none", "error": msg}
 
 
 def _run(args, log) -> dict:
     from wxfer import _wxfer
+
     opts = _opts(args)
     size = _wxfer.parse_size(str(getattr(args, "size", "64MiB")))
     chunk = _wxfer.parse_size(str(getattr(args, "chunk", "0")))
@@ -225,6 +243,7 @@ def _run(args, log) -> dict:
     tgpu = gpu
     if gpu >= 0:
         import torch
+
         tgpu = 1 if torch.cuda.device_count() > 1 else 0
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

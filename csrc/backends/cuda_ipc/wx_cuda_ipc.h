@@ -56,16 +56,16 @@ typedef struct wx__ci_addr {
 typedef struct wx__ci_blob {
     char magic[4];
     uint32_t version;
-    uint8_t handle[64]; /* CUipcMemHandle of the whole allocation */
+    uint8_t handle[64];  /* CUipcMemHandle of the whole allocation */
     uint64_t alloc_base; /* allocation's address in the owner */
     uint64_t alloc_size;
-    uint64_t offset;     /* region start - alloc_base */
+    uint64_t offset; /* region start - alloc_base */
     uint64_t proc_nonce;
     uint8_t boot_id[16];
-    uint8_t uuid[16];    /* owner's GPU */
-    char pci[16];        /* owner's GPU, "0000:18:00.0" */
+    uint8_t uuid[16]; /* owner's GPU */
+    char pci[16];     /* owner's GPU, "0000:18:00.0" */
     uint32_t pid;
-    int32_t device;      /* owner's ordinal, in its own numbering */
+    int32_t device; /* owner's ordinal, in its own numbering */
 } wx__ci_blob_t;
 
 /* One opened allocation of a remote process. */
@@ -101,9 +101,9 @@ typedef struct wx__ci_slot {
     uint64_t len;
     int busy;
     int next_free;
-    int fail;          /* a piece failed to post: complete with this status */
+    int fail; /* a piece failed to post: complete with this status */
     char fail_msg[160];
-    char peer[64];     /* for messages */
+    char peer[64]; /* for messages */
 } wx__ci_slot_t;
 
 typedef struct wx__ci_comp {
@@ -116,12 +116,12 @@ typedef struct wx__ci {
     wx_transport_t base; /* first */
     const wx_cuda_api_t *cu;
     /* options */
-    int opt_device;    /* -1: current context's device, else 0 */
+    int opt_device; /* -1: current context's device, else 0 */
     uint32_t nstreams;
-    uint64_t split;    /* split writes larger than this over streams (0: never) */
-    int map_owner;     /* open handles in the owner GPU's context (diagnostic) */
-    int peer_access;   /* enable peer access explicitly where possible */
-    int ipc_lazy;      /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS when opening */
+    uint64_t split;  /* split writes larger than this over streams (0: never) */
+    int map_owner;   /* open handles in the owner GPU's context (diagnostic) */
+    int peer_access; /* enable peer access explicitly where possible */
+    int ipc_lazy;    /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS when opening */
     uint64_t t_nonce;
 
     pthread_mutex_t mu; /* everything below */
@@ -139,7 +139,7 @@ typedef struct wx__ci {
     uint32_t nslots;
     int free_head;
     uint32_t ninflight;
-    uint32_t *fifo;     /* busy slots in posting order (ring of nslots) */
+    uint32_t *fifo; /* busy slots in posting order (ring of nslots) */
     uint32_t fhead, fcount;
     pthread_t thr;
     int thr_started;

@@ -206,8 +206,8 @@ void wx__ci_io_stop(wx__ci_t *c)
     c->started = 0;
 }
 
-static CUresult wx__ci_copy(wx__ci_t *c, const wx__ci_map_t *m, const wx_mr_t *src,
-                            CUdeviceptr dst, CUdeviceptr from, size_t n, CUstream st)
+static CUresult wx__ci_copy(wx__ci_t *c, const wx__ci_map_t *m, const wx_mr_t *src, CUdeviceptr dst,
+                            CUdeviceptr from, size_t n, CUstream st)
 {
     if (src->mem == WX_MEM_CUDA && !m->self && m->ctx != c->ctx)
         return c->cu->cuMemcpyPeerAsync(dst, m->ctx, from, c->ctx, n, st);
@@ -233,13 +233,16 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
     if ((rc = wx__ci_start(c)) != 0 || (rc = wx__ci_map_get(c, p, wr->remote, &m, &off)) != 0)
         goto out;
     if (off + wr->roff + len > m->size) {
-        rc = wx_errf(-ERANGE, "cuda_ipc: write to %s at %llu +%llu passes the end of its "
-                     "%llu-byte allocation", p->name, (unsigned long long)(off + wr->roff),
-                     (unsigned long long)len, (unsigned long long)m->size);
+        rc = wx_errf(-ERANGE,
+                     "cuda_ipc: write to %s at %llu +%llu passes the end of its "
+                     "%llu-byte allocation",
+                     p->name, (unsigned long long)(off + wr->roff), (unsigned long long)len,
+                     (unsigned long long)m->size);
         goto out;
     }
     if (wr->local->mem == WX_MEM_CUDA && wr->local->device != c->dev) {
-        rc = wx_errf(-EINVAL, "cuda_ipc: the source is on cuda:%d but this transport writes "
+        rc = wx_errf(-EINVAL,
+                     "cuda_ipc: the source is on cuda:%d but this transport writes "
                      "from cuda:%d; open one transport per GPU (option device=%d)",
                      wr->local->device, c->dev, wr->local->device);
         goto out;
@@ -279,18 +282,20 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
             r = c->cu->cuEventRecord(s->ev[s->nev], st);
         if (r != CUDA_SUCCESS) {
             if (s->nev == 0) { /* nothing posted: fail the call, done() will not follow */
-                rc = wx_errf(-EIO, "cuda_ipc: posting a copy of %llu bytes to %s (0x%llx <- "
-                             "0x%llx) on cuda:%d failed: %s", (unsigned long long)n, p->name,
-                             (unsigned long long)(dst + o), (unsigned long long)(from + o),
-                             c->dev, wx__ci_errname(c, r));
+                rc = wx_errf(-EIO,
+                             "cuda_ipc: posting a copy of %llu bytes to %s (0x%llx <- "
+                             "0x%llx) on cuda:%d failed: %s",
+                             (unsigned long long)n, p->name, (unsigned long long)(dst + o),
+                             (unsigned long long)(from + o), c->dev, wx__ci_errname(c, r));
                 wx__ci_pop(c, saved);
                 goto out;
             }
             /* Earlier pieces are in flight: let them finish, then report the failure. */
             s->fail = -EIO;
-            snprintf(s->fail_msg, sizeof s->fail_msg, "cuda_ipc: posting piece %u of a %llu-byte "
-                     "write to %s failed: %s", i, (unsigned long long)len, p->name,
-                     wx__ci_errname(c, r));
+            snprintf(s->fail_msg, sizeof s->fail_msg,
+                     "cuda_ipc: posting piece %u of a %llu-byte "
+                     "write to %s failed: %s",
+                     i, (unsigned long long)len, p->name, wx__ci_errname(c, r));
             break;
         }
         s->nev++;

@@ -46,7 +46,8 @@ static void wx__ci_enable_peer(wx__ci_t *c, int od)
     r = c->cu->cuDeviceCanAccessPeer(&can, me, other);
     if (r != CUDA_SUCCESS || !can) {
         wx_debugf("cuda_ipc: cuda:%d cannot access cuda:%d as a peer (%s); copies go through "
-                  "whatever path the driver picks", c->dev, od,
+                  "whatever path the driver picks",
+                  c->dev, od,
                   r == CUDA_SUCCESS ? "cuDeviceCanAccessPeer says no" : wx__ci_errname(c, r));
         return;
     }
@@ -61,8 +62,7 @@ static void wx__ci_enable_peer(wx__ci_t *c, int od)
                   wx__ci_errname(c, r));
 }
 
-static CUresult wx__ci_open_in(wx__ci_t *c, CUcontext ctx, const wx__ci_blob_t *b,
-                               CUdeviceptr *d)
+static CUresult wx__ci_open_in(wx__ci_t *c, CUcontext ctx, const wx__ci_blob_t *b, CUdeviceptr *d)
 {
     CUipcMemHandle h;
     CUcontext saved;
@@ -121,8 +121,8 @@ static int wx__ci_open_map(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri
         r2 = wx__ci_open_in(c, octx, b, &m->dptr);
         if (r2 == CUDA_SUCCESS) {
             wx_debugf("cuda_ipc: %s: cuIpcOpenMemHandle in cuda:%d failed (%s); opened in "
-                      "cuda:%d's context instead (slower path)", p->name, c->dev,
-                      wx__ci_errname(c, r), m->local_dev);
+                      "cuda:%d's context instead (slower path)",
+                      p->name, c->dev, wx__ci_errname(c, r), m->local_dev);
             ctx = octx;
             ctx_dev = m->local_dev;
             m->fallback = 1;
@@ -139,9 +139,9 @@ static int wx__ci_open_map(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri
                          "cuda_ipc: %s: cannot open the CUDA IPC handle of region key 0x%llx "
                          "(allocation 0x%llx, %llu bytes on GPU %s, cuda:%d of pid %u): "
                          "cuIpcOpenMemHandle failed: %s%s%s",
-                         p->name, (unsigned long long)ri->key,
-                         (unsigned long long)b->alloc_base, (unsigned long long)b->alloc_size,
-                         b->pci, b->device, b->pid, wx__ci_errname(c, r), also,
+                         p->name, (unsigned long long)ri->key, (unsigned long long)b->alloc_base,
+                         (unsigned long long)b->alloc_size, b->pci, b->device, b->pid,
+                         wx__ci_errname(c, r), also,
                          gone ? "; the owner process no longer exists, so the handle is stale "
                                 "(get a fresh export from the running receiver)"
                          : !c->ipc_lazy ? "; option ipc_lazy=0 is set, and on the machines "
@@ -159,8 +159,8 @@ static int wx__ci_open_map(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri
         m->ctx_dev = -1;
     m->ctx = ctx;
     wx_debugf("cuda_ipc: %s: opened allocation 0x%llx +%llu of pid %u at 0x%llx (cuda:%d ctx)",
-              p->name, (unsigned long long)b->alloc_base, (unsigned long long)b->alloc_size,
-              b->pid, (unsigned long long)m->dptr, ctx == c->ctx ? c->dev : m->local_dev);
+              p->name, (unsigned long long)b->alloc_base, (unsigned long long)b->alloc_size, b->pid,
+              (unsigned long long)m->dptr, ctx == c->ctx ? c->dev : m->local_dev);
     *out = m;
     return 0;
 }
@@ -176,21 +176,27 @@ int wx__ci_map_get(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri, wx__ci
     int rc;
 
     if (ri->mem != WX_MEM_CUDA || ri->blob_len != sizeof b)
-        return wx_errf(-EPROTO, "cuda_ipc: %s: region key 0x%llx carries no CUDA IPC handle "
-                       "(mem %u, %u-byte blob)", p->name, (unsigned long long)ri->key, ri->mem,
-                       ri->blob_len);
+        return wx_errf(-EPROTO,
+                       "cuda_ipc: %s: region key 0x%llx carries no CUDA IPC handle "
+                       "(mem %u, %u-byte blob)",
+                       p->name, (unsigned long long)ri->key, ri->mem, ri->blob_len);
     memcpy(&b, ri->blob, sizeof b);
     if (memcmp(b.magic, WX_CI_BLOB_MAGIC, 4) != 0 || b.version != WX_CI_VERSION)
-        return wx_errf(-EPROTO, "cuda_ipc: %s: region key 0x%llx: blob is not a cuda_ipc v%d "
-                       "handle", p->name, (unsigned long long)ri->key, WX_CI_VERSION);
+        return wx_errf(-EPROTO,
+                       "cuda_ipc: %s: region key 0x%llx: blob is not a cuda_ipc v%d "
+                       "handle",
+                       p->name, (unsigned long long)ri->key, WX_CI_VERSION);
     if (memcmp(b.boot_id, me->boot_id, 16) != 0)
-        return wx_errf(-EXDEV, "cuda_ipc: %s: region key 0x%llx was exported on another "
+        return wx_errf(-EXDEV,
+                       "cuda_ipc: %s: region key 0x%llx was exported on another "
                        "machine or boot (boot id differs): a foreign CUDA IPC handle cannot be "
-                       "opened here", p->name, (unsigned long long)ri->key);
+                       "opened here",
+                       p->name, (unsigned long long)ri->key);
     if (b.offset > b.alloc_size || ri->len > b.alloc_size - b.offset)
-        return wx_errf(-EPROTO, "cuda_ipc: %s: region key 0x%llx: offset %llu + %llu bytes lies "
-                       "outside its %llu-byte allocation", p->name,
-                       (unsigned long long)ri->key, (unsigned long long)b.offset,
+        return wx_errf(-EPROTO,
+                       "cuda_ipc: %s: region key 0x%llx: offset %llu + %llu bytes lies "
+                       "outside its %llu-byte allocation",
+                       p->name, (unsigned long long)ri->key, (unsigned long long)b.offset,
                        (unsigned long long)ri->len, (unsigned long long)b.alloc_size);
     h = wx__ci_hash(b.pid, b.proc_nonce, b.alloc_base);
     for (ref = c->buckets[h]; ref; ref = ref->next)
@@ -209,8 +215,7 @@ int wx__ci_map_get(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri, wx__ci
     for (m = wx__ci_gmaps[h]; m; m = m->next)
         if (wx__ci_same(m, &b) &&
             (m->self || m->ctx == c->ctx ||
-             (m->local_dev >= 0 && m->ctx_dev == m->local_dev &&
-              (c->map_owner || m->fallback))))
+             (m->local_dev >= 0 && m->ctx_dev == m->local_dev && (c->map_owner || m->fallback))))
             break;
     if (!m) {
         rc = wx__ci_open_map(c, p, ri, &b, &m);

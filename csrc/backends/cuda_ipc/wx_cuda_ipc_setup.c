@@ -182,15 +182,18 @@ static int wx__ci_probe(const wx_opts_t *opts, char *why, size_t why_len)
     r = cu->cuDeviceGetCount(&n);
     if (r != CUDA_SUCCESS || n == 0) {
         const char *vis = getenv("CUDA_VISIBLE_DEVICES");
-        snprintf(why, why_len, "no CUDA device visible (cuDeviceGetCount: %d devices, status %d, "
-                 "CUDA_VISIBLE_DEVICES=%s)", n, (int)r, vis ? vis : "<unset>");
+        snprintf(why, why_len,
+                 "no CUDA device visible (cuDeviceGetCount: %d devices, status %d, "
+                 "CUDA_VISIBLE_DEVICES=%s)",
+                 n, (int)r, vis ? vis : "<unset>");
         return -ENODEV;
     }
     return 0;
 }
 
-static const char *const wx__ci_known[] = {"device", "streams", "max_write", "max_inflight",
-                                           "split", "map", "peer_access", "ipc_lazy", NULL};
+static const char *const wx__ci_known[] = {"device",       "streams",  "max_write",
+                                           "max_inflight", "split",    "map",
+                                           "peer_access",  "ipc_lazy", NULL};
 
 static int wx__ci_opt_bool(const wx_opts_t *o, const char *key, int dflt, int *out)
 {
@@ -234,8 +237,10 @@ static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
             d = strtol(s + 5, &end, 10);
         if (*end || d < 0 || d >= WX_CI_DEV_MAX) {
             free(c);
-            return wx_errf(-EINVAL, "transport cuda_ipc: option device=%s: expected an ordinal "
-                           "like 0 or cuda:1", s);
+            return wx_errf(-EINVAL,
+                           "transport cuda_ipc: option device=%s: expected an ordinal "
+                           "like 0 or cuda:1",
+                           s);
         }
         c->opt_device = (int)d;
     }
@@ -344,8 +349,8 @@ int wx__ci_start(wx__ci_t *c)
     if (rc)
         return rc;
     c->started = 1;
-    wx_debugf("cuda_ipc: writer started on cuda:%d (%s, %s), %u streams", dev, c->devname,
-              c->pci, c->nstreams);
+    wx_debugf("cuda_ipc: writer started on cuda:%d (%s, %s), %u streams", dev, c->devname, c->pci,
+              c->nstreams);
     return 0;
 }
 
@@ -384,8 +389,7 @@ static int wx__ci_vmm_refusal(wx__ci_t *c, const wx_mr_t *mr, CUresult r)
                        "cuIpcGetMemHandle refuses such memory (%s). Start the receiving "
                        "process without expandable_segments in PYTORCH_CUDA_ALLOC_CONF (or "
                        "allocate the weights with cudaMalloc)",
-                       mr->addr, (unsigned long long)mr->len, mr->device,
-                       wx__ci_errname(c, r));
+                       mr->addr, (unsigned long long)mr->len, mr->device, wx__ci_errname(c, r));
     }
     return wx_errf(-EIO, "cuda_ipc: cuIpcGetMemHandle(%p on cuda:%d) failed: %s", mr->addr,
                    mr->device, wx__ci_errname(c, r));
@@ -407,7 +411,8 @@ static int wx__ci_reg(wx_transport_t *t, wx_mr_t *mr)
     mr->blob_len = 0;
     if (mr->mem != WX_MEM_CUDA) {
         if (mr->exported)
-            return wx_errf(-ENOTSUP, "cuda_ipc exports only CUDA device memory; %p (%llu bytes) "
+            return wx_errf(-ENOTSUP,
+                           "cuda_ipc exports only CUDA device memory; %p (%llu bytes) "
                            "is host memory (use the fabric transport for host buffers)",
                            mr->addr, (unsigned long long)mr->len);
         return 0; /* a host source of H2D writes: nothing to prepare */
@@ -424,12 +429,15 @@ static int wx__ci_reg(wx_transport_t *t, wx_mr_t *mr)
     }
     r = c->cu->cuMemGetAddressRange(&base, &size, (CUdeviceptr)(uintptr_t)mr->addr);
     if (r != CUDA_SUCCESS) {
-        rc = wx_errf(-EINVAL, "cuda_ipc: cuMemGetAddressRange(%p) failed: %s (is it memory of "
-                     "cuda:%d?)", mr->addr, wx__ci_errname(c, r), mr->device);
+        rc = wx_errf(-EINVAL,
+                     "cuda_ipc: cuMemGetAddressRange(%p) failed: %s (is it memory of "
+                     "cuda:%d?)",
+                     mr->addr, wx__ci_errname(c, r), mr->device);
         goto out;
     }
     if ((uint64_t)(uintptr_t)mr->addr + mr->len > (uint64_t)base + size) {
-        rc = wx_errf(-EINVAL, "cuda_ipc: region %p +%llu spans more than one CUDA allocation "
+        rc = wx_errf(-EINVAL,
+                     "cuda_ipc: region %p +%llu spans more than one CUDA allocation "
                      "(the allocation at 0x%llx holds %zu bytes); register it in pieces",
                      mr->addr, (unsigned long long)mr->len, (unsigned long long)base, size);
         goto out;
@@ -495,27 +503,30 @@ static int wx__ci_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, si
         return rc;
     snprintf(p->name, sizeof p->name, "peer %u (cuda_ipc pid %u)", p->id, a.pid);
     if (memcmp(a.boot_id, me->boot_id, 16) != 0)
-        return wx_errf(-EXDEV, "cuda_ipc: %s runs on another machine or boot (its boot id "
+        return wx_errf(-EXDEV,
+                       "cuda_ipc: %s runs on another machine or boot (its boot id "
                        "differs from this one's): CUDA IPC only connects processes of one "
-                       "node; use the verbs or fabric transport", p->name);
+                       "node; use the verbs or fabric transport",
+                       p->name);
     *req_len = 0; /* no handshake: the export blob holds everything */
     return 0;
 }
 
-static int wx__ci_conn_accept(wx_transport_t *t, const uint8_t *req, size_t req_len,
-                              uint8_t *rep, size_t *rep_len)
+static int wx__ci_conn_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
+                              size_t *rep_len)
 {
     WX_UNUSED(t);
     WX_UNUSED(req);
     WX_UNUSED(rep);
     WX_UNUSED(rep_len);
-    return wx_errf(-EPROTO, "cuda_ipc: got a %zu-byte connection request, but cuda_ipc needs "
-                   "no handshake (is the writer another transport?)", req_len);
+    return wx_errf(-EPROTO,
+                   "cuda_ipc: got a %zu-byte connection request, but cuda_ipc needs "
+                   "no handshake (is the writer another transport?)",
+                   req_len);
 }
 
 /* Open every allocation the peer exported now, so that writes never open handles. */
-static int wx__ci_conn_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep,
-                              size_t rep_len)
+static int wx__ci_conn_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len)
 {
     wx__ci_t *c = (wx__ci_t *)t;
     int rc;
@@ -547,12 +558,14 @@ static int wx__ci_info(wx_transport_t *t, char *buf, size_t len)
     int n;
     pthread_mutex_lock(&c->mu);
     if (!c->started)
-        n = snprintf(buf, len, "cuda_ipc: writer not started (device=%s), streams=%u, "
+        n = snprintf(buf, len,
+                     "cuda_ipc: writer not started (device=%s), streams=%u, "
                      "max_write=%llu, max_inflight=%u",
                      c->opt_device < 0 ? "auto" : "fixed", c->nstreams,
                      (unsigned long long)c->base.max_write, c->base.max_inflight);
     else
-        n = snprintf(buf, len, "cuda_ipc: writer on cuda:%d (%s, %s), streams=%u, split=%llu, "
+        n = snprintf(buf, len,
+                     "cuda_ipc: writer on cuda:%d (%s, %s), streams=%u, split=%llu, "
                      "map=%s, peer_access=%d, ipc_lazy=%d, maps=%u, writes=%llu, bytes=%llu, "
                      "errors=%llu, inflight=%u",
                      c->dev, c->devname, c->pci, c->nstreams, (unsigned long long)c->split,

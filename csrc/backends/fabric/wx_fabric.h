@@ -53,15 +53,15 @@ enum { WX_FAB_FREE = 0, WX_FAB_POSTED = 1, WX_FAB_ABANDONED = 2 };
  * after the generic layer has freed the wx_peer_t). */
 typedef struct wx_fab_peer {
     struct wx_fab_peer *next;
-    char name[64];        /* copy of wx_peer_t.name for messages */
+    char name[64]; /* copy of wx_peer_t.name for messages */
     fi_addr_t fa;
     int in_av;
     uint64_t eagain_since; /* start of an unbroken run of -FI_EAGAIN answers, else 0 */
     uint64_t eagain_check; /* next liveness check during such a run (shm) */
-    long pid;             /* shm: the peer's process id (from its address), else 0 */
-    int gone;             /* shm: that process no longer exists */      /* a write was accepted: the provider's connection is up */
+    long pid;              /* shm: the peer's process id (from its address), else 0 */
+    int gone;              /* shm: that process no longer exists */
     atomic_uint inflight;
-    int failed;           /* a write to it failed for good: refuse further writes */
+    int failed;              /* a write to it failed for good: refuse further writes */
     char why[WX_ERRMSG_MAX]; /* ... and why */
 } wx_fab_peer_t;
 
@@ -87,10 +87,10 @@ typedef struct wx_fab {
     struct fid_ep *ep;
     struct fid_cntr *rcntr; /* poll mode: counts writes that landed here (FI_RMA_EVENT) */
     uint64_t mr_mode;
-    int hmem;           /* provider offers FI_HMEM */
-    int want_wait;      /* option progress: try a CQ wait object */
-    int cq_wait;        /* CQ has a wait object: the thread blocks in fi_cq_sread */
-    int serialize;      /* provider is not FI_THREAD_SAFE: dlock around every data call */
+    int hmem;      /* provider offers FI_HMEM */
+    int want_wait; /* option progress: try a CQ wait object */
+    int cq_wait;   /* CQ has a wait object: the thread blocks in fi_cq_sread */
+    int serialize; /* provider is not FI_THREAD_SAFE: dlock around every data call */
     uint64_t write_flags;
     uint64_t chunk;
     uint32_t depth;
@@ -105,10 +105,10 @@ typedef struct wx_fab {
     pthread_mutex_t slot_lock; /* slots, free list, counters */
     wx_fab_slot_t *slots;
     wx_fab_slot_t *free_slots;
-    uint32_t posted;           /* slots in state POSTED */
-    uint32_t abandoned;        /* slots in state ABANDONED */
+    uint32_t posted;    /* slots in state POSTED */
+    uint32_t abandoned; /* slots in state ABANDONED */
 
-    wx_fab_peer_t *fpeers;     /* every wx_fab_peer_t, freed at close (under slot_lock) */
+    wx_fab_peer_t *fpeers; /* every wx_fab_peer_t, freed at close (under slot_lock) */
 
     pthread_t thread;
     int thread_started;

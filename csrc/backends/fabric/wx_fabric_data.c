@@ -21,10 +21,11 @@
 #include <string.h>
 #include <time.h>
 
-#define WX_FAB_WAIT_MS 50   /* longest blocking CQ wait: bounds how long close() waits */
+#define WX_FAB_WAIT_MS 50 /* longest blocking CQ wait: bounds how long close() waits */
 #define WX_FAB_SCAN_NS (100 * 1000000ull)
 #define WX_FAB_BATCH 32
-#define WX_FAB_EAGAIN_MAX_NS (30 * 1000000000ull) /* -FI_EAGAIN run that fails a peer when
+#define WX_FAB_EAGAIN_MAX_NS                                                                       \
+    (30 * 1000000000ull) /* -FI_EAGAIN run that fails a peer when
                                                     * the op timeout is off */
 
 int wx__fab_slots_init(wx_fab_t *f)
@@ -158,8 +159,8 @@ static void wx__fab_readerr(wx_fab_t *f)
 static void wx__fab_check_gone(wx_fab_t *f)
 {
     for (wx_fab_peer_t *fp = f->fpeers; fp; fp = fp->next)
-        if (fp->pid && !fp->gone && atomic_load(&fp->inflight) &&
-            kill((pid_t)fp->pid, 0) == -1 && errno == ESRCH)
+        if (fp->pid && !fp->gone && atomic_load(&fp->inflight) && kill((pid_t)fp->pid, 0) == -1 &&
+            errno == ESRCH)
             fp->gone = 1;
 }
 
@@ -178,9 +179,8 @@ static void wx__fab_scan_deadlines(wx_fab_t *f, uint64_t now)
             for (uint32_t i = 0; i < f->depth; i++) {
                 wx_fab_slot_t *s = &f->slots[i];
                 if (s->state == WX_FAB_POSTED && now > s->posted_ns &&
-                    ((s->fp && s->fp->gone) ||
-                     (f->op_timeout_ns && now > s->posted_ns &&
-                      now - s->posted_ns > f->op_timeout_ns))) {
+                    ((s->fp && s->fp->gone) || (f->op_timeout_ns && now > s->posted_ns &&
+                                                now - s->posted_ns > f->op_timeout_ns))) {
                     late = s;
                     break;
                 }
@@ -368,8 +368,8 @@ void wx__fab_cancel_all(wx_fab_t *f)
  * shm when its queues are full. It is also how tcp;ofi_rxm at times answers for a peer that
  * died, forever, so an unbroken run of -FI_EAGAIN longer than the op timeout fails the peer
  * (-ETIMEDOUT), and for shm a peer whose process is gone fails at once (-EPIPE). */
-static ssize_t wx__fab_post(wx_fab_t *f, wx_fab_peer_t *fp, const struct fi_msg_rma *msg,
-                            char *why, size_t why_len)
+static ssize_t wx__fab_post(wx_fab_t *f, wx_fab_peer_t *fp, const struct fi_msg_rma *msg, char *why,
+                            size_t why_len)
 {
     uint64_t now, bound = f->op_timeout_ns ? f->op_timeout_ns : WX_FAB_EAGAIN_MAX_NS;
     ssize_t rc;
@@ -391,8 +391,9 @@ static ssize_t wx__fab_post(wx_fab_t *f, wx_fab_peer_t *fp, const struct fi_msg_
     if (fp->pid && now >= fp->eagain_check) {
         fp->eagain_check = now + WX_FAB_SCAN_NS;
         if (kill((pid_t)fp->pid, 0) == -1 && errno == ESRCH) {
-            snprintf(why, why_len, "fabric: cannot write to %s: the peer process (pid %ld) "
-                                   "has exited (provider %s)",
+            snprintf(why, why_len,
+                     "fabric: cannot write to %s: the peer process (pid %ld) "
+                     "has exited (provider %s)",
                      fp->name, fp->pid, f->prov);
             return -EPIPE;
         }
@@ -426,8 +427,10 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
                        fp->name, fp->why);
 #ifdef WX_TESTING
     if (p->id == f->test_refuse_peer)
-        return wx_errf(-EAGAIN, "fabric: TEST ONLY: refusing every write to %s "
-                                "(option _test_refuse_peer)", p->name);
+        return wx_errf(-EAGAIN,
+                       "fabric: TEST ONLY: refusing every write to %s "
+                       "(option _test_refuse_peer)",
+                       p->name);
 #endif
     if (!wr->local)
         return wx_errf(-EINVAL, "fabric: write to %s needs a registered source region", p->name);
@@ -489,8 +492,9 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
     if (why[0])
         return wx_errf((int)rc, "%s", why);
     if (rc == -FI_EAGAIN)
-        return wx_errf(-EAGAIN, "fabric: provider %s cannot take another write to %s now; "
-                                "retry after a completion",
+        return wx_errf(-EAGAIN,
+                       "fabric: provider %s cannot take another write to %s now; "
+                       "retry after a completion",
                        f->prov, fp->name);
     return wx__fab_err((int)rc,
                        "fabric: fi_writemsg(%s, wr_id %llu, %llu bytes -> key 0x%llx + %llu)",

@@ -14,11 +14,11 @@ static pthread_once_t wx__fi_once = PTHREAD_ONCE_INIT;
 static char wx__fi_why[256];
 static int wx__fi_ok;
 
-#define WX__SYM(field)                                                                      \
-    do {                                                                                    \
-        if (wx_dl_sym(lib, "libfabric.so.1", #field, (void **)&wx__fi.field, wx__fi_why,   \
-                      sizeof wx__fi_why))                                                   \
-            return;                                                                         \
+#define WX__SYM(field)                                                                             \
+    do {                                                                                           \
+        if (wx_dl_sym(lib, "libfabric.so.1", #field, (void **)&wx__fi.field, wx__fi_why,           \
+                      sizeof wx__fi_why))                                                          \
+            return;                                                                                \
     } while (0)
 
 static void wx__fi_load(void)
@@ -34,13 +34,11 @@ static void wx__fi_load(void)
     WX__SYM(fi_fabric);
     WX__SYM(fi_strerror);
     WX__SYM(fi_version);
-    wx_dl_sym(lib, "libfabric.so.1", "fi_tostr", (void **)&wx__fi.fi_tostr, ignore,
-              sizeof ignore);
+    wx_dl_sym(lib, "libfabric.so.1", "fi_tostr", (void **)&wx__fi.fi_tostr, ignore, sizeof ignore);
     v = wx__fi.fi_version();
     if (FI_MAJOR(v) != 1 || FI_MINOR(v) < 9) {
         snprintf(wx__fi_why, sizeof wx__fi_why,
-                 "libfabric %u.%u is too old (wxfer needs 1.9 or newer)", FI_MAJOR(v),
-                 FI_MINOR(v));
+                 "libfabric %u.%u is too old (wxfer needs 1.9 or newer)", FI_MAJOR(v), FI_MINOR(v));
         return;
     }
     wx__fi_ok = 1;

@@ -56,10 +56,11 @@ int wx__fab_reg(wx_transport_t *t, wx_mr_t *mr)
         pthread_mutex_unlock(&f->dlock);
     if (rc) {
         if (rc == -FI_ENOKEY)
-            return wx__fab_err(rc, "fabric: fi_mr_regattr(provider %s, key 0x%llx already in "
-                                   "use, %llu bytes at %p)",
-                               f->prov, (unsigned long long)mr->key,
-                               (unsigned long long)mr->len, mr->addr);
+            return wx__fab_err(rc,
+                               "fabric: fi_mr_regattr(provider %s, key 0x%llx already in "
+                               "use, %llu bytes at %p)",
+                               f->prov, (unsigned long long)mr->key, (unsigned long long)mr->len,
+                               mr->addr);
         return wx__fab_err(rc, "fabric: fi_mr_regattr(provider %s, %s memory%s, %llu bytes at %p)",
                            f->prov, cuda ? "CUDA" : "host", cuda ? " via FI_HMEM_CUDA" : "",
                            (unsigned long long)mr->len, mr->addr);
@@ -74,8 +75,9 @@ int wx__fab_reg(wx_transport_t *t, wx_mr_t *mr)
         uint64_t key = fi_mr_key(fmr);
         if (key == FI_KEY_NOTAVAIL) {
             fi_close(&fmr->fid);
-            return wx_errf(-ENOTSUP, "fabric: provider %s uses raw memory keys, which wxfer "
-                                     "does not support",
+            return wx_errf(-ENOTSUP,
+                           "fabric: provider %s uses raw memory keys, which wxfer "
+                           "does not support",
                            f->prov);
         }
         mr->key = key;

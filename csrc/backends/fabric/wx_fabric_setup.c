@@ -28,8 +28,13 @@
 #define WX_FAB_DEFAULT_DEPTH 64
 #define WX_FAB_DEFAULT_TIMEOUT_S 30
 
-static const char *const wx__fab_known[] = {"provider", "iface",   "chunk",    "depth",
-                                            "hmem",     "timeout", "progress",
+static const char *const wx__fab_known[] = {"provider",
+                                            "iface",
+                                            "chunk",
+                                            "depth",
+                                            "hmem",
+                                            "timeout",
+                                            "progress",
 #ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
                                             "_test_refuse_peer",
 #endif
@@ -91,12 +96,12 @@ static struct fi_info *wx__fab_hints(const wx_fi_api_t *api, const char *prov, i
     struct fi_info *h = api->fi_dupinfo(NULL);
     if (!h)
         return NULL;
-    h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0) |
-              (rma_event ? FI_RMA_EVENT : 0);
+    h->caps =
+        FI_RMA | FI_WRITE | FI_REMOTE_WRITE | (hmem ? FI_HMEM : 0) | (rma_event ? FI_RMA_EVENT : 0);
     h->mode = FI_CONTEXT | FI_CONTEXT2;
     h->ep_attr->type = FI_EP_RDM;
-    h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY |
-                              (hmem ? FI_MR_HMEM : 0);
+    h->domain_attr->mr_mode =
+        FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | (hmem ? FI_MR_HMEM : 0);
     h->domain_attr->threading = thread_safe ? FI_THREAD_SAFE : FI_THREAD_DOMAIN;
     h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
     h->fabric_attr->prov_name = strdup(prov);
@@ -296,8 +301,7 @@ static int wx__fab_parse(const wx_opts_t *opts, wx__fab_cfg_t *c)
                        c->hmem);
     c->progress = wx_opt_str(opts, "progress", "auto");
     if (strcmp(c->progress, "auto") && strcmp(c->progress, "wait") && strcmp(c->progress, "poll"))
-        return wx_errf(-EINVAL,
-                       "transport fabric: option progress=%s: expected auto, wait or poll",
+        return wx_errf(-EINVAL, "transport fabric: option progress=%s: expected auto, wait or poll",
                        c->progress);
     if ((rc = wx_opt_u64(opts, "chunk", WX_FAB_DEFAULT_CHUNK, &c->chunk)) ||
         (rc = wx_opt_u64(opts, "depth", WX_FAB_DEFAULT_DEPTH, &c->depth)) ||
@@ -309,8 +313,9 @@ static int wx__fab_parse(const wx_opts_t *opts, wx__fab_cfg_t *c)
         return rc;
 #endif
     if (c->chunk == 0 || c->depth == 0 || c->depth > 65536)
-        return wx_errf(-EINVAL, "transport fabric: chunk must be > 0 and depth in 1..65536 "
-                                "(got chunk=%llu depth=%llu)",
+        return wx_errf(-EINVAL,
+                       "transport fabric: chunk must be > 0 and depth in 1..65536 "
+                       "(got chunk=%llu depth=%llu)",
                        (unsigned long long)c->chunk, (unsigned long long)c->depth);
     return 0;
 }
@@ -351,8 +356,8 @@ static int wx__fab_open_ep(wx_fab_t *f)
     if (rc)
         return wx__fab_err(rc, "fabric: fi_domain(provider %s, domain %s)", prov, f->dom);
     memset(&av_attr, 0, sizeof av_attr);
-    av_attr.type = f->info->domain_attr->av_type != FI_AV_UNSPEC ? f->info->domain_attr->av_type
-                                                                 : FI_AV_TABLE;
+    av_attr.type =
+        f->info->domain_attr->av_type != FI_AV_UNSPEC ? f->info->domain_attr->av_type : FI_AV_TABLE;
     rc = fi_av_open(f->domain, &av_attr, &f->av, NULL);
     if (rc)
         return wx__fab_err(rc, "fabric: fi_av_open(provider %s)", prov);
@@ -425,8 +430,7 @@ static int wx__fab_open(const wx_opts_t *opts, wx_transport_t **out)
         depth = f->info->tx_attr->size;
     f->depth = (uint32_t)depth;
 
-    if ((rc = wx__fab_open_ep(f)) || (rc = wx__fab_slots_init(f)) ||
-        (rc = wx__fab_thread_start(f)))
+    if ((rc = wx__fab_open_ep(f)) || (rc = wx__fab_slots_init(f)) || (rc = wx__fab_thread_start(f)))
         goto fail;
 
     f->base.max_write = f->chunk;
@@ -497,8 +501,7 @@ static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, s
             pthread_mutex_unlock(&f->dlock);
         if (rc != 1)
             return wx__fab_err(rc < 0 ? rc : -FI_EINVAL,
-                               "fabric: fi_av_insert(%s, %u-byte address)", p->name,
-                               p->addr_len);
+                               "fabric: fi_av_insert(%s, %u-byte address)", p->name, p->addr_len);
         fp->in_av = 1;
     }
     fp->failed = 0;
@@ -510,22 +513,22 @@ static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, s
     return 0;
 }
 
-static int wx__fab_conn_accept(wx_transport_t *t, const uint8_t *req, size_t req_len,
-                               uint8_t *rep, size_t *rep_len)
+static int wx__fab_conn_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
+                               size_t *rep_len)
 {
     WX_UNUSED(t);
     WX_UNUSED(req);
     WX_UNUSED(rep);
     if (req_len)
-        return wx_errf(-EPROTO, "fabric: unexpected %zu-byte connection request (fabric needs "
-                                "no handshake; is the writer another transport?)",
+        return wx_errf(-EPROTO,
+                       "fabric: unexpected %zu-byte connection request (fabric needs "
+                       "no handshake; is the writer another transport?)",
                        req_len);
     *rep_len = 0;
     return 0;
 }
 
-static int wx__fab_conn_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep,
-                               size_t rep_len)
+static int wx__fab_conn_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len)
 {
     WX_UNUSED(t);
     WX_UNUSED(rep);
@@ -567,8 +570,8 @@ static int wx__fab_info(wx_transport_t *t, char *buf, size_t len)
                  "chunk=%llu depth=%u inflight=%u abandoned=%u writes=%llu bytes=%llu "
                  "errors=%llu timeouts=%llu",
                  f->prov, f->dom, f->addr_str, (unsigned long long)f->mr_mode,
-                 f->hmem ? "yes" : "no", f->cq_wait ? "sread" : "poll",
-                 f->serialize ? "+lock" : "", f->rcntr ? "+cntr" : "", (unsigned long long)f->chunk, f->depth, f->posted,
+                 f->hmem ? "yes" : "no", f->cq_wait ? "sread" : "poll", f->serialize ? "+lock" : "",
+                 f->rcntr ? "+cntr" : "", (unsigned long long)f->chunk, f->depth, f->posted,
                  f->abandoned, (unsigned long long)atomic_load(&f->n_writes),
                  (unsigned long long)atomic_load(&f->n_bytes),
                  (unsigned long long)atomic_load(&f->n_errors),

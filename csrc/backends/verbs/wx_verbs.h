@@ -38,23 +38,23 @@ typedef struct wx__vnic {
 typedef struct wx__vqp {
     struct ibv_qp *qp;
     wx__vnic_t *nic;
-    uint32_t idx;       /* index in the transport's QP table (wr_id high bits) */
-    int remote_nic;     /* the target NIC index this QP reaches */
-    wx_peer_t *peer;    /* writer side; NULL for target-side QPs */
+    uint32_t idx;    /* index in the transport's QP table (wr_id high bits) */
+    int remote_nic;  /* the target NIC index this QP reaches */
+    wx_peer_t *peer; /* writer side; NULL for target-side QPs */
     pthread_mutex_t lock;
-    uint32_t depth;     /* max_send_wr */
+    uint32_t depth; /* max_send_wr */
     struct wx__vslot {
         wx_op_t *op; /* NULL for a tail-flush WR */
         int sig;
-    } *ring;            /* depth entries, by sequence */
-    uint64_t head;      /* next sequence to post */
-    uint64_t tail;      /* oldest sequence not yet completed */
+    } * ring;                      /* depth entries, by sequence */
+    uint64_t head;                 /* next sequence to post */
+    uint64_t tail;                 /* oldest sequence not yet completed */
     uint64_t sig_posted, sig_done; /* count of signaled WRs posted / completed */
-    uint32_t unsig_run; /* unsignaled WRs posted since the last signaled one */
+    uint32_t unsig_run;            /* unsignaled WRs posted since the last signaled one */
     uint64_t last_raddr;
     uint32_t last_rkey;
     uint32_t psn;
-    int broken;         /* an error completion arrived: the QP is in the error state */
+    int broken; /* an error completion arrived: the QP is in the error state */
     int broken_errno;
     char err[400];
 } wx__vqp_t;
@@ -85,15 +85,15 @@ typedef struct wx_verbs {
     wx__vnic_t nic[WX_VERBS_MAX_NICS];
     int nnic;
     /* options */
-    int gpu;               /* CUDA ordinal for NIC choice, -1 none */
-    int gid_index_opt;     /* -1 auto */
+    int gpu;           /* CUDA ordinal for NIC choice, -1 none */
+    int gid_index_opt; /* -1 auto */
     uint64_t chunk;
     uint32_t depth;
     uint32_t qps_per_pair;
     uint32_t sig_every;
     uint8_t timeout, retry_cnt;
-    const char *reg_mode;  /* "auto", "dmabuf", "peermem" */
-#ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
+    const char *reg_mode;    /* "auto", "dmabuf", "peermem" */
+#ifdef WX_TESTING            /* fault injection: test builds only (WXFER_TESTING=1) */
     uint32_t test_rkey_xor;  /* TEST ONLY: corrupt rkeys to exercise the HCA's own check */
     uint64_t test_raddr_add; /* TEST ONLY: shift remote addresses past the region */
 #endif

@@ -118,8 +118,8 @@ void wx__verbs_destroy_qp(wx_verbs_t *t, wx__vqp_t *q)
     free(q);
 }
 
-static int wx__qp_create(wx_verbs_t *t, wx__vnic_t *n, uint32_t depth, int access,
-                         wx_peer_t *peer, int remote_nic, wx__vqp_t **out)
+static int wx__qp_create(wx_verbs_t *t, wx__vnic_t *n, uint32_t depth, int access, wx_peer_t *peer,
+                         int remote_nic, wx__vqp_t **out)
 {
     const wx_verbs_api_t *v = t->v;
     struct ibv_qp_init_attr ia;
@@ -127,8 +127,9 @@ static int wx__qp_create(wx_verbs_t *t, wx__vnic_t *n, uint32_t depth, int acces
     wx__vqp_t *q;
     int rc;
     if (n->cq_used + (int)depth > n->cq_cap)
-        return wx_errf(-ENOSPC, "verbs: the completion queue of %s (%d entries) cannot take "
-                                "another QP of depth %u (lower depth or use fewer peers)",
+        return wx_errf(-ENOSPC,
+                       "verbs: the completion queue of %s (%d entries) cannot take "
+                       "another QP of depth %u (lower depth or use fewer peers)",
                        n->name, n->cq_cap, depth);
     q = calloc(1, sizeof *q);
     if (!q)
@@ -155,8 +156,8 @@ static int wx__qp_create(wx_verbs_t *t, wx__vnic_t *n, uint32_t depth, int acces
     ia.sq_sig_all = 0;
     q->qp = v->create_qp(n->pd, &ia);
     if (!q->qp) {
-        rc = wx_errf(errno ? -errno : -EIO, "ibv_create_qp(%s, max_send_wr %u) failed: %s",
-                     n->name, depth, strerror(errno));
+        rc = wx_errf(errno ? -errno : -EIO, "ibv_create_qp(%s, max_send_wr %u) failed: %s", n->name,
+                     depth, strerror(errno));
         pthread_mutex_destroy(&q->lock);
         free(q->ring);
         free(q);
@@ -168,11 +169,11 @@ static int wx__qp_create(wx_verbs_t *t, wx__vnic_t *n, uint32_t depth, int acces
     a.pkey_index = 0;
     a.port_num = n->port;
     a.qp_access_flags = (unsigned)access;
-    rc = v->modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-                                     IBV_QP_ACCESS_FLAGS);
+    rc = v->modify_qp(q->qp, &a,
+                      IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
     if (rc) {
-        rc = wx_errf(-rc, "ibv_modify_qp(qp 0x%x on %s, RESET->INIT) failed: %s",
-                     q->qp->qp_num, n->name, strerror(rc));
+        rc = wx_errf(-rc, "ibv_modify_qp(qp 0x%x on %s, RESET->INIT) failed: %s", q->qp->qp_num,
+                     n->name, strerror(rc));
         wx__verbs_destroy_qp(t, q);
         return rc;
     }
@@ -207,20 +208,24 @@ static int wx__qp_connect(wx_verbs_t *t, wx__vqp_t *q, const wx__qpinfo_t *r, co
     a.ah_attr.dlid = r->lid;
     if (eth || n->gid_index >= 0 || r->gid_index >= 0) {
         if (n->gid_index < 0)
-            return wx_errf(-EPROTO, "verbs: %s wants a GRH but %s has no GID index chosen "
-                                    "(set gid_index)", who, n->name);
+            return wx_errf(-EPROTO,
+                           "verbs: %s wants a GRH but %s has no GID index chosen "
+                           "(set gid_index)",
+                           who, n->name);
         a.ah_attr.is_global = 1;
         memcpy(a.ah_attr.grh.dgid.raw, r->gid, 16);
         a.ah_attr.grh.sgid_index = (uint8_t)n->gid_index;
         a.ah_attr.grh.hop_limit = 64;
     }
-    rc = v->modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-                                     IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC |
-                                     IBV_QP_MIN_RNR_TIMER);
+    rc = v->modify_qp(q->qp, &a,
+                      IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                          IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
     if (rc)
-        return wx_errf(-rc, "ibv_modify_qp(qp 0x%x on %s, INIT->RTR to %s qp 0x%x, mtu %s) "
-                            "failed: %s", q->qp->qp_num, n->name, who, r->qpn,
-                       wx__verbs_mtu_str(a.path_mtu), strerror(rc));
+        return wx_errf(-rc,
+                       "ibv_modify_qp(qp 0x%x on %s, INIT->RTR to %s qp 0x%x, mtu %s) "
+                       "failed: %s",
+                       q->qp->qp_num, n->name, who, r->qpn, wx__verbs_mtu_str(a.path_mtu),
+                       strerror(rc));
     memset(&a, 0, sizeof a);
     a.qp_state = IBV_QPS_RTS;
     a.sq_psn = q->psn;
@@ -228,12 +233,12 @@ static int wx__qp_connect(wx_verbs_t *t, wx__vqp_t *q, const wx__qpinfo_t *r, co
     a.retry_cnt = t->retry_cnt;
     a.rnr_retry = 7;
     a.max_rd_atomic = 1;
-    rc = v->modify_qp(q->qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT |
-                                     IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-                                     IBV_QP_MAX_QP_RD_ATOMIC);
+    rc = v->modify_qp(q->qp, &a,
+                      IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+                          IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC);
     if (rc)
-        return wx_errf(-rc, "ibv_modify_qp(qp 0x%x on %s, RTR->RTS) failed: %s",
-                       q->qp->qp_num, n->name, strerror(rc));
+        return wx_errf(-rc, "ibv_modify_qp(qp 0x%x on %s, RTR->RTS) failed: %s", q->qp->qp_num,
+                       n->name, strerror(rc));
     return 0;
 }
 
@@ -292,12 +297,11 @@ int wx__verbs_conn_request(wx_transport_t *tt, wx_peer_t *p, uint8_t *req, size_
         wx__qpinfo_t e;
         wx__vqp_t *q;
         if (rn[tn].link_layer != t->nic[ln].pattr.link_layer) {
-            rc = wx_errf(-EPROTO, "verbs: %s NIC %.14s is %s but local %s is %s", p->name,
-                         rn[tn].name,
-                         rn[tn].link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet" : "InfiniBand",
-                         t->nic[ln].name,
-                         t->nic[ln].pattr.link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet"
-                                                                              : "InfiniBand");
+            rc = wx_errf(
+                -EPROTO, "verbs: %s NIC %.14s is %s but local %s is %s", p->name, rn[tn].name,
+                rn[tn].link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet" : "InfiniBand",
+                t->nic[ln].name,
+                t->nic[ln].pattr.link_layer == IBV_LINK_LAYER_ETHERNET ? "Ethernet" : "InfiniBand");
             wx__free_peer(t, pv);
             return rc;
         }
@@ -319,12 +323,11 @@ static int wx__q_decode(const uint8_t *buf, size_t len, const char *magic, uint6
                         uint64_t *tn, wx__qpinfo_t *e, uint32_t *n)
 {
     if (len < WX__QHDR || memcmp(buf, magic, 4) || buf[4] != WX__VER)
-        return wx_errf(-EPROTO, "verbs: connection message is not a verbs v%d %s", WX__VER,
-                       magic);
+        return wx_errf(-EPROTO, "verbs: connection message is not a verbs v%d %s", WX__VER, magic);
     *n = buf[5];
     if (*n == 0 || *n > 2 * WX_VERBS_MAX_NICS * 4 || len != WX__QHDR + *n * sizeof *e)
-        return wx_errf(-EBADMSG, "verbs: connection message has a bad length (%zu for %u QPs)",
-                       len, *n);
+        return wx_errf(-EBADMSG, "verbs: connection message has a bad length (%zu for %u QPs)", len,
+                       *n);
     memcpy(wn, buf + 8, 8);
     memcpy(tn, buf + 16, 8);
     memcpy(e, buf + WX__QHDR, *n * sizeof *e);
@@ -399,8 +402,10 @@ int wx__verbs_conn_finish(wx_transport_t *tt, wx_peer_t *p, const uint8_t *rep, 
     if (rc)
         return rc;
     if (wn != t->nonce || n != pv->nqp)
-        return wx_errf(-EPROTO, "verbs: %s: reply does not answer this request (%u QPs, "
-                                "expected %u)", p->name, n, pv->nqp);
+        return wx_errf(-EPROTO,
+                       "verbs: %s: reply does not answer this request (%u QPs, "
+                       "expected %u)",
+                       p->name, n, pv->nqp);
     for (uint32_t k = 0; k < n; k++) {
         rc = wx__qp_connect(t, pv->qps[k], &in[k], p->name);
         if (rc)

@@ -30,42 +30,69 @@ typedef struct wx__done {
     const char *msg;
 } wx__done_t;
 
-static const char *const wx__verbs_known[] = {
-    "device", "gid_index", "chunk", "depth", "gpu", "qps", "sig_every", "timeout", "retry_cnt",
-    "reg",
+static const char *const wx__verbs_known[] = {"device",
+                                              "gid_index",
+                                              "chunk",
+                                              "depth",
+                                              "gpu",
+                                              "qps",
+                                              "sig_every",
+                                              "timeout",
+                                              "retry_cnt",
+                                              "reg",
 #ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
-    "_test_rkey_xor", "_test_raddr_add",
+                                              "_test_rkey_xor",
+                                              "_test_raddr_add",
 #endif
-    NULL};
+                                              NULL};
 
 static int wx__status_errno(enum ibv_wc_status st)
 {
     switch (st) {
-    case IBV_WC_REM_ACCESS_ERR: return -EACCES;
-    case IBV_WC_LOC_PROT_ERR: return -EFAULT;
-    case IBV_WC_LOC_LEN_ERR: return -EMSGSIZE;
-    case IBV_WC_RETRY_EXC_ERR: return -EHOSTUNREACH;
-    case IBV_WC_RNR_RETRY_EXC_ERR: return -EHOSTUNREACH;
-    case IBV_WC_WR_FLUSH_ERR: return -ECANCELED;
-    default: return -EIO;
+    case IBV_WC_REM_ACCESS_ERR:
+        return -EACCES;
+    case IBV_WC_LOC_PROT_ERR:
+        return -EFAULT;
+    case IBV_WC_LOC_LEN_ERR:
+        return -EMSGSIZE;
+    case IBV_WC_RETRY_EXC_ERR:
+        return -EHOSTUNREACH;
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+        return -EHOSTUNREACH;
+    case IBV_WC_WR_FLUSH_ERR:
+        return -ECANCELED;
+    default:
+        return -EIO;
     }
 }
 
 static const char *wx__status_name(enum ibv_wc_status st)
 {
     switch (st) {
-    case IBV_WC_SUCCESS: return "IBV_WC_SUCCESS";
-    case IBV_WC_LOC_LEN_ERR: return "IBV_WC_LOC_LEN_ERR";
-    case IBV_WC_LOC_QP_OP_ERR: return "IBV_WC_LOC_QP_OP_ERR";
-    case IBV_WC_LOC_PROT_ERR: return "IBV_WC_LOC_PROT_ERR";
-    case IBV_WC_WR_FLUSH_ERR: return "IBV_WC_WR_FLUSH_ERR";
-    case IBV_WC_REM_ACCESS_ERR: return "IBV_WC_REM_ACCESS_ERR";
-    case IBV_WC_REM_INV_REQ_ERR: return "IBV_WC_REM_INV_REQ_ERR";
-    case IBV_WC_REM_OP_ERR: return "IBV_WC_REM_OP_ERR";
-    case IBV_WC_RETRY_EXC_ERR: return "IBV_WC_RETRY_EXC_ERR";
-    case IBV_WC_RNR_RETRY_EXC_ERR: return "IBV_WC_RNR_RETRY_EXC_ERR";
-    case IBV_WC_GENERAL_ERR: return "IBV_WC_GENERAL_ERR";
-    default: return "IBV_WC_?";
+    case IBV_WC_SUCCESS:
+        return "IBV_WC_SUCCESS";
+    case IBV_WC_LOC_LEN_ERR:
+        return "IBV_WC_LOC_LEN_ERR";
+    case IBV_WC_LOC_QP_OP_ERR:
+        return "IBV_WC_LOC_QP_OP_ERR";
+    case IBV_WC_LOC_PROT_ERR:
+        return "IBV_WC_LOC_PROT_ERR";
+    case IBV_WC_WR_FLUSH_ERR:
+        return "IBV_WC_WR_FLUSH_ERR";
+    case IBV_WC_REM_ACCESS_ERR:
+        return "IBV_WC_REM_ACCESS_ERR";
+    case IBV_WC_REM_INV_REQ_ERR:
+        return "IBV_WC_REM_INV_REQ_ERR";
+    case IBV_WC_REM_OP_ERR:
+        return "IBV_WC_REM_OP_ERR";
+    case IBV_WC_RETRY_EXC_ERR:
+        return "IBV_WC_RETRY_EXC_ERR";
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+        return "IBV_WC_RNR_RETRY_EXC_ERR";
+    case IBV_WC_GENERAL_ERR:
+        return "IBV_WC_GENERAL_ERR";
+    default:
+        return "IBV_WC_?";
     }
 }
 
@@ -164,8 +191,7 @@ static int wx__on_cqe(wx_verbs_t *t, const struct ibv_wc *wc, wx__done_t *d, int
                  "port %u, qp_num 0x%x, wr_id 0x%llx (op wr_id 0x%llx)",
                  q->peer->name, t->v->wc_status_str(wc->status), wx__status_name(wc->status),
                  (int)wc->status, wc->vendor_err, q->nic->name, q->nic->port, wc->qp_num,
-                 (unsigned long long)wc->wr_id,
-                 (unsigned long long)(s->op ? s->op->wr_id : 0));
+                 (unsigned long long)wc->wr_id, (unsigned long long)(s->op ? s->op->wr_id : 0));
     }
     /* Earlier unsignaled WRs completed successfully (RC completes in order; an error
      * would have produced its own CQE first). */
@@ -233,9 +259,10 @@ static void *wx__progress(void *arg)
             n = ibv_poll_cq(t->nic[i].cq, WX__POLL_BATCH, wc);
             if (n < 0) {
                 char msg[200];
-                snprintf(msg, sizeof msg, "verbs: ibv_poll_cq on %s failed (%d: %s); its queue "
-                                          "pairs cannot complete", t->nic[i].name, n,
-                         strerror(n == -1 ? errno : -n));
+                snprintf(msg, sizeof msg,
+                         "verbs: ibv_poll_cq on %s failed (%d: %s); its queue "
+                         "pairs cannot complete",
+                         t->nic[i].name, n, strerror(n == -1 ? errno : -n));
                 for (uint32_t k = 0; k < t->nqps; k++)
                     if (t->qps[k] && t->qps[k]->nic == &t->nic[i] && t->qps[k]->peer) {
                         wx__vqp_t *q = t->qps[k];
@@ -304,23 +331,24 @@ static int wx__verbs_probe(const wx_opts_t *opts, char *why, size_t why_len)
     if (l)
         v->free_device_list(l);
     if (!l || n <= 0) {
-        snprintf(why, why_len, "no RDMA devices (ibv_get_device_list in %s found none; "
-                               "/sys/class/infiniband is empty)", v->path);
+        snprintf(why, why_len,
+                 "no RDMA devices (ibv_get_device_list in %s found none; "
+                 "/sys/class/infiniband is empty)",
+                 v->path);
         return -ENODEV;
     }
     return 0;
 }
 
-static int wx__opt_int(const wx_opts_t *o, const char *k, uint64_t dflt, uint64_t lo,
-                       uint64_t hi, uint64_t *out)
+static int wx__opt_int(const wx_opts_t *o, const char *k, uint64_t dflt, uint64_t lo, uint64_t hi,
+                       uint64_t *out)
 {
     int rc = wx_opt_u64(o, k, dflt, out);
     if (rc)
         return rc;
     if (*out < lo || *out > hi)
         return wx_errf(-EINVAL, "verbs: option %s=%llu out of range [%llu, %llu]", k,
-                       (unsigned long long)*out, (unsigned long long)lo,
-                       (unsigned long long)hi);
+                       (unsigned long long)*out, (unsigned long long)lo, (unsigned long long)hi);
     return 0;
 }
 
@@ -384,8 +412,9 @@ static int wx__verbs_open(const wx_opts_t *opts, wx_transport_t **out)
         rc = wx_errf(-EINVAL, "verbs: option reg=%s (want auto, dmabuf or peermem)", t->reg_mode);
         goto fail;
     }
-    t->reg_mode = strcmp(t->reg_mode, "dmabuf") == 0 ? "dmabuf"
-                  : strcmp(t->reg_mode, "peermem") == 0 ? "peermem" : "auto";
+    t->reg_mode = strcmp(t->reg_mode, "dmabuf") == 0    ? "dmabuf"
+                  : strcmp(t->reg_mode, "peermem") == 0 ? "peermem"
+                                                        : "auto";
 #ifdef WX_TESTING
     if ((rc = wx__opt_int(opts, "_test_rkey_xor", 0, 0, 0xffffffffu, &u)))
         goto fail;
@@ -500,10 +529,11 @@ static int wx__verbs_write(wx_transport_t *tt, wx_peer_t *p, const wx_wr_t *wr, 
     }
     if (!q)
         return -EAGAIN;
-    if ((uint32_t)q->remote_nic >= rnn || 4 + 4 * (uint32_t)q->remote_nic + 4 > wr->remote->blob_len) {
+    if ((uint32_t)q->remote_nic >= rnn ||
+        4 + 4 * (uint32_t)q->remote_nic + 4 > wr->remote->blob_len) {
         pthread_mutex_unlock(&q->lock);
-        return wx_errf(-EPROTO, "verbs: remote region has rkeys for %u NICs, QP uses NIC %d",
-                       rnn, q->remote_nic);
+        return wx_errf(-EPROTO, "verbs: remote region has rkeys for %u NICs, QP uses NIC %d", rnn,
+                       q->remote_nic);
     }
     memcpy(&rkey, wr->remote->blob + 4 + 4 * q->remote_nic, 4);
 #ifdef WX_TESTING
@@ -560,11 +590,11 @@ static int wx__verbs_info(wx_transport_t *tt, char *buf, size_t len)
 {
     wx_verbs_t *t = (wx_verbs_t *)tt;
     size_t off = 0;
-#define WX__ADD(...)                                                                          \
-    do {                                                                                      \
-        int k_ = snprintf(buf + off, off < len ? len - off : 0, __VA_ARGS__);                 \
-        if (k_ > 0)                                                                           \
-            off += (size_t)k_;                                                                \
+#define WX__ADD(...)                                                                               \
+    do {                                                                                           \
+        int k_ = snprintf(buf + off, off < len ? len - off : 0, __VA_ARGS__);                      \
+        if (k_ > 0)                                                                                \
+            off += (size_t)k_;                                                                     \
     } while (0)
     if (t->v->emulated)
         WX__ADD("verbs (EMULATED libibverbs: %s): nics=", t->v->path);
@@ -581,8 +611,8 @@ static int wx__verbs_info(wx_transport_t *tt, char *buf, size_t len)
             "(%s) reg_calls=%llu reg_cache_hits=%llu",
             t->choice, (unsigned long long)t->base.max_write, t->depth, t->sig_every,
             t->qps_per_pair, t->reg_last[0] ? t->reg_last : "none",
-            t->reg_why[0] ? t->reg_why : "nothing registered yet",
-            (unsigned long long)t->reg_calls, (unsigned long long)t->reg_hits);
+            t->reg_why[0] ? t->reg_why : "nothing registered yet", (unsigned long long)t->reg_calls,
+            (unsigned long long)t->reg_hits);
     pthread_mutex_unlock(&t->rlock);
 #ifdef WX_TESTING
     if (t->test_rkey_xor || t->test_raddr_add)

@@ -15,16 +15,16 @@ static pthread_once_t wx__ibv_once = PTHREAD_ONCE_INIT;
 static char wx__ibv_why[320];
 static int wx__ibv_ok;
 
-#define WX__SYM(field, sym)                                                                  \
-    do {                                                                                     \
-        if (wx_dl_sym(lib, wx__ibv.path, sym, (void **)&wx__ibv.field, wx__ibv_why,          \
-                      sizeof wx__ibv_why))                                                   \
-            return;                                                                          \
+#define WX__SYM(field, sym)                                                                        \
+    do {                                                                                           \
+        if (wx_dl_sym(lib, wx__ibv.path, sym, (void **)&wx__ibv.field, wx__ibv_why,                \
+                      sizeof wx__ibv_why))                                                         \
+            return;                                                                                \
     } while (0)
-#define WX__OPT(field, sym)                                                                  \
-    do {                                                                                     \
-        char ignore[64];                                                                     \
-        wx_dl_sym(lib, wx__ibv.path, sym, (void **)&wx__ibv.field, ignore, sizeof ignore);   \
+#define WX__OPT(field, sym)                                                                        \
+    do {                                                                                           \
+        char ignore[64];                                                                           \
+        wx_dl_sym(lib, wx__ibv.path, sym, (void **)&wx__ibv.field, ignore, sizeof ignore);         \
     } while (0)
 
 static void wx__ibv_load(void)
@@ -110,8 +110,8 @@ int wx_ibv_query_gid_typed(const wx_verbs_api_t *v, struct ibv_context *ctx, uin
     if (rc)
         return rc;
     *type = IBV_GID_TYPE_IB;
-    snprintf(path, sizeof path, "%s/ports/%u/gid_attrs/types/%d", ctx->device->ibdev_path,
-             port, index);
+    snprintf(path, sizeof path, "%s/ports/%u/gid_attrs/types/%d", ctx->device->ibdev_path, port,
+             index);
     f = fopen(path, "r");
     if (f) {
         if (fgets(buf, sizeof buf, f)) {

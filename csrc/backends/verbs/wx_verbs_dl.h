@@ -34,8 +34,7 @@ typedef struct wx_verbs_api {
     int (*dealloc_pd)(struct ibv_pd *);
     struct ibv_mr *(*reg_mr)(struct ibv_pd *, void *, size_t, int);
     int (*dereg_mr)(struct ibv_mr *);
-    struct ibv_cq *(*create_cq)(struct ibv_context *, int, void *, struct ibv_comp_channel *,
-                                int);
+    struct ibv_cq *(*create_cq)(struct ibv_context *, int, void *, struct ibv_comp_channel *, int);
     int (*destroy_cq)(struct ibv_cq *);
     struct ibv_qp *(*create_qp)(struct ibv_pd *, struct ibv_qp_init_attr *);
     int (*modify_qp)(struct ibv_qp *, struct ibv_qp_attr *, int);
@@ -45,10 +44,10 @@ typedef struct wx_verbs_api {
     /* optional (NULL when the library is older) */
     struct ibv_mr *(*reg_mr_iova2)(struct ibv_pd *, void *, size_t, uint64_t, unsigned int);
     struct ibv_mr *(*reg_dmabuf_mr)(struct ibv_pd *, uint64_t, size_t, uint64_t, int, int);
-    int (*query_gid_ex)(struct ibv_context *, uint32_t, uint32_t, struct ibv_gid_entry *,
-                        uint32_t, size_t); /* _ibv_query_gid_ex */
-    char path[256]; /* the file that was loaded */
-    int emulated;   /* the library says it is the wxfer emulation (wxemu_verbs_is_emulation) */
+    int (*query_gid_ex)(struct ibv_context *, uint32_t, uint32_t, struct ibv_gid_entry *, uint32_t,
+                        size_t); /* _ibv_query_gid_ex */
+    char path[256];              /* the file that was loaded */
+    int emulated; /* the library says it is the wxfer emulation (wxemu_verbs_is_emulation) */
 } wx_verbs_api_t;
 
 /* Load libibverbs.so.1 (or $WXFER_LIBIBVERBS) once. Returns the table, or NULL with the

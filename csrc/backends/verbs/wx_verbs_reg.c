@@ -18,8 +18,7 @@
 
 #include "wx_dl_cuda.h"
 
-static struct ibv_mr *wx__reg_va(wx_verbs_t *t, wx__vnic_t *n, void *addr, uint64_t len,
-                                 int access)
+static struct ibv_mr *wx__reg_va(wx_verbs_t *t, wx__vnic_t *n, void *addr, uint64_t len, int access)
 {
     const wx_verbs_api_t *v = t->v;
     struct ibv_mr *m = NULL;
@@ -70,9 +69,11 @@ static int wx__reg_dmabuf(wx_verbs_t *t, const wx_cuda_api_t *cu, wx__vreg_t *r,
         return -ENOSYS;
     }
     if (cu->cuDeviceGetAttribute(&attr, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, dev) !=
-            CUDA_SUCCESS || !attr) {
-        snprintf(why, why_len, "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0 (needs Linux 5.12+ "
-                               "and the open GPU kernel module)");
+            CUDA_SUCCESS ||
+        !attr) {
+        snprintf(why, why_len,
+                 "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0 (needs Linux 5.12+ "
+                 "and the open GPU kernel module)");
         return -ENOSYS;
     }
     abase = r->base & ~(pg - 1);
@@ -92,8 +93,7 @@ static int wx__reg_dmabuf(wx_verbs_t *t, const wx_cuda_api_t *cu, wx__vreg_t *r,
             r->mr[i] = v->reg_dmabuf_mr(t->nic[i].pd, 0, aend - abase, abase, fd, r->access);
         if (!r->mr[i]) {
             int e = errno ? errno : EIO;
-            snprintf(why, why_len, "ibv_reg_dmabuf_mr(%s) failed: %s", t->nic[i].name,
-                     strerror(e));
+            snprintf(why, why_len, "ibv_reg_dmabuf_mr(%s) failed: %s", t->nic[i].name, strerror(e));
             wx__unreg(t, r);
             memset(r->mr, 0, sizeof r->mr);
             close(fd);
@@ -145,8 +145,9 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
                 wx__unreg(t, r);
                 cu->cuCtxSetCurrent(prev);
                 cu->cuDevicePrimaryCtxRelease(dev);
-                return wx_errf(-e, "verbs: cannot register GPU %d memory on %s: dma-buf: %s; "
-                                   "ibv_reg_mr on the device pointer: %s (nvidia-peermem %s)",
+                return wx_errf(-e,
+                               "verbs: cannot register GPU %d memory on %s: dma-buf: %s; "
+                               "ibv_reg_mr on the device pointer: %s (nvidia-peermem %s)",
                                r->device, t->nic[i].name, dwhy, strerror(e),
                                peermem ? "loaded" : "not loaded");
             }
@@ -157,8 +158,8 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
     } else if (rc) {
         cu->cuCtxSetCurrent(prev);
         cu->cuDevicePrimaryCtxRelease(dev);
-        return wx_errf(rc, "verbs: dma-buf registration of GPU %d memory failed: %s",
-                       r->device, dwhy);
+        return wx_errf(rc, "verbs: dma-buf registration of GPU %d memory failed: %s", r->device,
+                       dwhy);
     } else {
         snprintf(note, note_len, "peermem not needed: dma-buf worked");
     }
@@ -179,9 +180,8 @@ int wx__verbs_reg(wx_transport_t *tt, wx_mr_t *mr)
 
     pthread_mutex_lock(&t->rlock);
     for (r = t->regs; r; r = r->next)
-        if (r->mem == mr->mem && r->device == mr->device && r->base <= a &&
-            a - r->base <= r->len && mr->len <= r->len - (a - r->base) &&
-            (r->access & access) == access)
+        if (r->mem == mr->mem && r->device == mr->device && r->base <= a && a - r->base <= r->len &&
+            mr->len <= r->len - (a - r->base) && (r->access & access) == access)
             break;
     if (r) {
         r->refs++;

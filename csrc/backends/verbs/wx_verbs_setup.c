@@ -14,12 +14,18 @@
 const char *wx__verbs_mtu_str(int mtu)
 {
     switch (mtu) {
-    case IBV_MTU_256: return "256";
-    case IBV_MTU_512: return "512";
-    case IBV_MTU_1024: return "1024";
-    case IBV_MTU_2048: return "2048";
-    case IBV_MTU_4096: return "4096";
-    default: return "?";
+    case IBV_MTU_256:
+        return "256";
+    case IBV_MTU_512:
+        return "512";
+    case IBV_MTU_1024:
+        return "1024";
+    case IBV_MTU_2048:
+        return "2048";
+    case IBV_MTU_4096:
+        return "4096";
+    default:
+        return "?";
     }
 }
 
@@ -48,14 +54,18 @@ int wx__verbs_parse_list(const char *s, char names[][64], int *ports, int max, i
             continue;
         }
         if (len >= sizeof item || n >= max)
-            return wx_errf(-EINVAL, "WXFER_IB_DEVICES: entry '%.*s' too long or too many "
-                                    "entries (max %d)", (int)len, s, max);
+            return wx_errf(-EINVAL,
+                           "WXFER_IB_DEVICES: entry '%.*s' too long or too many "
+                           "entries (max %d)",
+                           (int)len, s, max);
         memcpy(item, s, len);
         item[len] = '\0';
         for (size_t i = 0; i < len; i++)
             if (strchr("*?[]{}()|+\\$^", item[i]))
-                return wx_errf(-EINVAL, "WXFER_IB_DEVICES: '%s' is not a plain device[:port] "
-                                        "name (no patterns; use '^a,b' to exclude)", item);
+                return wx_errf(-EINVAL,
+                               "WXFER_IB_DEVICES: '%s' is not a plain device[:port] "
+                               "name (no patterns; use '^a,b' to exclude)",
+                               item);
         colon = strchr(item, ':');
         ports[n] = 0;
         if (colon) {
@@ -201,13 +211,13 @@ static int wx__nic_gid(wx_verbs_t *t, wx__vnic_t *n)
     if (n->pattr.link_layer != IBV_LINK_LAYER_ETHERNET) {
         n->gid_index = -1;
         if (n->pattr.lid == 0)
-            return wx_errf(-ENETDOWN, "%s port %u: LID 0 (is a subnet manager running?)",
-                           n->name, n->port);
+            return wx_errf(-ENETDOWN, "%s port %u: LID 0 (is a subnet manager running?)", n->name,
+                           n->port);
         if (t->gid_index_opt >= 0) {
             n->gid_index = t->gid_index_opt;
             if (v->query_gid(n->ctx, n->port, n->gid_index, &n->gid))
-                return wx_errf(-EINVAL, "%s port %u: ibv_query_gid(%d) failed", n->name,
-                               n->port, n->gid_index);
+                return wx_errf(-EINVAL, "%s port %u: ibv_query_gid(%d) failed", n->name, n->port,
+                               n->gid_index);
         }
         return 0;
     }
@@ -239,8 +249,10 @@ static int wx__nic_gid(wx_verbs_t *t, wx__vnic_t *n)
         }
     }
     if (best < 0)
-        return wx_errf(-ENETDOWN, "%s port %u: no usable RoCE GID (is an IP address set on "
-                                  "its netdev?)", n->name, n->port);
+        return wx_errf(-ENETDOWN,
+                       "%s port %u: no usable RoCE GID (is an IP address set on "
+                       "its netdev?)",
+                       n->name, n->port);
     n->gid_index = best;
     return 0;
 }
@@ -290,12 +302,14 @@ static int wx__nics_named(wx_verbs_t *t, wx__nic_pick_t *k)
             if (strcmp(v->get_device_name(k->list[j]), k->names[i]) == 0)
                 d = k->list[j];
             if (strlen(have) + 70 < sizeof have)
-                snprintf(have + strlen(have), sizeof have - strlen(have), "%s%s",
-                         j ? ", " : "", v->get_device_name(k->list[j]));
+                snprintf(have + strlen(have), sizeof have - strlen(have), "%s%s", j ? ", " : "",
+                         v->get_device_name(k->list[j]));
         }
         if (!d)
-            return wx_errf(-ENODEV, "%s names RDMA device '%s', which does not exist "
-                                    "(devices: %s)", k->src, k->names[i], have);
+            return wx_errf(-ENODEV,
+                           "%s names RDMA device '%s', which does not exist "
+                           "(devices: %s)",
+                           k->src, k->names[i], have);
         rc = wx__nic_open(t, d, k->ports[i], 1, &k->cand[k->ncand]);
         if (rc)
             return rc;
@@ -356,8 +370,8 @@ static void wx__nics_nearest(wx_verbs_t *t, wx__nic_pick_t *k)
         return;
     }
     for (int i = 0; i < k->ncand; i++) {
-        k->cand[i].distance = k->cand[i].pci[0] ? wx__verbs_pci_distance(gpath, k->cand[i].pci)
-                                                : -1;
+        k->cand[i].distance =
+            k->cand[i].pci[0] ? wx__verbs_pci_distance(gpath, k->cand[i].pci) : -1;
         if (k->cand[i].distance >= 0 && k->cand[i].distance < mind)
             mind = k->cand[i].distance;
     }
@@ -413,8 +427,7 @@ int wx__verbs_open_nics(wx_verbs_t *t, const char *device_opt)
         if (k->list)
             v->free_device_list(k->list);
         free(k);
-        return wx_errf(-ENODEV, "no RDMA devices: ibv_get_device_list (%s) found none",
-                       v->path);
+        return wx_errf(-ENODEV, "no RDMA devices: ibv_get_device_list (%s) found none", v->path);
     }
     if (k->spec && *k->spec) {
         k->nlist = wx__verbs_parse_list(k->spec, k->names, k->ports, 32, &k->exclude);
