@@ -41,10 +41,10 @@ def test_a_receiver_dropped_mid_step_learns_it_is_torn(store, tmp_path):
                 p.mul_(1.5)
         real, n = sender._run_task, [0]
 
-        def run_task(op, keep):  # stop worker gpu 1 once step 2 is under way
-            real(op, keep)
+        def run_task(op, keep):  # stop worker gpu 1 once step 2 is under way (after its first
+            real(op, keep)  # task: with one task per layer the model has only a few)
             n[0] += 1
-            if n[0] == 3:
+            if n[0] == 1:
                 procs[1].send_signal(signal.SIGSTOP)
 
         sender._run_task = run_task
