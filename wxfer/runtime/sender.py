@@ -34,11 +34,12 @@ import time
 from . import control, prepare, program
 from .control import Control, SetupError
 from .faults import FaultsMixin, mapping_digest
-from .receiver import _b64, _unb64, decode_param_descriptor, transport_choice
+from .rejoin import RejoinMixin, _regions
+from .tasks import STAMP_TAG, TaskMixin, torch_sync
+from .receiver import _unb64, transport_choice
 from .verify import verify_enabled
 
 
-STAMP_TAG = 1 << 62  # engine tag of the version-stamp writes (plan tasks use their index)
 FAST_BATCH = 32  # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
 
 
@@ -80,7 +81,7 @@ class PushHandle:
         return self.seconds
 
 
-class Sender(FaultsMixin):
+class Sender(TaskMixin, RejoinMixin, FaultsMixin):
     """Push this rank's share of the model to the inference workers after each step.
 
     model: the training model (FSDP2 ``fully_shard``ed, or plain).  mapping: a preset
@@ -421,77 +422,6 @@ class Sender(FaultsMixin):
     def stamp_dests(self) -> list:
         return list(self._stamp_dest.values())
 
-    # ------------------------------------------------------------------ restarted workers
-    def _adopt_rejoins(self) -> None:
-        """Take the inference workers restarted since the last push (one store round trip
-        when there are none): connect to each, point this rank's destinations for it at its
-        new memory; every other worker keeps its plan.  A restart that does not match the
-        worker it replaces is refused (it stays skipped, and the push reports it)."""
-        n = self.ctl.add("infer/rejoins", 0)
-        if n == self._rejoins_seen:
-            return
-        for g in sorted(self.workers):
-            e = self.ctl.add("infer/epoch/%d" % g, 0)
-            if e > self._epoch[g]:
-                self._epoch[g] = e
-                try:
-                    self._adopt(g, e)
-                    self._refused.pop(g, None)
-                except Exception as ex:  # noqa: BLE001 -- reported by this push, the others go on
-                    why = f"{type(ex).__name__}: {ex}"
-                    self._refused[g] = f"its restart (epoch {e}) was refused: {why}"
-                    self.ctl.set("rejoin/refused/%d/e%d" % (g, e), f"trainer rank {self.rank}: {why}")
-        self._rejoins_seen = n
-
-    def _adopt(self, g: int, e: int) -> None:
-        old = self.workers[g]
-        # bounded by write_timeout: a restarted worker that died again must not stall the push longer
-        w = self.ctl.get_json(
-            "infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}", self.write_timeout
-        )
-        probs = []
-        for k in ("transport", "options", "mapping", "replicas", "tp", "replica", "rank", "ep"):
-            if w.get(k) != old.get(k):
-                probs.append(f"{k} {w.get(k)!r}, before {old.get(k)!r}")
-        for name in sorted(set(old["params"]) | set(w["params"])):
-            a, b = old["params"].get(name), w["params"].get(name)
-            if a != b:
-                probs.append(
-                    f"{name}: "
-                    + (
-                        "missing"
-                        if b is None
-                        else "not in the plan"
-                        if a is None
-                        else f"shape/dtype {b}, the plan has {a}"
-                    )
-                )
-        slot = self._stamp_dest[g][1] // 8
-        if w["stamp_slots"] <= slot:
-            probs.append(f"{w['stamp_slots']} version stamp slots, trainer rank {self.rank} needs slot {slot}")
-        if probs:
-            raise SetupError(
-                f"restarted inference worker gpu {g} ({w['host']} pid {w['pid']}) does not match "
-                "the one it replaces:\n    " + "\n    ".join(probs)
-            )
-        peer = control.writer_connect(
-            self.ctl, self.transport, self.rank, g, _unb64(w["export"]), self.write_timeout, epoch=e
-        )
-        # the new worker's memory: its descriptors into the plan, this rank's tasks for it
-        for name, d in w["desc"].items():
-            self.plan.descriptors[(g, name)] = _unb64(d)
-        self.program.retarget(self.plan, g)
-        for r in _regions(old):
-            self._gpu_of_region.pop(r, None)
-        self._gpu_of_region.update((r, g) for r in _regions(w))
-        self._gpu_of_peer.pop(self.peers[g], None)  # the old peer's writes (if any) stay abandoned
-        self.peers[g] = peer
-        self._gpu_of_peer[peer] = g
-        self._stamp_dest[g] = (_unb64(w["stamp"]), self._stamp_dest[g][1], 0, 8)
-        self._begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + self._stamp_dest[g][1], 0, 8)
-        self.workers[g] = w
-        self.rejoined += 1
-
     # ------------------------------------------------------------------ per step
     @property
     def bytes_per_step(self) -> int:
@@ -590,93 +520,6 @@ class Sender(FaultsMixin):
         if async_op:
             return h
         return h.wait()
-
-    def _write_begin(self, version: int) -> None:
-        """This rank's begin stamps, landed before its first data write of the step."""
-        if not self._begin_dest:
-            return
-        self.begin_src.fill_(version)
-        if self.begin_src.is_cuda:
-            torch_sync(self.device)
-        # a receiver that fails here is skipped by the engine for the data writes too
-        self._submit_stamps(self.begin_src, self._begin_dest, "begin")
-        self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps")
-
-    def _submit_stamps(self, src, dests: dict, which: str) -> None:
-        """Hand this rank's `which` (begin/end) stamp writes to the engine; a refusal (a bad
-        stamp descriptor in a worker's metadata) names the stamps and the workers."""
-        try:
-            self.engine.submit(src, list(dests.values()), tag=STAMP_TAG)
-        except Exception as e:
-            raise RuntimeError(
-                f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "
-                f"to inference workers {sorted(dests)} were refused: "
-                + str(e).replace(f"(tag {STAMP_TAG})", "(the version stamps)")
-            ) from e
-
-    def _fast_task(self, op):
-        """The engine's prepared task of a zero-copy task (prepare.zero_copy_task), or None;
-        with verify on its bytes are checksummed here, as in _run_task."""
-        prep = op.prep
-        if prep is None or not prep.zero_copy or not op.sends:
-            return None
-        task = prepare.zero_copy_task(op, self.device, self.transport, self.engine)
-        if task is not None and self._sums is not None:
-            self._checksum(op, prepare.run(op.prep, op, self.device), op.prep.dests)
-        return task
-
-    def _submit_fast(self, batch, push_event) -> None:
-        """Hand prepared zero-copy tasks to the engine in one call; they wait for the push's
-        one event (the training stream's work before push())."""
-        if push_event is not None:
-            self.engine.submit_prepared(batch, event=push_event.cuda_event, device=self.device.index)
-        else:
-            self.engine.submit_prepared(batch)
-
-    def _run_task(self, op, push_event) -> None:
-        """One task (on the side stream, under no_grad): admitted under the watermark before
-        its buffer is made, prepared, submitted.  A zero-copy task waits for the push's one
-        event (the training stream's work before push()); the others for their own."""
-        prep = op.prep
-        if prep is None:
-            prep = op.prep = prepare.task_prep(op, self.device)
-        if not op.sends:
-            prepare.run(prep, op, self.device)  # the collectives only
-            return
-        held = prep.held
-        t_admit = self.engine.reserve(held)
-        try:
-            buf = prepare.run(prep, op, self.device)
-            ev = None
-            if self.stream is not None:
-                if prep.zero_copy:
-                    ev = push_event
-                else:
-                    if prep.event is None:
-                        import torch
-
-                        prep.event = torch.cuda.Event()
-                    ev = prep.event
-                    ev.record(self.stream)
-            if self._sums is not None:
-                self._checksum(op, buf, prep.dests)
-        except BaseException:
-            self.engine.unreserve(held)
-            raise
-        if ev is not None:
-            self.engine.submit(
-                buf, prep.dests, event=ev.cuda_event, device=self.device.index, tag=op.task, held=held, reserved=t_admit
-            )
-        else:
-            self.engine.submit(buf, prep.dests, tag=op.task, held=held, reserved=t_admit)
-
-    def _checksum(self, op, buf, dests) -> None:
-        from .verify import crc
-
-        flat = buf.reshape(-1).view(__import__("torch").uint8)
-        for rdesc, doff, soff, n in dests:
-            g = self._gpu_of_region[bytes(rdesc)]
-            self._sums.setdefault(g, []).append((_b64(rdesc), int(doff), int(n), crc(flat[soff : soff + n]), op.name))
 
     def verify(self, timeout: float | None = None) -> dict:
         """Check again that every receiver holds what the last push sent (checksums of the
@@ -928,18 +771,7 @@ def _quantizer_stats(device) -> dict:
     return d
 
 
-def _regions(worker: dict) -> set:
-    """The region descriptors of an inference worker's published parameter descriptors."""
-    return {decode_param_descriptor(_unb64(d))[0] for d in worker["desc"].values()}
-
-
 def _nullcontext():
     import contextlib
 
     return contextlib.nullcontext()
-
-
-def torch_sync(device) -> None:
-    import torch
-
-    torch.cuda.synchronize(device)
