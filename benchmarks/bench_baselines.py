@@ -217,16 +217,23 @@ def _sync_dev(dev):
         torch.cuda.synchronize(dev)
 
 
-def _proc(rank: int, a: dict, configs: list, q) -> None:
+def child(main, rank: int, q, *args) -> None:
+    """A benchmark child process's body: main(rank, *args), then (rank, None) on `q`; on any
+    failure (rank, traceback) on `q`, and the process dies at once (native threads may linger).
+    bench_ckpt_engine.py's children use it too."""
     try:
-        _proc_main(rank, a, configs)
+        main(rank, *args)
         q.put((rank, None))
-    except BaseException:  # noqa: BLE001 -- report, then die at once (native threads may linger)
+    except BaseException:  # noqa: BLE001 -- report, then die at once
         traceback.print_exc()
         q.put((rank, traceback.format_exc()[-3000:]))
         q.close()
         q.join_thread()
         os._exit(1)
+
+
+def _proc(rank: int, a: dict, configs: list, q) -> None:
+    child(_proc_main, rank, q, a, configs)
 
 
 def _proc_main(rank: int, a: dict, configs: list) -> None:
@@ -700,7 +707,7 @@ def _parse_size(v: str) -> int:
     return int(_wxfer.parse_size(v))
 
 
-_CHILDREN: list = []
+_CHILDREN: list = []  # this run's child processes (bench_ckpt_engine.py's too): killed on SIGTERM
 
 
 def _kill_children(*_):

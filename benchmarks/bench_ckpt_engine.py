@@ -588,15 +588,7 @@ class Worker:
 
 
 def _child(rank: int, a: dict, steps: list, q) -> None:
-    try:
-        _child_main(rank, a, steps)
-        q.put((rank, None))
-    except BaseException:  # noqa: BLE001 -- report, then die at once (native threads may linger)
-        traceback.print_exc()
-        q.put((rank, traceback.format_exc()[-3000:]))
-        q.close()
-        q.join_thread()
-        os._exit(1)
+    bb.child(_child_main, rank, q, a, steps)
 
 
 def _shim():
@@ -671,22 +663,12 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
 # --------------------------------------------------------------------------- the parent
 
 
-_CHILDREN: list = []
-
-
-def _kill_children(*_):
-    for p in _CHILDREN:
-        if p.is_alive():
-            p.kill()
-    raise SystemExit(1)
-
-
 def _spawn(ctx, a, work):
     q = ctx.Queue()
     procs = [ctx.Process(target=_child, args=(r, a, work, q), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
-    _CHILDREN[:] = procs
+    bb._CHILDREN[:] = procs
     return procs, q
 
 
@@ -707,7 +689,7 @@ def run(args, emit=print) -> dict:
 
     for k, v in bb.NO_MULTICAST.items():
         os.environ.setdefault(k, v)
-    signal.signal(signal.SIGTERM, _kill_children)
+    signal.signal(signal.SIGTERM, bb._kill_children)
     models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
     steps = make_steps(models, args.quant.split(","), args.jobs.split(","), args.dry_run)
     logs = args.logs

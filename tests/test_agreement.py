@@ -20,6 +20,7 @@ import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
+from wxfer.testing import torchrun_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -132,19 +133,7 @@ def _run(tmp_path, case):
         WXFER_FABRIC_PROVIDER="tcp",
     )
     tr = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(tmp_path / "trainer.py"),
-            case,
-        ],
+        [sys.executable, *torchrun_args(tmp_path / "trainer.py", case)],
         env=dict(env, WXFER_STORE=""),
         cwd=tmp_path,
         stdout=subprocess.PIPE,

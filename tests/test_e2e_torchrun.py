@@ -11,6 +11,7 @@ import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
+from wxfer.testing import torchrun_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -65,18 +66,7 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path, case):
         OMP_NUM_THREADS="1",
     )
     tr = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(free_port()),
-            str(tmp_path / "trainer.py"),
-        ],
+        [sys.executable, *torchrun_args(tmp_path / "trainer.py")],
         env=dict(env, WXFER_STORE=""),
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -207,15 +197,7 @@ def test_two_trainers_both_name_a_killed_worker_and_both_take_its_restart(tmp_pa
         )
 
     tr = spawn(
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        free_port(),
-        tmp_path / "trainer.py",
+        *torchrun_args(tmp_path / "trainer.py"),
         env=dict(env, WXFER_STORE=""),
     )
     ws = [spawn(tmp_path / "worker.py", 0, 3, env=env), spawn(tmp_path / "worker.py", 1, 99, env=env)]

@@ -240,7 +240,7 @@ def test_consecutive_raw_pieces_of_one_source_are_copied_as_one():
     ]
     nbytes = sum(p.rows * p.cols for p in pieces) * 2
     sh = Shard(dst="w", rank=0, offset=0, nbytes=nbytes, kind="raw", dtype="bfloat16", pieces=tuple(pieces))
-    merged = prepare._coalesced(sh)
+    merged = prepare._merge_rows(sh.pieces)
     assert merged[0] == Piece("gu", 0, E * 2 * inter, 0, hidden)  # 8 pieces -> 1
     assert len(merged) == 1 + 3 + 1  # o[0:2], o[4:7], o[2:4] stay apart; the two column slices merge
     fulls = {"gu": gu, "o": other}

@@ -21,6 +21,25 @@ def pattern(size: int, seed: int):
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+def torchrun_args(script, *args, nproc: int = 2) -> list:
+    """The arguments after the Python executable that run `script` (with `args`) under
+    torchrun as `nproc` local ranks, the rendezvous on a free loopback port."""
+    from .runtime.control import free_port
+
+    return [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(script),
+        *(str(a) for a in args),
+    ]
+
+
 def build_env() -> dict:
     """The environment for the C compiler run by tests: without the sanitizer runtime that
     `make asan-test` preloads (the compiler is not what is under test)."""

@@ -40,6 +40,16 @@ class FaultsMixin:
                     break
                 time.sleep(0.02)
 
+    def _mark_other_rank_gone(self, step: int, exc) -> None:
+        """A collective among the trainer ranks failed in step `step`: every receiver of the
+        plan may hold a torn step, written by some other rank."""
+        self._mark(
+            program.receivers_of(self.plan),
+            step,
+            f"a trainer rank other than {self.rank} died or hung in step {step} ({exc})",
+            writer=None,
+        )
+
     def _mark(self, gpus, step: int, why: str, writer="self", final: bool = True) -> None:
         """Record in the store, for Receiver.state(), that the writes of `writer` (this rank;
         None: some trainer rank) of step `step` to `gpus` were abandoned; `final`: no later
@@ -73,12 +83,7 @@ class FaultsMixin:
         FSDP collectives one task out of step: the others fail at their collective timeout.)"""
         broken = isinstance(exc, control.CollectiveError)
         if broken:
-            self._mark(
-                program.receivers_of(self.plan),
-                self.version,
-                f"a trainer rank other than {self.rank} died or hung in step {self.version} ({exc})",
-                writer=None,
-            )
+            self._mark_other_rank_gone(self.version, exc)
         if self.group is None or self.world == 1 or broken:
             self._abort()
             return

@@ -156,19 +156,31 @@ def quantize_into(out, jobs) -> str:
     ([ceil(rows/128), ceil(cols/128)], row-major) at scale_offset, any alignment. The tensors
     are 2-D views (row/column slices, one expert of a 3-D tensor) on out's device. Returns the
     quantizer used ("native": one kernel launch on the current CUDA stream; "reference")."""
-    global _last
-    jobs = _norm(out, jobs)
+    return _run(out, _norm(out, jobs))
+
+
+def _run(out, jobs, key=None) -> str:
+    """quantize_into's work on checked jobs; with a key, the native piece table is kept for
+    quantize_cached."""
     why = _native_why(out.device)
     if jobs and why is None:
-        _native(out, jobs)
-        kind, reason = "native", "one NVRTC-compiled kernel launch"
-    else:
-        _reference(out, jobs)
-        kind, reason = "reference", why or "nothing to quantize"
+        made = _native(out, jobs)
+        if key is not None and made is not None:
+            if len(_TABLES) >= _TABLES_MAX:
+                _TABLES.clear()
+            _TABLES[key] = (made[0], made[1], out.device, out.numel())
+        _count("native", "one NVRTC-compiled kernel launch")
+        return "native"
+    _reference(out, jobs)
     if jobs:
-        _calls[kind] += 1
-        _last = {"quantizer": kind, "reason": reason}
-    return kind
+        _count("reference", why or "nothing to quantize")
+    return "reference"
+
+
+def _count(kind: str, reason: str) -> None:
+    global _last
+    _calls[kind] += 1
+    _last = {"quantizer": kind, "reason": reason}
 
 
 def _reference(out, jobs) -> None:
@@ -197,8 +209,6 @@ def _native(out, jobs):
     """One launch over `jobs`. Returns (host table, device table or None) for reuse by
     quantize_cached when the launch read the jobs' own memory (no temporary made here), else
     None."""
-    from .. import _wxfer
-
     torch = _torch()
     codes = _codes()
     table = array.array("q")
@@ -217,20 +227,29 @@ def _native(out, jobs):
             (t.data_ptr(), codes[t.dtype], ld, rows, cols, -1 if qo is None else qo, -1 if so is None else so, tiles)
         )
         tiles += -(-rows // _BLOCK) * -(-cols // _BLOCK)
-    stream = _raw_stream(out.device)
-    if len(jobs) <= _INLINE:  # the table travels in the launch's
-        _wxfer.fp8_launch(
-            out.device.index, stream, out.data_ptr(), out.numel(), table, 0
-        )  # parameters: no copy, no allocation
-        return None if keep else (table, None)
-    host = torch.frombuffer(table, dtype=torch.int64)
-    pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
-    pinned.copy_(host)
-    dev = pinned.to(out.device, non_blocking=True)  # stream-ordered; the host block is kept
+    dev = None
+    if len(jobs) > _INLINE:  # else the table travels in the launch's parameters (no copy)
+        host = torch.frombuffer(table, dtype=torch.int64)
+        pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
+        pinned.copy_(host)
+        dev = pinned.to(out.device, non_blocking=True)  # stream-ordered; torch keeps the host
+    _launch(out, table, dev)  # block until the copy ran
+    return None if keep else (table, dev)  # else dev is freed in stream order by the allocator
+
+
+def _launch(out, table, dev) -> None:
+    """One kernel launch on the current stream: the piece table inline (dev None) or in
+    device memory (dev: its copy, already ordered on that stream)."""
+    from .. import _wxfer
+
     _wxfer.fp8_launch(
-        out.device.index, stream, out.data_ptr(), out.numel(), table, dev.data_ptr()
-    )  # by torch until the copy ran
-    return None if keep else (table, dev)  # else freed in stream order by the allocator
+        out.device.index,
+        _raw_stream(out.device),
+        out.data_ptr(),
+        out.numel(),
+        table,
+        0 if dev is None else dev.data_ptr(),
+    )
 
 
 _TABLES: dict = {}  # key -> (host table, device table, device, out bytes)
@@ -244,35 +263,9 @@ def quantize_cached(out, key, build) -> str:
     with it at once (no per-piece Python work: a task of 384 expert pieces costs one launch).
     The caller builds the key from what it knows is fixed (the plan's shards) and what may
     change (the sources' data_ptr and strides)."""
-    global _last
     ent = _TABLES.get(key)
     if ent is not None and ent[2] == out.device and ent[3] == out.numel() and _native_why(out.device) is None:
-        from .. import _wxfer
-
-        _wxfer.fp8_launch(
-            out.device.index,
-            _raw_stream(out.device),
-            out.data_ptr(),
-            out.numel(),
-            ent[0],
-            0 if ent[1] is None else ent[1].data_ptr(),
-        )
-        _calls["native"] += 1
-        _last = {"quantizer": "native", "reason": "one NVRTC-compiled kernel launch (piece table reused)"}
+        _launch(out, ent[0], ent[1])
+        _count("native", "one NVRTC-compiled kernel launch (piece table reused)")
         return "native"
-    jobs = _norm(out, build())
-    why = _native_why(out.device)
-    if jobs and why is None:
-        made = _native(out, jobs)
-        if made is not None:
-            if len(_TABLES) >= _TABLES_MAX:
-                _TABLES.clear()
-            _TABLES[key] = (made[0], made[1], out.device, out.numel())
-        kind, reason = "native", "one NVRTC-compiled kernel launch"
-    else:
-        _reference(out, jobs)
-        kind, reason = "reference", why or "nothing to quantize"
-    if jobs:
-        _calls[kind] += 1
-        _last = {"quantizer": kind, "reason": reason}
-    return kind
+    return _run(out, _norm(out, build()), key)

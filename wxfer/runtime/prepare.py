@@ -117,118 +117,104 @@ def pack_into(shards, fulls: dict, nbytes: int, device):
     buffer: one allocation, each raw piece copied (and cast) once, and every FP8 piece of the
     task quantized by one ``fp8.quantize_into`` call (one kernel launch on CUDA) that writes its
     fp8 bytes and its scales at their offsets. Where the plan's shards are the same objects
-    from push to push (a Sender's tasks), where each FP8 piece goes is worked out once, and the
+    from push to push (a Sender's tasks), where each piece goes is worked out once, and the
     kernel's piece table is reused while the sources stay at the same addresses."""
     import torch
 
     out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    lay = _layout(shards)
-    raw, fp8_pieces, srcs, end = lay[1], lay[2], lay[3], lay[4]
-    for sh, off in raw:
-        _pack_raw(sh, fulls, out, off, {})
+    _, raw, fp8_pieces, end, srcs = _layout(shards)
     if end != nbytes:
         raise AssertionError(f"packed {end} bytes, expected {nbytes}")
+    _copy_raw(out, fulls, raw)
     if fp8_pieces:
-        key = (id(lay), tuple((fulls[n].data_ptr(), tuple(fulls[n].stride()), fulls[n].dtype) for n in srcs))
+        key = (id(shards), tuple((fulls[n].data_ptr(), tuple(fulls[n].stride()), fulls[n].dtype) for n in srcs))
         from . import fp8
 
         fp8.quantize_cached(out, key, lambda: _jobs(fulls, fp8_pieces))
     return out
 
 
-_LAYOUTS: dict = {}  # id(shards) -> (shards, raw [(shard, offset)], fp8 pieces, srcs, end)
+def pack_shard_into(sh, fulls: dict, out, off: int, quant: dict | None = None) -> int:
+    """Write shard `sh`'s reference bytes into the uint8 tensor `out` at byte `off`; returns
+    the offset after it. An FP8 or scale shard's pieces are quantized in one call. `quant` is
+    accepted for older callers and unused: the quantizer writes each shard's part directly."""
+    raw, fp8_pieces, end = _place((sh,), off)
+    _copy_raw(out, fulls, raw)
+    _quantize(out, fulls, fp8_pieces)
+    return end
 
 
-def _layout(shards) -> tuple:
-    """Where each shard of a task goes in its packed buffer, once per shards object: the raw
-    shards with their offsets, and fp8_pieces[piece] = ([fp8 offsets], [scale offsets])."""
-    hit = _LAYOUTS.get(id(shards))
-    if hit is not None and hit[0] is shards:
-        return hit
-    raw, fp8_pieces, off = [], {}, 0
+def _place(shards, off: int = 0) -> tuple:
+    """Where the shards go from byte `off` on: (raw [(shard, offset, its pieces merged by
+    _merge_rows)], fp8_pieces {piece: ([fp8 offsets], [scale offsets])}, the end offset)."""
+    raw, fp8_pieces = [], {}
     for sh in shards:
+        start = off
         if sh.kind == "raw":
-            raw.append((sh, off))
+            raw.append((sh, off, _merge_rows(sh.pieces)))
             off += sh.nbytes
             continue
-        start = off
         for pc in sh.pieces:
             slot = fp8_pieces.setdefault(pc, ([], []))
             slot[0 if sh.kind == "fp8" else 1].append(off)
             off += pc.rows * pc.cols if sh.kind == "fp8" else -(-pc.rows // 128) * -(-pc.cols // 128) * 4
         if off - start != sh.nbytes:
             raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
-    srcs = tuple(sorted({pc.src for pc in fp8_pieces}))
-    lay = (shards, raw, fp8_pieces, srcs, off)
+    return raw, fp8_pieces, off
+
+
+_LAYOUTS: dict = {}  # id(shards) -> (shards, *_place(shards), the FP8 pieces' source names)
+
+
+def _layout(shards) -> tuple:
+    """_place(shards) once per shards object (plan shards live as long as the plan)."""
+    hit = _LAYOUTS.get(id(shards))
+    if hit is not None and hit[0] is shards:
+        return hit
+    raw, fp8_pieces, end = _place(shards)
+    lay = (shards, raw, fp8_pieces, end, tuple(sorted({pc.src for pc in fp8_pieces})))
     if len(_LAYOUTS) > 65536:
         _LAYOUTS.clear()
     _LAYOUTS[id(shards)] = lay
     return lay
 
 
-def pack_shard_into(sh, fulls: dict, out, off: int, quant: dict | None = None) -> int:
-    """Write shard `sh`'s reference bytes into the uint8 tensor `out` at byte `off`; returns
-    the offset after it. An FP8 or scale shard's pieces are quantized in one call. `quant` is
-    accepted for older callers and unused: the quantizer writes each shard's part directly."""
-    fp8_pieces: dict = {}
-    end = _pack_raw(sh, fulls, out, off, fp8_pieces)
-    _quantize(out, fulls, fp8_pieces)
-    return end
-
-
-def _pack_raw(sh, fulls: dict, out, off: int, fp8_pieces: dict) -> int:
-    """Copy (and cast) the pieces of a raw shard into `out` at `off`; for an fp8 / scale shard
-    record each piece's byte offset in fp8_pieces[piece] = ([fp8 offsets], [scale offsets]).
-    Returns the offset after the shard."""
+def _copy_raw(out, fulls: dict, raw) -> None:
+    """Copy (and cast) the raw shards' pieces into `out` at their offsets."""
     import torch
     from ..mapping.reference import _piece_tensor
 
-    start = off
-    for pc in sh.pieces if sh.kind != "raw" else _coalesced(sh):
-        if sh.kind != "raw":
-            slot = fp8_pieces.setdefault(pc, ([], []))
-            slot[0 if sh.kind == "fp8" else 1].append(off)
-            rows, cols = pc.rows, pc.cols
-            off += rows * cols if sh.kind == "fp8" else -(-rows // 128) * -(-cols // 128) * 4
-            continue
-        t = _piece_tensor(pc, fulls)
+    for sh, off, pieces in raw:
+        start = off
         dt = getattr(torch, sh.dtype)
-        nb = t.numel() * dt.itemsize
-        if nb:
-            dst = out[off : off + nb]
-            if off % dt.itemsize == 0 and (out.storage_offset() + off) % dt.itemsize == 0:
-                dst.view(dt).view(t.shape).copy_(t)
-            else:  # unaligned: cast first, then copy the bytes
-                dst.copy_(t.to(dt).contiguous().view(-1).view(torch.uint8))
-        off += nb
-    if off - start != sh.nbytes:
-        raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
-    return off
+        for pc in pieces:
+            t = _piece_tensor(pc, fulls)
+            nb = t.numel() * dt.itemsize
+            if nb:
+                dst = out[off : off + nb]
+                if off % dt.itemsize == 0 and (out.storage_offset() + off) % dt.itemsize == 0:
+                    dst.view(dt).view(t.shape).copy_(t)
+                else:  # unaligned: cast first, then copy the bytes
+                    dst.copy_(t.to(dt).contiguous().view(-1).view(torch.uint8))
+            off += nb
+        if off - start != sh.nbytes:
+            raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
 
 
-_COALESCED: dict = {}  # id(shard) -> (shard, its raw pieces merged)
-
-
-def _coalesced(sh) -> tuple:
-    """A raw shard's pieces with runs of consecutive row ranges of one source (same columns)
-    merged into one piece: the same bytes (row-major slices concatenated in order), one copy
-    instead of one per piece -- 128 experts of a transformers 5 fused gate_up_proj [E, 2I, H]
-    are 256 pieces of rows of one [E x 2I, H] matrix, written as one. Computed once per shard
-    (plan shards live as long as the plan)."""
-    hit = _COALESCED.get(id(sh))
-    if hit is not None and hit[0] is sh:
-        return hit[1]
+def _merge_rows(pieces) -> tuple:
+    """Pieces with runs of consecutive row ranges of one source (same columns) merged into one
+    piece: the same bytes (row-major slices concatenated in order), one copy instead of one
+    per piece -- 128 experts of a transformers 5 fused gate_up_proj [E, 2I, H] are 256 pieces
+    of rows of one [E x 2I, H] matrix, written as one."""
     out: list = []
-    for pc in sh.pieces:
+    for pc in pieces:
         if out:
             last = out[-1]
             if last.src == pc.src and last.r1 == pc.r0 and (last.c0, last.c1) == (pc.c0, pc.c1):
                 out[-1] = last._replace(r1=pc.r1)
                 continue
         out.append(pc)
-    merged = tuple(out)
-    _COALESCED[id(sh)] = (sh, merged)
-    return merged
+    return tuple(out)
 
 
 def _jobs(fulls: dict, fp8_pieces: dict) -> list:

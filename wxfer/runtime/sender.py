@@ -592,12 +592,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             try:
                 h._barrier.wait(self.timeout)
             except Exception as e:
-                self._mark(
-                    program.receivers_of(self.plan),
-                    h.version,
-                    f"a trainer rank other than {self.rank} died or hung in step {h.version} ({e})",
-                    writer=None,
-                )
+                self._mark_other_rank_gone(h.version, e)
                 raise control.CollectiveError(f"{e}" + (f"\n(and this rank: {own})" if own else "")) from exc
         # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
         others = self._failures_elsewhere(own)
@@ -682,12 +677,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         try:
             control.wait_work(work, self.timeout, f"the failure flag of step {self.version} (trainer rank {self.rank})")
         except Exception as e:
-            self._mark(
-                program.receivers_of(self.plan),
-                self.version,
-                f"a trainer rank other than {self.rank} died or hung in step {self.version} ({e})",
-                writer=None,
-            )
+            self._mark_other_rank_gone(self.version, e)
             raise control.CollectiveError(
                 f"wxfer: trainer rank {self.rank}, step {self.version}: the other trainer ranks "
                 f"did not finish the step within {self.timeout:.0f} s: {e}"
