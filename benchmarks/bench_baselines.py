@@ -815,7 +815,7 @@ def run(args) -> dict:
                 pass
             over = time.perf_counter() - cfg_t0 > args.config_timeout or time.perf_counter() - t_start > args.max_s
             if dead or over:
-                why = "timed out" if over else "a process exited"
+                why = "timed out" if over else "a process exited (exit codes %s; -9: killed, e.g. out of host memory)" % [x.exitcode for x in procs]
                 try:
                     while True:
                         r, err = q.get_nowait()
