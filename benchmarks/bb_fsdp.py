@@ -225,6 +225,7 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
                 zero_copy_tasks=zero,
                 host=s.host_times(recs),
                 submit_s=s.last_submit_s,
+                phases=dict(s.last_phases),
                 bytes_per_step=s.bytes_per_step,
                 transport=s.transport_name,
             )

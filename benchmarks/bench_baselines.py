@@ -815,7 +815,8 @@ def run(args) -> dict:
                 pass
             over = time.perf_counter() - cfg_t0 > args.config_timeout or time.perf_counter() - t_start > args.max_s
             if dead or over:
-                why = "timed out" if over else "a process exited (exit codes %s; -9: killed, e.g. out of host memory)" % [x.exitcode for x in procs]
+                codes = [x.exitcode for x in procs]
+                why = "timed out" if over else f"a process exited (exit codes {codes}; -9: killed, e.g. no host memory)"
                 try:
                     while True:
                         r, err = q.get_nowait()

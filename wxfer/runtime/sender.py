@@ -152,6 +152,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         self.mapping = mapping
         self.watermark = _parse_size(watermark)
         self.last_submit_s = None
+        # seconds from the start of the last push() to the end of each of its phases
+        self.last_phases: dict = {}
         self.setup_s = {}
         t0 = time.perf_counter()
         # ---- 1. metadata of this rank (and the mapping it was given: every rank's must agree)
@@ -455,7 +457,9 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         self._sums = {} if self._verify else None
         self.version = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
+        ph = self.last_phases = {}
         self._adopt_rejoins()
+        ph["rejoin_check"] = time.perf_counter() - t0
         keep = []  # CUDA events must outlive the engine's wait on them
         barrier = None
         ev = None
@@ -467,6 +471,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             keep.append(ev)
         try:
             self._write_begin(self.version)
+            ph["begin_stamps"] = time.perf_counter() - t0
             with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
                 for gi, ops in enumerate(self.program.groups):
                     if barrier is not None:
@@ -514,7 +519,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             raise
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.last_submit_s = time.perf_counter() - t0
+        self.last_submit_s = ph["submit"] = time.perf_counter() - t0
         h = PushHandle(self, self.version, t0, barrier, keep)
         self._pending = h
         if async_op:
@@ -604,7 +609,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             )
             msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
             raise RuntimeError(msg) from exc
-        h.seconds = time.perf_counter() - h._t0
+        h.seconds = self.last_phases["done"] = time.perf_counter() - h._t0
         h._keep.clear()
 
     def _finish_writes(self, h: PushHandle, timeout):
@@ -615,6 +620,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         # that stops answering fails alone at that deadline, so wait a little longer here
         t = 1.5 * t + 1.0
         self._wait_engine(t, "waiting for the weight writes")
+        ph = self.last_phases
+        ph["writes"] = time.perf_counter() - h._t0
         failed = self._failed_workers()
         if self.stamp_dests:
             self.stamp_src.fill_(h.version)
@@ -624,6 +631,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             # one of their writes of this step has landed
             self._submit_stamps(self.stamp_src, self._stamp_dest, "end")
             self._wait_engine(t, "writing the version stamps")
+            ph["end_stamps"] = time.perf_counter() - h._t0
             failed = self._failed_workers()
         if failed:
             new = set(failed) - self._dropped()
@@ -719,6 +727,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             receivers=list(self.workers),
             rejoined=self.rejoined,
             last_submit_s=self.last_submit_s,
+            last_phases=dict(self.last_phases),
             transport=self.transport_name,
             setup_s=self.setup_s,
             quantizer=_quantizer_stats(self.device),
