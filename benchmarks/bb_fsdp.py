@@ -192,6 +192,7 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
             watermark=wm,
             timeout=a["timeout"],
             write_timeout=a["timeout"],
+            transport_options=a.get("transport_options") or None,
         )
         try:
             n = a["warmup"] + (a["reps"] if wi == 0 else max(1, a["reps"] // 2))
