@@ -198,6 +198,8 @@ def test_plain_tensor_push_of_fused_experts(store, tp, ep, quant):
     )
     recvs = _joined(ths)
     zc = quant is None and (tp == 1 or ep)
+    if zc and tp == 1:  # and so is every other task of this model (at TP 2 o_proj is column-sliced)
+        assert all(op.prep.zero_copy for g in sender.program.groups for op in g if op.sends)
     ops = _expert_ops(sender)
     assert len(ops) == TINY_MOE["num_hidden_layers"] * (2 if zc else 1)
     assert all(op.prep.zero_copy == zc and (op.prep.held == 0) == zc for op in ops)
@@ -222,6 +224,11 @@ def test_plain_tensor_push_of_fused_experts(store, tp, ep, quant):
         assert _landed(weights, params, tp, quant, ep) and sender.last_verify is not None
         moved = [op for op in ops if op.prep.fast[0] is not first[op.task]]
         assert [op.sources[0][1] for op in moved] == [gu] and moved[0].prep.zero_copy
+        # new memory that is not one range (the same values, stored transposed): packed now
+        gu.data = (gu.data * 0.5).transpose(1, 2).contiguous().transpose(1, 2)
+        sender.push(verify=True)
+        assert _landed(weights, params, tp, quant, ep) and sender.last_verify is not None
+        assert not moved[0].prep.zero_copy and moved[0].prep.held == moved[0].nbytes
     sender.close()
     for r in recvs:
         r.close()
@@ -308,3 +315,80 @@ def test_fsdp2_one_rank_mesh_fused_experts_are_zero_copy(store):
         if proc.is_alive():
             proc.kill()
         proc.join(5)
+
+
+def _gpu_receiver(addr, name, q_in, q_out):
+    from wxfer.runtime.receiver import Receiver
+
+    try:
+        torch.cuda.set_device(0)
+        params = inference_params(TINY_MOE, 1, 0, None, device="cuda:0")
+        r = Receiver(
+            params,
+            mapping=preset_for(TINY_MOE).name,
+            store=addr,
+            replica=0,
+            rank=0,
+            tp=1,
+            replicas=1,
+            name=name,
+            timeout=T,
+            verify=True,
+        )
+        for v in (1, 2):
+            assert r.wait_version(v, T) == v
+            q_out.put({n: t.cpu() for n, t in params.items()})
+            q_in.get(timeout=T)
+        r.close()
+    except BaseException as e:  # noqa: BLE001
+        q_out.put(repr(e))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_fused_experts_zero_copy_over_cuda_ipc(store):
+    """On one GPU (trainer here, receiver in a spawned process, cuda_ipc): the fused expert
+    tasks are zero copy (registered CUDA memory of the parameters, no extra GPU memory), land
+    the reference bytes, and a parameter given new memory is registered again."""
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    with torch.device(dev):
+        model = _model()
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_gpu_receiver, args=(addr, "gpu-moe", q_in, q_out), daemon=True)
+    proc.start()
+    try:
+        s = Sender(model, mapping=preset_for(TINY_MOE), store=addr, name="gpu-moe", timeout=T)
+        ops = _expert_ops(s)
+        assert len(ops) == 2 * TINY_MOE["num_hidden_layers"] and all(op.prep.zero_copy for op in ops)
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        s.push(verify=True)
+        torch.cuda.synchronize(dev)
+        extra = torch.cuda.max_memory_allocated(dev) - base
+        got = q_out.get(timeout=T)
+        assert not isinstance(got, str), got
+        assert _landed({n: p.detach().cpu() for n, p in model.named_parameters()}, [got], 1)
+        assert all(op.prep.fast is not None for op in ops) and s.last_verify is not None
+        assert all(op.prep.zero_copy for g in s.program.groups for op in g if op.sends)
+        assert extra < 1 << 20, extra  # every task zero copy: no packed buffer
+        first = {op.task: op.prep.fast[0] for op in ops}
+        gu = model.model.layers[0].mlp.experts.gate_up_proj
+        gu.data = gu.data.clone() * 2
+        q_in.put(1)
+        s.push(verify=True)
+        got = q_out.get(timeout=T)
+        assert not isinstance(got, str), got
+        assert _landed({n: p.detach().cpu() for n, p in model.named_parameters()}, [got], 1)
+        assert [op.sources[0][1] for op in ops if op.prep.fast[0] is not first[op.task]] == [gu]
+        s.close()
+        q_in.put(1)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
