@@ -674,12 +674,7 @@ def machine(dry_run: bool) -> dict:
         m["load"] = os.getloadavg()
     except OSError:
         pass
-    try:
-        m["commit"] = subprocess.run(
-            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+    m["commit"] = commit()
     if not dry_run and torch.cuda.is_available():
         m["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         for args in (
@@ -691,6 +686,30 @@ def machine(dry_run: bool) -> dict:
             except Exception:  # noqa: BLE001
                 pass
     return m
+
+
+def commit() -> str:
+    """The checkout's commit, only where it is known: git's, when ROOT is the top of a git
+    work tree (not a copy inside another repository's tree), else $WXFER_COMMIT, else "unknown"."""
+    try:
+        top = subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--show-toplevel", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        lines = top.stdout.split()
+        if top.returncode == 0 and len(lines) == 2 and os.path.realpath(lines[0]) == os.path.realpath(ROOT):
+            dirty = subprocess.run(
+                ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            return lines[1] + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 -- no git here
+        pass
+    return os.environ.get("WXFER_COMMIT") or "unknown"
 
 
 def table(results: list) -> str:
@@ -815,7 +834,12 @@ def run(args) -> dict:
                 pass
             over = time.perf_counter() - cfg_t0 > args.config_timeout or time.perf_counter() - t_start > args.max_s
             if dead or over:
-                why = "timed out" if over else "a process exited (exit codes %s; -9: killed, e.g. out of host memory)" % [x.exitcode for x in procs]
+                why = (
+                    "timed out"
+                    if over
+                    else "a process exited (exit codes %s; -9: killed, e.g. out of host memory)"
+                    % [x.exitcode for x in procs]
+                )
                 try:
                     while True:
                         r, err = q.get_nowait()

@@ -32,18 +32,23 @@ and position-weighted byte sum) and compared with the reference packing of the s
 weights computed on the trainer.  checkpoint-engine's own log lines (loguru) are parsed
 for its bucket size, bucket count and per-bucket times.
 
-A step that fails is reported and the run goes on (fresh processes after a hang);
---max-s bounds the whole run.  Without checkpoint-engine (not importable, or the CPU dry
-run: it needs CUDA) its rows are reported as skipped, saying why.
+A step that fails is reported and the run goes on (fresh processes after a hang), with the
+children's Python stacks (faulthandler) and exit codes in its row; the host job's trainer
+setup phases are printed as they end and kept in the row; --max-s bounds the whole run.
+Without checkpoint-engine (not importable, or the CPU dry run: it needs CUDA) its rows are
+reported as skipped, saying why.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
+import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -62,7 +67,9 @@ from ckpt_engine_parts import (  # noqa: E402
     feed_in_buckets,
     fingerprints,  # noqa: E402
     fsdp_model,
+    host_avail_gb,
     reference,
+    rss_peak_gb,
     train_weights,
 )
 
@@ -144,17 +151,46 @@ class Trainer:
             self.W = self.fsdp = None
             self.refs = {}
             self._free_pool()
-            if self.dev.type == "cuda":  # the FSDP2 model's pinned blocks, cached by torch
-                import gc
-                import torch
-
-                gc.collect()
-                torch.cuda.empty_cache()
-                getattr(torch._C, "_host_emptyCache", lambda: None)()
+            self._release_host()
             self.m = s["model"]
             self.conf, self.preset = bb.model_spec(s["model"])
             self.hf = self.preset.hf_params(self.conf)
         return self.conf, self.preset
+
+    def _release_host(self):
+        """Give freed pinned memory back to the system: torch caches every pinned block it
+        allocated (checkpoint-engine's pool, the FSDP2 model's slabs) until told otherwise."""
+        if self.dev.type == "cuda":
+            import gc
+            import torch
+
+            gc.collect()
+            torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
+
+    def log(self, s, what: str, **kw):
+        """One line on stderr as each setup phase ends, and the phase in the store's `at` key
+        (a step that times out says where it was)."""
+        extra = " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
+        print(
+            f"[bce {time.time() - self.a['t_start']:.1f} s] {step_name(s)}: {what} {extra}", file=sys.stderr, flush=True
+        )
+        self.ctl.set("at/0", f"{step_name(s)}: after {what}")
+
+    def build_fsdp(self, s, ex) -> None:
+        """The host job's trainer, each setup phase timed (res["setup"]): one host copy of the
+        weights at a time (checkpoint-engine's pool freed and given back first)."""
+        t = time.perf_counter()
+        self.ref(s["quant"], ex)  # made from the GPU weights unless already known
+        self.free_weights()
+        self._free_pool()
+        self._release_host()
+        ph = dict(reference_s=time.perf_counter() - t, host_avail_GB=host_avail_gb())
+        self.log(s, "reference and release", **ph)
+        self.fsdp = fsdp_model(self.preset, self.conf, self.dev, ph, log=lambda k, v: self.log(s, k, seconds=v))
+        ph.update(host_avail_after_GB=host_avail_gb(), trainer_rss_peak_GB=rss_peak_gb())
+        self.log(s, "FSDP2 model built", **{k: v for k, v in ph.items() if not k.endswith("_s")})
+        self.setup = ph
 
     def weights(self):
         if self.W is None:
@@ -185,6 +221,7 @@ class Trainer:
     # ---- timing
     def timed(self, fn, label):
         a, times, t0 = self.a, [], time.perf_counter()
+        self.warm: list = []  # the warm-up steps' seconds
         for k in range(a["warmup"] + a["reps"]):
             self.ctl.set("at/0", f"{label} step {k}")
             bb._sync_dev(self.dev)
@@ -195,6 +232,8 @@ class Trainer:
                 times.append(time.perf_counter() - t)
                 if time.perf_counter() - t0 > a["method_s"] or time.time() > a["deadline"]:
                     break
+            else:
+                self.warm.append(time.perf_counter() - t)
         return times
 
     # ---- one step
@@ -216,9 +255,8 @@ class Trainer:
         if s["job"] == "host" and m == "wxfer":
             self._free_pool()  # one host copy of the weights at a time
             if self.fsdp is None:
-                self.ref(s["quant"], ex)  # made from the GPU weights unless already known
-                self.free_weights()
-                self.fsdp = fsdp_model(preset, conf, self.dev)
+                self.build_fsdp(s, ex)
+            res["setup"] = dict(self.setup)
         elif s["job"] == "gpu":
             self.weights()
         want = self.ref(s["quant"], ex)
@@ -307,6 +345,8 @@ class Trainer:
         from wxfer.runtime.sender import Sender
 
         a, i = self.a, s["i"]
+        if os.environ.get("BCE_HANG_STEP") == step_name(s):  # tests: a step that hangs
+            _injected_hang()
         model = _Plain(self.W) if s["job"] == "gpu" else self.fsdp
         t0 = time.perf_counter()
         snd = Sender(
@@ -320,17 +360,22 @@ class Trainer:
         )
         try:
             setup = time.perf_counter() - t0
+            self.log(s, "Sender setup", seconds=setup, tasks=len(snd.plan.tasks))
             last = a["warmup"] + a["reps"] - 1
 
             def one(k):
                 if k == last or k == a["warmup"]:
                     snd.trace(clear=True)
+                t = time.perf_counter()
                 snd.push()
+                if k < a["warmup"]:
+                    self.log(s, "warm-up push %d" % k, seconds=time.perf_counter() - t)
 
             times = self.timed(one, step_name(s))
             out = dict(
                 _summ(times, bb.expanded(self.preset, self.conf, "fp8" if s["quant"] == "fp8" else None).dest_bytes(0)),
                 setup_s=setup,
+                warmup_s=self.warm,
                 tasks=len(snd.plan.tasks),
                 transport=snd.transport_name,
                 bytes_per_step=snd.bytes_per_step,
@@ -442,6 +487,11 @@ class Trainer:
             ckpt_log=logs[-1] if logs else {},
         )
         return out
+
+
+def _injected_hang():
+    while True:
+        time.sleep(1.0)
 
 
 def _med(xs):
@@ -607,6 +657,40 @@ def _shim():
     return True
 
 
+def stack_path(a: dict, rank: int) -> str:
+    return os.path.join(a["stack_dir"], "stacks-%s-rank%d.txt" % (a["name"], rank))
+
+
+def _stack_file(a: dict, rank: int):
+    """Where this child's Python stacks go: on SIGUSR1 (the parent sends it before it stops a
+    step that timed out) and, armed per step, shortly before the step timeout."""
+    f = open(stack_path(a, rank), "w")  # noqa: SIM115 -- open for faulthandler until exit
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+    return f
+
+
+def _arm_stack_dump(f, s, step_timeout: float) -> None:
+    f.write("--- step %s (%s)\n" % (step_name(s), time.strftime("%H:%M:%S")))
+    f.flush()
+    faulthandler.dump_traceback_later(max(1.0, step_timeout - 10), file=f)
+
+
+def read_stacks(a: dict, ranks=(0, 1), limit: int = 6000) -> dict:
+    """The last step's stack dumps of each child (empty where none was written)."""
+    out = {}
+    for r in ranks:
+        try:
+            with open(stack_path(a, r)) as f:
+                txt = f.read()
+        except OSError:
+            continue
+        last = txt.rfind("--- step ")
+        body = txt[last:] if last >= 0 else txt
+        if "File " in body:
+            out[str(r)] = body[-limit:]
+    return out
+
+
 def _child_main(rank: int, a: dict, steps: list) -> None:
     import torch
     import torch.distributed as dist
@@ -638,8 +722,10 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
         side = Trainer(a, store, ctl, dev)
     else:
         side = Worker(a, store, ctl, dev)
+    stacks = _stack_file(a, rank)
     for s in steps:
         ctl.set("at/%d" % rank, step_name(s))
+        _arm_stack_dump(stacks, s, a["step_timeout"])
         if gpu:
             torch.cuda.empty_cache()  # checkpoint-engine sizes its buckets by the free memory
         if rank == 0:
@@ -656,6 +742,7 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
             ctl.set_json("res/%d" % s["i"], res)
         else:
             side.run(s)
+        faulthandler.cancel_dump_traceback_later()
     if rank == 0 and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -681,9 +768,21 @@ def _stop(procs, now: bool):
             p.join(5)
 
 
+def _dump_stacks(procs, a) -> dict:
+    """The children's Python stacks now (SIGUSR1: faulthandler in each), before they are stopped."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    if alive:
+        time.sleep(2.0)
+    return read_stacks(a)
+
+
 def run(args, emit=print) -> dict:
     import multiprocessing as mp
-    import signal
     import torch.distributed as dist
     from wxfer.runtime import control
 
@@ -716,6 +815,8 @@ def run(args, emit=print) -> dict:
         loader_bucket=bb._parse_size(args.loader_bucket),
         ckpt_mem_fraction=args.ckpt_mem_fraction,
         ckpt_req=args.ckpt_req,
+        t_start=t_start,
+        stack_dir=os.path.abspath(logs) if logs else tempfile.mkdtemp(prefix="bce-stacks-"),
     )
     results: list = [None] * len(steps)
     todo = list(range(len(steps)))
@@ -749,7 +850,7 @@ def run(args, emit=print) -> dict:
             if errs or dead or over or late:
                 at = {r: ctl.get("at/%d" % r, "at").decode() for r in (0, 1) if ctl.check("at/%d" % r)}
                 why_ = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errs.items())) or (
-                    "timed out (at %s)" % at
+                    "timed out after %.0f s (at %s)" % (time.time() - t_step, at)
                     if (over or late)
                     else "%s (at %s)"
                     % (
@@ -762,10 +863,13 @@ def run(args, emit=print) -> dict:
                 failed = (i, why_)
                 break
             time.sleep(0.1)
+        stacks = _dump_stacks(procs, a) if failed is not None else {}
         _stop(procs, failed is not None)
         if failed is not None:
             i, why_ = failed
-            results[i] = dict(step=steps[i], error=why_)
+            results[i] = dict(step=steps[i], error=why_, exitcodes=[p.exitcode for p in procs], stacks=stacks)
+            for r, txt in sorted(stacks.items()):
+                print(f"{step_name(steps[i])} failed; rank {r}'s stacks:\n{txt}", file=sys.stderr, flush=True)
             todo.remove(i)
             emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
             if time.time() > t_start + args.max_s:
@@ -815,6 +919,11 @@ def _row_view(r) -> dict:
         "dest_bytes",
         "train_bytes",
         "worker",
+        "setup",
+        "warmup_s",
+        "exitcodes",
+        "stacks",
+        "traceback",
     )
     return {k: r[k] for k in keep if k in r}
 

@@ -145,3 +145,38 @@ def test_checkpoint_engine_itself_on_cpu_leaves_the_reference_bytes(tmp_path):
             assert r["worker"]["loader"]["complete"] and r["worker"]["loader"]["clones"] > 0
             assert ("register_s" in r["parts"]) == (job == "gpu")
     assert (tmp_path / "logs" / "checkpoint-engine.log").read_text().count("begin to update bucket") > 3
+
+
+@pytest.mark.timeout(120)
+def test_a_step_that_hangs_is_reported_with_the_stacks_and_its_setup_phases(tmp_path):
+    """A hung step is stopped at --step-timeout; its row keeps the reason: the children's
+    Python stacks (faulthandler), the exit codes, where it was; the FSDP2 offloaded trainer's
+    setup phases are timed in the rows that ran."""
+    p, lines, out = _run(
+        tmp_path,
+        "--models",
+        "tiny",
+        "--quant",
+        "bf16,fp8",
+        "--jobs",
+        "host",
+        "--step-timeout",
+        "25",
+        env={"BCE_HANG_STEP": "tiny-fp8-host:wxfer", "BCE_CPU_SHIM": ""},
+        timeout=110,
+    )
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = lines[-1]
+    ok = _case(summary, "tiny", "bf16", "host")["methods"]["wxfer"]
+    assert ok["check"]["ok"], ok
+    setup = ok["setup"]
+    for k in ("meta_build_s", "fully_shard_s", "host_slabs_s", "fill_s", "reference_s"):
+        assert setup[k] >= 0, setup
+    assert setup["param_bytes"] > 0 and setup["host_bytes"] >= setup["param_bytes"] and setup["slabs"] >= 1
+    assert ok["setup_s"] > 0 and len(ok["warmup_s"]) == 1
+    hung = _case(summary, "tiny", "fp8", "host")["methods"]["wxfer"]
+    assert hung["error"].startswith("timed out after") and "tiny-fp8-host:wxfer" in hung["error"], hung
+    assert "_injected_hang" in hung["stacks"]["0"] and "wxfer" in hung["stacks"]["0"], hung["stacks"]
+    assert len(hung["exitcodes"]) == 2
+    assert "_injected_hang" in p.stderr and "FSDP2 model built" in p.stderr
+    assert json.loads(out.read_text())["machine"]["commit"]
