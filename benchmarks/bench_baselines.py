@@ -44,16 +44,25 @@ import argparse
 import datetime
 import json
 import os
-import pickle
 import platform
 import socket
 import subprocess
 import sys
 import time
-import traceback
 
 import bb_fsdp
 import bb_report
+from bb_patterns import (  # noqa: F401 -- buckets, _bytes, _fulls_in, _sync_dev: also used by bench_scale / bench_ckpt_engine
+    _STATE,
+    _bytes,
+    _fulls_in,
+    _Link,
+    _per_tensor,
+    _rank0,
+    _sync_dev,
+    buckets,
+)
+from bb_supervise import _CHILDREN, _kill_children, child  # noqa: F401 -- child: bench_ckpt_engine's too
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -141,12 +150,6 @@ def infer_params(ex, device, rank: int = 0) -> dict:
     return {n: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for n, d in ex.dest[rank].items()}
 
 
-def _bytes(t):
-    import torch
-
-    return t.reshape(-1).view(torch.uint8)
-
-
 def reset(params: dict) -> None:
     for t in params.values():
         _bytes(t).fill_(0xFF)
@@ -158,78 +161,7 @@ def checksums(params: dict) -> list:
     return [int(_bytes(t).sum(dtype=torch.int64)) for _, t in sorted(params.items())]
 
 
-def buckets(ex, sizes: dict, bucket_bytes: int):
-    """Components grouped into buckets of about bucket_bytes (a component never split; a
-    bucket grows to hold the largest one): (capacity, [(used bytes, [(component, {src: offset})])])."""
-    comps = [c for c in ex.components if c.shards]
-    biggest = max(sum(_align(sizes[s]) for s in c.sources) for c in comps)
-    cap = max(bucket_bytes, biggest)
-    out, cur, used = [], [], 0
-    for c in comps:
-        need = sum(_align(sizes[s]) for s in c.sources)
-        if cur and used + need > cap:
-            out.append((used, cur))
-            cur, used = [], 0
-        offs = {}
-        for s in c.sources:
-            offs[s] = used
-            used += _align(sizes[s])
-        cur.append((c, offs))
-    if cur:
-        out.append((used, cur))
-    return cap, out
-
-
-def _align(n: int, a: int = 256) -> int:
-    return -(-n // a) * a
-
-
 # --------------------------------------------------------------------------- the two processes
-
-
-class _Link:
-    """Synchronization and messages between the trainer (0) and the inference rank (1)."""
-
-    def __init__(self, rank):
-        import torch
-        import torch.distributed as dist
-
-        self.dist, self.torch, self.rank = dist, torch, rank
-        self.pending = []  # signals sent, not yet known to be received
-
-    def barrier(self):
-        t = self.torch.zeros(1)
-        self.dist.all_reduce(t)  # CPU tensor: gloo
-
-    def obj(self, o=None, src=0):
-        lst = [o]
-        self.dist.broadcast_object_list(lst, src=src, device=self.torch.device("cpu"))  # gloo
-        return lst[0]
-
-    def bcast(self, t, async_op=True):
-        return self.dist.broadcast(t, src=0, async_op=async_op)
-
-
-def _sync_dev(dev):
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def child(main, rank: int, q, *args) -> None:
-    """A benchmark child process's body: main(rank, *args), then (rank, None) on `q`; on any
-    failure (rank, traceback) on `q`, and the process dies at once (native threads may linger).
-    bench_ckpt_engine.py's children use it too."""
-    try:
-        main(rank, *args)
-        q.put((rank, None))
-    except BaseException:  # noqa: BLE001 -- report, then die at once
-        traceback.print_exc()
-        q.put((rank, traceback.format_exc()[-3000:]))
-        q.close()
-        q.join_thread()
-        os._exit(1)
 
 
 def _proc(rank: int, a: dict, configs: list, q) -> None:
@@ -455,163 +387,6 @@ def _summ(times, nbytes):
     return dict(seconds=med, best=ts[0], times=times, gbps=nbytes / med / 1e9)
 
 
-def _fulls_in(bucket_t, offs, sizes, meta):
-
-    out = {}
-    for s, o in offs.items():
-        shape, dt = meta[s]
-        out[s] = bucket_t[o : o + sizes[s]].view(dt).view(shape)
-    return out
-
-
-def _write_component(c, fulls, params):
-    from wxfer.runtime import prepare
-
-    quant = {}
-    for sh in c.shards:
-        if sh.rank == 0:
-            prepare.pack_shard_into(sh, fulls, _bytes(params[sh.dst]), sh.offset, quant)
-
-
-def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
-    """The rank-0 pattern, one step."""
-    from wxfer.runtime import prepare
-
-    cap, plan = _rank0_plan(ex, sizes, a)
-    st = _state(link, "rank0", lambda: _rank0_buffers(link, cap, dev, ipc))
-    bufs = st["bufs"]
-    works = [None] * len(plan)
-    for k, (used, bucket) in enumerate(plan):
-        b = bufs[k % 2][:used]  # only the filled part moves
-        if link.rank == 0:
-            if k >= 2:  # double buffering: slot k % 2 free again
-                if ipc:
-                    _flag(link, 1, ACK + k - 2)  # the inference rank copied bucket k - 2 out
-                else:
-                    works[k - 2].wait()
-            for c, offs in bucket:
-                for s, o in offs.items():
-                    full = prepare.full_tensor(params[s], params[s])  # one trainer rank: itself
-                    b[o : o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
-            if ipc:
-                _sync_dev(dev)
-                _flag(link, 0, READY + k)
-            else:
-                works[k] = link.bcast(b)
-        else:
-            if ipc:
-                _flag(link, 0, READY + k)
-            else:
-                link.bcast(b).wait()
-            for c, offs in bucket:
-                _write_component(c, _fulls_in(b, offs, sizes, meta), params)
-            if ipc:
-                _sync_dev(dev)
-                _flag(link, 1, ACK + k)
-    if link.rank == 0:
-        for w in works:
-            if w is not None:
-                w.wait()
-        if ipc:  # the last two slots' acknowledgements
-            for k in range(max(0, len(plan) - 2), len(plan)):
-                _flag(link, 1, ACK + k)
-    _drain(link)
-
-
-def _flag(link, src, tag):
-    """A point-to-point signal from rank `src` to the other rank (gloo, matched by tag)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.zeros(1)
-    if link.rank == src:  # not blocking: gloo matches a send with its receive
-        link.pending.append((dist.isend(t, dst=1 - src, tag=tag), t))
-    else:
-        dist.recv(t, src=src, tag=tag)
-
-
-def _drain(link):
-    for w, _ in link.pending:
-        w.wait()
-    link.pending.clear()
-
-
-def _share(obj) -> bytes:
-    """Tensors pickled as shared-memory handles (CUDA IPC; CPU: file_system shared memory)."""
-    from multiprocessing.reduction import ForkingPickler
-    import torch.multiprocessing  # noqa: F401 -- registers the tensor reductions
-
-    return bytes(ForkingPickler.dumps(obj))
-
-
-_STATE: dict = {}
-READY, ACK = 1 << 20, 1 << 21  # p2p tags of the shared-bucket handshake
-
-
-def _state(link, key, make):
-    """Per-configuration state made on the first step (buffers, IPC handles opened once)."""
-    if key not in _STATE:
-        _STATE[key] = make()
-    return _STATE[key]
-
-
-def _rank0_plan(ex, sizes, a):
-    k = ("plan", id(ex))
-    if k not in _STATE:
-        _STATE[k] = buckets(ex, sizes, a["bucket"])
-    return _STATE[k]
-
-
-def _rank0_buffers(link, cap, dev, ipc):
-    import torch
-
-    if not ipc:
-        return dict(bufs=[torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)])
-    if link.rank == 0:
-        bufs = [torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)]
-        link.obj(_share(bufs))
-    else:
-        bufs = pickle.loads(link.obj(None))
-    return dict(bufs=bufs)
-
-
-def _per_tensor(link, ex, params, sizes, meta, dev, a, ipc, step):
-    """The per-tensor pattern, one step: per training tensor one call (a pickled message)
-    and one transfer; the inference rank writes a fused parameter once its sources are in."""
-    import torch
-
-    comps = _STATE.setdefault(("comps", id(ex)), [c for c in ex.components if c.shards])
-    if link.rank == 0:
-        for c in comps:
-            for s in c.sources:
-                t = params[s]
-                if ipc:
-                    link.obj((s, _share(t)))
-                else:
-                    link.obj(s)
-                    link.bcast(t, async_op=False)
-        if ipc:
-            _flag(link, 1, ACK)
-        return
-    for c in comps:
-        fulls = {}
-        for _ in c.sources:
-            if ipc:
-                s, blob = link.obj(None)
-                fulls[s] = pickle.loads(blob)
-            else:
-                s = link.obj(None)
-                shape, dt = meta[s]
-                t = torch.empty(shape, dtype=dt, device=dev)
-                link.bcast(t, async_op=False)
-                fulls[s] = t
-        _write_component(c, fulls, params)
-    if ipc:
-        _sync_dev(dev)
-        _flag(link, 1, ACK)
-        _drain(link)
-
-
 # --------------------------------------------------------------------------- the parent
 
 
@@ -724,16 +499,6 @@ def _parse_size(v: str) -> int:
     from wxfer import _wxfer
 
     return int(_wxfer.parse_size(v))
-
-
-_CHILDREN: list = []  # this run's child processes (bench_ckpt_engine.py's too): killed on SIGTERM
-
-
-def _kill_children(*_):
-    for p in _CHILDREN:
-        if p.is_alive():
-            p.kill()
-    raise SystemExit(1)
 
 
 def run(args) -> dict:

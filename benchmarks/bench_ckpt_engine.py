@@ -60,18 +60,21 @@ for _p in (ROOT, HERE):
 
 import bench_baselines as bb  # noqa: E402  -- model_spec, expanded, infer_params, reset, machine, _sync_dev
 from ckpt_engine_parts import (  # noqa: E402
-    Loader,
     LogTap,
+    _med,
     _Plain,
+    _summ,
     compare,
-    feed_in_buckets,
-    fingerprints,  # noqa: E402
     fsdp_model,
     host_avail_gb,
     reference,
     rss_peak_gb,
+    step_name,
     train_weights,
+    wait_any,
 )
+from ckpt_engine_report import _row_view, summarize, table  # noqa: E402
+from ckpt_engine_worker import Worker  # noqa: E402
 
 GPU_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
 CPU_MODELS = ("tiny", "tiny-moe")
@@ -110,23 +113,6 @@ def make_steps(models, quants, jobs, dry_run: bool) -> list:
     for i, s in enumerate(steps):
         s["i"] = i
     return steps
-
-
-def step_name(s) -> str:
-    return "%s-%s-%s:%s" % (s["model"], s["quant"], s["job"], s["method"])
-
-
-def wait_any(ctl, keys, what: str, timeout: float):
-    """The first of `keys` present in the store (polled, bounded)."""
-    deadline, delay = time.monotonic() + timeout, 0.001
-    while True:
-        for k in keys:
-            if ctl.check(k):
-                return k
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f} s for {what} (store keys {keys})")
-        time.sleep(delay)
-        delay = min(2 * delay, 0.02)
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -494,144 +480,7 @@ def _injected_hang():
         time.sleep(1.0)
 
 
-def _med(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else None
-
-
-def _summ(times, nbytes):
-    med = _med(times)
-    return dict(seconds=med, best=min(times), times=times, gbps=nbytes / med / 1e9)
-
-
 # --------------------------------------------------------------------------- the inference worker
-
-
-class Worker:
-    """Rank 1: the vLLM-layout parameters, written by wxfer's Receiver or checkpoint-engine."""
-
-    def __init__(self, a, store, ctl, dev):
-        self.a, self.store, self.ctl, self.dev = a, store, ctl, dev
-        self.key = None
-        self.params = None
-        self.zmq_ctx = None
-
-    def layout(self, s):
-        import torch
-
-        k = (s["model"], s["quant"])
-        if self.key != k:
-            self.params = None
-            if self.dev.type == "cuda":
-                torch.cuda.empty_cache()
-            conf, preset = bb.model_spec(s["model"])
-            self.conf, self.preset = conf, preset
-            self.ex = bb.expanded(preset, conf, "fp8" if s["quant"] == "fp8" else None)
-            self.params = bb.infer_params(self.ex, self.dev)
-            self.key = k
-        return self.ex
-
-    def run(self, s) -> None:
-        i, a = s["i"], self.a
-        if s["method"] == "bound":
-            return
-        got = wait_any(
-            self.ctl,
-            ["s/%d/go" % i, "s/%d/skip" % i, "s/%d/fail/0" % i],
-            "the trainer's start of " + step_name(s),
-            a["step_timeout"],
-        )
-        if not got.endswith("go"):
-            return
-        info: dict = {}
-        try:
-            ex = self.layout(s)
-            bb.reset(self.params)
-            if os.environ.get("BCE_FAIL_METHOD") == s["method"]:  # tests: a failing step
-                raise RuntimeError(f"injected failure in {s['method']}")
-            if s["method"] == "wxfer":
-                self.wxfer(s, info)
-            elif s["method"] == "ckpt-engine":
-                self.ckpt(s, info, ex)
-            elif s["method"] == "loader":
-                self.ctl.set("s/%d/ready" % i, b"1")
-                fulls = train_weights(self.preset, self.conf, self.dev)
-                ld = Loader(ex, self.params)
-                feed_in_buckets(ld, fulls, a["loader_bucket"])
-                info["loader"] = ld.stats()
-                del fulls
-            bb._sync_dev(self.dev)
-            self.ctl.set_json("s/%d/sums" % i, dict(fp=fingerprints(self.params), info=info))
-        except Exception as e:  # noqa: BLE001 -- reported to the trainer
-            traceback.print_exc()
-            self.ctl.set("s/%d/fail/1" % i, f"{type(e).__name__}: {e}")
-
-    def _wait_end(self, i, what):
-        k = wait_any(self.ctl, ["s/%d/done" % i, "s/%d/fail/0" % i], what, self.a["step_timeout"])
-        if not k.endswith("done"):
-            raise RuntimeError("trainer failed: " + self.ctl.get(k, "error").decode())
-
-    def wxfer(self, s, info) -> None:
-        from wxfer.runtime.receiver import Receiver
-
-        i = s["i"]
-        self.ctl.set("s/%d/ready" % i, b"1")  # the Receiver waits for the Sender's plan
-        r = Receiver(
-            self.params,
-            mapping=self.preset.name,
-            store=self.store,
-            name="%s_%d" % (self.a["name"], i),
-            timeout=self.a["timeout"],
-        )
-        try:
-            self._wait_end(i, "the trainer's wxfer steps")
-            info["version"] = r.version()
-        finally:
-            r.close()
-
-    def ckpt(self, s, info, ex) -> None:
-        import torch
-        import zmq
-        from checkpoint_engine.worker import update_weights_from_ipc
-
-        i, a = s["i"], self.a
-        if self.zmq_ctx is None:
-            self.zmq_ctx = zmq.Context()
-        gpu = self.dev.type == "cuda"
-        uuid = "GPU-%s" % torch.cuda.get_device_properties(self.dev.index or 0).uuid if gpu else None
-        ld = Loader(ex, self.params)
-        self.ctl.set("s/%d/ready" % i, b"1")
-        k, stats = 0, []
-        while True:
-            got = wait_any(
-                self.ctl,
-                ["s/%d/req/%d" % (i, k), "s/%d/done" % i, "s/%d/fail/0" % i],
-                "the trainer's next update request",
-                a["step_timeout"],
-            )
-            if not got.endswith("/%d" % k) or "/req/" not in got:
-                break
-            paths = dict(tuple(x) for x in self.ctl.get_json(got, "socket paths"))
-            handle = paths.get(uuid) or (next(iter(paths.values())) if len(paths) == 1 else None)
-            if handle is None:
-                raise RuntimeError(f"no checkpoint-engine socket for this GPU ({uuid}) in {sorted(paths)}")
-            ld.begin()
-            update_weights_from_ipc(self.zmq_ctx, handle, self.dev.index if gpu else None, run=ld)
-            st = ld.stats()
-            stats.append(st)
-            self.ctl.set_json("s/%d/ack/%d" % (i, k), st)
-            if not st["complete"]:
-                raise RuntimeError(
-                    f"update {k}: the loader wrote {st['components']} of {st['of']} components "
-                    f"({st['missing_sources']} sources never arrived)"
-                )
-            k += 1
-        if got.endswith("fail/0"):
-            raise RuntimeError("trainer failed: " + self.ctl.get(got, "error").decode())
-        info["updates"] = k
-        info["loader"] = stats[-1] if stats else {}
-        if stats:
-            info["load_fn_s"] = _med([x["load_fn_s"] for x in stats])
 
 
 # --------------------------------------------------------------------------- the two processes
@@ -897,106 +746,6 @@ def run(args, emit=print) -> dict:
         with open(os.path.join(logs, "ckpt-engine-table.md"), "w") as f:
             f.write(out["table"] + "\n")
     return out
-
-
-def _row_view(r) -> dict:
-    keep = (
-        "seconds",
-        "gbps",
-        "best",
-        "times",
-        "error",
-        "skipped",
-        "check",
-        "parts",
-        "ckpt_log",
-        "version",
-        "h2d_GBps",
-        "what",
-        "tasks",
-        "transport",
-        "setup_s",
-        "dest_bytes",
-        "train_bytes",
-        "worker",
-        "setup",
-        "warmup_s",
-        "exitcodes",
-        "stacks",
-        "traceback",
-    )
-    return {k: r[k] for k in keep if k in r}
-
-
-def summarize(results) -> list:
-    """Per model x quantization x job: the bound, wxfer and checkpoint-engine, with ratios."""
-    cases: dict = {}
-    for r in results:
-        if r is None:
-            continue
-        s = r["step"]
-        c = cases.setdefault(
-            (s["model"], s["quant"], s["job"]), dict(model=s["model"], quant=s["quant"], job=s["job"], methods={})
-        )
-        c["methods"][s["method"]] = _row_view(r)
-    out = []
-    for c in cases.values():
-        ms = c["methods"]
-        b = ms.get("bound", {}).get("seconds")
-        for k, v in ms.items():
-            if v.get("seconds") and b and k != "bound":
-                v["x_bound"] = b / v["seconds"]
-        w, ck = ms.get("wxfer", {}).get("seconds"), ms.get("ckpt-engine", {}).get("seconds")
-        if w and ck:
-            c["ckpt_over_wxfer"] = ck / w
-        out.append(c)
-    return out
-
-
-JOB_TEXT = dict(host="weights in host memory", gpu="weights on the GPU")
-WHAT = {
-    ("host", "wxfer"): "wxfer (FSDP2, CPUOffloadPolicy)",
-    ("gpu", "wxfer"): "wxfer (GPU tensors)",
-    ("host", "ckpt-engine"): "checkpoint-engine update()",
-    ("gpu", "ckpt-engine"): "checkpoint-engine register + update()",
-    ("gpu", "loader"): "load_fn only (no ckpt-engine)",
-}
-
-
-def table(cases, out) -> str:
-    v = out.get("ckpt_engine") or "-"
-    lines = [
-        f"checkpoint-engine {v}; {out['command']}",
-        "",
-        "| model | quant | job | method | seconds | GB/s | x bound | ckpt-engine / wxfer | check |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c in cases:
-        for m in ("bound", "wxfer", "ckpt-engine", "loader"):
-            r = c["methods"].get(m)
-            if r is None:
-                continue
-            name = "bound: " + r.get("what", "") if m == "bound" else WHAT.get((c["job"], m), m)
-            head = f"| {c['model']} | {c['quant']} | {JOB_TEXT[c['job']]} | {name} |"
-            if r.get("error") or r.get("skipped"):
-                lines.append(
-                    f"{head} {'error' if r.get('error') else 'skipped'}: "
-                    f"{(r.get('error') or r.get('skipped'))[:160]} | | | | |"
-                )
-                continue
-            ratio = f"{c['ckpt_over_wxfer']:.2f}" if m == "wxfer" and c.get("ckpt_over_wxfer") else ""
-            chk = r.get("check")
-            chk = (
-                ""
-                if chk is None
-                else ("same bytes as the reference" if chk["ok"] else f"DIFFERS ({chk['differ']}: {chk['first']})")
-            )
-            xb = "1.00" if m == "bound" else (f"{r['x_bound']:.2f}" if r.get("x_bound") else "")
-            extra = ""
-            if m == "ckpt-engine" and r.get("parts"):
-                extra = " (" + ", ".join(f"{k[:-2]} {x:.3f}" for k, x in r["parts"].items() if x is not None) + ")"
-            lines.append(f"{head} {r['seconds']:.4f}{extra} | {r['gbps']:.1f} | {xb} | {ratio} | {chk} |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

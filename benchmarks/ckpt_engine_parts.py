@@ -16,6 +16,36 @@ import bench_baselines as bb  # noqa: E402  -- _sync_dev
 CH = 1 << 24  # fingerprint chunk (bytes)
 
 
+# --------------------------------------------------------------------------- steps
+
+
+def step_name(s) -> str:
+    return "%s-%s-%s:%s" % (s["model"], s["quant"], s["job"], s["method"])
+
+
+def wait_any(ctl, keys, what: str, timeout: float):
+    """The first of `keys` present in the store (polled, bounded)."""
+    deadline, delay = time.monotonic() + timeout, 0.001
+    while True:
+        for k in keys:
+            if ctl.check(k):
+                return k
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what} (store keys {keys})")
+        time.sleep(delay)
+        delay = min(2 * delay, 0.02)
+
+
+def _med(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _summ(times, nbytes):
+    med = _med(times)
+    return dict(seconds=med, best=min(times), times=times, gbps=nbytes / med / 1e9)
+
+
 # --------------------------------------------------------------------------- weights and checks
 
 
