@@ -5,6 +5,9 @@
     python benchmarks/bench_baselines.py --layouts colocated --out DIR --json        # 1 GPU, ~4 min
     python benchmarks/bench_baselines.py --dry-run --json                           # CPU, tiny models
 
+Modules: the baselines' steps in bb_patterns.py, the parent's supervisor (spawn, collect,
+restart after a failure) in bb_supervise.py (shared with bench_ckpt_engine.py).
+
 Trainers (bb_fsdp.py): plain tensors, or FSDP2 on transformers' own model classes (with
 CPU offload for one row); wxfer is measured for two watermarks (peak extra memory, host
 time per task and per parameter); tables in bb_report.py.
@@ -52,6 +55,7 @@ import time
 
 import bb_fsdp
 import bb_report
+import bb_supervise
 from bb_patterns import (  # noqa: F401 -- buckets, _bytes, _fulls_in, _sync_dev: also used by bench_scale / bench_ckpt_engine
     _STATE,
     _bytes,
@@ -62,7 +66,7 @@ from bb_patterns import (  # noqa: F401 -- buckets, _bytes, _fulls_in, _sync_dev
     _sync_dev,
     buckets,
 )
-from bb_supervise import _CHILDREN, _kill_children, child  # noqa: F401 -- child: bench_ckpt_engine's too
+from bb_supervise import _kill_children, child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -501,6 +505,21 @@ def _parse_size(v: str) -> int:
     return int(_wxfer.parse_size(v))
 
 
+def _why(f, procs) -> str:
+    """What a failed configuration says: the children's errors (last lines) when they came
+    first; else a timeout or the exit codes, or the full error a child reported meanwhile."""
+    if f.reported:
+        return "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}" for k, v in sorted(f.errs.items(), reverse=True))
+    why = (
+        "timed out"
+        if f.over
+        else "a process exited (exit codes %s; -9: killed, e.g. out of host memory)" % [x.exitcode for x in procs]
+    )
+    for r, err in f.errs.items():
+        why = f"rank {r}: {err}"
+    return why
+
+
 def run(args) -> dict:
     import multiprocessing as mp
     import torch.distributed as dist
@@ -549,78 +568,31 @@ def run(args) -> dict:
         attempt += 1
         a["name"] = "bb%d_%d" % (os.getpid(), attempt)
         ctl = control.Control(store, a["name"], args.timeout)
-        q = ctx.Queue()
         work = [(ci, configs[ci]) for ci in todo]
-        procs = [ctx.Process(target=_proc, args=(r, a, work, q), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        _CHILDREN[:] = procs
-        failed = None
-        cfg_t0 = time.perf_counter()
-        while True:
-            # collect finished configurations
-            while todo and ctl.check("res/%d" % todo[0]):
-                ci = todo.pop(0)
-                r = ctl.get_json("res/%d" % ci, "result")
-                r["dry_run"] = args.dry_run
-                if results[ci]:  # errors of methods skipped on an earlier attempt
-                    r["errors"] = dict(results[ci].get("errors", {}), **r.get("errors", {}))
-                results[ci] = r
-                cfg_t0 = time.perf_counter()
-                _write(out, results, mach, args)
-                print(
-                    f"[{time.perf_counter() - t_start:.0f} s] {_cfg_name(configs[ci])}: "
-                    + ", ".join(f"{m} {v['seconds']:.4f} s" for m, v in r["methods"].items()),
-                    flush=True,
-                )
-            if not todo:
-                break
-            dead = [p for p in procs if not p.is_alive()]
-            try:
-                r, err = q.get_nowait()
-                if err:
-                    errs = {r: err}
-                    time.sleep(1.0)  # the other rank's error, when it has one
-                    try:
-                        while True:
-                            r2, e2 = q.get_nowait()
-                            if e2:
-                                errs[r2] = e2
-                    except Exception:  # noqa: BLE001
-                        pass
-                    failed = (
-                        todo[0],
-                        "; ".join(
-                            f"rank {k}: {v.strip().splitlines()[-1]}" for k, v in sorted(errs.items(), reverse=True)
-                        ),
-                    )
-                    break
-            except Exception:  # noqa: BLE001 -- nothing reported
-                pass
-            over = time.perf_counter() - cfg_t0 > args.config_timeout or time.perf_counter() - t_start > args.max_s
-            if dead or over:
-                why = (
-                    "timed out"
-                    if over
-                    else "a process exited (exit codes %s; -9: killed, e.g. out of host memory)"
-                    % [x.exitcode for x in procs]
-                )
-                try:
-                    while True:
-                        r, err = q.get_nowait()
-                        if err:
-                            why = f"rank {r}: {err}"
-                except Exception:  # noqa: BLE001
-                    pass
-                failed = (todo[0], why)
-                break
-            time.sleep(0.2)
-        for p in procs:
-            if p.is_alive():
-                p.join(5 if failed is None else 0.1)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+        procs, q = bb_supervise.spawn(ctx, _proc, a, work)
+        cfg_t0 = [time.perf_counter()]
+
+        def got(ci):
+            r = ctl.get_json("res/%d" % ci, "result")
+            r["dry_run"] = args.dry_run
+            if results[ci]:  # errors of methods skipped on an earlier attempt
+                r["errors"] = dict(results[ci].get("errors", {}), **r.get("errors", {}))
+            results[ci] = r
+            cfg_t0[0] = time.perf_counter()
+            _write(out, results, mach, args)
+            print(
+                f"[{time.perf_counter() - t_start:.0f} s] {_cfg_name(configs[ci])}: "
+                + ", ".join(f"{m} {v['seconds']:.4f} s" for m, v in r["methods"].items()),
+                flush=True,
+            )
+
+        def over():
+            now = time.perf_counter()
+            return now - cfg_t0[0] > args.config_timeout or now - t_start > args.max_s
+
+        f = bb_supervise.watch(procs, q, ctl, todo, "res/%d", got, over, settle=1.0, poll=0.2)
+        failed = None if f is None else (f.index, _why(f, procs))
+        bb_supervise.stop(procs, failed is not None, 5, kill=False)
         if failed is not None:
             ci, why = failed
             at = ctl.check("at/%d/0" % ci) and ctl.get("at/%d/0" % ci, "at").decode()

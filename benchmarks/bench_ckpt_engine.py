@@ -37,13 +37,17 @@ children's Python stacks (faulthandler) and exit codes in its row; the host job'
 setup phases are printed as they end and kept in the row; --max-s bounds the whole run.
 Without checkpoint-engine (not importable, or the CPU dry run: it needs CUDA) its rows are
 reported as skipped, saying why.
+
+Here: the steps, the trainer (rank 0), the children's loop and the parent; the inference
+worker in ckpt_engine_worker.py, weights / checks / Loader / the offloaded model in
+ckpt_engine_parts.py, rows and table in ckpt_engine_report.py, the supervisor (spawn,
+collect, stop at a failure, stacks) in bb_supervise.py, shared with bench_baselines.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import faulthandler
 import json
 import os
 import signal
@@ -58,6 +62,7 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import bb_supervise as sup  # noqa: E402
 import bench_baselines as bb  # noqa: E402  -- model_spec, expanded, infer_params, reset, machine, _sync_dev
 from ckpt_engine_parts import (  # noqa: E402
     LogTap,
@@ -487,7 +492,7 @@ def _injected_hang():
 
 
 def _child(rank: int, a: dict, steps: list, q) -> None:
-    bb.child(_child_main, rank, q, a, steps)
+    sup.child(_child_main, rank, q, a, steps)
 
 
 def _shim():
@@ -506,38 +511,9 @@ def _shim():
     return True
 
 
-def stack_path(a: dict, rank: int) -> str:
-    return os.path.join(a["stack_dir"], "stacks-%s-rank%d.txt" % (a["name"], rank))
-
-
-def _stack_file(a: dict, rank: int):
-    """Where this child's Python stacks go: on SIGUSR1 (the parent sends it before it stops a
-    step that timed out) and, armed per step, shortly before the step timeout."""
-    f = open(stack_path(a, rank), "w")  # noqa: SIM115 -- open for faulthandler until exit
-    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
-    return f
-
-
-def _arm_stack_dump(f, s, step_timeout: float) -> None:
-    f.write("--- step %s (%s)\n" % (step_name(s), time.strftime("%H:%M:%S")))
-    f.flush()
-    faulthandler.dump_traceback_later(max(1.0, step_timeout - 10), file=f)
-
-
-def read_stacks(a: dict, ranks=(0, 1), limit: int = 6000) -> dict:
-    """The last step's stack dumps of each child (empty where none was written)."""
-    out = {}
-    for r in ranks:
-        try:
-            with open(stack_path(a, r)) as f:
-                txt = f.read()
-        except OSError:
-            continue
-        last = txt.rfind("--- step ")
-        body = txt[last:] if last >= 0 else txt
-        if "File " in body:
-            out[str(r)] = body[-limit:]
-    return out
+def stack_paths(a: dict) -> dict:
+    """{rank: the file its Python stacks go to} (bb_supervise.stack_file)."""
+    return {r: os.path.join(a["stack_dir"], "stacks-%s-rank%d.txt" % (a["name"], r)) for r in (0, 1)}
 
 
 def _child_main(rank: int, a: dict, steps: list) -> None:
@@ -571,10 +547,10 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
         side = Trainer(a, store, ctl, dev)
     else:
         side = Worker(a, store, ctl, dev)
-    stacks = _stack_file(a, rank)
+    stacks = sup.stack_file(stack_paths(a)[rank])
     for s in steps:
         ctl.set("at/%d" % rank, step_name(s))
-        _arm_stack_dump(stacks, s, a["step_timeout"])
+        sup.arm_stack_dump(stacks, "step " + step_name(s), a["step_timeout"] - 10)
         if gpu:
             torch.cuda.empty_cache()  # checkpoint-engine sizes its buckets by the free memory
         if rank == 0:
@@ -591,7 +567,7 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
             ctl.set_json("res/%d" % s["i"], res)
         else:
             side.run(s)
-        faulthandler.cancel_dump_traceback_later()
+        sup.disarm_stack_dump()
     if rank == 0 and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -599,35 +575,16 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
 # --------------------------------------------------------------------------- the parent
 
 
-def _spawn(ctx, a, work):
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, a, work, q), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    bb._CHILDREN[:] = procs
-    return procs, q
-
-
-def _stop(procs, now: bool):
-    for p in procs:
-        if p.is_alive():
-            p.join(0.1 if now else 10)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-
-
-def _dump_stacks(procs, a) -> dict:
-    """The children's Python stacks now (SIGUSR1: faulthandler in each), before they are stopped."""
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        try:
-            os.kill(p.pid, signal.SIGUSR1)
-        except OSError:
-            pass
-    if alive:
-        time.sleep(2.0)
-    return read_stacks(a)
+def _why(f, ctl, procs, t_step: float) -> str:
+    """What a failed step says: the children's errors, or a timeout, or who exited (and where
+    each child was)."""
+    if f.errs:
+        return "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(f.errs.items()))
+    at = {r: ctl.get("at/%d" % r, "at").decode() for r in (0, 1) if ctl.check("at/%d" % r)}
+    if f.over:
+        return "timed out after %.0f s (at %s)" % (time.time() - t_step, at)
+    gone = ", ".join("rank %d exited with %s" % (r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive())
+    return "%s (at %s)" % (gone, at)
 
 
 def run(args, emit=print) -> dict:
@@ -637,7 +594,7 @@ def run(args, emit=print) -> dict:
 
     for k, v in bb.NO_MULTICAST.items():
         os.environ.setdefault(k, v)
-    signal.signal(signal.SIGTERM, bb._kill_children)
+    signal.signal(signal.SIGTERM, sup._kill_children)
     models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
     steps = make_steps(models, args.quant.split(","), args.jobs.split(","), args.dry_run)
     logs = args.logs
@@ -675,45 +632,21 @@ def run(args, emit=print) -> dict:
         attempt += 1
         a["name"] = "bce%d_%d" % (os.getpid(), attempt)
         ctl = control.Control(store, a["name"], args.timeout)
-        procs, q = _spawn(ctx, a, [steps[i] for i in todo])
-        failed, t_step = None, time.time()
-        while todo:
-            i = todo[0]
-            if ctl.check("res/%d" % i):
-                results[i] = ctl.get_json("res/%d" % i, "result")
-                todo.pop(0)
-                t_step = time.time()
-                emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
-                continue
-            errs = {}
-            try:
-                while True:
-                    r, e = q.get_nowait()
-                    if e:
-                        errs[r] = e
-            except Exception:  # noqa: BLE001 -- queue empty
-                pass
-            dead = any(not p.is_alive() for p in procs)
-            over = time.time() - t_step > args.step_timeout
-            late = time.time() > t_start + args.max_s + args.grace_s
-            if errs or dead or over or late:
-                at = {r: ctl.get("at/%d" % r, "at").decode() for r in (0, 1) if ctl.check("at/%d" % r)}
-                why_ = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errs.items())) or (
-                    "timed out after %.0f s (at %s)" % (time.time() - t_step, at)
-                    if (over or late)
-                    else "%s (at %s)"
-                    % (
-                        ", ".join(
-                            "rank %d exited with %s" % (r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive()
-                        ),
-                        at,
-                    )
-                )
-                failed = (i, why_)
-                break
-            time.sleep(0.1)
-        stacks = _dump_stacks(procs, a) if failed is not None else {}
-        _stop(procs, failed is not None)
+        procs, q = sup.spawn(ctx, _child, a, [steps[i] for i in todo])
+        t_step = [time.time()]
+
+        def got(i):
+            results[i] = ctl.get_json("res/%d" % i, "result")
+            t_step[0] = time.time()
+            emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
+
+        def over():
+            return time.time() - t_step[0] > args.step_timeout or time.time() > t_start + args.max_s + args.grace_s
+
+        f = sup.watch(procs, q, ctl, todo, "res/%d", got, over)
+        failed = None if f is None else (f.index, _why(f, ctl, procs, t_step[0]))
+        stacks = sup.dump_stacks(procs, stack_paths(a)) if failed is not None else {}
+        sup.stop(procs, failed is not None, 10, kill=True)
         if failed is not None:
             i, why_ = failed
             results[i] = dict(step=steps[i], error=why_, exitcodes=[p.exitcode for p in procs], stacks=stacks)
