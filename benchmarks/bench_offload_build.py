@@ -14,7 +14,8 @@ Two ways to build it:
            pinned allocator rounds each one up to a power of two).
 Per build: the seconds of each phase, the peak resident set of the process over its start
 (getrusage), the bytes of the parameters and the pinned host bytes the allocator takes for
-them (the slabs, or each parameter rounded up: computed from the sizes).
+them (the slabs, or each parameter rounded up: computed from the sizes); for models under
+2 GB, whether every shard holds the bytes the reference weights have (same_bytes).
 """
 
 from __future__ import annotations
@@ -121,6 +122,12 @@ def _one(name: str, how: str, q) -> None:
         locs = [p._local_tensor for p in model.parameters()]
         ph["on_host"] = all(x.device.type == "cpu" for x in locs)
         ph["pinned"] = all(x.is_pinned() for x in locs) if gpu else None
+        if ph["param_bytes"] < 2e9:  # small models: every shard holds the reference's bytes
+            with torch.no_grad():
+                ph["same_bytes"] = all(
+                    torch.equal(p._local_tensor.to(dev), cp.fused_or_plain(n, p.shape, p.dtype, dev))
+                    for n, p in model.named_parameters()
+                )
         dist.destroy_process_group()
         q.put(ph)
     except BaseException as e:  # noqa: BLE001 -- reported by the parent
@@ -153,7 +160,7 @@ def main(argv=None) -> int:
                 p.kill()
             rows.append(r)
             print(json.dumps(r) if args.json else r, flush=True)
-    return 1 if any("error" in r for r in rows) else 0
+    return 1 if any("error" in r or r.get("same_bytes") is False for r in rows) else 0
 
 
 if __name__ == "__main__":

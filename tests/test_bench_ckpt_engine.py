@@ -209,3 +209,32 @@ def test_slab_layout_packs_shards_without_overlap_in_power_of_two_slabs():
     used, _ = cp.slab_layout(big)
     slabs = sum(cp.pinned_size(u) for u in used)
     assert slabs < 1.04 * sum(big) < sum(cp.pinned_size(n) for n in big) / 1.25
+
+
+@pytest.mark.timeout(200)
+def test_offloaded_trainer_build_holds_the_reference_bytes_on_the_host(tmp_path):
+    """benchmarks/bench_offload_build.py builds the host job's trainer both ways in fresh
+    processes: every shard on the host (pinned where CUDA is present), with the bytes the
+    reference weights have; the slabs take no more host bytes than the parameters need
+    (4 KiB alignment; pinned: the allocator's power of two).  Also run on the GPU machine."""
+    e = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_offload_build.py"), "--models", "tiny-moe", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=190,
+        env=e,
+        cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["how"]: r for r in (json.loads(x) for x in p.stdout.splitlines() if x.startswith("{"))}
+    assert set(rows) == {"slabs", "to-empty"}
+    for r in rows.values():
+        assert r["on_host"] and r["same_bytes"] and r["pinned"] in (None, True), r
+        assert r["param_bytes"] == rows["slabs"]["param_bytes"] > 0
+    import ckpt_engine_parts as cp
+
+    s = rows["slabs"]
+    limit = int(1.02 * s["param_bytes"])
+    assert s["slabs"] == 1 and s["host_bytes"] <= (cp.pinned_size(limit) if s["pinned"] else limit)
+    assert s["meta_build_s"] >= 0 and s["fully_shard_s"] >= 0 and s["fill_s"] > 0
