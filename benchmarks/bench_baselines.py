@@ -5,6 +5,9 @@
     python benchmarks/bench_baselines.py --layouts colocated --out DIR --json        # 1 GPU, ~4 min
     python benchmarks/bench_baselines.py --dry-run --json                           # CPU, tiny models
 
+Modules: the baselines' steps in bb_patterns.py, the parent's supervisor (spawn, collect,
+restart after a failure) in bb_supervise.py (shared with bench_ckpt_engine.py).
+
 Trainers (bb_fsdp.py): plain tensors, or FSDP2 on transformers' own model classes (with
 CPU offload for one row); wxfer is measured for two watermarks (peak extra memory, host
 time per task and per parameter); tables in bb_report.py.
@@ -44,16 +47,26 @@ import argparse
 import datetime
 import json
 import os
-import pickle
 import platform
 import socket
 import subprocess
 import sys
 import time
-import traceback
 
 import bb_fsdp
 import bb_report
+import bb_supervise
+from bb_patterns import (  # noqa: F401 -- buckets, _bytes, _fulls_in, _sync_dev: also used by bench_scale / bench_ckpt_engine
+    _STATE,
+    _bytes,
+    _fulls_in,
+    _Link,
+    _per_tensor,
+    _rank0,
+    _sync_dev,
+    buckets,
+)
+from bb_supervise import _kill_children, child
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -141,12 +154,6 @@ def infer_params(ex, device, rank: int = 0) -> dict:
     return {n: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for n, d in ex.dest[rank].items()}
 
 
-def _bytes(t):
-    import torch
-
-    return t.reshape(-1).view(torch.uint8)
-
-
 def reset(params: dict) -> None:
     for t in params.values():
         _bytes(t).fill_(0xFF)
@@ -158,78 +165,7 @@ def checksums(params: dict) -> list:
     return [int(_bytes(t).sum(dtype=torch.int64)) for _, t in sorted(params.items())]
 
 
-def buckets(ex, sizes: dict, bucket_bytes: int):
-    """Components grouped into buckets of about bucket_bytes (a component never split; a
-    bucket grows to hold the largest one): (capacity, [(used bytes, [(component, {src: offset})])])."""
-    comps = [c for c in ex.components if c.shards]
-    biggest = max(sum(_align(sizes[s]) for s in c.sources) for c in comps)
-    cap = max(bucket_bytes, biggest)
-    out, cur, used = [], [], 0
-    for c in comps:
-        need = sum(_align(sizes[s]) for s in c.sources)
-        if cur and used + need > cap:
-            out.append((used, cur))
-            cur, used = [], 0
-        offs = {}
-        for s in c.sources:
-            offs[s] = used
-            used += _align(sizes[s])
-        cur.append((c, offs))
-    if cur:
-        out.append((used, cur))
-    return cap, out
-
-
-def _align(n: int, a: int = 256) -> int:
-    return -(-n // a) * a
-
-
 # --------------------------------------------------------------------------- the two processes
-
-
-class _Link:
-    """Synchronization and messages between the trainer (0) and the inference rank (1)."""
-
-    def __init__(self, rank):
-        import torch
-        import torch.distributed as dist
-
-        self.dist, self.torch, self.rank = dist, torch, rank
-        self.pending = []  # signals sent, not yet known to be received
-
-    def barrier(self):
-        t = self.torch.zeros(1)
-        self.dist.all_reduce(t)  # CPU tensor: gloo
-
-    def obj(self, o=None, src=0):
-        lst = [o]
-        self.dist.broadcast_object_list(lst, src=src, device=self.torch.device("cpu"))  # gloo
-        return lst[0]
-
-    def bcast(self, t, async_op=True):
-        return self.dist.broadcast(t, src=0, async_op=async_op)
-
-
-def _sync_dev(dev):
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def child(main, rank: int, q, *args) -> None:
-    """A benchmark child process's body: main(rank, *args), then (rank, None) on `q`; on any
-    failure (rank, traceback) on `q`, and the process dies at once (native threads may linger).
-    bench_ckpt_engine.py's children use it too."""
-    try:
-        main(rank, *args)
-        q.put((rank, None))
-    except BaseException:  # noqa: BLE001 -- report, then die at once
-        traceback.print_exc()
-        q.put((rank, traceback.format_exc()[-3000:]))
-        q.close()
-        q.join_thread()
-        os._exit(1)
 
 
 def _proc(rank: int, a: dict, configs: list, q) -> None:
@@ -455,163 +391,6 @@ def _summ(times, nbytes):
     return dict(seconds=med, best=ts[0], times=times, gbps=nbytes / med / 1e9)
 
 
-def _fulls_in(bucket_t, offs, sizes, meta):
-
-    out = {}
-    for s, o in offs.items():
-        shape, dt = meta[s]
-        out[s] = bucket_t[o : o + sizes[s]].view(dt).view(shape)
-    return out
-
-
-def _write_component(c, fulls, params):
-    from wxfer.runtime import prepare
-
-    quant = {}
-    for sh in c.shards:
-        if sh.rank == 0:
-            prepare.pack_shard_into(sh, fulls, _bytes(params[sh.dst]), sh.offset, quant)
-
-
-def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
-    """The rank-0 pattern, one step."""
-    from wxfer.runtime import prepare
-
-    cap, plan = _rank0_plan(ex, sizes, a)
-    st = _state(link, "rank0", lambda: _rank0_buffers(link, cap, dev, ipc))
-    bufs = st["bufs"]
-    works = [None] * len(plan)
-    for k, (used, bucket) in enumerate(plan):
-        b = bufs[k % 2][:used]  # only the filled part moves
-        if link.rank == 0:
-            if k >= 2:  # double buffering: slot k % 2 free again
-                if ipc:
-                    _flag(link, 1, ACK + k - 2)  # the inference rank copied bucket k - 2 out
-                else:
-                    works[k - 2].wait()
-            for c, offs in bucket:
-                for s, o in offs.items():
-                    full = prepare.full_tensor(params[s], params[s])  # one trainer rank: itself
-                    b[o : o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
-            if ipc:
-                _sync_dev(dev)
-                _flag(link, 0, READY + k)
-            else:
-                works[k] = link.bcast(b)
-        else:
-            if ipc:
-                _flag(link, 0, READY + k)
-            else:
-                link.bcast(b).wait()
-            for c, offs in bucket:
-                _write_component(c, _fulls_in(b, offs, sizes, meta), params)
-            if ipc:
-                _sync_dev(dev)
-                _flag(link, 1, ACK + k)
-    if link.rank == 0:
-        for w in works:
-            if w is not None:
-                w.wait()
-        if ipc:  # the last two slots' acknowledgements
-            for k in range(max(0, len(plan) - 2), len(plan)):
-                _flag(link, 1, ACK + k)
-    _drain(link)
-
-
-def _flag(link, src, tag):
-    """A point-to-point signal from rank `src` to the other rank (gloo, matched by tag)."""
-    import torch
-    import torch.distributed as dist
-
-    t = torch.zeros(1)
-    if link.rank == src:  # not blocking: gloo matches a send with its receive
-        link.pending.append((dist.isend(t, dst=1 - src, tag=tag), t))
-    else:
-        dist.recv(t, src=src, tag=tag)
-
-
-def _drain(link):
-    for w, _ in link.pending:
-        w.wait()
-    link.pending.clear()
-
-
-def _share(obj) -> bytes:
-    """Tensors pickled as shared-memory handles (CUDA IPC; CPU: file_system shared memory)."""
-    from multiprocessing.reduction import ForkingPickler
-    import torch.multiprocessing  # noqa: F401 -- registers the tensor reductions
-
-    return bytes(ForkingPickler.dumps(obj))
-
-
-_STATE: dict = {}
-READY, ACK = 1 << 20, 1 << 21  # p2p tags of the shared-bucket handshake
-
-
-def _state(link, key, make):
-    """Per-configuration state made on the first step (buffers, IPC handles opened once)."""
-    if key not in _STATE:
-        _STATE[key] = make()
-    return _STATE[key]
-
-
-def _rank0_plan(ex, sizes, a):
-    k = ("plan", id(ex))
-    if k not in _STATE:
-        _STATE[k] = buckets(ex, sizes, a["bucket"])
-    return _STATE[k]
-
-
-def _rank0_buffers(link, cap, dev, ipc):
-    import torch
-
-    if not ipc:
-        return dict(bufs=[torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)])
-    if link.rank == 0:
-        bufs = [torch.empty(cap, dtype=torch.uint8, device=dev) for _ in range(2)]
-        link.obj(_share(bufs))
-    else:
-        bufs = pickle.loads(link.obj(None))
-    return dict(bufs=bufs)
-
-
-def _per_tensor(link, ex, params, sizes, meta, dev, a, ipc, step):
-    """The per-tensor pattern, one step: per training tensor one call (a pickled message)
-    and one transfer; the inference rank writes a fused parameter once its sources are in."""
-    import torch
-
-    comps = _STATE.setdefault(("comps", id(ex)), [c for c in ex.components if c.shards])
-    if link.rank == 0:
-        for c in comps:
-            for s in c.sources:
-                t = params[s]
-                if ipc:
-                    link.obj((s, _share(t)))
-                else:
-                    link.obj(s)
-                    link.bcast(t, async_op=False)
-        if ipc:
-            _flag(link, 1, ACK)
-        return
-    for c in comps:
-        fulls = {}
-        for _ in c.sources:
-            if ipc:
-                s, blob = link.obj(None)
-                fulls[s] = pickle.loads(blob)
-            else:
-                s = link.obj(None)
-                shape, dt = meta[s]
-                t = torch.empty(shape, dtype=dt, device=dev)
-                link.bcast(t, async_op=False)
-                fulls[s] = t
-        _write_component(c, fulls, params)
-    if ipc:
-        _sync_dev(dev)
-        _flag(link, 1, ACK)
-        _drain(link)
-
-
 # --------------------------------------------------------------------------- the parent
 
 
@@ -674,12 +453,7 @@ def machine(dry_run: bool) -> dict:
         m["load"] = os.getloadavg()
     except OSError:
         pass
-    try:
-        m["commit"] = subprocess.run(
-            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        pass
+    m["commit"] = commit()
     if not dry_run and torch.cuda.is_available():
         m["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         for args in (
@@ -691,6 +465,30 @@ def machine(dry_run: bool) -> dict:
             except Exception:  # noqa: BLE001
                 pass
     return m
+
+
+def commit() -> str:
+    """The checkout's commit, only where it is known: git's, when ROOT is the top of a git
+    work tree (not a copy inside another repository's tree), else $WXFER_COMMIT, else "unknown"."""
+    try:
+        top = subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--show-toplevel", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        lines = top.stdout.split()
+        if top.returncode == 0 and len(lines) == 2 and os.path.realpath(lines[0]) == os.path.realpath(ROOT):
+            dirty = subprocess.run(
+                ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout.strip()
+            return lines[1] + ("-dirty" if dirty else "")
+    except Exception:  # noqa: BLE001 -- no git here
+        pass
+    return os.environ.get("WXFER_COMMIT") or "unknown"
 
 
 def table(results: list) -> str:
@@ -707,14 +505,19 @@ def _parse_size(v: str) -> int:
     return int(_wxfer.parse_size(v))
 
 
-_CHILDREN: list = []  # this run's child processes (bench_ckpt_engine.py's too): killed on SIGTERM
-
-
-def _kill_children(*_):
-    for p in _CHILDREN:
-        if p.is_alive():
-            p.kill()
-    raise SystemExit(1)
+def _why(f, procs) -> str:
+    """What a failed configuration says: the children's errors (last lines) when they came
+    first; else a timeout or the exit codes, or the full error a child reported meanwhile."""
+    if f.reported:
+        return "; ".join(f"rank {k}: {v.strip().splitlines()[-1]}" for k, v in sorted(f.errs.items(), reverse=True))
+    why = (
+        "timed out"
+        if f.over
+        else "a process exited (exit codes %s; -9: killed, e.g. out of host memory)" % [x.exitcode for x in procs]
+    )
+    for r, err in f.errs.items():
+        why = f"rank {r}: {err}"
+    return why
 
 
 def run(args) -> dict:
@@ -766,74 +569,31 @@ def run(args) -> dict:
         attempt += 1
         a["name"] = "bb%d_%d" % (os.getpid(), attempt)
         ctl = control.Control(store, a["name"], args.timeout)
-        q = ctx.Queue()
         work = [(ci, configs[ci]) for ci in todo]
-        procs = [ctx.Process(target=_proc, args=(r, a, work, q), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        _CHILDREN[:] = procs
-        failed = None
-        cfg_t0 = time.perf_counter()
-        while True:
-            # collect finished configurations
-            while todo and ctl.check("res/%d" % todo[0]):
-                ci = todo.pop(0)
-                r = ctl.get_json("res/%d" % ci, "result")
-                r["dry_run"] = args.dry_run
-                if results[ci]:  # errors of methods skipped on an earlier attempt
-                    r["errors"] = dict(results[ci].get("errors", {}), **r.get("errors", {}))
-                results[ci] = r
-                cfg_t0 = time.perf_counter()
-                _write(out, results, mach, args)
-                print(
-                    f"[{time.perf_counter() - t_start:.0f} s] {_cfg_name(configs[ci])}: "
-                    + ", ".join(f"{m} {v['seconds']:.4f} s" for m, v in r["methods"].items()),
-                    flush=True,
-                )
-            if not todo:
-                break
-            dead = [p for p in procs if not p.is_alive()]
-            try:
-                r, err = q.get_nowait()
-                if err:
-                    errs = {r: err}
-                    time.sleep(1.0)  # the other rank's error, when it has one
-                    try:
-                        while True:
-                            r2, e2 = q.get_nowait()
-                            if e2:
-                                errs[r2] = e2
-                    except Exception:  # noqa: BLE001
-                        pass
-                    failed = (
-                        todo[0],
-                        "; ".join(
-                            f"rank {k}: {v.strip().splitlines()[-1]}" for k, v in sorted(errs.items(), reverse=True)
-                        ),
-                    )
-                    break
-            except Exception:  # noqa: BLE001 -- nothing reported
-                pass
-            over = time.perf_counter() - cfg_t0 > args.config_timeout or time.perf_counter() - t_start > args.max_s
-            if dead or over:
-                codes = [x.exitcode for x in procs]
-                why = "timed out" if over else f"a process exited (exit codes {codes}; -9: killed, e.g. no host memory)"
-                try:
-                    while True:
-                        r, err = q.get_nowait()
-                        if err:
-                            why = f"rank {r}: {err}"
-                except Exception:  # noqa: BLE001
-                    pass
-                failed = (todo[0], why)
-                break
-            time.sleep(0.2)
-        for p in procs:
-            if p.is_alive():
-                p.join(5 if failed is None else 0.1)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+        procs, q = bb_supervise.spawn(ctx, _proc, a, work)
+        cfg_t0 = [time.perf_counter()]
+
+        def got(ci):
+            r = ctl.get_json("res/%d" % ci, "result")
+            r["dry_run"] = args.dry_run
+            if results[ci]:  # errors of methods skipped on an earlier attempt
+                r["errors"] = dict(results[ci].get("errors", {}), **r.get("errors", {}))
+            results[ci] = r
+            cfg_t0[0] = time.perf_counter()
+            _write(out, results, mach, args)
+            print(
+                f"[{time.perf_counter() - t_start:.0f} s] {_cfg_name(configs[ci])}: "
+                + ", ".join(f"{m} {v['seconds']:.4f} s" for m, v in r["methods"].items()),
+                flush=True,
+            )
+
+        def over():
+            now = time.perf_counter()
+            return now - cfg_t0[0] > args.config_timeout or now - t_start > args.max_s
+
+        f = bb_supervise.watch(procs, q, ctl, todo, "res/%d", got, over, settle=1.0, poll=0.2)
+        failed = None if f is None else (f.index, _why(f, procs))
+        bb_supervise.stop(procs, failed is not None, 5, kill=False)
         if failed is not None:
             ci, why = failed
             at = ctl.check("at/%d/0" % ci) and ctl.get("at/%d/0" % ci, "at").decode()

@@ -32,9 +32,16 @@ and position-weighted byte sum) and compared with the reference packing of the s
 weights computed on the trainer.  checkpoint-engine's own log lines (loguru) are parsed
 for its bucket size, bucket count and per-bucket times.
 
-A step that fails is reported and the run goes on (fresh processes after a hang);
---max-s bounds the whole run.  Without checkpoint-engine (not importable, or the CPU dry
-run: it needs CUDA) its rows are reported as skipped, saying why.
+A step that fails is reported and the run goes on (fresh processes after a hang), with the
+children's Python stacks (faulthandler) and exit codes in its row; the host job's trainer
+setup phases are printed as they end and kept in the row; --max-s bounds the whole run.
+Without checkpoint-engine (not importable, or the CPU dry run: it needs CUDA) its rows are
+reported as skipped, saying why.
+
+Here: the steps, the trainer (rank 0), the children's loop and the parent; the inference
+worker in ckpt_engine_worker.py, weights / checks / Loader / the offloaded model in
+ckpt_engine_parts.py, rows and table in ckpt_engine_report.py, the supervisor (spawn,
+collect, stop at a failure, stacks) in bb_supervise.py, shared with bench_baselines.py.
 """
 
 from __future__ import annotations
@@ -43,7 +50,9 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -53,18 +62,24 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import bb_supervise as sup  # noqa: E402
 import bench_baselines as bb  # noqa: E402  -- model_spec, expanded, infer_params, reset, machine, _sync_dev
 from ckpt_engine_parts import (  # noqa: E402
-    Loader,
     LogTap,
+    _med,
     _Plain,
+    _summ,
     compare,
-    feed_in_buckets,
-    fingerprints,  # noqa: E402
     fsdp_model,
+    host_avail_gb,
     reference,
+    rss_peak_gb,
+    step_name,
     train_weights,
+    wait_any,
 )
+from ckpt_engine_report import _row_view, summarize, table  # noqa: E402
+from ckpt_engine_worker import Worker  # noqa: E402
 
 GPU_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
 CPU_MODELS = ("tiny", "tiny-moe")
@@ -105,23 +120,6 @@ def make_steps(models, quants, jobs, dry_run: bool) -> list:
     return steps
 
 
-def step_name(s) -> str:
-    return "%s-%s-%s:%s" % (s["model"], s["quant"], s["job"], s["method"])
-
-
-def wait_any(ctl, keys, what: str, timeout: float):
-    """The first of `keys` present in the store (polled, bounded)."""
-    deadline, delay = time.monotonic() + timeout, 0.001
-    while True:
-        for k in keys:
-            if ctl.check(k):
-                return k
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout:.0f} s for {what} (store keys {keys})")
-        time.sleep(delay)
-        delay = min(2 * delay, 0.02)
-
-
 # --------------------------------------------------------------------------- the trainer
 
 
@@ -144,17 +142,46 @@ class Trainer:
             self.W = self.fsdp = None
             self.refs = {}
             self._free_pool()
-            if self.dev.type == "cuda":  # the FSDP2 model's pinned blocks, cached by torch
-                import gc
-                import torch
-
-                gc.collect()
-                torch.cuda.empty_cache()
-                getattr(torch._C, "_host_emptyCache", lambda: None)()
+            self._release_host()
             self.m = s["model"]
             self.conf, self.preset = bb.model_spec(s["model"])
             self.hf = self.preset.hf_params(self.conf)
         return self.conf, self.preset
+
+    def _release_host(self):
+        """Give freed pinned memory back to the system: torch caches every pinned block it
+        allocated (checkpoint-engine's pool, the FSDP2 model's slabs) until told otherwise."""
+        if self.dev.type == "cuda":
+            import gc
+            import torch
+
+            gc.collect()
+            torch.cuda.empty_cache()
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
+
+    def log(self, s, what: str, **kw):
+        """One line on stderr as each setup phase ends, and the phase in the store's `at` key
+        (a step that times out says where it was)."""
+        extra = " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
+        print(
+            f"[bce {time.time() - self.a['t_start']:.1f} s] {step_name(s)}: {what} {extra}", file=sys.stderr, flush=True
+        )
+        self.ctl.set("at/0", f"{step_name(s)}: after {what}")
+
+    def build_fsdp(self, s, ex) -> None:
+        """The host job's trainer, each setup phase timed (res["setup"]): one host copy of the
+        weights at a time (checkpoint-engine's pool freed and given back first)."""
+        t = time.perf_counter()
+        self.ref(s["quant"], ex)  # made from the GPU weights unless already known
+        self.free_weights()
+        self._free_pool()
+        self._release_host()
+        ph = dict(reference_s=time.perf_counter() - t, host_avail_GB=host_avail_gb())
+        self.log(s, "reference and release", **ph)
+        self.fsdp = fsdp_model(self.preset, self.conf, self.dev, ph, log=lambda k, v: self.log(s, k, seconds=v))
+        ph.update(host_avail_after_GB=host_avail_gb(), trainer_rss_peak_GB=rss_peak_gb())
+        self.log(s, "FSDP2 model built", **{k: v for k, v in ph.items() if not k.endswith("_s")})
+        self.setup = ph
 
     def weights(self):
         if self.W is None:
@@ -185,6 +212,7 @@ class Trainer:
     # ---- timing
     def timed(self, fn, label):
         a, times, t0 = self.a, [], time.perf_counter()
+        self.warm: list = []  # the warm-up steps' seconds
         for k in range(a["warmup"] + a["reps"]):
             self.ctl.set("at/0", f"{label} step {k}")
             bb._sync_dev(self.dev)
@@ -195,6 +223,8 @@ class Trainer:
                 times.append(time.perf_counter() - t)
                 if time.perf_counter() - t0 > a["method_s"] or time.time() > a["deadline"]:
                     break
+            else:
+                self.warm.append(time.perf_counter() - t)
         return times
 
     # ---- one step
@@ -216,9 +246,8 @@ class Trainer:
         if s["job"] == "host" and m == "wxfer":
             self._free_pool()  # one host copy of the weights at a time
             if self.fsdp is None:
-                self.ref(s["quant"], ex)  # made from the GPU weights unless already known
-                self.free_weights()
-                self.fsdp = fsdp_model(preset, conf, self.dev)
+                self.build_fsdp(s, ex)
+            res["setup"] = dict(self.setup)
         elif s["job"] == "gpu":
             self.weights()
         want = self.ref(s["quant"], ex)
@@ -307,6 +336,8 @@ class Trainer:
         from wxfer.runtime.sender import Sender
 
         a, i = self.a, s["i"]
+        if os.environ.get("BCE_HANG_STEP") == step_name(s):  # tests: a step that hangs
+            _injected_hang()
         model = _Plain(self.W) if s["job"] == "gpu" else self.fsdp
         t0 = time.perf_counter()
         snd = Sender(
@@ -320,17 +351,22 @@ class Trainer:
         )
         try:
             setup = time.perf_counter() - t0
+            self.log(s, "Sender setup", seconds=setup, tasks=len(snd.plan.tasks))
             last = a["warmup"] + a["reps"] - 1
 
             def one(k):
                 if k == last or k == a["warmup"]:
                     snd.trace(clear=True)
+                t = time.perf_counter()
                 snd.push()
+                if k < a["warmup"]:
+                    self.log(s, "warm-up push %d" % k, seconds=time.perf_counter() - t)
 
             times = self.timed(one, step_name(s))
             out = dict(
                 _summ(times, bb.expanded(self.preset, self.conf, "fp8" if s["quant"] == "fp8" else None).dest_bytes(0)),
                 setup_s=setup,
+                warmup_s=self.warm,
                 tasks=len(snd.plan.tasks),
                 transport=snd.transport_name,
                 bytes_per_step=snd.bytes_per_step,
@@ -444,151 +480,19 @@ class Trainer:
         return out
 
 
-def _med(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else None
-
-
-def _summ(times, nbytes):
-    med = _med(times)
-    return dict(seconds=med, best=min(times), times=times, gbps=nbytes / med / 1e9)
+def _injected_hang():
+    while True:
+        time.sleep(1.0)
 
 
 # --------------------------------------------------------------------------- the inference worker
-
-
-class Worker:
-    """Rank 1: the vLLM-layout parameters, written by wxfer's Receiver or checkpoint-engine."""
-
-    def __init__(self, a, store, ctl, dev):
-        self.a, self.store, self.ctl, self.dev = a, store, ctl, dev
-        self.key = None
-        self.params = None
-        self.zmq_ctx = None
-
-    def layout(self, s):
-        import torch
-
-        k = (s["model"], s["quant"])
-        if self.key != k:
-            self.params = None
-            if self.dev.type == "cuda":
-                torch.cuda.empty_cache()
-            conf, preset = bb.model_spec(s["model"])
-            self.conf, self.preset = conf, preset
-            self.ex = bb.expanded(preset, conf, "fp8" if s["quant"] == "fp8" else None)
-            self.params = bb.infer_params(self.ex, self.dev)
-            self.key = k
-        return self.ex
-
-    def run(self, s) -> None:
-        i, a = s["i"], self.a
-        if s["method"] == "bound":
-            return
-        got = wait_any(
-            self.ctl,
-            ["s/%d/go" % i, "s/%d/skip" % i, "s/%d/fail/0" % i],
-            "the trainer's start of " + step_name(s),
-            a["step_timeout"],
-        )
-        if not got.endswith("go"):
-            return
-        info: dict = {}
-        try:
-            ex = self.layout(s)
-            bb.reset(self.params)
-            if os.environ.get("BCE_FAIL_METHOD") == s["method"]:  # tests: a failing step
-                raise RuntimeError(f"injected failure in {s['method']}")
-            if s["method"] == "wxfer":
-                self.wxfer(s, info)
-            elif s["method"] == "ckpt-engine":
-                self.ckpt(s, info, ex)
-            elif s["method"] == "loader":
-                self.ctl.set("s/%d/ready" % i, b"1")
-                fulls = train_weights(self.preset, self.conf, self.dev)
-                ld = Loader(ex, self.params)
-                feed_in_buckets(ld, fulls, a["loader_bucket"])
-                info["loader"] = ld.stats()
-                del fulls
-            bb._sync_dev(self.dev)
-            self.ctl.set_json("s/%d/sums" % i, dict(fp=fingerprints(self.params), info=info))
-        except Exception as e:  # noqa: BLE001 -- reported to the trainer
-            traceback.print_exc()
-            self.ctl.set("s/%d/fail/1" % i, f"{type(e).__name__}: {e}")
-
-    def _wait_end(self, i, what):
-        k = wait_any(self.ctl, ["s/%d/done" % i, "s/%d/fail/0" % i], what, self.a["step_timeout"])
-        if not k.endswith("done"):
-            raise RuntimeError("trainer failed: " + self.ctl.get(k, "error").decode())
-
-    def wxfer(self, s, info) -> None:
-        from wxfer.runtime.receiver import Receiver
-
-        i = s["i"]
-        self.ctl.set("s/%d/ready" % i, b"1")  # the Receiver waits for the Sender's plan
-        r = Receiver(
-            self.params,
-            mapping=self.preset.name,
-            store=self.store,
-            name="%s_%d" % (self.a["name"], i),
-            timeout=self.a["timeout"],
-        )
-        try:
-            self._wait_end(i, "the trainer's wxfer steps")
-            info["version"] = r.version()
-        finally:
-            r.close()
-
-    def ckpt(self, s, info, ex) -> None:
-        import torch
-        import zmq
-        from checkpoint_engine.worker import update_weights_from_ipc
-
-        i, a = s["i"], self.a
-        if self.zmq_ctx is None:
-            self.zmq_ctx = zmq.Context()
-        gpu = self.dev.type == "cuda"
-        uuid = "GPU-%s" % torch.cuda.get_device_properties(self.dev.index or 0).uuid if gpu else None
-        ld = Loader(ex, self.params)
-        self.ctl.set("s/%d/ready" % i, b"1")
-        k, stats = 0, []
-        while True:
-            got = wait_any(
-                self.ctl,
-                ["s/%d/req/%d" % (i, k), "s/%d/done" % i, "s/%d/fail/0" % i],
-                "the trainer's next update request",
-                a["step_timeout"],
-            )
-            if not got.endswith("/%d" % k) or "/req/" not in got:
-                break
-            paths = dict(tuple(x) for x in self.ctl.get_json(got, "socket paths"))
-            handle = paths.get(uuid) or (next(iter(paths.values())) if len(paths) == 1 else None)
-            if handle is None:
-                raise RuntimeError(f"no checkpoint-engine socket for this GPU ({uuid}) in {sorted(paths)}")
-            ld.begin()
-            update_weights_from_ipc(self.zmq_ctx, handle, self.dev.index if gpu else None, run=ld)
-            st = ld.stats()
-            stats.append(st)
-            self.ctl.set_json("s/%d/ack/%d" % (i, k), st)
-            if not st["complete"]:
-                raise RuntimeError(
-                    f"update {k}: the loader wrote {st['components']} of {st['of']} components "
-                    f"({st['missing_sources']} sources never arrived)"
-                )
-            k += 1
-        if got.endswith("fail/0"):
-            raise RuntimeError("trainer failed: " + self.ctl.get(got, "error").decode())
-        info["updates"] = k
-        info["loader"] = stats[-1] if stats else {}
-        if stats:
-            info["load_fn_s"] = _med([x["load_fn_s"] for x in stats])
 
 
 # --------------------------------------------------------------------------- the two processes
 
 
 def _child(rank: int, a: dict, steps: list, q) -> None:
-    bb.child(_child_main, rank, q, a, steps)
+    sup.child(_child_main, rank, q, a, steps)
 
 
 def _shim():
@@ -605,6 +509,11 @@ def _shim():
     spec.loader.exec_module(mod)
     mod.install()
     return True
+
+
+def stack_paths(a: dict) -> dict:
+    """{rank: the file its Python stacks go to} (bb_supervise.stack_file)."""
+    return {r: os.path.join(a["stack_dir"], "stacks-%s-rank%d.txt" % (a["name"], r)) for r in (0, 1)}
 
 
 def _child_main(rank: int, a: dict, steps: list) -> None:
@@ -638,8 +547,10 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
         side = Trainer(a, store, ctl, dev)
     else:
         side = Worker(a, store, ctl, dev)
+    stacks = sup.stack_file(stack_paths(a)[rank])
     for s in steps:
         ctl.set("at/%d" % rank, step_name(s))
+        sup.arm_stack_dump(stacks, "step " + step_name(s), a["step_timeout"] - 10)
         if gpu:
             torch.cuda.empty_cache()  # checkpoint-engine sizes its buckets by the free memory
         if rank == 0:
@@ -656,6 +567,7 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
             ctl.set_json("res/%d" % s["i"], res)
         else:
             side.run(s)
+        sup.disarm_stack_dump()
     if rank == 0 and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -663,33 +575,26 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
 # --------------------------------------------------------------------------- the parent
 
 
-def _spawn(ctx, a, work):
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, a, work, q), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    bb._CHILDREN[:] = procs
-    return procs, q
-
-
-def _stop(procs, now: bool):
-    for p in procs:
-        if p.is_alive():
-            p.join(0.1 if now else 10)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+def _why(f, ctl, procs, t_step: float) -> str:
+    """What a failed step says: the children's errors, or a timeout, or who exited (and where
+    each child was)."""
+    if f.errs:
+        return "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(f.errs.items()))
+    at = {r: ctl.get("at/%d" % r, "at").decode() for r in (0, 1) if ctl.check("at/%d" % r)}
+    if f.over:
+        return "timed out after %.0f s (at %s)" % (time.time() - t_step, at)
+    gone = ", ".join("rank %d exited with %s" % (r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive())
+    return "%s (at %s)" % (gone, at)
 
 
 def run(args, emit=print) -> dict:
     import multiprocessing as mp
-    import signal
     import torch.distributed as dist
     from wxfer.runtime import control
 
     for k, v in bb.NO_MULTICAST.items():
         os.environ.setdefault(k, v)
-    signal.signal(signal.SIGTERM, bb._kill_children)
+    signal.signal(signal.SIGTERM, sup._kill_children)
     models = args.models.split(",") if args.models else list(CPU_MODELS if args.dry_run else GPU_MODELS)
     steps = make_steps(models, args.quant.split(","), args.jobs.split(","), args.dry_run)
     logs = args.logs
@@ -716,6 +621,8 @@ def run(args, emit=print) -> dict:
         loader_bucket=bb._parse_size(args.loader_bucket),
         ckpt_mem_fraction=args.ckpt_mem_fraction,
         ckpt_req=args.ckpt_req,
+        t_start=t_start,
+        stack_dir=os.path.abspath(logs) if logs else tempfile.mkdtemp(prefix="bce-stacks-"),
     )
     results: list = [None] * len(steps)
     todo = list(range(len(steps)))
@@ -725,47 +632,26 @@ def run(args, emit=print) -> dict:
         attempt += 1
         a["name"] = "bce%d_%d" % (os.getpid(), attempt)
         ctl = control.Control(store, a["name"], args.timeout)
-        procs, q = _spawn(ctx, a, [steps[i] for i in todo])
-        failed, t_step = None, time.time()
-        while todo:
-            i = todo[0]
-            if ctl.check("res/%d" % i):
-                results[i] = ctl.get_json("res/%d" % i, "result")
-                todo.pop(0)
-                t_step = time.time()
-                emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
-                continue
-            errs = {}
-            try:
-                while True:
-                    r, e = q.get_nowait()
-                    if e:
-                        errs[r] = e
-            except Exception:  # noqa: BLE001 -- queue empty
-                pass
-            dead = any(not p.is_alive() for p in procs)
-            over = time.time() - t_step > args.step_timeout
-            late = time.time() > t_start + args.max_s + args.grace_s
-            if errs or dead or over or late:
-                at = {r: ctl.get("at/%d" % r, "at").decode() for r in (0, 1) if ctl.check("at/%d" % r)}
-                why_ = "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(errs.items())) or (
-                    "timed out (at %s)" % at
-                    if (over or late)
-                    else "%s (at %s)"
-                    % (
-                        ", ".join(
-                            "rank %d exited with %s" % (r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive()
-                        ),
-                        at,
-                    )
-                )
-                failed = (i, why_)
-                break
-            time.sleep(0.1)
-        _stop(procs, failed is not None)
+        procs, q = sup.spawn(ctx, _child, a, [steps[i] for i in todo])
+        t_step = [time.time()]
+
+        def got(i):
+            results[i] = ctl.get_json("res/%d" % i, "result")
+            t_step[0] = time.time()
+            emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
+
+        def over():
+            return time.time() - t_step[0] > args.step_timeout or time.time() > t_start + args.max_s + args.grace_s
+
+        f = sup.watch(procs, q, ctl, todo, "res/%d", got, over)
+        failed = None if f is None else (f.index, _why(f, ctl, procs, t_step[0]))
+        stacks = sup.dump_stacks(procs, stack_paths(a)) if failed is not None else {}
+        sup.stop(procs, failed is not None, 10, kill=True)
         if failed is not None:
             i, why_ = failed
-            results[i] = dict(step=steps[i], error=why_)
+            results[i] = dict(step=steps[i], error=why_, exitcodes=[p.exitcode for p in procs], stacks=stacks)
+            for r, txt in sorted(stacks.items()):
+                print(f"{step_name(steps[i])} failed; rank {r}'s stacks:\n{txt}", file=sys.stderr, flush=True)
             todo.remove(i)
             emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
             if time.time() > t_start + args.max_s:
@@ -793,101 +679,6 @@ def run(args, emit=print) -> dict:
         with open(os.path.join(logs, "ckpt-engine-table.md"), "w") as f:
             f.write(out["table"] + "\n")
     return out
-
-
-def _row_view(r) -> dict:
-    keep = (
-        "seconds",
-        "gbps",
-        "best",
-        "times",
-        "error",
-        "skipped",
-        "check",
-        "parts",
-        "ckpt_log",
-        "version",
-        "h2d_GBps",
-        "what",
-        "tasks",
-        "transport",
-        "setup_s",
-        "dest_bytes",
-        "train_bytes",
-        "worker",
-    )
-    return {k: r[k] for k in keep if k in r}
-
-
-def summarize(results) -> list:
-    """Per model x quantization x job: the bound, wxfer and checkpoint-engine, with ratios."""
-    cases: dict = {}
-    for r in results:
-        if r is None:
-            continue
-        s = r["step"]
-        c = cases.setdefault(
-            (s["model"], s["quant"], s["job"]), dict(model=s["model"], quant=s["quant"], job=s["job"], methods={})
-        )
-        c["methods"][s["method"]] = _row_view(r)
-    out = []
-    for c in cases.values():
-        ms = c["methods"]
-        b = ms.get("bound", {}).get("seconds")
-        for k, v in ms.items():
-            if v.get("seconds") and b and k != "bound":
-                v["x_bound"] = b / v["seconds"]
-        w, ck = ms.get("wxfer", {}).get("seconds"), ms.get("ckpt-engine", {}).get("seconds")
-        if w and ck:
-            c["ckpt_over_wxfer"] = ck / w
-        out.append(c)
-    return out
-
-
-JOB_TEXT = dict(host="weights in host memory", gpu="weights on the GPU")
-WHAT = {
-    ("host", "wxfer"): "wxfer (FSDP2, CPUOffloadPolicy)",
-    ("gpu", "wxfer"): "wxfer (GPU tensors)",
-    ("host", "ckpt-engine"): "checkpoint-engine update()",
-    ("gpu", "ckpt-engine"): "checkpoint-engine register + update()",
-    ("gpu", "loader"): "load_fn only (no ckpt-engine)",
-}
-
-
-def table(cases, out) -> str:
-    v = out.get("ckpt_engine") or "-"
-    lines = [
-        f"checkpoint-engine {v}; {out['command']}",
-        "",
-        "| model | quant | job | method | seconds | GB/s | x bound | ckpt-engine / wxfer | check |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for c in cases:
-        for m in ("bound", "wxfer", "ckpt-engine", "loader"):
-            r = c["methods"].get(m)
-            if r is None:
-                continue
-            name = "bound: " + r.get("what", "") if m == "bound" else WHAT.get((c["job"], m), m)
-            head = f"| {c['model']} | {c['quant']} | {JOB_TEXT[c['job']]} | {name} |"
-            if r.get("error") or r.get("skipped"):
-                lines.append(
-                    f"{head} {'error' if r.get('error') else 'skipped'}: "
-                    f"{(r.get('error') or r.get('skipped'))[:160]} | | | | |"
-                )
-                continue
-            ratio = f"{c['ckpt_over_wxfer']:.2f}" if m == "wxfer" and c.get("ckpt_over_wxfer") else ""
-            chk = r.get("check")
-            chk = (
-                ""
-                if chk is None
-                else ("same bytes as the reference" if chk["ok"] else f"DIFFERS ({chk['differ']}: {chk['first']})")
-            )
-            xb = "1.00" if m == "bound" else (f"{r['x_bound']:.2f}" if r.get("x_bound") else "")
-            extra = ""
-            if m == "ckpt-engine" and r.get("parts"):
-                extra = " (" + ", ".join(f"{k[:-2]} {x:.3f}" for k, x in r["parts"].items() if x is not None) + ")"
-            lines.append(f"{head} {r['seconds']:.4f}{extra} | {r['gbps']:.1f} | {xb} | {ratio} | {chk} |")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

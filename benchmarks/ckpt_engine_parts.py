@@ -16,6 +16,36 @@ import bench_baselines as bb  # noqa: E402  -- _sync_dev
 CH = 1 << 24  # fingerprint chunk (bytes)
 
 
+# --------------------------------------------------------------------------- steps
+
+
+def step_name(s) -> str:
+    return "%s-%s-%s:%s" % (s["model"], s["quant"], s["job"], s["method"])
+
+
+def wait_any(ctl, keys, what: str, timeout: float):
+    """The first of `keys` present in the store (polled, bounded)."""
+    deadline, delay = time.monotonic() + timeout, 0.001
+    while True:
+        for k in keys:
+            if ctl.check(k):
+                return k
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what} (store keys {keys})")
+        time.sleep(delay)
+        delay = min(2 * delay, 0.02)
+
+
+def _med(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def _summ(times, nbytes):
+    med = _med(times)
+    return dict(seconds=med, best=min(times), times=times, gbps=nbytes / med / 1e9)
+
+
 # --------------------------------------------------------------------------- weights and checks
 
 
@@ -62,27 +92,128 @@ def fused_or_plain(name: str, shape, dtype, dev):
     return weight(name, shape, dtype, dev)
 
 
-def fsdp_model(preset, conf, dev):
-    """An FSDP2 model (world 1) under CPUOffloadPolicy holding the same bytes as train_weights."""
+SLAB = 2 << 30  # pinned slab (a power of two: torch's pinned allocator rounds each allocation up to one)
+
+
+def fsdp_model(preset, conf, dev, phases: dict | None = None, log=None):
+    """An FSDP2 model (world 1) under CPUOffloadPolicy holding the same bytes as train_weights,
+    built with one host copy of the weights: transformers' class on the meta device,
+    fully_shard (offload) there, then every sharded parameter placed in pinned host slabs
+    (place_shards) and filled one parameter at a time (made on `dev`, as the reference's, and
+    copied into its shard).  `phases` gets the seconds of each step and the bytes; log(phase,
+    seconds) is called as each ends."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from wxfer.models import shard_fsdp2, train_model
 
+    ph = phases if phases is not None else {}
+    t = [time.perf_counter()]
+
+    def done(key):
+        ph[key] = time.perf_counter() - t[0]
+        if log is not None:
+            log(key[:-2], ph[key])
+        t[0] = time.perf_counter()
+
     with torch.device("meta"):
-        model = train_model(conf)  # transformers' own class (experts fused, as in transformers 5)
-    model = model.to(torch.bfloat16)
-    model.to_empty(device=dev)
+        model = train_model(conf).to(torch.bfloat16)  # transformers' own class (experts fused)
+    done("meta_build_s")
+    shard_fsdp2(model, init_device_mesh(dev.type, (1,)), offload=True)
+    done("fully_shard_s")
+    ph.update(place_shards(model, pin=dev.type == "cuda"))
+    done("pinned_slabs_s" if dev.type == "cuda" else "host_slabs_s")
     want = preset.hf_params(conf, fused_experts=True)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n not in want or tuple(want[n][0]) != tuple(p.shape):
                 raise RuntimeError(f"model parameter {n} {tuple(p.shape)} is not in the preset's shapes")
-            p.copy_(fused_or_plain(n, p.shape, p.dtype, dev))
-    shard_fsdp2(model, init_device_mesh(dev.type, (1,)), offload=True)
+            p._local_tensor.copy_(fused_or_plain(n, p.shape, p.dtype, dev))
     bb._sync_dev(dev)
+    done("fill_s")
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return model
+
+
+def slab_layout(sizes: list, slab: int = SLAB, align: int = 4096) -> tuple:
+    """First-fit decreasing of byte sizes into slabs of `slab` bytes (a larger item gets a
+    slab of its own size): ([slab sizes], [(slab, offset)] per item)."""
+    order = sorted(range(len(sizes)), key=lambda k: -sizes[k])
+    used: list = []
+    cap: list = []
+    where: list = [None] * len(sizes)
+    for k in order:
+        n = -(-sizes[k] // align) * align
+        for j, u in enumerate(used):
+            if u + n <= cap[j]:
+                where[k] = (j, u)
+                used[j] += n
+                break
+        else:
+            where[k] = (len(used), 0)
+            used.append(n)
+            cap.append(max(slab, n))
+    return used, where
+
+
+def place_shards(model, pin: bool) -> dict:
+    """The meta sharded parameters of an FSDP2 model under CPUOffloadPolicy given host memory:
+    views into a few pinned slabs (slab_layout), through nn.Module._apply as to_empty does
+    (FSDP2 then keeps them: already pinned, nothing copied).  FSDP2's own to_empty(cpu) path
+    pins each parameter by itself, rounded up to a power of two (qwen3-30b-a3b: 81 GB pinned
+    for 61 GB of weights)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    params = [p for _, p in model.named_parameters()]
+    locs = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
+    sizes = [t.numel() * t.element_size() for t in locs]
+    used, where = slab_layout(sizes)
+    slabs = [torch.empty(u, dtype=torch.uint8, pin_memory=pin) for u in used]
+    view = {}
+    for p, t, n, (j, off) in zip(params, locs, sizes, where):
+        v = slabs[j][off : off + n].view(t.dtype).view(t.shape)
+        # DTensor(...) as FSDP2 makes its sharded parameters: from_local would move `v` to the mesh's device
+        view[id(p)] = DTensor(v, p._spec, requires_grad=False) if isinstance(p, DTensor) else v
+
+    def fn(t):
+        got = view.get(id(t))
+        return got if got is not None else torch.empty_like(t, device="cpu")  # buffers
+
+    model._apply(fn)
+    bases = {s.data_ptr() for s in slabs}
+    moved = [
+        n
+        for n, p in model.named_parameters()
+        if (p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr() not in bases
+    ]
+    if moved:
+        raise RuntimeError(f"FSDP2 did not keep the placed shards of {moved[:3]}")
+    return dict(param_bytes=sum(sizes), host_bytes=sum(pinned_size(u) if pin else u for u in used), slabs=len(used))
+
+
+def pinned_size(n: int) -> int:
+    """What torch's pinned (caching host) allocator takes for an n-byte request: the next power of two."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def host_avail_gb():
+    """MemAvailable of /proc/meminfo in GB (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return None
+
+
+def rss_peak_gb() -> float:
+    """This process's peak resident set (getrusage: kilobytes on Linux) in GB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 class _Plain:

@@ -159,3 +159,48 @@ def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
     assert (
         "| tiny-bf16-disagg | rank0 | error: rank 1: RuntimeError: injected failure" in (out / "table.md").read_text()
     )
+
+
+def test_supervisor_collects_in_order_and_stops_at_the_first_failing_item():
+    """bb_supervise.watch (both benchmarks' parent loop): results are taken in order; a child's
+    reported error, a child that exited, or the caller's time limit ends it at the first item
+    still waited for, with what was seen."""
+    import queue
+    import bb_supervise as sup
+
+    class Proc:
+        def __init__(self, alive=True):
+            self.alive = alive
+
+        def is_alive(self):
+            return self.alive
+
+    class Ctl:
+        def __init__(self, keys):
+            self.keys = set(keys)
+
+        def check(self, k):
+            return k in self.keys
+
+    got = []
+    todo = [0, 1, 2]
+    assert (
+        sup.watch([Proc(), Proc()], queue.Queue(), Ctl({"r/0", "r/1", "r/2"}), todo, "r/%d", got.append, lambda: 0)
+        is None
+    )
+    assert got == [0, 1, 2] and todo == []
+    q = queue.Queue()
+    q.put((1, None))
+    q.put((0, "Traceback\nRuntimeError: boom"))
+    todo, got = [0, 1, 2], []
+    f = sup.watch([Proc(), Proc()], q, Ctl({"r/0"}), todo, "r/%d", got.append, lambda: False, poll=0.01)
+    assert got == [0] and todo == [1, 2]
+    assert f.index == 1 and f.reported and f.errs == {0: "Traceback\nRuntimeError: boom"} and not f.over
+    dead = Proc(alive=False)
+    f = sup.watch([Proc(), dead], queue.Queue(), Ctl(set()), [2], "r/%d", got.append, lambda: False, poll=0.01)
+    assert f.index == 2 and f.dead == [dead] and not f.reported and not f.over
+    ticks = iter(range(100))
+    f = sup.watch(
+        [Proc(), Proc()], queue.Queue(), Ctl(set()), [2], "r/%d", got.append, lambda: next(ticks) > 2, poll=0.01
+    )
+    assert f.index == 2 and f.over and not f.dead and not f.errs

@@ -145,3 +145,96 @@ def test_checkpoint_engine_itself_on_cpu_leaves_the_reference_bytes(tmp_path):
             assert r["worker"]["loader"]["complete"] and r["worker"]["loader"]["clones"] > 0
             assert ("register_s" in r["parts"]) == (job == "gpu")
     assert (tmp_path / "logs" / "checkpoint-engine.log").read_text().count("begin to update bucket") > 3
+
+
+@pytest.mark.timeout(120)
+def test_a_step_that_hangs_is_reported_with_the_stacks_and_its_setup_phases(tmp_path):
+    """A hung step is stopped at --step-timeout; its row keeps the reason: the children's
+    Python stacks (faulthandler), the exit codes, where it was; the FSDP2 offloaded trainer's
+    setup phases are timed in the rows that ran."""
+    p, lines, out = _run(
+        tmp_path,
+        "--models",
+        "tiny",
+        "--quant",
+        "bf16,fp8",
+        "--jobs",
+        "host",
+        "--step-timeout",
+        "25",
+        env={"BCE_HANG_STEP": "tiny-fp8-host:wxfer", "BCE_CPU_SHIM": ""},
+        timeout=110,
+    )
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = lines[-1]
+    ok = _case(summary, "tiny", "bf16", "host")["methods"]["wxfer"]
+    assert ok["check"]["ok"], ok
+    setup = ok["setup"]
+    for k in ("meta_build_s", "fully_shard_s", "host_slabs_s", "fill_s", "reference_s"):
+        assert setup[k] >= 0, setup
+    assert setup["param_bytes"] > 0 and setup["host_bytes"] >= setup["param_bytes"] and setup["slabs"] >= 1
+    assert ok["setup_s"] > 0 and len(ok["warmup_s"]) == 1
+    hung = _case(summary, "tiny", "fp8", "host")["methods"]["wxfer"]
+    assert hung["error"].startswith("timed out after") and "tiny-fp8-host:wxfer" in hung["error"], hung
+    assert "_injected_hang" in hung["stacks"]["0"] and "wxfer" in hung["stacks"]["0"], hung["stacks"]
+    assert len(hung["exitcodes"]) == 2
+    assert "_injected_hang" in p.stderr and "FSDP2 model built" in p.stderr
+    assert json.loads(out.read_text())["machine"]["commit"]
+
+
+def test_slab_layout_packs_shards_without_overlap_in_power_of_two_slabs():
+    """The offloaded trainer's pinned slabs (ckpt_engine_parts.slab_layout): every shard in one
+    slab, 4 KiB aligned, none overlapping, no slab over its size unless one shard is larger;
+    for qwen3-30b-a3b's 531 fused parameters the pinned bytes stay within 4% of the weights
+    (per-parameter pinning, each rounded up to a power of two, takes 33% more)."""
+    import torch
+    import bench_baselines as bb
+    import ckpt_engine_parts as cp
+
+    sizes = [5000, 3 << 20, 1 << 20, 7, (5 << 20) + 1, 4096]
+    used, where = cp.slab_layout(sizes, slab=4 << 20)
+    spans: dict = {}
+    for n, (j, off) in zip(sizes, where):
+        assert off % 4096 == 0
+        spans.setdefault(j, []).append((off, off + n))
+    for j, sp in spans.items():
+        sp.sort()
+        assert all(a[1] <= b[0] for a, b in zip(sp, sp[1:]))
+        assert sp[-1][1] <= used[j] and (used[j] <= 4 << 20 or len(sp) == 1)
+    conf, preset = bb.model_spec("qwen3-30b-a3b")
+    big = [
+        torch.Size(s).numel() * getattr(torch, d).itemsize
+        for s, d, _ in preset.hf_params(conf, fused_experts=True).values()
+    ]
+    used, _ = cp.slab_layout(big)
+    slabs = sum(cp.pinned_size(u) for u in used)
+    assert slabs < 1.04 * sum(big) < sum(cp.pinned_size(n) for n in big) / 1.25
+
+
+@pytest.mark.timeout(200)
+def test_offloaded_trainer_build_holds_the_reference_bytes_on_the_host(tmp_path):
+    """benchmarks/bench_offload_build.py builds the host job's trainer both ways in fresh
+    processes: every shard on the host (pinned where CUDA is present), with the bytes the
+    reference weights have; the slabs take no more host bytes than the parameters need
+    (4 KiB alignment; pinned: the allocator's power of two).  Also run on the GPU machine."""
+    e = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_offload_build.py"), "--models", "tiny-moe", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=190,
+        env=e,
+        cwd=ROOT,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["how"]: r for r in (json.loads(x) for x in p.stdout.splitlines() if x.startswith("{"))}
+    assert set(rows) == {"slabs", "to-empty"}
+    for r in rows.values():
+        assert r["on_host"] and r["same_bytes"] and r["pinned"] in (None, True), r
+        assert r["param_bytes"] == rows["slabs"]["param_bytes"] > 0
+    import ckpt_engine_parts as cp
+
+    s = rows["slabs"]
+    limit = int(1.02 * s["param_bytes"])
+    assert s["slabs"] == 1 and s["host_bytes"] <= (cp.pinned_size(limit) if s["pinned"] else limit)
+    assert s["meta_build_s"] >= 0 and s["fully_shard_s"] >= 0 and s["fill_s"] > 0

@@ -247,3 +247,53 @@ def test_consecutive_raw_pieces_of_one_source_are_copied_as_one():
     out = torch.full((nbytes,), 0xAB, dtype=torch.uint8)
     assert prepare.pack_shard_into(sh, fulls, out, 0) == nbytes
     assert torch.equal(out, pack_shard(sh, fulls))
+
+
+def test_offloaded_fused_experts_take_one_h2d_copy_per_source():
+    """Stage 1 of a task whose sources are offloaded (host tensors, as FSDP2's CPUOffloadPolicy
+    keeps them): one host-to-device copy per source, not one per expert or piece, even for
+    transformers 5's fused 3-D experts whose w13 shard is 2 x E pieces; the packed bytes are the
+    reference's.  The compute device here is "meta" (a second device on a CPU machine): the
+    copies are counted at the dispatcher."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from wxfer.mapping import Layout, expand
+    from wxfer.models import TINY_MOE, preset_for
+
+    preset = preset_for(TINY_MOE)
+    hp = preset.hf_params(TINY_MOE, fused_experts=True)
+    ex = expand(preset.rules, {n: s for n, (s, _, _) in hp.items()}, Layout(1, False, None), TINY_MOE)
+    comps = [c for c in ex.components if c.shards and c.sources[0].startswith("model.layers.0.")]
+    shards = [sh for c in comps for sh in c.shards if sh.rank == 0]
+    names = list(dict.fromkeys(s for c in comps for s in c.sources))  # one layer: the plan's coarse task
+    assert any(len(sh.pieces) >= 2 * TINY_MOE["num_experts"] for sh in shards)  # fused experts: many pieces
+    g = torch.Generator().manual_seed(3)
+    params = {n: torch.randn(hp[n][0], generator=g).to(torch.bfloat16) for n in names}
+    total = sum(sh.nbytes for sh in shards)
+    op = program.TaskOp(0, "layer0", [(n, params[n]) for n in names], shards, [(b"", 0, 0, total)], total)
+
+    class Copies(TorchDispatchMode):
+        n = nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            dst = args[0] if func is torch.ops.aten.copy_.default else out
+            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device != dst.device:
+                Copies.n += 1
+                Copies.nbytes += src.numel() * src.element_size()
+            return out
+
+    meta = torch.device("meta")
+    with torch.no_grad():
+        prep = prepare.task_prep(op, meta)
+        assert not prep.zero_copy and len(prep.whole) == len(names)
+        with Copies():
+            buf = prepare.run(prep, op, meta)
+    assert buf.device == meta and buf.numel() == total
+    assert Copies.n == len(names), (Copies.n, len(names))
+    assert Copies.nbytes == sum(t.numel() * t.element_size() for t in params.values())
+    with torch.no_grad():
+        got = prepare.run(prepare.task_prep(op, torch.device("cpu")), op, torch.device("cpu"))
+    assert torch.equal(got, pack_task(shards, params))
