@@ -16,8 +16,8 @@ the range inside its region, the memory on the writer's GPU), and each region is
 torch uint8 tensor over its mapped address (``__cuda_array_interface__``, no copy).
 
 Ordering (docs/cuda_ipc.md): the begin stamps are an engine fence, which orders the
-engine's writes, not this process's kernels: a push that may write direct waits until they
-landed (``_direct_begin``) before its first task; the end stamps wait for a CUDA event
+engine's writes, not this process's kernels: a push waits until they landed (with what
+the engine was given before) at its first direct task; the end stamps wait for a CUDA event
 recorded on the side stream after the last task, so after every direct kernel; the side
 stream is synchronized before ``push()`` returns or raises (``_direct_wait``,
 ``_direct_abandon``), so no direct write lands after it returned.  A receiver that failed
@@ -188,19 +188,6 @@ class DirectMixin:
         self._direct_launched = False  # direct work on the side stream not yet waited for
         self._direct_begun = None  # the push whose begin stamps were waited for
 
-    def _direct_begin(self) -> None:
-        """Right after the begin stamps were handed to the engine (a fence: the engine posts
-        none of ITS writes before they completed, but the kernels of this process do not wait
-        for it): where this push may write direct, wait until the stamps landed. Skipped when
-        the previous push wrote nothing direct (the reasons are static: it will not now)."""
-        self._direct_begun = None
-        if self._direct_off() is not None or self._sums is not None:
-            return
-        if self._direct_ver is not None and self._direct_n["tasks"] == 0:
-            return
-        self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
-        self._direct_begun = self.version
-
     def _direct_off(self) -> str | None:
         """Why no task of this Sender can go direct, or None."""
         if not self.direct:
@@ -222,8 +209,6 @@ class DirectMixin:
         if prep.zero_copy or prep.direct is not None:
             return False  # the engine writes the source's own bytes: nothing packed
         why = self._direct_off() or ("verify is on" if self._sums is not None else None)
-        if why is None and self._direct_begun != self.version:
-            why = "the begin stamps were not waited for (the previous push wrote nothing direct)"
         plan = None
         if why is None:
             plan, why = self._direct_plan(op)
@@ -233,6 +218,11 @@ class DirectMixin:
             return False
         from . import prepare
 
+        if self._direct_begun != self.version:
+            # the begin stamps are an engine fence: it orders the engine's writes, not this
+            # process's kernels -- wait until they (and what was submitted before) landed
+            self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
+            self._direct_begun = self.version
         fulls, _ = prepare.gather(prep, op, self.device)
         self._direct_launched = True
         self._direct_write(op, plan, fulls, self._direct_skip())

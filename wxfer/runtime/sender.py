@@ -480,7 +480,6 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin):
             keep.append(ev)
         try:
             self._write_begin(self.version)
-            self._direct_begin()  # direct writes bypass the engine's fence: the begin stamps land first
             ph["begin_stamps"] = time.perf_counter() - t0
             with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
                 for gi, ops in enumerate(self.program.groups):
