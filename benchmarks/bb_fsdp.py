@@ -224,6 +224,7 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
                 largest_task=largest,
                 tasks=len(s.plan.tasks),
                 zero_copy_tasks=zero,
+                direct=s.stats()["direct"],  # tasks packed straight into the receivers (WXFER_DIRECT=0: off)
                 host=s.host_times(recs),
                 submit_s=s.last_submit_s,
                 phases=dict(s.last_phases),

@@ -445,7 +445,7 @@ def machine(dry_run: bool) -> dict:
         torch=torch.__version__,
         cuda=torch.version.cuda,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        env={k: os.environ.get(k) for k in NO_MULTICAST},
+        env={k: os.environ.get(k) for k in (*NO_MULTICAST, "WXFER_DIRECT")},
         dry_run=dry_run,
         backends={k: v for k, v in wxfer.backends().items()},
     )

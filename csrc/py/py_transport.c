@@ -512,6 +512,51 @@ int wx_py_dest(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *desc, uint64_
     return 0;
 }
 
+/* Transport.map(dst, dst_offset, nbytes) -> (address, device): where that range of a
+ * connected peer's region is mapped in this process (wx_map_remote). */
+static PyObject *wx_transport_map(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"dst", "dst_offset", "nbytes", NULL};
+    wx_py_transport_t *self = (wx_py_transport_t *)op;
+    wx_py_state_t *st = wx_py_state_of(op);
+    unsigned long long roff, nbytes;
+    uint64_t addr = 0;
+    int32_t device = -1;
+    Py_buffer view;
+    wx_desc_t d;
+    wx_peer_t *p;
+    int rc;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*KK:map", kwlist, &view, &roff, &nbytes))
+        return NULL;
+    if (!wx__transport_live(self)) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    rc = wx_desc_decode(view.buf, (size_t)view.len, &d);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "Transport.map: destination descriptor");
+    if (d.kind != (uint32_t)self->t->ops->kind) {
+        const char *k = wx_kind_name(d.kind);
+        PyErr_Format(PyExc_ValueError,
+                     "Transport.map: the descriptor (key 0x%llx) is for transport %s, this is %s",
+                     (unsigned long long)d.ri.key, k ? k : "(unknown kind)", self->name);
+        return NULL;
+    }
+    p = wx_peer_by_addr(self->t, d.addr, d.addr_len);
+    if (!p || !p->connected) {
+        wx_errf(-ENOTCONN,
+                "the owner of region key 0x%llx is not connected; connect to its export() "
+                "first",
+                (unsigned long long)d.ri.key);
+        return wx_py_raise(st, -ENOTCONN, "Transport.map");
+    }
+    Py_BEGIN_ALLOW_THREADS rc =
+        wx_map_remote(self->t, p, d.ri.key, d.ri.rbase, d.ri.len, roff, nbytes, &addr, &device);
+    Py_END_ALLOW_THREADS if (rc) return wx_py_raise(st, rc, "Transport.map");
+    return Py_BuildValue("(Ki)", (unsigned long long)addr, (int)device);
+}
+
 /* Transport.write: one validated write through a private engine, waited for. */
 typedef struct {
     wx_engine_t *e;
@@ -602,6 +647,10 @@ static PyMethodDef wx_transport_methods[] = {
      "write(src, src_offset, dst, dst_offset, nbytes, timeout=30.0): one-sided write of nbytes "
      "from Region src into the region described by descriptor dst; returns once landed."},
     {"info", wx_transport_info, METH_NOARGS, "info() -> backend description"},
+    {"map", (PyCFunction)(void (*)(void))wx_transport_map, METH_VARARGS | METH_KEYWORDS,
+     "map(dst, dst_offset, nbytes) -> (address, cuda ordinal): where that range of a connected "
+     "peer's region (dst: its descriptor) is mapped in this process, validated as a write is; "
+     "cuda_ipc only, memory on the writer's own GPU only. Valid until the transport closes."},
     {"close", wx_transport_close_py, METH_NOARGS, "Close: outstanding writes are cancelled."},
     {NULL, NULL, 0, NULL},
 };

@@ -398,3 +398,18 @@ int wx_post_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
                        (unsigned long long)wr->len, t->ops->name, (unsigned long long)t->max_write);
     return t->ops->write(t, p, wr, op);
 }
+
+int wx_map_remote(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
+                  uint64_t roff, uint64_t len, uint64_t *addr, int32_t *device)
+{
+    wx_rinfo_t ri;
+    int rc = wx_validate(t, p, rkey, rbase, rlen, roff, len, NULL, 0, &ri);
+    if (rc)
+        return rc;
+    if (!t->ops->map)
+        return wx_errf(-EOPNOTSUPP,
+                       "%s: region key 0x%llx of %s cannot be mapped into this process: only "
+                       "cuda_ipc maps peers' memory (this transport writes through its backend)",
+                       t->ops->name, (unsigned long long)rkey, p->name);
+    return t->ops->map(t, p, &ri, roff, len, addr, device);
+}

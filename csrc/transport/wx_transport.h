@@ -150,6 +150,13 @@ typedef struct wx_transport_ops {
     int (*write)(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
     /* Optional: a one-line description of the backend's state (provider, device, ...). */
     int (*info)(wx_transport_t *t, char *buf, size_t len);
+    /* Optional: the address in THIS process where bytes [roff, roff+len) of the validated
+     * remote region `ri` of peer p are mapped, for kernels of this process to write
+     * directly (cuda_ipc: the peer's opened IPC allocation); *device: the CUDA ordinal of
+     * the memory, which is the writer's own GPU (other GPUs are refused). NULL: the
+     * backend cannot map peers' memory (wx_map_remote says so). */
+    int (*map)(wx_transport_t *t, wx_peer_t *p, const wx_rinfo_t *ri, uint64_t roff, uint64_t len,
+               uint64_t *addr, int32_t *device);
 } wx_transport_ops_t;
 
 struct wx_transport {
@@ -202,6 +209,15 @@ wx_peer_t *wx_peer_by_id(wx_transport_t *t, uint32_t id);
 int wx_validate(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
                 uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff, wx_rinfo_t *ri);
 int wx_post_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
+
+/* Where [roff, roff+len) of a connected peer's region (rkey/rbase/rlen from the writer's
+ * descriptor) is mapped in this process: validated exactly as a write is (wx_validate: the
+ * key one the peer exported, the range inside the region), then asked of the backend's
+ * map(). -EOPNOTSUPP for a backend that cannot map peers' memory. The mapping stays valid
+ * until the transport closes; writes through it bypass the transport (no completion, no
+ * ordering with its writes): the caller orders them itself. */
+int wx_map_remote(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
+                  uint64_t roff, uint64_t len, uint64_t *addr, int32_t *device);
 
 #ifdef __cplusplus
 }

@@ -124,7 +124,11 @@ def _norm(out, jobs):
         raise ValueError(
             f"quantize_into: out must be a contiguous 1-D uint8 tensor, got {tuple(out.shape)} {out.dtype}"
         )
-    n = out.numel()
+    return _checked(out.numel(), out.device, jobs)
+
+
+def _checked(n: int, device, jobs) -> list:
+    """The non-empty jobs, each inside the n bytes of the output on `device`."""
     res = []
     for i, job in enumerate(jobs):
         t, qo, so = job
@@ -132,8 +136,8 @@ def _norm(out, jobs):
             raise ValueError(
                 f"quantize_into: job {i}: FP8 block quantization needs a 2-D tensor, got shape {tuple(t.shape)}"
             )
-        if t.device != out.device:
-            raise ValueError(f"quantize_into: job {i} is on {t.device}, out on {out.device}")
+        if t.device != device:
+            raise ValueError(f"quantize_into: job {i} is on {t.device}, out on {device}")
         rows, cols = t.shape
         if rows == 0 or cols == 0:
             continue
@@ -209,6 +213,11 @@ def _native(out, jobs):
     """One launch over `jobs`. Returns (host table, device table or None) for reuse by
     quantize_cached when the launch read the jobs' own memory (no temporary made here), else
     None."""
+    return _native_at(out.device, out.data_ptr(), out.numel(), jobs)
+
+
+def _native_at(device, ptr: int, nbytes: int, jobs):
+    """_native with the output given as `nbytes` bytes of device memory at address `ptr`."""
     torch = _torch()
     codes = _codes()
     table = array.array("q")
@@ -232,24 +241,22 @@ def _native(out, jobs):
         host = torch.frombuffer(table, dtype=torch.int64)
         pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
         pinned.copy_(host)
-        dev = pinned.to(out.device, non_blocking=True)  # stream-ordered; torch keeps the host
-    _launch(out, table, dev)  # block until the copy ran
+        dev = pinned.to(device, non_blocking=True)  # stream-ordered; torch keeps the host
+    _launch_at(device, ptr, nbytes, table, dev)  # block until the copy ran
     return None if keep else (table, dev)  # else dev is freed in stream order by the allocator
 
 
 def _launch(out, table, dev) -> None:
     """One kernel launch on the current stream: the piece table inline (dev None) or in
     device memory (dev: its copy, already ordered on that stream)."""
+    _launch_at(out.device, out.data_ptr(), out.numel(), table, dev)
+
+
+def _launch_at(device, ptr: int, nbytes: int, table, dev) -> None:
+    """_launch into `nbytes` bytes of device memory at address `ptr`."""
     from .. import _wxfer
 
-    _wxfer.fp8_launch(
-        out.device.index,
-        _raw_stream(out.device),
-        out.data_ptr(),
-        out.numel(),
-        table,
-        0 if dev is None else dev.data_ptr(),
-    )
+    _wxfer.fp8_launch(device.index, _raw_stream(device), ptr, nbytes, table, 0 if dev is None else dev.data_ptr())
 
 
 _TABLES: dict = {}  # key -> (host table, device table, device, out bytes)
@@ -269,3 +276,28 @@ def quantize_cached(out, key, build) -> str:
         _count("native", "one NVRTC-compiled kernel launch (piece table reused)")
         return "native"
     return _run(out, _norm(out, build()), key)
+
+
+def quantize_span(ptr: int, nbytes: int, device, build, key) -> bool:
+    """Native only: ``quantize_cached`` into the `nbytes` bytes of device memory at address
+    `ptr` on `device` (memory no tensor of this process owns: another process's weights mapped
+    here, wxfer.runtime.direct), one launch on the current stream; build() gives the jobs with
+    offsets relative to `ptr`, `key` names them and ptr. Returns False, having done nothing,
+    where the native kernel cannot run on `device` (the caller then uses quantize_into)."""
+    if _native_why(device) is not None:
+        return False
+    ent = _TABLES.get(key)
+    if ent is not None and ent[2] == device and ent[3] == nbytes:
+        _launch_at(device, ptr, nbytes, ent[0], ent[1])
+        _count("native", "one NVRTC-compiled kernel launch (piece table reused)")
+        return True
+    jobs = _checked(nbytes, device, build())
+    if not jobs:
+        return True
+    made = _native_at(device, ptr, nbytes, jobs)
+    if made is not None:
+        if len(_TABLES) >= _TABLES_MAX:
+            _TABLES.clear()
+        _TABLES[key] = (made[0], made[1], device, nbytes)
+    _count("native", "one NVRTC-compiled kernel launch")
+    return True

@@ -188,17 +188,24 @@ def _copy_raw(out, fulls: dict, raw) -> None:
         start = off
         dt = getattr(torch, sh.dtype)
         for pc in pieces:
-            t = _piece_tensor(pc, fulls)
-            nb = t.numel() * dt.itemsize
-            if nb:
-                dst = out[off : off + nb]
-                if off % dt.itemsize == 0 and (out.storage_offset() + off) % dt.itemsize == 0:
-                    dst.view(dt).view(t.shape).copy_(t)
-                else:  # unaligned: cast first, then copy the bytes
-                    dst.copy_(t.to(dt).contiguous().view(-1).view(torch.uint8))
-            off += nb
+            off += copy_piece(out, off, _piece_tensor(pc, fulls), dt)
         if off - start != sh.nbytes:
             raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
+
+
+def copy_piece(out, off: int, t, dt) -> int:
+    """Copy (and cast to `dt`) the tensor `t` into the uint8 tensor `out` at byte `off`;
+    returns the bytes written."""
+    import torch
+
+    nb = t.numel() * dt.itemsize
+    if nb:
+        dst = out[off : off + nb]
+        if off % dt.itemsize == 0 and (out.storage_offset() + off) % dt.itemsize == 0:
+            dst.view(dt).view(t.shape).copy_(t)
+        else:  # unaligned: cast first, then copy the bytes
+            dst.copy_(t.to(dt).contiguous().view(-1).view(torch.uint8))
+    return nb
 
 
 def _merge_rows(pieces) -> tuple:
@@ -466,6 +473,22 @@ def run(prep: TaskPrep, op: TaskOp, device):
 
     if prep.zero_copy:  # the parameter's own bytes: nothing to make
         return _local(prep.whole[0][1]).reshape(-1).view(torch.uint8)
+    fulls, fresh = gather(prep, op, device)
+    if not op.sends:
+        return None
+    if prep.direct is not None:
+        return fulls[prep.direct].reshape(-1).view(torch.uint8)
+    buf = _whole(op, fulls, fresh)
+    if buf is None:
+        buf = pack_into(op.shards, fulls, op.nbytes, device)
+    if buf.numel() != op.nbytes:
+        raise AssertionError(f"task {op.name}: packed {buf.numel()} bytes, plan says {op.nbytes}")
+    return buf
+
+
+def gather(prep: TaskPrep, op: TaskOp, device) -> tuple:
+    """Stage 1 and the collectives of stage 2 of a task that is not zero copy: ({source name:
+    its whole tensor on `device`}, the names of those in fresh memory, not the parameter's)."""
     fulls, fresh = {}, set()
     for name, p in prep.whole:
         local = _local(p)
@@ -479,16 +502,7 @@ def run(prep: TaskPrep, op: TaskOp, device):
     for name, p in prep.generic:
         fulls[name] = full_tensor(p, local_to_device(p, device))
         fresh.add(name)
-    if not op.sends:
-        return None
-    if prep.direct is not None:
-        return fulls[prep.direct].reshape(-1).view(torch.uint8)
-    buf = _whole(op, fulls, fresh)
-    if buf is None:
-        buf = pack_into(op.shards, fulls, op.nbytes, device)
-    if buf.numel() != op.nbytes:
-        raise AssertionError(f"task {op.name}: packed {buf.numel()} bytes, plan says {op.nbytes}")
-    return buf
+    return fulls, fresh
 
 
 def _gather_many(g: _Gather, fulls: dict, device) -> None:

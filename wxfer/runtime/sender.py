@@ -33,6 +33,7 @@ import time
 
 from . import control, prepare, program
 from .control import Control, SetupError
+from .direct import DirectMixin
 from .faults import FaultsMixin, mapping_digest
 from .rejoin import RejoinMixin, _regions
 from .tasks import STAMP_TAG, TaskMixin
@@ -82,7 +83,7 @@ class PushHandle:
         return self.seconds
 
 
-class Sender(TaskMixin, RejoinMixin, FaultsMixin):
+class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin):
     """Push this rank's share of the model to the inference workers after each step.
 
     model: the training model (FSDP2 ``fully_shard``ed, or plain).  mapping: a preset
@@ -97,6 +98,10 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
     secret (default $WXFER_SECRET): a job secret (>= 16 bytes) shared with the receivers;
     with it every record in the store is authenticated (HMAC-SHA256, control.Control), so
     a store writer without it can neither redirect nor inject writes.
+    direct (default $WXFER_DIRECT, on): on cuda_ipc, a packed task whose destinations are all
+    mapped on this rank's GPU (receivers colocated on it) is packed and FP8-quantized straight
+    into the receivers' memory, with no send buffer and no copy (wxfer.runtime.direct;
+    ``stats()["direct"]`` counts them); False: every packed task through a send buffer.
     """
 
     def __init__(
@@ -114,6 +119,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         write_timeout: float = 30.0,
         store_bind: str | None = None,
         secret=None,
+        direct: bool | None = None,
     ):
         import torch
         import torch.distributed as dist
@@ -130,6 +136,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         self._marked = set()
         self._epoch = {}
         self.engine = self.transport = None
+        self._direct_init(direct)
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -503,6 +510,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
                     )
                     at = (gi + 1, -1)
         except Exception as e:
+            self._direct_abandon()  # its direct writes land before this push raises
             own = f"{type(e).__name__}: {e}"
             self._mark(
                 set(self.workers) - self._dropped(),
@@ -513,6 +521,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             self._join_failed(e, own, barrier, at)
             raise
         except BaseException as e:  # KeyboardInterrupt, SystemExit: record, no collectives
+            self._direct_abandon()
             self._mark(
                 set(self.workers) - self._dropped(),
                 self.version,
@@ -593,6 +602,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         try:
             own = self._finish_writes(h, timeout)
         except Exception as e:  # noqa: BLE001 -- joined with the other ranks below, then raised
+            self._direct_abandon()
             exc, own = e, f"{type(e).__name__}: {e}"
             self._mark(
                 set(self.workers) - self._dropped(),
@@ -633,6 +643,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             self.stamp_src.fill_(h.version)
             self._submit_stamps(self.stamp_src, self._stamp_dest, "end", h._end_event)
         self._wait_engine(t, "waiting for the weight writes and the end version stamps")
+        self._direct_wait()  # the writes straight into the receivers (done: the end stamps waited for them)
         ph = self.last_phases
         ph["writes"] = time.perf_counter() - h._t0
         failed = self._failed_workers()
@@ -734,6 +745,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             transport=self.transport_name,
             setup_s=self.setup_s,
             quantizer=_quantizer_stats(self.device),
+            direct=self._direct_stats(),
         )
         return s
 
@@ -746,6 +758,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        self._direct_close()  # the views of the receivers' memory, before the transport unmaps it
         for ops in getattr(getattr(self, "program", None), "groups", ()):
             for op in ops:
                 if op.prep is not None:

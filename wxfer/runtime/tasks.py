@@ -75,6 +75,8 @@ class TaskMixin:
         if not op.sends:
             prepare.run(prep, op, self.device)  # the collectives only
             return
+        if self._direct_task(op):  # packed straight into the receivers' memory (direct.py)
+            return
         held = prep.held
         t_admit = self.engine.reserve(held)
         try:

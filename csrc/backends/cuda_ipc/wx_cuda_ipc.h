@@ -129,6 +129,8 @@ typedef struct wx__ci {
     int pick_least;   /* a write goes to the stream with the fewest bytes queued (else
                        * round robin) */
     uint64_t t_nonce;
+    uint64_t test_refuse_peer; /* TEST ONLY (_test_refuse_peer, WXFER_TESTING builds): writes to
+                                * this peer id get -EAGAIN forever (a peer that never answers) */
 
     pthread_mutex_t mu; /* everything below */
     pthread_cond_t cv;
@@ -175,6 +177,9 @@ int wx__ci_start(wx__ci_t *c);
  * *offset: the region's offset in the allocation. Caller holds c->mu. */
 int wx__ci_map_get(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri, wx__ci_map_t **out,
                    uint64_t *offset);
+/* ops->map: the address here of [roff, +len) of a peer's region, on the writer's GPU only. */
+int wx__ci_map(wx_transport_t *t, wx_peer_t *p, const wx_rinfo_t *ri, uint64_t roff, uint64_t len,
+               uint64_t *addr, int32_t *device);
 /* Drop this transport's references (the last one closes the handle). Caller holds c->mu. */
 void wx__ci_maps_close(wx__ci_t *c);
 

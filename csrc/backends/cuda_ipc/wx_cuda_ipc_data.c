@@ -267,6 +267,15 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
                      wr->local->device, c->dev, wr->local->device);
         goto out;
     }
+#ifdef WX_TESTING
+    if (p->id == c->test_refuse_peer) {
+        rc = wx_errf(-EAGAIN,
+                     "cuda_ipc: TEST ONLY: refusing every write to %s (option "
+                     "_test_refuse_peer)",
+                     p->name);
+        goto out;
+    }
+#endif
     if (c->free_head < 0) {
         rc = -EAGAIN;
         goto out;

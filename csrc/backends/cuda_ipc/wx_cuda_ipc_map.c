@@ -238,6 +238,56 @@ int wx__ci_map_get(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri, wx__ci
     return 0;
 }
 
+int wx__ci_map(wx_transport_t *t, wx_peer_t *p, const wx_rinfo_t *ri, uint64_t roff, uint64_t len,
+               uint64_t *addr, int32_t *device)
+{
+    wx__ci_t *c = (wx__ci_t *)t;
+    wx__ci_map_t *m;
+    uint64_t off;
+    int rc;
+    pthread_mutex_lock(&c->mu);
+    if (c->closing) {
+        rc = wx_errf(-ESHUTDOWN, "cuda_ipc: mapping a region of %s after close", p->name);
+        goto out;
+    }
+    if ((rc = wx__ci_start(c)) != 0 || (rc = wx__ci_map_get(c, p, ri, &m, &off)) != 0)
+        goto out;
+    if (off + roff + len > m->size) {
+        rc = wx_errf(-ERANGE,
+                     "cuda_ipc: %s: region key 0x%llx at %llu +%llu passes the end of its "
+                     "%llu-byte allocation",
+                     p->name, (unsigned long long)ri->key, (unsigned long long)(off + roff),
+                     (unsigned long long)len, (unsigned long long)m->size);
+        goto out;
+    }
+    if (m->local_dev != c->dev) {
+        char where[32];
+        if (m->local_dev >= 0)
+            snprintf(where, sizeof where, "cuda:%d here", m->local_dev);
+        else
+            snprintf(where, sizeof where, "a GPU not visible here");
+        rc = wx_errf(-EXDEV,
+                     "cuda_ipc: %s: region key 0x%llx lies on %s (cuda:%d of pid %u), not on "
+                     "this transport's writer GPU cuda:%d: only memory on the writer's own GPU "
+                     "is mapped for direct writes (the others are written by copies)",
+                     p->name, (unsigned long long)ri->key, where, ri->device, m->pid, c->dev);
+        goto out;
+    }
+    if (!m->self && m->ctx != c->ctx) {
+        rc = wx_errf(-EXDEV,
+                     "cuda_ipc: %s: region key 0x%llx is open in another context than the "
+                     "writer's (cuda:%d, %s): not mapped for direct writes",
+                     p->name, (unsigned long long)ri->key, m->ctx_dev,
+                     m->fallback ? "the fallback" : "map=owner");
+        goto out;
+    }
+    *addr = (uint64_t)m->dptr + off + roff;
+    *device = c->dev;
+out:
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
 void wx__ci_maps_close(wx__ci_t *c)
 {
     pthread_mutex_lock(&wx__ci_gmu);

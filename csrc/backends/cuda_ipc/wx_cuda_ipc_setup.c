@@ -191,9 +191,20 @@ static int wx__ci_probe(const wx_opts_t *opts, char *why, size_t why_len)
     return 0;
 }
 
-static const char *const wx__ci_known[] = {"device",  "streams", "max_write",   "max_inflight",
-                                           "split",   "map",     "peer_access", "ipc_lazy",
-                                           "poll_us", "pick",    NULL};
+static const char *const wx__ci_known[] = {"device",
+                                           "streams",
+                                           "max_write",
+                                           "max_inflight",
+                                           "split",
+                                           "map",
+                                           "peer_access",
+                                           "ipc_lazy",
+                                           "poll_us",
+                                           "pick",
+#ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
+                                           "_test_refuse_peer",
+#endif
+                                           NULL};
 
 static int wx__ci_opt_bool(const wx_opts_t *o, const char *key, int dflt, int *out)
 {
@@ -294,6 +305,11 @@ static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
         goto fail;
     }
     c->pick_least = !strcmp(s, "least");
+    c->test_refuse_peer = UINT64_MAX;
+#ifdef WX_TESTING
+    if ((rc = wx_opt_u64(opts, "_test_refuse_peer", UINT64_MAX, &c->test_refuse_peer)) != 0)
+        goto fail;
+#endif
     c->base.needs_local_reg = 0;
     c->base.key_is_backend = 0;
     if (getrandom(&c->t_nonce, sizeof c->t_nonce, GRND_NONBLOCK) != (ssize_t)sizeof c->t_nonce)
@@ -605,6 +621,7 @@ const wx_transport_ops_t wx_cuda_ipc_ops = {
     .disconnect = wx__ci_disconnect,
     .write = wx__ci_write,
     .info = wx__ci_info,
+    .map = wx__ci_map,
 };
 #else
 typedef int wx__cuda_ipc_empty_unit;

@@ -1,0 +1,364 @@
+"""The direct path's CPU-testable parts (wxfer.runtime.direct; the GPU pushes are in
+tests/test_direct_gpu.py): Transport.map's validation (the generic layer's, as for writes)
+and its refusal on a transport that cannot map; the decomposition of a packed task into
+what each destination range receives; and the fallbacks (pieces straddling a destination
+boundary, destinations not mapped)."""
+
+import pytest
+
+from wxfer import _wxfer
+
+FABRIC = _wxfer.backends()["fabric"][0]
+needs_fabric = pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
+
+
+@needs_fabric
+@pytest.mark.timeout(60)
+def test_map_validates_like_a_write_and_fabric_cannot_map():
+    from wxfer.testing import connected_fabric
+
+    with connected_fabric("tcp", [4096]) as (t, tgt):
+        d = tgt.descriptors[0]
+        # a valid range: validated, then refused by a backend without map(), naming the key
+        with pytest.raises(_wxfer.Error) as e:
+            t.map(d, 0, 4096)
+        assert "only cuda_ipc maps" in str(e.value) and "key 0x" in str(e.value)
+        # outside the region: the generic layer's range check, as for a write
+        with pytest.raises(_wxfer.Error) as e:
+            t.map(d, 4000, 200)
+        assert "outside the 4096-byte region" in str(e.value)
+        # a key the peer never exported (wx_desc.h: the key follows the header and address)
+        bad = bytearray(d)
+        at = 12 + int.from_bytes(bad[8:12], "little")
+        bad[at : at + 8] = (int.from_bytes(bad[at : at + 8], "little") ^ 0x5A5A).to_bytes(8, "little")
+        with pytest.raises(_wxfer.Error) as e:
+            t.map(bytes(bad), 0, 8)
+        assert "is not a region" in str(e.value) and "exported" in str(e.value)
+        with pytest.raises(_wxfer.Error):
+            t.map(bytes(d[:-1]), 0, 8)  # truncated descriptor
+        # another transport's descriptor
+        other = bytearray(d)
+        other[4] = 3 if other[4] != 3 else 1
+        with pytest.raises(ValueError) as e:
+            t.map(bytes(other), 0, 8)
+        assert "is for transport" in str(e.value)
+
+
+torch = pytest.importorskip("torch")
+from wxfer.mapping.reference import pack_task  # noqa: E402
+from wxfer.mapping.rules import Piece, Shard  # noqa: E402
+from wxfer.runtime import direct  # noqa: E402
+
+
+def _nb(kind, dtype, pcs):
+    n = 0
+    for p in pcs:
+        if kind == "scale":
+            n += -(-p.rows // 128) * -(-p.cols // 128) * 4
+        else:
+            n += p.numel() * (1 if kind == "fp8" else getattr(torch, dtype).itemsize)
+    return n
+
+
+def _shard(kind, dtype, *pcs):
+    return Shard(0, "d", 0, _nb(kind, dtype, pcs), kind, dtype, tuple(pcs))
+
+
+def _fulls():
+    g = torch.Generator().manual_seed(11)
+    return {
+        "a": torch.randn(300, 260, generator=g, dtype=torch.float32),
+        "b": torch.randn(300, 260, generator=g).to(torch.bfloat16),
+        "n": torch.randn(257, generator=g).to(torch.bfloat16),
+        "e": torch.randn(4, 96, 130, generator=g).to(torch.bfloat16),  # 3-D experts
+    }
+
+
+def _task():
+    """Shards of a packed task: casts, an FP8 piece with its scales in another shard, an
+    unaligned raw piece after the FP8 bytes, a 1-D piece, two experts of a 3-D source."""
+    return [
+        _shard("raw", "bfloat16", Piece("a", 0, 300, 0, 260)),
+        _shard("fp8", "float8_e4m3fn", Piece("b", 0, 200, 0, 131)),
+        _shard("raw", "bfloat16", Piece("b", 10, 20, 3, 250), Piece("n", 1, 4)),
+        _shard("scale", "float32", Piece("b", 0, 200, 0, 131)),
+        _shard("raw", "bfloat16", Piece("n", 5, 200)),
+        _shard("fp8", "float8_e4m3fn", Piece("e", 96, 192, 0, 130), Piece("e", 288, 384, 0, 130)),
+        _shard("scale", "float32", Piece("e", 96, 192, 0, 130), Piece("e", 288, 384, 0, 130)),
+    ]
+
+
+class _FakeSender(direct.DirectMixin):
+    """What DirectMixin._direct_write needs, with CPU tensors as the receivers' regions."""
+
+    def __init__(self, gpu_of_region):
+        self._direct_init(True)
+        self._gpu_of_region = gpu_of_region
+        self.device = torch.device("cpu")
+
+
+def _dests(shards, replicas):
+    """One destination per shard per replica: replica k's shard i goes to region
+    f"r{k}s{i % 2}" (two regions per replica) at a region offset of its own."""
+    dests, off, sizes = [], 0, {}
+    for i, sh in enumerate(shards):
+        for k in range(replicas):
+            r = f"r{k}s{i % 2}".encode()
+            doff = sizes.get(r, 3)  # an odd start: offsets in the region are not the packed ones
+            dests.append((r, doff, off, sh.nbytes))
+            sizes[r] = doff + sh.nbytes + 5
+        off += sh.nbytes
+    return dests, sizes
+
+
+def _run(shards, dests, sizes, skip=frozenset(), gpu_of=None):
+    lay = direct.decompose(shards, dests)
+    assert not isinstance(lay, str), lay
+    regions = {r: torch.full((n,), 0xEE, dtype=torch.uint8) for r, n in sizes.items()}
+    s = _FakeSender(gpu_of or {r: int(r[1:2]) for r in regions})
+    plan = direct._Plan(lay[0], lay[1], regions)
+    s._direct_write(None, plan, _fulls(), frozenset(skip))
+    return regions, s
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_direct_writes_give_the_reference_bytes_at_every_destination(replicas):
+    shards = _task()
+    dests, sizes = _dests(shards, replicas)
+    ref = pack_task(shards, _fulls())
+    regions, s = _run(shards, dests, sizes)
+    covered = {r: torch.zeros(n, dtype=torch.bool) for r, n in sizes.items()}
+    for r, doff, soff, n in dests:
+        assert torch.equal(regions[r][doff : doff + n], ref[soff : soff + n]), (r, doff, soff, n)
+        covered[r][doff : doff + n] = True
+    for r, c in covered.items():  # nothing outside the destination ranges was touched
+        assert bool((regions[r][~c] == 0xEE).all()), r
+    assert s._direct_n["skipped_writes"] == 0
+
+
+def test_a_skipped_receiver_is_not_written_and_the_others_are():
+    shards = _task()
+    dests, sizes = _dests(shards, 2)
+    ref = pack_task(shards, _fulls())
+    regions, s = _run(shards, dests, sizes, skip={1})
+    for r, doff, soff, n in dests:
+        if r.startswith(b"r1"):
+            assert bool((regions[r] == 0xEE).all()), r
+        else:
+            assert torch.equal(regions[r][doff : doff + n], ref[soff : soff + n]), r
+    assert s._direct_n["skipped_writes"] > 0
+
+
+def test_a_destination_boundary_through_a_piece_sends_the_task_the_staging_way():
+    shards = _task()
+    total = sum(sh.nbytes for sh in shards)
+    cut = shards[0].nbytes // 2 + 1  # inside the first (raw) piece
+    why = direct.decompose(shards, [(b"A", 0, 0, cut), (b"A", cut, cut, total - cut)])
+    assert isinstance(why, str) and "straddle" in why
+    # inside an FP8 piece's e4m3 bytes
+    q0 = shards[0].nbytes + 7
+    why = direct.decompose(shards, [(b"A", 0, 0, q0), (b"B", 0, q0, total - q0)])
+    assert isinstance(why, str) and "straddle" in why
+    # a boundary between pieces of one shard is fine; an uncovered part is left out
+    a = shards[0].nbytes + shards[1].nbytes
+    b = shards[2].pieces[0].numel() * 2
+    lay = direct.decompose(shards, [(b"A", 0, a, b)])
+    assert not isinstance(lay, str)
+    raw, fp8 = lay
+    assert [(pc, t) for pc, _, t in raw] == [(shards[2].pieces[0], [(b"A", 0)])] and fp8 == []
+
+
+def test_region_nbytes_reads_the_descriptor_and_the_switch():
+    if not FABRIC:
+        pytest.skip("fabric transport not built")
+    t = _wxfer.Transport("fabric", {"provider": "tcp"})
+    try:
+        buf = torch.zeros(12345, dtype=torch.uint8)
+        reg = t.register(buf, export=True)
+        assert direct.region_nbytes(reg.descriptor) == 12345
+        reg.close()
+    finally:
+        t.close()
+    with pytest.raises(ValueError):
+        direct.region_nbytes(b"WXE" + bytes(40))
+
+
+def test_direct_switch(monkeypatch):
+    monkeypatch.delenv("WXFER_DIRECT", raising=False)
+    assert direct.enabled(None) is True and direct.enabled(False) is False
+    monkeypatch.setenv("WXFER_DIRECT", "0")
+    assert direct.enabled(None) is False and direct.enabled(True) is True
+    with pytest.raises(TypeError):
+        direct.enabled("yes")
+    s = _FakeSender({})
+    s.transport_name, s.stream = "fabric", None
+    assert "only cuda_ipc" in s._direct_stats()["why_not"]
+
+
+# ------------------------------------------------------------ the Sender's hooks, emulated on CPU
+# cuda_ipc needs a GPU; here the receivers live in this process (fabric tcp carries the version
+# stamps and any staged task), and the two seams of the mixin that need CUDA are emulated:
+# Transport.map (the address of the receiver's region, found by its descriptor) and the tensor
+# over that address (the receiver's own region tensor).  Everything else is the real path.
+
+
+def _emulate(monkeypatch, recvs):
+    from wxfer.runtime.direct import DirectMixin
+
+    by_desc = {d: t for r in recvs for d, t in r.region_base.items()}
+    by_addr = {t.data_ptr(): t for t in by_desc.values()}
+
+    def fake_map(self, rdesc, off, nb):
+        t = by_desc[bytes(rdesc)]
+        assert 0 <= off and off + nb <= t.numel(), (off, nb)
+        return t.data_ptr() + off, self.device.index
+
+    monkeypatch.setattr(DirectMixin, "_direct_off", lambda self: None if self.direct else "off")
+    monkeypatch.setattr(DirectMixin, "_direct_map", fake_map)
+    monkeypatch.setattr(DirectMixin, "_direct_tensor", lambda self, addr, n: by_addr[addr])
+
+
+def _receivers(addr, name, tp, quant, verify=False):
+    from wxfer.models import TINY, inference_params, preset_for
+    from wxfer.runtime.receiver import Receiver
+    from wxfer.testing import in_thread
+
+    params = [inference_params(TINY, tp, r, quant) for r in range(tp)]
+    ths = [
+        in_thread(
+            Receiver,
+            params[r],
+            mapping=preset_for(TINY).name,
+            store=addr,
+            replica=0,
+            rank=r,
+            tp=tp,
+            replicas=1,
+            name=name,
+            timeout=30,
+            verify=verify,
+        )
+        for r in range(tp)
+    ]
+    return params, ths
+
+
+def _joined(ths):
+    out = []
+    for th, box in ths:
+        th.join(30)
+        assert "error" not in box, box.get("error")
+        out.append(box["value"])
+    return out
+
+
+def _model():
+    from wxfer.models import TINY, train_model
+
+    m = train_model(TINY)  # float32: every task casts or quantizes, so every task is packed
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def _check(model, params, tp, quant, skip=()):
+    from wxfer.models import TINY
+    from wxfer.testing import expected_shards
+
+    for rank, dst, off, b in expected_shards(model, TINY, tp, quant):
+        if rank in skip:
+            continue
+        got = params[rank][dst].view(-1).view(torch.uint8)
+        assert torch.equal(got[off : off + b.numel()], b), f"{dst} on rank {rank} differs at {off}"
+
+
+@needs_fabric
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_sender_writes_every_packed_task_direct_and_the_engine_only_the_stamps(store, monkeypatch, quant):
+    from wxfer.models import preset_for
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    tp, name = 2, "dir" + str(quant)
+    params, ths = _receivers(addr, name, tp, quant, verify=True)
+    _emulate(monkeypatch, [])
+    model = _model()
+    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30, watermark="1MiB")
+    recvs = _joined(ths)
+    _emulate(monkeypatch, recvs)
+    n = sum(1 for g in s.program.groups for op in g if op.sends)
+    for step in (1, 2):
+        if step == 2:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1.5)
+        moved = s.engine.stats()["bytes_written"]
+        s.push()
+        assert [r.version() for r in recvs] == [step, step]
+        _check(model, params, tp, quant)
+        assert s.engine.stats()["bytes_written"] - moved == 2 * 8 * tp  # the begin + end stamps only
+        d = s.stats()["direct"]
+        assert d["tasks"] == n and d["staged"] == 0 and d["total"] == n * step, d
+    # off: the same bytes through send buffers and the engine
+    s.direct = False
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    moved = s.engine.stats()["bytes_written"]
+    s.push()
+    _check(model, params, tp, quant)
+    assert s.engine.stats()["bytes_written"] - moved == s.bytes_per_step + 2 * 8 * tp
+    d = s.stats()["direct"]
+    assert d["tasks"] == 0 and d["staged"] == n and d["why_not"] == "off", d
+    # verify mode goes the staging way: a checksum of the receiver's own memory proves nothing
+    s.direct = True
+    s.push(verify=True)
+    assert s.stats()["direct"]["staged_why"] == {"verify is on": n}
+    assert s.last_verify is not None
+    s.close()
+    for r in recvs:
+        r.close()
+
+
+def _tiny():
+    from wxfer.models import TINY
+
+    return TINY
+
+
+@needs_fabric
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _wxfer.TESTING, reason="needs a test build (WXFER_TESTING=1) for _test_refuse_peer")
+def test_a_receiver_that_failed_before_the_data_is_not_written_direct(store, monkeypatch):
+    from wxfer.models import preset_for
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    tp, quant, name = 2, "fp8", "dirfail"
+    params, ths = _receivers(addr, name, tp, quant)
+    before = [{k: v.clone() for k, v in p.items()} for p in params]
+    _emulate(monkeypatch, [])
+    model = _model()
+    s = Sender(
+        model,
+        mapping=preset_for(_tiny()),
+        store=addr,
+        name=name,
+        timeout=30,
+        write_timeout=1.5,
+        transport_options={"provider": "tcp", "_test_refuse_peer": 1},
+    )
+    recvs = _joined(ths)
+    _emulate(monkeypatch, recvs)
+    assert s.peers == {0: 0, 1: 1}
+    with pytest.raises(RuntimeError, match="failed"):
+        s.push()  # rank 1's begin stamp is never accepted: it fails before any data
+    d = s.stats()["direct"]
+    assert d["tasks"] > 0 and d["staged"] == 0 and d["skipped_writes"] > 0, d
+    _check(model, params, tp, quant, skip={1})
+    assert recvs[0].version() == 1
+    assert all(torch.equal(before[1][k].view(torch.uint8), params[1][k].view(torch.uint8)) for k in params[1])
+    s.close()
+    for r in recvs:
+        r.close()

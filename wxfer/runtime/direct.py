@@ -1,0 +1,409 @@
+"""Stage 2 straight into the receivers' memory (issue 13, cuda_ipc): a packed task whose every
+destination is a range the cuda_ipc transport has mapped on the writer's own GPU (trainer
+and receiver colocated on one GPU) is not packed into a send buffer and then copied by the
+engine: its raw pieces are copied (and cast) and its FP8 pieces quantized by the native
+kernel (``fp8.quantize_span``, one launch per task) at their final addresses in the
+receivers' weights, on the Sender's side stream.  3 bytes of memory traffic per BF16->FP8
+element instead of 5, and nothing held under the watermark.
+
+What decides it, per task, once (``decompose``, CPU-testable): every piece of the packed
+layout (``prepare._layout``: raw pieces merged by rows, each FP8 piece's e4m3 bytes and its
+scales) must lie wholly inside each destination range that covers it; a destination
+boundary through a piece sends the task the staging way.  Several destinations of one
+packed range (replicas) are each written, their piece at their own offsets.  Then each
+target range is checked by the transport (``Transport.map``: the key one the peer exported,
+the range inside its region, the memory on the writer's GPU), and each region is seen as a
+torch uint8 tensor over its mapped address (``__cuda_array_interface__``, no copy).
+
+Ordering (docs/cuda_ipc.md): the begin stamps are an engine fence, which orders the
+engine's writes, not this process's kernels: a push waits until they landed (with what
+the engine was given before) at its first direct task; the end stamps wait for a CUDA event
+recorded on the side stream after the last task, so after every direct kernel; the side
+stream is synchronized before ``push()`` returns or raises (``_direct_wait``,
+``_direct_abandon``), so no direct write lands after it returned.  A receiver that failed
+(the engine's failed peers) or that the Sender dropped is not written.  Off with
+``Sender(direct=False)`` or ``WXFER_DIRECT=0``; with verify on a push goes the staging way
+(a checksum of the receiver's own memory would prove nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import itertools
+from itertools import zip_longest
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+def enabled(direct) -> bool:
+    """The Sender's ``direct`` argument; None: $WXFER_DIRECT (on unless 0/off/false/no)."""
+    if direct is None:
+        return os.environ.get("WXFER_DIRECT", "1").strip().lower() not in ("0", "off", "false", "no")
+    if direct not in (True, False):
+        raise TypeError(f"wxfer.Sender: direct must be True, False or None, got {direct!r}")
+    return bool(direct)
+
+
+def region_nbytes(desc: bytes) -> int:
+    """The length of the region a descriptor names (csrc/transport/wx_desc.h: an 8-byte header
+    "WXD" version kind, u32 address length, the address, then u64 key, rbase, len, ...)."""
+    d = bytes(desc)
+    if len(d) < 12 or d[:3] != b"WXD":
+        raise ValueError("not a wxfer region descriptor")
+    (alen,) = _U32.unpack_from(d, 8)
+    if len(d) < 12 + alen + 24:
+        raise ValueError("region descriptor truncated")
+    return _U64.unpack_from(d, 12 + alen + 16)[0]
+
+
+def _items(shards) -> tuple | str:
+    """(raw items, fp8 items) of the packed layout: raw [(start, nbytes, piece, dtype)]; fp8
+    [(piece, [(q start, q bytes)], [(s start, s bytes)])] -- or why the sizes do not add up."""
+    import torch
+
+    from . import prepare
+
+    _, raw, fp8_pieces, end, _ = prepare._layout(shards)
+    items = []
+    for sh, off, pieces in raw:
+        start, isz = off, getattr(torch, sh.dtype).itemsize
+        for pc in pieces:
+            nb = pc.numel() * isz
+            items.append((off, nb, pc, sh.dtype))
+            off += nb
+        if off - start != sh.nbytes:
+            return f"shard {sh.dst}@{sh.offset}: pieces of {off - start} bytes, the shard {sh.nbytes}"
+    fp8 = []
+    for pc, (qs, ss) in fp8_pieces.items():
+        sb = -(-pc.rows // 128) * -(-pc.cols // 128) * 4
+        fp8.append((pc, [(q, pc.rows * pc.cols) for q in qs], [(s, sb) for s in ss]))
+    return items, fp8
+
+
+def _targets(a: int, nb: int, dests) -> list | str:
+    """[(region descriptor, offset in it)] of the destinations holding packed bytes [a, a+nb)
+    whole, or why not (a destination boundary through them)."""
+    out = []
+    for rdesc, doff, soff, n in dests:
+        if soff <= a and a + nb <= soff + n:
+            out.append((bytes(rdesc), int(doff) + a - int(soff)))
+        elif a < soff + n and soff < a + nb:
+            return f"packed bytes [{a}, {a + nb}) straddle the boundary of a destination [{soff}, {soff + n})"
+    return out
+
+
+def decompose(shards, dests) -> tuple | str:
+    """What each destination range of a packed task receives, piece by piece, or why the task
+    cannot be written that way (a str).  Returns (raw, fp8): raw [(piece, dtype, [(region
+    descriptor, offset)])] -- one copy per target; fp8 [(piece, [q targets], [scale
+    targets])] -- one quantizer job per pair (as ``prepare._jobs``: the i-th e4m3 target with
+    the i-th scale target).  Pieces no destination covers are left out (nothing sends them)."""
+    got = _items(shards)
+    if isinstance(got, str):
+        return got
+    items, fp8_items = got
+    dests = [d for d in dests if int(d[3]) > 0]
+    raw = []
+    for a, nb, pc, dtype in items:
+        if nb == 0:
+            continue
+        t = _targets(a, nb, dests)
+        if isinstance(t, str):
+            return t
+        if t:
+            raw.append((pc, dtype, t))
+    fp8 = []
+    for pc, qs, ss in fp8_items:
+        if pc.rows == 0 or pc.cols == 0:
+            continue
+        qt, st = [], []
+        for ranges, acc in ((qs, qt), (ss, st)):
+            for a, nb in ranges:
+                t = _targets(a, nb, dests)
+                if isinstance(t, str):
+                    return t
+                acc.extend(t)
+        if qt or st:
+            fp8.append((pc, qt, st))
+    return raw, fp8
+
+
+def _ranges(layout) -> list:
+    """Every (region descriptor, offset, nbytes) the layout writes."""
+    raw, fp8 = layout
+    import torch
+
+    out = []
+    for pc, dtype, ts in raw:
+        nb = pc.numel() * getattr(torch, dtype).itemsize
+        out.extend((r, o, nb) for r, o in ts)
+    for pc, qt, st in fp8:
+        out.extend((r, o, pc.rows * pc.cols) for r, o in qt)
+        sb = -(-pc.rows // 128) * -(-pc.cols // 128) * 4
+        out.extend((r, o, sb) for r, o in st)
+    return out
+
+
+class _Mapped:
+    """A region of another process, mapped here, as torch sees device memory it does not own."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, addr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
+class _Plan:
+    """One task's direct layout, with each target's region view."""
+
+    __slots__ = ("raw", "fp8", "regions", "srcs", "spans", "uid")
+    _uids = itertools.count()
+
+    def __init__(self, raw, fp8, regions):
+        self.raw, self.fp8, self.regions = raw, fp8, regions
+        self.srcs = tuple(sorted({pc.src for pc, _, _ in fp8}))
+        self.spans: dict = {}  # skipped gpus -> _direct_jobs
+        self.uid = next(_Plan._uids)  # names its quantizer table (an id() may be reused)
+
+
+class _NotDirect(Exception):
+    pass
+
+
+class DirectMixin:
+    """Sender mixin. Needs the Sender's transport, transport_name, device, stream, engine,
+    version, write_timeout, _sums, _gpu_of_region, _gpu_of_peer, _dropped() and
+    _wait_engine()."""
+
+    def _direct_init(self, direct) -> None:
+        self.direct = enabled(direct)
+        self._direct_views: dict = {}  # region descriptor -> (uint8 tensor over it, address)
+        self._direct_plans: dict = {}  # task -> (its dests list, _Plan or None, why not)
+        self._direct_ver = None
+        self._direct_n = {"tasks": 0, "staged": 0, "skipped_writes": 0}
+        self._direct_total = 0
+        self._direct_why: dict = {}  # why tasks went the staging way -> how many (this push)
+        self._direct_launched = False  # direct work on the side stream not yet waited for
+        self._direct_begun = None  # the push whose begin stamps were waited for
+
+    def _direct_off(self) -> str | None:
+        """Why no task of this Sender can go direct, or None."""
+        if not self.direct:
+            return "off (Sender(direct=False) or WXFER_DIRECT=0)"
+        if getattr(self, "transport_name", None) != "cuda_ipc":
+            return f"transport {getattr(self, 'transport_name', None)!r}: only cuda_ipc maps the receivers' memory"
+        if self.device.type != "cuda" or self.stream is None:
+            return f"stage 2 runs on {self.device}, not a CUDA device"
+        return None
+
+    def _direct_task(self, op) -> bool:
+        """Run packed task `op` straight into the receivers' memory when it can be; False: the
+        caller runs it the staging way (admitted under the watermark, packed, submitted)."""
+        if self._direct_ver != self.version:
+            self._direct_ver = self.version
+            self._direct_n = {"tasks": 0, "staged": 0, "skipped_writes": 0}
+            self._direct_why = {}
+        prep = op.prep
+        if prep.zero_copy or prep.direct is not None:
+            return False  # the engine writes the source's own bytes: nothing packed
+        why = self._direct_off() or ("verify is on" if self._sums is not None else None)
+        plan = None
+        if why is None:
+            plan, why = self._direct_plan(op)
+        if plan is None:
+            self._direct_n["staged"] += 1
+            self._direct_why[why] = self._direct_why.get(why, 0) + 1
+            return False
+        from . import prepare
+
+        if self._direct_begun != self.version:
+            # the begin stamps are an engine fence: it orders the engine's writes, not this
+            # process's kernels -- wait until they (and what was submitted before) landed
+            self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
+            self._direct_begun = self.version
+        fulls, _ = prepare.gather(prep, op, self.device)
+        self._direct_launched = True
+        self._direct_write(op, plan, fulls, self._direct_skip())
+        self._direct_n["tasks"] += 1
+        self._direct_total += 1
+        return True
+
+    def _direct_plan(self, op) -> tuple:
+        """(_Plan or None, why not) of task `op`, decided once per set of destinations."""
+        hit = self._direct_plans.get(op.task)
+        if hit is not None and hit[0] is op.dests:
+            return hit[1], hit[2]
+        plan, why = None, None
+        lay = decompose(op.shards, op.dests)
+        if isinstance(lay, str):
+            why = lay
+        else:
+            try:
+                plan = self._direct_bind(lay)
+            except _NotDirect as e:
+                why = str(e)
+        self._direct_plans[op.task] = (op.dests, plan, why)
+        return plan, why
+
+    def _direct_bind(self, lay) -> _Plan:
+        """The layout with its regions' views, every target range checked by the transport."""
+        regions = {}
+        for rdesc, off, nb in _ranges(lay):
+            view, base = self._direct_view(rdesc)
+            addr, dev = self._direct_map(rdesc, off, nb)
+            if addr != base + off:
+                raise _NotDirect(f"the transport maps [{off}, +{nb}) of a region at {addr:#x}, not {base + off:#x}")
+            regions[rdesc] = view
+        return _Plan(lay[0], lay[1], regions)
+
+    def _direct_view(self, rdesc: bytes):
+        """(uint8 tensor over the whole mapped region, its address), made once per region."""
+        hit = self._direct_views.get(rdesc)
+        if hit is not None:
+            return hit
+        try:
+            n = region_nbytes(rdesc)
+        except ValueError as e:
+            raise _NotDirect(str(e)) from e
+        addr, dev = self._direct_map(rdesc, 0, n)
+        if dev != self.device.index:
+            raise _NotDirect(f"the region is mapped on cuda:{dev}, stage 2 runs on {self.device}")
+        view = self._direct_tensor(addr, n)
+        if view.device != self.device or view.data_ptr() != addr or view.numel() != n:
+            raise _NotDirect(f"torch saw the mapped region as {view.device} {view.data_ptr():#x}, not a view")
+        self._direct_views[rdesc] = (view, addr)
+        return view, addr
+
+    def _direct_map(self, rdesc: bytes, off: int, nb: int) -> tuple:
+        """(address here, CUDA ordinal) of [off, off+nb) of a receiver's region: the transport
+        checks it as it checks a write (Transport.map); a refusal sends the task the staging way."""
+        try:
+            return self.transport.map(rdesc, off, nb)
+        except Exception as e:  # noqa: BLE001 -- the task goes the staging way, saying why
+            raise _NotDirect(f"{type(e).__name__}: {e}") from e
+
+    def _direct_tensor(self, addr: int, n: int):
+        """A uint8 tensor over `n` bytes of mapped device memory at `addr` (no copy: checked by
+        the caller). torch reads the interface's typestr through numpy."""
+        import torch
+
+        try:
+            return torch.as_tensor(_Mapped(addr, n), device=self.device)
+        except Exception as e:  # noqa: BLE001 -- the task goes the staging way, saying why
+            raise _NotDirect(f"torch.as_tensor(__cuda_array_interface__) failed: {type(e).__name__}: {e}") from e
+
+    def _direct_skip(self) -> frozenset:
+        """The inference gpus not to write: dropped by this Sender, or failed in the engine."""
+        gone = set(self._dropped())
+        for err in self.engine.failed_peers():
+            if err.peer in self._gpu_of_peer:
+                gone.add(self._gpu_of_peer[err.peer])
+        return frozenset(gone)
+
+    def _direct_write(self, op, plan: _Plan, fulls: dict, skip: frozenset) -> None:
+        """The task's raw copies and one quantizer launch, on the current (side) stream."""
+        import torch
+
+        from ..mapping.reference import _piece_tensor
+        from .prepare import copy_piece
+
+        gpu = self._gpu_of_region
+        for pc, dtype, ts in plan.raw:
+            t = _piece_tensor(pc, fulls)
+            dt = getattr(torch, dtype)
+            for r, off in ts:
+                if gpu.get(r) in skip:
+                    self._direct_n["skipped_writes"] += 1
+                else:
+                    copy_piece(plan.regions[r], off, t, dt)
+        if plan.fp8:
+            self._direct_quantize(plan, fulls, skip)
+
+    def _direct_jobs(self, plan: _Plan, skip: frozenset) -> tuple:
+        """([(piece, (region, offset) | None, (region, offset) | None)], lowest address, span
+        to the end of the last region written, targets skipped): the FP8 jobs to the
+        receivers not skipped."""
+        gpu = self._gpu_of_region
+        jobs, skipped = [], 0
+        for pc, qt, st in plan.fp8:
+            q2 = [x for x in qt if gpu.get(x[0]) not in skip]
+            s2 = [x for x in st if gpu.get(x[0]) not in skip]
+            skipped += len(qt) + len(st) - len(q2) - len(s2)
+            jobs.extend((pc, q, s) for q, s in zip_longest(q2, s2))
+        lo, hi = None, 0
+        for _, q, s in jobs:
+            for x in (q, s):
+                if x is not None:
+                    view = plan.regions[x[0]]
+                    a = view.data_ptr() + x[1]
+                    lo = a if lo is None or a < lo else lo
+                    hi = max(hi, view.data_ptr() + view.numel())
+        return jobs, lo, 0 if lo is None else hi - lo, skipped
+
+    def _direct_quantize(self, plan: _Plan, fulls: dict, skip: frozenset) -> None:
+        """Every FP8 job of the task: one native launch over the span of the regions it writes
+        (offsets from the lowest address), else the reference per region on region tensors."""
+        from . import fp8
+        from ..mapping.reference import _piece_tensor
+
+        hit = plan.spans.get(skip)
+        if hit is None:
+            hit = plan.spans[skip] = self._direct_jobs(plan, skip)
+        jobs, lo, span, skipped = hit
+        self._direct_n["skipped_writes"] += skipped
+        if not jobs:
+            return
+
+        def tensor(pc):
+            t = _piece_tensor(pc, fulls)
+            if t.dim() != 2:
+                raise ValueError(f"FP8 piece {pc}: its source {pc.src!r} is {t.dim()}-D, FP8 needs a 2-D tensor")
+            return t
+
+        def at(x):
+            return None if x is None else plan.regions[x[0]].data_ptr() + x[1] - lo
+
+        key = (
+            "direct",
+            plan.uid,
+            skip,
+            tuple((fulls[n].data_ptr(), tuple(fulls[n].stride()), fulls[n].dtype) for n in plan.srcs),
+        )
+        if fp8.quantize_span(lo, span, self.device, lambda: [(tensor(pc), at(q), at(s)) for pc, q, s in jobs], key):
+            return
+        for r, view in plan.regions.items():  # no native kernel: the reference, per region
+            part = [
+                (tensor(pc), q[1] if q and q[0] == r else None, s[1] if s and s[0] == r else None) for pc, q, s in jobs
+            ]
+            part = [j for j in part if j[1] is not None or j[2] is not None]
+            if part:
+                fp8.quantize_into(view, part)
+
+    def _direct_wait(self) -> None:
+        """Block until every direct write launched so far has landed (the side stream)."""
+        if self._direct_launched and self.stream is not None:
+            self.stream.synchronize()
+        self._direct_launched = False
+
+    def _direct_abandon(self) -> None:
+        """A failing push: its direct writes land before it raises (best effort)."""
+        try:
+            self._direct_wait()
+        except Exception:  # noqa: BLE001 -- the device itself failed; the push's error says more
+            self._direct_launched = False
+
+    def _direct_stats(self) -> dict:
+        d = dict(self._direct_n, enabled=self.direct, total=self._direct_total)
+        off = self._direct_off()
+        if off:
+            d["why_not"] = off
+        if self._direct_why:
+            d["staged_why"] = dict(sorted(self._direct_why.items(), key=lambda kv: -kv[1])[:5])
+        return d
+
+    def _direct_close(self) -> None:
+        """Forget the views of the mapped regions (before the transport unmaps them)."""
+        self._direct_views.clear()
+        self._direct_plans.clear()
