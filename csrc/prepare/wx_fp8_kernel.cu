@@ -2,8 +2,9 @@
  *
  * This file is not compiled by setup.py: setup.py embeds it as a string into the extension
  * and wx_fp8.c compiles it with NVRTC at first use, for the architecture of the device
- * (docs/prepare.md says why). It includes no header, so that it compiles with any NVRTC;
- * `nvcc -arch=sm_90 --ptx csrc/prepare/wx_fp8_kernel.cu` checks it by hand.
+ * (docs/prepare.md says why). It includes no system header, so that it compiles with any
+ * NVRTC; variants 6 and 7 include wx_fp8_pipe.cu, which wx_fp8.c passes to NVRTC as an
+ * in-memory header. `nvcc -arch=sm_90 --ptx csrc/prepare/wx_fp8_kernel.cu` checks it by hand.
  *
  * The bytes are those of wxfer.mapping.reference.quantize_fp8_block, bit for bit: per
  * 128x128 tile of a piece (the tile grid starts at the piece's first row and column),
