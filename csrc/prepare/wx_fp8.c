@@ -295,6 +295,10 @@ static int wx__device_setup(const wx_cuda_api_t *cu, int device, const char *con
             call = "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)";
             r = cu->cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                        (int)wx__smem());
+            /* all of the SM's shared memory, so that the CTAs per SM fit (L1 keeps the rest) */
+            if (r == CUDA_SUCCESS)
+                r = cu->cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                           CU_SHAREDMEM_CARVEOUT_MAX_SHARED);
         }
         if (r != CUDA_SUCCESS)
             cu->cuModuleUnload(mod);
