@@ -125,16 +125,18 @@ def _norm(out, jobs):
             f"quantize_into: out must be a contiguous 1-D uint8 tensor, got {tuple(out.shape)} {out.dtype}"
         )
     n = out.numel()
+    dev = out.device  # read once: a tensor's .device makes a new object each time
     res = []
     for i, job in enumerate(jobs):
         t, qo, so = job
-        if t.dim() != 2:
+        shape = t.shape
+        if len(shape) != 2:
             raise ValueError(
-                f"quantize_into: job {i}: FP8 block quantization needs a 2-D tensor, got shape {tuple(t.shape)}"
+                f"quantize_into: job {i}: FP8 block quantization needs a 2-D tensor, got shape {tuple(shape)}"
             )
-        if t.device != out.device:
-            raise ValueError(f"quantize_into: job {i} is on {t.device}, out on {out.device}")
-        rows, cols = t.shape
+        if t.device != dev:
+            raise ValueError(f"quantize_into: job {i} is on {t.device}, out on {dev}")
+        rows, cols = shape
         if rows == 0 or cols == 0:
             continue
         need = ((qo, rows * cols, "fp8"), (so, -(-rows // _BLOCK) * -(-cols // _BLOCK) * 4, "scale"))
@@ -216,16 +218,18 @@ def _native(out, jobs):
     tiles = 0
     for t, qo, so in jobs:
         rows, cols = t.shape
-        if t.dtype not in codes:  # the reference computes in float32 too: same bytes
+        code = codes.get(t.dtype)
+        if code is None:  # the reference computes in float32 too: same bytes
             t = t.to(torch.float32)
             keep.append(t)
-        if cols > 1 and t.stride(1) != 1:
+            code = codes[torch.float32]
+        st = t.stride()
+        if cols > 1 and st[1] != 1:
             t = t.contiguous()
             keep.append(t)
-        ld = t.stride(0) if rows > 1 else cols
-        table.extend(
-            (t.data_ptr(), codes[t.dtype], ld, rows, cols, -1 if qo is None else qo, -1 if so is None else so, tiles)
-        )
+            st = t.stride()
+        ld = st[0] if rows > 1 else cols
+        table.extend((t.data_ptr(), code, ld, rows, cols, -1 if qo is None else qo, -1 if so is None else so, tiles))
         tiles += -(-rows // _BLOCK) * -(-cols // _BLOCK)
     dev = None
     if len(jobs) > _INLINE:  # else the table travels in the launch's parameters (no copy)
