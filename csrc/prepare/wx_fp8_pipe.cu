@@ -6,7 +6,7 @@
  * ring of WX_STAGES 32 KiB tile buffers in shared memory: while tile k is reduced and
  * quantized, the copies of tiles k+1 .. k+WX_STAGES-1 are in flight, and none of them holds
  * a register. Little's law: ~4 TB/s at ~1 us of loaded DRAM latency needs ~4 MB in flight,
- * ~30 KiB per SM; the ring keeps (WX_STAGES-1) x 32 KiB x CTAs per SM (128-192 KiB) in
+ * ~30 KiB per SM; the ring keeps (WX_STAGES-1) x 32 KiB x CTAs per SM (96-160 KiB) in
  * flight, against at most 2 x 32 KiB for variant 3 (its registers).
  *
  *   6  each thread copies 8 chunks of 16 bytes with cp.async (zero-filled outside the piece:
