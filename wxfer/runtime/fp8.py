@@ -139,17 +139,23 @@ def _norm(out, jobs):
         rows, cols = shape
         if rows == 0 or cols == 0:
             continue
-        need = ((qo, rows * cols, "fp8"), (so, -(-rows // _BLOCK) * -(-cols // _BLOCK) * 4, "scale"))
-        for off, nb, what in need:
-            if off is not None and (off < 0 or off + nb > n):
-                raise ValueError(
-                    f"quantize_into: job {i} ({rows}x{cols}): its {what} bytes "
-                    f"[{off}, {off + nb}) are not inside out ({n} bytes)"
-                )
-        if qo is None and so is None:
-            continue
+        if qo is None:
+            if so is None:
+                continue
+        elif qo < 0 or qo + rows * cols > n:
+            _outside(i, rows, cols, "fp8", qo, rows * cols, n)
+        if so is not None:
+            nb = -(-rows // _BLOCK) * -(-cols // _BLOCK) * 4
+            if so < 0 or so + nb > n:
+                _outside(i, rows, cols, "scale", so, nb, n)
         res.append((t, qo, so))
     return res
+
+
+def _outside(i, rows, cols, what, off, nb, n):
+    raise ValueError(
+        f"quantize_into: job {i} ({rows}x{cols}): its {what} bytes [{off}, {off + nb}) are not inside out ({n} bytes)"
+    )
 
 
 def quantize_into(out, jobs) -> str:
