@@ -92,7 +92,7 @@ __device__ __forceinline__ void wx_ring_commit(wx_u64 *)
 
 /* Wait for tile k (stage s) of this thread's copies; the caller's barrier makes every
  * thread's copies visible. */
-__device__ __forceinline__ void wx_ring_wait(wx_u64 *, wx_i64)
+__device__ __forceinline__ void wx_ring_wait(wx_u64 *, int)
 {
     asm volatile("cp.async.wait_group %0;" ::"n"(WX_STAGES - 2) : "memory");
 }
@@ -135,7 +135,7 @@ __device__ __forceinline__ void wx_ring_commit(wx_u64 *)
 }
 
 /* Wait for use k / WX_STAGES of the stage's mbarrier (phase parity (k / WX_STAGES) & 1). */
-__device__ __forceinline__ void wx_ring_wait(wx_u64 *bar, wx_i64 k)
+__device__ __forceinline__ void wx_ring_wait(wx_u64 *bar, int k)
 {
     const wx_u32 b = wx_saddr(bar), par = (wx_u32)((k / WX_STAGES) & 1);
     asm volatile("{\n\t.reg .pred p;\n"
@@ -194,9 +194,9 @@ extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
     wx_ring_init(bars);
     for (int s = 0; s < WX_STAGES - 1; s++)
         wx_ring_put(pieces, inl, n, out, ntiles, t0 + s * g, s, jobs, ring, bars);
-    wx_i64 k = 0;
+    int k = 0; /* tiles done by this CTA (ntiles < 2^31) */
     for (wx_i64 t = t0; t < ntiles; t += g, k++) {
-        const int s = (int)(k % WX_STAGES);
+        const int s = k % WX_STAGES;
         wx_ring_wait(bars + s, k);
         /* tile k's copies visible to all; every thread done with tile k-1's stage and job */
         __syncthreads();
