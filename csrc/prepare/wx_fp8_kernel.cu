@@ -51,7 +51,9 @@ struct wx_fp8_piece {
  *      WX_STAGES-1 16-bit tiles are copied by cp.async (zero-filled outside the piece) into a
  *      ring of WX_STAGES 32 KiB buffers while the current one is quantized (wx_fp8_pipe.cu);
  *   7  6 with the copies of whole aligned tiles made by the TMA engine (cp.async.bulk, one
- *      256-byte row each, completing on an mbarrier per stage). */
+ *      256-byte row each, completing on an mbarrier per stage);
+ *   8  6 taking 4 adjacent tiles at a time, each such unit prefetched into L2 row by row
+ *      (cp.async.bulk.prefetch.L2) before its first tile is copied. */
 #ifndef WX_VARIANT
 #define WX_VARIANT 0
 #endif

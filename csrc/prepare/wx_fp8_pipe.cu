@@ -1,4 +1,4 @@
-/* wx_fp8_pipe.cu - variants 6 and 7 of the FP8 kernel: the persistent grid of variant 3
+/* wx_fp8_pipe.cu - variants 6 to 8 of the FP8 kernel: the persistent grid of variant 3
  * fed through shared memory. Included by wx_fp8_kernel.cu after its tile code (wx_job,
  * wx_tile16, wx_tile32); wx_fp8.c hands it to NVRTC as a header, setup.py embeds it too.
  *
@@ -15,7 +15,14 @@
  *   7  warp 0 copies each row of a whole (128x128) tile with cp.async.bulk (the TMA engine,
  *      256 bytes a copy) completing on the stage's mbarrier; other 16-bit tiles are read
  *      from global memory when quantized (variant 3's loads); the mbarrier still completes a
- *      phase for them (a plain arrive), so the parity of use u of a stage is u & 1.
+ *      phase for them (a plain arrive), so the parity of use u of a stage is u & 1;
+ *   8  6 with the tiles taken WX_UNIT (4) adjacent ones at a time (CTA b: tiles 4b .. 4b+3,
+ *      then 4(b+G) ..), and before the first of a unit is copied, warp 0 asks the TMA engine
+ *      to prefetch the whole unit into L2 (cp.async.bulk.prefetch.L2), row by row across its
+ *      4 tiles: DRAM sees 1 KiB contiguous per row of a bf16 unit instead of 256-byte pieces
+ *      from different SMs at different times; the ring's copies then find the lines in L2
+ *      (or already requested). A lead, not a measured cause: variants 0-5 all stay at
+ *      ~0.55 of the on-device copy whatever their bytes in flight.
  * Float32 tiles and sources whose rows are not 16-byte aligned take variant 3's loads. The
  * tile's elements then reach the same registers as variant 3's (wx_tile16), so the bytes are
  * the same. */
@@ -32,6 +39,13 @@
 #define WX_TCH (WX_TILE * WX_TILE * 2 / 16) /* 16-byte chunks of a 16-bit tile (2048) */
 #define WX_RCH (WX_TILE * 2 / 16)           /* chunks of a tile row (16) */
 #define WX_BULK (WX_VARIANT == 7)
+#define WX_UNIT (WX_VARIANT == 8 ? 4 : 1) /* adjacent tiles a CTA takes in a row */
+
+/* The CTA's k-th tile: units of WX_UNIT consecutive tiles, unit m of CTA b being b + m*G. */
+__device__ __forceinline__ wx_i64 wx_tile_at(wx_i64 b, int k, wx_i64 g)
+{
+    return WX_UNIT * (b + (wx_i64)(k / WX_UNIT) * g) + k % WX_UNIT;
+}
 
 __device__ __forceinline__ wx_u32 wx_saddr(const void *p)
 {
@@ -158,11 +172,56 @@ __device__ __forceinline__ void wx_ring_init(wx_u64 *bar)
 }
 #endif
 
-/* Stage s gets tile t (when t < ntiles): its job for the quantizing threads, its copies. */
+#if WX_UNIT > 1
+/* Warp 0: an L2 prefetch of the rows of tiles t .. t+WX_UNIT-1 that the ring will copy, the
+ * rows of all of them for row r before row r+1 (lane l: rows l, l+32, ...). */
+__device__ __forceinline__ void wx_unit_prefetch(const wx_fp8_piece *pieces,
+                                                 const wx_fp8_inline &inl, int n,
+                                                 unsigned char *out, wx_i64 ntiles, wx_i64 t)
+{
+    if (threadIdx.x >= 32)
+        return;
+    const char *src[WX_UNIT];
+    wx_i64 ldb[WX_UNIT];
+    int nr[WX_UNIT], nb[WX_UNIT];
+#pragma unroll
+    for (int i = 0; i < WX_UNIT; i++) {
+        src[i] = 0;
+        ldb[i] = 0;
+        nr[i] = nb[i] = 0;
+        if (t + i < ntiles) {
+            wx_job j;
+            wx_job_of(pieces, inl, n, t + i, out, j);
+            src[i] = j.src;
+            ldb[i] = j.ldb;
+            nr[i] = wx_ringed(j) ? j.nr : 0;
+            nb[i] = (2 * j.nc) & ~15; /* whole 16-byte chunks inside the row */
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < WX_TILE / 32; r++) {
+        const int row = r * 32 + threadIdx.x;
+#pragma unroll
+        for (int i = 0; i < WX_UNIT; i++)
+            if (row < nr[i] && nb[i] > 0)
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
+                                 src[i] + (wx_i64)row * ldb[i]),
+                             "r"(nb[i])
+                             : "memory");
+    }
+}
+#endif
+
+/* Stage s gets tile t (when t < ntiles): its job for the quantizing threads, its copies
+ * (variant 8: after the prefetch of its unit when it is the unit's first). */
 __device__ __forceinline__ void wx_ring_put(const wx_fp8_piece *pieces, const wx_fp8_inline &inl,
                                             int n, unsigned char *out, wx_i64 ntiles, wx_i64 t,
                                             int s, wx_job *jobs, uint4 *ring, wx_u64 *bars)
 {
+#if WX_UNIT > 1
+    if (t < ntiles && t % WX_UNIT == 0)
+        wx_unit_prefetch(pieces, inl, n, out, ntiles, t);
+#endif
     if (t < ntiles) {
         wx_job j;
         wx_job_of(pieces, inl, n, t, out, j);
@@ -188,19 +247,19 @@ extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
     __shared__ wx_job jobs[WX_STAGES];
     __shared__ __align__(8) wx_u64 bars[WX_STAGES]; /* variant 7's mbarriers */
     __shared__ wx_u32 red[2][WX_WARPS];
-    const wx_i64 g = gridDim.x, t0 = blockIdx.x;
-    if (t0 >= ntiles)
+    const wx_i64 g = gridDim.x, b = blockIdx.x;
+    if (wx_tile_at(b, 0, g) >= ntiles)
         return;
     wx_ring_init(bars);
     for (int s = 0; s < WX_STAGES - 1; s++)
-        wx_ring_put(pieces, inl, n, out, ntiles, t0 + s * g, s, jobs, ring, bars);
-    int k = 0; /* tiles done by this CTA (ntiles < 2^31) */
-    for (wx_i64 t = t0; t < ntiles; t += g, k++) {
+        wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, s, g), s, jobs, ring, bars);
+    /* k: tiles done by this CTA (ntiles < 2^31); its tiles increase with k */
+    for (int k = 0; wx_tile_at(b, k, g) < ntiles; k++) {
         const int s = k % WX_STAGES;
         wx_ring_wait(bars + s, k);
         /* tile k's copies visible to all; every thread done with tile k-1's stage and job */
         __syncthreads();
-        wx_ring_put(pieces, inl, n, out, ntiles, t + (WX_STAGES - 1) * g,
+        wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, k + WX_STAGES - 1, g),
                     (s + WX_STAGES - 1) % WX_STAGES, jobs, ring, bars);
         const wx_job j = jobs[s];
         if (j.dt == 2) {
