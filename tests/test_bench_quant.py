@@ -1,5 +1,6 @@
 """benchmarks/bench_quant.py cannot rot: its CPU dry run measures the reference quantizer on
-the three cases (dense, experts in one call, one call per expert) against an on-device copy
+the four cases (dense, experts in one call, the same with the piece table reused, one call per
+expert) against an on-device copy
 and prints the table and one JSON line."""
 
 import json
@@ -27,14 +28,19 @@ def test_dry_run_prints_the_table_and_json():
     assert res["bench"] == "quant" and res["dry_run"] is True and res["gpu"].startswith("none")
     assert res["native"]["quantizer"] in ("native", "reference") and res["native"]["reason"]
     cases = [r["case"] for r in res["results"]]
-    assert cases == ["dense 384x520", "experts 4x256x384, one call", "experts 4x256x384, call per expert"]
+    assert cases == [
+        "dense 384x520",
+        "experts 4x256x384, one call",
+        "experts 4x256x384, one call, table reused",
+        "experts 4x256x384, call per expert",
+    ]
     for r in res["results"]:
         assert r["ran"] == r["quantizer"] == "reference"
         n = 384 * 520 if r["case"].startswith("dense") else 4 * 256 * 384
         scales = 3 * 5 * 4 if r["case"].startswith("dense") else 4 * 2 * 3 * 4
         assert r["bytes_moved"] == 2 * n + n + scales  # bf16 read + fp8 and scales written
         assert r["ms"] > 0 and r["copy_ms"] > 0 and r["GBps"] > 0
-    assert sum(1 for ln in lines if ln.startswith("| ")) == 1 + 3
+    assert sum(1 for ln in lines if ln.startswith("| ")) == 1 + 4
 
 
 @pytest.mark.timeout(120)
@@ -57,11 +63,11 @@ def test_variants_run_one_child_each_and_print_one_table():
     lines = p.stdout.strip().splitlines()
     res = json.loads(lines[-1])
     assert res["bench"] == "quant-variants" and res["dry_run"] is True and res["failed"] == []
-    assert [r["variant"] for r in res["results"]] == ["v0"] * 3 + ["v2:3"] * 3
-    assert len({r["case"] for r in res["results"]}) == 3
+    assert [r["variant"] for r in res["results"]] == ["v0"] * 4 + ["v2:3"] * 4
+    assert len({r["case"] for r in res["results"]}) == 4
     for r in res["results"]:
         assert r["ms"] > 0 and r["GBps"] > 0 and r["bytes_moved"] > 0
-    assert sum(1 for ln in lines if ln.startswith("| ")) == 1 + 6
+    assert sum(1 for ln in lines if ln.startswith("| ")) == 1 + 8
     assert "| v2:3 |" in p.stdout
 
 

@@ -74,6 +74,7 @@ static void wx__cuda_load(void)
     WX__SYM(cuModuleLoadData, "cuModuleLoadData");
     WX__SYM(cuModuleUnload, "cuModuleUnload");
     WX__SYM(cuModuleGetFunction, "cuModuleGetFunction");
+    WX__SYM(cuFuncSetAttribute, "cuFuncSetAttribute");
     WX__SYM(cuLaunchKernel, "cuLaunchKernel");
     WX__OPT(cuMemGetHandleForAddressRange, "cuMemGetHandleForAddressRange");
     WX__OPT(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");

@@ -60,6 +60,7 @@ typedef struct wx_cuda_api {
     CUresult (*cuModuleLoadData)(CUmodule *, const void *);
     CUresult (*cuModuleUnload)(CUmodule);
     CUresult (*cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
+    CUresult (*cuFuncSetAttribute)(CUfunction, CUfunction_attribute, int);
     CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
                                unsigned int, unsigned int, unsigned int, CUstream, void **,
                                void **);

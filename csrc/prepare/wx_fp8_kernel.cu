@@ -2,8 +2,9 @@
  *
  * This file is not compiled by setup.py: setup.py embeds it as a string into the extension
  * and wx_fp8.c compiles it with NVRTC at first use, for the architecture of the device
- * (docs/prepare.md says why). It includes no header, so that it compiles with any NVRTC;
- * `nvcc -arch=sm_90 --ptx csrc/prepare/wx_fp8_kernel.cu` checks it by hand.
+ * (docs/prepare.md says why). It includes no system header, so that it compiles with any
+ * NVRTC; variants 6 and 7 include wx_fp8_pipe.cu, which wx_fp8.c passes to NVRTC as an
+ * in-memory header. `nvcc -arch=sm_90 --ptx csrc/prepare/wx_fp8_kernel.cu` checks it by hand.
  *
  * The bytes are those of wxfer.mapping.reference.quantize_fp8_block, bit for bit: per
  * 128x128 tile of a piece (the tile grid starts at the piece's first row and column),
@@ -45,12 +46,20 @@ struct wx_fp8_piece {
  *   4  3 with the loop unrolled twice over two alternating buffers (no register copies, the
  *      loads of the tile after next issued before the next tile's chunks are used); one CTA
  *      per SM by default (180 registers; with 2 it spills);
- *   5  1 with 128 threads per tile, each holding 128 elements (16 chunks) of a 16-bit tile. */
+ *   5  1 with 128 threads per tile, each holding 128 elements (16 chunks) of a 16-bit tile;
+ *   6  3's persistent grid and tile code fed through shared memory: the CTA's next
+ *      WX_STAGES-1 16-bit tiles are copied by cp.async (zero-filled outside the piece) into a
+ *      ring of WX_STAGES 32 KiB buffers while the current one is quantized (wx_fp8_pipe.cu);
+ *   7  6 with the copies of whole aligned tiles made by the TMA engine (cp.async.bulk, one
+ *      256-byte row each, completing on an mbarrier per stage);
+ *   8  6 taking 4 adjacent tiles at a time, each such unit prefetched into L2 row by row
+ *      (cp.async.bulk.prefetch.L2) before its first tile is copied. */
 #ifndef WX_VARIANT
 #define WX_VARIANT 0
 #endif
 #define WX_FASTDIV (WX_VARIANT >= 1)
 #define WX_PERSIST (WX_VARIANT >= 2 && WX_VARIANT <= 4)
+#define WX_PIPE (WX_VARIANT >= 6) /* persistent, through shared memory (wx_fp8_pipe.cu) */
 #define WX_K (WX_VARIANT >= 3 ? 2 : 1) /* adjacent 16-byte source chunks per thread and row */
 #define WX_ALT (WX_VARIANT == 4) /* the persistent loop alternates two buffers (no copies) */
 
@@ -59,8 +68,8 @@ struct wx_fp8_piece {
 #ifndef WX_MINB
 #if WX_ALT
 #define WX_MINB 1 /* two tiles of 16-bit chunks and two jobs in registers: 186 registers */
-#elif WX_PERSIST
-#define WX_MINB 2 /* two tiles of 16-bit chunks in registers per thread */
+#elif WX_PERSIST || WX_PIPE
+#define WX_MINB 2 /* v2/v3: two tiles of 16-bit chunks in registers per thread */
 #else
 #define WX_MINB 4 /* CTAs per SM the register budget allows (wx_fp8.c may set it) */
 #endif
@@ -382,7 +391,7 @@ __device__ __forceinline__ void wx_piece_of(const wx_fp8_piece *pieces, const wx
         wx_piece_read<false>(inl.p, n, t, pc);
 }
 
-#if !WX_PERSIST
+#if !WX_PERSIST && !WX_PIPE
 extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
     wx_fp8_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles,
                  const __grid_constant__ wx_fp8_inline inl)
@@ -545,7 +554,9 @@ __device__ __forceinline__ void wx_run(const wx_job &j, const uint4 *v, wx_u32 *
         wx_tile32(j, red);
 }
 
-#if !WX_ALT
+#if WX_PIPE
+#include "wx_fp8_pipe.cu"
+#elif !WX_ALT
 /* Persistent grid: CTA b takes tiles b, b + G, b + 2G, ... (G = gridDim.x). The chunks of
  * the next 16-bit tile are loaded before the current one is reduced and stored, and the tile
  * after it is looked up once those loads are in flight. */

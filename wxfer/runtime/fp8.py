@@ -127,31 +127,38 @@ def _norm(out, jobs):
     return _checked(out.numel(), out.device, jobs)
 
 
-def _checked(n: int, device, jobs) -> list:
-    """The non-empty jobs, each inside the n bytes of the output on `device`."""
+def _checked(n: int, dev, jobs) -> list:
+    """The non-empty jobs, each inside the n bytes of the output on `dev`."""
     res = []
     for i, job in enumerate(jobs):
         t, qo, so = job
-        if t.dim() != 2:
+        shape = t.shape
+        if len(shape) != 2:
             raise ValueError(
-                f"quantize_into: job {i}: FP8 block quantization needs a 2-D tensor, got shape {tuple(t.shape)}"
+                f"quantize_into: job {i}: FP8 block quantization needs a 2-D tensor, got shape {tuple(shape)}"
             )
-        if t.device != device:
-            raise ValueError(f"quantize_into: job {i} is on {t.device}, out on {device}")
-        rows, cols = t.shape
+        if t.device != dev:
+            raise ValueError(f"quantize_into: job {i} is on {t.device}, out on {dev}")
+        rows, cols = shape
         if rows == 0 or cols == 0:
             continue
-        need = ((qo, rows * cols, "fp8"), (so, -(-rows // _BLOCK) * -(-cols // _BLOCK) * 4, "scale"))
-        for off, nb, what in need:
-            if off is not None and (off < 0 or off + nb > n):
-                raise ValueError(
-                    f"quantize_into: job {i} ({rows}x{cols}): its {what} bytes "
-                    f"[{off}, {off + nb}) are not inside out ({n} bytes)"
-                )
-        if qo is None and so is None:
-            continue
+        if qo is None:
+            if so is None:
+                continue
+        elif qo < 0 or qo + rows * cols > n:
+            _outside(i, rows, cols, "fp8", qo, rows * cols, n)
+        if so is not None:
+            nb = -(-rows // _BLOCK) * -(-cols // _BLOCK) * 4
+            if so < 0 or so + nb > n:
+                _outside(i, rows, cols, "scale", so, nb, n)
         res.append((t, qo, so))
     return res
+
+
+def _outside(i, rows, cols, what, off, nb, n):
+    raise ValueError(
+        f"quantize_into: job {i} ({rows}x{cols}): its {what} bytes [{off}, {off + nb}) are not inside out ({n} bytes)"
+    )
 
 
 def quantize_into(out, jobs) -> str:
@@ -225,16 +232,18 @@ def _native_at(device, ptr: int, nbytes: int, jobs):
     tiles = 0
     for t, qo, so in jobs:
         rows, cols = t.shape
-        if t.dtype not in codes:  # the reference computes in float32 too: same bytes
+        code = codes.get(t.dtype)
+        if code is None:  # the reference computes in float32 too: same bytes
             t = t.to(torch.float32)
             keep.append(t)
-        if cols > 1 and t.stride(1) != 1:
+            code = codes[torch.float32]
+        st = t.stride()
+        if cols > 1 and st[1] != 1:
             t = t.contiguous()
             keep.append(t)
-        ld = t.stride(0) if rows > 1 else cols
-        table.extend(
-            (t.data_ptr(), codes[t.dtype], ld, rows, cols, -1 if qo is None else qo, -1 if so is None else so, tiles)
-        )
+            st = t.stride()
+        ld = st[0] if rows > 1 else cols
+        table.extend((t.data_ptr(), code, ld, rows, cols, -1 if qo is None else qo, -1 if so is None else so, tiles))
         tiles += -(-rows // _BLOCK) * -(-cols // _BLOCK)
     dev = None
     if len(jobs) > _INLINE:  # else the table travels in the launch's parameters (no copy)
