@@ -175,7 +175,8 @@ def main(argv=None) -> int:
     print("%s %s: %d tasks, %.2f GB (largest %.1f MB)" % (a.model, a.quant, len(sizes), total / 1e9, max(sizes) / 1e6))
     ctx = mp.get_context("spawn")
     rc, rchild = ctx.Pipe()
-    rx = ctx.Process(target=receiver, args=(rchild, 0, total, ctx.Queue()))
+    rq = ctx.Queue()  # unused by this benchmark; kept referenced while the receiver starts
+    rx = ctx.Process(target=receiver, args=(rchild, 0, total, rq))
     rx.start()
     if not rc.poll(120):
         print("receiver process failed to start")
