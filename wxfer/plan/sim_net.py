@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kinds import KINDS
+
 
 def _waterfill(fa, fb, cap, demand, iters=16):
     """Bytes per flow for one step: flows over links (fa, fb), link capacities `cap`."""
@@ -65,13 +67,16 @@ class _Jobs:
     fp8: np.ndarray | None = None  # [J] whether it quantizes
     nwrites: np.ndarray | None = None  # [J] transfers (one write each)
     job_of: dict | None = None  # (rank, task) -> job
+    kind: np.ndarray | None = None  # [J] index into wxfer.plan.kinds.KINDS (None: every job packed)
+    launches: np.ndarray | None = None  # [J] packing kernel launches (native kernel: merged raw pieces + 1 for FP8)
 
     @property
     def n(self) -> int:
         return int(self.rank.size)
 
 
-def _jobs(plan, ngpu: int) -> _Jobs:
+def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
+    """The jobs of `plan`; kinds: task -> kind on its senders (wxfer.plan.kinds; absent: packed)."""
     n = plan.n_transfers
     if n:
         brk = np.r_[True, (plan.sender[1:] != plan.sender[:-1]) | (plan.task[1:] != plan.task[:-1])]
@@ -90,7 +95,9 @@ def _jobs(plan, ngpu: int) -> _Jobs:
     of_task: dict = {}
     for j in range(J):
         of_task.setdefault(int(jtask[j]), []).append(j)
-    pieces, fp8, nwrites = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
+    pieces, fp8, nwrites, launches = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
+    code = {k: i for i, k in enumerate(KINDS)}
+    kind = np.array([code[(kinds or {}).get(int(t), "packed")] for t in jtask], np.int64)
     return _Jobs(
         jrank,
         jtask,
@@ -107,17 +114,22 @@ def _jobs(plan, ngpu: int) -> _Jobs:
         fp8,
         nwrites,
         {(int(jrank[j]), int(jtask[j])): j for j in range(J)},
+        kind,
+        launches,
     )
 
 
 def _job_pieces(plan, job_of, J: int):
     """Per job: pieces packed (each distinct shard of its buffer once; a scale shard shares its
-    fp8 shard's quantization), whether any is FP8, and its number of writes."""
+    fp8 shard's quantization), whether any is FP8, its number of writes, and the launches of
+    the native packing (one copy per run of consecutive row ranges of a raw shard, as
+    wxfer.runtime.prepare._merge_rows, plus one launch for all its FP8 pieces)."""
     nwrites = np.bincount(job_of, minlength=J).astype(np.int64) if J else np.zeros(0, np.int64)
     pieces = np.zeros(J, np.int64)
+    launches = np.zeros(J, np.int64)
     fp8 = np.zeros(J, bool)
     if not J:
-        return pieces, fp8, nwrites
+        return pieces, fp8, nwrites, launches
     key = job_of * (int(plan.src_offset.max()) + 1) + plan.src_offset  # one per packed shard
     _, first = np.unique(key, return_index=True)
     for i in first.tolist():
@@ -127,7 +139,19 @@ def _job_pieces(plan, job_of, J: int):
             fp8[j] = True
         if sh.kind != "scale":
             pieces[j] += len(sh.pieces)
-    return pieces, fp8, nwrites
+        if sh.kind == "raw":
+            launches[j] += _merged(sh.pieces)
+    return pieces, fp8, nwrites, launches + fp8
+
+
+def _merged(pieces) -> int:
+    """Pieces left after merging runs of consecutive row ranges of one source (same columns)."""
+    n, last = 0, None
+    for pc in pieces:
+        if last is None or not (last.src == pc.src and last.r1 == pc.r0 and (last.c0, last.c1) == (pc.c0, pc.c1)):
+            n += 1
+        last = pc
+    return n
 
 
 class _Network:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .kinds import KINDS, batches
 from .sim_net import _Jobs, _Network
 
 
@@ -24,6 +25,8 @@ class _StageModel:
         self.quant_bw = self.mem_bw if cal.quant_GBps is None else cal.quant_GBps * 1e9
         self.barrier_s = float(cluster.barrier_s)
         self.serial, self.host_sync = bool(cal.serial), bool(cal.host_sync)
+        self.zc_batch = max(1, int(cal.zc_batch))
+        self.begin_s = float(cal.push_begin_s)
 
     def h2d_s(self, task, k: int) -> float:
         """Copy this rank's 1/k of the task's sources over PCIe (one copy per source)."""
@@ -49,21 +52,38 @@ class _StageModel:
         return task.src_bytes * (k - 1) / k
 
     def pack_s(self, task, packed: float, pieces: int = 0, fp8: bool = False) -> float:
-        """Fuse / quantize / pack: one launch per piece, the full tensors read and the packed
-        buffer written at the quantizer's rate (FP8) or the copy rate."""
+        """Fuse / quantize / pack: `pieces` launches (see launches()), the full tensors read and
+        the packed buffer written at the quantizer's rate (FP8) or the copy rate."""
         return self.cal.pack_launch_s * pieces + (task.src_bytes + packed) / (self.quant_bw if fp8 else self.copy_bw)
+
+    def launches(self, pieces: int, merged: int) -> int:
+        """Kernel launches of a packing: one per piece (the reference quantizer), or the native
+        packing's (`merged`: a copy per merged raw piece, one launch for all FP8 pieces)."""
+        return pieces if self.cal.launch_per_piece else merged
 
     def write_post_s(self, nwrites: int) -> float:
         return self.cal.write_call_s * nwrites
+
+    def zc_host_s(self, last_of_batch: bool) -> float:
+        """Host work of one zero-copy task (and of its submit_prepared call when it is the last
+        of its batch)."""
+        return self.cal.host_zc_task_s + (self.cal.host_zc_batch_s if last_of_batch else 0.0)
+
+
+_ZC, _STAGED, _PACKED, _DIRECT, _COLL = (KINDS.index(k) for k in KINDS)
 
 
 class _Meshes:
     """The order of stage events.  A mesh runs its tasks' all-gathers in plan order, the
     next one when the previous ended, its group was released (the previous group's last
-    all-gather ended, plus the barrier), its ranks' H2D of the task is done (offload), and
-    every rank of it has room under the watermark for the full tensor and its packed
-    buffer.  A sending rank packs each task after its all-gather, one task at a time; the
-    task's jobs are ready when their rank's packing is done."""
+    all-gather ended, plus the barrier), its ranks' host has issued it (after its earlier
+    tasks and its admission under the watermark), its ranks' H2D of the task is done
+    (offload: on the rank's one stream before the gather when serial, else a stream of its
+    own), and every sending rank has room under the watermark for its buffer (what the
+    engine holds: nothing for a zero-copy task).  A sending rank packs each task after its
+    all-gather, one task at a time; a zero-copy task costs only host time, its batch's jobs
+    are handed over when the batch's last task is; jobs become ready in their rank's order
+    (the engine's FIFO), each after its predecessor's writes were posted."""
 
     def __init__(self, plan, cluster, model: _StageModel, jobs: _Jobs, record: bool):
         self.plan, self.model, self.jobs, self.record = plan, model, jobs, record
@@ -76,27 +96,39 @@ class _Meshes:
         self.group_left = np.zeros(G, np.int64)
         for t in plan.tasks:
             self.group_left[t.group] += 1
+        b0 = model.begin_s
         self.release = np.full(G + 1, np.inf)
-        self.release[0] = 0.0
+        self.release[0] = b0
         for g in range(G):  # empty groups release at once
             if self.group_left[g] == 0:
                 self.release[g + 1] = self.release[g]
         self.timeline: list = []
-        self.h2d_done = self._h2d() if model.offload else {}
+        self.kind = jobs.kind if jobs.kind is not None else np.full(jobs.n, _PACKED)
+        self.h2d_stream = model.offload and not model.serial  # H2D on a stream of its own
+        self.h2d_done = self._h2d() if self.h2d_stream else {}
         self.mem = np.zeros(world)
-        self.quant_free = np.zeros(world)  # end of the rank's last packing
-        self.host_free = np.zeros(world)  # when the rank's host is done with its last task
-        self.dev_free = np.zeros(world)  # serial: end of the rank's last gather or packing
+        self.held = np.zeros(jobs.n)  # what each job holds under the watermark
+        self.mem_free_t = np.zeros(world)  # when the rank's last buffer was released
+        self.admit_t: dict = {}  # mesh -> when its ranks were admitted after the watermark held them
+        self.blocked: set = set()
+        self.quant_free = np.full(world, b0)  # end of the rank's last packing
+        self.host_free = np.full(world, b0)  # when the rank's host is done with its last task
+        self.dev_free = np.full(world, b0)  # serial: end of the rank's last H2D, gather or packing
+        self.post_free = np.zeros(world)  # when the rank's engine posted its last job's writes
         self.busy_s = {k: np.zeros(world) for k in ("host", "allgather", "pack")}  # seconds per rank
+        self.h2d_busy = np.zeros(world)
         self.ptr = {m: 0 for m in range(len(plan.meshes))}
         self.busy = {m: 0.0 for m in range(len(plan.meshes))}  # end of the mesh's last all-gather
         self.open = list(range(len(plan.meshes)))
         self.act_time = np.full(jobs.n, np.inf)
         self.pending: list = []  # jobs packed later than now
+        self.zc_last = self._zc_batches()
+        self.zc_open: list = [[] for _ in range(world)]  # zero-copy jobs of the rank's open batch
         self.stage_end = {"h2d": max(self.h2d_done.values(), default=0.0), "allgather": 0.0, "quant": 0.0, "write": 0.0}
 
     def _h2d(self) -> dict:
-        """(rank, task) -> end of its H2D: one stream per rank, in the rank's task order."""
+        """(rank, task) -> end of its H2D on a stream of its own (not serial), in the rank's
+        task order."""
         plan = self.plan
         done, free = {}, np.zeros(plan.train_world)
         for g in plan.groups:
@@ -111,8 +143,42 @@ class _Meshes:
                             self.timeline.append(("h2d", r, ti, done[(r, ti)] - d, done[(r, ti)]))
         return done
 
+    def _zc_batches(self) -> set:
+        """The zero-copy jobs that end a batch (wxfer.plan.kinds.batches over each rank's tasks
+        of a mesh group, in the rank's order)."""
+        jb, out = self.jobs, set[int]()
+        if jb.job_of is None or not (self.kind == _ZC).any():
+            return out
+        for r in np.unique(jb.rank[self.kind == _ZC]).tolist():
+            for g in self.plan.rank_schedule(r):
+                js = [jb.job_of.get((r, t)) for t, _ in g]
+                ks = ["zero_copy" if j is not None and self.kind[j] == _ZC else "other" for j in js]
+                out.update(js[a + n - 1] for a, n in batches(ks, self.model.zc_batch))
+        return out
+
+    def _zero_copy(self, m: int, ti: int) -> bool:
+        ranks = self.plan.meshes[m]
+        if len(ranks) != 1 or self.jobs.job_of is None:
+            return False
+        j = self.jobs.job_of.get((ranks[0], ti))
+        return j is not None and self.kind[j] == _ZC
+
+    def _held(self, r: int, ti: int) -> float:
+        j = self.jobs.job_of.get((r, ti)) if self.jobs.job_of is not None else None
+        if j is None or self.kind[j] in (_ZC, _DIRECT):
+            return 0.0
+        return float(self.jobs.packed[j])
+
     def finished(self) -> bool:
         return all(self.ptr[m] >= len(self.plan.mesh_tasks[m]) for m in self.ptr)
+
+    def _h2d_span(self, r: int, m: int, ti: int, adm: float) -> tuple:
+        """Serial offload: (start, end) of rank r's H2D of task ti on its stream (issued by the
+        host after its admission at `adm`)."""
+        md = self.model
+        h = max(self.host_free[r], adm) + md.host_gather_s(self.plan.tasks[ti])
+        d0 = max(self.dev_free[r], h)
+        return d0, d0 + md.h2d_s(self.plan.tasks[ti], len(self.plan.meshes[m]))
 
     def ready_time(self, m: int) -> float:
         """When mesh m's next all-gather can start: the mesh, its group, its H2D, every rank's
@@ -120,13 +186,18 @@ class _Meshes:
         ti = self.plan.mesh_tasks[m][self.ptr[m]]
         s = max(self.busy[m], self.release[self.group_of_mesh[m]])
         ranks = self.plan.meshes[m]
-        if self.model.offload:
+        if self._zero_copy(m, ti):  # no device work: when the host gets to it
+            return max(s, self.host_free[ranks[0]])
+        if self.h2d_stream:
             s = max(s, max(self.h2d_done[(r, ti)] for r in ranks))
         hg = self.model.host_gather_s(self.plan.tasks[ti])
-        if hg > 0:
-            s = max(s, max(self.host_free[r] for r in ranks) + hg)
+        adm = self.admit_t.get(m, 0.0)
+        if hg > 0 or adm > 0:
+            s = max(s, max(max(self.host_free[r], adm) for r in ranks) + hg)
         if self.model.serial:
             s = max(s, max(self.dev_free[r] for r in ranks))
+            if self.model.offload:
+                s = max(s, max(self._h2d_span(r, m, ti, adm)[1] for r in ranks))
         return s
 
     def start(self, now: float, net: _Network) -> None:
@@ -142,14 +213,23 @@ class _Meshes:
             s = self.ready_time(m)
             if s > now:
                 return
-            P = plan.tasks[ti].src_bytes
-            nd = {r: P + self.jobs.packed_of.get((r, ti), 0.0) for r in plan.meshes[m]}
-            if any(self.mem[r] > 0 and self.mem[r] + v > self.wm for r, v in nd.items()):
+            ranks = plan.meshes[m]
+            nd = {r: self._held(r, ti) for r in ranks}
+            if any(self.mem[r] > 0 and v > 0 and self.mem[r] + v > self.wm for r, v in nd.items()):
+                self.blocked.add(m)  # the hosts wait in Engine.reserve
                 return
+            if m in self.blocked:  # admitted when the last buffer was released: start from there
+                self.blocked.discard(m)
+                self.admit_t[m] = max(float(self.mem_free_t[r]) for r in ranks)
+                s = self.ready_time(m)
+                if s > now:
+                    return
             for r, v in nd.items():
                 self.mem[r] += v
+                j = self.jobs.job_of.get((r, ti)) if self.jobs.job_of is not None else None
+                if j is not None:
+                    self.held[j] = v
             self.ptr[m] += 1
-            ranks = plan.meshes[m]
             k = len(ranks)
             if k == 1 or self.intra[m]:
                 e = s + self.model.allgather_s(plan.tasks[ti], k)
@@ -163,29 +243,63 @@ class _Meshes:
         k = len(self.plan.meshes[m])
         self.end_allgather(m, ti, start, t_flows + self.model.coll_call_s(self.plan.tasks[ti], k))
 
+    def _post(self, j: int, r: int, ready: float) -> None:
+        """Job j is ready at `ready`: the engine posts its writes after the rank's earlier jobs'."""
+        assert self.jobs.nwrites is not None
+        t = max(ready, self.post_free[r]) + self.model.write_post_s(int(self.jobs.nwrites[j]))
+        self.post_free[r] = t
+        self.act_time[j] = t
+        self.pending.append(j)
+
+    def _zero_copy_end(self, r: int, j: int, s: float) -> None:
+        """A zero-copy task on rank r reached by its host at s: host time only; the batch's jobs
+        are handed to the engine (all at once) after its last task."""
+        last = j in self.zc_last
+        h = max(self.host_free[r], s) + self.model.zc_host_s(last)
+        self.busy_s["host"][r] += h - max(self.host_free[r], s)
+        self.host_free[r] = h
+        self.zc_open[r].append(j)
+        if last:
+            for jj in self.zc_open[r]:
+                self._post(jj, r, h)
+            self.zc_open[r] = []
+
     def end_allgather(self, m: int, ti: int, start: float, t_end: float) -> None:
-        """All-gather of task ti ended: pack on the senders, free the full tensors, release
-        the next group when this was its group's last."""
-        plan, jb = self.plan, self.jobs
+        """All-gather of task ti ended: pack on the senders, release the next group when this
+        was its group's last."""
+        plan, jb, md = self.plan, self.jobs, self.model
         assert jb.job_of is not None and jb.pieces is not None and jb.fp8 is not None and jb.nwrites is not None
+        assert jb.launches is not None
         task = plan.tasks[ti]
-        if self.record:
+        zc = self._zero_copy(m, ti)
+        if self.record and not zc:
             for r in plan.meshes[m]:
                 self.timeline.append(("allgather", r, ti, start, t_end))
         self.stage_end["allgather"] = max(self.stage_end["allgather"], t_end)
-        md = self.model
         hg = md.host_gather_s(task)
+        adm = self.admit_t.pop(m, 0.0)
         for r in plan.meshes[m]:
             j = jb.job_of.get((r, ti))
+            if zc:
+                assert j is not None
+                self._zero_copy_end(r, j, start)
+                continue
+            if md.serial and md.offload:
+                d0, d1 = self._h2d_span(r, m, ti, adm)
+                self.h2d_busy[r] += d1 - d0
+                self.stage_end["h2d"] = max(self.stage_end["h2d"], d1)
+                if self.record:
+                    self.timeline.append(("h2d", r, ti, d0, d1))
+            h0 = max(self.host_free[r], adm)
             # the host after issuing the gather (host_sync: after waiting for it)
-            hr = t_end if md.host_sync else self.host_free[r] + hg
+            hr = t_end if md.host_sync else h0 + hg
             self.busy_s["host"][r] += hg
             self.busy_s["allgather"][r] += t_end - start
-            if j is not None and jb.packed[j] > 0:
+            if j is not None and self.kind[j] != _STAGED and jb.packed[j] > 0:
                 pieces = int(jb.pieces[j])
                 hp = hr + md.host_pack_s(pieces)
                 q0 = max(t_end, self.quant_free[r], hp)
-                q1 = q0 + md.pack_s(task, jb.packed[j], pieces, bool(jb.fp8[j]))
+                q1 = q0 + md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]))
                 self.quant_free[r] = q1
                 self.dev_free[r] = q1
                 self.host_free[r] = q1 if md.host_sync else hp
@@ -194,13 +308,13 @@ class _Meshes:
                 self.stage_end["quant"] = max(self.stage_end["quant"], q1)
                 if self.record:
                     self.timeline.append(("quant", r, ti, q0, q1))
-            else:
+                ready = max(self.quant_free[r], self.host_free[r])
+            else:  # nothing to pack: sent as gathered (staged), or only the collective
                 self.host_free[r] = hr
                 self.dev_free[r] = max(self.dev_free[r], t_end)
+                ready = max(t_end, hr)
             if j is not None:
-                self.act_time[j] = max(self.quant_free[r], self.host_free[r]) + md.write_post_s(int(jb.nwrites[j]))
-                self.pending.append(j)
-            self.mem[r] -= task.src_bytes
+                self._post(j, r, ready)
         self.busy[m] = t_end
         g = self.group_of_mesh[m]
         self.group_left[g] -= 1
@@ -222,9 +336,10 @@ class _Meshes:
         return ready
 
     def job_done(self, j: int, t: float) -> None:
-        """The job's last write landed at t: its packed buffer is released."""
+        """The job's last write landed at t: its buffer is released."""
         r = int(self.jobs.rank[j])
-        self.mem[r] -= self.jobs.packed[j]
+        self.mem[r] -= self.held[j]
+        self.mem_free_t[r] = max(self.mem_free_t[r], t)
         if self.record:
             self.timeline.append(("write", r, int(self.jobs.task[j]), self.act_time[j], t))
 

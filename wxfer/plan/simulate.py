@@ -49,6 +49,7 @@ class SimResult:
     trace: dict = field(default_factory=dict)  # per network step: t, bytes into inference / out of trainers
     stage_busy_s: dict = field(default_factory=dict)  # stage -> busiest rank's seconds in it (links: the bound)
     calibration: str = ""
+    terms: dict = field(default_factory=dict)  # per-term seconds on the busiest rank (host, kernel, write, ...)
 
     @property
     def bound_by(self) -> str:
@@ -73,6 +74,7 @@ class SimResult:
             max_utilisation={k: float(v.max()) if v.size else 0.0 for k, v in u.items()},
             mean_utilisation={k: float(v.mean()) if v.size else 0.0 for k, v in u.items()},
             stage_end_s=self.stage_end_s,
+            terms=self.terms,
         )
 
     def timeline_frame(self):
@@ -157,11 +159,13 @@ def lower_bound(plan, cluster) -> tuple[float, str]:
     return best, name
 
 
-def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult:
+def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict | None = None) -> SimResult:
     """Predict one update of `plan` on `cluster` (a wxfer.meta.Cluster).
 
     steps: network time steps per lower bound (accuracy vs. speed); record: keep the
-    per-stage timeline (for `timeline_frame()` / `plot_timeline()`)."""
+    per-stage timeline (for `timeline_frame()` / `plot_timeline()`); kinds: task -> kind of
+    work on its senders (wxfer.plan.kinds: ``task_kinds(plan, train_params)`` or a Sender's
+    ``task_kinds()``); None: every task packed."""
     import time as _time
 
     w0 = _time.perf_counter()
@@ -174,7 +178,7 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
         )
     lbytes, lbw = _links(plan, cluster)
     lb, bname = lower_bound(plan, cluster)
-    jobs = _jobs(plan, ngpu)
+    jobs = _jobs(plan, ngpu, kinds)
     net = _Network(
         jobs, world, ngpu, cluster.nic_GBps * 1e9, cluster.write_bw, cluster.max_posted_bytes, cluster.write_latency_s
     )
@@ -207,19 +211,36 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
         if nstep > max_steps:
             raise RuntimeError("simulation did not finish (more than 200x the lower bound)")
     stage_end = meshes.stage_end
-    total = max(last_write, stage_end["allgather"], stage_end["quant"])
-    if cluster.cal.cpu_shared:  # stage 2 and the writes take turns on the same cores
+    cal = cluster.cal
+    total = max(last_write, stage_end["allgather"], stage_end["quant"], float(meshes.host_free.max(initial=0.0)))
+    wr = np.bincount(plan.sender, plan.nbytes, world) / cluster.write_bw if plan.n_transfers else np.zeros(world)
+    if cal.cpu_shared:  # stage 2 and the writes take turns on the same cores
         # the write rate was measured with one writer and one target using the machine's cores: every
         # trainer's writes take turns on them (all bytes / that rate)
         per_rank = cast(np.ndarray, sum(meshes.busy_s.values()))  # busy_s is never empty: not the 0 start
         wl = float(plan.nbytes.sum()) / cluster.write_bw if plan.n_transfers else 0.0
-        total = max(total, (float(per_rank.max()) if per_rank.size else 0.0) + wl)
-    total += cluster.cal.push_fixed_s
+        total = max(total, cal.push_begin_s + (float(per_rank.max()) if per_rank.size else 0.0) + wl)
+    if cal.device_shared and world:  # a rank's kernels and its writes share its GPU's memory
+        total = max(total, cal.push_begin_s + float((meshes.busy_s["pack"] + wr).max()))
+    total += cal.push_end_s + cal.push_fixed_s
     stage_end["write"] = last_write
     busy = {k: float(v.max()) if v.size else 0.0 for k, v in meshes.busy_s.items()}
-    busy["h2d"] = stage_end["h2d"]
+    # H2D: seconds on the busiest rank's stream (serial), else when its own stream ended
+    busy["h2d"] = float(meshes.h2d_busy.max(initial=0.0)) if not meshes.h2d_stream else stage_end["h2d"]
     busy["links"] = lb
-    busy["push_fixed"] = cluster.cal.push_fixed_s
+    busy["push_fixed"] = cal.push_fixed_s + cal.push_begin_s + cal.push_end_s
+    nw = np.bincount(plan.sender, minlength=world) if plan.n_transfers else np.zeros(world)
+    terms = dict(  # each term on its busiest trainer rank, seconds (not a sum: stages overlap)
+        host_s=busy["host"],
+        kernel_s=busy["pack"],
+        allgather_s=busy["allgather"],
+        h2d_s=busy["h2d"],
+        write_s=float((wr + nw * cal.write_call_s).max(initial=0.0)),
+        stamps_s=cal.push_begin_s + cal.push_end_s + cal.push_fixed_s,
+        links_s=lb,
+        zero_copy_tasks=int((meshes.kind == 0).sum()),
+        jobs=int(jobs.n),
+    )
     trace = dict(
         t=np.array(tr_t),
         dt=dt,
@@ -240,5 +261,6 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True) -> SimResult
         _time.perf_counter() - w0,
         trace,
         busy,
-        cluster.cal.name,
+        cal.name,
+        terms,
     )

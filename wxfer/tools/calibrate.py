@@ -283,72 +283,58 @@ def measure_links(dev, quick: bool) -> dict:
 # --------------------------------------------------------------------------- host cost of a task
 
 
-def _fit(rows, ys):
-    """Non-negative least squares by elimination: columns with a negative coefficient are
-    dropped and the rest refitted.  Returns one coefficient per column."""
-    import numpy as np
-
-    A = np.asarray(rows, float)
-    y = np.asarray(ys, float)
-    keep = list(range(A.shape[1]))
-    while keep:
-        coef, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
-        if (coef >= 0).all():
-            out = np.zeros(A.shape[1])
-            out[keep] = coef
-            return out
-        keep.pop(int(np.argmin(coef)))
-    return np.zeros(A.shape[1])
-
-
-def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None) -> dict:
-    """Host seconds per task and per parameter, and the fixed cost per push, fitted on the
-    engine's trace of `pushes` pushes of an existing `wxfer.Sender` (after one warm-up push).
-    A gap between two tasks' submissions is the second task's host work; on CPU (the
-    sender's device) it also holds the packing, subtracted at `copy_GBps`.  A benchmark can
-    call this on its own trainer rank and put the result into a Calibration."""
+def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None, write_GBps: float | None = None) -> dict:
+    """The push's host and fixed costs fitted on the engine's trace of `pushes` pushes of an
+    existing `wxfer.Sender` (after one warm-up push), as the runtime submits (wxfer.runtime.
+    hostfit): per zero-copy task and per submit_prepared batch, per packed task, parameter and
+    piece, before the first task (the begin stamps) and after the last write (the end stamps);
+    with `write_GBps`, the cost per write.  On CPU (the sender's device) a packed task's gap
+    also holds its packing, taken out at `copy_GBps`.  A benchmark can call this on its own
+    trainer rank and put the result into a Calibration."""
     import time as _t
-    from ..runtime.sender import STAMP_TAG
+    from ..plan.kinds import ZERO_COPY_BATCH
+    from ..runtime import hostfit
 
     cpu = sender.device.type == "cpu"
     ops = {op.task: op for g in sender.program.groups for op in g}
-    samples, fixed, push_s = [], [], []
+    order = [[op.task for op in g] for g in sender.program.groups]
+    info = {
+        t: (len(op.sources), sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")) for t, op in ops.items()
+    }
+    work = {}
+    if cpu and copy_GBps:
+        for t, op in ops.items():
+            work[t] = (sum(p.numel() * p.element_size() for _, p in op.sources) + op.nbytes) / (copy_GBps * 1e9)
     sender.push()  # warm-up
+    kinds = sender.task_kinds()  # after a push: zero copy as decided there
+    traced, push_s = [], []
     for _ in range(pushes):
         sender.trace(clear=True)
         t0 = _t.perf_counter_ns()
         sender.push()
         t1 = _t.perf_counter_ns()
-        recs = sorted(
-            (r for r in sender.trace() if r["tag"] != STAMP_TAG and r["tag"] in ops), key=lambda r: r["t_submit"]
-        )
-        if not recs:
-            continue
+        traced.append((t0, t1, sender.trace()))
         push_s.append((t1 - t0) / 1e9)
-        fixed.append(((recs[0]["t_submit"] - t0) + (t1 - max(r["t_done"] for r in recs))) / 1e9)
-        prev = t0
-        for r in recs:
-            op = ops[r["tag"]]
-            pieces = sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")
-            src = sum(p.numel() * p.element_size() for _, p in op.sources)
-            work = (src + op.nbytes) / (copy_GBps * 1e9) if cpu and copy_GBps else 0.0
-            samples.append(((1.0, len(op.sources), pieces), (r["t_submit"] - prev) / 1e9 - work))
-            prev = r["t_submit"]
-    if not samples:
-        raise RuntimeError("host_costs: the pushes traced no task of this rank")
-    # one receiver: a task's pieces follow its parameters (q, k, v: 3 and 3), so the per-piece
-    # cost cannot be told apart from the per-parameter one here: fitted as per task + per parameter
-    coef = list(_fit([s_[0][:2] for s_ in samples], [max(0.0, s_[1]) for s_ in samples])) + [0.0]
-    fixed.sort()
+    out = hostfit.fit(traced, order, kinds, info, ZERO_COPY_BATCH, work, write_GBps)
     push_s.sort()
-    return dict(
-        host_task_s=float(coef[0]),
-        host_param_s=float(coef[1]),
-        host_piece_s=float(coef[2]),
-        push_fixed_s=fixed[len(fixed) // 2],
+    out.update(
         host_push_s=push_s[len(push_s) // 2],
         host_tasks=len(ops),
-        host_samples=len(samples),
+        host_kinds={k: sum(1 for v in kinds.values() if v == k) for k in sorted(set(kinds.values()))},
+    )
+    return out
+
+
+def hostfit_keys() -> tuple:
+    """The Calibration fields host_costs() measures."""
+    return (
+        "host_task_s",
+        "host_param_s",
+        "host_piece_s",
+        "host_zc_task_s",
+        "host_zc_batch_s",
+        "push_begin_s",
+        "push_end_s",
     )
 
 
@@ -422,12 +408,16 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
     try:
         det.update(measure_host(dev, det, quick))
         log(
-            "calibrate: host %.1f us per task + %.1f us per parameter + %.1f us per piece; %.2f ms per push"
+            "calibrate: host %.1f us per packed task + %.1f us per parameter + %.1f us per piece, %.1f us per "
+            "zero-copy task + %.1f us per batch; %.2f ms before the first task, %.2f ms after the last write"
             % (
                 det["host_task_s"] * 1e6,
                 det["host_param_s"] * 1e6,
                 det["host_piece_s"] * 1e6,
-                det["push_fixed_s"] * 1e3,
+                det["host_zc_task_s"] * 1e6,
+                det["host_zc_batch_s"] * 1e6,
+                det["push_begin_s"] * 1e3,
+                det["push_end_s"] * 1e3,
             )
         )
     except Exception as e:  # noqa: BLE001 -- keep the rest; say why
@@ -450,7 +440,7 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
         machine += ", " + torch.cuda.get_device_name(dev)
     if hasattr(os, "getloadavg"):
         machine += ", load average %.1f" % os.getloadavg()[0]
-    keys = ("host_task_s", "host_param_s", "host_piece_s", "push_fixed_s")
+    keys = hostfit_keys()
     host = {k: det[k] for k in keys if k in det}
     cal = Calibration(
         name="measured-" + dev.type,
