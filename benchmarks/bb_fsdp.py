@@ -283,7 +283,7 @@ def simulated(sender, dev, a: dict) -> dict:
         link = a.get("_link_GBps") or k["copy_GBps"]
         offload = dev.type == "cuda" and _offloaded(sender, dev)
         h2d = a.get("_h2d_GBps") if offload else None
-        h = host_costs(sender, 3, k["copy_GBps"], link)
+        h = host_costs(sender, 3, k["copy_GBps"], link, k["quant_GBps"])
         kinds = sender.task_kinds()
         cpu = dev.type == "cpu"
         cal = Calibration(

@@ -165,3 +165,19 @@ def test_nnls_drops_negative_columns():
     A = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
     assert nnls(A, [3.0, 2.0, 1.0]).tolist() == pytest.approx([2.0, 0.0])  # slope -1: dropped
     assert nnls(A, A @ [1.0, 2.0]).tolist() == pytest.approx([1.0, 2.0])
+
+
+def test_device_times_of_packed_tasks_on_one_stream():
+    from wxfer.runtime.hostfit import device_times
+
+    # three packed tasks: 2 ms, queued behind it 3 ms, then after an idle gap 1 ms; 1 GB each
+    recs = [
+        dict(tag=1, t_admit=50 * US, t_submit=100 * US, t_ready=2050 * US),
+        dict(tag=2, t_admit=200 * US, t_submit=300 * US, t_ready=5050 * US),
+        dict(tag=3, t_admit=9000 * US, t_submit=9100 * US, t_ready=10000 * US),
+        dict(tag=STAMP_TAG, t_admit=0, t_submit=0, t_ready=99 * US),
+    ]
+    d = device_times([(0, 0, recs)], {1, 2, 3}, {1: 10**9, 2: 10**9, 3: 10**9}, {1: True, 2: True, 3: False})
+    assert d["fp8"]["tasks"] == 2 and d["fp8"]["seconds"] == pytest.approx(5e-3)
+    assert d["fp8"]["GBps"] == pytest.approx(2e9 / 5e-3 / 1e9)
+    assert d["raw"]["seconds"] == pytest.approx(1e-3)

@@ -152,3 +152,26 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
         recs = [r for _, _, rs in pushes for r in rs]
         out["write_call_s"], out["write_samples"] = write_cost(recs, write_GBps)
     return out
+
+
+def device_times(pushes, tags: set, moved: dict, fp8: dict) -> dict:
+    """The device time of the tasks `tags` (packed or staged: they wait for their own CUDA
+    event) from the traces: each task's stream work ends at its t_ready and starts at the later
+    of its admission (before the host issued any of it) and the previous such task's t_ready
+    (one stream).  Returns per class (fp8: a task with FP8 shards, raw: the others) tasks,
+    seconds and GB/s of `moved` bytes (sources read + buffer written, as the simulator counts
+    them): the device's rate where the stream was busy, lower where the host issued late or
+    the engine saw the event late."""
+    acc = {"fp8": [0, 0.0, 0.0], "raw": [0, 0.0, 0.0]}
+    for _, _, records in pushes:
+        prev = 0
+        for r in sorted((r for r in records if r["tag"] in tags), key=lambda r: r["t_submit"]):
+            if not r.get("t_ready"):
+                continue
+            d = max(0, r["t_ready"] - max(r["t_admit"] or r["t_submit"], prev)) / 1e9
+            a = acc["fp8" if fp8.get(r["tag"]) else "raw"]
+            a[0] += 1
+            a[1] += d
+            a[2] += moved.get(r["tag"], 0)
+            prev = r["t_ready"]
+    return {k: dict(tasks=n, seconds=s, GBps=(b / s / 1e9) if s > 0 else None) for k, (n, s, b) in acc.items() if n}

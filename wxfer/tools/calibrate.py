@@ -283,14 +283,23 @@ def measure_links(dev, quick: bool) -> dict:
 # --------------------------------------------------------------------------- host cost of a task
 
 
-def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None, write_GBps: float | None = None) -> dict:
+def host_costs(
+    sender,
+    pushes: int = 5,
+    copy_GBps: float | None = None,
+    write_GBps: float | None = None,
+    quant_GBps: float | None = None,
+) -> dict:
     """The push's host and fixed costs fitted on the engine's trace of `pushes` pushes of an
     existing `wxfer.Sender` (after one warm-up push), as the runtime submits (wxfer.runtime.
     hostfit): per zero-copy task and per submit_prepared batch, per packed task, parameter and
     piece, before the first task (the begin stamps) and after the last write (the end stamps);
     with `write_GBps`, the cost per write.  On CPU (the sender's device) a packed task's gap
-    also holds its packing, taken out at `copy_GBps`.  A benchmark can call this on its own
-    trainer rank and put the result into a Calibration."""
+    also holds its packing, taken out as the simulator charges it (the sources and the buffer
+    at `quant_GBps` for a task with FP8 shards, else at `copy_GBps`).  On a GPU, the device
+    time of the packed tasks from the same trace (``trace_device``: their CUDA events' ends,
+    one after the other) is reported beside it.  A benchmark can call this on its own trainer
+    rank and put the result into a Calibration."""
     import time as _t
     from ..plan.kinds import ZERO_COPY_BATCH
     from ..runtime import hostfit
@@ -301,10 +310,13 @@ def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None, write_GB
     info = {
         t: (len(op.sources), sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")) for t, op in ops.items()
     }
+    moved = {t: (sum(p.numel() * p.element_size() for _, p in op.sources) + op.nbytes) for t, op in ops.items()}
+    fp8 = {t: any(sh.kind == "fp8" for sh in op.shards) for t, op in ops.items()}
     work = {}
     if cpu and copy_GBps:
-        for t, op in ops.items():
-            work[t] = (sum(p.numel() * p.element_size() for _, p in op.sources) + op.nbytes) / (copy_GBps * 1e9)
+        for t in ops:
+            rate = quant_GBps if fp8[t] and quant_GBps else copy_GBps
+            work[t] = moved[t] / (rate * 1e9)
     sender.push()  # warm-up
     kinds = sender.task_kinds()  # after a push: zero copy as decided there
     traced, push_s = [], []
@@ -316,6 +328,9 @@ def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None, write_GB
         traced.append((t0, t1, sender.trace()))
         push_s.append((t1 - t0) / 1e9)
     out = hostfit.fit(traced, order, kinds, info, ZERO_COPY_BATCH, work, write_GBps)
+    if not cpu:
+        packed = {t for t, k in kinds.items() if k in ("packed", "staged")}
+        out["trace_device"] = hostfit.device_times(traced, packed, moved, fp8)
     push_s.sort()
     out.update(
         host_push_s=push_s[len(push_s) // 2],
@@ -378,7 +393,7 @@ def measure_host(dev, kernels: dict, quick: bool) -> dict:
         raise box["error"]
     recv = box["value"]
     try:
-        return host_costs(sender, 3 if quick else 8, kernels["copy_GBps"])
+        return host_costs(sender, 3 if quick else 8, kernels["copy_GBps"], None, kernels["quant_GBps"])
     finally:
         sender.close()
         recv.close()
