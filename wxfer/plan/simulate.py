@@ -159,13 +159,15 @@ def lower_bound(plan, cluster) -> tuple[float, str]:
     return best, name
 
 
-def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict | None = None) -> SimResult:
+def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict | str | None = None) -> SimResult:
     """Predict one update of `plan` on `cluster` (a wxfer.meta.Cluster).
 
     steps: network time steps per lower bound (accuracy vs. speed); record: keep the
     per-stage timeline (for `timeline_frame()` / `plot_timeline()`); kinds: task -> kind of
-    work on its senders (wxfer.plan.kinds: ``task_kinds(plan, train_params)`` or a Sender's
-    ``task_kinds()``); None: every task packed."""
+    work on its senders (wxfer.plan.kinds; a Sender's ``task_kinds()``), "auto": as the
+    runtime decides them from the plan's training parameters (``task_kinds(plan,
+    plan.train_params, cluster.cpu_offload)``), None: every task packed (the model before
+    zero-copy tasks)."""
     import time as _time
 
     w0 = _time.perf_counter()
@@ -178,6 +180,12 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
         )
     lbytes, lbw = _links(plan, cluster)
     lb, bname = lower_bound(plan, cluster)
+    if isinstance(kinds, str):
+        if kinds != "auto":
+            raise ValueError(f"simulate: kinds must be a dict, 'auto' or None, got {kinds!r}")
+        from .kinds import task_kinds
+
+        kinds = task_kinds(plan, plan.train_params or None, cluster.cpu_offload)
     jobs = _jobs(plan, ngpu, kinds)
     net = _Network(
         jobs, world, ngpu, cluster.nic_GBps * 1e9, cluster.write_bw, cluster.max_posted_bytes, cluster.write_latency_s

@@ -102,7 +102,10 @@ def measure_kernels(dev, quick: bool) -> dict:
     # t = launch + bytes / rate through the two sizes; bytes = BF16 read + FP8 written (as issue 13 counts)
     b_big, b_small = w.numel() * 3, small.numel() * 3
     rate = (b_big - b_small) / max(t_big - t_small, 1e-9)
-    launch = max(0.0, t_small - b_small / rate)
+    launch = call = max(0.0, t_small - b_small / rate)  # one call from Python, timed to its sync
+    dev_launch = _device_launch_s(lambda: q(small), dev)
+    if dev_launch is not None:  # what a launch costs the stream (the host's share is the host fit's)
+        launch = max(0.0, dev_launch - b_small / rate)
     src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
     # into fresh memory each time, as the packing does (one new buffer per task)
     t_copy = _timed(lambda: torch.empty_like(src).copy_(src), dev, iters)
@@ -114,7 +117,31 @@ def measure_kernels(dev, quick: bool) -> dict:
         quant_shape=[n, n],
         quant_s=t_big,
         quant_small_s=t_small,
+        pack_call_s=call,
+        device_launch_s=dev_launch,
     )
+
+
+def _device_launch_s(fn, dev, n: int = 64):
+    """Seconds of the device's stream per call of `fn` (a small kernel), with the host's
+    issuing taken out: the calls are queued behind a spinning kernel (torch.cuda._sleep) and
+    timed between CUDA events.  None on CPU, or when the host had not queued them all before
+    the stream reached them (then the figure would be the host's)."""
+    import torch
+
+    if dev.type != "cuda" or not hasattr(torch.cuda, "_sleep"):
+        return None
+    fn()
+    torch.cuda.synchronize(dev)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2e8))  # ~0.1 s at ~2 GHz: time for the host to queue every call
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    queued = not e0.query()  # the stream was still spinning when the last call was queued
+    torch.cuda.synchronize(dev)
+    return e0.elapsed_time(e1) / 1e3 / n if queued else None
 
 
 # --------------------------------------------------------------------------- the helper process
@@ -496,7 +523,7 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         cal, det = measure(quick=quick, log=log)
     else:
         cal, det = get(calibration), {}
-    r = simulate(plan, cluster_for(plan, cal), steps=400, record=False)
+    r = simulate(plan, cluster_for(plan, cal), steps=400, record=False, kinds="auto")
     return dict(
         simulated_s=r.simulated_s,
         simulated_lower_bound_s=r.lower_bound_s,
