@@ -124,3 +124,21 @@ def test_kernels_and_writes_share_one_gpu():
     shared = simulate(plan, c2, kinds=kinds)
     assert shared.simulated_s == pytest.approx(shared.terms["kernel_s"] + shared.terms["write_s"], rel=0.01)
     assert shared.simulated_s > apart.simulated_s * 1.1
+
+
+def test_direct_tasks_pack_into_the_receivers_without_a_buffer_or_a_write():
+    cal = dict(copy_GBps=1.0, quant_GBps=1.0)
+    c, plan, kinds = _one("qwen3-tiny", "fp8", cal=cal, write_GBps=1.0, watermark_bytes=1)
+    packed = [t for t, k in kinds.items() if k == "packed"]
+    direct = {t: ("direct" if t in packed else k) for t, k in kinds.items()}
+    a = simulate(plan, c, kinds=kinds)
+    b = simulate(plan, c, kinds=direct)
+    from wxfer.plan.simulate import _jobs
+
+    jb = _jobs(plan, 1, direct)
+    sel = np.isin(jb.task, packed)
+    assert jb.wbytes[sel].sum() <= sel.sum() * 8  # their bytes are written by the kernel
+    rest = plan.nbytes[~np.isin(plan.task, packed)].sum() / 1e9  # the others' writes at 1 GB/s
+    assert b.terms["write_s"] == pytest.approx(rest, rel=0.01) and a.terms["write_s"] > 2 * rest
+    assert b.terms["kernel_s"] == pytest.approx(a.terms["kernel_s"])  # at 1 GB/s the kernel, not the link, bounds
+    assert b.simulated_s < a.simulated_s

@@ -14,8 +14,8 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
                    a buffer admitted under the watermark before it is made; host cost per task,
                    per parameter and per piece, the kernel at a rate with a per-launch cost
   direct           (reserved) packed by a kernel that writes straight into the receivers' memory:
-                   no staging buffer, no separate write; the simulator charges its kernel and
-                   counts its bytes as written when the kernel ends
+                   no staging buffer, no separate write; the simulator charges its kernel (at
+                   least its bytes at the write rate) and counts its bytes as written then
   collective_only  the rank takes part in the task's collective but sends nothing
 
 ``task_kinds(plan, params)`` decides from the plan and the trainers' parameter metadata

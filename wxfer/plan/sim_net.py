@@ -98,6 +98,8 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
     pieces, fp8, nwrites, launches = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
     code = {k: i for i, k in enumerate(KINDS)}
     kind = np.array([code[(kinds or {}).get(int(t), "packed")] for t in jtask], np.int64)
+    if J and (kind == code["direct"]).any():  # its kernel writes the receivers' memory: no write left
+        ebytes = np.where(kind[ejob] == code["direct"], 1.0, ebytes)
     return _Jobs(
         jrank,
         jtask,

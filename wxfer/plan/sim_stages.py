@@ -26,6 +26,7 @@ class _StageModel:
         self.barrier_s = float(cluster.barrier_s)
         self.serial, self.host_sync = bool(cal.serial), bool(cal.host_sync)
         self.zc_batch = max(1, int(cal.zc_batch))
+        self.write_bw = cluster.write_bw
         self.begin_s = float(cal.push_begin_s)
 
     def h2d_s(self, task, k: int) -> float:
@@ -299,7 +300,10 @@ class _Meshes:
                 pieces = int(jb.pieces[j])
                 hp = hr + md.host_pack_s(pieces)
                 q0 = max(t_end, self.quant_free[r], hp)
-                q1 = q0 + md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]))
+                q = md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]))
+                if self.kind[j] == _DIRECT:  # the kernel writes into the receivers: at most at the write rate
+                    q = max(q, jb.packed[j] / md.write_bw)
+                q1 = q0 + q
                 self.quant_free[r] = q1
                 self.dev_free[r] = q1
                 self.host_free[r] = q1 if md.host_sync else hp

@@ -221,7 +221,8 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
     stage_end = meshes.stage_end
     cal = cluster.cal
     total = max(last_write, stage_end["allgather"], stage_end["quant"], float(meshes.host_free.max(initial=0.0)))
-    wr = np.bincount(plan.sender, plan.nbytes, world) / cluster.write_bw if plan.n_transfers else np.zeros(world)
+    # each rank's separate writes (a direct task's kernel does its own)
+    wr = np.bincount(jobs.rank, jobs.wbytes, world) / cluster.write_bw if jobs.n else np.zeros(world)
     if cal.cpu_shared:  # stage 2 and the writes take turns on the same cores
         # the write rate was measured with one writer and one target using the machine's cores: every
         # trainer's writes take turns on them (all bytes / that rate)
