@@ -284,6 +284,11 @@ def simulated(sender, dev, a: dict) -> dict:
         offload = dev.type == "cuda" and _offloaded(sender, dev)
         h2d = a.get("_h2d_GBps") if offload else None
         h = host_costs(sender, 3, k["copy_GBps"], link, k["quant_GBps"])
+        if dev.type == "cpu" and h.get("trace_write_GBps"):
+            # CPU dry run: the link bound is a memcpy, the writes go through fabric tcp: their rate and
+            # per-write cost from the Sender's own trace instead
+            link = h["trace_write_GBps"]
+            h["write_call_s"] = h["trace_write_call_s"]
         kinds = sender.task_kinds()
         cpu = dev.type == "cpu"
         cal = Calibration(

@@ -181,3 +181,13 @@ def test_device_times_of_packed_tasks_on_one_stream():
     assert d["fp8"]["tasks"] == 2 and d["fp8"]["seconds"] == pytest.approx(5e-3)
     assert d["fp8"]["GBps"] == pytest.approx(2e9 / 5e-3 / 1e9)
     assert d["raw"]["seconds"] == pytest.approx(1e-3)
+
+
+def test_the_write_path_is_fitted_from_queued_completions():
+    from wxfer.runtime.hostfit import write_path
+
+    order, kinds, info = _program(seed=3, groups=1)
+    _, _, recs = _push(order, kinds, info, 0, write_GBps=2.5, call_s=40e-6)
+    rate, per, n = write_path(recs)
+    assert n > 50 and rate == pytest.approx(2.5e9, rel=0.02) and per == pytest.approx(40e-6, rel=0.05)
+    assert write_path(recs[:1]) == (None, 0.0, 0)

@@ -21,7 +21,8 @@ then, once the writes landed (the last ``t_done``), the end stamps and the group
 per batch and per packed task: host seconds per packed task, per parameter, per piece, per
 zero-copy task and per batch (and per mesh group after the first); the per-push costs
 before the first task and after the last write; and, given the write rate, the cost per
-write from the completions of writes that queued behind each other.  Pure Python + numpy:
+write from the completions of writes that queued behind each other (and, without a rate, the
+write path's rate and per-write cost from them: ``trace_write_GBps``, ``trace_write_call_s``).  Pure Python + numpy:
 tests feed it synthetic traces with known costs.
 """
 
@@ -118,6 +119,23 @@ def write_cost(records, write_GBps: float) -> tuple:
     return max(0.0, float(np.median(per))), len(per)
 
 
+def write_path(records) -> tuple:
+    """(bytes/s, seconds per write, samples) of the write path from the completions of tasks
+    whose writes queued behind the previous task's: each gap between completions = its bytes
+    / rate + its writes x per-write cost, non-negative least squares (rate None when there is
+    nothing to fit)."""
+    recs = sorted((r for r in records if r["tag"] != STAMP_TAG and r.get("nwrites")), key=lambda r: r["t_done"])
+    rows, ys = [], []
+    for a, b in zip(recs, recs[1:]):
+        if b["t_ready"] and b["t_ready"] <= a["t_done"]:
+            rows.append((float(b["bytes"]), float(b["nwrites"])))
+            ys.append((b["t_done"] - a["t_done"]) / 1e9)
+    if not rows:
+        return None, 0.0, 0
+    inv, per = nnls(rows, ys)
+    return (1.0 / inv if inv > 0 else None), float(per), len(rows)
+
+
 def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, work=None, write_GBps=None) -> dict:
     """Fit the push's host and fixed costs on traced pushes.
 
@@ -148,8 +166,10 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
         host_samples=len(samples),
         host_batches=int(sum(1 for f, _ in samples if f[4])),
     )
+    recs = [r for _, _, rs in pushes for r in rs]
+    rate, per, n = write_path(recs)
+    out.update(trace_write_GBps=None if rate is None else rate / 1e9, trace_write_call_s=per)
     if write_GBps:
-        recs = [r for _, _, rs in pushes for r in rs]
         out["write_call_s"], out["write_samples"] = write_cost(recs, write_GBps)
     return out
 
