@@ -52,7 +52,9 @@ class _Engine:
         return t
 
     def submit(self, r, nwrites):
-        self.done = max(self.done, r["t_submit"]) + int(round((r["bytes"] / self.rate + nwrites * self.call_s) * 1e9))
+        # the link and the posting overlap: a task takes its bytes at the rate or its writes' posting
+        step = max(r["bytes"] / self.rate, nwrites * self.call_s)
+        self.done = max(self.done, r["t_submit"]) + int(round(step * 1e9))
         r.update(t_ready=r["t_submit"], t_done=self.done, nwrites=nwrites)
         if r["held"]:
             self.held.append((self.done, r["held"]))
@@ -84,7 +86,7 @@ def _push(order, kinds, info, t0, c=COST, batch=32, watermark=12 << 20, write_GB
                     last = now + carry + ns(n * c["host_zc_task_s"] + c["host_zc_batch_s"])
                     for k in range(n):  # the native submissions, ~1 us apart
                         ts = last - (n - 1 - k) * US
-                        recs.append(dict(tag=tags[a + k], t_submit=ts, t_admit=ts, bytes=1 << 20, held=0))
+                        recs.append(dict(tag=tags[a + k], t_submit=ts, t_admit=ts, bytes=4096, held=0))
                         eng.submit(recs[-1], 1 + tags[a + k] % 3)
                     now, carry = last, 0
                 continue
@@ -148,17 +150,19 @@ def test_other_costs_fit_back_too_and_a_missing_record_is_named():
         fit([(t0, t1, [r for r in recs if r["tag"] == STAMP_TAG])], order, kinds, info)
 
 
-def test_write_cost_uses_only_writes_that_queued():
+def test_write_cost_uses_only_writes_that_queued_and_were_paced_by_posting():
     recs = [
         dict(tag=1, t_ready=0, t_done=1000 * US, bytes=10**6, nwrites=1),
-        # ready before 1 completed: 1 MB at 1 GB/s (1 ms) + 2 writes x 50 us
-        dict(tag=2, t_ready=10 * US, t_done=2100 * US, bytes=10**6, nwrites=2),
+        # ready before 1 completed, 1 MB at 1 GB/s (1 ms): the link set its pace
+        dict(tag=2, t_ready=10 * US, t_done=2000 * US, bytes=10**6, nwrites=2),
+        # ready before 2 completed, 1 KB in 4 writes over 200 us: posting set its pace
+        dict(tag=4, t_ready=20 * US, t_done=2200 * US, bytes=1000, nwrites=4),
         # ready long after: the gap is idle time, not write cost
-        dict(tag=3, t_ready=9000 * US, t_done=10000 * US, bytes=10**6, nwrites=1),
+        dict(tag=3, t_ready=9000 * US, t_done=10000 * US, bytes=1000, nwrites=1),
     ]
     c, n = write_cost(recs, 1.0)
     assert n == 1 and c == pytest.approx(50e-6)
-    assert write_cost(recs[:1], 1.0) == (0.0, 0)
+    assert write_cost(recs[:2], 1.0) == (0.0, 0)
 
 
 def test_nnls_drops_negative_columns():

@@ -104,36 +104,47 @@ def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict) 
     return out
 
 
-def write_cost(records, write_GBps: float) -> tuple:
-    """(seconds per write, samples): from the completions of tasks whose writes queued behind
-    the previous task's (ready before it completed), each gap between completions less its
-    bytes at `write_GBps`, per write (the record's nwrites), the median."""
+def _queued(records) -> list:
+    """[(gap s, bytes, writes)] of the tasks whose writes queued behind the previous task's
+    (ready before it completed): the time from the previous completion to theirs."""
     recs = sorted((r for r in records if r["tag"] != STAMP_TAG and r.get("nwrites")), key=lambda r: r["t_done"])
-    per = []
-    for a, b in zip(recs, recs[1:]):
-        if b["t_ready"] and b["t_ready"] <= a["t_done"]:
-            gap = (b["t_done"] - a["t_done"]) / 1e9 - b["bytes"] / (write_GBps * 1e9)
-            per.append(gap / b["nwrites"])
-    if not per:
+    return [
+        ((b["t_done"] - a["t_done"]) / 1e9, float(b["bytes"]), float(b["nwrites"]))
+        for a, b in zip(recs, recs[1:])
+        if b["t_ready"] and b["t_ready"] <= a["t_done"]
+    ]
+
+
+def _post_cost(q, rate: float) -> tuple:
+    """(seconds per write, samples) from the queued tasks that took longer than their bytes at
+    `rate` (posting, not the link, set their pace): their time per write.  The simulator posts
+    a rank's writes one after the other at that cost while the link moves earlier ones."""
+    slow = [(g, w) for g, b, w in q if g > 1.1 * b / rate]
+    if not slow:
         return 0.0, 0
-    return max(0.0, float(np.median(per))), len(per)
+    return sum(g for g, _ in slow) / sum(w for _, w in slow), len(slow)
+
+
+def write_cost(records, write_GBps: float) -> tuple:
+    """(seconds per write, samples) of the write path at the rate `write_GBps`, from the
+    completions of tasks whose writes queued behind the previous task's (see _post_cost)."""
+    return _post_cost(_queued(records), write_GBps * 1e9)
 
 
 def write_path(records) -> tuple:
-    """(bytes/s, seconds per write, samples) of the write path from the completions of tasks
-    whose writes queued behind the previous task's: each gap between completions = its bytes
-    / rate + its writes x per-write cost, non-negative least squares (rate None when there is
-    nothing to fit)."""
-    recs = sorted((r for r in records if r["tag"] != STAMP_TAG and r.get("nwrites")), key=lambda r: r["t_done"])
-    rows, ys = [], []
-    for a, b in zip(recs, recs[1:]):
-        if b["t_ready"] and b["t_ready"] <= a["t_done"]:
-            rows.append((float(b["bytes"]), float(b["nwrites"])))
-            ys.append((b["t_done"] - a["t_done"]) / 1e9)
-    if not rows:
+    """(bytes/s, seconds per write, samples) of the write path from the queued completions:
+    the rate over the largest quarter of them (by bytes), then the cost per write as write_cost
+    (rate None when nothing queued)."""
+    q = _queued(records)
+    if not q:
         return None, 0.0, 0
-    inv, per = nnls(rows, ys)
-    return (1.0 / inv if inv > 0 else None), float(per), len(rows)
+    big = sorted(q, key=lambda x: x[1])[(3 * len(q)) // 4 :]
+    t = sum(g for g, _, _ in big)
+    if t <= 0:
+        return None, 0.0, len(q)
+    rate = sum(b for _, b, _ in big) / t
+    per, _ = _post_cost(q, rate)
+    return rate, per, len(q)
 
 
 def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, work=None, write_GBps=None) -> dict:
