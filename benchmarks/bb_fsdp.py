@@ -274,6 +274,7 @@ def simulated(sender, dev, a: dict) -> dict:
     its terms (each on the busiest rank) and every figure it used."""
     try:
         from collections import Counter
+        from dataclasses import replace
         from wxfer.meta import Calibration
         from wxfer.plan.calibrate import run, to_dict
         from wxfer.tools.calibrate import host_costs, hostfit_keys
@@ -307,9 +308,13 @@ def simulated(sender, dev, a: dict) -> dict:
             source="bench_baselines, measured in the same run",
             **{x: h[x] for x in hostfit_keys() if x in h},
         )
-        r = run(sender.plan, cal, kinds=kinds, cpu_offload=offload, watermark_bytes=sender.watermark or (1 << 50))
+        kw = dict(kinds=kinds, cpu_offload=offload, watermark_bytes=sender.watermark or (1 << 50))
+        r = run(sender.plan, cal, **kw)
+        # beside it, to judge that one term: the same with the kernels and the writes not sharing the GPU
+        apart = run(sender.plan, replace(cal, device_shared=False), **kw) if cal.device_shared else r
         return dict(
             simulated_s=r.simulated_s,
+            simulated_unshared_s=apart.simulated_s,
             simulated_bound_by=r.bound_by,
             simulated_terms=r.terms,
             simulated_stage_busy_s=r.stage_busy_s,
