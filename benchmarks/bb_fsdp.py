@@ -297,6 +297,7 @@ def simulated(sender, dev, a: dict) -> dict:
             pack_launch_s=k["pack_launch_s"],
             launch_per_piece="native" not in k["quantizer"],
             quant_GBps=k["quant_GBps"],
+            quant_small_GBps=k.get("quant_small_GBps"),
             copy_GBps=k["copy_GBps"],
             write_GBps=link,
             write_call_s=h.get("write_call_s", 0.0),

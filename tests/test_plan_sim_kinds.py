@@ -142,3 +142,18 @@ def test_direct_tasks_pack_into_the_receivers_without_a_buffer_or_a_write():
     assert b.terms["write_s"] == pytest.approx(rest, rel=0.01) and a.terms["write_s"] > 2 * rest
     assert b.terms["kernel_s"] == pytest.approx(a.terms["kernel_s"])  # at 1 GB/s the kernel, not the link, bounds
     assert b.simulated_s < a.simulated_s
+
+
+def test_experts_quantize_at_the_small_piece_rate():
+    cal = dict(quant_GBps=1000.0, copy_GBps=1e5)
+    c, plan, kinds = _one("qwen3-30b-a3b", "fp8", cal=cal)
+    one = simulate(plan, c, kinds=kinds, record=False).terms["kernel_s"]
+    c2, _, _ = _one("qwen3-30b-a3b", "fp8", cal=dict(cal, quant_small_GBps=500.0))
+    slow = simulate(plan, c2, kinds=kinds, record=False).terms["kernel_s"]
+    from wxfer.plan.simulate import _jobs
+
+    jb = _jobs(plan, 1, kinds)
+    small = jb.fp8 & (jb.fp8_piece_elems <= 4e6)
+    assert small.any() and not small[jb.fp8].all()  # the experts (768 x 2048 pieces), not the attention weights
+    work = [(plan.tasks[int(t)].src_bytes + p) for t, p, s in zip(jb.task, jb.packed, small) if s]
+    assert slow - one == pytest.approx(sum(work) / 500e9 - sum(work) / 1000e9, rel=0.01)

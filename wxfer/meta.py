@@ -100,6 +100,11 @@ class Calibration:
     )
     #                                        150-190 GB/s effective (BF16 read + FP8 written)
     copy_GBps: float | None = None  # BF16 packing; None: Cluster.mem_GBps (the on-device copy, 2.1 TB/s H200)
+    # the quantizer on a task whose FP8 pieces average at most small_piece_elems elements (a MoE layer's
+    # experts); None: quant_GBps.  One H200 (issue 13, native kernel): 1.62 TB/s on 128 experts of
+    # 768x2048 in one launch against 2.32 TB/s on one 12288x4096 tensor
+    quant_small_GBps: float | None = None
+    small_piece_elems: float = 4e6
     # the collective (full_tensor) per call (one per source parameter) on top of bytes / link rate
     coll_call_s: float = 0.0  # not measured on the H200 yet (calibrate measures it)
     # the write path per write (one per transfer, posted one after the other by a rank's engine)

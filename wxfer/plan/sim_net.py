@@ -69,6 +69,7 @@ class _Jobs:
     job_of: dict | None = None  # (rank, task) -> job
     kind: np.ndarray | None = None  # [J] index into wxfer.plan.kinds.KINDS (None: every job packed)
     launches: np.ndarray | None = None  # [J] packing kernel launches (native kernel: merged raw pieces + 1 for FP8)
+    fp8_piece_elems: np.ndarray | None = None  # [J] mean elements of its FP8 pieces (0: none)
 
     @property
     def n(self) -> int:
@@ -95,7 +96,7 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
     of_task: dict = {}
     for j in range(J):
         of_task.setdefault(int(jtask[j]), []).append(j)
-    pieces, fp8, nwrites, launches = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
+    pieces, fp8, nwrites, launches, fp8_elems = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
     code = {k: i for i, k in enumerate(KINDS)}
     kind = np.array([code[(kinds or {}).get(int(t), "packed")] for t in jtask], np.int64)
     if J and (kind == code["direct"]).any():  # its kernel writes the receivers' memory: no write left
@@ -118,6 +119,7 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
         {(int(jrank[j]), int(jtask[j])): j for j in range(J)},
         kind,
         launches,
+        fp8_elems,
     )
 
 
@@ -130,8 +132,10 @@ def _job_pieces(plan, job_of, J: int):
     pieces = np.zeros(J, np.int64)
     launches = np.zeros(J, np.int64)
     fp8 = np.zeros(J, bool)
+    elems = np.zeros(J)
+    npc = np.zeros(J)
     if not J:
-        return pieces, fp8, nwrites, launches
+        return pieces, fp8, nwrites, launches, elems
     key = job_of * (int(plan.src_offset.max()) + 1) + plan.src_offset  # one per packed shard
     _, first = np.unique(key, return_index=True)
     for i in first.tolist():
@@ -139,11 +143,13 @@ def _job_pieces(plan, job_of, J: int):
         j = int(job_of[i])
         if sh.kind == "fp8":
             fp8[j] = True
+            elems[j] += sum(pc.numel() for pc in sh.pieces)
+            npc[j] += len(sh.pieces)
         if sh.kind != "scale":
             pieces[j] += len(sh.pieces)
         if sh.kind == "raw":
             launches[j] += _merged(sh.pieces)
-    return pieces, fp8, nwrites, launches + fp8
+    return pieces, fp8, nwrites, launches + fp8, elems / np.maximum(npc, 1)
 
 
 def _merged(pieces) -> int:

@@ -23,6 +23,8 @@ class _StageModel:
         self.mem_bw = cluster.mem_GBps * 1e9
         self.copy_bw = self.mem_bw if cal.copy_GBps is None else cal.copy_GBps * 1e9
         self.quant_bw = self.mem_bw if cal.quant_GBps is None else cal.quant_GBps * 1e9
+        self.quant_small_bw = self.quant_bw if cal.quant_small_GBps is None else cal.quant_small_GBps * 1e9
+        self.small_elems = float(cal.small_piece_elems)
         self.barrier_s = float(cluster.barrier_s)
         self.serial, self.host_sync = bool(cal.serial), bool(cal.host_sync)
         self.zc_batch = max(1, int(cal.zc_batch))
@@ -52,10 +54,14 @@ class _StageModel:
         """Bytes each ring flow of a cross-node all-gather carries."""
         return task.src_bytes * (k - 1) / k
 
-    def pack_s(self, task, packed: float, pieces: int = 0, fp8: bool = False) -> float:
+    def pack_s(self, task, packed: float, pieces: int = 0, fp8: bool = False, piece_elems: float = 0.0) -> float:
         """Fuse / quantize / pack: `pieces` launches (see launches()), the full tensors read and
-        the packed buffer written at the quantizer's rate (FP8) or the copy rate."""
-        return self.cal.pack_launch_s * pieces + (task.src_bytes + packed) / (self.quant_bw if fp8 else self.copy_bw)
+        the packed buffer written at the quantizer's rate (FP8; its rate on small pieces when
+        they average at most small_piece_elems elements) or the copy rate."""
+        bw = self.copy_bw
+        if fp8:
+            bw = self.quant_small_bw if 0 < piece_elems <= self.small_elems else self.quant_bw
+        return self.cal.pack_launch_s * pieces + (task.src_bytes + packed) / bw
 
     def launches(self, pieces: int, merged: int) -> int:
         """Kernel launches of a packing: one per piece (the reference quantizer), or the native
@@ -300,7 +306,8 @@ class _Meshes:
                 pieces = int(jb.pieces[j])
                 hp = hr + md.host_pack_s(pieces)
                 q0 = max(t_end, self.quant_free[r], hp)
-                q = md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]))
+                pe = float(jb.fp8_piece_elems[j]) if jb.fp8_piece_elems is not None else 0.0
+                q = md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]), pe)
                 if self.kind[j] == _DIRECT:  # the kernel writes into the receivers: at most at the write rate
                     q = max(q, jb.packed[j] / md.write_bw)
                 q1 = q0 + q
