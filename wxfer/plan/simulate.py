@@ -159,6 +159,53 @@ def lower_bound(plan, cluster) -> tuple[float, str]:
     return best, name
 
 
+def _kinds(plan, cluster, kinds):
+    """simulate()'s kinds: a dict as given, "auto" decided from the plan's training parameters."""
+    if not isinstance(kinds, str):
+        return kinds
+    if kinds != "auto":
+        raise ValueError(f"simulate: kinds must be a dict, 'auto' or None, got {kinds!r}")
+    from .kinds import task_kinds
+
+    return task_kinds(plan, plan.train_params or None, cluster.cpu_offload)
+
+
+def _totals(plan, cluster, meshes: _Meshes, jobs: _Jobs, lb: float, last_write: float) -> tuple:
+    """(simulated seconds, busiest rank's seconds per stage, terms) once the events ran: the
+    last write or stage-2 event, the shared-core / shared-GPU floors, the per-push costs."""
+    stage_end, cal, world = meshes.stage_end, cluster.cal, plan.train_world
+    total = max(last_write, stage_end["allgather"], stage_end["quant"], float(meshes.host_free.max(initial=0.0)))
+    # each rank's separate writes (a direct task's kernel does its own)
+    wr = np.bincount(jobs.rank, jobs.wbytes, world) / cluster.write_bw if jobs.n else np.zeros(world)
+    if cal.cpu_shared:  # stage 2 and the writes take turns on the same cores
+        # the write rate was measured with one writer and one target using the machine's cores: every
+        # trainer's writes take turns on them (all bytes / that rate)
+        per_rank = cast(np.ndarray, sum(meshes.busy_s.values()))  # busy_s is never empty: not the 0 start
+        wl = float(plan.nbytes.sum()) / cluster.write_bw if plan.n_transfers else 0.0
+        total = max(total, cal.push_begin_s + (float(per_rank.max()) if per_rank.size else 0.0) + wl)
+    if cal.device_shared and world:  # a rank's kernels and its writes share its GPU's memory
+        total = max(total, cal.push_begin_s + float((meshes.busy_s["pack"] + wr).max()))
+    total += cal.push_end_s + cal.push_fixed_s
+    busy = {k: float(v.max()) if v.size else 0.0 for k, v in meshes.busy_s.items()}
+    # H2D: seconds on the busiest rank's stream (serial), else when its own stream ended
+    busy["h2d"] = float(meshes.h2d_busy.max(initial=0.0)) if not meshes.h2d_stream else stage_end["h2d"]
+    busy["links"] = lb
+    busy["push_fixed"] = cal.push_fixed_s + cal.push_begin_s + cal.push_end_s
+    nw = np.bincount(plan.sender, minlength=world) if plan.n_transfers else np.zeros(world)
+    terms = dict(  # each term on its busiest trainer rank, seconds (not a sum: stages overlap)
+        host_s=busy["host"],
+        kernel_s=busy["pack"],
+        allgather_s=busy["allgather"],
+        h2d_s=busy["h2d"],
+        write_s=float((wr + nw * cal.write_call_s).max(initial=0.0)),
+        stamps_s=cal.push_begin_s + cal.push_end_s + cal.push_fixed_s,
+        links_s=lb,
+        zero_copy_tasks=int((meshes.kind == 0).sum()),
+        jobs=int(jobs.n),
+    )
+    return total, busy, terms
+
+
 def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict | str | None = None) -> SimResult:
     """Predict one update of `plan` on `cluster` (a wxfer.meta.Cluster).
 
@@ -180,13 +227,7 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
         )
     lbytes, lbw = _links(plan, cluster)
     lb, bname = lower_bound(plan, cluster)
-    if isinstance(kinds, str):
-        if kinds != "auto":
-            raise ValueError(f"simulate: kinds must be a dict, 'auto' or None, got {kinds!r}")
-        from .kinds import task_kinds
-
-        kinds = task_kinds(plan, plan.train_params or None, cluster.cpu_offload)
-    jobs = _jobs(plan, ngpu, kinds)
+    jobs = _jobs(plan, ngpu, _kinds(plan, cluster, kinds))
     net = _Network(
         jobs, world, ngpu, cluster.nic_GBps * 1e9, cluster.write_bw, cluster.max_posted_bytes, cluster.write_latency_s
     )
@@ -219,37 +260,9 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
         if nstep > max_steps:
             raise RuntimeError("simulation did not finish (more than 200x the lower bound)")
     stage_end = meshes.stage_end
-    cal = cluster.cal
-    total = max(last_write, stage_end["allgather"], stage_end["quant"], float(meshes.host_free.max(initial=0.0)))
-    # each rank's separate writes (a direct task's kernel does its own)
-    wr = np.bincount(jobs.rank, jobs.wbytes, world) / cluster.write_bw if jobs.n else np.zeros(world)
-    if cal.cpu_shared:  # stage 2 and the writes take turns on the same cores
-        # the write rate was measured with one writer and one target using the machine's cores: every
-        # trainer's writes take turns on them (all bytes / that rate)
-        per_rank = cast(np.ndarray, sum(meshes.busy_s.values()))  # busy_s is never empty: not the 0 start
-        wl = float(plan.nbytes.sum()) / cluster.write_bw if plan.n_transfers else 0.0
-        total = max(total, cal.push_begin_s + (float(per_rank.max()) if per_rank.size else 0.0) + wl)
-    if cal.device_shared and world:  # a rank's kernels and its writes share its GPU's memory
-        total = max(total, cal.push_begin_s + float((meshes.busy_s["pack"] + wr).max()))
-    total += cal.push_end_s + cal.push_fixed_s
     stage_end["write"] = last_write
-    busy = {k: float(v.max()) if v.size else 0.0 for k, v in meshes.busy_s.items()}
-    # H2D: seconds on the busiest rank's stream (serial), else when its own stream ended
-    busy["h2d"] = float(meshes.h2d_busy.max(initial=0.0)) if not meshes.h2d_stream else stage_end["h2d"]
-    busy["links"] = lb
-    busy["push_fixed"] = cal.push_fixed_s + cal.push_begin_s + cal.push_end_s
-    nw = np.bincount(plan.sender, minlength=world) if plan.n_transfers else np.zeros(world)
-    terms = dict(  # each term on its busiest trainer rank, seconds (not a sum: stages overlap)
-        host_s=busy["host"],
-        kernel_s=busy["pack"],
-        allgather_s=busy["allgather"],
-        h2d_s=busy["h2d"],
-        write_s=float((wr + nw * cal.write_call_s).max(initial=0.0)),
-        stamps_s=cal.push_begin_s + cal.push_end_s + cal.push_fixed_s,
-        links_s=lb,
-        zero_copy_tasks=int((meshes.kind == 0).sum()),
-        jobs=int(jobs.n),
-    )
+    cal = cluster.cal
+    total, busy, terms = _totals(plan, cluster, meshes, jobs, lb, last_write)
     trace = dict(
         t=np.array(tr_t),
         dt=dt,
