@@ -70,3 +70,17 @@ def test_the_batch_size_is_the_senders():
 
     assert ZERO_COPY_BATCH == FAST_BATCH == Calibration().zc_batch
     assert hostfit.STAMP_TAG == STAMP_TAG
+
+
+def test_auto_kinds_come_from_the_plans_own_training_parameters():
+    import pytest
+    from wxfer.plan.simulate import simulate
+
+    plan, train = _one_rank("qwen3-tiny")
+    assert plan.train_params and task_kinds(plan, plan.train_params) == task_kinds(plan, train)
+    c = Cluster(train_gpus=1, infer_gpus=1, infer_tp=1, gpus_per_node=1, dense_shard=1, expert_shard=1)
+    auto = simulate(plan, c, kinds="auto", record=False)
+    assert auto.simulated_s == simulate(plan, c, kinds=task_kinds(plan, train), record=False).simulated_s
+    assert auto.terms["zero_copy_tasks"] == len(plan.tasks)
+    with pytest.raises(ValueError, match="kinds must be"):
+        simulate(plan, c, kinds="zero_copy")
