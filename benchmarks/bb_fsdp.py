@@ -244,45 +244,87 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
 _KERNELS: dict = {}
 
 
-def simulated(sender, dev, a: dict) -> dict:
-    """The simulator's prediction of this push (issue 15): the trainers' own plan, with a
-    calibration measured in this run: the host costs fitted on this Sender's own trace (a few
-    more pushes), the quantizer and copy rates on this device (once per process), the write
-    path at the link bound measured for this configuration (`a["_link_GBps"]`: colocated
-    writes are on-device copies)."""
-    try:
-        from wxfer.meta import Calibration
-        from wxfer.plan.calibrate import predict
-        from wxfer.tools.calibrate import host_costs, measure_kernels
+def _kernels(dev) -> dict:
+    """The quantizer's rate and per-launch cost and the copy rate on this device (once per
+    process: wxfer.tools.calibrate.measure_kernels)."""
+    from wxfer.tools.calibrate import measure_kernels
 
-        if dev.type not in _KERNELS:
-            _KERNELS[dev.type] = measure_kernels(dev, quick=dev.type == "cpu")
-        k = _KERNELS[dev.type]
-        h = host_costs(sender, 2, k["copy_GBps"])
+    if dev.type not in _KERNELS:
+        _KERNELS[dev.type] = measure_kernels(dev, quick=dev.type == "cpu")
+    return _KERNELS[dev.type]
+
+
+def _offloaded(sender, dev) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    for p in sender.params.values():
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        if local.device.type != dev.type:
+            return True
+    return False
+
+
+def simulated(sender, dev, a: dict) -> dict:
+    """The simulator's prediction of this push (issue 15): the trainers' own plan, each task
+    simulated as this Sender runs it (Sender.task_kinds(): zero copy, packed, staged), with a
+    calibration measured in this run: the host and per-push costs fitted on this Sender's own
+    trace (a few more pushes; per zero-copy batch and task, per packed task / parameter / piece,
+    the begin and end stamps, the cost per write), the quantizer and copy rates on this device,
+    the write path at the link bound measured for this configuration (`a["_link_GBps"]`:
+    colocated writes are on-device copies), and for an offloaded trainer the pinned H2D rate
+    measured by its bound (`a["_h2d_GBps"]`).  Colocated on one GPU, the kernels and the writes
+    share its memory (Calibration.device_shared).  Returns simulated_s and, to judge the model,
+    its terms (each on the busiest rank) and every figure it used."""
+    try:
+        from collections import Counter
+        from dataclasses import replace
+        from wxfer.meta import Calibration
+        from wxfer.plan.calibrate import run, to_dict
+        from wxfer.tools.calibrate import host_costs, hostfit_keys
+
+        k = _kernels(dev)
+        cfg = a.get("_cfg") or {}
         link = a.get("_link_GBps") or k["copy_GBps"]
+        offload = dev.type == "cuda" and _offloaded(sender, dev)
+        h2d = a.get("_h2d_GBps") if offload else None
+        h = host_costs(sender, 3, k["copy_GBps"], link, k["quant_GBps"])
+        if dev.type == "cpu" and h.get("trace_write_GBps"):
+            # CPU dry run: the link bound is a memcpy, the writes go through fabric tcp: their rate and
+            # per-write cost from the Sender's own trace instead
+            link = h["trace_write_GBps"]
+            h["write_call_s"] = h["trace_write_call_s"]
+        kinds = sender.task_kinds()
         cpu = dev.type == "cpu"
         cal = Calibration(
             name="bench-same-run",
             pack_launch_s=k["pack_launch_s"],
+            launch_per_piece="native" not in k["quantizer"],
             quant_GBps=k["quant_GBps"],
+            quant_small_GBps=k.get("quant_small_GBps"),
             copy_GBps=k["copy_GBps"],
             write_GBps=link,
-            write_call_s=0.0,
+            write_call_s=h.get("write_call_s", 0.0),
+            h2d_GBps=h2d,
             serial=True,
             host_sync=cpu,
             cpu_shared=cpu,
-            **{x: h[x] for x in ("host_task_s", "host_param_s", "host_piece_s", "push_fixed_s") if x in h},
+            device_shared=not cpu and cfg.get("layout") == "colocated",
+            source="bench_baselines, measured in the same run",
+            **{x: h[x] for x in hostfit_keys() if x in h},
         )
+        kw = dict(kinds=kinds, cpu_offload=offload, watermark_bytes=sender.watermark or (1 << 50))
+        r = run(sender.plan, cal, **kw)
+        # beside it, to judge that one term: the same with the kernels and the writes not sharing the GPU
+        apart = run(sender.plan, replace(cal, device_shared=False), **kw) if cal.device_shared else r
         return dict(
-            simulated_s=predict(sender.plan, cal, rank=0),
-            simulated_calibration=dict(
-                quant_GBps=k["quant_GBps"],
-                copy_GBps=k["copy_GBps"],
-                write_GBps=link,
-                host_task_us=h.get("host_task_s", 0) * 1e6,
-                host_param_us=h.get("host_param_s", 0) * 1e6,
-                push_fixed_ms=h.get("push_fixed_s", 0) * 1e3,
-            ),
+            simulated_s=r.simulated_s,
+            simulated_unshared_s=apart.simulated_s,
+            simulated_bound_by=r.bound_by,
+            simulated_terms=r.terms,
+            simulated_stage_busy_s=r.stage_busy_s,
+            simulated_kinds=dict(Counter(kinds.values())),
+            simulated_calibration=dict(to_dict(cal), quantizer=k["quantizer"], h2d_measured=h2d is not None),
+            simulated_fit={x: v for x, v in h.items() if x not in hostfit_keys()},
         )
     except Exception as e:  # noqa: BLE001 -- the measurement stands without it
         return dict(simulated_error=f"{type(e).__name__}: {e}")

@@ -40,6 +40,35 @@ def wxfer_table(results: list, cfg_name) -> str:
     return "\n".join(lines + [""] + [f"Note: {n}" for n in notes])
 
 
+def sim_table(results: list, cfg_name) -> str:
+    """Per configuration: the simulator beside wxfer's measured median push (the first
+    watermark), with its terms on the busiest rank and what it was calibrated with."""
+    lines = [
+        "| configuration | push s | simulated s | sim / push | bound by | host ms | kernel ms | write ms | "
+        "stamps ms | H2D ms | tasks (kinds) | us / write | quantizer GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        byw = r.get("wxfer_by_watermark")
+        if not byw:
+            continue
+        w = next(iter(byw.values()))
+        if "simulated_s" not in w:
+            if w.get("simulated_error"):
+                lines.append(f"| {cfg_name(r['config'])} | {w['seconds']:.4f} | error: {w['simulated_error'][:100]} |")
+            continue
+        t, c = w["simulated_terms"], w["simulated_calibration"]
+        kinds = ", ".join(f"{v} {k}" for k, v in sorted(w.get("simulated_kinds", {}).items()))
+        ms = [t[k] * 1e3 for k in ("host_s", "kernel_s", "write_s", "stamps_s", "h2d_s")]
+        lines.append(
+            f"| {cfg_name(r['config'])} | {w['seconds']:.4f} | {w['simulated_s']:.4f} | "
+            f"{w['simulated_s'] / w['seconds']:.2f} | {w['simulated_bound_by']} | "
+            + " | ".join(f"{x:.2f}" for x in ms)
+            + f" | {kinds} | {c['write_call_s'] * 1e6:.1f} | {c['quant_GBps']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: list, cfg_name) -> str:
     """The methods table, then wxfer's per-watermark table."""
     lines = [
@@ -69,7 +98,7 @@ def table(results: list, cfg_name) -> str:
             if m == "wxfer" and "reference" in r.get("checks", {}):
                 chk = "reference bytes" if r["checks"]["reference"] else "DIFFERS from the reference"
             lines.append(f"| {name} | {m} | {s:.4f} | {ms[m]['gbps']:.2f} | {xl} | {xb} | {chk} |")
-    return "\n".join(lines) + "\n\n" + wxfer_table(results, cfg_name)
+    return "\n".join(lines) + "\n\n" + wxfer_table(results, cfg_name) + "\n\n" + sim_table(results, cfg_name)
 
 
 def chart(results: list, path: str, cfg_name) -> bool:

@@ -221,6 +221,8 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         if kind == "fsdp2-offload":
             methods.insert(1, "h2d")
     t0 = time.perf_counter()
+    a["_cfg"] = cfg  # bb_fsdp.simulated: the layout; the bounds measured for this configuration only
+    a.pop("_h2d_GBps", None)
     name = "%s_%d" % (a["name"], ci)  # fresh per attempt: no stale keys after a retry
     model = stepper = None
     group = False
@@ -265,6 +267,7 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         res["methods"]["h2d"] = _summ(
             bb_fsdp.copy_bound(nb, torch.device("cpu"), dev, a["warmup"], a["reps"], pinned=True), nb
         )
+        a["_h2d_GBps"] = res["methods"]["h2d"]["gbps"]  # the simulator's H2D rate (bb_fsdp.simulated)
 
     # ---- 2. wxfer: a fresh Sender and Receiver per watermark (bb_fsdp)
     if "wxfer" in methods:

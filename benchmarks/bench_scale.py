@@ -246,7 +246,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
             write_GBps=bw["write_GBps"],
             watermark_bytes=bb._parse_size(a["watermark"]),
         )
-        sim = simulate(s.plan, c, record=False)
+        sim = simulate(s.plan, c, record=False, kinds="auto")
         res["simulated"] = dict(seconds=sim.simulated_s, lower_bound_s=sim.lower_bound_s, bottleneck=sim.bottleneck)
         ctl.set_json("res/wxfer", res)
     dist.barrier()

@@ -61,7 +61,7 @@ def run(name, preset, kw, steps, calibration=None):
     data = plan.to_bytes()
     enc = time.perf_counter() - t1
     t2 = time.perf_counter()
-    r = simulate(plan, c, steps=steps, record=False)
+    r = simulate(plan, c, steps=steps, record=False, kinds="auto")
     sim = time.perf_counter() - t2
     s = plan.summary()
     return dict(

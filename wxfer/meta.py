@@ -82,21 +82,41 @@ class Calibration:
     host_param_s: float = 0.25e-3  # one H200 (issue 13): ~0.25 ms of host work per parameter (311-param
     #                                        1.7B-class model as slow as 399-param Qwen3-8B), 1-parameter tasks
     host_piece_s: float = 0.0  # one H200 (issue 13): included in host_param_s
+    # host work of a zero-copy task (Engine.prepare'd once, handed to Engine.submit_prepared in
+    # batches of zc_batch): per task (the loop's check of its memory + the native submit) and per
+    # batch (one submit_prepared call); no gather, pack, buffer or watermark
+    host_zc_task_s: float = 5e-6  # 2-core CPU VM (benchmarks/README.md, bench_push_host): 4.3-5.0 us
+    #                                        per task of last_submit_s; per batch not separated there
+    host_zc_batch_s: float = 0.0
+    zc_batch: float = 32  # tasks per submit_prepared call: wxfer.runtime.sender.FAST_BATCH
     # fuse / quantize / pack: per launch (one per packed piece) + bytes (full tensors read + buffer written) / rate
     pack_launch_s: float = 90e-6  # one H200 (issue 13): 128 experts, one reference quantize each: 15 ms,
     #                                        of which 128 x 4.7 MB at 170 GB/s is 3.5 ms -> ~90 us per piece
+    # launches of a task's packing: one per packed piece (the reference quantizer, one torch pass per
+    # piece) or, False, one per merged raw piece plus one for all its FP8 pieces (the native kernel)
+    launch_per_piece: bool = True
     quant_GBps: float | None = (
         170.0  # None: Cluster.mem_GBps; one H200 (issue 13): wxfer.mapping.reference.quantize_fp8_block,
     )
     #                                        150-190 GB/s effective (BF16 read + FP8 written)
     copy_GBps: float | None = None  # BF16 packing; None: Cluster.mem_GBps (the on-device copy, 2.1 TB/s H200)
+    # the quantizer on a task whose FP8 pieces average at most small_piece_elems elements (a MoE layer's
+    # experts); None: quant_GBps.  One H200 (issue 13, native kernel): 1.62 TB/s on 128 experts of
+    # 768x2048 in one launch against 2.32 TB/s on one 12288x4096 tensor
+    quant_small_GBps: float | None = None
+    small_piece_elems: float = 4e6
     # the collective (full_tensor) per call (one per source parameter) on top of bytes / link rate
     coll_call_s: float = 0.0  # not measured on the H200 yet (calibrate measures it)
     # the write path per write (one per transfer, posted one after the other by a rank's engine)
     write_call_s: float = 0.0  # not measured on the H200 yet; the engine's stages were 72 ms of a
     #                                        3.1 s Qwen3-30B-A3B push (issue 13): small next to stage 2
     h2d_call_s: float = 0.0  # per offloaded source parameter; not measured on the H200 yet
-    push_fixed_s: float = 0.0  # per push: version stamps, the flag all-reduce, the last barrier
+    push_fixed_s: float = 0.0  # per push, added at the end (older calibrations: everything fixed in one)
+    # per push, measured apart: before the first task (the restart check's store round trip, the begin
+    # stamps: a device synchronize, their write and the engine's round trip) and after the last write
+    # lands (the engine wait's wake-up, the end stamps likewise, the last mesh-group barrier, the flag)
+    push_begin_s: float = 0.0
+    push_end_s: float = 0.0
     # how a rank runs stage 2: serial = its gathers and packs on one stream, one after the other (wxfer's
     # runtime: one side stream); host_sync = the host waits for each (CPU: the host does the work)
     serial: bool = True
@@ -105,6 +125,10 @@ class Calibration:
     # receivers on the same few cores): the push is at least stage 2 on the busiest rank plus all the writes'
     # bytes at the write rate (measured with one writer and one target on those cores)
     cpu_shared: bool = False
+    # trainer and receiver on one GPU (colocated): the packing kernels and the writes (on-device
+    # copies) take turns on its memory bandwidth: the push is at least the begin cost, a rank's kernel
+    # seconds plus its write bytes at the write rate, and the end cost
+    device_shared: bool = False
     # measured link rates (None: the Cluster's), GB/s per GPU and direction
     allgather_GBps: float | None = None  # the trainers' all-gather bus rate
     write_GBps: float | None = None  # the write path (transport) between two processes

@@ -32,6 +32,7 @@ CALIBRATIONS: dict[str, Calibration] = {
         host_task_s=0.0,
         host_param_s=0.0,
         host_piece_s=0.0,
+        host_zc_task_s=0.0,
         pack_launch_s=0.0,
         quant_GBps=None,
         copy_GBps=None,
@@ -45,6 +46,7 @@ CALIBRATIONS: dict[str, Calibration] = {
         name="h200-native",
         quant_GBps=3450.0,
         pack_launch_s=21e-6,
+        launch_per_piece=False,
         source="one H200, issue 13: native one-pass FP8 kernel, today's host costs",
     ),
 }
@@ -79,7 +81,7 @@ def from_dict(d: dict) -> Calibration:
         v = d[f.name]
         if f.name in ("name", "source"):
             kw[f.name] = str(v)
-        elif f.name in ("serial", "host_sync", "cpu_shared"):
+        elif f.type in ("bool", bool):  # serial, host_sync, cpu_shared, launch_per_piece, device_shared
             if not isinstance(v, bool):
                 raise ValueError(f"calibration field {f.name} must be true or false, got {v!r}")
             kw[f.name] = v
@@ -134,19 +136,40 @@ def cluster_for(plan, cal, **kw) -> Cluster:
     return cal.apply(Cluster(**base))
 
 
-def predict(
-    plan, calibration, rank: int | None = None, cluster: Cluster | None = None, steps: int = 400, **cluster_kw
-) -> float:
-    """Seconds one push of `plan` takes, simulated with `calibration` (a Calibration, a name
-    or a JSON path) on the machine it describes (`cluster_for`), or on `cluster` (its link
-    rates, this calibration's costs).  rank: None for the whole push (the slowest trainer),
-    else when that trainer rank's last write lands (plus the per-push fixed cost)."""
+def run(
+    plan,
+    calibration,
+    cluster: Cluster | None = None,
+    steps: int = 400,
+    record: bool = False,
+    kinds: dict | None = None,
+    **cluster_kw,
+):
+    """The SimResult of one push of `plan` with `calibration` (a Calibration, a name or a JSON
+    path) on the machine it describes (`cluster_for`), or on `cluster` (its link rates, this
+    calibration's costs); kinds: task -> kind (wxfer.plan.kinds; a Sender's task_kinds())."""
     from .simulate import simulate
 
     cal = get(calibration)
     c = cluster_for(plan, cal, **cluster_kw) if cluster is None else replace(cluster, calibration=cal)
-    r = simulate(plan, c, steps=steps, record=rank is not None)
+    return simulate(plan, c, steps=steps, record=record, kinds=kinds)
+
+
+def predict(
+    plan,
+    calibration,
+    rank: int | None = None,
+    cluster: Cluster | None = None,
+    steps: int = 400,
+    kinds: dict | None = None,
+    **cluster_kw,
+) -> float:
+    """Seconds one push of `plan` takes (see run()).  rank: None for the whole push (the
+    slowest trainer), else when that trainer rank's last write lands (plus the per-push
+    costs after it)."""
+    cal = get(calibration)
+    r = run(plan, cal, cluster, steps, rank is not None, kinds, **cluster_kw)
     if rank is None:
         return float(r.simulated_s)
     ends = [e for st, rk, _, _, e in r.timeline if rk == rank and st in ("write", "quant", "allgather")]
-    return float(max(ends, default=0.0)) + cal.push_fixed_s
+    return float(max(ends, default=0.0)) + cal.push_end_s + cal.push_fixed_s

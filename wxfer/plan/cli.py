@@ -126,7 +126,7 @@ def run(args) -> dict:
         out["plan_bytes"] = len(data)
     if not args.no_sim:
         t1 = time.perf_counter()
-        r = simulate(plan, cluster, steps=args.steps, record=False)
+        r = simulate(plan, cluster, steps=args.steps, record=False, kinds="auto")
         out.update(
             lower_bound_s=round(r.lower_bound_s, 4),
             simulated_s=round(r.simulated_s, 4),

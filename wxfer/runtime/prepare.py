@@ -395,6 +395,32 @@ def task_prep(op: TaskOp, device) -> TaskPrep:
     return prep
 
 
+def kind_of(prep: TaskPrep, op: TaskOp) -> str:
+    """What this rank does for task `op` (wxfer.plan.kinds): "collective_only" (sends nothing),
+    "zero_copy" (the parameter's own memory), "staged" (written from fresh memory as it is: an
+    offloaded source after its H2D, or a gathered source whose one shard is all of it, see
+    _whole), else "packed"."""
+    if not op.sends:
+        return "collective_only"
+    if prep.zero_copy:
+        return "zero_copy"
+    if prep.direct is not None:
+        return "staged"
+    if len(op.sources) == 1 and len(op.shards) == 1 and not prep.whole:
+        sh, p = op.shards[0], op.sources[0][1]
+        pc = sh.pieces[0] if sh.kind == "raw" and len(sh.pieces) == 1 else None
+        shape = tuple(p.shape)
+        if (
+            pc is not None
+            and str(p.dtype) == "torch." + sh.dtype
+            and len(shape) in (1, 2)
+            and (pc.r0, pc.r1) == (0, shape[0])
+            and (len(shape) == 1 or (pc.c0, pc.c1) == (0, shape[1]))
+        ):
+            return "staged"
+    return "packed"
+
+
 def _direct_dests(op: TaskOp, p):
     """The task's destinations with source offsets into the parameter's own bytes when every
     packed shard is one contiguous byte range of it in its dtype: raw pieces of whole rows

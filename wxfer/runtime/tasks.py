@@ -104,6 +104,17 @@ class TaskMixin:
         else:
             self.engine.submit(buf, prep.dests, tag=op.task, held=held, reserved=t_admit)
 
+    def task_kinds(self) -> dict:
+        """{plan task: kind} of this rank's tasks, as it runs them (wxfer.plan.kinds: zero_copy,
+        staged, packed, collective_only), for the simulator (``simulate(..., kinds=...)``).
+        Decided at setup; a zero-copy task whose memory moved is decided again at a push."""
+        out = {}
+        for ops in self.program.groups:
+            for op in ops:
+                prep = op.prep if op.prep is not None else prepare.task_prep(op, self.device)
+                out[op.task] = prepare.kind_of(prep, op)
+        return out
+
     def _checksum(self, op, buf, dests) -> None:
         from .verify import crc
 

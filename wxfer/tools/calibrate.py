@@ -102,7 +102,11 @@ def measure_kernels(dev, quick: bool) -> dict:
     # t = launch + bytes / rate through the two sizes; bytes = BF16 read + FP8 written (as issue 13 counts)
     b_big, b_small = w.numel() * 3, small.numel() * 3
     rate = (b_big - b_small) / max(t_big - t_small, 1e-9)
-    launch = max(0.0, t_small - b_small / rate)
+    launch = call = max(0.0, t_small - b_small / rate)  # one call from Python, timed to its sync
+    dev_launch = _device_launch_s(lambda: q(small), dev)
+    if dev_launch is not None:  # what a launch costs the stream (the host's share is the host fit's)
+        launch = max(0.0, dev_launch - b_small / rate)
+    grouped = _grouped_rate(dev, quick, iters, t_small)
     src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
     # into fresh memory each time, as the packing does (one new buffer per task)
     t_copy = _timed(lambda: torch.empty_like(src).copy_(src), dev, iters)
@@ -114,7 +118,55 @@ def measure_kernels(dev, quick: bool) -> dict:
         quant_shape=[n, n],
         quant_s=t_big,
         quant_small_s=t_small,
+        pack_call_s=call,
+        device_launch_s=dev_launch,
+        **grouped,
     )
+
+
+def _grouped_rate(dev, quick: bool, iters: int, t_call: float = 0.0) -> dict:
+    """The quantizer on many small pieces in one call, as a MoE layer's experts are packed:
+    128 experts of 768 x 2048 (Qwen3-30B-A3B's, 1.6 M elements each; quick or CPU: 16 of
+    256 x 512) from one 3-D tensor into one buffer; effective rate (BF16 read + FP8 written),
+    the cost of a call (`t_call`: a 128 x 128 one) taken out."""
+    import torch
+
+    try:
+        from ..runtime import fp8 as _fp8
+    except Exception:  # noqa: BLE001 -- no such module: not measured
+        return {}
+    E, R, C = (16, 256, 512) if quick or dev.type == "cpu" else (128, 768, 2048)
+    x = torch.randn(E, R, C, device=dev, dtype=torch.bfloat16)  # 0.4 GB: made in BF16 (a colocated 30B row is tight)
+    nq, ns = R * C, 4 * (-(-R // 128)) * (-(-C // 128))
+    out = torch.empty(E * (nq + ns), dtype=torch.uint8, device=dev)
+    jobs = [(x[e], e * nq, E * nq + e * ns) for e in range(E)]
+    # as the Sender packs a task push after push: the kernel's piece table made once, then reused
+    key = ("calibrate", x.data_ptr(), E, R, C)
+    t = _timed(lambda: _fp8.quantize_cached(out, key, lambda: jobs), dev, iters)
+    work = t - t_call if t > 2 * t_call else t
+    return dict(quant_small_GBps=3 * x.numel() / work / 1e9, quant_small_shape=[E, R, C], quant_small_grouped_s=t)
+
+
+def _device_launch_s(fn, dev, n: int = 64):
+    """Seconds of the device's stream per call of `fn` (a small kernel), with the host's
+    issuing taken out: the calls are queued behind a spinning kernel (torch.cuda._sleep) and
+    timed between CUDA events.  None on CPU, or when the host had not queued them all before
+    the stream reached them (then the figure would be the host's)."""
+    import torch
+
+    if dev.type != "cuda" or not hasattr(torch.cuda, "_sleep"):
+        return None
+    fn()
+    torch.cuda.synchronize(dev)
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2e8))  # ~0.1 s at ~2 GHz: time for the host to queue every call
+    e0.record()
+    for _ in range(n):
+        fn()
+    e1.record()
+    queued = not e0.query()  # the stream was still spinning when the last call was queued
+    torch.cuda.synchronize(dev)
+    return e0.elapsed_time(e1) / 1e3 / n if queued else None
 
 
 # --------------------------------------------------------------------------- the helper process
@@ -283,72 +335,73 @@ def measure_links(dev, quick: bool) -> dict:
 # --------------------------------------------------------------------------- host cost of a task
 
 
-def _fit(rows, ys):
-    """Non-negative least squares by elimination: columns with a negative coefficient are
-    dropped and the rest refitted.  Returns one coefficient per column."""
-    import numpy as np
-
-    A = np.asarray(rows, float)
-    y = np.asarray(ys, float)
-    keep = list(range(A.shape[1]))
-    while keep:
-        coef, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
-        if (coef >= 0).all():
-            out = np.zeros(A.shape[1])
-            out[keep] = coef
-            return out
-        keep.pop(int(np.argmin(coef)))
-    return np.zeros(A.shape[1])
-
-
-def host_costs(sender, pushes: int = 5, copy_GBps: float | None = None) -> dict:
-    """Host seconds per task and per parameter, and the fixed cost per push, fitted on the
-    engine's trace of `pushes` pushes of an existing `wxfer.Sender` (after one warm-up push).
-    A gap between two tasks' submissions is the second task's host work; on CPU (the
-    sender's device) it also holds the packing, subtracted at `copy_GBps`.  A benchmark can
-    call this on its own trainer rank and put the result into a Calibration."""
+def host_costs(
+    sender,
+    pushes: int = 5,
+    copy_GBps: float | None = None,
+    write_GBps: float | None = None,
+    quant_GBps: float | None = None,
+) -> dict:
+    """The push's host and fixed costs fitted on the engine's trace of `pushes` pushes of an
+    existing `wxfer.Sender` (after one warm-up push), as the runtime submits (wxfer.runtime.
+    hostfit): per zero-copy task and per submit_prepared batch, per packed task, parameter and
+    piece, before the first task (the begin stamps) and after the last write (the end stamps);
+    with `write_GBps`, the cost per write.  On CPU (the sender's device) a packed task's gap
+    also holds its packing, taken out as the simulator charges it (the sources and the buffer
+    at `quant_GBps` for a task with FP8 shards, else at `copy_GBps`).  On a GPU, the device
+    time of the packed tasks from the same trace (``trace_device``: their CUDA events' ends,
+    one after the other) is reported beside it.  A benchmark can call this on its own trainer
+    rank and put the result into a Calibration."""
     import time as _t
-    from ..runtime.sender import STAMP_TAG
+    from ..plan.kinds import ZERO_COPY_BATCH
+    from ..runtime import hostfit
 
     cpu = sender.device.type == "cpu"
     ops = {op.task: op for g in sender.program.groups for op in g}
-    samples, fixed, push_s = [], [], []
+    order = [[op.task for op in g] for g in sender.program.groups]
+    info = {
+        t: (len(op.sources), sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")) for t, op in ops.items()
+    }
+    moved = {t: (sum(p.numel() * p.element_size() for _, p in op.sources) + op.nbytes) for t, op in ops.items()}
+    fp8 = {t: any(sh.kind == "fp8" for sh in op.shards) for t, op in ops.items()}
+    work = {}
+    if cpu and copy_GBps:
+        for t in ops:
+            rate = quant_GBps if fp8[t] and quant_GBps else copy_GBps
+            work[t] = moved[t] / (rate * 1e9)
     sender.push()  # warm-up
+    kinds = sender.task_kinds()  # after a push: zero copy as decided there
+    traced, push_s = [], []
     for _ in range(pushes):
         sender.trace(clear=True)
         t0 = _t.perf_counter_ns()
         sender.push()
         t1 = _t.perf_counter_ns()
-        recs = sorted(
-            (r for r in sender.trace() if r["tag"] != STAMP_TAG and r["tag"] in ops), key=lambda r: r["t_submit"]
-        )
-        if not recs:
-            continue
+        traced.append((t0, t1, sender.trace()))
         push_s.append((t1 - t0) / 1e9)
-        fixed.append(((recs[0]["t_submit"] - t0) + (t1 - max(r["t_done"] for r in recs))) / 1e9)
-        prev = t0
-        for r in recs:
-            op = ops[r["tag"]]
-            pieces = sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")
-            src = sum(p.numel() * p.element_size() for _, p in op.sources)
-            work = (src + op.nbytes) / (copy_GBps * 1e9) if cpu and copy_GBps else 0.0
-            samples.append(((1.0, len(op.sources), pieces), (r["t_submit"] - prev) / 1e9 - work))
-            prev = r["t_submit"]
-    if not samples:
-        raise RuntimeError("host_costs: the pushes traced no task of this rank")
-    # one receiver: a task's pieces follow its parameters (q, k, v: 3 and 3), so the per-piece
-    # cost cannot be told apart from the per-parameter one here: fitted as per task + per parameter
-    coef = list(_fit([s_[0][:2] for s_ in samples], [max(0.0, s_[1]) for s_ in samples])) + [0.0]
-    fixed.sort()
+    out = hostfit.fit(traced, order, kinds, info, ZERO_COPY_BATCH, work, write_GBps)
+    if not cpu:
+        packed = {t for t, k in kinds.items() if k in ("packed", "staged")}
+        out["trace_device"] = hostfit.device_times(traced, packed, moved, fp8)
     push_s.sort()
-    return dict(
-        host_task_s=float(coef[0]),
-        host_param_s=float(coef[1]),
-        host_piece_s=float(coef[2]),
-        push_fixed_s=fixed[len(fixed) // 2],
+    out.update(
         host_push_s=push_s[len(push_s) // 2],
         host_tasks=len(ops),
-        host_samples=len(samples),
+        host_kinds={k: sum(1 for v in kinds.values() if v == k) for k in sorted(set(kinds.values()))},
+    )
+    return out
+
+
+def hostfit_keys() -> tuple:
+    """The Calibration fields host_costs() measures."""
+    return (
+        "host_task_s",
+        "host_param_s",
+        "host_piece_s",
+        "host_zc_task_s",
+        "host_zc_batch_s",
+        "push_begin_s",
+        "push_end_s",
     )
 
 
@@ -392,7 +445,7 @@ def measure_host(dev, kernels: dict, quick: bool) -> dict:
         raise box["error"]
     recv = box["value"]
     try:
-        return host_costs(sender, 3 if quick else 8, kernels["copy_GBps"])
+        return host_costs(sender, 3 if quick else 8, kernels["copy_GBps"], None, kernels["quant_GBps"])
     finally:
         sender.close()
         recv.close()
@@ -422,12 +475,16 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
     try:
         det.update(measure_host(dev, det, quick))
         log(
-            "calibrate: host %.1f us per task + %.1f us per parameter + %.1f us per piece; %.2f ms per push"
+            "calibrate: host %.1f us per packed task + %.1f us per parameter + %.1f us per piece, %.1f us per "
+            "zero-copy task + %.1f us per batch; %.2f ms before the first task, %.2f ms after the last write"
             % (
                 det["host_task_s"] * 1e6,
                 det["host_param_s"] * 1e6,
                 det["host_piece_s"] * 1e6,
-                det["push_fixed_s"] * 1e3,
+                det["host_zc_task_s"] * 1e6,
+                det["host_zc_batch_s"] * 1e6,
+                det["push_begin_s"] * 1e3,
+                det["push_end_s"] * 1e3,
             )
         )
     except Exception as e:  # noqa: BLE001 -- keep the rest; say why
@@ -450,12 +507,14 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
         machine += ", " + torch.cuda.get_device_name(dev)
     if hasattr(os, "getloadavg"):
         machine += ", load average %.1f" % os.getloadavg()[0]
-    keys = ("host_task_s", "host_param_s", "host_piece_s", "push_fixed_s")
+    keys = hostfit_keys()
     host = {k: det[k] for k in keys if k in det}
     cal = Calibration(
         name="measured-" + dev.type,
         pack_launch_s=det["pack_launch_s"],
+        launch_per_piece="native" not in det["quantizer"],  # the native kernel: one launch for a task's FP8 pieces
         quant_GBps=det["quant_GBps"],
+        quant_small_GBps=det.get("quant_small_GBps"),
         copy_GBps=det["copy_GBps"],
         coll_call_s=det["coll_call_s"],
         write_call_s=det["write_call_s"],
@@ -491,7 +550,7 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         cal, det = measure(quick=quick, log=log)
     else:
         cal, det = get(calibration), {}
-    r = simulate(plan, cluster_for(plan, cal), steps=400, record=False)
+    r = simulate(plan, cluster_for(plan, cal), steps=400, record=False, kinds="auto")
     return dict(
         simulated_s=r.simulated_s,
         simulated_lower_bound_s=r.lower_bound_s,

@@ -1,0 +1,86 @@
+"""The kind of work each task is on its sender (wxfer.plan.kinds) and the Sender's batches of
+zero-copy tasks, decided from the plan and the trainers' parameter metadata."""
+
+from collections import Counter
+
+from wxfer.meta import Cluster, synthesize
+from wxfer.plan import build_plan
+from wxfer.plan.kinds import ZERO_COPY_BATCH, batches, task_kinds
+
+
+def _one_rank(preset, quant=None, fused=False, tp=1):
+    c = Cluster(
+        train_gpus=1, infer_gpus=tp, infer_tp=tp, quant=quant, gpus_per_node=max(1, tp), dense_shard=1, expert_shard=1
+    )
+    s = synthesize(preset, c, fused_experts=fused)
+    return build_plan(s.train, s.workers, s.preset, quant=quant, expanded=s.expanded), s.train
+
+
+def test_the_one_gpu_benchmark_rows_zero_copy_counts():
+    # the counts the H200 benchmark's Senders reported (benchmarks/README.md): 8B BF16 399 of 399
+    # zero copy, 8B FP8 147 of 183, 30B-A3B BF16 (fused experts) 435 of 483
+    for preset, q, fused, want in (
+        ("qwen3-8b", None, False, {"zero_copy": 399}),
+        ("qwen3-8b", "fp8", False, {"zero_copy": 147, "packed": 36}),
+        ("qwen3-30b-a3b", None, True, {"zero_copy": 435, "packed": 48}),
+    ):
+        plan, train = _one_rank(preset, q, fused)
+        assert Counter(task_kinds(plan, train).values()) == want, preset
+        assert set(task_kinds(plan).values()) == {"packed"}  # no metadata: the old model
+        assert task_kinds(plan, {p.name: (p.shape, p.dtype) for p in train}) == task_kinds(plan, train)
+
+
+def test_offloaded_whole_rows_are_staged_and_column_slices_packed():
+    plan, train = _one_rank("qwen3-tiny")
+    zc = {t for t, k in task_kinds(plan, train).items() if k == "zero_copy"}
+    off = task_kinds(plan, train, cpu_offload=True)
+    assert zc and all(off[t] == "staged" for t in zc)  # H2D into fresh memory, written from there
+    plan2, train2 = _one_rank("qwen3-tiny", tp=2)
+    k2 = task_kinds(plan2, train2)
+    srcs = {t.id: " ".join(t.sources) for t in plan2.tasks}
+    # row-parallel weights are column slices at TP2: packed (one task per layer); norms and
+    # column-parallel weights (whole rows): zero copy, one task per source
+    assert all(k2[t] == "packed" for t in k2 if "o_proj" in srcs[t]) and any("o_proj" in v for v in srcs.values())
+    assert all(k2[t] == "zero_copy" for t in k2 if "norm" in srcs[t] or "q_proj" in srcs[t])
+
+
+def test_gathered_whole_tensor_is_staged():
+    c = Cluster(train_gpus=2, infer_gpus=1, infer_tp=1, gpus_per_node=2, dense_shard=2, expert_shard=1)
+    s = synthesize("qwen3-tiny", c)
+    plan = build_plan(s.train, s.workers, s.preset, expanded=s.expanded, coarse=False)
+    k = task_kinds(plan, s.train)
+    assert "zero_copy" not in k.values()  # every mesh has two ranks: gathered
+    one = [t for t in plan.tasks if len(t.sources) == 1 and len(t.shards) == 1]
+    assert one and all(k[t.id] == "staged" for t in one)
+
+
+def test_batches_follow_the_sender_loop():
+    z, p = "zero_copy", "packed"
+    assert batches([z] * 5, 2) == [(0, 2), (2, 2), (4, 1)]
+    assert batches([z, z, p, z, "collective_only", z, z], 32) == [(0, 2), (3, 1), (5, 2)]
+    assert batches([p, p], 32) == [] and batches([], 4) == []
+    assert batches([z] * 64) == [(0, 32), (32, 32)]
+
+
+def test_the_batch_size_is_the_senders():
+    from wxfer.runtime import hostfit
+    from wxfer.runtime.sender import FAST_BATCH
+    from wxfer.runtime.tasks import STAMP_TAG
+    from wxfer.meta import Calibration
+
+    assert ZERO_COPY_BATCH == FAST_BATCH == Calibration().zc_batch
+    assert hostfit.STAMP_TAG == STAMP_TAG
+
+
+def test_auto_kinds_come_from_the_plans_own_training_parameters():
+    import pytest
+    from wxfer.plan.simulate import simulate
+
+    plan, train = _one_rank("qwen3-tiny")
+    assert plan.train_params and task_kinds(plan, plan.train_params) == task_kinds(plan, train)
+    c = Cluster(train_gpus=1, infer_gpus=1, infer_tp=1, gpus_per_node=1, dense_shard=1, expert_shard=1)
+    auto = simulate(plan, c, kinds="auto", record=False)
+    assert auto.simulated_s == simulate(plan, c, kinds=task_kinds(plan, train), record=False).simulated_s
+    assert auto.terms["zero_copy_tasks"] == len(plan.tasks)
+    with pytest.raises(ValueError, match="kinds must be"):
+        simulate(plan, c, kinds="zero_copy")

@@ -1,0 +1,208 @@
+"""The simulator's per-push figures fitted on the engine trace of a Sender's own pushes.
+
+What the push loop does on the host (wxfer.runtime.sender / tasks), and so what a trace of
+it shows: after the begin stamps (a store round trip for restarts, a device synchronize, the
+stamp writes and the engine's round trip), for each mesh group, the rank's tasks in order:
+
+- zero-copy tasks are collected (a check of each parameter's memory) and handed to the
+  engine by one ``Engine.submit_prepared`` call per batch (``ZERO_COPY_BATCH`` tasks, or fewer
+  where a task of another kind or the group's end comes first): in the trace the batch's
+  tasks carry submission stamps microseconds apart, and the host time of the whole batch is
+  the gap from the previous submission to its last task's;
+- a packed (or staged) task is admitted under the watermark (``Engine.reserve``: ``t_admit``,
+  after any wait for buffers to be released: then just after a held buffer's last write
+  landed, and only its preparation is sampled), prepared (gathers, H2D, packing issued:
+  ``t_admit`` .. ``t_submit``) and submitted;
+- a task this rank only joins the collective of has no record: its host time falls into the
+  next record's gap;
+then, once the writes landed (the last ``t_done``), the end stamps and the group barrier.
+
+``fit(pushes, order, kinds, info)`` fits, by non-negative least squares over one sample
+per batch and per packed task: host seconds per packed task, per parameter, per piece, per
+zero-copy task and per batch (and per mesh group after the first); the per-push costs
+before the first task and after the last write; and, given the write rate, the cost per
+write from the completions of writes that queued behind each other (and, without a rate, the
+write path's rate and per-write cost from them: ``trace_write_GBps``, ``trace_write_call_s``).  Pure Python + numpy:
+tests feed it synthetic traces with known costs.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from ..plan.kinds import ZERO_COPY_BATCH, batches
+
+STAMP_TAG = 1 << 62  # = wxfer.runtime.tasks.STAMP_TAG (no import: that module needs the extension)
+COLUMNS = ("host_task_s", "host_param_s", "host_piece_s", "host_zc_task_s", "host_zc_batch_s", "barrier_s")
+
+
+def nnls(rows, ys) -> np.ndarray:
+    """Non-negative least squares by elimination: columns with a negative coefficient are
+    dropped and the rest refitted.  Returns one coefficient per column."""
+    A = np.asarray(rows, float)
+    y = np.asarray(ys, float)
+    keep = [i for i in range(A.shape[1]) if A[:, i].any()]
+    while keep:
+        coef, *_ = np.linalg.lstsq(A[:, keep], y, rcond=None)
+        if (coef >= 0).all():
+            out = np.zeros(A.shape[1])
+            out[keep] = coef
+            return out
+        keep.pop(int(np.argmin(coef)))
+    return np.zeros(A.shape[1])
+
+
+WAKE_NS = 100_000  # an admission this soon after a buffer's release was waiting for it
+
+
+def _waited(r, prev: int, releases) -> bool:
+    """Whether the packed task of record r waited in Engine.reserve for the watermark: it was
+    admitted just after a held buffer was released (a task's last write landed), a release that
+    came after the host had finished the previous task."""
+    i = bisect.bisect_right(releases, r["t_admit"])
+    return i > 0 and releases[i - 1] >= max(prev, r["t_admit"] - WAKE_NS)
+
+
+def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict) -> list:
+    """Host samples [(features, seconds)] of one push; prev: when the host started its first
+    task (ns).  A packed task that waited for the watermark is sampled from its admission on
+    (t_admit .. t_submit: its preparation), without what came before it."""
+    releases = sorted(r["t_done"] for r in recs.values() if r.get("held"))
+    out = []
+    carry = np.zeros(len(COLUMNS))  # collective-only tasks: their host time is in the next gap
+    for g, tags in enumerate(order):
+        if g:
+            carry[5] += 1
+        ks = [kinds.get(t, "packed") for t in tags]
+        ends = {a + n - 1: n for a, n in batches(ks, batch)}
+        for i, t in enumerate(tags):
+            r = recs.get(t)
+            if ks[i] == "zero_copy":
+                if i not in ends:
+                    continue
+                if r is None:
+                    raise ValueError(f"hostfit: zero-copy task {t} has no trace record")
+                f = carry.copy()
+                f[3] += ends[i]
+                f[4] += 1
+                out.append((f, (r["t_submit"] - prev) / 1e9))
+                prev, carry = r["t_submit"], np.zeros(len(COLUMNS))
+                continue
+            nparams, pieces = info[t]
+            if r is None:  # collective only
+                carry += (1.0, nparams, 0, 0, 0, 0)
+                continue
+            f = carry + (1.0, nparams, pieces, 0, 0, 0)
+            y = (r["t_submit"] - prev) / 1e9 - work.get(t, 0.0)
+            if r["t_admit"] and prev <= r["t_admit"] <= r["t_submit"] and _waited(r, prev, releases):
+                f = np.array((1.0, nparams, pieces, 0, 0, 0))
+                y = (r["t_submit"] - r["t_admit"]) / 1e9 - work.get(t, 0.0)
+            out.append((f, y))
+            prev, carry = r["t_submit"], np.zeros(len(COLUMNS))
+    return out
+
+
+def _queued(records) -> list:
+    """[(gap s, bytes, writes)] of the tasks whose writes queued behind the previous task's
+    (ready before it completed): the time from the previous completion to theirs."""
+    recs = sorted((r for r in records if r["tag"] != STAMP_TAG and r.get("nwrites")), key=lambda r: r["t_done"])
+    return [
+        ((b["t_done"] - a["t_done"]) / 1e9, float(b["bytes"]), float(b["nwrites"]))
+        for a, b in zip(recs, recs[1:])
+        if b["t_ready"] and b["t_ready"] <= a["t_done"]
+    ]
+
+
+def _post_cost(q, rate: float) -> tuple:
+    """(seconds per write, samples) from the queued tasks that took longer than their bytes at
+    `rate` (posting, not the link, set their pace): their time per write.  The simulator posts
+    a rank's writes one after the other at that cost while the link moves earlier ones."""
+    slow = [(g, w) for g, b, w in q if g > 1.1 * b / rate]
+    if not slow:
+        return 0.0, 0
+    return sum(g for g, _ in slow) / sum(w for _, w in slow), len(slow)
+
+
+def write_cost(records, write_GBps: float) -> tuple:
+    """(seconds per write, samples) of the write path at the rate `write_GBps`, from the
+    completions of tasks whose writes queued behind the previous task's (see _post_cost)."""
+    return _post_cost(_queued(records), write_GBps * 1e9)
+
+
+def write_path(records) -> tuple:
+    """(bytes/s, seconds per write, samples) of the write path from the queued completions:
+    the rate over the largest quarter of them (by bytes), then the cost per write as write_cost
+    (rate None when nothing queued)."""
+    q = _queued(records)
+    if not q:
+        return None, 0.0, 0
+    big = sorted(q, key=lambda x: x[1])[(3 * len(q)) // 4 :]
+    t = sum(g for g, _, _ in big)
+    if t <= 0:
+        return None, 0.0, len(q)
+    rate = sum(b for _, b, _ in big) / t
+    per, _ = _post_cost(q, rate)
+    return rate, per, len(q)
+
+
+def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, work=None, write_GBps=None) -> dict:
+    """Fit the push's host and fixed costs on traced pushes.
+
+    pushes: [(t0 ns, t1 ns, records)]: when push() was called and returned, and the engine's
+    trace of it (stamp records included); order: this rank's task tags per mesh group, in
+    program order; kinds: tag -> kind (Sender.task_kinds()); info: tag -> (parameters,
+    pieces); work: tag -> seconds of work done on the host itself (CPU packing) to take out;
+    write_GBps: the write rate, to fit the cost per write (None: not fitted)."""
+    samples, begin, end = [], [], []
+    for t0, t1, records in pushes:
+        data = {r["tag"]: r for r in records if r["tag"] != STAMP_TAG}
+        if not data:
+            continue
+        stamps = sorted((r for r in records if r["tag"] == STAMP_TAG), key=lambda r: r["t_submit"])
+        first = min(r["t_submit"] for r in data.values())
+        start = stamps[0]["t_done"] if stamps and stamps[0]["t_done"] <= first else t0
+        begin.append((start - t0) / 1e9)
+        end.append((t1 - max(r["t_done"] for r in data.values())) / 1e9)
+        samples += _samples(data, start, order, kinds, info, batch, work or {})
+    if not samples:
+        raise RuntimeError("hostfit: the pushes traced no task of this rank")
+    ys = np.array([y for _, y in samples])
+    coef = nnls([f for f, _ in samples], np.maximum(ys, 0.0))
+    out = {k: float(v) for k, v in zip(COLUMNS, coef)}
+    out.update(
+        push_begin_s=float(np.median(begin)),
+        push_end_s=float(np.median(end)),
+        host_samples=len(samples),
+        host_batches=int(sum(1 for f, _ in samples if f[4])),
+    )
+    recs = [r for _, _, rs in pushes for r in rs]
+    rate, per, n = write_path(recs)
+    out.update(trace_write_GBps=None if rate is None else rate / 1e9, trace_write_call_s=per)
+    if write_GBps:
+        out["write_call_s"], out["write_samples"] = write_cost(recs, write_GBps)
+    return out
+
+
+def device_times(pushes, tags: set, moved: dict, fp8: dict) -> dict:
+    """The device time of the tasks `tags` (packed or staged: they wait for their own CUDA
+    event) from the traces: each task's stream work ends at its t_ready and starts at the later
+    of its admission (before the host issued any of it) and the previous such task's t_ready
+    (one stream).  Returns per class (fp8: a task with FP8 shards, raw: the others) tasks,
+    seconds and GB/s of `moved` bytes (sources read + buffer written, as the simulator counts
+    them): the device's rate where the stream was busy, lower where the host issued late or
+    the engine saw the event late."""
+    acc = {"fp8": [0, 0.0, 0.0], "raw": [0, 0.0, 0.0]}
+    for _, _, records in pushes:
+        prev = 0
+        for r in sorted((r for r in records if r["tag"] in tags), key=lambda r: r["t_submit"]):
+            if not r.get("t_ready"):
+                continue
+            d = max(0, r["t_ready"] - max(r["t_admit"] or r["t_submit"], prev)) / 1e9
+            a = acc["fp8" if fp8.get(r["tag"]) else "raw"]
+            a[0] += 1
+            a[1] += d
+            a[2] += moved.get(r["tag"], 0)
+            prev = r["t_ready"]
+    return {k: dict(tasks=n, seconds=s, GBps=(b / s / 1e9) if s > 0 else None) for k, (n, s, b) in acc.items() if n}
