@@ -398,3 +398,12 @@ int wx_post_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
                        (unsigned long long)wr->len, t->ops->name, (unsigned long long)t->max_write);
     return t->ops->write(t, p, wr, op);
 }
+
+int wx_fence(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len)
+{
+    if (!t->ops->fence) {
+        snprintf(how, len, "the %s transport cannot fence a peer", t->ops->name);
+        return -ENOTSUP;
+    }
+    return t->ops->fence(t, p, timeout_ns, how, len);
+}

@@ -591,6 +591,7 @@ const wx_transport_ops_t wx_cuda_ipc_ops = {
     .disconnect = wx__ci_disconnect,
     .write = wx__ci_write,
     .info = wx__ci_info,
+    .fence = wx__ci_fence,
 };
 #else
 typedef int wx__cuda_ipc_empty_unit;
