@@ -442,6 +442,11 @@ def gather_strings(group, s: str | None, timeout: float, what: str) -> list:
     return [None if k < 0 else bytes(o[:k].numpy()).decode(errors="replace") for k, o in zip(lens, outs)]
 
 
+def gather_json(group, obj, timeout: float, what: str) -> list:
+    """Every rank's JSON-able `obj` (tuples come back as lists), bounded like gather_strings."""
+    return [json.loads(x) for x in gather_strings(group, json.dumps(obj), timeout, what)]
+
+
 def roll_call(ctl, key: str, rank: int, world: int, wait: float) -> list:
     """After a collective among the trainer ranks failed: each live rank answers in the
     store under `key`; returns the ranks that did not answer within `wait` seconds (dead
