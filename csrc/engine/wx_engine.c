@@ -141,7 +141,7 @@ static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *
     e->failed[e->nfailed].f = *f;
     e->failed[e->nfailed].fence = WX__FENCE_TODO;
     e->nfailed++;
-    e->fencing++;
+    e->fencing_peers++;
     for (wx__task_t *t = e->active; t; t = t->act_next) {
         for (uint32_t i = 0; i < t->posted; i++) {
             wx__eop_t *eo = &t->ops[i];
@@ -164,7 +164,7 @@ static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *
  * may wait up to half the write timeout and may complete their writes meanwhile). The outcome
  * ends the failure's reason, so that whoever reports the give-up says whether the writes
  * abandoned to that peer can still land. */
-static void wx__run_fences(wx_engine_t *e)
+static void wx__fence_failed_peers(wx_engine_t *e)
 {
     for (uint32_t i = 0; i < e->nfailed; i++) {
         wx__failed_t *fl = &e->failed[i];
@@ -183,7 +183,7 @@ static void wx__run_fences(wx_engine_t *e)
             snprintf(fl->f.reason + n, sizeof fl->f.reason - n, "; %s: %s",
                      rc == 0 ? "fenced before giving up" : "NOT fenced", how);
         fl->fence = WX__FENCE_DONE;
-        e->fencing--;
+        e->fencing_peers--;
         pthread_cond_broadcast(&e->cv_done);
     }
 }
@@ -516,8 +516,8 @@ static void *wx__post_main(void *arg)
     pthread_mutex_lock(&e->mu);
     while (!e->stop) {
         wx__task_t *t = e->post.head;
-        if (e->fencing) {
-            wx__run_fences(e);
+        if (e->fencing_peers) {
+            wx__fence_failed_peers(e);
             continue;
         }
         if (!t) {
@@ -758,7 +758,7 @@ int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
             rc = wx__errf_sticky(e);
             break;
         }
-        if (e->completed == e->submitted && (!e->fencing || e->stop))
+        if (e->completed == e->submitted && (!e->fencing_peers || e->stop))
             break; /* (a failed peer is fenced before the engine says all done) */
         if (wx_now_ns() >= end) {
             rc = -EAGAIN;

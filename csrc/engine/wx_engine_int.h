@@ -66,8 +66,8 @@ struct wx_engine {
     int stop, stopped, destroyed;
     wx__failed_t failed[WX__MAX_FAILED];
     uint32_t nfailed;
-    uint32_t fencing; /* failed peers whose fence has not finished */
-    uint64_t refs;    /* 1 for the owner + one per outstanding write */
+    uint32_t fencing_peers; /* failed peers whose fence (wx_fence) has not finished */
+    uint64_t refs;          /* 1 for the owner + one per outstanding write */
     pthread_t th_ready, th_post;
     int started;
     wx_trace_rec_t *trace;                /* ring of WX_ENGINE_TRACE_MAX, allocated as it fills */
