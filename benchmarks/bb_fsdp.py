@@ -192,6 +192,7 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
             watermark=wm,
             timeout=a["timeout"],
             write_timeout=a["timeout"],
+            transport_options=a.get("transport_options") or None,
         )
         try:
             n = a["warmup"] + (a["reps"] if wi == 0 else max(1, a["reps"] // 2))
@@ -225,6 +226,7 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
                 zero_copy_tasks=zero,
                 host=s.host_times(recs),
                 submit_s=s.last_submit_s,
+                phases=dict(s.last_phases),
                 bytes_per_step=s.bytes_per_step,
                 transport=s.transport_name,
             )

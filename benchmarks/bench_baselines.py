@@ -753,6 +753,7 @@ def run(args) -> dict:
         watermarks=[_parse_size(args.watermark), _parse_size(args.watermark2)],
         out=os.path.abspath(out) if out else None,
         skip=[],
+        transport_options=dict(kv.split("=", 1) for kv in args.transport_options.split(",") if kv),
     )
     ctl = control.Control(store, a["name"], args.timeout)
     mach = machine(args.dry_run)
@@ -815,7 +816,8 @@ def run(args) -> dict:
                 pass
             over = time.perf_counter() - cfg_t0 > args.config_timeout or time.perf_counter() - t_start > args.max_s
             if dead or over:
-                why = "timed out" if over else "a process exited (exit codes %s; -9: killed, e.g. out of host memory)" % [x.exitcode for x in procs]
+                codes = [x.exitcode for x in procs]
+                why = "timed out" if over else f"a process exited (exit codes {codes}; -9: killed, e.g. no host memory)"
                 try:
                     while True:
                         r, err = q.get_nowait()
@@ -909,6 +911,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark (the timed steps)")
     ap.add_argument("--watermark2", default="256MiB", help="a second watermark: peak memory and steps again")
+    ap.add_argument("--transport-options", default="", help="k=v,k=v: the trainers' transport options (e.g. streams=1)")
     ap.add_argument("--timeout", type=float, default=300.0, help="every wait inside a configuration")
     ap.add_argument("--config-timeout", type=float, default=240.0, help="one configuration, all methods")
     ap.add_argument("--max-s", type=float, default=560.0, help="the whole run (results so far are written)")

@@ -355,3 +355,25 @@ def test_trace_is_a_bounded_ring(pair):
     eng.trace(clear=True)
     assert eng.trace() == [] and eng.stats()["trace_dropped"] == 0
     eng.close()
+
+
+def test_fence_task_is_posted_after_earlier_writes_and_before_later_ones(pair):
+    """fence=True (the version stamps): its writes are posted only once every earlier write
+    has completed, and later tasks' writes only once its own have -- without the caller
+    waiting in between; the bytes of every task land."""
+    t, tgt = pair
+    eng = _wxfer.Engine(t, chunk=64 * 1024)
+    big = 512 * 1024
+    a, f, b = rand(big, 1), rand(8, 2), rand(big, 3)
+    eng.submit(a, [(tgt.descriptors[0], 0, 0, big)], tag=1)
+    eng.submit(f, [(tgt.descriptors[1], 0, 0, 8)], tag=2, fence=True)
+    eng.submit(b, [(tgt.descriptors[0], big, 0, big)], tag=3)
+    eng.wait(timeout=60)
+    recs = {r["tag"]: r for r in eng.trace()}
+    assert all(r["status"] == 0 for r in recs.values())
+    assert recs[2]["t_post_first"] >= recs[1]["t_done"]  # after every earlier write landed
+    assert recs[3]["t_post_first"] >= recs[2]["t_done"]  # later writes after its own
+    got0 = np.frombuffer(tgt.read(0), np.uint8)
+    assert np.array_equal(got0[:big], a) and np.array_equal(got0[big : 2 * big], b)
+    assert np.array_equal(np.frombuffer(tgt.read(1), np.uint8)[:8], f)
+    eng.close()

@@ -331,9 +331,13 @@ static int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
         wx__fail_fill(f, -ENODEV, t, NULL, "ready", "cannot wait for its CUDA event: %s", why);
         return -ENODEV;
     }
-    if (cu->cuDeviceGet(&dev, t->spec.cuda_device) == CUDA_SUCCESS &&
+    /* only the ready thread calls this: make the device's primary context current once per
+     * device, not per task (the caller's process keeps it retained) */
+    if (t->spec.cuda_device != e->ready_dev &&
+        cu->cuDeviceGet(&dev, t->spec.cuda_device) == CUDA_SUCCESS &&
         cu->cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS) {
-        cu->cuCtxSetCurrent(ctx);
+        if (cu->cuCtxSetCurrent(ctx) == CUDA_SUCCESS)
+            e->ready_dev = t->spec.cuda_device;
         cu->cuDevicePrimaryCtxRelease(dev);
     }
     for (;;) {
@@ -527,9 +531,19 @@ static void *wx__post_main(void *arg)
         }
         wx__post_skip_failed(e, t);
         if (e->err || t->status || t->posted + t->skipped == t->nchunks) {
+            if (t->spec.fence)
+                e->fence_pending = 1; /* later tasks wait until its writes have completed */
             wx__post_retire(e, t);
             continue;
         }
+        /* a fence: before a fence task, and after one, nothing more is posted until every
+         * write in flight has completed (failed peers' writes are abandoned, not waited for) */
+        if ((e->fence_pending || (t->spec.fence && t->posted == 0)) && e->inflight > 0) {
+            wx__check_deadlines(e);
+            wx__wait(&e->cv_post, &e->mu, 10 * 1000 * 1000ull);
+            continue;
+        }
+        e->fence_pending = 0;
         if (e->inflight >= e->o.depth) {
             wx__check_deadlines(e);
             wx__wait(&e->cv_post, &e->mu, 10 * 1000 * 1000ull);
@@ -579,6 +593,7 @@ int wx_engine_create(wx_transport_t *t, const wx_engine_opts_t *o, wx_engine_t *
     wx__init_cond(&e->cv_done);
     e->refs = 1;
     e->next_id = 1;
+    e->ready_dev = -1;
     /* Both stage threads are started here; each waits on its queue (no handshake: a task
      * submitted before a thread first runs waits in its queue until it does). */
     if (pthread_create(&e->th_ready, NULL, wx__ready_main, e)) {

@@ -53,6 +53,9 @@ typedef struct wx_task_spec {
     uint32_t ndests;
     uint64_t tag; /* caller's id, reported in errors and the trace */
     void *owner;  /* handed back by wx_engine_reap once the task is finished */
+    int fence;    /* 1: its writes are posted once every earlier write has completed, and
+                   * later tasks' writes once its own have (a barrier on both sides: the
+                   * version stamps before and after a step's data) */
 } wx_task_spec_t;
 
 #define WX_ENGINE_TRACE_MAX 65536 /* trace records kept (a ring: the oldest go first) */

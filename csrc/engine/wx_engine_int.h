@@ -62,6 +62,8 @@ struct wx_engine {
     wx__task_t *active;
     uint64_t held, held_peak, inflight, submitted, completed, bytes_written, next_id;
     int err;
+    int fence_pending;     /* a fence task was posted: the next waits for inflight == 0 */
+    int ready_dev;         /* the ready thread's current CUDA device (-1: none yet) */
     wx_engine_fail_t fail; /* the sticky error's fields */
     int stop, stopped, destroyed;
     wx__failed_t failed[WX__MAX_FAILED];

@@ -245,7 +245,8 @@ fail:
 
 static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"src", "dests", "event", "device", "tag", "held", "reserved", NULL};
+    static char *kwlist[] = {"src",  "dests",    "event", "device", "tag",
+                             "held", "reserved", "fence", NULL};
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     wx_py_state_t *st = wx_py_state_of(op);
     wx_py_transport_t *tr;
@@ -257,9 +258,9 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     wx_task_spec_t spec;
     wx__admit_t adm;
     uint64_t t0 = wx_now_ns(), id, resv_held = 0;
-    int rc, resv_live = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OiKOO:submit", kwlist, &src, &dests, &event,
-                                     &device, &tag, &held_obj, &resv))
+    int rc, resv_live = 0, fence = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OiKOOp:submit", kwlist, &src, &dests, &event,
+                                     &device, &tag, &held_obj, &resv, &fence))
         return NULL;
     if (!wx__live(self))
         return NULL;
@@ -292,6 +293,7 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     spec.dests = dv;
     spec.tag = tag;
     spec.owner = own;
+    spec.fence = fence;
     spec.held_bytes = spec.src->len;
     if (held_obj != Py_None) {
         spec.held_bytes = PyLong_AsUnsignedLongLong(held_obj);
@@ -717,12 +719,15 @@ static PyObject *wx_engine_close_py(PyObject *op, PyObject *noargs)
 
 static PyMethodDef wx_engine_methods[] = {
     {"submit", (PyCFunction)(void (*)(void))wx_engine_submit_py, METH_VARARGS | METH_KEYWORDS,
-     "submit(src, dests, event=None, device=-1, tag=0, held=None) -> task id.\n"
+     "submit(src, dests, event=None, device=-1, tag=0, held=None, reserved=None, fence=False) "
+     "-> task id.\n"
      "src: a Region of this transport, or a DLPack producer / buffer kept alive until its writes "
      "completed. dests: [(descriptor, dst_offset, src_offset, nbytes), ...], all validated "
      "before anything is queued. event: a CUDA event handle (int) to wait for before posting. "
      "Blocks (GIL released, Ctrl-C works) while the watermark is reached. reserved: the time "
-     "reserve() returned; the task's held bytes were admitted then (no second admission)."},
+     "reserve() returned; the task's held bytes were admitted then (no second admission). "
+     "fence: its writes are posted once every earlier write has completed, and later tasks' "
+     "writes once its own have (failed peers' writes are not waited for)."},
     {"prepare", (PyCFunction)(void (*)(void))wx_engine_prepare_py, METH_VARARGS | METH_KEYWORDS,
      "prepare(src, dests, tag=0) -> Prepared. src: a Region of this transport (e.g. "
      "Transport.register(tensor, export=False)); dests as submit's, decoded and validated once. "

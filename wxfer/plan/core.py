@@ -338,23 +338,36 @@ def _unit_of(sources: Sequence[str]) -> str | None:
     return units.pop() if len(units) == 1 else None
 
 
+def _whole_rows(pc, shape) -> bool:
+    """Piece `pc` is whole rows of a source of `shape` seen as the matrix
+    [prod(shape[:-1]), shape[-1]] (a 1-D source: its elements), so its bytes are one
+    contiguous range of the source's row-major memory."""
+    return len(shape) < 2 or (pc.c0 == 0 and pc.c1 == shape[-1])
+
+
+def _one_range(sh, src: str, params: Mapping[str, TrainParam]) -> bool:
+    """Raw shard `sh` is one contiguous byte range of training parameter `src` in its own
+    dtype: its pieces are whole rows of `src`, each run starting where the last one ended
+    (the rows of a fused [E, 2I, H] gate_up_proj addressed per expert and half)."""
+    p = params[src]
+    if sh.kind != "raw" or sh.dtype != p.dtype or not sh.pieces:
+        return False
+    prev = None
+    for pc in sh.pieces:
+        if pc.src != src or not _whole_rows(pc, p.shape) or (prev is not None and pc.r0 != prev.r1):
+            return False
+        prev = pc
+    return True
+
+
 def _direct(c, params: Mapping[str, TrainParam], opts) -> bool:
     """A component whose bytes can be written from the training parameter's own memory
-    (zero copy): one source, produced by one rank alone, every shard one raw piece of
-    whole rows in the source's own dtype.  Such a component stays a task of its own."""
+    (zero copy): one source, produced by one rank alone, every shard one contiguous byte
+    range of it in its own dtype (_one_range; any dimensionality).  Such a component stays
+    a task of its own."""
     if len(c.sources) != 1 or not opts or any(len(m) != 1 for m in opts):
         return False
-    src = params[c.sources[0]]
-    cols = src.shape[1] if len(src.shape) == 2 else 0
-    if len(src.shape) > 2:
-        return False
-    for sh in c.shards:
-        if sh.kind != "raw" or sh.dtype != src.dtype or len(sh.pieces) != 1:
-            return False
-        pc = sh.pieces[0]
-        if cols and (pc.c0 != 0 or pc.c1 != cols):
-            return False
-    return True
+    return all(_one_range(sh, c.sources[0], params) for sh in c.shards)
 
 
 _ITEMSIZE = {
@@ -372,9 +385,11 @@ _ITEMSIZE = {
 
 def _split_direct(c, params: Mapping[str, TrainParam], opts):
     """A component of several sources whose raw shards are whole rows of their sources in
-    the sources' own dtype (a BF16 fused qkv or gate_up, any TP): one component per
-    source, each shard cut at its pieces (the same bytes at the same offsets), so that
-    each is sent from its parameter's own memory.  None when that does not apply."""
+    the sources' own dtype (a BF16 fused qkv or gate_up, any TP; a layer's fused 3-D experts
+    gate_up_proj and down_proj): one component per source, each shard cut where the source
+    changes or its rows stop being contiguous (the same bytes at the same offsets), so that
+    each is sent from its parameter's own memory, one write per contiguous range.  None when
+    that does not apply."""
     if len(c.sources) < 2 or not opts or any(len(m) != 1 for m in opts):
         return None
     cuts: dict[str, list] = {}
@@ -383,16 +398,17 @@ def _split_direct(c, params: Mapping[str, TrainParam], opts):
         for pc in sh.pieces:
             src = params[pc.src]
             size = _ITEMSIZE.get(src.dtype)
-            if (
-                sh.kind != "raw"
-                or sh.dtype != src.dtype
-                or size is None
-                or len(src.shape) > 2
-                or (len(src.shape) == 2 and (pc.c0 != 0 or pc.c1 != src.shape[1]))
-            ):
+            if sh.kind != "raw" or sh.dtype != src.dtype or size is None or not _whole_rows(pc, src.shape):
                 return None
             nb = pc.numel() * size
-            cuts.setdefault(pc.src, []).append(Shard(sh.rank, sh.dst, off, nb, "raw", sh.dtype, (pc,)))
+            lst = cuts.setdefault(pc.src, [])
+            last = lst[-1] if lst else None
+            if last is not None and last.offset + last.nbytes == off and last.dst == sh.dst and last.rank == sh.rank:
+                if last.pieces[-1].r1 == pc.r0:  # the next rows of the same source: one range
+                    lst[-1] = last._replace(nbytes=last.nbytes + nb, pieces=last.pieces + (pc,))
+                    off += nb
+                    continue
+            lst.append(Shard(sh.rank, sh.dst, off, nb, "raw", sh.dtype, (pc,)))
             off += nb
         if off != sh.offset + sh.nbytes:
             return None

@@ -390,18 +390,27 @@ def task_prep(op: TaskOp, device) -> TaskPrep:
 
 def _direct_dests(op: TaskOp, p):
     """The task's destinations with source offsets into the parameter's own bytes when every
-    packed shard is one raw piece of whole rows in the parameter's dtype (so the bytes of
-    each shard are a contiguous range of the parameter), else None."""
+    packed shard is one contiguous byte range of it in its dtype: raw pieces of whole rows
+    of the parameter seen as [prod(shape[:-1]), shape[-1]] (any dimensionality: the fused
+    3-D experts of transformers 5 too), runs of consecutive rows merged (_merge_rows) into
+    one.  None otherwise (the task is packed)."""
     local = _local(p)
-    if not local.is_contiguous() or local.dim() > 2 or str(local.dtype) != "torch." + op.shards[0].dtype:
+    name = op.sources[0][0]
+    if not local.is_contiguous() or str(local.dtype) != "torch." + op.shards[0].dtype:
         return None
-    row = local.element_size() * (local.shape[1] if local.dim() == 2 else 1)
+    cols = local.shape[-1] if local.dim() >= 2 else 0
+    row = local.element_size() * (cols or 1)
     starts, pos = [], 0
     for sh in op.shards:
-        if sh.kind != "raw" or len(sh.pieces) != 1 or "torch." + sh.dtype != str(local.dtype):
+        if sh.kind != "raw" or "torch." + sh.dtype != str(local.dtype):
             return None
-        pc = sh.pieces[0]
-        if local.dim() == 2 and (pc.c0 != 0 or pc.c1 != local.shape[1]):
+        run = _merge_rows(sh.pieces)
+        if len(run) != 1:
+            return None
+        pc = run[0]
+        if pc.src != name or (cols and (pc.c0 != 0 or pc.c1 != cols)) or pc.rows * row != sh.nbytes:
+            return None
+        if pc.r0 < 0 or pc.r1 * row > local.numel() * local.element_size():
             return None
         starts.append((pos, pos + sh.nbytes, pc.r0 * row))
         pos += sh.nbytes

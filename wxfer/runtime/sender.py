@@ -35,7 +35,7 @@ from . import control, prepare, program
 from .control import Control, SetupError
 from .faults import FaultsMixin, mapping_digest
 from .rejoin import RejoinMixin, _regions
-from .tasks import STAMP_TAG, TaskMixin, torch_sync
+from .tasks import STAMP_TAG, TaskMixin
 from .receiver import _unb64, transport_choice
 from .verify import verify_enabled
 
@@ -67,6 +67,7 @@ class PushHandle:
         self._s, self.version, self._t0, self._barrier, self._keep = sender, version, t0, barrier, keep
         self._done = False
         self.seconds = None
+        self._end_event = None  # CUDA event the end stamps wait for (the side stream's work)
 
     def done(self) -> bool:
         return self._done
@@ -152,6 +153,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         self.mapping = mapping
         self.watermark = _parse_size(watermark)
         self.last_submit_s = None
+        # seconds from the start of the last push() to the end of each of its phases
+        self.last_phases: dict = {}
         self.setup_s = {}
         t0 = time.perf_counter()
         # ---- 1. metadata of this rank (and the mapping it was given: every rank's must agree)
@@ -338,7 +341,6 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
 
     def _connect(self, transport, transport_options, watermark) -> None:
         from .. import _wxfer
-        import torch
 
         self.program = program.RankProgram.from_plan(self.plan, self.rank, self.params)
         senders = program.receivers_of(self.plan)
@@ -376,8 +378,10 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         self.transport = _wxfer.Transport(tname, topts)
         # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
         self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout, isolate=True)
-        self.stamp_src = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.begin_src = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # the version stamps' sources live in host memory (pinned with CUDA): filled without
+        # a device synchronize; the engine's fences order them around the step's data writes
+        self.stamp_src = _host_int64(self.device)
+        self.begin_src = _host_int64(self.device)
         self._stamp_dest = {}
         self._begin_dest = {}
         self.peers = {}
@@ -456,7 +460,9 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         self._sums = {} if self._verify else None
         self.version = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
-        self._adopt_rejoins()
+        ph = self.last_phases = {}
+        self._adopt_rejoins()  # before the begin stamps: a replaced worker is not written at all
+        ph["rejoin_check"] = time.perf_counter() - t0
         keep = []  # CUDA events must outlive the engine's wait on them
         barrier = None
         ev = None
@@ -468,6 +474,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             keep.append(ev)
         try:
             self._write_begin(self.version)
+            ph["begin_stamps"] = time.perf_counter() - t0
             with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
                 for gi, ops in enumerate(self.program.groups):
                     if barrier is not None:
@@ -513,10 +520,15 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
                 f"trainer rank {self.rank} stopped in step {self.version}: {type(e).__name__}",
             )
             raise
+        end_ev = None
         if self.stream is not None:
+            end_ev = torch.cuda.Event()  # the end stamps wait for the side stream's work
+            end_ev.record(self.stream)
+            keep.append(end_ev)
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.last_submit_s = time.perf_counter() - t0
+        self.last_submit_s = ph["submit"] = time.perf_counter() - t0
         h = PushHandle(self, self.version, t0, barrier, keep)
+        h._end_event = end_ev
         self._pending = h
         if async_op:
             return h
@@ -605,7 +617,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             )
             msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
             raise RuntimeError(msg) from exc
-        h.seconds = time.perf_counter() - h._t0
+        h.seconds = self.last_phases["done"] = time.perf_counter() - h._t0
         h._keep.clear()
 
     def _finish_writes(self, h: PushHandle, timeout):
@@ -615,17 +627,16 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
         # every task has its own deadline (write_timeout from its first write); a receiver
         # that stops answering fails alone at that deadline, so wait a little longer here
         t = 1.5 * t + 1.0
-        self._wait_engine(t, "waiting for the weight writes")
-        failed = self._failed_workers()
         if self.stamp_dests:
+            # posted by the engine once every data write of the step has completed (a fence),
+            # after the side stream's work so far; the engine skips the failed receivers: the
+            # others get their stamp, since every one of their writes of this step has landed
             self.stamp_src.fill_(h.version)
-            if self.stamp_src.is_cuda:
-                torch_sync(self.device)
-            # the engine skips the failed receivers: the others get their stamp, since every
-            # one of their writes of this step has landed
-            self._submit_stamps(self.stamp_src, self._stamp_dest, "end")
-            self._wait_engine(t, "writing the version stamps")
-            failed = self._failed_workers()
+            self._submit_stamps(self.stamp_src, self._stamp_dest, "end", h._end_event)
+        self._wait_engine(t, "waiting for the weight writes and the end version stamps")
+        ph = self.last_phases
+        ph["writes"] = time.perf_counter() - h._t0
+        failed = self._failed_workers()
         if failed:
             new = set(failed) - self._dropped()
             self._dropped_gpus = self._dropped() | set(failed)
@@ -724,6 +735,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
             receivers=list(self.workers),
             rejoined=self.rejoined,
             last_submit_s=self.last_submit_s,
+            last_phases=dict(self.last_phases),
             transport=self.transport_name,
             setup_s=self.setup_s,
             quantizer=_quantizer_stats(self.device),
@@ -752,6 +764,14 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin):
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _host_int64(device):
+    """One int64 in host memory (pinned when `device` is CUDA): a version stamp's source."""
+    import torch
+
+    t = torch.zeros(1, dtype=torch.int64)
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 def _quantizer_stats(device) -> dict:

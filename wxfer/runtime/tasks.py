@@ -12,21 +12,33 @@ STAMP_TAG = 1 << 62  # engine tag of the version-stamp writes (plan tasks use th
 
 class TaskMixin:
     def _write_begin(self, version: int) -> None:
-        """This rank's begin stamps, landed before its first data write of the step."""
-        if not self._begin_dest:
+        """This rank's begin stamps, landed before its first data write of the step: a fence
+        task, so the engine posts no data write before they completed, while this thread goes
+        on preparing the step's tasks."""
+        dests = self._begin_dest
+        if not dests:
             return
         self.begin_src.fill_(version)
-        if self.begin_src.is_cuda:
-            torch_sync(self.device)
         # a receiver that fails here is skipped by the engine for the data writes too
-        self._submit_stamps(self.begin_src, self._begin_dest, "begin")
-        self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps")
+        self._submit_stamps(self.begin_src, dests, "begin")
 
-    def _submit_stamps(self, src, dests: dict, which: str) -> None:
-        """Hand this rank's `which` (begin/end) stamp writes to the engine; a refusal (a bad
-        stamp descriptor in a worker's metadata) names the stamps and the workers."""
+    def _submit_stamps(self, src, dests: dict, which: str, event=None) -> None:
+        """Hand this rank's `which` (begin/end) stamp writes to the engine as a fence task
+        (posted after every earlier write completed; later writes after them), after the
+        CUDA `event` when given; a refusal (a bad stamp descriptor in a worker's metadata)
+        names the stamps and the workers."""
         try:
-            self.engine.submit(src, list(dests.values()), tag=STAMP_TAG)
+            if event is not None:
+                self.engine.submit(
+                    src,
+                    list(dests.values()),
+                    tag=STAMP_TAG,
+                    fence=True,
+                    event=event.cuda_event,
+                    device=self.device.index,
+                )
+            else:
+                self.engine.submit(src, list(dests.values()), tag=STAMP_TAG, fence=True)
         except Exception as e:
             raise RuntimeError(
                 f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "
@@ -97,9 +109,3 @@ class TaskMixin:
         for rdesc, doff, soff, n in dests:
             g = self._gpu_of_region[bytes(rdesc)]
             self._sums.setdefault(g, []).append((_b64(rdesc), int(doff), int(n), crc(flat[soff : soff + n]), op.name))
-
-
-def torch_sync(device) -> None:
-    import torch
-
-    torch.cuda.synchronize(device)

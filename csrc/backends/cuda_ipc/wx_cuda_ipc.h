@@ -95,8 +95,10 @@ typedef struct wx__ci_ref {
 /* One write in flight: up to WX_CI_SPLIT_MAX pieces, each with its event. */
 typedef struct wx__ci_slot {
     CUevent ev[WX_CI_SPLIT_MAX];
-    uint32_t nev;   /* pieces posted */
-    uint32_t nmade; /* events created */
+    uint8_t sidx[WX_CI_SPLIT_MAX];  /* each piece's stream */
+    uint64_t plen[WX_CI_SPLIT_MAX]; /* each piece's bytes */
+    uint32_t nev;                   /* pieces posted */
+    uint32_t nmade;                 /* events created */
     wx_op_t *op;
     uint64_t len;
     int busy;
@@ -119,10 +121,14 @@ typedef struct wx__ci {
     /* options */
     int opt_device; /* -1: current context's device, else 0 */
     uint32_t nstreams;
-    uint64_t split;  /* split writes larger than this over streams (0: never) */
-    int map_owner;   /* open handles in the owner GPU's context (diagnostic) */
-    int peer_access; /* enable peer access explicitly where possible */
-    int ipc_lazy;    /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS when opening */
+    uint64_t split;   /* split writes larger than this over streams (0: never) */
+    int map_owner;    /* open handles in the owner GPU's context (diagnostic) */
+    int peer_access;  /* enable peer access explicitly where possible */
+    int ipc_lazy;     /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS when opening */
+    uint32_t poll_us; /* progress thread: sleep between polls of a running write (0: spin
+                       * with sched_yield first, then 4 us sleeps) */
+    int pick_least;   /* a write goes to the stream with the fewest bytes queued (else
+                       * round robin) */
     uint64_t t_nonce;
 
     pthread_mutex_t mu; /* everything below */
@@ -135,6 +141,7 @@ typedef struct wx__ci {
     int dev;
     CUcontext ctx;
     CUstream streams[WX_CI_STREAMS_MAX];
+    uint64_t squeued[WX_CI_STREAMS_MAX]; /* bytes posted and not completed, per stream */
     uint32_t rr;
     wx__ci_slot_t *slots;
     uint32_t nslots;

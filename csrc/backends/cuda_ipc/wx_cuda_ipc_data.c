@@ -80,7 +80,10 @@ static void *wx__ci_progress(void *arg)
         pthread_mutex_unlock(&c->mu);
         fin = wx__ci_slot_poll(c, s, &k.status, k.msg, sizeof k.msg);
         if (!fin) {
-            if (idle++ < 200) {
+            if (c->poll_us) {
+                struct timespec ts = {0, (long)c->poll_us * 1000};
+                nanosleep(&ts, NULL);
+            } else if (idle++ < 200) {
                 sched_yield();
             } else {
                 struct timespec ts = {0, 4000};
@@ -90,6 +93,8 @@ static void *wx__ci_progress(void *arg)
             continue;
         }
         pthread_mutex_lock(&c->mu);
+        for (uint32_t i = 0; i < s->nev; i++)
+            c->squeued[s->sidx[i]] -= s->plen[i];
         c->fhead = (c->fhead + 1) % c->nslots;
         c->fcount--;
         k.op = s->op;
@@ -128,6 +133,7 @@ int wx__ci_io_start(wx__ci_t *c)
         }
     }
     c->nslots = c->base.max_inflight;
+    memset(c->squeued, 0, sizeof c->squeued);
     c->slots = calloc(c->nslots, sizeof *c->slots);
     c->fifo = calloc(c->nslots, sizeof *c->fifo);
     if (!c->slots || !c->fifo) {
@@ -215,6 +221,20 @@ static CUresult wx__ci_copy(wx__ci_t *c, const wx__ci_map_t *m, const wx_mr_t *s
     return c->cu->cuMemcpyAsync(dst, from, n, st);
 }
 
+/* The stream of the next piece: round robin, or (pick=least) the one with the fewest bytes
+ * queued, so that a small write does not wait behind a large one. Caller holds c->mu. */
+static uint32_t wx__ci_pick(wx__ci_t *c)
+{
+    uint32_t best = c->rr++ % c->nstreams;
+    if (c->pick_least)
+        for (uint32_t k = 1; k < c->nstreams; k++) {
+            uint32_t i = (best + k) % c->nstreams;
+            if (c->squeued[i] < c->squeued[best])
+                best = i;
+        }
+    return best;
+}
+
 int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
 {
     wx__ci_t *c = (wx__ci_t *)t;
@@ -272,7 +292,8 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
     s->fail = 0;
     for (uint32_t i = 0; i < pieces && (uint64_t)i * piece < len; i++) {
         uint64_t o = (uint64_t)i * piece, n = len - o < piece ? len - o : piece;
-        CUstream st = c->streams[c->rr++ % c->nstreams];
+        uint32_t si = wx__ci_pick(c);
+        CUstream st = c->streams[si];
         CUresult r = wx__ci_copy(c, m, wr->local, dst + o, from + o, n, st);
         if (r == CUDA_SUCCESS && s->nev == s->nmade) {
             r = c->cu->cuEventCreate(&s->ev[s->nmade], CU_EVENT_DISABLE_TIMING);
@@ -299,6 +320,9 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
                      i, (unsigned long long)len, p->name, wx__ci_errname(c, r));
             break;
         }
+        s->sidx[s->nev] = (uint8_t)si;
+        s->plen[s->nev] = n;
+        c->squeued[si] += n;
         s->nev++;
     }
     wx__ci_pop(c, saved);

@@ -191,9 +191,9 @@ static int wx__ci_probe(const wx_opts_t *opts, char *why, size_t why_len)
     return 0;
 }
 
-static const char *const wx__ci_known[] = {"device",       "streams",  "max_write",
-                                           "max_inflight", "split",    "map",
-                                           "peer_access",  "ipc_lazy", NULL};
+static const char *const wx__ci_known[] = {"device",  "streams", "max_write",   "max_inflight",
+                                           "split",   "map",     "peer_access", "ipc_lazy",
+                                           "poll_us", "pick",    NULL};
 
 static int wx__ci_opt_bool(const wx_opts_t *o, const char *key, int dflt, int *out)
 {
@@ -280,6 +280,20 @@ static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
         goto fail;
     if ((rc = wx__ci_opt_bool(opts, "ipc_lazy", 1, &c->ipc_lazy)) != 0)
         goto fail;
+    if ((rc = wx_opt_u64(opts, "poll_us", 0, &v)) != 0)
+        goto fail;
+    if (v > 10000) {
+        rc = wx_errf(-EINVAL, "transport cuda_ipc: poll_us=%llu: expected 0..10000",
+                     (unsigned long long)v);
+        goto fail;
+    }
+    c->poll_us = (uint32_t)v;
+    s = wx_opt_str(opts, "pick", "rr");
+    if (strcmp(s, "rr") && strcmp(s, "least")) {
+        rc = wx_errf(-EINVAL, "transport cuda_ipc: pick=%s: expected rr or least", s);
+        goto fail;
+    }
+    c->pick_least = !strcmp(s, "least");
     c->base.needs_local_reg = 0;
     c->base.key_is_backend = 0;
     if (getrandom(&c->t_nonce, sizeof c->t_nonce, GRND_NONBLOCK) != (ssize_t)sizeof c->t_nonce)
@@ -566,12 +580,12 @@ static int wx__ci_info(wx_transport_t *t, char *buf, size_t len)
     else
         n = snprintf(buf, len,
                      "cuda_ipc: writer on cuda:%d (%s, %s), streams=%u, split=%llu, "
-                     "map=%s, peer_access=%d, ipc_lazy=%d, maps=%u, writes=%llu, bytes=%llu, "
-                     "errors=%llu, inflight=%u",
+                     "map=%s, peer_access=%d, ipc_lazy=%d, poll_us=%u, pick=%s, maps=%u, "
+                     "writes=%llu, bytes=%llu, errors=%llu, inflight=%u",
                      c->dev, c->devname, c->pci, c->nstreams, (unsigned long long)c->split,
-                     c->map_owner ? "owner" : "writer", c->peer_access, c->ipc_lazy, c->nmaps,
-                     (unsigned long long)c->nwrites, (unsigned long long)c->nbytes,
-                     (unsigned long long)c->nerrors, c->ninflight);
+                     c->map_owner ? "owner" : "writer", c->peer_access, c->ipc_lazy, c->poll_us,
+                     c->pick_least ? "least" : "rr", c->nmaps, (unsigned long long)c->nwrites,
+                     (unsigned long long)c->nbytes, (unsigned long long)c->nerrors, c->ninflight);
     pthread_mutex_unlock(&c->mu);
     return n < 0 ? -EIO : 0;
 }
