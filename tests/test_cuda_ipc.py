@@ -309,3 +309,49 @@ def test_cuda_ipc_options_are_checked():
         _wxfer.Transport("cuda_ipc", {"bogus": "1"})
     with pytest.raises(_wxfer.Error, match="streams"):
         _wxfer.Transport("cuda_ipc", {"streams": "99"})
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fence_waits_for_the_copies_still_queued_to_a_peer():
+    """Issue 17: cuda_ipc fences a peer by waiting (bounded) for the copies to it still on the
+    writer's streams (CUDA cannot cancel a queued copy): once fence() says fenced, nothing
+    of them changes the target's memory any more. 16 GiB of copies (512 writes of 16
+    different sources into one 32 MiB region), fenced once every write is posted, the
+    region read twice 0.5 s apart."""
+    import time
+
+    rx = Receiver(0)
+    try:
+        assert rx.status == "ok", rx.error
+        torch.cuda.set_device(0)
+        t = _wxfer.Transport("cuda_ipc", {"device": "0", "max_inflight": "1024"})
+        peer = _connect(t, rx.blob)
+        n, k = rx.nbytes["embed"], 512
+        srcs = [torch.full((n,), i + 1, dtype=torch.uint8, device="cuda:0") for i in range(16)]
+        regs = [t.register(x, export=False) for x in srcs]
+        eng = _wxfer.Engine(t, chunk=n, depth=1024, timeout=60)
+        for i in range(k):
+            eng.submit(regs[i % 16], [(rx.desc["embed"], 0, 0, n)])
+        deadline = time.monotonic() + 30
+        while True:  # every write posted (in flight or done): nothing more will be
+            st = eng.stats()
+            if st["inflight"] * n + st["bytes_written"] >= k * n:
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.0005)
+        time.sleep(0.002)  # (inflight counts the last write just before its post call returns)
+        fenced, how = t.fence(peer, timeout=30.0)
+        print(how)
+        assert fenced, how
+        assert how.startswith("cuda_ipc: waited") and "all completed" in how, how
+        first = rx.read()["embed"]
+        time.sleep(0.5)
+        assert rx.read()["embed"] == first, "a copy landed after the fence"
+        assert len(first) == n and 1 <= min(first) and max(first) <= 16
+        eng.wait(timeout=60)
+        assert eng.stats()["bytes_written"] == k * n
+        eng.close()
+        t.close()
+    finally:
+        rx.stop()

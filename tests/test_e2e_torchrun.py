@@ -251,3 +251,118 @@ def test_two_trainers_both_name_a_killed_worker_and_both_take_its_restart(tmp_pa
     assert ws[2].returncode == 0 and m and "worker 1 version 3" in outs[2], outs[2]
     writers = {int(x) for x in m.group(1).split(",")}
     assert writers and {r for r, n in rejoined.items() if n == 1} == writers, (rejoined, writers)
+
+
+DEAD_TRAINER = textwrap.dedent("""
+    import os, signal, sys, time, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from wxfer.models import TINY, train_model, preset_for, shard_fsdp2
+    from wxfer.runtime.sender import Sender
+    when = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = shard_fsdp2(train_model(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
+    sender = Sender(model, mapping=preset_for(TINY), timeout=60, write_timeout=3)
+    def bump():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+    bump(); sender.push()
+    print(f"rank {rank} pid {os.getpid()} step 1 ok", flush=True)
+    dist.barrier()
+    if rank == 1 and when == "between":
+        os.kill(os.getpid(), signal.SIGKILL)  # dies between pushes
+    if rank == 1 and when == "mid":
+        real = sender._run_task
+        def run_task(op, keep):  # dies in step 2, after its first task
+            real(op, keep)
+            os.kill(os.getpid(), signal.SIGKILL)
+        sender._run_task = run_task
+    if when == "between":
+        time.sleep(0.5)
+    bump()
+    t0 = time.monotonic()
+    try:
+        sender.push()
+        print("rank 0 step 2 did not fail", flush=True)
+    except Exception as e:
+        print(f"rank 0 step 2 failed after {time.monotonic() - t0:.1f} s: {type(e).__name__}: "
+              + str(e).replace(chr(10), " | "), flush=True)
+    for r in (0, 1):  # the store lives here: let the workers read what was recorded
+        sender.ctl.get("test/seen/%d" % r, f"worker {r}'s report", 60)
+    os._exit(0)
+""")
+
+DEAD_TRAINER_WORKER = textwrap.dedent("""
+    import sys
+    from wxfer.models import TINY, inference_params, preset_for
+    from wxfer.runtime.receiver import Receiver, TornError
+    rank = int(sys.argv[1])
+    recv = Receiver(inference_params(TINY, 2, rank), mapping=preset_for(TINY).name, replica=0, rank=rank, tp=2,
+                    replicas=1, timeout=60)
+    try:  # (when rank 1 dies mid-push, step 2 may be torn before this worker saw step 1)
+        print("worker", rank, "version", recv.wait_version(1, 60), flush=True)
+        recv.wait_version(2, 30)
+        print("worker", rank, "no TornError", flush=True)
+    except TornError as e:
+        print("worker", rank, "TornError:", str(e).replace(chr(10), " | "), flush=True)
+    print("worker", rank, "state:", recv.state()["message"].replace(chr(10), " | "), flush=True)
+    recv.ctl.set("test/seen/%d" % rank, b"1")
+""")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("when", ["between", "mid"])
+def test_a_dead_trainer_rank_is_named_by_rank_on_the_others_and_the_receivers(tmp_path, when):
+    """Issue 17.2/17.7: trainer rank 1 is SIGKILLed between pushes, or in the middle of step 2
+    after its first task (two plain processes, not torchrun, whose agent would end rank 0
+    too).  Rank 0's push of step 2 raises naming
+    `trainer rank 1 (pid N, host H) died or hung` (not a raw gloo error), and both
+    receivers' wait_version raises TornError, and their state() says the same."""
+    import re
+    import socket
+
+    (tmp_path / "trainer.py").write_text(DEAD_TRAINER)
+    (tmp_path / "worker.py").write_text(DEAD_TRAINER_WORKER)
+    sport, mport = free_port(), free_port()
+    env = dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        WXFER_STORE_PORT=str(sport),
+        OMP_NUM_THREADS="1",
+        WXFER_FABRIC_PROVIDER="tcp",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(mport),
+        WORLD_SIZE="2",
+    )
+
+    def spawn(script, *args, **extra):
+        return subprocess.Popen(
+            [sys.executable, str(tmp_path / script), *map(str, args)],
+            cwd=tmp_path,
+            env=dict(env, **extra),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    trainers = [spawn("trainer.py", when, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)]
+    workers = [spawn("worker.py", r, WXFER_STORE="127.0.0.1:%d" % sport) for r in (0, 1)]
+    procs = trainers + workers
+    try:
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    host = socket.gethostname()
+    named = f"trainer rank 1 (pid {trainers[1].pid}, host {host}) died or hung"
+    assert trainers[1].returncode == -9 and "rank 1 pid" in outs[1], outs[1][-2000:]
+    m = re.search(r"rank 0 step 2 failed after ([0-9.]+) s: (.*)", outs[0])
+    assert m and named in m.group(2), outs[0][-3000:]
+    assert float(m.group(1)) < 3 + 5 + 5, m.group(0)
+    for r in (0, 1):
+        out = outs[2 + r]
+        assert when == "mid" or f"worker {r} version 1" in out, out[-2000:]
+        assert re.search(rf"worker {r} TornError: .*{re.escape(named)}", out), out[-2000:]
+        assert re.search(rf"worker {r} state: .*{re.escape(named)}", out), out[-2000:]

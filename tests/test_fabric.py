@@ -370,3 +370,15 @@ def test_c_program(fabric_pair, provider, scenario):
     r = subprocess.run([fabric_pair, provider, scenario, "timeout=3"], capture_output=True, text=True, timeout=80)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "%s ok" % scenario in r.stdout
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_fabric_cannot_fence_a_peer_and_says_so(provider):
+    """Issue 17: libfabric cannot recall an RMA write it accepted, so fence() answers not
+    fenced, naming the provider and what may still land (README's per-transport statement)."""
+    with connected_fabric(provider, [4096]) as (t, tgt):
+        peer = t.peers()[0]["id"]
+        fenced, how = t.fence(peer, timeout=1.0)
+        assert fenced is False, how
+        assert f"fabric {'tcp;ofi_rxm' if provider == 'tcp' else 'shm'} cannot recall" in how, how
+        assert "they may still land" in how, how

@@ -48,8 +48,11 @@ def test_a_receiver_dropped_mid_step_learns_it_is_torn(store, tmp_path):
                 procs[1].send_signal(signal.SIGSTOP)
 
         sender._run_task = run_task
-        with pytest.raises(RuntimeError, match="inference worker gpu 1"):
+        with pytest.raises(RuntimeError, match="inference worker gpu 1") as ei:
             sender.push()
+        # fabric cannot fence: the give-up says the abandoned writes may still land
+        assert "NOT fenced: fabric tcp;ofi_rxm cannot recall the" in str(ei.value), str(ei.value)
+        assert "they may still land" in str(ei.value), str(ei.value)
         sender._run_task = real
         procs[1].send_signal(signal.SIGCONT)  # what the trainer abandoned may land now
         time.sleep(1.0)
@@ -75,6 +78,7 @@ def test_a_receiver_dropped_mid_step_learns_it_is_torn(store, tmp_path):
         assert got[1]["version"] == -1, st
         assert st["state"] == "torn" and st["step"] == 2 and st["ranks"] == [0], st
         assert "torn since step 2" in st["message"] and "trainer rank 0 gave up" in st["message"], st
+        assert "NOT fenced" in st["message"], st
         assert got[1]["wait_error"].startswith("TornError") and got[1]["wait_s"] < 2.0, got[1]
         sender.close()
     finally:

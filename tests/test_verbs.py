@@ -354,6 +354,47 @@ def test_python_bad_rkey_and_out_of_range_raise_with_hca_status(lib):
     )
 
 
+@needs_testing_build
+def test_python_a_long_native_error_text_arrives_whole(emu_lib):
+    """Issue 17: native error texts were cut at fixed-size buffers (the engine kept 256
+    bytes of a reason: a write failure over fabric ended in "... not connect"). A write
+    failure's reason nests the HCA's message (peer, status, NIC, QP, wr ids) in the engine's
+    (task, peer, errno text): it arrives whole, up to the errno text that ends it; and an
+    option name of 3000 characters comes back whole in its error."""
+    _run_py(
+        emu_lib,
+        """
+        import re
+        import numpy as np
+        from wxfer import _wxfer
+        from wxfer.testing import TargetProcess
+        with TargetProcess("verbs", {}, [65536]) as tp:
+            t = _wxfer.Transport("verbs", {"_test_rkey_xor": "768"})
+            tp.connect(t)
+            r = t.register(np.ones(65536, dtype=np.uint8), export=False)
+            eng = _wxfer.Engine(t, timeout=10.0)
+            eng.submit(r, [(tp.descriptors[0], 0, 0, 65536)], tag=7)
+            try:
+                eng.wait(timeout=10.0)
+                raise AssertionError("no error")
+            except _wxfer.Error as e:
+                why, msg = e.reason, str(e)
+            assert len(why) > 256, why
+            assert re.search(r"RDMA WRITE to peer 0 \\(verbs .* pid \\d+\\) failed: .*IBV_WC_REM_ACCESS_ERR.*"
+                             r"\\(op wr_id 0x[0-9a-f]+\\) \\(errno \\d+: [A-Za-z /]+\\)$", why), why
+            assert msg.endswith(why), (msg, why)
+            eng.close(); r.close(); t.close()
+        key = "k" * 3000
+        try:
+            _wxfer.Transport("verbs", {key: "1"})
+            raise AssertionError("no error")
+        except _wxfer.Error as e:
+            assert key in str(e) and str(e).rstrip().endswith("_test_raddr_add)"), str(e)[-300:]
+        print("OK")
+    """,
+    )
+
+
 def test_python_vanished_target_errors_not_hangs(lib):
     _run_py(
         lib,
@@ -379,6 +420,64 @@ def test_python_vanished_target_errors_not_hangs(lib):
         r.close(); t.close()
         print("OK")
     """,
+    )
+
+
+def test_python_a_write_abandoned_at_the_deadline_never_lands_after_the_give_up(emu_lib):
+    """Issue 17: the target's link goes down (emulation control wxemu_verbs_link) for longer
+    than the engine's deadline but shorter than the QP's retry time (timeout=20: 4.3 s a
+    try). Without a fence the HCA would deliver the write when the link comes back (shown
+    first, with a plain write on a second transport); the engine in isolate mode fences the
+    peer before it reports giving up (its QP moved to the error state, every WR flushed), so
+    nothing of the abandoned write lands afterwards, and the other target gets every byte."""
+    _run_py(
+        emu_lib,
+        """
+        import ctypes, os, threading, time
+        import numpy as np
+        from wxfer import _wxfer
+        from wxfer.testing import TargetProcess
+        emu = ctypes.CDLL(os.environ["WXFER_LIBIBVERBS"])
+        N = 1 << 16
+        src = np.full(N, 7, dtype=np.uint8)
+        opts = {"timeout": "20"}
+        with TargetProcess("verbs", {}, [2 * N]) as cut, TargetProcess("verbs", {}, [N]) as live:
+            # the hazard: an unfenced write retried across the outage lands when it ends
+            t = _wxfer.Transport("verbs", opts)
+            cut.connect(t)
+            r = t.register(src, export=False)
+            assert emu.wxemu_verbs_link(cut.proc.pid, 0) >= 1
+            th = threading.Thread(target=t.write, args=(r, 0, cut.descriptors[0], 0, N), kwargs=dict(timeout=20.0))
+            th.start()
+            time.sleep(1.0)
+            assert cut.read(0) == bytes(2 * N)
+            emu.wxemu_verbs_link(cut.proc.pid, 1)
+            th.join(20)
+            assert cut.read(0)[:N] == src.tobytes(), "the emulation lost a write retried across the outage"
+            r.close(); t.close()
+            # the engine gives up at its deadline, fencing the peer first
+            t = _wxfer.Transport("verbs", opts)
+            cut.connect(t); live.connect(t)
+            eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
+            assert emu.wxemu_verbs_link(cut.proc.pid, 0) >= 1
+            t0 = time.monotonic()
+            eng.submit(src, [(cut.descriptors[0], N, 0, N), (live.descriptors[0], 0, 0, N)], tag=3)
+            eng.wait(timeout=20)
+            took = time.monotonic() - t0
+            failed = eng.failed_peers()
+            assert [f.peer for f in failed] == [0], [str(f) for f in failed]
+            why = failed[0].reason
+            assert "not complete after 1.0 s" in why and "fenced before giving up" in why, why
+            assert "moved to the error state" in why and "NOT fenced" not in why, why
+            assert took < 1.0 + 3, took
+            assert live.read(0) == src.tobytes()
+            emu.wxemu_verbs_link(cut.proc.pid, 1)
+            time.sleep(0.5)  # ten times the emulated HCA's retry interval
+            assert cut.read(0)[N:] == bytes(N), "an abandoned write landed after the give-up"
+            eng.close(); t.close()
+        print("OK")
+    """,
+        WXEMU_VERBS_RETRY_CAP_MS="60000",
     )
 
 

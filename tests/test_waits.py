@@ -3,6 +3,7 @@ The store connect with nothing listening; a store wait and a gloo wait interrupt
 SIGINT in a real process."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,14 +46,17 @@ WAITER = textwrap.dedent("""
             f"st = dist.TCPStore('127.0.0.1', {port}, is_master=False, timeout=timedelta(seconds=60)); "
             "dist.init_process_group('gloo', store=st, rank=1, world_size=2); time.sleep(30)")])
         dist.init_process_group("gloo", store=st, rank=0, world_size=2, timeout=timedelta(seconds=60))
-        wait = lambda: control.Barrier(dist.group.WORLD, "a barrier").wait(60)
+        if kind == "gloo":
+            wait = lambda: control.Barrier(dist.group.WORLD, "a barrier").wait(60)
+        else:                   # the exchange of failure reports / setup results
+            wait = lambda: control.gather_strings(dist.group.WORLD, "report", 60, "the reports")
     print("waiting", flush=True)
     t0 = time.monotonic()
     try:
         wait()
     except KeyboardInterrupt:
         print(f"KeyboardInterrupt after {time.monotonic() - t0:.2f} s", flush=True)
-    if kind == "gloo":
+    if kind != "store":
         other.kill()
     import os
     os._exit(0)
@@ -60,7 +64,7 @@ WAITER = textwrap.dedent("""
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", ["store", "gloo"])
+@pytest.mark.parametrize("kind", ["store", "gloo", "gather"])
 def test_ctrl_c_in_a_wait_is_honoured_at_once(tmp_path, kind):
     (tmp_path / "w.py").write_text(WAITER)
     p = subprocess.Popen(
@@ -82,6 +86,70 @@ def test_ctrl_c_in_a_wait_is_honoured_at_once(tmp_path, kind):
             p.kill()
     assert "KeyboardInterrupt after" in out, out
     assert took < 2.0, (took, out)  # not at the wait's 60 s deadline
+
+
+GATHER = textwrap.dedent("""
+    import os, signal, sys, time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from wxfer.runtime import control
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    st = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, timeout=timedelta(seconds=60), wait_for_workers=False)
+    dist.init_process_group("gloo", store=st, rank=rank, world_size=3, timeout=timedelta(seconds=600))
+    ctl = control.Control(st, "g", 60)
+    control.publish_who(ctl, rank)
+    got = control.gather_strings(dist.group.WORLD, None if rank == 1 else "r%d " % rank + "x" * 5000, 10, "r")
+    assert got == ["r0 " + "x" * 5000, None, "r2 " + "x" * 5000], [g and g[:8] for g in got]
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies; rank 1 sleeps (hung), rank 0 waits
+    if rank == 1:
+        time.sleep(30)
+    t0 = time.monotonic()
+    try:
+        control.gather_strings(dist.group.WORLD, "again", 2, "the reports")
+    except control.CollectiveError as e:
+        print(f"gather ended after {time.monotonic() - t0:.2f} s: {e}", flush=True)
+    t0 = time.monotonic()
+    gone = control.roll_call(ctl, "rc", 0, 3, 1.0)
+    print(f"roll call after {time.monotonic() - t0:.2f} s: {gone}", flush=True)
+    os._exit(0)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_gathering_reports_is_bounded_and_a_roll_call_names_the_ranks_gone(tmp_path):
+    """Issue 17.3/17.5: the exchange of failure reports (gather_strings, replacing
+    dist.all_gather_object, which waits for gloo's 30-minute default) ends at its own bound
+    when a rank died (rank 2, SIGKILL) or hangs (rank 1); the roll call names both with
+    their pid and host (issue 17.7: a dead trainer named by rank, not a raw gloo error)."""
+    import socket
+
+    (tmp_path / "g.py").write_text(GATHER)
+    port = control.free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(tmp_path / "g.py"), str(r), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(3)
+    ]
+    try:
+        out = procs[0].communicate(timeout=40)[0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    m = re.search(r"gather ended after ([0-9.]+) s: .*the reports", out)
+    assert m and float(m.group(1)) < 2 + 1.5, out
+    m = re.search(r"roll call after ([0-9.]+) s: (.*)", out)
+    assert m and float(m.group(1)) < 1 + 1.0, out
+    host = socket.gethostname()
+    assert m.group(2) == str([f"trainer rank {r} (pid {procs[r].pid}, host {host})" for r in (1, 2)]), out
 
 
 def _tiny():

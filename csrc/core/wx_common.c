@@ -13,9 +13,12 @@ static _Thread_local char wx__errbuf[WX_ERRMSG_MAX];
 int wx_errf(int err, const char *fmt, ...)
 {
     va_list ap;
+    int n;
     va_start(ap, fmt);
-    vsnprintf(wx__errbuf, sizeof wx__errbuf, fmt, ap);
+    n = vsnprintf(wx__errbuf, sizeof wx__errbuf, fmt, ap);
     va_end(ap);
+    if (n >= (int)sizeof wx__errbuf) /* too long: say so rather than cut a word in two */
+        memcpy(wx__errbuf + sizeof wx__errbuf - 4, "...", 4);
     return err;
 }
 
@@ -132,7 +135,7 @@ int wx_opt_check(const wx_opts_t *o, const char *transport, const char *const *k
             if (strcmp(*k, o->keys[i]) == 0)
                 ok = 1;
         if (!ok) {
-            char list[256] = "";
+            char list[1024] = "";
             for (const char *const *k = known; *k; k++) {
                 strncat(list, *k, sizeof list - strlen(list) - 1);
                 if (k[1])

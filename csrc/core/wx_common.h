@@ -19,7 +19,11 @@ extern "C" {
 #endif
 
 #define WX_UNUSED(x) ((void)(x))
-#define WX_ERRMSG_MAX 512
+/* Room for one error text: a native message nests the messages of the calls below it
+ * (provider error, peer name, task), so it is generous; a text that would not fit ends in
+ * "..." instead of being cut silently. */
+#define WX_ERRMSG_MAX 4096
+#define WX_NAME_MAX 192 /* a peer's name in messages: "peer 3 (fabric fi_sockaddr_in6://...)" */
 
 #if defined(__GNUC__)
 #define WX_PRINTF(a, b) __attribute__((format(printf, a, b)))

@@ -76,7 +76,7 @@ static inline int wx__stopping(wx_engine_t *e)
 /* The sticky error, with its message in wx_last_error(). mu held. */
 static int wx__errf_sticky(wx_engine_t *e)
 {
-    char msg[WX_ERRMSG_MAX];
+    char msg[WX_ERRMSG_MAX + 256];
     wx_engine_fail_msg(&e->fail, msg, sizeof msg);
     return wx_errf(e->err, "%s", msg);
 }
@@ -139,7 +139,9 @@ static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *
     }
     e->failed[e->nfailed].peer = p;
     e->failed[e->nfailed].f = *f;
+    e->failed[e->nfailed].fence = WX__FENCE_TODO;
     e->nfailed++;
+    e->fencing_peers++;
     for (wx__task_t *t = e->active; t; t = t->act_next) {
         for (uint32_t i = 0; i < t->posted; i++) {
             wx__eop_t *eo = &t->ops[i];
@@ -156,6 +158,34 @@ static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *
     pthread_cond_broadcast(&e->cv_post);
     pthread_cond_broadcast(&e->cv_done);
     pthread_cond_broadcast(&e->cv_admit);
+}
+
+/* isolate: fence the failed peers (post thread; mu held, released around each fence, which
+ * may wait up to half the write timeout and may complete their writes meanwhile). The outcome
+ * ends the failure's reason, so that whoever reports the give-up says whether the writes
+ * abandoned to that peer can still land. */
+static void wx__fence_failed_peers(wx_engine_t *e)
+{
+    for (uint32_t i = 0; i < e->nfailed; i++) {
+        wx__failed_t *fl = &e->failed[i];
+        char how[WX_ERRMSG_MAX / 2];
+        size_t n;
+        int rc;
+        if (fl->fence != WX__FENCE_TODO)
+            continue;
+        fl->fence = WX__FENCE_RUNNING;
+        pthread_mutex_unlock(&e->mu);
+        rc = wx_fence(e->t, fl->peer, e->o.timeout_ns / 2, how, sizeof how);
+        pthread_mutex_lock(&e->mu);
+        fl = &e->failed[i]; /* (the table only grows) */
+        n = strlen(fl->f.reason);
+        if (n < sizeof fl->f.reason - 1)
+            snprintf(fl->f.reason + n, sizeof fl->f.reason - n, "; %s: %s",
+                     rc == 0 ? "fenced before giving up" : "NOT fenced", how);
+        fl->fence = WX__FENCE_DONE;
+        e->fencing_peers--;
+        pthread_cond_broadcast(&e->cv_done);
+    }
 }
 
 /* Called with mu held when a task will see no more completions. */
@@ -490,6 +520,10 @@ static void *wx__post_main(void *arg)
     pthread_mutex_lock(&e->mu);
     while (!e->stop) {
         wx__task_t *t = e->post.head;
+        if (e->fencing_peers) {
+            wx__fence_failed_peers(e);
+            continue;
+        }
         if (!t) {
             wx__check_deadlines(e);
             wx__wait(&e->cv_post, &e->mu, WX__IDLE_NS);
@@ -739,8 +773,8 @@ int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
             rc = wx__errf_sticky(e);
             break;
         }
-        if (e->completed == e->submitted)
-            break;
+        if (e->completed == e->submitted && (!e->fencing_peers || e->stop))
+            break; /* (a failed peer is fenced before the engine says all done) */
         if (wx_now_ns() >= end) {
             rc = -EAGAIN;
             break;

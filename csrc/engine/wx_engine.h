@@ -76,7 +76,7 @@ typedef struct wx_engine_fail {
     int64_t peer;      /* the peer's id (wx_peer_t.id); -1: none */
     const char *stage; /* static: "ready" (its CUDA event), "post", "write" (a completion),
                         * "deadline" */
-    char reason[WX_ERRMSG_MAX / 2];
+    char reason[WX_ERRMSG_MAX];
 } wx_engine_fail_t;
 
 /* "task 3 (tag 7), peer 1, write: <reason>" into buf. */

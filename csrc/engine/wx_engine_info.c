@@ -16,9 +16,12 @@ void wx__fail_fill(wx_engine_fail_t *f, int err, const wx__task_t *t, const wx_p
     f->tag = t ? t->spec.tag : 0;
     f->peer = p ? (int64_t)p->id : -1;
     f->stage = stage;
+    int n;
     va_start(ap, fmt);
-    vsnprintf(f->reason, sizeof f->reason, fmt, ap);
+    n = vsnprintf(f->reason, sizeof f->reason, fmt, ap);
     va_end(ap);
+    if (n >= (int)sizeof f->reason)
+        memcpy(f->reason + sizeof f->reason - 4, "...", 4);
 }
 
 void wx_engine_fail_msg(const wx_engine_fail_t *f, char *buf, size_t len)

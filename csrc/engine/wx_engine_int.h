@@ -18,9 +18,13 @@ typedef struct wx__eop {
 
 #define WX__MAX_FAILED 64 /* failed peers remembered with their reason (isolate) */
 
+enum { WX__FENCE_NONE, WX__FENCE_TODO, WX__FENCE_RUNNING, WX__FENCE_DONE };
+
 typedef struct wx__failed {
     wx_peer_t *peer;
     wx_engine_fail_t f;
+    int fence; /* WX__FENCE_*: the post thread fences the peer (wx_fence) before the
+                * engine reports all done */
 } wx__failed_t;
 
 struct wx__task {
@@ -64,7 +68,8 @@ struct wx_engine {
     int stop, stopped, destroyed;
     wx__failed_t failed[WX__MAX_FAILED];
     uint32_t nfailed;
-    uint64_t refs; /* 1 for the owner + one per outstanding write */
+    uint32_t fencing_peers; /* failed peers whose fence (wx_fence) has not finished */
+    uint64_t refs;          /* 1 for the owner + one per outstanding write */
     pthread_t th_ready, th_post;
     int started;
     wx_trace_rec_t *trace;                /* ring of WX_ENGINE_TRACE_MAX, allocated as it fills */

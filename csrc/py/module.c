@@ -43,7 +43,7 @@ static int wx__set_field(PyObject *obj, const char *name, PyObject *v)
 
 PyObject *wx_py_fail_error(wx_py_state_t *st, const wx_engine_fail_t *f, const char *context)
 {
-    char what[WX_ERRMSG_MAX], msg[WX_ERRMSG_MAX + 128];
+    char what[WX_ERRMSG_MAX + 256], msg[WX_ERRMSG_MAX + 512];
     int err = f->err < 0 ? -f->err : f->err;
     PyObject *exc;
     wx_engine_fail_msg(f, what, sizeof what);

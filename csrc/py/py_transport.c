@@ -632,6 +632,32 @@ static PyObject *wx_transport_write(PyObject *op, PyObject *args, PyObject *kw)
     Py_RETURN_NONE;
 }
 
+static PyObject *wx_transport_fence(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"peer", "timeout", NULL};
+    wx_py_transport_t *self = (wx_py_transport_t *)op;
+    char how[WX_ERRMSG_MAX / 2] = "";
+    unsigned int id;
+    double timeout = 5.0;
+    wx_peer_t *p;
+    int rc;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "I|d:fence", kwlist, &id, &timeout))
+        return NULL;
+    if (!wx__transport_live(self))
+        return NULL;
+    if (timeout <= 0) {
+        PyErr_SetString(PyExc_ValueError, "fence: timeout must be > 0 seconds");
+        return NULL;
+    }
+    p = wx_peer_by_id(self->t, id);
+    if (!p) {
+        PyErr_Format(PyExc_KeyError, "fence: no peer %u", id);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS rc = wx_fence(self->t, p, (uint64_t)(timeout * 1e9), how, sizeof how);
+    Py_END_ALLOW_THREADS return Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, how);
+}
+
 static PyMethodDef wx_transport_methods[] = {
     {"register", (PyCFunction)(void (*)(void))wx_transport_register, METH_VARARGS | METH_KEYWORDS,
      "register(buffer, export=True) -> Region. buffer: a DLPack producer (torch tensor, CPU or "
@@ -643,6 +669,10 @@ static PyMethodDef wx_transport_methods[] = {
     {"accept", wx_transport_accept, METH_O, "accept(request) -> reply bytes (target side)."},
     {"connect_finish", wx_transport_connect_finish, METH_VARARGS, "connect_finish(peer_id, reply)"},
     {"peers", wx_transport_peers, METH_NOARGS, "peers() -> list of dicts"},
+    {"fence", (PyCFunction)(void (*)(void))wx_transport_fence, METH_VARARGS | METH_KEYWORDS,
+     "fence(peer, timeout=5.0) -> (fenced, how): make sure none of the writes accepted for that "
+     "peer lands after this returns (post no more writes to it). fenced False: the transport "
+     "cannot guarantee it; `how` says what was done and what may still land."},
     {"write", (PyCFunction)(void (*)(void))wx_transport_write, METH_VARARGS | METH_KEYWORDS,
      "write(src, src_offset, dst, dst_offset, nbytes, timeout=30.0): one-sided write of nbytes "
      "from Region src into the region described by descriptor dst; returns once landed."},

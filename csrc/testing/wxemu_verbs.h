@@ -22,7 +22,7 @@
 #include <sys/types.h>
 
 #define EMU_MAGIC 0x57584555u /* "WXEU" */
-#define EMU_VERSION 1
+#define EMU_VERSION 2
 #define EMU_MAX_MR 4096
 #define EMU_MAX_QP 1024
 #define EMU_MAX_SGE 16
@@ -60,6 +60,7 @@ typedef struct emu_shm {
     uint64_t starttime; /* /proc/pid/stat field 22, guards against pid reuse */
     emu_mr_slot_t mr[EMU_MAX_MR];
     emu_qp_slot_t qp[EMU_MAX_QP];
+    uint32_t link_down; /* 1: this HCA's link is down (wxemu_verbs_link): packets to it are lost */
 } emu_shm_t;
 
 struct emu_ctx;
@@ -107,7 +108,8 @@ typedef struct emu_qp {
     emu_shm_t *remote;
     uint32_t remote_lid;
     int psn_checked;
-    int busy; /* the HCA thread is executing one of its WRs */
+    int busy;                           /* the HCA thread is executing one of its WRs */
+    uint64_t retry_end_ns, next_try_ns; /* its head WR got no answer: retried until then */
     int destroyed;
 } emu_qp_t;
 

@@ -6,11 +6,16 @@
  * (/dev/shm/wxemu_verbs.<uid>.lid<LID>): the target QP must exist, be in RTR or RTS and be
  * connected back to us; the rkey must be live, belong to the target QP's PD, allow
  * REMOTE_WRITE, and cover the range. Failures produce the completion status a real HCA
- * reports. Never shipped; never a backend. */
+ * reports. A WR whose packets get no answer (peer gone, link down) is retried for the
+ * QP's retry time while the other QPs go on; a QP moved to the error state meanwhile
+ * flushes it, and from then on no WR of that QP reaches the responder (the real rule a
+ * fence relies on). Never shipped; never a backend. */
 #define _GNU_SOURCE
 #include "wxemu_verbs.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +36,7 @@ enum {
     EMU_VE_NOQP = 0x82,
     EMU_VE_PSN = 0x83,
     EMU_VE_MTU = 0x84,
+    EMU_VE_LINK = 0x85,
     EMU_VE_FAULT = 0x91,
     EMU_VE_PTRACE = 0x92
 };
@@ -200,6 +206,10 @@ static enum ibv_wc_status emu_exec(emu_qp_t *q, const emu_wqe_t *w, uint32_t *ve
         *ve = EMU_VE_NOPEER;
         return IBV_WC_RETRY_EXC_ERR; /* no ACK ever comes back */
     }
+    if (__atomic_load_n(&R->link_down, __ATOMIC_ACQUIRE)) {
+        *ve = EMU_VE_LINK; /* the packets are lost: retried while the link stays down */
+        return IBV_WC_RETRY_EXC_ERR;
+    }
     idx = q->dest_qpn - EMU_QPN_BASE;
     if (idx >= EMU_MAX_QP) {
         *ve = EMU_VE_NOQP;
@@ -302,28 +312,98 @@ static uint64_t emu_retry_ms(const emu_qp_t *q)
     return ms < emu_cfg.retry_cap_ms ? ms : emu_cfg.retry_cap_ms;
 }
 
+/* TEST CONTROL of the emulation (exported): take the link of every emulated HCA that
+ * process `pid` opened down (up = 0) or back up; returns how many. Packets to a down link
+ * are lost, as on a pulled cable: the writers' HCAs retry them. */
+__attribute__((visibility("default"))) int wxemu_verbs_link(int pid, int up)
+{
+    char prefix[64], path[400];
+    struct dirent *e;
+    int n = 0;
+    DIR *d = opendir("/dev/shm");
+    if (!d)
+        return -errno;
+    snprintf(prefix, sizeof prefix, "wxemu_verbs.%u.lid", (unsigned)getuid());
+    while ((e = readdir(d)) != NULL) {
+        emu_shm_t *s;
+        int fd;
+        if (strncmp(e->d_name, prefix, strlen(prefix)) != 0)
+            continue;
+        snprintf(path, sizeof path, "/dev/shm/%s", e->d_name);
+        fd = open(path, O_RDWR | O_CLOEXEC);
+        if (fd < 0)
+            continue;
+        s = mmap(NULL, sizeof *s, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (s == MAP_FAILED)
+            continue;
+        if (s->magic == EMU_MAGIC && s->version == EMU_VERSION && s->pid == pid) {
+            __atomic_store_n(&s->link_down, up ? 0u : 1u, __ATOMIC_RELEASE);
+            n++;
+        }
+        munmap(s, sizeof *s);
+    }
+    closedir(d);
+    return n;
+}
+
+static uint64_t emu_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The next QP with a WR to execute (or to flush), round robin; NULL if none. A QP whose
+ * head WR waits for its next retry is skipped until then. ec->lock held. */
+static emu_qp_t *emu_next_qp(emu_ctx_t *ec, uint32_t *rr, uint64_t now, int *waiting)
+{
+    *waiting = 0;
+    for (uint32_t k = 0; k < EMU_MAX_QP; k++) {
+        emu_qp_t *c = ec->qps[(*rr + k) % EMU_MAX_QP];
+        if (!c || c->destroyed || c->executed >= c->posted)
+            continue;
+        if (c->next_try_ns > now && c->slot->state != IBV_QPS_ERR) {
+            *waiting = 1;
+            continue;
+        }
+        *rr = (*rr + k + 1) % EMU_MAX_QP;
+        return c;
+    }
+    return NULL;
+}
+
+/* The head WR of q got no answer: retry it in 50 ms while the QP's retry time lasts (other
+ * QPs go on meanwhile). 1: it waits for that retry; 0: retries exhausted. ec->lock held. */
+static int emu_retry_later(emu_qp_t *q, uint64_t now)
+{
+    if (!q->retry_end_ns)
+        q->retry_end_ns = now + emu_retry_ms(q) * 1000000ull;
+    if (now >= q->retry_end_ns)
+        return 0;
+    q->next_try_ns = now + 50 * 1000000ull;
+    return 1;
+}
+
+/* The HCA: executes each QP's send queue in order. A WR whose packets get no answer is
+ * retried for the QP's retry time; a QP moved to the error state meanwhile flushes it and
+ * every later WR: none of them reaches the responder any more. */
 static void *emu_hca_main(void *arg)
 {
     emu_ctx_t *ec = arg;
     uint32_t rr = 0;
     pthread_mutex_lock(&ec->lock);
     while (!ec->stop) {
-        emu_qp_t *q = NULL;
+        emu_qp_t *q;
         emu_wqe_t w;
         enum ibv_wc_status st;
         uint32_t ve = 0;
-        for (uint32_t k = 0; k < EMU_MAX_QP; k++) {
-            emu_qp_t *c = ec->qps[(rr + k) % EMU_MAX_QP];
-            if (c && !c->destroyed && c->executed < c->posted) {
-                q = c;
-                rr = (rr + k + 1) % EMU_MAX_QP;
-                break;
-            }
-        }
+        int waiting;
+        q = emu_next_qp(ec, &rr, emu_now_ns(), &waiting);
         if (!q) {
             struct timespec ts;
             clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 50 * 1000 * 1000;
+            ts.tv_nsec += (waiting ? 10 : 50) * 1000 * 1000;
             if (ts.tv_nsec >= 1000000000) {
                 ts.tv_sec++;
                 ts.tv_nsec -= 1000000000;
@@ -336,25 +416,20 @@ static void *emu_hca_main(void *arg)
             /* After an error every outstanding WR completes, signaled or not, as flushed. */
             emu_cq_push(q->scq, q, w.wr_id, IBV_WC_WR_FLUSH_ERR, 0);
             q->executed++;
+            q->retry_end_ns = q->next_try_ns = 0;
             continue;
         }
         q->busy = 1;
         pthread_mutex_unlock(&ec->lock);
         st = emu_exec(q, &w, &ve);
-        if (st == IBV_WC_RETRY_EXC_ERR) {
-            uint64_t left = emu_retry_ms(q);
-            while (left > 0 && !__atomic_load_n(&ec->stop, __ATOMIC_ACQUIRE)) {
-                uint64_t ms = left < 10 ? left : 10;
-                struct timespec d = {0, (long)(ms * 1000000)};
-                nanosleep(&d, NULL);
-                left -= ms;
-            }
-        }
         pthread_mutex_lock(&ec->lock);
         q->busy = 0;
         pthread_cond_broadcast(&ec->cond);
         if (q->destroyed)
             continue;
+        if (st == IBV_WC_RETRY_EXC_ERR && emu_retry_later(q, emu_now_ns()))
+            continue; /* (moved to the error state meanwhile: flushed at its next turn) */
+        q->retry_end_ns = q->next_try_ns = 0;
         if (st == IBV_WC_SUCCESS) {
             if ((w.flags & IBV_SEND_SIGNALED) || q->sig_all)
                 emu_cq_push(q->scq, q, w.wr_id, st, 0);

@@ -413,3 +413,12 @@ int wx_map_remote(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase
                        t->ops->name, (unsigned long long)rkey, p->name);
     return t->ops->map(t, p, &ri, roff, len, addr, device);
 }
+
+int wx_fence(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len)
+{
+    if (!t->ops->fence) {
+        snprintf(how, len, "the %s transport cannot fence a peer", t->ops->name);
+        return -ENOTSUP;
+    }
+    return t->ops->fence(t, p, timeout_ns, how, len);
+}

@@ -105,7 +105,7 @@ typedef struct wx_peer {
                           * under t->lock only */
     void *priv;          /* backend per-peer state */
     int connected;
-    char name[64]; /* for messages: "peer 3 (fabric addr 127.0.0.1:4044)" */
+    char name[WX_NAME_MAX]; /* for messages: "peer 3 (fabric addr 127.0.0.1:4044)" */
 } wx_peer_t;
 
 /* One validated write: [local->addr + loff, +len) -> remote region at roff. */
@@ -157,6 +157,13 @@ typedef struct wx_transport_ops {
      * backend cannot map peers' memory (wx_map_remote says so). */
     int (*map)(wx_transport_t *t, wx_peer_t *p, const wx_rinfo_t *ri, uint64_t roff, uint64_t len,
                uint64_t *addr, int32_t *device);
+    /* Optional: fence peer p, whose writes are being given up: make sure that none of the
+     * writes accepted for it so far changes its memory after this returns, waiting at most
+     * timeout_ns (done() of those writes may run meanwhile). 0: fenced; a negative errno:
+     * not guaranteed. Either way `how` says what was done and what may still land. The
+     * caller posts no more writes to p afterwards (verbs refuses them). Called without any
+     * lock of the caller held. */
+    int (*fence)(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len);
 } wx_transport_ops_t;
 
 struct wx_transport {
@@ -209,6 +216,8 @@ wx_peer_t *wx_peer_by_id(wx_transport_t *t, uint32_t id);
 int wx_validate(wx_transport_t *t, wx_peer_t *p, uint64_t rkey, uint64_t rbase, uint64_t rlen,
                 uint64_t roff, uint64_t len, const wx_mr_t *local, uint64_t loff, wx_rinfo_t *ri);
 int wx_post_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
+/* ops->fence, or -ENOTSUP with the reason in `how` for a backend that cannot fence. */
+int wx_fence(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len);
 
 /* Where [roff, roff+len) of a connected peer's region (rkey/rbase/rlen from the writer's
  * descriptor) is mapped in this process: validated exactly as a write is (wx_validate: the

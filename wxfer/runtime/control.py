@@ -402,22 +402,78 @@ def gloo_group(timeout: float = DEFAULT_TIMEOUT):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
 
 
-def agree(group, error: str | None, rank: int, what: str) -> None:
-    """Every rank learns every rank's setup error; all of them raise (naming the ranks)."""
-    import torch.distributed as dist
-
+def agree(group, error: str | None, rank: int, what: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Every rank learns every rank's setup error; all of them raise (naming the ranks).
+    Bounded by `timeout` and interruptible (gather_strings)."""
     if group is None:
         if error:
             raise SetupError(f"wxfer: {what} failed on trainer rank {rank}: {error}")
         return
-    errs = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errs, error, group=group)
+    errs = gather_strings(group, error, timeout, f"the trainer ranks' results of {what} (trainer rank {rank})")
     bad = [(r, e) for r, e in enumerate(errs) if e]
     if bad:
         raise SetupError(
             f"wxfer: {what} failed on %d trainer rank(s):\n  " % len(bad)
             + "\n  ".join(f"rank {r}: {e}" for r, e in bad)
         )
+
+
+def gather_strings(group, s: str | None, timeout: float, what: str) -> list:
+    """Every rank's `s` (None allowed): two asynchronous gloo all-gathers of fixed-size
+    tensors (the lengths, then the bytes padded to the longest), each waited for by
+    wait_work, so the whole exchange is bounded by `timeout` and Ctrl-C is honoured within
+    50 ms (dist.all_gather_object waits for gloo's own timeout, 30 min by default)."""
+    import torch
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout
+    w = dist.get_world_size(group)
+    data = b"" if s is None else str(s).encode()
+    n = torch.tensor([-1 if s is None else len(data)], dtype=torch.int64)
+    ns = [torch.zeros(1, dtype=torch.int64) for _ in range(w)]
+    wait_work(dist.all_gather(ns, n, group=group, async_op=True), timeout, what)
+    lens = [int(x.item()) for x in ns]
+    buf = torch.zeros(max(1, *lens), dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    outs = [torch.zeros_like(buf) for _ in range(w)]
+    left = max(0.0, deadline - time.monotonic())
+    wait_work(dist.all_gather(outs, buf, group=group, async_op=True), left, what)
+    return [None if k < 0 else bytes(o[:k].numpy()).decode(errors="replace") for k, o in zip(lens, outs)]
+
+
+def gather_json(group, obj, timeout: float, what: str) -> list:
+    """Every rank's JSON-able `obj` (tuples come back as lists), bounded like gather_strings."""
+    return [json.loads(x) for x in gather_strings(group, json.dumps(obj), timeout, what)]
+
+
+def roll_call(ctl, key: str, rank: int, world: int, wait: float) -> list:
+    """After a collective among the trainer ranks failed: each live rank answers in the
+    store under `key`; returns the ranks that did not answer within `wait` seconds (dead
+    or hung), as "trainer rank R (pid N, host H)" from what each published at setup
+    (publish_who).  Polls: bounded and interruptible."""
+    ctl.set(f"{key}/{rank}", b"1")
+    deadline = time.monotonic() + wait
+    missing = [r for r in range(world) if r != rank]
+    while True:
+        missing = [r for r in missing if not ctl.check(f"{key}/{r}")]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return [who(ctl, r) for r in missing]
+
+
+def publish_who(ctl, rank: int) -> None:
+    """This trainer rank's pid and host, for messages naming it (roll_call)."""
+    ctl.set_json(f"train/{rank}/who", dict(pid=os.getpid(), host=socket.gethostname()))
+
+
+def who(ctl, rank: int) -> str:
+    try:
+        w = json.loads(ctl.get(f"train/{rank}/who", f"trainer rank {rank}'s pid", 0.5).decode())
+        return f"trainer rank {rank} (pid {w['pid']}, host {w['host']})"
+    except Exception:  # noqa: BLE001 -- it never published it
+        return f"trainer rank {rank}"
 
 
 def wait_work(work, timeout: float, what: str) -> None:

@@ -40,15 +40,24 @@ class FaultsMixin:
                     break
                 time.sleep(0.02)
 
-    def _mark_other_rank_gone(self, step: int, exc) -> None:
-        """A collective among the trainer ranks failed in step `step`: every receiver of the
-        plan may hold a torn step, written by some other rank."""
-        self._mark(
-            program.receivers_of(self.plan),
-            step,
-            f"a trainer rank other than {self.rank} died or hung in step {step} ({exc})",
-            writer=None,
-        )
+    def _mark_other_rank_gone(self, step: int, exc) -> str:
+        """A collective among the trainer ranks failed in step `step`: name the ranks gone (a
+        roll call in the store, bounded by write_timeout) and record that every receiver of
+        the plan may hold a torn step.  Returns the naming ("trainer rank 1 (pid N, host H)
+        died or hung")."""
+        try:
+            gone = control.roll_call(
+                self.ctl, f"rollcall/{step}", self.rank, self.world, min(5.0, max(2.0, self.write_timeout))
+            )
+            gone_s = (" and ".join(gone) + " died or hung") if gone else f"a trainer rank other than {self.rank} failed"
+        except Exception:  # noqa: BLE001 -- the store is gone: its host died
+            gone_s = (
+                f"a trainer rank other than {self.rank} died or hung (the store it hosted cannot be reached)"
+                if not self._store_host
+                else f"a trainer rank other than {self.rank} died or hung"
+            )
+        self._mark(program.receivers_of(self.plan), step, f"{gone_s} in step {step} ({exc})", writer=None)
+        return gone_s
 
     def _mark(self, gpus, step: int, why: str, writer="self", final: bool = True) -> None:
         """Record in the store, for Receiver.state(), that the writes of `writer` (this rank;
@@ -81,10 +90,13 @@ class FaultsMixin:
         hanging.  A failure of a collective itself (a rank died or hung) is raised as it is:
         the group is broken.  (A failure raised from inside a task's full_tensor() leaves the
         FSDP collectives one task out of step: the others fail at their collective timeout.)"""
-        broken = isinstance(exc, control.CollectiveError)
-        if broken:
-            self._mark_other_rank_gone(self.version, exc)
-        if self.group is None or self.world == 1 or broken:
+        broken = isinstance(exc, control.CollectiveError) or _is_gloo_failure(exc)
+        if broken and self.group is not None and self.world > 1:
+            gone = self._mark_other_rank_gone(self.version, exc)
+            self._abort()
+            msg = f"wxfer: trainer rank {self.rank}, step {self.version}: {gone}: {own}"
+            raise control.CollectiveError(msg) from exc
+        if self.group is None or self.world == 1:
             self._abort()
             return
         groups = self.program.groups
@@ -134,6 +146,14 @@ class FaultsMixin:
                     prepare.run(prep, op, self.device)
             except Exception:  # noqa: BLE001 -- this step is failed already
                 pass
+
+
+def _is_gloo_failure(exc) -> bool:
+    """A collective's own failure raised by torch (a peer rank's connection closed)."""
+    t = f"{type(exc).__name__}: {exc}"
+    return type(exc).__name__ in ("DistBackendError", "DistNetworkError") or (
+        "gloo" in t.lower() and ("connection" in t.lower() or "closed" in t.lower() or "timed out" in t.lower())
+    )
 
 
 def mapping_digest(mapping) -> dict:

@@ -168,13 +168,14 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin):
         err = None
         try:
             self.ctl.set_json("train/%d/mapping" % self.rank, mapping_digest(mapping))
+            control.publish_who(self.ctl, self.rank)
             if hasattr(model, "reshard"):
                 model.reshard()  # FSDP2: the sharded DTensor parameters, even after a no-grad forward
             self.params = {n: p for n, p in model.named_parameters()}
             self.ctl.set_json("train/%d" % self.rank, program.train_metadata(model))
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"
-        control.agree(self.group, err, self.rank, "publishing training metadata")
+        control.agree(self.group, err, self.rank, "publishing training metadata", self.timeout)
         # ---- 2. rank 0 builds the plan; every rank receives it (or the error)
         if self.rank == 0:
             try:
@@ -214,7 +215,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin):
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"
         try:
-            control.agree(self.group, err, self.rank, "connecting to the inference workers")
+            control.agree(self.group, err, self.rank, "connecting to the inference workers", self.timeout)
         except SetupError as e:
             if self.rank == 0:  # the receivers learn it too (they wait for this key)
                 self.ctl.set("setup", control.encode_result(None, str(e)))
@@ -614,8 +615,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin):
             try:
                 h._barrier.wait(self.timeout)
             except Exception as e:
-                self._mark_other_rank_gone(h.version, e)
-                raise control.CollectiveError(f"{e}" + (f"\n(and this rank: {own})" if own else "")) from exc
+                gone = self._mark_other_rank_gone(h.version, e)
+                raise control.CollectiveError(f"{gone}: {e}" + (f"\n(and this rank: {own})" if own else "")) from exc
         # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
         others = self._failures_elsewhere(own)
         if exc is not None and not others:
@@ -699,15 +700,19 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin):
         try:
             control.wait_work(work, self.timeout, f"the failure flag of step {self.version} (trainer rank {self.rank})")
         except Exception as e:
-            self._mark_other_rank_gone(self.version, e)
+            gone = self._mark_other_rank_gone(self.version, e)
             raise control.CollectiveError(
-                f"wxfer: trainer rank {self.rank}, step {self.version}: the other trainer ranks "
-                f"did not finish the step within {self.timeout:.0f} s: {e}"
+                f"wxfer: trainer rank {self.rank}, step {self.version}: {gone}; the other trainer "
+                f"ranks did not finish the step within {self.timeout:.0f} s: {e}"
             ) from e
         if int(flag.item()) == 0:
             return []
-        reports = [None] * self.world
-        dist.all_gather_object(reports, own, group=self.group)
+        what = f"the failure reports of step {self.version} (trainer rank {self.rank})"
+        try:
+            reports = control.gather_strings(self.group, own, self.timeout, what)
+        except Exception as e:
+            gone = self._mark_other_rank_gone(self.version, e)
+            raise control.CollectiveError(f"wxfer: trainer rank {self.rank}, step {self.version}: {gone}: {e}") from e
         return [(r, o) for r, o in enumerate(reports) if o is not None and r != self.rank]
 
     def _abort(self) -> None:

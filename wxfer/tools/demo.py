@@ -89,7 +89,7 @@ def _trainer(rank, world, a, ctl):
     import torch.distributed as dist
     from datetime import timedelta
     from torch.distributed.device_mesh import init_device_mesh
-    from ..runtime import prepare
+    from ..runtime import control, prepare
     from ..mapping import Layout, expand, pack_shard
     from ..models import logits as model_logits, preset_for, shard_fsdp2, train_model
     from ..runtime.sender import Sender
@@ -138,8 +138,7 @@ def _trainer(rank, world, a, ctl):
     # who packs which expected shard for the bit-for-bit check: the lowest rank holding
     # every source of a mapping component
     names = [n for n, _ in model.named_parameters()]
-    all_names = [None] * world
-    dist.all_gather_object(all_names, names, group=sender.group)
+    all_names = control.gather_json(sender.group, names, sender.timeout, "the trainer ranks' parameter names")
     holders = {}
     for r, ns in enumerate(all_names):
         for n in ns:
@@ -172,13 +171,14 @@ def _trainer(rank, world, a, ctl):
         if gpu:
             torch.cuda.synchronize()
         before = sender.engine.stats()["bytes_written"]
+        # a blocking barrier: the ranks leave it together, so the step times that follow are
+        # not skewed by a polling wait (the other waits here are bounded by sender.timeout)
         dist.barrier(group=sender.group)
         t = time.perf_counter()
         sender.push(version=step)
         dt = time.perf_counter() - t
         after = sender.engine.stats()["bytes_written"]
-        per = [None] * world
-        dist.all_gather_object(per, (dt, after - before), group=sender.group)
+        per = control.gather_json(sender.group, (dt, after - before), sender.timeout, f"step {step}'s times")
         step_s.append(max(x[0] for x in per))
         moved.append(sum(x[1] for x in per))
         # expectations: the mapping's reference bytes of every destination shard
@@ -213,11 +213,10 @@ def _trainer(rank, world, a, ctl):
             ctl.set_json(
                 "demo/step/%d" % step, dict(step_s=step_s[-1], moved=moved[-1], trained=train, reports=reports)
             )
-        dist.barrier(group=sender.group)
+        control.Barrier(sender.group, f"the demo's barrier in step {step}").wait(sender.timeout)
     stats = sender.stats()
-    allstats = [None] * world
-    dist.all_gather_object(
-        allstats,
+    allstats = control.gather_json(
+        sender.group,
         dict(
             bytes_per_step=sender.bytes_per_step,
             setup_s=setup_s,
@@ -225,7 +224,8 @@ def _trainer(rank, world, a, ctl):
             held_peak=stats["held_peak"],
             receivers=stats["receivers"],
         ),
-        group=sender.group,
+        sender.timeout,
+        "the trainer ranks' stats",
     )
     if a.get("trace_dir"):
         sender.write_trace(os.path.join(a["trace_dir"], "wxfer-trainer%d.json" % rank))
@@ -242,7 +242,7 @@ def _trainer(rank, world, a, ctl):
                 transfers=sender.plan.n_transfers,
             ),
         )
-    dist.barrier(group=sender.group)
+    control.Barrier(sender.group, "the demo's last barrier").wait(sender.timeout)
     sender.close()
     if rank == 0:
         ctl.set("demo/done", b"1")

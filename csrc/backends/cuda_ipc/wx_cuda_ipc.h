@@ -104,14 +104,15 @@ typedef struct wx__ci_slot {
     int busy;
     int next_free;
     int fail; /* a piece failed to post: complete with this status */
-    char fail_msg[160];
-    char peer[64]; /* for messages */
+    char fail_msg[WX_ERRMSG_MAX / 2];
+    char peer[WX_NAME_MAX]; /* for messages */
+    const wx_peer_t *to;    /* the peer written (a fence waits for its slots) */
 } wx__ci_slot_t;
 
 typedef struct wx__ci_comp {
     wx_op_t *op;
     int status;
-    char msg[200];
+    char msg[WX_ERRMSG_MAX / 2];
 } wx__ci_comp_t;
 
 typedef struct wx__ci {
@@ -187,6 +188,7 @@ void wx__ci_maps_close(wx__ci_t *c);
 int wx__ci_io_start(wx__ci_t *c);
 void wx__ci_io_stop(wx__ci_t *c);
 int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
+int wx__ci_fence(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len);
 
 #endif
 #endif

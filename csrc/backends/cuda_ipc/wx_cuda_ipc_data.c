@@ -23,6 +23,7 @@
 static void wx__ci_slot_free(wx__ci_t *c, wx__ci_slot_t *s)
 {
     s->busy = 0;
+    s->to = NULL;
     s->op = NULL;
     s->nev = 0;
     s->fail = 0;
@@ -339,6 +340,7 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
     s->op = op;
     s->len = len;
     snprintf(s->peer, sizeof s->peer, "%s", p->name);
+    s->to = p;
     c->fifo[(c->fhead + c->fcount) % c->nslots] = (uint32_t)(s - c->slots);
     c->fcount++;
     c->ninflight++;
@@ -347,6 +349,49 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
 out:
     pthread_mutex_unlock(&c->mu);
     return rc;
+}
+/* Copies to p still queued or running on this transport's streams. Caller holds c->mu. */
+static uint32_t wx__ci_pending(const wx__ci_t *c, const wx_peer_t *p)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < c->nslots; i++)
+        n += c->slots[i].busy && c->slots[i].to == p;
+    return n;
+}
+
+/* Fence p: the copies to p are this process's own, on its own streams, and CUDA cannot
+ * cancel a queued copy, so wait (bounded) until each has completed: after that nothing of
+ * them changes p's memory. Copies still queued at the bound land when the copy engines
+ * reach them. */
+int wx__ci_fence(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len)
+{
+    wx__ci_t *c = (wx__ci_t *)t;
+    struct timespec ts;
+    uint32_t n0, n;
+    uint64_t t0 = wx_now_ns();
+    wx_deadline_after(&ts, timeout_ns);
+    pthread_mutex_lock(&c->mu);
+    n0 = n = wx__ci_pending(c, p);
+    while (n > 0 && !c->stop) {
+        if (pthread_cond_timedwait(&c->cv, &c->mu, &ts) == ETIMEDOUT) {
+            n = wx__ci_pending(c, p);
+            break;
+        }
+        n = wx__ci_pending(c, p);
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (n) {
+        snprintf(how, len,
+                 "cuda_ipc: %u copies to %s are still queued on cuda:%d's streams after %.1f s; "
+                 "CUDA cannot cancel them: they land when the copy engines reach them",
+                 n, p->name, c->dev, (double)timeout_ns / 1e9);
+        return -ETIMEDOUT;
+    }
+    snprintf(how, len,
+             "cuda_ipc: waited %.3f s for the %u copies to %s still on cuda:%d's streams: all "
+             "completed, nothing more of them lands",
+             (double)(wx_now_ns() - t0) / 1e9, n0, p->name, c->dev);
+    return 0;
 }
 #else
 typedef int wx__cuda_ipc_io_empty_unit;

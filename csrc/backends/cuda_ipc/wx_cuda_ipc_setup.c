@@ -622,6 +622,7 @@ const wx_transport_ops_t wx_cuda_ipc_ops = {
     .write = wx__ci_write,
     .info = wx__ci_info,
     .map = wx__ci_map,
+    .fence = wx__ci_fence,
 };
 #else
 typedef int wx__cuda_ipc_empty_unit;

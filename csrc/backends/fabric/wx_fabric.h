@@ -53,7 +53,7 @@ enum { WX_FAB_FREE = 0, WX_FAB_POSTED = 1, WX_FAB_ABANDONED = 2 };
  * after the generic layer has freed the wx_peer_t). */
 typedef struct wx_fab_peer {
     struct wx_fab_peer *next;
-    char name[64]; /* copy of wx_peer_t.name for messages */
+    char name[WX_NAME_MAX]; /* copy of wx_peer_t.name for messages */
     fi_addr_t fa;
     int in_av;
     uint64_t eagain_since; /* start of an unbroken run of -FI_EAGAIN answers, else 0 */

@@ -119,7 +119,7 @@ static void wx__fab_finish(wx_fab_t *f, void *ctx, int status, const char *msg)
 static void wx__fab_readerr(wx_fab_t *f)
 {
     struct fi_cq_err_entry e;
-    char pbuf[160], msg[WX_ERRMSG_MAX];
+    char pbuf[512], msg[WX_ERRMSG_MAX];
     const char *pe = "";
     wx_fab_slot_t *s;
     ssize_t rc;

@@ -479,7 +479,7 @@ static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, s
 {
     wx_fab_t *f = WX_FAB(t);
     wx_fab_peer_t *fp = p->priv;
-    char str[96];
+    char str[WX_NAME_MAX - 32];
     size_t sl = sizeof str;
     int rc;
     WX_UNUSED(req);
@@ -507,7 +507,7 @@ static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, s
     fp->failed = 0;
     fp->pid = strcmp(f->prov, "shm") == 0 ? wx__fab_shm_pid(p->addr, p->addr_len) : 0;
     if (fi_av_straddr(f->av, p->addr, str, &sl))
-        snprintf(p->name, sizeof p->name, "peer %u (%.48s)", p->id, str);
+        snprintf(p->name, sizeof p->name, "peer %u (%s)", p->id, str);
     snprintf(fp->name, sizeof fp->name, "%s", p->name);
     *req_len = 0;
     return 0;
@@ -538,6 +538,28 @@ static int wx__fab_conn_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *r
         return wx_errf(-EPROTO, "fabric: %s: unexpected %zu-byte connection reply", p->name,
                        rep_len);
     return 0;
+}
+
+/* libfabric cannot recall an RMA write it accepted (fi_cancel covers receives only):
+ * over tcp the bytes it sent are in the kernel's socket buffers, and the target's provider
+ * applies what reached it when that process next progresses (a stopped one: when it
+ * resumes); shm queues a write for the target's progress, or has copied it already.
+ * Closing the endpoint or removing the peer's address does not take either back. So no
+ * fence: the writes still out to p may land later. */
+static int wx__fab_fence(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how,
+                         size_t len)
+{
+    wx_fab_t *f = WX_FAB(t);
+    wx_fab_peer_t *fp = p->priv;
+    WX_UNUSED(timeout_ns);
+    snprintf(how, len,
+             "fabric %s cannot recall the %u writes to %s it accepted: they may still land "
+             "(%s)",
+             f->prov, fp ? (unsigned)atomic_load(&fp->inflight) : 0u, p->name,
+             strncmp(f->prov, "shm", 3) == 0
+                 ? "queued for the target process's own progress"
+                 : "sent into the socket, applied by the target's provider when it progresses");
+    return -ENOTSUP;
 }
 
 static void wx__fab_disconnect(wx_transport_t *t, wx_peer_t *p)
@@ -593,6 +615,7 @@ const wx_transport_ops_t wx_fabric_ops = {
     .conn_accept = wx__fab_conn_accept,
     .conn_finish = wx__fab_conn_finish,
     .disconnect = wx__fab_disconnect,
+    .fence = wx__fab_fence,
     .write = wx__fab_write,
     .info = wx__fab_info,
 };

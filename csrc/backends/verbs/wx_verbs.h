@@ -56,7 +56,7 @@ typedef struct wx__vqp {
     uint32_t psn;
     int broken; /* an error completion arrived: the QP is in the error state */
     int broken_errno;
-    char err[400];
+    char err[WX_ERRMSG_MAX / 2];
 } wx__vqp_t;
 
 typedef struct wx__vpeer {
@@ -144,6 +144,7 @@ int wx__verbs_conn_accept(wx_transport_t *tt, const uint8_t *req, size_t req_len
                           size_t *rep_len);
 int wx__verbs_conn_finish(wx_transport_t *tt, wx_peer_t *p, const uint8_t *rep, size_t rep_len);
 void wx__verbs_disconnect(wx_transport_t *tt, wx_peer_t *p);
+int wx__verbs_fence(wx_transport_t *tt, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len);
 void wx__verbs_destroy_qp(wx_verbs_t *t, wx__vqp_t *q);
 
 /* wx_verbs_data.c */

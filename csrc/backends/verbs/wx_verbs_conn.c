@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #define WX__ADDR_MAGIC "WXVA"
@@ -424,6 +425,75 @@ void wx__verbs_disconnect(wx_transport_t *tt, wx_peer_t *p)
         wx__verbs_fail_qp(t, pv->qps[i], -ECANCELED, "transport closed");
     wx__free_peer(t, pv);
     p->priv = NULL;
+}
+/* WRs of p's QPs not completed yet. */
+static uint64_t wx__verbs_outstanding(wx__vpeer_t *pv)
+{
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < pv->nqp; i++) {
+        pthread_mutex_lock(&pv->qps[i]->lock);
+        n += pv->qps[i]->head - pv->qps[i]->tail;
+        pthread_mutex_unlock(&pv->qps[i]->lock);
+    }
+    return n;
+}
+
+/* Fence p: move each of its QPs to the error state (the HCA stops sending their WRs and
+ * flushes them), then wait until every WR has completed, flushed or not (the progress
+ * thread polls the flush CQEs). After that the HCA sends nothing more for p; what it had
+ * sent before may still be in the fabric (delivered within the fabric's packet lifetime). */
+int wx__verbs_fence(wx_transport_t *tt, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len)
+{
+    wx_verbs_t *t = (wx_verbs_t *)tt;
+    wx__vpeer_t *pv = p->priv;
+    uint64_t end = wx_now_ns() + timeout_ns, out0, out;
+    int bad = 0;
+    if (!pv) {
+        snprintf(how, len, "verbs: %s has no queue pairs", p->name);
+        return 0;
+    }
+    out0 = wx__verbs_outstanding(pv);
+    for (uint32_t i = 0; i < pv->nqp; i++) {
+        wx__vqp_t *q = pv->qps[i];
+        struct ibv_qp_attr a;
+        pthread_mutex_lock(&q->lock);
+        if (!q->broken) { /* later posts are refused; flushed ops carry this reason */
+            q->broken = 1;
+            q->broken_errno = -ECANCELED;
+            snprintf(q->err, sizeof q->err,
+                     "verbs: writes to %s abandoned: its queue pairs were moved to the error "
+                     "state (fenced)",
+                     p->name);
+        }
+        pthread_mutex_unlock(&q->lock);
+        memset(&a, 0, sizeof a);
+        a.qp_state = IBV_QPS_ERR;
+        if (t->v->modify_qp(q->qp, &a, IBV_QP_STATE))
+            bad++;
+    }
+    while ((out = wx__verbs_outstanding(pv)) > 0 && wx_now_ns() < end) {
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    if (bad) {
+        snprintf(how, len,
+                 "verbs: ibv_modify_qp(IBV_QPS_ERR) failed on %d of the %u queue pairs to %s: "
+                 "their writes may still land",
+                 bad, pv->nqp, p->name);
+        return -EIO;
+    }
+    if (out) {
+        snprintf(how, len,
+                 "verbs: the %u queue pairs to %s are in the error state, but %llu of their "
+                 "writes were not flushed after %.1f s: those may still land",
+                 pv->nqp, p->name, (unsigned long long)out, (double)timeout_ns / 1e9);
+        return -ETIMEDOUT;
+    }
+    snprintf(how, len,
+             "verbs: the %u queue pair(s) to %s were moved to the error state and all %llu "
+             "writes still out completed or were flushed: the HCA sends nothing more to it",
+             pv->nqp, p->name, (unsigned long long)out0);
+    return 0;
 }
 #else
 typedef int wx__verbs_conn_empty_unit;

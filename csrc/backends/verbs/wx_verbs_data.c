@@ -258,7 +258,7 @@ static void *wx__progress(void *arg)
             pthread_mutex_lock(&t->qlock);
             n = ibv_poll_cq(t->nic[i].cq, WX__POLL_BATCH, wc);
             if (n < 0) {
-                char msg[200];
+                char msg[WX_ERRMSG_MAX / 2];
                 snprintf(msg, sizeof msg,
                          "verbs: ibv_poll_cq on %s failed (%d: %s); its queue "
                          "pairs cannot complete",
@@ -636,6 +636,7 @@ const wx_transport_ops_t wx_verbs_ops = {
     .conn_accept = wx__verbs_conn_accept,
     .conn_finish = wx__verbs_conn_finish,
     .disconnect = wx__verbs_disconnect,
+    .fence = wx__verbs_fence,
     .write = wx__verbs_write,
     .info = wx__verbs_info,
 };
