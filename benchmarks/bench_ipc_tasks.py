@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3-8b")
     ap.add_argument("--quant", default="bf16", choices=("bf16", "fp8"), help="the plan's inference side")
-    ap.add_argument("--variants", default="default;streams=1;streams=2;pick=least;poll_us=20;max_inflight=256")
+    ap.add_argument("--variants", default="default;max_inflight=64,poll_us=0,pick=rr;streams=1;streams=2")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)

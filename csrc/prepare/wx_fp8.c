@@ -93,12 +93,13 @@ static struct {
     int state; /* 0 not tried, 1 ready, -1 failed */
 } wx__devs[WX__MAX_DEV];
 
-/* The kernel variant (WXFER_FP8_VARIANT=v0..v8, default v3: the fastest on both H200 cases
- * of benchmarks/bench_quant.py --variants, 2026-12-01; wx_fp8_kernel.cu lists them) and
+/* The kernel variant (WXFER_FP8_VARIANT=v0..v8, default v6: the fastest on both H200 cases
+ * of benchmarks/bench_quant.py --variants, 2026-12-01, 3.31 TB/s dense and 3.17 TB/s on
+ * 128 grouped experts with the table reused; wx_fp8_kernel.cu lists them) and
  * its CTAs per SM (WXFER_FP8_MINB, else the variant's default), read once: the compiled
  * binary and the loaded modules keep them for the life of the process. */
 #define WX__NVARIANT 9
-#define WX__DEFAULT_VARIANT 3 /* = wxfer.runtime.fp8.DEFAULT_VARIANT */
+#define WX__DEFAULT_VARIANT 6 /* = wxfer.runtime.fp8.DEFAULT_VARIANT */
 static int wx__variant = -1, wx__minb;
 
 static int wx__variant_of(char *why, size_t why_len)

@@ -23,7 +23,7 @@ _probed: dict = {}  # CUDA ordinal -> None (usable) or the reason it is not
 _lock = threading.Lock()
 _calls = {"native": 0, "reference": 0}
 _last: dict | None = None
-DEFAULT_VARIANT = "v3"  # = WX__DEFAULT_VARIANT in csrc/prepare/wx_fp8.c
+DEFAULT_VARIANT = "v6"  # = WX__DEFAULT_VARIANT in csrc/prepare/wx_fp8.c
 _variant: list = []  # the kernel variant compiled (WXFER_FP8_VARIANT at first use)
 
 

@@ -269,7 +269,7 @@ static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
         rc = wx_errf(-EINVAL, "transport cuda_ipc: max_write must be at least 4096");
         goto fail;
     }
-    if ((rc = wx_opt_u64(opts, "max_inflight", 64, &v)) != 0)
+    if ((rc = wx_opt_u64(opts, "max_inflight", WX_CI_INFLIGHT, &v)) != 0)
         goto fail;
     if (v < 1 || v > 4096) {
         rc = wx_errf(-EINVAL, "transport cuda_ipc: max_inflight=%llu: expected 1..4096",
@@ -291,7 +291,7 @@ static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
         goto fail;
     if ((rc = wx__ci_opt_bool(opts, "ipc_lazy", 1, &c->ipc_lazy)) != 0)
         goto fail;
-    if ((rc = wx_opt_u64(opts, "poll_us", 0, &v)) != 0)
+    if ((rc = wx_opt_u64(opts, "poll_us", WX_CI_POLL_US, &v)) != 0)
         goto fail;
     if (v > 10000) {
         rc = wx_errf(-EINVAL, "transport cuda_ipc: poll_us=%llu: expected 0..10000",
@@ -299,7 +299,7 @@ static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
         goto fail;
     }
     c->poll_us = (uint32_t)v;
-    s = wx_opt_str(opts, "pick", "rr");
+    s = wx_opt_str(opts, "pick", "least");
     if (strcmp(s, "rr") && strcmp(s, "least")) {
         rc = wx_errf(-EINVAL, "transport cuda_ipc: pick=%s: expected rr or least", s);
         goto fail;
