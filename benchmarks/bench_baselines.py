@@ -192,6 +192,7 @@ def _proc_main(rank: int, a: dict, configs: list) -> None:
         ctl.set("at/%d/%d" % (ci, rank), b"setup")
         _STATE.clear()
         res = _run_config(rank, ci, cfg, a, dev, store, ctl)
+        ctl.set("at/%d/%d" % (ci, rank), b"done")
         if rank == 0:
             ctl.set_json("res/%d" % ci, res)
         _STATE.clear()
@@ -508,6 +509,12 @@ def _parse_size(v: str) -> int:
     return int(_wxfer.parse_size(v))
 
 
+def _mark_of(ctl, ci: int, rank: int) -> str:
+    """The last step rank `rank` marked in configuration `ci` ("-": none)."""
+    key = "at/%d/%d" % (ci, rank)
+    return ctl.get(key, "at").decode() if ctl.check(key) else "-"
+
+
 def _why(f, procs) -> str:
     """What a failed configuration says: the children's errors (last lines) when they came
     first; else a timeout or the exit codes, or the full error a child reported meanwhile."""
@@ -599,7 +606,10 @@ def run(args) -> dict:
         bb_supervise.stop(procs, failed is not None, 5, kill=False)
         if failed is not None:
             ci, why = failed
-            at = ctl.check("at/%d/0" % ci) and ctl.get("at/%d/0" % ci, "at").decode()
+            # where each rank was (its last mark): which step a process left
+            marks = [_mark_of(ctl, ci, r) for r in (0, 1)]
+            why += f" [rank 0 at {marks[0]}, rank 1 at {marks[1]}]"
+            at = marks[0] if marks[0] != "-" else False
             if at in METHODS and at != "link" and [ci, at] not in a["skip"]:
                 # skip the failing method and retry the configuration with fresh processes
                 a["skip"].append([ci, at])
