@@ -434,6 +434,9 @@ def configs_for(args, layouts) -> list:
     for l in layouts:
         base = CPU_CONFIGS + (CPU_EXTRA if l == "colocated" else []) if args.dry_run else GPU_CONFIGS
         out += [dict(model=m, quant=q, layout=l, trainer=t) for m, q, t in base]
+    if args.curated:  # the curated configurations of these models only
+        keep = set(args.curated.split(","))
+        out = [c for c in out if c["model"] in keep]
     return out
 
 
@@ -653,6 +656,9 @@ def main(argv=None) -> int:
         "--dry-run",
         action="store_true",
         help="CPU: tiny models, gloo instead of NCCL, CPU tensors, fabric transport (seconds)",
+    )
+    ap.add_argument(
+        "--curated", default=None, help="comma list of models: the curated configurations of these models only"
     )
     ap.add_argument("--models", default=None, help="comma list (default qwen3-8b,qwen3-30b-a3b; dry run tiny,tiny-moe)")
     ap.add_argument("--quant", default=None, help="comma list of bf16, fp8 (inference side)")
