@@ -362,3 +362,63 @@ def test_a_receiver_that_failed_before_the_data_is_not_written_direct(store, mon
     s.close()
     for r in recvs:
         r.close()
+
+
+@needs_fabric
+@pytest.mark.timeout(120)
+def test_small_zero_copy_tasks_are_copied_in_batches_and_large_ones_by_the_engine(store, monkeypatch):
+    """Zero-copy tasks of fewer bytes than WXFER_DIRECT_COPY_MAX go out as batched copies
+    straight into the receivers' memory (torch._foreach_copy_), the others as engine writes;
+    both give the mapping's reference bytes, step after step; 0 turns the copies off."""
+    from wxfer.models import preset_for
+    from wxfer.runtime import direct as direct_mod
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    tp, name = 1, "dircopy"
+    params, ths = _receivers(addr, name, tp, None)
+    _emulate(monkeypatch, [])
+    model = _model().to(torch.bfloat16)  # BF16 into BF16 at TP1: every task is zero copy
+    cut = 4096
+    monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", str(cut))
+    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30)
+    recvs = _joined(ths)
+    _emulate(monkeypatch, recvs)
+    ops = [op for g in s.program.groups for op in g if op.sends]
+    small = [op for op in ops if op.nbytes < cut]
+    assert small and len(small) < len(ops)  # both paths are taken
+    calls = []
+    real = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, src: (calls.append(len(d)), real(d, src)))
+    for step in (1, 2):
+        if step == 2:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1.5)
+        moved = s.engine.stats()["bytes_written"]
+        s.push()
+        assert recvs[0].version() == step
+        _check(model, params, tp, None)
+        engine_bytes = sum(op.nbytes for op in ops if op.nbytes >= cut)
+        assert s.engine.stats()["bytes_written"] - moved == engine_bytes + 2 * 8  # + the stamps
+        d = s.stats()["direct"]
+        assert d["copies"] == len(small) and d["staged"] == 0, d
+    assert calls and sum(calls) == 2 * len(small) and max(calls) <= direct_mod.COPY_BATCH
+    # off: every task an engine write again (a fresh Sender reads the variable)
+    s.close()
+    for r in recvs:
+        r.close()
+    monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "0")
+    params, ths = _receivers(addr, name + "0", tp, None)
+    _emulate(monkeypatch, [])
+    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name + "0", timeout=30)
+    recvs = _joined(ths)
+    _emulate(monkeypatch, recvs)
+    moved = s.engine.stats()["bytes_written"]
+    s.push()
+    _check(model, params, tp, None)
+    assert s.engine.stats()["bytes_written"] - moved == s.bytes_per_step + 2 * 8
+    assert s.stats()["direct"]["copies"] == 0
+    s.close()
+    for r in recvs:
+        r.close()

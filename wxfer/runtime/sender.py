@@ -489,6 +489,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin):
                     batch = []  # zero-copy tasks, handed to the engine in one call
                     for oi, op in enumerate(ops):
                         at = (gi, oi)
+                        if self._direct_copy(op):  # small: one batched copy into the receivers
+                            continue
                         fast = self._fast_task(op)
                         if fast is not None:
                             batch.append(fast)
@@ -504,6 +506,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin):
                         self._run_task(op, ev)
                     if batch:
                         self._submit_fast(batch, ev)
+                    self._direct_copy_flush()
                     # stage 4: the barrier overlaps this group's writes
                     at = (gi, len(ops))
                     barrier = control.Barrier(
