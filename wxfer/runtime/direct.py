@@ -281,8 +281,7 @@ class DirectMixin:
             else:
                 self._copy_dst.append(dst)
                 self._copy_src.append(s)
-        self._direct_n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks")
-        self._direct_total += 1
+        self._direct_n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
         if len(self._copy_dst) >= COPY_BATCH:
             self._direct_copy_flush()
         return True
