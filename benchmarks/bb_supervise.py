@@ -75,7 +75,10 @@ def watch(procs, q, ctl, todo: list, key: str, on_result, over, settle: float = 
     """Collect the results of the work items `todo` (indices, in order; the store key `key % i`
     says item i's is in): on_result(i) for each, popped from `todo`.  None once all are in;
     else the Failure of the first item still waited for when a child reported an error (the
-    other child's too after `settle` seconds), a child exited, or over() became true."""
+    other child's too after `settle` seconds), a child failed (exited with a non-zero code, or
+    every child exited with items still waited for), or over() became true.  A child that
+    exited with 0 has finished its part of every item (the inference rank finishes the last
+    configuration while the trainer still checks its bytes): that is not a failure."""
     while todo:
         i = todo[0]
         if ctl.check(key % i):
@@ -88,7 +91,8 @@ def watch(procs, q, ctl, todo: list, key: str, on_result, over, settle: float = 
                 time.sleep(settle)
                 errs.update(drain(q))
             return Failure(i, errs, True, [p for p in procs if not p.is_alive()], False)
-        dead = [p for p in procs if not p.is_alive()]
+        gone = [p for p in procs if not p.is_alive()]
+        dead = [p for p in gone if p.exitcode != 0] or (gone if len(gone) == len(procs) else [])
         late = over()
         if dead or late:
             return Failure(i, drain(q), False, dead, late)

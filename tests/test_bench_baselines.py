@@ -163,14 +163,15 @@ def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
 
 def test_supervisor_collects_in_order_and_stops_at_the_first_failing_item():
     """bb_supervise.watch (both benchmarks' parent loop): results are taken in order; a child's
-    reported error, a child that exited, or the caller's time limit ends it at the first item
-    still waited for, with what was seen."""
+    reported error, a child that failed (non-zero exit, or all gone), or the caller's time limit
+    ends it at the first item still waited for, with what was seen."""
     import queue
     import bb_supervise as sup
 
     class Proc:
-        def __init__(self, alive=True):
+        def __init__(self, alive=True, exitcode=None):
             self.alive = alive
+            self.exitcode = exitcode if not alive else None
 
         def is_alive(self):
             return self.alive
@@ -196,9 +197,24 @@ def test_supervisor_collects_in_order_and_stops_at_the_first_failing_item():
     f = sup.watch([Proc(), Proc()], q, Ctl({"r/0"}), todo, "r/%d", got.append, lambda: False, poll=0.01)
     assert got == [0] and todo == [1, 2]
     assert f.index == 1 and f.reported and f.errs == {0: "Traceback\nRuntimeError: boom"} and not f.over
-    dead = Proc(alive=False)
+    dead = Proc(alive=False, exitcode=-9)
     f = sup.watch([Proc(), dead], queue.Queue(), Ctl(set()), [2], "r/%d", got.append, lambda: False, poll=0.01)
     assert f.index == 2 and f.dead == [dead] and not f.reported and not f.over
+    # a child that finished its part (exit code 0) while the other still works is no failure:
+    # the inference rank ends the last configuration before the trainer has checked its bytes
+    done, ticks = Proc(alive=False, exitcode=0), iter(range(100))
+    f = sup.watch(
+        [Proc(), done], queue.Queue(), Ctl(set()), [2], "r/%d", got.append, lambda: next(ticks) > 3, poll=0.01
+    )
+    assert f.index == 2 and f.over and not f.dead
+    keys = Ctl(set())
+    f = sup.watch(
+        [Proc(), done], queue.Queue(), keys, [2], "r/%d", lambda i: None, lambda: keys.keys.add("r/2"), poll=0.01
+    )
+    assert f is None  # the trainer's result came in after all
+    both = [Proc(alive=False, exitcode=0), Proc(alive=False, exitcode=0)]
+    f = sup.watch(both, queue.Queue(), Ctl(set()), [2], "r/%d", got.append, lambda: False, poll=0.01)
+    assert f.index == 2 and f.dead == both  # every child gone with an item missing: a failure
     ticks = iter(range(100))
     f = sup.watch(
         [Proc(), Proc()], queue.Queue(), Ctl(set()), [2], "r/%d", got.append, lambda: next(ticks) > 2, poll=0.01
