@@ -61,8 +61,7 @@ gpu-bench:
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_quant.py --json 2>&1 | tee $(LOGDIR)/bench_quant.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_ipc_tasks.py --json 2>&1 | tee $(LOGDIR)/bench_ipc_tasks.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 -m wxfer demo --json 2>&1 | tee $(LOGDIR)/demo_gpu.log
-	# the one-GPU (colocated) baselines: dense and MoE models in separate runs (a 30B-A3B
-	# configuration after an 8B one in the same run lost its inference process, cause unknown)
+	# the one-GPU (colocated) baselines, dense and MoE models in two runs (each under --max-s)
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_baselines.py --layouts colocated --curated qwen3-8b,qwen3-1.7b --out $(LOGDIR)/baselines-dense --json 2>&1 | tee $(LOGDIR)/baselines-dense.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_baselines.py --layouts colocated --curated qwen3-30b-a3b --out $(LOGDIR)/baselines-moe --json 2>&1 | tee $(LOGDIR)/baselines-moe.log
 
