@@ -1,8 +1,9 @@
 """The simulator's per-push figures fitted on the engine trace of a Sender's own pushes.
 
 What the push loop does on the host (wxfer.runtime.sender / tasks), and so what a trace of
-it shows: after the begin stamps (a store round trip for restarts, a device synchronize, the
-stamp writes and the engine's round trip), for each mesh group, the rank's tasks in order:
+it shows: the restart check and the begin stamps' submission (an engine fence task: the host
+goes on at once, the engine posts no data write before they landed), then for each mesh
+group, the rank's tasks in order:
 
 - zero-copy tasks are collected (a check of each parameter's memory) and handed to the
   engine by one ``Engine.submit_prepared`` call per batch (``ZERO_COPY_BATCH`` tasks, or fewer
@@ -13,17 +14,20 @@ stamp writes and the engine's round trip), for each mesh group, the rank's tasks
   after any wait for buffers to be released: then just after a held buffer's last write
   landed, and only its preparation is sampled), prepared (gathers, H2D, packing issued:
   ``t_admit`` .. ``t_submit``) and submitted;
+- a direct task (wxfer.runtime.direct) has no record: its kernel writes the receivers; at the
+  push's first one the host waited until the engine's work so far landed;
 - a task this rank only joins the collective of has no record: its host time falls into the
   next record's gap;
-then, once the writes landed (the last ``t_done``), the end stamps and the group barrier.
+then the end stamps (a fence after the side stream's event: after the last direct kernel),
+the engine wait, the group barrier.
 
 ``fit(pushes, order, kinds, info)`` fits, by non-negative least squares over one sample
 per batch and per packed task: host seconds per packed task, per parameter, per piece, per
-zero-copy task and per batch (and per mesh group after the first); the per-push costs
-before the first task and after the last write; and, given the write rate, the cost per
-write from the completions of writes that queued behind each other (and, without a rate, the
-write path's rate and per-write cost from them: ``trace_write_GBps``, ``trace_write_call_s``).  Pure Python + numpy:
-tests feed it synthetic traces with known costs.
+zero-copy task and per batch, per direct task (and per mesh group after the first); the
+per-push costs before the first task, until the begin stamps landed and after the last data
+landed; and, given the link's rate, the engine's posting gap per write and the write path's
+time per write beyond the link (``post_cost``, ``write_extra``).  Pure Python + numpy: tests
+feed it synthetic traces with known costs.
 """
 
 from __future__ import annotations
