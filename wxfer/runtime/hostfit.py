@@ -249,11 +249,12 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
     begin_fence_s: from then until the begin stamps landed (no data write is posted before);
     push_end_s: from the last data landed (the last write's completion, or, with direct tasks,
     the end stamps' CUDA event: the side stream's last kernel) to t1."""
-    samples, begin, fence, end, windows = [], [], [], [], []
+    samples, begin, fence, end = [], [], [], []
+    windows: dict = {}  # push index -> (lo, hi) ns: where its direct kernels ran
     direct = any(k == "direct" for k in kinds.values())
     prog = [t for tags in order for t in tags]
     first_direct = next((i for i, t in enumerate(prog) if kinds.get(t) == "direct"), None)
-    for t0, t1, records in pushes:
+    for i, (t0, t1, records) in enumerate(pushes):
         data = {r["tag"]: r for r in records if r["tag"] != STAMP_TAG}
         if not data:
             continue
@@ -266,14 +267,14 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
             last = max(last, stamps[-1]["t_ready"])
             # the direct kernels ran from the wait for the engine's earlier writes to the end stamps' event
             before = [data[t]["t_done"] for t in prog[:first_direct] if t in data]
-            windows.append((max(before + [landed]), stamps[-1]["t_ready"]))
+            windows[i] = (max(before + [landed]), stamps[-1]["t_ready"])
         end.append((t1 - last) / 1e9)
         samples += _samples(data, start, order, kinds, info, batch, work or {}, landed)
     if not samples:
         raise RuntimeError("hostfit: the pushes traced no task of this rank")
     ys = np.array([y for _, y in samples])
     coef = nnls([f for f, _ in samples], np.maximum(ys, 0.0))
-    out = {k: float(v) for k, v in zip(COLUMNS, coef)}
+    out: dict = {k: float(v) for k, v in zip(COLUMNS, coef)}
     if not direct:
         out.pop("host_direct_task_s")
     out.update(
@@ -292,12 +293,12 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
     if write_GBps:
         if _posted(recs):  # the engine's posting stamps: the posting gap, and the time beyond the link's
             out["write_call_s"], out["write_samples"] = post_cost(recs)
-            per, n = [], []
-            for (_, _, rs), win in zip(pushes, windows or [None] * len(pushes)):
-                p, k = write_extra(rs, write_GBps, win)
-                per.append(p * k)
-                n.append(k)
-            out["write_dev_s"] = sum(per) / max(sum(n), 1)
+            extra, writes = 0.0, 0
+            for i, (_, _, rs) in enumerate(pushes):
+                p, k = write_extra(rs, write_GBps, windows.get(i))
+                extra += p * k
+                writes += k
+            out["write_dev_s"] = extra / max(writes, 1)
         else:
             out["write_call_s"], out["write_samples"] = write_cost(recs, write_GBps)
     return out
