@@ -269,7 +269,9 @@ def simulated(sender, dev, a: dict) -> dict:
     simulated as this Sender runs it (Sender.task_kinds(): zero copy, packed, staged), with a
     calibration measured in this run: the host and per-push costs fitted on this Sender's own
     trace (a few more pushes; per zero-copy batch and task, per packed task / parameter / piece,
-    the begin and end stamps, the cost per write), the quantizer and copy rates on this device,
+    per direct task, the begin and end stamps and the begin fence, the engine's posting gap per
+    write and the write path's time per write beyond the link's rate), the quantizer and copy
+    rates on this device,
     the write path at the link bound measured for this configuration (`a["_link_GBps"]`:
     colocated writes are on-device copies), and for an offloaded trainer the pinned H2D rate
     measured by its bound (`a["_h2d_GBps"]`).  Colocated on one GPU, the kernels and the writes
@@ -287,14 +289,14 @@ def simulated(sender, dev, a: dict) -> dict:
         link = a.get("_link_GBps") or k["copy_GBps"]
         offload = dev.type == "cuda" and _offloaded(sender, dev)
         h2d = a.get("_h2d_GBps") if offload else None
+        cpu = dev.type == "cpu"
         h = host_costs(sender, 3, k["copy_GBps"], link, k["quant_GBps"])
         if dev.type == "cpu" and h.get("trace_write_GBps"):
             # CPU dry run: the link bound is a memcpy, the writes go through fabric tcp: their rate and
             # per-write cost from the Sender's own trace instead
             link = h["trace_write_GBps"]
             h["write_call_s"] = h["trace_write_call_s"]
-        kinds = sender.task_kinds()
-        cpu = dev.type == "cpu"
+        kinds = sender.task_kinds()  # zero_copy, packed, direct (straight into the receivers), ...
         cal = Calibration(
             name="bench-same-run",
             pack_launch_s=k["pack_launch_s"],
@@ -304,12 +306,16 @@ def simulated(sender, dev, a: dict) -> dict:
             copy_GBps=k["copy_GBps"],
             write_GBps=link,
             write_call_s=h.get("write_call_s", 0.0),
+            # the write path's time per write beyond the link's rate, from the same trace (a GPU: the
+            # engine's posting stamps; on the CPU the trace's own rate above already holds it)
+            write_dev_s=0.0 if cpu else h.get("write_dev_s", 0.0),
             h2d_GBps=h2d,
             serial=True,
             host_sync=cpu,
             cpu_shared=cpu,
             device_shared=not cpu and cfg.get("layout") == "colocated",
             source="bench_baselines, measured in the same run",
+            host_direct_task_s=h.get("host_direct_task_s"),  # fitted where the Sender had direct tasks
             **{x: h[x] for x in hostfit_keys() if x in h},
         )
         kw = dict(kinds=kinds, cpu_offload=offload, watermark_bytes=sender.watermark or (1 << 50))

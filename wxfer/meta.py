@@ -89,6 +89,10 @@ class Calibration:
     #                                        per task of last_submit_s; per batch not separated there
     host_zc_batch_s: float = 0.0
     zc_batch: float = 32  # tasks per submit_prepared call: wxfer.runtime.sender.FAST_BATCH
+    # host work of a direct task (wxfer.runtime.direct: gather, the raw copies and one quantizer launch
+    # issued straight into the receivers' memory; no reservation, no submission); None: a packed task's
+    # (host_s).  Fitted per push on the Sender's trace (wxfer.runtime.hostfit); no default measured
+    host_direct_task_s: float | None = None
     # fuse / quantize / pack: per launch (one per packed piece) + bytes (full tensors read + buffer written) / rate
     pack_launch_s: float = 90e-6  # one H200 (issue 13): 128 experts, one reference quantize each: 15 ms,
     #                                        of which 128 x 4.7 MB at 170 GB/s is 3.5 ms -> ~90 us per piece
@@ -107,9 +111,14 @@ class Calibration:
     small_piece_elems: float = 4e6
     # the collective (full_tensor) per call (one per source parameter) on top of bytes / link rate
     coll_call_s: float = 0.0  # not measured on the H200 yet (calibrate measures it)
-    # the write path per write (one per transfer, posted one after the other by a rank's engine)
+    # the write path per write (one per transfer, posted one after the other by a rank's engine, while
+    # the link moves the earlier ones): the engine's posting gap, fitted on the trace (hostfit.post_cost)
     write_call_s: float = 0.0  # not measured on the H200 yet; the engine's stages were 72 ms of a
     #                                        3.1 s Qwen3-30B-A3B push (issue 13): small next to stage 2
+    # the write path's own time per write beyond its bytes at the write rate (the copy's fixed cost and its
+    # completion, in the order the writes were posted), fitted on the trace (hostfit.write_extra): it
+    # depends on the writes' sizes (small writes cost more of it), so it is a figure of the plan measured
+    write_dev_s: float = 0.0
     h2d_call_s: float = 0.0  # per offloaded source parameter; not measured on the H200 yet
     push_fixed_s: float = 0.0  # per push, added at the end (older calibrations: everything fixed in one)
     # per push, measured apart: before the first task (the restart check's store round trip, the begin
@@ -117,6 +126,9 @@ class Calibration:
     # lands (the engine wait's wake-up, the end stamps likewise, the last mesh-group barrier, the flag)
     push_begin_s: float = 0.0
     push_end_s: float = 0.0
+    # the begin stamps as an engine fence (wxfer.runtime.tasks._write_begin): the host goes on with the
+    # tasks after push_begin_s, no data write is posted before the stamps landed, begin_fence_s after
+    begin_fence_s: float = 0.0
     # how a rank runs stage 2: serial = its gathers and packs on one stream, one after the other (wxfer's
     # runtime: one side stream); host_sync = the host waits for each (CPU: the host does the work)
     serial: bool = True

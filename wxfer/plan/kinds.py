@@ -13,9 +13,11 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
   packed           gathered (if its mesh has several ranks), then fused / quantized / packed into
                    a buffer admitted under the watermark before it is made; host cost per task,
                    per parameter and per piece, the kernel at a rate with a per-launch cost
-  direct           (reserved) packed by a kernel that writes straight into the receivers' memory:
-                   no staging buffer, no separate write; the simulator charges its kernel (at
-                   least its bytes at the write rate) and counts its bytes as written then
+  direct           a packed (or gathered) task whose kernel writes straight into the receivers'
+                   memory (wxfer.runtime.direct: cuda_ipc, receivers on the writer's GPU): no
+                   staging buffer, no engine write; the simulator charges its host cost per task
+                   and its kernel (sources read + packed bytes written at the quantizer's or the
+                   copy rate); the push's first one waits until the engine's writes so far landed
   collective_only  the rank takes part in the task's collective but sends nothing
 
 ``task_kinds(plan, params)`` decides from the plan and the trainers' parameter metadata
@@ -38,16 +40,30 @@ def _shape_dtype(p):
     return tuple(p.shape), str(p.dtype).replace("torch.", "")
 
 
+def _run(pieces) -> list:
+    """The pieces with runs of consecutive row ranges of one source (same columns) merged
+    (as wxfer.runtime.prepare._merge_rows)."""
+    out: list = []
+    for pc in pieces:
+        if out and out[-1].src == pc.src and out[-1].r1 == pc.r0 and (out[-1].c0, out[-1].c1) == (pc.c0, pc.c1):
+            out[-1] = out[-1]._replace(r1=pc.r1)
+        else:
+            out.append(pc)
+    return out
+
+
 def _whole_rows(shards, shape, dtype) -> bool:
-    """Every shard one raw piece of whole rows of a <= 2-D source, in the source's dtype."""
-    if len(shape) > 2 or not shards:
+    """Every shard one contiguous run of whole rows of the source seen as [prod(shape[:-1]),
+    shape[-1]] (any dimensionality: transformers 5's fused 3-D experts too), in the source's
+    dtype (wxfer.runtime.prepare._direct_dests)."""
+    if not shards:
         return False
-    cols = shape[1] if len(shape) == 2 else 0
+    cols = shape[-1] if len(shape) >= 2 else 0
     for sh in shards:
-        if sh.kind != "raw" or sh.dtype != dtype or len(sh.pieces) != 1:
+        if sh.kind != "raw" or sh.dtype != dtype:
             return False
-        pc = sh.pieces[0]
-        if cols and (pc.c0 != 0 or pc.c1 != cols):
+        run = _run(sh.pieces)
+        if len(run) != 1 or (cols and (run[0].c0 != 0 or run[0].c1 != cols)):
             return False
     return True
 
@@ -56,30 +72,39 @@ def _all_of_it(shards, shape, dtype) -> bool:
     """One raw shard that is the whole source in its own dtype (prepare._whole)."""
     if len(shards) != 1 or not _whole_rows(shards, shape, dtype):
         return False
-    pc = shards[0].pieces[0]
-    return pc.r0 == 0 and pc.r1 == (shape[0] if shape else 1)
+    pc = _run(shards[0].pieces)[0]
+    rows = 1
+    for d in shape[:-1] if len(shape) >= 2 else shape:  # 1-D: its elements are the rows
+        rows *= d
+    return pc.r0 == 0 and pc.r1 == rows
 
 
-def task_kind(task, mesh_size: int, params, cpu_offload: bool = False) -> str:
+def task_kind(task, mesh_size: int, params, cpu_offload: bool = False, direct: bool = False) -> str:
     """The kind of `task` on a rank that sends its shards (see the module's docstring).
-    params: training name -> (shape, dtype) (a TrainParam, a dict or a pair); None: packed."""
+    params: training name -> (shape, dtype) (a TrainParam, a dict or a pair); None: packed
+    (direct: direct).  direct: the Sender writes packed tasks straight into the receivers
+    (cuda_ipc, every receiver on the writer's GPU): a task that is not the parameter's own
+    bytes (zero copy, or staged after its H2D) is direct."""
+    other = "direct" if direct else "packed"
     if params is None or len(task.sources) != 1 or task.sources[0] not in params:
-        return "packed"
+        return other
     shape, dtype = _shape_dtype(params[task.sources[0]])
     if mesh_size == 1 and _whole_rows(task.shards, shape, dtype):
         return "staged" if cpu_offload else "zero_copy"
     if _all_of_it(task.shards, shape, dtype):
-        return "staged"
-    return "packed"
+        return other if direct else "staged"
+    return other
 
 
-def task_kinds(plan, params=None, cpu_offload: bool = False) -> dict:
+def task_kinds(plan, params=None, cpu_offload: bool = False, direct: bool = False) -> dict:
     """{task id: kind} on the ranks that send it.  params: the trainers' parameters by name
     (TrainParam objects, a {name: TrainParam} dict, or {name: (shape, dtype)}); None: every
-    task packed (the simulator's model before the runtime had zero-copy tasks)."""
+    task packed (the simulator's model before the runtime had zero-copy tasks); direct: see
+    task_kind (the runtime's own test, wxfer.runtime.direct.decompose, can still send a task
+    the staging way: a Sender's task_kinds() says what it did)."""
     if params is not None and not isinstance(params, dict):
         params = {p.name: p for p in params}
-    return {t.id: task_kind(t, len(plan.meshes[t.mesh]), params, cpu_offload) for t in plan.tasks}
+    return {t.id: task_kind(t, len(plan.meshes[t.mesh]), params, cpu_offload, direct) for t in plan.tasks}
 
 
 def batches(kinds: list, size: int = ZERO_COPY_BATCH) -> list:

@@ -70,6 +70,7 @@ class _Jobs:
     kind: np.ndarray | None = None  # [J] index into wxfer.plan.kinds.KINDS (None: every job packed)
     launches: np.ndarray | None = None  # [J] packing kernel launches (native kernel: merged raw pieces + 1 for FP8)
     fp8_piece_elems: np.ndarray | None = None  # [J] mean elements of its FP8 pieces (0: none)
+    ewrites: np.ndarray | None = None  # [E] the entry's writes (transfers; 0 for a direct job's)
 
     @property
     def n(self) -> int:
@@ -88,9 +89,10 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
         np.maximum.at(packed, job_of, (plan.src_offset + plan.nbytes).astype(float))
         ukey, einv = np.unique(job_of * ngpu + plan.gpu, return_inverse=True)
         ebytes = np.bincount(einv.reshape(-1), plan.nbytes, ukey.size).astype(float)
+        ewrites = np.bincount(einv.reshape(-1), minlength=ukey.size).astype(np.int64)
         ejob, egpu = ukey // ngpu, ukey % ngpu
     else:
-        jrank = jtask = ejob = egpu = np.empty(0, np.int64)
+        jrank = jtask = ejob = egpu = ewrites = np.empty(0, np.int64)
         packed = ebytes = np.empty(0)
     J = jrank.size
     of_task: dict = {}
@@ -100,7 +102,9 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
     code = {k: i for i, k in enumerate(KINDS)}
     kind = np.array([code[(kinds or {}).get(int(t), "packed")] for t in jtask], np.int64)
     if J and (kind == code["direct"]).any():  # its kernel writes the receivers' memory: no write left
-        ebytes = np.where(kind[ejob] == code["direct"], 1.0, ebytes)
+        keep = kind[ejob] != code["direct"]  # (its job has no entries: the stages end it, wxfer.plan.sim_stages)
+        ejob, egpu, ebytes, ewrites = ejob[keep], egpu[keep], ebytes[keep], ewrites[keep]
+        nwrites = np.where(kind == code["direct"], 0, nwrites)
     return _Jobs(
         jrank,
         jtask,
@@ -120,6 +124,7 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
         kind,
         launches,
         fp8_elems,
+        ewrites,
     )
 
 
@@ -180,6 +185,7 @@ class _Network:
         write_bw: float,
         max_posted: float,
         write_latency_s: float,
+        write_dev_s: float = 0.0,
     ):
         from collections import deque
 
@@ -195,8 +201,15 @@ class _Network:
         order = np.lexsort((jobs.ejob, self.epair))  # FIFO positions
         self.pos_of = np.empty(E, np.int64)
         self.pos_of[order] = np.arange(E)
-        self.srem = jobs.ebytes[order].copy()  # remaining bytes by FIFO position
-        self.ssize = jobs.ebytes[order]
+        # each write holds the link for its bytes and write_dev_s more (its share of the copy's fixed
+        # cost and completion): counted as that many bytes at the write rate
+        size = (
+            jobs.ebytes
+            if not write_dev_s or jobs.ewrites is None
+            else jobs.ebytes + write_dev_s * write_bw * jobs.ewrites
+        )
+        self.srem = size[order].copy()  # remaining bytes by FIFO position
+        self.ssize = size[order]
         self.sentry = order
         pstart = np.searchsorted(self.epair[order], np.arange(P))
         self.head = pstart.copy()  # first unfinished position of each pair
@@ -207,7 +220,7 @@ class _Network:
         self.posted = np.zeros(world, np.int64)
         self.posted_bytes = np.zeros(world)
         self.post_ranks: set = set()
-        self.jobs_left = jobs.n
+        self.jobs_left = int(np.count_nonzero(self.entries_left))  # a direct job has no writes here
         self.gpu_finish = np.zeros(ngpu)
         # ring flows of cross-node all-gathers
         self.ag_src: list = []

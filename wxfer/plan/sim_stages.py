@@ -30,6 +30,9 @@ class _StageModel:
         self.zc_batch = max(1, int(cal.zc_batch))
         self.write_bw = cluster.write_bw
         self.begin_s = float(cal.push_begin_s)
+        self.fence_s = float(getattr(cal, "begin_fence_s", 0.0))  # the begin stamps land: writes may post
+        hd = getattr(cal, "host_direct_task_s", None)
+        self.host_direct = None if hd is None else float(hd)
 
     def h2d_s(self, task, k: int) -> float:
         """Copy this rank's 1/k of the task's sources over PCIe (one copy per source)."""
@@ -42,6 +45,14 @@ class _StageModel:
     def host_pack_s(self, pieces: int) -> float:
         """Host work to issue the packing of `pieces` pieces."""
         return self.cal.host_piece_s * pieces
+
+    def host_parts(self, task, pieces: int, direct: bool) -> tuple:
+        """(host seconds before the task's collectives, host seconds to issue its packing): a
+        packed task's per task / parameter / piece, a direct task's per task (all before its
+        kernel; a packed task's figures when host_direct_task_s is not measured)."""
+        if direct and self.host_direct is not None:
+            return self.host_direct, 0.0
+        return self.host_gather_s(task), self.host_pack_s(pieces)
 
     def coll_call_s(self, task, k: int) -> float:
         return self.cal.coll_call_s * len(task.sources) if k > 1 else 0.0
@@ -121,7 +132,12 @@ class _Meshes:
         self.quant_free = np.full(world, b0)  # end of the rank's last packing
         self.host_free = np.full(world, b0)  # when the rank's host is done with its last task
         self.dev_free = np.full(world, b0)  # serial: end of the rank's last H2D, gather or packing
-        self.post_free = np.zeros(world)  # when the rank's engine posted its last job's writes
+        # when the rank's engine posted its last job's writes: none before the begin stamps landed (a fence)
+        self.post_free = np.full(world, b0 + model.fence_s)
+        self.out_n = np.zeros(world, np.int64)  # jobs handed to the rank's engine, not yet done
+        self.out_done = np.full(world, b0 + model.fence_s)  # when the last of them landed
+        self.waited = np.zeros(world, bool)  # the rank's first direct task waited for its engine
+        self.direct_pend: list = []  # direct jobs, done at their act_time (their kernel's end)
         self.busy_s = {k: np.zeros(world) for k in ("host", "allgather", "pack")}  # seconds per rank
         self.h2d_busy = np.zeros(world)
         self.ptr = {m: 0 for m in range(len(plan.meshes))}
@@ -163,6 +179,26 @@ class _Meshes:
                 out.update(js[a + n - 1] for a, n in batches(ks, self.model.zc_batch))
         return out
 
+    def _kind(self, m: int, ti: int) -> int:
+        """The kind (index into KINDS) of task ti on mesh m's first rank (collective only: none)."""
+        if self.jobs.job_of is None:
+            return _PACKED
+        j = self.jobs.job_of.get((self.plan.meshes[m][0], ti))
+        return _COLL if j is None else int(self.kind[j])
+
+    def _engine_idle(self, m: int, ti: int) -> float:
+        """When the ranks of mesh m may start task ti: 0, or for a rank's first direct task the
+        time its engine's earlier work landed (the Sender waits for it: the begin stamps, an
+        engine fence, order only the engine's writes); inf while some of it is still in flight."""
+        if self._kind(m, ti) != _DIRECT:
+            return 0.0
+        ranks = [r for r in self.plan.meshes[m] if not self.waited[r]]
+        if not ranks:
+            return 0.0
+        if any(self.out_n[r] for r in ranks):
+            return np.inf
+        return max(float(self.out_done[r]) for r in ranks)
+
     def _zero_copy(self, m: int, ti: int) -> bool:
         ranks = self.plan.meshes[m]
         if len(ranks) != 1 or self.jobs.job_of is None:
@@ -177,7 +213,16 @@ class _Meshes:
         return float(self.jobs.packed[j])
 
     def finished(self) -> bool:
-        return all(self.ptr[m] >= len(self.plan.mesh_tasks[m]) for m in self.ptr)
+        return not self.direct_pend and all(self.ptr[m] >= len(self.plan.mesh_tasks[m]) for m in self.ptr)
+
+    def direct_done(self, now: float) -> list:
+        """[(job, end)] of the direct jobs whose kernel ended by `now` (removed)."""
+        if not self.direct_pend:
+            return []
+        done = [(j, float(self.act_time[j])) for j in self.direct_pend if self.act_time[j] <= now]
+        if done:
+            self.direct_pend[:] = [j for j in self.direct_pend if self.act_time[j] > now]
+        return done
 
     def _h2d_span(self, r: int, m: int, ti: int, adm: float) -> tuple:
         """Serial offload: (start, end) of rank r's H2D of task ti on its stream (issued by the
@@ -197,11 +242,12 @@ class _Meshes:
             return max(s, self.host_free[ranks[0]])
         if self.h2d_stream:
             s = max(s, max(self.h2d_done[(r, ti)] for r in ranks))
-        hg = self.model.host_gather_s(self.plan.tasks[ti])
-        adm = self.admit_t.get(m, 0.0)
+        hg = self.model.host_parts(self.plan.tasks[ti], 0, self._kind(m, ti) == _DIRECT)[0]
+        adm = max(self.admit_t.get(m, 0.0), self._engine_idle(m, ti))
         if hg > 0 or adm > 0:
             s = max(s, max(max(self.host_free[r], adm) for r in ranks) + hg)
-        if self.model.serial:
+        if self.model.serial and (len(ranks) > 1 or self.model.offload):  # a collective or an H2D on the stream
+            # (one rank, no H2D: nothing on the stream before its packing, which waits for the stream itself)
             s = max(s, max(self.dev_free[r] for r in ranks))
             if self.model.offload:
                 s = max(s, max(self._h2d_span(r, m, ti, adm)[1] for r in ranks))
@@ -236,6 +282,11 @@ class _Meshes:
                 j = self.jobs.job_of.get((r, ti)) if self.jobs.job_of is not None else None
                 if j is not None:
                     self.held[j] = v
+            idle = self._engine_idle(m, ti)
+            if idle > 0:  # the host waited in Engine.wait for its engine (a rank's first direct task)
+                for r in ranks:
+                    self.host_free[r] = max(self.host_free[r], idle)
+                    self.waited[r] = True
             self.ptr[m] += 1
             k = len(ranks)
             if k == 1 or self.intra[m]:
@@ -251,11 +302,18 @@ class _Meshes:
         self.end_allgather(m, ti, start, t_flows + self.model.coll_call_s(self.plan.tasks[ti], k))
 
     def _post(self, j: int, r: int, ready: float) -> None:
-        """Job j is ready at `ready`: the engine posts its writes after the rank's earlier jobs'."""
+        """Job j is ready at `ready`: the engine posts its writes after the rank's earlier jobs'
+        (a direct job has none: its kernel wrote the receivers; it ends when the kernel did)."""
         assert self.jobs.nwrites is not None
-        t = max(ready, self.post_free[r]) + self.model.write_post_s(int(self.jobs.nwrites[j]))
-        self.post_free[r] = t
-        self.act_time[j] = t
+        if self.kind[j] == _DIRECT:  # not the engine's: done when its kernel is (direct_done)
+            self.act_time[j] = ready
+            self.direct_pend.append(j)
+            return
+        else:
+            t = max(ready, self.post_free[r]) + self.model.write_post_s(int(self.jobs.nwrites[j]))
+            self.post_free[r] = t
+            self.act_time[j] = t
+            self.out_n[r] += 1
         self.pending.append(j)
 
     def _zero_copy_end(self, r: int, j: int, s: float) -> None:
@@ -283,10 +341,11 @@ class _Meshes:
             for r in plan.meshes[m]:
                 self.timeline.append(("allgather", r, ti, start, t_end))
         self.stage_end["allgather"] = max(self.stage_end["allgather"], t_end)
-        hg = md.host_gather_s(task)
         adm = self.admit_t.pop(m, 0.0)
         for r in plan.meshes[m]:
             j = jb.job_of.get((r, ti))
+            direct = j is not None and self.kind[j] == _DIRECT
+            hg, hpk = md.host_parts(task, int(jb.pieces[j]) if j is not None else 0, direct)
             if zc:
                 assert j is not None
                 self._zero_copy_end(r, j, start)
@@ -304,17 +363,16 @@ class _Meshes:
             self.busy_s["allgather"][r] += t_end - start
             if j is not None and self.kind[j] != _STAGED and jb.packed[j] > 0:
                 pieces = int(jb.pieces[j])
-                hp = hr + md.host_pack_s(pieces)
+                hp = hr + hpk
                 q0 = max(t_end, self.quant_free[r], hp)
                 pe = float(jb.fp8_piece_elems[j]) if jb.fp8_piece_elems is not None else 0.0
+                # direct: the same kernel, its output at the receivers' addresses (sources read + packed written)
                 q = md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]), pe)
-                if self.kind[j] == _DIRECT:  # the kernel writes into the receivers: at most at the write rate
-                    q = max(q, jb.packed[j] / md.write_bw)
                 q1 = q0 + q
                 self.quant_free[r] = q1
                 self.dev_free[r] = q1
                 self.host_free[r] = q1 if md.host_sync else hp
-                self.busy_s["host"][r] += md.host_pack_s(pieces)
+                self.busy_s["host"][r] += hpk
                 self.busy_s["pack"][r] += q1 - q0
                 self.stage_end["quant"] = max(self.stage_end["quant"], q1)
                 if self.record:
@@ -351,12 +409,15 @@ class _Meshes:
         r = int(self.jobs.rank[j])
         self.mem[r] -= self.held[j]
         self.mem_free_t[r] = max(self.mem_free_t[r], t)
+        if self.kind[j] != _DIRECT:
+            self.out_n[r] -= 1
+            self.out_done[r] = max(self.out_done[r], t)
         if self.record:
             self.timeline.append(("write", r, int(self.jobs.task[j]), self.act_time[j], t))
 
     def next_event(self, now: float, net: _Network) -> float:
         """The next stage event after `now` (nothing flows until then)."""
-        cands = [self.act_time[j] for j in self.pending]
+        cands = [self.act_time[j] for j in self.pending + self.direct_pend]
         for m in self.ptr:
             if self.ptr[m] < len(self.plan.mesh_tasks[m]) and m not in net.rings:
                 cands.append(self.ready_time(m))

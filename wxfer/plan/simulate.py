@@ -32,6 +32,7 @@ from typing import cast
 import numpy as np
 
 from .sim_net import _Jobs, _jobs, _Network, _waterfill  # noqa: F401 -- the parts, tested alone
+from .kinds import KINDS
 from .sim_stages import _Meshes, _StageModel
 
 
@@ -175,32 +176,41 @@ def _totals(plan, cluster, meshes: _Meshes, jobs: _Jobs, lb: float, last_write: 
     last write or stage-2 event, the shared-core / shared-GPU floors, the per-push costs."""
     stage_end, cal, world = meshes.stage_end, cluster.cal, plan.train_world
     total = max(last_write, stage_end["allgather"], stage_end["quant"], float(meshes.host_free.max(initial=0.0)))
-    # each rank's separate writes (a direct task's kernel does its own)
-    wr = np.bincount(jobs.rank, jobs.wbytes, world) / cluster.write_bw if jobs.n else np.zeros(world)
+    # each rank's separate writes (a direct task's kernel does its own): bytes at the write rate plus
+    # the write path's own time per write; and the engine's posting of them (overlapping the link)
+    nw = np.zeros(world)
+    wr = np.zeros(world)
+    if jobs.n:
+        assert jobs.nwrites is not None
+        nw = np.bincount(jobs.rank, jobs.nwrites, world).astype(float)
+        wr = np.bincount(jobs.rank, jobs.wbytes, world) / cluster.write_bw
+    fence = cal.begin_fence_s
     if cal.cpu_shared:  # stage 2 and the writes take turns on the same cores
         # the write rate was measured with one writer and one target using the machine's cores: every
         # trainer's writes take turns on them (all bytes / that rate)
         per_rank = cast(np.ndarray, sum(meshes.busy_s.values()))  # busy_s is never empty: not the 0 start
         wl = float(plan.nbytes.sum()) / cluster.write_bw if plan.n_transfers else 0.0
         total = max(total, cal.push_begin_s + (float(per_rank.max()) if per_rank.size else 0.0) + wl)
-    if cal.device_shared and world:  # a rank's kernels and its writes share its GPU's memory
-        total = max(total, cal.push_begin_s + float((meshes.busy_s["pack"] + wr).max()))
+    if cal.device_shared and world:  # a rank's kernels and its writes' bytes share its GPU's memory (neither
+        # starts before the begin stamps landed: the writes wait for the fence, a direct kernel for the engine)
+        total = max(total, cal.push_begin_s + fence + float((meshes.busy_s["pack"] + wr).max()))
     total += cal.push_end_s + cal.push_fixed_s
     busy = {k: float(v.max()) if v.size else 0.0 for k, v in meshes.busy_s.items()}
     # H2D: seconds on the busiest rank's stream (serial), else when its own stream ended
     busy["h2d"] = float(meshes.h2d_busy.max(initial=0.0)) if not meshes.h2d_stream else stage_end["h2d"]
     busy["links"] = lb
-    busy["push_fixed"] = cal.push_fixed_s + cal.push_begin_s + cal.push_end_s
-    nw = np.bincount(plan.sender, minlength=world) if plan.n_transfers else np.zeros(world)
+    busy["push_fixed"] = cal.push_fixed_s + cal.push_begin_s + cal.push_end_s + fence
     terms = dict(  # each term on its busiest trainer rank, seconds (not a sum: stages overlap)
         host_s=busy["host"],
         kernel_s=busy["pack"],
         allgather_s=busy["allgather"],
         h2d_s=busy["h2d"],
-        write_s=float((wr + nw * cal.write_call_s).max(initial=0.0)),
-        stamps_s=cal.push_begin_s + cal.push_end_s + cal.push_fixed_s,
+        write_s=float((wr + nw * cal.write_dev_s).max(initial=0.0)),  # the writes on the link (+ write_dev_s each)
+        post_s=float((nw * cal.write_call_s).max(initial=0.0)),  # the engine posting them, meanwhile
+        stamps_s=cal.push_begin_s + fence + cal.push_end_s + cal.push_fixed_s,
+        direct_tasks=int((meshes.kind == KINDS.index("direct")).sum()),
         links_s=lb,
-        zero_copy_tasks=int((meshes.kind == 0).sum()),
+        zero_copy_tasks=int((meshes.kind == KINDS.index("zero_copy")).sum()),
         jobs=int(jobs.n),
     )
     return total, busy, terms
@@ -229,7 +239,14 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
     lb, bname = lower_bound(plan, cluster)
     jobs = _jobs(plan, ngpu, _kinds(plan, cluster, kinds))
     net = _Network(
-        jobs, world, ngpu, cluster.nic_GBps * 1e9, cluster.write_bw, cluster.max_posted_bytes, cluster.write_latency_s
+        jobs,
+        world,
+        ngpu,
+        cluster.nic_GBps * 1e9,
+        cluster.write_bw,
+        cluster.max_posted_bytes,
+        cluster.write_latency_s,
+        float(getattr(cluster.cal, "write_dev_s", 0.0)),
     )
     meshes = _Meshes(plan, cluster, _StageModel(cluster), jobs, record)
     dt = max(lb, 1e-6) / steps
@@ -238,6 +255,9 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
     while True:
         meshes.start(now + dt, net)
         net.queue(meshes.ready_jobs(now))
+        for j, te in meshes.direct_done(now):
+            meshes.job_done(j, te)
+            last_write = max(last_write, te)
         if net.post_ranks:
             net.post()
         if net.jobs_left == 0 and not net.rings and meshes.finished():

@@ -1,8 +1,9 @@
 """The simulator's per-push figures fitted on the engine trace of a Sender's own pushes.
 
 What the push loop does on the host (wxfer.runtime.sender / tasks), and so what a trace of
-it shows: after the begin stamps (a store round trip for restarts, a device synchronize, the
-stamp writes and the engine's round trip), for each mesh group, the rank's tasks in order:
+it shows: the restart check and the begin stamps' submission (an engine fence task: the host
+goes on at once, the engine posts no data write before they landed), then for each mesh
+group, the rank's tasks in order:
 
 - zero-copy tasks are collected (a check of each parameter's memory) and handed to the
   engine by one ``Engine.submit_prepared`` call per batch (``ZERO_COPY_BATCH`` tasks, or fewer
@@ -13,17 +14,20 @@ stamp writes and the engine's round trip), for each mesh group, the rank's tasks
   after any wait for buffers to be released: then just after a held buffer's last write
   landed, and only its preparation is sampled), prepared (gathers, H2D, packing issued:
   ``t_admit`` .. ``t_submit``) and submitted;
+- a direct task (wxfer.runtime.direct) has no record: its kernel writes the receivers; at the
+  push's first one the host waited until the engine's work so far landed;
 - a task this rank only joins the collective of has no record: its host time falls into the
   next record's gap;
-then, once the writes landed (the last ``t_done``), the end stamps and the group barrier.
+then the end stamps (a fence after the side stream's event: after the last direct kernel),
+the engine wait, the group barrier.
 
 ``fit(pushes, order, kinds, info)`` fits, by non-negative least squares over one sample
 per batch and per packed task: host seconds per packed task, per parameter, per piece, per
-zero-copy task and per batch (and per mesh group after the first); the per-push costs
-before the first task and after the last write; and, given the write rate, the cost per
-write from the completions of writes that queued behind each other (and, without a rate, the
-write path's rate and per-write cost from them: ``trace_write_GBps``, ``trace_write_call_s``).  Pure Python + numpy:
-tests feed it synthetic traces with known costs.
+zero-copy task and per batch, per direct task (and per mesh group after the first); the
+per-push costs before the first task, until the begin stamps landed and after the last data
+landed; and, given the link's rate, the engine's posting gap per write and the write path's
+time per write beyond the link (``post_cost``, ``write_extra``).  Pure Python + numpy: tests
+feed it synthetic traces with known costs.
 """
 
 from __future__ import annotations
@@ -35,7 +39,15 @@ import numpy as np
 from ..plan.kinds import ZERO_COPY_BATCH, batches
 
 STAMP_TAG = 1 << 62  # = wxfer.runtime.tasks.STAMP_TAG (no import: that module needs the extension)
-COLUMNS = ("host_task_s", "host_param_s", "host_piece_s", "host_zc_task_s", "host_zc_batch_s", "barrier_s")
+COLUMNS = (
+    "host_task_s",
+    "host_param_s",
+    "host_piece_s",
+    "host_zc_task_s",
+    "host_zc_batch_s",
+    "barrier_s",
+    "host_direct_task_s",
+)
 
 
 def nnls(rows, ys) -> np.ndarray:
@@ -65,13 +77,16 @@ def _waited(r, prev: int, releases) -> bool:
     return i > 0 and releases[i - 1] >= max(prev, r["t_admit"] - WAKE_NS)
 
 
-def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict) -> list:
+def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict, begin_done: int = 0) -> list:
     """Host samples [(features, seconds)] of one push; prev: when the host started its first
     task (ns).  A packed task that waited for the watermark is sampled from its admission on
-    (t_admit .. t_submit: its preparation), without what came before it."""
+    (t_admit .. t_submit: its preparation), without what came before it.  Direct tasks have no
+    record: their host time is in the next record's gap, from the end of the wait at the push's
+    first one (the engine's work submitted before it and the begin stamps, `begin_done`, landed)."""
     releases = sorted(r["t_done"] for r in recs.values() if r.get("held"))
     out = []
-    carry = np.zeros(len(COLUMNS))  # collective-only tasks: their host time is in the next gap
+    carry = np.zeros(len(COLUMNS))  # collective-only and direct tasks: their host time is in the next gap
+    waited = False
     for g, tags in enumerate(order):
         if g:
             carry[5] += 1
@@ -79,6 +94,12 @@ def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict) 
         ends = {a + n - 1: n for a, n in batches(ks, batch)}
         for i, t in enumerate(tags):
             r = recs.get(t)
+            if ks[i] == "direct":  # no record: written by its kernel (wxfer.runtime.direct)
+                if not waited:  # the push's first: the host waited until the engine's work so far landed
+                    waited = True
+                    prev = max([prev, begin_done] + [x["t_done"] for x in recs.values() if x["t_submit"] <= prev])
+                carry[6] += 1
+                continue
             if ks[i] == "zero_copy":
                 if i not in ends:
                     continue
@@ -92,12 +113,12 @@ def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict) 
                 continue
             nparams, pieces = info[t]
             if r is None:  # collective only
-                carry += (1.0, nparams, 0, 0, 0, 0)
+                carry += (1.0, nparams, 0, 0, 0, 0, 0)
                 continue
-            f = carry + (1.0, nparams, pieces, 0, 0, 0)
+            f = carry + (1.0, nparams, pieces, 0, 0, 0, 0)
             y = (r["t_submit"] - prev) / 1e9 - work.get(t, 0.0)
             if r["t_admit"] and prev <= r["t_admit"] <= r["t_submit"] and _waited(r, prev, releases):
-                f = np.array((1.0, nparams, pieces, 0, 0, 0))
+                f = np.array((1.0, nparams, pieces, 0, 0, 0, 0))
                 y = (r["t_submit"] - r["t_admit"]) / 1e9 - work.get(t, 0.0)
             out.append((f, y))
             prev, carry = r["t_submit"], np.zeros(len(COLUMNS))
@@ -147,6 +168,74 @@ def write_path(records) -> tuple:
     return rate, per, len(q)
 
 
+def _posted(records) -> list:
+    """The data records with their posting stamps, in the order the engine posted them."""
+    recs = [r for r in records if r["tag"] != STAMP_TAG and r.get("t_post_first") and r.get("t_done")]
+    return sorted(recs, key=lambda r: r["t_post_first"])
+
+
+def post_cost(records) -> tuple:
+    """(seconds per write, samples) of the engine's posting: the gap from a task's first write
+    posted to the next task's, per write of the first, where the next one was ready before the
+    first's last write was posted (the engine went from one to the other without waiting).  The
+    mean over those gaps: a stall of the poster (the transport's in-flight cap) counts in it."""
+    recs = _posted(records)
+    gaps = [
+        ((b["t_post_first"] - a["t_post_first"]) / 1e9, float(a.get("nwrites") or 1))
+        for a, b in zip(recs, recs[1:])
+        if b.get("t_ready") and b["t_ready"] <= a.get("t_post_last", a["t_post_first"])
+    ]
+    if not gaps:
+        return 0.0, 0
+    return sum(g for g, _ in gaps) / sum(w for _, w in gaps), len(gaps)
+
+
+def _periods(records, outside=None) -> list:
+    """[(seconds, bytes, writes)] of the write path's busy periods: from a task's first write
+    posted to the last completion, while each next task was posted before the latest
+    completion so far (the writes complete in the order they were posted).  outside: (lo, hi)
+    ns, leave out the periods that overlap it."""
+    spans, cur = [], None
+    for r in _posted(records):
+        w = float(r.get("nwrites") or 1)
+        if cur is not None and r["t_post_first"] <= cur[1]:
+            cur = [cur[0], max(cur[1], r["t_done"]), cur[2] + r["bytes"], cur[3] + w]
+            continue
+        if cur is not None:
+            spans.append(cur)
+        cur = [r["t_post_first"], r["t_done"], r["bytes"], w]
+    if cur is not None:
+        spans.append(cur)
+    if outside is not None:
+        spans = [c for c in spans if c[1] <= outside[0] or c[0] >= outside[1]]
+    return [((b - a) / 1e9, float(nb), w) for a, b, nb, w in spans]
+
+
+def write_extra(records, write_GBps: float, outside=None) -> tuple:
+    """(seconds per write, writes) the write path takes beyond its bytes at `write_GBps` (the
+    link's rate, measured apart): over its busy periods (outside the span `outside`, ns, where
+    the push's direct kernels share the GPU: that sharing is a term of its own), their time
+    less their bytes at that rate, per write (0 when the link's rate explains it all)."""
+    ps = _periods(records, outside) or _periods(records)
+    n = sum(w for _, _, w in ps)
+    if not n:
+        return 0.0, 0
+    extra = sum(t for t, _, _ in ps) - sum(b for _, b, _ in ps) / (write_GBps * 1e9)
+    return max(0.0, extra) / n, int(n)
+
+
+def _begin(stamps, first: int, t0: int) -> tuple:
+    """(when the host started the tasks, when the begin stamps landed) of one push: the begin
+    stamps are a fence task (the host goes on at once; no data write is posted before they
+    landed), or, older runtimes, waited for (landed before the first task was submitted)."""
+    if not stamps:
+        return t0, t0
+    b = stamps[0]
+    if b.get("t_done") and b["t_done"] <= first:
+        return b["t_done"], b["t_done"]
+    return b["t_submit"], b.get("t_done") or b["t_submit"]
+
+
 def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, work=None, write_GBps=None) -> dict:
     """Fit the push's host and fixed costs on traced pushes.
 
@@ -154,25 +243,43 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
     trace of it (stamp records included); order: this rank's task tags per mesh group, in
     program order; kinds: tag -> kind (Sender.task_kinds()); info: tag -> (parameters,
     pieces); work: tag -> seconds of work done on the host itself (CPU packing) to take out;
-    write_GBps: the write rate, to fit the cost per write (None: not fitted)."""
-    samples, begin, end = [], [], []
-    for t0, t1, records in pushes:
+    write_GBps: the write rate, to fit the costs per write (None: not fitted).
+
+    push_begin_s: t0 to the host's first task (after the begin stamps' submission);
+    begin_fence_s: from then until the begin stamps landed (no data write is posted before);
+    push_end_s: from the last data landed (the last write's completion, or, with direct tasks,
+    the end stamps' CUDA event: the side stream's last kernel) to t1."""
+    samples, begin, fence, end = [], [], [], []
+    windows: dict = {}  # push index -> (lo, hi) ns: where its direct kernels ran
+    direct = any(k == "direct" for k in kinds.values())
+    prog = [t for tags in order for t in tags]
+    first_direct = next((i for i, t in enumerate(prog) if kinds.get(t) == "direct"), None)
+    for i, (t0, t1, records) in enumerate(pushes):
         data = {r["tag"]: r for r in records if r["tag"] != STAMP_TAG}
         if not data:
             continue
         stamps = sorted((r for r in records if r["tag"] == STAMP_TAG), key=lambda r: r["t_submit"])
-        first = min(r["t_submit"] for r in data.values())
-        start = stamps[0]["t_done"] if stamps and stamps[0]["t_done"] <= first else t0
+        start, landed = _begin(stamps, min(r["t_submit"] for r in data.values()), t0)
         begin.append((start - t0) / 1e9)
-        end.append((t1 - max(r["t_done"] for r in data.values())) / 1e9)
-        samples += _samples(data, start, order, kinds, info, batch, work or {})
+        fence.append((landed - start) / 1e9)
+        last = max(r["t_done"] for r in data.values())
+        if direct and len(stamps) > 1 and stamps[-1].get("t_ready"):
+            last = max(last, stamps[-1]["t_ready"])
+            # the direct kernels ran from the wait for the engine's earlier writes to the end stamps' event
+            before = [data[t]["t_done"] for t in prog[:first_direct] if t in data]
+            windows[i] = (max(before + [landed]), stamps[-1]["t_ready"])
+        end.append((t1 - last) / 1e9)
+        samples += _samples(data, start, order, kinds, info, batch, work or {}, landed)
     if not samples:
         raise RuntimeError("hostfit: the pushes traced no task of this rank")
     ys = np.array([y for _, y in samples])
     coef = nnls([f for f, _ in samples], np.maximum(ys, 0.0))
-    out = {k: float(v) for k, v in zip(COLUMNS, coef)}
+    out: dict = {k: float(v) for k, v in zip(COLUMNS, coef)}
+    if not direct:
+        out.pop("host_direct_task_s")
     out.update(
         push_begin_s=float(np.median(begin)),
+        begin_fence_s=float(np.median(fence)),
         push_end_s=float(np.median(end)),
         host_samples=len(samples),
         host_batches=int(sum(1 for f, _ in samples if f[4])),
@@ -180,8 +287,20 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
     recs = [r for _, _, rs in pushes for r in rs]
     rate, per, n = write_path(recs)
     out.update(trace_write_GBps=None if rate is None else rate / 1e9, trace_write_call_s=per)
+    ps = _periods(recs)
+    if ps:  # the rate the writes moved at over their busy periods (a check beside the link's bound)
+        out["trace_busy_GBps"] = sum(b for _, b, _ in ps) / max(sum(t for t, _, _ in ps), 1e-12) / 1e9
     if write_GBps:
-        out["write_call_s"], out["write_samples"] = write_cost(recs, write_GBps)
+        if _posted(recs):  # the engine's posting stamps: the posting gap, and the time beyond the link's
+            out["write_call_s"], out["write_samples"] = post_cost(recs)
+            extra, writes = 0.0, 0
+            for i, (_, _, rs) in enumerate(pushes):
+                p, k = write_extra(rs, write_GBps, windows.get(i))
+                extra += p * k
+                writes += k
+            out["write_dev_s"] = extra / max(writes, 1)
+        else:
+            out["write_call_s"], out["write_samples"] = write_cost(recs, write_GBps)
     return out
 
 

@@ -395,17 +395,20 @@ def task_prep(op: TaskOp, device) -> TaskPrep:
     return prep
 
 
-def kind_of(prep: TaskPrep, op: TaskOp) -> str:
+def kind_of(prep: TaskPrep, op: TaskOp, direct: bool = False) -> str:
     """What this rank does for task `op` (wxfer.plan.kinds): "collective_only" (sends nothing),
     "zero_copy" (the parameter's own memory), "staged" (written from fresh memory as it is: an
     offloaded source after its H2D, or a gathered source whose one shard is all of it, see
-    _whole), else "packed"."""
+    _whole), else "packed"; direct: the Sender writes this task straight into the receivers'
+    memory when it is not the parameter's own bytes (wxfer.runtime.direct): "direct" then."""
     if not op.sends:
         return "collective_only"
     if prep.zero_copy:
         return "zero_copy"
     if prep.direct is not None:
         return "staged"
+    if direct:
+        return "direct"
     if len(op.sources) == 1 and len(op.shards) == 1 and not prep.whole:
         sh, p = op.shards[0], op.sources[0][1]
         pc = sh.pieces[0] if sh.kind == "raw" and len(sh.pieces) == 1 else None

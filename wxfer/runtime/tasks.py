@@ -106,13 +106,20 @@ class TaskMixin:
 
     def task_kinds(self) -> dict:
         """{plan task: kind} of this rank's tasks, as it runs them (wxfer.plan.kinds: zero_copy,
-        staged, packed, collective_only), for the simulator (``simulate(..., kinds=...)``).
-        Decided at setup; a zero-copy task whose memory moved is decided again at a push."""
+        staged, packed, direct, collective_only), for the simulator (``simulate(...,
+        kinds=...)``).  Decided at setup; a zero-copy task whose memory moved is decided again
+        at a push; a packed task is direct when this Sender can write it straight into the
+        receivers (direct.py: cuda_ipc, its layout's pieces inside the mapped destinations;
+        not with verify on, which sends every task the staging way)."""
         out = {}
+        off = self._direct_off() or ("verify" if getattr(self, "_verify", False) else None)
         for ops in self.program.groups:
             for op in ops:
                 prep = op.prep if op.prep is not None else prepare.task_prep(op, self.device)
-                out[op.task] = prepare.kind_of(prep, op)
+                k = prepare.kind_of(prep, op)
+                if k in ("packed", "staged") and prep.direct is None and off is None:
+                    k = prepare.kind_of(prep, op, direct=self._direct_plan(op)[0] is not None)
+                out[op.task] = k
         return out
 
     def _checksum(self, op, buf, dests) -> None:

@@ -1,0 +1,246 @@
+"""The simulator against a benchmark run, offline (issue 15): per row of bench_baselines'
+results.json, the trainers' plan rebuilt from the configuration, each task's kind as the
+runtime decides it, the calibration of that run, and the simulated push beside the
+measured median.
+
+    python benchmarks/sim_check.py /work/notes/gpu4/b5/*/results.json
+    python benchmarks/sim_check.py --json DIR/results.json      # one JSON object per row
+
+The calibration of a row: the one the benchmark measured in its own run (``simulated_
+calibration``: the quantizer, copy and link rates measured in-process, the host and per-push
+costs fitted on the Sender's own trace) when it was made by this fit (it has
+``begin_fence_s``); for a run made before, the same fit (wxfer.runtime.hostfit.fit) is run
+here on the row's trace file (``trace-<config>.json``, the engine trace of the last timed
+step, one push), its push() call and return placed by the step's phases (begin_stamps: when
+the begin stamps were submitted; done: when push() returned), and the run's measured rates
+kept.  The measured push is printed beside the simulation, never fed into it.
+
+Needs torch and transformers (CPU) to rebuild the models' parameter shapes (meta device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+if os.path.dirname(HERE) not in sys.path:
+    sys.path.insert(0, os.path.dirname(HERE))
+
+STAMP_TAG = 1 << 62
+BASE_NS = 10**12  # the trace's origin (its first submission) on a made-up clock
+
+
+def train_meta(cfg: dict, conf: dict, preset) -> list:
+    """The trainer's parameter metadata as its Sender publishes it (one rank): the preset's
+    Hugging Face names for the plain trainer, transformers' own class (meta device) for FSDP2."""
+    from wxfer.meta import TrainParam
+
+    if cfg.get("trainer", "plain") == "plain":
+        return [TrainParam(n, tuple(s), dt, ((0,),), ()) for n, (s, dt, _) in preset.hf_params(conf).items()]
+    import torch
+
+    import bb_fsdp
+
+    cls, hc = bb_fsdp.hf_class(conf)
+    with torch.device("meta"):
+        m = cls(hc)
+    return [TrainParam(n, tuple(p.shape), "bfloat16", ((0,),), ("Shard(dim=0)",)) for n, p in m.named_parameters()]
+
+
+def row_plan(cfg: dict, watermark: int):
+    """(plan, training metadata) of a benchmark row: one trainer rank, one receiver."""
+    import bench_baselines as bb
+    from wxfer.meta import from_inference_worker
+    from wxfer.plan import build_plan
+    from wxfer.runtime.sender import task_bound
+
+    conf, preset = bb.model_spec(cfg["model"])
+    quant = "fp8" if cfg["quant"] == "fp8" else None
+    ex = bb.expanded(preset, conf, quant)
+    train = train_meta(cfg, conf, preset)
+    worker = from_inference_worker(list(ex.dest[0].items()), 0, 0, 1, False, None, 0)
+    return build_plan(train, [worker], preset, quant=quant, max_task_bytes=task_bound(watermark)), train
+
+
+def chrome_records(path: str, nwrites: dict) -> list:
+    """Engine trace records (ns on BASE_NS's clock) from a Chrome trace (wxfer.runtime.trace):
+    one record per task and stage spans, a tag seen again (the end stamps) a new record."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    out, cur = [], {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        tag, stage = int(e["name"].split()[1]), e["cat"]
+        r = cur.get(tag)
+        if r is None or stage in r["_seen"] or (stage == "prepare" and r["_seen"]):
+            r = dict(
+                tag=tag, bytes=e["args"]["bytes"], held=e["args"]["held"], nwrites=nwrites.get(tag, 1), _seen=set()
+            )
+            r.update(t_submit=0, t_admit=0, t_ready=0, t_post_first=0, t_post_last=0, t_done=0)
+            cur[tag] = r
+            out.append(r)
+        r["_seen"].add(stage)
+        lo = BASE_NS + int(round(e["ts"] * 1e3))
+        hi = lo + int(round(e["dur"] * 1e3))
+        if stage == "admit":
+            r["t_submit"], r["t_admit"] = lo, hi
+        elif stage == "prepare":
+            r["t_admit"], r["t_submit"] = lo, hi
+        elif stage == "ready":
+            r["t_ready"] = hi
+        elif stage == "post":
+            r["t_post_last"] = hi
+        elif stage == "write":
+            r["t_post_first"], r["t_done"] = lo, hi
+    for r in out:
+        del r["_seen"]
+        if not r["t_ready"]:
+            r["t_ready"] = max(r["t_admit"], r["t_submit"])
+    return out
+
+
+def refit(plan, kinds: dict, trace: str, phases: dict, write_GBps: float) -> dict:
+    """hostfit.fit on the row's one traced push (see the module's docstring)."""
+    import numpy as np
+    from wxfer.runtime import hostfit
+
+    sel = plan.sender == 0
+    nw = {int(t): int(n) for t, n in enumerate(np.bincount(plan.task[sel], minlength=len(plan.tasks))) if n}
+    recs = chrome_records(trace, nw)
+    t0 = BASE_NS - int(round(phases["begin_stamps"] * 1e9))
+    t1 = t0 + int(round(phases["done"] * 1e9))
+    order = [[t for t, _ in g] for g in plan.rank_schedule(0)]
+    info = {t.id: (len(t.sources), sum(len(sh.pieces) for sh in t.shards if sh.kind != "scale")) for t in plan.tasks}
+    return hostfit.fit([(t0, t1, recs)], order, kinds, info, write_GBps=write_GBps)
+
+
+def check_row(res: dict, trace_dir: str) -> dict | None:
+    """The simulation of the first watermark of one results row, or None (no simulation)."""
+    from dataclasses import fields
+
+    from wxfer.meta import Calibration
+    from wxfer.plan.calibrate import from_dict, run
+    from wxfer.plan.kinds import task_kinds
+
+    import bench_baselines as bb
+
+    cfg = res["config"]
+    byw = res.get("wxfer_by_watermark") or {}
+    wm, w = next(((k, v) for k, v in byw.items() if "simulated_calibration" in v), (None, None))
+    if w is None:
+        return None
+    plan, train = row_plan(cfg, int(wm))
+    rec = w["simulated_calibration"]
+    offload = "offload" in cfg.get("trainer", "")
+    on_gpu = rec.get("device_shared", False)  # colocated on one GPU: cuda_ipc, direct when on
+    direct = on_gpu and (w.get("direct") or {}).get("enabled", False)
+    kinds = task_kinds(plan, train, offload, direct)
+    got = dict(Counter(kinds.values()))
+    want = dict(w.get("simulated_kinds") or {})
+    if "direct" not in want and (w.get("direct") or {}).get("tasks"):  # a run before Sender.task_kinds() said so
+        n = w["direct"]["tasks"]
+        want["packed"] = want.get("packed", 0) - n
+        want = {k: v for k, v in want.items() if v} | {"direct": n}
+    if "begin_fence_s" in rec:
+        cal, source = from_dict(rec), "recorded"
+    else:
+        trace = os.path.join(trace_dir, "trace-%s.json" % bb._cfg_name(cfg))
+        fit = refit(plan, kinds, trace, w["phases"], rec["write_GBps"])
+        keep = {f.name for f in fields(Calibration)}
+        kw = {k: v for k, v in rec.items() if k in keep}
+        kw.update({k: v for k, v in fit.items() if k in keep})
+        cal, source = Calibration(**kw), "refit on the trace"
+    r = run(plan, cal, kinds=kinds, cpu_offload=offload, watermark_bytes=int(wm))
+    return dict(
+        config=bb._cfg_name(cfg),
+        measured_s=w["seconds"],
+        simulated_s=r.simulated_s,
+        ratio=r.simulated_s / w["seconds"],
+        recorded_simulated_s=w.get("simulated_s"),
+        bound_by=r.bound_by,
+        terms=r.terms,
+        kinds=got,
+        kinds_reported=want,
+        kinds_agree=got == want,
+        calibration=source,
+        figures={
+            k: getattr(cal, k)
+            for k in (
+                "push_begin_s",
+                "begin_fence_s",
+                "push_end_s",
+                "host_zc_task_s",
+                "host_direct_task_s",
+                "write_call_s",
+                "write_dev_s",
+                "quant_GBps",
+                "write_GBps",
+            )
+        },
+    )
+
+
+def _table(rows: list) -> str:
+    lines = [
+        "| configuration | push ms | simulated ms | sim / push | recorded sim ms | bound by | host | kernel | "
+        "write | post | stamps | H2D | kinds (as reported?) | calibration |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r["terms"]
+        ms = lambda v: "%.2f" % (v * 1e3) if v is not None else ""  # noqa: E731
+        kinds = ", ".join("%d %s" % (n, k) for k, n in sorted(r["kinds"].items()))
+        lines.append(
+            "| %s | %s | %s | %.2f | %s | %s | %s | %s | %s | %s | %s | %s | %s (%s) | %s |"
+            % (
+                r["config"],
+                ms(r["measured_s"]),
+                ms(r["simulated_s"]),
+                r["ratio"],
+                ms(r["recorded_simulated_s"]),
+                r["bound_by"],
+                ms(t["host_s"]),
+                ms(t["kernel_s"]),
+                ms(t["write_s"]),
+                ms(t.get("post_s")),
+                ms(t["stamps_s"]),
+                ms(t["h2d_s"]),
+                kinds,
+                "yes" if r["kinds_agree"] else "no: %s" % r["kinds_reported"],
+                r["calibration"],
+            )
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="bench_baselines results.json files")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of the table")
+    ap.add_argument("--within", type=float, default=0.15, help="exit 1 when a row is off by more (default 0.15)")
+    a = ap.parse_args(argv)
+    rows = []
+    for path in a.results:
+        with open(path) as f:
+            d = json.load(f)
+        for res in d.get("results", []):
+            r = check_row(res, os.path.dirname(os.path.abspath(path)))
+            if r is not None:
+                rows.append(r)
+                if a.json:
+                    print(json.dumps(r))
+    if not a.json:
+        print(_table(rows))
+    off = [r for r in rows if abs(r["ratio"] - 1) > a.within]
+    return 1 if off else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

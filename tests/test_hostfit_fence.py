@@ -1,0 +1,77 @@
+"""The per-push fit (wxfer.runtime.hostfit) on a trace as today's runtime makes it: the begin
+stamps an engine fence (the host goes on at once, no data write posted before they landed),
+direct tasks without a record (the push's first waits for the engine's earlier writes; the end
+stamps wait for their kernels), the engine's posting stamps per task."""
+
+import pytest
+
+from wxfer.runtime.hostfit import STAMP_TAG, fit, post_cost, write_extra
+
+US = 1000  # ns
+
+
+def _rec(tag, sub, post, done, nbytes=1 << 20, nwrites=1, ready=None):
+    return dict(
+        tag=tag,
+        t_submit=sub,
+        t_admit=sub,
+        t_ready=sub if ready is None else ready,
+        t_post_first=post,
+        t_post_last=post + 2 * US,
+        t_done=done,
+        bytes=nbytes,
+        nwrites=nwrites,
+        held=0,
+    )
+
+
+def test_the_posting_gap_per_write_and_the_write_paths_time_beyond_the_link():
+    # four tasks ready at once, posted 10 us per write (the second has 3 writes), completing in order
+    recs = [
+        _rec(0, US, 100 * US, 300 * US),
+        _rec(1, US, 110 * US, 400 * US, nwrites=3),
+        _rec(2, US, 140 * US, 500 * US),
+        _rec(3, US, 150 * US, 600 * US),
+        _rec(4, 900 * US, 2000 * US, 2100 * US),  # ready after an idle gap: not a posting gap; its own period
+    ]
+    per, n = post_cost(recs)
+    assert n == 3 and per == pytest.approx(50e-6 / 5)  # 50 us over the 5 writes of tasks 0-2
+    # periods: [100, 600] us with 4 tasks in 6 writes, [2000, 2100] with 1; 10 us each at 0.1 GB/s
+    for r in recs:
+        r["bytes"] = 1000
+    got, w = write_extra(recs, 0.1)
+    assert w == 7 and got == pytest.approx(((500e-6 - 40e-6) + (100e-6 - 10e-6)) / 7)
+    got, w = write_extra(recs, 0.1, outside=(1500 * US, 3000 * US))  # the second overlaps it: left out
+    assert w == 6 and got == pytest.approx(460e-6 / 6)
+    assert write_extra(recs, 1e-6)[0] == 0.0  # a slower link explains it all
+
+
+def test_fence_stamps_direct_tasks_and_their_wait_are_fitted_back():
+    zc, dh, t0 = 5 * US, 40 * US, 10**9
+    order = [list(range(10))]
+    kinds = {t: ("direct" if 3 <= t < 7 else "zero_copy") for t in range(10)}
+    info = {t: (1, 1) for t in range(10)}
+    begin = _rec(STAMP_TAG, t0 + 300 * US, t0 + 350 * US, t0 + 800 * US, 8)
+    # zero copy 0-2 submitted from t0 + 300 us (one batch), written by t0 + 2 ms
+    recs = [begin]
+    h = t0 + 300 * US
+    for t in range(3):
+        h += zc
+        recs.append(_rec(t, h, t0 + 800 * US + t * 10 * US, t0 + 1000 * US + t * 500 * US))
+    # the first direct task waits until they landed (t0 + 2 ms), then 4 direct tasks' host work
+    h = t0 + 2000 * US + 4 * dh
+    for t in range(7, 10):
+        h += zc
+        recs.append(_rec(t, h, h + 20 * US, h + 100 * US))
+    end = _rec(STAMP_TAG, h + 10 * US, t0 + 9000 * US, t0 + 9100 * US, 8, ready=t0 + 8900 * US)
+    recs.append(end)
+    t1 = t0 + 9200 * US
+    f = fit([(t0, t1, recs)], order, kinds, info, batch=2, write_GBps=1000.0)  # batches of 2: 4 samples
+    assert f["push_begin_s"] == pytest.approx(300e-6) and f["begin_fence_s"] == pytest.approx(500e-6)
+    assert f["host_zc_task_s"] == pytest.approx(5e-6, rel=1e-3)
+    assert f["host_direct_task_s"] == pytest.approx(40e-6, rel=1e-3)  # the wait is not host work
+    assert f["push_end_s"] == pytest.approx(300e-6)  # from the end stamps' event (the last kernel) on
+    # without direct tasks the column is not fitted and the end is from the last write
+    kz = {t: "zero_copy" for t in range(10)}
+    g = fit([(t0, t1, [r for r in recs if r["tag"] not in range(3, 7)])], order, kz, info)
+    assert "host_direct_task_s" not in g and g["push_end_s"] > 300e-6

@@ -1,0 +1,86 @@
+"""benchmarks/sim_check.py: the engine records read back from a Chrome trace as the runtime
+writes it (wxfer.runtime.trace), and a benchmark row's plan rebuilt from its configuration."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+STAMP = 1 << 62
+
+
+def test_records_come_back_from_the_chrome_trace(tmp_path):
+    import sim_check
+    from wxfer.runtime.trace import write_chrome
+
+    t = 5_000_000
+    recs = [
+        dict(
+            tag=STAMP,
+            t_submit=t,
+            t_admit=t + 1000,
+            t_ready=t + 2000,
+            t_post_first=t + 3000,
+            t_post_last=t + 3500,
+            t_done=t + 9000,
+            bytes=8,
+            held=8,
+            status=0,
+        ),
+        dict(
+            tag=0,
+            t_submit=t + 4000,
+            t_admit=t + 4100,
+            t_ready=t + 5000,
+            t_post_first=t + 9100,
+            t_post_last=t + 9800,
+            t_done=t + 20000,
+            bytes=4096,
+            held=0,
+            status=0,
+        ),
+        # reserved before it was prepared: admitted first
+        dict(
+            tag=1,
+            t_submit=t + 8000,
+            t_admit=t + 6000,
+            t_ready=t + 9000,
+            t_post_first=t + 9900,
+            t_post_last=t + 9950,
+            t_done=t + 21000,
+            bytes=64,
+            held=64,
+            status=0,
+        ),
+        dict(
+            tag=STAMP,
+            t_submit=t + 21000,
+            t_admit=t + 21100,
+            t_ready=t + 30000,
+            t_post_first=t + 30100,
+            t_post_last=t + 30200,
+            t_done=t + 31000,
+            bytes=8,
+            held=8,
+            status=0,
+        ),
+    ]
+    p = tmp_path / "trace.json"
+    write_chrome(recs, str(p))
+    got = sim_check.chrome_records(str(p), {0: 3})
+    assert [r["tag"] for r in got] == [STAMP, 0, 1, STAMP]  # the end stamps a record of their own
+    keys = ("t_submit", "t_admit", "t_ready", "t_post_first", "t_post_last", "t_done", "bytes", "held")
+    for a, b in zip(recs, got):
+        assert {k: b[k] - (sim_check.BASE_NS - t if k.startswith("t_") else 0) for k in keys} == {k: a[k] for k in keys}
+    assert got[1]["nwrites"] == 3 and got[2]["nwrites"] == 1
+
+
+def test_a_rows_plan_is_the_senders():
+    import sim_check
+
+    # the counts the H200 Senders reported for these rows (2026-12-01): tasks and zero copy
+    plan, train = sim_check.row_plan(dict(model="qwen3-8b", quant="fp8", layout="colocated", trainer="plain"), 2 << 30)
+    assert len(plan.tasks) == 183
+    plan, _ = sim_check.row_plan(dict(model="qwen3-8b", quant="fp8", layout="colocated", trainer="plain"), 256 << 20)
+    assert len(plan.tasks) == 255
