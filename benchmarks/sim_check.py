@@ -121,34 +121,76 @@ def refit(plan, kinds: dict, trace: str, phases: dict, write_GBps: float) -> dic
     return hostfit.fit([(t0, t1, recs)], order, kinds, info, write_GBps=write_GBps)
 
 
-def check_row(res: dict, trace_dir: str) -> dict | None:
-    """The simulation of the first watermark of one results row, or None (no simulation)."""
+def _reported(w: dict) -> dict:
+    """The kinds the Sender reported (simulated_kinds), or, for a run whose simulation failed or
+    predates Sender.task_kinds(), what its counters say (tasks, zero_copy_tasks, direct)."""
+    d = w.get("direct") or {}
+    want = dict(w.get("simulated_kinds") or {})
+    if not want:  # counted: copies are zero-copy tasks, direct ones packed tasks
+        zc, n = int(w.get("zero_copy_tasks") or 0), int(w.get("tasks") or 0)
+        want = {"zero_copy": zc - d.get("copies", 0), "copy": d.get("copies", 0), "packed": n - zc}
+    if "direct" not in want and d.get("tasks"):  # a run before Sender.task_kinds() said so
+        want["packed"] = want.get("packed", 0) - d["tasks"]
+        want["direct"] = d["tasks"]
+    return {k: v for k, v in want.items() if v}
+
+
+def _rates(res: dict, w: dict, kernels) -> tuple:
+    """(the row's recorded calibration, where its figures come from): the one its run recorded,
+    else (its simulation failed) the link rate its run measured (methods.link, what bb_fsdp
+    gives the simulator) with the kernels' figures of `kernels` (a Calibration: the run's were
+    not recorded), colocated rows sharing the GPU."""
+    from dataclasses import asdict
+
+    rec = w.get("simulated_calibration")
+    if rec is not None:
+        return rec, None
+    if kernels is None:
+        return None, None
+    cfg = res["config"]
+    link = (res.get("methods") or {}).get("link") or {}
+    if not link.get("gbps"):
+        return None, None
+    rec = dict(asdict(kernels), write_GBps=link["gbps"], serial=True, device_shared=cfg.get("layout") == "colocated")
+    h2d = ((res.get("methods") or {}).get("h2d") or {}).get("gbps")
+    if "offload" in cfg.get("trainer", "") and h2d:
+        rec["h2d_GBps"] = h2d
+    return rec, "kernels: %s (not recorded)" % kernels.name
+
+
+def check_row(res: dict, trace_dir: str, kernels=None) -> dict | None:
+    """The simulation of the first watermark of one results row, or None (no simulation).
+    kernels: the kernels' figures for a row whose run recorded no calibration (its simulation
+    failed; see _rates)."""
     from dataclasses import fields
 
     from wxfer.meta import Calibration
     from wxfer.plan.calibrate import from_dict, run
-    from wxfer.plan.kinds import task_kinds
+    from wxfer.plan.kinds import COPY_MAX, task_kinds
 
     import bench_baselines as bb
 
     cfg = res["config"]
     byw = res.get("wxfer_by_watermark") or {}
-    wm, w = next(((k, v) for k, v in byw.items() if "simulated_calibration" in v), (None, None))
+    wm, w = next(
+        ((k, v) for k, v in byw.items() if "simulated_calibration" in v or "simulated_error" in v), (None, None)
+    )
     if w is None:
         return None
+    rec, rates = _rates(res, w, kernels)
+    if rec is None:
+        return None
     plan, train = row_plan(cfg, int(wm))
-    rec = w["simulated_calibration"]
     offload = "offload" in cfg.get("trainer", "")
     on_gpu = rec.get("device_shared", False)  # colocated on one GPU: cuda_ipc, direct when on
-    direct = on_gpu and (w.get("direct") or {}).get("enabled", False)
-    kinds = task_kinds(plan, train, offload, direct)
+    d = w.get("direct") or {}
+    direct = on_gpu and d.get("enabled", False)
+    # the small copies: a runtime that counts them ("copies") has them (copy_max() default: the
+    # run's environment did not set WXFER_DIRECT_COPY_MAX); before that, none
+    kinds = task_kinds(plan, train, offload, direct, COPY_MAX if "copies" in d else 0)
     got = dict(Counter(kinds.values()))
-    want = dict(w.get("simulated_kinds") or {})
-    if "direct" not in want and (w.get("direct") or {}).get("tasks"):  # a run before Sender.task_kinds() said so
-        n = w["direct"]["tasks"]
-        want["packed"] = want.get("packed", 0) - n
-        want = {k: v for k, v in want.items() if v} | {"direct": n}
-    if "begin_fence_s" in rec:
+    want = _reported(w)
+    if "begin_fence_s" in rec and rates is None:  # the fit of this model, made in the run
         cal, source = from_dict(rec), "recorded"
     else:
         trace = os.path.join(trace_dir, "trace-%s.json" % bb._cfg_name(cfg))
@@ -156,7 +198,7 @@ def check_row(res: dict, trace_dir: str) -> dict | None:
         keep = {f.name for f in fields(Calibration)}
         kw = {k: v for k, v in rec.items() if k in keep}
         kw.update({k: v for k, v in fit.items() if k in keep})
-        cal, source = Calibration(**kw), "refit on the trace"
+        cal, source = Calibration(**kw), "refit on the trace" + ("; " + rates if rates else "")
     r = run(plan, cal, kinds=kinds, cpu_offload=offload, watermark_bytes=int(wm))
     return dict(
         config=bb._cfg_name(cfg),
@@ -178,6 +220,7 @@ def check_row(res: dict, trace_dir: str) -> dict | None:
                 "push_end_s",
                 "host_zc_task_s",
                 "host_direct_task_s",
+                "host_copy_task_s",
                 "write_call_s",
                 "write_dev_s",
                 "quant_GBps",
@@ -225,13 +268,23 @@ def main(argv=None) -> int:
     ap.add_argument("results", nargs="+", help="bench_baselines results.json files")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row instead of the table")
     ap.add_argument("--within", type=float, default=0.15, help="exit 1 when a row is off by more (default 0.15)")
+    ap.add_argument(
+        "--kernels",
+        default="h200-kernels",
+        help="for a row whose run recorded no calibration (its simulation failed): the kernels' figures "
+        "from this calibration (a name of wxfer.plan.calibrate.CALIBRATIONS or a JSON file; default "
+        "h200-kernels, measured on one H200 by bench_baselines); 'none': skip such rows",
+    )
     a = ap.parse_args(argv)
+    from wxfer.plan.calibrate import get
+
+    kernels = None if a.kernels == "none" else get(a.kernels)
     rows = []
     for path in a.results:
         with open(path) as f:
             d = json.load(f)
         for res in d.get("results", []):
-            r = check_row(res, os.path.dirname(os.path.abspath(path)))
+            r = check_row(res, os.path.dirname(os.path.abspath(path)), kernels)
             if r is not None:
                 rows.append(r)
                 if a.json:

@@ -18,7 +18,7 @@ FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5, pcie_GBps=1e4)
 ZERO = dict(host_param_s=0.0, host_zc_task_s=0.0, pack_launch_s=0.0, launch_per_piece=False)
 
 
-def _one(cal=None, write_GBps=1e5, preset="qwen3-8b", quant="fp8"):
+def _one(cal=None, write_GBps=1e5, preset="qwen3-8b", quant="fp8", copy_max=0):
     c = Cluster(
         train_gpus=1,
         infer_gpus=1,
@@ -33,7 +33,7 @@ def _one(cal=None, write_GBps=1e5, preset="qwen3-8b", quant="fp8"):
     )
     s = synthesize(preset, c)
     plan = build_plan(s.train, s.workers, s.preset, quant=quant, expanded=s.expanded)
-    return c, plan, task_kinds(plan, s.train, direct=True)
+    return c, plan, task_kinds(plan, s.train, direct=True, copy_max=copy_max)
 
 
 def _spans(r, stage):

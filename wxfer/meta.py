@@ -93,6 +93,11 @@ class Calibration:
     # issued straight into the receivers' memory; no reservation, no submission); None: a packed task's
     # (host_s).  Fitted per push on the Sender's trace (wxfer.runtime.hostfit); no default measured
     host_direct_task_s: float | None = None
+    # host work of a copy task (wxfer.runtime.direct._direct_copy: a small zero-copy task's ranges queued
+    # for a batched torch._foreach_copy_ into the receivers' memory, the launches every COPY_BATCH ranges
+    # and at the mesh group's end included); None: host_zc_task_s.  Fitted per push on the Sender's trace
+    # (wxfer.runtime.hostfit: copy tasks have no record, their time is in the next record's gap)
+    host_copy_task_s: float | None = None
     # fuse / quantize / pack: per launch (one per packed piece) + bytes (full tensors read + buffer written) / rate
     pack_launch_s: float = 90e-6  # one H200 (issue 13): 128 experts, one reference quantize each: 15 ms,
     #                                        of which 128 x 4.7 MB at 170 GB/s is 3.5 ms -> ~90 us per piece

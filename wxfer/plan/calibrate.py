@@ -49,6 +49,19 @@ CALIBRATIONS: dict[str, Calibration] = {
         launch_per_piece=False,
         source="one H200, issue 13: native one-pass FP8 kernel, today's host costs",
     ),
+    # the kernels as bench_baselines measured them in-process (wxfer.tools.calibrate.measure_kernels) on one
+    # H200, 2026-12-01 11:44 UTC (the FSDP2 rows' process): v6 FP8 kernel 3145 GB/s dense, 3305 GB/s on
+    # small pieces, 4.59 us per launch, on-device copy 3713 GB/s (read + write).  For a run of that machine
+    # whose own figures were not recorded (benchmarks/sim_check.py --kernels); host costs: fit them
+    "h200-kernels": Calibration(
+        name="h200-kernels",
+        quant_GBps=3145.4,
+        quant_small_GBps=3304.6,
+        copy_GBps=3713.0,
+        pack_launch_s=4.59e-6,
+        launch_per_piece=False,
+        source="one H200, bench_baselines 2026-12-01 11:44 UTC: the kernels measured in-process",
+    ),
 }
 
 

@@ -19,6 +19,12 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
                    and its kernel (sources read + packed bytes written at the quantizer's or the
                    copy rate); the push's first one waits until the engine's writes so far landed
   collective_only  the rank takes part in the task's collective but sends nothing
+  copy             a zero-copy task of fewer bytes than ``COPY_MAX`` (wxfer.runtime.direct.copy_max)
+                   where direct is possible: not an engine write; its destination ranges are
+                   copied straight into the receivers' mapped memory by batched copy kernels
+                   (``torch._foreach_copy_``, up to ``COPY_BATCH`` ranges per launch) on the side
+                   stream, in order with the direct kernels; no trace record, no posting, no
+                   watermark; the push's first direct or copy task waits for the engine's work so far
 
 ``task_kinds(plan, params)`` decides from the plan and the trainers' parameter metadata
 (shape and dtype per name) what the runtime decides per task on each rank (the same rules
@@ -28,8 +34,10 @@ what it decided (``Sender.task_kinds()``), which takes precedence.  Pure Python.
 
 from __future__ import annotations
 
-KINDS = ("zero_copy", "staged", "packed", "direct", "collective_only")
+KINDS = ("zero_copy", "staged", "packed", "direct", "collective_only", "copy")
 ZERO_COPY_BATCH = 32  # = wxfer.runtime.sender.FAST_BATCH (a test holds them equal)
+COPY_MAX = 32 << 20  # = wxfer.runtime.direct.copy_max()'s default ($WXFER_DIRECT_COPY_MAX unset)
+COPY_BATCH = 128  # = wxfer.runtime.direct.COPY_BATCH: queued ranges per batched copy launch
 
 
 def _shape_dtype(p):
@@ -79,48 +87,87 @@ def _all_of_it(shards, shape, dtype) -> bool:
     return pc.r0 == 0 and pc.r1 == rows
 
 
-def task_kind(task, mesh_size: int, params, cpu_offload: bool = False, direct: bool = False) -> str:
+def task_kind(
+    task,
+    mesh_size: int,
+    params,
+    cpu_offload: bool = False,
+    direct: bool = False,
+    nbytes: int | None = None,
+    copy_max: int = COPY_MAX,
+) -> str:
     """The kind of `task` on a rank that sends its shards (see the module's docstring).
     params: training name -> (shape, dtype) (a TrainParam, a dict or a pair); None: packed
     (direct: direct).  direct: the Sender writes packed tasks straight into the receivers
     (cuda_ipc, every receiver on the writer's GPU): a task that is not the parameter's own
-    bytes (zero copy, or staged after its H2D) is direct."""
+    bytes (zero copy, or staged after its H2D) is direct, and a zero-copy task of fewer
+    than `copy_max` bytes (`nbytes`: its packed bytes on the rank; None: not known, zero
+    copy) is copy (wxfer.runtime.direct._direct_copy)."""
     other = "direct" if direct else "packed"
     if params is None or len(task.sources) != 1 or task.sources[0] not in params:
         return other
     shape, dtype = _shape_dtype(params[task.sources[0]])
     if mesh_size == 1 and _whole_rows(task.shards, shape, dtype):
-        return "staged" if cpu_offload else "zero_copy"
+        if cpu_offload:
+            return "staged"
+        small = nbytes is not None and nbytes < copy_max
+        return "copy" if direct and small else "zero_copy"
     if _all_of_it(task.shards, shape, dtype):
         return other if direct else "staged"
     return other
 
 
-def task_kinds(plan, params=None, cpu_offload: bool = False, direct: bool = False) -> dict:
+def packed_bytes(plan) -> list:
+    """Per task: the bytes of the packed buffer its (first) sending rank makes (its transfers'
+    end offsets; = wxfer.runtime.program.TaskOp.nbytes), 0 where it has no transfer."""
+    out = [0] * len(plan.tasks)
+    for t, o, n in zip(plan.task.tolist(), plan.src_offset.tolist(), plan.nbytes.tolist()):
+        out[t] = max(out[t], int(o) + int(n))
+    return out
+
+
+def task_kinds(plan, params=None, cpu_offload: bool = False, direct: bool = False, copy_max: int = COPY_MAX) -> dict:
     """{task id: kind} on the ranks that send it.  params: the trainers' parameters by name
     (TrainParam objects, a {name: TrainParam} dict, or {name: (shape, dtype)}); None: every
-    task packed (the simulator's model before the runtime had zero-copy tasks); direct: see
-    task_kind (the runtime's own test, wxfer.runtime.direct.decompose, can still send a task
-    the staging way: a Sender's task_kinds() says what it did)."""
+    task packed (the simulator's model before the runtime had zero-copy tasks); direct and
+    copy_max (the Sender's copy_max(), 0: no copies): see task_kind (the runtime's own tests,
+    wxfer.runtime.direct.decompose and Transport.map, can still send a task the staging or
+    the engine's way: a Sender's task_kinds() says what it did)."""
     if params is not None and not isinstance(params, dict):
         params = {p.name: p for p in params}
-    return {t.id: task_kind(t, len(plan.meshes[t.mesh]), params, cpu_offload, direct) for t in plan.tasks}
+    nb = packed_bytes(plan) if direct and copy_max > 0 else [None] * len(plan.tasks)
+    return {
+        t.id: task_kind(t, len(plan.meshes[t.mesh]), params, cpu_offload, direct, nb[t.id], copy_max)
+        for t in plan.tasks
+    }
+
+
+def batch_ends(kinds: list, size: int = ZERO_COPY_BATCH) -> dict:
+    """The Sender's zero-copy batches over one mesh group's tasks in order (``kinds``: the
+    kind of each): {index of the task after whose host work the batch is handed to the engine:
+    (its zero-copy tasks, index of its last one)}.  A batch is handed over at its `size`-th
+    zero-copy task, before a task of another kind, or at the group's end; copy tasks do not
+    cut it (the Sender queues their copies and goes on), so it can be handed over after some."""
+    out, n, last = {}, 0, None
+    size = max(1, int(size))
+    ks = list(kinds)
+    for i, k in enumerate(ks + [None]):
+        if k == "copy":
+            continue
+        if k == "zero_copy":
+            n, last = n + 1, i
+            if n == size:
+                out[i], n = (n, i), 0
+        elif n:
+            out[i - 1 if i < len(ks) else len(ks) - 1], n = (n, last), 0
+    return out
 
 
 def batches(kinds: list, size: int = ZERO_COPY_BATCH) -> list:
-    """The Sender's zero-copy batches over one mesh group's tasks in order (``kinds``: the
-    kind of each): [(first, count)] of consecutive zero-copy tasks, cut every `size` tasks
-    and at each task of another kind (the Sender submits the batch before it)."""
-    out, start = [], None
-    size = max(1, int(size))
-    for i, k in enumerate(list(kinds) + [None]):
-        if k == "zero_copy":
-            if start is None:
-                start = i
-            if i - start + 1 == size:
-                out.append((start, size))
-                start = None
-        elif start is not None:
-            out.append((start, i - start))
-            start = None
+    """batch_ends as [(first, count)]: the index of each batch's first task and its zero-copy
+    tasks (consecutive unless copy tasks lie between them)."""
+    out = []
+    for _, (n, last) in sorted(batch_ends(kinds, size).items()):
+        zs = [j for j in range(last + 1) if kinds[j] == "zero_copy"]
+        out.append((zs[-n], n))
     return out

@@ -71,6 +71,9 @@ class _Jobs:
     launches: np.ndarray | None = None  # [J] packing kernel launches (native kernel: merged raw pieces + 1 for FP8)
     fp8_piece_elems: np.ndarray | None = None  # [J] mean elements of its FP8 pieces (0: none)
     ewrites: np.ndarray | None = None  # [E] the entry's writes (transfers; 0 for a direct job's)
+    # [J] bytes and ranges of the job's transfers, whoever writes them (a copy job's batched copies)
+    xbytes: np.ndarray | None = None
+    xwrites: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -101,10 +104,13 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
     pieces, fp8, nwrites, launches, fp8_elems = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
     code = {k: i for i, k in enumerate(KINDS)}
     kind = np.array([code[(kinds or {}).get(int(t), "packed")] for t in jtask], np.int64)
-    if J and (kind == code["direct"]).any():  # its kernel writes the receivers' memory: no write left
-        keep = kind[ejob] != code["direct"]  # (its job has no entries: the stages end it, wxfer.plan.sim_stages)
+    xbytes = np.bincount(ejob, ebytes, J) if J else np.zeros(0)
+    xwrites = nwrites.copy()
+    own = (kind == code["direct"]) | (kind == code["copy"])  # written by the rank's kernels, not the engine
+    if J and own.any():  # no write left (its job has no entries: the stages end it, wxfer.plan.sim_stages)
+        keep = ~own[ejob]
         ejob, egpu, ebytes, ewrites = ejob[keep], egpu[keep], ebytes[keep], ewrites[keep]
-        nwrites = np.where(kind == code["direct"], 0, nwrites)
+        nwrites = np.where(own, 0, nwrites)
     return _Jobs(
         jrank,
         jtask,
@@ -125,6 +131,8 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
         launches,
         fp8_elems,
         ewrites,
+        xbytes,
+        xwrites,
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kinds import KINDS, batches
+from .kinds import COPY_BATCH, KINDS, batch_ends
 from .sim_net import _Jobs, _Network
 
 
@@ -33,6 +33,8 @@ class _StageModel:
         self.fence_s = float(getattr(cal, "begin_fence_s", 0.0))  # the begin stamps land: writes may post
         hd = getattr(cal, "host_direct_task_s", None)
         self.host_direct = None if hd is None else float(hd)
+        hc = getattr(cal, "host_copy_task_s", None)
+        self.host_copy = float(cal.host_zc_task_s if hc is None else hc)
 
     def h2d_s(self, task, k: int) -> float:
         """Copy this rank's 1/k of the task's sources over PCIe (one copy per source)."""
@@ -82,13 +84,19 @@ class _StageModel:
     def write_post_s(self, nwrites: int) -> float:
         return self.cal.write_call_s * nwrites
 
+    def copy_s(self, nbytes: float) -> float:
+        """One batched copy launch (torch._foreach_copy_ of up to COPY_BATCH ranges) on the side
+        stream: its per-launch cost (pack_launch_s, the kernels' measured launch cost) and the
+        ranges read and written (2 x bytes) at the on-device copy rate."""
+        return self.cal.pack_launch_s + 2.0 * nbytes / self.copy_bw
+
     def zc_host_s(self, last_of_batch: bool) -> float:
         """Host work of one zero-copy task (and of its submit_prepared call when it is the last
         of its batch)."""
         return self.cal.host_zc_task_s + (self.cal.host_zc_batch_s if last_of_batch else 0.0)
 
 
-_ZC, _STAGED, _PACKED, _DIRECT, _COLL = (KINDS.index(k) for k in KINDS)
+_ZC, _STAGED, _PACKED, _DIRECT, _COLL, _COPY = (KINDS.index(k) for k in KINDS)
 
 
 class _Meshes:
@@ -145,8 +153,10 @@ class _Meshes:
         self.open = list(range(len(plan.meshes)))
         self.act_time = np.full(jobs.n, np.inf)
         self.pending: list = []  # jobs packed later than now
-        self.zc_last = self._zc_batches()
+        self.zc_last, self.group_last = self._zc_batches()
         self.zc_open: list = [[] for _ in range(world)]  # zero-copy jobs of the rank's open batch
+        self.copy_open: list = [[] for _ in range(world)]  # copy jobs queued, not yet launched
+        self.copy_n = np.zeros(world, np.int64)  # their ranges
         self.stage_end = {"h2d": max(self.h2d_done.values(), default=0.0), "allgather": 0.0, "quant": 0.0, "write": 0.0}
 
     def _h2d(self) -> dict:
@@ -166,18 +176,24 @@ class _Meshes:
                             self.timeline.append(("h2d", r, ti, done[(r, ti)] - d, done[(r, ti)]))
         return done
 
-    def _zc_batches(self) -> set:
-        """The zero-copy jobs that end a batch (wxfer.plan.kinds.batches over each rank's tasks
-        of a mesh group, in the rank's order)."""
-        jb, out = self.jobs, set[int]()
-        if jb.job_of is None or not (self.kind == _ZC).any():
-            return out
-        for r in np.unique(jb.rank[self.kind == _ZC]).tolist():
+    def _zc_batches(self) -> tuple:
+        """(the zero-copy jobs that end a batch (wxfer.plan.kinds.batch_ends over each rank's
+        tasks of a mesh group, in the rank's order), the last job of each rank's mesh group
+        where it has copy jobs: its queued copies are launched after it)."""
+        jb, out, last = self.jobs, set[int](), set[int]()
+        sel = (self.kind == _ZC) | (self.kind == _COPY)
+        if jb.job_of is None or not sel.any():
+            return out, last
+        names = {_ZC: "zero_copy", _COPY: "copy"}
+        for r in np.unique(jb.rank[sel]).tolist():
             for g in self.plan.rank_schedule(r):
                 js = [jb.job_of.get((r, t)) for t, _ in g]
-                ks = ["zero_copy" if j is not None and self.kind[j] == _ZC else "other" for j in js]
-                out.update(js[a + n - 1] for a, n in batches(ks, self.model.zc_batch))
-        return out
+                ks = [names.get(int(self.kind[j]), "other") if j is not None else "other" for j in js]
+                out.update(js[i] for i in batch_ends(ks, self.model.zc_batch))  # (a copy job's, possibly)
+                own = [j for j in js if j is not None]
+                if "copy" in ks and own:
+                    last.add(own[-1])
+        return out, last
 
     def _kind(self, m: int, ti: int) -> int:
         """The kind (index into KINDS) of task ti on mesh m's first rank (collective only: none)."""
@@ -187,10 +203,11 @@ class _Meshes:
         return _COLL if j is None else int(self.kind[j])
 
     def _engine_idle(self, m: int, ti: int) -> float:
-        """When the ranks of mesh m may start task ti: 0, or for a rank's first direct task the
-        time its engine's earlier work landed (the Sender waits for it: the begin stamps, an
-        engine fence, order only the engine's writes); inf while some of it is still in flight."""
-        if self._kind(m, ti) != _DIRECT:
+        """When the ranks of mesh m may start task ti: 0, or for a rank's first direct or copy
+        task the time its engine's earlier work landed (the Sender waits for it: the begin
+        stamps, an engine fence, order only the engine's writes); inf while some of it is still
+        in flight."""
+        if self._kind(m, ti) not in (_DIRECT, _COPY):
             return 0.0
         ranks = [r for r in self.plan.meshes[m] if not self.waited[r]]
         if not ranks:
@@ -204,11 +221,11 @@ class _Meshes:
         if len(ranks) != 1 or self.jobs.job_of is None:
             return False
         j = self.jobs.job_of.get((ranks[0], ti))
-        return j is not None and self.kind[j] == _ZC
+        return j is not None and self.kind[j] in (_ZC, _COPY)  # host time only here
 
     def _held(self, r: int, ti: int) -> float:
         j = self.jobs.job_of.get((r, ti)) if self.jobs.job_of is not None else None
-        if j is None or self.kind[j] in (_ZC, _DIRECT):
+        if j is None or self.kind[j] in (_ZC, _DIRECT, _COPY):
             return 0.0
         return float(self.jobs.packed[j])
 
@@ -238,8 +255,8 @@ class _Meshes:
         ti = self.plan.mesh_tasks[m][self.ptr[m]]
         s = max(self.busy[m], self.release[self.group_of_mesh[m]])
         ranks = self.plan.meshes[m]
-        if self._zero_copy(m, ti):  # no device work: when the host gets to it
-            return max(s, self.host_free[ranks[0]])
+        if self._zero_copy(m, ti):  # no device work: when the host gets to it (a copy: the engine's wait)
+            return max(s, self.host_free[ranks[0]], self._engine_idle(m, ti))
         if self.h2d_stream:
             s = max(s, max(self.h2d_done[(r, ti)] for r in ranks))
         hg = self.model.host_parts(self.plan.tasks[ti], 0, self._kind(m, ti) == _DIRECT)[0]
@@ -282,8 +299,8 @@ class _Meshes:
                 j = self.jobs.job_of.get((r, ti)) if self.jobs.job_of is not None else None
                 if j is not None:
                     self.held[j] = v
-            idle = self._engine_idle(m, ti)
-            if idle > 0:  # the host waited in Engine.wait for its engine (a rank's first direct task)
+            if self._kind(m, ti) in (_DIRECT, _COPY):  # a rank's first one: the host waited for its engine
+                idle = self._engine_idle(m, ti)
                 for r in ranks:
                     self.host_free[r] = max(self.host_free[r], idle)
                     self.waited[r] = True
@@ -317,17 +334,51 @@ class _Meshes:
         self.pending.append(j)
 
     def _zero_copy_end(self, r: int, j: int, s: float) -> None:
-        """A zero-copy task on rank r reached by its host at s: host time only; the batch's jobs
-        are handed to the engine (all at once) after its last task."""
-        last = j in self.zc_last
-        h = max(self.host_free[r], s) + self.model.zc_host_s(last)
+        """A zero-copy or copy task on rank r reached by its host at s: host time only (and the
+        submit_prepared call where the open batch is handed to the engine, all at once: after
+        its last task, or after the copy tasks that follow it); a copy task's ranges are queued,
+        launched once COPY_BATCH of them are and at the mesh group's end
+        (wxfer.runtime.direct._direct_copy)."""
+        end, copy = j in self.zc_last, self.kind[j] == _COPY
+        md = self.model
+        cost = (md.host_copy + (self.model.cal.host_zc_batch_s if end else 0.0)) if copy else md.zc_host_s(end)
+        h = max(self.host_free[r], s) + cost
         self.busy_s["host"][r] += h - max(self.host_free[r], s)
         self.host_free[r] = h
-        self.zc_open[r].append(j)
-        if last:
+        if copy:
+            assert self.jobs.xwrites is not None
+            self.copy_open[r].append(j)
+            self.copy_n[r] += int(self.jobs.xwrites[j])
+            if self.copy_n[r] >= COPY_BATCH:
+                self._copy_flush(r, h)
+        else:
+            self.zc_open[r].append(j)
+        if end:
             for jj in self.zc_open[r]:
                 self._post(jj, r, h)
             self.zc_open[r] = []
+        if j in self.group_last:  # the mesh group's end: the queued copies go out
+            self._copy_flush(r, h)
+
+    def _copy_flush(self, r: int, t: float) -> None:
+        """Rank r's queued copies in one launch issued at t on its side stream (after its earlier
+        kernels: the direct ones and earlier copies); its jobs end with the launch."""
+        js = self.copy_open[r]
+        if not js:
+            return
+        assert self.jobs.xbytes is not None
+        k0 = max(t, self.quant_free[r])
+        k1 = k0 + self.model.copy_s(float(sum(self.jobs.xbytes[j] for j in js)))
+        self.quant_free[r] = k1
+        self.dev_free[r] = max(self.dev_free[r], k1)
+        self.busy_s["pack"][r] += k1 - k0
+        self.stage_end["quant"] = max(self.stage_end["quant"], k1)
+        if self.record:
+            self.timeline.append(("quant", r, int(self.jobs.task[js[-1]]), k0, k1))
+        for jj in js:
+            self.act_time[jj] = k1
+            self.direct_pend.append(jj)
+        self.copy_open[r], self.copy_n[r] = [], 0
 
     def end_allgather(self, m: int, ti: int, start: float, t_end: float) -> None:
         """All-gather of task ti ended: pack on the senders, release the next group when this
@@ -384,6 +435,8 @@ class _Meshes:
                 ready = max(t_end, hr)
             if j is not None:
                 self._post(j, r, ready)
+                if j in self.group_last:
+                    self._copy_flush(r, float(self.host_free[r]))
         self.busy[m] = t_end
         g = self.group_of_mesh[m]
         self.group_left[g] -= 1
@@ -409,7 +462,7 @@ class _Meshes:
         r = int(self.jobs.rank[j])
         self.mem[r] -= self.held[j]
         self.mem_free_t[r] = max(self.mem_free_t[r], t)
-        if self.kind[j] != _DIRECT:
+        if self.kind[j] not in (_DIRECT, _COPY):
             self.out_n[r] -= 1
             self.out_done[r] = max(self.out_done[r], t)
         if self.record:

@@ -211,6 +211,7 @@ def _totals(plan, cluster, meshes: _Meshes, jobs: _Jobs, lb: float, last_write: 
         direct_tasks=int((meshes.kind == KINDS.index("direct")).sum()),
         links_s=lb,
         zero_copy_tasks=int((meshes.kind == KINDS.index("zero_copy")).sum()),
+        copy_tasks=int((meshes.kind == KINDS.index("copy")).sum()),
         jobs=int(jobs.n),
     )
     return total, busy, terms

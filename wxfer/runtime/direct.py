@@ -202,7 +202,7 @@ class DirectMixin:
         self._direct_launched = False  # direct work on the side stream not yet waited for
         self._direct_begun = None  # the push whose begin stamps were waited for
         self._copy_max = copy_max()
-        self._copy_plans: dict = {}  # task -> (prep, src data_ptr, numel, [(gpu, dst, src)]) or None
+        self._copy_plans: dict = {}  # task -> (prep, src data_ptr, numel, [(gpu, dst, src)] or None, why not)
         self._copy_dst: list = []  # queued small copies (flushed by _direct_copy_flush)
         self._copy_src: list = []
         self._copy_skip = (None, frozenset())  # (push, gpus not written) of the copies
@@ -262,12 +262,9 @@ class DirectMixin:
             self._direct_ver = self.version
             self._direct_n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
             self._direct_why = {}
-        src = prep.whole[0][1]
-        src = getattr(src, "_local_tensor", src)
-        hit = self._copy_plans.get(op.task)
-        if hit is None or hit[0] is not prep or hit[1] != src.data_ptr() or hit[2] != src.numel():
-            hit = self._copy_plans[op.task] = self._copy_bind(prep, src)
+        hit = self._copy_hit(op)
         if hit[3] is None:
+            self._direct_why[hit[4]] = self._direct_why.get(hit[4], 0) + 1
             return False
         if self._direct_begun != self.version:  # the begin stamps landed first (see _direct_task)
             self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
@@ -286,9 +283,30 @@ class DirectMixin:
             self._direct_copy_flush()
         return True
 
+    def copy_ok(self, op) -> bool:
+        """Whether a push copies zero-copy task `op` straight into the receivers' memory
+        (_direct_copy's test without its side effects; the binding is cached as there): what
+        Sender.task_kinds() reports as "copy"."""
+        prep = op.prep
+        if prep is None or not prep.zero_copy or not op.sends or op.nbytes >= self._copy_max:
+            return False
+        if self._direct_off() is not None or getattr(self, "_verify", False):
+            return False
+        return self._copy_hit(op)[3] is not None
+
+    def _copy_hit(self, op) -> tuple:
+        """The cached _copy_bind of zero-copy task `op`, bound again when its memory moved."""
+        prep = op.prep
+        src = prep.whole[0][1]
+        src = getattr(src, "_local_tensor", src)
+        hit = self._copy_plans.get(op.task)
+        if hit is None or hit[0] is not prep or hit[1] != src.data_ptr() or hit[2] != src.numel():
+            hit = self._copy_plans[op.task] = self._copy_bind(prep, src)
+        return hit
+
     def _copy_bind(self, prep, src) -> tuple:
-        """(prep, data_ptr, numel, [(gpu, destination view, source bytes)] or None) of a
-        zero-copy task: each destination range checked by the transport (Transport.map)."""
+        """(prep, data_ptr, numel, [(gpu, destination view, source bytes)] or None, why not) of
+        a zero-copy task: each destination range checked by the transport (Transport.map)."""
         import torch
 
         flat = src.detach().reshape(-1).view(torch.uint8)
@@ -301,10 +319,8 @@ class DirectMixin:
                     raise _NotDirect(f"[{doff}, +{n}) of a region is mapped at {addr:#x}, not {base + doff:#x}")
                 items.append((self._gpu_of_region.get(bytes(rdesc)), view[doff : doff + n], flat[soff : soff + n]))
         except _NotDirect as e:
-            why = str(e)
-            self._direct_why[why] = self._direct_why.get(why, 0) + 1
-            return (prep, src.data_ptr(), src.numel(), None)
-        return (prep, src.data_ptr(), src.numel(), items)
+            return (prep, src.data_ptr(), src.numel(), None, str(e))
+        return (prep, src.data_ptr(), src.numel(), items, None)
 
     def _direct_copy_flush(self) -> None:
         """The queued small copies, in one batched launch (torch._foreach_copy_) on the current

@@ -16,6 +16,10 @@ group, the rank's tasks in order:
   ``t_admit`` .. ``t_submit``) and submitted;
 - a direct task (wxfer.runtime.direct) has no record: its kernel writes the receivers; at the
   push's first one the host waited until the engine's work so far landed;
+- a copy task (a small zero-copy task copied into the receivers' mapped memory by batched
+  copy kernels, wxfer.runtime.direct._direct_copy) has no record either: its host time falls
+  into the next record's gap, the push's first direct or copy task waits as above, and it
+  does not cut the zero-copy batch it lies in (the Sender queues it and goes on);
 - a task this rank only joins the collective of has no record: its host time falls into the
   next record's gap;
 then the end stamps (a fence after the side stream's event: after the last direct kernel),
@@ -23,7 +27,8 @@ the engine wait, the group barrier.
 
 ``fit(pushes, order, kinds, info)`` fits, by non-negative least squares over one sample
 per batch and per packed task: host seconds per packed task, per parameter, per piece, per
-zero-copy task and per batch, per direct task (and per mesh group after the first); the
+zero-copy task and per batch, per direct task, per copy task (and per mesh group after the
+first); the
 per-push costs before the first task, until the begin stamps landed and after the last data
 landed; and, given the link's rate, the engine's posting gap per write and the write path's
 time per write beyond the link (``post_cost``, ``write_extra``).  Pure Python + numpy: tests
@@ -36,7 +41,7 @@ import bisect
 
 import numpy as np
 
-from ..plan.kinds import ZERO_COPY_BATCH, batches
+from ..plan.kinds import ZERO_COPY_BATCH, batch_ends
 
 STAMP_TAG = 1 << 62  # = wxfer.runtime.tasks.STAMP_TAG (no import: that module needs the extension)
 COLUMNS = (
@@ -47,7 +52,9 @@ COLUMNS = (
     "host_zc_batch_s",
     "barrier_s",
     "host_direct_task_s",
+    "host_copy_task_s",
 )
+_OWN = {"direct": 6, "copy": 7}  # tasks without a record, written by the rank's kernels: their column
 
 
 def nnls(rows, ys) -> np.ndarray:
@@ -77,52 +84,58 @@ def _waited(r, prev: int, releases) -> bool:
     return i > 0 and releases[i - 1] >= max(prev, r["t_admit"] - WAKE_NS)
 
 
-def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict, begin_done: int = 0) -> list:
-    """Host samples [(features, seconds)] of one push; prev: when the host started its first
-    task (ns).  A packed task that waited for the watermark is sampled from its admission on
-    (t_admit .. t_submit: its preparation), without what came before it.  Direct tasks have no
+def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict, begin_done: int = 0) -> tuple:
+    """(host samples [(features, seconds)] of one push, when the wait at its first direct or
+    copy task ended (ns; None: it has none)); prev: when the host started its first task (ns).
+    A packed task that waited for the watermark is sampled from its admission on (t_admit ..
+    t_submit: its preparation), without what came before it.  Direct and copy tasks have no
     record: their host time is in the next record's gap, from the end of the wait at the push's
     first one (the engine's work submitted before it and the begin stamps, `begin_done`, landed)."""
     releases = sorted(r["t_done"] for r in recs.values() if r.get("held"))
     out = []
-    carry = np.zeros(len(COLUMNS))  # collective-only and direct tasks: their host time is in the next gap
-    waited = False
+    ncol = len(COLUMNS)
+    carry = np.zeros(ncol)  # collective-only, direct and copy tasks: their host time is in the next gap
+    waited = None
     for g, tags in enumerate(order):
         if g:
             carry[5] += 1
         ks = [kinds.get(t, "packed") for t in tags]
-        ends = {a + n - 1: n for a, n in batches(ks, batch)}
+        ends = batch_ends(ks, batch)
         for i, t in enumerate(tags):
             r = recs.get(t)
-            if ks[i] == "direct":  # no record: written by its kernel (wxfer.runtime.direct)
-                if not waited:  # the push's first: the host waited until the engine's work so far landed
-                    waited = True
-                    prev = max([prev, begin_done] + [x["t_done"] for x in recs.values() if x["t_submit"] <= prev])
-                carry[6] += 1
-                continue
-            if ks[i] == "zero_copy":
-                if i not in ends:
+            if ks[i] in _OWN:  # no record: written by the rank's kernels (wxfer.runtime.direct)
+                if waited is None:  # the push's first: the host waited until the engine's work so far landed
+                    prev = waited = max(
+                        [prev, begin_done] + [x["t_done"] for x in recs.values() if x["t_submit"] <= prev]
+                    )
+                carry[_OWN[ks[i]]] += 1
+            elif ks[i] != "zero_copy":
+                nparams, pieces = info[t]
+                one = np.zeros(ncol)
+                one[:3] = (1.0, nparams, pieces)
+                if r is None:  # collective only
+                    carry[:2] += (1.0, nparams)
                     continue
-                if r is None:
-                    raise ValueError(f"hostfit: zero-copy task {t} has no trace record")
+                f = carry + one
+                y = (r["t_submit"] - prev) / 1e9 - work.get(t, 0.0)
+                if r["t_admit"] and prev <= r["t_admit"] <= r["t_submit"] and _waited(r, prev, releases):
+                    f = one
+                    y = (r["t_submit"] - r["t_admit"]) / 1e9 - work.get(t, 0.0)
+                out.append((f, y))
+                prev, carry = r["t_submit"], np.zeros(ncol)
+            if i in ends:  # a zero-copy batch handed to the engine here (after any copy tasks in it)
+                n, last = ends[i]
+                rz = recs.get(tags[last])
+                if rz is None:
+                    raise ValueError(
+                        f"hostfit: zero-copy task {tags[last]} (the last of its batch) has no trace record"
+                    )
                 f = carry.copy()
-                f[3] += ends[i]
+                f[3] += n
                 f[4] += 1
-                out.append((f, (r["t_submit"] - prev) / 1e9))
-                prev, carry = r["t_submit"], np.zeros(len(COLUMNS))
-                continue
-            nparams, pieces = info[t]
-            if r is None:  # collective only
-                carry += (1.0, nparams, 0, 0, 0, 0, 0)
-                continue
-            f = carry + (1.0, nparams, pieces, 0, 0, 0, 0)
-            y = (r["t_submit"] - prev) / 1e9 - work.get(t, 0.0)
-            if r["t_admit"] and prev <= r["t_admit"] <= r["t_submit"] and _waited(r, prev, releases):
-                f = np.array((1.0, nparams, pieces, 0, 0, 0, 0))
-                y = (r["t_submit"] - r["t_admit"]) / 1e9 - work.get(t, 0.0)
-            out.append((f, y))
-            prev, carry = r["t_submit"], np.zeros(len(COLUMNS))
-    return out
+                out.append((f, (rz["t_submit"] - prev) / 1e9))
+                prev, carry = rz["t_submit"], np.zeros(ncol)
+    return out, waited
 
 
 def _queued(records) -> list:
@@ -250,10 +263,8 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
     push_end_s: from the last data landed (the last write's completion, or, with direct tasks,
     the end stamps' CUDA event: the side stream's last kernel) to t1."""
     samples, begin, fence, end = [], [], [], []
-    windows: dict = {}  # push index -> (lo, hi) ns: where its direct kernels ran
-    direct = any(k == "direct" for k in kinds.values())
-    prog = [t for tags in order for t in tags]
-    first_direct = next((i for i, t in enumerate(prog) if kinds.get(t) == "direct"), None)
+    windows: dict = {}  # push index -> (lo, hi) ns: where its direct kernels and copies ran
+    direct = any(k in _OWN for k in kinds.values())  # kernels on the side stream write the receivers
     for i, (t0, t1, records) in enumerate(pushes):
         data = {r["tag"]: r for r in records if r["tag"] != STAMP_TAG}
         if not data:
@@ -263,20 +274,21 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
         begin.append((start - t0) / 1e9)
         fence.append((landed - start) / 1e9)
         last = max(r["t_done"] for r in data.values())
+        got, waited = _samples(data, start, order, kinds, info, batch, work or {}, landed)
+        samples += got
         if direct and len(stamps) > 1 and stamps[-1].get("t_ready"):
             last = max(last, stamps[-1]["t_ready"])
-            # the direct kernels ran from the wait for the engine's earlier writes to the end stamps' event
-            before = [data[t]["t_done"] for t in prog[:first_direct] if t in data]
-            windows[i] = (max(before + [landed]), stamps[-1]["t_ready"])
+            # the kernels ran from the wait for the engine's earlier writes to the end stamps' event
+            windows[i] = (waited if waited is not None else landed, stamps[-1]["t_ready"])
         end.append((t1 - last) / 1e9)
-        samples += _samples(data, start, order, kinds, info, batch, work or {}, landed)
     if not samples:
         raise RuntimeError("hostfit: the pushes traced no task of this rank")
     ys = np.array([y for _, y in samples])
     coef = nnls([f for f, _ in samples], np.maximum(ys, 0.0))
     out: dict = {k: float(v) for k, v in zip(COLUMNS, coef)}
-    if not direct:
-        out.pop("host_direct_task_s")
+    for k, col in _OWN.items():  # fitted only where the Sender had such tasks
+        if not any(v == k for v in kinds.values()):
+            out.pop(COLUMNS[col])
     out.update(
         push_begin_s=float(np.median(begin)),
         begin_fence_s=float(np.median(fence)),

@@ -106,11 +106,13 @@ class TaskMixin:
 
     def task_kinds(self) -> dict:
         """{plan task: kind} of this rank's tasks, as it runs them (wxfer.plan.kinds: zero_copy,
-        staged, packed, direct, collective_only), for the simulator (``simulate(...,
+        staged, packed, direct, collective_only, copy), for the simulator (``simulate(...,
         kinds=...)``).  Decided at setup; a zero-copy task whose memory moved is decided again
         at a push; a packed task is direct when this Sender can write it straight into the
         receivers (direct.py: cuda_ipc, its layout's pieces inside the mapped destinations;
-        not with verify on, which sends every task the staging way)."""
+        not with verify on, which sends every task the staging way); a zero-copy task is copy
+        when a push copies it into the receivers' mapped memory (direct.py ``copy_ok``: fewer
+        bytes than copy_max(), direct possible, every destination mapped; not with verify on)."""
         out = {}
         off = self._direct_off() or ("verify" if getattr(self, "_verify", False) else None)
         for ops in self.program.groups:
@@ -119,6 +121,8 @@ class TaskMixin:
                 k = prepare.kind_of(prep, op)
                 if k in ("packed", "staged") and prep.direct is None and off is None:
                     k = prepare.kind_of(prep, op, direct=self._direct_plan(op)[0] is not None)
+                elif k == "zero_copy" and off is None and op.prep is prep and self.copy_ok(op):
+                    k = "copy"  # (a task prepared again at the next push goes the engine's way there)
                 out[op.task] = k
         return out
 
