@@ -277,6 +277,7 @@ def simulated(sender, dev, a: dict) -> dict:
     measured by its bound (`a["_h2d_GBps"]`).  Colocated on one GPU, the kernels and the writes
     share its memory (Calibration.device_shared).  Returns simulated_s and, to judge the model,
     its terms (each on the busiest rank) and every figure it used."""
+    k: dict = {}
     try:
         from collections import Counter
         from dataclasses import replace
@@ -316,6 +317,7 @@ def simulated(sender, dev, a: dict) -> dict:
             device_shared=not cpu and cfg.get("layout") == "colocated",
             source="bench_baselines, measured in the same run",
             host_direct_task_s=h.get("host_direct_task_s"),  # fitted where the Sender had direct tasks
+            host_copy_task_s=h.get("host_copy_task_s"),  # and copy tasks (small zero copy, batched copies)
             **{x: h[x] for x in hostfit_keys() if x in h},
         )
         kw = dict(kinds=kinds, cpu_offload=offload, watermark_bytes=sender.watermark or (1 << 50))
@@ -333,7 +335,11 @@ def simulated(sender, dev, a: dict) -> dict:
             simulated_fit={x: v for x, v in h.items() if x not in hostfit_keys()},
         )
     except Exception as e:  # noqa: BLE001 -- the measurement stands without it
-        return dict(simulated_error=f"{type(e).__name__}: {e}")
+        # the kernels' figures measured before the failure, for an offline check (benchmarks/sim_check.py)
+        rates = {
+            x: k[x] for x in ("quant_GBps", "quant_small_GBps", "copy_GBps", "pack_launch_s", "quantizer") if x in k
+        }
+        return dict(simulated_error=f"{type(e).__name__}: {e}", simulated_rates=rates)
 
 
 def wxfer_receiver(params, preset, store, ctl, name: str, ci: int, a: dict, dev, reset, checksums) -> list:

@@ -96,6 +96,7 @@ def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict, 
     ncol = len(COLUMNS)
     carry = np.zeros(ncol)  # collective-only, direct and copy tasks: their host time is in the next gap
     waited = None
+    seen = hidden = 0  # zero-copy tasks of the open batch so far; of those, done before the wait ended
     for g, tags in enumerate(order):
         if g:
             carry[5] += 1
@@ -105,11 +106,14 @@ def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict, 
             r = recs.get(t)
             if ks[i] in _OWN:  # no record: written by the rank's kernels (wxfer.runtime.direct)
                 if waited is None:  # the push's first: the host waited until the engine's work so far landed
-                    prev = waited = max(
-                        [prev, begin_done] + [x["t_done"] for x in recs.values() if x["t_submit"] <= prev]
-                    )
+                    waited = max([prev, begin_done] + [x["t_done"] for x in recs.values() if x["t_submit"] <= prev])
+                    # a copy leaves the batch open: its tasks so far were done during the wait, when it waited
+                    hidden = seen if waited > prev else 0
+                    prev = waited
                 carry[_OWN[ks[i]]] += 1
-            elif ks[i] != "zero_copy":
+            elif ks[i] == "zero_copy":
+                seen += 1
+            else:
                 nparams, pieces = info[t]
                 one = np.zeros(ncol)
                 one[:3] = (1.0, nparams, pieces)
@@ -131,8 +135,9 @@ def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict, 
                         f"hostfit: zero-copy task {tags[last]} (the last of its batch) has no trace record"
                     )
                 f = carry.copy()
-                f[3] += n
+                f[3] += n - hidden
                 f[4] += 1
+                seen = hidden = 0
                 out.append((f, (rz["t_submit"] - prev) / 1e9))
                 prev, carry = rz["t_submit"], np.zeros(ncol)
     return out, waited
@@ -237,14 +242,15 @@ def write_extra(records, write_GBps: float, outside=None) -> tuple:
     return max(0.0, extra) / n, int(n)
 
 
-def _begin(stamps, first: int, t0: int) -> tuple:
+def _begin(stamps, first: int, t0: int, fence: bool = False) -> tuple:
     """(when the host started the tasks, when the begin stamps landed) of one push: the begin
     stamps are a fence task (the host goes on at once; no data write is posted before they
-    landed), or, older runtimes, waited for (landed before the first task was submitted)."""
+    landed), or, older runtimes, waited for (landed before the first task was submitted);
+    fence: known to be a fence (a runtime with copy tasks), however late the first submission."""
     if not stamps:
         return t0, t0
     b = stamps[0]
-    if b.get("t_done") and b["t_done"] <= first:
+    if not fence and b.get("t_done") and b["t_done"] <= first:
         return b["t_done"], b["t_done"]
     return b["t_submit"], b.get("t_done") or b["t_submit"]
 
@@ -265,12 +271,13 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
     samples, begin, fence, end = [], [], [], []
     windows: dict = {}  # push index -> (lo, hi) ns: where its direct kernels and copies ran
     direct = any(k in _OWN for k in kinds.values())  # kernels on the side stream write the receivers
+    copies = any(k == "copy" for k in kinds.values())  # (a runtime whose begin stamps are a fence)
     for i, (t0, t1, records) in enumerate(pushes):
         data = {r["tag"]: r for r in records if r["tag"] != STAMP_TAG}
         if not data:
             continue
         stamps = sorted((r for r in records if r["tag"] == STAMP_TAG), key=lambda r: r["t_submit"])
-        start, landed = _begin(stamps, min(r["t_submit"] for r in data.values()), t0)
+        start, landed = _begin(stamps, min(r["t_submit"] for r in data.values()), t0, copies)
         begin.append((start - t0) / 1e9)
         fence.append((landed - start) / 1e9)
         last = max(r["t_done"] for r in data.values())

@@ -1,0 +1,178 @@
+"""Copy tasks (wxfer.runtime.direct._direct_copy: a small zero-copy task's ranges copied straight
+into the receivers' mapped memory by batched torch._foreach_copy_ launches on cuda_ipc
+colocated) in the simulator and in the fit: host cost per task, one launch per COPY_BATCH
+ranges at the copy rate over 2 x bytes on the side stream in order with the direct kernels, no
+write, no posting, the push's first direct or copy task waiting for the engine; no trace
+record, their host time in the next record's gap, the zero-copy batch left open."""
+
+import random
+
+import numpy as np
+import pytest
+
+from wxfer.meta import Calibration, Cluster, synthesize
+from wxfer.plan import build_plan
+from wxfer.plan.kinds import COPY_BATCH, task_kinds
+from wxfer.plan.simulate import simulate
+from wxfer.runtime.hostfit import STAMP_TAG, fit
+
+FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5, pcie_GBps=1e4)
+ZERO = dict(host_param_s=0.0, host_zc_task_s=0.0, pack_launch_s=0.0, launch_per_piece=False)
+US = 1000  # ns
+
+
+def _one(cal, quant=None, write_GBps=1e5):
+    c = Cluster(
+        train_gpus=1,
+        infer_gpus=1,
+        infer_tp=1,
+        quant=quant,
+        gpus_per_node=1,
+        dense_shard=1,
+        expert_shard=1,
+        write_GBps=write_GBps,
+        calibration=Calibration(**dict(ZERO, **cal)),
+        **FAST,
+    )
+    s = synthesize("qwen3-8b", c)
+    plan = build_plan(s.train, s.workers, s.preset, quant=quant, expanded=s.expanded)
+    return c, plan, task_kinds(plan, s.train, direct=True)
+
+
+def _launches(plan, kinds) -> list:
+    """[bytes of each batched copy launch] as the Sender issues them: its ranges queued task by
+    task, launched once COPY_BATCH are queued and at each mesh group's end."""
+    ranges = np.bincount(plan.task, minlength=len(plan.tasks))
+    nbytes = np.bincount(plan.task, plan.nbytes, len(plan.tasks))
+    out = []
+    for g in plan.rank_schedule(0):
+        q, b = 0, 0.0
+        for t, _ in g:
+            if kinds[t] == "copy":
+                q, b = q + int(ranges[t]), b + float(nbytes[t])
+                if q >= COPY_BATCH:
+                    out.append(b)
+                    q, b = 0, 0.0
+        if q:
+            out.append(b)
+    return out
+
+
+def _spans(r, stage):
+    return sorted((s, e, t) for st, rk, t, s, e in r.timeline if st == stage and rk == 0)
+
+
+def test_copy_tasks_cost_their_host_their_launches_and_no_engine_write():
+    rate, launch, host = 1000.0, 50e-6, 3e-6
+    cal = dict(copy_GBps=rate, pack_launch_s=launch, host_copy_task_s=host, write_call_s=1e-6)
+    cal.update(push_begin_s=1e-3, begin_fence_s=2e-3)
+    c, plan, kinds = _one(cal)
+    copies = [t for t, k in kinds.items() if k == "copy"]
+    assert copies and "zero_copy" in kinds.values()
+    r = simulate(plan, c, kinds=kinds, record=True)
+    assert r.terms["copy_tasks"] == len(copies)
+    lb = _launches(plan, kinds)
+    assert len(lb) >= 2
+    assert r.terms["kernel_s"] == pytest.approx(len(lb) * launch + 2 * sum(lb) / (rate * 1e9), rel=1e-6)
+    assert r.stage_busy_s["host"] == pytest.approx(len(copies) * host, rel=1e-6)  # zero copy: 0 here
+    zc = np.isin(plan.task, copies, invert=True)
+    assert r.terms["post_s"] == pytest.approx(int(zc.sum()) * 1e-6)  # only the engine's writes are posted
+    assert r.terms["write_s"] == pytest.approx(plan.nbytes[zc].sum() / 1e14, rel=1e-6)
+    q = _spans(r, "quant")
+    assert len(q) == len(lb) and q[0][0] >= 3e-3 - 1e-12  # the first waited for the begin stamps (a fence)
+    assert all(b[0] >= a[1] - 1e-12 for a, b in zip(q, q[1:]))  # one stream
+    assert r.simulated_s >= q[-1][1]  # the end stamps wait for the side stream
+    # without the copies (copy_max 0) the same tasks are engine writes, posted one by one
+    c0, _, _ = _one(cal)
+    k0 = task_kinds(plan, {p.name: p for p in synthesize("qwen3-8b", c0).train}, direct=True, copy_max=0)
+    r0 = simulate(plan, c0, kinds=k0)
+    assert r0.terms["copy_tasks"] == 0 and r0.terms["post_s"] == pytest.approx(plan.n_transfers * 1e-6)
+
+
+def test_copies_and_direct_kernels_share_the_side_stream_in_order():
+    rate = 800.0
+    cal = dict(copy_GBps=rate, quant_GBps=rate, quant_small_GBps=rate, host_copy_task_s=2e-6, host_direct_task_s=5e-6)
+    c, plan, kinds = _one(cal, quant="fp8")
+    assert {"copy", "direct"} <= set(kinds.values())
+    r = simulate(plan, c, kinds=kinds, record=True)
+    q = _spans(r, "quant")
+    assert all(b[0] >= a[1] - 1e-12 for a, b in zip(q, q[1:]))
+    direct = [t for t in plan.tasks if kinds[t.id] == "direct"]
+    work = sum(t.src_bytes + sum(sh.nbytes for sh in t.shards) for t in direct) / (rate * 1e9)
+    lb = _launches(plan, kinds)
+    assert r.terms["kernel_s"] == pytest.approx(work + 2 * sum(lb) / (rate * 1e9), rel=1e-6)
+    assert r.terms["direct_tasks"] == len(direct) and r.terms["copy_tasks"] == len(
+        [k for k in kinds.values() if k == "copy"]
+    )
+
+
+# ------------------------------------------------------------------ the fit, on a synthetic trace
+COST = dict(zc=5e-6, batch=20e-6, copy=7e-6, task=30e-6, param=10e-6)
+
+
+def _program(n=60, seed=3):
+    rnd = random.Random(seed)
+    kinds = {t: rnd.choice(["zero_copy", "zero_copy", "copy", "copy", "copy", "packed"]) for t in range(n)}
+    kinds[0], kinds[1] = "zero_copy", "copy"  # the first copy comes while a batch is open
+    info = {t: (rnd.randint(1, 3), 0) for t in range(n)}
+    return [list(range(n))], kinds, info
+
+
+def _push(order, kinds, info, t0, batch=3):
+    """(t0, t1, records) of one push as the runtime traces it: copy tasks leave no record."""
+    ns = lambda s: int(round(s * 1e9))  # noqa: E731
+    recs = [dict(tag=STAMP_TAG, t_submit=t0 + 300 * US, t_admit=t0 + 300 * US, t_ready=t0 + 300 * US)]
+    recs[0].update(t_post_first=t0 + 310 * US, t_post_last=t0 + 310 * US, t_done=t0 + 800 * US, bytes=8, held=0)
+    host, pending, waited = t0 + 300 * US, [], False
+
+    def rec(t, at):
+        r = dict(tag=t, t_submit=at, t_admit=at, t_ready=at, t_post_first=at + 5 * US, t_post_last=at + 5 * US)
+        r.update(t_done=at + 50 * US, bytes=4096, nwrites=1, held=0)
+        recs.append(r)
+
+    def submit():
+        nonlocal host, pending
+        host += ns(COST["batch"])
+        for t in pending:
+            rec(t, host)
+        pending = []
+
+    for t in order[0]:
+        k = kinds[t]
+        if k == "zero_copy":
+            host += ns(COST["zc"])
+            pending.append(t)
+            if len(pending) == batch:
+                submit()
+        elif k == "copy":
+            if not waited:  # the engine's work so far: the begin stamps (the open batch is not submitted yet)
+                host, waited = max(host, recs[0]["t_done"]), True
+            host += ns(COST["copy"])
+        else:
+            if pending:
+                submit()
+            host += ns(COST["task"] + info[t][0] * COST["param"])
+            rec(t, host)
+    if pending:
+        submit()
+    end = dict(tag=STAMP_TAG, t_submit=host + 50 * US, t_admit=host + 50 * US, t_ready=host + 2000 * US)
+    end.update(t_post_first=host + 2005 * US, t_post_last=host + 2005 * US, t_done=host + 2030 * US, bytes=8, held=0)
+    recs.append(end)
+    return t0, end["t_done"] + 100 * US, recs
+
+
+def test_copy_tasks_without_records_are_fitted_from_the_gaps():
+    order, kinds, info = _program()
+    pushes = [_push(order, kinds, info, k * 10**9) for k in range(2)]
+    assert not any(r["tag"] in {t for t, k in kinds.items() if k == "copy"} for _, _, rs in pushes for r in rs)
+    f = fit(pushes, order, kinds, info, batch=3, write_GBps=100.0)
+    assert f["host_copy_task_s"] == pytest.approx(COST["copy"], rel=1e-3)
+    assert f["host_zc_task_s"] == pytest.approx(COST["zc"], rel=1e-3)
+    assert f["host_zc_batch_s"] == pytest.approx(COST["batch"], rel=1e-3)
+    assert f["host_param_s"] == pytest.approx(COST["param"], rel=1e-3)
+    assert "host_direct_task_s" not in f  # no direct task
+    assert f["push_end_s"] == pytest.approx(130e-6)  # from the end stamps' event (the side stream's copies)
+    # without copy tasks the column is not fitted
+    kz = {t: ("packed" if k == "packed" else "zero_copy") for t, k in kinds.items()}
+    with pytest.raises(ValueError, match="has no trace record"):
+        fit(pushes, order, kz, info, batch=3)  # read as engine zero copy, a batch's last task has no record
