@@ -422,3 +422,62 @@ def test_small_zero_copy_tasks_are_copied_in_batches_and_large_ones_by_the_engin
     s.close()
     for r in recvs:
         r.close()
+
+
+@needs_fabric
+@pytest.mark.timeout(120)
+def test_task_kinds_says_copy_as_the_push_decides_it(store, monkeypatch):
+    """Sender.task_kinds() reports "copy" for exactly the zero-copy tasks a push copies into the
+    receivers' memory (fewer bytes than copy_max(), direct possible, every destination mapped),
+    on the Sender's own cached binding (the push reuses it); the plan's decision agrees; a task
+    whose destination the transport refuses, verify on, direct off: the engine's zero copy."""
+    from wxfer.models import preset_for
+    from wxfer.plan.kinds import task_kinds
+    from wxfer.runtime.direct import DirectMixin, _NotDirect
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    name, cut = "dirkinds", 4096
+    params, ths = _receivers(addr, name, 1, None)
+    _emulate(monkeypatch, [])
+    model = _model().to(torch.bfloat16)
+    monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", str(cut))
+    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30)
+    recvs = _joined(ths)
+    _emulate(monkeypatch, recvs)
+    ops = {op.task: op for g in s.program.groups for op in g if op.sends}
+    k = s.task_kinds()
+    small = {t for t, op in ops.items() if op.nbytes < cut}
+    assert small and {t for t, v in k.items() if v == "copy"} == small
+    assert all(k[t] == "zero_copy" for t in ops if t not in small)
+    assert task_kinds(s.plan, s.plan.train_params, direct=True, copy_max=cut) == k  # the plan's decision
+    bound = {t: s._copy_plans[t] for t in small}
+    s.push()
+    _check(model, params, 1, None)
+    assert s.stats()["direct"]["copies"] == len(small)
+    assert all(s._copy_plans[t] is bound[t] for t in small)  # the push used the same binding
+    # a destination the transport refuses: not copied, and task_kinds says so
+    victim = min(small)
+    refused = {bytes(d[0]) for d in ops[victim].dests}
+    fake = DirectMixin._direct_map
+
+    def refuse(self, rdesc, off, nb):
+        if bytes(rdesc) in refused:  # (its view is made already: the range check refuses)
+            raise _NotDirect("refused here")
+        return fake(self, rdesc, off, nb)
+
+    monkeypatch.setattr(DirectMixin, "_direct_map", refuse)
+    s._copy_plans.pop(victim)
+    assert s.task_kinds()[victim] == "zero_copy"
+    moved = s.engine.stats()["bytes_written"]
+    s.push()
+    _check(model, params, 1, None)
+    assert s.stats()["direct"]["copies"] == len(small) - 1
+    assert s.engine.stats()["bytes_written"] - moved >= ops[victim].nbytes + 2 * 8
+    s._verify = True  # (as a push with verify on sets it): every task the engine's way
+    assert "copy" not in s.task_kinds().values()
+    s._verify, s.direct = False, False
+    assert "copy" not in s.task_kinds().values()
+    s.close()
+    for r in recvs:
+        r.close()
