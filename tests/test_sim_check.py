@@ -84,3 +84,21 @@ def test_a_rows_plan_is_the_senders():
     assert len(plan.tasks) == 183
     plan, _ = sim_check.row_plan(dict(model="qwen3-8b", quant="fp8", layout="colocated", trainer="plain"), 256 << 20)
     assert len(plan.tasks) == 255
+
+
+def test_a_row_whose_simulation_failed_takes_its_link_rate_and_the_kernels_given():
+    import sim_check
+    from wxfer.plan.calibrate import get
+
+    # as the 11:58 UTC H200 run recorded its 8B FP8 row (hostfit raised on the copy tasks)
+    w = dict(tasks=183, zero_copy_tasks=147, direct=dict(tasks=36, copies=145, enabled=True), simulated_error="x")
+    assert sim_check._reported(w) == {"zero_copy": 2, "copy": 145, "direct": 36}
+    res = dict(config=dict(layout="colocated", trainer="fsdp2"), methods=dict(link=dict(gbps=2091.0)))
+    rec, src = sim_check._rates(res, w, get("h200-kernels"))
+    assert rec["write_GBps"] == 2091.0 and rec["device_shared"] and rec["quant_GBps"] == get("h200-kernels").quant_GBps
+    assert "not recorded" in src
+    assert sim_check._rates(res, w, None) == (None, None)  # no kernels: the row is left out
+    # the kernels the run measured before its simulation failed are preferred
+    w["simulated_rates"] = dict(quant_GBps=3000.0, copy_GBps=3500.0, pack_launch_s=5e-6, quantizer="x (native)")
+    rec, src = sim_check._rates(res, w, get("h200-kernels"))
+    assert rec["quant_GBps"] == 3000.0 and rec["launch_per_piece"] is False and src == "kernels: recorded"
