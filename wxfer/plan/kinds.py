@@ -148,10 +148,10 @@ def batch_ends(kinds: list, size: int = ZERO_COPY_BATCH) -> dict:
     (its zero-copy tasks, index of its last one)}.  A batch is handed over at its `size`-th
     zero-copy task, before a task of another kind, or at the group's end; copy tasks do not
     cut it (the Sender queues their copies and goes on), so it can be handed over after some."""
-    out, n, last = {}, 0, None
+    out: dict = {}
+    n = last = 0
     size = max(1, int(size))
-    ks = list(kinds)
-    for i, k in enumerate(ks + [None]):
+    for i, k in enumerate(list(kinds) + [None]):
         if k == "copy":
             continue
         if k == "zero_copy":
@@ -159,7 +159,7 @@ def batch_ends(kinds: list, size: int = ZERO_COPY_BATCH) -> dict:
             if n == size:
                 out[i], n = (n, i), 0
         elif n:
-            out[i - 1 if i < len(ks) else len(ks) - 1], n = (n, last), 0
+            out[i - 1], n = (n, last), 0  # before task i (or the group's end)
     return out
 
 
