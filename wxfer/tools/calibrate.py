@@ -412,7 +412,7 @@ def hostfit_keys() -> tuple:
         "push_begin_s",
         "push_end_s",
         "begin_fence_s",
-    )  # and host_direct_task_s where the Sender had direct tasks (else absent: a packed task's figures)
+    )  # and host_direct_task_s / host_copy_task_s where the Sender had such tasks (else absent)
 
 
 def measure_host(dev, kernels: dict, quick: bool) -> dict:
@@ -517,7 +517,7 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
         machine += ", " + torch.cuda.get_device_name(dev)
     if hasattr(os, "getloadavg"):
         machine += ", load average %.1f" % os.getloadavg()[0]
-    keys = hostfit_keys() + ("host_direct_task_s",)
+    keys = hostfit_keys() + ("host_direct_task_s", "host_copy_task_s")
     host = {k: det[k] for k in keys if k in det}
     cal = Calibration(
         name="measured-" + dev.type,
