@@ -176,3 +176,11 @@ def test_copy_tasks_without_records_are_fitted_from_the_gaps():
     kz = {t: ("packed" if k == "packed" else "zero_copy") for t, k in kinds.items()}
     with pytest.raises(ValueError, match="has no trace record"):
         fit(pushes, order, kz, info, batch=3)  # read as engine zero copy, a batch's last task has no record
+
+
+def test_the_plans_copy_figures_are_the_runtimes(monkeypatch):
+    from wxfer.plan.kinds import COPY_MAX
+    from wxfer.runtime import direct
+
+    monkeypatch.delenv("WXFER_DIRECT_COPY_MAX", raising=False)
+    assert direct.copy_max() == COPY_MAX and direct.COPY_BATCH == COPY_BATCH
