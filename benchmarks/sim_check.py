@@ -3,7 +3,7 @@ results.json, the trainers' plan rebuilt from the configuration, each task's kin
 runtime decides it, the calibration of that run, and the simulated push beside the
 measured median.
 
-    python benchmarks/sim_check.py /work/notes/gpu4/b5/*/results.json
+    python benchmarks/sim_check.py benchmarks/runs/h200-2026-12-01-1144/*/results.json
     python benchmarks/sim_check.py --json DIR/results.json      # one JSON object per row
 
 The calibration of a row: the one the benchmark measured in its own run (``simulated_

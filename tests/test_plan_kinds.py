@@ -17,7 +17,7 @@ def _one_rank(preset, quant=None, fused=False, tp=1):
 
 
 def test_the_one_gpu_benchmark_rows_zero_copy_counts():
-    # the counts the H200 benchmark's Senders reported (2026-12-01, /work/notes/gpu4/b5): 8B BF16 399
+    # the counts the H200 benchmark's Senders reported (2026-12-01, benchmarks/runs/h200-2026-12-01-1144): 8B BF16 399
     # of 399 zero copy, 8B FP8 147 of 183 (36 direct), 30B-A3B BF16 (fused 3-D experts, cut at their
     # two sources) 531 of 531, 30B-A3B FP8 243 of 339 (96 direct)
     for preset, q, fused, want in (
@@ -35,7 +35,7 @@ def test_the_one_gpu_benchmark_rows_zero_copy_counts():
 
 
 def test_small_zero_copy_tasks_are_copy_where_direct_is_possible():
-    # the counts the H200 benchmark's Senders reported at 11:58 UTC (/work/notes/gpu6/b6: direct copies
+    # the counts the H200 benchmark's Senders reported at 11:58 UTC (benchmarks/runs/h200-2026-12-01-1158: direct copies
     # and zero_copy_tasks): 8B BF16 217 copies of 399 zero copy, 8B FP8 145 of 147, 30B-A3B BF16 433 of 531
     from wxfer.plan.kinds import COPY_MAX, packed_bytes
 
