@@ -8,8 +8,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "wx_dl_cuda.h"
-
 #define WX__IDLE_NS (100 * 1000 * 1000ull)      /* how long an idle stage thread sleeps */
 #define WX__EAGAIN_MIN_NS (1000 * 1000ull)      /* retry after a transport's -EAGAIN ... */
 #define WX__EAGAIN_MAX_NS (32 * 1000 * 1000ull) /* ... backing off up to this */
@@ -65,13 +63,6 @@ static void wx__set_error(wx_engine_t *e, const wx_engine_fail_t *f)
     pthread_cond_broadcast(&e->cv_post);
 }
 
-/* e->stop is written under mu (atomically), read under mu by the stage loops and without
- * it by wx__wait_event's poll. */
-static inline void wx__set_stop(wx_engine_t *e) { __atomic_store_n(&e->stop, 1, __ATOMIC_RELEASE); }
-static inline int wx__stopping(wx_engine_t *e)
-{
-    return __atomic_load_n(&e->stop, __ATOMIC_ACQUIRE);
-}
 
 /* The sticky error, with its message in wx_last_error(). mu held. */
 static int wx__errf_sticky(wx_engine_t *e)
@@ -317,57 +308,6 @@ static void wx__op_done(wx_op_t *op, int status, const char *why)
     if (free_now)
         wx__free_engine(e);
 }
-
-#ifdef WX_HAVE_CUDA
-static int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
-{
-    char why[256];
-    const wx_cuda_api_t *cu = wx_cuda(why, sizeof why);
-    CUdevice dev;
-    CUcontext ctx;
-    CUresult r;
-    uint64_t deadline = wx_now_ns() + e->o.timeout_ns;
-    if (!cu) {
-        wx__fail_fill(f, -ENODEV, t, NULL, "ready", "cannot wait for its CUDA event: %s", why);
-        return -ENODEV;
-    }
-    /* only the ready thread calls this: make the device's primary context current once per
-     * device, not per task (the caller's process keeps it retained) */
-    if (t->spec.cuda_device != e->ready_dev &&
-        cu->cuDeviceGet(&dev, t->spec.cuda_device) == CUDA_SUCCESS &&
-        cu->cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS) {
-        if (cu->cuCtxSetCurrent(ctx) == CUDA_SUCCESS)
-            e->ready_dev = t->spec.cuda_device;
-        cu->cuDevicePrimaryCtxRelease(dev);
-    }
-    for (;;) {
-        r = cu->cuEventQuery((CUevent)t->spec.cuda_event);
-        if (r == CUDA_SUCCESS)
-            return 0;
-        if (r != CUDA_ERROR_NOT_READY) {
-            wx_cuda_err(r, "cuEventQuery");
-            wx__fail_fill(f, -EIO, t, NULL, "ready", "%s", wx_last_error());
-            return -EIO;
-        }
-        if (wx_now_ns() > deadline || wx__stopping(e)) {
-            wx__fail_fill(f, -ETIMEDOUT, t, NULL, "ready",
-                          "its CUDA event did not complete in %.1f s",
-                          (double)e->o.timeout_ns / 1e9);
-            return -ETIMEDOUT;
-        }
-        struct timespec ts = {0, 20000};
-        nanosleep(&ts, NULL);
-    }
-}
-#else
-static int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
-{
-    WX_UNUSED(e);
-    wx__fail_fill(f, -ENOSYS, t, NULL, "ready",
-                  "has a CUDA event but this build has no CUDA support");
-    return -ENOSYS;
-}
-#endif
 
 /* Stage: wait for the buffer to be produced. */
 static void *wx__ready_main(void *arg)

@@ -77,6 +77,18 @@ struct wx_engine {
     uint64_t trace_dropped;
 };
 
+/* e->stop is written under mu (atomically), read under mu by the stage loops and without
+ * it by wx__wait_event's poll. */
+static inline void wx__set_stop(wx_engine_t *e) { __atomic_store_n(&e->stop, 1, __ATOMIC_RELEASE); }
+static inline int wx__stopping(wx_engine_t *e)
+{
+    return __atomic_load_n(&e->stop, __ATOMIC_ACQUIRE);
+}
+
+/* The ready stage: wait (bounded by the engine's timeout) for task t's CUDA event; 0, or a
+ * negative errno with the failure in *f (wx_engine_event.c). */
+int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f);
+
 /* The fields of a failure of task t (NULL: none) at peer p (NULL: none); the reason is
  * printf-formatted. */
 void wx__fail_fill(wx_engine_fail_t *f, int err, const wx__task_t *t, const wx_peer_t *p,
