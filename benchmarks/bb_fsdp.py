@@ -305,6 +305,7 @@ def simulated(sender, dev, a: dict) -> dict:
             quant_GBps=k["quant_GBps"],
             quant_small_GBps=k.get("quant_small_GBps"),
             copy_GBps=k["copy_GBps"],
+            copy_batch_GBps=k.get("copy_batch_GBps"),
             write_GBps=link,
             write_call_s=h.get("write_call_s", 0.0),
             # the write path's time per write beyond the link's rate, from the same trace (a GPU: the
@@ -337,7 +338,9 @@ def simulated(sender, dev, a: dict) -> dict:
     except Exception as e:  # noqa: BLE001 -- the measurement stands without it
         # the kernels' figures measured before the failure, for an offline check (benchmarks/sim_check.py)
         rates = {
-            x: k[x] for x in ("quant_GBps", "quant_small_GBps", "copy_GBps", "pack_launch_s", "quantizer") if x in k
+            x: k[x]
+            for x in ("quant_GBps", "quant_small_GBps", "copy_GBps", "copy_batch_GBps", "pack_launch_s", "quantizer")
+            if x in k
         }
         return dict(simulated_error=f"{type(e).__name__}: {e}", simulated_rates=rates)
 

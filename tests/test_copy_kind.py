@@ -184,3 +184,28 @@ def test_the_plans_copy_figures_are_the_runtimes(monkeypatch):
 
     monkeypatch.delenv("WXFER_DIRECT_COPY_MAX", raising=False)
     assert direct.copy_max() == COPY_MAX and direct.COPY_BATCH == COPY_BATCH
+
+
+def test_the_batched_copies_have_their_own_rate_when_it_was_measured():
+    """copy_batch_GBps (calibrate measures torch._foreach_copy_ of 128 ranges) times the copy
+    kind's launches; without it they run at the on-device copy rate."""
+    from dataclasses import replace
+
+    from wxfer.meta import Calibration, Cluster
+    from wxfer.plan.sim_stages import _StageModel
+
+    cal = Calibration(copy_GBps=4000.0, pack_launch_s=0.0)
+    c = Cluster(train_gpus=1, infer_gpus=1, infer_tp=1, calibration=cal)
+    nb = 1 << 30
+    assert _StageModel(c).copy_s(nb) == pytest.approx(2 * nb / 4000e9)
+    c2 = Cluster(train_gpus=1, infer_gpus=1, infer_tp=1, calibration=replace(cal, copy_batch_GBps=2000.0))
+    assert _StageModel(c2).copy_s(nb) == pytest.approx(2 * nb / 2000e9)
+
+
+def test_calibrate_measures_the_batched_copies():
+    import torch
+
+    from wxfer.tools.calibrate import measure_kernels
+
+    k = measure_kernels(torch.device("cpu"), quick=True)
+    assert k["copy_batch_GBps"] > 0 and k["copy_GBps"] > 0

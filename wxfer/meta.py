@@ -109,6 +109,10 @@ class Calibration:
     )
     #                                        150-190 GB/s effective (BF16 read + FP8 written)
     copy_GBps: float | None = None  # BF16 packing; None: Cluster.mem_GBps (the on-device copy, 2.1 TB/s H200)
+    # the batched small copies straight into the receivers (torch._foreach_copy_ of up to 128 ranges,
+    # read + write); None: copy_GBps.  Measured by wxfer.tools.calibrate.measure_kernels; not on a GPU
+    # yet: the 11:58 UTC H200 run's trace implies about half the bulk copy rate (benchmarks/README.md)
+    copy_batch_GBps: float | None = None
     # the quantizer on a task whose FP8 pieces average at most small_piece_elems elements (a MoE layer's
     # experts); None: quant_GBps.  One H200 (issue 13, native kernel): 1.62 TB/s on 128 experts of
     # 768x2048 in one launch against 2.32 TB/s on one 12288x4096 tensor

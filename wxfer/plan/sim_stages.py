@@ -22,6 +22,7 @@ class _StageModel:
         self.nvl_bw = cluster.nvlink_GBps * 1e9
         self.mem_bw = cluster.mem_GBps * 1e9
         self.copy_bw = self.mem_bw if cal.copy_GBps is None else cal.copy_GBps * 1e9
+        self.copy_batch_bw = self.copy_bw if cal.copy_batch_GBps is None else cal.copy_batch_GBps * 1e9
         self.quant_bw = self.mem_bw if cal.quant_GBps is None else cal.quant_GBps * 1e9
         self.quant_small_bw = self.quant_bw if cal.quant_small_GBps is None else cal.quant_small_GBps * 1e9
         self.small_elems = float(cal.small_piece_elems)
@@ -87,8 +88,9 @@ class _StageModel:
     def copy_s(self, nbytes: float) -> float:
         """One batched copy launch (torch._foreach_copy_ of up to COPY_BATCH ranges) on the side
         stream: its per-launch cost (pack_launch_s, the kernels' measured launch cost) and the
-        ranges read and written (2 x bytes) at the on-device copy rate."""
-        return self.cal.pack_launch_s + 2.0 * nbytes / self.copy_bw
+        ranges read and written (2 x bytes) at the batched copies' rate (copy_batch_GBps; else the
+        on-device copy's)."""
+        return self.cal.pack_launch_s + 2.0 * nbytes / self.copy_batch_bw
 
     def zc_host_s(self, last_of_batch: bool) -> float:
         """Host work of one zero-copy task (and of its submit_prepared call when it is the last

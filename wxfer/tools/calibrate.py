@@ -110,11 +110,18 @@ def measure_kernels(dev, quick: bool) -> dict:
     src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
     # into fresh memory each time, as the packing does (one new buffer per task)
     t_copy = _timed(lambda: torch.empty_like(src).copy_(src), dev, iters)
+    # the batched small copies of zero-copy tasks (wxfer.runtime.direct._direct_copy_flush): 128
+    # ranges of 1/128 of the buffer each, one torch._foreach_copy_ (read + write counted)
+    dst = torch.empty_like(src)
+    k = src.numel() // 128
+    srcs, dsts = [src[i * k : (i + 1) * k] for i in range(128)], [dst[i * k : (i + 1) * k] for i in range(128)]
+    t_batch = _timed(lambda: torch._foreach_copy_(dsts, srcs), dev, iters)
     return dict(
         quantizer=name,
         quant_GBps=rate / 1e9,
         pack_launch_s=launch,
         copy_GBps=2 * src.numel() / t_copy / 1e9,
+        copy_batch_GBps=2 * 128 * k / t_batch / 1e9,
         quant_shape=[n, n],
         quant_s=t_big,
         quant_small_s=t_small,
@@ -526,6 +533,7 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
         quant_GBps=det["quant_GBps"],
         quant_small_GBps=det.get("quant_small_GBps"),
         copy_GBps=det["copy_GBps"],
+        copy_batch_GBps=det.get("copy_batch_GBps"),
         coll_call_s=det["coll_call_s"],
         write_call_s=det["write_call_s"],
         serial=True,
