@@ -215,13 +215,25 @@ class DirectMixin:
             return f"stage 2 runs on {self.device}, not a CUDA device"
         return None
 
-    def _direct_task(self, op) -> bool:
-        """Run packed task `op` straight into the receivers' memory when it can be; False: the
-        caller runs it the staging way (admitted under the watermark, packed, submitted)."""
+    def _direct_push(self) -> None:
+        """This push's counters (stats()['direct']), reset at its first direct decision."""
         if self._direct_ver != self.version:
             self._direct_ver = self.version
             self._direct_n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
             self._direct_why = {}
+
+    def _direct_begin(self) -> None:
+        """Before this push's first write straight into a receiver: the begin stamps are an
+        engine fence, which orders the engine's writes, not this process's kernels -- wait
+        until they (and what was submitted before) landed."""
+        if self._direct_begun != self.version:
+            self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
+            self._direct_begun = self.version
+
+    def _direct_task(self, op) -> bool:
+        """Run packed task `op` straight into the receivers' memory when it can be; False: the
+        caller runs it the staging way (admitted under the watermark, packed, submitted)."""
+        self._direct_push()
         prep = op.prep
         if prep.zero_copy or prep.direct is not None:
             return False  # the engine writes the source's own bytes: nothing packed
@@ -235,11 +247,7 @@ class DirectMixin:
             return False
         from . import prepare
 
-        if self._direct_begun != self.version:
-            # the begin stamps are an engine fence: it orders the engine's writes, not this
-            # process's kernels -- wait until they (and what was submitted before) landed
-            self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
-            self._direct_begun = self.version
+        self._direct_begin()
         fulls, _ = prepare.gather(prep, op, self.device)
         self._direct_launched = True
         self._direct_write(op, plan, fulls, self._direct_skip())
@@ -256,17 +264,12 @@ class DirectMixin:
             return False
         if self._direct_off() is not None or self._sums is not None:
             return False
-        if self._direct_ver != self.version:
-            self._direct_ver = self.version
-            self._direct_n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
-            self._direct_why = {}
+        self._direct_push()
         hit = self._copy_hit(op)
         if hit[3] is None:
             self._direct_why[hit[4]] = self._direct_why.get(hit[4], 0) + 1
             return False
-        if self._direct_begun != self.version:  # the begin stamps landed first (see _direct_task)
-            self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
-            self._direct_begun = self.version
+        self._direct_begin()
         self._copy_q.extend(hit[3])
         self._direct_n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
         if len(self._copy_q) >= COPY_BATCH:
