@@ -21,10 +21,11 @@ counted the same way (read + written). Every figure is the median of --reps repe
   python3 benchmarks/bench_quant.py --dry-run      # CPU, small shapes (CI)
 
 WXFER_FP8_MINB=<n> compiles the kernel for n CTAs per SM (register budget; default 4, 2 for
-the persistent variants); --minb runs one child process per value (the kernel is compiled
-once per process). WXFER_FP8_VARIANT=v<n> picks a kernel variant (csrc/prepare/
-wx_fp8_kernel.cu lists them; default v3); --variants runs one child per variant (v<n>:<minb>
-also sets WXFER_FP8_MINB), each checking its bytes against the reference, and prints one table.
+the persistent variants v2, v3 and v6-v8, 1 for v4); --minb runs one child process per value
+(the kernel is compiled once per process). WXFER_FP8_VARIANT=v<n> picks a kernel variant
+(csrc/prepare/wx_fp8_kernel.cu lists them; default v6, fp8.DEFAULT_VARIANT); --variants
+runs one child per variant (v<n>:<minb> also sets WXFER_FP8_MINB), each checking its bytes
+against the reference, and prints one table.
 """
 
 import argparse

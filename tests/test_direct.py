@@ -481,3 +481,57 @@ def test_task_kinds_says_copy_as_the_push_decides_it(store, monkeypatch):
     s.close()
     for r in recvs:
         r.close()
+
+
+class _CopySender(_FakeSender):
+    """_FakeSender with what _direct_copy needs: the receivers' regions as CPU tensors, an
+    engine whose failed peers the test sets, nothing waited for."""
+
+    def __init__(self, regions, gpu_of_region):
+        super().__init__(gpu_of_region)
+        self.regions, self.version, self._sums, self._failed = regions, 1, None, []
+        self.write_timeout = 1.0
+        self._gpu_of_peer = {10 + g: g for g in set(gpu_of_region.values())}
+        self.engine = type("E", (), {"failed_peers": lambda e: list(self._failed)})()
+
+    def _direct_off(self):
+        return None
+
+    def _dropped(self):
+        return set()
+
+    def _wait_engine(self, timeout, what):
+        pass
+
+    def _direct_map(self, rdesc, off, nb):
+        return self.regions[bytes(rdesc)].data_ptr() + off, None
+
+    def _direct_tensor(self, addr, n):
+        return next(t for t in self.regions.values() if t.data_ptr() == addr)
+
+    def _direct_view(self, rdesc):
+        t = self.regions[bytes(rdesc)]
+        return t, t.data_ptr()
+
+
+def test_small_copies_skip_a_receiver_that_failed_after_they_were_queued():
+    """A copy queued before its receiver failed is not written at the batch's launch (the
+    engine fenced that peer; nothing of this push may land there after), the others are."""
+    from types import SimpleNamespace
+
+    regions = {b"g0": torch.zeros(64, dtype=torch.uint8), b"g1": torch.zeros(64, dtype=torch.uint8)}
+    s = _CopySender(regions, {b"g0": 0, b"g1": 1})
+
+    def op(task, val):
+        src = torch.full((16,), val, dtype=torch.uint8)
+        dests = [(b"g0", 16 * task, 0, 16), (b"g1", 16 * task, 0, 16)]
+        prep = SimpleNamespace(zero_copy=True, direct=None, whole=[("w", src)], dests=dests)
+        return SimpleNamespace(prep=prep, sends=True, nbytes=16, task=task)
+
+    assert s._direct_copy(op(0, 7))  # queued to both receivers
+    s._failed = [SimpleNamespace(peer=11)]  # receiver gpu 1 fails (its peer 11)
+    assert s._direct_copy(op(1, 9))
+    s._direct_copy_flush()
+    assert torch.equal(regions[b"g0"][:32], torch.tensor([7] * 16 + [9] * 16, dtype=torch.uint8))
+    assert int(regions[b"g1"].count_nonzero()) == 0  # neither copy landed on the failed one
+    assert s._direct_n["copies"] == 2 and s._direct_n["skipped_writes"] == 2

@@ -481,6 +481,39 @@ def test_python_a_write_abandoned_at_the_deadline_never_lands_after_the_give_up(
     )
 
 
+def test_python_a_live_peer_sharing_a_task_with_a_dead_one_is_not_failed_with_it(emu_lib):
+    """Isolate mode: one task to two targets, the first one's link down. Its writes fill the
+    engine's depth until the task's deadline fails that peer; the task's writes to the live
+    target are posted only then, past the task's deadline: they get half a timeout more
+    (as after a refused peer), so the live target is not blamed too and gets every byte."""
+    _run_py(
+        emu_lib,
+        """
+        import ctypes, os
+        import numpy as np
+        from wxfer import _wxfer
+        from wxfer.testing import TargetProcess
+        emu = ctypes.CDLL(os.environ["WXFER_LIBIBVERBS"])
+        N = 1 << 16
+        src = np.full(N, 7, dtype=np.uint8)
+        with TargetProcess("verbs", {}, [N]) as cut, TargetProcess("verbs", {}, [N]) as live:
+            t = _wxfer.Transport("verbs", {"timeout": "20"})
+            cut.connect(t); live.connect(t)
+            eng = _wxfer.Engine(t, timeout=1.0, isolate=True, chunk=4096, depth=2)
+            assert emu.wxemu_verbs_link(cut.proc.pid, 0) >= 1
+            eng.submit(src, [(cut.descriptors[0], 0, 0, N), (live.descriptors[0], 0, 0, N)], tag=3)
+            eng.wait(timeout=20)
+            failed = eng.failed_peers()
+            assert [f.peer for f in failed] == [0], [str(f) for f in failed]
+            assert live.read(0) == src.tobytes()
+            emu.wxemu_verbs_link(cut.proc.pid, 1)
+            eng.close(); t.close()
+        print("OK")
+    """,
+        WXEMU_VERBS_RETRY_CAP_MS="60000",
+    )
+
+
 def test_python_registration_is_cached(emu_lib):
     _run_py(
         emu_lib,

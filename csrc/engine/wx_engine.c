@@ -134,15 +134,25 @@ static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *
     e->nfailed++;
     e->fencing_peers++;
     for (wx__task_t *t = e->active; t; t = t->act_next) {
+        int hit = 0;
         for (uint32_t i = 0; i < t->posted; i++) {
             wx__eop_t *eo = &t->ops[i];
             if (!eo->done && !eo->abandoned && t->dests[eo->dest].peer == p) {
                 eo->abandoned = 1;
                 t->live--;
                 e->inflight--;
+                hit = 1;
                 if (!t->status)
                     t->rec.status = err;
             }
+        }
+        /* the task's writes to its other peers were held up behind p's (the depth, the
+         * fence) and may have been posted only now: half a timeout more for them, as for a
+         * refused peer, else the task's past deadline would blame the next live peer too */
+        if (hit && (t->live > 0 || t->in_post)) {
+            uint64_t later = wx_now_ns() + e->o.timeout_ns / 2;
+            if (t->deadline < later)
+                t->deadline = later;
         }
     }
     wx__finish_abandoned(e);
@@ -164,10 +174,17 @@ static void wx__fence_failed_peers(wx_engine_t *e)
         int rc;
         if (fl->fence != WX__FENCE_TODO)
             continue;
+        uint64_t t0 = wx_now_ns(), took;
         fl->fence = WX__FENCE_RUNNING;
         pthread_mutex_unlock(&e->mu);
         rc = wx_fence(e->t, fl->peer, e->o.timeout_ns / 2, how, sizeof how);
         pthread_mutex_lock(&e->mu);
+        /* nothing was posted meanwhile: the fence's time does not count against the
+         * deadlines of the tasks still being posted */
+        took = wx_now_ns() - t0;
+        for (wx__task_t *t = e->active; t; t = t->act_next)
+            if (t->in_post)
+                t->deadline += took;
         fl = &e->failed[i]; /* (the table only grows) */
         n = strlen(fl->f.reason);
         if (n < sizeof fl->f.reason - 1)

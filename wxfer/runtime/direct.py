@@ -203,9 +203,7 @@ class DirectMixin:
         self._direct_begun = None  # the push whose begin stamps were waited for
         self._copy_max = copy_max()
         self._copy_plans: dict = {}  # task -> (prep, src data_ptr, numel, [(gpu, dst, src)] or None, why not)
-        self._copy_dst: list = []  # queued small copies (flushed by _direct_copy_flush)
-        self._copy_src: list = []
-        self._copy_skip = (None, frozenset())  # (push, gpus not written) of the copies
+        self._copy_q: list = []  # queued small copies [(gpu, dst, src)] (_direct_copy_flush)
 
     def _direct_off(self) -> str | None:
         """Why no task of this Sender can go direct, or None."""
@@ -217,13 +215,25 @@ class DirectMixin:
             return f"stage 2 runs on {self.device}, not a CUDA device"
         return None
 
-    def _direct_task(self, op) -> bool:
-        """Run packed task `op` straight into the receivers' memory when it can be; False: the
-        caller runs it the staging way (admitted under the watermark, packed, submitted)."""
+    def _direct_push(self) -> None:
+        """This push's counters (stats()['direct']), reset at its first direct decision."""
         if self._direct_ver != self.version:
             self._direct_ver = self.version
             self._direct_n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
             self._direct_why = {}
+
+    def _direct_begin(self) -> None:
+        """Before this push's first write straight into a receiver: the begin stamps are an
+        engine fence, which orders the engine's writes, not this process's kernels -- wait
+        until they (and what was submitted before) landed."""
+        if self._direct_begun != self.version:
+            self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
+            self._direct_begun = self.version
+
+    def _direct_task(self, op) -> bool:
+        """Run packed task `op` straight into the receivers' memory when it can be; False: the
+        caller runs it the staging way (admitted under the watermark, packed, submitted)."""
+        self._direct_push()
         prep = op.prep
         if prep.zero_copy or prep.direct is not None:
             return False  # the engine writes the source's own bytes: nothing packed
@@ -237,11 +247,7 @@ class DirectMixin:
             return False
         from . import prepare
 
-        if self._direct_begun != self.version:
-            # the begin stamps are an engine fence: it orders the engine's writes, not this
-            # process's kernels -- wait until they (and what was submitted before) landed
-            self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
-            self._direct_begun = self.version
+        self._direct_begin()
         fulls, _ = prepare.gather(prep, op, self.device)
         self._direct_launched = True
         self._direct_write(op, plan, fulls, self._direct_skip())
@@ -258,28 +264,15 @@ class DirectMixin:
             return False
         if self._direct_off() is not None or self._sums is not None:
             return False
-        if self._direct_ver != self.version:
-            self._direct_ver = self.version
-            self._direct_n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
-            self._direct_why = {}
+        self._direct_push()
         hit = self._copy_hit(op)
         if hit[3] is None:
             self._direct_why[hit[4]] = self._direct_why.get(hit[4], 0) + 1
             return False
-        if self._direct_begun != self.version:  # the begin stamps landed first (see _direct_task)
-            self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
-            self._direct_begun = self.version
-        if self._copy_skip[0] != self.version:
-            self._copy_skip = (self.version, self._direct_skip())
-        skip = self._copy_skip[1]
-        for g, dst, s in hit[3]:
-            if g in skip:
-                self._direct_n["skipped_writes"] += 1
-            else:
-                self._copy_dst.append(dst)
-                self._copy_src.append(s)
+        self._direct_begin()
+        self._copy_q.extend(hit[3])
         self._direct_n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
-        if len(self._copy_dst) >= COPY_BATCH:
+        if len(self._copy_q) >= COPY_BATCH:
             self._direct_copy_flush()
         return True
 
@@ -324,14 +317,19 @@ class DirectMixin:
 
     def _direct_copy_flush(self) -> None:
         """The queued small copies, in one batched launch (torch._foreach_copy_) on the current
-        (side) stream."""
-        if not self._copy_dst:
+        (side) stream; the receivers failed or dropped by now are not written (a copy queued
+        before its receiver failed is skipped, as a direct task launched after it is)."""
+        if not self._copy_q:
             return
         import torch
 
-        torch._foreach_copy_(self._copy_dst, self._copy_src)
-        self._direct_launched = True
-        self._copy_dst, self._copy_src = [], []
+        q, self._copy_q = self._copy_q, []
+        skip = self._direct_skip()
+        dst = [d for g, d, _ in q if g not in skip]
+        self._direct_n["skipped_writes"] += len(q) - len(dst)
+        if dst:
+            torch._foreach_copy_(dst, [s for g, _, s in q if g not in skip])
+            self._direct_launched = True
 
     def _direct_plan(self, op) -> tuple:
         """(_Plan or None, why not) of task `op`, decided once per set of destinations."""
@@ -492,7 +490,7 @@ class DirectMixin:
 
     def _direct_abandon(self) -> None:
         """A failing push: its direct writes land before it raises (best effort)."""
-        self._copy_dst, self._copy_src = [], []
+        self._copy_q = []
         try:
             self._direct_wait()
         except Exception:  # noqa: BLE001 -- the device itself failed; the push's error says more

@@ -39,7 +39,7 @@ class FinishMixin:
                 h._barrier.wait(self.timeout)
             except Exception as e:
                 gone = self._mark_other_rank_gone(h.version, e)
-                raise control.CollectiveError(f"{gone}: {e}" + (f"\n(and this rank: {own})" if own else "")) from exc
+                raise control.CollectiveError(f"{gone}: {e}" + _and_own(own)) from exc
         # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
         others = self._failures_elsewhere(own)
         if exc is not None and not others:
@@ -126,7 +126,7 @@ class FinishMixin:
             gone = self._mark_other_rank_gone(self.version, e)
             raise control.CollectiveError(
                 f"wxfer: trainer rank {self.rank}, step {self.version}: {gone}; the other trainer "
-                f"ranks did not finish the step within {self.timeout:.0f} s: {e}"
+                f"ranks did not finish the step within {self.timeout:.0f} s: {e}" + _and_own(own)
             ) from e
         if int(flag.item()) == 0:
             return []
@@ -135,7 +135,9 @@ class FinishMixin:
             reports = control.gather_strings(self.group, own, self.timeout, what)
         except Exception as e:
             gone = self._mark_other_rank_gone(self.version, e)
-            raise control.CollectiveError(f"wxfer: trainer rank {self.rank}, step {self.version}: {gone}: {e}") from e
+            raise control.CollectiveError(
+                f"wxfer: trainer rank {self.rank}, step {self.version}: {gone}: {e}" + _and_own(own)
+            ) from e
         return [(r, o) for r, o in enumerate(reports) if o is not None and r != self.rank]
 
     def _abort(self) -> None:
@@ -143,3 +145,8 @@ class FinishMixin:
             self.engine.wait(timeout=self.write_timeout)
         except Exception:  # noqa: BLE001
             self.engine.clear_error()
+
+
+def _and_own(own: str | None) -> str:
+    """This rank's own failure, kept in the error of a collective that failed after it."""
+    return f"\n(and this rank: {own})" if own else ""

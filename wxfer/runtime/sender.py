@@ -11,11 +11,14 @@ every rank through the store; every rank connects to the receivers it writes to.
 setup error on any rank (or on rank 0's controller) is raised on every rank.
 
 A step first writes its number into this rank's *begin* stamp slot on every receiver it
-writes to (and waits until those landed), then replays the plan: for each mesh group, for
-each task of this rank in order, H2D (offloaded FSDP) -> full_tensor() + fusion + FP8 +
-packing -> Engine.submit; an asynchronous gloo barrier after the group's last
-full_tensor(); then, once this rank's writes have landed, its *end* stamp into every
-receiver it wrote to (Receiver.version() counts a step only where begin == end).  A
+writes to (an engine fence task: no data write is posted before those landed; the host does
+not wait for them, except a push with direct tasks at its first, direct.py), then replays
+the plan: for each mesh group, for each task of this rank in order, H2D (offloaded FSDP) ->
+full_tensor() + fusion + FP8 + packing -> Engine.submit (or straight into the receivers'
+memory on cuda_ipc, direct.py); an asynchronous gloo barrier after the group's last
+full_tensor(); then its *end* stamp into every receiver it wrote to, a fence task posted once
+every data write of the step completed and the side stream's work (the direct writes) is
+done (Receiver.version() counts a step only where begin == end).  A
 receiver this rank gives up on, or a step it abandons half written, is recorded in the
 store (torn/<gpu>/e<epoch>/<i>) for Receiver.state().  A failure seen by any rank, raised
 anywhere inside push(), is raised on every rank (the same barriers, then one gloo
