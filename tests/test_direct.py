@@ -46,22 +46,9 @@ def test_map_validates_like_a_write_and_fabric_cannot_map():
 
 torch = pytest.importorskip("torch")
 from wxfer.mapping.reference import pack_task  # noqa: E402
-from wxfer.mapping.rules import Piece, Shard  # noqa: E402
+from wxfer.mapping.rules import Piece  # noqa: E402
 from wxfer.runtime import direct  # noqa: E402
-
-
-def _nb(kind, dtype, pcs):
-    n = 0
-    for p in pcs:
-        if kind == "scale":
-            n += -(-p.rows // 128) * -(-p.cols // 128) * 4
-        else:
-            n += p.numel() * (1 if kind == "fp8" else getattr(torch, dtype).itemsize)
-    return n
-
-
-def _shard(kind, dtype, *pcs):
-    return Shard(0, "d", 0, _nb(kind, dtype, pcs), kind, dtype, tuple(pcs))
+from wxfer.testing import shard as _shard  # noqa: E402
 
 
 def _fulls():

@@ -12,7 +12,8 @@ import torch
 from wxfer.runtime import program
 from wxfer.runtime import prepare
 from wxfer.mapping.reference import pack_task
-from wxfer.mapping.rules import Piece, Shard
+from wxfer.mapping.rules import Piece
+from wxfer.testing import shard as _shard
 
 
 def _fulls():
@@ -23,20 +24,6 @@ def _fulls():
         "n": torch.randn(257, generator=g).to(torch.bfloat16),
         "odd": torch.randn(5, 3, generator=g).to(torch.bfloat16),
     }
-
-
-def _nb(kind, dtype, pcs):
-    n = 0
-    for p in pcs:
-        if kind == "scale":
-            n += -(-p.rows // 128) * -(-p.cols // 128) * 4
-        else:
-            n += p.numel() * (1 if kind == "fp8" else getattr(torch, dtype).itemsize)
-    return n
-
-
-def _shard(kind, dtype, *pcs):
-    return Shard(0, "d", 0, _nb(kind, dtype, pcs), kind, dtype, tuple(pcs))
 
 
 def test_pack_into_matches_the_reference_packing():

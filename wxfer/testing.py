@@ -193,6 +193,20 @@ def connected_fabric(provider: str, sizes):
             t.close()
 
 
+def shard(kind: str, dtype: str, *pieces, rank: int = 0, dst: str = "d"):
+    """A mapping Shard of `pieces` at offset 0 with its byte count worked out: raw pieces in
+    `dtype`, e4m3 bytes (fp8) or their float32 block scales (scale)."""
+    import torch
+
+    from .mapping.rules import Shard
+
+    if kind == "scale":
+        nb = sum(p.scale_nbytes() for p in pieces)
+    else:
+        nb = sum(p.numel() * (1 if kind == "fp8" else getattr(torch, dtype).itemsize) for p in pieces)
+    return Shard(rank, dst, 0, nb, kind, dtype, tuple(pieces))
+
+
 def expected_shards(model, config: dict, tp: int = 1, quant: str | None = None) -> list:
     """[(TP rank, destination name, byte offset, uint8 bytes)]: what the mapping of the tiny
     models (wxfer.models.preset_for(config)) writes to each inference rank for `model`'s

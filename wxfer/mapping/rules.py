@@ -70,6 +70,10 @@ class Piece(NamedTuple):
     def numel(self) -> int:
         return self.rows * (self.cols if self.c1 else 1)
 
+    def scale_nbytes(self) -> int:
+        """Bytes of this piece's float32 block scales (its own BLOCK x BLOCK grid)."""
+        return cdiv(self.rows, BLOCK) * cdiv(self.cols, BLOCK) * 4
+
 
 class Shard(NamedTuple):
     """One contiguous byte region of destination parameter `dst` on inference rank `rank`.

@@ -91,7 +91,7 @@ def _items(shards) -> tuple | str:
             return f"shard {sh.dst}@{sh.offset}: pieces of {off - start} bytes, the shard {sh.nbytes}"
     fp8 = []
     for pc, (qs, ss) in fp8_pieces.items():
-        sb = -(-pc.rows // 128) * -(-pc.cols // 128) * 4
+        sb = pc.scale_nbytes()
         fp8.append((pc, [(q, pc.rows * pc.cols) for q in qs], [(s, sb) for s in ss]))
     return items, fp8
 
@@ -155,8 +155,7 @@ def _ranges(layout) -> list:
         out.extend((r, o, nb) for r, o in ts)
     for pc, qt, st in fp8:
         out.extend((r, o, pc.rows * pc.cols) for r, o in qt)
-        sb = -(-pc.rows // 128) * -(-pc.cols // 128) * 4
-        out.extend((r, o, sb) for r, o in st)
+        out.extend((r, o, pc.scale_nbytes()) for r, o in st)
     return out
 
 

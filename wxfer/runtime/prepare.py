@@ -157,7 +157,7 @@ def _place(shards, off: int = 0) -> tuple:
         for pc in sh.pieces:
             slot = fp8_pieces.setdefault(pc, ([], []))
             slot[0 if sh.kind == "fp8" else 1].append(off)
-            off += pc.rows * pc.cols if sh.kind == "fp8" else -(-pc.rows // 128) * -(-pc.cols // 128) * 4
+            off += pc.rows * pc.cols if sh.kind == "fp8" else pc.scale_nbytes()
         if off - start != sh.nbytes:
             raise AssertionError(f"shard {sh.dst}@{sh.offset}: packed {off - start} bytes, expected {sh.nbytes}")
     return raw, fp8_pieces, off
