@@ -91,10 +91,11 @@ def _time(fn, sync, iters, reps):
     return statistics.median(out)
 
 
-def worker(conn, job):
-    """One measurement job in a fresh process; sends back a dict."""
+def worker(conn, job, body=None):
+    """One measurement job in a fresh process (`body(job)`, default this script's jobs); sends
+    back a dict."""
     try:
-        conn.send(_worker(job))
+        conn.send((body or _worker)(job))
     except Exception as e:  # report instead of hanging the parent
         import traceback
 
@@ -199,9 +200,10 @@ def _worker(job):
     return res
 
 
-def run_job(ctx, job, timeout=TIMEOUT):
+def run_job(ctx, job, timeout=TIMEOUT, body=None):
+    """`worker` in a fresh process: its dict, or {"error": ...} after `timeout` seconds."""
     a, b = ctx.Pipe()
-    p = ctx.Process(target=worker, args=(b, job))
+    p = ctx.Process(target=worker, args=(b, job, body))
     p.start()
     b.close()
     if not a.poll(timeout):

@@ -24,9 +24,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_cuda_ipc import machine, receiver  # noqa: E402
+from bench_cuda_ipc import machine, receiver, run_job  # noqa: E402
 
-TIMEOUT = 300
 BATCH = 32  # = wxfer.runtime.sender.FAST_BATCH
 
 
@@ -130,27 +129,9 @@ def _ours(job):
     }
 
 
-def worker(conn, job):
-    try:
-        conn.send(_raw(job) if job["kind"] == "raw" else _ours(job))
-    except Exception as e:  # report instead of hanging the parent
-        import traceback
-
-        conn.send({"error": "%s: %s" % (type(e).__name__, e), "trace": traceback.format_exc()})
-
-
-def run_job(ctx, job):
-    a, b = ctx.Pipe()
-    p = ctx.Process(target=worker, args=(b, job))
-    p.start()
-    b.close()
-    if not a.poll(TIMEOUT):
-        p.kill()
-        p.join()
-        return {"error": "timed out after %d s" % TIMEOUT}
-    res = a.recv()
-    p.join(30)
-    return res
+def _job(job):
+    """One job of this benchmark in a fresh process (bench_cuda_ipc.run_job)."""
+    return _raw(job) if job["kind"] == "raw" else _ours(job)
 
 
 def main(argv=None) -> int:
@@ -184,7 +165,7 @@ def main(argv=None) -> int:
         return 1
     blob, desc = rc.recv()
     base = {"sizes": sizes, "reps": a.reps}
-    raw = run_job(ctx, dict(base, kind="raw"))
+    raw = run_job(ctx, dict(base, kind="raw"), body=_job)
     if "error" in raw:
         print("bound job failed: %s\n%s" % (raw["error"], raw.get("trace", "")))
         return 1
@@ -198,7 +179,7 @@ def main(argv=None) -> int:
     rows = []
     for v in a.variants.split(";"):
         opts = {} if v in ("", "default") else dict(kv.split("=", 1) for kv in v.split(","))
-        r = run_job(ctx, dict(base, kind="ours", opts=opts, blob=blob, desc=desc, conn=rc))
+        r = run_job(ctx, dict(base, kind="ours", opts=opts, blob=blob, desc=desc, conn=rc), body=_job)
         r["variant"] = v
         rows.append(r)
         if "error" in r:
