@@ -28,17 +28,8 @@ class TaskMixin:
         CUDA `event` when given; a refusal (a bad stamp descriptor in a worker's metadata)
         names the stamps and the workers."""
         try:
-            if event is not None:
-                self.engine.submit(
-                    src,
-                    list(dests.values()),
-                    tag=STAMP_TAG,
-                    fence=True,
-                    event=event.cuda_event,
-                    device=self.device.index,
-                )
-            else:
-                self.engine.submit(src, list(dests.values()), tag=STAMP_TAG, fence=True)
+            kw = {} if event is None else dict(event=event.cuda_event, device=self.device.index)
+            self.engine.submit(src, list(dests.values()), tag=STAMP_TAG, fence=True, **kw)
         except Exception as e:
             raise RuntimeError(
                 f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "
