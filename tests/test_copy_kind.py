@@ -9,9 +9,9 @@ import random
 
 import numpy as np
 import pytest
+from one_trainer import one_trainer_plan  # tests/one_trainer.py
 
 from wxfer.meta import Calibration, Cluster, synthesize
-from wxfer.plan import build_plan
 from wxfer.plan.kinds import COPY_BATCH, task_kinds
 from wxfer.plan.simulate import simulate
 from wxfer.runtime.hostfit import STAMP_TAG, fit
@@ -22,21 +22,7 @@ US = 1000  # ns
 
 
 def _one(cal, quant=None, write_GBps=1e5):
-    c = Cluster(
-        train_gpus=1,
-        infer_gpus=1,
-        infer_tp=1,
-        quant=quant,
-        gpus_per_node=1,
-        dense_shard=1,
-        expert_shard=1,
-        write_GBps=write_GBps,
-        calibration=Calibration(**dict(ZERO, **cal)),
-        **FAST,
-    )
-    s = synthesize("qwen3-8b", c)
-    plan = build_plan(s.train, s.workers, s.preset, quant=quant, expanded=s.expanded)
-    return c, plan, task_kinds(plan, s.train, direct=True)
+    return one_trainer_plan("qwen3-8b", quant, dict(ZERO, **cal), dict(direct=True), write_GBps=write_GBps, **FAST)
 
 
 def _launches(plan, kinds) -> list:
@@ -191,7 +177,6 @@ def test_the_batched_copies_have_their_own_rate_when_it_was_measured():
     kind's launches; without it they run at the on-device copy rate."""
     from dataclasses import replace
 
-    from wxfer.meta import Calibration, Cluster
     from wxfer.plan.sim_stages import _StageModel
 
     cal = Calibration(copy_GBps=4000.0, pack_launch_s=0.0)

@@ -8,10 +8,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from one_trainer import one_trainer_plan  # tests/one_trainer.py
 
-from wxfer.meta import Calibration, Cluster, synthesize
-from wxfer.plan import build_plan
-from wxfer.plan.kinds import task_kinds
 from wxfer.plan.simulate import simulate
 
 FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5, pcie_GBps=1e4)
@@ -19,21 +17,8 @@ ZERO = dict(host_param_s=0.0, host_zc_task_s=0.0, pack_launch_s=0.0, launch_per_
 
 
 def _one(cal=None, write_GBps=1e5, preset="qwen3-8b", quant="fp8", copy_max=0):
-    c = Cluster(
-        train_gpus=1,
-        infer_gpus=1,
-        infer_tp=1,
-        quant=quant,
-        gpus_per_node=1,
-        dense_shard=1,
-        expert_shard=1,
-        write_GBps=write_GBps,
-        calibration=Calibration(**dict(ZERO, **(cal or {}))),
-        **FAST,
-    )
-    s = synthesize(preset, c)
-    plan = build_plan(s.train, s.workers, s.preset, quant=quant, expanded=s.expanded)
-    return c, plan, task_kinds(plan, s.train, direct=True, copy_max=copy_max)
+    kinds = dict(direct=True, copy_max=copy_max)
+    return one_trainer_plan(preset, quant, dict(ZERO, **(cal or {})), kinds, write_GBps=write_GBps, **FAST)
 
 
 def _spans(r, stage):

@@ -5,10 +5,9 @@ costs of a push, H2D on the rank's one stream, and a GPU shared by the kernels a
 
 import numpy as np
 import pytest
+from one_trainer import one_trainer_plan  # tests/one_trainer.py
 
-from wxfer.meta import Calibration, Cluster, synthesize
-from wxfer.plan import build_plan
-from wxfer.plan.kinds import batches, task_kinds
+from wxfer.plan.kinds import batches
 from wxfer.plan.simulate import simulate
 
 FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5, pcie_GBps=1e4, write_GBps=1e5)
@@ -16,20 +15,7 @@ ZERO = dict(host_param_s=0.0, host_zc_task_s=0.0, pack_launch_s=0.0, quant_GBps=
 
 
 def _one(preset="qwen3-tiny", quant=None, cal=None, **kw):
-    c = Cluster(
-        train_gpus=1,
-        infer_gpus=1,
-        infer_tp=1,
-        quant=quant,
-        gpus_per_node=1,
-        dense_shard=1,
-        expert_shard=1,
-        calibration=Calibration(**dict(ZERO, **(cal or {}))),
-        **dict(FAST, **kw),
-    )
-    s = synthesize(preset, c)
-    plan = build_plan(s.train, s.workers, s.preset, quant=quant, expanded=s.expanded)
-    return c, plan, task_kinds(plan, s.train, cpu_offload=c.cpu_offload)
+    return one_trainer_plan(preset, quant, dict(ZERO, **(cal or {})), None, **dict(FAST, **kw))
 
 
 def _acts(r):
