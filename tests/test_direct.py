@@ -206,37 +206,16 @@ def _emulate(monkeypatch, recvs):
 
 
 def _receivers(addr, name, tp, quant, verify=False):
-    from wxfer.models import TINY, inference_params, preset_for
-    from wxfer.runtime.receiver import Receiver
-    from wxfer.testing import in_thread
+    from wxfer.models import TINY
+    from wxfer.testing import receivers_in_threads
 
-    params = [inference_params(TINY, tp, r, quant) for r in range(tp)]
-    ths = [
-        in_thread(
-            Receiver,
-            params[r],
-            mapping=preset_for(TINY).name,
-            store=addr,
-            replica=0,
-            rank=r,
-            tp=tp,
-            replicas=1,
-            name=name,
-            timeout=30,
-            verify=verify,
-        )
-        for r in range(tp)
-    ]
-    return params, ths
+    return receivers_in_threads(TINY, addr, name, tp, quant, timeout=30, verify=verify)
 
 
 def _joined(ths):
-    out = []
-    for th, box in ths:
-        th.join(30)
-        assert "error" not in box, box.get("error")
-        out.append(box["value"])
-    return out
+    from wxfer.testing import joined
+
+    return joined(ths, 30)
 
 
 def _model():

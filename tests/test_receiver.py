@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 T = 30.0
 
 
-from wxfer.testing import expected_shards, in_thread as _in_thread  # noqa: E402
+from wxfer.testing import expected_shards, in_thread as _in_thread, joined, receivers_in_threads  # noqa: E402
 
 
 def test_descriptor_round_trip():
@@ -70,29 +70,10 @@ def test_sender_to_receivers_in_one_process(store, quant):
     s, addr = store
     name = "one" + str(quant)
     tp = 2
-    params = [inference_params(TINY, tp, r, quant) for r in range(tp)]
-    ths = [
-        _in_thread(
-            Receiver,
-            params[r],
-            mapping=preset_for(TINY).name,
-            store=addr,
-            replica=0,
-            rank=r,
-            tp=tp,
-            replicas=1,
-            name=name,
-            timeout=T,
-        )
-        for r in range(tp)
-    ]
+    params, ths = receivers_in_threads(TINY, addr, name, tp, quant, timeout=T)
     model = _tiny_model()
     sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="1MiB")
-    recvs = []
-    for th, box in ths:
-        th.join(T)
-        assert "error" not in box, box.get("error")
-        recvs.append(box["value"])
+    recvs = joined(ths, T)
     assert [r.version() for r in recvs] == [-1, -1]
     sender.push()
     assert [r.version() for r in recvs] == [1, 1]

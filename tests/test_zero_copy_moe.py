@@ -17,7 +17,7 @@ from wxfer import _wxfer
 from wxfer.mapping import Layout, Piece, Shard, expand, pack_shard, pack_task
 from wxfer.models import TINY_MOE, inference_params, preset_for, train_model
 from wxfer.runtime import prepare, program
-from wxfer.testing import in_thread
+from wxfer.testing import joined, receivers_in_threads
 
 FABRIC = _wxfer.backends()["fabric"][0]
 T = 30.0
@@ -148,30 +148,11 @@ def _landed(weights, params, tp, quant=None, ep=False):
 
 
 def _receivers(addr, name, tp, quant, ep):
-    from wxfer.runtime.receiver import Receiver
-
-    kw = dict(
-        mapping=preset_for(TINY_MOE).name,
-        store=addr,
-        replica=0,
-        tp=tp,
-        ep=ep,
-        replicas=1,
-        name=name,
-        timeout=T,
-        verify=True,
-    )
-    params = [inference_params(TINY_MOE, tp, r, quant, ep) for r in range(tp)]
-    return params, [in_thread(Receiver, params[r], rank=r, **kw) for r in range(tp)]
+    return receivers_in_threads(TINY_MOE, addr, name, tp, quant, ep, timeout=T, verify=True)
 
 
 def _joined(ths):
-    out = []
-    for th, box in ths:
-        th.join(T)
-        assert "error" not in box, box.get("error")
-        out.append(box["value"])
-    return out
+    return joined(ths, T)
 
 
 def _expert_ops(sender):

@@ -193,6 +193,33 @@ def connected_fabric(provider: str, sizes):
             t.close()
 
 
+def receivers_in_threads(config: dict, store, name: str, tp: int = 1, quant=None, ep: bool = False, timeout=30.0, **kw):
+    """One replica of `config`'s inference model, TP `tp`, as Receivers constructed in threads
+    (a constructor waits for the trainers): (each rank's params, [(thread, box)] as in_thread
+    gives them; see joined). `kw`: more Receiver arguments (verify, ...)."""
+    from .models import inference_params, preset_for
+    from .runtime.receiver import Receiver
+
+    params = [inference_params(config, tp, r, quant, ep) for r in range(tp)]
+    common = dict(mapping=preset_for(config).name, store=store, replica=0, tp=tp, replicas=1, name=name)
+    if ep:
+        common["ep"] = True
+    return params, [in_thread(Receiver, params[r], rank=r, timeout=timeout, **common, **kw) for r in range(tp)]
+
+
+def joined(threads, timeout: float = 30.0) -> list:
+    """The values of in_thread's [(thread, box)], each joined; a thread's error is raised here."""
+    out = []
+    for th, box in threads:
+        th.join(timeout)
+        if "error" in box:
+            raise box["error"]
+        if "value" not in box:
+            raise TimeoutError(f"wxfer.testing.joined: a thread did not finish in {timeout} s")
+        out.append(box["value"])
+    return out
+
+
 def shard(kind: str, dtype: str, *pieces, rank: int = 0, dst: str = "d"):
     """A mapping Shard of `pieces` at offset 0 with its byte count worked out: raw pieces in
     `dtype`, e4m3 bytes (fp8) or their float32 block scales (scale)."""
