@@ -12,7 +12,7 @@ import pytest
 from one_trainer import one_trainer_plan  # tests/one_trainer.py
 
 from wxfer.meta import Calibration, Cluster, synthesize
-from wxfer.plan.kinds import COPY_BATCH, task_kinds
+from wxfer.plan.kinds import COPY_BATCH, COPY_BATCH_BYTES, task_kinds
 from wxfer.plan.simulate import simulate
 from wxfer.runtime.hostfit import STAMP_TAG, fit
 
@@ -27,7 +27,7 @@ def _one(cal, quant=None, write_GBps=1e5):
 
 def _launches(plan, kinds) -> list:
     """[bytes of each batched copy launch] as the Sender issues them: its ranges queued task by
-    task, launched once COPY_BATCH are queued and at each mesh group's end."""
+    task, launched once COPY_BATCH are queued (or COPY_BATCH_BYTES) and at each mesh group's end."""
     ranges = np.bincount(plan.task, minlength=len(plan.tasks))
     nbytes = np.bincount(plan.task, plan.nbytes, len(plan.tasks))
     out = []
@@ -36,7 +36,7 @@ def _launches(plan, kinds) -> list:
         for t, _ in g:
             if kinds[t] == "copy":
                 q, b = q + int(ranges[t]), b + float(nbytes[t])
-                if q >= COPY_BATCH:
+                if q >= COPY_BATCH or b >= COPY_BATCH_BYTES:
                     out.append(b)
                     q, b = 0, 0.0
         if q:
@@ -170,6 +170,7 @@ def test_the_plans_copy_figures_are_the_runtimes(monkeypatch):
 
     monkeypatch.delenv("WXFER_DIRECT_COPY_MAX", raising=False)
     assert direct.copy_max() == COPY_MAX and direct.COPY_BATCH == COPY_BATCH
+    assert direct.COPY_BATCH_BYTES == COPY_BATCH_BYTES
 
 
 def test_the_batched_copies_have_their_own_rate_when_it_was_measured():

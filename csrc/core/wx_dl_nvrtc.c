@@ -3,6 +3,7 @@
 #include "wx_dl_nvrtc.h"
 
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -143,4 +144,46 @@ const wx_nvrtc_api_t *wx_nvrtc(const char *const *dirs, int ndirs, char *why, si
         return NULL;
     }
     return &wx__nvrtc;
+}
+
+int wx_nvrtc_cubin(const wx_nvrtc_api_t *nv, const char *what, const char *src, const char *name,
+                   int nhdr, const char *const *hdr_src, const char *const *hdr_name, int nopt,
+                   const char *const *opts, char **bin, size_t *size, char *why, size_t why_len)
+{
+    wx_nvrtc_program prog = NULL;
+    size_t n = 0;
+    char *out = NULL;
+    int r = nv->nvrtcCreateProgram(&prog, src, name, nhdr, hdr_src, hdr_name);
+    if (r) {
+        snprintf(why, why_len, "nvrtcCreateProgram: %s", nv->nvrtcGetErrorString(r));
+        return -EIO;
+    }
+    r = nv->nvrtcCompileProgram(prog, nopt, opts);
+    if (r) {
+        char log[384] = "";
+        if (nv->nvrtcGetProgramLogSize(prog, &n) == 0 && n > 0) {
+            char *full = malloc(n + 1);
+            if (full && nv->nvrtcGetProgramLog(prog, full) == 0)
+                snprintf(log, sizeof log, "%s", full);
+            free(full);
+        }
+        snprintf(why, why_len, "NVRTC %d.%d (%.160s) could not compile %s: %.40s: %.200s",
+                 nv->major, nv->minor, nv->path, what, nv->nvrtcGetErrorString(r), log);
+        nv->nvrtcDestroyProgram(&prog);
+        return -EIO;
+    }
+    n = 0;
+    r = nv->nvrtcGetCUBINSize(prog, &n);
+    if (!r && n && (out = malloc(n)) != NULL)
+        r = nv->nvrtcGetCUBIN(prog, out);
+    nv->nvrtcDestroyProgram(&prog);
+    if (r || !out) {
+        free(out);
+        snprintf(why, why_len, "nvrtcGetCUBIN (%s): %s", what,
+                 r ? nv->nvrtcGetErrorString(r) : "out of memory");
+        return -EIO;
+    }
+    *bin = out;
+    *size = n;
+    return 0;
 }

@@ -34,4 +34,12 @@ typedef struct wx_nvrtc_api {
  * Returns the table, or NULL with the reason (what was tried) in why. */
 const wx_nvrtc_api_t *wx_nvrtc(const char *const *dirs, int ndirs, char *why, size_t why_len);
 
+/* Compile CUDA C `src` (file name `name`, with nhdr headers it may #include) with the nopt
+ * options; on success *bin is a malloc'ed cubin of *size bytes (the caller keeps or frees it).
+ * Returns 0, or -EIO with NVRTC's error and the start of its log in why (`what` names the
+ * kernel there). */
+int wx_nvrtc_cubin(const wx_nvrtc_api_t *nv, const char *what, const char *src, const char *name,
+                   int nhdr, const char *const *hdr_src, const char *const *hdr_name, int nopt,
+                   const char *const *opts, char **bin, size_t *size, char *why, size_t why_len);
+
 #endif

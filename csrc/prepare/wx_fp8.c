@@ -155,11 +155,12 @@ static unsigned wx__smem(void)
 /* The kernel compiled for compute capability cc (once per architecture). */
 static int wx__compile(const wx_nvrtc_api_t *nv, int cc, char *why, size_t why_len)
 {
-    char arch[48], minb[48], variant[48], stages[48];
+    char arch[48], minb[48], variant[48], stages[48], what[64];
     const char *opts[5];
     const char *hdr_src[] = {wx_fp8_pipe_src}, *hdr_name[] = {"wx_fp8_pipe.cu"};
     int nopt = 0, r;
-    wx_nvrtc_program prog = NULL;
+    size_t size = 0;
+    char *bin = NULL;
     snprintf(arch, sizeof arch, "--gpu-architecture=sm_%d", cc);
     opts[nopt++] = arch;
     opts[nopt++] = "--fmad=false"; /* no contraction: IEEE division and conversions only */
@@ -173,40 +174,11 @@ static int wx__compile(const wx_nvrtc_api_t *nv, int cc, char *why, size_t why_l
         snprintf(stages, sizeof stages, "-DWX_STAGES=%d", wx__stages());
         opts[nopt++] = stages;
     }
-    r = nv->nvrtcCreateProgram(&prog, wx_fp8_kernel_src, "wx_fp8_kernel.cu", 1, hdr_src, hdr_name);
-    if (r) {
-        snprintf(why, why_len, "nvrtcCreateProgram: %s", nv->nvrtcGetErrorString(r));
-        return -EIO;
-    }
-    r = nv->nvrtcCompileProgram(prog, nopt, opts);
-    if (r) {
-        size_t n = 0;
-        char log[384] = "";
-        if (nv->nvrtcGetProgramLogSize(prog, &n) == 0 && n > 0) {
-            char *full = malloc(n + 1);
-            if (full && nv->nvrtcGetProgramLog(prog, full) == 0)
-                snprintf(log, sizeof log, "%s", full);
-            free(full);
-        }
-        snprintf(why, why_len,
-                 "NVRTC %d.%d (%.160s) could not compile the FP8 kernel (variant "
-                 "v%d) for sm_%d: %.40s: %.200s",
-                 nv->major, nv->minor, nv->path, wx__variant, cc, nv->nvrtcGetErrorString(r), log);
-        nv->nvrtcDestroyProgram(&prog);
-        return -EIO;
-    }
-    size_t size = 0;
-    char *bin = NULL;
-    r = nv->nvrtcGetCUBINSize(prog, &size);
-    if (!r && size && (bin = malloc(size)) != NULL)
-        r = nv->nvrtcGetCUBIN(prog, bin);
-    nv->nvrtcDestroyProgram(&prog);
-    if (r || !bin) {
-        free(bin);
-        snprintf(why, why_len, "nvrtcGetCUBIN: %s",
-                 r ? nv->nvrtcGetErrorString(r) : "out of memory");
-        return -EIO;
-    }
+    snprintf(what, sizeof what, "the FP8 kernel (variant v%d) for sm_%d", wx__variant, cc);
+    r = wx_nvrtc_cubin(nv, what, wx_fp8_kernel_src, "wx_fp8_kernel.cu", 1, hdr_src, hdr_name, nopt,
+                       opts, &bin, &size, why, why_len);
+    if (r)
+        return r;
     wx__bins[wx__nbins].cc = cc;
     wx__bins[wx__nbins].cubin = bin;
     wx__bins[wx__nbins].size = size;

@@ -1,25 +1,27 @@
 /* py_prepare.c - the Python binding of the native prepare code (csrc/prepare): the FP8
- * kernel's probe, validation and launch. wxfer/runtime/fp8.py is its only caller. */
+ * kernel's and the batched copy kernel's probe, validation and launch. wxfer/runtime/fp8.py
+ * and wxfer/runtime/copies.py are their only callers. */
 #include "wx_py.h"
 
 #include <stdlib.h>
 #include <string.h>
 
+#include "wx_copy.h"
 #include "wx_fp8.h"
 
-/* The piece table of a buffer-protocol object (e.g. array('q')), 8-byte aligned; *copy is
- * set when it had to be copied (free it). Returns the count, or -1 with an exception. */
-static int wx__pieces(PyObject *obj, Py_buffer *view, const wx_fp8_piece_t **p, void **copy)
+/* The table of `what` (entries of `esize` bytes, at most `max`) in a buffer-protocol object
+ * (e.g. array('Q')), 8-byte aligned; *copy is set when it had to be copied (free it). Returns
+ * the count, or -1 with an exception. */
+static int wx__table(PyObject *obj, Py_buffer *view, const void **p, void **copy, const char *what,
+                     size_t esize, int max)
 {
     *copy = NULL;
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0)
         return -1;
-    if (view->len <= 0 || view->len % (Py_ssize_t)sizeof(wx_fp8_piece_t) ||
-        view->len / (Py_ssize_t)sizeof(wx_fp8_piece_t) > WX_FP8_MAX_PIECES) {
+    if (view->len <= 0 || view->len % (Py_ssize_t)esize || view->len / (Py_ssize_t)esize > max) {
         PyErr_Format(PyExc_ValueError,
-                     "fp8 piece table: %zd bytes (expected 1 to %d pieces of "
-                     "%zu bytes)",
-                     view->len, WX_FP8_MAX_PIECES, sizeof(wx_fp8_piece_t));
+                     "%s table: %zd bytes (expected 1 to %d entries of %zu bytes)", what, view->len,
+                     max, esize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -34,7 +36,40 @@ static int wx__pieces(PyObject *obj, Py_buffer *view, const wx_fp8_piece_t **p, 
         memcpy(*copy, view->buf, (size_t)view->len);
         *p = *copy;
     }
-    return (int)(view->len / (Py_ssize_t)sizeof(wx_fp8_piece_t));
+    return (int)(view->len / (Py_ssize_t)esize);
+}
+
+static int wx__pieces(PyObject *obj, Py_buffer *view, const wx_fp8_piece_t **p, void **copy)
+{
+    return wx__table(obj, view, (const void **)p, copy, "fp8 piece", sizeof(wx_fp8_piece_t),
+                     WX_FP8_MAX_PIECES);
+}
+
+static int wx__ranges(PyObject *obj, Py_buffer *view, const wx_copy_range_t **p, void **copy)
+{
+    return wx__table(obj, view, (const void **)p, copy, "copy range", sizeof(wx_copy_range_t),
+                     WX_COPY_MAX_RANGES);
+}
+
+/* dirs (a sequence of str, or None) as a C array *d of *nd entries (free *d, DECREF *seq). */
+static int wx__dirs(PyObject *dirs, PyObject **seq, const char ***d, int *nd)
+{
+    *seq = NULL;
+    *d = NULL;
+    *nd = 0;
+    if (!dirs || dirs == Py_None)
+        return 0;
+    if (!(*seq = PySequence_Fast(dirs, "probe: dirs must be a sequence of str")))
+        return -1;
+    *nd = (int)PySequence_Fast_GET_SIZE(*seq);
+    if (*nd && !(*d = calloc((size_t)*nd, sizeof **d))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < *nd; i++)
+        if (!((*d)[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(*seq, i))))
+            return -1;
+    return 0;
 }
 
 static PyObject *wx_fp8_check_py(PyObject *m, PyObject *args)
@@ -59,33 +94,29 @@ static PyObject *wx_fp8_check_py(PyObject *m, PyObject *args)
     return PyLong_FromUnsignedLongLong(ntiles);
 }
 
-static PyObject *wx_fp8_probe_py(PyObject *m, PyObject *args)
+typedef int (*wx__probe_fn)(int, const char *const *, int, char *, size_t);
+
+static PyObject *wx__probe(PyObject *args, const char *fmt, wx__probe_fn probe)
 {
     int device, rc, nd = 0;
     PyObject *dirs = NULL, *seq = NULL, *res = NULL;
     const char **d = NULL;
     char why[WX_ERRMSG_MAX] = "";
-    if (!PyArg_ParseTuple(args, "i|O:fp8_probe", &device, &dirs))
+    if (!PyArg_ParseTuple(args, fmt, &device, &dirs))
         return NULL;
-    if (dirs && dirs != Py_None) {
-        if (!(seq = PySequence_Fast(dirs, "fp8_probe: dirs must be a sequence of str")))
-            return NULL;
-        nd = (int)PySequence_Fast_GET_SIZE(seq);
-        if (nd && !(d = calloc((size_t)nd, sizeof *d))) {
-            Py_DECREF(seq);
-            return PyErr_NoMemory();
-        }
-        for (int i = 0; i < nd; i++)
-            if (!(d[i] = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i))))
-                goto out;
+    if (wx__dirs(dirs, &seq, &d, &nd) == 0) {
+        Py_BEGIN_ALLOW_THREADS rc = probe(device, d, nd, why, sizeof why);
+        Py_END_ALLOW_THREADS res =
+            Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
     }
-    Py_BEGIN_ALLOW_THREADS rc = wx_fp8_probe(device, d, nd, why, sizeof why);
-    Py_END_ALLOW_THREADS res =
-        Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
-out:
     free(d);
     Py_XDECREF(seq);
     return res;
+}
+
+static PyObject *wx_fp8_probe_py(PyObject *m, PyObject *args)
+{
+    return wx__probe(args, "i|O:fp8_probe", wx_fp8_probe);
 }
 
 static PyObject *wx_fp8_launch_py(PyObject *m, PyObject *args)
@@ -110,6 +141,53 @@ static PyObject *wx_fp8_launch_py(PyObject *m, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *wx_copy_check_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    PyObject *obj;
+    Py_buffer view;
+    const wx_copy_range_t *p;
+    void *copy;
+    uint64_t nchunks = 0;
+    int n, rc;
+    if (!PyArg_ParseTuple(args, "O:copy_check", &obj))
+        return NULL;
+    if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
+        return NULL;
+    rc = wx_copy_check(p, n, &nchunks);
+    free(copy);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "copy_check");
+    return PyLong_FromUnsignedLongLong(nchunks);
+}
+
+static PyObject *wx_copy_probe_py(PyObject *m, PyObject *args)
+{
+    return wx__probe(args, "i|O:copy_probe", wx_copy_probe);
+}
+
+static PyObject *wx_copy_launch_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    int device, n, rc;
+    unsigned long long stream, dev_ranges;
+    PyObject *obj;
+    Py_buffer view;
+    const wx_copy_range_t *p;
+    void *copy;
+    if (!PyArg_ParseTuple(args, "iKOK:copy_launch", &device, &stream, &obj, &dev_ranges))
+        return NULL;
+    if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS rc = wx_copy_launch(device, stream, p, dev_ranges, n);
+    Py_END_ALLOW_THREADS free(copy);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "copy_launch");
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef wx__prepare_methods[] = {
     {"fp8_check", wx_fp8_check_py, METH_VARARGS,
      "fp8_check(pieces, out_nbytes) -> tiles; raises Error naming the first bad piece. pieces: "
@@ -121,6 +199,16 @@ static PyMethodDef wx__prepare_methods[] = {
      "fp8_launch(device, stream, out_ptr, out_nbytes, pieces, device_pieces_ptr): one launch "
      "of the FP8 kernel on the stream; pieces as for fp8_check, device_pieces_ptr the same "
      "bytes in device memory, or 0 for at most 8 pieces (passed in the launch's parameters)."},
+    {"copy_check", wx_copy_check_py, METH_VARARGS,
+     "copy_check(ranges) -> chunks; raises Error naming the first bad range. ranges: a buffer "
+     "of 4 x uint64 per range (dst, src, nbytes, chunk0), chunk0 counting 64 KiB chunks."},
+    {"copy_probe", wx_copy_probe_py, METH_VARARGS,
+     "copy_probe(device, dirs=()) -> (usable, why_not): loads libnvrtc (also from dirs) and "
+     "compiles the batched copy kernel for the device at first use."},
+    {"copy_launch", wx_copy_launch_py, METH_VARARGS,
+     "copy_launch(device, stream, ranges, device_ranges_ptr): one launch of the batched copy "
+     "kernel on the stream; ranges as for copy_check, device_ranges_ptr the same bytes in "
+     "device memory (valid until the kernel ran)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,7 +22,7 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
   copy             a zero-copy task of fewer bytes than ``COPY_MAX`` (wxfer.runtime.direct.copy_max)
                    where direct is possible: not an engine write; its destination ranges are
                    copied straight into the receivers' mapped memory by batched copy kernels
-                   (``torch._foreach_copy_``, up to ``COPY_BATCH`` ranges per launch) on the side
+                   (wxfer.runtime.copies, up to ``COPY_BATCH`` ranges or ``COPY_BATCH_BYTES`` per launch) on the side
                    stream, in order with the direct kernels; no trace record, no posting, no
                    watermark; the push's first direct or copy task waits for the engine's work so far
 
@@ -38,6 +38,7 @@ KINDS = ("zero_copy", "staged", "packed", "direct", "collective_only", "copy")
 ZERO_COPY_BATCH = 32  # = wxfer.runtime.sender.FAST_BATCH (a test holds them equal)
 COPY_MAX = 32 << 20  # = wxfer.runtime.direct.copy_max()'s default ($WXFER_DIRECT_COPY_MAX unset)
 COPY_BATCH = 128  # = wxfer.runtime.direct.COPY_BATCH: queued ranges per batched copy launch
+COPY_BATCH_BYTES = 256 << 20  # = wxfer.runtime.direct.COPY_BATCH_BYTES: or fewer, once their bytes reach this
 
 
 def _shape_dtype(p):

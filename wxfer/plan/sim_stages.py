@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kinds import COPY_BATCH, KINDS, batch_ends
+from .kinds import COPY_BATCH, COPY_BATCH_BYTES, KINDS, batch_ends
 from .sim_net import _Jobs, _Network
 
 
@@ -86,7 +86,7 @@ class _StageModel:
         return self.cal.write_call_s * nwrites
 
     def copy_s(self, nbytes: float) -> float:
-        """One batched copy launch (torch._foreach_copy_ of up to COPY_BATCH ranges) on the side
+        """One batched copy launch (wxfer.runtime.copies, up to COPY_BATCH ranges) on the side
         stream: its per-launch cost (pack_launch_s, the kernels' measured launch cost) and the
         ranges read and written (2 x bytes) at the batched copies' rate (copy_batch_GBps; else the
         on-device copy's)."""
@@ -159,6 +159,7 @@ class _Meshes:
         self.zc_open: list = [[] for _ in range(world)]  # zero-copy jobs of the rank's open batch
         self.copy_open: list = [[] for _ in range(world)]  # copy jobs queued, not yet launched
         self.copy_n = np.zeros(world, np.int64)  # their ranges
+        self.copy_b = np.zeros(world)  # and bytes
         self.stage_end = {"h2d": max(self.h2d_done.values(), default=0.0), "allgather": 0.0, "quant": 0.0, "write": 0.0}
 
     def _h2d(self) -> dict:
@@ -339,7 +340,7 @@ class _Meshes:
         """A zero-copy or copy task on rank r reached by its host at s: host time only (and the
         submit_prepared call where the open batch is handed to the engine, all at once: after
         its last task, or after the copy tasks that follow it); a copy task's ranges are queued,
-        launched once COPY_BATCH of them are and at the mesh group's end
+        launched once COPY_BATCH of them are (or COPY_BATCH_BYTES) and at the mesh group's end
         (wxfer.runtime.direct._direct_copy)."""
         end, copy = j in self.zc_last, self.kind[j] == _COPY
         md = self.model
@@ -351,7 +352,8 @@ class _Meshes:
             assert self.jobs.xwrites is not None
             self.copy_open[r].append(j)
             self.copy_n[r] += int(self.jobs.xwrites[j])
-            if self.copy_n[r] >= COPY_BATCH:
+            self.copy_b[r] += float(self.jobs.xbytes[j])
+            if self.copy_n[r] >= COPY_BATCH or self.copy_b[r] >= COPY_BATCH_BYTES:
                 self._copy_flush(r, h)
         else:
             self.zc_open[r].append(j)
@@ -380,7 +382,7 @@ class _Meshes:
         for jj in js:
             self.act_time[jj] = k1
             self.direct_pend.append(jj)
-        self.copy_open[r], self.copy_n[r] = [], 0
+        self.copy_open[r], self.copy_n[r], self.copy_b[r] = [], 0, 0.0
 
     def end_allgather(self, m: int, ti: int, start: float, t_end: float) -> None:
         """All-gather of task ti ended: pack on the senders, release the next group when this

@@ -35,7 +35,8 @@ from itertools import zip_longest
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-COPY_BATCH = 128  # small zero-copy tasks' copies per torch._foreach_copy_ call
+COPY_BATCH = 128  # small zero-copy tasks' copies per batched launch (wxfer.runtime.copies)
+COPY_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (the GPU starts on them)
 
 
 def copy_max() -> int:
@@ -202,7 +203,9 @@ class DirectMixin:
         self._direct_begun = None  # the push whose begin stamps were waited for
         self._copy_max = copy_max()
         self._copy_plans: dict = {}  # task -> (prep, src data_ptr, numel, [(gpu, dst, src)] or None, why not)
-        self._copy_q: list = []  # queued small copies [(gpu, dst, src)] (_direct_copy_flush)
+        self._copy_q: list = []  # queued small copies [(gpu, dst, src, dst addr, src addr, n)] (_direct_copy_flush)
+        self._copy_q_bytes = 0  # their bytes
+        self._direct_copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
 
     def _direct_off(self) -> str | None:
         """Why no task of this Sender can go direct, or None."""
@@ -270,8 +273,9 @@ class DirectMixin:
             return False
         self._direct_begin()
         self._copy_q.extend(hit[3])
+        self._copy_q_bytes += op.nbytes
         self._direct_n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
-        if len(self._copy_q) >= COPY_BATCH:
+        if len(self._copy_q) >= COPY_BATCH or self._copy_q_bytes >= COPY_BATCH_BYTES:
             self._direct_copy_flush()
         return True
 
@@ -309,25 +313,27 @@ class DirectMixin:
                 addr, _ = self._direct_map(rdesc, doff, n)
                 if addr != base + doff:
                     raise _NotDirect(f"[{doff}, +{n}) of a region is mapped at {addr:#x}, not {base + doff:#x}")
-                items.append((self._gpu_of_region.get(bytes(rdesc)), view[doff : doff + n], flat[soff : soff + n]))
+                d, sv = view[doff : doff + n], flat[soff : soff + n]
+                items.append((self._gpu_of_region.get(bytes(rdesc)), d, sv, d.data_ptr(), sv.data_ptr(), n))
         except _NotDirect as e:
             return (prep, src.data_ptr(), src.numel(), None, str(e))
         return (prep, src.data_ptr(), src.numel(), items, None)
 
     def _direct_copy_flush(self) -> None:
-        """The queued small copies, in one batched launch (torch._foreach_copy_) on the current
-        (side) stream; the receivers failed or dropped by now are not written (a copy queued
-        before its receiver failed is skipped, as a direct task launched after it is)."""
+        """The queued small copies, in one batched launch (wxfer.runtime.copies: the native
+        kernel, else torch._foreach_copy_) on the current (side) stream; the receivers failed or
+        dropped by now are not written (a copy queued before its receiver failed is skipped, as
+        a direct task launched after it is)."""
         if not self._copy_q:
             return
-        import torch
+        from . import copies
 
-        q, self._copy_q = self._copy_q, []
+        q, self._copy_q, self._copy_q_bytes = self._copy_q, [], 0
         skip = self._direct_skip()
-        dst = [d for g, d, _ in q if g not in skip]
-        self._direct_n["skipped_writes"] += len(q) - len(dst)
-        if dst:
-            torch._foreach_copy_(dst, [s for g, _, s in q if g not in skip])
+        items = [c[1:] for c in q if c[0] not in skip]
+        self._direct_n["skipped_writes"] += len(q) - len(items)
+        if items:
+            self._direct_copier = copies.copy_ranges(self.device, items)
             self._direct_launched = True
 
     def _direct_plan(self, op) -> tuple:
@@ -497,6 +503,8 @@ class DirectMixin:
 
     def _direct_stats(self) -> dict:
         d = dict(self._direct_n, enabled=self.direct, total=self._direct_total)
+        if self._direct_copier is not None:
+            d["copier"] = self._direct_copier  # the batched copies' last launch (wxfer.runtime.copies)
         off = self._direct_off()
         if off:
             d["why_not"] = off

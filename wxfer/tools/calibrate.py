@@ -111,17 +111,25 @@ def measure_kernels(dev, quick: bool) -> dict:
     # into fresh memory each time, as the packing does (one new buffer per task)
     t_copy = _timed(lambda: torch.empty_like(src).copy_(src), dev, iters)
     # the batched small copies of zero-copy tasks (wxfer.runtime.direct._direct_copy_flush): 128
-    # ranges of 1/128 of the buffer each, one torch._foreach_copy_ (read + write counted)
+    # ranges of 1/128 of the buffer each, one launch of what the runtime uses (wxfer.runtime.copies:
+    # the native kernel, else torch._foreach_copy_; read + write counted)
+    from ..runtime import copies
+
     dst = torch.empty_like(src)
     k = src.numel() // 128
-    srcs, dsts = [src[i * k : (i + 1) * k] for i in range(128)], [dst[i * k : (i + 1) * k] for i in range(128)]
-    t_batch = _timed(lambda: torch._foreach_copy_(dsts, srcs), dev, iters)
+    items = [
+        (d, s, d.data_ptr(), s.data_ptr(), k)
+        for d, s in ((dst[i * k : (i + 1) * k], src[i * k : (i + 1) * k]) for i in range(128))
+    ]
+    copier = copies.copy_ranges(dev, items)
+    t_batch = _timed(lambda: copies.copy_ranges(dev, items), dev, iters)
     return dict(
         quantizer=name,
         quant_GBps=rate / 1e9,
         pack_launch_s=launch,
         copy_GBps=2 * src.numel() / t_copy / 1e9,
         copy_batch_GBps=2 * 128 * k / t_batch / 1e9,
+        copier=copier,
         quant_shape=[n, n],
         quant_s=t_big,
         quant_small_s=t_small,

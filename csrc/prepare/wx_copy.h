@@ -1,0 +1,42 @@
+/* wx_copy.h - many device-to-device copies in one kernel launch.
+ *
+ * The batched copies of small zero-copy tasks straight into the receivers' mapped memory
+ * (wxfer/runtime/direct.py): one launch over a table of ranges instead of one driver call
+ * per copy. A range is (dst, src, nbytes, chunk0): device addresses of one device, any
+ * alignment (16-byte aligned pairs are copied 16 bytes at a time), chunk0 the running count
+ * of WX_COPY_CHUNK-byte chunks of the ranges before it. The kernel (wx_copy_kernel.cu) is
+ * compiled with NVRTC at first use and cached per architecture and per device, as the FP8
+ * kernel is (docs/prepare.md).
+ */
+#ifndef WX_COPY_H
+#define WX_COPY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define WX_COPY_CHUNK (64u * 1024u) /* = the kernel's WX_CHUNK */
+#define WX_COPY_MAX_RANGES (1 << 20)
+
+/* One range; the layout is the kernel's struct wx_copy_range (4 x 64 bits). */
+typedef struct wx_copy_range {
+    uint64_t dst, src, nbytes;
+    uint64_t chunk0; /* sum of the chunk counts of the ranges before it */
+} wx_copy_range_t;
+
+/* Validate n ranges: non-null addresses, nbytes >= 1, chunk0 the running chunk count, no
+ * range whose bytes wrap the address space. Sets *nchunks. Returns 0, or -EINVAL naming the
+ * range and the field. Needs no GPU. */
+int wx_copy_check(const wx_copy_range_t *r, int n, uint64_t *nchunks);
+
+/* Can the kernel run on CUDA device `device`? Loads libcuda and libnvrtc (dirs: extra
+ * directories to look in), compiles and loads the kernel into the device's primary context
+ * (once). Returns 0, or a negative errno with the reason in why. */
+int wx_copy_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len);
+
+/* Launch the kernel over the n validated ranges `host` on `stream` (a CUstream) of `device`;
+ * `dev_ranges` is the device address of the same bytes, valid until the kernel ran (stream
+ * order). Returns 0 or a negative errno (wx_last_error says why). */
+int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uint64_t dev_ranges,
+                   int n);
+
+#endif

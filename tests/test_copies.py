@@ -1,0 +1,142 @@
+"""The batched copy kernel (csrc/prepare/wx_copy_kernel.cu, through wxfer.runtime.copies):
+its range table and validation (CPU), the torch fallback and why it ran (CPU), and on a GPU
+every byte of many ranges in one launch -- sizes around the 16-byte vectors and the 64 KiB
+chunks, unaligned and mutually misaligned addresses, hundreds of ranges -- with the bytes
+between the ranges untouched, and the device table reused when the same batch comes again."""
+
+import array
+import random
+
+import pytest
+import torch
+
+from wxfer import _wxfer
+from wxfer.runtime import copies
+
+FILL = 0x5A
+
+
+def _table(sizes, base=1 << 20):
+    t = array.array("Q")
+    chunk0 = 0
+    for i, n in enumerate(sizes):
+        t.extend((base + 2 * i * (1 << 30), base + (2 * i + 1) * (1 << 30), n, chunk0))
+        chunk0 += -(-n // copies.CHUNK)
+    return t, chunk0
+
+
+def test_table_counts_chunks_as_the_kernel_does():
+    sizes = [1, copies.CHUNK, copies.CHUNK + 1, 3 * copies.CHUNK - 1, 17]
+    t, chunks = _table(sizes)
+    assert _wxfer.copy_check(t) == chunks == 1 + 1 + 2 + 3 + 1
+    items = [(None, None, t[4 * i], t[4 * i + 1], n) for i, n in enumerate(sizes)]
+    assert copies.table(items) == t  # the Python table is the one the kernel is given
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        (0, 0, "copy range 1: null destination address"),
+        (1, 0, "copy range 1: null source address"),
+        (2, 0, "copy range 1: 0 bytes"),
+        (3, 0, "copy range 1: chunk0 0, expected 1"),
+        (0, (1 << 64) - 4, "copy range 1: its bytes wrap"),
+    ],
+)
+def test_a_bad_range_is_refused_naming_it(field, value, says):
+    t, _ = _table([100, 200, 300])
+    t[4 + field] = value
+    with pytest.raises(_wxfer.Error, match=says):
+        _wxfer.copy_check(t)
+
+
+def test_a_table_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="copy range table: 24 bytes"):
+        _wxfer.copy_check(array.array("Q", [1, 2, 3]))
+    with pytest.raises(ValueError, match="copy range table: 0 bytes"):
+        _wxfer.copy_check(array.array("Q"))
+
+
+def test_cpu_tensors_are_copied_by_torch_and_it_says_why(monkeypatch):
+    src = torch.arange(1000, dtype=torch.uint8)
+    dst = torch.full((1000,), FILL, dtype=torch.uint8)
+    items = [(dst[a:b], src[c : c + b - a], 0, 0, b - a) for a, b, c in ((0, 10, 5), (100, 400, 600), (999, 1000, 0))]
+    assert copies.copy_ranges(torch.device("cpu"), items) == "torch._foreach_copy_"
+    assert "CUDA devices only" in copies.last()["reason"]
+    want = torch.full((1000,), FILL, dtype=torch.uint8)
+    want[0:10], want[100:400], want[999:1000] = src[5:15], src[600:900], src[0:1]
+    assert torch.equal(dst, want)
+    monkeypatch.setenv("WXFER_COPY", "torch")
+    assert copies.info(torch.device("cpu"))["reason"] == "WXFER_COPY=torch"
+    monkeypatch.setenv("WXFER_COPY", "fast")
+    assert "expected native or torch" in copies.info(torch.device("cpu"))["reason"]
+
+
+def test_an_empty_batch_launches_nothing():
+    before = dict(copies._calls)
+    assert copies.copy_ranges(torch.device("cpu"), []) == "none"
+    assert copies._calls == before
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    d = torch.device("cuda", torch.cuda.current_device())
+    inf = copies.info(d)
+    assert inf["copier"] == "native", f"the native copy kernel is not used: {inf['reason']}"
+    return d
+
+
+def _cases(rng):
+    """(dst offset, src offset, nbytes): sizes around 16 B and the 64 KiB chunk; offsets both
+    16-byte aligned (the vector path), both unaligned alike and mutually misaligned (the byte
+    path); then random ones."""
+    c = copies.CHUNK
+    sizes = [1, 15, 16, 17, 255, 4096, c - 1, c, c + 1, 2 * c + 16, 3 * c - 17, (3 << 20) + 5]
+    offs = [(0, 0), (16, 32), (1, 1), (3, 8), (8, 3), (15, 0)]
+    out = [(do, so, n) for n in sizes for do, so in offs]
+    out += [(rng.randrange(64), rng.randrange(64), rng.randrange(1, 200_000)) for _ in range(300)]
+    rng.shuffle(out)
+    return out
+
+
+@pytest.mark.gpu
+def test_every_byte_of_many_ranges_in_one_launch(gpu):
+    rng = random.Random(7)
+    cases = _cases(rng)
+    pad = 256
+    total = sum(n + pad for _, _, n in cases) + 64
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8, device=gpu)
+    dst = torch.full((total,), FILL, dtype=torch.uint8, device=gpu)
+    items, at = [], 0
+    for do, so, n in cases:
+        d, s = dst[at + do : at + do + n], src[at + so : at + so + n]
+        items.append((d, s, d.data_ptr(), s.data_ptr(), n))
+        at += n + pad
+    before = copies._calls["native"]
+    assert copies.copy_ranges(gpu, items) == "native"
+    assert copies._calls["native"] == before + 1
+    want = torch.full((total,), FILL, dtype=torch.uint8)
+    s_cpu = src.cpu()
+    at = 0
+    for do, so, n in cases:
+        want[at + do : at + do + n] = s_cpu[at + so : at + so + n]
+        at += n + pad
+    got = dst.cpu()
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, f"{bad.numel()} bytes differ, first at {int(bad[0])}"
+
+
+@pytest.mark.gpu
+def test_the_same_batch_reuses_its_device_table_and_copies_the_new_bytes(gpu):
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device=gpu)
+    dst = torch.zeros_like(src)
+    k = src.numel() // 8
+    items = [(dst[i * k : (i + 1) * k], src[i * k : (i + 1) * k], 0, 0, k) for i in range(8)]
+    items = [(d, s, d.data_ptr(), s.data_ptr(), n) for d, s, _, _, n in items]
+    copies.copy_ranges(gpu, items)
+    kept = len(copies._tables)
+    src.add_(1)  # the next step's weights, same memory
+    copies.copy_ranges(gpu, items)
+    assert len(copies._tables) == kept
+    torch.cuda.synchronize(gpu)
+    assert torch.equal(dst, src)
