@@ -131,9 +131,9 @@ def task_kinds(plan, params=None, cpu_offload: bool = False, direct: bool = Fals
     (TrainParam objects, a {name: TrainParam} dict, or {name: (shape, dtype)}); None: every
     task packed (the simulator's model before the runtime had zero-copy tasks); direct and
     copy_max (the Sender's copy_max, ``stats()["direct"]["copy_max"]``; 0: no copies, -1: no
-    bound): see task_kind (the runtime's own tests,
-    wxfer.runtime.direct.decompose and Transport.map, can still send a task the staging or
-    the engine's way: a Sender's task_kinds() says what it did)."""
+    bound): see task_kind (the runtime's own tests, wxfer.runtime.direct.decompose and
+    Transport.map, can still send a task the staging or the engine's way: a Sender's
+    task_kinds() says what it did)."""
     if params is not None and not isinstance(params, dict):
         params = {p.name: p for p in params}
     nb = packed_bytes(plan) if direct and copy_max != 0 else [None] * len(plan.tasks)
