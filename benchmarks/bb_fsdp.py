@@ -16,7 +16,8 @@ plain trainer and says so.
 wxfer is measured once per watermark (fresh Sender and Receiver each): median push of
 the timed steps, the peak extra GPU memory of a push (max_memory_allocated during it minus
 what was allocated before), and the host time per task and per parameter from the engine
-trace of the last step.
+trace of the last step; then, with --copy-max, once per value of Sender(copy_max=...) at the
+first watermark (the same figures, as many timed steps as the headline).
 """
 
 from __future__ import annotations
@@ -177,13 +178,68 @@ def _peak_end(dev, base):
     return int(torch.cuda.max_memory_allocated(dev) - base)
 
 
-def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dict, dev, summ, trace_path) -> dict:
-    """Rank 0: per watermark a fresh Sender; steps (trained in between), peak extra memory,
-    host times.  Returns {watermark: figures}; the first watermark's are the headline."""
+def wxfer_runs(a: dict) -> list:
+    """The fresh Senders (and Receivers) of one configuration, in order: [(watermark, copy_max)]
+    -- one per watermark (copy_max None: the Sender's default), then the copy_max sweep
+    (``a["copy_max"]``, bench_baselines --copy-max) at the first watermark.  Index i's are
+    named "<name>_w<i>" and end with the key wx_done/<ci>/<i>."""
+    wms = a["watermarks"]
+    return [(wm, None) for wm in wms] + [(wms[0], v) for v in a.get("copy_max") or ()]
+
+
+def _steps(s, trainer, n: int, warmup: int, dev) -> tuple:
+    """`n` pushes of Sender `s` (trained in between): (seconds of those after `warmup`, their
+    peak extra memory, the last push's engine trace)."""
+    times, peaks = [], []
+    for i in range(n):
+        if trainer is not None and i:
+            trainer.step()
+        if i == n - 1:
+            s.trace(clear=True)
+        base = _peak_start(dev)
+        _sync(dev)
+        t = time.perf_counter()
+        s.push()
+        dt = time.perf_counter() - t
+        peak = _peak_end(dev, base)
+        if i >= warmup:
+            times.append(dt)
+            if peak is not None:
+                peaks.append(peak)
+    return times, peaks, s.trace()
+
+
+def _figures(s, wm: int, times, peaks, recs, summ) -> dict:
+    largest = max((op.prep.held for g in s.program.groups for op in g if op.prep is not None), default=0)
+    zero = sum(1 for g in s.program.groups for op in g if op.prep is not None and op.prep.zero_copy)
+    r = dict(
+        summ(times, s.bytes_per_step),
+        watermark=s.watermark,
+        peak_extra=max(peaks) if peaks else None,
+        largest_task=largest,
+        tasks=len(s.plan.tasks),
+        zero_copy_tasks=zero,
+        direct=s.stats()["direct"],  # tasks packed straight into the receivers (WXFER_DIRECT=0: off), copy_max
+        host=s.host_times(recs),
+        submit_s=s.last_submit_s,
+        phases=dict(s.last_phases),
+        bytes_per_step=s.bytes_per_step,
+        transport=s.transport_name,
+    )
+    r["within_watermark"] = None if r["peak_extra"] is None else r["peak_extra"] <= wm + largest + (1 << 20)
+    return r
+
+
+def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dict, dev, summ, trace_path) -> tuple:
+    """Rank 0: a fresh Sender per run of wxfer_runs(a); steps (trained in between), peak extra
+    memory, host times.  Returns ({watermark: figures}, {copy_max: figures}); the first
+    watermark's are the headline (with the simulator's prediction); the sweep's Senders time
+    as many steps as it (``a["reps"]`` after ``a["warmup"]``), each with Sender(copy_max=...)."""
     from wxfer.runtime.sender import Sender
 
-    out = {}
-    for wi, wm in enumerate(a["watermarks"]):
+    byw, bycm = {}, {}
+    for wi, (wm, cm) in enumerate(wxfer_runs(a)):
+        kw = {} if cm is None else dict(copy_max=cm)
         s = Sender(
             model,
             mapping=preset,
@@ -193,52 +249,25 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
             timeout=a["timeout"],
             write_timeout=a["timeout"],
             transport_options=a.get("transport_options") or None,
+            **kw,
         )
         try:
-            n = a["warmup"] + (a["reps"] if wi == 0 else max(1, a["reps"] // 2))
-            times, peaks = [], []
-            for i in range(n):
-                if trainer is not None and i:
-                    trainer.step()
-                if i == n - 1:
-                    s.trace(clear=True)
-                base = _peak_start(dev)
-                _sync(dev)
-                t = time.perf_counter()
-                s.push()
-                dt = time.perf_counter() - t
-                peak = _peak_end(dev, base)
-                if i >= a["warmup"]:
-                    times.append(dt)
-                    if peak is not None:
-                        peaks.append(peak)
-            recs = s.trace()
+            head = wi == 0 or cm is not None
+            n = a["warmup"] + (a["reps"] if head else max(1, a["reps"] // 2))
+            times, peaks, recs = _steps(s, trainer, n, a["warmup"], dev)
             if trace_path and wi == 0:
                 s.write_trace(trace_path)
-            largest = max((op.prep.held for g in s.program.groups for op in g if op.prep is not None), default=0)
-            zero = sum(1 for g in s.program.groups for op in g if op.prep is not None and op.prep.zero_copy)
-            r = dict(
-                summ(times, s.bytes_per_step),
-                watermark=s.watermark,
-                peak_extra=max(peaks) if peaks else None,
-                largest_task=largest,
-                tasks=len(s.plan.tasks),
-                zero_copy_tasks=zero,
-                direct=s.stats()["direct"],  # tasks packed straight into the receivers (WXFER_DIRECT=0: off)
-                host=s.host_times(recs),
-                submit_s=s.last_submit_s,
-                phases=dict(s.last_phases),
-                bytes_per_step=s.bytes_per_step,
-                transport=s.transport_name,
-            )
-            r["within_watermark"] = None if r["peak_extra"] is None else r["peak_extra"] <= wm + largest + (1 << 20)
+            r = _figures(s, wm, times, peaks, recs, summ)
             if wi == 0:
                 r.update(simulated(s, dev, a))
-            out[str(wm)] = r
+            if cm is None:
+                byw[str(wm)] = r
+            else:
+                bycm[str(cm)] = r
         finally:
             ctl.set("wx_done/%d/%d" % (ci, wi), b"1")
             s.close()
-    return out
+    return byw, bycm
 
 
 _KERNELS: dict = {}
@@ -346,12 +375,12 @@ def simulated(sender, dev, a: dict) -> dict:
 
 
 def wxfer_receiver(params, preset, store, ctl, name: str, ci: int, a: dict, dev, reset, checksums) -> list:
-    """Rank 1: a fresh Receiver per watermark; the checksums after the last one's steps (the
-    weights the baselines send next)."""
+    """Rank 1: a fresh Receiver per run of wxfer_runs(a) (each watermark, then the copy_max
+    sweep); the checksums after the last one's steps (the weights the baselines send next)."""
     from wxfer.runtime.receiver import Receiver
 
     sums = None
-    for wi, _ in enumerate(a["watermarks"]):
+    for wi, _ in enumerate(wxfer_runs(a)):
         reset(params)
         r = Receiver(params, mapping=preset.name, store=store, name="%s_w%d" % (name, wi), timeout=a["timeout"])
         try:

@@ -69,8 +69,35 @@ def sim_table(results: list, cfg_name) -> str:
     return "\n".join(lines)
 
 
+def copy_max_table(results: list, cfg_name) -> str:
+    """The copy_max sweep (bench_baselines --copy-max), "" without one: per configuration and
+    Sender(copy_max=...) value, the median push against the bound and against the headline
+    (the first watermark, the default copy_max), the zero-copy tasks copied."""
+    lines = [
+        "copy_max sweep (a fresh Sender per value at the first watermark, as many steps as the headline):",
+        "",
+        "| configuration | copy_max | push s | x bound | headline push s | x headline | copies / zero-copy tasks |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows = [r for r in results if r.get("wxfer_by_copy_max")]
+    for r in rows:
+        ms = r["methods"]
+        bound = ms.get("h2d", ms.get("link", {})).get("seconds")
+        head = ms.get("wxfer", {}).get("seconds")
+        for v, w in r["wxfer_by_copy_max"].items():
+            x = f"{bound / w['seconds']:.2f}" if bound else ""
+            xh = f"{head / w['seconds']:.2f}" if head else ""
+            hs = f"{head:.4f}" if head else ""
+            d = w.get("direct") or {}
+            lines.append(
+                f"| {cfg_name(r['config'])} | {v} | {w['seconds']:.4f} | {x} | {hs} | {xh} | "
+                f"{d.get('copies', 0)} / {w['zero_copy_tasks']} |"
+            )
+    return "\n".join(lines) if rows else ""
+
+
 def table(results: list, cfg_name) -> str:
-    """The methods table, then wxfer's per-watermark table."""
+    """The methods table, then wxfer's per-watermark table, the simulator's, the copy_max sweep."""
     lines = [
         "| configuration | method | seconds | GB/s | x bound | x best baseline | check |",
         "|---|---|---|---|---|---|---|",
@@ -98,7 +125,9 @@ def table(results: list, cfg_name) -> str:
             if m == "wxfer" and "reference" in r.get("checks", {}):
                 chk = "reference bytes" if r["checks"]["reference"] else "DIFFERS from the reference"
             lines.append(f"| {name} | {m} | {s:.4f} | {ms[m]['gbps']:.2f} | {xl} | {xb} | {chk} |")
-    return "\n".join(lines) + "\n\n" + wxfer_table(results, cfg_name) + "\n\n" + sim_table(results, cfg_name)
+    out = "\n".join(lines) + "\n\n" + wxfer_table(results, cfg_name) + "\n\n" + sim_table(results, cfg_name)
+    sweep = copy_max_table(results, cfg_name)
+    return out + ("\n\n" + sweep if sweep else "")
 
 
 def chart(results: list, path: str, cfg_name) -> bool:

@@ -10,7 +10,8 @@ restart after a failure) in bb_supervise.py (shared with bench_ckpt_engine.py).
 
 Trainers (bb_fsdp.py): plain tensors, or FSDP2 on transformers' own model classes (with
 CPU offload for one row); wxfer is measured for two watermarks (peak extra memory, host
-time per task and per parameter); tables in bb_report.py.
+time per task and per parameter), and with --copy-max once more per Sender(copy_max=...)
+value at the first watermark; tables in bb_report.py.
 
 Two processes: a trainer (rank 0, GPU 0) holding a model with Hugging Face names and
 random weights of the real shapes, and one inference worker (rank 1, GPU 1 "disagg", or
@@ -275,9 +276,11 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         mark("wxfer")
         if trainer:
             tpath = os.path.join(a["out"], "trace-%s.json" % _cfg_name(cfg)) if a.get("out") else None
-            byw = bb_fsdp.wxfer_trainer(model, stepper, preset, store, ctl, name, ci, a, dev, _summ, tpath)
+            byw, bycm = bb_fsdp.wxfer_trainer(model, stepper, preset, store, ctl, name, ci, a, dev, _summ, tpath)
             head = byw[str(a["watermarks"][0])]
             res["wxfer_by_watermark"] = byw
+            if bycm:
+                res["wxfer_by_copy_max"] = bycm  # the sweep: the receiver's checksums are after its last
             res["methods"]["wxfer"] = {k: head[k] for k in ("seconds", "best", "times", "gbps")}
             res["wxfer_tasks"], res["wxfer_transport"] = head["tasks"], head["transport"]
             res["wxfer_bytes_per_step"] = head["bytes_per_step"]
@@ -512,6 +515,20 @@ def _parse_size(v: str) -> int:
     return int(_wxfer.parse_size(v))
 
 
+def _copy_maxes(v: str) -> list:
+    """--copy-max: the comma list of Sender(copy_max=...) values, each checked here (a size,
+    0, "all" or -1), kept as typed (their results' keys)."""
+    from wxfer.runtime.direct import copy_max
+
+    out = [x.strip() for x in v.split(",") if x.strip()]
+    for x in out:
+        try:
+            copy_max(x)
+        except ValueError as e:
+            raise SystemExit(f"--copy-max {x!r}: {e}") from None
+    return out
+
+
 def _mark_of(ctl, ci: int, rank: int) -> str:
     """The last step rank `rank` marked in configuration `ci` ("-": none)."""
     key = "at/%d/%d" % (ci, rank)
@@ -567,6 +584,7 @@ def run(args) -> dict:
         per_tensor_reps=args.per_tensor_reps,
         bucket=_parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
         watermarks=[_parse_size(args.watermark), _parse_size(args.watermark2)],
+        copy_max=_copy_maxes(getattr(args, "copy_max", "")),
         out=os.path.abspath(out) if out else None,
         skip=[],
         transport_options=dict(kv.split("=", 1) for kv in args.transport_options.split(",") if kv),
@@ -690,6 +708,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--watermark", default="2GiB", help="wxfer Sender watermark (the timed steps)")
     ap.add_argument("--watermark2", default="256MiB", help="a second watermark: peak memory and steps again")
+    ap.add_argument(
+        "--copy-max",
+        default="",
+        help="comma list of Sender(copy_max=...) values (e.g. 0,1MiB,32MiB,all): after the watermarks, one "
+        "fresh Sender each at the first watermark, --reps steps (results' wxfer_by_copy_max); default none",
+    )
     ap.add_argument("--transport-options", default="", help="k=v,k=v: the trainers' transport options (e.g. streams=1)")
     ap.add_argument("--timeout", type=float, default=300.0, help="every wait inside a configuration")
     ap.add_argument("--config-timeout", type=float, default=240.0, help="one configuration, all methods")

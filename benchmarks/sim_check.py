@@ -193,9 +193,9 @@ def check_row(res: dict, trace_dir: str, kernels=None) -> dict | None:
     on_gpu = rec.get("device_shared", False)  # colocated on one GPU: cuda_ipc, direct when on
     d = w.get("direct") or {}
     direct = on_gpu and d.get("enabled", False)
-    # the small copies: a runtime that counts them ("copies") has them (copy_max() default: the
-    # run's environment did not set WXFER_DIRECT_COPY_MAX); before that, none
-    kinds = task_kinds(plan, train, offload, direct, COPY_MAX if "copies" in d else 0)
+    # the small copies: the bound the Sender reported (copy_max, -1: none); a runtime that counted
+    # them ("copies") before it reported the bound had the default; before that, none
+    kinds = task_kinds(plan, train, offload, direct, d.get("copy_max", COPY_MAX if "copies" in d else 0))
     got = dict(Counter(kinds.values()))
     want = _reported(w)
     if "begin_fence_s" in rec and rates is None:  # the fit of this model, made in the run

@@ -127,6 +127,9 @@ def test_unknown_method_is_refused():
 
 @pytest.mark.timeout(90)
 def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
+    """... and (the same run) a --copy-max sweep: one fresh Sender per value after the
+    watermarks, as many timed steps as the headline, the receiver's bytes after the last of
+    them still the reference's."""
     out = tmp_path / "bb"
     env = dict(os.environ, PYTHONPATH=ROOT, BB_FAIL_METHOD="rank0")  # the inference rank raises in rank0
     p = subprocess.run(
@@ -142,6 +145,8 @@ def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
             "1",
             "--timeout",
             "30",
+            "--copy-max",
+            "0,all",
             "--out",
             str(out),
             "--json",
@@ -156,9 +161,14 @@ def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
     r = json.loads(p.stdout.strip().splitlines()[-1])["results"][0]
     assert "injected failure in rank0" in r["errors"]["rank0"]
     assert set(r["methods"]) == {"link", "wxfer", "per-tensor"} and r["checks"]["per-tensor"] is True
-    assert (
-        "| tiny-bf16-disagg | rank0 | error: rank 1: RuntimeError: injected failure" in (out / "table.md").read_text()
-    )
+    text = (out / "table.md").read_text()
+    assert "| tiny-bf16-disagg | rank0 | error: rank 1: RuntimeError: injected failure" in text
+    sweep = r["wxfer_by_copy_max"]
+    assert list(sweep) == ["0", "all"] and [w["direct"]["copy_max"] for w in sweep.values()] == [0, -1]
+    assert all(len(w["times"]) == len(r["methods"]["wxfer"]["times"]) == 1 and w["seconds"] > 0 for w in sweep.values())
+    assert all(w["tasks"] == r["wxfer_tasks"] and w["phases"] and w["submit_s"] > 0 for w in sweep.values())
+    assert "simulated_s" not in sweep["all"] and r["checks"]["reference"] is True
+    assert "copy_max sweep" in text and "| tiny-bf16-disagg | all |" in text
 
 
 def test_supervisor_collects_in_order_and_stops_at_the_first_failing_item():

@@ -173,6 +173,33 @@ def test_the_plans_copy_figures_are_the_runtimes(monkeypatch):
     assert direct.COPY_BATCH_BYTES == COPY_BATCH_BYTES
 
 
+def test_copy_max_values_and_the_plans_no_bound(monkeypatch):
+    """direct.copy_max: the Sender's argument over $WXFER_DIRECT_COPY_MAX, sizes, 0, "all" / -1
+    (no bound, in the variable too); a bad value names what was wrong; the plan's task_kinds
+    reads -1 as the Sender does (every zero-copy task a copy, as a very large bound)."""
+    from wxfer.runtime import direct
+
+    monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "64k")
+    assert direct.copy_max() == 64 << 10 and direct.copy_max("1MiB") == 1 << 20 and direct.copy_max(0) == 0
+    assert direct.copy_max(4096) == 4096 and direct.copy_max("all") == direct.copy_max(-1) == direct.COPY_ALL
+    monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", " ALL ")
+    assert direct.copy_max() == direct.COPY_ALL and direct.copy_max(7) == 7
+    bads = (("lots", ValueError), (-2, ValueError), ("1.5MiB", ValueError), (1.0, TypeError), (True, TypeError))
+    for bad, err in bads:
+        with pytest.raises(err, match=r"wxfer.Sender: copy_max must be .* got "):
+            direct.copy_max(bad)
+    monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "some")
+    with pytest.raises(ValueError, match=r"WXFER_DIRECT_COPY_MAX must be .* got 'some'"):
+        direct.copy_max()
+    c, plan, kinds = _one({})
+    train = {p.name: p for p in synthesize("qwen3-8b", c).train}
+    zc = {t for t, k in kinds.items() if k in ("copy", "zero_copy")}
+    assert {t for t, k in kinds.items() if k == "zero_copy"}  # the default bound leaves some to the engine
+    k = task_kinds(plan, train, direct=True, copy_max=-1)
+    assert {t for t, v in k.items() if v == "copy"} == zc
+    assert k == task_kinds(plan, train, direct=True, copy_max=direct.COPY_ALL)
+
+
 def test_the_batched_copies_have_their_own_rate_when_it_was_measured():
     """copy_batch_GBps (calibrate measures torch._foreach_copy_ of 128 ranges) times the copy
     kind's launches; without it they run at the on-device copy rate."""

@@ -392,6 +392,60 @@ def test_small_zero_copy_tasks_are_copied_in_batches_and_large_ones_by_the_engin
 
 @needs_fabric
 @pytest.mark.timeout(120)
+def test_the_senders_copy_max_overrides_the_variable_and_all_copies_every_zero_copy_task(store, monkeypatch):
+    """Sender(copy_max=...) over $WXFER_DIRECT_COPY_MAX: a cut copies the tasks below it with
+    the variable at 0; "all" copies every zero-copy task (those above the variable's cut too),
+    the engine writing only the stamps; stats() and task_kinds() say the bound and the kinds
+    as the plan's task_kinds does with it (-1: no bound); the bytes are the reference's."""
+    from wxfer.models import preset_for
+    from wxfer.plan.kinds import task_kinds
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    model = _model().to(torch.bfloat16)  # every task zero copy
+    cut = 4096
+    for name, env, arg in (("cmaxcut", "0", cut), ("cmaxall", str(cut), "all")):
+        monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", env)
+        params, ths = _receivers(addr, name, 1, None)
+        _emulate(monkeypatch, [])
+        s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30, copy_max=arg)
+        recvs = _joined(ths)
+        _emulate(monkeypatch, recvs)
+        ops = [op for g in s.program.groups for op in g if op.sends]
+        small = [op for op in ops if op.nbytes < cut]
+        assert small and len(small) < len(ops)
+        copied = small if arg == cut else ops
+        bound = cut if arg == cut else -1
+        k = s.task_kinds()
+        assert {t for t, v in k.items() if v == "copy"} == {op.task for op in copied}
+        assert task_kinds(s.plan, s.plan.train_params, direct=True, copy_max=bound) == k
+        moved = s.engine.stats()["bytes_written"]
+        s.push()
+        _check(model, params, 1, None)
+        d = s.stats()["direct"]
+        assert d["copies"] == len(copied) and d["copy_max"] == bound, d
+        engine_bytes = sum(op.nbytes for op in ops if op not in copied)
+        assert s.engine.stats()["bytes_written"] - moved == engine_bytes + 2 * 8  # + the stamps
+        s.close()
+        for r in recvs:
+            r.close()
+
+
+def test_a_bad_copy_max_raises_naming_it_before_anything_is_set_up(monkeypatch):
+    from wxfer.runtime import control
+    from wxfer.runtime.sender import Sender
+
+    def no_store(*a, **k):
+        raise AssertionError("the store was reached")
+
+    monkeypatch.setattr(control, "resolve_store", no_store)
+    for bad in ("lots", -5, 2.5):
+        with pytest.raises((ValueError, TypeError), match="wxfer.Sender: copy_max must be"):
+            Sender(_model(), mapping="tiny", store="127.0.0.1:1", name="bad", copy_max=bad)
+
+
+@needs_fabric
+@pytest.mark.timeout(120)
 def test_task_kinds_says_copy_as_the_push_decides_it(store, monkeypatch):
     """Sender.task_kinds() reports "copy" for exactly the zero-copy tasks a push copies into the
     receivers' memory (fewer bytes than copy_max(), direct possible, every destination mapped),

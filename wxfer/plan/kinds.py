@@ -19,7 +19,7 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
                    and its kernel (sources read + packed bytes written at the quantizer's or the
                    copy rate); the push's first one waits until the engine's writes so far landed
   collective_only  the rank takes part in the task's collective but sends nothing
-  copy             a zero-copy task of fewer bytes than ``COPY_MAX`` (wxfer.runtime.direct.copy_max)
+  copy             a zero-copy task of fewer bytes than the Sender's ``copy_max`` (default ``COPY_MAX``)
                    where direct is possible: not an engine write; its destination ranges are
                    copied straight into the receivers' mapped memory by batched copy kernels
                    (wxfer.runtime.copies, up to ``COPY_BATCH`` ranges or ``COPY_BATCH_BYTES`` per launch) on the side
@@ -36,7 +36,7 @@ from __future__ import annotations
 
 KINDS = ("zero_copy", "staged", "packed", "direct", "collective_only", "copy")
 ZERO_COPY_BATCH = 32  # = wxfer.runtime.sender.FAST_BATCH (a test holds them equal)
-COPY_MAX = 32 << 20  # = wxfer.runtime.direct.copy_max()'s default ($WXFER_DIRECT_COPY_MAX unset)
+COPY_MAX = 32 << 20  # = wxfer.runtime.direct.copy_max()'s default (no Sender copy_max, $WXFER_DIRECT_COPY_MAX unset)
 COPY_BATCH = 128  # = wxfer.runtime.direct.COPY_BATCH: queued ranges per batched copy launch
 COPY_BATCH_BYTES = 256 << 20  # = wxfer.runtime.direct.COPY_BATCH_BYTES: or fewer, once their bytes reach this
 
@@ -103,7 +103,7 @@ def task_kind(
     (cuda_ipc, every receiver on the writer's GPU): a task that is not the parameter's own
     bytes (zero copy, or staged after its H2D) is direct, and a zero-copy task of fewer
     than `copy_max` bytes (`nbytes`: its packed bytes on the rank; None: not known, zero
-    copy) is copy (wxfer.runtime.direct._direct_copy)."""
+    copy; copy_max 0: none, -1: no bound, as the Sender's) is copy (wxfer.runtime.direct._direct_copy)."""
     other = "direct" if direct else "packed"
     if params is None or len(task.sources) != 1 or task.sources[0] not in params:
         return other
@@ -111,7 +111,7 @@ def task_kind(
     if mesh_size == 1 and _whole_rows(task.shards, shape, dtype):
         if cpu_offload:
             return "staged"
-        small = nbytes is not None and nbytes < copy_max
+        small = nbytes is not None and (copy_max < 0 or nbytes < copy_max)
         return "copy" if direct and small else "zero_copy"
     if _all_of_it(task.shards, shape, dtype):
         return other if direct else "staged"
@@ -131,12 +131,13 @@ def task_kinds(plan, params=None, cpu_offload: bool = False, direct: bool = Fals
     """{task id: kind} on the ranks that send it.  params: the trainers' parameters by name
     (TrainParam objects, a {name: TrainParam} dict, or {name: (shape, dtype)}); None: every
     task packed (the simulator's model before the runtime had zero-copy tasks); direct and
-    copy_max (the Sender's copy_max(), 0: no copies): see task_kind (the runtime's own tests,
-    wxfer.runtime.direct.decompose and Transport.map, can still send a task the staging or
-    the engine's way: a Sender's task_kinds() says what it did)."""
+    copy_max (the Sender's copy_max, ``stats()["direct"]["copy_max"]``; 0: no copies, -1: no
+    bound): see task_kind (the runtime's own tests, wxfer.runtime.direct.decompose and
+    Transport.map, can still send a task the staging or the engine's way: a Sender's
+    task_kinds() says what it did)."""
     if params is not None and not isinstance(params, dict):
         params = {p.name: p for p in params}
-    nb = packed_bytes(plan) if direct and copy_max > 0 else [None] * len(plan.tasks)
+    nb = packed_bytes(plan) if direct and copy_max != 0 else [None] * len(plan.tasks)
     return {
         t.id: task_kind(t, len(plan.meshes[t.mesh]), params, cpu_offload, direct, nb[t.id], copy_max)
         for t in plan.tasks

@@ -39,17 +39,39 @@ COPY_BATCH = 128  # small zero-copy tasks' copies per batched launch (wxfer.runt
 COPY_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (the GPU starts on them)
 
 
-def copy_max() -> int:
-    """Zero-copy tasks of fewer bytes than this are copied straight into the receivers' memory
-    by batched copy kernels instead of one engine write each ($WXFER_DIRECT_COPY_MAX, bytes;
-    default 32 MiB; 0: never). Each engine write costs about 10 us of driver calls on the
-    post thread (the 1.7B-class push's 311 writes were posted over 5 ms for a 2 ms copy)."""
-    v = os.environ.get("WXFER_DIRECT_COPY_MAX", "").strip()
-    if not v:
-        return 32 << 20
-    from .. import _wxfer
+COPY_ALL = 1 << 62  # copy_max "all" / -1: no upper bound (every task has fewer bytes)
 
-    return int(_wxfer.parse_size(v))
+
+def copy_max(value=None) -> int:
+    """Zero-copy tasks of fewer bytes than this are copied straight into the receivers' memory
+    by batched copy kernels instead of one engine write each: the Sender's ``copy_max``
+    argument; None: $WXFER_DIRECT_COPY_MAX (bytes, e.g. 1MiB; default 32 MiB); 0: never;
+    "all" or -1: no upper bound (``COPY_ALL``: every zero-copy task whose destinations are all
+    mapped).  Each engine write costs about 10 us of driver calls on the post thread (the
+    1.7B-class push's 311 writes were posted over 5 ms for a 2 ms copy)."""
+    what = "copy_max"
+    if value is None:
+        value, what = os.environ.get("WXFER_DIRECT_COPY_MAX", "").strip(), "$WXFER_DIRECT_COPY_MAX"
+        if not value:
+            return 32 << 20
+    must = f"wxfer.Sender: {what} must be a size in bytes (an int >= 0 or e.g. '1MiB'), 'all' or -1 (no bound)"
+    if isinstance(value, str):
+        v = value.strip()
+        if v.lower() in ("all", "-1"):
+            return COPY_ALL
+        from .. import _wxfer
+
+        try:
+            return int(_wxfer.parse_size(v))
+        except ValueError:
+            raise ValueError(f"{must}, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{must} (or None), got {type(value).__name__} {value!r}")
+    if value == -1:
+        return COPY_ALL
+    if value < 0:
+        raise ValueError(f"{must}, got {value!r}")
+    return int(value)
 
 
 def enabled(direct) -> bool:
@@ -191,7 +213,8 @@ class DirectMixin:
     version, write_timeout, _sums, _gpu_of_region, _gpu_of_peer, _dropped() and
     _wait_engine()."""
 
-    def _direct_init(self, direct) -> None:
+    def _direct_init(self, direct, copy_max_arg=None) -> None:
+        self._copy_max = copy_max(copy_max_arg)  # first: a bad value raises before anything is set up
         self.direct = enabled(direct)
         self._direct_views: dict = {}  # region descriptor -> (uint8 tensor over it, address)
         self._direct_plans: dict = {}  # task -> (its dests list, _Plan or None, why not)
@@ -201,7 +224,6 @@ class DirectMixin:
         self._direct_why: dict = {}  # why tasks went the staging way -> how many (this push)
         self._direct_launched = False  # direct work on the side stream not yet waited for
         self._direct_begun = None  # the push whose begin stamps were waited for
-        self._copy_max = copy_max()
         self._copy_plans: dict = {}  # task -> (prep, src data_ptr, numel, [(gpu, dst, src)] or None, why not)
         self._copy_q: list = []  # queued small copies [(gpu, dst, src, dst addr, src addr, n)] (_direct_copy_flush)
         self._copy_q_bytes = 0  # their bytes
@@ -502,7 +524,8 @@ class DirectMixin:
             self._direct_launched = False
 
     def _direct_stats(self) -> dict:
-        d = dict(self._direct_n, enabled=self.direct, total=self._direct_total)
+        cm = -1 if self._copy_max >= COPY_ALL else self._copy_max  # -1: no bound ("all")
+        d = dict(self._direct_n, enabled=self.direct, total=self._direct_total, copy_max=cm)
         if self._direct_copier is not None:
             d["copier"] = self._direct_copier  # the batched copies' last launch (wxfer.runtime.copies)
         off = self._direct_off()

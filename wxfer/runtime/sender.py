@@ -106,6 +106,11 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
     mapped on this rank's GPU (receivers colocated on it) is packed and FP8-quantized straight
     into the receivers' memory, with no send buffer and no copy (wxfer.runtime.direct;
     ``stats()["direct"]`` counts them); False: every packed task through a send buffer.
+    copy_max (default $WXFER_DIRECT_COPY_MAX, else 32 MiB): with direct on cuda_ipc, a
+    zero-copy task of fewer bytes than this whose destinations are all mapped here is copied
+    straight into the receivers' memory by batched copy kernels instead of one engine write
+    each: bytes (an int or e.g. "1MiB"); 0: never; "all" or -1: no upper bound (every such
+    task).  ``stats()["direct"]["copy_max"]`` is the bound in use (-1: none).
     """
 
     def __init__(
@@ -124,6 +129,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         store_bind: str | None = None,
         secret=None,
         direct: bool | None = None,
+        copy_max=None,
     ):
         import torch
         import torch.distributed as dist
@@ -140,7 +146,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self._marked = set()
         self._epoch = {}
         self.engine = self.transport = None
-        self._direct_init(direct)
+        self._direct_init(direct, copy_max)  # validates direct and copy_max before anything is set up
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
