@@ -16,6 +16,12 @@ Every figure is the median of --reps repetitions, timed with CUDA events; the co
 are checked. On a machine without CUDA it runs small shapes on the CPU (the torch path only).
 
   python3 benchmarks/bench_copies.py [--json] [--reps 5]
+  python3 benchmarks/bench_copies.py --variants 4:8,8:8,8:4,4:16,4:8:8MiB   # children, one table
+
+A variant is UNROLL:CTAS[:DRIVER_MIN]: the kernel compiled with $WXFER_COPY_UNROLL 16-byte loads
+in flight per thread, launched on $WXFER_COPY_CTAS CTAs per SM, ranges of DRIVER_MIN bytes or more
+by the driver's copy ($WXFER_COPY_DRIVER_MIN); each runs in a child process (the kernel is
+compiled once per process) and checks its bytes.
 """
 
 import argparse
@@ -23,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -115,7 +122,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", default="", help="comma list of UNROLL:CTAS[:DRIVER_MIN], one child each")
     args = ap.parse_args(argv)
+    if args.variants:
+        return variants(args)
     import torch
 
     gpu = torch.cuda.is_available()
@@ -147,6 +157,43 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(dict(bench="copies", machine=platform.node(), gpu=name, copier=inf, results=rows)))
     return 0 if all(r[k]["bytes_ok"] for r in rows for k in ("native", "torch") if k in r) else 1
+
+
+def variants(args) -> int:
+    """One child per variant (its environment), then one table of the native rows."""
+    rows, ok = [], True
+    for v in args.variants.split(","):
+        parts = v.split(":")
+        env = dict(os.environ, WXFER_COPY_UNROLL=parts[0], WXFER_COPY_CTAS=parts[1])
+        env["WXFER_COPY_DRIVER_MIN"] = parts[2] if len(parts) > 2 else "0"
+        p = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--json", "--reps", str(args.reps)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if p.returncode != 0 or not p.stdout.strip():
+            print(f"variant {v}: failed (rc {p.returncode}): {(p.stdout + p.stderr)[-800:]}", flush=True)
+            ok = False
+            continue
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        for r in out["results"]:
+            x = r.get("native")
+            if x is None:
+                print(f"{v:12s} {r['case']:12s} no native run (no CUDA device)", flush=True)
+                continue
+            rows.append(dict(variant=v, case=r["case"], bound_GBps=r["bound_GBps"], **x))
+            bad = "" if x["bytes_ok"] else " BYTES WRONG"
+            print(
+                f"{v:12s} {r['case']:12s} native {x['seconds'] * 1e3:8.3f} ms {x['GBps']:7.0f} GB/s "
+                f"({x['of_bound']:.2f} of bound {r['bound_GBps']:.0f}){bad}",
+                flush=True,
+            )
+            ok = ok and bool(x["bytes_ok"])
+    if args.json:
+        print(json.dumps(dict(bench="copies-variants", machine=platform.node(), results=rows)))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -33,10 +33,17 @@ int wx_copy_check(const wx_copy_range_t *r, int n, uint64_t *nchunks);
  * (once). Returns 0, or a negative errno with the reason in why. */
 int wx_copy_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len);
 
-/* Launch the kernel over the n validated ranges `host` on `stream` (a CUstream) of `device`;
- * `dev_ranges` is the device address of the same bytes, valid until the kernel ran (stream
- * order). Returns 0 or a negative errno (wx_last_error says why). */
+/* Copy on `stream` (a CUstream) of `device`: the n validated ranges `host` with one launch of
+ * the kernel (`dev_ranges`: the device address of the same bytes, valid until the kernel ran,
+ * stream order; n may be 0), then the nbig copies `big` (dst, src, nbytes triples) with one
+ * cuMemcpyAsync each (the driver's copy, for ranges large enough to pay for a call of their
+ * own). Returns 0 or a negative errno (wx_last_error says why). */
 int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uint64_t dev_ranges,
-                   int n);
+                   int n, const uint64_t *big, int nbig);
+
+/* The kernel's settings, read from the environment at first use and kept: 16-byte loads in
+ * flight per thread ($WXFER_COPY_UNROLL, 1 to 16, default 4; compiled in) and CTAs per SM of the
+ * persistent grid ($WXFER_COPY_CTAS, 1 to 32, default 8). Returns 0 or -EINVAL (why says). */
+int wx_copy_settings(int *unroll, int *ctas, char *why, size_t why_len);
 
 #endif

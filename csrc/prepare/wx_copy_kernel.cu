@@ -4,12 +4,14 @@
  * WX_CHUNK bytes; range i holds chunks [chunk0, chunk0 + ceil(nbytes / WX_CHUNK)). The
  * grid is persistent: CTA b takes chunks b, b + gridDim.x, ..., finds each chunk's range by
  * a binary search over the ranges' chunk0, and copies it with 16-byte loads and stores when
- * source and destination are both 16-byte aligned there (else byte by byte). Four loads in
- * flight per thread before their stores, so each SM keeps enough bytes moving.
+ * source and destination are both 16-byte aligned there (else byte by byte). WX_UNROLL loads
+ * in flight per thread before their stores, so each SM keeps enough bytes moving.
  */
 #define WX_CHUNK (64u * 1024u)
 #define WX_THREADS 256
-#define WX_UNROLL 4
+#ifndef WX_UNROLL
+#define WX_UNROLL 4 /* 16-byte loads in flight per thread ($WXFER_COPY_UNROLL at compile time) */
+#endif
 
 struct wx_copy_range {
     unsigned long long dst, src, nbytes, chunk0;

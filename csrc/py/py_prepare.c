@@ -170,22 +170,52 @@ static PyObject *wx_copy_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_copy_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc;
+    int device, n = 0, nbig = 0, rc;
     unsigned long long stream, dev_ranges;
-    PyObject *obj;
-    Py_buffer view;
-    const wx_copy_range_t *p;
-    void *copy;
-    if (!PyArg_ParseTuple(args, "iKOK:copy_launch", &device, &stream, &obj, &dev_ranges))
+    PyObject *obj, *bigobj = Py_None;
+    Py_buffer view = {0}, bview = {0};
+    const wx_copy_range_t *p = NULL;
+    void *copy = NULL;
+    if (!PyArg_ParseTuple(args, "iKOK|O:copy_launch", &device, &stream, &obj, &dev_ranges, &bigobj))
         return NULL;
-    if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
+    if (obj != Py_None && (n = wx__ranges(obj, &view, &p, &copy)) < 0)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS rc = wx_copy_launch(device, stream, p, dev_ranges, n);
-    Py_END_ALLOW_THREADS free(copy);
-    PyBuffer_Release(&view);
+    if (bigobj != Py_None) {
+        if (PyObject_GetBuffer(bigobj, &bview, PyBUF_SIMPLE) < 0)
+            goto fail;
+        if (bview.len % 24 || (uintptr_t)bview.buf % 8 || bview.len / 24 > WX_COPY_MAX_RANGES) {
+            PyErr_Format(PyExc_ValueError,
+                         "copy_launch: large copies: %zd bytes (expected 8-byte aligned "
+                         "(dst, src, nbytes) uint64 triples)",
+                         bview.len);
+            PyBuffer_Release(&bview);
+            goto fail;
+        }
+        nbig = (int)(bview.len / 24);
+    }
+    Py_BEGIN_ALLOW_THREADS rc = wx_copy_launch(device, stream, p, dev_ranges, n, bview.buf, nbig);
+    Py_END_ALLOW_THREADS if (bigobj != Py_None) PyBuffer_Release(&bview);
+    free(copy);
+    if (obj != Py_None)
+        PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(st, rc, "copy_launch");
     Py_RETURN_NONE;
+fail:
+    free(copy);
+    if (obj != Py_None)
+        PyBuffer_Release(&view);
+    return NULL;
+}
+
+static PyObject *wx_copy_settings_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    char why[256] = "";
+    int u = 0, c = 0, rc = wx_copy_settings(&u, &c, why, sizeof why);
+    if (rc)
+        return wx_py_raise(st, rc, "copy_settings");
+    return Py_BuildValue("{sisi}", "unroll", u, "ctas_per_sm", c);
 }
 
 static PyMethodDef wx__prepare_methods[] = {
@@ -206,9 +236,13 @@ static PyMethodDef wx__prepare_methods[] = {
      "copy_probe(device, dirs=()) -> (usable, why_not): loads libnvrtc (also from dirs) and "
      "compiles the batched copy kernel for the device at first use."},
     {"copy_launch", wx_copy_launch_py, METH_VARARGS,
-     "copy_launch(device, stream, ranges, device_ranges_ptr): one launch of the batched copy "
-     "kernel on the stream; ranges as for copy_check, device_ranges_ptr the same bytes in "
-     "device memory (valid until the kernel ran)."},
+     "copy_launch(device, stream, ranges, device_ranges_ptr, large=None): one launch of the "
+     "batched copy kernel on the stream (ranges as for copy_check, or None; device_ranges_ptr "
+     "the same bytes in device memory, valid until the kernel ran), then one cuMemcpyAsync per "
+     "(dst, src, nbytes) uint64 triple of `large`."},
+    {"copy_settings", wx_copy_settings_py, METH_NOARGS,
+     "copy_settings() -> {unroll, ctas_per_sm}: the kernel's settings ($WXFER_COPY_UNROLL, "
+     "$WXFER_COPY_CTAS, read once); raises Error naming a bad value."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -8,6 +8,9 @@ CUDA driver or libnvrtc, ``WXFER_COPY=torch``), with one ``torch._foreach_copy_`
 the same bytes; the kernel moves them at about the on-device copy's rate, torch's batched copy
 at about half of it on an H200 (benchmarks/README.md). The range table is uploaded once per
 distinct batch and kept on the device (a push copies the same ranges every step).
+Ranges of at least ``driver_min()`` bytes ($WXFER_COPY_DRIVER_MIN; 0: none) are copied by
+the driver instead (one cuMemcpyAsync each, after the kernel, on the same stream). The kernel's
+own settings are $WXFER_COPY_UNROLL and $WXFER_COPY_CTAS (read once; csrc/prepare/wx_copy.h).
 ``info()`` says which copier would run and why; ``last()`` which one ran last.
 """
 
@@ -18,6 +21,7 @@ import os
 import threading
 
 CHUNK = 64 << 10  # = WX_COPY_CHUNK in csrc/prepare/wx_copy.h
+DRIVER_MIN = 0  # = driver_min()'s default
 TABLES_KEPT = 256  # device range tables kept (one per distinct batch and stream)
 _probed: dict = {}  # CUDA ordinal -> None (usable) or the reason it is not
 _lock = threading.Lock()
@@ -72,7 +76,10 @@ def info(device=None, probe: bool = True) -> dict:
     if why == "":
         d = {"copier": "none", "reason": "no batched copy on this device yet (the kernel is compiled at first use)"}
     elif why is None:
+        from .. import _wxfer
+
         d = {"copier": "native", "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}"}
+        d.update(_wxfer.copy_settings(), driver_min=driver_min())
     else:
         d = {"copier": "torch._foreach_copy_", "reason": why}
     d.update(native_calls=_calls["native"], torch_calls=_calls["torch"])
@@ -82,6 +89,17 @@ def info(device=None, probe: bool = True) -> dict:
 def last() -> dict | None:
     """The copier of the last copy_ranges call and why ({"copier", "reason"}), or None."""
     return None if _last is None else dict(_last)
+
+
+def driver_min() -> int:
+    """Ranges of at least this many bytes go to the driver's copy ($WXFER_COPY_DRIVER_MIN,
+    bytes or a size like 8MiB; 0, the default: every range in the kernel)."""
+    v = os.environ.get("WXFER_COPY_DRIVER_MIN", "").strip()
+    if not v:
+        return DRIVER_MIN
+    from .. import _wxfer
+
+    return int(_wxfer.parse_size(v))
 
 
 def table(items) -> array.array:
@@ -126,6 +144,20 @@ def _native(device, items) -> None:
     from .fp8 import _raw_stream
 
     stream = _raw_stream(device)
+    cut = driver_min()
+    big = None
+    if cut > 0:
+        big = array.array("Q")
+        for i in items:
+            if i[4] >= cut:
+                big.extend(i[2:])
+        if big:
+            items = [i for i in items if i[4] < cut]
+        else:
+            big = None
+    if not items:
+        _wxfer.copy_launch(device.index, stream, None, 0, big)
+        return
     t = table(items)
     key = (stream, t.tobytes())
     dev = _tables.get(key)
@@ -134,4 +166,4 @@ def _native(device, items) -> None:
             _tables.clear()  # freed in stream order: later work on these streams comes after the kernels
         dev = torch.frombuffer(bytearray(key[1]), dtype=torch.uint8).to(device, non_blocking=True)
         _tables[key] = dev
-    _wxfer.copy_launch(device.index, stream, t, dev.data_ptr())
+    _wxfer.copy_launch(device.index, stream, t, dev.data_ptr(), big)
