@@ -293,8 +293,7 @@ class DirectMixin:
         if hit[3] is None:
             self._direct_why[hit[4]] = self._direct_why.get(hit[4], 0) + 1
             return False
-        self._direct_begin()
-        self._copy_q.extend(hit[3])
+        self._copy_q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
         self._copy_q_bytes += op.nbytes
         self._direct_n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
         if len(self._copy_q) >= COPY_BATCH or self._copy_q_bytes >= COPY_BATCH_BYTES:
@@ -355,6 +354,7 @@ class DirectMixin:
         items = [c[1:] for c in q if c[0] not in skip]
         self._direct_n["skipped_writes"] += len(q) - len(items)
         if items:
+            self._direct_begin()  # late: the engine's writes queued meanwhile were not held up
             self._direct_copier = copies.copy_ranges(self.device, items)
             self._direct_launched = True
 
