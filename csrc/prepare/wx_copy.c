@@ -70,7 +70,7 @@ int wx_copy_settings(int *unroll, int *ctas, char *why, size_t why_len)
         int u = 0, c = 0;
         rc = wx__env_int("WXFER_COPY_UNROLL", 1, 16, 4, &u);
         if (!rc)
-            rc = wx__env_int("WXFER_COPY_CTAS", 1, 32, 8, &c);
+            rc = wx__env_int("WXFER_COPY_CTAS", 1, 32, 16, &c);
         if (!rc) {
             wx__unroll = u;
             wx__ctas = c;
@@ -117,7 +117,7 @@ static int wx__cubin(int cc, const char *const *dirs, int ndirs, const char **bi
     const char *opts[2] = {arch, unroll};
     size_t size = 0;
     char *out = NULL;
-    int rc, u = 4, c = 8;
+    int rc, u = 4, c = 16;
     for (int i = 0; i < wx__nbins; i++) {
         if (wx__bins[i].cc != cc)
             continue;
