@@ -75,3 +75,28 @@ def test_fence_stamps_direct_tasks_and_their_wait_are_fitted_back():
     kz = {t: "zero_copy" for t in range(10)}
     g = fit([(t0, t1, [r for r in recs if r["tag"] not in range(3, 7)])], order, kz, info)
     assert "host_direct_task_s" not in g and g["push_end_s"] > 300e-6
+
+
+def test_direct_tasks_after_the_last_record_are_fitted_from_the_end_stamps_submission():
+    """A push whose direct tasks all come after its last zero-copy batch (an FP8 model whose
+    only zero-copy tasks are the embeddings, first): their host time is the gap from that
+    batch's submission to the end stamps' (no other sample holds a direct task); a push
+    where other samples hold every column does not use that gap (the push's own end work)."""
+    zc, dh, t0 = 5 * US, 90 * US, 10**9
+    order = [list(range(8))]
+    kinds = {t: ("zero_copy" if t < 2 else "direct") for t in range(8)}
+    info = {t: (1, 1) for t in range(8)}
+    begin = _rec(STAMP_TAG, t0 + 300 * US, t0 + 350 * US, t0 + 500 * US, 8)
+    recs = [
+        begin,
+        _rec(0, t0 + 305 * US, t0 + 500 * US, t0 + 900 * US),
+        _rec(1, t0 + 310 * US, t0 + 510 * US, t0 + 1000 * US),
+    ]
+    h = t0 + 1000 * US + 6 * dh  # the first direct task waited for the engine's work (t0 + 1 ms)
+    end = _rec(STAMP_TAG, h, t0 + 9000 * US, t0 + 9100 * US, 8, ready=t0 + 8900 * US)
+    f = fit([(t0, t0 + 9200 * US, recs + [end])], order, kinds, info, batch=2, write_GBps=1000.0)
+    assert f["host_direct_task_s"] == pytest.approx(90e-6, rel=1e-3)
+    # zero copy only: the tail holds no task, nothing is added
+    kz = {t: "zero_copy" for t in range(2)}
+    g = fit([(t0, t0 + 9200 * US, recs + [end])], [[0, 1]], kz, info, batch=2)
+    assert g["host_samples"] == 1

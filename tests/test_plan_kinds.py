@@ -95,15 +95,21 @@ def test_batches_follow_the_sender_loop():
     assert batches([z, z, p, z, "collective_only", z, z], 32) == [(0, 2), (3, 1), (5, 2)]
     assert batches([p, p], 32) == [] and batches([], 4) == []
     assert batches([z] * 64) == [(0, 32), (32, 32)]
+    # and by bytes (the Sender hands a batch over once its tasks reach FAST_BATCH_BYTES)
+    mb = 1 << 20
+    assert batches([z] * 4, 32, [10 * mb, 250 * mb, mb, mb]) == [(0, 2), (2, 2)]
+    assert batches([z, "copy", z, z], 32, [300 * mb, 10**12, mb, mb]) == [(0, 1), (2, 2)]  # a copy's bytes do not count
 
 
 def test_the_batch_size_is_the_senders():
     from wxfer.runtime import hostfit
-    from wxfer.runtime.sender import FAST_BATCH
+    from wxfer.plan.kinds import ZERO_COPY_BATCH_BYTES
+    from wxfer.runtime.sender import FAST_BATCH, FAST_BATCH_BYTES
     from wxfer.runtime.tasks import STAMP_TAG
     from wxfer.meta import Calibration
 
     assert ZERO_COPY_BATCH == FAST_BATCH == Calibration().zc_batch
+    assert ZERO_COPY_BATCH_BYTES == FAST_BATCH_BYTES
     assert hostfit.STAMP_TAG == STAMP_TAG
 
 

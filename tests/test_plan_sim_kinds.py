@@ -27,16 +27,19 @@ def test_zero_copy_tasks_cost_host_time_per_task_and_per_batch():
     c, plan, kinds = _one("qwen3-8b", cal=dict(host_zc_task_s=1e-4, host_zc_batch_s=1e-3))
     assert set(kinds.values()) == {"zero_copy"} and len(plan.tasks) == 399
     r = simulate(plan, c, kinds=kinds)
-    nb = len(batches([kinds[t] for t, _ in plan.rank_schedule(0)[0]]))
-    assert nb == 13  # 12 x 32 + 15
-    host = 399 * 1e-4 + nb * 1e-3
+    sched = [t for t, _ in plan.rank_schedule(0)[0]]
+    size = np.bincount(plan.task, plan.nbytes, len(plan.tasks))  # one receiver: a task's bytes
+    bs = batches([kinds[t] for t in sched], nbytes=[size[t] for t in sched])
+    # cut at 32 tasks or 256 MiB (wxfer.runtime.sender.FAST_BATCH / FAST_BATCH_BYTES): more than by count
+    assert len(bs) > len(batches([kinds[t] for t in sched])) == 13  # 12 x 32 + 15
+    host = 399 * 1e-4 + len(bs) * 1e-3
     assert r.stage_busy_s["host"] == pytest.approx(host)
     assert host < r.simulated_s < host * 1.02 + 1e-3  # the last batch's writes after it
     assert r.terms["kernel_s"] == 0.0 and r.terms["zero_copy_tasks"] == 399
     # a batch's jobs go to the engine together, when its last task was handled
     starts = sorted({round(s, 9) for _, s in _acts(r)})
-    assert len(starts) == nb
-    assert np.diff(starts)[:-1] == pytest.approx(32 * 1e-4 + 1e-3)
+    assert len(starts) == len(bs)
+    assert np.diff(starts) == pytest.approx([n * 1e-4 + 1e-3 for _, n in bs[1:]])
     # the same plan simulated as packed tasks (no kinds: the old model) pays a buffer copy each
     assert simulate(plan, c).terms["kernel_s"] > 0
 

@@ -192,7 +192,8 @@ class _Meshes:
             for g in self.plan.rank_schedule(r):
                 js = [jb.job_of.get((r, t)) for t, _ in g]
                 ks = [names.get(int(self.kind[j]), "other") if j is not None else "other" for j in js]
-                out.update(js[i] for i in batch_ends(ks, self.model.zc_batch))  # (a copy job's, possibly)
+                nb = [float(jb.packed[j]) if j is not None else 0.0 for j in js]
+                out.update(js[i] for i in batch_ends(ks, self.model.zc_batch, nb))  # (a copy job's, possibly)
                 own = [j for j in js if j is not None]
                 if "copy" in ks and own:
                     last.add(own[-1])

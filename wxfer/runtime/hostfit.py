@@ -84,13 +84,18 @@ def _waited(r, prev: int, releases) -> bool:
     return i > 0 and releases[i - 1] >= max(prev, r["t_admit"] - WAKE_NS)
 
 
-def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict, begin_done: int = 0) -> tuple:
+def _samples(
+    recs: dict, prev: int, order, kinds, info, batch: int, work: dict, begin_done: int = 0, sizes=None, end=None
+) -> tuple:
     """(host samples [(features, seconds)] of one push, when the wait at its first direct or
     copy task ended (ns; None: it has none)); prev: when the host started its first task (ns).
     A packed task that waited for the watermark is sampled from its admission on (t_admit ..
     t_submit: its preparation), without what came before it.  Direct and copy tasks have no
     record: their host time is in the next record's gap, from the end of the wait at the push's
-    first one (the engine's work submitted before it and the begin stamps, `begin_done`, landed)."""
+    first one (the engine's work submitted before it and the begin stamps, `begin_done`, landed).
+    sizes: tag -> bytes (the zero-copy batches are also cut by their bytes, as the Sender cuts
+    them; None: by count only).  end: when the end stamps were submitted (ns): the host time of
+    the tasks after the last record (direct and copy tasks at the push's end) is in that gap."""
     releases = sorted(r["t_done"] for r in recs.values() if r.get("held"))
     out = []
     ncol = len(COLUMNS)
@@ -101,7 +106,7 @@ def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict, 
         if g:
             carry[5] += 1
         ks = [kinds.get(t, "packed") for t in tags]
-        ends = batch_ends(ks, batch)
+        ends = batch_ends(ks, batch, None if sizes is None else [sizes.get(t, 0) for t in tags])
         for i, t in enumerate(tags):
             r = recs.get(t)
             if ks[i] in _OWN:  # no record: written by the rank's kernels (wxfer.runtime.direct)
@@ -140,6 +145,8 @@ def _samples(recs: dict, prev: int, order, kinds, info, batch: int, work: dict, 
                 seen = hidden = 0
                 out.append((f, (rz["t_submit"] - prev) / 1e9))
                 prev, carry = rz["t_submit"], np.zeros(ncol)
+    if end is not None and carry[[0, 6, 7]].any() and end > prev:  # tasks after the last record
+        out.append((carry, (end - prev) / 1e9, "tail"))
     return out, waited
 
 
@@ -255,14 +262,29 @@ def _begin(stamps, first: int, t0: int, fence: bool = False) -> tuple:
     return b["t_submit"], b.get("t_done") or b["t_submit"]
 
 
-def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, work=None, write_GBps=None) -> dict:
+def _without_needless_tails(samples) -> list:
+    """[(features, seconds)]: the samples, each push's tail (its tasks after the last record,
+    up to the end stamps' submission, which also holds the push's own end work) kept only
+    where it holds tasks of a column no other sample has (else it would bias the fit by that
+    end work): e.g. a push whose direct tasks all come after its last zero-copy batch."""
+    body = [s[:2] for s in samples if len(s) == 2]
+    seen = np.zeros(len(COLUMNS), bool)
+    for f, _ in body:
+        seen |= np.asarray(f) > 0
+    return body + [s[:2] for s in samples if len(s) == 3 and ((np.asarray(s[0]) > 0) & ~seen).any()]
+
+
+def fit(
+    pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, work=None, write_GBps=None, sizes=None
+) -> dict:
     """Fit the push's host and fixed costs on traced pushes.
 
     pushes: [(t0 ns, t1 ns, records)]: when push() was called and returned, and the engine's
     trace of it (stamp records included); order: this rank's task tags per mesh group, in
     program order; kinds: tag -> kind (Sender.task_kinds()); info: tag -> (parameters,
     pieces); work: tag -> seconds of work done on the host itself (CPU packing) to take out;
-    write_GBps: the write rate, to fit the costs per write (None: not fitted).
+    write_GBps: the write rate, to fit the costs per write (None: not fitted); sizes: tag ->
+    the task's bytes (the zero-copy batches are cut by bytes too, as the Sender cuts them).
 
     push_begin_s: t0 to the host's first task (after the begin stamps' submission);
     begin_fence_s: from then until the begin stamps landed (no data write is posted before);
@@ -281,13 +303,15 @@ def fit(pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, wo
         begin.append((start - t0) / 1e9)
         fence.append((landed - start) / 1e9)
         last = max(r["t_done"] for r in data.values())
-        got, waited = _samples(data, start, order, kinds, info, batch, work or {}, landed)
+        tail = stamps[-1]["t_submit"] if len(stamps) > 1 else None  # the end stamps' submission
+        got, waited = _samples(data, start, order, kinds, info, batch, work or {}, landed, sizes, tail)
         samples += got
         if direct and len(stamps) > 1 and stamps[-1].get("t_ready"):
             last = max(last, stamps[-1]["t_ready"])
             # the kernels ran from the wait for the engine's earlier writes to the end stamps' event
             windows[i] = (waited if waited is not None else landed, stamps[-1]["t_ready"])
         end.append((t1 - last) / 1e9)
+    samples = _without_needless_tails(samples)
     if not samples:
         raise RuntimeError("hostfit: the pushes traced no task of this rank")
     ys = np.array([y for _, y in samples])

@@ -46,6 +46,7 @@ from .verify import verify_enabled
 
 
 FAST_BATCH = 32  # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
+FAST_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (a large write is not held back)
 
 
 def task_bound(watermark: int) -> int:
@@ -496,7 +497,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                 for gi, ops in enumerate(self.program.groups):
                     if barrier is not None:
                         barrier.wait(self.timeout)
-                    batch = []  # zero-copy tasks, handed to the engine in one call
+                    batch, held = [], 0  # zero-copy tasks, handed to the engine in one call; their bytes
                     for oi, op in enumerate(ops):
                         at = (gi, oi)
                         if self._direct_copy(op):  # small: one batched copy into the receivers
@@ -504,14 +505,15 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                         fast = self._fast_task(op)
                         if fast is not None:
                             batch.append(fast)
-                            if len(batch) >= FAST_BATCH:
+                            held += op.nbytes
+                            if len(batch) >= FAST_BATCH or held >= FAST_BATCH_BYTES:
                                 self._submit_fast(batch, ev)
-                                batch = []
+                                batch, held = [], 0
                             continue
                         if batch:
                             at = (gi, oi - 1)  # a failure here: task oi's collectives are still to drain
                             self._submit_fast(batch, ev)
-                            batch = []
+                            batch, held = [], 0
                             at = (gi, oi)
                         self._run_task(op, ev)
                     if batch:

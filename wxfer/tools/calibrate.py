@@ -403,7 +403,8 @@ def host_costs(
         t1 = _t.perf_counter_ns()
         traced.append((t0, t1, sender.trace()))
         push_s.append((t1 - t0) / 1e9)
-    out = hostfit.fit(traced, order, kinds, info, ZERO_COPY_BATCH, work, write_GBps)
+    sizes = {t: op.nbytes for t, op in ops.items()}  # the zero-copy batches are cut by bytes too
+    out = hostfit.fit(traced, order, kinds, info, ZERO_COPY_BATCH, work, write_GBps, sizes)
     if not cpu:
         packed = {t for t, k in kinds.items() if k in ("packed", "staged")}
         out["trace_device"] = hostfit.device_times(traced, packed, moved, fp8)
