@@ -100,3 +100,19 @@ def test_direct_tasks_after_the_last_record_are_fitted_from_the_end_stamps_submi
     kz = {t: "zero_copy" for t in range(2)}
     g = fit([(t0, t0 + 9200 * US, recs + [end])], [[0, 1]], kz, info, batch=2)
     assert g["host_samples"] == 1
+
+
+def test_a_push_of_direct_tasks_only_is_fitted_from_its_stamps():
+    """Every task direct (or copied): the engine traced only the stamps; the host time of the
+    tasks is the gap from the begin stamps' landing (the first direct task waited for it) to
+    the end stamps' submission."""
+    t0, dh = 10**9, 50 * US
+    order = [list(range(5))]
+    kinds = {t: "direct" for t in range(5)}
+    info = {t: (1, 1) for t in range(5)}
+    begin = _rec(STAMP_TAG, t0 + 200 * US, t0 + 250 * US, t0 + 400 * US, 8)
+    end = _rec(STAMP_TAG, t0 + 400 * US + 5 * dh, t0 + 2000 * US, t0 + 2100 * US, 8, ready=t0 + 1900 * US)
+    f = fit([(t0, t0 + 2200 * US, [begin, end])], order, kinds, info)
+    assert f["host_direct_task_s"] == pytest.approx(50e-6, rel=1e-3)
+    assert f["push_begin_s"] == pytest.approx(200e-6) and f["begin_fence_s"] == pytest.approx(200e-6)
+    assert f["push_end_s"] == pytest.approx(300e-6)  # from the end stamps' event (the last kernel)

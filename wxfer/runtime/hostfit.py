@@ -296,13 +296,14 @@ def fit(
     copies = any(k == "copy" for k in kinds.values())  # (a runtime whose begin stamps are a fence)
     for i, (t0, t1, records) in enumerate(pushes):
         data = {r["tag"]: r for r in records if r["tag"] != STAMP_TAG}
-        if not data:
-            continue
         stamps = sorted((r for r in records if r["tag"] == STAMP_TAG), key=lambda r: r["t_submit"])
-        start, landed = _begin(stamps, min(r["t_submit"] for r in data.values()), t0, copies)
+        if not data and not (direct and len(stamps) > 1):
+            continue  # (every task direct or copied: only the stamps were traced, and the tail says it all)
+        first = min(r["t_submit"] for r in data.values()) if data else stamps[-1]["t_submit"]
+        start, landed = _begin(stamps, first, t0, copies or not data)
         begin.append((start - t0) / 1e9)
         fence.append((landed - start) / 1e9)
-        last = max(r["t_done"] for r in data.values())
+        last = max([r["t_done"] for r in data.values()] + [landed])
         tail = stamps[-1]["t_submit"] if len(stamps) > 1 else None  # the end stamps' submission
         got, waited = _samples(data, start, order, kinds, info, batch, work or {}, landed, sizes, tail)
         samples += got
