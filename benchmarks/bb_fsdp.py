@@ -259,7 +259,7 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
                 s.write_trace(trace_path)
             r = _figures(s, wm, times, peaks, recs, summ)
             if wi == 0:
-                r.update(simulated(s, dev, a))
+                r.update(simulated(s, dev, a, trainer.step if trainer is not None else None))
             if cm is None:
                 byw[str(wm)] = r
             else:
@@ -293,14 +293,14 @@ def _offloaded(sender, dev) -> bool:
     return False
 
 
-def simulated(sender, dev, a: dict) -> dict:
+def simulated(sender, dev, a: dict, step=None) -> dict:
     """The simulator's prediction of this push (issue 15): the trainers' own plan, each task
     simulated as this Sender runs it (Sender.task_kinds(): zero copy, packed, staged), with a
     calibration measured in this run: the host and per-push costs fitted on this Sender's own
-    trace (a few more pushes; per zero-copy batch and task, per packed task / parameter / piece,
-    per direct task, the begin and end stamps and the begin fence, the engine's posting gap per
-    write and the write path's time per write beyond the link's rate), the quantizer and copy
-    rates on this device,
+    trace (a few more pushes, each after a training step `step` as the timed ones; per
+    zero-copy batch and task, per packed task / parameter / piece, per direct task, the begin
+    and end stamps and the begin fence, the engine's posting gap per write and the write path's
+    time per write beyond the link's rate), the quantizer and copy rates on this device,
     the write path at the link bound measured for this configuration (`a["_link_GBps"]`:
     colocated writes are on-device copies), and for an offloaded trainer the pinned H2D rate
     measured by its bound (`a["_h2d_GBps"]`).  Colocated on one GPU, the kernels and the writes
@@ -320,7 +320,8 @@ def simulated(sender, dev, a: dict) -> dict:
         offload = dev.type == "cuda" and _offloaded(sender, dev)
         h2d = a.get("_h2d_GBps") if offload else None
         cpu = dev.type == "cpu"
-        h = host_costs(sender, 3, k["copy_GBps"], link, k["quant_GBps"])
+        # the fitted pushes follow a training step (`step`), as the timed ones do
+        h = host_costs(sender, 3, k["copy_GBps"], link, k["quant_GBps"], between=step)
         if dev.type == "cpu" and h.get("trace_write_GBps"):
             # CPU dry run: the link bound is a memcpy, the writes go through fabric tcp: their rate and
             # per-write cost from the Sender's own trace instead

@@ -82,7 +82,7 @@ def test_direct_tasks_after_the_last_record_are_fitted_from_the_end_stamps_submi
     only zero-copy tasks are the embeddings, first): their host time is the gap from that
     batch's submission to the end stamps' (no other sample holds a direct task); a push
     where other samples hold every column does not use that gap (the push's own end work)."""
-    zc, dh, t0 = 5 * US, 90 * US, 10**9
+    dh, t0 = 90 * US, 10**9
     order = [list(range(8))]
     kinds = {t: ("zero_copy" if t < 2 else "direct") for t in range(8)}
     info = {t: (1, 1) for t in range(8)}

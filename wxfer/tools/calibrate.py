@@ -122,7 +122,11 @@ def measure_kernels(dev, quick: bool) -> dict:
         for d, s in ((dst[i * k : (i + 1) * k], src[i * k : (i + 1) * k]) for i in range(128))
     ]
     copier = copies.copy_ranges(dev, items)
-    t_batch = _timed(lambda: copies.copy_ranges(dev, items), dev, iters)
+    # the device's time per launch (queued behind a spinning kernel: the host's issuing, which a
+    # push overlaps with earlier launches, taken out), else the call timed to its sync
+    t_batch = _device_launch_s(lambda: copies.copy_ranges(dev, items), dev, n=8) or _timed(
+        lambda: copies.copy_ranges(dev, items), dev, iters
+    )
     return dict(
         quantizer=name,
         quant_GBps=rate / 1e9,
@@ -365,6 +369,7 @@ def host_costs(
     copy_GBps: float | None = None,
     write_GBps: float | None = None,
     quant_GBps: float | None = None,
+    between=None,
 ) -> dict:
     """The push's host and fixed costs fitted on the engine's trace of `pushes` pushes of an
     existing `wxfer.Sender` (after one warm-up push), as the runtime submits (wxfer.runtime.
@@ -375,7 +380,8 @@ def host_costs(
     at `quant_GBps` for a task with FP8 shards, else at `copy_GBps`).  On a GPU, the device
     time of the packed tasks from the same trace (``trace_device``: their CUDA events' ends,
     one after the other) is reported beside it.  A benchmark can call this on its own trainer
-    rank and put the result into a Calibration."""
+    rank and put the result into a Calibration; `between` (a callable, e.g. its training step)
+    runs before each traced push, untimed, so that the pushes are fitted as it times them."""
     import time as _t
     from ..plan.kinds import ZERO_COPY_BATCH
     from ..runtime import hostfit
@@ -397,6 +403,12 @@ def host_costs(
     kinds = sender.task_kinds()  # after a push: zero copy as decided there
     traced, push_s = [], []
     for _ in range(pushes):
+        if between is not None:
+            between()
+            if sender.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(sender.device)
         sender.trace(clear=True)
         t0 = _t.perf_counter_ns()
         sender.push()
