@@ -446,6 +446,49 @@ def test_a_bad_copy_max_raises_naming_it_before_anything_is_set_up(monkeypatch):
 
 @needs_fabric
 @pytest.mark.timeout(120)
+def test_the_first_copy_launch_comes_after_the_begin_stamps_landed(store, monkeypatch):
+    """The batched copies write the receivers' memory outside the engine: each push's first
+    launch waits for the begin stamps (Engine.wait(fence=...), that fence task alone), so at
+    every launch this push's begin stamps have finished; the bytes are the reference's."""
+    import time
+
+    from wxfer.models import preset_for
+    from wxfer.runtime import copies
+    from wxfer.runtime.sender import Sender
+    from wxfer.runtime.tasks import STAMP_TAG
+
+    _, addr = store
+    name = "dirbegin"
+    params, ths = _receivers(addr, name, 1, None)
+    _emulate(monkeypatch, [])
+    model = _model().to(torch.bfloat16)
+    monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "all")
+    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30)
+    recvs = _joined(ths)
+    _emulate(monkeypatch, recvs)
+    real, seen = copies.copy_ranges, []
+    pushed = [0]
+
+    def spy(device, items):
+        begun = [r for r in s.engine.trace() if r["tag"] == STAMP_TAG and r["t_submit"] >= pushed[0]]
+        seen.append(bool(begun) and all(r["status"] == 0 for r in begun))
+        return real(device, items)
+
+    monkeypatch.setattr(copies, "copy_ranges", spy)
+    for step in (1, 2):
+        pushed[0] = time.monotonic_ns()
+        s.push()
+        assert recvs[0].version() == step
+        _check(model, params, 1, None)
+    assert seen and all(seen), seen
+    assert s.stats()["direct"]["copies"] == len([op for g in s.program.groups for op in g if op.sends])
+    s.close()
+    for r in recvs:
+        r.close()
+
+
+@needs_fabric
+@pytest.mark.timeout(120)
 def test_task_kinds_says_copy_as_the_push_decides_it(store, monkeypatch):
     """Sender.task_kinds() reports "copy" for exactly the zero-copy tasks a push copies into the
     receivers' memory (fewer bytes than copy_max(), direct possible, every destination mapped),
@@ -520,7 +563,7 @@ class _CopySender(_FakeSender):
     def _dropped(self):
         return set()
 
-    def _wait_engine(self, timeout, what):
+    def _wait_engine(self, timeout, what, fence=None):
         pass
 
     def _direct_map(self, rdesc, off, nb):

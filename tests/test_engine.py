@@ -341,6 +341,32 @@ def test_peer_table_refreshed_while_writes_to_it_are_queued(provider):
         t.close()
 
 
+def test_wait_for_a_fence_returns_when_it_finished_not_the_tasks_after_it(pair):
+    """Engine.wait(fence=id) (the Sender's wait for the begin stamps before its direct writes):
+    back once that fence task finished -- every earlier write landed, its own too -- while the
+    tasks submitted after it may still be writing; an id never submitted does not block."""
+    import time
+
+    t, tgt = pair
+    eng = _wxfer.Engine(t, chunk=64 * 1024)
+    big = 512 * 1024
+    a, f = rand(big, 1), rand(8, 2)
+    eng.submit(a, [(tgt.descriptors[0], 0, 0, big)], tag=1)
+    fid = eng.submit(f, [(tgt.descriptors[1], 0, 0, 8)], tag=2, fence=True)
+    later = [rand(big, 10 + i) for i in range(64)]
+    for i, b in enumerate(later):
+        eng.submit(b, [(tgt.descriptors[0], big, 0, big)], tag=100 + i)
+    eng.wait(timeout=60, fence=fid)
+    back = time.monotonic_ns()
+    eng.wait(timeout=60, fence=fid + 10_000)  # never submitted: at once
+    eng.wait(timeout=60)
+    recs = {r["tag"]: r for r in eng.trace()}
+    assert back >= recs[2]["t_done"] >= recs[1]["t_done"]
+    assert back < max(recs[100 + i]["t_done"] for i in range(64))  # it did not wait for them all
+    assert np.array_equal(np.frombuffer(tgt.read(1), np.uint8)[:8], f)
+    eng.close()
+
+
 def test_trace_is_a_bounded_ring(pair):
     """The engine's trace keeps the last 65536 tasks (the Sender never clears it): older
     records are dropped, counted, and the kept ones are the newest, oldest first."""

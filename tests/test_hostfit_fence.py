@@ -58,8 +58,9 @@ def test_fence_stamps_direct_tasks_and_their_wait_are_fitted_back():
     for t in range(3):
         h += zc
         recs.append(_rec(t, h, t0 + 800 * US + t * 10 * US, t0 + 1000 * US + t * 500 * US))
-    # the first direct task waits until they landed (t0 + 2 ms), then 4 direct tasks' host work
-    h = t0 + 2000 * US + 4 * dh
+    # the first direct task waits until the begin stamps landed (t0 + 800 us; not for the zero-copy
+    # writes submitted since: Engine.wait(fence=...)), then 4 direct tasks' host work
+    h = t0 + 800 * US + 4 * dh
     for t in range(7, 10):
         h += zc
         recs.append(_rec(t, h, h + 20 * US, h + 100 * US))
@@ -92,7 +93,7 @@ def test_direct_tasks_after_the_last_record_are_fitted_from_the_end_stamps_submi
         _rec(0, t0 + 305 * US, t0 + 500 * US, t0 + 900 * US),
         _rec(1, t0 + 310 * US, t0 + 510 * US, t0 + 1000 * US),
     ]
-    h = t0 + 1000 * US + 6 * dh  # the first direct task waited for the engine's work (t0 + 1 ms)
+    h = t0 + 500 * US + 6 * dh  # the first direct task waited for the begin stamps (t0 + 500 us)
     end = _rec(STAMP_TAG, h, t0 + 9000 * US, t0 + 9100 * US, 8, ready=t0 + 8900 * US)
     f = fit([(t0, t0 + 9200 * US, recs + [end])], order, kinds, info, batch=2, write_GBps=1000.0)
     assert f["host_direct_task_s"] == pytest.approx(90e-6, rel=1e-3)

@@ -210,6 +210,8 @@ static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     wx__active_remove(e, t);
     e->held -= t->spec.held_bytes;
     e->completed++;
+    if (t->spec.fence && t->id > e->fence_done)
+        e->fence_done = t->id;
     wx__trace_add(e, &t->rec);
     if (t->completed == t->posted) { /* else: abandoned writes still out (isolate) */
         t->queued_done = 1;
@@ -732,6 +734,30 @@ int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
         }
         if (e->completed == e->submitted && (!e->fencing_peers || e->stop))
             break; /* (a failed peer is fenced before the engine says all done) */
+        if (wx_now_ns() >= end) {
+            rc = -EAGAIN;
+            break;
+        }
+        wx__wait(&e->cv_done, &e->mu,
+                 end - wx_now_ns() < 50000000ull ? end - wx_now_ns() : 50000000ull);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+int wx_engine_wait_fence(wx_engine_t *e, uint64_t slice_ns, uint64_t id)
+{
+    uint64_t end = wx_now_ns() + slice_ns;
+    int rc = 0;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        wx__check_deadlines(e);
+        if (e->err) {
+            rc = wx__errf_sticky(e);
+            break;
+        }
+        if (e->fence_done >= id || id >= e->next_id)
+            break;
         if (wx_now_ns() >= end) {
             rc = -EAGAIN;
             break;

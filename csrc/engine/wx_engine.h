@@ -109,6 +109,10 @@ void wx_engine_unadmit(wx_engine_t *e, uint64_t held_bytes);
  * passed; other: the engine's error (its message in wx_last_error(), its fields from
  * wx_engine_error). */
 int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns);
+/* Wait up to slice_ns for the fence task `id` (a wx_engine_submit id of a spec with fence
+ * set) to finish: fences finish in submission order, the tasks after one are posted once it
+ * has. Returns as wx_engine_wait; an id never submitted returns 0. */
+int wx_engine_wait_fence(wx_engine_t *e, uint64_t slice_ns, uint64_t id);
 /* Hand the owners of finished tasks to cb (on the caller's thread). Returns the count. */
 int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg);
 /* isolate: the peers that failed (each one's first failure), at most max of them; returns

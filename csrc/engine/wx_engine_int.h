@@ -61,6 +61,7 @@ struct wx_engine {
     wx__queue_t ready, post, done;
     wx__task_t *active;
     uint64_t held, held_peak, inflight, submitted, completed, bytes_written, next_id;
+    uint64_t fence_done; /* the id of the last fence task finished (they finish in order) */
     int err;
     int fence_pending;     /* a fence task was posted: the next waits for inflight == 0 */
     int ready_dev;         /* the ready thread's current CUDA device (-1: none yet) */

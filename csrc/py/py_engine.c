@@ -145,6 +145,17 @@ static int wx__wait_fn(void *arg, uint64_t slice)
     return wx_engine_wait((wx_engine_t *)arg, slice);
 }
 
+typedef struct {
+    wx_engine_t *e;
+    uint64_t id;
+} wx__fence_wait_t;
+
+static int wx__wait_fence_fn(void *arg, uint64_t slice)
+{
+    wx__fence_wait_t *w = arg;
+    return wx_engine_wait_fence(w->e, slice, w->id);
+}
+
 /* Raise for rc from e: the engine's sticky error with its fields when rc is that error,
  * else wx_py_raise. Returns NULL. */
 static PyObject *wx__raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, const char *context)
@@ -541,12 +552,13 @@ static PyObject *wx_engine_submit_prepared_py(PyObject *op, PyObject *args, PyOb
 
 static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"timeout", NULL};
+    static char *kwlist[] = {"timeout", "fence", NULL};
     wx_py_engine_t *self = (wx_py_engine_t *)op;
-    PyObject *tmo = Py_None;
+    PyObject *tmo = Py_None, *fence = Py_None;
     double timeout = -1;
+    wx__fence_wait_t fw;
     int rc;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O:wait", kwlist, &tmo))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO:wait", kwlist, &tmo, &fence))
         return NULL;
     if (!wx__live(self))
         return NULL;
@@ -555,7 +567,15 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
         if (PyErr_Occurred())
             return NULL;
     }
-    rc = wx_py_wait(wx__wait_fn, self->e, timeout);
+    if (fence != Py_None) {
+        fw.e = self->e;
+        fw.id = PyLong_AsUnsignedLongLong(fence);
+        if (PyErr_Occurred())
+            return NULL;
+        rc = wx_py_wait(wx__wait_fence_fn, &fw, timeout);
+    } else {
+        rc = wx_py_wait(wx__wait_fn, self->e, timeout);
+    }
     wx_engine_reap(self->e, wx__owner_free, NULL);
     if (rc == -EINTR)
         return NULL;
@@ -744,7 +764,9 @@ static PyMethodDef wx_engine_methods[] = {
      "source is made; blocks like submit. Follow with submit(..., reserved=t) or unreserve(held)."},
     {"unreserve", wx_engine_unreserve_py, METH_O, "unreserve(held): give back a reserve()."},
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None): until every submitted task finished; raises Error on a failure."},
+     "wait(timeout=None, fence=None): until every submitted task finished (fence: the id of a "
+     "fence task: until that one finished, and with it every task submitted before it); raises "
+     "Error on a failure."},
     {"reap", wx_engine_reap_py, METH_NOARGS, "Release the sources of finished tasks; count."},
     {"error", wx_engine_error_py, METH_NOARGS,
      "The sticky error as an Error (not raised; its fields say task, tag, peer, stage), or None."},

@@ -17,14 +17,14 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
                    memory (wxfer.runtime.direct: cuda_ipc, receivers on the writer's GPU): no
                    staging buffer, no engine write; the simulator charges its host cost per task
                    and its kernel (sources read + packed bytes written at the quantizer's or the
-                   copy rate); the push's first one waits until the engine's writes so far landed
+                   copy rate); the push's first one waits until the begin stamps landed
   collective_only  the rank takes part in the task's collective but sends nothing
   copy             a zero-copy task of fewer bytes than the Sender's ``copy_max`` (default ``COPY_MAX``)
                    where direct is possible: not an engine write; its destination ranges are
                    copied straight into the receivers' mapped memory by batched copy kernels
                    (wxfer.runtime.copies, up to ``COPY_BATCH`` ranges or ``COPY_BATCH_BYTES`` per launch) on the side
                    stream, in order with the direct kernels; no trace record, no posting, no
-                   watermark; the push's first direct or copy task waits for the engine's work so far
+                   watermark; the push's first direct or copy task waits for the begin stamps
 
 ``task_kinds(plan, params)`` decides from the plan and the trainers' parameter metadata
 (shape and dtype per name) what the runtime decides per task on each rank (the same rules

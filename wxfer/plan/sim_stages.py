@@ -146,7 +146,8 @@ class _Meshes:
         self.post_free = np.full(world, b0 + model.fence_s)
         self.out_n = np.zeros(world, np.int64)  # jobs handed to the rank's engine, not yet done
         self.out_done = np.full(world, b0 + model.fence_s)  # when the last of them landed
-        self.waited = np.zeros(world, bool)  # the rank's first direct task waited for its engine
+        self.waited = np.zeros(world, bool)  # the rank's first direct task waited for its begin stamps
+        self.begin_landed = b0 + model.fence_s
         self.direct_pend: list = []  # direct jobs, done at their act_time (their kernel's end)
         self.busy_s = {k: np.zeros(world) for k in ("host", "allgather", "pack")}  # seconds per rank
         self.h2d_busy = np.zeros(world)
@@ -208,17 +209,12 @@ class _Meshes:
 
     def _engine_idle(self, m: int, ti: int) -> float:
         """When the ranks of mesh m may start task ti: 0, or for a rank's first direct or copy
-        task the time its engine's earlier work landed (the Sender waits for it: the begin
-        stamps, an engine fence, order only the engine's writes); inf while some of it is still
-        in flight."""
+        task the time its begin stamps landed (the Sender waits for that fence task alone,
+        Engine.wait(fence=...): an engine fence orders only the engine's writes)."""
         if self._kind(m, ti) not in (_DIRECT, _COPY):
             return 0.0
         ranks = [r for r in self.plan.meshes[m] if not self.waited[r]]
-        if not ranks:
-            return 0.0
-        if any(self.out_n[r] for r in ranks):
-            return np.inf
-        return max(float(self.out_done[r]) for r in ranks)
+        return float(self.begin_landed) if ranks else 0.0
 
     def _zero_copy(self, m: int, ti: int) -> bool:
         ranks = self.plan.meshes[m]

@@ -249,9 +249,14 @@ class DirectMixin:
     def _direct_begin(self) -> None:
         """Before this push's first write straight into a receiver: the begin stamps are an
         engine fence, which orders the engine's writes, not this process's kernels -- wait
-        until they (and what was submitted before) landed."""
+        until they landed (that fence task alone: not the engine's writes submitted since; with
+        no stamps, until everything submitted so far did)."""
         if self._direct_begun != self.version:
-            self._wait_engine(1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)")
+            self._wait_engine(
+                1.5 * self.write_timeout + 1.0,
+                "writing the begin stamps (before the direct writes)",
+                fence=getattr(self, "_begin_fence", None),
+            )
             self._direct_begun = self.version
 
     def _direct_task(self, op) -> bool:

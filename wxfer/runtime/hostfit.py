@@ -15,7 +15,7 @@ group, the rank's tasks in order:
   landed, and only its preparation is sampled), prepared (gathers, H2D, packing issued:
   ``t_admit`` .. ``t_submit``) and submitted;
 - a direct task (wxfer.runtime.direct) has no record: its kernel writes the receivers; at the
-  push's first one the host waited until the engine's work so far landed;
+  push's first one the host waited until the begin stamps landed (that fence task alone);
 - a copy task (a small zero-copy task copied into the receivers' mapped memory by batched
   copy kernels, wxfer.runtime.direct._direct_copy) has no record either: its host time falls
   into the next record's gap, the push's first direct or copy task waits as above, and it
@@ -92,7 +92,7 @@ def _samples(
     A packed task that waited for the watermark is sampled from its admission on (t_admit ..
     t_submit: its preparation), without what came before it.  Direct and copy tasks have no
     record: their host time is in the next record's gap, from the end of the wait at the push's
-    first one (the engine's work submitted before it and the begin stamps, `begin_done`, landed).
+    first one (the begin stamps, `begin_done`, landed: the Sender waits for that fence alone).
     sizes: tag -> bytes (the zero-copy batches are also cut by their bytes, as the Sender cuts
     them; None: by count only).  end: when the end stamps were submitted (ns): the host time of
     the tasks after the last record (direct and copy tasks at the push's end) is in that gap."""
@@ -110,8 +110,8 @@ def _samples(
         for i, t in enumerate(tags):
             r = recs.get(t)
             if ks[i] in _OWN:  # no record: written by the rank's kernels (wxfer.runtime.direct)
-                if waited is None:  # the push's first: the host waited until the engine's work so far landed
-                    waited = max([prev, begin_done] + [x["t_done"] for x in recs.values() if x["t_submit"] <= prev])
+                if waited is None:  # the push's first: the host waited until the begin stamps landed
+                    waited = max(prev, begin_done)  # the begin stamps alone (Engine.wait(fence=...))
                     # a copy leaves the batch open: its tasks so far were done during the wait, when it waited
                     hidden = seen if waited > prev else 0
                     prev = waited
@@ -309,7 +309,7 @@ def fit(
         samples += got
         if direct and len(stamps) > 1 and stamps[-1].get("t_ready"):
             last = max(last, stamps[-1]["t_ready"])
-            # the kernels ran from the wait for the engine's earlier writes to the end stamps' event
+            # the kernels ran from the wait for the begin stamps to the end stamps' event
             windows[i] = (waited if waited is not None else landed, stamps[-1]["t_ready"])
         end.append((t1 - last) / 1e9)
     samples = _without_needless_tails(samples)

@@ -574,9 +574,11 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
             self.write_timeout if timeout is None else timeout,
         )
 
-    def _wait_engine(self, timeout, what) -> None:
+    def _wait_engine(self, timeout, what, fence=None) -> None:
+        """Engine.wait (fence: only until that fence task finished), its failure raised as this
+        rank's step error saying `what` it waited for."""
         try:
-            self.engine.wait(timeout=timeout)
+            self.engine.wait(timeout=timeout, fence=fence)
         except Exception as e:
             self.engine.clear_error()
             raise RuntimeError(

@@ -16,20 +16,21 @@ class TaskMixin:
         task, so the engine posts no data write before they completed, while this thread goes
         on preparing the step's tasks."""
         dests = self._begin_dest
+        self._begin_fence = None
         if not dests:
             return
         self.begin_src.fill_(version)
         # a receiver that fails here is skipped by the engine for the data writes too
-        self._submit_stamps(self.begin_src, dests, "begin")
+        self._begin_fence = self._submit_stamps(self.begin_src, dests, "begin")
 
-    def _submit_stamps(self, src, dests: dict, which: str, event=None) -> None:
+    def _submit_stamps(self, src, dests: dict, which: str, event=None) -> int:
         """Hand this rank's `which` (begin/end) stamp writes to the engine as a fence task
         (posted after every earlier write completed; later writes after them), after the
-        CUDA `event` when given; a refusal (a bad stamp descriptor in a worker's metadata)
-        names the stamps and the workers."""
+        CUDA `event` when given; returns its task id (Engine.wait(fence=...)). A refusal (a bad
+        stamp descriptor in a worker's metadata) names the stamps and the workers."""
         try:
             kw = {} if event is None else dict(event=event.cuda_event, device=self.device.index)
-            self.engine.submit(src, list(dests.values()), tag=STAMP_TAG, fence=True, **kw)
+            return self.engine.submit(src, list(dests.values()), tag=STAMP_TAG, fence=True, **kw)
         except Exception as e:
             raise RuntimeError(
                 f"wxfer: trainer rank {self.rank}, step {self.version}: the {which} version stamps "

@@ -94,22 +94,25 @@ def measure_kernels(dev, quick: bool) -> dict:
     n = 1024 if quick else (2048 if dev.type == "cpu" else 8192)
     w = torch.randn(n, n, device=dev).to(torch.bfloat16)
     iters = 3 if quick else 7
-    t_big = _timed(lambda: q(w), dev, iters)
+    # each kernel figure from the device's time per call (wxfer.tools.calibrate._dev_time: a push
+    # overlaps its host's issuing with earlier launches); the host-timed calls scattered by tens of
+    # microseconds on a 0.1 ms kernel (the H200 quantizer read 2.0-3.5 TB/s from run to run)
+    t_big = _dev_time(lambda: q(w), dev, iters)
     if name == "wxfer.runtime.fp8.quantize_into":
         name += " (%s)" % q(w)[1]  # which of its quantizers ran on this device
     small = torch.randn(128, 128, device=dev).to(torch.bfloat16)
-    t_small = _timed(lambda: q(small), dev, iters * 4)
+    t_small_call = _timed(lambda: q(small), dev, iters * 4)  # one call from Python, timed to its sync
+    dev_launch = _device_launch_s(lambda: q(small), dev)
+    t_small = t_small_call if dev_launch is None else dev_launch
     # t = launch + bytes / rate through the two sizes; bytes = BF16 read + FP8 written (as issue 13 counts)
     b_big, b_small = w.numel() * 3, small.numel() * 3
     rate = (b_big - b_small) / max(t_big - t_small, 1e-9)
-    launch = call = max(0.0, t_small - b_small / rate)  # one call from Python, timed to its sync
-    dev_launch = _device_launch_s(lambda: q(small), dev)
-    if dev_launch is not None:  # what a launch costs the stream (the host's share is the host fit's)
-        launch = max(0.0, dev_launch - b_small / rate)
+    call = max(0.0, t_small_call - b_small / rate)
+    launch = max(0.0, t_small - b_small / rate)  # what a launch costs the stream (the host's share is the host fit's)
     grouped = _grouped_rate(dev, quick, iters, t_small)
     src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
     # into fresh memory each time, as the packing does (one new buffer per task)
-    t_copy = _timed(lambda: torch.empty_like(src).copy_(src), dev, iters)
+    t_copy = _dev_time(lambda: torch.empty_like(src).copy_(src), dev, iters)
     # the batched small copies of zero-copy tasks (wxfer.runtime.direct._direct_copy_flush): 128
     # ranges of 1/128 of the buffer each, one launch of what the runtime uses (wxfer.runtime.copies:
     # the native kernel, else torch._foreach_copy_; read + write counted)
@@ -161,11 +164,11 @@ def _grouped_rate(dev, quick: bool, iters: int, t_call: float = 0.0) -> dict:
     jobs = [(x[e], e * nq, E * nq + e * ns) for e in range(E)]
     # as the Sender packs a task push after push: the kernel's piece table made once, then reused
     key = ("calibrate", x.data_ptr(), E, R, C)
-    t = _timed(lambda: _fp8.quantize_cached(out, key, lambda: jobs), dev, iters)
+    t = _dev_time(lambda: _fp8.quantize_cached(out, key, lambda: jobs), dev, iters)
     # the rate from the slope between all the experts and half of them (a call's fixed cost, its
     # launch and the sync that times it, cancels; `t_call` is the fallback where the two are too close)
     half = jobs[: E // 2]
-    t2 = _timed(lambda: _fp8.quantize_cached(out, key + ("half",), lambda: half), dev, iters)
+    t2 = _dev_time(lambda: _fp8.quantize_cached(out, key + ("half",), lambda: half), dev, iters)
     if t - t2 > 0.2 * t:
         rate = 3 * (x.numel() - x[: E // 2].numel()) / (t - t2)
     else:
@@ -173,6 +176,13 @@ def _grouped_rate(dev, quick: bool, iters: int, t_call: float = 0.0) -> dict:
     return dict(
         quant_small_GBps=rate / 1e9, quant_small_shape=[E, R, C], quant_small_grouped_s=t, quant_small_half_s=t2
     )
+
+
+def _dev_time(fn, dev, iters: int) -> float:
+    """Seconds of the device per call of `fn` (_device_launch_s over at least 8 calls), where it
+    can be measured; else the median call timed to its sync (_timed: the CPU)."""
+    t = _device_launch_s(fn, dev, n=max(8, iters))
+    return t if t is not None else _timed(fn, dev, iters)
 
 
 def _device_launch_s(fn, dev, n: int = 64):
