@@ -478,8 +478,12 @@ def machine(dry_run: bool) -> dict:
 
 
 def commit() -> str:
-    """The checkout's commit, only where it is known: git's, when ROOT is the top of a git
-    work tree (not a copy inside another repository's tree), else $WXFER_COMMIT, else "unknown"."""
+    """The checkout's commit, only where it is known: $WXFER_COMMIT when set (a copied tree's
+    .git can be older than its files: the H200's copy read 07234f1-dirty for e4d7d45), else
+    git's, when ROOT is the top of a git work tree (not a copy inside another repository's
+    tree), else "unknown"."""
+    if os.environ.get("WXFER_COMMIT"):
+        return os.environ["WXFER_COMMIT"]
     try:
         top = subprocess.run(
             ["git", "-C", ROOT, "rev-parse", "--show-toplevel", "--short", "HEAD"],
@@ -498,7 +502,7 @@ def commit() -> str:
             return lines[1] + ("-dirty" if dirty else "")
     except Exception:  # noqa: BLE001 -- no git here
         pass
-    return os.environ.get("WXFER_COMMIT") or "unknown"
+    return "unknown"
 
 
 def table(results: list) -> str:

@@ -9,19 +9,18 @@
 #include "wx_copy.h"
 #include "wx_fp8.h"
 
-/* The table of `what` (entries of `esize` bytes, at most `max`) in a buffer-protocol object
+/* The table of `what` (entries of `esize` bytes, at most `max`, `many` in its error) in a buffer-protocol object
  * (e.g. array('Q')), 8-byte aligned; *copy is set when it had to be copied (free it). Returns
  * the count, or -1 with an exception. */
 static int wx__table(PyObject *obj, Py_buffer *view, const void **p, void **copy, const char *what,
-                     size_t esize, int max)
+                     const char *many, size_t esize, int max)
 {
     *copy = NULL;
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0)
         return -1;
     if (view->len <= 0 || view->len % (Py_ssize_t)esize || view->len / (Py_ssize_t)esize > max) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s table: %zd bytes (expected 1 to %d entries of %zu bytes)", what, view->len,
-                     max, esize);
+        PyErr_Format(PyExc_ValueError, "%s table: %zd bytes (expected 1 to %d %s of %zu bytes)",
+                     what, view->len, max, many, esize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -41,14 +40,14 @@ static int wx__table(PyObject *obj, Py_buffer *view, const void **p, void **copy
 
 static int wx__pieces(PyObject *obj, Py_buffer *view, const wx_fp8_piece_t **p, void **copy)
 {
-    return wx__table(obj, view, (const void **)p, copy, "fp8 piece", sizeof(wx_fp8_piece_t),
-                     WX_FP8_MAX_PIECES);
+    return wx__table(obj, view, (const void **)p, copy, "fp8 piece", "pieces",
+                     sizeof(wx_fp8_piece_t), WX_FP8_MAX_PIECES);
 }
 
 static int wx__ranges(PyObject *obj, Py_buffer *view, const wx_copy_range_t **p, void **copy)
 {
-    return wx__table(obj, view, (const void **)p, copy, "copy range", sizeof(wx_copy_range_t),
-                     WX_COPY_MAX_RANGES);
+    return wx__table(obj, view, (const void **)p, copy, "copy range", "ranges",
+                     sizeof(wx_copy_range_t), WX_COPY_MAX_RANGES);
 }
 
 /* dirs (a sequence of str, or None) as a C array *d of *nd entries (free *d, DECREF *seq). */
