@@ -18,47 +18,24 @@ from __future__ import annotations
 
 import array
 import os
-import threading
+
+from .nvrtc import Probe
 
 CHUNK = 64 << 10  # = WX_COPY_CHUNK in csrc/prepare/wx_copy.h
 DRIVER_MIN = 0  # = driver_min()'s default
 TABLES_KEPT = 256  # device range tables kept (one per distinct batch and stream)
-_probed: dict = {}  # CUDA ordinal -> None (usable) or the reason it is not
-_lock = threading.Lock()
 _calls = {"native": 0, "torch": 0}
 _last: dict | None = None
 _tables: dict = {}  # (stream, table bytes) -> the table in device memory
 
 
+_PROBE = Probe("WXFER_COPY", "torch", "torch._foreach_copy_", "copy_probe")
+
+
 def _native_why(device, probe: bool = True) -> str | None:
     """None when the native kernel can copy on `device`, else why not; probe=False: "" when
     that is not known yet."""
-    mode = os.environ.get("WXFER_COPY", "").strip().lower()
-    if mode == "torch":
-        return "WXFER_COPY=torch"
-    if mode not in ("", "native", "auto"):
-        return f"WXFER_COPY={mode!r} (expected native or torch): using torch._foreach_copy_"
-    if device.type != "cuda":
-        return f"tensors on {device.type}: the native kernel runs on CUDA devices only"
-    import torch
-
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    with _lock:
-        if idx in _probed:
-            return _probed[idx]
-        if not probe:
-            return ""
-        try:
-            from .. import _wxfer
-        except ImportError as e:
-            why = f"the native extension wxfer._wxfer is not built ({e})"
-        else:
-            from .fp8 import nvrtc_dirs
-
-            ok, why = _wxfer.copy_probe(idx, nvrtc_dirs())
-            why = None if ok else why
-        _probed[idx] = why
-        return why
+    return _PROBE.why(device, probe)
 
 
 def info(device=None, probe: bool = True) -> dict:

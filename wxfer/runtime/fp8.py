@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import array
 import os
-import sys
-import threading
+
+from .nvrtc import Probe, nvrtc_dirs  # noqa: F401 -- nvrtc_dirs: also wxfer.runtime.fp8's
 
 _BLOCK = 128
 _INLINE = 8  # pieces that travel in the launch's parameters (WX_FP8_INLINE)
 _CODES = None  # torch dtype -> the kernel's dtype code
-_probed: dict = {}  # CUDA ordinal -> None (usable) or the reason it is not
-_lock = threading.Lock()
 _calls = {"native": 0, "reference": 0}
 _last: dict | None = None
 DEFAULT_VARIANT = "v6"  # = WX__DEFAULT_VARIANT in csrc/prepare/wx_fp8.c
@@ -41,45 +39,18 @@ def _codes():
     return _CODES
 
 
-def nvrtc_dirs() -> list:
-    """Directories where pip wheels put libnvrtc (nvidia-cuda-nvrtc-cu12, nvidia-cu13, torch)."""
-    subs = (("nvidia", "cuda_nvrtc", "lib"), ("nvidia", "cu13", "lib"), ("nvidia", "cu12", "lib"), ("torch", "lib"))
-    out = []
-    for base in sys.path:
-        for sub in subs:
-            d = os.path.join(base or ".", *sub)
-            if d not in out and os.path.isdir(d):
-                out.append(d)
-    return out
+def _variant_compiled() -> None:
+    if not _variant:  # read by the extension at its first compile
+        _variant.append(os.environ.get("WXFER_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
+
+
+_PROBE = Probe("WXFER_FP8", "reference", "the reference", "fp8_probe", _variant_compiled)
 
 
 def _native_why(device, probe: bool = True) -> str | None:
     """None when the native kernel can quantize tensors on `device`, else why not. probe=False:
     "" when that is not known yet (the kernel has not been compiled for that device)."""
-    mode = os.environ.get("WXFER_FP8", "").strip().lower()
-    if mode == "reference":
-        return "WXFER_FP8=reference"
-    if mode not in ("", "native", "auto"):
-        return f"WXFER_FP8={mode!r} (expected native or reference): using the reference"
-    if device.type != "cuda":
-        return f"tensors on {device.type}: the native kernel runs on CUDA devices only"
-    idx = device.index if device.index is not None else _torch().cuda.current_device()
-    with _lock:
-        if idx in _probed:
-            return _probed[idx]
-        if not probe:
-            return ""
-        try:
-            from .. import _wxfer
-        except ImportError as e:
-            why = f"the native extension wxfer._wxfer is not built ({e})"
-        else:
-            ok, why = _wxfer.fp8_probe(idx, nvrtc_dirs())
-            why = None if ok else why
-            if ok and not _variant:  # read by the extension at its first compile
-                _variant.append(os.environ.get("WXFER_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
-        _probed[idx] = why
-        return why
+    return _PROBE.why(device, probe)
 
 
 def info(device=None, probe: bool = True) -> dict:
