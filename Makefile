@@ -59,6 +59,7 @@ gpu-bench:
 	mkdir -p $(LOGDIR)
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_cuda_ipc.py --json 2>&1 | tee $(LOGDIR)/bench_cuda_ipc.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_quant.py --json 2>&1 | tee $(LOGDIR)/bench_quant.log
+	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_copies.py --json 2>&1 | tee $(LOGDIR)/bench_copies.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_ipc_tasks.py --json 2>&1 | tee $(LOGDIR)/bench_ipc_tasks.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 -m wxfer demo --json 2>&1 | tee $(LOGDIR)/demo_gpu.log
 	# the one-GPU (colocated) baselines, dense and MoE models in two runs (each under --max-s)
