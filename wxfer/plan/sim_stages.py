@@ -346,7 +346,7 @@ class _Meshes:
         self.busy_s["host"][r] += h - max(self.host_free[r], s)
         self.host_free[r] = h
         if copy:
-            assert self.jobs.xwrites is not None
+            assert self.jobs.xwrites is not None and self.jobs.xbytes is not None
             self.copy_open[r].append(j)
             self.copy_n[r] += int(self.jobs.xwrites[j])
             self.copy_b[r] += float(self.jobs.xbytes[j])
