@@ -109,7 +109,7 @@ def _push(order, kinds, info, t0, batch=3):
     ns = lambda s: int(round(s * 1e9))  # noqa: E731
     recs = [dict(tag=STAMP_TAG, t_submit=t0 + 300 * US, t_admit=t0 + 300 * US, t_ready=t0 + 300 * US)]
     recs[0].update(t_post_first=t0 + 310 * US, t_post_last=t0 + 310 * US, t_done=t0 + 800 * US, bytes=8, held=0)
-    host, pending, waited = t0 + 300 * US, [], False
+    host, pending = t0 + 300 * US, []
 
     def rec(t, at):
         r = dict(tag=t, t_submit=at, t_admit=at, t_ready=at, t_post_first=at + 5 * US, t_post_last=at + 5 * US)
@@ -131,8 +131,8 @@ def _push(order, kinds, info, t0, batch=3):
             if len(pending) == batch:
                 submit()
         elif k == "copy":
-            if not waited:  # the engine's work so far: the begin stamps (the open batch is not submitted yet)
-                host, waited = max(host, recs[0]["t_done"]), True
+            # queued (the begin stamps are waited for at the first launch, at the group's end here:
+            # landed long before, no wait)
             host += ns(COST["copy"])
         else:
             if pending:

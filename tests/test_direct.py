@@ -577,6 +577,32 @@ class _CopySender(_FakeSender):
         return t, t.data_ptr()
 
 
+def test_small_copies_skip_a_receiver_that_failed_while_its_begin_stamp_was_written():
+    """The launch waits for the begin stamps first and only then decides whom to skip: a receiver
+    whose begin stamp failed during that wait (the engine fenced it) gets none of the copies."""
+    from types import SimpleNamespace
+
+    regions = {b"g0": torch.zeros(64, dtype=torch.uint8), b"g1": torch.zeros(64, dtype=torch.uint8)}
+    s = _CopySender(regions, {b"g0": 0, b"g1": 1})
+    waits = []
+
+    def wait(timeout, what, fence=None):
+        waits.append(fence)
+        s._failed = [SimpleNamespace(peer=11)]  # receiver gpu 1's begin stamp failed meanwhile
+
+    s._wait_engine = wait
+    src = torch.full((16,), 5, dtype=torch.uint8)
+    prep = SimpleNamespace(
+        zero_copy=True, direct=None, whole=[("w", src)], dests=[(b"g0", 0, 0, 16), (b"g1", 0, 0, 16)]
+    )
+    assert s._direct_copy(SimpleNamespace(prep=prep, sends=True, nbytes=16, task=0))
+    assert waits == []  # queued: nothing waited for yet
+    s._direct_copy_flush()
+    assert len(waits) == 1
+    assert torch.equal(regions[b"g0"][:16], src) and int(regions[b"g1"].count_nonzero()) == 0
+    assert s._direct_n["skipped_writes"] == 1
+
+
 def test_small_copies_skip_a_receiver_that_failed_after_they_were_queued():
     """A copy queued before its receiver failed is not written at the batch's launch (the
     engine fenced that peer; nothing of this push may land there after), the others are."""

@@ -110,8 +110,11 @@ void wx_engine_unadmit(wx_engine_t *e, uint64_t held_bytes);
  * wx_engine_error). */
 int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns);
 /* Wait up to slice_ns for the fence task `id` (a wx_engine_submit id of a spec with fence
- * set) to finish: fences finish in submission order, the tasks after one are posted once it
- * has. Returns as wx_engine_wait; an id never submitted returns 0. */
+ * set) to finish; the tasks after a fence are posted once it has. Fences with writes finish in
+ * submission order; one without writes (every destination skipped) finishes at its submission,
+ * so waiting for an earlier fence after submitting such a one may return early. Unlike
+ * wx_engine_wait it does not wait for failed peers to be fenced (their writes are skipped).
+ * Returns as wx_engine_wait; an id never submitted returns 0. */
 int wx_engine_wait_fence(wx_engine_t *e, uint64_t slice_ns, uint64_t id);
 /* Hand the owners of finished tasks to cb (on the caller's thread). Returns the count. */
 int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg);

@@ -24,7 +24,7 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
                    copied straight into the receivers' mapped memory by batched copy kernels
                    (wxfer.runtime.copies, up to ``COPY_BATCH`` ranges or ``COPY_BATCH_BYTES`` per launch) on the side
                    stream, in order with the direct kernels; no trace record, no posting, no
-                   watermark; the push's first direct or copy task waits for the begin stamps
+                   watermark; the push's first launch of them waits for the begin stamps
 
 ``task_kinds(plan, params)`` decides from the plan and the trainers' parameter metadata
 (shape and dtype per name) what the runtime decides per task on each rank (the same rules

@@ -208,10 +208,11 @@ class _Meshes:
         return _COLL if j is None else int(self.kind[j])
 
     def _engine_idle(self, m: int, ti: int) -> float:
-        """When the ranks of mesh m may start task ti: 0, or for a rank's first direct or copy
-        task the time its begin stamps landed (the Sender waits for that fence task alone,
-        Engine.wait(fence=...): an engine fence orders only the engine's writes)."""
-        if self._kind(m, ti) not in (_DIRECT, _COPY):
+        """When the ranks of mesh m may start task ti: 0, or for a rank's first direct task the
+        time its begin stamps landed (the Sender waits for that fence task alone,
+        Engine.wait(fence=...): an engine fence orders only the engine's writes; copy tasks wait
+        at their first launch instead, _copy_flush)."""
+        if self._kind(m, ti) != _DIRECT:
             return 0.0
         ranks = [r for r in self.plan.meshes[m] if not self.waited[r]]
         return float(self.begin_landed) if ranks else 0.0
@@ -299,7 +300,7 @@ class _Meshes:
                 j = self.jobs.job_of.get((r, ti)) if self.jobs.job_of is not None else None
                 if j is not None:
                     self.held[j] = v
-            if self._kind(m, ti) in (_DIRECT, _COPY):  # a rank's first one: the host waited for its engine
+            if self._kind(m, ti) == _DIRECT:  # a rank's first one: the host waited for the begin stamps
                 idle = self._engine_idle(m, ti)
                 for r in ranks:
                     self.host_free[r] = max(self.host_free[r], idle)
@@ -368,6 +369,11 @@ class _Meshes:
         if not js:
             return
         assert self.jobs.xbytes is not None
+        if not self.waited[r]:  # the rank's first launch: its host waits for the begin stamps first
+            self.waited[r] = True
+            if self.begin_landed > t:
+                self.host_free[r] = max(self.host_free[r], self.begin_landed)
+                t = self.begin_landed
         k0 = max(t, self.quant_free[r])
         k1 = k0 + self.model.copy_s(float(sum(self.jobs.xbytes[j] for j in js)))
         self.quant_free[r] = k1

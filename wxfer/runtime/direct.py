@@ -214,6 +214,9 @@ class DirectMixin:
     _wait_engine()."""
 
     def _direct_init(self, direct, copy_max_arg=None) -> None:
+        from . import copies
+
+        copies.driver_min()  # $WXFER_COPY_DRIVER_MIN checked here (a bad value: an error now, not mid-push)
         self._copy_max = copy_max(copy_max_arg)  # first: a bad value raises before anything is set up
         self.direct = enabled(direct)
         self._direct_views: dict = {}  # region descriptor -> (uint8 tensor over it, address)
@@ -299,7 +302,7 @@ class DirectMixin:
             self._direct_why[hit[4]] = self._direct_why.get(hit[4], 0) + 1
             return False
         self._copy_q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
-        self._copy_q_bytes += op.nbytes
+        self._copy_q_bytes += sum(c[5] for c in hit[3])  # bytes written (every destination), as the simulator counts
         self._direct_n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
         if len(self._copy_q) >= COPY_BATCH or self._copy_q_bytes >= COPY_BATCH_BYTES:
             self._direct_copy_flush()
@@ -355,11 +358,13 @@ class DirectMixin:
         from . import copies
 
         q, self._copy_q, self._copy_q_bytes = self._copy_q, [], 0
+        # the begin stamps first (late: the engine's writes queued meanwhile were not held up), then
+        # the receivers to skip: one that failed while its begin stamp was written is not copied to
+        self._direct_begin()
         skip = self._direct_skip()
         items = [c[1:] for c in q if c[0] not in skip]
         self._direct_n["skipped_writes"] += len(q) - len(items)
         if items:
-            self._direct_begin()  # late: the engine's writes queued meanwhile were not held up
             self._direct_copier = copies.copy_ranges(self.device, items)
             self._direct_launched = True
 
@@ -522,7 +527,7 @@ class DirectMixin:
 
     def _direct_abandon(self) -> None:
         """A failing push: its direct writes land before it raises (best effort)."""
-        self._copy_q = []
+        self._copy_q, self._copy_q_bytes = [], 0
         try:
             self._direct_wait()
         except Exception:  # noqa: BLE001 -- the device itself failed; the push's error says more

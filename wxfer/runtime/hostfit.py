@@ -15,11 +15,13 @@ group, the rank's tasks in order:
   landed, and only its preparation is sampled), prepared (gathers, H2D, packing issued:
   ``t_admit`` .. ``t_submit``) and submitted;
 - a direct task (wxfer.runtime.direct) has no record: its kernel writes the receivers; at the
-  push's first one the host waited until the begin stamps landed (that fence task alone);
+  push's first one the host waited until the begin stamps landed (that fence task alone;
+  batched copies wait at their first launch, after 128 ranges or 256 MiB: by then the stamps
+  have mostly landed, and what is left of that wait is booked as host work);
 - a copy task (a small zero-copy task copied into the receivers' mapped memory by batched
   copy kernels, wxfer.runtime.direct._direct_copy) has no record either: its host time falls
-  into the next record's gap, the push's first direct or copy task waits as above, and it
-  does not cut the zero-copy batch it lies in (the Sender queues it and goes on);
+  into the next record's gap (with what is left of the wait at the first launch, above), and
+  it does not cut the zero-copy batch it lies in (the Sender queues it and goes on);
 - a task this rank only joins the collective of has no record: its host time falls into the
   next record's gap;
 then the end stamps (a fence after the side stream's event: after the last direct kernel),
@@ -110,9 +112,9 @@ def _samples(
         for i, t in enumerate(tags):
             r = recs.get(t)
             if ks[i] in _OWN:  # no record: written by the rank's kernels (wxfer.runtime.direct)
-                if waited is None:  # the push's first: the host waited until the begin stamps landed
+                if waited is None and ks[i] == "direct":  # the push's first: the host waited for the begin stamps
                     waited = max(prev, begin_done)  # the begin stamps alone (Engine.wait(fence=...))
-                    # a copy leaves the batch open: its tasks so far were done during the wait, when it waited
+                    # the open batch's zero-copy tasks so far were done during the wait, when it waited
                     hidden = seen if waited > prev else 0
                     prev = waited
                 carry[_OWN[ks[i]]] += 1

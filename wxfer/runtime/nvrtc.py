@@ -25,7 +25,7 @@ class Probe:
     """Whether a native kernel can run on a CUDA device, asked of the extension once per device
     (`probe_name`: its function, (device, dirs) -> (usable, why not); it compiles the kernel).
     `env` = `fallback` forces the fallback (`fallback_desc` names it); unset, native or auto:
-    the kernel where it can run. `on_ok` runs after the first successful probe."""
+    the kernel where it can run. `on_ok` runs after each device's first successful probe."""
 
     def __init__(self, env: str, fallback: str, fallback_desc: str, probe_name: str, on_ok=None):
         self.env, self.fallback, self.desc, self.probe_name, self.on_ok = (

@@ -17,6 +17,7 @@ class TaskMixin:
         on preparing the step's tasks."""
         dests = self._begin_dest
         self._begin_fence = None
+        self._direct_begun = None  # this push's direct writes wait for these stamps (a version may repeat)
         if not dests:
             return
         self.begin_src.fill_(version)
