@@ -721,7 +721,10 @@ int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_subm
     return 0;
 }
 
-int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
+/* Wait up to slice_ns until the engine's sticky error (returned), or, all: every submitted
+ * task finished (a failed peer fenced first), else: fence task `fence` finished (or was never
+ * submitted). -EAGAIN: the slice passed. */
+static int wx__wait_done(wx_engine_t *e, uint64_t slice_ns, int all, uint64_t fence)
 {
     uint64_t end = wx_now_ns() + slice_ns;
     int rc = 0;
@@ -732,8 +735,9 @@ int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
             rc = wx__errf_sticky(e);
             break;
         }
-        if (e->completed == e->submitted && (!e->fencing_peers || e->stop))
-            break; /* (a failed peer is fenced before the engine says all done) */
+        if (all ? e->completed == e->submitted && (!e->fencing_peers || e->stop)
+                : e->fence_done >= fence || fence >= e->next_id)
+            break; /* (all: a failed peer is fenced before the engine says all done) */
         if (wx_now_ns() >= end) {
             rc = -EAGAIN;
             break;
@@ -745,28 +749,11 @@ int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
     return rc;
 }
 
+int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns) { return wx__wait_done(e, slice_ns, 1, 0); }
+
 int wx_engine_wait_fence(wx_engine_t *e, uint64_t slice_ns, uint64_t id)
 {
-    uint64_t end = wx_now_ns() + slice_ns;
-    int rc = 0;
-    pthread_mutex_lock(&e->mu);
-    for (;;) {
-        wx__check_deadlines(e);
-        if (e->err) {
-            rc = wx__errf_sticky(e);
-            break;
-        }
-        if (e->fence_done >= id || id >= e->next_id)
-            break;
-        if (wx_now_ns() >= end) {
-            rc = -EAGAIN;
-            break;
-        }
-        wx__wait(&e->cv_done, &e->mu,
-                 end - wx_now_ns() < 50000000ull ? end - wx_now_ns() : 50000000ull);
-    }
-    pthread_mutex_unlock(&e->mu);
-    return rc;
+    return wx__wait_done(e, slice_ns, 0, id);
 }
 
 int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg)
