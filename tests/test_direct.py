@@ -218,6 +218,26 @@ def _joined(ths):
     return joined(ths, 30)
 
 
+def _direct_sender(monkeypatch, addr, name, model, tp=1, quant=None, verify=False, **kw):
+    """(Sender, the receivers' params, the receivers): receivers in threads, the Sender of
+    `model` for them (Sender keywords `kw`) with the direct seams emulated, joined."""
+    from wxfer.models import preset_for
+    from wxfer.runtime.sender import Sender
+
+    params, ths = _receivers(addr, name, tp, quant, verify=verify)
+    _emulate(monkeypatch, [])
+    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30, **kw)
+    recvs = _joined(ths)
+    _emulate(monkeypatch, recvs)
+    return s, params, recvs
+
+
+def _closed(s, recvs) -> None:
+    s.close()
+    for r in recvs:
+        r.close()
+
+
 def _model():
     from wxfer.models import TINY, train_model
 
@@ -242,17 +262,11 @@ def _check(model, params, tp, quant, skip=()):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_sender_writes_every_packed_task_direct_and_the_engine_only_the_stamps(store, monkeypatch, quant):
-    from wxfer.models import preset_for
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     tp, name = 2, "dir" + str(quant)
-    params, ths = _receivers(addr, name, tp, quant, verify=True)
-    _emulate(monkeypatch, [])
     model = _model()
-    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30, watermark="1MiB")
-    recvs = _joined(ths)
-    _emulate(monkeypatch, recvs)
+    s, params, recvs = _direct_sender(monkeypatch, addr, name, model, tp, quant, verify=True, watermark="1MiB")
     n = sum(1 for g in s.program.groups for op in g if op.sends)
     for step in (1, 2):
         if step == 2:
@@ -282,9 +296,7 @@ def test_sender_writes_every_packed_task_direct_and_the_engine_only_the_stamps(s
     s.push(verify=True)
     assert s.stats()["direct"]["staged_why"] == {"verify is on": n}
     assert s.last_verify is not None
-    s.close()
-    for r in recvs:
-        r.close()
+    _closed(s, recvs)
 
 
 def _tiny():
@@ -325,9 +337,7 @@ def test_a_receiver_that_failed_before_the_data_is_not_written_direct(store, mon
     _check(model, params, tp, quant, skip={1})
     assert recvs[0].version() == 1
     assert all(torch.equal(before[1][k].view(torch.uint8), params[1][k].view(torch.uint8)) for k in params[1])
-    s.close()
-    for r in recvs:
-        r.close()
+    _closed(s, recvs)
 
 
 @needs_fabric
@@ -336,20 +346,14 @@ def test_small_zero_copy_tasks_are_copied_in_batches_and_large_ones_by_the_engin
     """Zero-copy tasks of fewer bytes than WXFER_DIRECT_COPY_MAX go out as batched copies
     straight into the receivers' memory (torch._foreach_copy_), the others as engine writes;
     both give the mapping's reference bytes, step after step; 0 turns the copies off."""
-    from wxfer.models import preset_for
     from wxfer.runtime import direct as direct_mod
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     tp, name = 1, "dircopy"
-    params, ths = _receivers(addr, name, tp, None)
-    _emulate(monkeypatch, [])
     model = _model().to(torch.bfloat16)  # BF16 into BF16 at TP1: every task is zero copy
     cut = 4096
     monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", str(cut))
-    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30)
-    recvs = _joined(ths)
-    _emulate(monkeypatch, recvs)
+    s, params, recvs = _direct_sender(monkeypatch, addr, name, model, tp)
     ops = [op for g in s.program.groups for op in g if op.sends]
     small = [op for op in ops if op.nbytes < cut]
     assert small and len(small) < len(ops)  # both paths are taken
@@ -371,23 +375,15 @@ def test_small_zero_copy_tasks_are_copied_in_batches_and_large_ones_by_the_engin
         assert d["copies"] == len(small) and d["staged"] == 0, d
     assert calls and sum(calls) == 2 * len(small) and max(calls) <= direct_mod.COPY_BATCH
     # off: every task an engine write again (a fresh Sender reads the variable)
-    s.close()
-    for r in recvs:
-        r.close()
+    _closed(s, recvs)
     monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "0")
-    params, ths = _receivers(addr, name + "0", tp, None)
-    _emulate(monkeypatch, [])
-    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name + "0", timeout=30)
-    recvs = _joined(ths)
-    _emulate(monkeypatch, recvs)
+    s, params, recvs = _direct_sender(monkeypatch, addr, name + "0", model, tp)
     moved = s.engine.stats()["bytes_written"]
     s.push()
     _check(model, params, tp, None)
     assert s.engine.stats()["bytes_written"] - moved == s.bytes_per_step + 2 * 8
     assert s.stats()["direct"]["copies"] == 0
-    s.close()
-    for r in recvs:
-        r.close()
+    _closed(s, recvs)
 
 
 @needs_fabric
@@ -397,20 +393,14 @@ def test_the_senders_copy_max_overrides_the_variable_and_all_copies_every_zero_c
     the variable at 0; "all" copies every zero-copy task (those above the variable's cut too),
     the engine writing only the stamps; stats() and task_kinds() say the bound and the kinds
     as the plan's task_kinds does with it (-1: no bound); the bytes are the reference's."""
-    from wxfer.models import preset_for
     from wxfer.plan.kinds import task_kinds
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     model = _model().to(torch.bfloat16)  # every task zero copy
     cut = 4096
     for name, env, arg in (("cmaxcut", "0", cut), ("cmaxall", str(cut), "all")):
         monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", env)
-        params, ths = _receivers(addr, name, 1, None)
-        _emulate(monkeypatch, [])
-        s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30, copy_max=arg)
-        recvs = _joined(ths)
-        _emulate(monkeypatch, recvs)
+        s, params, recvs = _direct_sender(monkeypatch, addr, name, model, copy_max=arg)
         ops = [op for g in s.program.groups for op in g if op.sends]
         small = [op for op in ops if op.nbytes < cut]
         assert small and len(small) < len(ops)
@@ -426,9 +416,7 @@ def test_the_senders_copy_max_overrides_the_variable_and_all_copies_every_zero_c
         assert d["copies"] == len(copied) and d["copy_max"] == bound, d
         engine_bytes = sum(op.nbytes for op in ops if op not in copied)
         assert s.engine.stats()["bytes_written"] - moved == engine_bytes + 2 * 8  # + the stamps
-        s.close()
-        for r in recvs:
-            r.close()
+        _closed(s, recvs)
 
 
 def test_a_bad_copy_max_raises_naming_it_before_anything_is_set_up(monkeypatch):
@@ -452,20 +440,14 @@ def test_the_first_copy_launch_comes_after_the_begin_stamps_landed(store, monkey
     every launch this push's begin stamps have finished; the bytes are the reference's."""
     import time
 
-    from wxfer.models import preset_for
     from wxfer.runtime import copies
-    from wxfer.runtime.sender import Sender
     from wxfer.runtime.tasks import STAMP_TAG
 
     _, addr = store
     name = "dirbegin"
-    params, ths = _receivers(addr, name, 1, None)
-    _emulate(monkeypatch, [])
     model = _model().to(torch.bfloat16)
     monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "all")
-    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30)
-    recvs = _joined(ths)
-    _emulate(monkeypatch, recvs)
+    s, params, recvs = _direct_sender(monkeypatch, addr, name, model)
     real, seen = copies.copy_ranges, []
     pushed = [0]
 
@@ -482,9 +464,7 @@ def test_the_first_copy_launch_comes_after_the_begin_stamps_landed(store, monkey
         _check(model, params, 1, None)
     assert seen and all(seen), seen
     assert s.stats()["direct"]["copies"] == len([op for g in s.program.groups for op in g if op.sends])
-    s.close()
-    for r in recvs:
-        r.close()
+    _closed(s, recvs)
 
 
 @needs_fabric
@@ -494,20 +474,14 @@ def test_task_kinds_says_copy_as_the_push_decides_it(store, monkeypatch):
     receivers' memory (fewer bytes than copy_max(), direct possible, every destination mapped),
     on the Sender's own cached binding (the push reuses it); the plan's decision agrees; a task
     whose destination the transport refuses, verify on, direct off: the engine's zero copy."""
-    from wxfer.models import preset_for
     from wxfer.plan.kinds import task_kinds
     from wxfer.runtime.direct import DirectMixin, _NotDirect
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     name, cut = "dirkinds", 4096
-    params, ths = _receivers(addr, name, 1, None)
-    _emulate(monkeypatch, [])
     model = _model().to(torch.bfloat16)
     monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", str(cut))
-    s = Sender(model, mapping=preset_for(_tiny()), store=addr, name=name, timeout=30)
-    recvs = _joined(ths)
-    _emulate(monkeypatch, recvs)
+    s, params, recvs = _direct_sender(monkeypatch, addr, name, model)
     ops = {op.task: op for g in s.program.groups for op in g if op.sends}
     k = s.task_kinds()
     small = {t for t, op in ops.items() if op.nbytes < cut}
@@ -541,9 +515,7 @@ def test_task_kinds_says_copy_as_the_push_decides_it(store, monkeypatch):
     assert "copy" not in s.task_kinds().values()
     s._verify, s.direct = False, False
     assert "copy" not in s.task_kinds().values()
-    s.close()
-    for r in recvs:
-        r.close()
+    _closed(s, recvs)
 
 
 class _CopySender(_FakeSender):
