@@ -15,21 +15,13 @@ from wxfer import _wxfer  # noqa: E402
 from wxfer.models import TINY, TINY_MOE, train_model  # noqa: E402
 from wxfer.models.infer import inference_params, preset_for  # noqa: E402
 from wxfer.testing import expected_shards  # noqa: E402
+from test_watermark_gpu import CONFIG as WATERMARK_MODEL  # noqa: E402 -- tests/test_watermark_gpu.py
 
 T = 120.0
 MiB = 1 << 20
 CONFIGS = {"dense": TINY, "moe": TINY_MOE}
 # the watermark test's model: 8 layers of ~97 MB packed (float32 weights cast to BF16)
-BIG = dict(
-    TINY,
-    hidden_size=2048,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=128,
-    intermediate_size=6144,
-    vocab_size=32768,
-)
+BIG = WATERMARK_MODEL
 
 
 def _ngpu():
