@@ -14,7 +14,7 @@ from __future__ import annotations
 import array
 import os
 
-from .nvrtc import Probe, nvrtc_dirs  # noqa: F401 -- nvrtc_dirs: also wxfer.runtime.fp8's
+from .nvrtc import Probe
 
 _BLOCK = 128
 _INLINE = 8  # pieces that travel in the launch's parameters (WX_FP8_INLINE)
