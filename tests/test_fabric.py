@@ -382,3 +382,15 @@ def test_fabric_cannot_fence_a_peer_and_says_so(provider):
         assert fenced is False, how
         assert f"fabric {'tcp;ofi_rxm' if provider == 'tcp' else 'shm'} cannot recall" in how, how
         assert "they may still land" in how, how
+
+
+def test_trainer_iface_variable_is_a_fabric_option():
+    from wxfer.runtime.sender import writer_options
+
+    env = {"WXFER_IFACE": "lo"}
+    # the receivers' own iface never travels to the trainer; the trainer's comes from its env
+    assert writer_options("fabric", {"provider": "tcp", "iface": "eth9"}, env) == {"provider": "tcp", "iface": "lo"}
+    assert writer_options("fabric", {"provider": "tcp", "iface": "eth9"}, {}) == {"provider": "tcp"}
+    assert writer_options("cuda_ipc", {}, env) == {}
+    t = _wxfer.Transport("fabric", writer_options("fabric", {"provider": "tcp"}, env))
+    t.close()

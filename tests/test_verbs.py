@@ -605,3 +605,25 @@ def test_selftest_without_devices_reports_why(emu_lib):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["verified"] is False and "no RDMA devices" in res["error"]
     assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_trainer_iface_variable_reaches_fabric_only(emu_lib):
+    """$WXFER_IFACE names a fabric NIC: a trainer opening verbs with it set must not pass it on
+    (verbs refuses the unknown option 'iface', so the job had failed at Sender setup)."""
+    code = (
+        "from wxfer import _wxfer\n"
+        "from wxfer.runtime.sender import writer_options\n"
+        "env = {'WXFER_IFACE': 'lo'}\n"
+        "opts = writer_options('verbs', {'iface': 'eth9'}, env)\n"
+        "assert opts == {}, opts\n"
+        "_wxfer.Transport('verbs', opts).close()\n"
+        "try:\n"
+        "    _wxfer.Transport('verbs', {'iface': 'lo'})\n"
+        "except Exception as e:\n"
+        "    assert 'iface' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('verbs accepted iface')\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([PY, "-c", code], env=_env(emu_lib), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

@@ -88,6 +88,18 @@ class PushHandle:
         return self.seconds
 
 
+def writer_options(tname: str, topts: dict, env) -> dict:
+    """The options a trainer opens transport `tname` with, from the receivers' published ones.
+
+    The receivers' `iface` names their own NIC and never travels; the trainer's comes from
+    $WXFER_IFACE, and only for fabric, the one backend with that option (verbs and cuda_ipc
+    refuse an unknown option: a job that set the variable for its fabric NIC failed at setup)."""
+    out = {k: v for k, v in topts.items() if k != "iface"}
+    if tname == "fabric" and env.get("WXFER_IFACE"):
+        out["iface"] = env["WXFER_IFACE"]
+    return out
+
+
 class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
     """Push this rank's share of the model to the inference workers after each step.
 
@@ -378,9 +390,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                 )
         else:
             tname, topts = transport_choice(transport, self.device.type, transport_options)
-        topts.pop("iface", None)
-        if os.environ.get("WXFER_IFACE"):
-            topts["iface"] = os.environ["WXFER_IFACE"]
+        topts = writer_options(tname, topts, os.environ)
         if tname == "cuda_ipc":
             import socket
 
