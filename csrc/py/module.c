@@ -91,18 +91,6 @@ int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeou
     }
 }
 
-/* Why a backend of wx_backends.def is absent: setup.py defines WX_OUT_<NAME> for each
- * ("" when it was built). */
-#define WX__OUT_STR(x) ("" x)
-static const char *wx__compiled_out(const char *name)
-{
-#define WX_BACKEND(nm, NAME, kind, sw, hdr)                                                        \
-    if (strcmp(name, #nm) == 0 && WX__OUT_STR(WX_OUT_##NAME)[0])                                   \
-        return WX__OUT_STR(WX_OUT_##NAME);
-#include "wx_backends.def"
-#undef WX_BACKEND
-    return "not part of this build";
-}
 
 static PyObject *wx_backends(PyObject *m, PyObject *noargs)
 {
@@ -114,7 +102,7 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
     for (int i = 0; wx_transport_backend(i, &n, &ops) == 0; i++) {
         PyObject *v;
         if (!ops) {
-            v = Py_BuildValue("(Os)", Py_False, wx__compiled_out(n));
+            v = Py_BuildValue("(Os)", Py_False, "not part of this build");
         } else {
             char why[WX_ERRMSG_MAX] = "";
             int rc;
