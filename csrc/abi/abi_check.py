@@ -92,16 +92,26 @@ def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout):
             bad = [d for d in diff if d[0] not in KNOWN]
             for what, s, o in diff:
                 if what in KNOWN:
-                    print("abi-check: %s: %s: system %s, ours %s (known: %s)" % (name, what, s, o, KNOWN[what]), file=out)
+                    print(
+                        "abi-check: %s: %s: system %s, ours %s (known: %s)" % (name, what, s, o, KNOWN[what]), file=out
+                    )
             if name == "cuda":
                 bad += [("list vs wx_dl_cuda.c", "%s %s" % d, "missing") for d in _cusym_list_matches_loader()]
             if bad:
                 failed = True
-                print("abi-check: %s: %d of %d items differ between <%s> and %s:" % (name, len(bad), len(sysv), header, ours), file=out)
+                print(
+                    "abi-check: %s: %d of %d items differ between <%s> and %s:"
+                    % (name, len(bad), len(sysv), header, ours),
+                    file=out,
+                )
                 for what, s, o in bad:
                     print("  %-60s system %-20s ours %s" % (what, s, o), file=out)
             else:
-                print("abi-check: %s: %d sizes, offsets, constants and names match <%s> (%s)" % (name, len(sysv), header, ours), file=out)
+                print(
+                    "abi-check: %s: %d sizes, offsets, constants and names match <%s> (%s)"
+                    % (name, len(sysv), header, ours),
+                    file=out,
+                )
     return 1 if failed else 0
 
 
