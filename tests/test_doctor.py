@@ -139,6 +139,17 @@ def test_verbs_emulation_is_named_and_picked(emu_lib):
         assert d["transport for cuda"]["data"]["transport"] == "verbs", d["transport for cuda"]
 
 
+def test_efa_check_against_ports():
+    from wxfer.tools.doctor import check_efa
+
+    fab = {"loaded": True, "providers": [{"name": "tcp;ofi_rxm"}, {"name": "shm"}]}
+    port = {"device": "rdmap0s6", "driver": "efa"}
+    assert check_efa([], fab)[0]["status"] == "ok"
+    bad = check_efa([port], fab)[0]
+    assert bad["status"] == "wrong" and "rdmap0s6" in bad["detail"] and bad["fix"], bad
+    assert check_efa([port], {"loaded": True, "providers": [{"name": "efa"}]})[0]["status"] == "ok"
+
+
 def test_pci_hops_and_topo_words():
     from wxfer.tools.doctor import _topo_word, pci_hops
 

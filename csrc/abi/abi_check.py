@@ -47,9 +47,9 @@ def _have(cc, header, incs):
     return r.returncode == 0
 
 
-def _dump(cc, section, system, incs, tmp):
+def _dump(cc, section, system, incs, tmp, core=CORE):
     exe = os.path.join(tmp, "dump_%s_%s" % (section, "sys" if system else "ours"))
-    cmd = cc + ["-std=gnu11", "-w", "-D" + section, "-I" + CORE, "-I" + HERE]
+    cmd = cc + ["-std=gnu11", "-w", "-D" + section, "-I" + core, "-I" + HERE]
     if system:
         cmd += ["-DWX_ABI_SYSTEM"] + ["-I" + i for i in incs]
     cmd += ["-o", exe, os.path.join(HERE, "wx_abi_dump.c")]
@@ -69,11 +69,13 @@ def _cusym_list_matches_loader():
     return sorted(want ^ have)
 
 
-def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout):
+def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout, core=CORE, only=None):
     cc = _cc(cc)
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         for name, section, header, ours in LIBS:
+            if only and name not in only:
+                continue
             incs = [os.path.join(cuda_home, "include")] if name == "cuda" else []
             if not _have(cc, header, incs):
                 where = " (CUDA_HOME=%s)" % cuda_home if name == "cuda" else ""
@@ -85,7 +87,7 @@ def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout):
                     print(msg, file=out)
                 continue
             sysv = _dump(cc, section, True, incs, tmp)
-            oursv = _dump(cc, section, False, incs, tmp)
+            oursv = _dump(cc, section, False, incs, tmp, core)
             if len(sysv) != len(oursv):
                 raise RuntimeError("abi-check: %s: the two dumps differ in length" % name)
             diff = [(a[0], a[1], b[1]) for a, b in zip(sysv, oursv) if a != b]
@@ -120,9 +122,12 @@ def main(argv=None):
     ap.add_argument("--cc", default=None)
     ap.add_argument("--cuda-home", default=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
     ap.add_argument("--require", default="", help="comma-separated libraries whose headers must be there")
+    ap.add_argument("--only", default="", help="comma-separated libraries to check (default: all)")
+    ap.add_argument("--core", default=CORE, help="the folder with our wx_*_abi.h (tests point it at a changed copy)")
     a = ap.parse_args(argv)
     req = [r for r in a.require.split(",") if r]
-    return check(a.cc, a.cuda_home, req)
+    only = [r for r in a.only.split(",") if r] or None
+    return check(a.cc, a.cuda_home, req, core=a.core, only=only)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def rdma_ports(sysfs=SYS):
                     "rate": _read(os.path.join(d, "rate")),
                     "pci": pci,
                     "numa": _numa(pci),
+                    "driver": os.path.basename(os.path.realpath(os.path.join(pci, "driver"))),
                 }
             )
     return out
@@ -216,6 +217,35 @@ def check_rdma(ports, verbs):
             )
         ]
     return [_check("rdma devices", OK, det, ports=ports)]
+
+
+def check_efa(ports, fab):
+    """An EFA NIC wants libfabric's efa provider (Debian's libfabric1 has none; AWS's has)."""
+    efa = sorted({p["device"] for p in ports if p["driver"] == "efa"})
+    provs = {p["name"].split(";")[0] for p in fab.get("providers", [])} if fab["loaded"] else set()
+    if not efa:
+        return [
+            _check(
+                "efa provider",
+                OK,
+                "no EFA device here" + ("; efa provider present" if "efa" in provs else ""),
+                devices=[],
+            )
+        ]
+    if "efa" in provs:
+        return [
+            _check("efa provider", OK, "EFA device(s) %s and libfabric's efa provider" % ", ".join(efa), devices=efa)
+        ]
+    return [
+        _check(
+            "efa provider",
+            WRONG,
+            "EFA device(s) %s but the loaded libfabric has no efa provider" % ", ".join(efa),
+            "use the aws-efa-installer's libfabric: "
+            "WXFER_LIBFABRIC=/opt/amazon/efa/lib64/libfabric.so.1 (lib/ on Ubuntu)",
+            devices=efa,
+        )
+    ]
 
 
 def check_gpu_reg(cuda, ports):
@@ -427,6 +457,7 @@ def run() -> list:
     ports = rdma_ports()
     checks = check_libraries(lib)
     checks += check_rdma(ports, lib["libibverbs"])
+    checks += check_efa(ports, lib["libfabric"])
     checks += check_gpu_reg(lib["libcuda"], ports)
     checks += check_memlock(ports)
     checks += check_topology(lib["libcuda"], ports)
