@@ -1,13 +1,14 @@
-"""Compare wxfer's own declarations of libibverbs, libfabric and the CUDA driver API
-(csrc/core/wx_ibv_abi.h, wx_fi_abi.h, wx_cuda_abi.h) with the system headers.
+"""Compare wxfer's own declarations of libibverbs, libfabric, the CUDA driver API and NVRTC
+(csrc/core/wx_ibv_abi.h, wx_fi_abi.h, wx_cuda_abi.h, wx_nvrtc_abi.h) with the system headers.
 
 For each library whose header is installed (infiniband/verbs.h, rdma/fabric.h,
-$CUDA_HOME/include/cuda.h), wx_abi_dump.c is compiled twice, over the system header and
-over ours, run, and the "name value" lines (every size, offset, constant and CUDA symbol name
-of wx_abi_list.h) compared. Any difference fails with the lines that differ. A library whose
-header is absent is reported as skipped (never as passed).
+$CUDA_HOME/include/cuda.h, nvrtc.h there or in the nvidia pip wheels), wx_abi_dump.c is
+compiled twice, over the system header and over ours, run, and the "name value" lines
+(every size, offset, constant and CUDA symbol name of wx_abi_list.h) compared. Any
+difference fails with the lines that differ. A library whose header is absent is reported
+as skipped (never as passed).
 
-  python csrc/abi/abi_check.py [--cuda-home DIR] [--cc CC] [--require verbs,fabric,cuda]
+  python csrc/abi/abi_check.py [--cuda-home DIR] [--cc CC] [--require verbs,fabric,cuda,nvrtc]
 
 `make abi-check` and `make build` run it (setup.py with WXFER_ABI_CHECK=1); CI requires
 verbs and fabric (Debian's libibverbs-dev, libfabric-dev), `make gpu-test` requires cuda.
@@ -33,7 +34,23 @@ LIBS = [
     ("verbs", "WX_ABI_VERBS", "infiniband/verbs.h", "wx_ibv_abi.h"),
     ("fabric", "WX_ABI_FABRIC", "rdma/fabric.h", "wx_fi_abi.h"),
     ("cuda", "WX_ABI_CUDA", "cuda.h", "wx_cuda_abi.h"),
+    ("nvrtc", "WX_ABI_NVRTC", "nvrtc.h", "wx_nvrtc_abi.h"),
 ]
+
+
+def _incs(name, cuda_home):
+    """Where to look for the library's header beyond the compiler's default path."""
+    if name == "cuda":
+        return [os.path.join(cuda_home, "include")]
+    if name == "nvrtc":  # the toolkit, or the nvidia pip wheels (torch's CUDA wheels bring them)
+        out = [os.path.join(cuda_home, "include")]
+        for base in sys.path:
+            for sub in ("cu13", "cu12", "cuda_nvrtc"):
+                d = os.path.join(base or ".", "nvidia", sub, "include")
+                if os.path.isfile(os.path.join(d, "nvrtc.h")):
+                    out.append(d)
+        return out
+    return []
 
 
 def _cc(cc):
@@ -76,9 +93,9 @@ def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout, core
         for name, section, header, ours in LIBS:
             if only and name not in only:
                 continue
-            incs = [os.path.join(cuda_home, "include")] if name == "cuda" else []
+            incs = _incs(name, cuda_home)
             if not _have(cc, header, incs):
-                where = " (CUDA_HOME=%s)" % cuda_home if name == "cuda" else ""
+                where = " (searched %s)" % ", ".join(incs) if incs else ""
                 msg = "abi-check: %s: %s not found%s: skipped" % (name, header, where)
                 if name in require:
                     print(msg + ", but it is required here", file=out)
