@@ -83,15 +83,16 @@ def test_libfabric_as_found(plain):
         assert c["status"] == "missing" and "libfabric" in c["detail"]
         return
     assert c["status"] == "ok", c
+    provs = plain["fabric providers"]["data"]["providers"]
     fi = shutil.which("fi_info")
-    if fi:  # libfabric-bin: the library's own answer
+    if fi:  # libfabric-bin: the library's own answers
         v = re.search(
             r"libfabric: (\d+)\.(\d+)", subprocess.run([fi, "--version"], capture_output=True, text=True).stdout
         )
         assert v and c["data"]["version"] == "%s.%s" % v.groups(), (c, v)
-    provs = plain["fabric providers"]["data"]["providers"]
-    assert "tcp;ofi_rxm" in provs and "shm" in provs, provs  # what tcp/shm tests use here
-    assert plain["transport for cpu"]["data"]["transport"] == "fabric"
+        rdm = subprocess.run([fi, "-c", "FI_RMA", "-t", "FI_EP_RDM"], capture_output=True, text=True).stdout
+        assert sorted(set(re.findall(r"provider: (\S+)", rdm))) == provs, (rdm, provs)
+    assert plain["transport for cpu"]["data"]["transport"] == ("fabric" if provs else None)
 
 
 def test_rdma_devices_as_in_sysfs(plain):
