@@ -53,3 +53,39 @@ def test_a_changed_declaration_is_caught(tmp_path):
 def test_a_missing_required_header_fails(tmp_path):
     r = _run("--require", "cuda", "--only", "cuda", "--cuda-home", str(tmp_path))
     assert r.returncode == 1 and "cuda.h not found" in r.stdout and "required" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(not _have("/usr/include/infiniband/verbs.h"), reason="needs libibverbs-dev")
+def test_contexts_built_by_verbs_h_work_through_our_declarations(tmp_path):
+    """tests/c/verbs_ctx_check.c: extended (mlx5-style), newer, older and plain contexts made
+    with the system verbs.h, queried and posted to through wx_ibv_abi.h's inlines."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    c = os.path.join(ROOT, "csrc")
+    exe = str(tmp_path / "verbs_ctx_check")
+    flags = ["-std=gnu11", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    inc = ["-I" + os.path.join(c, d) for d in ("core", "transport", "backends/verbs")]
+    obj = str(tmp_path / "ours.o")
+    subprocess.run(
+        [cc, *flags, *inc, "-c", "-o", obj, os.path.join(ROOT, "tests", "c", "verbs_ctx_ours.c")], check=True
+    )
+    srcs = [os.path.join(c, p) for p in ("backends/verbs/wx_verbs_dl.c", "core/wx_dl.c", "core/wx_common.c")]
+    subprocess.run(
+        [
+            cc,
+            *flags,
+            "-I" + os.path.join(ROOT, "tests", "c"),
+            *inc,
+            "-o",
+            exe,
+            os.path.join(ROOT, "tests", "c", "verbs_ctx_check.c"),
+            obj,
+            *srcs,
+            "-ldl",
+            "-lpthread",
+        ],
+        check=True,
+    )
+    r = subprocess.run([exe], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "verbs_ctx_check: ok" in r.stdout, r.stdout + r.stderr
