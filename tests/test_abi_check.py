@@ -9,12 +9,14 @@ import sys
 
 import pytest
 
+from wxfer.testing import build_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECK = os.path.join(ROOT, "csrc", "abi", "abi_check.py")
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, CHECK, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, CHECK, *args], capture_output=True, text=True, timeout=120, env=build_env())
 
 
 def _have(path):
@@ -86,6 +88,7 @@ def test_contexts_built_by_verbs_h_work_through_our_declarations(tmp_path):
             "-lpthread",
         ],
         check=True,
+        env=build_env(),
     )
-    r = subprocess.run([exe], capture_output=True, text=True, timeout=30)
+    r = subprocess.run([exe], capture_output=True, text=True, timeout=30, env=build_env())
     assert r.returncode == 0 and "verbs_ctx_check: ok" in r.stdout, r.stdout + r.stderr
