@@ -70,7 +70,9 @@ def test_contexts_built_by_verbs_h_work_through_our_declarations(tmp_path):
     inc = ["-I" + os.path.join(c, d) for d in ("core", "transport", "backends/verbs")]
     obj = str(tmp_path / "ours.o")
     subprocess.run(
-        [cc, *flags, *inc, "-c", "-o", obj, os.path.join(ROOT, "tests", "c", "verbs_ctx_ours.c")], check=True
+        [cc, *flags, *inc, "-c", "-o", obj, os.path.join(ROOT, "tests", "c", "verbs_ctx_ours.c")],
+        check=True,
+        env=build_env(),
     )
     srcs = [os.path.join(c, p) for p in ("backends/verbs/wx_verbs_dl.c", "core/wx_dl.c", "core/wx_common.c")]
     subprocess.run(
