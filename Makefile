@@ -10,7 +10,7 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -q -ra
 GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup apt venv build test test-installed demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
+.PHONY: setup apt venv build abi-check wheel test test-installed demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
 
 setup: apt venv build
 
@@ -31,16 +31,27 @@ $(VENV_STAMP):
 # The in-place build is the test build: WXFER_TESTING=1 compiles in the fault-injection
 # options the tests use; a wheel or `pip install` never has them.
 # (--force when the extension there is not a test build: setuptools does not see a changed
-# macro as a reason to rebuild.)
+# macro as a reason to rebuild.) WXFER_ABI_CHECK=1 first compares our declarations of the
+# libraries (csrc/core/wx_*_abi.h) with the system headers where installed (csrc/abi/).
 build: $(VENV_STAMP)
 	@f=; $(PY) -c "import sys, wxfer._wxfer as w; sys.exit(not w.TESTING)" 2>/dev/null || f=--force; \
-	echo "WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f"; \
-	WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f
+	echo "WXFER_ABI_CHECK=1 WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f"; \
+	WXFER_ABI_CHECK=1 WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f
+
+# Our declarations of libibverbs / libfabric / the CUDA driver API against Debian's
+# libibverbs-dev and libfabric-dev (required) and cuda.h where $$CUDA_HOME has one.
+abi-check: apt
+	$(PY) csrc/abi/abi_check.py --require verbs,fabric
 
 # the suite from the checkout, then the installed wheel from outside it (.ci/installed.sh)
 test: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
 	$(MAKE) --no-print-directory test-installed
+
+# The portable binary wheel and the sdist into dist/ (.ci/wheel.sh: zig cc for glibc 2.28,
+# -dev headers hidden, auditwheel repair to manylinux_2_28_x86_64; tools in build/wheel-tools).
+wheel: setup
+	PY=$(PY) bash .ci/wheel.sh dist
 
 test-installed: setup
 	PY=$(PY) bash .ci/installed.sh
@@ -52,6 +63,7 @@ demo: setup
 # `make gpu-bench` then runs the GPU benchmarks; logs go to $$OUT (or ./.out) when set.
 LOGDIR ?= $(if $(OUT),$(OUT),.out)
 gpu-test:
+	python3 csrc/abi/abi_check.py --require cuda
 	$(GPU_ENV) WXFER_TESTING=1 python3 setup.py -q build_ext --inplace
 	$(GPU_ENV) python3 -m pytest -q -ra -m "gpu or gpu2" tests
 

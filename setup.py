@@ -8,20 +8,22 @@ Build switches (environment variables):
   WXFER_TESTING=1   compile in the fault-injection options the tests use (_test_refuse_peer,
                     _test_rkey_xor, _test_raddr_add; wxfer._wxfer.TESTING is then 1). `make
                     build` / `make test` set it; a wheel or `pip install` never does.
-  CUDA_HOME         where cuda.h lives (default /usr/local/cuda)
+  WXFER_ABI_CHECK=1 before building, compare our declarations of libibverbs, libfabric and
+                    the CUDA driver API (csrc/core/wx_*_abi.h) with the system headers
+                    where they are installed, and fail on any difference (csrc/abi/; `make
+                    build` and `make abi-check` set it; a user's build never runs it, as a
+                    newer library's headers may legitimately differ)
+  CUDA_HOME         where cuda.h lives for that check (default /usr/local/cuda)
 
-Each backend whose headers are missing is compiled out and reported unavailable by
-wxfer.backends(); the libraries themselves are dlopened at run time.
+Every backend is compiled into every build: the extension carries its own declarations of
+the few types, constants and entry points it uses (csrc/core/wx_ibv_abi.h, wx_fi_abi.h,
+wx_cuda_abi.h) and never includes infiniband/verbs.h, rdma/fabric.h or cuda.h. The libraries
+are dlopened at run time, and wxfer.backends() says why a backend cannot run here.
 """
 
 import glob
 import os
-import re
-import shutil
-import subprocess
 import sys
-import sysconfig
-import tempfile
 
 from setuptools import Extension, setup
 
@@ -30,18 +32,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _flag(name):
     return os.environ.get(name, "") not in ("", "0")
-
-
-def have_header(header, include_dirs=()):
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if not shutil.which(cc):
-        cc = "cc"
-    with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "t.c")
-        with open(src, "w") as f:
-            f.write("#include <%s>\nint main(void){return 0;}\n" % header)
-        cmd = [cc, "-fsyntax-only", src] + ["-I" + i for i in include_dirs]
-        return subprocess.call(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) == 0
 
 
 # The native parts, one folder each (csrc/backends/<name>/ per transport); csrc/testing
@@ -83,35 +73,14 @@ def embed_kernels():
 KERNELS = embed_kernels()
 
 
-def backends():
-    """(name, NAME, SWITCH, header) for each line of csrc/transport/wx_backends.def."""
-    pat = re.compile(r'^WX_BACKEND\((\w+),\s*(\w+),\s*\d+,\s*(\w+),\s*"([^"]+)"\)', re.M)
-    with open(os.path.join(HERE, "csrc", "transport", "wx_backends.def")) as f:
-        return pat.findall(f.read())
-
-
 define_macros = []
 include_dirs = list(NATIVE_DIRS) + [GEN_DIR]
-compiled_out = {}
-cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-cuda_inc = os.path.join(cuda_home, "include")
-have = {}
-for name, upper, switch, header in backends():
-    extra = [cuda_inc] if header == "cuda.h" else []
-    if switch not in have:
-        have[switch] = have_header(header, extra)
-        if have[switch]:
-            define_macros.append(("WX_HAVE_" + switch, "1"))
-            include_dirs += extra
-    if have[switch]:
-        define_macros.append(("WX_OUT_" + upper, '""'))
-    else:
-        why = "%s was missing at build time" % header
-        if header == "cuda.h":
-            why += " (CUDA_HOME=%s)" % cuda_home
-        compiled_out[name] = why
-        define_macros.append(("WX_OUT_" + upper, '"%s"' % why.replace('"', "'")))
-        print("wxfer: compiling out %s: %s" % (name, why), file=sys.stderr)
+if _flag("WXFER_ABI_CHECK") and "sdist" not in sys.argv:
+    sys.path.insert(0, os.path.join(HERE, "csrc", "abi"))
+    import abi_check  # noqa: E402
+
+    if abi_check.main(["--cuda-home", os.environ.get("CUDA_HOME", "/usr/local/cuda")]) != 0:
+        sys.exit("wxfer: our library declarations differ from the system headers (see above)")
 
 extra_compile_args = [
     "-std=gnu11",

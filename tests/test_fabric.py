@@ -350,7 +350,7 @@ def fabric_pair(tmp_path_factory):
         p for d in dirs for p in sorted(glob.glob(os.path.join(d, "*.c")))
     ]
     subprocess.run(
-        [cc, "-std=gnu11", "-O2", "-g", "-DWX_HAVE_FABRIC=1"]
+        [cc, "-std=gnu11", "-O2", "-g"]
         + os.environ.get("WXFER_C_FLAGS", "").split()
         + ["-I" + d for d in dirs]
         + ["-o", exe]

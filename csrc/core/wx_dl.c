@@ -1,4 +1,7 @@
 /* wx_dl.c - dlopen/dlsym helpers shared by the per-library tables. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* dlvsym */
+#endif
 #include "wx_dl.h"
 
 #include <dlfcn.h>
@@ -61,4 +64,15 @@ int wx_dl_sym(void *lib, const char *libname, const char *name, void **slot, cha
         return -ENOENT;
     }
     return 0;
+}
+
+int wx_dl_vsym(void *lib, const char *libname, const char *name, const char *version, void **slot,
+               char *why, size_t why_len)
+{
+    dlerror();
+    *slot = dlvsym(lib, name, version);
+    if (*slot)
+        return 0;
+    /* a library built without symbol versions has only the plain name */
+    return wx_dl_sym(lib, libname, name, slot, why, why_len);
 }

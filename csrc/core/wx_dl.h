@@ -35,5 +35,9 @@ void *wx_dl_open(const char *env, const char *dflt, char *why, size_t why_len);
 /* dlsym `name` into *slot; on failure fill why (naming the symbol) and return -ENOENT. */
 int wx_dl_sym(void *lib, const char *libname, const char *name, void **slot, char *why,
               size_t why_len);
+/* dlvsym `name` at symbol version `version` (the ABI our declarations describe, so a newer
+ * library answers with that ABI's layouts), else plain dlsym; failure as wx_dl_sym. */
+int wx_dl_vsym(void *lib, const char *libname, const char *name, const char *version, void **slot,
+               char *why, size_t why_len);
 
 #endif

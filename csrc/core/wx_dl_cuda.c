@@ -1,7 +1,6 @@
 /* wx_dl_cuda.c - the libcuda table (see wx_dl_cuda.h). */
 #include "wx_dl_cuda.h"
 
-#ifdef WX_HAVE_CUDA
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -110,6 +109,3 @@ int wx_cuda_err(CUresult r, const char *call)
     }
     return wx_errf(-EIO, "%s failed: %s (%s)", call, name ? name : "?", text ? text : "");
 }
-#else
-typedef int wx__dl_cuda_empty_unit;
-#endif

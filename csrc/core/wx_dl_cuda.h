@@ -1,13 +1,13 @@
 /* wx_dl_cuda.h - the CUDA driver API, loaded from libcuda.so.1 at run time.
  *
- * Compiled only when cuda.h was found at build time (WX_HAVE_CUDA). Entries are named
+ * Always compiled: the types come from wx_cuda_abi.h (no cuda.h needed at build time).
+ * Entries are named
  * after the driver functions; versioned symbols (_v2) are resolved by their real name.
  */
 #ifndef WX_DL_CUDA_H
 #define WX_DL_CUDA_H
 
-#ifdef WX_HAVE_CUDA
-#include <cuda.h>
+#include "wx_cuda_abi.h"
 
 typedef struct wx_cuda_api {
     CUresult (*cuInit)(unsigned int);
@@ -71,6 +71,5 @@ typedef struct wx_cuda_api {
 const wx_cuda_api_t *wx_cuda(char *why, size_t why_len);
 /* Turn a CUresult into "CUDA_ERROR_X (text)" and record it with wx_errf; returns -EIO. */
 int wx_cuda_err(CUresult r, const char *call);
-#endif
 
 #endif

@@ -23,7 +23,6 @@ static int wx__cuda_hint(char *dir, size_t dir_len)
 {
     int major = 0;
     dir[0] = 0;
-#ifdef WX_HAVE_CUDA
     char why[256];
     const wx_cuda_api_t *cu = wx_cuda(why, sizeof why);
     Dl_info info;
@@ -37,7 +36,6 @@ static int wx__cuda_hint(char *dir, size_t dir_len)
             dir[slash - info.dli_fname] = 0;
         }
     }
-#endif
     return major;
 }
 

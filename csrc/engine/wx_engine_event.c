@@ -6,7 +6,6 @@
 
 #include "wx_dl_cuda.h"
 
-#ifdef WX_HAVE_CUDA
 int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
 {
     char why[256];
@@ -47,12 +46,3 @@ int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
         nanosleep(&ts, NULL);
     }
 }
-#else
-int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
-{
-    WX_UNUSED(e);
-    wx__fail_fill(f, -ENOSYS, t, NULL, "ready",
-                  "has a CUDA event but this build has no CUDA support");
-    return -ENOSYS;
-}
-#endif

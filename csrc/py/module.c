@@ -91,18 +91,6 @@ int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeou
     }
 }
 
-/* Why a backend of wx_backends.def is absent: setup.py defines WX_OUT_<NAME> for each
- * ("" when it was built). */
-#define WX__OUT_STR(x) ("" x)
-static const char *wx__compiled_out(const char *name)
-{
-#define WX_BACKEND(nm, NAME, kind, sw, hdr)                                                        \
-    if (strcmp(name, #nm) == 0 && WX__OUT_STR(WX_OUT_##NAME)[0])                                   \
-        return WX__OUT_STR(WX_OUT_##NAME);
-#include "wx_backends.def"
-#undef WX_BACKEND
-    return "not part of this build";
-}
 
 static PyObject *wx_backends(PyObject *m, PyObject *noargs)
 {
@@ -114,7 +102,7 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
     for (int i = 0; wx_transport_backend(i, &n, &ops) == 0; i++) {
         PyObject *v;
         if (!ops) {
-            v = Py_BuildValue("(Os)", Py_False, wx__compiled_out(n));
+            v = Py_BuildValue("(Os)", Py_False, "not part of this build");
         } else {
             char why[WX_ERRMSG_MAX] = "";
             int rc;
@@ -272,7 +260,7 @@ static int wx_exec(PyObject *m)
         }
     }
     if (wx_py_transport_init_types(m, st) < 0 || wx_py_engine_init_types(m, st) < 0 ||
-        wx_py_prepare_init(m) < 0)
+        wx_py_prepare_init(m) < 0 || wx_py_doctor_init(m) < 0)
         return -1;
 #ifdef WX_TESTING
     if (PyModule_AddIntConstant(m, "TESTING", 1) < 0)

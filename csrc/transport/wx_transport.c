@@ -10,10 +10,11 @@
 #include "wx_desc.h"
 #include "wx_dl.h"
 
-/* Backends are referenced weakly: a backend compiled out (its headers were missing, so its
- * files compile to nothing) leaves its ops symbol undefined, and its entry NULL. */
+/* Backends are referenced weakly: the extension links every one, but a C program that links
+ * only some (tests/c: fabric_pair, test_verbs) leaves the others' ops undefined, and their
+ * entries NULL. */
 #define WX__WEAK __attribute__((weak))
-#define WX_BACKEND(name, NAME, kind, sw, hdr)                                                      \
+#define WX_BACKEND(name, NAME, kind, needs)                                                        \
     extern const wx_transport_ops_t wx_##name##_ops WX__WEAK;
 #include "wx_backends.def"
 #undef WX_BACKEND
@@ -22,7 +23,7 @@ static const struct {
     const char *name;
     const wx_transport_ops_t *ops;
 } wx__backends[] = {
-#define WX_BACKEND(name, NAME, kind, sw, hdr) {#name, &wx_##name##_ops},
+#define WX_BACKEND(name, NAME, kind, needs) {#name, &wx_##name##_ops},
 #include "wx_backends.def"
 #undef WX_BACKEND
 };

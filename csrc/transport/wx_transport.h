@@ -41,7 +41,7 @@ extern "C" {
 
 /* WX_KIND_FABRIC, WX_KIND_VERBS, WX_KIND_CUDA_IPC: one per line of wx_backends.def */
 enum wx_kind {
-#define WX_BACKEND(name, NAME, kind, sw, hdr) WX_KIND_##NAME = kind,
+#define WX_BACKEND(name, NAME, kind, needs) WX_KIND_##NAME = kind,
 #include "wx_backends.def"
 #undef WX_BACKEND
     WX_KIND__END
@@ -51,7 +51,7 @@ enum wx_kind {
 static inline const char *wx_kind_name(uint32_t kind)
 {
     switch (kind) {
-#define WX_BACKEND(name, NAME, k, sw, hdr)                                                         \
+#define WX_BACKEND(name, NAME, k, needs)                                                           \
     case k:                                                                                        \
         return #name;
 #include "wx_backends.def"

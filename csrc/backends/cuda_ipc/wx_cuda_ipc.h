@@ -19,7 +19,6 @@
 #ifndef WX_CUDA_IPC_H
 #define WX_CUDA_IPC_H
 
-#ifdef WX_HAVE_CUDA
 #include <pthread.h>
 
 #include "wx_dl_cuda.h"
@@ -196,5 +195,4 @@ void wx__ci_io_stop(wx__ci_t *c);
 int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op);
 int wx__ci_fence(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len);
 
-#endif
 #endif

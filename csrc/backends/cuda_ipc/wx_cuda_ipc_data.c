@@ -11,7 +11,6 @@
  */
 #include "wx_cuda_ipc.h"
 
-#ifdef WX_HAVE_CUDA
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -393,6 +392,3 @@ int wx__ci_fence(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how
              (double)(wx_now_ns() - t0) / 1e9, n0, p->name, c->dev);
     return 0;
 }
-#else
-typedef int wx__cuda_ipc_io_empty_unit;
-#endif

@@ -8,7 +8,6 @@
  */
 #include "wx_cuda_ipc.h"
 
-#ifdef WX_HAVE_CUDA
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -325,6 +324,3 @@ void wx__ci_maps_close(wx__ci_t *c)
     c->nmaps = 0;
     pthread_mutex_unlock(&wx__ci_gmu);
 }
-#else
-typedef int wx__cuda_ipc_map_empty_unit;
-#endif

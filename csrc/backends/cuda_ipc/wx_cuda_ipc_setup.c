@@ -3,7 +3,6 @@
  * whole works. */
 #include "wx_cuda_ipc.h"
 
-#ifdef WX_HAVE_CUDA
 #include <ctype.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -624,6 +623,3 @@ const wx_transport_ops_t wx_cuda_ipc_ops = {
     .map = wx__ci_map,
     .fence = wx__ci_fence,
 };
-#else
-typedef int wx__cuda_ipc_empty_unit;
-#endif

@@ -32,17 +32,9 @@
 #ifndef WX_FABRIC_H
 #define WX_FABRIC_H
 
-#ifdef WX_HAVE_FABRIC
 #include <pthread.h>
 #include <stdatomic.h>
 
-#include <rdma/fabric.h>
-#include <rdma/fi_cm.h>
-#include <rdma/fi_domain.h>
-#include <rdma/fi_endpoint.h>
-#include <rdma/fi_eq.h>
-#include <rdma/fi_errno.h>
-#include <rdma/fi_rma.h>
 
 #include "wx_fabric_dl.h"
 #include "wx_transport.h"
@@ -143,6 +135,5 @@ void wx__fab_cancel_all(wx_fab_t *f);
 
 /* Record "call failed: fi_strerror (-rc)" with context; returns a negative errno. */
 int wx__fab_err(int rc, const char *fmt, ...) WX_PRINTF(2, 3);
-#endif
 
 #endif

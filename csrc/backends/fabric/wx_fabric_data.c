@@ -12,7 +12,6 @@
  */
 #include "wx_fabric.h"
 
-#ifdef WX_HAVE_FABRIC
 #include <errno.h>
 #include <sched.h>
 #include <signal.h>
@@ -501,6 +500,3 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
                        fp->name, (unsigned long long)op->wr_id, (unsigned long long)wr->len,
                        (unsigned long long)wr->remote->key, (unsigned long long)wr->roff);
 }
-#else
-typedef int wx__fabric_data_empty_unit;
-#endif

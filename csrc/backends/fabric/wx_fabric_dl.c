@@ -1,7 +1,6 @@
 /* wx_fabric_dl.c - the libfabric table (see wx_fabric_dl.h). */
 #include "wx_fabric_dl.h"
 
-#ifdef WX_HAVE_FABRIC
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
@@ -20,6 +19,13 @@ static int wx__fi_ok;
                       sizeof wx__fi_why))                                                          \
             return;                                                                                \
     } while (0)
+/* the calls whose structs changed across libfabric releases, at the version of wx_fi_abi.h */
+#define WX__VSYM(field, ver)                                                                       \
+    do {                                                                                           \
+        if (wx_dl_vsym(lib, "libfabric.so.1", #field, ver, (void **)&wx__fi.field, wx__fi_why,     \
+                       sizeof wx__fi_why))                                                         \
+            return;                                                                                \
+    } while (0)
 
 static void wx__fi_load(void)
 {
@@ -28,10 +34,10 @@ static void wx__fi_load(void)
     uint32_t v;
     if (!lib)
         return;
-    WX__SYM(fi_getinfo);
-    WX__SYM(fi_freeinfo);
-    WX__SYM(fi_dupinfo);
-    WX__SYM(fi_fabric);
+    WX__VSYM(fi_getinfo, WX_FI_SYMVER_INFO);
+    WX__VSYM(fi_freeinfo, WX_FI_SYMVER_INFO);
+    WX__VSYM(fi_dupinfo, WX_FI_SYMVER_INFO);
+    WX__VSYM(fi_fabric, WX_FI_SYMVER_FABRIC);
     WX__SYM(fi_strerror);
     WX__SYM(fi_version);
     wx_dl_sym(lib, "libfabric.so.1", "fi_tostr", (void **)&wx__fi.fi_tostr, ignore, sizeof ignore);
@@ -63,6 +69,3 @@ const char *wx_fi_strerror(int rc)
         return wx__fi.fi_strerror(rc);
     return strerror(rc);
 }
-#else
-typedef int wx__dl_fabric_empty_unit;
-#endif

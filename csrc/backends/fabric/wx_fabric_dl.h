@@ -1,10 +1,11 @@
 /* wx_fabric_dl.h - libfabric, loaded from libfabric.so.1 at run time.
  *
- * Compiled only when rdma/fabric.h was found at build time (WX_HAVE_FABRIC). Only the
+ * Always compiled: the types and inlines come from wx_fi_abi.h (no rdma/fabric.h needed at
+ * build time); whether libfabric is there and new enough is decided at load. Only the
  * symbols libfabric really exports are looked up here: fi_getinfo, fi_freeinfo,
  * fi_dupinfo, fi_fabric, fi_strerror, fi_version, fi_tostr. Everything else the backend
  * calls (fi_domain, fi_endpoint, fi_mr_reg, fi_writemsg, fi_cq_read, ...) is a static
- * inline wrapper in the headers that jumps through the ops tables of the objects these
+ * inline wrapper (rdma/fi_*.h; ours are in wx_fi_abi.h) that jumps through the ops tables of the objects these
  * return, so it needs no symbol. Never call fi_allocinfo() (an inline over the exported
  * fi_dupinfo): use wx_fi()->fi_dupinfo(NULL).
  *
@@ -13,11 +14,10 @@
 #ifndef WX_FABRIC_DL_H
 #define WX_FABRIC_DL_H
 
-#ifdef WX_HAVE_FABRIC
 #include <stddef.h>
 #include <stdint.h>
 
-#include <rdma/fabric.h>
+#include "wx_fi_abi.h"
 
 typedef struct wx_fi_api {
     int (*fi_getinfo)(uint32_t, const char *, const char *, uint64_t, const struct fi_info *,
@@ -35,6 +35,5 @@ typedef struct wx_fi_api {
 const wx_fi_api_t *wx_fi(char *why, size_t why_len);
 /* fi_strerror(-rc) when the library is loaded, else a generic text. rc may be negative. */
 const char *wx_fi_strerror(int rc);
-#endif
 
 #endif

@@ -12,7 +12,6 @@
  */
 #include "wx_fabric.h"
 
-#ifdef WX_HAVE_FABRIC
 #include <stdio.h>
 #include <string.h>
 
@@ -105,6 +104,3 @@ void wx__fab_dereg(wx_transport_t *t, wx_mr_t *mr)
     mr->priv = NULL;
     mr->ldesc = NULL;
 }
-#else
-typedef int wx__fabric_mr_empty_unit;
-#endif

@@ -14,7 +14,6 @@
  */
 #include "wx_fabric.h"
 
-#ifdef WX_HAVE_FABRIC
 #include <dirent.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -619,6 +618,3 @@ const wx_transport_ops_t wx_fabric_ops = {
     .write = wx__fab_write,
     .info = wx__fab_info,
 };
-#else
-typedef int wx__fabric_setup_empty_unit;
-#endif

@@ -7,8 +7,6 @@
 #ifndef WX_VERBS_H
 #define WX_VERBS_H
 
-#ifdef WX_HAVE_VERBS
-#include <infiniband/verbs.h>
 #include <pthread.h>
 
 #include "wx_verbs_dl.h"
@@ -150,6 +148,5 @@ void wx__verbs_destroy_qp(wx_verbs_t *t, wx__vqp_t *q);
 /* wx_verbs_data.c */
 int wx__verbs_add_qp(wx_verbs_t *t, wx__vqp_t *q);
 void wx__verbs_fail_qp(wx_verbs_t *t, wx__vqp_t *q, int err, const char *msg);
-#endif
 
 #endif

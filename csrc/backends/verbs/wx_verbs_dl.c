@@ -1,7 +1,6 @@
 /* wx_verbs_dl.c - the libibverbs table (see wx_verbs_dl.h). */
 #include "wx_verbs_dl.h"
 
-#ifdef WX_HAVE_VERBS
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -124,6 +123,3 @@ int wx_ibv_query_gid_typed(const wx_verbs_api_t *v, struct ibv_context *ctx, uin
     }
     return 0;
 }
-#else
-typedef int wx__dl_verbs_empty_unit;
-#endif

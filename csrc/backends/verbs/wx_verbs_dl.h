@@ -1,10 +1,12 @@
 /* wx_verbs_dl.h - libibverbs, loaded from libibverbs.so.1 at run time.
  *
- * Compiled only when infiniband/verbs.h was found at build time (WX_HAVE_VERBS).
+ * Always compiled: the types and inlines come from wx_ibv_abi.h (no infiniband/verbs.h
+ * needed at build time); whether libibverbs is there is decided when it is first loaded.
  * $WXFER_LIBIBVERBS may name another file; the test suite points it at the EMULATION
  * library csrc/testing/libwxemu_verbs.so (never shipped, see docs/verbs.md).
  *
- * Calls that verbs.h (rdma-core 44) defines as static inline functions need no entry here
+ * Calls that verbs.h (rdma-core 44) defines as static inline functions (reproduced in
+ * wx_ibv_abi.h) need no entry here
  * because they only dispatch through the context's ops table and reference no symbol:
  * ibv_post_send, ibv_poll_cq and ibv_req_notify_cq go through qp->context->ops /
  * cq->context->ops, which whatever library opened the device filled in (the emulation fills
@@ -16,8 +18,7 @@
 #ifndef WX_VERBS_DL_H
 #define WX_VERBS_DL_H
 
-#ifdef WX_HAVE_VERBS
-#include <infiniband/verbs.h>
+#include "wx_ibv_abi.h"
 
 typedef struct wx_verbs_api {
     struct ibv_device **(*get_device_list)(int *);
@@ -61,6 +62,5 @@ int wx_ibv_query_port(const wx_verbs_api_t *v, struct ibv_context *ctx, uint8_t 
  * _ibv_query_gid_ex when present, else from sysfs gid_attrs/types. */
 int wx_ibv_query_gid_typed(const wx_verbs_api_t *v, struct ibv_context *ctx, uint8_t port,
                            int index, union ibv_gid *gid, int *type);
-#endif
 
 #endif

@@ -9,7 +9,6 @@
  * where the kernel cannot pass it). */
 #include "wx_verbs.h"
 
-#ifdef WX_HAVE_VERBS
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,7 +51,6 @@ static int wx__reg_host(wx_verbs_t *t, wx__vreg_t *r)
     return 0;
 }
 
-#ifdef WX_HAVE_CUDA
 static int wx__reg_dmabuf(wx_verbs_t *t, const wx_cuda_api_t *cu, wx__vreg_t *r, CUdevice dev,
                           char *why, size_t why_len)
 {
@@ -167,7 +165,6 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
     cu->cuDevicePrimaryCtxRelease(dev);
     return rc;
 }
-#endif
 
 int wx__verbs_reg(wx_transport_t *tt, wx_mr_t *mr)
 {
@@ -199,11 +196,7 @@ int wx__verbs_reg(wx_transport_t *tt, wx_mr_t *mr)
         r->access = access;
         r->refs = 1;
         if (mr->mem == WX_MEM_CUDA) {
-#ifdef WX_HAVE_CUDA
             rc = wx__reg_cuda(t, r, note, sizeof note);
-#else
-            rc = wx_errf(-ENOSYS, "verbs: built without CUDA headers; cannot register GPU memory");
-#endif
         } else {
             rc = wx__reg_host(t, r);
             snprintf(note, sizeof note, "host memory");
@@ -262,6 +255,3 @@ uint32_t wx__verbs_lkey(const wx_mr_t *mr, int n)
     const wx__vreg_t *r = mr->priv;
     return r->mr[n]->lkey;
 }
-#else
-typedef int wx__verbs_reg_empty_unit;
-#endif

@@ -2,7 +2,6 @@
  * their ports and GIDs, and the per-NIC protection domain and completion queue. */
 #include "wx_verbs.h"
 
-#ifdef WX_HAVE_VERBS
 #include <ctype.h>
 #include <limits.h>
 #include <stdio.h>
@@ -145,7 +144,6 @@ static int wx__nic_pci(const char *ibdev_path, char *out, size_t len)
 
 static int wx__gpu_path(int gpu, char *out, size_t len, char *why, size_t why_len)
 {
-#ifdef WX_HAVE_CUDA
     const wx_cuda_api_t *cu = wx_cuda(why, why_len);
     char bus[64];
     CUdevice d;
@@ -161,11 +159,6 @@ static int wx__gpu_path(int gpu, char *out, size_t len, char *why, size_t why_le
         return -ENOENT;
     }
     return 0;
-#else
-    snprintf(why, why_len, "built without CUDA headers");
-    WX_UNUSED(gpu), WX_UNUSED(out), WX_UNUSED(len);
-    return -ENOSYS;
-#endif
 }
 
 /* Open `dev`, pick `port` (0: the first active one) and fill n. */
@@ -467,6 +460,3 @@ void wx__verbs_close_nics(wx_verbs_t *t)
     }
     t->nnic = 0;
 }
-#else
-typedef int wx__verbs_dev_empty_unit;
-#endif
