@@ -94,3 +94,16 @@ def test_contexts_built_by_verbs_h_work_through_our_declarations(tmp_path):
     )
     r = subprocess.run([exe], capture_output=True, text=True, timeout=30, env=build_env())
     assert r.returncode == 0 and "verbs_ctx_check: ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_struct_the_library_grows_may_be_larger_there_only():
+    """ibv_port_attr: newer rdma-core (the H200 image's) appends a field (56 bytes against
+    Debian 12's 52); ours, passed with its own size, is a prefix. Smaller there is a mismatch."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("abi_check", os.path.join(ROOT, "csrc", "abi", "abi_check.py"))
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    assert m._grown("sizeof(struct ibv_port_attr)", "56", "52")
+    assert not m._grown("sizeof(struct ibv_port_attr)", "48", "52")
+    assert not m._grown("sizeof(struct ibv_wc)", "56", "48")

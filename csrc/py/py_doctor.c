@@ -179,7 +179,7 @@ static PyObject *wx__nvrtc_info(PyObject *dirs_seq)
     {
         char vs[32];
         snprintf(vs, sizeof vs, "%d.%d", nv->major, nv->minor);
-        return Py_BuildValue("{sOsssssss}", "loaded", Py_True, "why", "", "version", vs, "path",
+        return Py_BuildValue("{sOssssss}", "loaded", Py_True, "why", "", "version", vs, "path",
                              nv->path);
     }
 }
