@@ -112,6 +112,9 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
     straight into the receivers' memory by batched copy kernels instead of one engine write
     each: bytes (an int or e.g. "1MiB"); 0: never; "all" or -1: no upper bound (every such
     task).  ``stats()["direct"]["copy_max"]`` is the bound in use (-1: none).
+    max_task_bytes (default: half the watermark, 16 MiB .. 1 GiB, `task_bound`): the plan's
+    bound on a task's training bytes (rank 0's is used); 1: every component its own task
+    (``python -m wxfer calibrate`` probes fine and coarse tasks this way).
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         secret=None,
         direct: bool | None = None,
         copy_max=None,
+        max_task_bytes: int | None = None,
     ):
         import torch
         import torch.distributed as dist
@@ -147,6 +151,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self._marked = set()
         self._epoch = {}
         self.engine = self.transport = None
+        if max_task_bytes is not None and (isinstance(max_task_bytes, bool) or int(max_task_bytes) < 1):
+            raise ValueError(f"wxfer.Sender: max_task_bytes must be an int >= 1 or None, got {max_task_bytes!r}")
         self._direct_init(direct, copy_max)  # validates direct and copy_max before anything is set up
         if device is None:
             device = (
@@ -170,6 +176,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self._hosted = store is None or host_store  # a trainer process hosts the store
         self.mapping = mapping
         self.watermark = _parse_size(watermark)
+        self.max_task_bytes = task_bound(self.watermark) if max_task_bytes is None else int(max_task_bytes)
         self.last_submit_s = None
         # seconds from the start of the last push() to the end of each of its phases
         self.last_phases: dict = {}
@@ -290,7 +297,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                     )
             if probs:
                 raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
-            plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=task_bound(self.watermark))
+            plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=self.max_task_bytes)
             plan.check()  # every destination byte written exactly once, by one sender, in range
             senders = program.receivers_of(plan)
             for w in workers:
