@@ -595,6 +595,9 @@ def run(args) -> dict:
     )
     ctl = control.Control(store, a["name"], args.timeout)
     mach = machine(args.dry_run)
+    # predicted_s: a calibration made before any configuration runs (bb_fsdp.predicted), by placement
+    a["calibrations"] = calibrations(args, layouts, out)
+    mach["calibrations"] = {k: v.get("file") or v.get("error") for k, v in a["calibrations"].items()}
     results: list = [None] * len(configs)
     t_start = time.perf_counter()
     todo = list(range(len(configs)))
@@ -656,6 +659,43 @@ def run(args) -> dict:
     )
     _write(out, results, mach, args)
     return res
+
+
+def placement_of(layout: str, dry_run: bool) -> str:
+    """The calibrate placement (wxfer.tools.calibrate_host) of a layout: colocated rows have the
+    receiver on the trainer's GPU (same), disagg rows on another GPU (gpu); the dry run's
+    receivers are behind fabric tcp (host)."""
+    if dry_run:
+        return "host"
+    return "same" if layout == "colocated" else "gpu"
+
+
+def calibrations(args, layouts, out) -> dict:
+    """{placement: calibration dict (what calibrate --json writes)} for predicted_s: the file
+    --calibration names (for its placement), else (auto) one ``python -m wxfer calibrate`` per
+    placement the layouts need, each in its own process before any configuration runs; none:
+    {}.  A calibrate that fails is reported in the dict as {"error": ...}."""
+    how = getattr(args, "calibration", "auto") or "auto"
+    if how == "none":
+        return {}
+    if how != "auto":
+        with open(how) as f:
+            d = json.load(f)
+        return {(d.get("measured") or {}).get("placement") or "unknown": dict(d, file=os.path.abspath(how))}
+    got = {}
+    for pl in sorted({placement_of(l, args.dry_run) for l in layouts}):
+        path = os.path.join(out or ".", "calibration-%s.json" % pl)
+        cmd = [sys.executable, "-m", "wxfer", "calibrate", "--json", "--out", path, "--placement", pl]
+        cmd += ["--device", "cpu", "--quick"] if args.dry_run else []
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        print(f"calibrate --placement {pl}: rc {p.returncode} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if p.returncode != 0 or not os.path.exists(path):
+            got[pl] = dict(error="calibrate failed (rc %d): %s" % (p.returncode, p.stderr.strip()[-500:]))
+            continue
+        with open(path) as f:
+            got[pl] = dict(json.load(f), file=os.path.abspath(path))
+    return got
 
 
 def _write(out, results, mach, args) -> None:
@@ -724,6 +764,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-s", type=float, default=560.0, help="the whole run (results so far are written)")
     ap.add_argument("--out", default=None, help="directory for results.json, table.md, chart.png, traces")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument(
+        "--calibration",
+        default="auto",
+        help="predicted_s from this calibrate file (python -m wxfer calibrate --json --out FILE, its placement "
+        "same for colocated rows, gpu for disagg ones); auto (default): one calibrate per placement at the start, "
+        "in its own process; none: no prediction (fitted_s, the in-run fit, is reported either way)",
+    )
     args = ap.parse_args(argv)
     res = run(args)
     print(res["table"])
