@@ -184,8 +184,9 @@ def hostfit_keys() -> tuple:
 # --------------------------------------------------------------------------- the probe designs
 
 
-def _probe(d: dict, dev, rdev, transport: str, addr: str, pushes: int, kernels: dict) -> tuple:
-    """Run one design: receivers (threads) on `rdev`, a Sender here; (hostfit design, summary)."""
+def probe(d: dict, dev, rdev, transport: str, addr: str, pushes: int, kernels: dict, inspect=None) -> tuple:
+    """Run one design: receivers (threads) on `rdev`, a Sender here; (hostfit design, summary).
+    inspect: a callable given the Sender before it is closed; its result is summary["inspect"]."""
     import torch
 
     from ..models import inference_params, preset_for, train_model
@@ -250,6 +251,8 @@ def _probe(d: dict, dev, rdev, transport: str, addr: str, pushes: int, kernels: 
             params_per_task=sum(n for n, _ in got["info"].values()) / max(1, len(got["info"])),
             pieces_per_task=sum(n for _, n in got["info"].values()) / max(1, len(got["info"])),
         )
+        if inspect is not None:
+            summ["inspect"] = inspect(sender)
         return got, summ
     finally:
         if sender is not None:
@@ -283,7 +286,7 @@ def measure_host(dev, kernels: dict, quick: bool, placement: str, write_GBps=Non
     for d in designs_for(dev, placement, quick):
         t0 = time.perf_counter()
         try:
-            got, summ = _probe(d, dev, rdev, transport, addr, pushes, kernels)
+            got, summ = probe(d, dev, rdev, transport, addr, pushes, kernels)
         except Exception as e:  # noqa: BLE001 -- the other designs stand; the columns it alone held are unmeasured
             errors[d["name"]] = "%s: %s" % (type(e).__name__, e)
             log("calibrate: probe %s failed: %s" % (d["name"], errors[d["name"]]))
