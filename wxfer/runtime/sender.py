@@ -39,9 +39,9 @@ from .control import Control, SetupError
 from .direct import DirectMixin
 from .faults import FaultsMixin, mapping_digest
 from .finish import FinishMixin
-from .rejoin import RejoinMixin, _regions
+from .rejoin import RejoinMixin
 from .tasks import STAMP_TAG, TaskMixin
-from .receiver import _unb64, transport_choice
+from .receiver import _unb64, decode_param_descriptor, transport_choice
 from .verify import verify_enabled
 
 
@@ -372,7 +372,9 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         # every gpu this rank writes to (data and version stamp)
         self.workers = {}
         for g in self.program.gpus:
-            self.workers[g] = self.ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}")
+            # its connection record (the descriptors of what this rank writes there are in the plan): a few
+            # hundred bytes, where its whole record grows with its parameters (issue 24: read by every trainer)
+            self.workers[g] = self.ctl.get_json("infer/%d/peer" % g, f"metadata of inference worker gpu {g}")
         names = {(w["transport"], json.dumps(w["options"], sort_keys=True)) for w in self.workers.values()}
         if len(names) > 1:
             raise SetupError(f"inference workers use different transports: {sorted(names)}")
@@ -420,7 +422,9 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self.task_params = {op.task: len(op.sources) for ops in self.program.groups for op in ops}
         self._prepare_tasks()
         self._gpu_of_peer = {pid: g for g, pid in self.peers.items()}
-        self._gpu_of_region = {r: g for g, w in self.workers.items() for r in _regions(w)}
+        self._gpu_of_region = {
+            decode_param_descriptor(d)[0]: g for (g, _), d in self.plan.descriptors.items() if g in self.workers
+        }
         self._epoch = {g: 0 for g in self.workers}
         self._rejoins_seen = 0
         self._refused = {}  # gpu -> why its restarted worker was not taken (reported once)

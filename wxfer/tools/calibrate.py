@@ -394,7 +394,6 @@ def measure_links(dev, quick: bool, placement: str = "") -> dict:
 # --------------------------------------------------------------------------- host cost of a task
 
 
-
 def measure_h2d(dev, quick: bool) -> dict:
     """Pinned host-to-device copies (a CPU-offloaded trainer's stage 1): the rate from the
     slope between two sizes, the cost per copy from the smaller one (the device's time)."""
@@ -408,7 +407,9 @@ def measure_h2d(dev, quick: bool) -> dict:
     t_big = _dev_time(lambda: db.copy_(hb, non_blocking=True), dev, 5)
     t_small = _dev_time(lambda: db[:small].copy_(hb[:small], non_blocking=True), dev, 16)
     rate = (big - small) / max(t_big - t_small, 1e-9)
-    return dict(h2d_GBps=rate / 1e9, h2d_call_s=max(0.0, t_small - small / rate), h2d_s={str(big): t_big, str(small): t_small})
+    return dict(
+        h2d_GBps=rate / 1e9, h2d_call_s=max(0.0, t_small - small / rate), h2d_s={str(big): t_big, str(small): t_small}
+    )
 
 
 # --------------------------------------------------------------------------- all of it
@@ -497,9 +498,7 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
             "calibrate: host %s; %.2f ms before the first task, %.2f ms after the last data; fit over %d samples, "
             "condition %.3g%s"
             % (
-                ", ".join(
-                    "%s %.1f us" % (k[:-2], det[k] * 1e6) for k in _HOST_TERMS[:7] if det.get(k) is not None
-                ),
+                ", ".join("%s %.1f us" % (k[:-2], det[k] * 1e6) for k in _HOST_TERMS[:7] if det.get(k) is not None),
                 det["push_begin_s"] * 1e3,
                 det["push_end_s"] * 1e3,
                 det["host_samples"],

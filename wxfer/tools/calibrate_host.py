@@ -13,11 +13,12 @@ process) to real Receivers (threads of this process) on the job's placement:
 The designs differ in what the host cost columns see (wxfer.runtime.hostfit.COLUMNS): the
 receivers' dtype (BF16: zero copy; FP8: packed or in place, quantized), TP 1 or 2 (twice the
 pieces per task: row-parallel slices packed), coarse tasks (one FSDP2 unit per task, 7
-parameters) or one task per component (1-3 parameters), copies on or off (same GPU), a MoE
-layer (many pieces per parameter), and on a GPU a model held in host memory (staged through
-an H2D copy).  All their samples go into one non-negative least squares
-(hostfit.fit_designs), which reports how well they separate the columns; a column no design
-exercised is reported unmeasured with the reason, never 0.
+parameters) or one task per component (1-3 parameters), copies on or off and packed tasks
+through a send buffer (direct off) on the same GPU, a MoE layer (many pieces per parameter),
+and on a GPU a model held in host memory (staged through an H2D copy).  All their samples
+go into one non-negative least squares (hostfit.fit_designs), which reports how well they
+separate the columns; a column no design exercised is reported unmeasured with the reason,
+never 0.
 """
 
 from __future__ import annotations
@@ -82,8 +83,12 @@ def designs_for(dev, placement: str, quick: bool) -> list:
         dict(name="fp8-tp2-fine", cfg=base, quant="fp8", tp=2, max_task_bytes=1),
         dict(name="moe-fp8", cfg=moe, quant="fp8", tp=1, max_task_bytes=coarse),
     ]
-    if dev.type == "cuda" and placement == "same":  # the engine's zero-copy writes too (no copies)
+    if dev.type == "cuda" and placement == "same":
+        # the engine's zero-copy writes too (no copies), and packed tasks through a send buffer (direct off:
+        # the packed kind's host columns, which a job on another GPU or host runs)
         out.append(dict(name="bf16-nocopy", cfg=base, quant=None, tp=1, max_task_bytes=coarse, copy_max=0))
+        out.append(dict(name="fp8-packed", cfg=base, quant="fp8", tp=1, max_task_bytes=coarse, direct=False))
+        out.append(dict(name="fp8-tp2-fine-packed", cfg=base, quant="fp8", tp=2, max_task_bytes=1, direct=False))
     if dev.type == "cuda":  # CPU-offloaded trainer: each source staged through an H2D copy
         out.append(dict(name="bf16-staged", cfg=base, quant=None, tp=1, max_task_bytes=coarse, offload=True))
     return out
@@ -224,6 +229,8 @@ def probe(d: dict, dev, rdev, transport: str, addr: str, pushes: int, kernels: d
     else:
         model = model.to(dev)
     kw = {} if d.get("copy_max") is None else dict(copy_max=d["copy_max"])
+    if d.get("direct") is not None:
+        kw["direct"] = d["direct"]
     sender = None
     recvs = []
     try:
