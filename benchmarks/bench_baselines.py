@@ -679,8 +679,12 @@ def calibrations(args, layouts, out) -> dict:
     if how == "none":
         return {}
     if how != "auto":
-        with open(how) as f:
-            d = json.load(f)
+        try:
+            with open(how) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:  # the run goes on (fitted_s); each row says why it has no prediction
+            why = f"--calibration {how}: {type(e).__name__}: {e}"
+            return {placement_of(l, args.dry_run): dict(error=why) for l in layouts}
         return {(d.get("measured") or {}).get("placement") or "unknown": dict(d, file=os.path.abspath(how))}
     got = {}
     for pl in sorted({placement_of(l, args.dry_run) for l in layouts}):

@@ -550,7 +550,8 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
 def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> dict:
     """For a benchmark or the demo: simulate `plan` (a Plan or its bytes: the trainers' own) with
     `calibration` (a Calibration, a name, a path) or, when None, one measured now on this
-    machine.  Returns dict(simulated_s, lower_bound_s, bound_by, calibration: its dict)."""
+    machine.  Returns dict(simulated_s, lower_bound_s, bound_by, calibration: its dict), or
+simulated_error (naming the unmeasured term) in place of the figures."""
     from ..plan import Plan
     from ..plan.calibrate import cluster_for, get, to_dict
     from ..plan.simulate import simulate
@@ -561,7 +562,10 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         cal, det = measure(quick=quick, log=log)
     else:
         cal, det = get(calibration), {}
-    r = simulate(plan, cluster_for(plan, cal), steps=400, record=False, kinds="auto")
+    try:
+        r = simulate(plan, cluster_for(plan, cal), steps=400, record=False, kinds="auto")
+    except ValueError as e:  # a term this plan needs that the calibration did not measure, by name
+        return dict(simulated_error=str(e), calibration=dict(to_dict(cal), measured=det))
     return dict(
         simulated_s=r.simulated_s,
         simulated_lower_bound_s=r.lower_bound_s,
