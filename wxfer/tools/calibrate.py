@@ -549,9 +549,9 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
 
 def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> dict:
     """For a benchmark or the demo: simulate `plan` (a Plan or its bytes: the trainers' own) with
-    `calibration` (a Calibration, a name, a path) or, when None, one measured now on this
-    machine.  Returns dict(simulated_s, lower_bound_s, bound_by, calibration: its dict), or
-simulated_error (naming the unmeasured term) in place of the figures."""
+        `calibration` (a Calibration, a name, a path) or, when None, one measured now on this
+        machine.  Returns dict(simulated_s, lower_bound_s, bound_by, calibration: its dict), or
+    simulated_error (naming the unmeasured term) in place of the figures."""
     from ..plan import Plan
     from ..plan.calibrate import cluster_for, get, to_dict
     from ..plan.simulate import simulate
