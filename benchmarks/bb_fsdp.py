@@ -259,7 +259,9 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
                 s.write_trace(trace_path)
             r = _figures(s, wm, times, peaks, recs, summ)
             if wi == 0:
-                r.update(predicted(s, dev, a))  # before the fit's pushes: from the calibration alone
+                import bb_predict
+
+                r.update(bb_predict.predicted(s, dev, a))  # before the fit's pushes: from the calibration alone
                 r.update(simulated(s, dev, a, trainer.step if trainer is not None else None))
                 if "simulated_s" in r:
                     r["fitted_s"] = r["simulated_s"]  # the in-run fit (simulated_s: its older name)
@@ -294,46 +296,6 @@ def _offloaded(sender, dev) -> bool:
         if local.device.type != dev.type:
             return True
     return False
-
-
-def predicted(sender, dev, a: dict) -> dict:
-    """The simulator's prediction of this push from a calibration made before the run
-    (``a["calibrations"]``: bench_baselines --calibration FILE, or one calibrate process per
-    placement at the start) alone: the trainers' own plan, each task's kind as this Sender
-    runs it (structure, not timing), the cluster the calibration describes (its measured
-    write, copy, quantizer, H2D rates and host costs); nothing from this run's traces or
-    timings.  Returns predicted_s (or predicted_error) and what it used."""
-    import bench_baselines as bb
-
-    cals = a.get("calibrations") or {}
-    if not cals:
-        return {}
-    cfg = a.get("_cfg") or {}
-    want = bb.placement_of(cfg.get("layout", ""), a.get("dry_run", False))
-    try:
-        from collections import Counter
-
-        from wxfer.plan.calibrate import from_dict, run
-
-        d = cals.get(want)
-        if d is None:
-            raise ValueError(f"no calibration for placement {want!r} (have {sorted(cals)})")
-        if "error" in d:
-            raise RuntimeError(d["error"])
-        cal = from_dict(d)
-        kinds = sender.task_kinds()
-        offload = dev.type == "cuda" and _offloaded(sender, dev)
-        r = run(sender.plan, cal, kinds=kinds, cpu_offload=offload, watermark_bytes=sender.watermark or (1 << 50))
-        return dict(
-            predicted_s=r.simulated_s,
-            predicted_bound_by=r.bound_by,
-            predicted_terms=r.terms,
-            predicted_assumptions=r.assumptions,
-            predicted_kinds=dict(Counter(kinds.values())),
-            predicted_calibration=dict(name=cal.name, source=cal.source, file=d.get("file"), placement=want),
-        )
-    except Exception as e:  # noqa: BLE001 -- the measurement stands without it
-        return dict(predicted_error=f"{type(e).__name__}: {e}")
 
 
 def simulated(sender, dev, a: dict, step=None) -> dict:

@@ -56,6 +56,7 @@ import time
 
 import bb_fsdp
 import bb_report
+from bb_predict import calibrations, placement_of  # noqa: F401 -- placement_of: also bb_fsdp / sim_check
 import bb_supervise
 from bb_patterns import (  # noqa: F401 -- buckets, _bytes, _fulls_in, _sync_dev: also used by bench_scale / bench_ckpt_engine
     _STATE,
@@ -659,47 +660,6 @@ def run(args) -> dict:
     )
     _write(out, results, mach, args)
     return res
-
-
-def placement_of(layout: str, dry_run: bool) -> str:
-    """The calibrate placement (wxfer.tools.calibrate_host) of a layout: colocated rows have the
-    receiver on the trainer's GPU (same), disagg rows on another GPU (gpu); the dry run's
-    receivers are behind fabric tcp (host)."""
-    if dry_run:
-        return "host"
-    return "same" if layout == "colocated" else "gpu"
-
-
-def calibrations(args, layouts, out) -> dict:
-    """{placement: calibration dict (what calibrate --json writes)} for predicted_s: the file
-    --calibration names (for its placement), else (auto) one ``python -m wxfer calibrate`` per
-    placement the layouts need, each in its own process before any configuration runs; none:
-    {}.  A calibrate that fails is reported in the dict as {"error": ...}."""
-    how = getattr(args, "calibration", "auto") or "auto"
-    if how == "none":
-        return {}
-    if how != "auto":
-        try:
-            with open(how) as f:
-                d = json.load(f)
-        except (OSError, ValueError) as e:  # the run goes on (fitted_s); each row says why it has no prediction
-            why = f"--calibration {how}: {type(e).__name__}: {e}"
-            return {placement_of(l, args.dry_run): dict(error=why) for l in layouts}
-        return {(d.get("measured") or {}).get("placement") or "unknown": dict(d, file=os.path.abspath(how))}
-    got = {}
-    for pl in sorted({placement_of(l, args.dry_run) for l in layouts}):
-        path = os.path.join(out or ".", "calibration-%s.json" % pl)
-        cmd = [sys.executable, "-m", "wxfer", "calibrate", "--json", "--out", path, "--placement", pl]
-        cmd += ["--device", "cpu", "--quick"] if args.dry_run else []
-        t0 = time.perf_counter()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        print(f"calibrate --placement {pl}: rc {p.returncode} in {time.perf_counter() - t0:.0f} s", flush=True)
-        if p.returncode != 0 or not os.path.exists(path):
-            got[pl] = dict(error="calibrate failed (rc %d): %s" % (p.returncode, p.stderr.strip()[-500:]))
-            continue
-        with open(path) as f:
-            got[pl] = dict(json.load(f), file=os.path.abspath(path))
-    return got
 
 
 def _write(out, results, mach, args) -> None:

@@ -294,6 +294,35 @@ def _expect(conn, what):
     return msg
 
 
+def _write_rates(eng, region, desc, size: int, dev, quick: bool) -> dict:
+    """The engine's writes of `region` to `desc`: rate (the slope between a 64 MiB and a 16 MiB
+    write), per write (256 writes of 4 KiB), each one submit + wait."""
+    iters = 3 if quick else 5
+
+    def write(dests):
+        eng.submit(region, dests, tag=0)
+        eng.wait(timeout=_TIMEOUT)
+
+    t_big = _timed(lambda: write([(desc, 0, 0, size)]), dev, iters)
+    t_quarter = _timed(lambda: write([(desc, 0, 0, size // 4)]), dev, iters)
+    nsmall = 256
+    small = [(desc, i * 4096, i * 4096, 4096) for i in range(nsmall)]
+    t_small = _timed(lambda: write(small), dev, iters)
+    # the rate from the slope between two sizes: a submit + wait's own round trip (the engine's
+    # wake-up, which a push pays once, in push_end_s) cancels; the single write's rate beside it
+    slope = t_big - t_quarter
+    rate = (size - size // 4) / slope if slope > 0.05 * t_big else size / t_big
+    return dict(
+        write_GBps=rate / 1e9,
+        write_single_GBps=size / t_big / 1e9,
+        write_call_s=max(0.0, (t_small - (t_big - size / rate) - nsmall * 4096 / rate) / nsmall),
+        write_s=t_big,
+        write_quarter_s=t_quarter,
+        write_small_s=t_small,
+        write_small_n=nsmall,
+    )
+
+
 def measure_links(dev, quick: bool, placement: str = "") -> dict:
     """Writes through the transport the placement's receivers take (wxfer.tools.calibrate_host.
     receiver_side: same GPU, another GPU, a network transport) and an all-gather, against one
@@ -329,30 +358,7 @@ def measure_links(dev, quick: bool, placement: str = "") -> dict:
         eng = _wxfer.Engine(t, timeout=_TIMEOUT)
         src = torch.ones(size, dtype=torch.uint8, device=dev)
         region = t.register(src, export=False)
-        iters = 3 if quick else 5
-
-        def write(dests):
-            eng.submit(region, dests, tag=0)
-            eng.wait(timeout=_TIMEOUT)
-
-        t_big = _timed(lambda: write([(desc, 0, 0, size)]), dev, iters)
-        t_quarter = _timed(lambda: write([(desc, 0, 0, size // 4)]), dev, iters)
-        nsmall = 256
-        small = [(desc, i * 4096, i * 4096, 4096) for i in range(nsmall)]
-        t_small = _timed(lambda: write(small), dev, iters)
-        # the rate from the slope between two sizes: a submit + wait's own round trip (the engine's
-        # wake-up, which a push pays once, in push_end_s) cancels; the single write's rate beside it
-        slope = t_big - t_quarter
-        rate = (size - size // 4) / slope if slope > 0.05 * t_big else size / t_big
-        out.update(
-            write_GBps=rate / 1e9,
-            write_single_GBps=size / t_big / 1e9,
-            write_call_s=max(0.0, (t_small - (t_big - size / rate) - nsmall * 4096 / rate) / nsmall),
-            write_s=t_big,
-            write_quarter_s=t_quarter,
-            write_small_s=t_small,
-            write_small_n=nsmall,
-        )
+        out.update(_write_rates(eng, region, desc, size, dev, quick))
         region.close()
         eng.close()
         t.close()
@@ -433,13 +439,77 @@ _HOST_TERMS = (
 )
 
 
+def _calibration(det: dict, unmeasured: dict, dev, placement: str, quick: bool) -> tuple:
+    """(the Calibration of what `det` measured, the machine's description); `unmeasured`:
+    term -> why, for the terms not measured (those of them that are Calibration terms)."""
+    import torch
+
+    from ..meta import Calibration
+
+    machine = "%s, %s, %d CPUs" % (platform.node(), platform.machine(), os.cpu_count() or 0)
+    if dev.type == "cuda":
+        machine += ", " + torch.cuda.get_device_name(dev)
+    if hasattr(os, "getloadavg"):
+        machine += ", load average %.1f" % os.getloadavg()[0]
+    meas = {k: det[k] for k in _HOST_TERMS + _LINK_TERMS + ("h2d_GBps", "h2d_call_s") if det.get(k) is not None}
+    from ..plan.calibrate import TERMS
+
+    un = {k: v for k, v in unmeasured.items() if k not in meas and k in TERMS}
+    cal = Calibration(
+        name="measured-%s-%s" % (dev.type, placement),
+        pack_launch_s=det["pack_launch_s"],
+        launch_per_piece="native" not in det["quantizer"],  # the native kernel: one launch for a task's FP8 pieces
+        quant_GBps=det["quant_GBps"],
+        quant_small_GBps=det.get("quant_small_GBps"),
+        copy_GBps=det["copy_GBps"],
+        copy_batch_GBps=det.get("copy_batch_GBps"),
+        serial=True,
+        host_sync=dev.type == "cpu",
+        cpu_shared=dev.type == "cpu",
+        device_shared=dev.type == "cuda" and placement == "same",
+        source="measured by `python -m wxfer calibrate%s --placement %s` on %s, %s"
+        % (" --quick" if quick else "", placement, machine, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+        unmeasured=un,
+        **meas,
+    )
+    return cal, machine
+
+
+def _host_part(dev, det: dict, quick: bool, placement: str, unmeasured: dict, log) -> None:
+    """measure_host into `det` (its unmeasured columns into `unmeasured`); the write path's
+    per-write figure from the probes' posting gaps where they had any, else the link's."""
+    link_call = det.get("write_call_s")
+    try:
+        det.update(measure_host(dev, det, quick, placement, det.get("write_GBps"), log=log))
+        unmeasured.update(det["host_unmeasured"])
+        if not det.get("write_samples") and link_call is not None:  # no posting gap seen: the link's figure
+            det["write_call_s"] = link_call
+        det["write_call_from"] = "the probes' engine posting gaps" if det.get("write_samples") else "the link"
+        cond = det["host_conditioning"]
+        log(
+            "calibrate: host %s; %.2f ms before the first task, %.2f ms after the last data; fit over %d samples, "
+            "condition %.3g%s"
+            % (
+                ", ".join("%s %.1f us" % (k[:-2], det[k] * 1e6) for k in _HOST_TERMS[:7] if det.get(k) is not None),
+                det["push_begin_s"] * 1e3,
+                det["push_end_s"] * 1e3,
+                det["host_samples"],
+                cond["condition"] if cond["condition"] is not None else float("nan"),
+                "; unmeasured: " + ", ".join(sorted(det["host_unmeasured"])) if det["host_unmeasured"] else "",
+            )
+        )
+    except Exception as e:  # noqa: BLE001 -- keep the rest; say why
+        det["host_error"] = f"{type(e).__name__}: {e}"
+        unmeasured.update({k: "the host probes failed: " + det["host_error"] for k in _HOST_TERMS})
+        log("calibrate: host cost not measured: " + det["host_error"])
+
+
 def measure(quick: bool = False, device: str | None = None, log=print, placement: str | None = None) -> tuple:
     """(Calibration, details dict) measured here, with the receivers on `placement` (same /
     gpu / host, wxfer.tools.calibrate_host; None: default_placement).  Every term it could
     not measure is in the calibration's ``unmeasured`` with the reason (the simulator refuses
     a plan that needs one), never a 0."""
     import torch
-    from ..meta import Calibration
 
     t0 = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -486,30 +556,7 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
     if not h2d:
         why = "no GPU: nothing is offloaded to host memory here"
         unmeasured.update(h2d_GBps=why, h2d_call_s=why)
-    link_call = det.get("write_call_s")
-    try:
-        det.update(measure_host(dev, det, quick, placement, det.get("write_GBps"), log=log))
-        unmeasured.update(det["host_unmeasured"])
-        if not det.get("write_samples") and link_call is not None:  # no posting gap seen: the link's figure
-            det["write_call_s"] = link_call
-        det["write_call_from"] = "the probes' engine posting gaps" if det.get("write_samples") else "the link"
-        cond = det["host_conditioning"]
-        log(
-            "calibrate: host %s; %.2f ms before the first task, %.2f ms after the last data; fit over %d samples, "
-            "condition %.3g%s"
-            % (
-                ", ".join("%s %.1f us" % (k[:-2], det[k] * 1e6) for k in _HOST_TERMS[:7] if det.get(k) is not None),
-                det["push_begin_s"] * 1e3,
-                det["push_end_s"] * 1e3,
-                det["host_samples"],
-                cond["condition"] if cond["condition"] is not None else float("nan"),
-                "; unmeasured: " + ", ".join(sorted(det["host_unmeasured"])) if det["host_unmeasured"] else "",
-            )
-        )
-    except Exception as e:  # noqa: BLE001 -- keep the rest; say why
-        det["host_error"] = f"{type(e).__name__}: {e}"
-        unmeasured.update({k: "the host probes failed: " + det["host_error"] for k in _HOST_TERMS})
-        log("calibrate: host cost not measured: " + det["host_error"])
+    _host_part(dev, det, quick, placement, unmeasured, log)
     if "write_dev_s" not in det and "write_dev_s" not in unmeasured:
         unmeasured["write_dev_s"] = "the probes' traces had no engine posting stamps"
     for k in ("host_direct_task_s", "host_copy_task_s"):  # None: the simulator uses another figure (by name)
@@ -517,32 +564,7 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
             unmeasured[k] += " (the simulator then charges %s)" % (
                 "the packed task's host figures" if "direct" in k else "host_zc_task_s"
             )
-    machine = "%s, %s, %d CPUs" % (platform.node(), platform.machine(), os.cpu_count() or 0)
-    if dev.type == "cuda":
-        machine += ", " + torch.cuda.get_device_name(dev)
-    if hasattr(os, "getloadavg"):
-        machine += ", load average %.1f" % os.getloadavg()[0]
-    meas = {k: det[k] for k in _HOST_TERMS + _LINK_TERMS + ("h2d_GBps", "h2d_call_s") if det.get(k) is not None}
-    from ..plan.calibrate import TERMS
-
-    un = {k: v for k, v in unmeasured.items() if k not in meas and k in TERMS}
-    cal = Calibration(
-        name="measured-%s-%s" % (dev.type, placement),
-        pack_launch_s=det["pack_launch_s"],
-        launch_per_piece="native" not in det["quantizer"],  # the native kernel: one launch for a task's FP8 pieces
-        quant_GBps=det["quant_GBps"],
-        quant_small_GBps=det.get("quant_small_GBps"),
-        copy_GBps=det["copy_GBps"],
-        copy_batch_GBps=det.get("copy_batch_GBps"),
-        serial=True,
-        host_sync=dev.type == "cpu",
-        cpu_shared=dev.type == "cpu",
-        device_shared=dev.type == "cuda" and placement == "same",
-        source="measured by `python -m wxfer calibrate%s --placement %s` on %s, %s"
-        % (" --quick" if quick else "", placement, machine, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-        unmeasured=un,
-        **meas,
-    )
+    cal, machine = _calibration(det, unmeasured, dev, placement, quick)
     det.update(machine=machine, calibrate_s=time.perf_counter() - t0)
     return cal, det
 

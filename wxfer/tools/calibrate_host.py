@@ -189,18 +189,13 @@ def hostfit_keys() -> tuple:
 # --------------------------------------------------------------------------- the probe designs
 
 
-def probe(d: dict, dev, rdev, transport: str, addr: str, pushes: int, kernels: dict, inspect=None) -> tuple:
-    """Run one design: receivers (threads) on `rdev`, a Sender here; (hostfit design, summary).
-    inspect: a callable given the Sender before it is closed; its result is summary["inspect"]."""
-    import torch
-
-    from ..models import inference_params, preset_for, train_model
+def _receivers(d: dict, rdev, transport: str, addr: str, name: str) -> list:
+    """The design's receivers (one replica of TP d["tp"]) constructed in threads: [(thread, box)]."""
+    from ..models import inference_params, preset_for
     from ..runtime.receiver import Receiver
-    from ..runtime.sender import Sender
     from ..testing import in_thread
 
     cfg, tp = d["cfg"], d["tp"]
-    name = "calib%d-%s" % (os.getpid(), d["name"])
     preset = preset_for(cfg)
     boxes = []
     for r in range(tp):
@@ -220,6 +215,21 @@ def probe(d: dict, dev, rdev, transport: str, addr: str, pushes: int, kernels: d
                 timeout=_TIMEOUT,
             )
         )
+    return boxes
+
+
+def probe(d: dict, dev, rdev, transport: str, addr: str, pushes: int, kernels: dict, inspect=None) -> tuple:
+    """Run one design: receivers (threads) on `rdev`, a Sender here; (hostfit design, summary).
+    inspect: a callable given the Sender before it is closed; its result is summary["inspect"]."""
+    import torch
+
+    from ..models import preset_for, train_model
+    from ..runtime.sender import Sender
+
+    cfg = d["cfg"]
+    name = "calib%d-%s" % (os.getpid(), d["name"])
+    preset = preset_for(cfg)
+    boxes = _receivers(d, rdev, transport, addr, name)
     model = train_model(cfg, dtype=torch.bfloat16)  # in the receivers' dtype (BF16 training weights)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -265,7 +275,7 @@ def probe(d: dict, dev, rdev, transport: str, addr: str, pushes: int, kernels: d
         if sender is not None:
             sender.close()
         for th, box in boxes:
-            th.join(_TIMEOUT if sender is None else 5)
+            th.join(5)  # a receiver still waiting (the Sender failed early) ends on its own timeout: a daemon
             if "value" in box and box["value"] not in recvs:
                 recvs.append(box["value"])
         for r in recvs:
