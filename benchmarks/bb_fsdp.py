@@ -316,7 +316,7 @@ def simulated(sender, dev, a: dict, step=None) -> dict:
         from collections import Counter
         from dataclasses import replace
         from wxfer.meta import Calibration
-        from wxfer.plan.calibrate import run, to_dict
+        from wxfer.plan.calibrate import TERMS, run, to_dict
         from wxfer.tools.calibrate import host_costs, hostfit_keys
 
         k = _kernels(dev)
@@ -352,6 +352,8 @@ def simulated(sender, dev, a: dict, step=None) -> dict:
             cpu_shared=cpu,
             device_shared=not cpu and cfg.get("layout") == "colocated",
             source="bench_baselines, measured in the same run",
+            # a column no traced task held is unmeasured (the simulator refuses it by name where charged)
+            unmeasured={x: v for x, v in (h.get("host_unmeasured") or {}).items() if x in TERMS},
             host_direct_task_s=h.get("host_direct_task_s"),  # fitted where the Sender had direct tasks
             host_copy_task_s=h.get("host_copy_task_s"),  # and copy tasks (small zero copy, batched copies)
             **{x: h[x] for x in hostfit_keys() if x in h},
