@@ -83,7 +83,7 @@ def designs_for(dev, placement: str, quick: bool) -> list:
         dict(name="fp8-tp2-fine", cfg=base, quant="fp8", tp=2, max_task_bytes=1),
         dict(name="moe-fp8", cfg=moe, quant="fp8", tp=1, max_task_bytes=coarse),
     ]
-    if dev.type == "cuda" and placement == "same":
+    if placement == "same":  # (on the CPU only with the direct seams emulated: tests/test_calibrate_same.py)
         # the engine's zero-copy writes too (no copies), and packed tasks through a send buffer (direct off:
         # the packed kind's host columns, which a job on another GPU or host runs)
         out.append(dict(name="bf16-nocopy", cfg=base, quant=None, tp=1, max_task_bytes=coarse, copy_max=0))
