@@ -19,7 +19,9 @@ costs fitted on the Sender's own trace) when it was made by this fit (it has
 here on the row's trace file (``trace-<config>.json``, the engine trace of the last timed
 step, one push), its push() call and return placed by the step's phases (begin_stamps: when
 the begin stamps were submitted; done: when push() returned), and the run's measured rates
-kept.  The measured push is printed beside the simulation, never fed into it.
+kept.  That is a fit, not a prediction: the refit reads the timed push's own trace and
+phases (its host costs, stamps and write path come from the very push it is held against);
+the measured median itself is printed beside it.
 
 Needs torch and transformers (CPU) to rebuild the models' parameter shapes (meta device).
 """
