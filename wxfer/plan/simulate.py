@@ -162,7 +162,7 @@ def lower_bound(plan, cluster) -> tuple[float, str]:
     return best, name
 
 
-def _kinds(plan, cluster, kinds):
+def _kinds(plan, cluster, kinds) -> dict | None:
     """simulate()'s kinds: a dict as given, "auto" decided from the plan's training parameters."""
     if not isinstance(kinds, str):
         return kinds
