@@ -153,6 +153,8 @@ def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
             "30",
             "--copy-max",
             "0,all",
+            "--calibration",
+            "none",  # (predicted_s is the first test's; this one is about failures)
             "--out",
             str(out),
             "--json",
