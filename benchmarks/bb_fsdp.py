@@ -259,7 +259,12 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
                 s.write_trace(trace_path)
             r = _figures(s, wm, times, peaks, recs, summ)
             if wi == 0:
+                import bb_predict
+
+                r.update(bb_predict.predicted(s, dev, a))  # before the fit's pushes: from the calibration alone
                 r.update(simulated(s, dev, a, trainer.step if trainer is not None else None))
+                if "simulated_s" in r:
+                    r["fitted_s"] = r["simulated_s"]  # the in-run fit (simulated_s: its older name)
             if cm is None:
                 byw[str(wm)] = r
             else:
@@ -311,7 +316,7 @@ def simulated(sender, dev, a: dict, step=None) -> dict:
         from collections import Counter
         from dataclasses import replace
         from wxfer.meta import Calibration
-        from wxfer.plan.calibrate import run, to_dict
+        from wxfer.plan.calibrate import TERMS, run, to_dict
         from wxfer.tools.calibrate import host_costs, hostfit_keys
 
         k = _kernels(dev)
@@ -347,6 +352,8 @@ def simulated(sender, dev, a: dict, step=None) -> dict:
             cpu_shared=cpu,
             device_shared=not cpu and cfg.get("layout") == "colocated",
             source="bench_baselines, measured in the same run",
+            # a column no traced task held is unmeasured (the simulator refuses it by name where charged)
+            unmeasured={x: v for x, v in (h.get("host_unmeasured") or {}).items() if x in TERMS},
             host_direct_task_s=h.get("host_direct_task_s"),  # fitted where the Sender had direct tasks
             host_copy_task_s=h.get("host_copy_task_s"),  # and copy tasks (small zero copy, batched copies)
             **{x: h[x] for x in hostfit_keys() if x in h},

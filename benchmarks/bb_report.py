@@ -42,27 +42,34 @@ def wxfer_table(results: list, cfg_name) -> str:
 
 def sim_table(results: list, cfg_name) -> str:
     """Per configuration: the simulator beside wxfer's measured median push (the first
-    watermark), with its terms on the busiest rank and what it was calibrated with."""
+    watermark): predicted_s (from a calibration made before the run, nothing from it) and
+    fitted_s (the in-run fit of this Sender's own trace), with the fit's terms on the busiest
+    rank and what it was calibrated with."""
     lines = [
-        "| configuration | push s | simulated s | sim / push | bound by | host ms | kernel ms | write ms | "
-        "stamps ms | H2D ms | tasks (kinds) | us / write | quantizer GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | push s | predicted s | pred / push | fitted s | fit / push | bound by (pred / fit) | "
+        "host ms | kernel ms | write ms | stamps ms | H2D ms | tasks (kinds) | us / write | quantizer GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         byw = r.get("wxfer_by_watermark")
         if not byw:
             continue
         w = next(iter(byw.values()))
+        if "predicted_s" in w:
+            pred = f"{w['predicted_s']:.4f} | {w['predicted_s'] / w['seconds']:.2f}"
+        else:
+            pred = "error: %s | " % (w.get("predicted_error") or "not predicted")[:80]
+        pb = w.get("predicted_bound_by", "-")
         if "simulated_s" not in w:
-            if w.get("simulated_error"):
-                lines.append(f"| {cfg_name(r['config'])} | {w['seconds']:.4f} | error: {w['simulated_error'][:100]} |")
+            err = (w.get("simulated_error") or "not fitted")[:80]
+            lines.append(f"| {cfg_name(r['config'])} | {w['seconds']:.4f} | {pred} | error: {err} | | {pb} / - |")
             continue
         t, c = w["simulated_terms"], w["simulated_calibration"]
         kinds = ", ".join(f"{v} {k}" for k, v in sorted(w.get("simulated_kinds", {}).items()))
         ms = [t[k] * 1e3 for k in ("host_s", "kernel_s", "write_s", "stamps_s", "h2d_s")]
         lines.append(
-            f"| {cfg_name(r['config'])} | {w['seconds']:.4f} | {w['simulated_s']:.4f} | "
-            f"{w['simulated_s'] / w['seconds']:.2f} | {w['simulated_bound_by']} | "
+            f"| {cfg_name(r['config'])} | {w['seconds']:.4f} | {pred} | {w['simulated_s']:.4f} | "
+            f"{w['simulated_s'] / w['seconds']:.2f} | {pb} / {w['simulated_bound_by']} | "
             + " | ".join(f"{x:.2f}" for x in ms)
             + f" | {kinds} | {c['write_call_s'] * 1e6:.1f} | {c['quant_GBps']:.0f} |"
         )

@@ -56,6 +56,7 @@ import time
 
 import bb_fsdp
 import bb_report
+from bb_predict import calibrations, placement_of  # noqa: F401 -- placement_of: also bb_fsdp / sim_check
 import bb_supervise
 from bb_patterns import (  # noqa: F401 -- buckets, _bytes, _fulls_in, _sync_dev: also used by bench_scale / bench_ckpt_engine
     _STATE,
@@ -595,6 +596,9 @@ def run(args) -> dict:
     )
     ctl = control.Control(store, a["name"], args.timeout)
     mach = machine(args.dry_run)
+    # predicted_s: a calibration made before any configuration runs (bb_fsdp.predicted), by placement
+    a["calibrations"] = calibrations(args, layouts, out)
+    mach["calibrations"] = {k: v.get("file") or v.get("error") for k, v in a["calibrations"].items()}
     results: list = [None] * len(configs)
     t_start = time.perf_counter()
     todo = list(range(len(configs)))
@@ -724,6 +728,13 @@ def main(argv=None) -> int:
     ap.add_argument("--max-s", type=float, default=560.0, help="the whole run (results so far are written)")
     ap.add_argument("--out", default=None, help="directory for results.json, table.md, chart.png, traces")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument(
+        "--calibration",
+        default="auto",
+        help="predicted_s from this calibrate file (python -m wxfer calibrate --json --out FILE, its placement "
+        "same for colocated rows, gpu for disagg ones); auto (default): one calibrate per placement at the start, "
+        "in its own process; none: no prediction (fitted_s, the in-run fit, is reported either way)",
+    )
     args = ap.parse_args(argv)
     res = run(args)
     print(res["table"])

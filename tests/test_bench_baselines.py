@@ -88,6 +88,11 @@ def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
             w["zero_copy_tasks"] == w["tasks"] for w in byw.values()
         )
         assert "simulated_s" in byw[str(2 << 30)], byw[str(2 << 30)].get("simulated_error")
+        # beside the in-run fit, the prediction from the calibrate process run at the start (nothing
+        # from this run): both labelled
+        head = byw[str(2 << 30)]
+        assert head["fitted_s"] == head["simulated_s"] and head["predicted_s"] > 0, head.get("predicted_error")
+        assert head["predicted_calibration"]["placement"] == "host"
         c = r["config"]
         trace = json.loads(
             (
@@ -105,6 +110,7 @@ def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["results"]) == 10 and "not GPU figures" in p.stdout
+    assert "predicted s" in text and (out / "calibration-host.json").exists()
 
 
 def test_unknown_method_is_refused():
@@ -147,6 +153,8 @@ def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
             "30",
             "--copy-max",
             "0,all",
+            "--calibration",
+            "none",  # (predicted_s is the first test's; this one is about failures)
             "--out",
             str(out),
             "--json",

@@ -26,14 +26,27 @@ def test_calibrate_quick_writes_a_calibration_the_plan_cli_takes(tmp_path, capsy
     from wxfer.plan.calibrate import load
 
     cal = load(str(out))
-    assert cal.name == "measured-cpu" and cal.host_sync and cal.serial
+    assert cal.name == "measured-cpu-host" and cal.host_sync and cal.serial
     assert cal.quant_GBps > 0 and cal.copy_GBps > 0 and cal.write_GBps > 0 and cal.allgather_GBps > 0
-    assert cal.host_task_s + cal.host_param_s > 0  # a real push has host work per task
+    # a real packed task has host work (split by the fit between per task, parameter and piece)
+    assert cal.host_s(7, 7) > 0 and cal.host_zc_task_s + cal.host_zc_batch_s > 0
     assert 0 <= cal.write_call_s < 0.1 and 0 <= cal.coll_call_s < 0.5
     m = d["measured"]
-    # a 4-layer model: one task per decoder layer (FSDP2 unit) and the root unit's, per push
-    assert m["transport"] == "fabric" and m["allgather_backend"] == "gloo" and m["host_tasks"] >= 5
+    assert m["transport"] == "fabric" and m["allgather_backend"] == "gloo" and m["placement"] == "host"
     assert "quantize" in m["quantizer"] and m["calibrate_s"] < 60
+    # the probes ran the runtime's own kinds in the receivers' dtype (BF16: zero copy; FP8, TP2: packed)
+    probes = m["host_probes"]
+    assert probes["bf16"]["kinds"].get("zero_copy", 0) > 0 and probes["fp8"]["kinds"].get("packed", 0) > 0
+    assert probes["fp8-tp2-fine"]["pieces_per_task"] > probes["fp8"]["pieces_per_task"]
+    # the columns separate: the probes' samples are far from collinear
+    assert m["host_conditioning"]["condition"] < 100
+    # every term is measured or named unmeasured with its reason; on the CPU nothing is offloaded
+    from wxfer.plan.calibrate import TERMS
+
+    measured = {k for k in TERMS if k in m and m[k] is not None}
+    assert "h2d_GBps" in cal.unmeasured and "no GPU" in cal.unmeasured["h2d_GBps"]
+    assert {"host_zc_task_s", "host_task_s", "push_begin_s", "write_GBps"} <= measured
+    assert not measured & set(cal.unmeasured)
     from wxfer.plan.cli import main
 
     assert (
@@ -57,7 +70,7 @@ def test_calibrate_quick_writes_a_calibration_the_plan_cli_takes(tmp_path, capsy
         == 0
     )
     r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert r["calibration"] == "measured-cpu" and r["simulated_s"] >= r["lower_bound_s"]
+    assert r["calibration"] == "measured-cpu-host" and r["simulated_s"] >= r["lower_bound_s"]
 
 
 def test_simulate_measured_on_a_plan_with_a_given_calibration():
@@ -91,7 +104,13 @@ def test_calibrate_on_a_gpu(tmp_path):
     from wxfer.plan.calibrate import load
 
     cal = load(str(out))
-    assert cal.name == "measured-cuda" and not cal.host_sync and cal.serial
+    assert cal.name.startswith("measured-cuda-") and not cal.host_sync and cal.serial
+    m = d["measured"]
+    # on one GPU the receivers are colocated: packed tasks run in place, small zero-copy tasks are copied
+    if m["placement"] == "same":
+        kinds = {k for p in m["host_probes"].values() for k in p["kinds"]}
+        assert {"direct", "copy", "zero_copy", "staged"} <= kinds, m["host_probes"]
+        assert cal.device_shared and cal.host_direct_task_s is not None and cal.host_copy_task_s is not None
     assert cal.quant_GBps > 50 and cal.copy_GBps > 500  # H200: reference ~170 GB/s, copy ~2 TB/s
     assert d["measured"]["transport"] == "cuda_ipc" and cal.write_GBps > 50
     assert d["measured"]["calibrate_s"] < 60

@@ -67,7 +67,7 @@ def test_demo_cli_bf16_json_and_unchanged_step():
     for k in ("steps", "verified", "transport", "bytes_per_step", "step_s", "gbps", "simulated_s"):
         assert k in res
     _check(res, 3)
-    assert res["simulated_s"] > 0 and res["calibration"]["name"] == "measured-cpu"  # issue 15
+    assert res["simulated_s"] > 0 and res["calibration"]["name"] == "measured-cpu-host"  # issue 15, 24
     assert res["transport"] == "fabric" and res["replicas"] == 2 and res["tp"] == 2
     assert res["logits_ok"] and max(res["logits_rel_err"]) < 0.02
     # the step with nothing changed moved the same bytes and left the receivers identical

@@ -132,3 +132,32 @@ def test_predict_uses_the_measured_rates():
     assert cl.write_GBps == 0.01 and cl.nvlink_GBps == 100.0 and cl.train_gpus == 2 and cl.infer_gpus == 4
     r0 = predict(plan, slow, rank=0)
     assert 0 < r0 <= predict(plan, slow) * 1.001
+
+
+def test_an_unmeasured_term_is_refused_by_name_or_used_as_a_named_assumption(tmp_path):
+    from dataclasses import replace
+
+    from wxfer.plan.calibrate import assume
+
+    c, plan = _one(quant="fp8", host_param_s=1e-4)
+    why = "no packed task in the traced pushes"
+    cal = replace(c.calibration, name="partial", unmeasured={"host_piece_s": why})
+    path = tmp_path / "partial.json"
+    save(cal, str(path))
+    back = load(str(path))
+    assert back.unmeasured == {"host_piece_s": why}
+    with pytest.raises(ValueError, match=r"host_piece_s \(charged by packed task \d+ .*unmeasured: " + why):
+        simulate(plan, replace(c, calibration=back), record=False)
+    # the same plan with the term given a value on purpose: simulated, and the result says so
+    ok = assume(back, why="the per-piece cost taken as 0: the issue-13 H200 figure", host_piece_s=0.0)
+    assert not ok.unmeasured and "host_piece_s" in ok.assumptions
+    r = simulate(plan, replace(c, calibration=ok), record=False)
+    assert "host_piece_s" in r.assumptions and "issue-13" in r.assumptions["host_piece_s"]
+    assert r.summary()["assumptions"] == r.assumptions
+    # a term the plan does not charge (no offload here) stays unmeasured without a refusal
+    r2 = simulate(plan, replace(c, calibration=replace(ok, unmeasured={"h2d_GBps": "no GPU"})), record=False)
+    assert r2.simulated_s == pytest.approx(r.simulated_s)
+    with pytest.raises(ValueError, match="not calibration terms"):
+        from_dict(dict(unmeasured={"no_such_term": "x"}))
+    with pytest.raises(ValueError, match="not calibration terms"):
+        assume(ok, no_such_term=1.0)

@@ -102,3 +102,46 @@ def test_a_row_whose_simulation_failed_takes_its_link_rate_and_the_kernels_given
     w["simulated_rates"] = dict(quant_GBps=3000.0, copy_GBps=3500.0, pack_launch_s=5e-6, quantizer="x (native)")
     rec, src = sim_check._rates(res, w, get("h200-kernels"))
     assert rec["quant_GBps"] == 3000.0 and rec["launch_per_piece"] is False and src == "kernels: recorded"
+
+
+def test_calibration_file_alone_predicts_a_row_and_names_what_it_lacks(tmp_path, capsys):
+    """--calibration FILE: the row's plan and kinds from its configuration, the figures from the
+    file only (the row's recorded fit and timings are not read: changing them changes nothing)."""
+    import json
+
+    import sim_check
+    from wxfer.meta import Calibration
+    from wxfer.plan.calibrate import save
+
+    cal = Calibration(
+        name="given",
+        host_zc_task_s=50e-6,
+        host_task_s=100e-6,
+        write_GBps=1.0,
+        copy_GBps=10.0,
+        quant_GBps=1.0,
+        host_sync=True,
+        cpu_shared=True,
+    )
+    path = tmp_path / "cal.json"
+    save(cal, str(path), extra=dict(measured=dict(placement="host")))
+    row = dict(seconds=0.5, direct=dict(enabled=False), simulated_calibration=dict(host_zc_task_s=1.0))
+    res = [
+        dict(config=dict(model="tiny", quant=q, layout="disagg", trainer="plain"), wxfer_by_watermark={"1024": row})
+        for q in ("bf16", "fp8")
+    ]
+    rj = tmp_path / "results.json"
+    rj.write_text(json.dumps(dict(results=res, dry_run=True)))
+    sim_check.main(["--json", "--calibration", str(path), str(rj)])
+    rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [r["config"] for r in rows] == ["tiny-bf16-disagg", "tiny-fp8-disagg"]
+    bf16 = rows[0]
+    assert bf16["kinds"] == {"zero_copy": bf16["terms"]["zero_copy_tasks"]}  # BF16 TP1: every task zero copy
+    # the host: every zero-copy task at the file's 50 us, one after the other
+    assert bf16["simulated_s"] >= bf16["terms"]["zero_copy_tasks"] * 50e-6
+    assert bf16["ratio"] == bf16["simulated_s"] / 0.5
+    # a file that marks a term this row needs unmeasured: that row is an error naming it
+    save(Calibration(**dict(cal.__dict__, unmeasured={"quant_GBps": "no quantizer here"})), str(path))
+    assert sim_check.main(["--json", "--calibration", str(path), str(rj)]) == 1
+    rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert "error" not in rows[0] and "quant_GBps" in rows[1]["error"] and "no quantizer here" in rows[1]["error"]

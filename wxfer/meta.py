@@ -155,6 +155,13 @@ class Calibration:
     write_GBps: float | None = None  # the write path (transport) between two processes
     h2d_GBps: float | None = None  # pinned host-to-device
     source: str = "defaults: one H200, wxfer at issue 13 (per-parameter Python, reference quantizer)"
+    # terms a measurement could not take, term -> why (``python -m wxfer calibrate`` records them
+    # rather than a 0): the simulator refuses a plan that needs one (wxfer.plan.simulate.check_terms,
+    # naming it) unless `assumptions` gives it a value
+    unmeasured: dict = field(default_factory=dict)
+    # term -> why: a value put in an unmeasured term's field on purpose (wxfer.plan.calibrate.assume);
+    # a simulation that uses one lists it (SimResult.assumptions)
+    assumptions: dict = field(default_factory=dict)
 
     def host_s(self, nsrc: int, pieces: int) -> float:
         """Host seconds of one task on one rank."""

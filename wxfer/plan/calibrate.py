@@ -65,6 +65,31 @@ CALIBRATIONS: dict[str, Calibration] = {
 }
 
 
+# the fields that are measured figures (what `unmeasured` / `assumptions` may name)
+TERMS = frozenset(
+    f.name
+    for f in fields(Calibration)
+    if f.name not in ("name", "source", "unmeasured", "assumptions", "serial", "host_sync", "cpu_shared")
+    and f.name not in ("launch_per_piece", "device_shared", "zc_batch", "small_piece_elems")
+)
+
+
+def assume(cal, why: str = "", **terms) -> Calibration:
+    """`cal` with `terms` (name=value) put in its fields as named assumptions: each leaves
+    `unmeasured` for `assumptions` (with `why`, or the reason it was unmeasured), and a
+    simulation that uses it reports it (SimResult.assumptions).  A name that is not a term is
+    refused."""
+    cal = get(cal)
+    bad = sorted(set(terms) - TERMS)
+    if bad:
+        raise ValueError(f"assume: {bad} are not calibration terms (see wxfer.plan.calibrate.TERMS)")
+    un, got = dict(cal.unmeasured), dict(cal.assumptions)
+    for k in terms:
+        got[k] = "%s = %r assumed%s" % (k, terms[k], ": " + why if why else " (unmeasured: %s)" % un.get(k, "-"))
+        un.pop(k, None)
+    return replace(cal, unmeasured=un, assumptions=got, **terms)
+
+
 def get(cal) -> Calibration:
     """A Calibration from a Calibration, a name of CALIBRATIONS, a dict or a JSON file path."""
     if isinstance(cal, Calibration):
@@ -94,6 +119,13 @@ def from_dict(d: dict) -> Calibration:
         v = d[f.name]
         if f.name in ("name", "source"):
             kw[f.name] = str(v)
+        elif f.name in ("unmeasured", "assumptions"):  # term -> why
+            if not isinstance(v, dict) or not all(isinstance(x, str) for x in list(v) + list(v.values())):
+                raise ValueError(f"calibration field {f.name} must map term names to reasons, got {v!r}")
+            bad = sorted(set(v) - TERMS)
+            if bad:
+                raise ValueError(f"calibration field {f.name}: {bad} are not calibration terms")
+            kw[f.name] = dict(v)
         elif f.type in ("bool", bool):  # serial, host_sync, cpu_shared, launch_per_piece, device_shared
             if not isinstance(v, bool):
                 raise ValueError(f"calibration field {f.name} must be true or false, got {v!r}")

@@ -51,6 +51,7 @@ class SimResult:
     stage_busy_s: dict = field(default_factory=dict)  # stage -> busiest rank's seconds in it (links: the bound)
     calibration: str = ""
     terms: dict = field(default_factory=dict)  # per-term seconds on the busiest rank (host, kernel, write, ...)
+    assumptions: dict = field(default_factory=dict)  # calibration terms used as assumptions, not measured: why
 
     @property
     def bound_by(self) -> str:
@@ -76,6 +77,7 @@ class SimResult:
             mean_utilisation={k: float(v.mean()) if v.size else 0.0 for k, v in u.items()},
             stage_end_s=self.stage_end_s,
             terms=self.terms,
+            assumptions=self.assumptions,
         )
 
     def timeline_frame(self):
@@ -160,7 +162,7 @@ def lower_bound(plan, cluster) -> tuple[float, str]:
     return best, name
 
 
-def _kinds(plan, cluster, kinds):
+def _kinds(plan, cluster, kinds) -> dict | None:
     """simulate()'s kinds: a dict as given, "auto" decided from the plan's training parameters."""
     if not isinstance(kinds, str):
         return kinds
@@ -217,6 +219,61 @@ def _totals(plan, cluster, meshes: _Meshes, jobs: _Jobs, lb: float, last_write: 
     return total, busy, terms
 
 
+# the calibration terms each kind of task is charged (wxfer.plan.kinds; check_terms)
+_KIND_TERMS = {
+    "zero_copy": ("host_zc_task_s", "host_zc_batch_s", "write_call_s", "write_dev_s"),
+    "staged": ("host_task_s", "host_param_s", "write_call_s", "write_dev_s"),
+    "packed": ("host_task_s", "host_param_s", "host_piece_s", "pack_launch_s", "write_call_s", "write_dev_s"),
+    "direct": ("host_direct_task_s", "pack_launch_s"),
+    "collective_only": ("host_task_s", "host_param_s"),
+    "copy": ("host_copy_task_s", "pack_launch_s", "copy_batch_GBps"),
+}
+
+
+def needed_terms(plan, cluster, kinds) -> dict:
+    """{calibration term: what in this plan charges it} for a simulation of `plan` on
+    `cluster` with these task kinds (a dict; None: every task packed)."""
+    need = {k: "every push" for k in ("push_begin_s", "push_end_s", "begin_fence_s")}
+    ks = dict(kinds) if kinds is not None else {t.id: "packed" for t in plan.tasks}
+    cal = cluster.cal
+    for t in plan.tasks:
+        k = ks.get(t.id, "packed")
+        terms = list(_KIND_TERMS.get(k, ()))
+        if k == "direct" and cal.host_direct_task_s is None:
+            terms = ["host_task_s", "host_param_s", "host_piece_s", "pack_launch_s"]
+        if k == "copy" and cal.host_copy_task_s is None:
+            terms[0] = "host_zc_task_s"
+        if k in ("packed", "direct"):
+            fp8 = any(sh.kind == "fp8" for sh in t.shards)
+            terms.append("quant_GBps" if fp8 else "copy_GBps")
+        if len(plan.meshes[t.mesh]) > 1:
+            terms += ["coll_call_s", "allgather_GBps"]
+        if cluster.cpu_offload:
+            terms += ["h2d_call_s", "h2d_GBps"]
+        for x in terms:
+            need.setdefault(x, "%s task %d (%s)" % (k, t.id, t.sources[0] if t.sources else "-"))
+    return need
+
+
+def check_terms(plan, cluster, kinds) -> dict:
+    """The assumptions this simulation uses ({term: why}); raises ValueError naming every
+    term it needs that its calibration marks unmeasured (Calibration.unmeasured) and no
+    assumption covers (wxfer.plan.calibrate.assume)."""
+    cal = cluster.cal
+    need = needed_terms(plan, cluster, kinds)
+    missing = {k: need[k] for k in need if k in cal.unmeasured and k not in cal.assumptions}
+    if missing:
+        raise ValueError(
+            "calibration %r did not measure what this plan needs:\n  " % cal.name
+            + "\n  ".join(
+                "%s (charged by %s): unmeasured: %s" % (k, w, cal.unmeasured[k]) for k, w in sorted(missing.items())
+            )
+            + "\n(measure it on a placement that runs such tasks, or give it a value with "
+            "wxfer.plan.calibrate.assume(cal, why=..., %s=...))" % sorted(missing)[0]
+        )
+    return {k: cal.assumptions[k] for k in need if k in cal.assumptions}
+
+
 def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict | str | None = None) -> SimResult:
     """Predict one update of `plan` on `cluster` (a wxfer.meta.Cluster).
 
@@ -236,9 +293,11 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
             "Cluster.write_GBps models writes inside one node, but this plan has all-gathers across "
             "nodes (they would share the write path's capacity in this model)"
         )
+    kinds = _kinds(plan, cluster, kinds)
+    assumed = check_terms(plan, cluster, kinds)
     lbytes, lbw = _links(plan, cluster)
     lb, bname = lower_bound(plan, cluster)
-    jobs = _jobs(plan, ngpu, _kinds(plan, cluster, kinds))
+    jobs = _jobs(plan, ngpu, kinds)
     net = _Network(
         jobs,
         world,
@@ -306,4 +365,5 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
         busy,
         cal.name,
         terms,
+        assumed,
     )

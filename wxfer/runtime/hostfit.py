@@ -279,7 +279,8 @@ def _without_needless_tails(samples) -> list:
 def fit(
     pushes, order, kinds: dict, info: dict, batch: int = ZERO_COPY_BATCH, work=None, write_GBps=None, sizes=None
 ) -> dict:
-    """Fit the push's host and fixed costs on traced pushes.
+    """Fit the push's host and fixed costs on traced pushes of one Sender (fit_designs with
+    one design).
 
     pushes: [(t0 ns, t1 ns, records)]: when push() was called and returned, and the engine's
     trace of it (stamp records included); order: this rank's task tags per mesh group, in
@@ -292,11 +293,20 @@ def fit(
     begin_fence_s: from then until the begin stamps landed (no data write is posted before);
     push_end_s: from the last data landed (the last write's completion, or, with direct tasks,
     the end stamps' CUDA event: the side stream's last kernel) to t1."""
-    samples, begin, fence, end = [], [], [], []
+    d = dict(pushes=pushes, order=order, kinds=kinds, info=info, work=work, sizes=sizes)
+    return fit_designs([d], batch, write_GBps)
+
+
+def _design(d: dict, batch: int) -> tuple:
+    """(samples, begin, fence, end, windows, per-push records) of one design's pushes."""
+    pushes, order, kinds, info = d["pushes"], d["order"], d["kinds"], d["info"]
+    work, sizes = d.get("work") or {}, d.get("sizes")
+    samples, begin, fence, end, recs = [], [], [], [], []
     windows: dict = {}  # push index -> (lo, hi) ns: where its direct kernels and copies ran
     direct = any(k in _OWN for k in kinds.values())  # kernels on the side stream write the receivers
     copies = any(k == "copy" for k in kinds.values())  # (a runtime whose begin stamps are a fence)
     for i, (t0, t1, records) in enumerate(pushes):
+        recs.append(records)
         data = {r["tag"]: r for r in records if r["tag"] != STAMP_TAG}
         stamps = sorted((r for r in records if r["tag"] == STAMP_TAG), key=lambda r: r["t_submit"])
         if not data and not (direct and len(stamps) > 1):
@@ -307,46 +317,99 @@ def fit(
         fence.append((landed - start) / 1e9)
         last = max([r["t_done"] for r in data.values()] + [landed])
         tail = stamps[-1]["t_submit"] if len(stamps) > 1 else None  # the end stamps' submission
-        got, waited = _samples(data, start, order, kinds, info, batch, work or {}, landed, sizes, tail)
+        got, waited = _samples(data, start, order, kinds, info, batch, work, landed, sizes, tail)
         samples += got
         if direct and len(stamps) > 1 and stamps[-1].get("t_ready"):
             last = max(last, stamps[-1]["t_ready"])
             # the kernels ran from the wait for the begin stamps to the end stamps' event
-            windows[i] = (waited if waited is not None else landed, stamps[-1]["t_ready"])
+            windows[len(recs) - 1] = (waited if waited is not None else landed, stamps[-1]["t_ready"])
         end.append((t1 - last) / 1e9)
+    return samples, begin, fence, end, windows, recs
+
+
+def conditioning(rows) -> dict:
+    """How well the samples separate the columns they use: the condition number of the
+    design matrix with each used column scaled to unit norm (1: orthogonal columns; ~1e3 and
+    up: some columns are nearly collinear, their split is not determined by the samples), and
+    the samples per column."""
+    A = np.asarray(rows, float)
+    used = [i for i in range(A.shape[1]) if A[:, i].any()]
+    if not used:
+        return dict(condition=None, samples={})
+    B = A[:, used] / np.linalg.norm(A[:, used], axis=0)
+    sv = np.linalg.svd(B, compute_uv=False)
+    cond = float(sv[0] / sv[-1]) if len(sv) == len(used) and sv[-1] > 0 else float("inf")
+    return dict(condition=cond, samples={COLUMNS[i]: int((A[:, i] > 0).sum()) for i in used})
+
+
+def fit_designs(designs: list, batch: int = ZERO_COPY_BATCH, write_GBps=None) -> dict:
+    """Fit the host and per-push costs on the traced pushes of several Senders at once (a
+    probe design each: different task kinds, parameters per task, pieces per task, so that
+    the columns separate), one non-negative least squares over all their samples.  designs:
+    [dict(pushes, order, kinds, info, work=None, sizes=None)] as fit()'s arguments.
+
+    A column that no sample holds is not measured: it is left out of the result (not 0) and
+    named in ``host_unmeasured`` with the reason; ``host_conditioning`` says how well the
+    samples separate the columns they hold (wxfer.runtime.hostfit.conditioning)."""
+    samples, begin, fence, end, recs, wins = [], [], [], [], [], {}
+    kinds_all: set = set()
+    for d in designs:
+        s, b, f, e, w, rs = _design(d, batch)
+        samples += s
+        begin += b
+        fence += f
+        end += e
+        wins.update({len(recs) + k: v for k, v in w.items()})
+        recs += rs
+        kinds_all |= set(d["kinds"].values())
     samples = _without_needless_tails(samples)
     if not samples:
         raise RuntimeError("hostfit: the pushes traced no task of this rank")
     ys = np.array([y for _, y in samples])
-    coef = nnls([f for f, _ in samples], np.maximum(ys, 0.0))
-    out: dict = {k: float(v) for k, v in zip(COLUMNS, coef)}
+    rows = [f for f, _ in samples]
+    coef = nnls(rows, np.maximum(ys, 0.0))
+    held = np.asarray(rows, float).any(axis=0)
+    out: dict = {k: float(v) for k, v, h in zip(COLUMNS, coef, held) if h}
+    unmeasured = {}
+    for i, k in enumerate(COLUMNS):
+        if held[i]:
+            continue
+        kind = {3: "zero_copy", 4: "zero_copy", 6: "direct", 7: "copy"}.get(i, "packed")
+        if i == 5:
+            unmeasured[k] = "every traced push had one mesh group (no barrier between groups)"
+        elif kind not in kinds_all and not (kind == "packed" and kinds_all & {"staged", "collective_only"}):
+            unmeasured[k] = f"no {kind} task in the traced pushes"
+        else:
+            unmeasured[k] = f"no sample holds it (the {kind} tasks traced left no record of their own)"
     for k, col in _OWN.items():  # fitted only where the Sender had such tasks
-        if not any(v == k for v in kinds.values()):
-            out.pop(COLUMNS[col])
+        if k not in kinds_all:
+            out.pop(COLUMNS[col], None)
     out.update(
         push_begin_s=float(np.median(begin)),
         begin_fence_s=float(np.median(fence)),
         push_end_s=float(np.median(end)),
         host_samples=len(samples),
         host_batches=int(sum(1 for f, _ in samples if f[4])),
+        host_unmeasured=unmeasured,
+        host_conditioning=conditioning(rows),
     )
-    recs = [r for _, _, rs in pushes for r in rs]
-    rate, per, n = write_path(recs)
+    flat = [r for rs in recs for r in rs]
+    rate, per, n = write_path(flat)
     out.update(trace_write_GBps=None if rate is None else rate / 1e9, trace_write_call_s=per)
-    ps = _periods(recs)
+    ps = _periods(flat)
     if ps:  # the rate the writes moved at over their busy periods (a check beside the link's bound)
         out["trace_busy_GBps"] = sum(b for _, b, _ in ps) / max(sum(t for t, _, _ in ps), 1e-12) / 1e9
     if write_GBps:
-        if _posted(recs):  # the engine's posting stamps: the posting gap, and the time beyond the link's
-            out["write_call_s"], out["write_samples"] = post_cost(recs)
+        if _posted(flat):  # the engine's posting stamps: the posting gap, and the time beyond the link's
+            out["write_call_s"], out["write_samples"] = post_cost(flat)
             extra, writes = 0.0, 0
-            for i, (_, _, rs) in enumerate(pushes):
-                p, k = write_extra(rs, write_GBps, windows.get(i))
+            for i, rs in enumerate(recs):
+                p, k = write_extra(rs, write_GBps, wins.get(i))
                 extra += p * k
                 writes += k
             out["write_dev_s"] = extra / max(writes, 1)
         else:
-            out["write_call_s"], out["write_samples"] = write_cost(recs, write_GBps)
+            out["write_call_s"], out["write_samples"] = write_cost(flat, write_GBps)
     return out
 
 

@@ -331,6 +331,9 @@ class Receiver:
                 f"already registered by another inference worker; this one "
                 f"({meta['host']} pid {meta['pid']}) is refused"
             )
+        # what a trainer needs to connect (no parameter list, no descriptors: those reach it in the
+        # plan), read by every trainer that writes here; the whole record by the controller alone
+        self.ctl.set_json("infer/%d/peer" % self.gpu, {k: v for k, v in meta.items() if k not in ("params", "desc")})
         self.ctl.set_json("infer/%d" % self.gpu, meta)
         self.ctl.add("infer/count", 1)
 

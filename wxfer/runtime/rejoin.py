@@ -32,6 +32,8 @@ class RejoinMixin:
 
     def _adopt(self, g: int, e: int) -> None:
         old = self.workers[g]
+        if "params" not in old:  # the connection record of setup: the worker's whole record, from the store
+            old = self.ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", self.write_timeout)
         # bounded by write_timeout: a restarted worker that died again must not stall the push longer
         w = self.ctl.get_json(
             "infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}", self.write_timeout

@@ -39,9 +39,9 @@ from .control import Control, SetupError
 from .direct import DirectMixin
 from .faults import FaultsMixin, mapping_digest
 from .finish import FinishMixin
-from .rejoin import RejoinMixin, _regions
+from .rejoin import RejoinMixin
 from .tasks import STAMP_TAG, TaskMixin
-from .receiver import _unb64, transport_choice
+from .receiver import _unb64, decode_param_descriptor, transport_choice
 from .verify import verify_enabled
 
 
@@ -124,6 +124,9 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
     straight into the receivers' memory by batched copy kernels instead of one engine write
     each: bytes (an int or e.g. "1MiB"); 0: never; "all" or -1: no upper bound (every such
     task).  ``stats()["direct"]["copy_max"]`` is the bound in use (-1: none).
+    max_task_bytes (default: half the watermark, 16 MiB .. 1 GiB, `task_bound`): the plan's
+    bound on a task's training bytes (rank 0's is used); 1: every component its own task
+    (``python -m wxfer calibrate`` probes fine and coarse tasks this way).
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         secret=None,
         direct: bool | None = None,
         copy_max=None,
+        max_task_bytes: int | None = None,
     ):
         import torch
         import torch.distributed as dist
@@ -159,6 +163,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self._marked = set()
         self._epoch = {}
         self.engine = self.transport = None
+        if max_task_bytes is not None and (isinstance(max_task_bytes, bool) or int(max_task_bytes) < 1):
+            raise ValueError(f"wxfer.Sender: max_task_bytes must be an int >= 1 or None, got {max_task_bytes!r}")
         self._direct_init(direct, copy_max)  # validates direct and copy_max before anything is set up
         if device is None:
             device = (
@@ -182,6 +188,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self._hosted = store is None or host_store  # a trainer process hosts the store
         self.mapping = mapping
         self.watermark = _parse_size(watermark)
+        self.max_task_bytes = task_bound(self.watermark) if max_task_bytes is None else int(max_task_bytes)
         self.last_submit_s = None
         # seconds from the start of the last push() to the end of each of its phases
         self.last_phases: dict = {}
@@ -302,7 +309,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                     )
             if probs:
                 raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
-            plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=task_bound(self.watermark))
+            plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=self.max_task_bytes)
             plan.check()  # every destination byte written exactly once, by one sender, in range
             senders = program.receivers_of(plan)
             for w in workers:
@@ -377,7 +384,9 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         # every gpu this rank writes to (data and version stamp)
         self.workers = {}
         for g in self.program.gpus:
-            self.workers[g] = self.ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}")
+            # its connection record (the descriptors of what this rank writes there are in the plan): a few
+            # hundred bytes, where its whole record grows with its parameters (issue 24: read by every trainer)
+            self.workers[g] = self.ctl.get_json("infer/%d/peer" % g, f"metadata of inference worker gpu {g}")
         names = {(w["transport"], json.dumps(w["options"], sort_keys=True)) for w in self.workers.values()}
         if len(names) > 1:
             raise SetupError(f"inference workers use different transports: {sorted(names)}")
@@ -423,7 +432,9 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self.task_params = {op.task: len(op.sources) for ops in self.program.groups for op in ops}
         self._prepare_tasks()
         self._gpu_of_peer = {pid: g for g, pid in self.peers.items()}
-        self._gpu_of_region = {r: g for g, w in self.workers.items() for r in _regions(w)}
+        self._gpu_of_region = {
+            decode_param_descriptor(d)[0]: g for (g, _), d in self.plan.descriptors.items() if g in self.workers
+        }
         self._epoch = {g: 0 for g in self.workers}
         self._rejoins_seen = 0
         self._refused = {}  # gpu -> why its restarted worker was not taken (reported once)

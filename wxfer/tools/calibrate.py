@@ -28,6 +28,9 @@ import platform
 import sys
 import time
 
+from .calibrate_host import PLACEMENTS, default_placement, host_costs, hostfit_keys, measure_host, receiver_side
+
+__all__ = ["PLACEMENTS", "default_placement", "host_costs", "hostfit_keys", "measure", "measure_host", "main"]
 _TIMEOUT = 60.0
 
 
@@ -291,25 +294,58 @@ def _expect(conn, what):
     return msg
 
 
-def measure_links(dev, quick: bool) -> dict:
-    """Writes through the transport and an all-gather, against one helper process."""
+def _write_rates(eng, region, desc, size: int, dev, quick: bool) -> dict:
+    """The engine's writes of `region` to `desc`: rate (the slope between a 64 MiB and a 16 MiB
+    write), per write (256 writes of 4 KiB), each one submit + wait."""
+    iters = 3 if quick else 5
+
+    def write(dests):
+        eng.submit(region, dests, tag=0)
+        eng.wait(timeout=_TIMEOUT)
+
+    t_big = _timed(lambda: write([(desc, 0, 0, size)]), dev, iters)
+    t_quarter = _timed(lambda: write([(desc, 0, 0, size // 4)]), dev, iters)
+    nsmall = 256
+    small = [(desc, i * 4096, i * 4096, 4096) for i in range(nsmall)]
+    t_small = _timed(lambda: write(small), dev, iters)
+    # the rate from the slope between two sizes: a submit + wait's own round trip (the engine's
+    # wake-up, which a push pays once, in push_end_s) cancels; the single write's rate beside it
+    slope = t_big - t_quarter
+    rate = (size - size // 4) / slope if slope > 0.05 * t_big else size / t_big
+    return dict(
+        write_GBps=rate / 1e9,
+        write_single_GBps=size / t_big / 1e9,
+        write_call_s=max(0.0, (t_small - (t_big - size / rate) - nsmall * 4096 / rate) / nsmall),
+        write_s=t_big,
+        write_quarter_s=t_quarter,
+        write_small_s=t_small,
+        write_small_n=nsmall,
+    )
+
+
+def measure_links(dev, quick: bool, placement: str = "") -> dict:
+    """Writes through the transport the placement's receivers take (wxfer.tools.calibrate_host.
+    receiver_side: same GPU, another GPU, a network transport) and an all-gather, against one
+    helper process (on the receivers' device)."""
     import torch
     from wxfer import _wxfer
     from ..runtime import control
     from ..runtime.receiver import transport_choice
     from ..testing import stop_process
 
-    tname, opts = transport_choice("auto", dev.type)
+    placement = placement or default_placement(dev)
+    rdev, want = receiver_side(dev, placement)
+    tname, opts = transport_choice(want, dev.type)
     size = (8 << 20) if quick else (64 << 20)
     ngpu = torch.cuda.device_count() if dev.type == "cuda" else 0
-    hdev = "cuda:%d" % (1 % ngpu) if ngpu else "cpu"
+    hdev = str(rdev)
     sizes = [256, 256 << 10, 1 << 20, size // 2] if quick else [256, 64 << 10, 256 << 10, 1 << 20, 4 << 20, size // 2]
     ag = dict(backend="nccl" if ngpu else "gloo", port=control.free_port(), sizes=sizes, iters=11 if quick else 21)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_helper_main, args=(child, tname, opts, size, hdev, ag), daemon=True)
     proc.start()
-    out = dict(transport=tname, transport_options=opts, write_bytes=size, helper_device=hdev)
+    out = dict(transport=tname, transport_options=opts, write_bytes=size, helper_device=hdev, placement=placement)
     try:
         _, blob, desc = _expect(parent, "ready")
         t = _wxfer.Transport(tname, opts)
@@ -322,32 +358,14 @@ def measure_links(dev, quick: bool) -> dict:
         eng = _wxfer.Engine(t, timeout=_TIMEOUT)
         src = torch.ones(size, dtype=torch.uint8, device=dev)
         region = t.register(src, export=False)
-        iters = 3 if quick else 5
-
-        def write(dests):
-            eng.submit(region, dests, tag=0)
-            eng.wait(timeout=_TIMEOUT)
-
-        t_big = _timed(lambda: write([(desc, 0, 0, size)]), dev, iters)
-        nsmall = 256
-        small = [(desc, i * 4096, i * 4096, 4096) for i in range(nsmall)]
-        t_small = _timed(lambda: write(small), dev, iters)
-        rate = size / t_big
-        out.update(
-            write_GBps=rate / 1e9,
-            write_call_s=max(0.0, (t_small - nsmall * 4096 / rate) / nsmall),
-            write_s=t_big,
-            write_small_s=t_small,
-            write_small_n=nsmall,
-        )
+        out.update(_write_rates(eng, region, desc, size, dev, quick))
         region.close()
         eng.close()
         t.close()
         if dev.type == "cuda" and ngpu < 2:
             # NCCL takes one rank per GPU; on one GPU the trainers' meshes have one rank (no collective)
-            out.update(
-                allgather_backend="none (one GPU: NCCL needs a GPU per rank)", coll_call_s=0.0, allgather_GBps=None
-            )
+            why = "one GPU: NCCL needs a GPU per rank (a one-GPU job's meshes have one rank: no all-gather)"
+            out.update(allgather_backend="none", allgather_unmeasured=why, coll_call_s=None, allgather_GBps=None)
             return out
         # the all-gather: this process is rank 0, the helper rank 1
         parent.send(("allgather",))
@@ -355,10 +373,19 @@ def measure_links(dev, quick: bool) -> dict:
         _expect(parent, "done")
         # t = per call + received bytes / bus rate (each of the 2 ranks receives the other's half);
         # the simulator charges (k-1)/k of the gathered bytes at that rate
-        # per call: the smallest all-gather; the rate: the slope over the others
-        call = a[sizes[0]]
+        # per call + bytes / rate by least squares in relative terms over the sizes from 64 KiB on (each
+        # size weighs alike); the smallest (the first of each round after the barrier, which holds the
+        # two ranks' skew leaving it) is kept in the details, not fitted
+        import numpy as np
+
         big = sizes[1:]
-        slope = sum(n * (a[n] - call) for n in big) / sum(n * n for n in big)
+        n = np.array(big, float)
+        tt = np.array([a[x] for x in big])
+        coef, *_ = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1) / tt[:, None], np.ones_like(tt), rcond=None)
+        call, slope = float(coef[0]), float(coef[1])
+        if call < 0 or slope <= 0:  # not a line: the smallest as the call, the slope through the others
+            call = a[sizes[0]]
+            slope = sum(x * (a[x] - call) for x in big) / sum(x * x for x in big)
         out.update(
             allgather_backend=ag["backend"],
             allgather_s={str(n): a[n] for n in sizes},
@@ -373,139 +400,116 @@ def measure_links(dev, quick: bool) -> dict:
 # --------------------------------------------------------------------------- host cost of a task
 
 
-def host_costs(
-    sender,
-    pushes: int = 5,
-    copy_GBps: float | None = None,
-    write_GBps: float | None = None,
-    quant_GBps: float | None = None,
-    between=None,
-) -> dict:
-    """The push's host and fixed costs fitted on the engine's trace of `pushes` pushes of an
-    existing `wxfer.Sender` (after one warm-up push), as the runtime submits (wxfer.runtime.
-    hostfit): per zero-copy task and per submit_prepared batch, per packed task, parameter and
-    piece, before the first task (the begin stamps) and after the last write (the end stamps);
-    with `write_GBps`, the cost per write.  On CPU (the sender's device) a packed task's gap
-    also holds its packing, taken out as the simulator charges it (the sources and the buffer
-    at `quant_GBps` for a task with FP8 shards, else at `copy_GBps`).  On a GPU, the device
-    time of the packed tasks from the same trace (``trace_device``: their CUDA events' ends,
-    one after the other) is reported beside it.  A benchmark can call this on its own trainer
-    rank and put the result into a Calibration; `between` (a callable, e.g. its training step)
-    runs before each traced push, untimed, so that the pushes are fitted as it times them."""
-    import time as _t
-    from ..plan.kinds import ZERO_COPY_BATCH
-    from ..runtime import hostfit
+def measure_h2d(dev, quick: bool) -> dict:
+    """Pinned host-to-device copies (a CPU-offloaded trainer's stage 1): the rate from the
+    slope between two sizes, the cost per copy from the smaller one (the device's time)."""
+    import torch
 
-    cpu = sender.device.type == "cpu"
-    ops = {op.task: op for g in sender.program.groups for op in g}
-    order = [[op.task for op in g] for g in sender.program.groups]
-    info = {
-        t: (len(op.sources), sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")) for t, op in ops.items()
-    }
-    moved = {t: (sum(p.numel() * p.element_size() for _, p in op.sources) + op.nbytes) for t, op in ops.items()}
-    fp8 = {t: any(sh.kind == "fp8" for sh in op.shards) for t, op in ops.items()}
-    work = {}
-    if cpu and copy_GBps:
-        for t in ops:
-            rate = quant_GBps if fp8[t] and quant_GBps else copy_GBps
-            work[t] = moved[t] / (rate * 1e9)
-    sender.push()  # warm-up
-    kinds = sender.task_kinds()  # after a push: zero copy as decided there
-    traced, push_s = [], []
-    for _ in range(pushes):
-        if between is not None:
-            between()
-            if sender.device.type == "cuda":
-                import torch
-
-                torch.cuda.synchronize(sender.device)
-        sender.trace(clear=True)
-        t0 = _t.perf_counter_ns()
-        sender.push()
-        t1 = _t.perf_counter_ns()
-        traced.append((t0, t1, sender.trace()))
-        push_s.append((t1 - t0) / 1e9)
-    sizes = {t: op.nbytes for t, op in ops.items()}  # the zero-copy batches are cut by bytes too
-    out = hostfit.fit(traced, order, kinds, info, ZERO_COPY_BATCH, work, write_GBps, sizes)
-    if not cpu:
-        packed = {t for t, k in kinds.items() if k in ("packed", "staged")}
-        out["trace_device"] = hostfit.device_times(traced, packed, moved, fp8)
-    push_s.sort()
-    out.update(
-        host_push_s=push_s[len(push_s) // 2],
-        host_tasks=len(ops),
-        host_kinds={k: sum(1 for v in kinds.values() if v == k) for k in sorted(set(kinds.values()))},
+    if dev.type != "cuda":
+        return {}
+    big, small = (64 << 20, 1 << 20) if quick else (256 << 20, 1 << 20)
+    hb = torch.empty(big, dtype=torch.uint8).pin_memory()
+    db = torch.empty(big, dtype=torch.uint8, device=dev)
+    t_big = _dev_time(lambda: db.copy_(hb, non_blocking=True), dev, 5)
+    t_small = _dev_time(lambda: db[:small].copy_(hb[:small], non_blocking=True), dev, 16)
+    rate = (big - small) / max(t_big - t_small, 1e-9)
+    return dict(
+        h2d_GBps=rate / 1e9, h2d_call_s=max(0.0, t_small - small / rate), h2d_s={str(big): t_big, str(small): t_small}
     )
-    return out
-
-
-def hostfit_keys() -> tuple:
-    """The Calibration fields host_costs() measures."""
-    return (
-        "host_task_s",
-        "host_param_s",
-        "host_piece_s",
-        "host_zc_task_s",
-        "host_zc_batch_s",
-        "push_begin_s",
-        "push_end_s",
-        "begin_fence_s",
-    )  # and host_direct_task_s / host_copy_task_s where the Sender had such tasks (else absent)
-
-
-def measure_host(dev, kernels: dict, quick: bool) -> dict:
-    """Host seconds per task / parameter / piece and per push, from the trace of real pushes:
-    one trainer rank (a plain model) -> one receiver, in this process."""
-    import torch.distributed as dist
-    from datetime import timedelta
-    from ..models import TINY, inference_params, preset_for, train_model
-    from ..runtime import control
-    from ..runtime.receiver import Receiver
-    from ..runtime.sender import Sender
-    from ..testing import in_thread
-
-    cfg = dict(TINY, num_hidden_layers=4)
-    port = control.free_port()
-    store = dist.TCPStore(  # noqa: F841 -- the store server lives as long as this reference
-        "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=_TIMEOUT), wait_for_workers=False
-    )
-    addr = "127.0.0.1:%d" % port
-    name = "calib%d" % os.getpid()
-    params = inference_params(cfg, 1, 0, None, device=dev)
-    th, box = in_thread(
-        Receiver,
-        params,
-        mapping=preset_for(cfg).name,
-        store=addr,
-        replica=0,
-        rank=0,
-        tp=1,
-        replicas=1,
-        name=name,
-        timeout=_TIMEOUT,
-    )
-    model = train_model(cfg).to(dev)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    sender = Sender(model, mapping=preset_for(cfg), store=addr, name=name, timeout=_TIMEOUT, device=dev)
-    th.join(_TIMEOUT)
-    if "error" in box:
-        raise box["error"]
-    recv = box["value"]
-    try:
-        return host_costs(sender, 3 if quick else 8, kernels["copy_GBps"], None, kernels["quant_GBps"])
-    finally:
-        sender.close()
-        recv.close()
 
 
 # --------------------------------------------------------------------------- all of it
 
 
-def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
-    """(Calibration, details dict) measured here."""
+# the Calibration fields each measurement fills (what is unmeasured when it fails)
+_KERNEL_TERMS = ("pack_launch_s", "quant_GBps", "quant_small_GBps", "copy_GBps", "copy_batch_GBps")
+_LINK_TERMS = ("write_GBps", "write_call_s", "coll_call_s", "allgather_GBps")
+_HOST_TERMS = (
+    "host_task_s",
+    "host_param_s",
+    "host_piece_s",
+    "host_zc_task_s",
+    "host_zc_batch_s",
+    "host_direct_task_s",
+    "host_copy_task_s",
+    "push_begin_s",
+    "push_end_s",
+    "begin_fence_s",
+    "write_dev_s",
+)
+
+
+def _calibration(det: dict, unmeasured: dict, dev, placement: str, quick: bool) -> tuple:
+    """(the Calibration of what `det` measured, the machine's description); `unmeasured`:
+    term -> why, for the terms not measured (those of them that are Calibration terms)."""
     import torch
+
     from ..meta import Calibration
+
+    machine = "%s, %s, %d CPUs" % (platform.node(), platform.machine(), os.cpu_count() or 0)
+    if dev.type == "cuda":
+        machine += ", " + torch.cuda.get_device_name(dev)
+    if hasattr(os, "getloadavg"):
+        machine += ", load average %.1f" % os.getloadavg()[0]
+    meas = {k: det[k] for k in _HOST_TERMS + _LINK_TERMS + ("h2d_GBps", "h2d_call_s") if det.get(k) is not None}
+    from ..plan.calibrate import TERMS
+
+    un = {k: v for k, v in unmeasured.items() if k not in meas and k in TERMS}
+    cal = Calibration(
+        name="measured-%s-%s" % (dev.type, placement),
+        pack_launch_s=det["pack_launch_s"],
+        launch_per_piece="native" not in det["quantizer"],  # the native kernel: one launch for a task's FP8 pieces
+        quant_GBps=det["quant_GBps"],
+        quant_small_GBps=det.get("quant_small_GBps"),
+        copy_GBps=det["copy_GBps"],
+        copy_batch_GBps=det.get("copy_batch_GBps"),
+        serial=True,
+        host_sync=dev.type == "cpu",
+        cpu_shared=dev.type == "cpu",
+        device_shared=dev.type == "cuda" and placement == "same",
+        source="measured by `python -m wxfer calibrate%s --placement %s` on %s, %s"
+        % (" --quick" if quick else "", placement, machine, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+        unmeasured=un,
+        **meas,
+    )
+    return cal, machine
+
+
+def _host_part(dev, det: dict, quick: bool, placement: str, unmeasured: dict, log) -> None:
+    """measure_host into `det` (its unmeasured columns into `unmeasured`); the write path's
+    per-write figure from the probes' posting gaps where they had any, else the link's."""
+    link_call = det.get("write_call_s")
+    try:
+        det.update(measure_host(dev, det, quick, placement, det.get("write_GBps"), log=log))
+        unmeasured.update(det["host_unmeasured"])
+        if not det.get("write_samples") and link_call is not None:  # no posting gap seen: the link's figure
+            det["write_call_s"] = link_call
+        det["write_call_from"] = "the probes' engine posting gaps" if det.get("write_samples") else "the link"
+        cond = det["host_conditioning"]
+        log(
+            "calibrate: host %s; %.2f ms before the first task, %.2f ms after the last data; fit over %d samples, "
+            "condition %.3g%s"
+            % (
+                ", ".join("%s %.1f us" % (k[:-2], det[k] * 1e6) for k in _HOST_TERMS[:7] if det.get(k) is not None),
+                det["push_begin_s"] * 1e3,
+                det["push_end_s"] * 1e3,
+                det["host_samples"],
+                cond["condition"] if cond["condition"] is not None else float("nan"),
+                "; unmeasured: " + ", ".join(sorted(det["host_unmeasured"])) if det["host_unmeasured"] else "",
+            )
+        )
+    except Exception as e:  # noqa: BLE001 -- keep the rest; say why
+        det["host_error"] = f"{type(e).__name__}: {e}"
+        unmeasured.update({k: "the host probes failed: " + det["host_error"] for k in _HOST_TERMS})
+        log("calibrate: host cost not measured: " + det["host_error"])
+
+
+def measure(quick: bool = False, device: str | None = None, log=print, placement: str | None = None) -> tuple:
+    """(Calibration, details dict) measured here, with the receivers on `placement` (same /
+    gpu / host, wxfer.tools.calibrate_host; None: default_placement).  Every term it could
+    not measure is in the calibration's ``unmeasured`` with the reason (the simulator refuses
+    a plan that needs one), never a 0."""
+    import torch
 
     t0 = time.perf_counter()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -514,81 +518,62 @@ def measure(quick: bool = False, device: str | None = None, log=print) -> tuple:
         torch.cuda.set_device(dev)
     else:
         torch.set_num_threads(1)  # as the demo's trainers (and one rank per core) run
-    det = dict(device=str(dev), quick=quick)
+    placement = placement or default_placement(dev)
+    receiver_side(dev, placement)  # refuses a placement this machine cannot take, before anything runs
+    det: dict = dict(device=str(dev), quick=quick, placement=placement)
+    unmeasured: dict = {}
     det.update(measure_kernels(dev, quick))
     log(
-        "calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s"
-        % (det["quant_GBps"], det["pack_launch_s"] * 1e6, det["copy_GBps"])
+        "calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s, batched copies %.1f GB/s"
+        % (det["quant_GBps"], det["pack_launch_s"] * 1e6, det["copy_GBps"], det.get("copy_batch_GBps") or 0)
     )
+    if "quant_small_GBps" not in det:
+        unmeasured["quant_small_GBps"] = "wxfer.runtime.fp8 unavailable: the grouped quantizer was not run"
     try:
-        det.update(measure_host(dev, det, quick))
+        det.update(measure_links(dev, quick, placement))
         log(
-            "calibrate: host %.1f us per packed task + %.1f us per parameter + %.1f us per piece, %.1f us per "
-            "zero-copy task + %.1f us per batch; %.2f ms before the first task, %.2f ms after the last write"
+            "calibrate: %s writes (receiver on %s) %.2f GB/s (one write %.2f GB/s), %.1f us per write; "
+            "%s all-gather %s GB/s, %s us per call"
             % (
-                det["host_task_s"] * 1e6,
-                det["host_param_s"] * 1e6,
-                det["host_piece_s"] * 1e6,
-                det["host_zc_task_s"] * 1e6,
-                det["host_zc_batch_s"] * 1e6,
-                det["push_begin_s"] * 1e3,
-                det["push_end_s"] * 1e3,
+                det["transport"],
+                det["helper_device"],
+                det["write_GBps"],
+                det["write_single_GBps"],
+                det["write_call_s"] * 1e6,
+                det["allgather_backend"],
+                "%.2f" % det["allgather_GBps"] if det.get("allgather_GBps") else "-",
+                "%.1f" % (det["coll_call_s"] * 1e6) if det.get("coll_call_s") is not None else "-",
             )
         )
+        if det.get("allgather_unmeasured"):
+            unmeasured.update(coll_call_s=det["allgather_unmeasured"], allgather_GBps=det["allgather_unmeasured"])
     except Exception as e:  # noqa: BLE001 -- keep the rest; say why
-        det["host_error"] = f"{type(e).__name__}: {e}"
-        log("calibrate: host cost not measured: " + det["host_error"])
-    det.update(measure_links(dev, quick))
-    log(
-        "calibrate: %s writes %.2f GB/s, %.1f us per write; %s all-gather %s GB/s, %.1f us per call"
-        % (
-            det["transport"],
-            det["write_GBps"],
-            det["write_call_s"] * 1e6,
-            det["allgather_backend"],
-            "%.2f" % det["allgather_GBps"] if det["allgather_GBps"] else "-",
-            det["coll_call_s"] * 1e6,
-        )
-    )
-    machine = "%s, %s, %d CPUs" % (platform.node(), platform.machine(), os.cpu_count() or 0)
-    if dev.type == "cuda":
-        machine += ", " + torch.cuda.get_device_name(dev)
-    if hasattr(os, "getloadavg"):
-        machine += ", load average %.1f" % os.getloadavg()[0]
-    keys = hostfit_keys() + ("host_direct_task_s", "host_copy_task_s")
-    host = {k: det[k] for k in keys if k in det}
-    cal = Calibration(
-        name="measured-" + dev.type,
-        pack_launch_s=det["pack_launch_s"],
-        launch_per_piece="native" not in det["quantizer"],  # the native kernel: one launch for a task's FP8 pieces
-        quant_GBps=det["quant_GBps"],
-        quant_small_GBps=det.get("quant_small_GBps"),
-        copy_GBps=det["copy_GBps"],
-        copy_batch_GBps=det.get("copy_batch_GBps"),
-        coll_call_s=det["coll_call_s"],
-        write_call_s=det["write_call_s"],
-        serial=True,
-        host_sync=dev.type == "cpu",
-        cpu_shared=dev.type == "cpu",
-        allgather_GBps=det["allgather_GBps"],
-        write_GBps=det["write_GBps"],
-        source="measured by `python -m wxfer calibrate%s` on %s, %s%s"
-        % (
-            " --quick" if quick else "",
-            machine,
-            time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "; host costs not measured (%s): the h200 defaults" % det["host_error"] if "host_error" in det else "",
-        ),
-        **host,
-    )
+        det["links_error"] = f"{type(e).__name__}: {e}"
+        unmeasured.update({k: "the link measurement failed: " + det["links_error"] for k in _LINK_TERMS})
+        log("calibrate: links not measured: " + det["links_error"])
+    h2d = measure_h2d(dev, quick)
+    det.update(h2d)
+    if not h2d:
+        why = "no GPU: nothing is offloaded to host memory here"
+        unmeasured.update(h2d_GBps=why, h2d_call_s=why)
+    _host_part(dev, det, quick, placement, unmeasured, log)
+    if "write_dev_s" not in det and "write_dev_s" not in unmeasured:
+        unmeasured["write_dev_s"] = "the probes' traces had no engine posting stamps"
+    for k in ("host_direct_task_s", "host_copy_task_s"):  # None: the simulator uses another figure (by name)
+        if k in unmeasured and k not in det:
+            unmeasured[k] += " (the simulator then charges %s)" % (
+                "the packed task's host figures" if "direct" in k else "host_zc_task_s"
+            )
+    cal, machine = _calibration(det, unmeasured, dev, placement, quick)
     det.update(machine=machine, calibrate_s=time.perf_counter() - t0)
     return cal, det
 
 
 def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> dict:
     """For a benchmark or the demo: simulate `plan` (a Plan or its bytes: the trainers' own) with
-    `calibration` (a Calibration, a name, a path) or, when None, one measured now on this
-    machine.  Returns dict(simulated_s, lower_bound_s, bound_by, calibration: its dict)."""
+        `calibration` (a Calibration, a name, a path) or, when None, one measured now on this
+        machine.  Returns dict(simulated_s, lower_bound_s, bound_by, calibration: its dict), or
+    simulated_error (naming the unmeasured term) in place of the figures."""
     from ..plan import Plan
     from ..plan.calibrate import cluster_for, get, to_dict
     from ..plan.simulate import simulate
@@ -599,7 +584,10 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         cal, det = measure(quick=quick, log=log)
     else:
         cal, det = get(calibration), {}
-    r = simulate(plan, cluster_for(plan, cal), steps=400, record=False, kinds="auto")
+    try:
+        r = simulate(plan, cluster_for(plan, cal), steps=400, record=False, kinds="auto")
+    except ValueError as e:  # a term this plan needs that the calibration did not measure, by name
+        return dict(simulated_error=str(e), calibration=dict(to_dict(cal), measured=det))
     return dict(
         simulated_s=r.simulated_s,
         simulated_lower_bound_s=r.lower_bound_s,
@@ -615,11 +603,19 @@ def main(argv) -> int:
     ap.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     ap.add_argument("--out", default=None, help="write the calibration (JSON) here")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    ap.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default=None,
+        help="where the job's receivers are: same (the trainer's GPU, colocated), gpu (another GPU of the node), "
+        "host (a network transport); default: the CPU host, one GPU same, several GPUs gpu",
+    )
     args = ap.parse_args(argv)
     from ..plan.calibrate import save, to_dict
 
     try:
-        cal, det = measure(args.quick, args.device, log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
+        log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+        cal, det = measure(args.quick, args.device, log=log, placement=args.placement)
     except Exception as e:  # noqa: BLE001
         print("wxfer calibrate: %s: %s" % (type(e).__name__, e), file=sys.stderr)
         return 1

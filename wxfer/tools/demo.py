@@ -15,7 +15,10 @@ random data and ``push()`` after each; then
 
 Prints per-step push time and GB/s; ``--json`` prints one JSON object last, with
 ``simulated_s``: the simulator on the trainers' own plan, calibrated on this machine right
-after the run (``python -m wxfer calibrate --quick``; ``--no-simulate`` skips it).
+after the run (``python -m wxfer calibrate --quick``; ``--no-simulate`` skips it), or
+predicted from a calibration made before, in its own process (``--calibration FILE``:
+``python -m wxfer calibrate --json --out FILE``); ``load_average`` says how busy the
+machine was (before the run, after it).
 """
 
 from __future__ import annotations
@@ -360,6 +363,7 @@ def run_demo(
     timeout: float = 600.0,
     log=print,
     simulate: bool = False,
+    calibration: str | None = None,
 ) -> dict:
     import multiprocessing as mp
     import torch
@@ -408,6 +412,7 @@ def run_demo(
     ctx = mp.get_context("spawn")
     procs = []
     t_start = time.perf_counter()
+    load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
     try:
         for g in range(replicas * tp):
             procs.append(("inference worker gpu %d" % g, ctx.Process(target=_worker_main, args=(g, a), daemon=True)))
@@ -512,6 +517,7 @@ def run_demo(
             setup_s=max(r["setup_s"] for r in res["ranks"]),
             held_peak=max(r["held_peak"] for r in res["ranks"]),
             total_s=total_s,
+            load_average=dict(before=load0, after=os.getloadavg() if hasattr(os, "getloadavg") else None),
             device="cuda" if gpu else "cpu",
             machine="%s, %s, %d CPUs" % (platform.node(), platform.machine(), os.cpu_count() or 0),
             mismatches=[m for s in per_step for r in s["reports"] for m in r["mismatches"]][:20],
@@ -524,12 +530,16 @@ def run_demo(
             from .calibrate import simulate_measured
 
             plan = control.decode_result(ctl.get("plan", "the trainers' plan"), "trainer rank 0 (controller)")
-            out.update(simulate_measured(plan, log=log))
-            out["simulated_vs_median"] = out["simulated_s"] / sorted(step_s)[len(step_s) // 2]
-            log(
-                "simulated %.3f s (bound by %s) against a median push of %.3f s"
-                % (out["simulated_s"], out["simulated_bound_by"], sorted(step_s)[len(step_s) // 2])
-            )
+            out.update(simulate_measured(plan, calibration, log=log))
+            out["simulated_from"] = calibration or "calibrate --quick in this process, after the run"
+            if "simulated_s" in out:
+                out["simulated_vs_median"] = out["simulated_s"] / sorted(step_s)[len(step_s) // 2]
+                log(
+                    "simulated %.3f s (bound by %s) against a median push of %.3f s"
+                    % (out["simulated_s"], out["simulated_bound_by"], sorted(step_s)[len(step_s) // 2])
+                )
+            else:
+                log("not simulated: " + out["simulated_error"])
         log(
             "wxfer demo: %d trainers -> %d replicas x TP%d (%s%s%s), %s: %d bytes/step, best %.3f s "
             "(%.3f GB/s), bit-exact %s, logits %s%s, verified=%s"
@@ -589,6 +599,12 @@ def main(argv) -> int:
     ap.add_argument(
         "--no-simulate", action="store_true", help="skip calibrating this machine and simulating the plan (simulated_s)"
     )
+    ap.add_argument(
+        "--calibration",
+        default=None,
+        help="simulate from this calibration (a file of python -m wxfer calibrate --json --out FILE, made "
+        "before, in its own process) instead of calibrating in this process after the run",
+    )
     args = ap.parse_args(argv)
     try:
         res = run_demo(
@@ -607,6 +623,7 @@ def main(argv) -> int:
             trace_dir=args.trace_dir,
             timeout=args.timeout,
             simulate=not args.no_simulate,
+            calibration=args.calibration,
         )
     except Exception as e:  # noqa: BLE001
         print("wxfer demo: %s" % e, file=sys.stderr)
