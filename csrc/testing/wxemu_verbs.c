@@ -598,14 +598,15 @@ struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t len, uint6
     proto.addr = (uint64_t)(uintptr_t)addr;
     proto.len = len;
     proto.cuda_dev = -1;
-    if (emu_mapped(addr, len)) {
+    if (emu_cfg.peermem && emu_cuda_describe(proto.addr, len, &proto, why, sizeof why) == 0) {
+        proto.kind = EMU_MR_PEERMEM; /* a device pointer, pinned by "nvidia-peermem" */
+    } else if (emu_mapped(addr, len)) {
         proto.kind = EMU_MR_HOST;
+        proto.cuda_dev = -1;
         if ((rc = emu_pin(proto.addr, len, &pinned))) {
             errno = rc; /* what ib_umem_get says past RLIMIT_MEMLOCK */
             return NULL;
         }
-    } else if (emu_cfg.peermem && emu_cuda_describe(proto.addr, len, &proto, why, sizeof why) == 0) {
-        proto.kind = EMU_MR_PEERMEM; /* a device pointer, pinned by "nvidia-peermem" */
     } else {
         errno = EFAULT; /* what ibv_reg_mr says for memory it cannot pin */
         return NULL;

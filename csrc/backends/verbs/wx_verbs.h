@@ -151,7 +151,7 @@ const char *wx__verbs_memlock_hint(int e, char *buf, size_t len);
 #define WX_VERBS_FIX_DMABUF                                                                        \
     "dma-buf needs the NVIDIA open kernel module (driver >= 515) on Linux >= 5.12 and "            \
     "rdma-core >= 34"
-#define WX_VERBS_FIX_PEERMEM "load nvidia-peermem: modprobe nvidia-peermem"
+#define WX_VERBS_FIX_PEERMEM "modprobe nvidia-peermem (it ships with the NVIDIA driver)"
 
 /* wx_verbs_conn.c */
 int wx__verbs_address(wx_transport_t *tt, uint8_t *buf, size_t *len);
