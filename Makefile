@@ -48,6 +48,11 @@ test: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) tests
 	$(MAKE) --no-print-directory test-installed
 
+# The portable binary wheel and the sdist into dist/ (.ci/wheel.sh: zig cc for glibc 2.28,
+# -dev headers hidden, auditwheel repair to manylinux_2_28_x86_64; tools in build/wheel-tools).
+wheel: setup
+	PY=$(PY) bash .ci/wheel.sh dist
+
 test-installed: setup
 	PY=$(PY) bash .ci/installed.sh
 

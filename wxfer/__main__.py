@@ -1,4 +1,4 @@
-"""python -m wxfer {selftest,plan,demo,calibrate,backends} ..."""
+"""python -m wxfer {selftest,plan,demo,calibrate,backends,doctor} ..."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ commands:
   plan       build and simulate a transfer plan for a preset model and cluster
   demo       trainers (FSDP2) -> inference workers: train, push, verify bit for bit and logits, GB/s
   backends   which transports are usable here, and why not
+  doctor     check this machine: libraries, RDMA ports, GPU registration, limits, topology, store
   calibrate  measure the simulator's figures here (quantizer, all-gather, writes, host cost per task)
 """
 
@@ -29,6 +30,8 @@ def main(argv=None) -> int:
         from .tools.demo import main as run
     elif cmd == "calibrate":
         from .tools.calibrate import main as run
+    elif cmd == "doctor":
+        from .tools.doctor import main as run
     elif cmd == "backends":
         from .tools.selftest import backends_main as run
     else:

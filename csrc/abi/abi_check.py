@@ -1,13 +1,14 @@
-"""Compare wxfer's own declarations of libibverbs, libfabric and the CUDA driver API
-(csrc/core/wx_ibv_abi.h, wx_fi_abi.h, wx_cuda_abi.h) with the system headers.
+"""Compare wxfer's own declarations of libibverbs, libfabric, the CUDA driver API and NVRTC
+(csrc/core/wx_ibv_abi.h, wx_fi_abi.h, wx_cuda_abi.h, wx_nvrtc_abi.h) with the system headers.
 
 For each library whose header is installed (infiniband/verbs.h, rdma/fabric.h,
-$CUDA_HOME/include/cuda.h), wx_abi_dump.c is compiled twice, over the system header and
-over ours, run, and the "name value" lines (every size, offset, constant and CUDA symbol name
-of wx_abi_list.h) compared. Any difference fails with the lines that differ. A library whose
-header is absent is reported as skipped (never as passed).
+$CUDA_HOME/include/cuda.h, nvrtc.h there or in the nvidia pip wheels), wx_abi_dump.c is
+compiled twice, over the system header and over ours, run, and the "name value" lines
+(every size, offset, constant and CUDA symbol name of wx_abi_list.h) compared. Any
+difference fails with the lines that differ. A library whose header is absent is reported
+as skipped (never as passed).
 
-  python csrc/abi/abi_check.py [--cuda-home DIR] [--cc CC] [--require verbs,fabric,cuda]
+  python csrc/abi/abi_check.py [--cuda-home DIR] [--cc CC] [--require verbs,fabric,cuda,nvrtc]
 
 `make abi-check` and `make build` run it (setup.py with WXFER_ABI_CHECK=1); CI requires
 verbs and fabric (Debian's libibverbs-dev, libfabric-dev), `make gpu-test` requires cuda.
@@ -33,7 +34,23 @@ LIBS = [
     ("verbs", "WX_ABI_VERBS", "infiniband/verbs.h", "wx_ibv_abi.h"),
     ("fabric", "WX_ABI_FABRIC", "rdma/fabric.h", "wx_fi_abi.h"),
     ("cuda", "WX_ABI_CUDA", "cuda.h", "wx_cuda_abi.h"),
+    ("nvrtc", "WX_ABI_NVRTC", "nvrtc.h", "wx_nvrtc_abi.h"),
 ]
+
+
+def _incs(name, cuda_home):
+    """Where to look for the library's header beyond the compiler's default path."""
+    if name == "cuda":
+        return [os.path.join(cuda_home, "include")]
+    if name == "nvrtc":  # the toolkit, or the nvidia pip wheels (torch's CUDA wheels bring them)
+        out = [os.path.join(cuda_home, "include")]
+        for base in sys.path:
+            for sub in ("cu13", "cu12", "cuda_nvrtc"):
+                d = os.path.join(base or ".", "nvidia", sub, "include")
+                if os.path.isfile(os.path.join(d, "nvrtc.h")):
+                    out.append(d)
+        return out
+    return []
 
 
 def _cc(cc):
@@ -47,9 +64,9 @@ def _have(cc, header, incs):
     return r.returncode == 0
 
 
-def _dump(cc, section, system, incs, tmp):
+def _dump(cc, section, system, incs, tmp, core=CORE):
     exe = os.path.join(tmp, "dump_%s_%s" % (section, "sys" if system else "ours"))
-    cmd = cc + ["-std=gnu11", "-w", "-D" + section, "-I" + CORE, "-I" + HERE]
+    cmd = cc + ["-std=gnu11", "-w", "-D" + section, "-I" + core, "-I" + HERE]
     if system:
         cmd += ["-DWX_ABI_SYSTEM"] + ["-I" + i for i in incs]
     cmd += ["-o", exe, os.path.join(HERE, "wx_abi_dump.c")]
@@ -69,14 +86,16 @@ def _cusym_list_matches_loader():
     return sorted(want ^ have)
 
 
-def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout):
+def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout, core=CORE, only=None):
     cc = _cc(cc)
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         for name, section, header, ours in LIBS:
-            incs = [os.path.join(cuda_home, "include")] if name == "cuda" else []
+            if only and name not in only:
+                continue
+            incs = _incs(name, cuda_home)
             if not _have(cc, header, incs):
-                where = " (CUDA_HOME=%s)" % cuda_home if name == "cuda" else ""
+                where = " (searched %s)" % ", ".join(incs) if incs else ""
                 msg = "abi-check: %s: %s not found%s: skipped" % (name, header, where)
                 if name in require:
                     print(msg + ", but it is required here", file=out)
@@ -85,23 +104,33 @@ def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout):
                     print(msg, file=out)
                 continue
             sysv = _dump(cc, section, True, incs, tmp)
-            oursv = _dump(cc, section, False, incs, tmp)
+            oursv = _dump(cc, section, False, incs, tmp, core)
             if len(sysv) != len(oursv):
                 raise RuntimeError("abi-check: %s: the two dumps differ in length" % name)
             diff = [(a[0], a[1], b[1]) for a, b in zip(sysv, oursv) if a != b]
             bad = [d for d in diff if d[0] not in KNOWN]
             for what, s, o in diff:
                 if what in KNOWN:
-                    print("abi-check: %s: %s: system %s, ours %s (known: %s)" % (name, what, s, o, KNOWN[what]), file=out)
+                    print(
+                        "abi-check: %s: %s: system %s, ours %s (known: %s)" % (name, what, s, o, KNOWN[what]), file=out
+                    )
             if name == "cuda":
                 bad += [("list vs wx_dl_cuda.c", "%s %s" % d, "missing") for d in _cusym_list_matches_loader()]
             if bad:
                 failed = True
-                print("abi-check: %s: %d of %d items differ between <%s> and %s:" % (name, len(bad), len(sysv), header, ours), file=out)
+                print(
+                    "abi-check: %s: %d of %d items differ between <%s> and %s:"
+                    % (name, len(bad), len(sysv), header, ours),
+                    file=out,
+                )
                 for what, s, o in bad:
                     print("  %-60s system %-20s ours %s" % (what, s, o), file=out)
             else:
-                print("abi-check: %s: %d sizes, offsets, constants and names match <%s> (%s)" % (name, len(sysv), header, ours), file=out)
+                print(
+                    "abi-check: %s: %d sizes, offsets, constants and names match <%s> (%s)"
+                    % (name, len(sysv), header, ours),
+                    file=out,
+                )
     return 1 if failed else 0
 
 
@@ -110,9 +139,12 @@ def main(argv=None):
     ap.add_argument("--cc", default=None)
     ap.add_argument("--cuda-home", default=os.environ.get("CUDA_HOME", "/usr/local/cuda"))
     ap.add_argument("--require", default="", help="comma-separated libraries whose headers must be there")
+    ap.add_argument("--only", default="", help="comma-separated libraries to check (default: all)")
+    ap.add_argument("--core", default=CORE, help="the folder with our wx_*_abi.h (tests point it at a changed copy)")
     a = ap.parse_args(argv)
     req = [r for r in a.require.split(",") if r]
-    return check(a.cc, a.cuda_home, req)
+    only = [r for r in a.only.split(",") if r] or None
+    return check(a.cc, a.cuda_home, req, core=a.core, only=only)
 
 
 if __name__ == "__main__":

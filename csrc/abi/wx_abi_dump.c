@@ -1,7 +1,7 @@
 /* wx_abi_dump.c - print the sizes, offsets and constants listed in wx_abi_list.h, one
  * "name value" line each. csrc/abi/abi_check.py builds it twice per library, once over the
  * system header (-DWX_ABI_SYSTEM) and once over ours, and fails on any line that differs.
- * Sections: -DWX_ABI_VERBS, -DWX_ABI_FABRIC, -DWX_ABI_CUDA (one per build). */
+ * Sections: -DWX_ABI_VERBS, -DWX_ABI_FABRIC, -DWX_ABI_CUDA, -DWX_ABI_NVRTC (one per build). */
 #include <stddef.h>
 #include <stdio.h>
 
@@ -21,6 +21,9 @@
 #ifdef WX_ABI_CUDA
 #include <cuda.h>
 #endif
+#ifdef WX_ABI_NVRTC
+#include <nvrtc.h>
+#endif
 #define WX__CUSYM_NAME(f, s) WX__STR(f) /* cuda.h maps f to its versioned symbol */
 #else
 #ifdef WX_ABI_VERBS
@@ -31,6 +34,9 @@
 #endif
 #ifdef WX_ABI_CUDA
 #include "wx_cuda_abi.h"
+#endif
+#ifdef WX_ABI_NVRTC
+#include "wx_nvrtc_abi.h"
 #endif
 #define WX__CUSYM_NAME(f, s) s /* the name wx_dl_cuda.c looks up */
 #endif

@@ -1,15 +1,17 @@
 /* wx_dl_nvrtc.h - NVRTC (the CUDA runtime compiler), loaded from libnvrtc.so.* at run time.
  *
- * Needs no NVRTC header at build time: the few entries used are declared here with their
- * C ABI (nvrtcResult is an int enum, 0 = NVRTC_SUCCESS; nvrtcProgram an opaque pointer).
+ * Needs no NVRTC header at build time: the types come from wx_nvrtc_abi.h (nvrtcResult an
+ * int enum, 0 = NVRTC_SUCCESS; nvrtcProgram an opaque pointer), the entries are below.
  */
 #ifndef WX_DL_NVRTC_H
 #define WX_DL_NVRTC_H
 
 #include <stddef.h>
 
-typedef int wx_nvrtc_result;
-typedef struct wx__nvrtc_program *wx_nvrtc_program;
+#include "wx_nvrtc_abi.h"
+
+typedef nvrtcResult wx_nvrtc_result;
+typedef nvrtcProgram wx_nvrtc_program;
 
 typedef struct wx_nvrtc_api {
     const char *(*nvrtcGetErrorString)(wx_nvrtc_result);

@@ -360,8 +360,8 @@ struct fi_ops_domain {
     int (*endpoint)(struct fid_domain *domain, struct fi_info *info, struct fid_ep **ep,
                     void *context);
     void *scalable_ep;
-    int (*cntr_open)(struct fid_domain *domain, struct fi_cntr_attr *attr,
-                     struct fid_cntr **cntr, void *context);
+    int (*cntr_open)(struct fid_domain *domain, struct fi_cntr_attr *attr, struct fid_cntr **cntr,
+                     void *context);
 };
 
 struct fi_ops_mr {
@@ -428,10 +428,7 @@ struct fid_ep {
 };
 
 /* What rdma/fi_*.h's static inlines do: dispatch through the object's ops. */
-static inline int fi_close(struct fid *fid)
-{
-    return fid->ops->close(fid);
-}
+static inline int fi_close(struct fid *fid) { return fid->ops->close(fid); }
 
 static inline int fi_domain(struct fid_fabric *fabric, struct fi_info *info,
                             struct fid_domain **domain, void *context)
@@ -439,14 +436,14 @@ static inline int fi_domain(struct fid_fabric *fabric, struct fi_info *info,
     return fabric->ops->domain(fabric, info, domain, context);
 }
 
-static inline int fi_av_open(struct fid_domain *domain, struct fi_av_attr *attr,
-                             struct fid_av **av, void *context)
+static inline int fi_av_open(struct fid_domain *domain, struct fi_av_attr *attr, struct fid_av **av,
+                             void *context)
 {
     return domain->ops->av_open(domain, attr, av, context);
 }
 
-static inline int fi_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr,
-                             struct fid_cq **cq, void *context)
+static inline int fi_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr, struct fid_cq **cq,
+                             void *context)
 {
     return domain->ops->cq_open(domain, attr, cq, context);
 }
@@ -457,8 +454,8 @@ static inline int fi_cntr_open(struct fid_domain *domain, struct fi_cntr_attr *a
     return domain->ops->cntr_open(domain, attr, cntr, context);
 }
 
-static inline int fi_endpoint(struct fid_domain *domain, struct fi_info *info,
-                              struct fid_ep **ep, void *context)
+static inline int fi_endpoint(struct fid_domain *domain, struct fi_info *info, struct fid_ep **ep,
+                              void *context)
 {
     return domain->ops->endpoint(domain, info, ep, context);
 }
@@ -469,15 +466,9 @@ static inline int fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_at
     return domain->mr->regattr(&domain->fid, attr, flags, mr);
 }
 
-static inline void *fi_mr_desc(struct fid_mr *mr)
-{
-    return mr->mem_desc;
-}
+static inline void *fi_mr_desc(struct fid_mr *mr) { return mr->mem_desc; }
 
-static inline uint64_t fi_mr_key(struct fid_mr *mr)
-{
-    return mr->key;
-}
+static inline uint64_t fi_mr_key(struct fid_mr *mr) { return mr->key; }
 
 static inline int fi_mr_bind(struct fid_mr *mr, struct fid *bfid, uint64_t flags)
 {
@@ -495,14 +486,12 @@ static inline int fi_av_insert(struct fid_av *av, const void *addr, size_t count
     return av->ops->insert(av, addr, count, fi_addr, flags, context);
 }
 
-static inline int fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count,
-                               uint64_t flags)
+static inline int fi_av_remove(struct fid_av *av, fi_addr_t *fi_addr, size_t count, uint64_t flags)
 {
     return av->ops->remove(av, fi_addr, count, flags);
 }
 
-static inline const char *fi_av_straddr(struct fid_av *av, const void *addr, char *buf,
-                                        size_t *len)
+static inline const char *fi_av_straddr(struct fid_av *av, const void *addr, char *buf, size_t *len)
 {
     return av->ops->straddr(av, addr, buf, len);
 }
@@ -512,8 +501,7 @@ static inline ssize_t fi_cq_read(struct fid_cq *cq, void *buf, size_t count)
     return cq->ops->read(cq, buf, count);
 }
 
-static inline ssize_t fi_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf,
-                                    uint64_t flags)
+static inline ssize_t fi_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf, uint64_t flags)
 {
     return cq->ops->readerr(cq, buf, flags);
 }
@@ -530,10 +518,7 @@ static inline const char *fi_cq_strerror(struct fid_cq *cq, int prov_errno, cons
     return cq->ops->strerror(cq, prov_errno, err_data, buf, len);
 }
 
-static inline uint64_t fi_cntr_read(struct fid_cntr *cntr)
-{
-    return cntr->ops->read(cntr);
-}
+static inline uint64_t fi_cntr_read(struct fid_cntr *cntr) { return cntr->ops->read(cntr); }
 
 static inline int fi_ep_bind(struct fid_ep *ep, struct fid *bfid, uint64_t flags)
 {

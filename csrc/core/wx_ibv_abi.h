@@ -507,8 +507,8 @@ static inline struct verbs_context *wx_verbs_get_ctx(struct ibv_context *ctx)
 #define verbs_get_ctx_op(ctx, op)                                                                  \
     ({                                                                                             \
         struct verbs_context *wx__vctx = wx_verbs_get_ctx(ctx);                                    \
-        (!wx__vctx ||                                                                              \
-         wx__vctx->sz < sizeof(*wx__vctx) - offsetof(struct verbs_context, op) || !wx__vctx->op)   \
+        (!wx__vctx || wx__vctx->sz < sizeof(*wx__vctx) - offsetof(struct verbs_context, op) ||     \
+         !wx__vctx->op)                                                                            \
             ? NULL                                                                                 \
             : wx__vctx;                                                                            \
     })

@@ -282,7 +282,7 @@ static int wx_exec(PyObject *m)
         }
     }
     if (wx_py_transport_init_types(m, st) < 0 || wx_py_engine_init_types(m, st) < 0 ||
-        wx_py_prepare_init(m) < 0)
+        wx_py_prepare_init(m) < 0 || wx_py_doctor_init(m) < 0)
         return -1;
 #ifdef WX_TESTING
     if (PyModule_AddIntConstant(m, "TESTING", 1) < 0)

@@ -79,6 +79,7 @@ int wx_py_transport_init_types(PyObject *m, wx_py_state_t *st);
 int wx_py_engine_init_types(PyObject *m, wx_py_state_t *st);
 /* Add the prepare functions (fp8_check, fp8_probe, fp8_launch: py_prepare.c) to m. */
 int wx_py_prepare_init(PyObject *m);
+int wx_py_doctor_init(PyObject *m);
 
 /* Wait on fn(arg, slice) with the GIL released, in slices, checking signals between
  * slices; gives up after timeout_s (< 0: never) with -ETIMEDOUT. Returns fn's result

@@ -14,7 +14,7 @@
  * only some (tests/c: fabric_pair, test_verbs) leaves the others' ops undefined, and their
  * entries NULL. */
 #define WX__WEAK __attribute__((weak))
-#define WX_BACKEND(name, NAME, kind, needs)                                                      \
+#define WX_BACKEND(name, NAME, kind, needs)                                                        \
     extern const wx_transport_ops_t wx_##name##_ops WX__WEAK;
 #include "wx_backends.def"
 #undef WX_BACKEND

@@ -51,7 +51,7 @@ enum wx_kind {
 static inline const char *wx_kind_name(uint32_t kind)
 {
     switch (kind) {
-#define WX_BACKEND(name, NAME, k, needs)                                                         \
+#define WX_BACKEND(name, NAME, k, needs)                                                           \
     case k:                                                                                        \
         return #name;
 #include "wx_backends.def"
