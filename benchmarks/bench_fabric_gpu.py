@@ -114,7 +114,18 @@ def _run_line(kind: str, size: int, iters: int, dev: str) -> dict:
         env["WXFER_LIBIBVERBS"] = b.stdout.strip().splitlines()[-1]
     try:
         r = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--line", kind, "--size", str(size), "--iters", str(iters), "--device", dev],
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--line",
+                kind,
+                "--size",
+                str(size),
+                "--iters",
+                str(iters),
+                "--device",
+                dev,
+            ],
             env=env,
             capture_output=True,
             text=True,

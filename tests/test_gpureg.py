@@ -59,9 +59,7 @@ def _child(emu_lib, code, **env):
     e = dict(os.environ, WXFER_LIBIBVERBS=emu_lib)
     e.pop("WXFER_TEST_GPUREG", None)
     e.update({k: str(v) for k, v in env.items()})
-    r = subprocess.run(
-        [PY, "-c", textwrap.dedent(code)], env=e, cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    r = subprocess.run([PY, "-c", textwrap.dedent(code)], env=e, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, "child failed:\n%s\n%s" % (r.stdout, r.stderr)
     return r.stdout
 
@@ -109,7 +107,9 @@ def test_verbs_no_dmabuf_and_no_peermem_fails_at_open_naming_cause_and_fix(emu_l
 def test_verbs_route_is_chosen_at_open_and_reported(emu_lib):
     line = _open(emu_lib, '"gpu": "0", "gpu_memory": "yes"', "cuda=1")
     assert line.startswith("OPENED") and "gpu_route=dmabuf (GPU 0 exports dma-bufs" in line, line
-    assert registration_info("verbs", line[7:]).startswith("registration=none (nothing registered yet); gpu_route=dmabuf")
+    assert registration_info("verbs", line[7:]).startswith(
+        "registration=none (nothing registered yet); gpu_route=dmabuf"
+    )
     line = _open(emu_lib, '"gpu": "0", "gpu_memory": "yes"', "cuda=1,dmabuf=0,peermem=1")
     assert "gpu_route=peermem (nvidia-peermem loaded; dma-buf: CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0" in line, line
     # reg= narrows the choice: each refused when only the other one would work
@@ -118,7 +118,12 @@ def test_verbs_route_is_chosen_at_open_and_reported(emu_lib):
     line = _open(emu_lib, '"gpu": "0", "gpu_memory": "yes", "reg": "peermem"', "cuda=1")
     assert line.startswith("ERROR") and "nvidia-peermem is not loaded (fix: modprobe" in line, line
     # the emulation's own "nvidia-peermem" switch is what the backend reads there
-    out = _child(emu_lib, OPEN % '"gpu": "0", "gpu_memory": "yes", "reg": "peermem"', WXFER_TEST_GPUREG="cuda=1", WXEMU_VERBS_PEERMEM="1")
+    out = _child(
+        emu_lib,
+        OPEN % '"gpu": "0", "gpu_memory": "yes", "reg": "peermem"',
+        WXFER_TEST_GPUREG="cuda=1",
+        WXEMU_VERBS_PEERMEM="1",
+    )
     assert "gpu_route=peermem" in out, out
     # without gpu_memory=yes nothing is checked (host memory only)
     line = _open(emu_lib, '"gpu": "0"', "cuda=0")
@@ -168,7 +173,12 @@ def test_memlock_too_low_fails_the_registration_naming_the_limit_and_the_fix(emu
         WXEMU_VERBS_MEMLOCK="nocap",
     )
     line = [l for l in out.splitlines() if l.startswith("ERROR")][0]
-    for w in ["Cannot allocate memory", "RLIMIT_MEMLOCK, which is 1024 KiB", "ulimit -l unlimited", "--ulimit memlock=-1"]:
+    for w in [
+        "Cannot allocate memory",
+        "RLIMIT_MEMLOCK, which is 1024 KiB",
+        "ulimit -l unlimited",
+        "--ulimit memlock=-1",
+    ]:
         assert w in line, (w, line)
 
 

@@ -66,7 +66,8 @@ lib.ibv_open_device.argtypes = [ctypes.c_void_p]
 lib.ibv_alloc_pd.restype = ctypes.c_void_p
 lib.ibv_alloc_pd.argtypes = [ctypes.c_void_p]
 lib.ibv_reg_dmabuf_mr.restype = ctypes.c_void_p
-lib.ibv_reg_dmabuf_mr.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
+u64, i32 = ctypes.c_uint64, ctypes.c_int
+lib.ibv_reg_dmabuf_mr.argtypes = [ctypes.c_void_p, u64, ctypes.c_size_t, u64, i32, i32]
 lib.ibv_dereg_mr.argtypes = [ctypes.c_void_p]
 lib.ibv_dealloc_pd.argtypes = [ctypes.c_void_p]
 lib.ibv_close_device.argtypes = [ctypes.c_void_p]
@@ -106,7 +107,13 @@ def test_emulated_dmabuf_mr_checks_that_need_no_gpu(emu_lib):
         ),
     )
     got = dict(l.split() for l in out.strip().splitlines())
-    assert got == {"access": "EINVAL", "pageoff": "EINVAL", "notdmabuf": "EINVAL", "badfd": "EBADF", "zero": "EINVAL"}, got
+    assert got == {
+        "access": "EINVAL",
+        "pageoff": "EINVAL",
+        "notdmabuf": "EINVAL",
+        "badfd": "EBADF",
+        "zero": "EINVAL",
+    }, got
     out = _child(emu_lib, _code(VERBS, "print('off', refused(0, 4096, 0x10000, 0))"), WXEMU_VERBS_DMABUF="0")
     assert out.split() in (["off", "EOPNOTSUPP"], ["off", "ENOTSUP"]), out  # one value on Linux
 
@@ -119,7 +126,9 @@ cu = ctypes.CDLL("libcuda.so.1")
 x = torch.zeros(4 << 20, dtype=torch.uint8, device="cuda:0")   # one allocator segment, 2 MiB aligned
 torch.cuda.synchronize()
 fd = ctypes.c_int(-1)
-rc = cu.cuMemGetHandleForAddressRange(ctypes.byref(fd), ctypes.c_uint64(x.data_ptr()), ctypes.c_size_t(4 << 20), 1, ctypes.c_ulonglong(0))
+rc = cu.cuMemGetHandleForAddressRange(
+    ctypes.byref(fd), ctypes.c_uint64(x.data_ptr()), ctypes.c_size_t(4 << 20), 1, ctypes.c_ulonglong(0)
+)
 assert rc == 0, "cuMemGetHandleForAddressRange: CUresult %d" % rc
 print("link", os.readlink("/proc/self/fd/%d" % fd.value))
 """
@@ -178,8 +187,10 @@ for src_dev, dst_dev in cases:
         eng.wait(timeout=60.0)
         dt = time.perf_counter() - t0
         got = torch.frombuffer(bytearray(tp.read(0)), dtype=torch.uint8)
-        assert torch.equal(got, host), "bytes differ %%s -> %%s at %%s" %% (src_dev, dst_dev, (got != host).nonzero()[:5].tolist())
-        print("PUSH %%s -> %%s %%d bytes ok %%.3f s writer: %%s | target: %%s" %% (src_dev, dst_dev, N, dt, t.info(), tp.info))
+        bad = (got != host).nonzero()[:5].tolist()
+        assert torch.equal(got, host), "bytes differ %%s -> %%s at %%s" %% (src_dev, dst_dev, bad)
+        print("PUSH %%s -> %%s %%d bytes ok %%.3f s writer: %%s | target: %%s"
+              %% (src_dev, dst_dev, N, dt, t.info(), tp.info))
         eng.close(); r.close(); t.close()
 print("OK")
 """

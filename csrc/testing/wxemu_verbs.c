@@ -525,8 +525,7 @@ static int emu_access_ok(unsigned access)
 }
 
 /* A new MR in a free slot of ec's table, from *proto (everything but the key). */
-static struct ibv_mr *emu_mr_new(emu_pd_t *p, const emu_mr_slot_t *proto, int fd,
-                                 uint64_t pinned)
+static struct ibv_mr *emu_mr_new(emu_pd_t *p, const emu_mr_slot_t *proto, int fd, uint64_t pinned)
 {
     emu_ctx_t *ec = (emu_ctx_t *)p->pd.context;
     struct ibv_mr *mr = calloc(1, sizeof *mr);
@@ -661,7 +660,8 @@ struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t off, size_t len, ui
         return NULL;
     }
     acc &= ~(unsigned)IBV_ACCESS_OPTIONAL_RANGE | IBV_ACCESS_RELAXED_ORDERING;
-    if (len == 0 || !emu_access_ok(acc) || off + len < off || (off & (pg - 1)) != (iova & (pg - 1))) {
+    if (len == 0 || !emu_access_ok(acc) || off + len < off ||
+        (off & (pg - 1)) != (iova & (pg - 1))) {
         errno = EINVAL;
         return NULL;
     }

@@ -137,7 +137,7 @@ typedef struct emu_ctx {
     uint32_t next_pd;
     emu_qp_t *qps[EMU_MAX_QP];
     int nres;
-    int mr_fd[EMU_MAX_MR];       /* dma-buf MRs: our reference to the dma-buf (dup), else -1 */
+    int mr_fd[EMU_MAX_MR];          /* dma-buf MRs: our reference to the dma-buf (dup), else -1 */
     uint64_t mr_pinned[EMU_MAX_MR]; /* bytes counted against RLIMIT_MEMLOCK */
 } emu_ctx_t;
 
@@ -149,9 +149,9 @@ typedef struct emu_cfg {
     int active_mtu;   /* enum ibv_mtu */
     uint32_t retry_cap_ms;
     const char *sysfs;
-    int dmabuf;      /* WXEMU_VERBS_DMABUF (default 1): ibv_reg_dmabuf_mr supported */
-    int peermem;     /* WXEMU_VERBS_PEERMEM (default 0): "nvidia-peermem is loaded" */
-    int memlock;     /* WXEMU_VERBS_MEMLOCK: 0 (default) host MRs are not counted against
+    int dmabuf;  /* WXEMU_VERBS_DMABUF (default 1): ibv_reg_dmabuf_mr supported */
+    int peermem; /* WXEMU_VERBS_PEERMEM (default 0): "nvidia-peermem is loaded" */
+    int memlock; /* WXEMU_VERBS_MEMLOCK: 0 (default) host MRs are not counted against
                       * RLIMIT_MEMLOCK; 1 counted as the kernel does (CAP_IPC_LOCK exempts);
                       * 2 ("nocap") counted as for a process without CAP_IPC_LOCK */
 } emu_cfg_t;

@@ -93,8 +93,8 @@ static int emu_cu_ctx(int dev)
     CUdevice d;
     if (emu_cu.CtxGetCurrent(&c) == CUDA_SUCCESS && c)
         return 0;
-    if (emu_cu.DeviceGet(&d, dev) != CUDA_SUCCESS || emu_cu.PrimaryCtxRetain(&c, d) != CUDA_SUCCESS ||
-        emu_cu.CtxSetCurrent(c) != CUDA_SUCCESS)
+    if (emu_cu.DeviceGet(&d, dev) != CUDA_SUCCESS ||
+        emu_cu.PrimaryCtxRetain(&c, d) != CUDA_SUCCESS || emu_cu.CtxSetCurrent(c) != CUDA_SUCCESS)
         return -1;
     return 0;
 }

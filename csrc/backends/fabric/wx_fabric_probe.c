@@ -35,8 +35,8 @@ static int wx__probe_list(const wx_fi_api_t *api, int hmem, char *out, size_t le
     if (rc)
         return rc == -FI_ENODATA ? 0 : rc;
     for (struct fi_info *i = list; i; i = i->next) {
-        const char *p = i->fabric_attr && i->fabric_attr->prov_name ? i->fabric_attr->prov_name
-                                                                     : "?";
+        const char *p =
+            i->fabric_attr && i->fabric_attr->prov_name ? i->fabric_attr->prov_name : "?";
         const char *d = i->domain_attr && i->domain_attr->name ? i->domain_attr->name : "?";
         char key[200];
         int k;

@@ -24,10 +24,10 @@
 typedef struct wx__vgpu_facts {
     int cuda; /* libcuda loaded and the device there */
     char cuda_why[300];
-    int get_handle;  /* cuMemGetHandleForAddressRange exported */
-    int dmabuf_attr; /* CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED */
-    int ibv_dmabuf;  /* ibv_reg_dmabuf_mr exported */
-    int peermem;     /* nvidia-peermem loaded */
+    int get_handle;    /* cuMemGetHandleForAddressRange exported */
+    int dmabuf_attr;   /* CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED */
+    int ibv_dmabuf;    /* ibv_reg_dmabuf_mr exported */
+    int peermem;       /* nvidia-peermem loaded */
     long long memlock; /* RLIMIT_MEMLOCK in bytes, -1 unlimited */
 } wx__vgpu_facts_t;
 

@@ -163,8 +163,10 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
     } else if (rc) {
         cu->cuCtxSetCurrent(prev);
         cu->cuDevicePrimaryCtxRelease(dev);
-        return wx_errf(rc, "verbs: dma-buf registration of GPU %d memory failed: %s (reg=dmabuf; fix: %s, or reg=auto to allow nvidia-peermem)", r->device,
-                       dwhy, WX_VERBS_FIX_DMABUF);
+        return wx_errf(rc,
+                       "verbs: dma-buf registration of GPU %d memory failed: %s (reg=dmabuf; "
+                       "fix: %s, or reg=auto to allow nvidia-peermem)",
+                       r->device, dwhy, WX_VERBS_FIX_DMABUF);
     } else {
         snprintf(note, note_len, "peermem not needed: dma-buf worked");
     }
