@@ -260,9 +260,12 @@ class Receiver:
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
         )
         self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
-        self.transport_options = gpu_memory_options(self.transport_name, self.device, self.transport_options)
+        # opened with the GPU check for this worker's device; published without it (the
+        # trainers check their own memory, and the workers' options must agree)
         try:
-            self.transport = _wxfer.Transport(self.transport_name, self.transport_options)
+            self.transport = _wxfer.Transport(
+                self.transport_name, gpu_memory_options(self.transport_name, self.device, self.transport_options)
+            )
         except _wxfer.Error as e:
             raise SetupError(f"wxfer.Receiver gpu {self.gpu}: opening transport {self.transport_name}: {e}") from e
         self.regions = []
