@@ -85,14 +85,15 @@ def _serve(conn, transport, options, sizes, device="cpu"):
     from wxfer import _wxfer
 
     try:
-        t = _wxfer.Transport(transport, options)
         if device == "cpu":
             bufs = [np.zeros(n, dtype=np.uint8) for n in sizes]
-        else:  # GPU memory (torch), each buffer its own allocation
+        else:  # GPU memory (torch), allocated (and the device current) before the transport opens
             import torch
 
+            torch.cuda.set_device(device)
             bufs = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
             torch.cuda.synchronize(device)
+        t = _wxfer.Transport(transport, options)
         regions = [t.register(b) for b in bufs]
         conn.send(("ready", t.export(), [r.descriptor for r in regions], t.info()))
     except Exception as e:
