@@ -71,7 +71,10 @@ lib.ibv_reg_dmabuf_mr.argtypes = [ctypes.c_void_p, u64, ctypes.c_size_t, u64, i3
 lib.ibv_dereg_mr.argtypes = [ctypes.c_void_p]
 lib.ibv_dealloc_pd.argtypes = [ctypes.c_void_p]
 lib.ibv_close_device.argtypes = [ctypes.c_void_p]
-ctx = lib.ibv_open_device(lib.ibv_get_device_list(None)[0])
+lib.ibv_free_device_list.argtypes = [ctypes.c_void_p]
+devs = lib.ibv_get_device_list(None)
+ctx = lib.ibv_open_device(devs[0])
+lib.ibv_free_device_list(devs)
 pd = lib.ibv_alloc_pd(ctx)
 LW, RW = 1, 2
 def reg(off, n, iova, fd, acc=LW | RW):
@@ -114,7 +117,11 @@ def test_emulated_dmabuf_mr_checks_that_need_no_gpu(emu_lib):
         "badfd": "EBADF",
         "zero": "EINVAL",
     }, got
-    out = _child(emu_lib, _code(VERBS, "print('off', refused(0, 4096, 0x10000, 0))"), WXEMU_VERBS_DMABUF="0")
+    out = _child(
+        emu_lib,
+        _code(VERBS, "print('off', refused(0, 4096, 0x10000, 0)); lib.ibv_dealloc_pd(pd); lib.ibv_close_device(ctx)"),
+        WXEMU_VERBS_DMABUF="0",
+    )
     assert out.split() in (["off", "EOPNOTSUPP"], ["off", "ENOTSUP"]), out  # one value on Linux
 
 
