@@ -152,7 +152,7 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
                                r->device, (unsigned long long)r->len, t->nic[i].name, dwhy,
                                peermem ? "loaded" : "not loaded", strerror(e),
                                wx__verbs_memlock_hint(e, hint, sizeof hint),
-                               peermem ? "check the GPU and NIC share a PCIe root"
+                               peermem ? "nvidia-peermem refused this memory: see dmesg"
                                        : WX_VERBS_FIX_PEERMEM,
                                WX_VERBS_FIX_DMABUF);
             }
