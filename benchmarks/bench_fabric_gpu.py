@@ -67,15 +67,15 @@ def _measure(kind: str, size: int, iters: int, dev: str = "cuda:0") -> dict:
         try:
             tp.connect(t)
             r = t.register(src, export=False)
-            eng = _wxfer.Engine(t, timeout=120.0)
+            eng = _wxfer.Engine(t, timeout=45.0)
             d = tp.descriptors[0]
             eng.submit(r, [(d, 0, 0, size)], tag=0)  # warm-up: connections, mappings
-            eng.wait(timeout=120.0)
+            eng.wait(timeout=45.0)
             tp.fill(0, 0)
             t0 = time.perf_counter()
             for i in range(iters):
                 eng.submit(r, [(d, 0, 0, size)], tag=i + 1)
-            eng.wait(timeout=300.0)
+            eng.wait(timeout=45.0)
             dt = time.perf_counter() - t0
             ok = tp.read(0) == src.cpu().numpy().tobytes()
             info = t.info()
@@ -129,10 +129,10 @@ def _run_line(kind: str, size: int, iters: int, dev: str) -> dict:
             env=env,
             capture_output=True,
             text=True,
-            timeout=240,
+            timeout=75,
         )
     except subprocess.TimeoutExpired:
-        return {"kind": kind, "gbps": None, "why": "did not finish within 240 s"}
+        return {"kind": kind, "gbps": None, "why": "did not finish within 75 s"}
     last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
     if r.returncode or not last.startswith("{"):
         tail = (r.stderr.strip().splitlines() or ["?"])[-1]

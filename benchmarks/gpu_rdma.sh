@@ -47,7 +47,7 @@ timeout 60 $PY -m wxfer.tools.gpuprobe --json >"$OUT/probe.json" 2>"$OUT/probe.e
 timeout 60 $PY -m wxfer.tools.gpuprobe 2>&1 | tee "$OUT/probe.txt"
 
 step "gpu tests (-rA)"
-timeout 160 $PY -m pytest -rA -q -p no:cacheprovider \
+timeout -s INT -k 15 160 $PY -m pytest -rA -q -p no:cacheprovider \
     tests/test_fabric_gpu.py tests/test_verbs_gpu.py >"$OUT/pytest.log" 2>&1
 rc=$?
 echo "pytest exit status $rc" >>"$OUT/pytest.log"

@@ -60,10 +60,10 @@ def test_fabric_writes_with_gpu_memory(provider, domain, src_dev, dst_dev):
                 if src_dev != "cpu" and "FI_HMEM_CUDA" in str(e):
                     pytest.skip("%s; %s cannot register a CUDA write source here: %s" % (FINDING, provider, e))
                 raise
-            eng = _wxfer.Engine(t, chunk=1 << 20, timeout=60.0)
+            eng = _wxfer.Engine(t, chunk=1 << 20, timeout=30.0)
             # one large write in chunks and one at an odd offset and length
             eng.submit(r, [(tp.descriptors[0], 0, 0, N - 4099), (tp.descriptors[0], N - 4099, N - 4099, 4099)], tag=1)
-            eng.wait(timeout=60.0)
+            eng.wait(timeout=30.0)
             got = torch.frombuffer(bytearray(tp.read(0)), dtype=torch.uint8)
             assert torch.equal(got, host), (got != host).nonzero()[:5].tolist()
             assert "hmem=yes" in t.info() and "hmem=yes" in tp.info, (t.info(), tp.info)

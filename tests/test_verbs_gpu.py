@@ -40,7 +40,7 @@ def emu_lib():
     return out.stdout.strip().splitlines()[-1]
 
 
-def _child(emu_lib, code, timeout=180, **env):
+def _child(emu_lib, code, timeout=90, **env):
     e = dict(os.environ, WXFER_LIBIBVERBS=emu_lib, WXEMU_VERBS_RETRY_CAP_MS="1000")
     for k in ("WXFER_TEST_GPUREG", "WXFER_IB_DEVICES", "WXEMU_VERBS_PEERMEM", "WXEMU_VERBS_DMABUF"):
         e.pop(k, None)
@@ -188,10 +188,10 @@ for src_dev, dst_dev in cases:
         src = host.to(src_dev)
         torch.cuda.synchronize()
         r = t.register(src, export=False)
-        eng = _wxfer.Engine(t, chunk=1 << 20, timeout=60.0)
+        eng = _wxfer.Engine(t, chunk=1 << 20, timeout=30.0)
         t0 = time.perf_counter()
         eng.submit(r, [(tp.descriptors[0], 0, 0, N - 4096), (tp.descriptors[0], N - 4096, N - 4096, 4096)], tag=1)
-        eng.wait(timeout=60.0)
+        eng.wait(timeout=30.0)
         dt = time.perf_counter() - t0
         got = torch.frombuffer(bytearray(tp.read(0)), dtype=torch.uint8)
         bad = (got != host).nonzero()[:5].tolist()
@@ -323,7 +323,7 @@ print("OK")
 
 
 def _sender_receiver(emu_lib, dev):
-    out = _child(emu_lib, SENDER_RECEIVER % {"dev": dev}, timeout=240)
+    out = _child(emu_lib, SENDER_RECEIVER % {"dev": dev}, timeout=120)
     print(out)
     assert out.strip().endswith("OK") and "STEP 2 bytes checked" in out, out
     return out
