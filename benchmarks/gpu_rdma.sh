@@ -6,7 +6,8 @@
 #   3. the `gpu` tests of issue 28 with -rA: fabric with GPU memory per HMEM provider
 #      (tests/test_fabric_gpu.py), the verbs GPU path on the emulation (tests/test_verbs_gpu.py);
 #      the setup errors' CPU tests (tests/test_gpureg.py) run in CI, not here
-#   4. the benchmark line: fabric HMEM / verbs-emulated / cuda_ipc / device copy, one run
+#   4. python -m wxfer selftest --transport verbs --emulated --gpu (two processes, dma-buf)
+#   5. the benchmark line: fabric HMEM / verbs-emulated / cuda_ipc / device copy, one run
 # Logs go to $OUT (default ./gpu_rdma_out). Usage, from the checkout:
 #   sh benchmarks/gpu_rdma.sh            # PYTHON=python3 by default
 set -u
@@ -53,6 +54,10 @@ rc=$?
 echo "pytest exit status $rc" >>"$OUT/pytest.log"
 sed -n '/short test summary info/,$p' "$OUT/pytest.log" | tee -a "$OUT/summary.log"
 grep -E "^(PUSH|STEP|RECEIVER|link|shm|tcp|fabric HMEM probe)" "$OUT/pytest.log" | cut -c1-400 | head -n 30
+
+step "verbs self-test with GPU memory on the emulation (dma-buf)"
+timeout 60 $PY -m wxfer selftest --transport verbs --emulated --gpu --size 64MiB --json 2>&1 | tail -n 1 |
+    cut -c1-600 | tee "$OUT/selftest_verbs_gpu.log"
 
 left=$((225 - $(elapsed)))
 if [ "$left" -gt 30 ]; then
