@@ -16,7 +16,7 @@ newest=$(ls -t "$here"/wxemu_verbs*.c "$here"/wxemu_verbs.h "$here"/../core/wx_c
 if [ "$newest" != "$so" ]; then
     $cc -std=gnu11 -O2 -g -Wall -Wextra -Wno-unused-parameter ${WXEMU_CFLAGS:-} -fPIC -shared \
         -I"$here/../core" -o "$so.tmp.$$" "$here"/wxemu_verbs.c "$here"/wxemu_verbs_hca.c \
-        "$here"/wxemu_verbs_cuda.c -lpthread -ldl
+        "$here"/wxemu_verbs_mr.c "$here"/wxemu_verbs_cuda.c -lpthread -ldl
     mv -f "$so.tmp.$$" "$so"
 fi
 echo "$so"

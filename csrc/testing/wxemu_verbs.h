@@ -173,6 +173,12 @@ emu_shm_t *emu_shm_open_lid(uint32_t lid);
 void emu_gid_of(uint32_t lid, int index, union ibv_gid *gid);
 uint32_t emu_lid_of_gid(const union ibv_gid *gid);
 
+/* wxemu_verbs.c: state shared with wxemu_verbs_mr.c */
+extern pthread_mutex_t emu_glock; /* the counters below */
+extern uint64_t emu_stat_reg, emu_stat_dereg;
+extern uint32_t emu_keygen;
+void emu_init_once(void); /* emu_cfg from the environment, once */
+
 /* wxemu_verbs_cuda.c: GPU memory (libcuda dlopened by the emulation itself) */
 /* [va, va + len) inside one CUDA allocation of this process: fill s's cuda_* and ipc fields.
  * 0, or an errno with the reason in why. */
