@@ -70,6 +70,7 @@ gpu-test:
 gpu-bench:
 	mkdir -p $(LOGDIR)
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_cuda_ipc.py --json 2>&1 | tee $(LOGDIR)/bench_cuda_ipc.log
+	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_fabric_gpu.py --json 2>&1 | tee $(LOGDIR)/bench_fabric_gpu.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_quant.py --json 2>&1 | tee $(LOGDIR)/bench_quant.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_copies.py --json 2>&1 | tee $(LOGDIR)/bench_copies.log
 	$(GPU_ENV) PYTHONUNBUFFERED=1 python3 benchmarks/bench_ipc_tasks.py --json 2>&1 | tee $(LOGDIR)/bench_ipc_tasks.log

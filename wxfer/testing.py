@@ -80,13 +80,20 @@ def stop_process(conn, proc) -> None:
         proc.join(5)
 
 
-def _serve(conn, transport, options, sizes):
+def _serve(conn, transport, options, sizes, device="cpu"):
     import numpy as np
     from wxfer import _wxfer
 
     try:
+        if device == "cpu":
+            bufs = [np.zeros(n, dtype=np.uint8) for n in sizes]
+        else:  # GPU memory (torch), allocated (and the device current) before the transport opens
+            import torch
+
+            torch.cuda.set_device(device)
+            bufs = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
+            torch.cuda.synchronize(device)
         t = _wxfer.Transport(transport, options)
-        bufs = [np.zeros(n, dtype=np.uint8) for n in sizes]
         regions = [t.register(b) for b in bufs]
         conn.send(("ready", t.export(), [r.descriptor for r in regions], t.info()))
     except Exception as e:
@@ -98,9 +105,12 @@ def _serve(conn, transport, options, sizes):
         if op == "accept":
             conn.send(("ok", t.accept(msg[1])))
         elif op == "read":
-            conn.send(("ok", bufs[msg[1]].tobytes()))
+            b = bufs[msg[1]]
+            conn.send(("ok", b.tobytes() if device == "cpu" else b.cpu().numpy().tobytes()))
         elif op == "fill":
             bufs[msg[1]][:] = msg[2]
+            if device != "cpu":
+                torch.cuda.synchronize(device)
             conn.send(("ok", None))
         elif op == "exit":
             break
@@ -111,10 +121,15 @@ def _serve(conn, transport, options, sizes):
 
 
 class TargetProcess:
-    def __init__(self, transport: str, options: dict | None, sizes):
+    """A process that registers zeroed buffers of `sizes` on `device` ("cpu", or "cuda:N":
+    torch GPU memory) with a transport and serves accept / read / fill over a pipe."""
+
+    def __init__(self, transport: str, options: dict | None, sizes, device: str = "cpu"):
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, transport, dict(options or {}), list(sizes)), daemon=True)
+        self.proc = ctx.Process(
+            target=_serve, args=(child, transport, dict(options or {}), list(sizes), device), daemon=True
+        )
         self.proc.start()
         msg = self._recv()
         self.export, self.descriptors, self.info = msg[1], msg[2], msg[3]

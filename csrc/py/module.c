@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "wx_desc.h"
+#include "wx_fabric_dl.h"
 
 static struct PyModuleDef wx_module;
 
@@ -205,6 +206,24 @@ static PyObject *wx_decode_export(PyObject *m, PyObject *arg)
     return out;
 }
 
+static PyObject *wx_fabric_probe_py(PyObject *m, PyObject *noargs)
+{
+    char *buf = malloc(32768);
+    PyObject *out;
+    int rc;
+    if (!buf)
+        return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS rc = wx_fabric_probe_json(buf, 32768);
+    Py_END_ALLOW_THREADS if (rc)
+    {
+        free(buf);
+        return wx_py_raise(PyModule_GetState(m), rc, "fabric_probe");
+    }
+    out = PyUnicode_FromString(buf);
+    free(buf);
+    return out;
+}
+
 static PyObject *wx_parse_size_py(PyObject *m, PyObject *arg)
 {
     const char *s = PyUnicode_AsUTF8(arg);
@@ -226,6 +245,9 @@ static PyMethodDef wx_methods[] = {
     {"decode_export", wx_decode_export, METH_O,
      "decode_export(bytes) -> dict with the owner's address and its exported regions."},
     {"parse_size", wx_parse_size_py, METH_O, "parse_size('64MiB') -> 67108864"},
+    {"fabric_probe", wx_fabric_probe_py, METH_NOARGS,
+     "fabric_probe() -> JSON text: the installed libfabric's version and its providers for "
+     "one-sided writes, each with whether it offers FI_HMEM (device memory)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,10 +12,11 @@ if [ ! -f /usr/include/infiniband/verbs.h ] && ! echo '#include <infiniband/verb
     echo "build.sh: infiniband/verbs.h not found (install libibverbs-dev)" >&2
     exit 2
 fi
-newest=$(ls -t "$here"/wxemu_verbs*.c "$here"/wxemu_verbs.h "$so" 2>/dev/null | head -n1)
+newest=$(ls -t "$here"/wxemu_verbs*.c "$here"/wxemu_verbs.h "$here"/../core/wx_cuda_abi.h "$so" 2>/dev/null | head -n1)
 if [ "$newest" != "$so" ]; then
-    $cc -std=gnu11 -O2 -g -Wall -Wextra -Wno-unused-parameter -fPIC -shared \
-        -o "$so.tmp.$$" "$here"/wxemu_verbs.c "$here"/wxemu_verbs_hca.c -lpthread
+    $cc -std=gnu11 -O2 -g -Wall -Wextra -Wno-unused-parameter ${WXEMU_CFLAGS:-} -fPIC -shared \
+        -I"$here/../core" -o "$so.tmp.$$" "$here"/wxemu_verbs.c "$here"/wxemu_verbs_hca.c \
+        "$here"/wxemu_verbs_mr.c "$here"/wxemu_verbs_cuda.c -lpthread -ldl
     mv -f "$so.tmp.$$" "$so"
 fi
 echo "$so"

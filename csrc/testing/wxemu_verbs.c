@@ -13,6 +13,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <dirent.h>
 #include <time.h>
@@ -20,7 +21,6 @@
 #include <unistd.h>
 
 /* verbs.h turns these names into macros/inlines; this file defines the real symbols. */
-#undef ibv_reg_mr
 #undef ibv_query_port
 #undef ibv_get_device_list
 
@@ -28,9 +28,9 @@ emu_cfg_t emu_cfg;
 static pthread_once_t emu_once = PTHREAD_ONCE_INIT;
 static struct ibv_device emu_devs[EMU_MAX_DEV];
 static struct ibv_device *emu_list[EMU_MAX_DEV + 1];
-static pthread_mutex_t emu_glock = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t emu_stat_reg, emu_stat_dereg;
-static uint32_t emu_keygen;
+pthread_mutex_t emu_glock = PTHREAD_MUTEX_INITIALIZER;
+uint64_t emu_stat_reg, emu_stat_dereg;
+uint32_t emu_keygen;
 
 static uint64_t emu_env_u64(const char *name, uint64_t dflt)
 {
@@ -51,6 +51,12 @@ static void emu_init(void)
     emu_cfg.active_mtu = emu_cfg.eth ? IBV_MTU_1024 : IBV_MTU_4096;
     emu_cfg.retry_cap_ms = (uint32_t)emu_env_u64("WXEMU_VERBS_RETRY_CAP_MS", 2000);
     emu_cfg.sysfs = getenv("WXEMU_VERBS_SYSFS");
+    emu_cfg.dmabuf = (int)emu_env_u64("WXEMU_VERBS_DMABUF", 1);
+    emu_cfg.peermem = (int)emu_env_u64("WXEMU_VERBS_PEERMEM", 0);
+    {
+        const char *ml = getenv("WXEMU_VERBS_MEMLOCK");
+        emu_cfg.memlock = ml && strcmp(ml, "nocap") == 0 ? 2 : ml && *ml ? atoi(ml) != 0 : 0;
+    }
     for (int i = 0; i < emu_cfg.ndev; i++) {
         struct ibv_device *d = &emu_devs[i];
         d->node_type = IBV_NODE_CA;
@@ -65,9 +71,20 @@ static void emu_init(void)
     emu_list[emu_cfg.ndev] = NULL;
 }
 
+void emu_init_once(void) { pthread_once(&emu_once, emu_init); }
+
 /* ---- identification for tests ---------------------------------------------------------- */
 
 int wxemu_verbs_is_emulation(void) { return 1; }
+
+/* 1 when the emulated host "has nvidia-peermem loaded" (WXEMU_VERBS_PEERMEM=1): ibv_reg_mr
+ * then accepts device pointers. The verbs backend asks this instead of /sys/module when it
+ * runs on the emulation. */
+int wxemu_verbs_peermem(void)
+{
+    pthread_once(&emu_once, emu_init);
+    return emu_cfg.peermem;
+}
 
 void wxemu_verbs_stats(uint64_t out[2])
 {
@@ -274,6 +291,8 @@ struct ibv_context *ibv_open_device(struct ibv_device *dev)
     pthread_mutex_init(&ec->lock, NULL);
     pthread_cond_init(&ec->cond, NULL);
     ec->next_pd = 1;
+    for (int i = 0; i < EMU_MAX_MR; i++)
+        ec->mr_fd[i] = -1;
     rc = emu_claim_lid(ec);
     if (rc == 0)
         rc = emu_hca_start(ec);
@@ -433,123 +452,6 @@ int ibv_dealloc_pd(struct ibv_pd *pd)
     ec->nres--;
     pthread_mutex_unlock(&ec->lock);
     free(p);
-    return 0;
-}
-
-#define EMU_ACCESS_KNOWN                                                                           \
-    (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ |                   \
-     IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_MW_BIND | IBV_ACCESS_RELAXED_ORDERING)
-
-static int emu_mapped(void *addr, size_t len)
-{
-    char b;
-    struct iovec l = {&b, 1}, r1 = {addr, 1}, r2 = {(char *)addr + len - 1, 1};
-    if (process_vm_readv(getpid(), &l, 1, &r1, 1, 0) != 1)
-        return 0;
-    if (process_vm_readv(getpid(), &l, 1, &r2, 1, 0) != 1)
-        return 0;
-    return 1;
-}
-
-struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova,
-                                unsigned int access)
-{
-    emu_pd_t *p = (emu_pd_t *)pd;
-    emu_ctx_t *ec;
-    struct ibv_mr *mr;
-    int slot = -1;
-    if (!pd) {
-        errno = EINVAL;
-        return NULL;
-    }
-    ec = (emu_ctx_t *)pd->context;
-    access &= ~(unsigned)IBV_ACCESS_OPTIONAL_RANGE | IBV_ACCESS_RELAXED_ORDERING;
-    if (len == 0 || (access & ~(unsigned)EMU_ACCESS_KNOWN) ||
-        ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
-         !(access & IBV_ACCESS_LOCAL_WRITE))) {
-        errno = EINVAL;
-        return NULL;
-    }
-    if (iova != (uint64_t)(uintptr_t)addr) {
-        errno = EOPNOTSUPP; /* the emulation addresses MRs by virtual address only */
-        return NULL;
-    }
-    if (!emu_mapped(addr, len)) {
-        errno = EFAULT; /* what ibv_reg_mr says for memory it cannot pin */
-        return NULL;
-    }
-    mr = calloc(1, sizeof *mr);
-    if (!mr) {
-        errno = ENOMEM;
-        return NULL;
-    }
-    pthread_mutex_lock(&ec->lock);
-    for (int i = 0; i < EMU_MAX_MR; i++)
-        if (ec->shm->mr[i].key == 0) {
-            slot = i;
-            break;
-        }
-    if (slot < 0) {
-        pthread_mutex_unlock(&ec->lock);
-        free(mr);
-        errno = ENOMEM;
-        return NULL;
-    }
-    pthread_mutex_lock(&emu_glock);
-    emu_keygen = (emu_keygen + 0x35) & 0xff;
-    if (emu_keygen == 0)
-        emu_keygen = 0x11;
-    emu_stat_reg++;
-    mr->lkey = ((uint32_t)(slot + 1) << 8) | emu_keygen;
-    pthread_mutex_unlock(&emu_glock);
-    mr->rkey = mr->lkey;
-    mr->context = pd->context;
-    mr->pd = pd;
-    mr->addr = addr;
-    mr->length = len;
-    mr->handle = (uint32_t)slot;
-    ec->shm->mr[slot].pd = p->id;
-    ec->shm->mr[slot].access = access;
-    ec->shm->mr[slot].addr = (uint64_t)(uintptr_t)addr;
-    ec->shm->mr[slot].len = len;
-    __atomic_store_n(&ec->shm->mr[slot].key, mr->lkey, __ATOMIC_RELEASE);
-    p->nobj++;
-    ec->nres++;
-    pthread_mutex_unlock(&ec->lock);
-    return mr;
-}
-
-struct ibv_mr *ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
-{
-    return ibv_reg_mr_iova2(pd, addr, len, (uint64_t)(uintptr_t)addr, (unsigned)access);
-}
-
-struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd, uint64_t off, size_t len, uint64_t iova, int fd,
-                                 int access)
-{
-    (void)pd, (void)off, (void)len, (void)iova, (void)fd, (void)access;
-    errno = EOPNOTSUPP; /* the emulation has no dma-buf importer */
-    return NULL;
-}
-
-int ibv_dereg_mr(struct ibv_mr *mr)
-{
-    emu_ctx_t *ec = (emu_ctx_t *)mr->context;
-    emu_pd_t *p = (emu_pd_t *)mr->pd;
-    emu_mr_slot_t *s = &ec->shm->mr[mr->handle];
-    pthread_mutex_lock(&ec->lock);
-    if (s->key != mr->lkey) {
-        pthread_mutex_unlock(&ec->lock);
-        return EINVAL;
-    }
-    __atomic_store_n(&s->key, 0, __ATOMIC_RELEASE);
-    p->nobj--;
-    ec->nres--;
-    pthread_mutex_unlock(&ec->lock);
-    pthread_mutex_lock(&emu_glock);
-    emu_stat_dereg++;
-    pthread_mutex_unlock(&emu_glock);
-    free(mr);
     return 0;
 }
 

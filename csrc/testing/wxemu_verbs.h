@@ -20,9 +20,10 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #define EMU_MAGIC 0x57584555u /* "WXEU" */
-#define EMU_VERSION 2
+#define EMU_VERSION 3
 #define EMU_MAX_MR 4096
 #define EMU_MAX_QP 1024
 #define EMU_MAX_SGE 16
@@ -32,13 +33,23 @@
 #define EMU_MAX_DEV 8
 
 /* Shared with other processes (the remote HCA reads these). */
+/* What an MR's pages are (emu_mr_slot_t.kind). */
+enum { EMU_MR_HOST = 0, EMU_MR_DMABUF = 1, EMU_MR_PEERMEM = 2 };
+
 typedef struct emu_mr_slot {
     uint32_t key; /* lkey == rkey; 0 = free */
     uint32_t pd;
     uint32_t access;
-    uint32_t pad;
-    uint64_t addr;
+    uint32_t kind; /* EMU_MR_*: host pages, or GPU memory through a dma-buf / peermem */
+    uint64_t addr; /* iova (== the owner's virtual address) */
     uint64_t len;
+    /* GPU memory (kind != HOST): the CUDA allocation holding it, in the owner process, and
+     * a CUDA IPC handle of that allocation, through which the writer's emulated HCA reaches
+     * it (a real NIC reaches it over PCIe). */
+    uint64_t cuda_base;
+    int32_t cuda_dev;
+    uint32_t pad;
+    uint8_t ipc[64];
 } emu_mr_slot_t;
 
 typedef struct emu_qp_slot {
@@ -126,6 +137,8 @@ typedef struct emu_ctx {
     uint32_t next_pd;
     emu_qp_t *qps[EMU_MAX_QP];
     int nres;
+    int mr_fd[EMU_MAX_MR];          /* dma-buf MRs: our reference to the dma-buf (dup), else -1 */
+    uint64_t mr_pinned[EMU_MAX_MR]; /* bytes counted against RLIMIT_MEMLOCK */
 } emu_ctx_t;
 
 /* settings of the emulated devices (from WXEMU_VERBS_* environment variables) */
@@ -136,6 +149,11 @@ typedef struct emu_cfg {
     int active_mtu;   /* enum ibv_mtu */
     uint32_t retry_cap_ms;
     const char *sysfs;
+    int dmabuf;  /* WXEMU_VERBS_DMABUF (default 1): ibv_reg_dmabuf_mr supported */
+    int peermem; /* WXEMU_VERBS_PEERMEM (default 0): "nvidia-peermem is loaded" */
+    int memlock; /* WXEMU_VERBS_MEMLOCK: 0 (default) host MRs are not counted against
+                      * RLIMIT_MEMLOCK; 1 counted as the kernel does (CAP_IPC_LOCK exempts);
+                      * 2 ("nocap") counted as for a process without CAP_IPC_LOCK */
 } emu_cfg_t;
 
 /* Internal to the emulation: not exported from libwxemu_verbs.so. */
@@ -154,6 +172,23 @@ uint64_t emu_proc_starttime(pid_t pid);
 emu_shm_t *emu_shm_open_lid(uint32_t lid);
 void emu_gid_of(uint32_t lid, int index, union ibv_gid *gid);
 uint32_t emu_lid_of_gid(const union ibv_gid *gid);
+
+/* wxemu_verbs.c: state shared with wxemu_verbs_mr.c */
+extern pthread_mutex_t emu_glock; /* the counters below */
+extern uint64_t emu_stat_reg, emu_stat_dereg;
+extern uint32_t emu_keygen;
+void emu_init_once(void); /* emu_cfg from the environment, once */
+
+/* wxemu_verbs_cuda.c: GPU memory (libcuda dlopened by the emulation itself) */
+/* [va, va + len) inside one CUDA allocation of this process: fill s's cuda_* and ipc fields.
+ * 0, or an errno with the reason in why. */
+int emu_cuda_describe(uint64_t va, uint64_t len, emu_mr_slot_t *s, char *why, size_t why_len);
+/* The RDMA WRITE of n local pieces (lcuda[i]: that piece is GPU memory of this process) to
+ * raddr of the remote MR m (process R), with CUDA copies where either side is GPU memory.
+ * Returns the completion status; *ve the vendor error. */
+enum ibv_wc_status emu_cuda_write(const struct iovec *liov, const int *lcuda, int n,
+                                  const emu_shm_t *R, const emu_mr_slot_t *m, uint64_t raddr,
+                                  uint32_t *ve);
 #pragma GCC visibility pop
 
 #endif

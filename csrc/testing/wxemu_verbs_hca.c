@@ -169,6 +169,7 @@ static enum ibv_wc_status emu_exec(emu_qp_t *q, const emu_wqe_t *w, uint32_t *ve
     uint64_t total = 0, done = 0;
     const emu_shm_t *R;
     uint32_t idx;
+    int lcuda[EMU_MAX_SGE], any_cuda = 0;
     *ve = EMU_VE_NONE;
     for (uint32_t i = 0; i < w->nsge; i++) {
         const struct ibv_sge *s = &w->sge[i];
@@ -176,6 +177,7 @@ static enum ibv_wc_status emu_exec(emu_qp_t *q, const emu_wqe_t *w, uint32_t *ve
         total += s->length;
         liov[i].iov_base = (void *)(uintptr_t)s->addr;
         liov[i].iov_len = s->length;
+        lcuda[i] = 0;
         if (s->length == 0)
             continue;
         idx = (s->lkey >> 8) - 1;
@@ -192,6 +194,8 @@ static enum ibv_wc_status emu_exec(emu_qp_t *q, const emu_wqe_t *w, uint32_t *ve
             *ve = EMU_VE_BOUNDS;
             return IBV_WC_LOC_PROT_ERR;
         }
+        lcuda[i] = lm.kind != EMU_MR_HOST;
+        any_cuda |= lcuda[i];
     }
     if (total > emu_cfg.max_msg)
         return IBV_WC_LOC_LEN_ERR;
@@ -260,6 +264,9 @@ static enum ibv_wc_status emu_exec(emu_qp_t *q, const emu_wqe_t *w, uint32_t *ve
         *ve = EMU_VE_BOUNDS;
         return IBV_WC_REM_ACCESS_ERR;
     }
+    /* GPU memory on either side: moved with CUDA copies (wxemu_verbs_cuda.c). */
+    if (any_cuda || m.kind != EMU_MR_HOST)
+        return emu_cuda_write(liov, lcuda, (int)w->nsge, R, &m, w->raddr, ve);
     /* The write itself, possibly in several partial steps. */
     while (done < total) {
         struct iovec lv[EMU_MAX_SGE];

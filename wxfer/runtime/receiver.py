@@ -100,6 +100,50 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
     return transport, opts
 
 
+def gpu_memory_options(transport: str, device, options: dict) -> dict:
+    """`options` plus what makes `transport` check, when it opens, that it can register GPU
+    memory of `device` with the network, so that a machine where it cannot fails at setup
+    with the cause and its fix, before any byte moves: verbs gpu=<index> gpu_memory=yes
+    (dma-buf or nvidia-peermem, docs/verbs.md), fabric hmem=on (a provider offering FI_HMEM).
+    Host memory and cuda_ipc: unchanged. Options the caller gave win."""
+    opts = dict(options)
+    if getattr(device, "type", device) != "cuda":
+        return opts
+    if transport == "verbs":
+        opts.setdefault("gpu", str(getattr(device, "index", None) or 0))
+        opts.setdefault("gpu_memory", "yes")
+    elif transport == "fabric":
+        opts.setdefault("hmem", "on")
+    return opts
+
+
+def registration_info(transport: str, info: str) -> str:
+    """How this transport registers memory with the network, from its info() text: verbs: the
+    registration route (host, dmabuf, peermem) and why, and the GPU route decided at open;
+    fabric: the provider, whether it offers FI_HMEM, and its registrations by memory kind."""
+    import re
+
+    if transport == "verbs":
+        parts = []
+        m = re.search(r"registration=(\S+) \((.*?)\) reg_calls", info)
+        if m:
+            parts.append("registration=%s (%s)" % (m.group(1), m.group(2)))
+        m = re.search(r"gpu_route=(\S+) \((.*?)\)(?: TEST-ONLY|$)", info)
+        if m:
+            parts.append("gpu_route=%s (%s)" % (m.group(1), m.group(2)))
+        return "; ".join(parts) or info
+    if transport == "fabric":
+        d = dict(re.findall(r"(provider|hmem|reg_host|reg_cuda)=(\S+)", info))
+        if d:
+            return "provider %s, FI_HMEM %s, registered: %s host, %s CUDA (FI_HMEM_CUDA)" % (
+                d.get("provider"),
+                "offered" if d.get("hmem") == "yes" else "not offered",
+                d.get("reg_host", "?"),
+                d.get("reg_cuda", "?"),
+            )
+    return transport
+
+
 def _storage_base(t):
     """A uint8 tensor over the whole storage of `t` (shares its memory)."""
     import torch
@@ -216,7 +260,14 @@ class Receiver:
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
         )
         self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
-        self.transport = _wxfer.Transport(self.transport_name, self.transport_options)
+        # opened with the GPU check for this worker's device; published without it (the
+        # trainers check their own memory, and the workers' options must agree)
+        try:
+            self.transport = _wxfer.Transport(
+                self.transport_name, gpu_memory_options(self.transport_name, self.device, self.transport_options)
+            )
+        except _wxfer.Error as e:
+            raise SetupError(f"wxfer.Receiver gpu {self.gpu}: opening transport {self.transport_name}: {e}") from e
         self.regions = []
         self.region_base = {}  # region descriptor -> uint8 tensor over it (verify mode)
         self.param_range = {}  # name -> (region descriptor, offset, nbytes)
@@ -564,6 +615,7 @@ class Receiver:
             register_s=self.register_s,
             bytes=sum(t.numel() * t.element_size() for t in self.params.values()),
             transport=self.transport_name,
+            registration=registration_info(self.transport_name, self.transport.info()),
             senders=list(self.senders),
         )
 

@@ -41,7 +41,7 @@ from .faults import FaultsMixin, mapping_digest
 from .finish import FinishMixin
 from .rejoin import RejoinMixin
 from .tasks import STAMP_TAG, TaskMixin
-from .receiver import _unb64, decode_param_descriptor, transport_choice
+from .receiver import _unb64, decode_param_descriptor, gpu_memory_options, transport_choice
 from .verify import verify_enabled
 
 
@@ -399,6 +399,11 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                 )
         else:
             tname, topts = transport_choice(transport, self.device.type, transport_options)
+        # the receivers' GPU check is theirs: this rank checks for its own memory
+        for k in ("gpu", "gpu_memory"):
+            if tname == "verbs" and k not in (transport_options or {}):
+                topts.pop(k, None)
+        topts = gpu_memory_options(tname, self.device, topts)
         topts = writer_options(tname, topts, os.environ)
         if tname == "cuda_ipc":
             import socket

@@ -113,9 +113,13 @@ typedef struct wx_fab {
     char dom[64];
 
     atomic_ullong n_writes, n_bytes, n_errors, n_timeouts;
+    atomic_ullong n_reg_host, n_reg_cuda; /* fi_mr_regattr calls that succeeded, by memory */
 } wx_fab_t;
 
 #define WX_FAB(t) ((wx_fab_t *)(t))
+
+/* wx_fabric_probe.c: "prov/domain, ..." of the providers that offer FI_HMEM ("" none) */
+void wx__fab_hmem_providers(char *out, size_t len);
 
 /* wx_fabric_reg.c */
 int wx__fab_reg(wx_transport_t *t, wx_mr_t *mr);

@@ -35,5 +35,8 @@ typedef struct wx_fi_api {
 const wx_fi_api_t *wx_fi(char *why, size_t why_len);
 /* fi_strerror(-rc) when the library is loaded, else a generic text. rc may be negative. */
 const char *wx_fi_strerror(int rc);
+/* The installed libfabric's version and its providers for one-sided writes, each with
+ * whether it offers FI_HMEM, as one JSON object in buf (wx_fabric_probe.c). 0 or -errno. */
+int wx_fabric_probe_json(char *buf, size_t len);
 
 #endif

@@ -60,9 +60,17 @@ int wx__fab_reg(wx_transport_t *t, wx_mr_t *mr)
                                "use, %llu bytes at %p)",
                                f->prov, (unsigned long long)mr->key, (unsigned long long)mr->len,
                                mr->addr);
-        return wx__fab_err(rc, "fabric: fi_mr_regattr(provider %s, %s memory%s, %llu bytes at %p)",
-                           f->prov, cuda ? "CUDA" : "host", cuda ? " via FI_HMEM_CUDA" : "",
-                           (unsigned long long)mr->len, mr->addr);
+        if (cuda)
+            return wx__fab_err(rc,
+                               "fabric: fi_mr_regattr(provider %s, CUDA memory of device %d via "
+                               "FI_HMEM_CUDA, %llu bytes at %p) (libfabric %u.%u offers FI_HMEM "
+                               "here but cannot register CUDA memory: it was built without "
+                               "CUDA support (--with-cuda) or cannot load libcudart/libcuda; "
+                               "fix: a libfabric built with CUDA, e.g. the EFA installer's)",
+                               f->prov, mr->device, (unsigned long long)mr->len, mr->addr,
+                               FI_MAJOR(f->api->fi_version()), FI_MINOR(f->api->fi_version()));
+        return wx__fab_err(rc, "fabric: fi_mr_regattr(provider %s, host memory, %llu bytes at %p)",
+                           f->prov, (unsigned long long)mr->len, mr->addr);
     }
     if (f->mr_mode & FI_MR_ENDPOINT) {
         if ((rc = fi_mr_bind(fmr, &f->ep->fid, 0)) || (rc = fi_mr_enable(fmr))) {
@@ -83,6 +91,7 @@ int wx__fab_reg(wx_transport_t *t, wx_mr_t *mr)
     }
     mr->priv = fmr;
     mr->ldesc = fi_mr_desc(fmr);
+    atomic_fetch_add(cuda ? &f->n_reg_cuda : &f->n_reg_host, 1);
     return 0;
 }
 

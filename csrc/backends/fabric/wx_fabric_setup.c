@@ -176,6 +176,18 @@ static int wx__fab_select(wx_fab_t *f, const char *prov, const char *iface, cons
             }
         }
     }
+    if (strcmp(hmem_opt, "on") == 0 && last_rc == -FI_ENODATA && !seen[0]) {
+        char have[512];
+        uint32_t v = api->fi_version();
+        wx__fab_hmem_providers(have, sizeof have);
+        return wx_errf(-ENOTSUP,
+                       "fabric: provider %s does not offer FI_HMEM (device memory) in libfabric "
+                       "%u.%u, so it cannot register GPU memory (hmem=on; the Receiver and "
+                       "Sender ask for it with CUDA memory); providers here that do: %s (fix: "
+                       "provider=<one of them>, a libfabric built with CUDA for %s, or "
+                       "host memory with hmem=auto)",
+                       prov, FI_MAJOR(v), FI_MINOR(v), have[0] ? have : "none", prov);
+    }
     if (seen[0])
         return wx_errf(-ENODEV,
                        "fabric: provider %s has no domain (interface) '%s'; it offers: %s "
@@ -589,14 +601,16 @@ static int wx__fab_info(wx_transport_t *t, char *buf, size_t len)
     n = snprintf(buf, len,
                  "fabric provider=%s domain=%s addr=%s mr_mode=0x%llx hmem=%s progress=%s%s%s "
                  "chunk=%llu depth=%u inflight=%u abandoned=%u writes=%llu bytes=%llu "
-                 "errors=%llu timeouts=%llu",
+                 "errors=%llu timeouts=%llu reg_host=%llu reg_cuda=%llu",
                  f->prov, f->dom, f->addr_str, (unsigned long long)f->mr_mode,
                  f->hmem ? "yes" : "no", f->cq_wait ? "sread" : "poll", f->serialize ? "+lock" : "",
                  f->rcntr ? "+cntr" : "", (unsigned long long)f->chunk, f->depth, f->posted,
                  f->abandoned, (unsigned long long)atomic_load(&f->n_writes),
                  (unsigned long long)atomic_load(&f->n_bytes),
                  (unsigned long long)atomic_load(&f->n_errors),
-                 (unsigned long long)atomic_load(&f->n_timeouts));
+                 (unsigned long long)atomic_load(&f->n_timeouts),
+                 (unsigned long long)atomic_load(&f->n_reg_host),
+                 (unsigned long long)atomic_load(&f->n_reg_cuda));
     pthread_mutex_unlock(&f->slot_lock);
     return n < 0 ? -EIO : 0;
 }

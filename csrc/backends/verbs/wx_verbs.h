@@ -91,6 +91,9 @@ typedef struct wx_verbs {
     uint32_t sig_every;
     uint8_t timeout, retry_cnt;
     const char *reg_mode;    /* "auto", "dmabuf", "peermem" */
+    int gpu_memory;          /* option gpu_memory=yes: GPU memory will be registered */
+    char gpu_route[16];      /* "dmabuf" / "peermem" as decided at open ("" not checked) */
+    char gpu_why[512];       /* ... and why */
 #ifdef WX_TESTING            /* fault injection: test builds only (WXFER_TESTING=1) */
     uint32_t test_rkey_xor;  /* TEST ONLY: corrupt rkeys to exercise the HCA's own check */
     uint64_t test_raddr_add; /* TEST ONLY: shift remote addresses past the region */
@@ -134,6 +137,21 @@ int wx__verbs_reg(wx_transport_t *tt, wx_mr_t *mr);
 void wx__verbs_dereg(wx_transport_t *tt, wx_mr_t *mr);
 /* lkey of `mr` on NIC n */
 uint32_t wx__verbs_lkey(const wx_mr_t *mr, int n);
+
+/* wx_verbs_gpu.c */
+/* Decide at open how GPU memory of t->gpu will be registered (t->gpu_route / gpu_why);
+ * 0, or a negative errno with an error naming the cause and its fix. */
+int wx__verbs_gpu_check(wx_verbs_t *t);
+/* 1 when nvidia-peermem is loaded (the emulation: when it says so). */
+int wx__verbs_peermem_loaded(const wx_verbs_t *t);
+/* ", because ..." text for a registration that failed with errno e: names RLIMIT_MEMLOCK and
+ * how to raise it when e is ENOMEM under a finite limit, else "". */
+const char *wx__verbs_memlock_hint(int e, char *buf, size_t len);
+/* The fix for a dma-buf or peermem failure, for error texts. */
+#define WX_VERBS_FIX_DMABUF                                                                        \
+    "dma-buf needs the NVIDIA open kernel module (driver >= 515) on Linux >= 5.12 and "            \
+    "rdma-core >= 34"
+#define WX_VERBS_FIX_PEERMEM "modprobe nvidia-peermem (it ships with the NVIDIA driver)"
 
 /* wx_verbs_conn.c */
 int wx__verbs_address(wx_transport_t *tt, uint8_t *buf, size_t *len);

@@ -39,6 +39,7 @@ static const char *const wx__verbs_known[] = {"device",
                                               "timeout",
                                               "retry_cnt",
                                               "reg",
+                                              "gpu_memory",
 #ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
                                               "_test_rkey_xor",
                                               "_test_raddr_add",
@@ -421,9 +422,19 @@ static int wx__verbs_open(const wx_opts_t *opts, wx_transport_t **out)
     if ((rc = wx__opt_int(opts, "_test_raddr_add", 0, 0, ~0ull, &t->test_raddr_add)))
         goto fail;
 #endif
+    s = wx_opt_str(opts, "gpu_memory", "no");
+    if (strcmp(s, "yes") && strcmp(s, "no")) {
+        rc = wx_errf(-EINVAL, "verbs: option gpu_memory=%s (want yes or no)", s);
+        goto fail;
+    }
+    t->gpu_memory = strcmp(s, "yes") == 0;
     t->nonce = wx_now_ns() ^ ((uint64_t)getpid() << 40) ^ (uint64_t)(uintptr_t)t;
     rc = wx__verbs_open_nics(t, wx_opt_str(opts, "device", NULL));
     if (rc)
+        goto fail;
+    /* GPU memory will be registered: find out now, before anything is registered or
+     * written, whether and how (dma-buf or nvidia-peermem); fail here if neither can work. */
+    if (t->gpu_memory && (rc = wx__verbs_gpu_check(t)))
         goto fail;
     t->base.max_write = t->chunk;
     for (int i = 0; i < t->nnic; i++)
@@ -613,6 +624,8 @@ static int wx__verbs_info(wx_transport_t *tt, char *buf, size_t len)
             t->reg_why[0] ? t->reg_why : "nothing registered yet", (unsigned long long)t->reg_calls,
             (unsigned long long)t->reg_hits);
     pthread_mutex_unlock(&t->rlock);
+    if (t->gpu_route[0])
+        WX__ADD(" gpu_route=%s (%s)", t->gpu_route, t->gpu_why);
 #ifdef WX_TESTING
     if (t->test_rkey_xor || t->test_raddr_add)
         WX__ADD(" TEST-ONLY-CORRUPTION rkey_xor=0x%x raddr_add=%llu", t->test_rkey_xor,

@@ -63,6 +63,8 @@ static void wx__ibv_load(void)
                   sizeof ignore);
     }
     wx__ibv.emulated = is_emu ? is_emu() : 0;
+    if (wx__ibv.emulated)
+        WX__OPT(emu_peermem, "wxemu_verbs_peermem");
     wx__ibv_ok = 1;
 }
 

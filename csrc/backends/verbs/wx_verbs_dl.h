@@ -49,6 +49,8 @@ typedef struct wx_verbs_api {
                         size_t); /* _ibv_query_gid_ex */
     char path[256];              /* the file that was loaded */
     int emulated; /* the library says it is the wxfer emulation (wxemu_verbs_is_emulation) */
+    /* the emulation only: 1 when its host "has nvidia-peermem loaded" (wxemu_verbs_peermem) */
+    int (*emu_peermem)(void);
 } wx_verbs_api_t;
 
 /* Load libibverbs.so.1 (or $WXFER_LIBIBVERBS) once. Returns the table, or NULL with the

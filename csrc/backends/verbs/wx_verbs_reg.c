@@ -42,9 +42,11 @@ static int wx__reg_host(wx_verbs_t *t, wx__vreg_t *r)
         r->mr[i] = wx__reg_va(t, &t->nic[i], (void *)(uintptr_t)r->base, r->len, r->access);
         if (!r->mr[i]) {
             int e = errno ? errno : EIO;
+            char hint[400];
             wx__unreg(t, r);
-            return wx_errf(-e, "ibv_reg_mr(%s, %p, %llu bytes) failed: %s", t->nic[i].name,
-                           (void *)(uintptr_t)r->base, (unsigned long long)r->len, strerror(e));
+            return wx_errf(-e, "ibv_reg_mr(%s, %p, %llu bytes) failed: %s%s", t->nic[i].name,
+                           (void *)(uintptr_t)r->base, (unsigned long long)r->len, strerror(e),
+                           wx__verbs_memlock_hint(e, hint, sizeof hint));
         }
     }
     r->how = "host";
@@ -111,7 +113,6 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
     size_t size;
     CUdevice dev;
     CUcontext ctx, prev = NULL;
-    struct stat st;
     int rc = -ENOSYS, peermem;
     cu = wx_cuda(why, sizeof why);
     if (!cu)
@@ -135,19 +136,25 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
     else
         snprintf(dwhy, sizeof dwhy, "not tried (reg=peermem)");
     if (rc && strcmp(t->reg_mode, "dmabuf") != 0) {
-        peermem = stat("/sys/module/nvidia_peermem", &st) == 0;
+        peermem = wx__verbs_peermem_loaded(t);
         for (int i = 0; i < t->nnic; i++) {
             r->mr[i] = wx__reg_va(t, &t->nic[i], (void *)(uintptr_t)r->base, r->len, r->access);
             if (!r->mr[i]) {
                 int e = errno ? errno : EIO;
+                char hint[400];
                 wx__unreg(t, r);
                 cu->cuCtxSetCurrent(prev);
                 cu->cuDevicePrimaryCtxRelease(dev);
                 return wx_errf(-e,
-                               "verbs: cannot register GPU %d memory on %s: dma-buf: %s; "
-                               "ibv_reg_mr on the device pointer: %s (nvidia-peermem %s)",
-                               r->device, t->nic[i].name, dwhy, strerror(e),
-                               peermem ? "loaded" : "not loaded");
+                               "verbs: cannot register GPU %d memory (%llu bytes) on %s: "
+                               "dma-buf: %s; ibv_reg_mr on the device pointer (nvidia-peermem "
+                               "%s): %s%s (fix: %s, or %s)",
+                               r->device, (unsigned long long)r->len, t->nic[i].name, dwhy,
+                               peermem ? "loaded" : "not loaded", strerror(e),
+                               wx__verbs_memlock_hint(e, hint, sizeof hint),
+                               peermem ? "nvidia-peermem refused this memory: see dmesg"
+                                       : WX_VERBS_FIX_PEERMEM,
+                               WX_VERBS_FIX_DMABUF);
             }
         }
         r->how = "peermem";
@@ -156,8 +163,10 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
     } else if (rc) {
         cu->cuCtxSetCurrent(prev);
         cu->cuDevicePrimaryCtxRelease(dev);
-        return wx_errf(rc, "verbs: dma-buf registration of GPU %d memory failed: %s", r->device,
-                       dwhy);
+        return wx_errf(rc,
+                       "verbs: dma-buf registration of GPU %d memory failed: %s (reg=dmabuf; "
+                       "fix: %s, or reg=auto to allow nvidia-peermem)",
+                       r->device, dwhy, WX_VERBS_FIX_DMABUF);
     } else {
         snprintf(note, note_len, "peermem not needed: dma-buf worked");
     }

@@ -1,0 +1,171 @@
+"""What this machine offers for GPU memory registered for RDMA (issue 28).
+
+``python -m wxfer.tools.gpuprobe [--json]`` prints, for the lead's GPU runs and for users:
+
+- libfabric: the version loaded, its providers for one-sided writes (FI_EP_RDM, FI_RMA) and
+  which of them offer FI_HMEM; for each of those, whether a transport opens with hmem=on
+  and, where a CUDA GPU is present, whether 2 MiB of CUDA memory registers
+  (``fi_mr_regattr`` with FI_HMEM_CUDA) -- the step that needs a libfabric built with CUDA;
+- CUDA: the GPU, the driver, whether it is the open kernel module, and
+  CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED (dma-buf export of GPU memory);
+- verbs: the real libibverbs (ibv_reg_dmabuf_mr exported?), RDMA devices, nvidia-peermem,
+  RLIMIT_MEMLOCK.
+
+Nothing here writes anything; each finding says what it read. The `gpu` tests
+(tests/test_fabric_gpu.py) take the HMEM providers from :func:`fabric_hmem_providers` and skip
+with :func:`fabric_finding` as the reason where there are none.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import resource
+import sys
+
+
+def fabric_probe() -> dict:
+    """The C probe's answer: {"loaded", "version", "rma": [...], "rma_hmem": [...]}."""
+    from .. import _wxfer
+
+    return json.loads(_wxfer.fabric_probe())
+
+
+def fabric_hmem_providers(probe: dict | None = None) -> list[tuple[str, str]]:
+    """(provider, domain) of every provider that offers FI_HMEM, first domain each."""
+    probe = fabric_probe() if probe is None else probe
+    seen, out = set(), []
+    for e in probe.get("rma_hmem", []):
+        if e["provider"] not in seen:
+            seen.add(e["provider"])
+            out.append((e["provider"], e["domain"]))
+    return out
+
+
+def fabric_finding(probe: dict | None = None) -> str:
+    """One line: the libfabric version and which providers offer FI_HMEM."""
+    probe = fabric_probe() if probe is None else probe
+    if not probe.get("loaded"):
+        return "libfabric not loaded: %s" % probe.get("why")
+    provs = sorted({e["provider"] for e in probe["rma"]})
+    hm = [p for p, _ in fabric_hmem_providers(probe)]
+    return "libfabric %s: RMA providers %s; FI_HMEM offered by: %s" % (
+        probe["version"],
+        ", ".join(provs) or "none",
+        ", ".join(hm) or "none",
+    )
+
+
+def _try_fabric_cuda(provider: str, domain: str) -> dict:
+    from .. import _wxfer
+
+    res = {"provider": provider, "domain": domain}
+    opts = {"provider": provider, "hmem": "on"}
+    if provider.startswith(("tcp", "net", "udp", "sockets")):
+        opts["iface"] = domain
+    try:
+        t = _wxfer.Transport("fabric", opts)
+    except _wxfer.Error as e:
+        res.update(opened=False, error=str(e))
+        return res
+    res.update(opened=True, info=t.info())
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            x = torch.zeros(2 << 20, dtype=torch.uint8, device="cuda:0")
+            try:
+                r = t.register(x)
+                res.update(cuda_registered=True)
+                r.close()
+            except _wxfer.Error as e:
+                res.update(cuda_registered=False, error=str(e))
+        else:
+            res.update(cuda_registered=None, error="no CUDA GPU here: registration not tried")
+    finally:
+        t.close()
+    return res
+
+
+def _cuda_facts() -> dict:
+    out: dict = {}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        if not torch.cuda.is_available():
+            out["gpu"] = None
+            return out
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["torch_cuda"] = torch.version.cuda
+    except Exception as e:  # noqa: BLE001 -- reported, not raised
+        out["torch_error"] = repr(e)
+        return out
+    try:
+        cu = ctypes.CDLL(os.environ.get("WXFER_LIBCUDA") or "libcuda.so.1")
+        cu.cuInit(0)
+        v, attr, dev = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        cu.cuDriverGetVersion(ctypes.byref(v))
+        cu.cuDeviceGet(ctypes.byref(dev), 0)
+        rc = cu.cuDeviceGetAttribute(ctypes.byref(attr), 124, dev)  # DMA_BUF_SUPPORTED
+        out["driver_api"] = v.value
+        out["dma_buf_supported"] = attr.value if rc == 0 else "cuDeviceGetAttribute: %d" % rc
+        out["cuMemGetHandleForAddressRange"] = hasattr(cu, "cuMemGetHandleForAddressRange")
+    except OSError as e:
+        out["libcuda"] = str(e)
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            first = f.readline().strip()
+        out["kernel_module"] = first
+        out["open_kernel_module"] = "Open Kernel Module" in first
+    except OSError:
+        out["kernel_module"] = None
+    return out
+
+
+def _verbs_facts() -> dict:
+    out: dict = {}
+    try:
+        ib = ctypes.CDLL("libibverbs.so.1")
+        out["libibverbs"] = True
+        out["ibv_reg_dmabuf_mr"] = hasattr(ib, "ibv_reg_dmabuf_mr")
+    except OSError as e:
+        out["libibverbs"] = str(e)
+    d = "/sys/class/infiniband"
+    out["rdma_devices"] = sorted(os.listdir(d)) if os.path.isdir(d) else []
+    out["nvidia_peermem"] = os.path.exists("/sys/module/nvidia_peermem")
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    out["memlock"] = "unlimited" if soft == resource.RLIM_INFINITY else soft
+    out["kernel"] = platform.release()
+    return out
+
+
+def probe_all(try_cuda: bool = True) -> dict:
+    fp = fabric_probe()
+    res = {"fabric": {"finding": fabric_finding(fp), "probe": fp}, "cuda": _cuda_facts(), "verbs": _verbs_facts()}
+    if try_cuda and fp.get("loaded"):
+        res["fabric"]["hmem_tries"] = [_try_fabric_cuda(p, d) for p, d in fabric_hmem_providers(fp)]
+    return res
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    res = probe_all()
+    if "--json" in argv:
+        print(json.dumps(res, indent=1, sort_keys=True))
+        return 0
+    print("fabric:", res["fabric"]["finding"])
+    for t in res["fabric"].get("hmem_tries", []):
+        print(
+            "  %s (%s): opened=%s cuda_registered=%s %s"
+            % (t["provider"], t["domain"], t.get("opened"), t.get("cuda_registered"), t.get("error", ""))
+        )
+    print("cuda:", json.dumps(res["cuda"], sort_keys=True))
+    print("verbs:", json.dumps(res["verbs"], sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
