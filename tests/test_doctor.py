@@ -177,3 +177,36 @@ def test_doctor_on_a_gpu_node():
             assert m[i][j] == (i == j or torch.cuda.can_device_access_peer(i, j)), (i, j, m)
     assert d["libfabric"]["status"] == ("ok" if _loads("libfabric.so.1") else "missing"), d["libfabric"]
     assert d["gpu topology"]["status"] in ("ok", "wrong") and len(d["gpu topology"]["data"]["gpus"]) == n
+
+
+FAKE_NVRTC = r"""
+/* a stand-in libnvrtc: the entry points wxfer resolves, each refusing, but a version */
+int nvrtcVersion(int *major, int *minor) { *major = 12; *minor = 9; return 0; }
+const char *nvrtcGetErrorString(int r) { (void)r; return "fake nvrtc"; }
+int nvrtcCreateProgram(void) { return 1; }
+int nvrtcDestroyProgram(void) { return 1; }
+int nvrtcCompileProgram(void) { return 1; }
+int nvrtcGetProgramLogSize(void) { return 1; }
+int nvrtcGetProgramLog(void) { return 1; }
+int nvrtcGetCUBINSize(void) { return 1; }
+int nvrtcGetCUBIN(void) { return 1; }
+"""
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="no C compiler to build the stand-in libnvrtc")
+def test_doctor_reports_a_loaded_nvrtc(tmp_path):
+    """The NVRTC entry where the library loads (on the H200 its dict was built with one
+    format item too many: doctor died with 'SystemError: Bad dict format'); here a stand-in
+    library named by $WXFER_LIBNVRTC takes the loaded branch."""
+    src = tmp_path / "fake_nvrtc.c"
+    src.write_text(FAKE_NVRTC)
+    lib = tmp_path / "libnvrtc.so.12"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, env=build_env())
+    code = "import json; from wxfer import _wxfer; print(json.dumps(_wxfer.libraries([])['nvrtc']))"
+    e = dict(os.environ, WXFER_LIBNVRTC=str(lib))
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, env=e)
+    assert r.returncode == 0, r.stderr
+    nv = json.loads(r.stdout)
+    assert nv["loaded"] is True and nv["version"] == "12.9" and nv["path"] == str(lib), nv
+    checks = _doctor(WXFER_LIBNVRTC=str(lib))
+    assert any("12.9" in json.dumps(c) for c in checks.values()), checks
