@@ -82,7 +82,7 @@ def _topo_word(hops, same_numa):
     return "NODE" if same_numa else "SYS"
 
 
-def check_libraries(lib):
+def _check_fabric(lib):
     out = []
     fab = lib["libfabric"]
     if fab["loaded"]:
@@ -120,6 +120,11 @@ def check_libraries(lib):
                 "or set WXFER_LIBFABRIC=/path/libfabric.so.1",
             )
         )
+    return out
+
+
+def _check_verbs(lib):
+    out = []
     v = lib["libibverbs"]
     if v["loaded"]:
         what = "EMULATED libibverbs (test build of csrc/testing)" if v["emulated"] else "libibverbs"
@@ -143,6 +148,11 @@ def check_libraries(lib):
                 "install rdma-core's libibverbs1 and the NIC's provider (apt install libibverbs1 ibverbs-providers)",
             )
         )
+    return out
+
+
+def _check_cuda(lib):
+    out = []
     c = lib["libcuda"]
     if c["loaded"]:
         dv = c["driver_version"]
@@ -170,6 +180,11 @@ def check_libraries(lib):
                 "install the NVIDIA driver; in a container run with --gpus all (or the NVIDIA container runtime)",
             )
         )
+    return out
+
+
+def _check_nvrtc(lib):
+    out = []
     n = lib["nvrtc"]
     if n["loaded"]:
         out.append(
@@ -186,6 +201,11 @@ def check_libraries(lib):
             )
         )
     return out
+
+
+def check_libraries(lib):
+    """One check per library (and libfabric's providers) from `_wxfer.libraries()`."""
+    return _check_fabric(lib) + _check_verbs(lib) + _check_cuda(lib) + _check_nvrtc(lib)
 
 
 def check_rdma(ports, verbs):
