@@ -1,0 +1,118 @@
+"""The parameter contract on vLLM's own model classes (Qwen3 and Qwen3-MoE, BF16 and FP8 block,
+TP1 and TP2 in real processes), each built from a tiny HF checkpoint with vLLM's CPU GEMM
+dispatch kept on the parameters (wxfer.integrations.vllm.keep_cpu_weights: vLLM's CPU
+platform otherwise repacks linear weights and leaves shape-[0] parameters): every parameter
+the mapping writes is there under the mapping's name or vLLM's renamed one, with its shape and
+dtype; the bytes vLLM's own load_weights lays for seeded checkpoint tensors equal the mapping's
+reference packing (the layout proof); a deliberately wrong mapping is caught by it; vLLM's
+factory builds the wxfer engine."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+CASES = {}
+
+
+def _run(tmp, moe, fp8, tp, post=True, **kw):
+    from wxfer.runtime.control import free_port
+    from vhelp import save_checkpoint
+
+    ck = os.path.join(tmp, "ckpt")
+    save_checkpoint(ck, moe=moe, fp8=fp8, **kw)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(HERE, "vhelp.py"),
+                "contract",
+                ck,
+                str(tp),
+                str(r),
+                str(port),
+                os.path.join(tmp, "r%d.json" % r),
+                "1" if post else "0",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(tp)
+    ]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r} failed:\n" + outs[r][-4000:]
+    return [json.load(open(os.path.join(tmp, "r%d.json" % r))) for r in range(tp)]
+
+
+# FP8 runs without process_weights_after_loading: on vLLM's CPU platform the FP8 linear
+# post-processing re-lays some weights (the router comes out float32 and transposed), which the
+# contract tests separately (test_cpu_fp8_post_processing_is_refused)
+@pytest.mark.parametrize(
+    "moe,fp8,tp",
+    [
+        (False, False, 1),
+        (False, True, 1),
+        (True, False, 1),
+        (True, True, 1),
+        (False, False, 2),
+        (False, True, 2),
+        (True, False, 2),
+    ],
+    ids=[
+        "qwen3-bf16-tp1",
+        "qwen3-fp8-tp1",
+        "moe-bf16-tp1",
+        "moe-fp8-tp1",
+        "qwen3-bf16-tp2",
+        "qwen3-fp8-tp2",
+        "moe-bf16-tp2",
+    ],
+)
+def test_contract_and_layout_proof(tmp_path, moe, fp8, tp):
+    # FP8 at TP2: head_dim 128 so that every rank's k/v rows are whole 128-row blocks (the mapping
+    # refuses a block split across ranks, by name)
+    reps = _run(str(tmp_path), moe, fp8, tp, post=not fp8, head_dim=128 if fp8 and tp > 1 else 64)
+    for r, rep in enumerate(reps):
+        assert not rep["missing"], rep["missing"]
+        assert rep["shape_error"] is None, rep["shape_error"]
+        # what the mapping does not write: the attention's activation / KV-cache scales
+        weights = [n for n in rep["params"] if not n.endswith(("q_scale", "k_scale", "v_scale", "prob_scale"))]
+        assert sorted(rep["left"]) == sorted(set(rep["params"]) - set(weights)), rep["left"]
+        assert len(rep["selected"]) == len(rep["expected"]) == len(weights)
+        for n, (shape, dt) in rep["expected"].items():
+            vn = n if n in rep["params"] else n.replace(".experts.", ".experts.routed_experts.", 1)
+            assert rep["params"][vn] == [shape, dt], (n, rep["params"][vn], shape, dt)
+        if moe:
+            assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in rep["params"]
+            assert rep["gate_fp8"] == [fp8]  # the router follows the checkpoint's quantization config
+            assert rep["params"]["model.layers.0.mlp.gate.weight"][1] == ("float8_e4m3fn" if fp8 else "bfloat16")
+        if fp8:
+            assert rep["params"]["model.layers.0.self_attn.qkv_proj.weight_scale_inv"][1] == "float32"
+        # bit equality of what vLLM's load_weights lays with what the mapping packs
+        assert rep["proof_errors"] == [], rep["proof_errors"]
+        assert (
+            "lm_head.weight" in rep["proof_params"]
+            and "model.layers.1.mlp.down_proj.weight" in rep["proof_params"]
+            or moe
+        )
+        assert len(rep["proof_params"]) >= 10
+        # the deliberately wrong mapping (gate/up swapped in gate_up_proj) is caught, by name
+        if not moe:
+            assert rep["wrong_errors"] and all("gate_up_proj" in e for e in rep["wrong_errors"]), rep["wrong_errors"]
+        assert rep["engine"] == "wxfer.integrations.vllm.engine.WxferWeightTransferEngine"
+        assert rep["refusals"] == []
+
+
+def test_cpu_fp8_post_processing_is_refused(tmp_path):
+    """vLLM's CPU FP8 post-processing re-lays the MoE router: the setup check names it."""
+    (rep,) = _run(str(tmp_path), True, True, 1, post=True)
+    assert rep["shape_error"] and "model.layers.0.mlp.gate.weight" in rep["shape_error"], rep["shape_error"]
