@@ -25,7 +25,7 @@ KEY = "vllm/proof/%d"
 
 
 class LayoutProofError(RuntimeError):
-    pass
+    workers = 0  # how many workers published a proof (they wait for the plan status)
 
 
 def fp8_sources(preset, cfg: dict, tp: int, ep: bool, layers) -> set:
@@ -123,10 +123,12 @@ def trainer_check(ctl, mapping, timeout: float, alive=lambda: None) -> dict:
         extra = sorted(set(r["digests"]) - set(exp))
         errors += [f"{where}: {n}: filled by vLLM's loader but not written by the trainers' mapping" for n in extra]
     if errors:
-        raise LayoutProofError(
+        e = LayoutProofError(
             f"wxfer: layout proof failed ({len(errors)} parameter(s)): the bytes vLLM's own load_weights lays "
             "for seeded checkpoint tensors differ from what the trainers' mapping packs: " + "; ".join(errors[:6])
         )
+        e.workers = len(recs)
+        raise e
     return {r["gpu"]: len(r["digests"]) for r in recs}
 
 

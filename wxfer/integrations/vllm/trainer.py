@@ -27,6 +27,7 @@ Built lazily like engine.py: importable without vLLM.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -95,6 +96,17 @@ class _Call(threading.Thread):
         return None
 
 
+def _linger(ctl, workers: int, timeout: float) -> None:
+    """After a setup error set as the plan status: wait (bounded) until `workers` Receivers read
+    it from the store this process hosts, so that each raises it rather than a lost store."""
+    deadline = time.monotonic() + timeout
+    try:
+        while workers and ctl.add("status/acks", 0) < workers and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 -- nothing left to wait for
+        pass
+
+
 def _module_of(source):
     mod = getattr(source, "_module", None) or getattr(source, "module", None)
     if mod is None and hasattr(source, "named_parameters"):
@@ -158,6 +170,7 @@ class TrainerSide:
                         self.proof = trainer_check(ctl, preset, info.timeout, alive)
                     except Exception as e:  # noqa: BLE001 -- the workers learn it from the plan status
                         ctl.set("status", control.encode_result(None, f"{type(e).__name__}: {e}"))
+                        _linger(ctl, getattr(e, "workers", 0), min(info.timeout, 10.0))
                         raise
             except Exception as e:  # noqa: BLE001 -- raised on every rank by agree()
                 err = f"{type(e).__name__}: {e}"
@@ -189,7 +202,13 @@ class TrainerSide:
                 self.pending.result(info.update_timeout, "the previous update_weights")
                 self.pending = None
             try:
-                self.client.start_weight_update()
+                try:
+                    self.client.start_weight_update()
+                except Exception as e:  # noqa: BLE001
+                    # vLLM keeps its update session open after a finish_weight_update that raised:
+                    # this round's update_weights and finish_weight_update complete that one
+                    if "already active" not in str(e):
+                        raise
                 call = self.pending = _Call(
                     self.client.update_weights, {"version": v, "timeout": float(info.update_timeout)}
                 )
