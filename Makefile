@@ -56,16 +56,17 @@ vllm-setup: apt
 	@if [ -e $(VLLM_STAMP) ]; then :; else \
 	  rm -f .venv-vllm/FAILED; t0=$$(date +%s); \
 	  { test -x $(VPY) || python3 -m venv .venv-vllm; } && \
-	  $(VPY) -m pip install -q --upgrade pip && \
-	  $(VPY) -m pip install -q torch==2.13.0 && \
+	  $(VPY) -m pip install -q --upgrade pip > .venv-vllm/pip.log 2>&1 && \
+	  $(VPY) -m pip install -q torch==2.13.0 >> .venv-vllm/pip.log 2>&1 && \
 	  $(VPY) -m pip install -q $(VLLM_PIN) pytest pytest-timeout transformers setuptools wheel \
-	    > .venv-vllm/pip.log 2>&1 && \
+	    >> .venv-vllm/pip.log 2>&1 && \
 	  { $(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1; true; } && \
 	  $(VPY) -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
 	  && touch $(VLLM_STAMP) \
 	  && echo "make vllm-setup: $(VLLM_PIN) installed in .venv-vllm in $$(( $$(date +%s) - t0 )) s" \
 	  || { mkdir -p .venv-vllm; { echo "$(VLLM_PIN) could not be installed into .venv-vllm:"; \
-	       tail -5 .venv-vllm/pip.log 2>/dev/null; } > .venv-vllm/FAILED; cat .venv-vllm/FAILED; }; \
+	       grep -v "^WARNING: Location" .venv-vllm/pip.log 2>/dev/null | tail -5; } > .venv-vllm/FAILED; \
+	       cat .venv-vllm/FAILED; }; \
 	fi
 	@if [ -e $(VLLM_STAMP) ]; then \
 	  f=; $(VPY) -c "import sys, wxfer._wxfer as w; sys.exit(not w.TESTING)" 2>/dev/null || f=--force; \

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CASES = {}
 
 
-def _run(tmp, moe, fp8, tp, post=True, **kw):
+def _run(tmp, moe, fp8, tp, post=True, ep=False, keep=True, **kw):
     from wxfer.runtime.control import free_port
     from vhelp import save_checkpoint
 
@@ -39,6 +39,8 @@ def _run(tmp, moe, fp8, tp, post=True, **kw):
                 str(port),
                 os.path.join(tmp, "r%d.json" % r),
                 "1" if post else "0",
+                "1" if ep else "0",
+                "1" if keep else "0",
             ],
             env=env,
             stdout=subprocess.PIPE,
@@ -56,31 +58,28 @@ def _run(tmp, moe, fp8, tp, post=True, **kw):
 # FP8 runs without process_weights_after_loading: on vLLM's CPU platform the FP8 linear
 # post-processing re-lays some weights (the router comes out float32 and transposed), which the
 # contract tests separately (test_cpu_fp8_post_processing_is_refused)
-@pytest.mark.parametrize(
-    "moe,fp8,tp",
-    [
-        (False, False, 1),
-        (False, True, 1),
-        (True, False, 1),
-        (True, True, 1),
-        (False, False, 2),
-        (False, True, 2),
-        (True, False, 2),
-    ],
-    ids=[
-        "qwen3-bf16-tp1",
-        "qwen3-fp8-tp1",
-        "moe-bf16-tp1",
-        "moe-fp8-tp1",
-        "qwen3-bf16-tp2",
-        "qwen3-fp8-tp2",
-        "moe-bf16-tp2",
-    ],
-)
-def test_contract_and_layout_proof(tmp_path, moe, fp8, tp):
-    # FP8 at TP2: head_dim 128 so that every rank's k/v rows are whole 128-row blocks (the mapping
-    # refuses a block split across ranks, by name)
-    reps = _run(str(tmp_path), moe, fp8, tp, post=not fp8, head_dim=128 if fp8 and tp > 1 else 64)
+CASES = {  # id: (moe, fp8, tp, ep)
+    "qwen3-bf16-tp1": (False, False, 1, False),
+    "qwen3-fp8-tp1": (False, True, 1, False),
+    "moe-bf16-tp1": (True, False, 1, False),
+    "moe-fp8-tp1": (True, True, 1, False),
+    "qwen3-bf16-tp2": (False, False, 2, False),
+    "qwen3-fp8-tp2": (False, True, 2, False),
+    "moe-bf16-tp2": (True, False, 2, False),
+    "moe-fp8-tp2": (True, True, 2, False),
+    "moe-bf16-tp2-ep": (True, False, 2, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_contract_and_layout_proof(tmp_path, case):
+    moe, fp8, tp, ep = CASES[case]
+    # FP8 at TP2: head_dim 128 and moe_intermediate 256 so that every rank's rows are whole 128-row
+    # blocks (the mapping refuses a block split across ranks, by name)
+    big = fp8 and tp > 1
+    reps = _run(
+        str(tmp_path), moe, fp8, tp, post=not fp8, ep=ep, head_dim=128 if big else 64, moe_inter=256 if big else 128
+    )
     for r, rep in enumerate(reps):
         assert not rep["missing"], rep["missing"]
         assert rep["shape_error"] is None, rep["shape_error"]
@@ -108,8 +107,19 @@ def test_contract_and_layout_proof(tmp_path, moe, fp8, tp):
         # the deliberately wrong mapping (gate/up swapped in gate_up_proj) is caught, by name
         if not moe:
             assert rep["wrong_errors"] and all("gate_up_proj" in e for e in rep["wrong_errors"]), rep["wrong_errors"]
+        if moe and tp > 1:  # the layout of the other expert placement (EP on / off) is caught too
+            assert any("experts.w13_weight" in e for e in rep["ep_errors"]), rep["ep_errors"]
         assert rep["engine"] == "wxfer.integrations.vllm.engine.WxferWeightTransferEngine"
         assert rep["refusals"] == []
+
+
+def test_vllm_cpu_gemm_dispatch_is_refused_by_name(tmp_path):
+    """Without keep_cpu_weights, vLLM's CPU platform repacks: the setup checks name every layer."""
+    (rep,) = _run(str(tmp_path), False, False, 1, keep=False)
+    assert "model.layers.0.self_attn.qkv_proj.weight: vLLM holds (0,)" in rep["shape_error"], rep["shape_error"]
+    refused = [r.split(":")[0] for r in rep["refusals"]]
+    assert "model.embed_tokens" in refused and "lm_head" in refused and "model.layers.1.mlp.down_proj" in refused
+    assert all("keep_cpu_weights" in r for r in rep["refusals"])
 
 
 def test_cpu_fp8_post_processing_is_refused(tmp_path):

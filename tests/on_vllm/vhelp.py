@@ -12,7 +12,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-def hf_config(moe=False, fp8=False, layers=2, vocab=512, head_dim=64):
+def hf_config(moe=False, fp8=False, layers=2, vocab=512, head_dim=64, moe_inter=128):
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     kw = dict(
@@ -29,7 +29,7 @@ def hf_config(moe=False, fp8=False, layers=2, vocab=512, head_dim=64):
     if moe:
         c = Qwen3MoeConfig(
             intermediate_size=256,
-            moe_intermediate_size=128,
+            moe_intermediate_size=moe_inter,
             num_experts=4,
             num_experts_per_tok=2,
             decoder_sparse_step=1,
@@ -67,10 +67,11 @@ def save_checkpoint(path, moe=False, fp8=False, seed=0, **kw):
     return cfg
 
 
-def build(path, tp=1, rank=0, port=29611, post=True):
+def build(path, tp=1, rank=0, port=29611, post=True, ep=False, keep=True):
     """(vllm_config, model): vLLM's own model class for the checkpoint at `path`, TP rank `rank`
     of `tp` (gloo), with vLLM's CPU GEMM dispatch kept on the parameters (keep_cpu_weights).
-    post: run vLLM's process_weights_after_loading too."""
+    post: run vLLM's process_weights_after_loading too; ep: expert parallelism; keep: False
+    leaves vLLM's CPU GEMM dispatch as it is."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -80,7 +81,8 @@ def build(path, tp=1, rank=0, port=29611, post=True):
 
     from wxfer.integrations.vllm import keep_cpu_weights
 
-    keep_cpu_weights()
+    if keep:
+        keep_cpu_weights()
     os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPU worker sets before its gloo groups
     vc = EngineArgs(
         model=path,
@@ -89,6 +91,7 @@ def build(path, tp=1, rank=0, port=29611, post=True):
         max_model_len=128,
         enforce_eager=True,
         tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
         distributed_executor_backend="mp" if tp > 1 else None,
     ).create_engine_config()
     with set_current_vllm_config(vc):
@@ -103,7 +106,11 @@ def build(path, tp=1, rank=0, port=29611, post=True):
     return vc, model
 
 
-def contract(path, tp, rank, port, out, post):
+def moe_of(cfg):
+    return "num_experts" in cfg or "num_local_experts" in cfg
+
+
+def contract(path, tp, rank, port, out, post, ep=False, keep=True):
     """One TP rank: the parameter contract, the layout proof (bit equality of vLLM's load_weights
     with the mapping), a deliberately wrong mapping, and the engine from vLLM's factory."""
     import torch
@@ -116,27 +123,27 @@ def contract(path, tp, rank, port, out, post):
     from wxfer.integrations.vllm.layout import check_shapes, compare_digests, proof_digests, proof_layers, refusals
     from wxfer.integrations.vllm.proof import load_and_digest
 
-    vc, model = build(path, tp, rank, port, post)
+    vc, model = build(path, tp, rank, port, post, ep, keep)
     cfg = vc.model_config.hf_config.to_dict()
     preset = worker_preset(WxferInitInfo(mapping_name="tiny"), cfg)
     named = list(model.named_parameters())
     quant = quant_of(named)
-    exp = expected_destinations(preset, cfg, tp, rank, quant)
+    exp = expected_destinations(preset, cfg, tp, rank, quant, ep)
     sel, left, missing = select_parameters(named, exp)
+    bad = refusals(model, preset.arch)
     shape_error = None
     try:
         check_shapes(sel, exp, "rank %d" % rank)
     except ValueError as e:
         shape_error = str(e)
     layers = proof_layers(cfg["num_hidden_layers"])
-    if shape_error:  # the worker refuses before its proof (the loader cannot run on re-laid parameters)
+    if shape_error or bad:  # the worker refuses before its proof (the loader cannot run on re-laid parameters)
         with open(out, "w") as f:
-            json.dump(dict(shape_error=shape_error, params={n: [list(t.shape), str(t.dtype)] for n, t in named}), f)
+            params = {n: [list(t.shape), str(t.dtype)] for n, t in named}
+            json.dump(dict(shape_error=shape_error, refusals=bad, params=params), f)
         return
     with set_current_vllm_config(vc):
-        got, errors, secs = load_and_digest(
-            model, preset, cfg, sel, tp, rank, quant, False, layers, 7, "rank %d" % rank
-        )
+        got, errors, secs = load_and_digest(model, preset, cfg, sel, tp, rank, quant, ep, layers, 7, "rank %d" % rank)
         # a deliberately wrong mapping: gate and up swapped in the fused gate_up_proj (same shapes)
         from wxfer.mapping import Fuse, Preset
 
@@ -147,8 +154,11 @@ def contract(path, tp, rank, port, out, post):
 
         wrong = Preset(preset.name, preset.arch, [swap(r) for r in preset.rules], preset.config)
         wrong_errors = compare_digests(
-            proof_digests(wrong, None, tp, rank, quant, False, layers, 7), got, "rank %d" % rank
+            proof_digests(wrong, None, tp, rank, quant, ep, layers, 7), got, "rank %d" % rank
         )
+        # and the layout without expert parallelism on an engine with it (or the other way round)
+        other = proof_digests(preset, None, tp, rank, quant, not ep, layers, 7) if moe_of(cfg) and tp > 1 else {}
+        ep_errors = compare_digests(other, got, "rank %d" % rank) if other else []
         eng = WeightTransferEngineFactory.create_engine(
             WeightTransferConfig(backend="wxfer"), vc, torch.device("cpu"), model
         )
@@ -163,7 +173,8 @@ def contract(path, tp, rank, port, out, post):
         proof_params=sorted(got),
         proof_s=secs,
         wrong_errors=wrong_errors,
-        refusals=refusals(model, preset.arch),
+        ep_errors=ep_errors,
+        refusals=bad,
         engine=type(eng).__module__ + "." + type(eng).__name__,
         gate_fp8=[getattr(r, "fp8", None) for r in preset.rules if getattr(r, "dst", "").endswith("mlp.gate.weight")],
     )
@@ -173,4 +184,5 @@ def contract(path, tp, rank, port, out, post):
 
 if __name__ == "__main__":
     if sys.argv[1] == "contract":
-        contract(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7] == "1")
+        a = sys.argv[2:]
+        contract(a[0], int(a[1]), int(a[2]), int(a[3]), a[4], a[5] == "1", a[6] == "1", a[7] == "1")
