@@ -70,7 +70,9 @@ vllm-setup: apt
 	fi
 	@if [ -e $(VLLM_STAMP) ]; then \
 	  f=; $(VPY) -c "import sys, wxfer._wxfer as w; sys.exit(not w.TESTING)" 2>/dev/null || f=--force; \
-	  WXFER_TESTING=1 $(VPY) setup.py -q build_ext --inplace $$f; fi
+	  WXFER_TESTING=1 $(VPY) setup.py -q build_ext --inplace $$f && \
+	  WXFER_TESTING=1 $(VPY) -m pip install -q --no-deps --no-build-isolation --no-index --force-reinstall . \
+	    >> .venv-vllm/pip.log 2>&1; fi  # installed too: vLLM finds its vllm.general_plugins entry point
 
 # tests/on_vllm on the real vLLM (skips with the reason in .venv-vllm/FAILED when it is not there)
 vllm-test: vllm-setup
