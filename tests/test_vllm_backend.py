@@ -44,20 +44,36 @@ def test_the_router_follows_the_quantization_config():
 
 
 def test_refusals_name_the_module_and_what_to_configure():
-    class MarlinLinearMethod:
-        pass
+    import enum
+
+    class Fp8MoeBackend(enum.Enum):  # vLLM's names
+        TRITON = "TRITON"
+        FLASHINFER_CUTLASS = "FLASHINFER_CUTLASS"
+
+    def kind(name, **attrs):
+        return type(name, (), attrs)()
 
     m = torch.nn.Module()
-    m.add_module("a", torch.nn.Linear(2, 2))
-    m.a.quant_method = MarlinLinearMethod()
-    m.add_module("b", torch.nn.Linear(2, 2))
+    for n in "abcdefg":
+        m.add_module(n, torch.nn.Linear(2, 2))
+    m.a.quant_method = kind("Fp8LinearMethod", fp8_linear=kind("MarlinFP8ScaledMMLinearKernel"))
     m.b.cpu_linear = lambda x, w, b: x
-    m.add_module("c", torch.nn.Linear(2, 2))
     m.c.cpu_linear = torch.nn.functional.linear
+    m.d.quant_method = kind("Fp8MoEMethod", fp8_backend=Fp8MoeBackend.FLASHINFER_CUTLASS)
+    m.e.quant_method = kind("Fp8MoEMethod", fp8_backend=Fp8MoeBackend.TRITON)
+    m.f.quant_method = kind("Fp8LinearMethod", fp8_linear=kind("DeepGemmFp8BlockScaledMMKernel"))
+    m.g.quant_method = kind(
+        "UnquantizedFusedMoEMethod", moe_kernel=kind("K", fused_experts=kind("X86CPUUnquantizedExperts"))
+    )
     out = refusals(m, "qwen3")
-    assert len(out) == 2
-    assert out[0].startswith("a: quant_method MarlinLinearMethod") and "configure" in out[0]
-    assert out[1].startswith("b: vLLM's CPU GEMM dispatch") and "keep_cpu_weights" in out[1]
+    assert [o.split(":")[0] for o in out] == ["a", "b", "d", "g"], out
+    assert "MarlinFP8ScaledMMLinearKernel" in out[0] and "configure" in out[0]
+    assert "vLLM's CPU GEMM dispatch" in out[1] and "keep_cpu_weights" in out[1]
+    assert "FLASHINFER_CUTLASS" in out[2] and 'moe_backend="triton"' in out[2]
+    assert "prepacks" in out[3]
+    on_sm100 = refusals(m, "qwen3", device_major=10)
+    assert any(o.startswith("f: FP8 kernel DeepGemm") and "VLLM_USE_DEEP_GEMM=0" in o for o in on_sm100)
+    assert not any(o.startswith("f:") for o in refusals(m, "qwen3", device_major=9))
     assert "MLA" in refusals(torch.nn.Module(), "deepseek_v3")[0]
 
 

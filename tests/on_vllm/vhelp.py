@@ -137,7 +137,9 @@ def contract(path, tp, rank, port, out, post, ep=False, keep=True):
     except ValueError as e:
         shape_error = str(e)
     layers = proof_layers(cfg["num_hidden_layers"])
-    if shape_error or bad:  # the worker refuses before its proof (the loader cannot run on re-laid parameters)
+    if shape_error or (
+        bad and post
+    ):  # the worker refuses before its proof (the loader cannot run on re-laid parameters)
         with open(out, "w") as f:
             params = {n: [list(t.shape), str(t.dtype)] for n, t in named}
             json.dump(dict(shape_error=shape_error, refusals=bad, params=params), f)

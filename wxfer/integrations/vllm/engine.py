@@ -106,7 +106,12 @@ class WorkerSide:
         cfg = self._hf_config()
         preset = worker_preset(info, cfg)
         where = f"vLLM worker (replica {par['dp_rank']}, tp rank {par['rank']} of {par['tp']})"
-        bad = refusals(self.model, preset.arch)
+        major = None
+        if getattr(self.device, "type", "cpu") == "cuda":
+            import torch
+
+            major = torch.cuda.get_device_capability(self.device)[0]
+        bad = refusals(self.model, preset.arch, major)
         if bad:
             raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
         named = list(self.model.named_parameters())

@@ -80,7 +80,16 @@ class WxferWorkerExtension:
         model = self._vllm_model()
         named = list(model.named_parameters())
         quant = quant_of(named)
-        expected = expected_destinations(mapping, self._vllm_hf_config(), info["tp"], info["rank"], quant, info["ep"])
+        hf = self._vllm_hf_config()
+        if isinstance(mapping, (str, dict)) and hf.get("quantization_config"):
+            # the rules follow the engine's quantization config (an FP8 MoE router unless excluded);
+            # the trainers pass the same HF config dict
+            from ...mapping import from_config
+            from ...runtime.program import get_preset
+
+            base = get_preset(mapping)
+            mapping = from_config(base.name, dict(base.config, **hf))
+        expected = expected_destinations(mapping, hf, info["tp"], info["rank"], quant, info["ep"])
         sel, left, missing = select_parameters(named, expected, skip)
         if missing:
             raise RuntimeError(
