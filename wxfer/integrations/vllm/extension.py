@@ -12,7 +12,7 @@ them on all workers with ``collective_rpc``.  This module is such a class::
     # before each generation round, make sure step s is in place:
     llm.collective_rpc("wxfer_wait", args=(s, 60.0))
 
-(vLLM >= 0.30 has a weight-transfer registry: prefer ``WeightTransferConfig(backend="wxfer")``,
+(vLLM 0.32 has a weight-transfer registry: prefer ``WeightTransferConfig(backend="wxfer")``,
 wxfer.integrations.vllm.engine.)  Each worker registers its own weight memory (the model's parameters, in vLLM's layout:
 fused ``qkv_proj``/``gate_up_proj``, FP8 ``weight_scale_inv``...), publishes it, answers
 the trainers' connection handshakes and then runs nothing per step: the trainers write

@@ -2,7 +2,7 @@
 lays the same bytes there.  Plain Python and torch: no vLLM import, tested without it.
 
 - ``expected_destinations``: name -> (shape, dtype) the mapping writes on one inference rank.
-- ``vllm_names``: the mapping's destination names as the vLLM model names them (vLLM >= 0.30
+- ``vllm_names``: the mapping's destination names as the vLLM model names them (vLLM 0.32
   keeps the routed experts of a fused MoE layer under ``mlp.experts.routed_experts.``).
 - ``select_parameters``: the model's parameters the mapping writes, the ones it leaves out and
   the destinations the model lacks.
