@@ -295,3 +295,21 @@ def test_register_is_a_no_op_without_vllm_and_the_entry_point_names_it():
         assert wv.register() is False
         with pytest.raises(ImportError):
             E.WxferWeightTransferEngine  # noqa: B018 -- built on first access, needs vLLM
+
+
+def test_without_the_proof_a_refusing_worker_fails_the_setup_at_once(store):
+    import time
+
+    from wxfer.integrations.vllm.trainer import _wait_first_receiver
+    from wxfer.runtime import control
+
+    s, _ = store
+    ctl = control.Control(s, "first", T)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="init_weight_transfer_engine failed: RuntimeError: refused"):
+        _wait_first_receiver(ctl, lambda: "RuntimeError: refused", T)
+    with pytest.raises(TimeoutError, match="no vLLM worker registered within 0 s"):
+        _wait_first_receiver(ctl, lambda: None, 0.2)
+    ctl.set_json("infer/0", {})
+    _wait_first_receiver(ctl, lambda: None, T)
+    assert time.monotonic() - t0 < 5

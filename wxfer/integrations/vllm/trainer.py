@@ -96,6 +96,17 @@ class _Call(threading.Thread):
         return None
 
 
+def _wait_first_receiver(ctl, alive, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ctl.check("infer/0"):
+        err = alive()
+        if err:
+            raise RuntimeError(f"wxfer: init_weight_transfer_engine failed: {err}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"wxfer: no vLLM worker registered within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
 def _linger(ctl, workers: int, timeout: float) -> None:
     """After a setup error set as the plan status: wait (bounded) until `workers` Receivers read
     it from the store this process hosts, so that each raises it rather than a lost store."""
@@ -164,8 +175,10 @@ class TrainerSide:
                     **_worker_mapping(info.mapping),
                 )
                 call = _Call(client.init_weight_transfer_engine, winfo)
-                if info.proof:
-                    alive = lambda: call.error and f"{type(call.error).__name__}: {call.error}"
+                alive = lambda: call.error and f"{type(call.error).__name__}: {call.error}"
+                if not info.proof:  # a worker that refuses fails the setup now, not at the Senders' timeout
+                    _wait_first_receiver(ctl, alive, info.timeout)
+                else:
                     try:
                         self.proof = trainer_check(ctl, preset, info.timeout, alive)
                     except Exception as e:  # noqa: BLE001 -- the workers learn it from the plan status
