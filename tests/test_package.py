@@ -18,6 +18,7 @@ MODULES = sorted(
         "wxfer.meta",
         "wxfer.testing",
         *("wxfer.integrations." + m for m in ("vllm",)),
+        *("wxfer.integrations.vllm." + m for m in ("cpu", "engine", "extension", "layout", "proof", "trainer")),
         *("wxfer.mapping." + m for m in ("presets", "reference", "rules")),
         *("wxfer.models." + m for m in ("infer", "train")),
         *("wxfer.plan." + m for m in ("check", "cli", "core", "notebook", "reference", "serialize", "simulate")),

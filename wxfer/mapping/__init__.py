@@ -46,6 +46,7 @@ from .presets import (
     from_config,
     get_preset,
     qwen3_moe_rules,
+    router_quantized,
 )
 from .reference import dequantize_fp8_block, pack_shard, pack_task, quantize_fp8_block
 
@@ -78,6 +79,7 @@ __all__ = [
     "from_config",
     "get_preset",
     "qwen3_moe_rules",
+    "router_quantized",
     "dequantize_fp8_block",
     "pack_shard",
     "pack_task",

@@ -220,12 +220,29 @@ def dense_rules(bias=False, qk_norm=False) -> list[Rule]:
     return _common_rules() + _gqa_rules(bias, qk_norm) + _mlp_rules(L + "mlp.")
 
 
-def qwen3_moe_rules() -> list[Rule]:
+def qwen3_moe_rules(gate_fp8: bool = False) -> list[Rule]:
+    """gate_fp8: the router ``mlp.gate`` is FP8 in an FP8 layout too (vLLM quantizes it unless
+    the checkpoint's quantization config excludes it, see ``router_quantized``)."""
     return (
         _common_rules()
         + _gqa_rules(False, True)
-        + [Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=False), *_experts_rules("num_experts")]
+        + [
+            Fuse(L + "mlp.gate.weight", (L + "mlp.gate.weight",), tp=False, fp8=gate_fp8),
+            *_experts_rules("num_experts"),
+        ]
     )
+
+
+def router_quantized(config: Mapping) -> bool:
+    """Whether vLLM builds the MoE router ``mlp.gate`` as an FP8 linear for this config: its
+    quantization_config is FP8 and does not exclude the gate (``modules_to_not_convert`` /
+    ``ignored_layers`` naming ``mlp.gate``).  Without a quantization config (BF16 checkpoint,
+    FP8 chosen at serving time) vLLM's own rule is not known here: the gate stays BF16."""
+    q = dict(config).get("quantization_config") or {}
+    if str(q.get("quant_method", "")).lower() != "fp8":
+        return False
+    skip = list(q.get("modules_to_not_convert") or []) + list(q.get("ignored_layers") or [])
+    return not any(s.endswith("mlp.gate") or s == "gate" or ".mlp.gate" in s for s in skip)
 
 
 def deepseek_rules() -> list[Rule]:
@@ -417,7 +434,8 @@ def from_config(name: str, config: Mapping, **kw) -> Preset:
     """The preset of a Hugging Face config (a dict, e.g. ``model.config.to_dict()``, or a
     transformers config object) for its architecture's rules."""
     arch = arch_of(config)
-    return Preset(name, arch, ARCH_RULES[arch](), _as_dict(config, arch), **kw)
+    rules = qwen3_moe_rules(gate_fp8=True) if arch == "qwen3_moe" and router_quantized(config) else ARCH_RULES[arch]()
+    return Preset(name, arch, rules, _as_dict(config, arch), **kw)
 
 
 PRESETS: dict[str, Callable[[], Preset]] = {
@@ -449,6 +467,7 @@ __all__ = [
     "ARCH_RULES",
     "dense_rules",
     "qwen3_moe_rules",
+    "router_quantized",
     "deepseek_rules",
     "Ignore",
 ]

@@ -12,55 +12,39 @@ them on all workers with ``collective_rpc``.  This module is such a class::
     # before each generation round, make sure step s is in place:
     llm.collective_rpc("wxfer_wait", args=(s, 60.0))
 
-Each worker registers its own weight memory (the model's parameters, in vLLM's layout:
+(vLLM 0.32 has a weight-transfer registry: prefer ``WeightTransferConfig(backend="wxfer")``,
+wxfer.integrations.vllm.engine.)  Each worker registers its own weight memory (the model's parameters, in vLLM's layout:
 fused ``qkv_proj``/``gate_up_proj``, FP8 ``weight_scale_inv``...), publishes it, answers
 the trainers' connection handshakes and then runs nothing per step: the trainers write
 straight into the weights.  Only the parameters the mapping writes are registered;
 others (activation scales, KV-cache scales) are listed in the setup result.
 
-vLLM is not a dependency: everything that touches it is in ``_vllm_parallel_info`` and
-``_vllm_model``, and the rest is plain Python tested without vLLM.
+vLLM is not a dependency: everything that touches it is in ``parallel_info`` /
+``_vllm_parallel_info`` and ``_vllm_model``, and the rest is plain Python tested without vLLM.
 """
 
 from __future__ import annotations
 
-import re
+from .layout import check_shapes, expected_destinations, quant_of, select_parameters
 
 
-def expected_destinations(
-    mapping, hf_config: dict, tp: int, rank: int, quant: str | None = None, ep: bool = False
-) -> dict:
-    """name -> (shape, dtype) the mapping writes on inference rank `rank`."""
-    from ..mapping import Layout, expand
-    from ..runtime.program import get_preset
+def parallel_info(vllm_config) -> dict:
+    """tp, rank, dp (replicas) and dp_index (this replica) and ep of a vLLM worker.
 
-    preset = get_preset(mapping)
-    cfg = dict(preset.config, **(hf_config or {}))
-    shapes = {n: s for n, (s, _, _) in preset.hf_params(cfg).items()}
-    dest = expand(preset.rules, shapes, Layout(tp, ep, quant), cfg).dest[rank]
-    return {n: (tuple(d.shape), d.dtype) for n, d in dest.items()}
+    The replica is ``parallel_config.data_parallel_index``: for a dense model vLLM resets
+    every engine's ``data_parallel_rank`` to 0, so that one would make every replica claim
+    slot 0 (``data_parallel_rank`` only where a vLLM before the index is running)."""
+    from vllm.distributed import parallel_state as ps
 
-
-def select_parameters(named_parameters, expected: dict, skip: str | None = None):
-    """(selected [(name, tensor)], left out [names], missing [names]).
-
-    Parameters the mapping writes are selected; others are left out; destinations the
-    model lacks are reported as missing (the plan would refuse them anyway, by name)."""
-    pat = re.compile(skip) if skip else None
-    sel, left = [], []
-    seen = set()
-    for n, t in named_parameters:
-        if (pat and pat.search(n)) or n not in expected:
-            left.append(n)
-            continue
-        sel.append((n, t))
-        seen.add(n)
-    missing = sorted(set(expected) - seen)
-    return sel, left, missing
-
-
-def quant_of(named_parameters) -> str | None:
-    return "fp8" if any(str(t.dtype).endswith("float8_e4m3fn") for _, t in named_parameters) else None
+    pc = vllm_config.parallel_config
+    idx = getattr(pc, "data_parallel_index", None)
+    return dict(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        rank=ps.get_tensor_model_parallel_rank(),
+        dp_rank=int(idx if idx is not None else getattr(pc, "data_parallel_rank", 0)),
+        dp=int(getattr(pc, "data_parallel_size", 1)),
+        ep=bool(getattr(pc, "enable_expert_parallel", False)),
+    )
 
 
 class WxferWorkerExtension:
@@ -70,16 +54,7 @@ class WxferWorkerExtension:
 
     # ---- the two places that know vLLM's internals
     def _vllm_parallel_info(self) -> dict:
-        from vllm.distributed import parallel_state as ps
-
-        pc = self.vllm_config.parallel_config
-        return dict(
-            tp=ps.get_tensor_model_parallel_world_size(),
-            rank=ps.get_tensor_model_parallel_rank(),
-            dp_rank=getattr(pc, "data_parallel_rank", 0),
-            dp=getattr(pc, "data_parallel_size", 1),
-            ep=bool(getattr(pc, "enable_expert_parallel", False)),
-        )
+        return parallel_info(self.vllm_config)
 
     def _vllm_model(self):
         return self.model_runner.model
@@ -99,19 +74,29 @@ class WxferWorkerExtension:
         skip: str | None = None,
         transport: str = "auto",
     ) -> dict:
-        from ..runtime.receiver import Receiver
+        from ...runtime.receiver import Receiver
 
         info = self._vllm_parallel_info()
         model = self._vllm_model()
         named = list(model.named_parameters())
         quant = quant_of(named)
-        expected = expected_destinations(mapping, self._vllm_hf_config(), info["tp"], info["rank"], quant, info["ep"])
+        hf = self._vllm_hf_config()
+        if isinstance(mapping, (str, dict)) and hf.get("quantization_config"):
+            # the rules follow the engine's quantization config (an FP8 MoE router unless excluded);
+            # the trainers pass the same HF config dict
+            from ...mapping import from_config
+            from ...runtime.program import get_preset
+
+            base = get_preset(mapping)
+            mapping = from_config(base.name, dict(base.config, **hf))
+        expected = expected_destinations(mapping, hf, info["tp"], info["rank"], quant, info["ep"])
         sel, left, missing = select_parameters(named, expected, skip)
         if missing:
             raise RuntimeError(
                 f"wxfer: vLLM worker tp rank {info['rank']} lacks {len(missing)} parameter(s) the "
                 f"mapping writes: {missing[:10]}"
             )
+        check_shapes(sel, expected, f"vLLM worker tp rank {info['rank']}")
         replica = info["dp_rank"] if replica is None else replica
         replicas = info["dp"] if replicas is None else replicas
         self._wxfer = Receiver(

@@ -1,0 +1,315 @@
+"""The vLLM backend's plain-Python parts, without vLLM (tests/on_vllm runs them on the real one):
+vLLM's routed-experts names, the FP8 router following the quantization config, the refusals by
+name, the worker engine's RPCs over a stand-in Receiver (bounded wait, fail-stop finish, no
+accelerator call on CPU, payload checks), data_parallel_index, and the trainer side's layout check."""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from wxfer.integrations.vllm import engine as E
+from wxfer.integrations.vllm.layout import expected_destinations, proof_digests, refusals, select_parameters
+from wxfer.mapping import Fuse, Preset, from_config, router_quantized
+from wxfer.models import TINY, TINY_MOE, inference_params, preset_for
+
+T = 30.0
+
+
+def test_routed_experts_names_are_selected_under_the_mapping_names():
+    exp = expected_destinations(preset_for(TINY_MOE), TINY_MOE, 1, 0)
+    assert "model.layers.0.mlp.experts.w13_weight" in exp
+    params = inference_params(TINY_MOE, 1, 0)
+    named = [(n.replace(".experts.", ".experts.routed_experts.", 1), t) for n, t in params.items()]
+    sel, left, missing = select_parameters(named, exp)
+    assert not missing and not left and len(sel) == len(exp)
+    got = dict(sel)
+    assert got["model.layers.0.mlp.experts.w13_weight"] is params["model.layers.0.mlp.experts.w13_weight"]
+
+
+def test_the_router_follows_the_quantization_config():
+    def gate(cfg):
+        (r,) = [r for r in from_config("m", cfg).rules if getattr(r, "dst", "").endswith("mlp.gate.weight")]
+        return r.fp8
+
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert not router_quantized(TINY_MOE) and gate(TINY_MOE) is False
+    assert router_quantized(dict(TINY_MOE, quantization_config=fp8)) and gate(dict(TINY_MOE, quantization_config=fp8))
+    excl = dict(fp8, modules_to_not_convert=["model.layers.0.mlp.gate"])
+    assert gate(dict(TINY_MOE, quantization_config=excl)) is False
+    exp = expected_destinations(from_config("m", dict(TINY_MOE, quantization_config=fp8)), None, 1, 0, "fp8")
+    assert exp["model.layers.0.mlp.gate.weight"][1] == "float8_e4m3fn"
+    assert "model.layers.0.mlp.gate.weight_scale_inv" in exp
+
+
+def test_refusals_name_the_module_and_what_to_configure():
+    import enum
+
+    class Fp8MoeBackend(enum.Enum):  # vLLM's names
+        TRITON = "TRITON"
+        FLASHINFER_CUTLASS = "FLASHINFER_CUTLASS"
+
+    def kind(name, **attrs):
+        return type(name, (), attrs)()
+
+    m = torch.nn.Module()
+    for n in "abcdefg":
+        m.add_module(n, torch.nn.Linear(2, 2))
+    m.a.quant_method = kind("Fp8LinearMethod", fp8_linear=kind("MarlinFP8ScaledMMLinearKernel"))
+    m.b.cpu_linear = lambda x, w, b: x
+    m.c.cpu_linear = torch.nn.functional.linear
+    m.d.quant_method = kind("Fp8MoEMethod", fp8_backend=Fp8MoeBackend.FLASHINFER_CUTLASS)
+    m.e.quant_method = kind("Fp8MoEMethod", fp8_backend=Fp8MoeBackend.TRITON)
+    m.f.quant_method = kind("Fp8LinearMethod", fp8_linear=kind("DeepGemmFp8BlockScaledMMKernel"))
+    m.g.quant_method = kind(
+        "UnquantizedFusedMoEMethod", moe_kernel=kind("K", fused_experts=kind("X86CPUUnquantizedExperts"))
+    )
+    out = refusals(m, "qwen3")
+    assert [o.split(":")[0] for o in out] == ["a", "b", "d", "g"], out
+    assert "MarlinFP8ScaledMMLinearKernel" in out[0] and "configure" in out[0]
+    assert "vLLM's CPU GEMM dispatch" in out[1] and "keep_cpu_weights" in out[1]
+    assert "FLASHINFER_CUTLASS" in out[2] and 'moe_backend="triton"' in out[2]
+    assert "prepacks" in out[3]
+    on_sm100 = refusals(m, "qwen3", device_major=10)
+    assert any(o.startswith("f: FP8 kernel DeepGemm") and "VLLM_USE_DEEP_GEMM=0" in o for o in on_sm100)
+    assert not any(o.startswith("f:") for o in refusals(m, "qwen3", device_major=9))
+    assert "MLA" in refusals(torch.nn.Module(), "deepseek_v3")[0]
+
+
+class FakeReceiver:
+    made = []
+
+    def __init__(self, named, **kw):
+        self.params, self.kw = dict(named), kw
+        self.v, self.st, self.closed = -1, None, False
+        FakeReceiver.made.append(self)
+
+    def wait_version(self, v, timeout):
+        self.waited = (v, timeout)
+        if self.v < v:
+            raise TimeoutError(f"version {self.v} after {timeout:.0f} s, waiting for {v}")
+        return self.v
+
+    def state(self):
+        if self.st:
+            return self.st
+        return dict(state="complete", version=self.v, ranks=[], message=f"step {self.v} complete")
+
+    def close(self):
+        self.closed = True
+
+
+def _model(cfg, tp, rank):
+    model = torch.nn.Module()
+    for n, t in inference_params(cfg, tp, rank).items():
+        mod = model
+        *path, leaf = n.split(".")
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return model
+
+
+class Worker(E.WorkerSide):
+    def __init__(self, model, cfg):
+        self.model, self.cfg, self.device = model, cfg, torch.device("cpu")
+
+    def _parallel(self):
+        return dict(tp=2, rank=1, dp_rank=3, dp=4, ep=False)
+
+    def _hf_config(self):
+        return dict(self.cfg)
+
+    def parse_update_info(self, d):  # what vLLM's base does
+        try:
+            return self.update_info_cls(**d)
+        except TypeError as e:
+            raise ValueError(f"Invalid update_info: {e}") from e
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    import wxfer.runtime.receiver
+    from wxfer.runtime import control
+
+    monkeypatch.setattr(wxfer.runtime.receiver, "Receiver", FakeReceiver)
+    monkeypatch.setattr(control, "resolve_store", lambda *a, **k: "store")
+
+    def no_accelerator():
+        raise AssertionError("torch.accelerator.synchronize() called on a CPU worker")
+
+    monkeypatch.setattr(torch.accelerator, "synchronize", no_accelerator, raising=False)
+    w = Worker(_model(TINY, 2, 1), dict(TINY, name_or_path="tiny"))
+    w.init_transfer_engine(E.WxferInitInfo(store="h:1", mapping="tiny-name", proof=False, timeout=T))
+    return w
+
+
+def test_the_worker_engine_builds_one_receiver_and_fails_stop(worker):
+    r = worker.receiver
+    assert (r.kw["replica"], r.kw["rank"], r.kw["tp"], r.kw["replicas"], r.kw["mapping"]) == (3, 1, 2, 4, "tiny-name")
+    assert sorted(r.params) == sorted(inference_params(TINY, 2, 1))
+    worker.start_weight_update()
+    with pytest.raises(TimeoutError, match="waiting for 1"):  # nothing pushed: the bounded wait ends
+        worker.update_weights({"version": 1, "timeout": 0.5})
+    assert r.waited == (1, 0.5)
+    r.v = 1
+    worker.start_weight_update()
+    worker.update_weights({"version": 1, "timeout": 5})
+    worker.finish_weight_update()
+    worker.start_weight_update()
+    r.v = 2
+    worker.update_weights({"version": 2})
+    r.st = dict(state="torn", version=-1, ranks=[1], message="torn since step 2: trainer rank 1 died")
+    with pytest.raises(RuntimeError, match=r"version 2 is not complete: torn since step 2.*trainer rank\(s\) \[1\]"):
+        worker.finish_weight_update()
+    worker.start_weight_update()
+    with pytest.raises(RuntimeError, match="without update_weights announcing a version"):
+        worker.finish_weight_update()
+    for bad, what in (
+        ({"bogus": 1}, "Invalid update_info"),
+        ({"version": "2"}, "int"),
+        ({"version": 1, "timeout": 0}, "timeout"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            worker.update_weights(bad)
+    worker.shutdown()
+    assert r.closed and worker.receiver is None
+    with pytest.raises(RuntimeError, match="before init_weight_transfer_engine"):
+        worker.start_weight_update()
+
+
+def test_the_worker_engine_refuses_a_model_without_a_destination(monkeypatch, worker):
+    model = _model(TINY, 2, 1)
+    del model.lm_head
+    w = Worker(model, dict(TINY))
+    with pytest.raises(RuntimeError, match=r"lacks 1 parameter\(s\) .*lm_head.weight"):
+        w.init_transfer_engine(E.WxferInitInfo(store="h:1", proof=False))
+    model = _model(TINY, 2, 1)
+    model.lm_head.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    with pytest.raises(ValueError, match=r"lm_head.weight: vLLM holds \(0,\) bfloat16"):
+        Worker(model, dict(TINY)).init_transfer_engine(E.WxferInitInfo(store="h:1", proof=False))
+
+
+def test_parallel_info_takes_the_data_parallel_index(monkeypatch):
+    from wxfer.integrations.vllm import parallel_info
+
+    ps = types.SimpleNamespace(get_tensor_model_parallel_world_size=lambda: 2, get_tensor_model_parallel_rank=lambda: 1)
+    dist = types.ModuleType("vllm.distributed")
+    dist.parallel_state = ps
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.distributed", dist)
+    pc = types.SimpleNamespace(data_parallel_rank=0, data_parallel_index=2, data_parallel_size=4)
+    info = parallel_info(types.SimpleNamespace(parallel_config=pc))
+    assert info == dict(tp=2, rank=1, dp_rank=2, dp=4, ep=False)
+
+
+def test_the_trainers_check_names_what_their_mapping_lays_differently(store):
+    from wxfer.integrations.vllm.proof import LayoutProofError, trainer_check
+    from wxfer.runtime import control
+
+    s, _ = store
+    ctl = control.Control(s, "proof", T)
+    good = preset_for(TINY)
+    for rank in (0, 1):
+        d = proof_digests(good, None, 2, rank, None, False, [0, 1])
+        ctl.set_json(
+            "vllm/proof/%d" % rank,
+            dict(
+                gpu=rank,
+                tp=2,
+                rank=rank,
+                replica=0,
+                replicas=1,
+                quant=None,
+                ep=False,
+                layers=[0, 1],
+                seed=20261201,
+                digests=d,
+                errors=[],
+            ),
+        )
+    assert trainer_check(ctl, good, T) == {0: len(d), 1: len(d)}
+    wrong = Preset(
+        good.name,
+        good.arch,
+        [
+            Fuse(r.dst, tuple(reversed(r.srcs))) if getattr(r, "dst", "").endswith("gate_up_proj.weight") else r
+            for r in good.rules
+        ],
+        good.config,
+    )
+    with pytest.raises(LayoutProofError, match=r"gpu 1 .*model.layers.0.mlp.gate_up_proj.weight") as e:
+        trainer_check(ctl, wrong, T)
+    assert e.value.workers == 2 and "qkv_proj" not in str(e.value)
+    with pytest.raises(RuntimeError, match="failed before the layout proof: boom"):
+        trainer_check(control.Control(s, "none", T), good, T, alive=lambda: "boom")
+
+
+def test_the_trainer_side_bounds_its_rpc_thread():
+    from wxfer.integrations.vllm.trainer import LLMClient, _Call, _worker_mapping
+
+    c = _Call(lambda: (_ for _ in ()).throw(ValueError("nope")))
+    assert c.result(5, "x") == "x raised ValueError: nope"
+    import threading
+
+    ev = threading.Event()
+    c = _Call(ev.wait, 10)
+    assert c.result(0.1, "update_weights") == "update_weights did not return within 0 s"
+    ev.set()
+    calls = []
+    llm = types.SimpleNamespace(
+        init_weight_transfer_engine=lambda r: calls.append(("init", r)),
+        update_weights=lambda r: calls.append(("update", r)),
+        start_weight_update=lambda: calls.append(("start",)),
+        finish_weight_update=lambda weight_version=None: calls.append(("finish", weight_version)),
+    )
+    cl = LLMClient(llm)
+    cl.init_weight_transfer_engine({"a": 1})
+    cl.start_weight_update()
+    cl.update_weights({"version": 3})
+    cl.finish_weight_update(weight_version="3")
+    assert calls == [
+        ("init", {"init_info": {"a": 1}}),
+        ("start",),
+        ("update", {"update_info": {"version": 3}}),
+        ("finish", "3"),
+    ]
+    assert _worker_mapping("qwen3-8b") == {"mapping": "qwen3-8b"}
+    assert _worker_mapping(preset_for(TINY)) == {"mapping": None, "mapping_name": preset_for(TINY).name}
+
+
+def test_register_is_a_no_op_without_vllm_and_the_entry_point_names_it():
+    import tomllib
+
+    import wxfer.integrations.vllm as wv
+
+    with open(wv.__file__.rsplit("/wxfer/", 1)[0] + "/pyproject.toml", "rb") as f:
+        ep = tomllib.load(f)["project"]["entry-points"]["vllm.general_plugins"]
+    assert ep == {"wxfer": "wxfer.integrations.vllm:register"}
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert wv.register() is False
+        with pytest.raises(ImportError):
+            E.WxferWeightTransferEngine  # noqa: B018 -- built on first access, needs vLLM
+
+
+def test_without_the_proof_a_refusing_worker_fails_the_setup_at_once(store):
+    import time
+
+    from wxfer.integrations.vllm.trainer import _wait_first_receiver
+    from wxfer.runtime import control
+
+    s, _ = store
+    ctl = control.Control(s, "first", T)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="init_weight_transfer_engine failed: RuntimeError: refused"):
+        _wait_first_receiver(ctl, lambda: "RuntimeError: refused", T)
+    with pytest.raises(TimeoutError, match="no vLLM worker registered within 0 s"):
+        _wait_first_receiver(ctl, lambda: None, 0.2)
+    ctl.set_json("infer/0", {})
+    _wait_first_receiver(ctl, lambda: None, T)
+    assert time.monotonic() - t0 < 5

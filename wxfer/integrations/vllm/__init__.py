@@ -1,0 +1,65 @@
+"""wxfer in vLLM.
+
+- ``WeightTransferConfig(backend="wxfer")`` (written against and tested on vllm-cpu 0.32.0): the worker
+  side is engine.py, the trainer side trainer.py; both are registered in vLLM's factories when
+  this package is imported with vLLM installed, and in every vLLM process by the
+  ``vllm.general_plugins`` entry point ``wxfer`` (``register``), a no-op without vLLM.
+- ``WxferWorkerExtension`` (extension.py): the worker extension class for a vLLM before the registry.
+- layout.py / proof.py: what the mapping writes, and the layout proof against vLLM's loader.
+- cpu.py: ``keep_cpu_weights`` for vLLM's CPU platform.
+
+Everything here imports without vLLM; docs/vllm.md has the usage.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from .cpu import keep_cpu_weights
+from .engine import WorkerSide, WxferInitInfo, WxferUpdateInfo
+from .extension import WxferWorkerExtension, parallel_info
+from .layout import expected_destinations, quant_of, refusals, select_parameters, vllm_names
+from .trainer import LLMClient, TrainerSide, WxferTrainerInitInfo
+
+BACKEND = "wxfer"
+
+
+def register() -> bool:
+    """Register the ``wxfer`` backend in vLLM's worker and trainer factories (idempotent);
+    with $WXFER_VLLM_CPU_KEEP_WEIGHTS=1 also ``keep_cpu_weights()``.  Returns whether vLLM was there."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    except ImportError:  # no vLLM, or one before the weight-transfer registry
+        return False
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__ + ".engine", "WxferWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, __name__ + ".trainer", "WxferTrainerWeightTransferEngine")
+    if os.environ.get("WXFER_VLLM_CPU_KEEP_WEIGHTS") == "1":
+        keep_cpu_weights()
+    return True
+
+
+if importlib.util.find_spec("vllm") is not None:  # no vLLM: nothing to import
+    register()
+
+__all__ = [
+    "BACKEND",
+    "LLMClient",
+    "TrainerSide",
+    "WorkerSide",
+    "WxferInitInfo",
+    "WxferTrainerInitInfo",
+    "WxferUpdateInfo",
+    "WxferWorkerExtension",
+    "expected_destinations",
+    "keep_cpu_weights",
+    "parallel_info",
+    "quant_of",
+    "refusals",
+    "register",
+    "select_parameters",
+    "vllm_names",
+]

@@ -1,0 +1,220 @@
+"""wxfer as a vLLM weight-transfer backend, the worker side: ``WeightTransferConfig(backend="wxfer")``.
+
+vLLM builds one engine per worker in ``load_model()`` (``WeightTransferEngineFactory``) and calls
+it from the client's RPCs (``LLM`` / ``AsyncLLM`` / HTTP / Ray):
+
+- ``init_transfer_engine(WxferInitInfo)``: refuses what wxfer must not write (MLA, kernels that
+  re-lay the weights, vLLM's packed CPU GEMM), checks that the model holds every destination the
+  mapping writes in its layout, runs the layout proof (``proof.py``: vLLM's own ``load_weights``
+  against the mapping, on seeded tensors) and builds one ``wxfer.Receiver`` over the parameters;
+  it returns once the trainers' Senders connected (they write one-sided from then on);
+- ``start_weight_update()``: forgets the announced version;
+- ``update_weights({"version": v, "timeout": s})``: moves nothing (the trainers write) and waits,
+  bounded, until step ``v`` is in place; synchronizes only a CUDA device;
+- ``finish_weight_update()``: fails unless ``Receiver.state()`` is complete at ``v`` (a torn or
+  missing step raises naming the trainer ranks and the parameters);
+- ``shutdown()``: closes the Receiver.
+
+The class itself is built on first access (``WxferWeightTransferEngine``, PEP 562), so this
+module imports without vLLM; the logic is in ``WorkerSide``, tested with and without vLLM.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .layout import PROOF_SEED, check_shapes, expected_destinations, quant_of, refusals, select_parameters
+
+
+@dataclass
+class WxferInitInfo:
+    """What the trainers send to every worker once (``init_weight_transfer_engine``)."""
+
+    store: str = ""  # "host:port" of the trainers' store (trainer rank 0 hosts it)
+    mapping: str | dict | None = None  # a preset name or an HF config dict; None: the worker's hf_config
+    mapping_name: str | None = None  # the trainers' mapping name when `mapping` is None
+    name: str = "default"  # the wxfer job name (several jobs can share one store)
+    replica: int | None = None  # None: vLLM's data_parallel_index
+    replicas: int | None = None  # None: vLLM's data_parallel_size
+    timeout: float = 300.0
+    transport: str = "auto"
+    skip: str | None = None  # a regex of vLLM parameter names not to register
+    proof: bool = True  # the layout proof at setup (proof.py)
+    proof_layers: int = 2
+    proof_seed: int = PROOF_SEED
+    extra: dict = field(default_factory=dict)  # reserved for later fields of newer trainers
+
+
+@dataclass
+class WxferUpdateInfo:
+    """What the trainers send each step (``update_weights``): the version they push."""
+
+    version: int
+    timeout: float = 60.0
+
+    def __post_init__(self):
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise ValueError(f"wxfer update_info: version must be an int >= 0, got {self.version!r}")
+        if not isinstance(self.timeout, (int, float)) or not 0 < self.timeout <= 3600:
+            raise ValueError(f"wxfer update_info: timeout must be in (0, 3600] s, got {self.timeout!r}")
+
+
+def worker_preset(info: WxferInitInfo, hf_config: dict):
+    """The mapping rebuilt from the worker's hf_config, under the trainers' mapping name."""
+    from ...mapping import from_config
+
+    if isinstance(info.mapping, str):
+        name = info.mapping
+    elif isinstance(info.mapping, dict):
+        name = info.mapping.get("name_or_path", "custom")
+    else:
+        name = info.mapping_name or hf_config.get("name_or_path") or "custom"
+    return from_config(name, hf_config)
+
+
+class WorkerSide:
+    """The worker engine's logic; needs ``self.model``, ``self.vllm_config``, ``self.device``
+    (what vLLM's ``WeightTransferEngine.__init__`` sets)."""
+
+    init_info_cls = WxferInitInfo
+    update_info_cls = WxferUpdateInfo
+    supports_draft_weight_update = False
+
+    receiver = None
+    _announced = None
+    proof_result = None
+
+    # ---- vLLM's internals, in two places
+    def _parallel(self) -> dict:
+        from .extension import parallel_info
+
+        return parallel_info(self.vllm_config)
+
+    def _hf_config(self) -> dict:
+        return self.vllm_config.model_config.hf_config.to_dict()
+
+    # ---- the RPCs
+    def init_transfer_engine(self, info: WxferInitInfo) -> None:
+        from ...runtime import control
+        from ...runtime.receiver import Receiver
+
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+        par = self._parallel()
+        cfg = self._hf_config()
+        preset = worker_preset(info, cfg)
+        where = f"vLLM worker (replica {par['dp_rank']}, tp rank {par['rank']} of {par['tp']})"
+        major = None
+        if getattr(self.device, "type", "cpu") == "cuda":
+            import torch
+
+            major = torch.cuda.get_device_capability(self.device)[0]
+        bad = refusals(self.model, preset.arch, major)
+        if bad:
+            raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
+        named = list(self.model.named_parameters())
+        quant = quant_of(named)
+        expected = expected_destinations(preset, cfg, par["tp"], par["rank"], quant, par["ep"])
+        sel, left, missing = select_parameters(named, expected, info.skip)
+        if missing:
+            raise RuntimeError(
+                f"wxfer: {where} lacks {len(missing)} parameter(s) the mapping {preset.name!r} writes: {missing[:10]}"
+            )
+        check_shapes(sel, expected, where)
+        replica = par["dp_rank"] if info.replica is None else int(info.replica)
+        replicas = par["dp"] if info.replicas is None else int(info.replicas)
+        store = control.resolve_store(info.store or None, False, info.timeout)
+        if info.proof:
+            from .proof import worker_proof
+
+            self.proof_result = worker_proof(
+                self.model, preset, cfg, sel, par, quant, replica, replicas, store, info, where
+            )
+        self.left_out = left
+        self.receiver = Receiver(
+            sel,
+            mapping=preset.name,
+            store=store,
+            replica=replica,
+            rank=par["rank"],
+            tp=par["tp"],
+            replicas=replicas,
+            ep=par["ep"],
+            name=info.name,
+            timeout=info.timeout,
+            transport=info.transport,
+        )
+
+    def _need(self, what: str):
+        if self.receiver is None:
+            raise RuntimeError(f"wxfer: {what} before init_weight_transfer_engine")
+        return self.receiver
+
+    def start_weight_update(self) -> None:
+        self._need("start_weight_update")
+        self._announced = None
+
+    def receive_weights(self, update_info: WxferUpdateInfo) -> None:
+        r = self._need("update_weights")
+        self._announced = int(update_info.version)
+        t0 = time.monotonic()
+        r.wait_version(self._announced, float(update_info.timeout))
+        self.last_wait_s = time.monotonic() - t0
+
+    def update_weights(self, update_info: dict) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if getattr(self.device, "type", "cpu") == "cuda":  # the trainers' writes are done; no accelerator call on CPU
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def finish_weight_update(self) -> None:
+        r = self._need("finish_weight_update")
+        v = self._announced
+        self._announced = None
+        st = r.state()
+        if v is None:
+            raise RuntimeError(
+                f"wxfer: finish_weight_update without update_weights announcing a version; {st['message']}"
+            )
+        if st["state"] != "complete" or st["version"] != v:
+            names = sorted(r.params)
+            raise RuntimeError(
+                f"wxfer: weight update to version {v} is not complete: {st['message']}; trainer rank(s) "
+                f"{st['ranks']}; the {len(names)} registered parameter(s) ({', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}) do not hold version {v}"
+            )
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+
+_CLASSES: dict = {}
+
+
+def _engine_class():
+    if "engine" not in _CLASSES:
+        from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+        class WxferWeightTransferEngine(WorkerSide, WeightTransferEngine):
+            """wxfer's worker-side vLLM weight-transfer engine (see the module)."""
+
+            init_info_cls = WxferInitInfo
+            update_info_cls = WxferUpdateInfo
+
+            def update_weights(self, update_info):  # vLLM's base would call torch.accelerator.synchronize()
+                return WorkerSide.update_weights(self, update_info)
+
+        WxferWeightTransferEngine.__module__ = __name__
+        _CLASSES["engine"] = WxferWeightTransferEngine
+    return _CLASSES["engine"]
+
+
+def __getattr__(name):
+    if name == "WxferWeightTransferEngine":
+        return _engine_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,145 @@
+"""The layout proof at setup, on by default: vLLM's own loader against the mapping.
+
+Worker (``worker_proof``, inside ``init_transfer_engine``, before the Receiver registers): the
+parameters the proof touches are saved, then filled through the model's own ``load_weights``
+from seeded random checkpoint tensors (``layout.seeded_checkpoint``: the first and last decoder
+layers plus embeddings, final norm and head; FP8 block-quantized as an FP8 checkpoint stores them
+when the model is FP8); the SHA-256 of every destination's bytes is published in the trainers'
+store (``vllm/proof/<gpu>``) and compared with the worker's own rebuilt mapping; a parameter whose
+storage moved during the load is refused by name; the saved bytes are put back.
+
+Trainer rank 0 (``trainer_check``, inside the trainer engine's ``trainer_init``, before the
+Senders are built): the same seeded tensors packed by the trainers' mapping (the reference
+packing, which every fast path equals bit for bit), compared digest by digest with every
+worker's.  Any difference is a setup error naming the parameter and the worker, raised on every
+trainer rank and on every worker (through the plan status the Receivers wait for).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .layout import compare_digests, digest, fp8_checkpoint, proof_digests, proof_layers, seeded_checkpoint
+
+KEY = "vllm/proof/%d"
+
+
+class LayoutProofError(RuntimeError):
+    workers = 0  # how many workers published a proof (they wait for the plan status)
+
+
+def fp8_sources(preset, cfg: dict, tp: int, ep: bool, layers) -> set:
+    """The checkpoint names an FP8 checkpoint stores quantized (the mapping's FP8 pieces)."""
+    from ...mapping import Layout, expand
+
+    full = seeded_checkpoint(preset, cfg, layers, 0)
+    ex = expand(preset.rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, ep, "fp8"), cfg)
+    return {p.src for c in ex.components for sh in c.shards if sh.kind == "fp8" for p in sh.pieces}
+
+
+def load_and_digest(model, preset, cfg, selected, tp, rank, quant, ep, layers, seed, where):
+    """(digests, errors, seconds): the seeded checkpoint through the model's own load_weights, the
+    SHA-256 of every destination the proof covers, compared with the mapping `preset`; the
+    parameters' previous bytes put back."""
+    import torch
+
+    expected = proof_digests(preset, cfg, tp, rank, quant, ep, layers, seed)
+    full = seeded_checkpoint(preset, cfg, layers, seed)
+    if quant == "fp8":
+        q = fp8_sources(preset, cfg, tp, ep, layers)
+        ckpt = fp8_checkpoint(full, lambda n: n in q)
+    else:
+        ckpt = list(full.items())
+    sel = dict(selected)
+    touched = {n: t for n, t in sel.items() if n in expected}
+    before = {n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in sel.items()}
+    saved = {n: t.detach().clone() for n, t in touched.items()}
+    t0 = time.perf_counter()
+    errors = []
+    try:
+        with torch.no_grad():
+            model.load_weights(iter(ckpt))
+        moved = [n for n, t in sel.items() if (t.data_ptr(), tuple(t.shape), t.dtype) != before[n]]
+        if moved:
+            errors.append(
+                f"{where}: vLLM's loader replaced the storage of {moved[:6]}: wxfer writes parameter memory in "
+                "place and cannot follow it"
+            )
+        got = {n: digest(t) for n, t in touched.items()}
+    finally:
+        with torch.no_grad():
+            for n, t in touched.items():
+                t.copy_(saved[n])
+    errors += compare_digests(expected, got, where)
+    return got, errors, time.perf_counter() - t0
+
+
+def worker_proof(model, preset, cfg, selected, par, quant, replica, replicas, store, info, where) -> dict:
+    from ...runtime.control import Control, job_secret
+
+    layers = proof_layers(int(cfg.get("num_hidden_layers", 1)), info.proof_layers)
+    tp, rank, ep = par["tp"], par["rank"], par["ep"]
+    gpu = replica * tp + rank
+    got, errors, seconds = load_and_digest(
+        model, preset, cfg, selected, tp, rank, quant, ep, layers, info.proof_seed, where
+    )
+    out = dict(
+        gpu=gpu,
+        tp=tp,
+        rank=rank,
+        replica=replica,
+        replicas=replicas,
+        quant=quant,
+        ep=ep,
+        layers=layers,
+        seed=info.proof_seed,
+        digests=got,
+        errors=errors,
+        seconds=seconds,
+    )
+    Control(store, info.name, info.timeout, secret=job_secret(None)).set_json(KEY % gpu, out)
+    if errors:
+        raise LayoutProofError(
+            f"wxfer: layout proof failed ({len(errors)} parameter(s); vLLM's load_weights of seeded checkpoint "
+            "tensors against the mapping): " + "; ".join(errors[:6])
+        )
+    return out
+
+
+def trainer_check(ctl, mapping, timeout: float, alive=lambda: None) -> dict:
+    """Rank 0: every worker's proof against the trainers' `mapping`; raises LayoutProofError.
+    `alive()` returns the init RPC's error once it failed (the workers then publish nothing)."""
+    first = _get(ctl, KEY % 0, timeout, alive)
+    n = int(first["replicas"]) * int(first["tp"])
+    recs = [first] + [_get(ctl, KEY % g, timeout, alive) for g in range(1, n)]
+    errors = []
+    for r in recs:
+        where = f"vLLM worker gpu {r['gpu']} (replica {r['replica']}, tp rank {r['rank']})"
+        if r["errors"]:
+            errors += r["errors"]
+            continue
+        exp = proof_digests(mapping, None, r["tp"], r["rank"], r["quant"], r["ep"], r["layers"], r["seed"])
+        errors += compare_digests(exp, r["digests"], where + " against the trainers' mapping")
+        extra = sorted(set(r["digests"]) - set(exp))
+        errors += [f"{where}: {n}: filled by vLLM's loader but not written by the trainers' mapping" for n in extra]
+    if errors:
+        e = LayoutProofError(
+            f"wxfer: layout proof failed ({len(errors)} parameter(s)): the bytes vLLM's own load_weights lays "
+            "for seeded checkpoint tensors differ from what the trainers' mapping packs: " + "; ".join(errors[:6])
+        )
+        e.workers = len(recs)
+        raise e
+    return {r["gpu"]: len(r["digests"]) for r in recs}
+
+
+def _get(ctl, key, timeout, alive):
+    deadline = time.monotonic() + timeout
+    while True:
+        if ctl.check(key):
+            return ctl.get_json(key, "a vLLM worker's layout proof", 10)
+        err = alive()
+        if err:
+            raise RuntimeError(f"wxfer: init_weight_transfer_engine failed before the layout proof: {err}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"wxfer: no layout proof {key!r} from the vLLM workers after {timeout:.0f} s")
+        time.sleep(0.05)

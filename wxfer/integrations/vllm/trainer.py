@@ -1,0 +1,280 @@
+"""wxfer as a vLLM weight-transfer backend, the trainer side.
+
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    info = WxferTrainerInitInfo(store="trainer0:29650", mapping="qwen3-8b", rank=dist.get_rank())
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
+    for step in ...:
+        ...optimizer.step()
+        engine.send_weights()          # every rank
+
+Every trainer rank builds a ``wxfer.Sender`` over its (FSDP2) model; rank 0 hosts the store and
+drives the client's RPCs (any ``VLLMWeightSyncClient``: ``LLMClient(llm)`` for an offline
+``vllm.LLM``, vLLM's HTTP / Ray clients) on a thread while the ranks set up and push:
+
+- ``trainer_init``: rank 0 calls ``init_weight_transfer_engine`` on a thread (it returns once the
+  workers' Receivers and the trainers' Senders connected), checks the workers' layout proof
+  against its mapping (proof.py) before the Senders are built, then every rank builds its Sender;
+- ``send_weights(version=None)``: rank 0 ``start_weight_update()``, then ``update_weights`` on a
+  thread (the workers wait there, bounded, for the version) while every rank ``push()``es; rank 0
+  then ``finish_weight_update(weight_version=str(version))`` (where the client takes it).  An
+  error on any rank is raised on every rank; on an error path rank 0 never waits on the RPC
+  thread beyond its bound and never calls ``finish_weight_update``: the workers fail the update
+  themselves (their wait ends torn or timed out) and vLLM keeps its previous weight version.
+
+Built lazily like engine.py: importable without vLLM.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass
+class WxferTrainerInitInfo:
+    backend: ClassVar[str] = "wxfer"
+    store: str = ""  # "host:port" that trainer rank 0 hosts and the workers reach
+    mapping: Any = None  # preset name, HF config dict or wxfer.mapping.Preset
+    name: str = "default"
+    timeout: float = 300.0
+    update_timeout: float = 60.0  # how long the workers wait for a pushed version
+    transport: str = "auto"
+    watermark: Any = "2GiB"
+    proof: bool = True
+    proof_layers: int = 2
+    replicas: int | None = None
+    rank: int = field(default=0, kw_only=True)
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0
+
+
+class LLMClient:
+    """The four RPCs of an offline ``vllm.LLM`` as a ``VLLMWeightSyncClient``."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version=weight_version)
+
+
+class _Call(threading.Thread):
+    """One client RPC on a daemon thread; .error holds what it raised."""
+
+    def __init__(self, fn, *args, **kw):
+        super().__init__(daemon=True, name=f"wxfer-vllm-{getattr(fn, '__name__', 'rpc')}")
+        self.fn, self.args, self.kw = fn, args, kw
+        self.error = None
+        self.start()
+
+    def run(self):
+        try:
+            self.fn(*self.args, **self.kw)
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller
+            self.error = e
+
+    def result(self, timeout: float, what: str) -> str | None:
+        """None when it returned, else a line saying why not (never waits past `timeout`)."""
+        self.join(timeout)
+        if self.is_alive():
+            return f"{what} did not return within {timeout:.0f} s"
+        if self.error is not None:
+            return f"{what} raised {type(self.error).__name__}: {self.error}"
+        return None
+
+
+def _wait_first_receiver(ctl, alive, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not ctl.check("infer/0"):
+        err = alive()
+        if err:
+            raise RuntimeError(f"wxfer: init_weight_transfer_engine failed: {err}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"wxfer: no vLLM worker registered within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def _linger(ctl, workers: int, timeout: float) -> None:
+    """After a setup error set as the plan status: wait (bounded) until `workers` Receivers read
+    it from the store this process hosts, so that each raises it rather than a lost store."""
+    deadline = time.monotonic() + timeout
+    try:
+        while workers and ctl.add("status/acks", 0) < workers and time.monotonic() < deadline:
+            time.sleep(0.02)
+    except Exception:  # noqa: BLE001 -- nothing left to wait for
+        pass
+
+
+def _module_of(source):
+    mod = getattr(source, "_module", None) or getattr(source, "module", None)
+    if mod is None and hasattr(source, "named_parameters"):
+        mod = source
+    if mod is None:
+        raise TypeError(
+            "wxfer trainer engine: source must be vLLM's ModuleSource(model) or the model itself: wxfer's "
+            f"Sender reads the (FSDP2) parameters in place, not a stream of tensors (got {type(source).__name__})"
+        )
+    return mod
+
+
+def _worker_mapping(mapping) -> dict:
+    """How the mapping travels to the workers: a preset name or an HF config dict as they are;
+    a Preset as its name (the workers rebuild it from their hf_config)."""
+    if isinstance(mapping, (str, dict)):
+        return dict(mapping=mapping)
+    return dict(mapping=None, mapping_name=getattr(mapping, "name", None))
+
+
+class TrainerSide:
+    def __init__(self, *, client, source=None, is_sender: bool = True, info=None):
+        self.client, self.source, self.is_sender = client, source, is_sender
+        self.info = info
+        self.sender = None
+        self.group = None
+        self.rank = info.rank if info is not None else 0
+        self.pending = None  # the last update_weights thread (joined, bounded, before the next round)
+
+    @classmethod
+    def trainer_init(cls, init_info, *, client, source=None):
+        from ...runtime import control
+        from ...runtime.program import get_preset
+        from ...runtime.sender import Sender
+        from .proof import trainer_check
+
+        info = init_info
+        self = cls(client=client, source=source, is_sender=info.is_sender, info=info)
+        model = _module_of(source)
+        preset = get_preset(info.mapping)
+        self.group = control.gloo_group(info.timeout)
+        store, err, call = info.store, None, None
+        if self.is_sender:
+            try:
+                store = control.resolve_store(info.store, True, info.timeout)
+                ctl = control.Control(store, info.name, info.timeout, secret=control.job_secret(None))
+                winfo = dict(
+                    store=info.store,
+                    name=info.name,
+                    timeout=info.timeout,
+                    transport=info.transport,
+                    proof=info.proof,
+                    proof_layers=info.proof_layers,
+                    replicas=info.replicas,
+                    **_worker_mapping(info.mapping),
+                )
+                call = _Call(client.init_weight_transfer_engine, winfo)
+                alive = lambda: call.error and f"{type(call.error).__name__}: {call.error}"
+                if not info.proof:  # a worker that refuses fails the setup now, not at the Senders' timeout
+                    _wait_first_receiver(ctl, alive, info.timeout)
+                else:
+                    try:
+                        self.proof = trainer_check(ctl, preset, info.timeout, alive)
+                    except Exception as e:  # noqa: BLE001 -- the workers learn it from the plan status
+                        ctl.set("status", control.encode_result(None, f"{type(e).__name__}: {e}"))
+                        _linger(ctl, getattr(e, "workers", 0), min(info.timeout, 10.0))
+                        raise
+            except Exception as e:  # noqa: BLE001 -- raised on every rank by agree()
+                err = f"{type(e).__name__}: {e}"
+        control.agree(self.group, err, self.rank, "the vLLM init_weight_transfer_engine and layout proof", info.timeout)
+        self.sender = Sender(
+            model,
+            mapping=preset,
+            store=store,
+            host_store=False,
+            name=info.name,
+            timeout=info.timeout,
+            transport=info.transport,
+            watermark=info.watermark,
+        )
+        err = call.result(info.timeout, "init_weight_transfer_engine") if call is not None else None
+        control.agree(self.group, err, self.rank, "the vLLM init_weight_transfer_engine", info.timeout)
+        return self
+
+    def send_weights(self, version: int | None = None) -> int:
+        """Push the current weights as `version` (default: the next) and commit them in vLLM;
+        returns the version.  Every rank."""
+        from ...runtime import control
+
+        info, s = self.info, self.sender
+        v = s.version + 1 if version is None else int(version)
+        call, err = None, None
+        if self.is_sender:
+            if self.pending is not None:  # a previous round's RPC that failed: bounded, then dropped
+                self.pending.result(info.update_timeout, "the previous update_weights")
+                self.pending = None
+            try:
+                try:
+                    self.client.start_weight_update()
+                except Exception as e:  # noqa: BLE001
+                    # vLLM keeps its update session open after a finish_weight_update that raised:
+                    # this round's update_weights and finish_weight_update complete that one
+                    if "already active" not in str(e):
+                        raise
+                call = self.pending = _Call(
+                    self.client.update_weights, {"version": v, "timeout": float(info.update_timeout)}
+                )
+            except Exception as e:  # noqa: BLE001
+                err = f"start_weight_update raised {type(e).__name__}: {e}"
+        s.push(version=v)  # raises on every rank when any rank fails (the Sender's own agreement)
+        if call is not None:
+            err = call.result(info.update_timeout + 30.0, f"update_weights (version {v})")
+            if err is None:
+                self.pending = None
+                try:
+                    self._finish(v)
+                except Exception as e:  # noqa: BLE001
+                    err = f"finish_weight_update raised {type(e).__name__}: {e}"
+        control.agree(self.group, err, self.rank, f"committing version {v} in vLLM", info.timeout)
+        return v
+
+    def _finish(self, v: int) -> None:
+        try:
+            self.client.finish_weight_update(weight_version=str(v))
+        except TypeError as e:  # a client of a vLLM before weight_version
+            if "weight_version" not in str(e):
+                raise
+            self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+
+_CLASSES: dict = {}
+
+
+def _trainer_class():
+    if "trainer" not in _CLASSES:
+        from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
+
+        class WxferTrainerWeightTransferEngine(TrainerSide, TrainerWeightTransferEngine):
+            """wxfer's trainer-side vLLM weight-transfer engine (see the module)."""
+
+            init_info_cls = WxferTrainerInitInfo
+
+            def __init__(self, *, client, source=None, is_sender: bool = True, info=None):
+                TrainerWeightTransferEngine.__init__(self, client=client, source=source, is_sender=is_sender)
+                TrainerSide.__init__(self, client=client, source=source, is_sender=is_sender, info=info)
+
+        WxferTrainerWeightTransferEngine.__module__ = __name__
+        _CLASSES["trainer"] = WxferTrainerWeightTransferEngine
+    return _CLASSES["trainer"]
+
+
+def __getattr__(name):
+    if name == "WxferTrainerWeightTransferEngine":
+        return _trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
