@@ -1,7 +1,8 @@
 """calibrate's probes for colocated receivers (placement same: packed tasks written in place,
 small zero-copy tasks copied by batched copies, as on one GPU), run on the CPU with the
 direct seams emulated as in tests/test_direct.py: every probe runs the kinds it is meant to,
-and one fit over all of them measures every host column, well separated."""
+and one fit over all of them measures every host column, well separated (the copy tasks' column
+from samples of copies between engine writes, not only from the push's tail)."""
 
 import pytest
 
@@ -65,6 +66,7 @@ def test_colocated_probes_measure_every_host_column(emulated):
     # each probe ran the runtime's own kinds: in place (direct), copied, engine zero copy, packed
     assert set(kinds["bf16"]) == {"copy"} and "direct" in kinds["fp8"] and "direct" in kinds["fp8-tp2-fine"]
     assert set(kinds["bf16-nocopy"]) == {"zero_copy"}, kinds
+    assert set(kinds["bf16-mixed"]) == {"copy", "zero_copy"}, kinds  # copies between engine writes
     assert "packed" in kinds["fp8-packed"] and "packed" in kinds["fp8-tp2-fine-packed"], kinds
     out = hostfit.fit_designs(designs, ZERO_COPY_BATCH, 2.0)
     cols = set(hostfit.COLUMNS) - {"barrier_s"}

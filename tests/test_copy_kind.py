@@ -222,3 +222,24 @@ def test_calibrate_measures_the_batched_copies():
 
     k = measure_kernels(torch.device("cpu"), quick=True)
     assert k["copy_batch_GBps"] > 0 and k["copy_GBps"] > 0
+
+
+def test_a_copy_launch_costs_the_host_its_own_work_and_per_range():
+    """host_copy_launch_s / host_copy_range_s (calibrate measures them apart): charged on the host
+    at each batched launch, the launch issued after it; None (an in-run fit): nothing apart."""
+    host, fixed, per = 3e-6, 40e-6, 0.5e-6
+    cal = dict(copy_GBps=1000.0, pack_launch_s=0.0, host_copy_task_s=host, write_call_s=1e-6)
+    c0, plan, kinds = _one(cal)
+    c1, _, _ = _one(dict(cal, host_copy_launch_s=fixed, host_copy_range_s=per))
+    copies = [t for t, k in kinds.items() if k == "copy"]
+    ranges = int(np.isin(plan.task, copies).sum())
+    lb = _launches(plan, kinds)
+    a = simulate(plan, c0, kinds=kinds, record=True)
+    b = simulate(plan, c1, kinds=kinds, record=True)
+    assert a.stage_busy_s["host"] == pytest.approx(len(copies) * host, rel=1e-6)
+    assert b.stage_busy_s["host"] == pytest.approx(len(copies) * host + len(lb) * fixed + ranges * per, rel=1e-6)
+    qa, qb = _spans(a, "quant"), _spans(b, "quant")
+    assert len(qa) == len(qb) == len(lb)
+    # the first launch issued after its own host work (its ranges: at least one, at most COPY_BATCH)
+    assert qa[0][0] + fixed + per - 1e-12 <= qb[0][0] <= qa[0][0] + fixed + COPY_BATCH * per + 1e-12
+    assert b.simulated_s > a.simulated_s

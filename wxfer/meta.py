@@ -98,6 +98,11 @@ class Calibration:
     # and at the mesh group's end included); None: host_zc_task_s.  Fitted per push on the Sender's trace
     # (wxfer.runtime.hostfit: copy tasks have no record, their time is in the next record's gap)
     host_copy_task_s: float | None = None
+    # host work of one batched copy launch of copy tasks (wxfer.runtime.copies.copy_ranges: its range
+    # table, the launch) and per range in it, charged at each launch; measured apart by calibrate
+    # (measure_kernels), None: not charged apart (an in-run fit holds it in host_copy_task_s)
+    host_copy_launch_s: float | None = None
+    host_copy_range_s: float | None = None
     # fuse / quantize / pack: per launch (one per packed piece) + bytes (full tensors read + buffer written) / rate
     pack_launch_s: float = 90e-6  # one H200 (issue 13): 128 experts, one reference quantize each: 15 ms,
     #                                        of which 128 x 4.7 MB at 170 GB/s is 3.5 ms -> ~90 us per piece

@@ -36,6 +36,8 @@ class _StageModel:
         self.host_direct = None if hd is None else float(hd)
         hc = getattr(cal, "host_copy_task_s", None)
         self.host_copy = float(cal.host_zc_task_s if hc is None else hc)
+        self.copy_launch_host = float(getattr(cal, "host_copy_launch_s", None) or 0.0)
+        self.copy_range_host = float(getattr(cal, "host_copy_range_s", None) or 0.0)
 
     def h2d_s(self, task, k: int) -> float:
         """Copy this rank's 1/k of the task's sources over PCIe (one copy per source)."""
@@ -374,6 +376,12 @@ class _Meshes:
             if self.begin_landed > t:
                 self.host_free[r] = max(self.host_free[r], self.begin_landed)
                 t = self.begin_landed
+        # the launch's own host work (its range table, the launch: host_copy_launch_s / _range_s)
+        hl = self.model.copy_launch_host + self.model.copy_range_host * self.copy_n[r]
+        if hl:
+            t = max(t, float(self.host_free[r])) + hl
+            self.host_free[r] = t
+            self.busy_s["host"][r] += hl
         k0 = max(t, self.quant_free[r])
         k1 = k0 + self.model.copy_s(float(sum(self.jobs.xbytes[j] for j in js)))
         self.quant_free[r] = k1

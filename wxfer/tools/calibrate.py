@@ -29,6 +29,7 @@ import sys
 import time
 
 from .calibrate_host import PLACEMENTS, default_placement, host_costs, hostfit_keys, measure_host, receiver_side
+from .calibrate_writes import write_rates
 
 __all__ = ["PLACEMENTS", "default_placement", "host_costs", "hostfit_keys", "measure", "measure_host", "main"]
 _TIMEOUT = 60.0
@@ -133,7 +134,10 @@ def measure_kernels(dev, quick: bool) -> dict:
     t_batch = _device_launch_s(lambda: copies.copy_ranges(dev, items), dev, n=8) or _timed(
         lambda: copies.copy_ranges(dev, items), dev, iters
     )
+    # (on the CPU the call is the copy itself, and copy tasks need cuda_ipc's mapped memory: not measured)
+    launch_host = _copy_launch_host(dev, items, iters) if dev.type == "cuda" else {}
     return dict(
+        **launch_host,
         quantizer=name,
         quant_GBps=rate / 1e9,
         pack_launch_s=launch,
@@ -146,6 +150,34 @@ def measure_kernels(dev, quick: bool) -> dict:
         pack_call_s=call,
         device_launch_s=dev_launch,
         **grouped,
+    )
+
+
+def _copy_launch_host(dev, items, iters: int) -> dict:
+    """The host's work per batched copy launch of copy tasks (wxfer.runtime.copies.copy_ranges,
+    as wxfer.runtime.direct._direct_copy_flush calls it: the range table, cached push after push,
+    and the launch): host seconds of the call (not its sync) with all of `items` (128 ranges, a
+    full launch) and with 16 of them; a fixed part and a part per range through the two."""
+    from ..runtime import copies
+
+    def host(its):
+        ts = []
+        for _ in range(4 * iters + 1):
+            _sync(dev)
+            t0 = time.perf_counter()
+            copies.copy_ranges(dev, its)
+            ts.append(time.perf_counter() - t0)
+        ts = sorted(ts[1:])
+        return ts[len(ts) // 2]
+
+    n_all, n_few = len(items), 16
+    t_all, t_few = host(items), host(items[:n_few])
+    per = max(0.0, (t_all - t_few) / (n_all - n_few))
+    _sync(dev)
+    return dict(
+        host_copy_launch_s=max(0.0, t_few - n_few * per),
+        host_copy_range_s=per,
+        copy_launch_host_s={str(n_all): t_all, str(n_few): t_few},
     )
 
 
@@ -294,35 +326,6 @@ def _expect(conn, what):
     return msg
 
 
-def _write_rates(eng, region, desc, size: int, dev, quick: bool) -> dict:
-    """The engine's writes of `region` to `desc`: rate (the slope between a 64 MiB and a 16 MiB
-    write), per write (256 writes of 4 KiB), each one submit + wait."""
-    iters = 3 if quick else 5
-
-    def write(dests):
-        eng.submit(region, dests, tag=0)
-        eng.wait(timeout=_TIMEOUT)
-
-    t_big = _timed(lambda: write([(desc, 0, 0, size)]), dev, iters)
-    t_quarter = _timed(lambda: write([(desc, 0, 0, size // 4)]), dev, iters)
-    nsmall = 256
-    small = [(desc, i * 4096, i * 4096, 4096) for i in range(nsmall)]
-    t_small = _timed(lambda: write(small), dev, iters)
-    # the rate from the slope between two sizes: a submit + wait's own round trip (the engine's
-    # wake-up, which a push pays once, in push_end_s) cancels; the single write's rate beside it
-    slope = t_big - t_quarter
-    rate = (size - size // 4) / slope if slope > 0.05 * t_big else size / t_big
-    return dict(
-        write_GBps=rate / 1e9,
-        write_single_GBps=size / t_big / 1e9,
-        write_call_s=max(0.0, (t_small - (t_big - size / rate) - nsmall * 4096 / rate) / nsmall),
-        write_s=t_big,
-        write_quarter_s=t_quarter,
-        write_small_s=t_small,
-        write_small_n=nsmall,
-    )
-
-
 def measure_links(dev, quick: bool, placement: str = "") -> dict:
     """Writes through the transport the placement's receivers take (wxfer.tools.calibrate_host.
     receiver_side: same GPU, another GPU, a network transport) and an all-gather, against one
@@ -336,7 +339,8 @@ def measure_links(dev, quick: bool, placement: str = "") -> dict:
     placement = placement or default_placement(dev)
     rdev, want = receiver_side(dev, placement)
     tname, opts = transport_choice(want, dev.type)
-    size = (8 << 20) if quick else (64 << 20)
+    # a GPU: 8 x 256 MiB in flight, 2 GiB (about 1 ms at the on-device rate: well above the wait's granularity)
+    size = (8 << 20) if quick else ((256 << 20) if dev.type == "cuda" else (64 << 20))
     ngpu = torch.cuda.device_count() if dev.type == "cuda" else 0
     hdev = str(rdev)
     sizes = [256, 256 << 10, 1 << 20, size // 2] if quick else [256, 64 << 10, 256 << 10, 1 << 20, 4 << 20, size // 2]
@@ -358,7 +362,7 @@ def measure_links(dev, quick: bool, placement: str = "") -> dict:
         eng = _wxfer.Engine(t, timeout=_TIMEOUT)
         src = torch.ones(size, dtype=torch.uint8, device=dev)
         region = t.register(src, export=False)
-        out.update(_write_rates(eng, region, desc, size, dev, quick))
+        out.update(write_rates(eng, region, desc, size, dev, quick))
         region.close()
         eng.close()
         t.close()
@@ -451,7 +455,11 @@ def _calibration(det: dict, unmeasured: dict, dev, placement: str, quick: bool) 
         machine += ", " + torch.cuda.get_device_name(dev)
     if hasattr(os, "getloadavg"):
         machine += ", load average %.1f" % os.getloadavg()[0]
-    meas = {k: det[k] for k in _HOST_TERMS + _LINK_TERMS + ("h2d_GBps", "h2d_call_s") if det.get(k) is not None}
+    meas = {
+        k: det[k]
+        for k in _HOST_TERMS + _LINK_TERMS + ("h2d_GBps", "h2d_call_s", "host_copy_launch_s", "host_copy_range_s")
+        if det.get(k) is not None
+    }
     from ..plan.calibrate import TERMS
 
     un = {k: v for k, v in unmeasured.items() if k not in meas and k in TERMS}
@@ -482,6 +490,18 @@ def _host_part(dev, det: dict, quick: bool, placement: str, unmeasured: dict, lo
     try:
         det.update(measure_host(dev, det, quick, placement, det.get("write_GBps"), log=log))
         unmeasured.update(det["host_unmeasured"])
+        if dev.type == "cuda" and det.get("write_dev_link_s") is not None:
+            # the probes' small writes are paced by their posting (their busy periods moved ~50 GB/s
+            # on an H200): beyond their bytes they held the posting gap, which write_call_s already
+            # charges; the device's own time per write is the link probe's (device-bound writes)
+            det["probe_write_dev_s"] = det.get("write_dev_s")
+            det["write_dev_s"] = det["write_dev_link_s"]
+            det["write_dev_from"] = "the link probe (%d writes of 1/8 the size against %d)" % (
+                det["write_cut_n"],
+                det["write_inflight"],
+            )
+        else:
+            det["write_dev_from"] = "the probes' write busy periods"
         if not det.get("write_samples") and link_call is not None:  # no posting gap seen: the link's figure
             det["write_call_s"] = link_call
         det["write_call_from"] = "the probes' engine posting gaps" if det.get("write_samples") else "the link"
@@ -524,22 +544,36 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
     unmeasured: dict = {}
     det.update(measure_kernels(dev, quick))
     log(
-        "calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s, batched copies %.1f GB/s"
-        % (det["quant_GBps"], det["pack_launch_s"] * 1e6, det["copy_GBps"], det.get("copy_batch_GBps") or 0)
+        "calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s, batched copies %.1f GB/s, "
+        "their host work %.1f us per launch + %.2f us per range"
+        % (
+            det["quant_GBps"],
+            det["pack_launch_s"] * 1e6,
+            det["copy_GBps"],
+            det.get("copy_batch_GBps") or 0,
+            det.get("host_copy_launch_s", float("nan")) * 1e6,
+            det.get("host_copy_range_s", float("nan")) * 1e6,
+        )
     )
+    if "host_copy_launch_s" not in det:
+        why = "no GPU: copy tasks need receivers' memory mapped on the trainer's GPU (cuda_ipc)"
+        unmeasured.update(host_copy_launch_s=why, host_copy_range_s=why)
     if "quant_small_GBps" not in det:
         unmeasured["quant_small_GBps"] = "wxfer.runtime.fp8 unavailable: the grouped quantizer was not run"
     try:
         det.update(measure_links(dev, quick, placement))
         log(
-            "calibrate: %s writes (receiver on %s) %.2f GB/s (one write %.2f GB/s), %.1f us per write; "
+            "calibrate: %s writes (receiver on %s) %.2f GB/s with %d in flight (one write alone %.2f GB/s), "
+            "%.1f us per write, %s us more on the link per write; "
             "%s all-gather %s GB/s, %s us per call"
             % (
                 det["transport"],
                 det["helper_device"],
                 det["write_GBps"],
+                det["write_inflight"],
                 det["write_single_GBps"],
                 det["write_call_s"] * 1e6,
+                "%.2f" % (det["write_dev_link_s"] * 1e6) if det.get("write_dev_link_s") is not None else "-",
                 det["allgather_backend"],
                 "%.2f" % det["allgather_GBps"] if det.get("allgather_GBps") else "-",
                 "%.1f" % (det["coll_call_s"] * 1e6) if det.get("coll_call_s") is not None else "-",
