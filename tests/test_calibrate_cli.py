@@ -111,6 +111,10 @@ def test_calibrate_on_a_gpu(tmp_path):
         kinds = {k for p in m["host_probes"].values() for k in p["kinds"]}
         assert {"direct", "copy", "zero_copy", "staged"} <= kinds, m["host_probes"]
         assert cal.device_shared and cal.host_direct_task_s is not None and cal.host_copy_task_s is not None
+        # the engine's writes in flight on one GPU move at about the on-device copy's rate (copy_GBps
+        # counts read + write), as the colocated pushes' do (H200 run 1: one write at a time read half)
+        assert cal.write_GBps > 0.6 * cal.copy_GBps / 2, (cal.write_GBps, cal.copy_GBps, m.get("write_single_GBps"))
+        assert cal.host_copy_launch_s is not None and cal.host_copy_range_s is not None
     assert cal.quant_GBps > 50 and cal.copy_GBps > 500  # H200: reference ~170 GB/s, copy ~2 TB/s
     assert d["measured"]["transport"] == "cuda_ipc" and cal.write_GBps > 50
     assert d["measured"]["calibrate_s"] < 60

@@ -340,7 +340,7 @@ def measure_links(dev, quick: bool, placement: str = "") -> dict:
     rdev, want = receiver_side(dev, placement)
     tname, opts = transport_choice(want, dev.type)
     # a GPU: 8 x 256 MiB in flight, 2 GiB (about 1 ms at the on-device rate: well above the wait's granularity)
-    size = (8 << 20) if quick else ((256 << 20) if dev.type == "cuda" else (64 << 20))
+    size = ((64 << 20) if quick else (256 << 20)) if dev.type == "cuda" else ((8 << 20) if quick else (64 << 20))
     ngpu = torch.cuda.device_count() if dev.type == "cuda" else 0
     hdev = str(rdev)
     sizes = [256, 256 << 10, 1 << 20, size // 2] if quick else [256, 64 << 10, 256 << 10, 1 << 20, 4 << 20, size // 2]
