@@ -545,14 +545,15 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
     det.update(measure_kernels(dev, quick))
     log(
         "calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s, batched copies %.1f GB/s, "
-        "their host work %.1f us per launch + %.2f us per range"
+        "their host work %s"
         % (
             det["quant_GBps"],
             det["pack_launch_s"] * 1e6,
             det["copy_GBps"],
             det.get("copy_batch_GBps") or 0,
-            det.get("host_copy_launch_s", float("nan")) * 1e6,
-            det.get("host_copy_range_s", float("nan")) * 1e6,
+            "%.1f us per launch + %.2f us per range" % (det["host_copy_launch_s"] * 1e6, det["host_copy_range_s"] * 1e6)
+            if "host_copy_launch_s" in det
+            else "not measured (no GPU)",
         )
     )
     if "host_copy_launch_s" not in det:
