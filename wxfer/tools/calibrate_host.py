@@ -13,7 +13,8 @@ process) to real Receivers (threads of this process) on the job's placement:
 The designs differ in what the host cost columns see (wxfer.runtime.hostfit.COLUMNS): the
 receivers' dtype (BF16: zero copy; FP8: packed or in place, quantized), TP 1 or 2 (twice the
 pieces per task: row-parallel slices packed), coarse tasks (one FSDP2 unit per task, 7
-parameters) or one task per component (1-3 parameters), copies on or off and packed tasks
+parameters) or one task per component (1-3 parameters), copies on, off or only for the small
+parameters (copies between engine writes), and packed tasks
 through a send buffer (direct off) on the same GPU, a MoE layer (many pieces per parameter),
 and on a GPU a model held in host memory (staged through an H2D copy).  All their samples
 go into one non-negative least squares (hostfit.fit_designs), which reports how well they
