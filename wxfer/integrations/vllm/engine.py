@@ -95,10 +95,11 @@ class WorkerSide:
         return self.vllm_config.model_config.hf_config.to_dict()
 
     # ---- the RPCs
-    def init_transfer_engine(self, info: WxferInitInfo) -> None:
+    def init_transfer_engine(self, init_info: WxferInitInfo) -> None:
         from ...runtime import control
         from ...runtime.receiver import Receiver
 
+        info = init_info
         if self.receiver is not None:
             self.receiver.close()
             self.receiver = None
@@ -193,24 +194,49 @@ class WorkerSide:
             self.receiver = None
 
 
+def _no_trainer_send_weights(iterator, trainer_args):
+    """vLLM 0.26's worker ABC declares this static trainer-side sender; wxfer's trainers push
+    with their own engine (trainer.py) instead."""
+    raise NotImplementedError(
+        "wxfer: WxferWeightTransferEngine.trainer_send_weights is not how wxfer's trainers send: "
+        "every trainer rank builds WxferTrainerWeightTransferEngine (WeightTransferTrainerFactory."
+        "trainer_init) and calls its send_weights(); the workers are written one-sided"
+    )
+
+
+def _update_weights(self, update_info: dict) -> None:
+    """vLLM's base would call torch.accelerator.synchronize(), which raises on a CPU host."""
+    return WorkerSide.update_weights(self, update_info)
+
+
+def build_engine_class(base, shape: str):
+    """wxfer's worker engine over vLLM's `base` (``WeightTransferEngine``) of API `shape`
+    (versions.py): the same RPCs on every shape; 0.26's ABC also wants ``trainer_send_weights``."""
+    ns = dict(
+        __doc__="wxfer's worker-side vLLM weight-transfer engine (see wxfer.integrations.vllm.engine).",
+        __module__=__name__,
+        init_info_cls=WxferInitInfo,
+        update_info_cls=WxferUpdateInfo,
+        update_weights=_update_weights,
+        wxfer_vllm_api=shape,
+    )
+    if shape == "0.26":
+        ns["trainer_send_weights"] = staticmethod(_no_trainer_send_weights)
+    return type("WxferWeightTransferEngine", (WorkerSide, base), ns)
+
+
 _CLASSES: dict = {}
 
 
 def _engine_class():
     if "engine" not in _CLASSES:
+        from .versions import api, check_bases, vllm_version
+
+        shape = api()  # names the version when it is not one wxfer was written for
         from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-        class WxferWeightTransferEngine(WorkerSide, WeightTransferEngine):
-            """wxfer's worker-side vLLM weight-transfer engine (see the module)."""
-
-            init_info_cls = WxferInitInfo
-            update_info_cls = WxferUpdateInfo
-
-            def update_weights(self, update_info):  # vLLM's base would call torch.accelerator.synchronize()
-                return WorkerSide.update_weights(self, update_info)
-
-        WxferWeightTransferEngine.__module__ = __name__
-        _CLASSES["engine"] = WxferWeightTransferEngine
+        check_bases(shape, engine_base=WeightTransferEngine, version=vllm_version())
+        _CLASSES["engine"] = build_engine_class(WeightTransferEngine, shape)
     return _CLASSES["engine"]
 
 

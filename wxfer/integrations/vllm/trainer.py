@@ -26,15 +26,19 @@ Built lazily like engine.py: importable without vLLM.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 
+BACKEND = "wxfer"
+
+
 @dataclass
 class WxferTrainerInitInfo:
-    backend: ClassVar[str] = "wxfer"
+    backend: ClassVar[str] = BACKEND
     store: str = ""  # "host:port" that trainer rank 0 hosts and the workers reach
     mapping: Any = None  # preset name, HF config dict or wxfer.mapping.Preset
     name: str = "default"
@@ -68,7 +72,20 @@ class LLMClient:
         self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version=weight_version)
+        if weight_version is None or takes_weight_version(self.llm.finish_weight_update) is False:
+            self.llm.finish_weight_update()  # vLLM 0.26's LLM has no weight version
+        else:
+            self.llm.finish_weight_update(weight_version=weight_version)
+
+
+def takes_weight_version(fn) -> bool | None:
+    """Whether `fn` (a client's finish_weight_update) takes ``weight_version`` (vLLM 0.32 / 0.33's
+    clients and LLM do, 0.26's do not); None when its signature cannot be read."""
+    try:
+        ps = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return any(p.name == "weight_version" or p.kind is inspect.Parameter.VAR_KEYWORD for p in ps)
 
 
 class _Call(threading.Thread):
@@ -149,13 +166,26 @@ class TrainerSide:
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
+        """vLLM 0.32 / 0.33's form; the engine built for 0.26 takes ``(config, init_info, ...)``."""
+        return cls._setup(init_info, client, source)
+
+    @classmethod
+    def _new(cls, info, client, source, config):
+        return cls(client=client, source=source, is_sender=info.is_sender, info=info)
+
+    @classmethod
+    def _setup(cls, init_info, client, source, config=None):
         from ...runtime import control
         from ...runtime.program import get_preset
         from ...runtime.sender import Sender
         from .proof import trainer_check
 
         info = init_info
-        self = cls(client=client, source=source, is_sender=info.is_sender, info=info)
+        if not isinstance(info, WxferTrainerInitInfo):
+            raise TypeError(
+                f"wxfer trainer engine: init_info must be a WxferTrainerInitInfo, got {type(info).__name__}"
+            )
+        self = cls._new(info, client, source, config)
         model = _module_of(source)
         preset = get_preset(info.mapping)
         self.group = control.gloo_group(info.timeout)
@@ -240,6 +270,9 @@ class TrainerSide:
         return v
 
     def _finish(self, v: int) -> None:
+        if takes_weight_version(self.client.finish_weight_update) is False:  # vLLM 0.26: no weight version
+            self.client.finish_weight_update()
+            return
         try:
             self.client.finish_weight_update(weight_version=str(v))
         except TypeError as e:  # a client of a vLLM before weight_version
@@ -253,24 +286,74 @@ class TrainerSide:
             self.sender = None
 
 
+def build_trainer_class(base, shape: str):
+    """wxfer's trainer engine over vLLM's `base` (``TrainerWeightTransferEngine``) of API `shape`
+    (versions.py), with that ABC's ``__init__`` and ``trainer_init`` signatures."""
+    if shape == "0.26":
+
+        class WxferTrainerWeightTransferEngine(TrainerSide, base):
+            def __init__(self, config=None, *, client, source=None, is_sender: bool = True, info=None):
+                base.__init__(self, config, client=client, source=source, is_sender=is_sender)
+                TrainerSide.__init__(self, client=client, source=source, is_sender=is_sender, info=info)
+
+            @classmethod
+            def trainer_init(cls, config, init_info, *, client, source=None):
+                backend = getattr(config, "backend", BACKEND)
+                if backend != BACKEND:
+                    raise ValueError(f"wxfer trainer engine: config.backend is {backend!r}, not {BACKEND!r}")
+                return cls._setup(init_info, client, source, config)
+
+            @classmethod
+            def _new(cls, info, client, source, config):
+                return cls(config, client=client, source=source, is_sender=info.is_sender, info=info)
+
+    elif shape == "0.32":
+
+        class WxferTrainerWeightTransferEngine(TrainerSide, base):
+            def __init__(self, *, client, source=None, is_sender: bool = True, info=None):
+                base.__init__(self, client=client, source=source, is_sender=is_sender)
+                TrainerSide.__init__(self, client=client, source=source, is_sender=is_sender, info=info)
+
+            @classmethod
+            def trainer_init(cls, init_info, *, client, source=None):
+                return cls._setup(init_info, client, source)
+
+    elif shape == "0.33":
+
+        class WxferTrainerWeightTransferEngine(TrainerSide, base):
+            def __init__(self, *, client, source=None, is_sender: bool = True, rank: int = 0, info=None):
+                base.__init__(self, client=client, source=source, is_sender=is_sender, rank=rank)
+                TrainerSide.__init__(self, client=client, source=source, is_sender=is_sender, info=info)
+
+            @classmethod
+            def trainer_init(cls, init_info, *, client, source=None):
+                return cls._setup(init_info, client, source)
+
+            @classmethod
+            def _new(cls, info, client, source, config):
+                return cls(client=client, source=source, is_sender=info.is_sender, rank=info.rank, info=info)
+
+    else:
+        raise ValueError(f"wxfer: no trainer engine for the vLLM API {shape!r}")
+    c = WxferTrainerWeightTransferEngine
+    c.__doc__ = "wxfer's trainer-side vLLM weight-transfer engine (see wxfer.integrations.vllm.trainer)."
+    c.__module__, c.__qualname__ = __name__, c.__name__
+    c.init_info_cls, c.wxfer_vllm_api = WxferTrainerInitInfo, shape
+    return c
+
+
 _CLASSES: dict = {}
 
 
 def _trainer_class():
     if "trainer" not in _CLASSES:
+        from .versions import api, check_bases, vllm_version
+
+        shape = api()  # names the version when it is not one wxfer was written for
         from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
 
-        class WxferTrainerWeightTransferEngine(TrainerSide, TrainerWeightTransferEngine):
-            """wxfer's trainer-side vLLM weight-transfer engine (see the module)."""
-
-            init_info_cls = WxferTrainerInitInfo
-
-            def __init__(self, *, client, source=None, is_sender: bool = True, info=None):
-                TrainerWeightTransferEngine.__init__(self, client=client, source=source, is_sender=is_sender)
-                TrainerSide.__init__(self, client=client, source=source, is_sender=is_sender, info=info)
-
-        WxferTrainerWeightTransferEngine.__module__ = __name__
-        _CLASSES["trainer"] = WxferTrainerWeightTransferEngine
+        check_bases(shape, trainer_base=TrainerWeightTransferEngine, version=vllm_version())
+        _CLASSES["trainer"] = build_trainer_class(TrainerWeightTransferEngine, shape)
     return _CLASSES["trainer"]
 
 
