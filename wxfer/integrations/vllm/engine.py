@@ -15,8 +15,9 @@ it from the client's RPCs (``LLM`` / ``AsyncLLM`` / HTTP / Ray):
   missing step raises naming the trainer ranks and the parameters);
 - ``shutdown()``: closes the Receiver.
 
-The class itself is built on first access (``WxferWeightTransferEngine``, PEP 562), so this
-module imports without vLLM; the logic is in ``WorkerSide``, tested with and without vLLM.
+The class itself is built on first access (``WxferWeightTransferEngine``, PEP 562) for the
+installed vLLM's API (``build_engine_class``, versions.py), so this module imports without
+vLLM; the logic is in ``WorkerSide``, tested with and without vLLM.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     info = WxferTrainerInitInfo(store="trainer0:29650", mapping="qwen3-8b", rank=dist.get_rank())
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
+    # vLLM 0.26: WeightTransferTrainerFactory.trainer_init("wxfer", WeightTransferConfig(backend="wxfer"),
+    #                                                     info, client=client, source=ModuleSource(model))
     for step in ...:
         ...optimizer.step()
         engine.send_weights()          # every rank
@@ -21,7 +23,9 @@ drives the client's RPCs (any ``VLLMWeightSyncClient``: ``LLMClient(llm)`` for a
   thread beyond its bound and never calls ``finish_weight_update``: the workers fail the update
   themselves (their wait ends torn or timed out) and vLLM keeps its previous weight version.
 
-Built lazily like engine.py: importable without vLLM.
+The class is built on first access for the installed vLLM's API (``build_trainer_class``,
+versions.py: the ``__init__`` / ``trainer_init`` of vLLM 0.26, 0.32 or 0.33), like engine.py:
+importable without vLLM.
 """
 
 from __future__ import annotations
