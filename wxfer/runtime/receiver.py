@@ -30,6 +30,7 @@ import socket
 import struct
 import time
 
+from .. import envs
 from . import control
 from .control import Control, SetupError
 
@@ -75,7 +76,7 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
 
     opts = dict(options or {})
     if transport == "auto":
-        transport = os.environ.get("WXFER_TRANSPORT", "auto")
+        transport = envs.get("WXFER_TRANSPORT", "auto")
     avail = _wxfer.backends()
     if transport == "auto":
         order = ("cuda_ipc", "verbs", "fabric") if device_type == "cuda" else ("fabric",)
@@ -94,9 +95,9 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
             % (transport, avail.get(transport, (False, "unknown transport"))[1])
         )
     if transport == "fabric":
-        opts.setdefault("provider", os.environ.get("WXFER_FABRIC_PROVIDER", "tcp"))
-        if os.environ.get("WXFER_IFACE"):
-            opts.setdefault("iface", os.environ["WXFER_IFACE"])
+        opts.setdefault("provider", envs.get("WXFER_FABRIC_PROVIDER", "tcp"))
+        if envs.get("WXFER_IFACE"):
+            opts.setdefault("iface", envs.get("WXFER_IFACE"))
     return transport, opts
 
 
