@@ -16,12 +16,17 @@ def _sources():
     yield ROOT / "setup.py"
     yield from (ROOT / "wxfer").rglob("*.py")
     for p in (ROOT / "csrc").rglob("*"):
-        if p.is_file() and "testing" not in p.relative_to(ROOT / "csrc").parts[:1] and p.suffix in (
-            ".c",
-            ".h",
-            ".cu",
-            ".def",
-            ".py",
+        if (
+            p.is_file()
+            and "testing" not in p.relative_to(ROOT / "csrc").parts[:1]
+            and p.suffix
+            in (
+                ".c",
+                ".h",
+                ".cu",
+                ".def",
+                ".py",
+            )
         ):
             yield p
 
