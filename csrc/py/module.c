@@ -83,8 +83,11 @@ int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeou
     const uint64_t slice = 100ull * 1000 * 1000;
     for (;;) {
         int rc;
-        Py_BEGIN_ALLOW_THREADS rc = fn(arg, slice);
-        Py_END_ALLOW_THREADS if (rc != -EAGAIN) return rc;
+        Py_BEGIN_ALLOW_THREADS
+            rc = fn(arg, slice);
+        Py_END_ALLOW_THREADS
+        if (rc != -EAGAIN)
+            return rc;
         if (PyErr_CheckSignals() < 0)
             return -EINTR;
         if (timeout_s >= 0 && (double)(wx_now_ns() - start) / 1e9 > timeout_s)
@@ -107,9 +110,10 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
         } else {
             char why[WX_ERRMSG_MAX] = "";
             int rc;
-            Py_BEGIN_ALLOW_THREADS rc = ops->probe(NULL, why, sizeof why);
-            Py_END_ALLOW_THREADS v =
-                Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
+            Py_BEGIN_ALLOW_THREADS
+                rc = ops->probe(NULL, why, sizeof why);
+            Py_END_ALLOW_THREADS
+            v = Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
         }
         if (!v || PyDict_SetItemString(d, n, v) < 0) {
             Py_XDECREF(v);
@@ -213,9 +217,10 @@ static PyObject *wx_fabric_probe_py(PyObject *m, PyObject *noargs)
     int rc;
     if (!buf)
         return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS rc = wx_fabric_probe_json(buf, 32768);
-    Py_END_ALLOW_THREADS if (rc)
-    {
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_fabric_probe_json(buf, 32768);
+    Py_END_ALLOW_THREADS
+    if (rc) {
         free(buf);
         return wx_py_raise(PyModule_GetState(m), rc, "fabric_probe");
     }

@@ -101,9 +101,10 @@ static void wx__engine_close(wx_py_engine_t *self)
         wx_py_transport_t *tr = (wx_py_transport_t *)self->transport;
         self->e = NULL;
         wx_engine_reap(e, wx__owner_free, NULL);
-        Py_BEGIN_ALLOW_THREADS wx_engine_stop(e);
-        Py_END_ALLOW_THREADS wx_engine_reap(e, wx__owner_free,
-                                            NULL); /* the tasks stop() cancelled */
+        Py_BEGIN_ALLOW_THREADS
+            wx_engine_stop(e);
+        Py_END_ALLOW_THREADS
+        wx_engine_reap(e, wx__owner_free, NULL); /* the tasks stop() cancelled */
         tr->engines--;
         if (wx_engine_writes_out(e) && tr->t) {
             /* writes still out (a dead or silent peer): their sources must stay alive until
