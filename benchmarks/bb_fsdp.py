@@ -418,7 +418,7 @@ def reference_checksums(ex, fulls: dict, dev) -> list:
         for n, d in sorted(ex.dest[0].items()):
             buf = torch.full((d.nbytes,), 0xFF, dtype=torch.uint8, device=dev)
             for sh in by.get(n, []):
-                prepare.pack_shard_into(sh, fulls, buf, sh.offset, {})
+                prepare.pack_shard_into(sh, fulls, buf, sh.offset)
             out.append(int(buf.sum(dtype=torch.int64)))
             del buf
     return out

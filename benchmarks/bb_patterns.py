@@ -82,10 +82,9 @@ def _fulls_in(bucket_t, offs, sizes, meta):
 def _write_component(c, fulls, params):
     from wxfer.runtime import prepare
 
-    quant = {}
     for sh in c.shards:
         if sh.rank == 0:
-            prepare.pack_shard_into(sh, fulls, _bytes(params[sh.dst]), sh.offset, quant)
+            prepare.pack_shard_into(sh, fulls, _bytes(params[sh.dst]), sh.offset)
 
 
 def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):

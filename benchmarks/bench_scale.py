@@ -315,12 +315,11 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
             else:
                 b = bufs[k % 2][:used]
                 dist.broadcast(b, src=0, group=bgroup)
-                qc = {}
                 for c, offs in bucket:
                     fulls = bb._fulls_in(b, offs, sizes, meta)
                     for sh in c.shards:
                         if sh.rank == i % tp:
-                            prepare.pack_shard_into(sh, fulls, bb._bytes(params[sh.dst]), sh.offset, qc)
+                            prepare.pack_shard_into(sh, fulls, bb._bytes(params[sh.dst]), sh.offset)
         for w in works:
             if w is not None:
                 w.wait()

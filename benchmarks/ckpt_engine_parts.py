@@ -282,13 +282,12 @@ def reference(ex, fulls: dict) -> list:
     acc = {}
     with torch.no_grad():
         for c in components(ex):
-            quant: dict = {}
             for sh in c.shards:
                 if sh.rank != 0:
                     continue
                 dev = fulls[sh.pieces[0].src].device
                 buf = torch.empty(sh.nbytes, dtype=torch.uint8, device=dev)
-                prepare.pack_shard_into(sh, fulls, buf, 0, quant)
+                prepare.pack_shard_into(sh, fulls, buf, 0)
                 s0, s1 = _range_sums(buf, sh.offset)
                 a = acc.get(sh.dst)
                 acc[sh.dst] = (s0, s1) if a is None else (a[0] + s0, a[1] + s1)
@@ -366,10 +365,9 @@ class Loader:
     def _write(self, c, fulls) -> None:
         from wxfer.runtime import prepare
 
-        quant: dict = {}
         for sh in c.shards:
             if sh.rank == 0:
-                prepare.pack_shard_into(sh, fulls, _u8(self.params[sh.dst]), sh.offset, quant)
+                prepare.pack_shard_into(sh, fulls, _u8(self.params[sh.dst]), sh.offset)
 
     def stats(self) -> dict:
         left = sorted(s for d in self.pending.values() for s in d)

@@ -47,6 +47,18 @@ def test_truncated_descriptor_is_a_clean_error(cut):
     assert "descriptor" in str(ei.value)
 
 
+def test_a_decode_failure_is_a_decode_error_from_module_state(monkeypatch):
+    """DecodeError (an Error and a ValueError) is held in the module's state: rebinding the
+    module attribute does not change what the decoders raise."""
+    cls = _wxfer.DecodeError
+    assert issubclass(cls, _wxfer.Error) and issubclass(cls, ValueError)
+    monkeypatch.setattr(_wxfer, "DecodeError", None)
+    for fn in (_wxfer.decode_descriptor, _wxfer.decode_export):
+        with pytest.raises(cls) as ei:
+            fn(b"XXXX")
+        assert type(ei.value) is cls and ei.value.errno and fn.__name__ in str(ei.value)
+
+
 def test_wrong_version_and_magic_and_kind():
     with pytest.raises(_wxfer.Error, match="version 9"):
         _wxfer.decode_descriptor(desc(version=9))

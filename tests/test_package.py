@@ -15,6 +15,7 @@ MODULES = sorted(
     [
         "wxfer",
         "wxfer.__main__",
+        "wxfer.envs",
         "wxfer.meta",
         "wxfer.testing",
         *("wxfer.integrations." + m for m in ("vllm",)),
@@ -77,3 +78,10 @@ def test_installed_package_not_the_checkout():
     on_path = [p for p in sys.path if p and os.path.realpath(p) == co]
     assert not on_path, f"the checkout {co} is on sys.path"
     assert os.path.realpath(os.getcwd()) != co and not os.path.realpath(os.getcwd()).startswith(co + os.sep)
+
+
+def test_the_type_information_ships():
+    """PEP 561: py.typed and the extension's stub lie next to the package (in the wheel too)."""
+    here = os.path.dirname(wxfer.__file__)
+    for f in ("py.typed", "_wxfer.pyi"):
+        assert os.path.isfile(os.path.join(here, f)), f"{f} missing from {here}"

@@ -7,6 +7,12 @@ the mapping, the simulator) work on a machine where the extension is not built.
 
 from __future__ import annotations
 
+import logging
+
+# the library-logging convention: a NullHandler on the package logger, no handlers or levels
+# of our own (the application configures logging); children: wxfer.runtime.sender, ...
+logging.getLogger("wxfer").addHandler(logging.NullHandler())
+
 __version__ = "0.1.0"
 
 _NATIVE = ("Transport", "Region", "Engine", "Error", "decode_descriptor", "decode_export", "parse_size")

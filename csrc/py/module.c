@@ -14,7 +14,8 @@ wx_py_state_t *wx_py_state_of(PyObject *obj)
     return (wx_py_state_t *)PyType_GetModuleState(Py_TYPE(obj));
 }
 
-PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context)
+/* Raise cls(errno, "<context>: <wx_last_error()>"). Returns NULL. */
+static PyObject *wx__raise_as(PyObject *cls, int rc, const char *context)
 {
     const char *why = wx_last_error();
     PyObject *args;
@@ -26,10 +27,15 @@ PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context)
         snprintf(msg, sizeof msg, "%s: %s", context, strerror(err));
     args = Py_BuildValue("(is)", err, msg);
     if (args) {
-        PyErr_SetObject(st->Error, args);
+        PyErr_SetObject(cls, args);
         Py_DECREF(args);
     }
     return NULL;
+}
+
+PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context)
+{
+    return wx__raise_as(st->Error, rc, context);
 }
 
 static int wx__set_field(PyObject *obj, const char *name, PyObject *v)
@@ -83,8 +89,11 @@ int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeou
     const uint64_t slice = 100ull * 1000 * 1000;
     for (;;) {
         int rc;
-        Py_BEGIN_ALLOW_THREADS rc = fn(arg, slice);
-        Py_END_ALLOW_THREADS if (rc != -EAGAIN) return rc;
+        Py_BEGIN_ALLOW_THREADS
+            rc = fn(arg, slice);
+        Py_END_ALLOW_THREADS
+        if (rc != -EAGAIN)
+            return rc;
         if (PyErr_CheckSignals() < 0)
             return -EINTR;
         if (timeout_s >= 0 && (double)(wx_now_ns() - start) / 1e9 > timeout_s)
@@ -107,9 +116,10 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
         } else {
             char why[WX_ERRMSG_MAX] = "";
             int rc;
-            Py_BEGIN_ALLOW_THREADS rc = ops->probe(NULL, why, sizeof why);
-            Py_END_ALLOW_THREADS v =
-                Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
+            Py_BEGIN_ALLOW_THREADS
+                rc = ops->probe(NULL, why, sizeof why);
+            Py_END_ALLOW_THREADS
+            v = Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
         }
         if (!v || PyDict_SetItemString(d, n, v) < 0) {
             Py_XDECREF(v);
@@ -139,17 +149,7 @@ static const char *wx__kind_name(uint32_t kind)
  * input, not a failed operation). */
 static PyObject *wx__decode_fail(PyObject *m, int rc, const char *context)
 {
-    wx_py_state_t *st = PyModule_GetState(m);
-    PyObject *cls = PyObject_GetAttrString(m, "DecodeError");
-    PyObject *saved = st->Error;
-    if (cls)
-        st->Error = cls;
-    else
-        PyErr_Clear();
-    wx_py_raise(st, rc, context);
-    st->Error = saved;
-    Py_XDECREF(cls);
-    return NULL;
+    return wx__raise_as(((wx_py_state_t *)PyModule_GetState(m))->DecodeError, rc, context);
 }
 
 static PyObject *wx_decode_descriptor(PyObject *m, PyObject *arg)
@@ -213,9 +213,10 @@ static PyObject *wx_fabric_probe_py(PyObject *m, PyObject *noargs)
     int rc;
     if (!buf)
         return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS rc = wx_fabric_probe_json(buf, 32768);
-    Py_END_ALLOW_THREADS if (rc)
-    {
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_fabric_probe_json(buf, 32768);
+    Py_END_ALLOW_THREADS
+    if (rc) {
         free(buf);
         return wx_py_raise(PyModule_GetState(m), rc, "fabric_probe");
     }
@@ -268,18 +269,15 @@ static int wx_exec(PyObject *m)
             return -1;
     {
         PyObject *bases = PyTuple_Pack(2, st->Error, PyExc_ValueError);
-        PyObject *de = bases
-                           ? PyErr_NewExceptionWithDoc(
-                                 "wxfer._wxfer.DecodeError",
-                                 "A descriptor or export blob is truncated, garbage or of another "
-                                 "version: an Error that is also a ValueError.",
-                                 bases, NULL)
-                           : NULL;
+        st->DecodeError = bases ? PyErr_NewExceptionWithDoc(
+                                      "wxfer._wxfer.DecodeError",
+                                      "A descriptor or export blob is truncated, garbage or of "
+                                      "another version: an Error that is also a ValueError.",
+                                      bases, NULL)
+                                : NULL;
         Py_XDECREF(bases);
-        if (!de || PyModule_AddObject(m, "DecodeError", de) < 0) {
-            Py_XDECREF(de);
+        if (!st->DecodeError || PyModule_AddObjectRef(m, "DecodeError", st->DecodeError) < 0)
             return -1;
-        }
     }
     if (wx_py_transport_init_types(m, st) < 0 || wx_py_engine_init_types(m, st) < 0 ||
         wx_py_prepare_init(m) < 0 || wx_py_doctor_init(m) < 0)
@@ -300,6 +298,7 @@ static int wx_traverse(PyObject *m, visitproc visit, void *arg)
 {
     wx_py_state_t *st = PyModule_GetState(m);
     Py_VISIT(st->Error);
+    Py_VISIT(st->DecodeError);
     Py_VISIT(st->Transport);
     Py_VISIT(st->Region);
     Py_VISIT(st->Engine);
@@ -311,6 +310,7 @@ static int wx_clear(PyObject *m)
 {
     wx_py_state_t *st = PyModule_GetState(m);
     Py_CLEAR(st->Error);
+    Py_CLEAR(st->DecodeError);
     Py_CLEAR(st->Transport);
     Py_CLEAR(st->Region);
     Py_CLEAR(st->Engine);

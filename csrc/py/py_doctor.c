@@ -28,8 +28,10 @@ static PyObject *wx__fabric_info(void)
     v = fi->fi_version();
     if (v > FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION))
         v = FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION); /* the API we speak, as the backend */
-    Py_BEGIN_ALLOW_THREADS rc = fi->fi_getinfo(v, NULL, NULL, 0, NULL, &list);
-    Py_END_ALLOW_THREADS provs = PyList_New(0);
+    Py_BEGIN_ALLOW_THREADS
+        rc = fi->fi_getinfo(v, NULL, NULL, 0, NULL, &list);
+    Py_END_ALLOW_THREADS
+    provs = PyList_New(0);
     if (!provs)
         goto fail;
     for (struct fi_info *i = rc == 0 ? list : NULL; i && PyList_GET_SIZE(provs) < WX__PROVS_MAX;

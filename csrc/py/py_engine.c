@@ -1,27 +1,12 @@
-/* py_engine.c - the Engine type: submit tasks, wait, reap owners, read the trace. */
-#include "wx_py.h"
+/* py_engine.c - the Engine type: submit tasks, wait, reap owners, read the trace (its
+ * prepared tasks, the Prepared type: py_prepared.c). */
+#include "wx_py_engine.h"
 
 #include <string.h>
 
-typedef struct {
-    PyObject_HEAD PyObject *transport; /* wx_py_transport_t */
-    wx_engine_t *e;
-    double timeout_s;
-} wx_py_engine_t;
-
-/* What keeps a task's source alive until its writes completed; released on a Python
- * thread by reap (never from a native thread). */
-typedef struct {
-    PyObject *region; /* a Region source, or NULL */
-    wx_py_buf_t buf;  /* an imported tensor source */
-    wx_mr_t *mr;      /* per-task registration (transports that need one), or NULL */
-    wx_mr_t bare;     /* an unregistered description of the source */
-    wx_transport_t *t;
-} wx__owner_t;
-
-static void wx__owner_free(void *owner, void *arg)
+void wx_py_owner_free(void *owner, void *arg)
 {
-    wx__owner_t *o = owner;
+    wx_py_owner_t *o = owner;
     if (o->mr && o->t)
         wx_dereg(o->t, o->mr);
     wx_py_buf_release(&o->buf);
@@ -29,7 +14,7 @@ static void wx__owner_free(void *owner, void *arg)
     PyMem_Free(o);
 }
 
-static int wx__live(wx_py_engine_t *self)
+int wx_py_engine_live(wx_py_engine_t *self)
 {
     if (!self->e) {
         PyErr_SetString(PyExc_ValueError, "engine is closed");
@@ -84,8 +69,8 @@ static PyObject *wx_engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 /* After the transport closed: its registrations are gone, so no dereg. */
 static void wx__owner_free_closed(void *owner, void *arg)
 {
-    ((wx__owner_t *)owner)->t = NULL;
-    wx__owner_free(owner, arg);
+    ((wx_py_owner_t *)owner)->t = NULL;
+    wx_py_owner_free(owner, arg);
 }
 
 void wx_py_engine_release_parked(wx_engine_t *e)
@@ -100,10 +85,11 @@ static void wx__engine_close(wx_py_engine_t *self)
         wx_engine_t *e = self->e;
         wx_py_transport_t *tr = (wx_py_transport_t *)self->transport;
         self->e = NULL;
-        wx_engine_reap(e, wx__owner_free, NULL);
-        Py_BEGIN_ALLOW_THREADS wx_engine_stop(e);
-        Py_END_ALLOW_THREADS wx_engine_reap(e, wx__owner_free,
-                                            NULL); /* the tasks stop() cancelled */
+        wx_engine_reap(e, wx_py_owner_free, NULL);
+        Py_BEGIN_ALLOW_THREADS
+            wx_engine_stop(e);
+        Py_END_ALLOW_THREADS
+        wx_engine_reap(e, wx_py_owner_free, NULL); /* the tasks stop() cancelled */
         tr->engines--;
         if (wx_engine_writes_out(e) && tr->t) {
             /* writes still out (a dead or silent peer): their sources must stay alive until
@@ -158,7 +144,7 @@ static int wx__wait_fence_fn(void *arg, uint64_t slice)
 
 /* Raise for rc from e: the engine's sticky error with its fields when rc is that error,
  * else wx_py_raise. Returns NULL. */
-static PyObject *wx__raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, const char *context)
+PyObject *wx_py_raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, const char *context)
 {
     wx_engine_fail_t f;
     if (wx_engine_error(e, &f) == rc && rc)
@@ -169,8 +155,8 @@ static PyObject *wx__raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, con
 /* submit's source: a Region of this engine's transport, or an imported buffer (registered
  * for this task where the transport needs that). Fills own and spec->src; 0 or -1 with an
  * exception set. */
-static int wx__submit_src(wx_py_engine_t *self, wx_py_state_t *st, PyObject *src, wx__owner_t *own,
-                          wx_task_spec_t *spec)
+static int wx__submit_src(wx_py_engine_t *self, wx_py_state_t *st, PyObject *src,
+                          wx_py_owner_t *own, wx_task_spec_t *spec)
 {
     wx_py_transport_t *tr = (wx_py_transport_t *)self->transport;
     int rc;
@@ -207,9 +193,9 @@ static int wx__submit_src(wx_py_engine_t *self, wx_py_state_t *st, PyObject *src
 
 /* submit's destinations, every one validated against src before anything is admitted or
  * posted. *out is PyMem-allocated; 0 or -1 with an exception set. */
-static int wx__submit_dests(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *dests,
-                            unsigned long long tag, const wx_mr_t *src, wx_dest_t **out,
-                            uint32_t *ndests)
+int wx_py_submit_dests(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *dests,
+                       unsigned long long tag, const wx_mr_t *src, wx_dest_t **out,
+                       uint32_t *ndests)
 {
     PyObject *seq = PySequence_Fast(dests, "submit: dests must be a sequence of "
                                            "(descriptor, dst_offset, src_offset, nbytes)");
@@ -264,7 +250,7 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     PyObject *src, *dests, *event = Py_None, *held_obj = Py_None, *resv = Py_None;
     int device = -1;
     unsigned long long tag = 0;
-    wx__owner_t *own = NULL;
+    wx_py_owner_t *own = NULL;
     wx_dest_t *dv = NULL;
     wx_task_spec_t spec;
     wx__admit_t adm;
@@ -273,7 +259,7 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OiKOOp:submit", kwlist, &src, &dests, &event,
                                      &device, &tag, &held_obj, &resv, &fence))
         return NULL;
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
     if (resv != Py_None) {
         /* reserved: the held bytes were admitted by reserve(); any failure gives them back */
@@ -299,7 +285,7 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     own->t = tr->t;
     memset(&spec, 0, sizeof spec);
     if (wx__submit_src(self, st, src, own, &spec) < 0 ||
-        wx__submit_dests(st, tr, dests, tag, spec.src, &dv, &spec.ndests) < 0)
+        wx_py_submit_dests(st, tr, dests, tag, spec.src, &dv, &spec.ndests) < 0)
         goto fail;
     spec.dests = dv;
     spec.tag = tag;
@@ -324,13 +310,13 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
             goto fail;
     } else {
         /* free finished owners first: it is what makes room under the watermark */
-        wx_engine_reap(self->e, wx__owner_free, NULL);
+        wx_engine_reap(self->e, wx_py_owner_free, NULL);
         adm.e = self->e;
         adm.held = spec.held_bytes;
         rc = wx_py_wait(wx__admit_fn, &adm, -1);
         if (rc) {
             if (rc != -EINTR)
-                wx__raise_engine(st, self->e, rc, "submit");
+                wx_py_raise_engine(st, self->e, rc, "submit");
             goto fail;
         }
     }
@@ -338,216 +324,18 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     if (rc) {
         wx_engine_unadmit(self->e, spec.held_bytes);
         resv_live = 0;
-        wx__raise_engine(st, self->e, rc, "submit");
+        wx_py_raise_engine(st, self->e, rc, "submit");
         goto fail;
     }
     PyMem_Free(dv);
     return PyLong_FromUnsignedLongLong(id);
 fail:
     PyMem_Free(dv);
-    wx__owner_free(own, NULL);
+    wx_py_owner_free(own, NULL);
 fail_resv:
     if (resv_live)
         wx_engine_unadmit(self->e, resv_held);
     return NULL;
-}
-
-/* ---- prepared tasks: a Region source and its destinations, validated once ---- */
-
-typedef struct {
-    PyObject_HEAD PyObject *region; /* wx_py_region_t of the engine's transport */
-    wx_dest_t *dv;                  /* validated destinations (their peers are the transport's) */
-    uint32_t ndests;
-    uint64_t tag, nbytes;
-} wx_py_prepared_t;
-
-static void wx_prepared_dealloc(PyObject *op)
-{
-    wx_py_prepared_t *self = (wx_py_prepared_t *)op;
-    PyTypeObject *tp = Py_TYPE(op);
-    PyMem_Free(self->dv);
-    Py_CLEAR(self->region);
-    tp->tp_free(op);
-    Py_DECREF(tp);
-}
-
-static PyObject *wx_prepared_tag(PyObject *op, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(((wx_py_prepared_t *)op)->tag);
-}
-
-static PyObject *wx_prepared_nbytes(PyObject *op, void *closure)
-{
-    return PyLong_FromUnsignedLongLong(((wx_py_prepared_t *)op)->nbytes);
-}
-
-static PyObject *wx_prepared_region(PyObject *op, void *closure)
-{
-    return Py_NewRef(((wx_py_prepared_t *)op)->region);
-}
-
-static PyGetSetDef wx_prepared_getset[] = {
-    {"tag", wx_prepared_tag, NULL, "the engine tag of its tasks", NULL},
-    {"nbytes", wx_prepared_nbytes, NULL, "bytes written per submission", NULL},
-    {"region", wx_prepared_region, NULL, "the source Region", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-static PyType_Slot wx_prepared_slots[] = {
-    {Py_tp_dealloc, wx_prepared_dealloc},
-    {Py_tp_getset, wx_prepared_getset},
-    {Py_tp_doc, "A task made by Engine.prepare(region, dests, tag): submitted (again and again) by "
-                "Engine.submit_prepared. Rebuild it when a destination's worker re-registered."},
-    {0, NULL},
-};
-
-static PyType_Spec wx_prepared_spec = {
-    .name = "wxfer._wxfer.Prepared",
-    .basicsize = sizeof(wx_py_prepared_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = wx_prepared_slots,
-};
-
-/* prepare(region, dests, tag=0) -> Prepared: the destinations decoded and validated against
- * the Region once (as submit does each call). */
-static PyObject *wx_engine_prepare_py(PyObject *op, PyObject *args, PyObject *kw)
-{
-    static char *kwlist[] = {"src", "dests", "tag", NULL};
-    wx_py_engine_t *self = (wx_py_engine_t *)op;
-    wx_py_state_t *st = wx_py_state_of(op);
-    PyObject *src, *dests;
-    unsigned long long tag = 0;
-    wx_py_region_t *r;
-    wx_py_prepared_t *p;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|K:prepare", kwlist, &src, &dests, &tag))
-        return NULL;
-    if (!wx__live(self))
-        return NULL;
-    if (!PyObject_TypeCheck(src, st->Region)) {
-        PyErr_Format(PyExc_TypeError,
-                     "prepare: src must be a Region of this engine's transport "
-                     "(Transport.register(tensor, export=False)), got %s",
-                     Py_TYPE(src)->tp_name);
-        return NULL;
-    }
-    r = (wx_py_region_t *)src;
-    if (r->transport != self->transport || !r->mr || !((wx_py_transport_t *)self->transport)->t) {
-        PyErr_SetString(PyExc_ValueError,
-                        "prepare: src Region is closed or belongs to another transport");
-        return NULL;
-    }
-    p = PyObject_New(wx_py_prepared_t, st->Prepared);
-    if (!p)
-        return NULL;
-    p->region = Py_NewRef(src);
-    p->dv = NULL;
-    p->ndests = 0;
-    p->tag = tag;
-    p->nbytes = 0;
-    if (wx__submit_dests(st, (wx_py_transport_t *)self->transport, dests, tag, r->mr, &p->dv,
-                         &p->ndests) < 0) {
-        Py_DECREF(p);
-        return NULL;
-    }
-    for (uint32_t i = 0; i < p->ndests; i++)
-        p->nbytes += p->dv[i].len;
-    return (PyObject *)p;
-}
-
-/* One prepared task submitted: held 0 (the Region's memory is not the engine's), admitted
- * at once; the owner keeps the Region (so its memory) alive until the writes completed. */
-static int wx__submit_one_prepared(wx_py_engine_t *self, wx_py_state_t *st, PyObject *item,
-                                   Py_ssize_t i, void *event, int device)
-{
-    wx_py_prepared_t *p = (wx_py_prepared_t *)item;
-    wx_py_region_t *r;
-    wx__owner_t *own;
-    wx_task_spec_t spec;
-    uint64_t t0 = wx_now_ns(), ta, id;
-    int rc;
-    if (!PyObject_TypeCheck(item, st->Prepared)) {
-        PyErr_Format(PyExc_TypeError,
-                     "submit_prepared: tasks[%zd] is a %s, not a Prepared "
-                     "(Engine.prepare)",
-                     i, Py_TYPE(item)->tp_name);
-        return -1;
-    }
-    r = (wx_py_region_t *)p->region;
-    if (r->transport != self->transport || !r->mr || !((wx_py_transport_t *)self->transport)->t) {
-        PyErr_Format(PyExc_ValueError,
-                     "submit_prepared: tasks[%zd] (tag %llu): its Region is "
-                     "closed or belongs to another transport",
-                     i, (unsigned long long)p->tag);
-        return -1;
-    }
-    own = PyMem_Calloc(1, sizeof *own);
-    if (!own) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    own->t = ((wx_py_transport_t *)self->transport)->t;
-    own->region = Py_NewRef(p->region);
-    memset(&spec, 0, sizeof spec);
-    spec.src = r->mr;
-    spec.dests = p->dv;
-    spec.ndests = p->ndests;
-    spec.tag = p->tag;
-    spec.owner = own;
-    spec.held_bytes = 0;
-    if (event) {
-        spec.cuda_event = event;
-        spec.cuda_device = device >= 0 ? device : (r->buf.device >= 0 ? r->buf.device : 0);
-    }
-    rc = wx_engine_admit(self->e, 0, 0, &ta); /* held 0: never waits (fails on a sticky error) */
-    if (!rc)
-        rc = wx_engine_submit(self->e, &spec, t0, ta, &id);
-    if (rc) {
-        char ctx[96];
-        snprintf(ctx, sizeof ctx, "submit_prepared: tasks[%zd] (tag %llu)", i,
-                 (unsigned long long)p->tag);
-        wx__raise_engine(st, self->e, rc, ctx);
-        wx__owner_free(own, NULL);
-        return -1;
-    }
-    return 0;
-}
-
-/* submit_prepared(tasks, event=None, device=-1) -> count: every Prepared of the sequence
- * submitted in order, all waiting for one CUDA event; stops at the first refusal (the tasks
- * before it are submitted). */
-static PyObject *wx_engine_submit_prepared_py(PyObject *op, PyObject *args, PyObject *kw)
-{
-    static char *kwlist[] = {"tasks", "event", "device", NULL};
-    wx_py_engine_t *self = (wx_py_engine_t *)op;
-    wx_py_state_t *st = wx_py_state_of(op);
-    PyObject *tasks, *event = Py_None, *seq;
-    void *ev = NULL;
-    int device = -1;
-    Py_ssize_t n;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Oi:submit_prepared", kwlist, &tasks, &event,
-                                     &device))
-        return NULL;
-    if (!wx__live(self))
-        return NULL;
-    if (event != Py_None) {
-        ev = PyLong_AsVoidPtr(event);
-        if (PyErr_Occurred())
-            return NULL;
-    }
-    seq = PySequence_Fast(tasks, "submit_prepared: tasks must be a sequence of Prepared");
-    if (!seq)
-        return NULL;
-    n = PySequence_Fast_GET_SIZE(seq);
-    wx_engine_reap(self->e, wx__owner_free, NULL);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (wx__submit_one_prepared(self, st, PySequence_Fast_GET_ITEM(seq, i), i, ev, device) <
-            0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
-    return PyLong_FromSsize_t(n);
 }
 
 static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
@@ -560,7 +348,7 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
     int rc;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO:wait", kwlist, &tmo, &fence))
         return NULL;
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
     if (tmo != Py_None) {
         timeout = PyFloat_AsDouble(tmo);
@@ -576,7 +364,7 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
     } else {
         rc = wx_py_wait(wx__wait_fn, self->e, timeout);
     }
-    wx_engine_reap(self->e, wx__owner_free, NULL);
+    wx_engine_reap(self->e, wx_py_owner_free, NULL);
     if (rc == -EINTR)
         return NULL;
     if (rc == -ETIMEDOUT && !wx_engine_error(self->e, NULL)) {
@@ -584,7 +372,7 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
         return wx_py_raise(wx_py_state_of(op), rc, "Engine.wait");
     }
     if (rc)
-        return wx__raise_engine(wx_py_state_of(op), self->e, rc, "Engine.wait");
+        return wx_py_raise_engine(wx_py_state_of(op), self->e, rc, "Engine.wait");
     Py_RETURN_NONE;
 }
 
@@ -596,20 +384,20 @@ static PyObject *wx_engine_reserve_py(PyObject *op, PyObject *arg)
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     wx__admit_t adm;
     int rc;
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
     adm.held = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred())
         return NULL;
     adm.e = self->e;
-    wx_engine_reap(self->e, wx__owner_free, NULL);
+    wx_engine_reap(self->e, wx_py_owner_free, NULL);
     rc = wx_py_wait(wx__admit_fn, &adm, -1);
     if (rc) {
         if (rc == -EINTR)
             return NULL;
         return wx_py_raise(wx_py_state_of(op), rc, "reserve");
     }
-    wx_engine_reap(self->e, wx__owner_free, NULL);
+    wx_engine_reap(self->e, wx_py_owner_free, NULL);
     return PyLong_FromUnsignedLongLong(adm.t_admit);
 }
 
@@ -617,7 +405,7 @@ static PyObject *wx_engine_unreserve_py(PyObject *op, PyObject *arg)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     unsigned long long held;
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
     held = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred())
@@ -629,16 +417,16 @@ static PyObject *wx_engine_unreserve_py(PyObject *op, PyObject *arg)
 static PyObject *wx_engine_reap_py(PyObject *op, PyObject *noargs)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
-    return PyLong_FromLong(wx_engine_reap(self->e, wx__owner_free, NULL));
+    return PyLong_FromLong(wx_engine_reap(self->e, wx_py_owner_free, NULL));
 }
 
 static PyObject *wx_engine_error_py(PyObject *op, PyObject *noargs)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     wx_engine_fail_t f;
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
     if (!wx_engine_error(self->e, &f))
         Py_RETURN_NONE;
@@ -653,7 +441,7 @@ static PyObject *wx_engine_failed_peers_py(PyObject *op, PyObject *noargs)
     uint32_t n;
     PyObject *out;
     WX_UNUSED(noargs);
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
     fs = PyMem_Malloc(MAXN * sizeof *fs);
     if (!fs)
@@ -677,7 +465,7 @@ static PyObject *wx_engine_failed_peers_py(PyObject *op, PyObject *noargs)
 static PyObject *wx_engine_clear_error_py(PyObject *op, PyObject *noargs)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
     wx_engine_clear_error(self->e);
     Py_RETURN_NONE;
@@ -687,7 +475,7 @@ static PyObject *wx_engine_stats_py(PyObject *op, PyObject *noargs)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     wx_engine_stats_t s;
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
     wx_engine_stats(self->e, &s);
     return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "submitted", s.submitted, "completed",
@@ -705,7 +493,7 @@ static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
     PyObject *lst;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|p:trace", kwlist, &clear))
         return NULL;
-    if (!wx__live(self))
+    if (!wx_py_engine_live(self))
         return NULL;
     rc = wx_engine_trace(self->e, &recs, &n, NULL);
     if (rc)
@@ -748,12 +536,12 @@ static PyMethodDef wx_engine_methods[] = {
      "reserve() returned; the task's held bytes were admitted then (no second admission). "
      "fence: its writes are posted once every earlier write has completed, and later tasks' "
      "writes once its own have (failed peers' writes are not waited for)."},
-    {"prepare", (PyCFunction)(void (*)(void))wx_engine_prepare_py, METH_VARARGS | METH_KEYWORDS,
+    {"prepare", (PyCFunction)(void (*)(void))wx_py_engine_prepare, METH_VARARGS | METH_KEYWORDS,
      "prepare(src, dests, tag=0) -> Prepared. src: a Region of this transport (e.g. "
      "Transport.register(tensor, export=False)); dests as submit's, decoded and validated once. "
      "Submit it (every step) with submit_prepared; make it again when src's memory or a "
      "destination (a restarted worker's new registration) changed."},
-    {"submit_prepared", (PyCFunction)(void (*)(void))wx_engine_submit_prepared_py,
+    {"submit_prepared", (PyCFunction)(void (*)(void))wx_py_engine_submit_prepared,
      METH_VARARGS | METH_KEYWORDS,
      "submit_prepared(tasks, event=None, device=-1) -> count: submit each Prepared of tasks, in "
      "order, with held=0 (never blocks on the watermark), all after the CUDA event; the Region "
@@ -805,8 +593,5 @@ int wx_py_engine_init_types(PyObject *m, wx_py_state_t *st)
     st->Engine = (PyTypeObject *)PyType_FromModuleAndSpec(m, &wx_engine_spec, NULL);
     if (!st->Engine || PyModule_AddType(m, st->Engine) < 0)
         return -1;
-    st->Prepared = (PyTypeObject *)PyType_FromModuleAndSpec(m, &wx_prepared_spec, NULL);
-    if (!st->Prepared || PyModule_AddType(m, st->Prepared) < 0)
-        return -1;
-    return 0;
+    return wx_py_prepared_init_type(m, st);
 }

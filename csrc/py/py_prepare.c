@@ -104,9 +104,10 @@ static PyObject *wx__probe(PyObject *args, const char *fmt, wx__probe_fn probe)
     if (!PyArg_ParseTuple(args, fmt, &device, &dirs))
         return NULL;
     if (wx__dirs(dirs, &seq, &d, &nd) == 0) {
-        Py_BEGIN_ALLOW_THREADS rc = probe(device, d, nd, why, sizeof why);
-        Py_END_ALLOW_THREADS res =
-            Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
+        Py_BEGIN_ALLOW_THREADS
+            rc = probe(device, d, nd, why, sizeof why);
+        Py_END_ALLOW_THREADS
+        res = Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
     }
     free(d);
     Py_XDECREF(seq);
@@ -132,8 +133,10 @@ static PyObject *wx_fp8_launch_py(PyObject *m, PyObject *args)
         return NULL;
     if ((n = wx__pieces(obj, &view, &p, &copy)) < 0)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS rc = wx_fp8_launch(device, stream, out, out_nbytes, p, dev_pieces, n);
-    Py_END_ALLOW_THREADS free(copy);
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_fp8_launch(device, stream, out, out_nbytes, p, dev_pieces, n);
+    Py_END_ALLOW_THREADS
+    free(copy);
     PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(st, rc, "fp8_launch");
@@ -192,8 +195,11 @@ static PyObject *wx_copy_launch_py(PyObject *m, PyObject *args)
         }
         nbig = (int)(bview.len / 24);
     }
-    Py_BEGIN_ALLOW_THREADS rc = wx_copy_launch(device, stream, p, dev_ranges, n, bview.buf, nbig);
-    Py_END_ALLOW_THREADS if (bigobj != Py_None) PyBuffer_Release(&bview);
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_copy_launch(device, stream, p, dev_ranges, n, bview.buf, nbig);
+    Py_END_ALLOW_THREADS
+    if (bigobj != Py_None)
+        PyBuffer_Release(&bview);
     free(copy);
     if (obj != Py_None)
         PyBuffer_Release(&view);

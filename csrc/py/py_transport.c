@@ -216,10 +216,11 @@ static PyObject *wx_transport_new(PyTypeObject *type, PyObject *args, PyObject *
         o.keys = keys;
         o.vals = vals;
     }
-    Py_BEGIN_ALLOW_THREADS wx_clear_error();
-    rc = wx_transport_open(name, &o, &t);
-    Py_END_ALLOW_THREADS if (rc)
-    {
+    Py_BEGIN_ALLOW_THREADS
+        wx_clear_error();
+        rc = wx_transport_open(name, &o, &t);
+    Py_END_ALLOW_THREADS
+    if (rc) {
         char ctx[96];
         snprintf(ctx, sizeof ctx, "Transport(%s)", name);
         wx_py_raise(st, rc, ctx);
@@ -250,8 +251,8 @@ static void wx__transport_close(wx_py_transport_t *self)
     if (self->t) {
         wx_transport_t *t = self->t;
         self->t = NULL;
-        Py_BEGIN_ALLOW_THREADS wx_transport_close(
-            t); /* completes every write still out, parked engines' too */
+        Py_BEGIN_ALLOW_THREADS
+            wx_transport_close(t); /* completes every write still out, parked engines' too */
         Py_END_ALLOW_THREADS
     }
     for (int i = 0; i < self->nparked; i++)
@@ -306,10 +307,11 @@ static PyObject *wx_transport_register(PyObject *op, PyObject *args, PyObject *k
         Py_DECREF(r);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS rc =
-        wx_reg(self->t, r->buf.addr, r->buf.nbytes, r->buf.mem, r->buf.device, exported, &r->mr);
-    Py_END_ALLOW_THREADS if (rc)
-    {
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_reg(self->t, r->buf.addr, r->buf.nbytes, r->buf.mem, r->buf.device, exported,
+                    &r->mr);
+    Py_END_ALLOW_THREADS
+    if (rc) {
         Py_DECREF(r);
         return wx_py_raise(st, rc, "Transport.register");
     }
@@ -353,9 +355,10 @@ static PyObject *wx_transport_connect_request(PyObject *op, PyObject *arg)
         return NULL;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS rc =
-        wx_connect_request(self->t, view.buf, (size_t)view.len, &p, req, &req_len);
-    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_connect_request(self->t, view.buf, (size_t)view.len, &p, req, &req_len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(wx_py_state_of(op), rc, "Transport.connect_request");
     return Py_BuildValue("(Iy#)", p->id, (const char *)req, (Py_ssize_t)req_len);
@@ -372,8 +375,10 @@ static PyObject *wx_transport_accept(PyObject *op, PyObject *arg)
         return NULL;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
         return NULL;
-    Py_BEGIN_ALLOW_THREADS rc = wx_accept(self->t, view.buf, (size_t)view.len, rep, &rep_len);
-    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_accept(self->t, view.buf, (size_t)view.len, rep, &rep_len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(wx_py_state_of(op), rc, "Transport.accept");
     return PyBytes_FromStringAndSize((const char *)rep, (Py_ssize_t)rep_len);
@@ -399,8 +404,10 @@ static PyObject *wx_transport_connect_finish(PyObject *op, PyObject *args)
                      "connect_finish: no peer %u (use the id from connect_request)", id);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS rc = wx_connect_finish(self->t, p, view.buf, (size_t)view.len);
-    Py_END_ALLOW_THREADS PyBuffer_Release(&view);
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_connect_finish(self->t, p, view.buf, (size_t)view.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(wx_py_state_of(op), rc, "Transport.connect_finish");
     Py_RETURN_NONE;
@@ -551,9 +558,12 @@ static PyObject *wx_transport_map(PyObject *op, PyObject *args, PyObject *kw)
                 (unsigned long long)d.ri.key);
         return wx_py_raise(st, -ENOTCONN, "Transport.map");
     }
-    Py_BEGIN_ALLOW_THREADS rc =
-        wx_map_remote(self->t, p, d.ri.key, d.ri.rbase, d.ri.len, roff, nbytes, &addr, &device);
-    Py_END_ALLOW_THREADS if (rc) return wx_py_raise(st, rc, "Transport.map");
+    Py_BEGIN_ALLOW_THREADS
+        rc =
+            wx_map_remote(self->t, p, d.ri.key, d.ri.rbase, d.ri.len, roff, nbytes, &addr, &device);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return wx_py_raise(st, rc, "Transport.map");
     return Py_BuildValue("(Ki)", (unsigned long long)addr, (int)device);
 }
 
@@ -623,8 +633,11 @@ static PyObject *wx_transport_write(PyObject *op, PyObject *args, PyObject *kw)
     rc = wx_py_wait(wx__sync_wait, &s, timeout + 5.0);
     wx_engine_reap(s.e, wx__drop_owner, NULL);
     fail.err = wx_engine_error(s.e, &fail);
-    Py_BEGIN_ALLOW_THREADS wx_engine_destroy(s.e);
-    Py_END_ALLOW_THREADS if (rc == -EINTR) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        wx_engine_destroy(s.e);
+    Py_END_ALLOW_THREADS
+    if (rc == -EINTR)
+        return NULL;
     if (rc && rc == fail.err)
         return wx_py_raise_fail(st, &fail, "Transport.write");
     if (rc)
@@ -654,8 +667,10 @@ static PyObject *wx_transport_fence(PyObject *op, PyObject *args, PyObject *kw)
         PyErr_Format(PyExc_KeyError, "fence: no peer %u", id);
         return NULL;
     }
-    Py_BEGIN_ALLOW_THREADS rc = wx_fence(self->t, p, (uint64_t)(timeout * 1e9), how, sizeof how);
-    Py_END_ALLOW_THREADS return Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, how);
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_fence(self->t, p, (uint64_t)(timeout * 1e9), how, sizeof how);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, how);
 }
 
 static PyMethodDef wx_transport_methods[] = {

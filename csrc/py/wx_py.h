@@ -10,7 +10,8 @@
 #include "wx_transport.h"
 
 typedef struct {
-    PyObject *Error; /* wxfer._wxfer.Error (OSError subclass) */
+    PyObject *Error;       /* wxfer._wxfer.Error (OSError subclass) */
+    PyObject *DecodeError; /* wxfer._wxfer.DecodeError (Error and ValueError) */
     PyTypeObject *Transport;
     PyTypeObject *Region;
     PyTypeObject *Engine;

@@ -34,6 +34,8 @@ import socket
 import time
 from datetime import timedelta
 
+from .. import envs
+
 DEFAULT_PORT = 29650
 DEFAULT_TIMEOUT = 300.0
 
@@ -74,10 +76,10 @@ def resolve_store(store=None, is_master: bool = False, timeout: float = DEFAULT_
     if store is not None and not isinstance(store, str):
         return store
     if store is None:
-        store = os.environ.get("WXFER_STORE") or None
+        store = envs.get("WXFER_STORE") or None
     if store is None:
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store = "%s:%s" % (host, os.environ.get("WXFER_STORE_PORT", DEFAULT_PORT))
+        store = "%s:%s" % (host, envs.get("WXFER_STORE_PORT", DEFAULT_PORT))
     host, port = parse_addr(store)
     lsock = None
     try:
@@ -162,7 +164,7 @@ def iface_address(iface: str) -> str:
 
 def bind_address(host: str, bind: str | None = None) -> str | None:
     """The address the hosted store listens on (None: every interface)."""
-    bind = bind or os.environ.get("WXFER_STORE_BIND") or None
+    bind = bind or envs.get("WXFER_STORE_BIND") or None
     if bind is None:
         return host.strip("[]") if _is_ip(host) else None
     if bind in ("*", "0.0.0.0", "::"):
@@ -195,7 +197,7 @@ _MAC_HEAD = b"WXH1"
 def job_secret(secret) -> bytes | None:
     """The job secret as bytes: `secret` (str or bytes), else $WXFER_SECRET, else None."""
     if secret is None:
-        secret = os.environ.get("WXFER_SECRET") or None
+        secret = envs.get("WXFER_SECRET") or None
     if secret is None:
         return None
     if isinstance(secret, str):

@@ -17,8 +17,8 @@ own settings are $WXFER_COPY_UNROLL and $WXFER_COPY_CTAS (read once; csrc/prepar
 from __future__ import annotations
 
 import array
-import os
 
+from .. import envs
 from .nvrtc import Probe
 
 CHUNK = 64 << 10  # = WX_COPY_CHUNK in csrc/prepare/wx_copy.h
@@ -71,7 +71,7 @@ def last() -> dict | None:
 def driver_min() -> int:
     """Ranges of at least this many bytes go to the driver's copy ($WXFER_COPY_DRIVER_MIN,
     bytes or a size like 8MiB; 0, the default: every range in the kernel)."""
-    v = os.environ.get("WXFER_COPY_DRIVER_MIN", "").strip()
+    v = envs.get("WXFER_COPY_DRIVER_MIN", "").strip()
     if not v:
         return DRIVER_MIN
     from .. import _wxfer

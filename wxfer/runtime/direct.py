@@ -28,10 +28,11 @@ stream is synchronized before ``push()`` returns or raises (``_direct_wait``,
 
 from __future__ import annotations
 
-import os
 import struct
 import itertools
 from itertools import zip_longest
+
+from .. import envs
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -51,7 +52,7 @@ def copy_max(value=None) -> int:
     1.7B-class push's 311 writes were posted over 5 ms for a 2 ms copy)."""
     what = "copy_max"
     if value is None:
-        value, what = os.environ.get("WXFER_DIRECT_COPY_MAX", "").strip(), "$WXFER_DIRECT_COPY_MAX"
+        value, what = envs.get("WXFER_DIRECT_COPY_MAX", "").strip(), "$WXFER_DIRECT_COPY_MAX"
         if not value:
             return 32 << 20
     must = f"wxfer.Sender: {what} must be a size in bytes (an int >= 0 or e.g. '1MiB'), 'all' or -1 (no bound)"
@@ -77,7 +78,7 @@ def copy_max(value=None) -> int:
 def enabled(direct) -> bool:
     """The Sender's ``direct`` argument; None: $WXFER_DIRECT (on unless 0/off/false/no)."""
     if direct is None:
-        return os.environ.get("WXFER_DIRECT", "1").strip().lower() not in ("0", "off", "false", "no")
+        return envs.get("WXFER_DIRECT", "1").strip().lower() not in ("0", "off", "false", "no")
     if direct not in (True, False):
         raise TypeError(f"wxfer.Sender: direct must be True, False or None, got {direct!r}")
     return bool(direct)

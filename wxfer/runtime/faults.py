@@ -4,9 +4,12 @@ after a setup error until the other processes have read it.  A mixin of Sender."
 
 from __future__ import annotations
 
+import logging
 import time
 
 from . import control, prepare, program
+
+log = logging.getLogger(__name__)
 
 
 class FaultsMixin:
@@ -56,6 +59,7 @@ class FaultsMixin:
                 if not self._store_host
                 else f"a trainer rank other than {self.rank} died or hung"
             )
+        log.error("trainer rank %d: step %d: %s (%s)", self.rank, step, gone_s, exc)
         self._mark(program.receivers_of(self.plan), step, f"{gone_s} in step {step} ({exc})", writer=None)
         return gone_s
 

@@ -5,9 +5,12 @@ reports exchanged, so that all ranks raise together (SPMD loops stay in step).""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from . import control
+
+log = logging.getLogger(__name__)
 
 
 class FinishMixin:
@@ -28,6 +31,7 @@ class FinishMixin:
         except Exception as e:  # noqa: BLE001 -- joined with the other ranks below, then raised
             self._direct_abandon()
             exc, own = e, f"{type(e).__name__}: {e}"
+            log.error("trainer rank %d: step %d failed waiting for its writes: %s", self.rank, h.version, own)
             self._mark(
                 set(self.workers) - self._dropped(),
                 h.version,
@@ -49,8 +53,19 @@ class FinishMixin:
                 own if own is not None else "this rank's writes all landed, but"
             )
             msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
+            log.error("%s", msg)
             raise RuntimeError(msg) from exc
         h.seconds = self.last_phases["done"] = time.perf_counter() - h._t0
+        ph = self.last_phases
+        log.debug(
+            "push: trainer rank %d, step %d, %d bytes in %.6f s (submitted at %.6f s, writes landed at %.6f s)",
+            self.rank,
+            h.version,
+            self.bytes_per_step,
+            h.seconds,
+            ph.get("submit", float("nan")),
+            ph.get("writes", float("nan")),
+        )
         h._keep.clear()
 
     def _finish_writes(self, h, timeout):
@@ -75,6 +90,13 @@ class FinishMixin:
             new = set(failed) - self._dropped()
             self._dropped_gpus = self._dropped() | set(failed)
             for g in sorted(new):
+                log.warning(
+                    "trainer rank %d: step %d: inference worker gpu %d failed and is skipped from now on: %s",
+                    self.rank,
+                    h.version,
+                    g,
+                    failed[g],
+                )
                 self._mark(
                     [g],
                     h.version,

@@ -12,8 +12,8 @@ with ``wxfer.mapping.reference.quantize_fp8_block`` and copies. Both give the sa
 from __future__ import annotations
 
 import array
-import os
 
+from .. import envs
 from .nvrtc import Probe
 
 _BLOCK = 128
@@ -41,7 +41,7 @@ def _codes():
 
 def _variant_compiled() -> None:
     if not _variant:  # read by the extension at its first compile
-        _variant.append(os.environ.get("WXFER_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
+        _variant.append(envs.get("WXFER_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
 
 
 _PROBE = Probe("WXFER_FP8", "reference", "the reference", "fp8_probe", _variant_compiled)

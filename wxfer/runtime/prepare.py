@@ -105,16 +105,9 @@ def all_gather_single(out, inp, group=None, async_op=False):
     return fn(out, inp, group=group, async_op=async_op)
 
 
-def pack(shards, fulls: dict):
-    """Stage 2b: fusion, FP8 and packing -- the mapping's reference packing, shards in order."""
-    from ..mapping import pack_task
-
-    return pack_task(shards, fulls)
-
-
 def pack_into(shards, fulls: dict, nbytes: int, device):
-    """The same bytes as ``pack`` (the mapping's reference packing), written straight into one
-    buffer: one allocation, each raw piece copied (and cast) once, and every FP8 piece of the
+    """The bytes of the mapping's reference packing (``wxfer.mapping.pack_task``), written
+    straight into one buffer: one allocation, each raw piece copied (and cast) once, and every FP8 piece of the
     task quantized by one ``fp8.quantize_into`` call (one kernel launch on CUDA) that writes its
     fp8 bytes and its scales at their offsets. Where the plan's shards are the same objects
     from push to push (a Sender's tasks), where each piece goes is worked out once, and the
@@ -134,10 +127,10 @@ def pack_into(shards, fulls: dict, nbytes: int, device):
     return out
 
 
-def pack_shard_into(sh, fulls: dict, out, off: int, quant: dict | None = None) -> int:
+def pack_shard_into(sh, fulls: dict, out, off: int) -> int:
     """Write shard `sh`'s reference bytes into the uint8 tensor `out` at byte `off`; returns
-    the offset after it. An FP8 or scale shard's pieces are quantized in one call. `quant` is
-    accepted for older callers and unused: the quantizer writes each shard's part directly."""
+    the offset after it. An FP8 or scale shard's pieces are quantized in one call (each
+    shard's part written directly)."""
     raw, fp8_pieces, end = _place((sh,), off)
     _copy_raw(out, fulls, raw)
     _quantize(out, fulls, fp8_pieces)

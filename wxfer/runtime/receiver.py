@@ -25,15 +25,18 @@ trainers dropped learns it at its next ``state()`` / ``wait_version()``.
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import socket
 import struct
 import time
 
+from .. import envs
 from . import control
 from .control import Control, SetupError
 
 _DESC_HEAD = struct.Struct("<Q")
+log = logging.getLogger(__name__)
 
 
 class TornError(RuntimeError):
@@ -75,7 +78,7 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
 
     opts = dict(options or {})
     if transport == "auto":
-        transport = os.environ.get("WXFER_TRANSPORT", "auto")
+        transport = envs.get("WXFER_TRANSPORT", "auto")
     avail = _wxfer.backends()
     if transport == "auto":
         order = ("cuda_ipc", "verbs", "fabric") if device_type == "cuda" else ("fabric",)
@@ -94,9 +97,9 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
             % (transport, avail.get(transport, (False, "unknown transport"))[1])
         )
     if transport == "fabric":
-        opts.setdefault("provider", os.environ.get("WXFER_FABRIC_PROVIDER", "tcp"))
-        if os.environ.get("WXFER_IFACE"):
-            opts.setdefault("iface", os.environ["WXFER_IFACE"])
+        opts.setdefault("provider", envs.get("WXFER_FABRIC_PROVIDER", "tcp"))
+        if envs.get("WXFER_IFACE"):
+            opts.setdefault("iface", envs.get("WXFER_IFACE"))
     return transport, opts
 
 
@@ -256,6 +259,7 @@ class Receiver:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
         self.device = devs.pop()
         self.mapping_name = _mapping_name(mapping)
+        t_setup = time.perf_counter()
         self.ctl = Control(
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
         )
@@ -285,9 +289,25 @@ class Receiver:
             if verify_enabled(verify):
                 self.verifier = Checker(self)
                 self.verifier.start()
-        except Exception:
+        except Exception as e:
+            log.error("Receiver gpu %s (replica %d, tp rank %d) setup failed: %s", self.gpu, replica, rank, e)
             self.close()
             raise
+        log.info(
+            "Receiver ready: gpu %s, replica %d of %d, tp rank %d of %d, written by %d trainer rank(s), "
+            "transport %s, %d parameters in %d region(s), setup %.3f s (register %.3f s)",
+            self.gpu,
+            replica,
+            replicas,
+            rank,
+            tp,
+            len(self.senders),
+            self.transport_name,
+            len(self.param_range),
+            len(self.regions),
+            time.perf_counter() - t_setup,
+            self.register_s,
+        )
 
     # ------------------------------------------------------------------ setup
     def _register(self, mode: str, stamp_slots: int) -> None:
@@ -594,11 +614,13 @@ class Receiver:
                 checked = now
                 st = self.state()
                 if st["state"] in ("torn", "dropped") and st.get("final", True):
+                    log.error("Receiver gpu %s: %s (waiting for version %d)", self.gpu, st["message"], version)
                     raise TornError(f"wxfer.Receiver: {st['message']} (waiting for version {version})")
             if now > deadline:
                 st = self.state()
                 end, _ = self._stamps()
                 late = [r for r, s in zip(self.senders, end) if s < version]
+                log.warning("Receiver gpu %s: version %d after %.0f s, waiting for %d", self.gpu, v, timeout, version)
                 raise TimeoutError(
                     f"wxfer.Receiver gpu {self.gpu}: version {v} after {timeout:.0f} s, "
                     f"waiting for {version}; trainer ranks not done: {late}; {st['message']}"

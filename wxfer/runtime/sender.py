@@ -30,6 +30,7 @@ the last push is connected and written from this push on.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -43,6 +44,8 @@ from .rejoin import RejoinMixin
 from .tasks import STAMP_TAG, TaskMixin
 from .receiver import _unb64, decode_param_descriptor, gpu_memory_options, transport_choice
 from .verify import verify_enabled
+
+log = logging.getLogger(__name__)
 
 
 FAST_BATCH = 32  # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
@@ -210,7 +213,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         if self.rank == 0:
             try:
                 self._controller(mapping)
-            except SetupError:
+            except SetupError as e:
+                log.error("trainer rank 0: building the plan failed: %s", e)
                 # the store lives in this process: before raising (and maybe exiting) let the
                 # other ranks and the registered receivers read the error from it
                 self._linger("plan/acks", self.world - 1, "status/acks", None)
@@ -226,6 +230,20 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         t1 = time.perf_counter()
         self._connect_phase(transport, transport_options, watermark)
         self.setup_s["connect"] = time.perf_counter() - t1
+        log.info(
+            "Sender ready: trainer rank %d of %d, writes %d of %d inference workers, transport %s, "
+            "plan %d tasks (%d bytes per step from this rank), setup %.3f s (plan %.3f s, connect %.3f s)",
+            self.rank,
+            self.world,
+            len(self.workers),
+            len(program.receivers_of(self.plan)),
+            self.transport_name,
+            sum(len(ops) for ops in self.program.groups),
+            self.bytes_per_step,
+            self.setup_s["plan"] + self.setup_s["connect"],
+            self.setup_s["plan"],
+            self.setup_s["connect"],
+        )
 
     # ------------------------------------------------------------------ setup
     def _connect_phase(self, transport, transport_options, watermark) -> None:
@@ -247,6 +265,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         try:
             control.agree(self.group, err, self.rank, "connecting to the inference workers", self.timeout)
         except SetupError as e:
+            log.error("trainer rank %d: connecting to the inference workers failed: %s", self.rank, e)
             if self.rank == 0:  # the receivers learn it too (they wait for this key)
                 self.ctl.set("setup", control.encode_result(None, str(e)))
             # every rank waits for the receivers to read it: the store lives in rank 0, and a
@@ -554,6 +573,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         except Exception as e:
             self._direct_abandon()  # its direct writes land before this push raises
             own = f"{type(e).__name__}: {e}"
+            log.error("trainer rank %d: step %d failed while submitting: %s", self.rank, self.version, own)
             self._mark(
                 set(self.workers) - self._dropped(),
                 self.version,
@@ -564,6 +584,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
             raise
         except BaseException as e:  # KeyboardInterrupt, SystemExit: record, no collectives
             self._direct_abandon()
+            log.warning("trainer rank %d: step %d stopped: %s", self.rank, self.version, type(e).__name__)
             self._mark(
                 set(self.workers) - self._dropped(),
                 self.version,

@@ -16,10 +16,11 @@ every answer (bounded) and raises VerifyError with the report.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import zlib
+
+from .. import envs
 
 
 class VerifyError(RuntimeError):
@@ -33,7 +34,7 @@ class VerifyError(RuntimeError):
 def verify_enabled(flag=None) -> bool:
     if flag is not None:
         return bool(flag)
-    return os.environ.get("WXFER_VERIFY", "") not in ("", "0")
+    return envs.get("WXFER_VERIFY", "") not in ("", "0")
 
 
 def crc(t) -> int:

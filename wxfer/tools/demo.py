@@ -34,6 +34,8 @@ import tempfile
 import time
 import traceback
 
+from .. import envs
+
 TIMEOUT = 120.0
 
 
@@ -372,7 +374,7 @@ def run_demo(
     from ..runtime import control
     from ..models import logits_close, logits_from_shards, logits_of_weights
 
-    gpu = torch.cuda.is_available() and os.environ.get("WXFER_DEMO_CPU") != "1"
+    gpu = torch.cuda.is_available() and envs.get("WXFER_DEMO_CPU") != "1"
     if trainers is None:
         trainers = min(2, torch.cuda.device_count()) if gpu else 2
     if gpu and trainers > torch.cuda.device_count():

@@ -17,6 +17,8 @@ import os
 import resource
 import socket
 
+from .. import envs
+
 OK, MISSING, WRONG = "ok", "missing", "wrong"
 SYS = "/sys"
 MEMLOCK_MIN = 1 << 30  # host memory registered for RDMA counts against `ulimit -l`
@@ -437,9 +439,9 @@ def _local_iface(addr):
 def check_store():
     from ..runtime import control
 
-    store = os.environ.get("WXFER_STORE") or "%s:%s" % (
+    store = envs.get("WXFER_STORE") or "%s:%s" % (
         os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        os.environ.get("WXFER_STORE_PORT", control.DEFAULT_PORT),
+        envs.get("WXFER_STORE_PORT", control.DEFAULT_PORT),
     )
     try:
         host, port = control.parse_addr(store)

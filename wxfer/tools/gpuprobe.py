@@ -25,6 +25,8 @@ import platform
 import resource
 import sys
 
+from .. import envs
+
 
 def fabric_probe() -> dict:
     """The C probe's answer: {"loaded", "version", "rma": [...], "rma_hmem": [...]}."""
@@ -104,7 +106,7 @@ def _cuda_facts() -> dict:
         out["torch_error"] = repr(e)
         return out
     try:
-        cu = ctypes.CDLL(os.environ.get("WXFER_LIBCUDA") or "libcuda.so.1")
+        cu = ctypes.CDLL(envs.get("WXFER_LIBCUDA") or "libcuda.so.1")
         cu.cuInit(0)
         v, attr, dev = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
         cu.cuDriverGetVersion(ctypes.byref(v))

@@ -22,6 +22,7 @@ import re
 import subprocess
 import time
 
+from .. import envs
 from .selftest import _expect as _selftest_expect
 from ..testing import pattern, stop_process
 
@@ -174,7 +175,7 @@ def _writer(conn, opts: dict, size: int, iters: int, chunk: int, gpu: int, log) 
 
 
 def _authkey() -> bytes:
-    return os.environ.get(_AUTH_ENV, "wxfer-selftest").encode()
+    return envs.get(_AUTH_ENV, "wxfer-selftest").encode()
 
 
 def serve_verbs_selftest(args, port: int = _PORT, log=print) -> dict:

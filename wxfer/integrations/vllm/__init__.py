@@ -16,8 +16,8 @@ Everything here imports without vLLM; docs/vllm.md has the usage.
 from __future__ import annotations
 
 import importlib.util
-import os
 
+from ... import envs
 from .cpu import keep_cpu_weights
 from .engine import WorkerSide, WxferInitInfo, WxferUpdateInfo
 from .extension import WxferWorkerExtension, parallel_info
@@ -47,7 +47,7 @@ def register() -> bool:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__ + ".engine", "WxferWeightTransferEngine")
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, __name__ + ".trainer", "WxferTrainerWeightTransferEngine")
-    if os.environ.get("WXFER_VLLM_CPU_KEEP_WEIGHTS") == "1":
+    if envs.get("WXFER_VLLM_CPU_KEEP_WEIGHTS") == "1":
         keep_cpu_weights()
     return True
 

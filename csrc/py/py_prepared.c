@@ -1,0 +1,209 @@
+/* py_prepared.c - the Prepared type (a Region source and its destinations, validated once)
+ * and the Engine methods that make and submit it: Engine.prepare, Engine.submit_prepared. */
+#include "wx_py_engine.h"
+
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD PyObject *region; /* wx_py_region_t of the engine's transport */
+    wx_dest_t *dv;                  /* validated destinations (their peers are the transport's) */
+    uint32_t ndests;
+    uint64_t tag, nbytes;
+} wx_py_prepared_t;
+
+static void wx_prepared_dealloc(PyObject *op)
+{
+    wx_py_prepared_t *self = (wx_py_prepared_t *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    PyMem_Free(self->dv);
+    Py_CLEAR(self->region);
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *wx_prepared_tag(PyObject *op, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(((wx_py_prepared_t *)op)->tag);
+}
+
+static PyObject *wx_prepared_nbytes(PyObject *op, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(((wx_py_prepared_t *)op)->nbytes);
+}
+
+static PyObject *wx_prepared_region(PyObject *op, void *closure)
+{
+    return Py_NewRef(((wx_py_prepared_t *)op)->region);
+}
+
+static PyGetSetDef wx_prepared_getset[] = {
+    {"tag", wx_prepared_tag, NULL, "the engine tag of its tasks", NULL},
+    {"nbytes", wx_prepared_nbytes, NULL, "bytes written per submission", NULL},
+    {"region", wx_prepared_region, NULL, "the source Region", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot wx_prepared_slots[] = {
+    {Py_tp_dealloc, wx_prepared_dealloc},
+    {Py_tp_getset, wx_prepared_getset},
+    {Py_tp_doc, "A task made by Engine.prepare(region, dests, tag): submitted (again and again) by "
+                "Engine.submit_prepared. Rebuild it when a destination's worker re-registered."},
+    {0, NULL},
+};
+
+static PyType_Spec wx_prepared_spec = {
+    .name = "wxfer._wxfer.Prepared",
+    .basicsize = sizeof(wx_py_prepared_t),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = wx_prepared_slots,
+};
+
+/* prepare(region, dests, tag=0) -> Prepared: the destinations decoded and validated against
+ * the Region once (as submit does each call). */
+PyObject *wx_py_engine_prepare(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"src", "dests", "tag", NULL};
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    wx_py_state_t *st = wx_py_state_of(op);
+    PyObject *src, *dests;
+    unsigned long long tag = 0;
+    wx_py_region_t *r;
+    wx_py_prepared_t *p;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|K:prepare", kwlist, &src, &dests, &tag))
+        return NULL;
+    if (!wx_py_engine_live(self))
+        return NULL;
+    if (!PyObject_TypeCheck(src, st->Region)) {
+        PyErr_Format(PyExc_TypeError,
+                     "prepare: src must be a Region of this engine's transport "
+                     "(Transport.register(tensor, export=False)), got %s",
+                     Py_TYPE(src)->tp_name);
+        return NULL;
+    }
+    r = (wx_py_region_t *)src;
+    if (r->transport != self->transport || !r->mr || !((wx_py_transport_t *)self->transport)->t) {
+        PyErr_SetString(PyExc_ValueError,
+                        "prepare: src Region is closed or belongs to another transport");
+        return NULL;
+    }
+    p = PyObject_New(wx_py_prepared_t, st->Prepared);
+    if (!p)
+        return NULL;
+    p->region = Py_NewRef(src);
+    p->dv = NULL;
+    p->ndests = 0;
+    p->tag = tag;
+    p->nbytes = 0;
+    if (wx_py_submit_dests(st, (wx_py_transport_t *)self->transport, dests, tag, r->mr, &p->dv,
+                           &p->ndests) < 0) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < p->ndests; i++)
+        p->nbytes += p->dv[i].len;
+    return (PyObject *)p;
+}
+
+/* One prepared task submitted: held 0 (the Region's memory is not the engine's), admitted
+ * at once; the owner keeps the Region (so its memory) alive until the writes completed. */
+static int wx__submit_one_prepared(wx_py_engine_t *self, wx_py_state_t *st, PyObject *item,
+                                   Py_ssize_t i, void *event, int device)
+{
+    wx_py_prepared_t *p = (wx_py_prepared_t *)item;
+    wx_py_region_t *r;
+    wx_py_owner_t *own;
+    wx_task_spec_t spec;
+    uint64_t t0 = wx_now_ns(), ta, id;
+    int rc;
+    if (!PyObject_TypeCheck(item, st->Prepared)) {
+        PyErr_Format(PyExc_TypeError,
+                     "submit_prepared: tasks[%zd] is a %s, not a Prepared "
+                     "(Engine.prepare)",
+                     i, Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    r = (wx_py_region_t *)p->region;
+    if (r->transport != self->transport || !r->mr || !((wx_py_transport_t *)self->transport)->t) {
+        PyErr_Format(PyExc_ValueError,
+                     "submit_prepared: tasks[%zd] (tag %llu): its Region is "
+                     "closed or belongs to another transport",
+                     i, (unsigned long long)p->tag);
+        return -1;
+    }
+    own = PyMem_Calloc(1, sizeof *own);
+    if (!own) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    own->t = ((wx_py_transport_t *)self->transport)->t;
+    own->region = Py_NewRef(p->region);
+    memset(&spec, 0, sizeof spec);
+    spec.src = r->mr;
+    spec.dests = p->dv;
+    spec.ndests = p->ndests;
+    spec.tag = p->tag;
+    spec.owner = own;
+    spec.held_bytes = 0;
+    if (event) {
+        spec.cuda_event = event;
+        spec.cuda_device = device >= 0 ? device : (r->buf.device >= 0 ? r->buf.device : 0);
+    }
+    rc = wx_engine_admit(self->e, 0, 0, &ta); /* held 0: never waits (fails on a sticky error) */
+    if (!rc)
+        rc = wx_engine_submit(self->e, &spec, t0, ta, &id);
+    if (rc) {
+        char ctx[96];
+        snprintf(ctx, sizeof ctx, "submit_prepared: tasks[%zd] (tag %llu)", i,
+                 (unsigned long long)p->tag);
+        wx_py_raise_engine(st, self->e, rc, ctx);
+        wx_py_owner_free(own, NULL);
+        return -1;
+    }
+    return 0;
+}
+
+/* submit_prepared(tasks, event=None, device=-1) -> count: every Prepared of the sequence
+ * submitted in order, all waiting for one CUDA event; stops at the first refusal (the tasks
+ * before it are submitted). */
+PyObject *wx_py_engine_submit_prepared(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tasks", "event", "device", NULL};
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    wx_py_state_t *st = wx_py_state_of(op);
+    PyObject *tasks, *event = Py_None, *seq;
+    void *ev = NULL;
+    int device = -1;
+    Py_ssize_t n;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Oi:submit_prepared", kwlist, &tasks, &event,
+                                     &device))
+        return NULL;
+    if (!wx_py_engine_live(self))
+        return NULL;
+    if (event != Py_None) {
+        ev = PyLong_AsVoidPtr(event);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    seq = PySequence_Fast(tasks, "submit_prepared: tasks must be a sequence of Prepared");
+    if (!seq)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    wx_engine_reap(self->e, wx_py_owner_free, NULL);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (wx__submit_one_prepared(self, st, PySequence_Fast_GET_ITEM(seq, i), i, ev, device) <
+            0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    return PyLong_FromSsize_t(n);
+}
+
+int wx_py_prepared_init_type(PyObject *m, wx_py_state_t *st)
+{
+    st->Prepared = (PyTypeObject *)PyType_FromModuleAndSpec(m, &wx_prepared_spec, NULL);
+    if (!st->Prepared || PyModule_AddType(m, st->Prepared) < 0)
+        return -1;
+    return 0;
+}

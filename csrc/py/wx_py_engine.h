@@ -1,0 +1,43 @@
+/* wx_py_engine.h - what the Engine type (py_engine.c) shares with its prepared tasks
+ * (py_prepared.c). */
+#ifndef WX_PY_ENGINE_H
+#define WX_PY_ENGINE_H
+
+#include "wx_py.h"
+
+typedef struct {
+    PyObject_HEAD PyObject *transport; /* wx_py_transport_t */
+    wx_engine_t *e;
+    double timeout_s;
+} wx_py_engine_t;
+
+/* What keeps a task's source alive until its writes completed; released on a Python
+ * thread by reap (never from a native thread). */
+typedef struct {
+    PyObject *region; /* a Region source, or NULL */
+    wx_py_buf_t buf;  /* an imported tensor source */
+    wx_mr_t *mr;      /* per-task registration (transports that need one), or NULL */
+    wx_mr_t bare;     /* an unregistered description of the source */
+    wx_transport_t *t;
+} wx_py_owner_t;
+
+/* Release a task's owner (a wx_engine_reap callback; Python thread only). */
+void wx_py_owner_free(void *owner, void *arg);
+/* 1 when the engine is open, else 0 with ValueError set. */
+int wx_py_engine_live(wx_py_engine_t *self);
+/* Raise for rc from e: the engine's sticky error with its fields when rc is that error,
+ * else wx_py_raise. Returns NULL. */
+PyObject *wx_py_raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, const char *context);
+/* submit's destinations, every one validated against src before anything is admitted or
+ * posted. *out is PyMem-allocated; 0 or -1 with an exception set. */
+int wx_py_submit_dests(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *dests,
+                       unsigned long long tag, const wx_mr_t *src, wx_dest_t **out,
+                       uint32_t *ndests);
+
+/* Engine.prepare and Engine.submit_prepared (py_prepared.c; in Engine's method table). */
+PyObject *wx_py_engine_prepare(PyObject *op, PyObject *args, PyObject *kw);
+PyObject *wx_py_engine_submit_prepared(PyObject *op, PyObject *args, PyObject *kw);
+/* Create the Prepared type into st->Prepared and add it to m; 0 or -1. */
+int wx_py_prepared_init_type(PyObject *m, wx_py_state_t *st);
+
+#endif

@@ -1,0 +1,100 @@
+"""Every ``WXFER_*`` environment variable wxfer reads, in one place: its type, default, who
+reads it and what it does.  Python code reads them through ``get`` (a name not declared here is
+an error); the C extension reads its own with getenv() and is declared here too.
+tests/test_envs.py checks that every ``WXFER_*`` name in wxfer/, csrc/ and setup.py is declared
+and that README's table is ``markdown_table()`` (``python -m wxfer.envs`` prints it).
+
+Not declared (the rule): names used only by the test suite, the benchmarks, the Makefile or the
+verbs emulation (tests/, benchmarks/, csrc/testing/, ``WXEMU_*``)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    type: str  # flag, str, int, size, path, choice, list
+    default: str  # what applies when unset, as text
+    read_by: str  # Python, C or setup.py (the build)
+    doc: str
+    when: str = "run"  # run: at run time; build: by setup.py; test build: WXFER_TESTING=1 builds only
+
+
+_VARS = (
+    # transports and the store (Python: Sender / Receiver setup)
+    Var("WXFER_TRANSPORT", "choice", "auto", "Python", "the backend for transport=\"auto\": cuda_ipc, verbs or fabric"),
+    Var("WXFER_FABRIC_PROVIDER", "str", "tcp", "Python", "the libfabric provider a Sender/Receiver gives fabric"),
+    Var(
+        "WXFER_IFACE",
+        "str",
+        "unset",
+        "Python",
+        "a Sender's/Receiver's fabric iface option (fabric only; verbs and cuda_ipc ignore it)",
+    ),
+    Var(
+        "WXFER_FABRIC_IFACE",
+        "str",
+        "lo for tcp",
+        "C",
+        "the fabric backend's iface when a Transport is made without iface= (also a bare Transport)",
+    ),
+    Var("WXFER_IB_DEVICES", "list", "automatic", "C", "RDMA devices to use (mlx5_0,mlx5_1:1) or exclude (^mlx5_2)"),
+    Var("WXFER_STORE", "str", "MASTER_ADDR:WXFER_STORE_PORT", "Python", "the rendezvous store, host:port"),
+    Var("WXFER_STORE_PORT", "int", "29650", "Python", "the store's port when WXFER_STORE is unset"),
+    Var("WXFER_STORE_BIND", "str", "the store's host if an IP", "Python", "the address rank 0's store listens on"),
+    Var("WXFER_SECRET", "str", "unset", "Python", "the job secret (>= 16 bytes) that authenticates store records"),
+    # a push
+    Var("WXFER_VERIFY", "flag", "off", "Python", "checksum every write (Sender.push / Receiver verify=)"),
+    Var("WXFER_DIRECT", "flag", "on", "Python", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
+    Var("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "Python", "zero-copy tasks below this are copied by kernels"),
+    Var("WXFER_COPY", "choice", "native", "Python", "the batched copy: native (NVRTC kernel) or torch"),
+    Var("WXFER_COPY_DRIVER_MIN", "size", "0", "Python", "ranges of at least this go to the driver's copy (0: none)"),
+    Var("WXFER_COPY_UNROLL", "int", "4", "C", "the copy kernel's 16-byte loads in flight per thread (1-16)"),
+    Var("WXFER_COPY_CTAS", "int", "16", "C", "the copy kernel's CTAs per SM (1-32)"),
+    Var("WXFER_FP8", "choice", "native", "Python", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
+    Var("WXFER_FP8_VARIANT", "choice", "v6", "C, Python", "the FP8 kernel variant, v0 to v8"),
+    Var("WXFER_FP8_MINB", "int", "the variant's", "C", "the FP8 kernel's CTAs per SM (1-32)"),
+    # libraries (dlopened by the C extension)
+    Var("WXFER_LIBCUDA", "path", "libcuda.so.1", "C, Python", "the CUDA driver library"),
+    Var("WXFER_LIBFABRIC", "path", "libfabric.so.1", "C", "the libfabric library"),
+    Var("WXFER_LIBIBVERBS", "path", "libibverbs.so.1", "C", "the libibverbs library (tests: the emulation)"),
+    Var("WXFER_LIBNVRTC", "path", "searched", "C", "the NVRTC library (when set, only it)"),
+    Var(
+        "WXFER_DEBUG", "flag", "off", "C, setup.py", "run time: native debug log on stderr; build: -O0 -g", "run, build"
+    ),
+    # tools and integrations
+    Var("WXFER_VLLM_CPU_KEEP_WEIGHTS", "flag", "off", "Python", "the vLLM plugin keeps CPU weights (=1)"),
+    Var("WXFER_DEMO_CPU", "flag", "off", "Python", "the demo runs on the CPU even with GPUs (=1)"),
+    Var("WXFER_SELFTEST_KEY", "str", "wxfer-selftest", "Python", "the verbs self-test's worker authentication key"),
+    # the build (setup.py)
+    Var("WXFER_SANITIZE", "flag", "off", "setup.py", "build with ASan + UBSan", "build"),
+    Var("WXFER_WERROR", "flag", "off", "setup.py", "warnings are errors", "build"),
+    Var("WXFER_TESTING", "flag", "off", "setup.py", "compile in the tests' fault-injection options", "build"),
+    Var("WXFER_ABI_CHECK", "flag", "off", "setup.py", "compare the ABI declarations with system headers", "build"),
+    Var("WXFER_TEST_GPUREG", "str", "unset", "C", "override the verbs GPU-registration facts", "test build"),
+)
+
+VARS: dict = {v.name: v for v in _VARS}
+
+
+def get(name: str, fallback: str | None = None) -> str | None:
+    """The value of the declared variable `name` in the environment, else `fallback` (the caller
+    keeps its own parsing and default, as before this module); KeyError for an undeclared name."""
+    if name not in VARS:
+        raise KeyError(f"wxfer.envs: {name} is not declared in wxfer/envs.py")
+    return os.environ.get(name, fallback)
+
+
+def markdown_table() -> str:
+    """README's environment-variable table."""
+    rows = ["| Variable | Type | Default | Read by | When | What |", "|---|---|---|---|---|---|"]
+    for v in _VARS:
+        rows.append(f"| `{v.name}` | {v.type} | {v.default} | {v.read_by} | {v.when} | {v.doc} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
