@@ -67,6 +67,13 @@ _VARS = (
     ),
     # tools and integrations
     Var("WXFER_VLLM_CPU_KEEP_WEIGHTS", "flag", "off", "Python", "the vLLM plugin keeps CPU weights (=1)"),
+    Var(
+        "WXFER_VLLM_API",
+        "str",
+        "unset",
+        "Python",
+        "the vLLM API form (0.26, 0.32, 0.33) for a vLLM version wxfer has not read (still signature-checked)",
+    ),
     Var("WXFER_DEMO_CPU", "flag", "off", "Python", "the demo runs on the CPU even with GPUs (=1)"),
     Var("WXFER_SELFTEST_KEY", "str", "wxfer-selftest", "Python", "the verbs self-test's worker authentication key"),
     # the build (setup.py)

@@ -22,8 +22,9 @@ unread version; the classes are then still checked against it (``check_bases``).
 from __future__ import annotations
 
 import inspect
-import os
 import re
+
+from ... import envs
 
 READ = {(0, 26): "0.26", (0, 32): "0.32", (0, 33): "0.33"}  # vLLM (major, minor) whose sources were read
 APIS = ("0.26", "0.32", "0.33")
@@ -62,7 +63,7 @@ def api_for(version: str, override: str | None = None) -> str:
 
 def api() -> str:
     """The installed vLLM's API shape (see the module); UnsupportedVLLM names the version otherwise."""
-    return api_for(vllm_version(), os.environ.get("WXFER_VLLM_API") or None)
+    return api_for(vllm_version(), envs.get("WXFER_VLLM_API") or None)
 
 
 def _params(fn) -> list[tuple[str, str]]:
