@@ -42,15 +42,6 @@ JOBS = {
         preset="qwen3-235b", train_gpus=128, infer_gpus=32, infer_tp=8, infer_ep=True, quant="fp8"
     ),
 }
-HOST = (
-    "host_task_s",
-    "host_param_s",
-    "host_piece_s",
-    "host_zc_task_s",
-    "host_zc_batch_s",
-    "host_direct_task_s",
-    "host_copy_task_s",
-)
 # what a term the file could not measure is taken as here, and why (reported with the result)
 ASSUME = {
     "coll_call_s": (0.0, "the all-gather's per-call cost not measured (one GPU: no NCCL peer); taken as 0"),
@@ -110,10 +101,12 @@ def simulate_job(spec: dict, cal, nic_eff: float = 1.0) -> dict:
 
 def variants(cal) -> list:
     """(label, calibration, NIC efficiency) of the sensitivity table."""
+    from wxfer.runtime.hostfit import HOST_COSTS
+
     out = [("base (the file's costs, NIC 100%)", cal, 1.0)]
     out += [("NIC efficiency %.0f%%" % (100 * e), cal, e) for e in (0.9, 0.8)]
     for f in (0.5, 2.0):
-        kw = {k: getattr(cal, k) * f for k in HOST if getattr(cal, k) is not None}
+        kw = {k: getattr(cal, k) * f for k in HOST_COSTS if getattr(cal, k) is not None}
         out.append(("host costs x%g" % f, replace(cal, **kw), 1.0))
     if cal.quant_GBps:
         q = dict(quant_GBps=cal.quant_GBps / 2)

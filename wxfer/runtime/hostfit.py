@@ -56,6 +56,8 @@ COLUMNS = (
     "host_direct_task_s",
     "host_copy_task_s",
 )
+# the host costs per task, parameter, piece and zero-copy batch (the fit's columns but the barrier)
+HOST_COSTS = tuple(c for c in COLUMNS if c != "barrier_s")
 _OWN = {"direct": 6, "copy": 7}  # tasks without a record, written by the rank's kernels: their column
 
 

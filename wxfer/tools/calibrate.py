@@ -30,6 +30,7 @@ import time
 
 from .calibrate_host import PLACEMENTS, default_placement, host_costs, hostfit_keys, measure_host, receiver_side
 from .calibrate_writes import write_rates
+from ..runtime.hostfit import HOST_COSTS
 
 __all__ = ["PLACEMENTS", "default_placement", "host_costs", "hostfit_keys", "measure", "measure_host", "main"]
 _TIMEOUT = 60.0
@@ -428,14 +429,7 @@ def measure_h2d(dev, quick: bool) -> dict:
 # the Calibration fields each measurement fills (what is unmeasured when it fails)
 _KERNEL_TERMS = ("pack_launch_s", "quant_GBps", "quant_small_GBps", "copy_GBps", "copy_batch_GBps")
 _LINK_TERMS = ("write_GBps", "write_call_s", "coll_call_s", "allgather_GBps")
-_HOST_TERMS = (
-    "host_task_s",
-    "host_param_s",
-    "host_piece_s",
-    "host_zc_task_s",
-    "host_zc_batch_s",
-    "host_direct_task_s",
-    "host_copy_task_s",
+_HOST_TERMS = HOST_COSTS + (
     "push_begin_s",
     "push_end_s",
     "begin_fence_s",
@@ -510,7 +504,7 @@ def _host_part(dev, det: dict, quick: bool, placement: str, unmeasured: dict, lo
             "calibrate: host %s; %.2f ms before the first task, %.2f ms after the last data; fit over %d samples, "
             "condition %.3g%s"
             % (
-                ", ".join("%s %.1f us" % (k[:-2], det[k] * 1e6) for k in _HOST_TERMS[:7] if det.get(k) is not None),
+                ", ".join("%s %.1f us" % (k[:-2], det[k] * 1e6) for k in HOST_COSTS if det.get(k) is not None),
                 det["push_begin_s"] * 1e3,
                 det["push_end_s"] * 1e3,
                 det["host_samples"],
