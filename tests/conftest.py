@@ -32,6 +32,30 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason="needs an RDMA device (/sys/class/infiniband is empty)"))
 
 
+@pytest.fixture(scope="session")
+def emu_lib():
+    """The libibverbs emulation (csrc/testing, built once a session): its path, for
+    $WXFER_LIBIBVERBS in the child processes that load it. Skips without rdma-core's headers,
+    which it is built from. From the installed wheel, the checkout named by $WXFER_INSTALLED."""
+    import subprocess
+
+    from wxfer.testing import build_env
+
+    if not os.path.exists("/usr/include/infiniband/verbs.h"):
+        pytest.skip("the libibverbs emulation is built from infiniband/verbs.h (libibverbs-dev)")
+    src = os.environ.get("WXFER_INSTALLED") or ROOT
+    out = subprocess.run(
+        ["sh", os.path.join(src, "csrc", "testing", "build.sh")],
+        env=build_env(),
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    path = out.stdout.strip().splitlines()[-1]
+    assert os.path.exists(path), path
+    return path
+
+
 @pytest.fixture
 def store(request):
     """(a TCPStore hosted by this test, "host:port"), its timeout the test module's T."""

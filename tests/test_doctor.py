@@ -44,20 +44,6 @@ def plain():
     return _doctor()
 
 
-@pytest.fixture(scope="module")
-def emu_lib():
-    if not os.path.exists("/usr/include/infiniband/verbs.h"):
-        pytest.skip("the libibverbs emulation is built from infiniband/verbs.h (libibverbs-dev)")
-    out = subprocess.run(
-        ["sh", os.path.join(ROOT, "csrc", "testing", "build.sh")],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=build_env(),
-    )
-    return out.stdout.strip().splitlines()[-1]
-
-
 def test_text_output_names_every_check():
     r = subprocess.run([PY, "-m", "wxfer", "doctor"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

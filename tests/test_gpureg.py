@@ -25,7 +25,6 @@ import pytest
 import wxfer
 from wxfer import _wxfer
 from wxfer.runtime.receiver import gpu_memory_options, registration_info
-from wxfer.testing import build_env
 from wxfer.tools import gpuprobe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,18 +40,6 @@ needs_testing_build = pytest.mark.skipif(
 needs_fabric = pytest.mark.skipif(
     not wxfer.backends()["fabric"]["available"], reason="fabric backend unavailable: %s" % wxfer.backends()["fabric"]
 )
-
-
-@pytest.fixture(scope="module")
-def emu_lib():
-    out = subprocess.run(
-        ["sh", os.path.join(ROOT, "csrc", "testing", "build.sh")],
-        env=build_env(),
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip().splitlines()[-1]
 
 
 def _child(emu_lib, code, **env):

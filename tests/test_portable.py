@@ -14,7 +14,6 @@ import sys
 import pytest
 
 import wxfer
-from wxfer.testing import build_env
 
 PY = sys.executable
 ROOT = os.environ.get("WXFER_INSTALLED") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,17 +54,8 @@ def test_cuda_ipc_reason_names_the_library():
         assert not b["available"] and "libcuda.so.1" in b["reason"], b
 
 
-def test_verbs_available_over_the_emulation():
-    if not os.path.exists("/usr/include/infiniband/verbs.h"):
-        pytest.skip("the libibverbs emulation is built from infiniband/verbs.h (libibverbs-dev)")
-    emu = subprocess.run(
-        ["sh", os.path.join(ROOT, "csrc", "testing", "build.sh")],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=build_env(),
-    )
-    emu = emu.stdout.strip().splitlines()[-1]
+def test_verbs_available_over_the_emulation(emu_lib):
+    emu = emu_lib
     code = "import wxfer, json; print(json.dumps(wxfer.backends()['verbs']))"
     r = subprocess.run(
         [PY, "-c", code], capture_output=True, text=True, timeout=60, env=dict(os.environ, WXFER_LIBIBVERBS=emu)

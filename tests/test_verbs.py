@@ -48,20 +48,6 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="session")
-def emu_lib():
-    out = subprocess.run(
-        ["sh", os.path.join(ROOT, "csrc", "testing", "build.sh")],
-        env=build_env(),
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    path = out.stdout.strip().splitlines()[-1]
-    assert os.path.exists(path)
-    return path
-
-
-@pytest.fixture(scope="session")
 def cprog(tmp_path_factory):
     d = tmp_path_factory.mktemp("verbs_c")
     out = subprocess.run(

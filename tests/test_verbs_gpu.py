@@ -17,7 +17,6 @@ import textwrap
 
 import pytest
 
-from wxfer.testing import build_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -26,18 +25,6 @@ pytestmark = pytest.mark.skipif(
     not os.path.exists("/usr/include/infiniband/verbs.h"),
     reason="rdma-core headers (infiniband/verbs.h) missing: the libibverbs emulation is built from them",
 )
-
-
-@pytest.fixture(scope="module")
-def emu_lib():
-    out = subprocess.run(
-        ["sh", os.path.join(ROOT, "csrc", "testing", "build.sh")],
-        env=build_env(),
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip().splitlines()[-1]
 
 
 def _child(emu_lib, code, timeout=90, **env):
