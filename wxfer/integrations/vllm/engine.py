@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .layout import PROOF_SEED, check_shapes, expected_destinations, quant_of, refusals, select_parameters
+from .layout import PROOF_SEED, quant_of, refusals, writable_parameters
 
 
 @dataclass
@@ -118,13 +118,7 @@ class WorkerSide:
             raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
         named = list(self.model.named_parameters())
         quant = quant_of(named)
-        expected = expected_destinations(preset, cfg, par["tp"], par["rank"], quant, par["ep"])
-        sel, left, missing = select_parameters(named, expected, info.skip)
-        if missing:
-            raise RuntimeError(
-                f"wxfer: {where} lacks {len(missing)} parameter(s) the mapping {preset.name!r} writes: {missing[:10]}"
-            )
-        check_shapes(sel, expected, where)
+        sel, left = writable_parameters(named, preset, cfg, par, quant, info.skip, where, preset.name)
         replica = par["dp_rank"] if info.replica is None else int(info.replica)
         replicas = par["dp"] if info.replicas is None else int(info.replicas)
         store = control.resolve_store(info.store or None, False, info.timeout)

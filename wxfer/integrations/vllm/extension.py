@@ -25,7 +25,7 @@ vLLM is not a dependency: everything that touches it is in ``parallel_info`` /
 
 from __future__ import annotations
 
-from .layout import check_shapes, expected_destinations, quant_of, select_parameters
+from .layout import quant_of, writable_parameters
 
 
 def parallel_info(vllm_config) -> dict:
@@ -89,14 +89,7 @@ class WxferWorkerExtension:
 
             base = get_preset(mapping)
             mapping = from_config(base.name, dict(base.config, **hf))
-        expected = expected_destinations(mapping, hf, info["tp"], info["rank"], quant, info["ep"])
-        sel, left, missing = select_parameters(named, expected, skip)
-        if missing:
-            raise RuntimeError(
-                f"wxfer: vLLM worker tp rank {info['rank']} lacks {len(missing)} parameter(s) the "
-                f"mapping writes: {missing[:10]}"
-            )
-        check_shapes(sel, expected, f"vLLM worker tp rank {info['rank']}")
+        sel, left = writable_parameters(named, mapping, hf, info, quant, skip, f"vLLM worker tp rank {info['rank']}")
         replica = info["dp_rank"] if replica is None else replica
         replicas = info["dp"] if replicas is None else replicas
         self._wxfer = Receiver(

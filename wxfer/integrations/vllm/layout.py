@@ -101,6 +101,19 @@ def check_shapes(selected, expected: dict, where: str) -> None:
         )
 
 
+def writable_parameters(named, mapping, hf_config: dict, par: dict, quant, skip, where: str, mapping_name=None):
+    """(selected, left out): the parameters of `named` the mapping writes on the worker `par`
+    describes (its "tp", "rank", "ep"), and the others.  RuntimeError naming what the model
+    lacks; ValueError (check_shapes) for a shape or dtype the mapping does not write."""
+    expected = expected_destinations(mapping, hf_config, par["tp"], par["rank"], quant, par["ep"])
+    sel, left, missing = select_parameters(named, expected, skip)
+    if missing:
+        what = f"the mapping {mapping_name!r}" if mapping_name else "the mapping"
+        raise RuntimeError(f"wxfer: {where} lacks {len(missing)} parameter(s) {what} writes: {missing[:10]}")
+    check_shapes(sel, expected, where)
+    return sel, left
+
+
 # --------------------------------------------------------------------------- the layout proof
 
 
