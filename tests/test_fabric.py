@@ -392,5 +392,8 @@ def test_trainer_iface_variable_is_a_fabric_option():
     assert writer_options("fabric", {"provider": "tcp", "iface": "eth9"}, env) == {"provider": "tcp", "iface": "lo"}
     assert writer_options("fabric", {"provider": "tcp", "iface": "eth9"}, {}) == {"provider": "tcp"}
     assert writer_options("cuda_ipc", {}, env) == {}
+    # verbs: the receivers' GPU check is theirs, unless this rank's own options set it
+    assert writer_options("verbs", {"gpu": "0", "gpu_memory": "yes", "qps": "2"}, {}) == {"qps": "2"}
+    assert writer_options("verbs", {"gpu": "1", "gpu_memory": "yes"}, {}, {"gpu": "1"}) == {"gpu": "1"}
     t = _wxfer.Transport("fabric", writer_options("fabric", {"provider": "tcp"}, env))
     t.close()

@@ -91,13 +91,17 @@ class PushHandle:
         return self.seconds
 
 
-def writer_options(tname: str, topts: dict, env) -> dict:
-    """The options a trainer opens transport `tname` with, from the receivers' published ones.
+def writer_options(tname: str, topts: dict, env, given: dict | None = None) -> dict:
+    """The options a trainer opens transport `tname` with, from the receivers' published ones
+    (`given`: this rank's own transport_options, merged into them).
 
-    The receivers' `iface` names their own NIC and never travels; the trainer's comes from
-    $WXFER_IFACE, and only for fabric, the one backend with that option (verbs and cuda_ipc
-    refuse an unknown option: a job that set the variable for its fabric NIC failed at setup)."""
-    out = {k: v for k, v in topts.items() if k != "iface"}
+    What names the receivers' own host does not travel: their `iface` (their NIC; the trainer's
+    comes from $WXFER_IFACE, and only for fabric, the one backend with that option: verbs and
+    cuda_ipc refuse an unknown option, so a job that set the variable for its fabric NIC failed
+    at setup) and, on verbs, their GPU check (`gpu`, `gpu_memory`; this rank checks for its own
+    memory) unless `given` sets it."""
+    mine = ("gpu", "gpu_memory") if tname == "verbs" else ()
+    out = {k: v for k, v in topts.items() if k != "iface" and (k not in mine or k in (given or {}))}
     if tname == "fabric" and env.get("WXFER_IFACE"):
         out["iface"] = env["WXFER_IFACE"]
     return out
@@ -418,12 +422,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                 )
         else:
             tname, topts = transport_choice(transport, self.device.type, transport_options)
-        # the receivers' GPU check is theirs: this rank checks for its own memory
-        for k in ("gpu", "gpu_memory"):
-            if tname == "verbs" and k not in (transport_options or {}):
-                topts.pop(k, None)
-        topts = gpu_memory_options(tname, self.device, topts)
-        topts = writer_options(tname, topts, os.environ)
+        topts = gpu_memory_options(tname, self.device, writer_options(tname, topts, os.environ, transport_options))
         if tname == "cuda_ipc":
             import socket
 
