@@ -102,12 +102,12 @@ class Sender:
     secret (default $WXFER_SECRET): a job secret (>= 16 bytes) shared with the receivers;
     with it every record in the store is authenticated (HMAC-SHA256, control.Control), so
     a store writer without it can neither redirect nor inject writes.
-    direct (default $WXFER_DIRECT, on): on cuda_ipc, a packed task whose destinations are all
-    mapped on this rank's GPU (receivers colocated on it) is packed and FP8-quantized straight
-    into the receivers' memory (written in place), with no send buffer and no copy
-    (wxfer.runtime.inplace;
-    ``stats()["direct"]`` counts them); False: every packed task through a send buffer.
-    copy_max (default $WXFER_DIRECT_COPY_MAX, else 32 MiB): with direct on cuda_ipc, a
+    direct (default $WXFER_DIRECT, on; the in-place writes, kept by that name): on cuda_ipc, a
+    packed task whose destinations are all mapped on this rank's GPU (receivers colocated on
+    it) is packed and FP8-quantized straight into the receivers' memory, in place, with no
+    send buffer and no copy (wxfer.runtime.inplace; ``stats()["direct"]`` counts them); False:
+    every packed task through a send buffer.
+    copy_max (default $WXFER_DIRECT_COPY_MAX, else 32 MiB): with in-place writes on cuda_ipc, a
     zero-copy task of fewer bytes than this whose destinations are all mapped here is copied
     straight into the receivers' memory by batched copy kernels instead of one engine write
     each: bytes (an int or e.g. "1MiB"); 0: never; "all" or -1: no upper bound (every such
@@ -186,7 +186,13 @@ class Sender:
             self._connect_phase(transport, transport_options, in_place)
         )
         self.setup_s["connect"] = time.perf_counter() - t1
-        self.failures = FailureExchange(
+        self.failures, self.steps = self._step_parts()
+        self._log_ready()
+
+    # ------------------------------------------------------------------ setup
+    def _step_parts(self) -> tuple:
+        """(FailureExchange, StepLoop) over the collaborators made at connect."""
+        failures = FailureExchange(
             self.ctl,
             self.group,
             self.rank,
@@ -197,7 +203,7 @@ class Sender:
             self.links,
             program.receivers_of(self.plan),
         )
-        self.steps = StepLoop(
+        return failures, StepLoop(
             self.ctl,
             self.group,
             self.rank,
@@ -211,11 +217,9 @@ class Sender:
             self.links,
             self.runner,
             self.inplace,
-            self.failures,
+            failures,
         )
-        self._log_ready()
 
-    # ------------------------------------------------------------------ setup
     def _publish(self, model, mapping) -> dict:
         """Setup step 1: this rank's metadata (and the mapping it was given: every rank's must
         agree), its verdict agreed among the ranks; returns the model's parameters."""
@@ -422,9 +426,9 @@ class Sender:
             on = verify_enabled(verify)
             self.version = self.version + 1 if version is None else int(version)
             h = self.steps.push(self.version, on, self._run_task, self._lock)
+            return h if async_op else h.wait()
         finally:
             self._lock.release()
-        return h if async_op else h.wait()
 
     def _run_task(self, op, push_event) -> None:
         """One task of a push (TaskRunner.run_task; the hook a test may wrap)."""

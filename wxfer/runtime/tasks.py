@@ -68,9 +68,11 @@ class TaskRunner:
 
     # ------------------------------------------------------------------ stamps
     def start(self, version: int, verify: bool) -> None:
-        """A push begins: its number and whether it checksums what it sends."""
+        """A push begins: its number and whether it checksums what it sends (and the in-place
+        writer learns both, and how to wait for the begin stamps)."""
         self.version, self.verify = version, bool(verify)
         self.sums = {} if verify else None
+        self.inplace.start(version, self.verify, self._wait_begin)
 
     def write_begin(self) -> None:
         """This rank's begin stamps, landed before its first data write of the step: a fence
@@ -82,13 +84,14 @@ class TaskRunner:
             self.begin_src.fill_(self.version)
             # a receiver that fails here is skipped by the engine for the data writes too
             self.begin_fence = self.submit_stamps(self.begin_src, dests, "begin")
-        fence = self.begin_fence
-        self.inplace.start(
-            self.version,
-            self.verify,
-            lambda: self.wait_engine(
-                1.5 * self.write_timeout + 1.0, "writing the begin stamps (before the direct writes)", fence=fence
-            ),
+
+    def _wait_begin(self) -> None:
+        """Until this push's begin stamps landed (that fence task alone; with no stamps,
+        everything submitted so far): what the in-place writes wait for."""
+        self.wait_engine(
+            1.5 * self.write_timeout + 1.0,
+            "writing the begin stamps (before the in-place writes)",
+            fence=self.begin_fence,
         )
 
     def write_end(self, event) -> None:
