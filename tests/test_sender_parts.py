@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from wxfer import _wxfer  # noqa: E402
 from wxfer.runtime import control  # noqa: E402
 from wxfer.runtime.failures import FailureExchange  # noqa: E402
 from wxfer.runtime.inplace import InPlaceWriter, options  # noqa: E402
@@ -349,3 +350,22 @@ def test_the_end_of_a_push_drops_and_marks_the_failed_workers_and_reports_them()
     marks = [e for e in seen.log if e[0] == "mark"]
     assert [m[1] for m in marks] == [[1]] and "skips this worker from now on" in marks[0][3]
     assert not any(e[0] == "verify_landed" for e in seen.log)
+
+
+@pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
+@pytest.mark.timeout(60)
+def test_inplace_on_a_transport_that_cannot_map_sends_the_task_the_staging_way_saying_why():
+    """On a real fabric tcp connection: Transport.map refuses (only cuda_ipc maps), so the
+    writer's binding of a destination fails with the transport's words and nothing is cached
+    as a view; a range outside the region is refused by the transport's own check."""
+    from wxfer.runtime.inplace import _NotInPlace
+    from wxfer.testing import connected_fabric
+
+    with connected_fabric("tcp", [4096]) as (t, tgt):
+        d = bytes(tgt.descriptors[0])
+        w = InPlaceWriter(True, 1 << 20, CPU, None, t, "fabric", None, _links())
+        with pytest.raises(_NotInPlace, match="only cuda_ipc maps"):
+            w._view(d)
+        assert w.views == {}
+        with pytest.raises(_NotInPlace, match="outside the 4096-byte region"):
+            w._map(d, 4000, 200)  # the generic layer's range check, as for a write
