@@ -194,7 +194,7 @@ def test_direct_switch(monkeypatch):
 
 # ------------------------------------------------------------ the Sender's hooks, emulated on CPU
 # cuda_ipc needs a GPU; here the receivers live in this process (fabric tcp carries the version
-# stamps and any staged task), and the two seams of the mixin that need CUDA are emulated:
+# stamps and any staged task), and the two seams of the in-place writer that need CUDA are emulated:
 # Transport.map (the address of the receiver's region, found by its descriptor) and the tensor
 # over that address (the receiver's own region tensor).  Everything else is the real path.
 
