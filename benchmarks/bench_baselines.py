@@ -523,7 +523,7 @@ def _parse_size(v: str) -> int:
 def _copy_maxes(v: str) -> list:
     """--copy-max: the comma list of Sender(copy_max=...) values, each checked here (a size,
     0, "all" or -1), kept as typed (their results' keys)."""
-    from wxfer.runtime.direct import copy_max
+    from wxfer.runtime.inplace import copy_max
 
     out = [x.strip() for x in v.split(",") if x.strip()]
     for x in out:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The batched copies alone: many device-to-device copies in one launch, as a push copies
-its zero-copy tasks straight into colocated receivers (wxfer.runtime.direct), by the native
+its zero-copy tasks straight into colocated receivers (wxfer.runtime.inplace), by the native
 kernel (csrc/prepare/wx_copy_kernel.cu, wxfer.runtime.copies) and by torch._foreach_copy_
 (its fallback), against the bound measured in the same run: one on-device copy of the same
 total bytes (dst.copy_(src)). GB/s counts each byte read and written (2 x bytes), as
@@ -49,7 +49,7 @@ def _sizes(model: str) -> list:
 
 def _batches(sizes: list) -> list:
     """The sizes cut as the push cuts its queued copies (direct.COPY_BATCH / COPY_BATCH_BYTES)."""
-    from wxfer.runtime.direct import COPY_BATCH, COPY_BATCH_BYTES
+    from wxfer.runtime.inplace import COPY_BATCH, COPY_BATCH_BYTES
 
     out, cur, b = [], [], 0
     for n in sizes:

@@ -59,9 +59,9 @@ TRAINER = textwrap.dedent("""
             return self.e.submit(*a, **kw)
         def __getattr__(self, k):
             return getattr(self.e, k)
-    real_engine = sender.engine
+    real_engine = sender.runner.engine  # (what submits a step's tasks and stamps)
     if rank == 0:
-        sender.engine = Failing(real_engine)
+        sender.runner.engine = Failing(real_engine)
     real = sender._run_task
     bump()
     t0 = time.monotonic()
@@ -71,7 +71,7 @@ TRAINER = textwrap.dedent("""
     except Exception as e:
         print(f"rank {rank} step 2 {type(e).__name__} after {time.monotonic() - t0:.2f} s: "
               + str(e).replace(chr(10), " | "), flush=True)
-    sender.engine = real_engine
+    sender.runner.engine = real_engine
     bump(); sender.push()
     print(f"rank {rank} step 3 ok", flush=True)
     # step 4 from a thread; meanwhile a second push() from the main thread is refused

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 def emulated(monkeypatch):
     """Direct writes and copies into the live receivers' memory (no cuda_ipc mapping)."""
     from wxfer.runtime import receiver as rmod
-    from wxfer.runtime.direct import DirectMixin
+    from wxfer.runtime.inplace import InPlaceWriter
 
     live = []
     init = rmod.Receiver.__init__
@@ -33,11 +33,9 @@ def emulated(monkeypatch):
         return t.data_ptr() + off, self.device.index
 
     monkeypatch.setattr(rmod.Receiver, "__init__", wrapped)
-    monkeypatch.setattr(DirectMixin, "_direct_off", lambda self: None if self.direct else "off")
-    monkeypatch.setattr(DirectMixin, "_direct_map", fake_map)
-    monkeypatch.setattr(
-        DirectMixin, "_direct_tensor", lambda self, a, n: {t.data_ptr(): t for t in regions().values()}[a]
-    )
+    monkeypatch.setattr(InPlaceWriter, "off", lambda self: None if self.enabled else "off")
+    monkeypatch.setattr(InPlaceWriter, "_map", fake_map)
+    monkeypatch.setattr(InPlaceWriter, "_tensor", lambda self, a, n: {t.data_ptr(): t for t in regions().values()}[a])
     return live
 
 

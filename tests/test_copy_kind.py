@@ -1,4 +1,4 @@
-"""Copy tasks (wxfer.runtime.direct._direct_copy: a small zero-copy task's ranges copied straight
+"""Copy tasks (wxfer.runtime.inplace.InPlaceWriter.queue_copy: a small zero-copy task's ranges copied straight
 into the receivers' mapped memory by batched torch._foreach_copy_ launches on cuda_ipc
 colocated) in the simulator and in the fit: host cost per task, one launch per COPY_BATCH
 ranges at the copy rate over 2 x bytes on the side stream in order with the direct kernels, no
@@ -166,7 +166,7 @@ def test_copy_tasks_without_records_are_fitted_from_the_gaps():
 
 def test_the_plans_copy_figures_are_the_runtimes(monkeypatch):
     from wxfer.plan.kinds import COPY_MAX
-    from wxfer.runtime import direct
+    from wxfer.runtime import inplace as direct
 
     monkeypatch.delenv("WXFER_DIRECT_COPY_MAX", raising=False)
     assert direct.copy_max() == COPY_MAX and direct.COPY_BATCH == COPY_BATCH
@@ -177,7 +177,7 @@ def test_copy_max_values_and_the_plans_no_bound(monkeypatch):
     """direct.copy_max: the Sender's argument over $WXFER_DIRECT_COPY_MAX, sizes, 0, "all" / -1
     (no bound, in the variable too); a bad value names what was wrong; the plan's task_kinds
     reads -1 as the Sender does (every zero-copy task a copy, as a very large bound)."""
-    from wxfer.runtime import direct
+    from wxfer.runtime import inplace as direct
 
     monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "64k")
     assert direct.copy_max() == 64 << 10 and direct.copy_max("1MiB") == 1 << 20 and direct.copy_max(0) == 0

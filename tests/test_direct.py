@@ -1,4 +1,4 @@
-"""The direct path's CPU-testable parts (wxfer.runtime.direct; the GPU pushes are in
+"""The in-place path's CPU-testable parts (wxfer.runtime.inplace; the GPU pushes are in
 tests/test_direct_gpu.py): Transport.map's validation (the generic layer's, as for writes)
 and its refusal on a transport that cannot map; the decomposition of a packed task into
 what each destination range receives; and the fallbacks (pieces straddling a destination
@@ -47,7 +47,7 @@ def test_map_validates_like_a_write_and_fabric_cannot_map():
 torch = pytest.importorskip("torch")
 from wxfer.mapping.reference import pack_task  # noqa: E402
 from wxfer.mapping.rules import Piece  # noqa: E402
-from wxfer.runtime import direct  # noqa: E402
+from wxfer.runtime import inplace as direct  # noqa: E402
 from wxfer.testing import shard as _shard  # noqa: E402
 
 
@@ -75,13 +75,24 @@ def _task():
     ]
 
 
-class _FakeSender(direct.DirectMixin):
-    """What DirectMixin._direct_write needs, with CPU tensors as the receivers' regions."""
+class _Links:
+    """What the in-place writer reads of wxfer.runtime.links.Links: whose region is which, and
+    whom to skip (`failed`: the engine's failed peers, as SimpleNamespace(peer=...))."""
 
     def __init__(self, gpu_of_region):
-        self._direct_init(True)
-        self._gpu_of_region = gpu_of_region
-        self.device = torch.device("cpu")
+        self.gpu_of_region = gpu_of_region
+        self.gpu_of_peer = {10 + g: g for g in set(gpu_of_region.values())}
+        self.failed = []
+
+    def skipped(self, engine):
+        return frozenset(self.gpu_of_peer[e.peer] for e in self.failed if e.peer in self.gpu_of_peer)
+
+
+def _FakeSender(gpu_of_region, transport_name="cuda_ipc"):
+    """An InPlaceWriter alone (no Sender), with CPU tensors as the receivers' regions."""
+    return direct.InPlaceWriter(
+        True, direct.copy_max(None), torch.device("cpu"), None, None, transport_name, None, _Links(gpu_of_region)
+    )
 
 
 def _dests(shards, replicas):
@@ -104,7 +115,7 @@ def _run(shards, dests, sizes, skip=frozenset(), gpu_of=None):
     regions = {r: torch.full((n,), 0xEE, dtype=torch.uint8) for r, n in sizes.items()}
     s = _FakeSender(gpu_of or {r: int(r[1:2]) for r in regions})
     plan = direct._Plan(lay[0], lay[1], regions)
-    s._direct_write(None, plan, _fulls(), frozenset(skip))
+    s._write(None, plan, _fulls(), frozenset(skip))
     return regions, s
 
 
@@ -120,7 +131,7 @@ def test_direct_writes_give_the_reference_bytes_at_every_destination(replicas):
         covered[r][doff : doff + n] = True
     for r, c in covered.items():  # nothing outside the destination ranges was touched
         assert bool((regions[r][~c] == 0xEE).all()), r
-    assert s._direct_n["skipped_writes"] == 0
+    assert s.n["skipped_writes"] == 0
 
 
 def test_a_skipped_receiver_is_not_written_and_the_others_are():
@@ -133,7 +144,7 @@ def test_a_skipped_receiver_is_not_written_and_the_others_are():
             assert bool((regions[r] == 0xEE).all()), r
         else:
             assert torch.equal(regions[r][doff : doff + n], ref[soff : soff + n]), r
-    assert s._direct_n["skipped_writes"] > 0
+    assert s.n["skipped_writes"] > 0
 
 
 def test_a_destination_boundary_through_a_piece_sends_the_task_the_staging_way():
@@ -177,20 +188,19 @@ def test_direct_switch(monkeypatch):
     assert direct.enabled(None) is False and direct.enabled(True) is True
     with pytest.raises(TypeError):
         direct.enabled("yes")
-    s = _FakeSender({})
-    s.transport_name, s.stream = "fabric", None
-    assert "only cuda_ipc" in s._direct_stats()["why_not"]
+    s = _FakeSender({}, transport_name="fabric")
+    assert "only cuda_ipc" in s.stats()["why_not"]
 
 
 # ------------------------------------------------------------ the Sender's hooks, emulated on CPU
 # cuda_ipc needs a GPU; here the receivers live in this process (fabric tcp carries the version
-# stamps and any staged task), and the two seams of the mixin that need CUDA are emulated:
+# stamps and any staged task), and the two seams of the in-place writer that need CUDA are emulated:
 # Transport.map (the address of the receiver's region, found by its descriptor) and the tensor
 # over that address (the receiver's own region tensor).  Everything else is the real path.
 
 
 def _emulate(monkeypatch, recvs):
-    from wxfer.runtime.direct import DirectMixin
+    from wxfer.runtime.inplace import InPlaceWriter
 
     by_desc = {d: t for r in recvs for d, t in r.region_base.items()}
     by_addr = {t.data_ptr(): t for t in by_desc.values()}
@@ -200,9 +210,9 @@ def _emulate(monkeypatch, recvs):
         assert 0 <= off and off + nb <= t.numel(), (off, nb)
         return t.data_ptr() + off, self.device.index
 
-    monkeypatch.setattr(DirectMixin, "_direct_off", lambda self: None if self.direct else "off")
-    monkeypatch.setattr(DirectMixin, "_direct_map", fake_map)
-    monkeypatch.setattr(DirectMixin, "_direct_tensor", lambda self, addr, n: by_addr[addr])
+    monkeypatch.setattr(InPlaceWriter, "off", lambda self: None if self.enabled else "off")
+    monkeypatch.setattr(InPlaceWriter, "_map", fake_map)
+    monkeypatch.setattr(InPlaceWriter, "_tensor", lambda self, addr, n: by_addr[addr])
 
 
 def _receivers(addr, name, tp, quant, verify=False):
@@ -346,7 +356,7 @@ def test_small_zero_copy_tasks_are_copied_in_batches_and_large_ones_by_the_engin
     """Zero-copy tasks of fewer bytes than WXFER_DIRECT_COPY_MAX go out as batched copies
     straight into the receivers' memory (torch._foreach_copy_), the others as engine writes;
     both give the mapping's reference bytes, step after step; 0 turns the copies off."""
-    from wxfer.runtime import direct as direct_mod
+    from wxfer.runtime import inplace as direct_mod
 
     _, addr = store
     tp, name = 1, "dircopy"
@@ -475,7 +485,7 @@ def test_task_kinds_says_copy_as_the_push_decides_it(store, monkeypatch):
     on the Sender's own cached binding (the push reuses it); the plan's decision agrees; a task
     whose destination the transport refuses, verify on, direct off: the engine's zero copy."""
     from wxfer.plan.kinds import task_kinds
-    from wxfer.runtime.direct import DirectMixin, _NotDirect
+    from wxfer.runtime.inplace import InPlaceWriter, _NotInPlace
 
     _, addr = store
     name, cut = "dirkinds", 4096
@@ -488,63 +498,56 @@ def test_task_kinds_says_copy_as_the_push_decides_it(store, monkeypatch):
     assert small and {t for t, v in k.items() if v == "copy"} == small
     assert all(k[t] == "zero_copy" for t in ops if t not in small)
     assert task_kinds(s.plan, s.plan.train_params, direct=True, copy_max=cut) == k  # the plan's decision
-    bound = {t: s._copy_plans[t] for t in small}
+    bound = {t: s.inplace.copy_plans[t] for t in small}
     s.push()
     _check(model, params, 1, None)
     assert s.stats()["direct"]["copies"] == len(small)
-    assert all(s._copy_plans[t] is bound[t] for t in small)  # the push used the same binding
+    assert all(s.inplace.copy_plans[t] is bound[t] for t in small)  # the push used the same binding
     # a destination the transport refuses: not copied, and task_kinds says so
     victim = min(small)
     refused = {bytes(d[0]) for d in ops[victim].dests}
-    fake = DirectMixin._direct_map
+    fake = InPlaceWriter._map
 
     def refuse(self, rdesc, off, nb):
         if bytes(rdesc) in refused:  # (its view is made already: the range check refuses)
-            raise _NotDirect("refused here")
+            raise _NotInPlace("refused here")
         return fake(self, rdesc, off, nb)
 
-    monkeypatch.setattr(DirectMixin, "_direct_map", refuse)
-    s._copy_plans.pop(victim)
+    monkeypatch.setattr(InPlaceWriter, "_map", refuse)
+    s.inplace.copy_plans.pop(victim)
     assert s.task_kinds()[victim] == "zero_copy"
     moved = s.engine.stats()["bytes_written"]
     s.push()
     _check(model, params, 1, None)
     assert s.stats()["direct"]["copies"] == len(small) - 1
     assert s.engine.stats()["bytes_written"] - moved >= ops[victim].nbytes + 2 * 8
-    s._verify = True  # (as a push with verify on sets it): every task the engine's way
+    s.inplace.verify = True  # (as a push with verify on sets it): every task the engine's way
     assert "copy" not in s.task_kinds().values()
-    s._verify, s.direct = False, False
+    s.inplace.verify, s.direct = False, False
     assert "copy" not in s.task_kinds().values()
     _closed(s, recvs)
 
 
-class _CopySender(_FakeSender):
-    """_FakeSender with what _direct_copy needs: the receivers' regions as CPU tensors, an
-    engine whose failed peers the test sets, nothing waited for."""
+class _CopySender(direct.InPlaceWriter):
+    """An InPlaceWriter alone with what queue_copy needs: the receivers' regions as CPU
+    tensors, links whose engine-failed peers the test sets, nothing waited for."""
 
-    def __init__(self, regions, gpu_of_region):
-        super().__init__(gpu_of_region)
-        self.regions, self.version, self._sums, self._failed = regions, 1, None, []
-        self.write_timeout = 1.0
-        self._gpu_of_peer = {10 + g: g for g in set(gpu_of_region.values())}
-        self.engine = type("E", (), {"failed_peers": lambda e: list(self._failed)})()
+    def __init__(self, regions, gpu_of_region, wait=lambda: None):
+        cpu, links = torch.device("cpu"), _Links(gpu_of_region)
+        super().__init__(True, direct.copy_max(None), cpu, None, None, "cuda_ipc", None, links)
+        self.regions = regions
+        self.start(1, False, wait)
 
-    def _direct_off(self):
+    def off(self):
         return None
 
-    def _dropped(self):
-        return set()
-
-    def _wait_engine(self, timeout, what, fence=None):
-        pass
-
-    def _direct_map(self, rdesc, off, nb):
+    def _map(self, rdesc, off, nb):
         return self.regions[bytes(rdesc)].data_ptr() + off, None
 
-    def _direct_tensor(self, addr, n):
+    def _tensor(self, addr, n):
         return next(t for t in self.regions.values() if t.data_ptr() == addr)
 
-    def _direct_view(self, rdesc):
+    def _view(self, rdesc):
         t = self.regions[bytes(rdesc)]
         return t, t.data_ptr()
 
@@ -555,24 +558,23 @@ def test_small_copies_skip_a_receiver_that_failed_while_its_begin_stamp_was_writ
     from types import SimpleNamespace
 
     regions = {b"g0": torch.zeros(64, dtype=torch.uint8), b"g1": torch.zeros(64, dtype=torch.uint8)}
-    s = _CopySender(regions, {b"g0": 0, b"g1": 1})
     waits = []
 
-    def wait(timeout, what, fence=None):
-        waits.append(fence)
-        s._failed = [SimpleNamespace(peer=11)]  # receiver gpu 1's begin stamp failed meanwhile
+    def wait():
+        waits.append(1)
+        s.links.failed = [SimpleNamespace(peer=11)]  # receiver gpu 1's begin stamp failed meanwhile
 
-    s._wait_engine = wait
+    s = _CopySender(regions, {b"g0": 0, b"g1": 1}, wait)
     src = torch.full((16,), 5, dtype=torch.uint8)
     prep = SimpleNamespace(
         zero_copy=True, direct=None, whole=[("w", src)], dests=[(b"g0", 0, 0, 16), (b"g1", 0, 0, 16)]
     )
-    assert s._direct_copy(SimpleNamespace(prep=prep, sends=True, nbytes=16, task=0))
+    assert s.queue_copy(SimpleNamespace(prep=prep, sends=True, nbytes=16, task=0))
     assert waits == []  # queued: nothing waited for yet
-    s._direct_copy_flush()
+    s.flush_copies()
     assert len(waits) == 1
     assert torch.equal(regions[b"g0"][:16], src) and int(regions[b"g1"].count_nonzero()) == 0
-    assert s._direct_n["skipped_writes"] == 1
+    assert s.n["skipped_writes"] == 1
 
 
 def test_small_copies_skip_a_receiver_that_failed_after_they_were_queued():
@@ -589,10 +591,10 @@ def test_small_copies_skip_a_receiver_that_failed_after_they_were_queued():
         prep = SimpleNamespace(zero_copy=True, direct=None, whole=[("w", src)], dests=dests)
         return SimpleNamespace(prep=prep, sends=True, nbytes=16, task=task)
 
-    assert s._direct_copy(op(0, 7))  # queued to both receivers
-    s._failed = [SimpleNamespace(peer=11)]  # receiver gpu 1 fails (its peer 11)
-    assert s._direct_copy(op(1, 9))
-    s._direct_copy_flush()
+    assert s.queue_copy(op(0, 7))  # queued to both receivers
+    s.links.failed = [SimpleNamespace(peer=11)]  # receiver gpu 1 fails (its peer 11)
+    assert s.queue_copy(op(1, 9))
+    s.flush_copies()
     assert torch.equal(regions[b"g0"][:32], torch.tensor([7] * 16 + [9] * 16, dtype=torch.uint8))
     assert int(regions[b"g1"].count_nonzero()) == 0  # neither copy landed on the failed one
-    assert s._direct_n["copies"] == 2 and s._direct_n["skipped_writes"] == 2
+    assert s.n["copies"] == 2 and s.n["skipped_writes"] == 2

@@ -1,4 +1,4 @@
-"""Stage 2 straight into the receivers' memory (wxfer.runtime.direct) on one GPU: trainer (this
+"""Stage 2 straight into the receivers' memory (wxfer.runtime.inplace) on one GPU: trainer (this
 process) and receivers (spawned processes) share GPU 0, as colocated RL does; cuda_ipc maps
 the receivers' weights here.  With direct on and off, BF16 and FP8, dense and a tiny MoE
 (fused 3-D experts), every inference byte equals the mapping's reference packing; the direct
@@ -273,7 +273,7 @@ def _connect(t, blob):
 @pytest.mark.gpu
 @needs_gpu
 def test_map_gives_the_address_of_a_region_range_and_checks_it():
-    from wxfer.runtime.direct import _Mapped, region_nbytes
+    from wxfer.runtime.inplace import _Mapped, region_nbytes
 
     torch.cuda.set_device(0)
     t_rx = _transport(0)

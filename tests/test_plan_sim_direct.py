@@ -1,4 +1,4 @@
-"""The simulator's model of a push with direct tasks (wxfer.runtime.direct: packed straight into
+"""The simulator's model of a push with direct tasks (wxfer.runtime.inplace: packed straight into
 the receivers' memory on cuda_ipc colocated) and of the begin stamps as an engine fence: no
 data write posted before the stamps landed, the push's first direct task waiting for the
 engine's earlier writes, a direct task's host cost per task and its kernel at the quantizer's
@@ -73,30 +73,30 @@ def test_the_write_path_time_per_write_beyond_its_bytes():
 
 def test_kind_of_and_the_senders_task_kinds_say_direct():
     from wxfer.runtime import prepare
-    from wxfer.runtime.tasks import TaskMixin
+    from wxfer.runtime.tasks import TaskRunner
 
-    op = SimpleNamespace(sends=True, sources=[("a", None), ("b", None)], shards=[], task=7)
+    op = SimpleNamespace(sends=True, sources=[("a", None), ("b", None)], shards=[], task=7, name="t7")
     prep = SimpleNamespace(zero_copy=False, direct=None, whole=[])
     assert prepare.kind_of(prep, op) == "packed" and prepare.kind_of(prep, op, direct=True) == "direct"
     own = SimpleNamespace(zero_copy=False, direct="a", whole=[])  # an offloaded source's own bytes: staged
     assert prepare.kind_of(own, op, direct=True) == "staged"
     op.prep = prep
 
-    class S(TaskMixin):
-        program = SimpleNamespace(groups=[[op]])
-        device = None
-        _verify = False
-        off = None
+    class InPlace:  # what task_kinds asks of the in-place writer
+        verify = False
+        why_off = None
 
-        def _direct_off(self):
-            return self.off
+        def off(self):
+            return self.why_off
 
-        def _direct_plan(self, o):
+        def plan_of(self, o):
             return (object(), None) if o is op else (None, "no")
 
-    s = S()
+    ip = InPlace()
+    cpu = __import__("torch").device("cpu")
+    s = TaskRunner(None, None, cpu, None, 0, SimpleNamespace(groups=[[op]]), None, ip, 1.0)
     assert s.task_kinds() == {7: "direct"}
-    s.off = "transport 'fabric': only cuda_ipc maps the receivers' memory"
+    ip.why_off = "transport 'fabric': only cuda_ipc maps the receivers' memory"
     assert s.task_kinds() == {7: "packed"}
-    s.off, s._verify = None, True  # verify sends every task the staging way
+    ip.why_off, ip.verify = None, True  # verify sends every task the staging way
     assert s.task_kinds() == {7: "packed"}

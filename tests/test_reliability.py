@@ -256,7 +256,7 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
 
     def dests_of(g):
         return [
-            [d for d in op.dests if sender._gpu_of_region[bytes(d[0])] == g]
+            [d for d in op.dests if sender.links.gpu_of_region[bytes(d[0])] == g]
             for ops in sender.program.groups
             for op in ops
         ]

@@ -214,8 +214,8 @@ def test_a_bad_stamp_descriptor_is_named_as_the_version_stamps(store):
     )
     sender = Sender(_tiny(), mapping=preset_for(TINY), store=addr, name="badstamp", timeout=20, write_timeout=3)
     th.join(20)
-    g, (desc, off, soff, n) = next(iter(sender._begin_dest.items()))
-    sender._begin_dest[g] = (b"\x00" * len(desc), off, soff, n)
+    g, (desc, off, soff, n) = next(iter(sender.links.begin_dest.items()))
+    sender.links.begin_dest[g] = (b"\x00" * len(desc), off, soff, n)
     with pytest.raises(RuntimeError) as ei:
         sender.push()
     msg = str(ei.value)

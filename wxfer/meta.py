@@ -89,11 +89,11 @@ class Calibration:
     #                                        per task of last_submit_s; per batch not separated there
     host_zc_batch_s: float = 0.0
     zc_batch: float = 32  # tasks per submit_prepared call: wxfer.runtime.sender.FAST_BATCH
-    # host work of a direct task (wxfer.runtime.direct: gather, the raw copies and one quantizer launch
+    # host work of a direct task (wxfer.runtime.inplace: gather, the raw copies and one quantizer launch
     # issued straight into the receivers' memory; no reservation, no submission); None: a packed task's
     # (host_s).  Fitted per push on the Sender's trace (wxfer.runtime.hostfit); no default measured
     host_direct_task_s: float | None = None
-    # host work of a copy task (wxfer.runtime.direct._direct_copy: a small zero-copy task's ranges queued
+    # host work of a copy task (wxfer.runtime.inplace.InPlaceWriter.queue_copy: a small zero-copy task's ranges queued
     # for a batched torch._foreach_copy_ into the receivers' memory, the launches every COPY_BATCH ranges
     # and at the mesh group's end included); None: host_zc_task_s.  Fitted per push on the Sender's trace
     # (wxfer.runtime.hostfit: copy tasks have no record, their time is in the next record's gap)
@@ -140,7 +140,7 @@ class Calibration:
     # lands (the engine wait's wake-up, the end stamps likewise, the last mesh-group barrier, the flag)
     push_begin_s: float = 0.0
     push_end_s: float = 0.0
-    # the begin stamps as an engine fence (wxfer.runtime.tasks._write_begin): the host goes on with the
+    # the begin stamps as an engine fence (wxfer.runtime.tasks.TaskRunner.write_begin): the host goes on with the
     # tasks after push_begin_s, no data write is posted before the stamps landed, begin_fence_s after
     begin_fence_s: float = 0.0
     # how a rank runs stage 2: serial = its gathers and packs on one stream, one after the other (wxfer's

@@ -261,7 +261,7 @@ def quantize_cached(out, key, build) -> str:
 def quantize_span(ptr: int, nbytes: int, device, build, key) -> bool:
     """Native only: ``quantize_cached`` into the `nbytes` bytes of device memory at address
     `ptr` on `device` (memory no tensor of this process owns: another process's weights mapped
-    here, wxfer.runtime.direct), one launch on the current stream; build() gives the jobs with
+    here, wxfer.runtime.inplace), one launch on the current stream; build() gives the jobs with
     offsets relative to `ptr`, `key` names them and ptr. Returns False, having done nothing,
     where the native kernel cannot run on `device` (the caller then uses quantize_into)."""
     if _native_why(device) is not None:

@@ -14,12 +14,12 @@ group, the rank's tasks in order:
   after any wait for buffers to be released: then just after a held buffer's last write
   landed, and only its preparation is sampled), prepared (gathers, H2D, packing issued:
   ``t_admit`` .. ``t_submit``) and submitted;
-- a direct task (wxfer.runtime.direct) has no record: its kernel writes the receivers; at the
+- a direct task (wxfer.runtime.inplace) has no record: its kernel writes the receivers; at the
   push's first one the host waited until the begin stamps landed (that fence task alone;
   batched copies wait at their first launch, after 128 ranges or 256 MiB: by then the stamps
   have mostly landed, and what is left of that wait is booked as host work);
 - a copy task (a small zero-copy task copied into the receivers' mapped memory by batched
-  copy kernels, wxfer.runtime.direct._direct_copy) has no record either: its host time falls
+  copy kernels, wxfer.runtime.inplace.InPlaceWriter.queue_copy) has no record either: its host time falls
   into the next record's gap (with what is left of the wait at the first launch, above), and
   it does not cut the zero-copy batch it lies in (the Sender queues it and goes on);
 - a task this rank only joins the collective of has no record: its host time falls into the
@@ -113,7 +113,7 @@ def _samples(
         ends = batch_ends(ks, batch, None if sizes is None else [sizes.get(t, 0) for t in tags])
         for i, t in enumerate(tags):
             r = recs.get(t)
-            if ks[i] in _OWN:  # no record: written by the rank's kernels (wxfer.runtime.direct)
+            if ks[i] in _OWN:  # no record: written by the rank's kernels (wxfer.runtime.inplace)
                 if waited is None and ks[i] == "direct":  # the push's first: the host waited for the begin stamps
                     waited = max(prev, begin_done)  # the begin stamps alone (Engine.wait(fence=...))
                     # the open batch's zero-copy tasks so far were done during the wait, when it waited

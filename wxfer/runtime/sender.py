@@ -12,12 +12,12 @@ setup error on any rank (or on rank 0's controller) is raised on every rank.
 
 A step first writes its number into this rank's *begin* stamp slot on every receiver it
 writes to (an engine fence task: no data write is posted before those landed; the host does
-not wait for them, except a push with direct tasks at its first, direct.py), then replays
+not wait for them, except a push with in-place tasks at its first, inplace.py), then replays
 the plan: for each mesh group, for each task of this rank in order, H2D (offloaded FSDP) ->
 full_tensor() + fusion + FP8 + packing -> Engine.submit (or straight into the receivers'
-memory on cuda_ipc, direct.py); an asynchronous gloo barrier after the group's last
+memory on cuda_ipc, inplace.py); an asynchronous gloo barrier after the group's last
 full_tensor(); then its *end* stamp into every receiver it wrote to, a fence task posted once
-every data write of the step completed and the side stream's work (the direct writes) is
+every data write of the step completed and the side stream's work (the in-place writes) is
 done (Receiver.version() counts a step only where begin == end).  A
 receiver this rank gives up on, or a step it abandons half written, is recorded in the
 store (torn/<gpu>/e<epoch>/<i>) for Receiver.state().  A failure seen by any rank, raised
@@ -25,6 +25,11 @@ anywhere inside push(), is raised on every rank (the same barriers, then one glo
 all-reduce of a flag per push, are joined on every path).  One push() at a time per
 Sender: a second one from another thread is refused.  An inference worker restarted since
 the last push is connected and written from this push on.
+
+The Sender is composed of one collaborator per concern, each made in ``__init__`` from what it
+needs (not the Sender) and testable alone (tests/test_sender_parts.py): ``Links`` (links.py),
+``InPlaceWriter`` (inplace.py), ``TaskRunner`` (tasks.py), ``FailureExchange`` (failures.py)
+and ``StepLoop`` (steps.py); rank 0's plan at setup is controller.py's.
 """
 
 from __future__ import annotations
@@ -35,21 +40,19 @@ import os
 import threading
 import time
 
-from . import control, prepare, program
+from . import control, inplace, program
 from .control import Control, SetupError
-from .direct import DirectMixin
-from .faults import FaultsMixin, mapping_digest
-from .finish import FinishMixin
-from .rejoin import RejoinMixin
-from .tasks import STAMP_TAG, TaskMixin
-from .receiver import _unb64, decode_param_descriptor, gpu_memory_options, transport_choice
+from .controller import build_plan, linger, mapping_digest
+from .failures import FailureExchange
+from .links import Links
+from .receiver import gpu_memory_options, transport_choice
+from .steps import FAST_BATCH, FAST_BATCH_BYTES, PushHandle, StepLoop
+from .tasks import STAMP_TAG, TaskRunner
 from .verify import verify_enabled
 
+__all__ = ["FAST_BATCH", "FAST_BATCH_BYTES", "STAMP_TAG", "PushHandle", "Sender", "task_bound", "writer_options"]
+
 log = logging.getLogger(__name__)
-
-
-FAST_BATCH = 32  # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
-FAST_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (a large write is not held back)
 
 
 def task_bound(watermark: int) -> int:
@@ -68,29 +71,6 @@ def _parse_size(v) -> int:
     return int(_wxfer.parse_size(str(v)))
 
 
-class PushHandle:
-    """What ``push(async_op=True)`` returns: every task is submitted (sources packed);
-    ``wait()`` returns once this rank's writes and version stamps have landed."""
-
-    def __init__(self, sender, version, t0, barrier, keep):
-        self._s, self.version, self._t0, self._barrier, self._keep = sender, version, t0, barrier, keep
-        self._done = False
-        self.seconds = None
-        self._end_event = None  # CUDA event the end stamps wait for (the side stream's work)
-
-    def done(self) -> bool:
-        return self._done
-
-    def wait(self, timeout: float | None = None) -> float:
-        with self._s._lock:  # one thread finishes a step; another waits for it
-            if not self._done:
-                try:
-                    self._s._finish(self, timeout)
-                finally:
-                    self._done = True  # a failed step is reported once, not again by the next push
-        return self.seconds
-
-
 def writer_options(tname: str, topts: dict, env, given: dict | None = None) -> dict:
     """The options a trainer opens transport `tname` with, from the receivers' published ones
     (`given`: this rank's own transport_options, merged into them).
@@ -107,7 +87,7 @@ def writer_options(tname: str, topts: dict, env, given: dict | None = None) -> d
     return out
 
 
-class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
+class Sender:
     """Push this rank's share of the model to the inference workers after each step.
 
     model: the training model (FSDP2 ``fully_shard``ed, or plain).  mapping: a preset
@@ -122,11 +102,12 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
     secret (default $WXFER_SECRET): a job secret (>= 16 bytes) shared with the receivers;
     with it every record in the store is authenticated (HMAC-SHA256, control.Control), so
     a store writer without it can neither redirect nor inject writes.
-    direct (default $WXFER_DIRECT, on): on cuda_ipc, a packed task whose destinations are all
-    mapped on this rank's GPU (receivers colocated on it) is packed and FP8-quantized straight
-    into the receivers' memory, with no send buffer and no copy (wxfer.runtime.direct;
-    ``stats()["direct"]`` counts them); False: every packed task through a send buffer.
-    copy_max (default $WXFER_DIRECT_COPY_MAX, else 32 MiB): with direct on cuda_ipc, a
+    direct (default $WXFER_DIRECT, on; the in-place writes, kept by that name): on cuda_ipc, a
+    packed task whose destinations are all mapped on this rank's GPU (receivers colocated on
+    it) is packed and FP8-quantized straight into the receivers' memory, in place, with no
+    send buffer and no copy (wxfer.runtime.inplace; ``stats()["direct"]`` counts them); False:
+    every packed task through a send buffer.
+    copy_max (default $WXFER_DIRECT_COPY_MAX, else 32 MiB): with in-place writes on cuda_ipc, a
     zero-copy task of fewer bytes than this whose destinations are all mapped here is copied
     straight into the receivers' memory by batched copy kernels instead of one engine write
     each: bytes (an int or e.g. "1MiB"); 0: never; "all" or -1: no upper bound (every such
@@ -134,6 +115,12 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
     max_task_bytes (default: half the watermark, 16 MiB .. 1 GiB, `task_bound`): the plan's
     bound on a task's training bytes (rank 0's is used); 1: every component its own task
     (``python -m wxfer calibrate`` probes fine and coarse tasks this way).
+
+    Composed of collaborators made at setup, each in its own module: ``links`` (the inference
+    workers written, their connections, the failed ones, restarts taken), ``inplace`` (the
+    in-place writes), ``runner`` (one task's submission, the version stamps, verify's
+    checksums), ``failures`` (torn records, the trainers' failure flag) and ``steps`` (one
+    push: the task loop and its end).
     """
 
     def __init__(
@@ -163,16 +150,10 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self.timeout = float(timeout)
         self.write_timeout = float(write_timeout)
         self.version = 0
-        self._pending = None
-        self._sums = self._last_sums = self.last_verify = None
-        self._verify = False
         self._lock = threading.RLock()  # push() / PushHandle.wait(): one step at a time
-        self._marked = set()
-        self._epoch = {}
-        self.engine = self.transport = None
         if max_task_bytes is not None and (isinstance(max_task_bytes, bool) or int(max_task_bytes) < 1):
             raise ValueError(f"wxfer.Sender: max_task_bytes must be an int >= 1 or None, got {max_task_bytes!r}")
-        self._direct_init(direct, copy_max)  # validates direct and copy_max before anything is set up
+        in_place = inplace.options(direct, copy_max)  # checked before anything is set up
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -196,66 +177,89 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self.mapping = mapping
         self.watermark = _parse_size(watermark)
         self.max_task_bytes = task_bound(self.watermark) if max_task_bytes is None else int(max_task_bytes)
-        self.last_submit_s = None
-        # seconds from the start of the last push() to the end of each of its phases
-        self.last_phases: dict = {}
-        self.setup_s = {}
         t0 = time.perf_counter()
-        # ---- 1. metadata of this rank (and the mapping it was given: every rank's must agree)
-        err = None
+        self.params = self._publish(model, mapping)
+        self.plan = self._receive_plan(mapping)
+        self.setup_s = {"plan": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        self.program, self.transport_name, self.transport, self.engine, self.links, self.inplace, self.runner = (
+            self._connect_phase(transport, transport_options, in_place)
+        )
+        self.setup_s["connect"] = time.perf_counter() - t1
+        self.failures, self.steps = self._step_parts()
+        self._log_ready()
+
+    # ------------------------------------------------------------------ setup
+    def _step_parts(self) -> tuple:
+        """(FailureExchange, StepLoop) over the collaborators made at connect."""
+        failures = FailureExchange(
+            self.ctl,
+            self.group,
+            self.rank,
+            self.world,
+            self.timeout,
+            self.write_timeout,
+            self._store_host,
+            self.links,
+            program.receivers_of(self.plan),
+        )
+        return failures, StepLoop(
+            self.ctl,
+            self.group,
+            self.rank,
+            self.world,
+            self.timeout,
+            self.write_timeout,
+            self.device,
+            self.stream,
+            self.engine,
+            self.program,
+            self.links,
+            self.runner,
+            self.inplace,
+            failures,
+        )
+
+    def _publish(self, model, mapping) -> dict:
+        """Setup step 1: this rank's metadata (and the mapping it was given: every rank's must
+        agree), its verdict agreed among the ranks; returns the model's parameters."""
+        err, params = None, {}
         try:
             self.ctl.set_json("train/%d/mapping" % self.rank, mapping_digest(mapping))
             control.publish_who(self.ctl, self.rank)
             if hasattr(model, "reshard"):
                 model.reshard()  # FSDP2: the sharded DTensor parameters, even after a no-grad forward
-            self.params = {n: p for n, p in model.named_parameters()}
+            params = {n: p for n, p in model.named_parameters()}
             self.ctl.set_json("train/%d" % self.rank, program.train_metadata(model))
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"
         control.agree(self.group, err, self.rank, "publishing training metadata", self.timeout)
-        # ---- 2. rank 0 builds the plan; every rank receives it (or the error)
+        return params
+
+    def _receive_plan(self, mapping):
+        """Setup step 2: rank 0 builds the plan; every rank receives it (or the error)."""
         if self.rank == 0:
             try:
-                self._controller(mapping)
+                build_plan(self.ctl, self.world, mapping, self.timeout, self.max_task_bytes)
             except SetupError as e:
                 log.error("trainer rank 0: building the plan failed: %s", e)
                 # the store lives in this process: before raising (and maybe exiting) let the
                 # other ranks and the registered receivers read the error from it
-                self._linger("plan/acks", self.world - 1, "status/acks", None)
+                linger(self.ctl, self._hosted, self.timeout, "plan/acks", self.world - 1, "status/acks", None)
                 raise
-        self.setup_s["plan"] = time.perf_counter() - t0
         data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)")
         if self.rank:
             self.ctl.add("plan/acks", 1)
             if data[:2] == control.ERR:  # torchrun ends rank 0 once this rank exits: wait for the receivers
-                self._linger(None, 0, "status/acks", None)
-        self.plan = program.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
-        # ---- 3. this rank's program, transport, connections
-        t1 = time.perf_counter()
-        self._connect_phase(transport, transport_options, watermark)
-        self.setup_s["connect"] = time.perf_counter() - t1
-        log.info(
-            "Sender ready: trainer rank %d of %d, writes %d of %d inference workers, transport %s, "
-            "plan %d tasks (%d bytes per step from this rank), setup %.3f s (plan %.3f s, connect %.3f s)",
-            self.rank,
-            self.world,
-            len(self.workers),
-            len(program.receivers_of(self.plan)),
-            self.transport_name,
-            sum(len(ops) for ops in self.program.groups),
-            self.bytes_per_step,
-            self.setup_s["plan"] + self.setup_s["connect"],
-            self.setup_s["plan"],
-            self.setup_s["connect"],
-        )
+                linger(self.ctl, self._hosted, self.timeout, None, 0, "status/acks", None)
+        return program.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
 
-    # ------------------------------------------------------------------ setup
-    def _connect_phase(self, transport, transport_options, watermark) -> None:
+    def _connect_phase(self, transport, transport_options, in_place) -> tuple:
         """Setup step 3 on every rank; its verdict (every rank's errors) reaches every rank
-        through gloo and every receiver through the store key `setup`."""
-        err = None
+        through gloo and every receiver through the store key `setup`.  Returns _connect's."""
+        err, parts = None, None
         try:
-            self._connect(transport, transport_options, watermark)
+            parts = self._connect(transport, transport_options, in_place)
             if self.rank == 0:  # a worker that registered after the plan was built, outside its layout
                 n = len(program.receivers_of(self.plan))
                 late = self.ctl.add("infer/count", 0) - n
@@ -274,143 +278,38 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                 self.ctl.set("setup", control.encode_result(None, str(e)))
             # every rank waits for the receivers to read it: the store lives in rank 0, and a
             # launcher (torchrun) ends rank 0 as soon as another rank exits
-            self._linger(None, 0, "setup/acks", len(program.receivers_of(self.plan)))
+            linger(self.ctl, self._hosted, self.timeout, None, 0, "setup/acks", len(program.receivers_of(self.plan)))
             raise
         if self.rank == 0:
             self.ctl.set("setup", control.encode_result(b"", None))
+        return parts
 
-    def _controller(self, mapping) -> None:
-        ctl = self.ctl
-        try:
-            per_rank = [
-                ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}") for r in range(self.world)
-            ]
-            train, problems = program.merge_train_metadata(per_rank)
-            digests = [
-                ctl.get_json("train/%d/mapping" % r, f"the mapping of trainer rank {r}") for r in range(self.world)
-            ]
-            problems = list(problems) + [
-                f"trainer rank {r} was given mapping {d['name']!r} (digest {d['sha'][:12]}), "
-                f"rank 0 {digests[0]['name']!r} (digest {digests[0]['sha'][:12]})"
-                for r, d in enumerate(digests)
-                if d != digests[0]
-            ]
-            if problems:
-                raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
-            first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
-            n = first["replicas"] * first["tp"]
-            self._tp = first["tp"]
-            self._wait_workers(n)
-            workers = [first] + [
-                ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}") for g in range(1, n)
-            ]
-            probs = []
-            extra = ctl.add("infer/count", 0) - n  # registered beyond gpu 0's layout
-            for g in range(n, n + max(0, extra) + 8):
-                if extra > 0 and ctl.check("infer/%d" % g):
-                    w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
-                    probs.append(
-                        f"inference worker gpu {g} (replica {w['replica']} of {w['replicas']}, rank "
-                        f"{w['rank']} of tp={w['tp']}) lies outside gpu 0's layout replicas="
-                        f"{first['replicas']} tp={first['tp']} ({n} workers)"
-                    )
-            pname = getattr(program.get_preset(mapping), "name", "")
-            for w in workers:
-                if w["mapping"] and pname and w["mapping"] != pname:
-                    probs.append(
-                        f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, the trainers {pname!r}"
-                    )
-                if (w["transport"], w["options"]) != (first["transport"], first["options"]):
-                    probs.append(
-                        f"inference worker gpu {w['gpu']} registered with {w['transport']} "
-                        f"{w['options']}, gpu 0 with {first['transport']} {first['options']}"
-                    )
-                if (w["replicas"], w["tp"]) != (first["replicas"], first["tp"]):
-                    probs.append(
-                        f"inference worker gpu {w['gpu']}: replicas={w['replicas']} tp={w['tp']}, "
-                        f"gpu 0 says replicas={first['replicas']} tp={first['tp']}"
-                    )
-            if probs:
-                raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
-            plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=self.max_task_bytes)
-            plan.check()  # every destination byte written exactly once, by one sender, in range
-            senders = program.receivers_of(plan)
-            for w in workers:
-                if len(senders[w["gpu"]]) > w["stamp_slots"]:
-                    raise SetupError(
-                        f"inference worker gpu {w['gpu']} has {w['stamp_slots']} version "
-                        f"stamp slots but {len(senders[w['gpu']])} trainers write to it"
-                    )
-            blob = program.plan_to_bytes(plan)
-        except Exception as e:  # noqa: BLE001 -- every rank and every receiver learns it
-            msg = f"{type(e).__name__}: {e}"
-            ctl.set("plan", control.encode_result(None, msg))
-            ctl.set("status", control.encode_result(None, msg))
-            raise SetupError(f"wxfer: building the plan on trainer rank 0 failed: {msg}") from e
-        for g, s in senders.items():
-            ctl.set_json("senders/%d" % g, s)
-        ctl.set("layout", json.dumps(dict(replicas=first["replicas"], tp=first["tp"], workers=n)))
-        ctl.set("plan", control.encode_result(blob, None))
-        ctl.set("status", control.encode_result(b"", None))
-
-    def _wait_workers(self, n: int) -> None:
-        """Wait (bounded) for the `n` inference workers; a worker registered twice, or one
-        missing at the deadline, is refused naming every such worker."""
-        ctl = self.ctl
-        deadline = time.monotonic() + self.timeout
-        delay, dup_seen = 0.005, None
-        while True:
-            have = ctl.add("infer/count", 0)
-            dups = ctl.add("infer/dups", 0)
-            now = time.monotonic()
-            if dups and dup_seen is None:
-                dup_seen = now
-            if have >= n and not dups:
-                return
-            # a duplicate may stand in for a missing worker: give the others 1 s, then refuse
-            if (dup_seen is not None and (have >= n or now - dup_seen > 1.0)) or now > deadline:
-                probs = []
-                for g in range(n):
-                    if len(probs) >= 20:  # gpu 0 may claim a huge layout: name the first 20
-                        probs.append(
-                            f"... (gpu 0 says replicas={n // max(1, self._tp)} tp={self._tp}: "
-                            f"{n} workers, {have} registered)"
-                        )
-                        break
-                    if ctl.check("infer/dup/%d" % g):
-                        d = ctl.get_json("infer/dup/%d" % g, "a duplicate worker's note", 1)
-                        w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
-                        probs.append(
-                            f"inference worker gpu {g} (replica {g // max(1, self._tp)} rank "
-                            f"{g % max(1, self._tp)}) registered twice: {w['host']} pid {w['pid']} "
-                            f"and {d['host']} pid {d['pid']}"
-                        )
-                    elif not ctl.check("infer/%d" % g):
-                        probs.append(
-                            f"inference worker gpu {g} (replica {g // max(1, self._tp)} rank "
-                            f"{g % max(1, self._tp)}) has not registered"
-                        )
-                head = (
-                    "inference workers registered twice or missing"
-                    if dups
-                    else f"waited {self.timeout:.0f} s for the {n} inference workers' metadata, {have} arrived"
-                )
-                raise SetupError(head + ":\n  " + "\n  ".join(probs))
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
-
-    def _connect(self, transport, transport_options, watermark) -> None:
+    def _connect(self, transport, transport_options, in_place) -> tuple:
+        """This rank's program, transport, engine and connections: (program, transport name,
+        transport, engine, Links, InPlaceWriter, TaskRunner)."""
         from .. import _wxfer
 
-        self.program = program.RankProgram.from_plan(self.plan, self.rank, self.params)
-        senders = program.receivers_of(self.plan)
-        # every gpu this rank writes to (data and version stamp)
-        self.workers = {}
-        for g in self.program.gpus:
-            # its connection record (the descriptors of what this rank writes there are in the plan): a few
-            # hundred bytes, where its whole record grows with its parameters (issue 24: read by every trainer)
-            self.workers[g] = self.ctl.get_json("infer/%d/peer" % g, f"metadata of inference worker gpu {g}")
-        names = {(w["transport"], json.dumps(w["options"], sort_keys=True)) for w in self.workers.values()}
+        prog = program.RankProgram.from_plan(self.plan, self.rank, self.params)
+        # every gpu this rank writes to (data and version stamp): its connection record (the descriptors of
+        # what this rank writes there are in the plan): a few hundred bytes, where its whole record grows
+        # with its parameters (issue 24: read by every trainer)
+        workers = {}
+        for g in prog.gpus:
+            workers[g] = self.ctl.get_json("infer/%d/peer" % g, f"metadata of inference worker gpu {g}")
+        tname, topts = self._transport_for(workers, transport, transport_options)
+        tr = _wxfer.Transport(tname, topts)
+        # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
+        engine = _wxfer.Engine(tr, watermark=self.watermark, timeout=self.write_timeout, isolate=True)
+        links = Links(self.ctl, tr, self.rank, self.plan, prog, workers, self.write_timeout)
+        links.connect()
+        ip = inplace.InPlaceWriter(*in_place, self.device, self.stream, tr, tname, engine, links)
+        runner = TaskRunner(engine, tr, self.device, self.stream, self.rank, prog, links, ip, self.write_timeout)
+        runner.prepare_all(self.watermark)
+        return prog, tname, tr, engine, links, ip, runner
+
+    def _transport_for(self, workers: dict, transport, transport_options) -> tuple:
+        """(name, options) of the transport this rank writes `workers` with."""
+        names = {(w["transport"], json.dumps(w["options"], sort_keys=True)) for w in workers.values()}
         if len(names) > 1:
             raise SetupError(f"inference workers use different transports: {sorted(names)}")
         if names:
@@ -426,75 +325,89 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         if tname == "cuda_ipc":
             import socket
 
-            far = sorted(g for g, w in self.workers.items() if w.get("host") != socket.gethostname())
+            far = sorted(g for g, w in workers.items() if w.get("host") != socket.gethostname())
             if far:
                 raise SetupError(
                     f"transport cuda_ipc joins GPUs of one host, but inference worker gpu {far[0]} is on "
-                    f"{self.workers[far[0]].get('host')!r} and trainer rank {self.rank} on "
+                    f"{workers[far[0]].get('host')!r} and trainer rank {self.rank} on "
                     f"{socket.gethostname()!r}; give the receivers transport='verbs' or 'fabric' "
                     "(or set WXFER_TRANSPORT there)"
                 )
-        self.transport_name = tname
-        self.transport = _wxfer.Transport(tname, topts)
-        # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
-        self.engine = _wxfer.Engine(self.transport, watermark=self.watermark, timeout=self.write_timeout, isolate=True)
-        # the version stamps' sources live in host memory (pinned with CUDA): filled without
-        # a device synchronize; the engine's fences order them around the step's data writes
-        self.stamp_src = _host_int64(self.device)
-        self.begin_src = _host_int64(self.device)
-        self._stamp_dest = {}
-        self._begin_dest = {}
-        self.peers = {}
-        for g, w in self.workers.items():  # all requests first, then the replies
-            self.peers[g] = control.writer_request(self.ctl, self.transport, self.rank, g, _unb64(w["export"]))
-        for g, w in self.workers.items():
-            control.writer_finish(self.ctl, self.transport, self.rank, g, self.peers[g])
-            self._stamp_dest[g] = (_unb64(w["stamp"]), 8 * senders[g].index(self.rank), 0, 8)
-            self._begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + 8 * senders[g].index(self.rank), 0, 8)
-        self.task_names = {op.task: op.name for ops in self.program.groups for op in ops}
-        self.task_params = {op.task: len(op.sources) for ops in self.program.groups for op in ops}
-        self._prepare_tasks()
-        self._gpu_of_peer = {pid: g for g, pid in self.peers.items()}
-        self._gpu_of_region = {
-            decode_param_descriptor(d)[0]: g for (g, _), d in self.plan.descriptors.items() if g in self.workers
-        }
-        self._epoch = {g: 0 for g in self.workers}
-        self._rejoins_seen = 0
-        self._refused = {}  # gpu -> why its restarted worker was not taken (reported once)
-        self.rejoined = 0  # restarted workers taken so far
+        return tname, topts
 
-    def _prepare_tasks(self) -> None:
-        """Per task, once: how its sources are gathered, zero copy or not, what it holds
-        (prepare.TaskPrep); warn about a parameter the watermark cannot hold.  (A zero-copy
-        task's source is registered at the first push: prepare.zero_copy_task.)"""
-        import warnings
+    def _log_ready(self) -> None:
+        log.info(
+            "Sender ready: trainer rank %d of %d, writes %d of %d inference workers, transport %s, "
+            "plan %d tasks (%d bytes per step from this rank), setup %.3f s (plan %.3f s, connect %.3f s)",
+            self.rank,
+            self.world,
+            len(self.workers),
+            len(program.receivers_of(self.plan)),
+            self.transport_name,
+            sum(len(ops) for ops in self.program.groups),
+            self.bytes_per_step,
+            self.setup_s["plan"] + self.setup_s["connect"],
+            self.setup_s["plan"],
+            self.setup_s["connect"],
+        )
 
-        over = []
-        for ops in self.program.groups:
-            for op in ops:
-                op.prep = prepare.task_prep(op, self.device)
-                nb, name = op.prep.largest
-                if self.watermark and op.sends and op.prep.held and nb > self.watermark:
-                    over.append((nb, name, op.prep.held))
-        for nb, name, held in sorted(over, reverse=True)[:20]:
-            warnings.warn(
-                f"wxfer: training parameter {name} ({nb} bytes) is larger than the watermark "
-                f"({self.watermark} bytes) on trainer rank {self.rank}: its task ({held} bytes) is "
-                "admitted alone, so a push's extra GPU memory can reach the watermark plus that "
-                "task's buffer",
-                stacklevel=3,
-            )
+    # ------------------------------------------------------------------ what the collaborators hold
+    @property
+    def workers(self) -> dict:
+        """{gpu: record} of the inference workers this rank writes."""
+        return self.links.workers
+
+    @property
+    def peers(self) -> dict:
+        """{gpu: engine peer id} of those workers."""
+        return self.links.peers
+
+    @property
+    def rejoined(self) -> int:
+        """Restarted inference workers taken so far."""
+        return self.links.rejoined
 
     @property
     def stamp_dests(self) -> list:
-        return list(self._stamp_dest.values())
+        return list(self.links.stamp_dest.values())
 
-    # ------------------------------------------------------------------ per step
+    @property
+    def task_names(self) -> dict:
+        return self.runner.task_names
+
+    @property
+    def task_params(self) -> dict:
+        return self.runner.task_params
+
+    @property
+    def last_verify(self):
+        """What the receivers answered for the last push made with verify on."""
+        return self.runner.last_verify
+
+    @property
+    def last_submit_s(self):
+        return self.steps.last_submit_s
+
+    @property
+    def last_phases(self) -> dict:
+        """Seconds from the start of the last push() to the end of each of its phases."""
+        return self.steps.last_phases
+
+    @property
+    def direct(self) -> bool:
+        """Whether in-place writes are on (the ``direct`` argument; settable, kept by that name)."""
+        return self.inplace.enabled
+
+    @direct.setter
+    def direct(self, on: bool) -> None:
+        self.inplace.switch(on)
+
     @property
     def bytes_per_step(self) -> int:
         """Bytes of weights this rank writes per push (version stamps not counted)."""
         return self.program.bytes_per_step
 
+    # ------------------------------------------------------------------ per step
     def push(self, async_op: bool = False, version: int | None = None, verify: bool | None = None):
         """Replay the plan for the current weights.  Returns the seconds it took, or with
         ``async_op=True`` a PushHandle (call ``wait()`` before the weights change again).
@@ -509,105 +422,26 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                 "a time (the trainer ranks' collectives and the version stamps are per step)"
             )
         try:
-            return self._push(async_op, version, verify)
+            self.steps.settle()
+            on = verify_enabled(verify)
+            self.version = self.version + 1 if version is None else int(version)
+            h = self.steps.push(self.version, on, self._run_task, self._lock)
+            return h if async_op else h.wait()
         finally:
             self._lock.release()
 
-    def _push(self, async_op, version, verify):
-        import torch
+    def _run_task(self, op, push_event) -> None:
+        """One task of a push (TaskRunner.run_task; the hook a test may wrap)."""
+        self.runner.run_task(op, push_event)
 
-        if self._pending is not None and not self._pending.done():
-            self._pending.wait()
-        self._verify = verify_enabled(verify)
-        self._sums = {} if self._verify else None
-        self.version = self.version + 1 if version is None else int(version)
-        t0 = time.perf_counter()
-        ph = self.last_phases = {}
-        self._adopt_rejoins()  # before the begin stamps: a replaced worker is not written at all
-        ph["rejoin_check"] = time.perf_counter() - t0
-        keep = []  # CUDA events must outlive the engine's wait on them
-        barrier = None
-        ev = None
-        at = (0, -1)  # (mesh group, task) reached: a failure drains the collectives from there
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            ev = torch.cuda.Event()  # what the zero-copy writes wait for
-            ev.record(self.stream)
-            keep.append(ev)
-        try:
-            self._write_begin(self.version)
-            ph["begin_stamps"] = time.perf_counter() - t0
-            with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
-                for gi, ops in enumerate(self.program.groups):
-                    if barrier is not None:
-                        barrier.wait(self.timeout)
-                    batch, held = [], 0  # zero-copy tasks, handed to the engine in one call; their bytes
-                    for oi, op in enumerate(ops):
-                        at = (gi, oi)
-                        if self._direct_copy(op):  # small: one batched copy into the receivers
-                            continue
-                        fast = self._fast_task(op)
-                        if fast is not None:
-                            batch.append(fast)
-                            held += op.nbytes
-                            if len(batch) >= FAST_BATCH or held >= FAST_BATCH_BYTES:
-                                self._submit_fast(batch, ev)
-                                batch, held = [], 0
-                            continue
-                        if batch:
-                            at = (gi, oi - 1)  # a failure here: task oi's collectives are still to drain
-                            self._submit_fast(batch, ev)
-                            batch, held = [], 0
-                            at = (gi, oi)
-                        self._run_task(op, ev)
-                    if batch:
-                        self._submit_fast(batch, ev)
-                    self._direct_copy_flush()
-                    # stage 4: the barrier overlaps this group's writes
-                    at = (gi, len(ops))
-                    barrier = control.Barrier(
-                        self.group, f"the barrier after mesh group {gi} (trainer rank {self.rank}, step {self.version})"
-                    )
-                    at = (gi + 1, -1)
-        except Exception as e:
-            self._direct_abandon()  # its direct writes land before this push raises
-            own = f"{type(e).__name__}: {e}"
-            log.error("trainer rank %d: step %d failed while submitting: %s", self.rank, self.version, own)
-            self._mark(
-                set(self.workers) - self._dropped(),
-                self.version,
-                f"trainer rank {self.rank} gave up on step {self.version} half written: {own}",
-                final=False,
-            )
-            self._join_failed(e, own, barrier, at)
-            raise
-        except BaseException as e:  # KeyboardInterrupt, SystemExit: record, no collectives
-            self._direct_abandon()
-            log.warning("trainer rank %d: step %d stopped: %s", self.rank, self.version, type(e).__name__)
-            self._mark(
-                set(self.workers) - self._dropped(),
-                self.version,
-                f"trainer rank {self.rank} stopped in step {self.version}: {type(e).__name__}",
-            )
-            raise
-        end_ev = None
-        if self.stream is not None:
-            end_ev = torch.cuda.Event()  # the end stamps wait for the side stream's work
-            end_ev.record(self.stream)
-            keep.append(end_ev)
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        self.last_submit_s = ph["submit"] = time.perf_counter() - t0
-        h = PushHandle(self, self.version, t0, barrier, keep)
-        h._end_event = end_ev
-        self._pending = h
-        if async_op:
-            return h
-        return h.wait()
+    def task_kinds(self) -> dict:
+        """{plan task: kind} of this rank's tasks, as it runs them (TaskRunner.task_kinds)."""
+        return self.runner.task_kinds()
 
     def verify(self, timeout: float | None = None) -> dict:
         """Check again that every receiver holds what the last push sent (checksums of the
         last push made with verify on).  Raises VerifyError listing any mismatch."""
-        if not self._last_sums:
+        if not self.runner.last_sums:
             raise RuntimeError("wxfer: Sender.verify() needs a previous push(verify=True)")
         from .verify import request
 
@@ -615,40 +449,9 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
             self.ctl,
             self.rank,
             self.version,
-            self._last_sums,
+            self.runner.last_sums,
             self.workers,
             self.write_timeout if timeout is None else timeout,
-        )
-
-    def _wait_engine(self, timeout, what, fence=None) -> None:
-        """Engine.wait (fence: only until that fence task finished), its failure raised as this
-        rank's step error saying `what` it waited for."""
-        try:
-            self.engine.wait(timeout=timeout, fence=fence)
-        except Exception as e:
-            self.engine.clear_error()
-            raise RuntimeError(
-                f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: {self._describe(e)}"
-            ) from e
-
-    def _describe(self, err: BaseException) -> str:
-        """The user's message for an engine failure: the engine's own, and from its fields
-        (wxfer.Error.tag, .peer) the plan task and the inference worker it concerns."""
-        msg = str(err)
-        tag, peer = getattr(err, "tag", None), getattr(err, "peer", None)
-        if tag is not None and tag in self.task_names:
-            msg += f" [plan task {tag}: {self.task_names[tag]}]"
-        elif tag == STAMP_TAG:
-            msg += " [the version stamps]"
-        if peer is not None and peer in self._gpu_of_peer:
-            msg += f" [peer {peer} is {self._worker_name(self._gpu_of_peer[peer])}]"
-        return msg
-
-    def _worker_name(self, g: int) -> str:
-        w = self.workers.get(g, {})
-        return (
-            f"inference worker gpu {g} (replica {w.get('replica')} rank {w.get('rank')}, "
-            f"{w.get('host')} pid {w.get('pid')})"
         )
 
     # ------------------------------------------------------------------ inspection
@@ -680,21 +483,20 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
             transport=self.transport_name,
             setup_s=self.setup_s,
             quantizer=_quantizer_stats(self.device),
-            direct=self._direct_stats(),
+            direct=self.inplace.stats(),
         )
         return s
 
     def close(self) -> None:
-        if self._pending is not None and not self._pending.done():
-            try:
-                self._pending.wait()
-            except Exception:  # noqa: BLE001
-                pass
+        try:
+            self.steps.settle()
+        except Exception:  # noqa: BLE001
+            pass
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        self._direct_close()  # the views of the receivers' memory, before the transport unmaps it
-        for ops in getattr(getattr(self, "program", None), "groups", ()):
+        self.inplace.close()  # the views of the receivers' memory, before the transport unmaps it
+        for ops in self.program.groups:
             for op in ops:
                 if op.prep is not None:
                     op.prep.fast = None  # the zero-copy Regions, released before their transport
@@ -709,14 +511,6 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         self.close()
 
 
-def _host_int64(device):
-    """One int64 in host memory (pinned when `device` is CUDA): a version stamp's source."""
-    import torch
-
-    t = torch.zeros(1, dtype=torch.int64)
-    return t.pin_memory() if device.type == "cuda" else t
-
-
 def _quantizer_stats(device) -> dict:
     """Which FP8 quantizer ran last in this process and why (fp8.last()), else which one would
     run on `device` (without compiling the kernel just for this), with the call counts."""
@@ -727,9 +521,3 @@ def _quantizer_stats(device) -> dict:
     if ran is not None:
         d.update(ran)
     return d
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()

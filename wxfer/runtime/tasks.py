@@ -1,8 +1,11 @@
-"""One push's per-task work on the trainer side (a Sender mixin): the begin version stamps,
-zero-copy tasks submitted prepared and in batches, packed tasks admitted under the watermark
-before their buffer is made, verify-mode checksums."""
+"""One push's per-task work on the trainer side (the Sender's ``TaskRunner``): the version
+stamps as engine fence tasks, zero-copy tasks submitted prepared and in batches, packed tasks
+admitted under the watermark before their buffer is made (or written in place), verify mode's
+checksums, and the words of an engine failure (which plan task, which inference worker)."""
 
 from __future__ import annotations
+
+import warnings
 
 from . import prepare
 from .receiver import _b64
@@ -10,21 +13,96 @@ from .receiver import _b64
 STAMP_TAG = 1 << 62  # engine tag of the version-stamp writes (plan tasks use their index)
 
 
-class TaskMixin:
-    def _write_begin(self, version: int) -> None:
+def _host_int64(device):
+    """One int64 in host memory (pinned when `device` is CUDA): a version stamp's source."""
+    import torch
+
+    t = torch.zeros(1, dtype=torch.int64)
+    return t.pin_memory() if device.type == "cuda" else t
+
+
+class TaskRunner:
+    """engine: this rank's _wxfer.Engine; transport: its transport (zero-copy sources are
+    registered with it); device, stream: where stage 2 runs (stream None: the current one);
+    rank: this trainer rank; program: its RankProgram; links: its workers
+    (wxfer.runtime.links.Links: stamp destinations, whose region is which, peer names);
+    inplace: the in-place writer (wxfer.runtime.inplace.InPlaceWriter); write_timeout: the
+    bound of a write (and of waiting for the begin stamps before an in-place write)."""
+
+    def __init__(self, engine, transport, device, stream, rank, program, links, inplace, write_timeout):
+        self.engine, self.transport, self.device, self.stream = engine, transport, device, stream
+        self.rank, self.program, self.links, self.inplace = rank, program, links, inplace
+        self.write_timeout = float(write_timeout)
+        self.task_names = {op.task: op.name for ops in program.groups for op in ops}
+        self.task_params = {op.task: len(op.sources) for ops in program.groups for op in ops}
+        # the version stamps' sources live in host memory (pinned with CUDA): filled without
+        # a device synchronize; the engine's fences order them around the step's data writes
+        self.stamp_src = _host_int64(device)
+        self.begin_src = _host_int64(device)
+        self.version = 0  # the push under way
+        self.begin_fence = None  # its begin stamps' fence task
+        self.verify = False  # whether it verifies (the last push's setting, between pushes)
+        self.sums = None  # {gpu: [checksum record]} of the push under way (verify on)
+        self.last_sums = None  # those of the last push verified
+        self.last_verify = None  # what the receivers answered for them
+
+    def prepare_all(self, watermark: int) -> None:
+        """Per task, once: how its sources are gathered, zero copy or not, what it holds
+        (prepare.TaskPrep); warn about a parameter the watermark cannot hold.  (A zero-copy
+        task's source is registered at the first push: prepare.zero_copy_task.)"""
+        over = []
+        for ops in self.program.groups:
+            for op in ops:
+                op.prep = prepare.task_prep(op, self.device)
+                nb, name = op.prep.largest
+                if watermark and op.sends and op.prep.held and nb > watermark:
+                    over.append((nb, name, op.prep.held))
+        for nb, name, held in sorted(over, reverse=True)[:20]:
+            warnings.warn(
+                f"wxfer: training parameter {name} ({nb} bytes) is larger than the watermark "
+                f"({watermark} bytes) on trainer rank {self.rank}: its task ({held} bytes) is "
+                "admitted alone, so a push's extra GPU memory can reach the watermark plus that "
+                "task's buffer",
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------------ stamps
+    def start(self, version: int, verify: bool) -> None:
+        """A push begins: its number and whether it checksums what it sends (and the in-place
+        writer learns both, and how to wait for the begin stamps)."""
+        self.version, self.verify = version, bool(verify)
+        self.sums = {} if verify else None
+        self.inplace.start(version, self.verify, self._wait_begin)
+
+    def write_begin(self) -> None:
         """This rank's begin stamps, landed before its first data write of the step: a fence
         task, so the engine posts no data write before they completed, while this thread goes
-        on preparing the step's tasks."""
-        dests = self._begin_dest
-        self._begin_fence = None
-        self._direct_begun = None  # this push's direct writes wait for these stamps (a version may repeat)
-        if not dests:
-            return
-        self.begin_src.fill_(version)
-        # a receiver that fails here is skipped by the engine for the data writes too
-        self._begin_fence = self._submit_stamps(self.begin_src, dests, "begin")
+        on preparing the step's tasks.  The in-place writes wait for that fence alone."""
+        dests = self.links.begin_dest
+        self.begin_fence = None
+        if dests:
+            self.begin_src.fill_(self.version)
+            # a receiver that fails here is skipped by the engine for the data writes too
+            self.begin_fence = self.submit_stamps(self.begin_src, dests, "begin")
 
-    def _submit_stamps(self, src, dests: dict, which: str, event=None) -> int:
+    def _wait_begin(self) -> None:
+        """Until this push's begin stamps landed (that fence task alone; with no stamps,
+        everything submitted so far): what the in-place writes wait for."""
+        self.wait_engine(
+            1.5 * self.write_timeout + 1.0,
+            "writing the begin stamps (before the in-place writes)",
+            fence=self.begin_fence,
+        )
+
+    def write_end(self, event) -> None:
+        """This rank's end stamps: posted by the engine once every data write of the step has
+        completed (a fence), after CUDA `event` (the side stream's work so far); the engine
+        skips the failed receivers: the others get their stamp."""
+        if self.links.stamp_dest:
+            self.stamp_src.fill_(self.version)
+            self.submit_stamps(self.stamp_src, self.links.stamp_dest, "end", event)
+
+    def submit_stamps(self, src, dests: dict, which: str, event=None) -> int:
         """Hand this rank's `which` (begin/end) stamp writes to the engine as a fence task
         (posted after every earlier write completed; later writes after them), after the
         CUDA `event` when given; returns its task id (Engine.wait(fence=...)). A refusal (a bad
@@ -39,18 +117,19 @@ class TaskMixin:
                 + str(e).replace(f"(tag {STAMP_TAG})", "(the version stamps)")
             ) from e
 
-    def _fast_task(self, op):
+    # ------------------------------------------------------------------ tasks
+    def fast_task(self, op):
         """The engine's prepared task of a zero-copy task (prepare.zero_copy_task), or None;
-        with verify on its bytes are checksummed here, as in _run_task."""
+        with verify on its bytes are checksummed here, as in run_task."""
         prep = op.prep
         if prep is None or not prep.zero_copy or not op.sends:
             return None
         task = prepare.zero_copy_task(op, self.device, self.transport, self.engine)
-        if task is not None and self._sums is not None:
+        if task is not None and self.sums is not None:
             self._checksum(op, prepare.run(op.prep, op, self.device), op.prep.dests)
         return task
 
-    def _submit_fast(self, batch, push_event) -> None:
+    def submit_fast(self, batch, push_event) -> None:
         """Hand prepared zero-copy tasks to the engine in one call; they wait for the push's
         one event (the training stream's work before push())."""
         if push_event is not None:
@@ -58,17 +137,18 @@ class TaskMixin:
         else:
             self.engine.submit_prepared(batch)
 
-    def _run_task(self, op, push_event) -> None:
+    def run_task(self, op, push_event) -> None:
         """One task (on the side stream, under no_grad): admitted under the watermark before
-        its buffer is made, prepared, submitted.  A zero-copy task waits for the push's one
-        event (the training stream's work before push()); the others for their own."""
+        its buffer is made, prepared, submitted (or written in place).  A zero-copy task waits
+        for the push's one event (the training stream's work before push()); the others for
+        their own."""
         prep = op.prep
         if prep is None:
             prep = op.prep = prepare.task_prep(op, self.device)
         if not op.sends:
             prepare.run(prep, op, self.device)  # the collectives only
             return
-        if self._direct_task(op):  # packed straight into the receivers' memory (direct.py)
+        if self.inplace.write_task(op):  # packed straight into the receivers' memory
             return
         held = prep.held
         t_admit = self.engine.reserve(held)
@@ -85,7 +165,7 @@ class TaskMixin:
                         prep.event = torch.cuda.Event()
                     ev = prep.event
                     ev.record(self.stream)
-            if self._sums is not None:
+            if self.sums is not None:
                 self._checksum(op, buf, prep.dests)
         except BaseException:
             self.engine.unreserve(held)
@@ -101,28 +181,71 @@ class TaskMixin:
         """{plan task: kind} of this rank's tasks, as it runs them (wxfer.plan.kinds: zero_copy,
         staged, packed, direct, collective_only, copy), for the simulator (``simulate(...,
         kinds=...)``).  Decided at setup; a zero-copy task whose memory moved is decided again
-        at a push; a packed task is direct when this Sender can write it straight into the
-        receivers (direct.py: cuda_ipc, its layout's pieces inside the mapped destinations;
-        not with verify on, which sends every task the staging way); a zero-copy task is copy
-        when a push copies it into the receivers' mapped memory (direct.py ``copy_ok``: fewer
-        bytes than copy_max(), direct possible, every destination mapped; not with verify on)."""
+        at a push; a packed task is "direct" (written in place) when this Sender can write it
+        straight into the receivers (inplace.py: cuda_ipc, its layout's pieces inside the
+        mapped destinations; not with verify on, which sends every task the staging way); a
+        zero-copy task is copy when a push copies it into the receivers' mapped memory
+        (``InPlaceWriter.copy_ok``: fewer bytes than copy_max(), in-place possible, every
+        destination mapped; not with verify on)."""
         out = {}
-        off = self._direct_off() or ("verify" if getattr(self, "_verify", False) else None)
+        ip = self.inplace
+        off = ip.off() or ("verify" if ip.verify else None)
         for ops in self.program.groups:
             for op in ops:
                 prep = op.prep if op.prep is not None else prepare.task_prep(op, self.device)
                 k = prepare.kind_of(prep, op)
                 if k in ("packed", "staged") and prep.direct is None and off is None:
-                    k = prepare.kind_of(prep, op, direct=self._direct_plan(op)[0] is not None)
-                elif k == "zero_copy" and off is None and op.prep is prep and self.copy_ok(op):
+                    k = prepare.kind_of(prep, op, direct=ip.plan_of(op)[0] is not None)
+                elif k == "zero_copy" and off is None and op.prep is prep and ip.copy_ok(op):
                     k = "copy"  # (a task prepared again at the next push goes the engine's way there)
                 out[op.task] = k
         return out
 
+    # ------------------------------------------------------------------ verify
     def _checksum(self, op, buf, dests) -> None:
         from .verify import crc
 
         flat = buf.reshape(-1).view(__import__("torch").uint8)
         for rdesc, doff, soff, n in dests:
-            g = self._gpu_of_region[bytes(rdesc)]
-            self._sums.setdefault(g, []).append((_b64(rdesc), int(doff), int(n), crc(flat[soff : soff + n]), op.name))
+            g = self.links.gpu_of_region[bytes(rdesc)]
+            self.sums.setdefault(g, []).append((_b64(rdesc), int(doff), int(n), crc(flat[soff : soff + n]), op.name))
+
+    def drop_sums(self) -> None:
+        """A step that failed somewhere: nothing of it is verified."""
+        self.sums = None
+
+    def verify_landed(self, ctl, timeout: float) -> None:
+        """With verify on: ask every receiver written to for the checksums of what it holds
+        where this push wrote (a mismatch raises VerifyError); they become last_sums."""
+        if self.sums is None:
+            return
+        self.last_sums, self.sums = self.sums, None
+        from .verify import request
+
+        self.last_verify = request(ctl, self.rank, self.version, self.last_sums, self.links.workers, timeout)
+
+    # ------------------------------------------------------------------ the engine's words
+    def wait_engine(self, timeout, what, fence=None) -> None:
+        """Engine.wait (fence: only until that fence task finished), its failure raised as this
+        rank's step error saying `what` it waited for."""
+        try:
+            self.engine.wait(timeout=timeout, fence=fence)
+        except Exception as e:
+            self.engine.clear_error()
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}, step {self.version}: {what}: {self.describe(e)}"
+            ) from e
+
+    def describe(self, err: BaseException) -> str:
+        """The user's message for an engine failure: the engine's own, and from its fields
+        (wxfer.Error.tag, .peer) the plan task and the inference worker it concerns."""
+        msg = str(err)
+        tag, peer = getattr(err, "tag", None), getattr(err, "peer", None)
+        if tag is not None and tag in self.task_names:
+            msg += f" [plan task {tag}: {self.task_names[tag]}]"
+        elif tag == STAMP_TAG:
+            msg += " [the version stamps]"
+        name = None if peer is None else self.links.peer_name(peer)
+        if name is not None:
+            msg += f" [peer {peer} is {name}]"
+        return msg

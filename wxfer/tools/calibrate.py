@@ -118,7 +118,7 @@ def measure_kernels(dev, quick: bool) -> dict:
     src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
     # into fresh memory each time, as the packing does (one new buffer per task)
     t_copy = _dev_time(lambda: torch.empty_like(src).copy_(src), dev, iters)
-    # the batched small copies of zero-copy tasks (wxfer.runtime.direct._direct_copy_flush): 128
+    # the batched small copies of zero-copy tasks (wxfer.runtime.inplace.InPlaceWriter.flush_copies): 128
     # ranges of 1/128 of the buffer each, one launch of what the runtime uses (wxfer.runtime.copies:
     # the native kernel, else torch._foreach_copy_; read + write counted)
     from ..runtime import copies
@@ -156,7 +156,7 @@ def measure_kernels(dev, quick: bool) -> dict:
 
 def _copy_launch_host(dev, items, iters: int) -> dict:
     """The host's work per batched copy launch of copy tasks (wxfer.runtime.copies.copy_ranges,
-    as wxfer.runtime.direct._direct_copy_flush calls it: the range table, cached push after push,
+    as wxfer.runtime.inplace.InPlaceWriter.flush_copies calls it: the range table, cached push after push,
     and the launch): host seconds of the call (not its sync) with all of `items` (128 ranges, a
     full launch) and with 16 of them; a fixed part and a part per range through the two."""
     from ..runtime import copies

@@ -1,10 +1,11 @@
-"""Stage 2 straight into the receivers' memory (issue 13, cuda_ipc): a packed task whose every
-destination is a range the cuda_ipc transport has mapped on the writer's own GPU (trainer
-and receiver colocated on one GPU) is not packed into a send buffer and then copied by the
-engine: its raw pieces are copied (and cast) and its FP8 pieces quantized by the native
-kernel (``fp8.quantize_span``, one launch per task) at their final addresses in the
-receivers' weights, on the Sender's side stream.  3 bytes of memory traffic per BF16->FP8
-element instead of 5, and nothing held under the watermark.
+"""In-place writes (issue 13, cuda_ipc; the Sender's ``InPlaceWriter``): stage 2 straight into
+the receivers' memory.  A packed task whose every destination is a range the cuda_ipc
+transport has mapped on the writer's own GPU (trainer and receiver colocated on one GPU) is
+not packed into a send buffer and then copied by the engine: its raw pieces are copied (and
+cast) and its FP8 pieces quantized by the native kernel (``fp8.quantize_span``, one launch per
+task) at their final addresses in the receivers' weights, on the Sender's side stream.  3
+bytes of memory traffic per BF16->FP8 element instead of 5, and nothing held under the
+watermark.  A small zero-copy task is copied there in batches (``queue_copy``).
 
 What decides it, per task, once (``decompose``, CPU-testable): every piece of the packed
 layout (``prepare._layout``: raw pieces merged by rows, each FP8 piece's e4m3 bytes and its
@@ -17,13 +18,13 @@ torch uint8 tensor over its mapped address (``__cuda_array_interface__``, no cop
 
 Ordering (docs/cuda_ipc.md): the begin stamps are an engine fence, which orders the
 engine's writes, not this process's kernels: a push waits until they landed (with what
-the engine was given before) at its first direct task; the end stamps wait for a CUDA event
-recorded on the side stream after the last task, so after every direct kernel; the side
-stream is synchronized before ``push()`` returns or raises (``_direct_wait``,
-``_direct_abandon``), so no direct write lands after it returned.  A receiver that failed
-(the engine's failed peers) or that the Sender dropped is not written.  Off with
-``Sender(direct=False)`` or ``WXFER_DIRECT=0``; with verify on a push goes the staging way
-(a checksum of the receiver's own memory would prove nothing).
+the engine was given before) at its first in-place task; the end stamps wait for a CUDA event
+recorded on the side stream after the last task, so after every in-place kernel; the side
+stream is synchronized before ``push()`` returns or raises (``wait``, ``abandon``), so no
+in-place write lands after it returned.  A receiver that failed (the engine's failed peers)
+or that the Sender dropped is not written.  Off with ``Sender(direct=False)`` or
+``WXFER_DIRECT=0`` (the user-facing name, and ``stats()["direct"]``, are kept); with verify on
+a push goes the staging way (a checksum of the receiver's own memory would prove nothing).
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ class _Mapped:
 
 
 class _Plan:
-    """One task's direct layout, with each target's region view."""
+    """One task's in-place layout, with each target's region view."""
 
     __slots__ = ("raw", "fp8", "regions", "srcs", "spans", "uid")
     _uids = itertools.count()
@@ -201,122 +202,142 @@ class _Plan:
     def __init__(self, raw, fp8, regions):
         self.raw, self.fp8, self.regions = raw, fp8, regions
         self.srcs = tuple(sorted({pc.src for pc, _, _ in fp8}))
-        self.spans: dict = {}  # skipped gpus -> _direct_jobs
+        self.spans: dict = {}  # skipped gpus -> InPlaceWriter._jobs
         self.uid = next(_Plan._uids)  # names its quantizer table (an id() may be reused)
 
 
-class _NotDirect(Exception):
+class _NotInPlace(Exception):
     pass
 
 
-class DirectMixin:
-    """Sender mixin. Needs the Sender's transport, transport_name, device, stream, engine,
-    version, write_timeout, _sums, _gpu_of_region, _gpu_of_peer, _dropped() and
-    _wait_engine()."""
+def options(direct, copy_max_arg) -> tuple:
+    """(enabled, copy_max) from the Sender's ``direct`` and ``copy_max`` arguments, checked
+    before anything is set up (a bad value raises naming it)."""
+    from . import copies
 
-    def _direct_init(self, direct, copy_max_arg=None) -> None:
-        from . import copies
+    copies.driver_min()  # $WXFER_COPY_DRIVER_MIN checked here (a bad value: an error now, not mid-push)
+    cm = copy_max(copy_max_arg)  # first: a bad value raises before anything is set up
+    return enabled(direct), cm
 
-        copies.driver_min()  # $WXFER_COPY_DRIVER_MIN checked here (a bad value: an error now, not mid-push)
-        self._copy_max = copy_max(copy_max_arg)  # first: a bad value raises before anything is set up
-        self.direct = enabled(direct)
-        self._direct_views: dict = {}  # region descriptor -> (uint8 tensor over it, address)
-        self._direct_plans: dict = {}  # task -> (its dests list, _Plan or None, why not)
-        self._direct_ver = None
-        self._direct_n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
-        self._direct_total = 0
-        self._direct_why: dict = {}  # why tasks went the staging way -> how many (this push)
-        self._direct_launched = False  # direct work on the side stream not yet waited for
-        self._direct_begun = None  # the push whose begin stamps were waited for
-        self._copy_plans: dict = {}  # task -> (prep, src data_ptr, numel, [(gpu, dst, src)] or None, why not)
-        self._copy_q: list = []  # queued small copies [(gpu, dst, src, dst addr, src addr, n)] (_direct_copy_flush)
-        self._copy_q_bytes = 0  # their bytes
-        self._direct_copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
 
-    def _direct_off(self) -> str | None:
-        """Why no task of this Sender can go direct, or None."""
-        if not self.direct:
+class InPlaceWriter:
+    """The Sender's in-place writes (a collaborator): packed tasks written straight into the
+    receivers' mapped memory, small zero-copy tasks copied there in batches.
+
+    enabled, copy_max: from ``options``; device, stream: where stage 2 runs (the side stream
+    the kernels go on); transport, transport_name: the writer's transport (only cuda_ipc maps);
+    engine: the step's engine (its failed peers are not written); links: this rank's workers
+    (wxfer.runtime.links.Links: whose region is which, who is dropped).  ``start`` begins a push."""
+
+    def __init__(self, enabled, copy_max, device, stream, transport, transport_name, engine, links):
+        self.enabled, self.copy_max = bool(enabled), int(copy_max)
+        self.device, self.stream = device, stream
+        self.transport, self.transport_name, self.engine, self.links = transport, transport_name, engine, links
+        self.version = 0  # the push under way (``start``)
+        self.verify = False  # whether it verifies (every task the staging way)
+        self.wait_begin = None  # waits until its begin stamps landed (``start``)
+        self.begun = False  # ... and whether that was waited for
+        self.views: dict = {}  # region descriptor -> (uint8 tensor over it, address)
+        self.plans: dict = {}  # task -> (its dests list, _Plan or None, why not)
+        self.counted = None  # the push the counters are of
+        self.n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
+        self.total = 0
+        self.why: dict = {}  # why tasks went the staging way -> how many (this push)
+        self.launched = False  # in-place work on the side stream not yet waited for
+        self.copy_plans: dict = {}  # task -> (prep, src data_ptr, numel, [(gpu, dst, src)] or None, why not)
+        self.copy_q: list = []  # queued small copies [(gpu, dst, src, dst addr, src addr, n)] (flush_copies)
+        self.copy_q_bytes = 0  # their bytes
+        self.copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
+
+    def start(self, version: int, verify: bool, wait_begin) -> None:
+        """A push begins: its number, whether it verifies, and `wait_begin()`, which returns
+        once its begin stamps landed (waited for before its first in-place write)."""
+        self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
+
+    def switch(self, on: bool) -> None:
+        """Turn the in-place writes on or off (``Sender.direct``), from the next task on."""
+        self.enabled = bool(on)
+
+    def off(self) -> str | None:
+        """Why no task of this Sender can be written in place, or None."""
+        if not self.enabled:
             return "off (Sender(direct=False) or WXFER_DIRECT=0)"
-        if getattr(self, "transport_name", None) != "cuda_ipc":
-            return f"transport {getattr(self, 'transport_name', None)!r}: only cuda_ipc maps the receivers' memory"
+        if self.transport_name != "cuda_ipc":
+            return f"transport {self.transport_name!r}: only cuda_ipc maps the receivers' memory"
         if self.device.type != "cuda" or self.stream is None:
             return f"stage 2 runs on {self.device}, not a CUDA device"
         return None
 
-    def _direct_push(self) -> None:
-        """This push's counters (stats()['direct']), reset at its first direct decision."""
-        if self._direct_ver != self.version:
-            self._direct_ver = self.version
-            self._direct_n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
-            self._direct_why = {}
+    def _count_push(self) -> None:
+        """This push's counters (stats()['direct']), reset at its first in-place decision."""
+        if self.counted != self.version:
+            self.counted = self.version
+            self.n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
+            self.why = {}
 
-    def _direct_begin(self) -> None:
+    def _begin(self) -> None:
         """Before this push's first write straight into a receiver: the begin stamps are an
         engine fence, which orders the engine's writes, not this process's kernels -- wait
-        until they landed (that fence task alone: not the engine's writes submitted since; with
-        no stamps, until everything submitted so far did)."""
-        if self._direct_begun != self.version:
-            self._wait_engine(
-                1.5 * self.write_timeout + 1.0,
-                "writing the begin stamps (before the direct writes)",
-                fence=getattr(self, "_begin_fence", None),
-            )
-            self._direct_begun = self.version
+        until they landed (``start``'s wait_begin: that fence task alone, not the engine's
+        writes submitted since; with no stamps, until everything submitted so far did)."""
+        if not self.begun:
+            self.wait_begin()
+            self.begun = True
 
-    def _direct_task(self, op) -> bool:
+    def write_task(self, op) -> bool:
         """Run packed task `op` straight into the receivers' memory when it can be; False: the
         caller runs it the staging way (admitted under the watermark, packed, submitted)."""
-        self._direct_push()
+        self._count_push()
         prep = op.prep
         if prep.zero_copy or prep.direct is not None:
             return False  # the engine writes the source's own bytes: nothing packed
-        why = self._direct_off() or ("verify is on" if self._sums is not None else None)
+        why = self.off() or ("verify is on" if self.verify else None)
         plan = None
         if why is None:
-            plan, why = self._direct_plan(op)
+            plan, why = self.plan_of(op)
         if plan is None:
-            self._direct_n["staged"] += 1
-            self._direct_why[why] = self._direct_why.get(why, 0) + 1
+            self.n["staged"] += 1
+            self.why[why] = self.why.get(why, 0) + 1
             return False
         from . import prepare
 
-        self._direct_begin()
+        self._begin()
         fulls, _ = prepare.gather(prep, op, self.device)
-        self._direct_launched = True
-        self._direct_write(op, plan, fulls, self._direct_skip())
-        self._direct_n["tasks"] += 1
-        self._direct_total += 1
+        self.launched = True
+        self._write(op, plan, fulls, self.links.skipped(self.engine))
+        self.n["tasks"] += 1
+        self.total += 1
         return True
 
-    def _direct_copy(self, op) -> bool:
+    def queue_copy(self, op) -> bool:
         """Queue zero-copy task `op`'s copies into the receivers' mapped memory when it is small
         (fewer bytes than copy_max()) and every destination is mapped here; False: the engine
-        writes it (``_fast_task``). The copies go out in batches (``_direct_copy_flush``)."""
+        writes it (``_fast_task``). The copies go out in batches (``flush_copies``)."""
         prep = op.prep
-        if prep is None or not prep.zero_copy or not op.sends or op.nbytes >= self._copy_max:
+        if prep is None or not prep.zero_copy or not op.sends or op.nbytes >= self.copy_max:
             return False
-        if self._direct_off() is not None or self._sums is not None:
+        if self.off() is not None or self.verify:
             return False
-        self._direct_push()
+        self._count_push()
         hit = self._copy_hit(op)
         if hit[3] is None:
-            self._direct_why[hit[4]] = self._direct_why.get(hit[4], 0) + 1
+            self.why[hit[4]] = self.why.get(hit[4], 0) + 1
             return False
-        self._copy_q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
-        self._copy_q_bytes += sum(c[5] for c in hit[3])  # bytes written (every destination), as the simulator counts
-        self._direct_n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
-        if len(self._copy_q) >= COPY_BATCH or self._copy_q_bytes >= COPY_BATCH_BYTES:
-            self._direct_copy_flush()
+        self.copy_q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
+        self.copy_q_bytes += sum(c[5] for c in hit[3])  # bytes written (every destination), as the simulator counts
+        self.n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
+        if len(self.copy_q) >= COPY_BATCH or self.copy_q_bytes >= COPY_BATCH_BYTES:
+            self.flush_copies()
         return True
 
     def copy_ok(self, op) -> bool:
         """Whether a push copies zero-copy task `op` straight into the receivers' memory
-        (_direct_copy's test without its side effects; the binding is cached as there): what
+        (queue_copy's test without its side effects; the binding is cached as there): what
         Sender.task_kinds() reports as "copy"."""
         prep = op.prep
-        if prep is None or not prep.zero_copy or not op.sends or op.nbytes >= self._copy_max:
+        if prep is None or not prep.zero_copy or not op.sends or op.nbytes >= self.copy_max:
             return False
-        if self._direct_off() is not None or getattr(self, "_verify", False):
+        if self.off() is not None or self.verify:
             return False
         return self._copy_hit(op)[3] is not None
 
@@ -325,9 +346,9 @@ class DirectMixin:
         prep = op.prep
         src = prep.whole[0][1]
         src = getattr(src, "_local_tensor", src)
-        hit = self._copy_plans.get(op.task)
+        hit = self.copy_plans.get(op.task)
         if hit is None or hit[0] is not prep or hit[1] != src.data_ptr() or hit[2] != src.numel():
-            hit = self._copy_plans[op.task] = self._copy_bind(prep, src)
+            hit = self.copy_plans[op.task] = self._copy_bind(prep, src)
         return hit
 
     def _copy_bind(self, prep, src) -> tuple:
@@ -339,39 +360,39 @@ class DirectMixin:
         items = []
         try:
             for rdesc, doff, soff, n in prep.dests:
-                view, base = self._direct_view(rdesc)
-                addr, _ = self._direct_map(rdesc, doff, n)
+                view, base = self._view(rdesc)
+                addr, _ = self._map(rdesc, doff, n)
                 if addr != base + doff:
-                    raise _NotDirect(f"[{doff}, +{n}) of a region is mapped at {addr:#x}, not {base + doff:#x}")
+                    raise _NotInPlace(f"[{doff}, +{n}) of a region is mapped at {addr:#x}, not {base + doff:#x}")
                 d, sv = view[doff : doff + n], flat[soff : soff + n]
-                items.append((self._gpu_of_region.get(bytes(rdesc)), d, sv, d.data_ptr(), sv.data_ptr(), n))
-        except _NotDirect as e:
+                items.append((self.links.gpu_of_region.get(bytes(rdesc)), d, sv, d.data_ptr(), sv.data_ptr(), n))
+        except _NotInPlace as e:
             return (prep, src.data_ptr(), src.numel(), None, str(e))
         return (prep, src.data_ptr(), src.numel(), items, None)
 
-    def _direct_copy_flush(self) -> None:
+    def flush_copies(self) -> None:
         """The queued small copies, in one batched launch (wxfer.runtime.copies: the native
         kernel, else torch._foreach_copy_) on the current (side) stream; the receivers failed or
         dropped by now are not written (a copy queued before its receiver failed is skipped, as
-        a direct task launched after it is)."""
-        if not self._copy_q:
+        an in-place task launched after it is)."""
+        if not self.copy_q:
             return
         from . import copies
 
-        q, self._copy_q, self._copy_q_bytes = self._copy_q, [], 0
+        q, self.copy_q, self.copy_q_bytes = self.copy_q, [], 0
         # the begin stamps first (late: the engine's writes queued meanwhile were not held up), then
         # the receivers to skip: one that failed while its begin stamp was written is not copied to
-        self._direct_begin()
-        skip = self._direct_skip()
+        self._begin()
+        skip = self.links.skipped(self.engine)
         items = [c[1:] for c in q if c[0] not in skip]
-        self._direct_n["skipped_writes"] += len(q) - len(items)
+        self.n["skipped_writes"] += len(q) - len(items)
         if items:
-            self._direct_copier = copies.copy_ranges(self.device, items)
-            self._direct_launched = True
+            self.copier = copies.copy_ranges(self.device, items)
+            self.launched = True
 
-    def _direct_plan(self, op) -> tuple:
+    def plan_of(self, op) -> tuple:
         """(_Plan or None, why not) of task `op`, decided once per set of destinations."""
-        hit = self._direct_plans.get(op.task)
+        hit = self.plans.get(op.task)
         if hit is not None and hit[0] is op.dests:
             return hit[1], hit[2]
         plan, why = None, None
@@ -380,50 +401,50 @@ class DirectMixin:
             why = lay
         else:
             try:
-                plan = self._direct_bind(lay)
-            except _NotDirect as e:
+                plan = self._bind(lay)
+            except _NotInPlace as e:
                 why = str(e)
-        self._direct_plans[op.task] = (op.dests, plan, why)
+        self.plans[op.task] = (op.dests, plan, why)
         return plan, why
 
-    def _direct_bind(self, lay) -> _Plan:
+    def _bind(self, lay) -> _Plan:
         """The layout with its regions' views, every target range checked by the transport."""
         regions = {}
         for rdesc, off, nb in _ranges(lay):
-            view, base = self._direct_view(rdesc)
-            addr, dev = self._direct_map(rdesc, off, nb)
+            view, base = self._view(rdesc)
+            addr, dev = self._map(rdesc, off, nb)
             if addr != base + off:
-                raise _NotDirect(f"the transport maps [{off}, +{nb}) of a region at {addr:#x}, not {base + off:#x}")
+                raise _NotInPlace(f"the transport maps [{off}, +{nb}) of a region at {addr:#x}, not {base + off:#x}")
             regions[rdesc] = view
         return _Plan(lay[0], lay[1], regions)
 
-    def _direct_view(self, rdesc: bytes):
+    def _view(self, rdesc: bytes):
         """(uint8 tensor over the whole mapped region, its address), made once per region."""
-        hit = self._direct_views.get(rdesc)
+        hit = self.views.get(rdesc)
         if hit is not None:
             return hit
         try:
             n = region_nbytes(rdesc)
         except ValueError as e:
-            raise _NotDirect(str(e)) from e
-        addr, dev = self._direct_map(rdesc, 0, n)
+            raise _NotInPlace(str(e)) from e
+        addr, dev = self._map(rdesc, 0, n)
         if dev != self.device.index:
-            raise _NotDirect(f"the region is mapped on cuda:{dev}, stage 2 runs on {self.device}")
-        view = self._direct_tensor(addr, n)
+            raise _NotInPlace(f"the region is mapped on cuda:{dev}, stage 2 runs on {self.device}")
+        view = self._tensor(addr, n)
         if view.device != self.device or view.data_ptr() != addr or view.numel() != n:
-            raise _NotDirect(f"torch saw the mapped region as {view.device} {view.data_ptr():#x}, not a view")
-        self._direct_views[rdesc] = (view, addr)
+            raise _NotInPlace(f"torch saw the mapped region as {view.device} {view.data_ptr():#x}, not a view")
+        self.views[rdesc] = (view, addr)
         return view, addr
 
-    def _direct_map(self, rdesc: bytes, off: int, nb: int) -> tuple:
+    def _map(self, rdesc: bytes, off: int, nb: int) -> tuple:
         """(address here, CUDA ordinal) of [off, off+nb) of a receiver's region: the transport
         checks it as it checks a write (Transport.map); a refusal sends the task the staging way."""
         try:
             return self.transport.map(rdesc, off, nb)
         except Exception as e:  # noqa: BLE001 -- the task goes the staging way, saying why
-            raise _NotDirect(f"{type(e).__name__}: {e}") from e
+            raise _NotInPlace(f"{type(e).__name__}: {e}") from e
 
-    def _direct_tensor(self, addr: int, n: int):
+    def _tensor(self, addr: int, n: int):
         """A uint8 tensor over `n` bytes of mapped device memory at `addr` (no copy: checked by
         the caller). torch reads the interface's typestr through numpy."""
         import torch
@@ -431,40 +452,32 @@ class DirectMixin:
         try:
             return torch.as_tensor(_Mapped(addr, n), device=self.device)
         except Exception as e:  # noqa: BLE001 -- the task goes the staging way, saying why
-            raise _NotDirect(f"torch.as_tensor(__cuda_array_interface__) failed: {type(e).__name__}: {e}") from e
+            raise _NotInPlace(f"torch.as_tensor(__cuda_array_interface__) failed: {type(e).__name__}: {e}") from e
 
-    def _direct_skip(self) -> frozenset:
-        """The inference gpus not to write: dropped by this Sender, or failed in the engine."""
-        gone = set(self._dropped())
-        for err in self.engine.failed_peers():
-            if err.peer in self._gpu_of_peer:
-                gone.add(self._gpu_of_peer[err.peer])
-        return frozenset(gone)
-
-    def _direct_write(self, op, plan: _Plan, fulls: dict, skip: frozenset) -> None:
+    def _write(self, op, plan: _Plan, fulls: dict, skip: frozenset) -> None:
         """The task's raw copies and one quantizer launch, on the current (side) stream."""
         import torch
 
         from ..mapping.reference import _piece_tensor
         from .prepare import copy_piece
 
-        gpu = self._gpu_of_region
+        gpu = self.links.gpu_of_region
         for pc, dtype, ts in plan.raw:
             t = _piece_tensor(pc, fulls)
             dt = getattr(torch, dtype)
             for r, off in ts:
                 if gpu.get(r) in skip:
-                    self._direct_n["skipped_writes"] += 1
+                    self.n["skipped_writes"] += 1
                 else:
                     copy_piece(plan.regions[r], off, t, dt)
         if plan.fp8:
-            self._direct_quantize(plan, fulls, skip)
+            self._quantize(plan, fulls, skip)
 
-    def _direct_jobs(self, plan: _Plan, skip: frozenset) -> tuple:
+    def _jobs(self, plan: _Plan, skip: frozenset) -> tuple:
         """([(piece, (region, offset) | None, (region, offset) | None)], lowest address, span
         to the end of the last region written, targets skipped): the FP8 jobs to the
         receivers not skipped."""
-        gpu = self._gpu_of_region
+        gpu = self.links.gpu_of_region
         jobs, skipped = [], 0
         for pc, qt, st in plan.fp8:
             q2 = [x for x in qt if gpu.get(x[0]) not in skip]
@@ -481,7 +494,7 @@ class DirectMixin:
                     hi = max(hi, view.data_ptr() + view.numel())
         return jobs, lo, 0 if lo is None else hi - lo, skipped
 
-    def _direct_quantize(self, plan: _Plan, fulls: dict, skip: frozenset) -> None:
+    def _quantize(self, plan: _Plan, fulls: dict, skip: frozenset) -> None:
         """Every FP8 job of the task: one native launch over the span of the regions it writes
         (offsets from the lowest address), else the reference per region on region tensors."""
         from . import fp8
@@ -489,9 +502,9 @@ class DirectMixin:
 
         hit = plan.spans.get(skip)
         if hit is None:
-            hit = plan.spans[skip] = self._direct_jobs(plan, skip)
+            hit = plan.spans[skip] = self._jobs(plan, skip)
         jobs, lo, span, skipped = hit
-        self._direct_n["skipped_writes"] += skipped
+        self.n["skipped_writes"] += skipped
         if not jobs:
             return
 
@@ -505,7 +518,7 @@ class DirectMixin:
             return None if x is None else plan.regions[x[0]].data_ptr() + x[1] - lo
 
         key = (
-            "direct",
+            "inplace",
             plan.uid,
             skip,
             tuple((fulls[n].data_ptr(), tuple(fulls[n].stride()), fulls[n].dtype) for n in plan.srcs),
@@ -520,34 +533,34 @@ class DirectMixin:
             if part:
                 fp8.quantize_into(view, part)
 
-    def _direct_wait(self) -> None:
-        """Block until every direct write launched so far has landed (the side stream)."""
-        if self._direct_launched and self.stream is not None:
+    def wait(self) -> None:
+        """Block until every in-place write launched so far has landed (the side stream)."""
+        if self.launched and self.stream is not None:
             self.stream.synchronize()
-        self._direct_launched = False
+        self.launched = False
 
-    def _direct_abandon(self) -> None:
-        """A failing push: its direct writes land before it raises (best effort)."""
-        self._copy_q, self._copy_q_bytes = [], 0
+    def abandon(self) -> None:
+        """A failing push: its in-place writes land before it raises (best effort)."""
+        self.copy_q, self.copy_q_bytes = [], 0
         try:
-            self._direct_wait()
+            self.wait()
         except Exception:  # noqa: BLE001 -- the device itself failed; the push's error says more
-            self._direct_launched = False
+            self.launched = False
 
-    def _direct_stats(self) -> dict:
-        cm = -1 if self._copy_max >= COPY_ALL else self._copy_max  # -1: no bound ("all")
-        d = dict(self._direct_n, enabled=self.direct, total=self._direct_total, copy_max=cm)
-        if self._direct_copier is not None:
-            d["copier"] = self._direct_copier  # the batched copies' last launch (wxfer.runtime.copies)
-        off = self._direct_off()
+    def stats(self) -> dict:
+        cm = -1 if self.copy_max >= COPY_ALL else self.copy_max  # -1: no bound ("all")
+        d = dict(self.n, enabled=self.enabled, total=self.total, copy_max=cm)
+        if self.copier is not None:
+            d["copier"] = self.copier  # the batched copies' last launch (wxfer.runtime.copies)
+        off = self.off()
         if off:
             d["why_not"] = off
-        if self._direct_why:
-            d["staged_why"] = dict(sorted(self._direct_why.items(), key=lambda kv: -kv[1])[:5])
+        if self.why:
+            d["staged_why"] = dict(sorted(self.why.items(), key=lambda kv: -kv[1])[:5])
         return d
 
-    def _direct_close(self) -> None:
+    def close(self) -> None:
         """Forget the views of the mapped regions (before the transport unmaps them)."""
-        self._direct_views.clear()
-        self._direct_plans.clear()
-        self._copy_plans.clear()
+        self.views.clear()
+        self.plans.clear()
+        self.copy_plans.clear()

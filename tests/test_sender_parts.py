@@ -1,0 +1,371 @@
+"""The Sender's collaborators, each constructed alone (no Sender, no store, no receiver):
+Links (the workers written, the failed set, restarts adopted or refused), FailureExchange (torn
+records, the roll call, the failure flag), InPlaceWriter (its switch and the begin-stamp wait),
+TaskRunner (the version stamps as fence tasks, an engine failure's words) and StepLoop (the
+task loop's order and batching, a failure inside it, the end of a push).  The fakes stand for
+what each is given; the logic under test is the collaborator's own."""
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from wxfer import _wxfer  # noqa: E402
+from wxfer.runtime import control  # noqa: E402
+from wxfer.runtime.failures import FailureExchange  # noqa: E402
+from wxfer.runtime.inplace import InPlaceWriter, options  # noqa: E402
+from wxfer.runtime.links import Links  # noqa: E402
+from wxfer.runtime.steps import FAST_BATCH, StepLoop  # noqa: E402
+from wxfer.runtime.tasks import STAMP_TAG, TaskRunner  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+class _Ctl:
+    """A store as Control shows it: counters, records; `down`: every call fails."""
+
+    def __init__(self):
+        self.kv, self.calls, self.down = {}, [], False
+
+    def _call(self, what):
+        self.calls.append(what)
+        if self.down:
+            raise ConnectionError("the store is gone")
+
+    def add(self, key, n):
+        self._call(("add", key))
+        self.kv[key] = self.kv.get(key, 0) + n
+        return self.kv[key]
+
+    def set(self, key, value):
+        self._call(("set", key))
+        self.kv[key] = value
+
+    def set_json(self, key, value):
+        self.set(key, value)
+
+    def get_json(self, key, what, timeout=None):
+        self._call(("get", key))
+        if key not in self.kv:
+            raise KeyError(f"{what}: {key} not in the store")
+        return self.kv[key]
+
+    def check(self, key):
+        return key in self.kv
+
+
+def _worker(g, **kw):
+    w = dict(gpu=g, transport="fabric", options={}, mapping="tiny", replicas=1, tp=2, replica=0, rank=g, ep=1)
+    w.update(host="h", pid=100 + g, params={"w": [[4, 4], "bfloat16"]}, desc={}, stamp_slots=1, stamp_begin=8)
+    w.update(kw)
+    return w
+
+
+def _links(ctl=None, gpus=(0, 1)):
+    ln = Links(ctl or _Ctl(), None, 0, None, None, {g: _worker(g) for g in gpus}, 1.0)
+    for g in gpus:  # as connect() leaves them
+        ln.peers[g] = 10 + g
+        ln.gpu_of_peer[10 + g] = g
+        ln.gpu_of_region[b"region%d" % g] = g
+        ln.stamp_dest[g] = (b"stamp%d" % g, 0, 0, 8)
+        ln.begin_dest[g] = (b"stamp%d" % g, 8, 0, 8)
+    return ln
+
+
+class _Err(Exception):
+    def __init__(self, peer, tag=None, errno=110):
+        super().__init__(f"write to peer {peer} timed out")
+        self.peer, self.tag, self.errno = peer, tag, errno
+
+
+# ------------------------------------------------------------------ Links
+def test_links_drop_skip_and_name_the_failed_workers():
+    ln = _links()
+    assert ln.live() == {0, 1}
+    engine = SimpleNamespace(failed_peers=lambda: [_Err(11), _Err(99)])  # 99: a peer since replaced
+    failed = ln.failed(engine, lambda e: f"<{e}>")
+    assert failed == {1: "<write to peer 11 timed out> (errno 110)"}
+    assert ln.skipped(engine) == frozenset({1})  # failed in the engine, not dropped yet
+    assert ln.drop(failed) == {1} and ln.drop([1]) == set()  # new only once
+    assert ln.live() == {0} and ln.skipped(SimpleNamespace(failed_peers=list)) == frozenset({1})
+    assert ln.worker_name(1) == "inference worker gpu 1 (replica 0 rank 1, h pid 101)"
+    assert ln.peer_name(10) == ln.worker_name(0) and ln.peer_name(99) is None
+
+
+def test_links_refuse_a_restart_that_does_not_match_and_report_it_once():
+    ctl = _Ctl()
+    ln = _links(ctl)
+    ctl.kv["infer/0"] = _worker(0)
+    assert ln.adopt_rejoins() is None and ctl.calls == [("add", "infer/rejoins")]  # none: one round trip
+    ctl.kv.update({"infer/rejoins": 1, "infer/epoch/0": 1})
+    ctl.kv["infer/0/e1"] = _worker(0, tp=4, params={"w": [[8, 4], "bfloat16"]})
+    ln.adopt_rejoins()
+    assert ln.epoch == {0: 1, 1: 0} and ln.rejoined == 0 and ln.rejoins_seen == 1
+    why = ln.take_refused()
+    assert list(why) == [0] and "its restart (epoch 1) was refused" in why[0]
+    assert "tp 4, before 2" in why[0] and "w: shape/dtype [[8, 4], 'bfloat16'], the plan has" in why[0]
+    assert "trainer rank 0: SetupError" in ctl.kv["rejoin/refused/0/e1"]
+    assert ln.take_refused() == {}  # reported once
+    assert ln.peers[0] == 10 and ln.workers[0]["tp"] == 2  # the one in place is kept
+    n = len(ctl.calls)
+    ln.adopt_rejoins()  # nothing new since: one round trip again
+    assert ctl.calls[n:] == [("add", "infer/rejoins")]
+
+
+# ------------------------------------------------------------------ FailureExchange
+def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
+    ctl = _Ctl()
+    ln = _links(ctl)
+    ln.epoch[1] = 3
+    ln.drop([0])
+    fx = FailureExchange(ctl, None, 0, 1, 1.0, 1.0, True, ln, [0, 1, 2])
+    fx.mark_live(7, "gave up", final=False)  # gpu 0 is dropped: only gpu 1
+    assert ctl.kv["torn/1/e3"] == 1 and "torn/0/e0" not in ctl.kv
+    assert ctl.kv["torn/1/e3/1"] == dict(step=7, writer=0, by=0, why="gave up", final=False)
+    fx.mark_live(7, "again")  # the same (gpu, epoch, writer, step): not recorded twice
+    assert ctl.kv["torn/1/e3"] == 1
+    fx.mark([2], 7, "some rank", writer=None)  # not this rank's worker: its epoch from the store
+    assert ctl.kv["torn/2/e0/1"]["writer"] is None and ("add", "infer/epoch/2") in ctl.calls
+    ctl.down = True
+    fx.mark([1], 8, "best effort")  # a store that cannot be reached: nothing raised
+    assert fx.elsewhere("own failure", 8) == []  # one rank: nothing to exchange
+
+
+def test_failures_name_a_gone_rank_and_mark_every_worker_of_the_plan(monkeypatch):
+    ctl = _Ctl()
+    fx = FailureExchange(ctl, object(), 1, 2, 1.0, 1.0, False, _links(ctl), [0, 1, 2])
+    monkeypatch.setattr(control, "roll_call", lambda *a: ["trainer rank 0 (pid 5, host h)"])
+    assert fx.mark_other_rank_gone(4, "closed") == "trainer rank 0 (pid 5, host h) died or hung"
+    assert {k for k in ctl.kv if k.count("/") == 3} == {"torn/0/e0/1", "torn/1/e0/1", "torn/2/e0/1"}
+    assert all(ctl.kv[f"torn/{g}/e0/1"]["writer"] is None for g in range(3))
+
+    def unreachable(*a):
+        raise ConnectionError("gone")
+
+    monkeypatch.setattr(control, "roll_call", unreachable)
+    assert "the store it hosted cannot be reached" in fx.mark_other_rank_gone(5, "closed")
+    assert ctl.kv["torn/0/e0/2"]["step"] == 5
+
+
+# ------------------------------------------------------------------ InPlaceWriter
+def test_inplace_options_are_checked_first_and_the_writer_says_why_it_is_off(monkeypatch):
+    monkeypatch.delenv("WXFER_DIRECT", raising=False)
+    monkeypatch.delenv("WXFER_DIRECT_COPY_MAX", raising=False)
+    assert options(None, None) == (True, 32 << 20) and options(False, "1MiB") == (False, 1 << 20)
+    with pytest.raises(TypeError, match="direct must be True, False or None"):
+        options("yes", None)
+    with pytest.raises(ValueError, match="copy_max must be"):
+        options(True, "lots")
+    w = InPlaceWriter(True, 1 << 20, CPU, None, None, "fabric", None, _links())
+    assert "only cuda_ipc" in w.off() and w.stats()["why_not"] == w.off()
+    w = InPlaceWriter(True, 1 << 20, CPU, None, None, "cuda_ipc", None, _links())
+    assert "not a CUDA device" in w.off()
+    w.enabled = False
+    assert w.off().startswith("off") and w.stats()["enabled"] is False and w.stats()["copy_max"] == 1 << 20
+
+
+def test_inplace_waits_for_the_begin_stamps_once_per_push():
+    waits = []
+    w = InPlaceWriter(True, 1 << 20, CPU, None, None, "cuda_ipc", None, _links())
+    for step in (1, 2):
+        w.start(step, False, lambda s=step: waits.append(s))
+        w._begin()
+        w._begin()
+    assert waits == [1, 2]
+
+
+# ------------------------------------------------------------------ TaskRunner
+class _Engine:
+    def __init__(self, refuse=False, fail_wait=None):
+        self.submits, self.waits, self.cleared, self.refuse, self.fail_wait = [], [], 0, refuse, fail_wait
+
+    def submit(self, src, dests, **kw):
+        if self.refuse:
+            raise ValueError(f"bad descriptor (tag {STAMP_TAG})")
+        self.submits.append((int(src.item()), list(dests), kw))
+        return len(self.submits)
+
+    def wait(self, timeout=None, fence=None):
+        self.waits.append(fence)
+        if self.fail_wait is not None:
+            raise self.fail_wait
+
+    def clear_error(self):
+        self.cleared += 1
+
+    def failed_peers(self):
+        return []
+
+
+class _Started:
+    def __init__(self):
+        self.starts = []
+
+    def start(self, version, verify, wait_begin):
+        self.starts.append((version, verify, wait_begin))
+
+
+def _program(n_groups=1, per_group=2):
+    groups = [
+        [SimpleNamespace(task=g * per_group + i, name=f"p{g}.{i}", sources=[("a", None)]) for i in range(per_group)]
+        for g in range(n_groups)
+    ]
+    return SimpleNamespace(groups=groups, bytes_per_step=123)
+
+
+def test_runner_writes_the_stamps_as_fence_tasks_and_the_inplace_writes_wait_for_the_begin_ones():
+    eng, ip, ln = _Engine(), _Started(), _links()
+    r = TaskRunner(eng, None, CPU, None, 0, _program(), ln, ip, 2.0)
+    assert r.task_names == {0: "p0.0", 1: "p0.1"} and r.task_params == {0: 1, 1: 1}
+    r.start(5, verify=True)
+    assert r.sums == {}
+    r.write_begin()
+    val, dests, kw = eng.submits[0]
+    assert val == 5 and dests == list(ln.begin_dest.values()) and kw == dict(tag=STAMP_TAG, fence=True)
+    version, verify, wait_begin = ip.starts[-1]
+    assert (version, verify) == (5, True) and eng.waits == []  # nothing waited for yet
+    wait_begin()
+    assert eng.waits == [1]  # that fence task alone
+    r.write_end(None)
+    assert eng.submits[1][0] == 5 and eng.submits[1][1] == list(ln.stamp_dest.values())
+    r.drop_sums()
+    r.verify_landed(None, 1.0)  # nothing to verify once dropped
+    assert r.last_sums is None and r.last_verify is None
+
+
+def test_runner_names_refused_stamps_and_the_task_and_worker_of_an_engine_failure():
+    r = TaskRunner(_Engine(refuse=True), None, CPU, None, 3, _program(), _links(), _Started(), 1.0)
+    r.start(9, verify=False)
+    with pytest.raises(RuntimeError) as e:
+        r.write_begin()
+    assert "trainer rank 3, step 9: the begin version stamps to inference workers [0, 1] were refused" in str(e.value)
+    assert "(the version stamps)" in str(e.value)
+    eng = _Engine(fail_wait=_Err(11, tag=1))
+    r = TaskRunner(eng, None, CPU, None, 3, _program(), _links(), _Started(), 1.0)
+    r.start(9, verify=False)
+    with pytest.raises(RuntimeError) as e:
+        r.wait_engine(1.0, "waiting for the writes")
+    msg = str(e.value)
+    assert msg.startswith("wxfer: trainer rank 3, step 9: waiting for the writes: write to peer 11 timed out")
+    assert "[plan task 1: p0.1]" in msg and "[peer 11 is inference worker gpu 1 (replica 0 rank 1" in msg
+    assert eng.cleared == 1
+    assert r.describe(_Err(12, tag=STAMP_TAG)).endswith("[the version stamps]")  # peer 12: not one of ours
+
+
+# ------------------------------------------------------------------ StepLoop
+class _Seen:
+    """Runner, in-place writer and failure exchange as the step loop drives them: each call
+    recorded in order; `copy`: tasks the in-place writer copies; `fast`: zero-copy tasks."""
+
+    def __init__(self, copy=(), fast=(), fail_at=None):
+        self.log, self.copy, self.fast, self.fail_at = [], set(copy), set(fast), fail_at
+        self.sums = None
+
+    def __getattr__(self, name):  # anything else: recorded, returns None
+        return lambda *a, **k: self.log.append((name,) + a)
+
+    def queue_copy(self, op):
+        if op.task in self.copy:
+            self.log.append(("copy", op.task))
+            return True
+        return False
+
+    def fast_task(self, op):
+        return op.task if op.task in self.fast else None
+
+    def submit_fast(self, batch, ev):
+        self.log.append(("batch", list(batch)))
+
+    def run_task(self, op, ev):
+        if op.task == self.fail_at:
+            raise ValueError(f"task {op.task} failed")
+        self.log.append(("run", op.task))
+
+    def elsewhere(self, own, step):
+        return []
+
+
+def _loop(seen, program, links=None, engine=None):
+    links = links or _links()
+    engine = engine or _Engine()
+    return StepLoop(None, None, 0, 1, 1.0, 1.0, CPU, None, engine, program, links, seen, seen, seen)
+
+
+def test_the_step_loop_runs_copies_batches_and_tasks_in_order_group_by_group():
+    import threading
+
+    n = FAST_BATCH + 3
+    prog = SimpleNamespace(
+        groups=[[SimpleNamespace(task=i, nbytes=1) for i in range(n + 2)], [SimpleNamespace(task=100, nbytes=1)]],
+        bytes_per_step=1,
+    )
+    seen = _Seen(copy={0}, fast=set(range(1, n + 1)))
+    loop = _loop(seen, prog)
+    h = loop.push(4, False, seen.run_task, threading.RLock())
+    kinds = [e[0] for e in seen.log]
+    assert kinds[:2] == ["start", "write_begin"]
+    body = [e for e in seen.log if e[0] in ("copy", "batch", "run", "flush_copies")]
+    assert body[0] == ("copy", 0)
+    assert body[1] == ("batch", list(range(1, FAST_BATCH + 1)))  # a full batch goes at once
+    assert body[2] == ("batch", list(range(FAST_BATCH + 1, n + 1)))  # the rest before the next packed task
+    assert body[3:] == [("run", n + 1), ("flush_copies",), ("run", 100), ("flush_copies",)]
+    assert set(loop.last_phases) == {"rejoin_check", "begin_stamps", "submit"} and loop.pending is h
+    assert h.wait() == loop.last_phases["done"] and h.done()
+    assert ("write_end", None) in seen.log and ("verify_landed", None, 2.5) in seen.log
+
+
+def test_a_failure_inside_the_loop_lands_the_inplace_writes_and_marks_the_live_workers_torn():
+    import threading
+
+    seen = _Seen(fail_at=1)
+    eng = _Engine()
+    loop = _loop(seen, _program(1, 3), engine=eng)
+    with pytest.raises(ValueError, match="task 1 failed"):
+        loop.push(2, False, seen.run_task, threading.RLock())
+    names = [e[0] for e in seen.log]
+    assert names.index("abandon") < names.index("mark_live")
+    _, step, why = next(e for e in seen.log if e[0] == "mark_live")
+    assert step == 2 and "trainer rank 0 gave up on step 2 half written: ValueError: task 1 failed" in why
+    assert ("run", 2) not in seen.log and eng.waits == [None]  # one rank: nothing drained, the engine waited for
+
+
+def test_the_end_of_a_push_drops_and_marks_the_failed_workers_and_reports_them():
+    import threading
+
+    class Failing(_Engine):
+        def failed_peers(self):
+            return [_Err(11)]
+
+    seen = _Seen()
+    ln = _links()
+    loop = _loop(seen, _program(), links=ln, engine=Failing())
+    h = loop.push(3, False, seen.run_task, threading.RLock())
+    with pytest.raises(RuntimeError) as e:
+        h.wait()
+    msg = str(e.value)
+    assert "step 3: the writes to 1 inference worker(s) failed" in msg and "inference worker gpu 1 (" in msg
+    assert "the other workers ([0]) received every byte of step 3" in msg
+    assert ln.dropped == {1} and ("drop_sums",) in seen.log
+    marks = [e for e in seen.log if e[0] == "mark"]
+    assert [m[1] for m in marks] == [[1]] and "skips this worker from now on" in marks[0][3]
+    assert not any(e[0] == "verify_landed" for e in seen.log)
+
+
+@pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
+@pytest.mark.timeout(60)
+def test_inplace_on_a_transport_that_cannot_map_sends_the_task_the_staging_way_saying_why():
+    """On a real fabric tcp connection: Transport.map refuses (only cuda_ipc maps), so the
+    writer's binding of a destination fails with the transport's words and nothing is cached
+    as a view; a range outside the region is refused by the transport's own check."""
+    from wxfer.runtime.inplace import _NotInPlace
+    from wxfer.testing import connected_fabric
+
+    with connected_fabric("tcp", [4096]) as (t, tgt):
+        d = bytes(tgt.descriptors[0])
+        w = InPlaceWriter(True, 1 << 20, CPU, None, t, "fabric", None, _links())
+        with pytest.raises(_NotInPlace, match="only cuda_ipc maps"):
+            w._view(d)
+        assert w.views == {}
+        with pytest.raises(_NotInPlace, match="outside the 4096-byte region"):
+            w._map(d, 4000, 200)  # the generic layer's range check, as for a write

@@ -1,0 +1,161 @@
+"""Setup on the trainer side, beside the Sender: trainer rank 0 builds and checks the plan
+from every rank's and every inference worker's metadata and hands it out through the store
+(``build_plan``), after waiting (bounded) for the workers (``wait_workers``); after a setup
+error the processes that host the store wait until the others read it (``linger``)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from . import control, program
+from .control import SetupError
+
+
+def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) -> None:
+    """Trainer rank 0: read every rank's metadata and every inference worker's, build and
+    check the plan, hand it to every rank and receiver through the store (or the error)."""
+    try:
+        per_rank = [ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}") for r in range(world)]
+        train, problems = program.merge_train_metadata(per_rank)
+        digests = [ctl.get_json("train/%d/mapping" % r, f"the mapping of trainer rank {r}") for r in range(world)]
+        problems = list(problems) + [
+            f"trainer rank {r} was given mapping {d['name']!r} (digest {d['sha'][:12]}), "
+            f"rank 0 {digests[0]['name']!r} (digest {digests[0]['sha'][:12]})"
+            for r, d in enumerate(digests)
+            if d != digests[0]
+        ]
+        if problems:
+            raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
+        first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
+        n = first["replicas"] * first["tp"]
+        wait_workers(ctl, n, first["tp"], timeout)
+        workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}") for g in range(1, n)]
+        probs = []
+        extra = ctl.add("infer/count", 0) - n  # registered beyond gpu 0's layout
+        for g in range(n, n + max(0, extra) + 8):
+            if extra > 0 and ctl.check("infer/%d" % g):
+                w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
+                probs.append(
+                    f"inference worker gpu {g} (replica {w['replica']} of {w['replicas']}, rank "
+                    f"{w['rank']} of tp={w['tp']}) lies outside gpu 0's layout replicas="
+                    f"{first['replicas']} tp={first['tp']} ({n} workers)"
+                )
+        pname = getattr(program.get_preset(mapping), "name", "")
+        for w in workers:
+            if w["mapping"] and pname and w["mapping"] != pname:
+                probs.append(f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, the trainers {pname!r}")
+            if (w["transport"], w["options"]) != (first["transport"], first["options"]):
+                probs.append(
+                    f"inference worker gpu {w['gpu']} registered with {w['transport']} "
+                    f"{w['options']}, gpu 0 with {first['transport']} {first['options']}"
+                )
+            if (w["replicas"], w["tp"]) != (first["replicas"], first["tp"]):
+                probs.append(
+                    f"inference worker gpu {w['gpu']}: replicas={w['replicas']} tp={w['tp']}, "
+                    f"gpu 0 says replicas={first['replicas']} tp={first['tp']}"
+                )
+        if probs:
+            raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
+        plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=max_task_bytes)
+        plan.check()  # every destination byte written exactly once, by one sender, in range
+        senders = program.receivers_of(plan)
+        for w in workers:
+            if len(senders[w["gpu"]]) > w["stamp_slots"]:
+                raise SetupError(
+                    f"inference worker gpu {w['gpu']} has {w['stamp_slots']} version "
+                    f"stamp slots but {len(senders[w['gpu']])} trainers write to it"
+                )
+        blob = program.plan_to_bytes(plan)
+    except Exception as e:  # noqa: BLE001 -- every rank and every receiver learns it
+        msg = f"{type(e).__name__}: {e}"
+        ctl.set("plan", control.encode_result(None, msg))
+        ctl.set("status", control.encode_result(None, msg))
+        raise SetupError(f"wxfer: building the plan on trainer rank 0 failed: {msg}") from e
+    for g, s in senders.items():
+        ctl.set_json("senders/%d" % g, s)
+    ctl.set("layout", json.dumps(dict(replicas=first["replicas"], tp=first["tp"], workers=n)))
+    ctl.set("plan", control.encode_result(blob, None))
+    ctl.set("status", control.encode_result(b"", None))
+
+
+def wait_workers(ctl, n: int, tp: int, timeout: float) -> None:
+    """Wait (bounded) for the `n` inference workers; a worker registered twice, or one
+    missing at the deadline, is refused naming every such worker."""
+    deadline = time.monotonic() + timeout
+    delay, dup_seen = 0.005, None
+    while True:
+        have = ctl.add("infer/count", 0)
+        dups = ctl.add("infer/dups", 0)
+        now = time.monotonic()
+        if dups and dup_seen is None:
+            dup_seen = now
+        if have >= n and not dups:
+            return
+        # a duplicate may stand in for a missing worker: give the others 1 s, then refuse
+        if (dup_seen is not None and (have >= n or now - dup_seen > 1.0)) or now > deadline:
+            probs = []
+            for g in range(n):
+                if len(probs) >= 20:  # gpu 0 may claim a huge layout: name the first 20
+                    probs.append(f"... (gpu 0 says replicas={n // max(1, tp)} tp={tp}: {n} workers, {have} registered)")
+                    break
+                if ctl.check("infer/dup/%d" % g):
+                    d = ctl.get_json("infer/dup/%d" % g, "a duplicate worker's note", 1)
+                    w = ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", 5)
+                    probs.append(
+                        f"inference worker gpu {g} (replica {g // max(1, tp)} rank "
+                        f"{g % max(1, tp)}) registered twice: {w['host']} pid {w['pid']} "
+                        f"and {d['host']} pid {d['pid']}"
+                    )
+                elif not ctl.check("infer/%d" % g):
+                    probs.append(
+                        f"inference worker gpu {g} (replica {g // max(1, tp)} rank {g % max(1, tp)}) has not registered"
+                    )
+            head = (
+                "inference workers registered twice or missing"
+                if dups
+                else f"waited {timeout:.0f} s for the {n} inference workers' metadata, {have} arrived"
+            )
+            raise SetupError(head + ":\n  " + "\n  ".join(probs))
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def linger(ctl, hosted: bool, timeout: float, trainer_key, trainers: int, recv_key, receivers) -> None:
+    """After a setup error: wait (up to `timeout` for the other trainer
+    ranks, 10 s for the receivers) until they read it from the store a trainer hosts."""
+    if not hosted:
+        return
+    try:
+        _linger_on(ctl, timeout, trainer_key, trainers, recv_key, receivers)
+    except Exception:  # noqa: BLE001 -- the store's host exited: nothing left to wait for
+        pass
+
+
+def _linger_on(ctl, timeout: float, trainer_key, trainers, recv_key, receivers) -> None:
+    for key, n, t in ((trainer_key, trainers, timeout), (recv_key, receivers, min(timeout, 10.0))):
+        if key is None or n == 0:
+            continue
+        deadline = time.monotonic() + t
+        while time.monotonic() < deadline:
+            want = n
+            if want is None:  # every receiver of gpu 0's layout (it may not have registered yet)
+                try:
+                    w = ctl.get_json("infer/0", "", 0) if ctl.check("infer/0") else None
+                except Exception:  # noqa: BLE001
+                    w = None
+                want = w["replicas"] * w["tp"] if w else 1
+            if ctl.add(key, 0) >= want:
+                break
+            time.sleep(0.02)
+
+
+def mapping_digest(mapping) -> dict:
+    """{name, sha}: what a trainer rank was given as `mapping` (compared across ranks)."""
+    import hashlib
+
+    try:
+        p = program.get_preset(mapping)
+    except Exception as e:  # noqa: BLE001 -- reported by the controller as a disagreement or its own error
+        return dict(name=repr(mapping)[:80], sha=hashlib.sha256(f"{type(e).__name__}: {e}".encode()).hexdigest())
+    return dict(name=getattr(p, "name", ""), sha=hashlib.sha256(repr(p).encode()).hexdigest())

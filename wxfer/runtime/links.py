@@ -1,0 +1,178 @@
+"""The inference workers one trainer rank writes (a Sender collaborator): their connection
+records, the engine peer of each, where their version stamps are, which region descriptor is
+whose, the workers this rank gave up on (skipped from then on), and a restarted worker taken at
+the next push() without restarting the trainers (issue 8).
+
+The seam for the reliability work (issue 25): what a peer is, when one counts as failed, and
+how a restart is adopted are decided here and nowhere else."""
+
+from __future__ import annotations
+
+from . import control, program
+from .control import SetupError
+from .receiver import _unb64, decode_param_descriptor
+
+
+class Links:
+    """This rank's inference workers and its connections to them.
+
+    ctl: the job's Control; transport: the _wxfer.Transport the engine writes through; rank:
+    this trainer rank; plan, program: the plan and this rank's program (a restart retargets
+    them); workers: {gpu: connection record} of every worker this rank writes (data or
+    stamp); write_timeout: the bound of a restart's store reads and connection."""
+
+    def __init__(self, ctl, transport, rank: int, plan, program, workers: dict, write_timeout: float):
+        self.ctl, self.transport, self.rank = ctl, transport, rank
+        self.plan, self.program = plan, program
+        self.write_timeout = float(write_timeout)
+        self.workers = dict(workers)  # gpu -> its record (the connection record; a restart's whole one)
+        self.peers: dict = {}  # gpu -> engine peer id
+        self.gpu_of_peer: dict = {}  # engine peer id -> gpu
+        self.gpu_of_region: dict = {}  # region descriptor -> gpu
+        self.stamp_dest: dict = {}  # gpu -> this rank's end stamp destination
+        self.begin_dest: dict = {}  # gpu -> this rank's begin stamp destination
+        self.epoch = {g: 0 for g in self.workers}  # gpu -> the restart epoch written
+        self.dropped: set = set()  # gpus this rank gave up on (skipped from then on)
+        self.refused: dict = {}  # gpu -> why its restarted worker was not taken (reported once)
+        self.rejoins_seen = 0  # the store's restart count at the last check
+        self.rejoined = 0  # restarted workers taken so far
+
+    # ------------------------------------------------------------------ setup
+    def connect(self) -> None:
+        """Connect to every worker (all requests first, then the replies); learn where this
+        rank's stamp slots are and which region is whose."""
+        senders = program.receivers_of(self.plan)
+        for g, w in self.workers.items():
+            self.peers[g] = control.writer_request(self.ctl, self.transport, self.rank, g, _unb64(w["export"]))
+        for g, w in self.workers.items():
+            control.writer_finish(self.ctl, self.transport, self.rank, g, self.peers[g])
+            slot = 8 * senders[g].index(self.rank)
+            self.stamp_dest[g] = (_unb64(w["stamp"]), slot, 0, 8)
+            self.begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + slot, 0, 8)
+        self.gpu_of_peer.update((pid, g) for g, pid in self.peers.items())
+        self.gpu_of_region.update(
+            (decode_param_descriptor(d)[0], g) for (g, _), d in self.plan.descriptors.items() if g in self.workers
+        )
+
+    # ------------------------------------------------------------------ failed and live
+    def live(self) -> set:
+        """The workers this rank still writes (not given up on)."""
+        return set(self.workers) - self.dropped
+
+    def failed(self, engine, describe) -> dict:
+        """{gpu: reason} of the receivers whose writes failed or were late in `engine` (it
+        skips them from then on); `describe(err)` words an engine error."""
+        out = {}
+        for err in engine.failed_peers():
+            if err.peer not in self.gpu_of_peer:
+                continue  # a worker since replaced by its restart
+            out[self.gpu_of_peer[err.peer]] = f"{describe(err)} (errno {err.errno})"
+        return out
+
+    def drop(self, gpus) -> set:
+        """Give up on `gpus` (skipped from now on); returns those not given up on before."""
+        new = set(gpus) - self.dropped
+        self.dropped |= set(gpus)
+        return new
+
+    def skipped(self, engine) -> frozenset:
+        """The gpus not to write now: given up on here, or failed in `engine`."""
+        gone = set(self.dropped)
+        for err in engine.failed_peers():
+            if err.peer in self.gpu_of_peer:
+                gone.add(self.gpu_of_peer[err.peer])
+        return frozenset(gone)
+
+    def take_refused(self) -> dict:
+        """{gpu: why} of the restarts refused since the last call (each reported once)."""
+        out, self.refused = self.refused, {}
+        return out
+
+    def worker_name(self, g: int) -> str:
+        w = self.workers.get(g, {})
+        return (
+            f"inference worker gpu {g} (replica {w.get('replica')} rank {w.get('rank')}, "
+            f"{w.get('host')} pid {w.get('pid')})"
+        )
+
+    def peer_name(self, peer) -> str | None:
+        """The worker an engine peer id is, or None (not one of this rank's now)."""
+        return self.worker_name(self.gpu_of_peer[peer]) if peer in self.gpu_of_peer else None
+
+    # ------------------------------------------------------------------ restarts
+    def adopt_rejoins(self) -> None:
+        """Take the inference workers restarted since the last push (one store round trip
+        when there are none): connect to each, point this rank's destinations for it at its
+        new memory; every other worker keeps its plan.  A restart that does not match the
+        worker it replaces is refused (it stays skipped, and the push reports it)."""
+        n = self.ctl.add("infer/rejoins", 0)
+        if n == self.rejoins_seen:
+            return
+        for g in sorted(self.workers):
+            e = self.ctl.add("infer/epoch/%d" % g, 0)
+            if e > self.epoch[g]:
+                self.epoch[g] = e
+                try:
+                    self._adopt(g, e)
+                    self.refused.pop(g, None)
+                except Exception as ex:  # noqa: BLE001 -- reported by this push, the others go on
+                    why = f"{type(ex).__name__}: {ex}"
+                    self.refused[g] = f"its restart (epoch {e}) was refused: {why}"
+                    self.ctl.set("rejoin/refused/%d/e%d" % (g, e), f"trainer rank {self.rank}: {why}")
+        self.rejoins_seen = n
+
+    def _adopt(self, g: int, e: int) -> None:
+        old = self.workers[g]
+        if "params" not in old:  # the connection record of setup: the worker's whole record, from the store
+            old = self.ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", self.write_timeout)
+        # bounded by write_timeout: a restarted worker that died again must not stall the push longer
+        w = self.ctl.get_json(
+            "infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}", self.write_timeout
+        )
+        probs = _mismatches(old, w)
+        slot = self.stamp_dest[g][1] // 8
+        if w["stamp_slots"] <= slot:
+            probs.append(f"{w['stamp_slots']} version stamp slots, trainer rank {self.rank} needs slot {slot}")
+        if probs:
+            raise SetupError(
+                f"restarted inference worker gpu {g} ({w['host']} pid {w['pid']}) does not match "
+                "the one it replaces:\n    " + "\n    ".join(probs)
+            )
+        peer = control.writer_connect(
+            self.ctl, self.transport, self.rank, g, _unb64(w["export"]), self.write_timeout, epoch=e
+        )
+        # the new worker's memory: its descriptors into the plan, this rank's tasks for it
+        for name, d in w["desc"].items():
+            self.plan.descriptors[(g, name)] = _unb64(d)
+        self.program.retarget(self.plan, g)
+        for r in _regions(old):
+            self.gpu_of_region.pop(r, None)
+        self.gpu_of_region.update((r, g) for r in _regions(w))
+        self.gpu_of_peer.pop(self.peers[g], None)  # the old peer's writes (if any) stay abandoned
+        self.peers[g] = peer
+        self.gpu_of_peer[peer] = g
+        self.stamp_dest[g] = (_unb64(w["stamp"]), self.stamp_dest[g][1], 0, 8)
+        self.begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + self.stamp_dest[g][1], 0, 8)
+        self.workers[g] = w
+        self.rejoined += 1
+
+
+def _mismatches(old: dict, w: dict) -> list:
+    """How restarted worker record `w` differs from the one it replaces (`old`)."""
+    probs = []
+    for k in ("transport", "options", "mapping", "replicas", "tp", "replica", "rank", "ep"):
+        if w.get(k) != old.get(k):
+            probs.append(f"{k} {w.get(k)!r}, before {old.get(k)!r}")
+    for name in sorted(set(old["params"]) | set(w["params"])):
+        a, b = old["params"].get(name), w["params"].get(name)
+        if a != b:
+            probs.append(
+                f"{name}: "
+                + ("missing" if b is None else "not in the plan" if a is None else f"shape/dtype {b}, the plan has {a}")
+            )
+    return probs
+
+
+def _regions(worker: dict) -> set:
+    """The region descriptors of an inference worker's published parameter descriptors."""
+    return {decode_param_descriptor(_unb64(d))[0] for d in worker["desc"].values()}

@@ -1,0 +1,337 @@
+"""One push() on the trainer side (the Sender's ``StepLoop``): the restarted workers taken,
+the begin stamps, then for each mesh group, for each task of this rank in order, stage 1-2
+and the submission (zero-copy tasks in batches, small ones copied in place, packed ones
+written in place or staged); an asynchronous gloo barrier after each group; then the end:
+this rank's writes waited for, its end stamps after them (an engine fence), the workers that
+failed marked and skipped from then on, verify mode's checksums, and every trainer rank's
+failure reports exchanged so that all ranks raise together (SPMD loops stay in step).  A
+failure inside the loop drains the collectives the other ranks are in before it is raised."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+from . import control, prepare
+from .failures import and_own, is_gloo_failure
+
+log = logging.getLogger(__name__)
+
+FAST_BATCH = 32  # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
+FAST_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (a large write is not held back)
+
+
+class PushHandle:
+    """What ``push(async_op=True)`` returns: every task is submitted (sources packed);
+    ``wait()`` returns once this rank's writes and version stamps have landed."""
+
+    def __init__(self, steps, lock, version, t0, barrier, keep, end_event):
+        self._steps, self._lock, self.version, self._t0 = steps, lock, version, t0
+        self._barrier, self._keep = barrier, keep
+        self._end_event = end_event  # CUDA event the end stamps wait for (the side stream's work)
+        self._done = False
+        self.seconds = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def wait(self, timeout: float | None = None) -> float:
+        with self._lock:  # one thread finishes a step; another waits for it
+            if not self._done:
+                try:
+                    self.seconds = self._steps.finish(self, timeout)
+                finally:
+                    self._done = True  # a failed step is reported once, not again by the next push
+        return self.seconds
+
+
+class StepLoop:
+    """ctl: the job's Control (verify's requests); group, rank, world: the trainers' gloo
+    group (None: one rank), this rank, their number; timeout: the bound of the collectives;
+    write_timeout: of the writes; device, stream: where stage 2 runs; engine, program: this
+    rank's engine and program; links (wxfer.runtime.links.Links), runner
+    (wxfer.runtime.tasks.TaskRunner), inplace (wxfer.runtime.inplace.InPlaceWriter),
+    failures (wxfer.runtime.failures.FailureExchange): the collaborators a step drives."""
+
+    def __init__(
+        self,
+        ctl,
+        group,
+        rank,
+        world,
+        timeout,
+        write_timeout,
+        device,
+        stream,
+        engine,
+        program,
+        links,
+        runner,
+        inplace,
+        failures,
+    ):
+        self.ctl, self.group, self.rank, self.world = ctl, group, rank, world
+        self.timeout, self.write_timeout = float(timeout), float(write_timeout)
+        self.device, self.stream, self.engine, self.program = device, stream, engine, program
+        self.links, self.runner, self.inplace, self.failures = links, runner, inplace, failures
+        self.pending = None  # the last push's handle
+        self.last_submit_s = None  # seconds to submit the last push
+        self.last_phases: dict = {}  # seconds from the start of the last push() to the end of each phase
+
+    def settle(self) -> None:
+        """The last push finished (its writes waited for) before the next one begins."""
+        if self.pending is not None and not self.pending.done():
+            self.pending.wait()
+
+    # ------------------------------------------------------------------ submit
+    def push(self, version: int, verify: bool, run_task, lock) -> PushHandle:
+        """Submit step `version` (`run_task(op, event)`: one task's stage 1-3, the runner's
+        unless a caller wraps it); returns its handle (``PushHandle.wait`` finishes it)."""
+        import torch
+
+        self.runner.start(version, verify)
+        t0 = time.perf_counter()
+        ph = self.last_phases = {}
+        self.links.adopt_rejoins()  # before the begin stamps: a replaced worker is not written at all
+        ph["rejoin_check"] = time.perf_counter() - t0
+        keep = []  # CUDA events must outlive the engine's wait on them
+        ev = None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            ev = torch.cuda.Event()  # what the zero-copy writes wait for
+            ev.record(self.stream)
+            keep.append(ev)
+        state = {"barrier": None, "at": (0, -1)}  # (mesh group, task) reached: a failure drains from there
+        try:
+            self.runner.write_begin()
+            ph["begin_stamps"] = time.perf_counter() - t0
+            with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
+                self._groups(version, run_task, ev, state)
+        except Exception as e:
+            self.inplace.abandon()  # its in-place writes land before this push raises
+            own = f"{type(e).__name__}: {e}"
+            log.error("trainer rank %d: step %d failed while submitting: %s", self.rank, version, own)
+            self.failures.mark_live(
+                version, f"trainer rank {self.rank} gave up on step {version} half written: {own}", final=False
+            )
+            self._join_failed(e, own, state["barrier"], state["at"], version)
+            raise
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: record, no collectives
+            self.inplace.abandon()
+            log.warning("trainer rank %d: step %d stopped: %s", self.rank, version, type(e).__name__)
+            self.failures.mark_live(version, f"trainer rank {self.rank} stopped in step {version}: {type(e).__name__}")
+            raise
+        end_ev = None
+        if self.stream is not None:
+            end_ev = torch.cuda.Event()  # the end stamps wait for the side stream's work
+            end_ev.record(self.stream)
+            keep.append(end_ev)
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.last_submit_s = ph["submit"] = time.perf_counter() - t0
+        self.pending = PushHandle(self, lock, version, t0, state["barrier"], keep, end_ev)
+        return self.pending
+
+    def _groups(self, version, run_task, ev, state) -> None:
+        """Every mesh group's tasks in order, a barrier after each (`state`: the barrier
+        issued last and the (group, task) reached, for a failure's drain)."""
+        runner, inplace = self.runner, self.inplace
+        for gi, ops in enumerate(self.program.groups):
+            if state["barrier"] is not None:
+                state["barrier"].wait(self.timeout)
+            batch, held = [], 0  # zero-copy tasks, handed to the engine in one call; their bytes
+            for oi, op in enumerate(ops):
+                state["at"] = (gi, oi)
+                if inplace.queue_copy(op):  # small: one batched copy into the receivers
+                    continue
+                fast = runner.fast_task(op)
+                if fast is not None:
+                    batch.append(fast)
+                    held += op.nbytes
+                    if len(batch) >= FAST_BATCH or held >= FAST_BATCH_BYTES:
+                        runner.submit_fast(batch, ev)
+                        batch, held = [], 0
+                    continue
+                if batch:
+                    state["at"] = (gi, oi - 1)  # a failure here: task oi's collectives are still to drain
+                    runner.submit_fast(batch, ev)
+                    batch, held = [], 0
+                    state["at"] = (gi, oi)
+                run_task(op, ev)
+            if batch:
+                runner.submit_fast(batch, ev)
+            inplace.flush_copies()
+            # stage 4: the barrier overlaps this group's writes
+            state["at"] = (gi, len(ops))
+            state["barrier"] = control.Barrier(
+                self.group, f"the barrier after mesh group {gi} (trainer rank {self.rank}, step {version})"
+            )
+            state["at"] = (gi + 1, -1)
+
+    # ------------------------------------------------------------------ a failure inside the loop
+    def _join_failed(self, exc, own: str, barrier, at, version) -> None:
+        """This rank failed inside the task loop at task `at` = (mesh group, index): take part
+        in what the other ranks are in -- the collectives (full_tensor) of the remaining tasks,
+        run without writing, and the barriers of the remaining mesh groups -- then join the
+        failure flag, so that every rank raises this failure within its bounds instead of
+        hanging.  A failure of a collective itself (a rank died or hung) is raised as it is:
+        the group is broken.  (A failure raised from inside a task's full_tensor() leaves the
+        FSDP collectives one task out of step: the others fail at their collective timeout.)"""
+        broken = isinstance(exc, control.CollectiveError) or is_gloo_failure(exc)
+        if broken and self.group is not None and self.world > 1:
+            gone = self.failures.mark_other_rank_gone(version, exc)
+            self._abort()
+            msg = f"wxfer: trainer rank {self.rank}, step {version}: {gone}: {own}"
+            raise control.CollectiveError(msg) from exc
+        if self.group is None or self.world == 1:
+            self._abort()
+            return
+        groups = self.program.groups
+        gi, oi = at
+        try:
+            for g in range(gi, len(groups)):
+                if g > gi and barrier is not None:
+                    barrier.wait(self.timeout)
+                start = oi + 1 if g == gi else 0
+                if g == gi and oi >= len(groups[g]):
+                    continue  # this group's barrier was issued already
+                self._drain(groups[g][start:])
+                barrier = control.Barrier(
+                    self.group,
+                    f"the barrier after mesh group {g} (trainer rank {self.rank}, step {version}, after its failure)",
+                )
+            self._abort()
+            if barrier is not None:
+                barrier.wait(self.timeout)
+            others = self.failures.elsewhere(own, version)
+        except Exception as e2:  # noqa: BLE001 -- the others are gone too: report ours
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}, step {version}: {own}\n(and telling the "
+                f"other trainer ranks failed: {e2})"
+            ) from exc
+        if others:
+            raise RuntimeError(
+                f"wxfer: trainer rank {self.rank}, step {version}: {own}"
+                + "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
+            ) from exc
+
+    def _drain(self, ops) -> None:
+        """The collectives of `ops` (stage 1-2, nothing written), for the other ranks' sake."""
+        import torch
+
+        for op in ops:
+            try:
+                with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
+                    # the same collectives as run_task's (one all-gather per task and group)
+                    prep = op.prep if op.prep is not None else prepare.task_prep(op, self.device)
+                    op.prep = prep
+                    prepare.run(prep, op, self.device)
+            except Exception:  # noqa: BLE001 -- this step is failed already
+                pass
+
+    def _abort(self) -> None:
+        try:
+            self.engine.wait(timeout=self.write_timeout)
+        except Exception:  # noqa: BLE001
+            self.engine.clear_error()
+
+    # ------------------------------------------------------------------ finish
+    def finish(self, h: PushHandle, timeout) -> float:
+        """Wait for step `h`, join the other ranks (barrier, failure flag); raise when any
+        rank's step failed; returns its seconds."""
+        exc = None
+        try:
+            own = self._finish_writes(h, timeout)
+        except Exception as e:  # noqa: BLE001 -- joined with the other ranks below, then raised
+            self.inplace.abandon()
+            exc, own = e, f"{type(e).__name__}: {e}"
+            log.error("trainer rank %d: step %d failed waiting for its writes: %s", self.rank, h.version, own)
+            why = f"trainer rank {self.rank} gave up on step {h.version}: {own}"
+            self.failures.mark_live(h.version, why, final=False)
+        if h._barrier is not None:
+            try:
+                h._barrier.wait(self.timeout)
+            except Exception as e:
+                gone = self.failures.mark_other_rank_gone(h.version, e)
+                raise control.CollectiveError(f"{gone}: {e}" + and_own(own)) from exc
+        # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
+        others = self.failures.elsewhere(own, h.version)
+        if exc is not None and not others:
+            raise exc
+        if own is not None or others:
+            msg = f"wxfer: trainer rank {self.rank}, step {h.version}: " + (
+                own if own is not None else "this rank's writes all landed, but"
+            )
+            msg += "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
+            log.error("%s", msg)
+            raise RuntimeError(msg) from exc
+        seconds = self.last_phases["done"] = time.perf_counter() - h._t0
+        ph = self.last_phases
+        log.debug(
+            "push: trainer rank %d, step %d, %d bytes in %.6f s (submitted at %.6f s, writes landed at %.6f s)",
+            self.rank,
+            h.version,
+            self.program.bytes_per_step,
+            seconds,
+            ph.get("submit", float("nan")),
+            ph.get("writes", float("nan")),
+        )
+        h._keep.clear()
+        return seconds
+
+    def _finish_writes(self, h: PushHandle, timeout):
+        """Wait for this rank's data writes, write its end stamps, verify; returns this rank's
+        failure report (None: every receiver got every byte and its stamp)."""
+        t = self.write_timeout if timeout is None else timeout
+        # every task has its own deadline (write_timeout from its first write); a receiver
+        # that stops answering fails alone at that deadline, so wait a little longer here
+        t = 1.5 * t + 1.0
+        self.runner.write_end(h._end_event)
+        self.runner.wait_engine(t, "waiting for the weight writes and the end version stamps")
+        self.inplace.wait()  # the writes straight into the receivers (done: the end stamps waited for them)
+        self.last_phases["writes"] = time.perf_counter() - h._t0
+        failed = self.links.failed(self.engine, self.runner.describe)
+        for g in sorted(self.links.drop(failed)):
+            log.warning(
+                "trainer rank %d: step %d: inference worker gpu %d failed and is skipped from now on: %s",
+                self.rank,
+                h.version,
+                g,
+                failed[g],
+            )
+            self.failures.mark(
+                [g],
+                h.version,
+                f"trainer rank {self.rank} gave up on its writes of step {h.version} "
+                f"here and skips this worker from now on: {failed[g]}",
+            )
+        refused = self.links.take_refused()
+        if failed or refused:
+            self.runner.drop_sums()
+            return self._report(h.version, failed, refused)
+        self.runner.verify_landed(self.ctl, t)
+        return None
+
+    def _report(self, version, failed: dict, refused: dict) -> str:
+        """This rank's failure report: the workers whose writes failed, the restarts refused."""
+        parts = []
+        if failed:
+            parts.append(
+                f"the writes to {len(failed)} inference worker(s) failed; they are skipped from now "
+                "on (a restarted one is taken at the next push):\n  "
+                + "\n  ".join(f"{self.links.worker_name(g)}: {why}" for g, why in sorted(failed.items()))
+            )
+        if refused:
+            parts.append(
+                f"{len(refused)} restarted inference worker(s) refused (the one in place, if alive, "
+                "is still written):\n  "
+                + "\n  ".join(f"inference worker gpu {g}: {why}" for g, why in sorted(refused.items()))
+            )
+        ok = sorted(set(self.links.workers) - set(failed))
+        return (
+            "\n".join(parts) + f"\nthe other workers ({ok}) received every byte of step {version} and its version stamp"
+        )
+
+
+def _nullcontext():
+    return contextlib.nullcontext()
