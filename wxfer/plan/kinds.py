@@ -5,8 +5,8 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
   zero_copy        the rank writes the parameter's own memory (wxfer.runtime.prepare: one
                    source held whole on this rank, every shard whole rows of it in its own
                    dtype, on the device): no gather, no pack, no buffer, no watermark; the
-                   Sender prepares it once (Engine.prepare) and submits it in batches of
-                   ``ZERO_COPY_BATCH`` (Engine.submit_prepared); host cost per task and per batch
+                   Sender prepares it once (Engine.prepare) and submits it in batches
+                   (Engine.submit_prepared, wxfer.zerocopy.batch_ends); host cost per task and per batch
   staged           the bytes are written from fresh memory without packing: a gathered source
                    whose one shard is all of it, or an offloaded zero-copy-shaped source after
                    its H2D copy; held under the watermark, no pack kernel
@@ -34,12 +34,9 @@ what it decided (``Sender.task_kinds()``), which takes precedence.  Pure Python.
 
 from __future__ import annotations
 
+from ..zerocopy import COPY_MAX
+
 KINDS = ("zero_copy", "staged", "packed", "direct", "collective_only", "copy")
-ZERO_COPY_BATCH = 32  # = wxfer.runtime.sender.FAST_BATCH (a test holds them equal)
-ZERO_COPY_BATCH_BYTES = 256 << 20  # = wxfer.runtime.sender.FAST_BATCH_BYTES
-COPY_MAX = 32 << 20  # = wxfer.runtime.direct.copy_max()'s default (no Sender copy_max, $WXFER_DIRECT_COPY_MAX unset)
-COPY_BATCH = 128  # = wxfer.runtime.direct.COPY_BATCH: queued ranges per batched copy launch
-COPY_BATCH_BYTES = 256 << 20  # = wxfer.runtime.direct.COPY_BATCH_BYTES: or fewer, once their bytes reach this
 
 
 def _shape_dtype(p):
@@ -143,37 +140,3 @@ def task_kinds(plan, params=None, cpu_offload: bool = False, direct: bool = Fals
         t.id: task_kind(t, len(plan.meshes[t.mesh]), params, cpu_offload, direct, nb[t.id], copy_max)
         for t in plan.tasks
     }
-
-
-def batch_ends(kinds: list, size: int = ZERO_COPY_BATCH, nbytes=None, max_bytes: int = ZERO_COPY_BATCH_BYTES) -> dict:
-    """The Sender's zero-copy batches over one mesh group's tasks in order (``kinds``: the
-    kind of each): {index of the task after whose host work the batch is handed to the engine:
-    (its zero-copy tasks, index of its last one)}.  A batch is handed over at its `size`-th
-    zero-copy task, once its tasks' bytes (``nbytes``: each task's, None: not counted) reach
-    `max_bytes`, before a task of another kind, or at the group's end; copy tasks do not cut
-    it (the Sender queues their copies and goes on), so it can be handed over after some."""
-    out: dict = {}
-    n = last = 0
-    b = 0.0
-    size = max(1, int(size))
-    for i, k in enumerate(list(kinds) + [None]):
-        if k == "copy":
-            continue
-        if k == "zero_copy":
-            n, last = n + 1, i
-            b += float(nbytes[i]) if nbytes is not None else 0.0
-            if n == size or (nbytes is not None and b >= max_bytes):
-                out[i], n, b = (n, i), 0, 0.0
-        elif n:
-            out[i - 1], n, b = (n, last), 0, 0.0  # before task i (or the group's end)
-    return out
-
-
-def batches(kinds: list, size: int = ZERO_COPY_BATCH, nbytes=None) -> list:
-    """batch_ends as [(first, count)]: the index of each batch's first task and its zero-copy
-    tasks (consecutive unless copy tasks lie between them)."""
-    out = []
-    for _, (n, last) in sorted(batch_ends(kinds, size, nbytes).items()):
-        zs = [j for j in range(last + 1) if kinds[j] == "zero_copy"]
-        out.append((zs[-n], n))
-    return out

@@ -44,12 +44,9 @@ from .rejoin import RejoinMixin
 from .tasks import STAMP_TAG, TaskMixin
 from .receiver import _unb64, decode_param_descriptor, gpu_memory_options, transport_choice
 from .verify import verify_enabled
+from ..zerocopy import Batcher
 
 log = logging.getLogger(__name__)
-
-
-FAST_BATCH = 32  # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
-FAST_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (a large write is not held back)
 
 
 def task_bound(watermark: int) -> int:
@@ -541,27 +538,24 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                 for gi, ops in enumerate(self.program.groups):
                     if barrier is not None:
                         barrier.wait(self.timeout)
-                    batch, held = [], 0  # zero-copy tasks, handed to the engine in one call; their bytes
+                    batch = Batcher()  # zero-copy tasks, handed to the engine in one call (wxfer.zerocopy)
                     for oi, op in enumerate(ops):
                         at = (gi, oi)
                         if self._direct_copy(op):  # small: one batched copy into the receivers
                             continue
                         fast = self._fast_task(op)
                         if fast is not None:
-                            batch.append(fast)
-                            held += op.nbytes
-                            if len(batch) >= FAST_BATCH or held >= FAST_BATCH_BYTES:
-                                self._submit_fast(batch, ev)
-                                batch, held = [], 0
+                            full = batch.add(fast, op.nbytes)
+                            if full is not None:
+                                self._submit_fast(full, ev)
                             continue
-                        if batch:
+                        if len(batch):
                             at = (gi, oi - 1)  # a failure here: task oi's collectives are still to drain
-                            self._submit_fast(batch, ev)
-                            batch, held = [], 0
+                            self._submit_fast(batch.take(), ev)
                             at = (gi, oi)
                         self._run_task(op, ev)
-                    if batch:
-                        self._submit_fast(batch, ev)
+                    if len(batch):
+                        self._submit_fast(batch.take(), ev)
                     self._direct_copy_flush()
                     # stage 4: the barrier overlaps this group's writes
                     at = (gi, len(ops))
