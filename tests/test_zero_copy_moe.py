@@ -18,6 +18,7 @@ from wxfer.mapping import Layout, Piece, Shard, expand, pack_shard, pack_task
 from wxfer.models import TINY_MOE, inference_params, preset_for, train_model
 from wxfer.runtime import prepare, program
 from wxfer.testing import joined, receivers_in_threads
+from wxfer.zerocopy import merged_rows
 
 FABRIC = _wxfer.backends()["fabric"][0]
 T = 30.0
@@ -70,7 +71,7 @@ def test_plan_cuts_a_layers_experts_at_their_sources_when_each_is_one_range(tp, 
             assert len(t.shards) == tp
             per = (2 if t.sources[0].endswith(GU) else 1) * E // (tp if ep else 1)
             assert all(sh.kind == "raw" and len(sh.pieces) == per for sh in t.shards)
-            assert all(len(prepare._merge_rows(sh.pieces)) == 1 for sh in t.shards)
+            assert all(len(merged_rows(sh.pieces)) == 1 for sh in t.shards)
     else:  # TP without EP (w2 sliced by columns), FP8: the layer's experts are packed with the layer
         assert len(ex) == L and all({GU, DN} <= {s.split(".", 3)[-1] for s in t.sources} for t in ex)
     g = torch.Generator().manual_seed(3)

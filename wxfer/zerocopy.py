@@ -19,6 +19,7 @@ and the model of it (``batch_ends``: wxfer.plan.sim_stages, wxfer.runtime.hostfi
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 ZERO_COPY_BATCH = 32  # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
@@ -26,6 +27,92 @@ ZERO_COPY_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (
 COPY_MAX = 32 << 20  # zero-copy tasks of fewer bytes are copied by kernels (wxfer.runtime.direct.copy_max)
 COPY_BATCH = 128  # copied tasks' ranges per batched copy launch (wxfer.runtime.copies)
 COPY_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (the GPU starts on them)
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def merged_rows(pieces: Sequence) -> tuple:
+    """The pieces with each run of consecutive row ranges of one source (same columns) merged
+    into one piece: the same bytes (row-major slices concatenated in order) -- 128 experts of
+    a fused gate_up_proj [E, 2I, H] are 256 pieces of rows of one [E x 2I, H] matrix."""
+    out: list = []
+    for pc in pieces:
+        if out:
+            last = out[-1]
+            if last.src == pc.src and last.r1 == pc.r0 and (last.c0, last.c1) == (pc.c0, pc.c1):
+                out[-1] = last._replace(r1=pc.r1)
+                continue
+        out.append(pc)
+    return tuple(out)
+
+
+def whole_rows(pc, shape: Sequence[int]) -> bool:
+    """Piece `pc` is whole rows of a source of `shape` (see the module's docstring), so its
+    bytes are one contiguous range of the source's row-major memory."""
+    return len(shape) < 2 or (pc.c0 == 0 and pc.c1 == shape[-1])
+
+
+def contiguous_range(shard, src: str, shape: Sequence[int], dtype: str):
+    """The one piece (its pieces merged) that `shard` is when it is one contiguous run of whole
+    rows of source `src` of `shape`, raw in the source's `dtype` (a name such as "bfloat16");
+    None otherwise."""
+    if shard.kind != "raw" or shard.dtype != dtype:
+        return None
+    run = merged_rows(shard.pieces)
+    if len(run) != 1 or run[0].src != src or not whole_rows(run[0], shape):
+        return None
+    return run[0]
+
+
+def zero_copy(shards: Sequence, src: str, shape: Sequence[int], dtype: str) -> bool:
+    """Every shard (at least one) is one contiguous range of source `src` in its own dtype: the
+    bytes can be written from the parameter's own memory."""
+    return bool(shards) and all(contiguous_range(sh, src, shape, dtype) is not None for sh in shards)
+
+
+def rows_of(shape: Sequence[int]) -> int:
+    """Rows of a source of `shape` seen as a matrix (a 1-D source: its elements)."""
+    rows = 1
+    for d in shape[:-1] if len(shape) >= 2 else shape:
+        rows *= d
+    return rows
+
+
+def all_of_it(shards: Sequence, src: str, shape: Sequence[int], dtype: str) -> bool:
+    """One raw shard that is the whole source in its own dtype (its bytes are the source's)."""
+    if len(shards) != 1:
+        return False
+    pc = contiguous_range(shards[0], src, shape, dtype)
+    return pc is not None and pc.r0 == 0 and pc.r1 == rows_of(shape)
+
+
+def zero_copy_dests(shards: Sequence, dests: Sequence, src: str, shape: Sequence[int], dtype: str, itemsize: int):
+    """The task's destinations ``(region, dst offset, src offset, bytes)`` with their source
+    offsets turned from the packed buffer's into the source's own bytes, when every shard is
+    one contiguous range of `src` (a contiguous tensor of `shape`, `dtype`, `itemsize` bytes an
+    element) whose bytes match the shard's size and lie inside the source; None otherwise (the
+    task is packed).  The packed buffer holds the shards back to back in order."""
+    if not shards:
+        return None
+    row = itemsize * ((shape[-1] if len(shape) >= 2 else 0) or 1)
+    total = math.prod(shape) * itemsize
+    starts, pos = [], 0
+    for sh in shards:
+        pc = contiguous_range(sh, src, shape, dtype)
+        if pc is None or pc.rows * row != sh.nbytes or pc.r0 < 0 or pc.r1 * row > total:
+            return None
+        starts.append((pos, pos + sh.nbytes, pc.r0 * row))
+        pos += sh.nbytes
+    out = []
+    for rdesc, doff, soff, n in dests:
+        for a, b, base in starts:
+            if a <= soff and soff + n <= b:
+                out.append((rdesc, doff, base + soff - a, n))
+                break
+        else:
+            return None
+    return out
 
 
 # --------------------------------------------------------------------------- the batching

@@ -27,14 +27,14 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
                    watermark; the push's first launch of them waits for the begin stamps
 
 ``task_kinds(plan, params)`` decides from the plan and the trainers' parameter metadata
-(shape and dtype per name) what the runtime decides per task on each rank (the same rules
-as ``wxfer.runtime.prepare.task_prep`` and ``_direct_dests``); a ``wxfer.Sender`` reports
+(shape and dtype per name) what the runtime decides per task on each rank (the same rule,
+wxfer.zerocopy, as ``wxfer.runtime.prepare.task_prep``); a ``wxfer.Sender`` reports
 what it decided (``Sender.task_kinds()``), which takes precedence.  Pure Python.
 """
 
 from __future__ import annotations
 
-from ..zerocopy import COPY_MAX
+from ..zerocopy import COPY_MAX, all_of_it, zero_copy
 
 KINDS = ("zero_copy", "staged", "packed", "direct", "collective_only", "copy")
 
@@ -45,45 +45,6 @@ def _shape_dtype(p):
     if isinstance(p, (tuple, list)):
         return tuple(p[0]), str(p[1])
     return tuple(p.shape), str(p.dtype).replace("torch.", "")
-
-
-def _run(pieces) -> list:
-    """The pieces with runs of consecutive row ranges of one source (same columns) merged
-    (as wxfer.runtime.prepare._merge_rows)."""
-    out: list = []
-    for pc in pieces:
-        if out and out[-1].src == pc.src and out[-1].r1 == pc.r0 and (out[-1].c0, out[-1].c1) == (pc.c0, pc.c1):
-            out[-1] = out[-1]._replace(r1=pc.r1)
-        else:
-            out.append(pc)
-    return out
-
-
-def _whole_rows(shards, shape, dtype) -> bool:
-    """Every shard one contiguous run of whole rows of the source seen as [prod(shape[:-1]),
-    shape[-1]] (any dimensionality: transformers 5's fused 3-D experts too), in the source's
-    dtype (wxfer.runtime.prepare._direct_dests)."""
-    if not shards:
-        return False
-    cols = shape[-1] if len(shape) >= 2 else 0
-    for sh in shards:
-        if sh.kind != "raw" or sh.dtype != dtype:
-            return False
-        run = _run(sh.pieces)
-        if len(run) != 1 or (cols and (run[0].c0 != 0 or run[0].c1 != cols)):
-            return False
-    return True
-
-
-def _all_of_it(shards, shape, dtype) -> bool:
-    """One raw shard that is the whole source in its own dtype (prepare._whole)."""
-    if len(shards) != 1 or not _whole_rows(shards, shape, dtype):
-        return False
-    pc = _run(shards[0].pieces)[0]
-    rows = 1
-    for d in shape[:-1] if len(shape) >= 2 else shape:  # 1-D: its elements are the rows
-        rows *= d
-    return pc.r0 == 0 and pc.r1 == rows
 
 
 def task_kind(
@@ -105,13 +66,14 @@ def task_kind(
     other = "direct" if direct else "packed"
     if params is None or len(task.sources) != 1 or task.sources[0] not in params:
         return other
-    shape, dtype = _shape_dtype(params[task.sources[0]])
-    if mesh_size == 1 and _whole_rows(task.shards, shape, dtype):
+    src = task.sources[0]
+    shape, dtype = _shape_dtype(params[src])
+    if mesh_size == 1 and zero_copy(task.shards, src, shape, dtype):
         if cpu_offload:
             return "staged"
         small = nbytes is not None and (copy_max < 0 or nbytes < copy_max)
         return "copy" if direct and small else "zero_copy"
-    if _all_of_it(task.shards, shape, dtype):
+    if all_of_it(task.shards, src, shape, dtype):
         return other if direct else "staged"
     return other
 

@@ -7,6 +7,7 @@ turns a ``TaskOp`` into the bytes the engine writes.
 
 from __future__ import annotations
 
+from ..zerocopy import merged_rows, zero_copy_dests
 from .program import TaskOp
 
 # --------------------------------------------------------------------------- stages 1 and 2
@@ -139,12 +140,12 @@ def pack_shard_into(sh, fulls: dict, out, off: int) -> int:
 
 def _place(shards, off: int = 0) -> tuple:
     """Where the shards go from byte `off` on: (raw [(shard, offset, its pieces merged by
-    _merge_rows)], fp8_pieces {piece: ([fp8 offsets], [scale offsets])}, the end offset)."""
+    merged_rows)], fp8_pieces {piece: ([fp8 offsets], [scale offsets])}, the end offset)."""
     raw, fp8_pieces = [], {}
     for sh in shards:
         start = off
         if sh.kind == "raw":
-            raw.append((sh, off, _merge_rows(sh.pieces)))
+            raw.append((sh, off, merged_rows(sh.pieces)))
             off += sh.nbytes
             continue
         for pc in sh.pieces:
@@ -199,22 +200,6 @@ def copy_piece(out, off: int, t, dt) -> int:
         else:  # unaligned: cast first, then copy the bytes
             dst.copy_(t.to(dt).contiguous().view(-1).view(torch.uint8))
     return nb
-
-
-def _merge_rows(pieces) -> tuple:
-    """Pieces with runs of consecutive row ranges of one source (same columns) merged into one
-    piece: the same bytes (row-major slices concatenated in order), one copy instead of one
-    per piece -- 128 experts of a transformers 5 fused gate_up_proj [E, 2I, H] are 256 pieces
-    of rows of one [E x 2I, H] matrix, written as one."""
-    out: list = []
-    for pc in pieces:
-        if out:
-            last = out[-1]
-            if last.src == pc.src and last.r1 == pc.r0 and (last.c0, last.c1) == (pc.c0, pc.c1):
-                out[-1] = last._replace(r1=pc.r1)
-                continue
-        out.append(pc)
-    return tuple(out)
 
 
 def _jobs(fulls: dict, fp8_pieces: dict) -> list:
@@ -419,39 +404,13 @@ def kind_of(prep: TaskPrep, op: TaskOp, direct: bool = False) -> str:
 
 def _direct_dests(op: TaskOp, p):
     """The task's destinations with source offsets into the parameter's own bytes when every
-    packed shard is one contiguous byte range of it in its dtype: raw pieces of whole rows
-    of the parameter seen as [prod(shape[:-1]), shape[-1]] (any dimensionality: the fused
-    3-D experts of transformers 5 too), runs of consecutive rows merged (_merge_rows) into
-    one.  None otherwise (the task is packed)."""
+    packed shard is one contiguous byte range of it in its dtype (wxfer.zerocopy: the rule and
+    the offsets); None otherwise (the task is packed)."""
     local = _local(p)
-    name = op.sources[0][0]
-    if not local.is_contiguous() or str(local.dtype) != "torch." + op.shards[0].dtype:
+    if not local.is_contiguous():
         return None
-    cols = local.shape[-1] if local.dim() >= 2 else 0
-    row = local.element_size() * (cols or 1)
-    starts, pos = [], 0
-    for sh in op.shards:
-        if sh.kind != "raw" or "torch." + sh.dtype != str(local.dtype):
-            return None
-        run = _merge_rows(sh.pieces)
-        if len(run) != 1:
-            return None
-        pc = run[0]
-        if pc.src != name or (cols and (pc.c0 != 0 or pc.c1 != cols)) or pc.rows * row != sh.nbytes:
-            return None
-        if pc.r0 < 0 or pc.r1 * row > local.numel() * local.element_size():
-            return None
-        starts.append((pos, pos + sh.nbytes, pc.r0 * row))
-        pos += sh.nbytes
-    out = []
-    for rdesc, doff, soff, n in op.dests:
-        for a, b, base in starts:
-            if a <= soff and soff + n <= b:
-                out.append((rdesc, doff, base + soff - a, n))
-                break
-        else:
-            return None
-    return out
+    dtype = str(local.dtype).removeprefix("torch.")
+    return zero_copy_dests(op.shards, op.dests, op.sources[0][0], tuple(local.shape), dtype, local.element_size())
 
 
 def zero_copy_task(op: TaskOp, device, transport, engine):
