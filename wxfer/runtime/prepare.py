@@ -16,11 +16,19 @@ from .program import TaskOp
 # --------------------------------------------------------------------------- stages 1 and 2
 
 
+def dtensor_local(p):
+    """DTensor `p`'s local shard: the very tensor it holds, read as ``p._local_tensor`` (the one
+    place wxfer reads it).  Not ``p.to_local()``: for a DTensor that is an nn.Parameter (FSDP2's
+    parameters) torch 2.13's returns a new view at every call even under no_grad (with grad
+    enabled, a view with an autograd node), where these callers need that same object
+    (full_tensor tests identity) and no allocation per call (zero_copy_task checks it per task
+    per push)."""
+    return p._local_tensor
+
+
 def local_to_device(p, device):
     """Stage 1: this rank's shard of `p` on `device` (an H2D copy when it was offloaded)."""
-    from torch.distributed.tensor import DTensor
-
-    local = p._local_tensor if isinstance(p, DTensor) else p.detach()
+    local = _local(p)
     if local.device != device:
         local = local.to(device, non_blocking=True)
     return local
@@ -40,7 +48,7 @@ def full_tensor(p, local):
     g = _gather_spec(p)
     if g is not None and tuple(local.shape) == g[3]:
         return _gather_rows(local, g)
-    if local is p._local_tensor:
+    if local is dtensor_local(p):
         return p.full_tensor()  # not offloaded: the parameter itself
     d = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     return d.full_tensor()
@@ -335,14 +343,14 @@ def _is_whole(p) -> bool:
     if not isinstance(p, DTensor):
         return True
     if p.device_mesh.size() == 1 or all(type(pl) is Replicate for pl in p.placements):
-        return tuple(p._local_tensor.shape) == tuple(p.shape)
+        return tuple(dtensor_local(p).shape) == tuple(p.shape)
     return False
 
 
 def _local(p):
     from torch.distributed.tensor import DTensor
 
-    return p._local_tensor if isinstance(p, DTensor) else p.detach()
+    return dtensor_local(p) if isinstance(p, DTensor) else p.detach()
 
 
 def task_prep(op: TaskOp, device) -> TaskPrep:
@@ -442,7 +450,7 @@ def zero_copy_task(op: TaskOp, device, transport, engine):
     prep = op.prep
     fast = prep.fast
     if fast is not None:
-        local = fast.param._local_tensor if fast.dtensor else fast.param
+        local = dtensor_local(fast.param) if fast.dtensor else fast.param
         if local.data_ptr() == fast.data_ptr and local.numel() == fast.numel:
             return fast.task
         prep = op.prep = task_prep(op, device)  # the memory moved: decide again
@@ -453,7 +461,7 @@ def zero_copy_task(op: TaskOp, device, transport, engine):
 
     p = prep.whole[0][1]
     is_dt = isinstance(p, DTensor)
-    local = p._local_tensor if is_dt else p
+    local = dtensor_local(p) if is_dt else p
     region = transport.register(local.detach().reshape(-1).view(torch.uint8), export=False)
     prep.fast = ZeroCopyTask(engine.prepare(region, prep.dests, tag=op.task), p, is_dt, local.data_ptr(), local.numel())
     return prep.fast.task
