@@ -48,18 +48,14 @@ def _sizes(model: str) -> list:
 
 
 def _batches(sizes: list) -> list:
-    """The sizes cut as the push cuts its queued copies (direct.COPY_BATCH / COPY_BATCH_BYTES)."""
-    from wxfer.runtime.inplace import COPY_BATCH, COPY_BATCH_BYTES
+    """The sizes cut as the push cuts its queued copies (wxfer.zerocopy: COPY_BATCH ranges or
+    COPY_BATCH_BYTES), one range each."""
+    from wxfer.zerocopy import COPY_BATCH, COPY_BATCH_BYTES, Batcher
 
-    out, cur, b = [], [], 0
-    for n in sizes:
-        cur.append(n)
-        b += n
-        if len(cur) >= COPY_BATCH or b >= COPY_BATCH_BYTES:
-            out.append(cur)
-            cur, b = [], 0
-    if cur:
-        out.append(cur)
+    b = Batcher(COPY_BATCH, COPY_BATCH_BYTES)
+    out = [full for full in (b.add(n, n) for n in sizes) if full is not None]
+    if len(b):
+        out.append(b.take())
     return out
 
 

@@ -25,8 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_cuda_ipc import machine, receiver, run_job  # noqa: E402
+from wxfer.zerocopy import ZERO_COPY_BATCH  # noqa: E402
 
-BATCH = 32  # = wxfer.runtime.sender.FAST_BATCH
+BATCH = ZERO_COPY_BATCH  # tasks per submit_prepared call, as the Sender's
 
 
 def task_sizes(model: str, quant: str | None) -> list:

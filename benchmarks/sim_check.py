@@ -181,7 +181,8 @@ def predict_row(res: dict, cal, placement: str | None = None) -> dict | None:
     the calibration describes; nothing read from the row's trace, timings or fit.  The row's
     measured median is printed beside it.  None: the row has no wxfer push."""
     from wxfer.plan.calibrate import run
-    from wxfer.plan.kinds import COPY_MAX, task_kinds
+    from wxfer.plan.kinds import task_kinds
+    from wxfer.zerocopy import COPY_MAX
 
     import bench_baselines as bb
 
@@ -230,7 +231,8 @@ def check_row(res: dict, trace_dir: str, kernels=None) -> dict | None:
 
     from wxfer.meta import Calibration
     from wxfer.plan.calibrate import from_dict, run
-    from wxfer.plan.kinds import COPY_MAX, task_kinds
+    from wxfer.plan.kinds import task_kinds
+    from wxfer.zerocopy import COPY_MAX
 
     import bench_baselines as bb
 

@@ -46,7 +46,7 @@ def test_colocated_probes_measure_every_host_column(emulated):
     import torch
     import torch.distributed as dist
 
-    from wxfer.plan.kinds import ZERO_COPY_BATCH
+    from wxfer.zerocopy import ZERO_COPY_BATCH
     from wxfer.runtime import control, hostfit
     from wxfer.tools.calibrate_host import designs_for, probe
 

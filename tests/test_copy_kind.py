@@ -12,9 +12,10 @@ import pytest
 from one_trainer import one_trainer_plan  # tests/one_trainer.py
 
 from wxfer.meta import Calibration, Cluster, synthesize
-from wxfer.plan.kinds import COPY_BATCH, COPY_BATCH_BYTES, task_kinds
+from wxfer.plan.kinds import task_kinds
 from wxfer.plan.simulate import simulate
 from wxfer.runtime.hostfit import STAMP_TAG, fit
+from wxfer.zerocopy import COPY_BATCH, COPY_BATCH_BYTES
 
 FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5, pcie_GBps=1e4)
 ZERO = dict(host_param_s=0.0, host_zc_task_s=0.0, pack_launch_s=0.0, launch_per_piece=False)
@@ -164,13 +165,14 @@ def test_copy_tasks_without_records_are_fitted_from_the_gaps():
         fit(pushes, order, kz, info, batch=3)  # read as engine zero copy, a batch's last task has no record
 
 
-def test_the_plans_copy_figures_are_the_runtimes(monkeypatch):
-    from wxfer.plan.kinds import COPY_MAX
+def test_copy_max_defaults_to_the_plans_bound(monkeypatch):
     from wxfer.runtime import inplace as direct
+    from wxfer.zerocopy import COPY_MAX
 
     monkeypatch.delenv("WXFER_DIRECT_COPY_MAX", raising=False)
-    assert direct.copy_max() == COPY_MAX and direct.COPY_BATCH == COPY_BATCH
-    assert direct.COPY_BATCH_BYTES == COPY_BATCH_BYTES
+    assert direct.copy_max() == COPY_MAX == 32 << 20
+    monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "  ")  # blank: the default too
+    assert direct.copy_max() == COPY_MAX
 
 
 def test_copy_max_values_and_the_plans_no_bound(monkeypatch):

@@ -49,6 +49,7 @@ from wxfer.mapping.reference import pack_task  # noqa: E402
 from wxfer.mapping.rules import Piece  # noqa: E402
 from wxfer.runtime import inplace as direct  # noqa: E402
 from wxfer.testing import shard as _shard  # noqa: E402
+from wxfer.zerocopy import COPY_BATCH  # noqa: E402
 
 
 def _fulls():
@@ -356,8 +357,6 @@ def test_small_zero_copy_tasks_are_copied_in_batches_and_large_ones_by_the_engin
     """Zero-copy tasks of fewer bytes than WXFER_DIRECT_COPY_MAX go out as batched copies
     straight into the receivers' memory (torch._foreach_copy_), the others as engine writes;
     both give the mapping's reference bytes, step after step; 0 turns the copies off."""
-    from wxfer.runtime import inplace as direct_mod
-
     _, addr = store
     tp, name = 1, "dircopy"
     model = _model().to(torch.bfloat16)  # BF16 into BF16 at TP1: every task is zero copy
@@ -383,7 +382,7 @@ def test_small_zero_copy_tasks_are_copied_in_batches_and_large_ones_by_the_engin
         assert s.engine.stats()["bytes_written"] - moved == engine_bytes + 2 * 8  # + the stamps
         d = s.stats()["direct"]
         assert d["copies"] == len(small) and d["staged"] == 0, d
-    assert calls and sum(calls) == 2 * len(small) and max(calls) <= direct_mod.COPY_BATCH
+    assert calls and sum(calls) == 2 * len(small) and max(calls) <= COPY_BATCH
     # off: every task an engine write again (a fresh Sender reads the variable)
     _closed(s, recvs)
     monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "0")

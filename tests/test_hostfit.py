@@ -62,7 +62,7 @@ class _Engine:
 
 def _push(order, kinds, info, t0, c=COST, batch=32, watermark=12 << 20, write_GBps=10.0, call_s=3e-6):
     """(t0, t1, records) of one push as the runtime would trace it with costs `c`."""
-    from wxfer.plan.kinds import batches
+    from wxfer.zerocopy import batches
 
     ns = lambda s: int(round(s * 1e9))  # noqa: E731
     eng = _Engine(watermark, write_GBps, call_s)
@@ -116,7 +116,7 @@ def test_a_synthetic_trace_is_fitted_back():
         assert f[k] == pytest.approx(v, rel=0.05, abs=0.3e-6), k
     assert f["push_begin_s"] == pytest.approx(500e-6) and f["push_end_s"] == pytest.approx(450e-6)
     assert f["write_call_s"] == pytest.approx(3e-6, rel=0.05)
-    from wxfer.plan.kinds import batches
+    from wxfer.zerocopy import batches
 
     nb = sum(len(batches([kinds[t] for t in g])) for g in order)
     assert f["host_batches"] == 3 * nb

@@ -14,6 +14,7 @@ from wxfer.runtime import prepare
 from wxfer.mapping.reference import pack_task
 from wxfer.mapping.rules import Piece
 from wxfer.testing import shard as _shard
+from wxfer.zerocopy import merged_rows
 
 
 def _fulls():
@@ -227,7 +228,7 @@ def test_consecutive_raw_pieces_of_one_source_are_copied_as_one():
     ]
     nbytes = sum(p.rows * p.cols for p in pieces) * 2
     sh = Shard(dst="w", rank=0, offset=0, nbytes=nbytes, kind="raw", dtype="bfloat16", pieces=tuple(pieces))
-    merged = prepare._merge_rows(sh.pieces)
+    merged = merged_rows(sh.pieces)
     assert merged[0] == Piece("gu", 0, E * 2 * inter, 0, hidden)  # 8 pieces -> 1
     assert len(merged) == 1 + 3 + 1  # o[0:2], o[4:7], o[2:4] stay apart; the two column slices merge
     fulls = {"gu": gu, "o": other}

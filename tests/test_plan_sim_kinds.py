@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from one_trainer import one_trainer_plan  # tests/one_trainer.py
 
-from wxfer.plan.kinds import batches
+from wxfer.zerocopy import batches
 from wxfer.plan.simulate import simulate
 
 FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5, pcie_GBps=1e4, write_GBps=1e5)
@@ -30,7 +30,7 @@ def test_zero_copy_tasks_cost_host_time_per_task_and_per_batch():
     sched = [t for t, _ in plan.rank_schedule(0)[0]]
     size = np.bincount(plan.task, plan.nbytes, len(plan.tasks))  # one receiver: a task's bytes
     bs = batches([kinds[t] for t in sched], nbytes=[size[t] for t in sched])
-    # cut at 32 tasks or 256 MiB (wxfer.runtime.sender.FAST_BATCH / FAST_BATCH_BYTES): more than by count
+    # cut at 32 tasks or 256 MiB (wxfer.zerocopy.ZERO_COPY_BATCH / ZERO_COPY_BATCH_BYTES): more than by count
     assert len(bs) > len(batches([kinds[t] for t in sched])) == 13  # 12 x 32 + 15
     host = 399 * 1e-4 + len(bs) * 1e-3
     assert r.stage_busy_s["host"] == pytest.approx(host)

@@ -127,7 +127,7 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
     assert _landed(model, params[0], 0) and _landed(model, params[1], 1)
     assert all(op.prep.fast is not None for op in ops)
     assert all(op.prep.fast is None for op in every if not op.prep.zero_copy)
-    first = {op.task: op.prep.fast[0] for op in ops}
+    first = {op.task: op.prep.fast.task for op in ops}
 
     # in place: the same prepared tasks, the new bytes
     with torch.no_grad():
@@ -136,14 +136,14 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
     sender.push()
     assert sender.version == 2
     assert _landed(model, params[0], 0) and _landed(model, params[1], 1)
-    assert all(op.prep.fast[0] is first[op.task] for op in ops)
+    assert all(op.prep.fast.task is first[op.task] for op in ops)
 
     # a parameter given new memory: its task's source is registered again
     w = model.model.norm.weight
     w.data = w.data.clone() * 3
     sender.push(verify=True)
     assert _landed(model, params[0], 0) and _landed(model, params[1], 1)
-    moved = [op for op in ops if op.prep.fast[0] is not first[op.task]]
+    moved = [op for op in ops if op.prep.fast.task is not first[op.task]]
     assert moved and all(op.sources[0][1] is w for op in moved)
     assert sender.last_verify is not None
 

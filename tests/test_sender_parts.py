@@ -16,7 +16,8 @@ from wxfer.runtime import control  # noqa: E402
 from wxfer.runtime.failures import FailureExchange  # noqa: E402
 from wxfer.runtime.inplace import InPlaceWriter, options  # noqa: E402
 from wxfer.runtime.links import Links  # noqa: E402
-from wxfer.runtime.steps import FAST_BATCH, StepLoop  # noqa: E402
+from wxfer.runtime.steps import StepLoop  # noqa: E402
+from wxfer.zerocopy import ZERO_COPY_BATCH as FAST_BATCH  # noqa: E402
 from wxfer.runtime.tasks import STAMP_TAG, TaskRunner  # noqa: E402
 
 CPU = torch.device("cpu")

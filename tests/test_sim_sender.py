@@ -16,7 +16,8 @@ T = 20.0
 
 @pytest.mark.timeout(120)
 def test_sender_kinds_match_the_plan_and_its_trace_fits(store):
-    from wxfer.plan.kinds import batches, task_kinds
+    from wxfer.plan.kinds import task_kinds
+    from wxfer.zerocopy import batches
     from wxfer.plan.calibrate import predict
     from wxfer.meta import Calibration
     from wxfer.runtime import program

@@ -18,6 +18,7 @@ from wxfer.mapping import Layout, Piece, Shard, expand, pack_shard, pack_task
 from wxfer.models import TINY_MOE, inference_params, preset_for, train_model
 from wxfer.runtime import prepare, program
 from wxfer.testing import joined, receivers_in_threads
+from wxfer.zerocopy import merged_rows
 
 FABRIC = _wxfer.backends()["fabric"][0]
 T = 30.0
@@ -70,7 +71,7 @@ def test_plan_cuts_a_layers_experts_at_their_sources_when_each_is_one_range(tp, 
             assert len(t.shards) == tp
             per = (2 if t.sources[0].endswith(GU) else 1) * E // (tp if ep else 1)
             assert all(sh.kind == "raw" and len(sh.pieces) == per for sh in t.shards)
-            assert all(len(prepare._merge_rows(sh.pieces)) == 1 for sh in t.shards)
+            assert all(len(merged_rows(sh.pieces)) == 1 for sh in t.shards)
     else:  # TP without EP (w2 sliced by columns), FP8: the layer's experts are packed with the layer
         assert len(ex) == L and all({GU, DN} <= {s.split(".", 3)[-1] for s in t.sources} for t in ex)
     g = torch.Generator().manual_seed(3)
@@ -191,19 +192,19 @@ def test_plain_tensor_push_of_fused_experts(store, tp, ep, quant):
     if not zc:
         assert all(op.prep.fast is None for op in ops)
     else:
-        first = {op.task: op.prep.fast[0] for op in ops}
-        assert all(op.prep.fast[0].nbytes == op.sources[0][1].numel() * 2 for op in ops)
+        first = {op.task: op.prep.fast.task for op in ops}
+        assert all(op.prep.fast.task.nbytes == op.sources[0][1].numel() * 2 for op in ops)
         with torch.no_grad():  # in place: the same prepared tasks, the new bytes
             for p in model.parameters():
                 p.mul_(-2.0)
         sender.push()
         assert _landed(weights, params, tp, quant, ep)
-        assert all(op.prep.fast[0] is first[op.task] for op in ops)
+        assert all(op.prep.fast.task is first[op.task] for op in ops)
         gu = model.model.layers[1].mlp.experts.gate_up_proj
         gu.data = gu.data.clone() + 1  # new memory: its task registers it again
         sender.push(verify=True)
         assert _landed(weights, params, tp, quant, ep) and sender.last_verify is not None
-        moved = [op for op in ops if op.prep.fast[0] is not first[op.task]]
+        moved = [op for op in ops if op.prep.fast.task is not first[op.task]]
         assert [op.sources[0][1] for op in moved] == [gu] and moved[0].prep.zero_copy
         # new memory that is not one range (the same values, stored transposed): packed now
         gu.data = (gu.data * 0.5).transpose(1, 2).contiguous().transpose(1, 2)
@@ -235,7 +236,7 @@ def _fsdp_trainer(addr, port, name, q_in, q_out):
         def state():
             ops = _expert_ops(sender)
             whole = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
-            fast = [op.prep.fast[0] if op.prep.fast else None for op in ops]
+            fast = [op.prep.fast.task if op.prep.fast else None for op in ops]
             return whole, [(op.sources[0][0], op.prep.zero_copy, op.prep.held) for op in ops], fast
 
         sender.push(version=1, verify=True)
@@ -358,7 +359,7 @@ def test_gpu_fused_experts_zero_copy_over_cuda_ipc(store):
         assert all(op.prep.fast is not None for op in ops) and s.last_verify is not None
         assert all(op.prep.zero_copy for g in s.program.groups for op in g if op.sends)
         assert extra < 1 << 20, extra  # every task zero copy: no packed buffer
-        first = {op.task: op.prep.fast[0] for op in ops}
+        first = {op.task: op.prep.fast.task for op in ops}
         gu = model.model.layers[0].mlp.experts.gate_up_proj
         gu.data = gu.data.clone() * 2
         q_in.put(1)
@@ -366,7 +367,7 @@ def test_gpu_fused_experts_zero_copy_over_cuda_ipc(store):
         got = q_out.get(timeout=T)
         assert not isinstance(got, str), got
         assert _landed({n: p.detach().cpu() for n, p in model.named_parameters()}, [got], 1)
-        assert [op.sources[0][1] for op in ops if op.prep.fast[0] is not first[op.task]] == [gu]
+        assert [op.sources[0][1] for op in ops if op.prep.fast.task is not first[op.task]] == [gu]
         s.close()
         q_in.put(1)
     finally:

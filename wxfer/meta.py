@@ -18,6 +18,7 @@ from typing import Iterable, Mapping
 
 from .mapping import Expanded, Layout, Preset, expand, from_config, get_preset
 from .mapping.rules import Sized
+from .zerocopy import ZERO_COPY_BATCH
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class Calibration:
     host_zc_task_s: float = 5e-6  # 2-core CPU VM (benchmarks/README.md, bench_push_host): 4.3-5.0 us
     #                                        per task of last_submit_s; per batch not separated there
     host_zc_batch_s: float = 0.0
-    zc_batch: float = 32  # tasks per submit_prepared call: wxfer.runtime.sender.FAST_BATCH
+    zc_batch: float = ZERO_COPY_BATCH  # tasks per submit_prepared call (the Sender's, wxfer.zerocopy)
     # host work of a direct task (wxfer.runtime.inplace: gather, the raw copies and one quantizer launch
     # issued straight into the receivers' memory; no reservation, no submission); None: a packed task's
     # (host_s).  Fitted per push on the Sender's trace (wxfer.runtime.hostfit); no default measured

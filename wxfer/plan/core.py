@@ -24,6 +24,7 @@ import numpy as np
 from ..mapping import Expanded, Layout, Preset, Shard, expand
 from ..mapping.rules import Component
 from ..meta import InferWorker, TrainParam
+from ..zerocopy import contiguous_range, whole_rows
 
 KINDS = ("raw", "fp8", "scale")
 
@@ -338,36 +339,16 @@ def _unit_of(sources: Sequence[str]) -> str | None:
     return units.pop() if len(units) == 1 else None
 
 
-def _whole_rows(pc, shape) -> bool:
-    """Piece `pc` is whole rows of a source of `shape` seen as the matrix
-    [prod(shape[:-1]), shape[-1]] (a 1-D source: its elements), so its bytes are one
-    contiguous range of the source's row-major memory."""
-    return len(shape) < 2 or (pc.c0 == 0 and pc.c1 == shape[-1])
-
-
-def _one_range(sh, src: str, params: Mapping[str, TrainParam]) -> bool:
-    """Raw shard `sh` is one contiguous byte range of training parameter `src` in its own
-    dtype: its pieces are whole rows of `src`, each run starting where the last one ended
-    (the rows of a fused [E, 2I, H] gate_up_proj addressed per expert and half)."""
-    p = params[src]
-    if sh.kind != "raw" or sh.dtype != p.dtype or not sh.pieces:
-        return False
-    prev = None
-    for pc in sh.pieces:
-        if pc.src != src or not _whole_rows(pc, p.shape) or (prev is not None and pc.r0 != prev.r1):
-            return False
-        prev = pc
-    return True
-
-
 def _direct(c, params: Mapping[str, TrainParam], opts) -> bool:
     """A component whose bytes can be written from the training parameter's own memory
     (zero copy): one source, produced by one rank alone, every shard one contiguous byte
-    range of it in its own dtype (_one_range; any dimensionality).  Such a component stays
-    a task of its own."""
+    range of it in its own dtype (wxfer.zerocopy.contiguous_range; any dimensionality).  Such a
+    component stays a task of its own."""
     if len(c.sources) != 1 or not opts or any(len(m) != 1 for m in opts):
         return False
-    return all(_one_range(sh, c.sources[0], params) for sh in c.shards)
+    src = c.sources[0]
+    p = params[src]
+    return all(contiguous_range(sh, src, p.shape, p.dtype) is not None for sh in c.shards)
 
 
 _ITEMSIZE = {
@@ -398,7 +379,7 @@ def _split_direct(c, params: Mapping[str, TrainParam], opts):
         for pc in sh.pieces:
             src = params[pc.src]
             size = _ITEMSIZE.get(src.dtype)
-            if sh.kind != "raw" or sh.dtype != src.dtype or size is None or not _whole_rows(pc, src.shape):
+            if sh.kind != "raw" or sh.dtype != src.dtype or size is None or not whole_rows(pc, src.shape):
                 return None
             nb = pc.numel() * size
             lst = cuts.setdefault(pc.src, [])

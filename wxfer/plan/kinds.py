@@ -5,8 +5,8 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
   zero_copy        the rank writes the parameter's own memory (wxfer.runtime.prepare: one
                    source held whole on this rank, every shard whole rows of it in its own
                    dtype, on the device): no gather, no pack, no buffer, no watermark; the
-                   Sender prepares it once (Engine.prepare) and submits it in batches of
-                   ``ZERO_COPY_BATCH`` (Engine.submit_prepared); host cost per task and per batch
+                   Sender prepares it once (Engine.prepare) and submits it in batches
+                   (Engine.submit_prepared, wxfer.zerocopy.batch_ends); host cost per task and per batch
   staged           the bytes are written from fresh memory without packing: a gathered source
                    whose one shard is all of it, or an offloaded zero-copy-shaped source after
                    its H2D copy; held under the watermark, no pack kernel
@@ -14,7 +14,7 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
                    a buffer admitted under the watermark before it is made; host cost per task,
                    per parameter and per piece, the kernel at a rate with a per-launch cost
   direct           a packed (or gathered) task whose kernel writes straight into the receivers'
-                   memory (wxfer.runtime.direct: cuda_ipc, receivers on the writer's GPU): no
+                   memory (wxfer.runtime.inplace: cuda_ipc, receivers on the writer's GPU): no
                    staging buffer, no engine write; the simulator charges its host cost per task
                    and its kernel (sources read + packed bytes written at the quantizer's or the
                    copy rate); the push's first one waits until the begin stamps landed
@@ -27,19 +27,16 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
                    watermark; the push's first launch of them waits for the begin stamps
 
 ``task_kinds(plan, params)`` decides from the plan and the trainers' parameter metadata
-(shape and dtype per name) what the runtime decides per task on each rank (the same rules
-as ``wxfer.runtime.prepare.task_prep`` and ``_direct_dests``); a ``wxfer.Sender`` reports
+(shape and dtype per name) what the runtime decides per task on each rank (the same rule,
+wxfer.zerocopy, as ``wxfer.runtime.prepare.task_prep``); a ``wxfer.Sender`` reports
 what it decided (``Sender.task_kinds()``), which takes precedence.  Pure Python.
 """
 
 from __future__ import annotations
 
+from ..zerocopy import COPY_MAX, all_of_it, zero_copy
+
 KINDS = ("zero_copy", "staged", "packed", "direct", "collective_only", "copy")
-ZERO_COPY_BATCH = 32  # = wxfer.runtime.sender.FAST_BATCH (a test holds them equal)
-ZERO_COPY_BATCH_BYTES = 256 << 20  # = wxfer.runtime.sender.FAST_BATCH_BYTES
-COPY_MAX = 32 << 20  # = wxfer.runtime.direct.copy_max()'s default (no Sender copy_max, $WXFER_DIRECT_COPY_MAX unset)
-COPY_BATCH = 128  # = wxfer.runtime.direct.COPY_BATCH: queued ranges per batched copy launch
-COPY_BATCH_BYTES = 256 << 20  # = wxfer.runtime.direct.COPY_BATCH_BYTES: or fewer, once their bytes reach this
 
 
 def _shape_dtype(p):
@@ -48,45 +45,6 @@ def _shape_dtype(p):
     if isinstance(p, (tuple, list)):
         return tuple(p[0]), str(p[1])
     return tuple(p.shape), str(p.dtype).replace("torch.", "")
-
-
-def _run(pieces) -> list:
-    """The pieces with runs of consecutive row ranges of one source (same columns) merged
-    (as wxfer.runtime.prepare._merge_rows)."""
-    out: list = []
-    for pc in pieces:
-        if out and out[-1].src == pc.src and out[-1].r1 == pc.r0 and (out[-1].c0, out[-1].c1) == (pc.c0, pc.c1):
-            out[-1] = out[-1]._replace(r1=pc.r1)
-        else:
-            out.append(pc)
-    return out
-
-
-def _whole_rows(shards, shape, dtype) -> bool:
-    """Every shard one contiguous run of whole rows of the source seen as [prod(shape[:-1]),
-    shape[-1]] (any dimensionality: transformers 5's fused 3-D experts too), in the source's
-    dtype (wxfer.runtime.prepare._direct_dests)."""
-    if not shards:
-        return False
-    cols = shape[-1] if len(shape) >= 2 else 0
-    for sh in shards:
-        if sh.kind != "raw" or sh.dtype != dtype:
-            return False
-        run = _run(sh.pieces)
-        if len(run) != 1 or (cols and (run[0].c0 != 0 or run[0].c1 != cols)):
-            return False
-    return True
-
-
-def _all_of_it(shards, shape, dtype) -> bool:
-    """One raw shard that is the whole source in its own dtype (prepare._whole)."""
-    if len(shards) != 1 or not _whole_rows(shards, shape, dtype):
-        return False
-    pc = _run(shards[0].pieces)[0]
-    rows = 1
-    for d in shape[:-1] if len(shape) >= 2 else shape:  # 1-D: its elements are the rows
-        rows *= d
-    return pc.r0 == 0 and pc.r1 == rows
 
 
 def task_kind(
@@ -104,17 +62,18 @@ def task_kind(
     (cuda_ipc, every receiver on the writer's GPU): a task that is not the parameter's own
     bytes (zero copy, or staged after its H2D) is direct, and a zero-copy task of fewer
     than `copy_max` bytes (`nbytes`: its packed bytes on the rank; None: not known, zero
-    copy; copy_max 0: none, -1: no bound, as the Sender's) is copy (wxfer.runtime.direct._direct_copy)."""
+    copy; copy_max 0: none, -1: no bound, as the Sender's) is copy (wxfer.runtime.inplace.InPlaceWriter.queue_copy)."""
     other = "direct" if direct else "packed"
     if params is None or len(task.sources) != 1 or task.sources[0] not in params:
         return other
-    shape, dtype = _shape_dtype(params[task.sources[0]])
-    if mesh_size == 1 and _whole_rows(task.shards, shape, dtype):
+    src = task.sources[0]
+    shape, dtype = _shape_dtype(params[src])
+    if mesh_size == 1 and zero_copy(task.shards, src, shape, dtype):
         if cpu_offload:
             return "staged"
         small = nbytes is not None and (copy_max < 0 or nbytes < copy_max)
         return "copy" if direct and small else "zero_copy"
-    if _all_of_it(task.shards, shape, dtype):
+    if all_of_it(task.shards, src, shape, dtype):
         return other if direct else "staged"
     return other
 
@@ -133,7 +92,7 @@ def task_kinds(plan, params=None, cpu_offload: bool = False, direct: bool = Fals
     (TrainParam objects, a {name: TrainParam} dict, or {name: (shape, dtype)}); None: every
     task packed (the simulator's model before the runtime had zero-copy tasks); direct and
     copy_max (the Sender's copy_max, ``stats()["direct"]["copy_max"]``; 0: no copies, -1: no
-    bound): see task_kind (the runtime's own tests, wxfer.runtime.direct.decompose and
+    bound): see task_kind (the runtime's own tests, wxfer.runtime.inplace.decompose and
     Transport.map, can still send a task the staging or the engine's way: a Sender's
     task_kinds() says what it did)."""
     if params is not None and not isinstance(params, dict):
@@ -143,37 +102,3 @@ def task_kinds(plan, params=None, cpu_offload: bool = False, direct: bool = Fals
         t.id: task_kind(t, len(plan.meshes[t.mesh]), params, cpu_offload, direct, nb[t.id], copy_max)
         for t in plan.tasks
     }
-
-
-def batch_ends(kinds: list, size: int = ZERO_COPY_BATCH, nbytes=None, max_bytes: int = ZERO_COPY_BATCH_BYTES) -> dict:
-    """The Sender's zero-copy batches over one mesh group's tasks in order (``kinds``: the
-    kind of each): {index of the task after whose host work the batch is handed to the engine:
-    (its zero-copy tasks, index of its last one)}.  A batch is handed over at its `size`-th
-    zero-copy task, once its tasks' bytes (``nbytes``: each task's, None: not counted) reach
-    `max_bytes`, before a task of another kind, or at the group's end; copy tasks do not cut
-    it (the Sender queues their copies and goes on), so it can be handed over after some."""
-    out: dict = {}
-    n = last = 0
-    b = 0.0
-    size = max(1, int(size))
-    for i, k in enumerate(list(kinds) + [None]):
-        if k == "copy":
-            continue
-        if k == "zero_copy":
-            n, last = n + 1, i
-            b += float(nbytes[i]) if nbytes is not None else 0.0
-            if n == size or (nbytes is not None and b >= max_bytes):
-                out[i], n, b = (n, i), 0, 0.0
-        elif n:
-            out[i - 1], n, b = (n, last), 0, 0.0  # before task i (or the group's end)
-    return out
-
-
-def batches(kinds: list, size: int = ZERO_COPY_BATCH, nbytes=None) -> list:
-    """batch_ends as [(first, count)]: the index of each batch's first task and its zero-copy
-    tasks (consecutive unless copy tasks lie between them)."""
-    out = []
-    for _, (n, last) in sorted(batch_ends(kinds, size, nbytes).items()):
-        zs = [j for j in range(last + 1) if kinds[j] == "zero_copy"]
-        out.append((zs[-n], n))
-    return out

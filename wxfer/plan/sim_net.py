@@ -140,7 +140,7 @@ def _job_pieces(plan, job_of, J: int):
     """Per job: pieces packed (each distinct shard of its buffer once; a scale shard shares its
     fp8 shard's quantization), whether any is FP8, its number of writes, and the launches of
     the native packing (one copy per run of consecutive row ranges of a raw shard, as
-    wxfer.runtime.prepare._merge_rows, plus one launch for all its FP8 pieces)."""
+    wxfer.zerocopy.merged_rows, plus one launch for all its FP8 pieces)."""
     nwrites = np.bincount(job_of, minlength=J).astype(np.int64) if J else np.zeros(0, np.int64)
     pieces = np.zeros(J, np.int64)
     launches = np.zeros(J, np.int64)

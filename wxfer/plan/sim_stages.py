@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kinds import COPY_BATCH, COPY_BATCH_BYTES, KINDS, batch_ends
+from ..zerocopy import batch_ends, copy_batch_full
+from .kinds import KINDS
 from .sim_net import _Jobs, _Network
 
 
@@ -183,7 +184,7 @@ class _Meshes:
         return done
 
     def _zc_batches(self) -> tuple:
-        """(the zero-copy jobs that end a batch (wxfer.plan.kinds.batch_ends over each rank's
+        """(the zero-copy jobs that end a batch (wxfer.zerocopy.batch_ends over each rank's
         tasks of a mesh group, in the rank's order), the last job of each rank's mesh group
         where it has copy jobs: its queued copies are launched after it)."""
         jb, out, last = self.jobs, set[int](), set[int]()
@@ -341,7 +342,7 @@ class _Meshes:
         submit_prepared call where the open batch is handed to the engine, all at once: after
         its last task, or after the copy tasks that follow it); a copy task's ranges are queued,
         launched once COPY_BATCH of them are (or COPY_BATCH_BYTES) and at the mesh group's end
-        (wxfer.runtime.direct._direct_copy)."""
+        (wxfer.runtime.inplace.InPlaceWriter.queue_copy)."""
         end, copy = j in self.zc_last, self.kind[j] == _COPY
         md = self.model
         cost = (md.host_copy + (self.model.cal.host_zc_batch_s if end else 0.0)) if copy else md.zc_host_s(end)
@@ -353,7 +354,7 @@ class _Meshes:
             self.copy_open[r].append(j)
             self.copy_n[r] += int(self.jobs.xwrites[j])
             self.copy_b[r] += float(self.jobs.xbytes[j])
-            if self.copy_n[r] >= COPY_BATCH or self.copy_b[r] >= COPY_BATCH_BYTES:
+            if copy_batch_full(self.copy_n[r], self.copy_b[r]):
                 self._copy_flush(r, h)
         else:
             self.zc_open[r].append(j)

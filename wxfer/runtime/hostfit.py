@@ -43,7 +43,7 @@ import bisect
 
 import numpy as np
 
-from ..plan.kinds import ZERO_COPY_BATCH, batch_ends
+from ..zerocopy import ZERO_COPY_BATCH, batch_ends
 
 STAMP_TAG = 1 << 62  # = wxfer.runtime.tasks.STAMP_TAG (no import: that module needs the extension)
 COLUMNS = (

@@ -34,11 +34,10 @@ import itertools
 from itertools import zip_longest
 
 from .. import envs
+from ..zerocopy import COPY_MAX, copy_batch_full
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-COPY_BATCH = 128  # small zero-copy tasks' copies per batched launch (wxfer.runtime.copies)
-COPY_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (the GPU starts on them)
 
 
 COPY_ALL = 1 << 62  # copy_max "all" / -1: no upper bound (every task has fewer bytes)
@@ -55,7 +54,7 @@ def copy_max(value=None) -> int:
     if value is None:
         value, what = envs.get("WXFER_DIRECT_COPY_MAX", "").strip(), "$WXFER_DIRECT_COPY_MAX"
         if not value:
-            return 32 << 20
+            return COPY_MAX
     must = f"wxfer.Sender: {what} must be a size in bytes (an int >= 0 or e.g. '1MiB'), 'all' or -1 (no bound)"
     if isinstance(value, str):
         v = value.strip()
@@ -326,7 +325,7 @@ class InPlaceWriter:
         self.copy_q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
         self.copy_q_bytes += sum(c[5] for c in hit[3])  # bytes written (every destination), as the simulator counts
         self.n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
-        if len(self.copy_q) >= COPY_BATCH or self.copy_q_bytes >= COPY_BATCH_BYTES:
+        if copy_batch_full(len(self.copy_q), self.copy_q_bytes):
             self.flush_copies()
         return True
 

@@ -7,16 +7,28 @@ turns a ``TaskOp`` into the bytes the engine writes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+from ..zerocopy import merged_rows, zero_copy_dests
 from .program import TaskOp
 
 # --------------------------------------------------------------------------- stages 1 and 2
 
 
+def dtensor_local(p):
+    """DTensor `p`'s local shard: the very tensor it holds, read as ``p._local_tensor`` (the one
+    place wxfer reads it).  Not ``p.to_local()``: for a DTensor that is an nn.Parameter (FSDP2's
+    parameters) torch 2.13's returns a new view at every call even under no_grad (with grad
+    enabled, a view with an autograd node), where these callers need that same object
+    (full_tensor tests identity) and no allocation per call (zero_copy_task checks it per task
+    per push)."""
+    return p._local_tensor
+
+
 def local_to_device(p, device):
     """Stage 1: this rank's shard of `p` on `device` (an H2D copy when it was offloaded)."""
-    from torch.distributed.tensor import DTensor
-
-    local = p._local_tensor if isinstance(p, DTensor) else p.detach()
+    local = _local(p)
     if local.device != device:
         local = local.to(device, non_blocking=True)
     return local
@@ -36,7 +48,7 @@ def full_tensor(p, local):
     g = _gather_spec(p)
     if g is not None and tuple(local.shape) == g[3]:
         return _gather_rows(local, g)
-    if local is p._local_tensor:
+    if local is dtensor_local(p):
         return p.full_tensor()  # not offloaded: the parameter itself
     d = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
     return d.full_tensor()
@@ -139,12 +151,12 @@ def pack_shard_into(sh, fulls: dict, out, off: int) -> int:
 
 def _place(shards, off: int = 0) -> tuple:
     """Where the shards go from byte `off` on: (raw [(shard, offset, its pieces merged by
-    _merge_rows)], fp8_pieces {piece: ([fp8 offsets], [scale offsets])}, the end offset)."""
+    merged_rows)], fp8_pieces {piece: ([fp8 offsets], [scale offsets])}, the end offset)."""
     raw, fp8_pieces = [], {}
     for sh in shards:
         start = off
         if sh.kind == "raw":
-            raw.append((sh, off, _merge_rows(sh.pieces)))
+            raw.append((sh, off, merged_rows(sh.pieces)))
             off += sh.nbytes
             continue
         for pc in sh.pieces:
@@ -199,22 +211,6 @@ def copy_piece(out, off: int, t, dt) -> int:
         else:  # unaligned: cast first, then copy the bytes
             dst.copy_(t.to(dt).contiguous().view(-1).view(torch.uint8))
     return nb
-
-
-def _merge_rows(pieces) -> tuple:
-    """Pieces with runs of consecutive row ranges of one source (same columns) merged into one
-    piece: the same bytes (row-major slices concatenated in order), one copy instead of one
-    per piece -- 128 experts of a transformers 5 fused gate_up_proj [E, 2I, H] are 256 pieces
-    of rows of one [E x 2I, H] matrix, written as one."""
-    out: list = []
-    for pc in pieces:
-        if out:
-            last = out[-1]
-            if last.src == pc.src and last.r1 == pc.r0 and (last.c0, last.c1) == (pc.c0, pc.c1):
-                out[-1] = last._replace(r1=pc.r1)
-                continue
-        out.append(pc)
-    return tuple(out)
 
 
 def _jobs(fulls: dict, fp8_pieces: dict) -> list:
@@ -279,6 +275,20 @@ def prepare(op: TaskOp, device):
 # --------------------------------------------------------------------------- per task, once
 
 
+@dataclass(slots=True)
+class ZeroCopyTask:
+    """A zero-copy task as the engine holds it (zero_copy_task), made once at the first push and
+    read per task per push: the memory it was made for, to see that it has not moved.  Slots,
+    not a NamedTuple: its fields read as fast as a tuple's items (a NamedTuple's: ~60 ns more
+    per task per push on the 2-core VM)."""
+
+    task: Any  # Engine.prepare's task
+    param: Any  # the parameter (a DTensor or a tensor)
+    dtensor: bool  # param is a DTensor (its local shard is the memory)
+    data_ptr: int  # of that memory when it was registered
+    numel: int
+
+
 class TaskPrep:
     """What does not change between steps for one task on this rank: how each source is
     obtained (whole on this rank; in one coalesced row all-gather per process group and
@@ -312,8 +322,7 @@ class TaskPrep:
         self.nparams = 0
         self.event = None
         self.largest = (0, "")  # (bytes, name) of the largest source
-        self.fast = None  # zero copy: (Engine.prepare's task, parameter, is DTensor,
-        #                                data_ptr, numel) -- the Sender's, made at the first push
+        self.fast: ZeroCopyTask | None = None  # zero copy: the Sender's, made at the first push
 
 
 class _Gather:
@@ -334,14 +343,14 @@ def _is_whole(p) -> bool:
     if not isinstance(p, DTensor):
         return True
     if p.device_mesh.size() == 1 or all(type(pl) is Replicate for pl in p.placements):
-        return tuple(p._local_tensor.shape) == tuple(p.shape)
+        return tuple(dtensor_local(p).shape) == tuple(p.shape)
     return False
 
 
 def _local(p):
     from torch.distributed.tensor import DTensor
 
-    return p._local_tensor if isinstance(p, DTensor) else p.detach()
+    return dtensor_local(p) if isinstance(p, DTensor) else p.detach()
 
 
 def task_prep(op: TaskOp, device) -> TaskPrep:
@@ -393,7 +402,7 @@ def kind_of(prep: TaskPrep, op: TaskOp, direct: bool = False) -> str:
     "zero_copy" (the parameter's own memory), "staged" (written from fresh memory as it is: an
     offloaded source after its H2D, or a gathered source whose one shard is all of it, see
     _whole), else "packed"; direct: the Sender writes this task straight into the receivers'
-    memory when it is not the parameter's own bytes (wxfer.runtime.direct): "direct" then."""
+    memory when it is not the parameter's own bytes (wxfer.runtime.inplace): "direct" then."""
     if not op.sends:
         return "collective_only"
     if prep.zero_copy:
@@ -419,39 +428,13 @@ def kind_of(prep: TaskPrep, op: TaskOp, direct: bool = False) -> str:
 
 def _direct_dests(op: TaskOp, p):
     """The task's destinations with source offsets into the parameter's own bytes when every
-    packed shard is one contiguous byte range of it in its dtype: raw pieces of whole rows
-    of the parameter seen as [prod(shape[:-1]), shape[-1]] (any dimensionality: the fused
-    3-D experts of transformers 5 too), runs of consecutive rows merged (_merge_rows) into
-    one.  None otherwise (the task is packed)."""
+    packed shard is one contiguous byte range of it in its dtype (wxfer.zerocopy: the rule and
+    the offsets); None otherwise (the task is packed)."""
     local = _local(p)
-    name = op.sources[0][0]
-    if not local.is_contiguous() or str(local.dtype) != "torch." + op.shards[0].dtype:
+    if not local.is_contiguous():
         return None
-    cols = local.shape[-1] if local.dim() >= 2 else 0
-    row = local.element_size() * (cols or 1)
-    starts, pos = [], 0
-    for sh in op.shards:
-        if sh.kind != "raw" or "torch." + sh.dtype != str(local.dtype):
-            return None
-        run = _merge_rows(sh.pieces)
-        if len(run) != 1:
-            return None
-        pc = run[0]
-        if pc.src != name or (cols and (pc.c0 != 0 or pc.c1 != cols)) or pc.rows * row != sh.nbytes:
-            return None
-        if pc.r0 < 0 or pc.r1 * row > local.numel() * local.element_size():
-            return None
-        starts.append((pos, pos + sh.nbytes, pc.r0 * row))
-        pos += sh.nbytes
-    out = []
-    for rdesc, doff, soff, n in op.dests:
-        for a, b, base in starts:
-            if a <= soff and soff + n <= b:
-                out.append((rdesc, doff, base + soff - a, n))
-                break
-        else:
-            return None
-    return out
+    dtype = str(local.dtype).removeprefix("torch.")
+    return zero_copy_dests(op.shards, op.dests, op.sources[0][0], tuple(local.shape), dtype, local.element_size())
 
 
 def zero_copy_task(op: TaskOp, device, transport, engine):
@@ -467,9 +450,9 @@ def zero_copy_task(op: TaskOp, device, transport, engine):
     prep = op.prep
     fast = prep.fast
     if fast is not None:
-        local = fast[1]._local_tensor if fast[2] else fast[1]
-        if local.data_ptr() == fast[3] and local.numel() == fast[4]:
-            return fast[0]
+        local = dtensor_local(fast.param) if fast.dtensor else fast.param
+        if local.data_ptr() == fast.data_ptr and local.numel() == fast.numel:
+            return fast.task
         prep = op.prep = task_prep(op, device)  # the memory moved: decide again
     if not prep.zero_copy or not op.sends:
         return None
@@ -478,10 +461,10 @@ def zero_copy_task(op: TaskOp, device, transport, engine):
 
     p = prep.whole[0][1]
     is_dt = isinstance(p, DTensor)
-    local = p._local_tensor if is_dt else p
+    local = dtensor_local(p) if is_dt else p
     region = transport.register(local.detach().reshape(-1).view(torch.uint8), export=False)
-    prep.fast = (engine.prepare(region, prep.dests, tag=op.task), p, is_dt, local.data_ptr(), local.numel())
-    return prep.fast[0]
+    prep.fast = ZeroCopyTask(engine.prepare(region, prep.dests, tag=op.task), p, is_dt, local.data_ptr(), local.numel())
+    return prep.fast.task
 
 
 # --------------------------------------------------------------------------- per task, every step

@@ -46,11 +46,11 @@ from .controller import build_plan, linger, mapping_digest
 from .failures import FailureExchange
 from .links import Links
 from .receiver import gpu_memory_options, transport_choice
-from .steps import FAST_BATCH, FAST_BATCH_BYTES, PushHandle, StepLoop
+from .steps import PushHandle, StepLoop
 from .tasks import STAMP_TAG, TaskRunner
 from .verify import verify_enabled
 
-__all__ = ["FAST_BATCH", "FAST_BATCH_BYTES", "STAMP_TAG", "PushHandle", "Sender", "task_bound", "writer_options"]
+__all__ = ["STAMP_TAG", "PushHandle", "Sender", "task_bound", "writer_options"]
 
 log = logging.getLogger(__name__)
 

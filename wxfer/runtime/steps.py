@@ -14,12 +14,11 @@ import logging
 import time
 
 from . import control, prepare
+from ..zerocopy import Batcher
 from .failures import and_own, is_gloo_failure
 
 log = logging.getLogger(__name__)
 
-FAST_BATCH = 32  # zero-copy tasks per Engine.submit_prepared call (the first writes start early)
-FAST_BATCH_BYTES = 256 << 20  # ... or fewer, once their bytes reach this (a large write is not held back)
 
 
 class PushHandle:
@@ -139,27 +138,24 @@ class StepLoop:
         for gi, ops in enumerate(self.program.groups):
             if state["barrier"] is not None:
                 state["barrier"].wait(self.timeout)
-            batch, held = [], 0  # zero-copy tasks, handed to the engine in one call; their bytes
+            batch = Batcher()  # zero-copy tasks, handed to the engine in one call (wxfer.zerocopy)
             for oi, op in enumerate(ops):
                 state["at"] = (gi, oi)
                 if inplace.queue_copy(op):  # small: one batched copy into the receivers
                     continue
                 fast = runner.fast_task(op)
                 if fast is not None:
-                    batch.append(fast)
-                    held += op.nbytes
-                    if len(batch) >= FAST_BATCH or held >= FAST_BATCH_BYTES:
-                        runner.submit_fast(batch, ev)
-                        batch, held = [], 0
+                    full = batch.add(fast, op.nbytes)
+                    if full is not None:
+                        runner.submit_fast(full, ev)
                     continue
-                if batch:
+                if len(batch):
                     state["at"] = (gi, oi - 1)  # a failure here: task oi's collectives are still to drain
-                    runner.submit_fast(batch, ev)
-                    batch, held = [], 0
+                    runner.submit_fast(batch.take(), ev)
                     state["at"] = (gi, oi)
                 run_task(op, ev)
-            if batch:
-                runner.submit_fast(batch, ev)
+            if len(batch):
+                runner.submit_fast(batch.take(), ev)
             inplace.flush_copies()
             # stage 4: the barrier overlaps this group's writes
             state["at"] = (gi, len(ops))

@@ -163,7 +163,7 @@ def host_costs(
     the same trace (``trace_device``) is reported beside it.  This is the in-run fit of one
     model (bench_baselines' ``fitted_s``): its columns are only as separate as that model's
     tasks make them; calibrate's probe designs (measure_host) separate them."""
-    from ..plan.kinds import ZERO_COPY_BATCH
+    from ..zerocopy import ZERO_COPY_BATCH
     from ..runtime import hostfit
 
     d, med, kinds = trace_pushes(sender, pushes, copy_GBps, quant_GBps, between)
@@ -296,7 +296,7 @@ def measure_host(dev, kernels: dict, quick: bool, placement: str, write_GBps=Non
 
     import torch.distributed as dist
 
-    from ..plan.kinds import ZERO_COPY_BATCH
+    from ..zerocopy import ZERO_COPY_BATCH
     from ..runtime import control, hostfit
 
     rdev, transport = receiver_side(dev, placement)
