@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""The batched copies alone: many device-to-device copies in one launch, as a push copies
-its zero-copy tasks straight into colocated receivers (wxfer.runtime.direct), by the native
+"""The batched copies alone: many device-to-device copies in one call, as a push copies its
+zero-copy tasks straight into colocated receivers (wxfer.runtime.direct), by the native
 kernel (csrc/prepare/wx_copy_kernel.cu, wxfer.runtime.copies) and by torch._foreach_copy_
-(its fallback), against the bound measured in the same run: one on-device copy of the same
-total bytes (dst.copy_(src)). GB/s counts each byte read and written (2 x bytes), as
-wxfer.tools.calibrate does. Batches:
+(the fallback), the same bytes in the same run, against the bound measured there too: one
+on-device copy of the same total bytes (dst.copy_(src)). GB/s counts each byte read and
+written (2 x bytes), as wxfer.tools.calibrate does. Batches:
 
   uniform-128   128 ranges of 8 MiB (the calibration's shape: 1 GiB)
   qwen3-8b      the 399 parameter sizes of Qwen3-8B (16.4 GB), in launches of at most
@@ -16,18 +16,21 @@ Every figure is the median of --reps repetitions, timed with CUDA events; the co
 are checked. On a machine without CUDA it runs small shapes on the CPU (the torch path only).
 
   python3 benchmarks/bench_copies.py [--json] [--reps 5]
-  python3 benchmarks/bench_copies.py --variants 4:8,8:8,8:4,4:16,4:8:8MiB   # children, one table
+  python3 benchmarks/bench_copies.py --variants 4:8,8:8,8:4,4:16   # children, one table
 
-A variant is UNROLL:CTAS[:DRIVER_MIN]: the kernel compiled with $WXFER_COPY_UNROLL 16-byte loads
-in flight per thread, launched on $WXFER_COPY_CTAS CTAs per SM, ranges of DRIVER_MIN bytes or more
-by the driver's copy ($WXFER_COPY_DRIVER_MIN); each runs in a child process (the kernel is
-compiled once per process) and checks its bytes.
+A variant is UNROLL:CTAS: the kernel compiled with UNROLL 16-byte loads in flight per thread,
+launched on CTAS CTAs per SM (the product's: 4:16); each runs in a child process (the kernel is
+compiled once per process; the child picks it with `--kernel UNROLL:CTAS`) and checks its
+bytes. Variants need a build made for the sweep (the product build has 4:16 only):
+
+  WXFER_KERNEL_SWEEP=1 .venv/bin/python setup.py build_ext --inplace --force
 """
 
 import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -118,14 +121,30 @@ def run_case(name: str, batches: list, dev, reps: int) -> dict:
     return row
 
 
+def pick_kernel(spec: str) -> None:
+    """Compile the copy kernel as UNROLL:CTAS in this process (a WXFER_KERNEL_SWEEP build)."""
+    from wxfer import _wxfer
+
+    if not getattr(_wxfer, "KERNEL_SWEEP", 0):
+        sys.exit(
+            "bench_copies: kernel variants need a build with WXFER_KERNEL_SWEEP=1 "
+            "(WXFER_KERNEL_SWEEP=1 .venv/bin/python setup.py build_ext --inplace --force)"
+        )
+    unroll, ctas = (int(x) for x in spec.split(":"))
+    _wxfer.kernel_sweep("copy", unroll=unroll, ctas_per_sm=ctas)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", default="", help="comma list of UNROLL:CTAS[:DRIVER_MIN], one child each")
+    ap.add_argument("--variants", default="", help="comma list of UNROLL:CTAS, one child each")
+    ap.add_argument("--kernel", default="", help=argparse.SUPPRESS)  # a child's variant
     args = ap.parse_args(argv)
     if args.variants:
         return variants(args)
+    if args.kernel:
+        pick_kernel(args.kernel)
     import torch
 
     gpu = torch.cuda.is_available()
@@ -160,15 +179,14 @@ def main(argv=None) -> int:
 
 
 def variants(args) -> int:
-    """One child per variant (its environment), then one table of the native rows."""
+    """One child per variant (its --kernel), then one table of the native rows."""
     rows, ok = [], True
     for v in args.variants.split(","):
-        parts = v.split(":")
-        env = dict(os.environ, WXFER_COPY_UNROLL=parts[0], WXFER_COPY_CTAS=parts[1])
-        env["WXFER_COPY_DRIVER_MIN"] = parts[2] if len(parts) > 2 else "0"
+        if not re.fullmatch(r"\d+:\d+", v.strip()):
+            sys.exit(f"bench_copies: --variants {v!r}: expected UNROLL:CTAS")
+    for v in args.variants.split(","):
         p = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--json", "--reps", str(args.reps)],
-            env=env,
+            [sys.executable, os.path.abspath(__file__), "--json", "--reps", str(args.reps), "--kernel", v.strip()],
             capture_output=True,
             text=True,
             timeout=300,

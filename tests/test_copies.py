@@ -100,10 +100,7 @@ def _cases(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("driver_min", ["", "100000"])
-def test_every_byte_of_many_ranges_in_one_launch(gpu, driver_min, monkeypatch):
-    """All ranges in the kernel; then those of 100000 bytes or more by the driver's copy."""
-    monkeypatch.setenv("WXFER_COPY_DRIVER_MIN", driver_min)
+def test_every_byte_of_many_ranges_in_one_launch(gpu):
     rng = random.Random(7)
     cases = _cases(rng)
     pad = 256

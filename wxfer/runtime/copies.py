@@ -8,9 +8,6 @@ CUDA driver or libnvrtc, ``WXFER_COPY=torch``), with one ``torch._foreach_copy_`
 the same bytes; the kernel moves them at about the on-device copy's rate, torch's batched copy
 at about half of it on an H200 (benchmarks/README.md). The range table is uploaded once per
 distinct batch and kept on the device (a push copies the same ranges every step).
-Ranges of at least ``driver_min()`` bytes ($WXFER_COPY_DRIVER_MIN; 0: none) are copied by
-the driver instead (one cuMemcpyAsync each, after the kernel, on the same stream). The kernel's
-own settings are $WXFER_COPY_UNROLL and $WXFER_COPY_CTAS (read once; csrc/prepare/wx_copy.h).
 ``info()`` says which copier would run and why; ``last()`` which one ran last.
 """
 
@@ -18,11 +15,9 @@ from __future__ import annotations
 
 import array
 
-from .. import envs
 from .nvrtc import Probe
 
 CHUNK = 64 << 10  # = WX_COPY_CHUNK in csrc/prepare/wx_copy.h
-DRIVER_MIN = 0  # = driver_min()'s default
 TABLES_KEPT = 256  # device range tables kept (one per distinct batch and stream)
 _calls = {"native": 0, "torch": 0}
 _last: dict | None = None
@@ -56,7 +51,7 @@ def info(device=None, probe: bool = True) -> dict:
         from .. import _wxfer
 
         d = {"copier": "native", "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}"}
-        d.update(_wxfer.copy_settings(), driver_min=driver_min())
+        d.update(_wxfer.copy_settings())
     else:
         d = {"copier": "torch._foreach_copy_", "reason": why}
     d.update(native_calls=_calls["native"], torch_calls=_calls["torch"])
@@ -66,17 +61,6 @@ def info(device=None, probe: bool = True) -> dict:
 def last() -> dict | None:
     """The copier of the last copy_ranges call and why ({"copier", "reason"}), or None."""
     return None if _last is None else dict(_last)
-
-
-def driver_min() -> int:
-    """Ranges of at least this many bytes go to the driver's copy ($WXFER_COPY_DRIVER_MIN,
-    bytes or a size like 8MiB; 0, the default: every range in the kernel)."""
-    v = envs.get("WXFER_COPY_DRIVER_MIN", "").strip()
-    if not v:
-        return DRIVER_MIN
-    from .. import _wxfer
-
-    return int(_wxfer.parse_size(v))
 
 
 def table(items) -> array.array:
@@ -121,20 +105,6 @@ def _native(device, items) -> None:
     from .fp8 import _raw_stream
 
     stream = _raw_stream(device)
-    cut = driver_min()
-    big = None
-    if cut > 0:
-        big = array.array("Q")
-        for i in items:
-            if i[4] >= cut:
-                big.extend(i[2:])
-        if big:
-            items = [i for i in items if i[4] < cut]
-        else:
-            big = None
-    if not items:
-        _wxfer.copy_launch(device.index, stream, None, 0, big)
-        return
     t = table(items)
     key = (stream, t.tobytes())
     dev = _tables.get(key)
@@ -143,4 +113,4 @@ def _native(device, items) -> None:
             _tables.clear()  # freed in stream order: later work on these streams comes after the kernels
         dev = torch.frombuffer(bytearray(key[1]), dtype=torch.uint8).to(device, non_blocking=True)
         _tables[key] = dev
-    _wxfer.copy_launch(device.index, stream, t, dev.data_ptr(), big)
+    _wxfer.copy_launch(device.index, stream, t, dev.data_ptr())

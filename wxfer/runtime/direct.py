@@ -215,9 +215,6 @@ class DirectMixin:
     _wait_engine()."""
 
     def _direct_init(self, direct, copy_max_arg=None) -> None:
-        from . import copies
-
-        copies.driver_min()  # $WXFER_COPY_DRIVER_MIN checked here (a bad value: an error now, not mid-push)
         self._copy_max = copy_max(copy_max_arg)  # first: a bad value raises before anything is set up
         self.direct = enabled(direct)
         self._direct_views: dict = {}  # region descriptor -> (uint8 tensor over it, address)
