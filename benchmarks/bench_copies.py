@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """The batched copies alone: many device-to-device copies in one call, as a push copies its
 zero-copy tasks straight into colocated receivers (wxfer.runtime.direct), by the native
-kernel (csrc/prepare/wx_copy_kernel.cu, wxfer.runtime.copies) and by torch._foreach_copy_
-(the fallback), the same bytes in the same run, against the bound measured there too: one
-on-device copy of the same total bytes (dst.copy_(src)). GB/s counts each byte read and
-written (2 x bytes), as wxfer.tools.calibrate does. Batches:
+kernel (csrc/prepare/wx_copy_kernel.cu, wxfer.runtime.copies), by the driver's own batched
+copy (cuMemcpyBatchAsync, CUDA 12.8+ drivers; copies.COPIER = "driver" makes it the product
+path) and by torch._foreach_copy_ (the fallback), the same bytes in the same run, against the
+bound measured there too: one on-device copy of the same total bytes (dst.copy_(src)). GB/s
+counts each byte read and written (2 x bytes), as wxfer.tools.calibrate does. Batches:
 
   uniform-128   128 ranges of 8 MiB (the calibration's shape: 1 GiB)
   qwen3-8b      the 399 parameter sizes of Qwen3-8B (16.4 GB), in launches of at most
@@ -108,14 +109,14 @@ def run_case(name: str, batches: list, dev, reps: int) -> dict:
     row = dict(case=name, ranges=sum(len(b) for b in batches), launches=len(batches), bytes=total)
     t_bound = _timed(lambda: dst.copy_(src), dev, reps)
     row["bound_GBps"] = 2 * total / t_bound / 1e9
-    for label, env in (("native", ""), ("torch", "torch")):
-        if label == "native" and dev.type != "cuda":
+    for label, env, copier in (("native", "", "kernel"), ("driver", "", "driver"), ("torch", "torch", None)):
+        if label != "torch" and (dev.type != "cuda" or (label == "driver" and copies.driver_why(dev))):
             continue
         os.environ["WXFER_COPY"] = env
         dst.zero_()
-        ran = {copies.copy_ranges(dev, items) for items in launches}
+        ran = {copies.copy_ranges(dev, items, copier) for items in launches}
         ok = bool(torch.equal(dst, src))
-        t = _timed(lambda: [copies.copy_ranges(dev, items) for items in launches], dev, reps)
+        t = _timed(lambda: [copies.copy_ranges(dev, items, copier) for items in launches], dev, reps)
         row[label] = dict(copier=sorted(ran), seconds=t, GBps=2 * total / t / 1e9, of_bound=t_bound / t, bytes_ok=ok)
     os.environ.pop("WXFER_COPY", None)
     return row
@@ -154,6 +155,8 @@ def main(argv=None) -> int:
 
     inf = copies.info(dev) if gpu else copies.info(None)
     print(f"bench_copies on {platform.node()}, {name}; copier: {inf['copier']} ({inf['reason']})")
+    if gpu:
+        print(f"driver batch (cuMemcpyBatchAsync): {copies.driver_why(dev) or 'available'}")
     scale = 1 if gpu else 64  # the CPU: the same shapes, 64x smaller
     cases = [("uniform-128", [[(8 << 20) // scale] * 128])]
     for m in ("qwen3-8b", "qwen3-1.7b"):
@@ -165,7 +168,7 @@ def main(argv=None) -> int:
         rows.append(r)
         parts = [f"{cname:12s} {r['ranges']:4d} ranges {r['launches']:3d} launches {r['bytes'] / 1e9:7.3f} GB"]
         parts.append(f"bound {r['bound_GBps']:7.0f} GB/s")
-        for label in ("native", "torch"):
+        for label in ("native", "driver", "torch"):
             if label in r:
                 x = r[label]
                 parts.append(
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
         print("  ".join(parts), flush=True)
     if args.json:
         print(json.dumps(dict(bench="copies", machine=platform.node(), gpu=name, copier=inf, results=rows)))
-    return 0 if all(r[k]["bytes_ok"] for r in rows for k in ("native", "torch") if k in r) else 1
+    return 0 if all(r[k]["bytes_ok"] for r in rows for k in ("native", "driver", "torch") if k in r) else 1
 
 
 def variants(args) -> int:

@@ -1,10 +1,11 @@
-/* wx_copy.c - validation and launch of the batched copy kernel (see wx_copy.h); wx_kernels.c
- * compiles and loads it. */
+/* wx_copy.c - validation and launch of the batched copy kernel, and the driver's batched copy
+ * (see wx_copy.h); wx_kernels.c compiles and loads the kernel. */
 #include "wx_copy.h"
 
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "wx_common.h"
@@ -96,4 +97,87 @@ int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uin
         grid = nchunks;
     void *args[] = {&dp, &n, &nchunks};
     return wx_kernel_launch(&d, "wx_copy_ranges", grid, cfg->threads, 0, stream, args);
+}
+
+/* The device's context, when the driver has cuMemcpyBatchAsync. */
+static int wx__batch_device(int device, wx_kernel_dev_t *d, char *why, size_t why_len)
+{
+    const wx_cuda_api_t *cu = wx_cuda(why, why_len);
+    int v = 0;
+    if (!cu)
+        return -ENODEV;
+    if (!cu->cuMemcpyBatchAsync && !cu->cuMemcpyBatchAsync_v1) {
+        cu->cuDriverGetVersion(&v);
+        snprintf(why, why_len,
+                 "the CUDA driver (%d.%d) has no cuMemcpyBatchAsync (CUDA 12.8 or newer has it)",
+                 v / 1000, v % 1000 / 10);
+        return -ENOTSUP;
+    }
+    return wx_kernel_device(device, d, why, why_len);
+}
+
+int wx_copy_batch_probe(int device, char *why, size_t why_len)
+{
+    wx_kernel_dev_t d;
+    return wx__batch_device(device, &d, why, why_len);
+}
+
+/* The triples' columns as the driver takes them (malloc'ed; free(*dst) frees all three). */
+static int wx__columns(const uint64_t *triples, int n, CUdeviceptr **dst, CUdeviceptr **src,
+                       size_t **size)
+{
+    char *mem = malloc((size_t)n * (2 * sizeof(CUdeviceptr) + sizeof(size_t)));
+    if (!mem)
+        return wx_errf(-ENOMEM, "copy_batch: no memory for %d copies' addresses", n);
+    *dst = (CUdeviceptr *)mem;
+    *src = *dst + n;
+    *size = (size_t *)(*src + n);
+    for (int i = 0; i < n; i++) {
+        (*dst)[i] = (CUdeviceptr)triples[3 * i];
+        (*src)[i] = (CUdeviceptr)triples[3 * i + 1];
+        (*size)[i] = (size_t)triples[3 * i + 2];
+    }
+    return 0;
+}
+
+int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n)
+{
+    char why[WX_ERRMSG_MAX];
+    const wx_cuda_api_t *cu;
+    wx_kernel_dev_t d;
+    CUmemcpyAttributes attr = {CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+                               {CU_MEM_LOCATION_TYPE_DEVICE, device},
+                               {CU_MEM_LOCATION_TYPE_DEVICE, device},
+                               CU_MEMCPY_FLAG_DEFAULT};
+    CUdeviceptr *dst = NULL, *src = NULL;
+    CUcontext prev;
+    CUresult r;
+    size_t *size = NULL, idx0 = 0, fail = SIZE_MAX;
+    int rc;
+    if (n < 1 || n > WX_COPY_MAX_RANGES)
+        return wx_errf(-EINVAL, "copy_batch: %d copies (expected 1 to %d)", n, WX_COPY_MAX_RANGES);
+    for (int i = 0; i < n; i++)
+        if (!triples[3 * i] || !triples[3 * i + 1] || !triples[3 * i + 2])
+            return wx_errf(-EINVAL, "copy_batch: copy %d: null address or 0 bytes", i);
+    if ((rc = wx__batch_device(device, &d, why, sizeof why)) != 0)
+        return wx_errf(rc, "copy_batch unavailable: %s", why);
+    if ((rc = wx__columns(triples, n, &dst, &src, &size)) != 0)
+        return rc;
+    cu = wx_cuda(NULL, 0);
+    wx_kernel_enter(d.ctx, &prev);
+    if (cu->cuMemcpyBatchAsync)
+        r = cu->cuMemcpyBatchAsync(dst, src, size, (size_t)n, &attr, &idx0, 1,
+                                   (CUstream)(uintptr_t)stream);
+    else
+        r = cu->cuMemcpyBatchAsync_v1(dst, src, size, (size_t)n, &attr, &idx0, 1, &fail,
+                                      (CUstream)(uintptr_t)stream);
+    wx_kernel_leave(d.ctx, prev);
+    free(dst);
+    if (r == CUDA_SUCCESS)
+        return 0;
+    if (fail != SIZE_MAX) {
+        snprintf(why, sizeof why, "cuMemcpyBatchAsync (copy %zu of %d)", fail, n);
+        return wx_cuda_err(r, why);
+    }
+    return wx_cuda_err(r, "cuMemcpyBatchAsync");
 }

@@ -6,7 +6,9 @@
  * alignment (16-byte aligned pairs are copied 16 bytes at a time), chunk0 the running count
  * of WX_COPY_CHUNK-byte chunks of the ranges before it. The kernel (wx_copy_kernel.cu) is
  * compiled with NVRTC at first use and cached per architecture and per device by the kernel
- * loader (wx_kernels.c), as the FP8 kernel is (docs/prepare.md).
+ * loader (wx_kernels.c), as the FP8 kernel is (docs/prepare.md). wx_copy_batch does the same
+ * copies with the driver's cuMemcpyBatchAsync, to be measured beside it
+ * (benchmarks/bench_copies.py; wxfer.runtime.copies.COPIER picks).
  */
 #ifndef WX_COPY_H
 #define WX_COPY_H
@@ -42,5 +44,15 @@ int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uin
 /* The kernel's settings: 16-byte loads in flight per thread (compiled in) and CTAs per SM of
  * its grid (the product's 4 and 16; another pair only in a WXFER_KERNEL_SWEEP build). */
 void wx_copy_settings(int *unroll, int *ctas);
+
+/* Can the driver's own batched copy (cuMemcpyBatchAsync, CUDA 12.8+ drivers) run on
+ * `device`? Returns 0, or -ENOTSUP (a driver without it: the path is unavailable, no error
+ * elsewhere) / -ENODEV with the reason in why. */
+int wx_copy_batch_probe(int device, char *why, size_t why_len);
+
+/* The same copies by one cuMemcpyBatchAsync on `stream` of `device`: n (dst, src, nbytes)
+ * uint64 triples, device addresses of `device`, the sources read in stream order. Returns 0
+ * or a negative errno (wx_last_error names the call and, where the driver says, the copy). */
+int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n);
 
 #endif

@@ -1,6 +1,6 @@
 /* py_prepare.c - the Python binding of the native prepare code (csrc/prepare): the FP8
- * kernel's and the batched copy kernel's probe, validation and launch, and
- * (WXFER_KERNEL_SWEEP builds) the benchmarks' kernel variants. wxfer/runtime/fp8.py
+ * kernel's and the batched copy kernel's probe, validation and launch, the driver's batched
+ * copy, and (WXFER_KERNEL_SWEEP builds) the benchmarks' kernel variants. wxfer/runtime/fp8.py
  * and wxfer/runtime/copies.py are their only callers. */
 #include "wx_py.h"
 
@@ -201,6 +201,42 @@ static PyObject *wx_copy_settings_py(PyObject *m, PyObject *args)
     return Py_BuildValue("{sisi}", "unroll", u, "ctas_per_sm", c);
 }
 
+static PyObject *wx_copy_batch_probe_py(PyObject *m, PyObject *args)
+{
+    char why[WX_ERRMSG_MAX] = "";
+    int device, rc;
+    if (!PyArg_ParseTuple(args, "i:copy_batch_probe", &device))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_copy_batch_probe(device, why, sizeof why);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
+}
+
+static PyObject *wx_copy_batch_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    int device, n, rc;
+    unsigned long long stream;
+    PyObject *obj;
+    Py_buffer view;
+    const void *p;
+    void *copy;
+    if (!PyArg_ParseTuple(args, "iKO:copy_batch", &device, &stream, &obj))
+        return NULL;
+    if ((n = wx__table(obj, &view, &p, &copy, "copy_batch", "(dst, src, nbytes) triples",
+                       3 * sizeof(uint64_t), WX_COPY_MAX_RANGES)) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_copy_batch(device, stream, p, n);
+    Py_END_ALLOW_THREADS
+    free(copy);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "copy_batch");
+    Py_RETURN_NONE;
+}
+
 #ifdef WX_KERNEL_SWEEP
 static PyObject *wx_kernel_sweep_py(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -244,6 +280,12 @@ static PyMethodDef wx__prepare_methods[] = {
     {"copy_settings", wx_copy_settings_py, METH_NOARGS,
      "copy_settings() -> {unroll, ctas_per_sm}: the copy kernel's loads in flight per thread "
      "and CTAs per SM."},
+    {"copy_batch_probe", wx_copy_batch_probe_py, METH_VARARGS,
+     "copy_batch_probe(device) -> (usable, why_not): has the driver cuMemcpyBatchAsync "
+     "(CUDA 12.8+)?"},
+    {"copy_batch", wx_copy_batch_py, METH_VARARGS,
+     "copy_batch(device, stream, copies): the copies, a buffer of (dst, src, nbytes) uint64 "
+     "triples, by one cuMemcpyBatchAsync on the stream (sources read in stream order)."},
 #ifdef WX_KERNEL_SWEEP
     {"kernel_sweep", (PyCFunction)(void (*)(void))wx_kernel_sweep_py, METH_VARARGS | METH_KEYWORDS,
      "kernel_sweep(kernel, *, variant=6, ctas_per_sm=0, unroll=4): before the kernel's first "

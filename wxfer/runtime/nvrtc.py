@@ -32,6 +32,10 @@ class Probe:
         self._lock = threading.Lock()
         self._probed: dict = {}  # CUDA ordinal -> None (usable) or why not
 
+    def allowed(self) -> bool:
+        """Does `env` let a native path run (unset, native or auto; not the fallback or a typo)?"""
+        return os.environ.get(self.env, "").strip().lower() in ("", "native", "auto")
+
     def why(self, device, probe: bool = True) -> str | None:
         """None when the kernel can run on `device`, else why not; probe=False: "" when that is
         not known yet (the kernel has not been compiled for that device)."""
