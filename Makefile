@@ -30,11 +30,12 @@ $(VENV_STAMP):
 
 # The in-place build is the test build: WXFER_TESTING=1 compiles in the fault-injection
 # options the tests use; a wheel or `pip install` never has them.
-# (--force when the extension there is not a test build: setuptools does not see a changed
-# macro as a reason to rebuild.) WXFER_ABI_CHECK=1 first compares our declarations of the
+# (--force when the extension there is not a test build, or is a kernel sweep build
+# (WXFER_KERNEL_SWEEP=1, docs/prepare.md): setuptools does not see a changed macro as a reason
+# to rebuild.) WXFER_ABI_CHECK=1 first compares our declarations of the
 # libraries (csrc/core/wx_*_abi.h) with the system headers where installed (csrc/abi/).
 build: $(VENV_STAMP)
-	@f=; $(PY) -c "import sys, wxfer._wxfer as w; sys.exit(not w.TESTING)" 2>/dev/null || f=--force; \
+	@f=; $(PY) -c "import sys, wxfer._wxfer as w; sys.exit(not w.TESTING or w.KERNEL_SWEEP)" 2>/dev/null || f=--force; \
 	echo "WXFER_ABI_CHECK=1 WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f"; \
 	WXFER_ABI_CHECK=1 WXFER_TESTING=1 $(PY) setup.py -q build_ext --inplace $$f
 

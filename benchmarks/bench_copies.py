@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""The batched copies alone: many device-to-device copies in one launch, as a push copies
-its zero-copy tasks straight into colocated receivers (wxfer.runtime.inplace), by the native
-kernel (csrc/prepare/wx_copy_kernel.cu, wxfer.runtime.copies) and by torch._foreach_copy_
-(its fallback), against the bound measured in the same run: one on-device copy of the same
-total bytes (dst.copy_(src)). GB/s counts each byte read and written (2 x bytes), as
-wxfer.tools.calibrate does. Batches:
+"""The batched copies alone: many device-to-device copies in one call, as a push copies its
+zero-copy tasks straight into colocated receivers (wxfer.runtime.inplace), by the native
+kernel (csrc/prepare/wx_copy_kernel.cu, wxfer.runtime.copies), by the driver's own batched
+copy (cuMemcpyBatchAsync, CUDA 12.8+ drivers; copies.COPIER = "driver" makes it the product
+path) and by torch._foreach_copy_ (the fallback), the same bytes in the same run, against the
+bound measured there too: one on-device copy of the same total bytes (dst.copy_(src)). GB/s
+counts each byte read and written (2 x bytes), as wxfer.tools.calibrate does. Batches:
 
   uniform-128   128 ranges of 8 MiB (the calibration's shape: 1 GiB)
   qwen3-8b      the 399 parameter sizes of Qwen3-8B (16.4 GB), in launches of at most
@@ -16,18 +17,21 @@ Every figure is the median of --reps repetitions, timed with CUDA events; the co
 are checked. On a machine without CUDA it runs small shapes on the CPU (the torch path only).
 
   python3 benchmarks/bench_copies.py [--json] [--reps 5]
-  python3 benchmarks/bench_copies.py --variants 4:8,8:8,8:4,4:16,4:8:8MiB   # children, one table
+  python3 benchmarks/bench_copies.py --variants 4:8,8:8,8:4,4:16   # children, one table
 
-A variant is UNROLL:CTAS[:DRIVER_MIN]: the kernel compiled with $WXFER_COPY_UNROLL 16-byte loads
-in flight per thread, launched on $WXFER_COPY_CTAS CTAs per SM, ranges of DRIVER_MIN bytes or more
-by the driver's copy ($WXFER_COPY_DRIVER_MIN); each runs in a child process (the kernel is
-compiled once per process) and checks its bytes.
+A variant is UNROLL:CTAS: the kernel compiled with UNROLL 16-byte loads in flight per thread,
+launched on CTAS CTAs per SM (the product's: 4:16); each runs in a child process (the kernel is
+compiled once per process; the child picks it with `--kernel UNROLL:CTAS`) and checks its
+bytes. Variants need a build made for the sweep (the product build has 4:16 only):
+
+  WXFER_KERNEL_SWEEP=1 .venv/bin/python setup.py build_ext --inplace --force
 """
 
 import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -101,27 +105,43 @@ def run_case(name: str, batches: list, dev, reps: int) -> dict:
     row = dict(case=name, ranges=sum(len(b) for b in batches), launches=len(batches), bytes=total)
     t_bound = _timed(lambda: dst.copy_(src), dev, reps)
     row["bound_GBps"] = 2 * total / t_bound / 1e9
-    for label, env in (("native", ""), ("torch", "torch")):
-        if label == "native" and dev.type != "cuda":
+    for label, env, copier in (("native", "", "kernel"), ("driver", "", "driver"), ("torch", "torch", None)):
+        if label != "torch" and (dev.type != "cuda" or (label == "driver" and copies.driver_why(dev))):
             continue
         os.environ["WXFER_COPY"] = env
         dst.zero_()
-        ran = {copies.copy_ranges(dev, items) for items in launches}
+        ran = {copies.copy_ranges(dev, items, copier) for items in launches}
         ok = bool(torch.equal(dst, src))
-        t = _timed(lambda: [copies.copy_ranges(dev, items) for items in launches], dev, reps)
+        t = _timed(lambda: [copies.copy_ranges(dev, items, copier) for items in launches], dev, reps)
         row[label] = dict(copier=sorted(ran), seconds=t, GBps=2 * total / t / 1e9, of_bound=t_bound / t, bytes_ok=ok)
     os.environ.pop("WXFER_COPY", None)
     return row
+
+
+def pick_kernel(spec: str) -> None:
+    """Compile the copy kernel as UNROLL:CTAS in this process (a WXFER_KERNEL_SWEEP build)."""
+    from wxfer import _wxfer
+
+    if not getattr(_wxfer, "KERNEL_SWEEP", 0):
+        sys.exit(
+            "bench_copies: kernel variants need a build with WXFER_KERNEL_SWEEP=1 "
+            "(WXFER_KERNEL_SWEEP=1 .venv/bin/python setup.py build_ext --inplace --force)"
+        )
+    unroll, ctas = (int(x) for x in spec.split(":"))
+    _wxfer.kernel_sweep("copy", unroll=unroll, ctas_per_sm=ctas)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", default="", help="comma list of UNROLL:CTAS[:DRIVER_MIN], one child each")
+    ap.add_argument("--variants", default="", help="comma list of UNROLL:CTAS, one child each")
+    ap.add_argument("--kernel", default="", help=argparse.SUPPRESS)  # a child's variant
     args = ap.parse_args(argv)
     if args.variants:
         return variants(args)
+    if args.kernel:
+        pick_kernel(args.kernel)
     import torch
 
     gpu = torch.cuda.is_available()
@@ -131,6 +151,8 @@ def main(argv=None) -> int:
 
     inf = copies.info(dev) if gpu else copies.info(None)
     print(f"bench_copies on {platform.node()}, {name}; copier: {inf['copier']} ({inf['reason']})")
+    if gpu:
+        print(f"driver batch (cuMemcpyBatchAsync): {copies.driver_why(dev) or 'available'}")
     scale = 1 if gpu else 64  # the CPU: the same shapes, 64x smaller
     cases = [("uniform-128", [[(8 << 20) // scale] * 128])]
     for m in ("qwen3-8b", "qwen3-1.7b"):
@@ -142,7 +164,7 @@ def main(argv=None) -> int:
         rows.append(r)
         parts = [f"{cname:12s} {r['ranges']:4d} ranges {r['launches']:3d} launches {r['bytes'] / 1e9:7.3f} GB"]
         parts.append(f"bound {r['bound_GBps']:7.0f} GB/s")
-        for label in ("native", "torch"):
+        for label in ("native", "driver", "torch"):
             if label in r:
                 x = r[label]
                 parts.append(
@@ -152,19 +174,18 @@ def main(argv=None) -> int:
         print("  ".join(parts), flush=True)
     if args.json:
         print(json.dumps(dict(bench="copies", machine=platform.node(), gpu=name, copier=inf, results=rows)))
-    return 0 if all(r[k]["bytes_ok"] for r in rows for k in ("native", "torch") if k in r) else 1
+    return 0 if all(r[k]["bytes_ok"] for r in rows for k in ("native", "driver", "torch") if k in r) else 1
 
 
 def variants(args) -> int:
-    """One child per variant (its environment), then one table of the native rows."""
+    """One child per variant (its --kernel), then one table of the native rows."""
     rows, ok = [], True
     for v in args.variants.split(","):
-        parts = v.split(":")
-        env = dict(os.environ, WXFER_COPY_UNROLL=parts[0], WXFER_COPY_CTAS=parts[1])
-        env["WXFER_COPY_DRIVER_MIN"] = parts[2] if len(parts) > 2 else "0"
+        if not re.fullmatch(r"\d+:\d+", v.strip()):
+            sys.exit(f"bench_copies: --variants {v!r}: expected UNROLL:CTAS")
+    for v in args.variants.split(","):
         p = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--json", "--reps", str(args.reps)],
-            env=env,
+            [sys.executable, os.path.abspath(__file__), "--json", "--reps", str(args.reps), "--kernel", v.strip()],
             capture_output=True,
             text=True,
             timeout=300,

@@ -20,12 +20,16 @@ counted the same way (read + written). Every figure is the median of --reps repe
   python3 benchmarks/bench_quant.py --variants v0,v1,v2,v3,v2:3   # kernel variants (children)
   python3 benchmarks/bench_quant.py --dry-run      # CPU, small shapes (CI)
 
-WXFER_FP8_MINB=<n> compiles the kernel for n CTAs per SM (register budget; default 4, 2 for
-the persistent variants v2, v3 and v6-v8, 1 for v4); --minb runs one child process per value
-(the kernel is compiled once per process). WXFER_FP8_VARIANT=v<n> picks a kernel variant
-(csrc/prepare/wx_fp8_kernel.cu lists them; default v6, fp8.DEFAULT_VARIANT); --variants
-runs one child per variant (v<n>:<minb> also sets WXFER_FP8_MINB), each checking its bytes
-against the reference, and prints one table.
+The product kernel is variant v6 at 2 CTAs per SM. The other variants (v0-v8,
+benchmarks/kernels/sweep_fp8_kernel.cu lists them) are in builds made for the sweep only:
+
+  WXFER_KERNEL_SWEEP=1 .venv/bin/python setup.py build_ext --inplace --force
+
+--variants runs one child process per variant v<n>[:<CTAs per SM>] (the kernel is compiled
+once per process; the child picks it with `--kernel v<n>[:<m>]`, _wxfer.kernel_sweep), each
+checking its bytes against the reference, and prints one table; --minb n,m,... is --variants
+v6:n,v6:m,... (CTAs per SM: the register budget; v6-v8 also size their shared-memory ring
+from it: 1: 6 tile buffers, 2: 3, 3 or more: 2).
 """
 
 import argparse
@@ -180,13 +184,18 @@ def main(argv=None):
         "(child processes; each checked byte for byte against the reference)",
     )
     ap.add_argument("--check-only-native", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kernel", default="", help=argparse.SUPPRESS)  # a child's variant (sweep_variants)
     a = ap.parse_args(argv)
     if a.minb:
-        return sweep_minb(a)
+        a.variants = ",".join(f"v6:{m.strip()}" for m in a.minb.split(",") if m.strip())
     if a.variants:
         return sweep_variants(a)
     import torch
     from wxfer.runtime import fp8
+
+    variant, _, minb = a.kernel.partition(":")
+    if a.kernel:
+        pick_variant(variant, minb, a.dry_run)
 
     if a.dry_run:
         dev = torch.device("cpu")
@@ -250,8 +259,8 @@ def main(argv=None):
                     torch=torch.__version__,
                     dry_run=a.dry_run,
                     native=inf,
-                    variant=os.environ.get("WXFER_FP8_VARIANT", "") or fp8.DEFAULT_VARIANT,
-                    minb=os.environ.get("WXFER_FP8_MINB", ""),
+                    variant=variant or "product",
+                    minb=minb,
                     results=rows,
                 )
             )
@@ -259,36 +268,19 @@ def main(argv=None):
     return 1 if any(r.get("identical") is False for r in rows) else 0
 
 
-def sweep_minb(a):
-    """The native rows for each WXFER_FP8_MINB value, one child process each."""
-    rows, gpu = [], None
-    for v in a.minb.split(","):
-        env = dict(os.environ, WXFER_FP8_MINB=v.strip())
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--json",
-            "--native-only",
-            "--reps",
-            str(a.reps),
-            "--iters",
-            str(a.iters),
-        ]
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if p.returncode != 0:
-            print(p.stdout[-2000:] + p.stderr[-2000:], file=sys.stderr)
-            return p.returncode
-        res = json.loads(p.stdout.strip().splitlines()[-1])
-        gpu = res["gpu"]
-        rows += [dict(r, minb=int(v)) for r in res["results"] if r["quantizer"] == "native"]
-    print(f"bench_quant --minb on {platform.node()}, {gpu}")
-    print("| case | CTAs/SM | ms | effective GB/s | vs copy |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['case']} | {r['minb']} | {r['ms']:.3f} | {r['GBps']:.1f} | {r['vs_copy']:.3f} |")
-    if a.json:
-        print(json.dumps(dict(bench="quant-minb", machine=platform.node(), gpu=gpu, results=rows)))
-    return 0
+def pick_variant(variant: str, minb: str, dry_run: bool) -> None:
+    """Compile FP8 kernel variant v<n> (at minb CTAs per SM, "" for its own) in this process:
+    a WXFER_KERNEL_SWEEP build's _wxfer.kernel_sweep. A CPU dry run has no kernel to pick."""
+    from wxfer import _wxfer
+
+    if not getattr(_wxfer, "KERNEL_SWEEP", 0):
+        if dry_run:
+            return
+        sys.exit(
+            "bench_quant: kernel variants need a build with WXFER_KERNEL_SWEEP=1 "
+            "(WXFER_KERNEL_SWEEP=1 .venv/bin/python setup.py build_ext --inplace --force)"
+        )
+    _wxfer.kernel_sweep("fp8", variant=int(variant[1:]), ctas_per_sm=int(minb or 0))
 
 
 def sweep_variants(a):
@@ -303,22 +295,20 @@ def sweep_variants(a):
     rows, gpu, bad = [], None, []
     for v in specs:
         name, _, minb = v.partition(":")
-        env = dict(os.environ, WXFER_FP8_VARIANT=name)
-        env.pop("WXFER_FP8_MINB", None)
-        if minb:
-            env["WXFER_FP8_MINB"] = minb
         cmd = [
             sys.executable,
             os.path.abspath(__file__),
             "--json",
             "--native-only",
             "--check-only-native",
+            "--kernel",
+            v,
             "--reps",
             str(a.reps),
             "--iters",
             str(a.iters),
         ] + (["--dry-run"] if a.dry_run else [])
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if p.returncode != 0 and not p.stdout.strip().endswith("}"):
             print(f"bench_quant: variant {v} failed:\n" + p.stdout[-2000:] + p.stderr[-2000:], file=sys.stderr)
             bad.append(v)

@@ -1,6 +1,7 @@
-"""The batched copy kernel (csrc/prepare/wx_copy_kernel.cu, through wxfer.runtime.copies):
-its range table and validation (CPU), the torch fallback and why it ran (CPU), and on a GPU
-every byte of many ranges in one launch -- sizes around the 16-byte vectors and the 64 KiB
+"""The batched copy kernel (csrc/prepare/wx_copy_kernel.cu, through wxfer.runtime.copies) and
+the driver's batched copy (cuMemcpyBatchAsync): the range table and validation (CPU), the
+torch fallback and why it ran (CPU), and on a GPU, by each copier, every byte of many ranges
+in one call -- sizes around the 16-byte vectors and the 64 KiB
 chunks, unaligned and mutually misaligned addresses, hundreds of ranges -- with the bytes
 between the ranges untouched, and the device table reused when the same batch comes again."""
 
@@ -72,6 +73,46 @@ def test_cpu_tensors_are_copied_by_torch_and_it_says_why(monkeypatch):
     assert "expected native or torch" in copies.info(torch.device("cpu"))["reason"]
 
 
+def test_the_driver_batch_validates_its_copies_and_says_why_it_cannot_run():
+    """copy_batch's table is (dst, src, nbytes) triples; a null address or 0 bytes is refused
+    naming the copy before any driver call; without a CUDA driver the probe says so."""
+    with pytest.raises(ValueError, match=r"copy_batch table: 16 bytes \(expected 1 to \d+ \(dst, src, nbytes\)"):
+        _wxfer.copy_batch(0, 0, array.array("Q", [1, 2]))
+    for bad, says in (
+        ((1 << 20, 0, 8), "copy 1: null address"),
+        ((1 << 20, 1 << 21, 0), "copy 1: null address or 0 bytes"),
+    ):
+        with pytest.raises(_wxfer.Error, match=says):
+            _wxfer.copy_batch(0, 0, array.array("Q", [1 << 20, 1 << 21, 8, *bad]))
+    if not torch.cuda.is_available():
+        ok, why = _wxfer.copy_batch_probe(0)
+        assert not ok and ("libcuda" in why or "cuInit" in why)
+        assert copies.driver_why(torch.device("cuda", 0)) == why
+        inf = copies.info(torch.device("cuda", 0), copier="driver")  # neither path: both reasons
+        assert inf["copier"] == "torch._foreach_copy_" and inf["reason"].endswith("; and " + why)
+
+
+def test_wxfer_copy_torch_or_a_typo_keeps_the_driver_batch_off_too(monkeypatch):
+    for value, allowed in (("", True), ("native", True), ("torch", False), ("fast", False)):
+        monkeypatch.setenv("WXFER_COPY", value)
+        assert copies._PROBE.allowed() is allowed
+    monkeypatch.setenv("WXFER_COPY", "torch")
+    assert copies.info(torch.device("cuda", 0), copier="driver")["reason"] == "WXFER_COPY=torch"
+
+
+def test_the_copier_switch_is_checked_and_cpu_tensors_go_to_torch_with_either():
+    src = torch.arange(64, dtype=torch.uint8)
+    dst = torch.zeros(64, dtype=torch.uint8)
+    items = [(dst[:40], src[24:], 0, 0, 40)]
+    assert copies.COPIER in copies.COPIERS == ("kernel", "driver")
+    with pytest.raises(ValueError, match="copier must be one of .* got 'dma'"):
+        copies.copy_ranges(torch.device("cpu"), items, copier="dma")
+    assert copies.copy_ranges(torch.device("cpu"), items, copier="driver") == "torch._foreach_copy_"
+    assert torch.equal(dst[:40], src[24:]) and not dst[40:].any()
+    assert "CUDA devices only" in copies.last()["reason"]
+    assert "CUDA devices only" in copies.driver_why(torch.device("cpu"))
+
+
 def test_an_empty_batch_launches_nothing():
     before = dict(copies._calls)
     assert copies.copy_ranges(torch.device("cpu"), []) == "none"
@@ -100,10 +141,12 @@ def _cases(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("driver_min", ["", "100000"])
-def test_every_byte_of_many_ranges_in_one_launch(gpu, driver_min, monkeypatch):
-    """All ranges in the kernel; then those of 100000 bytes or more by the driver's copy."""
-    monkeypatch.setenv("WXFER_COPY_DRIVER_MIN", driver_min)
+@pytest.mark.parametrize("copier", ["kernel", "driver"])
+def test_every_byte_of_many_ranges_in_one_call(gpu, copier):
+    """All ranges by one launch of the kernel, or by one cuMemcpyBatchAsync of the driver."""
+    ran = {"kernel": "native", "driver": "driver"}[copier]
+    if copier == "driver" and copies.driver_why(gpu):
+        pytest.skip(f"no driver batch here: {copies.driver_why(gpu)}")
     rng = random.Random(7)
     cases = _cases(rng)
     pad = 256
@@ -115,9 +158,9 @@ def test_every_byte_of_many_ranges_in_one_launch(gpu, driver_min, monkeypatch):
         d, s = dst[at + do : at + do + n], src[at + so : at + so + n]
         items.append((d, s, d.data_ptr(), s.data_ptr(), n))
         at += n + pad
-    before = copies._calls["native"]
-    assert copies.copy_ranges(gpu, items) == "native"
-    assert copies._calls["native"] == before + 1
+    before = copies._calls[ran]
+    assert copies.copy_ranges(gpu, items, copier) == ran
+    assert copies._calls[ran] == before + 1
     want = torch.full((total,), FILL, dtype=torch.uint8)
     s_cpu = src.cpu()
     at = 0

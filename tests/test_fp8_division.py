@@ -1,4 +1,4 @@
-"""The FP8 kernel's fast division (variants v1+, wx_div_fast in csrc/prepare/wx_fp8_kernel.cu:
+"""The FP8 kernel's fast division (wx_div_fast in csrc/prepare/wx_fp8_kernel.cu:
 q0 = a*rcp(s), t = fma(q0, s, -a), q = fma(-t, rcp(s), q0)) equals IEEE float32 division for
 every bfloat16 / float16 significand of a against every scale significand the kernel can
 produce from that format (and the 1e-12 floor), and keeps signed zeros and the sign of

@@ -50,13 +50,8 @@ _VARS = (
     Var("WXFER_VERIFY", "flag", "off", "Python", "checksum every write (Sender.push / Receiver verify=)"),
     Var("WXFER_DIRECT", "flag", "on", "Python", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
     Var("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "Python", "zero-copy tasks below this are copied by kernels"),
-    Var("WXFER_COPY", "choice", "native", "Python", "the batched copy: native (NVRTC kernel) or torch"),
-    Var("WXFER_COPY_DRIVER_MIN", "size", "0", "Python", "ranges of at least this go to the driver's copy (0: none)"),
-    Var("WXFER_COPY_UNROLL", "int", "4", "C", "the copy kernel's 16-byte loads in flight per thread (1-16)"),
-    Var("WXFER_COPY_CTAS", "int", "16", "C", "the copy kernel's CTAs per SM (1-32)"),
+    Var("WXFER_COPY", "choice", "native", "Python", "the batched copy: native (copies.COPIER's) or torch"),
     Var("WXFER_FP8", "choice", "native", "Python", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
-    Var("WXFER_FP8_VARIANT", "choice", "v6", "C, Python", "the FP8 kernel variant, v0 to v8"),
-    Var("WXFER_FP8_MINB", "int", "the variant's", "C", "the FP8 kernel's CTAs per SM (1-32)"),
     # libraries (dlopened by the C extension)
     Var("WXFER_LIBCUDA", "path", "libcuda.so.1", "C, Python", "the CUDA driver library"),
     Var("WXFER_LIBFABRIC", "path", "libfabric.so.1", "C", "the libfabric library"),
@@ -81,6 +76,14 @@ _VARS = (
     Var("WXFER_WERROR", "flag", "off", "setup.py", "warnings are errors", "build"),
     Var("WXFER_TESTING", "flag", "off", "setup.py", "compile in the tests' fault-injection options", "build"),
     Var("WXFER_ABI_CHECK", "flag", "off", "setup.py", "compare the ABI declarations with system headers", "build"),
+    Var(
+        "WXFER_KERNEL_SWEEP",
+        "flag",
+        "off",
+        "setup.py",
+        "also build the benchmarks' kernel variants (_wxfer.kernel_sweep; bench_quant/bench_copies --variants)",
+        "build",
+    ),
     Var("WXFER_TEST_GPUREG", "str", "unset", "C", "override the verbs GPU-registration facts", "test build"),
 )
 

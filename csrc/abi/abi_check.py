@@ -28,6 +28,8 @@ CORE = os.path.join(os.path.dirname(HERE), "core")
 KNOWN = {
     "symbol cuEventElapsedTime": "wx_dl_cuda.c takes the unversioned symbol, which CUDA 12 "
     "drivers (no _v2) and CUDA 13 drivers both export; timing-only use",
+    "symbol cuMemcpyBatchAsync_v1": "not a cuda.h name: wx_dl_cuda.c's fallback to the CUDA 12.8 ABI "
+    "(with failIdx) under its unversioned symbol, for 12.8 / 12.9 drivers that lack cuMemcpyBatchAsync_v2",
 }
 # Structs the library may grow at the end: ours may be a prefix of the system's (every offset
 # still checked), because we hand the library our size and it fills no more than that.

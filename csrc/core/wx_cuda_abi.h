@@ -72,6 +72,33 @@ typedef enum CUmemRangeHandleType_enum {
     CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
 } CUmemRangeHandleType;
 
+/* cuMemcpyBatchAsync (CUDA 12.8+): one attribute set for the copies from attrsIdxs[i] on. */
+typedef enum CUmemLocationType_enum {
+    CU_MEM_LOCATION_TYPE_INVALID = 0,
+    CU_MEM_LOCATION_TYPE_DEVICE = 1
+} CUmemLocationType;
+
+typedef struct CUmemLocation_st {
+    CUmemLocationType type;
+    int id; /* the device ordinal for CU_MEM_LOCATION_TYPE_DEVICE */
+} CUmemLocation;
+
+typedef enum CUmemcpySrcAccessOrder_enum {
+    CU_MEMCPY_SRC_ACCESS_ORDER_INVALID = 0,
+    CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1,
+    CU_MEMCPY_SRC_ACCESS_ORDER_DURING_API_CALL = 2,
+    CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3
+} CUmemcpySrcAccessOrder;
+
+typedef struct CUmemcpyAttributes_st {
+    CUmemcpySrcAccessOrder srcAccessOrder;
+    CUmemLocation srcLocHint; /* hints: ignored for memory cudaMalloc'ed (not managed) */
+    CUmemLocation dstLocHint;
+    unsigned int flags; /* CU_MEMCPY_FLAG_* */
+} CUmemcpyAttributes;
+
+enum { CU_MEMCPY_FLAG_DEFAULT = 0, CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1 };
+
 enum { CU_SHAREDMEM_CARVEOUT_MAX_SHARED = 100 };
 enum { CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1 };
 enum { CU_STREAM_NON_BLOCKING = 1 };

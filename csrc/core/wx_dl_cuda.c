@@ -79,6 +79,8 @@ static void wx__cuda_load(void)
     WX__OPT(cuMemRetainAllocationHandle, "cuMemRetainAllocationHandle");
     WX__OPT(cuMemRelease, "cuMemRelease");
     WX__OPT(cuDeviceGetUuid, "cuDeviceGetUuid_v2");
+    WX__OPT(cuMemcpyBatchAsync, "cuMemcpyBatchAsync_v2");
+    WX__OPT(cuMemcpyBatchAsync_v1, "cuMemcpyBatchAsync");
     r = wx__cuda.cuInit(0);
     if (r != CUDA_SUCCESS) {
         const char *name = "?";

@@ -64,6 +64,12 @@ typedef struct wx_cuda_api {
     CUresult (*cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
                                unsigned int, unsigned int, unsigned int, CUstream, void **,
                                void **);
+    /* the batched copy (optional: CUDA 12.8+ drivers). cuda.h of CUDA 13 maps the name to
+     * cuMemcpyBatchAsync_v2; 12.8 and 12.9 drivers export only the first ABI, with failIdx */
+    CUresult (*cuMemcpyBatchAsync)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
+                                   CUmemcpyAttributes *, size_t *, size_t, CUstream);
+    CUresult (*cuMemcpyBatchAsync_v1)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
+                                      CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
 } wx_cuda_api_t;
 
 /* Load libcuda.so.1 (or $WXFER_LIBCUDA) once and call cuInit(0). Returns the table, or

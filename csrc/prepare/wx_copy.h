@@ -5,8 +5,10 @@
  * per copy. A range is (dst, src, nbytes, chunk0): device addresses of one device, any
  * alignment (16-byte aligned pairs are copied 16 bytes at a time), chunk0 the running count
  * of WX_COPY_CHUNK-byte chunks of the ranges before it. The kernel (wx_copy_kernel.cu) is
- * compiled with NVRTC at first use and cached per architecture and per device, as the FP8
- * kernel is (docs/prepare.md).
+ * compiled with NVRTC at first use and cached per architecture and per device by the kernel
+ * loader (wx_kernels.c), as the FP8 kernel is (docs/prepare.md). wx_copy_batch does the same
+ * copies with the driver's cuMemcpyBatchAsync, to be measured beside it
+ * (benchmarks/bench_copies.py; wxfer.runtime.copies.COPIER picks).
  */
 #ifndef WX_COPY_H
 #define WX_COPY_H
@@ -30,23 +32,27 @@ int wx_copy_check(const wx_copy_range_t *r, int n, uint64_t *nchunks);
 
 /* Can the kernel run on CUDA device `device`? Loads libcuda and libnvrtc (dirs: extra
  * directories to look in), compiles and loads the kernel into the device's primary context
- * (once). Returns 0, or a negative errno with the reason in why. */
+ * (once, wx_kernels.c). Returns 0, or a negative errno with the reason in why. */
 int wx_copy_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len);
 
-/* Copy on `stream` (a CUstream) of `device`: the n validated ranges `host` with one launch of
+/* Copy on `stream` (a CUstream) of `device` the n validated ranges `host` with one launch of
  * the kernel (`dev_ranges`: the device address of the same bytes, valid until the kernel ran,
- * stream order; n may be 0), then the nbig copies `big` (dst, src, nbytes triples) with one
- * cuMemcpyAsync each (the driver's copy, for ranges large enough to pay for a call of their
- * own). Returns 0 or a negative errno (wx_last_error says why). */
+ * stream order). Returns 0 or a negative errno (wx_last_error says why). */
 int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uint64_t dev_ranges,
-                   int n, const uint64_t *big, int nbig);
+                   int n);
 
-/* The kernel's settings, read from the environment at first use and kept: 16-byte loads in
- * flight per thread ($WXFER_COPY_UNROLL, 1 to 16, default 4; compiled in) and CTAs per SM of the
- * grid ($WXFER_COPY_CTAS, 1 to 32, default 16: 0.90 of the on-device copy on the Qwen3 batches
- * against 0.86 at 8, one H200, benchmarks/bench_copies.py --variants, 2026-12-01; at 256
- * threads only 8 CTAs fit an SM at once, the rest start as those finish: finer load balance).
- * Returns 0 or -EINVAL (why says). */
-int wx_copy_settings(int *unroll, int *ctas, char *why, size_t why_len);
+/* The kernel's settings: 16-byte loads in flight per thread (compiled in) and CTAs per SM of
+ * its grid (the product's 4 and 16; another pair only in a WXFER_KERNEL_SWEEP build). */
+void wx_copy_settings(int *unroll, int *ctas);
+
+/* Can the driver's own batched copy (cuMemcpyBatchAsync, CUDA 12.8+ drivers) run on
+ * `device`? Returns 0, or -ENOTSUP (a driver without it: the path is unavailable, no error
+ * elsewhere) / -ENODEV with the reason in why. */
+int wx_copy_batch_probe(int device, char *why, size_t why_len);
+
+/* The same copies by one cuMemcpyBatchAsync on `stream` of `device`: n (dst, src, nbytes)
+ * uint64 triples, device addresses of `device`, the sources read in stream order. Returns 0
+ * or a negative errno (wx_last_error names the call and, where the driver says, the copy). */
+int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n);
 
 #endif

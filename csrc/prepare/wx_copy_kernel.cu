@@ -10,7 +10,7 @@
 #define WX_CHUNK (64u * 1024u)
 #define WX_THREADS 256
 #ifndef WX_UNROLL
-#define WX_UNROLL 4 /* 16-byte loads in flight per thread ($WXFER_COPY_UNROLL at compile time) */
+#define WX_UNROLL 4 /* 16-byte loads in flight per thread (a benchmark build may set it) */
 #endif
 
 struct wx_copy_range {

@@ -1,5 +1,6 @@
 /* py_prepare.c - the Python binding of the native prepare code (csrc/prepare): the FP8
- * kernel's and the batched copy kernel's probe, validation and launch. wxfer/runtime/fp8.py
+ * kernel's and the batched copy kernel's probe, validation and launch, the driver's batched
+ * copy, and (WXFER_KERNEL_SWEEP builds) the benchmarks' kernel variants. wxfer/runtime/fp8.py
  * and wxfer/runtime/copies.py are their only callers. */
 #include "wx_py.h"
 
@@ -8,6 +9,7 @@
 
 #include "wx_copy.h"
 #include "wx_fp8.h"
+#include "wx_sweep.h"
 
 /* The table of `what` (entries of `esize` bytes, at most `max`, `many` in its error) in a buffer-protocol object
  * (e.g. array('Q')), 8-byte aligned; *copy is set when it had to be copied (free it). Returns
@@ -172,56 +174,87 @@ static PyObject *wx_copy_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_copy_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n = 0, nbig = 0, rc;
+    int device, n, rc;
     unsigned long long stream, dev_ranges;
-    PyObject *obj, *bigobj = Py_None;
-    Py_buffer view = {0}, bview = {0};
-    const wx_copy_range_t *p = NULL;
-    void *copy = NULL;
-    if (!PyArg_ParseTuple(args, "iKOK|O:copy_launch", &device, &stream, &obj, &dev_ranges, &bigobj))
+    PyObject *obj;
+    Py_buffer view;
+    const wx_copy_range_t *p;
+    void *copy;
+    if (!PyArg_ParseTuple(args, "iKOK:copy_launch", &device, &stream, &obj, &dev_ranges))
         return NULL;
-    if (obj != Py_None && (n = wx__ranges(obj, &view, &p, &copy)) < 0)
+    if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
         return NULL;
-    if (bigobj != Py_None) {
-        if (PyObject_GetBuffer(bigobj, &bview, PyBUF_SIMPLE) < 0)
-            goto fail;
-        if (bview.len % 24 || (uintptr_t)bview.buf % 8 || bview.len / 24 > WX_COPY_MAX_RANGES) {
-            PyErr_Format(PyExc_ValueError,
-                         "copy_launch: large copies: %zd bytes (expected 8-byte aligned "
-                         "(dst, src, nbytes) uint64 triples)",
-                         bview.len);
-            PyBuffer_Release(&bview);
-            goto fail;
-        }
-        nbig = (int)(bview.len / 24);
-    }
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_copy_launch(device, stream, p, dev_ranges, n, bview.buf, nbig);
+        rc = wx_copy_launch(device, stream, p, dev_ranges, n);
     Py_END_ALLOW_THREADS
-    if (bigobj != Py_None)
-        PyBuffer_Release(&bview);
     free(copy);
-    if (obj != Py_None)
-        PyBuffer_Release(&view);
+    PyBuffer_Release(&view);
     if (rc)
         return wx_py_raise(st, rc, "copy_launch");
     Py_RETURN_NONE;
-fail:
-    free(copy);
-    if (obj != Py_None)
-        PyBuffer_Release(&view);
-    return NULL;
 }
 
 static PyObject *wx_copy_settings_py(PyObject *m, PyObject *args)
 {
-    wx_py_state_t *st = PyModule_GetState(m);
-    char why[256] = "";
-    int u = 0, c = 0, rc = wx_copy_settings(&u, &c, why, sizeof why);
-    if (rc)
-        return wx_py_raise(st, rc, "copy_settings");
+    int u = 0, c = 0;
+    wx_copy_settings(&u, &c);
     return Py_BuildValue("{sisi}", "unroll", u, "ctas_per_sm", c);
 }
+
+static PyObject *wx_copy_batch_probe_py(PyObject *m, PyObject *args)
+{
+    char why[WX_ERRMSG_MAX] = "";
+    int device, rc;
+    if (!PyArg_ParseTuple(args, "i:copy_batch_probe", &device))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_copy_batch_probe(device, why, sizeof why);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Os)", rc == 0 ? Py_True : Py_False, rc == 0 ? "" : why);
+}
+
+static PyObject *wx_copy_batch_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    int device, n, rc;
+    unsigned long long stream;
+    PyObject *obj;
+    Py_buffer view;
+    const void *p;
+    void *copy;
+    if (!PyArg_ParseTuple(args, "iKO:copy_batch", &device, &stream, &obj))
+        return NULL;
+    if ((n = wx__table(obj, &view, &p, &copy, "copy_batch", "(dst, src, nbytes) triples",
+                       3 * sizeof(uint64_t), WX_COPY_MAX_RANGES)) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_copy_batch(device, stream, p, n);
+    Py_END_ALLOW_THREADS
+    free(copy);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "copy_batch");
+    Py_RETURN_NONE;
+}
+
+#ifdef WX_KERNEL_SWEEP
+static PyObject *wx_kernel_sweep_py(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kws[] = {"kernel", "variant", "ctas_per_sm", "unroll", NULL};
+    wx_py_state_t *st = PyModule_GetState(m);
+    const char *kernel;
+    char why[256] = "";
+    int variant = 6, ctas = 0, unroll = 4, rc;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "s|$iii:kernel_sweep", kws, &kernel, &variant, &ctas,
+                                     &unroll))
+        return NULL;
+    if ((rc = wx_sweep_set(kernel, variant, ctas, unroll, why, sizeof why)) != 0) {
+        wx_errf(rc, "%s", why);
+        return wx_py_raise(st, rc, "kernel_sweep");
+    }
+    Py_RETURN_NONE;
+}
+#endif
 
 static PyMethodDef wx__prepare_methods[] = {
     {"fp8_check", wx_fp8_check_py, METH_VARARGS,
@@ -241,14 +274,37 @@ static PyMethodDef wx__prepare_methods[] = {
      "copy_probe(device, dirs=()) -> (usable, why_not): loads libnvrtc (also from dirs) and "
      "compiles the batched copy kernel for the device at first use."},
     {"copy_launch", wx_copy_launch_py, METH_VARARGS,
-     "copy_launch(device, stream, ranges, device_ranges_ptr, large=None): one launch of the "
-     "batched copy kernel on the stream (ranges as for copy_check, or None; device_ranges_ptr "
-     "the same bytes in device memory, valid until the kernel ran), then one cuMemcpyAsync per "
-     "(dst, src, nbytes) uint64 triple of `large`."},
+     "copy_launch(device, stream, ranges, device_ranges_ptr): one launch of the batched copy "
+     "kernel on the stream (ranges as for copy_check; device_ranges_ptr the same bytes in "
+     "device memory, valid until the kernel ran)."},
     {"copy_settings", wx_copy_settings_py, METH_NOARGS,
-     "copy_settings() -> {unroll, ctas_per_sm}: the kernel's settings ($WXFER_COPY_UNROLL, "
-     "$WXFER_COPY_CTAS, read once); raises Error naming a bad value."},
+     "copy_settings() -> {unroll, ctas_per_sm}: the copy kernel's loads in flight per thread "
+     "and CTAs per SM."},
+    {"copy_batch_probe", wx_copy_batch_probe_py, METH_VARARGS,
+     "copy_batch_probe(device) -> (usable, why_not): has the driver cuMemcpyBatchAsync "
+     "(CUDA 12.8+)?"},
+    {"copy_batch", wx_copy_batch_py, METH_VARARGS,
+     "copy_batch(device, stream, copies): the copies, a buffer of (dst, src, nbytes) uint64 "
+     "triples, by one cuMemcpyBatchAsync on the stream (sources read in stream order)."},
+#ifdef WX_KERNEL_SWEEP
+    {"kernel_sweep", (PyCFunction)(void (*)(void))wx_kernel_sweep_py, METH_VARARGS | METH_KEYWORDS,
+     "kernel_sweep(kernel, *, variant=6, ctas_per_sm=0, unroll=4): before the kernel's first "
+     "use, compile the benchmark variant instead (kernel 'fp8': variant 0-8 of "
+     "benchmarks/kernels/sweep_fp8_kernel.cu, ctas_per_sm 0 for the variant's own; 'copy': "
+     "unroll and ctas_per_sm). Only in builds made with WXFER_KERNEL_SWEEP=1."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
-int wx_py_prepare_init(PyObject *m) { return PyModule_AddFunctions(m, wx__prepare_methods); }
+#ifdef WX_KERNEL_SWEEP
+#define WX__SWEEP 1
+#else
+#define WX__SWEEP 0
+#endif
+
+int wx_py_prepare_init(PyObject *m)
+{
+    if (PyModule_AddIntConstant(m, "KERNEL_SWEEP", WX__SWEEP) < 0)
+        return -1;
+    return PyModule_AddFunctions(m, wx__prepare_methods);
+}

@@ -1,32 +1,37 @@
-"""Many device-to-device copies in one launch.
+"""Many device-to-device copies in one call.
 
 ``copy_ranges(device, items)`` copies every item (a destination and a source tensor of the
 same byte count on one CUDA device, and their addresses) on the current CUDA stream with one
 launch of the native batched copy kernel (csrc/prepare/wx_copy_kernel.cu, compiled with NVRTC
-at first use, as the FP8 kernel is; docs/prepare.md), or, where that kernel cannot run (no
-CUDA driver or libnvrtc, ``WXFER_COPY=torch``), with one ``torch._foreach_copy_``. Both give
-the same bytes; the kernel moves them at about the on-device copy's rate, torch's batched copy
-at about half of it on an H200 (benchmarks/README.md). The range table is uploaded once per
-distinct batch and kept on the device (a push copies the same ranges every step).
-Ranges of at least ``driver_min()`` bytes ($WXFER_COPY_DRIVER_MIN; 0: none) are copied by
-the driver instead (one cuMemcpyAsync each, after the kernel, on the same stream). The kernel's
-own settings are $WXFER_COPY_UNROLL and $WXFER_COPY_CTAS (read once; csrc/prepare/wx_copy.h).
-``info()`` says which copier would run and why; ``last()`` which one ran last.
+at first use, as the FP8 kernel is; docs/prepare.md), or with one call of the driver's own
+batched copy (``cuMemcpyBatchAsync``, CUDA 12.8+ drivers), whichever ``COPIER`` names (the one
+switch: "kernel" or "driver"; ``copy_ranges(copier=)`` overrides it per call), or, where
+neither can run (no CUDA driver or libnvrtc, ``WXFER_COPY=torch``), with one
+``torch._foreach_copy_``. All give the same bytes; the kernel moves them at about the
+on-device copy's rate, torch's batched copy at about half of it on an H200
+(benchmarks/README.md; benchmarks/bench_copies.py measures all three beside the bound). The
+kernel's range table is uploaded once per distinct batch and kept on the device (a push copies
+the same ranges every step). ``info()`` says which copier would run and why; ``last()`` which
+one ran last.
 """
 
 from __future__ import annotations
 
 import array
 
-from .. import envs
 from .nvrtc import Probe
 
 CHUNK = 64 << 10  # = WX_COPY_CHUNK in csrc/prepare/wx_copy.h
-DRIVER_MIN = 0  # = driver_min()'s default
+# The product path: "kernel" (the batched copy kernel) or "driver" (cuMemcpyBatchAsync). The
+# kernel until the H200 numbers of benchmarks/bench_copies.py say otherwise; a driver without
+# cuMemcpyBatchAsync (older than 12.8) falls back to the kernel.
+COPIER = "kernel"
+COPIERS = ("kernel", "driver")
 TABLES_KEPT = 256  # device range tables kept (one per distinct batch and stream)
-_calls = {"native": 0, "torch": 0}
+_calls = {"native": 0, "driver": 0, "torch": 0}
 _last: dict | None = None
 _tables: dict = {}  # (stream, table bytes) -> the table in device memory
+_batch_ok: dict = {}  # CUDA ordinal -> None (cuMemcpyBatchAsync there) or why not
 
 
 _PROBE = Probe("WXFER_COPY", "torch", "torch._foreach_copy_", "copy_probe")
@@ -38,45 +43,64 @@ def _native_why(device, probe: bool = True) -> str | None:
     return _PROBE.why(device, probe)
 
 
-def info(device=None, probe: bool = True) -> dict:
-    """{"copier": "native" | "torch._foreach_copy_" | "none", "reason": ...} for tensors on
-    `device` (default: the current CUDA device), with the launches each served so far."""
+def driver_why(device) -> str | None:
+    """None when the driver's cuMemcpyBatchAsync can copy on CUDA `device`, else why not
+    (asked of the extension once per device)."""
+    if device.type != "cuda":
+        return f"tensors on {device.type}: the driver's batched copy runs on CUDA devices only"
+    if device.index not in _batch_ok:
+        try:
+            from .. import _wxfer
+        except ImportError as e:
+            return f"the native extension wxfer._wxfer is not built ({e})"
+        ok, why = _wxfer.copy_batch_probe(device.index)
+        _batch_ok[device.index] = None if ok else why
+    return _batch_ok[device.index]
+
+
+def _pick(device, copier: str | None, probe: bool = True) -> tuple:
+    """(what runs: "native" | "driver" | "torch._foreach_copy_" | "none", why) on `device`. The
+    driver's batch needs no kernel: the kernel is compiled only where it is what runs."""
+    copier = COPIER if copier is None else copier
+    if copier not in COPIERS:
+        raise ValueError(f"copies: copier must be one of {COPIERS}, got {copier!r}")
+    dwhy = None
+    if copier == "driver" and device.type == "cuda" and _PROBE.allowed():
+        dwhy = driver_why(device)
+        if dwhy is None:
+            return "driver", f"cuMemcpyBatchAsync of the CUDA driver on {device}"
+    why = _native_why(device, probe)
+    if why == "":
+        return "none", "no batched copy on this device yet (the kernel is compiled at first use)"
+    if why is None:
+        return "native", f"the NVRTC-compiled kernel runs on {device}" + (f" (no driver batch: {dwhy})" if dwhy else "")
+    return "torch._foreach_copy_", why + (f"; and {dwhy}" if dwhy else "")
+
+
+def info(device=None, probe: bool = True, copier: str | None = None) -> dict:
+    """{"copier": "native" | "driver" | "torch._foreach_copy_" | "none", "reason": ...} for
+    tensors on `device` (default: the current CUDA device) with `copier` (default ``COPIER``),
+    with the launches each served so far."""
     import torch
 
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    why = (
-        "no CUDA device (torch.cuda.is_available() is False)"
-        if device is None
-        else _native_why(torch.device(device), probe)
-    )
-    if why == "":
-        d = {"copier": "none", "reason": "no batched copy on this device yet (the kernel is compiled at first use)"}
-    elif why is None:
-        from .. import _wxfer
-
-        d = {"copier": "native", "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}"}
-        d.update(_wxfer.copy_settings(), driver_min=driver_min())
+    if device is None:
+        d = {"copier": "torch._foreach_copy_", "reason": "no CUDA device (torch.cuda.is_available() is False)"}
     else:
-        d = {"copier": "torch._foreach_copy_", "reason": why}
-    d.update(native_calls=_calls["native"], torch_calls=_calls["torch"])
+        ran, why = _pick(torch.device(device), copier, probe)
+        d = {"copier": ran, "reason": why}
+        if ran == "native":
+            from .. import _wxfer
+
+            d.update(_wxfer.copy_settings())
+    d.update(native_calls=_calls["native"], driver_calls=_calls["driver"], torch_calls=_calls["torch"])
     return d
 
 
 def last() -> dict | None:
     """The copier of the last copy_ranges call and why ({"copier", "reason"}), or None."""
     return None if _last is None else dict(_last)
-
-
-def driver_min() -> int:
-    """Ranges of at least this many bytes go to the driver's copy ($WXFER_COPY_DRIVER_MIN,
-    bytes or a size like 8MiB; 0, the default: every range in the kernel)."""
-    v = envs.get("WXFER_COPY_DRIVER_MIN", "").strip()
-    if not v:
-        return DRIVER_MIN
-    from .. import _wxfer
-
-    return int(_wxfer.parse_size(v))
 
 
 def table(items) -> array.array:
@@ -90,10 +114,11 @@ def table(items) -> array.array:
     return t
 
 
-def copy_ranges(device, items) -> str:
+def copy_ranges(device, items, copier: str | None = None) -> str:
     """Copy every item [(dst tensor, src tensor, dst address, src address, nbytes)] on the
-    current stream of CUDA `device` in one launch; returns the copier that ran ("native" or
-    "torch._foreach_copy_"). The tensors are byte views (the fallback copies them)."""
+    current stream of CUDA `device` in one call; returns the copier that ran ("native",
+    "driver" or "torch._foreach_copy_"). `copier`: "kernel" or "driver" (default ``COPIER``).
+    The tensors are byte views (the fallback copies them)."""
     global _last
     if not items:
         return "none"
@@ -102,16 +127,29 @@ def copy_ranges(device, items) -> str:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    why = _native_why(device)
-    if why is None:
+    ran, why = _pick(device, copier)
+    if ran == "native":
         _native(device, items)
         _calls["native"] += 1
-        _last = {"copier": "native", "reason": f"the NVRTC-compiled kernel runs on {device}"}
-        return "native"
-    torch._foreach_copy_([i[0] for i in items], [i[1] for i in items])
-    _calls["torch"] += 1
-    _last = {"copier": "torch._foreach_copy_", "reason": why}
-    return "torch._foreach_copy_"
+    elif ran == "driver":
+        _driver(device, items)
+        _calls["driver"] += 1
+    else:
+        ran = "torch._foreach_copy_"
+        torch._foreach_copy_([i[0] for i in items], [i[1] for i in items])
+        _calls["torch"] += 1
+    _last = {"copier": ran, "reason": why}
+    return ran
+
+
+def _driver(device, items) -> None:
+    from .. import _wxfer
+    from .fp8 import _raw_stream
+
+    triples = array.array("Q")
+    for i in items:
+        triples.extend(i[2:])
+    _wxfer.copy_batch(device.index, _raw_stream(device), triples)
 
 
 def _native(device, items) -> None:
@@ -121,20 +159,6 @@ def _native(device, items) -> None:
     from .fp8 import _raw_stream
 
     stream = _raw_stream(device)
-    cut = driver_min()
-    big = None
-    if cut > 0:
-        big = array.array("Q")
-        for i in items:
-            if i[4] >= cut:
-                big.extend(i[2:])
-        if big:
-            items = [i for i in items if i[4] < cut]
-        else:
-            big = None
-    if not items:
-        _wxfer.copy_launch(device.index, stream, None, 0, big)
-        return
     t = table(items)
     key = (stream, t.tobytes())
     dev = _tables.get(key)
@@ -143,4 +167,4 @@ def _native(device, items) -> None:
             _tables.clear()  # freed in stream order: later work on these streams comes after the kernels
         dev = torch.frombuffer(bytearray(key[1]), dtype=torch.uint8).to(device, non_blocking=True)
         _tables[key] = dev
-    _wxfer.copy_launch(device.index, stream, t, dev.data_ptr(), big)
+    _wxfer.copy_launch(device.index, stream, t, dev.data_ptr())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import array
 
-from .. import envs
 from .nvrtc import Probe
 
 _BLOCK = 128
@@ -21,8 +20,6 @@ _INLINE = 8  # pieces that travel in the launch's parameters (WX_FP8_INLINE)
 _CODES = None  # torch dtype -> the kernel's dtype code
 _calls = {"native": 0, "reference": 0}
 _last: dict | None = None
-DEFAULT_VARIANT = "v6"  # = WX__DEFAULT_VARIANT in csrc/prepare/wx_fp8.c
-_variant: list = []  # the kernel variant compiled (WXFER_FP8_VARIANT at first use)
 
 
 def _torch():
@@ -39,12 +36,7 @@ def _codes():
     return _CODES
 
 
-def _variant_compiled() -> None:
-    if not _variant:  # read by the extension at its first compile
-        _variant.append(envs.get("WXFER_FP8_VARIANT", "").strip() or DEFAULT_VARIANT)
-
-
-_PROBE = Probe("WXFER_FP8", "reference", "the reference", "fp8_probe", _variant_compiled)
+_PROBE = Probe("WXFER_FP8", "reference", "the reference", "fp8_probe")
 
 
 def _native_why(device, probe: bool = True) -> str | None:
@@ -76,7 +68,6 @@ def info(device=None, probe: bool = True) -> dict:
         d = {
             "quantizer": "native",
             "reason": f"the NVRTC-compiled kernel runs on {torch.device(device)}",
-            "variant": _variant[0] if _variant else DEFAULT_VARIANT,
         }
     else:
         d = {"quantizer": "reference", "reason": why}

@@ -212,9 +212,6 @@ class _NotInPlace(Exception):
 def options(direct, copy_max_arg) -> tuple:
     """(enabled, copy_max) from the Sender's ``direct`` and ``copy_max`` arguments, checked
     before anything is set up (a bad value raises naming it)."""
-    from . import copies
-
-    copies.driver_min()  # $WXFER_COPY_DRIVER_MIN checked here (a bad value: an error now, not mid-push)
     cm = copy_max(copy_max_arg)  # first: a bad value raises before anything is set up
     return enabled(direct), cm
 

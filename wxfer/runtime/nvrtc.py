@@ -25,18 +25,16 @@ class Probe:
     """Whether a native kernel can run on a CUDA device, asked of the extension once per device
     (`probe_name`: its function, (device, dirs) -> (usable, why not); it compiles the kernel).
     `env` = `fallback` forces the fallback (`fallback_desc` names it); unset, native or auto:
-    the kernel where it can run. `on_ok` runs after each device's first successful probe."""
+    the kernel where it can run."""
 
-    def __init__(self, env: str, fallback: str, fallback_desc: str, probe_name: str, on_ok=None):
-        self.env, self.fallback, self.desc, self.probe_name, self.on_ok = (
-            env,
-            fallback,
-            fallback_desc,
-            probe_name,
-            on_ok,
-        )
+    def __init__(self, env: str, fallback: str, fallback_desc: str, probe_name: str):
+        self.env, self.fallback, self.desc, self.probe_name = env, fallback, fallback_desc, probe_name
         self._lock = threading.Lock()
         self._probed: dict = {}  # CUDA ordinal -> None (usable) or why not
+
+    def allowed(self) -> bool:
+        """Does `env` let a native path run (unset, native or auto; not the fallback or a typo)?"""
+        return os.environ.get(self.env, "").strip().lower() in ("", "native", "auto")
 
     def why(self, device, probe: bool = True) -> str | None:
         """None when the kernel can run on `device`, else why not; probe=False: "" when that is
@@ -63,7 +61,5 @@ class Probe:
             else:
                 ok, why = getattr(_wxfer, self.probe_name)(idx, nvrtc_dirs())
                 why = None if ok else why
-                if ok and self.on_ok is not None:
-                    self.on_ok()
             self._probed[idx] = why
             return why

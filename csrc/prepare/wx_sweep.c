@@ -1,0 +1,115 @@
+/* wx_sweep.c - the benchmark builds' kernel variants (see wx_sweep.h); empty otherwise. */
+#include "wx_sweep.h"
+
+#ifdef WX_KERNEL_SWEEP
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "sweep_fp8_kernel_src.h" /* benchmarks/kernels/sweep_fp8_kernel.cu, by setup.py */
+#include "sweep_fp8_pipe_src.h"
+#include "wx_copy_kernel_src.h"
+
+static pthread_mutex_t wx__mu = PTHREAD_MUTEX_INITIALIZER;
+static wx_kernel_cfg_t wx__fp8, wx__copy;
+static int wx__fp8_set, wx__copy_set, wx__fp8_used, wx__copy_used;
+static char wx__opt[4][48];
+
+/* The FP8 variant's shape, as the sweep's kernel expects it (its WX_* macros). */
+static void wx__fp8_cfg(int v, int minb)
+{
+    int persistent = (v >= 2 && v <= 4) || v >= 6;
+    int c = minb > 0 ? minb : v == 4 ? 1 : 2;
+    int stages = c == 1 ? 6 : c == 2 ? 3 : 2, n = 0;
+    wx_kernel_src_t *s = &wx__fp8.src;
+    memset(&wx__fp8, 0, sizeof wx__fp8);
+    s->what = "the FP8 sweep kernel";
+    s->file = "sweep_fp8_kernel.cu";
+    s->src = sweep_fp8_kernel_src;
+    s->nhdr = 1;
+    s->hdr_name[0] = "sweep_fp8_pipe.cu";
+    s->hdr_src[0] = sweep_fp8_pipe_src;
+    s->opt[n++] = "--fmad=false";
+    snprintf(wx__opt[0], sizeof wx__opt[0], "-DWX_VARIANT=%d", v);
+    s->opt[n++] = wx__opt[0];
+    if (minb > 0) {
+        snprintf(wx__opt[1], sizeof wx__opt[1], "-DWX_MINB=%d", minb);
+        s->opt[n++] = wx__opt[1];
+    }
+    if (v >= 6) {
+        snprintf(wx__opt[2], sizeof wx__opt[2], "-DWX_STAGES=%d", stages);
+        s->opt[n++] = wx__opt[2];
+        s->smem = (unsigned)stages * 128u * 128u * 2u;
+    }
+    s->nopt = n;
+    s->fn = "wx_fp8_quant";
+    s->min_cc = 89;
+    s->min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)";
+    wx__fp8.threads = v == 5 ? 128 : 256;
+    wx__fp8.ctas_per_sm = persistent ? c : 0;
+}
+
+static void wx__copy_cfg(int unroll, int ctas)
+{
+    wx_kernel_src_t *s = &wx__copy.src;
+    memset(&wx__copy, 0, sizeof wx__copy);
+    s->what = "the copy sweep kernel";
+    s->file = "wx_copy_kernel.cu";
+    s->src = wx_copy_kernel_src;
+    snprintf(wx__opt[3], sizeof wx__opt[3], "-DWX_UNROLL=%d", unroll);
+    s->opt[0] = wx__opt[3];
+    s->nopt = 1;
+    s->fn = "wx_copy_ranges";
+    wx__copy.threads = 256;
+    wx__copy.ctas_per_sm = ctas;
+    wx__copy.unroll = unroll;
+}
+
+int wx_sweep_set(const char *kernel, int variant, int ctas_per_sm, int unroll, char *why,
+                 size_t why_len)
+{
+    int fp8 = strcmp(kernel, "fp8") == 0, rc = 0;
+    if (!fp8 && strcmp(kernel, "copy") != 0) {
+        snprintf(why, why_len, "kernel %.40s (expected fp8 or copy)", kernel);
+        return -EINVAL;
+    }
+    if (fp8 ? (variant < 0 || variant > 8 || ctas_per_sm < 0 || ctas_per_sm > 32)
+            : (unroll < 1 || unroll > 16 || ctas_per_sm < 1 || ctas_per_sm > 32)) {
+        snprintf(why, why_len,
+                 fp8 ? "fp8: variant %d, ctas_per_sm %d (expected 0-8, 0-32)"
+                     : "copy: unroll %d, ctas_per_sm %d (expected 1-16, 1-32)",
+                 fp8 ? variant : unroll, ctas_per_sm);
+        return -EINVAL;
+    }
+    pthread_mutex_lock(&wx__mu);
+    if (fp8 ? wx__fp8_used : wx__copy_used) {
+        snprintf(why, why_len, "%s: the kernel was used already in this process", kernel);
+        rc = -EBUSY;
+    } else if (fp8) {
+        wx__fp8_cfg(variant, ctas_per_sm);
+        wx__fp8_set = 1;
+    } else {
+        wx__copy_cfg(unroll, ctas_per_sm);
+        wx__copy_set = 1;
+    }
+    pthread_mutex_unlock(&wx__mu);
+    return rc;
+}
+
+const wx_kernel_cfg_t *wx_sweep_cfg(const char *kernel)
+{
+    const wx_kernel_cfg_t *c;
+    int fp8 = strcmp(kernel, "fp8") == 0;
+    pthread_mutex_lock(&wx__mu);
+    if (fp8)
+        wx__fp8_used = 1;
+    else
+        wx__copy_used = 1;
+    c = fp8 ? (wx__fp8_set ? &wx__fp8 : NULL) : (wx__copy_set ? &wx__copy : NULL);
+    pthread_mutex_unlock(&wx__mu);
+    return c;
+}
+#else
+typedef int wx__sweep_none; /* a translation unit must declare something */
+#endif
