@@ -23,7 +23,7 @@ static void wx__q_push(wx__queue_t *q, wx__task_t *t)
     q->tail = t;
 }
 
-static wx__task_t *wx__q_pop(wx__queue_t *q)
+wx__task_t *wx__q_pop(wx__queue_t *q)
 {
     wx__task_t *t = q->head;
     if (t) {
@@ -52,12 +52,13 @@ static void wx__init_cond(pthread_cond_t *cv)
 }
 
 /* First error sticks. Called with mu held. */
-static void wx__set_error(wx_engine_t *e, const wx_engine_fail_t *f)
+void wx__set_error(wx_engine_t *e, const wx_engine_fail_t *f)
 {
     if (e->err)
         return;
     e->err = f->err;
     e->fail = *f;
+    pthread_cond_broadcast(&e->cv_ready);
     pthread_cond_broadcast(&e->cv_admit);
     pthread_cond_broadcast(&e->cv_done);
     pthread_cond_broadcast(&e->cv_post);
@@ -89,7 +90,7 @@ static void wx__free_engine(wx_engine_t *e)
     free(e);
 }
 
-static int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p)
+int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p)
 {
     for (uint32_t i = 0; i < e->nfailed; i++)
         if (e->failed[i].peer == p)
@@ -97,7 +98,6 @@ static int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p)
     return 0;
 }
 
-static void wx__finish(wx_engine_t *e, wx__task_t *t, int status);
 static void wx__active_remove(wx_engine_t *e, wx__task_t *t);
 
 /* isolate: finish every task left waiting only for abandoned writes. mu held. */
@@ -119,7 +119,7 @@ static void wx__finish_abandoned(wx_engine_t *e)
 /* isolate: remember that peer p failed, and stop waiting for its writes in flight (they
  * keep their task's memory and source until they complete, e.g. when the transport
  * closes). mu held. */
-static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *f)
+void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *f)
 {
     int err = f->err;
     if (wx__peer_failed(e, p))
@@ -156,6 +156,7 @@ static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *
         }
     }
     wx__finish_abandoned(e);
+    pthread_cond_broadcast(&e->cv_ready); /* an external task waiting for its signal */
     pthread_cond_broadcast(&e->cv_post);
     pthread_cond_broadcast(&e->cv_done);
     pthread_cond_broadcast(&e->cv_admit);
@@ -197,7 +198,7 @@ static void wx__fence_failed_peers(wx_engine_t *e)
 }
 
 /* Called with mu held when a task will see no more completions. */
-static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
+void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
 {
     if (t->finished)
         return;
@@ -340,7 +341,9 @@ static void *wx__ready_main(void *arg)
             wx__wait(&e->cv_ready, &e->mu, WX__IDLE_NS);
             continue;
         }
-        if (t->spec.cuda_event && !e->err) {
+        if (t->spec.external) {
+            wx__ext_ready(e, t);
+        } else if (t->spec.cuda_event && !e->err) {
             int rc;
             pthread_mutex_unlock(&e->mu);
             rc = wx__wait_event(e, t, &f);
@@ -486,6 +489,13 @@ static void *wx__post_main(void *arg)
         if (!t) {
             wx__check_deadlines(e);
             wx__wait(&e->cv_post, &e->mu, WX__IDLE_NS);
+            continue;
+        }
+        if (t->spec.external) {
+            if (!wx__ext_post(e, t)) { /* waits for the fence before it */
+                wx__check_deadlines(e);
+                wx__wait(&e->cv_post, &e->mu, 10 * 1000 * 1000ull);
+            }
             continue;
         }
         wx__post_skip_failed(e, t);
@@ -666,8 +676,10 @@ int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_subm
     uint64_t nchunks = 0, chunk = e->o.chunk;
     if (!t)
         return wx_errf(-ENOMEM, "submit: out of memory");
-    for (uint32_t i = 0; i < spec->ndests; i++)
-        nchunks += spec->dests[i].len ? (spec->dests[i].len + chunk - 1) / chunk : 0;
+    for (uint32_t i = 0; i < spec->ndests; i++) /* external: one signalled "write" per dest */
+        nchunks += !spec->dests[i].len ? 0
+                   : spec->external    ? 1
+                                       : (spec->dests[i].len + chunk - 1) / chunk;
     if (nchunks >= (1u << 20)) {
         free(t);
         return wx_errf(-E2BIG, "submit: task needs %llu writes (at most %u per task)",
@@ -694,6 +706,7 @@ int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_subm
     for (uint32_t i = 0; i < spec->ndests; i++)
         t->rec.bytes += spec->dests[i].len;
     t->rec.held = spec->held_bytes;
+    t->rec.kind = spec->external ? WX_TASK_EXTERNAL : WX_TASK_WRITE;
     t->rec.ndests = t->spec.ndests;
     t->rec.t_submit = t_submit;
     t->rec.t_admit = t_admit;
