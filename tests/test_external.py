@@ -118,6 +118,21 @@ def test_an_external_task_finishes_after_the_fence_before_it():
         t.close()
 
 
+def test_an_external_fence_is_waited_for_by_wait_fence(pair):
+    """fence=True on an external task (the last in-place write of a step): wait(fence=id)
+    returns once it was signalled, after the writes before it."""
+    t, tgt = pair
+    eng = _wxfer.Engine(t, timeout=30)
+    eng.submit(rand(4096, 7), [(tgt.descriptors[0], 0, 0, 4096)], tag=1)
+    x = eng.submit_external([(tgt.descriptors[0], 4096, 0, 4096)], tag=2, fence=True)
+    assert _still_waiting(eng, fence=x)
+    assert eng.complete_external(x) is True
+    eng.wait(timeout=30, fence=x)
+    recs = {r["tag"]: r for r in eng.trace()}
+    assert recs[2]["t_post_first"] >= recs[1]["t_done"] and recs[2]["status"] == 0
+    eng.close()
+
+
 def test_external_task_waiting_for_its_signal_holds_up_later_tasks_not_earlier(pair):
     """The ready stage is one FIFO: tasks before an unsignalled external task land, the ones
     after it wait for its signal (as they wait for an earlier task's CUDA event)."""

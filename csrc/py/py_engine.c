@@ -554,13 +554,15 @@ static PyMethodDef wx_engine_methods[] = {
      "submit_external(dests, event=None, device=-1, tag=0, fence=False) -> task id: an external "
      "task: the caller writes dests' bytes itself (an in-place kernel into memory Transport.map "
      "mapped); nothing is posted. dests as submit's (src_offset unused), validated the same "
-     "way. It finishes once its signal came -- event: a CUDA event (a torch.cuda.Event, kept "
-     "alive until the task is reaped, or its int handle) recorded after the write, polled by "
-     "the engine; None: complete_external(id) -- and the fence before it finished; a fence "
-     "after it waits for it. Its peers failed: skipped; no signal within the engine's timeout: "
-     "the deadline error naming the task and peer. Held 0: never waits for the watermark. The "
-     "engine orders its finish, not the write: start the write after the fences it must follow "
-     "(wait(fence=...))."},
+     "way. Its signal -- event: a CUDA event (a torch.cuda.Event, kept alive until the task "
+     "is reaped, or its int handle) recorded after the write, polled by "
+     "the engine (re-recorded before the task finished: it waits for the new record); None: "
+     "complete_external(id). device: the event's CUDA ordinal (default 0). It finishes once "
+     "its signal came and the fence before it finished; a fence after it waits for it; "
+     "fence=True: it also waits for every earlier write, and wait(fence=id) waits for it. Its "
+     "peers failed: skipped; no signal within the engine's timeout: the deadline error naming "
+     "the task and peer. Held 0: never waits for the watermark. The engine orders its finish, "
+     "not the write: start the write after the fences it must follow (wait(fence=...))."},
     {"complete_external", (PyCFunction)(void (*)(void))wx_py_engine_complete_external,
      METH_VARARGS | METH_KEYWORDS,
      "complete_external(task, status=0, reason=None) -> bool: the host's completion signal of "
