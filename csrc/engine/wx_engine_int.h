@@ -1,6 +1,7 @@
 /* wx_engine_int.h - the engine's private state, shared by wx_engine.c (the stages),
- * wx_engine_ext.c (external tasks), wx_engine_event.c (CUDA events) and wx_engine_info.c
- * (errors, failed peers, stats, trace). Not part of the interface. */
+ * wx_engine_ext.c (external tasks), wx_engine_peers.c (isolate: failing a peer),
+ * wx_engine_event.c (CUDA events) and wx_engine_info.c (errors, failed peers, stats, trace).
+ * Not part of the interface. */
 #ifndef WX_ENGINE_INT_H
 #define WX_ENGINE_INT_H
 
@@ -113,6 +114,9 @@ void wx__set_error(wx_engine_t *e, const wx_engine_fail_t *f);
 void wx__finish(wx_engine_t *e, wx__task_t *t, int status);
 void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *f);
 int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p);
+/* isolate: fence the failed peers not fenced yet (post thread; mu released around each
+ * wx_fence); wx_engine_peers.c, with wx__fail_peer and wx__peer_failed. */
+void wx__fence_failed_peers(wx_engine_t *e);
 wx__task_t *wx__q_pop(wx__queue_t *q);
 
 /* The fields of a failure of task t (NULL: none) at peer p (NULL: none); the reason is
