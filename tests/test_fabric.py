@@ -365,7 +365,7 @@ def fabric_pair(tmp_path_factory):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("scenario", ["basic", "landed", "small", "refuse", "dead", "closeout", "engine"])
+@pytest.mark.parametrize("scenario", ["basic", "landed", "small", "refuse", "dead", "closeout", "engine", "external"])
 def test_c_program(fabric_pair, provider, scenario):
     r = subprocess.run([fabric_pair, provider, scenario, "timeout=3"], capture_output=True, text=True, timeout=80)
     assert r.returncode == 0, r.stdout + r.stderr

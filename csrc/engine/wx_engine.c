@@ -23,7 +23,7 @@ static void wx__q_push(wx__queue_t *q, wx__task_t *t)
     q->tail = t;
 }
 
-static wx__task_t *wx__q_pop(wx__queue_t *q)
+wx__task_t *wx__q_pop(wx__queue_t *q)
 {
     wx__task_t *t = q->head;
     if (t) {
@@ -52,12 +52,13 @@ static void wx__init_cond(pthread_cond_t *cv)
 }
 
 /* First error sticks. Called with mu held. */
-static void wx__set_error(wx_engine_t *e, const wx_engine_fail_t *f)
+void wx__set_error(wx_engine_t *e, const wx_engine_fail_t *f)
 {
     if (e->err)
         return;
     e->err = f->err;
     e->fail = *f;
+    pthread_cond_broadcast(&e->cv_ready);
     pthread_cond_broadcast(&e->cv_admit);
     pthread_cond_broadcast(&e->cv_done);
     pthread_cond_broadcast(&e->cv_post);
@@ -89,115 +90,10 @@ static void wx__free_engine(wx_engine_t *e)
     free(e);
 }
 
-static int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p)
-{
-    for (uint32_t i = 0; i < e->nfailed; i++)
-        if (e->failed[i].peer == p)
-            return 1;
-    return 0;
-}
-
-static void wx__finish(wx_engine_t *e, wx__task_t *t, int status);
 static void wx__active_remove(wx_engine_t *e, wx__task_t *t);
 
-/* isolate: finish every task left waiting only for abandoned writes. mu held. */
-static void wx__finish_abandoned(wx_engine_t *e)
-{
-    int again = 1;
-    while (again) {
-        again = 0;
-        for (wx__task_t *t = e->active; t; t = t->act_next) {
-            if (!t->in_post && !t->finished && t->live == 0) {
-                wx__finish(e, t, -EHOSTUNREACH);
-                again = 1; /* the active list changed */
-                break;
-            }
-        }
-    }
-}
-
-/* isolate: remember that peer p failed, and stop waiting for its writes in flight (they
- * keep their task's memory and source until they complete, e.g. when the transport
- * closes). mu held. */
-static void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *f)
-{
-    int err = f->err;
-    if (wx__peer_failed(e, p))
-        return;
-    if (e->nfailed == WX__MAX_FAILED) { /* too many to name: the engine fails */
-        wx__set_error(e, f);
-        return;
-    }
-    e->failed[e->nfailed].peer = p;
-    e->failed[e->nfailed].f = *f;
-    e->failed[e->nfailed].fence = WX__FENCE_TODO;
-    e->nfailed++;
-    e->fencing_peers++;
-    for (wx__task_t *t = e->active; t; t = t->act_next) {
-        int hit = 0;
-        for (uint32_t i = 0; i < t->posted; i++) {
-            wx__eop_t *eo = &t->ops[i];
-            if (!eo->done && !eo->abandoned && t->dests[eo->dest].peer == p) {
-                eo->abandoned = 1;
-                t->live--;
-                e->inflight--;
-                hit = 1;
-                if (!t->status)
-                    t->rec.status = err;
-            }
-        }
-        /* the task's writes to its other peers were held up behind p's (the depth, the
-         * fence) and may have been posted only now: half a timeout more for them, as for a
-         * refused peer, else the task's past deadline would blame the next live peer too */
-        if (hit && (t->live > 0 || t->in_post)) {
-            uint64_t later = wx_now_ns() + e->o.timeout_ns / 2;
-            if (t->deadline < later)
-                t->deadline = later;
-        }
-    }
-    wx__finish_abandoned(e);
-    pthread_cond_broadcast(&e->cv_post);
-    pthread_cond_broadcast(&e->cv_done);
-    pthread_cond_broadcast(&e->cv_admit);
-}
-
-/* isolate: fence the failed peers (post thread; mu held, released around each fence, which
- * may wait up to half the write timeout and may complete their writes meanwhile). The outcome
- * ends the failure's reason, so that whoever reports the give-up says whether the writes
- * abandoned to that peer can still land. */
-static void wx__fence_failed_peers(wx_engine_t *e)
-{
-    for (uint32_t i = 0; i < e->nfailed; i++) {
-        wx__failed_t *fl = &e->failed[i];
-        char how[WX_ERRMSG_MAX / 2];
-        size_t n;
-        int rc;
-        if (fl->fence != WX__FENCE_TODO)
-            continue;
-        uint64_t t0 = wx_now_ns(), took;
-        fl->fence = WX__FENCE_RUNNING;
-        pthread_mutex_unlock(&e->mu);
-        rc = wx_fence(e->t, fl->peer, e->o.timeout_ns / 2, how, sizeof how);
-        pthread_mutex_lock(&e->mu);
-        /* nothing was posted meanwhile: the fence's time does not count against the
-         * deadlines of the tasks still being posted */
-        took = wx_now_ns() - t0;
-        for (wx__task_t *t = e->active; t; t = t->act_next)
-            if (t->in_post)
-                t->deadline += took;
-        fl = &e->failed[i]; /* (the table only grows) */
-        n = strlen(fl->f.reason);
-        if (n < sizeof fl->f.reason - 1)
-            snprintf(fl->f.reason + n, sizeof fl->f.reason - n, "; %s: %s",
-                     rc == 0 ? "fenced before giving up" : "NOT fenced", how);
-        fl->fence = WX__FENCE_DONE;
-        e->fencing_peers--;
-        pthread_cond_broadcast(&e->cv_done);
-    }
-}
-
 /* Called with mu held when a task will see no more completions. */
-static void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
+void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
 {
     if (t->finished)
         return;
@@ -340,7 +236,9 @@ static void *wx__ready_main(void *arg)
             wx__wait(&e->cv_ready, &e->mu, WX__IDLE_NS);
             continue;
         }
-        if (t->spec.cuda_event && !e->err) {
+        if (t->spec.external) {
+            wx__ext_ready(e, t);
+        } else if (t->spec.cuda_event && !e->err) {
             int rc;
             pthread_mutex_unlock(&e->mu);
             rc = wx__wait_event(e, t, &f);
@@ -486,6 +384,13 @@ static void *wx__post_main(void *arg)
         if (!t) {
             wx__check_deadlines(e);
             wx__wait(&e->cv_post, &e->mu, WX__IDLE_NS);
+            continue;
+        }
+        if (t->spec.external) {
+            if (!wx__ext_post(e, t)) { /* waits for the fence before it */
+                wx__check_deadlines(e);
+                wx__wait(&e->cv_post, &e->mu, 10 * 1000 * 1000ull);
+            }
             continue;
         }
         wx__post_skip_failed(e, t);
@@ -666,8 +571,10 @@ int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_subm
     uint64_t nchunks = 0, chunk = e->o.chunk;
     if (!t)
         return wx_errf(-ENOMEM, "submit: out of memory");
-    for (uint32_t i = 0; i < spec->ndests; i++)
-        nchunks += spec->dests[i].len ? (spec->dests[i].len + chunk - 1) / chunk : 0;
+    for (uint32_t i = 0; i < spec->ndests; i++) /* external: one signalled "write" per dest */
+        nchunks += !spec->dests[i].len ? 0
+                   : spec->external    ? 1
+                                       : (spec->dests[i].len + chunk - 1) / chunk;
     if (nchunks >= (1u << 20)) {
         free(t);
         return wx_errf(-E2BIG, "submit: task needs %llu writes (at most %u per task)",
@@ -694,6 +601,7 @@ int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_subm
     for (uint32_t i = 0; i < spec->ndests; i++)
         t->rec.bytes += spec->dests[i].len;
     t->rec.held = spec->held_bytes;
+    t->rec.kind = spec->external ? WX_TASK_EXTERNAL : WX_TASK_WRITE;
     t->rec.ndests = t->spec.ndests;
     t->rec.t_submit = t_submit;
     t->rec.t_admit = t_admit;

@@ -9,6 +9,15 @@
  *   (transport's thread) -> [done list] -> reap (caller's thread: release the buffer's
  *   owner, e.g. the DLPack deleter).
  *
+ * An external task (spec.external) names destinations whose bytes the caller writes itself
+ * (an in-place kernel into memory mapped from the peer): nothing is posted. Its ready stage
+ * waits for its completion signal -- its CUDA event (polled, never blocking) or
+ * wx_engine_external_done -- bounded by the deadline; in the post stage it waits, as a write
+ * task would, for the fence before it, then finishes. So fences, failed-peer skipping,
+ * deadlines, wx_engine_wait(_fence) and the trace cover it like any task. The engine orders
+ * its *finish*, not the caller's write: the caller starts that write only once the fences it
+ * must follow have finished (wx_engine_wait_fence).
+ *
  * Watermark: a task is admitted only while the bytes held by admitted, not yet completed
  * tasks plus its own stay under the watermark (a task larger than the watermark is
  * admitted alone). Every wait is bounded: admission and wait take a time slice and return
@@ -56,13 +65,19 @@ typedef struct wx_task_spec {
     int fence;    /* 1: its writes are posted once every earlier write has completed, and
                    * later tasks' writes once its own have (a barrier on both sides: the
                    * version stamps before and after a step's data) */
+    int external; /* 1: an external task: src unused (may be NULL), dests' bytes written by the
+                   * caller; finishes at its signal (cuda_event if set, else
+                   * wx_engine_external_done), after the fence before it */
 } wx_task_spec_t;
 
 #define WX_ENGINE_TRACE_MAX 65536 /* trace records kept (a ring: the oldest go first) */
 
+enum { WX_TASK_WRITE, WX_TASK_EXTERNAL }; /* wx_trace_rec_t.kind */
+
 typedef struct wx_trace_rec {
     uint64_t id, tag, bytes, held;
-    uint32_t ndests, nwrites;
+    uint32_t ndests, nwrites; /* external: nwrites = destinations signalled (not skipped) */
+    uint32_t kind;            /* WX_TASK_* */
     int status;
     uint64_t t_submit, t_admit, t_ready, t_post_first, t_post_last, t_done;
 } wx_trace_rec_t;
@@ -84,7 +99,8 @@ void wx_engine_fail_msg(const wx_engine_fail_t *f, char *buf, size_t len);
 
 typedef struct wx_engine_stats {
     uint64_t submitted, completed, bytes_written, held, held_peak, inflight;
-    uint64_t trace_dropped; /* trace records overwritten since the last clear */
+    uint64_t trace_dropped;  /* trace records overwritten since the last clear */
+    uint64_t bytes_external; /* bytes of external tasks' destinations signalled done */
 } wx_engine_stats_t;
 
 int wx_engine_create(wx_transport_t *t, const wx_engine_opts_t *o, wx_engine_t **out);
@@ -105,6 +121,12 @@ int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_subm
                      uint64_t t_admit, uint64_t *id);
 /* Undo a wx_engine_admit whose task will not be submitted. */
 void wx_engine_unadmit(wx_engine_t *e, uint64_t held_bytes);
+/* The host's completion signal of external task `id` (one without a CUDA event): status 0,
+ * or a negative errno with its reason (may be NULL) for the failure of its writes (isolate:
+ * its peers fail; else the engine's sticky error). 0: taken; -ENOENT: `id` is not an
+ * external task waiting for its signal (finished already: skipped, late, cancelled; or not
+ * external); -EALREADY: signalled before; -EINVAL: it waits for a CUDA event, or status > 0. */
+int wx_engine_external_done(wx_engine_t *e, uint64_t id, int status, const char *reason);
 /* Wait up to slice_ns for every submitted task to finish. 0: all done; -EAGAIN: slice
  * passed; other: the engine's error (its message in wx_last_error(), its fields from
  * wx_engine_error). */

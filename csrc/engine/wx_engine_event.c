@@ -1,25 +1,25 @@
 /* wx_engine_event.c - the ready stage's wait for a task's CUDA event (libcuda through the
- * dlopen table): polled with a bounded sleep, until the task's deadline or the engine stops. */
+ * dlopen table): polled with a bounded sleep, until the task's deadline or the engine stops;
+ * or looked at once (an external task's wait, wx_engine_ext.c, which also waits for the host). */
 #include "wx_engine_int.h"
 
 #include <time.h>
 
 #include "wx_dl_cuda.h"
 
-int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
+/* The CUDA API with task t's device's primary context current on the ready thread (made
+ * current once per device, not per task: the caller's process keeps it retained); NULL with
+ * the failure in *f. */
+static const wx_cuda_api_t *wx__event_api(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
 {
     char why[256];
     const wx_cuda_api_t *cu = wx_cuda(why, sizeof why);
     CUdevice dev;
     CUcontext ctx;
-    CUresult r;
-    uint64_t deadline = wx_now_ns() + e->o.timeout_ns;
     if (!cu) {
         wx__fail_fill(f, -ENODEV, t, NULL, "ready", "cannot wait for its CUDA event: %s", why);
-        return -ENODEV;
+        return NULL;
     }
-    /* only the ready thread calls this: make the device's primary context current once per
-     * device, not per task (the caller's process keeps it retained) */
     if (t->spec.cuda_device != e->ready_dev &&
         cu->cuDeviceGet(&dev, t->spec.cuda_device) == CUDA_SUCCESS &&
         cu->cuDevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS) {
@@ -27,15 +27,32 @@ int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
             e->ready_dev = t->spec.cuda_device;
         cu->cuDevicePrimaryCtxRelease(dev);
     }
+    return cu;
+}
+
+int wx__query_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
+{
+    const wx_cuda_api_t *cu = wx__event_api(e, t, f);
+    CUresult r;
+    if (!cu)
+        return -ENODEV;
+    r = cu->cuEventQuery((CUevent)t->spec.cuda_event);
+    if (r == CUDA_SUCCESS)
+        return 1;
+    if (r == CUDA_ERROR_NOT_READY)
+        return 0;
+    wx_cuda_err(r, "cuEventQuery");
+    wx__fail_fill(f, -EIO, t, NULL, "ready", "%s", wx_last_error());
+    return -EIO;
+}
+
+int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
+{
+    uint64_t deadline = wx_now_ns() + e->o.timeout_ns;
     for (;;) {
-        r = cu->cuEventQuery((CUevent)t->spec.cuda_event);
-        if (r == CUDA_SUCCESS)
-            return 0;
-        if (r != CUDA_ERROR_NOT_READY) {
-            wx_cuda_err(r, "cuEventQuery");
-            wx__fail_fill(f, -EIO, t, NULL, "ready", "%s", wx_last_error());
-            return -EIO;
-        }
+        int rc = wx__query_event(e, t, f);
+        if (rc)
+            return rc < 0 ? rc : 0;
         if (wx_now_ns() > deadline || wx__stopping(e)) {
             wx__fail_fill(f, -ETIMEDOUT, t, NULL, "ready",
                           "its CUDA event did not complete in %.1f s",

@@ -85,6 +85,7 @@ void wx_engine_stats(wx_engine_t *e, wx_engine_stats_t *s)
     s->held_peak = e->held_peak;
     s->inflight = e->inflight;
     s->trace_dropped = e->trace_dropped;
+    s->bytes_external = e->bytes_external;
     pthread_mutex_unlock(&e->mu);
 }
 

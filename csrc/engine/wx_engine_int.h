@@ -1,5 +1,7 @@
-/* wx_engine_int.h - the engine's private state, shared by wx_engine.c (the stages) and
- * wx_engine_info.c (errors, failed peers, stats, trace). Not part of the interface. */
+/* wx_engine_int.h - the engine's private state, shared by wx_engine.c (the stages),
+ * wx_engine_ext.c (external tasks), wx_engine_peers.c (isolate: failing a peer),
+ * wx_engine_event.c (CUDA events) and wx_engine_info.c (errors, failed peers, stats, trace).
+ * Not part of the interface. */
 #ifndef WX_ENGINE_INT_H
 #define WX_ENGINE_INT_H
 
@@ -43,6 +45,9 @@ struct wx__task {
     int refused;   /* the last post of the write at the cursor returned -EAGAIN */
     int on_active; /* linked into the engine's active list */
     uint64_t deadline;
+    int ext_signal;    /* external: wx_engine_external_done was called */
+    int ext_status;    /* ... with this status, */
+    char ext_why[160]; /* ... and this reason */
     wx__eop_t *ops;
     wx_trace_rec_t rec;
     wx__task_t *next;                /* ready/post/done queue link */
@@ -61,7 +66,9 @@ struct wx_engine {
     wx__queue_t ready, post, done;
     wx__task_t *active;
     uint64_t held, held_peak, inflight, submitted, completed, bytes_written, next_id;
-    uint64_t fence_done; /* the id of the last fence task finished (they finish in order) */
+    uint64_t bytes_external;
+    wx__task_t *ready_cur; /* the task the ready thread is waiting for (popped from ready) */
+    uint64_t fence_done;   /* the id of the last fence task finished (they finish in order) */
     int err;
     int fence_pending;     /* a fence task was posted: the next waits for inflight == 0 */
     int ready_dev;         /* the ready thread's current CUDA device (-1: none yet) */
@@ -89,6 +96,28 @@ static inline int wx__stopping(wx_engine_t *e)
 /* The ready stage: wait (bounded by the engine's timeout) for task t's CUDA event; 0, or a
  * negative errno with the failure in *f (wx_engine_event.c). */
 int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f);
+/* One non-blocking look at task t's CUDA event (ready thread only; its device's context made
+ * current first): 1 done, 0 not yet, or a negative errno with the failure in *f. */
+int wx__query_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f);
+
+/* External tasks (wx_engine_ext.c). The ready stage of external task t: wait for its signal,
+ * its peers all failed, the engine's error or stop; failures recorded. mu held (released
+ * while waiting). */
+void wx__ext_ready(wx_engine_t *e, wx__task_t *t);
+/* The post stage of external task t at the head of the post queue: 0 while it waits for the
+ * fence before it (the caller waits and comes back), 1 once it has finished. mu held. */
+int wx__ext_post(wx_engine_t *e, wx__task_t *t);
+
+/* Shared by the stages (wx_engine.c), mu held: the first error sticks; a task finishes;
+ * isolate: peer p fails alone; whether p failed; the post queue's head off it. */
+void wx__set_error(wx_engine_t *e, const wx_engine_fail_t *f);
+void wx__finish(wx_engine_t *e, wx__task_t *t, int status);
+void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *f);
+int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p);
+/* isolate: fence the failed peers not fenced yet (post thread; mu released around each
+ * wx_fence); wx_engine_peers.c, with wx__fail_peer and wx__peer_failed. */
+void wx__fence_failed_peers(wx_engine_t *e);
+wx__task_t *wx__q_pop(wx__queue_t *q);
 
 /* The fields of a failure of task t (NULL: none) at peer p (NULL: none); the reason is
  * printf-formatted. */

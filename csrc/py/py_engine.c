@@ -11,6 +11,7 @@ void wx_py_owner_free(void *owner, void *arg)
         wx_dereg(o->t, o->mr);
     wx_py_buf_release(&o->buf);
     Py_XDECREF(o->region);
+    Py_XDECREF(o->keep);
     PyMem_Free(o);
 }
 
@@ -478,9 +479,10 @@ static PyObject *wx_engine_stats_py(PyObject *op, PyObject *noargs)
     if (!wx_py_engine_live(self))
         return NULL;
     wx_engine_stats(self->e, &s);
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "submitted", s.submitted, "completed",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "submitted", s.submitted, "completed",
                          s.completed, "bytes_written", s.bytes_written, "held", s.held, "held_peak",
-                         s.held_peak, "inflight", s.inflight, "trace_dropped", s.trace_dropped);
+                         s.held_peak, "inflight", s.inflight, "trace_dropped", s.trace_dropped,
+                         "bytes_external", s.bytes_external);
 }
 
 static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
@@ -503,12 +505,12 @@ static PyObject *wx_engine_trace_py(PyObject *op, PyObject *args, PyObject *kw)
     lst = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; lst && i < n; i++) {
         wx_trace_rec_t *r = &recs[i];
-        PyObject *d =
-            Py_BuildValue("{s:K,s:K,s:K,s:K,s:I,s:I,s:i,s:K,s:K,s:K,s:K,s:K,s:K}", "id", r->id,
-                          "tag", r->tag, "bytes", r->bytes, "held", r->held, "ndests", r->ndests,
-                          "nwrites", r->nwrites, "status", r->status, "t_submit", r->t_submit,
-                          "t_admit", r->t_admit, "t_ready", r->t_ready, "t_post_first",
-                          r->t_post_first, "t_post_last", r->t_post_last, "t_done", r->t_done);
+        PyObject *d = Py_BuildValue(
+            "{s:K,s:K,s:K,s:K,s:I,s:I,s:i,s:K,s:K,s:K,s:K,s:K,s:K,s:s}", "id", r->id, "tag", r->tag,
+            "bytes", r->bytes, "held", r->held, "ndests", r->ndests, "nwrites", r->nwrites,
+            "status", r->status, "t_submit", r->t_submit, "t_admit", r->t_admit, "t_ready",
+            r->t_ready, "t_post_first", r->t_post_first, "t_post_last", r->t_post_last, "t_done",
+            r->t_done, "kind", r->kind == WX_TASK_EXTERNAL ? "external" : "write");
         if (!d) {
             Py_CLEAR(lst);
             break;
@@ -547,6 +549,27 @@ static PyMethodDef wx_engine_methods[] = {
      "order, with held=0 (never blocks on the watermark), all after the CUDA event; the Region "
      "is kept alive until its writes completed. Stops at the first refusal (raised; the tasks "
      "before it are submitted)."},
+    {"submit_external", (PyCFunction)(void (*)(void))wx_py_engine_submit_external,
+     METH_VARARGS | METH_KEYWORDS,
+     "submit_external(dests, event=None, device=-1, tag=0, fence=False) -> task id: an external "
+     "task: the caller writes dests' bytes itself (an in-place kernel into memory Transport.map "
+     "mapped); nothing is posted. dests as submit's (src_offset unused), validated the same "
+     "way. Its signal -- event: a CUDA event (a torch.cuda.Event, kept alive until the task "
+     "is reaped, or its int handle) recorded after the write, polled by "
+     "the engine (re-recorded before the task finished: it waits for the new record); None: "
+     "complete_external(id). device: the event's CUDA ordinal (default 0). It finishes once "
+     "its signal came and the fence before it finished; a fence after it waits for it; "
+     "fence=True: it also waits for every earlier write, and wait(fence=id) waits for it. Its "
+     "peers failed: skipped; no signal within the engine's timeout: the deadline error naming "
+     "the task and peer. Held 0: never waits for the watermark. The engine orders its finish, "
+     "not the write: start the write after the fences it must follow (wait(fence=...))."},
+    {"complete_external", (PyCFunction)(void (*)(void))wx_py_engine_complete_external,
+     METH_VARARGS | METH_KEYWORDS,
+     "complete_external(task, status=0, reason=None) -> bool: the host's completion signal of "
+     "external task `task` (one submitted without an event). status: 0, or the errno of its "
+     "writes' failure (reason: why; isolate: its peers fail, else the engine's error). False: "
+     "the task no longer waits (finished: its peers failed, late, cancelled). Raises ValueError "
+     "when it was signalled already or waits for a CUDA event."},
     {"reserve", wx_engine_reserve_py, METH_O,
      "reserve(held) -> admission time (ns): admit held bytes under the watermark before the "
      "source is made; blocks like submit. Follow with submit(..., reserved=t) or unreserve(held)."},

@@ -19,6 +19,7 @@ typedef struct {
     wx_mr_t *mr;      /* per-task registration (transports that need one), or NULL */
     wx_mr_t bare;     /* an unregistered description of the source */
     wx_transport_t *t;
+    PyObject *keep; /* kept alive with the task (an external task's CUDA event), or NULL */
 } wx_py_owner_t;
 
 /* Release a task's owner (a wx_engine_reap callback; Python thread only). */
@@ -37,6 +38,9 @@ int wx_py_submit_dests(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *dests
 /* Engine.prepare and Engine.submit_prepared (py_prepared.c; in Engine's method table). */
 PyObject *wx_py_engine_prepare(PyObject *op, PyObject *args, PyObject *kw);
 PyObject *wx_py_engine_submit_prepared(PyObject *op, PyObject *args, PyObject *kw);
+/* Engine.submit_external and Engine.complete_external (py_external.c). */
+PyObject *wx_py_engine_submit_external(PyObject *op, PyObject *args, PyObject *kw);
+PyObject *wx_py_engine_complete_external(PyObject *op, PyObject *args, PyObject *kw);
 /* Create the Prepared type into st->Prepared and add it to m; 0 or -1. */
 int wx_py_prepared_init_type(PyObject *m, wx_py_state_t *st);
 

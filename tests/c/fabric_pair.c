@@ -15,12 +15,16 @@
  *     engine    the engine's threads: 64 tasks of 4 writes each landed and checked, then
  *               64 more stopped while queued, every one reaped (what `make tsan-test`
  *               races against the transport's progress thread)
+ *     external  external tasks (bytes written by this process into the target's memory, then
+ *               signalled from another thread): ordered before a fence, counted by its wait
+ *               and the trace; a failure signalled, a missed deadline, a stop while waiting
  *     bench     GB/s for 1..64 MiB (prints a table)
  * Exit status 0 when every check passed.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <glob.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -476,7 +480,7 @@ static void sc_bench(void)
     pair_stop(&P);
 }
 
-static void engine_submit(pair_t *P, wx_engine_t *e, uint32_t i, uint64_t len)
+static uint64_t engine_submit_f(pair_t *P, wx_engine_t *e, uint32_t i, uint64_t len, int fence)
 {
     wx_dest_t d = {0};
     wx_task_spec_t spec = {0};
@@ -492,11 +496,18 @@ static void engine_submit(pair_t *P, wx_engine_t *e, uint32_t i, uint64_t len)
     spec.dests = &d;
     spec.ndests = 1;
     spec.tag = i;
+    spec.fence = fence;
     while ((rc = wx_engine_admit(e, len, 100000000ull, &ta)) == -EAGAIN)
         ;
     CHECK(rc == 0, "admit: %s", wx_last_error());
     rc = wx_engine_submit(e, &spec, t0, ta, &id);
     CHECK(rc == 0, "submit: %s", wx_last_error());
+    return id;
+}
+
+static void engine_submit(pair_t *P, wx_engine_t *e, uint32_t i, uint64_t len)
+{
+    engine_submit_f(P, e, i, len, 0);
 }
 
 static void sc_engine(void)
@@ -538,12 +549,173 @@ static void sc_engine(void)
     printf("engine ok\n");
 }
 
+/* An external task of one destination, [roff, roff+len) of the target's region, signalled by
+ * the host (no CUDA event). */
+static uint64_t ext_submit(pair_t *P, wx_engine_t *e, uint64_t roff, uint64_t len, uint64_t tag)
+{
+    wx_dest_t d = {0};
+    wx_task_spec_t spec = {0};
+    uint64_t t0 = wx_now_ns(), ta, id;
+    int rc =
+        wx_validate(P->t, P->peer, P->ri.key, P->ri.rbase, P->ri.len, roff, len, NULL, 0, &d.ri);
+    CHECK(rc == 0, "validate: %s", wx_last_error());
+    d.peer = P->peer;
+    d.roff = roff;
+    d.len = len;
+    spec.dests = &d;
+    spec.ndests = 1;
+    spec.tag = tag;
+    spec.external = 1;
+    CHECK(wx_engine_admit(e, 0, 0, &ta) == 0, "admit: %s", wx_last_error());
+    rc = wx_engine_submit(e, &spec, t0, ta, &id);
+    CHECK(rc == 0, "submit external: %s", wx_last_error());
+    return id;
+}
+
+typedef struct ext_writer {
+    pair_t *P;
+    wx_engine_t *e;
+    uint64_t id, off, len;
+    atomic_int signalled;
+} ext_writer_t;
+
+/* The "in-place write": this process copies the bytes into the target's memory itself (the
+ * shared mapping), later, then signals the engine. */
+static void *ext_writer_main(void *arg)
+{
+    ext_writer_t *w = arg;
+    usleep(100 * 1000);
+    memcpy(w->P->tbuf + w->off, w->P->sbuf + w->off, w->len);
+    atomic_store(&w->signalled, 1);
+    CHECK(wx_engine_external_done(w->e, w->id, 0, NULL) == 0, "signal: %s", wx_last_error());
+    return NULL;
+}
+
+static wx_trace_rec_t ext_rec(wx_engine_t *e, uint64_t tag)
+{
+    wx_trace_rec_t *recs, r = {0};
+    size_t n;
+    CHECK(wx_engine_trace(e, &recs, &n, NULL) == 0, "trace");
+    for (size_t i = 0; i < n; i++)
+        if (recs[i].tag == tag)
+            r = recs[i];
+    free(recs);
+    CHECK(r.id, "no trace record of tag %llu", (unsigned long long)tag);
+    return r;
+}
+
+static int ext_wait(wx_engine_t *e, uint64_t fence, double timeout)
+{
+    double end = now_s() + timeout;
+    int rc;
+    do
+        rc = fence ? wx_engine_wait_fence(e, 10000000ull, fence) : wx_engine_wait(e, 10000000ull);
+    while (rc == -EAGAIN && now_s() < end);
+    return rc;
+}
+
+/* A write, an external task signalled 100 ms later by another thread, a fence after it. */
+static void ext_ordered(pair_t *P, wx_engine_t *e, uint64_t len)
+{
+    ext_writer_t w = {P, e, 0, len, len, 0};
+    wx_engine_stats_t st;
+    pthread_t th;
+    uint64_t fence;
+    engine_submit_f(P, e, 0, len, 0);
+    w.id = ext_submit(P, e, len, len, 100);
+    fence = engine_submit_f(P, e, 2, len, 1);
+    CHECK(pthread_create(&th, NULL, ext_writer_main, &w) == 0, "thread");
+    CHECK(ext_wait(e, fence, 20) == 0, "wait fence: %s", wx_last_error());
+    CHECK(atomic_load(&w.signalled), "the fence finished before the external task's signal");
+    CHECK(ext_wait(e, 0, 20) == 0, "wait: %s", wx_last_error());
+    pthread_join(th, NULL);
+    CHECK(memcmp(P->tbuf, P->sbuf, 3 * len) == 0, "external: bytes differ");
+    wx_trace_rec_t x = ext_rec(e, 100), f = ext_rec(e, 2);
+    CHECK(x.kind == WX_TASK_EXTERNAL && f.kind == WX_TASK_WRITE, "kinds %u %u", x.kind, f.kind);
+    CHECK(x.status == 0 && x.nwrites == 1 && x.bytes == len && x.held == 0, "external record");
+    CHECK(f.t_post_first >= x.t_done && x.t_ready >= x.t_submit, "fence posted before it finished");
+    wx_engine_stats(e, &st);
+    CHECK(st.bytes_external == len && st.completed == 3, "stats %llu %llu",
+          (unsigned long long)st.bytes_external, (unsigned long long)st.completed);
+    CHECK(wx_engine_external_done(e, w.id, 0, NULL) == -ENOENT, "signal after finish");
+    CHECK(wx_engine_external_done(e, fence, 0, NULL) == -ENOENT, "signal of a write task");
+    CHECK(wx_engine_external_done(e, w.id, 5, NULL) == -EINVAL, "positive status");
+    CHECK(wx_engine_reap(e, NULL, NULL) == 3, "reap");
+}
+
+/* One external task holds the ready stage; the one behind it is signalled twice (refused),
+ * then the first is signalled failed: the engine fails naming its task and peer. */
+static void ext_failed(pair_t *P, wx_engine_t *e, uint64_t len)
+{
+    wx_engine_fail_t f;
+    uint64_t a = ext_submit(P, e, 0, len, 200), b = ext_submit(P, e, len, len, 201);
+    usleep(20 * 1000);
+    CHECK(wx_engine_external_done(e, b, 0, NULL) == 0, "signal b: %s", wx_last_error());
+    CHECK(wx_engine_external_done(e, b, 0, NULL) == -EALREADY, "b signalled twice");
+    CHECK(wx_engine_external_done(e, a, -EIO, "kernel failed") == 0, "signal a");
+    CHECK(ext_wait(e, 0, 20) == -EIO, "wait after a failed signal: %s", wx_last_error());
+    CHECK(wx_engine_error(e, &f) == -EIO && f.task == a && f.tag == 200, "error fields");
+    CHECK(f.peer == (int64_t)P->peer->id && !strcmp(f.stage, "write"), "error peer/stage");
+    CHECK(strstr(f.reason, "in-place writes to") && strstr(f.reason, "kernel failed"), "reason %s",
+          f.reason);
+    double end = now_s() + 20;
+    int n = 0;
+    while ((n += wx_engine_reap(e, NULL, NULL)) < 2 && now_s() < end)
+        usleep(1000); /* (the failure is reported at once; b finishes after it) */
+    CHECK(n == 2, "reaped %d of 2", n);
+    CHECK(ext_rec(e, 201).status == -ECANCELED, "b not cancelled: %d", ext_rec(e, 201).status);
+}
+
+static void sc_external(void)
+{
+    enum { LEN = 65536 };
+    pair_t P = {0};
+    wx_engine_opts_t o = {0};
+    wx_engine_fail_t f;
+    wx_engine_t *e;
+    double t0;
+    int n = 0;
+    pair_start(&P, 4 * LEN);
+    fill(P.sbuf, 4 * LEN, 11);
+    o.chunk = 4096;
+    o.depth = 4;
+    o.timeout_ns = 10000000000ull;
+    CHECK(wx_engine_create(P.t, &o, &e) == 0, "engine: %s", wx_last_error());
+    ext_ordered(&P, e, LEN);
+    wx_engine_destroy(e);
+    CHECK(wx_engine_create(P.t, &o, &e) == 0, "engine: %s", wx_last_error());
+    ext_failed(&P, e, LEN);
+    wx_engine_destroy(e);
+    o.timeout_ns = 300000000ull; /* never signalled: the deadline */
+    CHECK(wx_engine_create(P.t, &o, &e) == 0, "engine: %s", wx_last_error());
+    uint64_t late = ext_submit(&P, e, 0, 8, 300);
+    t0 = now_s();
+    CHECK(ext_wait(e, 0, 20) == -ETIMEDOUT, "no deadline: %s", wx_last_error());
+    CHECK(now_s() - t0 < 5, "deadline after %.1f s", now_s() - t0);
+    CHECK(wx_engine_error(e, &f) == -ETIMEDOUT && f.task == late && !strcmp(f.stage, "deadline"),
+          "deadline fields");
+    CHECK(strstr(f.reason, "not signalled complete after 0.3 s"), "reason %s", f.reason);
+    wx_engine_clear_error(e);
+    ext_submit(&P, e, 0, 8, 301); /* waiting when the engine stops */
+    ext_submit(&P, e, 8, 8, 302);
+    usleep(20 * 1000);
+    wx_engine_stop(e);
+    t0 = now_s();
+    while ((n += wx_engine_reap(e, NULL, NULL)) < 3 && now_s() - t0 < 20)
+        usleep(1000);
+    CHECK(n == 3, "reaped %d of 3 after stop", n);
+    CHECK(ext_rec(e, 301).status == -ECANCELED && ext_rec(e, 302).status == -ECANCELED, "stop");
+    wx_engine_destroy(e);
+    pair_stop(&P);
+    printf("external ok\n");
+}
+
 int main(int argc, char **argv)
 {
     int n = 0;
     if (argc < 3) {
         fprintf(stderr,
-                "usage: %s PROVIDER basic|landed|small|refuse|dead|closeout|engine|bench "
+                "usage: %s PROVIDER basic|landed|small|refuse|dead|closeout|engine|external|bench "
                 "[key=value ...]\n",
                 argv[0]);
         return 2;
@@ -574,6 +746,8 @@ int main(int argc, char **argv)
         sc_closeout();
     else if (!strcmp(argv[2], "engine"))
         sc_engine();
+    else if (!strcmp(argv[2], "external"))
+        sc_external();
     else if (!strcmp(argv[2], "bench"))
         sc_bench();
     else

@@ -20,7 +20,7 @@ if [ -e /usr/lib/x86_64-linux-gnu/libfabric.so.1 ] || ldconfig -p 2>/dev/null | 
         -o "$out/fabric_pair" "$root/tests/c/fabric_pair.c" "$c"/core/*.c "$c"/transport/*.c \
         "$c"/engine/*.c "$c"/backends/fabric/*.c -ldl -lpthread
     for prov in tcp shm; do
-        for sc in engine basic small closeout dead; do
+        for sc in engine external basic small closeout dead; do
             if timeout 120 "$out/fabric_pair" "$prov" "$sc" timeout=3 >"$out/fabric_$prov.$sc.log" 2>&1; then
                 echo "tsan: fabric_pair $prov $sc ok"
             else
