@@ -20,7 +20,6 @@ from .failures import and_own, is_gloo_failure
 log = logging.getLogger(__name__)
 
 
-
 class PushHandle:
     """What ``push(async_op=True)`` returns: every task is submitted (sources packed);
     ``wait()`` returns once this rank's writes and version stamps have landed."""
