@@ -231,9 +231,6 @@ static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
     int rc;
     pthread_condattr_t ca;
 
-    rc = wx_opt_check(opts, "cuda_ipc", wx__ci_known);
-    if (rc)
-        return rc;
     c = calloc(1, sizeof *c);
     if (!c)
         return wx_errf(-ENOMEM, "cuda_ipc: out of memory");
@@ -608,6 +605,11 @@ static int wx__ci_info(wx_transport_t *t, char *buf, size_t len)
 const wx_transport_ops_t wx_cuda_ipc_ops = {
     .name = "cuda_ipc",
     .kind = WX_KIND_CUDA_IPC,
+    /* a write into a peer's mapped memory succeeds whether or not its process is there */
+    .caps = WX_CAP_CUDA_MEM | WX_CAP_SAME_HOST,
+    .auto_host = 0,
+    .auto_cuda = 1,
+    .options = wx__ci_known,
     .probe = wx__ci_probe,
     .open = wx__ci_open,
     .close = wx__ci_close,

@@ -361,8 +361,6 @@ static int wx__verbs_open(const wx_opts_t *opts, wx_transport_t **out)
     uint64_t u;
     const char *s;
     int rc;
-    if ((rc = wx_opt_check(opts, "verbs", wx__verbs_known)))
-        return rc;
     t = calloc(1, sizeof *t);
     if (!t)
         return wx_errf(-ENOMEM, "verbs: out of memory");
@@ -635,9 +633,19 @@ static int wx__verbs_info(wx_transport_t *tt, char *buf, size_t len)
     return 0;
 }
 
+static const char *const wx__verbs_host_opts[] = {"gpu", "gpu_memory", NULL};
+static const char *const wx__verbs_gpu_opts[] = {"gpu", "{gpu}", "gpu_memory", "yes", NULL};
+
 const wx_transport_ops_t wx_verbs_ops = {
     .name = "verbs",
     .kind = WX_KIND_VERBS,
+    /* a peer that is gone: its QP does not answer, IBV_WC_RETRY_EXC_ERR */
+    .caps = WX_CAP_HOST_MEM | WX_CAP_CUDA_MEM | WX_CAP_DEAD_PEER,
+    .auto_host = 0,
+    .auto_cuda = 2,
+    .options = wx__verbs_known,
+    .host_options = wx__verbs_host_opts,
+    .gpu_check = wx__verbs_gpu_opts,
     .probe = wx__verbs_probe,
     .open = wx__verbs_open,
     .close = wx__verbs_close,
