@@ -30,7 +30,7 @@ ALLOWED = {
     "wxfer/plan/simulate.py:simulate": "the one-rule work (issue #26 item 2: simulator and runtime)",
 }
 
-_C_DEF = re.compile(r"^[A-Za-z_][\w\s\*,()\[\]]*\b(\w+)\s*\(")
+_C_DEF = re.compile(r"^(?:[A-Za-z_][^(;=]*[\s*])?([A-Za-z_]\w*)\s*\(")
 
 
 def py_functions(path: str, text: str):
