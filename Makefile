@@ -139,7 +139,8 @@ fuzz: build
 	build/fuzz/fuzz_desc -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -print_final_stats=1 \
 	  -artifact_prefix=build/fuzz/ build/fuzz/corpus
 
-# Style and types: ruff (lint + format, pyproject.toml), clang-format (.clang-format), mypy.
+# Style and types: ruff (lint + format, pyproject.toml), clang-format (.clang-format), mypy;
+# .ci/sizes.py: no product file over 800 lines, no function over 80.
 # `make format` applies the formatters; `make lint` checks without changing anything.
 LINT_PKGS = ruff==0.17.6 mypy==2.4.1
 C_FILES   = $(shell git ls-files 'csrc/*.c' 'csrc/*.h' 'tests/c/*.c' 'tests/c/*.h' 'tests/fuzz/*.c')
@@ -150,6 +151,7 @@ format: lint-deps
 	$(PY) -m ruff format .
 	clang-format -i $(C_FILES)
 lint: lint-deps
+	$(PY) .ci/sizes.py
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	clang-format --dry-run -Werror $(C_FILES)

@@ -7,11 +7,7 @@ from __future__ import annotations
 
 import pickle
 
-
-def _bytes(t):
-    import torch
-
-    return t.reshape(-1).view(torch.uint8)
+from common.baselines import as_bytes, sync_dev
 
 
 def buckets(ex, sizes: dict, bucket_bytes: int):
@@ -63,13 +59,6 @@ class _Link:
         return self.dist.broadcast(t, src=0, async_op=async_op)
 
 
-def _sync_dev(dev):
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _fulls_in(bucket_t, offs, sizes, meta):
 
     out = {}
@@ -84,7 +73,7 @@ def _write_component(c, fulls, params):
 
     for sh in c.shards:
         if sh.rank == 0:
-            prepare.pack_shard_into(sh, fulls, _bytes(params[sh.dst]), sh.offset)
+            prepare.pack_shard_into(sh, fulls, as_bytes(params[sh.dst]), sh.offset)
 
 
 def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
@@ -108,7 +97,7 @@ def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
                     full = prepare.full_tensor(params[s], params[s])  # one trainer rank: itself
                     b[o : o + sizes[s]].view(full.dtype).view(full.shape).copy_(full)
             if ipc:
-                _sync_dev(dev)
+                sync_dev(dev)
                 _flag(link, 0, READY + k)
             else:
                 works[k] = link.bcast(b)
@@ -120,7 +109,7 @@ def _rank0(link, ex, params, sizes, meta, dev, a, ipc, step):
             for c, offs in bucket:
                 _write_component(c, _fulls_in(b, offs, sizes, meta), params)
             if ipc:
-                _sync_dev(dev)
+                sync_dev(dev)
                 _flag(link, 1, ACK + k)
     if link.rank == 0:
         for w in works:
@@ -223,6 +212,6 @@ def _per_tensor(link, ex, params, sizes, meta, dev, a, ipc, step):
                 fulls[s] = t
         _write_component(c, fulls, params)
     if ipc:
-        _sync_dev(dev)
+        sync_dev(dev)
         _flag(link, 1, ACK)
         _drain(link)

@@ -6,7 +6,9 @@
     python benchmarks/bench_baselines.py --dry-run --json                           # CPU, tiny models
 
 Modules: the baselines' steps in bb_patterns.py, the parent's supervisor (spawn, collect,
-restart after a failure) in bb_supervise.py (shared with bench_ckpt_engine.py).
+restart after a failure: the one retry loop) in common/supervise.py (shared with
+bench_ckpt_engine.py); what the other benchmarks import of these models, parameters and
+the machine description in common/baselines.py.
 
 Trainers (bb_fsdp.py): plain tensors, or FSDP2 on transformers' own model classes (with
 CPU offload for one row); wxfer is measured for two watermarks (peak extra memory, host
@@ -48,71 +50,40 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import socket
-import subprocess
 import sys
 import time
 
 import bb_fsdp
 import bb_report
-from bb_predict import calibrations, placement_of  # noqa: F401 -- placement_of: also bb_fsdp / sim_check
-import bb_supervise
-from bb_patterns import (  # noqa: F401 -- buckets, _bytes, _fulls_in, _sync_dev: also used by bench_scale / bench_ckpt_engine
-    _STATE,
-    _bytes,
-    _fulls_in,
-    _Link,
-    _per_tensor,
-    _rank0,
-    _sync_dev,
-    buckets,
+from bb_patterns import _STATE, _Link, _per_tensor, _rank0
+from bb_predict import calibrations
+from common import supervise
+from common.baselines import (  # noqa: F401 -- ROOT: the checkout, for the children's sys.path
+    CPU_MODELS,
+    GPU_MODELS,
+    NO_MULTICAST,
+    ROOT,
+    cfg_name,
+    checksums,
+    expanded,
+    infer_params,
+    machine,
+    model_spec,
+    parse_size,
+    reset,
+    summary,
+    sync_dev,
+    train_params,
 )
-from bb_supervise import _kill_children, child
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-NO_MULTICAST = dict(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 METHODS = ("link", "wxfer", "rank0", "per-tensor")
-GPU_MODELS = ("qwen3-8b", "qwen3-30b-a3b")
-CPU_MODELS = ("tiny", "tiny-moe")
 GiB = 1 << 30
 
 
 # --------------------------------------------------------------------------- models
-
-
-def model_spec(name: str):
-    """(config dict, mapping preset) of a benchmark model."""
-    from wxfer.mapping import get_preset
-    from wxfer.models import TINY, TINY_MOE, preset_for
-
-    if name == "tiny":
-        return dict(TINY), preset_for(TINY)
-    if name == "tiny-moe":
-        return dict(TINY_MOE), preset_for(TINY_MOE)
-    if name == "qwen3-1.7b":
-        from wxfer.mapping import from_config
-
-        return dict(QWEN3_1_7B), from_config(name, QWEN3_1_7B, infer_tp=1)
-    p = get_preset(name)
-    return dict(p.config), p
-
-
-# a 1.7B-class dense model: 28 layers, hidden 2048, untied lm_head: 311 tensors, 4.06 GB BF16
-QWEN3_1_7B = dict(
-    architectures=["Qwen3ForCausalLM"],
-    hidden_size=2048,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=6144,
-    vocab_size=151936,
-    tie_word_embeddings=False,
-)
 
 
 class _Model:
@@ -125,53 +96,11 @@ class _Model:
         return list(self._p.items())
 
 
-def train_params(preset, cfg, device, seed: int = 0) -> dict:
-    import torch
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for n, (shape, dt, _) in preset.hf_params(cfg).items():
-        t = torch.empty(shape, dtype=getattr(torch, dt), device=device)
-        if t.dim() == 1:
-            t.normal_(1.0, 0.1, generator=g)
-        else:
-            t.normal_(0.0, 0.02, generator=g)
-        out[n] = t
-    return out
-
-
-def expanded(preset, cfg, quant, tp: int = 1):
-    from wxfer.mapping import Layout, expand
-
-    shapes = {n: s for n, (s, _, _) in preset.hf_params(cfg).items()}
-    ex = expand(preset.rules, shapes, Layout(tp, False, quant), cfg)
-    if ex.errors:
-        raise RuntimeError("mapping errors: " + "; ".join(ex.errors[:5]))
-    return ex
-
-
-def infer_params(ex, device, rank: int = 0) -> dict:
-    import torch
-
-    return {n: torch.empty(d.shape, dtype=getattr(torch, d.dtype), device=device) for n, d in ex.dest[rank].items()}
-
-
-def reset(params: dict) -> None:
-    for t in params.values():
-        _bytes(t).fill_(0xFF)
-
-
-def checksums(params: dict) -> list:
-    import torch
-
-    return [int(_bytes(t).sum(dtype=torch.int64)) for _, t in sorted(params.items())]
-
-
 # --------------------------------------------------------------------------- the two processes
 
 
 def _proc(rank: int, a: dict, configs: list, q) -> None:
-    child(_proc_main, rank, q, a, configs)
+    supervise.child(_proc_main, rank, q, a, configs)
 
 
 def _proc_main(rank: int, a: dict, configs: list) -> None:
@@ -235,7 +164,7 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         res["train_tensors"] = len(params)
     else:
         params = infer_params(ex, dev)
-    _sync_dev(dev)
+    sync_dev(dev)
     res["alloc_s"] = time.perf_counter() - t0
     sums = {}
 
@@ -251,23 +180,23 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         dst = torch.empty(piece, dtype=torch.uint8, device=dst_dev)
         times = []
         for i in range(a["warmup"] + a["reps"]):
-            _sync_dev(dev), _sync_dev(dst_dev)
+            sync_dev(dev), sync_dev(dst_dev)
             t = time.perf_counter()
             left = dest_bytes
             while left > 0:
                 n = min(piece, left)
                 dst[:n].copy_(src[:n], non_blocking=True)
                 left -= n
-            _sync_dev(dev), _sync_dev(dst_dev)
+            sync_dev(dev), sync_dev(dst_dev)
             if i >= a["warmup"]:
                 times.append(time.perf_counter() - t)
-        res["methods"]["link"] = _summ(times, dest_bytes)
+        res["methods"]["link"] = summary(times, dest_bytes)
         a["_link_GBps"] = res["methods"]["link"]["gbps"]
         del src, dst
     if "h2d" in methods and trainer and gpu:  # the bound of a CPU-offloaded trainer
         mark("h2d")
         nb = res["train_bytes"]
-        res["methods"]["h2d"] = _summ(
+        res["methods"]["h2d"] = summary(
             bb_fsdp.copy_bound(nb, torch.device("cpu"), dev, a["warmup"], a["reps"], pinned=True), nb
         )
         a["_h2d_GBps"] = res["methods"]["h2d"]["gbps"]  # the simulator's H2D rate (bb_fsdp.simulated)
@@ -276,8 +205,8 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
     if "wxfer" in methods:
         mark("wxfer")
         if trainer:
-            tpath = os.path.join(a["out"], "trace-%s.json" % _cfg_name(cfg)) if a.get("out") else None
-            byw, bycm = bb_fsdp.wxfer_trainer(model, stepper, preset, store, ctl, name, ci, a, dev, _summ, tpath)
+            tpath = os.path.join(a["out"], "trace-%s.json" % cfg_name(cfg)) if a.get("out") else None
+            byw, bycm = bb_fsdp.wxfer_trainer(model, stepper, preset, store, ctl, name, ci, a, dev, summary, tpath)
             head = byw[str(a["watermarks"][0])]
             res["wxfer_by_watermark"] = byw
             if bycm:
@@ -329,13 +258,13 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
                     link.barrier()
                     t = time.perf_counter()
                     fn(link, ex, params, sizes, meta, dev, a, shared, i)
-                    _sync_dev(dev)
+                    sync_dev(dev)
                     link.barrier()
                     if i >= a["warmup"]:
                         times.append(time.perf_counter() - t)
                 got = link.obj(checksums(params) if not trainer else None, src=1)
                 if trainer:
-                    res["methods"][m] = _summ(times, dest_bytes)
+                    res["methods"][m] = summary(times, dest_bytes)
                     sums[m] = got
         finally:
             dist.destroy_process_group()
@@ -370,7 +299,7 @@ def _make_trainer(res, cfg, kind, conf, preset, quant, ex, dev, store, name, a):
         gaps = bb_fsdp.mapping_gaps(preset, conf, quant, ex.dest[0])
         if gaps:
             note = (
-                f"{_cfg_name(cfg)}: transformers' {conf['architectures'][0]} is not sent by this mapping "
+                f"{cfg_name(cfg)}: transformers' {conf['architectures'][0]} is not sent by this mapping "
                 f"({'; '.join(gaps[:3])}): the plain-tensor trainer instead"
             )
             print("note:", note, flush=True)
@@ -393,18 +322,7 @@ def _sizes_sorted(ex):
     return [d.nbytes for _, d in sorted(ex.dest[0].items())]
 
 
-def _summ(times, nbytes):
-    ts = sorted(times)
-    med = ts[len(ts) // 2]
-    return dict(seconds=med, best=ts[0], times=times, gbps=nbytes / med / 1e9)
-
-
 # --------------------------------------------------------------------------- the parent
-
-
-def _cfg_name(c) -> str:
-    t = c.get("trainer", "plain")
-    return "%s-%s-%s" % (c["model"], c["quant"], c["layout"]) + ("" if t == "plain" else "-" + t)
 
 
 # the default configurations (each layout): (model, quant, trainer)
@@ -444,80 +362,12 @@ def configs_for(args, layouts) -> list:
     return out
 
 
-def machine(dry_run: bool) -> dict:
-    import torch
-    import wxfer
-
-    m = dict(
-        host=socket.gethostname(),
-        platform=platform.platform(),
-        cpus=os.cpu_count(),
-        python=platform.python_version(),
-        torch=torch.__version__,
-        cuda=torch.version.cuda,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        env={k: os.environ.get(k) for k in (*NO_MULTICAST, "WXFER_DIRECT")},
-        dry_run=dry_run,
-        backends={k: v for k, v in wxfer.backends().items()},
-    )
-    try:
-        m["load"] = os.getloadavg()
-    except OSError:
-        pass
-    m["commit"] = commit()
-    if not dry_run and torch.cuda.is_available():
-        m["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        for args in (
-            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-            ["nvidia-smi", "topo", "-m"],
-        ):
-            try:
-                m[" ".join(args[:2])] = subprocess.run(args, capture_output=True, text=True, timeout=20).stdout
-            except Exception:  # noqa: BLE001
-                pass
-    return m
-
-
-def commit() -> str:
-    """The checkout's commit, only where it is known: $WXFER_COMMIT when set (a copied tree's
-    .git can be older than its files: the H200's copy read 07234f1-dirty for e4d7d45), else
-    git's, when ROOT is the top of a git work tree (not a copy inside another repository's
-    tree), else "unknown"."""
-    if os.environ.get("WXFER_COMMIT"):
-        return os.environ["WXFER_COMMIT"]
-    try:
-        top = subprocess.run(
-            ["git", "-C", ROOT, "rev-parse", "--show-toplevel", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        lines = top.stdout.split()
-        if top.returncode == 0 and len(lines) == 2 and os.path.realpath(lines[0]) == os.path.realpath(ROOT):
-            dirty = subprocess.run(
-                ["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-            ).stdout.strip()
-            return lines[1] + ("-dirty" if dirty else "")
-    except Exception:  # noqa: BLE001 -- no git here
-        pass
-    return "unknown"
-
-
 def table(results: list) -> str:
-    return bb_report.table(results, _cfg_name)
+    return bb_report.table(results, cfg_name)
 
 
 def chart(results: list, path: str) -> bool:
-    return bb_report.chart(results, path, _cfg_name)
-
-
-def _parse_size(v: str) -> int:
-    from wxfer import _wxfer
-
-    return int(_wxfer.parse_size(v))
+    return bb_report.chart(results, path, cfg_name)
 
 
 def _copy_maxes(v: str) -> list:
@@ -563,7 +413,7 @@ def run(args) -> dict:
 
     for k, v in NO_MULTICAST.items():
         os.environ.setdefault(k, v)
-    signal.signal(signal.SIGTERM, _kill_children)
+    signal.signal(signal.SIGTERM, supervise._kill_children)
     layouts = args.layouts.split(",") if args.layouts else ["disagg", "colocated"]
     methods = args.methods.split(",")
     bad = [m for m in methods if m not in METHODS]
@@ -587,14 +437,13 @@ def run(args) -> dict:
         warmup=args.warmup,
         reps=args.reps,
         per_tensor_reps=args.per_tensor_reps,
-        bucket=_parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
-        watermarks=[_parse_size(args.watermark), _parse_size(args.watermark2)],
+        bucket=parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
+        watermarks=[parse_size(args.watermark), parse_size(args.watermark2)],
         copy_max=_copy_maxes(getattr(args, "copy_max", "")),
         out=os.path.abspath(out) if out else None,
         skip=[],
         transport_options=dict(kv.split("=", 1) for kv in args.transport_options.split(",") if kv),
     )
-    ctl = control.Control(store, a["name"], args.timeout)
     mach = machine(args.dry_run)
     # predicted_s: a calibration made before any configuration runs (bb_fsdp.predicted), by placement
     a["calibrations"] = calibrations(args, layouts, out)
@@ -602,56 +451,58 @@ def run(args) -> dict:
     results: list = [None] * len(configs)
     t_start = time.perf_counter()
     todo = list(range(len(configs)))
-    ctx = mp.get_context("spawn")
-    attempt = 0
-    while todo and time.perf_counter() - t_start < args.max_s:
-        attempt += 1
-        a["name"] = "bb%d_%d" % (os.getpid(), attempt)
-        ctl = control.Control(store, a["name"], args.timeout)
-        work = [(ci, configs[ci]) for ci in todo]
-        procs, q = bb_supervise.spawn(ctx, _proc, a, work)
-        cfg_t0 = [time.perf_counter()]
 
-        def got(ci):
-            r = ctl.get_json("res/%d" % ci, "result")
-            r["dry_run"] = args.dry_run
-            if results[ci]:  # errors of methods skipped on an earlier attempt
-                r["errors"] = dict(results[ci].get("errors", {}), **r.get("errors", {}))
-            results[ci] = r
-            cfg_t0[0] = time.perf_counter()
-            _write(out, results, mach, args)
-            print(
-                f"[{time.perf_counter() - t_start:.0f} s] {_cfg_name(configs[ci])}: "
-                + ", ".join(f"{m} {v['seconds']:.4f} s" for m, v in r["methods"].items()),
-                flush=True,
-            )
+    def got(ctl, ci):
+        r = ctl.get_json("res/%d" % ci, "result")
+        r["dry_run"] = args.dry_run
+        if results[ci]:  # errors of methods skipped on an earlier attempt
+            r["errors"] = dict(results[ci].get("errors", {}), **r.get("errors", {}))
+        results[ci] = r
+        _write(out, results, mach, args)
+        print(
+            f"[{time.perf_counter() - t_start:.0f} s] {cfg_name(configs[ci])}: "
+            + ", ".join(f"{m} {v['seconds']:.4f} s" for m, v in r["methods"].items()),
+            flush=True,
+        )
 
-        def over():
-            now = time.perf_counter()
-            return now - cfg_t0[0] > args.config_timeout or now - t_start > args.max_s
+    def failed(ctl, ci, why, procs, _stacks):
+        # where each rank was (its last mark): which step a process left
+        marks = [_mark_of(ctl, ci, r) for r in (0, 1)]
+        why += f" [rank 0 at {marks[0]}, rank 1 at {marks[1]}]"
+        at = marks[0] if marks[0] != "-" else False
+        if at in METHODS and at != "link" and [ci, at] not in a["skip"]:
+            # skip the failing method and retry the configuration with fresh processes
+            a["skip"].append([ci, at])
+            prev = results[ci] or dict(config=configs[ci], methods={}, errors={})
+            prev.setdefault("errors", {})[at] = why.strip().splitlines()[-1] if why.strip() else why
+            results[ci] = prev
+        else:
+            results[ci] = dict(config=configs[ci], methods={}, errors={}, error=why)
+            todo.remove(ci)
+        print(
+            f"{cfg_name(configs[ci])}: {at or 'setup'} failed: {why.strip().splitlines()[-1] if why.strip() else why}",
+            flush=True,
+        )
 
-        f = bb_supervise.watch(procs, q, ctl, todo, "res/%d", got, over, settle=1.0, poll=0.2)
-        failed = None if f is None else (f.index, _why(f, procs))
-        bb_supervise.stop(procs, failed is not None, 5, kill=False)
-        if failed is not None:
-            ci, why = failed
-            # where each rank was (its last mark): which step a process left
-            marks = [_mark_of(ctl, ci, r) for r in (0, 1)]
-            why += f" [rank 0 at {marks[0]}, rank 1 at {marks[1]}]"
-            at = marks[0] if marks[0] != "-" else False
-            if at in METHODS and at != "link" and [ci, at] not in a["skip"]:
-                # skip the failing method and retry the configuration with fresh processes
-                a["skip"].append([ci, at])
-                prev = results[ci] or dict(config=configs[ci], methods={}, errors={})
-                prev.setdefault("errors", {})[at] = why.strip().splitlines()[-1] if why.strip() else why
-                results[ci] = prev
-            else:
-                results[ci] = dict(config=configs[ci], methods={}, errors={}, error=why)
-                todo.remove(ci)
-            print(
-                f"{_cfg_name(configs[ci])}: {at or 'setup'} failed: {why.strip().splitlines()[-1] if why.strip() else why}",  # noqa: E501
-                flush=True,
-            )
+    supervise.run_attempts(
+        mp.get_context("spawn"),
+        _proc,
+        a,
+        store,
+        "bb%d" % os.getpid(),
+        args.timeout,
+        todo,
+        lambda todo: [(ci, configs[ci]) for ci in todo],
+        got,
+        lambda item_s: item_s > args.config_timeout or time.perf_counter() - t_start > args.max_s,
+        lambda ctl, f, procs, _s: _why(f, procs),
+        failed,
+        more=lambda: time.perf_counter() - t_start < args.max_s,
+        settle=1.0,
+        poll=0.2,
+        stop_wait=5,
+        kill=False,
+    )
     for ci in todo:
         results[ci] = results[ci] or dict(config=configs[ci], methods={}, errors={}, error="not run: --max-s reached")
     # merge errors recorded before a retry into the retried result

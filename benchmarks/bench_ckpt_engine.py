@@ -41,7 +41,8 @@ reported as skipped, saying why.
 Here: the steps, the trainer (rank 0), the children's loop and the parent; the inference
 worker in ckpt_engine_worker.py, weights / checks / Loader / the offloaded model in
 ckpt_engine_parts.py, rows and table in ckpt_engine_report.py, the supervisor (spawn,
-collect, stop at a failure, stacks) in bb_supervise.py, shared with bench_baselines.py.
+collect, stop at a failure, stacks, the retry loop) in common/supervise.py, shared with
+bench_baselines.py.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import bb_supervise as sup  # noqa: E402
-import bench_baselines as bb  # noqa: E402  -- model_spec, expanded, infer_params, reset, machine, _sync_dev
+from common import supervise as sup  # noqa: E402
+from common import baselines as bb  # noqa: E402  -- model_spec, expanded, infer_params, reset, machine, _sync_dev
 from ckpt_engine_parts import (  # noqa: E402
     LogTap,
     _med,
@@ -186,7 +187,7 @@ class Trainer:
     def weights(self):
         if self.W is None:
             self.W = train_weights(self.preset, self.conf, self.dev)
-            bb._sync_dev(self.dev)
+            bb.sync_dev(self.dev)
         return self.W
 
     def free_weights(self):
@@ -215,10 +216,10 @@ class Trainer:
         self.warm: list = []  # the warm-up steps' seconds
         for k in range(a["warmup"] + a["reps"]):
             self.ctl.set("at/0", f"{label} step {k}")
-            bb._sync_dev(self.dev)
+            bb.sync_dev(self.dev)
             t = time.perf_counter()
             fn(k)
-            bb._sync_dev(self.dev)
+            bb.sync_dev(self.dev)
             if k >= a["warmup"]:
                 times.append(time.perf_counter() - t)
                 if time.perf_counter() - t0 > a["method_s"] or time.time() > a["deadline"]:
@@ -512,7 +513,7 @@ def _shim():
 
 
 def stack_paths(a: dict) -> dict:
-    """{rank: the file its Python stacks go to} (bb_supervise.stack_file)."""
+    """{rank: the file its Python stacks go to} (common/supervise.stack_file)."""
     return {r: os.path.join(a["stack_dir"], "stacks-%s-rank%d.txt" % (a["name"], r)) for r in (0, 1)}
 
 
@@ -575,14 +576,14 @@ def _child_main(rank: int, a: dict, steps: list) -> None:
 # --------------------------------------------------------------------------- the parent
 
 
-def _why(f, ctl, procs, t_step: float) -> str:
-    """What a failed step says: the children's errors, or a timeout, or who exited (and where
-    each child was)."""
+def _why(ctl, f, procs, step_s: float) -> str:
+    """What a failed step says: the children's errors, or a timeout (`step_s` into the step),
+    or who exited (and where each child was)."""
     if f.errs:
         return "; ".join(f"rank {r}: {e.strip().splitlines()[-1]}" for r, e in sorted(f.errs.items()))
     at = {r: ctl.get("at/%d" % r, "at").decode() for r in (0, 1) if ctl.check("at/%d" % r)}
     if f.over:
-        return "timed out after %.0f s (at %s)" % (time.time() - t_step, at)
+        return "timed out after %.0f s (at %s)" % (step_s, at)
     gone = ", ".join("rank %d exited with %s" % (r, p.exitcode) for r, p in enumerate(procs) if not p.is_alive())
     return "%s (at %s)" % (gone, at)
 
@@ -617,8 +618,8 @@ def run(args, emit=print) -> dict:
         deadline=t_start + args.max_s,
         watermark=args.watermark,
         logs=os.path.abspath(logs) if logs else None,
-        h2d_probe=bb._parse_size(args.h2d_probe),
-        loader_bucket=bb._parse_size(args.loader_bucket),
+        h2d_probe=bb.parse_size(args.h2d_probe),
+        loader_bucket=bb.parse_size(args.loader_bucket),
         ckpt_mem_fraction=args.ckpt_mem_fraction,
         ckpt_req=args.ckpt_req,
         t_start=t_start,
@@ -626,38 +627,39 @@ def run(args, emit=print) -> dict:
     )
     results: list = [None] * len(steps)
     todo = list(range(len(steps)))
-    ctx = mp.get_context("spawn")
-    attempt = 0
-    while todo:
-        attempt += 1
-        a["name"] = "bce%d_%d" % (os.getpid(), attempt)
-        ctl = control.Control(store, a["name"], args.timeout)
-        procs, q = sup.spawn(ctx, _child, a, [steps[i] for i in todo])
-        t_step = [time.time()]
 
-        def got(i):
-            results[i] = ctl.get_json("res/%d" % i, "result")
-            t_step[0] = time.time()
-            emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
+    def got(ctl, i):
+        results[i] = ctl.get_json("res/%d" % i, "result")
+        emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
 
-        def over():
-            return time.time() - t_step[0] > args.step_timeout or time.time() > t_start + args.max_s + args.grace_s
+    def failed(ctl, i, why_, procs, stacks):
+        results[i] = dict(step=steps[i], error=why_, exitcodes=[p.exitcode for p in procs], stacks=stacks)
+        for r, txt in sorted(stacks.items()):
+            print(f"{step_name(steps[i])} failed; rank {r}'s stacks:\n{txt}", file=sys.stderr, flush=True)
+        todo.remove(i)
+        emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
+        if time.time() > t_start + args.max_s:
+            for j in todo:
+                results[j] = dict(step=steps[j], skipped="not run: --max-s reached")
+            todo.clear()
 
-        f = sup.watch(procs, q, ctl, todo, "res/%d", got, over)
-        failed = None if f is None else (f.index, _why(f, ctl, procs, t_step[0]))
-        stacks = sup.dump_stacks(procs, stack_paths(a)) if failed is not None else {}
-        sup.stop(procs, failed is not None, 10, kill=True)
-        if failed is not None:
-            i, why_ = failed
-            results[i] = dict(step=steps[i], error=why_, exitcodes=[p.exitcode for p in procs], stacks=stacks)
-            for r, txt in sorted(stacks.items()):
-                print(f"{step_name(steps[i])} failed; rank {r}'s stacks:\n{txt}", file=sys.stderr, flush=True)
-            todo.remove(i)
-            emit(json.dumps(dict(type="row", name=step_name(steps[i]), **_row_view(results[i]))), flush=True)
-            if time.time() > t_start + args.max_s:
-                for j in todo:
-                    results[j] = dict(step=steps[j], skipped="not run: --max-s reached")
-                todo = []
+    sup.run_attempts(
+        mp.get_context("spawn"),
+        _child,
+        a,
+        store,
+        "bce%d" % os.getpid(),
+        args.timeout,
+        todo,
+        lambda todo: [steps[i] for i in todo],
+        got,
+        lambda step_s: step_s > args.step_timeout or time.time() > t_start + args.max_s + args.grace_s,
+        _why,
+        failed,
+        stop_wait=10,
+        kill=True,
+        stack_paths=stack_paths,
+    )
     cases = summarize(results)
     out = dict(
         type="summary",

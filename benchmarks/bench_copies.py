@@ -45,7 +45,7 @@ def _sizes(model: str) -> list:
     """Bytes of each training parameter of a curated model (BF16), in the plan's order."""
     import math
 
-    from bench_baselines import model_spec
+    from common.baselines import model_spec
 
     cfg, preset = model_spec(model)
     return [math.prod(shape) * 2 for shape, _dt, _ in preset.hf_params(cfg).values()]

@@ -56,7 +56,7 @@ def spec(name: str):
         from wxfer.models import preset_for
 
         return dict(MOE_1G), preset_for(MOE_1G)
-    import bench_baselines as bb
+    from common import baselines as bb
 
     return bb.model_spec(name)
 
@@ -77,7 +77,7 @@ def old_build(preset, conf, dev, ph: dict):
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(cp.fused_or_plain(n, p.shape, p.dtype, dev))
-    cp.bb._sync_dev(dev)
+    cp.bb.sync_dev(dev)
     ph["fill_s"] = time.perf_counter() - t
     t = time.perf_counter()
     shard_fsdp2(model, init_device_mesh(dev.type, (1,)), offload=True)

@@ -44,7 +44,8 @@ import zlib
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-import bench_baselines as bb  # noqa: E402  -- models, buckets, machine description
+import bb_patterns as bp  # noqa: E402  -- the rank-0 buckets
+from common import baselines as bb  # noqa: E402  -- models, machine description
 
 LAYOUTS = {
     "8gpu": dict(trainers=4, replicas=2, tp=2, colocated=False),
@@ -84,12 +85,12 @@ def device_of(a: dict, role: str, i: int):
 
 def timed(fn, dev, reps: int = 3) -> float:
     fn()
-    bb._sync_dev(dev)
+    bb.sync_dev(dev)
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         fn()
-        bb._sync_dev(dev)
+        bb.sync_dev(dev)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -158,7 +159,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
             timeout=a["timeout"],
         )
         ctl.get("wx/done", "the trainers' wxfer steps", a["timeout"])
-        bb._sync_dev(dev)
+        bb.sync_dev(dev)
         ctl.set_json("sum/wxfer/%d" % i, dict(sums=bb.checksums(params), version=r.version()))
         r.close()
         return
@@ -182,7 +183,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
             if tuple(loc.shape) != tuple(want.shape):
                 raise RuntimeError(f"{pn}: FSDP2 local shard {tuple(loc.shape)}, expected {tuple(want.shape)}")
             loc.copy_(want)
-    bb._sync_dev(dev)
+    bb.sync_dev(dev)
     # bandwidths for the simulator, measured here
     bw = {}
     if i == 0:
@@ -214,7 +215,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
     )
     times = []
     for k in range(a["warmup"] + a["reps"]):
-        bb._sync_dev(dev)
+        bb.sync_dev(dev)
         dist.barrier()
         t = time.perf_counter()
         s.push()
@@ -227,7 +228,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
     dist.all_gather_object(nbytes, s.bytes_per_step)
     if i == 0:
         res = dict(
-            bb._summ(times, sum(nbytes)),
+            bb.summary(times, sum(nbytes)),
             bytes=sum(nbytes),
             bytes_per_rank=nbytes,
             tasks=len(s.plan.tasks),
@@ -244,7 +245,7 @@ def _wxfer_phase(role, i, a, cfg, dev, ctl):
             nvlink_GBps=bw.get("allgather_GBps", bw["mem_GBps"]),
             mem_GBps=bw["mem_GBps"],
             write_GBps=bw["write_GBps"],
-            watermark_bytes=bb._parse_size(a["watermark"]),
+            watermark_bytes=bb.parse_size(a["watermark"]),
         )
         sim = simulate(s.plan, c, record=False, kinds="auto")
         res["simulated"] = dict(seconds=sim.simulated_s, lower_bound_s=sim.lower_bound_s, bottleneck=sim.bottleneck)
@@ -272,7 +273,7 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
     ex = expand(preset.rules, {s: sh for s, (sh, _, _) in hf.items()}, Layout(tp, False, quant), conf)
     meta = {s: (tuple(sh), getattr(torch, dt)) for s, (sh, dt, _) in hf.items()}
     sizes = {s: int(torch.Size(sh).numel()) * torch.empty(0, dtype=dt).element_size() for s, (sh, dt) in meta.items()}
-    cap, plan = bb.buckets(ex, sizes, a["bucket"])
+    cap, plan = bp.buckets(ex, sizes, a["bucket"])
     trainer = role == "trainer"
     if trainer:
         shards = {}
@@ -316,10 +317,10 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
                 b = bufs[k % 2][:used]
                 dist.broadcast(b, src=0, group=bgroup)
                 for c, offs in bucket:
-                    fulls = bb._fulls_in(b, offs, sizes, meta)
+                    fulls = bp._fulls_in(b, offs, sizes, meta)
                     for sh in c.shards:
                         if sh.rank == i % tp:
-                            prepare.pack_shard_into(sh, fulls, bb._bytes(params[sh.dst]), sh.offset)
+                            prepare.pack_shard_into(sh, fulls, bb.as_bytes(params[sh.dst]), sh.offset)
         for w in works:
             if w is not None:
                 w.wait()
@@ -329,16 +330,16 @@ def _rank0_phase(role, i, a, cfg, dev, ctl):
 
     times = []
     for k in range(a["warmup"] + a["reps"]):
-        bb._sync_dev(dev)
+        bb.sync_dev(dev)
         barrier()
         t = time.perf_counter()
         step()
-        bb._sync_dev(dev)
+        bb.sync_dev(dev)
         barrier()
         if k >= a["warmup"]:
             times.append(time.perf_counter() - t)
     if trainer and g == 0:
-        ctl.set_json("res/rank0", dict(bb._summ(times, 1), buckets=len(plan), bucket_bytes=cap))
+        ctl.set_json("res/rank0", dict(bb.summary(times, 1), buckets=len(plan), bucket_bytes=cap))
     if not trainer:
         ctl.set_json("sum/rank0/%d" % i, dict(sums=bb.checksums(params)))
     barrier()
@@ -427,7 +428,7 @@ def run(args) -> dict:
         reps=args.reps,
         watermark=args.watermark,
         out=out,
-        bucket=bb._parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
+        bucket=bb.parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
     )
     mach = bb.machine(args.dry_run)
     ctx = mp.get_context("spawn")

@@ -11,7 +11,7 @@ import sys
 import time
 import zlib
 
-import bench_baselines as bb  # noqa: E402  -- _sync_dev
+from common import baselines as bb  # noqa: E402  -- _sync_dev
 
 CH = 1 << 24  # fingerprint chunk (bytes)
 
@@ -128,7 +128,7 @@ def fsdp_model(preset, conf, dev, phases: dict | None = None, log=None):
             if n not in want or tuple(want[n][0]) != tuple(p.shape):
                 raise RuntimeError(f"model parameter {n} {tuple(p.shape)} is not in the preset's shapes")
             p._local_tensor.copy_(fused_or_plain(n, p.shape, p.dtype, dev))
-    bb._sync_dev(dev)
+    bb.sync_dev(dev)
     done("fill_s")
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -358,7 +358,7 @@ class Loader:
                     self.clones += 1
                     self.clone_bytes += t.numel() * t.element_size()
             if weights:
-                bb._sync_dev(weights[0][1].device)
+                bb.sync_dev(weights[0][1].device)
         self.calls += 1
         self.seconds += time.perf_counter() - t0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import traceback
 
-import bench_baselines as bb
+from common import baselines as bb
 from ckpt_engine_parts import Loader, _med, feed_in_buckets, fingerprints, step_name, train_weights, wait_any
 
 
@@ -63,7 +63,7 @@ class Worker:
                 feed_in_buckets(ld, fulls, a["loader_bucket"])
                 info["loader"] = ld.stats()
                 del fulls
-            bb._sync_dev(self.dev)
+            bb.sync_dev(self.dev)
             self.ctl.set_json("s/%d/sums" % i, dict(fp=fingerprints(self.params), info=info))
         except Exception as e:  # noqa: BLE001 -- reported to the trainer
             traceback.print_exc()

@@ -63,7 +63,7 @@ def train_meta(cfg: dict, conf: dict, preset) -> list:
 
 def row_plan(cfg: dict, watermark: int):
     """(plan, training metadata) of a benchmark row: one trainer rank, one receiver."""
-    import bench_baselines as bb
+    from common import baselines as bb
     from wxfer.meta import from_inference_worker
     from wxfer.plan import build_plan
     from wxfer.runtime.sender import task_bound
@@ -184,21 +184,22 @@ def predict_row(res: dict, cal, placement: str | None = None) -> dict | None:
     from wxfer.plan.kinds import task_kinds
     from wxfer.zerocopy import COPY_MAX
 
-    import bench_baselines as bb
+    from bb_predict import placement_of
+    from common import baselines as bb
 
     cfg = res["config"]
     byw = res.get("wxfer_by_watermark") or {}
     if not byw:
         return None
     wm, w = next(iter(byw.items()))
-    want = bb.placement_of(cfg.get("layout", ""), bool(res.get("dry_run")))
+    want = placement_of(cfg.get("layout", ""), bool(res.get("dry_run")))
     plan, train = row_plan(cfg, int(wm))
     offload = "offload" in cfg.get("trainer", "")
     d = w.get("direct") or {}
     direct = want == "same" and d.get("enabled", False)
     kinds = task_kinds(plan, train, offload, direct, d.get("copy_max", COPY_MAX if "copies" in d else 0))
     row = dict(
-        config=bb._cfg_name(cfg),
+        config=bb.cfg_name(cfg),
         measured_s=w["seconds"],
         kinds=dict(Counter(kinds.values())),
         kinds_reported=_reported(w),
@@ -234,7 +235,7 @@ def check_row(res: dict, trace_dir: str, kernels=None) -> dict | None:
     from wxfer.plan.kinds import task_kinds
     from wxfer.zerocopy import COPY_MAX
 
-    import bench_baselines as bb
+    from common import baselines as bb
 
     cfg = res["config"]
     byw = res.get("wxfer_by_watermark") or {}
@@ -259,7 +260,7 @@ def check_row(res: dict, trace_dir: str, kernels=None) -> dict | None:
     if "begin_fence_s" in rec and rates is None:  # the fit of this model, made in the run
         cal, source = from_dict(rec), "recorded"
     else:
-        trace = os.path.join(trace_dir, "trace-%s.json" % bb._cfg_name(cfg))
+        trace = os.path.join(trace_dir, "trace-%s.json" % bb.cfg_name(cfg))
         fit = refit(plan, kinds, trace, w["phases"], rec["write_GBps"])
         keep = {f.name for f in fields(Calibration)}
         kw = {k: v for k, v in rec.items() if k in keep}
@@ -267,7 +268,7 @@ def check_row(res: dict, trace_dir: str, kernels=None) -> dict | None:
         cal, source = Calibration(**kw), "refit on the trace" + ("; " + rates if rates else "")
     r = run(plan, cal, kinds=kinds, cpu_offload=offload, watermark_bytes=int(wm))
     return dict(
-        config=bb._cfg_name(cfg),
+        config=bb.cfg_name(cfg),
         measured_s=w["seconds"],
         simulated_s=r.simulated_s,
         ratio=r.simulated_s / w["seconds"],

@@ -15,13 +15,14 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def test_buckets_hold_whole_components_and_every_source_once():
-    import bench_baselines as bb
+    import bb_patterns as bp
+    from common import baselines as bb
 
     conf, preset = bb.model_spec("tiny-moe")
     ex = bb.expanded(preset, conf, "fp8")
     sizes = {n: 4 * 1024 for n in preset.hf_params(conf)}
     sizes["model.embed_tokens.weight"] = 50_000  # bigger than the bucket: the bucket grows
-    cap, plan = bb.buckets(ex, sizes, 16 * 1024)
+    cap, plan = bp.buckets(ex, sizes, 16 * 1024)
     assert cap >= 50_000
     seen = []
     for used, bucket in plan:
@@ -180,11 +181,11 @@ def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
 
 
 def test_supervisor_collects_in_order_and_stops_at_the_first_failing_item():
-    """bb_supervise.watch (both benchmarks' parent loop): results are taken in order; a child's
+    """common/supervise.watch (both benchmarks' parent loop): results are taken in order; a child's
     reported error, a child that failed (non-zero exit, or all gone), or the caller's time limit
     ends it at the first item still waited for, with what was seen."""
     import queue
-    import bb_supervise as sup
+    from common import supervise as sup
 
     class Proc:
         def __init__(self, alive=True, exitcode=None):

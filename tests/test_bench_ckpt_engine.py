@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 @pytest.mark.parametrize("model,quant", [("tiny", "bf16"), ("tiny-moe", "fp8")])
 def test_loader_in_small_buckets_writes_the_reference_bytes(model, quant):
     import torch
-    import bench_baselines as bb
+    from common import baselines as bb
     import ckpt_engine_parts as cp
 
     conf, preset = bb.model_spec(model)
@@ -188,7 +188,7 @@ def test_slab_layout_packs_shards_without_overlap_in_power_of_two_slabs():
     for qwen3-30b-a3b's 531 fused parameters the pinned bytes stay within 4% of the weights
     (per-parameter pinning, each rounded up to a power of two, takes 33% more)."""
     import torch
-    import bench_baselines as bb
+    from common import baselines as bb
     import ckpt_engine_parts as cp
 
     sizes = [5000, 3 << 20, 1 << 20, 7, (5 << 20) + 1, 4096]

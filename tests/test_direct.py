@@ -48,7 +48,7 @@ torch = pytest.importorskip("torch")
 from wxfer.mapping.reference import pack_task  # noqa: E402
 from wxfer.mapping.rules import Piece  # noqa: E402
 from wxfer.runtime import inplace as direct  # noqa: E402
-from wxfer.testing import shard as _shard  # noqa: E402
+from helpers import shard as _shard  # noqa: E402 -- tests/helpers.py
 from wxfer.zerocopy import COPY_BATCH  # noqa: E402
 
 
@@ -218,13 +218,13 @@ def _emulate(monkeypatch, recvs):
 
 def _receivers(addr, name, tp, quant, verify=False):
     from wxfer.models import TINY
-    from wxfer.testing import receivers_in_threads
+    from helpers import receivers_in_threads
 
     return receivers_in_threads(TINY, addr, name, tp, quant, timeout=30, verify=verify)
 
 
 def _joined(ths):
-    from wxfer.testing import joined
+    from helpers import joined
 
     return joined(ths, 30)
 
@@ -260,7 +260,7 @@ def _model():
 
 def _check(model, params, tp, quant, skip=()):
     from wxfer.models import TINY
-    from wxfer.testing import expected_shards
+    from helpers import expected_shards
 
     for rank, dst, off, b in expected_shards(model, TINY, tp, quant):
         if rank in skip:

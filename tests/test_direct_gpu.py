@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from wxfer import _wxfer  # noqa: E402
 from wxfer.models import TINY, TINY_MOE, train_model  # noqa: E402
 from wxfer.models.infer import inference_params, preset_for  # noqa: E402
-from wxfer.testing import expected_shards  # noqa: E402
+from helpers import expected_shards  # noqa: E402 -- tests/helpers.py
 from test_watermark_gpu import CONFIG as WATERMARK_MODEL  # noqa: E402 -- tests/test_watermark_gpu.py
 
 T = 120.0

@@ -11,7 +11,7 @@ import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
-from wxfer.testing import torchrun_args
+from helpers import torchrun_args  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")

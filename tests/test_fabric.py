@@ -68,6 +68,7 @@ def test_iface_is_chosen_deliberately(monkeypatch):
     # tcp;ofi_rxm lists eth0 before lo: the default is lo, the env var overrides it, and a
     # missing interface is named along with the ones that exist.
     monkeypatch.delenv("WXFER_FABRIC_IFACE", raising=False)
+    monkeypatch.delenv("WXFER_IFACE", raising=False)
     t = _wxfer.Transport("fabric", {"provider": "tcp"})
     assert "domain=lo " in t.info() and "127.0.0.1" in t.info()
     t.close()
@@ -75,6 +76,10 @@ def test_iface_is_chosen_deliberately(monkeypatch):
     with pytest.raises(_wxfer.Error, match="no domain .interface. 'no-such-if0'.*offers:.*lo"):
         _wxfer.Transport("fabric", {"provider": "tcp"})
     t = _wxfer.Transport("fabric", {"provider": "tcp", "iface": "lo"})  # option beats env
+    assert "domain=lo " in t.info()
+    t.close()
+    monkeypatch.setenv("WXFER_IFACE", "lo")  # the one knob beats its older name
+    t = _wxfer.Transport("fabric", {"provider": "tcp"})
     assert "domain=lo " in t.info()
     t.close()
 
@@ -384,16 +389,21 @@ def test_fabric_cannot_fence_a_peer_and_says_so(provider):
         assert "they may still land" in how, how
 
 
-def test_trainer_iface_variable_is_a_fabric_option():
+def test_trainer_iface_is_its_own(monkeypatch):
     from wxfer.runtime.sender import writer_options
 
-    env = {"WXFER_IFACE": "lo"}
-    # the receivers' own iface never travels to the trainer; the trainer's comes from its env
-    assert writer_options("fabric", {"provider": "tcp", "iface": "eth9"}, env) == {"provider": "tcp", "iface": "lo"}
-    assert writer_options("fabric", {"provider": "tcp", "iface": "eth9"}, {}) == {"provider": "tcp"}
-    assert writer_options("cuda_ipc", {}, env) == {}
+    monkeypatch.setenv("WXFER_IFACE", "lo")
+    # the receivers' own iface never travels to the trainer; the trainer's is the backend's
+    # default ($WXFER_IFACE, read in C) unless its own options give one
+    assert writer_options("fabric", {"provider": "tcp", "iface": "eth9"}) == {"provider": "tcp"}
+    assert writer_options("fabric", {"provider": "tcp", "iface": "lo"}, {"iface": "lo"}) == {
+        "provider": "tcp",
+        "iface": "lo",
+    }
+    assert writer_options("cuda_ipc", {}) == {}
     # verbs: the receivers' GPU check is theirs, unless this rank's own options set it
-    assert writer_options("verbs", {"gpu": "0", "gpu_memory": "yes", "qps": "2"}, {}) == {"qps": "2"}
-    assert writer_options("verbs", {"gpu": "1", "gpu_memory": "yes"}, {}, {"gpu": "1"}) == {"gpu": "1"}
-    t = _wxfer.Transport("fabric", writer_options("fabric", {"provider": "tcp"}, env))
+    assert writer_options("verbs", {"gpu": "0", "gpu_memory": "yes", "qps": "2"}) == {"qps": "2"}
+    assert writer_options("verbs", {"gpu": "1", "gpu_memory": "yes"}, {"gpu": "1"}) == {"gpu": "1"}
+    t = _wxfer.Transport("fabric", writer_options("fabric", {"provider": "tcp", "iface": "eth9"}))
+    assert "domain=lo " in t.info(), t.info()
     t.close()

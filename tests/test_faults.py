@@ -21,7 +21,7 @@ ROOT = os.path.dirname(HERE)
 T = 30.0
 sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
-from wxfer.testing import expected_shards  # noqa: E402
+from helpers import expected_shards  # noqa: E402 -- tests/helpers.py
 
 
 def _spawn(*args):

@@ -9,7 +9,7 @@ import torch
 
 from wxfer import _wxfer
 from wxfer.models import TINY, preset_for, train_model
-from wxfer.testing import joined, receivers_in_threads
+from helpers import joined, receivers_in_threads  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 T = 30.0

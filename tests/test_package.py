@@ -24,7 +24,7 @@ MODULES = sorted(
         *("wxfer.models." + m for m in ("infer", "train")),
         *("wxfer.plan." + m for m in ("check", "cli", "core", "notebook", "reference", "serialize", "simulate")),
         *("wxfer.runtime." + m for m in ("control", "prepare", "program", "receiver", "sender", "trace", "verify")),
-        *("wxfer.tools." + m for m in ("demo", "doctor", "gpuprobe", "selftest", "selftest_verbs")),
+        *("wxfer.tools." + m for m in ("demo", "demo_ranks", "doctor", "gpuprobe", "selftest", "selftest_verbs")),
         "wxfer.integrations",
         "wxfer.mapping",
         "wxfer.models",

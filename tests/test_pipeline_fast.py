@@ -13,7 +13,7 @@ from wxfer.runtime import program
 from wxfer.runtime import prepare
 from wxfer.mapping.reference import pack_task
 from wxfer.mapping.rules import Piece
-from wxfer.testing import shard as _shard
+from helpers import shard as _shard  # tests/helpers.py
 from wxfer.zerocopy import merged_rows
 
 

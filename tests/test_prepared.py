@@ -13,7 +13,8 @@ from wxfer import _wxfer
 from wxfer.models import TINY, inference_params, preset_for, train_model
 from wxfer.runtime import control
 from wxfer.runtime.receiver import Receiver
-from wxfer.testing import connected_fabric, expected_shards, in_thread
+from helpers import expected_shards  # tests/helpers.py
+from wxfer.testing import connected_fabric, in_thread
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 T = 20.0

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 T = 30.0
 
 
-from wxfer.testing import expected_shards, in_thread as _in_thread, joined, receivers_in_threads  # noqa: E402
+from helpers import expected_shards, joined, receivers_in_threads  # noqa: E402 -- tests/helpers.py
+from wxfer.testing import in_thread as _in_thread  # noqa: E402
 
 
 def test_descriptor_round_trip():

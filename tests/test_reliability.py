@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 T = 20.0
 
 
-from wxfer.testing import expected_shards, in_thread as _in_thread  # noqa: E402
+from helpers import expected_shards  # noqa: E402 -- tests/helpers.py
+from wxfer.testing import in_thread as _in_thread  # noqa: E402
 
 
 def _model(cfg=TINY):

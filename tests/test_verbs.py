@@ -581,8 +581,7 @@ def test_trainer_iface_variable_reaches_fabric_only(emu_lib):
     code = (
         "from wxfer import _wxfer\n"
         "from wxfer.runtime.sender import writer_options\n"
-        "env = {'WXFER_IFACE': 'lo'}\n"
-        "opts = writer_options('verbs', {'iface': 'eth9'}, env)\n"
+        "opts = writer_options('verbs', {})\n"
         "assert opts == {}, opts\n"
         "_wxfer.Transport('verbs', opts).close()\n"
         "try:\n"
@@ -593,5 +592,7 @@ def test_trainer_iface_variable_reaches_fabric_only(emu_lib):
         "    raise AssertionError('verbs accepted iface')\n"
         "print('ok')\n"
     )
-    r = subprocess.run([PY, "-c", code], env=_env(emu_lib), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        [PY, "-c", code], env=_env(emu_lib, WXFER_IFACE="lo"), capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

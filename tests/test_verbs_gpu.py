@@ -274,7 +274,10 @@ from wxfer.runtime import control
 from wxfer.models import TINY, train_model, inference_params, preset_for
 from wxfer.runtime.receiver import Receiver
 from wxfer.runtime.sender import Sender
-from wxfer.testing import in_thread, joined, expected_shards
+import sys
+sys.path.insert(0, "tests")  # run from the checkout: tests/helpers.py
+from helpers import joined, expected_shards
+from wxfer.testing import in_thread
 dev = %(dev)r
 port = control.free_port()
 store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)

@@ -17,7 +17,7 @@ from wxfer import _wxfer
 from wxfer.mapping import Layout, Piece, Shard, expand, pack_shard, pack_task
 from wxfer.models import TINY_MOE, inference_params, preset_for, train_model
 from wxfer.runtime import prepare, program
-from wxfer.testing import joined, receivers_in_threads
+from helpers import joined, receivers_in_threads  # tests/helpers.py
 from wxfer.zerocopy import merged_rows
 
 FABRIC = _wxfer.backends()["fabric"][0]

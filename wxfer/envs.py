@@ -26,21 +26,21 @@ class Var:
 _VARS = (
     # transports and the store (Python: Sender / Receiver setup)
     Var("WXFER_TRANSPORT", "choice", "auto", "Python", "the backend for transport=\"auto\": cuda_ipc, verbs or fabric"),
-    Var("WXFER_FABRIC_PROVIDER", "str", "tcp", "Python", "the libfabric provider a Sender/Receiver gives fabric"),
+    Var(
+        "WXFER_FABRIC_PROVIDER",
+        "str",
+        "tcp",
+        "C",
+        "the fabric backend's provider when none is given (a Receiver publishes it; its Senders open with it)",
+    ),
     Var(
         "WXFER_IFACE",
         "str",
-        "unset",
-        "Python",
-        "a Sender's/Receiver's fabric iface option (fabric only; verbs and cuda_ipc ignore it)",
-    ),
-    Var(
-        "WXFER_FABRIC_IFACE",
-        "str",
         "lo for tcp",
         "C",
-        "the fabric backend's iface when a Transport is made without iface= (also a bare Transport)",
+        "the fabric backend's iface (the job's NIC) when none is given; verbs and cuda_ipc have no such option",
     ),
+    Var("WXFER_FABRIC_IFACE", "str", "unset", "C", "the older name of WXFER_IFACE, read when that is unset"),
     Var("WXFER_IB_DEVICES", "list", "automatic", "C", "RDMA devices to use (mlx5_0,mlx5_1:1) or exclude (^mlx5_2)"),
     Var("WXFER_STORE", "str", "MASTER_ADDR:WXFER_STORE_PORT", "Python", "the rendezvous store, host:port"),
     Var("WXFER_STORE_PORT", "int", "29650", "Python", "the store's port when WXFER_STORE is unset"),

@@ -21,25 +21,6 @@ def pattern(size: int, seed: int):
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
-def torchrun_args(script, *args, nproc: int = 2) -> list:
-    """The arguments after the Python executable that run `script` (with `args`) under
-    torchrun as `nproc` local ranks, the rendezvous on a free loopback port."""
-    from .runtime.control import free_port
-
-    return [
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(script),
-        *(str(a) for a in args),
-    ]
-
-
 def build_env() -> dict:
     """The environment for the C compiler run by tests: without the sanitizer runtime that
     `make asan-test` preloads (the compiler is not what is under test)."""
@@ -206,58 +187,3 @@ def connected_fabric(provider: str, sizes):
             yield t, tgt
         finally:
             t.close()
-
-
-def receivers_in_threads(config: dict, store, name: str, tp: int = 1, quant=None, ep: bool = False, timeout=30.0, **kw):
-    """One replica of `config`'s inference model, TP `tp`, as Receivers constructed in threads
-    (a constructor waits for the trainers): (each rank's params, [(thread, box)] as in_thread
-    gives them; see joined). `kw`: more Receiver arguments (verify, ...)."""
-    from .models import inference_params, preset_for
-    from .runtime.receiver import Receiver
-
-    params = [inference_params(config, tp, r, quant, ep) for r in range(tp)]
-    common = dict(mapping=preset_for(config).name, store=store, replica=0, tp=tp, replicas=1, name=name)
-    if ep:
-        common["ep"] = True
-    return params, [in_thread(Receiver, params[r], rank=r, timeout=timeout, **common, **kw) for r in range(tp)]
-
-
-def joined(threads, timeout: float = 30.0) -> list:
-    """The values of in_thread's [(thread, box)], each joined; a thread's error is raised here."""
-    out = []
-    for th, box in threads:
-        th.join(timeout)
-        if "error" in box:
-            raise box["error"]
-        if "value" not in box:
-            raise TimeoutError(f"wxfer.testing.joined: a thread did not finish in {timeout} s")
-        out.append(box["value"])
-    return out
-
-
-def shard(kind: str, dtype: str, *pieces, rank: int = 0, dst: str = "d"):
-    """A mapping Shard of `pieces` at offset 0 with its byte count worked out: raw pieces in
-    `dtype`, e4m3 bytes (fp8) or their float32 block scales (scale)."""
-    import torch
-
-    from .mapping.rules import Shard
-
-    if kind == "scale":
-        nb = sum(p.scale_nbytes() for p in pieces)
-    else:
-        nb = sum(p.numel() * (1 if kind == "fp8" else getattr(torch, dtype).itemsize) for p in pieces)
-    return Shard(rank, dst, 0, nb, kind, dtype, tuple(pieces))
-
-
-def expected_shards(model, config: dict, tp: int = 1, quant: str | None = None) -> list:
-    """[(TP rank, destination name, byte offset, uint8 bytes)]: what the mapping of the tiny
-    models (wxfer.models.preset_for(config)) writes to each inference rank for `model`'s
-    current weights, by the reference packing."""
-    from .mapping import Layout, expand, pack_shard
-    from .models import preset_for
-
-    full = {n: p.detach() for n, p in model.named_parameters()}
-    ex = expand(
-        preset_for(config).rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, False, quant), config
-    )
-    return [(sh.rank, sh.dst, sh.offset, pack_shard(sh, full)) for c in ex.components for sh in c.shards]

@@ -131,6 +131,88 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
     return d;
 }
 
+/* [names] of a NULL-terminated list ([] for NULL). */
+static PyObject *wx__names(const char *const *v)
+{
+    PyObject *l = PyList_New(0);
+    for (; l && v && *v; v++) {
+        PyObject *s = PyUnicode_FromString(*v);
+        if (!s || PyList_Append(l, s) < 0) {
+            Py_XDECREF(s);
+            Py_CLEAR(l);
+            break;
+        }
+        Py_DECREF(s);
+    }
+    return l;
+}
+
+/* {key: value} of a NULL-terminated list of pairs ({} for NULL); with ops->default_of, of
+ * every accepted option that has a default. */
+static PyObject *wx__pairs(const char *const *v, const wx_transport_ops_t *ops)
+{
+    PyObject *d = PyDict_New();
+    for (; d && v && v[0] && v[1]; v += 2) {
+        PyObject *s = PyUnicode_FromString(v[1]);
+        if (!s || PyDict_SetItemString(d, v[0], s) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(s);
+    }
+    for (const char *const *o = ops ? ops->options : NULL; d && o && *o && ops->default_of; o++) {
+        const char *dflt = ops->default_of(*o);
+        PyObject *s = dflt ? PyUnicode_FromString(dflt) : NULL;
+        if (dflt && (!s || PyDict_SetItemString(d, *o, s) < 0))
+            Py_CLEAR(d);
+        Py_XDECREF(s);
+    }
+    return d;
+}
+
+static PyObject *wx__auto_place(uint8_t place)
+{
+    return place ? PyLong_FromLong(place) : Py_NewRef(Py_None);
+}
+
+/* One backend's capabilities (wx_transport_ops_t's fields, as capabilities() documents). */
+static PyObject *wx__caps_of(const wx_transport_ops_t *ops)
+{
+    PyObject *v[7] = {
+        wx__names(ops->options),         wx__names(ops->host_options),
+        wx__names(ops->shared_options),  wx__pairs(NULL, ops),
+        wx__pairs(ops->gpu_check, NULL), wx__auto_place(ops->auto_host),
+        wx__auto_place(ops->auto_cuda),
+    };
+    PyObject *d = NULL;
+    for (int i = 0; i < 7; i++)
+        if (!v[i])
+            goto out;
+    d = Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:{s:O,s:O}}", "options", v[0],
+                      "host_options", v[1], "shared_options", v[2], "defaults", v[3], "gpu_check",
+                      v[4], "host_memory", (ops->caps & WX_CAP_HOST_MEM) ? Py_True : Py_False,
+                      "cuda_memory", (ops->caps & WX_CAP_CUDA_MEM) ? Py_True : Py_False,
+                      "same_host", (ops->caps & WX_CAP_SAME_HOST) ? Py_True : Py_False, "dead_peer",
+                      (ops->caps & WX_CAP_DEAD_PEER) ? Py_True : Py_False, "maps_peers",
+                      ops->map ? Py_True : Py_False, "auto", "host", v[5], "cuda", v[6]);
+out:
+    for (int i = 0; i < 7; i++)
+        Py_XDECREF(v[i]);
+    return d;
+}
+
+static PyObject *wx_capabilities(PyObject *m, PyObject *noargs)
+{
+    PyObject *d = PyDict_New();
+    const wx_transport_ops_t *ops;
+    const char *n;
+    for (int i = 0; d && wx_transport_backend(i, &n, &ops) == 0; i++) {
+        PyObject *v = ops ? wx__caps_of(ops) : Py_NewRef(Py_None);
+        if (!v || PyDict_SetItemString(d, n, v) < 0)
+            Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    return d;
+}
+
 static PyObject *wx__rinfo_dict(const wx_rinfo_t *ri)
 {
     return Py_BuildValue("{s:K,s:K,s:K,s:s,s:i,s:y#}", "key", (unsigned long long)ri->key, "base",
@@ -241,6 +323,11 @@ static PyObject *wx_parse_size_py(PyObject *m, PyObject *arg)
 static PyMethodDef wx_methods[] = {
     {"backends", wx_backends, METH_NOARGS,
      "backends() -> {name: (usable, why_not)} for every transport wxfer knows."},
+    {"capabilities", wx_capabilities, METH_NOARGS,
+     "capabilities() -> {name: {options, host_options, shared_options, defaults, gpu_check, "
+     "host_memory, cuda_memory, same_host, dead_peer, maps_peers, auto: {host, cuda}}} for every "
+     "transport of this build (None for one compiled out), as each backend declares it; no "
+     "probe runs."},
     {"decode_descriptor", wx_decode_descriptor, METH_O,
      "decode_descriptor(bytes) -> dict; raises Error on truncated/garbage/wrong-version input."},
     {"decode_export", wx_decode_export, METH_O,

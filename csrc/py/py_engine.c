@@ -241,6 +241,52 @@ fail:
     return -1;
 }
 
+/* submit's held= (default: the source's length) and event= / device= into spec; -1 with
+ * the exception set. */
+static int wx__submit_held_event(wx_task_spec_t *spec, const wx_py_owner_t *own, PyObject *held_obj,
+                                 PyObject *event, int device)
+{
+    spec->held_bytes = spec->src->len;
+    if (held_obj != Py_None) {
+        spec->held_bytes = PyLong_AsUnsignedLongLong(held_obj);
+        if (PyErr_Occurred())
+            return -1;
+    }
+    if (event != Py_None) {
+        spec->cuda_event = PyLong_AsVoidPtr(event);
+        if (PyErr_Occurred())
+            return -1;
+        spec->cuda_device = device >= 0 ? device : (own->buf.device >= 0 ? own->buf.device : 0);
+    }
+    return 0;
+}
+
+/* The admission time of a task holding `held` bytes: reserve()'s (`resv`: admitted before
+ * the source was made, no second admission), else now, once the watermark has room (a
+ * bounded, interruptible wait); -1 with the exception set. */
+static int wx__submit_admit(wx_py_engine_t *self, wx_py_state_t *st, PyObject *resv, uint64_t held,
+                            uint64_t *t_admit)
+{
+    wx__admit_t adm;
+    int rc;
+    if (resv != Py_None) {
+        *t_admit = PyLong_AsUnsignedLongLong(resv);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    /* free finished owners first: it is what makes room under the watermark */
+    wx_engine_reap(self->e, wx_py_owner_free, NULL);
+    adm.e = self->e;
+    adm.held = held;
+    rc = wx_py_wait(wx__admit_fn, &adm, -1);
+    if (rc) {
+        if (rc != -EINTR)
+            wx_py_raise_engine(st, self->e, rc, "submit");
+        return -1;
+    }
+    *t_admit = adm.t_admit;
+    return 0;
+}
+
 static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"src",  "dests",    "event", "device", "tag",
@@ -254,8 +300,7 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     wx_py_owner_t *own = NULL;
     wx_dest_t *dv = NULL;
     wx_task_spec_t spec;
-    wx__admit_t adm;
-    uint64_t t0 = wx_now_ns(), id, resv_held = 0;
+    uint64_t t0 = wx_now_ns(), id, resv_held = 0, t_admit = 0;
     int rc, resv_live = 0, fence = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|OiKOOp:submit", kwlist, &src, &dests, &event,
                                      &device, &tag, &held_obj, &resv, &fence))
@@ -292,36 +337,10 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     spec.tag = tag;
     spec.owner = own;
     spec.fence = fence;
-    spec.held_bytes = spec.src->len;
-    if (held_obj != Py_None) {
-        spec.held_bytes = PyLong_AsUnsignedLongLong(held_obj);
-        if (PyErr_Occurred())
-            goto fail;
-    }
-    if (event != Py_None) {
-        spec.cuda_event = PyLong_AsVoidPtr(event);
-        if (PyErr_Occurred())
-            goto fail;
-        spec.cuda_device = device >= 0 ? device : (own->buf.device >= 0 ? own->buf.device : 0);
-    }
-    if (resv != Py_None) {
-        /* admitted before the source was made (reserve()): its time, no second admission */
-        adm.t_admit = PyLong_AsUnsignedLongLong(resv);
-        if (PyErr_Occurred())
-            goto fail;
-    } else {
-        /* free finished owners first: it is what makes room under the watermark */
-        wx_engine_reap(self->e, wx_py_owner_free, NULL);
-        adm.e = self->e;
-        adm.held = spec.held_bytes;
-        rc = wx_py_wait(wx__admit_fn, &adm, -1);
-        if (rc) {
-            if (rc != -EINTR)
-                wx_py_raise_engine(st, self->e, rc, "submit");
-            goto fail;
-        }
-    }
-    rc = wx_engine_submit(self->e, &spec, t0, adm.t_admit, &id);
+    if (wx__submit_held_event(&spec, own, held_obj, event, device) < 0 ||
+        wx__submit_admit(self, st, resv, spec.held_bytes, &t_admit) < 0)
+        goto fail;
+    rc = wx_engine_submit(self->e, &spec, t0, t_admit, &id);
     if (rc) {
         wx_engine_unadmit(self->e, spec.held_bytes);
         resv_live = 0;

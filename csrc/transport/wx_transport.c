@@ -56,6 +56,10 @@ int wx_transport_open(const char *name, const wx_opts_t *opts, wx_transport_t **
 
     if (!ops)
         return wx_errf(-ENOSYS, "transport '%s' is not compiled into this build", name);
+    /* the options the backend declares, checked here for every backend (also where it cannot
+     * run: a misspelt option is named before "unavailable") */
+    if (ops->options && (rc = wx_opt_check(opts, name, ops->options)))
+        return rc;
     why[0] = '\0';
     rc = ops->probe(opts, why, sizeof why);
     if (rc)

@@ -127,9 +127,38 @@ struct wx_op {
 
 typedef struct wx_transport wx_transport_t;
 
+/* What a backend can do (wx_transport_ops_t.caps), for callers that choose a backend or
+ * its options (wxfer._wxfer.capabilities()). */
+enum wx_cap {
+    WX_CAP_HOST_MEM = 1 << 0,  /* registers and writes host memory */
+    WX_CAP_CUDA_MEM = 1 << 1,  /* registers and writes CUDA memory */
+    WX_CAP_SAME_HOST = 1 << 2, /* joins processes of one host only */
+    WX_CAP_DEAD_PEER = 1 << 3, /* a write to a peer whose process is gone fails by itself (else
+                                * only its deadline tells) */
+};
+
 typedef struct wx_transport_ops {
     const char *name;
     int kind; /* enum wx_kind */
+    /* What it offers, reported as is by capabilities(): */
+    uint32_t caps; /* enum wx_cap */
+    /* Its place in "auto"'s choice for host / CUDA memory (1 first), 0: never chosen. */
+    uint8_t auto_host, auto_cuda;
+    /* The option names open() accepts (NULL-terminated; its own check uses the same list). */
+    const char *const *options;
+    /* Of those, the ones that name resources of the opening process's host (a NIC, a GPU):
+     * a writer does not take them from the receivers' published options. */
+    const char *const *host_options;
+    /* Of those, the ones both ends must open with the same value: a receiver publishes its
+     * own (its default when not given), and its writers open with that. */
+    const char *const *shared_options;
+    /* Option/value pairs (NULL-terminated) that make open() check that it can register CUDA
+     * memory of a device, so that a machine where it cannot fails at setup; "{gpu}" stands
+     * for the device's ordinal. NULL: nothing to check (or no CUDA memory). */
+    const char *const *gpu_check;
+    /* The value open() uses for `option` when it is not given (the environment read here),
+     * NULL where it has none; NULL: no defaults to report. */
+    const char *(*default_of)(const char *option);
     /* 0 if usable on this machine; otherwise a negative errno with the reason in `why`. */
     int (*probe)(const wx_opts_t *opts, char *why, size_t why_len);
     /* Allocate a backend struct whose first member is wx_transport_t; the generic layer

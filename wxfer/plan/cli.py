@@ -65,11 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(args) -> dict:
+def _preset_and_cluster(args):
+    """The preset (--preset, or --config's HF config.json) and the Cluster the flags describe,
+    with the calibration loaded."""
     from ..mapping import from_config, get_preset
     from ..meta import Cluster
-    from . import plan_for
-    from .simulate import simulate
+    from .calibrate import get as get_calibration
 
     if args.config:
         with open(args.config) as f:
@@ -93,9 +94,16 @@ def run(args) -> dict:
         watermark_bytes=int(args.watermark_gb * (1 << 30)),
         write_GBps=args.write_gbytes,
     )
-    from .calibrate import get as get_calibration
-
     cluster.calibration = get_calibration(args.calibration)
+    return preset, cluster
+
+
+def run(args) -> dict:
+    from . import plan_for
+    from .simulate import simulate
+
+    preset, cluster = _preset_and_cluster(args)
+    tp = cluster.infer_tp
     t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_for(preset, cluster)
     build_s, build_cpu_s = time.perf_counter() - t0, time.process_time() - c0

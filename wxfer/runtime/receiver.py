@@ -68,12 +68,24 @@ def _dtype_name(dt) -> str:
     return str(dt).replace("torch.", "")
 
 
+def capabilities(transport: str) -> dict:
+    """What backend `transport` declares of itself in C (`_wxfer.capabilities()`: the options
+    it accepts, which name this host's own resources, which both ends share, their defaults,
+    the GPU-memory check, the memory it writes, same host only, whether it sees a dead peer);
+    {} for a name this build does not know."""
+    from .. import _wxfer
+
+    return _wxfer.capabilities().get(transport) or {}
+
+
 def transport_choice(transport: str, device_type: str, options: dict | None = None) -> tuple[str, dict]:
     """(backend name, options) for "auto" or an explicit name.
 
-    auto: CUDA memory -> "cuda_ipc" when available (GPUs of one node), else "verbs", else
-    "fabric"; host memory -> "fabric" with provider $WXFER_FABRIC_PROVIDER (default tcp).
-    $WXFER_TRANSPORT overrides "auto"."""
+    auto: the usable backends that write `device_type` memory, in the order they declare
+    (CUDA memory: cuda_ipc for GPUs of one node, else verbs, else fabric; host memory:
+    fabric). $WXFER_TRANSPORT overrides "auto". The options both ends must share (fabric's
+    provider) get the backend's default when not given (read in C: $WXFER_FABRIC_PROVIDER,
+    else tcp), so the receivers publish the value their writers open with."""
     from .. import _wxfer
 
     opts = dict(options or {})
@@ -81,7 +93,9 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
         transport = envs.get("WXFER_TRANSPORT", "auto")
     avail = _wxfer.backends()
     if transport == "auto":
-        order = ("cuda_ipc", "verbs", "fabric") if device_type == "cuda" else ("fabric",)
+        mem = "cuda" if device_type == "cuda" else "host"
+        caps = _wxfer.capabilities()
+        order = [n for _, n in sorted((c["auto"][mem], n) for n, c in caps.items() if c and c["auto"][mem])]
         for name in order:
             if avail.get(name, (False, ""))[0]:
                 transport = name
@@ -96,27 +110,26 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
             "wxfer: transport %r is not usable here: %s"
             % (transport, avail.get(transport, (False, "unknown transport"))[1])
         )
-    if transport == "fabric":
-        opts.setdefault("provider", envs.get("WXFER_FABRIC_PROVIDER", "tcp"))
-        if envs.get("WXFER_IFACE"):
-            opts.setdefault("iface", envs.get("WXFER_IFACE"))
+    caps = capabilities(transport)
+    for k in caps.get("shared_options", ()):
+        if k in caps["defaults"]:
+            opts.setdefault(k, caps["defaults"][k])
     return transport, opts
 
 
 def gpu_memory_options(transport: str, device, options: dict) -> dict:
     """`options` plus what makes `transport` check, when it opens, that it can register GPU
     memory of `device` with the network, so that a machine where it cannot fails at setup
-    with the cause and its fix, before any byte moves: verbs gpu=<index> gpu_memory=yes
-    (dma-buf or nvidia-peermem, docs/verbs.md), fabric hmem=on (a provider offering FI_HMEM).
-    Host memory and cuda_ipc: unchanged. Options the caller gave win."""
+    with the cause and its fix, before any byte moves: the backend's declared gpu_check
+    (verbs gpu=<index> gpu_memory=yes: dma-buf or nvidia-peermem, docs/verbs.md; fabric
+    hmem=on: a provider offering FI_HMEM). Host memory and cuda_ipc: unchanged. Options the
+    caller gave win."""
     opts = dict(options)
     if getattr(device, "type", device) != "cuda":
         return opts
-    if transport == "verbs":
-        opts.setdefault("gpu", str(getattr(device, "index", None) or 0))
-        opts.setdefault("gpu_memory", "yes")
-    elif transport == "fabric":
-        opts.setdefault("hmem", "on")
+    index = str(getattr(device, "index", None) or 0)
+    for k, v in capabilities(transport).get("gpu_check", {}).items():
+        opts.setdefault(k, v.replace("{gpu}", index))
     return opts
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 
@@ -45,7 +44,7 @@ from .control import Control, SetupError
 from .controller import build_plan, linger, mapping_digest
 from .failures import FailureExchange
 from .links import Links
-from .receiver import gpu_memory_options, transport_choice
+from .receiver import capabilities, gpu_memory_options, transport_choice
 from .steps import PushHandle, StepLoop
 from .tasks import STAMP_TAG, TaskRunner
 from .verify import verify_enabled
@@ -71,20 +70,16 @@ def _parse_size(v) -> int:
     return int(_wxfer.parse_size(str(v)))
 
 
-def writer_options(tname: str, topts: dict, env, given: dict | None = None) -> dict:
+def writer_options(tname: str, topts: dict, given: dict | None = None) -> dict:
     """The options a trainer opens transport `tname` with, from the receivers' published ones
     (`given`: this rank's own transport_options, merged into them).
 
-    What names the receivers' own host does not travel: their `iface` (their NIC; the trainer's
-    comes from $WXFER_IFACE, and only for fabric, the one backend with that option: verbs and
-    cuda_ipc refuse an unknown option, so a job that set the variable for its fabric NIC failed
-    at setup) and, on verbs, their GPU check (`gpu`, `gpu_memory`; this rank checks for its own
-    memory) unless `given` sets it."""
-    mine = ("gpu", "gpu_memory") if tname == "verbs" else ()
-    out = {k: v for k, v in topts.items() if k != "iface" and (k not in mine or k in (given or {}))}
-    if tname == "fabric" and env.get("WXFER_IFACE"):
-        out["iface"] = env["WXFER_IFACE"]
-    return out
+    What names the receivers' own host does not travel: the backend's declared host options
+    (fabric's `iface`: their NIC, the trainer's own is its default, $WXFER_IFACE read by the
+    backend; verbs' GPU check `gpu`, `gpu_memory`: this rank checks for its own memory),
+    unless `given` sets them."""
+    own = set(capabilities(tname).get("host_options", ()))
+    return {k: v for k, v in topts.items() if k not in own or k in (given or {})}
 
 
 class Sender:
@@ -321,14 +316,14 @@ class Sender:
                 )
         else:
             tname, topts = transport_choice(transport, self.device.type, transport_options)
-        topts = gpu_memory_options(tname, self.device, writer_options(tname, topts, os.environ, transport_options))
-        if tname == "cuda_ipc":
+        topts = gpu_memory_options(tname, self.device, writer_options(tname, topts, transport_options))
+        if capabilities(tname).get("same_host"):
             import socket
 
             far = sorted(g for g, w in workers.items() if w.get("host") != socket.gethostname())
             if far:
                 raise SetupError(
-                    f"transport cuda_ipc joins GPUs of one host, but inference worker gpu {far[0]} is on "
+                    f"transport {tname} joins GPUs of one host, but inference worker gpu {far[0]} is on "
                     f"{workers[far[0]].get('host')!r} and trainer rank {self.rank} on "
                     f"{socket.gethostname()!r}; give the receivers transport='verbs' or 'fabric' "
                     "(or set WXFER_TRANSPORT there)"

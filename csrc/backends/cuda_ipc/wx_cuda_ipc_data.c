@@ -234,6 +234,53 @@ static uint32_t wx__ci_pick(wx__ci_t *c)
     return best;
 }
 
+/* Whether write wr to p can be posted now (c->mu held): the transport open, the peer's
+ * allocation mapped (*m, the region at *off in it) and the range inside it, the source on
+ * this transport's GPU, a free slot, a length; 0 or the error naming why not. */
+static int wx__ci_write_check(wx__ci_t *c, wx_peer_t *p, const wx_wr_t *wr, wx__ci_map_t **m,
+                              uint64_t *off)
+{
+    uint64_t len = wr->len;
+    int rc;
+    if (c->closing) {
+        rc = wx_errf(-ESHUTDOWN, "cuda_ipc: write to %s after close", p->name);
+        return rc;
+    }
+    if ((rc = wx__ci_start(c)) != 0 || (rc = wx__ci_map_get(c, p, wr->remote, m, off)) != 0)
+        return rc;
+    if (*off + wr->roff + len > (*m)->size) {
+        rc = wx_errf(-ERANGE,
+                     "cuda_ipc: write to %s at %llu +%llu passes the end of its "
+                     "%llu-byte allocation",
+                     p->name, (unsigned long long)(*off + wr->roff), (unsigned long long)len,
+                     (unsigned long long)(*m)->size);
+        return rc;
+    }
+    if (wr->local->mem == WX_MEM_CUDA && wr->local->device != c->dev) {
+        rc = wx_errf(-EINVAL,
+                     "cuda_ipc: the source is on cuda:%d but this transport writes "
+                     "from cuda:%d; open one transport per GPU (option device=%d)",
+                     wr->local->device, c->dev, wr->local->device);
+        return rc;
+    }
+#ifdef WX_TESTING
+    if (p->id == c->test_refuse_peer) {
+        rc = wx_errf(-EAGAIN,
+                     "cuda_ipc: TEST ONLY: refusing every write to %s (option "
+                     "_test_refuse_peer)",
+                     p->name);
+        return rc;
+    }
+#endif
+    if (c->free_head < 0)
+        return -EAGAIN;
+    if (len == 0) {
+        rc = wx_errf(-EINVAL, "cuda_ipc: zero-length write");
+        return rc;
+    }
+    return 0;
+}
+
 int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
 {
     wx__ci_t *c = (wx__ci_t *)t;
@@ -246,44 +293,8 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
     int rc;
 
     pthread_mutex_lock(&c->mu);
-    if (c->closing) {
-        rc = wx_errf(-ESHUTDOWN, "cuda_ipc: write to %s after close", p->name);
+    if ((rc = wx__ci_write_check(c, p, wr, &m, &off)) != 0)
         goto out;
-    }
-    if ((rc = wx__ci_start(c)) != 0 || (rc = wx__ci_map_get(c, p, wr->remote, &m, &off)) != 0)
-        goto out;
-    if (off + wr->roff + len > m->size) {
-        rc = wx_errf(-ERANGE,
-                     "cuda_ipc: write to %s at %llu +%llu passes the end of its "
-                     "%llu-byte allocation",
-                     p->name, (unsigned long long)(off + wr->roff), (unsigned long long)len,
-                     (unsigned long long)m->size);
-        goto out;
-    }
-    if (wr->local->mem == WX_MEM_CUDA && wr->local->device != c->dev) {
-        rc = wx_errf(-EINVAL,
-                     "cuda_ipc: the source is on cuda:%d but this transport writes "
-                     "from cuda:%d; open one transport per GPU (option device=%d)",
-                     wr->local->device, c->dev, wr->local->device);
-        goto out;
-    }
-#ifdef WX_TESTING
-    if (p->id == c->test_refuse_peer) {
-        rc = wx_errf(-EAGAIN,
-                     "cuda_ipc: TEST ONLY: refusing every write to %s (option "
-                     "_test_refuse_peer)",
-                     p->name);
-        goto out;
-    }
-#endif
-    if (c->free_head < 0) {
-        rc = -EAGAIN;
-        goto out;
-    }
-    if (len == 0) {
-        rc = wx_errf(-EINVAL, "cuda_ipc: zero-length write");
-        goto out;
-    }
     s = &c->slots[c->free_head];
     dst = m->dptr + off + wr->roff;
     from = (CUdeviceptr)(uintptr_t)wr->local->addr + wr->loff;

@@ -75,6 +75,32 @@ static CUresult wx__ci_open_in(wx__ci_t *c, CUcontext ctx, const wx__ci_blob_t *
 }
 
 /* Open the allocation described by `b` (global lock held). */
+/* The error of a failed cuIpcOpenMemHandle of b (r in the writer's context; r2, when not
+ * CUDA_SUCCESS, in the owner GPU's, cuda:local_dev), naming the region, the allocation, its
+ * owner and the likely cause. */
+static int wx__ci_open_failed(const wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri,
+                              const wx__ci_blob_t *b, CUresult r, CUresult r2, int local_dev)
+{
+    int gone = kill((pid_t)b->pid, 0) != 0 && errno == ESRCH;
+    char also[128] = "";
+    if (r2 != CUDA_SUCCESS)
+        snprintf(also, sizeof also, " in cuda:%d's context, %s in the owner GPU's (cuda:%d)",
+                 c->dev, wx__ci_errname(c, r2), local_dev);
+    int rc = wx_errf(gone ? -ESTALE : -EIO,
+                     "cuda_ipc: %s: cannot open the CUDA IPC handle of region key 0x%llx "
+                     "(allocation 0x%llx, %llu bytes on GPU %s, cuda:%d of pid %u): "
+                     "cuIpcOpenMemHandle failed: %s%s%s",
+                     p->name, (unsigned long long)ri->key, (unsigned long long)b->alloc_base,
+                     (unsigned long long)b->alloc_size, b->pci, b->device, b->pid,
+                     wx__ci_errname(c, r), also,
+                     gone ? "; the owner process no longer exists, so the handle is stale "
+                            "(get a fresh export from the running receiver)"
+                     : !c->ipc_lazy ? "; option ipc_lazy=0 is set, and on the machines "
+                                      "measured the open fails without the lazy flag"
+                                    : "; the owner may have freed the memory or exited");
+    return rc;
+}
+
 static int wx__ci_open_map(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri,
                            const wx__ci_blob_t *b, wx__ci_map_t **out)
 {
@@ -129,23 +155,7 @@ static int wx__ci_open_map(wx__ci_t *c, const wx_peer_t *p, const wx_rinfo_t *ri
         }
     }
     if (r != CUDA_SUCCESS) {
-        int gone = kill((pid_t)b->pid, 0) != 0 && errno == ESRCH;
-        char also[128] = "";
-        if (r2 != CUDA_SUCCESS)
-            snprintf(also, sizeof also, " in cuda:%d's context, %s in the owner GPU's (cuda:%d)",
-                     c->dev, wx__ci_errname(c, r2), m->local_dev);
-        int rc = wx_errf(gone ? -ESTALE : -EIO,
-                         "cuda_ipc: %s: cannot open the CUDA IPC handle of region key 0x%llx "
-                         "(allocation 0x%llx, %llu bytes on GPU %s, cuda:%d of pid %u): "
-                         "cuIpcOpenMemHandle failed: %s%s%s",
-                         p->name, (unsigned long long)ri->key, (unsigned long long)b->alloc_base,
-                         (unsigned long long)b->alloc_size, b->pci, b->device, b->pid,
-                         wx__ci_errname(c, r), also,
-                         gone ? "; the owner process no longer exists, so the handle is stale "
-                                "(get a fresh export from the running receiver)"
-                         : !c->ipc_lazy ? "; option ipc_lazy=0 is set, and on the machines "
-                                          "measured the open fails without the lazy flag"
-                                        : "; the owner may have freed the memory or exited");
+        int rc = wx__ci_open_failed(c, p, ri, b, r, r2, m->local_dev);
         free(m);
         return rc;
     }

@@ -223,21 +223,12 @@ static int wx__ci_opt_bool(const wx_opts_t *o, const char *key, int dflt, int *o
     return wx_errf(-EINVAL, "transport cuda_ipc: option %s=%s: expected 0 or 1", key, s);
 }
 
-static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
+/* The options open() reads into c (each range or choice checked, the option named). */
+static int wx__ci_parse(wx__ci_t *c, const wx_opts_t *opts)
 {
-    wx__ci_t *c;
     const char *s;
     uint64_t v;
     int rc;
-    pthread_condattr_t ca;
-
-    rc = wx_opt_check(opts, "cuda_ipc", wx__ci_known);
-    if (rc)
-        return rc;
-    c = calloc(1, sizeof *c);
-    if (!c)
-        return wx_errf(-ENOMEM, "cuda_ipc: out of memory");
-    c->cu = wx_cuda(NULL, 0);
     c->opt_device = -1;
     s = wx_opt_str(opts, "device", NULL);
     if (s && strcmp(s, "auto") != 0) {
@@ -245,70 +236,83 @@ static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
         long d = strtol(s, &end, 10);
         if (!strncmp(s, "cuda:", 5))
             d = strtol(s + 5, &end, 10);
-        if (*end || d < 0 || d >= WX_CI_DEV_MAX) {
-            free(c);
+        if (*end || d < 0 || d >= WX_CI_DEV_MAX)
             return wx_errf(-EINVAL,
                            "transport cuda_ipc: option device=%s: expected an ordinal "
                            "like 0 or cuda:1",
                            s);
-        }
         c->opt_device = (int)d;
     }
     if ((rc = wx_opt_u64(opts, "streams", 4, &v)) != 0)
-        goto fail;
+        return rc;
     if (v < 1 || v > WX_CI_STREAMS_MAX) {
         rc = wx_errf(-EINVAL, "transport cuda_ipc: streams=%llu: expected 1..%d",
                      (unsigned long long)v, WX_CI_STREAMS_MAX);
-        goto fail;
+        return rc;
     }
     c->nstreams = (uint32_t)v;
     if ((rc = wx_opt_u64(opts, "max_write", 1ull << 30, &c->base.max_write)) != 0)
-        goto fail;
+        return rc;
     if (c->base.max_write < 4096) {
         rc = wx_errf(-EINVAL, "transport cuda_ipc: max_write must be at least 4096");
-        goto fail;
+        return rc;
     }
     if ((rc = wx_opt_u64(opts, "max_inflight", WX_CI_INFLIGHT, &v)) != 0)
-        goto fail;
+        return rc;
     if (v < 1 || v > 4096) {
         rc = wx_errf(-EINVAL, "transport cuda_ipc: max_inflight=%llu: expected 1..4096",
                      (unsigned long long)v);
-        goto fail;
+        return rc;
     }
     c->base.max_inflight = (uint32_t)v;
     if ((rc = wx_opt_u64(opts, "split", 0, &c->split)) != 0)
-        goto fail;
+        return rc;
     s = wx_opt_str(opts, "map", "writer");
     if (strcmp(s, "writer") && strcmp(s, "owner")) {
         rc = wx_errf(-EINVAL, "transport cuda_ipc: map=%s: expected writer or owner", s);
-        goto fail;
+        return rc;
     }
     c->map_owner = !strcmp(s, "owner");
     /* Off by default: measured no faster (the IPC lazy flag maps the memory for our GPU
      * already), and it would create a context on the target's GPU in this process. */
     if ((rc = wx__ci_opt_bool(opts, "peer_access", 0, &c->peer_access)) != 0)
-        goto fail;
+        return rc;
     if ((rc = wx__ci_opt_bool(opts, "ipc_lazy", 1, &c->ipc_lazy)) != 0)
-        goto fail;
+        return rc;
     if ((rc = wx_opt_u64(opts, "poll_us", WX_CI_POLL_US, &v)) != 0)
-        goto fail;
+        return rc;
     if (v > 10000) {
         rc = wx_errf(-EINVAL, "transport cuda_ipc: poll_us=%llu: expected 0..10000",
                      (unsigned long long)v);
-        goto fail;
+        return rc;
     }
     c->poll_us = (uint32_t)v;
     s = wx_opt_str(opts, "pick", "least");
     if (strcmp(s, "rr") && strcmp(s, "least")) {
         rc = wx_errf(-EINVAL, "transport cuda_ipc: pick=%s: expected rr or least", s);
-        goto fail;
+        return rc;
     }
     c->pick_least = !strcmp(s, "least");
     c->test_refuse_peer = UINT64_MAX;
 #ifdef WX_TESTING
     if ((rc = wx_opt_u64(opts, "_test_refuse_peer", UINT64_MAX, &c->test_refuse_peer)) != 0)
-        goto fail;
+        return rc;
 #endif
+    return 0;
+}
+
+static int wx__ci_open(const wx_opts_t *opts, wx_transport_t **out)
+{
+    wx__ci_t *c;
+    int rc;
+    pthread_condattr_t ca;
+
+    c = calloc(1, sizeof *c);
+    if (!c)
+        return wx_errf(-ENOMEM, "cuda_ipc: out of memory");
+    c->cu = wx_cuda(NULL, 0);
+    if ((rc = wx__ci_parse(c, opts)) != 0)
+        goto fail;
     c->base.needs_local_reg = 0;
     c->base.key_is_backend = 0;
     if (getrandom(&c->t_nonce, sizeof c->t_nonce, GRND_NONBLOCK) != (ssize_t)sizeof c->t_nonce)
@@ -608,6 +612,11 @@ static int wx__ci_info(wx_transport_t *t, char *buf, size_t len)
 const wx_transport_ops_t wx_cuda_ipc_ops = {
     .name = "cuda_ipc",
     .kind = WX_KIND_CUDA_IPC,
+    /* a write into a peer's mapped memory succeeds whether or not its process is there */
+    .caps = WX_CAP_CUDA_MEM | WX_CAP_SAME_HOST,
+    .auto_host = 0,
+    .auto_cuda = 1,
+    .options = wx__ci_known,
     .probe = wx__ci_probe,
     .open = wx__ci_open,
     .close = wx__ci_close,

@@ -10,7 +10,7 @@
  * (registration), wx_fabric_data.c (write, progress thread, completions).
  *
  * Options: provider (tcp = "tcp;ofi_rxm", shm, efa, or an exact provider string), iface
- * (domain name; default $WXFER_FABRIC_IFACE, else "lo" for tcp), chunk (largest single
+ * (domain name; default $WXFER_IFACE, else $WXFER_FABRIC_IFACE, else "lo" for tcp), chunk (largest single
  * write, default 4 MiB, capped at max_msg_size), depth (writes in flight, default 64,
  * capped at tx_attr->size), timeout (seconds a posted write may stay incomplete before it
  * fails with -ETIMEDOUT and fails its peer; default 30, 0 = off), hmem (auto|on|off: ask

@@ -407,18 +407,11 @@ static ssize_t wx__fab_post(wx_fab_t *f, wx_fab_peer_t *fp, const struct fi_msg_
     return -FI_EAGAIN;
 }
 
-int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
+/* Whether peer p can take write wr now: connected, not failed, its source registered where
+ * the provider needs it; 0 or the error naming why not. */
+static int wx__fab_write_check(wx_fab_t *f, wx_peer_t *p, const wx_wr_t *wr)
 {
-    wx_fab_t *f = WX_FAB(t);
     wx_fab_peer_t *fp = p->priv;
-    wx_fab_slot_t *s;
-    struct iovec iov;
-    struct fi_rma_iov rma;
-    struct fi_msg_rma msg;
-    char why[WX_ERRMSG_MAX] = "";
-    void *desc;
-    ssize_t rc;
-
     if (!fp || !fp->in_av)
         return wx_errf(-ENOTCONN, "fabric: %s is not connected", p->name);
     if (fp->failed)
@@ -433,11 +426,28 @@ int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *o
 #endif
     if (!wr->local)
         return wx_errf(-EINVAL, "fabric: write to %s needs a registered source region", p->name);
-    desc = wr->local->ldesc;
-    if (!desc && ((f->mr_mode & FI_MR_LOCAL) ||
-                  (wr->local->mem == WX_MEM_CUDA && (f->mr_mode & FI_MR_HMEM))))
+    if (!wr->local->ldesc && ((f->mr_mode & FI_MR_LOCAL) ||
+                              (wr->local->mem == WX_MEM_CUDA && (f->mr_mode & FI_MR_HMEM))))
         return wx_errf(-EINVAL, "fabric: source region %u is not registered with provider %s",
                        wr->local->id, f->prov);
+    return 0;
+}
+
+int wx__fab_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
+{
+    wx_fab_t *f = WX_FAB(t);
+    wx_fab_peer_t *fp = p->priv;
+    wx_fab_slot_t *s;
+    struct iovec iov;
+    struct fi_rma_iov rma;
+    struct fi_msg_rma msg;
+    char why[WX_ERRMSG_MAX] = "";
+    void *desc;
+    ssize_t rc;
+
+    if ((rc = wx__fab_write_check(f, p, wr)))
+        return (int)rc;
+    desc = wr->local->ldesc;
 
     pthread_mutex_lock(&f->slot_lock);
     s = f->free_slots;

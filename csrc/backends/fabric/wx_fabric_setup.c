@@ -81,12 +81,32 @@ static const char *wx__fab_prov_name(const char *p)
 
 static int wx__fab_is_tcp(const char *prov) { return strcmp(prov, "tcp;ofi_rxm") == 0; }
 
+/* The provider when none is given: $WXFER_FABRIC_PROVIDER, else tcp. */
+static const char *wx__fab_default_provider(void)
+{
+    const char *e = getenv("WXFER_FABRIC_PROVIDER");
+    return e && *e ? e : "tcp";
+}
+
+/* The domain when no iface is given: $WXFER_IFACE (the job's NIC for fabric), else
+ * $WXFER_FABRIC_IFACE (its older name), else "lo" for tcp. */
 static const char *wx__fab_default_iface(const char *prov)
 {
-    const char *e = getenv("WXFER_FABRIC_IFACE");
+    const char *e = getenv("WXFER_IFACE");
+    if (!e || !*e)
+        e = getenv("WXFER_FABRIC_IFACE");
     if (e && *e)
         return e;
     return wx__fab_is_tcp(prov) ? "lo" : NULL;
+}
+
+static const char *wx__fab_default_of(const char *option)
+{
+    if (strcmp(option, "provider") == 0)
+        return wx__fab_default_provider();
+    if (strcmp(option, "iface") == 0)
+        return wx__fab_default_iface(wx__fab_prov_name(wx__fab_default_provider()));
+    return NULL;
 }
 
 static struct fi_info *wx__fab_hints(const wx_fi_api_t *api, const char *prov, int hmem,
@@ -191,7 +211,7 @@ static int wx__fab_select(wx_fab_t *f, const char *prov, const char *iface, cons
     if (seen[0])
         return wx_errf(-ENODEV,
                        "fabric: provider %s has no domain (interface) '%s'; it offers: %s "
-                       "(set option iface= or WXFER_FABRIC_IFACE)",
+                       "(set option iface= or WXFER_IFACE)",
                        prov, iface, seen);
     return wx__fab_err(last_rc,
                        "fabric: fi_getinfo(provider=%s, FI_EP_RDM, FI_RMA|FI_WRITE|"
@@ -301,10 +321,8 @@ typedef struct wx__fab_cfg {
 
 static int wx__fab_parse(const wx_opts_t *opts, wx__fab_cfg_t *c)
 {
-    int rc = wx_opt_check(opts, "fabric", wx__fab_known);
-    if (rc)
-        return rc;
-    c->prov = wx__fab_prov_name(wx_opt_str(opts, "provider", "tcp"));
+    int rc;
+    c->prov = wx__fab_prov_name(wx_opt_str(opts, "provider", wx__fab_default_provider()));
     c->iface = wx_opt_str(opts, "iface", wx__fab_default_iface(c->prov));
     c->hmem = wx_opt_str(opts, "hmem", "auto");
     if (strcmp(c->hmem, "auto") && strcmp(c->hmem, "on") && strcmp(c->hmem, "off"))
@@ -615,9 +633,22 @@ static int wx__fab_info(wx_transport_t *t, char *buf, size_t len)
     return n < 0 ? -EIO : 0;
 }
 
+static const char *const wx__fab_host_opts[] = {"iface", NULL};
+static const char *const wx__fab_shared_opts[] = {"provider", NULL};
+static const char *const wx__fab_gpu_check[] = {"hmem", "on", NULL};
+
 const wx_transport_ops_t wx_fabric_ops = {
     .name = "fabric",
     .kind = WX_KIND_FABRIC,
+    /* a peer that is gone: tcp resets the connection, shm sees the process exit */
+    .caps = WX_CAP_HOST_MEM | WX_CAP_CUDA_MEM | WX_CAP_DEAD_PEER,
+    .auto_host = 1,
+    .auto_cuda = 3,
+    .options = wx__fab_known,
+    .host_options = wx__fab_host_opts,
+    .shared_options = wx__fab_shared_opts,
+    .gpu_check = wx__fab_gpu_check,
+    .default_of = wx__fab_default_of,
     .probe = wx__fab_probe,
     .open = wx__fab_open,
     .close = wx__fab_close,

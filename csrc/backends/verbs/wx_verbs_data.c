@@ -354,15 +354,73 @@ static int wx__opt_int(const wx_opts_t *o, const char *k, uint64_t dflt, uint64_
 
 static void wx__verbs_close(wx_transport_t *tt);
 
+/* The options open() reads into t (a range or a choice checked, the option named). */
+static int wx__verbs_parse(wx_verbs_t *t, const wx_opts_t *opts)
+{
+    uint64_t u;
+    const char *s;
+    int rc;
+    s = wx_opt_str(opts, "gpu", NULL);
+    t->gpu = -1;
+    if (s && *s) {
+        if ((rc = wx__opt_int(opts, "gpu", 0, 0, 1023, &u)))
+            return rc;
+        t->gpu = (int)u;
+    }
+    s = wx_opt_str(opts, "gid_index", NULL);
+    t->gid_index_opt = -1;
+    if (s && *s) {
+        if ((rc = wx__opt_int(opts, "gid_index", 0, 0, 127, &u)))
+            return rc;
+        t->gid_index_opt = (int)u;
+    }
+    if ((rc = wx__opt_int(opts, "chunk", 1u << 20, 1, 1ull << 31, &t->chunk)))
+        return rc;
+    if ((rc = wx__opt_int(opts, "depth", 256, 4, WX__MAX_DEPTH, &u)))
+        return rc;
+    t->depth = (uint32_t)u;
+    if ((rc = wx__opt_int(opts, "qps", 1, 1, 4, &u)))
+        return rc;
+    t->qps_per_pair = (uint32_t)u;
+    if ((rc = wx__opt_int(opts, "sig_every", t->depth / 4, 1, t->depth - 1, &u)))
+        return rc;
+    t->sig_every = (uint32_t)u;
+    if ((rc = wx__opt_int(opts, "timeout", 14, 1, 31, &u)))
+        return rc;
+    t->timeout = (uint8_t)u;
+    if ((rc = wx__opt_int(opts, "retry_cnt", 7, 0, 7, &u)))
+        return rc;
+    t->retry_cnt = (uint8_t)u;
+    t->reg_mode = wx_opt_str(opts, "reg", "auto");
+    if (strcmp(t->reg_mode, "auto") && strcmp(t->reg_mode, "dmabuf") &&
+        strcmp(t->reg_mode, "peermem")) {
+        rc = wx_errf(-EINVAL, "verbs: option reg=%s (want auto, dmabuf or peermem)", t->reg_mode);
+        return rc;
+    }
+    t->reg_mode = strcmp(t->reg_mode, "dmabuf") == 0    ? "dmabuf"
+                  : strcmp(t->reg_mode, "peermem") == 0 ? "peermem"
+                                                        : "auto";
+#ifdef WX_TESTING
+    if ((rc = wx__opt_int(opts, "_test_rkey_xor", 0, 0, 0xffffffffu, &u)))
+        return rc;
+    t->test_rkey_xor = (uint32_t)u;
+    if ((rc = wx__opt_int(opts, "_test_raddr_add", 0, 0, ~0ull, &t->test_raddr_add)))
+        return rc;
+#endif
+    s = wx_opt_str(opts, "gpu_memory", "no");
+    if (strcmp(s, "yes") && strcmp(s, "no")) {
+        rc = wx_errf(-EINVAL, "verbs: option gpu_memory=%s (want yes or no)", s);
+        return rc;
+    }
+    t->gpu_memory = strcmp(s, "yes") == 0;
+    return 0;
+}
+
 static int wx__verbs_open(const wx_opts_t *opts, wx_transport_t **out)
 {
     wx_verbs_t *t;
     char why[WX_ERRMSG_MAX];
-    uint64_t u;
-    const char *s;
     int rc;
-    if ((rc = wx_opt_check(opts, "verbs", wx__verbs_known)))
-        return rc;
     t = calloc(1, sizeof *t);
     if (!t)
         return wx_errf(-ENOMEM, "verbs: out of memory");
@@ -375,59 +433,8 @@ static int wx__verbs_open(const wx_opts_t *opts, wx_transport_t **out)
         rc = wx_errf(-ENOSYS, "verbs: %s", why);
         goto fail;
     }
-    s = wx_opt_str(opts, "gpu", NULL);
-    t->gpu = -1;
-    if (s && *s) {
-        if ((rc = wx__opt_int(opts, "gpu", 0, 0, 1023, &u)))
-            goto fail;
-        t->gpu = (int)u;
-    }
-    s = wx_opt_str(opts, "gid_index", NULL);
-    t->gid_index_opt = -1;
-    if (s && *s) {
-        if ((rc = wx__opt_int(opts, "gid_index", 0, 0, 127, &u)))
-            goto fail;
-        t->gid_index_opt = (int)u;
-    }
-    if ((rc = wx__opt_int(opts, "chunk", 1u << 20, 1, 1ull << 31, &t->chunk)))
+    if ((rc = wx__verbs_parse(t, opts)))
         goto fail;
-    if ((rc = wx__opt_int(opts, "depth", 256, 4, WX__MAX_DEPTH, &u)))
-        goto fail;
-    t->depth = (uint32_t)u;
-    if ((rc = wx__opt_int(opts, "qps", 1, 1, 4, &u)))
-        goto fail;
-    t->qps_per_pair = (uint32_t)u;
-    if ((rc = wx__opt_int(opts, "sig_every", t->depth / 4, 1, t->depth - 1, &u)))
-        goto fail;
-    t->sig_every = (uint32_t)u;
-    if ((rc = wx__opt_int(opts, "timeout", 14, 1, 31, &u)))
-        goto fail;
-    t->timeout = (uint8_t)u;
-    if ((rc = wx__opt_int(opts, "retry_cnt", 7, 0, 7, &u)))
-        goto fail;
-    t->retry_cnt = (uint8_t)u;
-    t->reg_mode = wx_opt_str(opts, "reg", "auto");
-    if (strcmp(t->reg_mode, "auto") && strcmp(t->reg_mode, "dmabuf") &&
-        strcmp(t->reg_mode, "peermem")) {
-        rc = wx_errf(-EINVAL, "verbs: option reg=%s (want auto, dmabuf or peermem)", t->reg_mode);
-        goto fail;
-    }
-    t->reg_mode = strcmp(t->reg_mode, "dmabuf") == 0    ? "dmabuf"
-                  : strcmp(t->reg_mode, "peermem") == 0 ? "peermem"
-                                                        : "auto";
-#ifdef WX_TESTING
-    if ((rc = wx__opt_int(opts, "_test_rkey_xor", 0, 0, 0xffffffffu, &u)))
-        goto fail;
-    t->test_rkey_xor = (uint32_t)u;
-    if ((rc = wx__opt_int(opts, "_test_raddr_add", 0, 0, ~0ull, &t->test_raddr_add)))
-        goto fail;
-#endif
-    s = wx_opt_str(opts, "gpu_memory", "no");
-    if (strcmp(s, "yes") && strcmp(s, "no")) {
-        rc = wx_errf(-EINVAL, "verbs: option gpu_memory=%s (want yes or no)", s);
-        goto fail;
-    }
-    t->gpu_memory = strcmp(s, "yes") == 0;
     t->nonce = wx_now_ns() ^ ((uint64_t)getpid() << 40) ^ (uint64_t)(uintptr_t)t;
     rc = wx__verbs_open_nics(t, wx_opt_str(opts, "device", NULL));
     if (rc)
@@ -498,25 +505,14 @@ static void wx__verbs_close(wx_transport_t *tt)
     free(t);
 }
 
-static int wx__verbs_write(wx_transport_t *tt, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
+/* The QP of peer pv the next write goes to, in turn, with room in its send queue: 0 and *q
+ * locked; -EAGAIN when every queue is full; the error of the completion that broke a QP when
+ * one is in the error state (the write fails at once). One QP lock at a time (writers may
+ * run on several threads). */
+static int wx__verbs_pick_qp(wx__vpeer_t *pv, wx__vqp_t **q)
 {
-    wx_verbs_t *t = (wx_verbs_t *)tt;
-    wx__vpeer_t *pv = p->priv;
-    struct ibv_send_wr swr, *bad = NULL;
-    struct ibv_sge sge;
-    uint32_t rkey, rnn, start;
-    wx__vqp_t *q = NULL;
-    int rc, sig;
-    if (!pv || pv->nqp == 0)
-        return wx_errf(-ENOTCONN, "verbs: %s is not connected", p->name);
-    if (!wr->local || !wr->local->priv)
-        return wx_errf(-EINVAL, "verbs: the source of a write must be a registered region");
-    if (wr->remote->blob_len < 8)
-        return wx_errf(-EPROTO, "verbs: remote region (key 0x%llx) carries no rkeys",
-                       (unsigned long long)wr->remote->key);
-    rnn = wr->remote->blob[0];
-    /* One QP lock at a time (writers may run on several threads). A QP in the error state
-     * fails the write at once with the completion that broke it. */
+    uint32_t start;
+    int rc;
     for (uint32_t i = 0; i < pv->nqp; i++) {
         wx__vqp_t *c = pv->qps[i];
         pthread_mutex_lock(&c->lock);
@@ -532,13 +528,33 @@ static int wx__verbs_write(wx_transport_t *tt, wx_peer_t *p, const wx_wr_t *wr, 
         wx__vqp_t *c = pv->qps[(start + i) % pv->nqp];
         pthread_mutex_lock(&c->lock);
         if (!c->broken && c->head - c->tail < c->depth - 1) {
-            q = c; /* keep its lock */
-            break;
+            *q = c; /* keep its lock */
+            return 0;
         }
         pthread_mutex_unlock(&c->lock);
     }
-    if (!q)
-        return -EAGAIN;
+    return -EAGAIN;
+}
+
+static int wx__verbs_write(wx_transport_t *tt, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
+{
+    wx_verbs_t *t = (wx_verbs_t *)tt;
+    wx__vpeer_t *pv = p->priv;
+    struct ibv_send_wr swr, *bad = NULL;
+    struct ibv_sge sge;
+    uint32_t rkey, rnn;
+    wx__vqp_t *q = NULL;
+    int rc, sig;
+    if (!pv || pv->nqp == 0)
+        return wx_errf(-ENOTCONN, "verbs: %s is not connected", p->name);
+    if (!wr->local || !wr->local->priv)
+        return wx_errf(-EINVAL, "verbs: the source of a write must be a registered region");
+    if (wr->remote->blob_len < 8)
+        return wx_errf(-EPROTO, "verbs: remote region (key 0x%llx) carries no rkeys",
+                       (unsigned long long)wr->remote->key);
+    rnn = wr->remote->blob[0];
+    if ((rc = wx__verbs_pick_qp(pv, &q)))
+        return rc;
     if ((uint32_t)q->remote_nic >= rnn ||
         4 + 4 * (uint32_t)q->remote_nic + 4 > wr->remote->blob_len) {
         pthread_mutex_unlock(&q->lock);
@@ -635,9 +651,19 @@ static int wx__verbs_info(wx_transport_t *tt, char *buf, size_t len)
     return 0;
 }
 
+static const char *const wx__verbs_host_opts[] = {"gpu", "gpu_memory", NULL};
+static const char *const wx__verbs_gpu_opts[] = {"gpu", "{gpu}", "gpu_memory", "yes", NULL};
+
 const wx_transport_ops_t wx_verbs_ops = {
     .name = "verbs",
     .kind = WX_KIND_VERBS,
+    /* a peer that is gone: its QP does not answer, IBV_WC_RETRY_EXC_ERR */
+    .caps = WX_CAP_HOST_MEM | WX_CAP_CUDA_MEM | WX_CAP_DEAD_PEER,
+    .auto_host = 0,
+    .auto_cuda = 2,
+    .options = wx__verbs_known,
+    .host_options = wx__verbs_host_opts,
+    .gpu_check = wx__verbs_gpu_opts,
     .probe = wx__verbs_probe,
     .open = wx__verbs_open,
     .close = wx__verbs_close,

@@ -1,9 +1,10 @@
 """The supervisor of the benchmarks' two-process runs (bench_baselines.py, bench_ckpt_engine.py):
-the parent starts the children on a list of work items (spawn), collects each item's result
-from the store in order and stops at the first item that fails -- a child reported an error,
-exited, or the caller's time limit passed (watch) -- then stops the children (stop) and starts
-fresh ones on what is left; the children's body (child), their Python stacks on demand
-(faulthandler: stack_file, arm_stack_dump, dump_stacks), the SIGTERM handler that kills them."""
+the parent's one retry loop (run_attempts): it starts the children on a list of work items
+(spawn), collects each item's result from the store in order and stops at the first item that
+fails -- a child reported an error, exited, or the caller's time limit passed (watch) -- then
+stops the children (stop), lets the caller decide what is left, and starts fresh ones on it;
+the children's body (child), their Python stacks on demand (faulthandler: stack_file,
+arm_stack_dump, dump_stacks), the SIGTERM handler that kills them."""
 
 from __future__ import annotations
 
@@ -164,3 +165,59 @@ def dump_stacks(procs, paths: dict) -> dict:
     if alive:
         time.sleep(2.0)
     return read_stacks(paths)
+
+
+def run_attempts(
+    ctx,
+    target,
+    a: dict,
+    store,
+    prefix: str,
+    timeout: float,
+    todo: list,
+    work_of,
+    on_result,
+    over,
+    why,
+    on_failure,
+    *,
+    more=None,
+    settle: float = 0.0,
+    poll: float = 0.1,
+    stop_wait: float = 5.0,
+    kill: bool = False,
+    stack_paths=None,
+) -> None:
+    """The parent's loop: while items of `todo` (indices, in order) are left and more() (when
+    given) holds, fresh children target(rank, a, work_of(todo), q) (spawn) under their own
+    store namespace a["name"] = "<prefix>_<attempt>"; each item's result, as its key "res/<i>"
+    appears, handed to on_result(ctl, i) (the item popped from `todo`); at the first failure
+    (watch; over(item_s) says the caller's limits passed, item_s the seconds since the last
+    result or the attempt's start) why(ctl, failure, procs, item_s) says why while the
+    children are still as they failed, their stacks are read (stack_paths(a): {rank: file},
+    dump_stacks), they are stopped (stop: stop_wait, kill), and on_failure(ctl, index, why,
+    procs, stacks) decides what is left: it removes the item from `todo` (given up) or leaves
+    it there (retried with fresh children)."""
+    from wxfer.runtime import control
+
+    attempt = 0
+    while todo and (more is None or more()):
+        attempt += 1
+        a["name"] = "%s_%d" % (prefix, attempt)
+        ctl = control.Control(store, a["name"], timeout)
+        procs, q = spawn(ctx, target, a, work_of(todo))
+        t_item = [time.monotonic()]
+
+        def got(i, ctl=ctl, t_item=t_item):
+            on_result(ctl, i)
+            t_item[0] = time.monotonic()
+
+        def late(t_item=t_item):
+            return over(time.monotonic() - t_item[0])
+
+        f = watch(procs, q, ctl, todo, "res/%d", got, late, settle=settle, poll=poll)
+        reason = None if f is None else why(ctl, f, procs, time.monotonic() - t_item[0])
+        stacks = dump_stacks(procs, stack_paths(a)) if f is not None and stack_paths else {}
+        stop(procs, f is not None, stop_wait, kill)
+        if f is not None:
+            on_failure(ctl, f.index, reason, procs, stacks)
