@@ -99,6 +99,11 @@ typedef struct CUmemcpyAttributes_st {
 
 enum { CU_MEMCPY_FLAG_DEFAULT = 0, CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1 };
 
+/* cuda.h's CU_STREAM_PER_THREAD: the per-thread default stream's handle (0x2). cuMemcpyBatchAsync
+ * refuses the legacy NULL stream (CUDA_ERROR_INVALID_VALUE); the per-thread one is ordered with
+ * the legacy stream both ways (the legacy stream synchronizes with every blocking stream). */
+#define WX_CU_STREAM_PER_THREAD ((CUstream)(uintptr_t)0x2)
+
 enum { CU_SHAREDMEM_CARVEOUT_MAX_SHARED = 100 };
 enum { CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1 };
 enum { CU_STREAM_NON_BLOCKING = 1 };

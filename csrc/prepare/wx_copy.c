@@ -151,6 +151,7 @@ int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n)
                                CU_MEMCPY_FLAG_DEFAULT};
     CUdeviceptr *dst = NULL, *src = NULL;
     CUcontext prev;
+    CUstream hs;
     CUresult r;
     size_t *size = NULL, idx0 = 0, fail = SIZE_MAX;
     int rc;
@@ -163,14 +164,15 @@ int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n)
         return wx_errf(rc, "copy_batch unavailable: %s", why);
     if ((rc = wx__columns(triples, n, &dst, &src, &size)) != 0)
         return rc;
+    /* the legacy NULL stream (0: torch's default stream) is refused by the driver; the
+     * per-thread default stream keeps the same order against it */
+    hs = stream ? (CUstream)(uintptr_t)stream : WX_CU_STREAM_PER_THREAD;
     cu = wx_cuda(NULL, 0);
     wx_kernel_enter(d.ctx, &prev);
     if (cu->cuMemcpyBatchAsync)
-        r = cu->cuMemcpyBatchAsync(dst, src, size, (size_t)n, &attr, &idx0, 1,
-                                   (CUstream)(uintptr_t)stream);
+        r = cu->cuMemcpyBatchAsync(dst, src, size, (size_t)n, &attr, &idx0, 1, hs);
     else
-        r = cu->cuMemcpyBatchAsync_v1(dst, src, size, (size_t)n, &attr, &idx0, 1, &fail,
-                                      (CUstream)(uintptr_t)stream);
+        r = cu->cuMemcpyBatchAsync_v1(dst, src, size, (size_t)n, &attr, &idx0, 1, &fail, hs);
     wx_kernel_leave(d.ctx, prev);
     free(dst);
     if (r == CUDA_SUCCESS)
