@@ -235,6 +235,11 @@ class Receiver:
 
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
             raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} is out of range")
+        if isinstance(stamp_slots, bool) or not isinstance(stamp_slots, int) or stamp_slots < 1:
+            raise ValueError(
+                f"wxfer.Receiver: stamp_slots must be an int >= 1 (the version stamps: one slot per "
+                f"trainer rank that writes to this worker), got {stamp_slots!r}"
+            )
         items = list(named_parameters.items() if hasattr(named_parameters, "items") else named_parameters)
         self.params = {}
         for n, t in items:
@@ -326,8 +331,13 @@ class Receiver:
                 self.register_mode = f"storages (segments unavailable: {type(e).__name__}: {e})"
         by_base = {}  # base address -> (region, base address)
         self.param_desc = {}
+        # a parameter of no elements has no bytes to write: not registered (a transport
+        # refuses an empty buffer), no descriptor; the trainers write nothing there
+        self.empty = sorted(n for n, t in self.params.items() if t.numel() == 0)
         t0 = time.perf_counter()
         for n, t in self.params.items():
+            if t.numel() == 0:
+                continue
             sptr = t.untyped_storage().data_ptr()
             if sptr in seg:
                 base, addr = seg[sptr]
@@ -639,6 +649,7 @@ class Receiver:
             transport=self.transport_name,
             registration=registration_info(self.transport_name, self.transport.info()),
             senders=list(self.senders),
+            empty=list(self.empty),
         )
 
     def close(self) -> None:
