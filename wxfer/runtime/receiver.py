@@ -32,7 +32,7 @@ import struct
 import time
 
 from .. import envs
-from . import control
+from . import control, digest
 from .control import Control, SetupError
 
 _DESC_HEAD = struct.Struct("<Q")
@@ -264,6 +264,7 @@ class Receiver:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
         self.device = devs.pop()
         self.mapping_name = _mapping_name(mapping)
+        self.mapping_rules = digest.mapping_rules(mapping)  # compared by the trainers (issue 25.4)
         t_setup = time.perf_counter()
         self.ctl = Control(
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
@@ -379,6 +380,7 @@ class Receiver:
             replicas=self.replicas,
             ep=self.ep,
             mapping=self.mapping_name,
+            rules=self.mapping_rules,
             transport=self.transport_name,
             options=self.transport_options,
             export=_b64(self.transport.export()),

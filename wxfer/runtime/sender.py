@@ -38,6 +38,7 @@ import time
 from . import control, prepare, program
 from .control import Control, SetupError
 from .direct import DirectMixin
+from . import digest
 from .faults import FaultsMixin, mapping_digest
 from .finish import FinishMixin
 from .rejoin import RejoinMixin
@@ -315,11 +316,14 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                         f"{first['replicas']} tp={first['tp']} ({n} workers)"
                     )
             pname = getattr(program.get_preset(mapping), "name", "")
+            rules = digest.mapping_rules(mapping)
             for w in workers:
                 if w["mapping"] and pname and w["mapping"] != pname:
                     probs.append(
                         f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, the trainers {pname!r}"
                     )
+                elif digest.compare_rules(w, rules):
+                    probs.append(digest.compare_rules(w, rules))
                 if (w["transport"], w["options"]) != (first["transport"], first["options"]):
                     probs.append(
                         f"inference worker gpu {w['gpu']} registered with {w['transport']} "
