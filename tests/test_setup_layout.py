@@ -92,3 +92,59 @@ def test_the_same_rules_pass_and_arrive_in_place(store):
         assert torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b), dst
     sender.close()
     recv.close()
+
+
+TIED = dict(TINY, tie_word_embeddings=True)
+
+
+def test_tied_embeddings_of_transformers_qwen3_are_written_once(store):
+    """transformers' Qwen3ForCausalLM with tie_word_embeddings=True has one parameter,
+    model.embed_tokens.weight (lm_head.weight is the same tensor; named_parameters() lists
+    it once), and so does vLLM's (self.lm_head = self.model.embed_tokens).  A receiver that
+    lists both names over that one tensor is written once, through the embedding."""
+    from wxfer.runtime.sender import Sender
+    from wxfer.testing import expected_shards
+
+    _, addr = store
+    model = train_model(TIED)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert "lm_head.weight" not in dict(model.named_parameters())
+    params = inference_params(TIED, 1, 0)
+    assert "lm_head.weight" not in params  # the mapping's own layout of the tied model
+    params["lm_head.weight"] = params["model.embed_tokens.weight"]  # named_parameters(remove_duplicate=False)
+    th = in_thread(Receiver, params, mapping=preset_for(TIED), store=addr, name="tied", timeout=T)
+    sender = Sender(model, mapping=preset_for(TIED), store=addr, name="tied", timeout=T)
+    (recv,) = joined([th], T)
+    assert recv.stats()["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    sender.push()
+    assert recv.version() == 1
+    for _, dst, off, b in expected_shards(model, TIED):
+        assert torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b), dst
+    assert torch.equal(params["lm_head.weight"], model.lm_head.weight.to(torch.bfloat16))
+    sender.close()
+    recv.close()
+
+
+def test_two_views_of_one_storage_are_refused_by_name():
+    """Two names over the same bytes (or part of them), with no tie the mapping knows: refused
+    at Receiver setup naming both (they were accepted, and version() read complete while one
+    held the other's bytes)."""
+    q, k = "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"
+    params = inference_params(TINY, 1, 0)
+    buf = torch.zeros(128 + 64, dtype=torch.bfloat16)
+    for a, b, shared in ((buf[:128], buf[:128], 256), (buf[:128], buf[64:], 128)):
+        bad = dict(params, **{q: a, k: b})
+        first, second = sorted((q, k), key=lambda n: (bad[n].data_ptr(), n))
+        with pytest.raises(ValueError, match=f"parameters {first} and {second} share memory \\({shared} bytes"):
+            Receiver(bad, mapping=preset_for(TINY), store="127.0.0.1:1", timeout=1)
+    # embed_tokens and lm_head over one tensor, with a mapping that does not tie them
+    untied = dict(params, **{"lm_head.weight": params["model.embed_tokens.weight"]})
+    with pytest.raises(ValueError, match="parameters lm_head.weight and model.embed_tokens.weight share memory"):
+        Receiver(untied, mapping=preset_for(TINY), store="127.0.0.1:1", timeout=1)
+    # the tie declared, but lm_head only a part of the embedding: refused too
+    tparams = inference_params(TIED, 1, 0)
+    half = dict(tparams, **{"lm_head.weight": tparams["model.embed_tokens.weight"][:256]})
+    with pytest.raises(ValueError, match="tied in the mapping, but not as one whole tensor"):
+        Receiver(half, mapping=preset_for(TIED), store="127.0.0.1:1", timeout=1)

@@ -32,7 +32,7 @@ import struct
 import time
 
 from .. import envs
-from . import control, digest
+from . import alias, control, digest
 from .control import Control, SetupError
 
 _DESC_HEAD = struct.Struct("<Q")
@@ -195,7 +195,11 @@ def _segment_bases(tensors):
 class Receiver:
     """Register `named_parameters` (inference layout) for one-sided writes and publish them.
 
-    named_parameters: iterable of (name, tensor) or a dict; every tensor contiguous.
+    named_parameters: iterable of (name, tensor) or a dict; every tensor contiguous.  Two
+    names over the same bytes are refused naming both, but for a tie the mapping declares
+    (``tie_word_embeddings``: lm_head.weight is the embedding), written once through the
+    kept name (``stats()["tied"]``); a parameter of no elements is left out
+    (``stats()["empty"]``).
     mapping: the preset name (or Preset) the trainers use; checked against theirs.
     store: a torch Store, "host:port", or None ($WXFER_STORE / $MASTER_ADDR:$WXFER_STORE_PORT).
     replica, rank: this worker's replica index and TP rank; tp, replicas: the layout.
@@ -256,6 +260,8 @@ class Receiver:
             self.params[n] = t
         if not self.params:
             raise ValueError("wxfer.Receiver: no parameters")
+        # names sharing bytes: a tie the mapping knows is written once, anything else refused
+        self.params, self.tied = alias.resolve(self.params, mapping)
         self.replica, self.rank, self.tp, self.replicas, self.ep = replica, rank, tp, replicas, ep
         self.gpu = replica * tp + rank
         self.timeout = float(timeout)
@@ -652,6 +658,7 @@ class Receiver:
             registration=registration_info(self.transport_name, self.transport.info()),
             senders=list(self.senders),
             empty=list(self.empty),
+            tied=dict(self.tied),
         )
 
     def close(self) -> None:
