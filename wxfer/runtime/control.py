@@ -375,13 +375,18 @@ def writer_finish(
 def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float | None = None, epoch: int = 0) -> None:
     """Receiver side: answer the handshake request of trainer `rank` (or raise the trainers'
     setup error, should their connect phase fail first)."""
-    req = ctl.get(
-        hs_key("req", rank, gpu, epoch),
-        f"the handshake request of trainer rank {rank} to inference worker gpu {gpu}",
-        timeout,
-        abort=None if epoch else "setup",
-        abort_where="the trainers (connecting to the inference workers)",
-    )
+    try:
+        req = ctl.get(
+            hs_key("req", rank, gpu, epoch),
+            f"the handshake request of trainer rank {rank} to inference worker gpu {gpu}",
+            timeout,
+            abort=None if epoch else "setup",
+            abort_where="the trainers (connecting to the inference workers)",
+        )
+    except SetupError:
+        if not epoch and ctl.check("setup"):  # the trainers' error was read: they need not linger for it
+            ctl.add("setup/acks", 1)
+        raise
     try:
         rep = transport.accept(req) if req else b""
         ctl.set(hs_key("rep", rank, gpu, epoch), encode_result(rep, None))

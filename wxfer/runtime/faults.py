@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import control, prepare, program
+from . import control, prepare, program, setup_waits
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ class FaultsMixin:
         for key, n, t in ((trainer_key, trainers, self.timeout), (recv_key, receivers, min(self.timeout, 10.0))):
             if key is None or n == 0:
                 continue
-            deadline = time.monotonic() + t
+            deadline = time.monotonic() + setup_waits.linger_left(self, t)  # within the phase's bound
             while time.monotonic() < deadline:
                 want = n
                 if want is None:  # every receiver of gpu 0's layout (it may not have registered yet)

@@ -38,7 +38,7 @@ import time
 from . import control, prepare, program
 from .control import Control, SetupError
 from .direct import DirectMixin
-from . import digest
+from . import digest, setup_waits
 from .faults import FaultsMixin, mapping_digest
 from .finish import FinishMixin
 from .rejoin import RejoinMixin
@@ -214,7 +214,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         except Exception as e:  # noqa: BLE001
             err = f"{type(e).__name__}: {e}"
         control.agree(self.group, err, self.rank, "publishing training metadata", self.timeout)
-        # ---- 2. rank 0 builds the plan; every rank receives it (or the error)
+        # ---- 2. rank 0 builds the plan; every rank receives it (or the error), within 1.1x timeout
+        setup_waits.phase_deadline(self)
         if self.rank == 0:
             try:
                 self._controller(mapping)
@@ -225,12 +226,12 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
                 self._linger("plan/acks", self.world - 1, "status/acks", None)
                 raise
         self.setup_s["plan"] = time.perf_counter() - t0
-        data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)")
+        data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)", setup_waits.PLAN_WAIT * self.timeout)
         if self.rank:
             self.ctl.add("plan/acks", 1)
             if data[:2] == control.ERR:  # torchrun ends rank 0 once this rank exits: wait for the receivers
                 self._linger(None, 0, "status/acks", None)
-        self.plan = program.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
+        self.plan = setup_waits.load_plan(self, data)  # decoded, checked and agreed on every rank
         # ---- 3. this rank's program, transport, connections
         t1 = time.perf_counter()
         self._connect_phase(transport, transport_options, watermark)
@@ -254,6 +255,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
     def _connect_phase(self, transport, transport_options, watermark) -> None:
         """Setup step 3 on every rank; its verdict (every rank's errors) reaches every rank
         through gloo and every receiver through the store key `setup`."""
+        setup_waits.phase_deadline(self)
         err = None
         try:
             self._connect(transport, transport_options, watermark)
@@ -298,7 +300,12 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
             ]
             if problems:
                 raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
-            first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
+            self._workers_by = time.monotonic() + self.timeout  # one deadline for every worker
+            first = ctl.get_json(
+                "infer/0",
+                "the metadata of inference worker gpu 0 (replica 0 rank 0)",
+                max(0.0, self._workers_by - time.monotonic()),
+            )
             n = first["replicas"] * first["tp"]
             self._tp = first["tp"]
             self._wait_workers(n)
@@ -361,7 +368,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         """Wait (bounded) for the `n` inference workers; a worker registered twice, or one
         missing at the deadline, is refused naming every such worker."""
         ctl = self.ctl
-        deadline = time.monotonic() + self.timeout
+        deadline = getattr(self, "_workers_by", time.monotonic() + self.timeout)
         delay, dup_seen = 0.005, None
         while True:
             have = ctl.add("infer/count", 0)
