@@ -32,7 +32,7 @@ import struct
 import time
 
 from .. import envs
-from . import alias, control, digest
+from . import alias, control, digest, jobs
 from .control import Control, SetupError
 
 _DESC_HEAD = struct.Struct("<Q")
@@ -239,11 +239,7 @@ class Receiver:
 
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
             raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} is out of range")
-        if isinstance(stamp_slots, bool) or not isinstance(stamp_slots, int) or stamp_slots < 1:
-            raise ValueError(
-                f"wxfer.Receiver: stamp_slots must be an int >= 1 (the version stamps: one slot per "
-                f"trainer rank that writes to this worker), got {stamp_slots!r}"
-            )
+        _check_stamp_slots(stamp_slots)
         items = list(named_parameters.items() if hasattr(named_parameters, "items") else named_parameters)
         self.params = {}
         for n, t in items:
@@ -275,6 +271,7 @@ class Receiver:
         self.ctl = Control(
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
         )
+        self.ctl = jobs.receiver_namespace(self.ctl, name)  # not a finished job's records (issue 25.5)
         self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
         # opened with the GPU check for this worker's device; published without it (the
         # trainers check their own memory, and the workers' options must agree)
@@ -688,6 +685,14 @@ class Receiver:
         return (
             f"<wxfer.Receiver replica {self.replica} rank {self.rank}/{self.tp} {len(self.params)} params "
             f"{self.transport_name}>"
+        )
+
+
+def _check_stamp_slots(stamp_slots) -> None:
+    if isinstance(stamp_slots, bool) or not isinstance(stamp_slots, int) or stamp_slots < 1:
+        raise ValueError(
+            f"wxfer.Receiver: stamp_slots must be an int >= 1 (the version stamps: one slot per "
+            f"trainer rank that writes to this worker), got {stamp_slots!r}"
         )
 
 

@@ -38,7 +38,7 @@ import time
 from . import control, prepare, program
 from .control import Control, SetupError
 from .direct import DirectMixin
-from . import digest, setup_waits
+from . import digest, jobs, setup_waits
 from .faults import FaultsMixin, mapping_digest
 from .finish import FinishMixin
 from .rejoin import RejoinMixin
@@ -194,6 +194,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         )
         self._store_host = host_store
         self._hosted = store is None or host_store  # a trainer process hosts the store
+        jobs.join(self, name)  # this job's generation of `name` in the store (issue 25.5)
         self.mapping = mapping
         self.watermark = _parse_size(watermark)
         self.max_task_bytes = task_bound(self.watermark) if max_task_bytes is None else int(max_task_bytes)
@@ -301,11 +302,7 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
             if problems:
                 raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
             self._workers_by = time.monotonic() + self.timeout  # one deadline for every worker
-            first = ctl.get_json(
-                "infer/0",
-                "the metadata of inference worker gpu 0 (replica 0 rank 0)",
-                max(0.0, self._workers_by - time.monotonic()),
-            )
+            first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
             n = first["replicas"] * first["tp"]
             self._tp = first["tp"]
             self._wait_workers(n)
@@ -696,6 +693,8 @@ class Sender(TaskMixin, RejoinMixin, FaultsMixin, DirectMixin, FinishMixin):
         return s
 
     def close(self) -> None:
+        if getattr(self, "job", None) is not None:
+            self.job["stop"].set()  # its lease ends: a later job may take the name
         if self._pending is not None and not self._pending.done():
             try:
                 self._pending.wait()
