@@ -5,7 +5,11 @@ The inference workers are not in the trainers' process group, so everything that
 the two sides goes through one TCPStore (hosted by trainer rank 0 unless the user brings
 their own).  Every wait is bounded and its error names the key, the peer and the timeout.
 
-Keys live under ``wxfer/<name>/``::
+Keys live under ``wxfer/<name>/`` (generation 0 of the name; generation N >= 1 under
+``wxfer/<name>/g<N>/``, the current one in the counter ``wxfer/<name>/gen``: wxfer.runtime.jobs)::
+
+    job, job/claim, job/lease   the trainer job holding this generation   trainer rank 0
+                                (id, host, pid), its claim, its lease
 
     infer/<gpu>                 a receiver's metadata (JSON)            receiver -> rank 0
     infer/count                 counter of receivers that published       receiver
