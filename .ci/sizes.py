@@ -24,7 +24,6 @@ MAX_FUNC = 80
 ALLOWED = {
     "wxfer/runtime/receiver.py:Receiver.__init__": "the receiver-side reliability work (issue #25)",
     "wxfer/runtime/receiver.py:Receiver.state": "the receiver-side reliability work (issue #25)",
-    "wxfer/plan/serialize.py:_decode_body": "the receiver-side reliability work (issue #25, Plan.from_bytes)",
     "wxfer/plan/simulate.py:simulate": "the one-rule work (issue #26 item 2: simulator and runtime)",
 }
 

@@ -117,3 +117,24 @@ def test_get_preset_forms():
         program.get_preset(3)
     assert decode_param_descriptor(encode_param_descriptor(b"x", 5)) == (b"x", 5)
     assert issubclass(SetupError, RuntimeError)
+
+
+def test_every_rank_checks_the_plan_it_loads_from_the_store():
+    """A plan that decodes but leaves a destination byte unwritten (or a blob that does not
+    decode) is refused by plan_from_bytes, which every trainer rank runs on the store's plan
+    (ranks other than 0 had loaded it unchecked)."""
+    import numpy as np
+
+    metas, _ = _train()
+    train, _ = program.merge_train_metadata([metas, metas])
+    workers = [_worker_meta(rep, r, 2) for rep in range(2) for r in range(2)]
+    plan = program.build_controller_plan(train, workers, preset_for(TINY))
+    keep = np.arange(plan.n_transfers) != 5  # drop one transfer: its bytes are never written
+    lost = plan.names[plan.dst[5]]
+    for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset"):
+        setattr(plan, k, getattr(plan, k)[keep])
+    data = program.plan_to_bytes(plan)
+    with pytest.raises(SetupError, match=f"(?s)the plan from rank 0 fails its check.*{lost}.*never written"):
+        program.plan_from_bytes(data, "the plan from rank 0")
+    with pytest.raises(SetupError, match="the plan from rank 0 cannot be read: invalid plan bytes"):
+        program.plan_from_bytes(data[:-3], "the plan from rank 0")

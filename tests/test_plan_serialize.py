@@ -141,3 +141,36 @@ def test_random_bytes_never_crash(blob):
     for data in (blob, _HEAD.pack(MAGIC, VERSION, len(blob), zlib.crc32(blob)) + blob, _wrap(blob)):
         with pytest.raises(ValueError):
             Plan.from_bytes(data)
+
+
+def test_a_small_blob_cannot_inflate_beyond_its_cap():
+    """1 MB of zlib claiming a 1 GiB array is refused before the array is inflated (the
+    decoder inflated up to 4 GiB before checking anything), within a few MB of memory."""
+    import resource
+
+    from wxfer.plan.serialize import MAX_RATIO, body_cap
+
+    hj = json.dumps(dict(arrays=[["task_src_start", "u1", 1 << 30]])).encode()
+    z = zlib.compressobj(9)
+    parts = [z.compress(struct.pack("<I", len(hj)) + hj)]
+    chunk = bytes(1 << 20)
+    for _ in range(1024):  # 1 GiB of zeros: about 1 MB compressed
+        parts.append(z.compress(chunk))
+    comp = b"".join(parts) + z.flush()
+    assert len(comp) < 2 << 20
+    blob = _HEAD.pack(MAGIC, VERSION, len(comp), zlib.crc32(comp)) + comp
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ValueError, match=f"array task_src_start declares {1 << 30} bytes.*{MAX_RATIO}x"):
+        Plan.from_bytes(blob)
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mb < 64, grown_mb  # peak RSS, kB on Linux
+    assert body_cap(len(comp)) < 300 << 20
+
+
+def test_a_body_larger_than_declared_is_refused(plan):
+    """Bytes after the declared arrays are refused (the declared sizes bound what is read)."""
+    body = zlib.decompress(plan.to_bytes()[_HEAD.size :])
+    with pytest.raises(ValueError, match="trailing bytes"):
+        Plan.from_bytes(_wrap(body + bytes(100)))
+    with pytest.raises(ValueError, match="ends after"):
+        Plan.from_bytes(_wrap(body[:-1]))

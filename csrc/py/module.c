@@ -38,6 +38,15 @@ PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context)
     return wx__raise_as(st->Error, rc, context);
 }
 
+/* A failure on input from another process (an export blob, a handshake message): a
+ * malformed one (-EBADMSG, -EPROTO; -EINVAL: the library refused an address it carried)
+ * raises DecodeError, an Error that is also a ValueError; anything else Error. */
+PyObject *wx_py_raise_input(wx_py_state_t *st, int rc, const char *context)
+{
+    int bad = rc == -EBADMSG || rc == -EPROTO || rc == -EINVAL;
+    return wx__raise_as(bad ? st->DecodeError : st->Error, rc, context);
+}
+
 static int wx__set_field(PyObject *obj, const char *name, PyObject *v)
 {
     int rc;

@@ -360,7 +360,7 @@ static PyObject *wx_transport_connect_request(PyObject *op, PyObject *arg)
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (rc)
-        return wx_py_raise(wx_py_state_of(op), rc, "Transport.connect_request");
+        return wx_py_raise_input(wx_py_state_of(op), rc, "Transport.connect_request");
     return Py_BuildValue("(Iy#)", p->id, (const char *)req, (Py_ssize_t)req_len);
 }
 
@@ -380,7 +380,7 @@ static PyObject *wx_transport_accept(PyObject *op, PyObject *arg)
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (rc)
-        return wx_py_raise(wx_py_state_of(op), rc, "Transport.accept");
+        return wx_py_raise_input(wx_py_state_of(op), rc, "Transport.accept");
     return PyBytes_FromStringAndSize((const char *)rep, (Py_ssize_t)rep_len);
 }
 

@@ -58,6 +58,7 @@ wx_py_state_t *wx_py_state_of(PyObject *obj);
 
 /* Raise wxfer._wxfer.Error(-rc, "<context>: <wx_last_error()>"). Returns NULL. */
 PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context);
+PyObject *wx_py_raise_input(wx_py_state_t *st, int rc, const char *context);
 /* An engine failure as a wxfer._wxfer.Error: args (errno, "<context>: <message>"), and
  * the fields task, tag, peer, stage, reason from f (None where f has none). New
  * reference, not raised; NULL with an exception set. */

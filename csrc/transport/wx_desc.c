@@ -91,6 +91,8 @@ static int wx__get_header(wx__rbuf_t *r, char tag, uint8_t version, const char *
         return wx_errf(-EPROTO, "%s version %u, this build reads version %u", what, h[3], version);
     if (!wx_kind_name(h[4]))
         return wx_errf(-EPROTO, "%s names unknown transport kind %u", what, h[4]);
+    if (h[5] | h[6] | h[7])
+        return wx_errf(-EBADMSG, "%s header bytes 5-7 must be zero (reserved)", what);
     *kind = h[4];
     if (wx__get_u32(r, addr_len))
         return wx_errf(-EBADMSG, "%s truncated in address length", what);

@@ -69,7 +69,7 @@ def check_coverage(plan, workers: Sequence | None = None) -> list[str]:
             if (id(w.params), w.rank) in seen:  # replicas sharing one params dict
                 continue
             seen.add((id(w.params), w.rank))
-            for nme, p in w.params.items():
+            for nme, p in ((n, q) for n, q in w.params.items() if q.nbytes or n in name_id):  # 0 bytes: left out
                 d = name_id.get(nme, -1)
                 if d < 0 or plan.dest_nbytes[w.rank, d] < 0:
                     probs.append(f"{nme} on replica {w.replica} rank {w.rank}: no transfer writes it")

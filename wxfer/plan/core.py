@@ -424,8 +424,10 @@ def _grid(workers: Sequence[InferWorker]):
     return workers, tp, ep, replicas, gpu_of
 
 
-def _dest_tables(ex, workers, tp: int, problems: list):
-    """(names, name id, dest_nbytes [tp, names]); compares with what the workers hold."""
+def _dest_tables(ex, workers, tp: int, problems: list, empty=frozenset()):
+    """(names, name id, dest_nbytes [tp, names]); compares with what the workers hold.
+    A parameter of no bytes that no rule reads (`empty`: training side) or writes (a
+    worker's) has nothing to send: it is left out, not refused."""
     names = sorted({n for r in ex.dest for n in ex.dest[r]})
     name_id = {n: i for i, n in enumerate(names)}
     dest_nbytes = np.full((tp, len(names)), -1, np.int64)
@@ -433,7 +435,8 @@ def _dest_tables(ex, workers, tp: int, problems: list):
         for n, p in d.items():
             dest_nbytes[r, name_id[n]] = p.nbytes
     for n in ex.unmatched:
-        problems.append(f"training parameter {n} is not used by any rule and not ignored")
+        if n not in empty:
+            problems.append(f"training parameter {n} is not used by any rule and not ignored")
     validated = set()
     for w in workers:
         if (id(w.params), w.rank) in validated:  # replicas sharing one params dict
@@ -450,7 +453,7 @@ def _dest_tables(ex, workers, tp: int, problems: list):
                     f"mapping produces {tuple(p.shape)} {p.dtype}"
                 )
         for n in w.params:
-            if n not in exp:
+            if n not in exp and w.params[n].nbytes != 0:
                 problems.append(f"{n} on replica {w.replica} rank {w.rank}: no rule writes this destination")
     return names, name_id, dest_nbytes
 
@@ -660,7 +663,8 @@ def build_plan(
         ex = expand(preset.rules, {p.name: p.shape for p in train}, layout, preset.config, ignore, strict=False)
     assert ex is not None  # `expanded` is used only when it has a layout
     problems: list[str] = []
-    names, name_id, dest_nbytes = _dest_tables(ex, workers, tp, problems)
+    empty = {p.name for p in train if p.nbytes == 0}
+    names, name_id, dest_nbytes = _dest_tables(ex, workers, tp, problems, empty)
     tasks, options = _make_tasks(ex, params, max_task_bytes, coarse, problems)
     if problems:
         raise PlanError(problems)
@@ -691,7 +695,7 @@ def build_plan(
         nbytes=c["n"],
         src_offset=c["src"],
         train_params={p.name: (tuple(p.shape), p.dtype) for p in train},
-        ignored=sorted(ex.ignored),
+        ignored=sorted(set(ex.ignored) | (set(ex.unmatched) & empty)),
         preset=preset.name,
     )
     for w in workers:

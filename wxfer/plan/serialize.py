@@ -7,7 +7,10 @@ Layout (little endian)::
           | the arrays, back to back, raw little-endian int64 / uint8 )
 
 Decoding never trusts its input: a wrong magic, version, length, checksum, JSON, array
-size or an index out of range raises ValueError.
+size or an index out of range raises ValueError.  It inflates the body piece by piece, each
+piece no larger than what the part already read declares (the header length, then each
+array's size) and the whole no larger than body_cap() of the compressed length, so a small
+blob cannot make it allocate more than about MAX_RATIO times its own size.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ MAGIC = b"WXPLAN"
 VERSION = 1
 _HEAD = struct.Struct("<6sHII")
 MAX_PAYLOAD = 1 << 32
+MAX_RATIO = 128
 DTYPES = ("float8_e4m3fn", "bfloat16", "float16", "float32", "float64", "int8", "uint8", "int32", "int64")
 
 
@@ -87,11 +91,23 @@ def encode(plan: Plan) -> bytes:
         + [np.ascontiguousarray(v).astype(v.dtype.newbyteorder("<")).tobytes() for v in arrays.values()]
     )
     comp = zlib.compress(body, 1)
+    if len(body) > body_cap(len(comp)):  # what decode() would refuse: say so here, by the sizes
+        raise ValueError(
+            f"plan encoding: {len(body)} bytes compress to {len(comp)}, beyond the "
+            f"{body_cap(len(comp))} bytes decode() accepts for that size"
+        )
     return _HEAD.pack(MAGIC, VERSION, len(comp), zlib.crc32(comp)) + comp
 
 
 def _fail(msg):
     raise ValueError(f"invalid plan bytes: {msg}")
+
+
+def body_cap(ncomp: int) -> int:
+    """The most bytes a plan of `ncomp` compressed bytes may inflate to: MAX_RATIO times
+    that plus 1 MiB (a real plan inflates 18-29x: Kimi-K2 at 256 -> 128 GPUs, 28x), and
+    never more than MAX_PAYLOAD, so a small hostile blob cannot claim gigabytes."""
+    return min(MAX_PAYLOAD, MAX_RATIO * int(ncomp) + (1 << 20))
 
 
 def decode(data: bytes) -> Plan:
@@ -111,37 +127,61 @@ def decode(data: bytes) -> Plan:
     if zlib.crc32(comp) != crc:
         _fail("checksum mismatch")
     try:
-        d = zlib.decompressobj()
-        body = d.decompress(comp, MAX_PAYLOAD)
-        if d.unconsumed_tail or not d.eof:
-            _fail("payload does not decompress cleanly")
-        return _decode_body(body)
+        inf = _Inflater(comp)
+        h, arrs = _read_body(inf)
+        inf.finish()
+        return _build(h, arrs)
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 -- any structural problem is a ValueError
         raise ValueError(f"invalid plan bytes: {type(e).__name__}: {e}") from None
 
 
-def _decode_body(body: bytes) -> Plan:
-    if len(body) < 4:
-        _fail("empty body")
-    (hl,) = struct.unpack_from("<I", body)
-    if 4 + hl > len(body):
-        _fail("header length beyond the body")
-    h = json.loads(body[4 : 4 + hl].decode())
+class _Inflater:
+    """The body, inflated piece by piece: each piece only as large as the part already read
+    declares, the whole no larger than body_cap() of the compressed size."""
+
+    def __init__(self, comp: bytes):
+        self.d = zlib.decompressobj()
+        self.tail = comp
+        self.ncomp = len(comp)
+        self.cap = body_cap(len(comp))
+        self.n = 0
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.n + n > self.cap:
+            _fail(
+                f"{what} declares {n} bytes: the body would exceed {self.cap} bytes "
+                f"({MAX_RATIO}x its {self.ncomp} compressed bytes plus 1 MiB)"
+            )
+        out = self.d.decompress(self.tail, n) if n else b""
+        self.tail = self.d.unconsumed_tail
+        if len(out) != n:
+            _fail(f"{what}: the body ends after {len(out)} of the {n} bytes declared")
+        self.n += n
+        return out
+
+    def finish(self) -> None:
+        if self.d.decompress(self.tail, 1) or not self.d.eof or self.d.unused_data:
+            _fail("trailing bytes after the arrays (or the payload does not decompress cleanly)")
+
+
+def _read_body(inf: _Inflater) -> tuple[dict, dict]:
+    (hl,) = struct.unpack("<I", inf.take(4, "the header length"))
+    h = json.loads(inf.take(hl, "the header").decode())
     if not isinstance(h, dict):
         _fail("header is not an object")
-    pos = 4 + hl
     arrs = {}
     for k, dt, cnt in h["arrays"]:
         dtype = cast(np.dtype, {"u1": np.dtype("<u1"), "i8": np.dtype("<i8")}[dt])
-        nb = int(cnt) * dtype.itemsize
-        if cnt < 0 or pos + nb > len(body):
-            _fail(f"array {k} runs past the end")
-        arrs[k] = np.frombuffer(body, dtype, int(cnt), pos).astype(dtype.newbyteorder("="))
-        pos += nb
-    if pos != len(body):
-        _fail("trailing bytes after the arrays")
+        if not isinstance(cnt, int) or cnt < 0:
+            _fail(f"array {k} has size {cnt!r}")
+        raw = inf.take(cnt * dtype.itemsize, f"array {k}")
+        arrs[k] = np.frombuffer(raw, dtype, cnt).astype(dtype.newbyteorder("="))
+    return h, arrs
+
+
+def _build(h: dict, arrs: dict) -> Plan:
     tp, R, world = int(h["tp"]), int(h["replicas"]), int(h["train_world"])
     names, src_names = list(h["names"]), list(h["src_names"])
     N, S = len(names), len(src_names)
@@ -151,6 +191,61 @@ def _decode_body(body: bytes) -> Plan:
     for m in meshes:
         if not m or min(m) < 0 or max(m) >= world:
             _fail("mesh rank out of range")
+    tasks = _tasks(h, arrs, names, src_names, tp, len(meshes))
+    T, shs = len(tasks), arrs["task_shard_start"]
+    groups = [[int(m) for m in g] for g in h["groups"]]
+    if sorted(m for g in groups for m in g) != list(range(len(meshes))):
+        _fail("groups do not partition the meshes")
+    mesh_tasks = {m: [int(t) for t in lst] for m, lst in enumerate(h["mesh_tasks"])}
+    if len(mesh_tasks) != len(meshes) or sorted(t for l in mesh_tasks.values() for t in l) != list(range(T)):
+        _fail("mesh task lists do not partition the tasks")
+    cols = {
+        k: arrs["t_" + k]
+        for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset")
+    }
+    n = cols["sender"].size
+    if any(v.size != n for v in cols.values()):
+        _fail("transfer columns differ in length")
+    if n:
+        nsh = np.diff(shs)
+        for k, hi in (("sender", world), ("task", T), ("replica", R), ("infer_rank", tp), ("dst", N)):
+            if cols[k].min() < 0 or cols[k].max() >= hi:
+                _fail(f"transfer {k} out of range")
+        if (cols["shard"] < 0).any() or (cols["shard"] >= nsh[cols["task"]]).any():
+            _fail("transfer shard out of range")
+    dest_nbytes = arrs["dest_nbytes"]
+    gpu_of = arrs["gpu_of"]
+    if dest_nbytes.size != tp * N or gpu_of.size != R * tp:
+        _fail("table sizes do not match tp/replicas/names")
+    tpn = h["train_params"]
+    if len(tpn) != int(h["n_train_params"]) or len(tpn) > S:
+        _fail("training parameter table size")
+    train_params = {src_names[i]: (tuple(int(x) for x in v[0]), str(v[1])) for i, v in enumerate(tpn)}
+    descriptors = _descriptors(arrs, names)
+    return Plan(
+        tp=tp,
+        replicas=R,
+        quant=h["quant"],
+        ep=bool(h["ep"]),
+        train_world=world,
+        meshes=meshes,
+        groups=groups,
+        mesh_tasks=mesh_tasks,
+        tasks=tasks,
+        names=names,
+        dest_nbytes=dest_nbytes.reshape(tp, N),
+        gpu_of=gpu_of.reshape(R, tp),
+        **cols,
+        train_params=train_params,
+        ignored=[str(x) for x in h["ignored"]],
+        descriptors=descriptors,
+        build_s=float(h["build_s"]),
+        preset=str(h["preset"]),
+    )
+
+
+def _tasks(h: dict, arrs: dict, names: list, src_names: list, tp: int, nmesh: int) -> list:
+    N, S = len(names), len(src_names)
     T = len(h["tasks"])
     tss, ts = arrs["task_src_start"], arrs["task_src"]
     shs = arrs["task_shard_start"]
@@ -183,7 +278,7 @@ def _decode_body(body: bytes) -> Plan:
         ps = tuple(Piece(src_names[a], b, c, d, e) for a, b, c, d, e in pc[pstart[i] : pstart[i + 1]].tolist())
         shard_list.append(Shard(rk, names[dn], off, nb, KINDS[kd], DTYPES[dt], ps))
     for i, (name, mesh, group, sb) in enumerate(h["tasks"]):
-        if not 0 <= int(mesh) < len(meshes):
+        if not 0 <= int(mesh) < nmesh:
             _fail("task mesh out of range")
         tasks.append(
             Task(
@@ -196,34 +291,11 @@ def _decode_body(body: bytes) -> Plan:
                 shard_list[shs[i] : shs[i + 1]],
             )
         )
-    groups = [[int(m) for m in g] for g in h["groups"]]
-    if sorted(m for g in groups for m in g) != list(range(len(meshes))):
-        _fail("groups do not partition the meshes")
-    mesh_tasks = {m: [int(t) for t in lst] for m, lst in enumerate(h["mesh_tasks"])}
-    if len(mesh_tasks) != len(meshes) or sorted(t for l in mesh_tasks.values() for t in l) != list(range(T)):
-        _fail("mesh task lists do not partition the tasks")
-    cols = {
-        k: arrs["t_" + k]
-        for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset")
-    }
-    n = cols["sender"].size
-    if any(v.size != n for v in cols.values()):
-        _fail("transfer columns differ in length")
-    if n:
-        nsh = np.diff(shs)
-        for k, hi in (("sender", world), ("task", T), ("replica", R), ("infer_rank", tp), ("dst", N)):
-            if cols[k].min() < 0 or cols[k].max() >= hi:
-                _fail(f"transfer {k} out of range")
-        if (cols["shard"] < 0).any() or (cols["shard"] >= nsh[cols["task"]]).any():
-            _fail("transfer shard out of range")
-    dest_nbytes = arrs["dest_nbytes"]
-    gpu_of = arrs["gpu_of"]
-    if dest_nbytes.size != tp * N or gpu_of.size != R * tp:
-        _fail("table sizes do not match tp/replicas/names")
-    tpn = h["train_params"]
-    if len(tpn) != int(h["n_train_params"]) or len(tpn) > S:
-        _fail("training parameter table size")
-    train_params = {src_names[i]: (tuple(int(x) for x in v[0]), str(v[1])) for i, v in enumerate(tpn)}
+    return tasks
+
+
+def _descriptors(arrs: dict, names: list) -> dict:
+    N = len(names)
     dk, dl, blob = arrs["desc_key"].reshape(-1, 2), arrs["desc_len"], arrs["desc_blob"]
     if dk.shape[0] != dl.size or int(dl.sum()) != blob.size or (dl < 0).any():
         _fail("descriptor table sizes")
@@ -234,26 +306,7 @@ def _decode_body(body: bytes) -> Plan:
             _fail("descriptor name out of range")
         descriptors[(g, names[nid])] = blob[p : p + ln].tobytes()
         p += ln
-    return Plan(
-        tp=tp,
-        replicas=R,
-        quant=h["quant"],
-        ep=bool(h["ep"]),
-        train_world=world,
-        meshes=meshes,
-        groups=groups,
-        mesh_tasks=mesh_tasks,
-        tasks=tasks,
-        names=names,
-        dest_nbytes=dest_nbytes.reshape(tp, N),
-        gpu_of=gpu_of.reshape(R, tp),
-        **cols,
-        train_params=train_params,
-        ignored=[str(x) for x in h["ignored"]],
-        descriptors=descriptors,
-        build_s=float(h["build_s"]),
-        preset=str(h["preset"]),
-    )
+    return descriptors
 
 
 def _mono(starts, count, total, what):

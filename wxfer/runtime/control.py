@@ -5,7 +5,11 @@ The inference workers are not in the trainers' process group, so everything that
 the two sides goes through one TCPStore (hosted by trainer rank 0 unless the user brings
 their own).  Every wait is bounded and its error names the key, the peer and the timeout.
 
-Keys live under ``wxfer/<name>/``::
+Keys live under ``wxfer/<name>/`` (generation 0 of the name; generation N >= 1 under
+``wxfer/<name>/g<N>/``, the current one in the counter ``wxfer/<name>/gen``: wxfer.runtime.jobs)::
+
+    job, job/claim, job/lease   the trainer job holding this generation   trainer rank 0
+                                (id, host, pid), its claim, its lease
 
     infer/<gpu>                 a receiver's metadata (JSON)            receiver -> rank 0
     infer/count                 counter of receivers that published       receiver
@@ -375,13 +379,18 @@ def writer_finish(
 def target_accept(ctl: Control, transport, rank: int, gpu: int, timeout: float | None = None, epoch: int = 0) -> None:
     """Receiver side: answer the handshake request of trainer `rank` (or raise the trainers'
     setup error, should their connect phase fail first)."""
-    req = ctl.get(
-        hs_key("req", rank, gpu, epoch),
-        f"the handshake request of trainer rank {rank} to inference worker gpu {gpu}",
-        timeout,
-        abort=None if epoch else "setup",
-        abort_where="the trainers (connecting to the inference workers)",
-    )
+    try:
+        req = ctl.get(
+            hs_key("req", rank, gpu, epoch),
+            f"the handshake request of trainer rank {rank} to inference worker gpu {gpu}",
+            timeout,
+            abort=None if epoch else "setup",
+            abort_where="the trainers (connecting to the inference workers)",
+        )
+    except SetupError:
+        if not epoch and ctl.check("setup"):  # the trainers' error was read: they need not linger for it
+            ctl.add("setup/acks", 1)
+        raise
     try:
         rep = transport.accept(req) if req else b""
         ctl.set(hs_key("rep", rank, gpu, epoch), encode_result(rep, None))

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import time
 
-from . import control, program
+from . import control, digest, program
 from .control import SetupError
 
 
 def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) -> None:
     """Trainer rank 0: read every rank's metadata and every inference worker's, build and
-    check the plan, hand it to every rank and receiver through the store (or the error)."""
+    check the plan, hand it to every rank and receiver through the store (or the error).
+    The waits for the workers share one deadline, `timeout` from the first (issue 25.7)."""
     try:
         per_rank = [ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}") for r in range(world)]
         train, problems = program.merge_train_metadata(per_rank)
@@ -27,9 +28,10 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
         ]
         if problems:
             raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
-        first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)")
+        by = time.monotonic() + timeout  # one deadline for every worker
+        first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)", timeout)
         n = first["replicas"] * first["tp"]
-        wait_workers(ctl, n, first["tp"], timeout)
+        wait_workers(ctl, n, first["tp"], timeout, deadline=by)
         workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}") for g in range(1, n)]
         probs = []
         extra = ctl.add("infer/count", 0) - n  # registered beyond gpu 0's layout
@@ -42,9 +44,12 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
                     f"{first['replicas']} tp={first['tp']} ({n} workers)"
                 )
         pname = getattr(program.get_preset(mapping), "name", "")
+        rules = digest.mapping_rules(mapping)
         for w in workers:
             if w["mapping"] and pname and w["mapping"] != pname:
                 probs.append(f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, the trainers {pname!r}")
+            elif digest.compare_rules(w, rules):
+                probs.append(digest.compare_rules(w, rules))
             if (w["transport"], w["options"]) != (first["transport"], first["options"]):
                 probs.append(
                     f"inference worker gpu {w['gpu']} registered with {w['transport']} "
@@ -79,10 +84,11 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
     ctl.set("status", control.encode_result(b"", None))
 
 
-def wait_workers(ctl, n: int, tp: int, timeout: float) -> None:
-    """Wait (bounded) for the `n` inference workers; a worker registered twice, or one
-    missing at the deadline, is refused naming every such worker."""
-    deadline = time.monotonic() + timeout
+def wait_workers(ctl, n: int, tp: int, timeout: float, deadline: float | None = None) -> None:
+    """Wait (bounded: until `deadline`, else `timeout` from now) for the `n` inference workers;
+    a worker registered twice, or one missing at the deadline, is refused naming every such
+    worker."""
+    deadline = time.monotonic() + timeout if deadline is None else deadline
     delay, dup_seen = 0.005, None
     while True:
         have = ctl.add("infer/count", 0)
@@ -121,22 +127,23 @@ def wait_workers(ctl, n: int, tp: int, timeout: float) -> None:
         delay = min(delay * 2, 0.1)
 
 
-def linger(ctl, hosted: bool, timeout: float, trainer_key, trainers: int, recv_key, receivers) -> None:
-    """After a setup error: wait (up to `timeout` for the other trainer
-    ranks, 10 s for the receivers) until they read it from the store a trainer hosts."""
+def linger(ctl, hosted: bool, timeout: float, trainer_key, trainers: int, recv_key, receivers, phase=None) -> None:
+    """After a setup error: wait (up to `timeout` for the other trainer ranks, 10 s for the
+    receivers, and no later than the setup phase's bound: `phase`, a setup_waits.Phase) until
+    they read it from the store a trainer hosts."""
     if not hosted:
         return
     try:
-        _linger_on(ctl, timeout, trainer_key, trainers, recv_key, receivers)
+        _linger_on(ctl, timeout, trainer_key, trainers, recv_key, receivers, phase)
     except Exception:  # noqa: BLE001 -- the store's host exited: nothing left to wait for
         pass
 
 
-def _linger_on(ctl, timeout: float, trainer_key, trainers, recv_key, receivers) -> None:
+def _linger_on(ctl, timeout: float, trainer_key, trainers, recv_key, receivers, phase) -> None:
     for key, n, t in ((trainer_key, trainers, timeout), (recv_key, receivers, min(timeout, 10.0))):
         if key is None or n == 0:
             continue
-        deadline = time.monotonic() + t
+        deadline = time.monotonic() + (phase.left(t) if phase is not None else t)
         while time.monotonic() < deadline:
             want = n
             if want is None:  # every receiver of gpu 0's layout (it may not have registered yet)

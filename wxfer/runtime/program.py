@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .receiver import decode_param_descriptor
+from .control import SetupError
 
 
 # --------------------------------------------------------------------------- plan adapter
@@ -124,10 +125,21 @@ def plan_to_bytes(plan) -> bytes:
     return plan.to_bytes()
 
 
-def plan_from_bytes(data: bytes):
+def plan_from_bytes(data: bytes, where: str = "the plan in the store"):
+    """The plan every trainer rank loads from the store, decoded (bounded, ValueError on
+    malformed bytes) and checked (every destination byte written exactly once, in range, by
+    a sender of its mesh), on every rank: SetupError naming `where` and the problems."""
     from ..plan import Plan
 
-    return Plan.from_bytes(data)
+    try:
+        plan = Plan.from_bytes(data)
+        problems = plan.check(raise_=False)
+    except ValueError as e:
+        raise SetupError(f"wxfer: {where} cannot be read: {e}") from e
+    if problems:
+        shown = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
+        raise SetupError(f"wxfer: {where} fails its check ({len(problems)} problem(s)):\n  {shown}")
+    return plan
 
 
 def receivers_of(plan) -> dict[int, list[int]]:

@@ -32,7 +32,7 @@ import struct
 import time
 
 from .. import envs
-from . import control
+from . import alias, control, digest, jobs
 from .control import Control, SetupError
 
 _DESC_HEAD = struct.Struct("<Q")
@@ -208,7 +208,11 @@ def _segment_bases(tensors):
 class Receiver:
     """Register `named_parameters` (inference layout) for one-sided writes and publish them.
 
-    named_parameters: iterable of (name, tensor) or a dict; every tensor contiguous.
+    named_parameters: iterable of (name, tensor) or a dict; every tensor contiguous.  Two
+    names over the same bytes are refused naming both, but for a tie the mapping declares
+    (``tie_word_embeddings``: lm_head.weight is the embedding), written once through the
+    kept name (``stats()["tied"]``); a parameter of no elements is left out
+    (``stats()["empty"]``).
     mapping: the preset name (or Preset) the trainers use; checked against theirs.
     store: a torch Store, "host:port", or None ($WXFER_STORE / $MASTER_ADDR:$WXFER_STORE_PORT).
     replica, rank: this worker's replica index and TP rank; tp, replicas: the layout.
@@ -248,6 +252,7 @@ class Receiver:
 
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
             raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} is out of range")
+        _check_stamp_slots(stamp_slots)
         items = list(named_parameters.items() if hasattr(named_parameters, "items") else named_parameters)
         self.params = {}
         for n, t in items:
@@ -264,6 +269,8 @@ class Receiver:
             self.params[n] = t
         if not self.params:
             raise ValueError("wxfer.Receiver: no parameters")
+        # names sharing bytes: a tie the mapping knows is written once, anything else refused
+        self.params, self.tied = alias.resolve(self.params, mapping)
         self.replica, self.rank, self.tp, self.replicas, self.ep = replica, rank, tp, replicas, ep
         self.gpu = replica * tp + rank
         self.timeout = float(timeout)
@@ -272,10 +279,12 @@ class Receiver:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
         self.device = devs.pop()
         self.mapping_name = _mapping_name(mapping)
+        self.mapping_rules = digest.mapping_rules(mapping)  # compared by the trainers (issue 25.4)
         t_setup = time.perf_counter()
         self.ctl = Control(
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
         )
+        self.ctl = jobs.receiver_namespace(self.ctl, name)  # not a finished job's records (issue 25.5)
         self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
         # opened with the GPU check for this worker's device; published without it (the
         # trainers check their own memory, and the workers' options must agree)
@@ -339,8 +348,13 @@ class Receiver:
                 self.register_mode = f"storages (segments unavailable: {type(e).__name__}: {e})"
         by_base = {}  # base address -> (region, base address)
         self.param_desc = {}
+        # a parameter of no elements has no bytes to write: not registered (a transport
+        # refuses an empty buffer), no descriptor; the trainers write nothing there
+        self.empty = sorted(n for n, t in self.params.items() if t.numel() == 0)
         t0 = time.perf_counter()
         for n, t in self.params.items():
+            if t.numel() == 0:
+                continue
             sptr = t.untyped_storage().data_ptr()
             if sptr in seg:
                 base, addr = seg[sptr]
@@ -382,6 +396,7 @@ class Receiver:
             replicas=self.replicas,
             ep=self.ep,
             mapping=self.mapping_name,
+            rules=self.mapping_rules,
             transport=self.transport_name,
             options=self.transport_options,
             export=_b64(self.transport.export()),
@@ -652,6 +667,8 @@ class Receiver:
             transport=self.transport_name,
             registration=registration_info(self.transport_name, self.transport.info()),
             senders=list(self.senders),
+            empty=list(self.empty),
+            tied=dict(self.tied),
         )
 
     def close(self) -> None:
@@ -681,6 +698,14 @@ class Receiver:
         return (
             f"<wxfer.Receiver replica {self.replica} rank {self.rank}/{self.tp} {len(self.params)} params "
             f"{self.transport_name}>"
+        )
+
+
+def _check_stamp_slots(stamp_slots) -> None:
+    if isinstance(stamp_slots, bool) or not isinstance(stamp_slots, int) or stamp_slots < 1:
+        raise ValueError(
+            f"wxfer.Receiver: stamp_slots must be an int >= 1 (the version stamps: one slot per "
+            f"trainer rank that writes to this worker), got {stamp_slots!r}"
         )
 
 

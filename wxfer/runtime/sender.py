@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 
-from . import control, inplace, program
+from . import control, inplace, jobs, program, setup_waits
 from .control import Control, SetupError
 from .controller import build_plan, linger, mapping_digest
 from .failures import FailureExchange
@@ -167,8 +167,11 @@ class Sender:
             timeout,
             secret=control.job_secret(secret),
         )
+        # this job's generation of `name` in the store (issue 25.5): rank 0 claims it (a lease)
+        self.ctl, self.job = jobs.join(self.ctl, self.group, self.rank, name, self.timeout)
         self._store_host = host_store
         self._hosted = store is None or host_store  # a trainer process hosts the store
+        self.phase = setup_waits.Phase(self.timeout)  # each setup phase within 1.1x timeout (issue 25.7)
         self.mapping = mapping
         self.watermark = _parse_size(watermark)
         self.max_task_bytes = task_bound(self.watermark) if max_task_bytes is None else int(max_task_bytes)
@@ -232,7 +235,9 @@ class Sender:
         return params
 
     def _receive_plan(self, mapping):
-        """Setup step 2: rank 0 builds the plan; every rank receives it (or the error)."""
+        """Setup step 2: rank 0 builds the plan; every rank receives it (or the error), checks
+        it and agrees on it, within 1.1x timeout."""
+        self.phase.start()
         if self.rank == 0:
             try:
                 build_plan(self.ctl, self.world, mapping, self.timeout, self.max_task_bytes)
@@ -240,18 +245,26 @@ class Sender:
                 log.error("trainer rank 0: building the plan failed: %s", e)
                 # the store lives in this process: before raising (and maybe exiting) let the
                 # other ranks and the registered receivers read the error from it
-                linger(self.ctl, self._hosted, self.timeout, "plan/acks", self.world - 1, "status/acks", None)
+                self._linger("plan/acks", self.world - 1, "status/acks", None)
                 raise
-        data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)")
+        # a little longer than rank 0's wait for the receivers: this rank reads rank 0's reason
+        data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)", setup_waits.PLAN_WAIT * self.timeout)
         if self.rank:
             self.ctl.add("plan/acks", 1)
             if data[:2] == control.ERR:  # torchrun ends rank 0 once this rank exits: wait for the receivers
-                linger(self.ctl, self._hosted, self.timeout, None, 0, "status/acks", None)
-        return program.plan_from_bytes(control.decode_result(data, "trainer rank 0 (controller)"))
+                self._linger(None, 0, "status/acks", None)
+        return setup_waits.load_plan(  # decoded, checked and agreed on every rank
+            self.ctl, self.group, self.rank, self.timeout, data, lambda n: self._linger(None, 0, "setup/acks", n)
+        )
+
+    def _linger(self, trainer_key, trainers, recv_key, receivers) -> None:
+        """After a setup error, within this setup phase's bound (controller.linger)."""
+        linger(self.ctl, self._hosted, self.timeout, trainer_key, trainers, recv_key, receivers, self.phase)
 
     def _connect_phase(self, transport, transport_options, in_place) -> tuple:
         """Setup step 3 on every rank; its verdict (every rank's errors) reaches every rank
         through gloo and every receiver through the store key `setup`.  Returns _connect's."""
+        self.phase.start()
         err, parts = None, None
         try:
             parts = self._connect(transport, transport_options, in_place)
@@ -273,7 +286,7 @@ class Sender:
                 self.ctl.set("setup", control.encode_result(None, str(e)))
             # every rank waits for the receivers to read it: the store lives in rank 0, and a
             # launcher (torchrun) ends rank 0 as soon as another rank exits
-            linger(self.ctl, self._hosted, self.timeout, None, 0, "setup/acks", len(program.receivers_of(self.plan)))
+            self._linger(None, 0, "setup/acks", len(program.receivers_of(self.plan)))
             raise
         if self.rank == 0:
             self.ctl.set("setup", control.encode_result(b"", None))
@@ -483,6 +496,8 @@ class Sender:
         return s
 
     def close(self) -> None:
+        if self.job is not None:
+            self.job["stop"].set()  # its lease ends: a later job may take the name
         try:
             self.steps.settle()
         except Exception:  # noqa: BLE001

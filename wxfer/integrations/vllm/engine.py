@@ -131,7 +131,7 @@ class WorkerSide:
         self.left_out = left
         self.receiver = Receiver(
             sel,
-            mapping=preset.name,
+            mapping=preset,  # its rules too: the trainers compare them (issue 25.4)
             store=store,
             replica=replica,
             rank=par["rank"],

@@ -1,0 +1,151 @@
+"""Issue 25.4 and 25.3: what the receivers expect is compared, not only named.
+
+- receivers publish the digest of their mapping's rules; trainers given a Preset of the
+  same name but gate and up swapped are refused at setup naming the rule (they used to
+  pass, and gate and up arrived swapped under a complete version);
+- two parameter names over one tensor's bytes (tied weights, two views of one storage)
+  are written once where the mapping knows the tie, and otherwise refused by name.
+
+Sender and receivers in one process (threads), fabric tcp."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from wxfer import _wxfer
+from wxfer.mapping import Preset
+from wxfer.models import TINY, inference_params, preset_for, train_model
+from wxfer.runtime import digest
+from wxfer.runtime.control import SetupError
+from wxfer.runtime.receiver import Receiver
+from wxfer.testing import in_thread
+from helpers import joined  # tests/helpers.py
+
+FABRIC = _wxfer.backends()["fabric"][0]
+pytestmark = pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
+T = 30.0
+GATE_UP = "model.layers.{L}.mlp.gate_up_proj.weight"
+
+
+def _model():
+    torch.manual_seed(0)
+    m = train_model(TINY)
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def _swapped(preset: Preset) -> Preset:
+    """The same name and config, gate and up swapped in the gate_up rule."""
+    rules = [
+        dataclasses.replace(r, srcs=tuple(reversed(r.srcs))) if r.dst.endswith("mlp.gate_up_proj.weight") else r
+        for r in preset.rules
+    ]
+    assert rules != preset.rules
+    return dataclasses.replace(preset, rules=rules)
+
+
+def test_rule_digests_name_the_first_differing_rule():
+    good, bad = digest.mapping_rules("qwen3-8b"), digest.mapping_rules(_swapped(preset_for(TINY)))
+    assert good["name"] == "qwen3-8b" and len(good["rules"]) > 5
+    assert digest.compare_rules(dict(gpu=3, rules=good), digest.mapping_rules("qwen3-8b")) is None
+    same_name = digest.mapping_rules(dataclasses.replace(_swapped(preset_for(TINY)), name="qwen3-8b"))
+    msg = digest.compare_rules(dict(gpu=3, rules=good), same_name)
+    i = next(i for i, (a, b) in enumerate(zip(good["rules"], same_name["rules"])) if a != b)
+    assert msg.startswith("inference worker gpu 3 (mapping 'qwen3-8b') expects other rules than the trainers' mapping")
+    assert f"rule {i} is Fuse(dst='{GATE_UP}', srcs=('model.layers.{{L}}.mlp.gate_proj.weight'" in msg
+    assert "srcs=('model.layers.{L}.mlp.up_proj.weight', 'model.layers.{L}.mlp.gate_proj.weight')" in msg
+    shorter = dict(good, rules=good["rules"][:-1])
+    assert "is only on the trainers" in digest.compare_rules(dict(gpu=0, rules=shorter), good)
+    assert bad["name"] == preset_for(TINY).name
+    assert digest.mapping_rules("a-custom-mapping") is None and digest.mapping_rules(None) is None
+    assert digest.compare_rules(dict(gpu=0, rules=None), good) is None  # a name alone: compared by name
+
+
+def test_trainers_with_the_same_name_but_swapped_rules_are_refused(store):
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    params = inference_params(TINY, 1, 0)
+    before = {n: t.clone() for n, t in params.items()}
+    th = in_thread(Receiver, params, mapping=preset_for(TINY), store=addr, name="swap", timeout=T)
+    with pytest.raises(SetupError, match=f"(?s)inference workers disagree:.*gpu 0 .*expects other rules.*{GATE_UP}"):
+        Sender(_model(), mapping=_swapped(preset_for(TINY)), store=addr, name="swap", timeout=T)
+    th[0].join(T)
+    assert isinstance(th[1].get("error"), SetupError) and "expects other rules" in str(th[1]["error"])
+    assert all(torch.equal(before[n].view(torch.uint8), params[n].view(torch.uint8)) for n in params)  # untouched
+
+
+def test_the_same_rules_pass_and_arrive_in_place(store):
+    from wxfer.runtime.sender import Sender
+    from helpers import expected_shards  # tests/helpers.py
+
+    _, addr = store
+    params = inference_params(TINY, 1, 0)
+    th = in_thread(Receiver, params, mapping=preset_for(TINY), store=addr, name="same", timeout=T)
+    model = _model()
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name="same", timeout=T)
+    (recv,) = joined([th], T)
+    sender.push()
+    assert recv.version() == 1
+    for _, dst, off, b in expected_shards(model, TINY):
+        assert torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b), dst
+    sender.close()
+    recv.close()
+
+
+TIED = dict(TINY, tie_word_embeddings=True)
+
+
+def test_tied_embeddings_of_transformers_qwen3_are_written_once(store):
+    """transformers' Qwen3ForCausalLM with tie_word_embeddings=True has one parameter,
+    model.embed_tokens.weight (lm_head.weight is the same tensor; named_parameters() lists
+    it once), and so does vLLM's (self.lm_head = self.model.embed_tokens).  A receiver that
+    lists both names over that one tensor is written once, through the embedding."""
+    from wxfer.runtime.sender import Sender
+    from helpers import expected_shards  # tests/helpers.py
+
+    _, addr = store
+    model = train_model(TIED)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert "lm_head.weight" not in dict(model.named_parameters())
+    params = inference_params(TIED, 1, 0)
+    assert "lm_head.weight" not in params  # the mapping's own layout of the tied model
+    params["lm_head.weight"] = params["model.embed_tokens.weight"]  # named_parameters(remove_duplicate=False)
+    th = in_thread(Receiver, params, mapping=preset_for(TIED), store=addr, name="tied", timeout=T)
+    sender = Sender(model, mapping=preset_for(TIED), store=addr, name="tied", timeout=T)
+    (recv,) = joined([th], T)
+    assert recv.stats()["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    sender.push()
+    assert recv.version() == 1
+    for _, dst, off, b in expected_shards(model, TIED):
+        assert torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b), dst
+    assert torch.equal(params["lm_head.weight"], model.lm_head.weight.to(torch.bfloat16))
+    sender.close()
+    recv.close()
+
+
+def test_two_views_of_one_storage_are_refused_by_name():
+    """Two names over the same bytes (or part of them), with no tie the mapping knows: refused
+    at Receiver setup naming both (they were accepted, and version() read complete while one
+    held the other's bytes)."""
+    q, k = "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"
+    params = inference_params(TINY, 1, 0)
+    buf = torch.zeros(128 + 64, dtype=torch.bfloat16)
+    for a, b, shared in ((buf[:128], buf[:128], 256), (buf[:128], buf[64:], 128)):
+        bad = dict(params, **{q: a, k: b})
+        first, second = sorted((q, k), key=lambda n: (bad[n].data_ptr(), n))
+        with pytest.raises(ValueError, match=f"parameters {first} and {second} share memory \\({shared} bytes"):
+            Receiver(bad, mapping=preset_for(TINY), store="127.0.0.1:1", timeout=1)
+    # embed_tokens and lm_head over one tensor, with a mapping that does not tie them
+    untied = dict(params, **{"lm_head.weight": params["model.embed_tokens.weight"]})
+    with pytest.raises(ValueError, match="parameters lm_head.weight and model.embed_tokens.weight share memory"):
+        Receiver(untied, mapping=preset_for(TINY), store="127.0.0.1:1", timeout=1)
+    # the tie declared, but lm_head only a part of the embedding: refused too
+    tparams = inference_params(TIED, 1, 0)
+    half = dict(tparams, **{"lm_head.weight": tparams["model.embed_tokens.weight"][:256]})
+    with pytest.raises(ValueError, match="tied in the mapping, but not as one whole tensor"):
+        Receiver(half, mapping=preset_for(TIED), store="127.0.0.1:1", timeout=1)
