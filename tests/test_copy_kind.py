@@ -15,6 +15,7 @@ from wxfer.meta import Calibration, Cluster, synthesize
 from wxfer.plan.kinds import task_kinds
 from wxfer.plan.simulate import simulate
 from wxfer.runtime.hostfit import STAMP_TAG, fit
+from wxfer.runtime.inplace import COPIES_TAG
 from wxfer.zerocopy import COPY_BATCH, COPY_BATCH_BYTES
 
 FAST = dict(nic_gbps=8000.0, nvlink_GBps=1e4, mem_GBps=1e5, pcie_GBps=1e4)
@@ -106,7 +107,9 @@ def _program(n=60, seed=3):
 
 
 def _push(order, kinds, info, t0, batch=3):
-    """(t0, t1, records) of one push as the runtime traces it: copy tasks leave no record."""
+    """(t0, t1, records) of one push as the runtime traces it: copy tasks leave no record of their
+    own; their launch (at the group's end) is one external record, ready at its CUDA event
+    2 ms on, and the end stamps a plain fence after it."""
     ns = lambda s: int(round(s * 1e9))  # noqa: E731
     recs = [dict(tag=STAMP_TAG, t_submit=t0 + 300 * US, t_admit=t0 + 300 * US, t_ready=t0 + 300 * US)]
     recs[0].update(t_post_first=t0 + 310 * US, t_post_last=t0 + 310 * US, t_done=t0 + 800 * US, bytes=8, held=0)
@@ -142,7 +145,12 @@ def _push(order, kinds, info, t0, batch=3):
             rec(t, host)
     if pending:
         submit()
-    end = dict(tag=STAMP_TAG, t_submit=host + 50 * US, t_admit=host + 50 * US, t_ready=host + 2000 * US)
+    ncopy = sum(1 for k in kinds.values() if k == "copy")
+    launch = dict(tag=COPIES_TAG, kind="external", t_submit=host + 40 * US, t_admit=host + 40 * US)
+    launch.update(t_ready=host + 2000 * US, t_post_first=host + 2000 * US, t_post_last=host + 2000 * US)
+    launch.update(t_done=host + 2000 * US, bytes=4096 * ncopy, nwrites=1, held=0)
+    recs.append(launch)
+    end = dict(tag=STAMP_TAG, t_submit=host + 50 * US, t_admit=host + 50 * US, t_ready=host + 50 * US)
     end.update(t_post_first=host + 2005 * US, t_post_last=host + 2005 * US, t_done=host + 2030 * US, bytes=8, held=0)
     recs.append(end)
     return t0, end["t_done"] + 100 * US, recs
@@ -152,13 +160,14 @@ def test_copy_tasks_without_records_are_fitted_from_the_gaps():
     order, kinds, info = _program()
     pushes = [_push(order, kinds, info, k * 10**9) for k in range(2)]
     assert not any(r["tag"] in {t for t, k in kinds.items() if k == "copy"} for _, _, rs in pushes for r in rs)
+    assert all(any(r.get("kind") == "external" for r in rs) for _, _, rs in pushes)  # the launches
     f = fit(pushes, order, kinds, info, batch=3, write_GBps=100.0)
     assert f["host_copy_task_s"] == pytest.approx(COST["copy"], rel=1e-3)
     assert f["host_zc_task_s"] == pytest.approx(COST["zc"], rel=1e-3)
     assert f["host_zc_batch_s"] == pytest.approx(COST["batch"], rel=1e-3)
     assert f["host_param_s"] == pytest.approx(COST["param"], rel=1e-3)
     assert "host_direct_task_s" not in f  # no direct task
-    assert f["push_end_s"] == pytest.approx(130e-6)  # from the end stamps' event (the side stream's copies)
+    assert f["push_end_s"] == pytest.approx(130e-6)  # from the copy launch's event (the side stream's copies)
     # without copy tasks the column is not fitted
     kz = {t: ("packed" if k == "packed" else "zero_copy") for t, k in kinds.items()}
     with pytest.raises(ValueError, match="has no trace record"):

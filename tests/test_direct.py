@@ -49,6 +49,7 @@ from wxfer.mapping.reference import pack_task  # noqa: E402
 from wxfer.mapping.rules import Piece  # noqa: E402
 from wxfer.runtime import inplace as direct  # noqa: E402
 from helpers import shard as _shard  # noqa: E402 -- tests/helpers.py
+from wxfer.runtime.inplace import COPIES_TAG  # noqa: E402
 from wxfer.zerocopy import COPY_BATCH  # noqa: E402
 
 
@@ -284,13 +285,16 @@ def test_sender_writes_every_packed_task_direct_and_the_engine_only_the_stamps(s
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(-1.5)
-        moved = s.engine.stats()["bytes_written"]
+        moved, ext = s.engine.stats()["bytes_written"], s.engine.stats()["bytes_external"]
+        s.engine.trace(clear=True)
         s.push()
         assert [r.version() for r in recvs] == [step, step]
         _check(model, params, tp, quant)
         assert s.engine.stats()["bytes_written"] - moved == 2 * 8 * tp  # the begin + end stamps only
+        assert s.engine.stats()["bytes_external"] - ext == s.bytes_per_step  # the in-place writes
         d = s.stats()["direct"]
         assert d["tasks"] == n and d["staged"] == 0 and d["total"] == n * step, d
+        _check_trace(s, {op.task for g in s.program.groups for op in g if op.sends})
     # off: the same bytes through send buffers and the engine
     s.direct = False
     with torch.no_grad():
@@ -308,6 +312,21 @@ def test_sender_writes_every_packed_task_direct_and_the_engine_only_the_stamps(s
     assert s.stats()["direct"]["staged_why"] == {"verify is on": n}
     assert s.last_verify is not None
     _closed(s, recvs)
+
+
+def _check_trace(s, tags) -> None:
+    """The push's trace: one external task per in-place write, each with tag in `tags`, landed,
+    finished after the begin stamps and before the end stamps were posted (the engine's fences)."""
+    from wxfer.runtime.tasks import STAMP_TAG
+
+    recs = sorted(s.engine.trace(), key=lambda r: r["id"])
+    stamps = [r for r in recs if r["tag"] == STAMP_TAG]
+    ext = [r for r in recs if r["kind"] == "external"]
+    assert len(stamps) == 2 and ext, [(r["kind"], r["tag"]) for r in recs]
+    begin, end = stamps
+    assert {r["tag"] for r in ext} <= tags and all(r["status"] == 0 for r in ext), ext
+    assert all(begin["id"] < r["id"] < end["id"] for r in ext)
+    assert all(begin["t_done"] <= r["t_done"] <= end["t_post_first"] for r in ext)
 
 
 def _tiny():
@@ -382,6 +401,8 @@ def test_small_zero_copy_tasks_are_copied_in_batches_and_large_ones_by_the_engin
         assert s.engine.stats()["bytes_written"] - moved == engine_bytes + 2 * 8  # + the stamps
         d = s.stats()["direct"]
         assert d["copies"] == len(small) and d["staged"] == 0, d
+        _check_trace(s, {COPIES_TAG})
+        s.engine.trace(clear=True)
     assert calls and sum(calls) == 2 * len(small) and max(calls) <= COPY_BATCH
     # off: every task an engine write again (a fresh Sender reads the variable)
     _closed(s, recvs)
@@ -527,13 +548,30 @@ def test_task_kinds_says_copy_as_the_push_decides_it(store, monkeypatch):
     _closed(s, recvs)
 
 
+class _Tasks:
+    """What the in-place writer hands the engine, recorded: its external tasks (destinations,
+    tag) and their host signals (no stream: the copies ran on the host)."""
+
+    def __init__(self):
+        self.tasks, self.signalled = [], []
+
+    def submit_external(self, dests, tag=0):
+        self.tasks.append((list(dests), tag))
+        return len(self.tasks)
+
+    def complete_external(self, task):
+        self.signalled.append(task)
+        return True
+
+
 class _CopySender(direct.InPlaceWriter):
     """An InPlaceWriter alone with what queue_copy needs: the receivers' regions as CPU
-    tensors, links whose engine-failed peers the test sets, nothing waited for."""
+    tensors, links whose engine-failed peers the test sets, nothing waited for, its engine
+    tasks recorded (_Tasks)."""
 
     def __init__(self, regions, gpu_of_region, wait=lambda: None):
         cpu, links = torch.device("cpu"), _Links(gpu_of_region)
-        super().__init__(True, direct.copy_max(None), cpu, None, None, "cuda_ipc", None, links)
+        super().__init__(True, direct.copy_max(None), cpu, None, None, "cuda_ipc", _Tasks(), links)
         self.regions = regions
         self.start(1, False, wait)
 
@@ -574,6 +612,8 @@ def test_small_copies_skip_a_receiver_that_failed_while_its_begin_stamp_was_writ
     assert len(waits) == 1
     assert torch.equal(regions[b"g0"][:16], src) and int(regions[b"g1"].count_nonzero()) == 0
     assert s.n["skipped_writes"] == 1
+    # one external task to the receiver written alone, signalled done (host copies)
+    assert s.engine.tasks == [([(b"g0", 0, 0, 16)], direct.COPIES_TAG)] and s.engine.signalled == [1]
 
 
 def test_small_copies_skip_a_receiver_that_failed_after_they_were_queued():
@@ -597,3 +637,4 @@ def test_small_copies_skip_a_receiver_that_failed_after_they_were_queued():
     assert torch.equal(regions[b"g0"][:32], torch.tensor([7] * 16 + [9] * 16, dtype=torch.uint8))
     assert int(regions[b"g1"].count_nonzero()) == 0  # neither copy landed on the failed one
     assert s.n["copies"] == 2 and s.n["skipped_writes"] == 2
+    assert s.engine.tasks == [([(b"g0", 0, 0, 16), (b"g0", 16, 0, 16)], direct.COPIES_TAG)]

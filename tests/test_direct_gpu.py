@@ -16,6 +16,7 @@ from wxfer.models import TINY, TINY_MOE, train_model  # noqa: E402
 from wxfer.models.infer import inference_params, preset_for  # noqa: E402
 from helpers import expected_shards  # noqa: E402 -- tests/helpers.py
 from test_watermark_gpu import CONFIG as WATERMARK_MODEL  # noqa: E402 -- tests/test_watermark_gpu.py
+from test_direct import _check_trace  # noqa: E402 -- tests/test_direct.py
 
 T = 120.0
 MiB = 1 << 20
@@ -154,6 +155,7 @@ def test_push_gives_the_reference_bytes(store, kind, quant, direct):
                 with torch.no_grad():
                     for p in model.parameters():
                         p.mul_(-0.75)  # new weights: the second push must write them all again
+            s.engine.trace(clear=True)
             s.push()
             got, version = rx.read(0)
             assert version == step
@@ -161,12 +163,71 @@ def test_push_gives_the_reference_bytes(store, kind, quant, direct):
             d = s.stats()["direct"]
             if direct:
                 assert d["enabled"] and d["tasks"] == n and d["staged"] == 0 and d["total"] == n * step, d
+                # every in-place write an external engine task (its CUDA event), between the stamps
+                _check_trace(s, {op.task for g in s.program.groups for op in g if op.sends})
+                assert s.engine.stats()["bytes_external"] == step * s.bytes_per_step
             else:
                 assert not d["enabled"] and d["tasks"] == 0 and d["total"] == 0, d
                 assert d["staged"] == n and "off" in d["why_not"], d
         if quant == "fp8":
             q = s.stats()["quantizer"]
             assert q["quantizer"] == "native", q  # the H200: the NVRTC kernel, not the reference
+        s.close()
+    finally:
+        rx.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("quant", [None, "fp8"], ids=["bf16", "fp8"])
+def test_the_end_stamps_wait_for_slow_inplace_kernels_without_a_host_synchronize(store, monkeypatch, quant):
+    """The side stream held up (torch.cuda._sleep, about 0.3 s, queued at the first task's
+    gathers): the in-place kernels run late; push() returns only after they landed (the
+    engine waited for their CUDA events: no stream synchronize), the end stamps were posted
+    after them, the bytes are the reference's and the version is the step's."""
+    import time
+
+    from wxfer.runtime import prepare
+    from wxfer.runtime.sender import Sender
+    from wxfer.runtime.tasks import STAMP_TAG
+
+    _, addr = store
+    cfg = TINY
+    model = _model(cfg)
+    name = f"dslow_{quant}"
+    rx = _Receivers(addr, name, cfg, quant)
+    try:
+        s = Sender(model, mapping=preset_for(cfg), store=addr, name=name, timeout=T, direct=True)
+        s.push()  # warm-up (kernels compiled, regions mapped)
+        s.engine.trace(clear=True)
+        real, slept = prepare.gather, []
+
+        def slow(prep, op, device):
+            if not slept:
+                slept.append(1)
+                torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s at up to 2 GHz, on the side stream
+            return real(prep, op, device)
+
+        monkeypatch.setattr(prepare, "gather", slow)
+        monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: pytest.fail("a stream synchronize"))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-0.5)
+        t0 = time.monotonic_ns()
+        s.push()
+        took = (time.monotonic_ns() - t0) / 1e9
+        got, version = rx.read(0)
+        assert slept and version == 2
+        _check_bytes(model, cfg, quant, got)
+        recs = s.engine.trace()
+        ext = [r for r in recs if r["kind"] == "external"]
+        end = max((r for r in recs if r["tag"] == STAMP_TAG), key=lambda r: r["id"])
+        assert ext and all(r["status"] == 0 for r in ext)
+        first_ready = min(r["t_ready"] for r in ext)
+        assert first_ready - t0 > 0.1e9, (first_ready - t0, took)  # the events waited for the sleep
+        assert all(r["t_done"] <= end["t_post_first"] for r in ext)
+        assert took > 0.1, took
         s.close()
     finally:
         rx.close()

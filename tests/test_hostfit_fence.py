@@ -1,7 +1,9 @@
 """The per-push fit (wxfer.runtime.hostfit) on a trace as today's runtime makes it: the begin
 stamps an engine fence (the host goes on at once, no data write posted before they landed),
-direct tasks without a record (the push's first waits for the engine's earlier writes; the end
-stamps wait for their kernels), the engine's posting stamps per task."""
+direct tasks as external records (the push's first waits for the begin stamps; each is ready at
+its kernel's CUDA event, the end stamps a plain fence after them), the engine's posting stamps
+per task.  The fit leaves the external records out of the write path and takes the end of the
+side stream's work from their last event."""
 
 import pytest
 
@@ -23,6 +25,11 @@ def _rec(tag, sub, post, done, nbytes=1 << 20, nwrites=1, ready=None):
         nwrites=nwrites,
         held=0,
     )
+
+
+def _ext(tag, sub, ready, nbytes=1 << 20):
+    """An in-place write's record (Engine.submit_external): nothing posted, ready at its event."""
+    return dict(_rec(tag, sub, ready, ready, nbytes, ready=ready), kind="external")
 
 
 def test_the_posting_gap_per_write_and_the_write_paths_time_beyond_the_link():
@@ -64,14 +71,17 @@ def test_fence_stamps_direct_tasks_and_their_wait_are_fitted_back():
     for t in range(7, 10):
         h += zc
         recs.append(_rec(t, h, h + 20 * US, h + 100 * US))
-    end = _rec(STAMP_TAG, h + 10 * US, t0 + 9000 * US, t0 + 9100 * US, 8, ready=t0 + 8900 * US)
+    # the in-place writes: ready at their kernels' events, the last at t0 + 8.9 ms
+    recs += [_ext(t, t0 + 800 * US + (t - 2) * dh, t0 + (8900 - 100 * (6 - t)) * US) for t in range(3, 7)]
+    end = _rec(STAMP_TAG, h + 10 * US, t0 + 9000 * US, t0 + 9100 * US, 8)
     recs.append(end)
     t1 = t0 + 9200 * US
     f = fit([(t0, t1, recs)], order, kinds, info, batch=2, write_GBps=1000.0)  # batches of 2: 4 samples
     assert f["push_begin_s"] == pytest.approx(300e-6) and f["begin_fence_s"] == pytest.approx(500e-6)
     assert f["host_zc_task_s"] == pytest.approx(5e-6, rel=1e-3)
     assert f["host_direct_task_s"] == pytest.approx(40e-6, rel=1e-3)  # the wait is not host work
-    assert f["push_end_s"] == pytest.approx(300e-6)  # from the end stamps' event (the last kernel) on
+    assert f["push_end_s"] == pytest.approx(300e-6)  # from the last in-place write's event on
+    assert post_cost(recs) == post_cost([r for r in recs if r.get("kind") != "external"])  # not engine writes
     # without direct tasks the column is not fitted and the end is from the last write
     kz = {t: "zero_copy" for t in range(10)}
     g = fit([(t0, t1, [r for r in recs if r["tag"] not in range(3, 7)])], order, kz, info)
@@ -94,8 +104,9 @@ def test_direct_tasks_after_the_last_record_are_fitted_from_the_end_stamps_submi
         _rec(1, t0 + 310 * US, t0 + 510 * US, t0 + 1000 * US),
     ]
     h = t0 + 500 * US + 6 * dh  # the first direct task waited for the begin stamps (t0 + 500 us)
-    end = _rec(STAMP_TAG, h, t0 + 9000 * US, t0 + 9100 * US, 8, ready=t0 + 8900 * US)
-    f = fit([(t0, t0 + 9200 * US, recs + [end])], order, kinds, info, batch=2, write_GBps=1000.0)
+    ext = [_ext(t, t0 + 500 * US + (t - 1) * dh, t0 + 8900 * US) for t in range(2, 8)]
+    end = _rec(STAMP_TAG, h, t0 + 9000 * US, t0 + 9100 * US, 8)
+    f = fit([(t0, t0 + 9200 * US, recs + ext + [end])], order, kinds, info, batch=2, write_GBps=1000.0)
     assert f["host_direct_task_s"] == pytest.approx(90e-6, rel=1e-3)
     # zero copy only: the tail holds no task, nothing is added
     kz = {t: "zero_copy" for t in range(2)}
@@ -104,16 +115,17 @@ def test_direct_tasks_after_the_last_record_are_fitted_from_the_end_stamps_submi
 
 
 def test_a_push_of_direct_tasks_only_is_fitted_from_its_stamps():
-    """Every task direct (or copied): the engine traced only the stamps; the host time of the
+    """Every task direct (or copied): the engine wrote only the stamps; the host time of the
     tasks is the gap from the begin stamps' landing (the first direct task waited for it) to
-    the end stamps' submission."""
+    the end stamps' submission, the end from the last in-place write's event."""
     t0, dh = 10**9, 50 * US
     order = [list(range(5))]
     kinds = {t: "direct" for t in range(5)}
     info = {t: (1, 1) for t in range(5)}
     begin = _rec(STAMP_TAG, t0 + 200 * US, t0 + 250 * US, t0 + 400 * US, 8)
-    end = _rec(STAMP_TAG, t0 + 400 * US + 5 * dh, t0 + 2000 * US, t0 + 2100 * US, 8, ready=t0 + 1900 * US)
-    f = fit([(t0, t0 + 2200 * US, [begin, end])], order, kinds, info)
+    ext = [_ext(t, t0 + 400 * US + (t + 1) * dh, t0 + (1500 + 100 * t) * US) for t in range(5)]
+    end = _rec(STAMP_TAG, t0 + 400 * US + 5 * dh, t0 + 2000 * US, t0 + 2100 * US, 8)
+    f = fit([(t0, t0 + 2200 * US, [begin, *ext, end])], order, kinds, info)
     assert f["host_direct_task_s"] == pytest.approx(50e-6, rel=1e-3)
     assert f["push_begin_s"] == pytest.approx(200e-6) and f["begin_fence_s"] == pytest.approx(200e-6)
-    assert f["push_end_s"] == pytest.approx(300e-6)  # from the end stamps' event (the last kernel)
+    assert f["push_end_s"] == pytest.approx(300e-6)  # from the last in-place write's event (t0 + 1.9 ms)

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from wxfer import _wxfer  # noqa: E402
 from wxfer.runtime import control  # noqa: E402
 from wxfer.runtime.failures import FailureExchange  # noqa: E402
-from wxfer.runtime.inplace import InPlaceWriter, options  # noqa: E402
+from wxfer.runtime.inplace import COPIES_TAG, InPlaceWriter, options  # noqa: E402
 from wxfer.runtime.links import Links  # noqa: E402
 from wxfer.runtime.steps import StepLoop  # noqa: E402
 from wxfer.zerocopy import ZERO_COPY_BATCH as FAST_BATCH  # noqa: E402
@@ -228,8 +228,9 @@ def test_runner_writes_the_stamps_as_fence_tasks_and_the_inplace_writes_wait_for
     assert (version, verify) == (5, True) and eng.waits == []  # nothing waited for yet
     wait_begin()
     assert eng.waits == [1]  # that fence task alone
-    r.write_end(None)
+    r.write_end()
     assert eng.submits[1][0] == 5 and eng.submits[1][1] == list(ln.stamp_dest.values())
+    assert eng.submits[1][2] == dict(tag=STAMP_TAG, fence=True)  # a plain fence: no event, no host wait
     r.drop_sums()
     r.verify_landed(None, 1.0)  # nothing to verify once dropped
     assert r.last_sums is None and r.last_verify is None
@@ -252,6 +253,7 @@ def test_runner_names_refused_stamps_and_the_task_and_worker_of_an_engine_failur
     assert "[plan task 1: p0.1]" in msg and "[peer 11 is inference worker gpu 1 (replica 0 rank 1" in msg
     assert eng.cleared == 1
     assert r.describe(_Err(12, tag=STAMP_TAG)).endswith("[the version stamps]")  # peer 12: not one of ours
+    assert "[a batched copy of small tasks straight into the receivers' memory]" in r.describe(_Err(12, tag=COPIES_TAG))
 
 
 # ------------------------------------------------------------------ StepLoop
@@ -313,7 +315,9 @@ def test_the_step_loop_runs_copies_batches_and_tasks_in_order_group_by_group():
     assert body[3:] == [("run", n + 1), ("flush_copies",), ("run", 100), ("flush_copies",)]
     assert set(loop.last_phases) == {"rejoin_check", "begin_stamps", "submit"} and loop.pending is h
     assert h.wait() == loop.last_phases["done"] and h.done()
-    assert ("write_end", None) in seen.log and ("verify_landed", None, 2.5) in seen.log
+    assert ("write_end",) in seen.log and ("verify_landed", None, 2.5) in seen.log
+    # the in-place writes are engine tasks: the engine's wait is theirs, nothing waited for beside it
+    assert not any(e[0] in ("wait", "abandon") for e in seen.log), seen.log
 
 
 def test_a_failure_inside_the_loop_lands_the_inplace_writes_and_marks_the_live_workers_torn():

@@ -154,10 +154,18 @@ def _samples(
     return out, waited
 
 
+def _writes(records) -> list:
+    """The records of the engine's own writes: not the in-place writes (kind "external", a
+    kernel's or a batched copy's CUDA event: no write posted), which the fit counts as the
+    side stream's work between the stamps (``_design``'s windows)."""
+    return [r for r in records if r.get("kind", "write") != "external"]
+
+
 def _queued(records) -> list:
     """[(gap s, bytes, writes)] of the tasks whose writes queued behind the previous task's
     (ready before it completed): the time from the previous completion to theirs."""
-    recs = sorted((r for r in records if r["tag"] != STAMP_TAG and r.get("nwrites")), key=lambda r: r["t_done"])
+    recs = [r for r in _writes(records) if r["tag"] != STAMP_TAG and r.get("nwrites")]
+    recs.sort(key=lambda r: r["t_done"])
     return [
         ((b["t_done"] - a["t_done"]) / 1e9, float(b["bytes"]), float(b["nwrites"]))
         for a, b in zip(recs, recs[1:])
@@ -199,7 +207,7 @@ def write_path(records) -> tuple:
 
 def _posted(records) -> list:
     """The data records with their posting stamps, in the order the engine posted them."""
-    recs = [r for r in records if r["tag"] != STAMP_TAG and r.get("t_post_first") and r.get("t_done")]
+    recs = [r for r in _writes(records) if r["tag"] != STAMP_TAG and r.get("t_post_first") and r.get("t_done")]
     return sorted(recs, key=lambda r: r["t_post_first"])
 
 
@@ -294,7 +302,7 @@ def fit(
     push_begin_s: t0 to the host's first task (after the begin stamps' submission);
     begin_fence_s: from then until the begin stamps landed (no data write is posted before);
     push_end_s: from the last data landed (the last write's completion, or, with direct tasks,
-    the end stamps' CUDA event: the side stream's last kernel) to t1."""
+    the last in-place write's CUDA event: the side stream's last kernel) to t1."""
     d = dict(pushes=pushes, order=order, kinds=kinds, info=info, work=work, sizes=sizes)
     return fit_designs([d], batch, write_GBps)
 
@@ -309,6 +317,8 @@ def _design(d: dict, batch: int) -> tuple:
     copies = any(k == "copy" for k in kinds.values())  # (a runtime whose begin stamps are a fence)
     for i, (t0, t1, records) in enumerate(pushes):
         recs.append(records)
+        inplace = [r["t_ready"] for r in records if r.get("kind") == "external" and r.get("t_ready")]
+        records = _writes(records)
         data = {r["tag"]: r for r in records if r["tag"] != STAMP_TAG}
         stamps = sorted((r for r in records if r["tag"] == STAMP_TAG), key=lambda r: r["t_submit"])
         if not data and not (direct and len(stamps) > 1):
@@ -321,10 +331,10 @@ def _design(d: dict, batch: int) -> tuple:
         tail = stamps[-1]["t_submit"] if len(stamps) > 1 else None  # the end stamps' submission
         got, waited = _samples(data, start, order, kinds, info, batch, work, landed, sizes, tail)
         samples += got
-        if direct and len(stamps) > 1 and stamps[-1].get("t_ready"):
-            last = max(last, stamps[-1]["t_ready"])
-            # the kernels ran from the wait for the begin stamps to the end stamps' event
-            windows[len(recs) - 1] = (waited if waited is not None else landed, stamps[-1]["t_ready"])
+        if direct and inplace:
+            last = max(last, max(inplace))
+            # the kernels ran from the wait for the begin stamps to the last in-place write's event
+            windows[len(recs) - 1] = (waited if waited is not None else landed, max(inplace))
         end.append((t1 - last) / 1e9)
     return samples, begin, fence, end, windows, recs
 
@@ -426,7 +436,7 @@ def device_times(pushes, tags: set, moved: dict, fp8: dict) -> dict:
     acc = {"fp8": [0, 0.0, 0.0], "raw": [0, 0.0, 0.0]}
     for _, _, records in pushes:
         prev = 0
-        for r in sorted((r for r in records if r["tag"] in tags), key=lambda r: r["t_submit"]):
+        for r in sorted((r for r in _writes(records) if r["tag"] in tags), key=lambda r: r["t_submit"]):
             if not r.get("t_ready"):
                 continue
             d = max(0, r["t_ready"] - max(r["t_admit"] or r["t_submit"], prev)) / 1e9

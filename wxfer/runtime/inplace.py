@@ -16,13 +16,18 @@ target range is checked by the transport (``Transport.map``: the key one the pee
 the range inside its region, the memory on the writer's GPU), and each region is seen as a
 torch uint8 tensor over its mapped address (``__cuda_array_interface__``, no copy).
 
-Ordering (docs/cuda_ipc.md): the begin stamps are an engine fence, which orders the
-engine's writes, not this process's kernels: a push waits until they landed (with what
-the engine was given before) at its first in-place task; the end stamps wait for a CUDA event
-recorded on the side stream after the last task, so after every in-place kernel; the side
-stream is synchronized before ``push()`` returns or raises (``wait``, ``abandon``), so no
-in-place write lands after it returned.  A receiver that failed (the engine's failed peers)
-or that the Sender dropped is not written.  Off with ``Sender(direct=False)`` or
+Ordering (docs/cuda_ipc.md): each in-place write (a packed task's copies and quantizer launch,
+a batched copy launch) is an engine task of the external kind (``Engine.submit_external``) to
+the peers it wrote, waiting for a CUDA event recorded after it on the side stream (on the
+host, without CUDA, signalled done at once: ``complete_external``).  So the engine finishes
+it after the begin stamps' fence, holds the end stamps' fence (a plain one) until it landed,
+applies its deadline, skips a peer that failed, counts its bytes (``bytes_external``) and
+traces it (kind "external"); ``push()``'s wait is the engine's.  The begin stamps are still
+waited for on the host before the first launch of a push (after its first task's gathers
+were queued): the engine orders its tasks, not this process's kernels, and a kernel that ran
+before a receiver's begin stamp landed would make a torn read look complete.  A receiver
+that failed (the engine's failed peers) or that the Sender dropped is not written (no kernel
+can be called back) nor named in the task.  Off with ``Sender(direct=False)`` or
 ``WXFER_DIRECT=0`` (the user-facing name, and ``stats()["direct"]``, are kept); with verify on
 a push goes the staging way (a checksum of the receiver's own memory would prove nothing).
 """
@@ -41,6 +46,7 @@ _U64 = struct.Struct("<Q")
 
 
 COPY_ALL = 1 << 62  # copy_max "all" / -1: no upper bound (every task has fewer bytes)
+COPIES_TAG = (1 << 62) + 1  # engine tag of a batched copy launch (plan tasks: their index; stamps: 1 << 62)
 
 
 def copy_max(value=None) -> int:
@@ -195,7 +201,7 @@ class _Mapped:
 class _Plan:
     """One task's in-place layout, with each target's region view."""
 
-    __slots__ = ("raw", "fp8", "regions", "srcs", "spans", "uid")
+    __slots__ = ("raw", "fp8", "regions", "srcs", "spans", "uid", "event")
     _uids = itertools.count()
 
     def __init__(self, raw, fp8, regions):
@@ -203,6 +209,7 @@ class _Plan:
         self.srcs = tuple(sorted({pc.src for pc, _, _ in fp8}))
         self.spans: dict = {}  # skipped gpus -> InPlaceWriter._jobs
         self.uid = next(_Plan._uids)  # names its quantizer table (an id() may be reused)
+        self.event = None  # recorded after its writes, each push (InPlaceWriter._submit)
 
 
 class _NotInPlace(Exception):
@@ -239,9 +246,10 @@ class InPlaceWriter:
         self.n = {"tasks": 0, "copies": 0, "staged": 0, "skipped_writes": 0}
         self.total = 0
         self.why: dict = {}  # why tasks went the staging way -> how many (this push)
-        self.launched = False  # in-place work on the side stream not yet waited for
-        self.copy_plans: dict = {}  # task -> (prep, src data_ptr, numel, [(gpu, dst, src)] or None, why not)
-        self.copy_q: list = []  # queued small copies [(gpu, dst, src, dst addr, src addr, n)] (flush_copies)
+        self.launched = False  # in-place work handed to the engine since the last abandon()
+        self.copy_plans: dict = {}  # task -> (prep, src data_ptr, numel, [queued copy] or None, why not)
+        # queued small copies [(gpu, engine destination, (dst, src, dst addr, src addr, n))] (flush_copies)
+        self.copy_q: list = []
         self.copy_q_bytes = 0  # their bytes
         self.copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
 
@@ -249,6 +257,7 @@ class InPlaceWriter:
         """A push begins: its number, whether it verifies, and `wait_begin()`, which returns
         once its begin stamps landed (waited for before its first in-place write)."""
         self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
+        self.launched = False  # the last push's writes were waited for by the engine
 
     def switch(self, on: bool) -> None:
         """Turn the in-place writes on or off (``Sender.direct``), from the next task on."""
@@ -297,10 +306,11 @@ class InPlaceWriter:
             return False
         from . import prepare
 
-        self._begin()
         fulls, _ = prepare.gather(prep, op, self.device)
-        self.launched = True
-        self._write(op, plan, fulls, self.links.skipped(self.engine))
+        self._begin()  # after the gathers were queued: the stamps land meanwhile
+        skip = self.links.skipped(self.engine)
+        self._write(op, plan, fulls, skip)
+        self._submit(self._live(op.dests, skip), op.task, plan)
         self.n["tasks"] += 1
         self.total += 1
         return True
@@ -320,7 +330,7 @@ class InPlaceWriter:
             self.why[hit[4]] = self.why.get(hit[4], 0) + 1
             return False
         self.copy_q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
-        self.copy_q_bytes += sum(c[5] for c in hit[3])  # bytes written (every destination), as the simulator counts
+        self.copy_q_bytes += sum(c[1][3] for c in hit[3])  # bytes written (every destination), as the simulator counts
         self.n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
         if copy_batch_full(len(self.copy_q), self.copy_q_bytes):
             self.flush_copies()
@@ -361,16 +371,18 @@ class InPlaceWriter:
                 if addr != base + doff:
                     raise _NotInPlace(f"[{doff}, +{n}) of a region is mapped at {addr:#x}, not {base + doff:#x}")
                 d, sv = view[doff : doff + n], flat[soff : soff + n]
-                items.append((self.links.gpu_of_region.get(bytes(rdesc)), d, sv, d.data_ptr(), sv.data_ptr(), n))
+                gpu = self.links.gpu_of_region.get(bytes(rdesc))
+                items.append((gpu, (rdesc, doff, soff, n), (d, sv, d.data_ptr(), sv.data_ptr(), n)))
         except _NotInPlace as e:
             return (prep, src.data_ptr(), src.numel(), None, str(e))
         return (prep, src.data_ptr(), src.numel(), items, None)
 
     def flush_copies(self) -> None:
         """The queued small copies, in one batched launch (wxfer.runtime.copies: the native
-        kernel, else torch._foreach_copy_) on the current (side) stream; the receivers failed or
-        dropped by now are not written (a copy queued before its receiver failed is skipped, as
-        an in-place task launched after it is)."""
+        kernel, else torch._foreach_copy_) on the current (side) stream, handed to the engine as
+        one external task (tag ``COPIES_TAG``); the receivers failed or dropped by now are not
+        written (a copy queued before its receiver failed is skipped, as an in-place task
+        launched after it is)."""
         if not self.copy_q:
             return
         from . import copies
@@ -380,11 +392,40 @@ class InPlaceWriter:
         # the receivers to skip: one that failed while its begin stamp was written is not copied to
         self._begin()
         skip = self.links.skipped(self.engine)
-        items = [c[1:] for c in q if c[0] not in skip]
-        self.n["skipped_writes"] += len(q) - len(items)
-        if items:
-            self.copier = copies.copy_ranges(self.device, items)
-            self.launched = True
+        live = [c for c in q if c[0] not in skip] if skip else q
+        self.n["skipped_writes"] += len(q) - len(live)
+        if live:
+            self.copier = copies.copy_ranges(self.device, [c[2] for c in live])
+            self._submit([c[1] for c in live], COPIES_TAG)
+
+    def _live(self, dests, skip: frozenset) -> list:
+        """`dests` but those to the receivers in `skip` (not written: not the engine's)."""
+        if not skip:
+            return dests
+        gpu = self.links.gpu_of_region
+        return [d for d in dests if gpu.get(bytes(d[0])) not in skip]
+
+    def _submit(self, dests, tag: int, plan: _Plan | None = None) -> None:
+        """The writes just launched to `dests`, handed to the engine as one external task: with
+        a side stream, after a CUDA event recorded on it (`plan`'s own, re-recorded each push;
+        else a new one; the engine holds it until reaped); without one (the CPU) they ran on the
+        host and are done, signalled so at once.  The engine orders, skips, bounds and traces it."""
+        if not dests:
+            return
+        eng = self.engine
+        if self.stream is None:
+            eng.complete_external(eng.submit_external(dests, tag=tag))
+            return
+        import torch
+
+        ev = None if plan is None else plan.event
+        if ev is None:
+            ev = torch.cuda.Event()
+            if plan is not None:
+                plan.event = ev
+        ev.record(self.stream)
+        self.launched = True
+        eng.submit_external(dests, event=ev, device=self.device.index, tag=tag)
 
     def plan_of(self, op) -> tuple:
         """(_Plan or None, why not) of task `op`, decided once per set of destinations."""
@@ -529,19 +570,16 @@ class InPlaceWriter:
             if part:
                 fp8.quantize_into(view, part)
 
-    def wait(self) -> None:
-        """Block until every in-place write launched so far has landed (the side stream)."""
-        if self.launched and self.stream is not None:
-            self.stream.synchronize()
-        self.launched = False
-
     def abandon(self) -> None:
-        """A failing push: its in-place writes land before it raises (best effort)."""
+        """A failing push: its in-place writes land before it raises (best effort: a failed
+        engine need not have waited for their events)."""
         self.copy_q, self.copy_q_bytes = [], 0
         try:
-            self.wait()
+            if self.launched and self.stream is not None:
+                self.stream.synchronize()
         except Exception:  # noqa: BLE001 -- the device itself failed; the push's error says more
-            self.launched = False
+            pass
+        self.launched = False
 
     def stats(self) -> dict:
         cm = -1 if self.copy_max >= COPY_ALL else self.copy_max  # -1: no bound ("all")

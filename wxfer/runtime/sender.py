@@ -15,10 +15,10 @@ writes to (an engine fence task: no data write is posted before those landed; th
 not wait for them, except a push with in-place tasks at its first, inplace.py), then replays
 the plan: for each mesh group, for each task of this rank in order, H2D (offloaded FSDP) ->
 full_tensor() + fusion + FP8 + packing -> Engine.submit (or straight into the receivers'
-memory on cuda_ipc, inplace.py); an asynchronous gloo barrier after the group's last
-full_tensor(); then its *end* stamp into every receiver it wrote to, a fence task posted once
-every data write of the step completed and the side stream's work (the in-place writes) is
-done (Receiver.version() counts a step only where begin == end).  A
+memory on cuda_ipc, inplace.py: external engine tasks); an asynchronous gloo barrier after
+the group's last full_tensor(); then its *end* stamp into every receiver it wrote to, a fence
+task posted once every task of the step before it finished, the in-place writes included
+(Receiver.version() counts a step only where begin == end).  A
 receiver this rank gives up on, or a step it abandons half written, is recorded in the
 store (torn/<gpu>/e<epoch>/<i>) for Receiver.state().  A failure seen by any rank, raised
 anywhere inside push(), is raised on every rank (the same barriers, then one gloo

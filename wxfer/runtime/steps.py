@@ -1,8 +1,9 @@
 """One push() on the trainer side (the Sender's ``StepLoop``): the restarted workers taken,
 the begin stamps, then for each mesh group, for each task of this rank in order, stage 1-2
 and the submission (zero-copy tasks in batches, small ones copied in place, packed ones
-written in place or staged); an asynchronous gloo barrier after each group; then the end:
-this rank's writes waited for, its end stamps after them (an engine fence), the workers that
+written in place or staged: every write an engine task); an asynchronous gloo barrier after
+each group; then the end: its end stamps (an engine fence, after every task) and this rank's
+writes waited for, the workers that
 failed marked and skipped from then on, verify mode's checksums, and every trainer rank's
 failure reports exchanged so that all ranks raise together (SPMD loops stay in step).  A
 failure inside the loop drains the collectives the other ranks are in before it is raised."""
@@ -24,10 +25,9 @@ class PushHandle:
     """What ``push(async_op=True)`` returns: every task is submitted (sources packed);
     ``wait()`` returns once this rank's writes and version stamps have landed."""
 
-    def __init__(self, steps, lock, version, t0, barrier, keep, end_event):
+    def __init__(self, steps, lock, version, t0, barrier, keep):
         self._steps, self._lock, self.version, self._t0 = steps, lock, version, t0
         self._barrier, self._keep = barrier, keep
-        self._end_event = end_event  # CUDA event the end stamps wait for (the side stream's work)
         self._done = False
         self.seconds = None
 
@@ -120,14 +120,10 @@ class StepLoop:
             log.warning("trainer rank %d: step %d stopped: %s", self.rank, version, type(e).__name__)
             self.failures.mark_live(version, f"trainer rank {self.rank} stopped in step {version}: {type(e).__name__}")
             raise
-        end_ev = None
         if self.stream is not None:
-            end_ev = torch.cuda.Event()  # the end stamps wait for the side stream's work
-            end_ev.record(self.stream)
-            keep.append(end_ev)
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self.last_submit_s = ph["submit"] = time.perf_counter() - t0
-        self.pending = PushHandle(self, lock, version, t0, state["barrier"], keep, end_ev)
+        self.pending = PushHandle(self, lock, version, t0, state["barrier"], keep)
         return self.pending
 
     def _groups(self, version, run_task, ev, state) -> None:
@@ -281,9 +277,8 @@ class StepLoop:
         # every task has its own deadline (write_timeout from its first write); a receiver
         # that stops answering fails alone at that deadline, so wait a little longer here
         t = 1.5 * t + 1.0
-        self.runner.write_end(h._end_event)
+        self.runner.write_end()  # a plain fence: after every task, the in-place writes' too
         self.runner.wait_engine(t, "waiting for the weight writes and the end version stamps")
-        self.inplace.wait()  # the writes straight into the receivers (done: the end stamps waited for them)
         self.last_phases["writes"] = time.perf_counter() - h._t0
         failed = self.links.failed(self.engine, self.runner.describe)
         for g in sorted(self.links.drop(failed)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 
 from . import prepare
+from .inplace import COPIES_TAG
 from .receiver import _b64
 
 STAMP_TAG = 1 << 62  # engine tag of the version-stamp writes (plan tasks use their index)
@@ -94,13 +95,13 @@ class TaskRunner:
             fence=self.begin_fence,
         )
 
-    def write_end(self, event) -> None:
-        """This rank's end stamps: posted by the engine once every data write of the step has
-        completed (a fence), after CUDA `event` (the side stream's work so far); the engine
-        skips the failed receivers: the others get their stamp."""
+    def write_end(self) -> None:
+        """This rank's end stamps: posted by the engine once every task of the step before them
+        has finished (a fence: the in-place writes are external tasks, waited for by their CUDA
+        events); the engine skips the failed receivers: the others get their stamp."""
         if self.links.stamp_dest:
             self.stamp_src.fill_(self.version)
-            self.submit_stamps(self.stamp_src, self.links.stamp_dest, "end", event)
+            self.submit_stamps(self.stamp_src, self.links.stamp_dest, "end")
 
     def submit_stamps(self, src, dests: dict, which: str, event=None) -> int:
         """Hand this rank's `which` (begin/end) stamp writes to the engine as a fence task
@@ -245,6 +246,8 @@ class TaskRunner:
             msg += f" [plan task {tag}: {self.task_names[tag]}]"
         elif tag == STAMP_TAG:
             msg += " [the version stamps]"
+        elif tag == COPIES_TAG:
+            msg += " [a batched copy of small tasks straight into the receivers' memory]"
         name = None if peer is None else self.links.peer_name(peer)
         if name is not None:
             msg += f" [peer {peer} is {name}]"

@@ -57,13 +57,14 @@ def host_times(records, params_of: dict | None = None, skip_tags=()) -> dict:
     """Host time of the push loop from a trace: per task, the host time of its stages 1-2
     (t_admit .. t_submit of a task the Sender reserved before preparing it; the
     Engine.submit call itself is not in it; 0 for a task submitted by
-    Engine.submit_prepared, which has no stages 1-2).  params_of: tag -> number of training
+    Engine.submit_prepared, which has no stages 1-2; the in-place writes, external tasks, left
+    out).  params_of: tag -> number of training
     parameters of the task.  Returns tasks, params, host_s (sum), per_task_us and
     per_param_us (means), median_task_us."""
     hs = []
     nparams = 0
     for r in records:
-        if r["tag"] in skip_tags:
+        if r["tag"] in skip_tags or r.get("kind") == "external":  # an in-place write: no stages 1-2 here
             continue
         hs.append(max(0, r["t_submit"] - r["t_admit"]) if r["t_admit"] and r["t_admit"] <= r["t_submit"] else 0)
         nparams += (params_of or {}).get(r["tag"], 1)
