@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 import socket
 import struct
 import time
 
 from .. import envs
-from . import control
+from . import control, liveness
 from .control import Control, SetupError
 
 _DESC_HEAD = struct.Struct("<Q")
@@ -276,6 +275,7 @@ class Receiver:
         self.region_base = {}  # region descriptor -> uint8 tensor over it (verify mode)
         self.param_range = {}  # name -> (region descriptor, offset, nbytes)
         self.verifier = None
+        self.lease = None
         self._closed = False
         self.senders = []
         self._busy_key = self._busy_since = None
@@ -378,8 +378,9 @@ class Receiver:
             stamp_slots=self.stamp_slots,
             stamp_begin=8 * self.stamp_slots,
             host=socket.gethostname(),
-            pid=os.getpid(),
             device=str(self.device),
+            lease_s=liveness.lease_interval(),
+            **liveness.identity(),  # pid, start time, pid namespace: a trainer on this host sees it exit
         )
         # one worker per (replica, rank): during setup a second one is refused, and so is the
         # whole setup; once the trainers' setup is through, a new one is a restart: it
@@ -392,6 +393,7 @@ class Receiver:
                 )
                 self.epoch = self.ctl.add("infer/epoch/%d" % self.gpu, 1)
                 meta["epoch"] = self.epoch
+                self._start_lease(meta["lease_s"])
                 self.ctl.set_json("infer/%d/e%d" % (self.gpu, self.epoch), meta)
                 self.ctl.add("infer/rejoins", 1)
                 return
@@ -402,11 +404,16 @@ class Receiver:
                 f"already registered by another inference worker; this one "
                 f"({meta['host']} pid {meta['pid']}) is refused"
             )
+        self._start_lease(meta["lease_s"])
         # what a trainer needs to connect (no parameter list, no descriptors: those reach it in the
         # plan), read by every trainer that writes here; the whole record by the controller alone
         self.ctl.set_json("infer/%d/peer" % self.gpu, {k: v for k, v in meta.items() if k not in ("params", "desc")})
         self.ctl.set_json("infer/%d" % self.gpu, meta)
         self.ctl.add("infer/count", 1)
+
+    def _start_lease(self, interval: float) -> None:
+        """The lease the trainers check (liveness.py), renewed by a Python thread until close()."""
+        self.lease = liveness.Lease(self.ctl, liveness.lease_key(self.gpu, self.epoch), interval)
 
     def _handshakes(self) -> None:
         if self.epoch:
@@ -647,6 +654,8 @@ class Receiver:
         self._closed = True
         if self.verifier is not None:
             self.verifier.stop()
+        if self.lease is not None:
+            self.lease.stop()
         for r in self.regions:
             try:
                 r.close()
