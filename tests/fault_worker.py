@@ -9,7 +9,8 @@ python tests/fault_worker.py receiver STORE NAME REPLICA REPLICAS OUT
     parameters there, registered with cuda_ipc.
 python tests/fault_worker.py trainer STORE NAME KILL_AFTER_TASKS
     a trainer (world 1): pushes step 1, changes the weights, and during step 2 kills
-    itself with SIGKILL after KILL_AFTER_TASKS tasks were handed to the engine.
+    itself with SIGKILL after KILL_AFTER_TASKS tasks were handed to the engine (0: right
+    after step 1, between pushes).
 """
 
 import os
@@ -79,6 +80,8 @@ def trainer(store, name, kill_after):
     s = Sender(m, mapping=preset_for(TINY), store=store, name=name, timeout=T, write_timeout=10, watermark="64KiB")
     s.push()
     print("pushed 1", flush=True)
+    if kill_after == 0:  # dies between pushes
+        os.kill(os.getpid(), signal.SIGKILL)
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(1.5)

@@ -214,3 +214,59 @@ def test_a_worker_whose_lease_stops_is_skipped_and_named_without_a_write_failing
         sender.close()
         for r in recvs:
             r.close()
+
+
+# ------------------------------------------------------------------ item 6: the writers' death
+@pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_worker_whose_only_writer_dies_between_pushes_is_told(store, tp):
+    """The trainer (a real process, world 1) pushes step 1 and is SIGKILLed before step 2:
+    every worker of the layout (TP 1, TP 2) raises TornError from wait_version(2) within its
+    bound, and state() names the rank (its pid read on this host: no write, no record)."""
+    s, addr = store
+    name = "lvw%d" % tp
+    params, ths = receivers_in_threads(TINY, addr, name, tp, timeout=T)
+    p = _spawn("trainer", addr, name, 0)
+    try:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == -signal.SIGKILL and "pushed 1" in out, out
+        recvs = joined(ths, T)
+        for r in recvs:
+            assert r.version() == 1
+            t0 = time.monotonic()
+            with pytest.raises(_torn()) as ei:
+                r.wait_version(2, 20)
+            took = time.monotonic() - t0
+            st = r.state()
+            print(f"tp {tp} rank {r.rank}: TornError after {took:.2f} s: {ei.value}")
+            assert took < 2.0, took
+            assert st["state"] == "dropped" and st["ranks"] == [0] and st["version"] == 1 and st["final"], st
+            assert f"trainer rank 0 (pid {p.pid}" in st["message"] and "has exited" in st["message"], st
+        for r in recvs:
+            r.close()
+    finally:
+        _reap([p])
+
+
+def _torn():
+    from wxfer.runtime.receiver import TornError
+
+    return TornError
+
+
+def test_writer_watch_sees_a_writer_by_its_lease_on_another_host(store):
+    s, addr = store
+    ctl = control.Control(s, "ww", T)
+    key = liveness.trainer_lease_key(0)
+    lease = liveness.Lease(ctl, key, 0.05)
+    rec = dict(pid=1, host="elsewhere", start=1, pidns="x", lease_s=0.05, lease_key=key, write_timeout=0.3)
+    ww = liveness.WriterWatch(ctl, [0, 1], {0: rec, 1: None})  # rank 1 published no record: not judged
+    try:
+        assert ww.ranks == [0] and ww.gone() == {}
+        time.sleep(0.5)
+        assert ww.gone() == {}  # renewed
+    finally:
+        lease.stop()
+    time.sleep(0.5)
+    gone = ww.gone()
+    assert list(gone) == [0] and f"store key {key}) was not renewed" in gone[0], gone

@@ -479,9 +479,10 @@ def roll_call(ctl, key: str, rank: int, world: int, wait: float) -> list:
     return [who(ctl, r) for r in missing]
 
 
-def publish_who(ctl, rank: int) -> None:
-    """This trainer rank's pid and host, for messages naming it (roll_call)."""
-    ctl.set_json(f"train/{rank}/who", dict(pid=os.getpid(), host=socket.gethostname()))
+def publish_who(ctl, rank: int, extra: dict | None = None) -> None:
+    """This trainer rank's pid and host, for messages naming it (roll_call); `extra`: more of
+    it (its start time and lease, wxfer.runtime.liveness, for the workers it writes)."""
+    ctl.set_json(f"train/{rank}/who", dict(extra or {}, pid=os.getpid(), host=socket.gethostname()))
 
 
 def who(ctl, rank: int) -> str:

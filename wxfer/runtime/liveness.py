@@ -13,12 +13,22 @@ only: no clocks compared across hosts); the lease expired once it is max(write_t
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
 import time
+import weakref
 
 LEASE_S = 1.0  # default seconds between a worker's lease renewals ($WXFER_LEASE_S)
+LEASE_TRIES = 3  # store failures in a row after which a lease stops (its store is gone: so are its readers)
+_LEASES: weakref.WeakSet = weakref.WeakSet()  # the running ones, stopped at interpreter exit
+
+
+@atexit.register
+def _stop_all() -> None:
+    for lease in list(_LEASES):
+        lease.stop(1.0)
 
 
 def lease_key(gpu: int, epoch: int) -> str:
@@ -106,8 +116,9 @@ class LeaseWatch:
         behind = (now - base[1]) - (count - base[0]) * step
         if behind <= self.bound(w):
             return None
+        key = w.get("lease_key") or lease_key(g, w.get("epoch", 0))
         return (
-            f"its lease (store key {lease_key(g, w.get('epoch', 0))}) was not renewed for {behind:.1f} s "
+            f"its lease (store key {key}) was not renewed for {behind:.1f} s "
             f"(bound {self.bound(w):.1f} s: max(write_timeout, 3 x its lease_s {w.get('lease_s')}))"
         )
 
@@ -118,7 +129,8 @@ class LeaseWatch:
 class Lease:
     """A worker's lease: a Python daemon thread adding 1 to store key `key` every `interval`
     seconds until ``stop()`` (native threads never call Python; this one is Python's own).
-    A store that fails is retried at the next tick (the trainers see the lease age meanwhile)."""
+    A store that fails is retried at the next tick (the trainers see the lease age meanwhile);
+    LEASE_TRIES failures in a row stop it (the store, hosted by a trainer, is gone)."""
 
     def __init__(self, ctl, key: str, interval: float):
         self.ctl, self.key, self.interval = ctl, key, float(interval)
@@ -127,19 +139,59 @@ class Lease:
         ctl.add(key, 1)  # exists before the worker's record says where it is
         self._thread = threading.Thread(target=self._run, name=f"wxfer-lease {key}", daemon=True)
         self._thread.start()
+        _LEASES.add(self)
 
     def _run(self) -> None:
-        t0, sent = time.monotonic(), 1
+        t0, sent, fails = time.monotonic(), 1, 0
         while not self._stop.wait(max(0.0, t0 + sent * self.interval - time.monotonic())):
             due = 1 + int((time.monotonic() - t0) / self.interval)  # the count as a clock: late ticks caught up
             try:
                 self.ctl.add(self.key, due - sent)
-                sent = due
+                sent, fails = due, 0
                 self.ticks += 1
             except Exception:  # noqa: BLE001 -- the store is gone or busy: the trainers judge
-                time.sleep(min(self.interval, 0.5))
+                fails += 1
+                if fails >= LEASE_TRIES:
+                    return
+                sent = due  # not retried at once: the next tick catches up
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+def trainer_lease_key(rank: int) -> str:
+    return "train/%d/lease" % rank
+
+
+class WriterWatch:
+    """A worker's view of the trainer ranks that write it (issue 25 item 6): each one's record
+    (``train/<rank>/who``: pid, start time, host, pid namespace, lease_s, write_timeout) read
+    once; ``gone()`` says which died, by their pids on this host (local reads) and their leases
+    (one store round trip for all).  A rank seen gone stays gone."""
+
+    def __init__(self, ctl, ranks, records: dict):
+        self.ctl = ctl
+        self.records = {r: w for r, w in records.items() if w is not None}
+        self.ranks = [r for r in ranks if r in self.records]
+        self.watch = {r: LeaseWatch(float(self.records[r].get("write_timeout") or 30.0)) for r in self.ranks}
+        self.dead: dict = {}  # rank -> why
+
+    def gone(self) -> dict:
+        """{rank: why} of the writers dead by now; the store unreachable leaves the leases unread."""
+        for r in self.ranks:
+            if r not in self.dead:
+                why = local_death(self.records[r])
+                if why is not None:
+                    self.dead[r] = why
+        lease = [r for r in self.ranks if r not in self.dead and self.records[r].get("lease_s")]
+        try:
+            counts = self.ctl.counters([trainer_lease_key(r) for r in lease])
+        except Exception:  # noqa: BLE001 -- the store is gone: state() says so by itself
+            counts = []
+        for r, c in zip(lease, counts):
+            why = self.watch[r].expired(r, self.records[r], c)
+            if why is not None:
+                self.dead[r] = why
+        return dict(self.dead)

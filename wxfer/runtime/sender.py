@@ -40,7 +40,7 @@ import os
 import threading
 import time
 
-from . import control, inplace, program
+from . import control, inplace, liveness, program
 from .control import Control, SetupError
 from .controller import build_plan, linger, mapping_digest
 from .failures import FailureExchange
@@ -226,7 +226,7 @@ class Sender:
         err, params = None, {}
         try:
             self.ctl.set_json("train/%d/mapping" % self.rank, mapping_digest(mapping))
-            control.publish_who(self.ctl, self.rank)
+            self._lease_start()
             if hasattr(model, "reshard"):
                 model.reshard()  # FSDP2: the sharded DTensor parameters, even after a no-grad forward
             params = {n: p for n, p in model.named_parameters()}
@@ -235,6 +235,14 @@ class Sender:
             err = f"{type(e).__name__}: {e}"
         control.agree(self.group, err, self.rank, "publishing training metadata", self.timeout)
         return params
+
+    def _lease_start(self) -> None:
+        """This rank's lease (a Python thread, liveness.Lease) and its record for the workers it
+        writes: they learn of its death between pushes by its pid or its lease (issue 25 item 6)."""
+        key, every = liveness.trainer_lease_key(self.rank), liveness.lease_interval()
+        self._lease = liveness.Lease(self.ctl, key, every)
+        extra = dict(liveness.identity(), lease_s=every, lease_key=key, write_timeout=self.write_timeout)
+        control.publish_who(self.ctl, self.rank, extra)
 
     def _receive_plan(self, mapping):
         """Setup step 2: rank 0 builds the plan; every rank receives it (or the error)."""
@@ -492,6 +500,9 @@ class Sender:
             self.steps.settle()
         except Exception:  # noqa: BLE001
             pass
+        if getattr(self, "_lease", None) is not None:
+            self._lease.stop()  # the workers then see this rank gone: close() means no more pushes
+            self._lease = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None
