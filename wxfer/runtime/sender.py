@@ -178,13 +178,18 @@ class Sender:
         self.watermark = _parse_size(watermark)
         self.max_task_bytes = task_bound(self.watermark) if max_task_bytes is None else int(max_task_bytes)
         t0 = time.perf_counter()
-        self.params = self._publish(model, mapping)
-        self.plan = self._receive_plan(mapping)
-        self.setup_s = {"plan": time.perf_counter() - t0}
-        t1 = time.perf_counter()
-        self.program, self.transport_name, self.transport, self.engine, self.links, self.inplace, self.runner = (
-            self._connect_phase(transport, transport_options, in_place)
-        )
+        self._lease = None
+        try:
+            self.params = self._publish(model, mapping)
+            self.plan = self._receive_plan(mapping)
+            self.setup_s = {"plan": time.perf_counter() - t0}
+            t1 = time.perf_counter()
+            self.program, self.transport_name, self.transport, self.engine, self.links, self.inplace, self.runner = (
+                self._connect_phase(transport, transport_options, in_place)
+            )
+        except BaseException:
+            self._stop_lease()  # a failed setup: no more pushes from this rank
+            raise
         self.setup_s["connect"] = time.perf_counter() - t1
         self.failures, self.steps = self._step_parts()
         self._log_ready()
@@ -243,6 +248,11 @@ class Sender:
         self._lease = liveness.Lease(self.ctl, key, every)
         extra = dict(liveness.identity(), lease_s=every, lease_key=key, write_timeout=self.write_timeout)
         control.publish_who(self.ctl, self.rank, extra)
+
+    def _stop_lease(self) -> None:
+        if getattr(self, "_lease", None) is not None:
+            self._lease.stop()
+            self._lease = None
 
     def _receive_plan(self, mapping):
         """Setup step 2: rank 0 builds the plan; every rank receives it (or the error)."""
@@ -500,9 +510,7 @@ class Sender:
             self.steps.settle()
         except Exception:  # noqa: BLE001
             pass
-        if getattr(self, "_lease", None) is not None:
-            self._lease.stop()  # the workers then see this rank gone: close() means no more pushes
-            self._lease = None
+        self._stop_lease()  # the workers then see this rank gone: close() means no more pushes
         if self.engine is not None:
             self.engine.close()
             self.engine = None
