@@ -4,10 +4,13 @@ python tests/fault_worker.py receiver STORE NAME REPLICA REPLICAS OUT
     an inference worker (TINY model, TP 1): registers, then waits (bounded) for the
     store key test/dump/<gpu>, saves its parameters, version() and state() to
     OUT/<gpu>.pt, exits.  A dump request "wait N" first calls wait_version(N, 20) and
-    saves what it raised (wait_error) and after how many seconds (wait_s).
+    saves what it raised (wait_error) and after how many seconds (wait_s).  "stay": saves,
+    then keeps running (bounded, 120 s) until killed.  $FAULT_DEVICE (e.g. cuda:0): its
+    parameters there, registered with cuda_ipc.
 python tests/fault_worker.py trainer STORE NAME KILL_AFTER_TASKS
     a trainer (world 1): pushes step 1, changes the weights, and during step 2 kills
-    itself with SIGKILL after KILL_AFTER_TASKS tasks were handed to the engine.
+    itself with SIGKILL after KILL_AFTER_TASKS tasks were handed to the engine (0: right
+    after step 1, between pushes).
 """
 
 import os
@@ -27,6 +30,9 @@ def receiver(store, name, replica, replicas, out):
     from wxfer.runtime.receiver import Receiver
 
     params = inference_params(TINY, 1, 0)
+    dev = os.environ.get("FAULT_DEVICE")
+    if dev:
+        params = {n: t.to(dev) for n, t in params.items()}
     r = Receiver(
         params,
         mapping=preset_for(TINY).name,
@@ -37,6 +43,7 @@ def receiver(store, name, replica, replicas, out):
         tp=1,
         rank=0,
         timeout=T,
+        transport="cuda_ipc" if dev and dev.startswith("cuda") else "auto",
     )
     print("ready", r.gpu, flush=True)
     ctl = r.ctl
@@ -52,6 +59,8 @@ def receiver(store, name, replica, replicas, out):
         extra["wait_s"] = time.monotonic() - t0
     torch.save(dict(params=params, version=r.version(), state=r.state(), **extra), os.path.join(out, "%d.pt" % r.gpu))
     ctl.set("test/dumped/%d" % r.gpu, b"1")
+    if req == "stay":
+        time.sleep(120)  # written on until the test kills it
     r.close()
     del control
 
@@ -71,6 +80,8 @@ def trainer(store, name, kill_after):
     s = Sender(m, mapping=preset_for(TINY), store=store, name=name, timeout=T, write_timeout=10, watermark="64KiB")
     s.push()
     print("pushed 1", flush=True)
+    if kill_after == 0:  # dies between pushes
+        os.kill(os.getpid(), signal.SIGKILL)
     with torch.no_grad():
         for p in m.parameters():
             p.mul_(1.5)

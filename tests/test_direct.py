@@ -85,6 +85,7 @@ class _Links:
         self.gpu_of_region = gpu_of_region
         self.gpu_of_peer = {10 + g: g for g in set(gpu_of_region.values())}
         self.failed = []
+        self.on_adopt = []  # what Links runs when a restart replaces a worker
 
     def skipped(self, engine):
         return frozenset(self.gpu_of_peer[e.peer] for e in self.failed if e.peer in self.gpu_of_peer)
@@ -147,6 +148,25 @@ def test_a_skipped_receiver_is_not_written_and_the_others_are():
         else:
             assert torch.equal(regions[r][doff : doff + n], ref[soff : soff + n]), r
     assert s.n["skipped_writes"] > 0
+
+
+def test_forget_drops_the_replaced_workers_views_and_bindings_only():
+    """A restart adopted (Links.on_adopt): the old worker's mapped views and every binding that
+    wrote there are dropped (bound again to the new memory), the other worker's are kept."""
+    s = _FakeSender({b"r0s0": 0, b"r1s0": 1})
+    assert s.forget in s.links.on_adopt
+    views = {r: (torch.zeros(8, dtype=torch.uint8), 100 + i) for i, r in enumerate((b"r0s0", b"r1s0"))}
+    s.views.update(views)
+    s.plans.update(
+        {
+            "t0": ([], direct._Plan([], [], {b"r0s0": views[b"r0s0"][0]}), None),
+            "t1": ([], direct._Plan([], [], {b"r1s0": views[b"r1s0"][0]}), None),
+            "t2": ([], None, "staged"),
+        }
+    )
+    s.copy_plans.update({"c0": (None, 0, 0, [(0, None)], None), "c1": (None, 0, 0, [(1, None)], None)})
+    s.forget(1, [b"r1s0"])
+    assert list(s.views) == [b"r0s0"] and sorted(s.plans) == ["t0", "t2"] and list(s.copy_plans) == ["c0"]
 
 
 def test_a_destination_boundary_through_a_piece_sends_the_task_the_staging_way():

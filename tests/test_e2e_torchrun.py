@@ -364,5 +364,8 @@ def test_a_dead_trainer_rank_is_named_by_rank_on_the_others_and_the_receivers(tm
     for r in (0, 1):
         out = outs[2 + r]
         assert when == "mid" or f"worker {r} version 1" in out, out[-2000:]
-        assert re.search(rf"worker {r} TornError: .*{re.escape(named)}", out), out[-2000:]
-        assert re.search(rf"worker {r} state: .*{re.escape(named)}", out), out[-2000:]
+        # named by the survivor's record ("died or hung"), or first by the worker itself: its pid
+        # read on this host (issue 25 item 6: "died: its process (pid N) has exited")
+        who = re.escape(f"trainer rank 1 (pid {trainers[1].pid}, host {host}) died")
+        assert re.search(rf"worker {r} TornError: .*{who}", out), out[-2000:]
+        assert re.search(rf"worker {r} state: .*{who}", out), out[-2000:]

@@ -39,6 +39,10 @@ class _Ctl:
         self.kv[key] = self.kv.get(key, 0) + n
         return self.kv[key]
 
+    def counters(self, keys):
+        self._call(("counters", tuple(keys)))
+        return [self.kv.get(k, 0) for k in keys]
+
     def set(self, key, value):
         self._call(("set", key))
         self.kv[key] = value
@@ -98,7 +102,7 @@ def test_links_refuse_a_restart_that_does_not_match_and_report_it_once():
     ctl = _Ctl()
     ln = _links(ctl)
     ctl.kv["infer/0"] = _worker(0)
-    assert ln.adopt_rejoins() is None and ctl.calls == [("add", "infer/rejoins")]  # none: one round trip
+    assert ln.adopt_rejoins() is None and ctl.calls == [("counters", ("infer/rejoins",))]  # none: one round trip
     ctl.kv.update({"infer/rejoins": 1, "infer/epoch/0": 1})
     ctl.kv["infer/0/e1"] = _worker(0, tp=4, params={"w": [[8, 4], "bfloat16"]})
     ln.adopt_rejoins()
@@ -111,7 +115,7 @@ def test_links_refuse_a_restart_that_does_not_match_and_report_it_once():
     assert ln.peers[0] == 10 and ln.workers[0]["tp"] == 2  # the one in place is kept
     n = len(ctl.calls)
     ln.adopt_rejoins()  # nothing new since: one round trip again
-    assert ctl.calls[n:] == [("add", "infer/rejoins")]
+    assert ctl.calls[n:] == [("counters", ("infer/rejoins",))]
 
 
 # ------------------------------------------------------------------ FailureExchange

@@ -266,6 +266,20 @@ class Control:
     def add(self, k: str, n: int) -> int:
         return int(self.store.add(self.key(k), n))
 
+    def counters(self, keys: list) -> list:
+        """The values of counters `keys` (each made by ``add`` already) in one store round trip
+        (Store.multi_get; a store without it: one ``add(k, 0)`` each)."""
+        if not keys:
+            return []
+        multi = getattr(self.store, "multi_get", None)
+        if multi is not None:
+            try:
+                return [int(bytes(v)) for v in multi([self.key(k) for k in keys])]
+            except (NotImplementedError, RuntimeError) as e:
+                if "not implemented" not in str(e).lower() and not isinstance(e, NotImplementedError):
+                    raise
+        return [self.add(k, 0) for k in keys]
+
     def check(self, k: str) -> bool:
         return bool(self.store.check([self.key(k)]))
 
@@ -474,9 +488,10 @@ def roll_call(ctl, key: str, rank: int, world: int, wait: float) -> list:
     return [who(ctl, r) for r in missing]
 
 
-def publish_who(ctl, rank: int) -> None:
-    """This trainer rank's pid and host, for messages naming it (roll_call)."""
-    ctl.set_json(f"train/{rank}/who", dict(pid=os.getpid(), host=socket.gethostname()))
+def publish_who(ctl, rank: int, extra: dict | None = None) -> None:
+    """This trainer rank's pid and host, for messages naming it (roll_call); `extra`: more of
+    it (its start time and lease, wxfer.runtime.liveness, for the workers it writes)."""
+    ctl.set_json(f"train/{rank}/who", dict(extra or {}, pid=os.getpid(), host=socket.gethostname()))
 
 
 def who(ctl, rank: int) -> str:

@@ -252,6 +252,7 @@ class InPlaceWriter:
         self.copy_q: list = []
         self.copy_q_bytes = 0  # their bytes
         self.copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
+        links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
 
     def start(self, version: int, verify: bool, wait_begin) -> None:
         """A push begins: its number, whether it verifies, and `wait_begin()`, which returns
@@ -592,6 +593,20 @@ class InPlaceWriter:
         if self.why:
             d["staged_why"] = dict(sorted(self.why.items(), key=lambda kv: -kv[1])[:5])
         return d
+
+    def forget(self, gpu: int, regions) -> None:
+        """Inference worker `gpu` was replaced by its restart: drop the views of its old
+        `regions` (region descriptors) and every binding that wrote there (bound again to the
+        new worker's memory at the next use)."""
+        regions = {bytes(r) for r in regions}
+        for r in regions:
+            self.views.pop(r, None)
+        for task, (_, plan, _) in list(self.plans.items()):
+            if plan is not None and regions & {bytes(r) for r in plan.regions}:
+                del self.plans[task]
+        for task, hit in list(self.copy_plans.items()):
+            if hit[3] and any(c[0] == gpu for c in hit[3]):
+                del self.copy_plans[task]
 
     def close(self) -> None:
         """Forget the views of the mapped regions (before the transport unmaps them)."""

@@ -8,7 +8,7 @@ how a restart is adopted are decided here and nowhere else."""
 
 from __future__ import annotations
 
-from . import control, program
+from . import control, liveness, program
 from .control import SetupError
 from .receiver import _unb64, decode_param_descriptor
 
@@ -36,6 +36,11 @@ class Links:
         self.refused: dict = {}  # gpu -> why its restarted worker was not taken (reported once)
         self.rejoins_seen = 0  # the store's restart count at the last check
         self.rejoined = 0  # restarted workers taken so far
+        self.dead: dict = {}  # gpu -> why it is dead (liveness.py: its pid or its lease), not by a write
+        self.leases = liveness.LeaseWatch(self.write_timeout)
+        self.failed_in_engine: set = set()  # dead gpus whose engine peer was failed (fail_dead)
+        self.on_adopt: list = []  # callables(gpu, old regions) run when a restart replaces a worker
+        self._host, self._pidns = None, None  # this process's, read once (liveness.local_death)
 
     # ------------------------------------------------------------------ setup
     def connect(self) -> None:
@@ -50,6 +55,9 @@ class Links:
             self.stamp_dest[g] = (_unb64(w["stamp"]), slot, 0, 8)
             self.begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + slot, 0, 8)
         self.gpu_of_peer.update((pid, g) for g, pid in self.peers.items())
+        # the counters each push reads in one round trip exist from now on (a read of a key not
+        # there waits for it): the restart count, and every worker's lease (made by it already)
+        self.ctl.add("infer/rejoins", 0)
         self.gpu_of_region.update(
             (decode_param_descriptor(d)[0], g) for (g, _), d in self.plan.descriptors.items() if g in self.workers
         )
@@ -61,13 +69,34 @@ class Links:
 
     def failed(self, engine, describe) -> dict:
         """{gpu: reason} of the receivers whose writes failed or were late in `engine` (it
-        skips them from then on); `describe(err)` words an engine error."""
+        skips them from then on), or found dead (``check_alive``; their pids read again here,
+        a local read: a worker killed inside the push); `describe(err)` words an engine error."""
+        self._check_pids()
         out = {}
         for err in engine.failed_peers():
             if err.peer not in self.gpu_of_peer:
                 continue  # a worker since replaced by its restart
             out[self.gpu_of_peer[err.peer]] = f"{describe(err)} (errno {err.errno})"
+        for g, why in self.dead.items():  # the cause, not the writes it made fail (or fail_dead's words)
+            if g in self.workers:
+                out[g] = why
         return out
+
+    def fail_dead(self, engine) -> None:
+        """Have `engine` fail the peers of the workers found dead (``dead``): an external task
+        to each one's begin stamp, completed with ESRCH and the reason, so that the engine
+        skips every write to it from now on (isolate) as it does for a peer whose write failed."""
+        import errno
+
+        for g in sorted(self.dead):
+            if g in self.failed_in_engine or g not in self.begin_dest:
+                continue
+            self.failed_in_engine.add(g)
+            try:
+                tid = engine.submit_external([self.begin_dest[g]])
+                engine.complete_external(tid, errno.ESRCH, self.dead[g])
+            except Exception as e:  # noqa: BLE001 -- still skipped here and named by this push
+                self.dead[g] += f" (the engine was not told: {type(e).__name__}: {e})"
 
     def drop(self, gpus) -> set:
         """Give up on `gpus` (skipped from now on); returns those not given up on before."""
@@ -77,7 +106,7 @@ class Links:
 
     def skipped(self, engine) -> frozenset:
         """The gpus not to write now: given up on here, or failed in `engine`."""
-        gone = set(self.dropped)
+        gone = set(self.dropped) | set(self.dead)
         for err in engine.failed_peers():
             if err.peer in self.gpu_of_peer:
                 gone.add(self.gpu_of_peer[err.peer])
@@ -99,13 +128,43 @@ class Links:
         """The worker an engine peer id is, or None (not one of this rank's now)."""
         return self.worker_name(self.gpu_of_peer[peer]) if peer in self.gpu_of_peer else None
 
+    # ------------------------------------------------------------------ alive
+    def _lease_gpus(self) -> list:
+        return [g for g in sorted(self.workers) if g not in self.dropped and self.workers[g].get("lease_s")]
+
+    def _check_pids(self) -> None:
+        """Mark dead the live workers of this host whose process is gone (local reads)."""
+        if self._host is None:
+            import socket
+
+            self._host, self._pidns = socket.gethostname(), liveness.pid_namespace()
+        for g, w in self.workers.items():
+            if g not in self.dropped and g not in self.dead:
+                why = liveness.local_death(w, self._host, self._pidns)
+                if why is not None:
+                    self.dead[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
+
+    def _check_leases(self, counts: list) -> None:
+        for g, c in zip(self._lease_gpus(), counts):
+            if g not in self.dead:
+                why = self.leases.expired(g, self.workers[g], c)
+                if why is not None:
+                    self.dead[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
+
     # ------------------------------------------------------------------ restarts
     def adopt_rejoins(self) -> None:
-        """Take the inference workers restarted since the last push (one store round trip
-        when there are none): connect to each, point this rank's destinations for it at its
-        new memory; every other worker keeps its plan.  A restart that does not match the
-        worker it replaces is refused (it stays skipped, and the push reports it)."""
-        n = self.ctl.add("infer/rejoins", 0)
+        """Before a push: which workers are dead (their pids here, their leases: read with the
+        restart count in one store round trip), then take the inference workers restarted
+        since the last push: connect to each, point this rank's destinations for it at its
+        new memory (whether or not the one it replaces was seen failing); every other worker
+        keeps its plan.  A restart that does not match the worker it replaces is refused (it
+        stays skipped, and the push reports it)."""
+        lease = self._lease_gpus()
+        keys = ["infer/rejoins"] + [liveness.lease_key(g, self.workers[g].get("epoch", 0)) for g in lease]
+        counts = self.ctl.counters(keys)
+        n = counts[0]
+        self._check_leases(counts[1:])
+        self._check_pids()
         if n == self.rejoins_seen:
             return
         for g in sorted(self.workers):
@@ -154,6 +213,13 @@ class Links:
         self.stamp_dest[g] = (_unb64(w["stamp"]), self.stamp_dest[g][1], 0, 8)
         self.begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + self.stamp_dest[g][1], 0, 8)
         self.workers[g] = w
+        # the worker replaced is forgotten: failed, dead or not, the new one is written from now on
+        self.dropped.discard(g)
+        self.dead.pop(g, None)
+        self.failed_in_engine.discard(g)
+        self.leases.forget(g)
+        for hook in self.on_adopt:
+            hook(g, _regions(old))
         self.rejoined += 1
 
 

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 import socket
 import struct
 import time
 
 from .. import envs
-from . import alias, control, digest, jobs
+from . import alias, control, digest, jobs, liveness
 from .control import Control, SetupError
 
 _DESC_HEAD = struct.Struct("<Q")
@@ -298,6 +297,9 @@ class Receiver:
         self.region_base = {}  # region descriptor -> uint8 tensor over it (verify mode)
         self.param_range = {}  # name -> (region descriptor, offset, nbytes)
         self.verifier = None
+        self.lease = None
+        self.writers = None  # liveness.WriterWatch over self.senders (after the handshakes)
+        self._gone: dict = {}  # trainer rank -> why it is dead (state())
         self._closed = False
         self.senders = []
         self._busy_key = self._busy_since = None
@@ -306,6 +308,7 @@ class Receiver:
             self._register(register, stamp_slots)
             self._publish()
             self._handshakes()
+            self._watch_writers()
             from .verify import Checker, verify_enabled
 
             if verify_enabled(verify):
@@ -406,8 +409,9 @@ class Receiver:
             stamp_slots=self.stamp_slots,
             stamp_begin=8 * self.stamp_slots,
             host=socket.gethostname(),
-            pid=os.getpid(),
             device=str(self.device),
+            lease_s=liveness.lease_interval(),
+            **liveness.identity(),  # pid, start time, pid namespace: a trainer on this host sees it exit
         )
         # one worker per (replica, rank): during setup a second one is refused, and so is the
         # whole setup; once the trainers' setup is through, a new one is a restart: it
@@ -420,6 +424,7 @@ class Receiver:
                 )
                 self.epoch = self.ctl.add("infer/epoch/%d" % self.gpu, 1)
                 meta["epoch"] = self.epoch
+                self._start_lease(meta["lease_s"])
                 self.ctl.set_json("infer/%d/e%d" % (self.gpu, self.epoch), meta)
                 self.ctl.add("infer/rejoins", 1)
                 return
@@ -430,11 +435,26 @@ class Receiver:
                 f"already registered by another inference worker; this one "
                 f"({meta['host']} pid {meta['pid']}) is refused"
             )
+        self._start_lease(meta["lease_s"])
         # what a trainer needs to connect (no parameter list, no descriptors: those reach it in the
         # plan), read by every trainer that writes here; the whole record by the controller alone
         self.ctl.set_json("infer/%d/peer" % self.gpu, {k: v for k, v in meta.items() if k not in ("params", "desc")})
         self.ctl.set_json("infer/%d" % self.gpu, meta)
         self.ctl.add("infer/count", 1)
+
+    def _start_lease(self, interval: float) -> None:
+        """The lease the trainers check (liveness.py), renewed by a Python thread until close()."""
+        self.lease = liveness.Lease(self.ctl, liveness.lease_key(self.gpu, self.epoch), interval)
+
+    def _watch_writers(self) -> None:
+        """Read once what tells whether each trainer rank writing here is alive (its record)."""
+        recs = {}
+        for r in self.senders:
+            try:
+                recs[r] = self.ctl.get_json("train/%d/who" % r, f"trainer rank {r}'s record", 5)
+            except Exception:  # noqa: BLE001 -- not checked (state() reads the stamps alone)
+                recs[r] = None
+        self.writers = liveness.WriterWatch(self.ctl, self.senders, recs)
 
     def _handshakes(self) -> None:
         if self.epoch:
@@ -556,6 +576,8 @@ class Receiver:
         v = -1 if busy else int(min(end))
         if busy or self._marks_checked + 0.1 < now:
             self._marks_checked, self._last_marks = now, self._marks()
+            if self.writers is not None:
+                self._gone = self.writers.gone()
         marks = self._last_marks
         if marks is None:
             if busy:  # nobody left to finish the step: the trainers' store is gone
@@ -602,6 +624,8 @@ class Receiver:
                 final=final,
                 message=msg,
             )
+        if self._gone:
+            return self._writers_gone(v, busy, end, now - first)
         if busy:
             step = max(b for _, b in busy)
             return dict(
@@ -624,6 +648,35 @@ class Receiver:
             for_s=0.0,
             final=False,
             message=f"{where}: step {v} complete",
+        )
+
+    def _writers_gone(self, v: int, busy: list, end: list, for_s: float) -> dict:
+        """state() when trainer ranks writing here died with no record of it (between pushes, or
+        before they could record it): torn if one was mid-step, else dropped at its last step."""
+        where = f"inference worker gpu {self.gpu} (replica {self.replica} rank {self.rank})"
+        ranks = sorted(self._gone)
+        recs = self.writers.records if self.writers is not None else {}
+        name = {r: f"trainer rank {r} (pid {recs[r].get('pid')}, host {recs[r].get('host')})" for r in ranks}
+        why = "; ".join(f"{name[r]} died: {self._gone[r]}" for r in ranks)
+        endof = dict(zip(self.senders, end))
+        if busy:
+            step = max(b for _, b in busy)
+            msg = f"{where}: torn since step {step}: {why}"
+        else:
+            step = min(endof[r] for r in ranks)
+            msg = (
+                f"{where}: dropped: {why}; it holds step {v} complete and is not written again until "
+                "the trainers are restarted"
+            )
+        return dict(
+            state="torn" if busy else "dropped",
+            version=v,
+            step=step,
+            ranks=ranks,
+            why=why,
+            for_s=for_s,
+            final=True,
+            message=msg,
         )
 
     def wait_version(self, version: int, timeout: float = 60.0) -> int:
@@ -677,6 +730,8 @@ class Receiver:
         self._closed = True
         if self.verifier is not None:
             self.verifier.stop()
+        if self.lease is not None:
+            self.lease.stop()
         for r in self.regions:
             try:
                 r.close()

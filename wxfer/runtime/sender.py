@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 
-from . import control, inplace, jobs, program, setup_waits
+from . import control, inplace, jobs, liveness, program, setup_waits
 from .control import Control, SetupError
 from .controller import build_plan, linger, mapping_digest
 from .failures import FailureExchange
@@ -176,13 +176,20 @@ class Sender:
         self.watermark = _parse_size(watermark)
         self.max_task_bytes = task_bound(self.watermark) if max_task_bytes is None else int(max_task_bytes)
         t0 = time.perf_counter()
-        self.params = self._publish(model, mapping)
-        self.plan = self._receive_plan(mapping)
-        self.setup_s = {"plan": time.perf_counter() - t0}
-        t1 = time.perf_counter()
-        self.program, self.transport_name, self.transport, self.engine, self.links, self.inplace, self.runner = (
-            self._connect_phase(transport, transport_options, in_place)
-        )
+        self._lease = None
+        try:
+            self.params = self._publish(model, mapping)
+            self.plan = self._receive_plan(mapping)
+            self.setup_s = {"plan": time.perf_counter() - t0}
+            t1 = time.perf_counter()
+            self.program, self.transport_name, self.transport, self.engine, self.links, self.inplace, self.runner = (
+                self._connect_phase(transport, transport_options, in_place)
+            )
+        except BaseException:
+            self._stop_lease()  # a failed setup: no more pushes from this rank
+            if self.job is not None:
+                self.job["stop"].set()  # nor this job: a later one may take the name
+            raise
         self.setup_s["connect"] = time.perf_counter() - t1
         self.failures, self.steps = self._step_parts()
         self._log_ready()
@@ -224,7 +231,7 @@ class Sender:
         err, params = None, {}
         try:
             self.ctl.set_json("train/%d/mapping" % self.rank, mapping_digest(mapping))
-            control.publish_who(self.ctl, self.rank)
+            self._lease_start()
             if hasattr(model, "reshard"):
                 model.reshard()  # FSDP2: the sharded DTensor parameters, even after a no-grad forward
             params = {n: p for n, p in model.named_parameters()}
@@ -233,6 +240,19 @@ class Sender:
             err = f"{type(e).__name__}: {e}"
         control.agree(self.group, err, self.rank, "publishing training metadata", self.timeout)
         return params
+
+    def _lease_start(self) -> None:
+        """This rank's lease (a Python thread, liveness.Lease) and its record for the workers it
+        writes: they learn of its death between pushes by its pid or its lease (issue 25 item 6)."""
+        key, every = liveness.trainer_lease_key(self.rank), liveness.lease_interval()
+        self._lease = liveness.Lease(self.ctl, key, every)
+        extra = dict(liveness.identity(), lease_s=every, lease_key=key, write_timeout=self.write_timeout)
+        control.publish_who(self.ctl, self.rank, extra)
+
+    def _stop_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.stop()
+            self._lease = None
 
     def _receive_plan(self, mapping):
         """Setup step 2: rank 0 builds the plan; every rank receives it (or the error), checks
@@ -502,6 +522,7 @@ class Sender:
             self.steps.settle()
         except Exception:  # noqa: BLE001
             pass
+        self._stop_lease()  # the workers then see this rank gone: close() means no more pushes
         if self.engine is not None:
             self.engine.close()
             self.engine = None

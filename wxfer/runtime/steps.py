@@ -92,6 +92,7 @@ class StepLoop:
         t0 = time.perf_counter()
         ph = self.last_phases = {}
         self.links.adopt_rejoins()  # before the begin stamps: a replaced worker is not written at all
+        self.links.fail_dead(self.engine)  # nor one found dead (its pid, its lease): skipped, named at the end
         ph["rejoin_check"] = time.perf_counter() - t0
         keep = []  # CUDA events must outlive the engine's wait on them
         ev = None
