@@ -17,7 +17,7 @@ from wxfer import _wxfer
 from wxfer.models import TINY, preset_for
 from wxfer.runtime import control, liveness
 from wxfer.runtime.links import Links
-from wxfer.testing import joined, receivers_in_threads
+from helpers import joined, receivers_in_threads  # tests/helpers.py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 T = 30.0
@@ -204,7 +204,7 @@ def test_a_worker_whose_lease_stops_is_skipped_and_named_without_a_write_failing
         assert recvs[0].version() == 2 and recvs[1].version() == 1
         assert all(torch.equal(before[n], params[1][n]) for n in before)  # skipped: not written
         exp = {}
-        from wxfer.testing import expected_shards
+        from helpers import expected_shards  # tests/helpers.py
 
         for rank, dst, off, b in expected_shards(m, TINY, 2):
             exp.setdefault(rank, []).append((dst, off, b))
