@@ -24,7 +24,6 @@ MAX_FUNC = 80
 ALLOWED = {
     "wxfer/runtime/receiver.py:Receiver.__init__": "the receiver-side reliability work (issue #25)",
     "wxfer/runtime/receiver.py:Receiver.state": "the receiver-side reliability work (issue #25)",
-    "wxfer/plan/simulate.py:simulate": "the one-rule work (issue #26 item 2: simulator and runtime)",
 }
 
 _C_DEF = re.compile(r"^(?:[A-Za-z_][^(;=]*[\s*])?([A-Za-z_]\w*)\s*\(")

@@ -92,6 +92,12 @@ PyObject *wx_py_raise_fail(wx_py_state_t *st, const wx_engine_fail_t *f, const c
     return NULL;
 }
 
+int wx_py_add_type(PyObject *m, PyType_Spec *spec, PyTypeObject **out)
+{
+    *out = (PyTypeObject *)PyType_FromModuleAndSpec(m, spec, NULL);
+    return *out && PyModule_AddType(m, *out) == 0 ? 0 : -1;
+}
+
 int wx_py_wait(int (*fn)(void *arg, uint64_t slice_ns), void *arg, double timeout_s)
 {
     uint64_t start = wx_now_ns();

@@ -632,8 +632,7 @@ static PyType_Spec wx_engine_spec = {
 
 int wx_py_engine_init_types(PyObject *m, wx_py_state_t *st)
 {
-    st->Engine = (PyTypeObject *)PyType_FromModuleAndSpec(m, &wx_engine_spec, NULL);
-    if (!st->Engine || PyModule_AddType(m, st->Engine) < 0)
+    if (wx_py_add_type(m, &wx_engine_spec, &st->Engine) < 0)
         return -1;
     return wx_py_prepared_init_type(m, st);
 }

@@ -202,8 +202,5 @@ PyObject *wx_py_engine_submit_prepared(PyObject *op, PyObject *args, PyObject *k
 
 int wx_py_prepared_init_type(PyObject *m, wx_py_state_t *st)
 {
-    st->Prepared = (PyTypeObject *)PyType_FromModuleAndSpec(m, &wx_prepared_spec, NULL);
-    if (!st->Prepared || PyModule_AddType(m, st->Prepared) < 0)
-        return -1;
-    return 0;
+    return wx_py_add_type(m, &wx_prepared_spec, &st->Prepared);
 }

@@ -726,11 +726,7 @@ static PyType_Spec wx_transport_spec = {
 
 int wx_py_transport_init_types(PyObject *m, wx_py_state_t *st)
 {
-    st->Region = (PyTypeObject *)PyType_FromModuleAndSpec(m, &wx_region_spec, NULL);
-    if (!st->Region || PyModule_AddType(m, st->Region) < 0)
+    if (wx_py_add_type(m, &wx_region_spec, &st->Region) < 0)
         return -1;
-    st->Transport = (PyTypeObject *)PyType_FromModuleAndSpec(m, &wx_transport_spec, NULL);
-    if (!st->Transport || PyModule_AddType(m, st->Transport) < 0)
-        return -1;
-    return 0;
+    return wx_py_add_type(m, &wx_transport_spec, &st->Transport);
 }

@@ -77,6 +77,9 @@ void wx_py_buf_release(wx_py_buf_t *b);
 int wx_py_dest(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *desc, uint64_t roff,
                uint64_t loff, uint64_t nbytes, const wx_mr_t *src, wx_dest_t *out);
 
+/* Create the heap type of `spec` for module m into *out and add it to m under its name.
+ * Returns 0 or -1 with an exception set. */
+int wx_py_add_type(PyObject *m, PyType_Spec *spec, PyTypeObject **out);
 int wx_py_transport_init_types(PyObject *m, wx_py_state_t *st);
 int wx_py_engine_init_types(PyObject *m, wx_py_state_t *st);
 /* Add the prepare functions (fp8_check, fp8_probe, fp8_launch: py_prepare.c) to m. */

@@ -46,20 +46,11 @@ MEDIUM = dict(
     vocab_size=8192,
 )
 TINY_MOE = dict(
+    TINY,
     architectures=["Qwen3MoeForCausalLM"],
-    hidden_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=128,
     num_experts=4,
     num_experts_per_tok=2,
     moe_intermediate_size=256,
-    intermediate_size=512,
-    vocab_size=512,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
 )
 CONFIGS = {"tiny": TINY, "small": SMALL, "medium": MEDIUM, "tiny-moe": TINY_MOE}
 

@@ -274,43 +274,20 @@ def check_terms(plan, cluster, kinds) -> dict:
     return {k: cal.assumptions[k] for k in need if k in cal.assumptions}
 
 
-def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict | str | None = None) -> SimResult:
-    """Predict one update of `plan` on `cluster` (a wxfer.meta.Cluster).
-
-    steps: network time steps per lower bound (accuracy vs. speed); record: keep the
-    per-stage timeline (for `timeline_frame()` / `plot_timeline()`); kinds: task -> kind of
-    work on its senders (wxfer.plan.kinds; a Sender's ``task_kinds()``), "auto": as the
-    runtime decides them from the plan's training parameters (``task_kinds(plan,
-    plan.train_params, cluster.cpu_offload)``), None: every task packed (the model before
-    zero-copy tasks)."""
-    import time as _time
-
-    w0 = _time.perf_counter()
-    world, ngpu = plan.train_world, int(plan.gpu_of.max()) + 1
+def _check_write_path(plan, cluster) -> None:
+    """Cluster.write_GBps is a one-node model: refuse a plan whose all-gathers cross nodes."""
     gpn = cluster.gpus_per_node
     if cluster.write_GBps is not None and any(len({r // gpn for r in plan.meshes[t.mesh]}) > 1 for t in plan.tasks):
         raise ValueError(
             "Cluster.write_GBps models writes inside one node, but this plan has all-gathers across "
             "nodes (they would share the write path's capacity in this model)"
         )
-    kinds = _kinds(plan, cluster, kinds)
-    assumed = check_terms(plan, cluster, kinds)
-    lbytes, lbw = _links(plan, cluster)
-    lb, bname = lower_bound(plan, cluster)
-    jobs = _jobs(plan, ngpu, kinds)
-    net = _Network(
-        jobs,
-        world,
-        ngpu,
-        cluster.nic_GBps * 1e9,
-        cluster.write_bw,
-        cluster.max_posted_bytes,
-        cluster.write_latency_s,
-        float(getattr(cluster.cal, "write_dev_s", 0.0)),
-    )
-    meshes = _Meshes(plan, cluster, _StageModel(cluster), jobs, record)
-    dt = max(lb, 1e-6) / steps
-    now, nstep, max_steps, last_write = 0.0, 0, steps * 200, 0.0
+
+
+def _run(meshes: _Meshes, net: _Network, dt: float, max_steps: int) -> tuple:
+    """The event loop: (network steps taken, last write's end, (step times, write bytes, all-gather
+    bytes per step)) once every job, ring and mesh finished; RuntimeError past `max_steps`."""
+    now, nstep, last_write = 0.0, 0, 0.0
     tr_t, tr_w, tr_ag = [], [], []
     while True:
         meshes.start(now + dt, net)
@@ -339,6 +316,41 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
         nstep += 1
         if nstep > max_steps:
             raise RuntimeError("simulation did not finish (more than 200x the lower bound)")
+    return nstep, last_write, (tr_t, tr_w, tr_ag)
+
+
+def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict | str | None = None) -> SimResult:
+    """Predict one update of `plan` on `cluster` (a wxfer.meta.Cluster).
+
+    steps: network time steps per lower bound (accuracy vs. speed); record: keep the
+    per-stage timeline (for `timeline_frame()` / `plot_timeline()`); kinds: task -> kind of
+    work on its senders (wxfer.plan.kinds; a Sender's ``task_kinds()``), "auto": as the
+    runtime decides them from the plan's training parameters (``task_kinds(plan,
+    plan.train_params, cluster.cpu_offload)``), None: every task packed (the model before
+    zero-copy tasks)."""
+    import time as _time
+
+    w0 = _time.perf_counter()
+    world, ngpu = plan.train_world, int(plan.gpu_of.max()) + 1
+    _check_write_path(plan, cluster)
+    kinds = _kinds(plan, cluster, kinds)
+    assumed = check_terms(plan, cluster, kinds)
+    lbytes, lbw = _links(plan, cluster)
+    lb, bname = lower_bound(plan, cluster)
+    jobs = _jobs(plan, ngpu, kinds)
+    net = _Network(
+        jobs,
+        world,
+        ngpu,
+        cluster.nic_GBps * 1e9,
+        cluster.write_bw,
+        cluster.max_posted_bytes,
+        cluster.write_latency_s,
+        float(getattr(cluster.cal, "write_dev_s", 0.0)),
+    )
+    meshes = _Meshes(plan, cluster, _StageModel(cluster), jobs, record)
+    dt = max(lb, 1e-6) / steps
+    nstep, last_write, (tr_t, tr_w, tr_ag) = _run(meshes, net, dt, steps * 200)
     stage_end = meshes.stage_end
     stage_end["write"] = last_write
     cal = cluster.cal

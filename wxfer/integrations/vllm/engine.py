@@ -224,15 +224,9 @@ _CLASSES: dict = {}
 
 
 def _engine_class():
-    if "engine" not in _CLASSES:
-        from .versions import api, check_bases, vllm_version
+    from .versions import built_class
 
-        shape = api()  # names the version when it is not one wxfer was written for
-        from vllm.distributed.weight_transfer.base import WeightTransferEngine
-
-        check_bases(shape, engine_base=WeightTransferEngine, version=vllm_version())
-        _CLASSES["engine"] = build_engine_class(WeightTransferEngine, shape)
-    return _CLASSES["engine"]
+    return built_class(_CLASSES, "engine", "WeightTransferEngine", build_engine_class)
 
 
 def __getattr__(name):

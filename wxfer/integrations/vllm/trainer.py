@@ -350,15 +350,9 @@ _CLASSES: dict = {}
 
 
 def _trainer_class():
-    if "trainer" not in _CLASSES:
-        from .versions import api, check_bases, vllm_version
+    from .versions import built_class
 
-        shape = api()  # names the version when it is not one wxfer was written for
-        from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
-
-        check_bases(shape, trainer_base=TrainerWeightTransferEngine, version=vllm_version())
-        _CLASSES["trainer"] = build_trainer_class(TrainerWeightTransferEngine, shape)
-    return _CLASSES["trainer"]
+    return built_class(_CLASSES, "trainer", "TrainerWeightTransferEngine", build_trainer_class)
 
 
 def __getattr__(name):

@@ -109,6 +109,21 @@ def check_bases(shape: str, engine_base=None, trainer_base=None, version: str = 
                 )
 
 
+def built_class(cache: dict, key: str, base_name: str, build):
+    """``cache[key]``, built on first use: ``build(base, shape)`` over vLLM's ABC `base_name`
+    (vllm.distributed.weight_transfer.base) for the installed API's shape, once check_bases
+    found that ABC (as ``{key}_base``) of that shape; api() names a version wxfer was not
+    written for."""
+    if key not in cache:
+        shape = api()
+        from vllm.distributed.weight_transfer import base as vllm_bases
+
+        base = getattr(vllm_bases, base_name)
+        check_bases(shape, version=vllm_version(), **{f"{key}_base": base})
+        cache[key] = build(base, shape)
+    return cache[key]
+
+
 def compatible(ours, theirs) -> str | None:
     """None when `ours` can be called every way `theirs` (vLLM's ABC method) can: the same
     parameters, in order, with the same kinds, and anything more keyword-only with a default.
