@@ -54,7 +54,7 @@ def test_every_declared_variable_is_read_somewhere():
 
 def test_declarations_are_complete():
     for v in envs.VARS.values():
-        assert v.type in ("flag", "str", "int", "size", "path", "choice", "list"), v
+        assert v.type in ("flag", "str", "int", "float", "size", "path", "choice", "list"), v
         assert v.default and v.doc and v.read_by, v
         assert v.when in ("run", "build", "run, build", "test build"), v
 

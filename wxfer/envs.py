@@ -46,6 +46,13 @@ _VARS = (
     Var("WXFER_STORE_PORT", "int", "29650", "Python", "the store's port when WXFER_STORE is unset"),
     Var("WXFER_STORE_BIND", "str", "the store's host if an IP", "Python", "the address rank 0's store listens on"),
     Var("WXFER_SECRET", "str", "unset", "Python", "the job secret (>= 16 bytes) that authenticates store records"),
+    Var(
+        "WXFER_LEASE_S",
+        "float",
+        "1.0",
+        "Python",
+        "seconds between the lease renewals of a worker and of a trainer rank (liveness: a dead one is seen by it)",
+    ),
     # a push
     Var("WXFER_VERIFY", "flag", "off", "Python", "checksum every write (Sender.push / Receiver verify=)"),
     Var("WXFER_DIRECT", "flag", "on", "Python", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
