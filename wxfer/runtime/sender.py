@@ -186,9 +186,7 @@ class Sender:
                 self._connect_phase(transport, transport_options, in_place)
             )
         except BaseException:
-            self._stop_lease()  # a failed setup: no more pushes from this rank
-            if self.job is not None:
-                self.job["stop"].set()  # nor this job: a later one may take the name
+            self._stop_leases()  # a failed setup: no more pushes from this rank, nor this job
             raise
         self.setup_s["connect"] = time.perf_counter() - t1
         self.failures, self.steps = self._step_parts()
@@ -249,10 +247,14 @@ class Sender:
         extra = dict(liveness.identity(), lease_s=every, lease_key=key, write_timeout=self.write_timeout)
         control.publish_who(self.ctl, self.rank, extra)
 
-    def _stop_lease(self) -> None:
+    def _stop_leases(self) -> None:
+        """This rank's lease (its workers then see it gone) and, on rank 0, the job's (a later
+        job may then take the name)."""
         if self._lease is not None:
             self._lease.stop()
             self._lease = None
+        if self.job is not None:
+            self.job["stop"].set()
 
     def _receive_plan(self, mapping):
         """Setup step 2: rank 0 builds the plan; every rank receives it (or the error), checks
@@ -516,13 +518,11 @@ class Sender:
         return s
 
     def close(self) -> None:
-        if self.job is not None:
-            self.job["stop"].set()  # its lease ends: a later job may take the name
         try:
             self.steps.settle()
         except Exception:  # noqa: BLE001
             pass
-        self._stop_lease()  # the workers then see this rank gone: close() means no more pushes
+        self._stop_leases()  # close() means no more pushes
         if self.engine is not None:
             self.engine.close()
             self.engine = None
