@@ -6,7 +6,24 @@ checkout puts it there itself)."""
 
 from __future__ import annotations
 
+import os
+
 from wxfer.testing import in_thread
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def store_env(port: int) -> dict:
+    """The environment of a test's trainer and worker processes: this checkout importable,
+    the store at 127.0.0.1:`port`, one thread per process, fabric over tcp."""
+    return dict(
+        os.environ,
+        PYTHONPATH=ROOT,
+        WXFER_STORE_PORT=str(port),
+        WXFER_STORE="127.0.0.1:%d" % port,
+        OMP_NUM_THREADS="1",
+        WXFER_FABRIC_PROVIDER="tcp",
+    )
 
 
 def torchrun_args(script, *args, nproc: int = 2) -> list:

@@ -20,7 +20,7 @@ import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
-from helpers import torchrun_args  # tests/helpers.py
+from helpers import store_env, torchrun_args  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -124,14 +124,7 @@ def _run(tmp_path, case):
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "worker.py").write_text(WORKER)
     sport = free_port()
-    env = dict(
-        os.environ,
-        PYTHONPATH=ROOT,
-        WXFER_STORE_PORT=str(sport),
-        WXFER_STORE="127.0.0.1:%d" % sport,
-        OMP_NUM_THREADS="1",
-        WXFER_FABRIC_PROVIDER="tcp",
-    )
+    env = store_env(sport)
     tr = subprocess.Popen(
         [sys.executable, *torchrun_args(tmp_path / "trainer.py", case)],
         env=dict(env, WXFER_STORE=""),
