@@ -13,11 +13,20 @@ from wxfer.testing import in_thread
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def child_env(**kw) -> dict:
+    """os.environ for a child process whose stdout a test parses line by line, with `kw` on
+    top. PYTHONUNBUFFERED is dropped: under it print() writes the text and its newline in two
+    write(2) calls, so two ranks sharing torchrun's stdout can interleave ("...mismatchrank 1
+    setup failed", which failed CI once); buffered, each print(..., flush=True) is one write."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(kw)
+    return env
+
+
 def store_env(port: int) -> dict:
     """The environment of a test's trainer and worker processes: this checkout importable,
     the store at 127.0.0.1:`port`, one thread per process, fabric over tcp."""
-    return dict(
-        os.environ,
+    return child_env(
         PYTHONPATH=ROOT,
         WXFER_STORE_PORT=str(port),
         WXFER_STORE="127.0.0.1:%d" % port,

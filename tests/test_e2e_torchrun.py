@@ -11,7 +11,7 @@ import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
-from helpers import store_env, torchrun_args  # tests/helpers.py
+from helpers import child_env, store_env, torchrun_args  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -58,8 +58,7 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path, case):
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "worker.py").write_text(WORKER)
     sport = free_port()
-    env = dict(
-        os.environ,
+    env = child_env(
         PYTHONPATH=ROOT,
         WXFER_STORE_PORT=str(sport),
         WXFER_STORE="127.0.0.1:%d" % sport,
@@ -318,8 +317,7 @@ def test_a_dead_trainer_rank_is_named_by_rank_on_the_others_and_the_receivers(tm
     (tmp_path / "trainer.py").write_text(DEAD_TRAINER)
     (tmp_path / "worker.py").write_text(DEAD_TRAINER_WORKER)
     sport, mport = free_port(), free_port()
-    env = dict(
-        os.environ,
+    env = child_env(
         PYTHONPATH=ROOT,
         WXFER_STORE_PORT=str(sport),
         OMP_NUM_THREADS="1",
