@@ -13,11 +13,17 @@ from wxfer.testing import in_thread
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# The first line of a script run under torchrun whose stdout a test parses: torchrun runs its
+# ranks as `python -u`, where print() writes the text and its newline in two write(2) calls, so
+# two ranks sharing the pipe interleaved a line once ("...mismatchrank 1 setup failed", a CI
+# failure); line-buffered, each line of up to 8 KiB is one write(2), atomic on a pipe.
+ONE_WRITE_PER_LINE = "import sys; sys.stdout.reconfigure(line_buffering=True, write_through=False)\n"
+
+
 def child_env(**kw) -> dict:
     """os.environ for a child process whose stdout a test parses line by line, with `kw` on
-    top. PYTHONUNBUFFERED is dropped: under it print() writes the text and its newline in two
-    write(2) calls, so two ranks sharing torchrun's stdout can interleave ("...mismatchrank 1
-    setup failed", which failed CI once); buffered, each print(..., flush=True) is one write."""
+    top, PYTHONUNBUFFERED dropped (under it print() is two write(2) calls: see
+    ONE_WRITE_PER_LINE, which torchrun's ranks need as well)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     env.update(kw)
     return env

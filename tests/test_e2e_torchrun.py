@@ -11,12 +11,12 @@ import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
-from helpers import child_env, store_env, torchrun_args  # tests/helpers.py
+from helpers import ONE_WRITE_PER_LINE, child_env, store_env, torchrun_args  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 
-TRAINER = textwrap.dedent("""
+TRAINER = ONE_WRITE_PER_LINE + textwrap.dedent("""
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from wxfer.models import TINY, train_model, preset_for, shard_fsdp2
@@ -111,7 +111,7 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path, case):
         assert f"worker {r} version 2" in out and f"worker {r} nan 0" in out
 
 
-FAULT_TRAINER = textwrap.dedent("""
+FAULT_TRAINER = ONE_WRITE_PER_LINE + textwrap.dedent("""
     import time, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from wxfer.models import TINY, train_model, preset_for, shard_fsdp2
@@ -245,7 +245,7 @@ def test_two_trainers_both_name_a_killed_worker_and_both_take_its_restart(tmp_pa
     assert writers and {r for r, n in rejoined.items() if n == 1} == writers, (rejoined, writers)
 
 
-DEAD_TRAINER = textwrap.dedent("""
+DEAD_TRAINER = ONE_WRITE_PER_LINE + textwrap.dedent("""
     import os, signal, sys, time, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from wxfer.models import TINY, train_model, preset_for, shard_fsdp2

@@ -27,10 +27,10 @@ def test_a_failure_flag_exchange_that_never_completes_keeps_this_ranks_own_failu
 
     monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: _Never())
     with pytest.raises(control.CollectiveError) as e:
-        _Rank().elsewhere("the writes to 1 inference worker(s) failed", 7)
+        _Rank().agree("the writes to 1 inference worker(s) failed", 7)
     msg = str(e.value)
     assert "trainer rank 1 (pid 1, host h) died or hung" in msg and "did not finish the step" in msg
     assert "(and this rank: the writes to 1 inference worker(s) failed)" in msg
     with pytest.raises(control.CollectiveError) as e:
-        _Rank().elsewhere(None, 7)  # nothing of its own to add
+        _Rank().agree(None, 7)  # nothing of its own to add
     assert "and this rank" not in str(e.value)

@@ -134,7 +134,7 @@ def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
     assert ctl.kv["torn/2/e0/1"]["writer"] is None and ("add", "infer/epoch/2") in ctl.calls
     ctl.down = True
     fx.mark([1], 8, "best effort")  # a store that cannot be reached: nothing raised
-    assert fx.elsewhere("own failure", 8) == []  # one rank: nothing to exchange
+    assert fx.agree("own failure", 8) == (False, [])  # one rank: nothing to exchange
 
 
 def test_failures_name_a_gone_rank_and_mark_every_worker_of_the_plan(monkeypatch):
@@ -213,7 +213,10 @@ class _Started:
 
 def _program(n_groups=1, per_group=2):
     groups = [
-        [SimpleNamespace(task=g * per_group + i, name=f"p{g}.{i}", sources=[("a", None)]) for i in range(per_group)]
+        [
+            SimpleNamespace(task=g * per_group + i, name=f"p{g}.{i}", sources=[("a", None)], prep=None)
+            for i in range(per_group)
+        ]
         for g in range(n_groups)
     ]
     return SimpleNamespace(groups=groups, bytes_per_step=123)
@@ -289,8 +292,8 @@ class _Seen:
             raise ValueError(f"task {op.task} failed")
         self.log.append(("run", op.task))
 
-    def elsewhere(self, own, step):
-        return []
+    def agree(self, own, step, broken=False):
+        return bool(broken), []
 
 
 def _loop(seen, program, links=None, engine=None):
@@ -304,7 +307,10 @@ def test_the_step_loop_runs_copies_batches_and_tasks_in_order_group_by_group():
 
     n = FAST_BATCH + 3
     prog = SimpleNamespace(
-        groups=[[SimpleNamespace(task=i, nbytes=1) for i in range(n + 2)], [SimpleNamespace(task=100, nbytes=1)]],
+        groups=[
+            [SimpleNamespace(task=i, nbytes=1, prep=None) for i in range(n + 2)],
+            [SimpleNamespace(task=100, nbytes=1, prep=None)],
+        ],
         bytes_per_step=1,
     )
     seen = _Seen(copy={0}, fast=set(range(1, n + 1)))
@@ -359,6 +365,60 @@ def test_the_end_of_a_push_drops_and_marks_the_failed_workers_and_reports_them()
     marks = [e for e in seen.log if e[0] == "mark"]
     assert [m[1] for m in marks] == [[1]] and "skips this worker from now on" in marks[0][3]
     assert not any(e[0] == "verify_landed" for e in seen.log)
+
+
+class _Agreeing(_Seen):
+    """The failure exchange of two trainer ranks: `others` is what the other rank flags."""
+
+    def __init__(self, others):
+        super().__init__()
+        self.others = others
+
+    def agree(self, own, step, broken=False):
+        self.log.append(("agree", own, step, broken))
+        return broken or any(b for _, _, b in self.others), [(r, o) for r, o, _ in self.others]
+
+
+def _two_ranks(seen):
+    links = _links()
+    return StepLoop(None, object(), 0, 2, 1.0, 1.0, CPU, None, _Engine(), _program(), links, seen, seen, seen)
+
+
+def test_with_two_ranks_the_end_stamps_follow_the_agreement_and_none_when_another_rank_broke_the_step(monkeypatch):
+    import threading
+
+    from wxfer.runtime import control
+
+    class Barrier:  # the mesh groups' barriers of a two-rank gloo group, passed at once
+        def __init__(self, group, what):
+            pass
+
+        def wait(self, timeout):
+            pass
+
+    monkeypatch.setattr(control, "Barrier", Barrier)
+
+    seen = _Agreeing([])  # the other rank's step went well
+    loop = _two_ranks(seen)
+    loop.push(5, False, seen.run_task, threading.RLock()).wait()
+    names = [e[0] for e in seen.log]
+    assert names.index("agree") < names.index("write_end"), names  # stamped only once both agreed
+    assert names.count("wait_engine") == 2 and "stamps" in loop.last_phases
+
+    seen = _Agreeing([(1, "RuntimeError: injected on rank 1", True)])  # rank 1 broke step 6
+    loop = _two_ranks(seen)
+    with pytest.raises(RuntimeError) as e:
+        loop.push(6, False, seen.run_task, threading.RLock()).wait()
+    assert "trainer rank 1 reports: RuntimeError: injected on rank 1" in str(e.value)
+    assert ("write_end",) not in seen.log, seen.log  # no end stamp of a broken step, anywhere
+    _, step, why = next(e for e in seen.log if e[0] == "mark_live")
+    assert step == 6 and "did not stamp step 6 complete: another trainer rank broke it" in why
+
+    seen = _Agreeing([(1, "the writes to 1 inference worker(s) failed", False)])  # a report, not broken
+    loop = _two_ranks(seen)
+    with pytest.raises(RuntimeError, match="trainer rank 1 reports: the writes to 1"):
+        loop.push(7, False, seen.run_task, threading.RLock()).wait()
+    assert ("write_end",) in seen.log  # the others' workers get their stamp
 
 
 @pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")

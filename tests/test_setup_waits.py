@@ -18,12 +18,12 @@ import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
-from helpers import store_env, torchrun_args  # tests/helpers.py
+from helpers import ONE_WRITE_PER_LINE, store_env, torchrun_args  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 
-TRAINER = textwrap.dedent("""
+TRAINER = ONE_WRITE_PER_LINE + textwrap.dedent("""
     import sys, time, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from wxfer.models import TINY, preset_for, shard_fsdp2, train_model

@@ -2,7 +2,8 @@
 torn records of abandoned writes for Receiver.state() (torn/<gpu>/e<epoch>/<i> in the store),
 the roll call naming a trainer rank that died or hung, and the one gloo all-reduce of a
 failure flag per push (the reports gathered only when a flag is set), so that every rank
-raises together and SPMD loops stay in step.
+raises together and SPMD loops stay in step, and no rank posts the end stamps of a step that
+another rank broke (the flag says which: a report, or a broken step).
 
 The seam for the reliability work (issue 25): what is recorded for a torn step, and how the
 ranks agree that a step failed, are decided here and nowhere else."""
@@ -78,16 +79,22 @@ class FailureExchange:
         return gone_s
 
     # ------------------------------------------------------------------ the flag
-    def elsewhere(self, own: str | None, step: int) -> list:
-        """[(rank, report)] of the other trainer ranks whose step `step` failed: one gloo
-        all_reduce of a flag per push, the reports gathered only when a flag is set."""
+    def agree(self, own: str | None, step: int, broken: bool = False) -> tuple:
+        """Whether every trainer rank may post its end stamps of step `step`, and the other
+        ranks' failure reports: (broken anywhere, [(rank, report)]).  One gloo all_reduce
+        (MAX) of a flag per push -- 0: this rank's step went well; 1: it has a report (some
+        workers' writes failed: skipped, named) but every byte it sent to the others landed;
+        2: its step is broken (`broken`: an exception in its loop or its writes' wait), so no
+        rank stamps the step complete anywhere -- then the reports, gathered only when a flag
+        is set."""
         if self.group is None or self.world == 1:
-            return []
+            return bool(broken), []
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([0 if own is None else 1], dtype=torch.int32)
-        work = dist.all_reduce(flag, group=self.group, async_op=True)
+        level = 2 if broken else (0 if own is None else 1)
+        flag = torch.tensor([level], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         try:
             control.wait_work(work, self.timeout, f"the failure flag of step {step} (trainer rank {self.rank})")
         except Exception as e:
@@ -96,8 +103,9 @@ class FailureExchange:
                 f"wxfer: trainer rank {self.rank}, step {step}: {gone}; the other trainer "
                 f"ranks did not finish the step within {self.timeout:.0f} s: {e}" + and_own(own)
             ) from e
-        if int(flag.item()) == 0:
-            return []
+        top = int(flag.item())
+        if top == 0:
+            return False, []
         what = f"the failure reports of step {step} (trainer rank {self.rank})"
         try:
             reports = control.gather_strings(self.group, own, self.timeout, what)
@@ -106,7 +114,7 @@ class FailureExchange:
             raise control.CollectiveError(
                 f"wxfer: trainer rank {self.rank}, step {step}: {gone}: {e}" + and_own(own)
             ) from e
-        return [(r, o) for r, o in enumerate(reports) if o is not None and r != self.rank]
+        return top >= 2, [(r, o) for r, o in enumerate(reports) if o is not None and r != self.rank]
 
 
 def and_own(own: str | None) -> str:

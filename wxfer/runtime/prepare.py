@@ -308,6 +308,7 @@ class TaskPrep:
         "event",
         "largest",
         "fast",
+        "done",
     )
 
     def __init__(self, device):
@@ -323,6 +324,13 @@ class TaskPrep:
         self.event = None
         self.largest = (0, "")  # (bytes, name) of the largest source
         self.fast: ZeroCopyTask | None = None  # zero copy: the Sender's, made at the first push
+        # collectives (gathers, then generic full_tensor calls) of this task posted in the push
+        # under way, counted as each returns: where a failed rank's drain resumes (steps.py)
+        self.done = 0
+
+    @property
+    def ncollectives(self) -> int:
+        return len(self.gathers) + len(self.generic)
 
 
 class _Gather:
@@ -493,7 +501,8 @@ def run(prep: TaskPrep, op: TaskOp, device):
 
 def gather(prep: TaskPrep, op: TaskOp, device) -> tuple:
     """Stage 1 and the collectives of stage 2 of a task that is not zero copy: ({source name:
-    its whole tensor on `device`}, the names of those in fresh memory, not the parameter's)."""
+    its whole tensor on `device`}, the names of those in fresh memory, not the parameter's).
+    prep.done counts its collectives as each returns."""
     fulls, fresh = {}, set()
     for name, p in prep.whole:
         local = _local(p)
@@ -501,16 +510,32 @@ def gather(prep: TaskPrep, op: TaskOp, device) -> tuple:
             local = local.to(device, non_blocking=True)
             fresh.add(name)
         fulls[name] = local
-    for g in prep.gathers:
-        _gather_many(g, fulls, device)
-        fresh.update(it[0] for it in g.items)
-    for name, p in prep.generic:
-        fulls[name] = full_tensor(p, local_to_device(p, device))
-        fresh.add(name)
+    prep.done = 0
+    collectives(prep, device, fulls, 0)
+    fresh.update(it[0] for g in prep.gathers for it in g.items)
+    fresh.update(name for name, _ in prep.generic)
     return fulls, fresh
 
 
-def _gather_many(g: _Gather, fulls: dict, device) -> None:
+def collectives(prep: TaskPrep, device, fulls: dict | None = None, start: int = 0) -> None:
+    """The collectives of a task from the `start`-th on (its row gathers, then its generic
+    full_tensor() calls), prep.done counting each as it returns; the whole tensors into
+    `fulls` (None: a drain's, thrown away).  A failed rank's drain calls it from prep.done so
+    that the other ranks' collectives pair with the same ones (steps.py)."""
+    out = {} if fulls is None else fulls
+    i = 0
+    for g in prep.gathers:
+        if i >= start:
+            _gather_many(g, out, device, prep, i + 1)
+        i += 1
+    for name, p in prep.generic:
+        if i >= start:
+            out[name] = full_tensor(p, local_to_device(p, device))
+            prep.done = i + 1
+        i += 1
+
+
+def _gather_many(g: _Gather, fulls: dict, device, prep: TaskPrep | None = None, done: int = 0) -> None:
     """One all-gather for every row-sharded source of a process group and dtype (as FSDP2's
     unshard: the local shards concatenated, padded to equal rows), then each source's whole
     tensor copied out of the gathered ranks in one kernel."""
@@ -528,6 +553,8 @@ def _gather_many(g: _Gather, fulls: dict, device) -> None:
     inp = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
     out = torch.empty(g.w * g.total, dtype=g.dtype, device=device)
     all_gather_single(out, inp, group=g.group)
+    if prep is not None:
+        prep.done = done  # posted: a drain must not post it again
     del inp
     if len(g.items) == 1:
         name, p, c, rows, rest, n = g.items[0]

@@ -2,11 +2,12 @@
 the begin stamps, then for each mesh group, for each task of this rank in order, stage 1-2
 and the submission (zero-copy tasks in batches, small ones copied in place, packed ones
 written in place or staged: every write an engine task); an asynchronous gloo barrier after
-each group; then the end: its end stamps (an engine fence, after every task) and this rank's
-writes waited for, the workers that
-failed marked and skipped from then on, verify mode's checksums, and every trainer rank's
-failure reports exchanged so that all ranks raise together (SPMD loops stay in step).  A
-failure inside the loop drains the collectives the other ranks are in before it is raised."""
+each group; then the end: this rank's writes waited for, the workers that failed marked and
+skipped from then on, verify mode's checksums, every trainer rank's failure flag exchanged
+(so that all ranks raise together and SPMD loops stay in step), and only then, when no rank
+broke the step, the end stamps (one rank alone: an engine fence after every task, posted
+without waiting for a flag).  A failure inside the loop drains the collectives the other
+ranks are in -- from the failed task's first one not posted -- before it is raised."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ class StepLoop:
         self.pending = None  # the last push's handle
         self.last_submit_s = None  # seconds to submit the last push
         self.last_phases: dict = {}  # seconds from the start of the last push() to the end of each phase
+        self.carried = None  # a failure after the last push's agreement (its end stamps): told with the next
 
     def settle(self) -> None:
         """The last push finished (its writes waited for) before the next one begins."""
@@ -137,6 +139,8 @@ class StepLoop:
             batch = Batcher()  # zero-copy tasks, handed to the engine in one call (wxfer.zerocopy)
             for oi, op in enumerate(ops):
                 state["at"] = (gi, oi)
+                if op.prep is not None:
+                    op.prep.done = 0  # none of its collectives posted yet (a failure's drain resumes there)
                 if inplace.queue_copy(op):  # small: one batched copy into the receivers
                     continue
                 fast = runner.fast_task(op)
@@ -167,8 +171,13 @@ class StepLoop:
         run without writing, and the barriers of the remaining mesh groups -- then join the
         failure flag, so that every rank raises this failure within its bounds instead of
         hanging.  A failure of a collective itself (a rank died or hung) is raised as it is:
-        the group is broken.  (A failure raised from inside a task's full_tensor() leaves the
-        FSDP collectives one task out of step: the others fail at their collective timeout.)"""
+        the group is broken.  The drain resumes at the failed task's first collective that had
+        not returned (prepare.collectives counts them), so a failure before a collective (the
+        watermark, an allocation, a bad source) or between two pairs every collective with the
+        other ranks' own; only one raised inside a collective after it was posted (or between
+        the collectives of one DTensor.full_tensor() on a 2-D mesh) leaves them one out of step,
+        the others failing at their collective's timeout.  No rank stamps the step complete:
+        the flag says it is broken (``FailureExchange.agree``)."""
         broken = isinstance(exc, control.CollectiveError) or is_gloo_failure(exc)
         if broken and self.group is not None and self.world > 1:
             gone = self.failures.mark_other_rank_gone(version, exc)
@@ -184,10 +193,15 @@ class StepLoop:
             for g in range(gi, len(groups)):
                 if g > gi and barrier is not None:
                     barrier.wait(self.timeout)
-                start = oi + 1 if g == gi else 0
                 if g == gi and oi >= len(groups[g]):
                     continue  # this group's barrier was issued already
-                self._drain(groups[g][start:])
+                if g == gi and oi >= 0:
+                    # the failed task's collectives not yet posted (a failure before them -- the
+                    # watermark, an allocation -- or between them), then the later tasks'
+                    self._drain([groups[g][oi]], resume=True)
+                    self._drain(groups[g][oi + 1 :])
+                else:
+                    self._drain(groups[g])
                 barrier = control.Barrier(
                     self.group,
                     f"the barrier after mesh group {g} (trainer rank {self.rank}, step {version}, after its failure)",
@@ -195,7 +209,7 @@ class StepLoop:
             self._abort()
             if barrier is not None:
                 barrier.wait(self.timeout)
-            others = self.failures.elsewhere(own, version)
+            _, others = self.failures.agree(own, version, broken=True)
         except Exception as e2:  # noqa: BLE001 -- the others are gone too: report ours
             raise RuntimeError(
                 f"wxfer: trainer rank {self.rank}, step {version}: {own}\n(and telling the "
@@ -207,8 +221,9 @@ class StepLoop:
                 + "".join(f"\ntrainer rank {r} reports: {o}" for r, o in others)
             ) from exc
 
-    def _drain(self, ops) -> None:
-        """The collectives of `ops` (stage 1-2, nothing written), for the other ranks' sake."""
+    def _drain(self, ops, resume: bool = False) -> None:
+        """The collectives of `ops` (nothing packed or written), for the other ranks' sake;
+        `resume`: from each one's first collective not posted in this push (prep.done)."""
         import torch
 
         for op in ops:
@@ -217,7 +232,7 @@ class StepLoop:
                     # the same collectives as run_task's (one all-gather per task and group)
                     prep = op.prep if op.prep is not None else prepare.task_prep(op, self.device)
                     op.prep = prep
-                    prepare.run(prep, op, self.device)
+                    prepare.collectives(prep, self.device, None, prep.done if resume else 0)
             except Exception:  # noqa: BLE001 -- this step is failed already
                 pass
 
@@ -230,16 +245,20 @@ class StepLoop:
     # ------------------------------------------------------------------ finish
     def finish(self, h: PushHandle, timeout) -> float:
         """Wait for step `h`, join the other ranks (barrier, failure flag); raise when any
-        rank's step failed; returns its seconds."""
+        rank's step failed; returns its seconds.  With several trainer ranks the end stamps
+        are posted only after the flag said that no rank broke the step (``_end_stamps``)."""
         exc = None
+        several = self.group is not None and self.world > 1
         try:
-            own = self._finish_writes(h, timeout)
+            own = self._finish_writes(h, timeout, stamps=not several)
         except Exception as e:  # noqa: BLE001 -- joined with the other ranks below, then raised
             self.inplace.abandon()
             exc, own = e, f"{type(e).__name__}: {e}"
             log.error("trainer rank %d: step %d failed waiting for its writes: %s", self.rank, h.version, own)
             why = f"trainer rank {self.rank} gave up on step {h.version}: {own}"
             self.failures.mark_live(h.version, why, final=False)
+        own = _joined(self.carried, own)  # what failed after the last push's agreement
+        self.carried = None
         if h._barrier is not None:
             try:
                 h._barrier.wait(self.timeout)
@@ -247,7 +266,17 @@ class StepLoop:
                 gone = self.failures.mark_other_rank_gone(h.version, e)
                 raise control.CollectiveError(f"{gone}: {e}" + and_own(own)) from exc
         # every trainer rank raises when any rank saw a failure (SPMD loops stay in step)
-        others = self.failures.elsewhere(own, h.version)
+        broken, others = self.failures.agree(own, h.version, broken=exc is not None)
+        if several and broken and exc is None:
+            why = f"trainer rank {self.rank} did not stamp step {h.version} complete: another trainer rank broke it"
+            self.failures.mark_live(h.version, why, final=False)
+        elif several and not broken:
+            late = self._end_stamps(h, timeout)
+            if late is not None and own is None and not others:
+                self.carried = late  # the others agreed already: reported with the next push's flag
+                log.error("trainer rank %d: step %d: %s", self.rank, h.version, late)
+            else:
+                own = _joined(own, late)
         if exc is not None and not others:
             raise exc
         if own is not None or others:
@@ -271,37 +300,64 @@ class StepLoop:
         h._keep.clear()
         return seconds
 
-    def _finish_writes(self, h: PushHandle, timeout):
-        """Wait for this rank's data writes, write its end stamps, verify; returns this rank's
-        failure report (None: every receiver got every byte and its stamp)."""
-        t = self.write_timeout if timeout is None else timeout
+    def _bound(self, timeout) -> float:
         # every task has its own deadline (write_timeout from its first write); a receiver
         # that stops answering fails alone at that deadline, so wait a little longer here
-        t = 1.5 * t + 1.0
-        self.runner.write_end()  # a plain fence: after every task, the in-place writes' too
-        self.runner.wait_engine(t, "waiting for the weight writes and the end version stamps")
+        return 1.5 * (self.write_timeout if timeout is None else timeout) + 1.0
+
+    def _finish_writes(self, h: PushHandle, timeout, stamps: bool = True):
+        """Wait for this rank's data writes (`stamps`: and its end stamps, posted by the
+        engine after them), verify; returns this rank's failure report (None: every receiver
+        got every byte, and its stamp when `stamps`)."""
+        t = self._bound(timeout)
+        if stamps:
+            self.runner.write_end()  # a plain fence: after every task, the in-place writes' too
+            self.runner.wait_engine(t, "waiting for the weight writes and the end version stamps")
+        else:
+            self.runner.wait_engine(t, "waiting for the weight writes")
         self.last_phases["writes"] = time.perf_counter() - h._t0
+        failed, refused = self._take_failed(h.version, "its writes")
+        if failed or refused:
+            self.runner.drop_sums()
+            return self._report(h.version, failed, refused)
+        self.runner.verify_landed(self.ctl, t)  # a mismatch raises: the step is broken, not stamped
+        return None
+
+    def _end_stamps(self, h: PushHandle, timeout) -> str | None:
+        """Every rank agreed that the step went well: post this rank's end stamps and wait for
+        them; returns what failed meanwhile (a worker that died after its data landed), or None."""
+        try:
+            self.runner.write_end()
+            self.runner.wait_engine(self._bound(timeout), "waiting for the end version stamps")
+        except Exception as e:  # noqa: BLE001 -- the data landed; the stamps' failure is reported
+            return f"{type(e).__name__}: {e}"
+        self.last_phases["stamps"] = time.perf_counter() - h._t0
+        failed, _ = self._take_failed(h.version, "its end stamp", new_only=True)
+        return self._report(h.version, failed, {}) if failed else None
+
+    def _take_failed(self, version: int, what: str, new_only: bool = False) -> tuple:
+        """({gpu: why} failed in the engine or found dead, {gpu: why} restarts refused); the
+        failed ones are skipped from now on and recorded torn (`new_only`: only those not
+        given up on before, and no restarts taken)."""
         failed = self.links.failed(self.engine, self.runner.describe)
-        for g in sorted(self.links.drop(failed)):
+        new = self.links.drop(failed)
+        if new_only:
+            failed = {g: why for g, why in failed.items() if g in new}
+        for g in sorted(new):
             log.warning(
                 "trainer rank %d: step %d: inference worker gpu %d failed and is skipped from now on: %s",
                 self.rank,
-                h.version,
+                version,
                 g,
                 failed[g],
             )
             self.failures.mark(
                 [g],
-                h.version,
-                f"trainer rank {self.rank} gave up on its writes of step {h.version} "
+                version,
+                f"trainer rank {self.rank} gave up on {what} of step {version} "
                 f"here and skips this worker from now on: {failed[g]}",
             )
-        refused = self.links.take_refused()
-        if failed or refused:
-            self.runner.drop_sums()
-            return self._report(h.version, failed, refused)
-        self.runner.verify_landed(self.ctl, t)
-        return None
+        return failed, ({} if new_only else self.links.take_refused())
 
     def _report(self, version, failed: dict, refused: dict) -> str:
         """This rank's failure report: the workers whose writes failed, the restarts refused."""
@@ -322,6 +378,10 @@ class StepLoop:
         return (
             "\n".join(parts) + f"\nthe other workers ({ok}) received every byte of step {version} and its version stamp"
         )
+
+
+def _joined(a: str | None, b: str | None) -> str | None:
+    return b if a is None else a if b is None else a + "\n" + b
 
 
 def _nullcontext():
