@@ -128,6 +128,10 @@ def test_reserve_admits_before_the_source_exists(pair):
     assert eng.stats()["held"] == 0
     big = eng.reserve(2 * wm)  # over the watermark, alone
     t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="not admitted under the watermark within 0.3 s"):
+        eng.reserve(task, timeout=0.3)  # the watermark is full and nothing of it will finish
+    assert time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
     eng.reserve(0)  # holds nothing: not held back
     assert time.monotonic() - t0 < 1.0
     eng.unreserve(2 * wm)

@@ -1,5 +1,5 @@
 """Issue 25.2 with real processes (two FSDP2 trainer ranks under torchrun, gloo; an inference
-worker in its own process; fabric tcp): an exception raised on one trainer rank at each stage
+worker in its own process; fabric tcp and shm): an exception raised on one trainer rank at each stage
 of a push -- before a task's collective (the watermark's reserve), at the collective itself
 (before it is posted), after it (packing), at the submission, and in the wait for its writes
 -- makes every trainer rank raise within the bound, naming that rank's failure; no rank enters
@@ -102,12 +102,13 @@ WORKER = textwrap.dedent("""
 
 
 @pytest.mark.timeout(300)
-def test_a_fault_at_each_stage_on_one_rank_fails_every_rank_in_bound_and_is_never_read_complete(tmp_path):
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_a_fault_at_each_stage_on_one_rank_fails_every_rank_in_bound_and_is_never_read_complete(tmp_path, provider):
     import torch
 
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "worker.py").write_text(WORKER)
-    env = store_env(free_port())
+    env = dict(store_env(free_port()), WXFER_FABRIC_PROVIDER=provider)
     full_f, got_f = tmp_path / "full.pt", tmp_path / "worker.pt"
     tr = subprocess.Popen(
         [sys.executable, *torchrun_args(tmp_path / "trainer.py", repr(FAULTS), LAST, full_f)],

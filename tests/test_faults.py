@@ -24,8 +24,10 @@ import fault_worker  # noqa: E402
 from helpers import expected_shards  # noqa: E402 -- tests/helpers.py
 
 
-def _spawn(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), WXFER_FABRIC_PROVIDER="tcp")
+def _spawn(*args, provider="tcp"):
+    env = dict(
+        os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), WXFER_FABRIC_PROVIDER=provider
+    )
     return subprocess.Popen(
         [sys.executable, os.path.join(HERE, "fault_worker.py")] + [str(a) for a in args],
         env=env,
@@ -50,15 +52,31 @@ def _expected(model):
     return [(dst, off, b) for _, dst, off, b in expected_shards(model, TINY)]
 
 
+# issue 25's fault matrix over libfabric shm, run by hand on the 2-core VM (2026-12-02, 2 runs
+# of each): a worker SIGKILLed mid-step took the live one down with it (its writes refused,
+# -FI_EAGAIN, until write_timeout: not isolated), and a worker SIGSTOPped mid-step hung the
+# trainer's engine inside fi_writemsg (gdb: __pthread_spin_lock under fi_writemsg, by all signs
+# the lock in the stopped worker's shared region) in 1 of 2 runs.  Not run in CI: it can hang.  README, reliability.
+SHM_FAULTS = pytest.mark.xfail(
+    run=False,
+    reason="fabric shm: a dead worker takes the live one down (writes refused), a stopped one can hang "
+    "fi_writemsg on shm's cross-process lock",
+)
+
+
+@pytest.mark.parametrize("provider", ["tcp", pytest.param("shm", marks=SHM_FAULTS)])
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
+def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, monkeypatch):
     """kill: SIGKILL (its connections reset); stop: SIGSTOP (it stops answering; only the
     write deadline, write_timeout=3 s here, can tell).  Then a new process for that worker
-    registers again and the trainer's next push takes it."""
+    registers again and the trainer's next push takes it.  Over libfabric's tcp and shm."""
     from wxfer.runtime.sender import Sender
 
+    monkeypatch.setenv("WXFER_FABRIC_PROVIDER", provider)
     s, addr = store
-    procs = [_spawn("receiver", addr, "kw" + fault, q, 2, tmp_path) for q in range(2)]
+    fault_name = fault
+    fault += "-" + provider  # the job's name
+    procs = [_spawn("receiver", addr, "kw" + fault, q, 2, tmp_path, provider=provider) for q in range(2)]
     try:
         m = fault_worker.model()
         wt = 3.0
@@ -78,7 +96,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
             real(op, keep)
             n[0] += 1
             if n[0] == at:
-                if fault == "kill":
+                if fault_name == "kill":
                     procs[1].send_signal(signal.SIGKILL)
                     procs[1].wait(10)
                 else:
@@ -92,9 +110,9 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
         msg = str(ei.value)
         print(f"worker {fault} mid-step: push failed after {took:.2f} s: {msg}")
         assert took < wt + 5, took  # within write_timeout (+ slack)
-        if fault == "stop":
-            assert "not complete after 3.0 s" in msg, msg
         assert "step 2" in msg and "inference worker gpu 1 (replica 1 rank 0," in msg, msg
+        if fault_name == "stop":
+            assert "not complete after 3.0 s" in msg, msg
         assert "the other workers ([0]) received every byte of step 2" in msg
         # the next push skips the failed worker and still names it; the other one goes on
         with torch.no_grad():
@@ -110,7 +128,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
         # no error and no restart of the trainer
         ctl = control.Control(s, "kw" + fault, T)
         (tmp_path / "new").mkdir()
-        procs.append(_spawn("receiver", addr, "kw" + fault, 1, 2, tmp_path / "new"))
+        procs.append(_spawn("receiver", addr, "kw" + fault, 1, 2, tmp_path / "new", provider=provider))
         deadline = time.monotonic() + T
         while not ctl.check("infer/1/e1"):
             assert time.monotonic() < deadline and procs[-1].poll() is None, procs[-1].communicate()[0]
@@ -132,7 +150,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault):
                 assert torch.equal(flat[off : off + b.numel()], b), (g, dst)
         sender.close()
     finally:
-        if fault == "stop" and procs[1].poll() is None:
+        if fault_name == "stop" and procs[1].poll() is None:
             procs[1].send_signal(signal.SIGCONT)
         _reap(procs)
 

@@ -396,25 +396,39 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
     Py_RETURN_NONE;
 }
 
-/* reserve(held) -> admission time (ns): admit `held` bytes under the watermark before the
- * source exists (the caller then makes it and submits with reserved=<that time>, or calls
- * unreserve(held)); the sources of finished tasks are released before and after waiting. */
-static PyObject *wx_engine_reserve_py(PyObject *op, PyObject *arg)
+/* reserve(held, timeout=-1) -> admission time (ns): admit `held` bytes under the watermark
+ * before the source exists (the caller then makes it and submits with reserved=<that time>,
+ * or calls unreserve(held)); the sources of finished tasks are released before and after
+ * waiting.  timeout (seconds, < 0: none): TimeoutError once the watermark has not let it in
+ * for that long (the writes holding it neither finished nor failed). */
+static PyObject *wx_engine_reserve_py(PyObject *op, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {"held", "timeout", NULL};
     wx_py_engine_t *self = (wx_py_engine_t *)op;
+    unsigned long long held;
+    double timeout_s = -1.0;
     wx__admit_t adm;
     int rc;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|d:reserve", kwlist, &held, &timeout_s))
+        return NULL;
     if (!wx_py_engine_live(self))
         return NULL;
-    adm.held = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred())
-        return NULL;
+    adm.held = held;
     adm.e = self->e;
     wx_engine_reap(self->e, wx_py_owner_free, NULL);
-    rc = wx_py_wait(wx__admit_fn, &adm, -1);
+    rc = wx_py_wait(wx__admit_fn, &adm, timeout_s);
     if (rc) {
         if (rc == -EINTR)
             return NULL;
+        if (rc == -ETIMEDOUT) {
+            char msg[200];
+            snprintf(msg, sizeof msg,
+                     "Engine.reserve: %llu bytes not admitted under the watermark within %.1f s "
+                     "(the writes holding it neither finished nor failed)",
+                     held, timeout_s);
+            PyErr_SetString(PyExc_TimeoutError, msg);
+            return NULL;
+        }
         return wx_py_raise(wx_py_state_of(op), rc, "reserve");
     }
     wx_engine_reap(self->e, wx_py_owner_free, NULL);
@@ -589,9 +603,10 @@ static PyMethodDef wx_engine_methods[] = {
      "writes' failure (reason: why; isolate: its peers fail, else the engine's error). False: "
      "the task no longer waits (finished: its peers failed, late, cancelled). Raises ValueError "
      "when it was signalled already or waits for a CUDA event."},
-    {"reserve", wx_engine_reserve_py, METH_O,
-     "reserve(held) -> admission time (ns): admit held bytes under the watermark before the "
-     "source is made; blocks like submit. Follow with submit(..., reserved=t) or unreserve(held)."},
+    {"reserve", (PyCFunction)(void (*)(void))wx_engine_reserve_py, METH_VARARGS | METH_KEYWORDS,
+     "reserve(held, timeout=-1) -> admission time (ns): admit held bytes under the watermark "
+     "before the source is made; blocks like submit (timeout seconds, < 0: no bound; "
+     "TimeoutError past it). Follow with submit(..., reserved=t) or unreserve(held)."},
     {"unreserve", wx_engine_unreserve_py, METH_O, "unreserve(held): give back a reserve()."},
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None, fence=None): until every submitted task finished (fence: the id of a "

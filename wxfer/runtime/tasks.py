@@ -152,7 +152,8 @@ class TaskRunner:
         if self.inplace.write_task(op):  # packed straight into the receivers' memory
             return
         held = prep.held
-        t_admit = self.engine.reserve(held)
+        # bounded: the writes holding the watermark finish or fail within their deadlines
+        t_admit = self.engine.reserve(held, timeout=1.5 * self.write_timeout + 1.0)
         try:
             buf = prepare.run(prep, op, self.device)
             ev = None
