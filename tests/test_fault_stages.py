@@ -1,5 +1,5 @@
 """Issue 25.2 with real processes (two FSDP2 trainer ranks under torchrun, gloo; an inference
-worker in its own process; fabric tcp and shm): an exception raised on one trainer rank at each stage
+worker in its own process; fabric tcp and shm, verbs on the emulated NIC): an exception raised on one trainer rank at each stage
 of a push -- before a task's collective (the watermark's reserve), at the collective itself
 (before it is posted), after it (packing), at the submission, and in the wait for its writes
 -- makes every trainer rank raise within the bound, naming that rank's failure; no rank enters
@@ -38,6 +38,7 @@ TRAINER = ONE_WRITE_PER_LINE + textwrap.dedent("""
     rank = dist.get_rank()
     model = shard_fsdp2(train_model(TINY), init_device_mesh("cpu", (dist.get_world_size(),)))
     sender = Sender(model, mapping=preset_for(TINY), timeout=40, write_timeout=3)
+    print(f"rank {rank} transport {sender.transport_name}", flush=True)
     armed = {"stage": None, "n": 0}
 
     def fault(stage, nth, real):
@@ -102,13 +103,19 @@ WORKER = textwrap.dedent("""
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("provider", ["tcp", "shm"])
-def test_a_fault_at_each_stage_on_one_rank_fails_every_rank_in_bound_and_is_never_read_complete(tmp_path, provider):
+@pytest.mark.parametrize("provider", ["tcp", "shm", "verbs-emulated"])
+def test_a_fault_at_each_stage_on_one_rank_fails_every_rank_in_bound_and_is_never_read_complete(
+    tmp_path, provider, request
+):
     import torch
 
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "worker.py").write_text(WORKER)
-    env = dict(store_env(free_port()), WXFER_FABRIC_PROVIDER=provider)
+    env = store_env(free_port())
+    if provider == "verbs-emulated":  # the libibverbs emulation (csrc/testing) in every process
+        env.update(WXFER_TRANSPORT="verbs", WXFER_LIBIBVERBS=request.getfixturevalue("emu_lib"))
+    else:
+        env["WXFER_FABRIC_PROVIDER"] = provider
     full_f, got_f = tmp_path / "full.pt", tmp_path / "worker.pt"
     tr = subprocess.Popen(
         [sys.executable, *torchrun_args(tmp_path / "trainer.py", repr(FAULTS), LAST, full_f)],
@@ -132,6 +139,8 @@ def test_a_fault_at_each_stage_on_one_rank_fails_every_rank_in_bound_and_is_neve
         for p in (tr, wk):
             if p.poll() is None:
                 p.kill()
+    want = "verbs" if provider == "verbs-emulated" else "fabric"
+    assert re.findall(r"^rank \d transport (\w+)$", tout, re.M) == [want, want], tout[-3000:]
     for step in range(1, LAST + 1):
         for rank in (0, 1):
             line = re.search(rf"^rank {rank} step {step} (.*)$", tout, re.M)
