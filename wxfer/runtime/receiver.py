@@ -246,30 +246,13 @@ class Receiver:
         verify: bool | None = None,
         secret=None,
     ):
-        import torch
         from .. import _wxfer
 
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
             raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} is out of range")
         _check_stamp_slots(stamp_slots)
-        items = list(named_parameters.items() if hasattr(named_parameters, "items") else named_parameters)
-        self.params = {}
-        for n, t in items:
-            t = t.detach() if isinstance(t, torch.Tensor) else t
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"wxfer.Receiver: parameter {n} is a {type(t).__name__}, not a tensor")
-            if not t.is_contiguous():
-                raise ValueError(
-                    f"wxfer.Receiver: parameter {n} is not contiguous; one-sided writes "
-                    "fill parameters as flat byte ranges"
-                )
-            if n in self.params:
-                raise ValueError(f"wxfer.Receiver: parameter {n} listed twice")
-            self.params[n] = t
-        if not self.params:
-            raise ValueError("wxfer.Receiver: no parameters")
         # names sharing bytes: a tie the mapping knows is written once, anything else refused
-        self.params, self.tied = alias.resolve(self.params, mapping)
+        self.params, self.tied = alias.resolve(_checked_params(named_parameters), mapping)
         self.replica, self.rank, self.tp, self.replicas, self.ep = replica, rank, tp, replicas, ep
         self.gpu = replica * tp + rank
         self.timeout = float(timeout)
@@ -293,17 +276,7 @@ class Receiver:
             )
         except _wxfer.Error as e:
             raise SetupError(f"wxfer.Receiver gpu {self.gpu}: opening transport {self.transport_name}: {e}") from e
-        self.regions = []
-        self.region_base = {}  # region descriptor -> uint8 tensor over it (verify mode)
-        self.param_range = {}  # name -> (region descriptor, offset, nbytes)
-        self.verifier = None
-        self.lease = None
-        self.writers = None  # liveness.WriterWatch over self.senders (after the handshakes)
-        self._gone: dict = {}  # trainer rank -> why it is dead (state())
-        self._closed = False
-        self.senders = []
-        self._busy_key = self._busy_since = None
-        self._marks_checked, self._last_marks = -1.0, []
+        self._init_records()
         try:
             self._register(register, stamp_slots)
             self._publish()
@@ -335,6 +308,20 @@ class Receiver:
         )
 
     # ------------------------------------------------------------------ setup
+    def _init_records(self) -> None:
+        """What setup fills in, empty (close() may run after a setup that failed anywhere)."""
+        self.regions = []
+        self.region_base = {}  # region descriptor -> uint8 tensor over it (verify mode)
+        self.param_range = {}  # name -> (region descriptor, offset, nbytes)
+        self.verifier = None
+        self.lease = None
+        self.writers = None  # liveness.WriterWatch over self.senders (after the handshakes)
+        self._gone: dict = {}  # trainer rank -> why it is dead (state())
+        self._closed = False
+        self.senders = []
+        self._busy_key = self._busy_since = None
+        self._marks_checked, self._last_marks = -1.0, []
+
     def _register(self, mode: str, stamp_slots: int) -> None:
         import torch
 
@@ -558,16 +545,7 @@ class Receiver:
         ``message`` says it in one line.  Reads the store (one round trip) only when a trainer
         has recorded giving up on this worker or some sender is mid-step."""
         if not self.senders:
-            return dict(
-                state="complete",
-                version=-1,
-                step=None,
-                ranks=[],
-                why="",
-                for_s=0.0,
-                final=False,
-                message=f"inference worker gpu {self.gpu}: no push yet",
-            )
+            return _state("complete", -1, None, [], "", 0.0, False, f"inference worker gpu {self.gpu}: no push yet")
         end, begin = self._stamps()
         busy = [(r, b) for r, b, e in zip(self.senders, begin, end) if b != e]
         now = time.monotonic()
@@ -579,21 +557,16 @@ class Receiver:
             if self.writers is not None:
                 self._gone = self.writers.gone()
         marks = self._last_marks
+        ranks = [r for r, _ in busy]
         if marks is None:
             if busy:  # nobody left to finish the step: the trainers' store is gone
                 step = max(b for _, b in busy)
-                return dict(
-                    state="torn",
-                    version=-1,
-                    step=step,
-                    ranks=[r for r, _ in busy],
-                    for_s=now - first,
-                    final=True,
-                    why="the trainers' store cannot be reached (the trainer hosting it died?)",
-                    message=f"inference worker gpu {self.gpu}: torn since step {step}: trainer rank(s) "
-                    f"{[r for r, _ in busy]} did not finish it and the trainers' store cannot "
-                    "be reached (the trainer hosting it died?)",
+                why = "the trainers' store cannot be reached (the trainer hosting it died?)"
+                msg = (
+                    f"inference worker gpu {self.gpu}: torn since step {step}: trainer rank(s) {ranks} did "
+                    "not finish it and the trainers' store cannot be reached (the trainer hosting it died?)"
                 )
+                return _state("torn", -1, step, ranks, why, now - first, True, msg)
             marks = []
         endof = dict(zip(self.senders, end))
         live = [
@@ -601,54 +574,35 @@ class Receiver:
             for m in marks
             if (m.get("writer") is None and busy) or (m.get("writer") in endof and endof[m["writer"]] < m["step"])
         ]
-        where = f"inference worker gpu {self.gpu} (replica {self.replica} rank {self.rank})"
         if live:
-            m = min(live, key=lambda m: m["step"])
-            why = "; ".join(sorted({x["why"] for x in live}))
-            kind = "torn" if busy else "dropped"
-            final = any(x.get("final", True) for x in live)
-            msg = (
-                f"{where}: torn since step {m['step']}: {why}"
-                + ("" if final else " (the trainers go on: their next push to this worker rewrites it)")
-                if busy
-                else f"{where}: dropped by the trainers at step {m['step']} ({why}); it holds step {v} "
-                "complete and is not written again until it is restarted"
-            )
-            return dict(
-                state=kind,
-                version=v,
-                step=m["step"],
-                ranks=sorted({x.get("writer") for x in live}, key=str),
-                why=why,
-                for_s=now - first,
-                final=final,
-                message=msg,
-            )
+            return self._marked(live, busy, v, now - first)
         if self._gone:
             return self._writers_gone(v, busy, end, now - first)
+        where = f"inference worker gpu {self.gpu} (replica {self.replica} rank {self.rank})"
         if busy:
             step = max(b for _, b in busy)
-            return dict(
-                state="writing",
-                version=-1,
-                step=step,
-                ranks=[r for r, _ in busy],
-                why="",
-                for_s=now - first,
-                final=False,
-                message=f"{where}: step {step} being written by trainer rank(s) "
-                f"{[r for r, _ in busy]} (for {now - first:.1f} s)",
+            msg = f"{where}: step {step} being written by trainer rank(s) {ranks} (for {now - first:.1f} s)"
+            return _state("writing", -1, step, ranks, "", now - first, False, msg)
+        return _state("complete", v, v, [], "", 0.0, False, f"{where}: step {v} complete")
+
+    def _marked(self, live: list, busy: list, v: int, for_s: float) -> dict:
+        """state() when trainers recorded giving up on a step here (`live`: their records that
+        a later stamp has not overtaken): torn while a step is half written, else dropped."""
+        where = f"inference worker gpu {self.gpu} (replica {self.replica} rank {self.rank})"
+        m = min(live, key=lambda m: m["step"])
+        why = "; ".join(sorted({x["why"] for x in live}))
+        final = any(x.get("final", True) for x in live)
+        if busy:
+            msg = f"{where}: torn since step {m['step']}: {why}" + (
+                "" if final else " (the trainers go on: their next push to this worker rewrites it)"
             )
-        return dict(
-            state="complete",
-            version=v,
-            step=v,
-            ranks=[],
-            why="",
-            for_s=0.0,
-            final=False,
-            message=f"{where}: step {v} complete",
-        )
+        else:
+            msg = (
+                f"{where}: dropped by the trainers at step {m['step']} ({why}); it holds step {v} "
+                "complete and is not written again until it is restarted"
+            )
+        ranks = sorted({x.get("writer") for x in live}, key=str)
+        return _state("torn" if busy else "dropped", v, m["step"], ranks, why, for_s, final, msg)
 
     def _writers_gone(self, v: int, busy: list, end: list, for_s: float) -> dict:
         """state() when trainer ranks writing here died with no record of it (between pushes, or
@@ -668,16 +622,7 @@ class Receiver:
                 f"{where}: dropped: {why}; it holds step {v} complete and is not written again until "
                 "the trainers are restarted"
             )
-        return dict(
-            state="torn" if busy else "dropped",
-            version=v,
-            step=step,
-            ranks=ranks,
-            why=why,
-            for_s=for_s,
-            final=True,
-            message=msg,
-        )
+        return _state("torn" if busy else "dropped", v, step, ranks, why, for_s, True, msg)
 
     def wait_version(self, version: int, timeout: float = 60.0) -> int:
         """Poll (bounded) until version() >= `version`; returns it.  Raises TornError as soon
@@ -754,6 +699,36 @@ class Receiver:
             f"<wxfer.Receiver replica {self.replica} rank {self.rank}/{self.tp} {len(self.params)} params "
             f"{self.transport_name}>"
         )
+
+
+def _checked_params(named_parameters) -> dict:
+    """{name: tensor} of a Receiver's parameters (a dict or (name, tensor) pairs), each a
+    contiguous tensor, no name twice, at least one."""
+    import torch
+
+    items = list(named_parameters.items() if hasattr(named_parameters, "items") else named_parameters)
+    params: dict = {}
+    for n, t in items:
+        t = t.detach() if isinstance(t, torch.Tensor) else t
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"wxfer.Receiver: parameter {n} is a {type(t).__name__}, not a tensor")
+        if not t.is_contiguous():
+            raise ValueError(
+                f"wxfer.Receiver: parameter {n} is not contiguous; one-sided writes fill parameters as flat byte ranges"
+            )
+        if n in params:
+            raise ValueError(f"wxfer.Receiver: parameter {n} listed twice")
+        params[n] = t
+    if not params:
+        raise ValueError("wxfer.Receiver: no parameters")
+    return params
+
+
+def _state(state, version, step, ranks, why, for_s, final, message) -> dict:
+    """One answer of Receiver.state() (its keys are the documented ones)."""
+    return dict(
+        state=state, version=version, step=step, ranks=ranks, why=why, for_s=for_s, final=final, message=message
+    )
 
 
 def _check_stamp_slots(stamp_slots) -> None:
