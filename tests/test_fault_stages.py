@@ -1,12 +1,13 @@
 """Issue 25.2 with real processes (two FSDP2 trainer ranks under torchrun, gloo; an inference
-worker in its own process; fabric tcp and shm, verbs on the emulated NIC): an exception raised on one trainer rank at each stage
-of a push -- before a task's collective (the watermark's reserve), at the collective itself
-(before it is posted), after it (packing), at the submission, and in the wait for its writes
--- makes every trainer rank raise within the bound, naming that rank's failure; no rank enters
-a collective the other is not in (the failed rank's drain resumes at the failed task's first
-collective not posted); no step so broken is ever read complete by the worker, which polls
-version() the whole time; and after the faults the next push lands bit-exact (the worker's
-bytes against the reference packing of the trainers' full weights).
+worker in its own process; fabric tcp and shm, verbs on the emulated NIC): an exception
+raised on one trainer rank at each stage of a push -- before a task's collective (the
+watermark's reserve), at the collective itself (before it is posted), after it (packing),
+and in the wait for its writes -- makes every trainer rank raise within the bound, naming
+that rank's failure; no rank enters a collective the other is not in (the failed rank's
+drain resumes at the failed task's first collective not posted); no step so broken is ever
+read complete by the worker, which polls version() the whole time; and after the faults the
+next push lands bit-exact (the worker's bytes against the reference packing of the
+trainers' full weights).
 
 One torchrun launch runs the nine steps (odd steps clean, even steps one fault each)."""
 
