@@ -14,8 +14,8 @@ so that nothing rests on pushes following each other at once):
   check, fail_dead, the begin stamps' submission, and ``first_submit`` (the push's start to
   the first data task handed to the engine).  The wrappers add about 1 us each.
 
-Beside them, in the same run, the bounds: one bare store round trip (``Control.counters`` of
-one key), one /proc/<pid>/stat read (``liveness.proc_start``) and one poll(2) of a pidfd, back
+Beside them, in the same run, the bounds: one bare store round trip (``Control.add(k, 0)``),
+``Control.counters`` of one key, one /proc/<pid>/stat read (``liveness.proc_start``) and one poll(2) of a pidfd, back
 to back and each after a gap.  Median and p90 of each, in microseconds.
 
     python benchmarks/bench_host_fixed.py [--workers 2] [--pushes 300] [--gap-ms 5] [--json]
@@ -190,7 +190,7 @@ def _parts(sender, n: int, gap: float) -> dict:
 
 
 def _bounds(sender, n: int, gap: float) -> dict:
-    """One bare store round trip (Control.counters of one key), one /proc/<pid>/stat read and
+    """One bare store round trip (Control.add of 0), Control.counters of one key, one /proc/<pid>/stat read and
     one poll(2) of a pidfd with no wait: `n` of each back to back ("hot"), and `n // 4` each
     after a `gap` sleep, as a push meets them ("after_gap")."""
     import select
@@ -207,7 +207,8 @@ def _bounds(sender, n: int, gap: float) -> dict:
         except OSError:
             poll = None
     what = {
-        "store_round_trip_1_key": lambda: ctl.counters(["infer/rejoins"]),
+        "store_add_1_key": lambda: ctl.add("infer/rejoins", 0),  # one round trip
+        "counters_1_key": lambda: ctl.counters(["infer/rejoins"]),
         "proc_stat_read": lambda: liveness.proc_start(pid),
     }
     if poll is not None:
