@@ -165,6 +165,14 @@ def _parts(sender, n: int, gap: float) -> dict:
 
     links.adopt_rejoins = adopt
     wraps.append(_Timed(links.ctl, "counters", times, phase("store_counters")))
+    keys: dict = {}  # how many keys each push's restart check read (1: the count alone, no lease)
+    counted = links.ctl.counters
+
+    def counters(k):
+        keys[len(k)] = keys.get(len(k), 0) + 1
+        return counted(k)
+
+    links.ctl.counters = counters  # over the _Timed one (its undo removes this attribute)
     for who, name in PARTS:
         obj = {"links": links, "runner": runner}[who]
         if hasattr(obj, name):
@@ -184,6 +192,7 @@ def _parts(sender, n: int, gap: float) -> dict:
     del links.adopt_rejoins
     out = {k: _stats(v) for k, v in sorted(times.items())}
     out["first_submit"] = _stats(firsts)
+    out["restart_checks_by_keys_read"] = {str(k): v for k, v in sorted(keys.items())}
     out["wrapped_rejoin_check"] = _stats(ph["rejoin_check"])
     out["wrapped_begin_stamps"] = _stats(ph["begin_stamps"])
     return out
@@ -291,8 +300,9 @@ def _print(res: dict) -> None:
     rows += [("  part: " + k, v) for k, v in res["parts"].items()]
     rows += [("bound: " + k, v) for k, v in res["bounds"].items()]
     for k, v in rows:
-        if v:
+        if v and "median_us" in v:
             print(f"{k:<40} {v['median_us']:>10.1f} {v['p90_us']:>10.1f}")
+    print(f"restart checks by keys read (1: the count alone): {res['parts']['restart_checks_by_keys_read']}")
     print(f"receivers' versions at the end: {res['version']}")
 
 
