@@ -268,8 +268,9 @@ class Control:
 
     def counters(self, keys: list) -> list:
         """The values of counters `keys` (each made by ``add`` already): one key, one ``add(k, 0)``
-        (one store round trip; TCPStore's multi_get takes about twice as long, waiting for the
-        keys first); more, one Store.multi_get (a store without it: one ``add(k, 0)`` each)."""
+        (one store round trip; TCPStore's multi_get waits for the keys first, and took 19-21 us
+        against add's 14-15 us on a 2-core CPU); more, one Store.multi_get (a store without it:
+        one ``add(k, 0)`` each)."""
         if len(keys) <= 1:
             return [self.add(k, 0) for k in keys]
         multi = getattr(self.store, "multi_get", None)
