@@ -129,7 +129,7 @@ class PidWatch:
         self._who: dict = {}  # pidfd -> ((pid, start), a record of that process)
         self._gone: dict = {}  # (pid, start) -> why it is dead
         self._slow: set = set()  # (pid, start) read from /proc at each check
-        self._poll = select.poll()
+        self._poll = select.poll() if hasattr(select, "poll") else None  # None: /proc reads only
         self._fin = weakref.finalize(self, _close_fds, self._fd)
 
     def dead(self, records: dict) -> dict:
@@ -155,7 +155,7 @@ class PidWatch:
     def _bind(self, ident: tuple, w: dict) -> None:
         """A pidfd for the process of record `w`: opened first, then its start time read, so
         that a pid reused before the open is not taken for the worker."""
-        if not hasattr(os, "pidfd_open"):
+        if self._poll is None or not hasattr(os, "pidfd_open"):
             self._slow.add(ident)
             return
         try:
