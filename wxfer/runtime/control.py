@@ -267,10 +267,12 @@ class Control:
         return int(self.store.add(self.key(k), n))
 
     def counters(self, keys: list) -> list:
-        """The values of counters `keys` (each made by ``add`` already) in one store round trip
-        (Store.multi_get; a store without it: one ``add(k, 0)`` each)."""
-        if not keys:
-            return []
+        """The values of counters `keys` (each made by ``add`` already): one key, one ``add(k, 0)``
+        (one store round trip; TCPStore's multi_get waits for the keys first, and took 19-21 us
+        against add's 14-15 us on a 2-core CPU); more, one Store.multi_get (a store without it:
+        one ``add(k, 0)`` each)."""
+        if len(keys) <= 1:
+            return [self.add(k, 0) for k in keys]
         multi = getattr(self.store, "multi_get", None)
         if multi is not None:
             try:

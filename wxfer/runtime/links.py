@@ -8,6 +8,9 @@ how a restart is adopted are decided here and nowhere else."""
 
 from __future__ import annotations
 
+import socket
+import time
+
 from . import control, liveness, program
 from .control import SetupError
 from .receiver import _unb64, decode_param_descriptor
@@ -40,7 +43,8 @@ class Links:
         self.leases = liveness.LeaseWatch(self.write_timeout)
         self.failed_in_engine: set = set()  # dead gpus whose engine peer was failed (fail_dead)
         self.on_adopt: list = []  # callables(gpu, old regions) run when a restart replaces a worker
-        self._host, self._pidns = None, None  # this process's, read once (liveness.local_death)
+        self._host, self._pidns = socket.gethostname(), liveness.pid_namespace()  # this process's
+        self.pids = liveness.PidWatch(self._host, self._pidns)  # this host's workers' processes
 
     # ------------------------------------------------------------------ setup
     def connect(self) -> None:
@@ -69,8 +73,8 @@ class Links:
 
     def failed(self, engine, describe) -> dict:
         """{gpu: reason} of the receivers whose writes failed or were late in `engine` (it
-        skips them from then on), or found dead (``check_alive``; their pids read again here,
-        a local read: a worker killed inside the push); `describe(err)` words an engine error."""
+        skips them from then on), or found dead (``adopt_rejoins``; their pids checked again
+        here, one poll: a worker killed inside the push); `describe(err)` words an engine error."""
         self._check_pids()
         out = {}
         for err in engine.failed_peers():
@@ -86,6 +90,8 @@ class Links:
         """Have `engine` fail the peers of the workers found dead (``dead``): an external task
         to each one's begin stamp, completed with ESRCH and the reason, so that the engine
         skips every write to it from now on (isolate) as it does for a peer whose write failed."""
+        if not self.dead:
+            return
         import errno
 
         for g in sorted(self.dead):
@@ -112,6 +118,10 @@ class Links:
                 gone.add(self.gpu_of_peer[err.peer])
         return frozenset(gone)
 
+    def close(self) -> None:
+        """The pidfds of this host's workers, closed (the Sender's close())."""
+        self.pids.close()
+
     def take_refused(self) -> dict:
         """{gpu: why} of the restarts refused since the last call (each reported once)."""
         out, self.refused = self.refused, {}
@@ -129,23 +139,33 @@ class Links:
         return self.worker_name(self.gpu_of_peer[peer]) if peer in self.gpu_of_peer else None
 
     # ------------------------------------------------------------------ alive
-    def _lease_gpus(self) -> list:
-        return [g for g in sorted(self.workers) if g not in self.dropped and self.workers[g].get("lease_s")]
+    def _local(self, w: dict) -> bool:
+        """Whether worker record `w`'s process is checked here by its pid (this host and pid
+        namespace)."""
+        return liveness.checkable_here(w, self._host, self._pidns)
+
+    def _lease_gpus(self, now: float) -> list:
+        """The workers whose lease is read at `now`: those not given up on, with a lease, not
+        read for half its period (LeaseWatch.due)."""
+        return [
+            g
+            for g in sorted(self.workers)
+            if g not in self.dropped and self.workers[g].get("lease_s") and self.leases.due(g, self.workers[g], now)
+        ]
 
     def _check_pids(self) -> None:
-        """Mark dead the live workers of this host whose process is gone (local reads)."""
-        if self._host is None:
-            import socket
+        """Mark dead the live workers of this host whose process is gone: one poll(2) of their
+        pidfds (liveness.PidWatch; /proc reads where pidfds are not to be had)."""
+        local = {
+            g: w for g, w in self.workers.items() if g not in self.dropped and g not in self.dead and self._local(w)
+        }
+        if local:
+            for g, why in self.pids.dead(local).items():
+                self.dead[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
 
-            self._host, self._pidns = socket.gethostname(), liveness.pid_namespace()
-        for g, w in self.workers.items():
-            if g not in self.dropped and g not in self.dead:
-                why = liveness.local_death(w, self._host, self._pidns)
-                if why is not None:
-                    self.dead[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
-
-    def _check_leases(self, counts: list) -> None:
-        for g, c in zip(self._lease_gpus(), counts):
+    def _check_leases(self, lease: list, counts: list) -> None:
+        """Mark dead the workers `lease` whose lease expired, given their `counts` now."""
+        for g, c in zip(lease, counts):
             if g not in self.dead:
                 why = self.leases.expired(g, self.workers[g], c)
                 if why is not None:
@@ -153,17 +173,18 @@ class Links:
 
     # ------------------------------------------------------------------ restarts
     def adopt_rejoins(self) -> None:
-        """Before a push: which workers are dead (their pids here, their leases: read with the
-        restart count in one store round trip), then take the inference workers restarted
+        """Before a push: which workers are dead (their pids here, one poll; their leases, each
+        at most twice a period, read with the restart count in one store round trip: with none
+        due, the count alone is one ``add``), then take the inference workers restarted
         since the last push: connect to each, point this rank's destinations for it at its
         new memory (whether or not the one it replaces was seen failing); every other worker
         keeps its plan.  A restart that does not match the worker it replaces is refused (it
         stays skipped, and the push reports it)."""
-        lease = self._lease_gpus()
+        lease = self._lease_gpus(time.monotonic())
         keys = ["infer/rejoins"] + [liveness.lease_key(g, self.workers[g].get("epoch", 0)) for g in lease]
         counts = self.ctl.counters(keys)
         n = counts[0]
-        self._check_leases(counts[1:])
+        self._check_leases(lease, counts[1:])
         self._check_pids()
         if n == self.rejoins_seen:
             return
@@ -218,6 +239,7 @@ class Links:
         self.dead.pop(g, None)
         self.failed_in_engine.discard(g)
         self.leases.forget(g)
+        self.pids.forget(old)
         for hook in self.on_adopt:
             hook(g, _regions(old))
         self.rejoined += 1

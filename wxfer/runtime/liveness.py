@@ -1,20 +1,22 @@
 """Whether an inference worker is alive, without a write having to fail (issue 25): over
 cuda_ipc a dead worker's memory stays mapped and every copy into it succeeds.
 
-Two signs, each cheap per push: on the worker's own host (and pid namespace) its pid and its
-process start time (/proc/<pid>/stat field 22, so that a reused pid is not taken for it), a
-local read; on any host a lease, a store counter the worker's Python thread adds to every
-``lease_s`` seconds (``Lease``), read by the trainers for all their workers in the one store
-round trip of the restart check (``Control.counters``).  The count is a clock: the worker keeps
-it at 1 + (seconds since it started) / lease_s, catching up after a late tick, so one reading
-tells how far behind it is against the trainer's own clock since its first reading (durations
-only: no clocks compared across hosts); the lease expired once it is max(write_timeout,
-3 lease_s) behind."""
+Two signs, each cheap per push: on the worker's own host (and pid namespace) its process,
+held by a pidfd bound to its start time (/proc/<pid>/stat field 22, read once, so that a
+reused pid is not taken for it): one poll(2) for all of them tells which exited (``PidWatch``;
+/proc read at each check where pidfds are refused); on any host a lease, a store counter the
+worker's Python thread adds to every ``lease_s`` seconds (``Lease``), read by the trainers in
+the one store round trip of the restart check (``Control.counters``), each at most twice a
+period (``LeaseWatch.due``).  The count is a clock: the worker keeps it at 1 + (seconds since
+it started) / lease_s, catching up after a late tick, so one reading tells how far behind it
+is against the trainer's own clock since its first reading (durations only: no clocks
+compared across hosts); the lease expired once it is max(write_timeout, 3 lease_s) behind."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import select
 import socket
 import threading
 import time
@@ -74,14 +76,25 @@ def identity() -> dict:
     return dict(pid=os.getpid(), start=None if me is None else me[1], pidns=pid_namespace())
 
 
+def checkable_here(w: dict, host: str, pidns: str) -> bool:
+    """Whether worker record `w`'s process can be checked from this process (`host`, `pidns`:
+    this one's): the record gives its pid and start time, and it runs on this host in this pid
+    namespace (a namespace /proc does not name is never taken for the same)."""
+    return (
+        w.get("start") is not None
+        and w.get("pid") is not None
+        and bool(pidns)
+        and w.get("pidns") == pidns
+        and w.get("host") == host
+    )
+
+
 def local_death(w: dict, host: str | None = None, pidns: str | None = None) -> str | None:
     """Why worker record `w` is dead, read on this host (None: alive, or not checkable here:
     another host or pid namespace, or a record without a start time)."""
-    if w.get("start") is None or w.get("pid") is None:
+    if w.get("start") is None or w.get("host") != (socket.gethostname() if host is None else host):
         return None
-    if w.get("host") != (socket.gethostname() if host is None else host):
-        return None
-    if not w.get("pidns") or w.get("pidns") != (pid_namespace() if pidns is None else pidns):
+    if not checkable_here(w, w["host"], pid_namespace() if pidns is None else pidns):
         return None
     st = proc_start(w["pid"])
     if st is None:
@@ -93,6 +106,105 @@ def local_death(w: dict, host: str | None = None, pidns: str | None = None) -> s
     return None
 
 
+def _close_fds(fds: dict) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
+class PidWatch:
+    """The processes of this host's workers, each held by a pidfd (Linux >= 5.3) bound to the
+    start time its record gives: one poll(2) with no wait then tells which of them have exited
+    (a zombie included), for any number of them, with no /proc read while they live.  A process
+    whose pidfd cannot be had (no ``os.pidfd_open``, or refused: a seccomp filter) is read from
+    /proc/<pid>/stat at each check instead (``local_death``).  Records of one process (workers
+    in threads of one process) share its pidfd.  host, pidns: this process's."""
+
+    def __init__(self, host: str, pidns: str):
+        self.host, self.pidns = host, pidns
+        self._fd: dict = {}  # (pid, start) -> its pidfd
+        self._who: dict = {}  # pidfd -> ((pid, start), a record of that process)
+        self._gone: dict = {}  # (pid, start) -> why it is dead
+        self._slow: set = set()  # (pid, start) read from /proc at each check
+        self._poll = select.poll() if hasattr(select, "poll") else None  # None: /proc reads only
+        self._fin = weakref.finalize(self, _close_fds, self._fd)
+
+    def dead(self, records: dict) -> dict:
+        """{key: why} of `records` ({key: worker record}, each ``checkable_here``) whose process
+        has exited (a process seen exited stays so)."""
+        for w in records.values():
+            ident = (w["pid"], w["start"])
+            if ident not in self._fd and ident not in self._gone and ident not in self._slow:
+                self._bind(ident, w)
+        if self._who:
+            for fd, ev in self._poll.poll(0):
+                self._exited(fd, ev)
+        out = {}
+        for k, w in records.items():
+            ident = (w["pid"], w["start"])
+            why = self._gone.get(ident)
+            if why is None and ident in self._slow:
+                why = local_death(w, self.host, self.pidns)
+            if why is not None:
+                out[k] = why
+        return out
+
+    def _bind(self, ident: tuple, w: dict) -> None:
+        """A pidfd for the process of record `w`: opened first, then its start time read, so
+        that a pid reused before the open is not taken for the worker."""
+        if self._poll is None or not hasattr(os, "pidfd_open"):
+            self._slow.add(ident)
+            return
+        try:
+            fd = os.pidfd_open(int(ident[0]))
+        except ProcessLookupError:
+            self._gone[ident] = f"its process (pid {ident[0]}) has exited"
+            return
+        except OSError:  # refused here (ENOSYS, EPERM): /proc reads
+            self._slow.add(ident)
+            return
+        why = local_death(w, self.host, self.pidns)
+        if why is not None:
+            os.close(fd)
+            self._gone[ident] = why
+            return
+        self._fd[ident] = fd
+        self._who[fd] = (ident, w)
+        self._poll.register(fd, select.POLLIN)
+
+    def _release(self, ident: tuple) -> dict | None:
+        fd = self._fd.pop(ident, None)
+        if fd is None:
+            return None
+        _, w = self._who.pop(fd)
+        self._poll.unregister(fd)
+        os.close(fd)
+        return w
+
+    def _exited(self, fd: int, ev: int) -> None:
+        ident, _ = self._who[fd]
+        w = self._release(ident)
+        if ev & select.POLLNVAL:  # not a pidfd of ours any more: read /proc from now on
+            self._slow.add(ident)
+            return
+        self._gone[ident] = local_death(w, self.host, self.pidns) or f"its process (pid {ident[0]}) has exited"
+
+    def forget(self, w: dict) -> None:
+        """Stop watching the process of record `w` (a worker replaced by its restart); another
+        record of that process binds it again."""
+        ident = (w.get("pid"), w.get("start"))
+        self._release(ident)
+        self._gone.pop(ident, None)
+        self._slow.discard(ident)
+
+    def close(self) -> None:
+        for ident in list(self._fd):
+            self._release(ident)
+
+
 class LeaseWatch:
     """A trainer's view of its workers' leases: for each, a count and when it was read, the base
     against which a later count says how far behind the worker's lease is."""
@@ -100,6 +212,15 @@ class LeaseWatch:
     def __init__(self, write_timeout: float):
         self.write_timeout = float(write_timeout)
         self.seen: dict = {}  # gpu -> (count, monotonic time here it was read at)
+        self.read_at: dict = {}  # gpu -> monotonic time here of its last reading
+
+    def due(self, g: int, w: dict, now: float) -> bool:
+        """Whether worker `g`'s lease is to be read at `now`: never read yet, or not for half its
+        period.  Its count moves once a period and it expires only ``bound`` (>= 3 periods)
+        behind, so a reading at every push would name an expired lease at most half a period
+        sooner, at a store round trip per push (issue 26)."""
+        last = self.read_at.get(g)
+        return last is None or now - last >= 0.5 * float(w.get("lease_s") or LEASE_S)
 
     def bound(self, w: dict) -> float:
         return max(self.write_timeout, 3.0 * float(w.get("lease_s") or LEASE_S))
@@ -108,6 +229,7 @@ class LeaseWatch:
         """Why worker `g`'s lease expired given its count now (None: it was renewed, or not
         for long enough to tell)."""
         now = time.monotonic() if now is None else now
+        self.read_at[g] = now
         step = float(w.get("lease_s") or LEASE_S)
         base = self.seen.get(g)
         if base is None or count - base[0] > (now - base[1]) / step:
@@ -124,6 +246,7 @@ class LeaseWatch:
 
     def forget(self, g: int) -> None:
         self.seen.pop(g, None)
+        self.read_at.pop(g, None)
 
 
 class Lease:

@@ -523,6 +523,7 @@ class Sender:
         except Exception:  # noqa: BLE001
             pass
         self._stop_leases()  # close() means no more pushes
+        self.links.close()
         if self.engine is not None:
             self.engine.close()
             self.engine = None
