@@ -106,6 +106,8 @@ def test_a_new_job_under_a_finished_ones_name_leaves_its_receivers_alone(store, 
         # job 1 is over; its receiver is alive. Job 2: its own receiver, the same name
         procs.append(_spawn(tmp_path, rx, addr, "reuse", "new", tmp_path / "new.pt"))
         t2 = _spawn(tmp_path, tr, addr, "reuse", 1, 2.0, T)
+        # what each receiver must hold, worked out while job 2 waits out job 1's lease (STALE_S)
+        want_old, want_new = _expected(1.0), _expected(2.0)
         out2 = t2.communicate(timeout=120)[0]
         assert t2.returncode == 0 and "pushed 1" in out2, out2[-3000:]
         for tag in ("old", "new"):
@@ -117,12 +119,14 @@ def test_a_new_job_under_a_finished_ones_name_leaves_its_receivers_alone(store, 
             if p.poll() is None:
                 p.kill()
     old, new = (torch.load(tmp_path / f, weights_only=False) for f in ("old.pt", "new.pt"))
-    assert old["version"] == 3 and _holds(old["params"], _expected(1.0))  # job 1's step 3, untouched
-    assert new["version"] == 1 and _holds(new["params"], _expected(2.0))  # job 2's step 1
+    assert old["version"] == 3 and _holds(old["params"], want_old)  # job 1's step 3, untouched
+    assert new["version"] == 1 and _holds(new["params"], want_new)  # job 2's step 1
     # nobody left now: a third job waits for receivers of its own (none come) and says so
-    t3 = _spawn(tmp_path, tr, addr, "reuse", 1, 3.0, 4)
-    out3 = t3.communicate(timeout=120)[0]
-    assert t3.returncode == 3 and "waited 4 s for the metadata of inference worker gpu 0" in out3, out3[-3000:]
+    # (in this process, which has torch imported already: it only sets up, and fails)
+    from wxfer.runtime.sender import Sender
+
+    with pytest.raises(SetupError, match="waited 4 s for the metadata of inference worker gpu 0"):
+        Sender(train_model(TINY), mapping=preset_for(TINY), store=addr, name="reuse", timeout=4, write_timeout=5)
 
 
 def test_a_second_job_under_a_live_ones_name_is_refused(store):
