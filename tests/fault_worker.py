@@ -6,7 +6,9 @@ python tests/fault_worker.py receiver STORE NAME REPLICA REPLICAS OUT
     OUT/<gpu>.pt, exits.  A dump request "wait N" first calls wait_version(N, 20) and
     saves what it raised (wait_error) and after how many seconds (wait_s).  "stay": saves,
     then keeps running (bounded, 120 s) until killed.  $FAULT_DEVICE (e.g. cuda:0): its
-    parameters there, registered with cuda_ipc.
+    parameters there, registered with cuda_ipc.  $FAULT_GATE (a raw store key): started
+    early, its imports done, it constructs its Receiver only once the test sets that key
+    (a restarted worker's process without a restart's 2-3 s of imports in the test's wait).
 python tests/fault_worker.py trainer STORE NAME KILL_AFTER_TASKS
     a trainer (world 1): pushes step 1, changes the weights, and during step 2 kills
     itself with SIGKILL after KILL_AFTER_TASKS tasks were handed to the engine (0: right
@@ -29,6 +31,15 @@ def receiver(store, name, replica, replicas, out):
     from wxfer.runtime import control
     from wxfer.runtime.receiver import Receiver
 
+    gate = os.environ.get("FAULT_GATE")
+    if gate:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        host, port = store.rsplit(":", 1)
+        raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
+        raw.wait([gate], timedelta(seconds=120))
     params = inference_params(TINY, 1, 0)
     dev = os.environ.get("FAULT_DEVICE")
     if dev:

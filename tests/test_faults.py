@@ -24,10 +24,11 @@ import fault_worker  # noqa: E402
 from helpers import expected_shards  # noqa: E402 -- tests/helpers.py
 
 
-def _spawn(*args, provider="tcp"):
+def _spawn(*args, provider="tcp", **extra):
     env = dict(
         os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), WXFER_FABRIC_PROVIDER=provider
     )
+    env.update(extra)
     return subprocess.Popen(
         [sys.executable, os.path.join(HERE, "fault_worker.py")] + [str(a) for a in args],
         env=env,
@@ -68,8 +69,10 @@ SHM_FAULTS = pytest.mark.xfail(
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, monkeypatch):
     """kill: SIGKILL (its connections reset); stop: SIGSTOP (it stops answering; only the
-    write deadline, write_timeout=3 s here, can tell).  Then a new process for that worker
-    registers again and the trainer's next push takes it.  Over libfabric's tcp and shm."""
+    write deadline, write_timeout=2 s here, can tell).  Then a new process for that worker
+    registers again and the trainer's next push takes it (that process is started during
+    step 2, its imports done while the step waits; it registers only after step 3).  Over
+    libfabric's tcp and shm."""
     from wxfer.runtime.sender import Sender
 
     monkeypatch.setenv("WXFER_FABRIC_PROVIDER", provider)
@@ -79,11 +82,15 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, m
     procs = [_spawn("receiver", addr, "kw" + fault, q, 2, tmp_path, provider=provider) for q in range(2)]
     try:
         m = fault_worker.model()
-        wt = 3.0
+        wt = 2.0
         sender = Sender(
             m, mapping=preset_for(TINY), store=addr, name="kw" + fault, timeout=T, write_timeout=wt, watermark="64KiB"
         )
         sender.push()
+        # the process that is to be worker gpu 1's restart: it registers once test/restart is set
+        gate = "test/restart/kw" + fault
+        (tmp_path / "new").mkdir()
+        procs.append(_spawn("receiver", addr, "kw" + fault, 1, 2, tmp_path / "new", provider=provider, FAULT_GATE=gate))
         with torch.no_grad():
             for p in m.parameters():
                 p.mul_(1.5)
@@ -112,7 +119,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, m
         assert took < wt + 5, took  # within write_timeout (+ slack)
         assert "step 2" in msg and "inference worker gpu 1 (replica 1 rank 0," in msg, msg
         if fault_name == "stop":
-            assert "not complete after 3.0 s" in msg, msg
+            assert "not complete after 2.0 s" in msg, msg
         assert "the other workers ([0]) received every byte of step 2" in msg
         # the next push skips the failed worker and still names it; the other one goes on
         with torch.no_grad():
@@ -127,8 +134,8 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, m
         # worker gpu 1 is started again: it registers anew and the next push takes it, with
         # no error and no restart of the trainer
         ctl = control.Control(s, "kw" + fault, T)
-        (tmp_path / "new").mkdir()
-        procs.append(_spawn("receiver", addr, "kw" + fault, 1, 2, tmp_path / "new", provider=provider))
+        assert not ctl.check("infer/1/e1")  # (the new process has not registered yet)
+        s.set(gate, b"1")
         deadline = time.monotonic() + T
         while not ctl.check("infer/1/e1"):
             assert time.monotonic() < deadline and procs[-1].poll() is None, procs[-1].communicate()[0]
