@@ -148,6 +148,8 @@ def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
             "tiny",
             "--quant",
             "bf16",
+            "--layouts",
+            "disagg",  # (the one configuration checked below; colocated was a second, unchecked one)
             "--reps",
             "1",
             "--timeout",
