@@ -7,7 +7,7 @@ VENV_STAMP = .venv/.wxfer-deps-5
 APT_PKGS   = libfabric-dev libfabric-bin libibverbs-dev rdma-core build-essential python3-dev clang clang-format
 PIP_PKGS   = torch==2.13.0 numpy pytest pytest-timeout hypothesis pandas matplotlib nbformat nbclient ipykernel setuptools wheel atheris build transformers
 SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-PYTEST_FLAGS ?= -q -ra
+PYTEST_FLAGS ?= -q -ra --durations=15
 GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 .PHONY: setup apt venv build abi-check wheel test test-installed vllm-setup vllm-test demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
