@@ -263,6 +263,13 @@ def test_isolate_fails_a_peer_whose_writes_are_never_accepted():
         assert took < 1.5 + 3, took
         assert good.read(0) == b"".join(s.tobytes() for s in srcs)
         assert bad.read(0) == bytes(1 << 20)  # nothing reached the refused peer
+        # a later task's writes to the failed peer are skipped: its trace record says so
+        late = rand(1 << 12, 9)
+        eng.submit(late, [(good.descriptors[0], 0, 0, 1 << 12), (bad.descriptors[0], 0, 0, 1 << 12)], tag=9)
+        eng.wait(timeout=20)
+        [rec] = [r for r in eng.trace() if r["tag"] == 9]
+        assert rec["status"] == -errno.EHOSTUNREACH, rec  # (was 0: the finish overwrote the skip's)
+        assert good.read(0)[: 1 << 12] == late.tobytes()
         eng.close()
         t.close()
 

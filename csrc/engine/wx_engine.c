@@ -101,7 +101,8 @@ void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     if (!t->status)
         t->status = status;
     t->rec.t_done = wx_now_ns();
-    t->rec.status = t->status;
+    if (t->status || !t->rec.status) /* else: destinations skipped (isolate), said already */
+        t->rec.status = t->status;
     t->rec.nwrites = t->completed;
     wx__active_remove(e, t);
     e->held -= t->spec.held_bytes;
