@@ -300,14 +300,15 @@ class WriterWatch:
         self.ranks = [r for r in ranks if r in self.records]
         self.watch = {r: LeaseWatch(float(self.records[r].get("write_timeout") or 30.0)) for r in self.ranks}
         self.dead: dict = {}  # rank -> why
+        host, pidns = socket.gethostname(), pid_namespace()
+        self.local = {r: self.records[r] for r in self.ranks if checkable_here(self.records[r], host, pidns)}
+        self.pids = PidWatch(host, pidns)  # those on this host: one poll of their pidfds per check
 
     def gone(self) -> dict:
         """{rank: why} of the writers dead by now; the store unreachable leaves the leases unread."""
-        for r in self.ranks:
-            if r not in self.dead:
-                why = local_death(self.records[r])
-                if why is not None:
-                    self.dead[r] = why
+        local = {r: w for r, w in self.local.items() if r not in self.dead}
+        if local:
+            self.dead.update(self.pids.dead(local))
         lease = [r for r in self.ranks if r not in self.dead and self.records[r].get("lease_s")]
         try:
             counts = self.ctl.counters([trainer_lease_key(r) for r in lease])

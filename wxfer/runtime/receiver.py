@@ -677,6 +677,8 @@ class Receiver:
             self.verifier.stop()
         if self.lease is not None:
             self.lease.stop()
+        if self.writers is not None:
+            self.writers.pids.close()  # the pidfds of the trainers on this host
         for r in self.regions:
             try:
                 r.close()
