@@ -328,10 +328,6 @@ class TaskPrep:
         # under way, counted as each returns: where a failed rank's drain resumes (steps.py)
         self.done = 0
 
-    @property
-    def ncollectives(self) -> int:
-        return len(self.gathers) + len(self.generic)
-
 
 class _Gather:
     __slots__ = ("group", "w", "dtype", "items", "sizes", "total", "pads")

@@ -18,6 +18,7 @@ import time
 from . import control, prepare
 from ..zerocopy import Batcher
 from .failures import and_own, is_gloo_failure
+from .tasks import writes_bound
 
 log = logging.getLogger(__name__)
 
@@ -301,9 +302,7 @@ class StepLoop:
         return seconds
 
     def _bound(self, timeout) -> float:
-        # every task has its own deadline (write_timeout from its first write); a receiver
-        # that stops answering fails alone at that deadline, so wait a little longer here
-        return 1.5 * (self.write_timeout if timeout is None else timeout) + 1.0
+        return writes_bound(self.write_timeout if timeout is None else timeout)
 
     def _finish_writes(self, h: PushHandle, timeout, stamps: bool = True):
         """Wait for this rank's data writes (`stamps`: and its end stamps, posted by the

@@ -22,6 +22,13 @@ def _host_int64(device):
     return t.pin_memory() if device.type == "cuda" else t
 
 
+def writes_bound(write_timeout: float) -> float:
+    """How long to wait for writes that hold the engine (the step's, the begin stamps', the
+    watermark's): every task has its own deadline (write_timeout from its first write) and a
+    receiver that stops answering fails alone at it, so a little longer than that."""
+    return 1.5 * write_timeout + 1.0
+
+
 def _stamp_source(transport, t):
     """Stamp source `t` registered once with `transport` (a Region, export=False), so that no
     stamp submission imports it through DLPack and registers it again where the transport
@@ -104,7 +111,7 @@ class TaskRunner:
         """Until this push's begin stamps landed (that fence task alone; with no stamps,
         everything submitted so far): what the in-place writes wait for."""
         self.wait_engine(
-            1.5 * self.write_timeout + 1.0,
+            writes_bound(self.write_timeout),
             "writing the begin stamps (before the in-place writes)",
             fence=self.begin_fence,
         )
@@ -167,7 +174,7 @@ class TaskRunner:
             return
         held = prep.held
         # bounded: the writes holding the watermark finish or fail within their deadlines
-        t_admit = self.engine.reserve(held, timeout=1.5 * self.write_timeout + 1.0)
+        t_admit = self.engine.reserve(held, timeout=writes_bound(self.write_timeout))
         try:
             buf = prepare.run(prep, op, self.device)
             ev = None
