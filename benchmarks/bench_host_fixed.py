@@ -65,7 +65,7 @@ def _setup(workers: int, provider: str, timeout: float):
     from wxfer.runtime import control
     from wxfer.runtime.receiver import Receiver
     from wxfer.runtime.sender import Sender
-    from wxfer.testing import in_thread
+    from wxfer.testing import in_thread, joined
 
     port = control.free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False)
@@ -92,15 +92,7 @@ def _setup(workers: int, provider: str, timeout: float):
     for p in model.parameters():
         p.requires_grad_(False)
     sender = Sender(model, mapping=preset_for(TINY), store=addr, name="fixed", timeout=timeout)
-    recvs = []
-    for th, box in ths:
-        th.join(timeout)
-        if "error" in box:
-            raise box["error"]
-        if "value" not in box:
-            raise TimeoutError(f"bench_host_fixed: a Receiver was not set up within {timeout} s")
-        recvs.append(box["value"])
-    return store, sender, recvs
+    return store, sender, joined(ths, timeout)
 
 
 def _pushes(sender, n: int, gap: float, on_push=None) -> dict:

@@ -7,8 +7,10 @@ checkout puts it there itself)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
-from wxfer.testing import in_thread
+from wxfer.testing import in_thread, joined  # noqa: F401 -- joined: the tests import it from here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,6 +20,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # two ranks sharing the pipe interleaved a line once ("...mismatchrank 1 setup failed", a CI
 # failure); line-buffered, each line of up to 8 KiB is one write(2), atomic on a pipe.
 ONE_WRITE_PER_LINE = "import sys; sys.stdout.reconfigure(line_buffering=True, write_through=False)\n"
+
+
+def python(*args, env: dict, cwd) -> subprocess.Popen:
+    """A child `python args...` whose stdout and stderr come back in one text pipe."""
+    return subprocess.Popen(
+        [sys.executable, *map(str, args)], env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def outputs(procs, timeout, others=()) -> list:
+    """Each of `procs`' whole output, in order, each waited for at most `timeout` seconds (one
+    number, or one per process); then every one of them and of `others` still running (a test
+    that failed on the way) is killed."""
+    ts = list(timeout) if isinstance(timeout, (list, tuple)) else [timeout] * len(procs)
+    try:
+        return [p.communicate(timeout=t)[0] for p, t in zip(procs, ts)]
+    finally:
+        for p in [*procs, *others]:
+            if p.poll() is None:
+                p.kill()
 
 
 def child_env(**kw) -> dict:
@@ -72,19 +94,6 @@ def receivers_in_threads(config: dict, store, name: str, tp: int = 1, quant=None
     if ep:
         common["ep"] = True
     return params, [in_thread(Receiver, params[r], rank=r, timeout=timeout, **common, **kw) for r in range(tp)]
-
-
-def joined(threads, timeout: float = 30.0) -> list:
-    """The values of in_thread's [(thread, box)], each joined; a thread's error is raised here."""
-    out = []
-    for th, box in threads:
-        th.join(timeout)
-        if "error" in box:
-            raise box["error"]
-        if "value" not in box:
-            raise TimeoutError(f"tests/helpers.joined: a thread did not finish in {timeout} s")
-        out.append(box["value"])
-    return out
 
 
 def shard(kind: str, dtype: str, *pieces, rank: int = 0, dst: str = "d"):

@@ -11,8 +11,6 @@ inference workers in their own processes; fabric tcp):
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -20,7 +18,7 @@ import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
-from helpers import ONE_WRITE_PER_LINE, store_env, torchrun_args  # tests/helpers.py
+from helpers import ONE_WRITE_PER_LINE, store_env, torchrun_args, outputs, python  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -125,30 +123,9 @@ def _run(tmp_path, case):
     (tmp_path / "worker.py").write_text(WORKER)
     sport = free_port()
     env = store_env(sport)
-    tr = subprocess.Popen(
-        [sys.executable, *torchrun_args(tmp_path / "trainer.py", case)],
-        env=dict(env, WXFER_STORE=""),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    w = subprocess.Popen(
-        [sys.executable, str(tmp_path / "worker.py")],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    outs = []
-    try:
-        for p in (tr, w):
-            outs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in (tr, w):
-            if p.poll() is None:
-                p.kill()
+    tr = python(*torchrun_args(tmp_path / "trainer.py", case), env=dict(env, WXFER_STORE=""), cwd=tmp_path)
+    w = python(tmp_path / "worker.py", env=env, cwd=tmp_path)
+    outs = outputs([tr, w], 150)
     return tr, w, outs
 
 

@@ -3,15 +3,13 @@ $MASTER_ADDR:$WXFER_STORE_PORT, the inference workers (separate processes, not i
 trainers' process group) find it through $WXFER_STORE."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
-from helpers import ONE_WRITE_PER_LINE, child_env, store_env, torchrun_args  # tests/helpers.py
+from helpers import ONE_WRITE_PER_LINE, child_env, store_env, torchrun_args, outputs, python  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -64,34 +62,9 @@ def test_sender_under_torchrun_hosts_the_store(tmp_path, case):
         WXFER_STORE="127.0.0.1:%d" % sport,
         OMP_NUM_THREADS="1",
     )
-    tr = subprocess.Popen(
-        [sys.executable, *torchrun_args(tmp_path / "trainer.py")],
-        env=dict(env, WXFER_STORE=""),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    ws = [
-        subprocess.Popen(
-            [sys.executable, str(tmp_path / "worker.py"), str(r), case],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    outs = []
-    try:
-        for p in [tr] + ws:
-            out, _ = p.communicate(timeout=150)
-            outs.append(out)
-    finally:
-        for p in [tr] + ws:
-            if p.poll() is None:
-                p.kill()
+    tr = python(*torchrun_args(tmp_path / "trainer.py"), env=dict(env, WXFER_STORE=""), cwd=tmp_path)
+    ws = [python(tmp_path / "worker.py", r, case, env=env, cwd=tmp_path) for r in range(2)]
+    outs = outputs([tr] + ws, 150)
     if case == "broken":
         # the controller's error is raised on both trainer ranks and in both workers, by name
         bad = "model.layers.1.mlp.down_proj.weight: expected on replica 0 rank 1 but the worker lacks it"
@@ -178,15 +151,8 @@ def test_two_trainers_both_name_a_killed_worker_and_both_take_its_restart(tmp_pa
     sport = free_port()
     env = store_env(sport)
 
-    def spawn(*args, **kw):
-        return subprocess.Popen(
-            [sys.executable] + [str(a) for a in args],
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            **kw,
-        )
+    def spawn(*args, env):
+        return python(*args, env=env, cwd=tmp_path)
 
     tr = spawn(
         *torchrun_args(tmp_path / "trainer.py"),
@@ -328,24 +294,11 @@ def test_a_dead_trainer_rank_is_named_by_rank_on_the_others_and_the_receivers(tm
     )
 
     def spawn(script, *args, **extra):
-        return subprocess.Popen(
-            [sys.executable, str(tmp_path / script), *map(str, args)],
-            cwd=tmp_path,
-            env=dict(env, **extra),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        return python(tmp_path / script, *args, env=dict(env, **extra), cwd=tmp_path)
 
     trainers = [spawn("trainer.py", when, RANK=str(r), LOCAL_RANK=str(r)) for r in (0, 1)]
     workers = [spawn("worker.py", r, WXFER_STORE="127.0.0.1:%d" % sport) for r in (0, 1)]
-    procs = trainers + workers
-    try:
-        outs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = outputs(trainers + workers, 150)
     host = socket.gethostname()
     named = f"trainer rank 1 (pid {trainers[1].pid}, host {host}) died or hung"
     assert trainers[1].returncode == -9 and "rank 1 pid" in outs[1], outs[1][-2000:]

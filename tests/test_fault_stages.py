@@ -12,15 +12,13 @@ trainers' full weights).
 One torchrun launch runs the nine steps (odd steps clean, even steps one fault each)."""
 
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
-from helpers import ONE_WRITE_PER_LINE, expected_shards, store_env, torchrun_args  # tests/helpers.py
+from helpers import ONE_WRITE_PER_LINE, expected_shards, store_env, torchrun_args, outputs, python  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 
@@ -118,28 +116,11 @@ def test_a_fault_at_each_stage_on_one_rank_fails_every_rank_in_bound_and_is_neve
     else:
         env["WXFER_FABRIC_PROVIDER"] = provider
     full_f, got_f = tmp_path / "full.pt", tmp_path / "worker.pt"
-    tr = subprocess.Popen(
-        [sys.executable, *torchrun_args(tmp_path / "trainer.py", repr(FAULTS), LAST, full_f)],
-        env=dict(env, WXFER_STORE=""),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    tr = python(
+        *torchrun_args(tmp_path / "trainer.py", repr(FAULTS), LAST, full_f), env=dict(env, WXFER_STORE=""), cwd=tmp_path
     )
-    wk = subprocess.Popen(
-        [sys.executable, str(tmp_path / "worker.py"), str(LAST), str(got_f)],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        tout, wout = tr.communicate(timeout=150)[0], wk.communicate(timeout=60)[0]
-    finally:
-        for p in (tr, wk):
-            if p.poll() is None:
-                p.kill()
+    wk = python(tmp_path / "worker.py", LAST, got_f, env=env, cwd=tmp_path)
+    tout, wout = outputs([tr, wk], [150, 60])
     want = "verbs" if provider == "verbs-emulated" else "fabric"
     assert re.findall(r"^rank \d transport (\w+)$", tout, re.M) == [want, want], tout[-3000:]
     for step in range(1, LAST + 1):

@@ -10,15 +10,13 @@ own process; fabric tcp):
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from wxfer import _wxfer
 from wxfer.runtime.control import free_port
-from helpers import ONE_WRITE_PER_LINE, store_env, torchrun_args  # tests/helpers.py
+from helpers import ONE_WRITE_PER_LINE, store_env, torchrun_args, outputs, python  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -67,32 +65,11 @@ def _run(tmp_path, case, timeout, worker):
     sport = free_port()
     env = store_env(sport)
     procs = [
-        subprocess.Popen(
-            [sys.executable, *torchrun_args(tmp_path / "trainer.py", case, timeout)],
-            env=dict(env, WXFER_STORE=""),
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        python(*torchrun_args(tmp_path / "trainer.py", case, timeout), env=dict(env, WXFER_STORE=""), cwd=tmp_path)
     ]
     if worker:
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(tmp_path / "worker.py")],
-                env=env,
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        return [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        procs.append(python(tmp_path / "worker.py", env=env, cwd=tmp_path))
+    return outputs(procs, 150)
 
 
 def _failures(out):

@@ -49,6 +49,19 @@ def in_thread(fn, *a, **kw):
     return th, box
 
 
+def joined(threads, timeout: float = 30.0) -> list:
+    """The values of in_thread's [(thread, box)], each joined; a thread's error is raised here."""
+    out = []
+    for th, box in threads:
+        th.join(timeout)
+        if "error" in box:
+            raise box["error"]
+        if "value" not in box:
+            raise TimeoutError(f"wxfer.testing.joined: a thread did not finish in {timeout} s")
+        out.append(box["value"])
+    return out
+
+
 def stop_process(conn, proc) -> None:
     """Ask a helper process to exit over its pipe, then make sure it is gone (bounded)."""
     try:
