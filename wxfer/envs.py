@@ -71,7 +71,7 @@ _VARS = (
     Var("WXFER_COPY", "choice", "native", "Python", "the batched copy: native (copies.COPIER's) or torch"),
     Var("WXFER_FP8", "choice", "native", "Python", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
     # libraries (dlopened by the C extension)
-    _c("WXFER_LIBCUDA", also="Python"),
+    _c("WXFER_LIBCUDA"),
     _c("WXFER_LIBFABRIC"),
     _c("WXFER_LIBIBVERBS"),
     _c("WXFER_LIBNVRTC"),

@@ -70,7 +70,7 @@ fail:
     return NULL;
 }
 
-/* {"loaded", "why", "path", "emulated", "devices": [names]} */
+/* {"loaded", "why", "path", "emulated", "devices": [names], "reg_dmabuf_mr"} */
 static PyObject *wx__verbs_info(void)
 {
     char why[320] = "";
@@ -96,12 +96,13 @@ static PyObject *wx__verbs_info(void)
     }
     if (devs)
         v->free_device_list(devs);
-    return Py_BuildValue("{sOsssssOsN}", "loaded", Py_True, "why", "", "path", v->path, "emulated",
-                         v->emulated ? Py_True : Py_False, "devices", names);
+    return Py_BuildValue("{sOsssssOsNsO}", "loaded", Py_True, "why", "", "path", v->path,
+                         "emulated", v->emulated ? Py_True : Py_False, "devices", names,
+                         "reg_dmabuf_mr", v->reg_dmabuf_mr ? Py_True : Py_False);
 }
 
 /* {"loaded", "why", "driver_version", "devices": [{"name", "pci", "dmabuf", "cc"}],
- *  "peer": [[bool]]} */
+ *  "peer": [[bool]], "get_handle": cuMemGetHandleForAddressRange is there} */
 static PyObject *wx__cuda_info(void)
 {
     char why[320] = "";
@@ -152,8 +153,9 @@ static PyObject *wx__cuda_info(void)
         }
         Py_DECREF(row);
     }
-    return Py_BuildValue("{sOsssisNsN}", "loaded", Py_True, "why", "", "driver_version", drv,
-                         "devices", devs, "peer", peer);
+    return Py_BuildValue("{sOsssisNsNsO}", "loaded", Py_True, "why", "", "driver_version", drv,
+                         "devices", devs, "peer", peer, "get_handle",
+                         cu->cuMemGetHandleForAddressRange ? Py_True : Py_False);
 fail:
     Py_XDECREF(devs);
     Py_XDECREF(peer);

@@ -271,8 +271,18 @@ def check_efa(ports, fab):
     ]
 
 
+def nvidia_peermem(sysfs=SYS) -> bool:
+    """Whether the nvidia_peermem module is loaded (GPU Direct RDMA without dma-buf)."""
+    return os.path.isdir(os.path.join(sysfs, "module", "nvidia_peermem"))
+
+
+def memlock() -> tuple:
+    """(soft, hard) RLIMIT_MEMLOCK: host memory registered for RDMA counts against it."""
+    return resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+
 def check_gpu_reg(cuda, ports):
-    peermem = os.path.isdir(os.path.join(SYS, "module", "nvidia_peermem"))
+    peermem = nvidia_peermem()
     if not cuda["loaded"] or not cuda["devices"]:
         return [
             _check(
@@ -306,7 +316,7 @@ def check_gpu_reg(cuda, ports):
 
 
 def check_memlock(ports):
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft, hard = memlock()
     inf = resource.RLIM_INFINITY
 
     def fmt(v):
