@@ -2,7 +2,6 @@
 way (ctypes loads of the libraries, `fi_info --version`, sysfs, getrlimit, torch on a GPU).
 Runs from the checkout and from the installed wheel (.ci/installed.sh)."""
 
-import ctypes
 import json
 import os
 import re
@@ -14,6 +13,7 @@ import sys
 import pytest
 
 from wxfer.testing import build_env
+from helpers import loads as _loads  # tests/helpers.py
 
 PY = sys.executable
 ROOT = os.environ.get("WXFER_INSTALLED") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,14 +29,6 @@ def _doctor(**env):
         assert c["status"] in ("ok", "missing", "wrong"), c
         assert c["status"] == "ok" or c["fix"], c  # every problem comes with its fix
     return {c["name"]: c for c in checks}
-
-
-def _loads(name):
-    try:
-        ctypes.CDLL(name)
-        return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
