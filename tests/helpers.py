@@ -43,6 +43,33 @@ def small_moe(config: dict, experts: int, layers: int = 1, vocab: int = 256) -> 
     return dict(config, num_hidden_layers=layers, num_experts=experts, **heads, **widths)
 
 
+def frozen_model(config: dict):
+    """wxfer.models.train_model(config) with every parameter's requires_grad off."""
+    from wxfer.models import train_model
+
+    model = train_model(config)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def module_with(params: dict):
+    """A torch.nn.Module holding `params` ({dotted name: tensor}) as frozen parameters under
+    nested modules named like vLLM's."""
+    import torch
+
+    model = torch.nn.Module()
+    for n, t in params.items():
+        mod = model
+        *path, leaf = n.split(".")
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return model
+
+
 def needs_verbs_emulation():
     """The skip mark of the tests that run the libibverbs emulation (built from rdma-core's
     headers: conftest's emu_lib)."""
@@ -81,6 +108,13 @@ def connected_pair(request, sizes):
 
     with connected_fabric(request.param, sizes) as pair:
         yield pair
+
+
+def run_wxfer(*args, timeout: float, rc: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m wxfer *args` to its end (output captured); its exit status must be rc."""
+    p = subprocess.run([sys.executable, "-m", "wxfer", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert p.returncode == rc, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
 
 
 def python(*args, env: dict, cwd) -> subprocess.Popen:

@@ -27,13 +27,20 @@ def _shapes(preset, config=None):
     return {n: s for n, (s, _, _) in preset.hf_params(config).items()}
 
 
-def _assemble(ex, rank, tensors):
-    """Destination parameters of `rank` rebuilt from the reference shard bytes."""
+def assemble_bytes(ex, rank, tensors):
+    """{name: uint8 tensor} of `rank`'s destination parameters, rebuilt from the reference
+    shard bytes (tests/test_mapping_hf5.py uses it too)."""
     out = {n: torch.zeros(p.nbytes, dtype=torch.uint8) for n, p in ex.dest[rank].items()}
     for c in ex.components:
         for s in c.shards:
             if s.rank == rank:
                 out[s.dst][s.offset : s.offset + s.nbytes] = pack_shard(s, tensors)
+    return out
+
+
+def _assemble(ex, rank, tensors):
+    """Destination parameters of `rank` rebuilt from the reference shard bytes."""
+    out = assemble_bytes(ex, rank, tensors)
     return {n: b.view(getattr(torch, ex.dest[rank][n].dtype)).view(ex.dest[rank][n].shape) for n, b in out.items()}
 
 

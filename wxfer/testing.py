@@ -20,6 +20,10 @@ import multiprocessing as mp
 TIMEOUT = 60.0
 
 
+# Receiver's placement keywords for a job's only inference worker (replica 0 of 1, rank 0, tp 1)
+ONE_WORKER = dict(replica=0, rank=0, tp=1, replicas=1)
+
+
 def pattern(size: int, seed: int):
     """`size` reproducible random bytes (a numpy uint8 array) for write checks."""
     import numpy as np
