@@ -40,7 +40,7 @@ def test_calibrated_on_one_model_predicts_a_push_of_another_within_2x(tmp_path):
     from wxfer.runtime import control
 
     path = tmp_path / "cal.json"
-    p = run_wxfer("calibrate", "--quick", "--json", "--device", "cpu", "--out", str(path), timeout=170)
+    run_wxfer("calibrate", "--quick", "--json", "--device", "cpu", "--out", str(path), timeout=170)
     cal = load(str(path))
     probes = json.loads(path.read_text())["measured"]["host_probes"]
     torch.set_num_threads(1)  # as calibrate measured (one rank per core)

@@ -6,7 +6,6 @@ Real receiver processes over fabric tcp."""
 
 import json
 import os
-import subprocess
 import sys
 import time
 
