@@ -134,7 +134,7 @@ FUZZ_SECONDS ?= 60
 fuzz: build
 	mkdir -p build/fuzz
 	clang -g -O1 -fsanitize=fuzzer,address,undefined -Icsrc/core -Icsrc/transport \
-	  -o build/fuzz/fuzz_desc tests/fuzz/fuzz_desc.c csrc/transport/wx_desc.c csrc/core/wx_common.c
+	  -o build/fuzz/fuzz_desc tests/fuzz/fuzz_desc.c csrc/transport/wx_desc.c csrc/core/wx_common.c csrc/core/wx_param.c
 	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz/seeds.py build/fuzz/corpus
 	build/fuzz/fuzz_desc -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -print_final_stats=1 \
 	  -artifact_prefix=build/fuzz/ build/fuzz/corpus

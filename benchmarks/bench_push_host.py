@@ -74,7 +74,7 @@ def bench_push(provider: str, layers: int, steps: int) -> dict:
     from wxfer.runtime import control
     from wxfer.runtime.receiver import Receiver
     from wxfer.runtime.sender import Sender
-    from wxfer.testing import in_thread
+    from wxfer.testing import ONE_WORKER, in_thread
 
     cfg = dict(TINY, num_hidden_layers=layers)
     port = control.free_port()
@@ -88,10 +88,7 @@ def bench_push(provider: str, layers: int, steps: int) -> dict:
         params,
         mapping=preset_for(cfg).name,
         store=addr,
-        replica=0,
-        rank=0,
-        tp=1,
-        replicas=1,
+        **ONE_WORKER,
         name="bench",
         timeout=60,
         transport="fabric",

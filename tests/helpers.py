@@ -22,6 +22,101 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_WRITE_PER_LINE = "import sys; sys.stdout.reconfigure(line_buffering=True, write_through=False)\n"
 
 
+FABRIC_PROVIDERS = ["tcp", "shm"]
+
+
+def gpu_count() -> int:
+    """CUDA GPUs torch sees here (0 where torch or the driver cannot tell: a broken install)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 -- no GPU, for the tests' skips
+        return 0
+
+
+def small_moe(config: dict, experts: int, layers: int = 1, vocab: int = 256) -> dict:
+    """An MoE model's config (qwen3-30b-a3b's) shrunk to CPU size: `experts` experts of 256 x 256,
+    4 heads of 128 (2 KV), `layers` layers."""
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    widths = dict(hidden_size=256, moe_intermediate_size=256, vocab_size=vocab)
+    return dict(config, num_hidden_layers=layers, num_experts=experts, **heads, **widths)
+
+
+def frozen_model(config: dict):
+    """wxfer.models.train_model(config) with every parameter's requires_grad off."""
+    from wxfer.models import train_model
+
+    model = train_model(config)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def module_with(params: dict):
+    """A torch.nn.Module holding `params` ({dotted name: tensor}) as frozen parameters under
+    nested modules named like vLLM's."""
+    import torch
+
+    model = torch.nn.Module()
+    for n, t in params.items():
+        mod = model
+        *path, leaf = n.split(".")
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return model
+
+
+def needs_verbs_emulation():
+    """The skip mark of the tests that run the libibverbs emulation (built from rdma-core's
+    headers: conftest's emu_lib)."""
+    import pytest
+
+    return pytest.mark.skipif(
+        not os.path.exists("/usr/include/infiniband/verbs.h"),
+        reason="rdma-core headers (infiniband/verbs.h) missing: the libibverbs emulation is built from them",
+    )
+
+
+def loads(name: str) -> bool:
+    """Whether the shared library `name` loads in this process."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(name)
+        return True
+    except OSError:
+        return False
+
+
+def needs_fabric():
+    """The skip mark of the tests that need the fabric backend (libfabric: tcp and shm)."""
+    import pytest
+    import wxfer
+
+    b = wxfer.backends()["fabric"]
+    return pytest.mark.skipif(not b["available"], reason="fabric backend unavailable: %s" % b["reason"])
+
+
+def connected_pair(request, sizes):
+    """For a fixture parametrized by FABRIC_PROVIDERS: yields (writer Transport, TargetProcess
+    with zeroed buffers of `sizes`) connected over provider request.param; closed after."""
+    from wxfer.testing import connected_fabric
+
+    with connected_fabric(request.param, sizes) as pair:
+        yield pair
+
+
+def run_wxfer(*args, timeout: float, rc: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m wxfer *args` to its end (output captured); its exit status must be rc."""
+    p = subprocess.run([sys.executable, "-m", "wxfer", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert p.returncode == rc, p.stdout[-3000:] + p.stderr[-3000:]
+    return p
+
+
 def python(*args, env: dict, cwd) -> subprocess.Popen:
     """A child `python args...` whose stdout and stderr come back in one text pipe."""
     return subprocess.Popen(

@@ -74,7 +74,10 @@ def test_contexts_built_by_verbs_h_work_through_our_declarations(tmp_path):
         check=True,
         env=build_env(),
     )
-    srcs = [os.path.join(c, p) for p in ("backends/verbs/wx_verbs_dl.c", "core/wx_dl.c", "core/wx_common.c")]
+    srcs = [
+        os.path.join(c, p)
+        for p in ("backends/verbs/wx_verbs_dl.c", "core/wx_dl.c", "core/wx_common.c", "core/wx_param.c")
+    ]
     subprocess.run(
         [
             cc,

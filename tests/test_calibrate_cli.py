@@ -2,12 +2,11 @@
 that the plan CLI and wxfer.plan.calibrate.load take."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from wxfer import _wxfer
+from helpers import run_wxfer  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 
@@ -15,13 +14,7 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 @pytest.mark.timeout(180)
 def test_calibrate_quick_writes_a_calibration_the_plan_cli_takes(tmp_path, capsys):
     out = tmp_path / "cal.json"
-    p = subprocess.run(
-        [sys.executable, "-m", "wxfer", "calibrate", "--quick", "--json", "--device", "cpu", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_wxfer("calibrate", "--quick", "--json", "--device", "cpu", "--out", str(out), timeout=170)
     d = json.loads(p.stdout.strip().splitlines()[-1])
     from wxfer.plan.calibrate import load
 
@@ -93,13 +86,7 @@ def test_calibrate_on_a_gpu(tmp_path):
     """On the H200: the quantizer and the copy on the GPU, writes over cuda_ipc between two
     processes (the same GPU twice when there is one), NCCL all-gather on two GPUs."""
     out = tmp_path / "gpu.json"
-    p = subprocess.run(
-        [sys.executable, "-m", "wxfer", "calibrate", "--quick", "--json", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = run_wxfer("calibrate", "--quick", "--json", "--out", str(out), timeout=230)
     d = json.loads(p.stdout.strip().splitlines()[-1])
     from wxfer.plan.calibrate import load
 

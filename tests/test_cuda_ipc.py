@@ -17,14 +17,9 @@ torch = pytest.importorskip("torch")
 from wxfer import _wxfer  # noqa: E402
 
 
-def _ngpu():
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # broken driver install: treat as no GPU
-        return 0
+from helpers import gpu_count  # noqa: E402 -- tests/helpers.py
 
-
-NGPU = _ngpu()
+NGPU = gpu_count()
 needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 needs_gpu2 = pytest.mark.skipif(NGPU < 2, reason="needs two CUDA GPUs")
 HAS_FP8 = hasattr(torch, "float8_e4m3fn")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from wxfer import _wxfer
+from wxfer.testing import ONE_WORKER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "mapping.md")
@@ -86,10 +87,7 @@ def test_hf_layout_preset_from_the_docs_between_two_processes(store, tmp_path):
             engine.named_parameters(),
             mapping=preset,
             store=addr,
-            replica=0,
-            rank=0,
-            tp=1,
-            replicas=1,
+            **ONE_WORKER,
             name="custom",
             timeout=T,
         )

@@ -25,14 +25,9 @@ CONFIGS = {"dense": TINY, "moe": TINY_MOE}
 BIG = WATERMARK_MODEL
 
 
-def _ngpu():
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001
-        return 0
+from helpers import gpu_count  # noqa: E402 -- tests/helpers.py
 
-
-NGPU = _ngpu()
+NGPU = gpu_count()
 needs_gpu = pytest.mark.skipif(NGPU < 1, reason="needs a CUDA GPU")
 
 

@@ -2,7 +2,6 @@
 way (ctypes loads of the libraries, `fi_info --version`, sysfs, getrlimit, torch on a GPU).
 Runs from the checkout and from the installed wheel (.ci/installed.sh)."""
 
-import ctypes
 import json
 import os
 import re
@@ -14,6 +13,7 @@ import sys
 import pytest
 
 from wxfer.testing import build_env
+from helpers import loads as _loads  # tests/helpers.py
 
 PY = sys.executable
 ROOT = os.environ.get("WXFER_INSTALLED") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,14 +29,6 @@ def _doctor(**env):
         assert c["status"] in ("ok", "missing", "wrong"), c
         assert c["status"] == "ok" or c["fix"], c  # every problem comes with its fix
     return {c["name"]: c for c in checks}
-
-
-def _loads(name):
-    try:
-        ctypes.CDLL(name)
-        return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +51,7 @@ def test_text_output_names_every_check():
         "cuda peer access",
         "transport for cuda",
         "store",
+        "environment",
     ):
         assert re.search(r"^\[(ok|missing|wrong) *\] %s: " % re.escape(name), r.stdout, re.M), (name, r.stdout)
 
@@ -196,3 +189,14 @@ def test_doctor_reports_a_loaded_nvrtc(tmp_path):
     assert nv["loaded"] is True and nv["version"] == "12.9" and nv["path"] == str(lib), nv
     checks = _doctor(WXFER_LIBNVRTC=str(lib))
     assert any("12.9" in json.dumps(c) for c in checks.values()), checks
+
+
+def test_environment_lists_the_variables_set_and_the_unknown_ones():
+    """The C code's variables as its table (csrc/core/wx_param.h) reads them, the Python ones,
+    and a WXFER_* name nothing reads (a typo) named as such."""
+    d = _doctor(WXFER_IFACE="eth9", WXFER_VERIFY="1", WXFER_IFACEE="typo0")
+    env = d["environment"]
+    assert env["status"] == "ok", env
+    assert env["data"]["set"]["WXFER_IFACE"] == "eth9" and env["data"]["set"]["WXFER_VERIFY"] == "1", env
+    assert "WXFER_IFACEE" in env["data"]["unknown"] and "WXFER_IFACEE" not in env["data"]["set"], env
+    assert "WXFER_IFACE=eth9" in env["detail"] and "typo" in env["detail"], env

@@ -2,31 +2,30 @@
 bytes land, odd sizes and offsets, many small tasks, the watermark, refused writes, a
 vanished peer, and the GIL released while waiting."""
 
+import ctypes
 import errno
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
 
-import wxfer
 from wxfer import _wxfer
-from wxfer.testing import TargetProcess, connected_fabric
+from wxfer.testing import TargetProcess
 from wxfer.testing import pattern as rand
+from helpers import FABRIC_PROVIDERS, connected_pair, needs_fabric  # tests/helpers.py
 from wxfer.runtime.trace import held_over_time, to_chrome
 
-PROVIDERS = ["tcp", "shm"]
+PROVIDERS = FABRIC_PROVIDERS
 
-pytestmark = pytest.mark.skipif(
-    not wxfer.backends()["fabric"]["available"],
-    reason="fabric backend unavailable: %s" % wxfer.backends()["fabric"]["reason"],
-)
+pytestmark = needs_fabric()
 
 
 @pytest.fixture(params=PROVIDERS)
 def pair(request):
-    with connected_fabric(request.param, [1 << 20, 3 * 4096 + 17]) as (t, tgt):
-        yield t, tgt
+    yield from connected_pair(request, [1 << 20, 3 * 4096 + 17])
 
 
 def test_odd_sizes_and_unaligned_offsets(pair):
@@ -414,3 +413,28 @@ def test_fence_task_is_posted_after_earlier_writes_and_before_later_ones(pair):
     assert np.array_equal(got0[:big], a) and np.array_equal(got0[big : 2 * big], b)
     assert np.array_equal(np.frombuffer(tgt.read(1), np.uint8)[:8], f)
     eng.close()
+
+
+def test_a_cycle_through_a_tasks_source_is_collected(pair):
+    """Engine is a GC type: it shows the collector the transport and its unreaped tasks'
+    sources (here a buffer exporter), and a cycle engine -> task -> source -> engine is
+    collected (tp_clear closes the engine, which releases the source)."""
+    t, tgt = pair
+
+    class Src(ctypes.c_char * 4096):  # a buffer exporter that can hold attributes
+        pass
+
+    eng = _wxfer.Engine(t)
+    src = Src()
+    src.engine = eng
+    eng.submit(src, [(tgt.descriptors[0], 0, 0, 4096)])
+    deadline = time.monotonic() + 30
+    while eng.stats()["completed"] < 1:  # finished, not reaped (wait() would reap)
+        assert time.monotonic() < deadline, eng.stats()
+        time.sleep(0.01)
+    refs = gc.get_referents(eng)
+    assert t in refs and src in refs, refs
+    gone = weakref.ref(src)
+    del src, eng, refs
+    gc.collect()
+    assert gone() is None

@@ -68,6 +68,50 @@ def test_readme_table_is_generated_from_envs():
     assert listed == set(envs.VARS)
 
 
+GETENV = re.compile(r"\b(?:secure_)?getenv\s*\(")
+
+
+def test_csrc_reads_the_environment_through_its_table_only():
+    """No getenv() in csrc/ but in csrc/core/wx_param.c (the verbs emulation, csrc/testing/, is
+    a separate library with its own WXEMU_* knobs)."""
+    calls = {
+        str(p.relative_to(ROOT)): len(GETENV.findall(p.read_text(errors="replace")))
+        for p in _sources()
+        if p.suffix in (".c", ".h") and GETENV.search(p.read_text(errors="replace"))
+    }
+    assert calls == {"csrc/core/wx_param.c": 1}, f"read these through wx_param.h instead: {calls}"
+
+
+def test_c_table_and_envs_agree():
+    """Every WXFER_* variable of the C table is declared in envs.py as read by C, with the
+    table's type, default and doc, and every variable envs.py says C reads is in the table."""
+    from wxfer import _wxfer
+
+    table = {p["name"]: p for p in _wxfer.params()}
+    assert "WXFER_IFACE" in table and table["WXFER_FABRIC_PROVIDER"]["default"] == "tcp"
+    ours = {n: p for n, p in table.items() if n.startswith("WXFER_")}
+    for name, p in ours.items():
+        v = envs.VARS.get(name)
+        assert v is not None and v.read_by.split(", ")[0] == "C", (name, v)
+        assert (v.type, v.default, v.doc) == (p["type"], p["default"], p["doc"]), (v, p)
+    said_c = {n for n, v in envs.VARS.items() if "C" in v.read_by.split(", ")}
+    assert said_c == set(ours), said_c ^ set(ours)
+    for p in table.values():
+        assert p["type"] in ("flag", "str", "path", "list") and p["doc"] and p["when"] in ("run", "test build"), p
+
+
+def test_c_table_reads_the_environment_as_set(monkeypatch):
+    """params() shows each variable's value now (None when unset): it is read where used, so a
+    change in this process is seen (the fabric defaults are read at each open)."""
+    from wxfer import _wxfer
+
+    monkeypatch.setenv("WXFER_IFACE", "eth7")
+    monkeypatch.delenv("WXFER_LIBNVRTC", raising=False)
+    now = {p["name"]: p["value"] for p in _wxfer.params()}
+    assert now["WXFER_IFACE"] == "eth7" and now["WXFER_LIBNVRTC"] is None
+    assert envs.values()["WXFER_IFACE"] == "eth7"
+
+
 def test_get_reads_declared_names_only(monkeypatch):
     monkeypatch.setenv("WXFER_TRANSPORT", "fabric")
     assert envs.get("WXFER_TRANSPORT", "auto") == "fabric"

@@ -12,23 +12,19 @@ import time
 
 import pytest
 
-import wxfer
 from wxfer import _wxfer
 from wxfer.testing import TargetProcess, connected_fabric
 from wxfer.testing import pattern as rand
+from helpers import FABRIC_PROVIDERS, connected_pair, needs_fabric  # tests/helpers.py
 
-PROVIDERS = ["tcp", "shm"]
+PROVIDERS = FABRIC_PROVIDERS
 
-pytestmark = pytest.mark.skipif(
-    not wxfer.backends()["fabric"]["available"],
-    reason="fabric backend unavailable: %s" % wxfer.backends()["fabric"]["reason"],
-)
+pytestmark = needs_fabric()
 
 
 @pytest.fixture(params=PROVIDERS)
 def pair(request):
-    with connected_fabric(request.param, [1 << 20, 4096]) as (t, tgt):
-        yield t, tgt
+    yield from connected_pair(request, [1 << 20, 4096])
 
 
 def _still_waiting(eng, **kw) -> bool:

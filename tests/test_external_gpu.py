@@ -14,14 +14,9 @@ torch = pytest.importorskip("torch")
 from wxfer import _wxfer  # noqa: E402
 
 
-def _ngpu():
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # broken driver install: treat as no GPU
-        return 0
+from helpers import gpu_count  # noqa: E402 -- tests/helpers.py
 
-
-needs_gpu = pytest.mark.skipif(_ngpu() < 1, reason="needs a CUDA GPU")
+needs_gpu = pytest.mark.skipif(gpu_count() < 1, reason="needs a CUDA GPU")
 SLEEP_CYCLES = int(1e9)  # torch.cuda._sleep: about 0.5 s at 2 GHz
 
 

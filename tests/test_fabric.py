@@ -20,24 +20,21 @@ import time
 import numpy as np
 import pytest
 
-import wxfer
 from wxfer import _wxfer
 from wxfer.testing import build_env
 from wxfer.testing import TargetProcess, connected_fabric
 from wxfer.testing import pattern as rand
+from helpers import FABRIC_PROVIDERS, connected_pair, needs_fabric  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROVIDERS = ["tcp", "shm"]
+PROVIDERS = FABRIC_PROVIDERS
 
-pytestmark = pytest.mark.skipif(
-    not wxfer.backends()["fabric"]["available"],
-    reason="fabric backend unavailable: %s" % wxfer.backends()["fabric"]["reason"],
-)
+pytestmark = needs_fabric()
 
 
 @pytest.fixture(params=PROVIDERS)
 def pair(request):
-    with connected_fabric(request.param, [1 << 20, 9 << 20]) as (t, tgt):
+    for t, tgt in connected_pair(request, [1 << 20, 9 << 20]):
         yield t, tgt, request.param
 
 

@@ -26,14 +26,12 @@ import wxfer
 from wxfer import _wxfer
 from wxfer.runtime.receiver import gpu_memory_options, registration_info
 from wxfer.tools import gpuprobe
+from helpers import needs_verbs_emulation as _verbs_emulation_mark  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 
-needs_verbs_emulation = pytest.mark.skipif(
-    not os.path.exists("/usr/include/infiniband/verbs.h"),
-    reason="rdma-core headers (infiniband/verbs.h) missing: the libibverbs emulation is built from them",
-)
+needs_verbs_emulation = _verbs_emulation_mark()
 needs_testing_build = pytest.mark.skipif(
     not getattr(_wxfer, "TESTING", 0), reason="$WXFER_TEST_GPUREG is read by test builds only (WXFER_TESTING=1)"
 )

@@ -9,7 +9,7 @@ import torch
 
 from wxfer import _wxfer
 from wxfer.models import TINY, preset_for, train_model
-from helpers import joined, receivers_in_threads  # tests/helpers.py
+from helpers import frozen_model, joined, receivers_in_threads  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 T = 30.0
@@ -31,9 +31,7 @@ def test_setup_at_info_and_each_push_at_debug(store, caplog):
     _, addr = store
     caplog.set_level(logging.DEBUG, logger="wxfer")
     params, ths = receivers_in_threads(TINY, addr, "log", 1, None, timeout=T)
-    model = train_model(TINY)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = frozen_model(TINY)
     sender = Sender(model, mapping=preset_for(TINY), store=addr, name="log", timeout=T)
     recvs = joined(ths, T)
     try:
@@ -83,9 +81,7 @@ def test_a_failed_worker_at_warning_and_the_failed_step_at_error(store, caplog):
     _, addr = store
     caplog.set_level(logging.INFO, logger="wxfer")
     params, ths = receivers_in_threads(TINY, addr, "logf", 1, None, timeout=T)
-    model = train_model(TINY)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = frozen_model(TINY)
     sender = Sender(model, mapping=preset_for(TINY), store=addr, name="logf", timeout=T, write_timeout=5)
     (recv,) = joined(ths, T)
     sender.push()

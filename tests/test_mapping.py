@@ -20,19 +20,27 @@ from wxfer.mapping import (
     pack_shard,
     quantize_fp8_block,
 )
+from helpers import small_moe  # tests/helpers.py
 
 
 def _shapes(preset, config=None):
     return {n: s for n, (s, _, _) in preset.hf_params(config).items()}
 
 
-def _assemble(ex, rank, tensors):
-    """Destination parameters of `rank` rebuilt from the reference shard bytes."""
+def assemble_bytes(ex, rank, tensors):
+    """{name: uint8 tensor} of `rank`'s destination parameters, rebuilt from the reference
+    shard bytes (tests/test_mapping_hf5.py uses it too)."""
     out = {n: torch.zeros(p.nbytes, dtype=torch.uint8) for n, p in ex.dest[rank].items()}
     for c in ex.components:
         for s in c.shards:
             if s.rank == rank:
                 out[s.dst][s.offset : s.offset + s.nbytes] = pack_shard(s, tensors)
+    return out
+
+
+def _assemble(ex, rank, tensors):
+    """Destination parameters of `rank` rebuilt from the reference shard bytes."""
+    out = assemble_bytes(ex, rank, tensors)
     return {n: b.view(getattr(torch, ex.dest[rank][n].dtype)).view(ex.dest[rank][n].shape) for n, b in out.items()}
 
 
@@ -157,17 +165,7 @@ def test_mla_fused_qkv_a_scale_offsets_and_fp8_bytes():
 
 def test_experts_tp_sliced_without_ep():
     pre = get_preset("qwen3-30b-a3b")
-    cfg = dict(
-        pre.config,
-        num_hidden_layers=1,
-        num_experts=4,
-        hidden_size=256,
-        moe_intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        vocab_size=256,
-    )
+    cfg = small_moe(pre.config, 4)
     shapes = _shapes(pre, cfg)
     ex = expand(pre.rules, shapes, Layout(tp=2, ep=False, quant="fp8"), cfg)
     assert ex.dest[0]["model.layers.0.mlp.experts.w13_weight"].shape == (4, 256, 256)
@@ -259,17 +257,7 @@ def test_piece_and_experts_rule_are_declarative():
 @pytest.mark.parametrize("ep", [True, False])
 def test_expert_grouping_changes_no_byte(ep):
     pre = get_preset("qwen3-30b-a3b")
-    cfg = dict(
-        pre.config,
-        num_hidden_layers=1,
-        num_experts=6,
-        hidden_size=256,
-        moe_intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        vocab_size=256,
-    )
+    cfg = small_moe(pre.config, 6)
     shapes = _shapes(pre, cfg)
     t = _rand_tensors(shapes, 5)
     one = expand(pre.rules, shapes, Layout(tp=2, ep=ep, quant="fp8", expert_group=1), cfg)

@@ -19,6 +19,7 @@ from wxfer.mapping import (
     quantize_fp8_block,
 )
 from wxfer.runtime import prepare
+from test_mapping import assemble_bytes  # tests/test_mapping.py
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,13 +91,7 @@ def _split(fused):
     return out
 
 
-def _assemble(ex, rank, tensors):
-    out = {n: torch.zeros(p.nbytes, dtype=torch.uint8) for n, p in ex.dest[rank].items()}
-    for c in ex.components:
-        for s in c.shards:
-            if s.rank == rank:
-                out[s.dst][s.offset : s.offset + s.nbytes] = pack_shard(s, tensors)
-    return out
+_assemble = assemble_bytes
 
 
 @pytest.mark.parametrize("arch", sorted(CFGS))

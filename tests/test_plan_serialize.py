@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from wxfer.meta import Cluster
 from wxfer.plan import Plan, plan_for
 from wxfer.plan.serialize import MAGIC, VERSION, _HEAD
+from helpers import small_moe  # tests/helpers.py
 
 COLS = ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset")
 
@@ -30,17 +31,7 @@ def plan():
     from wxfer.mapping import get_preset
 
     pre = get_preset("qwen3-30b-a3b")
-    pre.config = dict(
-        pre.config,
-        num_hidden_layers=2,
-        num_experts=8,
-        hidden_size=256,
-        moe_intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        vocab_size=512,
-    )
+    pre.config = small_moe(pre.config, 8, layers=2, vocab=512)
     p = plan_for(pre, c)
     p.descriptors[(3, p.names[0])] = b"\x00addr\xff"
     return p

@@ -3,7 +3,6 @@ carries its own declarations (csrc/core/wx_*_abi.h) and decides availability at 
 .ci/installed.sh runs this against the manylinux wheel built with the -dev headers hidden
 (.ci/wheel.sh), with WXFER_WHEEL_GLIBC=2.28 (the most recent glibc symbol version allowed)."""
 
-import ctypes
 import glob
 import os
 import re
@@ -14,6 +13,7 @@ import sys
 import pytest
 
 import wxfer
+from helpers import loads as _loads  # tests/helpers.py
 
 PY = sys.executable
 ROOT = os.environ.get("WXFER_INSTALLED") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,14 +23,6 @@ def _ext():
     from wxfer import _wxfer
 
     return _wxfer.__file__
-
-
-def _loads(name):
-    try:
-        ctypes.CDLL(name)
-        return True
-    except OSError:
-        return False
 
 
 def test_no_backend_is_compiled_out():

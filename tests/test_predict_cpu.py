@@ -9,12 +9,11 @@ term (the host per task, the quantizer, the write path) or a calibration of the 
 dtype falls outside it."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from wxfer import _wxfer
+from helpers import run_wxfer  # tests/helpers.py
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 
@@ -41,13 +40,7 @@ def test_calibrated_on_one_model_predicts_a_push_of_another_within_2x(tmp_path):
     from wxfer.runtime import control
 
     path = tmp_path / "cal.json"
-    p = subprocess.run(
-        [sys.executable, "-m", "wxfer", "calibrate", "--quick", "--json", "--device", "cpu", "--out", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    run_wxfer("calibrate", "--quick", "--json", "--device", "cpu", "--out", str(path), timeout=170)
     cal = load(str(path))
     probes = json.loads(path.read_text())["measured"]["host_probes"]
     torch.set_num_threads(1)  # as calibrate measured (one rank per core)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from wxfer import _wxfer
+from wxfer.testing import ONE_WORKER
 from wxfer.runtime import control
 from wxfer.runtime.control import SetupError
 from wxfer.models import TINY, train_model, inference_params, preset_for
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 T = 30.0
 
 
-from helpers import expected_shards, joined, receivers_in_threads  # noqa: E402 -- tests/helpers.py
+from helpers import expected_shards, joined, module_with, receivers_in_threads  # noqa: E402 -- tests/helpers.py
 from wxfer.testing import in_thread as _in_thread  # noqa: E402
 
 
@@ -123,10 +124,7 @@ def test_a_parameter_over_the_watermark_is_named_at_setup(store):
         params,
         mapping=preset_for(TINY).name,
         store=addr,
-        replica=0,
-        rank=0,
-        tp=1,
-        replicas=1,
+        **ONE_WORKER,
         name="wmw",
         timeout=T,
     )
@@ -225,16 +223,8 @@ def test_vllm_worker_extension_builds_the_receiver(monkeypatch):
             seen["closed"] = True
 
     monkeypatch.setattr(wxfer.runtime.receiver, "Receiver", FakeReceiver)
-    model = torch.nn.Module()
     holder = inference_params(TINY, 2, 1)
-    for n, t in holder.items():  # nested modules named like vLLM's
-        mod = model
-        *path, leaf = n.split(".")
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    model = module_with(holder)  # nested modules named like vLLM's
 
     class Worker(WxferWorkerExtension):
         def _vllm_parallel_info(self):

@@ -6,7 +6,6 @@ Real receiver processes over fabric tcp."""
 
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -25,19 +24,12 @@ T = 30.0
 SECRET = "0123456789abcdef-job-secret"
 sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
-from test_faults import _expected, _reap  # noqa: E402
+from test_faults import _expected, _reap, _spawn as _spawn_worker  # noqa: E402
 
 
 def _spawn(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT, WXFER_FABRIC_PROVIDER="tcp", WXFER_SECRET=SECRET)
-    return subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "fault_worker.py")] + [str(a) for a in args],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    """A fault_worker.py process (test_faults') with the job secret set."""
+    return _spawn_worker(*args, WXFER_SECRET=SECRET)
 
 
 def _wait_registered(s, name, procs):

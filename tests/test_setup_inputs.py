@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from wxfer import _wxfer
-from wxfer.models import TINY, inference_params, preset_for, train_model
+from wxfer.models import TINY, inference_params, preset_for
 from wxfer.runtime.receiver import Receiver
 from wxfer.testing import in_thread
-from helpers import expected_shards, joined  # tests/helpers.py
+from helpers import expected_shards, frozen_model, joined  # tests/helpers.py
 
 FABRIC = _wxfer.backends()["fabric"][0]
 T = 30.0
@@ -69,9 +69,7 @@ def test_a_parameter_of_no_elements_is_left_out_and_the_model_served(store):
 
     _, addr = store
     torch.manual_seed(0)
-    model = train_model(TINY)
-    for p in model.parameters():
-        p.requires_grad_(False)
+    model = frozen_model(TINY)
     expected = expected_shards(model, TINY)
     zero = torch.nn.Parameter(torch.zeros(0, 4, dtype=torch.bfloat16), requires_grad=False)
     model.model.layers[0].mlp.register_parameter("empty_bias", zero)

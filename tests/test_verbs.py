@@ -171,30 +171,23 @@ def _run_py(emu_lib, code, timeout=120, **env):
     return r.stdout
 
 
-def test_selftest_emulated_json(emu_lib):
+def _selftest(*args, env=None, rc=0, timeout=300):
+    """`python -m wxfer selftest --transport verbs --json *args`: its exit status must be rc;
+    (the JSON result of its last line, all it printed)."""
     r = subprocess.run(
-        [
-            PY,
-            "-m",
-            "wxfer",
-            "selftest",
-            "--transport",
-            "verbs",
-            "--emulated",
-            "--json",
-            "--size",
-            "8MiB",
-            "--iters",
-            "2",
-        ],
-        env=_env(emu_lib),
+        [PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--json", *args],
+        env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
     )
-    assert r.returncode == 0, r.stdout + r.stderr
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == rc, r.stdout + r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stdout + r.stderr
+
+
+def test_selftest_emulated_json(emu_lib):
+    res, _ = _selftest("--size", "8MiB", "--iters", "2", env=_env(emu_lib), timeout=180)
     assert res["transport"] == "verbs" and res["verified"] is True
     assert res["bytes"] == 8 << 20 and res["gbps"] > 0
     assert res["registration"] == "host" and res["emulated"] is True
@@ -529,15 +522,7 @@ def test_python_registration_is_cached(emu_lib):
 @pytest.mark.rdma
 def test_real_device_selftest():
     """On a machine with an RDMA device: the self-test through the real libibverbs."""
-    r = subprocess.run(
-        [PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--json", "--size", "64MiB"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res, _ = _selftest("--size", "64MiB")
     assert res["verified"] and not res["emulated"]
 
 
@@ -548,31 +533,14 @@ def test_real_device_selftest():
 @pytest.mark.gpu
 @pytest.mark.rdma
 def test_real_device_gpu_selftest():
-    r = subprocess.run(
-        [PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--gpu", "--json", "--size", "256MiB"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res, _ = _selftest("--gpu", "--size", "256MiB")
     assert res["verified"] and res["registration"] in ("dmabuf", "peermem")
 
 
 def test_selftest_without_devices_reports_why(emu_lib):
-    r = subprocess.run(
-        [PY, "-m", "wxfer", "selftest", "--transport", "verbs", "--json", "--size", "1MiB"],
-        env=_env(emu_lib, WXEMU_VERBS_DEVICES="0"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 1, r.stdout + r.stderr
-    res = json.loads(r.stdout.strip().splitlines()[-1])
+    res, printed = _selftest("--size", "1MiB", env=_env(emu_lib, WXEMU_VERBS_DEVICES="0"), rc=1, timeout=120)
     assert res["verified"] is False and "no RDMA devices" in res["error"]
-    assert "Traceback" not in r.stdout + r.stderr
+    assert "Traceback" not in printed
 
 
 def test_trainer_iface_variable_reaches_fabric_only(emu_lib):

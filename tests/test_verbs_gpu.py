@@ -17,14 +17,12 @@ import textwrap
 
 import pytest
 
+from helpers import needs_verbs_emulation  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists("/usr/include/infiniband/verbs.h"),
-    reason="rdma-core headers (infiniband/verbs.h) missing: the libibverbs emulation is built from them",
-)
+pytestmark = needs_verbs_emulation()
 
 
 def _child(emu_lib, code, timeout=90, **env):

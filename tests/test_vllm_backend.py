@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from helpers import module_with  # tests/helpers.py
 from wxfer.integrations.vllm import engine as E
 from wxfer.integrations.vllm.layout import expected_destinations, proof_digests, refusals, select_parameters
 from wxfer.mapping import Fuse, Preset, from_config, router_quantized
@@ -101,16 +102,7 @@ class FakeReceiver:
 
 
 def _model(cfg, tp, rank):
-    model = torch.nn.Module()
-    for n, t in inference_params(cfg, tp, rank).items():
-        mod = model
-        *path, leaf = n.split(".")
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, torch.nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
-    return model
+    return module_with(inference_params(cfg, tp, rank))
 
 
 class Worker(E.WorkerSide):

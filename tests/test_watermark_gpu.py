@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from wxfer.models import train_model
+from wxfer.testing import ONE_WORKER
 from wxfer.models.infer import inference_params, preset_for
 from wxfer.models import TINY
 
@@ -41,10 +42,7 @@ def _receiver(addr, name, q_in, q_out):
             params,
             mapping=preset_for(CONFIG).name,
             store=addr,
-            replica=0,
-            rank=0,
-            tp=1,
-            replicas=1,
+            **ONE_WORKER,
             name=name,
             timeout=T,
         )

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from wxfer import _wxfer
+from wxfer.testing import ONE_WORKER
 from wxfer.mapping import Layout, Piece, Shard, expand, pack_shard, pack_task
 from wxfer.models import TINY_MOE, inference_params, preset_for, train_model
 from wxfer.runtime import prepare, program
@@ -309,10 +310,7 @@ def _gpu_receiver(addr, name, q_in, q_out):
             params,
             mapping=preset_for(TINY_MOE).name,
             store=addr,
-            replica=0,
-            rank=0,
-            tp=1,
-            replicas=1,
+            **ONE_WORKER,
             name=name,
             timeout=T,
             verify=True,

@@ -1,8 +1,10 @@
 """Every ``WXFER_*`` environment variable wxfer reads, in one place: its type, default, who
 reads it and what it does.  Python code reads them through ``get`` (a name not declared here is
-an error); the C extension reads its own with getenv() and is declared here too.
-tests/test_envs.py checks that every ``WXFER_*`` name in wxfer/, csrc/ and setup.py is declared
-and that README's table is ``markdown_table()`` (``python -m wxfer.envs`` prints it).
+an error).  The C extension reads its own through one table, csrc/core/wx_param.h, which it
+exposes as ``_wxfer.params()``: their rows here (``_c``) take type, default and doc from it.
+tests/test_envs.py checks that every ``WXFER_*`` name in wxfer/, csrc/ and setup.py is declared,
+that csrc/ calls getenv() only in that table's file, and that README's table is
+``markdown_table()`` (``python -m wxfer.envs`` prints it).
 
 Not declared (the rule): names used only by the test suite, the benchmarks, the Makefile or the
 verbs emulation (tests/, benchmarks/, csrc/testing/, ``WXEMU_*``)."""
@@ -23,25 +25,34 @@ class Var:
     when: str = "run"  # run: at run time; build: by setup.py; test build: WXFER_TESTING=1 builds only
 
 
+def _native_table() -> dict:
+    """The C table (csrc/core/wx_param.h) by name; empty where the extension is not built."""
+    try:
+        from . import _wxfer
+    except ImportError:
+        return {}
+    return {p["name"]: p for p in _wxfer.params()}
+
+
+NATIVE = _native_table()
+
+
+def _c(name: str, also: str = "", when: str = "") -> Var:
+    """The row of a variable the C code reads, from its table; `also`: who else reads it."""
+    read_by = "C, " + also if also else "C"
+    p = NATIVE.get(name)
+    if p is None:  # no extension: the name is all this side knows
+        return Var(name, "str", "see csrc/core/wx_param.h", read_by, "read by the C extension", when or "run")
+    return Var(name, p["type"], p["default"], read_by, p["doc"], when or p["when"])
+
+
 _VARS = (
     # transports and the store (Python: Sender / Receiver setup)
     Var("WXFER_TRANSPORT", "choice", "auto", "Python", "the backend for transport=\"auto\": cuda_ipc, verbs or fabric"),
-    Var(
-        "WXFER_FABRIC_PROVIDER",
-        "str",
-        "tcp",
-        "C",
-        "the fabric backend's provider when none is given (a Receiver publishes it; its Senders open with it)",
-    ),
-    Var(
-        "WXFER_IFACE",
-        "str",
-        "lo for tcp",
-        "C",
-        "the fabric backend's iface (the job's NIC) when none is given; verbs and cuda_ipc have no such option",
-    ),
-    Var("WXFER_FABRIC_IFACE", "str", "unset", "C", "the older name of WXFER_IFACE, read when that is unset"),
-    Var("WXFER_IB_DEVICES", "list", "automatic", "C", "RDMA devices to use (mlx5_0,mlx5_1:1) or exclude (^mlx5_2)"),
+    _c("WXFER_FABRIC_PROVIDER"),
+    _c("WXFER_IFACE"),
+    _c("WXFER_FABRIC_IFACE"),
+    _c("WXFER_IB_DEVICES"),
     Var("WXFER_STORE", "str", "MASTER_ADDR:WXFER_STORE_PORT", "Python", "the rendezvous store, host:port"),
     Var("WXFER_STORE_PORT", "int", "29650", "Python", "the store's port when WXFER_STORE is unset"),
     Var("WXFER_STORE_BIND", "str", "the store's host if an IP", "Python", "the address rank 0's store listens on"),
@@ -60,13 +71,11 @@ _VARS = (
     Var("WXFER_COPY", "choice", "native", "Python", "the batched copy: native (copies.COPIER's) or torch"),
     Var("WXFER_FP8", "choice", "native", "Python", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
     # libraries (dlopened by the C extension)
-    Var("WXFER_LIBCUDA", "path", "libcuda.so.1", "C, Python", "the CUDA driver library"),
-    Var("WXFER_LIBFABRIC", "path", "libfabric.so.1", "C", "the libfabric library"),
-    Var("WXFER_LIBIBVERBS", "path", "libibverbs.so.1", "C", "the libibverbs library (tests: the emulation)"),
-    Var("WXFER_LIBNVRTC", "path", "searched", "C", "the NVRTC library (when set, only it)"),
-    Var(
-        "WXFER_DEBUG", "flag", "off", "C, setup.py", "run time: native debug log on stderr; build: -O0 -g", "run, build"
-    ),
+    _c("WXFER_LIBCUDA"),
+    _c("WXFER_LIBFABRIC"),
+    _c("WXFER_LIBIBVERBS"),
+    _c("WXFER_LIBNVRTC"),
+    _c("WXFER_DEBUG", also="setup.py", when="run, build"),
     # tools and integrations
     Var("WXFER_VLLM_CPU_KEEP_WEIGHTS", "flag", "off", "Python", "the vLLM plugin keeps CPU weights (=1)"),
     Var(
@@ -91,7 +100,7 @@ _VARS = (
         "also build the benchmarks' kernel variants (_wxfer.kernel_sweep; bench_quant/bench_copies --variants)",
         "build",
     ),
-    Var("WXFER_TEST_GPUREG", "str", "unset", "C", "override the verbs GPU-registration facts", "test build"),
+    _c("WXFER_TEST_GPUREG"),
 )
 
 VARS: dict = {v.name: v for v in _VARS}
@@ -103,6 +112,18 @@ def get(name: str, fallback: str | None = None) -> str | None:
     if name not in VARS:
         raise KeyError(f"wxfer.envs: {name} is not declared in wxfer/envs.py")
     return os.environ.get(name, fallback)
+
+
+def values() -> dict:
+    """{name: value} of the declared variables set now (those the C code reads, as its table
+    sees them)."""
+    native = _native_table()
+    out = {}
+    for v in _VARS:
+        value = native[v.name]["value"] if v.name in native else os.environ.get(v.name)
+        if value is not None:
+            out[v.name] = value
+    return out
 
 
 def markdown_table() -> str:

@@ -4,6 +4,12 @@
 zeroed buffer per size with the transport, exports them, and then only answers requests
 from this process: the connection handshake, and reading its buffers back to check what
 landed. It runs no code per write.
+
+The tools' helper processes (``python -m wxfer selftest``, its verbs form, ``calibrate``) speak
+one pipe protocol, written here once: the child sends ("ready", ...) once set up, or
+("error", text); then it answers each request (op, *args) -- ("accept", request) with
+("reply", its transport's answer), the others with its own handlers -- until ("exit",).
+``spawn_helper``, ``expect`` and ``connect_helper`` are the parent's side, ``serve`` the child's.
 """
 
 from __future__ import annotations
@@ -12,6 +18,10 @@ import contextlib
 import multiprocessing as mp
 
 TIMEOUT = 60.0
+
+
+# Receiver's placement keywords for a job's only inference worker (replica 0 of 1, rank 0, tp 1)
+ONE_WORKER = dict(replica=0, rank=0, tp=1, replicas=1)
 
 
 def pattern(size: int, seed: int):
@@ -72,6 +82,55 @@ def stop_process(conn, proc) -> None:
     if proc.is_alive():
         proc.kill()
         proc.join(5)
+
+
+def spawn_helper(target, *args):
+    """(the parent's pipe end, the started process) of target(the child's end, *args), spawned."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    return parent, proc
+
+
+def expect(conn, what: str, who: str, timeout: float = TIMEOUT):
+    """The helper's next message, which must be `what`: its ("error", text) is raised as a
+    RuntimeError, silence past `timeout` seconds as a TimeoutError; `who` names the tool."""
+    if not conn.poll(timeout):
+        raise TimeoutError("%s: the helper process did not answer %r within %.0f s" % (who, what, timeout))
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError("%s: the helper process failed: %s" % (who, msg[1]))
+    if msg[0] != what:
+        raise RuntimeError("%s: expected %r from the helper process, got %r" % (who, what, msg[0]))
+    return msg
+
+
+def connect_helper(t, conn, export_blob: bytes, who: str) -> int:
+    """Connect transport ``t`` to the helper process that exported ``export_blob``, the
+    handshake over its pipe; the peer id."""
+    peer, req = t.connect_request(export_blob)
+    if req:
+        conn.send(("accept", req))
+        rep = expect(conn, "reply", who)[1]
+    else:
+        rep = b""
+    t.connect_finish(peer, rep)
+    return peer
+
+
+def serve(conn, t, handlers: dict, timeout: float = TIMEOUT) -> None:
+    """The helper's loop once it sent ("ready", ...): ("accept", request) is answered with
+    ("reply", t.accept(request)), each other (op, *args) with handlers[op](*args), a failure
+    with ("error", text), until ("exit",) or `timeout` seconds without a request."""
+    while conn.poll(timeout):
+        op, *args = conn.recv()
+        if op == "exit":
+            break
+        try:
+            conn.send(("reply", t.accept(args[0])) if op == "accept" else handlers[op](*args))
+        except Exception as e:  # noqa: BLE001 -- reported to the parent
+            conn.send(("error", "%s: %s" % (type(e).__name__, e)))
 
 
 def _serve(conn, transport, options, sizes, device="cpu"):

@@ -1,5 +1,6 @@
 /* wx_common.c - error messages, clock, options. */
 #include "wx_common.h"
+#include "wx_param.h"
 
 #include <ctype.h>
 #include <stdarg.h>
@@ -48,10 +49,8 @@ void wx_debugf(const char *fmt, ...)
 {
     static int enabled = -1;
     va_list ap;
-    if (enabled < 0) {
-        const char *e = getenv("WXFER_DEBUG");
-        enabled = e && *e && strcmp(e, "0") != 0;
-    }
+    if (enabled < 0)
+        enabled = wx_param_flag(WX_P_DEBUG);
     if (!enabled)
         return;
     fprintf(stderr, "[wxfer %llu] ", (unsigned long long)(wx_now_ns() / 1000));

@@ -35,12 +35,10 @@ void wx_sigs_quiet_env(void)
     setenv("HFI_NO_BACKTRACE", "1", 0);   /* libpsm2 */
 }
 
-void *wx_dl_open(const char *env, const char *dflt, char *why, size_t why_len)
+void *wx_dl_open(wx_param_id_t lib, char *why, size_t why_len)
 {
-    const char *path = env ? getenv(env) : NULL;
+    const char *path = wx_param_str(lib);
     void *h;
-    if (!path || !*path)
-        path = dflt;
     wx_sigs_t sigs;
     wx_sigs_quiet_env();
     wx_sigs_save(&sigs);

@@ -12,6 +12,8 @@
 #include <signal.h>
 #include <stddef.h>
 
+#include "wx_param.h"
+
 /* Every signal disposition of the process, saved so that a foreign library that installs
  * its own handlers (Debian's libfabric pulls in libinfinipath, which takes SIGINT, SIGTERM,
  * SIGSEGV, SIGABRT, SIGBUS and SIGILL) leaves the process as it found it. */
@@ -29,9 +31,10 @@ void wx_sigs_restore(const wx_sigs_t *s);
  * (IPATH_NO_BACKTRACE, HFI_NO_BACKTRACE); set to 1 unless the user set them. */
 void wx_sigs_quiet_env(void);
 
-/* dlopen `env` or else `dflt`; on failure fill why and return NULL.  The signal
- * dispositions are saved before and restored after (wx_sigs_t). */
-void *wx_dl_open(const char *env, const char *dflt, char *why, size_t why_len);
+/* dlopen the library the path parameter `lib` names (wx_param.h: WX_P_LIBCUDA and the like, else its
+ * default); on failure fill why and return NULL.  The signal dispositions are saved before and
+ * restored after (wx_sigs_t). */
+void *wx_dl_open(wx_param_id_t lib, char *why, size_t why_len);
 /* dlsym `name` into *slot; on failure fill why (naming the symbol) and return -ENOENT. */
 int wx_dl_sym(void *lib, const char *libname, const char *name, void **slot, char *why,
               size_t why_len);

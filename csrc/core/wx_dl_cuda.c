@@ -27,7 +27,7 @@ static int wx__cuda_ok;
 
 static void wx__cuda_load(void)
 {
-    void *lib = wx_dl_open("WXFER_LIBCUDA", "libcuda.so.1", wx__cuda_why, sizeof wx__cuda_why);
+    void *lib = wx_dl_open(WX_P_LIBCUDA, wx__cuda_why, sizeof wx__cuda_why);
     CUresult r;
     if (!lib)
         return;

@@ -11,6 +11,7 @@
 
 #include "wx_dl.h"
 #include "wx_dl_cuda.h"
+#include "wx_param.h"
 
 static wx_nvrtc_api_t wx__nvrtc;
 static pthread_mutex_t wx__nvrtc_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -86,7 +87,7 @@ static int wx__try(const char *path, char *tried, size_t tried_len)
 static void wx__nvrtc_load(const char *const *dirs, int ndirs)
 {
     char tried[768] = "", hint[512], path[1024];
-    const char *env = getenv("WXFER_LIBNVRTC"), *home = getenv("CUDA_HOME");
+    const char *env = wx_param_str(WX_P_LIBNVRTC), *home = wx_param_str(WX_P_CUDA_HOME);
     int major = wx__cuda_hint(hint, sizeof hint);
     int majors[2] = {13, 12};
     if (env && *env) {

@@ -19,8 +19,10 @@
  * read twice (amax, then quantize) to keep registers low. The amax is taken on the raw bits
  * (|x| of IEEE formats orders like an unsigned integer, NaN above inf), reduced by warp and
  * through shared memory; 16-bit sources are divided by the exact fast division (wx_div_fast).
- * This is variant v6 of the nine measured (benchmarks/kernels/sweep_fp8_kernel.cu keeps them
- * all for benchmarks/bench_quant.py --variants; docs/prepare.md).
+ * This is variant v6 of the nine measured (docs/prepare.md). benchmarks/kernels/
+ * sweep_fp8_kernel.cu builds all nine from this file for benchmarks/bench_quant.py --variants:
+ * it sets the WX_* switches below (#ifndef here: the values that follow are the product's) and
+ * WX_FP8_TILES_ONLY, which leaves out this file's loop (wx_fp8_pipe.cu) for the variant's own.
  */
 
 typedef unsigned int wx_u32;
@@ -40,9 +42,18 @@ struct wx_fp8_piece {
 };
 
 #define WX_TILE 128
+#ifndef WX_THREADS
 #define WX_THREADS 256 /* = WX__THREADS in wx_fp8.c */
-#define WX_MINB 2      /* resident CTAs per SM (= WX__CTAS_PER_SM in wx_fp8.c) */
-#define WX_K 2         /* adjacent 16-byte source chunks per thread and row */
+#endif
+#ifndef WX_MINB
+#define WX_MINB 2 /* resident CTAs per SM (= WX__CTAS_PER_SM in wx_fp8.c) */
+#endif
+#ifndef WX_K
+#define WX_K 2 /* adjacent 16-byte source chunks per thread and row (the sweep: 1 or 2) */
+#endif
+#ifndef WX_FASTDIV
+#define WX_FASTDIV 1 /* 16-bit sources divided by wx_div_fast (the sweep's v0: div.rn only) */
+#endif
 #define WX_WARPS (WX_THREADS / 32)
 
 __device__ __forceinline__ float wx_f16_to_f32(wx_u32 h)
@@ -113,14 +124,14 @@ template <int ES> __device__ __forceinline__ wx_divisor wx_divisor_of(float s)
 {
     wx_divisor d;
     d.s = s;
-    d.fast = ES == 2 && s <= 3.40282347e38f;
+    d.fast = WX_FASTDIV && ES == 2 && s <= 3.40282347e38f;
     d.r = d.fast ? wx_rcp_rn(s) : 0.0f;
     return d;
 }
 
 __device__ __forceinline__ float wx_div(float a, const wx_divisor &d)
 {
-    return d.fast ? wx_div_fast(a, d.s, d.r) : wx_div_rn(a, d.s);
+    return (WX_FASTDIV && d.fast) ? wx_div_fast(a, d.s, d.r) : wx_div_rn(a, d.s);
 }
 
 /* Two e4m3 bytes: lo goes to the low byte. satfinite clamps to +-448 exactly as the
@@ -399,13 +410,17 @@ __device__ __forceinline__ void wx_tile16(const wx_job &j, const uint4 *v, wx_u3
 #pragma unroll
     for (int p = 0; p < wx_g16::NP; p++) {
         const int row = p * wx_g16::RPP + row0;
-        wx_u64 a = wx_quant<2, DT>(v[2 * p], dv), b = wx_quant<2, DT>(v[2 * p + 1], dv);
-        if (v16 && row < j.nr && col + 16 <= j.nc) {
-            *(uint4 *)(j.dst + (wx_i64)row * j.pitch + col) =
-                make_uint4((wx_u32)a, (wx_u32)(a >> 32), (wx_u32)b, (wx_u32)(b >> 32));
-        } else {
-            wx_store<2>(j.dst, j.pitch, row, col, j.nr, j.nc, v8, a);
-            wx_store<2>(j.dst, j.pitch, row, col + 8, j.nr, j.nc, v8, b);
+        if (WX_K == 2) {
+            wx_u64 a = wx_quant<2, DT>(v[2 * p], dv), b = wx_quant<2, DT>(v[2 * p + 1], dv);
+            if (v16 && row < j.nr && col + 16 <= j.nc) {
+                *(uint4 *)(j.dst + (wx_i64)row * j.pitch + col) =
+                    make_uint4((wx_u32)a, (wx_u32)(a >> 32), (wx_u32)b, (wx_u32)(b >> 32));
+            } else {
+                wx_store<2>(j.dst, j.pitch, row, col, j.nr, j.nc, v8, a);
+                wx_store<2>(j.dst, j.pitch, row, col + 8, j.nr, j.nc, v8, b);
+            }
+        } else { /* the sweep's v2: one chunk a thread and row */
+            wx_store<2>(j.dst, j.pitch, row, col, j.nr, j.nc, v8, wx_quant<2, DT>(v[p], dv));
         }
     }
 }
@@ -430,4 +445,6 @@ __device__ __forceinline__ void wx_tile32(const wx_job &j, wx_u32 *red)
     }
 }
 
+#ifndef WX_FP8_TILES_ONLY
 #include "wx_fp8_pipe.cu"
+#endif

@@ -9,6 +9,7 @@
 
 #include "sweep_fp8_kernel_src.h" /* benchmarks/kernels/sweep_fp8_kernel.cu, by setup.py */
 #include "sweep_fp8_pipe_src.h"
+#include "wx_fp8_kernel_src.h" /* the product kernel, whose tile code the sweep's includes */
 #include "wx_copy_kernel_src.h"
 
 static pthread_mutex_t wx__mu = PTHREAD_MUTEX_INITIALIZER;
@@ -27,9 +28,11 @@ static void wx__fp8_cfg(int v, int minb)
     s->what = "the FP8 sweep kernel";
     s->file = "sweep_fp8_kernel.cu";
     s->src = sweep_fp8_kernel_src;
-    s->nhdr = 1;
+    s->nhdr = 2;
     s->hdr_name[0] = "sweep_fp8_pipe.cu";
     s->hdr_src[0] = sweep_fp8_pipe_src;
+    s->hdr_name[1] = "wx_fp8_kernel.cu";
+    s->hdr_src[1] = wx_fp8_kernel_src;
     s->opt[n++] = "--fmad=false";
     snprintf(wx__opt[0], sizeof wx__opt[0], "-DWX_VARIANT=%d", v);
     s->opt[n++] = wx__opt[0];

@@ -344,10 +344,11 @@ static PyMethodDef wx_methods[] = {
      "transport of this build (None for one compiled out), as each backend declares it; no "
      "probe runs."},
     {"decode_descriptor", wx_decode_descriptor, METH_O,
-     "decode_descriptor(bytes) -> dict; raises Error on truncated/garbage/wrong-version input."},
+     "decode_descriptor(blob) -> dict; raises Error on truncated/garbage/wrong-version input."},
     {"decode_export", wx_decode_export, METH_O,
-     "decode_export(bytes) -> dict with the owner's address and its exported regions."},
-    {"parse_size", wx_parse_size_py, METH_O, "parse_size('64MiB') -> 67108864"},
+     "decode_export(blob) -> dict with the owner's address and its exported regions."},
+    {"parse_size", wx_parse_size_py, METH_O,
+     "parse_size(text) -> bytes: parse_size('64MiB') -> 67108864"},
     {"fabric_probe", wx_fabric_probe_py, METH_NOARGS,
      "fabric_probe() -> JSON text: the installed libfabric's version and its providers for "
      "one-sided writes, each with whether it offers FI_HMEM (device memory)."},
@@ -422,8 +423,17 @@ static int wx_clear(PyObject *m)
 
 static void wx_free(void *m) { wx_clear((PyObject *)m); }
 
+/* Free-threaded CPython (3.13t+): the module says it needs the GIL, so importing it there turns
+ * the GIL back on (with a RuntimeWarning). What relies on it: the Python-side state of
+ * Transport, Engine, Region and Prepared (an engine's owner list, a transport's engine count
+ * and parked engines, lazily built descriptors) is changed by their methods with no lock of
+ * its own. What does not: the native engine, transports and their threads lock their own
+ * state and never call the Python API (DESIGN.md section 4). */
 static PyModuleDef_Slot wx_slots[] = {
     {Py_mod_exec, wx_exec},
+#ifdef Py_mod_gil
+    {Py_mod_gil, Py_MOD_GIL_USED},
+#endif
     {0, NULL},
 };
 

@@ -9,6 +9,7 @@
 #include "wx_dl_cuda.h"
 #include "wx_dl_nvrtc.h"
 #include "wx_fabric_dl.h"
+#include "wx_param.h"
 #include "wx_verbs_dl.h"
 
 #define WX__PROVS_MAX 512 /* fi_getinfo entries kept (one per provider, domain and variant) */
@@ -69,7 +70,7 @@ fail:
     return NULL;
 }
 
-/* {"loaded", "why", "path", "emulated", "devices": [names]} */
+/* {"loaded", "why", "path", "emulated", "devices": [names], "reg_dmabuf_mr"} */
 static PyObject *wx__verbs_info(void)
 {
     char why[320] = "";
@@ -95,12 +96,13 @@ static PyObject *wx__verbs_info(void)
     }
     if (devs)
         v->free_device_list(devs);
-    return Py_BuildValue("{sOsssssOsN}", "loaded", Py_True, "why", "", "path", v->path, "emulated",
-                         v->emulated ? Py_True : Py_False, "devices", names);
+    return Py_BuildValue("{sOsssssOsNsO}", "loaded", Py_True, "why", "", "path", v->path,
+                         "emulated", v->emulated ? Py_True : Py_False, "devices", names,
+                         "reg_dmabuf_mr", v->reg_dmabuf_mr ? Py_True : Py_False);
 }
 
 /* {"loaded", "why", "driver_version", "devices": [{"name", "pci", "dmabuf", "cc"}],
- *  "peer": [[bool]]} */
+ *  "peer": [[bool]], "get_handle": cuMemGetHandleForAddressRange is there} */
 static PyObject *wx__cuda_info(void)
 {
     char why[320] = "";
@@ -151,8 +153,9 @@ static PyObject *wx__cuda_info(void)
         }
         Py_DECREF(row);
     }
-    return Py_BuildValue("{sOsssisNsN}", "loaded", Py_True, "why", "", "driver_version", drv,
-                         "devices", devs, "peer", peer);
+    return Py_BuildValue("{sOsssisNsNsO}", "loaded", Py_True, "why", "", "driver_version", drv,
+                         "devices", devs, "peer", peer, "get_handle",
+                         cu->cuMemGetHandleForAddressRange ? Py_True : Py_False);
 fail:
     Py_XDECREF(devs);
     Py_XDECREF(peer);
@@ -210,7 +213,31 @@ static PyObject *wx_libraries_py(PyObject *m, PyObject *args)
                          WX_FI_ABI_CHECKED, "abi_cuda", WX_CUDA_ABI_CHECKED);
 }
 
+/* (({name, type, default, when, doc, value}), ...): the table of wx_param.h, each row with its
+ * value in this process's environment now (None if unset). */
+static PyObject *wx_params_py(PyObject *self, PyObject *noargs)
+{
+    PyObject *out = PyTuple_New(WX_P_COUNT);
+    WX_UNUSED(self);
+    WX_UNUSED(noargs);
+    for (int i = 0; out && i < WX_P_COUNT; i++) {
+        const wx_param_t *p = &wx_params[i];
+        const char *v = wx_param_env((wx_param_id_t)i);
+        PyObject *row = Py_BuildValue("{sssssssssssz}", "name", p->name, "type", p->type, "default",
+                                      p->shown, "when", p->when, "doc", p->doc, "value", v);
+        if (!row) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, row);
+    }
+    return out;
+}
+
 static PyMethodDef wx__doctor_methods[] = {
+    {"params", wx_params_py, METH_NOARGS,
+     "params() -> ({name, type, default, when, doc, value}, ...): the environment variables the "
+     "C code reads (csrc/core/wx_param.h), each with its value here now (None if unset)."},
     {"libraries", wx_libraries_py, METH_VARARGS,
      "libraries(nvrtc_dirs=[]) -> {libfabric, libibverbs, libcuda, nvrtc: {loaded, why, ...}}: "
      "what each library wxfer dlopens says about itself (versions, fabric providers, RDMA "

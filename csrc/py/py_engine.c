@@ -4,9 +4,35 @@
 
 #include <string.h>
 
+void wx_py_owner_link(wx_py_engine_t *self, wx_py_owner_t *o)
+{
+    o->next = self->owners;
+    if (o->next)
+        o->next->pprev = &o->next;
+    o->pprev = &self->owners;
+    self->owners = o;
+}
+
+/* Take every owner off self's list (the engine closed: those left belong to a parked
+ * engine, released after the Engine object is gone). */
+static void wx__owners_detach(wx_py_engine_t *self)
+{
+    while (self->owners) {
+        wx_py_owner_t *o = self->owners;
+        self->owners = o->next;
+        o->next = NULL;
+        o->pprev = NULL;
+    }
+}
+
 void wx_py_owner_free(void *owner, void *arg)
 {
     wx_py_owner_t *o = owner;
+    if (o->pprev) {
+        *o->pprev = o->next;
+        if (o->next)
+            o->next->pprev = o->pprev;
+    }
     if (o->mr && o->t)
         wx_dereg(o->t, o->mr);
     wx_py_buf_release(&o->buf);
@@ -91,6 +117,7 @@ static void wx__engine_close(wx_py_engine_t *self)
             wx_engine_stop(e);
         Py_END_ALLOW_THREADS
         wx_engine_reap(e, wx_py_owner_free, NULL); /* the tasks stop() cancelled */
+        wx__owners_detach(self);
         tr->engines--;
         if (wx_engine_writes_out(e) && tr->t) {
             /* writes still out (a dead or silent peer): their sources must stay alive until
@@ -106,12 +133,36 @@ static void wx__engine_close(wx_py_engine_t *self)
     }
 }
 
-static void wx_engine_dealloc(PyObject *op)
+static int wx_engine_traverse(PyObject *op, visitproc visit, void *arg)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
-    PyTypeObject *tp = Py_TYPE(op);
-    wx__engine_close(self);
+    Py_VISIT(Py_TYPE(op));
+    Py_VISIT(self->transport);
+    for (wx_py_owner_t *o = self->owners; o; o = o->next) {
+        Py_VISIT(o->region);
+        Py_VISIT(o->keep);
+        if (o->buf.has_view)
+            Py_VISIT(o->buf.view.obj);
+    }
+    return 0;
+}
+
+/* Break a cycle: close the engine (its tasks' sources are released; writes still out park
+ * it on the transport, as close() does), then drop the transport. */
+static int wx_engine_clear(PyObject *op)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    if (self->transport)
+        wx__engine_close(self);
     Py_CLEAR(self->transport);
+    return 0;
+}
+
+static void wx_engine_dealloc(PyObject *op)
+{
+    PyTypeObject *tp = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
+    wx_engine_clear(op);
     tp->tp_free(op);
     Py_DECREF(tp);
 }
@@ -340,6 +391,7 @@ static PyObject *wx_engine_submit_py(PyObject *op, PyObject *args, PyObject *kw)
     if (wx__submit_held_event(&spec, own, held_obj, event, device) < 0 ||
         wx__submit_admit(self, st, resv, spec.held_bytes, &t_admit) < 0)
         goto fail;
+    wx_py_owner_link(self, own); /* before: a reap on another thread may free it after */
     rc = wx_engine_submit(self->e, &spec, t0, t_admit, &id);
     if (rc) {
         wx_engine_unadmit(self->e, spec.held_bytes);
@@ -632,16 +684,18 @@ static PyMethodDef wx_engine_methods[] = {
 static PyType_Slot wx_engine_slots[] = {
     {Py_tp_new, wx_engine_new},
     {Py_tp_dealloc, wx_engine_dealloc},
+    {Py_tp_traverse, wx_engine_traverse},
+    {Py_tp_clear, wx_engine_clear},
     {Py_tp_methods, wx_engine_methods},
-    {Py_tp_doc, "Engine(transport, watermark=0, chunk=0, depth=0, timeout=30.0): native "
-                "per-stage queues that post one-sided writes."},
+    {Py_tp_doc, "Engine(transport, watermark=0, chunk=0, depth=0, timeout=30.0, isolate=False): "
+                "native per-stage queues that post one-sided writes."},
     {0, NULL},
 };
 
 static PyType_Spec wx_engine_spec = {
     .name = "wxfer._wxfer.Engine",
     .basicsize = sizeof(wx_py_engine_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
     .slots = wx_engine_slots,
 };
 

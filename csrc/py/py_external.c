@@ -78,6 +78,7 @@ PyObject *wx_py_engine_submit_external(PyObject *op, PyObject *args, PyObject *k
     spec.fence = fence;
     spec.owner = own;
     wx_engine_reap(self->e, wx_py_owner_free, NULL);
+    wx_py_owner_link(self, own);
     rc = wx_engine_admit(self->e, 0, 0, &ta); /* held 0: never waits (fails on a sticky error) */
     if (!rc)
         rc = wx_engine_submit(self->e, &spec, t0, ta, &id);

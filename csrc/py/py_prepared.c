@@ -148,6 +148,7 @@ static int wx__submit_one_prepared(wx_py_engine_t *self, wx_py_state_t *st, PyOb
         spec.cuda_event = event;
         spec.cuda_device = device >= 0 ? device : (r->buf.device >= 0 ? r->buf.device : 0);
     }
+    wx_py_owner_link(self, own);
     rc = wx_engine_admit(self->e, 0, 0, &ta); /* held 0: never waits (fails on a sticky error) */
     if (!rc)
         rc = wx_engine_submit(self->e, &spec, t0, ta, &id);

@@ -5,25 +5,38 @@
 
 #include "wx_py.h"
 
-typedef struct {
-    PyObject_HEAD PyObject *transport; /* wx_py_transport_t */
-    wx_engine_t *e;
-    double timeout_s;
-} wx_py_engine_t;
-
 /* What keeps a task's source alive until its writes completed; released on a Python
  * thread by reap (never from a native thread). */
-typedef struct {
+typedef struct wx_py_owner {
     PyObject *region; /* a Region source, or NULL */
     wx_py_buf_t buf;  /* an imported tensor source */
     wx_mr_t *mr;      /* per-task registration (transports that need one), or NULL */
     wx_mr_t bare;     /* an unregistered description of the source */
     wx_transport_t *t;
     PyObject *keep; /* kept alive with the task (an external task's CUDA event), or NULL */
+    /* on its engine's list of submitted tasks (for the GC's traverse), else pprev NULL */
+    struct wx_py_owner *next, **pprev;
 } wx_py_owner_t;
+
+/* The Engine type. It is a GC type: tp_traverse visits the transport and the Python objects
+ * of every submitted task not yet reaped (Region, CUDA event, buffer exporter); tp_clear
+ * closes the engine, which releases them. A DLPack source is held through its capsule's
+ * deleter, which the GC cannot see: a cycle through a tensor's own attributes back to the
+ * engine stays until close() or the engine's reap. The owner list is touched with the GIL
+ * held only (submit, reap, close). */
+typedef struct {
+    PyObject_HEAD PyObject *transport; /* wx_py_transport_t */
+    wx_engine_t *e;
+    double timeout_s;
+    wx_py_owner_t *owners; /* submitted, not yet reaped */
+} wx_py_engine_t;
 
 /* Release a task's owner (a wx_engine_reap callback; Python thread only). */
 void wx_py_owner_free(void *owner, void *arg);
+/* Put a task's owner on self's list, before wx_engine_submit (the GIL may be released there
+ * and a reap on another thread free it once the task finished); a refused one comes off in
+ * wx_py_owner_free. */
+void wx_py_owner_link(wx_py_engine_t *self, wx_py_owner_t *o);
 /* 1 when the engine is open, else 0 with ValueError set. */
 int wx_py_engine_live(wx_py_engine_t *self);
 /* Raise for rc from e: the engine's sticky error with its fields when rc is that error,

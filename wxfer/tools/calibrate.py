@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
 import sys
@@ -31,6 +30,7 @@ import time
 from .calibrate_host import PLACEMENTS, default_placement, host_costs, hostfit_keys, measure_host, receiver_side
 from .calibrate_writes import write_rates
 from ..runtime.hostfit import HOST_COSTS
+from ..testing import connect_helper, expect, serve, spawn_helper, stop_process
 
 __all__ = ["PLACEMENTS", "default_placement", "host_costs", "hostfit_keys", "measure", "measure_host", "main"]
 _TIMEOUT = 60.0
@@ -247,7 +247,8 @@ def _device_launch_s(fn, dev, n: int = 64):
 
 
 def _helper_main(conn, transport: str, opts: dict, size: int, device: str, ag: dict) -> None:
-    """Rank 1 of the all-gather, and the write target (registered memory, answers the handshake)."""
+    """Rank 1 of the all-gather, and the write target (registered memory, answers the handshake;
+    the helper protocol of wxfer.testing)."""
     import torch
     from wxfer import _wxfer
 
@@ -262,23 +263,19 @@ def _helper_main(conn, transport: str, opts: dict, size: int, device: str, ag: d
     except Exception as e:  # noqa: BLE001 -- reported to the parent
         conn.send(("error", "%s: %s" % (type(e).__name__, e)))
         return
-    while conn.poll(_TIMEOUT):
-        msg = conn.recv()
-        if msg[0] == "accept":
-            conn.send(("reply", t.accept(msg[1])))
-        elif msg[0] == "allgather":
-            if t is not None:  # the writes are done: no transport threads during the all-gather
-                region.close()
-                t.close()
-                t = None
-            try:
-                _allgather_rank(1, ag, dev)
-                conn.send(("done",))
-            except Exception as e:  # noqa: BLE001
-                conn.send(("error", "%s: %s" % (type(e).__name__, e)))
-        elif msg[0] == "exit":
-            break
-    if t is not None:
+
+    live = [True]
+
+    def allgather():
+        if live[0]:  # the writes are done: no transport threads during the all-gather
+            region.close()
+            t.close()
+            live[0] = False
+        _allgather_rank(1, ag, dev)
+        return ("done",)
+
+    serve(conn, t, {"allgather": allgather}, _TIMEOUT)
+    if live[0]:
         region.close()
         t.close()
 
@@ -317,14 +314,7 @@ def _allgather_rank(rank: int, ag: dict, dev) -> dict:
 
 
 def _expect(conn, what):
-    if not conn.poll(_TIMEOUT):
-        raise TimeoutError(f"calibrate: the helper process did not answer {what!r} within {_TIMEOUT:.0f} s")
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError(f"calibrate: the helper process failed: {msg[1]}")
-    if msg[0] != what:
-        raise RuntimeError(f"calibrate: expected {what!r} from the helper, got {msg[0]!r}")
-    return msg
+    return expect(conn, what, "calibrate", _TIMEOUT)
 
 
 def measure_links(dev, quick: bool, placement: str = "") -> dict:
@@ -335,7 +325,6 @@ def measure_links(dev, quick: bool, placement: str = "") -> dict:
     from wxfer import _wxfer
     from ..runtime import control
     from ..runtime.receiver import transport_choice
-    from ..testing import stop_process
 
     placement = placement or default_placement(dev)
     rdev, want = receiver_side(dev, placement)
@@ -346,20 +335,12 @@ def measure_links(dev, quick: bool, placement: str = "") -> dict:
     hdev = str(rdev)
     sizes = [256, 256 << 10, 1 << 20, size // 2] if quick else [256, 64 << 10, 256 << 10, 1 << 20, 4 << 20, size // 2]
     ag = dict(backend="nccl" if ngpu else "gloo", port=control.free_port(), sizes=sizes, iters=11 if quick else 21)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_helper_main, args=(child, tname, opts, size, hdev, ag), daemon=True)
-    proc.start()
+    parent, proc = spawn_helper(_helper_main, tname, opts, size, hdev, ag)
     out = dict(transport=tname, transport_options=opts, write_bytes=size, helper_device=hdev, placement=placement)
     try:
         _, blob, desc = _expect(parent, "ready")
         t = _wxfer.Transport(tname, opts)
-        peer, req = t.connect_request(blob)
-        if req:
-            parent.send(("accept", req))
-            t.connect_finish(peer, _expect(parent, "reply")[1])
-        else:
-            t.connect_finish(peer, b"")
+        connect_helper(t, parent, blob, "calibrate")
         eng = _wxfer.Engine(t, timeout=_TIMEOUT)
         src = torch.ones(size, dtype=torch.uint8, device=dev)
         region = t.register(src, export=False)

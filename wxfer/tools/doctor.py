@@ -6,7 +6,8 @@ libcuda and the driver, NVRTC); the RDMA devices and their ports (sysfs /sys/cla
 the GPU memory registration paths (dma-buf, nvidia_peermem); the locked-memory limit; each
 GPU's NUMA node and nearest RDMA NIC (sysfs, as `nvidia-smi topo -m` shows it); CUDA peer
 access between the GPUs; the transport Sender/Receiver would pick here and why; the store
-address and the interface it would use. Nothing is changed and no connection is made.
+address and the interface it would use; the WXFER_* variables set (wxfer/envs.py). Nothing
+is changed and no connection is made.
 """
 
 from __future__ import annotations
@@ -270,8 +271,18 @@ def check_efa(ports, fab):
     ]
 
 
+def nvidia_peermem(sysfs=SYS) -> bool:
+    """Whether the nvidia_peermem module is loaded (GPU Direct RDMA without dma-buf)."""
+    return os.path.isdir(os.path.join(sysfs, "module", "nvidia_peermem"))
+
+
+def memlock() -> tuple:
+    """(soft, hard) RLIMIT_MEMLOCK: host memory registered for RDMA counts against it."""
+    return resource.getrlimit(resource.RLIMIT_MEMLOCK)
+
+
 def check_gpu_reg(cuda, ports):
-    peermem = os.path.isdir(os.path.join(SYS, "module", "nvidia_peermem"))
+    peermem = nvidia_peermem()
     if not cuda["loaded"] or not cuda["devices"]:
         return [
             _check(
@@ -305,7 +316,7 @@ def check_gpu_reg(cuda, ports):
 
 
 def check_memlock(ports):
-    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft, hard = memlock()
     inf = resource.RLIM_INFINITY
 
     def fmt(v):
@@ -471,6 +482,17 @@ def check_store():
     return [_check("store", OK, det, host=host, port=port, ip=ip, local=local, iface=iface, bind=bind)]
 
 
+def check_environment():
+    """The WXFER_* variables set here (wxfer/envs.py; the C code's from its table), and any
+    WXFER_* name wxfer does not read (a typo reads as unset)."""
+    now = envs.values()
+    unknown = sorted(n for n in os.environ if n.startswith("WXFER_") and n not in envs.VARS)
+    det = ", ".join("%s=%s" % kv for kv in sorted(now.items())) or "no WXFER_* variable set"
+    if unknown:
+        det += "; not read by wxfer (tests/benchmarks only, or a typo): %s" % ", ".join(unknown)
+    return [_check("environment", OK, det, set=now, unknown=unknown)]
+
+
 def run() -> list:
     from .. import _wxfer
     from ..runtime.nvrtc import nvrtc_dirs
@@ -486,6 +508,7 @@ def run() -> list:
     checks += check_peer(lib["libcuda"])
     checks += check_transport()
     checks += check_store()
+    checks += check_environment()
     return checks
 
 

@@ -11,21 +11,23 @@
 - verbs: the real libibverbs (ibv_reg_dmabuf_mr exported?), RDMA devices, nvidia-peermem,
   RLIMIT_MEMLOCK.
 
-Nothing here writes anything; each finding says what it read. The `gpu` tests
+Nothing here writes anything; each finding says what it read. The CUDA, verbs, sysfs and
+rlimit facts are those ``python -m wxfer doctor`` reads (``_wxfer.libraries()``, the same
+dlopen tables the backends use, and doctor's sysfs readers); what only this tool does is
+libfabric's providers as the backend asks for them (with and without FI_HMEM) and the try
+of a CUDA registration through each. The `gpu` tests
 (tests/test_fabric_gpu.py) take the HMEM providers from :func:`fabric_hmem_providers` and skip
 with :func:`fabric_finding` as the reason where there are none.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import platform
 import resource
 import sys
 
-from .. import envs
+from . import doctor
 
 
 def fabric_probe() -> dict:
@@ -91,7 +93,8 @@ def _try_fabric_cuda(provider: str, domain: str) -> dict:
     return res
 
 
-def _cuda_facts() -> dict:
+def _cuda_facts(lib: dict) -> dict:
+    """torch's view, and the driver's as the extension's libcuda table reads it (doctor's)."""
     out: dict = {}
     try:
         import torch
@@ -105,18 +108,13 @@ def _cuda_facts() -> dict:
     except Exception as e:  # noqa: BLE001 -- reported, not raised
         out["torch_error"] = repr(e)
         return out
-    try:
-        cu = ctypes.CDLL(envs.get("WXFER_LIBCUDA") or "libcuda.so.1")
-        cu.cuInit(0)
-        v, attr, dev = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        cu.cuDriverGetVersion(ctypes.byref(v))
-        cu.cuDeviceGet(ctypes.byref(dev), 0)
-        rc = cu.cuDeviceGetAttribute(ctypes.byref(attr), 124, dev)  # DMA_BUF_SUPPORTED
-        out["driver_api"] = v.value
-        out["dma_buf_supported"] = attr.value if rc == 0 else "cuDeviceGetAttribute: %d" % rc
-        out["cuMemGetHandleForAddressRange"] = hasattr(cu, "cuMemGetHandleForAddressRange")
-    except OSError as e:
-        out["libcuda"] = str(e)
+    cu = lib["libcuda"]
+    if cu["loaded"] and cu["devices"]:
+        out["driver_api"] = cu["driver_version"]
+        out["dma_buf_supported"] = int(cu["devices"][0]["dmabuf"])
+        out["cuMemGetHandleForAddressRange"] = cu["get_handle"]
+    else:
+        out["libcuda"] = cu["why"] or "no devices"
     try:
         with open("/proc/driver/nvidia/version") as f:
             first = f.readline().strip()
@@ -127,26 +125,27 @@ def _cuda_facts() -> dict:
     return out
 
 
-def _verbs_facts() -> dict:
-    out: dict = {}
-    try:
-        ib = ctypes.CDLL("libibverbs.so.1")
-        out["libibverbs"] = True
-        out["ibv_reg_dmabuf_mr"] = hasattr(ib, "ibv_reg_dmabuf_mr")
-    except OSError as e:
-        out["libibverbs"] = str(e)
-    d = "/sys/class/infiniband"
-    out["rdma_devices"] = sorted(os.listdir(d)) if os.path.isdir(d) else []
-    out["nvidia_peermem"] = os.path.exists("/sys/module/nvidia_peermem")
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    out["memlock"] = "unlimited" if soft == resource.RLIM_INFINITY else soft
-    out["kernel"] = platform.release()
-    return out
+def _verbs_facts(lib: dict) -> dict:
+    """libibverbs as the extension loads it, and sysfs / rlimit facts, all as doctor reads them."""
+    v = lib["libibverbs"]
+    soft, _ = doctor.memlock()
+    return {
+        "libibverbs": True if v["loaded"] else v["why"],
+        "ibv_reg_dmabuf_mr": v.get("reg_dmabuf_mr", False),
+        "emulated": v.get("emulated", False),
+        "rdma_devices": sorted({p["device"] for p in doctor.rdma_ports()}),
+        "nvidia_peermem": doctor.nvidia_peermem(),
+        "memlock": "unlimited" if soft == resource.RLIM_INFINITY else soft,
+        "kernel": platform.release(),
+    }
 
 
 def probe_all(try_cuda: bool = True) -> dict:
+    from .. import _wxfer
+
     fp = fabric_probe()
-    res = {"fabric": {"finding": fabric_finding(fp), "probe": fp}, "cuda": _cuda_facts(), "verbs": _verbs_facts()}
+    lib = _wxfer.libraries([])
+    res = {"fabric": {"finding": fabric_finding(fp), "probe": fp}, "cuda": _cuda_facts(lib), "verbs": _verbs_facts(lib)}
     if try_cuda and fp.get("loaded"):
         res["fabric"]["hmem_tries"] = [_try_fabric_cuda(p, d) for p, d in fabric_hmem_providers(fp)]
     return res

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
 import sys
 import time
 
-from ..testing import pattern, stop_process
+from ..testing import connect_helper, expect, pattern, serve, spawn_helper, stop_process
 
 _TIMEOUT = 60.0  # seconds any wait on the other process may take
 
 
 def _target_main(conn, transport: str, opts: dict, size: int) -> None:
+    """The target: registers a zeroed buffer, then answers the handshake and ("verify", seed)
+    (the helper protocol of wxfer.testing)."""
     import numpy as np
     from wxfer import _wxfer
 
@@ -34,38 +35,17 @@ def _target_main(conn, transport: str, opts: dict, size: int) -> None:
     except Exception as e:  # report setup errors to the writer instead of dying silently
         conn.send(("error", "%s: %s" % (type(e).__name__, e)))
         return
-    while conn.poll(_TIMEOUT):
-        msg = conn.recv()
-        if msg[0] == "accept":
-            conn.send(("reply", t.accept(msg[1])))
-        elif msg[0] == "verify":
-            expected = pattern(size, msg[1])
-            bad = np.flatnonzero(buf != expected)
-            conn.send(("verified", bad.size == 0, int(bad[0]) if bad.size else -1, int(bad.size)))
-        elif msg[0] == "exit":
-            break
+    serve(conn, t, {"verify": lambda seed: verified(buf, pattern(size, seed))}, _TIMEOUT)
     region.close()
     t.close()
 
 
-def _expect(conn, what: str, who: str = "selftest"):
-    """The next message from the target process, which must be `what`."""
-    if not conn.poll(_TIMEOUT):
-        raise TimeoutError("%s: the target process did not answer %r within %.0f s" % (who, what, _TIMEOUT))
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError("%s: target process failed: %s" % (who, msg[1]))
-    if msg[0] != what:
-        raise RuntimeError("%s: expected %r from the target, got %r" % (who, what, msg[0]))
-    return msg
+def verified(got, expected) -> tuple:
+    """("verified", all equal, first differing offset or -1, how many differ)."""
+    import numpy as np
 
-
-def connect(t, export_blob: bytes, exchange) -> int:
-    """Connect transport ``t`` to the process that produced ``export_blob``; ``exchange``
-    sends a handshake request to that process and returns its reply."""
-    peer, req = t.connect_request(export_blob)
-    t.connect_finish(peer, exchange(req) if req else b"")
-    return peer
+    bad = np.flatnonzero(got != expected)
+    return ("verified", bad.size == 0, int(bad[0]) if bad.size else -1, int(bad.size))
 
 
 def run_selftest(
@@ -75,10 +55,7 @@ def run_selftest(
     from wxfer import _wxfer
 
     opts = dict(opts or {})
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target_main, args=(child, transport, opts, size), daemon=True)
-    proc.start()
+    parent, proc = spawn_helper(_target_main, transport, opts, size)
     result = {
         "transport": transport,
         "provider": opts.get("provider", ""),
@@ -87,14 +64,9 @@ def run_selftest(
         "gbps": 0.0,
     }
     try:
-        _, blob, desc, target_info = _expect(parent, "ready")
+        _, blob, desc, target_info = expect(parent, "ready", "selftest", _TIMEOUT)
         t = _wxfer.Transport(transport, opts)
-
-        def exchange(req):
-            parent.send(("accept", req))
-            return _expect(parent, "reply")[1]
-
-        connect(t, blob, exchange)
+        connect_helper(t, parent, blob, "selftest")
         eng = _wxfer.Engine(t, chunk=chunk, timeout=_TIMEOUT)
         times = []
         seed = 0
@@ -108,7 +80,7 @@ def run_selftest(
             times.append(time.perf_counter() - t0)
             region.close()
         parent.send(("verify", seed))
-        _, ok, first_bad, nbad = _expect(parent, "verified")
+        _, ok, first_bad, nbad = expect(parent, "verified", "selftest", _TIMEOUT)
         best = min(times)
         result.update(
             verified=bool(ok),

@@ -14,7 +14,6 @@ an emulated HCA. That proves the code path, not the hardware; the result says
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import platform
@@ -23,8 +22,8 @@ import subprocess
 import time
 
 from .. import envs
-from .selftest import _expect as _selftest_expect
-from ..testing import pattern, stop_process
+from .selftest import verified
+from ..testing import connect_helper, expect, pattern, serve, spawn_helper, stop_process
 
 _TIMEOUT = 60.0
 _PORT = 18515
@@ -63,7 +62,6 @@ def _to_numpy(buf):
 
 
 def _target_loop(conn, opts: dict, size: int, gpu: int) -> None:
-    import numpy as np
     from wxfer import _wxfer
 
     try:
@@ -77,18 +75,7 @@ def _target_loop(conn, opts: dict, size: int, gpu: int) -> None:
     except Exception as e:
         conn.send(("error", "%s: %s" % (type(e).__name__, e)))
         return
-    while conn.poll(_TIMEOUT):
-        msg = conn.recv()
-        if msg[0] == "accept":
-            try:
-                conn.send(("reply", t.accept(msg[1])))
-            except Exception as e:
-                conn.send(("error", "%s: %s" % (type(e).__name__, e)))
-        elif msg[0] == "verify":
-            bad = np.flatnonzero(_to_numpy(buf) != pattern(size, msg[1]))
-            conn.send(("verified", bad.size == 0, int(bad[0]) if bad.size else -1, int(bad.size)))
-        elif msg[0] == "exit":
-            break
+    serve(conn, t, {"verify": lambda seed: verified(_to_numpy(buf), pattern(size, seed))}, _TIMEOUT)
     region.close()
     t.close()
 
@@ -99,7 +86,7 @@ def _spawned_target(conn, opts, size, gpu, env):
 
 
 def _expect(conn, what: str):
-    return _selftest_expect(conn, what, "verbs selftest")
+    return expect(conn, what, "verbs selftest", _TIMEOUT)
 
 
 def registration_of(info: str) -> str:
@@ -115,13 +102,7 @@ def _writer(conn, opts: dict, size: int, iters: int, chunk: int, gpu: int, log) 
     if gpu >= 0:
         o["gpu"] = str(gpu)
     t = _wxfer.Transport("verbs", o)
-    peer, req = t.connect_request(blob)
-    if req:
-        conn.send(("accept", req))
-        rep = _expect(conn, "reply")[1]
-    else:
-        rep = b""
-    t.connect_finish(peer, rep)
+    connect_helper(t, conn, blob, "verbs selftest")
     eng = _wxfer.Engine(t, chunk=chunk, timeout=_TIMEOUT)
     times, seed = [], 0
     # Register every source once, outside the timed loop (never register per step).
@@ -246,11 +227,8 @@ def _run(args, log) -> dict:
         import torch
 
         tgpu = 1 if torch.cuda.device_count() > 1 else 0
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
     env = {k: v for k, v in os.environ.items() if k.startswith(("WXFER_", "WXEMU_"))}
-    proc = ctx.Process(target=_spawned_target, args=(child, opts, size, tgpu, env), daemon=True)
-    proc.start()
+    parent, proc = spawn_helper(_spawned_target, opts, size, tgpu, env)
     try:
         return _writer(parent, opts, size, iters, chunk, gpu, log)
     finally:

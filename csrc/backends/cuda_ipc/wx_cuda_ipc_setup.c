@@ -2,6 +2,7 @@
  * opened IPC handles. The data path is in wx_cuda_ipc_data.c; wx_cuda_ipc.h says how the
  * whole works. */
 #include "wx_cuda_ipc.h"
+#include "wx_param.h"
 
 #include <ctype.h>
 #include <fcntl.h>
@@ -180,7 +181,7 @@ static int wx__ci_probe(const wx_opts_t *opts, char *why, size_t why_len)
         return -ENODEV;
     r = cu->cuDeviceGetCount(&n);
     if (r != CUDA_SUCCESS || n == 0) {
-        const char *vis = getenv("CUDA_VISIBLE_DEVICES");
+        const char *vis = wx_param_str(WX_P_CUDA_VISIBLE_DEVICES);
         snprintf(why, why_len,
                  "no CUDA device visible (cuDeviceGetCount: %d devices, status %d, "
                  "CUDA_VISIBLE_DEVICES=%s)",

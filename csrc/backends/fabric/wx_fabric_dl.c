@@ -29,7 +29,7 @@ static int wx__fi_ok;
 
 static void wx__fi_load(void)
 {
-    void *lib = wx_dl_open("WXFER_LIBFABRIC", "libfabric.so.1", wx__fi_why, sizeof wx__fi_why);
+    void *lib = wx_dl_open(WX_P_LIBFABRIC, wx__fi_why, sizeof wx__fi_why);
     char ignore[128];
     uint32_t v;
     if (!lib)

@@ -13,6 +13,7 @@
  *     runs a progress thread (wx_fabric_data.c).
  */
 #include "wx_fabric.h"
+#include "wx_param.h"
 
 #include <dirent.h>
 #include <pthread.h>
@@ -82,20 +83,16 @@ static const char *wx__fab_prov_name(const char *p)
 static int wx__fab_is_tcp(const char *prov) { return strcmp(prov, "tcp;ofi_rxm") == 0; }
 
 /* The provider when none is given: $WXFER_FABRIC_PROVIDER, else tcp. */
-static const char *wx__fab_default_provider(void)
-{
-    const char *e = getenv("WXFER_FABRIC_PROVIDER");
-    return e && *e ? e : "tcp";
-}
+static const char *wx__fab_default_provider(void) { return wx_param_str(WX_P_FABRIC_PROVIDER); }
 
 /* The domain when no iface is given: $WXFER_IFACE (the job's NIC for fabric), else
  * $WXFER_FABRIC_IFACE (its older name), else "lo" for tcp. */
 static const char *wx__fab_default_iface(const char *prov)
 {
-    const char *e = getenv("WXFER_IFACE");
-    if (!e || !*e)
-        e = getenv("WXFER_FABRIC_IFACE");
-    if (e && *e)
+    const char *e = wx_param_str(WX_P_IFACE);
+    if (!e)
+        e = wx_param_str(WX_P_FABRIC_IFACE);
+    if (e)
         return e;
     return wx__fab_is_tcp(prov) ? "lo" : NULL;
 }

@@ -28,11 +28,10 @@ static int wx__ibv_ok;
 
 static void wx__ibv_load(void)
 {
-    const char *env = getenv("WXFER_LIBIBVERBS");
     void *lib;
     int (*is_emu)(void) = NULL;
-    snprintf(wx__ibv.path, sizeof wx__ibv.path, "%s", env && *env ? env : "libibverbs.so.1");
-    lib = wx_dl_open("WXFER_LIBIBVERBS", "libibverbs.so.1", wx__ibv_why, sizeof wx__ibv_why);
+    snprintf(wx__ibv.path, sizeof wx__ibv.path, "%s", wx_param_str(WX_P_LIBIBVERBS));
+    lib = wx_dl_open(WX_P_LIBIBVERBS, wx__ibv_why, sizeof wx__ibv_why);
     if (!lib)
         return;
     WX__SYM(get_device_list, "ibv_get_device_list");

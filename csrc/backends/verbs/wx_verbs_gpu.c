@@ -20,6 +20,7 @@
 #include <sys/stat.h>
 
 #include "wx_dl_cuda.h"
+#include "wx_param.h"
 
 typedef struct wx__vgpu_facts {
     int cuda; /* libcuda loaded and the device there */
@@ -86,7 +87,7 @@ static void wx__gpu_facts(wx_verbs_t *t, int device, wx__vgpu_facts_t *f)
 #ifdef WX_TESTING
     {
         /* TEST ONLY: force facts, "name=value,..." */
-        const char *e = getenv("WXFER_TEST_GPUREG");
+        const char *e = wx_param_str(WX_P_TEST_GPUREG);
         char buf[256], *save = NULL, *tok;
         snprintf(buf, sizeof buf, "%s", e ? e : "");
         for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {

@@ -36,19 +36,30 @@ static void wx__unreg(wx_verbs_t *t, wx__vreg_t *r)
             wx_debugf("verbs: ibv_dereg_mr on %s failed\n", t->nic[i].name);
 }
 
-static int wx__reg_host(wx_verbs_t *t, wx__vreg_t *r)
+/* ibv_reg_mr of r's range on every NIC; on a refusal the ones made are undone and the errno
+ * (positive) returned, *nic naming the NIC that refused. */
+static int wx__reg_va_all(wx_verbs_t *t, wx__vreg_t *r, int *nic)
 {
     for (int i = 0; i < t->nnic; i++) {
         r->mr[i] = wx__reg_va(t, &t->nic[i], (void *)(uintptr_t)r->base, r->len, r->access);
         if (!r->mr[i]) {
             int e = errno ? errno : EIO;
-            char hint[400];
             wx__unreg(t, r);
-            return wx_errf(-e, "ibv_reg_mr(%s, %p, %llu bytes) failed: %s%s", t->nic[i].name,
-                           (void *)(uintptr_t)r->base, (unsigned long long)r->len, strerror(e),
-                           wx__verbs_memlock_hint(e, hint, sizeof hint));
+            *nic = i;
+            return e;
         }
     }
+    return 0;
+}
+
+static int wx__reg_host(wx_verbs_t *t, wx__vreg_t *r)
+{
+    char hint[400];
+    int i = 0, e = wx__reg_va_all(t, r, &i);
+    if (e)
+        return wx_errf(-e, "ibv_reg_mr(%s, %p, %llu bytes) failed: %s%s", t->nic[i].name,
+                       (void *)(uintptr_t)r->base, (unsigned long long)r->len, strerror(e),
+                       wx__verbs_memlock_hint(e, hint, sizeof hint));
     r->how = "host";
     return 0;
 }
@@ -136,26 +147,23 @@ static int wx__reg_cuda(wx_verbs_t *t, wx__vreg_t *r, char *note, size_t note_le
     else
         snprintf(dwhy, sizeof dwhy, "not tried (reg=peermem)");
     if (rc && strcmp(t->reg_mode, "dmabuf") != 0) {
+        char hint[400];
+        int i = 0, e;
         peermem = wx__verbs_peermem_loaded(t);
-        for (int i = 0; i < t->nnic; i++) {
-            r->mr[i] = wx__reg_va(t, &t->nic[i], (void *)(uintptr_t)r->base, r->len, r->access);
-            if (!r->mr[i]) {
-                int e = errno ? errno : EIO;
-                char hint[400];
-                wx__unreg(t, r);
-                cu->cuCtxSetCurrent(prev);
-                cu->cuDevicePrimaryCtxRelease(dev);
-                return wx_errf(-e,
-                               "verbs: cannot register GPU %d memory (%llu bytes) on %s: "
-                               "dma-buf: %s; ibv_reg_mr on the device pointer (nvidia-peermem "
-                               "%s): %s%s (fix: %s, or %s)",
-                               r->device, (unsigned long long)r->len, t->nic[i].name, dwhy,
-                               peermem ? "loaded" : "not loaded", strerror(e),
-                               wx__verbs_memlock_hint(e, hint, sizeof hint),
-                               peermem ? "nvidia-peermem refused this memory: see dmesg"
-                                       : WX_VERBS_FIX_PEERMEM,
-                               WX_VERBS_FIX_DMABUF);
-            }
+        e = wx__reg_va_all(t, r, &i);
+        if (e) {
+            cu->cuCtxSetCurrent(prev);
+            cu->cuDevicePrimaryCtxRelease(dev);
+            return wx_errf(-e,
+                           "verbs: cannot register GPU %d memory (%llu bytes) on %s: "
+                           "dma-buf: %s; ibv_reg_mr on the device pointer (nvidia-peermem "
+                           "%s): %s%s (fix: %s, or %s)",
+                           r->device, (unsigned long long)r->len, t->nic[i].name, dwhy,
+                           peermem ? "loaded" : "not loaded", strerror(e),
+                           wx__verbs_memlock_hint(e, hint, sizeof hint),
+                           peermem ? "nvidia-peermem refused this memory: see dmesg"
+                                   : WX_VERBS_FIX_PEERMEM,
+                           WX_VERBS_FIX_DMABUF);
         }
         r->how = "peermem";
         snprintf(note, note_len, "dmabuf not used: %.200s", dwhy);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "wx_dl_cuda.h"
+#include "wx_param.h"
 
 const char *wx__verbs_mtu_str(int mtu)
 {
@@ -413,7 +414,7 @@ int wx__verbs_open_nics(wx_verbs_t *t, const char *device_opt)
     int rc = 0;
     if (!k)
         return wx_errf(-ENOMEM, "verbs: out of memory");
-    k->spec = device_opt && *device_opt ? device_opt : getenv("WXFER_IB_DEVICES");
+    k->spec = device_opt && *device_opt ? device_opt : wx_param_str(WX_P_IB_DEVICES);
     k->src = device_opt && *device_opt ? "option device" : "WXFER_IB_DEVICES";
     k->list = v->get_device_list(&k->ndev);
     if (!k->list || k->ndev <= 0) {
