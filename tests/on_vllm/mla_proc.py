@@ -261,8 +261,17 @@ def case(tmp, fp8=False, draft=False):
     forced = differ(state(a), state(b))
     moved = [n for n, t in a.named_parameters() if ptrs.get(n) != t.data_ptr()]
     return dict(
-        finalizers=[dict(name=f.name, reads=list(f.reads), derives=list(f.derives), kept_bytes=f.kept_bytes,
-                         derived_bytes=f.derived_bytes, aliased=al) for f, al in zip(fins, aliased)],
+        finalizers=[
+            dict(
+                name=f.name,
+                reads=list(f.reads),
+                derives=list(f.derives),
+                kept_bytes=f.kept_bytes,
+                derived_bytes=f.derived_bytes,
+                aliased=al,
+            )
+            for f, al in zip(fins, aliased)
+        ],
         refusals=mla_refusals(a),
         stale=stale,
         after=after,
@@ -294,6 +303,8 @@ def fp8_kernel_patch():
 def main(out, tmp):
     import torch
 
+    from wxfer.integrations.vllm.mla import draft_refusal
+
     rep = {"amx": bool(torch.cpu._is_amx_tile_supported())}
     t = time.perf_counter()
     rep["bf16"] = case(tmp)
@@ -301,8 +312,7 @@ def main(out, tmp):
     fp8_kernel_patch()
     rep["fp8"] = case(tmp, fp8=True)
     rep["fp8_mtp"] = case(tmp, fp8=True, draft=True)
-    rep["plain"] = dict(draft_refusal=__import__("wxfer.integrations.vllm.mla", fromlist=["x"]).draft_refusal(
-        engine_config(os.path.join(tmp, "bf16"))))
+    rep["plain"] = dict(draft_refusal=draft_refusal(engine_config(os.path.join(tmp, "bf16"))))
     rep["total_s"] = time.perf_counter() - t
     with open(out, "w") as f:
         json.dump(rep, f, indent=1)
