@@ -283,6 +283,7 @@ def case(tmp, fp8=False, draft=False):
         n_params=len(dict(a.named_parameters())),
         draft_refusal=draft_refusal(vc_a),
         model=type(a).__name__,
+        planted_amx=planted_amx(a),
     )
 
 
@@ -290,6 +291,22 @@ def _mods(model):
     from wxfer.integrations.vllm.mla import _mla_modules
 
     return _mla_modules(model)
+
+
+def planted_amx(model):
+    """mla_refusals with vLLM's real AMXMLAImpl class (an uninitialized instance: it cannot be
+    built without AMX) put in place of the first MLA module's impl, then put back."""
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+
+    from wxfer.integrations.vllm.mla import mla_refusals
+
+    name, m = _mods(model)[0]
+    saved = m.impl
+    m.impl = object.__new__(AMXMLAImpl)
+    try:
+        return mla_refusals(model)
+    finally:
+        m.impl = saved
 
 
 def fp8_kernel_patch():

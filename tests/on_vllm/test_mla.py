@@ -93,3 +93,10 @@ def test_mtp_draft_is_refused_by_name(rep):
     why = rep["mtp"]["draft_refusal"]
     assert why and "'mtp'" in why and "DeepSeekMTPModel" in why and "model.layers.2.*" in why, why
     assert rep["bf16"]["draft_refusal"] is None and rep["plain"]["draft_refusal"] is None
+
+
+def test_an_impl_with_its_own_post_processing_is_refused(rep):
+    """vLLM's AMXMLAImpl (it packs its own W_UK / W_UV) planted in the first layer: refused by the
+    override of process_weights_after_loading, naming the module; the others stay covered."""
+    (why,) = rep["fp8"]["planted_amx"]
+    assert why.startswith("model.layers.0.self_attn.mla_attn.mla_attn: attention impl AMXMLAImpl"), why

@@ -44,8 +44,10 @@ Interface (the lead wires it to the finalize mechanism of ``postproc.py`` / ``en
   derived parameter instead of copying into it.
 
 ``mla_refusals(model)`` names the MLA paths the finalizer does not cover (AMX_MLA, which frees
-``kv_b_proj.weight`` and packs its own copies; ROCm aiter FP8/FP4 BMM copies; DCP query
-replication, whose re-derivation is a collective; post-processing not run yet).
+``kv_b_proj.weight`` and packs its own copies; any attention impl that overrides the no-op
+``process_weights_after_loading`` of vLLM's ``AttentionImplBase`` -- by construction, not by name;
+ROCm aiter FP8/FP4 BMM copies; DCP query replication, whose re-derivation is a collective;
+post-processing not run yet).
 
 ``draft_refusal(vllm_config)`` is the decision for speculative decoding with a draft model (MTP,
 EAGLE, a draft LM): refused by name.  vLLM 0.32 builds the draft as a separate model
@@ -110,6 +112,19 @@ class MLAFinalizer:
         return time.perf_counter() - t
 
 
+def _own_post(impl) -> str | None:
+    """The impl's class name if it overrides the base (no-op) process_weights_after_loading."""
+    if impl is None:
+        return None
+    try:
+        from vllm.v1.attention.backend import AttentionImplBase
+    except ImportError:
+        return None
+    base = AttentionImplBase.process_weights_after_loading
+    mine = getattr(type(impl), "process_weights_after_loading", base)
+    return None if mine is base else type(impl).__name__
+
+
 def _refusal(name: str, m) -> str | None:
     if getattr(m, "is_amx_bmm_enabled", False):
         return (
@@ -118,6 +133,13 @@ def _refusal(name: str, m) -> str | None:
         )
     if getattr(m, "is_aiter_triton_fp8_bmm_enabled", False) or getattr(m, "is_aiter_triton_fp4_bmm_enabled", False):
         return f"{name}: ROCm aiter FP8/FP4 BMM: W_K / W_V quantized copies, re-derivation not proven"
+    impl = getattr(m, "impl", None)
+    own = _own_post(impl)
+    if own:
+        return (
+            f"{name}: attention impl {own} has its own process_weights_after_loading (its own copies of the "
+            "weights); re-running it is not proven"
+        )
     if getattr(m, "dcp_q_replicate", False):
         return f"{name}: decode context parallel query replication: re-derivation all-gathers W_UK_T, not proven"
     kv = getattr(m, "kv_b_proj", None)
