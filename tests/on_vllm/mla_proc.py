@@ -284,6 +284,7 @@ def case(tmp, fp8=False, draft=False):
         draft_refusal=draft_refusal(vc_a),
         model=type(a).__name__,
         planted_amx=planted_amx(a),
+        derive_equal=derive_equal(a, cfg),
     )
 
 
@@ -291,6 +292,27 @@ def _mods(model):
     from wxfer.integrations.vllm.mla import _mla_modules
 
     return _mla_modules(model)
+
+
+def derive_equal(model, cfg):
+    """Per MLA module: whether wxfer's own ``mla.derive`` of its kv_b_proj gives vLLM's W_UV and
+    W_UK_T bit for bit."""
+    import torch
+
+    from wxfer.integrations.vllm.mla import derive
+
+    out = []
+    for _, m in _mods(model):
+        kv = m.kv_b_proj
+        s = getattr(kv, "weight_scale_inv", None)
+        uv, ukt = derive(kv.weight, s, FP8["weight_block_size"], m.num_heads, m.qk_nope_head_dim, m.v_head_dim)
+        out.append(
+            all(
+                x.shape == y.shape and torch.equal(x.contiguous().view(torch.int16), y.contiguous().view(torch.int16))
+                for x, y in ((uv, m.W_UV), (ukt, m.W_UK_T))
+            )
+        )
+    return out
 
 
 def planted_amx(model):

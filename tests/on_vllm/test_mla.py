@@ -100,3 +100,10 @@ def test_an_impl_with_its_own_post_processing_is_refused(rep):
     override of process_weights_after_loading, naming the module; the others stay covered."""
     (why,) = rep["fp8"]["planted_amx"]
     assert why.startswith("model.layers.0.self_attn.mla_attn.mla_attn: attention impl AMXMLAImpl"), why
+
+
+def test_own_derivation_equals_vllm(rep):
+    """wxfer's mla.derive (the trainer-side alternative, and the GPU timing's ops) gives vLLM's W_UV /
+    W_UK_T bit for bit, BF16 and FP8 block, target and MTP layers."""
+    for k in ("bf16", "mtp", "fp8", "fp8_mtp"):
+        assert rep[k]["derive_equal"] and all(rep[k]["derive_equal"]), (k, rep[k]["derive_equal"])

@@ -200,6 +200,28 @@ def mla_finalizers(model) -> list[MLAFinalizer]:
     return out
 
 
+def derive(weight, scale=None, block=(128, 128), num_heads=None, nope=None, v=None, out_dtype=None):
+    """(W_UV (N, L, V), W_UK_T (N, P, L)) from one rank's ``kv_b_proj`` [N * (P + V), L]: our own
+    few torch ops, the arithmetic of vLLM 0.32's ``split_kv_b_proj`` on its plain paths (BF16 as
+    is; FP8 block: float32 weight times the float32 block scale, one rounding to BF16).  Not used
+    by the finalizer (which re-runs vLLM's code); the tests check it equal to vLLM's result bit
+    for bit, so it can stand for the trainer-side alternative and time it on a GPU without vLLM.
+    vLLM's other FP8 paths (DeepGEMM: an identity GEMM through the layer) are not this."""
+    import torch
+
+    out_dtype = out_dtype or torch.bfloat16
+    if scale is None:
+        w = weight.to(out_dtype)
+    else:
+        bn, bk = block
+        s = scale.to(torch.float32).repeat_interleave(bn, 0)[: weight.shape[0]]
+        s = s.repeat_interleave(bk, 1)[:, : weight.shape[1]]
+        w = (weight.to(torch.float32) * s).to(out_dtype)
+    L = w.shape[1]
+    uk, uv = w.T.view(L, num_heads, nope + v).split([nope, v], dim=-1)
+    return uv.transpose(0, 1), uk.permute(1, 2, 0)
+
+
 def draft_refusal(vllm_config) -> str | None:
     """Why wxfer must not serve this engine's speculative decoding, or None: a draft model (MTP,
     EAGLE, a draft LM) holds weights of its own that a wxfer update would leave stale.  Methods
