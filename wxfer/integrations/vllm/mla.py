@@ -6,8 +6,9 @@ block through its ``weight_scale_inv``) and keeps two BF16 copies as parameters 
 module: ``W_UV`` (N, L, V) and ``W_UK_T`` (N, P, L).  With a BF16 ``kv_b_proj`` they are views of
 its weight (vLLM 0.32's ``split_kv_b_proj``: ``weight.to(bfloat16)`` returns the parameter itself; the
 tests check it), so a write
-updates them; with FP8 block they are new tensors, and a one-sided write into ``kv_b_proj``
-leaves them stale.  ``kv_b_proj`` itself stays in the loader layout (vLLM marks it
+updates them; with FP8 block they are two views of one new BF16 buffer (the dequantized
+``kv_b_proj`` in its [N * (P + V), L] layout), and a one-sided write into ``kv_b_proj`` leaves
+them stale.  ``kv_b_proj`` itself stays in the loader layout (vLLM marks it
 ``_cpu_skip_gemm_dispatch``: no CPU repacking, FP8 weight and scales kept as loaded), so wxfer
 writes it directly and the copies are re-derived in ``finish_weight_update``.
 
