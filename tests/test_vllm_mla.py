@@ -45,3 +45,20 @@ def test_views_of_the_weight_are_told_from_copies():
 def test_a_model_without_mla_has_nothing_to_finalize():
     m = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert mla_finalizers(m) == [] and mla_refusals(m) == []
+
+
+def test_derived_copies_on_an_unknown_module_are_refused_by_what_it_holds():
+    """A module that holds W_UV / W_UK_T (itself or on its impl) without being vLLM 0.32's
+    MLAAttention (here: no vLLM at all) is refused by name, and mla_finalizers raises."""
+    m = torch.nn.Module()
+    m.add_module("attn", torch.nn.Module())
+    m.attn.impl = torch.nn.Module()
+    m.attn.impl.W_UV = torch.zeros(2, 4, 3)
+    (why,) = mla_refusals(m)
+    assert why.startswith("attn: Module.impl holds MLA's derived W_UV / W_UK_T"), why
+    try:
+        mla_finalizers(m)
+    except ValueError as e:
+        assert "attn: Module.impl" in str(e)
+    else:
+        raise AssertionError("mla_finalizers accepted an unknown MLA module")

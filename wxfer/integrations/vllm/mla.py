@@ -163,16 +163,38 @@ def _inside(t, base) -> bool:
     return same and lo <= t.data_ptr() < hi
 
 
+def _derived_elsewhere(model, known) -> list[str]:
+    """Modules holding MLA's derived copies (``W_UV`` / ``W_UK_T``, on themselves or their
+    ``impl``) that are not vLLM 0.32's ``MLAAttention`` (another vLLM version or class): by what
+    they hold, not by their name, so an unknown layout is refused rather than left stale."""
+    out = []
+    seen = {id(x) for m in known for x in (m, getattr(m, "impl", None))}  # nor their impls, nor a reported one
+    for n, m in model.named_modules():
+        if id(m) in seen:
+            continue
+        for owner, where in ((m, ""), (getattr(m, "impl", None), ".impl")):
+            if owner is not None and any(getattr(owner, k, None) is not None for k in ("W_UV", "W_UK_T")):
+                seen.add(id(owner))
+                out.append(
+                    f"{n}: {type(m).__name__}{where} holds MLA's derived W_UV / W_UK_T, not vLLM 0.32's "
+                    "MLAAttention: re-derivation not proven"
+                )
+                break
+    return out
+
+
 def mla_refusals(model) -> list[str]:
     """One line per MLA attention module whose post-processing the finalizer does not re-run."""
-    return [r for n, m in _mla_modules(model) if (r := _refusal(n, m))]
+    mods = _mla_modules(model)
+    bad = [r for n, m in mods if (r := _refusal(n, m))]
+    return bad + _derived_elsewhere(model, [m for _, m in mods])
 
 
 def mla_finalizers(model) -> list[MLAFinalizer]:
     """A finalizer per vLLM ``MLAAttention`` of `model` (after its load and post-processing).
     ValueError listing ``mla_refusals`` when some module is not covered."""
     mods = _mla_modules(model)
-    bad = [r for n, m in mods if (r := _refusal(n, m))]
+    bad = mla_refusals(model)
     if bad:
         raise ValueError("wxfer: MLA post-processing not covered: " + "; ".join(bad))
     names = _param_names(model)
