@@ -4,11 +4,10 @@ vLLM's own post-processing makes of the ``kv_b_proj`` bytes wxfer wrote.
 vLLM's ``MLAAttention.process_weights_after_loading`` dequantizes ``kv_b_proj`` (BF16 as is, FP8
 block through its ``weight_scale_inv``) and keeps two BF16 copies as parameters of the attention
 module: ``W_UV`` (N, L, V) and ``W_UK_T`` (N, P, L).  With a BF16 ``kv_b_proj`` they are views of
-its weight (vLLM 0.32's ``split_kv_b_proj``: ``weight.to(bfloat16)`` returns the parameter itself; the
-tests check it), so a write
-updates them; with FP8 block they are two views of one new BF16 buffer (the dequantized
-``kv_b_proj`` in its [N * (P + V), L] layout), and a one-sided write into ``kv_b_proj`` leaves
-them stale.  ``kv_b_proj`` itself stays in the loader layout (vLLM marks it
+its weight (vLLM 0.32's ``split_kv_b_proj``: ``weight.to(bfloat16)`` returns the parameter
+itself; the tests check it), so a write updates them; with FP8 block they are two views of one
+new BF16 buffer (the dequantized ``kv_b_proj`` in its [N * (P + V), L] layout), and a one-sided
+write into ``kv_b_proj`` leaves them stale.  ``kv_b_proj`` itself stays in the loader layout (vLLM marks it
 ``_cpu_skip_gemm_dispatch``: no CPU repacking, FP8 weight and scales kept as loaded), so wxfer
 writes it directly and the copies are re-derived in ``finish_weight_update``.
 
@@ -24,6 +23,13 @@ Interface (the lead wires it to the finalize mechanism of ``postproc.py`` / ``en
     refused = mla_refusals(model)          # ["<module>: why", ...]; refuse the model if non-empty
     for f in finalizers:                   # in finish_weight_update, after the writes are fenced
         f.run()                            # and after any finalizer of kv_b_proj itself
+                                           # (f.timed_run() returns its seconds, for the report)
+
+Wiring (at merge): ``init_transfer_engine`` refuses when ``mla_refusals(model)`` or
+``draft_refusal(vllm_config)`` says so (these replace the MLA lines of ``layout.refusals``), keeps
+``mla_finalizers(model)`` beside ``post``'s finalizers, and the plan / proof treat each
+finalizer's ``derives`` as parameters wxfer never writes (finalize, or direct through the alias)
+rather than "neither written nor constant".
 
 ``MLAFinalizer`` fields:
 
@@ -48,7 +54,8 @@ Interface (the lead wires it to the finalize mechanism of ``postproc.py`` / ``en
 ``kv_b_proj.weight`` and packs its own copies; any attention impl that overrides the no-op
 ``process_weights_after_loading`` of vLLM's ``AttentionImplBase`` -- by construction, not by name;
 ROCm aiter FP8/FP4 BMM copies; DCP query replication, whose re-derivation is a collective;
-post-processing not run yet).
+post-processing not run yet; and any module holding ``W_UV`` / ``W_UK_T``, on itself or on its
+``impl``, that is not vLLM 0.32's ``MLAAttention``, e.g. another vLLM version's layout).
 
 ``draft_refusal(vllm_config)`` is the decision for speculative decoding with a draft model (MTP,
 EAGLE, a draft LM): refused by name.  vLLM 0.32 builds the draft as a separate model
@@ -65,8 +72,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-
-MLA_CLASS = "MLAAttention"
 
 
 def _mla_modules(model):
