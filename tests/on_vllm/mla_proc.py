@@ -129,7 +129,7 @@ def checkpoint(cfg, seed=SEED, kv_seed=None):
     return out
 
 
-_DIST = {}
+_DIST = {"tp": 1, "rank": 0, "port": None}
 
 
 def engine_config(path, mtp=False):
@@ -145,6 +145,8 @@ def engine_config(path, mtp=False):
         max_model_len=128,
         enforce_eager=True,
         speculative_config={"method": "mtp", "num_speculative_tokens": 1} if mtp else None,
+        tensor_parallel_size=_DIST["tp"],
+        distributed_executor_backend="mp" if _DIST["tp"] > 1 else None,
     ).create_engine_config()
 
 
@@ -158,15 +160,19 @@ def build(vc, draft=False):
 
     mc = vc.speculative_config.draft_model_config if draft else vc.model_config
     with set_current_vllm_config(vc):
-        if not _DIST:
+        if not _DIST.get("up"):
             from wxfer.runtime.control import free_port
 
-            port = free_port()
-            os.environ["VLLM_DIST_IDENT"] = str(port)
+            tp, rank, port = _DIST["tp"], _DIST["rank"], _DIST["port"] or free_port()
+            os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPU worker sets before its gloo groups
             init_distributed_environment(
-                world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0, backend="gloo"
+                world_size=tp,
+                rank=rank,
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                local_rank=rank,
+                backend="gloo",
             )
-            initialize_model_parallel(1)
+            initialize_model_parallel(tp)
             _DIST["up"] = True
         with set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
             model = initialize_model(vllm_config=vc, model_config=mc)
@@ -222,13 +228,17 @@ def ckpt_name(param_name: str) -> str:
 
 
 def write_like_wxfer(model, names, ckpt):
-    """The checkpoint bytes written raw into each parameter's storage (TP1 loader layout = the
-    checkpoint tensor), as a one-sided write lands: no torch op of vLLM's runs."""
+    """The checkpoint bytes written raw into each parameter's storage, as a one-sided write lands:
+    no torch op of vLLM's runs.  kv_b_proj is column-parallel: TP rank r holds rows r/tp..(r+1)/tp
+    of the weight (whole heads) and the same share of weight_scale_inv's block rows."""
     import torch
 
     params = dict(model.named_parameters())
+    tp, r = _DIST["tp"], _DIST["rank"]
     for n in names:
-        p, src = params[n], ckpt[ckpt_name(n)]
+        src = ckpt[ckpt_name(n)]
+        rows = src.shape[0] // tp
+        p, src = params[n], src[r * rows : (r + 1) * rows]
         assert p.dtype == src.dtype and p.shape == src.shape, (n, p.dtype, p.shape, src.dtype, src.shape)
         p.data.reshape(-1).view(torch.uint8).copy_(src.contiguous().reshape(-1).view(torch.uint8))
 
@@ -339,6 +349,15 @@ def fp8_kernel_patch():
     K.CPUFp8BlockScaledMMKernel.is_supported = classmethod(lambda cls, compute_capability=None: (True, None))
 
 
+def main_tp(out, tmp, tp, rank, port):
+    """One TP rank of the FP8 and BF16 target cases (the MTP draft runs at TP1 in main)."""
+    _DIST.update(tp=tp, rank=rank, port=port)
+    fp8_kernel_patch()
+    rep = {"tp": tp, "rank": rank, "bf16": case(tmp), "fp8": case(tmp, fp8=True)}
+    with open(out, "w") as f:
+        json.dump(rep, f, indent=1)
+
+
 def main(out, tmp):
     import torch
 
@@ -358,4 +377,7 @@ def main(out, tmp):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if len(sys.argv) > 3:  # OUT TMP TP RANK PORT
+        main_tp(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main(sys.argv[1], sys.argv[2])

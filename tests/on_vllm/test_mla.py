@@ -107,3 +107,53 @@ def test_own_derivation_equals_vllm(rep):
     W_UK_T bit for bit, BF16 and FP8 block, target and MTP layers."""
     for k in ("bf16", "mtp", "fp8", "fp8_mtp"):
         assert rep[k]["derive_equal"] and all(rep[k]["derive_equal"]), (k, rep[k]["derive_equal"])
+
+
+@pytest.fixture(scope="module")
+def rep_tp2(tmp_path_factory):
+    from wxfer.runtime.control import free_port
+
+    tmp = str(tmp_path_factory.mktemp("mla_tp2"))
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE)
+    procs = []
+    for r in range(2):
+        d = os.path.join(tmp, "r%d" % r)
+        os.makedirs(d)
+        cmd = [
+            sys.executable,
+            os.path.join(HERE, "mla_proc.py"),
+            os.path.join(d, "out.json"),
+            d,
+            "2",
+            str(r),
+            str(port),
+        ]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=400)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {r}:\n" + outs[r][-4000:]
+    reps = []
+    for r in range(2):
+        with open(os.path.join(tmp, "r%d" % r, "out.json")) as f:
+            reps.append(json.load(f))
+    return reps
+
+
+def test_tp2_each_rank_finalizes_its_heads(rep_tp2):
+    """TP2 (two processes, gloo): each rank's kv_b_proj holds its 2 of the 4 heads (rows and scale
+    block rows of the new checkpoint written raw); after its finalizers each rank equals its own
+    fresh load bit for bit, FP8 (stale before) and BF16 (views); no collective in the finalize."""
+    for rep in rep_tp2:
+        fp8, bf16 = rep["fp8"], rep["bf16"]
+        assert fp8["stale"] == _derived(fp8) and fp8["stale"], fp8["stale"]
+        assert fp8["after"] == [] and fp8["forced"] == [] and fp8["moved"] == [], rep["rank"]
+        assert all(f["derived_bytes"] == 2 * 2 * 512 * 64 * 2 for f in fp8["finalizers"])  # 2 heads a rank
+        assert all(fp8["derive_equal"]) and all(bf16["derive_equal"])
+        assert bf16["stale"] == [] and bf16["after"] == [] and all(f["aliased"] for f in bf16["finalizers"])
