@@ -294,6 +294,7 @@ def case(tmp, fp8=False, draft=False):
         draft_refusal=draft_refusal(vc_a),
         model=type(a).__name__,
         planted_amx=planted_amx(a),
+        hooked=hooked(a),
         derive_equal=derive_equal(a, cfg),
     )
 
@@ -323,6 +324,16 @@ def derive_equal(model, cfg):
             )
         )
     return out
+
+
+def hooked(model):
+    """The modules mla_hook (post's FINALIZER_HOOKS entry) answers for, with what it builds."""
+    from wxfer.integrations.vllm.mla import mla_hook
+
+    def wrap(name, params, run, late):
+        return dict(name=name, params=sorted(params), late=late, run=callable(run))
+
+    return [r for n, m in model.named_modules() if (r := mla_hook(model, n, m, None, wrap)) is not None]
 
 
 def planted_amx(model):

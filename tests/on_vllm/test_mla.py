@@ -95,6 +95,15 @@ def test_mtp_draft_is_refused_by_name(rep):
     assert rep["bf16"]["draft_refusal"] is None and rep["plain"]["draft_refusal"] is None
 
 
+def test_finalizer_hook_for_the_finalize_mechanism(rep):
+    """mla_hook answers for exactly the MLA modules, with no kept memory, late (after kv_b_proj)."""
+    for k in ("fp8", "fp8_mtp", "bf16"):
+        want = [f["name"] for f in rep[k]["finalizers"]]
+        got = rep[k]["hooked"]
+        assert [h["name"] for h in got] == want and want, (k, got)
+        assert all(h["params"] == [] and h["late"] and h["run"] for h in got)
+
+
 def test_an_impl_with_its_own_post_processing_is_refused(rep):
     """vLLM's AMXMLAImpl (it packs its own W_UK / W_UV) planted in the first layer: refused by the
     override of process_weights_after_loading, naming the module; the others stay covered."""

@@ -25,6 +25,9 @@ Interface (the lead wires it to the finalize mechanism of ``postproc.py`` / ``en
         f.run()                            # and after any finalizer of kv_b_proj itself
                                            # (f.timed_run() returns its seconds, for the report)
 
+With ``post``'s mechanism: ``postproc.FINALIZER_HOOKS.insert(0, mla_hook)``; the proof then
+finds each FP8 MLA module equal to vLLM's reference after the run (finalize), a BF16 one direct.
+
 Wiring (at merge): ``init_transfer_engine`` refuses when ``mla_refusals(model)`` or
 ``draft_refusal(vllm_config)`` says so (these replace the MLA lines of ``layout.refusals``), keeps
 ``mla_finalizers(model)`` beside ``post``'s finalizers, and the plan / proof treat each
@@ -195,6 +198,27 @@ def mla_refusals(model) -> list[str]:
     return bad + _derived_elsewhere(model, [m for _, m in mods])
 
 
+def _finalizer(names: dict, n: str, m) -> MLAFinalizer:
+    kv = m.kv_b_proj
+    reads = [names[id(kv.weight)]]
+    scale = getattr(kv, "weight_scale_inv", None)
+    if scale is None:
+        scale = getattr(kv, "weight_scale", None)
+    if scale is not None:
+        reads.append(names[id(scale)])
+    derived = [m.W_UV, m.W_UK_T]
+    aliased = all(_inside(t, kv.weight) for t in derived)
+    return MLAFinalizer(
+        name=n,
+        module=m,
+        act_dtype=m.W_UV.dtype,  # vLLM derives both at the model's dtype
+        reads=tuple(reads),
+        derives=(names[id(m.W_UV)], names[id(m.W_UK_T)]),
+        derived_bytes=0 if aliased else sum(t.numel() * t.element_size() for t in derived),
+        aliased=aliased,
+    )
+
+
 def mla_finalizers(model) -> list[MLAFinalizer]:
     """A finalizer per vLLM ``MLAAttention`` of `model` (after its load and post-processing).
     ValueError listing ``mla_refusals`` when some module is not covered."""
@@ -203,29 +227,22 @@ def mla_finalizers(model) -> list[MLAFinalizer]:
     if bad:
         raise ValueError("wxfer: MLA post-processing not covered: " + "; ".join(bad))
     names = _param_names(model)
-    out = []
-    for n, m in mods:
-        kv = m.kv_b_proj
-        reads = [names[id(kv.weight)]]
-        scale = getattr(kv, "weight_scale_inv", None)
-        if scale is None:
-            scale = getattr(kv, "weight_scale", None)
-        if scale is not None:
-            reads.append(names[id(scale)])
-        derived = [m.W_UV, m.W_UK_T]
-        aliased = all(_inside(t, kv.weight) for t in derived)
-        out.append(
-            MLAFinalizer(
-                name=n,
-                module=m,
-                act_dtype=m.W_UV.dtype,  # vLLM derives both at the model's dtype
-                reads=tuple(reads),
-                derives=(names[id(m.W_UV)], names[id(m.W_UK_T)]),
-                derived_bytes=0 if aliased else sum(t.numel() * t.element_size() for t in derived),
-                aliased=aliased,
-            )
-        )
-    return out
+    return [_finalizer(names, n, m) for n, m in mods]
+
+
+def mla_hook(model, name, module, ctx=None, wrap=None):
+    """An entry for ``postproc.FINALIZER_HOOKS`` (insert it first): for a covered vLLM
+    ``MLAAttention`` module, ``postproc.Finalizer(name, {}, run, late=True)`` (no kept memory:
+    ``kv_b_proj`` is written direct; late: it reads another module's weight); None for any other
+    module, or a refused one (the proof then refuses it by name).  `wrap`: the Finalizer class
+    (default: postproc's)."""
+    mods = dict(_mla_modules(module))
+    if "" not in mods or _refusal(name, module):
+        return None
+    f = _finalizer(_param_names(model), name, module)
+    if wrap is None:
+        from .postproc import Finalizer as wrap  # the finalize mechanism (helper `post`)
+    return wrap(name, {}, f.run, late=True)
 
 
 def derive(weight, scale=None, block=(128, 128), num_heads=None, nope=None, v=None, out_dtype=None):
