@@ -105,9 +105,12 @@ class MLAFinalizer:
     def run(self) -> None:
         if self.aliased:  # W_UV / W_UK_T are views of kv_b_proj.weight: the write already updated them
             return
+        import torch
+
         m = self.module
         before = {k: getattr(m, k).data_ptr() for k in ("W_UV", "W_UK_T")}
-        m.process_weights_after_loading(self.act_dtype)
+        with torch.no_grad():
+            m.process_weights_after_loading(self.act_dtype)
         moved = [k for k, p in before.items() if getattr(m, k).data_ptr() != p]
         if moved:
             raise RuntimeError(
