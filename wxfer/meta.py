@@ -190,12 +190,15 @@ class Calibration:
 
     def source_of(self, term: str) -> tuple:
         """(source, why) of a term: ("unmeasured", why) for a term named in `unmeasured`
-        (its value None), ("assumed", why) for one named in `assumptions`, else ("measured",
-        this calibration's `source`)."""
+        (its value None), ("assumed", why) for one named in `assumptions`, ("instead", which)
+        for a None that means another figure (NONE_MEANS), else ("measured", this
+        calibration's `source`)."""
         if term in self.unmeasured and term not in self.assumptions:
             return "unmeasured", self.unmeasured[term]
         if term in self.assumptions:
             return "assumed", self.assumptions[term]
+        if getattr(self, term) is None and term in NONE_MEANS:
+            return "instead", NONE_MEANS[term]
         return "measured", self.source
 
     def need(self, term: str, by: str = "") -> float | None:
@@ -239,6 +242,21 @@ NEED_VALUE = frozenset(
     "host_task_s host_param_s host_piece_s host_zc_task_s host_zc_batch_s pack_launch_s coll_call_s write_call_s "
     "write_dev_s h2d_call_s push_fixed_s push_begin_s push_end_s begin_fence_s".split()
 )
+
+# the terms whose None means another figure: term -> which (Calibration.source_of: "instead")
+NONE_MEANS = {
+    "quant_GBps": "the Cluster's mem_GBps",
+    "copy_GBps": "the Cluster's mem_GBps",
+    "copy_batch_GBps": "copy_GBps",
+    "quant_small_GBps": "quant_GBps",
+    "host_direct_task_s": "the packed task's host figures (host_task_s, host_param_s, host_piece_s)",
+    "host_copy_task_s": "host_zc_task_s",
+    "host_copy_launch_s": "not charged apart (in host_copy_task_s)",
+    "host_copy_range_s": "not charged apart (in host_copy_task_s)",
+    "allgather_GBps": "the Cluster's nvlink_GBps",
+    "write_GBps": "the Cluster's write path (Cluster.write_GBps, else its NIC)",
+    "h2d_GBps": "the Cluster's pcie_GBps",
+}
 
 # the default set's figures that no measurement backs (Calibration(): one H200 at issue 13): a
 # simulation that charges one lists it as an assumption, with this reason

@@ -119,6 +119,16 @@ def get(cal) -> Calibration:
     )
 
 
+# the pre-issue-15 model's zeros are that model's own assumptions
+CALIBRATIONS["free-stage2"] = assume(
+    CALIBRATIONS["free-stage2"],
+    why="the pre-issue-15 model: stage 2 free",
+    host_param_s=0.0,
+    host_zc_task_s=0.0,
+    pack_launch_s=0.0,
+)
+
+
 def from_dict(d: dict) -> Calibration:
     """The Calibration in a dict (what `to_dict` / ``calibrate --json`` write; unknown keys
     such as the measurements' details are ignored, a wrong type is refused by name)."""
@@ -187,7 +197,7 @@ def problems(cal) -> list:
             elif not why:
                 out.append((k, "unmeasured with no reason"))
         elif v is None:
-            if k not in cal.assumptions:
+            if src != "instead":
                 out.append((k, "None with no reason"))
         elif v <= 0 and src != "assumed":
             out.append((k, "%r, measured as such? (not marked unmeasured or assumed)" % v))

@@ -236,6 +236,8 @@ def needed_terms(plan, cluster, kinds) -> dict:
     need = {k: "every push" for k in ("push_begin_s", "push_end_s", "begin_fence_s")}
     ks = dict(kinds) if kinds is not None else {t.id: "packed" for t in plan.tasks}
     cal = cluster.cal
+    if cal.write_GBps is not None:  # the cluster's write path is the calibration's (Calibration.apply)
+        need["write_GBps"] = "every write"
     for t in plan.tasks:
         k = ks.get(t.id, "packed")
         terms = list(_KIND_TERMS.get(k, ()))
