@@ -26,7 +26,7 @@ import json
 from dataclasses import asdict, fields, replace
 from typing import Any
 
-from ..meta import Calibration, Cluster
+from ..meta import NONE_MEANS, Calibration, Cluster
 
 # Named calibrations.  "h200" is the default (Calibration()); see its field comments.
 CALIBRATIONS: dict[str, Calibration] = {
@@ -91,8 +91,11 @@ def assume(cal, why: str = "", **terms) -> Calibration:
         raise ValueError(f"assume: {bad} are not calibration terms (see wxfer.plan.calibrate.TERMS)")
     un, got = dict(cal.unmeasured), dict(cal.assumptions)
     for k in terms:
-        if terms[k] is None or isinstance(terms[k], bool) or not isinstance(terms[k], (int, float)) or terms[k] < 0:
-            raise ValueError(f"assume: {k} must be a number >= 0, got {terms[k]!r}")
+        v = terms[k]
+        if v is None and k not in NONE_MEANS or isinstance(v, bool) or not isinstance(v, (int, float, type(None))):
+            raise ValueError(f"assume: {k} must be a number >= 0 (None only where it means another figure), got {v!r}")
+        if v is not None and v < 0:
+            raise ValueError(f"assume: {k} must be a number >= 0, got {v!r}")
         got[k] = "%s = %r assumed%s" % (k, terms[k], ": " + why if why else " (unmeasured: %s)" % un.get(k, "-"))
         un.pop(k, None)
     return replace(cal, unmeasured=un, assumptions=got, **terms)
