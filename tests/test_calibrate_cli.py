@@ -58,7 +58,8 @@ def test_calibrate_quick_writes_a_calibration_the_plan_cli_takes(tmp_path, capsy
     assert not measured & set(cal.unmeasured)
     # a fit that came out <= 0 is named so, with its samples (the host fit's: "over N samples")
     for k in fits_at_zero(cal):
-        assert cal.unmeasured[k].startswith(FIT_AT_ZERO) and "samples" in cal.unmeasured[k] or "pushes" in cal.unmeasured[k]
+        why = cal.unmeasured[k]
+        assert why.startswith(FIT_AT_ZERO) and ("samples" in why or "pushes" in why), (k, why)
     assume = [a for k in fits_at_zero(cal) for a in ("--assume", k + "=0")]
     from wxfer.plan.cli import main
 

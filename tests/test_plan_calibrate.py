@@ -235,7 +235,11 @@ def test_an_older_calibrate_file_reads_its_zeros_as_unmeasured(tmp_path):
     p.write_text(json.dumps(old))
     cal = load(str(p))
     assert cal.host_param_s is None and cal.unmeasured["host_param_s"] == OLDER_ZERO
-    assert cal.h2d_call_s is None and cal.unmeasured["h2d_call_s"].startswith("no GPU") and "0.0" in cal.unmeasured["h2d_call_s"]
+    assert (
+        cal.h2d_call_s is None
+        and cal.unmeasured["h2d_call_s"].startswith("no GPU")
+        and "0.0" in cal.unmeasured["h2d_call_s"]
+    )
     assert cal.push_begin_s is None and "push_begin_s" in cal.unmeasured  # absent: the default 0.0, not measured
     assert cal.host_task_s == 8e-5 and problems(cal) == [] and "host_param_s" in fits_at_zero(cal)
     c, plan = _one(quant="fp8")
@@ -243,7 +247,9 @@ def test_an_older_calibrate_file_reads_its_zeros_as_unmeasured(tmp_path):
         predict(plan, cal)
     # a hand-made dict (not a calibrate file) keeps its zeros
     assert from_dict(dict(name="mine", host_param_s=0.0)).host_param_s == 0.0
-    stored = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "runs", "h200-2026-12-01-2317-predict", "cal-h200.json")
+    stored = os.path.join(
+        os.path.dirname(__file__), "..", "benchmarks", "runs", "h200-2026-12-01-2317-predict", "cal-h200.json"
+    )
     h200 = load(stored)
     assert problems(h200) == [] and h200.host_param_s is None and h200.quant_GBps > 3000
 
@@ -254,7 +260,11 @@ def test_cluster_for_refuses_a_missing_write_rate_unless_assumed():
     c = Cluster(train_gpus=2, infer_gpus=4, infer_tp=2, gpus_per_node=2, dense_shard=2)
     plan = plan_for("qwen3-tiny", c)
     cal = Calibration(
-        host_param_s=0.0, pack_launch_s=0.0, quant_GBps=None, allgather_GBps=100.0, unmeasured={"write_GBps": "links failed"}
+        host_param_s=0.0,
+        pack_launch_s=0.0,
+        quant_GBps=None,
+        allgather_GBps=100.0,
+        unmeasured={"write_GBps": "links failed"},
     )
     with pytest.raises(ValueError, match=r"no write_GBps \(links failed\)"):
         cluster_for(plan, cal)

@@ -264,7 +264,8 @@ def cluster_for(plan, cal, assume: dict | None = None, **kw) -> Cluster:
         src, why = cal.source_of("write_GBps")
         raise ValueError(
             "calibration %r has no write_GBps (%s), which a prediction on the machine it describes needs; "
-            "pass assume={'write_GBps': ...} or a Cluster with its links" % (cal.name, why if src == "unmeasured" else "None")
+            "pass assume={'write_GBps': ...} or a Cluster with its links"
+            % (cal.name, why if src == "unmeasured" else "None")
         )
     world = plan.train_world
     ngpu = int(plan.gpu_of.max()) + 1

@@ -450,7 +450,8 @@ def _nonpositive_why(det: dict) -> dict:
     held = (det.get("host_conditioning") or {}).get("samples") or {}
     out = {
         k: "the host fit (non-negative least squares over %d samples, %d of them holding it) put it at %s: "
-        "not separable from the other host terms on this machine" % (det.get("host_samples", 0), held.get(k, 0), det.get(k))
+        "not separable from the other host terms on this machine"
+        % (det.get("host_samples", 0), held.get(k, 0), det.get(k))
         for k in HOST_COSTS
     }
     out["pack_launch_s"] = "%.3g s, a small call's time less its bytes at the fitted rate (%s samples)" % (
@@ -468,7 +469,9 @@ def _nonpositive_why(det: dict) -> dict:
 
 
 # a measured calibration's push_fixed_s: the older single fixed cost per push, measured apart here
-PUSH_FIXED_WHY = "not a term of its own here: the fixed cost per push is measured apart (push_begin_s, begin_fence_s, push_end_s)"
+PUSH_FIXED_WHY = (
+    "not a term of its own here: the fixed cost per push is measured apart (push_begin_s, begin_fence_s, push_end_s)"
+)
 
 
 def _calibration(det: dict, unmeasured: dict, dev, placement: str, quick: bool) -> tuple:
