@@ -652,7 +652,7 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         machine.  Returns dict(simulated_s, lower_bound_s, bound_by, calibration: its dict), or
     simulated_error (naming the unmeasured term) in place of the figures."""
     from ..plan import Plan
-    from ..plan.calibrate import cluster_for, get, to_dict
+    from ..plan.calibrate import assume, cluster_for, fits_at_zero, get, to_dict
     from ..plan.simulate import simulate
 
     if isinstance(plan, (bytes, bytearray)):
@@ -661,6 +661,8 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         cal, det = measure(quick=quick, log=log)
     else:
         cal, det = get(calibration), {}
+    # a term whose fit came out <= 0 here: taken at 0, by name (simulated_assumptions)
+    cal = assume(cal, why="its fit came out <= 0", **dict.fromkeys(fits_at_zero(cal), 0.0))
     try:
         r = simulate(plan, cluster_for(plan, cal), steps=400, record=False, kinds="auto")
     except ValueError as e:  # a term this plan needs that the calibration did not measure, by name
@@ -670,6 +672,7 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         simulated_lower_bound_s=r.lower_bound_s,
         simulated_bound_by=r.bound_by,
         simulated_stage_busy_s=r.stage_busy_s,
+        simulated_assumptions=r.assumptions,
         calibration=dict(to_dict(cal), measured=det),
     )
 
