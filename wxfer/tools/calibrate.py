@@ -441,7 +441,9 @@ _HOST_TERMS = HOST_COSTS + (
 
 def _us(v: float) -> str:
     """A measured cost for the log: microseconds, or what a value <= 0 means here."""
-    return "%.1f us" % (v * 1e6) if v > 0 else "<= 0 (the fit; unmeasured unless another figure replaces it)"
+    return (
+        "%.2f us" % (v * 1e6) if v > 0 else "%.3g us, <= 0 (unmeasured unless another figure replaces it)" % (v * 1e6)
+    )
 
 
 def _nonpositive_why(det: dict) -> dict:
@@ -586,14 +588,14 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
     unmeasured: dict = {}
     det.update(measure_kernels(dev, quick))
     log(
-        "calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s, batched copies %.1f GB/s, "
+        "calibrate: quantizer %.1f GB/s, %s per launch; copy %.1f GB/s, batched copies %s GB/s, "
         "their host work %s"
         % (
             det["quant_GBps"],
-            det["pack_launch_s"] * 1e6,
+            _us(det["pack_launch_fit_s"]),
             det["copy_GBps"],
-            det.get("copy_batch_GBps") or 0,
-            "%.1f us per launch + %.2f us per range" % (det["host_copy_launch_s"] * 1e6, det["host_copy_range_s"] * 1e6)
+            "%.1f" % det["copy_batch_GBps"] if det.get("copy_batch_GBps") else "-",
+            "%s per launch + %s per range" % (_us(det["host_copy_launch_s"]), _us(det["host_copy_range_s"]))
             if "host_copy_launch_s" in det
             else "not measured (no GPU)",
         )
