@@ -172,13 +172,11 @@ class Calibration:
     # naming it) unless `assumptions` gives it a value
     unmeasured: dict = field(default_factory=dict)
     # term -> why: a value put in an unmeasured term's field on purpose (wxfer.plan.calibrate.assume);
-    # a simulation that uses one lists it (SimResult.assumptions).  None: the defaults that no
+    # a simulation that uses one lists it (SimResult.assumptions).  By default: the defaults that no
     # measurement backs (DEFAULT_ASSUMED), for those terms still at their default value
-    assumptions: dict | None = None
+    assumptions: dict = field(default_factory=lambda: {k: default_why(k) for k in DEFAULT_ASSUMED})
 
     def __post_init__(self):
-        if self.assumptions is None:
-            self.assumptions = {k: default_why(k) for k in DEFAULT_ASSUMED}
         # a default's mark leaves a term given another value (dataclasses.replace) or named unmeasured
         self.assumptions = {
             k: v

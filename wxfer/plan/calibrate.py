@@ -210,7 +210,8 @@ def problems(cal) -> list:
 def strict(cal: Calibration, why: dict | None = None) -> Calibration:
     """`cal` (a measured one) with every term that came out <= 0 made None and named in
     `unmeasured`: why[term] (e.g. the fit and its samples), else "came out <= 0"."""
-    un, put = dict(cal.unmeasured), {}
+    un = dict(cal.unmeasured)
+    put: dict[str, Any] = {}
     for k in sorted(TERMS):
         v = getattr(cal, k)
         if v is not None and v <= 0 and k not in cal.assumptions:
