@@ -68,7 +68,7 @@ def predicted(sender, dev, a: dict) -> dict:
     try:
         from collections import Counter
 
-        from wxfer.plan.calibrate import from_dict, run
+        from wxfer.plan.calibrate import assume, fits_at_zero, from_dict, run
 
         d = cals.get(want)
         if d is None:
@@ -76,6 +76,8 @@ def predicted(sender, dev, a: dict) -> dict:
         if "error" in d:
             raise RuntimeError(d["error"])
         cal = from_dict(d)
+        # a term whose fit came out <= 0 is unmeasured in the file: taken at 0 here, listed as assumed
+        cal = assume(cal, why="its fit came out <= 0", **dict.fromkeys(fits_at_zero(cal), 0.0))
         kinds = sender.task_kinds()
         offload = dev.type == "cuda" and _offloaded(sender, dev)
         r = run(sender.plan, cal, kinds=kinds, cpu_offload=offload, watermark_bytes=sender.watermark or (1 << 50))

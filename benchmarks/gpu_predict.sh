@@ -46,10 +46,10 @@ timeout 130 python3 benchmarks/bench_baselines.py --layouts colocated --curated 
 tail -30 "$OUT/bb-moe.log" | grep -v '^{'
 
 # offline: every row from the calibration file alone (no refit), and the in-run fit's check beside it
-timeout 60 python3 benchmarks/sim_check.py --calibration "$CAL" --within 0.2 "$OUT"/bb-*/results.json \
+timeout 60 python3 benchmarks/sim_check.py --calibration "$CAL" --assume-zero-fits --within 0.2 "$OUT"/bb-*/results.json \
   >"$OUT/sim_check_predicted.md" 2>&1 || rc=1
 cat "$OUT/sim_check_predicted.md"
-timeout 60 python3 benchmarks/sim_check.py --json --calibration "$CAL" "$OUT"/bb-*/results.json >"$OUT/sim_check_predicted.jsonl" 2>&1
+timeout 60 python3 benchmarks/sim_check.py --json --calibration "$CAL" --assume-zero-fits "$OUT"/bb-*/results.json >"$OUT/sim_check_predicted.jsonl" 2>&1
 timeout 60 python3 benchmarks/sim_check.py "$OUT"/bb-*/results.json >"$OUT/sim_check_fitted.md" 2>&1
 cat "$OUT/sim_check_fitted.md"
 uptime >>"$OUT/load.txt"

@@ -50,6 +50,10 @@ ASSUME = {
     "h2d_call_s": (0.0, "no offload in these jobs"),
     "write_dev_s": (0.0, "the write path's time per write beyond the link not measured; taken as 0"),
     "host_piece_s": (0.0, "the per-piece host cost not measured; taken as 0"),
+    "host_param_s": (
+        0.0,
+        "the per-parameter host cost: the fit put it at 0 (stored as 0.0 by an older calibrate); taken as 0",
+    ),
 }
 
 

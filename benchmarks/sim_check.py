@@ -352,13 +352,33 @@ def main(argv=None) -> int:
         "no refit, nothing read from the rows' traces or timings; a row of another placement, or needing a term "
         "the file marks unmeasured, is reported as an error",
     )
+    ap.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="TERM=VALUE",
+        help="with --calibration: give a term the file marks unmeasured this value, as a named assumption "
+        "(listed under the table); repeatable",
+    )
+    ap.add_argument(
+        "--assume-zero-fits",
+        action="store_true",
+        help="with --calibration: take every term whose fit came out <= 0 (named unmeasured by calibrate) at 0, "
+        "as named assumptions",
+    )
     a = ap.parse_args(argv)
-    from wxfer.plan.calibrate import get
+    from wxfer.plan.calibrate import assume, fits_at_zero, get
 
     kernels = None if a.kernels == "none" else get(a.kernels)
     given = placement = None
     if a.calibration:
         given = get(a.calibration)
+        terms = {k: float(v) for k, _, v in (x.partition("=") for x in a.assume)}
+        if terms:
+            given = assume(given, why="given by --assume", **terms)
+        if a.assume_zero_fits and fits_at_zero(given):
+            zero = dict.fromkeys(fits_at_zero(given), 0.0)
+            given = assume(given, why="its fit came out <= 0 (--assume-zero-fits)", **zero)
         with open(a.calibration) as f:
             placement = (json.load(f).get("measured") or {}).get("placement")
     rows = []
@@ -376,6 +396,9 @@ def main(argv=None) -> int:
                     print(json.dumps(r))
     if not a.json:
         print(_table(rows))
+        took = sorted({v for r in rows for v in (r.get("assumptions") or {}).values()})
+        if took:
+            print("\nAssumed (the calibration did not measure them):\n" + "\n".join("- " + v for v in took))
     off = [r for r in rows if "error" in r or abs(r["ratio"] - 1) > a.within]
     return 1 if off else 0
 

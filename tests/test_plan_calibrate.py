@@ -161,3 +161,119 @@ def test_an_unmeasured_term_is_refused_by_name_or_used_as_a_named_assumption(tmp
         from_dict(dict(unmeasured={"no_such_term": "x"}))
     with pytest.raises(ValueError, match="not calibration terms"):
         assume(ok, no_such_term=1.0)
+
+
+def test_every_term_is_measured_assumed_or_unmeasured_with_its_reason():
+    """Calibration.source_of / need: the default set's figures that no measurement backs are
+    assumptions a simulation lists; a term given another value loses that mark."""
+    from wxfer.meta import DEFAULT_ASSUMED
+    from wxfer.plan.calibrate import TERMS, problems
+
+    d = Calibration()
+    assert d.source_of("host_param_s")[0] == "measured" and d.source_of("coll_call_s")[0] == "assumed"
+    assert set(d.assumptions) == set(DEFAULT_ASSUMED) and problems(d) == []
+    given = Calibration(coll_call_s=5e-6)
+    assert "coll_call_s" not in given.assumptions and given.source_of("coll_call_s")[0] == "measured"
+    c, plan = _one()
+    r = simulate(plan, c, record=False)
+    assert "push_begin_s" in r.assumptions and "not measured on the H200" in r.assumptions["push_begin_s"]
+    for name in CALIBRATIONS:  # the named sets: no term without a source
+        assert problems(name) == [], name
+    # need(): an unmeasured term refuses by name and why; a None with no reason too
+    un = Calibration(host_param_s=None, unmeasured={"host_param_s": "no packed task"}, assumptions={})
+    with pytest.raises(ValueError, match=r"host_param_s \(charged by task 3\): unmeasured: no packed task"):
+        un.need("host_param_s", "task 3")
+    with pytest.raises(ValueError, match="write_call_s: None, and not named in unmeasured"):
+        Calibration(write_call_s=None).need("write_call_s")
+    assert Calibration(quant_GBps=None).need("quant_GBps") is None  # None: the Cluster's memory rate
+    assert problems(Calibration(write_call_s=None)) == [("write_call_s", "None with no reason")]
+    assert [k for k, _ in problems(Calibration(host_param_s=0.0))] == ["host_param_s"]  # 0.0 with no mark
+    assert TERMS >= set(DEFAULT_ASSUMED)
+
+
+def test_strict_names_a_fit_at_zero_and_a_simulation_takes_it_only_as_an_assumption():
+    from wxfer.plan.calibrate import FIT_AT_ZERO, assume, fits_at_zero, strict
+
+    c, plan = _one(quant="fp8", host_param_s=1e-4)
+    cal = strict(replace_cal(c.calibration, host_piece_s=0.0, assumptions={}), {"host_piece_s": "nnls over 9 samples"})
+    assert cal.host_piece_s is None and cal.unmeasured["host_piece_s"] == FIT_AT_ZERO + "nnls over 9 samples"
+    assert fits_at_zero(cal) == sorted(k for k in cal.unmeasured if cal.unmeasured[k].startswith(FIT_AT_ZERO))
+    with pytest.raises(ValueError, match=r"host_piece_s \(charged by packed task .*came out <= 0: nnls over 9 samples"):
+        simulate(plan, Cluster(**{**c.__dict__, "calibration": cal}), record=False)
+    ok = assume(cal, why="taken at 0", **dict.fromkeys(fits_at_zero(cal), 0.0))
+    r = simulate(plan, Cluster(**{**c.__dict__, "calibration": ok}), record=False)
+    assert r.assumptions["host_piece_s"] == "host_piece_s = 0.0 assumed: taken at 0"
+
+
+def replace_cal(cal, **kw):
+    from dataclasses import replace
+
+    return replace(cal, **kw)
+
+
+def test_an_older_calibrate_file_reads_its_zeros_as_unmeasured(tmp_path):
+    """A file of an older `python -m wxfer calibrate` (fits clamped at 0 and unmeasured terms
+    stored as 0.0): it loads, each 0.0 read as unmeasured with that reason; the stored H200
+    file of run 2 holds no term without a source."""
+    import os
+
+    from wxfer.plan.calibrate import OLDER_ZERO, fits_at_zero, problems
+
+    old = dict(
+        name="measured-cpu-host",
+        host_task_s=8e-5,
+        host_param_s=0.0,
+        host_piece_s=0.0,
+        h2d_call_s=0.0,
+        push_fixed_s=0.0,
+        write_GBps=4.9,
+        unmeasured={"h2d_call_s": "no GPU: nothing is offloaded to host memory here"},
+        assumptions={},
+        measured={"placement": "host"},
+    )
+    p = tmp_path / "old.json"
+    p.write_text(json.dumps(old))
+    cal = load(str(p))
+    assert cal.host_param_s is None and cal.unmeasured["host_param_s"] == OLDER_ZERO
+    assert (
+        cal.h2d_call_s is None
+        and cal.unmeasured["h2d_call_s"].startswith("no GPU")
+        and "0.0" in cal.unmeasured["h2d_call_s"]
+    )
+    assert cal.push_begin_s is None and "push_begin_s" in cal.unmeasured  # absent: the default 0.0, not measured
+    assert cal.host_task_s == 8e-5 and problems(cal) == [] and "host_param_s" in fits_at_zero(cal)
+    c, plan = _one(quant="fp8")
+    with pytest.raises(ValueError, match="host_param_s .*older `python -m wxfer calibrate`"):
+        predict(plan, cal)
+    # a hand-made dict (not a calibrate file) keeps its zeros
+    assert from_dict(dict(name="mine", host_param_s=0.0)).host_param_s == 0.0
+    stored = os.path.join(
+        os.path.dirname(__file__), "..", "benchmarks", "runs", "h200-2026-12-01-2317-predict", "cal-h200.json"
+    )
+    h200 = load(stored)
+    assert problems(h200) == [] and h200.host_param_s is None and h200.quant_GBps > 3000
+
+
+def test_cluster_for_refuses_a_missing_write_rate_unless_assumed():
+    """No silent 50 GB/s: a calibration without write_GBps cannot describe its machine's
+    writes; an explicit assume= is used and listed."""
+    c = Cluster(train_gpus=2, infer_gpus=4, infer_tp=2, gpus_per_node=2, dense_shard=2)
+    plan = plan_for("qwen3-tiny", c)
+    cal = Calibration(
+        host_param_s=0.0,
+        pack_launch_s=0.0,
+        quant_GBps=None,
+        allgather_GBps=100.0,
+        unmeasured={"write_GBps": "links failed"},
+    )
+    with pytest.raises(ValueError, match=r"no write_GBps \(links failed\)"):
+        cluster_for(plan, cal)
+    with pytest.raises(ValueError, match="no write_GBps"):
+        predict(plan, "h200")
+    from wxfer.plan.calibrate import run
+
+    r = run(plan, cal, assume={"write_GBps": 0.01})
+    per_rank = np.bincount(plan.sender, plan.nbytes, 2).max()
+    assert r.simulated_s == pytest.approx(per_rank / 0.01e9, rel=0.05)
+    assert r.assumptions["write_GBps"] == "write_GBps = 0.01 assumed: given by the caller (assume=)"
+    assert predict(plan, cal, write_GBps=0.01) == pytest.approx(r.simulated_s, rel=0.01)

@@ -154,3 +154,24 @@ def test_calibration_by_name_and_file(capsys, tmp_path):
     assert d["calibration"] == "slowhost" and d["bound_by"] == "host" and d["simulated_s"] > 1.0
     assert main(args + ["--calibration", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_a_term_the_calibration_lacks_is_refused_by_name_or_assumed(capsys, tmp_path):
+    """--calibration FILE with a term named unmeasured: exit 2 naming it; --assume TERM=VALUE
+    gives it a value, listed under "assumptions" in the output."""
+    from wxfer.meta import Calibration
+    from wxfer.plan.calibrate import save
+
+    cal = Calibration(name="given", host_param_s=None, unmeasured={"host_param_s": "no packed task here"})
+    path = tmp_path / "cal.json"
+    save(cal, str(path))
+    args = ["--preset", "qwen3-tiny", "--train-gpus", "2", "--infer-gpus", "2", "--infer-tp", "2"]
+    args += ["--dense-shard", "2", "--gpus-per-node", "2", "--quant", "bf16", "--calibration", str(path), "--json"]
+    assert main(args + ["--steps", "200"]) == 2
+    err = capsys.readouterr().err
+    assert "host_param_s (charged by packed task" in err and "no packed task here" in err and "--assume" in err
+    assert main(args + ["--steps", "200", "--assume", "host_param_s=1e-4"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["assumptions"]["host_param_s"] == "host_param_s = 0.0001 assumed: given by --assume"
+    assert main(args + ["--assume", "host_param_s=fast"]) == 2
+    assert "--assume 'host_param_s=fast'" in capsys.readouterr().err

@@ -145,3 +145,7 @@ def test_calibration_file_alone_predicts_a_row_and_names_what_it_lacks(tmp_path,
     assert sim_check.main(["--json", "--calibration", str(path), str(rj)]) == 1
     rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert "error" not in rows[0] and "quant_GBps" in rows[1]["error"] and "no quantizer here" in rows[1]["error"]
+    # --assume gives it a value by name: the row is predicted, the assumption listed with it
+    sim_check.main(["--json", "--calibration", str(path), "--assume", "quant_GBps=1.0", str(rj)])
+    rows = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert rows[1]["assumptions"]["quant_GBps"] == "quant_GBps = 1.0 assumed: given by --assume"

@@ -75,20 +75,26 @@ class Calibration:
     sets ("free-stage2": the old model, stage 2 at memory speed and no host time; "h200-native":
     the one-pass quantizer kernel), and ``python -m wxfer calibrate --json`` measures one on
     the current machine.  Optional link rates (None: the Cluster's) are what that command
-    measured on this machine; `apply()` puts them into a Cluster."""
+    measured on this machine; `apply()` puts them into a Cluster.
+
+    Every term (wxfer.plan.calibrate.TERMS) has a source (`source_of`): measured (a value of
+    this calibration's `source`), assumed (named in `assumptions` with why: given on purpose, or
+    a default that no measurement backs) or unmeasured (None, named in `unmeasured` with why).
+    A simulation asks for the terms a plan charges (`need`): an unmeasured one refuses by name,
+    an assumed one is listed with the result (SimResult.assumptions)."""
 
     name: str = "h200"
     # host (Python) work on a trainer rank per task: fixed + per source parameter + per packed piece
-    host_task_s: float = 0.0  # one H200 (issue 13): not separable from the per-parameter figure
-    host_param_s: float = 0.25e-3  # one H200 (issue 13): ~0.25 ms of host work per parameter (311-param
+    host_task_s: float | None = 0.0  # one H200 (issue 13): not separable from the per-parameter figure
+    host_param_s: float | None = 0.25e-3  # one H200 (issue 13): ~0.25 ms of host work per parameter (311-param
     #                                        1.7B-class model as slow as 399-param Qwen3-8B), 1-parameter tasks
-    host_piece_s: float = 0.0  # one H200 (issue 13): included in host_param_s
+    host_piece_s: float | None = 0.0  # one H200 (issue 13): included in host_param_s
     # host work of a zero-copy task (Engine.prepare'd once, handed to Engine.submit_prepared in
     # batches of zc_batch): per task (the loop's check of its memory + the native submit) and per
     # batch (one submit_prepared call); no gather, pack, buffer or watermark
-    host_zc_task_s: float = 5e-6  # 2-core CPU VM (benchmarks/README.md, bench_push_host): 4.3-5.0 us
+    host_zc_task_s: float | None = 5e-6  # 2-core CPU VM (benchmarks/README.md, bench_push_host): 4.3-5.0 us
     #                                        per task of last_submit_s; per batch not separated there
-    host_zc_batch_s: float = 0.0
+    host_zc_batch_s: float | None = 0.0
     zc_batch: float = ZERO_COPY_BATCH  # tasks per submit_prepared call (the Sender's, wxfer.zerocopy)
     # host work of a direct task (wxfer.runtime.inplace: gather, the raw copies and one quantizer launch
     # issued straight into the receivers' memory; no reservation, no submission); None: a packed task's
@@ -105,7 +111,7 @@ class Calibration:
     host_copy_launch_s: float | None = None
     host_copy_range_s: float | None = None
     # fuse / quantize / pack: per launch (one per packed piece) + bytes (full tensors read + buffer written) / rate
-    pack_launch_s: float = 90e-6  # one H200 (issue 13): 128 experts, one reference quantize each: 15 ms,
+    pack_launch_s: float | None = 90e-6  # one H200 (issue 13): 128 experts, one reference quantize each: 15 ms,
     #                                        of which 128 x 4.7 MB at 170 GB/s is 3.5 ms -> ~90 us per piece
     # launches of a task's packing: one per packed piece (the reference quantizer, one torch pass per
     # piece) or, False, one per merged raw piece plus one for all its FP8 pieces (the native kernel)
@@ -125,25 +131,25 @@ class Calibration:
     quant_small_GBps: float | None = None
     small_piece_elems: float = 4e6
     # the collective (full_tensor) per call (one per source parameter) on top of bytes / link rate
-    coll_call_s: float = 0.0  # not measured on the H200 yet (calibrate measures it)
+    coll_call_s: float | None = 0.0  # not measured on the H200 yet (calibrate measures it)
     # the write path per write (one per transfer, posted one after the other by a rank's engine, while
     # the link moves the earlier ones): the engine's posting gap, fitted on the trace (hostfit.post_cost)
-    write_call_s: float = 0.0  # not measured on the H200 yet; the engine's stages were 72 ms of a
+    write_call_s: float | None = 0.0  # not measured on the H200 yet; the engine's stages were 72 ms of a
     #                                        3.1 s Qwen3-30B-A3B push (issue 13): small next to stage 2
     # the write path's own time per write beyond its bytes at the write rate (the copy's fixed cost and its
     # completion, in the order the writes were posted), fitted on the trace (hostfit.write_extra): it
     # depends on the writes' sizes (small writes cost more of it), so it is a figure of the plan measured
-    write_dev_s: float = 0.0
-    h2d_call_s: float = 0.0  # per offloaded source parameter; not measured on the H200 yet
-    push_fixed_s: float = 0.0  # per push, added at the end (older calibrations: everything fixed in one)
+    write_dev_s: float | None = 0.0
+    h2d_call_s: float | None = 0.0  # per offloaded source parameter; not measured on the H200 yet
+    push_fixed_s: float | None = 0.0  # per push, added at the end (older calibrations: everything fixed in one)
     # per push, measured apart: before the first task (the restart check's store round trip, the begin
     # stamps: a device synchronize, their write and the engine's round trip) and after the last write
     # lands (the engine wait's wake-up, the end stamps likewise, the last mesh-group barrier, the flag)
-    push_begin_s: float = 0.0
-    push_end_s: float = 0.0
+    push_begin_s: float | None = 0.0
+    push_end_s: float | None = 0.0
     # the begin stamps as an engine fence (wxfer.runtime.tasks.TaskRunner.write_begin): the host goes on with the
     # tasks after push_begin_s, no data write is posted before the stamps landed, begin_fence_s after
-    begin_fence_s: float = 0.0
+    begin_fence_s: float | None = 0.0
     # how a rank runs stage 2: serial = its gathers and packs on one stream, one after the other (wxfer's
     # runtime: one side stream); host_sync = the host waits for each (CPU: the host does the work)
     serial: bool = True
@@ -166,12 +172,52 @@ class Calibration:
     # naming it) unless `assumptions` gives it a value
     unmeasured: dict = field(default_factory=dict)
     # term -> why: a value put in an unmeasured term's field on purpose (wxfer.plan.calibrate.assume);
-    # a simulation that uses one lists it (SimResult.assumptions)
-    assumptions: dict = field(default_factory=dict)
+    # a simulation that uses one lists it (SimResult.assumptions).  By default: the defaults that no
+    # measurement backs (DEFAULT_ASSUMED), for those terms still at their default value
+    assumptions: dict = field(default_factory=lambda: {k: default_why(k) for k in DEFAULT_ASSUMED})
+
+    def __post_init__(self):
+        # a default's mark leaves a term given another value (dataclasses.replace) or named unmeasured
+        self.assumptions = {
+            k: v
+            for k, v in self.assumptions.items()
+            if k not in DEFAULT_ASSUMED
+            or v != default_why(k)
+            or (getattr(self, k) == _default(k) and k not in self.unmeasured)
+        }
+
+    def source_of(self, term: str) -> tuple:
+        """(source, why) of a term: ("unmeasured", why) for a term named in `unmeasured`
+        (its value None), ("assumed", why) for one named in `assumptions`, ("instead", which)
+        for a None that means another figure (NONE_MEANS), else ("measured", this
+        calibration's `source`)."""
+        if term in self.unmeasured and term not in self.assumptions:
+            return "unmeasured", self.unmeasured[term]
+        if term in self.assumptions:
+            return "assumed", self.assumptions[term]
+        if getattr(self, term) is None and term in NONE_MEANS:
+            return "instead", NONE_MEANS[term]
+        return "measured", self.source
+
+    def need(self, term: str, by: str = "") -> float | None:
+        """The value of `term` for what charges it (`by`, named in the error): a ValueError
+        naming the term and why when it is unmeasured and no assumption gives it a value, or
+        when it is None with no reason and its None means nothing else (NEED_VALUE).  Terms
+        whose None means another figure (quant_GBps: the Cluster's memory rate, ...) may
+        return None."""
+        src, why = self.source_of(term)
+        at = " (charged by %s)" % by if by else ""
+        if src == "unmeasured":
+            raise ValueError("%s%s: unmeasured: %s" % (term, at, why))
+        v = getattr(self, term)
+        if v is None and term in NEED_VALUE:
+            raise ValueError("%s%s: None, and not named in unmeasured with a reason" % (term, at))
+        return v
 
     def host_s(self, nsrc: int, pieces: int) -> float:
-        """Host seconds of one task on one rank."""
-        return self.host_task_s + self.host_param_s * nsrc + self.host_piece_s * pieces
+        """Host seconds of one task on one rank (a term that is None is not charged: the
+        simulator checks first that the plan's tasks do not need it, simulate.check_terms)."""
+        return (self.host_task_s or 0.0) + (self.host_param_s or 0.0) * nsrc + (self.host_piece_s or 0.0) * pieces
 
     def apply(self, cluster: "Cluster", **kw) -> "Cluster":
         """A copy of `cluster` using this calibration and its measured link rates."""
@@ -186,6 +232,55 @@ class Calibration:
             upd["pcie_GBps"] = self.h2d_GBps
         upd.update(kw)
         return replace(cluster, **upd)
+
+
+# the terms whose None has no meaning of its own (the others' None means another figure: quant_GBps
+# None is Cluster.mem_GBps, host_direct_task_s None the packed task's host figures, ...)
+NEED_VALUE = frozenset(
+    "host_task_s host_param_s host_piece_s host_zc_task_s host_zc_batch_s pack_launch_s coll_call_s write_call_s "
+    "write_dev_s h2d_call_s push_fixed_s push_begin_s push_end_s begin_fence_s".split()
+)
+
+# the terms whose None means another figure: term -> which (Calibration.source_of: "instead")
+NONE_MEANS = {
+    "quant_GBps": "the Cluster's mem_GBps",
+    "copy_GBps": "the Cluster's mem_GBps",
+    "copy_batch_GBps": "copy_GBps",
+    "quant_small_GBps": "quant_GBps",
+    "host_direct_task_s": "the packed task's host figures (host_task_s, host_param_s, host_piece_s)",
+    "host_copy_task_s": "host_zc_task_s",
+    "host_copy_launch_s": "not charged apart (in host_copy_task_s)",
+    "host_copy_range_s": "not charged apart (in host_copy_task_s)",
+    "allgather_GBps": "the Cluster's nvlink_GBps",
+    "write_GBps": "the Cluster's write path (Cluster.write_GBps, else its NIC)",
+    "h2d_GBps": "the Cluster's pcie_GBps",
+}
+
+# the default set's figures that no measurement backs (Calibration(): one H200 at issue 13): a
+# simulation that charges one lists it as an assumption, with this reason
+DEFAULT_ASSUMED = {
+    "host_task_s": "the H200 (issue 13) did not separate it from host_param_s",
+    "host_piece_s": "included in host_param_s on the H200 (issue 13)",
+    "host_zc_task_s": "measured on the 2-core CPU VM (bench_push_host), not on a GPU",
+    "host_zc_batch_s": "not separated from host_zc_task_s (bench_push_host)",
+    "coll_call_s": "not measured on the H200",
+    "write_call_s": "not measured on the H200",
+    "write_dev_s": "not measured on the H200",
+    "h2d_call_s": "not measured on the H200",
+    "push_fixed_s": "not measured on the H200",
+    "push_begin_s": "not measured on the H200",
+    "push_end_s": "not measured on the H200",
+    "begin_fence_s": "not measured on the H200",
+}
+
+
+def _default(term: str):
+    return Calibration.__dataclass_fields__[term].default
+
+
+def default_why(term: str) -> str:
+    """The assumption mark of a default figure that no measurement backs (DEFAULT_ASSUMED)."""
+    return "%s = %r, the default: %s" % (term, _default(term), DEFAULT_ASSUMED[term])
 
 
 @dataclass

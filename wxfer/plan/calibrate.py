@@ -10,6 +10,12 @@ and `Calibration` objects passed to `Cluster(calibration=...)` use it.
     from wxfer.plan.calibrate import load, predict
     cal = load("calib.json")                 # or a name of CALIBRATIONS
     seconds = predict(plan, cal)             # the trainers' own plan, this machine's figures
+    seconds = predict(plan, cal, assume=dict(write_GBps=50.0))  # a term it lacks, as a named assumption
+
+Every term of a calibration is a measured value > 0, a named assumption, or None named in
+`unmeasured` with why (`problems()` lists what breaks this; ``calibrate`` writes a fit that
+came out <= 0 as unmeasured, with its samples).  A file of an older ``calibrate`` still loads:
+its 0.0 terms are read as unmeasured, with that reason.
 
 Pure Python (no torch, no native extension).
 """
@@ -20,7 +26,7 @@ import json
 from dataclasses import asdict, fields, replace
 from typing import Any
 
-from ..meta import Calibration, Cluster
+from ..meta import NONE_MEANS, Calibration, Cluster
 
 # Named calibrations.  "h200" is the default (Calibration()); see its field comments.
 CALIBRATIONS: dict[str, Calibration] = {
@@ -85,9 +91,17 @@ def assume(cal, why: str = "", **terms) -> Calibration:
         raise ValueError(f"assume: {bad} are not calibration terms (see wxfer.plan.calibrate.TERMS)")
     un, got = dict(cal.unmeasured), dict(cal.assumptions)
     for k in terms:
+        v = terms[k]
+        if v is None and k not in NONE_MEANS or isinstance(v, bool) or not isinstance(v, (int, float, type(None))):
+            raise ValueError(f"assume: {k} must be a number >= 0 (None only where it means another figure), got {v!r}")
+        if v is not None and v < 0:
+            raise ValueError(f"assume: {k} must be a number >= 0, got {v!r}")
         got[k] = "%s = %r assumed%s" % (k, terms[k], ": " + why if why else " (unmeasured: %s)" % un.get(k, "-"))
         un.pop(k, None)
     return replace(cal, unmeasured=un, assumptions=got, **terms)
+
+
+_assume = assume  # for the functions whose argument `assume` hides it
 
 
 def get(cal) -> Calibration:
@@ -106,6 +120,16 @@ def get(cal) -> Calibration:
         f"calibration must be a Calibration, a name ({sorted(CALIBRATIONS)}), a dict or a path, "
         f"got {type(cal).__name__}"
     )
+
+
+# the pre-issue-15 model's zeros are that model's own assumptions
+CALIBRATIONS["free-stage2"] = assume(
+    CALIBRATIONS["free-stage2"],
+    why="the pre-issue-15 model: stage 2 free",
+    host_param_s=0.0,
+    host_zc_task_s=0.0,
+    pack_launch_s=0.0,
+)
 
 
 def from_dict(d: dict) -> Calibration:
@@ -136,7 +160,75 @@ def from_dict(d: dict) -> Calibration:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ValueError(f"calibration field {f.name} must be a number >= 0, got {v!r}")
             kw[f.name] = float(v)
+    if str(d.get("name", "")).startswith("measured-"):  # a file of `python -m wxfer calibrate`
+        _older_zeros(kw)
     return Calibration(**kw)
+
+
+# what an older `calibrate` wrote as 0.0: a term it did not measure, or a fit clamped at 0
+OLDER_ZERO = (
+    "0.0 in a file of an older `python -m wxfer calibrate`, which wrote unmeasured terms and fits that came "
+    "out <= 0 as 0.0: read as unmeasured"
+)
+
+
+def _older_zeros(kw: dict) -> None:
+    """In the fields of a calibrate file (`kw`), a term that is 0.0 (or absent: the default
+    0.0) and not an assumption: None, named unmeasured (OLDER_ZERO, or the file's own reason)."""
+    un, got = dict(kw.get("unmeasured", {})), kw.get("assumptions") or {}
+    defaults = {f.name: f.default for f in fields(Calibration)}
+    for k in sorted(TERMS):
+        v = kw.get(k, defaults[k])
+        if v == 0.0 and k not in got:
+            kw[k] = None
+            un[k] = un[k] + " (stored as 0.0)" if k in un else OLDER_ZERO
+    kw["unmeasured"] = un
+    kw.setdefault("assumptions", {})
+
+
+def problems(cal) -> list:
+    """What keeps `cal` from having every term a value > 0 (measured or assumed, with its
+    reason) or None named in `unmeasured` with why: [(term, what)], empty when none."""
+    cal = get(cal)
+    out = []
+    for k in sorted(TERMS):
+        v = getattr(cal, k)
+        src, why = cal.source_of(k)
+        if src == "unmeasured":
+            if v is not None:
+                out.append((k, "named unmeasured but holds %r" % v))
+            elif not why:
+                out.append((k, "unmeasured with no reason"))
+        elif v is None:
+            if src != "instead":
+                out.append((k, "None with no reason"))
+        elif v <= 0 and src != "assumed":
+            out.append((k, "%r, measured as such? (not marked unmeasured or assumed)" % v))
+    return out
+
+
+def strict(cal: Calibration, why: dict | None = None) -> Calibration:
+    """`cal` (a measured one) with every term that came out <= 0 made None and named in
+    `unmeasured`: why[term] (e.g. the fit and its samples), else "came out <= 0"."""
+    un = dict(cal.unmeasured)
+    put: dict[str, Any] = {}
+    for k in sorted(TERMS):
+        v = getattr(cal, k)
+        if v is not None and v <= 0 and k not in cal.assumptions:
+            put[k] = None
+            un[k] = FIT_AT_ZERO + ((why or {}).get(k) or "measured %r" % v)
+    return replace(cal, unmeasured=un, **put)
+
+
+FIT_AT_ZERO = "came out <= 0: "  # how strict() names a term whose measurement came out <= 0
+
+
+def fits_at_zero(cal) -> list:
+    """The terms of `cal` whose measurement came out <= 0 (strict), or that an older
+    calibrate file stored as 0.0: those a caller may choose to assume at 0, by name
+    (``assume(cal, why=..., **dict.fromkeys(fits_at_zero(cal), 0.0))``)."""
+    cal = get(cal)
+    return sorted(k for k, v in cal.unmeasured.items() if v.startswith((FIT_AT_ZERO, OLDER_ZERO)))
 
 
 def to_dict(cal: Calibration) -> dict:
@@ -159,11 +251,23 @@ def save(cal: Calibration, path: str, extra: dict | None = None) -> None:
         json.dump(dict(to_dict(cal), **(extra or {})), f, indent=1)
 
 
-def cluster_for(plan, cal, **kw) -> Cluster:
+def cluster_for(plan, cal, assume: dict | None = None, **kw) -> Cluster:
     """A Cluster describing the machine a calibration was measured on, sized for `plan`:
     the plan's trainers and receivers on one host (all-gathers at the measured all-gather
-    rate, writes at the measured write rate), `cal`'s costs.  `kw` overrides any field."""
+    rate, writes at the measured write rate), `cal`'s costs.  `kw` overrides any field;
+    `assume`: {term: value} given as named assumptions (`assume()`).  A calibration with no
+    write rate (unmeasured, or a named set that has none) is refused by name unless `kw` or
+    `assume` gives one."""
     cal = get(cal)
+    if assume:
+        cal = _assume(cal, why="given by the caller (assume=)", **assume)
+    if cal.write_GBps is None and kw.get("write_GBps") is None:
+        src, why = cal.source_of("write_GBps")
+        raise ValueError(
+            "calibration %r has no write_GBps (%s), which a prediction on the machine it describes needs; "
+            "pass assume={'write_GBps': ...} or a Cluster with its links"
+            % (cal.name, why if src == "unmeasured" else "None")
+        )
     world = plan.train_world
     ngpu = int(plan.gpu_of.max()) + 1
     base = dict(
@@ -175,7 +279,7 @@ def cluster_for(plan, cal, **kw) -> Cluster:
         gpus_per_node=max(world, ngpu, 1),
         dense_shard=world,
         expert_shard=1,
-        write_GBps=cal.write_GBps if cal.write_GBps is not None else 50.0,
+        write_GBps=cal.write_GBps,
     )
     base.update(kw)
     return cal.apply(Cluster(**base))
@@ -188,14 +292,18 @@ def run(
     steps: int = 400,
     record: bool = False,
     kinds: dict | None = None,
+    assume: dict | None = None,
     **cluster_kw,
 ):
     """The SimResult of one push of `plan` with `calibration` (a Calibration, a name or a JSON
     path) on the machine it describes (`cluster_for`), or on `cluster` (its link rates, this
-    calibration's costs); kinds: task -> kind (wxfer.plan.kinds; a Sender's task_kinds())."""
+    calibration's costs); kinds: task -> kind (wxfer.plan.kinds; a Sender's task_kinds());
+    assume: {term: value} for terms it lacks, as named assumptions (SimResult.assumptions)."""
     from .simulate import simulate
 
     cal = get(calibration)
+    if assume:
+        cal = _assume(cal, why="given by the caller (assume=)", **assume)
     c = cluster_for(plan, cal, **cluster_kw) if cluster is None else replace(cluster, calibration=cal)
     return simulate(plan, c, steps=steps, record=record, kinds=kinds)
 
@@ -207,14 +315,15 @@ def predict(
     cluster: Cluster | None = None,
     steps: int = 400,
     kinds: dict | None = None,
+    assume: dict | None = None,
     **cluster_kw,
 ) -> float:
     """Seconds one push of `plan` takes (see run()).  rank: None for the whole push (the
     slowest trainer), else when that trainer rank's last write lands (plus the per-push
     costs after it)."""
     cal = get(calibration)
-    r = run(plan, cal, cluster, steps, rank is not None, kinds, **cluster_kw)
+    r = run(plan, cal, cluster, steps, rank is not None, kinds, assume, **cluster_kw)
     if rank is None:
         return float(r.simulated_s)
     ends = [e for st, rk, _, _, e in r.timeline if rk == rank and st in ("write", "quant", "allgather")]
-    return float(max(ends, default=0.0)) + cal.push_end_s + cal.push_fixed_s
+    return float(max(ends, default=0.0)) + (cal.push_end_s or 0.0) + (cal.push_fixed_s or 0.0)

@@ -58,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
         "(h200 = default, h200-native, free-stage2 = the model before issue 15); the links "
         "stay the ones given here",
     )
+    p.add_argument(
+        "--assume",
+        action="append",
+        default=[],
+        metavar="TERM=VALUE",
+        help="give a calibration term the calibration lacks (unmeasured) this value, as a named assumption "
+        "(listed in the output); repeatable",
+    )
     p.add_argument("--steps", type=int, default=1500, help="simulation steps per lower bound")
     p.add_argument("--no-sim", action="store_true")
     p.add_argument("--out", help="write the serialized plan to this file")
@@ -95,6 +103,17 @@ def _preset_and_cluster(args):
         write_GBps=args.write_gbytes,
     )
     cluster.calibration = get_calibration(args.calibration)
+    if args.assume:
+        from .calibrate import assume
+
+        terms = {}
+        for a in args.assume:
+            k, sep, v = a.partition("=")
+            try:
+                terms[k.strip()] = float(v)
+            except ValueError:
+                raise ValueError(f"--assume {a!r}: expected TERM=VALUE (a number)") from None
+        cluster.calibration = assume(cluster.calibration, why="given by --assume", **terms)
     return preset, cluster
 
 
@@ -143,6 +162,7 @@ def run(args) -> dict:
             bound_by=r.bound_by,
             stage_busy_s={k: round(v, 4) for k, v in r.stage_busy_s.items()},
             calibration=cluster.cal.name,
+            assumptions=r.assumptions,
             sim_s=round(time.perf_counter() - t1, 3),
         )
     else:

@@ -26,7 +26,7 @@ and receive, inference NIC receive, NVLink, PCIe), of bytes / bandwidth.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import numpy as np
@@ -236,6 +236,8 @@ def needed_terms(plan, cluster, kinds) -> dict:
     need = {k: "every push" for k in ("push_begin_s", "push_end_s", "begin_fence_s")}
     ks = dict(kinds) if kinds is not None else {t.id: "packed" for t in plan.tasks}
     cal = cluster.cal
+    if cal.write_GBps is not None:  # the cluster's write path is the calibration's (Calibration.apply)
+        need["write_GBps"] = "every write"
     for t in plan.tasks:
         k = ks.get(t.id, "packed")
         terms = list(_KIND_TERMS.get(k, ()))
@@ -257,21 +259,35 @@ def needed_terms(plan, cluster, kinds) -> dict:
 
 def check_terms(plan, cluster, kinds) -> dict:
     """The assumptions this simulation uses ({term: why}); raises ValueError naming every
-    term it needs that its calibration marks unmeasured (Calibration.unmeasured) and no
-    assumption covers (wxfer.plan.calibrate.assume)."""
+    term it needs (Calibration.need) that its calibration marks unmeasured
+    (Calibration.unmeasured) and no assumption covers (wxfer.plan.calibrate.assume)."""
     cal = cluster.cal
     need = needed_terms(plan, cluster, kinds)
-    missing = {k: need[k] for k in need if k in cal.unmeasured and k not in cal.assumptions}
+    missing = {}
+    for k in sorted(need):
+        try:
+            cal.need(k, need[k])
+        except ValueError as e:
+            missing[k] = str(e)
     if missing:
         raise ValueError(
             "calibration %r did not measure what this plan needs:\n  " % cal.name
-            + "\n  ".join(
-                "%s (charged by %s): unmeasured: %s" % (k, w, cal.unmeasured[k]) for k, w in sorted(missing.items())
-            )
+            + "\n  ".join(missing.values())
             + "\n(measure it on a placement that runs such tasks, or give it a value with "
-            "wxfer.plan.calibrate.assume(cal, why=..., %s=...))" % sorted(missing)[0]
+            "wxfer.plan.calibrate.assume(cal, why=..., %s=...); python -m wxfer plan: --assume %s=VALUE)"
+            % (sorted(missing)[0], sorted(missing)[0])
         )
     return {k: cal.assumptions[k] for k in need if k in cal.assumptions}
+
+
+def _charged(cluster):
+    """`cluster` with its calibration's None terms (those with no other meaning, NEED_VALUE)
+    at 0.0: check_terms found that no task of this plan charges them."""
+    from ..meta import NEED_VALUE
+
+    cal = cluster.cal
+    put = {k: 0.0 for k in NEED_VALUE if getattr(cal, k) is None}
+    return replace(cluster, calibration=replace(cal, **put)) if put else cluster
 
 
 def _check_write_path(plan, cluster) -> None:
@@ -335,6 +351,7 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
     _check_write_path(plan, cluster)
     kinds = _kinds(plan, cluster, kinds)
     assumed = check_terms(plan, cluster, kinds)
+    cluster = _charged(cluster)
     lbytes, lbw = _links(plan, cluster)
     lb, bname = lower_bound(plan, cluster)
     jobs = _jobs(plan, ngpu, kinds)

@@ -401,6 +401,7 @@ def fit_designs(designs: list, batch: int = ZERO_COPY_BATCH, write_GBps=None) ->
         begin_fence_s=float(np.median(fence)),
         push_end_s=float(np.median(end)),
         host_samples=len(samples),
+        host_pushes=len(begin),
         host_batches=int(sum(1 for f, _ in samples if f[4])),
         host_unmeasured=unmeasured,
         host_conditioning=conditioning(rows),

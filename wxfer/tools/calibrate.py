@@ -113,7 +113,7 @@ def measure_kernels(dev, quick: bool) -> dict:
     b_big, b_small = w.numel() * 3, small.numel() * 3
     rate = (b_big - b_small) / max(t_big - t_small, 1e-9)
     call = max(0.0, t_small_call - b_small / rate)
-    launch = max(0.0, t_small - b_small / rate)  # what a launch costs the stream (the host's share is the host fit's)
+    launch = t_small - b_small / rate  # what a launch costs the stream (the host's share is the host fit's)
     grouped = _grouped_rate(dev, quick, iters, t_small)
     src = torch.empty(n * n * 4, dtype=torch.uint8, device=dev)
     # into fresh memory each time, as the packing does (one new buffer per task)
@@ -141,7 +141,9 @@ def measure_kernels(dev, quick: bool) -> dict:
         **launch_host,
         quantizer=name,
         quant_GBps=rate / 1e9,
-        pack_launch_s=launch,
+        pack_launch_s=max(0.0, launch),
+        pack_launch_fit_s=launch,  # before the clamp (<= 0: the calibration names it unmeasured)
+        pack_launch_samples=iters * 4 if dev_launch is None else 1,
         copy_GBps=2 * src.numel() / t_copy / 1e9,
         copy_batch_GBps=2 * 128 * k / t_batch / 1e9,
         copier=copier,
@@ -418,9 +420,47 @@ _HOST_TERMS = HOST_COSTS + (
 )
 
 
+def _us(v: float) -> str:
+    """A measured cost for the log: microseconds, or what a value <= 0 means here."""
+    return (
+        "%.2f us" % (v * 1e6) if v > 0 else "%.3g us, <= 0 (unmeasured unless another figure replaces it)" % (v * 1e6)
+    )
+
+
+def _nonpositive_why(det: dict) -> dict:
+    """term -> why, for a term whose measurement came out <= 0 (wxfer.plan.calibrate.strict
+    names it unmeasured with this): how it was measured and over how many samples."""
+    held = (det.get("host_conditioning") or {}).get("samples") or {}
+    out = {
+        k: "the host fit (non-negative least squares over %d samples, %d of them holding it) put it at %s: "
+        "not separable from the other host terms on this machine"
+        % (det.get("host_samples", 0), held.get(k, 0), det.get(k))
+        for k in HOST_COSTS
+    }
+    out["pack_launch_s"] = "%.3g s, a small call's time less its bytes at the fitted rate (%s samples)" % (
+        det.get("pack_launch_fit_s", 0.0),
+        det.get("pack_launch_samples", "?"),
+    )
+    out["write_call_s"] = "from %s (%s samples)" % (
+        det.get("write_call_from", "the link"),
+        det.get("write_samples", "the link probe's"),
+    )
+    out["write_dev_s"] = "from %s" % det.get("write_dev_from", "the link probe")
+    for k in ("push_begin_s", "push_end_s", "begin_fence_s"):
+        out[k] = "the median over the probes' %d pushes" % det.get("host_pushes", 0)
+    return out
+
+
+# a measured calibration's push_fixed_s: the older single fixed cost per push, measured apart here
+PUSH_FIXED_WHY = (
+    "not a term of its own here: the fixed cost per push is measured apart (push_begin_s, begin_fence_s, push_end_s)"
+)
+
+
 def _calibration(det: dict, unmeasured: dict, dev, placement: str, quick: bool) -> tuple:
     """(the Calibration of what `det` measured, the machine's description); `unmeasured`:
-    term -> why, for the terms not measured (those of them that are Calibration terms)."""
+    term -> why, for the terms not measured (those of them that are Calibration terms).  A
+    term that came out <= 0 is None, named unmeasured with its samples (never a 0.0)."""
     import torch
 
     from ..meta import Calibration
@@ -435,9 +475,18 @@ def _calibration(det: dict, unmeasured: dict, dev, placement: str, quick: bool) 
         for k in _HOST_TERMS + _LINK_TERMS + ("h2d_GBps", "h2d_call_s", "host_copy_launch_s", "host_copy_range_s")
         if det.get(k) is not None
     }
-    from ..plan.calibrate import TERMS
+    from ..plan.calibrate import TERMS, strict
 
     un = {k: v for k, v in unmeasured.items() if k not in meas and k in TERMS}
+    un.setdefault("push_fixed_s", PUSH_FIXED_WHY)
+    given = ("pack_launch_s", "quant_GBps", "quant_small_GBps", "copy_GBps", "copy_batch_GBps")
+    # every term named: what was not measured is None with its reason, never a default's figure
+    for k in sorted(TERMS - set(meas) - set(given)):
+        meas[k] = None
+        un.setdefault(k, "no measurement of `calibrate` filled it")
+    for k in given:
+        if det.get(k) is None:
+            un.setdefault(k, "no measurement of `calibrate` filled it")
     cal = Calibration(
         name="measured-%s-%s" % (dev.type, placement),
         pack_launch_s=det["pack_launch_s"],
@@ -453,9 +502,10 @@ def _calibration(det: dict, unmeasured: dict, dev, placement: str, quick: bool) 
         source="measured by `python -m wxfer calibrate%s --placement %s` on %s, %s"
         % (" --quick" if quick else "", placement, machine, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
         unmeasured=un,
+        assumptions={},
         **meas,
     )
-    return cal, machine
+    return strict(cal, _nonpositive_why(det)), machine
 
 
 def _host_part(dev, det: dict, quick: bool, placement: str, unmeasured: dict, log) -> None:
@@ -485,7 +535,7 @@ def _host_part(dev, det: dict, quick: bool, placement: str, unmeasured: dict, lo
             "calibrate: host %s; %.2f ms before the first task, %.2f ms after the last data; fit over %d samples, "
             "condition %.3g%s"
             % (
-                ", ".join("%s %.1f us" % (k[:-2], det[k] * 1e6) for k in HOST_COSTS if det.get(k) is not None),
+                ", ".join("%s %s" % (k[:-2], _us(det[k])) for k in HOST_COSTS if det.get(k) is not None),
                 det["push_begin_s"] * 1e3,
                 det["push_end_s"] * 1e3,
                 det["host_samples"],
@@ -519,14 +569,14 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
     unmeasured: dict = {}
     det.update(measure_kernels(dev, quick))
     log(
-        "calibrate: quantizer %.1f GB/s, %.1f us per launch; copy %.1f GB/s, batched copies %.1f GB/s, "
+        "calibrate: quantizer %.1f GB/s, %s per launch; copy %.1f GB/s, batched copies %s GB/s, "
         "their host work %s"
         % (
             det["quant_GBps"],
-            det["pack_launch_s"] * 1e6,
+            _us(det["pack_launch_fit_s"]),
             det["copy_GBps"],
-            det.get("copy_batch_GBps") or 0,
-            "%.1f us per launch + %.2f us per range" % (det["host_copy_launch_s"] * 1e6, det["host_copy_range_s"] * 1e6)
+            "%.1f" % det["copy_batch_GBps"] if det.get("copy_batch_GBps") else "-",
+            "%s per launch + %s per range" % (_us(det["host_copy_launch_s"]), _us(det["host_copy_range_s"]))
             if "host_copy_launch_s" in det
             else "not measured (no GPU)",
         )
@@ -540,7 +590,7 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
         det.update(measure_links(dev, quick, placement))
         log(
             "calibrate: %s writes (receiver on %s) %.2f GB/s with %d in flight (one write alone %.2f GB/s), "
-            "%.1f us per write, %s us more on the link per write; "
+            "%s per write, %s us more on the link per write; "
             "%s all-gather %s GB/s, %s us per call"
             % (
                 det["transport"],
@@ -548,7 +598,7 @@ def measure(quick: bool = False, device: str | None = None, log=print, placement
                 det["write_GBps"],
                 det["write_inflight"],
                 det["write_single_GBps"],
-                det["write_call_s"] * 1e6,
+                _us(det["write_call_s"]),
                 "%.2f" % (det["write_dev_link_s"] * 1e6) if det.get("write_dev_link_s") is not None else "-",
                 det["allgather_backend"],
                 "%.2f" % det["allgather_GBps"] if det.get("allgather_GBps") else "-",
@@ -585,7 +635,7 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         machine.  Returns dict(simulated_s, lower_bound_s, bound_by, calibration: its dict), or
     simulated_error (naming the unmeasured term) in place of the figures."""
     from ..plan import Plan
-    from ..plan.calibrate import cluster_for, get, to_dict
+    from ..plan.calibrate import assume, cluster_for, fits_at_zero, get, to_dict
     from ..plan.simulate import simulate
 
     if isinstance(plan, (bytes, bytearray)):
@@ -594,6 +644,8 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         cal, det = measure(quick=quick, log=log)
     else:
         cal, det = get(calibration), {}
+    # a term whose fit came out <= 0 here: taken at 0, by name (simulated_assumptions)
+    cal = assume(cal, why="its fit came out <= 0", **dict.fromkeys(fits_at_zero(cal), 0.0))
     try:
         r = simulate(plan, cluster_for(plan, cal), steps=400, record=False, kinds="auto")
     except ValueError as e:  # a term this plan needs that the calibration did not measure, by name
@@ -603,6 +655,7 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
         simulated_lower_bound_s=r.lower_bound_s,
         simulated_bound_by=r.bound_by,
         simulated_stage_busy_s=r.stage_busy_s,
+        simulated_assumptions=r.assumptions,
         calibration=dict(to_dict(cal), measured=det),
     )
 
@@ -621,7 +674,7 @@ def main(argv) -> int:
         "host (a network transport); default: the CPU host, one GPU same, several GPUs gpu",
     )
     args = ap.parse_args(argv)
-    from ..plan.calibrate import save, to_dict
+    from ..plan.calibrate import TERMS, save, to_dict
 
     try:
         log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
@@ -635,7 +688,10 @@ def main(argv) -> int:
         print(json.dumps(dict(to_dict(cal), measured=det)))
     else:
         for k, v in to_dict(cal).items():
-            print("%16s: %s" % (k, v))
+            if k in ("unmeasured", "assumptions"):
+                continue
+            src, why = cal.source_of(k) if k in TERMS else ("", "")
+            print("%16s: %s%s" % (k, v, "  (%s: %s)" % (src, why) if src in ("unmeasured", "assumed") else ""))
     return 0
 
 

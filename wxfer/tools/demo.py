@@ -197,6 +197,8 @@ def _add_simulated(out: dict, ctl, calibration, log) -> None:
             "simulated %.3f s (bound by %s) against a median push of %.3f s"
             % (out["simulated_s"], out["simulated_bound_by"], sorted(step_s)[len(step_s) // 2])
         )
+        for why in (out.get("simulated_assumptions") or {}).values():
+            log("  assumed: " + why)
     else:
         log("not simulated: " + out["simulated_error"])
 
