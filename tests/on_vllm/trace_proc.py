@@ -28,6 +28,9 @@ COMMON = dict(
     max_position_embeddings=256,
     tie_word_embeddings=False,
     initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 
 
@@ -42,7 +45,6 @@ def tiny_config(arch, head_dim=64, **over):
         kw.setdefault("decoder_sparse_step", 1)
     if arch == "phi3":
         kw.pop("head_dim")
-        kw["pad_token_id"] = 0
     if arch in ("gemma2", "gemma3_text"):
         kw.update(query_pre_attn_scalar=head_dim, sliding_window=64)
         kw["tie_word_embeddings"] = True

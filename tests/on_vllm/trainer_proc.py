@@ -7,7 +7,8 @@ round, and reaches the vLLM engine through vLLM's trainer factory (backend "wxfe
 client whose four RPCs go to the test process over a multiprocessing connection (the test
 process runs the offline vllm.LLM).  MODE: "ok" (two rounds, reporting transformers' greedy
 tokens after each push), "wrong" (a mapping with gate and up swapped in gate_up_proj), "missing"
-(a trainer model of three layers for the engine's two), "kill" (two ranks; rank 1 SIGKILLs itself in
+(a trainer model of three layers for the engine's two), "traced" (mapping=None: the plan
+from the map the workers trace from vLLM's load_weights, any architecture), "kill" (two ranks; rank 1 SIGKILLs itself in
 the middle of the second push).  Rank 0 reports ("pushed", round, tokens) / ("error", message).
 """
 
@@ -113,6 +114,8 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
         p = from_config("tiny", mapping)
         rules = [Fuse(r.dst, tuple(reversed(r.srcs))) if r.dst.endswith("gate_up_proj.weight") else r for r in p.rules]
         mapping = type(p)(p.name, p.arch, rules, p.config)
+    if mode == "traced":  # no preset: the plan from the workers' traced maps
+        mapping = None
     info = WxferTrainerInitInfo(
         store=store, mapping=mapping, name=name, timeout=60.0, update_timeout=15.0, watermark="64KiB", rank=rank
     )

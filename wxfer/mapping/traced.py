@@ -133,7 +133,13 @@ class TracedMap:
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
     def digest(self) -> str:
-        return hashlib.sha256(self.to_bytes()).hexdigest()
+        """SHA-256 of `to_bytes()` (the content: every name, shape, dtype and run), computed once."""
+        if "_digest" not in self.__dict__:
+            self.__dict__["_digest"] = hashlib.sha256(self.to_bytes()).hexdigest()
+        return self.__dict__["_digest"]
+
+    def __repr__(self) -> str:
+        return f"TracedMap(rank={self.rank}, params={len(self.runs)}, sha256={self.digest()})"
 
     @classmethod
     def from_bytes(cls, data: bytes, digest: str | None = None, where: str = "a traced map") -> "TracedMap":
@@ -314,6 +320,10 @@ class Traced(Rule):
 
     def bindings(self, names):
         return [{}]
+
+    def __repr__(self) -> str:  # what mapping digests hash: the maps' content digests, never their arrays
+        maps = ", ".join(f"{r}: {self.maps[r].digest()}" for r in sorted(self.maps))
+        return f"Traced(maps={{{maps}}}, skip={self.skip!r})"
 
     def expand(self, b, ctx):
         tp = ctx.layout.tp
