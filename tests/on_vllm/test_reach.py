@@ -63,7 +63,8 @@ def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, arch):
         assert kind == "done", (kind, msg)
         assert [s[0] for s in seen] == [1, 2]
         for v, got, hf, version in seen:
-            assert same_greedy(got, hf) >= NEW // 2, f"{arch} version {v}: vLLM {got} != transformers {hf}"
+            exact = got == [h[0] for h in hf]  # else equal up to a near tie (same_greedy)
+            assert exact or same_greedy(got, hf) >= NEW // 2, f"{arch} version {v}: vLLM {got} != transformers {hf}"
             assert version == str(v)
         assert seen[0][1] != first or seen[1][1] != first
         eng = worker_engine(llm)

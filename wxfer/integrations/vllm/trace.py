@@ -17,9 +17,10 @@ only the dtype.  A ``copy_`` (also what ``param[...] = w`` and ``param.data.copy
 whose destination aliases a parameter's storage records (parameter, destination element) <-
 (checkpoint tensor, source element) as runs and returns without writing.  ``fill_`` of a
 parameter with a constant is recorded as a constant region (vocab padding).  Anything else that
-touches a fake tensor (arithmetic, ``item()``, a copy into a temporary) or writes a parameter from
-something that is not the checkpoint is *unexpressible*: it is reported by parameter (or, when
-no parameter is known yet, by checkpoint tensor) name, never dropped.
+touches a fake tensor (arithmetic: computed on meta tensors for its shape and
+carried as a *computed* value; ``item()``; a copy into a temporary) or writes a parameter from
+something that is not the checkpoint is *unexpressible*: it is reported by the name of the
+parameter it is written into (or, when none is known, of the checkpoint tensor), never dropped.
 
 The result, a ``wxfer.mapping.traced.TracedMap``, is plain data (numpy arrays of runs); it
 travels to the trainers and becomes the plan's ``Shard``s there (``wxfer.mapping.traced``).
@@ -57,9 +58,11 @@ def _fake_class():
         """A checkpoint tensor with no data: `idx` maps its elements to checkpoint elements."""
 
         @staticmethod
-        def __new__(cls, idx, dtype, nid):
+        def __new__(cls, idx, dtype, nid, why=None):
             r = torch.Tensor._make_wrapper_subclass(cls, tuple(idx.shape), dtype=dtype, device="cpu")
-            r.idx, r.nid = idx, nid  # nid: checkpoint number (lazy meta map) or -1 (materialized ids)
+            # nid: checkpoint number (idx a lazy meta view), -1 (idx materialized global ids) or
+            # -2 (computed from checkpoint tensors: idx a meta tensor of its shape, why says how)
+            r.idx, r.nid, r.why = idx, nid, why
             return r
 
         def __repr__(self):
@@ -79,6 +82,8 @@ _FAKE: dict = {}
 def _ids(f):
     """int64 global ids (checkpoint << SHIFT | element) of fake `f`, materialized, f's shape."""
     torch = _torch()
+    if f.nid == -2:
+        raise Unexpressible(f.why)
     if f.nid < 0:
         return f.idx
     m = f.idx
@@ -160,13 +165,15 @@ def _mode_class():
                 f = args[0]
                 sub = tree_map(lambda a: a.idx if isinstance(a, Fake) else a, (args, kwargs))
                 out = func(*sub[0], **sub[1])
-                return tree_map(lambda o: Fake(o, f.dtype, f.nid) if isinstance(o, torch.Tensor) else o, out)
+                return tree_map(lambda o: Fake(o, f.dtype, f.nid, f.why) if isinstance(o, torch.Tensor) else o, out)
             if name in _SAME:
                 f = args[0]
                 dt = kwargs.get("dtype") or (args[1] if len(args) > 1 and isinstance(args[1], torch.dtype) else f.dtype)
                 if f.nid >= 0 and not f.idx.is_contiguous():  # a contiguous copy of a strided view
                     return Fake(_ids(f), dt, -1)
-                return Fake(f.idx, dt, f.nid)
+                if f.nid == -2:
+                    return Fake(torch.empty(tuple(f.shape), dtype=dt, device="meta"), dt, -2, f.why)
+                return Fake(f.idx, dt, f.nid, f.why)
             if name in _GATHER:
                 dt = fakes[0].dtype
                 sub = tree_map(lambda a: _ids(a) if isinstance(a, Fake) else a, (args, kwargs))
@@ -174,7 +181,7 @@ def _mode_class():
                 return tree_map(lambda o: Fake(o, dt, -1) if isinstance(o, torch.Tensor) else o, out)
             if func in (aten.is_same_size.default, aten.is_contiguous.default):
                 return func(*tree_map(lambda a: a.idx if isinstance(a, Fake) else a, args))
-            raise Unexpressible(f"{func} computes from a checkpoint tensor")
+            return self.t.computed(func, args, kwargs, fakes)
 
     _FAKE["mode"] = TraceMode
     return TraceMode
@@ -234,6 +241,27 @@ class Tracer:
                 return n, p
         return cands[0]
 
+    def computed(self, func, args, kwargs, fakes):
+        """A value computed from checkpoint tensors (arithmetic...): its shape from the op on meta
+        tensors, and why it cannot be expressed, said against the parameter it is written into."""
+        torch = self.torch
+        Fake = _fake_class()
+        from torch.utils._pytree import tree_map
+
+        names = sorted({self.ckpt[f.nid][0] for f in fakes if f.nid >= 0} | {f.why or "" for f in fakes if f.nid < 0})
+        why = f"written from {func} computed from checkpoint tensor(s) {', '.join(n for n in names if n)}"
+
+        def meta(a):
+            if isinstance(a, Fake):
+                return torch.empty(tuple(a.shape), dtype=a.dtype, device="meta")
+            return a.to("meta") if isinstance(a, torch.Tensor) else a
+
+        try:
+            out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+        except Exception as e:  # noqa: BLE001 -- the op has no meta kernel
+            raise Unexpressible(f"{why} ({type(e).__name__} on meta tensors)") from e
+        return tree_map(lambda o: Fake(o, o.dtype, -2, why) if isinstance(o, torch.Tensor) else o, out)
+
     def fail(self, pname, fakes, why):
         names = sorted({self.ckpt[f.nid][0] for f in fakes if f.nid >= 0}) or [self.current or "?"]
         key = pname or ("checkpoint:" + ",".join(names))
@@ -264,6 +292,8 @@ class Tracer:
         return dst
 
     def _copy(self, pname, p, dst, src):
+        if src.nid == -2:
+            raise Unexpressible(src.why)
         if dst.dtype != p.dtype:
             raise Unexpressible(f"copy_ into a {dst.dtype} view of a {p.dtype} parameter")
         shape = tuple(dst.shape)
