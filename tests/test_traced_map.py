@@ -174,3 +174,13 @@ def test_fp8_names_are_made_for_float8_parameters():
     assert m.sources == {"w": ((256, 128), "float8_e4m3fn"), "w_scale_inv": ((2, 1), "float32")}
     _, shards, problems = rank_shards(m)
     assert not problems and sorted(sh.kind for sh in shards) == ["fp8", "scale"]
+
+
+def test_trainers_use_the_trace_without_a_preset():
+    from wxfer.integrations.vllm.trainer import WxferTrainerInitInfo, uses_trace
+
+    assert uses_trace(WxferTrainerInitInfo(mapping=None))
+    assert uses_trace(WxferTrainerInitInfo(mapping={"model_type": "olmo2", "hidden_size": 8}))
+    assert not uses_trace(WxferTrainerInitInfo(mapping="qwen3-8b"))
+    assert not uses_trace(WxferTrainerInitInfo(mapping=None, traced=False))
+    assert uses_trace(WxferTrainerInitInfo(mapping="qwen3-8b", traced=True))

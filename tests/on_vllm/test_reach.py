@@ -6,6 +6,7 @@ wxfer names; Phi-3's checkpoint holds fused qkv_proj / gate_up_proj; Gemma 2 tie
 TP1 (vLLM's CPU platform runs TP>1 only with its multiprocess executor, which this in-process
 harness does not start; the TP2 layout is covered by test_trace.py)."""
 
+import gc
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_llm import NEW, Trainers, same_greedy, tokens, worker_engine  # noqa: E402
+from test_llm import NEW, ROOT, Trainers, same_greedy, tokens, worker_engine  # noqa: E402
 
 ARCHS = ["qwen3", "llama", "mistral", "qwen2", "gemma2", "phi3", "olmo2"]
 TIMES = {}
@@ -46,8 +47,51 @@ def engine(path):
     return llm
 
 
+class Serving(Trainers):
+    """One trainer process (trainer_proc.py "serve") for every architecture's job in turn: the
+    imports of torch, transformers and vLLM paid once."""
+
+    def __init__(self):
+        import subprocess
+        from multiprocessing.connection import Listener
+
+        self.listener = Listener(("127.0.0.1", 0), authkey=b"wxfer-test")
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE)
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        args = ["-", "-", "-", "serve", "0", "1", "0", str(self.listener.address[1])]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "trainer_proc.py")] + args,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        ]
+        self.conn = self._accept(180)
+
+    def job(self, llm, ckpt):
+        from wxfer.integrations.vllm import LLMClient
+        from wxfer.runtime.control import free_port
+
+        self.llm, self.client, self.rpc_errors = llm, LLMClient(llm), []
+        port = free_port()
+        self.conn.send(("job", ckpt, "127.0.0.1:%d" % port, "reach%d" % port))
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    tr = Serving()
+    yield tr
+    try:
+        tr.conn.send(("quit",))
+    except OSError:
+        pass
+    tr.close()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, arch):
+def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, trainer, arch):
     from trace_proc import save_tiny
 
     t0 = time.monotonic()
@@ -57,9 +101,8 @@ def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, arch):
     try:
         first = tokens(llm)
         seen = []
-        tr = Trainers(llm, "traced")
-        kind, msg = tr.serve(lambda v, hf: seen.append((v, tokens(llm), hf, llm.get_weight_version())))
-        tr.close()
+        trainer.job(llm, ck)
+        kind, msg = trainer.serve(lambda v, hf: seen.append((v, tokens(llm), hf, llm.get_weight_version())))
         assert kind == "done", (kind, msg)
         assert [s[0] for s in seen] == [1, 2]
         for v, got, hf, version in seen:
@@ -78,4 +121,7 @@ def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, arch):
             llm.shutdown_weight_transfer_engine()
         except Exception:  # noqa: BLE001
             pass
-        del llm
+        # no reference may outlive this test (a failure's traceback keeps this frame): a vLLM
+        # engine collected later tears down the distributed state the next engine runs in
+        trainer.llm = trainer.client = llm = None
+        gc.collect()

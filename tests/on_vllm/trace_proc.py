@@ -45,9 +45,10 @@ def tiny_config(arch, head_dim=64, **over):
         kw.setdefault("decoder_sparse_step", 1)
     if arch == "phi3":
         kw.pop("head_dim")
-    if arch in ("gemma2", "gemma3_text"):
-        kw.update(query_pre_attn_scalar=head_dim, sliding_window=64)
-        kw["tie_word_embeddings"] = True
+    if arch in ("gemma2", "gemma3_text"):  # tied; hidden 64: at 256 the scaled tied embedding of
+        # the last prompt token wins every step for random weights (greedy decodes repeat it)
+        kw.update(query_pre_attn_scalar=head_dim, sliding_window=64, tie_word_embeddings=True)
+        kw["hidden_size"] = over.get("hidden_size", 64)
     cls = T.CONFIG_MAPPING[arch]
     return cls(**kw)
 

@@ -8,7 +8,8 @@ client whose four RPCs go to the test process over a multiprocessing connection 
 process runs the offline vllm.LLM).  MODE: "ok" (two rounds, reporting transformers' greedy
 tokens after each push), "wrong" (a mapping with gate and up swapped in gate_up_proj), "missing"
 (a trainer model of three layers for the engine's two), "traced" (mapping=None: the plan
-from the map the workers trace from vLLM's load_weights, any architecture), "kill" (two ranks; rank 1 SIGKILLs itself in
+from the map the workers trace from vLLM's load_weights, any architecture), "serve" (one rank,
+"traced" jobs one after the other, each sent as ("job", ckpt, store, name)), "kill" (two ranks; rank 1 SIGKILLs itself in
 the middle of the second push).  Rank 0 reports ("pushed", round, tokens) / ("error", message).
 """
 
@@ -83,6 +84,25 @@ def greedy(model):
 
 
 def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+    conn = None
+    if rank == 0:
+        from multiprocessing.connection import Client
+
+        conn = Client(("127.0.0.1", conn_port), authkey=b"wxfer-test")
+    if mode != "serve":
+        return job(ckpt, store, name, mode, rank, conn)
+    while True:  # one process for several jobs: ("job", ckpt, store, name) ... ("quit",)
+        msg = conn.recv()
+        if msg[0] != "job":
+            return
+        job(msg[1], msg[2], msg[3], "traced", 0, conn)
+
+
+def job(ckpt, store, name, mode, rank, conn):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
@@ -90,10 +110,6 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
     import wxfer.integrations.vllm  # noqa: F401 -- registers the backend
     from wxfer.integrations.vllm import WxferTrainerInitInfo
 
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
     cfg = AutoConfig.from_pretrained(ckpt)
     if mode == "missing":  # the trainers' model has a layer the engine's lacks
         cfg.num_hidden_layers += 1
@@ -102,11 +118,6 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
     for p in model.parameters():
         p.requires_grad_(False)
     seeded(model, 1)
-    conn = None
-    if rank == 0:
-        from multiprocessing.connection import Client
-
-        conn = Client(("127.0.0.1", conn_port), authkey=b"wxfer-test")
     mapping = dict(cfg.to_dict(), name_or_path="tiny")
     if mode == "wrong":
         from wxfer.mapping import Fuse, from_config
@@ -138,6 +149,8 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
             if rank == 0:
                 conn.send(("pushed", v, greedy(model)))
                 assert conn.recv() == ("next", None)
+        if mode == "traced":
+            eng.shutdown()
         if rank == 0:
             conn.send(("done", None))
     except Exception as e:  # noqa: BLE001 -- reported to the test
