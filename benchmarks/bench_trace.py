@@ -60,6 +60,7 @@ def one(name, tmp):
     cfg = tiny_config(arch, **over)
     if arch == "qwen3_moe":
         cfg.num_experts = 32
+    cfg.architectures = ["Qwen3MoeForCausalLM" if arch == "qwen3_moe" else "Qwen3ForCausalLM"]  # else vLLM adapts it as a pooling model
     path = os.path.join(tmp, name)
     os.makedirs(path, exist_ok=True)
     cfg.save_pretrained(path)
@@ -73,7 +74,9 @@ def one(name, tmp):
     params, shards, problems = rank_shards(m)
     conv = time.perf_counter() - t0
     assert not problems and not m.problems, (problems, m.problems)
+    used = m.sources_into(m.written())
     return dict(
+        unused=sorted(n for n in m.sources if n not in used)[:4],
         size=name,
         arch=arch,
         params=sum(p.numel() for p in model.parameters()),
@@ -106,7 +109,7 @@ def main():
                 print(
                     f"{r['size']:>7} {r['arch']:>9}: {r['params'] / 1e6:8.1f} M params, {r['ckpt_tensors']:5d} checkpoint "
                     f"tensors, {r['written']:5d} written, {r['runs']:6d} runs, map {r['map_bytes'] / 1e3:7.1f} kB, "
-                    f"trace {r['trace_s']:.3f} s, shards {r['shards_s']:.3f} s",
+                    f"trace {r['trace_s']:.3f} s, shards {r['shards_s']:.3f} s, not loaded: {r['unused']}",
                     flush=True,
                 )
     if a.json:

@@ -313,10 +313,7 @@ class Tracer:
 
     def _index_put(self, pname, p, dst, indices, src):
         torch = self.torch
-        pos = torch.as_strided(
-            torch.arange(p.numel(), dtype=torch.int64), tuple(dst.shape), tuple(dst.stride()),
-            dst.storage_offset() - p.storage_offset(),
-        )
+        pos = torch.from_numpy(_dst_elements(p, dst)).view(tuple(dst.shape))
         d = pos[tuple(indices)]
         s = _ids(src).expand(tuple(d.shape)).contiguous()
         d, s = d.reshape(-1).numpy(), s.reshape(-1).numpy()
@@ -358,15 +355,12 @@ def _dtype(name):
 
 
 def _dst_elements(p, dst):
-    """The parameter elements (flat, row-major) `dst` (a view of p's storage) covers, in dst's order."""
-    torch = _torch()
-    pos = torch.as_strided(
-        torch.arange(max(p.numel(), 1), dtype=torch.int64),
-        tuple(dst.shape),
-        tuple(dst.stride()),
-        dst.storage_offset() - p.storage_offset(),
-    )
-    return pos.reshape(-1).numpy().copy()
+    """The parameter elements (flat, row-major) `dst` (a view of p's storage) covers, in dst's
+    order: offset + sum(index x stride), as many as dst has (never the whole parameter)."""
+    out = np.array([dst.storage_offset() - p.storage_offset()], np.int64)
+    for n, st in zip(dst.shape, dst.stride()):
+        out = (out[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).reshape(-1)
+    return out
 
 
 def _strided_runs(shape, doff, dstr, soff, sstr):
