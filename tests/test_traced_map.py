@@ -54,6 +54,8 @@ class Toy(torch.nn.Module):
                 self.emb.data[w.shape[0] :].fill_(0)
             elif name == "norm":
                 self.norm.data.copy_(w * 2 if self.bad else w)
+                if self.bad:  # a constant in the middle of a parameter: not a window of rows
+                    self.qkv.data[1:2].fill_(0)
 
 
 CKPT = [
@@ -85,8 +87,8 @@ def test_trace_records_every_write_without_doing_it():
         assert torch.equal(t, before[n]), f"{n} changed"
     assert set(tm.written()) == {"qkv", "o", "tr", "experts", "emb", "norm"}
     assert "buffer:rope" in tm.params and "buffer:rope" not in tm.runs
-    # the vocab padding is a constant region: reported by name (the shards cannot express it)
-    assert list(tm.problems) == ["emb"] and "constant" in tm.problems["emb"][-1]
+    # the vocab padding: rows [10, 12) constant, the plan writes rows [0, 10) as the parameter
+    assert tm.problems == {} and tm.window("emb") == (0, 10 * H) and tm.dest_shape("emb") == (10, H)
     d, s, n = tm.runs["o"]  # row-parallel: one run per row of 4, from column 4 of each row of o
     assert len(d) == H and set(n.tolist()) == {Q // TP}
     assert [int(x) & ((1 << 40) - 1) for x in s[:2]] == [4, 12]
@@ -94,9 +96,8 @@ def test_trace_records_every_write_without_doing_it():
 
 def test_shards_pack_the_bytes_the_real_load_writes():
     tm = trace_load(Toy(), CKPT, rank=1)
-    tm.problems.pop("emb")  # leave the padded embedding out of this comparison
-    params, shards, problems = rank_shards(tm, skip={"emb"})
-    assert not problems
+    params, shards, problems = rank_shards(tm)
+    assert not problems and [p.shape for p in params if p.name == "emb"] == [(10, H)]
     kinds = {sh.dst: sh for sh in shards}
     assert [p.src for p in kinds["qkv"].pieces] == ["q", "k", "v"]
     assert len(kinds["o"].pieces) == 1 and kinds["o"].pieces[0][1:] == (0, H, 4, 8)  # one box
@@ -104,14 +105,18 @@ def test_shards_pack_the_bytes_the_real_load_writes():
     ref = Toy()
     with torch.no_grad():
         ref.load_weights(iter(real.items()))
+    from wxfer.integrations.vllm.traced import registered
+
+    windows = {p.name: tm.window(p.name) for p in params}
+    sel, left = registered(ref.named_parameters(), windows)
+    assert left == [] and dict(sel)["emb"].shape == (10, H)  # the written rows, a view of the parameter
+    assert dict(sel)["emb"].data_ptr() == ref.emb.data_ptr()
     got = {}
     for sh in shards:
-        got.setdefault(sh.dst, bytearray(dict(ref.named_parameters())[sh.dst].numel() * sh_es(sh)))
+        got.setdefault(sh.dst, bytearray(dict(sel)[sh.dst].numel() * sh_es(sh)))
         b = pack_shard(sh, real).numpy().tobytes()
         got[sh.dst][sh.offset : sh.offset + len(b)] = b
-    for n, p in ref.named_parameters():
-        if n == "emb":
-            continue
+    for n, p in sel:
         assert bytes(got[n]) == p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes(), n
 
 
@@ -123,8 +128,9 @@ def test_unexpressible_writes_are_named():
     tm = trace_load(Toy(bad=True), CKPT, rank=0)
     assert "norm" in tm.problems and "mul.Tensor computed from checkpoint tensor(s) norm" in " ".join(tm.problems["norm"])
     assert "norm" not in tm.runs
+    assert "qkv" in tm.problems and "also writes from the checkpoint" in tm.problems["qkv"][0]
     _, _, problems = rank_shards(tm)
-    assert any(p.startswith("emb (rank 0)") for p in problems)
+    assert any(p.startswith("qkv (rank 0)") for p in problems)
 
 
 def test_map_travels_digest_checked():
@@ -147,10 +153,10 @@ def test_traced_preset_expands_like_rules():
     from wxfer.mapping import Layout, expand
 
     maps = {r: trace_load(Toy(rank=r), CKPT, rank=r) for r in range(TP)}
-    preset = traced_preset(maps, skip=("emb",))
+    preset = traced_preset(maps)
     shapes = {n: s for n, s, _ in CKPT}
     ex = expand(preset.rules, shapes, Layout(TP), {}, strict=False)
-    assert sorted(ex.dest) == [0, 1] and "qkv" in ex.dest[0]
+    assert sorted(ex.dest) == [0, 1] and "qkv" in ex.dest[0] and ex.dest[1]["emb"].shape == (10, H)
     tab = element_table([sh for c in ex.components for sh in c.shards], shapes)
     assert tab[(0, "qkv")][0][1:3] == ("q", 0) and tab[(1, "qkv")][0][1:3] == ("q", (Q // TP) * H)
     with pytest.raises(ValueError, match="lacks checkpoint tensor"):

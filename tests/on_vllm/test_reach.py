@@ -19,9 +19,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_llm import NEW, ROOT, Trainers, same_greedy, tokens, worker_engine  # noqa: E402
+from test_llm import NEW, ROOT, Trainers, tokens, ulp_bf16, worker_engine  # noqa: E402
 
 ARCHS = ["qwen3", "llama", "mistral", "qwen2", "gemma2", "phi3", "olmo2"]
+# Llama with a vocabulary of 480: vLLM pads the embedding and head to 512 rows, set to zero at
+# load; the plan writes the 480 rows the checkpoint fills (the traced map's window)
+EXTRA = {"llama": dict(vocab_size=480)}
 TIMES = {}
 
 
@@ -45,6 +48,17 @@ def engine(path):
     llm.wxfer_ckpt = path
     llm.wxfer_start_s = time.monotonic() - t0
     return llm
+
+
+def agree(got, hf) -> int:
+    """How many leading greedy tokens of vLLM equal transformers' (hf: [(token, runner-up, margin,
+    top logit)]): every one must, until a near tie (the two best logits within 2 BF16 ulps, where
+    vLLM's CPU kernels and transformers' round differently and the sequences may part)."""
+    for i, (tok, _, margin, top) in enumerate(hf):
+        if got[i] != tok:
+            assert margin <= 2 * ulp_bf16(top), f"step {i}: vLLM {got[i]} != transformers {tok}: {got} vs {hf}"
+            return i
+    return len(hf)
 
 
 class Serving(Trainers):
@@ -96,7 +110,7 @@ def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, trainer
 
     t0 = time.monotonic()
     ck = str(tmp_path / arch)
-    save_tiny(ck, arch)
+    save_tiny(ck, arch, **EXTRA.get(arch, {}))
     llm = engine(ck)
     try:
         first = tokens(llm)
@@ -106,13 +120,15 @@ def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, trainer
         assert kind == "done", (kind, msg)
         assert [s[0] for s in seen] == [1, 2]
         for v, got, hf, version in seen:
-            exact = got == [h[0] for h in hf]  # else equal up to a near tie (same_greedy)
-            assert exact or same_greedy(got, hf) >= NEW // 2, f"{arch} version {v}: vLLM {got} != transformers {hf}"
+            assert agree(got, hf) >= NEW // 2, f"{arch} version {v}: vLLM {got} != transformers {hf}"
             assert version == str(v)
         assert seen[0][1] != first or seen[1][1] != first
         eng = worker_engine(llm)
         assert eng.traced_map is not None and not eng.traced_map.problems
         assert eng.receiver.version() == 2 and eng.proof_result is None
+        if arch in EXTRA:
+            assert eng.traced_map.window("model.embed_tokens.weight") == (0, 480 * 256)
+            assert eng.receiver.params["lm_head.weight"].shape == (480, 256)
         TIMES[arch] = (llm.wxfer_start_s, eng.traced_map.seconds, time.monotonic() - t0)
         print(f"{arch}: engine start {llm.wxfer_start_s:.1f} s, trace {eng.traced_map.seconds:.3f} s, "
               f"test {time.monotonic() - t0:.1f} s")

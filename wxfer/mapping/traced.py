@@ -5,6 +5,9 @@
 ``(destination element, source global id, length)`` in int64 numpy arrays, where a global id is
 ``checkpoint number << SHIFT | element`` (row-major elements of the checkpoint tensor); constant
 regions (``fill_`` at load: vocab padding); and the writes the tracer could not express, by name.
+A parameter whose checkpoint part is whole rows of one range and whose rest is constant (the
+padded vocabulary rows) is written as that window only (``window`` / ``dest_shape``): the worker
+registers the rows the checkpoint fills and the padding stays as vLLM's loader left it.
 It is made by ``wxfer.integrations.vllm.trace`` on a worker, travels as ``to_bytes()`` with its
 ``digest()`` (SHA-256 of those canonical bytes: names, shapes, dtypes and every run), and on the
 trainers ``traced_preset({rank: map})`` turns the maps into a ``Preset`` whose single rule
@@ -91,23 +94,57 @@ class TracedMap:
     def numel(self, p: str) -> int:
         return math.prod(self.params[p][0])
 
+    def window(self, p: str):
+        """(first, end) elements of the part of `p` the checkpoint fills where the rest is set to
+        a constant at load (vocab padding: the rows past the vocabulary); None when the
+        checkpoint fills all of it.  Raises MappingError where that part is not whole rows of one
+        contiguous range (the plan writes it as a parameter of its own shape)."""
+        if not self.const.get(p):
+            return None
+        d, _, n = self.runs[p]
+        a, b = int(d[0]), int(d[-1] + n[-1])
+        shape = self.params[p][0]
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        if int(n.sum()) != b - a or a % row or b % row:
+            raise MappingError(f"{p}: the checkpoint fills elements [{a}, {b}) in part or not in whole rows")
+        return a, b
+
+    def dest_shape(self, p: str) -> tuple:
+        """The shape the plan writes in `p`: its own, or its window's rows."""
+        shape = tuple(self.params[p][0])
+        w = self.window(p)
+        if w is None:
+            return shape
+        row = math.prod(shape[1:]) if len(shape) > 1 else 1
+        return ((w[1] - w[0]) // row,) + shape[1:]
+
     def check_coverage(self) -> None:
         """Adds a problem for a parameter written twice at one element, or written in part with
-        elements neither the checkpoint nor a constant fills."""
+        elements neither the checkpoint nor a constant fills, or with a constant region the plan
+        cannot leave out (not rows past one contiguous written window)."""
         for p, (d, _, n) in self.runs.items():
             if len(d) > 1 and np.any(d[:-1] + n[:-1] > d[1:]):
                 self.problems.setdefault(p, []).append("some elements are written twice by the loader")
             covered = int(n.sum())
             const = sum(len(el) for el, _ in self.const.get(p, []))
+            for el, _ in self.const.get(p, []):
+                i = np.searchsorted(d, el, "right") - 1
+                if np.any((i >= 0) & (el < d[np.maximum(i, 0)] + n[np.maximum(i, 0)])):
+                    self.problems.setdefault(p, []).append(
+                        "the loader sets elements to a constant that it also writes from the checkpoint"
+                    )
+                    break
             if covered + const < self.numel(p):
                 self.problems.setdefault(p, []).append(
                     f"{self.numel(p) - covered - const} of {self.numel(p)} elements written by no checkpoint tensor"
                 )
             if const:
-                self.problems.setdefault(p, []).append(
-                    f"{const} element(s) set to a constant at load (e.g. vocab padding); the plan's shards "
-                    "cannot express a constant region yet"
-                )
+                try:
+                    self.window(p)
+                except MappingError as e:
+                    self.problems.setdefault(p, []).append(
+                        f"{const} element(s) set to a constant at load and {e}: the plan cannot leave them out"
+                    )
 
     def elements(self, p: str):
         """(destination elements, source global ids) of parameter `p`, one per element."""
@@ -251,8 +288,10 @@ def rank_shards(m: TracedMap, skip=()) -> tuple[list[DestParam], list[Shard], li
                 continue
             kind = "fp8"
         es = dtype_size(dt)
-        params.append(DestParam(m.rank, p, tuple(shape), dt))
+        params.append(DestParam(m.rank, p, m.dest_shape(p), dt))
+        base = (m.window(p) or (0, 0))[0]  # the plan writes the window as its own parameter
         for first, pieces in _regions(m, p):
+            first -= base
             n = sum(pc.numel() for pc in pieces)
             if kind == "fp8":
                 for i, pc in enumerate(pieces):

@@ -159,18 +159,17 @@ class WorkerSide:
         """(store, selected, left out) by the map traced from vLLM's own load_weights (traced.py),
         published for the trainers."""
         from ...runtime.control import Control, job_secret, resolve_store
-        from .traced import worker_trace
+        from .traced import registered, worker_trace
 
         bad = refusals(self.model, None, major)
         if bad:
             raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
         store = resolve_store(info.store or None, False, info.timeout)
         ctl = Control(store, info.name, info.timeout, secret=job_secret(None))
-        self.traced_map, names = worker_trace(
+        self.traced_map, windows = worker_trace(
             self.model, self.vllm_config, par, replica, replicas, ctl, info.skip, where
         )
-        named = list(self.model.named_parameters())
-        return store, [(n, t) for n, t in named if n in names], [n for n, _ in named if n not in names]
+        return (store, *registered(self.model.named_parameters(), windows))
 
     def _need(self, what: str):
         if self.receiver is None:

@@ -79,7 +79,22 @@ def worker_trace(model, vllm_config, par: dict, replica: int, replicas: int, ctl
             f"wxfer: {where}: vLLM's load_weights writes {len(problems)} thing(s) the traced map cannot express: "
             + "; ".join(problems[:8])
         )
-    return m, {p.name for p in params}
+    return m, {p.name: m.window(p.name) for p in params}
+
+
+def registered(named, windows: dict) -> tuple[list, list]:
+    """(selected [(name, tensor)], left out [names]): the parameters the map writes, each one as a
+    whole or, with a window (vocab padding), the view of the rows the checkpoint fills."""
+    sel, left = [], []
+    for n, t in named:
+        if n not in windows:
+            left.append(n)
+            continue
+        w = windows[n]
+        if w is not None:
+            t = t.detach().view(-1)[w[0] : w[1]].view((-1,) + tuple(t.shape[1:]))
+        sel.append((n, t))
+    return sel, left
 
 
 def trainer_maps(ctl, timeout: float, alive=lambda: None) -> tuple[dict, list[dict]]:
