@@ -82,12 +82,14 @@ class Serving(Trainers):
                 text=True,
             )
         ]
-        self.conn = self._accept(180)
+        self.conn = None  # accepted at the first job: its imports overlap the first engine's start
 
     def job(self, llm, ckpt):
         from wxfer.integrations.vllm import LLMClient
         from wxfer.runtime.control import free_port
 
+        if self.conn is None:
+            self.conn = self._accept(180)
         self.llm, self.client, self.rpc_errors = llm, LLMClient(llm), []
         port = free_port()
         self.conn.send(("job", ckpt, "127.0.0.1:%d" % port, "reach%d" % port))
@@ -98,7 +100,8 @@ def trainer():
     tr = Serving()
     yield tr
     try:
-        tr.conn.send(("quit",))
+        if tr.conn is not None:
+            tr.conn.send(("quit",))
     except OSError:
         pass
     tr.close()
