@@ -60,7 +60,8 @@ def one(name, tmp):
     cfg = tiny_config(arch, **over)
     if arch == "qwen3_moe":
         cfg.num_experts = 32
-    cfg.architectures = ["Qwen3MoeForCausalLM" if arch == "qwen3_moe" else "Qwen3ForCausalLM"]  # else vLLM adapts it as a pooling model
+    # named, else vLLM adapts the config as a pooling model (no lm_head)
+    cfg.architectures = ["Qwen3MoeForCausalLM" if arch == "qwen3_moe" else "Qwen3ForCausalLM"]
     path = os.path.join(tmp, name)
     os.makedirs(path, exist_ok=True)
     cfg.save_pretrained(path)
@@ -107,7 +108,8 @@ def main():
             rows.append(r)
             if not a.json:
                 print(
-                    f"{r['size']:>7} {r['arch']:>9}: {r['params'] / 1e6:8.1f} M params, {r['ckpt_tensors']:5d} checkpoint "
+                    f"{r['size']:>7} {r['arch']:>9}: {r['params'] / 1e6:8.1f} M params, "
+                    f"{r['ckpt_tensors']:5d} checkpoint "
                     f"tensors, {r['written']:5d} written, {r['runs']:6d} runs, map {r['map_bytes'] / 1e3:7.1f} kB, "
                     f"trace {r['trace_s']:.3f} s, shards {r['shards_s']:.3f} s, not loaded: {r['unused']}",
                     flush=True,

@@ -48,8 +48,8 @@ def traced(tmp_path_factory):
     ports = {2: free_port()}
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "trace_proc.py"), os.path.join(tmp, f"tp{tp}r{r}.json"), str(tp), str(r)]
-            + [str(ports[tp])]
+            [sys.executable, os.path.join(HERE, "trace_proc.py"), os.path.join(tmp, f"tp{tp}r{r}.json")]
+            + [str(tp), str(r), str(ports[tp])]
             + s,
             env=env,
             stdout=subprocess.PIPE,

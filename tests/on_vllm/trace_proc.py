@@ -171,7 +171,8 @@ def one(spec, tp, rank):
     rules = rules_table(cfg, ckpt, tp, rank, quant, ep, mnames)
     diff = wrong = None
     if rules is not None:
-        diff = sorted({k[1] for k in set(rules) ^ set(traced)} | {k[1] for k in rules if k in traced and rules[k] != traced[k]})
+        differ = {k[1] for k in rules if k in traced and rules[k] != traced[k]}
+        diff = sorted({k[1] for k in set(rules) ^ set(traced)} | differ)
         bad = rules_table(cfg, ckpt, tp, rank, quant, ep, mnames, swap=True)
         wrong = sorted(k[1] for k in bad if bad[k] != traced.get(k))
     return dict(

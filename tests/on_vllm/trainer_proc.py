@@ -9,8 +9,8 @@ process runs the offline vllm.LLM).  MODE: "ok" (two rounds, reporting transform
 tokens after each push), "wrong" (a mapping with gate and up swapped in gate_up_proj), "missing"
 (a trainer model of three layers for the engine's two), "traced" (mapping=None: the plan
 from the map the workers trace from vLLM's load_weights, any architecture), "serve" (one rank,
-"traced" jobs one after the other, each sent as ("job", ckpt, store, name)), "kill" (two ranks; rank 1 SIGKILLs itself in
-the middle of the second push).  Rank 0 reports ("pushed", round, tokens) / ("error", message).
+"traced" jobs one after the other, each sent as ("job", ckpt, store, name)), "kill" (two
+ranks; rank 1 SIGKILLs itself in the middle of the second push).  Rank 0 reports ("pushed", round, tokens) / ("error", message).
 """
 
 import os

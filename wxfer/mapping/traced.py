@@ -61,7 +61,7 @@ def _unb64(s: str):
     return np.frombuffer(zlib.decompress(base64.b64decode(s)), "<i8").astype(np.int64)
 
 
-@dataclass
+@dataclass(eq=False)  # numpy arrays inside: compared by digest()
 class TracedMap:
     rank: int
     sources: dict  # checkpoint name -> (shape, dtype), in checkpoint order (ids index it)
@@ -314,13 +314,16 @@ def rank_shards(m: TracedMap, skip=()) -> tuple[list[DestParam], list[Shard], li
             at = where.get(int(want[0])) if len(want) else None
             got = None if at is None else np.array([where.get(int(g), -1) for g in want])
             if got is None or not np.array_equal(got, np.arange(at, at + len(want))):
-                problems.append(f"{sp} (rank {m.rank}): the scales vLLM's loader lays are not those of {sh.dst}'s pieces")
+                problems.append(
+                    f"{sp} (rank {m.rank}): the scales vLLM's loader lays are not those of {sh.dst}'s pieces"
+                )
                 break
             shards.append(Shard(m.rank, sp, at * 4, len(want) * 4, "scale", "float32", sh.pieces))
             done += len(want)
         else:
             if done != math.prod(shape):
-                problems.append(f"{sp} (rank {m.rank}): {math.prod(shape) - done} scale element(s) not of any FP8 piece")
+                left = math.prod(shape) - done
+                problems.append(f"{sp} (rank {m.rank}): {left} scale element(s) not of any FP8 piece")
     return params, shards, problems
 
 
@@ -350,7 +353,7 @@ def _components(shards: list[Shard]) -> list[Component]:
     return out
 
 
-@dataclass
+@dataclass(eq=False)
 class Traced(Rule):
     """The rule of a traced preset: every destination of every rank, from the workers' maps."""
 

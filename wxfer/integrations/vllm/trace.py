@@ -36,9 +36,6 @@ import numpy as np
 
 from ...mapping.traced import SHIFT, TracedMap, compress_runs
 
-_EPS = "trace"
-
-
 class Unexpressible(Exception):
     """An op on a fake checkpoint tensor (or a write into a parameter) the tracer cannot express."""
 
@@ -123,10 +120,6 @@ _GATHER = {
     "squeeze_copy",
     "expand_copy",
 }
-
-
-class _Mode:
-    """The dispatch mode of one trace (built lazily: TorchDispatchMode needs torch)."""
 
 
 def _mode_class():

@@ -273,7 +273,8 @@ class TrainerSide:
         if traced:
             err = None
             try:
-                preset = _traced_preset(info, store if self.is_sender else control.resolve_store(info.store, False, info.timeout))
+                here = store if self.is_sender else control.resolve_store(info.store, False, info.timeout)
+                preset = _traced_preset(info, here)
             except Exception as e:  # noqa: BLE001 -- raised on every rank by agree()
                 err = f"{type(e).__name__}: {e}"
             control.agree(self.group, err, self.rank, "reading the workers' traced maps", info.timeout)
