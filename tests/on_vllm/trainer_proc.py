@@ -7,8 +7,10 @@ round, and reaches the vLLM engine through vLLM's trainer factory (backend "wxfe
 client whose four RPCs go to the test process over a multiprocessing connection (the test
 process runs the offline vllm.LLM).  MODE: "ok" (two rounds, reporting transformers' greedy
 tokens after each push), "wrong" (a mapping with gate and up swapped in gate_up_proj), "missing"
-(a trainer model of three layers for the engine's two), "kill" (two ranks; rank 1 SIGKILLs itself in
-the middle of the second push).  Rank 0 reports ("pushed", round, tokens) / ("error", message).
+(a trainer model of three layers for the engine's two), "traced" (mapping=None: the plan
+from the map the workers trace from vLLM's load_weights, any architecture), "serve" (one rank,
+"traced" jobs one after the other, each sent as ("job", ckpt, store, name)), "kill" (two
+ranks; rank 1 SIGKILLs itself in the middle of the second push).  Rank 0 reports ("pushed", round, tokens) / ("error", message).
 """
 
 import os
@@ -82,6 +84,25 @@ def greedy(model):
 
 
 def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
+    conn = None
+    if rank == 0:
+        from multiprocessing.connection import Client
+
+        conn = Client(("127.0.0.1", conn_port), authkey=b"wxfer-test")
+    if mode != "serve":
+        return job(ckpt, store, name, mode, rank, conn)
+    while True:  # one process for several jobs: ("job", ckpt, store, name) ... ("quit",)
+        msg = conn.recv()
+        if msg[0] != "job":
+            return
+        job(msg[1], msg[2], msg[3], "traced", 0, conn)
+
+
+def job(ckpt, store, name, mode, rank, conn):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
@@ -89,10 +110,6 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
     import wxfer.integrations.vllm  # noqa: F401 -- registers the backend
     from wxfer.integrations.vllm import WxferTrainerInitInfo
 
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_port}", rank=rank, world_size=world)
     cfg = AutoConfig.from_pretrained(ckpt)
     if mode == "missing":  # the trainers' model has a layer the engine's lacks
         cfg.num_hidden_layers += 1
@@ -101,11 +118,6 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
     for p in model.parameters():
         p.requires_grad_(False)
     seeded(model, 1)
-    conn = None
-    if rank == 0:
-        from multiprocessing.connection import Client
-
-        conn = Client(("127.0.0.1", conn_port), authkey=b"wxfer-test")
     mapping = dict(cfg.to_dict(), name_or_path="tiny")
     if mode == "wrong":
         from wxfer.mapping import Fuse, from_config
@@ -113,6 +125,8 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
         p = from_config("tiny", mapping)
         rules = [Fuse(r.dst, tuple(reversed(r.srcs))) if r.dst.endswith("gate_up_proj.weight") else r for r in p.rules]
         mapping = type(p)(p.name, p.arch, rules, p.config)
+    if mode == "traced":  # no preset: the plan from the workers' traced maps
+        mapping = None
     info = WxferTrainerInitInfo(
         store=store, mapping=mapping, name=name, timeout=60.0, update_timeout=15.0, watermark="64KiB", rank=rank
     )
@@ -135,6 +149,8 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
             if rank == 0:
                 conn.send(("pushed", v, greedy(model)))
                 assert conn.recv() == ("next", None)
+        if mode == "traced":
+            eng.shutdown()
         if rank == 0:
             conn.send(("done", None))
     except Exception as e:  # noqa: BLE001 -- reported to the test

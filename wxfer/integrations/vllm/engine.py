@@ -44,6 +44,7 @@ class WxferInitInfo:
     proof: bool = True  # the layout proof at setup (proof.py)
     proof_layers: int = 2
     proof_seed: int = PROOF_SEED
+    traced: bool = False  # the destination map traced from vLLM's load_weights (traced.py), no preset
     extra: dict = field(default_factory=dict)  # reserved for later fields of newer trainers
 
 
@@ -85,6 +86,7 @@ class WorkerSide:
     receiver = None
     _announced = None
     proof_result = None
+    traced_map = None
 
     # ---- vLLM's internals, in two places
     def _parallel(self) -> dict:
@@ -97,7 +99,6 @@ class WorkerSide:
 
     # ---- the RPCs
     def init_transfer_engine(self, init_info: WxferInitInfo) -> None:
-        from ...runtime import control
         from ...runtime.receiver import Receiver
 
         info = init_info
@@ -105,33 +106,23 @@ class WorkerSide:
             self.receiver.close()
             self.receiver = None
         par = self._parallel()
-        cfg = self._hf_config()
-        preset = worker_preset(info, cfg)
         where = f"vLLM worker (replica {par['dp_rank']}, tp rank {par['rank']} of {par['tp']})"
         major = None
         if getattr(self.device, "type", "cpu") == "cuda":
             import torch
 
             major = torch.cuda.get_device_capability(self.device)[0]
-        bad = refusals(self.model, preset.arch, major)
-        if bad:
-            raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
-        named = list(self.model.named_parameters())
-        quant = quant_of(named)
-        sel, left = writable_parameters(named, preset, cfg, par, quant, info.skip, where, preset.name)
         replica = par["dp_rank"] if info.replica is None else int(info.replica)
         replicas = par["dp"] if info.replicas is None else int(info.replicas)
-        store = control.resolve_store(info.store or None, False, info.timeout)
-        if info.proof:
-            from .proof import worker_proof
-
-            self.proof_result = worker_proof(
-                self.model, preset, cfg, sel, par, quant, replica, replicas, store, info, where
-            )
+        if info.traced:
+            preset = None
+            store, sel, left = self._traced(info, par, replica, replicas, where, major)
+        else:
+            preset, store, sel, left = self._preset(info, par, replica, replicas, where, major)
         self.left_out = left
         self.receiver = Receiver(
             sel,
-            mapping=preset,  # its rules too: the trainers compare them (issue 25.4)
+            mapping=preset,  # its rules too: the trainers compare them (issue 25.4); None when traced
             store=store,
             replica=replica,
             rank=par["rank"],
@@ -142,6 +133,43 @@ class WorkerSide:
             timeout=info.timeout,
             transport=info.transport,
         )
+
+    def _preset(self, info, par, replica, replicas, where, major):
+        """(preset, store, selected, left out) by the hand-written rules, with the layout proof."""
+        from ...runtime import control
+
+        cfg = self._hf_config()
+        preset = worker_preset(info, cfg)
+        bad = refusals(self.model, preset.arch, major)
+        if bad:
+            raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
+        named = list(self.model.named_parameters())
+        quant = quant_of(named)
+        sel, left = writable_parameters(named, preset, cfg, par, quant, info.skip, where, preset.name)
+        store = control.resolve_store(info.store or None, False, info.timeout)
+        if info.proof:
+            from .proof import worker_proof
+
+            self.proof_result = worker_proof(
+                self.model, preset, cfg, sel, par, quant, replica, replicas, store, info, where
+            )
+        return preset, store, sel, left
+
+    def _traced(self, info, par, replica, replicas, where, major):
+        """(store, selected, left out) by the map traced from vLLM's own load_weights (traced.py),
+        published for the trainers."""
+        from ...runtime.control import Control, job_secret, resolve_store
+        from .traced import registered, worker_trace
+
+        bad = refusals(self.model, None, major)
+        if bad:
+            raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
+        store = resolve_store(info.store or None, False, info.timeout)
+        ctl = Control(store, info.name, info.timeout, secret=job_secret(None))
+        self.traced_map, windows = worker_trace(
+            self.model, self.vllm_config, par, replica, replicas, ctl, info.skip, where
+        )
+        return (store, *registered(self.model.named_parameters(), windows))
 
     def _need(self, what: str):
         if self.receiver is None:

@@ -53,6 +53,9 @@ class WxferTrainerInitInfo:
     proof: bool = True
     proof_layers: int = 2
     replicas: int | None = None
+    # the plan from the map each worker traces from vLLM's own load_weights (traced.py); None:
+    # when `mapping` is None or names no preset (an HF config of an architecture wxfer has no rules for)
+    traced: bool | None = None
     rank: int = field(default=0, kw_only=True)
 
     @property
@@ -139,6 +142,20 @@ def _linger(ctl, workers: int, timeout: float) -> None:
         pass
 
 
+def _checked_maps(ctl, info, alive):
+    """Rank 0: every worker's traced map, read and digest-checked (trainer_maps); on an error the
+    workers learn it from the plan status, like the layout proof's."""
+    from ...runtime import control
+    from .traced import trainer_maps
+
+    try:
+        return trainer_maps(ctl, info.timeout, alive)[1]
+    except Exception as e:  # noqa: BLE001
+        ctl.set("status", control.encode_result(None, f"{type(e).__name__}: {e}"))
+        _linger(ctl, 0, min(info.timeout, 10.0))
+        raise
+
+
 def _module_of(source):
     mod = getattr(source, "_module", None) or getattr(source, "module", None)
     if mod is None and hasattr(source, "named_parameters"):
@@ -157,6 +174,33 @@ def _worker_mapping(mapping) -> dict:
     if isinstance(mapping, (str, dict)):
         return dict(mapping=mapping)
     return dict(mapping=None, mapping_name=getattr(mapping, "name", None))
+
+
+def uses_trace(info) -> bool:
+    """Whether the trainers build the plan from the workers' traced maps (see WxferTrainerInitInfo.traced)."""
+    from ...runtime.program import get_preset
+
+    if info.traced is not None:
+        return bool(info.traced)
+    if info.mapping is None:
+        return True
+    try:
+        get_preset(info.mapping)
+    except (ValueError, KeyError, TypeError):
+        return True
+    return False
+
+
+def _traced_preset(info, store):
+    """Every rank: the preset of the workers' traced maps, read from the store (digests checked)."""
+    from ...mapping.traced import traced_preset
+    from ...runtime import control
+    from .traced import trainer_maps
+
+    ctl = control.Control(store, info.name, info.timeout, secret=control.job_secret(None))
+    maps, _ = trainer_maps(ctl, info.timeout)
+    cfg = info.mapping if isinstance(info.mapping, dict) else {}
+    return traced_preset(maps, "traced:" + str(cfg.get("model_type", "")), cfg)
 
 
 class TrainerSide:
@@ -191,7 +235,8 @@ class TrainerSide:
             )
         self = cls._new(info, client, source, config)
         model = _module_of(source)
-        preset = get_preset(info.mapping)
+        traced = uses_trace(info)
+        preset = None if traced else get_preset(info.mapping)
         self.group = control.gloo_group(info.timeout)
         store, err, call = info.store, None, None
         if self.is_sender:
@@ -203,14 +248,17 @@ class TrainerSide:
                     name=info.name,
                     timeout=info.timeout,
                     transport=info.transport,
-                    proof=info.proof,
+                    proof=info.proof and not traced,
                     proof_layers=info.proof_layers,
                     replicas=info.replicas,
-                    **_worker_mapping(info.mapping),
+                    traced=traced,
+                    **(dict(mapping=None) if traced else _worker_mapping(info.mapping)),
                 )
                 call = _Call(client.init_weight_transfer_engine, winfo)
                 alive = lambda: call.error and f"{type(call.error).__name__}: {call.error}"
-                if not info.proof:  # a worker that refuses fails the setup now, not at the Senders' timeout
+                if traced:
+                    self.traced = _checked_maps(ctl, info, alive)
+                elif not info.proof:  # a worker that refuses fails the setup now, not at the Senders' timeout
                     _wait_first_receiver(ctl, alive, info.timeout)
                 else:
                     try:
@@ -222,6 +270,14 @@ class TrainerSide:
             except Exception as e:  # noqa: BLE001 -- raised on every rank by agree()
                 err = f"{type(e).__name__}: {e}"
         control.agree(self.group, err, self.rank, "the vLLM init_weight_transfer_engine and layout proof", info.timeout)
+        if traced:
+            err = None
+            try:
+                here = store if self.is_sender else control.resolve_store(info.store, False, info.timeout)
+                preset = _traced_preset(info, here)
+            except Exception as e:  # noqa: BLE001 -- raised on every rank by agree()
+                err = f"{type(e).__name__}: {e}"
+            control.agree(self.group, err, self.rank, "reading the workers' traced maps", info.timeout)
         self.sender = Sender(
             model,
             mapping=preset,

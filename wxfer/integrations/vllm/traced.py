@@ -1,0 +1,142 @@
+"""The traced destination map at setup: each vLLM worker traces its model's ``load_weights``
+(trace.py) and publishes the map in the trainers' store; the trainers read every worker's map,
+check its digest and build the plan from it (``wxfer.mapping.traced.traced_preset``).  No preset,
+no hand-written rule: the engine's own loader is the layout.
+
+Store keys (under the job's name, MACed like every other record): ``vllm/trace/<gpu>`` the map's
+canonical bytes (``TracedMap.to_bytes``), ``vllm/trace/<gpu>/meta`` JSON {gpu, replica, replicas,
+tp, rank, digest (SHA-256 of those bytes), seconds, nparams, errors}.  A worker whose trace has a
+problem publishes it (errors, by parameter name) and raises; the trainers raise it too.
+
+Where the names, shapes and dtypes come from: the checkpoint vLLM loaded, its safetensors headers
+(the first 8 bytes + the JSON header of each file: no tensor data is read).  They are the names
+the trainers' HF model uses (transformers' ``save_pretrained`` writes its state dict).  For an FP8
+block model whose checkpoint holds BF16 names, the FP8 checkpoint's names are made from them
+(``trace.trace_model``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+KEY = "vllm/trace/%d"
+
+
+class TraceError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(model_config) -> str:
+    """The local directory of the checkpoint vLLM loaded (a path, or a hub id in the local HF
+    cache: no download)."""
+    path = getattr(model_config, "model", None) or ""
+    if os.path.isdir(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, revision=getattr(model_config, "revision", None), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 -- said in the error
+        raise TraceError(
+            f"wxfer trace: the checkpoint {path!r} is neither a local directory nor in the local HF cache "
+            f"({type(e).__name__}: {e}); the trace reads its safetensors headers"
+        ) from e
+
+
+def worker_trace(model, vllm_config, par: dict, replica: int, replicas: int, ctl, skip: str | None, where: str):
+    """Trace, publish, and return (the map, the names of the parameters the plan writes)."""
+    import re
+
+    from ...mapping.traced import rank_shards
+    from .trace import checkpoint_of_dir, trace_model
+
+    ckpt = checkpoint_of_dir(checkpoint_dir(vllm_config.model_config))
+    m = trace_model(model, ckpt, par["rank"], where)
+    pat = re.compile(skip) if skip else None
+    skipped = {p for p in m.params if pat and pat.search(p)}
+    params, _, problems = rank_shards(m, skipped)
+    problems += [f"{k}: {w}" for k, ws in m.problems.items() if k not in m.runs and k not in skipped for w in ws]
+    gpu = replica * par["tp"] + par["rank"]
+    blob = m.to_bytes()
+    meta = dict(
+        gpu=gpu,
+        replica=replica,
+        replicas=replicas,
+        tp=par["tp"],
+        rank=par["rank"],
+        ep=par["ep"],
+        digest=m.digest(),
+        seconds=m.seconds,
+        nparams=sum(t.numel() for t in model.parameters()),
+        written=len(params),
+        errors=problems,
+    )
+    ctl.set(KEY % gpu, blob)
+    ctl.set_json(KEY % gpu + "/meta", meta)
+    if problems:
+        raise TraceError(
+            f"wxfer: {where}: vLLM's load_weights writes {len(problems)} thing(s) the traced map cannot express: "
+            + "; ".join(problems[:8])
+        )
+    return m, {p.name: m.window(p.name) for p in params}
+
+
+def registered(named, windows: dict) -> tuple[list, list]:
+    """(selected [(name, tensor)], left out [names]): the parameters the map writes, each one as a
+    whole or, with a window (vocab padding), the view of the rows the checkpoint fills."""
+    sel, left = [], []
+    for n, t in named:
+        if n not in windows:
+            left.append(n)
+            continue
+        w = windows[n]
+        if w is not None:
+            t = t.detach().view(-1)[w[0] : w[1]].view((-1,) + tuple(t.shape[1:]))
+        sel.append((n, t))
+    return sel, left
+
+
+def trainer_maps(ctl, timeout: float, alive=lambda: None) -> tuple[dict, list[dict]]:
+    """({inference rank: TracedMap}, every worker's meta): every worker's map read from the store,
+    its digest checked, replicas compared (one map per TP rank); TraceError naming the worker."""
+    from ...mapping.traced import TracedMap
+
+    first = _get_meta(ctl, 0, timeout, alive)
+    n = int(first["replicas"]) * int(first["tp"])
+    metas = [first] + [_get_meta(ctl, g, timeout, alive) for g in range(1, n)]
+    maps, errors = {}, []
+    for mt in metas:
+        who = f"vLLM worker gpu {mt['gpu']} (replica {mt['replica']}, tp rank {mt['rank']})"
+        if mt["errors"]:
+            errors += [f"{who}: {e}" for e in mt["errors"][:8]]
+            continue
+        blob = ctl.get(KEY % mt["gpu"], f"the traced map of {who}", timeout)
+        try:
+            m = TracedMap.from_bytes(blob, mt["digest"], who)
+        except ValueError as e:
+            errors.append(str(e))
+            continue
+        if m.rank != mt["rank"]:
+            errors.append(f"{who}: its map is of tp rank {m.rank}")
+        have = maps.get(mt["rank"])
+        if have is None:
+            maps[mt["rank"]] = m
+        elif have.digest() != mt["digest"]:
+            errors.append(f"{who}: its traced map differs from replica 0's for tp rank {mt['rank']}")
+    if errors:
+        raise TraceError("wxfer: the workers' traced maps:\n  " + "\n  ".join(errors[:20]))
+    return maps, metas
+
+
+def _get_meta(ctl, gpu: int, timeout: float, alive) -> dict:
+    deadline = time.monotonic() + timeout
+    key = KEY % gpu + "/meta"
+    while not ctl.check(key):
+        err = alive()
+        if err:
+            raise TraceError(f"wxfer: init_weight_transfer_engine failed before gpu {gpu} published its trace: {err}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"wxfer: vLLM worker gpu {gpu} published no traced map within {timeout:.0f} s")
+        time.sleep(0.05)
+    return ctl.get_json(key, f"the traced map of vLLM worker gpu {gpu}", 1)
