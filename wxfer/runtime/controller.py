@@ -44,12 +44,15 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
                     f"{first['replicas']} tp={first['tp']} ({n} workers)"
                 )
         pname = getattr(program.get_preset(mapping), "name", "")
-        rules = digest.mapping_rules(mapping)
+        rules: dict = {}  # (tp, ep, quant, rank) -> the trainers' mapping_rules there
         for w in workers:
+            at = (w["tp"], w["ep"], digest.quant_of(w["params"]), w["rank"])
+            if w.get("rules") and at not in rules:
+                rules[at] = digest.mapping_rules(mapping, *at)
             if w["mapping"] and pname and w["mapping"] != pname:
                 probs.append(f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, the trainers {pname!r}")
-            elif digest.compare_rules(w, rules):
-                probs.append(digest.compare_rules(w, rules))
+            elif digest.compare_rules(w, rules.get(at)):
+                probs.append(digest.compare_rules(w, rules.get(at)))
             if (w["transport"], w["options"]) != (first["transport"], first["options"]):
                 probs.append(
                     f"inference worker gpu {w['gpu']} registered with {w['transport']} "
@@ -62,7 +65,16 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
                 )
         if probs:
             raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
-        plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=max_task_bytes)
+        ex = program.expand_for(train, workers, mapping)
+        plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=max_task_bytes, expanded=ex)
+        # never skipped (issue 35.6): each worker's parameters, by digest, against what the mapping makes
+        # for its rank (the plan above named any difference by name; this catches what it let through)
+        probs = [
+            digest.compare_params(w, {n: (p.shape, p.dtype) for n, p in ex.dest.get(w["rank"], {}).items()})
+            for w in workers
+        ]
+        if any(probs):
+            raise SetupError("inference workers disagree:\n  " + "\n  ".join(p for p in probs if p))
         plan.check()  # every destination byte written exactly once, by one sender, in range
         senders = program.receivers_of(plan)
         for w in workers:

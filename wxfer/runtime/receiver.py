@@ -261,7 +261,10 @@ class Receiver:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
         self.device = devs.pop()
         self.mapping_name = _mapping_name(mapping)
-        self.mapping_rules = digest.mapping_rules(mapping)  # compared by the trainers (issue 25.4)
+        shapes = {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in self.params.items()}
+        # what the trainers compare (issues 25.4, 35.6): digests of content, never skipped
+        self.params_digest = digest.of(digest.params_content(shapes))
+        self.mapping_rules = digest.mapping_rules(mapping, tp, ep, digest.quant_of(shapes), rank)
         t_setup = time.perf_counter()
         self.ctl = Control(
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
@@ -387,6 +390,7 @@ class Receiver:
             ep=self.ep,
             mapping=self.mapping_name,
             rules=self.mapping_rules,
+            params_digest=self.params_digest,
             transport=self.transport_name,
             options=self.transport_options,
             export=_b64(self.transport.export()),
