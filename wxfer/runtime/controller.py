@@ -67,14 +67,7 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
             raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
         ex = program.expand_for(train, workers, mapping)
         plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=max_task_bytes, expanded=ex)
-        # never skipped (issue 35.6): each worker's parameters, by digest, against what the mapping makes
-        # for its rank (the plan above named any difference by name; this catches what it let through)
-        probs = [
-            digest.compare_params(w, {n: (p.shape, p.dtype) for n, p in ex.dest.get(w["rank"], {}).items()})
-            for w in workers
-        ]
-        if any(probs):
-            raise SetupError("inference workers disagree:\n  " + "\n  ".join(p for p in probs if p))
+        _check_params(workers, ex)
         plan.check()  # every destination byte written exactly once, by one sender, in range
         senders = program.receivers_of(plan)
         for w in workers:
@@ -94,6 +87,18 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
     ctl.set("layout", json.dumps(dict(replicas=first["replicas"], tp=first["tp"], workers=n)))
     ctl.set("plan", control.encode_result(blob, None))
     ctl.set("status", control.encode_result(b"", None))
+
+
+def _check_params(workers: list, ex) -> None:
+    """Never skipped (issue 35.6): each worker's parameters, by their digest, against what the
+    mapping makes for its rank (`ex`; the plan named any difference by name before: this
+    catches what it let through, a record whose digest is not its parameters' included)."""
+    probs = [
+        digest.compare_params(w, {n: (p.shape, p.dtype) for n, p in ex.dest.get(w["rank"], {}).items()})
+        for w in workers
+    ]
+    if any(probs):
+        raise SetupError("inference workers disagree:\n  " + "\n  ".join(p for p in probs if p))
 
 
 def wait_workers(ctl, n: int, tp: int, timeout: float, deadline: float | None = None) -> None:

@@ -261,10 +261,7 @@ class Receiver:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
         self.device = devs.pop()
         self.mapping_name = _mapping_name(mapping)
-        shapes = {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in self.params.items()}
-        # what the trainers compare (issues 25.4, 35.6): digests of content, never skipped
-        self.params_digest = digest.of(digest.params_content(shapes))
-        self.mapping_rules = digest.mapping_rules(mapping, tp, ep, digest.quant_of(shapes), rank)
+        self._digests(mapping)
         t_setup = time.perf_counter()
         self.ctl = Control(
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
@@ -311,6 +308,12 @@ class Receiver:
         )
 
     # ------------------------------------------------------------------ setup
+    def _digests(self, mapping) -> None:
+        """What the trainers compare (issues 25.4, 35.6): digests of content, never skipped."""
+        shapes = {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in self.params.items()}
+        self.params_digest = digest.of(digest.params_content(shapes))
+        self.mapping_rules = digest.mapping_rules(mapping, self.tp, self.ep, digest.quant_of(shapes), self.rank)
+
     def _init_records(self) -> None:
         """What setup fills in, empty (close() may run after a setup that failed anywhere)."""
         self.regions = []
