@@ -55,7 +55,7 @@ def test_rule_digests_name_the_first_differing_rule():
     same_name = digest.mapping_rules(_swapped(tiny))
     msg = digest.compare_rules(dict(gpu=3, rules=good), same_name)
     i = next(i for i, (a, b) in enumerate(zip(good["rules"], same_name["rules"])) if a != b)
-    assert msg.startswith(f"inference worker gpu 3 (mapping {tiny.name!r}) expects other rules than the trainers' mapping")
+    assert msg.startswith(f"inference worker gpu 3 (mapping {tiny.name!r}) expects other rules than the trainers'")
     assert f"rule {i} is Fuse(dst='{GATE_UP}', srcs=('model.layers.{{L}}.mlp.gate_proj.weight'" in msg
     assert "srcs=('model.layers.{L}.mlp.up_proj.weight', 'model.layers.{L}.mlp.gate_proj.weight')" in msg
     shorter = dict(good, rules=good["rules"][:-1])

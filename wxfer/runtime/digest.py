@@ -55,7 +55,7 @@ def params_content(params: dict) -> list:
 
 
 def quant_of(params: dict) -> str | None:
-    """"fp8" where `params` ({name: (shape, dtype name)}) hold FP8 weights, else None (BF16)."""
+    """ "fp8" where `params` ({name: (shape, dtype name)}) hold FP8 weights, else None (BF16)."""
     return "fp8" if any(dt == FP8 for _, dt in params.values()) else None
 
 
@@ -148,4 +148,5 @@ def compare_params(worker: dict, made: dict) -> str | None:
         if first is not None
         else "its published parameters do not match its own digest"
     )
-    return f"inference worker gpu {worker['gpu']} holds other parameters than the trainers' mapping makes for it ({where})"
+    who = f"inference worker gpu {worker['gpu']}"
+    return f"{who} holds other parameters than the trainers' mapping makes for it ({where})"

@@ -105,7 +105,9 @@ def expand_for(train_params, workers_meta: list[dict], mapping):
     return expand(preset.rules, {p.name: p.shape for p in train_params}, layout, preset.config, strict=False)
 
 
-def build_controller_plan(train_params, workers_meta: list[dict], mapping, max_task_bytes: int = 1 << 30, expanded=None):
+def build_controller_plan(
+    train_params, workers_meta: list[dict], mapping, max_task_bytes: int = 1 << 30, expanded=None
+):
     """Rank 0: the plan from the merged training metadata and the receivers' metadata
     (`expanded`: ``expand_for``'s, else expanded here)."""
     from ..meta import from_inference_worker

@@ -116,6 +116,34 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
     return transport, opts
 
 
+def fault_isolation(transport: str, options: dict) -> str | None:
+    """Why `transport` with `options` does not keep a dead or stopped worker's fault to that
+    worker (None: it does, as far as was measured): libfabric's shm (1.17, README
+    reliability, tests/test_faults.py SHM_FAULTS)."""
+    if transport == "fabric" and str((options or {}).get("provider", "")).split(";")[0] == "shm":
+        return (
+            "wxfer: transport fabric with provider shm does not isolate a fault: an inference worker "
+            "killed in the middle of a step took the other workers' writes down with it (refused "
+            "until write_timeout), and one that was stopped (SIGSTOP) hung a trainer's writes inside "
+            "libfabric (libfabric 1.17's shm). Where a worker may die, use provider tcp "
+            "(transport_options={'provider': 'tcp'} on every side, or $WXFER_FABRIC_PROVIDER=tcp) or "
+            "a NIC provider (verbs, efa)"
+        )
+    return None
+
+
+def warn_fault_isolation(transport: str, options: dict, who: str) -> str | None:
+    """Warn (RuntimeWarning, and the log) when `transport` does not isolate a fault
+    (``fault_isolation``); returns the reason."""
+    why = fault_isolation(transport, options)
+    if why is not None:
+        import warnings
+
+        log.warning("%s: %s", who, why)
+        warnings.warn(f"{who}: {why}", RuntimeWarning, stacklevel=3)
+    return why
+
+
 def gpu_memory_options(transport: str, device, options: dict) -> dict:
     """`options` plus what makes `transport` check, when it opens, that it can register GPU
     memory of `device` with the network, so that a machine where it cannot fails at setup
@@ -268,6 +296,7 @@ class Receiver:
         )
         self.ctl = jobs.receiver_namespace(self.ctl, name)  # not a finished job's records (issue 25.5)
         self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
+        warn_fault_isolation(self.transport_name, self.transport_options, f"wxfer.Receiver gpu {self.gpu}")
         # opened with the GPU check for this worker's device; published without it (the
         # trainers check their own memory, and the workers' options must agree)
         try:

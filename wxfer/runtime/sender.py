@@ -44,7 +44,7 @@ from .control import Control, SetupError
 from .controller import build_plan, linger, mapping_digest
 from .failures import FailureExchange
 from .links import Links
-from .receiver import capabilities, gpu_memory_options, transport_choice
+from .receiver import capabilities, gpu_memory_options, transport_choice, warn_fault_isolation
 from .steps import PushHandle, StepLoop
 from .tasks import STAMP_TAG, TaskRunner
 from .verify import verify_enabled
@@ -327,6 +327,7 @@ class Sender:
         for g in prog.gpus:
             workers[g] = self.ctl.get_json("infer/%d/peer" % g, f"metadata of inference worker gpu {g}")
         tname, topts = self._transport_for(workers, transport, transport_options)
+        warn_fault_isolation(tname, topts, f"wxfer.Sender trainer rank {self.rank}")
         tr = _wxfer.Transport(tname, topts)
         # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
         engine = _wxfer.Engine(tr, watermark=self.watermark, timeout=self.write_timeout, isolate=True)
