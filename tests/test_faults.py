@@ -255,6 +255,6 @@ def test_shm_warns_at_setup_that_it_does_not_isolate_a_fault(store, caplog):
         sender.close()
         recv.close()
     # tcp: nothing said
-    from wxfer.runtime.receiver import fault_isolation
+    from wxfer.runtime.isolation import fault_isolation
 
     assert fault_isolation("fabric", {"provider": "tcp"}) is None and fault_isolation("verbs", {}) is None

@@ -33,6 +33,7 @@ import time
 from .. import envs
 from . import alias, control, digest, jobs, liveness
 from .control import Control, SetupError
+from .isolation import warn_fault_isolation
 
 _DESC_HEAD = struct.Struct("<Q")
 log = logging.getLogger(__name__)
@@ -114,34 +115,6 @@ def transport_choice(transport: str, device_type: str, options: dict | None = No
         if k in caps["defaults"]:
             opts.setdefault(k, caps["defaults"][k])
     return transport, opts
-
-
-def fault_isolation(transport: str, options: dict) -> str | None:
-    """Why `transport` with `options` does not keep a dead or stopped worker's fault to that
-    worker (None: it does, as far as was measured): libfabric's shm (1.17, README
-    reliability, tests/test_faults.py SHM_FAULTS)."""
-    if transport == "fabric" and str((options or {}).get("provider", "")).split(";")[0] == "shm":
-        return (
-            "wxfer: transport fabric with provider shm does not isolate a fault: an inference worker "
-            "killed in the middle of a step took the other workers' writes down with it (refused "
-            "until write_timeout), and one that was stopped (SIGSTOP) hung a trainer's writes inside "
-            "libfabric (libfabric 1.17's shm). Where a worker may die, use provider tcp "
-            "(transport_options={'provider': 'tcp'} on every side, or $WXFER_FABRIC_PROVIDER=tcp) or "
-            "a NIC provider (verbs, efa)"
-        )
-    return None
-
-
-def warn_fault_isolation(transport: str, options: dict, who: str) -> str | None:
-    """Warn (RuntimeWarning, and the log) when `transport` does not isolate a fault
-    (``fault_isolation``); returns the reason."""
-    why = fault_isolation(transport, options)
-    if why is not None:
-        import warnings
-
-        log.warning("%s: %s", who, why)
-        warnings.warn(f"{who}: {why}", RuntimeWarning, stacklevel=3)
-    return why
 
 
 def gpu_memory_options(transport: str, device, options: dict) -> dict:
@@ -252,7 +225,9 @@ class Receiver:
     registers anew and replaces the previous one: the trainers connect to it at their
     next push() and write there from then on, with the plan unchanged for every other
     worker.  Its parameters must match the first worker's (names, shapes, dtypes) and
-    the constructor waits (bounded by `timeout`) for that next push.
+    the constructor waits for that next push, however far off, as long as the trainer job
+    lives (its lease) and each trainer rank writing here does (its pid, its lease), or at
+    most `rejoin_timeout` seconds where given; SetupError naming what it waited for.
     """
 
     def __init__(
@@ -273,8 +248,8 @@ class Receiver:
         stamp_slots: int = 1024,
         verify: bool | None = None,
         secret=None,
+        rejoin_timeout: float | None = None,
     ):
-        from .. import _wxfer
 
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
             raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} is out of range")
@@ -284,6 +259,7 @@ class Receiver:
         self.replica, self.rank, self.tp, self.replicas, self.ep = replica, rank, tp, replicas, ep
         self.gpu = replica * tp + rank
         self.timeout = float(timeout)
+        self.rejoin_timeout = None if rejoin_timeout is None else float(rejoin_timeout)
         devs = {t.device for t in self.params.values()}
         if len(devs) != 1:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
@@ -295,16 +271,7 @@ class Receiver:
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
         )
         self.ctl = jobs.receiver_namespace(self.ctl, name)  # not a finished job's records (issue 25.5)
-        self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
-        warn_fault_isolation(self.transport_name, self.transport_options, f"wxfer.Receiver gpu {self.gpu}")
-        # opened with the GPU check for this worker's device; published without it (the
-        # trainers check their own memory, and the workers' options must agree)
-        try:
-            self.transport = _wxfer.Transport(
-                self.transport_name, gpu_memory_options(self.transport_name, self.device, self.transport_options)
-            )
-        except _wxfer.Error as e:
-            raise SetupError(f"wxfer.Receiver gpu {self.gpu}: opening transport {self.transport_name}: {e}") from e
+        self._open_transport(transport, transport_options)
         self._init_records()
         try:
             self._register(register, stamp_slots)
@@ -337,6 +304,20 @@ class Receiver:
         )
 
     # ------------------------------------------------------------------ setup
+    def _open_transport(self, transport, transport_options) -> None:
+        from .. import _wxfer
+
+        self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
+        warn_fault_isolation(self.transport_name, self.transport_options, f"wxfer.Receiver gpu {self.gpu}")
+        # opened with the GPU check for this worker's device; published without it (the
+        # trainers check their own memory, and the workers' options must agree)
+        try:
+            self.transport = _wxfer.Transport(
+                self.transport_name, gpu_memory_options(self.transport_name, self.device, self.transport_options)
+            )
+        except _wxfer.Error as e:
+            raise SetupError(f"wxfer.Receiver gpu {self.gpu}: opening transport {self.transport_name}: {e}") from e
+
     def _digests(self, mapping) -> None:
         """What the trainers compare (issues 25.4, 35.6): digests of content, never skipped."""
         shapes = {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in self.params.items()}
@@ -471,6 +452,8 @@ class Receiver:
 
     def _watch_writers(self) -> None:
         """Read once what tells whether each trainer rank writing here is alive (its record)."""
+        if self.writers is not None:  # a restart's, read while it waited for the trainers
+            return
         recs = {}
         for r in self.senders:
             try:
@@ -506,27 +489,38 @@ class Receiver:
         self.senders = senders
 
     def _rejoin_handshakes(self) -> None:
-        """A restarted worker: every trainer writing here connects at its next push();
-        wait (bounded by `timeout`) for each one, or for a trainer's refusal."""
+        """A restarted worker: every trainer writing here connects at its next push(), however
+        far off; wait for each one as long as the trainer job lives (its lease: jobs.JobWatch)
+        and the trainer rank does (its pid and lease: liveness.WriterWatch), or `rejoin_timeout`
+        seconds where one was given, or for a trainer's refusal (issue 35.2)."""
         self.senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
         refused = "rejoin/refused/%d/e%d" % (self.gpu, self.epoch)
-        deadline = time.monotonic() + self.timeout
+        who = f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} rank {self.rank})"
+        t0 = time.monotonic()
+        job = jobs.JobWatch(self.ctl)
+        self._watch_writers()
         for r in self.senders:
             req = control.hs_key("req", r, self.gpu, self.epoch)
-            delay = 0.005
+            delay, looked = 0.005, time.monotonic()
             while not self.ctl.check(req):
                 if self.ctl.check(refused):
+                    why = self.ctl.get(refused, "the trainers' refusal").decode(errors="replace")
+                    raise SetupError(f"{who}: refused by the trainers: {why}")
+                waited = time.monotonic() - t0
+                if self.rejoin_timeout is not None and waited > self.rejoin_timeout:
                     raise SetupError(
-                        f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} "
-                        f"rank {self.rank}): refused by the trainers: "
-                        + self.ctl.get(refused, "the trainers' refusal").decode(errors="replace")
-                    )
-                if time.monotonic() > deadline:
-                    raise SetupError(
-                        f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} rank "
-                        f"{self.rank}): trainer rank {r} did not connect within {self.timeout:.0f} s "
+                        f"{who}: trainer rank {r} did not connect within rejoin_timeout={self.rejoin_timeout:g} s "
                         "(the trainers pick up a restarted worker at their next push())"
                     )
+                if time.monotonic() - looked >= 0.25:  # the trainers alive: a few store reads a second
+                    looked = time.monotonic()
+                    gone = self.writers.gone()
+                    if r in gone or not job.alive():
+                        why = gone.get(r) or f"its job lease was not renewed for {jobs.STALE_S:g} s"
+                        raise SetupError(
+                            f"{who}: trainer rank {r} will not connect: the trainer job is gone "
+                            f"({why}; waited {waited:.1f} s for its next push())"
+                        )
                 time.sleep(delay)
                 delay = min(2 * delay, 0.1)
             control.target_accept(self.ctl, self.transport, r, self.gpu, epoch=self.epoch)

@@ -23,8 +23,10 @@ receiver this rank gives up on, or a step it abandons half written, is recorded 
 store (torn/<gpu>/e<epoch>/<i>) for Receiver.state().  A failure seen by any rank, raised
 anywhere inside push(), is raised on every rank (the same barriers, then one gloo
 all-reduce of a flag per push, are joined on every path).  One push() at a time per
-Sender: a second one from another thread is refused.  An inference worker restarted since
-the last push is connected and written from this push on.
+Sender: a second one from another thread is refused.  An inference worker restarted at any
+moment is connected by the first push() that starts after its record is complete (and seen by
+this rank's watcher, links.WATCH_S) and written from then on; a push in flight finishes
+without it.
 
 The Sender is composed of one collaborator per concern, each made in ``__init__`` from what it
 needs (not the Sender) and testable alone (tests/test_sender_parts.py): ``Links`` (links.py),
@@ -44,7 +46,8 @@ from .control import Control, SetupError
 from .controller import build_plan, linger, mapping_digest
 from .failures import FailureExchange
 from .links import Links
-from .receiver import capabilities, gpu_memory_options, transport_choice, warn_fault_isolation
+from .isolation import warn_fault_isolation
+from .receiver import capabilities, gpu_memory_options, transport_choice
 from .steps import PushHandle, StepLoop
 from .tasks import STAMP_TAG, TaskRunner
 from .verify import verify_enabled
@@ -333,6 +336,7 @@ class Sender:
         engine = _wxfer.Engine(tr, watermark=self.watermark, timeout=self.write_timeout, isolate=True)
         links = Links(self.ctl, tr, self.rank, self.plan, prog, workers, self.write_timeout)
         links.connect()
+        links.start_watch()  # restarts and deaths looked at between pushes: a push reads a flag (issue 37)
         ip = inplace.InPlaceWriter(*in_place, self.device, self.stream, tr, tname, engine, links)
         runner = TaskRunner(engine, tr, self.device, self.stream, self.rank, prog, links, ip, self.write_timeout)
         runner.prepare_all(self.watermark)
