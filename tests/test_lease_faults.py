@@ -97,3 +97,38 @@ def test_the_job_lease_over_a_failing_and_stalling_store_never_goes_stale_while_
     took = time.monotonic() - t0
     print(f"stopped job lease seen stale after {took:.2f} s (STALE_S {jobs.STALE_S})")
     assert why == "stale" and took <= jobs.STALE_S + 0.3, took
+
+
+class _NoEngine:
+    def failed_peers(self):
+        return []
+
+
+def test_a_lease_that_stops_during_a_push_is_named_when_that_push_ends(store):
+    """Issue 35.1: deaths were looked at only when a push started; the trainer's watcher looks
+    during a push too, and the push's end (Links.failed) names what it found, with no look of
+    its own at the store."""
+    from wxfer.runtime.links import Links
+
+    s, _ = store
+    ctl = control.Control(s, "ld", T)
+    ctl.add("infer/rejoins", 0)
+    lease = liveness.Lease(ctl, liveness.lease_key(1, 0), 0.05)
+    w = dict(gpu=1, host="elsewhere", pid=1, lease_s=0.05, replica=1, rank=0)
+    ln = Links(ctl, None, 0, None, None, {1: w}, 0.3)
+    ln.start_watch(0.02)
+    try:
+        assert ln.sync(5.0)
+        ln.adopt_rejoins()  # the push's start: nothing found
+        assert ln.dead == {}
+        lease.stop()  # dies while the push runs
+        t0 = time.monotonic()
+        while not ln._news:
+            assert time.monotonic() - t0 < 0.3 + 1.0, "the watcher did not see the lease stop"
+            time.sleep(0.01)
+        got = ln.failed(_NoEngine(), str)  # the push's end
+        assert list(got) == [1] and "lease/1/e0) was not renewed" in got[1], got
+        print(f"lease stopped mid-push: found after {time.monotonic() - t0:.2f} s (bound 0.3 s)")
+    finally:
+        lease.stop()
+        ln.close()

@@ -241,13 +241,16 @@ class Links:
 
     def _scan_restarts(self, n: int) -> None:
         """The workers restarted (epoch past the one written) whose record is complete, pending
-        for the next push; the count `n` taken as seen once none is still being written."""
+        for the next push, each acknowledged to the worker (``rejoin/seen/<gpu>/e<epoch>``: it
+        then writes ``infer/<gpu>/e<epoch>``, after which every push of this rank takes it); the
+        count `n` taken as seen once none is still being written."""
         complete = True
         for g in sorted(self.workers):
             e = self.ctl.add("infer/epoch/%d" % g, 0)
             if e > max(self.epoch[g], self._pending.get(g, 0)):
-                if self.ctl.check("infer/%d/e%d" % (g, e)):  # written before the count moves
+                if self.ctl.check("infer/%d/e%d/meta" % (g, e)):  # written before the count moves
                     self._pending[g] = e
+                    self.ctl.add("rejoin/seen/%d/e%d" % (g, e), 1)  # the worker waits for every writer's
                 else:
                     complete = False  # registering now: looked at again
         if complete:
@@ -297,7 +300,7 @@ class Links:
             old = self.ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", self.write_timeout)
         # bounded by write_timeout: a restarted worker that died again must not stall the push longer
         w = self.ctl.get_json(
-            "infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}", self.write_timeout
+            "infer/%d/e%d/meta" % (g, e), f"metadata of restarted inference worker gpu {g}", self.write_timeout
         )
         probs = _mismatches(old, w)
         slot = self.stamp_dest[g][1] // 8
