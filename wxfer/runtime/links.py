@@ -225,15 +225,20 @@ class Links:
         """One look: which workers are dead (their pids here, one poll; their leases, each at
         most twice a period, read with the restart count in one store round trip: with none due,
         the count alone is one ``add``), and which restarts have a complete record (the
-        restart count moved: each worker's epoch, and its record's presence)."""
+        restart count moved: each worker's epoch, and its record's presence).  The store is
+        read outside _mu: a slow store never holds a push's own use of what was found."""
         with self._mu:
             lease = self._lease_gpus(time.monotonic())
-            keys = ["infer/rejoins"] + [liveness.lease_key(g, self.workers[g].get("epoch", 0)) for g in lease]
-            counts = self.ctl.counters(keys)
-            self._check_leases(lease, counts[1:], self._found)
+            epochs = {g: self.workers[g].get("epoch", 0) for g in lease}
+        keys = ["infer/rejoins"] + [liveness.lease_key(g, epochs[g]) for g in lease]
+        counts = self.ctl.counters(keys)
+        with self._mu:
+            fresh = [(g, c) for g, c in zip(lease, counts[1:]) if self.workers[g].get("epoch", 0) == epochs[g]]
+            self._check_leases([g for g, _ in fresh], [c for _, c in fresh], self._found)
             self._check_pids(self._found)
-            if counts[0] != self.rejoins_seen:
-                self._scan_restarts(counts[0])
+        if counts[0] != self.rejoins_seen:
+            self._scan_restarts(counts[0])
+        with self._mu:
             if self._found or self._pending:
                 self._news = True
             self._looks += 1
@@ -247,12 +252,15 @@ class Links:
         complete = True
         for g in sorted(self.workers):
             e = self.ctl.add("infer/epoch/%d" % g, 0)
-            if e > max(self.epoch[g], self._pending.get(g, 0)):
-                if self.ctl.check("infer/%d/e%d/meta" % (g, e)):  # written before the count moves
+            if e <= max(self.epoch[g], self._pending.get(g, 0)):
+                continue
+            if not self.ctl.check("infer/%d/e%d/meta" % (g, e)):  # written before the count moves
+                complete = False  # registering now: looked at again
+                continue
+            with self._mu:
+                if e > max(self.epoch[g], self._pending.get(g, 0)):
                     self._pending[g] = e
-                    self.ctl.add("rejoin/seen/%d/e%d" % (g, e), 1)  # the worker waits for every writer's
-                else:
-                    complete = False  # registering now: looked at again
+            self.ctl.add("rejoin/seen/%d/e%d" % (g, e), 1)  # the worker waits for every writer's
         if complete:
             self.rejoins_seen = n
 
