@@ -44,15 +44,16 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
                     f"{first['replicas']} tp={first['tp']} ({n} workers)"
                 )
         pname = getattr(program.get_preset(mapping), "name", "")
-        rules: dict = {}  # (tp, ep, quant, rank) -> the trainers' mapping_rules there
+        rules: dict = {}  # (tp, ep, quant) -> the trainers' mapping_rules_all there (one expansion)
         for w in workers:
-            at = (w["tp"], w["ep"], digest.quant_of(w["params"]), w["rank"])
+            at = (w["tp"], w["ep"], digest.quant_of(w["params"]))
             if w.get("rules") and at not in rules:
-                rules[at] = digest.mapping_rules(mapping, *at)
+                rules[at] = digest.mapping_rules_all(mapping, *at)
+            mine = (rules.get(at) or {}).get(w["rank"])
             if w["mapping"] and pname and w["mapping"] != pname:
                 probs.append(f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, the trainers {pname!r}")
-            elif digest.compare_rules(w, rules.get(at)):
-                probs.append(digest.compare_rules(w, rules.get(at)))
+            elif digest.compare_rules(w, mine):
+                probs.append(digest.compare_rules(w, mine))
             if (w["transport"], w["options"]) != (first["transport"], first["options"]):
                 probs.append(
                     f"inference worker gpu {w['gpu']} registered with {w['transport']} "

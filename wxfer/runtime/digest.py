@@ -59,31 +59,28 @@ def quant_of(params: dict) -> str | None:
     return "fp8" if any(dt == FP8 for _, dt in params.values()) else None
 
 
-def rule_content(rule, shapes: dict, layout, config, rank: int) -> list:
-    """What `rule` makes on inference rank `rank` of `layout` from training `shapes` ({name:
-    shape}): [destinations, shards, ignored training names], or ["refused", why]."""
-    from ..mapping.rules import MappingError, expand
+def rule_content(params, comps, errors, ignored, tp: int) -> dict:
+    """What one rule makes on each inference rank (``wxfer.mapping.rules.each_rule``'s
+    destinations `params`, components `comps`, `errors`, `ignored` names): {rank: [destinations,
+    shards, ignored training names]}, or {rank: ["refused", errors]}."""
+    ranks = range(tp)
+    if errors:
+        return {r: ["refused", errors] for r in ranks}
+    dests: dict = {r: [] for r in ranks}
+    shards: dict = {r: [] for r in ranks}
+    for p in params:
+        dests[p.rank].append([p.name, list(p.shape), p.dtype])
+    for c in comps:
+        for s in c.shards:
+            shards[s.rank].append([s.dst, s.offset, s.nbytes, s.kind, s.dtype, [list(p) for p in s.pieces]])
+    ignored = sorted(ignored)
+    return {r: [sorted(dests[r]), sorted(shards[r]), ignored] for r in ranks}
 
-    try:
-        ex = expand([rule], shapes, layout, config, strict=False)
-    except MappingError as e:
-        return ["refused", str(e)]
-    dests = sorted([p.name, list(p.shape), p.dtype] for p in ex.dest.get(rank, {}).values())
-    shards = sorted(
-        [s.dst, s.offset, s.nbytes, s.kind, s.dtype, [list(p) for p in s.pieces]]
-        for c in ex.components
-        for s in c.shards
-        if s.rank == rank
-    )
-    return [dests, shards, sorted(ex.ignored)]
 
-
-def mapping_rules(mapping, tp: int = 1, ep: bool = False, quant: str | None = None, rank: int = 0) -> dict | None:
-    """{name, rules: [[text, digest of its content], ...]} of `mapping` (a Preset, a built-in
-    preset's name or an HF config dict) on rank `rank` of inference layout (`tp`, `ep`,
-    `quant`), expanded over the preset's config; None when the rules cannot be known here
-    (None, or a name that is no built-in preset)."""
-    from ..mapping.rules import Layout
+def mapping_rules_all(mapping, tp: int = 1, ep: bool = False, quant: str | None = None) -> dict | None:
+    """{rank: mapping_rules of that rank} for every rank of inference layout (`tp`, `ep`,
+    `quant`): the rules expanded once for all of them; None as for ``mapping_rules``."""
+    from ..mapping.rules import Layout, each_rule
     from . import program
 
     if mapping is None or mapping == "":
@@ -93,15 +90,29 @@ def mapping_rules(mapping, tp: int = 1, ep: bool = False, quant: str | None = No
     except (ValueError, TypeError, KeyError):
         return None
     try:
-        shapes = {n: tuple(v[0]) for n, v in p.hf_params().items()}
+        shapes, why = {n: tuple(v[0]) for n, v in p.hf_params().items()}, ""
     except Exception as e:  # noqa: BLE001 -- no shapes to expand over: every rule says why
         shapes, why = None, f"{type(e).__name__}: {e}"
     lay = Layout(int(tp), bool(ep), quant, 1)
-    rules = []
-    for r in p.rules:
-        content = ["no shapes", why] if shapes is None else rule_content(r, shapes, lay, p.config, int(rank))
-        rules.append([rule_text(r), of(content)])
-    return dict(name=getattr(p, "name", ""), rules=rules)
+    out: dict = {r: dict(name=getattr(p, "name", ""), rules=[]) for r in range(int(tp))}
+    if shapes is None:
+        for rule in p.rules:
+            for r in out:
+                out[r]["rules"].append([rule_text(rule), of(["no shapes", why])])
+        return out
+    for rule, params, comps, errors, ignored in each_rule(p.rules, shapes, lay, p.config):
+        for r, content in rule_content(params, comps, errors, ignored, lay.tp).items():
+            out[r]["rules"].append([rule_text(rule), of(content)])
+    return out
+
+
+def mapping_rules(mapping, tp: int = 1, ep: bool = False, quant: str | None = None, rank: int = 0) -> dict | None:
+    """{name, rules: [[text, digest of its content], ...]} of `mapping` (a Preset, a built-in
+    preset's name or an HF config dict) on rank `rank` of inference layout (`tp`, `ep`,
+    `quant`), expanded over the preset's config; None when the rules cannot be known here
+    (None, or a name that is no built-in preset)."""
+    every = mapping_rules_all(mapping, tp, ep, quant)
+    return None if every is None else every[int(rank)]
 
 
 def compare_rules(worker: dict, trainers: dict | None) -> str | None:

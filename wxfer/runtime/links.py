@@ -63,6 +63,7 @@ class Links:
         self._looked = threading.Condition(self._mu)
         self._stop = threading.Event()
         self._watcher = None
+        self._any_local = None  # _local_pids, until a restart is taken
         self.watch_error = None  # the last look's failure (the store unreachable), None once one passes
 
     # ------------------------------------------------------------------ setup
@@ -179,6 +180,14 @@ class Links:
             if g not in self.dropped and self.workers[g].get("lease_s") and self.leases.due(g, self.workers[g], now)
         ]
 
+    @property
+    def _local_pids(self) -> bool:
+        """Whether any worker is checked here by its pid (this host, this pid namespace); kept
+        until a restart is taken."""
+        if self._any_local is None:
+            self._any_local = any(self._local(w) for w in self.workers.values())
+        return self._any_local
+
     def _check_pids(self, into: dict) -> None:
         """Into `into`: the live workers of this host whose process is gone (one poll(2) of their
         pidfds: liveness.PidWatch; /proc reads where pidfds are not to be had).  Under _mu."""
@@ -284,6 +293,10 @@ class Links:
         skipped, and the push reports it)."""
         if self._watcher is None:
             self.look()
+        elif self._local_pids:  # this host's workers: one poll(2) here, a death just before the push seen
+            with self._mu:
+                self._check_pids(self._found)
+                self._news = self._news or bool(self._found)
         if not self._news:
             return
         with self._mu:
@@ -335,6 +348,7 @@ class Links:
         self.stamp_dest[g] = (_unb64(w["stamp"]), self.stamp_dest[g][1], 0, 8)
         self.begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + self.stamp_dest[g][1], 0, 8)
         self.workers[g] = w
+        self._any_local = None
         # the worker replaced is forgotten: failed, dead or not, the new one is written from now on
         self.dropped.discard(g)
         self.dead.pop(g, None)
