@@ -250,7 +250,6 @@ class Receiver:
         secret=None,
         rejoin_timeout: float | None = None,
     ):
-
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
             raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} is out of range")
         _check_stamp_slots(stamp_slots)
