@@ -61,6 +61,28 @@ def test_bad_option_values(opts, match):
         _wxfer.Transport("fabric", opts)
 
 
+@pytest.mark.parametrize("family", [b"\x00\x00", b"\x01\x00", b"\x0a\x00"])  # unknown, AF_UNIX, AF_INET6 in 16 bytes
+def test_a_bad_peer_address_fails_that_peer_only(family):
+    """Issue 35.5, fabric tcp: an export blob whose address libfabric's AV cannot take used to
+    fail that insert and every later one (libfabric 1.17: "Address too large for AV"); now it
+    is refused before the AV sees it, naming the peer, and the next good address connects."""
+    a = _wxfer.Transport("fabric", {"provider": "tcp"})
+    b, c = (_wxfer.Transport("fabric", {"provider": "tcp"}) for _ in range(2))
+    try:
+        good, later = bytes(b.export()), bytes(c.export())
+        at = good.find(bytes(b.address))
+        assert at > 0
+        bad = good[:at] + family + good[at + 2 :]
+        with pytest.raises(_wxfer.Error, match="peer 0: its 16-byte address is no socket address"):
+            a.connect_request(bad)
+        for blob in (later, good):
+            peer, req = a.connect_request(blob)
+            assert req == b"" and peer >= 1
+    finally:
+        for t in (a, b, c):
+            t.close()
+
+
 def test_iface_is_chosen_deliberately(monkeypatch):
     # tcp;ofi_rxm lists eth0 before lo: the default is lo, the env var overrides it, and a
     # missing interface is named along with the ones that exist.

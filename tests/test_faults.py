@@ -214,3 +214,47 @@ def test_a_trainer_killed_mid_step_leaves_the_step_incomplete(store):
     with pytest.raises(TornError, match="torn since step 2"):
         recv.wait_version(2, 5)
     recv.close()
+
+
+def test_shm_warns_at_setup_that_it_does_not_isolate_a_fault(store, caplog):
+    """Issue 35.4: the two cells above are expected failures over shm; a user setting up over
+    shm is told so at setup, on both sides, with the transport to use instead (tcp)."""
+    import warnings
+
+    from wxfer.runtime.receiver import Receiver
+    from wxfer.runtime.sender import Sender
+    from wxfer.testing import in_thread
+    from helpers import joined  # tests/helpers.py
+
+    _, addr = store
+    opts = {"provider": "shm"}
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        th = in_thread(
+            Receiver,
+            inference_params(TINY, 1, 0),
+            mapping=preset_for(TINY),
+            store=addr,
+            name="shmw",
+            timeout=T,
+            transport="fabric",
+            transport_options=opts,
+        )
+        sender = Sender(fault_worker.model(), mapping=preset_for(TINY), store=addr, name="shmw", timeout=T)
+        (recv,) = joined([th], T)
+    try:
+        said = [str(w.message) for w in got if issubclass(w.category, RuntimeWarning)]
+        for who in ("wxfer.Receiver gpu 0", "wxfer.Sender trainer rank 0"):
+            msg = next((m for m in said if m.startswith(who)), None)
+            assert msg is not None, said
+            assert "provider shm does not isolate a fault" in msg and "use provider tcp" in msg, msg
+        assert any("does not isolate a fault" in r.getMessage() for r in caplog.records)  # and in the log
+        sender.push()
+        assert recv.version() == 1  # a warning, not a refusal
+    finally:
+        sender.close()
+        recv.close()
+    # tcp: nothing said
+    from wxfer.runtime.isolation import fault_isolation
+
+    assert fault_isolation("fabric", {"provider": "tcp"}) is None and fault_isolation("verbs", {}) is None

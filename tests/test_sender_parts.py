@@ -104,7 +104,7 @@ def test_links_refuse_a_restart_that_does_not_match_and_report_it_once():
     ctl.kv["infer/0"] = _worker(0)
     assert ln.adopt_rejoins() is None and ctl.calls == [("counters", ("infer/rejoins",))]  # none: one round trip
     ctl.kv.update({"infer/rejoins": 1, "infer/epoch/0": 1})
-    ctl.kv["infer/0/e1"] = _worker(0, tp=4, params={"w": [[8, 4], "bfloat16"]})
+    ctl.kv["infer/0/e1/meta"] = _worker(0, tp=4, params={"w": [[8, 4], "bfloat16"]})
     ln.adopt_rejoins()
     assert ln.epoch == {0: 1, 1: 0} and ln.rejoined == 0 and ln.rejoins_seen == 1
     why = ln.take_refused()

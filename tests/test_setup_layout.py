@@ -15,6 +15,7 @@ import torch
 
 from wxfer import _wxfer
 from wxfer.mapping import Preset
+from wxfer.mapping.rules import Fuse
 from wxfer.models import TINY, inference_params, preset_for, train_model
 from wxfer.runtime import digest
 from wxfer.runtime.control import SetupError
@@ -47,20 +48,60 @@ def _swapped(preset: Preset) -> Preset:
 
 
 def test_rule_digests_name_the_first_differing_rule():
-    good, bad = digest.mapping_rules("qwen3-8b"), digest.mapping_rules(_swapped(preset_for(TINY)))
-    assert good["name"] == "qwen3-8b" and len(good["rules"]) > 5
-    assert digest.compare_rules(dict(gpu=3, rules=good), digest.mapping_rules("qwen3-8b")) is None
-    same_name = digest.mapping_rules(dataclasses.replace(_swapped(preset_for(TINY)), name="qwen3-8b"))
+    tiny = preset_for(TINY)
+    good = digest.mapping_rules(tiny)
+    assert good["name"] == tiny.name and len(good["rules"]) > 5
+    assert digest.compare_rules(dict(gpu=3, rules=good), digest.mapping_rules(tiny)) is None
+    same_name = digest.mapping_rules(_swapped(tiny))
     msg = digest.compare_rules(dict(gpu=3, rules=good), same_name)
     i = next(i for i, (a, b) in enumerate(zip(good["rules"], same_name["rules"])) if a != b)
-    assert msg.startswith("inference worker gpu 3 (mapping 'qwen3-8b') expects other rules than the trainers' mapping")
+    assert msg.startswith(f"inference worker gpu 3 (mapping {tiny.name!r}) expects other rules than the trainers'")
     assert f"rule {i} is Fuse(dst='{GATE_UP}', srcs=('model.layers.{{L}}.mlp.gate_proj.weight'" in msg
     assert "srcs=('model.layers.{L}.mlp.up_proj.weight', 'model.layers.{L}.mlp.gate_proj.weight')" in msg
     shorter = dict(good, rules=good["rules"][:-1])
     assert "is only on the trainers" in digest.compare_rules(dict(gpu=0, rules=shorter), good)
-    assert bad["name"] == preset_for(TINY).name
     assert digest.mapping_rules("a-custom-mapping") is None and digest.mapping_rules(None) is None
-    assert digest.compare_rules(dict(gpu=0, rules=None), good) is None  # a name alone: compared by name
+    # another rank or TP size of the same rules: other content
+    assert digest.mapping_rules(tiny, tp=2, rank=1) != digest.mapping_rules(tiny, tp=2, rank=0)
+
+
+class _Masked(Fuse):
+    """A Fuse whose repr hides its sources (shows those of `shown`)."""
+
+    def __repr__(self):
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return repr(Fuse(**dict(shown, srcs=tuple(reversed(self.srcs)))))
+
+
+def test_rules_with_the_same_repr_but_other_content_differ():
+    """Issue 35.6: the digest is of what the rules expand to, not of their repr."""
+    tiny = preset_for(TINY)
+    masked = [
+        _Masked(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)}) if r.dst == GATE_UP else r
+        for r in _swapped(tiny).rules
+    ]
+    assert [digest.rule_text(r) for r in masked] == [digest.rule_text(r) for r in tiny.rules]  # equal reprs
+    theirs = digest.mapping_rules(dataclasses.replace(tiny, rules=masked))
+    msg = digest.compare_rules(dict(gpu=1, rules=digest.mapping_rules(tiny)), theirs)
+    assert msg is not None and GATE_UP in msg and "what they expand to differs" in msg, msg
+    assert digest.of({"a": (1, 2), "b": None}) == digest.of({"b": None, "a": [1, 2]})  # canonical content
+    assert digest.of([1, 2]) != digest.of([2, 1])
+
+
+def test_a_receiver_without_rules_is_still_checked_by_its_parameters():
+    """Issue 35.6: a receiver that knows no rules (a custom mapping's name) publishes the digest
+    of its parameters; the trainers compare it with what their mapping makes for its rank."""
+    params = {n: [list(t.shape), str(t.dtype).replace("torch.", "")] for n, t in inference_params(TINY, 1, 0).items()}
+    made = {n: (tuple(s), d) for n, (s, d) in params.items()}
+    w = dict(gpu=2, params=params, params_digest=digest.of(digest.params_content(params)), rules=None)
+    assert digest.compare_params(w, made) is None
+    name = sorted(made)[3]
+    other = dict(made, **{name: (made[name][0], "float16")})
+    msg = digest.compare_params(w, other)
+    assert msg is not None and "inference worker gpu 2 holds other parameters" in msg and name in msg, msg
+    # a record whose parameters and digest disagree is refused too (not skipped)
+    forged = dict(w, params_digest=digest.of([]))
+    assert "do not match its own digest" in digest.compare_params(forged, made)
 
 
 def test_trainers_with_the_same_name_but_swapped_rules_are_refused(store):

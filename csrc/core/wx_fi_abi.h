@@ -98,6 +98,8 @@ enum fi_wait_obj { FI_WAIT_NONE = 0, FI_WAIT_UNSPEC = 1, FI_WAIT_SET = 2, FI_WAI
 enum fi_cq_format { FI_CQ_FORMAT_UNSPEC = 0, FI_CQ_FORMAT_CONTEXT = 1 };
 enum fi_cq_wait_cond { FI_CQ_COND_NONE = 0, FI_CQ_COND_THRESHOLD = 1 };
 enum fi_cntr_events { FI_CNTR_EVENTS_COMP = 0 };
+/* enum fi_addr_format's socket address formats (fi_info.addr_format) */
+enum { FI_SOCKADDR = 1, FI_SOCKADDR_IN = 2, FI_SOCKADDR_IN6 = 3, FI_SOCKADDR_IB = 4 };
 /* fi_control commands: FI_ENABLE is the seventh */
 enum { FI_ENABLE = 6 };
 

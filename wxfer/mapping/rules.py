@@ -568,6 +568,34 @@ class Expanded:
         return sum(p.nbytes for r in ranks for p in self.dest[r].values())
 
 
+def each_rule(
+    rules: Sequence[Rule], shapes: Mapping[str, tuple[int, ...]], layout: Layout, config: Mapping
+) -> Iterable[tuple[Rule, list[DestParam], list[Component], list[str], list[str]]]:
+    """Each rule of `rules` applied alone to training params `shapes` (name -> global shape):
+    (rule, its destinations, its components, the errors it raised, the training names it
+    ignores (an Ignore rule's; [] for others)), with no check across rules (``expand`` does
+    those).  What a digest of the rules' content hashes (wxfer.runtime.digest)."""
+    ctx = _Ctx(shapes, layout, config)
+    names = list(shapes)
+    for rule in rules:
+        params: list[DestParam] = []
+        comps: list[Component] = []
+        errors: list[str] = []
+        ignored: list[str] = []
+        if isinstance(rule, Ignore):
+            pats = [_compile(t) for t in rule.srcs]
+            ignored = [n for n in names if any(p.match(n) for p in pats)]
+        for b in rule.bindings(names):
+            try:
+                ps, cs = rule.expand(b, ctx)
+            except MappingError as e:
+                errors.append(str(e))
+                continue
+            params += ps
+            comps += cs
+        yield rule, params, comps, errors, ignored
+
+
 def expand(
     rules: Sequence[Rule],
     shapes: Mapping[str, tuple[int, ...]],

@@ -44,12 +44,16 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
                     f"{first['replicas']} tp={first['tp']} ({n} workers)"
                 )
         pname = getattr(program.get_preset(mapping), "name", "")
-        rules = digest.mapping_rules(mapping)
+        rules: dict = {}  # (tp, ep, quant) -> the trainers' mapping_rules_all there (one expansion)
         for w in workers:
+            at = (w["tp"], w["ep"], digest.quant_of(w["params"]))
+            if w.get("rules") and at not in rules:
+                rules[at] = digest.mapping_rules_all(mapping, *at)
+            mine = (rules.get(at) or {}).get(w["rank"])
             if w["mapping"] and pname and w["mapping"] != pname:
                 probs.append(f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, the trainers {pname!r}")
-            elif digest.compare_rules(w, rules):
-                probs.append(digest.compare_rules(w, rules))
+            elif digest.compare_rules(w, mine):
+                probs.append(digest.compare_rules(w, mine))
             if (w["transport"], w["options"]) != (first["transport"], first["options"]):
                 probs.append(
                     f"inference worker gpu {w['gpu']} registered with {w['transport']} "
@@ -62,7 +66,9 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
                 )
         if probs:
             raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
-        plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=max_task_bytes)
+        ex = program.expand_for(train, workers, mapping)
+        plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=max_task_bytes, expanded=ex)
+        _check_params(workers, ex)
         plan.check()  # every destination byte written exactly once, by one sender, in range
         senders = program.receivers_of(plan)
         for w in workers:
@@ -82,6 +88,18 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
     ctl.set("layout", json.dumps(dict(replicas=first["replicas"], tp=first["tp"], workers=n)))
     ctl.set("plan", control.encode_result(blob, None))
     ctl.set("status", control.encode_result(b"", None))
+
+
+def _check_params(workers: list, ex) -> None:
+    """Never skipped (issue 35.6): each worker's parameters, by their digest, against what the
+    mapping makes for its rank (`ex`; the plan named any difference by name before: this
+    catches what it let through, a record whose digest is not its parameters' included)."""
+    probs = [
+        digest.compare_params(w, {n: (p.shape, p.dtype) for n, p in ex.dest.get(w["rank"], {}).items()})
+        for w in workers
+    ]
+    if any(probs):
+        raise SetupError("inference workers disagree:\n  " + "\n  ".join(p for p in probs if p))
 
 
 def wait_workers(ctl, n: int, tp: int, timeout: float, deadline: float | None = None) -> None:

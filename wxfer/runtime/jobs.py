@@ -57,8 +57,10 @@ def advance(store, name: str, gen: int) -> int:
     return int(store.compare_set(_gen_key(name), str(gen), str(gen + 1)).decode())
 
 
-def job_alive(ctl: Control, wait: float = STALE_S) -> bool:
-    """Whether the trainer job holding `ctl`'s generation renews its lease within `wait`."""
+def job_alive(ctl: Control, wait: float | None = None) -> bool:
+    """Whether the trainer job holding `ctl`'s generation renews its lease within `wait`
+    (default STALE_S)."""
+    wait = STALE_S if wait is None else wait
     first = ctl.add("job/lease", 0)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
@@ -68,12 +70,34 @@ def job_alive(ctl: Control, wait: float = STALE_S) -> bool:
     return False
 
 
+class JobWatch:
+    """A receiver's running view of the trainer job's lease: ``alive()`` reads the counter (one
+    store round trip) and says whether it moved within STALE_S of the last time it did."""
+
+    def __init__(self, ctl: Control):
+        self.ctl = ctl
+        self.count = ctl.add("job/lease", 0)
+        self.moved = time.monotonic()
+
+    def alive(self) -> bool:
+        c = self.ctl.add("job/lease", 0)
+        now = time.monotonic()
+        if c != self.count:
+            self.count, self.moved = c, now
+        return now - self.moved < STALE_S
+
+
 def _lease(store, prefix: str, stop: threading.Event) -> None:
-    while not stop.wait(LEASE_S):
+    """Renew the job's lease every LEASE_S until `stop`: a store call that fails is retried
+    after a backoff (from LEASE_S / 8, doubling, at most LEASE_S), never given up while this
+    process lives (issue 35.1: one failed call had stopped it, and the job looked gone)."""
+    back = 0.0
+    while not stop.wait(back or LEASE_S):
         try:
             store.add(prefix + "job/lease", 1)
-        except Exception:  # noqa: BLE001 -- the store is gone: nothing to renew
-            return
+            back = 0.0
+        except Exception:  # noqa: BLE001 -- busy or gone: retried; readers judge by STALE_S
+            back = min(LEASE_S, 2 * back if back else LEASE_S / 8)
 
 
 def claim(ctl: Control, name: str, timeout: float) -> tuple[Control, dict]:

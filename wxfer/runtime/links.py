@@ -4,16 +4,25 @@ whose, the workers this rank gave up on (skipped from then on), and a restarted 
 the next push() without restarting the trainers (issue 8).
 
 The seam for the reliability work (issue 25): what a peer is, when one counts as failed, and
-how a restart is adopted are decided here and nowhere else."""
+how a restart is adopted are decided here and nowhere else.
+
+What changed between pushes is looked at by a watcher thread (issues 35.2, 37), every
+WATCH_S seconds, during a push too: the restart count and the leases due (one store round
+trip), this host's workers' pids (one poll).  A push then reads a flag: its start takes the
+restarts whose records were complete (``adopt_rejoins``), and the deaths found, from when the
+watcher's last look began; its end names the deaths found while it ran (``failed``)."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 from . import control, liveness, program
 from .control import SetupError
 from .receiver import _unb64, decode_param_descriptor
+
+WATCH_S = 0.1  # seconds between the watcher's looks (a restart waits at most this long for a push to see it)
 
 
 class Links:
@@ -45,6 +54,17 @@ class Links:
         self.on_adopt: list = []  # callables(gpu, old regions) run when a restart replaces a worker
         self._host, self._pidns = socket.gethostname(), liveness.pid_namespace()  # this process's
         self.pids = liveness.PidWatch(self._host, self._pidns)  # this host's workers' processes
+        # the watcher (start_watch): what it found, under _mu, for the push thread to take
+        self._mu = threading.RLock()
+        self._news = False  # something below for the next push (the one flag a push reads)
+        self._found: dict = {}  # gpu -> why dead, found by a look, not yet in `dead`
+        self._pending: dict = {}  # gpu -> epoch of a restart whose record is complete
+        self._looks = 0  # looks finished (``sync``)
+        self._looked = threading.Condition(self._mu)
+        self._stop = threading.Event()
+        self._watcher = None
+        self._any_local = None  # _local_pids, until a restart is taken
+        self.watch_error = None  # the last look's failure (the store unreachable), None once one passes
 
     # ------------------------------------------------------------------ setup
     def connect(self) -> None:
@@ -74,8 +94,11 @@ class Links:
     def failed(self, engine, describe) -> dict:
         """{gpu: reason} of the receivers whose writes failed or were late in `engine` (it
         skips them from then on), or found dead (``adopt_rejoins``; their pids checked again
-        here, one poll: a worker killed inside the push); `describe(err)` words an engine error."""
-        self._check_pids()
+        here, one poll: a worker killed inside the push; and what the watcher found while the push
+        ran); `describe(err)` words an engine error."""
+        with self._mu:
+            self._check_pids(self._found)
+            self._take_found()
         out = {}
         for err in engine.failed_peers():
             if err.peer not in self.gpu_of_peer:
@@ -119,8 +142,12 @@ class Links:
         return frozenset(gone)
 
     def close(self) -> None:
-        """The pidfds of this host's workers, closed (the Sender's close())."""
-        self.pids.close()
+        """The watcher stopped, the pidfds of this host's workers closed (the Sender's close())."""
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5.0)
+        with self._mu:
+            self.pids.close()
 
     def take_refused(self) -> dict:
         """{gpu: why} of the restarts refused since the last call (each reported once)."""
@@ -153,44 +180,132 @@ class Links:
             if g not in self.dropped and self.workers[g].get("lease_s") and self.leases.due(g, self.workers[g], now)
         ]
 
-    def _check_pids(self) -> None:
-        """Mark dead the live workers of this host whose process is gone: one poll(2) of their
-        pidfds (liveness.PidWatch; /proc reads where pidfds are not to be had)."""
+    @property
+    def _local_pids(self) -> bool:
+        """Whether any worker is checked here by its pid (this host, this pid namespace); kept
+        until a restart is taken."""
+        if self._any_local is None:
+            self._any_local = any(self._local(w) for w in self.workers.values())
+        return self._any_local
+
+    def _check_pids(self, into: dict) -> None:
+        """Into `into`: the live workers of this host whose process is gone (one poll(2) of their
+        pidfds: liveness.PidWatch; /proc reads where pidfds are not to be had).  Under _mu."""
         local = {
-            g: w for g, w in self.workers.items() if g not in self.dropped and g not in self.dead and self._local(w)
+            g: w
+            for g, w in self.workers.items()
+            if g not in self.dropped and g not in self.dead and g not in into and self._local(w)
         }
         if local:
             for g, why in self.pids.dead(local).items():
-                self.dead[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
+                into[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
 
-    def _check_leases(self, lease: list, counts: list) -> None:
-        """Mark dead the workers `lease` whose lease expired, given their `counts` now."""
+    def _check_leases(self, lease: list, counts: list, into: dict) -> None:
+        """Into `into`: the workers `lease` whose lease expired, given their `counts` now."""
         for g, c in zip(lease, counts):
-            if g not in self.dead:
+            if g not in self.dead and g not in into:
                 why = self.leases.expired(g, self.workers[g], c)
                 if why is not None:
-                    self.dead[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
+                    into[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
+
+    def _take_found(self) -> None:
+        """The deaths the looks found, into `dead` (the push thread's; under _mu)."""
+        for g, why in self._found.items():
+            if g in self.workers:
+                self.dead.setdefault(g, why)
+        self._found.clear()
+
+    # ------------------------------------------------------------------ the watcher
+    def start_watch(self, every: float = WATCH_S) -> None:
+        """Look every `every` seconds in a daemon thread until close(); a push then reads a flag."""
+        self._watcher = threading.Thread(target=self._watch, args=(float(every),), daemon=True)
+        self._watcher.name = f"wxfer-links rank {self.rank}"
+        self._watcher.start()
+
+    def _watch(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self.look()
+                self.watch_error = None
+            except Exception as e:  # noqa: BLE001 -- the store busy or gone: looked at again
+                self.watch_error = f"{type(e).__name__}: {e}"
+
+    def look(self) -> None:
+        """One look: which workers are dead (their pids here, one poll; their leases, each at
+        most twice a period, read with the restart count in one store round trip: with none due,
+        the count alone is one ``add``), and which restarts have a complete record (the
+        restart count moved: each worker's epoch, and its record's presence).  The store is
+        read outside _mu: a slow store never holds a push's own use of what was found."""
+        with self._mu:
+            lease = self._lease_gpus(time.monotonic())
+            epochs = {g: self.workers[g].get("epoch", 0) for g in lease}
+        keys = ["infer/rejoins"] + [liveness.lease_key(g, epochs[g]) for g in lease]
+        counts = self.ctl.counters(keys)
+        with self._mu:
+            fresh = [(g, c) for g, c in zip(lease, counts[1:]) if self.workers[g].get("epoch", 0) == epochs[g]]
+            self._check_leases([g for g, _ in fresh], [c for _, c in fresh], self._found)
+            self._check_pids(self._found)
+        if counts[0] != self.rejoins_seen:
+            self._scan_restarts(counts[0])
+        with self._mu:
+            if self._found or self._pending:
+                self._news = True
+            self._looks += 1
+            self._looked.notify_all()
+
+    def _scan_restarts(self, n: int) -> None:
+        """The workers restarted (epoch past the one written) whose record is complete, pending
+        for the next push, each acknowledged to the worker (``rejoin/seen/<gpu>/e<epoch>``: it
+        then writes ``infer/<gpu>/e<epoch>``, after which every push of this rank takes it); the
+        count `n` taken as seen once none is still being written."""
+        complete = True
+        for g in sorted(self.workers):
+            e = self.ctl.add("infer/epoch/%d" % g, 0)
+            if e <= max(self.epoch[g], self._pending.get(g, 0)):
+                continue
+            if not self.ctl.check("infer/%d/e%d/meta" % (g, e)):  # written before the count moves
+                complete = False  # registering now: looked at again
+                continue
+            with self._mu:
+                if e > max(self.epoch[g], self._pending.get(g, 0)):
+                    self._pending[g] = e
+            self.ctl.add("rejoin/seen/%d/e%d" % (g, e), 1)  # the worker waits for every writer's
+        if complete:
+            self.rejoins_seen = n
+
+    def sync(self, timeout: float = 5.0) -> bool:
+        """Wait (bounded) for a look that begins after this call to end: what was in the store
+        before it is then what the next push takes.  With no watcher, look now."""
+        if self._watcher is None:
+            self.look()
+            return True
+        with self._mu:
+            want = self._looks + 2  # the look under way (if any) may have begun before the call
+            return self._looked.wait_for(lambda: self._looks >= want, timeout)
 
     # ------------------------------------------------------------------ restarts
     def adopt_rejoins(self) -> None:
-        """Before a push: which workers are dead (their pids here, one poll; their leases, each
-        at most twice a period, read with the restart count in one store round trip: with none
-        due, the count alone is one ``add``), then take the inference workers restarted
-        since the last push: connect to each, point this rank's destinations for it at its
-        new memory (whether or not the one it replaces was seen failing); every other worker
-        keeps its plan.  A restart that does not match the worker it replaces is refused (it
-        stays skipped, and the push reports it)."""
-        lease = self._lease_gpus(time.monotonic())
-        keys = ["infer/rejoins"] + [liveness.lease_key(g, self.workers[g].get("epoch", 0)) for g in lease]
-        counts = self.ctl.counters(keys)
-        n = counts[0]
-        self._check_leases(lease, counts[1:])
-        self._check_pids()
-        if n == self.rejoins_seen:
+        """At a push's start: take what the watcher found (one flag read when nothing was;
+        with no watcher, a look first): the deaths, into `dead`; the restarts with a complete
+        record: connect to each, point this rank's destinations for it at its new memory
+        (whether or not the one it replaces was seen failing); every other worker keeps its
+        plan.  A restart that does not match the worker it replaces is refused (it stays
+        skipped, and the push reports it)."""
+        if self._watcher is None:
+            self.look()
+        elif self._local_pids:  # this host's workers: one poll(2) here, a death just before the push seen
+            with self._mu:
+                self._check_pids(self._found)
+                self._news = self._news or bool(self._found)
+        if not self._news:
             return
-        for g in sorted(self.workers):
-            e = self.ctl.add("infer/epoch/%d" % g, 0)
-            if e > self.epoch[g]:
+        with self._mu:
+            self._news = False
+            self._take_found()
+            pending, self._pending = self._pending, {}
+            for g, e in sorted(pending.items()):
+                if e <= self.epoch[g]:
+                    continue
                 self.epoch[g] = e
                 try:
                     self._adopt(g, e)
@@ -199,7 +314,6 @@ class Links:
                     why = f"{type(ex).__name__}: {ex}"
                     self.refused[g] = f"its restart (epoch {e}) was refused: {why}"
                     self.ctl.set("rejoin/refused/%d/e%d" % (g, e), f"trainer rank {self.rank}: {why}")
-        self.rejoins_seen = n
 
     def _adopt(self, g: int, e: int) -> None:
         old = self.workers[g]
@@ -207,7 +321,7 @@ class Links:
             old = self.ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", self.write_timeout)
         # bounded by write_timeout: a restarted worker that died again must not stall the push longer
         w = self.ctl.get_json(
-            "infer/%d/e%d" % (g, e), f"metadata of restarted inference worker gpu {g}", self.write_timeout
+            "infer/%d/e%d/meta" % (g, e), f"metadata of restarted inference worker gpu {g}", self.write_timeout
         )
         probs = _mismatches(old, w)
         slot = self.stamp_dest[g][1] // 8
@@ -234,6 +348,7 @@ class Links:
         self.stamp_dest[g] = (_unb64(w["stamp"]), self.stamp_dest[g][1], 0, 8)
         self.begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + self.stamp_dest[g][1], 0, 8)
         self.workers[g] = w
+        self._any_local = None
         # the worker replaced is forgotten: failed, dead or not, the new one is written from now on
         self.dropped.discard(g)
         self.dead.pop(g, None)

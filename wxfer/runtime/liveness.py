@@ -23,7 +23,7 @@ import time
 import weakref
 
 LEASE_S = 1.0  # default seconds between a worker's lease renewals ($WXFER_LEASE_S)
-LEASE_TRIES = 3  # store failures in a row after which a lease stops (its store is gone: so are its readers)
+RETRY_S = 0.02  # first wait before a failed lease renewal is retried (then doubled, at most the period)
 _LEASES: weakref.WeakSet = weakref.WeakSet()  # the running ones, stopped at interpreter exit
 
 
@@ -250,33 +250,43 @@ class LeaseWatch:
 
 
 class Lease:
-    """A worker's lease: a Python daemon thread adding 1 to store key `key` every `interval`
-    seconds until ``stop()`` (native threads never call Python; this one is Python's own).
-    A store that fails is retried at the next tick (the trainers see the lease age meanwhile);
-    LEASE_TRIES failures in a row stop it (the store, hosted by a trainer, is gone)."""
+    """A worker's lease: a Python daemon thread adding to store key `key` so that it holds
+    1 + (seconds since the lease started) / `interval` until ``stop()`` (native threads never
+    call Python; this one is Python's own).  What the store holds is taken from each add's
+    answer, so a late or failed add is caught up by the next one (an add that raised after it
+    landed is not counted twice).  A store call that fails is retried with a backoff (from
+    RETRY_S, doubling, at most `interval`) and the lease never stops while its owner lives: a
+    store that is only slow or failing now and then leaves it at most the length of its stall
+    behind (issue 35.1)."""
 
     def __init__(self, ctl, key: str, interval: float):
         self.ctl, self.key, self.interval = ctl, key, float(interval)
-        self.ticks = 0
+        self.ticks = 0  # adds that went through
+        self.failures = 0  # adds that raised (each retried)
         self._stop = threading.Event()
-        ctl.add(key, 1)  # exists before the worker's record says where it is
+        self._t0 = time.monotonic()
+        self._offset = ctl.add(key, 1) - 1  # exists before the worker's record says where it is
+        self.sent = 1  # what the store holds past _offset: the clock as last renewed
         self._thread = threading.Thread(target=self._run, name=f"wxfer-lease {key}", daemon=True)
         self._thread.start()
         _LEASES.add(self)
 
     def _run(self) -> None:
-        t0, sent, fails = time.monotonic(), 1, 0
-        while not self._stop.wait(max(0.0, t0 + sent * self.interval - time.monotonic())):
-            due = 1 + int((time.monotonic() - t0) / self.interval)  # the count as a clock: late ticks caught up
+        back = 0.0  # > 0: the last add failed, retried after this many seconds
+        while True:
+            wait = back if back else self._t0 + self.sent * self.interval - time.monotonic()
+            if self._stop.wait(max(0.0, wait)):
+                return
+            due = 1 + int((time.monotonic() - self._t0) / self.interval)  # the count as a clock
+            if due <= self.sent:
+                continue
             try:
-                self.ctl.add(self.key, due - sent)
-                sent, fails = due, 0
+                self.sent = self.ctl.add(self.key, due - self.sent) - self._offset
                 self.ticks += 1
-            except Exception:  # noqa: BLE001 -- the store is gone or busy: the trainers judge
-                fails += 1
-                if fails >= LEASE_TRIES:
-                    return
-                sent = due  # not retried at once: the next tick catches up
+                back = 0.0
+            except Exception:  # noqa: BLE001 -- the store is busy or gone: retried, the trainers judge
+                self.failures += 1
+                back = min(self.interval, 2 * back if back else RETRY_S)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

@@ -92,8 +92,24 @@ def merge_train_metadata(per_rank: list[list[dict]]):
     return out, problems
 
 
-def build_controller_plan(train_params, workers_meta: list[dict], mapping, max_task_bytes: int = 1 << 30):
-    """Rank 0: the plan from the merged training metadata and the receivers' metadata."""
+def expand_for(train_params, workers_meta: list[dict], mapping):
+    """Rank 0: the expansion of `mapping` over the merged training metadata for the workers'
+    layout (the one the plan is built from; ``digest.compare_params`` checks each worker by it)."""
+    from ..mapping.rules import Layout, expand
+    from ..meta import expert_group_of
+    from . import digest
+
+    preset, first = get_preset(mapping), workers_meta[0]
+    quant = next((q for q in map(lambda m: digest.quant_of(m["params"]), workers_meta) if q), None)
+    layout = Layout(first["tp"], first["ep"], quant, expert_group_of(train_params))
+    return expand(preset.rules, {p.name: p.shape for p in train_params}, layout, preset.config, strict=False)
+
+
+def build_controller_plan(
+    train_params, workers_meta: list[dict], mapping, max_task_bytes: int = 1 << 30, expanded=None
+):
+    """Rank 0: the plan from the merged training metadata and the receivers' metadata
+    (`expanded`: ``expand_for``'s, else expanded here)."""
     from ..meta import from_inference_worker
     from ..plan import build_plan
     from .receiver import _unb64
@@ -110,7 +126,7 @@ def build_controller_plan(train_params, workers_meta: list[dict], mapping, max_t
                 named, m["replica"], m["rank"], m["tp"], m["ep"], {n: _unb64(d) for n, d in m["desc"].items()}, m["gpu"]
             )
         )
-    plan = build_plan(train_params, workers, preset, quant=quant, max_task_bytes=max_task_bytes)
+    plan = build_plan(train_params, workers, preset, quant=quant, max_task_bytes=max_task_bytes, expanded=expanded)
     plan.check_deadlock_free()
     return plan
 

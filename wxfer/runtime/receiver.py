@@ -33,6 +33,7 @@ import time
 from .. import envs
 from . import alias, control, digest, jobs, liveness
 from .control import Control, SetupError
+from .isolation import warn_fault_isolation
 
 _DESC_HEAD = struct.Struct("<Q")
 log = logging.getLogger(__name__)
@@ -224,7 +225,9 @@ class Receiver:
     registers anew and replaces the previous one: the trainers connect to it at their
     next push() and write there from then on, with the plan unchanged for every other
     worker.  Its parameters must match the first worker's (names, shapes, dtypes) and
-    the constructor waits (bounded by `timeout`) for that next push.
+    the constructor waits for that next push, however far off, as long as the trainer job
+    lives (its lease) and each trainer rank writing here does (its pid, its lease), or at
+    most `rejoin_timeout` seconds where given; SetupError naming what it waited for.
     """
 
     def __init__(
@@ -245,9 +248,8 @@ class Receiver:
         stamp_slots: int = 1024,
         verify: bool | None = None,
         secret=None,
+        rejoin_timeout: float | None = None,
     ):
-        from .. import _wxfer
-
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
             raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} is out of range")
         _check_stamp_slots(stamp_slots)
@@ -256,26 +258,19 @@ class Receiver:
         self.replica, self.rank, self.tp, self.replicas, self.ep = replica, rank, tp, replicas, ep
         self.gpu = replica * tp + rank
         self.timeout = float(timeout)
+        self.rejoin_timeout = None if rejoin_timeout is None else float(rejoin_timeout)
         devs = {t.device for t in self.params.values()}
         if len(devs) != 1:
             raise ValueError(f"wxfer.Receiver: parameters live on several devices {sorted(map(str, devs))}")
         self.device = devs.pop()
         self.mapping_name = _mapping_name(mapping)
-        self.mapping_rules = digest.mapping_rules(mapping)  # compared by the trainers (issue 25.4)
+        self._digests(mapping)
         t_setup = time.perf_counter()
         self.ctl = Control(
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
         )
         self.ctl = jobs.receiver_namespace(self.ctl, name)  # not a finished job's records (issue 25.5)
-        self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
-        # opened with the GPU check for this worker's device; published without it (the
-        # trainers check their own memory, and the workers' options must agree)
-        try:
-            self.transport = _wxfer.Transport(
-                self.transport_name, gpu_memory_options(self.transport_name, self.device, self.transport_options)
-            )
-        except _wxfer.Error as e:
-            raise SetupError(f"wxfer.Receiver gpu {self.gpu}: opening transport {self.transport_name}: {e}") from e
+        self._open_transport(transport, transport_options)
         self._init_records()
         try:
             self._register(register, stamp_slots)
@@ -308,6 +303,26 @@ class Receiver:
         )
 
     # ------------------------------------------------------------------ setup
+    def _open_transport(self, transport, transport_options) -> None:
+        from .. import _wxfer
+
+        self.transport_name, self.transport_options = transport_choice(transport, self.device.type, transport_options)
+        warn_fault_isolation(self.transport_name, self.transport_options, f"wxfer.Receiver gpu {self.gpu}")
+        # opened with the GPU check for this worker's device; published without it (the
+        # trainers check their own memory, and the workers' options must agree)
+        try:
+            self.transport = _wxfer.Transport(
+                self.transport_name, gpu_memory_options(self.transport_name, self.device, self.transport_options)
+            )
+        except _wxfer.Error as e:
+            raise SetupError(f"wxfer.Receiver gpu {self.gpu}: opening transport {self.transport_name}: {e}") from e
+
+    def _digests(self, mapping) -> None:
+        """What the trainers compare (issues 25.4, 35.6): digests of content, never skipped."""
+        shapes = {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in self.params.items()}
+        self.params_digest = digest.of(digest.params_content(shapes))
+        self.mapping_rules = digest.mapping_rules(mapping, self.tp, self.ep, digest.quant_of(shapes), self.rank)
+
     def _init_records(self) -> None:
         """What setup fills in, empty (close() may run after a setup that failed anywhere)."""
         self.regions = []
@@ -387,6 +402,7 @@ class Receiver:
             ep=self.ep,
             mapping=self.mapping_name,
             rules=self.mapping_rules,
+            params_digest=self.params_digest,
             transport=self.transport_name,
             options=self.transport_options,
             export=_b64(self.transport.export()),
@@ -412,7 +428,7 @@ class Receiver:
                 self.epoch = self.ctl.add("infer/epoch/%d" % self.gpu, 1)
                 meta["epoch"] = self.epoch
                 self._start_lease(meta["lease_s"])
-                self.ctl.set_json("infer/%d/e%d" % (self.gpu, self.epoch), meta)
+                self.ctl.set_json("infer/%d/e%d/meta" % (self.gpu, self.epoch), meta)
                 self.ctl.add("infer/rejoins", 1)
                 return
             self.ctl.set_json("infer/dup/%d" % self.gpu, dict(host=meta["host"], pid=meta["pid"]))
@@ -435,6 +451,8 @@ class Receiver:
 
     def _watch_writers(self) -> None:
         """Read once what tells whether each trainer rank writing here is alive (its record)."""
+        if self.writers is not None:  # a restart's, read while it waited for the trainers
+            return
         recs = {}
         for r in self.senders:
             try:
@@ -470,31 +488,55 @@ class Receiver:
         self.senders = senders
 
     def _rejoin_handshakes(self) -> None:
-        """A restarted worker: every trainer writing here connects at its next push();
-        wait (bounded by `timeout`) for each one, or for a trainer's refusal."""
+        """A restarted worker: its record (``infer/<gpu>/e<epoch>/meta``) is seen by the watcher
+        of every trainer rank writing here (each acknowledges it), then ``infer/<gpu>/e<epoch>``
+        says so: from then on the next push() of each takes it, however far off.  Wait for
+        those pushes as long as the trainer job lives (its lease: jobs.JobWatch) and each
+        trainer rank does (its pid and lease: liveness.WriterWatch), or `rejoin_timeout`
+        seconds where one was given, or for a trainer's refusal (issue 35.2)."""
         self.senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
-        refused = "rejoin/refused/%d/e%d" % (self.gpu, self.epoch)
-        deadline = time.monotonic() + self.timeout
+        g, e = self.gpu, self.epoch
+        self._t_rejoin, self._job = time.monotonic(), jobs.JobWatch(self.ctl)
+        self._watch_writers()
+        seen = "rejoin/seen/%d/e%d" % (g, e)
+        self._wait_trainers(lambda: self.ctl.add(seen, 0) >= len(self.senders), None, "see its record")
+        self.ctl.set("infer/%d/e%d" % (g, e), b"1")  # every writer's next push takes it
         for r in self.senders:
-            req = control.hs_key("req", r, self.gpu, self.epoch)
-            delay = 0.005
-            while not self.ctl.check(req):
-                if self.ctl.check(refused):
+            req = control.hs_key("req", r, g, e)
+            self._wait_trainers(lambda: self.ctl.check(req), r, "connect")
+            control.target_accept(self.ctl, self.transport, r, g, epoch=e)
+        self.ctl.set("ready/%d/e%d" % (g, e), b"1")
+
+    def _wait_trainers(self, done, rank, what: str) -> None:
+        """Wait until `done()` (trainer `rank`, or every one when None, to `what`): while the job
+        and the writers live, at most `rejoin_timeout` from the start of the rejoin if given;
+        SetupError on a refusal, a timeout, or the trainers gone."""
+        refused = "rejoin/refused/%d/e%d" % (self.gpu, self.epoch)
+        who = f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} rank {self.rank})"
+        them = "the trainer ranks" if rank is None else f"trainer rank {rank}"
+        delay, looked = 0.005, time.monotonic()
+        while not done():
+            if self.ctl.check(refused):
+                why = self.ctl.get(refused, "the trainers' refusal").decode(errors="replace")
+                raise SetupError(f"{who}: refused by the trainers: {why}")
+            waited = time.monotonic() - self._t_rejoin
+            if self.rejoin_timeout is not None and waited > self.rejoin_timeout:
+                raise SetupError(
+                    f"{who}: {them} did not {what} within rejoin_timeout={self.rejoin_timeout:g} s "
+                    "(the trainers pick up a restarted worker at their next push())"
+                )
+            if time.monotonic() - looked >= 0.25:  # the trainers alive: a few store reads a second
+                looked = time.monotonic()
+                gone = self.writers.gone()
+                if gone or not self._job.alive():
+                    why = "; ".join(f"trainer rank {r}: {w}" for r, w in sorted(gone.items()))
+                    why = why or f"its job lease was not renewed for {jobs.STALE_S:g} s"
                     raise SetupError(
-                        f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} "
-                        f"rank {self.rank}): refused by the trainers: "
-                        + self.ctl.get(refused, "the trainers' refusal").decode(errors="replace")
+                        f"{who}: {them} will not {what}: the trainer job is gone ({why}; waited "
+                        f"{waited:.1f} s for its next push())"
                     )
-                if time.monotonic() > deadline:
-                    raise SetupError(
-                        f"wxfer.Receiver gpu {self.gpu} (restarted, replica {self.replica} rank "
-                        f"{self.rank}): trainer rank {r} did not connect within {self.timeout:.0f} s "
-                        "(the trainers pick up a restarted worker at their next push())"
-                    )
-                time.sleep(delay)
-                delay = min(2 * delay, 0.1)
-            control.target_accept(self.ctl, self.transport, r, self.gpu, epoch=self.epoch)
-        self.ctl.set("ready/%d/e%d" % (self.gpu, self.epoch), b"1")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.1)
 
     # ------------------------------------------------------------------ per step: nothing
     def _stamps(self) -> tuple[list, list]:

@@ -23,8 +23,10 @@ receiver this rank gives up on, or a step it abandons half written, is recorded 
 store (torn/<gpu>/e<epoch>/<i>) for Receiver.state().  A failure seen by any rank, raised
 anywhere inside push(), is raised on every rank (the same barriers, then one gloo
 all-reduce of a flag per push, are joined on every path).  One push() at a time per
-Sender: a second one from another thread is refused.  An inference worker restarted since
-the last push is connected and written from this push on.
+Sender: a second one from another thread is refused.  An inference worker restarted at any
+moment is connected by the first push() that starts after its record is complete (and seen by
+this rank's watcher, links.WATCH_S) and written from then on; a push in flight finishes
+without it.
 
 The Sender is composed of one collaborator per concern, each made in ``__init__`` from what it
 needs (not the Sender) and testable alone (tests/test_sender_parts.py): ``Links`` (links.py),
@@ -44,6 +46,7 @@ from .control import Control, SetupError
 from .controller import build_plan, linger, mapping_digest
 from .failures import FailureExchange
 from .links import Links
+from .isolation import warn_fault_isolation
 from .receiver import capabilities, gpu_memory_options, transport_choice
 from .steps import PushHandle, StepLoop
 from .tasks import STAMP_TAG, TaskRunner
@@ -327,11 +330,13 @@ class Sender:
         for g in prog.gpus:
             workers[g] = self.ctl.get_json("infer/%d/peer" % g, f"metadata of inference worker gpu {g}")
         tname, topts = self._transport_for(workers, transport, transport_options)
+        warn_fault_isolation(tname, topts, f"wxfer.Sender trainer rank {self.rank}")
         tr = _wxfer.Transport(tname, topts)
         # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
         engine = _wxfer.Engine(tr, watermark=self.watermark, timeout=self.write_timeout, isolate=True)
         links = Links(self.ctl, tr, self.rank, self.plan, prog, workers, self.write_timeout)
         links.connect()
+        links.start_watch()  # restarts and deaths looked at between pushes: a push reads a flag (issue 37)
         ip = inplace.InPlaceWriter(*in_place, self.device, self.stream, tr, tname, engine, links)
         runner = TaskRunner(engine, tr, self.device, self.stream, self.rank, prog, links, ip, self.write_timeout)
         runner.prepare_all(self.watermark)

@@ -16,6 +16,7 @@
 #include "wx_param.h"
 
 #include <dirent.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -500,6 +501,36 @@ static long wx__fab_shm_pid(const uint8_t *addr, uint32_t len)
     return end != p && *end == ':' && pid > 0 ? pid : 0;
 }
 
+/* A peer address the provider's AV may be given: where the provider takes socket addresses
+ * (tcp), one of a known family and size.  libfabric 1.17's IP AV fails an address of an
+ * unknown family (-EINVAL, "invalid address") and then every later insert into that AV, good
+ * ones included ("Address too large for AV"): one bad export blob would cut a trainer off
+ * from every worker that connects after it.  Refused here, naming the peer, before the AV
+ * sees it. */
+static int wx__fab_addr_check(const wx_fab_t *f, const wx_peer_t *p)
+{
+    uint32_t fmt = f->info ? f->info->addr_format : 0;
+    unsigned short fam;
+    size_t need;
+    if (fmt < FI_SOCKADDR || fmt > FI_SOCKADDR_IB)
+        return 0;
+    if (p->addr_len < sizeof fam)
+        return wx_errf(-EINVAL, "fabric: %s: a %u-byte address is no socket address", p->name,
+                       p->addr_len);
+    memcpy(&fam, p->addr, sizeof fam); /* sa_family, first in every struct sockaddr_* */
+    need = fam == AF_INET          ? sizeof(struct sockaddr_in)
+           : fam == AF_INET6       ? sizeof(struct sockaddr_in6)
+           : fam == 27 /* AF_IB */ ? 48 /* sizeof(struct sockaddr_ib) */
+                                   : 0;
+    if (!need || p->addr_len < need)
+        return wx_errf(-EINVAL,
+                       "fabric: %s: its %u-byte address is no socket address provider %s takes "
+                       "(family %u%s): refused before fi_av_insert (libfabric's AV would then "
+                       "refuse every later address too)",
+                       p->name, p->addr_len, f->prov, fam, need ? ", too short" : " unknown");
+    return 0;
+}
+
 /* No handshake: the peer's address is in its export blob; insert it into the AV. */
 static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, size_t *req_len)
 {
@@ -520,6 +551,9 @@ static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, s
         p->priv = fp;
     }
     if (!fp->in_av) {
+        rc = wx__fab_addr_check(f, p);
+        if (rc)
+            return rc;
         if (f->serialize)
             pthread_mutex_lock(&f->dlock);
         rc = fi_av_insert(f->av, p->addr, 1, &fp->fa, 0, NULL);
