@@ -177,6 +177,13 @@ def proof_digests(mapping, hf_config, tp: int, rank: int, quant, ep: bool, layer
     seeded checkpoint: the trainer's side of the proof (the reference packing, which every
     fast path equals bit for bit).  Only destinations whose every byte comes from the seeded
     tensors are listed."""
+    buf = proof_bytes(mapping, hf_config, tp, rank, quant, ep, layers, seed)
+    return {n: hashlib.sha256(b.numpy().tobytes()).hexdigest() for n, b in buf.items()}
+
+
+def proof_bytes(mapping, hf_config, tp: int, rank: int, quant, ep: bool, layers, seed: int = PROOF_SEED) -> dict:
+    """destination name -> the bytes (uint8) the mapping's reference packing writes there on
+    `rank` for the seeded checkpoint (see proof_digests)."""
     import torch
     from ...mapping import Layout, expand, pack_shard
 
@@ -195,7 +202,7 @@ def proof_digests(mapping, hf_config, tp: int, rank: int, quant, ep: bool, layer
                 buf[sh.dst] = torch.zeros(d.nbytes, dtype=torch.uint8)
             b = pack_shard(sh, full)
             buf[sh.dst][sh.offset : sh.offset + b.numel()] = b
-    return {n: hashlib.sha256(b.numpy().tobytes()).hexdigest() for n, b in buf.items()}
+    return buf
 
 
 def compare_digests(expected: dict, got: dict, where: str) -> list[str]:

@@ -74,6 +74,42 @@ def load_and_digest(model, preset, cfg, selected, tp, rank, quant, ep, layers, s
     return got, errors, time.perf_counter() - t0
 
 
+def checkpoint_for(preset, cfg, tp, quant, ep, layers, seed) -> list:
+    """[(checkpoint name, tensor)]: the seeded checkpoint as vLLM's loader reads it (FP8
+    block-quantized where an FP8 checkpoint stores it so)."""
+    full = seeded_checkpoint(preset, cfg, layers, seed)
+    if quant == "fp8":
+        q = fp8_sources(preset, cfg, tp, ep, layers)
+        return fp8_checkpoint(full, lambda n: n in q)
+    return list(full.items())
+
+
+def classify_worker(model, vllm_config, device, preset, cfg, named, par, quant, skip, seed, where):
+    """(Classification, destinations): postproc.classify over every layer of the worker's model,
+    the mapping `preset` the one whose bytes are written.  destinations: destination name ->
+    (model tensor name, shape, dtype).  RuntimeError naming what the model lacks."""
+    from .layout import expected_destinations, proof_bytes, select_parameters, vllm_names
+    from .postproc import classify
+
+    layers = list(range(int(cfg.get("num_hidden_layers", 1))))
+    tp, rank, ep = par["tp"], par["rank"], par["ep"]
+    expected = expected_destinations(preset, cfg, tp, rank, quant, ep)
+    sel, left, missing = select_parameters(named, expected, skip)
+    if missing:
+        raise RuntimeError(
+            f"wxfer: {where} lacks {len(missing)} parameter(s) the mapping {preset.name!r} writes: {missing[:10]}"
+        )
+    chosen = {d for d, _ in sel}
+    rename = vllm_names(expected, [n for n, _ in named])
+    dests = {d: (rename[d], expected[d][0], expected[d][1]) for d in expected if d in chosen}
+    packed = proof_bytes(preset, cfg, tp, rank, quant, ep, layers, seed)
+    ckpt = checkpoint_for(preset, cfg, tp, quant, ep, layers, seed)
+    c = classify(model, vllm_config, device, dests, packed, ckpt)
+    c.left_out = left
+    c.packed_digests = {d: digest(b) for d, b in packed.items() if d in dests}
+    return c, dests
+
+
 def worker_proof(model, preset, cfg, selected, par, quant, replica, replicas, store, info, where) -> dict:
     from ...runtime.control import Control, job_secret
 
