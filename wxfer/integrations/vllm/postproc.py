@@ -199,12 +199,14 @@ FINALIZER_HOOKS.append(rerun_post_processing)
 # ------------------------------------------------------------------ the proof
 
 
-def _tensors(module) -> dict:
-    """name -> tensor: a module's own parameters, buffers and plain tensor attributes."""
+def _tensors(module, derived=None) -> dict:
+    """name -> tensor: a module's own parameters and buffers, and its plain tensor attributes
+    (all of them, or those named in `derived`: the ones vLLM's post-processing sets, such as
+    MLA's W_UV; the engine's own state bound later, the KV cache, is not the weights')."""
     out = {n: t for n, t in module._parameters.items() if t is not None}
     out.update({n: t for n, t in module._buffers.items() if t is not None})
     for n, v in vars(module).items():
-        if isinstance(v, torch.Tensor) and n not in out:
+        if isinstance(v, torch.Tensor) and n not in out and (derived is None or n in derived):
             out[n] = v
     return out
 
@@ -323,9 +325,13 @@ def _reference(vllm_config, device, checkpoint):
     ref = _fresh_model(vllm_config, device)
     with set_current_vllm_config(vllm_config), torch.no_grad():
         ref.load_weights(iter(checkpoint))
-        before = {m: _attrs(mod) for m, mod in ref.named_modules()}
+        before = {m: dict(vars(mod)) for m, mod in ref.named_modules()}
         process_weights_after_loading(ref, vllm_config.model_config, torch.device(device))
-    tensors = _state(dict(ref.named_modules()))
+    derived = {
+        m: {n for n, v in vars(mod).items() if isinstance(v, torch.Tensor) and before[m].get(n, _MISSING) is not v}
+        for m, mod in ref.named_modules()
+    }
+    tensors = _state(dict(ref.named_modules()), derived)
     built = _fold(
         {
             m: {k: v for k, v in _attrs(mod).items() if before[m].get(k, _MISSING) is not v}
@@ -333,7 +339,7 @@ def _reference(vllm_config, device, checkpoint):
         }
     )
     del ref
-    return tensors, built
+    return tensors, built, derived
 
 
 _MISSING = object()
@@ -359,8 +365,10 @@ def _fold(per_module: dict) -> dict:
     return out
 
 
-def _state(modules: dict) -> dict:
-    return _fold({m: {n: _fingerprint(t) for n, t in _tensors(mod).items()} for m, mod in modules.items()})
+def _state(modules: dict, derived: dict) -> dict:
+    return _fold(
+        {m: {n: _fingerprint(t) for n, t in _tensors(mod, derived.get(m, ())).items()} for m, mod in modules.items()}
+    )
 
 
 def _write(t: torch.Tensor, b: torch.Tensor) -> None:
@@ -390,7 +398,7 @@ def classify(model, vllm_config, device, dests: dict, packed: dict, checkpoint, 
         mod, _, attr = mname.rpartition(".")
         by_module.setdefault(mod, {})[attr] = d
     model_config = vllm_config.model_config
-    ref, built = _reference(vllm_config, device, checkpoint)
+    ref, built, derived = _reference(vllm_config, device, checkpoint)
     missing = sorted(set(_fold({m: {} for m in modules})) ^ set(ref))
     if missing:
         raise RuntimeError(f"wxfer: postproc: the reference model's modules differ from the worker's: {missing[:6]}")
@@ -408,7 +416,7 @@ def classify(model, vllm_config, device, dests: dict, packed: dict, checkpoint, 
                     _write(t, packed[d])
         direct, constant, refused, fins, fdest = [], [], [], [], {}
         todo = []
-        now = _state(modules)
+        now = _state(modules, derived)
         for m, mod in roots.items():
             got = now.get(m, {})
             written = by_module.get(m, {})
@@ -451,7 +459,7 @@ def classify(model, vllm_config, device, dests: dict, packed: dict, checkpoint, 
         for m, mod, written, differ, f, why in cands:
             name = (lambda n, m=m: f"{m}.{n}" if m else n)
             if f is not None:
-                got = _state({n: x for n, x in modules.items() if _root(n)[0] == m}).get(m, {})
+                got = _state({n: x for n, x in modules.items() if _root(n)[0] == m}, derived).get(m, {})
                 still = [n for n in sorted(set(ref.get(m, {})) | set(got)) if ref.get(m, {}).get(n) != got.get(n)]
                 if not still:
                     fins.append(f)
