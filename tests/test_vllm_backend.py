@@ -1,6 +1,7 @@
 """The vLLM backend's plain-Python parts, without vLLM (tests/on_vllm runs them on the real one):
-vLLM's routed-experts names, the FP8 router following the quantization config, the worker engine's RPCs over a stand-in Receiver (bounded wait, fail-stop finish, no
-accelerator call on CPU, payload checks), data_parallel_index, and the trainer side's layout check."""
+vLLM's routed-experts names, the FP8 router following the quantization config, the worker engine's
+RPCs over a stand-in Receiver (bounded wait, fail-stop finish, no accelerator call on CPU, payload
+checks), data_parallel_index, and the trainer side's layout check."""
 
 import sys
 import types

@@ -121,10 +121,8 @@ class WorkerSide:
         if info.proof:
             from .proof import worker_proof
 
-            self.proof_result, cls, dests = worker_proof(
-                self.model, preset, cfg, named, par, quant, replica, replicas, store, info, where,
-                self.vllm_config, self.device,
-            )
+            args = (self.model, preset, cfg, named, par, quant, replica, replicas, store, info, where)
+            self.proof_result, cls, dests = worker_proof(*args, self.vllm_config, self.device)
             live = dict(named)
             sel = []
             for d in sorted(set(cls.direct) | set(cls.finalize_dests)):

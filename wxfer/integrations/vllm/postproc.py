@@ -385,104 +385,122 @@ def _diff(name, ref, got) -> str:
     return f"{name}: bytes differ from vLLM's post-processing (sha256 {got[2][:12]} != {ref[2][:12]})"
 
 
+class _Proof:
+    """The state of one classify(): the live modules, the reference, what the mapping writes."""
+
+    def __init__(self, model, vllm_config, device, dests, packed, checkpoint, hooks):
+        self.model, self.dests, self.packed, self.hooks = model, dests, packed, hooks
+        self.model_config = vllm_config.model_config
+        self.modules = dict(model.named_modules())
+        self.saved = _Saved(self.modules)
+        self.by_module = {}  # module name -> {attribute: destination}
+        for d, (mname, _, _) in dests.items():
+            mod, _, attr = mname.rpartition(".")
+            self.by_module.setdefault(mod, {})[attr] = d
+        self.ref, built, self.derived = _reference(vllm_config, device, checkpoint)
+        missing = sorted(set(_fold({m: {} for m in self.modules})) ^ set(self.ref))
+        if missing:
+            raise RuntimeError(f"wxfer: postproc: the reference model's modules are not the live ones: {missing[:6]}")
+        # what post-processing builds from the weights (a new object, not the one the live module holds)
+        live = _fold({m: self.saved.state[m][2] for m in self.modules})
+        self.rebuilt = {m: sorted(k for k, v in built[m].items() if live[m].get(k, _MISSING) is not v) for m in built}
+        self.roots = {m: mod for m, mod in self.modules.items() if _root(m) == (m, "")}
+
+    def differ(self, m, got) -> list:
+        ref = self.ref.get(m, {})
+        return [n for n in sorted(set(ref) | set(got)) if ref.get(n) != got.get(n)]
+
+    def direct_pass(self):
+        """(direct, constant, [(module, its module object, written, differing names)] to finalize)."""
+        with torch.no_grad():  # the bytes into the final storage where its layout is the loader's
+            for d, (mname, shape, dtype) in self.dests.items():
+                mod, _, attr = mname.rpartition(".")
+                t = _tensors(self.modules[mod]).get(attr)
+                if _fits(t, shape, dtype):
+                    _write(t, self.packed[d])
+        direct, constant, todo = [], [], []
+        now = _state(self.modules, self.derived)
+        for m, mod in self.roots.items():
+            got, written = now.get(m, {}), self.by_module.get(m, {})
+            differ = self.differ(m, got)
+            if not differ and not self.rebuilt.get(m):
+                direct += list(written.values())
+                constant += [f"{m}.{n}" if m else n for n in got if n not in written]
+            else:
+                todo.append((m, mod, written, differ))
+        return direct, constant, todo
+
+    def finalizer(self, m, mod, written):
+        """(a hook's Finalizer whose kept memory has the mapping's layout, or None, why not)."""
+        meta = _loader_metadata(mod) or ({}, {})
+        ctx = FinalizeContext(self.model_config, dict(meta[0]), dict(meta[1]))
+        f = next((f for h in self.hooks if (f := h(self.model, m, mod, ctx)) is not None), None)
+        for attr, d in written.items() if f is not None else ():
+            _, shape, dtype = self.dests[d]
+            k = f.params.get(attr)
+            if not _fits(k, shape, dtype):
+                have = None if k is None else (tuple(k.shape), str(k.dtype))
+                return None, f"{m}.{attr}: the mapping writes {tuple(shape)} {dtype}, the loader layout is {have}"
+        return f, None
+
+    def finalize_pass(self, todo):
+        """[(module, module object, written, differ, Finalizer or None, why not)], each finalizer run
+        on the mapping's bytes written into its kept memory."""
+        self.saved.restore(only={n for n in self.modules if _root(n)[0] in {t[0] for t in todo}})
+        cands = [(m, mod, written, differ, *self.finalizer(m, mod, written)) for m, mod, written, differ in todo]
+        with torch.no_grad():
+            for _, _, written, _, f, _ in cands:
+                for attr, d in written.items() if f is not None else ():
+                    _write(f.params[attr], self.packed[d])
+            for i in sorted(range(len(cands)), key=lambda i: bool(cands[i][4] and cands[i][4].late)):
+                m, mod, written, differ, f, _ = cands[i]
+                try:
+                    if f is not None:
+                        f()
+                except Exception as e:  # noqa: BLE001 -- a refusal naming the module
+                    cands[i] = (m, mod, written, differ, None, f"{m}: finalize raised {e!r}")
+        return cands
+
+    def judge(self, cands):
+        """(Finalizers proven, destination -> (Finalizer, attribute), refusals)."""
+        fins, fdest, refused = [], {}, []
+        for m, mod, written, differ, f, why in cands:
+            name = lambda n, m=m: f"{m}.{n}" if m else n  # noqa: E731
+            if f is not None:
+                got = _state({n: x for n, x in self.modules.items() if _root(n)[0] == m}, self.derived).get(m, {})
+                still = self.differ(m, got)
+                if not still:
+                    fins.append(f)
+                    fdest.update({d: (f, attr) for attr, d in written.items()})
+                absent = ((), "absent", "")
+                refused += [
+                    _diff(name(n), self.ref.get(m, {}).get(n, absent), got.get(n, absent)) + " (after finalize)"
+                    for n in still
+                ]
+                continue
+            refused += [why] if why else []
+            for n in differ:
+                what = "written by wxfer" if n in written else "neither written by wxfer nor constant"
+                refused.append(f"{name(n)}: {what}; vLLM's post-processing changes it and no finalizer applies")
+            for k in self.rebuilt.get(m, []) if not differ else []:
+                refused.append(
+                    f"{name(k)}: vLLM's post-processing rebuilds this attribute from the weights "
+                    f"({type(getattr(mod, k, None)).__name__}) and no finalizer applies"
+                )
+        return fins, fdest, refused
+
+
 def classify(model, vllm_config, device, dests: dict, packed: dict, checkpoint, hooks=None) -> Classification:
     """The proof (module docstring).  dests: destination name -> (model tensor name, shape,
     dtype) the mapping writes; packed: destination name -> the mapping's bytes (uint8) for the
     seeded `checkpoint` ([(checkpoint name, tensor)] as vLLM's loader reads it)."""
     t0 = time.perf_counter()
-    hooks = FINALIZER_HOOKS if hooks is None else hooks
-    modules = dict(model.named_modules())
-    saved = _Saved(modules)
-    by_module = {}  # module name -> {attr: destination}
-    for d, (mname, _, _) in dests.items():
-        mod, _, attr = mname.rpartition(".")
-        by_module.setdefault(mod, {})[attr] = d
-    model_config = vllm_config.model_config
-    ref, built, derived = _reference(vllm_config, device, checkpoint)
-    missing = sorted(set(_fold({m: {} for m in modules})) ^ set(ref))
-    if missing:
-        raise RuntimeError(f"wxfer: postproc: the reference model's modules differ from the worker's: {missing[:6]}")
-    # what post-processing builds from the weights (a new object, not the one the live module holds)
-    live_attrs = _fold({m: saved.state[m][2] for m in modules})
-    rebuilt = {m: sorted(k for k, v in built[m].items() if live_attrs[m].get(k, _MISSING) is not v) for m in built}
-    roots = {m: mod for m, mod in modules.items() if _root(m)[1] == "" and m == _root(m)[0]}
+    p = _Proof(model, vllm_config, device, dests, packed, checkpoint, FINALIZER_HOOKS if hooks is None else hooks)
     try:
-        # wxfer, direct: the bytes into the final storage where the layout is the loader's
-        with torch.no_grad():
-            for d, (mname, shape, dtype) in dests.items():
-                mod, _, attr = mname.rpartition(".")
-                t = _tensors(modules[mod]).get(attr)
-                if _fits(t, shape, dtype):
-                    _write(t, packed[d])
-        direct, constant, refused, fins, fdest = [], [], [], [], {}
-        todo = []
-        now = _state(modules, derived)
-        for m, mod in roots.items():
-            got = now.get(m, {})
-            written = by_module.get(m, {})
-            differ = [n for n in sorted(set(ref.get(m, {})) | set(got)) if ref.get(m, {}).get(n) != got.get(n)]
-            if not differ and not rebuilt.get(m, []):
-                direct += [written[n] for n in written]
-                constant += [f"{m}.{n}" if m else n for n in got if n not in written]
-            else:
-                todo.append((m, mod, written, differ))
-        saved.restore(only={n for n in modules if _root(n)[0] in {m for m, _, _, _ in todo}})
-        # finalize: a hook's kept memory, the bytes written there, the finalizer run, compared again
-        cands = []
-        for m, mod, written, differ in todo:
-            meta = _loader_metadata(mod) or ({}, {})
-            ctx = FinalizeContext(model_config, dict(meta[0]), dict(meta[1]))
-            f = next((f for h in hooks if (f := h(model, m, mod, ctx)) is not None), None)
-            why = None
-            if f is not None:
-                for attr, d in written.items():
-                    _, shape, dtype = dests[d]
-                    k = f.params.get(attr)
-                    if not _fits(k, shape, dtype):
-                        have = None if k is None else (tuple(k.shape), str(k.dtype))
-                        why = f"{m}.{attr}: the mapping writes {tuple(shape)} {dtype}, the loader layout is {have}"
-                        f = None
-                        break
-            cands.append((m, mod, written, differ, f, why))
-        with torch.no_grad():
-            for m, _, written, _, f, _ in cands:
-                if f is not None:
-                    for attr, d in written.items():
-                        _write(f.params[attr], packed[d])
-            for m, mod, written, differ, f, why in sorted(cands, key=lambda c: bool(c[4] and c[4].late)):
-                if f is None:
-                    continue
-                try:
-                    f()
-                except Exception as e:  # noqa: BLE001 -- a refusal naming the module
-                    cands[[c[0] for c in cands].index(m)] = (m, mod, written, differ, None, f"finalize raised {e!r}")
-        for m, mod, written, differ, f, why in cands:
-            name = (lambda n, m=m: f"{m}.{n}" if m else n)
-            if f is not None:
-                got = _state({n: x for n, x in modules.items() if _root(n)[0] == m}, derived).get(m, {})
-                still = [n for n in sorted(set(ref.get(m, {})) | set(got)) if ref.get(m, {}).get(n) != got.get(n)]
-                if not still:
-                    fins.append(f)
-                    fdest.update({d: (f, attr) for attr, d in written.items()})
-                    continue
-                refused += [
-                    _diff(name(n), ref.get(m, {}).get(n, ((), "absent", "")), got.get(n, ((), "absent", "")))
-                    + " (after finalize)"
-                    for n in still
-                ]
-                continue
-            if why:
-                refused.append(why)
-            for n in differ:
-                what = "written by wxfer" if n in written else "neither written by wxfer nor constant"
-                refused.append(f"{name(n)}: {what}; vLLM's post-processing changes it and no finalizer applies")
-            for k in rebuilt.get(m, []) if not differ else []:
-                refused.append(
-                    f"{name(k)}: vLLM's post-processing rebuilds this attribute from the weights "
-                    f"({type(getattr(mod, k, None)).__name__}) and no finalizer applies"
-                )
+        direct, constant, todo = p.direct_pass()
+        fins, fdest, refused = p.judge(p.finalize_pass(todo))
     finally:
-        saved.restore()
+        p.saved.restore()
     out = Classification(sorted(direct), fins, fdest, refused, sorted(constant))
     out.seconds = time.perf_counter() - t0
     return out

@@ -119,7 +119,9 @@ def worker_proof(model, preset, cfg, named, par, quant, replica, replicas, store
     tp, rank, ep = par["tp"], par["rank"], par["ep"]
     gpu = replica * tp + rank
     t0 = time.perf_counter()
-    cls, dests = classify_worker(model, vllm_config, device, preset, cfg, named, par, quant, info.skip, info.proof_seed, where)
+    cls, dests = classify_worker(
+        model, vllm_config, device, preset, cfg, named, par, quant, info.skip, info.proof_seed, where
+    )
     errors = [f"{where}: {r}" for r in cls.refused]
     proven = set(cls.direct) | set(cls.finalize_dests)
     got = {d: h for d, h in cls.packed_digests.items() if d in proven}
