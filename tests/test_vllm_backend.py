@@ -113,6 +113,35 @@ def worker(monkeypatch):
     return w
 
 
+def test_finish_runs_the_finalizers_once_complete_and_reports_them(worker):
+    from wxfer.integrations.vllm import Finalizer
+
+    order = []
+    kept = torch.zeros(4, 8, dtype=torch.bfloat16)
+    worker.finalizers = [
+        Finalizer("model.layers.0.mlp.experts", {"w13_weight": kept}, lambda: order.append("experts")),
+        Finalizer("model.layers.0.self_attn.attn", {}, lambda: order.append("attn"), late=True),
+    ]
+    worker.finalizers.sort(key=lambda f: f.late)
+    worker.finalize_report.update(kept_bytes=sum(f.kept_bytes for f in worker.finalizers))
+    r = worker.receiver
+    r.v = 1
+    worker.start_weight_update()
+    worker.update_weights({"version": 1, "timeout": 5})
+    worker.finish_weight_update()
+    assert order == ["experts", "attn"]
+    rep = worker.finalize_report
+    assert sorted(rep["modules"]) == ["model.layers.0.mlp.experts", "model.layers.0.self_attn.attn"]
+    assert rep["updates"] == 1 and rep["kept_bytes"] == 64 and rep["seconds"] >= 0
+    worker.start_weight_update()  # an incomplete update runs no finalizer
+    r.v = 2
+    worker.update_weights({"version": 2})
+    r.st = dict(state="torn", version=-1, ranks=[1], message="torn")
+    with pytest.raises(RuntimeError, match="not complete"):
+        worker.finish_weight_update()
+    assert order == ["experts", "attn"] and worker.finalize_report["updates"] == 1
+
+
 def test_the_worker_engine_builds_one_receiver_and_fails_stop(worker):
     r = worker.receiver
     assert (r.kw["replica"], r.kw["rank"], r.kw["tp"], r.kw["replicas"], r.kw["mapping"].name) == (

@@ -26,10 +26,13 @@ vLLM; the logic is in ``WorkerSide``, tested with and without vLLM.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from .layout import PROOF_SEED, quant_of, writable_parameters
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -204,6 +207,11 @@ class WorkerSide:
             torch.cuda.synchronize(self.device)
         rep = self.finalize_report
         rep.update(modules=per, seconds=sum(per.values()), updates=rep["updates"] + 1)
+        if fins:
+            log.info(
+                "wxfer: finalize of update %d: %d module(s) in %.4f s (%.1f MiB kept)",
+                rep["updates"], len(fins), rep["seconds"], rep["kept_bytes"] / 2**20,
+            )
         return rep
 
     def shutdown(self) -> None:
