@@ -3,8 +3,10 @@ experts after loading, so the proof at setup classifies each layer's experts fin
 loader layout kept and registered, the prepack re-run in finish_weight_update); two pushes from
 transformers' Qwen3MoeForCausalLM (trainer_proc.py), and after each vLLM's greedy tokens equal
 transformers' (up to BF16 near ties, test_llm.same_greedy); the backend reports the finalize
-seconds per module and the bytes kept.  vLLM's linear layers compute from the parameters
-(keep_cpu_weights, as in test_llm.py): they stay direct."""
+seconds per module and the bytes kept.  vLLM's CPU GEMM dispatch is left as vLLM ships it (not
+keep_cpu_weights): every linear layer computes from a packed copy made after loading, so the
+proof makes it finalize too (its loader-layout weight kept, the dispatch re-run); the norms are
+direct."""
 
 import os
 import sys
@@ -28,8 +30,13 @@ def llm(tmp_path_factory):
 
     import wxfer.integrations.vllm as wv
 
+    import vllm.model_executor.layers.utils as U
+
     assert wv.register()
-    assert wv.keep_cpu_weights()
+    # vLLM's CPU GEMM dispatch as vLLM ships it (test_llm.py's keep_cpu_weights() undone for this
+    # module): every linear layer computes from a packed copy, so it is finalize too
+    patched = U.dispatch_cpu_unquantized_gemm
+    U.dispatch_cpu_unquantized_gemm = getattr(patched, "_wxfer_original", patched)
     from vllm import LLM
     from vllm.config.weight_transfer import WeightTransferConfig
 
@@ -52,6 +59,7 @@ def llm(tmp_path_factory):
         engine.shutdown_weight_transfer_engine()
     except Exception:  # noqa: BLE001 -- nothing to release
         pass
+    U.dispatch_cpu_unquantized_gemm = patched
 
 
 def leading_equal(got, hf) -> int:
@@ -114,10 +122,16 @@ def test_moe_two_pushes_through_finalize(llm, monkeypatch):
     eng = worker_engine(llm)
     classes = eng.proof_result["classes"]
     experts = [f"model.layers.{i}.mlp.experts.routed_experts" for i in (0, 1)]
-    assert sorted(classes["finalize"]) == experts and classes["refused"] == [], classes
+    linear = ["lm_head", "model.embed_tokens"] + [
+        f"model.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate")
+    ]
+    assert sorted(classes["finalize"]) == sorted(experts + linear) and classes["refused"] == [], classes
+    assert eng.proof_result["classes"]["direct"] == 9  # the norms (q, k, input, post-attention; final)
     for _, _, _, rep in seen:  # reported by the backend after each update
-        assert sorted(rep["modules"]) == experts and rep["seconds"] > 0, rep
-    assert seen[1][3]["updates"] == 2 and seen[1][3]["kept_bytes"] == 2 * 2 * 4 * 256 * 128 * 3
+        assert sorted(rep["modules"]) == sorted(experts + linear) and rep["seconds"] > 0, rep
+    # experts w13 (4, 256, 256) + w2 (4, 256, 128); qkv 512x256, o 256x256, router 4x256; head, embeddings 512x256
+    kept = 2 * (2 * 4 * 256 * 384 + 2 * 256 * (512 + 256 + 4) + 2 * 512 * 256)
+    assert seen[1][3]["updates"] == 2 and seen[1][3]["kept_bytes"] == kept, seen[1][3]
     # the finalize memory is what the Receiver registered for the experts
     w13 = eng.receiver.params["model.layers.0.mlp.experts.w13_weight"]
     fin = {f.module_name: f for f in eng.finalizers}

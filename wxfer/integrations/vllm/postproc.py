@@ -165,20 +165,21 @@ def rerun_post_processing(model, name, module, ctx: FinalizeContext):
     }
 
     def run():
-        final_p = {n: t for n, t in module._parameters.items() if t is not None}
-        final_b = {n: t for n, t in module._buffers.items() if t is not None}
+        entries = dict(module._parameters)  # None entries too (a linear's bias=None)
+        final_p = {n: t for n, t in entries.items() if t is not None}
+        bentries = dict(module._buffers)
+        final_b = {n: t for n, t in bentries.items() if t is not None}
         for n in kept:
             delattr(module, n)
             module.register_parameter(n, _loader_view(kept[n], ctx.loader_params[n], module))
         try:
             _post_process(module, ctx.model_config)
             made = {n: getattr(module, n, None) for n in list(final_p) + list(final_b)}
-        finally:
-            for n in set(module._parameters) | set(final_p):
-                if n in module._parameters:
-                    del module._parameters[n]
-            for n, t in final_p.items():
-                module.register_parameter(n, t)
+        finally:  # the module's own tensors back (their addresses: CUDA graphs hold them)
+            module._parameters.clear()
+            module._parameters.update(entries)
+            module._buffers.clear()
+            module._buffers.update(bentries)
         bad = []
         for n, t in list(final_p.items()) + list(final_b.items()):
             m = made[n]
