@@ -119,7 +119,8 @@ def main():
             continue
         r = json.load(open(out))
         print(
-            f"{case}: {r['params'] / 1e6:.1f} M parameters, proof {r['proof_s']:.2f} s, "
+            f"{case}: {r['params'] / 1e6:.1f} M live parameter elements (a packed layer's hold 0), "
+            f"proof {r['proof_s']:.2f} s, "
             f"{r['direct']} direct, {sum(k['n'] for k in r['kinds'].values())} finalize modules, "
             f"{len(r['refused'])} refused, torch threads {r['threads']}"
         )
