@@ -5,13 +5,15 @@ model (already loaded and post-processed by vLLM):
 
 1. every tensor of every module (parameters, buffers and plain tensor attributes such as MLA's
    ``W_UV``, all layers) is saved, with each module's own attributes;
-2. the reference: the seeded checkpoint tensors go through vLLM's own reload path
-   (``model_loader.reload``: ``initialize_layerwise_reload``, the model's ``load_weights``,
-   ``finalize_layerwise_reload``), i.e. vLLM's ``weight_loader`` s and each module's
-   ``process_weights_after_loading``; every tensor's shape, dtype and SHA-256 is kept, and which
-   module attributes post-processing rebuilt (a new object: e.g. vLLM's CPU GEMM closure over a
-   packed copy of the weight);
-3. the saved state is put back, then wxfer's side: the mapping's packed bytes for the same
+2. the reference: vLLM's first load of the seeded checkpoint tensors, in a fresh instance of the
+   worker's model class (``initialize_model`` with the worker's config, dropped afterwards): its
+   ``load_weights``, then ``model_loader.utils.process_weights_after_loading``; every tensor's
+   shape, dtype and SHA-256 is kept, and which module attributes post-processing built (a new
+   object: e.g. vLLM's CPU GEMM closure over a packed copy of the weight).  Not vLLM's reload
+   path (``model_loader.reload``): in 0.32 its fused-MoE methods take a "weight update" branch
+   that skips the experts' own post-processing (the CPU MoE's prepack), so it is not what the
+   kernels compute from;
+3. wxfer's side, on the live model: the mapping's packed bytes for the same
    seeded tensors (the trainers' reference packing) written where wxfer writes them;
 4. a module all of whose tensors equal the reference, and none of whose attributes
    post-processing rebuilds, is **direct**: its written parameters are written one-sided into
