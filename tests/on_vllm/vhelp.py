@@ -73,24 +73,25 @@ def plant(kind):
     layers.0's o_proj weight (square) into a new tensor, transposed; "random" adds a buffer to
     that o_proj which its post-processing fills with fresh random numbers (no re-run can
     reproduce it); "init-buffer" a buffer on every Qwen3 decoder layer, random at build time,
-    that no post-processing touches (neither written by wxfer nor constant)."""
+    that no post-processing touches (neither written by wxfer nor constant); several: "a,b"."""
     import torch
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.models import qwen3
 
-    if kind in ("transpose", "random"):
+    kinds = (kind or "").split(",")
+    if "transpose" in kinds or "random" in kinds:
         real = UnquantizedLinearMethod.process_weights_after_loading
 
         def planted(self, layer):
             real(self, layer)
             if getattr(layer, "prefix", "").endswith("layers.0.self_attn.o_proj"):
-                if kind == "transpose":
+                if "transpose" in kinds:
                     layer.weight = torch.nn.Parameter(layer.weight.t().contiguous(), requires_grad=False)
                 else:
                     layer.register_buffer("planted_noise", torch.randn(8))
 
         UnquantizedLinearMethod.process_weights_after_loading = planted
-    elif kind == "init-buffer":
+    if "init-buffer" in kinds:
         real_init = qwen3.Qwen3DecoderLayer.__init__
 
         def init(self, *a, **kw):
@@ -98,7 +99,7 @@ def plant(kind):
             self.register_buffer("planted_state", torch.randn(8))
 
         qwen3.Qwen3DecoderLayer.__init__ = init
-    elif kind:
+    if set(kinds) - {"", "transpose", "random", "init-buffer"}:
         raise ValueError(kind)
 
 
