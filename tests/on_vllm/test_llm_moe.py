@@ -39,6 +39,11 @@ def llm(tmp_path_factory):
     U.dispatch_cpu_unquantized_gemm = getattr(patched, "_wxfer_original", patched)
     from vllm import LLM
     from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    # an engine of an earlier module in this process (test_llm.py) left vLLM's process groups
+    # without the expert-parallel one a MoE model needs: vLLM's own cleanup, then a fresh start
+    cleanup_dist_env_and_memory()
 
     ck = str(tmp_path_factory.mktemp("ckpt_moe"))
     save_checkpoint(ck, moe=True, seed=0)
