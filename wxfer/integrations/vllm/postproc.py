@@ -253,7 +253,7 @@ class _Saved:
                 dict(m._buffers),
                 _attrs(m),
                 {n: v for n, v in vars(m).items() if isinstance(v, torch.Tensor)},
-                {n: t.detach().clone() for n, t in _tensors(m).items()},
+                {n: t.detach().to("cpu", copy=True) for n, t in _tensors(m).items()},  # host memory
             )
 
     def restore(self, only=None):
