@@ -1,7 +1,7 @@
 """The vLLM backend's plain-Python parts, without vLLM (tests/on_vllm runs them on the real one):
-vLLM's routed-experts names, the FP8 router following the quantization config, the refusals by
-name, the worker engine's RPCs over a stand-in Receiver (bounded wait, fail-stop finish, no
-accelerator call on CPU, payload checks), data_parallel_index, and the trainer side's layout check."""
+vLLM's routed-experts names, the FP8 router following the quantization config, the worker engine's
+RPCs over a stand-in Receiver (bounded wait, fail-stop finish, no accelerator call on CPU, payload
+checks), data_parallel_index, and the trainer side's layout check."""
 
 import sys
 import types
@@ -11,7 +11,7 @@ import torch
 
 from helpers import module_with  # tests/helpers.py
 from wxfer.integrations.vllm import engine as E
-from wxfer.integrations.vllm.layout import expected_destinations, proof_digests, refusals, select_parameters
+from wxfer.integrations.vllm.layout import expected_destinations, proof_digests, select_parameters
 from wxfer.mapping import Fuse, Preset, from_config, router_quantized
 from wxfer.models import TINY, TINY_MOE, inference_params, preset_for
 
@@ -42,40 +42,6 @@ def test_the_router_follows_the_quantization_config():
     exp = expected_destinations(from_config("m", dict(TINY_MOE, quantization_config=fp8)), None, 1, 0, "fp8")
     assert exp["model.layers.0.mlp.gate.weight"][1] == "float8_e4m3fn"
     assert "model.layers.0.mlp.gate.weight_scale_inv" in exp
-
-
-def test_refusals_name_the_module_and_what_to_configure():
-    import enum
-
-    class Fp8MoeBackend(enum.Enum):  # vLLM's names
-        TRITON = "TRITON"
-        FLASHINFER_CUTLASS = "FLASHINFER_CUTLASS"
-
-    def kind(name, **attrs):
-        return type(name, (), attrs)()
-
-    m = torch.nn.Module()
-    for n in "abcdefg":
-        m.add_module(n, torch.nn.Linear(2, 2))
-    m.a.quant_method = kind("Fp8LinearMethod", fp8_linear=kind("MarlinFP8ScaledMMLinearKernel"))
-    m.b.cpu_linear = lambda x, w, b: x
-    m.c.cpu_linear = torch.nn.functional.linear
-    m.d.quant_method = kind("Fp8MoEMethod", fp8_backend=Fp8MoeBackend.FLASHINFER_CUTLASS)
-    m.e.quant_method = kind("Fp8MoEMethod", fp8_backend=Fp8MoeBackend.TRITON)
-    m.f.quant_method = kind("Fp8LinearMethod", fp8_linear=kind("DeepGemmFp8BlockScaledMMKernel"))
-    m.g.quant_method = kind(
-        "UnquantizedFusedMoEMethod", moe_kernel=kind("K", fused_experts=kind("X86CPUUnquantizedExperts"))
-    )
-    out = refusals(m, "qwen3")
-    assert [o.split(":")[0] for o in out] == ["a", "b", "d", "g"], out
-    assert "MarlinFP8ScaledMMLinearKernel" in out[0] and "configure" in out[0]
-    assert "vLLM's CPU GEMM dispatch" in out[1] and "keep_cpu_weights" in out[1]
-    assert "FLASHINFER_CUTLASS" in out[2] and 'moe_backend="triton"' in out[2]
-    assert "prepacks" in out[3]
-    on_sm100 = refusals(m, "qwen3", device_major=10)
-    assert any(o.startswith("f: FP8 kernel DeepGemm") and "VLLM_USE_DEEP_GEMM=0" in o for o in on_sm100)
-    assert not any(o.startswith("f:") for o in refusals(m, "qwen3", device_major=9))
-    assert "MLA" in refusals(torch.nn.Module(), "deepseek_v3")[0]
 
 
 class FakeReceiver:
@@ -137,6 +103,35 @@ def worker(monkeypatch):
     w = Worker(_model(TINY, 2, 1), dict(TINY, name_or_path="tiny"))
     w.init_transfer_engine(E.WxferInitInfo(store="h:1", mapping="tiny-name", proof=False, timeout=T))
     return w
+
+
+def test_finish_runs_the_finalizers_once_complete_and_reports_them(worker):
+    from wxfer.integrations.vllm import Finalizer
+
+    order = []
+    kept = torch.zeros(4, 8, dtype=torch.bfloat16)
+    worker.finalizers = [
+        Finalizer("model.layers.0.mlp.experts", {"w13_weight": kept}, lambda: order.append("experts")),
+        Finalizer("model.layers.0.self_attn.attn", {}, lambda: order.append("attn"), late=True),
+    ]
+    worker.finalizers.sort(key=lambda f: f.late)
+    worker.finalize_report.update(kept_bytes=sum(f.kept_bytes for f in worker.finalizers))
+    r = worker.receiver
+    r.v = 1
+    worker.start_weight_update()
+    worker.update_weights({"version": 1, "timeout": 5})
+    worker.finish_weight_update()
+    assert order == ["experts", "attn"]
+    rep = worker.finalize_report
+    assert sorted(rep["modules"]) == ["model.layers.0.mlp.experts", "model.layers.0.self_attn.attn"]
+    assert rep["updates"] == 1 and rep["kept_bytes"] == 64 and rep["seconds"] >= 0
+    worker.start_weight_update()  # an incomplete update runs no finalizer
+    r.v = 2
+    worker.update_weights({"version": 2})
+    r.st = dict(state="torn", version=-1, ranks=[1], message="torn")
+    with pytest.raises(RuntimeError, match="not complete"):
+        worker.finish_weight_update()
+    assert order == ["experts", "attn"] and worker.finalize_report["updates"] == 1
 
 
 def test_the_worker_engine_builds_one_receiver_and_fails_stop(worker):

@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CASES = {}
 
 
-def _run(tmp, moe, fp8, tp, post=True, ep=False, keep=True, **kw):
+def _run(tmp, moe, fp8, tp, post=True, ep=False, keep=True, plant=None, **kw):
     from wxfer.runtime.control import free_port
     from vhelp import save_checkpoint
 
@@ -27,6 +27,9 @@ def _run(tmp, moe, fp8, tp, post=True, ep=False, keep=True, **kw):
     save_checkpoint(ck, moe=moe, fp8=fp8, **kw)
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + HERE)
+    env.pop("WXFER_TEST_PLANT", None)
+    if plant:
+        env["WXFER_TEST_PLANT"] = plant
     procs = [
         subprocess.Popen(
             [
@@ -113,29 +116,65 @@ def test_contract_and_layout_proof(tmp_path, case):
         if moe and tp > 1:  # the layout of the other expert placement (EP on / off) is caught too
             assert any("experts.w13_weight" in e for e in rep["ep_errors"]), rep["ep_errors"]
         assert rep["engine"] == "wxfer.integrations.vllm.engine.WxferWeightTransferEngine"
-        if fp8:  # this loader layout is what a GPU FP8 block kernel serves; vLLM's CPU FP8 kernel re-lays it
-            assert rep["refusals"] and all("CPUFp8BlockScaledMMKernel" in r for r in rep["refusals"]), rep["refusals"]
-        else:  # (MoE: vLLM's CPU experts, which would prepack it, are chosen by post-processing, not run here)
-            assert rep["refusals"] == []
+        if post:  # BF16 Qwen3, vLLM's GEMM on the parameters: every parameter direct, all layers
+            c = rep["classes"]
+            assert c["refused"] == [] and c["finalize"] == {} and c["kept_bytes"] == 0, c
+            assert sorted(c["direct_names"]) == sorted(rep["selected"]), c
+        else:
+            assert rep["classes"] is None
 
 
-def test_vllm_cpu_gemm_dispatch_is_refused_by_name(tmp_path):
-    """Without keep_cpu_weights, vLLM's CPU platform repacks: the setup checks name every layer."""
+def test_vllm_cpu_gemm_dispatch_is_finalize(tmp_path):
+    """Without keep_cpu_weights vLLM's CPU platform repacks every linear weight into a private copy
+    and leaves a shape-[0] parameter: the proof makes each such layer finalize (the loader-layout
+    weight kept, vLLM's dispatch re-run), the norms direct."""
     (rep,) = _run(str(tmp_path), False, False, 1, keep=False)
-    assert "model.layers.0.self_attn.qkv_proj.weight: vLLM holds (0,)" in rep["shape_error"], rep["shape_error"]
-    refused = [r.split(":")[0] for r in rep["refusals"]]
-    assert "model.embed_tokens" in refused and "lm_head" in refused and "model.layers.1.mlp.down_proj" in refused
-    assert all("keep_cpu_weights" in r for r in rep["refusals"])
+    c = rep["classes"]
+    assert rep["params"]["model.layers.0.self_attn.qkv_proj.weight"][0] == [0]
+    assert c["refused"] == [], c["refused"]
+    for m in ("model.embed_tokens", "lm_head", "model.layers.1.mlp.down_proj", "model.layers.0.self_attn.qkv_proj"):
+        assert c["finalize"][m] == ["weight"], c["finalize"]
+    assert "model.layers.0.input_layernorm.weight" in c["direct_names"]
+    assert not any(n.endswith("proj.weight") for n in c["direct_names"])
+    assert c["kept_bytes"] == 2 * 256 * (512 + 512 + 2 * (512 + 256 + 512 + 256)), c["kept_bytes"]
+    assert all(len(s) == 3 and max(s) < 5 for s in c["finalize_s"].values()), c["finalize_s"]
 
 
-def test_cpu_moe_prepacking_is_refused(tmp_path):
-    """vLLM's CPU MoE prepacks the experts after loading (new tensors, its own layout): refused by name."""
+def test_cpu_moe_prepacking_is_finalize(tmp_path):
+    """vLLM's CPU MoE prepacks the experts after loading (new tensors, its own layout): the experts
+    are finalize (their loader layout kept, the prepack re-run), everything else direct."""
     (rep,) = _run(str(tmp_path), True, False, 1, post=True)
-    moe = [r for r in rep["refusals"] if "mlp.experts" in r]
-    assert moe and all("prepacks w13_weight / w2_weight" in r for r in moe), rep["refusals"]
+    c = rep["classes"]
+    assert c["refused"] == [], c["refused"]
+    assert c["finalize"] == {
+        f"model.layers.{i}.mlp.experts.routed_experts": ["w13_weight", "w2_weight"] for i in (0, 1)
+    }, c["finalize"]
+    assert c["kept_bytes"] == 2 * 2 * 4 * 256 * 128 * 3, c["kept_bytes"]  # w13 (4, 256, 256) + w2 (4, 256, 128)
+    assert "model.layers.1.mlp.gate.weight" in c["direct_names"] and len(c["direct_names"]) == 17
 
 
-def test_cpu_fp8_post_processing_is_refused(tmp_path):
-    """vLLM's CPU FP8 post-processing re-lays the MoE router: the setup check names it."""
-    (rep,) = _run(str(tmp_path), True, True, 1, post=True)
-    assert rep["shape_error"] and "model.layers.0.mlp.gate.weight" in rep["shape_error"], rep["shape_error"]
+def test_a_planted_relayout_is_never_direct(tmp_path):
+    """A post-processing of our own that re-lays o_proj (transposed, a new tensor) is finalize: the
+    loader-layout bytes kept, the transpose re-run, the result equal to vLLM's; never direct."""
+    (rep,) = _run(str(tmp_path), False, False, 1, plant="transpose")
+    c = rep["classes"]
+    assert c["finalize"] == {"model.layers.0.self_attn.o_proj": ["weight"]}, c
+    assert "model.layers.0.self_attn.o_proj.weight" not in c["direct_names"]
+    assert "model.layers.1.self_attn.o_proj.weight" in c["direct_names"] and c["refused"] == []
+
+
+def test_a_irreproducible_post_processing_and_d_an_inconstant_buffer_are_refused_by_name(tmp_path):
+    """(One model for both.) A post-processing that fills a buffer of o_proj with fresh random
+    numbers (no re-run reproduces it): o_proj is neither direct nor finalize, its buffer refused by
+    name. A buffer on every decoder layer, random at build, that nothing writes: refused by name as
+    neither written nor constant."""
+    (rep,) = _run(str(tmp_path), False, False, 1, plant="random,init-buffer")
+    c = rep["classes"]
+    assert c["finalize"] == {} and "model.layers.0.self_attn.o_proj.weight" not in c["direct_names"], c
+    noise = [r for r in c["refused"] if r.startswith("model.layers.0.self_attn.o_proj.planted_noise:")]
+    state = [r for r in c["refused"] if ".planted_state:" in r]
+    assert noise and len(noise) + len(state) == len(c["refused"]), c["refused"]
+    assert {r.split(":")[0] for r in state} == {f"model.layers.{i}.planted_state" for i in (0, 1)}, state
+    assert all("neither written by wxfer nor constant" in r for r in state), state
+
+

@@ -3,7 +3,8 @@ outside the checkout (so the wxfer imported is the one installed in .venv-vllm, 
 vllm-setup) builds a vllm.LLM with WeightTransferConfig(backend="wxfer") without importing wxfer
 itself; vLLM's engine-core process loads the plugin, its worker builds wxfer's engine from the
 factory, and with $WXFER_VLLM_CPU_KEEP_WEIGHTS=1 the plugin kept vLLM's CPU GEMM dispatch on the
-parameters there (else init_transfer_engine would refuse the packed layers first)."""
+parameters there (else init_transfer_engine with proof=False would refuse the packed layers'
+shape-[0] parameters first)."""
 
 import os
 import subprocess
@@ -47,7 +48,7 @@ def test_the_entry_point_registers_the_backend_in_vllms_processes(tmp_path):
     res = [line for line in p.stdout.splitlines() if line.startswith("RESULT")]
     assert p.returncode == 0 and len(res) == 2, p.stdout[-3000:] + p.stderr[-3000:]
     assert "Invalid init_info for WxferWeightTransferEngine" in res[0], res
-    # the packed-CPU refusal would come first without the plugin's keep_cpu_weights in the worker:
-    # what fails is reaching the (absent) trainers' store
+    # the packed layers' shapes would be refused first without the plugin's keep_cpu_weights in the
+    # worker: what fails is reaching the (absent) trainers' store
     assert "CPU GEMM dispatch" not in res[1] and "127.0.0.1:9" in res[1], res
     assert "site-packages/wxfer/__init__.py" in p.stdout  # the installed wxfer (vLLM loaded its plugin)

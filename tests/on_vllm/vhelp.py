@@ -67,6 +67,42 @@ def save_checkpoint(path, moe=False, fp8=False, seed=0, **kw):
     return cfg
 
 
+def plant(kind):
+    """Plant a post-processing of our own into vLLM's classes in this process (both the model
+    built here and the proof's fresh reference instance get it): "transpose" re-lays
+    layers.0's o_proj weight (square) into a new tensor, transposed; "random" adds a buffer to
+    that o_proj which its post-processing fills with fresh random numbers (no re-run can
+    reproduce it); "init-buffer" a buffer on every Qwen3 decoder layer, random at build time,
+    that no post-processing touches (neither written by wxfer nor constant); several: "a,b"."""
+    import torch
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.models import qwen3
+
+    kinds = (kind or "").split(",")
+    if "transpose" in kinds or "random" in kinds:
+        real = UnquantizedLinearMethod.process_weights_after_loading
+
+        def planted(self, layer):
+            real(self, layer)
+            if getattr(layer, "prefix", "").endswith("layers.0.self_attn.o_proj"):
+                if "transpose" in kinds:
+                    layer.weight = torch.nn.Parameter(layer.weight.t().contiguous(), requires_grad=False)
+                else:
+                    layer.register_buffer("planted_noise", torch.randn(8))
+
+        UnquantizedLinearMethod.process_weights_after_loading = planted
+    if "init-buffer" in kinds:
+        real_init = qwen3.Qwen3DecoderLayer.__init__
+
+        def init(self, *a, **kw):
+            real_init(self, *a, **kw)
+            self.register_buffer("planted_state", torch.randn(8))
+
+        qwen3.Qwen3DecoderLayer.__init__ = init
+    if set(kinds) - {"", "transpose", "random", "init-buffer"}:
+        raise ValueError(kind)
+
+
 def build(path, tp=1, rank=0, port=29611, post=True, ep=False, keep=True):
     """(vllm_config, model): vLLM's own model class for the checkpoint at `path`, TP rank `rank`
     of `tp` (gloo), with vLLM's CPU GEMM dispatch kept on the parameters (keep_cpu_weights).
@@ -120,9 +156,10 @@ def contract(path, tp, rank, port, out, post, ep=False, keep=True):
 
     from wxfer.integrations.vllm import expected_destinations, quant_of, select_parameters
     from wxfer.integrations.vllm.engine import WxferInitInfo, worker_preset
-    from wxfer.integrations.vllm.layout import check_shapes, compare_digests, proof_digests, proof_layers, refusals
-    from wxfer.integrations.vllm.proof import load_and_digest
+    from wxfer.integrations.vllm.layout import check_shapes, compare_digests, proof_digests, proof_layers
+    from wxfer.integrations.vllm.proof import classify_worker, load_and_digest
 
+    plant(os.environ.get("WXFER_TEST_PLANT"))
     vc, model = build(path, tp, rank, port, post, ep, keep)
     cfg = vc.model_config.hf_config.to_dict()
     preset = worker_preset(WxferInitInfo(mapping_name="tiny"), cfg)
@@ -130,19 +167,31 @@ def contract(path, tp, rank, port, out, post, ep=False, keep=True):
     quant = quant_of(named)
     exp = expected_destinations(preset, cfg, tp, rank, quant, ep)
     sel, left, missing = select_parameters(named, exp)
-    bad = refusals(model, preset.arch)
+    classes = None
+    if post:  # the post-processing proof (postproc.py), every layer; each finalizer run twice more
+        with set_current_vllm_config(vc):
+            par = dict(tp=tp, rank=rank, ep=ep)
+            c, _ = classify_worker(model, vc, "cpu", preset, cfg, named, par, quant, None, 7, "rank %d" % rank)
+            for f in c.finalize:
+                f()
+                f()
+        classes = dict(
+            c.summary(),
+            direct_names=c.direct,
+            finalize_dests=sorted(c.finalize_dests),
+            finalize_s={f.module_name: f.seconds for f in c.finalize},
+        )
     shape_error = None
     try:
         check_shapes(sel, exp, "rank %d" % rank)
     except ValueError as e:
         shape_error = str(e)
     layers = proof_layers(cfg["num_hidden_layers"])
-    if shape_error or (
-        bad and post
-    ):  # the worker refuses before its proof (the loader cannot run on re-laid parameters)
+    if shape_error or (classes and (classes["finalize"] or classes["refused"])):
+        # post-processing re-laid parameters: the loader alone cannot run on them (the proof did)
         with open(out, "w") as f:
             params = {n: [list(t.shape), str(t.dtype)] for n, t in named}
-            json.dump(dict(shape_error=shape_error, refusals=bad, params=params), f)
+            json.dump(dict(shape_error=shape_error, classes=classes, params=params), f)
         return
     with set_current_vllm_config(vc):
         got, errors, secs = load_and_digest(model, preset, cfg, sel, tp, rank, quant, ep, layers, 7, "rank %d" % rank)
@@ -176,7 +225,7 @@ def contract(path, tp, rank, port, out, post, ep=False, keep=True):
         proof_s=secs,
         wrong_errors=wrong_errors,
         ep_errors=ep_errors,
-        refusals=bad,
+        classes=classes,
         engine=type(eng).__module__ + "." + type(eng).__name__,
         gate_fp8=[getattr(r, "fp8", None) for r in preset.rules if getattr(r, "dst", "").endswith("mlp.gate.weight")],
     )

@@ -7,7 +7,8 @@
   ``vllm.general_plugins`` entry point ``wxfer`` (``register``), a no-op without vLLM.  Another
   vLLM version is detected here (``VLLM_API``) and refused by name when the backend is built.
 - ``WxferWorkerExtension`` (extension.py): the worker extension class for a vLLM before the registry.
-- layout.py / proof.py: what the mapping writes, and the layout proof against vLLM's loader.
+- layout.py / proof.py / postproc.py: what the mapping writes, and the proof against vLLM's loader
+  and post-processing (direct / finalize / refused; ``Finalizer`` hooks).
 - cpu.py: ``keep_cpu_weights`` for vLLM's CPU platform.
 
 Everything here imports without vLLM; docs/vllm.md has the usage.
@@ -21,7 +22,8 @@ from ... import envs
 from .cpu import keep_cpu_weights
 from .engine import WorkerSide, WxferInitInfo, WxferUpdateInfo
 from .extension import WxferWorkerExtension, parallel_info
-from .layout import expected_destinations, quant_of, refusals, select_parameters, vllm_names
+from .layout import expected_destinations, quant_of, select_parameters, vllm_names
+from .postproc import FINALIZER_HOOKS, Finalizer
 from .trainer import BACKEND, LLMClient, TrainerSide, WxferTrainerInitInfo
 from .versions import UnsupportedVLLM, api
 
@@ -67,11 +69,12 @@ __all__ = [
     "WxferTrainerInitInfo",
     "WxferUpdateInfo",
     "WxferWorkerExtension",
+    "FINALIZER_HOOKS",
+    "Finalizer",
     "expected_destinations",
     "keep_cpu_weights",
     "parallel_info",
     "quant_of",
-    "refusals",
     "register",
     "select_parameters",
     "vllm_names",

@@ -4,7 +4,10 @@ layer to ``dispatch_cpu_unquantized_gemm``, which computes from a packed copy of
 into the parameter would then change nothing.  ``keep_cpu_weights()`` (called in the worker
 process before the model loads: the ``vllm.general_plugins`` entry point does it when
 $WXFER_VLLM_CPU_KEEP_WEIGHTS=1) makes that dispatch use ``torch.nn.functional.linear`` on the
-parameter itself, so the weights stay in place; slower GEMMs, for tests and CPU experiments."""
+parameter itself, so the weights stay in place; slower GEMMs, for tests and CPU experiments.
+Without it the post-processing proof makes each such layer finalize (its loader-layout weight kept,
+vLLM's dispatch re-run after every update; postproc.py): both are proven, the choice is GEMM speed
+against finalize seconds per update."""
 
 from __future__ import annotations
 
@@ -26,5 +29,6 @@ def keep_cpu_weights() -> bool:
         layer.cpu_linear = torch.nn.functional.linear
 
     dispatch_cpu_unquantized_gemm._wxfer_keeps_weights = True
+    dispatch_cpu_unquantized_gemm._wxfer_original = U.dispatch_cpu_unquantized_gemm
     U.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
     return True

@@ -3,16 +3,20 @@
 vLLM builds one engine per worker in ``load_model()`` (``WeightTransferEngineFactory``) and calls
 it from the client's RPCs (``LLM`` / ``AsyncLLM`` / HTTP / Ray):
 
-- ``init_transfer_engine(WxferInitInfo)``: refuses what wxfer must not write (MLA, kernels that
-  re-lay the weights, vLLM's packed CPU GEMM), checks that the model holds every destination the
-  mapping writes in its layout, runs the layout proof (``proof.py``: vLLM's own ``load_weights``
-  against the mapping, on seeded tensors) and builds one ``wxfer.Receiver`` over the parameters;
-  it returns once the trainers' Senders connected (they write one-sided from then on);
+- ``init_transfer_engine(WxferInitInfo)``: checks that the model holds every destination the
+  mapping writes, runs the proof (``proof.py`` / ``postproc.py``: vLLM's own ``load_weights`` +
+  ``process_weights_after_loading`` against what wxfer leaves, every layer, on seeded tensors):
+  each parameter is direct (its final storage registered), finalize (loader-layout memory kept
+  and registered instead) or refused by name (the setup fails); then builds one
+  ``wxfer.Receiver``; it returns once the trainers' Senders connected (they write one-sided from
+  then on);
 - ``start_weight_update()``: forgets the announced version;
 - ``update_weights({"version": v, "timeout": s})``: moves nothing (the trainers write) and waits,
   bounded, until step ``v`` is in place; synchronizes only a CUDA device;
 - ``finish_weight_update()``: fails unless ``Receiver.state()`` is complete at ``v`` (a torn or
-  missing step raises naming the trainer ranks and the parameters);
+  missing step raises naming the trainer ranks and the parameters), then runs the finalizers
+  (vLLM's post-processing of each finalize module re-run from the kept memory), timed:
+  ``finalize_report`` (seconds per module, in all, and the bytes kept);
 - ``shutdown()``: closes the Receiver.
 
 The class itself is built on first access (``WxferWeightTransferEngine``, PEP 562) for the
@@ -22,10 +26,13 @@ vLLM; the logic is in ``WorkerSide``, tested with and without vLLM.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
-from .layout import PROOF_SEED, quant_of, refusals, writable_parameters
+from .layout import PROOF_SEED, quant_of, writable_parameters
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,11 +121,16 @@ class WorkerSide:
             major = torch.cuda.get_device_capability(self.device)[0]
         replica = par["dp_rank"] if info.replica is None else int(info.replica)
         replicas = par["dp"] if info.replicas is None else int(info.replicas)
+        self._refuse_draft_and_mla(where)
+        self.finalizers = []
         if info.traced:
             preset = None
             store, sel, left = self._traced(info, par, replica, replicas, where, major)
         else:
             preset, store, sel, left = self._preset(info, par, replica, replicas, where, major)
+        self.finalize_report = dict(
+            modules={}, seconds=0.0, kept_bytes=sum(f.kept_bytes for f in self.finalizers), updates=0
+        )
         self.left_out = left
         self.receiver = Receiver(
             sel,
@@ -134,26 +146,48 @@ class WorkerSide:
             transport=info.transport,
         )
 
+    def _refuse_draft_and_mla(self, where):
+        """A draft model (MTP, EAGLE) wxfer would leave stale, and MLA attention whose
+        post-processing mla.py cannot re-run, are refused by name (mla.py)."""
+        from .mla import draft_refusal, mla_refusals
+
+        bad = mla_refusals(self.model)
+        draft = draft_refusal(self.vllm_config)
+        if draft:
+            bad.insert(0, draft)
+        if bad:
+            raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
+
     def _preset(self, info, par, replica, replicas, where, major):
-        """(preset, store, selected, left out) by the hand-written rules, with the layout proof."""
+        """(preset, store, selected, left out) by the hand-written rules.  With the proof (the
+        default: proof.py / postproc.py) every parameter is direct (its final storage registered),
+        finalize (loader-layout memory kept and registered instead, vLLM's post-processing re-run
+        in finish_weight_update) or refused by name; without it, only parameters whose live storage
+        has the mapping's layout."""
         from ...runtime import control
 
         cfg = self._hf_config()
         preset = worker_preset(info, cfg)
-        bad = refusals(self.model, preset.arch, major)
-        if bad:
-            raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
         named = list(self.model.named_parameters())
         quant = quant_of(named)
-        sel, left = writable_parameters(named, preset, cfg, par, quant, info.skip, where, preset.name)
         store = control.resolve_store(info.store or None, False, info.timeout)
-        if info.proof:
-            from .proof import worker_proof
+        if not info.proof:
+            sel, left = writable_parameters(named, preset, cfg, par, quant, info.skip, where, preset.name)
+            return preset, store, sel, left
+        from .proof import worker_proof
 
-            self.proof_result = worker_proof(
-                self.model, preset, cfg, sel, par, quant, replica, replicas, store, info, where
-            )
-        return preset, store, sel, left
+        args = (self.model, preset, cfg, named, par, quant, replica, replicas, store, info, where)
+        self.proof_result, cls, dests = worker_proof(*args, self.vllm_config, self.device)
+        live = dict(named)
+        sel = []
+        for d in sorted(set(cls.direct) | set(cls.finalize_dests)):
+            if d in cls.finalize_dests:
+                f, attr = cls.finalize_dests[d]
+                sel.append((d, f.params[attr]))
+            else:
+                sel.append((d, live[dests[d][0]]))
+        self.finalizers = sorted(cls.finalize, key=lambda f: f.late)
+        return preset, store, sel, cls.left_out
 
     def _traced(self, info, par, replica, replicas, where, major):
         """(store, selected, left out) by the map traced from vLLM's own load_weights (traced.py),
@@ -161,9 +195,6 @@ class WorkerSide:
         from ...runtime.control import Control, job_secret, resolve_store
         from .traced import registered, worker_trace
 
-        bad = refusals(self.model, None, major)
-        if bad:
-            raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
         store = resolve_store(info.store or None, False, info.timeout)
         ctl = Control(store, info.name, info.timeout, secret=job_secret(None))
         self.traced_map, windows = worker_trace(
@@ -210,6 +241,24 @@ class WorkerSide:
                 f"{st['ranks']}; the {len(names)} registered parameter(s) ({', '.join(names[:4])}"
                 f"{', ...' if len(names) > 4 else ''}) do not hold version {v}"
             )
+        self.run_finalizers()
+
+    def run_finalizers(self) -> dict:
+        """vLLM's post-processing re-run for every finalize module, timed (``finalize_report``)."""
+        fins = getattr(self, "finalizers", [])
+        per = {f.module_name: f() for f in fins}
+        if fins and getattr(self.device, "type", "cpu") == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
+        rep = self.finalize_report
+        rep.update(modules=per, seconds=sum(per.values()), updates=rep["updates"] + 1)
+        if fins:
+            log.info(
+                "wxfer: finalize of update %d: %d module(s) in %.4f s (%.1f MiB kept)",
+                rep["updates"], len(fins), rep["seconds"], rep["kept_bytes"] / 2**20,
+            )
+        return rep
 
     def shutdown(self) -> None:
         if self.receiver is not None:

@@ -10,8 +10,7 @@ lays the same bytes there.  Plain Python and torch: no vLLM import, tested witho
   checkpoint tensors (a few layers plus embeddings, final norm and head) are loaded by vLLM's
   own ``load_weights`` on the worker and packed by the mapping's reference packing on the
   trainer; the SHA-256 of every destination's bytes must agree.
-- ``refusals``: the post-processing paths that move or re-lay the memory wxfer writes, found
-  on the model's modules by name, each with what to configure instead.
+- what vLLM's post-processing does to that memory is decided by proof (postproc.py), not here.
 """
 
 from __future__ import annotations
@@ -177,6 +176,13 @@ def proof_digests(mapping, hf_config, tp: int, rank: int, quant, ep: bool, layer
     seeded checkpoint: the trainer's side of the proof (the reference packing, which every
     fast path equals bit for bit).  Only destinations whose every byte comes from the seeded
     tensors are listed."""
+    buf = proof_bytes(mapping, hf_config, tp, rank, quant, ep, layers, seed)
+    return {n: hashlib.sha256(b.numpy().tobytes()).hexdigest() for n, b in buf.items()}
+
+
+def proof_bytes(mapping, hf_config, tp: int, rank: int, quant, ep: bool, layers, seed: int = PROOF_SEED) -> dict:
+    """destination name -> the bytes (uint8) the mapping's reference packing writes there on
+    `rank` for the seeded checkpoint (see proof_digests)."""
     import torch
     from ...mapping import Layout, expand, pack_shard
 
@@ -195,7 +201,7 @@ def proof_digests(mapping, hf_config, tp: int, rank: int, quant, ep: bool, layer
                 buf[sh.dst] = torch.zeros(d.nbytes, dtype=torch.uint8)
             b = pack_shard(sh, full)
             buf[sh.dst][sh.offset : sh.offset + b.numel()] = b
-    return {n: hashlib.sha256(b.numpy().tobytes()).hexdigest() for n, b in buf.items()}
+    return buf
 
 
 def compare_digests(expected: dict, got: dict, where: str) -> list[str]:
@@ -208,101 +214,5 @@ def compare_digests(expected: dict, got: dict, where: str) -> list[str]:
             out.append(
                 f"{where}: {n}: the bytes vLLM's load_weights wrote differ from what the mapping packs "
                 f"(sha256 {got[n][:12]} != {expected[n][:12]})"
-            )
-    return out
-
-
-# --------------------------------------------------------------------------- refusals
-
-# What vLLM's post-processing does to the memory wxfer writes, by the names vLLM 0.32 gives its
-# choices (Fp8MoeBackend / UnquantizedMoeBackend members, kernel classes).
-MOE_FIX = 'moe_backend="triton" (vLLM: --moe-backend triton)'
-REFUSED_MOE_BACKENDS = {
-    "FLASHINFER_TRTLLM": "FlashInfer TRT-LLM MoE re-lays w13 (as w31, shuffled) in new tensors",
-    "FLASHINFER_CUTLASS": "FlashInfer CUTLASS MoE swaps w13 into w31 in new tensors",
-    "MARLIN": "Marlin repacks the expert weights",
-    "AITER": "ROCm AITER shuffles the expert weights",
-}
-REFUSED_LINEAR_KERNELS = [  # (part of the class name, why, what to configure instead)
-    (
-        "Marlin",
-        "Marlin repacks the weights into its tiles",
-        "a GPU with native FP8 (the CUTLASS / Triton block kernels)",
-    ),
-    ("FlashInfer", "its weight layout after loading is not proven here", "the CUTLASS or Triton block FP8 kernel"),
-    (
-        "CPUFp8",
-        "vLLM's CPU FP8 kernel re-lays weights after loading (the MoE router comes out float32, transposed)",
-        "BF16 on vLLM's CPU platform",
-    ),
-]
-
-
-def _linear_kernel_refusal(name: str, qm, device_major: int | None) -> str | None:
-    k = getattr(qm, "fp8_linear", None)
-    if k is None:
-        return None
-    cls = type(k).__name__
-    for pat, why, instead in REFUSED_LINEAR_KERNELS:
-        if pat in cls:
-            return f"{name}: FP8 kernel {cls}: {why}; configure {instead}"
-    if "DeepGemm" in cls and device_major is not None and device_major >= 10:
-        return (
-            f"{name}: FP8 kernel {cls} on SM{device_major}x: DeepGEMM repacks the scales as int32 UE8M0 in a new "
-            "tensor; configure VLLM_USE_DEEP_GEMM=0 (the CUTLASS block kernel)"
-        )
-    return None
-
-
-def _moe_refusal(name: str, qm) -> str | None:
-    backend = getattr(qm, "fp8_backend", None) or getattr(qm, "unquantized_backend", None)
-    b = getattr(backend, "name", None)
-    if b in REFUSED_MOE_BACKENDS:
-        return f"{name}: MoE backend {b}: {REFUSED_MOE_BACKENDS[b]}; configure {MOE_FIX}"
-    experts = getattr(getattr(qm, "moe_kernel", None), "fused_experts", None)
-    if experts is not None and "CPU" in type(experts).__name__:
-        return (
-            f"{name}: MoE experts {type(experts).__name__}: vLLM's CPU MoE prepacks w13_weight / w2_weight into its "
-            "grouped-GEMM layout in new tensors after loading; MoE on vLLM's CPU platform cannot be written"
-        )
-    return None
-
-
-def refusals(model, arch: str | None = None, device_major: int | None = None) -> list[str]:
-    """Why wxfer must not write this model's memory, one line each (empty: it may): MLA (derived
-    ``W_UV`` / ``W_UK_T`` the writes would leave stale), a kernel or MoE backend whose
-    post-processing re-lays the weights, ROCm's FP8 fnuz, and vLLM's CPU GEMM dispatch that
-    computes from a packed copy (``cpu_linear`` other than torch's linear).  device_major: the
-    CUDA compute capability's major of the worker's GPU (None: not a CUDA worker)."""
-    import torch
-
-    out = []
-    if arch == "deepseek_v3":
-        out.append(
-            "MLA (DeepSeek-V3 / Kimi-K2): vLLM derives W_UV / W_UK_T from kv_b_proj after loading and wxfer's "
-            "writes would leave them stale; not supported (use the nccl or ipc backend for this model)"
-        )
-    for name, mod in model.named_modules():
-        if hasattr(mod, "W_UV") or hasattr(mod, "W_UK_T"):
-            out.append(f"{name}: MLA absorbed weights (W_UV / W_UK_T) derived after loading; not supported")
-            break
-    fp8 = any(str(p.dtype).endswith("float8_e4m3fn") for p in model.parameters())
-    if fp8 and getattr(torch.version, "hip", None):
-        out.append("FP8 on ROCm: vLLM re-encodes e4m3fn weights as e4m3fnuz and doubles the scales; not supported")
-    for name, mod in model.named_modules():
-        qm = getattr(mod, "quant_method", None)
-        if qm is not None:
-            if "Marlin" in type(qm).__name__:
-                out.append(f"{name}: quant method {type(qm).__name__}: Marlin repacks the weights; not supported")
-            for why in (_linear_kernel_refusal(name, qm, device_major), _moe_refusal(name, qm)):
-                if why:
-                    out.append(why)
-        lin = getattr(mod, "cpu_linear", None)
-        if lin is not None and lin is not torch.nn.functional.linear:
-            out.append(
-                f"{name}: vLLM's CPU GEMM dispatch computes from a packed copy of the weight (cpu_linear "
-                f"{getattr(lin, '__name__', type(lin).__name__)}); writes to the parameter would not be used: "
-                "call wxfer.integrations.vllm.keep_cpu_weights() in the worker before the model loads "
-                "(WXFER_VLLM_CPU_KEEP_WEIGHTS=1 with the vllm.general_plugins entry point)"
             )
     return out

@@ -1,12 +1,13 @@
-"""The layout proof at setup, on by default: vLLM's own loader against the mapping.
+"""The layout proof at setup, on by default: vLLM's own loader and post-processing against the mapping.
 
-Worker (``worker_proof``, inside ``init_transfer_engine``, before the Receiver registers): the
-parameters the proof touches are saved, then filled through the model's own ``load_weights``
-from seeded random checkpoint tensors (``layout.seeded_checkpoint``: the first and last decoder
-layers plus embeddings, final norm and head; FP8 block-quantized as an FP8 checkpoint stores them
-when the model is FP8); the SHA-256 of every destination's bytes is published in the trainers'
-store (``vllm/proof/<gpu>``) and compared with the worker's own rebuilt mapping; a parameter whose
-storage moved during the load is refused by name; the saved bytes are put back.
+Worker (``worker_proof``, inside ``init_transfer_engine``, before the Receiver registers):
+``postproc.classify`` over every layer (seeded random checkpoint tensors, FP8 block-quantized as an
+FP8 checkpoint stores them when the model is FP8, through a fresh instance of the model's class:
+vLLM's ``load_weights`` + ``process_weights_after_loading``, against the mapping's packed bytes
+written where wxfer writes them, plus its finalize step); every parameter is direct, finalize or
+refused by name.  The SHA-256 of the mapping's bytes of every proven destination is published in
+the trainers' store (``vllm/proof/<gpu>``), with the classification.  ``load_and_digest`` (the
+loader alone, on a model in its loader layout) stays for the contract tests.
 
 Trainer rank 0 (``trainer_check``, inside the trainer engine's ``trainer_init``, before the
 Senders are built): the same seeded tensors packed by the trainers' mapping (the reference
@@ -74,15 +75,56 @@ def load_and_digest(model, preset, cfg, selected, tp, rank, quant, ep, layers, s
     return got, errors, time.perf_counter() - t0
 
 
-def worker_proof(model, preset, cfg, selected, par, quant, replica, replicas, store, info, where) -> dict:
+def checkpoint_for(preset, cfg, tp, quant, ep, layers, seed) -> list:
+    """[(checkpoint name, tensor)]: the seeded checkpoint as vLLM's loader reads it (FP8
+    block-quantized where an FP8 checkpoint stores it so)."""
+    full = seeded_checkpoint(preset, cfg, layers, seed)
+    if quant == "fp8":
+        q = fp8_sources(preset, cfg, tp, ep, layers)
+        return fp8_checkpoint(full, lambda n: n in q)
+    return list(full.items())
+
+
+def classify_worker(model, vllm_config, device, preset, cfg, named, par, quant, skip, seed, where):
+    """(Classification, destinations): postproc.classify over every layer of the worker's model,
+    the mapping `preset` the one whose bytes are written.  destinations: destination name ->
+    (model tensor name, shape, dtype).  RuntimeError naming what the model lacks."""
+    from .layout import expected_destinations, proof_bytes, select_parameters, vllm_names
+    from .postproc import classify
+
+    layers = list(range(int(cfg.get("num_hidden_layers", 1))))
+    tp, rank, ep = par["tp"], par["rank"], par["ep"]
+    expected = expected_destinations(preset, cfg, tp, rank, quant, ep)
+    sel, left, missing = select_parameters(named, expected, skip)
+    if missing:
+        raise RuntimeError(
+            f"wxfer: {where} lacks {len(missing)} parameter(s) the mapping {preset.name!r} writes: {missing[:10]}"
+        )
+    chosen = {d for d, _ in sel}
+    rename = vllm_names(expected, [n for n, _ in named])
+    dests = {d: (rename[d], expected[d][0], expected[d][1]) for d in expected if d in chosen}
+    packed = proof_bytes(preset, cfg, tp, rank, quant, ep, layers, seed)
+    ckpt = checkpoint_for(preset, cfg, tp, quant, ep, layers, seed)
+    c = classify(model, vllm_config, device, dests, packed, ckpt)
+    c.left_out = left
+    c.packed_digests = {d: digest(b) for d, b in packed.items() if d in dests}
+    return c, dests
+
+
+def worker_proof(model, preset, cfg, named, par, quant, replica, replicas, store, info, where, vllm_config, device):
+    """(record, Classification): the post-processing proof over every layer (postproc.classify),
+    published for the trainers; LayoutProofError naming every refused parameter."""
     from ...runtime.control import Control, job_secret
 
-    layers = proof_layers(int(cfg.get("num_hidden_layers", 1)), info.proof_layers)
     tp, rank, ep = par["tp"], par["rank"], par["ep"]
     gpu = replica * tp + rank
-    got, errors, seconds = load_and_digest(
-        model, preset, cfg, selected, tp, rank, quant, ep, layers, info.proof_seed, where
+    t0 = time.perf_counter()
+    cls, dests = classify_worker(
+        model, vllm_config, device, preset, cfg, named, par, quant, info.skip, info.proof_seed, where
     )
+    errors = [f"{where}: {r}" for r in cls.refused]
+    proven = set(cls.direct) | set(cls.finalize_dests)
+    got = {d: h for d, h in cls.packed_digests.items() if d in proven}
     out = dict(
         gpu=gpu,
         tp=tp,
@@ -91,19 +133,21 @@ def worker_proof(model, preset, cfg, selected, par, quant, replica, replicas, st
         replicas=replicas,
         quant=quant,
         ep=ep,
-        layers=layers,
+        layers=list(range(int(cfg.get("num_hidden_layers", 1)))),
         seed=info.proof_seed,
         digests=got,
         errors=errors,
-        seconds=seconds,
+        seconds=time.perf_counter() - t0,
+        classes=cls.summary(),
     )
     Control(store, info.name, info.timeout, secret=job_secret(None)).set_json(KEY % gpu, out)
     if errors:
         raise LayoutProofError(
-            f"wxfer: layout proof failed ({len(errors)} parameter(s); vLLM's load_weights of seeded checkpoint "
-            "tensors against the mapping): " + "; ".join(errors[:6])
+            f"wxfer: layout proof failed ({len(errors)} parameter(s); vLLM's load_weights + "
+            "process_weights_after_loading of seeded checkpoint tensors against what wxfer leaves): "
+            + "; ".join(errors[:6])
         )
-    return out
+    return out, cls, dests
 
 
 def trainer_check(ctl, mapping, timeout: float, alive=lambda: None) -> dict:
