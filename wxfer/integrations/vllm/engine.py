@@ -152,7 +152,7 @@ class WorkerSide:
         from .mla import draft_refusal, mla_refusals
 
         bad = mla_refusals(self.model)
-        draft = draft_refusal(self.vllm_config)
+        draft = draft_refusal(getattr(self, "vllm_config", None))
         if draft:
             bad.insert(0, draft)
         if bad:
