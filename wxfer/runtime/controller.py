@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 
-from . import control, digest, program
+from . import control, digest, program, setup_waits
 from .control import SetupError
 
 
@@ -29,7 +29,15 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
         if problems:
             raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
         by = time.monotonic() + timeout  # one deadline for every worker
-        first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)", timeout)
+        first = json.loads(
+            ctl.get(
+                "infer/0",
+                "the metadata of inference worker gpu 0 (replica 0 rank 0)",
+                timeout,
+                abort=setup_waits.STOPPED,
+                abort_where="another trainer rank",
+            ).decode()
+        )
         n = first["replicas"] * first["tp"]
         wait_workers(ctl, n, first["tp"], timeout, deadline=by)
         workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}") for g in range(1, n)]
@@ -91,6 +99,7 @@ def wait_workers(ctl, n: int, tp: int, timeout: float, deadline: float | None = 
     deadline = time.monotonic() + timeout if deadline is None else deadline
     delay, dup_seen = 0.005, None
     while True:
+        setup_waits.check_stopped(ctl)  # a trainer rank was interrupted: no reason to wait on
         have = ctl.add("infer/count", 0)
         dups = ctl.add("infer/dups", 0)
         now = time.monotonic()
@@ -152,8 +161,8 @@ def _linger_on(ctl, timeout: float, trainer_key, trainers, recv_key, receivers, 
                 except Exception:  # noqa: BLE001
                     w = None
                 want = w["replicas"] * w["tp"] if w else 1
-            if ctl.add(key, 0) >= want:
-                break
+            if ctl.add(key, 0) >= want or (key == trainer_key and ctl.check(setup_waits.STOPPED)):
+                break  # (a trainer rank stopped during setup acks nothing)
             time.sleep(0.02)
 
 
