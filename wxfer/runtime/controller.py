@@ -38,7 +38,7 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
                 abort_where="another trainer rank",
             ).decode()
         )
-        n = first["replicas"] * first["tp"]
+        n = layout_size(first)
         wait_workers(ctl, n, first["tp"], timeout, deadline=by)
         workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}") for g in range(1, n)]
         probs = []
@@ -90,6 +90,24 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
     ctl.set("layout", json.dumps(dict(replicas=first["replicas"], tp=first["tp"], workers=n)))
     ctl.set("plan", control.encode_result(blob, None))
     ctl.set("status", control.encode_result(b"", None))
+
+
+MAX_WORKERS = 1 << 16  # inference workers one plan may hold (a layout beyond: a forged or damaged record)
+
+
+def layout_size(first: dict) -> int:
+    """The number of inference workers gpu 0's record says the layout has (replicas x tp),
+    refused at once (SetupError) when it is not a positive int product of at most
+    MAX_WORKERS: a forged or damaged record (replicas=1e9) had cost the whole setup timeout."""
+    rep, tp = first.get("replicas"), first.get("tp")
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (rep, tp))
+    if not ok or rep * tp > MAX_WORKERS:
+        raise SetupError(
+            f"inference worker gpu 0's record (store key infer/0) says replicas={rep!r} tp={tp!r}: "
+            + ("not two ints >= 1" if not ok else f"{rep * tp} workers, more than {MAX_WORKERS}")
+            + "; the record is damaged or was not written by a wxfer Receiver (check who writes to this store)"
+        )
+    return rep * tp
 
 
 def wait_workers(ctl, n: int, tp: int, timeout: float, deadline: float | None = None) -> None:

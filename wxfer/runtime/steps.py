@@ -365,6 +365,7 @@ class StepLoop:
                 version,
                 f"trainer rank {self.rank} gave up on {what} of step {version} "
                 f"here and skips this worker from now on: {failed[g]}",
+                dropped=True,
             )
         return failed, ({} if new_only else self.links.take_refused())
 
