@@ -28,7 +28,7 @@ _spec.loader.exec_module(fault_loop)
     [("rank0", "stop", "gather", 2), ("outside", "kill", "gather", 3)],
 )
 def test_a_rank_hung_or_dead_inside_a_push_fails_rank_0_in_bound_naming_it(store, fault, hook, nth):
-    r = fault_loop.iteration(0, store, fault, random.Random(0), hook=hook, nth=nth)
+    (r,) = fault_loop.iteration(0, store, fault, random.Random(0), hook=hook, nth=nth)
     assert r["fault_fired"], r
     assert r["outcome"] not in ("ok", "hung"), r
     assert r["seconds"] <= fault_loop.BOUND_S, r
