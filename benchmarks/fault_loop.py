@@ -259,7 +259,9 @@ def iteration(i: int, store_mode: str, fault: str, rng: random.Random, hook=None
         )
         for r in (0, 1)
     ]
-    wk = subprocess.Popen(me + ["worker", wstore, out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wk = subprocess.Popen(
+        me + ["worker", wstore, out], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     res = dict(i=i, store=store_mode)
     t_start = time.monotonic()
     lines0 = []
@@ -314,7 +316,8 @@ def iteration(i: int, store_mode: str, fault: str, rng: random.Random, hook=None
     recs = []
     for k in range(n):
         step = STEP + 2 * k
-        r = dict(res, step=step, fault=f"{fault}@{hooks[k]}" + (f"#{nths[k]}" if hooks[k] != "timer" else f"~{frac:.2f}"))
+        where = f"#{nths[k]}" if hooks[k] != "timer" else f"~{frac:.2f}"
+        r = dict(res, step=step, fault=f"{fault}@{hooks[k]}{where}")
         line = next((ln for ln in lines0 if ln.startswith(f"rank 0 step {step} ")), None)
         r["fault_fired"] = step in fired
         if not setup_done:
@@ -374,7 +377,8 @@ def table(rows: list) -> str:
         secs = [r["seconds"] for r in rs if r.get("seconds") is not None and r["outcome"] != "ok"]
         torn = [r["torn_after_s"] for r in rs if r.get("torn_after_s") is not None]
         out.append(
-            f"| {store} | {fault} | {len(rs)} | {len(nopush)} | {len(raised)} | {sum(r['outcome'] == 'ok' for r in rs)} | "
+            f"| {store} | {fault} | {len(rs)} | {len(nopush)} | {len(raised)} | "
+            f"{sum(r['outcome'] == 'ok' for r in rs)} | "
             f"{sum(r['outcome'] == 'hung' for r in rs)} | {max(secs) if secs else '-'} | "
             f"{sum(bool(r.get('names_rank1')) for r in raised)}/{len(raised)} | "
             f"{len(torn)} ({max(torn) if torn else '-'}) | {sum(r['complete_wrong'] for r in rs)} | "

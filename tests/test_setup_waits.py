@@ -37,7 +37,9 @@ TRAINER = ONE_WRITE_PER_LINE + textwrap.dedent("""
     if case == "forged" and rank == 1:  # rank 1 reads an error record rank 0 never wrote (no secret)
         from wxfer.runtime.control import ERR, Control
         real_get = Control.get
-        Control.get = lambda self, k, *a, **kw: ERR + b"forged by a stranger" if k == "plan" else real_get(self, k, *a, **kw)
+        def forged(self, k, *a, **kw):
+            return ERR + b"forged by a stranger" if k == "plan" else real_get(self, k, *a, **kw)
+        Control.get = forged
     if case == "badmac" and rank == 1:  # rank 1's copy of the plan's record is garbage (with a secret)
         from wxfer.runtime.control import Control
         real_open = Control._open

@@ -9,7 +9,6 @@ test_setup_waits.py and test_torn.py):
 import time
 
 import pytest
-import torch
 
 from wxfer import _wxfer
 from wxfer.models import TINY, preset_for, train_model

@@ -51,7 +51,9 @@ class FailureExchange:
                 i = self.ctl.add(base, 1)
                 self.ctl.set_json(
                     "%s/%d" % (base, i),
-                    dict(step=int(step), writer=writer, by=self.rank, why=why, final=bool(final), dropped=bool(dropped)),
+                    dict(
+                        step=int(step), writer=writer, by=self.rank, why=why, final=bool(final), dropped=bool(dropped)
+                    ),
                 )
             except Exception:  # noqa: BLE001
                 pass
