@@ -367,6 +367,24 @@ def test_the_end_of_a_push_drops_and_marks_the_failed_workers_and_reports_them()
     assert not any(e[0] == "verify_landed" for e in seen.log)
 
 
+def test_a_report_with_no_other_worker_says_so_instead_of_an_empty_list():
+    """Issue 35.8: "the other workers ([]) received every byte" when this rank's only worker failed."""
+    import threading
+
+    class Failing(_Engine):
+        def failed_peers(self):
+            return [_Err(10)]
+
+    seen = _Seen()
+    loop = _loop(seen, _program(), links=_links(gpus=(0,)), engine=Failing())
+    h = loop.push(3, False, seen.run_task, threading.RLock())
+    with pytest.raises(RuntimeError) as e:
+        h.wait()
+    msg = str(e.value)
+    assert "the writes to 1 inference worker(s) failed" in msg and "[]" not in msg, msg
+    assert "no other inference worker is written by this trainer rank in step 3" in msg, msg
+
+
 class _Agreeing(_Seen):
     """The failure exchange of two trainer ranks: `others` is what the other rank flags."""
 

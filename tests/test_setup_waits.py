@@ -34,12 +34,31 @@ TRAINER = ONE_WRITE_PER_LINE + textwrap.dedent("""
     if case == "plan1" and rank == 1:  # this rank's copy of the plan arrives damaged
         real = program.plan_from_bytes
         program.plan_from_bytes = lambda data, *a, **k: real(data[:-1] + bytes([data[-1] ^ 1]), *a, **k)
+    if case == "forged" and rank == 1:  # rank 1 reads an error record rank 0 never wrote (no secret)
+        from wxfer.runtime.control import ERR, Control
+        real_get = Control.get
+        def forged(self, k, *a, **kw):
+            return ERR + b"forged by a stranger" if k == "plan" else real_get(self, k, *a, **kw)
+        Control.get = forged
+    if case == "badmac" and rank == 1:  # rank 1's copy of the plan's record is garbage (with a secret)
+        from wxfer.runtime.control import Control
+        real_open = Control._open
+        Control._open = lambda self, k, raw: real_open(self, k, b"garbage" * 8 if k == "plan" else raw)
+    if case == "sigint" and rank == 1:  # Ctrl-C on rank 1 while it waits for the plan
+        from wxfer.runtime.control import Control
+        real_get2 = Control.get
+        def get2(self, k, *a, **kw):
+            if k == "plan":
+                time.sleep(1.0)
+                raise KeyboardInterrupt
+            return real_get2(self, k, *a, **kw)
+        Control.get = get2
     dist.barrier()
     t0 = time.monotonic()
     try:
         Sender(model, mapping=preset_for(TINY), timeout=timeout, write_timeout=3)
         print(f"rank {rank} setup ok", flush=True)
-    except Exception as e:
+    except BaseException as e:
         print(f"rank {rank} setup failed after {time.monotonic() - t0:.3f} s: {type(e).__name__}: "
               + str(e).replace(chr(10), " | "), flush=True)
 """)
@@ -59,11 +78,11 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _run(tmp_path, case, timeout, worker):
+def _run(tmp_path, case, timeout, worker, **extra):
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "worker.py").write_text(WORKER)
     sport = free_port()
-    env = store_env(sport)
+    env = dict(store_env(sport), **extra)
     procs = [
         python(*torchrun_args(tmp_path / "trainer.py", case, timeout), env=dict(env, WXFER_STORE=""), cwd=tmp_path)
     ]
@@ -102,3 +121,33 @@ def test_a_plan_refused_on_rank_1_fails_every_rank_and_the_receiver_clearly(tmp_
     m = re.search(r"worker setup failed after ([\d.]+) s: (.*)", wout)
     assert m and "SetupError" in m.group(2) and "the plan from trainer rank 0 cannot be read" in m.group(2), wout
     assert float(m.group(1)) < 50, wout  # told, not its whole timeout (60 s)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["forged", "badmac"])
+def test_a_plan_record_rank_1_cannot_read_reaches_rank_0_and_the_receiver_with_its_reason(tmp_path, case):
+    """Issue 35.8: a forged error record (no secret) or a record failing authentication (a
+    secret) read by rank 1 alone had reached rank 0 as gloo's "Connection closed by peer" and
+    left the receiver waiting its whole timeout."""
+    extra = {"WXFER_SECRET": "s" * 32} if case == "badmac" else {}
+    tout, wout = _run(tmp_path, case, 40.0, worker=True, **extra)
+    why = "forged by a stranger" if case == "forged" else "fails authentication with the job secret"
+    for r, (took, msg) in _failures(tout).items():
+        assert "SetupError: wxfer: loading the plan failed on 1 trainer rank(s)" in msg, msg
+        assert "rank 1: " in msg and why in msg, msg
+        assert "gloo" not in msg.lower() and "Connection closed" not in msg, msg
+        assert took < 20, (r, took, msg)
+    m = re.search(r"worker setup failed after ([\d.]+) s: (.*)", wout)
+    assert m and "SetupError" in m.group(2) and why in m.group(2), wout
+    assert float(m.group(1)) < 50, wout  # told, not its whole timeout (60 s)
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_on_rank_1_during_setup_tells_rank_0_at_once(tmp_path):
+    """Issue 35.8: rank 0, waiting for the workers, had waited out its setup timeout."""
+    (out,) = _run(tmp_path, "sigint", 40.0, worker=False)
+    fails = _failures(out)
+    assert "KeyboardInterrupt" in fails[1][1], fails[1]
+    took, msg = fails[0]
+    assert "trainer rank 1 (pid" in msg and "was stopped during setup: KeyboardInterrupt" in msg, msg
+    assert took < 15, (took, msg)  # at once, lingering at most 10 s for receivers: not its 40 s

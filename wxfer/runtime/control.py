@@ -439,10 +439,12 @@ def agree(group, error: str | None, rank: int, what: str, timeout: float = DEFAU
     errs = gather_strings(group, error, timeout, f"the trainer ranks' results of {what} (trainer rank {rank})")
     bad = [(r, e) for r, e in enumerate(errs) if e]
     if bad:
-        raise SetupError(
+        err = SetupError(
             f"wxfer: {what} failed on %d trainer rank(s):\n  " % len(bad)
             + "\n  ".join(f"rank {r}: {e}" for r, e in bad)
         )
+        err.ranks = [r for r, _ in bad]
+        raise err
 
 
 def gather_strings(group, s: str | None, timeout: float, what: str) -> list:

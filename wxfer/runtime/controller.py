@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 
-from . import control, digest, program
+from . import control, digest, program, setup_waits
 from .control import SetupError
 
 
@@ -29,8 +29,16 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
         if problems:
             raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
         by = time.monotonic() + timeout  # one deadline for every worker
-        first = ctl.get_json("infer/0", "the metadata of inference worker gpu 0 (replica 0 rank 0)", timeout)
-        n = first["replicas"] * first["tp"]
+        first = json.loads(
+            ctl.get(
+                "infer/0",
+                "the metadata of inference worker gpu 0 (replica 0 rank 0)",
+                timeout,
+                abort=setup_waits.STOPPED,
+                abort_where="another trainer rank",
+            ).decode()
+        )
+        n = layout_size(first)
         wait_workers(ctl, n, first["tp"], timeout, deadline=by)
         workers = [first] + [ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}") for g in range(1, n)]
         probs = []
@@ -102,6 +110,24 @@ def _check_params(workers: list, ex) -> None:
         raise SetupError("inference workers disagree:\n  " + "\n  ".join(p for p in probs if p))
 
 
+MAX_WORKERS = 1 << 16  # inference workers one plan may hold (a layout beyond: a forged or damaged record)
+
+
+def layout_size(first: dict) -> int:
+    """The number of inference workers gpu 0's record says the layout has (replicas x tp),
+    refused at once (SetupError) when it is not a positive int product of at most
+    MAX_WORKERS: a forged or damaged record (replicas=1e9) had cost the whole setup timeout."""
+    rep, tp = first.get("replicas"), first.get("tp")
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (rep, tp))
+    if not ok or rep * tp > MAX_WORKERS:
+        raise SetupError(
+            f"inference worker gpu 0's record (store key infer/0) says replicas={rep!r} tp={tp!r}: "
+            + ("not two ints >= 1" if not ok else f"{rep * tp} workers, more than {MAX_WORKERS}")
+            + "; the record is damaged or was not written by a wxfer Receiver (check who writes to this store)"
+        )
+    return rep * tp
+
+
 def wait_workers(ctl, n: int, tp: int, timeout: float, deadline: float | None = None) -> None:
     """Wait (bounded: until `deadline`, else `timeout` from now) for the `n` inference workers;
     a worker registered twice, or one missing at the deadline, is refused naming every such
@@ -109,6 +135,7 @@ def wait_workers(ctl, n: int, tp: int, timeout: float, deadline: float | None = 
     deadline = time.monotonic() + timeout if deadline is None else deadline
     delay, dup_seen = 0.005, None
     while True:
+        setup_waits.check_stopped(ctl)  # a trainer rank was interrupted: no reason to wait on
         have = ctl.add("infer/count", 0)
         dups = ctl.add("infer/dups", 0)
         now = time.monotonic()
@@ -170,8 +197,8 @@ def _linger_on(ctl, timeout: float, trainer_key, trainers, recv_key, receivers, 
                 except Exception:  # noqa: BLE001
                     w = None
                 want = w["replicas"] * w["tp"] if w else 1
-            if ctl.add(key, 0) >= want:
-                break
+            if ctl.add(key, 0) >= want or (key == trainer_key and ctl.check(setup_waits.STOPPED)):
+                break  # (a trainer rank stopped during setup acks nothing)
             time.sleep(0.02)
 
 

@@ -33,11 +33,12 @@ class FailureExchange:
         self.marked: set = set()  # (gpu, epoch, writer, step) recorded already
 
     # ------------------------------------------------------------------ torn records
-    def mark(self, gpus, step: int, why: str, writer="self", final: bool = True) -> None:
+    def mark(self, gpus, step: int, why: str, writer="self", final: bool = True, dropped: bool = False) -> None:
         """Record in the store, for Receiver.state(), that the writes of `writer` (this rank;
         None: some trainer rank) of step `step` to `gpus` were abandoned; `final`: no later
         push of this rank will repair them (it skips the worker, or is going away).  Best
-        effort: a store that cannot be reached leaves the stamps to say "being written"."""
+        effort: a store that cannot be reached leaves the stamps to say "being written".
+        `dropped`: this rank skips these workers from now on (state() reads dropped, not torn)."""
         writer = self.rank if writer == "self" else writer
         epochs = self.links.epoch
         for g in sorted(gpus):
@@ -49,7 +50,10 @@ class FailureExchange:
                 base = "torn/%d/e%d" % (g, e)
                 i = self.ctl.add(base, 1)
                 self.ctl.set_json(
-                    "%s/%d" % (base, i), dict(step=int(step), writer=writer, by=self.rank, why=why, final=bool(final))
+                    "%s/%d" % (base, i),
+                    dict(
+                        step=int(step), writer=writer, by=self.rank, why=why, final=bool(final), dropped=bool(dropped)
+                    ),
                 )
             except Exception:  # noqa: BLE001
                 pass

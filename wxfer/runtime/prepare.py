@@ -7,11 +7,76 @@ turns a ``TaskOp`` into the bytes the engine writes.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from ..zerocopy import merged_rows, zero_copy_dests
 from .program import TaskOp
+
+# --------------------------------------------------------------------------- the bound of a collective
+
+_BOUND = threading.local()  # v: (seconds, whose) while a push runs its collectives (bounded)
+
+
+@contextlib.contextmanager
+def bounded(seconds: float, whose: str):
+    """Every gloo collective of stage 2 run inside is bounded by `seconds` (issue 35.3): the
+    row all-gathers are posted asynchronously and waited for by control.wait_work (a
+    CollectiveError, interruptible), a generic DTensor.full_tensor() runs with its mesh's gloo
+    groups' timeout lowered to `seconds`; `whose` ("trainer rank 0, step 3") names it.  Outside
+    it (or on CUDA tensors: NCCL, waited for by the engine's events) they run as before."""
+    prev = getattr(_BOUND, "v", None)
+    _BOUND.v = (float(seconds), whose)
+    try:
+        yield
+    finally:
+        _BOUND.v = prev
+
+
+def _all_gather(out, inp, group, what: str, prep=None, done: int = 0) -> None:
+    """all_gather_single(out, inp) on `group`, bounded when a push set one (``bounded``);
+    prep.done = `done` once it is posted (a failed rank's drain must not post it again)."""
+    b = getattr(_BOUND, "v", None)
+    if b is None or out.device.type != "cpu":
+        all_gather_single(out, inp, group=group)
+        if prep is not None:
+            prep.done = done
+        return
+    from . import control
+
+    work = all_gather_single(out, inp, group=group, async_op=True)
+    if prep is not None:
+        prep.done = done
+    control.wait_work(work, b[0], f"{what} ({b[1]})")
+
+
+@contextlib.contextmanager
+def _gloo_bounded(p, local):
+    """A generic full_tensor() of `p` within the push's bound: its mesh's gloo groups' timeout
+    lowered for the call (and put back), so a rank dead or hung fails it within the bound."""
+    b = getattr(_BOUND, "v", None)
+    saved = []
+    if b is not None and local.device.type == "cpu":
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed.distributed_c10d as c10d
+
+        for g in p.device_mesh.get_all_groups():
+            try:
+                be = g._get_backend(torch.device("cpu"))
+                saved.append((g, be.options._timeout))
+                c10d._set_pg_timeout(timedelta(seconds=b[0]), g)
+            except Exception:  # noqa: BLE001 -- not gloo: as before
+                pass
+    try:
+        yield
+    finally:
+        for g, t in saved:
+            c10d._set_pg_timeout(t, g)
+
 
 # --------------------------------------------------------------------------- stages 1 and 2
 
@@ -48,10 +113,11 @@ def full_tensor(p, local):
     g = _gather_spec(p)
     if g is not None and tuple(local.shape) == g[3]:
         return _gather_rows(local, g)
-    if local is dtensor_local(p):
-        return p.full_tensor()  # not offloaded: the parameter itself
-    d = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    return d.full_tensor()
+    with _gloo_bounded(p, local):
+        if local is dtensor_local(p):
+            return p.full_tensor()  # not offloaded: the parameter itself
+        d = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        return d.full_tensor()
 
 
 _GATHER_SPECS: dict = {}  # id(parameter) -> (weak reference, spec)
@@ -104,7 +170,7 @@ def _gather_rows(local, g):
     else:
         inp = local.contiguous()
     out = torch.empty((w * c,) + rest, dtype=local.dtype, device=local.device)
-    all_gather_single(out, inp, group=group)
+    _all_gather(out, inp, group, f"the all-gather of a {tuple(lshape)} shard")
     return out if n == w * c else out[:n]
 
 
@@ -548,9 +614,8 @@ def _gather_many(g: _Gather, fulls: dict, device, prep: TaskPrep | None = None, 
             k += 1
     inp = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
     out = torch.empty(g.w * g.total, dtype=g.dtype, device=device)
-    all_gather_single(out, inp, group=g.group)
-    if prep is not None:
-        prep.done = done  # posted: a drain must not post it again
+    more = f" and {len(g.items) - 1} more" if len(g.items) > 1 else ""
+    _all_gather(out, inp, g.group, f"the all-gather of {g.items[0][0]}{more}", prep, done)
     del inp
     if len(g.items) == 1:
         name, p, c, rows, rest, n = g.items[0]

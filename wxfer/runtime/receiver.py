@@ -576,18 +576,23 @@ class Receiver:
     def state(self) -> dict:
         """What the weights here are, one of:
 
-        - ``complete``: ``version`` is the step fully in place (-1: no push yet);
+        - ``complete``: ``version`` is the step fully in place;
+        - ``unwritten``: no step written since this Receiver's setup (``version`` -1): the
+          weights are what the memory held before (a loaded checkpoint, or what an earlier
+          job left, maybe half written: issue 35.8 -- not ``complete`` at -1);
         - ``writing``: trainer rank(s) ``ranks`` are writing step ``step`` (for ``for_s`` s);
         - ``torn``: step ``step`` was left half written (``why``: which trainer rank gave up
           or died); the weights mix two steps until a push reaches this worker again
           (``final`` False: the trainers said their next push will);
         - ``dropped``: the trainers gave up on this worker at step ``step`` (``why``); it holds
-          step ``version`` complete but will not be written again until it is restarted.
+          step ``version`` complete (-1 with ``step``: it was dropped in the middle of that
+          step, a stalled worker the trainers skipped, and its weights are torn) but will not
+          be written again until it is restarted.
 
         ``message`` says it in one line.  Reads the store (one round trip) only when a trainer
         has recorded giving up on this worker or some sender is mid-step."""
         if not self.senders:
-            return _state("complete", -1, None, [], "", 0.0, False, f"inference worker gpu {self.gpu}: no push yet")
+            return _unwritten(self.gpu)
         end, begin = self._stamps()
         busy = [(r, b) for r, b, e in zip(self.senders, begin, end) if b != e]
         now = time.monotonic()
@@ -625,6 +630,8 @@ class Receiver:
             step = max(b for _, b in busy)
             msg = f"{where}: step {step} being written by trainer rank(s) {ranks} (for {now - first:.1f} s)"
             return _state("writing", -1, step, ranks, "", now - first, False, msg)
+        if v < 0:
+            return _unwritten(self.gpu)
         return _state("complete", v, v, [], "", 0.0, False, f"{where}: step {v} complete")
 
     def _marked(self, live: list, busy: list, v: int, for_s: float) -> dict:
@@ -634,6 +641,15 @@ class Receiver:
         m = min(live, key=lambda m: m["step"])
         why = "; ".join(sorted({x["why"] for x in live}))
         final = any(x.get("final", True) for x in live)
+        skipped = [x for x in live if x.get("dropped")]  # skipped for good (a stalled worker)
+        if busy and skipped:
+            m = min(skipped, key=lambda m: m["step"])
+            msg = (
+                f"{where}: dropped by the trainers in the middle of step {m['step']} ({why}); its "
+                "weights are torn (that step half written) and it is not written again until it is restarted"
+            )
+            ranks = sorted({x.get("writer") for x in live}, key=str)
+            return _state("dropped", -1, m["step"], ranks, why, for_s, True, msg)
         if busy:
             msg = f"{where}: torn since step {m['step']}: {why}" + (
                 "" if final else " (the trainers go on: their next push to this worker rewrites it)"
@@ -766,6 +782,20 @@ def _checked_params(named_parameters) -> dict:
     if not params:
         raise ValueError("wxfer.Receiver: no parameters")
     return params
+
+
+def _unwritten(gpu) -> dict:
+    return _state(
+        "unwritten",
+        -1,
+        None,
+        [],
+        "",
+        0.0,
+        False,
+        f"inference worker gpu {gpu}: no step written since this Receiver's setup (the weights are what "
+        "the memory held before it)",
+    )
 
 
 def _state(state, version, step, ranks, why, for_s, final, message) -> dict:

@@ -188,8 +188,10 @@ class Sender:
             self.program, self.transport_name, self.transport, self.engine, self.links, self.inplace, self.runner = (
                 self._connect_phase(transport, transport_options, in_place)
             )
-        except BaseException:
+        except BaseException as e:
             self._stop_leases()  # a failed setup: no more pushes from this rank, nor this job
+            if not isinstance(e, Exception):  # Ctrl-C, SystemExit: the other ranks are told (issue 35.8)
+                setup_waits.tell_stopped(self.ctl, self.rank, e)
             raise
         self.setup_s["connect"] = time.perf_counter() - t1
         self.failures, self.steps = self._step_parts()
@@ -271,15 +273,25 @@ class Sender:
                 # the store lives in this process: before raising (and maybe exiting) let the
                 # other ranks and the registered receivers read the error from it
                 self._linger("plan/acks", self.world - 1, "status/acks", None)
+                if self.world > 1:  # the others agree on the plan: they raise this reason
+                    setup_waits.join_refusal(self.group, str(e), self.phase.left(self.timeout))
                 raise
         # a little longer than rank 0's wait for the receivers: this rank reads rank 0's reason
-        data = self.ctl.get("plan", "the plan from trainer rank 0 (controller)", setup_waits.PLAN_WAIT * self.timeout)
-        if self.rank:
+        err = None
+        try:
+            data = self.ctl.get(
+                "plan",
+                "the plan from trainer rank 0 (controller)",
+                setup_waits.PLAN_WAIT * self.timeout,
+                abort=setup_waits.STOPPED,
+                abort_where="another trainer rank",
+            )
+        except SetupError as e:  # its record fails authentication: agreed on below, every rank told
+            data, err = b"", str(e)
+        if self.rank:  # (rank 0, when it failed, lingers for the receivers, then joins load_plan's agreement)
             self.ctl.add("plan/acks", 1)
-            if data[:2] == control.ERR:  # torchrun ends rank 0 once this rank exits: wait for the receivers
-                self._linger(None, 0, "status/acks", None)
         return setup_waits.load_plan(  # decoded, checked and agreed on every rank
-            self.ctl, self.group, self.rank, self.timeout, data, lambda n: self._linger(None, 0, "setup/acks", n)
+            self.ctl, self.group, self.rank, self.timeout, data, lambda n: self._linger(None, 0, "setup/acks", n), err
         )
 
     def _linger(self, trainer_key, trainers, recv_key, receivers) -> None:

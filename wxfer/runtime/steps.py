@@ -108,7 +108,11 @@ class StepLoop:
         try:
             self.runner.write_begin()
             ph["begin_stamps"] = time.perf_counter() - t0
-            with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
+            with (
+                torch.no_grad(),
+                torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext(),
+                prepare.bounded(self.timeout, f"trainer rank {self.rank}, step {version}"),
+            ):
                 self._groups(version, run_task, ev, state)
         except Exception as e:
             self.inplace.abandon()  # its in-place writes land before this push raises
@@ -229,13 +233,19 @@ class StepLoop:
 
         for op in ops:
             try:
-                with torch.no_grad(), torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext():
+                with (
+                    torch.no_grad(),
+                    torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext(),
+                    prepare.bounded(self.timeout, f"trainer rank {self.rank}, draining its failed step"),
+                ):
                     # the same collectives as run_task's (one all-gather per task and group)
                     prep = op.prep if op.prep is not None else prepare.task_prep(op, self.device)
                     op.prep = prep
                     prepare.collectives(prep, self.device, None, prep.done if resume else 0)
-            except Exception:  # noqa: BLE001 -- this step is failed already
-                pass
+            except Exception as e:  # noqa: BLE001 -- this step is failed already
+                if isinstance(e, control.CollectiveError) or is_gloo_failure(e):
+                    raise  # the group is broken (a rank died or hung): no more to drain
+
 
     def _abort(self) -> None:
         try:
@@ -355,6 +365,7 @@ class StepLoop:
                 version,
                 f"trainer rank {self.rank} gave up on {what} of step {version} "
                 f"here and skips this worker from now on: {failed[g]}",
+                dropped=True,
             )
         return failed, ({} if new_only else self.links.take_refused())
 
@@ -374,6 +385,8 @@ class StepLoop:
                 + "\n  ".join(f"inference worker gpu {g}: {why}" for g, why in sorted(refused.items()))
             )
         ok = sorted(set(self.links.workers) - set(failed))
+        if not ok:  # issue 35.8: "the other workers ([])" said nothing
+            return "\n".join(parts) + f"\nno other inference worker is written by this trainer rank in step {version}"
         return (
             "\n".join(parts) + f"\nthe other workers ({ok}) received every byte of step {version} and its version stamp"
         )
