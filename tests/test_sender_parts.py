@@ -127,7 +127,7 @@ def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
     fx = FailureExchange(ctl, None, 0, 1, 1.0, 1.0, True, ln, [0, 1, 2])
     fx.mark_live(7, "gave up", final=False)  # gpu 0 is dropped: only gpu 1
     assert ctl.kv["torn/1/e3"] == 1 and "torn/0/e0" not in ctl.kv
-    assert ctl.kv["torn/1/e3/1"] == dict(step=7, writer=0, by=0, why="gave up", final=False)
+    assert ctl.kv["torn/1/e3/1"] == dict(step=7, writer=0, by=0, why="gave up", final=False, dropped=False)
     fx.mark_live(7, "again")  # the same (gpu, epoch, writer, step): not recorded twice
     assert ctl.kv["torn/1/e3"] == 1
     fx.mark([2], 7, "some rank", writer=None)  # not this rank's worker: its epoch from the store
