@@ -225,6 +225,11 @@ class Receiver:
     next push() and write there from then on, with the plan unchanged for every other
     worker.  Its parameters must match the first worker's (names, shapes, dtypes) and
     the constructor waits (bounded by `timeout`) for that next push.
+
+    delta_staging (bytes, an int or e.g. "64MiB"; default $WXFER_DELTA_STAGING, else 0: none):
+    a registered staging area for the trainers' delta records (``Sender(delta=True)``, issue 36),
+    split evenly among the trainer ranks writing here; call ``apply()`` after every push (vLLM:
+    in ``finish_weight_update``) to apply them.  Without one, delta trainers write here dense.
     """
 
     def __init__(
@@ -245,6 +250,7 @@ class Receiver:
         stamp_slots: int = 1024,
         verify: bool | None = None,
         secret=None,
+        delta_staging=0,
     ):
         from .. import _wxfer
 
@@ -279,6 +285,7 @@ class Receiver:
         self._init_records()
         try:
             self._register(register, stamp_slots)
+            self._register_staging(delta_staging)
             self._publish()
             self._handshakes()
             self._watch_writers()
@@ -314,6 +321,10 @@ class Receiver:
         self.region_base = {}  # region descriptor -> uint8 tensor over it (verify mode)
         self.param_range = {}  # name -> (region descriptor, offset, nbytes)
         self.verifier = None
+        self.staging = None  # wxfer.runtime.delta.Staging (delta_staging > 0)
+        import threading
+
+        self._apply_lock = threading.Lock()  # apply(): the owner's and verify's Checker
         self.lease = None
         self.writers = None  # liveness.WriterWatch over self.senders (after the handshakes)
         self._gone: dict = {}  # trainer rank -> why it is dead (state())
@@ -377,6 +388,36 @@ class Receiver:
         self.register_s = time.perf_counter() - t0
         self.n_regions = len(by_base)
 
+    def _register_staging(self, nbytes) -> None:
+        """The delta staging area (delta_staging bytes; 0: none), registered after the weights
+        and stamps (its region is not in the weight regions the records name)."""
+        from .delta import Staging
+
+        if nbytes in (None, 0, "0"):
+            nbytes = envs.get("WXFER_DELTA_STAGING", "0")
+        if isinstance(nbytes, str):
+            from .. import _wxfer
+
+            nbytes = int(_wxfer.parse_size(nbytes)) if nbytes.strip() not in ("", "0") else 0
+        if isinstance(nbytes, bool) or int(nbytes) < 0:
+            raise ValueError(f"wxfer.Receiver: delta_staging must be bytes >= 0, got {nbytes!r}")
+        if int(nbytes) > 0:
+            self.staging = Staging(self, int(nbytes))
+
+    def apply(self, version: int | None = None, sender: int | None = None) -> dict:
+        """Apply the trainers' delta records of the last complete push (``Sender(delta=True)``):
+        call it after every push, before the weights are used (vLLM: ``finish_weight_update``).
+        Idempotent; does nothing while a push is being written (``version()`` is -1) or without
+        a staging area.  Returns {records, bytes, changed, applied_s, version}; raises
+        wxfer.runtime.delta.DeltaError when this worker missed an earlier push's records (the
+        trainers then send the next push dense).  version, sender: that step's records of that
+        trainer rank alone, whether or not the step is complete (verify's Checker: they landed)."""
+        if self.staging is None:
+            return dict(records=0, bytes=0, changed=0, applied_s=0.0, version=self.version())
+        with self._apply_lock:
+            regions = [self.region_base[bytes(r.descriptor)] for r in self.regions[:-1]]
+            return self.staging.apply(regions, version, sender)
+
     def _publish(self) -> None:
         meta = dict(
             gpu=self.gpu,
@@ -395,6 +436,7 @@ class Receiver:
             stamp=_b64(self.stamp_region.descriptor),
             stamp_slots=self.stamp_slots,
             stamp_begin=8 * self.stamp_slots,
+            **(self.staging.meta(self.regions[:-1]) if self.staging is not None else {}),
             host=socket.gethostname(),
             device=str(self.device),
             lease_s=liveness.lease_interval(),
@@ -667,6 +709,11 @@ class Receiver:
             senders=list(self.senders),
             empty=list(self.empty),
             tied=dict(self.tied),
+            **(
+                {}
+                if self.staging is None
+                else {"delta": dict(staging_bytes=self.staging.nbytes, last=self.staging.last, total=self.staging.total)}
+            ),
         )
 
     def close(self) -> None:
@@ -685,6 +732,8 @@ class Receiver:
             except Exception:  # noqa: BLE001
                 pass
         self.regions = []
+        if self.staging is not None:
+            self.staging.close()
         try:
             self.transport.close()
         except Exception:  # noqa: BLE001
