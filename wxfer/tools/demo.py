@@ -181,6 +181,44 @@ def _result(a: dict, res: dict, per_step: list, total_s: float, load0) -> dict:
     )
 
 
+def _delta_result(a: dict, res: dict, per_step: list) -> dict:
+    """The delta fields of the result (--delta): per step what was sent against a dense push
+    (``dense_bytes``: every rank's bytes per step), the changed fraction of the destination
+    bytes compared, the receivers' apply, and ``verified`` (every receiver's bytes after its
+    apply() equal the reference packing of the trainers' weights, i.e. a dense push's, every
+    step).  Step 1 is dense by rule; the totals are over the later steps."""
+    dense = sum(r["bytes_per_step"] for r in res["ranks"])
+    steps = []
+    for i, s in enumerate(per_step):
+        d = s["delta"]
+        steps.append(
+            dict(
+                step=i + 1,
+                sent_bytes=s["moved"],
+                record_bytes=d["record_bytes"],
+                tasks_delta=d["tasks_delta"],
+                tasks_dense=d["tasks_dense"],
+                change_rate=d["changed_bytes"] / max(d["compared_bytes"], 1),
+                apply_s=max(r["apply"]["applied_s"] for r in s["reports"]),
+                push_s=s["step_s"],
+                bitexact=all(r["ok"] for r in s["reports"]),
+            )
+        )
+    later = steps[1:] or steps
+    return dict(
+        delta=True,
+        change_rate_requested=a["change_rate"],
+        delta_bytes=sum(x["sent_bytes"] for x in later) // len(later),
+        dense_bytes=dense,
+        change_rate=sum(x["change_rate"] for x in later) / len(later),
+        delta_vs_dense_bytes=sum(x["sent_bytes"] for x in later) / len(later) / max(dense, 1),
+        first_push_s=steps[0]["push_s"],
+        delta_push_s=sorted(x["push_s"] for x in later)[len(later) // 2],
+        apply_s=max(x["apply_s"] for x in later),
+        delta_steps=steps,
+    )
+
+
 def _add_simulated(out: dict, ctl, calibration, log) -> None:
     """The simulator on the trainers' own plan, calibrated here after the run (issue 15), or
     from `calibration`, into `out`."""
@@ -270,6 +308,8 @@ def run_demo(
     log=print,
     simulate: bool = False,
     calibration: str | None = None,
+    delta: bool = False,
+    change_rate: float | None = None,
 ) -> dict:
     """Run the demo (the module's docstring says what) and return its result."""
     import torch
@@ -307,6 +347,9 @@ def run_demo(
         transport=transport,
         dir=tmp,
         trace_dir=trace_dir,
+        delta=bool(delta),
+        change_rate=change_rate,
+        delta_staging="64MiB",
     )
     procs = []
     t_start = time.perf_counter()
@@ -320,6 +363,8 @@ def run_demo(
         total_s = time.perf_counter() - t_start
         per_step = [ctl.get_json("demo/step/%d" % s, "step report") for s in range(1, len(res["step_s"]) + 1)]
         out = _result(a, res, per_step, total_s, load0)
+        if delta:
+            out.update(_delta_result(a, res, per_step))
         if simulate:
             _add_simulated(out, ctl, calibration, log)
         log(_summary(out))
@@ -350,6 +395,17 @@ def main(argv) -> int:
         help="push once more without training: same bytes, receivers bit-identical",
     )
     ap.add_argument("--watermark", default="256MiB")
+    ap.add_argument(
+        "--delta",
+        action="store_true",
+        help="Sender(delta=True): after the first (dense) push send only the changed bytes; receivers apply() them",
+    )
+    ap.add_argument(
+        "--change-rate",
+        type=float,
+        default=None,
+        help="instead of training, change this fraction of every parameter's elements each step (e.g. 0.01)",
+    )
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--trace-dir", default=None, help="write a Chrome trace per trainer rank here")
     ap.add_argument("--timeout", type=float, default=600.0)
@@ -382,6 +438,8 @@ def main(argv) -> int:
             timeout=args.timeout,
             simulate=not args.no_simulate,
             calibration=args.calibration,
+            delta=args.delta,
+            change_rate=args.change_rate,
         )
     except Exception as e:  # noqa: BLE001
         print("wxfer demo: %s" % e, file=sys.stderr)
