@@ -81,6 +81,7 @@ class DeltaWriter:
         self.last_rec: dict = {}  # gpu -> version of the last push that sent it records (-1: none)
         self.regions: dict = {}  # gpu -> {region descriptor: index} of its staging records
         self.resync_seen = 0
+        self.force_dense = False  # the next pushes dense, shadow kept (a benchmark's dense push in the same run)
         self.version = 0
         self.recs: dict = {}  # gpu -> [record tensors] of the push under way
         self.room: dict = {}  # gpu -> record bytes left in this rank's slot
@@ -180,6 +181,8 @@ class DeltaWriter:
         self._keep(op.task, buf, ranges, sh)
 
     def _dense_reason(self, sh, ranges, gpus):
+        if self.force_dense:
+            return "forced"
         if sh is None or [r[:2] for r in sh[0]] != ranges:
             return "first"
         if any(g is None or g not in self.synced for g in gpus):

@@ -204,8 +204,15 @@ def _delta_result(a: dict, res: dict, per_step: list) -> dict:
                 bitexact=all(r["ok"] for r in s["reports"]),
             )
         )
-    later = steps[1:] or steps
+    forced = set(a.get("dense_steps", ()))
+    later = [x for x in steps[1:] if x["step"] not in forced] or steps
+    dense_s = [x["push_s"] for x in steps if x["step"] in forced and x["step"] > 1]
+    extra = {}
+    if dense_s:  # dense pushes of the same run (forced; the shadow kept): the time to compare with
+        extra["dense_push_s"] = sorted(dense_s)[len(dense_s) // 2]
+        extra["delta_vs_dense_s"] = sorted(x["push_s"] for x in later)[len(later) // 2] / extra["dense_push_s"]
     return dict(
+        extra,
         delta=True,
         change_rate_requested=a["change_rate"],
         delta_bytes=sum(x["sent_bytes"] for x in later) // len(later),
@@ -310,6 +317,7 @@ def run_demo(
     calibration: str | None = None,
     delta: bool = False,
     change_rate: float | None = None,
+    dense_steps: tuple = (),
 ) -> dict:
     """Run the demo (the module's docstring says what) and return its result."""
     import torch
@@ -350,6 +358,7 @@ def run_demo(
         delta=bool(delta),
         change_rate=change_rate,
         delta_staging="64MiB",
+        dense_steps=list(dense_steps),
     )
     procs = []
     t_start = time.perf_counter()

@@ -286,6 +286,8 @@ def _trainer(rank, world, a, ctl):
             _train_step(model, opt, a, rank, step, device)
         if a["gpu"]:
             torch.cuda.synchronize()
+        if sender.delta is not None:  # a dense push in the same run, to compare (bench_delta.py)
+            sender.delta.force_dense = step in a.get("dense_steps", ())
         dt, nb = _timed_push(sender, step)
         step_s.append(dt)
         moved.append(nb)
