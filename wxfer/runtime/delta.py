@@ -78,21 +78,26 @@ def encode(new, d, c: int, region: int, doff: int):
     n = new.numel()
     enc = PAIRS if pairs_size(c) <= mask_size(n, c) else MASK
     size = pairs_size(c) if enc == PAIRS else mask_size(n, c)
-    out = torch.zeros(size, dtype=torch.uint8, device=new.device)
+    out = torch.empty(size, dtype=torch.uint8, device=new.device)
     out[: REC.size] = torch.frombuffer(bytearray(REC.pack(region, enc, doff, n, c)), dtype=torch.uint8).to(new.device)
     p = REC.size
     if enc == PAIRS:
-        idx = d.nonzero().view(-1).to(torch.int32)
-        out[p : p + 4 * c] = idx.view(torch.uint8)
+        idx = d.nonzero().view(-1)
+        out[p : p + 4 * c] = idx.to(torch.int32).view(torch.uint8)
+        out[p + 4 * c : p + pad8(4 * c)] = 0
         p += pad8(4 * c)
+        vals = new.index_select(0, idx)
     else:
         m = (n + 7) // 8
         bits = torch.zeros(m * 8, dtype=torch.uint8, device=new.device)
         bits[:n] = d
         w = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=new.device)
         out[p : p + m] = (bits.view(m, 8) * w).sum(1, dtype=torch.uint8)
+        out[p + m : p + pad8(m)] = 0
         p += pad8(m)
-    out[p : p + c] = new[d]
+        vals = new[d]
+    out[p : p + c] = vals
+    out[p + c :] = 0
     return out
 
 

@@ -284,8 +284,7 @@ class Receiver:
             raise SetupError(f"wxfer.Receiver gpu {self.gpu}: opening transport {self.transport_name}: {e}") from e
         self._init_records()
         try:
-            self._register(register, stamp_slots)
-            self._register_staging(delta_staging)
+            self._register(register, stamp_slots, delta_staging)
             self._publish()
             self._handshakes()
             self._watch_writers()
@@ -333,7 +332,7 @@ class Receiver:
         self._busy_key = self._busy_since = None
         self._marks_checked, self._last_marks = -1.0, []
 
-    def _register(self, mode: str, stamp_slots: int) -> None:
+    def _register(self, mode: str, stamp_slots: int, delta_staging=0) -> None:
         import torch
 
         tensors = list(self.params.values())
@@ -385,6 +384,7 @@ class Receiver:
         self.stamp_slots = int(stamp_slots)
         self.stamp_region = self.transport.register(self.stamps, export=True)
         self.regions.append(self.stamp_region)
+        self._register_staging(delta_staging)
         self.register_s = time.perf_counter() - t0
         self.n_regions = len(by_base)
 

@@ -201,16 +201,18 @@ class Sender:
             raise
         self.setup_s["connect"] = time.perf_counter() - t1
         self.failures, self.steps = self._step_parts()
-        if self.delta_on:
-            from .delta_send import DeltaWriter
-
-            self.delta = DeltaWriter(
-                self.engine, self.device, self.stream, self.rank, self.links, self.runner, self.ctl
-            )
-            self.steps.delta = self.delta
+        self._delta_part()
         self._log_ready()
 
     # ------------------------------------------------------------------ setup
+    def _delta_part(self) -> None:
+        """delta=True: the DeltaWriter (delta_send.py), which the StepLoop runs every task through."""
+        if self.delta_on:
+            from .delta_send import DeltaWriter
+
+            self.delta = DeltaWriter(self.engine, self.device, self.stream, self.rank, self.links, self.runner, self.ctl)
+            self.steps.delta = self.delta
+
     def _step_parts(self) -> tuple:
         """(FailureExchange, StepLoop) over the collaborators made at connect."""
         failures = FailureExchange(

@@ -181,6 +181,22 @@ def _result(a: dict, res: dict, per_step: list, total_s: float, load0) -> dict:
     )
 
 
+def _host_store(port: int):
+    """The demo's TCPStore, hosted in this process."""
+    from datetime import timedelta
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=TIMEOUT), wait_for_workers=False)
+
+
+def _delta_args(delta: bool, change_rate, dense_steps) -> dict:
+    """The processes' delta arguments: Sender(delta=...), the receivers' staging area, the
+    synthetic change rate (None: train), the steps pushed dense on purpose (bench_delta.py)."""
+    if change_rate is not None and not 0.0 <= float(change_rate) <= 1.0:
+        raise ValueError(f"--change-rate must be a fraction in [0, 1], got {change_rate}")
+    return dict(delta=bool(delta), change_rate=change_rate, delta_staging="64MiB", dense_steps=list(dense_steps))
+
+
 def _delta_result(a: dict, res: dict, per_step: list) -> dict:
     """The delta fields of the result (--delta): per step what was sent against a dense push
     (``dense_bytes``: every rank's bytes per step), the changed fraction of the destination
@@ -321,16 +337,12 @@ def run_demo(
 ) -> dict:
     """Run the demo (the module's docstring says what) and return its result."""
     import torch
-    from datetime import timedelta
-    import torch.distributed as dist
     from ..runtime import control
 
     gpu = torch.cuda.is_available() and envs.get("WXFER_DEMO_CPU") != "1"
     trainers = _demo_trainers(trainers, gpu)
-    port = control.free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=TIMEOUT), wait_for_workers=False)
-    name = "demo%d" % os.getpid()
-    ctl = control.Control(store, name, TIMEOUT)
+    port, name = control.free_port(), "demo%d" % os.getpid()
+    ctl = control.Control(_host_store(port), name, TIMEOUT)
     tmp = tempfile.mkdtemp(prefix="wxfer-demo-")
     a = dict(
         store="127.0.0.1:%d" % port,
@@ -355,10 +367,7 @@ def run_demo(
         transport=transport,
         dir=tmp,
         trace_dir=trace_dir,
-        delta=bool(delta),
-        change_rate=change_rate,
-        delta_staging="64MiB",
-        dense_steps=list(dense_steps),
+        **_delta_args(delta, change_rate, dense_steps),
     )
     procs = []
     t_start = time.perf_counter()
