@@ -217,6 +217,8 @@ def _delta_result(a: dict, res: dict, per_step: list) -> dict:
                 change_rate=d["changed_bytes"] / max(d["compared_bytes"], 1),
                 apply_s=max(r["apply"]["applied_s"] for r in s["reports"]),
                 push_s=s["step_s"],
+                submit_s=d.get("submit_s"),
+                writes_s=d.get("writes_s"),
                 bitexact=all(r["ok"] for r in s["reports"]),
             )
         )

@@ -166,6 +166,9 @@ def _timed_push(sender, step: int):
     per = control.gather_json(sender.group, (dt, after - before, d), sender.timeout, f"step {step}'s times")
     if d is not None:
         d = {k: sum(x[2][k] for x in per) for k in d}
+        ph = sender.last_phases  # the slowest rank's: until submitted (stages 1-2, compare, encode), landed
+        tm = control.gather_json(sender.group, (ph.get("submit"), ph.get("writes")), sender.timeout, "phases")
+        d["submit_s"], d["writes_s"] = max(x[0] or 0 for x in tm), max(x[1] or 0 for x in tm)
         sender.delta_step = d
     return max(x[0] for x in per), sum(x[1] for x in per)
 
