@@ -158,3 +158,26 @@ def test_dense_after_a_failure_and_after_a_missed_apply(store):
     assert sender.stats()["delta"]["last"]["tasks_delta"] > 0 and _dense_equal(model, params, tp, "fp8")
     sender.close()
     recv.close()
+
+
+@pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
+def test_verify_checks_the_whole_destination_of_a_delta_push(store):
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    name = "deltaverify"
+    params, ths = receivers_in_threads(TINY, addr, name, 1, None, timeout=T, delta_staging="1MiB", verify=True)
+    model = _model()
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=True)
+    (recv,) = joined(ths, T)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(1, 4):
+        if step > 1:
+            _touch(model, 0.01, gen)
+        sender.push(verify=True)  # the receiver's checker applies this trainer's records, then checks
+        rep = sender.last_verify[0]
+        assert rep["bytes"] == sender.bytes_per_step and not rep["mismatch"] and not rep["errors"]
+        assert _dense_equal(model, params, 1, None)
+    assert sender.stats()["delta"]["last"]["tasks_delta"] > 0
+    sender.close()
+    recv.close()
