@@ -12,6 +12,9 @@ from wxfer.runtime import delta
 
 FABRIC = _wxfer.backends()["fabric"][0]
 T = 30.0
+# the chooser's inputs pinned (a 50 MB/s link, encode and apply at 80 MB/s of records), so that
+# the choice does not depend on this machine's load: records at 1% changed, dense at 60%
+SLOW = dict(link_Bps=50e6, measure_link=False, costs=dict(encode_Bps=80e6, apply_Bps=80e6))
 
 from helpers import expected_shards, joined, receivers_in_threads  # noqa: E402 -- tests/helpers.py
 
@@ -73,7 +76,7 @@ def test_delta_push_is_bit_identical_to_dense_every_step(store, quant):
     name, tp = "delta" + str(quant), 2
     params, ths = receivers_in_threads(TINY, addr, name, tp, quant, timeout=T, delta_staging="1MiB")
     model = _model()
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=True)
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=SLOW)
     recvs = joined(ths, T)
     gen = torch.Generator().manual_seed(0)
     kinds = []
@@ -114,7 +117,7 @@ def test_dense_after_a_failure_and_after_a_missed_apply(store):
     name, tp = "deltafail", 1
     params, ths = receivers_in_threads(TINY, addr, name, tp, "fp8", timeout=T, delta_staging="1MiB")
     model = _model()
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=True)
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=SLOW)
     (recv,) = joined(ths, T)
     gen = torch.Generator().manual_seed(2)
     sender.push()
@@ -168,7 +171,7 @@ def test_verify_checks_the_whole_destination_of_a_delta_push(store):
     name = "deltaverify"
     params, ths = receivers_in_threads(TINY, addr, name, 1, None, timeout=T, delta_staging="1MiB", verify=True)
     model = _model()
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=True)
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=SLOW)
     (recv,) = joined(ths, T)
     gen = torch.Generator().manual_seed(4)
     for step in range(1, 4):
@@ -179,5 +182,12 @@ def test_verify_checks_the_whole_destination_of_a_delta_push(store):
         assert rep["bytes"] == sender.bytes_per_step and not rep["mismatch"] and not rep["errors"]
         assert _dense_equal(model, params, 1, None)
     assert sender.stats()["delta"]["last"]["tasks_delta"] > 0
+    # a link as fast as memory (colocated): the records cost more than the bytes, dense by itself
+    sender.delta.link_Bps = 1e12
+    _touch(model, 0.01, gen)
+    sender.push(verify=True)
+    last = sender.stats()["delta"]["last"]
+    assert last["tasks_delta"] == 0 and last["dense_why"] == {"cost": last["tasks_dense"]}
+    assert _dense_equal(model, params, 1, None)
     sender.close()
     recv.close()

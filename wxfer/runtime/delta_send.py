@@ -8,7 +8,8 @@ writes each receiver's records (one write per receiver, into this rank's staging
 
 The per-task choice, from measured costs: records when
 ``rec_bytes / link + rec_bytes / apply + rec_bytes / encode < task_bytes / link``, link being
-the throughput of this rank's last dense push (bytes / push seconds; before any: 1 GB/s) and
+the throughput of this rank's last all-dense push (its tasks' bytes over the union of their
+write spans in the engine trace; before any: 1 GB/s) and
 apply / encode the receiver's apply and this rank's encode throughput per record byte, timed
 once at setup on this device (``calibrate_costs``).  A task is dense when any of its
 receivers is not in step with the shadow (the first push, after any failure, a restarted or
@@ -67,15 +68,19 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01) -> dict:
 class DeltaWriter:
     """engine, device, stream, rank: this rank's; runner: its TaskRunner (verify's checksums,
     the engine's words); links: its workers (their staging areas, restarts); ctl: the job's
-    Control (the receivers' resync requests); costs: calibrate_costs's; link_Bps: the link
-    throughput assumed before the first dense push is measured."""
+    Control (the receivers' resync requests); costs: calibrate_costs's (None: timed here);
+    link_Bps: the link throughput assumed before a dense push measured it (None: 1 GB/s);
+    measure_link False: keep link_Bps (a known link, or a test that pins the choice)."""
 
-    def __init__(self, engine, device, stream, rank, links, runner, ctl, costs=None, link_Bps: float = 1e9):
+    def __init__(
+        self, engine, device, stream, rank, links, runner, ctl, costs=None, link_Bps=None, measure_link: bool = True
+    ):
         self.engine, self.device, self.stream, self.rank = engine, device, stream, rank
         self.links, self.runner, self.ctl = links, runner, ctl
         self.senders = program.receivers_of(links.plan)  # gpu -> trainer ranks writing it (slot order)
-        self.costs = costs if costs is not None else calibrate_costs(device)
-        self.link_Bps = float(link_Bps)
+        self.costs = dict(costs) if costs is not None else calibrate_costs(device)
+        self.link_Bps = 1e9 if link_Bps is None else float(link_Bps)
+        self.measure_link = bool(measure_link)
         self.shadow: dict = {}  # task -> (ranges [(soff, n, shadow offset)], uint8 tensor)
         self.synced: set = set()  # gpus whose memory matches the shadow (after apply())
         self.last_rec: dict = {}  # gpu -> version of the last push that sent it records (-1: none)
@@ -295,8 +300,8 @@ class DeltaWriter:
             for g in live:
                 if self.recs.get(g):
                     self.last_rec[g] = self.version
-            if seconds and s["tasks_delta"] == 0 and s["dense_bytes"]:
-                self.link_Bps = s["dense_bytes"] / max(seconds, 1e-9)  # measured: this rank's dense push
+            if self.measure_link and s["tasks_delta"] == 0 and s["tasks_dense"]:
+                self.link_Bps = self._link_measured(s["tasks_dense"]) or self.link_Bps
         else:
             self.synced = set()
             self.last_rec = {}
@@ -307,6 +312,26 @@ class DeltaWriter:
         for k in ("delta_bytes", "dense_bytes", "sent_bytes"):
             self.total[k] += s[k]
         self.recs = {}
+
+    def _link_measured(self, ntasks: int) -> float | None:
+        """This rank's link throughput in its last (all dense) push, from the engine trace: its
+        data tasks' bytes over the union of their write spans (first write posted .. last
+        landed), so that stage 2 does not count as link time.  None when not measurable."""
+        from .tasks import STAMP_TAG
+
+        try:
+            recs = [r for r in self.engine.trace()[-(ntasks + 8) :] if r["tag"] not in (STAMP_TAG, delta.DELTA_TAG)]
+        except Exception:  # noqa: BLE001
+            return None
+        spans = sorted((r["t_post_first"], r["t_done"]) for r in recs if r["t_post_first"] and r["t_done"])
+        busy, end = 0, 0
+        for a, b in spans:
+            a = max(a, end)
+            if b > a:
+                busy += b - a
+                end = b
+        nb = sum(int(r["bytes"]) for r in recs)
+        return nb / (busy / 1e9) if busy > 0 and nb > 0 else None
 
     def shadow_bytes(self) -> int:
         return sum(int(t.numel()) for _, t in self.shadow.values())

@@ -116,7 +116,10 @@ class Sender:
     ``Receiver.apply()``), or dense where that is cheaper or the receiver is not in step (the
     first push, after a failure, a restart).  The shadow's bytes count against the watermark
     (setup fails when they leave less than the largest task); in-place writes are off.
-    ``stats()["delta"]`` reports the shadow, the bytes and the choices of the last push.
+    ``stats()["delta"]`` reports the shadow, the bytes and the choices of the last push.  A dict
+    instead of True sets the chooser's inputs: {"link_Bps": bytes/s, "measure_link": False}
+    pins the link throughput (default: measured from the last all-dense push), "costs" the
+    encode/apply throughputs (default: timed at setup).
 
     Composed of collaborators made at setup, each in its own module: ``links`` (the inference
     workers written, their connections, the failed ones, restarts taken), ``inplace`` (the
@@ -157,7 +160,7 @@ class Sender:
         if max_task_bytes is not None and (isinstance(max_task_bytes, bool) or int(max_task_bytes) < 1):
             raise ValueError(f"wxfer.Sender: max_task_bytes must be an int >= 1 or None, got {max_task_bytes!r}")
         in_place = inplace.options(False if delta else direct, copy_max)  # checked before anything is set up
-        self.delta_on = bool(delta)
+        self.delta_on = _delta_option(delta)
         self.delta = None  # wxfer.runtime.delta_send.DeltaWriter (delta=True), made at connect
         self.shadow_bound = 0  # bytes of the delta shadow counted against the watermark
         if device is None:
@@ -210,7 +213,10 @@ class Sender:
         if self.delta_on:
             from .delta_send import DeltaWriter
 
-            self.delta = DeltaWriter(self.engine, self.device, self.stream, self.rank, self.links, self.runner, self.ctl)
+            opts = self.delta_on if isinstance(self.delta_on, dict) else {}
+            self.delta = DeltaWriter(
+                self.engine, self.device, self.stream, self.rank, self.links, self.runner, self.ctl, **opts
+            )
             self.steps.delta = self.delta
 
     def _step_parts(self) -> tuple:
@@ -584,6 +590,19 @@ class Sender:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _delta_option(delta):
+    """Sender(delta=...): False, True, or a dict of the delta writer's options (link_Bps,
+    measure_link, costs: wxfer.runtime.delta_send.DeltaWriter)."""
+    if isinstance(delta, dict):
+        bad = set(delta) - {"link_Bps", "measure_link", "costs"}
+        if bad:
+            raise ValueError(f"wxfer.Sender: delta options {sorted(bad)} unknown (link_Bps, measure_link, costs)")
+        return dict(delta)
+    if delta not in (True, False, 0, 1):
+        raise TypeError(f"wxfer.Sender: delta must be True, False or a dict of options, got {delta!r}")
+    return bool(delta)
 
 
 def _quantizer_stats(device) -> dict:
