@@ -110,7 +110,7 @@ def bench_rates(model_name: str, lrs, steps: int, device, batch: int, seq: int) 
     return rows
 
 
-def bench_push(model: str, fp8: bool, lr: float | None, rate: float | None, steps: int, watermark: str) -> dict:
+def bench_push(model: str, fp8: bool, lr, rate, steps: int, watermark: str, link_gbps=None) -> dict:
     """One demo run with delta on (real AdamW at `lr`, or `rate` of the elements changed)."""
     from wxfer.tools.demo import run_demo
 
@@ -125,7 +125,7 @@ def bench_push(model: str, fp8: bool, lr: float | None, rate: float | None, step
         size=model,
         watermark=watermark,
         transport="fabric",
-        delta=True,
+        delta=link_gbps or True,
         change_rate=rate,
         dense_steps=(2,),
         log=lambda *a: None,
@@ -139,7 +139,7 @@ def bench_push(model: str, fp8: bool, lr: float | None, rate: float | None, step
     out = {k: res.get(k) for k in keep}
     for s in out["delta_steps"] or []:
         s["records_vs_sent"] = s["record_bytes"] / max(s["sent_bytes"], 1)
-    return dict(model=model, fp8=fp8, lr=lr, change_rate_requested=rate, **out)
+    return dict(model=model, fp8=fp8, lr=lr, change_rate_requested=rate, link_gbps=link_gbps, **out)
 
 
 def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
@@ -215,6 +215,8 @@ def main() -> None:
     ap.add_argument("--synthetic-model", default="small")
     ap.add_argument("--synthetic-rates", default="0.001,0.01,0.03,0.1,0.5")
     ap.add_argument("--watermark", default="2GiB")
+    ap.add_argument("--link-gbps", type=float, default=None, help="the chooser's link pinned (default: measured)")
+    ap.add_argument("--push-fp8", default="1,0", help="push part: FP8 (1) and/or BF16 (0) destinations")
     ap.add_argument("--kernel-shape", default="4096x4096")
     ap.add_argument("--kernel-rate", type=float, default=0.004)
     ap.add_argument("--out", default=None)
@@ -235,10 +237,14 @@ def main() -> None:
         lrs = [float(x) for x in a.lrs.split(",")]
         res["rates"] = dict(model=a.model, rows=bench_rates(a.model, lrs, a.steps, device, a.batch, a.seq))
     if "push" in parts:
-        res["push"] = [bench_push(a.push_model, f, a.push_lr, None, a.push_steps, a.watermark) for f in (True, False)]
+        res["push"] = [
+            bench_push(a.push_model, f == "1", a.push_lr, None, a.push_steps, a.watermark, a.link_gbps)
+            for f in a.push_fp8.split(",")
+        ]
     if "synthetic" in parts:
         res["synthetic"] = [
-            bench_push(a.synthetic_model, True, None, float(r), 4, a.watermark) for r in a.synthetic_rates.split(",")
+            bench_push(a.synthetic_model, True, None, float(r), 4, a.watermark, a.link_gbps)
+            for r in a.synthetic_rates.split(",")
         ]
     if "kernels" in parts:
         r, c = (int(x) for x in a.kernel_shape.split("x"))

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_demo_delta_fp8_reports_bytes_and_stays_bit_identical():
     env = dict(os.environ, WXFER_DEMO_CPU="1", PYTHONPATH=ROOT)
     argv = ["demo", "--size", "tiny", "--steps", "3", "--delta", "--change-rate", "0.01", "--fp8"]
+    argv += ["--delta-link-gbps", "1"]  # a 1 Gb/s link: on one host the measured one is loopback
     p = subprocess.run(
         [sys.executable, "-m", "wxfer", *argv, "--json", "--no-simulate", "--timeout", "180"],
         cwd=ROOT,
@@ -31,6 +32,7 @@ def test_demo_delta_fp8_reports_bytes_and_stays_bit_identical():
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["verified"] and res["bitexact"] and res["delta"] and res["fp8"]
+    assert res["delta_link"]["link_Bps"] == 1e9 / 8 and not res["delta_link"]["measure_link"]
     steps = res["delta_steps"]
     assert [s["bitexact"] for s in steps] == [True] * 3
     assert steps[0]["tasks_delta"] == 0 and steps[0]["sent_bytes"] >= res["dense_bytes"]  # the first push: dense

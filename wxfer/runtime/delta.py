@@ -200,6 +200,9 @@ class Staging:
         self.total["applies"] += 1
         return out
 
+    def stats(self) -> dict:
+        return dict(staging_bytes=self.nbytes, last=dict(self.last), total=dict(self.total))
+
     def _resync(self, s: int, last_rec: int, v: int) -> None:
         ctl = self.r.ctl
         ctl.set("delta/resync/%d" % self.r.gpu, str(v).encode())

@@ -709,11 +709,7 @@ class Receiver:
             senders=list(self.senders),
             empty=list(self.empty),
             tied=dict(self.tied),
-            **(
-                {}
-                if self.staging is None
-                else {"delta": dict(staging_bytes=self.staging.nbytes, last=self.staging.last, total=self.staging.total)}
-            ),
+            **({} if self.staging is None else {"delta": self.staging.stats()}),
         )
 
     def close(self) -> None:

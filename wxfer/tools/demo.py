@@ -189,12 +189,14 @@ def _host_store(port: int):
     return dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=TIMEOUT), wait_for_workers=False)
 
 
-def _delta_args(delta: bool, change_rate, dense_steps) -> dict:
+def _delta_args(delta, change_rate, dense_steps) -> dict:
     """The processes' delta arguments: Sender(delta=...), the receivers' staging area, the
     synthetic change rate (None: train), the steps pushed dense on purpose (bench_delta.py)."""
     if change_rate is not None and not 0.0 <= float(change_rate) <= 1.0:
         raise ValueError(f"--change-rate must be a fraction in [0, 1], got {change_rate}")
-    return dict(delta=bool(delta), change_rate=change_rate, delta_staging="64MiB", dense_steps=list(dense_steps))
+    if isinstance(delta, (int, float)) and not isinstance(delta, bool):  # a link pinned at `delta` Gb/s
+        delta = dict(link_Bps=float(delta) * 1e9 / 8, measure_link=False)
+    return dict(delta=delta, change_rate=change_rate, delta_staging="64MiB", dense_steps=list(dense_steps))
 
 
 def _delta_result(a: dict, res: dict, per_step: list) -> dict:
@@ -232,6 +234,7 @@ def _delta_result(a: dict, res: dict, per_step: list) -> dict:
     return dict(
         extra,
         delta=True,
+        delta_link="measured" if a["delta"] is True else a["delta"],
         change_rate_requested=a["change_rate"],
         delta_bytes=sum(x["sent_bytes"] for x in later) // len(later),
         dense_bytes=dense,
@@ -394,6 +397,28 @@ def run_demo(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _delta_flags(ap) -> None:
+    """--delta, --delta-link-gbps, --change-rate (docs/delta.md)."""
+    ap.add_argument(
+        "--delta",
+        action="store_true",
+        help="Sender(delta=True): after the first (dense) push send only the changed bytes; receivers apply() them",
+    )
+    ap.add_argument(
+        "--delta-link-gbps",
+        type=float,
+        default=None,
+        help="with --delta: the chooser's link throughput pinned at this many Gb/s (default: measured from the "
+        "first, dense push; on one host that is loopback, where records rarely pay)",
+    )
+    ap.add_argument(
+        "--change-rate",
+        type=float,
+        default=None,
+        help="instead of training, change this fraction of every parameter's elements each step (e.g. 0.01)",
+    )
+
+
 def main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m wxfer demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trainers", type=int, default=None, help="default 2 (on GPUs: min(2, GPUs))")
@@ -415,17 +440,7 @@ def main(argv) -> int:
         help="push once more without training: same bytes, receivers bit-identical",
     )
     ap.add_argument("--watermark", default="256MiB")
-    ap.add_argument(
-        "--delta",
-        action="store_true",
-        help="Sender(delta=True): after the first (dense) push send only the changed bytes; receivers apply() them",
-    )
-    ap.add_argument(
-        "--change-rate",
-        type=float,
-        default=None,
-        help="instead of training, change this fraction of every parameter's elements each step (e.g. 0.01)",
-    )
+    _delta_flags(ap)
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--trace-dir", default=None, help="write a Chrome trace per trainer rank here")
     ap.add_argument("--timeout", type=float, default=600.0)
@@ -458,7 +473,7 @@ def main(argv) -> int:
             timeout=args.timeout,
             simulate=not args.no_simulate,
             calibration=args.calibration,
-            delta=args.delta,
+            delta=(args.delta_link_gbps or True) if args.delta else False,
             change_rate=args.change_rate,
         )
     except Exception as e:  # noqa: BLE001
