@@ -1,7 +1,8 @@
 """Delta pushes (issue 36): the record format round trip, and Sender(delta=True) -> Receivers
 (fabric tcp, threads of one process) leaving, after every push and apply(), exactly the bytes a
 dense push of the same weights leaves, over several steps, BF16 and FP8; the fallback to dense
-at 50% changed; dense after a failure; a receiver that missed an apply() asks for a dense push."""
+at 50% changed; dense after a failure and to a restarted worker; a receiver that missed an
+apply() asks for a dense push; verify mode over a delta push."""
 
 import pytest
 import torch
@@ -191,3 +192,57 @@ def test_verify_checks_the_whole_destination_of_a_delta_push(store):
     assert _dense_equal(model, params, 1, None)
     sender.close()
     recv.close()
+
+
+@pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
+def test_a_restarted_worker_is_written_dense_then_in_delta_again(store):
+    import time
+
+    from helpers import in_thread
+    from wxfer.models import inference_params
+    from wxfer.runtime import control
+    from wxfer.runtime.receiver import Receiver
+    from wxfer.runtime.sender import Sender
+
+    s, addr = store
+    name, tp = "deltarestart", 2
+    params, ths = receivers_in_threads(TINY, addr, name, tp, None, timeout=T, delta_staging="1MiB")
+    model = _model()
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=SLOW)
+    recvs = joined(ths, T)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        _touch(model, 0.01, gen)
+        sender.push()
+        for r in recvs:
+            r.apply()
+    assert sender.stats()["delta"]["last"]["tasks_delta"] > 0
+    # worker gpu 1 restarts with fresh (zero) memory: the shadow does not match it
+    kw = dict(mapping=preset_for(TINY).name, store=addr, replica=0, tp=tp, replicas=1, name=name, timeout=T)
+    params[1] = inference_params(TINY, tp, 1)
+    th, box = in_thread(Receiver, params[1], rank=1, delta_staging="1MiB", **kw)
+    ctl = control.Control(s, name, T)
+    e = ctl.add("infer/epoch/1", 0) + 1
+    deadline = time.monotonic() + T
+    while not ctl.check("infer/1/e%d" % e):
+        assert time.monotonic() < deadline and th.is_alive(), box
+        time.sleep(0.01)
+    _touch(model, 0.01, gen)
+    sender.push()
+    th.join(T)
+    assert "error" not in box, box.get("error")
+    old, recvs[1] = recvs[1], box["value"]
+    old.close()
+    for r in recvs:
+        r.apply()
+    last = sender.stats()["delta"]["last"]
+    assert last["dense_why"].get("not_in_step", 0) > 0
+    assert _dense_equal(model, params, tp, None)
+    _touch(model, 0.01, gen)
+    sender.push()
+    for r in recvs:
+        r.apply()
+    assert sender.stats()["delta"]["last"]["tasks_delta"] > 0 and _dense_equal(model, params, tp, None)
+    sender.close()
+    for r in recvs:
+        r.close()
