@@ -306,6 +306,7 @@ class DeltaWriter:
             self.synced = set()
             self.last_rec = {}
         s["sent_bytes"] = s["dense_bytes"] + s["record_bytes"]
+        s["tasks_dense_cost"] = s["dense_why"].get("cost", 0)  # dense because records cost more
         s["ok"], s["seconds"] = bool(ok), seconds
         self.last = dict(s, dense_why=dict(s["dense_why"]))
         self.total["pushes"] += 1
