@@ -67,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
         "(listed in the output); repeatable",
     )
     p.add_argument("--steps", type=int, default=1500, help="simulation steps per lower bound")
+    p.add_argument(
+        "--delta-rate",
+        type=float,
+        default=None,
+        help="also estimate a delta push (docs/delta.md) at this fraction of destination bytes changed, e.g. 0.004",
+    )
+    p.add_argument("--delta-compare-gbytes", type=float, default=1500.0, help="trainer compare bandwidth, GB/s")
+    p.add_argument("--delta-apply-gbytes", type=float, default=50.0, help="receiver apply, GB/s of records")
     p.add_argument("--no-sim", action="store_true")
     p.add_argument("--out", help="write the serialized plan to this file")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -170,6 +178,11 @@ def run(args) -> dict:
 
         lb, bn = lower_bound(plan, cluster)
         out.update(lower_bound_s=round(lb, 4), simulated_s=None, bottleneck=bn)
+    if getattr(args, "delta_rate", None) is not None:
+        from .delta import DeltaTerms, estimate
+
+        terms = DeltaTerms(args.delta_rate, args.delta_compare_gbytes, args.delta_apply_gbytes)
+        out.update(estimate(plan, out["lower_bound_s"], out.get("simulated_s"), terms, out.get("stage_busy_s")))
     machine = f"{platform.platform()}, {os.cpu_count()} CPUs"
     if hasattr(os, "getloadavg"):
         machine += f", load average {os.getloadavg()[0]:.1f}"

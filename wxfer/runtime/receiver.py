@@ -228,6 +228,11 @@ class Receiver:
     the constructor waits for that next push, however far off, as long as the trainer job
     lives (its lease) and each trainer rank writing here does (its pid, its lease), or at
     most `rejoin_timeout` seconds where given; SetupError naming what it waited for.
+
+    delta_staging (bytes, an int or e.g. "64MiB"; default $WXFER_DELTA_STAGING, else 0: none):
+    a registered staging area for the trainers' delta records (``Sender(delta=True)``, issue 36),
+    split evenly among the trainer ranks writing here; call ``apply()`` after every push (vLLM:
+    in ``finish_weight_update``) to apply them.  Without one, delta trainers write here dense.
     """
 
     def __init__(
@@ -249,6 +254,7 @@ class Receiver:
         verify: bool | None = None,
         secret=None,
         rejoin_timeout: float | None = None,
+        delta_staging=0,
     ):
         if not (0 <= rank < tp) or not (0 <= replica < replicas):
             raise ValueError(f"wxfer.Receiver: replica {replica} of {replicas}, rank {rank} of tp={tp} is out of range")
@@ -273,7 +279,7 @@ class Receiver:
         self._open_transport(transport, transport_options)
         self._init_records()
         try:
-            self._register(register, stamp_slots)
+            self._register(register, stamp_slots, delta_staging)
             self._publish()
             self._handshakes()
             self._watch_writers()
@@ -329,6 +335,10 @@ class Receiver:
         self.region_base = {}  # region descriptor -> uint8 tensor over it (verify mode)
         self.param_range = {}  # name -> (region descriptor, offset, nbytes)
         self.verifier = None
+        self.staging = None  # wxfer.runtime.delta.Staging (delta_staging > 0)
+        import threading
+
+        self._apply_lock = threading.Lock()  # apply(): the owner's and verify's Checker
         self.lease = None
         self.writers = None  # liveness.WriterWatch over self.senders (after the handshakes)
         self._gone: dict = {}  # trainer rank -> why it is dead (state())
@@ -337,7 +347,7 @@ class Receiver:
         self._busy_key = self._busy_since = None
         self._marks_checked, self._last_marks = -1.0, []
 
-    def _register(self, mode: str, stamp_slots: int) -> None:
+    def _register(self, mode: str, stamp_slots: int, delta_staging=0) -> None:
         import torch
 
         tensors = list(self.params.values())
@@ -389,8 +399,39 @@ class Receiver:
         self.stamp_slots = int(stamp_slots)
         self.stamp_region = self.transport.register(self.stamps, export=True)
         self.regions.append(self.stamp_region)
+        self._register_staging(delta_staging)
         self.register_s = time.perf_counter() - t0
         self.n_regions = len(by_base)
+
+    def _register_staging(self, nbytes) -> None:
+        """The delta staging area (delta_staging bytes; 0: none), registered after the weights
+        and stamps (its region is not in the weight regions the records name)."""
+        from .delta import Staging
+
+        if nbytes in (None, 0, "0"):
+            nbytes = envs.get("WXFER_DELTA_STAGING", "0")
+        if isinstance(nbytes, str):
+            from .. import _wxfer
+
+            nbytes = int(_wxfer.parse_size(nbytes)) if nbytes.strip() not in ("", "0") else 0
+        if isinstance(nbytes, bool) or int(nbytes) < 0:
+            raise ValueError(f"wxfer.Receiver: delta_staging must be bytes >= 0, got {nbytes!r}")
+        if int(nbytes) > 0:
+            self.staging = Staging(self, int(nbytes))
+
+    def apply(self, version: int | None = None, sender: int | None = None) -> dict:
+        """Apply the trainers' delta records of the last complete push (``Sender(delta=True)``):
+        call it after every push, before the weights are used (vLLM: ``finish_weight_update``).
+        Idempotent; does nothing while a push is being written (``version()`` is -1) or without
+        a staging area.  Returns {records, bytes, changed, applied_s, version}; raises
+        wxfer.runtime.delta.DeltaError when this worker missed an earlier push's records (the
+        trainers then send the next push dense).  version, sender: that step's records of that
+        trainer rank alone, whether or not the step is complete (verify's Checker: they landed)."""
+        if self.staging is None:
+            return dict(records=0, bytes=0, changed=0, applied_s=0.0, version=self.version())
+        with self._apply_lock:
+            regions = [self.region_base[bytes(r.descriptor)] for r in self.regions[:-1]]
+            return self.staging.apply(regions, version, sender)
 
     def _publish(self) -> None:
         meta = dict(
@@ -411,6 +452,7 @@ class Receiver:
             stamp=_b64(self.stamp_region.descriptor),
             stamp_slots=self.stamp_slots,
             stamp_begin=8 * self.stamp_slots,
+            **(self.staging.meta(self.regions[:-1]) if self.staging is not None else {}),
             host=socket.gethostname(),
             device=str(self.device),
             lease_s=liveness.lease_interval(),
@@ -725,6 +767,7 @@ class Receiver:
             senders=list(self.senders),
             empty=list(self.empty),
             tied=dict(self.tied),
+            **({} if self.staging is None else {"delta": self.staging.stats()}),
         )
 
     def close(self) -> None:
@@ -743,6 +786,8 @@ class Receiver:
             except Exception:  # noqa: BLE001
                 pass
         self.regions = []
+        if self.staging is not None:
+            self.staging.close()
         try:
             self.transport.close()
         except Exception:  # noqa: BLE001

@@ -113,6 +113,16 @@ class Sender:
     max_task_bytes (default: half the watermark, 16 MiB .. 1 GiB, `task_bound`): the plan's
     bound on a task's training bytes (rank 0's is used); 1: every component its own task
     (``python -m wxfer calibrate`` probes fine and coarse tasks this way).
+    delta (default False; issue 36, docs/delta.md): keep a shadow of what this rank last wrote
+    (its share in the destination's format) and send per task only the bytes that changed, as
+    records into the receivers' staging areas (``Receiver(delta_staging=...)``, applied by
+    ``Receiver.apply()``), or dense where that is cheaper or the receiver is not in step (the
+    first push, after a failure, a restart).  The shadow's bytes count against the watermark
+    (setup fails when they leave less than the largest task); in-place writes are off.
+    ``stats()["delta"]`` reports the shadow, the bytes and the choices of the last push.  A dict
+    instead of True sets the chooser's inputs: {"link_Bps": bytes/s, "measure_link": False}
+    pins the link throughput (default: measured from the last all-dense push), "costs" the
+    encode/apply throughputs (default: timed at setup).
 
     Composed of collaborators made at setup, each in its own module: ``links`` (the inference
     workers written, their connections, the failed ones, restarts taken), ``inplace`` (the
@@ -139,6 +149,7 @@ class Sender:
         direct: bool | None = None,
         copy_max=None,
         max_task_bytes: int | None = None,
+        delta: bool = False,
     ):
         import torch
         import torch.distributed as dist
@@ -151,7 +162,10 @@ class Sender:
         self._lock = threading.RLock()  # push() / PushHandle.wait(): one step at a time
         if max_task_bytes is not None and (isinstance(max_task_bytes, bool) or int(max_task_bytes) < 1):
             raise ValueError(f"wxfer.Sender: max_task_bytes must be an int >= 1 or None, got {max_task_bytes!r}")
-        in_place = inplace.options(direct, copy_max)  # checked before anything is set up
+        in_place = inplace.options(False if delta else direct, copy_max)  # checked before anything is set up
+        self.delta_on = _delta_option(delta)
+        self.delta = None  # wxfer.runtime.delta_send.DeltaWriter (delta=True), made at connect
+        self.shadow_bound = 0  # bytes of the delta shadow counted against the watermark
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -195,9 +209,21 @@ class Sender:
             raise
         self.setup_s["connect"] = time.perf_counter() - t1
         self.failures, self.steps = self._step_parts()
+        self._delta_part()
         self._log_ready()
 
     # ------------------------------------------------------------------ setup
+    def _delta_part(self) -> None:
+        """delta=True: the DeltaWriter (delta_send.py), which the StepLoop runs every task through."""
+        if self.delta_on:
+            from .delta_send import DeltaWriter
+
+            opts = self.delta_on if isinstance(self.delta_on, dict) else {}
+            self.delta = DeltaWriter(
+                self.engine, self.device, self.stream, self.rank, self.links, self.runner, self.ctl, **opts
+            )
+            self.steps.delta = self.delta
+
     def _step_parts(self) -> tuple:
         """(FailureExchange, StepLoop) over the collaborators made at connect."""
         failures = FailureExchange(
@@ -345,7 +371,7 @@ class Sender:
         warn_fault_isolation(tname, topts, f"wxfer.Sender trainer rank {self.rank}")
         tr = _wxfer.Transport(tname, topts)
         # isolate: a receiver that fails or stops answering fails alone; the others get their bytes
-        engine = _wxfer.Engine(tr, watermark=self.watermark, timeout=self.write_timeout, isolate=True)
+        engine = _wxfer.Engine(tr, watermark=self._engine_watermark(prog), timeout=self.write_timeout, isolate=True)
         links = Links(self.ctl, tr, self.rank, self.plan, prog, workers, self.write_timeout)
         links.connect()
         links.start_watch()  # restarts and deaths looked at between pushes: a push reads a flag (issue 37)
@@ -353,6 +379,24 @@ class Sender:
         runner = TaskRunner(engine, tr, self.device, self.stream, self.rank, prog, links, ip, self.write_timeout)
         runner.prepare_all(self.watermark)
         return prog, tname, tr, engine, links, ip, runner
+
+    def _engine_watermark(self, prog) -> int:
+        """The engine's watermark: the Sender's, less the delta shadow's bytes (at most this
+        rank's bytes per step) when delta is on; a shadow that leaves less room than the largest
+        task is refused, naming both."""
+        if not self.delta_on or not self.watermark:
+            return self.watermark
+        self.shadow_bound = sum(op.nbytes for ops in prog.groups for op in ops if op.sends)
+        largest = max([op.nbytes for ops in prog.groups for op in ops if op.sends] or [0])
+        left = self.watermark - self.shadow_bound
+        if left < largest:
+            raise SetupError(
+                f"wxfer.Sender(delta=True): trainer rank {self.rank}: the delta shadow takes "
+                f"{self.shadow_bound} bytes of the watermark ({self.watermark} bytes), leaving "
+                f"{left}, less than the largest task ({largest} bytes); raise watermark to at least "
+                f"{self.shadow_bound + largest}"
+            )
+        return left
 
     def _transport_for(self, workers: dict, transport, transport_options) -> tuple:
         """(name, options) of the transport this rank writes `workers` with."""
@@ -478,8 +522,11 @@ class Sender:
             self._lock.release()
 
     def _run_task(self, op, push_event) -> None:
-        """One task of a push (TaskRunner.run_task; the hook a test may wrap)."""
-        self.runner.run_task(op, push_event)
+        """One task of a push (TaskRunner.run_task, or the delta writer's; the hook a test may wrap)."""
+        if self.delta is not None:
+            self.delta.run_task(op, push_event)
+        else:
+            self.runner.run_task(op, push_event)
 
     def task_kinds(self) -> dict:
         """{plan task: kind} of this rank's tasks, as it runs them (TaskRunner.task_kinds)."""
@@ -532,6 +579,8 @@ class Sender:
             quantizer=_quantizer_stats(self.device),
             direct=self.inplace.stats(),
         )
+        if self.delta is not None:
+            s["delta"] = dict(self.delta.stats(), shadow_bound=self.shadow_bound, watermark=self.watermark)
         return s
 
     def close(self) -> None:
@@ -558,6 +607,19 @@ class Sender:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _delta_option(delta):
+    """Sender(delta=...): False, True, or a dict of the delta writer's options (link_Bps,
+    measure_link, costs: wxfer.runtime.delta_send.DeltaWriter)."""
+    if isinstance(delta, dict):
+        bad = set(delta) - {"link_Bps", "measure_link", "costs"}
+        if bad:
+            raise ValueError(f"wxfer.Sender: delta options {sorted(bad)} unknown (link_Bps, measure_link, costs)")
+        return dict(delta)
+    if delta not in (True, False, 0, 1):
+        raise TypeError(f"wxfer.Sender: delta must be True, False or a dict of options, got {delta!r}")
+    return bool(delta)
 
 
 def _quantizer_stats(device) -> dict:

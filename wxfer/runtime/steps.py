@@ -79,6 +79,7 @@ class StepLoop:
         self.last_submit_s = None  # seconds to submit the last push
         self.last_phases: dict = {}  # seconds from the start of the last push() to the end of each phase
         self.carried = None  # a failure after the last push's agreement (its end stamps): told with the next
+        self.delta = None  # delta pushes: wxfer.runtime.delta_send.DeltaWriter (Sender(delta=True))
 
     def settle(self) -> None:
         """The last push finished (its writes waited for) before the next one begins."""
@@ -92,6 +93,8 @@ class StepLoop:
         import torch
 
         self.runner.start(version, verify)
+        if self.delta is not None:
+            self.delta.start(version)
         t0 = time.perf_counter()
         ph = self.last_phases = {}
         self.links.adopt_rejoins()  # before the begin stamps: a replaced worker is not written at all
@@ -114,7 +117,11 @@ class StepLoop:
                 prepare.bounded(self.timeout, f"trainer rank {self.rank}, step {version}"),
             ):
                 self._groups(version, run_task, ev, state)
+                if self.delta is not None:
+                    self.delta.flush()  # each receiver's records, one write, before the end stamps
         except Exception as e:
+            if self.delta is not None:
+                self.delta.landed(False)
             self.inplace.abandon()  # its in-place writes land before this push raises
             own = f"{type(e).__name__}: {e}"
             log.error("trainer rank %d: step %d failed while submitting: %s", self.rank, version, own)
@@ -124,6 +131,8 @@ class StepLoop:
             self._join_failed(e, own, state["barrier"], state["at"], version)
             raise
         except BaseException as e:  # KeyboardInterrupt, SystemExit: record, no collectives
+            if self.delta is not None:
+                self.delta.landed(False)
             self.inplace.abandon()
             log.warning("trainer rank %d: step %d stopped: %s", self.rank, version, type(e).__name__)
             self.failures.mark_live(version, f"trainer rank {self.rank} stopped in step {version}: {type(e).__name__}")
@@ -146,6 +155,9 @@ class StepLoop:
                 state["at"] = (gi, oi)
                 if op.prep is not None:
                     op.prep.done = 0  # none of its collectives posted yet (a failure's drain resumes there)
+                if self.delta is not None:  # every task through the delta writer (delta_send.py)
+                    run_task(op, ev)
+                    continue
                 if inplace.queue_copy(op):  # small: one batched copy into the receivers
                     continue
                 fast = runner.fast_task(op)
@@ -255,6 +267,18 @@ class StepLoop:
 
     # ------------------------------------------------------------------ finish
     def finish(self, h: PushHandle, timeout) -> float:
+        """_finish, and the delta writer told whether the step landed everywhere."""
+        if self.delta is None:
+            return self._finish(h, timeout)
+        try:
+            seconds = self._finish(h, timeout)
+        except BaseException:
+            self.delta.landed(False)
+            raise
+        self.delta.landed(True, seconds)
+        return seconds
+
+    def _finish(self, h: PushHandle, timeout) -> float:
         """Wait for step `h`, join the other ranks (barrier, failure flag); raise when any
         rank's step failed; returns its seconds.  With several trainer ranks the end stamps
         are posted only after the flag said that no rank broke the step (``_end_stamps``)."""

@@ -181,6 +181,73 @@ def _result(a: dict, res: dict, per_step: list, total_s: float, load0) -> dict:
     )
 
 
+def _host_store(port: int):
+    """The demo's TCPStore, hosted in this process."""
+    from datetime import timedelta
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=TIMEOUT), wait_for_workers=False)
+
+
+def _delta_args(delta, change_rate, dense_steps) -> dict:
+    """The processes' delta arguments: Sender(delta=...), the receivers' staging area, the
+    synthetic change rate (None: train), the steps pushed dense on purpose (bench_delta.py)."""
+    if change_rate is not None and not 0.0 <= float(change_rate) <= 1.0:
+        raise ValueError(f"--change-rate must be a fraction in [0, 1], got {change_rate}")
+    if isinstance(delta, (int, float)) and not isinstance(delta, bool):  # a link pinned at `delta` Gb/s
+        delta = dict(link_Bps=float(delta) * 1e9 / 8, measure_link=False)
+    return dict(delta=delta, change_rate=change_rate, delta_staging="64MiB", dense_steps=list(dense_steps))
+
+
+def _delta_result(a: dict, res: dict, per_step: list) -> dict:
+    """The delta fields of the result (--delta): per step what was sent against a dense push
+    (``dense_bytes``: every rank's bytes per step), the changed fraction of the destination
+    bytes compared, the receivers' apply, and ``verified`` (every receiver's bytes after its
+    apply() equal the reference packing of the trainers' weights, i.e. a dense push's, every
+    step).  Step 1 is dense by rule; the totals are over the later steps."""
+    dense = sum(r["bytes_per_step"] for r in res["ranks"])
+    steps = []
+    for i, s in enumerate(per_step):
+        d = s["delta"]
+        steps.append(
+            dict(
+                step=i + 1,
+                sent_bytes=s["moved"],
+                record_bytes=d["record_bytes"],
+                tasks_delta=d["tasks_delta"],
+                tasks_dense=d["tasks_dense"],
+                tasks_dense_cost=d.get("tasks_dense_cost", 0),
+                change_rate=d["changed_bytes"] / max(d["compared_bytes"], 1),
+                apply_s=max(r["apply"]["applied_s"] for r in s["reports"]),
+                push_s=s["step_s"],
+                submit_s=d.get("submit_s"),
+                writes_s=d.get("writes_s"),
+                bitexact=all(r["ok"] for r in s["reports"]),
+            )
+        )
+    forced = set(a.get("dense_steps", ()))
+    later = [x for x in steps[1:] if x["step"] not in forced] or steps
+    dense_s = [x["push_s"] for x in steps if x["step"] in forced and x["step"] > 1]
+    extra = {}
+    if dense_s:  # dense pushes of the same run (forced; the shadow kept): the time to compare with
+        extra["dense_push_s"] = sorted(dense_s)[len(dense_s) // 2]
+        extra["delta_vs_dense_s"] = sorted(x["push_s"] for x in later)[len(later) // 2] / extra["dense_push_s"]
+    return dict(
+        extra,
+        delta=True,
+        delta_link="measured" if a["delta"] is True else a["delta"],
+        change_rate_requested=a["change_rate"],
+        delta_bytes=sum(x["sent_bytes"] for x in later) // len(later),
+        dense_bytes=dense,
+        change_rate=sum(x["change_rate"] for x in later) / len(later),
+        delta_vs_dense_bytes=sum(x["sent_bytes"] for x in later) / len(later) / max(dense, 1),
+        first_push_s=steps[0]["push_s"],
+        delta_push_s=sorted(x["push_s"] for x in later)[len(later) // 2],
+        apply_s=max(x["apply_s"] for x in later),
+        delta_steps=steps,
+    )
+
+
 def _add_simulated(out: dict, ctl, calibration, log) -> None:
     """The simulator on the trainers' own plan, calibrated here after the run (issue 15), or
     from `calibration`, into `out`."""
@@ -272,19 +339,18 @@ def run_demo(
     log=print,
     simulate: bool = False,
     calibration: str | None = None,
+    delta: bool = False,
+    change_rate: float | None = None,
+    dense_steps: tuple = (),
 ) -> dict:
     """Run the demo (the module's docstring says what) and return its result."""
     import torch
-    from datetime import timedelta
-    import torch.distributed as dist
     from ..runtime import control
 
     gpu = torch.cuda.is_available() and envs.get("WXFER_DEMO_CPU") != "1"
     trainers = _demo_trainers(trainers, gpu)
-    port = control.free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=TIMEOUT), wait_for_workers=False)
-    name = "demo%d" % os.getpid()
-    ctl = control.Control(store, name, TIMEOUT)
+    port, name = control.free_port(), "demo%d" % os.getpid()
+    ctl = control.Control(_host_store(port), name, TIMEOUT)
     tmp = tempfile.mkdtemp(prefix="wxfer-demo-")
     a = dict(
         store="127.0.0.1:%d" % port,
@@ -309,6 +375,7 @@ def run_demo(
         transport=transport,
         dir=tmp,
         trace_dir=trace_dir,
+        **_delta_args(delta, change_rate, dense_steps),
     )
     procs = []
     t_start = time.perf_counter()
@@ -322,6 +389,8 @@ def run_demo(
         total_s = time.perf_counter() - t_start
         per_step = [ctl.get_json("demo/step/%d" % s, "step report") for s in range(1, len(res["step_s"]) + 1)]
         out = _result(a, res, per_step, total_s, load0)
+        if delta:
+            out.update(_delta_result(a, res, per_step))
         if simulate:
             _add_simulated(out, ctl, calibration, log)
         log(_summary(out))
@@ -329,6 +398,28 @@ def run_demo(
     finally:
         _stop(procs)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _delta_flags(ap) -> None:
+    """--delta, --delta-link-gbps, --change-rate (docs/delta.md)."""
+    ap.add_argument(
+        "--delta",
+        action="store_true",
+        help="Sender(delta=True): after the first (dense) push send only the changed bytes; receivers apply() them",
+    )
+    ap.add_argument(
+        "--delta-link-gbps",
+        type=float,
+        default=None,
+        help="with --delta: the chooser's link throughput pinned at this many Gb/s (default: measured from the "
+        "first, dense push; on one host that is loopback, where records rarely pay)",
+    )
+    ap.add_argument(
+        "--change-rate",
+        type=float,
+        default=None,
+        help="instead of training, change this fraction of every parameter's elements each step (e.g. 0.01)",
+    )
 
 
 def main(argv) -> int:
@@ -352,6 +443,7 @@ def main(argv) -> int:
         help="push once more without training: same bytes, receivers bit-identical",
     )
     ap.add_argument("--watermark", default="256MiB")
+    _delta_flags(ap)
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--trace-dir", default=None, help="write a Chrome trace per trainer rank here")
     ap.add_argument("--timeout", type=float, default=600.0)
@@ -384,6 +476,8 @@ def main(argv) -> int:
             timeout=args.timeout,
             simulate=not args.no_simulate,
             calibration=args.calibration,
+            delta=(args.delta_link_gbps or True) if args.delta else False,
+            change_rate=args.change_rate,
         )
     except Exception as e:  # noqa: BLE001
         print("wxfer demo: %s" % e, file=sys.stderr)

@@ -131,8 +131,24 @@ def _train_step(model, opt, a: dict, rank: int, step: int, device) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def _change_step(model, rate: float, rank: int, step: int) -> None:
+    """--change-rate: change about `rate` of the elements of this rank's shard of every parameter
+    (by 7% and a little: their destination bytes change), the same on every run."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from ..runtime.prepare import dtensor_local
+
+    gen = torch.Generator().manual_seed(step * 7919 + rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            t = dtensor_local(p) if isinstance(p, DTensor) else p.data
+            m = (torch.rand(t.shape, generator=gen) < rate).to(t.device)
+            t[m] = t[m] * 1.07 + 0.001
+
+
 def _timed_push(sender, step: int):
-    """push() after a barrier: (the slowest rank's seconds, the bytes all ranks wrote)."""
+    """push() after a barrier: (the slowest rank's seconds, the bytes all ranks wrote; with
+    delta, every rank's delta stats of the push summed)."""
     import torch.distributed as dist
     from ..runtime import control
 
@@ -144,7 +160,16 @@ def _timed_push(sender, step: int):
     sender.push(version=step)
     dt = time.perf_counter() - t
     after = sender.engine.stats()["bytes_written"]
-    per = control.gather_json(sender.group, (dt, after - before), sender.timeout, f"step {step}'s times")
+    d = None
+    if sender.delta is not None:
+        d = {k: v for k, v in sender.delta.last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    per = control.gather_json(sender.group, (dt, after - before, d), sender.timeout, f"step {step}'s times")
+    if d is not None:
+        d = {k: sum(x[2][k] for x in per) for k in d}
+        ph = sender.last_phases  # the slowest rank's: until submitted (stages 1-2, compare, encode), landed
+        tm = control.gather_json(sender.group, (ph.get("submit"), ph.get("writes")), sender.timeout, "phases")
+        d["submit_s"], d["writes_s"] = max(x[0] or 0 for x in tm), max(x[1] or 0 for x in tm)
+        sender.delta_step = d
     return max(x[0] for x in per), sum(x[1] for x in per)
 
 
@@ -178,13 +203,13 @@ def _publish_expected(ctl, model, mine, a: dict, rank: int, step: int, device, e
                 )
 
 
-def _publish_step(ctl, a: dict, step: int, step_s: float, moved: int, train: bool) -> None:
+def _publish_step(ctl, a: dict, step: int, step_s: float, moved: int, train: bool, delta=None) -> None:
     """(rank 0) The step's time and bytes with every inference worker's check of it."""
     reports = [
         ctl.get_json("demo/report/%d/%d" % (step, gp), f"the check of inference worker gpu {gp} for step {step}")
         for gp in range(a["replicas"] * a["tp"])
     ]
-    ctl.set_json("demo/step/%d" % step, dict(step_s=step_s, moved=moved, trained=train, reports=reports))
+    ctl.set_json("demo/step/%d" % step, dict(step_s=step_s, moved=moved, trained=train, reports=reports, delta=delta))
 
 
 def _publish_result(ctl, sender, a: dict, rank: int, setup_s: float, step_s: list, moved: list) -> None:
@@ -246,7 +271,9 @@ def _trainer(rank, world, a, ctl):
         watermark=a["watermark"],
         timeout=TIMEOUT,
         transport=a["transport"],
+        delta=a.get("delta", False),
     )
+    sender.delta_step = None
     setup_s = time.perf_counter() - t0
     mine = _my_components(sender, model, a, rank)
     device = torch.device("cuda", torch.cuda.current_device()) if a["gpu"] else torch.device("cpu")
@@ -256,16 +283,20 @@ def _trainer(rank, world, a, ctl):
     nsteps = a["steps"] + (1 if a["unchanged_step"] else 0)
     for step in range(1, nsteps + 1):
         train = step <= a["steps"]
-        if train:
+        if train and a.get("change_rate") is not None:
+            _change_step(model, a["change_rate"], rank, step)
+        elif train:
             _train_step(model, opt, a, rank, step, device)
         if a["gpu"]:
             torch.cuda.synchronize()
+        if sender.delta is not None:  # a dense push in the same run, to compare (bench_delta.py)
+            sender.delta.force_dense = step in a.get("dense_steps", ())
         dt, nb = _timed_push(sender, step)
         step_s.append(dt)
         moved.append(nb)
         _publish_expected(ctl, model, mine, a, rank, step, device, eval_ids)
         if rank == 0:
-            _publish_step(ctl, a, step, step_s[-1], moved[-1], train)
+            _publish_step(ctl, a, step, step_s[-1], moved[-1], train, sender.delta_step)
         control.Barrier(sender.group, f"the demo's barrier in step {step}").wait(sender.timeout)
     _publish_result(ctl, sender, a, rank, setup_s, step_s, moved)
     control.Barrier(sender.group, "the demo's last barrier").wait(sender.timeout)
@@ -314,11 +345,13 @@ def _worker(gidx, a, ctl):
         name=a["name"],
         timeout=TIMEOUT,
         transport=a["transport"],
+        delta_staging=a["delta_staging"] if a.get("delta") else 0,
     )
     prev = None
     nsteps = a["steps"] + (1 if a["unchanged_step"] else 0)
     for step in range(1, nsteps + 1):
         recv.wait_version(step, TIMEOUT)
+        applied = recv.apply()  # delta: the step's records (nothing to do without a staging area)
         exp = {}
         for r in range(a["trainers"]):
             exp.update(ctl.get_json("demo/expect/%d/%d" % (step, r), f"trainer rank {r}'s expected shards"))
@@ -356,6 +389,7 @@ def _worker(gidx, a, ctl):
                 same_as_previous=(whole == prev),
                 version=recv.version(),
                 registration=recv.stats() if step == 1 else None,
+                apply=applied,
             ),
         )
         prev = whole

@@ -1,0 +1,260 @@
+"""Delta pushes (issue 36): measured change rates, bytes and push times.  One JSON object.
+
+Parts (``--parts``, default all but ``kernels``):
+
+* ``rates``: real AdamW steps (lr 1e-6, 3e-6, 1e-5; FP32 master weights, random tokens) on a
+  Qwen3-shaped model with random weights (``--model tiny|small|medium`` on CPU; ``qwen3-0.6b``
+  or ``qwen3-1.7b`` shapes on a GPU).  Per step: the fraction of BF16 elements, FP8 e4m3 bytes
+  and FP8 128x128 block scales (float32) of the 2-D weights that changed since the last step.
+* ``push``: ``python -m wxfer demo`` (CPU, fabric tcp, two trainer ranks -> two receivers, real
+  processes) with ``Sender(delta=True)``, real AdamW steps at ``--push-lr`` (FP8 and BF16
+  destinations, ``--push-model``): per step the bytes sent, the changed fraction, the push time;
+  step 2 is forced dense (shadow kept) to give the dense push time of the same run; every
+  receiver's bytes are checked each step against the reference packing (a dense push's).
+* ``synthetic``: the same with ``--change-rate`` 0.1, 1, 3, 10, 50% of the elements changed.
+* ``kernels`` (GPU; on CPU too, small): on one 2-D weight, the dense quantize alone against
+  quantize + compare with the shadow + encode; the receiver's apply per MB of records.
+
+    python benchmarks/bench_delta.py                      # CPU: this VM's table
+    python benchmarks/bench_delta.py --parts rates,kernels --model qwen3-0.6b   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+QWEN3 = dict(
+    architectures=["Qwen3ForCausalLM"],
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
+SHAPES = {
+    "qwen3-0.6b": dict(QWEN3, hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, vocab_size=151936),
+    "qwen3-1.7b": dict(QWEN3, hidden_size=2048, num_hidden_layers=28, intermediate_size=6144, vocab_size=151936),
+}
+
+
+def _config(name: str) -> dict:
+    from wxfer.models import CONFIGS
+
+    return dict(SHAPES[name]) if name in SHAPES else dict(CONFIGS[name])
+
+
+def _snapshot(model) -> dict:
+    """{name: (bf16 bytes, fp8 bytes or None, scales or None)} of the model's weights as a push
+    would write them (BF16 cast; FP8 block quantization of the 2-D ones, from the FP32 master)."""
+    import torch
+    from wxfer.mapping.reference import quantize_fp8_block
+
+    out = {}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            b = p.detach().to(torch.bfloat16).view(torch.int16).clone()
+            q = s = None
+            if p.dim() == 2:
+                q, s = quantize_fp8_block(p.detach())
+                q = q.view(torch.uint8).clone()
+            out[n] = (b, q, s)
+    return out
+
+
+def _fractions(a: dict, b: dict) -> dict:
+    tot = dict(bf16=[0, 0], fp8=[0, 0], scale=[0, 0])
+    for n, (b0, q0, s0) in a.items():
+        b1, q1, s1 = b[n]
+        tot["bf16"][0] += int((b0 != b1).sum())
+        tot["bf16"][1] += b0.numel()
+        if q0 is not None:
+            tot["fp8"][0] += int((q0 != q1).sum())
+            tot["fp8"][1] += q0.numel()
+            tot["scale"][0] += int((s0 != s1).sum())
+            tot["scale"][1] += s0.numel()
+    return {k: v[0] / max(v[1], 1) for k, v in tot.items()}
+
+
+def bench_rates(model_name: str, lrs, steps: int, device, batch: int, seq: int) -> list:
+    """Per lr, per step: the changed fractions after one real AdamW step."""
+    import torch
+    from wxfer.models import train_model
+    from wxfer.models import logits as model_logits
+
+    cfg = _config(model_name)
+    rows = []
+    for lr in lrs:
+        model = train_model(cfg).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        prev = _snapshot(model)
+        for step in range(1, steps + 1):
+            gen = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, cfg["vocab_size"], (batch, seq + 1), generator=gen).to(device)
+            out = model_logits(model, ids[:, :-1])
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            cur = _snapshot(model)
+            rows.append(dict(lr=lr, step=step, **_fractions(prev, cur)))
+            prev = cur
+        del model, opt
+    return rows
+
+
+def bench_push(model: str, fp8: bool, lr, rate, steps: int, watermark: str, link_gbps=None) -> dict:
+    """One demo run with delta on (real AdamW at `lr`, or `rate` of the elements changed)."""
+    from wxfer.tools.demo import run_demo
+
+    os.environ.setdefault("WXFER_DEMO_CPU", "1")
+    kw = dict(lr=lr) if lr is not None else {}
+    res = run_demo(
+        trainers=2,
+        replicas=1,
+        tp=2,
+        steps=steps,
+        fp8=fp8,
+        size=model,
+        watermark=watermark,
+        transport="fabric",
+        delta=link_gbps or True,
+        change_rate=rate,
+        dense_steps=(2,),
+        log=lambda *a: None,
+        **kw,
+    )
+    keep = (
+        "verified", "bitexact", "delta_bytes", "dense_bytes", "change_rate", "delta_vs_dense_bytes",
+        "first_push_s", "dense_push_s", "delta_push_s", "delta_vs_dense_s", "apply_s", "delta_steps",
+        "bytes_per_step", "load_average",
+    )  # fmt: skip
+    out = {k: res.get(k) for k in keep}
+    for s in out["delta_steps"] or []:
+        s["records_vs_sent"] = s["record_bytes"] / max(s["sent_bytes"], 1)
+    return dict(model=model, fp8=fp8, lr=lr, change_rate_requested=rate, link_gbps=link_gbps, **out)
+
+
+def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
+    """Dense quantize alone vs quantize + compare + encode, and apply per MB of records."""
+    import torch
+    from wxfer.runtime import delta, fp8
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def best(fn):
+        t = float("inf")
+        for _ in range(reps):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(device=device, dtype=torch.bfloat16)
+    nq = rows * cols
+    ns = -(-rows // 128) * -(-cols // 128) * 4
+    out = torch.empty(nq + ns, dtype=torch.uint8, device=device)
+    fp8.quantize_into(out, [(w, 0, nq)])
+    shadow = out.clone()
+    w2 = w.clone()
+    m = torch.rand(rows, cols, generator=g).to(device) < rate
+    w2[m] = w2[m] * 1.07
+    t_q = best(lambda: fp8.quantize_into(out, [(w2, 0, nq)]))
+    box = {}
+
+    def full():
+        fp8.quantize_into(out, [(w2, 0, nq)])
+        d, c = delta.changed(out, shadow)
+        box["rec"] = delta.encode(out, d, c, 0, 0)
+
+    t_full = best(full)
+    rec = box["rec"]
+    dst = shadow.clone()
+    t_apply = best(lambda: delta.apply_records(rec, 1, [dst]))
+    assert torch.equal(dst, out)
+    return dict(
+        device=str(device),
+        quantizer=fp8.last(),
+        shape=[rows, cols],
+        rate=rate,
+        quantize_s=t_q,
+        quantize_compare_encode_s=t_full,
+        ratio=t_full / t_q,
+        record_bytes=int(rec.numel()),
+        dense_bytes=int(out.numel()),
+        apply_s=t_apply,
+        apply_s_per_MB=t_apply / (rec.numel() / 1e6),
+    )
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="rates,push,synthetic")
+    ap.add_argument("--model", default="small", help="rates: tiny|small|medium|qwen3-0.6b|qwen3-1.7b")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--lrs", default="1e-6,3e-6,1e-5")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--push-model", default="medium")
+    ap.add_argument("--push-lr", type=float, default=1e-6)
+    ap.add_argument("--push-steps", type=int, default=5)
+    ap.add_argument("--synthetic-model", default="small")
+    ap.add_argument("--synthetic-rates", default="0.001,0.01,0.03,0.1,0.5")
+    ap.add_argument("--watermark", default="2GiB")
+    ap.add_argument("--link-gbps", type=float, default=None, help="the chooser's link pinned (default: measured)")
+    ap.add_argument("--push-fp8", default="1,0", help="push part: FP8 (1) and/or BF16 (0) destinations")
+    ap.add_argument("--kernel-shape", default="4096x4096")
+    ap.add_argument("--kernel-rate", type=float, default=0.004)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    res = dict(
+        machine="%s, %s, %d CPUs%s"
+        % (
+            platform.node(),
+            platform.machine(),
+            os.cpu_count() or 0,
+            ", " + torch.cuda.get_device_name() if torch.cuda.is_available() else "",
+        ),
+        load_average=os.getloadavg(),
+    )
+    if "rates" in parts:
+        lrs = [float(x) for x in a.lrs.split(",")]
+        res["rates"] = dict(model=a.model, rows=bench_rates(a.model, lrs, a.steps, device, a.batch, a.seq))
+    if "push" in parts:
+        res["push"] = [
+            bench_push(a.push_model, f == "1", a.push_lr, None, a.push_steps, a.watermark, a.link_gbps)
+            for f in a.push_fp8.split(",")
+        ]
+    if "synthetic" in parts:
+        res["synthetic"] = [
+            bench_push(a.synthetic_model, True, None, float(r), 4, a.watermark, a.link_gbps)
+            for r in a.synthetic_rates.split(",")
+        ]
+    if "kernels" in parts:
+        r, c = (int(x) for x in a.kernel_shape.split("x"))
+        res["kernels"] = bench_kernels(device, r, c, a.kernel_rate, 5)
+    text = json.dumps(res, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
