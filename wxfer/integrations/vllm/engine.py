@@ -51,6 +51,7 @@ class WxferInitInfo:
     proof: bool = True  # the layout proof at setup (proof.py)
     proof_layers: int = 2
     proof_seed: int = PROOF_SEED
+    delta_staging: int | str = 0  # bytes registered for delta records (issue 36); 0: dense pushes only
     traced: bool = False  # the destination map traced from vLLM's load_weights (traced.py), no preset
     extra: dict = field(default_factory=dict)  # reserved for later fields of newer trainers
 
@@ -144,6 +145,7 @@ class WorkerSide:
             name=info.name,
             timeout=info.timeout,
             transport=info.transport,
+            delta_staging=info.delta_staging,
         )
 
     def _refuse_draft_and_mla(self, where):
@@ -241,6 +243,8 @@ class WorkerSide:
                 f"{st['ranks']}; the {len(names)} registered parameter(s) ({', '.join(names[:4])}"
                 f"{', ...' if len(names) > 4 else ''}) do not hold version {v}"
             )
+        if getattr(r, "staging", None) is not None:  # the trainers' delta records of step v (issue 36)
+            self.last_apply = r.apply()
         self.run_finalizers()
 
     def run_finalizers(self) -> dict:

@@ -56,6 +56,11 @@ class WxferTrainerInitInfo:
     # the plan from the map each worker traces from vLLM's own load_weights (traced.py); None:
     # when `mapping` is None or names no preset (an HF config of an architecture wxfer has no rules for)
     traced: bool | None = None
+    # delta pushes (issue 36, docs/delta.md): the trainers send only the destination bytes that
+    # changed; each worker registers `delta_staging` bytes (e.g. "64MiB") for the records and
+    # applies them in finish_weight_update.  False: dense pushes, no staging.
+    delta: Any = False
+    delta_staging: Any = "64MiB"
     rank: int = field(default=0, kw_only=True)
 
     @property
@@ -252,6 +257,7 @@ class TrainerSide:
                     proof_layers=info.proof_layers,
                     replicas=info.replicas,
                     traced=traced,
+                    delta_staging=info.delta_staging if info.delta else 0,
                     **(dict(mapping=None) if traced else _worker_mapping(info.mapping)),
                 )
                 call = _Call(client.init_weight_transfer_engine, winfo)
@@ -287,6 +293,7 @@ class TrainerSide:
             timeout=info.timeout,
             transport=info.transport,
             watermark=info.watermark,
+            delta=info.delta,
         )
         err = call.result(info.timeout, "init_weight_transfer_engine") if call is not None else None
         control.agree(self.group, err, self.rank, "the vLLM init_weight_transfer_engine", info.timeout)
