@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks for this session's work (each step bounded; logs under $OUT):
 #
-#   OUT=/some/dir bash benchmarks/gpu_session.sh tests     # build + every gpu test (about 4-5 min on an H100)
+#   OUT=/some/dir bash benchmarks/gpu_session.sh tests     # build + every gpu test + calibrate (about 6-8 min on an H100)
 #   OUT=/some/dir bash benchmarks/gpu_session.sh bench     # build + delta kernels/rates, MLA finalize
 #                                                          # kernels, the colocated dense rows (about 8 min)
 #
@@ -18,6 +18,10 @@ case "${1:-tests}" in
 tests)
   timeout 420 python3 -m pytest -q -ra -m "gpu or gpu2" tests >"$OUT/gpu_tests.log" 2>&1 || rc=1
   tail -40 "$OUT/gpu_tests.log"
+  # issue 35.7: every calibration term measured > 0 or None with its reason, on the GPU too
+  timeout 170 python3 -m wxfer calibrate --json --placement same --out "$OUT/cal-gpu.json" \
+    >"$OUT/calibrate.json" 2>"$OUT/calibrate.log" || rc=1
+  tail -25 "$OUT/calibrate.log"
   ;;
 bench)
   timeout 150 python3 benchmarks/bench_delta.py --parts rates,kernels --model qwen3-0.6b --steps 3 \
