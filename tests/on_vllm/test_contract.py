@@ -77,6 +77,10 @@ CASES = {  # id: (moe, fp8, tp, ep)
 @pytest.mark.parametrize("case", list(CASES))
 def test_contract_and_layout_proof(tmp_path, case):
     moe, fp8, tp, ep = CASES[case]
+    if fp8 and "amx_tile" not in open("/proc/cpuinfo").read():
+        # ValueError "Failed to find a kernel that can implement the ScaledMM linear layer" from
+        # Fp8LinearMethod.create_weights: the model cannot be built here (it could not before either)
+        pytest.skip("vLLM 0.32's CPU FP8 block linear needs AMX (Sapphire Rapids or newer); this CPU has none")
     # FP8 at TP2: head_dim 128 and moe_intermediate 256 so that every rank's rows are whole 128-row
     # blocks (the mapping refuses a block split across ranks, by name)
     big = fp8 and tp > 1
