@@ -181,6 +181,7 @@ def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
 
     t_full = best(full)
     rec = box["rec"]
+    changed_bytes = int(delta.changed(out, shadow)[1])
     dst = shadow.clone()
     t_apply = best(lambda: delta.apply_records(rec, 1, [dst]))
     assert torch.equal(dst, out)
@@ -193,6 +194,8 @@ def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
         quantize_compare_encode_s=t_full,
         ratio=t_full / t_q,
         record_bytes=int(rec.numel()),
+        changed_bytes=changed_bytes,
+        expected_record_bytes=delta.record_size(int(out.numel()), changed_bytes),
         dense_bytes=int(out.numel()),
         apply_s=t_apply,
         apply_s_per_MB=t_apply / (rec.numel() / 1e6),

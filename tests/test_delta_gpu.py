@@ -46,6 +46,10 @@ def test_bench_kernels_on_the_gpu():
     from benchmarks.bench_delta import bench_kernels
 
     r = bench_kernels(torch.device("cuda"), 4096, 4096, 0.004, 3)
-    assert r["record_bytes"] < 0.05 * r["dense_bytes"]
+    # the records are exactly the encoding's size for the bytes that changed, and far smaller than
+    # dense: 0.4% of elements x1.07 also moves the amax (so every byte) of ~0.4% of the 128x128
+    # blocks; on an H100 (2026-12-06) the records were 5.2% of the dense bytes
+    assert r["record_bytes"] == r["expected_record_bytes"] > 0
+    assert r["record_bytes"] < 0.1 * r["dense_bytes"]
     assert r["quantize_s"] > 0 and r["quantize_compare_encode_s"] > 0 and r["apply_s"] > 0
     print(r)
