@@ -17,17 +17,7 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
     check the plan, hand it to every rank and receiver through the store (or the error).
     The waits for the workers share one deadline, `timeout` from the first (issue 25.7)."""
     try:
-        per_rank = [ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}") for r in range(world)]
-        train, problems = program.merge_train_metadata(per_rank)
-        digests = [ctl.get_json("train/%d/mapping" % r, f"the mapping of trainer rank {r}") for r in range(world)]
-        problems = list(problems) + [
-            f"trainer rank {r} was given mapping {d['name']!r} (digest {d['sha'][:12]}), "
-            f"rank 0 {digests[0]['name']!r} (digest {digests[0]['sha'][:12]})"
-            for r, d in enumerate(digests)
-            if d != digests[0]
-        ]
-        if problems:
-            raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
+        train = _train_metadata(ctl, world)
         by = time.monotonic() + timeout  # one deadline for every worker
         first = json.loads(
             ctl.get(
@@ -96,6 +86,23 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
     ctl.set("layout", json.dumps(dict(replicas=first["replicas"], tp=first["tp"], workers=n)))
     ctl.set("plan", control.encode_result(blob, None))
     ctl.set("status", control.encode_result(b"", None))
+
+
+def _train_metadata(ctl, world: int):
+    """Every trainer rank's metadata, merged; SetupError when the ranks disagree (their shards,
+    or the mapping each was given)."""
+    per_rank = [ctl.get_json("train/%d" % r, f"training metadata of trainer rank {r}") for r in range(world)]
+    train, problems = program.merge_train_metadata(per_rank)
+    digests = [ctl.get_json("train/%d/mapping" % r, f"the mapping of trainer rank {r}") for r in range(world)]
+    problems = list(problems) + [
+        f"trainer rank {r} was given mapping {d['name']!r} (digest {d['sha'][:12]}), "
+        f"rank 0 {digests[0]['name']!r} (digest {digests[0]['sha'][:12]})"
+        for r, d in enumerate(digests)
+        if d != digests[0]
+    ]
+    if problems:
+        raise SetupError("trainer ranks disagree:\n  " + "\n  ".join(problems))
+    return train
 
 
 def _check_params(workers: list, ex) -> None:
