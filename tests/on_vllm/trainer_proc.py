@@ -63,6 +63,42 @@ def seeded(model, seed):
             p.copy_(t.to(p.dtype))
 
 
+def checkpoint_named(model):
+    """`model`, or where transformers keeps a MoE layer's experts fused (``experts.gate_up_proj``
+    [E, 2I, H], ``experts.down_proj`` [E, H, I]) while its save_pretrained writes them per expert
+    (``experts.<e>.gate_proj.weight``...), a module of views of its parameters under the
+    checkpoint's names (storage shared: the Sender reads the model's own memory).  The traced
+    map speaks the checkpoint's names."""
+    import torch
+
+    named = dict(model.named_parameters())
+    if not any(n.endswith("experts.gate_up_proj") for n in named):
+        return model
+    out = {}
+    for n, p in named.items():
+        pre = n.rsplit(".", 1)[0]
+        if n.endswith("experts.gate_up_proj") and p.dim() == 3:
+            half = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[f"{pre}.{e}.gate_proj.weight"] = p.data[e, :half]
+                out[f"{pre}.{e}.up_proj.weight"] = p.data[e, half:]
+        elif n.endswith("experts.down_proj") and p.dim() == 3:
+            for e in range(p.shape[0]):
+                out[f"{pre}.{e}.down_proj.weight"] = p.data[e]
+        else:
+            out[n] = p
+    root = torch.nn.Module()
+    for n, t in out.items():
+        mod = root
+        *path, leaf = n.split(".")
+        for k in path:
+            if not hasattr(mod, k):
+                mod.add_module(k, torch.nn.Module())
+            mod = getattr(mod, k)
+        mod.register_parameter(leaf, t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, False))
+    return root
+
+
 def greedy(model):
     """transformers' greedy decode: [(token, runner-up token, logit margin between them, top logit)] per step."""
     import torch
@@ -132,7 +168,8 @@ def job(ckpt, store, name, mode, rank, conn):
         store=store, mapping=mapping, name=name, timeout=60.0, update_timeout=15.0, watermark="64KiB", rank=rank
     )
     try:
-        eng = WeightTransferTrainerFactory.trainer_init(info, client=ConnClient(conn), source=ModuleSource(model))
+        src = checkpoint_named(model) if mode == "traced" else model
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=ConnClient(conn), source=ModuleSource(src))
         for rnd in (1, 2):
             if rnd == 2:
                 seeded(model, seed0 + 2)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 KEY = "vllm/trace/%d"
 
@@ -57,7 +58,8 @@ def worker_trace(
     from .trace import checkpoint_of_dir, trace_model
 
     ckpt = checkpoint_of_dir(checkpoint_dir(vllm_config.model_config))
-    m = trace_model(model, ckpt, par["rank"], where)
+    with loader_layout(model):
+        m = trace_model(model, ckpt, par["rank"], where)
     pat = re.compile(skip) if skip else None
     skipped = {p for p in m.params if pat and pat.search(p)}
     params, shards, problems = rank_shards(m, skipped)
@@ -96,6 +98,44 @@ def worker_trace(
             + "; ".join(refused[:6])
         )
     return m, {p.name: m.window(p.name) for p in params}, cls
+
+
+def _differs(t, meta) -> bool:
+    return t is None or tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype
+
+
+@contextmanager
+def loader_layout(model):
+    """The modules whose post-processing replaced a parameter (missing, or of another shape or
+    dtype than vLLM recorded before loading: e.g. vLLM's CPU GEMM drops a linear's weight for a
+    packed copy, the CPU MoE prepacks its experts) put back in the loader layout while the trace
+    runs: each recorded parameter a tensor of the recorded shape, stride, dtype and attributes
+    (its ``weight_loader``) over fresh memory the trace never writes (``torch.empty``: on a CPU
+    host, pages never touched); the module's own tensors and attributes back afterwards."""
+    import torch
+
+    from .postproc import _loader_metadata, _loader_view
+
+    swapped = []
+    for _, mod in model.named_modules():
+        meta = _loader_metadata(mod)
+        params = dict(meta[0]) if meta else {}
+        if not params or not any(_differs(mod._parameters.get(n), mt) for n, mt in params.items()):
+            continue
+        dev = next((t.device for t in mod._parameters.values() if t is not None), torch.device("cpu"))
+        swapped.append((mod, dict(mod._parameters), {n: vars(mod)[n] for n in params if n in vars(mod)}))
+        for n, mt in params.items():
+            if hasattr(mod, n):
+                delattr(mod, n)
+            t = torch.empty_strided(tuple(mt.shape), tuple(mt.stride()), dtype=mt.dtype, device=dev)
+            mod.register_parameter(n, _loader_view(t, mt, mod))
+    try:
+        yield
+    finally:
+        for mod, params, attrs in swapped:
+            mod._parameters.clear()
+            mod._parameters.update(params)
+            mod.__dict__.update(attrs)
 
 
 def registered(named, windows: dict) -> tuple[list, list]:
