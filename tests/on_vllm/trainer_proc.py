@@ -9,7 +9,7 @@ process runs the offline vllm.LLM).  MODE: "ok" (two rounds, reporting transform
 tokens after each push), "wrong" (a mapping with gate and up swapped in gate_up_proj), "missing"
 (a trainer model of three layers for the engine's two), "traced" (mapping=None: the plan
 from the map the workers trace from vLLM's load_weights, any architecture), "serve" (one rank,
-"traced" jobs one after the other, each sent as ("job", ckpt, store, name)), "kill" (two
+"traced" jobs one after the other, each sent as ("job", ckpt, store, name[, seed0])), "kill" (two
 ranks; rank 1 SIGKILLs itself in the middle of the second push).  Rank 0 reports ("pushed", round, tokens) / ("error", message).
 """
 
@@ -135,6 +135,8 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
         msg = conn.recv()
         if msg[0] != "job":
             return
+        if len(msg) > 4:  # the job's own WXFER_TEST_SEED0
+            os.environ["WXFER_TEST_SEED0"] = str(msg[4])
         job(msg[1], msg[2], msg[3], "traced", 0, conn)
 
 
