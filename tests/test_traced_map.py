@@ -229,3 +229,47 @@ def test_traced_proof_packs_whole_parameters_and_registers_by_class():
     assert left == [] and set(sel) == {p.name for p in params}
     assert sel["emb"].data_ptr() == kept.data_ptr() and sel["emb"].shape == (10, H)  # the kept memory's window
     assert all(sel[n].data_ptr() == live[n].data_ptr() for n in direct)
+
+
+class _Ctl:
+    def __init__(self):
+        self.kv = {}
+
+    def set(self, k, v):
+        self.kv[k] = v
+
+    def set_json(self, k, v):
+        self.kv[k] = v
+
+
+def test_worker_trace_publishes_the_proofs_refusals(tmp_path):
+    """worker_trace runs `prove` before publishing: its refusals go into the map's meta as the
+    worker's errors (the trainers raise them) and the worker raises them by name; a clean proof's
+    classification is returned and summarized in the meta."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from wxfer.integrations.vllm.traced import TraceError, worker_trace
+
+    save_file({n: t.contiguous() for n, t in real_tensors().items()}, str(tmp_path / "model.safetensors"))
+    vc = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path)))
+    par = dict(tp=2, rank=1, ep=False)
+    seen = []
+
+    def prove(refused):
+        def run(m, params, shards):
+            seen.append(sorted(p.name for p in params))
+            return SimpleNamespace(refused=refused, summary=lambda: dict(direct=len(params))), {}
+
+        return run
+
+    ctl = _Ctl()
+    with pytest.raises(TraceError, match="post-processing proof refused 1 tensor.*o: bytes differ"):
+        worker_trace(Toy(), vc, par, 0, 1, ctl, None, "worker", prove(["o: bytes differ"]))
+    meta = ctl.kv["vllm/trace/1/meta"]
+    assert meta["errors"] == ["post-processing proof: o: bytes differ"] and "vllm/trace/1" in ctl.kv
+    ctl = _Ctl()
+    m, windows, cls = worker_trace(Toy(), vc, par, 0, 1, ctl, None, "worker", prove([]))
+    assert ctl.kv["vllm/trace/1/meta"]["errors"] == [] and ctl.kv["vllm/trace/1/meta"]["proof"]["direct"] == 6
+    assert windows["emb"] == (0, 10 * H) and cls.refused == [] and seen[0] == seen[1] == sorted(windows)
