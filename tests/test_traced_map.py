@@ -190,3 +190,86 @@ def test_trainers_use_the_trace_without_a_preset():
     assert not uses_trace(WxferTrainerInitInfo(mapping="qwen3-8b"))
     assert not uses_trace(WxferTrainerInitInfo(mapping=None, traced=False))
     assert uses_trace(WxferTrainerInitInfo(mapping="qwen3-8b", traced=True))
+
+
+def test_traced_proof_packs_whole_parameters_and_registers_by_class():
+    """proof.traced_checkpoint / traced_packed (the post-processing proof's input on the traced
+    path): seeded tensors for the traced checkpoint names, the map's shards packed into each whole
+    parameter, the vocab padding outside the window the loader's constant: byte for byte what the
+    same load_weights lays for those tensors.  traced.proven registers a direct parameter's live
+    storage and a finalize one's kept memory, each with its window."""
+    from types import SimpleNamespace
+
+    from wxfer.integrations.vllm.proof import traced_checkpoint, traced_packed
+    from wxfer.integrations.vllm.traced import proven
+
+    tm = trace_load(Toy(), CKPT, rank=1)
+    params, shards, problems = rank_shards(tm)
+    assert not problems
+    full, ckpt = traced_checkpoint(tm, seed=5)
+    assert [n for n, _ in ckpt] == list(tm.sources) and all(full[n].dtype == t.dtype for n, t in ckpt)
+    packed = traced_packed(tm, params, shards, full)
+    ref = Toy()
+    with torch.no_grad():
+        ref.emb.fill_(7.0)  # the loader sets the padding rows itself
+        ref.load_weights(iter(ckpt))
+    live = dict(ref.named_parameters())
+    assert set(packed) == {p.name for p in params}
+    for n, b in packed.items():
+        assert torch.equal(b, live[n].detach().contiguous().view(-1).view(torch.uint8)), n
+    assert packed["emb"].numel() == live["emb"].numel() * 2  # the whole parameter, padding included
+
+    kept = torch.empty_like(ref.emb)
+    f = SimpleNamespace(params={"weight": kept})
+    direct = [p.name for p in params if p.name != "emb"]
+    cls = SimpleNamespace(direct=direct, finalize_dests={"emb": (f, "weight")})
+    windows = {p.name: tm.window(p.name) for p in params}
+    sel, left = proven(list(ref.named_parameters()), windows, cls)
+    sel = dict(sel)
+    assert left == [] and set(sel) == {p.name for p in params}
+    assert sel["emb"].data_ptr() == kept.data_ptr() and sel["emb"].shape == (10, H)  # the kept memory's window
+    assert all(sel[n].data_ptr() == live[n].data_ptr() for n in direct)
+
+
+class _Ctl:
+    def __init__(self):
+        self.kv = {}
+
+    def set(self, k, v):
+        self.kv[k] = v
+
+    def set_json(self, k, v):
+        self.kv[k] = v
+
+
+def test_worker_trace_publishes_the_proofs_refusals(tmp_path):
+    """worker_trace runs `prove` before publishing: its refusals go into the map's meta as the
+    worker's errors (the trainers raise them) and the worker raises them by name; a clean proof's
+    classification is returned and summarized in the meta."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from wxfer.integrations.vllm.traced import TraceError, worker_trace
+
+    save_file({n: t.contiguous() for n, t in real_tensors().items()}, str(tmp_path / "model.safetensors"))
+    vc = SimpleNamespace(model_config=SimpleNamespace(model=str(tmp_path)))
+    par = dict(tp=2, rank=1, ep=False)
+    seen = []
+
+    def prove(refused):
+        def run(m, params, shards):
+            seen.append(sorted(p.name for p in params))
+            return SimpleNamespace(refused=refused, summary=lambda: dict(direct=len(params))), {}
+
+        return run
+
+    ctl = _Ctl()
+    with pytest.raises(TraceError, match="post-processing proof refused 1 tensor.*o: bytes differ"):
+        worker_trace(Toy(), vc, par, 0, 1, ctl, None, "worker", prove(["o: bytes differ"]))
+    meta = ctl.kv["vllm/trace/1/meta"]
+    assert meta["errors"] == ["post-processing proof: o: bytes differ"] and "vllm/trace/1" in ctl.kv
+    ctl = _Ctl()
+    m, windows, cls = worker_trace(Toy(), vc, par, 0, 1, ctl, None, "worker", prove([]))
+    assert ctl.kv["vllm/trace/1/meta"]["errors"] == [] and ctl.kv["vllm/trace/1/meta"]["proof"]["direct"] == 6
+    assert windows["emb"] == (0, 10 * H) and cls.refused == [] and seen[0] == seen[1] == sorted(windows)

@@ -128,13 +128,18 @@ def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, trainer
         assert seen[0][1] != first or seen[1][1] != first
         eng = worker_engine(llm)
         assert eng.traced_map is not None and not eng.traced_map.problems
-        assert eng.receiver.version() == 2 and eng.proof_result is None
+        assert eng.receiver.version() == 2
+        # the post-processing proof on the traced map: with keep_cpu_weights() every parameter
+        # the map writes is direct (its live storage registered), nothing finalize or refused
+        cls = eng.proof_result["classes"]
+        assert cls["finalize"] == {} and cls["refused"] == [] and eng.finalizers == [], cls
+        assert cls["direct"] == len(eng.receiver.params), (cls, sorted(eng.receiver.params))
         if arch in EXTRA:
             assert eng.traced_map.window("model.embed_tokens.weight") == (0, 480 * 256)
             assert eng.receiver.params["lm_head.weight"].shape == (480, 256)
         TIMES[arch] = (llm.wxfer_start_s, eng.traced_map.seconds, time.monotonic() - t0)
         print(f"{arch}: engine start {llm.wxfer_start_s:.1f} s, trace {eng.traced_map.seconds:.3f} s, "
-              f"test {time.monotonic() - t0:.1f} s")
+              f"proof {eng.proof_result['seconds']:.3f} s, test {time.monotonic() - t0:.1f} s")
     finally:
         try:
             llm.shutdown_weight_transfer_engine()

@@ -9,7 +9,7 @@ process runs the offline vllm.LLM).  MODE: "ok" (two rounds, reporting transform
 tokens after each push), "wrong" (a mapping with gate and up swapped in gate_up_proj), "missing"
 (a trainer model of three layers for the engine's two), "traced" (mapping=None: the plan
 from the map the workers trace from vLLM's load_weights, any architecture), "serve" (one rank,
-"traced" jobs one after the other, each sent as ("job", ckpt, store, name)), "kill" (two
+"traced" jobs one after the other, each sent as ("job", ckpt, store, name[, seed0])), "kill" (two
 ranks; rank 1 SIGKILLs itself in the middle of the second push).  Rank 0 reports ("pushed", round, tokens) / ("error", message).
 """
 
@@ -63,6 +63,42 @@ def seeded(model, seed):
             p.copy_(t.to(p.dtype))
 
 
+def checkpoint_named(model):
+    """`model`, or where transformers keeps a MoE layer's experts fused (``experts.gate_up_proj``
+    [E, 2I, H], ``experts.down_proj`` [E, H, I]) while its save_pretrained writes them per expert
+    (``experts.<e>.gate_proj.weight``...), a module of views of its parameters under the
+    checkpoint's names (storage shared: the Sender reads the model's own memory).  The traced
+    map speaks the checkpoint's names."""
+    import torch
+
+    named = dict(model.named_parameters())
+    if not any(n.endswith("experts.gate_up_proj") for n in named):
+        return model
+    out = {}
+    for n, p in named.items():
+        pre = n.rsplit(".", 1)[0]
+        if n.endswith("experts.gate_up_proj") and p.dim() == 3:
+            half = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out[f"{pre}.{e}.gate_proj.weight"] = p.data[e, :half]
+                out[f"{pre}.{e}.up_proj.weight"] = p.data[e, half:]
+        elif n.endswith("experts.down_proj") and p.dim() == 3:
+            for e in range(p.shape[0]):
+                out[f"{pre}.{e}.down_proj.weight"] = p.data[e]
+        else:
+            out[n] = p
+    root = torch.nn.Module()
+    for n, t in out.items():
+        mod = root
+        *path, leaf = n.split(".")
+        for k in path:
+            if not hasattr(mod, k):
+                mod.add_module(k, torch.nn.Module())
+            mod = getattr(mod, k)
+        mod.register_parameter(leaf, t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, False))
+    return root
+
+
 def greedy(model):
     """transformers' greedy decode: [(token, runner-up token, logit margin between them, top logit)] per step."""
     import torch
@@ -99,6 +135,8 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
         msg = conn.recv()
         if msg[0] != "job":
             return
+        if len(msg) > 4:  # the job's own WXFER_TEST_SEED0
+            os.environ["WXFER_TEST_SEED0"] = str(msg[4])
         job(msg[1], msg[2], msg[3], "traced", 0, conn)
 
 
@@ -132,7 +170,8 @@ def job(ckpt, store, name, mode, rank, conn):
         store=store, mapping=mapping, name=name, timeout=60.0, update_timeout=15.0, watermark="64KiB", rank=rank
     )
     try:
-        eng = WeightTransferTrainerFactory.trainer_init(info, client=ConnClient(conn), source=ModuleSource(model))
+        src = checkpoint_named(model) if mode == "traced" else model
+        eng = WeightTransferTrainerFactory.trainer_init(info, client=ConnClient(conn), source=ModuleSource(src))
         for rnd in (1, 2):
             if rnd == 2:
                 seeded(model, seed0 + 2)

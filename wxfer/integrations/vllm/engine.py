@@ -193,16 +193,31 @@ class WorkerSide:
 
     def _traced(self, info, par, replica, replicas, where, major):
         """(store, selected, left out) by the map traced from vLLM's own load_weights (traced.py),
-        published for the trainers."""
+        published for the trainers.  With the proof (the default) the same post-processing proof
+        as ``_preset`` (proof.traced_classify: the map's shards packed for seeded tensors) makes
+        every parameter the map writes direct, finalize or refused by name, and registers it
+        accordingly; without it, the live parameters the map writes."""
         from ...runtime.control import Control, job_secret, resolve_store
-        from .traced import registered, worker_trace
+        from .traced import proven, registered, worker_trace
 
         store = resolve_store(info.store or None, False, info.timeout)
         ctl = Control(store, info.name, info.timeout, secret=job_secret(None))
-        self.traced_map, windows = worker_trace(
-            self.model, self.vllm_config, par, replica, replicas, ctl, info.skip, where
+        prove = None
+        if info.proof:
+            from .proof import traced_classify
+
+            def prove(m, params, shards):
+                return traced_classify(self.model, self.vllm_config, self.device, m, params, shards, info.proof_seed)
+
+        self.traced_map, windows, cls = worker_trace(
+            self.model, self.vllm_config, par, replica, replicas, ctl, info.skip, where, prove
         )
-        return (store, *registered(self.model.named_parameters(), windows))
+        named = list(self.model.named_parameters())
+        if cls is None:
+            return (store, *registered(named, windows))
+        self.proof_result = dict(seconds=cls.seconds, classes=cls.summary(), traced=True)
+        self.finalizers = sorted(cls.finalize, key=lambda f: f.late)
+        return (store, *proven(named, windows, cls))
 
     def _need(self, what: str):
         if self.receiver is None:

@@ -136,16 +136,23 @@ def seeded_checkpoint(mapping, hf_config: dict | None, layers, seed: int = PROOF
 
     preset = _preset(mapping, hf_config)
     cfg = dict(preset.config, **(hf_config or {}))
-    out = {}
-    for n, (shape, dtype, _) in preset.hf_params(cfg).items():
-        if not _in_proof(n, layers):
-            continue
-        g = torch.Generator().manual_seed((seed * 1000003 + zlib.crc32(n.encode())) & 0x7FFFFFFFFFFF)
-        t = torch.randn(tuple(shape), generator=g) * 0.05
-        if n.endswith("norm.weight") or "layernorm" in n:
-            t = t + 1.0
-        out[n] = t.to(getattr(torch, dtype))
-    return out
+    return {
+        n: seeded_tensor(n, shape, dtype, seed)
+        for n, (shape, dtype, _) in preset.hf_params(cfg).items()
+        if _in_proof(n, layers)
+    }
+
+
+def seeded_tensor(name: str, shape, dtype: str, seed: int = PROOF_SEED):
+    """One seeded random checkpoint tensor, a function of (seed, name, shape, dtype) alone (norm
+    weights around 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed((seed * 1000003 + zlib.crc32(name.encode())) & 0x7FFFFFFFFFFF)
+    t = torch.randn(tuple(shape), generator=g) * 0.05
+    if name.endswith("norm.weight") or "layernorm" in name:
+        t = t + 1.0
+    return t.to(getattr(torch, dtype))
 
 
 def fp8_checkpoint(tensors: dict, quantized) -> list:

@@ -21,7 +21,9 @@ model (already loaded and post-processed by vLLM):
 5. any other module is offered to the finalizer hooks (``FINALIZER_HOOKS``, first match wins);
    the finalizer is run on the bytes written into its kept memory and the module compared again:
    equal is **finalize**, else (or with no finalizer) every differing tensor is **refused**, by
-   name, with what differs;
+   name, with what differs (a written tensor of a finalize module for which vLLM recorded no
+   loader layout, a bias, which vLLM's reload leaves in place, is written into its live storage
+   and is direct: the comparison after finalize covers it);
 6. everything saved is put back (the engine serves its previous weights until the first push).
 
 The loader layout of a module whose post-processing replaced its parameters comes from vLLM
@@ -451,6 +453,8 @@ class _Proof:
         for attr, d in written.items() if f is not None else ():
             _, shape, dtype = self.dests[d]
             k = f.params.get(attr)
+            if k is None and _fits(_tensors(mod).get(attr), shape, dtype):
+                continue  # no loader layout kept for it (vLLM's reload leaves a bias in place): written live
             if not _fits(k, shape, dtype):
                 have = None if k is None else (tuple(k.shape), str(k.dtype))
                 return None, f"{m}.{attr}: the mapping writes {tuple(shape)} {dtype}, the loader layout is {have}"
@@ -462,9 +466,9 @@ class _Proof:
         self.saved.restore(only={n for n in self.modules if _root(n)[0] in {t[0] for t in todo}})
         cands = [(m, mod, written, differ, *self.finalizer(m, mod, written)) for m, mod, written, differ in todo]
         with torch.no_grad():
-            for _, _, written, _, f, _ in cands:
+            for _, mod, written, _, f, _ in cands:
                 for attr, d in written.items() if f is not None else ():
-                    _write(f.params[attr], self.packed[d])
+                    _write(f.params[attr] if attr in f.params else _tensors(mod)[attr], self.packed[d])
             for i in sorted(range(len(cands)), key=lambda i: bool(cands[i][4] and cands[i][4].late)):
                 m, mod, written, differ, f, _ = cands[i]
                 try:
@@ -475,8 +479,9 @@ class _Proof:
         return cands
 
     def judge(self, cands):
-        """(Finalizers proven, destination -> (Finalizer, attribute), refusals)."""
-        fins, fdest, refused = [], {}, []
+        """(Finalizers proven, destination -> (Finalizer, attribute), refusals, destinations of
+        finalize modules written into their live storage: those no kept memory is for)."""
+        fins, fdest, refused, live = [], {}, [], []
         for m, mod, written, differ, f, why in cands:
             name = lambda n, m=m: f"{m}.{n}" if m else n  # noqa: E731
             if f is not None:
@@ -484,7 +489,8 @@ class _Proof:
                 still = self.differ(m, got)
                 if not still:
                     fins.append(f)
-                    fdest.update({d: (f, attr) for attr, d in written.items()})
+                    fdest.update({d: (f, attr) for attr, d in written.items() if attr in f.params})
+                    live += [d for attr, d in written.items() if attr not in f.params]
                 absent = ((), "absent", "")
                 refused += [
                     _diff(name(n), self.ref.get(m, {}).get(n, absent), got.get(n, absent)) + " (after finalize)"
@@ -500,7 +506,7 @@ class _Proof:
                     f"{name(k)}: vLLM's post-processing rebuilds this attribute from the weights "
                     f"({type(getattr(mod, k, None)).__name__}) and no finalizer applies"
                 )
-        return fins, fdest, refused
+        return fins, fdest, refused, live
 
 
 def classify(model, vllm_config, device, dests: dict, packed: dict, checkpoint, hooks=None) -> Classification:
@@ -511,9 +517,9 @@ def classify(model, vllm_config, device, dests: dict, packed: dict, checkpoint, 
     p = _Proof(model, vllm_config, device, dests, packed, checkpoint, FINALIZER_HOOKS if hooks is None else hooks)
     try:
         direct, constant, todo = p.direct_pass()
-        fins, fdest, refused = p.judge(p.finalize_pass(todo))
+        fins, fdest, refused, live = p.judge(p.finalize_pass(todo))
     finally:
         p.saved.restore()
-    out = Classification(sorted(direct), fins, fdest, refused, sorted(constant))
+    out = Classification(sorted(direct + live), fins, fdest, refused, sorted(constant))
     out.seconds = time.perf_counter() - t0
     return out

@@ -18,9 +18,10 @@ trainer rank and on every worker (through the plan status the Receivers wait for
 
 from __future__ import annotations
 
+import math
 import time
 
-from .layout import compare_digests, digest, fp8_checkpoint, proof_digests, proof_layers, seeded_checkpoint
+from .layout import PROOF_SEED, compare_digests, digest, fp8_checkpoint, proof_digests, proof_layers, seeded_checkpoint
 
 KEY = "vllm/proof/%d"
 
@@ -187,3 +188,81 @@ def _get(ctl, key, timeout, alive):
         if time.monotonic() > deadline:
             raise TimeoutError(f"wxfer: no layout proof {key!r} from the vLLM workers after {timeout:.0f} s")
         time.sleep(0.05)
+
+
+# ------------------------------------------------------------------ the traced path (no preset)
+
+
+def traced_checkpoint(m, seed: int = PROOF_SEED) -> tuple[dict, list]:
+    """(training tensors {name: tensor}, checkpoint [(name, tensor)] as vLLM's loader reads it)
+    for the checkpoint names, shapes and dtypes traced map `m` was traced over: a seeded tensor
+    each (layout.seeded_tensor); a float8 weight with ``<name>_scale_inv`` is a BF16 training
+    tensor, block-quantized in the checkpoint as an FP8 checkpoint stores it."""
+    from .layout import seeded_tensor
+
+    fp8 = {n for n, (_, dt) in m.sources.items() if dt == "float8_e4m3fn" and n + "_scale_inv" in m.sources}
+    scales = {n + "_scale_inv" for n in fp8}
+    full = {
+        n: seeded_tensor(n, shape, "bfloat16" if n in fp8 else dt, seed)
+        for n, (shape, dt) in m.sources.items()
+        if n not in scales
+    }
+    return full, fp8_checkpoint(full, lambda n: n in fp8)
+
+
+def traced_packed(m, params, shards, full) -> dict:
+    """parameter name -> the bytes (uint8, the whole parameter) wxfer leaves there for the
+    training tensors `full`: the map's shards (``rank_shards``) packed by the trainers' reference
+    packing (``pack_shard``) at their place; a parameter written as a window (vocab padding)
+    holds, outside it, the constant vLLM's loader sets there (the trace's ``fill_``: wxfer never
+    writes those rows, so they keep what the load left)."""
+    import torch
+
+    from ...mapping import pack_shard
+    from ...mapping.rules import dtype_size
+
+    buf, base = {}, {}
+    for dp in params:
+        shape, dt = m.params[dp.name]
+        es = dtype_size(dt)
+        b = torch.zeros(math.prod(shape) * es, dtype=torch.uint8)
+        typed = b.view(getattr(torch, dt))
+        for el, v in m.const.get(dp.name, []):
+            typed[torch.from_numpy(el)] = v
+        buf[dp.name] = b
+        base[dp.name] = (m.window(dp.name) or (0, 0))[0] * es
+    for sh in shards:
+        b = pack_shard(sh, full)
+        o = base[sh.dst] + sh.offset
+        buf[sh.dst][o : o + b.numel()] = b
+    return buf
+
+
+def traced_classify(model, vllm_config, device, m, params, shards, seed: int = PROOF_SEED):
+    """(Classification, destinations) of the post-processing proof (postproc.classify, every
+    layer) on the traced path: what wxfer writes is the worker's own traced map, its shards
+    packed for seeded tensors of the checkpoint names it was traced over.  Destinations are the
+    whole parameters (name -> (name, shape, dtype)); a windowed one is compared whole, its rows
+    outside the window the loader's constant in the reference and in what wxfer leaves (and, for
+    a direct one, checked to be that constant in the live model: ``Classification.refused``)."""
+    import torch
+
+    from .postproc import classify
+
+    full, ckpt = traced_checkpoint(m, seed)
+    packed = traced_packed(m, params, shards, full)
+    dests = {dp.name: (dp.name, tuple(m.params[dp.name][0]), m.params[dp.name][1]) for dp in params}
+    c = classify(model, vllm_config, device, dests, packed, ckpt)
+    live = dict(model.named_parameters(remove_duplicate=False))
+    live.update(dict(model.named_buffers(remove_duplicate=False)))
+    for d in c.direct:
+        w = m.window(d)
+        if w is None:
+            continue
+        es = packed[d].numel() // max(1, math.prod(m.params[d][0]))
+        have = live[d].detach().contiguous().view(-1).view(torch.uint8).cpu()
+        a, b = w[0] * es, w[1] * es
+        if not (torch.equal(have[:a], packed[d][:a]) and torch.equal(have[b:], packed[d][b:])):
+            c.refused.append(f"{d}: the elements outside [{w[0]}, {w[1]}) (not written) are not the loader's constant")
+    c.packed_digests = {d: digest(b) for d, b in packed.items()}
+    return c, dests

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 KEY = "vllm/trace/%d"
 
@@ -44,19 +45,29 @@ def checkpoint_dir(model_config) -> str:
         ) from e
 
 
-def worker_trace(model, vllm_config, par: dict, replica: int, replicas: int, ctl, skip: str | None, where: str):
-    """Trace, publish, and return (the map, the names of the parameters the plan writes)."""
+def worker_trace(
+    model, vllm_config, par: dict, replica: int, replicas: int, ctl, skip: str | None, where: str, prove=None
+):
+    """Trace, publish, and return (the map, {parameter the plan writes: its window or None}, the
+    proof's Classification or None).  `prove(map, params, shards)`, run before the map is
+    published, returns (Classification, destinations) (proof.traced_classify): its refusals are
+    published as the worker's errors, so the trainers raise them too."""
     import re
 
     from ...mapping.traced import rank_shards
     from .trace import checkpoint_of_dir, trace_model
 
     ckpt = checkpoint_of_dir(checkpoint_dir(vllm_config.model_config))
-    m = trace_model(model, ckpt, par["rank"], where)
+    with loader_layout(model):
+        m = trace_model(model, ckpt, par["rank"], where)
     pat = re.compile(skip) if skip else None
     skipped = {p for p in m.params if pat and pat.search(p)}
-    params, _, problems = rank_shards(m, skipped)
+    params, shards, problems = rank_shards(m, skipped)
     problems += [f"{k}: {w}" for k, ws in m.problems.items() if k not in m.runs and k not in skipped for w in ws]
+    cls, refused, t0 = None, [], time.perf_counter()
+    if prove is not None and not problems:
+        cls, _ = prove(m, params, shards)
+        refused = list(cls.refused)
     gpu = replica * par["tp"] + par["rank"]
     blob = m.to_bytes()
     meta = dict(
@@ -70,7 +81,8 @@ def worker_trace(model, vllm_config, par: dict, replica: int, replicas: int, ctl
         seconds=m.seconds,
         nparams=sum(t.numel() for t in model.parameters()),
         written=len(params),
-        errors=problems,
+        errors=problems + [f"post-processing proof: {r}" for r in refused],
+        proof=None if cls is None else dict(cls.summary(), seconds=time.perf_counter() - t0),
     )
     ctl.set(KEY % gpu, blob)
     ctl.set_json(KEY % gpu + "/meta", meta)
@@ -79,7 +91,51 @@ def worker_trace(model, vllm_config, par: dict, replica: int, replicas: int, ctl
             f"wxfer: {where}: vLLM's load_weights writes {len(problems)} thing(s) the traced map cannot express: "
             + "; ".join(problems[:8])
         )
-    return m, {p.name: m.window(p.name) for p in params}
+    if refused:
+        raise TraceError(
+            f"wxfer: {where}: post-processing proof refused {len(refused)} tensor(s) (vLLM's load_weights + "
+            "process_weights_after_loading of seeded checkpoint tensors against what the traced map leaves): "
+            + "; ".join(refused[:6])
+        )
+    return m, {p.name: m.window(p.name) for p in params}, cls
+
+
+def _differs(t, meta) -> bool:
+    return t is None or tuple(t.shape) != tuple(meta.shape) or t.dtype != meta.dtype
+
+
+@contextmanager
+def loader_layout(model):
+    """The modules whose post-processing replaced a parameter (missing, or of another shape or
+    dtype than vLLM recorded before loading: e.g. vLLM's CPU GEMM drops a linear's weight for a
+    packed copy, the CPU MoE prepacks its experts) put back in the loader layout while the trace
+    runs: each recorded parameter a tensor of the recorded shape, stride, dtype and attributes
+    (its ``weight_loader``) over fresh memory the trace never writes (``torch.empty``: on a CPU
+    host, pages never touched); the module's own tensors and attributes back afterwards."""
+    import torch
+
+    from .postproc import _loader_metadata, _loader_view
+
+    swapped = []
+    for _, mod in model.named_modules():
+        meta = _loader_metadata(mod)
+        params = dict(meta[0]) if meta else {}
+        if not params or not any(_differs(mod._parameters.get(n), mt) for n, mt in params.items()):
+            continue
+        dev = next((t.device for t in mod._parameters.values() if t is not None), torch.device("cpu"))
+        swapped.append((mod, dict(mod._parameters), {n: vars(mod)[n] for n in params if n in vars(mod)}))
+        for n, mt in params.items():
+            if hasattr(mod, n):
+                delattr(mod, n)
+            t = torch.empty_strided(tuple(mt.shape), tuple(mt.stride()), dtype=mt.dtype, device=dev)
+            mod.register_parameter(n, _loader_view(t, mt, mod))
+    try:
+        yield
+    finally:
+        for mod, params, attrs in swapped:
+            mod._parameters.clear()
+            mod._parameters.update(params)
+            mod.__dict__.update(attrs)
 
 
 def registered(named, windows: dict) -> tuple[list, list]:
@@ -95,6 +151,16 @@ def registered(named, windows: dict) -> tuple[list, list]:
             t = t.detach().view(-1)[w[0] : w[1]].view((-1,) + tuple(t.shape[1:]))
         sel.append((n, t))
     return sel, left
+
+
+def proven(named, windows: dict, cls) -> tuple[list, list]:
+    """(selected, left out) as ``registered``, by the proof's classification: a direct parameter
+    is its live storage, a finalize one the loader-layout memory kept for it (its finalizer
+    re-runs vLLM's post-processing from it in finish_weight_update); each with its window."""
+    fin = {d: f.params[attr] for d, (f, attr) in cls.finalize_dests.items()}
+    ok = set(cls.direct) | set(fin)
+    sel, left = registered(((n, fin.get(n, t)) for n, t in named if n in ok), windows)
+    return sel, [n for n, _ in named if n not in ok] + left
 
 
 def trainer_maps(ctl, timeout: float, alive=lambda: None) -> tuple[dict, list[dict]]:

@@ -253,7 +253,7 @@ class TrainerSide:
                     name=info.name,
                     timeout=info.timeout,
                     transport=info.transport,
-                    proof=info.proof and not traced,
+                    proof=info.proof,  # traced: the post-processing proof on the worker's own map
                     proof_layers=info.proof_layers,
                     replicas=info.replicas,
                     traced=traced,
