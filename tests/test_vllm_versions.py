@@ -35,7 +35,9 @@ def test_the_version_is_detected_and_an_unread_one_refused_by_name():
         "0.33",  # 0.34's weight-transfer ABCs and factories are 0.33's, byte for byte
     ]
     for v in ("0.25.1", "0.29.0", "0.35.0", "dev"):
-        with pytest.raises(UnsupportedVLLM, match=rf"vLLM {v} is not supported .* 0\.26\.x, 0\.32\.x, 0\.33\.x, 0\.34\.x"):
+        with pytest.raises(
+            UnsupportedVLLM, match=rf"vLLM {v} is not supported .* 0\.26\.x, 0\.32\.x, 0\.33\.x, 0\.34\.x"
+        ):
             api_for(v)
     assert api_for("0.29.0", override="0.32") == "0.32"
     with pytest.raises(UnsupportedVLLM, match="WXFER_VLLM_API='0.29'"):

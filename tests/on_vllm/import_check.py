@@ -58,7 +58,9 @@ def main() -> int:
     params = inspect.signature(WeightTransferTrainerFactory.trainer_init).parameters
     try:
         if "backend" in params:  # 0.26's factory
-            WeightTransferTrainerFactory.trainer_init("wxfer", None, WxferTrainerInitInfo(rank=0), client=None, source=None)
+            WeightTransferTrainerFactory.trainer_init(
+                "wxfer", None, WxferTrainerInitInfo(rank=0), client=None, source=None
+            )
         else:
             WeightTransferTrainerFactory.trainer_init(WxferTrainerInitInfo(rank=0), client=None, source=None)
         bad.append("trainer_init with no client and no store did not fail")

@@ -180,5 +180,3 @@ def test_a_irreproducible_post_processing_and_d_an_inconstant_buffer_are_refused
     assert noise and len(noise) + len(state) == len(c["refused"]), c["refused"]
     assert {r.split(":")[0] for r in state} == {f"model.layers.{i}.planted_state" for i in (0, 1)}, state
     assert all("neither written by wxfer nor constant" in r for r in state), state
-
-

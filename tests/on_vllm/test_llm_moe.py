@@ -141,5 +141,7 @@ def test_moe_two_pushes_through_finalize(llm, monkeypatch):
     w13 = eng.receiver.params["model.layers.0.mlp.experts.w13_weight"]
     fin = {f.module_name: f for f in eng.finalizers}
     assert w13.data_ptr() == fin[experts[0]].params["w13_weight"].data_ptr()
-    print("\nMoE setup %.1f s, proof %.2f s, finalize per update %s" % (
-        llm.wxfer_start_s, eng.proof_result["seconds"], [round(s[3]["seconds"], 4) for s in seen]))
+    print(
+        "\nMoE setup %.1f s, proof %.2f s, finalize per update %s"
+        % (llm.wxfer_start_s, eng.proof_result["seconds"], [round(s[3]["seconds"], 4) for s in seen])
+    )

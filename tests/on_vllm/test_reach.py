@@ -138,8 +138,10 @@ def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, trainer
             assert eng.traced_map.window("model.embed_tokens.weight") == (0, 480 * 256)
             assert eng.receiver.params["lm_head.weight"].shape == (480, 256)
         TIMES[arch] = (llm.wxfer_start_s, eng.traced_map.seconds, time.monotonic() - t0)
-        print(f"{arch}: engine start {llm.wxfer_start_s:.1f} s, trace {eng.traced_map.seconds:.3f} s, "
-              f"proof {eng.proof_result['seconds']:.3f} s, test {time.monotonic() - t0:.1f} s")
+        print(
+            f"{arch}: engine start {llm.wxfer_start_s:.1f} s, trace {eng.traced_map.seconds:.3f} s, "
+            f"proof {eng.proof_result['seconds']:.3f} s, test {time.monotonic() - t0:.1f} s"
+        )
     finally:
         try:
             llm.shutdown_weight_transfer_engine()

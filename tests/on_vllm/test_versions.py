@@ -77,7 +77,10 @@ def test_the_import_check_passes_on_this_vllm():
     env = dict(os.environ, PYTHONPATH=root)
     p = subprocess.run(
         [sys.executable, os.path.join(root, "tests", "on_vllm", "import_check.py")],
-        env=env, capture_output=True, text=True, timeout=240,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "import check: passed" in p.stdout and "wxfer API shape: 0.32" in p.stdout

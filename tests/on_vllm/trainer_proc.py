@@ -10,7 +10,8 @@ tokens after each push), "wrong" (a mapping with gate and up swapped in gate_up_
 (a trainer model of three layers for the engine's two), "traced" (mapping=None: the plan
 from the map the workers trace from vLLM's load_weights, any architecture), "serve" (one rank,
 "traced" jobs one after the other, each sent as ("job", ckpt, store, name[, seed0])), "kill" (two
-ranks; rank 1 SIGKILLs itself in the middle of the second push).  Rank 0 reports ("pushed", round, tokens) / ("error", message).
+ranks; rank 1 SIGKILLs itself in the middle of the second push).  Rank 0 reports ("pushed",
+round, tokens) / ("error", message).
 """
 
 import os

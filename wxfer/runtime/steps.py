@@ -258,7 +258,6 @@ class StepLoop:
                 if isinstance(e, control.CollectiveError) or is_gloo_failure(e):
                     raise  # the group is broken (a rank died or hung): no more to drain
 
-
     def _abort(self) -> None:
         try:
             self.engine.wait(timeout=self.write_timeout)

@@ -275,7 +275,10 @@ class WorkerSide:
         if fins:
             log.info(
                 "wxfer: finalize of update %d: %d module(s) in %.4f s (%.1f MiB kept)",
-                rep["updates"], len(fins), rep["seconds"], rep["kept_bytes"] / 2**20,
+                rep["updates"],
+                len(fins),
+                rep["seconds"],
+                rep["kept_bytes"] / 2**20,
             )
         return rep
 

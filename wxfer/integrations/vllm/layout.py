@@ -132,7 +132,6 @@ def seeded_checkpoint(mapping, hf_config: dict | None, layers, seed: int = PROOF
     """name -> tensor: random checkpoint tensors in the training (HF) layout, for the
     parameters outside decoder layers and those of `layers`; each one a function of (seed,
     name) alone, so both sides make the same bytes."""
-    import torch
 
     preset = _preset(mapping, hf_config)
     cfg = dict(preset.config, **(hf_config or {}))

@@ -236,9 +236,7 @@ _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) | {
 
 def _attrs(module) -> dict:
     """A module's own attributes other than torch's bookkeeping and its tensors."""
-    return {
-        k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS and not isinstance(v, torch.Tensor)
-    }
+    return {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS and not isinstance(v, torch.Tensor)}
 
 
 def _sha(t: torch.Tensor) -> str:

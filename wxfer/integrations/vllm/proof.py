@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 
-from .layout import PROOF_SEED, compare_digests, digest, fp8_checkpoint, proof_digests, proof_layers, seeded_checkpoint
+from .layout import PROOF_SEED, compare_digests, digest, fp8_checkpoint, proof_digests, seeded_checkpoint
 
 KEY = "vllm/proof/%d"
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from ...mapping.traced import SHIFT, TracedMap, compress_runs
 
+
 class Unexpressible(Exception):
     """An op on a fake checkpoint tensor (or a write into a parameter) the tracer cannot express."""
 
