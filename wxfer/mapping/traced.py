@@ -85,7 +85,7 @@ class TracedMap:
 
     def sources_into(self, params) -> set:
         names = self.names()
-        out = set()
+        out: set = set()
         for p in params:
             if p in self.runs:
                 out.update(names[i] for i in np.unique(self.runs[p][1] >> SHIFT))
@@ -239,7 +239,7 @@ def _regions(m: TracedMap, p: str):
     """[(first element, [Piece])] per maximal contiguous destination region of `p`."""
     d, s, n = m.runs[p]
     names = m.names()
-    out = []
+    out: list = []
     for i in range(len(d)):
         src = names[int(s[i]) >> SHIFT]
         ps = _run_pieces(src, m.sources[src][0], int(s[i]) & MASK, int(n[i]))
@@ -313,7 +313,7 @@ def rank_shards(m: TracedMap, skip=()) -> tuple[list[DestParam], list[Shard], li
             want = _scale_ids(m, sh.pieces)
             at = where.get(int(want[0])) if len(want) else None
             got = None if at is None else np.array([where.get(int(g), -1) for g in want])
-            if got is None or not np.array_equal(got, np.arange(at, at + len(want))):
+            if at is None or got is None or not np.array_equal(got, np.arange(at, at + len(want))):
                 problems.append(
                     f"{sp} (rank {m.rank}): the scales vLLM's loader lays are not those of {sh.dst}'s pieces"
                 )
