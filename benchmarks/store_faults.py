@@ -217,9 +217,9 @@ def wrong_bytes(out: str, v: int) -> bool:
     return False
 
 
-def run(case: str, i: int, keep: str | None) -> dict:
+def run(case: str, i: int, keep: str | None, provider: str = "tcp") -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WXFER_FABRIC_PROVIDER="tcp", WXFER_LOG="warning")
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1", WXFER_FABRIC_PROVIDER=provider, WXFER_LOG="warning")
     port = free_port()
     store = "127.0.0.1:%d" % port
     out = tempfile.mkdtemp(prefix="store_faults_")
@@ -339,16 +339,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--provider", default="tcp", help="the libfabric provider: tcp (default) or shm")
     ap.add_argument("--out", help="a folder for the raw logs and results.json")
     a = ap.parse_args(argv)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
     print(f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()}")
-    print(f"timeout {TIMEOUT} s, write_timeout {WRITE_TIMEOUT} s, push bound {BOUND_S} s, hang cap {CAP_S} s")
+    print(
+        f"provider {a.provider}, timeout {TIMEOUT} s, write_timeout {WRITE_TIMEOUT} s, "
+        f"push bound {BOUND_S} s, hang cap {CAP_S} s"
+    )
     rows, raw = [], []
     for i in range(a.repeat):
         for case in a.cases.split(","):
-            r = run(case, i, a.out)
+            r = run(case, i, a.out, a.provider)
             raw.append(r)
             s = summarize(r)
             rows.append(s)
