@@ -10,7 +10,7 @@ SUDO      := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_FLAGS ?= -q -ra --durations=15
 GPU_ENV    = NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-.PHONY: setup apt venv build abi-check wheel test test-installed vllm-setup vllm-test demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
+.PHONY: setup apt venv build abi-check wheel test test-slow test-installed vllm-setup vllm-test demo gpu-test gpu-bench asan-test tsan-test fuzz lint-deps lint format typecheck clean
 
 setup: apt venv build
 
@@ -46,8 +46,12 @@ abi-check: apt
 
 # the suite from the checkout, then the installed wheel from outside it (.ci/installed.sh)
 test: setup
-	$(PY) -m pytest $(PYTEST_FLAGS) tests
+	$(PY) -m pytest $(PYTEST_FLAGS) -m "not slow" tests
 	$(MAKE) --no-print-directory test-installed
+
+# the process-level tests of tens of seconds each (marker `slow`): CI runs them after make test
+test-slow: setup
+	$(PY) -m pytest $(PYTEST_FLAGS) -m slow tests
 
 # The portable binary wheel and the sdist into dist/ (.ci/wheel.sh: zig cc for glibc 2.28,
 # -dev headers hidden, auditwheel repair to manylinux_2_28_x86_64; tools in build/wheel-tools).

@@ -35,7 +35,7 @@ echo "$DEPS" >"$SITE/zz_wxfer_test_deps.pth"        # after the venv's own site-
 "$PY" -m pip --python "$VPY" install -q --no-deps --no-index "$W/dist"/wxfer-*.whl
 
 mkdir -p "$W/run/tests"
-for f in conftest.py test_package.py test_mapping.py test_mapping_hf5.py test_plan_small.py test_import.py \
+for f in conftest.py helpers.py test_package.py test_mapping.py test_mapping_hf5.py test_plan_small.py test_import.py \
          test_e2e.py test_portable.py test_doctor.py; do
   cp "$CO/tests/$f" "$W/run/tests/"
 done

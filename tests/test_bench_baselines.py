@@ -35,6 +35,7 @@ def test_buckets_hold_whole_components_and_every_source_once():
     assert seen == want
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 @pytest.mark.timeout(200)
 def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
     out = tmp_path / "bb"

@@ -147,6 +147,7 @@ def test_checkpoint_engine_itself_on_cpu_leaves_the_reference_bytes(tmp_path):
     assert (tmp_path / "logs" / "checkpoint-engine.log").read_text().count("begin to update bucket") > 3
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 @pytest.mark.timeout(120)
 def test_a_step_that_hangs_is_reported_with_the_stacks_and_its_setup_phases(tmp_path):
     """A hung step is stopped at --step-timeout; its row keeps the reason: the children's

@@ -29,6 +29,7 @@ def test_row_shards_are_torch_chunk_and_weights_are_deterministic():
     assert bs.rows(w[:2], 4, 3).shape[0] == 0  # more ranks than rows: empty shards
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 @pytest.mark.timeout(240)
 def test_dry_run_wxfer_and_rank0_agree_and_the_simulator_is_reported(tmp_path):
     out = tmp_path / "bs"

@@ -14,7 +14,10 @@ import pytest
 
 from wxfer import _wxfer
 
-pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
+pytestmark = [
+    pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built"),
+    pytest.mark.slow,  # make test-slow (CI runs it after make test)
+]
 
 _P = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "fault_loop.py")
 _spec = importlib.util.spec_from_file_location("fault_loop", _P)

@@ -20,7 +20,10 @@ from wxfer import _wxfer
 from wxfer.runtime.control import free_port
 from helpers import ONE_WRITE_PER_LINE, expected_shards, store_env, torchrun_args, outputs, python  # tests/helpers.py
 
-pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
+pytestmark = [
+    pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built"),
+    pytest.mark.slow,  # make test-slow (CI runs it after make test)
+]
 
 FAULTS = {2: "reserve", 4: "gather", 6: "pack", 8: "wait"}  # step -> stage failing on trainer rank 1
 LAST = 9

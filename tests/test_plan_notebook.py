@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 @pytest.mark.timeout(300)
 def test_kimi_k2_notebook_executes(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
