@@ -357,8 +357,10 @@ def main(argv=None) -> int:
             s = summarize(r)
             rows.append(s)
             print(json.dumps(s), flush=True)
-    print("| case | # | rank 0 step 3 | rank 1 step 3 | rank 0 step 4 | rank 1 step 4 | worker after the fault | "
-          "copied complete v | wrong bytes | slowest worker calls | c10d store warnings r0/r1/worker | hung |")
+    print(
+        "| case | # | rank 0 step 3 | rank 1 step 3 | rank 0 step 4 | rank 1 step 4 | worker after the fault | "
+        "copied complete v | wrong bytes | slowest worker calls | c10d store warnings r0/r1/worker | hung |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in rows:
         w = s["warnings"]
