@@ -125,9 +125,11 @@ class StepLoop:
             self.inplace.abandon()  # its in-place writes land before this push raises
             own = f"{type(e).__name__}: {e}"
             log.error("trainer rank %d: step %d failed while submitting: %s", self.rank, version, own)
-            self.failures.mark_live(
-                version, f"trainer rank {self.rank} gave up on step {version} half written: {own}", final=False
-            )
+            broken = self.group is not None and self.world > 1 and self._group_broken(e)
+            if not broken:  # a broken group: _join_failed's roll call records which rank is gone
+                self.failures.mark_live(
+                    version, f"trainer rank {self.rank} gave up on step {version} half written: {own}", final=False
+                )
             self._join_failed(e, own, state["barrier"], state["at"], version)
             raise
         except BaseException as e:  # KeyboardInterrupt, SystemExit: record, no collectives
@@ -182,6 +184,11 @@ class StepLoop:
             state["at"] = (gi + 1, -1)
 
     # ------------------------------------------------------------------ a failure inside the loop
+    @staticmethod
+    def _group_broken(exc) -> bool:
+        """A collective among the trainer ranks failed or was late: a rank died or hung."""
+        return isinstance(exc, control.CollectiveError) or is_gloo_failure(exc)
+
     def _join_failed(self, exc, own: str, barrier, at, version) -> None:
         """This rank failed inside the task loop at task `at` = (mesh group, index): take part
         in what the other ranks are in -- the collectives (full_tensor) of the remaining tasks,
@@ -195,7 +202,7 @@ class StepLoop:
         the collectives of one DTensor.full_tensor() on a 2-D mesh) leaves them one out of step,
         the others failing at their collective's timeout.  No rank stamps the step complete:
         the flag says it is broken (``FailureExchange.agree``)."""
-        broken = isinstance(exc, control.CollectiveError) or is_gloo_failure(exc)
+        broken = self._group_broken(exc)
         if broken and self.group is not None and self.world > 1:
             gone = self.failures.mark_other_rank_gone(version, exc)
             self._abort()
