@@ -11,6 +11,8 @@ import pytest
 
 from wxfer import _wxfer
 
+pytestmark = pytest.mark.slow  # make test-slow (CI runs it after make test)
+
 FABRIC = _wxfer.backends()["fabric"][0]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -35,6 +35,7 @@ def _seeds():
     return seeds
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 def test_decoders_survive_fuzzing(tmp_path):
     pytest.importorskip("atheris", reason="atheris is installed by `make setup`")
     corpus = tmp_path / "corpus"

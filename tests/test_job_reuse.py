@@ -93,6 +93,7 @@ def _holds(params, expected) -> bool:
     return all(torch.equal(params[d].view(-1).view(torch.uint8)[o : o + b.numel()], b) for _, d, o, b in expected)
 
 
+@pytest.mark.slow  # make test-slow (CI runs it after make test)
 @pytest.mark.timeout(240)
 def test_a_new_job_under_a_finished_ones_name_leaves_its_receivers_alone(store, tmp_path):
     s, addr = store

@@ -12,6 +12,8 @@ import pytest
 from wxfer import _wxfer
 from helpers import ROOT, outputs, python, store_env  # tests/helpers.py
 
+pytestmark = pytest.mark.slow  # make test-slow (CI runs it after make test)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 T = 30.0
 
