@@ -55,9 +55,24 @@ def tiny_config(arch, head_dim=64, **over):
 
 def save_tiny(path, arch, fp8=False, seed=0, **over):
     """An HF directory of a seeded tiny `arch` model (BF16 weights; an FP8 quantization_config
-    when `fp8`, the names of the BF16 tensors: the trace makes the FP8 checkpoint's names)."""
+    when `fp8`, the names of the BF16 tensors: the trace makes the FP8 checkpoint's names).
+    Once vLLM built models in this process its compile decorators may have wrapped a
+    transformers class (seen: OLMo2's, "Current vLLM config is not set"), so then the checkpoint
+    is made in a clean interpreter."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    if "vllm" in sys.modules and not os.environ.get("WXFER_SAVE_TINY_CHILD"):
+        import subprocess
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = (
+            f"import sys; sys.path.insert(0, {here!r}); from trace_proc import save_tiny; "
+            f"save_tiny({path!r}, {arch!r}, fp8={fp8!r}, seed={seed!r}, **{over!r})"
+        )
+        env = dict(os.environ, WXFER_SAVE_TINY_CHILD="1")
+        subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+        return tiny_config(arch, **over)
 
     cfg = tiny_config(arch, **over)
     torch.manual_seed(seed)

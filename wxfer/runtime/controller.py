@@ -43,6 +43,7 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
                 )
         pname = getattr(program.get_preset(mapping), "name", "")
         rules: dict = {}  # (tp, ep, quant) -> the trainers' mapping_rules_all there (one expansion)
+        rule_probs = []  # raised after the plan is built: its errors name a missing parameter by name
         for w in workers:
             at = (w["tp"], w["ep"], digest.quant_of(w["params"]))
             if w.get("rules") and at not in rules:
@@ -51,7 +52,7 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
             if w["mapping"] and pname and w["mapping"] != pname:
                 probs.append(f"inference worker gpu {w['gpu']} uses mapping {w['mapping']!r}, the trainers {pname!r}")
             elif digest.compare_rules(w, mine):
-                probs.append(digest.compare_rules(w, mine))
+                rule_probs.append(digest.compare_rules(w, mine))
             if (w["transport"], w["options"]) != (first["transport"], first["options"]):
                 probs.append(
                     f"inference worker gpu {w['gpu']} registered with {w['transport']} "
@@ -66,6 +67,8 @@ def build_plan(ctl, world: int, mapping, timeout: float, max_task_bytes: int) ->
             raise SetupError("inference workers disagree:\n  " + "\n  ".join(probs))
         ex = program.expand_for(train, workers, mapping)
         plan = program.build_controller_plan(train, workers, mapping, max_task_bytes=max_task_bytes, expanded=ex)
+        if rule_probs:
+            raise SetupError("inference workers disagree:\n  " + "\n  ".join(rule_probs))
         _check_params(workers, ex)
         plan.check()  # every destination byte written exactly once, by one sender, in range
         senders = program.receivers_of(plan)
