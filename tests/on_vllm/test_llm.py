@@ -42,23 +42,12 @@ def llm(tmp_path_factory):
 
     assert wv.register()
     assert wv.keep_cpu_weights()
-    from vllm import LLM
-    from vllm.config.weight_transfer import WeightTransferConfig
 
     ck = str(tmp_path_factory.mktemp("ckpt"))
     save_checkpoint(ck, seed=0)
-    t0 = time.monotonic()
-    engine = LLM(
-        model=ck,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=True,
-        weight_transfer_config=WeightTransferConfig(backend="wxfer"),
-    )
-    engine.wxfer_ckpt = ck
-    engine.wxfer_start_s = time.monotonic() - t0
+    from vhelp import wxfer_llm
+
+    engine = wxfer_llm(ck)
     yield engine
     try:
         engine.shutdown_weight_transfer_engine()

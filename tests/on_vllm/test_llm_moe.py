@@ -10,7 +10,6 @@ direct."""
 
 import os
 import sys
-import time
 
 import pytest
 
@@ -37,8 +36,6 @@ def llm(tmp_path_factory):
     # module): every linear layer computes from a packed copy, so it is finalize too
     patched = U.dispatch_cpu_unquantized_gemm
     U.dispatch_cpu_unquantized_gemm = getattr(patched, "_wxfer_original", patched)
-    from vllm import LLM
-    from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     # an engine of an earlier module in this process (test_llm.py) left vLLM's process groups
@@ -47,18 +44,9 @@ def llm(tmp_path_factory):
 
     ck = str(tmp_path_factory.mktemp("ckpt_moe"))
     save_checkpoint(ck, moe=True, seed=0)
-    t0 = time.monotonic()
-    engine = LLM(
-        model=ck,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=True,
-        weight_transfer_config=WeightTransferConfig(backend="wxfer"),
-    )
-    engine.wxfer_ckpt = ck
-    engine.wxfer_start_s = time.monotonic() - t0
+    from vhelp import wxfer_llm
+
+    engine = wxfer_llm(ck)
     yield engine
     try:
         engine.shutdown_weight_transfer_engine()

@@ -32,21 +32,10 @@ def engine(path):
     import wxfer.integrations.vllm as wv
 
     assert wv.register() and wv.keep_cpu_weights()
-    from vllm import LLM
-    from vllm.config.weight_transfer import WeightTransferConfig
 
-    t0 = time.monotonic()
-    llm = LLM(
-        model=path,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=True,
-        weight_transfer_config=WeightTransferConfig(backend="wxfer"),
-    )
-    llm.wxfer_ckpt = path
-    llm.wxfer_start_s = time.monotonic() - t0
+    from vhelp import wxfer_llm
+
+    llm = wxfer_llm(path)
     return llm
 
 

@@ -13,7 +13,6 @@ equal transformers' (up to a BF16 near tie)."""
 import gc
 import os
 import sys
-import time
 
 import pytest
 
@@ -64,8 +63,6 @@ def engine(path):
     import wxfer.integrations.vllm as wv
 
     assert wv.register()
-    from vllm import LLM
-    from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     import vllm.model_executor.layers.utils as U
@@ -74,17 +71,9 @@ def engine(path):
     # an engine of an earlier test left vLLM's process groups without the expert-parallel one a
     # MoE model needs: vLLM's own cleanup, then a fresh start
     cleanup_dist_env_and_memory()
-    t0 = time.monotonic()
-    llm = LLM(
-        model=path,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=True,
-        weight_transfer_config=WeightTransferConfig(backend="wxfer"),
-    )
-    llm.wxfer_start_s = time.monotonic() - t0
+    from vhelp import wxfer_llm
+
+    llm = wxfer_llm(path)
     return llm
 
 

@@ -67,6 +67,30 @@ def save_checkpoint(path, moe=False, fp8=False, seed=0, **kw):
     return cfg
 
 
+def wxfer_llm(path):
+    """The offline ``vllm.LLM`` every test here serves from the checkpoint at `path` with
+    ``WeightTransferConfig(backend="wxfer")`` (token ids in, no tokenizer, eager), with the
+    checkpoint and its start seconds on it (``wxfer_ckpt``, ``wxfer_start_s``)."""
+    import time
+
+    from vllm import LLM
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=path,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=128,
+        max_num_seqs=4,
+        enforce_eager=True,
+        weight_transfer_config=WeightTransferConfig(backend="wxfer"),
+    )
+    llm.wxfer_ckpt = path
+    llm.wxfer_start_s = time.monotonic() - t0
+    return llm
+
+
 def plant(kind):
     """Plant a post-processing of our own into vLLM's classes in this process (both the model
     built here and the proof's fresh reference instance get it): "transpose" re-lays
