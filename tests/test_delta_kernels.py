@@ -186,3 +186,44 @@ def test_without_a_gpu_the_kernels_say_why():
     else:
         assert why and ("libcuda" in why or "cuda.h" in why), why
     assert "CUDA devices only" in delta_gpu.why(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_a_sender_on_the_kernel_path_is_bit_identical_to_dense(store, emulated, monkeypatch, quant):
+    """Sender(delta=True) with the DeltaWriter's kernel path (compare_count, emit) forced on, the
+    ops kernels emulated: every push leaves the receivers' bytes of a dense push, and the
+    records went through the kernels' path."""
+    import test_delta as td
+
+    from wxfer.runtime import delta_send
+
+    if not td.FABRIC:
+        pytest.skip("fabric transport not built")
+    monkeypatch.setattr(delta_send, "_kernels", lambda device: (True, None))
+    used = []
+    real = delta_gpu.emit
+    monkeypatch.setattr(delta_gpu, "emit", lambda *a: (used.append(1), real(*a))[1])
+    from wxfer.models import TINY, preset_for
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    name, tp = "deltak" + str(quant), 2
+    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB")
+    model = td._model()
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB", delta=td.SLOW)
+    recvs = td.joined(ths, td.T)
+    gen = torch.Generator().manual_seed(5)
+    try:
+        for step in range(1, 4):
+            if step > 1:
+                td._touch(model, 0.01, gen)
+            sender.push()
+            for r in recvs:
+                r.apply()
+            assert td._dense_equal(model, params, tp, quant), f"step {step}"
+        st = sender.stats()["delta"]
+        assert st["encoder"] == "kernels" and st["last"]["tasks_delta"] > 0 and used
+    finally:
+        sender.close()
+        for r in recvs:
+            r.close()

@@ -27,9 +27,10 @@ from . import delta, prepare, program
 log = logging.getLogger(__name__)
 
 
-def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01) -> dict:
+def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = False) -> dict:
     """Encode and apply throughput (record bytes per second) of a range of `n` bytes with
-    `rate` of them changed, on `device` (timed once: a few ms)."""
+    `rate` of them changed, on `device` (timed once: a few ms); gpu: the encode is the delta
+    kernels' (delta_gpu.emit), else the torch ops'."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -44,9 +45,14 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01) -> dict:
     t0 = time.perf_counter()
     d, c = delta.changed(new, old)  # paid by every task, records or dense: not a records' cost
     compare_s = time.perf_counter() - t0
+    st = None
+    if gpu:
+        from . import delta_gpu
+
+        _, st = delta_gpu.compare_count(old.clone(), new, [(0, n, 0)])
     for _ in range(3):
         t0 = time.perf_counter()
-        rec = delta.encode(new, d, c, 0, 0)
+        rec = delta.encode(new, d, c, 0, 0) if st is None else delta_gpu.emit(new, st, [(0, 0, 0)])[0]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best_e = min(best_e, time.perf_counter() - t0)
@@ -65,6 +71,19 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01) -> dict:
     )
 
 
+def _kernels(device) -> tuple:
+    """(the delta kernels run on `device`, why not or None): on a CUDA device where they cannot
+    load, the torch ops of delta.py do the work and the reason is logged once."""
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return False, None
+    from . import delta_gpu
+
+    why = delta_gpu.why(device)
+    if why is not None:
+        log.warning("delta pushes on %s: the delta kernels cannot run (%s); using torch ops", device, why)
+    return why is None, why
+
+
 class DeltaWriter:
     """engine, device, stream, rank: this rank's; runner: its TaskRunner (verify's checksums,
     the engine's words); links: its workers (their staging areas, restarts); ctl: the job's
@@ -78,7 +97,9 @@ class DeltaWriter:
         self.engine, self.device, self.stream, self.rank = engine, device, stream, rank
         self.links, self.runner, self.ctl = links, runner, ctl
         self.senders = program.receivers_of(links.plan)  # gpu -> trainer ranks writing it (slot order)
-        self.costs = dict(costs) if costs is not None else calibrate_costs(device)
+        self.gpu, self.encoder_why = _kernels(device)
+        self.costs = dict(costs) if costs is not None else calibrate_costs(device, gpu=self.gpu)
+        self._fresh = False  # the shadow of the task under way already updated (the kernels' compare)
         self.link_Bps = 1e9 if link_Bps is None else float(link_Bps)
         self.measure_link = bool(measure_link)
         self.shadow: dict = {}  # task -> (ranges [(soff, n, shadow offset)], uint8 tensor)
@@ -155,6 +176,7 @@ class DeltaWriter:
     def run_task(self, op, push_event) -> None:
         """One task of a delta push (TaskRunner.run_task's contract)."""
         prep = op.prep
+        self._fresh = False
         if prep is None:
             prep = op.prep = prepare.task_prep(op, self.device)
         if not op.sends:
@@ -183,7 +205,8 @@ class DeltaWriter:
             self.step["delta_bytes"] += nb
             for g, lst in recs.items():
                 self.recs[g].extend(lst)
-        self._keep(op.task, buf, ranges, sh)
+        if not self._fresh:
+            self._keep(op.task, buf, ranges, sh)
 
     def _dense_reason(self, sh, ranges, gpus):
         if self.force_dense:
@@ -200,12 +223,20 @@ class DeltaWriter:
         """({gpu: [records]}, None) when records are cheaper than the task's bytes, else
         (None, why)."""
         old = sh[1]
-        per_range, rec_bytes = {}, 0
+        per_range, rec_bytes, st = {}, 0, None
+        if self.gpu:  # one kernel compares and updates the shadow, one counts (one read back)
+            from . import delta_gpu
+
+            cs, st = delta_gpu.compare_count(old, buf, sh[0])
+            self._fresh = True
+            for i, ((soff, n, so), c) in enumerate(zip(sh[0], cs)):
+                per_range[soff] = (i, c)
+        else:
+            for soff, n, so in sh[0]:
+                per_range[soff] = delta.changed(buf[soff : soff + n], old[so : so + n])
         for soff, n, so in sh[0]:
-            d, c = delta.changed(buf[soff : soff + n], old[so : so + n])
-            per_range[soff] = (d, c)
             self.step["compared_bytes"] += n
-            self.step["changed_bytes"] += c
+            self.step["changed_bytes"] += per_range[soff][1]
         need: dict = {}
         dense = 0
         for (rdesc, doff, soff, n), g in zip(dests, gpus):
@@ -220,6 +251,7 @@ class DeltaWriter:
         if any(need[g] > self.room[g] for g in need):
             return None, "slot_full"
         out: dict = {}
+        todo = []  # (gpu, (range index, region index, destination offset)) for the emit kernel
         for (rdesc, doff, soff, n), g in zip(dests, gpus):
             d, c = per_range[int(soff)]
             if c == 0:
@@ -227,7 +259,13 @@ class DeltaWriter:
             idx = self._region_index(g).get(bytes(rdesc))
             if idx is None:
                 return None, "no_staging"
-            out.setdefault(g, []).append(delta.encode(buf[soff : soff + n], d, c, idx, int(doff)))
+            if st is not None:
+                todo.append((g, (d, idx, int(doff))))
+            else:
+                out.setdefault(g, []).append(delta.encode(buf[soff : soff + n], d, c, idx, int(doff)))
+        if todo:
+            for (g, _), rec in zip(todo, delta_gpu.emit(old, st, [t for _, t in todo])):
+                out.setdefault(g, []).append(rec)
         for g, v in need.items():
             self.room[g] -= v
         return out, None
@@ -340,6 +378,8 @@ class DeltaWriter:
     def stats(self) -> dict:
         return dict(
             shadow_bytes=self.shadow_bytes(),
+            encoder="kernels" if self.gpu else "torch",
+            encoder_why=self.encoder_why,
             synced=sorted(self.synced),
             link_Bps=self.link_Bps,
             costs=dict(self.costs),
