@@ -46,10 +46,17 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = Fa
     d, c = delta.changed(new, old)  # paid by every task, records or dense: not a records' cost
     compare_s = time.perf_counter() - t0
     st = None
-    if gpu:
+    if gpu:  # the kernels' compare (and count, read back): what a task pays before the choice
         from . import delta_gpu
 
-        _, st = delta_gpu.compare_count(old.clone(), new, [(0, n, 0)])
+        best_c = float("inf")
+        for _ in range(3):
+            sh = old.clone()
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            _, st = delta_gpu.compare_count(sh, new, [(0, n, 0)])
+            best_c = min(best_c, time.perf_counter() - t0)
+        compare_s = best_c
     for _ in range(3):
         t0 = time.perf_counter()
         rec = delta.encode(new, d, c, 0, 0) if st is None else delta_gpu.emit(new, st, [(0, 0, 0)])[0]
@@ -205,12 +212,16 @@ class DeltaWriter:
             self.step["delta_bytes"] += nb
             for g, lst in recs.items():
                 self.recs[g].extend(lst)
-        if not self._fresh:
+        if why == "link_fast":  # no shadow kept: the first push after a slower link is dense
+            self.shadow.pop(op.task, None)
+        elif not self._fresh:
             self._keep(op.task, buf, ranges, sh)
 
     def _dense_reason(self, sh, ranges, gpus):
         if self.force_dense:
             return "forced"
+        if self.gpu and self.link_Bps >= self.costs.get("compare_Bps", float("inf")):
+            return "link_fast"  # the compare alone takes longer than the dense write (colocated)
         if sh is None or [r[:2] for r in sh[0]] != ranges:
             return "first"
         if any(g is None or g not in self.synced for g in gpus):
