@@ -108,9 +108,23 @@ def _emulate(kind, device, stream, table, dev, bits, bits_nb, a=0, an=0, b=0, bn
                 q += 1
 
 
+def _quantize_compare(shadow, bits, jobs):
+    """delta_gpu.quantize_compare's contract on CPU: the reference quantizer's bytes in the
+    shadow, the changed ones marked (the kernel itself: tests/test_delta_gpu.py)."""
+    from wxfer.runtime import fp8
+
+    new = shadow.clone()
+    fp8.quantize_into(new, jobs)
+    d = np.packbits((new != shadow).numpy(), bitorder="little")
+    d = np.concatenate([d, np.zeros(4 * bits.numel() - d.size, np.uint8)]).view(np.int32)
+    bits |= torch.from_numpy(d)
+    shadow.copy_(new)
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     monkeypatch.setattr(_wxfer, "delta_launch", _emulate, raising=False)
+    monkeypatch.setattr(delta_gpu, "quantize_compare", _quantize_compare)
     monkeypatch.setattr(delta_gpu, "_dev", lambda table, device: torch.frombuffer(table, dtype=torch.int64))
     monkeypatch.setattr(delta_gpu, "_stream", lambda device: 0)
 
@@ -223,6 +237,8 @@ def test_a_sender_on_the_kernel_path_is_bit_identical_to_dense(store, emulated, 
             assert td._dense_equal(model, params, tp, quant), f"step {step}"
         st = sender.stats()["delta"]
         assert st["encoder"] == "kernels" and st["last"]["tasks_delta"] > 0 and used
+        # FP8: the tasks with FP8 pieces made in the shadow (the fused path), none for BF16
+        assert (st["last"]["fused_tasks"] > 0) == (quant == "fp8"), st["last"]
     finally:
         sender.close()
         for r in recvs:

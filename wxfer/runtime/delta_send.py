@@ -107,6 +107,7 @@ class DeltaWriter:
         self.gpu, self.encoder_why = _kernels(device)
         self.costs = dict(costs) if costs is not None else calibrate_costs(device, gpu=self.gpu)
         self._fresh = False  # the shadow of the task under way already updated (the kernels' compare)
+        self._pre = None  # delta_gpu.count's answer for the task under way (the fused path)
         self.link_Bps = 1e9 if link_Bps is None else float(link_Bps)
         self.measure_link = bool(measure_link)
         self.shadow: dict = {}  # task -> (ranges [(soff, n, shadow offset)], uint8 tensor)
@@ -127,7 +128,7 @@ class DeltaWriter:
     def _zero() -> dict:
         return dict(
             dense_bytes=0, delta_bytes=0, record_bytes=0, changed_bytes=0, compared_bytes=0,
-            tasks_delta=0, tasks_dense=0, dense_why={}, encode_s=0.0,
+            tasks_delta=0, tasks_dense=0, dense_why={}, encode_s=0.0, fused_tasks=0,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ a push
@@ -189,7 +190,8 @@ class DeltaWriter:
         if not op.sends:
             prepare.run(prep, op, self.device)
             return
-        buf = prepare.run(prep, op, self.device)
+        made = self._fused(op, prep)  # FP8 tasks: quantized, compared and counted in the shadow
+        buf, self._pre = (prepare.run(prep, op, self.device), None) if made is None else made
         if self.runner.sums is not None:  # verify: the whole destination, whatever is sent
             self.runner._checksum(op, buf, prep.dests)
         ranges = sorted({(int(s), int(n)) for _, _, s, n in prep.dests})
@@ -206,7 +208,7 @@ class DeltaWriter:
             self.step["dense_why"][why] = self.step["dense_why"].get(why, 0) + 1
             self.step["tasks_dense"] += 1
             self.step["dense_bytes"] += nb
-            self._submit_dense(op, prep, buf, push_event)
+            self._submit_dense(op, prep, buf, push_event, own=made is not None)
         else:
             self.step["tasks_delta"] += 1
             self.step["delta_bytes"] += nb
@@ -217,10 +219,44 @@ class DeltaWriter:
         elif not self._fresh:
             self._keep(op.task, buf, ranges, sh)
 
+    def _link_fast(self) -> bool:
+        """The kernel path, and the link faster than the compare (colocated): compare nothing."""
+        return self.gpu and self.link_Bps >= self.costs.get("compare_Bps", float("inf"))
+
+    def _fused(self, op, prep):
+        """The task's bytes made in its shadow by the delta kernels (FP8 pieces quantized and
+        compared in one pass; raw pieces copied, then compared) when the task has FP8 pieces and
+        its shadow is its whole buffer in order: (the shadow, delta_gpu.count's answer), the
+        collectives run here; else None, nothing done (the caller runs prepare.run)."""
+        if not self.gpu or prep.zero_copy or prep.direct is not None or self._link_fast():
+            return None
+        sh = self.shadow.get(op.task)
+        if sh is None or sh[1].numel() != op.nbytes or any(s != so for s, _, so in sh[0]):
+            return None
+        _, raw, fp8_pieces, end, _ = prepare._layout(op.shards)
+        if not fp8_pieces or end != op.nbytes:
+            return None
+        import torch
+
+        from . import delta_gpu
+
+        fulls, _ = prepare.gather(prep, op, self.device)
+        shadow = sh[1]
+        bits = delta_gpu.bits_for(op.nbytes, self.device)
+        spans = [(off, int(r.nbytes), off) for r, off, _ in raw if r.nbytes]
+        if spans:
+            tmp = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
+            prepare._copy_raw(tmp, fulls, raw)
+            delta_gpu.compare(shadow, bits, tmp, spans)
+        delta_gpu.quantize_compare(shadow, bits, prepare._jobs(fulls, fp8_pieces))
+        self._fresh = True
+        self.step["fused_tasks"] += 1
+        return shadow, delta_gpu.count(bits, [(so, n) for _, n, so in sh[0]])
+
     def _dense_reason(self, sh, ranges, gpus):
         if self.force_dense:
             return "forced"
-        if self.gpu and self.link_Bps >= self.costs.get("compare_Bps", float("inf")):
+        if self._link_fast():
             return "link_fast"  # the compare alone takes longer than the dense write (colocated)
         if sh is None or [r[:2] for r in sh[0]] != ranges:
             return "first"
@@ -238,7 +274,7 @@ class DeltaWriter:
         if self.gpu:  # one kernel compares and updates the shadow, one counts (one read back)
             from . import delta_gpu
 
-            cs, st = delta_gpu.compare_count(old, buf, sh[0])
+            cs, st = self._pre if self._pre is not None else delta_gpu.compare_count(old, buf, sh[0])
             self._fresh = True
             for i, ((soff, n, so), c) in enumerate(zip(sh[0], cs)):
                 per_range[soff] = (i, c)
@@ -295,10 +331,11 @@ class DeltaWriter:
         for s, n, so in sh[0]:
             sh[1][so : so + n].copy_(buf[s : s + n])
 
-    def _submit_dense(self, op, prep, buf, push_event) -> None:
+    def _submit_dense(self, op, prep, buf, push_event, own: bool = False) -> None:
+        """own: buf is the task's shadow (already counted against the watermark)."""
         from .tasks import writes_bound
 
-        held = int(buf.numel()) if not prep.zero_copy else 0
+        held = int(buf.numel()) if not (prep.zero_copy or own) else 0
         t_admit = self.engine.reserve(held, timeout=writes_bound(self.runner.write_timeout))
         kw = {}
         if self.stream is not None:
