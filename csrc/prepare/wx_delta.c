@@ -63,15 +63,9 @@ int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, si
     return wx_kernel_get(&wx__kq, &wx__quant_src, device, dirs, ndirs, &d, why, why_len);
 }
 
-static uint64_t wx__segs(uint64_t n)
-{
-    return (n + WX_DELTA_SEG - 1) / WX_DELTA_SEG;
-}
+static uint64_t wx__segs(uint64_t n) { return (n + WX_DELTA_SEG - 1) / WX_DELTA_SEG; }
 
-static uint64_t wx__pad8(uint64_t n)
-{
-    return (n + 7) & ~(uint64_t)7;
-}
+static uint64_t wx__pad8(uint64_t n) { return (n + 7) & ~(uint64_t)7; }
 
 /* Common checks of one entry: length, running seg0, bits [bit0, bit0 + nbytes) in the bitmask. */
 static int wx__entry(const char *what, int i, uint64_t nbytes, uint64_t seg0, uint64_t bit0,
@@ -159,14 +153,18 @@ int wx_delta_emit_check(const wx_delta_rec_t *r, int n, uint64_t bits_nbytes,
                            i, (unsigned long long)size, (unsigned long long)q->out_off,
                            (unsigned long long)out_nbytes);
         if (q->bit0 + q->nbytes > shadow_nbytes)
-            return wx_errf(-EINVAL, "delta record %d: its range [%llu, %llu) is not inside the "
-                           "%llu-byte shadow", i, (unsigned long long)q->bit0,
+            return wx_errf(-EINVAL,
+                           "delta record %d: its range [%llu, %llu) is not inside the "
+                           "%llu-byte shadow",
+                           i, (unsigned long long)q->bit0,
                            (unsigned long long)(q->bit0 + q->nbytes),
                            (unsigned long long)shadow_nbytes);
         if (nsegx < 2 || q->rseg0 > nsegx - 1 || ns > nsegx - 1 - q->rseg0)
-            return wx_errf(-EINVAL, "delta record %d: segments [%llu, %llu) of its range, the "
-                           "prefix sum has %llu entries", i, (unsigned long long)q->rseg0,
-                           (unsigned long long)(q->rseg0 + ns), (unsigned long long)nsegx);
+            return wx_errf(-EINVAL,
+                           "delta record %d: segments [%llu, %llu) of its range, the "
+                           "prefix sum has %llu entries",
+                           i, (unsigned long long)q->rseg0, (unsigned long long)(q->rseg0 + ns),
+                           (unsigned long long)nsegx);
         segs += ns;
     }
     *nsegs = segs;
@@ -174,8 +172,8 @@ int wx_delta_emit_check(const wx_delta_rec_t *r, int n, uint64_t bits_nbytes,
 }
 
 /* The kernel on `device`, and a persistent grid of at most ctas per SM over `work` items. */
-static int wx__get(wx_kernel_t *k, const wx_kernel_src_t *src, int device, uint64_t work,
-                   int ctas, wx_kernel_dev_t *d, uint64_t *grid)
+static int wx__get(wx_kernel_t *k, const wx_kernel_src_t *src, int device, uint64_t work, int ctas,
+                   wx_kernel_dev_t *d, uint64_t *grid)
 {
     char why[WX_ERRMSG_MAX];
     int rc = wx_kernel_get(k, src, device, NULL, 0, d, why, sizeof why);
@@ -203,13 +201,17 @@ int wx_delta_quant_launch(int device, uint64_t stream, uint64_t out, uint64_t ou
     if (!out || !bits)
         return wx_errf(-EINVAL, "delta quant: null %s address", out ? "bitmask" : "shadow");
     if (WX_DELTA_WORDS(out_nbytes) * 4 > bits_nbytes)
-        return wx_errf(-EINVAL, "delta quant: a %llu-byte shadow needs %llu bytes of bitmask, "
-                       "have %llu", (unsigned long long)out_nbytes,
+        return wx_errf(-EINVAL,
+                       "delta quant: a %llu-byte shadow needs %llu bytes of bitmask, "
+                       "have %llu",
+                       (unsigned long long)out_nbytes,
                        (unsigned long long)(WX_DELTA_WORDS(out_nbytes) * 4),
                        (unsigned long long)bits_nbytes);
     if (!dev_pieces && n > WX_FP8_INLINE)
-        return wx_errf(-EINVAL, "delta quant: null piece table address with %d pieces (at most "
-                       "%d travel in the launch's parameters)", n, WX_FP8_INLINE);
+        return wx_errf(-EINVAL,
+                       "delta quant: null piece table address with %d pieces (at most "
+                       "%d travel in the launch's parameters)",
+                       n, WX_FP8_INLINE);
     memset(&inl, 0, sizeof inl);
     if (!dev_pieces)
         memcpy(inl.p, host, (size_t)n * sizeof *host);
@@ -273,7 +275,7 @@ int wx_delta_emit_launch(int device, uint64_t stream, const wx_delta_rec_t *host
         return rc;
     if (!dev || !bits || !shadow || !segx || !out || out % 8)
         return wx_errf(-EINVAL, "delta emit: null (or, for the output, not 8-aligned) table, "
-                       "bitmask, shadow, prefix sum or output address");
+                                "bitmask, shadow, prefix sum or output address");
     if ((rc = wx__get(&wx__ke, &wx__emit_src, device, nsegs, WX__OPS_CTAS_PER_SM, &d, &grid)))
         return rc;
     void *args[] = {&dp, &n, &nsegs, &bp, &sp, &xp, &op};

@@ -149,7 +149,8 @@ __device__ __forceinline__ void wx_dtile32(const wx_job &j, wx_u32 *red, const u
     wx_u32 m = 0;
 #pragma unroll
     for (int p = 0; p < G::NP; p++)
-        m = wx_amax_bits<4>(m, wx_load<4>(j.src, j.ldb, p * G::RPP + row0, col, j.nr, j.nc, j.lvec));
+        m = wx_amax_bits<4>(m,
+                            wx_load<4>(j.src, j.ldb, p * G::RPP + row0, col, j.nr, j.nc, j.lvec));
     const float s = wx_block_scale<2>(m, j, red);
     wx_mark_scale(j, s, old_s, out, bits);
     const wx_divisor dv = wx_divisor_of<4>(s);

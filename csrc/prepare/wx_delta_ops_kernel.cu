@@ -35,14 +35,14 @@ struct wx_delta_range { /* = wx_delta_range_t */
 };
 
 struct wx_delta_rec { /* = wx_delta_rec_t */
-    wx_u64 out_off; /* the record's first byte in out (8-aligned) */
-    wx_u64 bit0;    /* the range's first byte in the shadow (= its first bit) */
-    wx_u64 nbytes;  /* the range's length */
-    wx_u64 seg0;    /* the record's first segment in this launch */
-    wx_u64 rseg0;   /* the range's first segment in segx */
-    wx_u64 count;   /* its changed bytes */
-    wx_u64 head0;   /* region | encoding << 32 */
-    wx_u64 doff;    /* destination offset */
+    wx_u64 out_off;   /* the record's first byte in out (8-aligned) */
+    wx_u64 bit0;      /* the range's first byte in the shadow (= its first bit) */
+    wx_u64 nbytes;    /* the range's length */
+    wx_u64 seg0;      /* the record's first segment in this launch */
+    wx_u64 rseg0;     /* the range's first segment in segx */
+    wx_u64 count;     /* its changed bytes */
+    wx_u64 head0;     /* region | encoding << 32 */
+    wx_u64 doff;      /* destination offset */
 };
 
 /* The last i with r[i].seg0 <= s (r[0].seg0 == 0). */
@@ -163,8 +163,7 @@ __device__ __forceinline__ wx_u32 wx_dscan(wx_u32 x, wx_u32 *sm, wx_u32 *total)
 }
 
 extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
-    wx_delta_count(const wx_delta_range *r, int n, wx_u64 nsegs, const wx_u32 *bits,
-                   wx_u32 *counts)
+    wx_delta_count(const wx_delta_range *r, int n, wx_u64 nsegs, const wx_u32 *bits, wx_u32 *counts)
 {
     __shared__ wx_u32 sm[WX_DWARPS];
     for (wx_u64 sg = blockIdx.x; sg < nsegs; sg += gridDim.x) {
@@ -177,10 +176,7 @@ extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
     }
 }
 
-__device__ __forceinline__ wx_u64 wx_dpad8(wx_u64 x)
-{
-    return (x + 7) & ~(wx_u64)7;
-}
+__device__ __forceinline__ wx_u64 wx_dpad8(wx_u64 x) { return (x + 7) & ~(wx_u64)7; }
 
 extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
     wx_delta_emit(const wx_delta_rec *r, int n, wx_u64 nsegs, const wx_u32 *bits,

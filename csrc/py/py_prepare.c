@@ -252,8 +252,8 @@ static int wx__dtable(int kind, PyObject *obj, Py_buffer *view, const void **p, 
         PyErr_Format(PyExc_ValueError, "delta table kind %d (0 compare, 1 count, 2 emit)", kind);
         return -1;
     }
-    return wx__table(obj, view, p, copy, wx__dtables[kind].name, "entries",
-                     wx__dtables[kind].esize, WX_DELTA_MAX);
+    return wx__table(obj, view, p, copy, wx__dtables[kind].name, "entries", wx__dtables[kind].esize,
+                     WX_DELTA_MAX);
 }
 
 static PyObject *wx_delta_probe_py(PyObject *m, PyObject *args)
@@ -337,8 +337,8 @@ static PyObject *wx_delta_launch_py(PyObject *m, PyObject *args)
         else if (kind == 1)
             rc = wx_delta_count_launch(device, stream, p, dev, n, bits, bits_nb, a, an);
         else
-            rc = wx_delta_emit_launch(device, stream, p, dev, n, bits, bits_nb, a, an, b, bn, o,
-                                      on);
+            rc =
+                wx_delta_emit_launch(device, stream, p, dev, n, bits, bits_nb, a, an, b, bn, o, on);
     Py_END_ALLOW_THREADS
     free(copy);
     PyBuffer_Release(&view);
