@@ -224,7 +224,9 @@ def test_a_sender_on_the_kernel_path_is_bit_identical_to_dense(store, emulated, 
     name, tp = "deltak" + str(quant), 2
     params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB")
     model = td._model()
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB", delta=td.SLOW)
+    sender = Sender(
+        model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB", delta=td.SLOW
+    )
     recvs = td.joined(ths, td.T)
     gen = torch.Generator().manual_seed(5)
     try:

@@ -119,7 +119,7 @@ def count(bits, ranges) -> tuple:
         counts.data_ptr(), seg,
     )  # fmt: skip
     segx = torch.zeros(seg + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(counts, 0, dtype=torch.int64, out=segx[1:])
+    segx[1:] = torch.cumsum(counts, 0, dtype=torch.int64)
     ends = torch.tensor([s + _segs(n) for s, (_, n) in zip(seg0, ranges)] + seg0, dtype=torch.int64).to(dev)
     both = segx.index_select(0, ends).tolist()
     k = len(ranges)
