@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 36, item 2's GPU parts, on one H100/H200: the delta kernels (csrc/prepare/wx_delta*.cu).
 #
-#   OUT=/some/dir bash benchmarks/gpu_fused.sh   # at most 4 minutes: build 45 s, probe 20 s (NVRTC
-#   compiles the kernels), tests 75 s, kernel bench 30 s, colocated rows 70 s
+#   OUT=/some/dir bash benchmarks/gpu_fused.sh   # at most 4 minutes: build 50 s, probe 30 s (NVRTC
+#   compiles the kernels), tests 80 s, kernel bench 25 s, colocated rows 55 s
 #
 # 1. builds the extension in place (the kernels compile with NVRTC at first use);
 # 2. an NVRTC probe of the delta kernels on this GPU (the reason, if they cannot load);
@@ -20,11 +20,11 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 rc=0
 
-timeout 45 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { rc=1; tail -20 "$OUT/build.log"; }
+timeout 50 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace -j 16 >"$OUT/build.log" 2>&1 || { rc=1; tail -20 "$OUT/build.log"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 
-timeout 20 python3 -c "
+timeout 30 python3 -c "
 import torch
 from wxfer import _wxfer
 from wxfer.runtime.nvrtc import nvrtc_dirs
@@ -32,10 +32,10 @@ print('delta_probe', _wxfer.delta_probe(torch.cuda.current_device(), nvrtc_dirs(
 print('fp8_probe', _wxfer.fp8_probe(torch.cuda.current_device(), nvrtc_dirs()))
 " 2>&1 | tee "$OUT/probe.txt" || rc=1
 
-timeout 75 python3 -m pytest -q -m gpu tests/test_delta_gpu.py --maxfail=10 -rs >"$OUT/pytest.log" 2>&1 || rc=1
+timeout 80 python3 -m pytest -q -m gpu tests/test_delta_gpu.py --maxfail=10 -rs >"$OUT/pytest.log" 2>&1 || rc=1
 tail -30 "$OUT/pytest.log"
 
-timeout 30 python3 benchmarks/bench_delta.py --parts fused --kernel-shape 8192x8192 \
+timeout 25 python3 benchmarks/bench_delta.py --parts fused --kernel-shape 8192x8192 \
   --fused-rates 0,0.004,0.03,0.5 --out "$OUT/fused.json" >"$OUT/fused.log" 2>&1 || rc=1
 python3 - "$OUT/fused.json" <<'PY' || rc=1
 import json, sys
@@ -49,7 +49,7 @@ for x in r["fused"]:
         x["torch_path_vs_quantize"], x["bitexact"]))
 PY
 
-timeout 70 python3 benchmarks/bench_delta.py --parts colocated --push-model medium --push-fp8 1 \
+timeout 55 python3 benchmarks/bench_delta.py --parts colocated --push-model medium --push-fp8 1 \
   --colocated-rates 0.004,0.5 --out "$OUT/colocated.json" >"$OUT/colocated.log" 2>&1 || { rc=1; tail -20 "$OUT/colocated.log"; }
 python3 - "$OUT/colocated.json" <<'PY' || rc=1
 import json, sys
