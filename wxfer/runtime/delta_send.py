@@ -134,7 +134,7 @@ class DeltaWriter:
     def _zero() -> dict:
         return dict(
             dense_bytes=0, delta_bytes=0, record_bytes=0, changed_bytes=0, compared_bytes=0,
-            tasks_delta=0, tasks_dense=0, dense_why={}, encode_s=0.0, fused_tasks=0,
+            tasks_delta=0, tasks_dense=0, dense_why={}, encode_s=0.0, fused_tasks=0, tasks_bypassed=0,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ a push
@@ -225,8 +225,19 @@ class DeltaWriter:
         elif not self._fresh:
             self._keep(op.task, buf, ranges, sh)
 
-    def _link_fast(self) -> bool:
-        """The kernel path, and the link faster than the compare (colocated): compare nothing."""
+    def bypass(self, op) -> bool:
+        """True when task `op` takes a plain push's dense way (the StepLoop's: in-place writes on
+        cuda_ipc, batched zero-copy tasks), not this writer: the kernel path with the link faster
+        than the compare (colocated). Its shadow is dropped (stale from now on)."""
+        if not self.link_fast():
+            return False
+        self.shadow.pop(op.task, None)
+        self.step["tasks_bypassed"] += 1
+        return True
+
+    def link_fast(self) -> bool:
+        """The kernel path, and the link faster than the compare (colocated): compare nothing, the
+        tasks go a plain push's way (``bypass``; fixed for a push: the link is measured after it)."""
         return self.gpu and self.link_Bps >= self.costs.get("compare_Bps", float("inf"))
 
     def _fused(self, op, prep):
@@ -234,7 +245,7 @@ class DeltaWriter:
         compared in one pass; raw pieces copied, then compared) when the task has FP8 pieces and
         its shadow is its whole buffer in order: (the shadow, delta_gpu.count's answer), the
         collectives run here; else None, nothing done (the caller runs prepare.run)."""
-        if not self.gpu or prep.zero_copy or prep.direct is not None or self._link_fast():
+        if not self.gpu or prep.zero_copy or prep.direct is not None or self.link_fast():
             return None
         sh = self.shadow.get(op.task)
         if sh is None or sh[1].numel() != op.nbytes or any(s != so for s, _, so in sh[0]):
@@ -262,7 +273,7 @@ class DeltaWriter:
     def _dense_reason(self, sh, ranges, gpus):
         if self.force_dense:
             return "forced"
-        if self._link_fast():
+        if self.link_fast():
             return "link_fast"  # the compare alone takes longer than the dense write (colocated)
         if sh is None or [r[:2] for r in sh[0]] != ranges:
             return "first"
