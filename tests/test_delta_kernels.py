@@ -245,3 +245,52 @@ def test_a_sender_on_the_kernel_path_is_bit_identical_to_dense(store, emulated, 
         sender.close()
         for r in recvs:
             r.close()
+
+
+def test_bypassed_pushes_drop_the_shadow_and_the_next_delta_starts_dense(store, emulated, monkeypatch):
+    """The kernel path with the link faster than the compare (colocated): the tasks take a plain
+    push's way (DeltaWriter.bypass), no shadow is kept; when the link is slow again the next push
+    is dense ('first') and only the one after sends records; every push bit-identical to dense."""
+    import test_delta as td
+
+    from wxfer.runtime import delta_send
+
+    if not td.FABRIC:
+        pytest.skip("fabric transport not built")
+    monkeypatch.setattr(delta_send, "_kernels", lambda device: (True, None))
+    fast = {"on": False}
+    monkeypatch.setattr(delta_send.DeltaWriter, "link_fast", lambda self: fast["on"])
+    from wxfer.models import TINY, preset_for
+    from wxfer.runtime.sender import Sender
+
+    _, addr = store
+    name, tp, quant = "deltabypass", 1, "fp8"
+    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB")
+    model = td._model()
+    sender = Sender(
+        model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB", delta=td.SLOW
+    )
+    recvs = td.joined(ths, td.T)
+    gen = torch.Generator().manual_seed(9)
+    lasts = []
+    try:
+        for step, on in enumerate([False, True, True, False, False], 1):
+            fast["on"] = on
+            if step > 1:
+                td._touch(model, 0.01, gen)
+            sender.push()
+            for r in recvs:
+                r.apply()
+            assert td._dense_equal(model, params, tp, quant), f"step {step}"
+            st = sender.stats()["delta"]
+            lasts.append((st["last"], st["shadow_bytes"]))
+        (l1, s1), (l2, s2), (l3, s3), (l4, s4), (l5, s5) = lasts
+        assert l1["tasks_dense"] > 0 and l1["tasks_bypassed"] == 0 and s1 > 0
+        assert l2["tasks_bypassed"] > 0 and l2["tasks_delta"] == l2["tasks_dense"] == 0 and s2 == 0
+        assert l3["tasks_bypassed"] > 0 and s3 == 0
+        assert l4["tasks_delta"] == 0 and l4["dense_why"].get("first", 0) > 0 and s4 > 0
+        assert l5["tasks_delta"] > 0
+    finally:
+        sender.close()
+        for r in recvs:
+            r.close()
