@@ -114,6 +114,8 @@ class DeltaWriter:
         self.costs = dict(costs) if costs is not None else calibrate_costs(device, gpu=self.gpu)
         self._fresh = False  # the shadow of the task under way already updated (the kernels' compare)
         self._pre = None  # delta_gpu.count's answer for the task under way (the fused path)
+        self._bypassed: set = set()  # tasks of the push under way sent a plain push's way (bypass)
+        self._coloc: dict = {}  # task -> (its dests, all of them this GPU's memory)
         self.link_Bps = 1e9 if link_Bps is None else float(link_Bps)
         self.measure_link = bool(measure_link)
         self.shadow: dict = {}  # task -> (ranges [(soff, n, shadow offset)], uint8 tensor)
@@ -140,6 +142,7 @@ class DeltaWriter:
     # ------------------------------------------------------------------ a push
     def start(self, version: int) -> None:
         self.version = int(version)
+        self._bypassed = set()
         self._resyncs()
         for g in list(self.last_rec):
             if g not in self.synced:  # written dense this push: no earlier records to build on
@@ -227,13 +230,39 @@ class DeltaWriter:
 
     def bypass(self, op) -> bool:
         """True when task `op` takes a plain push's dense way (the StepLoop's: in-place writes on
-        cuda_ipc, batched zero-copy tasks), not this writer: the kernel path with the link faster
-        than the compare (colocated). Its shadow is dropped (stale from now on)."""
-        if not self.link_fast():
+        cuda_ipc, batched zero-copy tasks), not this writer: on the kernel path, every destination
+        of the task is this GPU's own memory (colocated: no link to save), or the link is faster
+        than the compare. Its shadow is dropped (stale from now on)."""
+        if not (self.link_fast() or self._colocated(op)):
             return False
         self.shadow.pop(op.task, None)
         self.step["tasks_bypassed"] += 1
+        self._bypassed.add(op.task)
         return True
+
+    def bypassed(self, op) -> bool:
+        """Did `bypass` send task `op` a plain push's way in the push under way?"""
+        return op.task in self._bypassed
+
+    def _colocated(self, op) -> bool:
+        """The kernel path with the link measured (not pinned), and every destination of task `op`
+        mapped on this rank's own GPU (the transport's map, as in-place writes check it: cuda_ipc
+        between processes of one GPU)."""
+        hit = self._coloc.get(op.task)
+        if hit is not None and hit[0] is op.dests:
+            return hit[1]
+        ok = bool(self.gpu and self.measure_link and op.dests)  # a pinned link is taken as given
+        mp = getattr(getattr(self.runner, "transport", None), "map", None)
+        try:
+            ok = (
+                ok
+                and mp is not None
+                and all(mp(bytes(d[0]), int(d[1]), int(d[3]))[1] == self.device.index for d in op.dests)
+            )
+        except Exception:  # noqa: BLE001 -- not mapped here (another transport, another GPU): not colocated
+            ok = False
+        self._coloc[op.task] = (op.dests, ok)
+        return ok
 
     def link_fast(self) -> bool:
         """The kernel path, and the link faster than the compare (colocated): compare nothing, the

@@ -526,7 +526,7 @@ class Sender:
 
     def _run_task(self, op, push_event) -> None:
         """One task of a push (TaskRunner.run_task, or the delta writer's; the hook a test may wrap)."""
-        if self.delta is not None and not self.delta.link_fast():
+        if self.delta is not None and not self.delta.bypassed(op):
             self.delta.run_task(op, push_event)
         else:  # a plain push's task (delta: one the StepLoop let bypass the delta writer)
             self.runner.run_task(op, push_event)
