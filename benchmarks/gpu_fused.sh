@@ -55,8 +55,8 @@ python3 - "$OUT/colocated.json" <<'PY' || rc=1
 import json, sys
 r = json.load(open(sys.argv[1]))
 for x in r["colocated"]:
-    why = [(s.get("dense_why"), s.get("tasks_bypassed")) for s in x["delta_steps"] or []]
-    print("colocated fp8=%s rate %g (%s): dense %.4f s, delta %.4f s, delta/dense %.3f, verified %s/%s; (dense_why, bypassed) per step %s" % (
+    why = [(s.get("tasks_delta"), s.get("tasks_dense"), s.get("tasks_bypassed")) for s in x["delta_steps"] or []]
+    print("colocated fp8=%s rate %g (%s): dense %.4f s, delta %.4f s, delta/dense %.3f, verified %s/%s; tasks (delta, dense, bypassed) per step %s" % (
         x["fp8"], x["change_rate_requested"], x["transport"], x["dense_push_s"], x["delta_push_s"],
         x["delta_vs_dense_s"], x["verified"], x["dense_verified"], why))
 PY
