@@ -119,7 +119,7 @@ class Sender:
     ``Receiver.apply()``), or dense where that is cheaper or the receiver is not in step (the
     first push, after a failure, a restart).  The shadow's bytes count against the watermark
     (setup fails when they leave less than the largest task); in-place writes serve only the
-    tasks of a push that bypasses the delta writer (colocated on a GPU: docs/delta.md).
+    tasks that bypass the delta writer (colocated on a GPU: docs/delta.md).
     ``stats()["delta"]`` reports the shadow, the bytes and the choices of the last push.  A dict
     instead of True sets the chooser's inputs: {"link_Bps": bytes/s, "measure_link": False}
     pins the link throughput (default: measured from the last all-dense push), "costs" the
