@@ -69,6 +69,7 @@ _VARS = (
     Var("WXFER_DIRECT", "flag", "on", "Python", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
     Var("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "Python", "zero-copy tasks below this are copied by kernels"),
     Var("WXFER_DELTA_STAGING", "size", "0", "Python", "Receiver delta staging area bytes (docs/delta.md)"),
+    Var("WXFER_DELTA_GPU", "choice", "native", "Python", "delta pushes on CUDA: native (the delta kernels) or torch"),
     Var("WXFER_COPY", "choice", "native", "Python", "the batched copy: native (copies.COPIER's) or torch"),
     Var("WXFER_FP8", "choice", "native", "Python", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
     # libraries (dlopened by the C extension)

@@ -118,7 +118,8 @@ class Sender:
     records into the receivers' staging areas (``Receiver(delta_staging=...)``, applied by
     ``Receiver.apply()``), or dense where that is cheaper or the receiver is not in step (the
     first push, after a failure, a restart).  The shadow's bytes count against the watermark
-    (setup fails when they leave less than the largest task); in-place writes are off.
+    (setup fails when they leave less than the largest task); in-place writes serve only the
+    tasks that bypass the delta writer (colocated on a GPU: docs/delta.md).
     ``stats()["delta"]`` reports the shadow, the bytes and the choices of the last push.  A dict
     instead of True sets the chooser's inputs: {"link_Bps": bytes/s, "measure_link": False}
     pins the link throughput (default: measured from the last all-dense push), "costs" the
@@ -162,7 +163,9 @@ class Sender:
         self._lock = threading.RLock()  # push() / PushHandle.wait(): one step at a time
         if max_task_bytes is not None and (isinstance(max_task_bytes, bool) or int(max_task_bytes) < 1):
             raise ValueError(f"wxfer.Sender: max_task_bytes must be an int >= 1 or None, got {max_task_bytes!r}")
-        in_place = inplace.options(False if delta else direct, copy_max)  # checked before anything is set up
+        # checked before anything is set up; with delta, in-place writes serve only the tasks that
+        # bypass the delta writer (colocated: DeltaWriter.bypass)
+        in_place = inplace.options(direct, copy_max)
         self.delta_on = _delta_option(delta)
         self.delta = None  # wxfer.runtime.delta_send.DeltaWriter (delta=True), made at connect
         self.shadow_bound = 0  # bytes of the delta shadow counted against the watermark
@@ -523,9 +526,9 @@ class Sender:
 
     def _run_task(self, op, push_event) -> None:
         """One task of a push (TaskRunner.run_task, or the delta writer's; the hook a test may wrap)."""
-        if self.delta is not None:
+        if self.delta is not None and not self.delta.bypassed(op):
             self.delta.run_task(op, push_event)
-        else:
+        else:  # a plain push's task (delta: one the StepLoop let bypass the delta writer)
             self.runner.run_task(op, push_event)
 
     def task_kinds(self) -> dict:
