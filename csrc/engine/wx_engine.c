@@ -107,8 +107,11 @@ void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     wx__active_remove(e, t);
     e->held -= t->spec.held_bytes;
     e->completed++;
-    if (t->spec.fence && t->id > e->fence_done)
+    if (t->spec.fence && t->id > e->fence_done) {
         e->fence_done = t->id;
+        if (e->fence_word)
+            __atomic_store_n(e->fence_word, (uint32_t)e->fence_done, __ATOMIC_RELEASE);
+    }
     wx__trace_add(e, &t->rec);
     if (t->completed == t->posted) { /* else: abandoned writes still out (isolate) */
         t->queued_done = 1;
@@ -508,6 +511,18 @@ void wx_engine_stop(wx_engine_t *e)
             wx__finish(e, t, -ECANCELED);
     }
     e->stopped = 1;
+    if (e->fence_word) /* a fence whose writes are still out will not finish: release */
+        __atomic_store_n(e->fence_word, (uint32_t)e->next_id, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void wx_engine_set_fence_word(wx_engine_t *e, uint32_t *word)
+{
+    pthread_mutex_lock(&e->mu);
+    e->fence_word = word;
+    if (word) /* stopped: past every task submitted (no stream waits on a dead engine) */
+        __atomic_store_n(word, (uint32_t)(e->stopped ? e->next_id : e->fence_done),
+                         __ATOMIC_RELEASE);
     pthread_mutex_unlock(&e->mu);
 }
 

@@ -69,6 +69,7 @@ struct wx_engine {
     uint64_t bytes_external;
     wx__task_t *ready_cur; /* the task the ready thread is waiting for (popped from ready) */
     uint64_t fence_done;   /* the id of the last fence task finished (they finish in order) */
+    uint32_t *fence_word;  /* wx_engine_set_fence_word's mirror of fence_done, or NULL */
     int err;
     int fence_pending;     /* a fence task was posted: the next waits for inflight == 0 */
     int ready_dev;         /* the ready thread's current CUDA device (-1: none yet) */

@@ -116,6 +116,8 @@ static void wx__engine_close(wx_py_engine_t *self)
         Py_BEGIN_ALLOW_THREADS
             wx_engine_stop(e);
         Py_END_ALLOW_THREADS
+        wx_engine_set_fence_word(e, NULL); /* stop() released it; a parked engine leaves it */
+        Py_CLEAR(self->fence_keep);
         wx_engine_reap(e, wx_py_owner_free, NULL); /* the tasks stop() cancelled */
         wx__owners_detach(self);
         tr->engines--;
@@ -138,6 +140,7 @@ static int wx_engine_traverse(PyObject *op, visitproc visit, void *arg)
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     Py_VISIT(Py_TYPE(op));
     Py_VISIT(self->transport);
+    Py_VISIT(self->fence_keep);
     for (wx_py_owner_t *o = self->owners; o; o = o->next) {
         Py_VISIT(o->region);
         Py_VISIT(o->keep);
@@ -155,6 +158,7 @@ static int wx_engine_clear(PyObject *op)
     if (self->transport)
         wx__engine_close(self);
     Py_CLEAR(self->transport);
+    Py_CLEAR(self->fence_keep);
     return 0;
 }
 
@@ -448,6 +452,32 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
     Py_RETURN_NONE;
 }
 
+/* fence_word(address, keep): mirror the fences' progress into the uint32 at `address` (pinned
+ * host memory that `keep` holds; the engine keeps `keep` until close or the next call);
+ * fence_word(0, None): stop. wx_engine_set_fence_word says what is stored when. */
+static PyObject *wx_engine_fence_word_py(PyObject *op, PyObject *args)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    unsigned long long addr;
+    PyObject *keep, *old;
+    if (!PyArg_ParseTuple(args, "KO:fence_word", &addr, &keep))
+        return NULL;
+    if (!wx_py_engine_live(self))
+        return NULL;
+    if (addr % 4 || (addr && keep == Py_None)) {
+        PyErr_Format(PyExc_ValueError,
+                     "fence_word: address 0x%llx must be 4-byte aligned and held by keep "
+                     "(got keep=None)",
+                     addr);
+        return NULL;
+    }
+    old = self->fence_keep;
+    wx_engine_set_fence_word(self->e, (uint32_t *)(uintptr_t)addr);
+    self->fence_keep = addr ? Py_NewRef(keep) : NULL;
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
 /* reserve(held, timeout=-1) -> admission time (ns): admit `held` bytes under the watermark
  * before the source exists (the caller then makes it and submits with reserved=<that time>,
  * or calls unreserve(held)); the sources of finished tasks are released before and after
@@ -660,6 +690,12 @@ static PyMethodDef wx_engine_methods[] = {
      "before the source is made; blocks like submit (timeout seconds, < 0: no bound; "
      "TimeoutError past it). Follow with submit(..., reserved=t) or unreserve(held)."},
     {"unreserve", wx_engine_unreserve_py, METH_O, "unreserve(held): give back a reserve()."},
+    {"fence_word", wx_engine_fence_word_py, METH_VARARGS,
+     "fence_word(address, keep): store the low 32 bits of the id of each fence task as it "
+     "finishes (and now) into the uint32 at address (pinned host memory held by keep, kept "
+     "by the engine until close() or the next call; 0, None: stop), so that a CUDA stream can "
+     "wait for a fence on the device (stream_wait). Once the engine stops, the word is set "
+     "past every task submitted."},
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None, fence=None): until every submitted task finished (fence: the id of a "
      "fence task: until that one finished, and with it every task submitted before it); raises "
