@@ -22,9 +22,10 @@ int wx_stream_wait_addr(int device, uint64_t host, uint64_t *dev_addr, char *why
         return -ENODEV;
     if (!cu->cuStreamWaitValue32) {
         cu->cuDriverGetVersion(&v);
-        snprintf(why, why_len,
-                 "the CUDA driver (%d.%d) has no cuStreamWaitValue32_v2 (CUDA 11.7 or newer has it)",
-                 v / 1000, v % 1000 / 10);
+        snprintf(
+            why, why_len,
+            "the CUDA driver (%d.%d) has no cuStreamWaitValue32_v2 (CUDA 11.7 or newer has it)",
+            v / 1000, v % 1000 / 10);
         return -ENOTSUP;
     }
     if (!host || host % 4) {
