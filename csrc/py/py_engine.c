@@ -332,7 +332,11 @@ static int wx__submit_admit(wx_py_engine_t *self, wx_py_state_t *st, PyObject *r
     wx_engine_reap(self->e, wx_py_owner_free, NULL);
     adm.e = self->e;
     adm.held = held;
-    rc = wx_py_wait(wx__admit_fn, &adm, -1);
+    /* room now (the usual case): admitted without releasing the GIL, whose hand-back can wait
+     * on another Python thread; else the bounded, interruptible wait */
+    rc = wx__admit_fn(&adm, 0);
+    if (rc == -EAGAIN)
+        rc = wx_py_wait(wx__admit_fn, &adm, -1);
     if (rc) {
         if (rc != -EINTR)
             wx_py_raise_engine(st, self->e, rc, "submit");
@@ -498,7 +502,9 @@ static PyObject *wx_engine_reserve_py(PyObject *op, PyObject *args, PyObject *kw
     adm.held = held;
     adm.e = self->e;
     wx_engine_reap(self->e, wx_py_owner_free, NULL);
-    rc = wx_py_wait(wx__admit_fn, &adm, timeout_s);
+    rc = wx__admit_fn(&adm, 0); /* room now: no GIL round trip (as submit) */
+    if (rc == -EAGAIN)
+        rc = wx_py_wait(wx__admit_fn, &adm, timeout_s);
     if (rc) {
         if (rc == -EINTR)
             return NULL;
