@@ -45,11 +45,18 @@ def begin_wait_word(engine, device):
     if choice == "host":
         return None, 0, "WXFER_BEGIN_WAIT=host"
     word = torch.zeros(1, dtype=torch.int32).pin_memory()
-    dev, why = _wxfer.stream_wait_addr(device.index or 0, word.data_ptr())
+    dev, why = _wxfer.stream_wait_addr(_index(device), word.data_ptr())
     if not dev:
         return None, 0, why
     engine.fence_word(word.data_ptr(), word)
     return word, dev, None
+
+
+def _index(device) -> int:
+    """The CUDA device's index (the current one for a bare "cuda")."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def writes_bound(write_timeout: float) -> float:
@@ -161,8 +168,10 @@ class TaskRunner:
             from .. import _wxfer
 
             try:
+                # the stream the in-place launches go to (fp8 / copies: the current one)
                 stream = torch.cuda.current_stream(self.device).cuda_stream
-                _wxfer.stream_wait(self.device.index or 0, stream, self.begin_word_dev, self.begin_fence & 0xFFFFFFFF)
+                fid = self.begin_fence & 0xFFFFFFFF
+                _wxfer.stream_wait(_index(self.device), stream, self.begin_word_dev, fid)
                 return
             except Exception as e:  # noqa: BLE001 -- the host wait below is always right
                 self.begin_word_dev, self.why_host_wait = 0, f"stream_wait refused: {e}"
