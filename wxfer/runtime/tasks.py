@@ -108,7 +108,8 @@ class TaskRunner:
         # the in-place writes wait for that fence on the device where the driver can
         # (begin_wait_word); else (why_host_wait says why) on the host, as before
         self.begin_word, self.begin_word_dev, self.why_host_wait = None, 0, "no in-place writes"
-        if inplace is not None and getattr(inplace, "enabled", False):
+        off = getattr(inplace, "off", None)  # why no task is written in place, or None
+        if off is not None and off() is None:
             self.begin_word, self.begin_word_dev, self.why_host_wait = begin_wait_word(engine, device)
             if self.why_host_wait and device.type == "cuda":
                 log.info("wxfer: trainer rank %d: begin stamps waited for on the host: %s", rank, self.why_host_wait)
