@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # Issue 37's colocated rows on one GPU, this branch's changes (about 4-5 min on an H100):
 #
-#   OUT=/some/dir bash benchmarks/gpu_perf.sh
+#   OUT=/some/dir bash benchmarks/gpu_perf.sh          # the rows (below)
+#   OUT=/some/dir bash benchmarks/gpu_perf.sh sweep    # the FP8 kernel's launch shapes on this GPU
+#                                                      # (a WXFER_KERNEL_SWEEP build; about 3 min)
+#
+# sweep: the product kernel (v6, 2 CTAs per SM) was chosen on an H200; on an H100 the 8B FP8
+# row's kernel term is its largest (its quantizer ran at about 2.65 TB/s of traffic against
+# the copy's 3.0), so bench_quant.py --variants compares v6 at 1-4 CTAs per SM and v7 / v8 on
+# this GPU, each checked byte for byte; a winner becomes WX__CTAS_PER_SM / the product's
+# variant in csrc/prepare/wx_fp8.c. The build is put back to the product's at the end.
 #
 # 1. build; 2. the gpu tests touching the begin stamps' device wait and the in-place writes;
 # 3. bench_baselines --layouts colocated --curated qwen3-8b,qwen3-1.7b (the 8B BF16 plain and
@@ -20,6 +28,15 @@ rc=0
 nvidia-smi --query-gpu=name,memory.total,memory.free,driver_version --format=csv >"$OUT/gpu.txt" 2>&1
 git log --oneline -1 >>"$OUT/gpu.txt" 2>/dev/null
 timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || { rc=1; tail -20 "$OUT/build.log"; }
+if [ "${1:-rows}" = sweep ]; then
+  timeout 240 env WXFER_TESTING=1 WXFER_KERNEL_SWEEP=1 python3 setup.py -q build_ext --inplace --force \
+    >"$OUT/build-sweep.log" 2>&1 || { rc=1; tail -20 "$OUT/build-sweep.log"; }
+  timeout 420 python3 benchmarks/bench_quant.py --native-only --variants v6:1,v6:2,v6:3,v6:4,v7:2,v8:2 \
+    >"$OUT/quant-sweep.log" 2>&1 || rc=1
+  tail -30 "$OUT/quant-sweep.log"
+  timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force >>"$OUT/build.log" 2>&1 || rc=1
+  exit $rc
+fi
 timeout 150 python3 -m pytest -q -ra -m gpu tests/test_stream_wait_gpu.py tests/test_external_gpu.py \
   tests/test_direct_gpu.py >"$OUT/gpu_tests.log" 2>&1 || rc=1
 tail -25 "$OUT/gpu_tests.log"
