@@ -595,7 +595,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--gpu-free",
         default=None,
-        help="free bytes of GPU 0 for the colocated rows' memory check (bytes or a size such as 75GiB; default: nvidia-smi's figure)",
+        help="free bytes of GPU 0 for the colocated rows' memory check (bytes or a size such as 75GiB; "
+        "default: nvidia-smi's figure)",
     )
     ap.add_argument("--transport-options", default="", help="k=v,k=v: the trainers' transport options (e.g. streams=1)")
     ap.add_argument("--timeout", type=float, default=300.0, help="every wait inside a configuration")
@@ -618,7 +619,9 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(dict(res, table=None)))
     # a row skipped for memory (bb_memory: said up front) is not a failure
-    ok = all(r.get("memory") or (r.get("methods") and not r.get("error") and not r.get("errors")) for r in res["results"])
+    ok = all(
+        r.get("memory") or (r.get("methods") and not r.get("error") and not r.get("errors")) for r in res["results"]
+    )
     return 0 if ok else 1
 
 
