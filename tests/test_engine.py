@@ -377,6 +377,27 @@ def test_wait_for_a_fence_returns_when_it_finished_not_the_tasks_after_it(pair):
     eng.close()
 
 
+def test_wait_posted_returns_once_the_fence_is_handed_to_the_transport(pair):
+    """Engine.wait(fence=id, posted=True) (before the begin stamps' device wait): back once that
+    task's writes were handed to the transport -- for a fence, after every earlier write
+    completed -- not necessarily landed; an id never submitted does not block; posted=True
+    needs fence=."""
+    t, tgt = pair
+    eng = _wxfer.Engine(t, chunk=64 * 1024)
+    big = 512 * 1024
+    eng.submit(rand(big, 1), [(tgt.descriptors[0], 0, 0, big)], tag=1)
+    fid = eng.submit(rand(8, 2), [(tgt.descriptors[1], 0, 0, 8)], tag=2, fence=True)
+    eng.wait(timeout=60, fence=fid, posted=True)
+    recs = {r["tag"]: r for r in eng.trace()}
+    assert 1 in recs and recs[1]["status"] == 0  # the fence posts only after it completed
+    eng.wait(timeout=60, fence=fid + 10_000, posted=True)  # never submitted: at once
+    with pytest.raises(ValueError, match="fence"):
+        eng.wait(timeout=1, posted=True)
+    eng.wait(timeout=60)
+    assert {r["tag"] for r in eng.trace()} >= {1, 2}
+    eng.close()
+
+
 def test_fence_word_mirrors_each_finished_fence_and_is_released_at_close(pair):
     """Engine.fence_word (the begin stamps' device wait, cuStreamWaitValue32 on the GPU): the
     uint32 holds the id of the last fence task finished -- stored as each one finishes, not

@@ -73,9 +73,10 @@ def test_unpinned_memory_is_refused_with_a_reason():
 @pytest.mark.gpu
 @needs_gpu
 def test_an_in_place_copy_behind_the_device_wait_lands_after_the_begin_fence():
-    """The Sender's order with a real engine: the begin stamps' fence submitted, the side
-    stream told to wait for its id, the in-place copy queued at once; the copy's bytes are
-    there only with the fence finished (its stamp written), and the host never waited."""
+    """The Sender's order with a real engine: the begin stamps' fence submitted and posted, the
+    side stream told to wait for its id, the in-place copy queued at once; the copy's bytes are
+    there only with the fence finished (its stamp written), and the host waited for the post
+    only."""
     from test_external_gpu import _colocated
 
     n = 8 << 20
@@ -91,6 +92,7 @@ def test_an_in_place_copy_behind_the_device_wait_lands_after_the_begin_fence():
         for step in range(3):
             fid = eng.submit(stamp_src, [(rs.descriptor, 0, 0, 8)], tag=100 + step, fence=True)
             t = time.perf_counter()
+            eng.wait(timeout=30, fence=fid, posted=True)  # its copy enqueued ahead of the wait
             with torch.cuda.stream(side):
                 _wxfer.stream_wait(0, side.cuda_stream, dev, fid & 0xFFFFFFFF)
                 view.copy_(src)

@@ -307,6 +307,10 @@ static void wx__post_retire(wx_engine_t *e, wx__task_t *t)
 {
     wx__q_pop(&e->post);
     t->in_post = 0;
+    if (t->id > e->posted_done) {
+        e->posted_done = t->id;
+        pthread_cond_broadcast(&e->cv_done); /* wx_engine_wait_posted */
+    }
     if (t->posted + t->skipped == t->nchunks && !t->status)
         t->rec.t_post_last = wx_now_ns();
     else if (!t->status)
@@ -674,6 +678,30 @@ static int wx__wait_done(wx_engine_t *e, uint64_t slice_ns, int all, uint64_t fe
 }
 
 int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns) { return wx__wait_done(e, slice_ns, 1, 0); }
+
+int wx_engine_wait_posted(wx_engine_t *e, uint64_t slice_ns, uint64_t id)
+{
+    uint64_t end = wx_now_ns() + slice_ns;
+    int rc = 0;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        wx__check_deadlines(e);
+        if (e->err) {
+            rc = wx__errf_sticky(e);
+            break;
+        }
+        if (e->posted_done >= id || e->fence_done >= id || id >= e->next_id || e->stopped)
+            break;
+        if (wx_now_ns() >= end) {
+            rc = -EAGAIN;
+            break;
+        }
+        wx__wait(&e->cv_done, &e->mu,
+                 end - wx_now_ns() < 50000000ull ? end - wx_now_ns() : 50000000ull);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
 
 int wx_engine_wait_fence(wx_engine_t *e, uint64_t slice_ns, uint64_t id)
 {

@@ -198,6 +198,12 @@ static int wx__wait_fence_fn(void *arg, uint64_t slice)
     return wx_engine_wait_fence(w->e, slice, w->id);
 }
 
+static int wx__wait_posted_fn(void *arg, uint64_t slice)
+{
+    wx__fence_wait_t *w = arg;
+    return wx_engine_wait_posted(w->e, slice, w->id);
+}
+
 /* Raise for rc from e: the engine's sticky error with its fields when rc is that error,
  * else wx_py_raise. Returns NULL. */
 PyObject *wx_py_raise_engine(wx_py_state_t *st, wx_engine_t *e, int rc, const char *context)
@@ -420,14 +426,18 @@ fail_resv:
 
 static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"timeout", "fence", NULL};
+    static char *kwlist[] = {"timeout", "fence", "posted", NULL};
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     PyObject *tmo = Py_None, *fence = Py_None;
     double timeout = -1;
     wx__fence_wait_t fw;
-    int rc;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO:wait", kwlist, &tmo, &fence))
+    int rc, posted = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|OOp:wait", kwlist, &tmo, &fence, &posted))
         return NULL;
+    if (posted && fence == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "Engine.wait: posted=True needs fence= (the task id)");
+        return NULL;
+    }
     if (!wx_py_engine_live(self))
         return NULL;
     if (tmo != Py_None) {
@@ -440,7 +450,7 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
         fw.id = PyLong_AsUnsignedLongLong(fence);
         if (PyErr_Occurred())
             return NULL;
-        rc = wx_py_wait(wx__wait_fence_fn, &fw, timeout);
+        rc = wx_py_wait(posted ? wx__wait_posted_fn : wx__wait_fence_fn, &fw, timeout);
     } else {
         rc = wx_py_wait(wx__wait_fn, self->e, timeout);
     }
@@ -703,9 +713,10 @@ static PyMethodDef wx_engine_methods[] = {
      "wait for a fence on the device (stream_wait). Once the engine stops, the word is set "
      "past every task submitted."},
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None, fence=None): until every submitted task finished (fence: the id of a "
-     "fence task: until that one finished, and with it every task submitted before it); raises "
-     "Error on a failure."},
+     "wait(timeout=None, fence=None, posted=False): until every submitted task finished (fence: "
+     "the id of a fence task: until that one finished, and with it every task submitted before "
+     "it; with posted=True: until that task is done posting -- its writes handed to the "
+     "transport or skipped -- or finished); raises Error on a failure."},
     {"reap", wx_engine_reap_py, METH_NOARGS, "Release the sources of finished tasks; count."},
     {"error", wx_engine_error_py, METH_NOARGS,
      "The sticky error as an Error (not raised; its fields say task, tag, peer, stage), or None."},

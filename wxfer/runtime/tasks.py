@@ -168,6 +168,15 @@ class TaskRunner:
 
             from .. import _wxfer
 
+            # the fence's stamp copies enqueued first (a short host wait: the engine's post, not
+            # the copies' completion): a copy behind the device wait in a hardware queue the
+            # two streams share would otherwise wait for it until the fence's deadline
+            self.wait_engine(
+                writes_bound(self.write_timeout),
+                "posting the begin stamps (before the in-place writes)",
+                fence=self.begin_fence,
+                posted=True,
+            )
             try:
                 # the stream the in-place launches go to (fp8 / copies: the current one)
                 stream = torch.cuda.current_stream(self.device).cuda_stream
@@ -315,11 +324,14 @@ class TaskRunner:
         self.last_verify = request(ctl, self.rank, self.version, self.last_sums, self.links.workers, timeout)
 
     # ------------------------------------------------------------------ the engine's words
-    def wait_engine(self, timeout, what, fence=None) -> None:
-        """Engine.wait (fence: only until that fence task finished), its failure raised as this
-        rank's step error saying `what` it waited for."""
+    def wait_engine(self, timeout, what, fence=None, posted: bool = False) -> None:
+        """Engine.wait (fence: only until that fence task finished; posted: only until it is done
+        posting), its failure raised as this rank's step error saying `what` it waited for."""
         try:
-            self.engine.wait(timeout=timeout, fence=fence)
+            if posted:
+                self.engine.wait(timeout=timeout, fence=fence, posted=True)
+            else:
+                self.engine.wait(timeout=timeout, fence=fence)
         except Exception as e:
             self.engine.clear_error()
             raise RuntimeError(
