@@ -37,12 +37,12 @@ if [ "${1:-rows}" = sweep ]; then
   timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force >>"$OUT/build.log" 2>&1 || rc=1
   exit $rc
 fi
-timeout 150 python3 -m pytest -q -ra -m gpu tests/test_stream_wait_gpu.py tests/test_external_gpu.py \
+timeout 200 python3 -m pytest -q -ra --durations=8 -m gpu tests/test_stream_wait_gpu.py tests/test_external_gpu.py \
   tests/test_direct_gpu.py >"$OUT/gpu_tests.log" 2>&1 || rc=1
 tail -25 "$OUT/gpu_tests.log"
 for wait in device host; do
-  WXFER_BEGIN_WAIT=$wait timeout 200 python3 benchmarks/bench_baselines.py --layouts colocated \
-    --curated qwen3-8b,qwen3-1.7b --methods link,wxfer --calibration none --max-s 180 \
+  WXFER_BEGIN_WAIT=$wait timeout 170 python3 benchmarks/bench_baselines.py --layouts colocated \
+    --curated qwen3-8b,qwen3-1.7b --methods link,wxfer --calibration none --max-s 150 \
     --out "$OUT/bb-$wait" --json >"$OUT/bb-$wait.log" 2>&1 || rc=1
   grep -E "^\[|skipped|failed|Error" "$OUT/bb-$wait.log" | head -20
 done
