@@ -31,7 +31,7 @@ timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace >"$OUT/b
 if [ "${1:-rows}" = sweep ]; then
   timeout 240 env WXFER_TESTING=1 WXFER_KERNEL_SWEEP=1 python3 setup.py -q build_ext --inplace --force \
     >"$OUT/build-sweep.log" 2>&1 || { rc=1; tail -20 "$OUT/build-sweep.log"; }
-  timeout 420 python3 benchmarks/bench_quant.py --native-only --variants v6:1,v6:2,v6:3,v6:4,v7:2,v8:2 \
+  timeout 300 python3 benchmarks/bench_quant.py --native-only --variants v6:1,v6:2,v6:3,v6:4,v7:2,v8:2 \
     >"$OUT/quant-sweep.log" 2>&1 || rc=1
   tail -30 "$OUT/quant-sweep.log"
   timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force >>"$OUT/build.log" 2>&1 || rc=1
