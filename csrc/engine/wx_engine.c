@@ -309,7 +309,8 @@ static void wx__post_retire(wx_engine_t *e, wx__task_t *t)
     t->in_post = 0;
     if (t->id > e->posted_done) {
         e->posted_done = t->id;
-        pthread_cond_broadcast(&e->cv_done); /* wx_engine_wait_posted */
+        if (e->posted_waiters) /* wx_engine_wait_posted (other waiters need not wake here) */
+            pthread_cond_broadcast(&e->cv_done);
     }
     if (t->posted + t->skipped == t->nchunks && !t->status)
         t->rec.t_post_last = wx_now_ns();
@@ -696,8 +697,10 @@ int wx_engine_wait_posted(wx_engine_t *e, uint64_t slice_ns, uint64_t id)
             rc = -EAGAIN;
             break;
         }
+        e->posted_waiters++;
         wx__wait(&e->cv_done, &e->mu,
                  end - wx_now_ns() < 50000000ull ? end - wx_now_ns() : 50000000ull);
+        e->posted_waiters--;
     }
     pthread_mutex_unlock(&e->mu);
     return rc;
