@@ -10,6 +10,7 @@
 #include "wx_copy.h"
 #include "wx_delta.h"
 #include "wx_fp8.h"
+#include "wx_streamwait.h"
 #include "wx_sweep.h"
 
 /* The table of `what` (entries of `esize` bytes, at most `max`, `many` in its error) in a buffer-protocol object
@@ -347,6 +348,36 @@ static PyObject *wx_delta_launch_py(PyObject *m, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* stream_wait_addr(device, host_address) -> (device_address, why_not): 0 and the reason when
+ * the device wait cannot be used (wx_streamwait.h). */
+static PyObject *wx_stream_wait_addr_py(PyObject *m, PyObject *args)
+{
+    char why[WX_ERRMSG_MAX] = "";
+    unsigned long long host;
+    uint64_t dev = 0;
+    int device, rc;
+    if (!PyArg_ParseTuple(args, "iK:stream_wait_addr", &device, &host))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_stream_wait_addr(device, host, &dev, why, sizeof why);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Ks)", rc == 0 ? (unsigned long long)dev : 0ull, rc == 0 ? "" : why);
+}
+
+static PyObject *wx_stream_wait_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    unsigned long long stream, dev;
+    unsigned int value;
+    int device, rc;
+    if (!PyArg_ParseTuple(args, "iKKI:stream_wait", &device, &stream, &dev, &value))
+        return NULL;
+    rc = wx_stream_wait_u32(device, stream, dev, value);
+    if (rc)
+        return wx_py_raise(st, rc, "stream_wait");
+    Py_RETURN_NONE;
+}
+
 #ifdef WX_KERNEL_SWEEP
 static PyObject *wx_kernel_sweep_py(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -393,6 +424,14 @@ static PyMethodDef wx__prepare_methods[] = {
     {"copy_batch_probe", wx_copy_batch_probe_py, METH_VARARGS,
      "copy_batch_probe(device) -> (usable, why_not): has the driver cuMemcpyBatchAsync "
      "(CUDA 12.8+)?"},
+    {"stream_wait_addr", wx_stream_wait_addr_py, METH_VARARGS,
+     "stream_wait_addr(device, host_address) -> (device_address, why_not): the device address "
+     "of a pinned host word for stream_wait, or (0, the reason) when the driver lacks "
+     "cuStreamWaitValue32_v2 or the memory is not pinned."},
+    {"stream_wait", wx_stream_wait_py, METH_VARARGS,
+     "stream_wait(device, stream, device_address, value): the stream waits on the device "
+     "(cuStreamWaitValue32, GEQ: cyclic (int32)(*word - value) >= 0) before its later work; "
+     "the host does not wait."},
     {"copy_batch", wx_copy_batch_py, METH_VARARGS,
      "copy_batch(device, stream, copies): the copies, a buffer of (dst, src, nbytes) uint64 "
      "triples, by one cuMemcpyBatchAsync on the stream (sources read in stream order)."},

@@ -22,10 +22,11 @@ the peers it wrote, waiting for a CUDA event recorded after it on the side strea
 host, without CUDA, signalled done at once: ``complete_external``).  So the engine finishes
 it after the begin stamps' fence, holds the end stamps' fence (a plain one) until it landed,
 applies its deadline, skips a peer that failed, counts its bytes (``bytes_external``) and
-traces it (kind "external"); ``push()``'s wait is the engine's.  The begin stamps are still
-waited for on the host before the first launch of a push (after its first task's gathers
-were queued): the engine orders its tasks, not this process's kernels, and a kernel that ran
-before a receiver's begin stamp landed would make a torn read look complete.  A receiver
+traces it (kind "external"); ``push()``'s wait is the engine's.  The begin stamps are
+waited for before the first launch of a push (after its first task's gathers were queued; on
+the device where it can, TaskRunner._wait_begin): the engine orders its tasks, not this
+process's kernels, and a kernel that ran before a receiver's begin stamp landed would make a
+torn read look complete.  A receiver
 that failed (the engine's failed peers) or that the Sender dropped is not written (no kernel
 can be called back) nor named in the task.  Off with ``Sender(direct=False)`` or
 ``WXFER_DIRECT=0`` (the user-facing name, and ``stats()["direct"]``, are kept); with verify on
