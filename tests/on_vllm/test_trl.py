@@ -21,6 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_trl_grpo_colocate_syncs_through_wxfer(tmp_path):
+    from test_llm import same_greedy
+
     pytest.importorskip("trl", reason="trl is not installed in this Python (make vllm-setup installs trl==1.16.0)")
     out = tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
@@ -54,3 +56,4 @@ def test_trl_grpo_colocate_syncs_through_wxfer(tmp_path):
     assert res["proof"].get("errors") == 0 and res["registered"] == 19, res
     assert len(res["moved"]) == 25, res  # GRPO moved every trainer parameter
     assert res["differ"] == [], res  # vLLM holds exactly the trainer's last weights
+    assert same_greedy(res["vllm_greedy"], res["hf_greedy"]) >= 4, res  # and generates from them

@@ -8,7 +8,9 @@ MODE "wxfer" (default): ``WxferGRPOTrainer`` below, the lines docs/vllm.md ("TRL
 TRL builds its ``vllm.LLM`` with ``WeightTransferConfig(backend="wxfer")`` and every weight sync
 is wxfer's ``send_weights()``, never TRL's ``load_weights`` (vLLM's CPU GEMM kept on the
 parameters: ``keep_cpu_weights()``, so that the bytes can be compared with vLLM's loader).
-MODE "trl": TRL's own GRPOTrainer and its own sync, on vLLM's CPU platform as shipped; "trl-keep":
+"wxfer-shipped": the same with vLLM's CPU GEMMs as shipped (packed copies: wxfer's finalize path;
+greedy tokens compared, not bytes).  MODE "trl": TRL's own GRPOTrainer and its own sync, on vLLM's
+CPU platform as shipped; "trl-keep":
 the same with ``keep_cpu_weights()`` (what TRL's own sync does there: docs/vllm.md).  Writes what
 the test checks to OUT_JSON.
 """
@@ -112,6 +114,22 @@ def bytes_differ(eng, model):
     ]
 
 
+def greedy_pair(llm, model):
+    """vLLM's greedy tokens for trainer_proc.PROMPT, and transformers' of `model`."""
+    import torch
+    from trainer_proc import NEW, PROMPT, greedy
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0.0, ignore_eos=True)
+    got = list(llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0].outputs[0].token_ids)
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        ref = greedy(model)
+    model.train(was)
+    return got, ref
+
+
 def main(out, mode="wxfer"):
     t_start = time.monotonic()
     import torch
@@ -123,7 +141,7 @@ def main(out, mode="wxfer"):
     from wxfer.integrations.vllm import keep_cpu_weights
     from wxfer.runtime.control import free_port
 
-    if mode != "trl":
+    if mode in ("wxfer", "trl-keep"):
         keep_cpu_weights()  # the engine runs in this process (TRL's external_launcher)
     ck = os.path.join(os.path.dirname(out), "ckpt")
     save_checkpoint(ck, seed=0)
@@ -154,7 +172,7 @@ def main(out, mode="wxfer"):
     kw = dict(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
     try:
         t0 = time.monotonic()
-        if mode == "wxfer":
+        if mode.startswith("wxfer"):
             tr = WxferGRPOTrainer(**kw, wxfer_store="127.0.0.1:%d" % free_port())
         else:
             tr = GRPOTrainer(**kw)
@@ -164,12 +182,21 @@ def main(out, mode="wxfer"):
         calls = []  # TRL's own sync calls the vLLM model's load_weights: count them
         real_lw = vmodel.load_weights
         vmodel.load_weights = lambda w, _r=real_lw: calls.append(1) or _r(w)
+        if not mode.startswith("wxfer"):  # TRL's own sync, timed
+            trl_sync, res["trl_sync_s"] = tr.vllm_generation.sync_weights, []
+
+            def timed():
+                t = time.monotonic()
+                trl_sync()
+                res["trl_sync_s"].append(time.monotonic() - t)
+
+            tr.vllm_generation.sync_weights = timed
         t0 = time.monotonic()
         tr.train()
         res["train_s"] = time.monotonic() - t0
         res["global_step"] = tr.state.global_step
         res["load_weights_calls"] = len(calls)
-        if mode == "wxfer":
+        if mode.startswith("wxfer"):
             res["sync_s"] = list(tr.wxfer_sync_s)
             tr.vllm_generation.sync_weights()  # what the next step's generation would sync first
             res["final_sync_s"] = tr.wxfer_sync_s[-1]
@@ -179,9 +206,11 @@ def main(out, mode="wxfer"):
             res["weight_version"] = llm.get_weight_version()
             res["proof"] = {k: len(v) for k, v in (eng.proof_result or {}).items() if isinstance(v, (list, dict))}
             res["moved"] = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), start[n])]
-            vmodel.load_weights = real_lw
-            res["differ"] = bytes_differ(eng, model)
             res["registered"] = len(eng.receiver.params)
+            res["vllm_greedy"], res["hf_greedy"] = greedy_pair(llm, model)
+            vmodel.load_weights = real_lw
+            if mode == "wxfer":  # the live parameters are what vLLM computes from (keep_cpu_weights)
+                res["differ"] = bytes_differ(eng, model)
             tr.wxfer.shutdown()
     except Exception as e:  # noqa: BLE001 -- reported to the test
         res["error"] = f"{type(e).__name__}: {e}"
