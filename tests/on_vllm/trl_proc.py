@@ -207,6 +207,8 @@ def main(out, mode="wxfer"):
             res["proof"] = {k: len(v) for k, v in (eng.proof_result or {}).items() if isinstance(v, (list, dict))}
             res["moved"] = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), start[n])]
             res["registered"] = len(eng.receiver.params)
+            fin = eng.finalize_report
+            res["finalize"] = dict(modules=len(fin["modules"]), last_s=fin["seconds"], kept=fin["kept_bytes"])
             res["vllm_greedy"], res["hf_greedy"] = greedy_pair(llm, model)
             vmodel.load_weights = real_lw
             if mode == "wxfer":  # the live parameters are what vLLM computes from (keep_cpu_weights)
