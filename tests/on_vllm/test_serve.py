@@ -62,13 +62,13 @@ def test_vllm_serve_over_http_with_two_fsdp2_trainer_ranks(tmp_path):
     from helpers import child_env, torchrun_args
     from test_llm import same_greedy
     from trainer_proc import NEW, PROMPT
-    from vhelp import save_checkpoint
+    from trace_proc import save_tiny
 
     from wxfer.runtime.control import free_port
 
     t_start = time.monotonic()
     ck = str(tmp_path / "ckpt")
-    save_checkpoint(ck, seed=0)
+    save_tiny(ck, "qwen3")  # in a clean interpreter where vLLM built models in this process
     t_ckpt = time.monotonic() - t_start
     port = free_port()
     url = f"http://127.0.0.1:{port}"
