@@ -203,3 +203,21 @@ def test_a_source_that_is_not_contiguous_is_packed_unfit():
     assert prep.path == ("packed", "unfit") and not prep.zero_copy and prep.direct is None
     with torch.no_grad():
         assert torch.equal(prepare.run(prep, op, torch.device("cpu")), w.contiguous().reshape(-1).view(torch.uint8))
+
+
+def test_a_gathered_3d_source_whole_in_per_expert_pieces_is_sent_as_gathered(monkeypatch):
+    """staged, "gathered_whole" (as the plan predicts, wxfer.zerocopy.all_of_it): the bytes the
+    engine writes are the gathered tensor's own, equal to the reference packing."""
+    from wxfer.mapping.reference import pack_task
+
+    monkeypatch.setattr(prepare, "_is_whole", lambda p: False)  # sharded over its mesh: gathered
+    monkeypatch.setattr(prepare, "_gather_spec", lambda p: None)  # (DTensor.full_tensor's way)
+    w = torch.arange(3 * 4 * 8, dtype=torch.float32).reshape(3, 4, 8).to(torch.bfloat16)
+    sh = shard("raw", "bfloat16", *(Piece("e", r, r + 4, 0, 8) for r in range(0, 12, 4)))
+    op = program.TaskOp(0, "experts", [("e", w)], [sh], [(b"", 0, 0, sh.nbytes)], sh.nbytes)
+    prep = prepare.task_prep(op, torch.device("cpu"))
+    assert prep.path == ("staged", "gathered_whole") and prep.direct is None and prep.held == sh.nbytes
+    with torch.no_grad():
+        buf = prepare.run(prep, op, torch.device("cpu"))
+    assert buf.data_ptr() == w.data_ptr()  # no copy: (here) full_tensor of a plain tensor is itself
+    assert torch.equal(buf, pack_task([sh], {"e": w}))
