@@ -535,6 +535,10 @@ class Sender:
         """{plan task: kind} of this rank's tasks, as it runs them (TaskRunner.task_kinds)."""
         return self.runner.task_kinds()
 
+    def task_choices(self) -> dict:
+        """{plan task: wxfer.taskpath.Choice}: task_kinds with the reason of each."""
+        return self.runner.task_choices()
+
     def verify(self, timeout: float | None = None) -> dict:
         """Check again that every receiver holds what the last push sent (checksums of the
         last push made with verify on).  Raises VerifyError listing any mismatch."""

@@ -9,7 +9,7 @@ import ctypes
 import logging
 import warnings
 
-from .. import envs
+from .. import envs, taskpath
 from . import prepare
 from .inplace import COPIES_TAG
 from .receiver import _b64
@@ -277,27 +277,31 @@ class TaskRunner:
             self.engine.submit(buf, prep.dests, tag=op.task, held=held, reserved=t_admit)
 
     def task_kinds(self) -> dict:
-        """{plan task: kind} of this rank's tasks, as it runs them (wxfer.plan.kinds: zero_copy,
-        staged, packed, direct, collective_only, copy), for the simulator (``simulate(...,
-        kinds=...)``).  Decided at setup; a zero-copy task whose memory moved is decided again
-        at a push; a packed task is "direct" (written in place) when this Sender can write it
-        straight into the receivers (inplace.py: cuda_ipc, its layout's pieces inside the
-        mapped destinations; not with verify on, which sends every task the staging way); a
-        zero-copy task is copy when a push copies it into the receivers' mapped memory
-        (``InPlaceWriter.copy_ok``: fewer bytes than copy_max(), in-place possible, every
-        destination mapped; not with verify on)."""
+        """{plan task: kind} of this rank's tasks, as it runs them (wxfer.taskpath.PATHS:
+        zero_copy, staged, packed, direct, collective_only, copy), for the simulator
+        (``simulate(..., kinds=...)``): ``task_choices``' paths."""
+        return {t: c.path for t, c in self.task_choices().items()}
+
+    def task_choices(self) -> dict:
+        """{plan task: wxfer.taskpath.Choice} of this rank's tasks: the classifier's answer from
+        each task's facts (decided at setup; a zero-copy task whose memory moved is decided again
+        at a push) and what the in-place writer says of it now: a task that is not the
+        parameter's own bytes is direct when this Sender can write it straight into the
+        receivers (inplace.py: cuda_ipc, its layout's pieces inside the mapped destinations;
+        not with verify on); a zero-copy task is copy when a push copies it there
+        (``InPlaceWriter.copy_why``: fewer bytes than copy_max, every destination mapped)."""
         out = {}
         ip = self.inplace
         off = ip.off() or ("verify" if ip.verify else None)
         for ops in self.program.groups:
             for op in ops:
                 prep = op.prep if op.prep is not None else prepare.task_prep(op, self.device)
-                k = prepare.kind_of(prep, op)
-                if k in ("packed", "staged") and prep.direct is None and off is None:
-                    k = prepare.kind_of(prep, op, direct=ip.plan_of(op)[0] is not None)
-                elif k == "zero_copy" and off is None and op.prep is prep and ip.copy_ok(op):
-                    k = "copy"  # (a task prepared again at the next push goes the engine's way there)
-                out[op.task] = k
+                in_place = copy = off or taskpath.NOT_ASKED
+                if off is None and prep.best.path == taskpath.DIRECT:
+                    in_place = ip.plan_of(op)[1]
+                elif off is None and prep.best.path == taskpath.COPY and op.prep is prep:
+                    copy = ip.copy_why(op)  # (a task prepared again at the next push goes the engine's way there)
+                out[op.task] = taskpath.classify(prep.facts, in_place, copy)
         return out
 
     # ------------------------------------------------------------------ verify
