@@ -176,17 +176,9 @@ class Sender:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.group = control.gloo_group(timeout)
-        if host_store is None:
-            host_store = self.rank == 0 and store is None
-        elif host_store not in (True, False):  # 1 / 0 are accepted as True / False
-            raise TypeError(f"wxfer.Sender: host_store must be True, False or None, got {host_store!r}")
-        host_store = bool(host_store)
-        self.ctl = Control(
-            control.resolve_store(store, host_store, timeout, bind=store_bind),
-            name,
-            timeout,
-            secret=control.job_secret(secret),
-        )
+        host_store = _host_store(host_store, self.rank, store)
+        st = control.resolve_store(store, host_store, timeout, bind=store_bind)
+        self.ctl = Control(st, name, timeout, control.job_secret(secret))
         # this job's generation of `name` in the store (issue 25.5): rank 0 claims it (a lease)
         self.ctl, self.job = jobs.join(self.ctl, self.group, self.rank, name, self.timeout)
         self._store_host = host_store
@@ -615,6 +607,16 @@ class Sender:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _host_store(host_store, rank: int, store) -> bool:
+    """Whether this rank hosts the store: `host_store` as given (True / False, or 1 / 0), or, when
+    None, rank 0 when no store is given."""
+    if host_store is None:
+        return rank == 0 and store is None
+    if host_store not in (True, False):
+        raise TypeError(f"wxfer.Sender: host_store must be True, False or None, got {host_store!r}")
+    return bool(host_store)
 
 
 def _delta_option(delta):
