@@ -20,7 +20,7 @@ import time
 
 from . import control, liveness, program
 from .control import SetupError
-from .receiver import _unb64, decode_param_descriptor
+from .param_desc import _unb64, decode_param_descriptor
 
 WATCH_S = 0.1  # seconds between the watcher's looks (a restart waits at most this long for a push to see it)
 

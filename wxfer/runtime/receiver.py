@@ -60,7 +60,7 @@ class Receiver(ReceiverSetup, ReceiverRejoin, ReceiverState):
     most `rejoin_timeout` seconds where given; SetupError naming what it waited for.
 
     delta_staging (bytes, an int or e.g. "64MiB"; default $WXFER_DELTA_STAGING, else 0: none):
-    a registered staging area for the trainers' delta records (``Sender(delta=True)``, issue 36),
+    a registered staging area for the trainers' delta records (``Sender(delta=True)``),
     split evenly among the trainer ranks writing here; call ``apply()`` after every push (vLLM:
     in ``finish_weight_update``) to apply them.  Without one, delta trainers write here dense.
     """
@@ -105,7 +105,7 @@ class Receiver(ReceiverSetup, ReceiverRejoin, ReceiverState):
         self.ctl = Control(
             control.resolve_store(store, False, timeout), name, timeout, secret=control.job_secret(secret)
         )
-        self.ctl = jobs.receiver_namespace(self.ctl, name)  # not a finished job's records (issue 25.5)
+        self.ctl = jobs.receiver_namespace(self.ctl, name)  # not a finished job's records
         self._open_transport(transport, transport_options)
         self._init_records()
         try:

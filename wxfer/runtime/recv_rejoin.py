@@ -12,13 +12,23 @@ class ReceiverRejoin:
     """The rejoin of a Receiver started again for a (replica, rank) after the trainers' setup
     (a mixin of wxfer.Receiver)."""
 
+    def _publish_restart(self, meta: dict) -> None:
+        """This worker's record as a restart (the trainers' setup is through): the next epoch of
+        its (replica, rank), ``infer/<gpu>/e<epoch>/meta``, read by the trainers' watchers."""
+        control.decode_result(self.ctl.get("status", "the trainers' setup status"), "trainer rank 0 (controller)")
+        self.epoch = self.ctl.add("infer/epoch/%d" % self.gpu, 1)
+        meta["epoch"] = self.epoch
+        self._start_lease(meta["lease_s"])
+        self.ctl.set_json("infer/%d/e%d/meta" % (self.gpu, self.epoch), meta)
+        self.ctl.add("infer/rejoins", 1)
+
     def _rejoin_handshakes(self) -> None:
         """A restarted worker: its record (``infer/<gpu>/e<epoch>/meta``) is seen by the watcher
         of every trainer rank writing here (each acknowledges it), then ``infer/<gpu>/e<epoch>``
         says so: from then on the next push() of each takes it, however far off.  Wait for
         those pushes as long as the trainer job lives (its lease: jobs.JobWatch) and each
         trainer rank does (its pid and lease: liveness.WriterWatch), or `rejoin_timeout`
-        seconds where one was given, or for a trainer's refusal (issue 35.2)."""
+        seconds where one was given, or for a trainer's refusal (``rejoin/refused/<gpu>/e<epoch>``)."""
         self.senders = self.ctl.get_json("senders/%d" % self.gpu, "the list of trainers writing here")
         g, e = self.gpu, self.epoch
         self._t_rejoin, self._job = time.monotonic(), jobs.JobWatch(self.ctl)

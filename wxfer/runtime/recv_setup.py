@@ -38,7 +38,8 @@ class ReceiverSetup:
             raise SetupError(f"wxfer.Receiver gpu {self.gpu}: opening transport {self.transport_name}: {e}") from e
 
     def _digests(self, mapping) -> None:
-        """What the trainers compare (issues 25.4, 35.6): digests of content, never skipped."""
+        """What the trainers compare with theirs: digests of the parameters' names, shapes and
+        dtypes, and of the mapping rules this worker applies (computed always, never skipped)."""
         shapes = {n: [list(t.shape), _dtype_name(t.dtype)] for n, t in self.params.items()}
         self.params_digest = digest.of(digest.params_content(shapes))
         self.mapping_rules = digest.mapping_rules(mapping, self.tp, self.ep, digest.quant_of(shapes), self.rank)
@@ -134,6 +135,8 @@ class ReceiverSetup:
             self.staging = Staging(self, int(nbytes))
 
     def _publish(self) -> None:
+        """This worker's record in the store (its parameters, descriptors, stamps, transport
+        address, identity) and its lease; a restart publishes under a new epoch instead."""
         meta = dict(
             gpu=self.gpu,
             replica=self.replica,
@@ -164,15 +167,7 @@ class ReceiverSetup:
         self.epoch = 0
         if self.ctl.add("infer/claim/%d" % self.gpu, 1) > 1:
             if self.ctl.check("status"):
-                control.decode_result(
-                    self.ctl.get("status", "the trainers' setup status"), "trainer rank 0 (controller)"
-                )
-                self.epoch = self.ctl.add("infer/epoch/%d" % self.gpu, 1)
-                meta["epoch"] = self.epoch
-                self._start_lease(meta["lease_s"])
-                self.ctl.set_json("infer/%d/e%d/meta" % (self.gpu, self.epoch), meta)
-                self.ctl.add("infer/rejoins", 1)
-                return
+                return self._publish_restart(meta)
             self.ctl.set_json("infer/dup/%d" % self.gpu, dict(host=meta["host"], pid=meta["pid"]))
             self.ctl.add("infer/dups", 1)
             raise SetupError(

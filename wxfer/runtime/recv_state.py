@@ -71,7 +71,7 @@ class ReceiverState:
         - ``complete``: ``version`` is the step fully in place;
         - ``unwritten``: no step written since this Receiver's setup (``version`` -1): the
           weights are what the memory held before (a loaded checkpoint, or what an earlier
-          job left, maybe half written: issue 35.8 -- not ``complete`` at -1);
+          job left, maybe half written -- never ``complete`` at -1);
         - ``writing``: trainer rank(s) ``ranks`` are writing step ``step`` (for ``for_s`` s);
         - ``torn``: step ``step`` was left half written (``why``: which trainer rank gave up
           or died); the weights mix two steps until a push reaches this worker again
