@@ -431,12 +431,8 @@ static PyObject *wx_transport_peers(PyObject *op, PyObject *noargs)
         d = Py_BuildValue("{s:I,s:y#,s:O,s:I}", "id", p->id, "address", (const char *)p->addr,
                           (Py_ssize_t)p->addr_len, "connected", p->connected ? Py_True : Py_False,
                           "regions", p->nregions);
-        if (!d || PyList_Append(lst, d) < 0) {
-            Py_XDECREF(d);
+        if (wx_py_append(lst, d) < 0)
             Py_CLEAR(lst);
-            break;
-        }
-        Py_DECREF(d);
     }
     return lst;
 }
