@@ -4,11 +4,12 @@ the version stamps and the trainers' torn records, over a real TCPStore, without
 import pytest
 import torch
 
-from wxfer.runtime.control import Control
+from wxfer.runtime.control import Bounded, Control
 from wxfer.runtime.recv_state import ReceiverState, TornError
 
 T = 10.0
 GPU = 3
+MADE: list = []  # the Stamps of the running test
 
 
 class Stamps(ReceiverState):
@@ -21,6 +22,8 @@ class Stamps(ReceiverState):
         self.writers, self._gone = None, {}
         self._busy_key = self._busy_since = None
         self._marks_checked, self._last_marks = -1.0, []
+        self._store_look = Bounded(self._look_store, "test store look")
+        MADE.append(self)
 
     def write(self, i, begin, end):
         """Trainer slot i's stamps: begin (the step it started), end (the step it finished)."""
@@ -38,6 +41,14 @@ def mark(ctl, step, writer, final=True, dropped=False, why="gave up"):
 @pytest.fixture
 def ctl(store):
     return Control(store[0], "rs", T)
+
+
+@pytest.fixture(autouse=True)
+def _closed_looks():
+    """The store look thread of every Stamps a test made, closed at its end."""
+    yield
+    while MADE:
+        MADE.pop()._store_look.close()
 
 
 def test_no_writers_and_unwritten_stamps_read_unwritten(ctl):

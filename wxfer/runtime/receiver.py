@@ -21,7 +21,7 @@ from .control import Control
 from .param_desc import _b64, _dtype_name, _unb64, decode_param_descriptor, encode_param_descriptor  # noqa: F401
 from .recv_rejoin import ReceiverRejoin
 from .recv_setup import ReceiverSetup, _check_stamp_slots, _checked_params, _mapping_name
-from .recv_state import ReceiverState, TornError  # noqa: F401 -- wxfer.runtime.receiver.TornError
+from .recv_state import STATE_STORE_S, ReceiverState, TornError  # noqa: F401 -- named from here too
 from .transport_opts import (  # noqa: F401 -- imported from here by sender, tools and tests
     capabilities,
     transport_choice,
@@ -176,6 +176,7 @@ class Receiver(ReceiverSetup, ReceiverRejoin, ReceiverState):
             self.verifier.stop()
         if self.lease is not None:
             self.lease.stop()
+        self._store_look.close()
         if self.writers is not None:
             self.writers.pids.close()  # the pidfds of the trainers on this host
         for r in self.regions:

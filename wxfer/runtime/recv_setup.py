@@ -14,7 +14,7 @@ import time
 
 from .. import envs
 from . import control, digest, liveness
-from .control import SetupError
+from .control import Bounded, SetupError
 from .isolation import warn_fault_isolation
 from .param_desc import _b64, _dtype_name, encode_param_descriptor
 from .transport_opts import transport_choice, gpu_memory_options, _storage_base, _segment_bases
@@ -61,6 +61,7 @@ class ReceiverSetup:
         self.senders = []
         self._busy_key = self._busy_since = None
         self._marks_checked, self._last_marks = -1.0, []
+        self._store_look = Bounded(self._look_store, f"Receiver gpu {self.gpu} store look")
 
     def _register(self, mode: str, stamp_slots: int, delta_staging=0) -> None:
         import torch

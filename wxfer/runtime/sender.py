@@ -578,6 +578,7 @@ class Sender:
             setup_s=self.setup_s,
             quantizer=_quantizer_stats(self.device),
             direct=self.inplace.stats(),
+            watcher=self.links.watch_trouble(),  # None while the watcher's store looks pass
         )
         if self.delta is not None:
             s["delta"] = dict(self.delta.stats(), shadow_bound=self.shadow_bound, watermark=self.watermark)
