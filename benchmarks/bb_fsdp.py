@@ -132,6 +132,7 @@ def copy_bound(nbytes: int, src_dev, dst_dev, warmup: int, reps: int, pinned: bo
     """Seconds of each of `reps` copies of nbytes in 1 GiB pieces after `warmup` (the link
     bound; pinned: H2D from pinned host memory, the bound of a CPU-offloaded trainer)."""
     import torch
+    from common.baselines import copy_through
 
     piece = min(GiB, max(1, nbytes))
     src = torch.empty(piece, dtype=torch.uint8, device=src_dev, pin_memory=pinned).fill_(7)
@@ -140,11 +141,7 @@ def copy_bound(nbytes: int, src_dev, dst_dev, warmup: int, reps: int, pinned: bo
     for i in range(warmup + reps):
         _sync(dst_dev)
         t = time.perf_counter()
-        left = nbytes
-        while left > 0:
-            n = min(piece, left)
-            dst[:n].copy_(src[:n], non_blocking=True)
-            left -= n
+        copy_through(dst, src, nbytes)
         _sync(dst_dev)
         if i >= warmup:
             times.append(time.perf_counter() - t)

@@ -66,6 +66,7 @@ from common.baselines import (  # noqa: F401 -- ROOT: the checkout, for the chil
     ROOT,
     cfg_name,
     checksums,
+    copy_through,
     expanded,
     infer_params,
     machine,
@@ -183,11 +184,7 @@ def _run_config(rank, ci, cfg, a, dev, store, ctl):
         for i in range(a["warmup"] + a["reps"]):
             sync_dev(dev), sync_dev(dst_dev)
             t = time.perf_counter()
-            left = dest_bytes
-            while left > 0:
-                n = min(piece, left)
-                dst[:n].copy_(src[:n], non_blocking=True)
-                left -= n
+            copy_through(dst, src, dest_bytes)
             sync_dev(dev), sync_dev(dst_dev)
             if i >= a["warmup"]:
                 times.append(time.perf_counter() - t)

@@ -299,11 +299,7 @@ class Trainer:
             dst = torch.empty(piece, dtype=torch.uint8, device=self.dev)
 
             def one(_):
-                left = n
-                while left > 0:
-                    k = min(piece, left)
-                    dst[:k].copy_(src[:k], non_blocking=True)
-                    left -= k
+                bb.copy_through(dst, src, n)
 
             times = self.timed(one, step_name(s))
             return dict(_summ(times, ex.dest_bytes(0)), what="on-device copy of the received bytes")
@@ -314,11 +310,7 @@ class Trainer:
         dst = torch.empty(piece, dtype=torch.uint8, device=self.dev)
 
         def one(_):
-            left = total
-            while left > 0:
-                k = min(piece, left)
-                dst[:k].copy_(src[:k], non_blocking=True)
-                left -= k
+            bb.copy_through(dst, src, total)
 
         times = self.timed(one, step_name(s))
         gbps = total / min(times) / 1e9

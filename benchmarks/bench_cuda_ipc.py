@@ -79,6 +79,19 @@ def receiver(conn, device, nbytes, queue):
     t.close()
 
 
+def _copy_rates(dst, src, sizes, sync, reps) -> dict:
+    """{n: GB/s} of copying the first n bytes of `src` into `dst` (a warm-up copy first) for
+    each n of `sizes`."""
+    rates = {}
+    for n in sizes:
+        it = iters_for(n)
+        d, s = dst[:n], src[:n]
+        d.copy_(s)
+        dt = _time(lambda: d.copy_(s), sync, it, reps)
+        rates[n] = n * it / dt / 1e9
+    return rates
+
+
 def _time(fn, sync, iters, reps):
     out = []
     for _ in range(reps):
@@ -120,12 +133,7 @@ def _worker(job):
         dst = torch.empty(max(sizes), dtype=torch.uint8, device=rdev)
         if rdev != wdev:
             res["can_access_peer"] = torch.cuda.can_device_access_peer(wdev, rdev)
-        for n in sizes:
-            it = iters_for(n)
-            d, s = dst[:n], src[:n]
-            d.copy_(s)
-            dt = _time(lambda: d.copy_(s), sync, it, reps)
-            res["gbps"][n] = n * it / dt / 1e9
+        res["gbps"] = _copy_rates(dst, src, sizes, sync, reps)
         return res
 
     if kind == "naive":
@@ -134,12 +142,7 @@ def _worker(job):
         assert job["conn"].recv() == "shared"
         res["shared_tensor_device"] = str(x.device)
         res["current_device"] = torch.cuda.current_device()
-        for n in sizes:
-            it = iters_for(n)
-            d, s = x[:n], src[:n]
-            d.copy_(s)
-            dt = _time(lambda: d.copy_(s), sync, it, reps)
-            res["gbps"][n] = n * it / dt / 1e9
+        res["gbps"] = _copy_rates(x, src, sizes, sync, reps)
         if job.get("profile"):
             from torch.profiler import ProfilerActivity, profile
 

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from wxfer.meta import Cluster  # noqa: E402
 from wxfer.plan import plan_for  # noqa: E402
+from wxfer.plan.cli import sizes  # noqa: E402
 from wxfer.plan.simulate import simulate  # noqa: E402
 
 CONFIGS = {
@@ -63,17 +64,9 @@ def run(name, preset, kw, steps, calibration=None):
     t2 = time.perf_counter()
     r = simulate(plan, c, steps=steps, record=False, kinds="auto")
     sim = time.perf_counter() - t2
-    s = plan.summary()
     return dict(
         config=name,
-        params=s["params"],
-        bytes_per_replica=s["bytes_per_replica"],
-        max_bytes_per_infer_gpu=s["max_bytes_per_infer_gpu"],
-        max_bytes_per_train_gpu=s["max_bytes_per_train_gpu"],
-        min_bytes_per_train_gpu=s["min_bytes_per_train_gpu"],
-        tasks=s["tasks"],
-        transfers=s["transfers"],
-        mesh_groups=s["mesh_groups"],
+        **sizes(plan),
         plan_bytes=len(data),
         build_s=round(build, 2),
         build_cpu_s=round(build_cpu, 2),

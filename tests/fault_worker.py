@@ -22,7 +22,9 @@ import time
 
 import torch
 
-from wxfer.models import TINY, train_model, inference_params, preset_for
+from wxfer.models import TINY, inference_params, preset_for
+
+from helpers import frozen_model  # tests/helpers.py: this script's folder is on sys.path
 
 T = 30.0
 
@@ -77,11 +79,8 @@ def receiver(store, name, replica, replicas, out):
 
 
 def model():
-    torch.manual_seed(0)
-    m = train_model(TINY)
-    for p in m.parameters():
-        p.requires_grad_(False)
-    return m
+    """The trainers' model of these tests: TINY from seed 0, frozen."""
+    return frozen_model(TINY, seed=0)
 
 
 def trainer(store, name, kill_after):

@@ -43,10 +43,15 @@ def small_moe(config: dict, experts: int, layers: int = 1, vocab: int = 256) -> 
     return dict(config, num_hidden_layers=layers, num_experts=experts, **heads, **widths)
 
 
-def frozen_model(config: dict):
-    """wxfer.models.train_model(config) with every parameter's requires_grad off."""
+def frozen_model(config: dict, seed: int | None = None):
+    """wxfer.models.train_model(config) with every parameter's requires_grad off (its random
+    weights from torch.manual_seed(seed) first, where a seed is given)."""
+    import torch
+
     from wxfer.models import train_model
 
+    if seed is not None:
+        torch.manual_seed(seed)
     model = train_model(config)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -115,6 +120,20 @@ def run_wxfer(*args, timeout: float, rc: int = 0, env: dict | None = None) -> su
     p = subprocess.run([sys.executable, "-m", "wxfer", *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert p.returncode == rc, p.stdout[-3000:] + p.stderr[-3000:]
     return p
+
+
+def run_json(*argv, timeout: float, env: dict | None = None) -> tuple[dict, str]:
+    """`python argv...` run to its end from the repository root (on PYTHONPATH, `env` added to
+    the environment); its exit status must be 0.  (The JSON object of its last output line,
+    its whole output.)"""
+    import json
+
+    e = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    p = subprocess.run(
+        [sys.executable, *map(str, argv)], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.stdout
 
 
 def python(*args, env: dict, cwd) -> subprocess.Popen:

@@ -14,23 +14,17 @@ import time
 
 import torch
 
-from wxfer.models import TINY, inference_params, preset_for, train_model
+from wxfer.models import TINY, inference_params, preset_for
 from wxfer.runtime import links
 from wxfer.runtime.control import SetupError
 from wxfer.runtime.receiver import Receiver
 from wxfer.runtime.sender import Sender
 from wxfer.testing import in_thread, joined
 
+from helpers import frozen_model  # tests/helpers.py: this script's folder is on sys.path
+
 T = 30.0
 NAME = "rejoin"
-
-
-def _model():
-    torch.manual_seed(0)
-    m = train_model(TINY)
-    for p in m.parameters():
-        p.requires_grad_(False)
-    return m
 
 
 def _scaled(m):
@@ -69,7 +63,7 @@ def _complete(ctl, epoch):
 
 
 def main(addr, far):
-    model = _model()
+    model = frozen_model(TINY, seed=0)
     p0, p1 = inference_params(TINY, 1, 0), inference_params(TINY, 1, 0)
     ths = [_receiver(addr, 0, p0), _receiver(addr, 1, p1)]
     sender = Sender(model, mapping=preset_for(TINY), store=addr, name=NAME, timeout=T, write_timeout=5.0)

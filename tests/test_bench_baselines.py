@@ -12,6 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from helpers import run_json  # noqa: E402 -- tests/helpers.py
 
 
 def test_buckets_hold_whole_components_and_every_source_once():
@@ -39,28 +40,18 @@ def test_buckets_hold_whole_components_and_every_source_once():
 @pytest.mark.timeout(200)
 def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
     out = tmp_path / "bb"
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "bench_baselines.py"),
-            "--dry-run",
-            "--reps",
-            "1",
-            "--out",
-            str(out),
-            "--json",
-            "--max-s",
-            "150",
-        ],
-        capture_output=True,
-        text=True,
+    res, log = run_json(
+        os.path.join(ROOT, "benchmarks", "bench_baselines.py"),
+        "--dry-run",
+        "--reps",
+        "1",
+        "--out",
+        str(out),
+        "--json",
+        "--max-s",
+        "150",
         timeout=180,
-        env=env,
-        cwd=ROOT,
     )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["dry_run"] and res["machine"]["cpus"]
     names = [
         (r["config"]["layout"], r["config"]["model"], r["config"]["quant"], r["config"]["trainer"])
@@ -111,7 +102,7 @@ def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
     assert "| tiny-fp8-disagg | wxfer |" in text and "| tiny-bf16-colocated-fsdp2 | fsdp2 (sgd) | 256 MiB |" in text
     assert (out / "chart.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((out / "results.json").read_text())
-    assert len(saved["results"]) == 10 and "not GPU figures" in p.stdout
+    assert len(saved["results"]) == 10 and "not GPU figures" in log
     assert "predicted s" in text and (out / "calibration-host.json").exists()
 
 

@@ -6,13 +6,13 @@ prediction for the trainers' own plan is reported beside the measured time."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from helpers import run_json  # noqa: E402 -- tests/helpers.py
 
 
 def test_row_shards_are_torch_chunk_and_weights_are_deterministic():
@@ -33,34 +33,25 @@ def test_row_shards_are_torch_chunk_and_weights_are_deterministic():
 @pytest.mark.timeout(240)
 def test_dry_run_wxfer_and_rank0_agree_and_the_simulator_is_reported(tmp_path):
     out = tmp_path / "bs"
-    env = dict(os.environ, PYTHONPATH=ROOT, WXFER_FABRIC_PROVIDER="tcp")
-    p = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "bench_scale.py"),
-            "--dry-run",
-            "--models",
-            "tiny",
-            "--quant",
-            "bf16,fp8",
-            "--reps",
-            "1",
-            "--out",
-            str(out),
-            "--json",
-            "--config-timeout",
-            "100",
-            "--max-s",
-            "200",
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    res, _ = run_json(
+        os.path.join(ROOT, "benchmarks", "bench_scale.py"),
+        "--dry-run",
+        "--models",
+        "tiny",
+        "--quant",
+        "bf16,fp8",
+        "--reps",
+        "1",
+        "--out",
+        str(out),
+        "--json",
+        "--config-timeout",
+        "100",
+        "--max-s",
+        "200",
         timeout=230,
+        env=dict(WXFER_FABRIC_PROVIDER="tcp"),
     )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["layout"] == dict(trainers=2, replicas=1, tp=2, colocated=True)
     assert [r["config"]["quant"] for r in res["results"]] == ["bf16", "fp8"]
     for r in res["results"]:

@@ -5,12 +5,12 @@ match the trainer's.  GPU variants carry the gpu / gpu2 markers."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from wxfer import _wxfer
+
+from helpers import run_json  # tests/helpers.py
 
 FABRIC = _wxfer.backends()["fabric"][0]
 needs_fabric = pytest.mark.skipif(not FABRIC, reason="fabric transport not built: %s" % _wxfer.backends()["fabric"][1])
@@ -40,30 +40,8 @@ def _check(res, steps):
 @needs_fabric
 @pytest.mark.timeout(200)
 def test_demo_cli_bf16_json_and_unchanged_step():
-    env = dict(os.environ, WXFER_DEMO_CPU="1", PYTHONPATH=ROOT)
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "wxfer",
-            "demo",
-            "--size",
-            "tiny",
-            "--steps",
-            "2",
-            "--unchanged-step",
-            "--json",
-            "--timeout",
-            "150",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=190,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    argv = ["demo", "--size", "tiny", "--steps", "2", "--unchanged-step", "--json", "--timeout", "150"]
+    res, log = run_json("-m", "wxfer", *argv, timeout=190, env=dict(WXFER_DEMO_CPU="1"))
     for k in ("steps", "verified", "transport", "bytes_per_step", "step_s", "gbps", "simulated_s"):
         assert k in res
     _check(res, 3)
@@ -73,7 +51,7 @@ def test_demo_cli_bf16_json_and_unchanged_step():
     # the step with nothing changed moved the same bytes and left the receivers identical
     assert res["unchanged_ok"] is True
     assert len(set(res["moved_bytes"])) == 1
-    assert "step 3 (nothing changed)" in p.stdout
+    assert "step 3 (nothing changed)" in log
 
 
 @needs_fabric

@@ -2,14 +2,13 @@
 (two FSDP2 trainer ranks over gloo, four inference workers), fabric tcp; after every push each
 worker's apply(), then every byte checked against the reference packing (a dense push's)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from wxfer import _wxfer
+
+from helpers import run_json  # tests/helpers.py
 
 pytestmark = pytest.mark.slow  # make test-slow (CI runs it after make test)
 
@@ -20,19 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 @pytest.mark.timeout(240)
 def test_demo_delta_fp8_reports_bytes_and_stays_bit_identical():
-    env = dict(os.environ, WXFER_DEMO_CPU="1", PYTHONPATH=ROOT)
     argv = ["demo", "--size", "tiny", "--steps", "3", "--delta", "--change-rate", "0.01", "--fp8"]
     argv += ["--delta-link-gbps", "1"]  # a 1 Gb/s link: on one host the measured one is loopback
-    p = subprocess.run(
-        [sys.executable, "-m", "wxfer", *argv, "--json", "--no-simulate", "--timeout", "180"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=230,
-    )
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = json.loads(p.stdout.strip().splitlines()[-1])
+    argv += ["--json", "--no-simulate", "--timeout", "180"]
+    res, _ = run_json("-m", "wxfer", *argv, timeout=230, env=dict(WXFER_DEMO_CPU="1"))
     assert res["verified"] and res["bitexact"] and res["delta"] and res["fp8"]
     assert res["delta_link"]["link_Bps"] == 1e9 / 8 and not res["delta_link"]["measure_link"]
     steps = res["delta_steps"]

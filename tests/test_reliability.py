@@ -10,23 +10,15 @@ import torch
 from wxfer import _wxfer
 from wxfer.runtime import control
 from wxfer.runtime.control import SetupError
-from wxfer.models import TINY, train_model, inference_params, preset_for
+from wxfer.models import TINY, inference_params, preset_for
 from wxfer.runtime.receiver import Receiver
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
 T = 20.0
 
 
-from helpers import expected_shards  # noqa: E402 -- tests/helpers.py
+from helpers import expected_shards, frozen_model  # noqa: E402 -- tests/helpers.py
 from wxfer.testing import in_thread as _in_thread  # noqa: E402
-
-
-def _model(cfg=TINY):
-    torch.manual_seed(0)
-    m = train_model(cfg)
-    for p in m.parameters():
-        p.requires_grad_(False)
-    return m
 
 
 def _snapshot(params):
@@ -63,7 +55,7 @@ def _refused(addr, name, params, ranks, cfg=TINY, mapping=None):
             assert time.monotonic() < deadline, "the receivers never claimed their slots"
             time.sleep(0.01)
     with pytest.raises(SetupError) as ei:
-        Sender(_model(cfg), mapping=mapping, store=addr, name=name, timeout=T)
+        Sender(frozen_model(cfg, seed=0), mapping=mapping, store=addr, name=name, timeout=T)
     errs = []
     for th, box in ths:
         th.join(T)
@@ -176,7 +168,9 @@ def test_verify_mode_checks_what_landed_and_reports_a_scribble(store, monkeypatc
         )
         for r in range(2)
     ]
-    sender = Sender(_model(), mapping=preset_for(TINY), store=addr, name="ver", timeout=T, write_timeout=10)
+    sender = Sender(
+        frozen_model(TINY, seed=0), mapping=preset_for(TINY), store=addr, name="ver", timeout=T, write_timeout=10
+    )
     recvs = []
     for th, box in ths:
         th.join(T)
@@ -213,7 +207,7 @@ def test_a_worker_that_never_registers_is_named_at_the_deadline(store):
     )
     t0 = __import__("time").monotonic()
     with pytest.raises(SetupError) as ei:
-        Sender(_model(), mapping=preset_for(TINY), store=addr, name="late", timeout=2)
+        Sender(frozen_model(TINY, seed=0), mapping=preset_for(TINY), store=addr, name="late", timeout=2)
     assert __import__("time").monotonic() - t0 < 10
     msg = str(ei.value)
     assert "1 arrived" in msg and "inference worker gpu 1 (replica 0 rank 1) has not registered" in msg, msg
@@ -245,7 +239,7 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
     kw = dict(mapping=preset_for(TINY).name, store=addr, replica=0, tp=2, replicas=1, name=name, timeout=T)
     params = [inference_params(TINY, 2, r) for r in range(2)]
     ths = [_in_thread(Receiver, params[r], rank=r, **kw) for r in range(2)]
-    model = _model()
+    model = frozen_model(TINY, seed=0)
     sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, write_timeout=5)
     recvs = []
     for th, box in ths:

@@ -21,20 +21,12 @@ from wxfer.runtime import digest
 from wxfer.runtime.control import SetupError
 from wxfer.runtime.receiver import Receiver
 from wxfer.testing import in_thread
-from helpers import joined  # tests/helpers.py
+from helpers import frozen_model, joined  # tests/helpers.py
 
 FABRIC = _wxfer.backends()["fabric"][0]
 pytestmark = pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 T = 30.0
 GATE_UP = "model.layers.{L}.mlp.gate_up_proj.weight"
-
-
-def _model():
-    torch.manual_seed(0)
-    m = train_model(TINY)
-    for p in m.parameters():
-        p.requires_grad_(False)
-    return m
 
 
 def _swapped(preset: Preset) -> Preset:
@@ -112,7 +104,7 @@ def test_trainers_with_the_same_name_but_swapped_rules_are_refused(store):
     before = {n: t.clone() for n, t in params.items()}
     th = in_thread(Receiver, params, mapping=preset_for(TINY), store=addr, name="swap", timeout=T)
     with pytest.raises(SetupError, match=f"(?s)inference workers disagree:.*gpu 0 .*expects other rules.*{GATE_UP}"):
-        Sender(_model(), mapping=_swapped(preset_for(TINY)), store=addr, name="swap", timeout=T)
+        Sender(frozen_model(TINY, seed=0), mapping=_swapped(preset_for(TINY)), store=addr, name="swap", timeout=T)
     th[0].join(T)
     assert isinstance(th[1].get("error"), SetupError) and "expects other rules" in str(th[1]["error"])
     assert all(torch.equal(before[n].view(torch.uint8), params[n].view(torch.uint8)) for n in params)  # untouched
@@ -125,7 +117,7 @@ def test_the_same_rules_pass_and_arrive_in_place(store):
     _, addr = store
     params = inference_params(TINY, 1, 0)
     th = in_thread(Receiver, params, mapping=preset_for(TINY), store=addr, name="same", timeout=T)
-    model = _model()
+    model = frozen_model(TINY, seed=0)
     sender = Sender(model, mapping=preset_for(TINY), store=addr, name="same", timeout=T)
     (recv,) = joined([th], T)
     sender.push()

@@ -111,6 +111,16 @@ def checksums(params: dict) -> list:
     return [int(as_bytes(t).sum(dtype=torch.int64)) for _, t in sorted(params.items())]
 
 
+def copy_through(dst, src, nbytes: int) -> None:
+    """Copy `nbytes` from `src` into `dst` (byte tensors of one piece each), that piece again and
+    again: the time of `nbytes` over that link without holding them all at once."""
+    piece, left = dst.numel(), nbytes
+    while left > 0:
+        k = min(piece, left)
+        dst[:k].copy_(src[:k], non_blocking=True)
+        left -= k
+
+
 def summary(times, nbytes):
     ts = sorted(times)
     med = ts[len(ts) // 2]

@@ -74,3 +74,15 @@ int wx_dl_vsym(void *lib, const char *libname, const char *name, const char *ver
     /* a library built without symbol versions has only the plain name */
     return wx_dl_sym(lib, libname, name, slot, why, why_len);
 }
+
+const void *wx_dl_once(pthread_once_t *once, void (*load)(void), const int *ok, const char *reason,
+                       const void *api, char *why, size_t why_len)
+{
+    pthread_once(once, load);
+    if (!*ok) {
+        if (why)
+            snprintf(why, why_len, "%s", reason);
+        return NULL;
+    }
+    return api;
+}

@@ -9,6 +9,7 @@
 #ifndef WX_DL_H
 #define WX_DL_H
 
+#include <pthread.h>
 #include <signal.h>
 #include <stddef.h>
 
@@ -42,5 +43,11 @@ int wx_dl_sym(void *lib, const char *libname, const char *name, void **slot, cha
  * library answers with that ABI's layouts), else plain dlsym; failure as wx_dl_sym. */
 int wx_dl_vsym(void *lib, const char *libname, const char *name, const char *version, void **slot,
                char *why, size_t why_len);
+
+/* A loader's table: `load` runs once (through `once`) and sets *ok when the library and every
+ * symbol it needs were found; then `api`, else NULL with the loader's `reason` copied into why
+ * (which may be NULL). */
+const void *wx_dl_once(pthread_once_t *once, void (*load)(void), const int *ok, const char *reason,
+                       const void *api, char *why, size_t why_len);
 
 #endif

@@ -94,13 +94,8 @@ static void wx__cuda_load(void)
 
 const wx_cuda_api_t *wx_cuda(char *why, size_t why_len)
 {
-    pthread_once(&wx__cuda_once, wx__cuda_load);
-    if (!wx__cuda_ok) {
-        if (why)
-            snprintf(why, why_len, "%s", wx__cuda_why);
-        return NULL;
-    }
-    return &wx__cuda;
+    return wx_dl_once(&wx__cuda_once, wx__cuda_load, &wx__cuda_ok, wx__cuda_why, &wx__cuda, why,
+                      why_len);
 }
 
 int wx_cuda_err(CUresult r, const char *call)

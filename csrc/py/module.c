@@ -147,18 +147,19 @@ static PyObject *wx_backends(PyObject *m, PyObject *noargs)
 }
 
 /* [names] of a NULL-terminated list ([] for NULL). */
+int wx_py_append(PyObject *list, PyObject *item)
+{
+    int rc = item ? PyList_Append(list, item) : -1;
+    Py_XDECREF(item);
+    return rc < 0 ? -1 : 0;
+}
+
 static PyObject *wx__names(const char *const *v)
 {
     PyObject *l = PyList_New(0);
-    for (; l && v && *v; v++) {
-        PyObject *s = PyUnicode_FromString(*v);
-        if (!s || PyList_Append(l, s) < 0) {
-            Py_XDECREF(s);
+    for (; l && v && *v; v++)
+        if (wx_py_append(l, PyUnicode_FromString(*v)) < 0)
             Py_CLEAR(l);
-            break;
-        }
-        Py_DECREF(s);
-    }
     return l;
 }
 

@@ -123,6 +123,18 @@ static PyObject *wx_fp8_probe_py(PyObject *m, PyObject *args)
     return wx__probe(args, "i|O:fp8_probe", wx_fp8_probe);
 }
 
+/* After a launch on the pieces or ranges of `view` (and their aligned `copy`): release both;
+ * None, or the error of `call` when rc is not 0. */
+static PyObject *wx__launched(wx_py_state_t *st, int rc, Py_buffer *view, void *copy,
+                              const char *call)
+{
+    free(copy);
+    PyBuffer_Release(view);
+    if (rc)
+        return wx_py_raise(st, rc, call);
+    Py_RETURN_NONE;
+}
+
 static PyObject *wx_fp8_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
@@ -140,11 +152,7 @@ static PyObject *wx_fp8_launch_py(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
         rc = wx_fp8_launch(device, stream, out, out_nbytes, p, dev_pieces, n);
     Py_END_ALLOW_THREADS
-    free(copy);
-    PyBuffer_Release(&view);
-    if (rc)
-        return wx_py_raise(st, rc, "fp8_launch");
-    Py_RETURN_NONE;
+    return wx__launched(st, rc, &view, copy, "fp8_launch");
 }
 
 static PyObject *wx_copy_check_py(PyObject *m, PyObject *args)
@@ -189,11 +197,7 @@ static PyObject *wx_copy_launch_py(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
         rc = wx_copy_launch(device, stream, p, dev_ranges, n);
     Py_END_ALLOW_THREADS
-    free(copy);
-    PyBuffer_Release(&view);
-    if (rc)
-        return wx_py_raise(st, rc, "copy_launch");
-    Py_RETURN_NONE;
+    return wx__launched(st, rc, &view, copy, "copy_launch");
 }
 
 static PyObject *wx_copy_settings_py(PyObject *m, PyObject *args)

@@ -165,6 +165,13 @@ static int wx__transport_live(wx_py_transport_t *self)
     return 1;
 }
 
+/* A live transport and the bytes of `arg` in *view (released by the caller); 0 with the
+ * exception set otherwise. */
+static int wx__transport_bytes(wx_py_transport_t *self, PyObject *arg, Py_buffer *view)
+{
+    return wx__transport_live(self) && PyObject_GetBuffer(arg, view, PyBUF_SIMPLE) == 0;
+}
+
 static PyObject *wx_transport_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"name", "options", NULL};
@@ -351,9 +358,7 @@ static PyObject *wx_transport_connect_request(PyObject *op, PyObject *arg)
     size_t req_len = sizeof req;
     wx_peer_t *p = NULL;
     int rc;
-    if (!wx__transport_live(self))
-        return NULL;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+    if (!wx__transport_bytes(self, arg, &view))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
         rc = wx_connect_request(self->t, view.buf, (size_t)view.len, &p, req, &req_len);
@@ -371,9 +376,7 @@ static PyObject *wx_transport_accept(PyObject *op, PyObject *arg)
     uint8_t rep[WX_CONN_MAX];
     size_t rep_len = sizeof rep;
     int rc;
-    if (!wx__transport_live(self))
-        return NULL;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+    if (!wx__transport_bytes(self, arg, &view))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
         rc = wx_accept(self->t, view.buf, (size_t)view.len, rep, &rep_len);
@@ -428,12 +431,8 @@ static PyObject *wx_transport_peers(PyObject *op, PyObject *noargs)
         d = Py_BuildValue("{s:I,s:y#,s:O,s:I}", "id", p->id, "address", (const char *)p->addr,
                           (Py_ssize_t)p->addr_len, "connected", p->connected ? Py_True : Py_False,
                           "regions", p->nregions);
-        if (!d || PyList_Append(lst, d) < 0) {
-            Py_XDECREF(d);
+        if (wx_py_append(lst, d) < 0)
             Py_CLEAR(lst);
-            break;
-        }
-        Py_DECREF(d);
     }
     return lst;
 }

@@ -55,6 +55,9 @@ typedef struct {
 } wx_py_region_t;
 
 wx_py_state_t *wx_py_state_of(PyObject *obj);
+/* Append `item` (a new reference, or NULL where making it failed) to `list`, taking the
+ * reference; -1 with an exception set when it was NULL or could not be appended. */
+int wx_py_append(PyObject *list, PyObject *item);
 
 /* Raise wxfer._wxfer.Error(-rc, "<context>: <wx_last_error()>"). Returns NULL. */
 PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context);

@@ -21,21 +21,18 @@ static void wx__put(wx__wbuf_t *w, const void *src, size_t n)
     w->off += n;
 }
 
-static void wx__put_u32(wx__wbuf_t *w, uint32_t v)
-{
-    uint8_t b[4];
-    for (int i = 0; i < 4; i++)
-        b[i] = (uint8_t)(v >> (8 * i));
-    wx__put(w, b, 4);
-}
-
-static void wx__put_u64(wx__wbuf_t *w, uint64_t v)
+/* v as n little-endian bytes (n <= 8). */
+static void wx__put_le(wx__wbuf_t *w, uint64_t v, size_t n)
 {
     uint8_t b[8];
-    for (int i = 0; i < 8; i++)
+    for (size_t i = 0; i < n; i++)
         b[i] = (uint8_t)(v >> (8 * i));
-    wx__put(w, b, 8);
+    wx__put(w, b, n);
 }
+
+static void wx__put_u32(wx__wbuf_t *w, uint32_t v) { wx__put_le(w, v, 4); }
+
+static void wx__put_u64(wx__wbuf_t *w, uint64_t v) { wx__put_le(w, v, 8); }
 
 static int wx__get(wx__rbuf_t *r, void *dst, size_t n)
 {
@@ -46,29 +43,29 @@ static int wx__get(wx__rbuf_t *r, void *dst, size_t n)
     return 0;
 }
 
-static int wx__get_u32(wx__rbuf_t *r, uint32_t *v)
-{
-    uint8_t b[4];
-    int rc = wx__get(r, b, 4);
-    if (rc)
-        return rc;
-    *v = 0;
-    for (int i = 0; i < 4; i++)
-        *v |= (uint32_t)b[i] << (8 * i);
-    return 0;
-}
-
-static int wx__get_u64(wx__rbuf_t *r, uint64_t *v)
+/* n little-endian bytes (n <= 8) into *v. */
+static int wx__get_le(wx__rbuf_t *r, size_t n, uint64_t *v)
 {
     uint8_t b[8];
-    int rc = wx__get(r, b, 8);
+    int rc = wx__get(r, b, n);
     if (rc)
         return rc;
     *v = 0;
-    for (int i = 0; i < 8; i++)
+    for (size_t i = 0; i < n; i++)
         *v |= (uint64_t)b[i] << (8 * i);
     return 0;
 }
+
+static int wx__get_u32(wx__rbuf_t *r, uint32_t *v)
+{
+    uint64_t x;
+    int rc = wx__get_le(r, 4, &x);
+    if (!rc)
+        *v = (uint32_t)x;
+    return rc;
+}
+
+static int wx__get_u64(wx__rbuf_t *r, uint64_t *v) { return wx__get_le(r, 8, v); }
 
 static void wx__put_header(wx__wbuf_t *w, char tag, uint8_t version, uint32_t kind,
                            const uint8_t *addr, uint32_t addr_len)

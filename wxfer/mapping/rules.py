@@ -585,15 +585,20 @@ def each_rule(
         if isinstance(rule, Ignore):
             pats = [_compile(t) for t in rule.srcs]
             ignored = [n for n in names if any(p.match(n) for p in pats)]
-        for b in rule.bindings(names):
-            try:
-                ps, cs = rule.expand(b, ctx)
-            except MappingError as e:
-                errors.append(str(e))
-                continue
+        for ps, cs in _applied(rule, names, ctx, errors):
             params += ps
             comps += cs
         yield rule, params, comps, errors, ignored
+
+
+def _applied(rule: Rule, names: list, ctx, errors: list):
+    """(destinations, components) of `rule` at each of its bindings over `names`; a binding it
+    cannot expand adds its MappingError's text to `errors` instead."""
+    for b in rule.bindings(names):
+        try:
+            yield rule.expand(b, ctx)
+        except MappingError as e:
+            errors.append(str(e))
 
 
 def expand(
@@ -622,12 +627,7 @@ def expand(
     ign_pats = [_compile(t) for r in rules if isinstance(r, Ignore) for t in r.srcs]
     ign_pats += [re.compile(p) for p in ignore]
     for rule in rules:
-        for b in rule.bindings(names):
-            try:
-                params, cs = rule.expand(b, ctx)
-            except MappingError as e:
-                errors.append(str(e))
-                continue
+        for params, cs in _applied(rule, names, ctx, errors):
             for p in params:
                 if p.name in dest[p.rank]:
                     errors.append(f"destination {p.name} (rank {p.rank}) produced by two rules")

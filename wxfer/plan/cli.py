@@ -125,6 +125,25 @@ def _preset_and_cluster(args):
     return preset, cluster
 
 
+# what a plan's report says of its size (keys of Plan.summary())
+SIZES = (
+    "params",
+    "bytes_per_replica",
+    "max_bytes_per_infer_gpu",
+    "max_bytes_per_train_gpu",
+    "min_bytes_per_train_gpu",
+    "tasks",
+    "mesh_groups",
+    "transfers",
+)
+
+
+def sizes(plan) -> dict:
+    """{key: value} of `plan`'s summary for the keys of SIZES."""
+    s = plan.summary()
+    return {k: s[k] for k in SIZES}
+
+
 def run(args) -> dict:
     from . import plan_for
     from .simulate import simulate
@@ -134,7 +153,6 @@ def run(args) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     plan = plan_for(preset, cluster)
     build_s, build_cpu_s = time.perf_counter() - t0, time.process_time() - c0
-    s = plan.summary()
     out = dict(
         preset=preset.name,
         train_gpus=cluster.train_gpus,
@@ -143,14 +161,7 @@ def run(args) -> dict:
         infer_ep=cluster.infer_ep,
         quant=cluster.quant or "bf16",
         nic_gbps=cluster.nic_gbps,
-        params=s["params"],
-        bytes_per_replica=s["bytes_per_replica"],
-        max_bytes_per_infer_gpu=s["max_bytes_per_infer_gpu"],
-        max_bytes_per_train_gpu=s["max_bytes_per_train_gpu"],
-        min_bytes_per_train_gpu=s["min_bytes_per_train_gpu"],
-        tasks=s["tasks"],
-        mesh_groups=s["mesh_groups"],
-        transfers=s["transfers"],
+        **sizes(plan),
         build_s=round(build_s, 3),
         build_cpu_s=round(build_cpu_s, 3),
     )

@@ -21,7 +21,7 @@ import time
 
 from . import control, liveness, program
 from .control import SetupError
-from .receiver import _unb64, decode_param_descriptor
+from .param_desc import _unb64, decode_param_descriptor
 
 WATCH_S = 0.1  # seconds between the watcher's looks (a restart waits at most this long for a push to see it)
 WATCH_SILENT_S = 3.0  # a look that has not returned for this long is reported (the store stopped answering)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .receiver import decode_param_descriptor
+from .param_desc import decode_param_descriptor
 from .control import SetupError
 
 
@@ -112,7 +112,7 @@ def build_controller_plan(
     (`expanded`: ``expand_for``'s, else expanded here)."""
     from ..meta import from_inference_worker
     from ..plan import build_plan
-    from .receiver import _unb64
+    from .param_desc import _unb64
 
     preset = get_preset(mapping)
     workers = []

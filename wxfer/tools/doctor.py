@@ -85,18 +85,28 @@ def _topo_word(hops, same_numa):
     return "NODE" if same_numa else "SYS"
 
 
+def _library(name: str, info: dict, fix: str, found, why: str | None = None) -> dict:
+    """The check of library `name` from its entry `info` of ``_wxfer.libraries()``: OK with
+    ``found(info)`` -> (detail, data) when it loaded, else MISSING with `why` (default: the
+    loader's reason) and `fix`."""
+    if not info["loaded"]:
+        return _check(name, MISSING, info["why"] if why is None else why, fix)
+    detail, data = found(info)
+    return _check(name, OK, detail, **data)
+
+
 def _check_fabric(lib):
-    out = []
     fab = lib["libfabric"]
-    if fab["loaded"]:
-        out.append(
-            _check(
-                "libfabric",
-                OK,
-                "libfabric %s (ABI of %s)" % (fab["version"], lib["abi_libfabric"]),
-                version=fab["version"],
-            )
+    out = [
+        _library(
+            "libfabric",
+            fab,
+            "install libfabric 1.9+ (apt install libfabric1; EFA images ship it) "
+            "or set WXFER_LIBFABRIC=/path/libfabric.so.1",
+            lambda f: ("libfabric %s (ABI of %s)" % (f["version"], lib["abi_libfabric"]), dict(version=f["version"])),
         )
+    ]
+    if fab["loaded"]:
         provs = sorted({p["name"] for p in fab.get("providers", []) if p["rma"] and p["ep_type"] == "rdm"})
         hmem = sorted({p["name"] for p in fab.get("providers", []) if p["hmem"]})
         if provs:
@@ -113,97 +123,43 @@ def _check_fabric(lib):
                     providers=[],
                 )
             )
-    else:
-        out.append(
-            _check(
-                "libfabric",
-                MISSING,
-                fab["why"],
-                "install libfabric 1.9+ (apt install libfabric1; EFA images ship it) "
-                "or set WXFER_LIBFABRIC=/path/libfabric.so.1",
-            )
-        )
     return out
 
 
 def _check_verbs(lib):
-    out = []
-    v = lib["libibverbs"]
-    if v["loaded"]:
+    def found(v):
         what = "EMULATED libibverbs (test build of csrc/testing)" if v["emulated"] else "libibverbs"
-        out.append(
-            _check(
-                "libibverbs",
-                OK,
-                "%s from %s, %d device(s): %s (ABI of %s)"
-                % (what, v["path"], len(v["devices"]), ", ".join(v["devices"]) or "none", lib["abi_ibverbs"]),
-                path=v["path"],
-                emulated=v["emulated"],
-                devices=v["devices"],
-            )
+        detail = "%s from %s, %d device(s): %s (ABI of %s)" % (
+            what,
+            v["path"],
+            len(v["devices"]),
+            ", ".join(v["devices"]) or "none",
+            lib["abi_ibverbs"],
         )
-    else:
-        out.append(
-            _check(
-                "libibverbs",
-                MISSING,
-                v["why"],
-                "install rdma-core's libibverbs1 and the NIC's provider (apt install libibverbs1 ibverbs-providers)",
-            )
-        )
-    return out
+        return detail, dict(path=v["path"], emulated=v["emulated"], devices=v["devices"])
+
+    fix = "install rdma-core's libibverbs1 and the NIC's provider (apt install libibverbs1 ibverbs-providers)"
+    return [_library("libibverbs", lib["libibverbs"], fix, found)]
 
 
 def _check_cuda(lib):
-    out = []
-    c = lib["libcuda"]
-    if c["loaded"]:
+    def found(c):
         dv = c["driver_version"]
-        out.append(
-            _check(
-                "libcuda",
-                OK,
-                "driver API %d.%d, %d GPU(s): %s"
-                % (
-                    dv // 1000,
-                    dv % 1000 // 10,
-                    len(c["devices"]),
-                    ", ".join("%d %s (%s)" % (g["index"], g["name"], g["pci"]) for g in c["devices"]),
-                ),
-                driver_version=dv,
-                gpus=len(c["devices"]),
-            )
-        )
-    else:
-        out.append(
-            _check(
-                "libcuda",
-                MISSING,
-                c["why"],
-                "install the NVIDIA driver; in a container run with --gpus all (or the NVIDIA container runtime)",
-            )
-        )
-    return out
+        gpus = ", ".join("%d %s (%s)" % (g["index"], g["name"], g["pci"]) for g in c["devices"])
+        detail = "driver API %d.%d, %d GPU(s): %s" % (dv // 1000, dv % 1000 // 10, len(c["devices"]), gpus)
+        return detail, dict(driver_version=dv, gpus=len(c["devices"]))
+
+    fix = "install the NVIDIA driver; in a container run with --gpus all (or the NVIDIA container runtime)"
+    return [_library("libcuda", lib["libcuda"], fix, found)]
 
 
 def _check_nvrtc(lib):
-    out = []
+    def found(n):
+        return "NVRTC %s from %s" % (n["version"], n["path"]), dict(version=n["version"], path=n["path"])
+
     n = lib["nvrtc"]
-    if n["loaded"]:
-        out.append(
-            _check("nvrtc", OK, "NVRTC %s from %s" % (n["version"], n["path"]), version=n["version"], path=n["path"])
-        )
-    else:
-        out.append(
-            _check(
-                "nvrtc",
-                MISSING,
-                n["why"].split("; ")[0][:300],
-                "pip install nvidia-cuda-nvrtc-cu12 (or have torch's CUDA wheels), "
-                "or set WXFER_LIBNVRTC=/path/libnvrtc.so",
-            )
-        )
-    return out
+    fix = "pip install nvidia-cuda-nvrtc-cu12 (or have torch's CUDA wheels), or set WXFER_LIBNVRTC=/path/libnvrtc.so"
+    return [_library("nvrtc", n, fix, found, why=n["why"].split("; ")[0][:300] if not n["loaded"] else None)]
 
 
 def check_libraries(lib):

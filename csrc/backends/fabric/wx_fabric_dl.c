@@ -52,13 +52,7 @@ static void wx__fi_load(void)
 
 const wx_fi_api_t *wx_fi(char *why, size_t why_len)
 {
-    pthread_once(&wx__fi_once, wx__fi_load);
-    if (!wx__fi_ok) {
-        if (why)
-            snprintf(why, why_len, "%s", wx__fi_why);
-        return NULL;
-    }
-    return &wx__fi;
+    return wx_dl_once(&wx__fi_once, wx__fi_load, &wx__fi_ok, wx__fi_why, &wx__fi, why, why_len);
 }
 
 const char *wx_fi_strerror(int rc)

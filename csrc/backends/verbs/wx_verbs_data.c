@@ -355,25 +355,30 @@ static int wx__opt_int(const wx_opts_t *o, const char *k, uint64_t dflt, uint64_
 static void wx__verbs_close(wx_transport_t *tt);
 
 /* The options open() reads into t (a range or a choice checked, the option named). */
+/* The option `k` as an int in [0, hi] into *out, or -1 where it is unset or empty. */
+static int wx__opt_int_or_unset(const wx_opts_t *o, const char *k, uint64_t hi, int *out)
+{
+    const char *s = wx_opt_str(o, k, NULL);
+    uint64_t u;
+    int rc;
+    *out = -1;
+    if (!s || !*s)
+        return 0;
+    if ((rc = wx__opt_int(o, k, 0, 0, hi, &u)))
+        return rc;
+    *out = (int)u;
+    return 0;
+}
+
 static int wx__verbs_parse(wx_verbs_t *t, const wx_opts_t *opts)
 {
     uint64_t u;
     const char *s;
     int rc;
-    s = wx_opt_str(opts, "gpu", NULL);
-    t->gpu = -1;
-    if (s && *s) {
-        if ((rc = wx__opt_int(opts, "gpu", 0, 0, 1023, &u)))
-            return rc;
-        t->gpu = (int)u;
-    }
-    s = wx_opt_str(opts, "gid_index", NULL);
-    t->gid_index_opt = -1;
-    if (s && *s) {
-        if ((rc = wx__opt_int(opts, "gid_index", 0, 0, 127, &u)))
-            return rc;
-        t->gid_index_opt = (int)u;
-    }
+    if ((rc = wx__opt_int_or_unset(opts, "gpu", 1023, &t->gpu)))
+        return rc;
+    if ((rc = wx__opt_int_or_unset(opts, "gid_index", 127, &t->gid_index_opt)))
+        return rc;
     if ((rc = wx__opt_int(opts, "chunk", 1u << 20, 1, 1ull << 31, &t->chunk)))
         return rc;
     if ((rc = wx__opt_int(opts, "depth", 256, 4, WX__MAX_DEPTH, &u)))

@@ -69,13 +69,8 @@ static void wx__ibv_load(void)
 
 const wx_verbs_api_t *wx_verbs_api(char *why, size_t why_len)
 {
-    pthread_once(&wx__ibv_once, wx__ibv_load);
-    if (!wx__ibv_ok) {
-        if (why)
-            snprintf(why, why_len, "%s", wx__ibv_why);
-        return NULL;
-    }
-    return &wx__ibv;
+    return wx_dl_once(&wx__ibv_once, wx__ibv_load, &wx__ibv_ok, wx__ibv_why, &wx__ibv, why,
+                      why_len);
 }
 
 int wx_ibv_query_port(const wx_verbs_api_t *v, struct ibv_context *ctx, uint8_t port,
