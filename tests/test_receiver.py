@@ -247,10 +247,13 @@ def test_vllm_worker_extension_builds_the_receiver(monkeypatch):
     assert seen["closed"]
 
 
-def test_a_receiver_gone_mid_run_fails_the_push_in_bounded_time(store):
+def test_a_receiver_gone_mid_run_fails_the_push_in_bounded_time(store, monkeypatch):
     import time
     from wxfer.runtime.sender import Sender
 
+    # its lease bound (3 x 3 s) past write_timeout (5 s): the failed write is what the trainer
+    # sees (with the default 1 s lease both bounds are 5 s, and a loaded machine saw the lease)
+    monkeypatch.setenv("WXFER_LEASE_S", "3")
     s, addr = store
     params = inference_params(TINY, 1, 0)
     th, box = _in_thread(Receiver, params, mapping=preset_for(TINY).name, store=addr, name="gone", timeout=T)
