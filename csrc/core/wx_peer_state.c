@@ -10,14 +10,14 @@
 #define R WX_PEER_REJOINING
 #define X (-1) /* illegal */
 
-/* rows: states; columns: RENEWED LATE EXPIRED EXITED WRITE_FAILED GIVE_UP REJOIN ADOPTED REFUSED */
+/* rows: states; columns: RENEWED LATE EXPIRED EXITED WRITE_FAILED GIVE_UP REJOIN ADOPTED */
 /* clang-format off */
 static const signed char wx__peer_table[WX_PEER_NSTATES][WX_PEV_NEVENTS] = {
-    [A] = {A, S, X, F, F, X, R, X, X},
-    [S] = {A, S, F, F, F, X, R, X, X},
-    [F] = {X, X, X, F, F, D, R, X, X},
-    [D] = {A, X, X, D, D, D, R, X, X},
-    [R] = {X, X, X, R, R, R, R, A, D},
+    [A] = {A, S, X, F, F, X, R, X},
+    [S] = {A, S, F, F, F, X, R, X},
+    [F] = {X, X, X, F, F, D, R, X},
+    [D] = {A, X, X, D, D, D, R, X},
+    [R] = {X, X, X, R, R, R, R, A},
 };
 /* clang-format on */
 
@@ -40,8 +40,7 @@ const char *wx_peer_state_name(int state)
 
 const char *wx_peer_event_name(int event)
 {
-    static const char *const n[WX_PEV_NEVENTS] = {"RENEWED", "LATE",         "EXPIRED",
-                                                  "EXITED",  "WRITE_FAILED", "GIVE_UP",
-                                                  "REJOIN",  "ADOPTED",      "REFUSED"};
+    static const char *const n[WX_PEV_NEVENTS] = {"RENEWED",      "LATE",    "EXPIRED", "EXITED",
+                                                  "WRITE_FAILED", "GIVE_UP", "REJOIN",  "ADOPTED"};
     return event >= 0 && event < WX_PEV_NEVENTS ? n[event] : 0;
 }

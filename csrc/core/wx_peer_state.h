@@ -26,7 +26,6 @@ typedef enum {
     WX_PEV_GIVE_UP = 5,
     WX_PEV_REJOIN = 6,
     WX_PEV_ADOPTED = 7,
-    WX_PEV_REFUSED = 8,
     WX_PEV_NEVENTS
 } wx_peer_event_t;
 

@@ -7,6 +7,7 @@
 
 #include "wx_engine.h"
 #include "wx_peer_state.h"
+#include "wx_post_step.h"
 
 typedef struct wx__task wx__task_t;
 
@@ -44,6 +45,7 @@ struct wx__task {
     int finished;
     int in_post;   /* still queued for posting: only the post thread may finish it */
     int refused;   /* the last post of the write at the cursor returned -EAGAIN */
+    int pstate;    /* wx_tpost_state_t: where it is in the post stage (wx_post_step.c) */
     int on_active; /* linked into the engine's active list */
     uint64_t deadline;
     int ext_signal;    /* external: wx_engine_external_done was called */

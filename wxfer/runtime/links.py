@@ -343,15 +343,12 @@ class Links:
                 if e <= self.epoch[g]:
                     continue
                 self.epoch[g] = e
-                self.states.apply(g, Event.REJOIN, f"restarted (epoch {e})")
                 try:
-                    self._adopt(g, e)
+                    self._adopt(g, e)  # REJOINING, then ALIVE once its memory is this rank's target
                     self.refused.pop(g, None)
-                    self.states.apply(g, Event.ADOPTED)
                 except Exception as ex:  # noqa: BLE001 -- reported by this push, the others go on
                     why = f"{type(ex).__name__}: {ex}"
                     self.refused[g] = f"its restart (epoch {e}) was refused: {why}"
-                    self.states.apply(g, Event.REFUSED, self.refused[g])
                     self.ctl.set("rejoin/refused/%d/e%d" % (g, e), f"trainer rank {self.rank}: {why}")
 
     def _adopt(self, g: int, e: int) -> None:
@@ -381,6 +378,7 @@ class Links:
         for r in _regions(old):
             self.gpu_of_region.pop(r, None)
         self.gpu_of_region.update((r, g) for r in _regions(w))
+        self.states.apply(g, Event.REJOIN, f"restarted (epoch {e})")
         self.gpu_of_peer.pop(self.peers[g], None)  # the old peer's writes (if any) stay abandoned
         self.peers[g] = peer
         self.gpu_of_peer[peer] = g
@@ -389,6 +387,7 @@ class Links:
         self.workers[g] = w
         self._any_local = None
         # the worker replaced is forgotten: failed, dead or not, the new one is written from now on
+        self.states.apply(g, Event.ADOPTED)
         self.failed_in_engine.discard(g)
         self.leases.forget(g)
         self.pids.forget(old)

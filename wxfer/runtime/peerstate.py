@@ -10,8 +10,9 @@ transitions of ``TABLE``:
   or was late) and not yet acted on: the push that found it names it, the engine fences it;
 - ``DEAD``: given up on (skipped until it is restarted); a verdict taken from its lease alone is
   withdrawn when the lease renews again (``RENEWED``: back to alive, logged);
-- ``REJOINING``: its restart's record is complete; the next push adopts it (``ADOPTED``: alive)
-  or refuses it (``REFUSED``: dead).
+- ``REJOINING``: its restart is being adopted (connected, its destinations retargeted), then
+  ``ADOPTED``: alive.  A restart refused (it does not match the worker it replaces) moves
+  nothing: the worker in place keeps its state.
 
 ``next_state(state, event)`` is the pure table; ``Peers`` keeps the states of many peers with
 why and since when, logging every change.  The C engine's failed peers go through the same
@@ -44,7 +45,6 @@ class Event(enum.IntEnum):
     GIVE_UP = 5  # acted on: skipped from now on (a push's end; the engine's fence done)
     REJOIN = 6  # its restart's record is complete
     ADOPTED = 7  # its restart was taken (connected, written from the next step)
-    REFUSED = 8  # its restart does not match the worker it replaces
 
 
 A, S, F, D, R = State.ALIVE, State.SUSPECT, State.FAILING, State.DEAD, State.REJOINING
@@ -78,7 +78,6 @@ TABLE: dict = {
     (R, E.GIVE_UP): R,  # the old peer given up on; the restart still comes next push
     (R, E.REJOIN): R,  # a later restart of it
     (R, E.ADOPTED): A,
-    (R, E.REFUSED): D,
 }
 
 # the states whose lease is judged (LATE / RENEWED / EXPIRED can come); DEAD only where its

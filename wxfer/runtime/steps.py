@@ -410,8 +410,8 @@ class StepLoop:
             )
         if refused:
             parts.append(
-                f"{len(refused)} restarted inference worker(s) refused (the worker each one "
-                "replaces is skipped until a restart that matches it comes):\n  "
+                f"{len(refused)} restarted inference worker(s) refused (the one in place, if alive, "
+                "is still written):\n  "
                 + "\n  ".join(f"inference worker gpu {g}: {why}" for g, why in sorted(refused.items()))
             )
         ok = sorted(set(self.links.workers) - set(failed))
