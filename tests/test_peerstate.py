@@ -80,7 +80,7 @@ def test_a_lease_late_once_is_suspect_dead_only_if_still_late_a_period_on_and_re
     p.on_lease(2, "late", now=0.0), p.on_lease(2, "late", now=2.0), p.apply(2, Event.GIVE_UP)
     assert p.lease_judged(2)
     p.apply(2, Event.EXITED, "gone")
-    assert not p.lease_judged(2)
+    assert not p.lease_judged(2) and p.why[2] == "gone" and p.get(2) is D
 
 
 def test_a_restart_goes_through_rejoining_to_alive():

@@ -23,7 +23,7 @@ import threading
 import time
 
 from . import control, liveness, program
-from .peerstate import Event, Peers, State
+from .peerstate import TABLE, Event, Peers, State
 from .control import SetupError
 from .receiver import _unb64, decode_param_descriptor
 
@@ -247,7 +247,7 @@ class Links:
     def _take_found(self) -> None:
         """The deaths the looks found, applied (the push thread's; under _mu)."""
         for g, (ev, why) in self._found.items():
-            if g in self.workers and self.states.get(g) in (State.ALIVE, State.SUSPECT):
+            if g in self.workers and (self.states.get(g), ev) in TABLE:  # (not one adopted since)
                 self.states.apply(g, ev, why)
         self._found.clear()
 

@@ -121,8 +121,9 @@ class Peers:
         its new state.  A change is logged (a revival from DEAD as a warning)."""
         old = self.get(key)
         new = next_state(old, event, self.name(key))
-        if event is Event.EXITED and old in (State.FAILING, State.DEAD):
+        if event is Event.EXITED and old in (State.FAILING, State.DEAD) and self.cause.get(key) is not event:
             self.cause[key] = event  # its process is gone: no renewal can withdraw the verdict
+            self.why[key] = why or self.why.get(key, "")
         if new is old:
             return new
         self.state[key] = new
