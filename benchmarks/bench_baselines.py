@@ -54,6 +54,7 @@ import sys
 import time
 
 import bb_fsdp
+import bb_memory
 import bb_report
 from bb_patterns import _STATE, _Link, _per_tensor, _rank0
 from bb_predict import calibrations
@@ -405,6 +406,23 @@ def _why(f, procs) -> str:
     return why
 
 
+def _refused(ci: int, configs: list, args, a: dict, results: list) -> bool:
+    """A colocated GPU configuration that would not fit GPU 0's free memory (bb_memory): its
+    one-line refusal printed and recorded as its result instead of an OOM trace."""
+    cfg = configs[ci]
+    if args.dry_run or cfg["layout"] != "colocated":
+        return False
+    if "_free" not in a:
+        a["_free"] = parse_size(args.gpu_free) if args.gpu_free else bb_memory.gpu_free(0)
+    parts = bb_memory.need(cfg, a["watermarks"])
+    why = bb_memory.refusal(cfg_name(cfg), parts, a["_free"])
+    if why is None:
+        return False
+    print(why, flush=True)
+    results[ci] = dict(config=cfg, methods={}, errors={}, error=why, memory=dict(parts, free=a["_free"]))
+    return True
+
+
 def run(args) -> dict:
     import multiprocessing as mp
     import torch.distributed as dist
@@ -444,13 +462,14 @@ def run(args) -> dict:
         skip=[],
         transport_options=dict(kv.split("=", 1) for kv in args.transport_options.split(",") if kv),
     )
+    # the rows that do not fit one GPU colocated: said up front, skipped (bb_memory)
+    results: list = [None] * len(configs)
+    todo = [ci for ci in range(len(configs)) if not _refused(ci, configs, args, a, results)]
     mach = machine(args.dry_run)
     # predicted_s: a calibration made before any configuration runs (bb_fsdp.predicted), by placement
     a["calibrations"] = calibrations(args, layouts, out)
     mach["calibrations"] = {k: v.get("file") or v.get("error") for k, v in a["calibrations"].items()}
-    results: list = [None] * len(configs)
     t_start = time.perf_counter()
-    todo = list(range(len(configs)))
 
     def got(ctl, ci):
         r = ctl.get_json("res/%d" % ci, "result")
@@ -573,6 +592,12 @@ def main(argv=None) -> int:
         help="comma list of Sender(copy_max=...) values (e.g. 0,1MiB,32MiB,all): after the watermarks, one "
         "fresh Sender each at the first watermark, --reps steps (results' wxfer_by_copy_max); default none",
     )
+    ap.add_argument(
+        "--gpu-free",
+        default=None,
+        help="free bytes of GPU 0 for the colocated rows' memory check (bytes or a size such as 75GiB; "
+        "default: nvidia-smi's figure)",
+    )
     ap.add_argument("--transport-options", default="", help="k=v,k=v: the trainers' transport options (e.g. streams=1)")
     ap.add_argument("--timeout", type=float, default=300.0, help="every wait inside a configuration")
     ap.add_argument("--config-timeout", type=float, default=240.0, help="one configuration, all methods")
@@ -593,7 +618,10 @@ def main(argv=None) -> int:
         print("(CPU dry run: tiny models over gloo / fabric tcp on this machine; these are not GPU figures)")
     if args.json:
         print(json.dumps(dict(res, table=None)))
-    ok = all(r.get("methods") and not r.get("error") and not r.get("errors") for r in res["results"])
+    # a row skipped for memory (bb_memory: said up front) is not a failure
+    ok = all(
+        r.get("memory") or (r.get("methods") and not r.get("error") and not r.get("errors")) for r in res["results"]
+    )
     return 0 if ok else 1
 
 

@@ -14,6 +14,12 @@ Parts (``--parts``, default all but ``kernels``):
 * ``synthetic``: the same with ``--change-rate`` 0.1, 1, 3, 10, 50% of the elements changed.
 * ``kernels`` (GPU; on CPU too, small): on one 2-D weight, the dense quantize alone against
   quantize + compare with the shadow + encode; the receiver's apply per MB of records.
+* ``colocated`` (GPU only): one trainer rank and one receiver on the same GPU (cuda_ipc),
+  ``delta=True`` at ``--colocated-rates`` against a ``delta=False`` run (median push of steps
+  2-5): the chooser should send dense by itself, within 5% of the dense push, no slower at 50%.
+* ``fused`` (GPU only): the delta kernels (wxfer.runtime.delta_gpu) on one 2-D BF16 weight at
+  ``--fused-rates``: the fused quantize + compare kernel, and with the count and the records,
+  against the dense quantize alone and the torch path (quantize, compare, encode) they replace.
 
     python benchmarks/bench_delta.py                      # CPU: this VM's table
     python benchmarks/bench_delta.py --parts rates,kernels --model qwen3-0.6b   # on a GPU
@@ -142,6 +148,53 @@ def bench_push(model: str, fp8: bool, lr, rate, steps: int, watermark: str, link
     return dict(model=model, fp8=fp8, lr=lr, change_rate_requested=rate, link_gbps=link_gbps, **out)
 
 
+def _colocated_run(model: str, fp8: bool, rate: float, steps: int, watermark: str, delta: bool) -> dict:
+    """One ``python -m wxfer demo`` on this GPU: one trainer rank, one receiver (transport auto:
+    cuda_ipc), `rate` of the elements changed per step."""
+    from wxfer.tools.demo import run_demo
+
+    prev = os.environ.get("WXFER_DEMO_CPU")
+    os.environ["WXFER_DEMO_CPU"] = "0"
+    try:
+        return run_demo(
+            trainers=1, replicas=1, tp=1, steps=steps, fp8=fp8, size=model, watermark=watermark,
+            transport="auto", delta=delta, change_rate=rate, log=lambda *a: None,
+        )  # fmt: skip
+    finally:
+        if prev is None:
+            os.environ.pop("WXFER_DEMO_CPU", None)
+        else:
+            os.environ["WXFER_DEMO_CPU"] = prev
+
+
+def _median(xs) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def bench_colocated(model: str, fp8: bool, rates, steps: int, watermark: str) -> list:
+    """Colocated on one GPU (GPU only): ``Sender(delta=True)`` (link measured) at each of
+    `rates` against a ``delta=False`` run of the same model: the median push of steps 2.. of
+    each. The chooser should send dense by itself (there is no link to save): its tasks bypass
+    the delta writer (``tasks_bypassed``), delta_vs_dense_s near 1 (target within 5%), at 50%
+    changed no slower."""
+    dense = _colocated_run(model, fp8, rates[0], steps, watermark, False)
+    d_s = _median(dense["step_s"][1:])
+    rows = []
+    for rate in rates:
+        res = _colocated_run(model, fp8, rate, steps, watermark, True)
+        s = _median(res["step_s"][1:])
+        rows.append(
+            dict(
+                model=model, fp8=fp8, change_rate_requested=rate, transport=res.get("transport"),
+                dense_push_s=d_s, delta_push_s=s, delta_vs_dense_s=s / d_s,
+                verified=res.get("verified"), dense_verified=dense.get("verified"),
+                bitexact=res.get("bitexact"), delta_steps=res.get("delta_steps"),
+            )
+        )  # fmt: skip
+    return rows
+
+
 def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
     """Dense quantize alone vs quantize + compare + encode, and apply per MB of records."""
     import torch
@@ -202,6 +255,90 @@ def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
     )
 
 
+def bench_fused(device, rows: int, cols: int, rate: float, reps: int) -> dict:
+    """The delta kernels (wxfer.runtime.delta_gpu) on one 2-D BF16 weight against the dense
+    quantize alone and the torch path they replace (quantize, then delta.changed + encode):
+    fused_s the fused quantize + compare kernel (the bitmask zeroed, the shadow updated in the
+    same pass), fused_encode_s that plus the count (one read back) and the records; bitexact:
+    the shadow equals the dense push's bytes and the records delta.encode's."""
+    import torch
+    from wxfer.runtime import delta, delta_gpu, fp8
+
+    def sync():
+        torch.cuda.synchronize(device)
+
+    def best(fn, setup=None):
+        t = float("inf")
+        for _ in range(reps):
+            if setup is not None:
+                setup()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(rows, cols, generator=g) * 0.02).to(device=device, dtype=torch.bfloat16)
+    nq = rows * cols
+    n = nq + -(-rows // 128) * -(-cols // 128) * 4
+    old = torch.empty(n, dtype=torch.uint8, device=device)
+    fp8.quantize_into(old, [(w, 0, nq)])
+    w2 = w.clone()
+    m = torch.rand(rows, cols, generator=g).to(device) < rate
+    w2[m] = w2[m] * 1.07
+    jobs = [(w2, 0, nq)]
+    out = torch.empty_like(old)
+    t_q = best(lambda: fp8.quantize_into(out, jobs))
+    box: dict = {}
+
+    def torch_path():
+        fp8.quantize_into(out, jobs)
+        d, c = delta.changed(out, old)
+        box["rec"] = delta.encode(out, d, c, 0, 0)
+
+    t_torch = best(torch_path)
+    shadow = old.clone()
+
+    def reset():
+        shadow.copy_(old)
+
+    def fused():
+        box["bits"] = delta_gpu.bits_for(n, device)
+        delta_gpu.quantize_compare(shadow, box["bits"], jobs)
+
+    t_fused = best(fused, reset)
+
+    def fused_encode():
+        fused()
+        cs, st = delta_gpu.count(box["bits"], [(0, n)])
+        box["recs"] = delta_gpu.emit(shadow, st, [(0, 0, 0)]) if cs[0] else []
+
+    t_all = best(fused_encode, reset)
+    rec = box["recs"][0] if box["recs"] else None
+    changed_bytes = int(delta.changed(out, old)[1])
+    bitexact = torch.equal(shadow, out) and (rec is None or torch.equal(rec, box["rec"]))
+    return dict(
+        device=str(device),
+        name=torch.cuda.get_device_name(device),
+        shape=[rows, cols],
+        rate=rate,
+        quantize_s=t_q,
+        fused_s=t_fused,
+        fused_vs_quantize=t_fused / t_q,
+        fused_encode_s=t_all,
+        fused_encode_vs_quantize=t_all / t_q,
+        torch_path_s=t_torch,
+        torch_path_vs_quantize=t_torch / t_q,
+        record_bytes=0 if rec is None else int(rec.numel()),
+        changed_bytes=changed_bytes,
+        expected_record_bytes=delta.record_size(n, changed_bytes),
+        dense_bytes=n,
+        bitexact=bool(bitexact),
+    )
+
+
 def main() -> None:
     import torch
 
@@ -222,6 +359,8 @@ def main() -> None:
     ap.add_argument("--push-fp8", default="1,0", help="push part: FP8 (1) and/or BF16 (0) destinations")
     ap.add_argument("--kernel-shape", default="4096x4096")
     ap.add_argument("--kernel-rate", type=float, default=0.004)
+    ap.add_argument("--colocated-rates", default="0.004,0.5", help="colocated part: fractions of elements changed")
+    ap.add_argument("--fused-rates", default="0,0.004,0.03,0.5", help="fused part: fractions of elements changed")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     parts = set(a.parts.split(","))
@@ -252,6 +391,14 @@ def main() -> None:
     if "kernels" in parts:
         r, c = (int(x) for x in a.kernel_shape.split("x"))
         res["kernels"] = bench_kernels(device, r, c, a.kernel_rate, 5)
+    if "colocated" in parts:  # GPU only: one trainer and one receiver on the same GPU
+        rates = [float(r) for r in a.colocated_rates.split(",")]
+        res["colocated"] = [
+            row for f in a.push_fp8.split(",") for row in bench_colocated(a.push_model, f == "1", rates, 5, a.watermark)
+        ]
+    if "fused" in parts:  # GPU only: the delta kernels
+        r, c = (int(x) for x in a.kernel_shape.split("x"))
+        res["fused"] = [bench_fused(device, r, c, float(x), 10) for x in a.fused_rates.split(",")]
     text = json.dumps(res, indent=1)
     if a.out:
         with open(a.out, "w") as f:

@@ -242,3 +242,35 @@ def test_supervisor_collects_in_order_and_stops_at_the_first_failing_item():
         [Proc(), Proc()], queue.Queue(), Ctl(set()), [2], "r/%d", got.append, lambda: next(ticks) > 2, poll=0.01
     )
     assert f.index == 2 and f.over and not f.dead and not f.errs
+
+
+def test_a_colocated_row_that_does_not_fit_is_refused_up_front_in_one_line(capsys):
+    """Issue 37: the Qwen3-30B-A3B rows need about 129 GB colocated (trainer 61 GB, inference
+    copy 61 GB, link buffers, watermark, contexts): against a fake 80 GB free (an H100) the
+    row is skipped with one line naming it and the bytes, its result says why; on 141 GB (an
+    H200) it runs, and so do the 1.7B row on 80 GB and every row of a dry run."""
+    import argparse
+
+    import bench_baselines as bb
+
+    rows = [dict(model="qwen3-30b-a3b", quant="bf16", layout="colocated", trainer="fsdp2")]
+    rows.append(dict(model="qwen3-1.7b", quant="bf16", layout="colocated", trainer="fsdp2"))
+    rows.append(dict(model="qwen3-30b-a3b", quant="bf16", layout="disagg", trainer="fsdp2"))
+    wm = [2 << 30, 256 << 20]
+
+    def refused(free, dry=False):
+        args = argparse.Namespace(dry_run=dry, gpu_free=free)
+        a, results = dict(watermarks=wm), [None] * len(rows)
+        return [ci for ci in range(len(rows)) if bb._refused(ci, rows, args, a, results)], results
+
+    out, results = refused(str(80 * 10**9))
+    assert out == [0]
+    line = capsys.readouterr().out.strip()
+    assert line.count("\n") == 0 and line.startswith("qwen3-30b-a3b-bf16-colocated-fsdp2: skipped")
+    mem = results[0]["memory"]
+    assert 120e9 < mem["total"] < 135e9 and mem["free"] == 80e9
+    assert mem["model"] == mem["inference"] and mem["grads"] == 0  # the MoE trains in place
+    assert f"{mem['total'] / 1e9:.1f} GB" in line and "80.0 GB free" in line
+    assert results[0]["error"] == line and results[1] is None
+    assert refused(str(141 * 10**9))[0] == []
+    assert refused(str(80 * 10**9), dry=True)[0] == []

@@ -51,6 +51,7 @@ from wxfer.runtime import inplace as direct  # noqa: E402
 from helpers import shard as _shard  # noqa: E402 -- tests/helpers.py
 from wxfer.runtime.inplace import COPIES_TAG  # noqa: E402
 from wxfer.zerocopy import COPY_BATCH  # noqa: E402
+from wxfer import taskpath  # noqa: E402
 
 
 def _fulls():
@@ -609,6 +610,9 @@ class _CopySender(direct.InPlaceWriter):
         return t, t.data_ptr()
 
 
+_COPY = taskpath.best(taskpath.Facts(True, taskpath.ROWS))  # a zero-copy task's best path: copy
+
+
 def test_small_copies_skip_a_receiver_that_failed_while_its_begin_stamp_was_written():
     """The launch waits for the begin stamps first and only then decides whom to skip: a receiver
     whose begin stamp failed during that wait (the engine fenced it) gets none of the copies."""
@@ -624,7 +628,7 @@ def test_small_copies_skip_a_receiver_that_failed_while_its_begin_stamp_was_writ
     s = _CopySender(regions, {b"g0": 0, b"g1": 1}, wait)
     src = torch.full((16,), 5, dtype=torch.uint8)
     prep = SimpleNamespace(
-        zero_copy=True, direct=None, whole=[("w", src)], dests=[(b"g0", 0, 0, 16), (b"g1", 0, 0, 16)]
+        zero_copy=True, direct=None, whole=[("w", src)], dests=[(b"g0", 0, 0, 16), (b"g1", 0, 0, 16)], best=_COPY
     )
     assert s.queue_copy(SimpleNamespace(prep=prep, sends=True, nbytes=16, task=0))
     assert waits == []  # queued: nothing waited for yet
@@ -647,7 +651,7 @@ def test_small_copies_skip_a_receiver_that_failed_after_they_were_queued():
     def op(task, val):
         src = torch.full((16,), val, dtype=torch.uint8)
         dests = [(b"g0", 16 * task, 0, 16), (b"g1", 16 * task, 0, 16)]
-        prep = SimpleNamespace(zero_copy=True, direct=None, whole=[("w", src)], dests=dests)
+        prep = SimpleNamespace(zero_copy=True, direct=None, whole=[("w", src)], dests=dests, best=_COPY)
         return SimpleNamespace(prep=prep, sends=True, nbytes=16, task=task)
 
     assert s.queue_copy(op(0, 7))  # queued to both receivers

@@ -377,6 +377,54 @@ def test_wait_for_a_fence_returns_when_it_finished_not_the_tasks_after_it(pair):
     eng.close()
 
 
+def test_wait_posted_returns_once_the_fence_is_handed_to_the_transport(pair):
+    """Engine.wait(fence=id, posted=True) (before the begin stamps' device wait): back once that
+    task's writes were handed to the transport -- for a fence, after every earlier write
+    completed -- not necessarily landed; an id never submitted does not block; posted=True
+    needs fence=."""
+    t, tgt = pair
+    eng = _wxfer.Engine(t, chunk=64 * 1024)
+    big = 512 * 1024
+    eng.submit(rand(big, 1), [(tgt.descriptors[0], 0, 0, big)], tag=1)
+    fid = eng.submit(rand(8, 2), [(tgt.descriptors[1], 0, 0, 8)], tag=2, fence=True)
+    eng.wait(timeout=60, fence=fid, posted=True)
+    recs = {r["tag"]: r for r in eng.trace()}
+    assert 1 in recs and recs[1]["status"] == 0  # the fence posts only after it completed
+    eng.wait(timeout=60, fence=fid + 10_000, posted=True)  # never submitted: at once
+    with pytest.raises(ValueError, match="fence"):
+        eng.wait(timeout=1, posted=True)
+    eng.wait(timeout=60)
+    assert {r["tag"] for r in eng.trace()} >= {1, 2}
+    eng.close()
+
+
+def test_fence_word_mirrors_each_finished_fence_and_is_released_at_close(pair):
+    """Engine.fence_word (the begin stamps' device wait, cuStreamWaitValue32 on the GPU): the
+    uint32 holds the id of the last fence task finished -- stored as each one finishes, not
+    when a plain task does -- and is set past every task submitted once the engine closes."""
+    t, tgt = pair
+    eng = _wxfer.Engine(t, chunk=64 * 1024)
+    word = ctypes.c_uint32(12345)
+    addr = ctypes.addressof(word)
+    with pytest.raises(ValueError, match="keep"):
+        eng.fence_word(addr, None)
+    eng.fence_word(addr, word)
+    assert word.value == 0  # no fence finished yet: the mirror starts at 0
+    big = 512 * 1024
+    eng.submit(rand(big, 1), [(tgt.descriptors[0], 0, 0, big)], tag=1)
+    f1 = eng.submit(rand(8, 2), [(tgt.descriptors[1], 0, 0, 8)], tag=2, fence=True)
+    eng.wait(timeout=60, fence=f1)
+    assert word.value == f1 & 0xFFFFFFFF
+    plain = eng.submit(rand(big, 3), [(tgt.descriptors[0], 0, 0, big)], tag=3)
+    eng.wait(timeout=60)
+    assert word.value == f1  # a plain task does not move it
+    f2 = eng.submit(rand(8, 4), [(tgt.descriptors[1], 0, 0, 8)], tag=4, fence=True)
+    eng.wait(timeout=60)
+    assert f2 > plain > f1 and word.value == f2
+    eng.close()
+    assert word.value == f2 + 1  # past every task submitted: no stream waits on a closed engine
+
+
 def test_trace_is_a_bounded_ring(pair):
     """The engine's trace keeps the last 65536 tasks (the Sender never clears it): older
     records are dropped, counted, and the kept ones are the newest, oldest first."""

@@ -71,15 +71,16 @@ def test_the_write_path_time_per_write_beyond_its_bytes():
     assert b.terms["write_s"] - a.terms["write_s"] == pytest.approx(plan.n_transfers * 20e-6)
 
 
-def test_kind_of_and_the_senders_task_kinds_say_direct():
-    from wxfer.runtime import prepare
+def test_the_classifier_and_the_senders_task_kinds_say_direct():
+    from wxfer import taskpath as tp
     from wxfer.runtime.tasks import TaskRunner
 
     op = SimpleNamespace(sends=True, sources=[("a", None), ("b", None)], shards=[], task=7, name="t7")
-    prep = SimpleNamespace(zero_copy=False, direct=None, whole=[])
-    assert prepare.kind_of(prep, op) == "packed" and prepare.kind_of(prep, op, direct=True) == "direct"
-    own = SimpleNamespace(zero_copy=False, direct="a", whole=[])  # an offloaded source's own bytes: staged
-    assert prepare.kind_of(own, op, direct=True) == "staged"
+    f = tp.Facts(True, tp.FUSED, held=False)
+    prep = SimpleNamespace(facts=f, best=tp.best(f))
+    assert tp.classify(f).path == "packed" and tp.classify(f, in_place=None).path == "direct"
+    own = tp.Facts(True, tp.WHOLE, on_device=False)  # an offloaded source's own bytes: staged
+    assert tp.classify(own, in_place=None) == ("staged", "offloaded")
     op.prep = prep
 
     class InPlace:  # what task_kinds asks of the in-place writer

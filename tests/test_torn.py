@@ -30,7 +30,9 @@ def test_a_receiver_dropped_mid_step_learns_it_is_torn(store, tmp_path):
     from wxfer.runtime.sender import Sender
 
     s, addr = store
-    procs = [_spawn("receiver", addr, "torn", q, 2, tmp_path) for q in range(2)]
+    # the lease bound (3 x 3 s) past write_timeout (3 s): what the trainer sees is the write
+    # timeout (with the default 1 s lease both bounds are 3 s, and a loaded machine saw the lease)
+    procs = [_spawn("receiver", addr, "torn", q, 2, tmp_path, WXFER_LEASE_S="3") for q in range(2)]
     try:
         m = fault_worker.model()
         sender = Sender(

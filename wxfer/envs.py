@@ -69,8 +69,16 @@ _VARS = (
     Var("WXFER_DIRECT", "flag", "on", "Python", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
     Var("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "Python", "zero-copy tasks below this are copied by kernels"),
     Var("WXFER_DELTA_STAGING", "size", "0", "Python", "Receiver delta staging area bytes (docs/delta.md)"),
+    Var("WXFER_DELTA_GPU", "choice", "native", "Python", "delta pushes on CUDA: native (the delta kernels) or torch"),
     Var("WXFER_COPY", "choice", "native", "Python", "the batched copy: native (copies.COPIER's) or torch"),
     Var("WXFER_FP8", "choice", "native", "Python", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
+    Var(
+        "WXFER_BEGIN_WAIT",
+        "choice",
+        "device",
+        "Python",
+        "in-place writes wait for the begin stamps on the device (cuStreamWaitValue32) or the host",
+    ),
     # libraries (dlopened by the C extension)
     _c("WXFER_LIBCUDA"),
     _c("WXFER_LIBFABRIC"),

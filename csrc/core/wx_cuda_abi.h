@@ -60,8 +60,15 @@ typedef enum CUdevice_attribute_enum {
 typedef enum CUpointer_attribute_enum {
     CU_POINTER_ATTRIBUTE_CONTEXT = 1,
     CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
+    CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3,
     CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 } CUpointer_attribute;
+
+/* cuStreamWaitValue32's condition (flags): GEQ is the cyclic (int32_t)(*addr - value) >= 0 */
+typedef enum CUstreamWaitValue_flags_enum {
+    CU_STREAM_WAIT_VALUE_GEQ = 0x0,
+    CU_STREAM_WAIT_VALUE_EQ = 0x1
+} CUstreamWaitValue_flags;
 
 typedef enum CUfunction_attribute_enum {
     CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8,

@@ -81,6 +81,7 @@ static void wx__cuda_load(void)
     WX__OPT(cuDeviceGetUuid, "cuDeviceGetUuid_v2");
     WX__OPT(cuMemcpyBatchAsync, "cuMemcpyBatchAsync_v2");
     WX__OPT(cuMemcpyBatchAsync_v1, "cuMemcpyBatchAsync");
+    WX__OPT(cuStreamWaitValue32, "cuStreamWaitValue32_v2");
     r = wx__cuda.cuInit(0);
     if (r != CUDA_SUCCESS) {
         const char *name = "?";

@@ -70,6 +70,8 @@ typedef struct wx_cuda_api {
                                    CUmemcpyAttributes *, size_t *, size_t, CUstream);
     CUresult (*cuMemcpyBatchAsync_v1)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
                                       CUmemcpyAttributes *, size_t *, size_t, size_t *, CUstream);
+    /* the begin stamps' device wait (optional: the v2 stream memory operations, CUDA 11.7+) */
+    CUresult (*cuStreamWaitValue32)(CUstream, CUdeviceptr, unsigned int, unsigned int);
 } wx_cuda_api_t;
 
 /* Load libcuda.so.1 (or $WXFER_LIBCUDA) once and call cuInit(0). Returns the table, or

@@ -107,8 +107,11 @@ void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     wx__active_remove(e, t);
     e->held -= t->spec.held_bytes;
     e->completed++;
-    if (t->spec.fence && t->id > e->fence_done)
+    if (t->spec.fence && t->id > e->fence_done) {
         e->fence_done = t->id;
+        if (e->fence_word)
+            __atomic_store_n(e->fence_word, (uint32_t)e->fence_done, __ATOMIC_RELEASE);
+    }
     wx__trace_add(e, &t->rec);
     if (t->completed == t->posted) { /* else: abandoned writes still out (isolate) */
         t->queued_done = 1;
@@ -304,6 +307,11 @@ static void wx__post_retire(wx_engine_t *e, wx__task_t *t)
 {
     wx__q_pop(&e->post);
     t->in_post = 0;
+    if (t->id > e->posted_done) {
+        e->posted_done = t->id;
+        if (e->posted_waiters) /* wx_engine_wait_posted (other waiters need not wake here) */
+            pthread_cond_broadcast(&e->cv_done);
+    }
     if (t->posted + t->skipped == t->nchunks && !t->status)
         t->rec.t_post_last = wx_now_ns();
     else if (!t->status)
@@ -545,6 +553,18 @@ void wx_engine_stop(wx_engine_t *e)
             wx__finish(e, t, -ECANCELED);
     }
     e->stopped = 1;
+    if (e->fence_word) /* a fence whose writes are still out will not finish: release */
+        __atomic_store_n(e->fence_word, (uint32_t)e->next_id, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void wx_engine_set_fence_word(wx_engine_t *e, uint32_t *word)
+{
+    pthread_mutex_lock(&e->mu);
+    e->fence_word = word;
+    if (word) /* stopped: past every task submitted (no stream waits on a dead engine) */
+        __atomic_store_n(word, (uint32_t)(e->stopped ? e->next_id : e->fence_done),
+                         __ATOMIC_RELEASE);
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -696,6 +716,32 @@ static int wx__wait_done(wx_engine_t *e, uint64_t slice_ns, int all, uint64_t fe
 }
 
 int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns) { return wx__wait_done(e, slice_ns, 1, 0); }
+
+int wx_engine_wait_posted(wx_engine_t *e, uint64_t slice_ns, uint64_t id)
+{
+    uint64_t end = wx_now_ns() + slice_ns;
+    int rc = 0;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        wx__check_deadlines(e);
+        if (e->err) {
+            rc = wx__errf_sticky(e);
+            break;
+        }
+        if (e->posted_done >= id || e->fence_done >= id || id >= e->next_id || e->stopped)
+            break;
+        if (wx_now_ns() >= end) {
+            rc = -EAGAIN;
+            break;
+        }
+        e->posted_waiters++;
+        wx__wait(&e->cv_done, &e->mu,
+                 end - wx_now_ns() < 50000000ull ? end - wx_now_ns() : 50000000ull);
+        e->posted_waiters--;
+    }
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
 
 int wx_engine_wait_fence(wx_engine_t *e, uint64_t slice_ns, uint64_t id)
 {

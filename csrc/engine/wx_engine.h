@@ -138,6 +138,21 @@ int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns);
  * wx_engine_wait it does not wait for failed peers to be fenced (their writes are skipped).
  * Returns as wx_engine_wait; an id never submitted returns 0. */
 int wx_engine_wait_fence(wx_engine_t *e, uint64_t slice_ns, uint64_t id);
+
+/* Wait up to slice_ns until task `id` is done posting: its writes handed to the transport
+ * (their device work enqueued, on cuda_ipc) or skipped, or it finished (or was never
+ * submitted). 0, -EAGAIN when the slice passed, or the sticky error. What a CUDA stream's
+ * device wait for a fence needs first: the fence's copy is then enqueued ahead of the wait,
+ * so no hardware queue the two streams share holds the copy behind the wait. */
+int wx_engine_wait_posted(wx_engine_t *e, uint64_t slice_ns, uint64_t id);
+
+/* Mirror the fences' progress into `word` (pinned host memory the caller keeps alive until
+ * the engine is destroyed or another word is set; NULL: stop): the low 32 bits of the id of
+ * the last fence task finished, stored (release) as each fence finishes, and once at this
+ * call. A CUDA stream waits for fence `id` on the device with cuStreamWaitValue32(word,
+ * (uint32_t)id, GEQ) (cyclic: right while fewer than 2^31 tasks separate the two). Once the
+ * engine stops, the word is set past every task submitted, so no stream waits forever. */
+void wx_engine_set_fence_word(wx_engine_t *e, uint32_t *word);
 /* Hand the owners of finished tasks to cb (on the caller's thread). Returns the count. */
 int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg);
 /* isolate: the peers that failed (each one's first failure), at most max of them; returns

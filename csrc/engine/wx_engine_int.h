@@ -70,8 +70,12 @@ struct wx_engine {
     wx__task_t *active;
     uint64_t held, held_peak, inflight, submitted, completed, bytes_written, next_id;
     uint64_t bytes_external;
-    wx__task_t *ready_cur; /* the task the ready thread is waiting for (popped from ready) */
-    uint64_t fence_done;   /* the id of the last fence task finished (they finish in order) */
+    wx__task_t *ready_cur;   /* the task the ready thread is waiting for (popped from ready) */
+    uint64_t fence_done;     /* the id of the last fence task finished (they finish in order) */
+    uint32_t *fence_word;    /* wx_engine_set_fence_word's mirror of fence_done, or NULL */
+    uint64_t posted_done;    /* the id of the last task done posting (its writes handed to the
+                            * transport or skipped; tasks post in order) */
+    uint32_t posted_waiters; /* callers in wx_engine_wait_posted (woken at each retire) */
     int err;
     int fence_pending;     /* a fence task was posted: the next waits for inflight == 0 */
     int ready_dev;         /* the ready thread's current CUDA device (-1: none yet) */

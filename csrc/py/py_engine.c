@@ -116,6 +116,8 @@ static void wx__engine_close(wx_py_engine_t *self)
         Py_BEGIN_ALLOW_THREADS
             wx_engine_stop(e);
         Py_END_ALLOW_THREADS
+        wx_engine_set_fence_word(e, NULL); /* stop() released it; a parked engine leaves it */
+        Py_CLEAR(self->fence_keep);
         wx_engine_reap(e, wx_py_owner_free, NULL); /* the tasks stop() cancelled */
         wx__owners_detach(self);
         tr->engines--;
@@ -138,6 +140,7 @@ static int wx_engine_traverse(PyObject *op, visitproc visit, void *arg)
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     Py_VISIT(Py_TYPE(op));
     Py_VISIT(self->transport);
+    Py_VISIT(self->fence_keep);
     for (wx_py_owner_t *o = self->owners; o; o = o->next) {
         Py_VISIT(o->region);
         Py_VISIT(o->keep);
@@ -155,6 +158,7 @@ static int wx_engine_clear(PyObject *op)
     if (self->transport)
         wx__engine_close(self);
     Py_CLEAR(self->transport);
+    Py_CLEAR(self->fence_keep);
     return 0;
 }
 
@@ -192,6 +196,12 @@ static int wx__wait_fence_fn(void *arg, uint64_t slice)
 {
     wx__fence_wait_t *w = arg;
     return wx_engine_wait_fence(w->e, slice, w->id);
+}
+
+static int wx__wait_posted_fn(void *arg, uint64_t slice)
+{
+    wx__fence_wait_t *w = arg;
+    return wx_engine_wait_posted(w->e, slice, w->id);
 }
 
 /* Raise for rc from e: the engine's sticky error with its fields when rc is that error,
@@ -328,7 +338,11 @@ static int wx__submit_admit(wx_py_engine_t *self, wx_py_state_t *st, PyObject *r
     wx_engine_reap(self->e, wx_py_owner_free, NULL);
     adm.e = self->e;
     adm.held = held;
-    rc = wx_py_wait(wx__admit_fn, &adm, -1);
+    /* room now (the usual case): admitted without releasing the GIL, whose hand-back can wait
+     * on another Python thread; else the bounded, interruptible wait */
+    rc = wx__admit_fn(&adm, 0);
+    if (rc == -EAGAIN)
+        rc = wx_py_wait(wx__admit_fn, &adm, -1);
     if (rc) {
         if (rc != -EINTR)
             wx_py_raise_engine(st, self->e, rc, "submit");
@@ -412,14 +426,18 @@ fail_resv:
 
 static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"timeout", "fence", NULL};
+    static char *kwlist[] = {"timeout", "fence", "posted", NULL};
     wx_py_engine_t *self = (wx_py_engine_t *)op;
     PyObject *tmo = Py_None, *fence = Py_None;
     double timeout = -1;
     wx__fence_wait_t fw;
-    int rc;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO:wait", kwlist, &tmo, &fence))
+    int rc, posted = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|OOp:wait", kwlist, &tmo, &fence, &posted))
         return NULL;
+    if (posted && fence == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "Engine.wait: posted=True needs fence= (the task id)");
+        return NULL;
+    }
     if (!wx_py_engine_live(self))
         return NULL;
     if (tmo != Py_None) {
@@ -432,7 +450,7 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
         fw.id = PyLong_AsUnsignedLongLong(fence);
         if (PyErr_Occurred())
             return NULL;
-        rc = wx_py_wait(wx__wait_fence_fn, &fw, timeout);
+        rc = wx_py_wait(posted ? wx__wait_posted_fn : wx__wait_fence_fn, &fw, timeout);
     } else {
         rc = wx_py_wait(wx__wait_fn, self->e, timeout);
     }
@@ -445,6 +463,32 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
     }
     if (rc)
         return wx_py_raise_engine(wx_py_state_of(op), self->e, rc, "Engine.wait");
+    Py_RETURN_NONE;
+}
+
+/* fence_word(address, keep): mirror the fences' progress into the uint32 at `address` (pinned
+ * host memory that `keep` holds; the engine keeps `keep` until close or the next call);
+ * fence_word(0, None): stop. wx_engine_set_fence_word says what is stored when. */
+static PyObject *wx_engine_fence_word_py(PyObject *op, PyObject *args)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    unsigned long long addr;
+    PyObject *keep, *old;
+    if (!PyArg_ParseTuple(args, "KO:fence_word", &addr, &keep))
+        return NULL;
+    if (!wx_py_engine_live(self))
+        return NULL;
+    if (addr % 4 || (addr && keep == Py_None)) {
+        PyErr_Format(PyExc_ValueError,
+                     "fence_word: address 0x%llx must be 4-byte aligned and held by keep "
+                     "(got keep=None)",
+                     addr);
+        return NULL;
+    }
+    old = self->fence_keep;
+    wx_engine_set_fence_word(self->e, (uint32_t *)(uintptr_t)addr);
+    self->fence_keep = addr ? Py_NewRef(keep) : NULL;
+    Py_XDECREF(old);
     Py_RETURN_NONE;
 }
 
@@ -468,7 +512,9 @@ static PyObject *wx_engine_reserve_py(PyObject *op, PyObject *args, PyObject *kw
     adm.held = held;
     adm.e = self->e;
     wx_engine_reap(self->e, wx_py_owner_free, NULL);
-    rc = wx_py_wait(wx__admit_fn, &adm, timeout_s);
+    rc = wx__admit_fn(&adm, 0); /* room now: no GIL round trip (as submit) */
+    if (rc == -EAGAIN)
+        rc = wx_py_wait(wx__admit_fn, &adm, timeout_s);
     if (rc) {
         if (rc == -EINTR)
             return NULL;
@@ -660,10 +706,17 @@ static PyMethodDef wx_engine_methods[] = {
      "before the source is made; blocks like submit (timeout seconds, < 0: no bound; "
      "TimeoutError past it). Follow with submit(..., reserved=t) or unreserve(held)."},
     {"unreserve", wx_engine_unreserve_py, METH_O, "unreserve(held): give back a reserve()."},
+    {"fence_word", wx_engine_fence_word_py, METH_VARARGS,
+     "fence_word(address, keep): store the low 32 bits of the id of each fence task as it "
+     "finishes (and now) into the uint32 at address (pinned host memory held by keep, kept "
+     "by the engine until close() or the next call; 0, None: stop), so that a CUDA stream can "
+     "wait for a fence on the device (stream_wait). Once the engine stops, the word is set "
+     "past every task submitted."},
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
-     "wait(timeout=None, fence=None): until every submitted task finished (fence: the id of a "
-     "fence task: until that one finished, and with it every task submitted before it); raises "
-     "Error on a failure."},
+     "wait(timeout=None, fence=None, posted=False): until every submitted task finished (fence: "
+     "the id of a fence task: until that one finished, and with it every task submitted before "
+     "it; with posted=True: until that task is done posting -- its writes handed to the "
+     "transport or skipped -- or finished); raises Error on a failure."},
     {"reap", wx_engine_reap_py, METH_NOARGS, "Release the sources of finished tasks; count."},
     {"error", wx_engine_error_py, METH_NOARGS,
      "The sticky error as an Error (not raised; its fields say task, tag, peer, stage), or None."},

@@ -1,14 +1,16 @@
 /* py_prepare.c - the Python binding of the native prepare code (csrc/prepare): the FP8
  * kernel's and the batched copy kernel's probe, validation and launch, the driver's batched
- * copy, and (WXFER_KERNEL_SWEEP builds) the benchmarks' kernel variants. wxfer/runtime/fp8.py
- * and wxfer/runtime/copies.py are their only callers. */
+ * copy, the delta kernels (wx_delta.h), and (WXFER_KERNEL_SWEEP builds) the benchmarks' kernel
+ * variants. wxfer/runtime/fp8.py, copies.py and delta_gpu.py are their only callers. */
 #include "wx_py.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 #include "wx_copy.h"
+#include "wx_delta.h"
 #include "wx_fp8.h"
+#include "wx_streamwait.h"
 #include "wx_sweep.h"
 
 /* The table of `what` (entries of `esize` bytes, at most `max`, `many` in its error) in a buffer-protocol object
@@ -237,6 +239,145 @@ static PyObject *wx_copy_batch_py(PyObject *m, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* The delta tables: entries of 5 (compare), 3 (count) or 8 (emit) uint64. */
+static const struct {
+    const char *name;
+    size_t esize;
+} wx__dtables[] = {{"delta compare", sizeof(wx_delta_cmp_t)},
+                   {"delta count", sizeof(wx_delta_range_t)},
+                   {"delta record", sizeof(wx_delta_rec_t)}};
+
+static int wx__dtable(int kind, PyObject *obj, Py_buffer *view, const void **p, void **copy)
+{
+    if (kind < 0 || kind > 2) {
+        PyErr_Format(PyExc_ValueError, "delta table kind %d (0 compare, 1 count, 2 emit)", kind);
+        return -1;
+    }
+    return wx__table(obj, view, p, copy, wx__dtables[kind].name, "entries", wx__dtables[kind].esize,
+                     WX_DELTA_MAX);
+}
+
+static PyObject *wx_delta_probe_py(PyObject *m, PyObject *args)
+{
+    return wx__probe(args, "i|O:delta_probe", wx_delta_probe);
+}
+
+/* delta_check(kind, table, bits_nbytes, shadow_nbytes=0, out_nbytes=0, nsegx=0) -> segments */
+static PyObject *wx_delta_check_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    int kind, n, rc;
+    unsigned long long bits_nb, shadow_nb = 0, out_nb = 0, nsegx = 0;
+    uint64_t nsegs = 0;
+    PyObject *obj;
+    Py_buffer view;
+    const void *p;
+    void *copy;
+    if (!PyArg_ParseTuple(args, "iOK|KKK:delta_check", &kind, &obj, &bits_nb, &shadow_nb, &out_nb,
+                          &nsegx))
+        return NULL;
+    if ((n = wx__dtable(kind, obj, &view, &p, &copy)) < 0)
+        return NULL;
+    if (kind == 0)
+        rc = wx_delta_cmp_check(p, n, bits_nb, &nsegs);
+    else if (kind == 1)
+        rc = wx_delta_count_check(p, n, bits_nb, &nsegs);
+    else
+        rc = wx_delta_emit_check(p, n, bits_nb, shadow_nb, out_nb, nsegx, &nsegs);
+    free(copy);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "delta_check");
+    return PyLong_FromUnsignedLongLong(nsegs);
+}
+
+static PyObject *wx_delta_quant_launch_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    int device, n, rc;
+    unsigned long long stream, out, out_nbytes, dev_pieces, bits, bits_nbytes;
+    PyObject *obj;
+    Py_buffer view;
+    const wx_fp8_piece_t *p;
+    void *copy;
+    if (!PyArg_ParseTuple(args, "iKKKOKKK:delta_quant_launch", &device, &stream, &out, &out_nbytes,
+                          &obj, &dev_pieces, &bits, &bits_nbytes))
+        return NULL;
+    if ((n = wx__pieces(obj, &view, &p, &copy)) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_delta_quant_launch(device, stream, out, out_nbytes, p, dev_pieces, n, bits,
+                                   bits_nbytes);
+    Py_END_ALLOW_THREADS
+    free(copy);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "delta_quant_launch");
+    Py_RETURN_NONE;
+}
+
+/* delta_launch(kind, device, stream, table, dev_table, bits, bits_nbytes, a=0, a_n=0, b=0, b_n=0,
+ * out=0, out_n=0): kind 0 compare, 1 count (a: counts), 2 emit (a: shadow, b: segx). */
+static PyObject *wx_delta_launch_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    int kind, device, n, rc;
+    unsigned long long stream, dev, bits, bits_nb, a = 0, an = 0, b = 0, bn = 0, o = 0, on = 0;
+    PyObject *obj;
+    Py_buffer view;
+    const void *p;
+    void *copy;
+    if (!PyArg_ParseTuple(args, "iiKOKKK|KKKKKK:delta_launch", &kind, &device, &stream, &obj, &dev,
+                          &bits, &bits_nb, &a, &an, &b, &bn, &o, &on))
+        return NULL;
+    if ((n = wx__dtable(kind, obj, &view, &p, &copy)) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        if (kind == 0)
+            rc = wx_delta_cmp_launch(device, stream, p, dev, n, bits, bits_nb);
+        else if (kind == 1)
+            rc = wx_delta_count_launch(device, stream, p, dev, n, bits, bits_nb, a, an);
+        else
+            rc =
+                wx_delta_emit_launch(device, stream, p, dev, n, bits, bits_nb, a, an, b, bn, o, on);
+    Py_END_ALLOW_THREADS
+    free(copy);
+    PyBuffer_Release(&view);
+    if (rc)
+        return wx_py_raise(st, rc, "delta_launch");
+    Py_RETURN_NONE;
+}
+
+/* stream_wait_addr(device, host_address) -> (device_address, why_not): 0 and the reason when
+ * the device wait cannot be used (wx_streamwait.h). */
+static PyObject *wx_stream_wait_addr_py(PyObject *m, PyObject *args)
+{
+    char why[WX_ERRMSG_MAX] = "";
+    unsigned long long host;
+    uint64_t dev = 0;
+    int device, rc;
+    if (!PyArg_ParseTuple(args, "iK:stream_wait_addr", &device, &host))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_stream_wait_addr(device, host, &dev, why, sizeof why);
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("(Ks)", rc == 0 ? (unsigned long long)dev : 0ull, rc == 0 ? "" : why);
+}
+
+static PyObject *wx_stream_wait_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    unsigned long long stream, dev;
+    unsigned int value;
+    int device, rc;
+    if (!PyArg_ParseTuple(args, "iKKI:stream_wait", &device, &stream, &dev, &value))
+        return NULL;
+    rc = wx_stream_wait_u32(device, stream, dev, value);
+    if (rc)
+        return wx_py_raise(st, rc, "stream_wait");
+    Py_RETURN_NONE;
+}
+
 #ifdef WX_KERNEL_SWEEP
 static PyObject *wx_kernel_sweep_py(PyObject *m, PyObject *args, PyObject *kw)
 {
@@ -283,9 +424,31 @@ static PyMethodDef wx__prepare_methods[] = {
     {"copy_batch_probe", wx_copy_batch_probe_py, METH_VARARGS,
      "copy_batch_probe(device) -> (usable, why_not): has the driver cuMemcpyBatchAsync "
      "(CUDA 12.8+)?"},
+    {"stream_wait_addr", wx_stream_wait_addr_py, METH_VARARGS,
+     "stream_wait_addr(device, host_address) -> (device_address, why_not): the device address "
+     "of a pinned host word for stream_wait, or (0, the reason) when the driver lacks "
+     "cuStreamWaitValue32_v2 or the memory is not pinned."},
+    {"stream_wait", wx_stream_wait_py, METH_VARARGS,
+     "stream_wait(device, stream, device_address, value): the stream waits on the device "
+     "(cuStreamWaitValue32, GEQ: cyclic (int32)(*word - value) >= 0) before its later work; "
+     "the host does not wait."},
     {"copy_batch", wx_copy_batch_py, METH_VARARGS,
      "copy_batch(device, stream, copies): the copies, a buffer of (dst, src, nbytes) uint64 "
      "triples, by one cuMemcpyBatchAsync on the stream (sources read in stream order)."},
+    {"delta_probe", wx_delta_probe_py, METH_VARARGS,
+     "delta_probe(device, dirs=()) -> (usable, why_not): compiles the delta kernels (the fused "
+     "FP8 one needs compute capability 8.9) for the device at first use."},
+    {"delta_check", wx_delta_check_py, METH_VARARGS,
+     "delta_check(kind, table, bits_nbytes, shadow_nbytes=0, out_nbytes=0, nsegx=0) -> "
+     "segments; raises Error naming the first bad entry (kind 0 compare, 1 count, 2 emit)."},
+    {"delta_quant_launch", wx_delta_quant_launch_py, METH_VARARGS,
+     "delta_quant_launch(device, stream, shadow_ptr, shadow_nbytes, pieces, device_pieces_ptr, "
+     "bits_ptr, bits_nbytes): the FP8 kernel's pieces quantized into the shadow, the changed "
+     "bytes written and marked in the bitmask."},
+    {"delta_launch", wx_delta_launch_py, METH_VARARGS,
+     "delta_launch(kind, device, stream, table, device_table_ptr, bits_ptr, bits_nbytes, a=0, "
+     "a_n=0, b=0, b_n=0, out=0, out_n=0): kind 0 compare, 1 count (a: u32 counts), 2 emit (a: "
+     "shadow, b: int64 prefix sum, out: the records)."},
 #ifdef WX_KERNEL_SWEEP
     {"kernel_sweep", (PyCFunction)(void (*)(void))wx_kernel_sweep_py, METH_VARARGS | METH_KEYWORDS,
      "kernel_sweep(kernel, *, variant=6, ctas_per_sm=0, unroll=4): before the kernel's first "

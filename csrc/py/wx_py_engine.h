@@ -29,6 +29,7 @@ typedef struct {
     wx_engine_t *e;
     double timeout_s;
     wx_py_owner_t *owners; /* submitted, not yet reaped */
+    PyObject *fence_keep;  /* what holds fence_word()'s word (kept while the engine may write it) */
 } wx_py_engine_t;
 
 /* Release a task's owner (a wx_engine_reap callback; Python thread only). */

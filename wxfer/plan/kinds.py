@@ -26,17 +26,18 @@ The simulator charges each kind its own stages (wxfer.plan.simulate):
                    stream, in order with the direct kernels; no trace record, no posting, no
                    watermark; the push's first launch of them waits for the begin stamps
 
-``task_kinds(plan, params)`` decides from the plan and the trainers' parameter metadata
-(shape and dtype per name) what the runtime decides per task on each rank (the same rule,
-wxfer.zerocopy, as ``wxfer.runtime.prepare.task_prep``); a ``wxfer.Sender`` reports
+``task_kinds(plan, params)`` gives, from the plan and the trainers' parameter metadata (shape
+and dtype per name), what the runtime decides per task on each rank: both ask
+``wxfer.taskpath.classify`` (``task_choices``: the reasons too); a ``wxfer.Sender`` reports
 what it decided (``Sender.task_kinds()``), which takes precedence.  Pure Python.
 """
 
 from __future__ import annotations
 
-from ..zerocopy import COPY_MAX, all_of_it, zero_copy
+from .. import taskpath
+from ..zerocopy import COPY_MAX
 
-KINDS = ("zero_copy", "staged", "packed", "direct", "collective_only", "copy")
+KINDS = taskpath.PATHS
 
 
 def _shape_dtype(p):
@@ -47,7 +48,7 @@ def _shape_dtype(p):
     return tuple(p.shape), str(p.dtype).replace("torch.", "")
 
 
-def task_kind(
+def task_choice(
     task,
     mesh_size: int,
     params,
@@ -55,27 +56,28 @@ def task_kind(
     direct: bool = False,
     nbytes: int | None = None,
     copy_max: int = COPY_MAX,
-) -> str:
-    """The kind of `task` on a rank that sends its shards (see the module's docstring).
-    params: training name -> (shape, dtype) (a TrainParam, a dict or a pair); None: packed
-    (direct: direct).  direct: the Sender writes packed tasks straight into the receivers
-    (cuda_ipc, every receiver on the writer's GPU): a task that is not the parameter's own
-    bytes (zero copy, or staged after its H2D) is direct, and a zero-copy task of fewer
-    than `copy_max` bytes (`nbytes`: its packed bytes on the rank; None: not known, zero
-    copy; copy_max 0: none, -1: no bound, as the Sender's) is copy (wxfer.runtime.inplace.InPlaceWriter.queue_copy)."""
-    other = "direct" if direct else "packed"
-    if params is None or len(task.sources) != 1 or task.sources[0] not in params:
-        return other
-    src = task.sources[0]
-    shape, dtype = _shape_dtype(params[src])
-    if mesh_size == 1 and zero_copy(task.shards, src, shape, dtype):
-        if cpu_offload:
-            return "staged"
-        small = nbytes is not None and (copy_max < 0 or nbytes < copy_max)
-        return "copy" if direct and small else "zero_copy"
-    if all_of_it(task.shards, src, shape, dtype):
-        return other if direct else "staged"
-    return other
+    shards=None,
+) -> taskpath.Choice:
+    """The path of `task` on a rank that sends `shards` of it (None: all of its shards, as
+    the one rank of a 1-rank mesh does), and why (wxfer.taskpath).
+    params: training name -> (shape, dtype) (a TrainParam, a dict or a pair); None: not known
+    (packed; direct: direct).  mesh_size 1: the rank holds its sources whole.  direct: the
+    Sender writes tasks straight into the receivers (cuda_ipc, every receiver on the writer's
+    GPU, every piece inside a destination): a task that is not the parameter's own bytes is
+    direct, and a zero-copy task of fewer than `copy_max` bytes (`nbytes`: its packed bytes on
+    the rank; None: not known, zero copy; copy_max 0: none, -1: no bound, as the Sender's) is
+    copy (wxfer.runtime.inplace.InPlaceWriter.queue_copy)."""
+    srcs = [(n, *_shape_dtype(params[n])) if params is not None and n in params else None for n in task.sources]
+    f = taskpath.Facts(
+        sends=True,
+        layout=taskpath.layout(task.shards if shards is None else shards, srcs),
+        held=mesh_size == 1,
+        on_device=not cpu_offload,
+    )
+    small = nbytes is not None and (copy_max < 0 or nbytes < copy_max)
+    in_place = None if direct else "off"
+    copy = None if direct and small else ("off" if not direct else "not fewer bytes than copy_max")
+    return taskpath.classify(f, in_place, copy)
 
 
 def packed_bytes(plan) -> list:
@@ -87,18 +89,47 @@ def packed_bytes(plan) -> list:
     return out
 
 
+def task_choices(plan, params=None, cpu_offload: bool = False, direct: bool = False, copy_max: int = COPY_MAX) -> dict:
+    """{task id: wxfer.taskpath.Choice} on the ranks that send it: task_kinds with the reasons."""
+    if params is not None and not isinstance(params, dict):
+        params = {p.name: p for p in params}
+    nb = packed_bytes(plan) if direct and copy_max != 0 else [None] * len(plan.tasks)
+    sent = rank_shards(plan)
+    return {
+        t.id: task_choice(t, len(plan.meshes[t.mesh]), params, cpu_offload, direct, nb[t.id], copy_max, sent.get(t.id))
+        for t in plan.tasks
+    }
+
+
+def rank_shards(plan) -> dict:
+    """{task: the shards its lowest sending rank packs} for the tasks of meshes of several
+    ranks (each rank sends its share of the task's shards: a replicated norm's one shard per
+    inference TP rank is sent by one trainer rank each); a 1-rank mesh's rank sends them all."""
+    multi = {t.id for t in plan.tasks if len(plan.meshes[t.mesh]) > 1}
+    if not multi:
+        return {}
+    rows = [
+        (t, r, o, s)
+        for t, r, o, s in zip(*(a.tolist() for a in (plan.task, plan.sender, plan.src_offset, plan.shard)))
+        if t in multi
+    ]
+    low: dict = {}
+    for t, r, _, _ in rows:
+        if r < low.get(t, r + 1):
+            low[t] = r
+    offs: dict = {}
+    for t, r, o, s in rows:
+        if r == low[t]:
+            offs.setdefault(t, {}).setdefault(o, s)
+    return {t: [plan.tasks[t].shards[s] for _, s in sorted(d.items())] for t, d in offs.items()}
+
+
 def task_kinds(plan, params=None, cpu_offload: bool = False, direct: bool = False, copy_max: int = COPY_MAX) -> dict:
     """{task id: kind} on the ranks that send it.  params: the trainers' parameters by name
     (TrainParam objects, a {name: TrainParam} dict, or {name: (shape, dtype)}); None: every
     task packed (the simulator's model before the runtime had zero-copy tasks); direct and
     copy_max (the Sender's copy_max, ``stats()["direct"]["copy_max"]``; 0: no copies, -1: no
-    bound): see task_kind (the runtime's own tests, wxfer.runtime.inplace.decompose and
+    bound): see task_choice (the runtime's own tests, wxfer.runtime.inplace.decompose and
     Transport.map, can still send a task the staging or the engine's way: a Sender's
     task_kinds() says what it did)."""
-    if params is not None and not isinstance(params, dict):
-        params = {p.name: p for p in params}
-    nb = packed_bytes(plan) if direct and copy_max != 0 else [None] * len(plan.tasks)
-    return {
-        t.id: task_kind(t, len(plan.meshes[t.mesh]), params, cpu_offload, direct, nb[t.id], copy_max)
-        for t in plan.tasks
-    }
+    return {t: c.path for t, c in task_choices(plan, params, cpu_offload, direct, copy_max).items()}

@@ -341,6 +341,79 @@ class Control:
 OK, ERR = b"OK", b"ER"
 
 
+class Bounded:
+    """One store look at a time, run on a daemon thread, so that its caller waits at most a
+    bound (a store that stopped answering -- SIGSTOPped, a stalled host -- blocks a TCPStore
+    call past any timeout of ours: the thread blocked in it is left there, and answers when the
+    store does).
+
+    ``look(bound)`` starts `fn` unless a look is in flight already, and waits for it at most
+    `bound` seconds from when that look started: callers polling a stuck store all return at
+    once, not each after `bound`.  Returns ``(True, value)``; ``(False, seconds)``, the
+    seconds the look in flight has taken, when it has not answered; raises what `fn` raised."""
+
+    def __init__(self, fn, name: str):
+        import threading
+
+        self._fn, self._name = fn, name
+        self._cv = threading.Condition()
+        self._asked = self._done = 0  # looks asked for / answered
+        self._since = 0.0  # when the look in flight started (monotonic)
+        self._value = self._error = None
+        self._thread = None
+        self._closed = False
+
+    def look(self, bound: float):
+        import threading
+
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"wxfer: {self._name}: closed")
+            if self._done == self._asked:  # none in flight: ask for one
+                self._asked += 1
+                self._since = time.monotonic()
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=f"wxfer {self._name}", daemon=True)
+                    self._thread.start()
+                self._cv.notify_all()
+            want = self._asked
+            left = self._since + float(bound) - time.monotonic()
+            if left > 0:
+                self._cv.wait_for(lambda: self._done >= want, timeout=left)
+            if self._done < want:
+                return False, time.monotonic() - self._since
+            if self._error is not None:
+                raise self._error
+            return True, self._value
+
+    def in_flight(self) -> bool:
+        """A look has been asked for and has not answered."""
+        with self._cv:
+            return self._done < self._asked
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._asked > self._done or self._closed)
+                if self._closed:
+                    return
+                n = self._asked
+            value = error = None
+            try:
+                value = self._fn()
+            except Exception as e:  # noqa: BLE001 -- raised to the caller of look()
+                error = e
+            with self._cv:
+                self._value, self._error, self._done = value, error, n
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        """The thread ends once idle (one blocked in the store ends when the store answers)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
 def encode_result(payload: bytes | None, error: str | None) -> bytes:
     return ERR + error.encode() if error is not None else OK + (payload or b"")
 

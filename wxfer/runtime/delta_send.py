@@ -27,9 +27,10 @@ from . import delta, prepare, program
 log = logging.getLogger(__name__)
 
 
-def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01) -> dict:
+def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = False) -> dict:
     """Encode and apply throughput (record bytes per second) of a range of `n` bytes with
-    `rate` of them changed, on `device` (timed once: a few ms)."""
+    `rate` of them changed, on `device` (timed once: a few ms); gpu: the encode is the delta
+    kernels' (delta_gpu.emit), else the torch ops'."""
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -44,9 +45,27 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01) -> dict:
     t0 = time.perf_counter()
     d, c = delta.changed(new, old)  # paid by every task, records or dense: not a records' cost
     compare_s = time.perf_counter() - t0
+    st = None
+    if gpu:  # the kernels' compare and count (one read back) of 64 MiB: what a task pays first
+        from . import delta_gpu
+
+        _, st = delta_gpu.compare_count(old.clone(), new, [(0, n, 0)])
+        big = 1 << 26
+        o2 = torch.randint(0, 256, (big,), dtype=torch.uint8, device=device)
+        n2 = o2.clone()
+        n2[:: int(1 / rate)] ^= 1
+        best_c = float("inf")
+        for _ in range(3):
+            sh = o2.clone()
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            delta_gpu.compare_count(sh, n2, [(0, big, 0)])
+            best_c = min(best_c, time.perf_counter() - t0)
+        compare_s = best_c * n / big  # scaled to the sample's n bytes (compare_Bps below)
+        del o2, n2, sh
     for _ in range(3):
         t0 = time.perf_counter()
-        rec = delta.encode(new, d, c, 0, 0)
+        rec = delta.encode(new, d, c, 0, 0) if st is None else delta_gpu.emit(new, st, [(0, 0, 0)])[0]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best_e = min(best_e, time.perf_counter() - t0)
@@ -65,6 +84,19 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01) -> dict:
     )
 
 
+def _kernels(device) -> tuple:
+    """(the delta kernels run on `device`, why not or None): on a CUDA device where they cannot
+    load, the torch ops of delta.py do the work and the reason is logged once."""
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return False, None
+    from . import delta_gpu
+
+    why = delta_gpu.why(device)
+    if why is not None:
+        log.warning("delta pushes on %s: the delta kernels cannot run (%s); using torch ops", device, why)
+    return why is None, why
+
+
 class DeltaWriter:
     """engine, device, stream, rank: this rank's; runner: its TaskRunner (verify's checksums,
     the engine's words); links: its workers (their staging areas, restarts); ctl: the job's
@@ -78,7 +110,12 @@ class DeltaWriter:
         self.engine, self.device, self.stream, self.rank = engine, device, stream, rank
         self.links, self.runner, self.ctl = links, runner, ctl
         self.senders = program.receivers_of(links.plan)  # gpu -> trainer ranks writing it (slot order)
-        self.costs = dict(costs) if costs is not None else calibrate_costs(device)
+        self.gpu, self.encoder_why = _kernels(device)
+        self.costs = dict(costs) if costs is not None else calibrate_costs(device, gpu=self.gpu)
+        self._fresh = False  # the shadow of the task under way already updated (the kernels' compare)
+        self._pre = None  # delta_gpu.count's answer for the task under way (the fused path)
+        self._bypassed: set = set()  # tasks of the push under way sent a plain push's way (bypass)
+        self._coloc: dict = {}  # task -> (its dests, all of them this GPU's memory)
         self.link_Bps = 1e9 if link_Bps is None else float(link_Bps)
         self.measure_link = bool(measure_link)
         self.shadow: dict = {}  # task -> (ranges [(soff, n, shadow offset)], uint8 tensor)
@@ -99,12 +136,13 @@ class DeltaWriter:
     def _zero() -> dict:
         return dict(
             dense_bytes=0, delta_bytes=0, record_bytes=0, changed_bytes=0, compared_bytes=0,
-            tasks_delta=0, tasks_dense=0, dense_why={}, encode_s=0.0,
+            tasks_delta=0, tasks_dense=0, dense_why={}, encode_s=0.0, fused_tasks=0, tasks_bypassed=0,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ a push
     def start(self, version: int) -> None:
         self.version = int(version)
+        self._bypassed = set()
         self._resyncs()
         for g in list(self.last_rec):
             if g not in self.synced:  # written dense this push: no earlier records to build on
@@ -155,12 +193,14 @@ class DeltaWriter:
     def run_task(self, op, push_event) -> None:
         """One task of a delta push (TaskRunner.run_task's contract)."""
         prep = op.prep
+        self._fresh = False
         if prep is None:
             prep = op.prep = prepare.task_prep(op, self.device)
         if not op.sends:
             prepare.run(prep, op, self.device)
             return
-        buf = prepare.run(prep, op, self.device)
+        made = self._fused(op, prep)  # FP8 tasks: quantized, compared and counted in the shadow
+        buf, self._pre = (prepare.run(prep, op, self.device), None) if made is None else made
         if self.runner.sums is not None:  # verify: the whole destination, whatever is sent
             self.runner._checksum(op, buf, prep.dests)
         ranges = sorted({(int(s), int(n)) for _, _, s, n in prep.dests})
@@ -177,17 +217,93 @@ class DeltaWriter:
             self.step["dense_why"][why] = self.step["dense_why"].get(why, 0) + 1
             self.step["tasks_dense"] += 1
             self.step["dense_bytes"] += nb
-            self._submit_dense(op, prep, buf, push_event)
+            self._submit_dense(op, prep, buf, push_event, own=made is not None)
         else:
             self.step["tasks_delta"] += 1
             self.step["delta_bytes"] += nb
             for g, lst in recs.items():
                 self.recs[g].extend(lst)
-        self._keep(op.task, buf, ranges, sh)
+        if why == "link_fast":  # no shadow kept: the first push after a slower link is dense
+            self.shadow.pop(op.task, None)
+        elif not self._fresh:
+            self._keep(op.task, buf, ranges, sh)
+
+    def bypass(self, op) -> bool:
+        """True when task `op` takes a plain push's dense way (the StepLoop's: in-place writes on
+        cuda_ipc, batched zero-copy tasks), not this writer: on the kernel path, every destination
+        of the task is this GPU's own memory (colocated: no link to save), or the link is faster
+        than the compare. Its shadow is dropped (stale from now on)."""
+        if not (self.link_fast() or self._colocated(op)):
+            return False
+        self.shadow.pop(op.task, None)
+        self.step["tasks_bypassed"] += 1
+        self._bypassed.add(op.task)
+        return True
+
+    def bypassed(self, op) -> bool:
+        """Did `bypass` send task `op` a plain push's way in the push under way?"""
+        return op.task in self._bypassed
+
+    def _colocated(self, op) -> bool:
+        """The kernel path with the link measured (not pinned), and every destination of task `op`
+        mapped on this rank's own GPU (the transport's map, as in-place writes check it: cuda_ipc
+        between processes of one GPU)."""
+        hit = self._coloc.get(op.task)
+        if hit is not None and hit[0] is op.dests:
+            return hit[1]
+        ok = bool(self.gpu and self.measure_link and op.dests)  # a pinned link is taken as given
+        mp = getattr(getattr(self.runner, "transport", None), "map", None)
+        try:
+            ok = (
+                ok
+                and mp is not None
+                and all(mp(bytes(d[0]), int(d[1]), int(d[3]))[1] == self.device.index for d in op.dests)
+            )
+        except Exception:  # noqa: BLE001 -- not mapped here (another transport, another GPU): not colocated
+            ok = False
+        self._coloc[op.task] = (op.dests, ok)
+        return ok
+
+    def link_fast(self) -> bool:
+        """The kernel path, and the link faster than the compare (colocated): compare nothing, the
+        tasks go a plain push's way (``bypass``; fixed for a push: the link is measured after it)."""
+        return self.gpu and self.link_Bps >= self.costs.get("compare_Bps", float("inf"))
+
+    def _fused(self, op, prep):
+        """The task's bytes made in its shadow by the delta kernels (FP8 pieces quantized and
+        compared in one pass; raw pieces copied, then compared) when the task has FP8 pieces and
+        its shadow is its whole buffer in order: (the shadow, delta_gpu.count's answer), the
+        collectives run here; else None, nothing done (the caller runs prepare.run)."""
+        if not self.gpu or prep.zero_copy or prep.direct is not None or self.link_fast():
+            return None
+        sh = self.shadow.get(op.task)
+        if sh is None or sh[1].numel() != op.nbytes or any(s != so for s, _, so in sh[0]):
+            return None
+        _, raw, fp8_pieces, end, _ = prepare._layout(op.shards)
+        if not fp8_pieces or end != op.nbytes:
+            return None
+        import torch
+
+        from . import delta_gpu
+
+        fulls, _ = prepare.gather(prep, op, self.device)
+        shadow = sh[1]
+        bits = delta_gpu.bits_for(op.nbytes, self.device)
+        spans = [(off, int(r.nbytes), off) for r, off, _ in raw if r.nbytes]
+        if spans:
+            tmp = torch.empty(op.nbytes, dtype=torch.uint8, device=self.device)
+            prepare._copy_raw(tmp, fulls, raw)
+            delta_gpu.compare(shadow, bits, tmp, spans)
+        delta_gpu.quantize_compare(shadow, bits, prepare._jobs(fulls, fp8_pieces))
+        self._fresh = True
+        self.step["fused_tasks"] += 1
+        return shadow, delta_gpu.count(bits, [(so, n) for _, n, so in sh[0]])
 
     def _dense_reason(self, sh, ranges, gpus):
         if self.force_dense:
             return "forced"
+        if self.link_fast():
+            return "link_fast"  # the compare alone takes longer than the dense write (colocated)
         if sh is None or [r[:2] for r in sh[0]] != ranges:
             return "first"
         if any(g is None or g not in self.synced for g in gpus):
@@ -200,12 +316,20 @@ class DeltaWriter:
         """({gpu: [records]}, None) when records are cheaper than the task's bytes, else
         (None, why)."""
         old = sh[1]
-        per_range, rec_bytes = {}, 0
+        per_range, rec_bytes, st = {}, 0, None
+        if self.gpu:  # one kernel compares and updates the shadow, one counts (one read back)
+            from . import delta_gpu
+
+            cs, st = self._pre if self._pre is not None else delta_gpu.compare_count(old, buf, sh[0])
+            self._fresh = True
+            for i, ((soff, n, so), c) in enumerate(zip(sh[0], cs)):
+                per_range[soff] = (i, c)
+        else:
+            for soff, n, so in sh[0]:
+                per_range[soff] = delta.changed(buf[soff : soff + n], old[so : so + n])
         for soff, n, so in sh[0]:
-            d, c = delta.changed(buf[soff : soff + n], old[so : so + n])
-            per_range[soff] = (d, c)
             self.step["compared_bytes"] += n
-            self.step["changed_bytes"] += c
+            self.step["changed_bytes"] += per_range[soff][1]
         need: dict = {}
         dense = 0
         for (rdesc, doff, soff, n), g in zip(dests, gpus):
@@ -220,6 +344,7 @@ class DeltaWriter:
         if any(need[g] > self.room[g] for g in need):
             return None, "slot_full"
         out: dict = {}
+        todo = []  # (gpu, (range index, region index, destination offset)) for the emit kernel
         for (rdesc, doff, soff, n), g in zip(dests, gpus):
             d, c = per_range[int(soff)]
             if c == 0:
@@ -227,7 +352,13 @@ class DeltaWriter:
             idx = self._region_index(g).get(bytes(rdesc))
             if idx is None:
                 return None, "no_staging"
-            out.setdefault(g, []).append(delta.encode(buf[soff : soff + n], d, c, idx, int(doff)))
+            if st is not None:
+                todo.append((g, (d, idx, int(doff))))
+            else:
+                out.setdefault(g, []).append(delta.encode(buf[soff : soff + n], d, c, idx, int(doff)))
+        if todo:
+            for (g, _), rec in zip(todo, delta_gpu.emit(old, st, [t for _, t in todo])):
+                out.setdefault(g, []).append(rec)
         for g, v in need.items():
             self.room[g] -= v
         return out, None
@@ -246,10 +377,11 @@ class DeltaWriter:
         for s, n, so in sh[0]:
             sh[1][so : so + n].copy_(buf[s : s + n])
 
-    def _submit_dense(self, op, prep, buf, push_event) -> None:
+    def _submit_dense(self, op, prep, buf, push_event, own: bool = False) -> None:
+        """own: buf is the task's shadow (already counted against the watermark)."""
         from .tasks import writes_bound
 
-        held = int(buf.numel()) if not prep.zero_copy else 0
+        held = int(buf.numel()) if not (prep.zero_copy or own) else 0
         t_admit = self.engine.reserve(held, timeout=writes_bound(self.runner.write_timeout))
         kw = {}
         if self.stream is not None:
@@ -340,6 +472,8 @@ class DeltaWriter:
     def stats(self) -> dict:
         return dict(
             shadow_bytes=self.shadow_bytes(),
+            encoder="kernels" if self.gpu else "torch",
+            encoder_why=self.encoder_why,
             synced=sorted(self.synced),
             link_Bps=self.link_Bps,
             costs=dict(self.costs),

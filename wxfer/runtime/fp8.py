@@ -187,6 +187,14 @@ def _native(out, jobs):
 
 def _native_at(device, ptr: int, nbytes: int, jobs):
     """_native with the output given as `nbytes` bytes of device memory at address `ptr`."""
+    table, keep, dev = _table(device, jobs)
+    _launch_at(device, ptr, nbytes, table, dev)  # block until the copy ran
+    return None if keep else (table, dev)  # else dev is freed in stream order by the allocator
+
+
+def _table(device, jobs) -> tuple:
+    """The kernel's piece table of checked `jobs`: (host table, the sources made contiguous or
+    cast, to keep alive until the launch, its device copy or None when it travels inline)."""
     torch = _torch()
     codes = _codes()
     table = array.array("q")
@@ -213,8 +221,7 @@ def _native_at(device, ptr: int, nbytes: int, jobs):
         pinned = torch.empty(host.numel(), dtype=torch.int64, pin_memory=True)
         pinned.copy_(host)
         dev = pinned.to(device, non_blocking=True)  # stream-ordered; torch keeps the host
-    _launch_at(device, ptr, nbytes, table, dev)  # block until the copy ran
-    return None if keep else (table, dev)  # else dev is freed in stream order by the allocator
+    return table, keep, dev
 
 
 def _launch(out, table, dev) -> None:

@@ -22,10 +22,11 @@ the peers it wrote, waiting for a CUDA event recorded after it on the side strea
 host, without CUDA, signalled done at once: ``complete_external``).  So the engine finishes
 it after the begin stamps' fence, holds the end stamps' fence (a plain one) until it landed,
 applies its deadline, skips a peer that failed, counts its bytes (``bytes_external``) and
-traces it (kind "external"); ``push()``'s wait is the engine's.  The begin stamps are still
-waited for on the host before the first launch of a push (after its first task's gathers
-were queued): the engine orders its tasks, not this process's kernels, and a kernel that ran
-before a receiver's begin stamp landed would make a torn read look complete.  A receiver
+traces it (kind "external"); ``push()``'s wait is the engine's.  The begin stamps are
+waited for before the first launch of a push (after its first task's gathers were queued; on
+the device where it can, TaskRunner._wait_begin): the engine orders its tasks, not this
+process's kernels, and a kernel that ran before a receiver's begin stamp landed would make a
+torn read look complete.  A receiver
 that failed (the engine's failed peers) or that the Sender dropped is not written (no kernel
 can be called back) nor named in the task.  Off with ``Sender(direct=False)`` or
 ``WXFER_DIRECT=0`` (the user-facing name, and ``stats()["direct"]``, are kept); with verify on
@@ -38,7 +39,7 @@ import struct
 import itertools
 from itertools import zip_longest
 
-from .. import envs
+from .. import envs, taskpath
 from ..zerocopy import COPY_MAX, copy_batch_full
 
 _U32 = struct.Struct("<I")
@@ -295,13 +296,13 @@ class InPlaceWriter:
         caller runs it the staging way (admitted under the watermark, packed, submitted)."""
         self._count_push()
         prep = op.prep
-        if prep.zero_copy or prep.direct is not None:
+        if prep.best.path != taskpath.DIRECT:
             return False  # the engine writes the source's own bytes: nothing packed
         why = self.off() or ("verify is on" if self.verify else None)
         plan = None
         if why is None:
             plan, why = self.plan_of(op)
-        if plan is None:
+        if taskpath.classify(prep.facts, why).path != taskpath.DIRECT:
             self.n["staged"] += 1
             self.why[why] = self.why.get(why, 0) + 1
             return False
@@ -319,16 +320,15 @@ class InPlaceWriter:
     def queue_copy(self, op) -> bool:
         """Queue zero-copy task `op`'s copies into the receivers' mapped memory when it is small
         (fewer bytes than copy_max()) and every destination is mapped here; False: the engine
-        writes it (``_fast_task``). The copies go out in batches (``flush_copies``)."""
-        prep = op.prep
-        if prep is None or not prep.zero_copy or not op.sends or op.nbytes >= self.copy_max:
-            return False
-        if self.off() is not None or self.verify:
-            return False
-        self._count_push()
-        hit = self._copy_hit(op)
-        if hit[3] is None:
-            self.why[hit[4]] = self.why.get(hit[4], 0) + 1
+        writes it (``_fast_task``). The copies go out in batches (``flush_copies``).  Per task
+        per push: the classifier's answer for a copy candidate (``prep.best``, decided once) is
+        copy exactly when ``copy_why`` finds nothing against it."""
+        why, hit = self._copy_check(op)
+        if hit is not None:
+            self._count_push()
+        if why is not None:
+            if hit is not None:  # a destination not mapped here: counted
+                self.why[why] = self.why.get(why, 0) + 1
             return False
         self.copy_q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
         self.copy_q_bytes += sum(c[1][3] for c in hit[3])  # bytes written (every destination), as the simulator counts
@@ -337,16 +337,26 @@ class InPlaceWriter:
             self.flush_copies()
         return True
 
-    def copy_ok(self, op) -> bool:
-        """Whether a push copies zero-copy task `op` straight into the receivers' memory
-        (queue_copy's test without its side effects; the binding is cached as there): what
-        Sender.task_kinds() reports as "copy"."""
+    def copy_why(self, op) -> str | None:
+        """Why a push does not copy zero-copy task `op` straight into the receivers' memory, or
+        None (queue_copy's tests without its side effects; the binding is cached as there): the
+        copy fact of wxfer.taskpath.classify, what Sender.task_kinds() reports "copy" from."""
+        return self._copy_check(op)[0]
+
+    def _copy_check(self, op) -> tuple:
+        """(why not copied or None, the task's binding where it was looked at): a copy
+        candidate (the classifier's best path, ``prep.best``, is copy) of fewer bytes than
+        copy_max, in-place writes on, verify off, every destination mapped here."""
         prep = op.prep
-        if prep is None or not prep.zero_copy or not op.sends or op.nbytes >= self.copy_max:
-            return False
-        if self.off() is not None or self.verify:
-            return False
-        return self._copy_hit(op)[3] is not None
+        if prep is None or prep.best.path != taskpath.COPY:
+            return "not a zero-copy task on the device", None
+        if op.nbytes >= self.copy_max:
+            return "not fewer bytes than copy_max", None
+        why = self.off() or ("verify is on" if self.verify else None)
+        if why is not None:
+            return why, None
+        hit = self._copy_hit(op)
+        return hit[4], hit
 
     def _copy_hit(self, op) -> tuple:
         """The cached _copy_bind of zero-copy task `op`, bound again when its memory moved."""

@@ -18,6 +18,7 @@ watcher's last look began; its end names the deaths found while it ran (``failed
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -28,6 +29,8 @@ from .control import SetupError
 from .receiver import _unb64, decode_param_descriptor
 
 WATCH_S = 0.1  # seconds between the watcher's looks (a restart waits at most this long for a push to see it)
+WATCH_SILENT_S = 3.0  # a look that has not returned for this long is reported (the store stopped answering)
+log = logging.getLogger(__name__)
 
 
 class Links:
@@ -69,6 +72,8 @@ class Links:
         self._watcher = None
         self._any_local = None  # _local_pids, until a restart is taken
         self.watch_error = None  # the last look's failure (the store unreachable), None once one passes
+        self._look_since = None  # when the look in progress began (monotonic), None between looks
+        self._said = None  # the watcher trouble last reported (watch_trouble), None when none
 
     # ------------------------------------------------------------------ setup
     def connect(self) -> None:
@@ -260,11 +265,42 @@ class Links:
 
     def _watch(self, every: float) -> None:
         while not self._stop.wait(every):
+            self._look_since = time.monotonic()
             try:
                 self.look()
                 self.watch_error = None
             except Exception as e:  # noqa: BLE001 -- the store busy or gone: looked at again
                 self.watch_error = f"{type(e).__name__}: {e}"
+            self._look_since = None
+            self.say_watch()
+
+    def watch_trouble(self) -> str | None:
+        """Why the watcher sees nothing now (None: its looks pass): the store failed its last
+        look, or a look has not returned for WATCH_SILENT_S (the store stopped answering)."""
+        since = self._look_since
+        if since is not None and time.monotonic() - since > WATCH_SILENT_S:
+            return f"the store has not answered its look for {time.monotonic() - since:.1f} s"
+        if self.watch_error is not None:
+            return f"its last store look failed: {self.watch_error}"
+        return None
+
+    def say_watch(self) -> None:
+        """Log the watcher's trouble once when it begins, and once when it ends (a few
+        attribute reads when nothing changed: each push's start calls it)."""
+        trouble = self.watch_trouble()
+        if (trouble is None) == (self._said is None):
+            return
+        if trouble is not None:
+            log.warning(
+                "wxfer: trainer rank %d: the watcher of restarts and worker leases is blind: %s; pushes go "
+                "on, but a restarted worker is not taken and a dead remote worker is not seen before a "
+                "write to it fails, until the store answers",
+                self.rank,
+                trouble,
+            )
+        else:
+            log.warning("wxfer: trainer rank %d: the watcher reads the store again (%s before)", self.rank, self._said)
+        self._said = trouble
 
     def look(self) -> None:
         """One look: which workers are dead (their pids here, one poll; their leases, each at
@@ -329,10 +365,12 @@ class Links:
         skipped, and the push reports it)."""
         if self._watcher is None:
             self.look()
-        elif self._local_pids:  # this host's workers: one poll(2) here, a death just before the push seen
-            with self._mu:
-                self._check_pids(self._found)
-                self._news = self._news or bool(self._found)
+        else:
+            self.say_watch()
+            if self._local_pids:  # this host's workers: one poll(2) here, a death just before the push seen
+                with self._mu:
+                    self._check_pids(self._found)
+                    self._news = self._news or bool(self._found)
         if not self._news:
             return
         with self._mu:

@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .. import taskpath
 from ..zerocopy import merged_rows, zero_copy_dests
 from .program import TaskOp
 
@@ -307,20 +308,17 @@ def _quantize(out, fulls: dict, fp8_pieces: dict) -> None:
 
 
 def _whole(op: TaskOp, fulls: dict, fresh: set):
-    """The packed buffer without a copy: the task is one raw shard of one whole source whose
-    gathered tensor (fresh memory, not the parameter) already holds those bytes."""
-    if len(op.shards) != 1:
-        return None
-    sh = op.shards[0]
-    if sh.kind != "raw" or len(sh.pieces) != 1:
-        return None
-    pc = sh.pieces[0]
-    if pc.src not in fresh:
-        return None
-    t = fulls[pc.src]
-    if str(t.dtype) != "torch." + sh.dtype or not t.is_contiguous() or t.dim() not in (1, 2):
-        return None
-    if pc.r0 != 0 or pc.r1 != t.shape[0] or (t.dim() == 2 and (pc.c0 != 0 or pc.c1 != t.shape[1])):
+    """The packed buffer without a copy: the task is one raw shard that is all of its one
+    gathered source (wxfer.taskpath: staged, "gathered_whole"), whose gathered tensor (fresh
+    memory, not the parameter) holds those bytes as they are; None when it does not (packed)."""
+    sh, src = op.shards[0], op.sources[0][0]
+    t = fulls[src]
+    if (
+        src not in fresh
+        or str(t.dtype) != "torch." + sh.dtype
+        or not t.is_contiguous()
+        or t.numel() * t.element_size() != sh.nbytes
+    ):
         return None
     import torch
 
@@ -358,11 +356,15 @@ class ZeroCopyTask:
 class TaskPrep:
     """What does not change between steps for one task on this rank: how each source is
     obtained (whole on this rank; in one coalesced row all-gather per process group and
-    dtype; through DTensor otherwise), whether the write reads the parameter's own memory
-    (zero copy), the destinations as the engine takes them, the bytes it holds."""
+    dtype; through DTensor otherwise), its path (wxfer.taskpath: the facts, the engine's path,
+    the path it takes where the in-place writer can), whether the write reads the parameter's
+    own memory (zero copy), the destinations as the engine takes them, the bytes it holds."""
 
     __slots__ = (
         "device",
+        "facts",
+        "path",
+        "best",
         "whole",
         "gathers",
         "generic",
@@ -382,6 +384,9 @@ class TaskPrep:
         self.whole: list = []  # [(name, parameter)]: this rank holds the whole tensor
         self.gathers: list = []  # [_Gather]
         self.generic: list = []  # [(name, parameter)]: DTensor.full_tensor()
+        self.facts: taskpath.Facts | None = None  # what its path is decided from (task_prep)
+        self.path: taskpath.Choice | None = None  # the engine's path (no in-place writer)
+        self.best: taskpath.Choice | None = None  # the path where in-place writes can do it all
         self.direct = None  # source name when the buffer is that source's bytes
         self.zero_copy = False  # direct, and the parameter's own memory (no H2D)
         self.dests: list = []
@@ -457,43 +462,28 @@ def task_prep(op: TaskOp, device) -> TaskPrep:
             gat.pads.append(torch.zeros((c - lshape[0]) * math.prod(rest), dtype=p.dtype, device=device))
     prep.dests = list(op.dests)
     prep.held = op.nbytes
-    if op.sends and len(op.sources) == 1 and prep.whole:
-        d = _direct_dests(op, prep.whole[0][1])
-        if d is not None:
-            name, p = prep.whole[0]
-            prep.direct, prep.dests = name, d
-            prep.zero_copy = _local(p).device == device
-            prep.held = 0 if prep.zero_copy else p.numel() * p.element_size()
+    _decide(prep, op, device)
     return prep
 
 
-def kind_of(prep: TaskPrep, op: TaskOp, direct: bool = False) -> str:
-    """What this rank does for task `op` (wxfer.plan.kinds): "collective_only" (sends nothing),
-    "zero_copy" (the parameter's own memory), "staged" (written from fresh memory as it is: an
-    offloaded source after its H2D, or a gathered source whose one shard is all of it, see
-    _whole), else "packed"; direct: the Sender writes this task straight into the receivers'
-    memory when it is not the parameter's own bytes (wxfer.runtime.inplace): "direct" then."""
-    if not op.sends:
-        return "collective_only"
-    if prep.zero_copy:
-        return "zero_copy"
-    if prep.direct is not None:
-        return "staged"
-    if direct:
-        return "direct"
-    if len(op.sources) == 1 and len(op.shards) == 1 and not prep.whole:
-        sh, p = op.shards[0], op.sources[0][1]
-        pc = sh.pieces[0] if sh.kind == "raw" and len(sh.pieces) == 1 else None
-        shape = tuple(p.shape)
-        if (
-            pc is not None
-            and str(p.dtype) == "torch." + sh.dtype
-            and len(shape) in (1, 2)
-            and (pc.r0, pc.r1) == (0, shape[0])
-            and (len(shape) == 1 or (pc.c0, pc.c1) == (0, shape[1]))
-        ):
-            return "staged"
-    return "packed"
+def _decide(prep: TaskPrep, op: TaskOp, device) -> None:
+    """Task `op`'s path on this rank (wxfer.taskpath.classify, from the facts of its tensors)
+    and what it means for the bytes: the parameter's own (prep.direct: the source's name;
+    prep.zero_copy: on the device, written from its memory, nothing held) or a buffer."""
+    srcs = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in op.sources]
+    lay = taskpath.layout(op.shards, srcs)
+    held = len(op.sources) == 1 and bool(prep.whole)
+    d, on_dev = None, True
+    if op.sends and held and lay in (taskpath.WHOLE, taskpath.ROWS):
+        d = _direct_dests(op, prep.whole[0][1])
+        on_dev = _local(prep.whole[0][1]).device == device
+    prep.facts = f = taskpath.Facts(op.sends, lay, held, on_dev, d is not None)
+    prep.path, prep.best = taskpath.classify(f), taskpath.best(f)
+    if f.own:
+        name, p = prep.whole[0]
+        prep.direct, prep.dests = name, d
+        prep.zero_copy = prep.path.path == taskpath.ZERO_COPY
+        prep.held = 0 if prep.zero_copy else p.numel() * p.element_size()
 
 
 def _direct_dests(op: TaskOp, p):
@@ -553,7 +543,7 @@ def run(prep: TaskPrep, op: TaskOp, device):
         return None
     if prep.direct is not None:
         return fulls[prep.direct].reshape(-1).view(torch.uint8)
-    buf = _whole(op, fulls, fresh)
+    buf = _whole(op, fulls, fresh) if prep.path.reason == "gathered_whole" else None
     if buf is None:
         buf = pack_into(op.shards, fulls, op.nbytes, device)
     if buf.numel() != op.nbytes:

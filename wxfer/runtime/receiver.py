@@ -32,7 +32,7 @@ import time
 
 from .. import envs
 from . import alias, control, digest, jobs, liveness
-from .control import Control, SetupError
+from .control import Bounded, Control, SetupError
 from .isolation import warn_fault_isolation
 from .transport_opts import (  # noqa: F401 -- imported from here by sender, tools and tests
     capabilities,
@@ -45,6 +45,7 @@ from .transport_opts import (  # noqa: F401 -- imported from here by sender, too
 )
 
 _DESC_HEAD = struct.Struct("<Q")
+STATE_STORE_S = 1.0  # state() waits for the trainers' store at most this long (then answers without it)
 log = logging.getLogger(__name__)
 
 
@@ -218,6 +219,7 @@ class Receiver:
         self.senders = []
         self._busy_key = self._busy_since = None
         self._marks_checked, self._last_marks = -1.0, []
+        self._store_look = Bounded(self._look_store, f"Receiver gpu {self.gpu} store look")
 
     def _register(self, mode: str, stamp_slots: int, delta_staging=0) -> None:
         import torch
@@ -513,10 +515,26 @@ class Receiver:
         first = self._busy_since if busy and self._busy_key == busy else now
         self._busy_key, self._busy_since = (busy, first) if busy else (None, None)
         v = -1 if busy else int(min(end))
-        if busy or self._marks_checked + 0.1 < now:
-            self._marks_checked, self._last_marks = now, self._marks()
-            if self.writers is not None:
-                self._gone = self.writers.gone()
+        silent = 0.0  # seconds the store has not answered this look (0: it answered)
+        if busy or self._marks_checked + 0.1 < now or self._store_look.in_flight():
+            self._marks_checked = now
+            answered, got = self._store_look.look(STATE_STORE_S)
+            if answered:
+                self._last_marks, gone = got
+                self._gone = self._gone if gone is None else gone
+            else:
+                silent = got
+        if silent:
+            return _silent(self._state_of(busy, v, end, now, first), silent)
+        return self._state_of(busy, v, end, now, first)
+
+    def _look_store(self):
+        """The trainers' records of giving up here, and the trainer ranks dead by now (None: not
+        watched): what state() reads from the store, on the Bounded look's thread."""
+        return self._marks(), (self.writers.gone() if self.writers is not None else None)
+
+    def _state_of(self, busy: list, v: int, end: list, now: float, first: float) -> dict:
+        """state() from the stamps read and the store's last answer."""
         marks = self._last_marks
         ranks = [r for r, _ in busy]
         if marks is None:
@@ -650,6 +668,7 @@ class Receiver:
             self.verifier.stop()
         if self.lease is not None:
             self.lease.stop()
+        self._store_look.close()
         if self.writers is not None:
             self.writers.pids.close()  # the pidfds of the trainers on this host
         for r in self.regions:
@@ -713,6 +732,16 @@ def _unwritten(gpu) -> dict:
         f"inference worker gpu {gpu}: no step written since this Receiver's setup (the weights are what "
         "the memory held before it)",
     )
+
+
+def _silent(st: dict, silent: float) -> dict:
+    """state() `st` from the store's last answer, when the store has not answered for `silent`
+    seconds (stopped or stalled): said in its message."""
+    st["message"] += (
+        f" (the trainers' store has not answered for {silent:.1f} s: a trainer's record of "
+        f"giving up on this worker, or a trainer's lease, is read from its last answer)"
+    )
+    return st
 
 
 def _state(state, version, step, ranks, why, for_s, final, message) -> dict:

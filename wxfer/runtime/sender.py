@@ -118,7 +118,8 @@ class Sender:
     records into the receivers' staging areas (``Receiver(delta_staging=...)``, applied by
     ``Receiver.apply()``), or dense where that is cheaper or the receiver is not in step (the
     first push, after a failure, a restart).  The shadow's bytes count against the watermark
-    (setup fails when they leave less than the largest task); in-place writes are off.
+    (setup fails when they leave less than the largest task); in-place writes serve only the
+    tasks that bypass the delta writer (colocated on a GPU: docs/delta.md).
     ``stats()["delta"]`` reports the shadow, the bytes and the choices of the last push.  A dict
     instead of True sets the chooser's inputs: {"link_Bps": bytes/s, "measure_link": False}
     pins the link throughput (default: measured from the last all-dense push), "costs" the
@@ -162,7 +163,9 @@ class Sender:
         self._lock = threading.RLock()  # push() / PushHandle.wait(): one step at a time
         if max_task_bytes is not None and (isinstance(max_task_bytes, bool) or int(max_task_bytes) < 1):
             raise ValueError(f"wxfer.Sender: max_task_bytes must be an int >= 1 or None, got {max_task_bytes!r}")
-        in_place = inplace.options(False if delta else direct, copy_max)  # checked before anything is set up
+        # checked before anything is set up; with delta, in-place writes serve only the tasks that
+        # bypass the delta writer (colocated: DeltaWriter.bypass)
+        in_place = inplace.options(direct, copy_max)
         self.delta_on = _delta_option(delta)
         self.delta = None  # wxfer.runtime.delta_send.DeltaWriter (delta=True), made at connect
         self.shadow_bound = 0  # bytes of the delta shadow counted against the watermark
@@ -523,14 +526,18 @@ class Sender:
 
     def _run_task(self, op, push_event) -> None:
         """One task of a push (TaskRunner.run_task, or the delta writer's; the hook a test may wrap)."""
-        if self.delta is not None:
+        if self.delta is not None and not self.delta.bypassed(op):
             self.delta.run_task(op, push_event)
-        else:
+        else:  # a plain push's task (delta: one the StepLoop let bypass the delta writer)
             self.runner.run_task(op, push_event)
 
     def task_kinds(self) -> dict:
         """{plan task: kind} of this rank's tasks, as it runs them (TaskRunner.task_kinds)."""
         return self.runner.task_kinds()
+
+    def task_choices(self) -> dict:
+        """{plan task: wxfer.taskpath.Choice}: task_kinds with the reason of each."""
+        return self.runner.task_choices()
 
     def verify(self, timeout: float | None = None) -> dict:
         """Check again that every receiver holds what the last push sent (checksums of the
@@ -578,6 +585,7 @@ class Sender:
             setup_s=self.setup_s,
             quantizer=_quantizer_stats(self.device),
             direct=self.inplace.stats(),
+            watcher=self.links.watch_trouble(),  # None while the watcher's store looks pass
         )
         if self.delta is not None:
             s["delta"] = dict(self.delta.stats(), shadow_bound=self.shadow_bound, watermark=self.watermark)

@@ -157,7 +157,7 @@ class StepLoop:
                 state["at"] = (gi, oi)
                 if op.prep is not None:
                     op.prep.done = 0  # none of its collectives posted yet (a failure's drain resumes there)
-                if self.delta is not None:  # every task through the delta writer (delta_send.py)
+                if self.delta is not None and not self.delta.bypass(op):  # the delta writer (delta_send.py)
                     run_task(op, ev)
                     continue
                 if inplace.queue_copy(op):  # small: one batched copy into the receivers

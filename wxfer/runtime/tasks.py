@@ -5,13 +5,18 @@ checksums, and the words of an engine failure (which plan task, which inference 
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import warnings
 
+from .. import envs, taskpath
 from . import prepare
 from .inplace import COPIES_TAG
 from .receiver import _b64
 
 STAMP_TAG = 1 << 62  # engine tag of the version-stamp writes (plan tasks use their index)
+
+log = logging.getLogger(__name__)
 
 
 def _host_int64(device):
@@ -20,6 +25,38 @@ def _host_int64(device):
 
     t = torch.zeros(1, dtype=torch.int64)
     return t.pin_memory() if device.type == "cuda" else t
+
+
+def begin_wait_word(engine, device):
+    """The begin stamps' device wait (``WXFER_BEGIN_WAIT``, default device): a uint32 in pinned
+    host memory into which `engine` stores each fence task's id as it finishes
+    (``Engine.fence_word``), and its device address for ``_wxfer.stream_wait``
+    (cuStreamWaitValue32).  (word, device address, None), or (None, 0, why not): CPU, host
+    chosen, the driver without cuStreamWaitValue32_v2, the memory with no device address."""
+    import torch
+
+    from .. import _wxfer
+
+    choice = (envs.get("WXFER_BEGIN_WAIT") or "device").strip().lower()
+    if choice not in ("device", "host"):
+        raise ValueError(f"WXFER_BEGIN_WAIT must be device or host, got {choice!r}")
+    if device.type != "cuda":
+        return None, 0, "not a CUDA device"
+    if choice == "host":
+        return None, 0, "WXFER_BEGIN_WAIT=host"
+    word = torch.zeros(1, dtype=torch.int32).pin_memory()
+    dev, why = _wxfer.stream_wait_addr(_index(device), word.data_ptr())
+    if not dev:
+        return None, 0, why
+    engine.fence_word(word.data_ptr(), word)
+    return word, dev, None
+
+
+def _index(device) -> int:
+    """The CUDA device's index (the current one for a bare "cuda")."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def writes_bound(write_timeout: float) -> float:
@@ -61,8 +98,21 @@ class TaskRunner:
         self.stamp_srcs = {
             w: _stamp_source(transport, t) for w, t in (("end", self.stamp_src), ("begin", self.begin_src))
         }
+        # each stamp's int64 as a ctypes view of the tensor's memory (kept alive by the tensor
+        # above), not torch's fill_: on the 2-core VM 0.15 us against 0.8 us back to back, and
+        # 8 us against 31 us after a 5 ms gap (a push after a training step; issue 37)
+        self._stamp_val = ctypes.c_int64.from_address(self.stamp_src.data_ptr())
+        self._begin_val = ctypes.c_int64.from_address(self.begin_src.data_ptr())
         self.version = 0  # the push under way
         self.begin_fence = None  # its begin stamps' fence task
+        # the in-place writes wait for that fence on the device where the driver can
+        # (begin_wait_word); else (why_host_wait says why) on the host, as before
+        self.begin_word, self.begin_word_dev, self.why_host_wait = None, 0, "no in-place writes"
+        off = getattr(inplace, "off", None)  # why no task is written in place, or None
+        if off is not None and off() is None:
+            self.begin_word, self.begin_word_dev, self.why_host_wait = begin_wait_word(engine, device)
+            if self.why_host_wait and device.type == "cuda":
+                log.info("wxfer: trainer rank %d: begin stamps waited for on the host: %s", rank, self.why_host_wait)
         self.verify = False  # whether it verifies (the last push's setting, between pushes)
         self.sums = None  # {gpu: [checksum record]} of the push under way (verify on)
         self.last_sums = None  # those of the last push verified
@@ -103,13 +153,39 @@ class TaskRunner:
         dests = self.links.begin_dest
         self.begin_fence = None
         if dests:
-            self.begin_src.fill_(self.version)
+            self._begin_val.value = self.version
             # a receiver that fails here is skipped by the engine for the data writes too
             self.begin_fence = self.submit_stamps(self.stamp_srcs["begin"], dests, "begin")
 
     def _wait_begin(self) -> None:
         """Until this push's begin stamps landed (that fence task alone; with no stamps,
-        everything submitted so far): what the in-place writes wait for."""
+        everything submitted so far): what the in-place writes wait for.  On the device where
+        it can (``begin_wait_word``): the current (side) stream waits for the fence's id in the
+        word the engine stores it into, and this thread goes on launching; a refusal falls
+        back to the host wait for good, its reason logged."""
+        if self.begin_word_dev and self.begin_fence is not None:
+            import torch
+
+            from .. import _wxfer
+
+            # the fence's stamp copies enqueued first (a short host wait: the engine's post, not
+            # the copies' completion): a copy behind the device wait in a hardware queue the
+            # two streams share would otherwise wait for it until the fence's deadline
+            self.wait_engine(
+                writes_bound(self.write_timeout),
+                "posting the begin stamps (before the in-place writes)",
+                fence=self.begin_fence,
+                posted=True,
+            )
+            try:
+                # the stream the in-place launches go to (fp8 / copies: the current one)
+                stream = torch.cuda.current_stream(self.device).cuda_stream
+                fid = self.begin_fence & 0xFFFFFFFF
+                _wxfer.stream_wait(_index(self.device), stream, self.begin_word_dev, fid)
+                return
+            except Exception as e:  # noqa: BLE001 -- the host wait below is always right
+                self.begin_word_dev, self.why_host_wait = 0, f"stream_wait refused: {e}"
+                log.warning("wxfer: trainer rank %d: begin stamps waited for on the host: %s", self.rank, e)
         self.wait_engine(
             writes_bound(self.write_timeout),
             "writing the begin stamps (before the in-place writes)",
@@ -121,7 +197,7 @@ class TaskRunner:
         has finished (a fence: the in-place writes are external tasks, waited for by their CUDA
         events); the engine skips the failed receivers: the others get their stamp."""
         if self.links.stamp_dest:
-            self.stamp_src.fill_(self.version)
+            self._stamp_val.value = self.version
             self.submit_stamps(self.stamp_srcs["end"], self.links.stamp_dest, "end")
 
     def submit_stamps(self, src, dests: dict, which: str, event=None) -> int:
@@ -201,27 +277,31 @@ class TaskRunner:
             self.engine.submit(buf, prep.dests, tag=op.task, held=held, reserved=t_admit)
 
     def task_kinds(self) -> dict:
-        """{plan task: kind} of this rank's tasks, as it runs them (wxfer.plan.kinds: zero_copy,
-        staged, packed, direct, collective_only, copy), for the simulator (``simulate(...,
-        kinds=...)``).  Decided at setup; a zero-copy task whose memory moved is decided again
-        at a push; a packed task is "direct" (written in place) when this Sender can write it
-        straight into the receivers (inplace.py: cuda_ipc, its layout's pieces inside the
-        mapped destinations; not with verify on, which sends every task the staging way); a
-        zero-copy task is copy when a push copies it into the receivers' mapped memory
-        (``InPlaceWriter.copy_ok``: fewer bytes than copy_max(), in-place possible, every
-        destination mapped; not with verify on)."""
+        """{plan task: kind} of this rank's tasks, as it runs them (wxfer.taskpath.PATHS:
+        zero_copy, staged, packed, direct, collective_only, copy), for the simulator
+        (``simulate(..., kinds=...)``): ``task_choices``' paths."""
+        return {t: c.path for t, c in self.task_choices().items()}
+
+    def task_choices(self) -> dict:
+        """{plan task: wxfer.taskpath.Choice} of this rank's tasks: the classifier's answer from
+        each task's facts (decided at setup; a zero-copy task whose memory moved is decided again
+        at a push) and what the in-place writer says of it now: a task that is not the
+        parameter's own bytes is direct when this Sender can write it straight into the
+        receivers (inplace.py: cuda_ipc, its layout's pieces inside the mapped destinations;
+        not with verify on); a zero-copy task is copy when a push copies it there
+        (``InPlaceWriter.copy_why``: fewer bytes than copy_max, every destination mapped)."""
         out = {}
         ip = self.inplace
         off = ip.off() or ("verify" if ip.verify else None)
         for ops in self.program.groups:
             for op in ops:
                 prep = op.prep if op.prep is not None else prepare.task_prep(op, self.device)
-                k = prepare.kind_of(prep, op)
-                if k in ("packed", "staged") and prep.direct is None and off is None:
-                    k = prepare.kind_of(prep, op, direct=ip.plan_of(op)[0] is not None)
-                elif k == "zero_copy" and off is None and op.prep is prep and ip.copy_ok(op):
-                    k = "copy"  # (a task prepared again at the next push goes the engine's way there)
-                out[op.task] = k
+                in_place = copy = off or taskpath.NOT_ASKED
+                if off is None and prep.best.path == taskpath.DIRECT:
+                    in_place = ip.plan_of(op)[1]
+                elif off is None and prep.best.path == taskpath.COPY and op.prep is prep:
+                    copy = ip.copy_why(op)  # (a task prepared again at the next push goes the engine's way there)
+                out[op.task] = taskpath.classify(prep.facts, in_place, copy)
         return out
 
     # ------------------------------------------------------------------ verify
@@ -248,11 +328,14 @@ class TaskRunner:
         self.last_verify = request(ctl, self.rank, self.version, self.last_sums, self.links.workers, timeout)
 
     # ------------------------------------------------------------------ the engine's words
-    def wait_engine(self, timeout, what, fence=None) -> None:
-        """Engine.wait (fence: only until that fence task finished), its failure raised as this
-        rank's step error saying `what` it waited for."""
+    def wait_engine(self, timeout, what, fence=None, posted: bool = False) -> None:
+        """Engine.wait (fence: only until that fence task finished; posted: only until it is done
+        posting), its failure raised as this rank's step error saying `what` it waited for."""
         try:
-            self.engine.wait(timeout=timeout, fence=fence)
+            if posted:
+                self.engine.wait(timeout=timeout, fence=fence, posted=True)
+            else:
+                self.engine.wait(timeout=timeout, fence=fence)
         except Exception as e:
             self.engine.clear_error()
             raise RuntimeError(

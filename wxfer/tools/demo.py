@@ -217,6 +217,7 @@ def _delta_result(a: dict, res: dict, per_step: list) -> dict:
                 tasks_delta=d["tasks_delta"],
                 tasks_dense=d["tasks_dense"],
                 tasks_dense_cost=d.get("tasks_dense_cost", 0),
+                tasks_bypassed=d.get("tasks_bypassed", 0),
                 change_rate=d["changed_bytes"] / max(d["compared_bytes"], 1),
                 apply_s=max(r["apply"]["applied_s"] for r in s["reports"]),
                 push_s=s["step_s"],

@@ -1,0 +1,74 @@
+/* wx_delta.h - delta pushes on the GPU (issue 36, docs/delta.md): the FP8 quantizer fused with
+ * the compare against the shadow, the compare of raw bytes, and the records made from the
+ * bitmask of changed bytes, bit-identical to wxfer.runtime.delta.encode's.
+ *
+ * The shadow is a uint8 device buffer holding what the trainer last wrote; every launch here
+ * updates it in place to the fresh bytes and ORs bit i of the bitmask (u32 words, little-endian
+ * bit order, zeroed by the caller, at least WX_DELTA_WORDS(nbits) words) for each byte i that
+ * changed. The kernels (wx_delta_kernel.cu, which includes the FP8 kernel's source, and
+ * wx_delta_ops_kernel.cu) are compiled with NVRTC at first use, like the FP8 kernel. Tables
+ * (ranges, records) live in device memory until the kernel ran (stream order).
+ */
+#ifndef WX_DELTA_H
+#define WX_DELTA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "wx_fp8.h"
+
+#define WX_DELTA_SEG 8192u /* bytes of a range per segment (the ops kernel's WX_DSEG) */
+#define WX_DELTA_MAX (1 << 20)
+#define WX_DELTA_WORDS(nbits) (((uint64_t)(nbits) + 31u) / 32u + 1u) /* one word past the end */
+enum { WX_DELTA_PAIRS = 0, WX_DELTA_MASK = 1 };
+
+/* Compare: the nbytes at src (fresh) with those at dst (in the shadow), at bit0 of the bitmask;
+ * seg0 the running count of segments (ceil(nbytes / WX_DELTA_SEG)) before it. */
+typedef struct wx_delta_cmp {
+    uint64_t dst, src, nbytes, seg0, bit0;
+} wx_delta_cmp_t;
+
+/* Count: a range of nbytes bits at bit0 of the bitmask; seg0 as above. */
+typedef struct wx_delta_range {
+    uint64_t bit0, nbytes, seg0;
+} wx_delta_range_t;
+
+/* Emit: one record (the kernel's struct wx_delta_rec): at out_off of the output (8-aligned),
+ * of the range at bit0 (its shadow offset = its first bit) of nbytes bytes, count of them
+ * changed; seg0 the running count of segments of the records before it, rseg0 the range's first
+ * segment in the count launch (its index in segx); head0 = region | encoding << 32; doff the
+ * destination offset. */
+typedef struct wx_delta_rec {
+    uint64_t out_off, bit0, nbytes, seg0, rseg0, count, head0, doff;
+} wx_delta_rec_t;
+
+/* Can the kernels run on CUDA device `device`? Compiles and loads both modules (once). The fused
+ * quantizer needs compute capability 8.9 (e4m3 conversion); the others run on any. Returns 0, or
+ * a negative errno with the reason in why. */
+int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len);
+
+/* Validation (no GPU): 0 with *nsegs (the grid's work), or -EINVAL naming the entry. */
+int wx_delta_cmp_check(const wx_delta_cmp_t *r, int n, uint64_t bits_nbytes, uint64_t *nsegs);
+int wx_delta_count_check(const wx_delta_range_t *r, int n, uint64_t bits_nbytes, uint64_t *nsegs);
+int wx_delta_emit_check(const wx_delta_rec_t *r, int n, uint64_t bits_nbytes,
+                        uint64_t shadow_nbytes, uint64_t out_nbytes, uint64_t nsegx,
+                        uint64_t *nsegs);
+
+/* The FP8 kernel's pieces (wx_fp8_check) quantized into the shadow `out` (the fp8 bytes and
+ * scales compared, the changed ones written and marked in `bits`). As wx_fp8_launch otherwise. */
+int wx_delta_quant_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes,
+                          const wx_fp8_piece_t *host, uint64_t dev_pieces, int n, uint64_t bits,
+                          uint64_t bits_nbytes);
+int wx_delta_cmp_launch(int device, uint64_t stream, const wx_delta_cmp_t *host, uint64_t dev,
+                        int n, uint64_t bits, uint64_t bits_nbytes);
+/* counts: one u32 per segment of the ranges (counts_n of them). */
+int wx_delta_count_launch(int device, uint64_t stream, const wx_delta_range_t *host, uint64_t dev,
+                          int n, uint64_t bits, uint64_t bits_nbytes, uint64_t counts,
+                          uint64_t counts_n);
+/* segx: nsegx int64, the exclusive prefix sum of the count launch's counts (segx[0] == 0). */
+int wx_delta_emit_launch(int device, uint64_t stream, const wx_delta_rec_t *host, uint64_t dev,
+                         int n, uint64_t bits, uint64_t bits_nbytes, uint64_t shadow,
+                         uint64_t shadow_nbytes, uint64_t segx, uint64_t nsegx, uint64_t out,
+                         uint64_t out_nbytes);
+
+#endif

@@ -1,0 +1,219 @@
+/* wx_delta_ops_kernel.cu - delta pushes (issue 36): the compare of raw bytes with the shadow
+ * (BF16 and any bytes that are not quantized here) and the records made from the bitmask.
+ *
+ * Compiled with NVRTC at first use by wx_delta.c (no system header). Three entry points:
+ *
+ *   wx_delta_cmp    per range (dst: in the shadow, src: the fresh bytes, nbytes, bit0): each
+ *                   thread compares 32 bytes, writes them into the shadow where one differs and
+ *                   ORs their bits into the bitmask at bit0 + offset (u32 words, little-endian
+ *                   bit order, zeroed by the caller);
+ *   wx_delta_count  per range of the bitmask (bit0, nbytes, seg0): the changed bytes of each
+ *                   segment of WX_DSEG bytes (256 threads x one 32-bit word);
+ *   wx_delta_emit   per record (wx_delta_rec): its 32-byte head and payload, exactly as
+ *                   wxfer.runtime.delta.encode writes it: PAIRS, the u32 offsets of the changed
+ *                   bytes then the bytes; MASK, the range's bitmask then the bytes. The values
+ *                   come from the updated shadow; segment s of the range writes from
+ *                   segx[rseg0 + s] - segx[rseg0] on (segx: the exclusive prefix sum of the
+ *                   counts), its threads in order (a block scan), so the records are in
+ *                   increasing byte order, bit-identical to the CPU encoder's. The output is
+ *                   zeroed by the caller (the pads).
+ */
+typedef unsigned int wx_u32;
+typedef unsigned long long wx_u64;
+typedef long long wx_i64;
+
+#define WX_DTHREADS 256
+#define WX_DSEG (WX_DTHREADS * 32) /* bytes of a range per segment (= WX_DELTA_SEG) */
+#define WX_DWARPS (WX_DTHREADS / 32)
+
+struct wx_delta_cmp_range { /* = wx_delta_cmp_t */
+    wx_u64 dst, src, nbytes, seg0, bit0;
+};
+
+struct wx_delta_range { /* = wx_delta_range_t */
+    wx_u64 bit0, nbytes, seg0;
+};
+
+struct wx_delta_rec { /* = wx_delta_rec_t */
+    wx_u64 out_off;   /* the record's first byte in out (8-aligned) */
+    wx_u64 bit0;      /* the range's first byte in the shadow (= its first bit) */
+    wx_u64 nbytes;    /* the range's length */
+    wx_u64 seg0;      /* the record's first segment in this launch */
+    wx_u64 rseg0;     /* the range's first segment in segx */
+    wx_u64 count;     /* its changed bytes */
+    wx_u64 head0;     /* region | encoding << 32 */
+    wx_u64 doff;      /* destination offset */
+};
+
+/* The last i with r[i].seg0 <= s (r[0].seg0 == 0). */
+template <typename T> __device__ __forceinline__ int wx_dfind(const T *r, int n, wx_u64 s)
+{
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (r[mid].seg0 <= s)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* OR the 32-bit mask m into the bitmask at bit pos (two words at most). */
+__device__ __forceinline__ void wx_dset(wx_u32 *bits, wx_u64 pos, wx_u32 m)
+{
+    if (!m)
+        return;
+    wx_u64 x = (wx_u64)m << (pos & 31);
+    wx_u32 *w = bits + (pos >> 5);
+    if ((wx_u32)x)
+        atomicOr(w, (wx_u32)x);
+    if ((wx_u32)(x >> 32))
+        atomicOr(w + 1, (wx_u32)(x >> 32));
+}
+
+/* Bit k set when byte k of the words a and b differ. */
+__device__ __forceinline__ wx_u32 wx_dne4(wx_u32 a, wx_u32 b)
+{
+    wx_u32 d = a ^ b, m = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        if ((d >> (8 * k)) & 0xffu)
+            m |= 1u << k;
+    return m;
+}
+
+extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
+    wx_delta_cmp(const wx_delta_cmp_range *r, int n, wx_u64 nsegs, wx_u32 *bits)
+{
+    for (wx_u64 sg = blockIdx.x; sg < nsegs; sg += gridDim.x) {
+        const int i = wx_dfind(r, n, sg);
+        const wx_u64 off = (sg - r[i].seg0) * WX_DSEG + (wx_u64)threadIdx.x * 32;
+        const wx_u64 len = r[i].nbytes;
+        if (off >= len)
+            continue;
+        const int nb = len - off < 32 ? (int)(len - off) : 32;
+        unsigned char *d = (unsigned char *)r[i].dst + off;
+        const unsigned char *s = (const unsigned char *)r[i].src + off;
+        wx_u32 m = 0;
+        if (nb == 32 && (((wx_u64)d | (wx_u64)s) & 15) == 0) {
+            const uint4 *s4 = (const uint4 *)s;
+            uint4 *d4 = (uint4 *)d;
+            const uint4 a = __ldg(s4), b = __ldg(s4 + 1), c = d4[0], e = d4[1];
+            m = wx_dne4(a.x, c.x) | wx_dne4(a.y, c.y) << 4 | wx_dne4(a.z, c.z) << 8 |
+                wx_dne4(a.w, c.w) << 12 | wx_dne4(b.x, e.x) << 16 | wx_dne4(b.y, e.y) << 20 |
+                wx_dne4(b.z, e.z) << 24 | wx_dne4(b.w, e.w) << 28;
+            if (m) {
+                d4[0] = a;
+                d4[1] = b;
+            }
+        } else {
+            for (int k = 0; k < nb; k++) {
+                const unsigned char x = s[k];
+                if (x != d[k]) {
+                    d[k] = x;
+                    m |= 1u << k;
+                }
+            }
+        }
+        wx_dset(bits, r[i].bit0 + off, m);
+    }
+}
+
+/* Word k (bits [32k, 32k + 32)) of the range of nbytes bits at bit0 of the bitmask, zero above
+ * nbytes (the bitmask has a word past its last one). */
+__device__ __forceinline__ wx_u32 wx_dword(const wx_u32 *bits, wx_u64 bit0, wx_u64 k, wx_u64 nbytes)
+{
+    if (32 * k >= nbytes)
+        return 0;
+    const wx_u64 b = bit0 + 32 * k;
+    const int sh = (int)(b & 31);
+    const wx_u32 lo = bits[b >> 5];
+    wx_u32 w = sh ? __funnelshift_r(lo, bits[(b >> 5) + 1], sh) : lo;
+    const wx_u64 rem = nbytes - 32 * k;
+    if (rem < 32)
+        w &= (1u << rem) - 1u;
+    return w;
+}
+
+/* Exclusive prefix sum of x over the CTA (every thread calls it); *total gets the sum. */
+__device__ __forceinline__ wx_u32 wx_dscan(wx_u32 x, wx_u32 *sm, wx_u32 *total)
+{
+    const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+    wx_u32 v = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        wx_u32 y = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o)
+            v += y;
+    }
+    if (lane == 31)
+        sm[wp] = v;
+    __syncthreads();
+    wx_u32 before = 0, all = 0;
+#pragma unroll
+    for (int k = 0; k < WX_DWARPS; k++) {
+        const wx_u32 t = sm[k];
+        before += k < wp ? t : 0;
+        all += t;
+    }
+    __syncthreads(); /* sm free for the next call */
+    *total = all;
+    return before + v - x;
+}
+
+extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
+    wx_delta_count(const wx_delta_range *r, int n, wx_u64 nsegs, const wx_u32 *bits, wx_u32 *counts)
+{
+    __shared__ wx_u32 sm[WX_DWARPS];
+    for (wx_u64 sg = blockIdx.x; sg < nsegs; sg += gridDim.x) {
+        const int i = wx_dfind(r, n, sg);
+        const wx_u64 k = (sg - r[i].seg0) * WX_DTHREADS + threadIdx.x;
+        wx_u32 total;
+        wx_dscan(__popc(wx_dword(bits, r[i].bit0, k, r[i].nbytes)), sm, &total);
+        if (threadIdx.x == 0)
+            counts[sg] = total;
+    }
+}
+
+__device__ __forceinline__ wx_u64 wx_dpad8(wx_u64 x) { return (x + 7) & ~(wx_u64)7; }
+
+extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
+    wx_delta_emit(const wx_delta_rec *r, int n, wx_u64 nsegs, const wx_u32 *bits,
+                  const unsigned char *shadow, const wx_i64 *segx, unsigned char *out)
+{
+    __shared__ wx_u32 sm[WX_DWARPS];
+    for (wx_u64 sg = blockIdx.x; sg < nsegs; sg += gridDim.x) {
+        const int i = wx_dfind(r, n, sg);
+        const wx_delta_rec rc = r[i];
+        const wx_u64 s = sg - rc.seg0, k = s * WX_DTHREADS + threadIdx.x;
+        unsigned char *rec = out + rc.out_off;
+        if (s == 0 && threadIdx.x < 4) {
+            const wx_u64 h[4] = {rc.head0, rc.doff, rc.nbytes, rc.count};
+            ((wx_u64 *)rec)[threadIdx.x] = h[threadIdx.x];
+        }
+        wx_u32 w = wx_dword(bits, rc.bit0, k, rc.nbytes), total;
+        const wx_u32 pre = wx_dscan(__popc(w), sm, &total);
+        const wx_u64 pos = (wx_u64)(segx[rc.rseg0 + s] - segx[rc.rseg0]) + pre;
+        unsigned char *pay = rec + 32;
+        const bool mask = (rc.head0 >> 32) == 1;
+        unsigned char *vals;
+        wx_u32 *offs = 0;
+        if (mask) {
+            if (32 * k < rc.nbytes)
+                ((wx_u32 *)pay)[k] = w;
+            vals = pay + wx_dpad8((rc.nbytes + 7) / 8);
+        } else {
+            offs = (wx_u32 *)pay;
+            vals = pay + wx_dpad8(4 * rc.count);
+        }
+        const unsigned char *src = shadow + rc.bit0 + 32 * k;
+        for (wx_u64 q = pos; w; q++) {
+            const int b = __ffs(w) - 1;
+            w &= w - 1;
+            vals[q] = src[b];
+            if (offs)
+                offs[q] = (wx_u32)(32 * k + b);
+        }
+    }
+}

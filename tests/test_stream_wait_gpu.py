@@ -1,0 +1,114 @@
+"""The begin stamps' device wait (issue 37; marker `gpu`, skips without one): a side stream
+waits with cuStreamWaitValue32 (``_wxfer.stream_wait``) for a word in pinned host memory that
+the engine stores each finished fence's id into (``Engine.fence_word``); the host goes on at
+once.  Checked: the stream does not run past the wait before the word says so (host-set and
+cyclic across 2^32), and with a real cuda_ipc engine the in-place copy queued behind the wait
+lands after the fence's stamp was written.  The CPU half (the word's values):
+tests/test_engine.py::test_fence_word_mirrors_each_finished_fence_and_is_released_at_close."""
+
+import ctypes
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from wxfer import _wxfer  # noqa: E402
+
+from helpers import gpu_count  # noqa: E402 -- tests/helpers.py
+
+needs_gpu = pytest.mark.skipif(gpu_count() < 1, reason="needs a CUDA GPU")
+
+
+def _word(value: int):
+    w = torch.zeros(1, dtype=torch.int32).pin_memory()
+    ctypes.c_uint32.from_address(w.data_ptr()).value = value
+    dev, why = _wxfer.stream_wait_addr(0, w.data_ptr())
+    assert dev, f"the device wait is unavailable on this GPU: {why}"
+    return w, dev
+
+
+def _set(w, value: int) -> None:
+    ctypes.c_uint32.from_address(w.data_ptr()).value = value & 0xFFFFFFFF
+
+
+def _done_within(ev, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if ev.query():
+            return True
+        time.sleep(0.001)
+    return False
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("start,wait_for,release", [(0, 5, 5), (0xFFFFFFFF, 2, 3)])
+def test_a_stream_waits_on_the_device_until_the_word_reaches_the_value(start, wait_for, release):
+    """(0xFFFFFFFF, 2): the comparison is cyclic, so a word that wrapped past 2^32 still counts."""
+    torch.cuda.set_device(0)
+    w, dev = _word(start)
+    x = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+    side, ev = torch.cuda.Stream(), torch.cuda.Event()
+    t = time.perf_counter()
+    with torch.cuda.stream(side):
+        _wxfer.stream_wait(0, side.cuda_stream, dev, wait_for)
+        x.fill_(7)
+        ev.record(side)
+    assert time.perf_counter() - t < 0.05  # the host did not wait
+    time.sleep(0.1)
+    assert not ev.query() and int(x.max()) == 0  # blocked on the device
+    _set(w, release)
+    assert _done_within(ev, 10.0), "the stream did not go on once the word was set"
+    assert int(x.min()) == 7
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_unpinned_memory_is_refused_with_a_reason():
+    buf = ctypes.c_uint32(0)
+    dev, why = _wxfer.stream_wait_addr(0, ctypes.addressof(buf))
+    assert dev == 0 and "pinned" in why
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_an_in_place_copy_behind_the_device_wait_lands_after_the_begin_fence():
+    """The Sender's order with a real engine: the begin stamps' fence submitted and posted, the
+    side stream told to wait for its id, the in-place copy queued at once; the copy's bytes are
+    there only with the fence finished (its stamp written), and the host waited for the post
+    only."""
+    from test_external_gpu import _colocated
+
+    n = 8 << 20
+    rx, (r, rs), (dst, stamps), tx, view = _colocated(n)
+    eng = _wxfer.Engine(tx, timeout=30)
+    w, dev = _word(0)
+    eng.fence_word(w.data_ptr(), w)
+    try:
+        src = torch.full((n,), 9, dtype=torch.uint8, device="cuda:0")
+        stamp_src = torch.full((8,), 5, dtype=torch.uint8, device="cuda:0")
+        torch.cuda.synchronize()
+        side, ev = torch.cuda.Stream(), torch.cuda.Event()
+        for step in range(3):
+            fid = eng.submit(stamp_src, [(rs.descriptor, 0, 0, 8)], tag=100 + step, fence=True)
+            t = time.perf_counter()
+            eng.wait(timeout=30, fence=fid, posted=True)  # its copy enqueued ahead of the wait
+            with torch.cuda.stream(side):
+                _wxfer.stream_wait(0, side.cuda_stream, dev, fid & 0xFFFFFFFF)
+                view.copy_(src)
+                ev.record(side)
+            assert time.perf_counter() - t < 0.05
+            x = eng.submit_external([(r.descriptor, 0, 0, n)], event=ev, device=0, tag=200 + step)
+            eng.wait(timeout=30)
+            assert eng.complete_external(x) is False
+            recs = {rec["tag"]: rec for rec in eng.trace()}
+            assert recs[200 + step]["t_done"] >= recs[100 + step]["t_done"]
+            assert ctypes.c_uint32.from_address(w.data_ptr()).value == fid & 0xFFFFFFFF
+            torch.cuda.synchronize()
+            assert int(dst.min()) == 9 and stamps[:8].tolist() == [5] * 8
+            dst.zero_()
+            torch.cuda.synchronize()
+    finally:
+        eng.close()
+        tx.close()
+        rx.close()
