@@ -132,3 +132,138 @@ def test_a_lease_that_stops_during_a_push_is_named_when_that_push_ends(store):
     finally:
         lease.stop()
         ln.close()
+
+
+_STORE_HOST = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+print("up", flush=True)
+time.sleep(300)
+"""
+
+
+class _Stalled:
+    """`inner`'s ``add``, held until monotonic time ``until`` (a trainer's lease calls alone)."""
+
+    def __init__(self, inner):
+        self.inner, self.until = inner, 0.0
+
+    def add(self, key, n):
+        time.sleep(max(0.0, self.until - time.monotonic()))
+        return self.inner.add(key, n)
+
+
+class _Poll:
+    """state() of Receiver `r` every 50 ms in a thread: [(monotonic time, state, message)]."""
+
+    def __init__(self, r):
+        self.r, self.seen, self.stop = r, [], threading.Event()
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        while not self.stop.wait(0.05):
+            st = self.r.state()
+            self.seen.append((time.monotonic(), st["state"], st["message"]))
+
+    def bad(self, since=0.0):
+        return [x for x in self.seen if x[0] >= since and x[1] not in ("complete", "writing")]
+
+    def close(self):
+        self.stop.set()
+        self.t.join(T)
+
+
+def test_a_store_stall_past_the_lease_bound_leaves_live_trainers_alive_and_later_steps_complete(monkeypatch):
+    """Issue 35 store finding 2 (docs/faults.md).  The store (its own process) SIGSTOPped 4.5 s,
+    past the 3 s lease bound (lease_s 1), between two pushes, the worker polling state() all
+    along (the trainer's lease calls held 0.3 s more, so that the worker reads the lease behind
+    first): a lease read behind once makes its peer suspect and the renewal that follows makes
+    it alive (peerstate.py): no state() reads torn or dropped, push 2 writes the worker and
+    state() reads step 2 complete.  Then the trainer's lease alone stalled 5 s (the worker
+    sees what a hung trainer looks like): judged dead (`dropped`), and alive again once its
+    lease renews, so that step 3 reads complete.  Before the machine, a verdict was for good:
+    `dropped` after later complete steps."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import joined, receivers_in_threads  # tests/helpers.py
+    from wxfer import _wxfer
+    from wxfer.models import TINY, preset_for
+    from wxfer.runtime.sender import Sender
+
+    if not _wxfer.backends()["fabric"][0]:
+        import pytest
+
+        pytest.skip("fabric transport not built")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fault_worker
+    import torch
+
+    monkeypatch.delenv("WXFER_LEASE_S", raising=False)  # the default 1 s: the bound is 3 s
+    port = control.free_port()
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST, str(port)], stdout=subprocess.PIPE, text=True)
+    sender, recvs, poll = None, [], None
+    try:
+        assert host.stdout.readline().strip() == "up"
+        addr, name = "127.0.0.1:%d" % port, "stall"
+        _, ths = receivers_in_threads(TINY, addr, name, 1, timeout=T)
+        m = fault_worker.model()
+        sender = Sender(m, mapping=preset_for(TINY), store=addr, name=name, timeout=T, write_timeout=1.0)
+        recvs = joined(ths, T)
+        r = recvs[0]
+        sender.push()
+        assert r.wait_version(1, 10) == 1 and r.state()["state"] == "complete"
+        poll = _Poll(r)
+        time.sleep(0.3)
+        # the trainer's lease calls held 0.3 s past the stall: the worker reads its lease behind
+        # before it catches up, as with the trainers in their own processes (store_faults.py)
+        stall = sender._lease.ctl = _Stalled(sender._lease.ctl)
+        t0 = time.monotonic()
+        stall.until = t0 + 4.8
+        os.kill(host.pid, signal.SIGSTOP)
+        time.sleep(4.5)
+        os.kill(host.pid, signal.SIGCONT)
+        time.sleep(1.7)
+        n = len(poll.seen)
+        print(f"after a 4.5 s store stall: {n} state() readings, the last: {poll.seen[-1][2]}")
+        assert not poll.bad(), poll.bad()[:3]
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.5)
+        sender.push()  # the trainer's watcher read the worker's lease behind too: suspect only
+        assert r.wait_version(2, 10) == 2
+        assert sender.links.dead == {} and sender.links.dropped == set()
+        # the trainer's lease alone stalled 5 s: dead after its bound and a period, then renewed
+        t0 = time.monotonic()
+        stall.until = t0 + 5.0
+        time.sleep(6.5)
+        dropped = poll.bad(t0)
+        assert dropped and all(x[1] == "dropped" for x in dropped), dropped[:3]
+        assert "trainer rank 0" in dropped[0][2] and "was not renewed" in dropped[0][2], dropped[0]
+        when = (round(dropped[0][0] - t0, 2), round(dropped[-1][0] - t0, 2))
+        print(f"trainer lease stalled 5 s: state() read dropped from {when[0]} s to {when[1]} s")
+        assert t0 + 3.0 <= dropped[0][0] and dropped[-1][0] <= stall.until + 1.0, when
+        with torch.no_grad():
+            for p in m.parameters():
+                p.mul_(1.5)
+        sender.push()
+        assert r.wait_version(3, 10) == 3
+        time.sleep(0.3)
+        poll.close()
+        assert poll.seen[-1][1] == "complete" and "step 3 complete" in poll.seen[-1][2], poll.seen[-1]
+        assert r.writers.dead == {} and r.writers.peers.get(0).name == "ALIVE"
+    finally:
+        if poll is not None:
+            poll.close()
+        if sender is not None:
+            sender.close()
+        for x in recvs:
+            x.close()
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()

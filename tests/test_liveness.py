@@ -102,6 +102,9 @@ def test_a_lease_thread_renews_the_key_until_stopped_and_links_read_it_with_the_
     ln.adopt_rejoins()
     assert calls == [["infer/rejoins", "lease/1/e0"]] and ln.dead == {}
     time.sleep(0.45)
+    ln.adopt_rejoins()  # behind its bound once: suspect (a store stall reads the same), still written
+    assert ln.dead == {} and ln.states.get(1).name == "SUSPECT" and ln.skipped(_NoEngine()) == frozenset()
+    time.sleep(0.06)  # still behind a lease period later: dead
     ln.adopt_rejoins()
     assert list(ln.dead) == [1] and "lease/1/e0) was not renewed" in ln.dead[1] and "no write failed" in ln.dead[1]
     assert ln.skipped(_NoEngine()) == frozenset({1})
@@ -268,5 +271,9 @@ def test_writer_watch_sees_a_writer_by_its_lease_on_another_host(store):
     finally:
         lease.stop()
     time.sleep(0.5)
+    assert ww.gone() == {} and ww.peers.get(0).name == "SUSPECT"  # behind once: suspect only
+    time.sleep(0.06)  # still behind a lease period later: dead
     gone = ww.gone()
     assert list(gone) == [0] and f"store key {key}) was not renewed" in gone[0], gone
+    ctl.add(key, 100)  # its lease renews again (it was stalled, not dead): the verdict is withdrawn
+    assert ww.gone() == {} and ww.peers.get(0).name == "ALIVE"

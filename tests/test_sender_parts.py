@@ -123,6 +123,7 @@ def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
     ctl = _Ctl()
     ln = _links(ctl)
     ln.epoch[1] = 3
+    ln.failed(SimpleNamespace(failed_peers=lambda: [_Err(10)]), str)  # gpu 0's writes failed
     ln.drop([0])
     fx = FailureExchange(ctl, None, 0, 1, 1.0, 1.0, True, ln, [0, 1, 2])
     fx.mark_live(7, "gave up", final=False)  # gpu 0 is dropped: only gpu 1

@@ -376,13 +376,49 @@ static int wx__post_chunk(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
     return 0;
 }
 
-/* Stage: split into chunks and post them, keeping at most depth in flight. */
+/* Move head task t of the post stage on `event` (wx_post_step.c's table); returns the
+ * action. A move the table does not have is a bug: the engine fails naming the task, its
+ * state and the event, and the task retires. mu held. */
+static int wx__post_move(wx_engine_t *e, wx__task_t *t, int event)
+{
+    int next, action;
+    if (wx_tpost_next(t->pstate, event, &next, &action)) {
+        wx_engine_fail_t f;
+        const char *sn = wx_tpost_state_name(t->pstate), *en = wx_tpost_event_name(event);
+        wx__fail_fill(&f, -EPROTO, t, NULL, "post", "task %llu: no post-stage move from %s on %s",
+                      (unsigned long long)t->id, sn ? sn : "?", en ? en : "?");
+        if (!t->status)
+            t->status = -EPROTO;
+        wx__set_error(e, &f);
+        t->pstate = WX_TP_RETIRED;
+        return WX_TPA_RETIRE;
+    }
+    t->pstate = next;
+    return action;
+}
+
+/* What the post thread sees of head task t (mu held). */
+static int wx__post_look(wx_engine_t *e, wx__task_t *t)
+{
+    wx_tpost_view_t v = {
+        .settled = e->err || t->status || t->posted + t->skipped == t->nchunks,
+        .fence_pending = e->fence_pending,
+        .is_fence = t->spec.fence,
+        .posted = t->posted,
+        .inflight = e->inflight,
+        .depth = e->o.depth,
+    };
+    return wx_tpost_look(&v);
+}
+
+/* Stage: split into chunks and post them, keeping at most depth in flight; each head task
+ * moves along wx_post_step.c's table (its pstate), the actions done here. */
 static void *wx__post_main(void *arg)
 {
     wx_engine_t *e = arg;
     wx_engine_fail_t f;
     uint64_t eagain_ns = WX__EAGAIN_MIN_NS;
-    int rc;
+    int rc, act;
     pthread_mutex_lock(&e->mu);
     while (!e->stop) {
         wx__task_t *t = e->post.head;
@@ -403,30 +439,26 @@ static void *wx__post_main(void *arg)
             continue;
         }
         wx__post_skip_failed(e, t);
-        if (e->err || t->status || t->posted + t->skipped == t->nchunks) {
+        act = wx__post_move(e, t, wx__post_look(e, t));
+        if (act == WX_TPA_RETIRE) {
             if (t->spec.fence)
                 e->fence_pending = 1; /* later tasks wait until its writes have completed */
             wx__post_retire(e, t);
             continue;
         }
-        /* a fence: before a fence task, and after one, nothing more is posted until every
-         * write in flight has completed (failed peers' writes are abandoned, not waited for) */
-        if ((e->fence_pending || (t->spec.fence && t->posted == 0)) && e->inflight > 0) {
+        if (act == WX_TPA_WAIT) { /* a fence to keep, or depth writes in flight */
             wx__check_deadlines(e);
             wx__wait(&e->cv_post, &e->mu, 10 * 1000 * 1000ull);
             continue;
         }
-        e->fence_pending = 0;
-        if (e->inflight >= e->o.depth) {
-            wx__check_deadlines(e);
-            wx__wait(&e->cv_post, &e->mu, 10 * 1000 * 1000ull);
-            continue;
-        }
+        e->fence_pending = 0; /* (POST) nothing in flight behind the fence any more */
         rc = wx__post_chunk(e, t, &f);
-        if (rc == 0) {
+        switch (wx__post_move(e, t, wx_tpost_result(rc, e->o.isolate))) {
+        case WX_TPA_NONE:
             eagain_ns = WX__EAGAIN_MIN_NS;
             t->refused = 0;
-        } else if (rc == -EAGAIN) {
+            break;
+        case WX_TPA_BACKOFF:
             t->refused = 1;
             /* woken by the next completion; else back off (1 ms doubling to 32 ms), so that
              * a peer the provider keeps refusing (reconnecting to a dead one) is not retried
@@ -435,11 +467,16 @@ static void *wx__post_main(void *arg)
             wx__wait(&e->cv_post, &e->mu, eagain_ns);
             if (eagain_ns < WX__EAGAIN_MAX_NS)
                 eagain_ns *= 2;
-        } else if (e->o.isolate) {
+            break;
+        case WX_TPA_FAIL_PEER:
             wx__fail_peer(e, t->dests[t->cur_dest].peer, &f); /* the loop skips its writes */
-        } else {
+            break;
+        case WX_TPA_FAIL_ENGINE:
             t->status = rc;
             wx__set_error(e, &f);
+            break;
+        default: /* RETIRE: the table refused the move (the engine failed); looked at again */
+            break;
         }
     }
     pthread_mutex_unlock(&e->mu);

@@ -6,6 +6,8 @@
 #define WX_ENGINE_INT_H
 
 #include "wx_engine.h"
+#include "wx_peer_state.h"
+#include "wx_post_step.h"
 
 typedef struct wx__task wx__task_t;
 
@@ -20,13 +22,13 @@ typedef struct wx__eop {
 
 #define WX__MAX_FAILED 64 /* failed peers remembered with their reason (isolate) */
 
-enum { WX__FENCE_NONE, WX__FENCE_TODO, WX__FENCE_RUNNING, WX__FENCE_DONE };
-
 typedef struct wx__failed {
     wx_peer_t *peer;
     wx_engine_fail_t f;
-    int fence; /* WX__FENCE_*: the post thread fences the peer (wx_fence) before the
-                * engine reports all done */
+    int state;       /* wx_peer_state_t (wx_peer_state.c's table): FAILING until the post thread
+                     * has fenced the peer (wx_fence), then DEAD; the engine reports all done
+                     * once none is FAILING */
+    uint8_t fencing; /* FAILING: its fence is running (mu released around it) */
 } wx__failed_t;
 
 struct wx__task {
@@ -43,6 +45,7 @@ struct wx__task {
     int finished;
     int in_post;   /* still queued for posting: only the post thread may finish it */
     int refused;   /* the last post of the write at the cursor returned -EAGAIN */
+    int pstate;    /* wx_tpost_state_t: where it is in the post stage (wx_post_step.c) */
     int on_active; /* linked into the engine's active list */
     uint64_t deadline;
     int ext_signal;    /* external: wx_engine_external_done was called */

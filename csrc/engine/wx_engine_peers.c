@@ -1,7 +1,9 @@
 /* wx_engine_peers.c - isolate (wx_engine_opts_t.isolate): a peer that fails is remembered
  * with its first failure, its writes in flight are abandoned (no longer waited for) and its
- * later ones skipped, and the post thread fences it before the engine reports all done. Each
- * function is called with mu held (wx__fence_failed_peers releases it around each fence). */
+ * later ones skipped, and the post thread fences it before the engine reports all done. Its
+ * state moves along wx_peer_state.c's table (the one wxfer/runtime/peerstate.py has): FAILING
+ * on its first failure, DEAD once fenced. Each function is called with mu held
+ * (wx__fence_failed_peers releases it around each fence). */
 #include "wx_engine_int.h"
 
 #include <stdio.h>
@@ -31,21 +33,37 @@ static void wx__finish_abandoned(wx_engine_t *e)
     }
 }
 
-/* isolate: remember that peer p failed, and stop waiting for its writes in flight (they
- * keep their task's memory and source until they complete, e.g. when the transport
- * closes). mu held. */
+/* the failed entry of peer p, or NULL (alive). mu held. */
+static wx__failed_t *wx__failed_entry(wx_engine_t *e, const wx_peer_t *p)
+{
+    for (uint32_t i = 0; i < e->nfailed; i++)
+        if (e->failed[i].peer == p)
+            return &e->failed[i];
+    return NULL;
+}
+
+/* isolate: remember that peer p failed (ALIVE -> FAILING on WRITE_FAILED; again: no move),
+ * and stop waiting for its writes in flight (they keep their task's memory and source until
+ * they complete, e.g. when the transport closes). mu held. */
 void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *f)
 {
-    int err = f->err;
-    if (wx__peer_failed(e, p))
+    int err = f->err, next;
+    wx__failed_t *had = wx__failed_entry(e, p);
+    if (had) { /* FAILING or DEAD: the table keeps it there */
+        if (wx_peer_next(had->state, WX_PEV_WRITE_FAILED, &next) == 0)
+            had->state = next;
         return;
+    }
     if (e->nfailed == WX__MAX_FAILED) { /* too many to name: the engine fails */
         wx__set_error(e, f);
         return;
     }
+    if (wx_peer_next(WX_PEER_ALIVE, WX_PEV_WRITE_FAILED, &next)) /* (legal: FAILING) */
+        next = WX_PEER_FAILING;
     e->failed[e->nfailed].peer = p;
     e->failed[e->nfailed].f = *f;
-    e->failed[e->nfailed].fence = WX__FENCE_TODO;
+    e->failed[e->nfailed].state = next;
+    e->failed[e->nfailed].fencing = 0;
     e->nfailed++;
     e->fencing_peers++;
     for (wx__task_t *t = e->active; t; t = t->act_next) {
@@ -88,10 +106,11 @@ void wx__fence_failed_peers(wx_engine_t *e)
         char how[WX_ERRMSG_MAX / 2];
         size_t n;
         int rc;
-        if (fl->fence != WX__FENCE_TODO)
+        int next;
+        if (fl->state != WX_PEER_FAILING || fl->fencing)
             continue;
         uint64_t t0 = wx_now_ns(), took;
-        fl->fence = WX__FENCE_RUNNING;
+        fl->fencing = 1;
         pthread_mutex_unlock(&e->mu);
         rc = wx_fence(e->t, fl->peer, e->o.timeout_ns / 2, how, sizeof how);
         pthread_mutex_lock(&e->mu);
@@ -106,7 +125,9 @@ void wx__fence_failed_peers(wx_engine_t *e)
         if (n < sizeof fl->f.reason - 1)
             snprintf(fl->f.reason + n, sizeof fl->f.reason - n, "; %s: %s",
                      rc == 0 ? "fenced before giving up" : "NOT fenced", how);
-        fl->fence = WX__FENCE_DONE;
+        fl->fencing = 0;
+        if (wx_peer_next(fl->state, WX_PEV_GIVE_UP, &next) == 0) /* FAILING -> DEAD */
+            fl->state = next;
         e->fencing_peers--;
         pthread_cond_broadcast(&e->cv_done);
     }

@@ -6,6 +6,7 @@
 
 #include "wx_desc.h"
 #include "wx_fabric_dl.h"
+#include "wx_peer_state.h"
 
 static struct PyModuleDef wx_module;
 
@@ -336,6 +337,51 @@ static PyObject *wx_parse_size_py(PyObject *m, PyObject *arg)
     return PyLong_FromUnsignedLongLong(v);
 }
 
+static PyObject *wx_peer_next_py(PyObject *m, PyObject *args)
+{
+    int state, event, next = 0;
+    (void)m;
+    if (!PyArg_ParseTuple(args, "ii:peer_next", &state, &event))
+        return NULL;
+    if (wx_peer_next(state, event, &next)) {
+        const char *sn = wx_peer_state_name(state), *en = wx_peer_event_name(event);
+        PyErr_Format(PyExc_ValueError,
+                     "peer_next: no transition from state %s (%d) on event %s (%d)", sn ? sn : "?",
+                     state, en ? en : "?", event);
+        return NULL;
+    }
+    return PyLong_FromLong(next);
+}
+
+/* PEER_STATES / PEER_EVENTS: the names of wx_peer_state.h's enums, in their order. */
+static int wx__add_peer_names(PyObject *m)
+{
+    PyObject *st = PyTuple_New(WX_PEER_NSTATES), *ev = PyTuple_New(WX_PEV_NEVENTS);
+    int rc = -1;
+    if (!st || !ev)
+        goto out;
+    for (int i = 0; i < WX_PEER_NSTATES; i++) {
+        PyObject *n = PyUnicode_FromString(wx_peer_state_name(i));
+        if (!n)
+            goto out;
+        PyTuple_SET_ITEM(st, i, n);
+    }
+    for (int i = 0; i < WX_PEV_NEVENTS; i++) {
+        PyObject *n = PyUnicode_FromString(wx_peer_event_name(i));
+        if (!n)
+            goto out;
+        PyTuple_SET_ITEM(ev, i, n);
+    }
+    rc = PyModule_AddObjectRef(m, "PEER_STATES", st) < 0 ||
+                 PyModule_AddObjectRef(m, "PEER_EVENTS", ev) < 0
+             ? -1
+             : 0;
+out:
+    Py_XDECREF(st);
+    Py_XDECREF(ev);
+    return rc;
+}
+
 static PyMethodDef wx_methods[] = {
     {"backends", wx_backends, METH_NOARGS,
      "backends() -> {name: (usable, why_not)} for every transport wxfer knows."},
@@ -350,6 +396,10 @@ static PyMethodDef wx_methods[] = {
      "decode_export(blob) -> dict with the owner's address and its exported regions."},
     {"parse_size", wx_parse_size_py, METH_O,
      "parse_size(text) -> bytes: parse_size('64MiB') -> 67108864"},
+    {"peer_next", wx_peer_next_py, METH_VARARGS,
+     "peer_next(state, event) -> the next state of a peer's failure state machine, as the "
+     "engine moves its failed peers (csrc/core/wx_peer_state.c; the numbers of "
+     "wxfer.runtime.peerstate); ValueError naming the pair where it is illegal."},
     {"fabric_probe", wx_fabric_probe_py, METH_NOARGS,
      "fabric_probe() -> JSON text: the installed libfabric's version and its providers for "
      "one-sided writes, each with whether it offers FI_HMEM (device memory)."},
@@ -391,6 +441,8 @@ static int wx_exec(PyObject *m)
 #else
     if (PyModule_AddIntConstant(m, "TESTING", 0) < 0)
 #endif
+        return -1;
+    if (wx__add_peer_names(m) < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "MEM_HOST", WX_MEM_HOST) < 0 ||
         PyModule_AddIntConstant(m, "MEM_CUDA", WX_MEM_CUDA) < 0)

@@ -4,7 +4,11 @@ whose, the workers this rank gave up on (skipped from then on), and a restarted 
 the next push() without restarting the trainers (issue 8).
 
 The seam for the reliability work (issue 25): what a peer is, when one counts as failed, and
-how a restart is adopted are decided here and nowhere else.
+how a restart is adopted are decided here and nowhere else.  Each worker's failure state is a
+peerstate machine (``states``): alive, suspect (its lease read behind its bound once), failing
+(found dead or its writes failed: named by the push), dead (skipped from then on), rejoining
+(its restart being adopted).  The push thread makes every move that changes what is written;
+the watcher only moves a worker between alive and suspect.
 
 What changed between pushes is looked at by a watcher thread (issues 35.2, 37), every
 WATCH_S seconds, during a push too: the restart count and the leases due (one store round
@@ -20,6 +24,7 @@ import threading
 import time
 
 from . import control, liveness, program
+from .peerstate import TABLE, Event, Peers, State
 from .control import SetupError
 from .param_desc import _unb64, decode_param_descriptor
 
@@ -47,11 +52,10 @@ class Links:
         self.stamp_dest: dict = {}  # gpu -> this rank's end stamp destination
         self.begin_dest: dict = {}  # gpu -> this rank's begin stamp destination
         self.epoch = {g: 0 for g in self.workers}  # gpu -> the restart epoch written
-        self.dropped: set = set()  # gpus this rank gave up on (skipped from then on)
+        self.states = Peers(self.worker_name)  # gpu -> its failure state (peerstate.py)
         self.refused: dict = {}  # gpu -> why its restarted worker was not taken (reported once)
         self.rejoins_seen = 0  # the store's restart count at the last check
         self.rejoined = 0  # restarted workers taken so far
-        self.dead: dict = {}  # gpu -> why it is dead (liveness.py: its pid or its lease), not by a write
         self.leases = liveness.LeaseWatch(self.write_timeout)
         self.failed_in_engine: set = set()  # dead gpus whose engine peer was failed (fail_dead)
         self.on_adopt: list = []  # callables(gpu, old regions) run when a restart replaces a worker
@@ -60,7 +64,7 @@ class Links:
         # the watcher (start_watch): what it found, under _mu, for the push thread to take
         self._mu = threading.RLock()
         self._news = False  # something below for the next push (the one flag a push reads)
-        self._found: dict = {}  # gpu -> why dead, found by a look, not yet in `dead`
+        self._found: dict = {}  # gpu -> (EXITED or EXPIRED, why), found by a look, for the push to apply
         self._pending: dict = {}  # gpu -> epoch of a restart whose record is complete
         self._looks = 0  # looks finished (``sync``)
         self._looked = threading.Condition(self._mu)
@@ -92,6 +96,24 @@ class Links:
         )
 
     # ------------------------------------------------------------------ failed and live
+    @property
+    def dropped(self) -> set:
+        """The workers this rank gave up on (skipped from then on): DEAD."""
+        with self._mu:
+            return self.states.in_state(State.DEAD)
+
+    @property
+    def dead(self) -> dict:
+        """{gpu: why} of the workers found dead (liveness.py: their pid or their lease), not by
+        a write: failing or dead on EXITED or EXPIRED."""
+        with self._mu:
+            st = self.states
+            return {
+                g: st.why.get(g, "")
+                for g, c in list(st.cause.items())
+                if c in (Event.EXITED, Event.EXPIRED) and st.get(g) in (State.FAILING, State.DEAD)
+            }
+
     def live(self) -> set:
         """The workers this rank still writes (not given up on)."""
         return set(self.workers) - self.dropped
@@ -104,11 +126,13 @@ class Links:
         with self._mu:
             self._check_pids(self._found)
             self._take_found()
-        out = {}
-        for err in engine.failed_peers():
-            if err.peer not in self.gpu_of_peer:
-                continue  # a worker since replaced by its restart
-            out[self.gpu_of_peer[err.peer]] = f"{describe(err)} (errno {err.errno})"
+            out = {}
+            for err in engine.failed_peers():
+                if err.peer not in self.gpu_of_peer:
+                    continue  # a worker since replaced by its restart
+                g = self.gpu_of_peer[err.peer]
+                out[g] = f"{describe(err)} (errno {err.errno})"
+                self.states.apply(g, Event.WRITE_FAILED, out[g])
         for g, why in self.dead.items():  # the cause, not the writes it made fail (or fail_dead's words)
             if g in self.workers:
                 out[g] = why
@@ -130,17 +154,18 @@ class Links:
                 tid = engine.submit_external([self.begin_dest[g]])
                 engine.complete_external(tid, errno.ESRCH, self.dead[g])
             except Exception as e:  # noqa: BLE001 -- still skipped here and named by this push
-                self.dead[g] += f" (the engine was not told: {type(e).__name__}: {e})"
+                self.states.why[g] = self.states.why.get(g, "") + f" (the engine was not told: {type(e).__name__}: {e})"
 
     def drop(self, gpus) -> set:
-        """Give up on `gpus` (skipped from now on); returns those not given up on before."""
-        new = set(gpus) - self.dropped
-        self.dropped |= set(gpus)
-        return new
+        """Give up on `gpus` (each failing, or dead already: skipped from now on); returns those
+        not given up on before."""
+        with self._mu:
+            return {g for g in gpus if self.states.get(g) is not self.states.apply(g, Event.GIVE_UP)}
 
     def skipped(self, engine) -> frozenset:
         """The gpus not to write now: given up on here, or failed in `engine`."""
-        gone = set(self.dropped) | set(self.dead)
+        with self._mu:
+            gone = self.states.in_state(State.FAILING, State.DEAD)
         for err in engine.failed_peers():
             if err.peer in self.gpu_of_peer:
                 gone.add(self.gpu_of_peer[err.peer])
@@ -182,7 +207,9 @@ class Links:
         return [
             g
             for g in sorted(self.workers)
-            if g not in self.dropped and self.workers[g].get("lease_s") and self.leases.due(g, self.workers[g], now)
+            if self.states.get(g) in (State.ALIVE, State.SUSPECT)
+            and self.workers[g].get("lease_s")
+            and self.leases.due(g, self.workers[g], now)
         ]
 
     @property
@@ -199,25 +226,34 @@ class Links:
         local = {
             g: w
             for g, w in self.workers.items()
-            if g not in self.dropped and g not in self.dead and g not in into and self._local(w)
+            if self.states.get(g) in (State.ALIVE, State.SUSPECT) and g not in into and self._local(w)
         }
         if local:
             for g, why in self.pids.dead(local).items():
-                into[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
+                into[g] = (Event.EXITED, f"{why} (seen by trainer rank {self.rank}; no write failed)")
 
     def _check_leases(self, lease: list, counts: list, into: dict) -> None:
-        """Into `into`: the workers `lease` whose lease expired, given their `counts` now."""
+        """Into `into`: the workers `lease` whose lease expired, given their `counts` now: a
+        lease behind its bound makes its worker suspect (the watcher's own move), one still
+        behind a lease period later is found (EXPIRED, for the push to apply).  Under _mu."""
+        now = time.monotonic()
         for g, c in zip(lease, counts):
-            if g not in self.dead and g not in into:
-                why = self.leases.expired(g, self.workers[g], c)
-                if why is not None:
-                    into[g] = f"{why} (seen by trainer rank {self.rank}; no write failed)"
+            if self.states.get(g) not in (State.ALIVE, State.SUSPECT) or g in into:
+                continue
+            w = self.workers[g]
+            why = self.leases.expired(g, w, c, now)
+            ev = self.states.lease_event(g, why, now, float(w.get("lease_s") or liveness.LEASE_S))
+            why = None if why is None else f"{why} (seen by trainer rank {self.rank}; no write failed)"
+            if ev is Event.EXPIRED:
+                into[g] = (ev, why)
+            elif ev is not None:
+                self.states.apply(g, ev, why or "", now)
 
     def _take_found(self) -> None:
-        """The deaths the looks found, into `dead` (the push thread's; under _mu)."""
-        for g, why in self._found.items():
-            if g in self.workers:
-                self.dead.setdefault(g, why)
+        """The deaths the looks found, applied (the push thread's; under _mu)."""
+        for g, (ev, why) in self._found.items():
+            if g in self.workers and (self.states.get(g), ev) in TABLE:  # (not one adopted since)
+                self.states.apply(g, ev, why)
         self._found.clear()
 
     # ------------------------------------------------------------------ the watcher
@@ -346,7 +382,7 @@ class Links:
                     continue
                 self.epoch[g] = e
                 try:
-                    self._adopt(g, e)
+                    self._adopt(g, e)  # REJOINING, then ALIVE once its memory is this rank's target
                     self.refused.pop(g, None)
                 except Exception as ex:  # noqa: BLE001 -- reported by this push, the others go on
                     why = f"{type(ex).__name__}: {ex}"
@@ -380,6 +416,7 @@ class Links:
         for r in _regions(old):
             self.gpu_of_region.pop(r, None)
         self.gpu_of_region.update((r, g) for r in _regions(w))
+        self.states.apply(g, Event.REJOIN, f"restarted (epoch {e})")
         self.gpu_of_peer.pop(self.peers[g], None)  # the old peer's writes (if any) stay abandoned
         self.peers[g] = peer
         self.gpu_of_peer[peer] = g
@@ -388,8 +425,7 @@ class Links:
         self.workers[g] = w
         self._any_local = None
         # the worker replaced is forgotten: failed, dead or not, the new one is written from now on
-        self.dropped.discard(g)
-        self.dead.pop(g, None)
+        self.states.apply(g, Event.ADOPTED)
         self.failed_in_engine.discard(g)
         self.leases.forget(g)
         self.pids.forget(old)

@@ -22,6 +22,8 @@ import threading
 import time
 import weakref
 
+from . import peerstate
+
 LEASE_S = 1.0  # default seconds between a worker's lease renewals ($WXFER_LEASE_S)
 RETRY_S = 0.02  # first wait before a failed lease renewal is retried (then doubled, at most the period)
 _LEASES: weakref.WeakSet = weakref.WeakSet()  # the running ones, stopped at interpreter exit
@@ -302,30 +304,41 @@ class WriterWatch:
     """A worker's view of the trainer ranks that write it (issue 25 item 6): each one's record
     (``train/<rank>/who``: pid, start time, host, pid namespace, lease_s, write_timeout) read
     once; ``gone()`` says which died, by their pids on this host (local reads) and their leases
-    (one store round trip for all).  A rank seen gone stays gone."""
+    (one store round trip for all).  Each rank's verdict is a peerstate machine (``peers``): a
+    lease read behind its bound makes the rank suspect, dead only if still behind a lease period
+    later (a store stall delays every lease alike: the trainers renew as soon as it ends, issue
+    35 finding 2); a rank dead by its lease alone is alive again when the lease renews (logged);
+    one whose process exited stays dead."""
 
     def __init__(self, ctl, ranks, records: dict):
         self.ctl = ctl
         self.records = {r: w for r, w in records.items() if w is not None}
         self.ranks = [r for r in ranks if r in self.records]
         self.watch = {r: LeaseWatch(float(self.records[r].get("write_timeout") or 30.0)) for r in self.ranks}
-        self.dead: dict = {}  # rank -> why
+        confirm = max([float(self.records[r].get("lease_s") or LEASE_S) for r in self.ranks] or [LEASE_S])
+        self.peers = peerstate.Peers(lambda r: f"trainer rank {r}", confirm)
         host, pidns = socket.gethostname(), pid_namespace()
         self.local = {r: self.records[r] for r in self.ranks if checkable_here(self.records[r], host, pidns)}
         self.pids = PidWatch(host, pidns)  # those on this host: one poll of their pidfds per check
 
+    @property
+    def dead(self) -> dict:
+        """{rank: why} of the ranks judged dead now."""
+        return {r: self.peers.why.get(r, "") for r in sorted(self.peers.in_state(peerstate.State.DEAD))}
+
     def gone(self) -> dict:
         """{rank: why} of the writers dead by now; the store unreachable leaves the leases unread."""
-        local = {r: w for r, w in self.local.items() if r not in self.dead}
-        if local:
-            self.dead.update(self.pids.dead(local))
-        lease = [r for r in self.ranks if r not in self.dead and self.records[r].get("lease_s")]
+        P, ev = self.peers, peerstate.Event
+        local = {r: w for r, w in self.local.items() if P.get(r) is not peerstate.State.DEAD or P.lease_judged(r)}
+        for r, why in (self.pids.dead(local) if local else {}).items():
+            P.apply(r, ev.EXITED, why)
+            P.apply(r, ev.GIVE_UP, why)
+        lease = [r for r in self.ranks if self.records[r].get("lease_s") and P.lease_judged(r)]
         try:
             counts = self.ctl.counters([trainer_lease_key(r) for r in lease])
         except Exception:  # noqa: BLE001 -- the store is gone: state() says so by itself
             counts = []
         for r, c in zip(lease, counts):
-            why = self.watch[r].expired(r, self.records[r], c)
-            if why is not None:
-                self.dead[r] = why
-        return dict(self.dead)
+            if P.on_lease(r, self.watch[r].expired(r, self.records[r], c)) is peerstate.State.FAILING:
+                P.apply(r, ev.GIVE_UP)
+        return self.dead
