@@ -22,7 +22,7 @@ import base64
 import logging
 import time
 
-from . import delta, prepare, program
+from . import delta, delta_cpu, prepare, program
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01) -> dict:
     `rate` of them changed, on `device` (timed once: a few ms)."""
     import torch
 
+    if delta_cpu.available(device):  # what the CPU pushes run: the native compare and encode
+        return delta_cpu.calibrate(n, rate)
     g = torch.Generator().manual_seed(0)
     old = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
     new = old.clone()
@@ -81,6 +83,7 @@ class DeltaWriter:
         self.costs = dict(costs) if costs is not None else calibrate_costs(device)
         self.link_Bps = 1e9 if link_Bps is None else float(link_Bps)
         self.measure_link = bool(measure_link)
+        self.cpu_native = delta_cpu.available(device)  # the CPU path's compare/encode in C
         self.shadow: dict = {}  # task -> (ranges [(soff, n, shadow offset)], uint8 tensor)
         self.synced: set = set()  # gpus whose memory matches the shadow (after apply())
         self.last_rec: dict = {}  # gpu -> version of the last push that sent it records (-1: none)
@@ -100,6 +103,7 @@ class DeltaWriter:
         return dict(
             dense_bytes=0, delta_bytes=0, record_bytes=0, changed_bytes=0, compared_bytes=0,
             tasks_delta=0, tasks_dense=0, dense_why={}, encode_s=0.0,
+            make_s=0.0, gather_s=0.0, compare_s=0.0, keep_s=0.0,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ a push
@@ -160,17 +164,25 @@ class DeltaWriter:
         if not op.sends:
             prepare.run(prep, op, self.device)
             return
+        t0 = time.perf_counter()
         buf = prepare.run(prep, op, self.device)
+        self.step["make_s"] += time.perf_counter() - t0
+        self.step["gather_s"] += prep.gather_s
+        prep.gather_s = 0.0
         if self.runner.sums is not None:  # verify: the whole destination, whatever is sent
             self.runner._checksum(op, buf, prep.dests)
         ranges = sorted({(int(s), int(n)) for _, _, s, n in prep.dests})
         sh = self.shadow.get(op.task)
         gpus = [self.links.gpu_of_region.get(bytes(d[0])) for d in prep.dests]
         why = self._dense_reason(sh, ranges, gpus)
-        recs = None
+        recs, kept = None, False
         if why is None:
             t0 = time.perf_counter()
-            recs, why = self._encode(op, buf, prep.dests, sh, gpus)
+            if self.cpu_native:  # one native pass per range, the shadow updated there (delta_cpu.py)
+                recs, why = delta_cpu.encode(self, op, buf, prep.dests, sh, gpus)
+                kept = True
+            else:
+                recs, why = self._encode(op, buf, prep.dests, sh, gpus)
             self.step["encode_s"] += time.perf_counter() - t0
         nb = sum(int(d[3]) for d in prep.dests)
         if recs is None:
@@ -183,7 +195,10 @@ class DeltaWriter:
             self.step["delta_bytes"] += nb
             for g, lst in recs.items():
                 self.recs[g].extend(lst)
-        self._keep(op.task, buf, ranges, sh)
+        if not kept:
+            t0 = time.perf_counter()
+            self._keep(op.task, buf, ranges, sh)
+            self.step["keep_s"] += time.perf_counter() - t0
 
     def _dense_reason(self, sh, ranges, gpus):
         if self.force_dense:
