@@ -10,6 +10,7 @@
 #include "wx_copy.h"
 #include "wx_delta.h"
 #include "wx_fp8.h"
+#include "wx_fp8_host.h"
 #include "wx_sweep.h"
 
 /* The table of `what` (entries of `esize` bytes, at most `max`, `many` in its error) in a buffer-protocol object
@@ -326,6 +327,23 @@ static PyObject *wx_delta_apply_py(PyObject *m, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *wx_fp8_host_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    unsigned long long src, q, sc;
+    long long ld, rows, cols;
+    int dtype, rc;
+    if (!PyArg_ParseTuple(args, "KiLLLKK:fp8_host", &src, &dtype, &ld, &rows, &cols, &q, &sc))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_fp8_host((const void *)(uintptr_t)src, dtype, ld, rows, cols,
+                         (uint8_t *)(uintptr_t)q, (uint8_t *)(uintptr_t)sc);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return wx_py_raise(st, rc, "fp8_host");
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef wx__prepare_methods[] = {
     {"fp8_check", wx_fp8_check_py, METH_VARARGS,
      "fp8_check(pieces, out_nbytes) -> tiles; raises Error naming the first bad piece. pieces: "
@@ -368,6 +386,9 @@ static PyMethodDef wx__prepare_methods[] = {
     {"delta_apply", wx_delta_apply_py, METH_VARARGS,
      "delta_apply(payload, payload_len, encoding, n, changed, dst): one record's payload (after "
      "its head) applied to the n host bytes at dst; nothing written when it is malformed."},
+    {"fp8_host", wx_fp8_host_py, METH_VARARGS,
+     "fp8_host(src, dtype, ld, rows, cols, q, scales): block-FP8 quantization of a host piece "
+     "(addresses; q or scales 0: not written), the reference's bytes (csrc/prepare/wx_fp8_host.h)."},
 #ifdef WX_KERNEL_SWEEP
     {"kernel_sweep", (PyCFunction)(void (*)(void))wx_kernel_sweep_py, METH_VARARGS | METH_KEYWORDS,
      "kernel_sweep(kernel, *, variant=6, ctas_per_sm=0, unroll=4): before the kernel's first "
