@@ -5,7 +5,8 @@ its e4m3 bytes and of its float32 scales in the uint8 buffer ``out``) with one l
 native kernel (csrc/prepare/wx_fp8_kernel.cu, compiled with NVRTC at first use; see
 docs/prepare.md) on the current CUDA stream, or, where that kernel cannot run (CPU tensors,
 no CUDA driver or libnvrtc, a GPU older than compute capability 8.9, ``WXFER_FP8=reference``),
-with ``wxfer.mapping.reference.quantize_fp8_block`` and copies. Both give the same bytes.
+with ``wxfer.mapping.reference.quantize_fp8_block`` and copies (on CPU tensors: the host
+quantizer, csrc/prepare/wx_fp8_host.c, the same numerics in C). All give the same bytes.
 ``info()`` says which one would run and why; ``last()`` which one ran last.
 """
 
