@@ -332,12 +332,13 @@ static PyObject *wx_fp8_host_py(PyObject *m, PyObject *args)
     wx_py_state_t *st = PyModule_GetState(m);
     unsigned long long src, q, sc;
     long long ld, rows, cols;
-    int dtype, rc;
-    if (!PyArg_ParseTuple(args, "KiLLLKK:fp8_host", &src, &dtype, &ld, &rows, &cols, &q, &sc))
+    int dtype, rc, nthreads = 1;
+    if (!PyArg_ParseTuple(args, "KiLLLKK|i:fp8_host", &src, &dtype, &ld, &rows, &cols, &q, &sc,
+                          &nthreads))
         return NULL;
     Py_BEGIN_ALLOW_THREADS
         rc = wx_fp8_host((const void *)(uintptr_t)src, dtype, ld, rows, cols,
-                         (uint8_t *)(uintptr_t)q, (uint8_t *)(uintptr_t)sc);
+                         (uint8_t *)(uintptr_t)q, (uint8_t *)(uintptr_t)sc, nthreads);
     Py_END_ALLOW_THREADS
     if (rc)
         return wx_py_raise(st, rc, "fp8_host");
@@ -387,8 +388,9 @@ static PyMethodDef wx__prepare_methods[] = {
      "delta_apply(payload, payload_len, encoding, n, changed, dst): one record's payload (after "
      "its head) applied to the n host bytes at dst; nothing written when it is malformed."},
     {"fp8_host", wx_fp8_host_py, METH_VARARGS,
-     "fp8_host(src, dtype, ld, rows, cols, q, scales): block-FP8 quantization of a host piece "
-     "(addresses; q or scales 0: not written), the reference's bytes (csrc/prepare/wx_fp8_host.h)."},
+     "fp8_host(src, dtype, ld, rows, cols, q, scales, nthreads=1): block-FP8 quantization of a "
+     "host piece (addresses; q or scales 0: not written), the reference's bytes, its block rows "
+     "shared among nthreads threads (csrc/prepare/wx_fp8_host.h)."},
 #ifdef WX_KERNEL_SWEEP
     {"kernel_sweep", (PyCFunction)(void (*)(void))wx_kernel_sweep_py, METH_VARARGS | METH_KEYWORDS,
      "kernel_sweep(kernel, *, variant=6, ctas_per_sm=0, unroll=4): before the kernel's first "

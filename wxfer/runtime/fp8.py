@@ -191,12 +191,18 @@ def _host(out, jobs) -> bool:
     if any(t.device.type != "cpu" or t.dtype not in codes or t.stride(1) != 1 for t, _, _ in jobs):
         return False
     base = out.data_ptr()
+    nth = max(1, min(64, torch_threads()))
     for t, qo, so in jobs:
         rows, cols = t.shape
         q = 0 if qo is None else base + qo
         s = 0 if so is None else base + so
-        _wxfer.fp8_host(t.data_ptr(), codes[t.dtype], t.stride(0) if rows > 1 else cols, rows, cols, q, s)
+        _wxfer.fp8_host(t.data_ptr(), codes[t.dtype], t.stride(0) if rows > 1 else cols, rows, cols, q, s, nth)
     return True
+
+
+def torch_threads() -> int:
+    """The host quantizer's threads: torch's intra-op threads (what the reference would use)."""
+    return int(_torch().get_num_threads())
 
 
 def _raw_stream(device) -> int:
