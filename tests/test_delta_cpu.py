@@ -1,5 +1,5 @@
 """Delta pushes on the CPU (issue 36): the native compare / encode / shadow update / apply
-(csrc/prepare/wx_delta.c through wxfer.runtime.delta_cpu) give byte for byte the records of
+(csrc/prepare/wx_delta_host.c through wxfer.runtime.delta_cpu) give byte for byte the records of
 the torch path (delta.encode, the format the GPU path and the receivers share), leave the
 shadow equal to the new bytes, and the native apply equals the torch apply; a malformed record
 is refused with nothing written."""

@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "wx_copy.h"
-#include "wx_delta.h"
+#include "wx_delta_host.h"
 #include "wx_fp8.h"
 #include "wx_fp8_host.h"
 #include "wx_sweep.h"
@@ -258,7 +258,7 @@ static PyObject *wx_kernel_sweep_py(PyObject *m, PyObject *args, PyObject *kw)
 }
 #endif
 
-/* Delta pushes on the CPU (wx_delta.h): host addresses as ints, the GIL released. */
+/* Delta pushes on the CPU (wx_delta_host.h): host addresses as ints, the GIL released. */
 static PyObject *wx_delta_scan_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);

@@ -115,7 +115,7 @@ def apply_records(buf, nrec: int, regions: list) -> int:
             raise DeltaError(f"record {region}/{enc} [{doff}, {doff + n}) outside the registered memory")
         dst = regions[region][doff : doff + n]
         p += REC.size
-        if native is not None:  # host memory: one C call per record (csrc/prepare/wx_delta.c)
+        if native is not None:  # host memory: one C call per record (csrc/prepare/wx_delta_host.c)
             size = (pairs_size(c) if enc == PAIRS else mask_size(n, c)) - REC.size
             if p + size > buf.numel():
                 raise DeltaError(f"record {region}/{enc} [{doff}, {doff + n}): its payload overruns the records")

@@ -6,7 +6,7 @@ their offsets, no bool temporary), the same per-task choice (records or dense, b
 per destination range the record (``delta_encode``: byte for byte ``delta.encode``'s format,
 written straight into the record tensor) and the shadow brought up to date with the changed
 bytes alone (``delta_sync``; the whole range when there were too many to keep their offsets).
-The GIL is released in each call (csrc/prepare/wx_delta.c)."""
+The GIL is released in each call (csrc/prepare/wx_delta_host.c)."""
 
 from __future__ import annotations
 

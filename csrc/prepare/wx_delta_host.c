@@ -1,5 +1,5 @@
-/* wx_delta.c - compare, encode and shadow update of delta pushes on the CPU (wx_delta.h). */
-#include "wx_delta.h"
+/* wx_delta_host.c - compare, encode and shadow update of delta pushes on the CPU (wx_delta_host.h). */
+#include "wx_delta_host.h"
 
 #include <errno.h>
 #include <string.h>

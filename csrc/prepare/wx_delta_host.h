@@ -1,4 +1,4 @@
-/* wx_delta.h - the CPU side of delta pushes (issue 36; the format: wxfer/runtime/delta.py).
+/* wx_delta_host.h - the CPU side of delta pushes (issue 36; the format: wxfer/runtime/delta.py).
  *
  * A trainer compares a range's fresh destination bytes with its shadow (what it last wrote),
  * encodes the changed ones as one record and brings the shadow up to date, each in one pass
