@@ -116,8 +116,9 @@ def bench_rates(model_name: str, lrs, steps: int, device, batch: int, seq: int) 
     return rows
 
 
-def bench_push(model: str, fp8: bool, lr, rate, steps: int, watermark: str, link_gbps=None) -> dict:
-    """One demo run with delta on (real AdamW at `lr`, or `rate` of the elements changed)."""
+def bench_push(model: str, fp8: bool, lr, rate, steps: int, watermark: str, link_gbps=None, dense=(2,)) -> dict:
+    """One demo run with delta on (real AdamW at `lr`, or `rate` of the elements changed);
+    the steps in `dense` pushed dense (the shadow kept), to compare with in the same run."""
     from wxfer.tools.demo import run_demo
 
     os.environ.setdefault("WXFER_DEMO_CPU", "1")
@@ -133,7 +134,7 @@ def bench_push(model: str, fp8: bool, lr, rate, steps: int, watermark: str, link
         transport="fabric",
         delta=link_gbps or True,
         change_rate=rate,
-        dense_steps=(2,),
+        dense_steps=tuple(dense),
         log=lambda *a: None,
         **kw,
     )
@@ -145,6 +146,9 @@ def bench_push(model: str, fp8: bool, lr, rate, steps: int, watermark: str, link
     out = {k: res.get(k) for k in keep}
     for s in out["delta_steps"] or []:
         s["records_vs_sent"] = s["record_bytes"] / max(s["sent_bytes"], 1)
+    pairs = _paired(out["delta_steps"] or [], set(dense))
+    if pairs:  # each delta push against the dense push just before it (the load moves in minutes)
+        out["paired_delta_vs_dense_s"] = pairs
     return dict(model=model, fp8=fp8, lr=lr, change_rate_requested=rate, link_gbps=link_gbps, **out)
 
 
@@ -195,10 +199,20 @@ def bench_colocated(model: str, fp8: bool, rates, steps: int, watermark: str) ->
     return rows
 
 
+def _paired(steps: list, dense: set) -> list:
+    """delta push time / the dense push's of the step before, for each delta step after a dense one."""
+    by = {s["step"]: s for s in steps}
+    return [
+        by[k]["push_s"] / by[k - 1]["push_s"]
+        for k in sorted(by)
+        if k not in dense and k - 1 in dense and k - 1 > 1 and by[k]["tasks_delta"]
+    ]
+
+
 def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
     """Dense quantize alone vs quantize + compare + encode, and apply per MB of records."""
     import torch
-    from wxfer.runtime import delta, fp8
+    from wxfer.runtime import delta, delta_cpu, fp8
 
     def sync():
         if device.type == "cuda":
@@ -234,6 +248,31 @@ def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
 
     t_full = best(full)
     rec = box["rec"]
+    native = {}
+    if delta_cpu.available(device):  # what a CPU push runs: one scan, the record from its offsets
+        sh2 = shadow.clone()
+
+        def cpu():
+            fp8.quantize_into(out, [(w2, 0, nq)])
+            c, idx = delta_cpu.scan(out, sh2)
+            box["nrec"] = delta_cpu.record(out, sh2, c, idx, 0, 0)
+
+        def torch_only():  # compare + encode alone, the torch ops and the native ones
+            d, c = delta.changed(out, shadow)
+            delta.encode(out, d, c, 0, 0)
+
+        def native_only():
+            c, idx = delta_cpu.scan(out, sh2)
+            delta_cpu.record(out, sh2, c, idx, 0, 0)
+
+        t_n = best(cpu)
+        native = dict(
+            quantize_compare_encode_native_s=t_n,
+            ratio_native=t_n / t_q,
+            compare_encode_torch_s=best(torch_only),
+            compare_encode_native_s=best(native_only),
+        )
+        assert torch.equal(box["nrec"], rec)
     changed_bytes = int(delta.changed(out, shadow)[1])
     dst = shadow.clone()
     t_apply = best(lambda: delta.apply_records(rec, 1, [dst]))
@@ -252,6 +291,7 @@ def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
         dense_bytes=int(out.numel()),
         apply_s=t_apply,
         apply_s_per_MB=t_apply / (rec.numel() / 1e6),
+        **native,
     )
 
 
@@ -352,6 +392,7 @@ def main() -> None:
     ap.add_argument("--push-model", default="medium")
     ap.add_argument("--push-lr", type=float, default=1e-6)
     ap.add_argument("--push-steps", type=int, default=5)
+    ap.add_argument("--dense-steps", default="2", help="push part: steps pushed dense (e.g. 2,4,6: interleaved)")
     ap.add_argument("--synthetic-model", default="small")
     ap.add_argument("--synthetic-rates", default="0.001,0.01,0.03,0.1,0.5")
     ap.add_argument("--watermark", default="2GiB")
@@ -380,7 +421,16 @@ def main() -> None:
         res["rates"] = dict(model=a.model, rows=bench_rates(a.model, lrs, a.steps, device, a.batch, a.seq))
     if "push" in parts:
         res["push"] = [
-            bench_push(a.push_model, f == "1", a.push_lr, None, a.push_steps, a.watermark, a.link_gbps)
+            bench_push(
+                a.push_model,
+                f == "1",
+                a.push_lr,
+                None,
+                a.push_steps,
+                a.watermark,
+                a.link_gbps,
+                [int(x) for x in a.dense_steps.split(",")],
+            )  # fmt: skip
             for f in a.push_fp8.split(",")
         ]
     if "synthetic" in parts:

@@ -9,7 +9,9 @@
 
 #include "wx_copy.h"
 #include "wx_delta.h"
+#include "wx_delta_host.h"
 #include "wx_fp8.h"
+#include "wx_fp8_host.h"
 #include "wx_streamwait.h"
 #include "wx_sweep.h"
 
@@ -401,6 +403,93 @@ static PyObject *wx_kernel_sweep_py(PyObject *m, PyObject *args, PyObject *kw)
 }
 #endif
 
+/* Delta pushes on the CPU (wx_delta_host.h): host addresses as ints, the GIL released. */
+static PyObject *wx_delta_scan_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    unsigned long long cur, shadow, n, idx, cap;
+    uint64_t c = 0;
+    int rc;
+    if (!PyArg_ParseTuple(args, "KKKKK:delta_scan", &cur, &shadow, &n, &idx, &cap))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_delta_scan((const uint8_t *)(uintptr_t)cur, (const uint8_t *)(uintptr_t)shadow, n,
+                           (uint32_t *)(uintptr_t)idx, cap, &c);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return wx_py_raise(st, rc, "delta_scan");
+    return PyLong_FromUnsignedLongLong(c);
+}
+
+static PyObject *wx_delta_encode_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    unsigned long long cur, shadow, n, c, idx, doff, out, out_len;
+    unsigned int region;
+    int rc;
+    if (!PyArg_ParseTuple(args, "KKKKKIKKK:delta_encode", &cur, &shadow, &n, &c, &idx, &region,
+                          &doff, &out, &out_len))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_delta_encode((const uint8_t *)(uintptr_t)cur, (const uint8_t *)(uintptr_t)shadow, n,
+                             c, (const uint32_t *)(uintptr_t)idx, region, doff,
+                             (uint8_t *)(uintptr_t)out, out_len);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return wx_py_raise(st, rc, "delta_encode");
+    Py_RETURN_NONE;
+}
+
+static PyObject *wx_delta_sync_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    unsigned long long cur, shadow, n, c, idx;
+    int rc;
+    if (!PyArg_ParseTuple(args, "KKKKK:delta_sync", &cur, &shadow, &n, &c, &idx))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_delta_sync((const uint8_t *)(uintptr_t)cur, (uint8_t *)(uintptr_t)shadow, n, c,
+                           (const uint32_t *)(uintptr_t)idx);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return wx_py_raise(st, rc, "delta_sync");
+    Py_RETURN_NONE;
+}
+
+static PyObject *wx_delta_apply_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    unsigned long long payload, len, n, c, dst;
+    int enc, rc;
+    if (!PyArg_ParseTuple(args, "KKiKKK:delta_apply", &payload, &len, &enc, &n, &c, &dst))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_delta_apply((const uint8_t *)(uintptr_t)payload, len, enc, n, c,
+                            (uint8_t *)(uintptr_t)dst);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return wx_py_raise(st, rc, "delta_apply");
+    Py_RETURN_NONE;
+}
+
+static PyObject *wx_fp8_host_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    unsigned long long src, q, sc;
+    long long ld, rows, cols;
+    int dtype, rc, nthreads = 1;
+    if (!PyArg_ParseTuple(args, "KiLLLKK|i:fp8_host", &src, &dtype, &ld, &rows, &cols, &q, &sc,
+                          &nthreads))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_fp8_host((const void *)(uintptr_t)src, dtype, ld, rows, cols,
+                         (uint8_t *)(uintptr_t)q, (uint8_t *)(uintptr_t)sc, nthreads);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return wx_py_raise(st, rc, "fp8_host");
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef wx__prepare_methods[] = {
     {"fp8_check", wx_fp8_check_py, METH_VARARGS,
      "fp8_check(pieces, out_nbytes) -> tiles; raises Error naming the first bad piece. pieces: "
@@ -453,6 +542,22 @@ static PyMethodDef wx__prepare_methods[] = {
      "delta_launch(kind, device, stream, table, device_table_ptr, bits_ptr, bits_nbytes, a=0, "
      "a_n=0, b=0, b_n=0, out=0, out_n=0): kind 0 compare, 1 count (a: u32 counts), 2 emit (a: "
      "shadow, b: int64 prefix sum, out: the records)."},
+    {"delta_scan", wx_delta_scan_py, METH_VARARGS,
+     "delta_scan(cur, shadow, n, idx, cap) -> changed: the bytes of host range cur[0, n) that "
+     "differ from shadow[0, n); the first cap offsets (u32, ascending) written at idx (0: none)."},
+    {"delta_encode", wx_delta_encode_py, METH_VARARGS,
+     "delta_encode(cur, shadow, n, changed, idx, region, doff, out, out_len): the range's delta "
+     "record (wxfer/runtime/delta.py's format) into host memory out; idx from delta_scan or 0."},
+    {"delta_sync", wx_delta_sync_py, METH_VARARGS,
+     "delta_sync(cur, shadow, n, changed, idx): the shadow's changed bytes (at idx; 0: the "
+     "whole range) set from cur."},
+    {"delta_apply", wx_delta_apply_py, METH_VARARGS,
+     "delta_apply(payload, payload_len, encoding, n, changed, dst): one record's payload (after "
+     "its head) applied to the n host bytes at dst; nothing written when it is malformed."},
+    {"fp8_host", wx_fp8_host_py, METH_VARARGS,
+     "fp8_host(src, dtype, ld, rows, cols, q, scales, nthreads=1): block-FP8 quantization of a "
+     "host piece (addresses; q or scales 0: not written), the reference's bytes, its block rows "
+     "shared among nthreads threads (csrc/prepare/wx_fp8_host.h)."},
 #ifdef WX_KERNEL_SWEEP
     {"kernel_sweep", (PyCFunction)(void (*)(void))wx_kernel_sweep_py, METH_VARARGS | METH_KEYWORDS,
      "kernel_sweep(kernel, *, variant=6, ctas_per_sm=0, unroll=4): before the kernel's first "

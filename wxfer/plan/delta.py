@@ -1,24 +1,34 @@
 """The simulator's delta term (issue 36): what a delta push costs against the dense one.
 
 A delta push (``Sender(delta=True)``, docs/delta.md) still makes every destination byte on the
-trainer (gather, fusion, FP8), then compares it with the shadow, and sends only the changed bytes
-as records, which the receiver applies after the step.  Given a dense simulation of a plan
-(``lower_bound_s``: the busiest link's bytes over its bandwidth; ``simulated_s``: the whole
-push), the delta push is estimated as
+trainer (stage 1, the all-gathers, fusion, FP8), compares it with the shadow in the same pass
+(the fused kernel reads the shadow too), sends only the changed bytes as records, and the
+receivers apply them after the step.  ``simulate_delta`` runs the simulator itself on that push:
 
-    stages  = the busiest non-link stage of the dense simulation (stage_busy_s: host, all-gather,
-              pack, H2D; these stay: a delta push still makes every byte), or, without it,
-              simulated_s - lower_bound_s
-    link    = lower_bound_s * records_fraction(rate)
-    compare = 2 * distinct bytes per trainer GPU / compare bandwidth   (its share and the shadow)
-    apply   = max bytes per inference GPU * records_fraction(rate) / apply bandwidth
-    delta_s = max(stages + compare, link, simulated_s - lower_bound_s + link) + apply
+  * the plan with every transfer's bytes scaled to its records (``records_fraction(rate)``), so
+    that the all-gathers' cross-node rings share the NICs with the records only, not with the
+    dense writes (in a dense simulation they do: its all-gather stage is stretched by the writes,
+    which a delta push does not pay);
+  * the pack stage slowed by the compare: each FP8 task reads its shadow (its packed bytes) and
+    its fresh bytes again at ``compare_GBps``, added to the quantizer's time per byte;
+  * the receivers' apply after the push: max bytes per inference GPU x records_fraction /
+    ``apply_GBps``.
 
-and the chooser falls back to dense (``delta_pays`` False, ``chosen_s`` = simulated_s) where
-that is not shorter.  ``rate`` is the fraction of destination *bytes* that changed (the FP8
-bytes rate for an FP8 destination, as benchmarks/bench_delta.py measures it).  The bandwidths
-are inputs with their source said (defaults: assumptions for an H100-class GPU, to be replaced
-by bench_delta.py --parts kernels measured on the device).
+    delta_s = simulated (records plan, pack + compare) + apply
+
+The runtime writes a receiver's records in one write after the task loop, the model per task
+(the records are 1-2% of the bytes: the difference is the records' own link time, in
+``delta_link_s``).  ``estimate`` is the closed form used without a simulation (``--no-sim``):
+max(busiest non-link stage + compare, link, dense_s - lower_bound_s + link) + apply.  The
+chooser falls back to dense (``delta_pays`` False, ``chosen_s`` = the dense push) where delta
+is not shorter.  ``rate`` is the fraction of destination *bytes* that changed (the FP8 bytes
+rate for an FP8 destination, as benchmarks/bench_delta.py measures it).
+
+The default rates are measured on one H100 (benchmarks/runs/h100-2026-12-06-session/
+delta_gpu.json, one 8192 x 8192 weight, 0.4% changed): compare + encode 0.803 ms beyond the
+quantize for 67.1 MB of FP8 bytes and their shadow (2 x 67.1 MB read: 167 GB/s; unfused torch
+ops, the fused kernel's figure replaces it once measured), apply 0.495 ms for 3.41 MB of records
+(6.9 GB/s).
 """
 
 from __future__ import annotations
@@ -26,6 +36,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 REC_HEAD = 32  # bytes of a record's head (wxfer.runtime.delta.REC)
+# measured on one H100, 2026-12-06 (the module docstring): 2 x 67,125,248 bytes read by the compare +
+# encode in 0.000901057 - 0.000098486 s; 3,413,424 bytes of records applied in 0.000495156 s
+COMPARE_GBPS = 167.3
+APPLY_GBPS = 6.89
+SOURCE = (
+    "measured on one H100 (benchmarks/runs/h100-2026-12-06-session/delta_gpu.json: unfused torch "
+    "compare + encode 167 GB/s of bytes read, apply 6.9 GB/s of records)"
+)
 
 
 def records_fraction(rate: float, range_bytes: int = 1 << 20) -> float:
@@ -44,9 +62,9 @@ class DeltaTerms:
     per record byte; source: where these numbers come from."""
 
     rate: float
-    compare_GBps: float = 1500.0
-    apply_GBps: float = 50.0
-    source: str = "assumed (H100-class GPU); measure with benchmarks/bench_delta.py --parts kernels"
+    compare_GBps: float = COMPARE_GBPS
+    apply_GBps: float = APPLY_GBPS
+    source: str = SOURCE
 
 
 def _sig(x: float) -> float:
@@ -75,6 +93,57 @@ def estimate(
         delta_compare_s=_sig(compare),
         delta_apply_s=_sig(apply),
         delta_stages_s=_sig(other),
+        delta_s=_sig(delta_s),
+        dense_s=_sig(dense_s),
+        delta_vs_dense=_sig(delta_s / dense_s) if dense_s else None,
+        delta_pays=pays,
+        chosen_s=_sig(delta_s if pays else dense_s),
+    )
+
+
+def simulate_delta(plan, cluster, terms: DeltaTerms, dense_s: float, lower_bound_s: float, steps: int = 1500) -> dict:
+    """The delta push of `plan` on `cluster` simulated (the module docstring), against the
+    dense push's `dense_s` (its simulation) and `lower_bound_s`."""
+    import copy
+    from dataclasses import replace
+
+    import numpy as np
+
+    from .simulate import simulate
+
+    s = plan.summary()
+    frac = records_fraction(terms.rate)
+    rp = copy.copy(plan)  # the same tasks, meshes and groups; each transfer its records' bytes
+    rp.nbytes = np.maximum(np.ceil(plan.nbytes * frac), 1).astype(plan.nbytes.dtype)
+    cal = cluster.cal
+    # the pack stage per byte of (sources + packed): the quantizer's, plus the compare reading
+    # the packed bytes and the shadow (2 x packed; BF16 sources are 2 x packed: 2 of 3 bytes)
+    mem = cluster.mem_GBps
+
+    def slowed(q):
+        q = mem if q is None else q
+        return 1.0 / (1.0 / q + (2.0 / 3.0) / terms.compare_GBps)
+
+    dc = copy.copy(cluster)
+    dc.calibration = replace(cal, quant_GBps=slowed(cal.quant_GBps), quant_small_GBps=slowed(cal.quant_small_GBps))
+    r = simulate(rp, dc, steps=steps, record=False, kinds="auto")
+    apply = s["max_bytes_per_infer_gpu"] * frac / (terms.apply_GBps * 1e9)
+    per_trainer = s["bytes_per_replica"] / max(plan.train_world, 1)
+    delta_s = r.simulated_s + apply
+    pays = delta_s < dense_s
+    busy = {k: _sig(v) for k, v in r.stage_busy_s.items()}
+    return dict(
+        delta_model="simulated",
+        delta_terms=asdict(terms),
+        delta_records_fraction=frac,
+        delta_link_s=_sig(lower_bound_s * frac),
+        delta_compare_s=_sig(2 * per_trainer / (terms.compare_GBps * 1e9)),
+        delta_apply_s=_sig(apply),
+        delta_simulated_s=_sig(r.simulated_s),
+        delta_lower_bound_s=_sig(r.lower_bound_s),
+        delta_bound_by=r.bound_by,
+        delta_stage_busy_s=busy,
+        delta_stages_s=_sig(max(v for k, v in r.stage_busy_s.items() if k != "links")),
         delta_s=_sig(delta_s),
         dense_s=_sig(dense_s),
         delta_vs_dense=_sig(delta_s / dense_s) if dense_s else None,

@@ -107,6 +107,7 @@ def apply_records(buf, nrec: int, regions: list) -> int:
     import torch
 
     heads = buf.cpu() if buf.device.type != "cpu" else buf
+    native = _native_apply(buf, regions)
     p, total = 0, 0
     for _ in range(nrec):
         region, enc, doff, n, c = REC.unpack(heads[p : p + REC.size].numpy().tobytes())
@@ -114,6 +115,17 @@ def apply_records(buf, nrec: int, regions: list) -> int:
             raise DeltaError(f"record {region}/{enc} [{doff}, {doff + n}) outside the registered memory")
         dst = regions[region][doff : doff + n]
         p += REC.size
+        if native is not None:  # host memory: one C call per record (csrc/prepare/wx_delta_host.c)
+            size = (pairs_size(c) if enc == PAIRS else mask_size(n, c)) - REC.size
+            if p + size > buf.numel():
+                raise DeltaError(f"record {region}/{enc} [{doff}, {doff + n}): its payload overruns the records")
+            try:
+                native(buf.data_ptr() + p, size, enc, n, c, dst.data_ptr())
+            except Exception as e:  # noqa: BLE001 -- the extension's Error: a malformed record
+                raise DeltaError(f"record {region}/{enc} [{doff}, {doff + n}): {e}") from None
+            p += size
+            total += c
+            continue
         if enc == PAIRS:
             idx = buf[p : p + 4 * c].view(torch.int32).long()
             p += pad8(4 * c)
@@ -128,6 +140,20 @@ def apply_records(buf, nrec: int, regions: list) -> int:
         p += pad8(c)
         total += c
     return total
+
+
+def _native_apply(buf, regions):
+    """The extension's delta_apply when the records and every region are contiguous host
+    memory, else None (the torch path)."""
+    if buf.device.type != "cpu" or not buf.is_contiguous():
+        return None
+    if any(r.device.type != "cpu" or not r.is_contiguous() for r in regions):
+        return None
+    try:
+        from .. import _wxfer
+    except ImportError:
+        return None
+    return getattr(_wxfer, "delta_apply", None)
 
 
 # --------------------------------------------------------------------------- the receiver's side

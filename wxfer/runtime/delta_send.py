@@ -22,7 +22,7 @@ import base64
 import logging
 import time
 
-from . import delta, prepare, program
+from . import delta, delta_cpu, prepare, program
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,8 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = Fa
     kernels' (delta_gpu.emit), else the torch ops'."""
     import torch
 
+    if delta_cpu.available(device):  # what the CPU pushes run: the native compare and encode
+        return delta_cpu.calibrate(n, rate)
     g = torch.Generator().manual_seed(0)
     old = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
     new = old.clone()
@@ -118,6 +120,7 @@ class DeltaWriter:
         self._coloc: dict = {}  # task -> (its dests, all of them this GPU's memory)
         self.link_Bps = 1e9 if link_Bps is None else float(link_Bps)
         self.measure_link = bool(measure_link)
+        self.cpu_native = delta_cpu.available(device)  # the CPU path's compare/encode in C
         self.shadow: dict = {}  # task -> (ranges [(soff, n, shadow offset)], uint8 tensor)
         self.synced: set = set()  # gpus whose memory matches the shadow (after apply())
         self.last_rec: dict = {}  # gpu -> version of the last push that sent it records (-1: none)
@@ -137,6 +140,7 @@ class DeltaWriter:
         return dict(
             dense_bytes=0, delta_bytes=0, record_bytes=0, changed_bytes=0, compared_bytes=0,
             tasks_delta=0, tasks_dense=0, dense_why={}, encode_s=0.0, fused_tasks=0, tasks_bypassed=0,
+            make_s=0.0, gather_s=0.0, compare_s=0.0, keep_s=0.0,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ a push
@@ -199,18 +203,26 @@ class DeltaWriter:
         if not op.sends:
             prepare.run(prep, op, self.device)
             return
+        t0 = time.perf_counter()
         made = self._fused(op, prep)  # FP8 tasks: quantized, compared and counted in the shadow
         buf, self._pre = (prepare.run(prep, op, self.device), None) if made is None else made
+        self.step["make_s"] += time.perf_counter() - t0
+        self.step["gather_s"] += prep.gather_s
+        prep.gather_s = 0.0
         if self.runner.sums is not None:  # verify: the whole destination, whatever is sent
             self.runner._checksum(op, buf, prep.dests)
         ranges = sorted({(int(s), int(n)) for _, _, s, n in prep.dests})
         sh = self.shadow.get(op.task)
         gpus = [self.links.gpu_of_region.get(bytes(d[0])) for d in prep.dests]
         why = self._dense_reason(sh, ranges, gpus)
-        recs = None
+        recs, kept = None, False
         if why is None:
             t0 = time.perf_counter()
-            recs, why = self._encode(op, buf, prep.dests, sh, gpus)
+            if self.cpu_native:  # one native pass per range, the shadow updated there (delta_cpu.py)
+                recs, why = delta_cpu.encode(self, op, buf, prep.dests, sh, gpus)
+                kept = True
+            else:
+                recs, why = self._encode(op, buf, prep.dests, sh, gpus)
             self.step["encode_s"] += time.perf_counter() - t0
         nb = sum(int(d[3]) for d in prep.dests)
         if recs is None:
@@ -225,8 +237,10 @@ class DeltaWriter:
                 self.recs[g].extend(lst)
         if why == "link_fast":  # no shadow kept: the first push after a slower link is dense
             self.shadow.pop(op.task, None)
-        elif not self._fresh:
+        elif not self._fresh and not kept:  # (the kernels' compare and the native encode updated it)
+            t0 = time.perf_counter()
             self._keep(op.task, buf, ranges, sh)
+            self.step["keep_s"] += time.perf_counter() - t0
 
     def bypass(self, op) -> bool:
         """True when task `op` takes a plain push's dense way (the StepLoop's: in-place writes on

@@ -5,7 +5,8 @@ its e4m3 bytes and of its float32 scales in the uint8 buffer ``out``) with one l
 native kernel (csrc/prepare/wx_fp8_kernel.cu, compiled with NVRTC at first use; see
 docs/prepare.md) on the current CUDA stream, or, where that kernel cannot run (CPU tensors,
 no CUDA driver or libnvrtc, a GPU older than compute capability 8.9, ``WXFER_FP8=reference``),
-with ``wxfer.mapping.reference.quantize_fp8_block`` and copies. Both give the same bytes.
+with ``wxfer.mapping.reference.quantize_fp8_block`` and copies (on CPU tensors: the host
+quantizer, csrc/prepare/wx_fp8_host.c, the same numerics in C). All give the same bytes.
 ``info()`` says which one would run and why; ``last()`` which one ran last.
 """
 
@@ -144,9 +145,9 @@ def _run(out, jobs, key=None) -> str:
             _TABLES[key] = (made[0], made[1], out.device, out.numel())
         _count("native", "one NVRTC-compiled kernel launch")
         return "native"
-    _reference(out, jobs)
+    host = _reference(out, jobs)
     if jobs:
-        _count("reference", why or "nothing to quantize")
+        _count("reference", (why or "nothing to quantize") + ("; the host quantizer (wx_fp8_host.c)" if host else ""))
     return "reference"
 
 
@@ -156,16 +157,52 @@ def _count(kind: str, reason: str) -> None:
     _last = {"quantizer": kind, "reason": reason}
 
 
-def _reference(out, jobs) -> None:
+def _reference(out, jobs) -> bool:
+    """The jobs quantized off the GPU kernel: by the host quantizer (True) or torch (False)."""
     from ..mapping.reference import quantize_fp8_block
 
     torch = _torch()
+    if _host(out, jobs):
+        return True
     for t, qo, so in jobs:
         q, s = quantize_fp8_block(t)
         if qo is not None:
             out[qo : qo + q.numel()].copy_(q.view(-1).view(torch.uint8))
         if so is not None:
             out[so : so + s.numel() * 4].copy_(s.view(-1).view(torch.uint8))
+    return False
+
+
+def _host(out, jobs) -> bool:
+    """The jobs quantized by the extension's host quantizer (csrc/prepare/wx_fp8_host.c: the
+    reference's bytes in one pass, no temporaries) when out is in host memory, every source is
+    a host view with unit column stride, and WXFER_FP8 is not "reference"; else False."""
+    from .. import envs
+
+    if out.device.type != "cpu" or envs.get("WXFER_FP8") == "reference":
+        return False
+    try:
+        from .. import _wxfer
+    except ImportError:
+        return False
+    if not hasattr(_wxfer, "fp8_host"):
+        return False
+    codes = _codes()
+    if any(t.device.type != "cpu" or t.dtype not in codes or t.stride(1) != 1 for t, _, _ in jobs):
+        return False
+    base = out.data_ptr()
+    nth = max(1, min(64, torch_threads()))
+    for t, qo, so in jobs:
+        rows, cols = t.shape
+        q = 0 if qo is None else base + qo
+        s = 0 if so is None else base + so
+        _wxfer.fp8_host(t.data_ptr(), codes[t.dtype], t.stride(0) if rows > 1 else cols, rows, cols, q, s, nth)
+    return True
+
+
+def torch_threads() -> int:
+    """The host quantizer's threads: torch's intra-op threads (what the reference would use)."""
+    return int(_torch().get_num_threads())
 
 
 def _raw_stream(device) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -377,6 +378,7 @@ class TaskPrep:
         "largest",
         "fast",
         "done",
+        "gather_s",
     )
 
     def __init__(self, device):
@@ -398,6 +400,7 @@ class TaskPrep:
         # collectives (gathers, then generic full_tensor calls) of this task posted in the push
         # under way, counted as each returns: where a failed rank's drain resumes (steps.py)
         self.done = 0
+        self.gather_s = 0.0  # the last gather()'s seconds (stage 1 and the collectives)
 
 
 class _Gather:
@@ -555,6 +558,7 @@ def gather(prep: TaskPrep, op: TaskOp, device) -> tuple:
     """Stage 1 and the collectives of stage 2 of a task that is not zero copy: ({source name:
     its whole tensor on `device`}, the names of those in fresh memory, not the parameter's).
     prep.done counts its collectives as each returns."""
+    t0 = time.perf_counter()
     fulls, fresh = {}, set()
     for name, p in prep.whole:
         local = _local(p)
@@ -566,6 +570,7 @@ def gather(prep: TaskPrep, op: TaskOp, device) -> tuple:
     collectives(prep, device, fulls, 0)
     fresh.update(it[0] for g in prep.gathers for it in g.items)
     fresh.update(name for name, _ in prep.generic)
+    prep.gather_s = time.perf_counter() - t0  # stage 1 and the collectives (delta pushes' stats)
     return fulls, fresh
 
 

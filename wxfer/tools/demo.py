@@ -223,6 +223,9 @@ def _delta_result(a: dict, res: dict, per_step: list) -> dict:
                 push_s=s["step_s"],
                 submit_s=d.get("submit_s"),
                 writes_s=d.get("writes_s"),
+                # seconds summed over the trainer ranks: making the bytes (of which the
+                # all-gathers), the compare with the shadow, compare + encode, the shadow copy
+                **{k: d.get(k) for k in ("make_s", "gather_s", "compare_s", "encode_s", "keep_s")},
                 bitexact=all(r["ok"] for r in s["reports"]),
             )
         )
