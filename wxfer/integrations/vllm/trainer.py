@@ -216,6 +216,7 @@ class TrainerSide:
         self.group = None
         self.rank = info.rank if info is not None else 0
         self.pending = None  # the last update_weights thread (joined, bounded, before the next round)
+        self.last_send = None  # rank 0: the last send_weights timed (start, push, update_weights, finish, total)
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
@@ -307,6 +308,7 @@ class TrainerSide:
         info, s = self.info, self.sender
         v = s.version + 1 if version is None else int(version)
         call, err = None, None
+        t = [time.monotonic()]  # rank 0's parts timed: last_send (start, push, update_weights, finish)
         if self.is_sender:
             if self.pending is not None:  # a previous round's RPC that failed: bounded, then dropped
                 self.pending.result(info.update_timeout, "the previous update_weights")
@@ -324,16 +326,23 @@ class TrainerSide:
                 )
             except Exception as e:  # noqa: BLE001
                 err = f"start_weight_update raised {type(e).__name__}: {e}"
+        t.append(time.monotonic())
         s.push(version=v)  # raises on every rank when any rank fails (the Sender's own agreement)
+        t.append(time.monotonic())
         if call is not None:
             err = call.result(info.update_timeout + 30.0, f"update_weights (version {v})")
+            t.append(time.monotonic())
             if err is None:
                 self.pending = None
                 try:
                     self._finish(v)
                 except Exception as e:  # noqa: BLE001
                     err = f"finish_weight_update raised {type(e).__name__}: {e}"
+                t.append(time.monotonic())
         control.agree(self.group, err, self.rank, f"committing version {v} in vLLM", info.timeout)
+        if len(t) == 5:
+            keys = ("start_s", "push_s", "update_weights_s", "finish_s")
+            self.last_send = dict(version=v, total_s=t[4] - t[0], **{k: t[i + 1] - t[i] for i, k in enumerate(keys)})
         return v
 
     def _finish(self, v: int) -> None:
