@@ -38,6 +38,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def sizes(a) -> dict:
+    """The config overrides of --hidden / --layers / --vocab; none: the tests' tiny model."""
+    if not a.hidden:
+        return {}
     heads = max(1, a.hidden // 64)
     return dict(
         hidden_size=a.hidden,
@@ -47,6 +50,23 @@ def sizes(a) -> dict:
         num_key_value_heads=max(1, heads // 2),
         vocab_size=a.vocab,
     )
+
+
+def save_deepseek(path):
+    """mla_proc.tiny_config as an HF directory of transformers' DeepseekV3ForCausalLM (in a clean
+    interpreter: nothing of vLLM imported yet here)."""
+    import torch
+    from mla_proc import tiny_config
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    d = tiny_config()
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(DeepseekV3Config(**d), dtype=torch.bfloat16)
+    m.save_pretrained(path)
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg.update(architectures=d["architectures"], topk_method=d["topk_method"], scoring_func=d["scoring_func"])
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
 
 
 def trainer(ckpt, store, name, port, mapping, pushes):
@@ -77,6 +97,7 @@ def trainer(ckpt, store, name, port, mapping, pushes):
         conn.send(("pushed", v, dict(eng.last_send)))
         assert conn.recv() == ("next", None)
     conn.send(("done", setup))
+    conn.recv()  # the workers closed their Receivers (before this process's store goes)
     eng.shutdown()
 
 
@@ -102,6 +123,8 @@ def serve(llm, conn, proc, timeout=1800.0):
             pushes.append(dict(version=msg[1], trainer=msg[2], worker=dict(eng.update_report)))
             conn.send(("next", None))
         elif msg[0] == "done":
+            llm.shutdown_weight_transfer_engine()
+            conn.send(("bye", None))
             return msg[1], pushes
     raise SystemExit("the trainer did not finish in time")
 
@@ -128,7 +151,7 @@ def bounds(llm, seed, repeat):
             eng.model.load_weights(iter(named))
             finalize_layerwise_reload(eng.model, eng.vllm_config.model_config)
             reload_s.append(time.monotonic() - t0)
-        dst = [torch.empty_like(t) for _, t in named]
+        dst = [torch.zeros_like(t) for _, t in named]  # pages touched before the clock
         for _ in range(repeat):
             t0 = time.monotonic()
             for d, (_, t) in zip(dst, named):
@@ -144,7 +167,7 @@ def med(xs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="qwen3")
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=0, help="0: the tests' tiny model (hidden 256, 2 layers)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--pushes", type=int, default=5)
@@ -162,7 +185,10 @@ def main():
     from trace_proc import save_tiny
 
     ck = tempfile.mkdtemp(prefix="wxfer-bench-update-")
-    save_tiny(ck, a.arch, **sizes(a))
+    if a.arch == "deepseek_v3":  # tests/on_vllm/mla_proc.py's tiny DeepSeek-V3 (MLA, MoE), BF16, no MTP weights
+        save_deepseek(ck)
+    else:
+        save_tiny(ck, a.arch, **sizes(a))
 
     import wxfer.integrations.vllm as wv
 
@@ -177,7 +203,8 @@ def main():
 
     print("machine:", machine(), flush=True)
     llm = wxfer_llm(ck)
-    n_params = sum(t.numel() for t in llm.collective_rpc(lambda self: self.weight_transfer_engine)[0].model.parameters())
+    model = llm.collective_rpc(lambda self: self.weight_transfer_engine)[0].model
+    n_params = sum(t.numel() for t in model.parameters())
     listener = Listener(("127.0.0.1", 0), authkey=b"wxfer-bench")
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + TESTS)
@@ -211,8 +238,9 @@ def main():
         copy_s=copy_s,
     )
     gemm = "keep_cpu_weights()" if a.keep else "vLLM's CPU GEMM as shipped"
+    shape = f"hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}" if a.hidden else "the tests' tiny config"
     print(
-        f"model: {a.arch} hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}: {nbytes / 2**20:.1f} MiB of "
+        f"model: {a.arch}, {shape}: {nbytes / 2**20:.1f} MiB of "
         f"checkpoint tensors (BF16); TP1; {gemm}; mapping {a.mapping}"
     )
     print(
@@ -247,10 +275,6 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rep, f, indent=1)
-    try:
-        llm.shutdown_weight_transfer_engine()
-    except Exception:  # noqa: BLE001
-        pass
 
 
 if __name__ == "__main__":

@@ -98,6 +98,7 @@ def two_pushes(llm, mode, seed0, monkeypatch):
     t0 = time.monotonic()
     tr = Trainers(llm, mode)
     kind, msg = tr.serve(pushed)
+    llm.shutdown_weight_transfer_engine()  # the Receivers closed before the trainer's store goes
     tr.close()
     assert kind == "done", (kind, msg)
     assert [s[0] for s in seen] == [1, 2]

@@ -131,7 +131,8 @@ class WorkerSide:
         replica = par["dp_rank"] if info.replica is None else int(info.replica)
         replicas = par["dp"] if info.replicas is None else int(info.replicas)
         self._refuse_draft_and_mla(where)
-        self.finalizers = []
+        # nothing of an earlier job on this engine (a traced job's map, its proof) outlives it
+        self.finalizers, self.traced_map, self.proof_result, self.update_report = [], None, None, None
         if info.traced:
             preset = None
             store, sel, left = self._traced(info, par, replica, replicas, where, major)
