@@ -111,7 +111,11 @@ def serve(llm, conn, proc, timeout=1800.0):
             if proc.poll() is not None:
                 raise SystemExit("the trainer exited:\n" + proc.stdout.read()[-4000:])
             continue
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            proc.wait(timeout=60)
+            raise SystemExit("the trainer exited:\n" + proc.stdout.read()[-6000:]) from None
         if msg[0] == "rpc":
             try:
                 getattr(client, msg[1])(**msg[2])

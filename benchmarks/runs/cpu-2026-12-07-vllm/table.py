@@ -1,6 +1,5 @@
 """The markdown table of docs/vllm.md from the JSON files run_table.sh wrote here (python table.py)."""
 
-import glob
 import json
 import os
 
