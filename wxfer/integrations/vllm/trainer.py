@@ -173,6 +173,41 @@ def _module_of(source):
     return mod
 
 
+def with_persistent_buffers(model):
+    """`model`, or where it holds persistent buffers (in its state dict, so in the checkpoint the
+    engine loaded, but not parameters: transformers 5's DeepseekV3 gate ``e_score_correction_bias``)
+    a module tree of its parameters (the same objects) and those buffers as parameters over the
+    same storage, under the same names: the Sender pushes parameters, and the engine loads those
+    buffers too.  A buffer the training code replaces by a new tensor (rather than writing it in
+    place) is not seen; ``reshard`` (FSDP2) is the model's own."""
+    import torch
+
+    params = dict(model.named_parameters())
+    extra = {}
+    for mname, mod in model.named_modules():
+        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        for bname, b in mod._buffers.items():
+            n = f"{mname}.{bname}" if mname else bname
+            if b is not None and bname not in skip and n not in params:
+                extra[n] = b
+    if not extra:
+        return model
+    root = torch.nn.Module()
+    items = list(params.items()) + [(n, torch.nn.Parameter(b, requires_grad=False)) for n, b in extra.items()]
+    for n, t in items:
+        mod = root
+        *path, leaf = n.split(".")
+        for k in path:
+            if not hasattr(mod, k):
+                mod.add_module(k, torch.nn.Module())
+            mod = getattr(mod, k)
+        mod.register_parameter(leaf, t)
+    if hasattr(model, "reshard"):
+        root.reshard = model.reshard
+    root.wxfer_buffers = sorted(extra)
+    return root
+
+
 def _worker_mapping(mapping) -> dict:
     """How the mapping travels to the workers: a preset name or an HF config dict as they are;
     a Preset as its name (the workers rebuild it from their hf_config)."""
@@ -240,7 +275,7 @@ class TrainerSide:
                 f"wxfer trainer engine: init_info must be a WxferTrainerInitInfo, got {type(info).__name__}"
             )
         self = cls._new(info, client, source, config)
-        model = _module_of(source)
+        model = with_persistent_buffers(_module_of(source))
         traced = uses_trace(info)
         preset = None if traced else get_preset(info.mapping)
         self.group = control.gloo_group(info.timeout)
