@@ -44,7 +44,9 @@ def main():
     wv.keep_cpu_weights()
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=ck, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True)
+    llm = LLM(
+        model=ck, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, max_num_seqs=4, enforce_eager=True
+    )
     sp = SamplingParams(max_tokens=NEW, min_tokens=NEW, temperature=0.0, detokenize=False, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": PROMPT}], sp, use_tqdm=False)[0].outputs[0].token_ids
     print("vllm own load", list(out))
