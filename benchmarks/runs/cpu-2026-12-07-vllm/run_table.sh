@@ -8,6 +8,6 @@ for arch in ${ARCHS:-qwen3 llama mistral qwen2 gemma2 phi3 olmo2 qwen3_moe deeps
   for mode in shipped keep; do
     flag=""; [ $mode = keep ] && flag="--keep"
     cmd=".venv-vllm/bin/python benchmarks/bench_vllm_update.py --arch $arch --pushes 3 $flag --out $D/$arch-$mode.json"
-    { echo "\$ $cmd"; date -u; uptime; timeout 900 $cmd 2>&1 | grep -vE '^\(|^\s*$|^frame|TCPStore|Exception raised from|omitting python|warn'; echo "exit $?"; } > $D/$arch-$mode.txt
+    { echo "\$ $cmd"; date -u; uptime; { timeout 900 $cmd 2>&1; echo "exit $?"; } | grep -vE '^\(|^\s*$|^frame|TCPStore|Exception raised from|omitting python|warn'; } > $D/$arch-$mode.txt
   done
 done
