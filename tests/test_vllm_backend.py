@@ -332,3 +332,26 @@ def test_without_the_proof_a_refusing_worker_fails_the_setup_at_once(store):
     ctl.set_json("infer/0", {})
     _wait_first_receiver(ctl, lambda: None, T)
     assert time.monotonic() - t0 < 5
+
+
+def test_the_trainer_pushes_persistent_buffers_over_their_own_storage():
+    """with_persistent_buffers: a persistent buffer (in the state dict, so in the checkpoint:
+    transformers 5's DeepseekV3 e_score_correction_bias) appears as a parameter over the same
+    storage under its name; a non-persistent one does not; a model without any is returned as is."""
+    from wxfer.integrations.vllm.trainer import with_persistent_buffers
+
+    m = torch.nn.Module()
+    m.add_module("gate", torch.nn.Linear(4, 2, bias=False))
+    m.gate.register_buffer("e_score_correction_bias", torch.zeros(2))
+    m.gate.register_buffer("inv_freq", torch.ones(3), persistent=False)
+    w = with_persistent_buffers(m)
+    got = dict(w.named_parameters())
+    assert sorted(got) == ["gate.e_score_correction_bias", "gate.weight"] and w.wxfer_buffers == [
+        "gate.e_score_correction_bias"
+    ]
+    assert got["gate.weight"] is m.gate.weight
+    m.gate.e_score_correction_bias.add_(5.0)  # written in place by the training code: seen
+    assert got["gate.e_score_correction_bias"].data_ptr() == m.gate.e_score_correction_bias.data_ptr()
+    assert torch.equal(got["gate.e_score_correction_bias"], torch.full((2,), 5.0))
+    plain = torch.nn.Linear(4, 2)
+    assert with_persistent_buffers(plain) is plain
