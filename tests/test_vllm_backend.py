@@ -134,6 +134,32 @@ def test_finish_runs_the_finalizers_once_complete_and_reports_them(worker):
     assert order == ["experts", "attn"] and worker.finalize_report["updates"] == 1
 
 
+def test_finish_reports_the_whole_update_timed(worker):
+    """update_report: start -> writes -> finish on the worker, each part measured (a finalizer
+    that sleeps 50 ms shows in finalize_s and finish_s; an update that failed reports nothing)."""
+    import time
+
+    from wxfer.integrations.vllm import Finalizer
+
+    worker.finalizers = [Finalizer("model.layers.0.mlp.experts", {}, lambda: time.sleep(0.05))]
+    worker.receiver.v = 1
+    worker.start_weight_update()
+    time.sleep(0.02)
+    worker.update_weights({"version": 1, "timeout": 5})
+    worker.finish_weight_update()
+    rep = worker.update_report
+    assert rep["version"] == 1 and rep["start_s"] >= 0.02 and rep["write_s"] >= 0, rep
+    assert rep["finalize_s"] >= 0.05 and rep["finish_s"] >= rep["finalize_s"] + rep["apply_s"], rep
+    assert rep["total_s"] >= rep["start_s"] + rep["write_s"] + rep["finish_s"] - 1e-6, rep
+    worker.start_weight_update()
+    worker.receiver.v = 2
+    worker.update_weights({"version": 2})
+    worker.receiver.st = dict(state="torn", version=-1, ranks=[1], message="torn")
+    with pytest.raises(RuntimeError, match="not complete"):
+        worker.finish_weight_update()
+    assert worker.update_report is rep  # the failed update replaced nothing
+
+
 def test_the_worker_engine_builds_one_receiver_and_fails_stop(worker):
     r = worker.receiver
     assert (r.kw["replica"], r.kw["rank"], r.kw["tp"], r.kw["replicas"], r.kw["mapping"].name) == (
@@ -306,3 +332,26 @@ def test_without_the_proof_a_refusing_worker_fails_the_setup_at_once(store):
     ctl.set_json("infer/0", {})
     _wait_first_receiver(ctl, lambda: None, T)
     assert time.monotonic() - t0 < 5
+
+
+def test_the_trainer_pushes_persistent_buffers_over_their_own_storage():
+    """with_persistent_buffers: a persistent buffer (in the state dict, so in the checkpoint:
+    transformers 5's DeepseekV3 e_score_correction_bias) appears as a parameter over the same
+    storage under its name; a non-persistent one does not; a model without any is returned as is."""
+    from wxfer.integrations.vllm.trainer import with_persistent_buffers
+
+    m = torch.nn.Module()
+    m.add_module("gate", torch.nn.Linear(4, 2, bias=False))
+    m.gate.register_buffer("e_score_correction_bias", torch.zeros(2))
+    m.gate.register_buffer("inv_freq", torch.ones(3), persistent=False)
+    w = with_persistent_buffers(m)
+    got = dict(w.named_parameters())
+    assert sorted(got) == ["gate.e_score_correction_bias", "gate.weight"] and w.wxfer_buffers == [
+        "gate.e_score_correction_bias"
+    ]
+    assert got["gate.weight"] is m.gate.weight
+    m.gate.e_score_correction_bias.add_(5.0)  # written in place by the training code: seen
+    assert got["gate.e_score_correction_bias"].data_ptr() == m.gate.e_score_correction_bias.data_ptr()
+    assert torch.equal(got["gate.e_score_correction_bias"], torch.full((2,), 5.0))
+    plain = torch.nn.Linear(4, 2)
+    assert with_persistent_buffers(plain) is plain

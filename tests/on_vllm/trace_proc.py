@@ -38,6 +38,10 @@ def tiny_config(arch, head_dim=64, **over):
     """A tiny random transformers config of `arch` (a model_type)."""
     import transformers as T
 
+    if arch == "deepseek_v3":  # mla_proc's tiny DeepSeek-V3 (MLA, one dense and one MoE layer, noaux_tc)
+        from mla_proc import tiny_config as mla_tiny
+
+        return T.DeepseekV3Config(**dict(mla_tiny(), **over))
     kw = dict(COMMON, head_dim=head_dim)
     kw.update(over)
     if arch == "qwen3_moe":
@@ -81,6 +85,11 @@ def save_tiny(path, arch, fp8=False, seed=0, **over):
         p = os.path.join(path, "config.json")
         d = json.load(open(p))
         d["quantization_config"] = dict(FP8)
+        json.dump(d, open(p, "w"))
+    if arch == "deepseek_v3":  # what vLLM's DeepSeek-V3 reads, whether transformers' config kept it or not
+        p = os.path.join(path, "config.json")
+        d = json.load(open(p))
+        d.update(architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc", scoring_func="sigmoid")
         json.dump(d, open(p, "w"))
     return cfg
 

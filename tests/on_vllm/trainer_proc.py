@@ -72,6 +72,9 @@ def checkpoint_named(model):
     map speaks the checkpoint's names."""
     import torch
 
+    from wxfer.integrations.vllm.trainer import with_persistent_buffers
+
+    model = with_persistent_buffers(model)  # a persistent buffer the checkpoint holds (DeepSeek-V3's bias)
     named = dict(model.named_parameters())
     if not any(n.endswith("experts.gate_up_proj") for n in named):
         return model

@@ -16,7 +16,12 @@ it from the client's RPCs (``LLM`` / ``AsyncLLM`` / HTTP / Ray):
 - ``finish_weight_update()``: fails unless ``Receiver.state()`` is complete at ``v`` (a torn or
   missing step raises naming the trainer ranks and the parameters), then runs the finalizers
   (vLLM's post-processing of each finalize module re-run from the kept memory), timed:
-  ``finalize_report`` (seconds per module, in all, and the bytes kept);
+  ``finalize_report`` (seconds per module, in all, and the bytes kept); the whole update is
+  timed in ``update_report`` (``start_s`` from ``start_weight_update`` to ``update_weights``,
+  ``write_s`` the wait in ``update_weights`` until the step is in place, ``finish_s`` the whole
+  ``finish_weight_update`` of which ``apply_s`` the delta records and ``finalize_s`` the
+  finalizers, ``total_s`` from ``start_weight_update`` to the end of ``finish_weight_update``),
+  logged at INFO per update;
 - ``shutdown()``: closes the Receiver.
 
 The class itself is built on first access (``WxferWeightTransferEngine``, PEP 562) for the
@@ -93,6 +98,9 @@ class WorkerSide:
 
     receiver = None
     _announced = None
+    _t_start = None
+    _t_wait = None
+    update_report = None
     proof_result = None
     traced_map = None
 
@@ -123,7 +131,8 @@ class WorkerSide:
         replica = par["dp_rank"] if info.replica is None else int(info.replica)
         replicas = par["dp"] if info.replicas is None else int(info.replicas)
         self._refuse_draft_and_mla(where)
-        self.finalizers = []
+        # nothing of an earlier job on this engine (a traced job's map, its proof) outlives it
+        self.finalizers, self.traced_map, self.proof_result, self.update_report = [], None, None, None
         if info.traced:
             preset = None
             store, sel, left = self._traced(info, par, replica, replicas, where, major)
@@ -227,6 +236,7 @@ class WorkerSide:
     def start_weight_update(self) -> None:
         self._need("start_weight_update")
         self._announced = None
+        self._t_start, self._t_wait = time.monotonic(), None
 
     def receive_weights(self, update_info: WxferUpdateInfo) -> None:
         r = self._need("update_weights")
@@ -234,6 +244,7 @@ class WorkerSide:
         t0 = time.monotonic()
         r.wait_version(self._announced, float(update_info.timeout))
         self.last_wait_s = time.monotonic() - t0
+        self._t_wait = (t0, t0 + self.last_wait_s)
 
     def update_weights(self, update_info: dict) -> None:
         self.receive_weights(self.parse_update_info(update_info))
@@ -244,6 +255,7 @@ class WorkerSide:
 
     def finish_weight_update(self) -> None:
         r = self._need("finish_weight_update")
+        t_finish = time.monotonic()
         v = self._announced
         self._announced = None
         st = r.state()
@@ -258,9 +270,43 @@ class WorkerSide:
                 f"{st['ranks']}; the {len(names)} registered parameter(s) ({', '.join(names[:4])}"
                 f"{', ...' if len(names) > 4 else ''}) do not hold version {v}"
             )
+        t_apply = time.monotonic()
         if getattr(r, "staging", None) is not None:  # the trainers' delta records of step v (issue 36)
             self.last_apply = r.apply()
+        t_fin = time.monotonic()
         self.run_finalizers()
+        self._report_update(v, t_finish, t_apply, t_fin, time.monotonic())
+
+    def _report_update(self, v, t_finish, t_apply, t_fin, t_end) -> dict:
+        """``update_report``: the update to version `v` timed on this worker, start -> writes ->
+        finish (see the module docstring); None where the update had no ``start_weight_update``
+        or ``update_weights`` on this worker."""
+        t0, wait = self._t_start, self._t_wait
+        self._t_start = self._t_wait = None
+        if t0 is None or wait is None:
+            self.update_report = None
+            return None
+        rep = self.update_report = dict(
+            version=v,
+            start_s=wait[0] - t0,
+            write_s=wait[1] - wait[0],
+            finish_s=t_end - t_finish,
+            apply_s=t_fin - t_apply,
+            finalize_s=t_end - t_fin,
+            total_s=t_end - t0,
+        )
+        log.info(
+            "wxfer: update to version %d: start %.4f s, writes %.4f s, finish %.4f s (apply %.4f s, "
+            "finalize %.4f s), total %.4f s",
+            v,
+            rep["start_s"],
+            rep["write_s"],
+            rep["finish_s"],
+            rep["apply_s"],
+            rep["finalize_s"],
+            rep["total_s"],
+        )
+        return rep
 
     def run_finalizers(self) -> dict:
         """vLLM's post-processing re-run for every finalize module, timed (``finalize_report``)."""

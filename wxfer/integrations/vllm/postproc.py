@@ -461,9 +461,18 @@ class _Proof:
     def finalize_pass(self, todo):
         """[(module, module object, written, differ, Finalizer or None, why not)], each finalizer run
         on the mapping's bytes written into its kept memory."""
-        self.saved.restore(only={n for n in self.modules if _root(n)[0] in {t[0] for t in todo}})
+        roots = {t[0] for t in todo}
+        self.saved.restore(only={n for n in self.modules if _root(n)[0] in roots})
         cands = [(m, mod, written, differ, *self.finalizer(m, mod, written)) for m, mod, written, differ in todo]
         with torch.no_grad():
+            # a tensor one of those modules shares with a module written in place got its old bytes
+            # back (DeepSeek-V3's RoutedExperts holds its gate's e_score_correction_bias): those
+            # modules' bytes are written again
+            for d, (mname, shape, dtype) in self.dests.items():
+                mod, _, attr = mname.rpartition(".")
+                t = _tensors(self.modules[mod]).get(attr)
+                if _root(mod)[0] not in roots and _fits(t, shape, dtype):
+                    _write(t, self.packed[d])
             for _, mod, written, _, f, _ in cands:
                 for attr, d in written.items() if f is not None else ():
                     _write(f.params[attr] if attr in f.params else _tensors(mod)[attr], self.packed[d])

@@ -173,6 +173,41 @@ def _module_of(source):
     return mod
 
 
+def with_persistent_buffers(model):
+    """`model`, or where it holds persistent buffers (in its state dict, so in the checkpoint the
+    engine loaded, but not parameters: transformers 5's DeepseekV3 gate ``e_score_correction_bias``)
+    a module tree of its parameters (the same objects) and those buffers as parameters over the
+    same storage, under the same names: the Sender pushes parameters, and the engine loads those
+    buffers too.  A buffer the training code replaces by a new tensor (rather than writing it in
+    place) is not seen; ``reshard`` (FSDP2) is the model's own."""
+    import torch
+
+    params = dict(model.named_parameters())
+    extra = {}
+    for mname, mod in model.named_modules():
+        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        for bname, b in mod._buffers.items():
+            n = f"{mname}.{bname}" if mname else bname
+            if b is not None and bname not in skip and n not in params:
+                extra[n] = b
+    if not extra:
+        return model
+    root = torch.nn.Module()
+    items = list(params.items()) + [(n, torch.nn.Parameter(b, requires_grad=False)) for n, b in extra.items()]
+    for n, t in items:
+        mod = root
+        *path, leaf = n.split(".")
+        for k in path:
+            if not hasattr(mod, k):
+                mod.add_module(k, torch.nn.Module())
+            mod = getattr(mod, k)
+        mod.register_parameter(leaf, t)
+    if hasattr(model, "reshard"):
+        root.reshard = model.reshard
+    root.wxfer_buffers = sorted(extra)
+    return root
+
+
 def _worker_mapping(mapping) -> dict:
     """How the mapping travels to the workers: a preset name or an HF config dict as they are;
     a Preset as its name (the workers rebuild it from their hf_config)."""
@@ -216,6 +251,7 @@ class TrainerSide:
         self.group = None
         self.rank = info.rank if info is not None else 0
         self.pending = None  # the last update_weights thread (joined, bounded, before the next round)
+        self.last_send = None  # rank 0: the last send_weights timed (start, push, update_weights, finish, total)
 
     @classmethod
     def trainer_init(cls, init_info, *, client, source=None):
@@ -239,7 +275,7 @@ class TrainerSide:
                 f"wxfer trainer engine: init_info must be a WxferTrainerInitInfo, got {type(info).__name__}"
             )
         self = cls._new(info, client, source, config)
-        model = _module_of(source)
+        model = with_persistent_buffers(_module_of(source))
         traced = uses_trace(info)
         preset = None if traced else get_preset(info.mapping)
         self.group = control.gloo_group(info.timeout)
@@ -307,6 +343,7 @@ class TrainerSide:
         info, s = self.info, self.sender
         v = s.version + 1 if version is None else int(version)
         call, err = None, None
+        t = [time.monotonic()]  # rank 0's parts timed: last_send (start, push, update_weights, finish)
         if self.is_sender:
             if self.pending is not None:  # a previous round's RPC that failed: bounded, then dropped
                 self.pending.result(info.update_timeout, "the previous update_weights")
@@ -324,16 +361,23 @@ class TrainerSide:
                 )
             except Exception as e:  # noqa: BLE001
                 err = f"start_weight_update raised {type(e).__name__}: {e}"
+        t.append(time.monotonic())
         s.push(version=v)  # raises on every rank when any rank fails (the Sender's own agreement)
+        t.append(time.monotonic())
         if call is not None:
             err = call.result(info.update_timeout + 30.0, f"update_weights (version {v})")
+            t.append(time.monotonic())
             if err is None:
                 self.pending = None
                 try:
                     self._finish(v)
                 except Exception as e:  # noqa: BLE001
                     err = f"finish_weight_update raised {type(e).__name__}: {e}"
+                t.append(time.monotonic())
         control.agree(self.group, err, self.rank, f"committing version {v} in vLLM", info.timeout)
+        if len(t) == 5:
+            keys = ("start_s", "push_s", "update_weights_s", "finish_s")
+            self.last_send = dict(version=v, total_s=t[4] - t[0], **{k: t[i + 1] - t[i] for i, k in enumerate(keys)})
         return v
 
     def _finish(self, v: int) -> None:
