@@ -131,6 +131,46 @@ def copy_launch(device: int, stream: int, ranges: Any, device_ranges_ptr: int, /
 def copy_settings() -> dict[str, int]: ...
 def copy_batch_probe(device: int, /) -> tuple[bool, str]: ...
 def copy_batch(device: int, stream: int, copies: Any, /) -> None: ...
+def delta_probe(device: int, dirs: Sequence[str] = ..., /) -> tuple[bool, str]: ...
+def delta_check(
+    kind: int, table: Any, bits_nbytes: int, shadow_nbytes: int = ..., out_nbytes: int = ..., nsegx: int = ..., /
+) -> int: ...
+def delta_quant_launch(
+    device: int,
+    stream: int,
+    shadow_ptr: int,
+    shadow_nbytes: int,
+    pieces: Any,
+    device_pieces_ptr: int,
+    bits_ptr: int,
+    bits_nbytes: int,
+    /,
+) -> None: ...
+def delta_launch(
+    kind: int,
+    device: int,
+    stream: int,
+    table: Any,
+    device_table_ptr: int,
+    bits_ptr: int,
+    bits_nbytes: int,
+    a: int = ...,
+    a_n: int = ...,
+    b: int = ...,
+    b_n: int = ...,
+    out: int = ...,
+    out_n: int = ...,
+    /,
+) -> None: ...
+def delta_scan(cur: int, shadow: int, n: int, idx: int, cap: int, /) -> int: ...
+def delta_encode(
+    cur: int, shadow: int, n: int, changed: int, idx: int, region: int, doff: int, out: int, out_len: int, /
+) -> None: ...
+def delta_sync(cur: int, shadow: int, n: int, changed: int, idx: int, /) -> None: ...
+def delta_apply(payload: int, payload_len: int, encoding: int, n: int, changed: int, dst: int, /) -> None: ...
+def fp8_host(
+    src: int, dtype: int, ld: int, rows: int, cols: int, q: int, scales: int, nthreads: int = ..., /
+) -> None: ...
 def stream_wait_addr(device: int, host_address: int, /) -> tuple[int, str]: ...
 def stream_wait(device: int, stream: int, device_address: int, value: int, /) -> None: ...
 

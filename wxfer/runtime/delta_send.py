@@ -33,7 +33,7 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = Fa
     kernels' (delta_gpu.emit), else the torch ops'."""
     import torch
 
-    if delta_cpu.available(device):  # what the CPU pushes run: the native compare and encode
+    if not gpu and delta_cpu.available(device):  # what the CPU pushes run: the native compare and encode
         return delta_cpu.calibrate(n, rate)
     g = torch.Generator().manual_seed(0)
     old = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
@@ -120,7 +120,7 @@ class DeltaWriter:
         self._coloc: dict = {}  # task -> (its dests, all of them this GPU's memory)
         self.link_Bps = 1e9 if link_Bps is None else float(link_Bps)
         self.measure_link = bool(measure_link)
-        self.cpu_native = delta_cpu.available(device)  # the CPU path's compare/encode in C
+        self.cpu_native = not self.gpu and delta_cpu.available(device)  # the CPU path's compare/encode in C
         self.shadow: dict = {}  # task -> (ranges [(soff, n, shadow offset)], uint8 tensor)
         self.synced: set = set()  # gpus whose memory matches the shadow (after apply())
         self.last_rec: dict = {}  # gpu -> version of the last push that sent it records (-1: none)
