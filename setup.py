@@ -96,6 +96,7 @@ extra_compile_args = [
     "-Wextra",
     "-Wno-unused-parameter",
     "-Wno-missing-field-initializers",
+    "-Werror=implicit-function-declaration",  # an error in clang (the wheel's zig cc), only a warning in gcc
     "-fvisibility=hidden",
 ]
 extra_link_args = ["-ldl", "-lpthread"]

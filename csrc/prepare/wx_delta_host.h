@@ -14,13 +14,14 @@
  *   wx_delta_apply   the receiver's side: one record's bytes written into its range.
  *
  * Plain C on host memory: no Python, no GPU. Each returns 0 or -errno (wx_errf says why). */
-#ifndef WX_DELTA_H
-#define WX_DELTA_H
+#ifndef WX_DELTA_HOST_H
+#define WX_DELTA_HOST_H
 
 #include <stdint.h>
 
+#include "wx_delta.h" /* the encodings, WX_DELTA_PAIRS / WX_DELTA_MASK: one format for both sides */
+
 #define WX_DELTA_REC 32 /* bytes of a record's head */
-enum { WX_DELTA_PAIRS = 0, WX_DELTA_MASK = 1 };
 
 /* Bytes of the record of a range of n bytes with c changed (0 when c is 0), and its encoding. */
 uint64_t wx_delta_record_size(uint64_t n, uint64_t c, int *encoding);
