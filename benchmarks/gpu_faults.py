@@ -20,6 +20,9 @@ complete version(), against wxfer.mapping's packing of the trainer's saved weigh
 or a state() call past CAP_S dumps its stack and counts as hung.
 
     OUT=/tmp/f python3 benchmarks/gpu_faults.py --out $OUT/gpu_faults      # about 4 min on an H100
+    python benchmarks/gpu_faults.py --device cpu                            # the same over fabric tcp
+    WXFER_TRANSPORT=verbs WXFER_LIBIBVERBS=csrc/testing/libwxemu_verbs.so \
+        python benchmarks/gpu_faults.py --device cpu                        # over the emulated verbs NIC
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def trainer(store: str, case: str, pids: str, out: str) -> None:
         model, mapping=preset_for(TINY), store=store, timeout=TIMEOUT, write_timeout=WRITE_TIMEOUT, device=dev
     )
     armed = {"on": False, "n": 0}
+    print(f"trainer transport {sender.transport_name}", flush=True)
 
     def fault(where: str) -> None:
         armed["on"] = False
@@ -282,6 +286,8 @@ def run(case: str, keep: str | None) -> dict:
             secs = float(ln.split(" after ")[1].split(" s")[0])
             msg = ln.split(": ", 1)[1] if ": " in ln else ""
             res["pushes"][int(p[2])] = dict(outcome=p[3], s=secs, msg=msg[:500])
+        if ln.startswith("trainer transport "):
+            res["transport"] = ln.split(" ", 2)[2]
         if ln.startswith("trainer watcher: "):
             res["watcher"] = ln.split(": ", 1)[1]
     for q in (0, 1):
@@ -313,6 +319,7 @@ def summary(r: dict) -> dict:
     end = {q: next((e for e in r["workers"].get(q, []) if e["ev"] == "end"), {}) for q in (0, 1)}
     return dict(
         case=r["case"],
+        transport=r.get("transport"),
         step3=push(3),
         step4=push(4),
         w0=after(0) or "-",
@@ -339,7 +346,8 @@ def main(argv=None) -> int:
         return 2
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-    what = f"{torch.cuda.get_device_name(0)}; cuda_ipc, one GPU" if a.device.startswith("cuda") else "CPU, fabric tcp"
+    cpu = "CPU, transport " + os.environ.get("WXFER_TRANSPORT", "auto (fabric tcp)")
+    what = f"{torch.cuda.get_device_name(0)}; cuda_ipc, one GPU" if a.device.startswith("cuda") else cpu
     print(f"machine: {platform.node()} {what}, world 1")
     print(f"timeout {TIMEOUT} s, write_timeout {WRITE_TIMEOUT} s, hang cap {CAP_S} s, stall {STALL_S} s")
     rows, bad = [], 0
