@@ -246,3 +246,25 @@ def test_a_restarted_worker_is_written_dense_then_in_delta_again(store):
     sender.close()
     for r in recvs:
         r.close()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_a_pairs_offset_past_2_to_the_31_lands_where_it_says(monkeypatch, native):
+    """PAIRS offsets are u32: one at 2^31 + 3 in a 2 GiB + 16 byte range lands there, on the
+    torch path (GPU receivers) as on the native one (it read as negative and landed 2^32 early)."""
+    import numpy as np
+
+    from wxfer.runtime import delta
+
+    if not native:
+        monkeypatch.setattr(delta, "_native_apply", lambda buf, regions: None)
+    n, off = (1 << 31) + 16, (1 << 31) + 3
+    region = torch.empty(n, dtype=torch.uint8)  # untouched pages: not committed
+    region[off] = 0
+    region[off - (1 << 32) + n] = 0  # where a sign-extended offset would land
+    head = delta.REC.pack(0, delta.PAIRS, 0, n, 1)
+    body = np.array([off], dtype=np.uint32).tobytes().ljust(8, b"\0") + bytes([0xAB]).ljust(8, b"\0")
+    buf = torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+    assert delta.apply_records(buf, 1, [region]) == 1
+    assert int(region[off]) == 0xAB
+    assert int(region[off - (1 << 32) + n]) == 0

@@ -62,3 +62,17 @@ def test_quantize_into_uses_it_unless_the_reference_is_asked_for(monkeypatch):
     fp8.quantize_into(out, [(w, 0, 130 * 140)])
     assert "host quantizer" not in fp8.last()["reason"]
     assert torch.equal(out, ref)
+
+
+def test_a_source_whose_rows_overlap_or_an_out_not_contiguous_is_left_to_the_reference():
+    """The host quantizer reads rows `ld` apart: an expanded view (row stride 0) or a
+    non-contiguous out is not its to take (fp8._host declines; the reference quantizes it)."""
+    row = torch.randn(1, 300, dtype=torch.bfloat16)
+    w = row.expand(4, 300)  # stride(0) == 0: every row the same memory
+    out = torch.zeros(4 * 300 + 3 * 4 + 8, dtype=torch.uint8)
+    assert not fp8._host(out, [(w, 0, 4 * 300)])
+    q, _ = _host(w.contiguous())  # what the reference of the same values gives
+    rq, _ = quantize_fp8_block(w.contiguous())
+    assert torch.equal(q, rq.reshape(-1).view(torch.uint8))
+    strided = torch.zeros(2 * (300 + 8), dtype=torch.uint8)[::2]
+    assert not fp8._host(strided, [(row, 0, 300)])

@@ -75,9 +75,10 @@ _VARS = (
     Var(
         "WXFER_BEGIN_WAIT",
         "choice",
-        "device",
+        "host",
         "Python",
-        "in-place writes wait for the begin stamps on the device (cuStreamWaitValue32) or the host",
+        "in-place writes wait for the begin stamps on the host (default) or the device "
+        "(cuStreamWaitValue32: opt-in, docs/cuda_ipc.md)",
     ),
     # libraries (dlopened by the C extension)
     _c("WXFER_LIBCUDA"),

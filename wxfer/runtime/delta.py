@@ -127,7 +127,7 @@ def apply_records(buf, nrec: int, regions: list) -> int:
             total += c
             continue
         if enc == PAIRS:
-            idx = buf[p : p + 4 * c].view(torch.int32).long()
+            idx = buf[p : p + 4 * c].view(torch.int32).long() & 0xFFFFFFFF  # u32 offsets: 2^31 and up too
             p += pad8(4 * c)
             dst[idx] = buf[p : p + c]
         else:

@@ -173,6 +173,17 @@ def _reference(out, jobs) -> bool:
     return False
 
 
+def _not_host_rows(t, codes) -> bool:
+    """`t` is not a host tensor of a known dtype in rows of unit column stride, each row at least
+    its width apart (what wx_fp8_host reads)."""
+    return (
+        t.device.type != "cpu"
+        or t.dtype not in codes
+        or t.stride(1) != 1
+        or (t.shape[0] > 1 and t.stride(0) < t.shape[1])
+    )
+
+
 def _host(out, jobs) -> bool:
     """The jobs quantized by the extension's host quantizer (csrc/prepare/wx_fp8_host.c: the
     reference's bytes in one pass, no temporaries) when out is in host memory, every source is
@@ -188,8 +199,8 @@ def _host(out, jobs) -> bool:
     if not hasattr(_wxfer, "fp8_host"):
         return False
     codes = _codes()
-    if any(t.device.type != "cpu" or t.dtype not in codes or t.stride(1) != 1 for t, _, _ in jobs):
-        return False
+    if not out.is_contiguous() or any(_not_host_rows(t, codes) for t, _, _ in jobs):
+        return False  # the reference takes what the host quantizer's rows-of-ld layout cannot
     base = out.data_ptr()
     nth = max(1, min(64, torch_threads()))
     for t, qo, so in jobs:

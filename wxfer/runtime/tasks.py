@@ -28,7 +28,8 @@ def _host_int64(device):
 
 
 def begin_wait_word(engine, device):
-    """The begin stamps' device wait (``WXFER_BEGIN_WAIT``, default device): a uint32 in pinned
+    """The begin stamps' device wait (``WXFER_BEGIN_WAIT=device``; the default is host: see
+    docs/cuda_ipc.md for what the device wait does not yet guard): a uint32 in pinned
     host memory into which `engine` stores each fence task's id as it finishes
     (``Engine.fence_word``), and its device address for ``_wxfer.stream_wait``
     (cuStreamWaitValue32).  (word, device address, None), or (None, 0, why not): CPU, host
@@ -37,7 +38,7 @@ def begin_wait_word(engine, device):
 
     from .. import _wxfer
 
-    choice = (envs.get("WXFER_BEGIN_WAIT") or "device").strip().lower()
+    choice = (envs.get("WXFER_BEGIN_WAIT") or "host").strip().lower()
     if choice not in ("device", "host"):
         raise ValueError(f"WXFER_BEGIN_WAIT must be device or host, got {choice!r}")
     if device.type != "cuda":
