@@ -687,10 +687,24 @@ int wx_engine_submit(wx_engine_t *e, const wx_task_spec_t *spec, uint64_t t_subm
     return 0;
 }
 
-/* Wait up to slice_ns until the engine's sticky error (returned), or, all: every submitted
- * task finished (a failed peer fenced first), else: fence task `fence` finished (or was never
- * submitted). -EAGAIN: the slice passed. */
-static int wx__wait_done(wx_engine_t *e, uint64_t slice_ns, int all, uint64_t fence)
+/* What wx__wait_done waits for: every submitted task finished (a failed peer fenced first), fence
+ * task `id` finished (or never submitted), or fence task `id` posted (its writes handed to the
+ * transport; or finished, never submitted, or the engine stopped). */
+enum { WX__UNTIL_ALL, WX__UNTIL_FENCE, WX__UNTIL_POSTED };
+
+static int wx__reached(const wx_engine_t *e, int until, uint64_t id)
+{
+    if (until == WX__UNTIL_ALL) /* a failed peer is fenced before the engine says all done */
+        return e->completed == e->submitted && (!e->fencing_peers || e->stop);
+    if (until == WX__UNTIL_FENCE)
+        return e->fence_done >= id || id >= e->next_id;
+    return e->posted_done >= id || e->fence_done >= id || id >= e->next_id || e->stopped;
+}
+
+/* Wait up to slice_ns until the engine's sticky error (returned) or what `until` names (above).
+ * -EAGAIN: the slice passed. A posted-waiter is counted (the post thread wakes those at each
+ * retire; the others need not wake there). */
+static int wx__wait_done(wx_engine_t *e, uint64_t slice_ns, int until, uint64_t id)
 {
     uint64_t end = wx_now_ns() + slice_ns;
     int rc = 0;
@@ -701,51 +715,34 @@ static int wx__wait_done(wx_engine_t *e, uint64_t slice_ns, int all, uint64_t fe
             rc = wx__errf_sticky(e);
             break;
         }
-        if (all ? e->completed == e->submitted && (!e->fencing_peers || e->stop)
-                : e->fence_done >= fence || fence >= e->next_id)
-            break; /* (all: a failed peer is fenced before the engine says all done) */
+        if (wx__reached(e, until, id))
+            break;
         if (wx_now_ns() >= end) {
             rc = -EAGAIN;
             break;
         }
+        e->posted_waiters += until == WX__UNTIL_POSTED;
         wx__wait(&e->cv_done, &e->mu,
                  end - wx_now_ns() < 50000000ull ? end - wx_now_ns() : 50000000ull);
+        e->posted_waiters -= until == WX__UNTIL_POSTED;
     }
     pthread_mutex_unlock(&e->mu);
     return rc;
 }
 
-int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns) { return wx__wait_done(e, slice_ns, 1, 0); }
+int wx_engine_wait(wx_engine_t *e, uint64_t slice_ns)
+{
+    return wx__wait_done(e, slice_ns, WX__UNTIL_ALL, 0);
+}
 
 int wx_engine_wait_posted(wx_engine_t *e, uint64_t slice_ns, uint64_t id)
 {
-    uint64_t end = wx_now_ns() + slice_ns;
-    int rc = 0;
-    pthread_mutex_lock(&e->mu);
-    for (;;) {
-        wx__check_deadlines(e);
-        if (e->err) {
-            rc = wx__errf_sticky(e);
-            break;
-        }
-        if (e->posted_done >= id || e->fence_done >= id || id >= e->next_id || e->stopped)
-            break;
-        if (wx_now_ns() >= end) {
-            rc = -EAGAIN;
-            break;
-        }
-        e->posted_waiters++;
-        wx__wait(&e->cv_done, &e->mu,
-                 end - wx_now_ns() < 50000000ull ? end - wx_now_ns() : 50000000ull);
-        e->posted_waiters--;
-    }
-    pthread_mutex_unlock(&e->mu);
-    return rc;
+    return wx__wait_done(e, slice_ns, WX__UNTIL_POSTED, id);
 }
 
 int wx_engine_wait_fence(wx_engine_t *e, uint64_t slice_ns, uint64_t id)
 {
-    return wx__wait_done(e, slice_ns, 0, id);
+    return wx__wait_done(e, slice_ns, WX__UNTIL_FENCE, id);
 }
 
 int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg)
