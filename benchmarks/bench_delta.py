@@ -209,24 +209,34 @@ def _paired(steps: list, dense: set) -> list:
     ]
 
 
-def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
-    """Dense quantize alone vs quantize + compare + encode, and apply per MB of records."""
+def _best(device, reps: int, fn, setup=None) -> float:
+    """The fastest of `reps` runs of `fn` (each after `setup`, when given), the device synchronized
+    around each."""
     import torch
-    from wxfer.runtime import delta, delta_cpu, fp8
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    t = float("inf")
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        t = min(t, time.perf_counter() - t0)
+    return t
+
+
+def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
+    """Dense quantize alone vs quantize + compare + encode, and apply per MB of records."""
+    import torch
+    from wxfer.runtime import delta, delta_cpu, fp8
+
     def best(fn):
-        t = float("inf")
-        for _ in range(reps):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            t = min(t, time.perf_counter() - t0)
-        return t
+        return _best(device, reps, fn)
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(device=device, dtype=torch.bfloat16)
@@ -304,20 +314,8 @@ def bench_fused(device, rows: int, cols: int, rate: float, reps: int) -> dict:
     import torch
     from wxfer.runtime import delta, delta_gpu, fp8
 
-    def sync():
-        torch.cuda.synchronize(device)
-
     def best(fn, setup=None):
-        t = float("inf")
-        for _ in range(reps):
-            if setup is not None:
-                setup()
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            t = min(t, time.perf_counter() - t0)
-        return t
+        return _best(device, reps, fn, setup)
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(rows, cols, generator=g) * 0.02).to(device=device, dtype=torch.bfloat16)
