@@ -4,6 +4,8 @@
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh          # the rows (below)
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh sweep    # the FP8 kernel's launch shapes on this GPU
 #                                                      # (a WXFER_KERNEL_SWEEP build; about 3 min)
+#   OUT=/some/dir bash benchmarks/gpu_perf.sh big      # the Qwen3-30B-A3B rows only (BF16 and FP8
+#                                                      # FSDP2; they need an H200's memory; about 9 min)
 #
 # sweep: the product kernel (v6, 2 CTAs per SM) was chosen on an H200; on an H100 the 8B FP8
 # row's kernel term is its largest (its quantizer ran at about 2.65 TB/s of traffic against
@@ -37,12 +39,17 @@ if [ "${1:-rows}" = sweep ]; then
   timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force >>"$OUT/build.log" 2>&1 || rc=1
   exit $rc
 fi
+if [ "${1:-rows}" = big ]; then  # no tests: the 30B rows take the call's time
+  MODELS=qwen3-30b-a3b; MAXS=230
+else
+  MODELS=qwen3-8b,qwen3-1.7b; MAXS=150
 timeout 200 python3 -m pytest -q -ra --durations=8 -m gpu tests/test_stream_wait_gpu.py tests/test_external_gpu.py \
   tests/test_direct_gpu.py >"$OUT/gpu_tests.log" 2>&1 || rc=1
 tail -25 "$OUT/gpu_tests.log"
+fi
 for wait in device host; do
-  WXFER_BEGIN_WAIT=$wait timeout 170 python3 benchmarks/bench_baselines.py --layouts colocated \
-    --curated qwen3-8b,qwen3-1.7b --methods link,wxfer --calibration none --max-s 150 \
+  WXFER_BEGIN_WAIT=$wait timeout $((MAXS + 20)) python3 benchmarks/bench_baselines.py --layouts colocated \
+    --curated $MODELS --methods link,wxfer --calibration none --max-s $MAXS \
     --out "$OUT/bb-$wait" --json >"$OUT/bb-$wait.log" 2>&1 || rc=1
   grep -E "^\[|skipped|failed|Error" "$OUT/bb-$wait.log" | head -20
 done
