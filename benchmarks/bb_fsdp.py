@@ -22,7 +22,10 @@ first watermark (the same figures, as many timed steps as the headline).
 
 from __future__ import annotations
 
+import os
 import time
+
+import bb_profile
 
 HF_CLASSES = {
     "Qwen3ForCausalLM": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -255,6 +258,10 @@ def wxfer_trainer(model, trainer, preset, store, ctl, name: str, ci: int, a: dic
             if trace_path and wi == 0:
                 s.write_trace(trace_path)
             r = _figures(s, wm, times, peaks, recs, summ)
+            if bb_profile.wanted(dev):  # one more push under torch.profiler: where its time goes
+                label = "%s-w%d" % (os.path.basename(trace_path or name)[6:-5] or name, wi)
+                r["profile"] = bb_profile.profiled_push(s, dev, label, a.get("out"))
+                print(bb_profile.line(label, r["profile"]), flush=True)
             if wi == 0:
                 import bb_predict
 
