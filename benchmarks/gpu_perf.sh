@@ -4,6 +4,7 @@
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh          # the rows (below)
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh sweep    # the FP8 kernel's launch shapes on this GPU
 #                                                      # (a WXFER_KERNEL_SWEEP build; about 3 min)
+#   OUT=/some/dir bash benchmarks/gpu_perf.sh bench    # the rows without the tests (about 6 min)
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh big      # the Qwen3-30B-A3B rows only (BF16 and FP8
 #                                                      # FSDP2; they need an H200's memory; about 9 min)
 #
@@ -41,6 +42,8 @@ if [ "${1:-rows}" = sweep ]; then
 fi
 if [ "${1:-rows}" = big ]; then  # no tests: the 30B rows take the call's time
   MODELS=qwen3-30b-a3b; MAXS=230
+elif [ "${1:-rows}" = bench ]; then  # the rows only (the tests run elsewhere in the same call)
+  MODELS=qwen3-8b,qwen3-1.7b; MAXS=150
 else
   MODELS=qwen3-8b,qwen3-1.7b; MAXS=150
 timeout 200 python3 -m pytest -q -ra --durations=8 -m gpu tests/test_stream_wait_gpu.py tests/test_external_gpu.py \
