@@ -198,3 +198,28 @@ def test_a_receiver_whose_begin_stamp_is_late_is_not_written_before_it_is_fenced
         tx.close()
         rxa.close()
         rxb.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_retired_word_is_kept_until_the_streams_that_waited_on_it_have_passed():
+    """The Sender's close (TaskRunner.close -> tasks.retire_word): the word's pinned memory is
+    not freed while a stream's queued cuStreamWaitValue32 may still read it."""
+    import weakref
+
+    from wxfer.runtime import tasks
+
+    torch.cuda.set_device(0)
+    w, dev = _word(0)
+    addr, ref = w.data_ptr(), weakref.ref(w)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _wxfer.stream_wait(0, side.cuda_stream, dev, 5)
+    tasks.retire_word(w, [side])
+    del w
+    tasks.retire_word(None, ())
+    assert ref() is not None  # the stream still waits on it
+    ctypes.c_uint32.from_address(addr).value = 5  # (the engine's stop sets it past every id)
+    side.synchronize()
+    tasks.retire_word(None, ())
+    assert ref() is None  # passed: let go
