@@ -130,14 +130,14 @@ def _receiver(nbytes: int):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.skipif(not _wxfer.TESTING, reason="_test_late_peer is compiled only into WXFER_TESTING=1 builds")
-@pytest.mark.parametrize("late_ms,fenced", [(1300, True), (3000, False)])
+@pytest.mark.parametrize("late_ms,fenced", [(1400, True), (3000, False)])
 def test_a_receiver_whose_begin_stamp_is_late_is_not_written_before_it_is_fenced(late_ms, fenced):
     """The hazard the fence word guards (docs/cuda_ipc.md): the begin stamps' fence to two
     receivers, the second one's copy reported late (TEST ONLY _test_late_peer: its completion
     comes late_ms after its post; the bytes land as queued), the engine's timeout 1 s. The
     fence finishes at that receiver's deadline (it fails alone); the in-place copy into its
     memory, queued behind the device wait before the host could see the failure, must not run
-    until the engine has fenced it: fenced in time (1.3 s < the deadline plus half the timeout)
+    until the engine has fenced it: fenced in time (1.4 s < the deadline plus half the timeout)
     the word goes on, its late stamp is there (a reader reads torn: begin != end); not fenced
     (3 s), the word is held until the engine closes."""
     from test_external_gpu import _Mapped
