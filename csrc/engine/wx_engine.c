@@ -198,8 +198,8 @@ static void wx__op_done(wx_op_t *op, int status, const char *why)
         e->bytes_written += eo->len;
     } else if (!eo->abandoned) {
         wx_engine_fail_t f;
-        eo->failed = 1; /* (before its peer fails: a fence finished there holds the word) */
         const wx_dest_t *d = &t->dests[eo->dest];
+        eo->failed = 1; /* (before its peer fails: a fence finished there holds the word) */
         wx__fail_fill(&f, status, t, d->peer, "write", "write to %s failed: %s (errno %d: %s)",
                       d->peer->name, why ? why : "no reason given", -status, strerror(-status));
         if (e->o.isolate) {
