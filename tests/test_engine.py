@@ -425,6 +425,48 @@ def test_fence_word_mirrors_each_finished_fence_and_is_released_at_close(pair):
     assert word.value == f2 + 1  # past every task submitted: no stream waits on a closed engine
 
 
+def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_fenced():
+    """The begin stamps' hazard (docs/cuda_ipc.md): a fence task whose write to one peer is
+    abandoned at its deadline (isolate; the target stopped, SIGSTOP) finishes, and
+    Engine.wait(fence=...) returns, but the fence word stays at the last fence released: a
+    stream waiting for it would otherwise write that peer while its begin stamp still equals
+    its end stamp. Fabric cannot fence a peer (its writes may still land): the word stays
+    held, later fences do not move it, and the engine's close sets it past every task."""
+    import os
+    import signal
+
+    opts = {"provider": "tcp"}
+    with TargetProcess("fabric", opts, [4 << 20]) as good, TargetProcess("fabric", opts, [4 << 20]) as bad:
+        t = _wxfer.Transport("fabric", opts)
+        assert good.connect(t) == 0 and bad.connect(t) == 1
+        eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
+        word = ctypes.c_uint32(0)
+        eng.fence_word(ctypes.addressof(word), word)
+        n = 4 << 20
+        f1 = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
+        eng.wait(timeout=20, fence=f1)
+        assert word.value == f1  # every write of it landed: released as it finished
+        os.kill(bad.proc.pid, signal.SIGSTOP)
+        try:
+            src = rand(n, 2)
+            f2 = eng.submit(src, [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True, tag=2)
+            eng.wait(timeout=20, fence=f2)  # finished at the stopped peer's deadline
+            assert word.value == f1, (word.value, f1, f2)  # (was f2: released, failed or not)
+            eng.wait(timeout=20)  # the failed peer's fence was tried
+            [fl] = eng.failed_peers()
+            assert fl.peer == 1 and "NOT fenced" in fl.reason and fl.stage == "deadline", str(fl)
+            assert word.value == f1  # not fenced: its stamp may land after the writes behind the wait
+            assert good.read(0) == src.tobytes()
+            f3 = eng.submit(rand(8, 3), [(good.descriptors[0], 0, 0, 8)], fence=True)
+            eng.wait(timeout=20, fence=f3)
+            assert word.value == f1  # a later fence does not release the earlier wait (cyclic >=)
+            eng.close()
+            assert word.value == f3 + 1  # stopped: past every task
+        finally:
+            os.kill(bad.proc.pid, signal.SIGCONT)
+        t.close()
+
+
 def test_trace_is_a_bounded_ring(pair):
     """The engine's trace keeps the last 65536 tasks (the Sender never clears it): older
     records are dropped, counted, and the kept ones are the newest, oldest first."""

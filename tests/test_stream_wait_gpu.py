@@ -3,8 +3,11 @@ waits with cuStreamWaitValue32 (``_wxfer.stream_wait``) for a word in pinned hos
 the engine stores each finished fence's id into (``Engine.fence_word``); the host goes on at
 once.  Checked: the stream does not run past the wait before the word says so (host-set and
 cyclic across 2^32), and with a real cuda_ipc engine the in-place copy queued behind the wait
-lands after the fence's stamp was written.  The CPU half (the word's values):
-tests/test_engine.py::test_fence_word_mirrors_each_finished_fence_and_is_released_at_close."""
+lands after the fence's stamp was written; a receiver whose begin stamp is late is not written
+before the engine fenced it.  The CPU half (the word's values):
+tests/test_engine.py::test_fence_word_mirrors_each_finished_fence_and_is_released_at_close and
+::test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_fenced,
+tests/test_verbs.py::test_python_fence_word_goes_on_once_the_peer_whose_fence_write_was_abandoned_is_fenced."""
 
 import ctypes
 import time
@@ -112,3 +115,111 @@ def test_an_in_place_copy_behind_the_device_wait_lands_after_the_begin_fence():
         eng.close()
         tx.close()
         rx.close()
+
+
+def _receiver(nbytes: int):
+    """A receiver on GPU 0: (its transport, its data and stamps regions, their memory)."""
+    from test_external_gpu import _transport
+
+    rx = _transport()
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")
+    stamps = torch.zeros(4096, dtype=torch.uint8, device="cuda:0")
+    return rx, (rx.register(dst, export=True), rx.register(stamps, export=True)), (dst, stamps)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not _wxfer.TESTING, reason="_test_late_peer is compiled only into WXFER_TESTING=1 builds")
+@pytest.mark.parametrize("late_ms,fenced", [(1400, True), (3000, False)])
+def test_a_receiver_whose_begin_stamp_is_late_is_not_written_before_it_is_fenced(late_ms, fenced):
+    """The hazard the fence word guards (docs/cuda_ipc.md): the begin stamps' fence to two
+    receivers, the second one's copy reported late (TEST ONLY _test_late_peer: its completion
+    comes late_ms after its post; the bytes land as queued), the engine's timeout 1 s. The
+    fence finishes at that receiver's deadline (it fails alone); the in-place copy into its
+    memory, queued behind the device wait before the host could see the failure, must not run
+    until the engine has fenced it: fenced in time (1.4 s < the deadline plus half the timeout)
+    the word goes on, its late stamp is there (a reader reads torn: begin != end); not fenced
+    (3 s), the word is held until the engine closes."""
+    from test_external_gpu import _Mapped
+
+    torch.cuda.set_device(0)
+    n = 8 << 20
+    rxa, (ra, rsa), (_, stamps_a) = _receiver(n)
+    rxb, (rb, rsb), (dst_b, stamps_b) = _receiver(n)
+    assert ra is not None  # (its regions kept registered while the test runs)
+    tx = _wxfer.Transport("cuda_ipc", {"device": "0", "_test_late_peer": "1", "_test_late_ms": str(late_ms)})
+    for rx in (rxa, rxb):
+        peer, _ = tx.connect_request(rx.export())
+        tx.connect_finish(peer, b"")
+    addr, _ = tx.map(rb.descriptor, 0, n)
+    view_b = torch.as_tensor(_Mapped(addr, n), device="cuda:0")
+    eng = _wxfer.Engine(tx, timeout=1.0, isolate=True)
+    w, dev = _word(0)
+    eng.fence_word(w.data_ptr(), w)
+    word = ctypes.c_uint32.from_address(w.data_ptr())
+    try:
+        src = torch.full((n,), 9, dtype=torch.uint8, device="cuda:0")
+        stamp_src = torch.full((8,), 5, dtype=torch.uint8, device="cuda:0")
+        torch.cuda.synchronize()
+        side, ev = torch.cuda.Stream(), torch.cuda.Event()
+        fid = eng.submit(stamp_src, [(rsa.descriptor, 0, 0, 8), (rsb.descriptor, 0, 0, 8)], tag=100, fence=True)
+        eng.wait(timeout=30, fence=fid, posted=True)
+        assert eng.failed_peers() == []  # the host sees no failure: it writes receiver b
+        with torch.cuda.stream(side):
+            _wxfer.stream_wait(0, side.cuda_stream, dev, fid & 0xFFFFFFFF)
+            view_b.copy_(src)
+            ev.record(side)
+        t0 = time.monotonic()
+        eng.wait(timeout=30, fence=fid)  # finished at b's deadline, b failed alone
+        assert 0.8 < time.monotonic() - t0 < late_ms / 1e3, time.monotonic() - t0
+        [fl] = eng.failed_peers()
+        assert fl.peer == 1 and fl.stage == "deadline", str(fl)
+        time.sleep(0.1)
+        assert word.value != fid & 0xFFFFFFFF and not ev.query()  # (was: released, b written)
+        assert int(dst_b.max()) == 0
+        eng.wait(timeout=30)  # b's fence done (in time or not)
+        [fl] = eng.failed_peers()
+        if fenced:
+            assert "fenced before giving up" in fl.reason, fl.reason
+            assert _done_within(ev, 10.0), "the word was not released once b was fenced"
+            assert word.value == fid & 0xFFFFFFFF
+            torch.cuda.synchronize()
+            assert stamps_b[:8].tolist() == [5] * 8  # its late begin stamp: a reader reads torn
+            assert int(dst_b.min()) == 9
+        else:
+            assert "NOT fenced" in fl.reason, fl.reason
+            time.sleep(0.1)
+            assert not ev.query() and word.value != fid & 0xFFFFFFFF  # held until the close
+        assert stamps_a[:8].tolist() == [5] * 8
+    finally:
+        eng.close()
+        assert word.value == (fid + 1) & 0xFFFFFFFF  # past every task: the stream goes on
+        assert _done_within(ev, 10.0)
+        tx.close()
+        rxa.close()
+        rxb.close()
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_retired_word_is_kept_until_the_streams_that_waited_on_it_have_passed():
+    """The Sender's close (TaskRunner.close -> tasks.retire_word): the word's pinned memory is
+    not freed while a stream's queued cuStreamWaitValue32 may still read it."""
+    import weakref
+
+    from wxfer.runtime import tasks
+
+    torch.cuda.set_device(0)
+    w, dev = _word(0)
+    addr, ref = w.data_ptr(), weakref.ref(w)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        _wxfer.stream_wait(0, side.cuda_stream, dev, 5)
+    tasks.retire_word(w, [side])
+    del w
+    tasks.retire_word(None, ())
+    assert ref() is not None  # the stream still waits on it
+    ctypes.c_uint32.from_address(addr).value = 5  # (the engine's stop sets it past every id)
+    side.synchronize()
+    tasks.retire_word(None, ())
+    assert ref() is None  # passed: let go

@@ -495,6 +495,59 @@ def test_python_a_live_peer_sharing_a_task_with_a_dead_one_is_not_failed_with_it
     )
 
 
+def test_python_fence_word_goes_on_once_the_peer_whose_fence_write_was_abandoned_is_fenced(emu_lib):
+    """The fence word (the begin stamps' device wait): a fence task whose write to a target
+    whose link is down is abandoned at its deadline does not release the word as it
+    finishes; the engine fences that target (its queue pairs to the error state, nothing of
+    the abandoned write lands afterwards) and only then stores the fence's id. A sampler
+    checks the order throughout: whenever the word holds the fence's id, the target was
+    fenced."""
+    _run_py(
+        emu_lib,
+        """
+        import ctypes, os, threading, time
+        import numpy as np
+        from wxfer import _wxfer
+        from wxfer.testing import TargetProcess
+        emu = ctypes.CDLL(os.environ["WXFER_LIBIBVERBS"])
+        N = 1 << 16
+        with TargetProcess("verbs", {}, [N]) as cut, TargetProcess("verbs", {}, [N]) as live:
+            t = _wxfer.Transport("verbs", {"timeout": "20"})
+            cut.connect(t); live.connect(t)
+            eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
+            word = ctypes.c_uint32(0)
+            eng.fence_word(ctypes.addressof(word), word)
+            both = [(cut.descriptors[0], 0, 0, 8), (live.descriptors[0], 0, 0, 8)]
+            f1 = eng.submit(np.full(8, 1, np.uint8), both, fence=True)
+            eng.wait(timeout=20, fence=f1)
+            assert word.value == f1, (word.value, f1)
+            assert emu.wxemu_verbs_link(cut.proc.pid, 0) >= 1
+            src = np.full(N, 7, dtype=np.uint8)
+            f2 = eng.submit(src, [(cut.descriptors[0], 0, 0, N), (live.descriptors[0], 0, 0, N)], fence=True)
+            bad, stop = [], threading.Event()
+            def sample():  # the word first: an f2 read before the target was fenced is the hazard
+                while not stop.is_set():
+                    w = word.value
+                    if w == f2 and not any("fenced before giving up" in f.reason for f in eng.failed_peers()):
+                        bad.append(w)
+                    time.sleep(0.0002)
+            th = threading.Thread(target=sample); th.start()
+            eng.wait(timeout=20, fence=f2)
+            eng.wait(timeout=20)  # the failed target fenced
+            stop.set(); th.join()
+            [fl] = eng.failed_peers()
+            assert fl.peer == 0 and "fenced before giving up" in fl.reason, fl.reason
+            assert word.value == f2 and not bad, (word.value, f2, bad)
+            assert live.read(0) == src.tobytes()
+            emu.wxemu_verbs_link(cut.proc.pid, 1)
+            eng.close(); t.close()
+            assert word.value == f2 + 1
+        print("OK")
+    """,
+        WXEMU_VERBS_RETRY_CAP_MS="60000",
+    )
+
+
 def test_python_registration_is_cached(emu_lib):
     _run_py(
         emu_lib,

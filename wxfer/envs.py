@@ -75,10 +75,10 @@ _VARS = (
     Var(
         "WXFER_BEGIN_WAIT",
         "choice",
-        "host",
+        "device",
         "Python",
-        "in-place writes wait for the begin stamps on the host (default) or the device "
-        "(cuStreamWaitValue32: opt-in, docs/cuda_ipc.md)",
+        "in-place writes wait for the begin stamps on the device (cuStreamWaitValue32, the "
+        "default where the driver has it) or the host (docs/cuda_ipc.md)",
     ),
     # libraries (dlopened by the C extension)
     _c("WXFER_LIBCUDA"),

@@ -109,8 +109,7 @@ void wx__finish(wx_engine_t *e, wx__task_t *t, int status)
     e->completed++;
     if (t->spec.fence && t->id > e->fence_done) {
         e->fence_done = t->id;
-        if (e->fence_word)
-            __atomic_store_n(e->fence_word, (uint32_t)e->fence_done, __ATOMIC_RELEASE);
+        wx__word_fence_done(e, t); /* the word: stored, or held for a peer not fenced yet */
     }
     wx__trace_add(e, &t->rec);
     if (t->completed == t->posted) { /* else: abandoned writes still out (isolate) */
@@ -200,6 +199,7 @@ static void wx__op_done(wx_op_t *op, int status, const char *why)
     } else if (!eo->abandoned) {
         wx_engine_fail_t f;
         const wx_dest_t *d = &t->dests[eo->dest];
+        eo->failed = 1; /* (before its peer fails: a fence finished there holds the word) */
         wx__fail_fill(&f, status, t, d->peer, "write", "write to %s failed: %s (errno %d: %s)",
                       d->peer->name, why ? why : "no reason given", -status, strerror(-status));
         if (e->o.isolate) {
@@ -553,18 +553,22 @@ void wx_engine_stop(wx_engine_t *e)
             wx__finish(e, t, -ECANCELED);
     }
     e->stopped = 1;
-    if (e->fence_word) /* a fence whose writes are still out will not finish: release */
-        __atomic_store_n(e->fence_word, (uint32_t)e->next_id, __ATOMIC_RELEASE);
+    /* a fence whose writes are still out will not finish, a held word is not released: past
+     * every task submitted (no stream waits on a stopped engine) */
+    e->nhold = 0;
+    e->hold_stuck = 0;
+    wx__word_store(e, (uint32_t)e->next_id);
     pthread_mutex_unlock(&e->mu);
 }
 
 void wx_engine_set_fence_word(wx_engine_t *e, uint32_t *word)
 {
     pthread_mutex_lock(&e->mu);
-    e->fence_word = word;
-    if (word) /* stopped: past every task submitted (no stream waits on a dead engine) */
-        __atomic_store_n(word, (uint32_t)(e->stopped ? e->next_id : e->fence_done),
-                         __ATOMIC_RELEASE);
+    /* a word replaced (or dropped) is set past every task first: no stream waits on it */
+    if (e->fence_word && e->fence_word != word)
+        __atomic_store_n(e->fence_word, (uint32_t)e->next_id, __ATOMIC_RELEASE);
+    e->fence_word = word; /* it starts at the value the engine's word has now (held or not) */
+    wx__word_store(e, e->stopped ? (uint32_t)e->next_id : e->word_val);
     pthread_mutex_unlock(&e->mu);
 }
 

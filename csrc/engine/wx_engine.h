@@ -147,11 +147,13 @@ int wx_engine_wait_fence(wx_engine_t *e, uint64_t slice_ns, uint64_t id);
 int wx_engine_wait_posted(wx_engine_t *e, uint64_t slice_ns, uint64_t id);
 
 /* Mirror the fences' progress into `word` (pinned host memory the caller keeps alive until
- * the engine is destroyed or another word is set; NULL: stop): the low 32 bits of the id of
- * the last fence task finished, stored (release) as each fence finishes, and once at this
- * call. A CUDA stream waits for fence `id` on the device with cuStreamWaitValue32(word,
- * (uint32_t)id, GEQ) (cyclic: right while fewer than 2^31 tasks separate the two). Once the
- * engine stops, the word is set past every task submitted, so no stream waits forever. */
+ * no stream can wait on it any more; NULL: stop): the low 32 bits of the id of the last fence
+ * task finished, stored (release) as each fence finishes, and once at this call. A fence whose
+ * write to a peer did not land (isolate) holds the word until that peer is fenced, or until
+ * the engine stops if its fence failed (wx_engine_word.c says why). A CUDA stream waits for
+ * fence `id` on the device with cuStreamWaitValue32(word, (uint32_t)id, GEQ) (cyclic: right
+ * while fewer than 2^31 tasks separate the two). Once the engine stops, and when a word is
+ * replaced or dropped, it is set past every task submitted, so no stream waits forever. */
 void wx_engine_set_fence_word(wx_engine_t *e, uint32_t *word);
 /* Hand the owners of finished tasks to cb (on the caller's thread). Returns the count. */
 int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg);

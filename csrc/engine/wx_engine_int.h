@@ -18,6 +18,7 @@ typedef struct wx__eop {
     uint32_t dest;     /* index in task->dests */
     uint8_t done;      /* its completion arrived */
     uint8_t abandoned; /* its peer failed (isolate): no longer waited for */
+    uint8_t failed;    /* its completion reported an error */
 } wx__eop_t;
 
 #define WX__MAX_FAILED 64 /* failed peers remembered with their reason (isolate) */
@@ -29,6 +30,7 @@ typedef struct wx__failed {
                      * has fenced the peer (wx_fence), then DEAD; the engine reports all done
                      * once none is FAILING */
     uint8_t fencing; /* FAILING: its fence is running (mu released around it) */
+    uint8_t fenced;  /* DEAD: its fence succeeded (wx_fence returned 0) */
 } wx__failed_t;
 
 struct wx__task {
@@ -90,6 +92,12 @@ struct wx_engine {
     wx_trace_rec_t *trace;                /* ring of WX_ENGINE_TRACE_MAX, allocated as it fills */
     size_t ntrace, cap_trace, trace_head; /* trace_head: the oldest record once full */
     uint64_t trace_dropped;
+    /* what the fence word holds (stored into a word set later); while held (wx_engine_word.c),
+     * the peers whose fence write did not land, until each is fenced, and whether it is held
+     * until stop (a peer NOT fenced, or a fence finished with the engine's error) */
+    uint32_t word_val, nhold;
+    wx_peer_t *hold[WX__MAX_FAILED];
+    int hold_stuck;
 };
 
 /* e->stop is written under mu (atomically), read under mu by the stage loops and without
@@ -125,6 +133,14 @@ int wx__peer_failed(const wx_engine_t *e, const wx_peer_t *p);
  * wx_fence); wx_engine_peers.c, with wx__fail_peer and wx__peer_failed. */
 void wx__fence_failed_peers(wx_engine_t *e);
 wx__task_t *wx__q_pop(wx__queue_t *q);
+/* The fence word (wx_engine_word.c), mu held: fence task t finished (fence_done moved to
+ * it): store it, or hold the word while a peer whose write of t did not land is not fenced;
+ * a failed peer's fence finished: release a held word if it may go; store a value. */
+void wx__word_fence_done(wx_engine_t *e, const wx__task_t *t);
+void wx__word_release(wx_engine_t *e);
+void wx__word_store(wx_engine_t *e, uint32_t v);
+/* the failed entry of peer p, or NULL (alive); wx_engine_peers.c */
+wx__failed_t *wx__failed_entry(wx_engine_t *e, const wx_peer_t *p);
 
 /* The fields of a failure of task t (NULL: none) at peer p (NULL: none); the reason is
  * printf-formatted. */

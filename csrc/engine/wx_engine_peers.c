@@ -34,7 +34,7 @@ static void wx__finish_abandoned(wx_engine_t *e)
 }
 
 /* the failed entry of peer p, or NULL (alive). mu held. */
-static wx__failed_t *wx__failed_entry(wx_engine_t *e, const wx_peer_t *p)
+wx__failed_t *wx__failed_entry(wx_engine_t *e, const wx_peer_t *p)
 {
     for (uint32_t i = 0; i < e->nfailed; i++)
         if (e->failed[i].peer == p)
@@ -126,9 +126,11 @@ void wx__fence_failed_peers(wx_engine_t *e)
             snprintf(fl->f.reason + n, sizeof fl->f.reason - n, "; %s: %s",
                      rc == 0 ? "fenced before giving up" : "NOT fenced", how);
         fl->fencing = 0;
+        fl->fenced = rc == 0;
         if (wx_peer_next(fl->state, WX_PEV_GIVE_UP, &next) == 0) /* FAILING -> DEAD */
             fl->state = next;
         e->fencing_peers--;
+        wx__word_release(e); /* a fence word held for this peer's stamp may go on */
         pthread_cond_broadcast(&e->cv_done);
     }
 }

@@ -710,8 +710,10 @@ static PyMethodDef wx_engine_methods[] = {
      "fence_word(address, keep): store the low 32 bits of the id of each fence task as it "
      "finishes (and now) into the uint32 at address (pinned host memory held by keep, kept "
      "by the engine until close() or the next call; 0, None: stop), so that a CUDA stream can "
-     "wait for a fence on the device (stream_wait). Once the engine stops, the word is set "
-     "past every task submitted."},
+     "wait for a fence on the device (stream_wait). A fence whose write to a peer did not land "
+     "(isolate) holds the word until that peer is fenced (until the engine stops if its fence "
+     "fails). Once the engine stops, and when the word is replaced, it is set past every task "
+     "submitted; the caller keeps its memory until no stream can still wait on it."},
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None, fence=None, posted=False): until every submitted task finished (fence: "
      "the id of a fence task: until that one finished, and with it every task submitted before "

@@ -621,12 +621,23 @@ static void ext_ordered(pair_t *P, wx_engine_t *e, uint64_t len)
     wx_engine_stats_t st;
     pthread_t th;
     uint64_t fence;
+    uint32_t word = 7; /* the fence word (the begin stamps' device wait), read here meanwhile */
+    wx_engine_set_fence_word(e, &word);
+    CHECK(__atomic_load_n(&word, __ATOMIC_ACQUIRE) == 0, "fence word before any fence");
     engine_submit_f(P, e, 0, len, 0);
     w.id = ext_submit(P, e, len, len, 100);
     fence = engine_submit_f(P, e, 2, len, 1);
     CHECK(pthread_create(&th, NULL, ext_writer_main, &w) == 0, "thread");
+    for (double end = now_s() + 20; now_s() < end;) /* the engine stores it as the fence ends */
+        if (__atomic_load_n(&word, __ATOMIC_ACQUIRE) == (uint32_t)fence)
+            break;
+        else
+            usleep(1000);
+    CHECK(__atomic_load_n(&word, __ATOMIC_ACQUIRE) == (uint32_t)fence, "fence word %u", word);
     CHECK(ext_wait(e, fence, 20) == 0, "wait fence: %s", wx_last_error());
     CHECK(atomic_load(&w.signalled), "the fence finished before the external task's signal");
+    wx_engine_set_fence_word(e, NULL); /* dropped: set past every task */
+    CHECK(word == (uint32_t)fence + 1, "fence word dropped: %u", word);
     CHECK(ext_wait(e, 0, 20) == 0, "wait: %s", wx_last_error());
     pthread_join(th, NULL);
     CHECK(memcmp(P->tbuf, P->sbuf, 3 * len) == 0, "external: bytes differ");

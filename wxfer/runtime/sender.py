@@ -593,6 +593,8 @@ class Sender:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if getattr(self, "runner", None) is not None:
+            self.runner.close()  # the begin stamps' fence word kept until no stream waits on it
         self.inplace.close()  # the views of the receivers' memory, before the transport unmaps it
         for ops in self.program.groups:
             for op in ops:

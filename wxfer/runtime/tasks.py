@@ -28,29 +28,53 @@ def _host_int64(device):
 
 
 def begin_wait_word(engine, device):
-    """The begin stamps' device wait (``WXFER_BEGIN_WAIT=device``; the default is host: see
-    docs/cuda_ipc.md for what the device wait does not yet guard): a uint32 in pinned
-    host memory into which `engine` stores each fence task's id as it finishes
-    (``Engine.fence_word``), and its device address for ``_wxfer.stream_wait``
-    (cuStreamWaitValue32).  (word, device address, None), or (None, 0, why not): CPU, host
-    chosen, the driver without cuStreamWaitValue32_v2, the memory with no device address."""
+    """The begin stamps' device wait (``WXFER_BEGIN_WAIT=device``, the default; ``host``: the
+    host waits): a uint32 in pinned host memory into which `engine` stores each fence task's
+    id as it finishes -- held while a receiver whose stamp did not land is not fenced
+    (``Engine.fence_word``, docs/cuda_ipc.md) -- and its device address for
+    ``_wxfer.stream_wait`` (cuStreamWaitValue32).  (word, device address, None), or (None, 0,
+    why not): CPU, host chosen, the driver without cuStreamWaitValue32_v2, the memory with no
+    device address."""
     import torch
 
     from .. import _wxfer
 
-    choice = (envs.get("WXFER_BEGIN_WAIT") or "host").strip().lower()
+    choice = (envs.get("WXFER_BEGIN_WAIT") or "device").strip().lower()
     if choice not in ("device", "host"):
         raise ValueError(f"WXFER_BEGIN_WAIT must be device or host, got {choice!r}")
     if device.type != "cuda":
         return None, 0, "not a CUDA device"
     if choice == "host":
         return None, 0, "WXFER_BEGIN_WAIT=host"
+    retire_word(None, ())  # (the words of closed Senders whose streams are past them go)
     word = torch.zeros(1, dtype=torch.int32).pin_memory()
     dev, why = _wxfer.stream_wait_addr(_index(device), word.data_ptr())
     if not dev:
         return None, 0, why
     engine.fence_word(word.data_ptr(), word)
     return word, dev, None
+
+
+# fence words of closed Senders, each kept with CUDA events recorded on the streams that waited
+# on it, until those streams have passed their waits (a queued cuStreamWaitValue32 reads the
+# word when the stream reaches it: freed, the pinned memory may be reused for another value)
+_RETIRED: list = []
+
+
+def retire_word(word, streams) -> None:
+    """Keep `word` (a begin_wait_word word whose engine has stopped: set past every task) until
+    every stream in `streams` has passed the waits queued on it; drop the words retired
+    earlier whose streams have."""
+    if word is not None and streams:
+        import torch
+
+        events = []
+        for st in streams:
+            ev = torch.cuda.Event()
+            ev.record(st)
+            events.append(ev)
+        _RETIRED.append((events, word))
+    _RETIRED[:] = [(evs, w) for evs, w in _RETIRED if not all(ev.query() for ev in evs)]
 
 
 def _index(device) -> int:
@@ -109,6 +133,7 @@ class TaskRunner:
         # the in-place writes wait for that fence on the device where the driver can
         # (begin_wait_word); else (why_host_wait says why) on the host, as before
         self.begin_word, self.begin_word_dev, self.why_host_wait = None, 0, "no in-place writes"
+        self.wait_streams = {}  # the streams a device wait was queued on (by handle): retire_word
         off = getattr(inplace, "off", None)  # why no task is written in place, or None
         if off is not None and off() is None:
             self.begin_word, self.begin_word_dev, self.why_host_wait = begin_wait_word(engine, device)
@@ -180,9 +205,10 @@ class TaskRunner:
             )
             try:
                 # the stream the in-place launches go to (fp8 / copies: the current one)
-                stream = torch.cuda.current_stream(self.device).cuda_stream
+                st = torch.cuda.current_stream(self.device)
                 fid = self.begin_fence & 0xFFFFFFFF
-                _wxfer.stream_wait(_index(self.device), stream, self.begin_word_dev, fid)
+                self.wait_streams.setdefault(st.cuda_stream, st)
+                _wxfer.stream_wait(_index(self.device), st.cuda_stream, self.begin_word_dev, fid)
                 return
             except Exception as e:  # noqa: BLE001 -- the host wait below is always right
                 self.begin_word_dev, self.why_host_wait = 0, f"stream_wait refused: {e}"
@@ -192,6 +218,13 @@ class TaskRunner:
             "writing the begin stamps (before the in-place writes)",
             fence=self.begin_fence,
         )
+
+    def close(self) -> None:
+        """After the engine's close (the word set past every task): the word is kept until the
+        streams that waited on it have passed those waits (retire_word)."""
+        word, self.begin_word, self.begin_word_dev = self.begin_word, None, 0
+        retire_word(word, list(self.wait_streams.values()))
+        self.wait_streams = {}
 
     def write_end(self) -> None:
         """This rank's end stamps: posted by the engine once every task of the step before them

@@ -112,6 +112,7 @@ typedef struct wx__ci_slot {
     char fail_msg[WX_ERRMSG_MAX / 2];
     char peer[WX_NAME_MAX]; /* for messages */
     const wx_peer_t *to;    /* the peer written (a fence waits for its slots) */
+    uint64_t t_post;        /* when it was posted (TEST ONLY: _test_late_peer) */
 } wx__ci_slot_t;
 
 typedef struct wx__ci_comp {
@@ -137,6 +138,9 @@ typedef struct wx__ci {
     uint64_t t_nonce;
     uint64_t test_refuse_peer; /* TEST ONLY (_test_refuse_peer, WXFER_TESTING builds): writes to
                                 * this peer id get -EAGAIN forever (a peer that never answers) */
+    uint64_t test_late_peer;   /* TEST ONLY (_test_late_peer, _test_late_ms): the writes to this
+                                * peer id land, but their completion is reported no earlier than */
+    uint64_t test_late_ns;     /* this long after their post (a late copy, and its fence's wait) */
 
     pthread_mutex_t mu; /* everything below */
     pthread_cond_t cv;

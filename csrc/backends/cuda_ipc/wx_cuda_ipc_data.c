@@ -35,6 +35,10 @@ static void wx__ci_slot_free(wx__ci_t *c, wx__ci_slot_t *s)
  * slot's events and fields change only when it is freed, which only this thread does. */
 static int wx__ci_slot_poll(wx__ci_t *c, wx__ci_slot_t *s, int *st, char *msg, size_t len)
 {
+#ifdef WX_TESTING
+    if (s->to->id == c->test_late_peer && wx_now_ns() < s->t_post + c->test_late_ns)
+        return 0; /* TEST ONLY: reported late (the copy itself runs as queued) */
+#endif
     for (uint32_t i = 0; i < s->nev; i++) {
         CUresult r = c->cu->cuEventQuery(s->ev[i]);
         if (r == CUDA_ERROR_NOT_READY)
@@ -351,6 +355,9 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
     s->len = len;
     snprintf(s->peer, sizeof s->peer, "%s", p->name);
     s->to = p;
+#ifdef WX_TESTING
+    s->t_post = wx_now_ns(); /* (_test_late_peer) */
+#endif
     c->fifo[(c->fhead + c->fcount) % c->nslots] = (uint32_t)(s - c->slots);
     c->fcount++;
     c->ninflight++;

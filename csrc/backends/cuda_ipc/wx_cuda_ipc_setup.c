@@ -203,6 +203,8 @@ static const char *const wx__ci_known[] = {"device",
                                            "pick",
 #ifdef WX_TESTING /* fault injection: test builds only (WXFER_TESTING=1) */
                                            "_test_refuse_peer",
+                                           "_test_late_peer",
+                                           "_test_late_ms",
 #endif
                                            NULL};
 
@@ -294,10 +296,13 @@ static int wx__ci_parse(wx__ci_t *c, const wx_opts_t *opts)
         return rc;
     }
     c->pick_least = !strcmp(s, "least");
-    c->test_refuse_peer = UINT64_MAX;
+    c->test_refuse_peer = c->test_late_peer = UINT64_MAX;
 #ifdef WX_TESTING
-    if ((rc = wx_opt_u64(opts, "_test_refuse_peer", UINT64_MAX, &c->test_refuse_peer)) != 0)
+    if ((rc = wx_opt_u64(opts, "_test_refuse_peer", UINT64_MAX, &c->test_refuse_peer)) != 0 ||
+        (rc = wx_opt_u64(opts, "_test_late_peer", UINT64_MAX, &c->test_late_peer)) != 0 ||
+        (rc = wx_opt_u64(opts, "_test_late_ms", 0, &v)) != 0)
         return rc;
+    c->test_late_ns = v * 1000000ull;
 #endif
     return 0;
 }
