@@ -218,6 +218,8 @@ def _delta_result(a: dict, res: dict, per_step: list) -> dict:
                 tasks_dense=d["tasks_dense"],
                 tasks_dense_cost=d.get("tasks_dense_cost", 0),
                 tasks_bypassed=d.get("tasks_bypassed", 0),
+                tasks_scatter=d.get("tasks_scatter", 0),  # stored in the receivers' memory (cuda_ipc)
+                scatter_bytes=d.get("scatter_bytes", 0),
                 change_rate=d["changed_bytes"] / max(d["compared_bytes"], 1),
                 apply_s=max(r["apply"]["applied_s"] for r in s["reports"]),
                 push_s=s["step_s"],
