@@ -161,3 +161,19 @@ def test_the_end_stamps_wait_for_a_late_scatter_kernel(store, monkeypatch):
         s.close()
     finally:
         rx.close()
+
+
+@pytest.mark.parametrize("rate", [0.001, 0.03, 0.5, 1.0])
+def test_the_scatter_kernel_rows_are_bit_exact(rate):
+    """benchmarks/bench_delta.py --parts scatter's kernel row on 16 MiB: the scatter kernel leaves
+    the destination equal to the new bytes (the old ones where nothing changed), and times it."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.bench_delta import bench_scatter_kernel
+
+    r = bench_scatter_kernel(torch.device("cuda"), 16 << 20, rate, 3)
+    assert r["bitexact"] and r["changed"] == r["expected_changed"] > 0, r
+    assert r["scatter_s"] > 0 and r["dense_copy_s"] > 0, r
+    print(r)

@@ -102,7 +102,7 @@ class Scatter:
         return int(addr)
 
     def forced(self, op) -> bool:
-        """"force", and task `op` can be scattered: it neither bypasses the delta writer nor is
+        """Mode "force", and task `op` can be scattered: it neither bypasses the delta writer nor is
         sent dense for a fast link (only the rules' dense pushes remain)."""
         return self.mode == "force" and self.targets(op) is not None
 
