@@ -477,7 +477,7 @@ class DeltaWriter:
             for g in live:
                 if self.recs.get(g):
                     self.last_rec[g] = self.version
-            if self.measure_link and s["tasks_delta"] == 0 and s["tasks_dense"]:
+            if self.measure_link and s["tasks_delta"] == s["tasks_scatter"] == 0 and s["tasks_dense"]:
                 self.link_Bps = self._link_measured(s["tasks_dense"]) or self.link_Bps
         else:
             self.synced = set()
