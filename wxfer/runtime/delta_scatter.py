@@ -79,18 +79,20 @@ class Scatter:
         return None
 
     def targets(self, op):
-        """The address here of each destination range of task `op` (in op.dests' order), or
-        None when one is not mapped on this rank's GPU (decided once per set of destinations)."""
+        """The address here of each destination range of task `op` (in the order of its
+        prepared destinations, ``op.prep.dests``, which the delta writer runs), or None when one
+        is not mapped on this rank's GPU (decided once per list of destinations)."""
+        dests = op.prep.dests if getattr(op, "prep", None) is not None else op.dests
         hit = self._targets.get(op.task)
-        if hit is not None and hit[0] is op.dests:
+        if hit is not None and hit[0] is dests:
             return hit[1]
         addrs, why = None, self.why_not()
         if why is None:
             try:
-                addrs = [self.address(bytes(d[0]), int(d[1]), int(d[3])) for d in op.dests] or None
+                addrs = [self.address(bytes(d[0]), int(d[1]), int(d[3])) for d in dests] or None
             except Exception as e:  # noqa: BLE001 -- not mapped here: records or dense, as before
                 addrs, why = None, f"{type(e).__name__}: {e}"
-        self._targets[op.task] = (op.dests, addrs, why)
+        self._targets[op.task] = (dests, addrs, why)
         return addrs
 
     def address(self, rdesc: bytes, off: int, n: int) -> int:
@@ -129,7 +131,10 @@ class Scatter:
         skip = ip.external_begin()
         shadow_of = {int(soff): (int(so), int(n)) for soff, n, so in sh[0]}
         todo, live, stored, skipped = [], [], 0, 0
-        for d, addr, g in zip(dests, self.targets(op), gpus):
+        addrs = self.targets(op)
+        if len(addrs) != len(dests):  # (the same list: targets follows op.prep.dests)
+            raise RuntimeError(f"delta scatter: task {op.task}: {len(dests)} destinations, {len(addrs)} mapped")
+        for d, addr, g in zip(dests, addrs, gpus):
             if g in skip:
                 skipped += 1
                 continue
