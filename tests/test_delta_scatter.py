@@ -213,3 +213,17 @@ def test_auto_scatters_where_cheapest_and_a_dropped_receiver_is_not_written(stor
         sender.close()
         for r in recvs:
             r.close()
+
+
+def test_the_demo_flags_make_the_scatter_option():
+    from argparse import Namespace as ns
+
+    from wxfer.tools.demo import _delta_arg
+
+    assert _delta_arg(ns(delta=False, delta_scatter="force", delta_link_gbps=None)) is False
+    assert _delta_arg(ns(delta=True, delta_scatter=None, delta_link_gbps=None)) is True
+    assert _delta_arg(ns(delta=True, delta_scatter=None, delta_link_gbps=1.0)) == 1.0
+    assert _delta_arg(ns(delta=True, delta_scatter="force", delta_link_gbps=None)) == {"scatter": "force"}
+    got = _delta_arg(ns(delta=True, delta_scatter="auto", delta_link_gbps=8.0))
+    assert got == {"scatter": "auto", "link_Bps": 1e9, "measure_link": False}
+    assert _delta_option(got) == got
