@@ -32,10 +32,10 @@ def _touch(model, rate: float, seed: int) -> None:
             p[m] = p[m] * 1.07 + 0.01
 
 
-def _sender(model, addr, name, **kw):
+def _sender(model, addr, name, delta=FORCE):
     from wxfer.runtime.sender import Sender
 
-    s = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, delta=FORCE, **kw)
+    s = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, delta=delta)
     assert s.transport_name == "cuda_ipc"
     return s
 
@@ -76,9 +76,11 @@ def test_forced_scatter_pushes_leave_a_dense_push_s_bytes_every_step(store, quan
 
 
 def test_a_dropped_receiver_is_not_scattered_into(store):
-    """Two replicas on the GPU; after two pushes the trainer gives up on the second (as when
-    its writes failed): the next push scatters into the first only; the second keeps the bytes
-    of the push before."""
+    """Two replicas on the GPU, the scatter "auto" with the link pinned at 1 Gb/s (so the chooser
+    takes it by cost: the receivers have no staging area, and the colocated bypass needs a
+    measured link); after two pushes the trainer gives up on the second (as when its writes
+    failed): the next push scatters into the first only; the second keeps the bytes of the push
+    before."""
     from wxfer.runtime.peerstate import Event
 
     _, addr = store
@@ -87,13 +89,16 @@ def test_a_dropped_receiver_is_not_scattered_into(store):
     name = "dscat_drop"
     rx = _Receivers(addr, name, TINY, quant, replicas=2)
     try:
-        s = _sender(model, addr, name)
+        s = _sender(model, addr, name, dict(scatter="auto", link_Bps=1e9 / 8, measure_link=False))
         for step in (1, 2):
             if step > 1:
                 _touch(model, 0.01, step)
             s.push()
-        assert s.stats()["delta"]["last"]["tasks_scatter"] > 0
+        last = s.stats()["delta"]["last"]
+        assert last["tasks_scatter"] > 0 and last["tasks_dense"] == 0, last  # chosen by cost
+        _check_bytes(model, TINY, quant, rx.read(0)[0])
         kept, v1 = rx.read(1)
+        _check_bytes(model, TINY, quant, kept)
         assert v1 == 2
         s.links.states.apply(1, Event.WRITE_FAILED, "a test's failed write")  # as StepLoop._take_failed
         assert s.links.drop({1}) == {1}
