@@ -155,6 +155,11 @@ class Scatter:
         self.total["bytes"] += stored
         self.total["skipped"] += skipped
 
+    def forget(self) -> None:
+        """A worker was replaced by its restart: every task's addresses mapped again at its next
+        use (the new worker's memory; the transport maps it afresh)."""
+        self._targets.clear()
+
     def stats(self) -> dict:
         d = dict(mode=self.mode, total=dict(self.total))
         why = self.why_not()

@@ -205,6 +205,7 @@ class DeltaWriter:
                     self.synced.discard(g)
 
     def _adopted(self, g: int, old_regions) -> None:
+        self.scatter.forget()
         self.synced.discard(g)
         self.regions.pop(g, None)
         self.last_rec.pop(g, None)
