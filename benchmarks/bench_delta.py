@@ -224,7 +224,8 @@ def bench_scatter_kernel(device, nbytes: int, rate: float, reps: int) -> dict:
     bitexact = torch.equal(dst, new)
     t_copy = _best(device, reps, lambda: dst.copy_(new))
     return dict(
-        device=str(device), name=torch.cuda.get_device_name(device), nbytes=nbytes, rate=rate, changed=cs[0],
+        device=str(device), name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+        nbytes=nbytes, rate=rate, changed=cs[0],
         scatter_s=t_sc, dense_copy_s=t_copy, scatter_vs_dense=t_sc / t_copy,
         expected_changed=expected, changed_Bps=cs[0] / t_sc, bitexact=bool(bitexact),
     )  # fmt: skip

@@ -227,3 +227,17 @@ def test_the_demo_flags_make_the_scatter_option():
     got = _delta_arg(ns(delta=True, delta_scatter="auto", delta_link_gbps=8.0))
     assert got == {"scatter": "auto", "link_Bps": 1e9, "measure_link": False}
     assert _delta_option(got) == got
+
+
+@pytest.mark.parametrize("rate", [0.01, 0.5])
+def test_the_bench_scatter_kernel_row_is_bit_exact_on_the_emulation(emulated, rate):  # noqa: F811
+    """benchmarks/bench_delta.py --parts scatter's kernel row (the GPU's: test_delta_scatter_gpu.py)
+    on host memory with the kernels emulated: the destination ends equal to the new bytes."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.bench_delta import bench_scatter_kernel
+
+    r = bench_scatter_kernel(torch.device("cpu"), 20_000, rate, 1)
+    assert r["bitexact"] and r["changed"] == r["expected_changed"] > 0, r
