@@ -110,7 +110,7 @@ def test_no_scatter_without_the_kernels_or_a_mapped_destination(monkeypatch):
     assert sc.targets(_Op()) is None and not sc.chosen(_Op(), 10, 1.0, 1.0)
 
 
-def _sender_run(store, monkeypatch, name, mode, costs, tp=2, quant="fp8"):
+def _sender_run(store, monkeypatch, name, mode, costs, tp=2, quant="fp8", **kw):
     """A Sender with delta (scatter `mode`, `costs` and the link pinned) on the emulated kernel
     path, every destination "mapped" at its receiver's host address, and `tp` receivers:
     (test_delta, the model, each receiver's params, the sender, the receivers)."""
@@ -124,7 +124,7 @@ def _sender_run(store, monkeypatch, name, mode, costs, tp=2, quant="fp8"):
 
     monkeypatch.setattr(delta_send, "_kernels", lambda device: (True, None))
     _, addr = store
-    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB")
+    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB", **kw)
     model = td._model()
     sender = Sender(
         model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB",
@@ -241,3 +241,23 @@ def test_the_bench_scatter_kernel_row_is_bit_exact_on_the_emulation(emulated, ra
 
     r = bench_scatter_kernel(torch.device("cpu"), 20_000, rate, 1)
     assert r["bitexact"] and r["changed"] == r["expected_changed"] > 0, r
+
+
+def test_verify_checks_the_whole_destination_of_a_scatter_push(store, emulated, monkeypatch):  # noqa: F811
+    """push(verify=True) with every task scattered: the trainer's checksums (of its fresh bytes,
+    every destination range) match what each receiver holds."""
+    td, model, params, sender, recvs = _sender_run(store, monkeypatch, "dscatverify", "force", {}, 1, None, verify=True)
+    gen = torch.Generator().manual_seed(12)
+    try:
+        for step in range(1, 4):
+            if step > 1:
+                td._touch(model, 0.01, gen)
+            sender.push(verify=True)
+            rep = sender.last_verify[0]
+            assert rep["bytes"] == sender.bytes_per_step and not rep["mismatch"] and not rep["errors"], rep
+            assert td._dense_equal(model, params, 1, None)
+        assert sender.stats()["delta"]["last"]["tasks_scatter"] > 0
+    finally:
+        sender.close()
+        for r in recvs:
+            r.close()
