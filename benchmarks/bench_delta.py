@@ -17,6 +17,12 @@ Parts (``--parts``, default all but ``kernels``):
 * ``colocated`` (GPU only): one trainer rank and one receiver on the same GPU (cuda_ipc),
   ``delta=True`` at ``--colocated-rates`` against a ``delta=False`` run (median push of steps
   2-5): the chooser should send dense by itself, within 5% of the dense push, no slower at 50%.
+* ``scatter`` (GPU only): the trainer-side scatter on cuda_ipc (delta_scatter.py) at
+  ``--scatter-rates`` of the bytes changed: the scatter kernel over ``--scatter-mib`` MiB against
+  a dense copy of the same range (what a dense in-place write of those bytes moves), bit-exact
+  checked; with ``--scatter-push 1`` also one trainer and one receiver on this GPU, forced
+  scatter (``Sender(delta={"scatter": "force"})``) at each rate against a ``delta=False`` run
+  (dense, in place; the median push of steps 2-5 of each).
 * ``fused`` (GPU only): the delta kernels (wxfer.runtime.delta_gpu) on one 2-D BF16 weight at
   ``--fused-rates``: the fused quantize + compare kernel, and with the count and the records,
   against the dense quantize alone and the torch path (quantize, compare, encode) they replace.
@@ -194,6 +200,55 @@ def bench_colocated(model: str, fp8: bool, rates, steps: int, watermark: str) ->
                 dense_push_s=d_s, delta_push_s=s, delta_vs_dense_s=s / d_s,
                 verified=res.get("verified"), dense_verified=dense.get("verified"),
                 bitexact=res.get("bitexact"), delta_steps=res.get("delta_steps"),
+            )
+        )  # fmt: skip
+    return rows
+
+
+def bench_scatter_kernel(device, nbytes: int, rate: float, reps: int) -> dict:
+    """The scatter kernel (delta_gpu.scatter) over a range of `nbytes` with `rate` of its bytes
+    changed, into a buffer of this GPU, against a dense copy of the same range."""
+    import torch
+    from wxfer.runtime import delta_gpu
+
+    g = torch.Generator(device=device).manual_seed(int(rate * 1e4))
+    old = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device=device)
+    m = torch.rand(nbytes, generator=g, device=device) < rate
+    new = old ^ m.to(torch.uint8)
+    expected = int(m.sum())
+    del m
+    shadow = old.clone()
+    cs, st = delta_gpu.compare_count(shadow, new, [(0, nbytes, 0)])
+    dst = old.clone()
+    t_sc = _best(device, reps, lambda: delta_gpu.scatter(shadow, st["bits"], [(dst.data_ptr(), 0, nbytes)]))
+    bitexact = torch.equal(dst, new)
+    t_copy = _best(device, reps, lambda: dst.copy_(new))
+    return dict(
+        device=str(device), name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+        nbytes=nbytes, rate=rate, changed=cs[0],
+        scatter_s=t_sc, dense_copy_s=t_copy, scatter_vs_dense=t_sc / t_copy,
+        expected_changed=expected, changed_Bps=cs[0] / t_sc, bitexact=bool(bitexact),
+    )  # fmt: skip
+
+
+def bench_scatter_push(model: str, fp8: bool, rates, steps: int, watermark: str) -> list:
+    """One trainer and one receiver on this GPU (cuda_ipc): forced scatter at each of `rates`
+    against a ``delta=False`` run (dense, in place): the median push of steps 2.. of each."""
+    dense = _colocated_run(model, fp8, rates[0], steps, watermark, False)
+    d_s = _median(dense["step_s"][1:])
+    rows = []
+    for rate in rates:
+        res = _colocated_run(model, fp8, rate, steps, watermark, {"scatter": "force"})
+        s = _median(res["step_s"][1:])
+        later = (res.get("delta_steps") or [])[1:]
+        rows.append(
+            dict(
+                model=model, fp8=fp8, change_rate_requested=rate, transport=res.get("transport"),
+                dense_push_s=d_s, scatter_push_s=s, scatter_vs_dense_s=s / d_s,
+                change_rate=res.get("change_rate"), verified=res.get("verified"),
+                dense_verified=dense.get("verified"), bitexact=res.get("bitexact"),
+                tasks_scatter=[x.get("tasks_scatter") for x in later],
+                scatter_bytes=[x.get("scatter_bytes") for x in later],
             )
         )  # fmt: skip
     return rows
@@ -400,6 +455,9 @@ def main() -> None:
     ap.add_argument("--kernel-rate", type=float, default=0.004)
     ap.add_argument("--colocated-rates", default="0.004,0.5", help="colocated part: fractions of elements changed")
     ap.add_argument("--fused-rates", default="0,0.004,0.03,0.5", help="fused part: fractions of elements changed")
+    ap.add_argument("--scatter-rates", default="0.001,0.01,0.03,0.1,0.5", help="scatter part: fractions changed")
+    ap.add_argument("--scatter-mib", type=int, default=256, help="scatter part: the kernel rows' range, MiB")
+    ap.add_argument("--scatter-push", type=int, default=0, help="scatter part: 1 also runs the push rows (demo)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     parts = set(a.parts.split(","))
@@ -444,6 +502,15 @@ def main() -> None:
         res["colocated"] = [
             row for f in a.push_fp8.split(",") for row in bench_colocated(a.push_model, f == "1", rates, 5, a.watermark)
         ]
+    if "scatter" in parts:  # GPU only: the trainer-side scatter (cuda_ipc)
+        rates = [float(r) for r in a.scatter_rates.split(",")]
+        res["scatter"] = [bench_scatter_kernel(device, a.scatter_mib << 20, r, 10) for r in rates]
+        if a.scatter_push:
+            res["scatter_push"] = [
+                row
+                for f in a.push_fp8.split(",")
+                for row in bench_scatter_push(a.push_model, f == "1", rates, 5, a.watermark)
+            ]
     if "fused" in parts:  # GPU only: the delta kernels
         r, c = (int(x) for x in a.kernel_shape.split("x"))
         res["fused"] = [bench_fused(device, r, c, float(x), 10) for x in a.fused_rates.split(",")]

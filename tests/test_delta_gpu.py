@@ -208,7 +208,9 @@ def test_a_push_on_the_kernel_path_is_verified_every_step(monkeypatch):
     """python -m wxfer demo on this GPU (one trainer, one receiver, cuda_ipc), FP8, delta with the
     link pinned at 1 Gb/s (so records pay) and 1% of the elements changed per step: the trainer's
     DeltaWriter runs the delta kernels, and every receiver's bytes after apply() equal the
-    reference packing (a dense push's) every step."""
+    reference packing (a dense push's) every step.  The scatter off: on one GPU with the link
+    pinned, "auto" would store the changed bytes straight into the receiver (that path:
+    tests/test_delta_scatter_gpu.py); this test is of the records."""
     from wxfer.runtime import delta_gpu
     from wxfer.tools.demo import run_demo
 
@@ -216,9 +218,9 @@ def test_a_push_on_the_kernel_path_is_verified_every_step(monkeypatch):
     monkeypatch.setenv("WXFER_DEMO_CPU", "0")
     res = run_demo(
         trainers=1, replicas=1, tp=1, steps=4, fp8=True, size="small", transport="auto",
-        delta=1.0, change_rate=0.01, log=lambda *a: None,
+        delta=dict(link_Bps=1e9 / 8, measure_link=False, scatter="off"), change_rate=0.01, log=lambda *a: None,
     )  # fmt: skip
     assert res["verified"] and res["bitexact"], res
     steps = res["delta_steps"]
-    assert all(s["tasks_delta"] > 0 for s in steps[1:]), steps
+    assert all(s["tasks_delta"] > 0 and s["tasks_scatter"] == 0 for s in steps[1:]), steps
     assert res["delta_bytes"] < 0.5 * res["dense_bytes"], res

@@ -59,6 +59,8 @@ def _emulate(kind, device, stream, table, dev, bits, bits_nb, a=0, an=0, b=0, bn
     """_wxfer.delta_launch on host memory: the extension validates, this runs the kernel."""
     if kind == 2:
         nsegs = _wxfer.delta_check(kind, table, bits_nb, an, on, bn)
+    elif kind == 3:
+        nsegs = _wxfer.delta_check(kind, table, bits_nb, an)
     else:
         nsegs = _wxfer.delta_check(kind, table, bits_nb)
     words = np.frombuffer((ctypes.c_uint8 * bits_nb).from_address(bits), dtype=np.uint32)
@@ -71,6 +73,15 @@ def _emulate(kind, device, stream, table, dev, bits, bits_nb, a=0, an=0, b=0, bn
                 if m:
                     d[:] = s
                 _set_bits(words, bit0 + off, m)
+        return
+    if kind == 3:  # wx_delta_scatter: one bitmask word a thread, a byte store per set bit
+        for dst, bit0, n, seg0 in _entries(table, 4):
+            for k in range((n + 31) // 32):
+                w = _word(words, bit0, k, n)
+                while w:
+                    b = (w & -w).bit_length() - 1
+                    w &= w - 1
+                    _mem(dst + 32 * k + b, 1)[0] = _mem(a + bit0 + 32 * k + b, 1)[0]
         return
     ents = _entries(table, 3 if kind == 1 else 8)
     for sg in range(nsegs):
@@ -189,8 +200,8 @@ def test_the_checks_name_the_bad_entry():
         _wxfer.delta_check(2, array.array("Q", bad), 64, 107, size, 2)
     with pytest.raises(_wxfer.Error, match="prefix sum has 1 entries"):
         _wxfer.delta_check(2, array.array("Q", rec), 64, 107, size, 1)
-    with pytest.raises(ValueError, match="delta table kind 3"):
-        _wxfer.delta_check(3, array.array("Q", rec), 64)
+    with pytest.raises(ValueError, match="delta table kind 4"):
+        _wxfer.delta_check(4, array.array("Q", rec), 64)
 
 
 def test_without_a_gpu_the_kernels_say_why():

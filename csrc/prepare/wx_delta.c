@@ -46,11 +46,13 @@ static const wx_kernel_src_t wx__quant_src = {
 static const wx_kernel_src_t wx__cmp_src = WX__OPS("wx_delta_cmp");
 static const wx_kernel_src_t wx__count_src = WX__OPS("wx_delta_count");
 static const wx_kernel_src_t wx__emit_src = WX__OPS("wx_delta_emit");
+static const wx_kernel_src_t wx__scat_src = WX__OPS("wx_delta_scatter");
 
 static wx_kernel_t wx__kq = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static wx_kernel_t wx__kc = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static wx_kernel_t wx__kn = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static wx_kernel_t wx__ke = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static wx_kernel_t wx__ks = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len)
 {
@@ -58,7 +60,8 @@ int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, si
     int rc;
     if ((rc = wx_kernel_get(&wx__kc, &wx__cmp_src, device, dirs, ndirs, &d, why, why_len)) ||
         (rc = wx_kernel_get(&wx__kn, &wx__count_src, device, dirs, ndirs, &d, why, why_len)) ||
-        (rc = wx_kernel_get(&wx__ke, &wx__emit_src, device, dirs, ndirs, &d, why, why_len)))
+        (rc = wx_kernel_get(&wx__ke, &wx__emit_src, device, dirs, ndirs, &d, why, why_len)) ||
+        (rc = wx_kernel_get(&wx__ks, &wx__scat_src, device, dirs, ndirs, &d, why, why_len)))
         return rc;
     return wx_kernel_get(&wx__kq, &wx__quant_src, device, dirs, ndirs, &d, why, why_len);
 }
@@ -166,6 +169,30 @@ int wx_delta_emit_check(const wx_delta_rec_t *r, int n, uint64_t bits_nbytes,
                            i, (unsigned long long)q->rseg0, (unsigned long long)(q->rseg0 + ns),
                            (unsigned long long)nsegx);
         segs += ns;
+    }
+    *nsegs = segs;
+    return rc;
+}
+
+int wx_delta_scatter_check(const wx_delta_scat_t *r, int n, uint64_t bits_nbytes,
+                           uint64_t shadow_nbytes, uint64_t *nsegs)
+{
+    uint64_t segs = 0;
+    int rc = wx__count_n("scatter", n);
+    for (int i = 0; !rc && i < n; i++) {
+        if (!r[i].dst)
+            return wx_errf(-EINVAL, "delta scatter range %d: null destination address", i);
+        if ((rc = wx__entry("scatter range", i, r[i].nbytes, r[i].seg0, r[i].bit0, segs,
+                            bits_nbytes)) != 0)
+            return rc;
+        if (r[i].bit0 + r[i].nbytes > shadow_nbytes)
+            return wx_errf(-EINVAL,
+                           "delta scatter range %d: its range [%llu, %llu) is not inside the "
+                           "%llu-byte shadow",
+                           i, (unsigned long long)r[i].bit0,
+                           (unsigned long long)(r[i].bit0 + r[i].nbytes),
+                           (unsigned long long)shadow_nbytes);
+        segs += wx__segs(r[i].nbytes);
     }
     *nsegs = segs;
     return rc;
@@ -280,4 +307,22 @@ int wx_delta_emit_launch(int device, uint64_t stream, const wx_delta_rec_t *host
         return rc;
     void *args[] = {&dp, &n, &nsegs, &bp, &sp, &xp, &op};
     return wx_kernel_launch(&d, "wx_delta_emit", grid, WX__THREADS, 0, stream, args);
+}
+
+int wx_delta_scatter_launch(int device, uint64_t stream, const wx_delta_scat_t *host, uint64_t dev,
+                            int n, uint64_t bits, uint64_t bits_nbytes, uint64_t shadow,
+                            uint64_t shadow_nbytes)
+{
+    wx_kernel_dev_t d;
+    CUdeviceptr dp = (CUdeviceptr)dev, bp = (CUdeviceptr)bits, sp = (CUdeviceptr)shadow;
+    uint64_t nsegs = 0, grid = 0;
+    int rc = wx_delta_scatter_check(host, n, bits_nbytes, shadow_nbytes, &nsegs);
+    if (rc)
+        return rc;
+    if (!dev || !bits || !shadow)
+        return wx_errf(-EINVAL, "delta scatter: null range table, bitmask or shadow address");
+    if ((rc = wx__get(&wx__ks, &wx__scat_src, device, nsegs, WX__OPS_CTAS_PER_SM, &d, &grid)))
+        return rc;
+    void *args[] = {&dp, &n, &nsegs, &bp, &sp};
+    return wx_kernel_launch(&d, "wx_delta_scatter", grid, WX__THREADS, 0, stream, args);
 }

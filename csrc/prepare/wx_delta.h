@@ -42,6 +42,13 @@ typedef struct wx_delta_rec {
     uint64_t out_off, bit0, nbytes, seg0, rseg0, count, head0, doff;
 } wx_delta_rec_t;
 
+/* Scatter: the changed bytes of a shadow range of nbytes at bit0 (its offset in the shadow = its
+ * first bit) stored at dst (the receiver's memory, mapped in the writer's context); seg0 as
+ * above. */
+typedef struct wx_delta_scat {
+    uint64_t dst, bit0, nbytes, seg0;
+} wx_delta_scat_t;
+
 /* Can the kernels run on CUDA device `device`? Compiles and loads both modules (once). The fused
  * quantizer needs compute capability 8.9 (e4m3 conversion); the others run on any. Returns 0, or
  * a negative errno with the reason in why. */
@@ -53,6 +60,8 @@ int wx_delta_count_check(const wx_delta_range_t *r, int n, uint64_t bits_nbytes,
 int wx_delta_emit_check(const wx_delta_rec_t *r, int n, uint64_t bits_nbytes,
                         uint64_t shadow_nbytes, uint64_t out_nbytes, uint64_t nsegx,
                         uint64_t *nsegs);
+int wx_delta_scatter_check(const wx_delta_scat_t *r, int n, uint64_t bits_nbytes,
+                           uint64_t shadow_nbytes, uint64_t *nsegs);
 
 /* The FP8 kernel's pieces (wx_fp8_check) quantized into the shadow `out` (the fp8 bytes and
  * scales compared, the changed ones written and marked in `bits`). As wx_fp8_launch otherwise. */
@@ -70,5 +79,9 @@ int wx_delta_emit_launch(int device, uint64_t stream, const wx_delta_rec_t *host
                          int n, uint64_t bits, uint64_t bits_nbytes, uint64_t shadow,
                          uint64_t shadow_nbytes, uint64_t segx, uint64_t nsegx, uint64_t out,
                          uint64_t out_nbytes);
+/* For each set bit b of each range, dst[b] = shadow[bit0 + b] (wx_delta_scatter). */
+int wx_delta_scatter_launch(int device, uint64_t stream, const wx_delta_scat_t *host, uint64_t dev,
+                            int n, uint64_t bits, uint64_t bits_nbytes, uint64_t shadow,
+                            uint64_t shadow_nbytes);
 
 #endif

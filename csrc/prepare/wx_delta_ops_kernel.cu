@@ -17,6 +17,11 @@
  *                   counts), its threads in order (a block scan), so the records are in
  *                   increasing byte order, bit-identical to the CPU encoder's. The output is
  *                   zeroed by the caller (the pads).
+ *   wx_delta_scatter per destination range (wx_delta_scat: dst, bit0, nbytes, seg0): the
+ *                   emit kernel's walk over the bitmask without the record: for each set bit b
+ *                   of the range, dst[b] = shadow[bit0 + b] (a byte store straight into the
+ *                   receiver's memory, mapped here by cuda_ipc; a word whose 32 bits are all set
+ *                   and whose addresses are 16-aligned is two 16-byte stores).
  */
 typedef unsigned int wx_u32;
 typedef unsigned long long wx_u64;
@@ -32,6 +37,10 @@ struct wx_delta_cmp_range { /* = wx_delta_cmp_t */
 
 struct wx_delta_range { /* = wx_delta_range_t */
     wx_u64 bit0, nbytes, seg0;
+};
+
+struct wx_delta_scat { /* = wx_delta_scat_t */
+    wx_u64 dst, bit0, nbytes, seg0;
 };
 
 struct wx_delta_rec { /* = wx_delta_rec_t */
@@ -214,6 +223,34 @@ extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
             vals[q] = src[b];
             if (offs)
                 offs[q] = (wx_u32)(32 * k + b);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
+    wx_delta_scatter(const wx_delta_scat *r, int n, wx_u64 nsegs, const wx_u32 *bits,
+                     const unsigned char *shadow)
+{
+    for (wx_u64 sg = blockIdx.x; sg < nsegs; sg += gridDim.x) {
+        const int i = wx_dfind(r, n, sg);
+        const wx_delta_scat rc = r[i];
+        const wx_u64 k = (sg - rc.seg0) * WX_DTHREADS + threadIdx.x;
+        wx_u32 w = wx_dword(bits, rc.bit0, k, rc.nbytes);
+        if (!w)
+            continue;
+        const unsigned char *src = shadow + rc.bit0 + 32 * k;
+        unsigned char *dst = (unsigned char *)rc.dst + 32 * k;
+        if (w == 0xffffffffu && (((wx_u64)src | (wx_u64)dst) & 15) == 0) {
+            const uint4 *s4 = (const uint4 *)src;
+            uint4 *d4 = (uint4 *)dst;
+            d4[0] = s4[0];
+            d4[1] = s4[1];
+            continue;
+        }
+        while (w) {
+            const int b = __ffs(w) - 1;
+            w &= w - 1;
+            dst[b] = src[b];
         }
     }
 }

@@ -245,18 +245,20 @@ static PyObject *wx_copy_batch_py(PyObject *m, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* The delta tables: entries of 5 (compare), 3 (count) or 8 (emit) uint64. */
+/* The delta tables: entries of 5 (compare), 3 (count), 8 (emit) or 4 (scatter) uint64. */
 static const struct {
     const char *name;
     size_t esize;
 } wx__dtables[] = {{"delta compare", sizeof(wx_delta_cmp_t)},
                    {"delta count", sizeof(wx_delta_range_t)},
-                   {"delta record", sizeof(wx_delta_rec_t)}};
+                   {"delta record", sizeof(wx_delta_rec_t)},
+                   {"delta scatter", sizeof(wx_delta_scat_t)}};
 
 static int wx__dtable(int kind, PyObject *obj, Py_buffer *view, const void **p, void **copy)
 {
-    if (kind < 0 || kind > 2) {
-        PyErr_Format(PyExc_ValueError, "delta table kind %d (0 compare, 1 count, 2 emit)", kind);
+    if (kind < 0 || kind > 3) {
+        PyErr_Format(PyExc_ValueError, "delta table kind %d (0 compare, 1 count, 2 emit, 3 scatter)",
+                     kind);
         return -1;
     }
     return wx__table(obj, view, p, copy, wx__dtables[kind].name, "entries", wx__dtables[kind].esize,
@@ -268,7 +270,8 @@ static PyObject *wx_delta_probe_py(PyObject *m, PyObject *args)
     return wx__probe(args, "i|O:delta_probe", wx_delta_probe);
 }
 
-/* delta_check(kind, table, bits_nbytes, shadow_nbytes=0, out_nbytes=0, nsegx=0) -> segments */
+/* delta_check(kind, table, bits_nbytes, shadow_nbytes=0, out_nbytes=0, nsegx=0) -> segments
+ * (scatter: shadow_nbytes only) */
 static PyObject *wx_delta_check_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
@@ -288,8 +291,10 @@ static PyObject *wx_delta_check_py(PyObject *m, PyObject *args)
         rc = wx_delta_cmp_check(p, n, bits_nb, &nsegs);
     else if (kind == 1)
         rc = wx_delta_count_check(p, n, bits_nb, &nsegs);
-    else
+    else if (kind == 2)
         rc = wx_delta_emit_check(p, n, bits_nb, shadow_nb, out_nb, nsegx, &nsegs);
+    else
+        rc = wx_delta_scatter_check(p, n, bits_nb, shadow_nb, &nsegs);
     free(copy);
     PyBuffer_Release(&view);
     if (rc)
@@ -323,7 +328,8 @@ static PyObject *wx_delta_quant_launch_py(PyObject *m, PyObject *args)
 }
 
 /* delta_launch(kind, device, stream, table, dev_table, bits, bits_nbytes, a=0, a_n=0, b=0, b_n=0,
- * out=0, out_n=0): kind 0 compare, 1 count (a: counts), 2 emit (a: shadow, b: segx). */
+ * out=0, out_n=0): kind 0 compare, 1 count (a: counts), 2 emit (a: shadow, b: segx), 3 scatter
+ * (a: shadow; the table's destinations mapped in the writer's context). */
 static PyObject *wx_delta_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
@@ -343,9 +349,11 @@ static PyObject *wx_delta_launch_py(PyObject *m, PyObject *args)
             rc = wx_delta_cmp_launch(device, stream, p, dev, n, bits, bits_nb);
         else if (kind == 1)
             rc = wx_delta_count_launch(device, stream, p, dev, n, bits, bits_nb, a, an);
-        else
+        else if (kind == 2)
             rc =
                 wx_delta_emit_launch(device, stream, p, dev, n, bits, bits_nb, a, an, b, bn, o, on);
+        else
+            rc = wx_delta_scatter_launch(device, stream, p, dev, n, bits, bits_nb, a, an);
     Py_END_ALLOW_THREADS
     free(copy);
     PyBuffer_Release(&view);
@@ -533,7 +541,8 @@ static PyMethodDef wx__prepare_methods[] = {
      "FP8 one needs compute capability 8.9) for the device at first use."},
     {"delta_check", wx_delta_check_py, METH_VARARGS,
      "delta_check(kind, table, bits_nbytes, shadow_nbytes=0, out_nbytes=0, nsegx=0) -> "
-     "segments; raises Error naming the first bad entry (kind 0 compare, 1 count, 2 emit)."},
+     "segments; raises Error naming the first bad entry (kind 0 compare, 1 count, 2 emit, 3 "
+     "scatter)."},
     {"delta_quant_launch", wx_delta_quant_launch_py, METH_VARARGS,
      "delta_quant_launch(device, stream, shadow_ptr, shadow_nbytes, pieces, device_pieces_ptr, "
      "bits_ptr, bits_nbytes): the FP8 kernel's pieces quantized into the shadow, the changed "
@@ -541,7 +550,8 @@ static PyMethodDef wx__prepare_methods[] = {
     {"delta_launch", wx_delta_launch_py, METH_VARARGS,
      "delta_launch(kind, device, stream, table, device_table_ptr, bits_ptr, bits_nbytes, a=0, "
      "a_n=0, b=0, b_n=0, out=0, out_n=0): kind 0 compare, 1 count (a: u32 counts), 2 emit (a: "
-     "shadow, b: int64 prefix sum, out: the records)."},
+     "shadow, b: int64 prefix sum, out: the records), 3 scatter (a: shadow; each range's changed "
+     "bytes stored at its destination address)."},
     {"delta_scan", wx_delta_scan_py, METH_VARARGS,
      "delta_scan(cur, shadow, n, idx, cap) -> changed: the bytes of host range cur[0, n) that "
      "differ from shadow[0, n); the first cap offsets (u32, ascending) written at idx (0: none)."},

@@ -14,8 +14,10 @@ shadow that changed:
 Then ``count(bits, ranges)`` gives the changed bytes of each shadow range ``[(offset, nbytes)]``
 (one device-to-host read) and ``emit(shadow, counted, recs)`` writes each record, byte for byte
 what ``delta.encode`` makes of the same range (PAIRS or MASK, whichever is smaller, in byte
-order). ``why(device)`` is None where the kernels run, else the reason (``WXFER_DELTA_GPU=torch``
-forces the torch ops of delta.py).
+order); or ``scatter(shadow, bits, targets)`` stores each changed byte of a range straight at
+its destination (the receiver's memory, mapped here: docs/delta.md). ``why(device)`` is None
+where the kernels run, else the reason (``WXFER_DELTA_GPU=torch`` forces the torch ops of
+delta.py).
 """
 
 from __future__ import annotations
@@ -159,6 +161,28 @@ def emit(shadow, counted: dict, recs) -> list:
         shadow.data_ptr(), shadow.numel(), segx.data_ptr(), segx.numel(), out.data_ptr(), off,
     )  # fmt: skip
     return [out[o : o + s] for o, s in spans]
+
+
+def scatter(shadow, bits, targets) -> None:
+    """Each target ``(destination address, offset in the shadow, nbytes)``: the bytes of that
+    shadow range whose bit is set, stored at the same offset from the destination address (a
+    receiver's memory mapped in this context, or any device memory), on the current stream."""
+    from .. import _wxfer
+
+    dev = shadow.device
+    table, seg = array.array("Q"), 0
+    for addr, so, n in targets:
+        if so < 0 or n < 1 or so + n > shadow.numel():
+            raise ValueError(f"delta scatter: shadow range {so}+{n} outside the {shadow.numel()}-byte shadow")
+        table.extend((int(addr), int(so), int(n), seg))
+        seg += _segs(n)
+    if not targets:
+        return
+    dtab = _dev(table, dev)
+    _wxfer.delta_launch(
+        3, dev.index, _stream(dev), table, dtab.data_ptr(), bits.data_ptr(), bits.numel() * 4,
+        shadow.data_ptr(), shadow.numel(),
+    )  # fmt: skip
 
 
 def compare_count(shadow, buf, layout) -> tuple:

@@ -14,7 +14,9 @@ apply / encode the receiver's apply and this rank's encode throughput per record
 once at setup on this device (``calibrate_costs``).  A task is dense when any of its
 receivers is not in step with the shadow (the first push, after any failure, a restarted or
 resyncing worker), when its records do not fit the slot's room left, or the receiver has no
-staging area."""
+staging area.  On cuda_ipc a task whose destinations are all mapped here may instead be
+scattered straight into the receivers' memory by a kernel of this rank (delta_scatter.py),
+when that costs least (``changed / scatter_Bps``) or ``Sender(delta={"scatter": "force"})``."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import base64
 import logging
 import time
 
-from . import delta, delta_cpu, prepare, program
+from . import delta, delta_cpu, delta_scatter, prepare, program
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,8 @@ log = logging.getLogger(__name__)
 def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = False) -> dict:
     """Encode and apply throughput (record bytes per second) of a range of `n` bytes with
     `rate` of them changed, on `device` (timed once: a few ms); gpu: the encode is the delta
-    kernels' (delta_gpu.emit), else the torch ops'."""
+    kernels' (delta_gpu.emit), else the torch ops', and ``scatter_Bps`` the scatter kernel's
+    changed bytes stored per second (delta_scatter.calibrate, on the 64 MiB sample)."""
     import torch
 
     if not gpu and delta_cpu.available(device):  # what the CPU pushes run: the native compare and encode
@@ -61,10 +64,11 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = Fa
             sh = o2.clone()
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            delta_gpu.compare_count(sh, n2, [(0, big, 0)])
+            cs2, st2 = delta_gpu.compare_count(sh, n2, [(0, big, 0)])
             best_c = min(best_c, time.perf_counter() - t0)
         compare_s = best_c * n / big  # scaled to the sample's n bytes (compare_Bps below)
-        del o2, n2, sh
+        scatter_Bps = delta_scatter.calibrate(sh, st2["bits"], cs2[0])
+        del o2, n2, sh, st2
     for _ in range(3):
         t0 = time.perf_counter()
         rec = delta.encode(new, d, c, 0, 0) if st is None else delta_gpu.emit(new, st, [(0, 0, 0)])[0]
@@ -77,13 +81,19 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = Fa
             torch.cuda.synchronize(device)
         best_a = min(best_a, time.perf_counter() - t0)
     nb = rec.numel()
-    return dict(
+    out = dict(
         encode_Bps=nb / max(best_e, 1e-9),
         apply_Bps=nb / max(best_a, 1e-9),
         compare_Bps=n / max(compare_s, 1e-9),
         sample_bytes=n,
         rate=rate,
     )
+    if gpu:
+        out["scatter_Bps"] = scatter_Bps
+    return out
+
+
+SCATTERED = "scattered"  # _encode's answer for a task the scatter wrote (delta_scatter.py)
 
 
 def _kernels(device) -> tuple:
@@ -104,16 +114,20 @@ class DeltaWriter:
     the engine's words); links: its workers (their staging areas, restarts); ctl: the job's
     Control (the receivers' resync requests); costs: calibrate_costs's (None: timed here);
     link_Bps: the link throughput assumed before a dense push measured it (None: 1 GB/s);
-    measure_link False: keep link_Bps (a known link, or a test that pins the choice)."""
+    measure_link False: keep link_Bps (a known link, or a test that pins the choice); scatter:
+    "auto", "force" or "off" (delta_scatter.py: on cuda_ipc, the changed bytes stored straight
+    into the receivers' memory by a kernel of this rank)."""
 
     def __init__(
-        self, engine, device, stream, rank, links, runner, ctl, costs=None, link_Bps=None, measure_link: bool = True
-    ):
+        self, engine, device, stream, rank, links, runner, ctl, costs=None, link_Bps=None, measure_link: bool = True,
+        scatter: str = "auto",
+    ):  # fmt: skip
         self.engine, self.device, self.stream, self.rank = engine, device, stream, rank
         self.links, self.runner, self.ctl = links, runner, ctl
         self.senders = program.receivers_of(links.plan)  # gpu -> trainer ranks writing it (slot order)
         self.gpu, self.encoder_why = _kernels(device)
         self.costs = dict(costs) if costs is not None else calibrate_costs(device, gpu=self.gpu)
+        self.scatter = delta_scatter.Scatter(scatter, self)
         self._fresh = False  # the shadow of the task under way already updated (the kernels' compare)
         self._pre = None  # delta_gpu.count's answer for the task under way (the fused path)
         self._bypassed: set = set()  # tasks of the push under way sent a plain push's way (bypass)
@@ -140,6 +154,7 @@ class DeltaWriter:
         return dict(
             dense_bytes=0, delta_bytes=0, record_bytes=0, changed_bytes=0, compared_bytes=0,
             tasks_delta=0, tasks_dense=0, dense_why={}, encode_s=0.0, fused_tasks=0, tasks_bypassed=0,
+            tasks_scatter=0, scatter_bytes=0, scatter_skipped=0,
             make_s=0.0, gather_s=0.0, compare_s=0.0, keep_s=0.0,
         )  # fmt: skip
 
@@ -190,6 +205,7 @@ class DeltaWriter:
                     self.synced.discard(g)
 
     def _adopted(self, g: int, old_regions) -> None:
+        self.scatter.forget()
         self.synced.discard(g)
         self.regions.pop(g, None)
         self.last_rec.pop(g, None)
@@ -214,7 +230,7 @@ class DeltaWriter:
         ranges = sorted({(int(s), int(n)) for _, _, s, n in prep.dests})
         sh = self.shadow.get(op.task)
         gpus = [self.links.gpu_of_region.get(bytes(d[0])) for d in prep.dests]
-        why = self._dense_reason(sh, ranges, gpus)
+        why = self._dense_reason(op, sh, ranges, gpus)
         recs, kept = None, False
         if why is None:
             t0 = time.perf_counter()
@@ -230,6 +246,8 @@ class DeltaWriter:
             self.step["tasks_dense"] += 1
             self.step["dense_bytes"] += nb
             self._submit_dense(op, prep, buf, push_event, own=made is not None)
+        elif recs is SCATTERED:  # its changed bytes stored in the receivers' memory (delta_scatter)
+            self.step["delta_bytes"] += nb
         else:
             self.step["tasks_delta"] += 1
             self.step["delta_bytes"] += nb
@@ -246,8 +264,9 @@ class DeltaWriter:
         """True when task `op` takes a plain push's dense way (the StepLoop's: in-place writes on
         cuda_ipc, batched zero-copy tasks), not this writer: on the kernel path, every destination
         of the task is this GPU's own memory (colocated: no link to save), or the link is faster
-        than the compare. Its shadow is dropped (stale from now on)."""
-        if not (self.link_fast() or self._colocated(op)):
+        than the compare. Its shadow is dropped (stale from now on).  Never a task that
+        ``Sender(delta={"scatter": "force"})`` scatters."""
+        if self.scatter.forced(op) or not (self.link_fast() or self._colocated(op)):
             return False
         self.shadow.pop(op.task, None)
         self.step["tasks_bypassed"] += 1
@@ -283,12 +302,16 @@ class DeltaWriter:
         tasks go a plain push's way (``bypass``; fixed for a push: the link is measured after it)."""
         return self.gpu and self.link_Bps >= self.costs.get("compare_Bps", float("inf"))
 
+    def _fast(self, op) -> bool:
+        """link_fast, for task `op`: not for a task the scatter is forced on."""
+        return self.link_fast() and not self.scatter.forced(op)
+
     def _fused(self, op, prep):
         """The task's bytes made in its shadow by the delta kernels (FP8 pieces quantized and
         compared in one pass; raw pieces copied, then compared) when the task has FP8 pieces and
         its shadow is its whole buffer in order: (the shadow, delta_gpu.count's answer), the
         collectives run here; else None, nothing done (the caller runs prepare.run)."""
-        if not self.gpu or prep.zero_copy or prep.direct is not None or self.link_fast():
+        if not self.gpu or prep.zero_copy or prep.direct is not None or self._fast(op):
             return None
         sh = self.shadow.get(op.task)
         if sh is None or sh[1].numel() != op.nbytes or any(s != so for s, _, so in sh[0]):
@@ -313,22 +336,22 @@ class DeltaWriter:
         self.step["fused_tasks"] += 1
         return shadow, delta_gpu.count(bits, [(so, n) for _, n, so in sh[0]])
 
-    def _dense_reason(self, sh, ranges, gpus):
+    def _dense_reason(self, op, sh, ranges, gpus):
         if self.force_dense:
             return "forced"
-        if self.link_fast():
+        if self._fast(op):
             return "link_fast"  # the compare alone takes longer than the dense write (colocated)
         if sh is None or [r[:2] for r in sh[0]] != ranges:
             return "first"
         if any(g is None or g not in self.synced for g in gpus):
             return "not_in_step"
-        if any(self.room.get(g, 0) <= 0 for g in gpus):
-            return "no_staging"
+        if any(self.room.get(g, 0) <= 0 for g in gpus) and not (self.gpu and self.scatter.targets(op)):
+            return "no_staging"  # (a scatter needs no staging area)
         return None
 
     def _encode(self, op, buf, dests, sh, gpus) -> tuple:
-        """({gpu: [records]}, None) when records are cheaper than the task's bytes, else
-        (None, why)."""
+        """({gpu: [records]}, None) when records are cheaper than the task's bytes; (SCATTERED,
+        None) when the task was scattered (cheaper still, or forced); else (None, why)."""
         old = sh[1]
         per_range, rec_bytes, st = {}, 0, None
         if self.gpu:  # one kernel compares and updates the shadow, one counts (one read back)
@@ -353,6 +376,15 @@ class DeltaWriter:
         rec_bytes = sum(need.values())
         cst = self.costs
         t_rec = rec_bytes / self.link_Bps + rec_bytes / cst["apply_Bps"] + rec_bytes / cst["encode_Bps"]
+        if any(self.room.get(g, 0) <= 0 for g in need):
+            t_rec = float("inf")  # a receiver without a staging area: no records (the scatter needs none)
+        if st is not None:
+            changed = sum(per_range[int(d[2])][1] for d in dests)
+            if self.scatter.chosen(op, changed, dense / self.link_Bps, t_rec):
+                self.scatter.write(op, dests, gpus, sh, st, per_range)
+                return SCATTERED, None
+        if t_rec == float("inf"):
+            return None, "no_staging"
         if t_rec >= dense / self.link_Bps:
             return None, "cost"
         if any(need[g] > self.room[g] for g in need):
@@ -446,12 +478,12 @@ class DeltaWriter:
             for g in live:
                 if self.recs.get(g):
                     self.last_rec[g] = self.version
-            if self.measure_link and s["tasks_delta"] == 0 and s["tasks_dense"]:
+            if self.measure_link and s["tasks_delta"] == s["tasks_scatter"] == 0 and s["tasks_dense"]:
                 self.link_Bps = self._link_measured(s["tasks_dense"]) or self.link_Bps
         else:
             self.synced = set()
             self.last_rec = {}
-        s["sent_bytes"] = s["dense_bytes"] + s["record_bytes"]
+        s["sent_bytes"] = s["dense_bytes"] + s["record_bytes"] + s["scatter_bytes"]
         s["tasks_dense_cost"] = s["dense_why"].get("cost", 0)  # dense because records cost more
         s["ok"], s["seconds"] = bool(ok), seconds
         self.last = dict(s, dense_why=dict(s["dense_why"]))
@@ -491,6 +523,7 @@ class DeltaWriter:
             synced=sorted(self.synced),
             link_Bps=self.link_Bps,
             costs=dict(self.costs),
+            scatter=self.scatter.stats(),
             last=dict(self.last),
             total=dict(self.total),
         )

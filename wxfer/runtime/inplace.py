@@ -291,6 +291,19 @@ class InPlaceWriter:
             self.wait_begin()
             self.begun = True
 
+    def external_begin(self) -> frozenset:
+        """Before another part of this rank writes straight into the receivers' memory (the
+        delta writer's scatter, wxfer.runtime.delta_scatter): the begin stamps waited for (once
+        a push, as before an in-place write), then the receivers not to write (failed or
+        dropped by now)."""
+        self._begin()
+        return self.links.skipped(self.engine)
+
+    def external_done(self, dests, tag: int) -> None:
+        """Those writes, just launched on the side stream to `dests` (the receivers not
+        skipped), handed to the engine as one external task, as an in-place task's are."""
+        self._submit(dests, tag)
+
     def write_task(self, op) -> bool:
         """Run packed task `op` straight into the receivers' memory when it can be; False: the
         caller runs it the staging way (admitted under the watermark, packed, submitted)."""

@@ -123,7 +123,10 @@ class Sender:
     ``stats()["delta"]`` reports the shadow, the bytes and the choices of the last push.  A dict
     instead of True sets the chooser's inputs: {"link_Bps": bytes/s, "measure_link": False}
     pins the link throughput (default: measured from the last all-dense push), "costs" the
-    encode/apply throughputs (default: timed at setup).
+    encode/apply/scatter throughputs (default: timed at setup), "scatter" ("auto", "force" or
+    "off"; wxfer.runtime.delta_scatter) whether on cuda_ipc a task's changed bytes may be stored
+    straight into the receivers' mapped memory by a kernel of this rank: "auto" where cheapest,
+    "force" for every task mapped here (colocated ones too, which otherwise bypass delta).
 
     Composed of collaborators made at setup, each in its own module: ``links`` (the inference
     workers written, their connections, the failed ones, restarts taken), ``inplace`` (the
@@ -623,11 +626,17 @@ def _host_store(host_store, rank: int, store) -> bool:
 
 def _delta_option(delta):
     """Sender(delta=...): False, True, or a dict of the delta writer's options (link_Bps,
-    measure_link, costs: wxfer.runtime.delta_send.DeltaWriter)."""
+    measure_link, costs, scatter: wxfer.runtime.delta_send.DeltaWriter)."""
     if isinstance(delta, dict):
-        bad = set(delta) - {"link_Bps", "measure_link", "costs"}
+        bad = set(delta) - {"link_Bps", "measure_link", "costs", "scatter"}
         if bad:
-            raise ValueError(f"wxfer.Sender: delta options {sorted(bad)} unknown (link_Bps, measure_link, costs)")
+            raise ValueError(
+                f"wxfer.Sender: delta options {sorted(bad)} unknown (link_Bps, measure_link, costs, scatter)"
+            )
+        if "scatter" in delta:
+            from .delta_scatter import mode_option
+
+            mode_option(delta["scatter"])  # checked before anything is set up
         return dict(delta)
     if delta not in (True, False, 0, 1):
         raise TypeError(f"wxfer.Sender: delta must be True, False or a dict of options, got {delta!r}")

@@ -218,6 +218,8 @@ def _delta_result(a: dict, res: dict, per_step: list) -> dict:
                 tasks_dense=d["tasks_dense"],
                 tasks_dense_cost=d.get("tasks_dense_cost", 0),
                 tasks_bypassed=d.get("tasks_bypassed", 0),
+                tasks_scatter=d.get("tasks_scatter", 0),  # stored in the receivers' memory (cuda_ipc)
+                scatter_bytes=d.get("scatter_bytes", 0),
                 change_rate=d["changed_bytes"] / max(d["compared_bytes"], 1),
                 apply_s=max(r["apply"]["applied_s"] for r in s["reports"]),
                 push_s=s["step_s"],
@@ -404,8 +406,20 @@ def run_demo(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _delta_arg(args):
+    """run_demo's `delta` from the flags: False, True, a pinned link's Gb/s, or a dict of options."""
+    if not args.delta:
+        return False
+    if args.delta_scatter is None:
+        return args.delta_link_gbps or True
+    opts = dict(scatter=args.delta_scatter)
+    if args.delta_link_gbps:
+        opts.update(link_Bps=args.delta_link_gbps * 1e9 / 8, measure_link=False)
+    return opts
+
+
 def _delta_flags(ap) -> None:
-    """--delta, --delta-link-gbps, --change-rate (docs/delta.md)."""
+    """--delta, --delta-link-gbps, --delta-scatter, --change-rate (docs/delta.md)."""
     ap.add_argument(
         "--delta",
         action="store_true",
@@ -417,6 +431,14 @@ def _delta_flags(ap) -> None:
         default=None,
         help="with --delta: the chooser's link throughput pinned at this many Gb/s (default: measured from the "
         "first, dense push; on one host that is loopback, where records rarely pay)",
+    )
+    ap.add_argument(
+        "--delta-scatter",
+        choices=("auto", "force", "off"),
+        default=None,
+        help="with --delta on cuda_ipc: Sender(delta={'scatter': ...}): the changed bytes stored straight into the "
+        "receivers' memory by a trainer kernel where cheapest (auto, the default), for every mapped task (force: "
+        "one GPU), or never (off)",
     )
     ap.add_argument(
         "--change-rate",
@@ -480,7 +502,7 @@ def main(argv) -> int:
             timeout=args.timeout,
             simulate=not args.no_simulate,
             calibration=args.calibration,
-            delta=(args.delta_link_gbps or True) if args.delta else False,
+            delta=_delta_arg(args),
             change_rate=args.change_rate,
         )
     except Exception as e:  # noqa: BLE001

@@ -1,0 +1,263 @@
+"""The delta writer's scatter (issue 36, item 2; wxfer.runtime.delta_scatter) on CPU: the option
+checked naming it, the scatter table's validation, the chooser with the scatter cost, and a
+Sender whose tasks are scattered into the receivers' memory (fabric tcp, receivers in threads of
+this process; the kernels emulated as in test_delta_kernels.py and the receivers' regions
+"mapped" at their host addresses, which cuda_ipc's Transport.map gives on a GPU): every push
+leaves a dense push's bytes, the receivers run nothing, and a dropped receiver is not written.
+The kernel itself, on cuda_ipc between two processes of one GPU: tests/test_delta_scatter_gpu.py."""
+
+import array
+
+import pytest
+import torch
+
+from wxfer import _wxfer
+from wxfer.runtime import delta_gpu, delta_scatter
+from wxfer.runtime.sender import _delta_option
+
+from test_delta_kernels import emulated  # noqa: F401 -- the fixture, used by name
+
+
+def test_the_scatter_option_is_checked_naming_it():
+    assert _delta_option({"scatter": "force"}) == {"scatter": "force"}
+    for bad in ("always", 1, True, ""):
+        with pytest.raises(ValueError, match=r"delta\['scatter'\] must be 'auto', 'force' or 'off'"):
+            _delta_option({"scatter": bad})
+    with pytest.raises(ValueError, match="unknown .*scatter"):
+        _delta_option({"scater": "force"})
+    from wxfer.runtime.sender import Sender
+
+    # refused before anything is set up (no store, no model needed)
+    with pytest.raises(ValueError, match=r"delta\['scatter'\]"):
+        Sender(None, None, delta={"scatter": "sometimes"})
+
+
+def test_the_scatter_table_check_names_the_bad_entry():
+    ok = (0x1000, 5, 100, 0)
+    assert _wxfer.delta_check(3, array.array("Q", ok), 64, 105) == 1
+    with pytest.raises(_wxfer.Error, match="scatter range 0: its range \\[5, 105\\) is not inside the 104-byte"):
+        _wxfer.delta_check(3, array.array("Q", ok), 64, 104)
+    with pytest.raises(_wxfer.Error, match="scatter range 0: null destination"):
+        _wxfer.delta_check(3, array.array("Q", (0,) + ok[1:]), 64, 105)
+    with pytest.raises(_wxfer.Error, match="scatter range 1: seg0 0, expected 1"):
+        _wxfer.delta_check(3, array.array("Q", ok + ok), 64, 105)
+    with pytest.raises(_wxfer.Error, match="scatter range 0.*bitmask"):
+        _wxfer.delta_check(3, array.array("Q", ok), 8, 105)
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.004, 0.5, 1.0])
+def test_the_emulated_scatter_stores_the_changed_bytes_and_nothing_else(emulated, rate):  # noqa: F811
+    g = torch.Generator().manual_seed(int(rate * 1000) + 11)
+    n, so = 20_011, 7
+    old = torch.randint(0, 256, (n + 20,), dtype=torch.uint8, generator=g)
+    new = old.clone()
+    m = torch.rand(n + 20, generator=g) < rate
+    new[m] = new[m] ^ torch.randint(1, 256, (int(m.sum()),), dtype=torch.uint8, generator=g)
+    shadow = old.clone()
+    cs, st = delta_gpu.compare_count(shadow, new, [(so, n, so)])
+    # the destination holds the old bytes but for a marker where nothing changed: a store
+    # outside the changed bytes would show
+    dst = torch.full((n + 3,), 0xEE, dtype=torch.uint8)
+    changed = (new[so : so + n] != old[so : so + n]).nonzero().view(-1)
+    assert cs[0] == changed.numel()
+    delta_gpu.scatter(shadow, st["bits"], [(dst.data_ptr() + 3, so, n)])
+    want = torch.full_like(dst, 0xEE)
+    want[3 + changed] = new[so + changed]
+    assert torch.equal(dst, want)
+
+
+class _W:
+    """What a Scatter reads of its delta writer."""
+
+    def __init__(self, costs, gpu=True):
+        self.costs, self.gpu, self.encoder_why = costs, gpu, None
+        self.runner = type("R", (), {"inplace": object()})()
+
+
+class _Op:
+    task, dests = 3, [(b"r", 0, 0, 100)]
+
+
+@pytest.mark.parametrize(
+    "mode,costs,t_dense,t_rec,want",
+    [
+        ("auto", {"scatter_Bps": 1e9}, 1.0, 1.0, True),  # 1000 bytes in 1 us: cheapest
+        ("auto", {"scatter_Bps": 1e3}, 0.5, 2.0, False),  # 1 s: dense is cheaper
+        ("auto", {"scatter_Bps": 1e3}, 2.0, 0.5, False),  # 1 s: records are cheaper
+        ("auto", {}, 1.0, 1.0, False),  # no measured rate: not by cost
+        ("force", {}, 1.0, 1.0, True),
+        ("force", {"scatter_Bps": 1e3}, 1e-6, 1e-6, True),
+        ("off", {"scatter_Bps": 1e12}, 1.0, 1.0, False),
+    ],
+)
+def test_the_chooser_takes_the_scatter_where_it_costs_least(monkeypatch, mode, costs, t_dense, t_rec, want):
+    sc = delta_scatter.Scatter(mode, _W(costs))
+    monkeypatch.setattr(sc, "address", lambda rdesc, off, n: 0x1000 + off)
+    assert sc.chosen(_Op(), 1000, t_dense, t_rec) is want
+    assert sc.forced(_Op()) is (mode == "force")
+    assert sc.stats()["mode"] == mode and ("why_not" in sc.stats()) is (mode == "off")
+
+
+def test_no_scatter_without_the_kernels_or_a_mapped_destination(monkeypatch):
+    sc = delta_scatter.Scatter("force", _W({"scatter_Bps": 1e12}, gpu=False))
+    assert sc.targets(_Op()) is None and not sc.forced(_Op()) and "kernels" in sc.stats()["why_not"]
+
+    def refuse(rdesc, off, n):
+        raise ValueError("not mapped here")
+
+    sc = delta_scatter.Scatter("force", _W({"scatter_Bps": 1e12}))
+    monkeypatch.setattr(sc, "address", refuse)
+    assert sc.targets(_Op()) is None and not sc.chosen(_Op(), 10, 1.0, 1.0)
+
+
+def _sender_run(store, monkeypatch, name, mode, costs, tp=2, quant="fp8", **kw):
+    """A Sender with delta (scatter `mode`, `costs` and the link pinned) on the emulated kernel
+    path, every destination "mapped" at its receiver's host address, and `tp` receivers:
+    (test_delta, the model, each receiver's params, the sender, the receivers)."""
+    import test_delta as td
+
+    if not td.FABRIC:
+        pytest.skip("fabric transport not built")
+    from wxfer.models import TINY, preset_for
+    from wxfer.runtime import delta_send
+    from wxfer.runtime.sender import Sender
+
+    monkeypatch.setattr(delta_send, "_kernels", lambda device: (True, None))
+    _, addr = store
+    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB", **kw)
+    model = td._model()
+    sender = Sender(
+        model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB",
+        delta=dict(td.SLOW, costs=dict(td.SLOW["costs"], **costs), scatter=mode),
+    )  # fmt: skip
+    recvs = td.joined(ths, td.T)
+    base = {}
+    for r in recvs:
+        for d, t in r.region_base.items():
+            base[d] = t.data_ptr()
+    monkeypatch.setattr(delta_scatter.Scatter, "address", lambda self, rdesc, off, n: base[bytes(rdesc)] + off)
+    return td, model, params, sender, recvs
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_a_forced_scatter_push_is_bit_identical_to_dense_and_sends_no_records(store, emulated, monkeypatch, quant):  # noqa: F811
+    td, model, params, sender, recvs = _sender_run(store, monkeypatch, "dscat" + str(quant), "force", {}, 2, quant)
+    gen = torch.Generator().manual_seed(8)
+    try:
+        lasts = []
+        for step in range(1, 4):
+            if step > 1:
+                td._touch(model, 0.01, gen)
+            sender.push()
+            applied = [r.apply() for r in recvs]
+            assert td._dense_equal(model, params, 2, quant), f"step {step}"
+            lasts.append((sender.stats()["delta"]["last"], applied))
+        (l1, _), (l2, a2), (l3, a3) = lasts
+        assert l1["tasks_scatter"] == 0 and l1["dense_why"].get("first", 0) > 0  # dense by rule
+        for last, applied in ((l2, a2), (l3, a3)):
+            assert last["tasks_scatter"] > 0 and last["tasks_delta"] == 0, last
+            assert 0 < last["scatter_bytes"] < 0.2 * last["delta_bytes"], last
+            # each receiver got its staging header only: no records to apply
+            assert all(a["records"] == 0 for a in applied), applied
+        st = sender.stats()["delta"]
+        assert st["scatter"]["mode"] == "force" and st["scatter"]["total"]["tasks"] > 0
+        assert sender.engine.stats()["bytes_external"] > 0
+    finally:
+        sender.close()
+        for r in recvs:
+            r.close()
+
+
+def test_auto_scatters_where_cheapest_and_a_dropped_receiver_is_not_written(store, emulated, monkeypatch):  # noqa: F811
+    td, model, params, sender, recvs = _sender_run(store, monkeypatch, "dscatauto", "auto", {"scatter_Bps": 1e12})
+    gen = torch.Generator().manual_seed(9)
+    try:
+        for step in range(1, 3):
+            if step > 1:
+                td._touch(model, 0.01, gen)
+            sender.push()
+            for r in recvs:
+                r.apply()
+            assert td._dense_equal(model, params, 2, "fp8")
+        last = sender.stats()["delta"]["last"]
+        assert last["tasks_scatter"] > 0 and last["tasks_delta"] == 0, last
+        # the scatter as slow as the link: records again
+        sender.delta.costs["scatter_Bps"] = 1.0
+        td._touch(model, 0.01, gen)
+        sender.push()
+        for r in recvs:
+            r.apply()
+        assert td._dense_equal(model, params, 2, "fp8")
+        last = sender.stats()["delta"]["last"]
+        assert last["tasks_scatter"] == 0 and last["tasks_delta"] > 0, last
+        # worker gpu 1 given up on (dropped): the scatter skips it, gpu 0 gets the new bytes
+        sender.delta.costs["scatter_Bps"] = 1e12
+        before = {n: t.clone() for n, t in params[1].items()}
+        from wxfer.runtime.peerstate import Event
+
+        sender.links.states.apply(1, Event.WRITE_FAILED, "a test's failed write")  # as _take_failed
+        assert sender.links.drop({1}) == {1}
+        td._touch(model, 0.01, gen)
+        try:
+            sender.push()
+        except RuntimeError:
+            pass  # a push may name the worker it skipped; its bytes are what is checked here
+        last = sender.stats()["delta"]["last"]
+        assert last["tasks_scatter"] > 0 and last["scatter_skipped"] > 0, last
+        assert all(torch.equal(before[n], t) for n, t in params[1].items()), "the dropped receiver was written"
+        recvs[0].apply()
+        for rank, dst, off, b in td.expected_shards(model, td.TINY, 2, "fp8"):
+            if rank == 0:  # gpu 0 as a dense push leaves it
+                assert torch.equal(params[0][dst].view(-1).view(torch.uint8)[off : off + b.numel()], b), dst
+    finally:
+        sender.close()
+        for r in recvs:
+            r.close()
+
+
+def test_the_demo_flags_make_the_scatter_option():
+    from argparse import Namespace as ns
+
+    from wxfer.tools.demo import _delta_arg
+
+    assert _delta_arg(ns(delta=False, delta_scatter="force", delta_link_gbps=None)) is False
+    assert _delta_arg(ns(delta=True, delta_scatter=None, delta_link_gbps=None)) is True
+    assert _delta_arg(ns(delta=True, delta_scatter=None, delta_link_gbps=1.0)) == 1.0
+    assert _delta_arg(ns(delta=True, delta_scatter="force", delta_link_gbps=None)) == {"scatter": "force"}
+    got = _delta_arg(ns(delta=True, delta_scatter="auto", delta_link_gbps=8.0))
+    assert got == {"scatter": "auto", "link_Bps": 1e9, "measure_link": False}
+    assert _delta_option(got) == got
+
+
+@pytest.mark.parametrize("rate", [0.01, 0.5])
+def test_the_bench_scatter_kernel_row_is_bit_exact_on_the_emulation(emulated, rate):  # noqa: F811
+    """benchmarks/bench_delta.py --parts scatter's kernel row (the GPU's: test_delta_scatter_gpu.py)
+    on host memory with the kernels emulated: the destination ends equal to the new bytes."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.bench_delta import bench_scatter_kernel
+
+    r = bench_scatter_kernel(torch.device("cpu"), 20_000, rate, 1)
+    assert r["bitexact"] and r["changed"] == r["expected_changed"] > 0, r
+
+
+def test_verify_checks_the_whole_destination_of_a_scatter_push(store, emulated, monkeypatch):  # noqa: F811
+    """push(verify=True) with every task scattered: the trainer's checksums (of its fresh bytes,
+    every destination range) match what each receiver holds."""
+    td, model, params, sender, recvs = _sender_run(store, monkeypatch, "dscatverify", "force", {}, 1, None, verify=True)
+    gen = torch.Generator().manual_seed(12)
+    try:
+        for step in range(1, 4):
+            if step > 1:
+                td._touch(model, 0.01, gen)
+            sender.push(verify=True)
+            rep = sender.last_verify[0]
+            assert rep["bytes"] == sender.bytes_per_step and not rep["mismatch"] and not rep["errors"], rep
+            assert td._dense_equal(model, params, 1, None)
+        assert sender.stats()["delta"]["last"]["tasks_scatter"] > 0
+    finally:
+        sender.close()
+        for r in recvs:
+            r.close()
