@@ -119,6 +119,47 @@ def test_links_refuse_a_restart_that_does_not_match_and_report_it_once():
 
 
 # ------------------------------------------------------------------ FailureExchange
+def test_links_say_the_watchers_trouble_once_when_the_watcher_and_the_push_both_look(caplog):
+    """say_watch runs on the watcher thread and on the push thread: both see the trouble begin
+    at the same moment (a barrier), the log is slow (a handler that sleeps): it is said once."""
+    import logging
+    import threading
+    import time
+
+    ln = _links()
+    ln.watch_error = "ConnectionError: the store is gone"
+    both = threading.Barrier(2)
+    trouble = ln.watch_trouble
+
+    def seen_by_both():
+        t = trouble()
+        both.wait(5)
+        return t
+
+    class _Slow(logging.Handler):
+        def emit(self, record):
+            time.sleep(0.05)
+
+    slow = _Slow()
+    logging.getLogger("wxfer.runtime.links").addHandler(slow)
+    ln.watch_trouble = seen_by_both
+    try:
+        with caplog.at_level(logging.WARNING, logger="wxfer.runtime.links"):
+            ts = [threading.Thread(target=ln.say_watch) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(10)
+    finally:
+        logging.getLogger("wxfer.runtime.links").removeHandler(slow)
+    said = [r.getMessage() for r in caplog.records if "is blind" in r.getMessage()]
+    assert len(said) == 1, said
+    ln.watch_error = None
+    ln.watch_trouble = trouble
+    ln.say_watch()
+    assert "reads the store again (its last store look failed: ConnectionError" in caplog.records[-1].getMessage()
+
+
 def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
     ctl = _Ctl()
     ln = _links(ctl)

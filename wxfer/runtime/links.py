@@ -74,6 +74,7 @@ class Links:
         self.watch_error = None  # the last look's failure (the store unreachable), None once one passes
         self._look_since = None  # when the look in progress began (monotonic), None between looks
         self._said = None  # the watcher trouble last reported (watch_trouble), None when none
+        self._say_mu = threading.Lock()  # _said's read-and-replace (say_watch: the watcher and the push)
 
     # ------------------------------------------------------------------ setup
     def connect(self) -> None:
@@ -286,10 +287,17 @@ class Links:
 
     def say_watch(self) -> None:
         """Log the watcher's trouble once when it begins, and once when it ends (a few
-        attribute reads when nothing changed: each push's start calls it)."""
+        attribute reads when nothing changed: each push's start calls it).  The watcher thread
+        and the push thread both call it: what was said is read and replaced under _say_mu, so
+        one change is logged once."""
         trouble = self.watch_trouble()
         if (trouble is None) == (self._said is None):
             return
+        with self._say_mu:
+            before = self._said
+            if (trouble is None) == (before is None):
+                return  # the other thread said it
+            self._said = trouble
         if trouble is not None:
             log.warning(
                 "wxfer: trainer rank %d: the watcher of restarts and worker leases is blind: %s; pushes go "
@@ -299,8 +307,7 @@ class Links:
                 trouble,
             )
         else:
-            log.warning("wxfer: trainer rank %d: the watcher reads the store again (%s before)", self.rank, self._said)
-        self._said = trouble
+            log.warning("wxfer: trainer rank %d: the watcher reads the store again (%s before)", self.rank, before)
 
     def look(self) -> None:
         """One look: which workers are dead (their pids here, one poll; their leases, each at
