@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from . import delta
+from .program import task_error
 
 
 def available(device) -> bool:
@@ -58,7 +59,17 @@ def record(cur, old, c: int, idx, region: int, doff: int):
 
 def encode(w, op, buf, dests, sh, gpus) -> tuple:
     """({gpu: [records]} or None, why): DeltaWriter._encode's result; the shadow of the task is
-    equal to `buf` on return either way (the caller skips its copy)."""
+    equal to `buf` on return either way (the caller skips its copy).  A native call's failure
+    is raised naming the task (program.task_error)."""
+    from .. import _wxfer
+
+    try:
+        return _encode(w, op, buf, dests, sh, gpus)
+    except _wxfer.Error as e:
+        raise task_error(op, e) from e
+
+
+def _encode(w, op, buf, dests, sh, gpus) -> tuple:
     from .. import _wxfer
 
     old = sh[1]
