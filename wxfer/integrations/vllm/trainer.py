@@ -126,14 +126,16 @@ class _Call(threading.Thread):
 
 
 def _wait_first_receiver(ctl, alive, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ctl.check("infer/0"):
-        err = alive()
-        if err:
-            raise RuntimeError(f"wxfer: init_weight_transfer_engine failed: {err}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"wxfer: no vLLM worker registered within {timeout:.0f} s")
-        time.sleep(0.05)
+    from ...runtime.control import wait_key
+
+    wait_key(
+        ctl,
+        "infer/0",
+        timeout,
+        alive,
+        lambda err: RuntimeError(f"wxfer: init_weight_transfer_engine failed: {err}"),
+        f"wxfer: no vLLM worker registered within {timeout:.0f} s",
+    )
 
 
 def _linger(ctl, workers: int, timeout: float) -> None:
