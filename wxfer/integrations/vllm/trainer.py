@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .versions import built_class, lazy_attr
+
 
 BACKEND = "wxfer"
 
@@ -459,12 +461,7 @@ _CLASSES: dict = {}
 
 
 def _trainer_class():
-    from .versions import built_class
-
     return built_class(_CLASSES, "trainer", "TrainerWeightTransferEngine", build_trainer_class)
 
 
-def __getattr__(name):
-    if name == "WxferTrainerWeightTransferEngine":
-        return _trainer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attr(__name__, "WxferTrainerWeightTransferEngine", _trainer_class)
