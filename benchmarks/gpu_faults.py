@@ -39,6 +39,8 @@ import tempfile
 import threading
 import time
 
+from common import fault_watch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -148,10 +150,6 @@ def trainer(store: str, case: str, pids: str, out: str) -> None:
 
 # --------------------------------------------------------------------------- a worker
 def worker(store: str, replica: int, out: str) -> None:
-    import faulthandler
-
-    import torch
-
     from wxfer.models import TINY, inference_params, preset_for
     from wxfer.runtime.receiver import Receiver
 
@@ -168,48 +166,8 @@ def worker(store: str, replica: int, out: str) -> None:
         timeout=60,
         transport="cuda_ipc" if dev.startswith("cuda") else "auto",
     )
-    print(json.dumps({"t": time.time(), "ev": "ready"}), flush=True)
-    stop_at, slowest = [None], {"state": 0.0}
-
-    def more() -> bool:
-        if stop_at[0] is None and os.path.exists(os.path.join(out, "done")):
-            stop_at[0] = time.monotonic() + POLL_AFTER_S
-        return stop_at[0] is None or time.monotonic() < stop_at[0]
-
-    def versions():
-        saved, last = set(), None
-        while more():
-            v = recv.version()
-            if v != last:
-                print(json.dumps({"t": time.time(), "ev": "version", "v": v}), flush=True)
-                last = v
-            if v in (3, 4) and v not in saved:
-                copy = {k: t.cpu() for k, t in params.items()}
-                if recv.version() == v:
-                    torch.save(copy, os.path.join(out, f"at{v}_{replica}.pt"))
-                    saved.add(v)
-                    print(json.dumps({"t": time.time(), "ev": "copied", "v": v}), flush=True)
-            time.sleep(0.001)
-
-    th = threading.Thread(target=versions, daemon=True)
-    th.start()
-    last = None
-    while more():
-        faulthandler.dump_traceback_later(CAP_S, exit=False)
-        t0 = time.monotonic()
-        try:
-            s = recv.state()
-            st = (s["state"], s["message"][:300])
-        except Exception as e:  # noqa: BLE001 -- recorded
-            st = ("raised", f"{type(e).__name__}: {e}"[:300])
-        faulthandler.cancel_dump_traceback_later()
-        slowest["state"] = max(slowest["state"], time.monotonic() - t0)
-        if st != last:
-            print(json.dumps({"t": time.time(), "ev": "state", "state": st[0], "msg": st[1]}), flush=True)
-            last = st
-        time.sleep(0.05)
-    th.join(5)
-    print(json.dumps({"t": time.time(), "ev": "end", "slowest_state_s": round(slowest["state"], 3)}), flush=True)
+    fault_watch.say("ready")
+    fault_watch.watch(recv, params, out, f"_{replica}", CAP_S, POLL_AFTER_S)
     os._exit(0)
 
 
@@ -326,7 +284,7 @@ def summary(r: dict) -> dict:
         w1=after(1) or "-",
         complete=sorted(r["wrong"]),
         wrong=[k for k, w in r["wrong"].items() if w],
-        slowest_state_s={q: e.get("slowest_state_s") for q, e in end.items()},
+        slowest_state_s={q: e.get("slowest", {}).get("state") for q, e in end.items()},
         watcher=r.get("watcher"),
         hung=r["hung"],
     )

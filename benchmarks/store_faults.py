@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from common import fault_watch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -137,65 +139,13 @@ def trainer(rank: int, store: str, case: str, store_pid: int, out: str) -> None:
 
 # --------------------------------------------------------------------------- inference worker
 def worker(store: str, out: str) -> None:
-    import faulthandler
-
-    import torch
-
     from wxfer.models import TINY, inference_params, preset_for
     from wxfer.runtime.receiver import Receiver
 
-    import threading
-
     params = inference_params(TINY, 1, 0)
     recv = Receiver(params, mapping=preset_for(TINY).name, store=store, timeout=60)
-    print(json.dumps({"t": time.time(), "ev": "ready"}), flush=True)
-    stop_at = [None]  # POLL_AFTER_S after the trainers exited ("done")
-    slowest = {"version": 0.0, "state": 0.0}
-
-    def more() -> bool:
-        if stop_at[0] is None and os.path.exists(os.path.join(out, "done")):
-            stop_at[0] = time.monotonic() + POLL_AFTER_S
-        return stop_at[0] is None or time.monotonic() < stop_at[0]
-
-    def versions():  # its own thread: a state() blocked in the store does not hide version()
-        saved, last = set(), None
-        while more():
-            t0 = time.monotonic()
-            v = recv.version()
-            slowest["version"] = max(slowest["version"], time.monotonic() - t0)
-            if v != last:
-                print(json.dumps({"t": time.time(), "ev": "version", "v": v}), flush=True)
-                last = v
-            if v in (3, 4) and v not in saved:
-                torch.save({k: t.clone() for k, t in params.items()}, os.path.join(out, f"at{v}.pt"))
-                if recv.version() == v:  # still complete after the copy: the copy is that step's
-                    saved.add(v)
-                    print(json.dumps({"t": time.time(), "ev": "copied", "v": v}), flush=True)
-            time.sleep(0.001)
-
-    th = threading.Thread(target=versions, daemon=True)
-    th.start()
-    last = None
-    while more():
-        faulthandler.dump_traceback_later(CAP_S, exit=False)  # a state() past CAP_S: its stack
-        t0 = time.monotonic()
-        try:
-            s = recv.state()
-            st = (s["state"], s["message"][:240])
-        except Exception as e:  # noqa: BLE001 -- recorded
-            st = ("raised", f"{type(e).__name__}: {e}"[:240])
-        ds = time.monotonic() - t0
-        faulthandler.cancel_dump_traceback_later()
-        slowest["state"] = max(slowest["state"], ds)
-        if ds > 1.0:
-            print(json.dumps({"t": time.time(), "ev": "slow", "call": "state", "s": round(ds, 2)}), flush=True)
-        if st != last:
-            print(json.dumps({"t": time.time(), "ev": "state", "state": st[0], "msg": st[1]}), flush=True)
-            last = st
-        time.sleep(0.05)
-    th.join(5)
-    slow = {k: round(v, 3) for k, v in slowest.items()}
-    print(json.dumps({"t": time.time(), "ev": "end", "slowest": slow}), flush=True)
+    fault_watch.say("ready")
+    fault_watch.watch(recv, params, out, "", CAP_S, POLL_AFTER_S)
     os._exit(0)
 
 
