@@ -88,18 +88,24 @@ class Worker(E.WorkerSide):
             raise ValueError(f"Invalid update_info: {e}") from e
 
 
-@pytest.fixture
-def worker(monkeypatch):
+def cpu_worker_runtime(monkeypatch, receiver) -> None:
+    """A worker engine's runtime on this CPU: `receiver` for wxfer's Receiver, no store, and
+    torch.accelerator.synchronize() refused (a CPU worker must not call it)."""
     import wxfer.runtime.receiver
     from wxfer.runtime import control
 
-    monkeypatch.setattr(wxfer.runtime.receiver, "Receiver", FakeReceiver)
+    monkeypatch.setattr(wxfer.runtime.receiver, "Receiver", receiver)
     monkeypatch.setattr(control, "resolve_store", lambda *a, **k: "store")
 
     def no_accelerator():
         raise AssertionError("torch.accelerator.synchronize() called on a CPU worker")
 
     monkeypatch.setattr(torch.accelerator, "synchronize", no_accelerator, raising=False)
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    cpu_worker_runtime(monkeypatch, FakeReceiver)
     w = Worker(_model(TINY, 2, 1), dict(TINY, name_or_path="tiny"))
     w.init_transfer_engine(E.WxferInitInfo(store="h:1", mapping="tiny-name", proof=False, timeout=T))
     return w
