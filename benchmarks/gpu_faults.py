@@ -230,11 +230,7 @@ def run(case: str, keep: str | None) -> dict:
     hp.send_signal(signal.SIGCONT)
     hp.kill()
     hp.wait()
-    text = {}
-    for n, f in logs.items():
-        f.seek(0)
-        text[n] = f.read()
-        f.close()
+    text = fault_watch.read_logs(logs)
     faults = [ln for ln in text["trainer"].splitlines() if ln.startswith("trainer fault ")]
     t_fault = float(faults[0].rsplit(" at ", 1)[1]) if faults else None
     res = dict(case=case, fault_at=t_fault, killed_by_script=killed, pushes={}, workers={}, wrong={})
@@ -249,19 +245,13 @@ def run(case: str, keep: str | None) -> dict:
         if ln.startswith("trainer watcher: "):
             res["watcher"] = ln.split(": ", 1)[1]
     for q in (0, 1):
-        evs = [json.loads(ln) for ln in text[f"w{q}"].splitlines() if ln.startswith("{")]
-        for e in evs:
-            if t_fault is not None:
-                e["dt"] = round(e["t"] - t_fault, 2)
+        evs = fault_watch.events(text[f"w{q}"], t_fault)
         res["workers"][q] = evs
         for v in (3, 4):
             if os.path.exists(os.path.join(out, f"at{v}_{q}.pt")):
                 res["wrong"][f"{q}@{v}"] = wrong_bytes(out, v, q)
     res["hung"] = bool(killed) or any("Timeout (" in t for t in text.values())
-    if keep:
-        with open(os.path.join(keep, f"{case}.log"), "w") as f:
-            for n, t in text.items():
-                f.write(f"===== {n}\n{t}\n")
+    fault_watch.keep_logs(keep, case, text)
     return res
 
 
@@ -270,18 +260,14 @@ def summary(r: dict) -> dict:
         d = r["pushes"].get(v)
         return "-" if d is None else f"{d['outcome']} {d['s']} s" + (f": {d['msg'][:220]}" if d["msg"] else "")
 
-    def after(q):
-        evs = [e for e in r["workers"].get(q, []) if e["ev"] in ("state", "version") and e.get("dt", -1) >= 0]
-        return " -> ".join((f"v{e['v']}" if e["ev"] == "version" else e["state"]) + f"(+{e['dt']}s)" for e in evs[:8])
-
     end = {q: next((e for e in r["workers"].get(q, []) if e["ev"] == "end"), {}) for q in (0, 1)}
     return dict(
         case=r["case"],
         transport=r.get("transport"),
         step3=push(3),
         step4=push(4),
-        w0=after(0) or "-",
-        w1=after(1) or "-",
+        w0=fault_watch.after(r["workers"].get(0, [])) or "-",
+        w1=fault_watch.after(r["workers"].get(1, [])) or "-",
         complete=sorted(r["wrong"]),
         wrong=[k for k, w in r["wrong"].items() if w],
         slowest_state_s={q: e.get("slowest", {}).get("state") for q, e in end.items()},

@@ -204,11 +204,7 @@ def run(case: str, i: int, keep: str | None, provider: str = "tcp") -> dict:
         killed.append("worker")
     host.kill()
     host.wait()
-    text = {}
-    for n, f in logs.items():
-        f.seek(0)
-        text[n] = f.read()
-        f.close()
+    text = fault_watch.read_logs(logs)
     t_fault = next((float(ln.rsplit(" at ", 1)[1]) for ln in text["rank0"].splitlines() if " store fault " in ln), None)
     res = dict(case=case, i=i, fault_at=t_fault, killed_by_script=killed, pushes={}, worker=[], wrong={})
     for r in (0, 1):
@@ -230,28 +226,19 @@ def run(case: str, i: int, keep: str | None, provider: str = "tcp") -> dict:
                 hung = "Timeout (" in text[f"rank{r}"]
                 res["pushes"][f"{r}/{step}"] = dict(outcome="hung (stack dumped)" if hung else "no report")
                 break
-    for ln in text["worker"].splitlines():
-        if ln.startswith("{"):
-            e = json.loads(ln)
-            if t_fault is not None:
-                e["dt"] = round(e["t"] - t_fault, 2)
-            res["worker"].append(e)
+    res["worker"] = fault_watch.events(text["worker"], t_fault)
     for v in (3, 4):
         if os.path.exists(os.path.join(out, f"at{v}.pt")) and os.path.exists(os.path.join(out, f"full{v}.pt")):
             res["wrong"][v] = wrong_bytes(out, v)
     res["store_warnings"] = {n: t.count("TCPStore.cpp") for n, t in text.items()}
     res["dumps"] = {n: t[t.find("Timeout (") :][:4000] for n, t in text.items() if "Timeout (" in t}
-    if keep:
-        with open(os.path.join(keep, f"{case}-{i}.log"), "w") as f:
-            for n, t in text.items():
-                f.write(f"===== {n}\n{t}\n")
+    fault_watch.keep_logs(keep, f"{case}-{i}", text)
     return res
 
 
 def summarize(r: dict) -> dict:
     p = r["pushes"]
     copied = [e["v"] for e in r["worker"] if e["ev"] == "copied"]
-    states = [e for e in r["worker"] if e["ev"] in ("state", "version") and e.get("dt", -1) >= 0]
     end = next((e for e in r["worker"] if e["ev"] == "end"), {})
     return dict(
         case=r["case"],
@@ -260,7 +247,7 @@ def summarize(r: dict) -> dict:
         r1_3=_push(p.get("1/3")),
         r0_4=_push(p.get("0/4")),
         r1_4=_push(p.get("1/4")),
-        worker_after=" -> ".join(_ev(e) for e in states[:8]) or "-",
+        worker_after=fault_watch.after(r["worker"]) or "-",
         complete=copied,
         wrong=[v for v, w in r["wrong"].items() if w],
         slowest=(
@@ -269,10 +256,6 @@ def summarize(r: dict) -> dict:
         warnings=r["store_warnings"],
         hung=bool(r["dumps"]) or bool(r["killed_by_script"]),
     )
-
-
-def _ev(e: dict) -> str:
-    return (f"v{e['v']}" if e["ev"] == "version" else e["state"]) + f"(+{e['dt']}s)"
 
 
 def _push(d):

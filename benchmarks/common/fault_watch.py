@@ -1,6 +1,7 @@
-"""The inference worker of the fault runs (gpu_faults.py, store_faults.py) once its Receiver
-is set up: what it saw, one JSON line per event on stdout, until POLL_AFTER_S after the parent
-wrote ``<out>/done``.
+"""What the fault runs (gpu_faults.py, store_faults.py) share: the parent's reading of the
+children's logs back (``read_logs``, ``events``, ``after``, ``keep_logs``), and the inference
+worker once its Receiver is set up (``watch``): what it saw, one JSON line per event on
+stdout, until POLL_AFTER_S after the parent wrote ``<out>/done``.
 
 - ``version``: each change of ``recv.version()``, polled in its own thread (a ``state()`` blocked
   in the store does not hide it); at versions 3 and 4 a host copy of its parameters, saved as
@@ -73,3 +74,37 @@ def watch(recv, params: dict, out: str, suffix: str, cap_s: float, poll_after_s:
         time.sleep(0.05)
     th.join(5)
     say("end", slowest={k: round(v, 3) for k, v in slowest.items()})
+
+
+# ------------------------------------------------------------------ the parent's side
+def read_logs(logs: dict) -> dict:
+    """{name: text} of the children's log files (opened "w+"), each closed."""
+    text = {}
+    for n, f in logs.items():
+        f.seek(0)
+        text[n] = f.read()
+        f.close()
+    return text
+
+
+def events(log: str, t_fault: float | None) -> list:
+    """A worker's events (its JSON lines), each with ``dt``, seconds after the fault, when there was one."""
+    evs = [json.loads(ln) for ln in log.splitlines() if ln.startswith("{")]
+    for e in evs:
+        if t_fault is not None:
+            e["dt"] = round(e["t"] - t_fault, 2)
+    return evs
+
+
+def after(evs: list, most: int = 8) -> str:
+    """A worker's first `most` version and state changes after the fault, in one line."""
+    seen = [e for e in evs if e["ev"] in ("state", "version") and e.get("dt", -1) >= 0]
+    return " -> ".join((f"v{e['v']}" if e["ev"] == "version" else e["state"]) + f"(+{e['dt']}s)" for e in seen[:most])
+
+
+def keep_logs(keep: str | None, name: str, text: dict) -> None:
+    """Every child's log of one run, in ``<keep>/<name>.log`` (nothing when keep is None)."""
+    if keep:
+        with open(os.path.join(keep, f"{name}.log"), "w") as f:
+            for n, t in text.items():
+                f.write(f"===== {n}\n{t}\n")
