@@ -126,11 +126,7 @@ def trainer(store: str, case: str, pids: str, out: str) -> None:
     sender.runner.engine = sender.steps.engine = Engine()
     last = 3 if case == "trainer-kill-mid" else STEPS
     for step in range(1, last + 1):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.01)
-        if step == 4:
-            time.sleep(GAP_S)
+        fault_watch.next_weights(model, step, GAP_S)
         if step >= 3:
             torch.save({k: v.cpu() for k, v in model.state_dict().items()}, os.path.join(out, f"full{step}.pt"))
             armed["on"] = step == 3

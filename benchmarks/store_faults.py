@@ -104,11 +104,7 @@ def trainer(rank: int, store: str, case: str, store_pid: int, out: str) -> None:
 
         prepare.all_gather_single = gather
     for step in range(1, STEPS + 1):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.01)
-        if step == 4:
-            time.sleep(GAP_S)
+        fault_watch.next_weights(model, step, GAP_S)
         if step >= 3:
             full = {n: p.full_tensor() for n, p in model.named_parameters()}
             if rank == 0:

@@ -1,5 +1,5 @@
-"""What the fault runs (gpu_faults.py, store_faults.py) share: the parent's reading of the
-children's logs back (``read_logs``, ``events``, ``after``, ``keep_logs``), and the inference
+"""What the fault runs (gpu_faults.py, store_faults.py) share: the trainer's weights per step
+(``next_weights``), the parent's reading of the children's logs back (``read_logs``, ``events``, ``after``, ``keep_logs``), and the inference
 worker once its Receiver is set up (``watch``): what it saw, one JSON line per event on
 stdout, until POLL_AFTER_S after the parent wrote ``<out>/done``.
 
@@ -74,6 +74,18 @@ def watch(recv, params: dict, out: str, suffix: str, cap_s: float, poll_after_s:
         time.sleep(0.05)
     th.join(5)
     say("end", slowest={k: round(v, 3) for k, v in slowest.items()})
+
+
+# ------------------------------------------------------------------ the trainer's side
+def next_weights(model, step: int, gap_s: float) -> None:
+    """The weights of `step` (each parameter +0.01); step 4 starts `gap_s` later (past a lease's bound)."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    if step == 4:
+        time.sleep(gap_s)
 
 
 # ------------------------------------------------------------------ the parent's side
