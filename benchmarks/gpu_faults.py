@@ -39,6 +39,8 @@ import tempfile
 import threading
 import time
 
+from common import fault_watch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -124,11 +126,7 @@ def trainer(store: str, case: str, pids: str, out: str) -> None:
     sender.runner.engine = sender.steps.engine = Engine()
     last = 3 if case == "trainer-kill-mid" else STEPS
     for step in range(1, last + 1):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.01)
-        if step == 4:
-            time.sleep(GAP_S)
+        fault_watch.next_weights(model, step, GAP_S)
         if step >= 3:
             torch.save({k: v.cpu() for k, v in model.state_dict().items()}, os.path.join(out, f"full{step}.pt"))
             armed["on"] = step == 3
@@ -148,10 +146,6 @@ def trainer(store: str, case: str, pids: str, out: str) -> None:
 
 # --------------------------------------------------------------------------- a worker
 def worker(store: str, replica: int, out: str) -> None:
-    import faulthandler
-
-    import torch
-
     from wxfer.models import TINY, inference_params, preset_for
     from wxfer.runtime.receiver import Receiver
 
@@ -168,48 +162,8 @@ def worker(store: str, replica: int, out: str) -> None:
         timeout=60,
         transport="cuda_ipc" if dev.startswith("cuda") else "auto",
     )
-    print(json.dumps({"t": time.time(), "ev": "ready"}), flush=True)
-    stop_at, slowest = [None], {"state": 0.0}
-
-    def more() -> bool:
-        if stop_at[0] is None and os.path.exists(os.path.join(out, "done")):
-            stop_at[0] = time.monotonic() + POLL_AFTER_S
-        return stop_at[0] is None or time.monotonic() < stop_at[0]
-
-    def versions():
-        saved, last = set(), None
-        while more():
-            v = recv.version()
-            if v != last:
-                print(json.dumps({"t": time.time(), "ev": "version", "v": v}), flush=True)
-                last = v
-            if v in (3, 4) and v not in saved:
-                copy = {k: t.cpu() for k, t in params.items()}
-                if recv.version() == v:
-                    torch.save(copy, os.path.join(out, f"at{v}_{replica}.pt"))
-                    saved.add(v)
-                    print(json.dumps({"t": time.time(), "ev": "copied", "v": v}), flush=True)
-            time.sleep(0.001)
-
-    th = threading.Thread(target=versions, daemon=True)
-    th.start()
-    last = None
-    while more():
-        faulthandler.dump_traceback_later(CAP_S, exit=False)
-        t0 = time.monotonic()
-        try:
-            s = recv.state()
-            st = (s["state"], s["message"][:300])
-        except Exception as e:  # noqa: BLE001 -- recorded
-            st = ("raised", f"{type(e).__name__}: {e}"[:300])
-        faulthandler.cancel_dump_traceback_later()
-        slowest["state"] = max(slowest["state"], time.monotonic() - t0)
-        if st != last:
-            print(json.dumps({"t": time.time(), "ev": "state", "state": st[0], "msg": st[1]}), flush=True)
-            last = st
-        time.sleep(0.05)
-    th.join(5)
-    print(json.dumps({"t": time.time(), "ev": "end", "slowest_state_s": round(slowest["state"], 3)}), flush=True)
+    fault_watch.say("ready")
+    fault_watch.watch(recv, params, out, f"_{replica}", CAP_S, POLL_AFTER_S)
     os._exit(0)
 
 
@@ -272,11 +226,7 @@ def run(case: str, keep: str | None) -> dict:
     hp.send_signal(signal.SIGCONT)
     hp.kill()
     hp.wait()
-    text = {}
-    for n, f in logs.items():
-        f.seek(0)
-        text[n] = f.read()
-        f.close()
+    text = fault_watch.read_logs(logs)
     faults = [ln for ln in text["trainer"].splitlines() if ln.startswith("trainer fault ")]
     t_fault = float(faults[0].rsplit(" at ", 1)[1]) if faults else None
     res = dict(case=case, fault_at=t_fault, killed_by_script=killed, pushes={}, workers={}, wrong={})
@@ -291,19 +241,13 @@ def run(case: str, keep: str | None) -> dict:
         if ln.startswith("trainer watcher: "):
             res["watcher"] = ln.split(": ", 1)[1]
     for q in (0, 1):
-        evs = [json.loads(ln) for ln in text[f"w{q}"].splitlines() if ln.startswith("{")]
-        for e in evs:
-            if t_fault is not None:
-                e["dt"] = round(e["t"] - t_fault, 2)
+        evs = fault_watch.events(text[f"w{q}"], t_fault)
         res["workers"][q] = evs
         for v in (3, 4):
             if os.path.exists(os.path.join(out, f"at{v}_{q}.pt")):
                 res["wrong"][f"{q}@{v}"] = wrong_bytes(out, v, q)
     res["hung"] = bool(killed) or any("Timeout (" in t for t in text.values())
-    if keep:
-        with open(os.path.join(keep, f"{case}.log"), "w") as f:
-            for n, t in text.items():
-                f.write(f"===== {n}\n{t}\n")
+    fault_watch.keep_logs(keep, case, text)
     return res
 
 
@@ -312,21 +256,17 @@ def summary(r: dict) -> dict:
         d = r["pushes"].get(v)
         return "-" if d is None else f"{d['outcome']} {d['s']} s" + (f": {d['msg'][:220]}" if d["msg"] else "")
 
-    def after(q):
-        evs = [e for e in r["workers"].get(q, []) if e["ev"] in ("state", "version") and e.get("dt", -1) >= 0]
-        return " -> ".join((f"v{e['v']}" if e["ev"] == "version" else e["state"]) + f"(+{e['dt']}s)" for e in evs[:8])
-
     end = {q: next((e for e in r["workers"].get(q, []) if e["ev"] == "end"), {}) for q in (0, 1)}
     return dict(
         case=r["case"],
         transport=r.get("transport"),
         step3=push(3),
         step4=push(4),
-        w0=after(0) or "-",
-        w1=after(1) or "-",
+        w0=fault_watch.after(r["workers"].get(0, [])) or "-",
+        w1=fault_watch.after(r["workers"].get(1, [])) or "-",
         complete=sorted(r["wrong"]),
         wrong=[k for k, w in r["wrong"].items() if w],
-        slowest_state_s={q: e.get("slowest_state_s") for q, e in end.items()},
+        slowest_state_s={q: e.get("slowest", {}).get("state") for q, e in end.items()},
         watcher=r.get("watcher"),
         hung=r["hung"],
     )

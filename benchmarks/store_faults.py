@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from common import fault_watch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -102,11 +104,7 @@ def trainer(rank: int, store: str, case: str, store_pid: int, out: str) -> None:
 
         prepare.all_gather_single = gather
     for step in range(1, STEPS + 1):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.01)
-        if step == 4:
-            time.sleep(GAP_S)
+        fault_watch.next_weights(model, step, GAP_S)
         if step >= 3:
             full = {n: p.full_tensor() for n, p in model.named_parameters()}
             if rank == 0:
@@ -137,65 +135,13 @@ def trainer(rank: int, store: str, case: str, store_pid: int, out: str) -> None:
 
 # --------------------------------------------------------------------------- inference worker
 def worker(store: str, out: str) -> None:
-    import faulthandler
-
-    import torch
-
     from wxfer.models import TINY, inference_params, preset_for
     from wxfer.runtime.receiver import Receiver
 
-    import threading
-
     params = inference_params(TINY, 1, 0)
     recv = Receiver(params, mapping=preset_for(TINY).name, store=store, timeout=60)
-    print(json.dumps({"t": time.time(), "ev": "ready"}), flush=True)
-    stop_at = [None]  # POLL_AFTER_S after the trainers exited ("done")
-    slowest = {"version": 0.0, "state": 0.0}
-
-    def more() -> bool:
-        if stop_at[0] is None and os.path.exists(os.path.join(out, "done")):
-            stop_at[0] = time.monotonic() + POLL_AFTER_S
-        return stop_at[0] is None or time.monotonic() < stop_at[0]
-
-    def versions():  # its own thread: a state() blocked in the store does not hide version()
-        saved, last = set(), None
-        while more():
-            t0 = time.monotonic()
-            v = recv.version()
-            slowest["version"] = max(slowest["version"], time.monotonic() - t0)
-            if v != last:
-                print(json.dumps({"t": time.time(), "ev": "version", "v": v}), flush=True)
-                last = v
-            if v in (3, 4) and v not in saved:
-                torch.save({k: t.clone() for k, t in params.items()}, os.path.join(out, f"at{v}.pt"))
-                if recv.version() == v:  # still complete after the copy: the copy is that step's
-                    saved.add(v)
-                    print(json.dumps({"t": time.time(), "ev": "copied", "v": v}), flush=True)
-            time.sleep(0.001)
-
-    th = threading.Thread(target=versions, daemon=True)
-    th.start()
-    last = None
-    while more():
-        faulthandler.dump_traceback_later(CAP_S, exit=False)  # a state() past CAP_S: its stack
-        t0 = time.monotonic()
-        try:
-            s = recv.state()
-            st = (s["state"], s["message"][:240])
-        except Exception as e:  # noqa: BLE001 -- recorded
-            st = ("raised", f"{type(e).__name__}: {e}"[:240])
-        ds = time.monotonic() - t0
-        faulthandler.cancel_dump_traceback_later()
-        slowest["state"] = max(slowest["state"], ds)
-        if ds > 1.0:
-            print(json.dumps({"t": time.time(), "ev": "slow", "call": "state", "s": round(ds, 2)}), flush=True)
-        if st != last:
-            print(json.dumps({"t": time.time(), "ev": "state", "state": st[0], "msg": st[1]}), flush=True)
-            last = st
-        time.sleep(0.05)
-    th.join(5)
-    slow = {k: round(v, 3) for k, v in slowest.items()}
-    print(json.dumps({"t": time.time(), "ev": "end", "slowest": slow}), flush=True)
+    fault_watch.say("ready")
+    fault_watch.watch(recv, params, out, "", CAP_S, POLL_AFTER_S)
     os._exit(0)
 
 
@@ -254,11 +200,7 @@ def run(case: str, i: int, keep: str | None, provider: str = "tcp") -> dict:
         killed.append("worker")
     host.kill()
     host.wait()
-    text = {}
-    for n, f in logs.items():
-        f.seek(0)
-        text[n] = f.read()
-        f.close()
+    text = fault_watch.read_logs(logs)
     t_fault = next((float(ln.rsplit(" at ", 1)[1]) for ln in text["rank0"].splitlines() if " store fault " in ln), None)
     res = dict(case=case, i=i, fault_at=t_fault, killed_by_script=killed, pushes={}, worker=[], wrong={})
     for r in (0, 1):
@@ -280,28 +222,19 @@ def run(case: str, i: int, keep: str | None, provider: str = "tcp") -> dict:
                 hung = "Timeout (" in text[f"rank{r}"]
                 res["pushes"][f"{r}/{step}"] = dict(outcome="hung (stack dumped)" if hung else "no report")
                 break
-    for ln in text["worker"].splitlines():
-        if ln.startswith("{"):
-            e = json.loads(ln)
-            if t_fault is not None:
-                e["dt"] = round(e["t"] - t_fault, 2)
-            res["worker"].append(e)
+    res["worker"] = fault_watch.events(text["worker"], t_fault)
     for v in (3, 4):
         if os.path.exists(os.path.join(out, f"at{v}.pt")) and os.path.exists(os.path.join(out, f"full{v}.pt")):
             res["wrong"][v] = wrong_bytes(out, v)
     res["store_warnings"] = {n: t.count("TCPStore.cpp") for n, t in text.items()}
     res["dumps"] = {n: t[t.find("Timeout (") :][:4000] for n, t in text.items() if "Timeout (" in t}
-    if keep:
-        with open(os.path.join(keep, f"{case}-{i}.log"), "w") as f:
-            for n, t in text.items():
-                f.write(f"===== {n}\n{t}\n")
+    fault_watch.keep_logs(keep, f"{case}-{i}", text)
     return res
 
 
 def summarize(r: dict) -> dict:
     p = r["pushes"]
     copied = [e["v"] for e in r["worker"] if e["ev"] == "copied"]
-    states = [e for e in r["worker"] if e["ev"] in ("state", "version") and e.get("dt", -1) >= 0]
     end = next((e for e in r["worker"] if e["ev"] == "end"), {})
     return dict(
         case=r["case"],
@@ -310,7 +243,7 @@ def summarize(r: dict) -> dict:
         r1_3=_push(p.get("1/3")),
         r0_4=_push(p.get("0/4")),
         r1_4=_push(p.get("1/4")),
-        worker_after=" -> ".join(_ev(e) for e in states[:8]) or "-",
+        worker_after=fault_watch.after(r["worker"]) or "-",
         complete=copied,
         wrong=[v for v, w in r["wrong"].items() if w],
         slowest=(
@@ -319,10 +252,6 @@ def summarize(r: dict) -> dict:
         warnings=r["store_warnings"],
         hung=bool(r["dumps"]) or bool(r["killed_by_script"]),
     )
-
-
-def _ev(e: dict) -> str:
-    return (f"v{e['v']}" if e["ev"] == "version" else e["state"]) + f"(+{e['dt']}s)"
 
 
 def _push(d):

@@ -4,6 +4,8 @@ the torch path (delta.encode, the format the GPU path and the receivers share), 
 shadow equal to the new bytes, and the native apply equals the torch apply; a malformed record
 is refused with nothing written."""
 
+import errno
+
 import pytest
 import torch
 
@@ -98,3 +100,26 @@ def test_a_malformed_record_is_refused_and_nothing_written():
     with pytest.raises(_wxfer.Error, match="changed"):  # the bytes no longer match the scan's count
         out = torch.empty(delta.record_size(4096, c + 1), dtype=torch.uint8)
         _wxfer.delta_encode(new.data_ptr(), old.data_ptr(), 4096, c + 1, 0, 0, 0, out.data_ptr(), out.numel())
+
+
+def test_a_native_failure_of_the_encode_names_the_task(monkeypatch):
+    """The source changes between the scan and the record (a writer racing the push): the
+    native encode fails (ESTALE) and the error names the task, not only the C call."""
+    from types import SimpleNamespace
+
+    old, new = _pair(4096, 3, seed=4)
+    real_scan = delta_cpu.scan
+
+    def scan_then_write(cur, shadow):
+        c, idx = real_scan(cur, shadow)
+        cur[int(idx[0])] = shadow[int(idx[0])]  # the racing writer puts one changed byte back
+        return c, idx
+
+    monkeypatch.setattr(delta_cpu, "scan", scan_then_write)
+    step = dict(compared_bytes=0, changed_bytes=0, compare_s=0.0)
+    w = SimpleNamespace(step=step, costs=dict(apply_Bps=1e12, encode_Bps=1e12), link_Bps=1e9, room={0: 1 << 20})
+    w._region_index = lambda g: {b"region": 0}
+    op = SimpleNamespace(task=5, name="layers.0.mlp.w")
+    with pytest.raises(_wxfer.Error, match=r"task 5 \(layers.0.mlp.w\): delta_encode: .*no longer changed") as e:
+        delta_cpu.encode(w, op, new, [(b"region", 0, 0, 4096)], ([(0, 4096, 0)], old.clone()), [0])
+    assert e.value.errno == errno.ESTALE  # kept

@@ -63,6 +63,7 @@ class _Ctl:
 def _worker(g, **kw):
     w = dict(gpu=g, transport="fabric", options={}, mapping="tiny", replicas=1, tp=2, replica=0, rank=g, ep=1)
     w.update(host="h", pid=100 + g, params={"w": [[4, 4], "bfloat16"]}, desc={}, stamp_slots=1, stamp_begin=8)
+    w.update(export="ZXhw", stamp="c3RhbXA=")  # base64 of b"exp", b"stamp"
     w.update(kw)
     return w
 
@@ -119,6 +120,86 @@ def test_links_refuse_a_restart_that_does_not_match_and_report_it_once():
 
 
 # ------------------------------------------------------------------ FailureExchange
+@pytest.mark.parametrize(
+    "broken, named",
+    [
+        (dict(stamp=None), "stamp missing"),  # None: the field left out
+        (dict(stamp_begin="8"), "stamp_begin is a str, not a int"),
+        (dict(desc={"w": "AAAA"}), "desc of w: wxfer: parameter descriptor too short (3 bytes)"),
+    ],
+)
+def test_links_refuse_a_malformed_restart_record_by_name_before_changing_anything(monkeypatch, broken, named):
+    """A restart record that matches the worker it replaces but is malformed (a field missing,
+    of another type, a descriptor that does not decode) is refused naming the field, before
+    the connection and before any state moves: the worker stays FAILING (not REJOINING for
+    ever), and the push's end still gives it up (DEAD)."""
+    from wxfer.runtime.peerstate import Event, State
+
+    connects = []
+    monkeypatch.setattr(control, "writer_connect", lambda *a, **k: connects.append(a) or 77)
+    ctl = _Ctl()
+    ln = _links(ctl)
+    ln.plan = SimpleNamespace(descriptors={(0, "w"): b"old"})
+    ln.program = SimpleNamespace(retarget=lambda plan, g: None)
+    ln.states.apply(0, Event.EXITED, "its process exited")
+    ctl.kv["infer/0"] = _worker(0)
+    rec = _worker(0)
+    for k, v in broken.items():
+        rec[k] = v
+        if v is None:
+            del rec[k]
+    ctl.kv.update({"infer/rejoins": 1, "infer/epoch/0": 1, "infer/0/e1/meta": rec})
+    ln.adopt_rejoins()
+    why = ln.take_refused()
+    assert list(why) == [0] and "its record (infer/0/e1/meta) is malformed" in why[0], why
+    assert named in why[0], why
+    assert "trainer rank 0: SetupError" in ctl.kv["rejoin/refused/0/e1"]
+    assert connects == [] and ln.peers[0] == 10 and ln.plan.descriptors == {(0, "w"): b"old"}
+    assert ln.states.get(0) is State.FAILING and ln.stamp_dest[0] == (b"stamp0", 0, 0, 8)
+    assert ln.drop([0]) == {0} and ln.states.get(0) is State.DEAD
+
+
+def test_links_say_the_watchers_trouble_once_when_the_watcher_and_the_push_both_look(caplog):
+    """say_watch runs on the watcher thread and on the push thread: both see the trouble begin
+    at the same moment (a barrier), the log is slow (a handler that sleeps): it is said once."""
+    import logging
+    import threading
+    import time
+
+    ln = _links()
+    ln.watch_error = "ConnectionError: the store is gone"
+    both = threading.Barrier(2)
+    trouble = ln.watch_trouble
+
+    def seen_by_both():
+        t = trouble()
+        both.wait(5)
+        return t
+
+    class _Slow(logging.Handler):
+        def emit(self, record):
+            time.sleep(0.05)
+
+    slow = _Slow()
+    logging.getLogger("wxfer.runtime.links").addHandler(slow)
+    ln.watch_trouble = seen_by_both
+    try:
+        with caplog.at_level(logging.WARNING, logger="wxfer.runtime.links"):
+            ts = [threading.Thread(target=ln.say_watch) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(10)
+    finally:
+        logging.getLogger("wxfer.runtime.links").removeHandler(slow)
+    said = [r.getMessage() for r in caplog.records if "is blind" in r.getMessage()]
+    assert len(said) == 1, said
+    ln.watch_error = None
+    ln.watch_trouble = trouble
+    ln.say_watch()
+    assert "reads the store again (its last store look failed: ConnectionError" in caplog.records[-1].getMessage()
+
+
 def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
     ctl = _Ctl()
     ln = _links(ctl)

@@ -15,62 +15,18 @@ def test_records_come_back_from_the_chrome_trace(tmp_path):
     from wxfer.runtime.trace import write_chrome
 
     t = 5_000_000
-    recs = [
-        dict(
-            tag=STAMP,
-            t_submit=t,
-            t_admit=t + 1000,
-            t_ready=t + 2000,
-            t_post_first=t + 3000,
-            t_post_last=t + 3500,
-            t_done=t + 9000,
-            bytes=8,
-            held=8,
-            status=0,
-        ),
-        dict(
-            tag=0,
-            t_submit=t + 4000,
-            t_admit=t + 4100,
-            t_ready=t + 5000,
-            t_post_first=t + 9100,
-            t_post_last=t + 9800,
-            t_done=t + 20000,
-            bytes=4096,
-            held=0,
-            status=0,
-        ),
-        # reserved before it was prepared: admitted first
-        dict(
-            tag=1,
-            t_submit=t + 8000,
-            t_admit=t + 6000,
-            t_ready=t + 9000,
-            t_post_first=t + 9900,
-            t_post_last=t + 9950,
-            t_done=t + 21000,
-            bytes=64,
-            held=64,
-            status=0,
-        ),
-        dict(
-            tag=STAMP,
-            t_submit=t + 21000,
-            t_admit=t + 21100,
-            t_ready=t + 30000,
-            t_post_first=t + 30100,
-            t_post_last=t + 30200,
-            t_done=t + 31000,
-            bytes=8,
-            held=8,
-            status=0,
-        ),
+    keys = ("t_submit", "t_admit", "t_ready", "t_post_first", "t_post_last", "t_done", "bytes", "held")
+    rows = [  # tag, then the times after t (ns), bytes, held
+        (STAMP, 0, 1000, 2000, 3000, 3500, 9000, 8, 8),
+        (0, 4000, 4100, 5000, 9100, 9800, 20000, 4096, 0),
+        (1, 8000, 6000, 9000, 9900, 9950, 21000, 64, 64),  # reserved before it was prepared: admitted first
+        (STAMP, 21000, 21100, 30000, 30100, 30200, 31000, 8, 8),
     ]
+    recs = [dict(zip(keys, [t + x for x in ts] + [nb, held]), tag=tag, status=0) for tag, *ts, nb, held in rows]
     p = tmp_path / "trace.json"
     write_chrome(recs, str(p))
     got = sim_check.chrome_records(str(p), {0: 3})
     assert [r["tag"] for r in got] == [STAMP, 0, 1, STAMP]  # the end stamps a record of their own
-    keys = ("t_submit", "t_admit", "t_ready", "t_post_first", "t_post_last", "t_done", "bytes", "held")
     for a, b in zip(recs, got):
         assert {k: b[k] - (sim_check.BASE_NS - t if k.startswith("t_") else 0) for k in keys} == {k: a[k] for k in keys}
     assert got[1]["nwrites"] == 3 and got[2]["nwrites"] == 1

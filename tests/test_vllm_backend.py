@@ -88,18 +88,24 @@ class Worker(E.WorkerSide):
             raise ValueError(f"Invalid update_info: {e}") from e
 
 
-@pytest.fixture
-def worker(monkeypatch):
+def cpu_worker_runtime(monkeypatch, receiver) -> None:
+    """A worker engine's runtime on this CPU: `receiver` for wxfer's Receiver, no store, and
+    torch.accelerator.synchronize() refused (a CPU worker must not call it)."""
     import wxfer.runtime.receiver
     from wxfer.runtime import control
 
-    monkeypatch.setattr(wxfer.runtime.receiver, "Receiver", FakeReceiver)
+    monkeypatch.setattr(wxfer.runtime.receiver, "Receiver", receiver)
     monkeypatch.setattr(control, "resolve_store", lambda *a, **k: "store")
 
     def no_accelerator():
         raise AssertionError("torch.accelerator.synchronize() called on a CPU worker")
 
     monkeypatch.setattr(torch.accelerator, "synchronize", no_accelerator, raising=False)
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    cpu_worker_runtime(monkeypatch, FakeReceiver)
     w = Worker(_model(TINY, 2, 1), dict(TINY, name_or_path="tiny"))
     w.init_transfer_engine(E.WxferInitInfo(store="h:1", mapping="tiny-name", proof=False, timeout=T))
     return w
@@ -355,3 +361,21 @@ def test_the_trainer_pushes_persistent_buffers_over_their_own_storage():
     assert torch.equal(got["gate.e_score_correction_bias"], torch.full((2,), 5.0))
     plain = torch.nn.Linear(4, 2)
     assert with_persistent_buffers(plain) is plain
+
+
+def test_the_traced_maps_wait_names_a_worker_that_failed_or_published_nothing(store):
+    """trainer_maps waits (bounded) for each worker's traced map: a failed init is raised as a
+    TraceError at once, a worker that publishes nothing as a TimeoutError naming its gpu."""
+    import time
+
+    from wxfer.integrations.vllm.traced import TraceError, trainer_maps
+    from wxfer.runtime import control
+
+    s, _ = store
+    ctl = control.Control(s, "traced_wait", T)
+    t0 = time.monotonic()
+    with pytest.raises(TraceError, match="failed before gpu 0 published its trace: RuntimeError: boom"):
+        trainer_maps(ctl, T, alive=lambda: "RuntimeError: boom")
+    with pytest.raises(TimeoutError, match="vLLM worker gpu 0 published no traced map within 0 s"):
+        trainer_maps(ctl, 0.2)
+    assert time.monotonic() - t0 < 5

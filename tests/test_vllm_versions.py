@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 import vllm_fakes as F
-from test_vllm_backend import FakeReceiver, _model
+from test_vllm_backend import FakeReceiver, _model, cpu_worker_runtime
 
 from wxfer.integrations.vllm import engine as E
 from wxfer.integrations.vllm import trainer as TR
@@ -127,16 +127,7 @@ class FakeSender:
 
 @pytest.fixture
 def fake_runtime(monkeypatch):
-    import wxfer.runtime.receiver
-    from wxfer.runtime import control
-
-    monkeypatch.setattr(wxfer.runtime.receiver, "Receiver", WaitingReceiver)
-    monkeypatch.setattr(control, "resolve_store", lambda *a, **k: "store")
-
-    def no_accelerator():
-        raise AssertionError("torch.accelerator.synchronize() called on a CPU worker")
-
-    monkeypatch.setattr(torch.accelerator, "synchronize", no_accelerator, raising=False)
+    cpu_worker_runtime(monkeypatch, WaitingReceiver)
 
 
 def _worker_engine(shape):

@@ -238,11 +238,7 @@ static PyObject *wx_copy_batch_py(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
         rc = wx_copy_batch(device, stream, p, n);
     Py_END_ALLOW_THREADS
-    free(copy);
-    PyBuffer_Release(&view);
-    if (rc)
-        return wx_py_raise(st, rc, "copy_batch");
-    Py_RETURN_NONE;
+    return wx__launched(st, rc, &view, copy, "copy_batch");
 }
 
 /* The delta tables: entries of 5 (compare), 3 (count), 8 (emit) or 4 (scatter) uint64. */
@@ -320,11 +316,7 @@ static PyObject *wx_delta_quant_launch_py(PyObject *m, PyObject *args)
         rc = wx_delta_quant_launch(device, stream, out, out_nbytes, p, dev_pieces, n, bits,
                                    bits_nbytes);
     Py_END_ALLOW_THREADS
-    free(copy);
-    PyBuffer_Release(&view);
-    if (rc)
-        return wx_py_raise(st, rc, "delta_quant_launch");
-    Py_RETURN_NONE;
+    return wx__launched(st, rc, &view, copy, "delta_quant_launch");
 }
 
 /* delta_launch(kind, device, stream, table, dev_table, bits, bits_nbytes, a=0, a_n=0, b=0, b_n=0,
@@ -355,11 +347,7 @@ static PyObject *wx_delta_launch_py(PyObject *m, PyObject *args)
         else
             rc = wx_delta_scatter_launch(device, stream, p, dev, n, bits, bits_nb, a, an);
     Py_END_ALLOW_THREADS
-    free(copy);
-    PyBuffer_Release(&view);
-    if (rc)
-        return wx_py_raise(st, rc, "delta_launch");
-    Py_RETURN_NONE;
+    return wx__launched(st, rc, &view, copy, "delta_launch");
 }
 
 /* stream_wait_addr(device, host_address) -> (device_address, why_not): 0 and the reason when

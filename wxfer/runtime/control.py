@@ -579,6 +579,20 @@ def who(ctl, rank: int) -> str:
         return f"trainer rank {rank}"
 
 
+def wait_key(ctl, key: str, timeout: float, alive, failed, late: str) -> None:
+    """Wait until `key` is in the store (a look every 50 ms), at most `timeout` seconds: the
+    exception ``failed(why)`` once ``alive()`` returns why its writer will not write it (its
+    init failed), TimeoutError(`late`) past the bound."""
+    deadline = time.monotonic() + timeout
+    while not ctl.check(key):
+        err = alive()
+        if err:
+            raise failed(err)
+        if time.monotonic() > deadline:
+            raise TimeoutError(late)
+        time.sleep(0.05)
+
+
 def wait_work(work, timeout: float, what: str) -> None:
     """Wait for a gloo Work, polling (Ctrl-C within 50 ms), at most `timeout` seconds;
     CollectiveError when it fails or is late (a trainer rank died or hung)."""

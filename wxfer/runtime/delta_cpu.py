@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from . import delta
+from .program import task_error
 
 
 def available(device) -> bool:
@@ -58,7 +59,17 @@ def record(cur, old, c: int, idx, region: int, doff: int):
 
 def encode(w, op, buf, dests, sh, gpus) -> tuple:
     """({gpu: [records]} or None, why): DeltaWriter._encode's result; the shadow of the task is
-    equal to `buf` on return either way (the caller skips its copy)."""
+    equal to `buf` on return either way (the caller skips its copy).  A native call's failure
+    is raised naming the task (program.task_error)."""
+    from .. import _wxfer
+
+    try:
+        return _encode(w, op, buf, dests, sh, gpus)
+    except _wxfer.Error as e:
+        raise task_error(op, e) from e
+
+
+def _encode(w, op, buf, dests, sh, gpus) -> tuple:
     from .. import _wxfer
 
     old = sh[1]
@@ -105,14 +116,35 @@ def encode(w, op, buf, dests, sh, gpus) -> tuple:
     return out, why
 
 
-def calibrate(n: int = 1 << 22, rate: float = 0.01) -> dict:
-    """delta_send.calibrate_costs on the CPU with the native encode (what the pushes run)."""
+def sample(n: int, rate: float, device=None) -> tuple:
+    """The calibrations' sample (this one and delta_send.calibrate_costs'): (old, new) uint8
+    tensors of `n` random bytes (seed 0) on `device`, `new` with max(1, n * rate) of them flipped."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    old = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    old = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
     new = old.clone()
-    new[torch.randperm(n, generator=g)[: max(1, int(n * rate))]] ^= 1
+    new[torch.randperm(n, generator=g)[: max(1, int(n * rate))].to(device)] ^= 1
+    return old, new
+
+
+def rates(rec_bytes: int, encode_s: float, apply_s: float, n: int, compare_s: float, rate: float, **more) -> dict:
+    """A calibration's costs: encode and apply throughput (record bytes per second, a record of
+    `rec_bytes` encoded in `encode_s` and applied in `apply_s`), compare throughput (`n` sample
+    bytes in `compare_s`), the sample's size and change rate, and `more`."""
+    return dict(
+        encode_Bps=rec_bytes / max(encode_s, 1e-9),
+        apply_Bps=rec_bytes / max(apply_s, 1e-9),
+        compare_Bps=n / max(compare_s, 1e-9),
+        sample_bytes=n,
+        rate=rate,
+        **more,
+    )
+
+
+def calibrate(n: int = 1 << 22, rate: float = 0.01) -> dict:
+    """delta_send.calibrate_costs on the CPU with the native encode (what the pushes run)."""
+    old, new = sample(n, rate)
     dst = old.clone()
     best_s = best_e = best_a = float("inf")
     rec = None
@@ -125,12 +157,4 @@ def calibrate(n: int = 1 << 22, rate: float = 0.01) -> dict:
         delta.apply_records(rec, 1, [dst])
         t3 = time.perf_counter()
         best_s, best_e, best_a = min(best_s, t1 - t0), min(best_e, t2 - t1), min(best_a, t3 - t2)
-    nb = rec.numel()
-    return dict(
-        encode_Bps=nb / max(best_e, 1e-9),
-        apply_Bps=nb / max(best_a, 1e-9),
-        compare_Bps=n / max(best_s, 1e-9),
-        sample_bytes=n,
-        rate=rate,
-        native=True,
-    )
+    return rates(rec.numel(), best_e, best_a, n, best_s, rate, native=True)

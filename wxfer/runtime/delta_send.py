@@ -38,12 +38,7 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = Fa
 
     if not gpu and delta_cpu.available(device):  # what the CPU pushes run: the native compare and encode
         return delta_cpu.calibrate(n, rate)
-    g = torch.Generator().manual_seed(0)
-    old = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
-    new = old.clone()
-    k = max(1, int(n * rate))
-    idx = torch.randperm(n, generator=g)[:k].to(device)
-    new[idx] ^= 1
+    old, new = delta_cpu.sample(n, rate, device)
     dst = old.clone()
     best_e = best_a = float("inf")
     rec = None
@@ -80,17 +75,8 @@ def calibrate_costs(device, n: int = 1 << 22, rate: float = 0.01, gpu: bool = Fa
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         best_a = min(best_a, time.perf_counter() - t0)
-    nb = rec.numel()
-    out = dict(
-        encode_Bps=nb / max(best_e, 1e-9),
-        apply_Bps=nb / max(best_a, 1e-9),
-        compare_Bps=n / max(compare_s, 1e-9),
-        sample_bytes=n,
-        rate=rate,
-    )
-    if gpu:
-        out["scatter_Bps"] = scatter_Bps
-    return out
+    more = dict(scatter_Bps=scatter_Bps) if gpu else {}
+    return delta_cpu.rates(rec.numel(), best_e, best_a, n, compare_s, rate, **more)
 
 
 SCATTERED = "scattered"  # _encode's answer for a task the scatter wrote (delta_scatter.py)

@@ -74,6 +74,7 @@ class Links:
         self.watch_error = None  # the last look's failure (the store unreachable), None once one passes
         self._look_since = None  # when the look in progress began (monotonic), None between looks
         self._said = None  # the watcher trouble last reported (watch_trouble), None when none
+        self._say_mu = threading.Lock()  # _said's read-and-replace (say_watch: the watcher and the push)
 
     # ------------------------------------------------------------------ setup
     def connect(self) -> None:
@@ -286,10 +287,17 @@ class Links:
 
     def say_watch(self) -> None:
         """Log the watcher's trouble once when it begins, and once when it ends (a few
-        attribute reads when nothing changed: each push's start calls it)."""
+        attribute reads when nothing changed: each push's start calls it).  The watcher thread
+        and the push thread both call it: what was said is read and replaced under _say_mu, so
+        one change is logged once."""
         trouble = self.watch_trouble()
         if (trouble is None) == (self._said is None):
             return
+        with self._say_mu:
+            before = self._said
+            if (trouble is None) == (before is None):
+                return  # the other thread said it
+            self._said = trouble
         if trouble is not None:
             log.warning(
                 "wxfer: trainer rank %d: the watcher of restarts and worker leases is blind: %s; pushes go "
@@ -299,8 +307,7 @@ class Links:
                 trouble,
             )
         else:
-            log.warning("wxfer: trainer rank %d: the watcher reads the store again (%s before)", self.rank, self._said)
-        self._said = trouble
+            log.warning("wxfer: trainer rank %d: the watcher reads the store again (%s before)", self.rank, before)
 
     def look(self) -> None:
         """One look: which workers are dead (their pids here, one poll; their leases, each at
@@ -390,6 +397,9 @@ class Links:
                     self.ctl.set("rejoin/refused/%d/e%d" % (g, e), f"trainer rank {self.rank}: {why}")
 
     def _adopt(self, g: int, e: int) -> None:
+        """Take worker `g`'s restart of epoch `e`.  Everything that can fail (its record read,
+        checked and decoded, its connection) comes before the first change: a refused restart
+        leaves the worker in place, its state and this rank's plan as they were."""
         old = self.workers[g]
         if "params" not in old:  # the connection record of setup: the worker's whole record, from the store
             old = self.ctl.get_json("infer/%d" % g, f"metadata of inference worker gpu {g}", self.write_timeout)
@@ -397,6 +407,7 @@ class Links:
         w = self.ctl.get_json(
             "infer/%d/e%d/meta" % (g, e), f"metadata of restarted inference worker gpu {g}", self.write_timeout
         )
+        rec = _restart_record(g, e, w)
         probs = _mismatches(old, w)
         slot = self.stamp_dest[g][1] // 8
         if w["stamp_slots"] <= slot:
@@ -407,21 +418,22 @@ class Links:
                 "the one it replaces:\n    " + "\n    ".join(probs)
             )
         peer = control.writer_connect(
-            self.ctl, self.transport, self.rank, g, _unb64(w["export"]), self.write_timeout, epoch=e
+            self.ctl, self.transport, self.rank, g, rec["export"], self.write_timeout, epoch=e
         )
         # the new worker's memory: its descriptors into the plan, this rank's tasks for it
-        for name, d in w["desc"].items():
-            self.plan.descriptors[(g, name)] = _unb64(d)
+        for name, d in rec["desc"].items():
+            self.plan.descriptors[(g, name)] = d
         self.program.retarget(self.plan, g)
         for r in _regions(old):
             self.gpu_of_region.pop(r, None)
-        self.gpu_of_region.update((r, g) for r in _regions(w))
+        self.gpu_of_region.update((r, g) for r in rec["regions"])
         self.states.apply(g, Event.REJOIN, f"restarted (epoch {e})")
         self.gpu_of_peer.pop(self.peers[g], None)  # the old peer's writes (if any) stay abandoned
         self.peers[g] = peer
         self.gpu_of_peer[peer] = g
-        self.stamp_dest[g] = (_unb64(w["stamp"]), self.stamp_dest[g][1], 0, 8)
-        self.begin_dest[g] = (_unb64(w["stamp"]), w["stamp_begin"] + self.stamp_dest[g][1], 0, 8)
+        off = self.stamp_dest[g][1]
+        self.stamp_dest[g] = (rec["stamp"], off, 0, 8)
+        self.begin_dest[g] = (rec["stamp"], w["stamp_begin"] + off, 0, 8)
         self.workers[g] = w
         self._any_local = None
         # the worker replaced is forgotten: failed, dead or not, the new one is written from now on
@@ -432,6 +444,51 @@ class Links:
         for hook in self.on_adopt:
             hook(g, _regions(old))
         self.rejoined += 1
+
+
+# the fields of a restart's record (Receiver._publish_restart) that its adoption reads, and their types
+_RESTART_FIELDS = {
+    "host": str,
+    "pid": int,
+    "params": dict,
+    "desc": dict,
+    "export": str,
+    "stamp": str,
+    "stamp_begin": int,
+    "stamp_slots": int,
+}
+
+
+def _restart_record(g: int, e: int, w) -> dict:
+    """Restart record `w` of worker `g` (epoch `e`) checked and decoded: {export, stamp: bytes,
+    desc: {name: bytes}, regions: set}; SetupError naming each field missing, of the wrong type
+    or not decodable (nothing is changed before it is read whole)."""
+    if not isinstance(w, dict):
+        raise SetupError(
+            f"restarted inference worker gpu {g}: its record (epoch {e}) is a {type(w).__name__}, not a dict"
+        )
+    bad = [
+        f"{k} {'missing' if k not in w else f'is a {type(w[k]).__name__}, not a {t.__name__}'}"
+        for k, t in _RESTART_FIELDS.items()
+        if not isinstance(w.get(k), t) or (t is int and isinstance(w[k], bool))
+    ]
+    rec = {"desc": {}, "regions": set()}
+    for k in ("export", "stamp") if not bad else ():
+        try:
+            rec[k] = _unb64(w[k])
+        except ValueError as ex:
+            bad.append(f"{k} is not base64 ({ex})")
+    for name, d in w["desc"].items() if not bad else ():
+        try:
+            rec["desc"][name] = _unb64(d)
+            rec["regions"].add(decode_param_descriptor(rec["desc"][name])[0])
+        except (ValueError, TypeError, AttributeError) as ex:
+            bad.append(f"desc of {name}: {ex}")
+    if bad:
+        raise SetupError(
+            f"restarted inference worker gpu {g}: its record (infer/{g}/e{e}/meta) is malformed: " + "; ".join(bad)
+        )
+    return rec
 
 
 def _mismatches(old: dict, w: dict) -> list:

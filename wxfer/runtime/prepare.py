@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import taskpath
 from ..zerocopy import merged_rows, zero_copy_dests
-from .program import TaskOp
+from .program import TaskOp, task_error
 
 # --------------------------------------------------------------------------- the bound of a collective
 
@@ -548,7 +548,12 @@ def run(prep: TaskPrep, op: TaskOp, device):
         return fulls[prep.direct].reshape(-1).view(torch.uint8)
     buf = _whole(op, fulls, fresh) if prep.path.reason == "gathered_whole" else None
     if buf is None:
-        buf = pack_into(op.shards, fulls, op.nbytes, device)
+        from .. import _wxfer
+
+        try:
+            buf = pack_into(op.shards, fulls, op.nbytes, device)
+        except _wxfer.Error as e:  # the native quantizer's (fp8_host, fp8_launch): it knows no task
+            raise task_error(op, e) from e
     if buf.numel() != op.nbytes:
         raise AssertionError(f"task {op.name}: packed {buf.numel()} bytes, plan says {op.nbytes}")
     return buf

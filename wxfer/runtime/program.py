@@ -190,6 +190,12 @@ class TaskOp:
         return bool(self.dests)
 
 
+def task_error(op: TaskOp, e: OSError) -> OSError:
+    """`e` (an OSError of a native call made for task `op`: _wxfer.Error) again, of its type
+    and errno, its message naming the task (the native call knows only its pointers)."""
+    return type(e)(e.errno, f"task {op.task} ({op.name}): {e.strerror}")
+
+
 @dataclass
 class RankProgram:
     rank: int

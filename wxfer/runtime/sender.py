@@ -57,6 +57,11 @@ __all__ = ["STAMP_TAG", "PushHandle", "Sender", "task_bound", "writer_options"]
 log = logging.getLogger(__name__)
 
 
+def _held(part: str, name: str, doc: str | None = None) -> property:
+    """A read-only Sender property that is its collaborator `part`'s attribute `name`."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=doc)
+
+
 def task_bound(watermark: int) -> int:
     """The plan's size bound of a task (training bytes) under a watermark: half of it, so
     that two tasks fit (one prepared while the other is written), within [16 MiB, 1 GiB]."""
@@ -441,46 +446,18 @@ class Sender:
         )
 
     # ------------------------------------------------------------------ what the collaborators hold
-    @property
-    def workers(self) -> dict:
-        """{gpu: record} of the inference workers this rank writes."""
-        return self.links.workers
-
-    @property
-    def peers(self) -> dict:
-        """{gpu: engine peer id} of those workers."""
-        return self.links.peers
-
-    @property
-    def rejoined(self) -> int:
-        """Restarted inference workers taken so far."""
-        return self.links.rejoined
-
-    @property
-    def stamp_dests(self) -> list:
-        return list(self.links.stamp_dest.values())
-
-    @property
-    def task_names(self) -> dict:
-        return self.runner.task_names
-
-    @property
-    def task_params(self) -> dict:
-        return self.runner.task_params
-
-    @property
-    def last_verify(self):
-        """What the receivers answered for the last push made with verify on."""
-        return self.runner.last_verify
-
-    @property
-    def last_submit_s(self):
-        return self.steps.last_submit_s
-
-    @property
-    def last_phases(self) -> dict:
-        """Seconds from the start of the last push() to the end of each of its phases."""
-        return self.steps.last_phases
+    workers = _held("links", "workers", "{gpu: record} of the inference workers this rank writes.")
+    peers = _held("links", "peers", "{gpu: engine peer id} of those workers.")
+    rejoined = _held("links", "rejoined", "Restarted inference workers taken so far.")
+    stamp_dests = property(lambda self: list(self.links.stamp_dest.values()))
+    task_names = _held("runner", "task_names")
+    task_params = _held("runner", "task_params")
+    last_verify = _held("runner", "last_verify", "What the receivers answered for the last push made with verify on.")
+    last_submit_s = _held("steps", "last_submit_s")
+    last_phases = _held("steps", "last_phases", "Seconds from the start of the last push() to the end of each phase.")
+    bytes_per_step = _held(
+        "program", "bytes_per_step", "Bytes of weights this rank writes per push (stamps not counted)."
+    )
 
     @property
     def direct(self) -> bool:
@@ -490,11 +467,6 @@ class Sender:
     @direct.setter
     def direct(self, on: bool) -> None:
         self.inplace.switch(on)
-
-    @property
-    def bytes_per_step(self) -> int:
-        """Bytes of weights this rank writes per push (version stamps not counted)."""
-        return self.program.bytes_per_step
 
     # ------------------------------------------------------------------ per step
     def push(self, async_op: bool = False, version: int | None = None, verify: bool | None = None):

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 from .layout import PROOF_SEED, quant_of, writable_parameters
+from .versions import built_class, lazy_attr
 
 log = logging.getLogger(__name__)
 
@@ -369,12 +370,7 @@ _CLASSES: dict = {}
 
 
 def _engine_class():
-    from .versions import built_class
-
     return built_class(_CLASSES, "engine", "WeightTransferEngine", build_engine_class)
 
 
-def __getattr__(name):
-    if name == "WxferWeightTransferEngine":
-        return _engine_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attr(__name__, "WxferWeightTransferEngine", _engine_class)

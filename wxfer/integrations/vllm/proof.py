@@ -178,16 +178,17 @@ def trainer_check(ctl, mapping, timeout: float, alive=lambda: None) -> dict:
 
 
 def _get(ctl, key, timeout, alive):
-    deadline = time.monotonic() + timeout
-    while True:
-        if ctl.check(key):
-            return ctl.get_json(key, "a vLLM worker's layout proof", 10)
-        err = alive()
-        if err:
-            raise RuntimeError(f"wxfer: init_weight_transfer_engine failed before the layout proof: {err}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"wxfer: no layout proof {key!r} from the vLLM workers after {timeout:.0f} s")
-        time.sleep(0.05)
+    from ...runtime.control import wait_key
+
+    wait_key(
+        ctl,
+        key,
+        timeout,
+        alive,
+        lambda err: RuntimeError(f"wxfer: init_weight_transfer_engine failed before the layout proof: {err}"),
+        f"wxfer: no layout proof {key!r} from the vLLM workers after {timeout:.0f} s",
+    )
+    return ctl.get_json(key, "a vLLM worker's layout proof", 10)
 
 
 # ------------------------------------------------------------------ the traced path (no preset)

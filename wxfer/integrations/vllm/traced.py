@@ -196,13 +196,17 @@ def trainer_maps(ctl, timeout: float, alive=lambda: None) -> tuple[dict, list[di
 
 
 def _get_meta(ctl, gpu: int, timeout: float, alive) -> dict:
-    deadline = time.monotonic() + timeout
+    from ...runtime.control import wait_key
+
     key = KEY % gpu + "/meta"
-    while not ctl.check(key):
-        err = alive()
-        if err:
-            raise TraceError(f"wxfer: init_weight_transfer_engine failed before gpu {gpu} published its trace: {err}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"wxfer: vLLM worker gpu {gpu} published no traced map within {timeout:.0f} s")
-        time.sleep(0.05)
+    wait_key(
+        ctl,
+        key,
+        timeout,
+        alive,
+        lambda err: TraceError(
+            f"wxfer: init_weight_transfer_engine failed before gpu {gpu} published its trace: {err}"
+        ),
+        f"wxfer: vLLM worker gpu {gpu} published no traced map within {timeout:.0f} s",
+    )
     return ctl.get_json(key, f"the traced map of vLLM worker gpu {gpu}", 1)

@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .versions import built_class, lazy_attr
+
 
 BACKEND = "wxfer"
 
@@ -126,14 +128,16 @@ class _Call(threading.Thread):
 
 
 def _wait_first_receiver(ctl, alive, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not ctl.check("infer/0"):
-        err = alive()
-        if err:
-            raise RuntimeError(f"wxfer: init_weight_transfer_engine failed: {err}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"wxfer: no vLLM worker registered within {timeout:.0f} s")
-        time.sleep(0.05)
+    from ...runtime.control import wait_key
+
+    wait_key(
+        ctl,
+        "infer/0",
+        timeout,
+        alive,
+        lambda err: RuntimeError(f"wxfer: init_weight_transfer_engine failed: {err}"),
+        f"wxfer: no vLLM worker registered within {timeout:.0f} s",
+    )
 
 
 def _linger(ctl, workers: int, timeout: float) -> None:
@@ -457,12 +461,7 @@ _CLASSES: dict = {}
 
 
 def _trainer_class():
-    from .versions import built_class
-
     return built_class(_CLASSES, "trainer", "TrainerWeightTransferEngine", build_trainer_class)
 
 
-def __getattr__(name):
-    if name == "WxferTrainerWeightTransferEngine":
-        return _trainer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attr(__name__, "WxferTrainerWeightTransferEngine", _trainer_class)

@@ -128,6 +128,18 @@ def built_class(cache: dict, key: str, base_name: str, build):
     return cache[key]
 
 
+def lazy_attr(module: str, attr: str, get):
+    """A module ``__getattr__`` (PEP 562) serving `attr` as ``get()`` (a class built over the
+    installed vLLM on first access: the module imports without it), AttributeError otherwise."""
+
+    def __getattr__(name):
+        if name == attr:
+            return get()
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
 def compatible(ours, theirs) -> str | None:
     """None when `ours` can be called every way `theirs` (vLLM's ABC method) can: the same
     parameters, in order, with the same kinds, and anything more keyword-only with a default.
