@@ -52,13 +52,15 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
 
         conn = Client(("127.0.0.1", conn_port), authkey=b"wxfer-test")
     cfg = AutoConfig.from_pretrained(ckpt)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    mapping = dict(cfg.to_dict(), name_or_path="tiny")  # FP8: its quantization_config, the FP8 rules
+    plain = cfg.__class__.from_dict({k: v for k, v in cfg.to_dict().items() if k != "quantization_config"})
+    model = AutoModelForCausalLM.from_config(plain, dtype=torch.bfloat16).eval()  # trains in BF16
     for p in model.parameters():
         p.requires_grad_(False)
     seeded(model, 1)
     info = WxferTrainerInitInfo(
         store=store,
-        mapping=dict(cfg.to_dict(), name_or_path="tiny"),
+        mapping=mapping,
         name=name,
         timeout=60.0,
         update_timeout=15.0,

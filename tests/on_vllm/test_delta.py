@@ -1,7 +1,9 @@
 """Delta pushes (issue 36, docs/delta.md) through the vLLM backend, on a real offline vllm.LLM
 (CPU, in this process) with vLLM's CPU GEMMs as shipped: every linear layer, the embedding and
 the head are finalize (their loader-layout memory kept, registered and re-packed in
-finish_weight_update), the norms direct.  Two trainer ranks (delta_proc.py) push with
+finish_weight_update), the norms direct; BF16, and FP8 block (the linear layers float8 with
+block scales; only where the CPU has AMX, which vLLM 0.32's CPU FP8 linear needs: never run on
+this VM, which has none).  Two trainer ranks (delta_proc.py) push with
 ``WxferTrainerInitInfo(delta={"link_Bps": 125e6, "measure_link": False}, delta_staging="1MiB")``:
 
 - round 1 (the seeded weights) is dense by rule (``first``); rounds 2 and 3 (1% of every
@@ -31,9 +33,40 @@ from test_llm import Trainers, same_greedy, tokens, worker_engine  # noqa: E402
 from trainer_proc import NEW  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _fp8_linear(name: str) -> bool:
+    """The checkpoint tensors an FP8 block checkpoint of vLLM's Qwen3 stores as float8 + _scale_inv."""
+    return name.rsplit(".", 2)[-2] in LINEAR and name.endswith(".weight")
+
+
+def _amx() -> bool:
+    try:
+        return "amx_tile" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+def fp8_checkpoint_dir(path):
+    """The checkpoint at `path` (BF16 weights, an FP8 quantization_config) rewritten as the FP8
+    block checkpoint vLLM loads: the linear weights float8_e4m3fn with ``_scale_inv`` (wxfer's
+    reference quantizer, the one the layout proof uses), the others as they are."""
+    from safetensors.torch import load_file, save_file
+
+    from wxfer.integrations.vllm.layout import fp8_checkpoint
+
+    f = os.path.join(path, "model.safetensors")
+    save_file(dict(fp8_checkpoint(load_file(f), _fp8_linear)), f, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def llm(request, tmp_path_factory):
     from vhelp import save_checkpoint, wxfer_llm
+
+    fp8 = request.param == "fp8"
+    if fp8 and not _amx():
+        pytest.skip("vLLM 0.32's CPU FP8 block linear needs AMX (Sapphire Rapids or newer); this CPU has none")
 
     import vllm.model_executor.layers.utils as U
     import wxfer.integrations.vllm as wv
@@ -45,8 +78,11 @@ def llm(tmp_path_factory):
 
     cleanup_dist_env_and_memory()  # an engine of an earlier module in this process
     ck = str(tmp_path_factory.mktemp("ckpt_delta"))
-    save_checkpoint(ck, seed=0)
+    save_checkpoint(ck, seed=0, fp8=fp8, **(dict(head_dim=128) if fp8 else {}))
+    if fp8:
+        fp8_checkpoint_dir(ck)
     engine = wxfer_llm(ck)
+    engine.wxfer_fp8 = fp8
     yield engine
     try:
         engine.shutdown_weight_transfer_engine()
@@ -74,22 +110,26 @@ def assert_every_tensor_is_vllms_own_load(llm, weights):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
+    from wxfer.integrations.vllm.layout import fp8_checkpoint
     from wxfer.integrations.vllm.postproc import _fresh_model, _state
 
     eng = worker_engine(llm)
     ref = _fresh_model(eng.vllm_config, "cpu")
     with set_current_vllm_config(eng.vllm_config), torch.no_grad():
-        ref.load_weights((n, torch.from_numpy(a).view(torch.bfloat16)) for n, a in weights.items())
+        ckpt = {n: torch.from_numpy(a).view(torch.bfloat16) for n, a in weights.items()}
+        ref.load_weights(iter(fp8_checkpoint(ckpt, _fp8_linear) if llm.wxfer_fp8 else ckpt.items()))
         loaded = dict(ref.named_parameters())
-        written = [n for n, t in eng.receiver.params.items() if not torch.equal(t, loaded[n])]
-        assert not written and len(eng.receiver.params) == 19, written
+        bits = lambda t: t.detach().contiguous().view(-1).view(torch.uint8)  # noqa: E731 (float8 too)
+        written = [n for n, t in eng.receiver.params.items() if not torch.equal(bits(t), bits(loaded[n]))]
+        # 19 tensors (BF16); FP8: the 8 linear layers' weight_scale_inv too
+        assert not written and len(eng.receiver.params) == 19 + 8 * llm.wxfer_fp8, written
         process_weights_after_loading(ref, eng.vllm_config.model_config, torch.device("cpu"))
     mods = dict(ref.named_modules())
     live, want = _state(dict(eng.model.named_modules()), {}), _state(mods, {})
     differ = [(m, n) for m in want for n in want[m] if live.get(m, {}).get(n) != want[m][n]]
     assert not differ, differ[:8]
     gemms = [m for m, mod in mods.items() if hasattr(mod, "cpu_linear") and m + ".weight" in loaded]
-    assert len(gemms) >= 8, gemms  # qkv, o, gate_up, down of both layers (and the head)
+    assert len(gemms) >= (1 if llm.wxfer_fp8 else 8), gemms  # qkv, o, gate_up, down of both layers, the head
     with torch.no_grad():
         k = {m: loaded[m + ".weight"].shape[-1] for m in gemms}
         differ = [m for m in gemms if not torch.equal(_gemm(eng.model.get_submodule(m), k[m]), _gemm(mods[m], k[m]))]
