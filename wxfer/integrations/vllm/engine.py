@@ -14,13 +14,16 @@ it from the client's RPCs (``LLM`` / ``AsyncLLM`` / HTTP / Ray):
 - ``update_weights({"version": v, "timeout": s})``: moves nothing (the trainers write) and waits,
   bounded, until step ``v`` is in place; synchronizes only a CUDA device;
 - ``finish_weight_update()``: fails unless ``Receiver.state()`` is complete at ``v`` (a torn or
-  missing step raises naming the trainer ranks and the parameters), then runs the finalizers
+  missing step raises naming the trainer ranks and the parameters), applies the trainers' delta
+  records of ``v`` where the init info gave a ``delta_staging`` (issue 36; a worker that missed
+  an earlier push's records fails the update saying so, and the trainers send it the next push
+  dense), then runs the finalizers
   (vLLM's post-processing of each finalize module re-run from the kept memory), timed:
   ``finalize_report`` (seconds per module, in all, and the bytes kept); the whole update is
   timed in ``update_report`` (``start_s`` from ``start_weight_update`` to ``update_weights``,
   ``write_s`` the wait in ``update_weights`` until the step is in place, ``finish_s`` the whole
-  ``finish_weight_update`` of which ``apply_s`` the delta records and ``finalize_s`` the
-  finalizers, ``total_s`` from ``start_weight_update`` to the end of ``finish_weight_update``),
+  ``finish_weight_update`` of which ``apply_s`` the delta records (None without staging) and
+  ``finalize_s`` the finalizers, ``total_s`` from ``start_weight_update`` to the end of ``finish_weight_update``),
   logged at INFO per update;
 - ``shutdown()``: closes the Receiver.
 
