@@ -13,7 +13,7 @@ hand-written rules from the HF config) and pushes `pushes` times, new weights ea
 
 Printed: the machine; the setup (engine start, trainer_init: trace, proof, connection); per push
 the trainer's parts (``last_send``: start RPC, push, the update_weights RPC, finish RPC, total)
-and the worker's (``update_report``: start_s, write_s, finish_s with apply_s and finalize_s,
+and the worker's (``update_report``: start_s, write_s, finish_s with apply_s (None: dense, no apply) and finalize_s,
 total_s); then the bounds measured in the same process on the same model: vLLM's own reload of the
 trainer's last weights (``initialize_layerwise_reload``, ``load_weights``, ``finalize_layerwise_reload``:
 what its nccl / ipc backends run once the tensors arrived, transport not counted) and a plain
@@ -260,11 +260,11 @@ def main():
             f"{p['version']:>4}           "
             + " ".join(f"{p['trainer'][k]:16.4f}" for k in tk)
             + "  |         "
-            + " ".join(f"{p['worker'][k]:10.4f}" for k in wk)
+            + " ".join(f"{p['worker'][k]:10.4f}" if p["worker"][k] is not None else f"{'-':>10}" for k in wk)
         )
     later = pushes[1:] or pushes
     t_med = {k: med([p["trainer"][k] for p in later]) for k in tk}
-    w_med = {k: med([p["worker"][k] for p in later]) for k in wk}
+    w_med = {k: med([p["worker"][k] for p in later if p["worker"][k] is not None]) for k in wk}  # apply_s: None, dense
     rep.update(trainer_median=t_med, worker_median=w_med)
     print(
         f"median of pushes 2..{len(pushes)}: trainer total {t_med['total_s']:.4f} s (push {t_med['push_s']:.4f} s); "

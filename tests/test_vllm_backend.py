@@ -155,7 +155,8 @@ def test_finish_reports_the_whole_update_timed(worker):
     worker.finish_weight_update()
     rep = worker.update_report
     assert rep["version"] == 1 and rep["start_s"] >= 0.02 and rep["write_s"] >= 0, rep
-    assert rep["finalize_s"] >= 0.05 and rep["finish_s"] >= rep["finalize_s"] + rep["apply_s"], rep
+    assert rep["apply_s"] is None and "apply" not in rep, rep  # no staging area: no apply, none reported
+    assert rep["finalize_s"] >= 0.05 and rep["finish_s"] >= rep["finalize_s"], rep
     assert rep["total_s"] >= rep["start_s"] + rep["write_s"] + rep["finish_s"] - 1e-6, rep
     worker.start_weight_update()
     worker.receiver.v = 2
@@ -164,6 +165,83 @@ def test_finish_reports_the_whole_update_timed(worker):
     with pytest.raises(RuntimeError, match="not complete"):
         worker.finish_weight_update()
     assert worker.update_report is rep  # the failed update replaced nothing
+
+
+def test_delta_fields_are_checked_naming_the_field():
+    from wxfer.integrations.vllm import WxferTrainerInitInfo
+
+    assert E.WxferInitInfo(delta_staging="1MiB").delta_staging == 2**20 and E.WxferInitInfo().delta_staging == 0
+    for bad in ("lots", -1, True, 1.5):
+        with pytest.raises(ValueError, match="init_info: delta_staging must be bytes >= 0"):
+            E.WxferInitInfo(delta_staging=bad)
+    assert WxferTrainerInitInfo(delta={}).delta is True
+    assert WxferTrainerInitInfo(delta={"link_Bps": 1e8}).delta == {"link_Bps": 1e8}
+    with pytest.raises(TypeError, match=r"WxferTrainerInitInfo.delta: delta must be True, False or a dict"):
+        WxferTrainerInitInfo(delta="yes")
+    with pytest.raises(ValueError, match=r"WxferTrainerInitInfo.delta: delta options \['bogus'\] unknown"):
+        WxferTrainerInitInfo(delta={"bogus": 1})
+    with pytest.raises(ValueError, match=r"WxferTrainerInitInfo.delta_staging must be > 0 bytes with delta on"):
+        WxferTrainerInitInfo(delta=True, delta_staging=0)
+    with pytest.raises(ValueError, match=r"WxferTrainerInitInfo.delta_staging must be bytes >= 0"):
+        WxferTrainerInitInfo(delta=True, delta_staging="lots")
+    assert WxferTrainerInitInfo(delta=False, delta_staging=0).delta is False  # dense: no staging needed
+
+
+class _Staging:
+    def __init__(self, apply):
+        self.apply = apply
+
+
+def test_finish_applies_the_records_before_the_finalizers_timed(worker):
+    from wxfer.integrations.vllm import Finalizer
+
+    order, r = [], worker.receiver
+    r.staging = True
+
+    def apply():
+        order.append("apply")
+        return dict(records=3, bytes=120, changed=7, applied_s=0.01, version=r.v)
+
+    r.apply = apply
+    worker.finalizers = [Finalizer("model.layers.0.mlp.experts", {}, lambda: order.append("finalize"))]
+    r.v = 1
+    worker.start_weight_update()
+    worker.update_weights({"version": 1, "timeout": 5})
+    worker.finish_weight_update()
+    rep = worker.update_report
+    assert order == ["apply", "finalize"] and rep["apply"] == dict(records=3, bytes=120, changed=7), rep
+    assert rep["apply_s"] > 0 and rep["finish_s"] >= rep["apply_s"] + rep["finalize_s"], rep
+
+
+def test_a_missed_apply_fails_the_update_naming_the_resync(worker):
+    from wxfer.runtime.delta import DeltaError
+
+    r = worker.receiver
+    r.staging = True
+
+    def apply():
+        raise DeltaError("the delta of step 2 from trainer rank 0 builds on the records of step 1")
+
+    from wxfer.integrations.vllm import Finalizer
+
+    r.apply, r.v, ran = apply, 2, []
+    worker.finalizers = [Finalizer("model.layers.0.mlp.experts", {}, lambda: ran.append(1))]
+    worker.start_weight_update()
+    worker.update_weights({"version": 2, "timeout": 5})
+    with pytest.raises(RuntimeError, match=r"version 2 failed.*records of step 1.*sen. to it dense") as e:
+        worker.finish_weight_update()
+    assert isinstance(e.value.__cause__, DeltaError) and worker.update_report is None
+    assert ran == []  # nothing finalized over bytes the records did not bring in step
+
+
+def test_delta_is_refused_where_a_finalizer_rewrites_its_kept_memory(worker):
+    from wxfer.integrations.vllm import Finalizer
+
+    f = Finalizer("model.layers.0.mlp.experts", {}, lambda: None, rewrites_kept=True)
+    worker.finalizers = [f]
+    worker._refuse_delta_over_rewrites(E.WxferInitInfo(), "w")  # dense: fine
+    with pytest.raises(RuntimeError, match=r"delta pushes .*model.layers.0.mlp.experts rewrites its kept memory"):
+        worker._refuse_delta_over_rewrites(E.WxferInitInfo(delta_staging="1MiB"), "w")
 
 
 def test_the_worker_engine_builds_one_receiver_and_fails_stop(worker):

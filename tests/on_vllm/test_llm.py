@@ -86,7 +86,7 @@ def worker_engine(llm):
 class Trainers:
     """The trainer processes of one job and the client's RPCs they send, served on `llm` here."""
 
-    def __init__(self, llm, mode, world=1):
+    def __init__(self, llm, mode, world=1, script="trainer_proc.py"):
         from multiprocessing.connection import Listener
 
         from wxfer.integrations.vllm import LLMClient
@@ -103,7 +103,7 @@ class Trainers:
             subprocess.Popen(
                 [
                     sys.executable,
-                    os.path.join(HERE, "trainer_proc.py"),
+                    os.path.join(HERE, script),
                     llm.wxfer_ckpt,
                     store,
                     name,

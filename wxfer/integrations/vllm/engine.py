@@ -14,13 +14,16 @@ it from the client's RPCs (``LLM`` / ``AsyncLLM`` / HTTP / Ray):
 - ``update_weights({"version": v, "timeout": s})``: moves nothing (the trainers write) and waits,
   bounded, until step ``v`` is in place; synchronizes only a CUDA device;
 - ``finish_weight_update()``: fails unless ``Receiver.state()`` is complete at ``v`` (a torn or
-  missing step raises naming the trainer ranks and the parameters), then runs the finalizers
+  missing step raises naming the trainer ranks and the parameters), applies the trainers' delta
+  records of ``v`` where the init info gave a ``delta_staging`` (issue 36; a worker that missed
+  an earlier push's records fails the update saying so, and the trainers send it the next push
+  dense), then runs the finalizers
   (vLLM's post-processing of each finalize module re-run from the kept memory), timed:
   ``finalize_report`` (seconds per module, in all, and the bytes kept); the whole update is
   timed in ``update_report`` (``start_s`` from ``start_weight_update`` to ``update_weights``,
   ``write_s`` the wait in ``update_weights`` until the step is in place, ``finish_s`` the whole
-  ``finish_weight_update`` of which ``apply_s`` the delta records and ``finalize_s`` the
-  finalizers, ``total_s`` from ``start_weight_update`` to the end of ``finish_weight_update``),
+  ``finish_weight_update`` of which ``apply_s`` the delta records (None without staging) and
+  ``finalize_s`` the finalizers, ``total_s`` from ``start_weight_update`` to the end of ``finish_weight_update``),
   logged at INFO per update;
 - ``shutdown()``: closes the Receiver.
 
@@ -60,6 +63,24 @@ class WxferInitInfo:
     delta_staging: int | str = 0  # bytes registered for delta records (issue 36); 0: dense pushes only
     traced: bool = False  # the destination map traced from vLLM's load_weights (traced.py), no preset
     extra: dict = field(default_factory=dict)  # reserved for later fields of newer trainers
+
+    def __post_init__(self):
+        self.delta_staging = staging_bytes(self.delta_staging, "wxfer init_info: delta_staging")
+
+
+def staging_bytes(value, what: str) -> int:
+    """`value` (an int, or a size string such as "64MiB") as bytes >= 0; ValueError naming `what`."""
+    n = value
+    if isinstance(value, str):
+        from ... import _wxfer
+
+        try:
+            n = int(_wxfer.parse_size(value.strip())) if value.strip() not in ("", "0") else 0
+        except ValueError as e:
+            raise ValueError(f"{what} must be bytes >= 0 (an int or a size such as '64MiB'), got {value!r}") from e
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{what} must be bytes >= 0 (an int or a size such as '64MiB'), got {value!r}")
+    return n
 
 
 @dataclass
@@ -143,6 +164,7 @@ class WorkerSide:
             modules={}, seconds=0.0, kept_bytes=sum(f.kept_bytes for f in self.finalizers), updates=0
         )
         self.left_out = left
+        self._refuse_delta_over_rewrites(info, where)
         self.receiver = Receiver(
             sel,
             mapping=preset,  # its rules too: the trainers compare them (issue 25.4); None when traced
@@ -169,6 +191,18 @@ class WorkerSide:
             bad.insert(0, draft)
         if bad:
             raise RuntimeError(f"wxfer: {where} refuses to be written: " + "; ".join(bad[:6]))
+
+    def _refuse_delta_over_rewrites(self, info, where):
+        """Delta records are the bytes that changed since the trainers' last push, applied over
+        the memory they wrote: a finalizer whose post-processing rewrote its kept memory in place
+        (seen by the proof) would leave other bytes there, so delta is refused naming it."""
+        bad = [f.module_name for f in self.finalizers if getattr(f, "rewrites_kept", False)]
+        if info.delta_staging and bad:
+            raise RuntimeError(
+                f"wxfer: {where}: delta pushes (init_info delta_staging) need the memory the trainers "
+                f"write left as written, and vLLM's post-processing of {', '.join(bad[:6])} rewrites its "
+                "kept memory in place; push dense (WxferTrainerInitInfo(delta=False))"
+            )
 
     def _preset(self, info, par, replica, replicas, where, major):
         """(preset, store, selected, left out) by the hand-written rules.  With the proof (the
@@ -272,17 +306,38 @@ class WorkerSide:
                 f"{', ...' if len(names) > 4 else ''}) do not hold version {v}"
             )
         t_apply = time.monotonic()
-        if getattr(r, "staging", None) is not None:  # the trainers' delta records of step v (issue 36)
-            self.last_apply = r.apply()
+        applied = self._apply_delta(r, v)  # before the finalizers: they re-derive from these bytes
         t_fin = time.monotonic()
         self.run_finalizers()
-        self._report_update(v, t_finish, t_apply, t_fin, time.monotonic())
+        self._report_update(v, t_finish, (t_apply, applied), t_fin, time.monotonic())
 
-    def _report_update(self, v, t_finish, t_apply, t_fin, t_end) -> dict:
+    def _apply_delta(self, r, v):
+        """The trainers' delta records of step `v` applied into the registered memory (issue 36,
+        docs/delta.md): Receiver.apply()'s answer, or None where this worker has no staging area
+        (dense pushes only).  A worker that missed an earlier push's records (its
+        finish_weight_update never ran) cannot apply these: the Receiver has then asked the
+        trainers for a dense push, and the update fails here saying so."""
+        if getattr(r, "staging", None) is None:
+            return None
+        from ...runtime.delta import DeltaError
+
+        try:
+            out = self.last_apply = r.apply()
+        except DeltaError as e:
+            log.error("wxfer: update to version %d: delta records not applied: %s", v, e)
+            raise RuntimeError(
+                f"wxfer: weight update to version {v} failed on this worker: its delta records cannot be "
+                f"applied ({e}). vLLM keeps its previous weight version; the worker's weights are stale "
+                "until the next send_weights, which the trainers send to it dense (a resync)"
+            ) from e
+        return out
+
+    def _report_update(self, v, t_finish, apply, t_fin, t_end) -> dict:
         """``update_report``: the update to version `v` timed on this worker, start -> writes ->
         finish (see the module docstring); None where the update had no ``start_weight_update``
-        or ``update_weights`` on this worker."""
-        t0, wait = self._t_start, self._t_wait
+        or ``update_weights`` on this worker.  apply: (its start, Receiver.apply()'s answer or
+        None): ``apply_s`` is None where no records were applied (no staging area)."""
+        (t_apply, applied), t0, wait = apply, self._t_start, self._t_wait
         self._t_start = self._t_wait = None
         if t0 is None or wait is None:
             self.update_report = None
@@ -292,18 +347,23 @@ class WorkerSide:
             start_s=wait[0] - t0,
             write_s=wait[1] - wait[0],
             finish_s=t_end - t_finish,
-            apply_s=t_fin - t_apply,
+            apply_s=None if applied is None else t_fin - t_apply,
             finalize_s=t_end - t_fin,
             total_s=t_end - t0,
         )
+        what = "no delta"
+        if applied is not None:
+            rep["apply"] = {k: applied[k] for k in ("records", "bytes", "changed")}
+            n = (rep["apply_s"], applied["records"], applied["changed"])
+            what = "apply %.4f s: %d records, %d bytes changed" % n
         log.info(
-            "wxfer: update to version %d: start %.4f s, writes %.4f s, finish %.4f s (apply %.4f s, "
-            "finalize %.4f s), total %.4f s",
+            "wxfer: update to version %d: start %.4f s, writes %.4f s, finish %.4f s (%s, finalize %.4f s), "
+            "total %.4f s",
             v,
             rep["start_s"],
             rep["write_s"],
             rep["finish_s"],
-            rep["apply_s"],
+            what,
             rep["finalize_s"],
             rep["total_s"],
         )

@@ -74,6 +74,9 @@ class Finalizer:
     run: object  # callable() -> None
     late: bool = False
     seconds: list = field(default_factory=list)  # per run, newest last
+    # the proof's run changed the kept memory itself (post-processing in place): a delta push,
+    # which writes only the bytes that changed since the last push, would build on those bytes
+    rewrites_kept: bool = False
 
     @property
     def kept_bytes(self) -> int:
@@ -480,7 +483,9 @@ class _Proof:
                 m, mod, written, differ, f, _ = cands[i]
                 try:
                     if f is not None:
+                        kept = {a: _sha(t) for a, t in f.params.items()}
                         f()
+                        f.rewrites_kept = any(_sha(t) != kept[a] for a, t in f.params.items())
                 except Exception as e:  # noqa: BLE001 -- a refusal naming the module
                     cands[i] = (m, mod, written, differ, None, f"{m}: finalize raised {e!r}")
         return cands

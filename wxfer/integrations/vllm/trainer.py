@@ -65,9 +65,33 @@ class WxferTrainerInitInfo:
     delta_staging: Any = "64MiB"
     rank: int = field(default=0, kw_only=True)
 
+    def __post_init__(self):
+        self.delta = delta_field(self.delta)
+        if self.delta:
+            from .engine import staging_bytes
+
+            n = staging_bytes(self.delta_staging, "WxferTrainerInitInfo.delta_staging")
+            if n == 0:
+                raise ValueError(
+                    "WxferTrainerInitInfo.delta_staging must be > 0 bytes with delta on (each vLLM worker "
+                    "registers it for the trainers' records), got %r" % (self.delta_staging,)
+                )
+
     @property
     def is_sender(self) -> bool:
         return self.rank == 0
+
+
+def delta_field(delta):
+    """WxferTrainerInitInfo.delta as the Sender takes it (False, True or a dict of the delta
+    writer's options; an empty dict is True), checked before any RPC, naming the field."""
+    from ...runtime.sender import _delta_option
+
+    try:
+        d = _delta_option(delta)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"WxferTrainerInitInfo.delta: {e}".replace("wxfer.Sender: ", "")) from e
+    return True if d == {} else d
 
 
 class LLMClient:
