@@ -662,3 +662,52 @@ def test_small_copies_skip_a_receiver_that_failed_after_they_were_queued():
     assert int(regions[b"g1"].count_nonzero()) == 0  # neither copy landed on the failed one
     assert s.n["copies"] == 2 and s.n["skipped_writes"] == 2
     assert s.engine.tasks == [([(b"g0", 0, 0, 16), (b"g0", 16, 0, 16)], direct.COPIES_TAG)]
+
+
+def test_queue_copys_fast_path_reuses_a_binding_only_for_the_same_prep_memory_and_push_state():
+    """queue_copy's per-task fast path (issue 37: the checks made once per push and per binding):
+    the cached binding is reused while the task's prep and memory are the same; memory that moved
+    or a new prep is bound again (the new bytes land); verify on or direct switched off in a push
+    copy nothing; the bytes queued are those of every destination; the counters are the push's."""
+    from types import SimpleNamespace
+
+    regions = {b"g0": torch.zeros(64, dtype=torch.uint8), b"g1": torch.zeros(64, dtype=torch.uint8)}
+    s = _CopySender(regions, {b"g0": 0, b"g1": 1})
+    s.off = lambda: None if s.enabled else "off"  # switch() is seen, as the product's off() sees it
+    dests = [(b"g0", 8, 0, 16), (b"g1", 24, 0, 16)]
+    prep = SimpleNamespace(
+        zero_copy=True, direct=None, whole=[("w", torch.full((16,), 7, dtype=torch.uint8))], dests=dests, best=_COPY
+    )
+    op = SimpleNamespace(prep=prep, sends=True, nbytes=16, task=0)
+
+    def push(version, verify=False):
+        s.start(version, verify, lambda: None)
+        got = s.queue_copy(op)
+        queued = s.copy_q_bytes
+        s.flush_copies()
+        return got, queued
+
+    assert push(1) == (True, 32)  # 16 bytes to each of the two receivers
+    bound = s.copy_plans[0]
+    assert torch.equal(regions[b"g0"][8:24], prep.whole[0][1]) and torch.equal(regions[b"g1"][24:40], prep.whole[0][1])
+    prep.whole[0][1].fill_(3)  # same memory, new bytes: the same binding copies them
+    assert push(2) == (True, 32) and s.copy_plans[0] is bound and s.n["copies"] == 1
+    assert int(regions[b"g1"][24:40].sum()) == 3 * 16
+    prep.whole = [("w", torch.full((16,), 9, dtype=torch.uint8))]  # the memory moved: bound again
+    assert push(3) == (True, 32) and s.copy_plans[0] is not bound
+    assert int(regions[b"g0"][8:24].sum()) == 9 * 16
+    bound = s.copy_plans[0]
+    op.prep = prep = SimpleNamespace(**vars(prep))  # prepared again (same memory): bound again
+    prep.whole[0][1].fill_(5)
+    assert push(4) == (True, 32) and s.copy_plans[0] is not bound and s.copy_plans[0][0] is prep
+    assert int(regions[b"g1"][24:40].sum()) == 5 * 16
+    prep.whole[0][1].fill_(6)
+    assert push(5, verify=True) == (False, 0)  # verify on: the engine's way, nothing copied
+    s.start(6, False, lambda: None)
+    s.switch(False)  # direct off within a push: from the next task on
+    assert s.queue_copy(op) is False and s.copy_q == []
+    s.switch(True)
+    assert s.queue_copy(op) is True and s.n["copies"] == 1
+    s.flush_copies()
+    assert int(regions[b"g0"][8:24].sum()) == 6 * 16
+    assert len(s.engine.tasks) == 5 and all(t[1] == direct.COPIES_TAG for t in s.engine.tasks)

@@ -253,6 +253,7 @@ class InPlaceWriter:
         self.copy_q: list = []
         self.copy_q_bytes = 0  # their bytes
         self.copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
+        self.copy_live = False  # this push copies (``_copies_on``)
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
 
     def start(self, version: int, verify: bool, wait_begin) -> None:
@@ -260,10 +261,17 @@ class InPlaceWriter:
         once its begin stamps landed (waited for before its first in-place write)."""
         self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
         self.launched = False  # the last push's writes were waited for by the engine
+        self._copies_on()
 
     def switch(self, on: bool) -> None:
         """Turn the in-place writes on or off (``Sender.direct``), from the next task on."""
         self.enabled = bool(on)
+        self._copies_on()
+
+    def _copies_on(self) -> None:
+        """Whether this push copies at all (in-place writes on, verify off), decided once per
+        push (``start``, ``switch``) for queue_copy's per-task fast path (issue 37)."""
+        self.copy_live = self.off() is None and not self.verify
 
     def off(self) -> str | None:
         """Why no task of this Sender can be written in place, or None."""
@@ -322,18 +330,34 @@ class InPlaceWriter:
         (fewer bytes than copy_max()) and every destination is mapped here; False: the engine
         writes it (``_fast_task``). The copies go out in batches (``flush_copies``).  Per task
         per push: the classifier's answer for a copy candidate (``prep.best``, decided once) is
-        copy exactly when ``copy_why`` finds nothing against it."""
-        why, hit = self._copy_check(op)
-        if hit is not None:
+        copy exactly when ``copy_why`` finds nothing against it.  Its fast path (this push
+        copies, and the task's binding is cached for the same prep and memory) does not make
+        again the checks that cannot have changed since that binding was made (issue 37: the
+        per-task Python of the 1.7B-class push's 309 copy tasks)."""
+        prep = op.prep
+        hit = self.copy_plans.get(op.task)
+        if self.copy_live and hit is not None and hit[0] is prep and hit[3] is not None and op.nbytes < self.copy_max:
+            src = prep.whole[0][1]
+            src = getattr(src, "_local_tensor", src)
+            if hit[1] != src.data_ptr() or hit[2] != src.numel():
+                hit = None  # the memory moved: bound again by _copy_check
+        else:
+            hit = None
+        if hit is None:
+            why, hit = self._copy_check(op)
+            if hit is not None:
+                self._count_push()
+            if why is not None:
+                if hit is not None:  # a destination not mapped here: counted
+                    self.why[why] = self.why.get(why, 0) + 1
+                return False
+        elif self.counted != self.version:
             self._count_push()
-        if why is not None:
-            if hit is not None:  # a destination not mapped here: counted
-                self.why[why] = self.why.get(why, 0) + 1
-            return False
-        self.copy_q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
-        self.copy_q_bytes += sum(c[1][3] for c in hit[3])  # bytes written (every destination), as the simulator counts
+        q = self.copy_q
+        q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
+        self.copy_q_bytes += hit[5]  # bytes written (every destination), as the simulator counts
         self.n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
-        if copy_batch_full(len(self.copy_q), self.copy_q_bytes):
+        if copy_batch_full(len(q), self.copy_q_bytes):
             self.flush_copies()
         return True
 
@@ -369,8 +393,9 @@ class InPlaceWriter:
         return hit
 
     def _copy_bind(self, prep, src) -> tuple:
-        """(prep, data_ptr, numel, [(gpu, destination view, source bytes)] or None, why not) of
-        a zero-copy task: each destination range checked by the transport (Transport.map)."""
+        """(prep, data_ptr, numel, [(gpu, engine destination, (destination view, source view,
+        their addresses, nbytes))] or None, why not, the bytes of them all) of a zero-copy
+        task: each destination range checked by the transport (Transport.map)."""
         import torch
 
         flat = src.detach().reshape(-1).view(torch.uint8)
@@ -385,8 +410,8 @@ class InPlaceWriter:
                 gpu = self.links.gpu_of_region.get(bytes(rdesc))
                 items.append((gpu, (rdesc, doff, soff, n), (d, sv, d.data_ptr(), sv.data_ptr(), n)))
         except _NotInPlace as e:
-            return (prep, src.data_ptr(), src.numel(), None, str(e))
-        return (prep, src.data_ptr(), src.numel(), items, None)
+            return (prep, src.data_ptr(), src.numel(), None, str(e), 0)
+        return (prep, src.data_ptr(), src.numel(), items, None, sum(c[1][3] for c in items))
 
     def flush_copies(self) -> None:
         """The queued small copies, in one batched launch (wxfer.runtime.copies: the native
