@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import struct
 import itertools
+import time
 from itertools import zip_longest
 
 from .. import envs, taskpath
@@ -254,6 +255,9 @@ class InPlaceWriter:
         self.copy_q_bytes = 0  # their bytes
         self.copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
         self.copy_live = False  # this push copies (``_copies_on``)
+        self.copy_events: list = []  # the CUDA event of each batched copy launch of a push, reused
+        # this push's host seconds in the batched copy launches (stats()["direct"]["last_push"])
+        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0}
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
 
     def start(self, version: int, verify: bool, wait_begin) -> None:
@@ -261,6 +265,7 @@ class InPlaceWriter:
         once its begin stamps landed (waited for before its first in-place write)."""
         self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
         self.launched = False  # the last push's writes were waited for by the engine
+        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0}
         self._copies_on()
 
     def switch(self, on: bool) -> None:
@@ -423,16 +428,34 @@ class InPlaceWriter:
             return
         from . import copies
 
+        t0 = time.perf_counter()
         q, self.copy_q, self.copy_q_bytes = self.copy_q, [], 0
         # the begin stamps first (late: the engine's writes queued meanwhile were not held up), then
         # the receivers to skip: one that failed while its begin stamp was written is not copied to
         self._begin()
+        t1 = time.perf_counter()
         skip = self.links.skipped(self.engine)
         live = [c for c in q if c[0] not in skip] if skip else q
         self.n["skipped_writes"] += len(q) - len(live)
+        host = self.host
         if live:
             self.copier = copies.copy_ranges(self.device, [c[2] for c in live])
-            self._submit([c[1] for c in live], COPIES_TAG)
+            self._submit([c[1] for c in live], COPIES_TAG, event=self._copy_event(host["launches"]))
+            host["launches"] += 1
+        host["begin_wait_s"] += t1 - t0
+        host["launch_s"] += time.perf_counter() - t0
+
+    def _copy_event(self, i: int):
+        """The CUDA event recorded after a push's `i`-th batched copy launch (made once, reused
+        every push as a packed task's own is: the push before was waited for), or None (CPU)."""
+        if self.stream is None:
+            return None
+        evs = self.copy_events
+        while len(evs) <= i:
+            import torch
+
+            evs.append(torch.cuda.Event())
+        return evs[i]
 
     def _live(self, dests, skip: frozenset) -> list:
         """`dests` but those to the receivers in `skip` (not written: not the engine's)."""
@@ -441,11 +464,12 @@ class InPlaceWriter:
         gpu = self.links.gpu_of_region
         return [d for d in dests if gpu.get(bytes(d[0])) not in skip]
 
-    def _submit(self, dests, tag: int, plan: _Plan | None = None) -> None:
+    def _submit(self, dests, tag: int, plan: _Plan | None = None, event=None) -> None:
         """The writes just launched to `dests`, handed to the engine as one external task: with
-        a side stream, after a CUDA event recorded on it (`plan`'s own, re-recorded each push;
-        else a new one; the engine holds it until reaped); without one (the CPU) they ran on the
-        host and are done, signalled so at once.  The engine orders, skips, bounds and traces it."""
+        a side stream, after a CUDA event recorded on it (`plan`'s own or `event`, re-recorded
+        each push; else a new one; the engine holds it until reaped); without one (the CPU) they
+        ran on the host and are done, signalled so at once.  The engine orders, skips, bounds
+        and traces it."""
         if not dests:
             return
         eng = self.engine
@@ -454,7 +478,7 @@ class InPlaceWriter:
             return
         import torch
 
-        ev = None if plan is None else plan.event
+        ev = event if plan is None else plan.event
         if ev is None:
             ev = torch.cuda.Event()
             if plan is not None:
@@ -622,6 +646,8 @@ class InPlaceWriter:
         d = dict(self.n, enabled=self.enabled, total=self.total, copy_max=cm)
         if self.copier is not None:
             d["copier"] = self.copier  # the batched copies' last launch (wxfer.runtime.copies)
+        if self.host["launches"]:
+            d["last_push"] = dict(self.host)  # its batched copy launches' host seconds
         off = self.off()
         if off:
             d["why_not"] = off
