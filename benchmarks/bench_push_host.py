@@ -171,10 +171,10 @@ def _copy_path(sender, recv) -> dict:
     timed = {"s": 0.0}
     real = copies.copy_ranges
 
-    def copy_ranges(device, items, copier=None):
+    def copy_ranges(device, items, *args, **kw):
         t = time.perf_counter()
         try:
-            return real(device, items, copier)
+            return real(device, items, *args, **kw)
         finally:
             timed["s"] += time.perf_counter() - t
 

@@ -502,10 +502,10 @@ def test_the_first_copy_launch_comes_after_the_begin_stamps_landed(store, monkey
     real, seen = copies.copy_ranges, []
     pushed = [0]
 
-    def spy(device, items):
+    def spy(device, items, **kw):
         begun = [r for r in s.engine.trace() if r["tag"] == STAMP_TAG and r["t_submit"] >= pushed[0]]
         seen.append(bool(begun) and all(r["status"] == 0 for r in begun))
-        return real(device, items)
+        return real(device, items, **kw)
 
     monkeypatch.setattr(copies, "copy_ranges", spy)
     for step in (1, 2):
@@ -713,3 +713,52 @@ def test_queue_copys_fast_path_reuses_a_binding_only_for_the_same_prep_memory_an
     s.flush_copies()
     assert int(regions[b"g0"][8:24].sum()) == 6 * 16
     assert len(s.engine.tasks) == 5 and all(t[1] == direct.COPIES_TAG for t in s.engine.tasks)
+
+
+def test_a_launchs_range_table_is_kept_only_for_the_same_bound_items(monkeypatch):
+    """The batched copy kernel's range table of a push's i-th launch is the last push's when its
+    items are the same bindings' (no table made per launch per push), and made again -- the new
+    addresses -- when a task was bound again or the batch differs; always copies.table(items)."""
+    from types import SimpleNamespace
+
+    from wxfer.runtime import copies
+
+    seen = []
+    real = copies.copy_ranges
+
+    def record(device, items, copier=None, ranges=None):
+        assert ranges is not None and list(ranges) == list(copies.table(items))
+        seen.append(ranges)
+        return real(device, items, copier)
+
+    monkeypatch.setattr(copies, "copy_ranges", record)
+    regions = {b"g0": torch.zeros(256, dtype=torch.uint8)}
+    s = _CopySender(regions, {b"g0": 0})
+    srcs = [torch.full((16,), i + 1, dtype=torch.uint8) for i in range(3)]
+    ops = [
+        SimpleNamespace(
+            prep=SimpleNamespace(whole=[("w", srcs[i])], dests=[(b"g0", 16 * i, 0, 16)], best=_COPY),
+            sends=True,
+            nbytes=16,
+            task=i,
+        )
+        for i in range(3)
+    ]
+
+    def push(version, which):
+        s.start(version, False, lambda: None)
+        for i in which:
+            assert s.queue_copy(ops[i])
+        s.flush_copies()
+
+    push(1, [0, 1, 2])
+    push(2, [0, 1, 2])
+    assert seen[1] is seen[0]  # the same bindings: the same table
+    ops[1].prep.whole = [("w", torch.full((16,), 7, dtype=torch.uint8))]  # task 1's memory moved
+    push(3, [0, 1, 2])
+    assert seen[2] is not seen[1] and int(regions[b"g0"][16:32].sum()) == 7 * 16
+    push(4, [0, 2])  # another batch at that launch
+    assert seen[3] is not seen[2] and len(seen[3]) == 2 * 4
+    s.forget(0, [b"g0"])
+    push(5, [0, 2])
+    assert seen[4] is not seen[3]  # bound again after the restart: made again

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import struct
 import itertools
+import operator
 import time
 from itertools import zip_longest
 
@@ -256,6 +257,7 @@ class InPlaceWriter:
         self.copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
         self.copy_live = False  # this push copies (``_copies_on``)
         self.copy_events: list = []  # the CUDA event of each batched copy launch of a push, reused
+        self.copy_tables: list = []  # (items, copies.table of them) of each launch of the last push
         # this push's host seconds in the batched copy launches (stats()["direct"]["last_push"])
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0}
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
@@ -439,11 +441,31 @@ class InPlaceWriter:
         self.n["skipped_writes"] += len(q) - len(live)
         host = self.host
         if live:
-            self.copier = copies.copy_ranges(self.device, [c[2] for c in live])
+            i = host["launches"]
+            items = [c[2] for c in live]
+            self.copier = copies.copy_ranges(self.device, items, ranges=self._copy_table(i, items))
             self._submit([c[1] for c in live], COPIES_TAG, event=self._copy_event(host["launches"]))
             host["launches"] += 1
         host["begin_wait_s"] += t1 - t0
         host["launch_s"] += time.perf_counter() - t0
+
+    def _copy_table(self, i: int, items: list):
+        """The batched copy kernel's range table of a push's `i`-th launch of `items`: the last
+        push's when they are the same item objects (the cached bindings' tuples: the same
+        addresses and sizes; a binding made again has new ones), else made now and kept."""
+        from . import copies
+
+        tabs = self.copy_tables
+        if i < len(tabs):
+            old, t = tabs[i]
+            if len(old) == len(items) and all(map(operator.is_, old, items)):
+                return t
+        t = copies.table(items)
+        if i < len(tabs):
+            tabs[i] = (items, t)
+        elif i == len(tabs):
+            tabs.append((items, t))
+        return t
 
     def _copy_event(self, i: int):
         """The CUDA event recorded after a push's `i`-th batched copy launch (made once, reused
@@ -668,9 +690,11 @@ class InPlaceWriter:
         for task, hit in list(self.copy_plans.items()):
             if hit[3] and any(c[0] == gpu for c in hit[3]):
                 del self.copy_plans[task]
+        self.copy_tables.clear()  # (made again at the next launches)
 
     def close(self) -> None:
         """Forget the views of the mapped regions (before the transport unmaps them)."""
         self.views.clear()
         self.plans.clear()
         self.copy_plans.clear()
+        self.copy_tables.clear()
