@@ -50,7 +50,7 @@ done
 timeout 30 python3 - "$OUT" <<'PY' || rc=1
 import json, os, sys
 out = sys.argv[1]
-print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms) | fit: push_begin / begin_fence us |")
+print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made | fit: push_begin / begin_fence us |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
 for wait in ("device", "host"):
     p = os.path.join(out, "bb-%s" % wait, "results.json")
@@ -74,8 +74,8 @@ for wait in ("device", "host"):
         per = " / ".join("%.2f" % (p.get("submit", 0) * 1e6 / max(1, w.get("tasks") or 1)) for p, w in zip(ph, rs))
         per += " (%s)" % rs[0].get("tasks")
         lp = [(w.get("direct") or {}).get("last_push") or {} for w in rs]
-        cl = " / ".join("%d, %.2f (%.2f)" % (x.get("launches", 0), x.get("launch_s", 0) * 1e3,
-                                           x.get("begin_wait_s", 0) * 1e3) for x in lp) if any(lp) else "-"
+        cl = " / ".join("%d, %.2f (%.2f), %s" % (x.get("launches", 0), x.get("launch_s", 0) * 1e3,
+                                           x.get("begin_wait_s", 0) * 1e3, x.get("bound", "-")) for x in lp) if any(lp) else "-"
         print("| %s | %s | %.2f | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             wait, name, link * 1e3, " / ".join("%.2f" % (w * 1e3) for w in ws),
             " / ".join("%.2fx" % (w / link) for w in ws),

@@ -41,7 +41,7 @@ timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force 
 timeout 30 python3 - "$OUT" <<'PY' || rc=1
 import json, os, sys
 out = sys.argv[1]
-print("| event poll | row | link ms | wxfer ms (per watermark) | wxfer / link | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms) |")
+print("| event poll | row | link ms | wxfer ms (per watermark) | wxfer / link | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made |")
 print("|---|---|---|---|---|---|---|---|---|")
 for us in (20, 200):
     p = os.path.join(out, "bb-poll%d" % us, "results.json")
@@ -66,7 +66,7 @@ for us in (20, 200):
             " / ".join("%.2f" % (p.get("submit", 0) * 1e3) for p in ph),
             " / ".join("%.2f" % (p.get("submit", 0) * 1e6 / max(1, w.get("tasks") or 1)) for p, w in zip(ph, rs)),
             rs[0].get("tasks"),
-            " / ".join("%d, %.2f (%.2f)" % (x.get("launches", 0), x.get("launch_s", 0) * 1e3,
-                                            x.get("begin_wait_s", 0) * 1e3) for x in lp)))
+            " / ".join("%d, %.2f (%.2f), %s" % (x.get("launches", 0), x.get("launch_s", 0) * 1e3,
+                                            x.get("begin_wait_s", 0) * 1e3, x.get("bound", "-")) for x in lp)))
 PY
 exit $rc

@@ -689,11 +689,12 @@ def test_queue_copys_fast_path_reuses_a_binding_only_for_the_same_prep_memory_an
 
     assert push(1) == (True, 32)  # 16 bytes to each of the two receivers
     host = s.stats()["last_push"]  # the push's launches and their host seconds
-    assert host["launches"] == 1 and host["launch_s"] >= host["begin_wait_s"] >= 0
+    assert host["launches"] == 1 and host["launch_s"] >= host["begin_wait_s"] >= 0 and host["bound"] == 1
     bound = s.copy_plans[0]
     assert torch.equal(regions[b"g0"][8:24], prep.whole[0][1]) and torch.equal(regions[b"g1"][24:40], prep.whole[0][1])
     prep.whole[0][1].fill_(3)  # same memory, new bytes: the same binding copies them
     assert push(2) == (True, 32) and s.copy_plans[0] is bound and s.n["copies"] == 1
+    assert s.stats()["last_push"]["bound"] == 0  # nothing bound again
     assert int(regions[b"g1"][24:40].sum()) == 3 * 16
     prep.whole = [("w", torch.full((16,), 9, dtype=torch.uint8))]  # the memory moved: bound again
     assert push(3) == (True, 32) and s.copy_plans[0] is not bound

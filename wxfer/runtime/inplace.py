@@ -258,8 +258,9 @@ class InPlaceWriter:
         self.copy_live = False  # this push copies (``_copies_on``)
         self.copy_events: list = []  # the CUDA event of each batched copy launch of a push, reused
         self.copy_tables: list = []  # (items, copies.table of them) of each launch of the last push
-        # this push's host seconds in the batched copy launches (stats()["direct"]["last_push"])
-        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0}
+        # this push's batched copy launches, their host seconds, the copy bindings it made
+        # (stats()["direct"]["last_push"]; a push after the first should make none)
+        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
 
     def start(self, version: int, verify: bool, wait_begin) -> None:
@@ -267,7 +268,7 @@ class InPlaceWriter:
         once its begin stamps landed (waited for before its first in-place write)."""
         self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
         self.launched = False  # the last push's writes were waited for by the engine
-        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0}
+        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
         self._copies_on()
 
     def switch(self, on: bool) -> None:
@@ -397,6 +398,7 @@ class InPlaceWriter:
         hit = self.copy_plans.get(op.task)
         if hit is None or hit[0] is not prep or hit[1] != src.data_ptr() or hit[2] != src.numel():
             hit = self.copy_plans[op.task] = self._copy_bind(prep, src)
+            self.host["bound"] += 1  # (each push should make none after the first: stats' last_push)
         return hit
 
     def _copy_bind(self, prep, src) -> tuple:
