@@ -10,8 +10,23 @@ Two measurements, printed as one JSON object with the machine name:
 * ``push``: a whole ``Sender.push()`` of a plain-tensor trainer (a Qwen3-shaped tiny model
   with many layers) to a ``Receiver`` in a thread, over fabric; ``last_submit_s`` (the host
   loop handing tasks to the engine) per task, median of the timed steps.
+* ``copy``: the same push with every task taking the colocated rows' copy path (the 1.7B-class
+  H100 row: 309 small zero-copy tasks copied straight into the receivers' memory in batched
+  launches, each launch one external engine task; ``InPlaceWriter.queue_copy`` /
+  ``flush_copies``).  Without CUDA the in-place writer is pointed at the Receiver's own CPU
+  regions (in this process): its ``off()`` answers None and ``Transport.map`` is the region's
+  address -- the product's loop, bindings, batches and engine tasks, with the batched copy
+  done by ``torch._foreach_copy_`` on the host (the GPU's is one kernel launch), on TINY
+  widths cut to 1/16 of the bytes (the same 311 tasks).  Printed:
+  the submit phase per task, and the same with the copier's own time taken out (``loop``:
+  what the H100 spends per task on the host besides its 12 launches).
 
     python3 benchmarks/bench_push_host.py [--provider shm] [--tasks 2000] [--layers 28] [--steps 7]
+    python3 benchmarks/bench_push_host.py --only copy --compare /path/to/other/checkout  # before/after
+
+``--compare DIR`` runs the ``copy`` and ``push`` measurements with ``wxfer`` imported from DIR
+(a checkout with its extension built) and from this checkout, alternated ``--rounds`` times,
+in fresh processes, and prints both.
 """
 
 from __future__ import annotations
@@ -24,7 +39,8 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.environ.get("WXFER_BENCH_ROOT") or HERE)  # --compare: the other checkout's wxfer
 
 
 def bench_engine(provider: str, ntasks: int, reps: int) -> dict:
@@ -66,7 +82,7 @@ def bench_engine(provider: str, ntasks: int, reps: int) -> dict:
     return out
 
 
-def bench_push(provider: str, layers: int, steps: int) -> dict:
+def bench_push(provider: str, layers: int, steps: int, copy: bool = False) -> dict:
     import torch
     from datetime import timedelta
     import torch.distributed as dist
@@ -77,6 +93,8 @@ def bench_push(provider: str, layers: int, steps: int) -> dict:
     from wxfer.testing import ONE_WORKER, in_thread
 
     cfg = dict(TINY, num_hidden_layers=layers)
+    if copy:  # the same 311 tasks, 1/16 of the bytes: the host copier stands for one launch
+        cfg.update(hidden_size=64, head_dim=32, intermediate_size=128, vocab_size=128)
     port = control.free_port()
     store = dist.TCPStore(  # noqa: F841 -- the store server lives as long as this reference
         "127.0.0.1", port, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False
@@ -104,12 +122,19 @@ def bench_push(provider: str, layers: int, steps: int) -> dict:
     recv = box["value"]
     ops = [op for g in sender.program.groups for op in g if op.sends]
     zc = sum(1 for op in ops if op.prep is not None and op.prep.zero_copy)
+    copier = _copy_path(sender, recv) if copy else None
     sender.push()  # warm-up
-    sub, tot = [], []
+    sub, tot, loop, queue, launch = [], [], [], [], []
     for _ in range(steps):
+        if copier is not None:
+            copier.update(s=0.0, q=0.0, nq=0, f=0.0, nf=0)
         s = sender.push()
         sub.append(sender.last_submit_s)
         tot.append(s)
+        if copier is not None:
+            loop.append(sender.last_phases["submit"] - sender.last_phases["begin_stamps"] - copier["s"])
+            queue.append(copier["q"] / max(1, copier["nq"]))
+            launch.append((copier["f"] - copier["s"]) / max(1, copier["nf"]))
     ht = sender.host_times()
     res = dict(
         tasks=len(ops),
@@ -117,15 +142,83 @@ def bench_push(provider: str, layers: int, steps: int) -> dict:
         bytes_per_step=sender.bytes_per_step,
         last_submit_ms=statistics.median(sub) * 1e3,
         last_submit_us_per_task=statistics.median(sub) / max(1, len(ops)) * 1e6,
+        # the least of the steps: the host work itself, where other processes share the cores
+        last_submit_min_us_per_task=min(sub) / max(1, len(ops)) * 1e6,
         push_ms=statistics.median(tot) * 1e3,
         trace_host_per_task_us=ht["per_task_us"],
         version=recv.version(),
+        bytes_ok=_landed(model, params, cfg),
         layers=layers,
         provider=provider,
     )
+    if copier is not None:
+        res.update(
+            direct=sender.stats()["direct"],
+            loop_ms=statistics.median(loop) * 1e3,
+            loop_us_per_task=statistics.median(loop) / max(1, len(ops)) * 1e6,
+            loop_min_us_per_task=min(loop) / max(1, len(ops)) * 1e6,
+            # the parts, each timed around the call (~0.1 us per wrapper): queue_copy per task
+            # (without the launches it makes), a launch's host work but the copier's own
+            queue_copy_us=statistics.median(queue) * 1e6,
+            queue_copy_min_us=min(queue) * 1e6,
+            launch_us=statistics.median(launch) * 1e6,
+            launch_min_us=min(launch) * 1e6,
+        )
     sender.close()
     recv.close()
     return res
+
+
+def _copy_path(sender, recv) -> dict:
+    """Point `sender`'s in-place writer at `recv`'s CPU regions (same process) so that every
+    zero-copy task takes the copy path; the batched copies' own seconds are summed in the
+    returned dict's "s" (the host copier stands for the GPU's one launch)."""
+    from wxfer.runtime import copies
+
+    ip, rb = sender.inplace, recv.region_base
+    ip.off = lambda: None
+    ip._view = lambda r: (rb[bytes(r)], rb[bytes(r)].data_ptr())
+    ip._map = lambda r, off, n: (rb[bytes(r)].data_ptr() + off, -1)
+    timed = {"s": 0.0, "q": 0.0, "nq": 0, "f": 0.0, "nf": 0}
+    real = copies.copy_ranges
+    queue_copy, flush_copies = ip.queue_copy, ip.flush_copies
+
+    def queue(op):
+        t, f = time.perf_counter(), timed["f"]
+        try:
+            return queue_copy(op)
+        finally:
+            timed["q"] += time.perf_counter() - t - (timed["f"] - f)
+            timed["nq"] += 1
+
+    def flush():
+        t, n = time.perf_counter(), len(ip.copy_q)
+        try:
+            return flush_copies()
+        finally:
+            timed["f"] += time.perf_counter() - t
+            timed["nf"] += 1 if n else 0
+
+    ip.queue_copy, ip.flush_copies = queue, flush
+
+    def copy_ranges(device, items, *args, **kw):
+        t = time.perf_counter()
+        try:
+            return real(device, items, *args, **kw)
+        finally:
+            timed["s"] += time.perf_counter() - t
+
+    copies.copy_ranges = copy_ranges
+    return timed
+
+
+def _landed(model, params, cfg) -> bool:
+    """Every inference parameter holds the trainer's bytes (read back to the HF layout)."""
+    import torch
+    from wxfer.models.infer import reconstruct_hf
+
+    sd, got = model.state_dict(), reconstruct_hf(cfg, [params])
+    return bool(got) and all(torch.equal(t, sd[n]) for n, t in got.items())
 
 
 def main() -> None:
@@ -135,14 +228,61 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--only", choices=["engine", "push"], default=None)
+    ap.add_argument("--only", choices=["engine", "push", "copy"], default=None)
+    ap.add_argument("--compare", default=None, help="another checkout (its extension built): before/after")
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    out = dict(machine=platform.node(), cpu=platform.processor() or platform.machine())
+    out = dict(machine=platform.node(), cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
+    out["load_average"] = os.getloadavg()
+    if a.compare:
+        out.update(compare(a))
+        print(json.dumps(out, indent=1))
+        return
+    out["wxfer_from"] = os.path.dirname(os.path.dirname(__import__("wxfer").__file__))
     if a.only in (None, "engine"):
         out["engine"] = bench_engine(a.provider, a.tasks, a.reps)
     if a.only in (None, "push"):
         out["push"] = bench_push(a.provider, a.layers, a.steps)
+    if a.only in (None, "copy"):
+        out["copy"] = bench_push(a.provider, a.layers, a.steps, copy=True)
     print(json.dumps(out, indent=1))
+
+
+def compare(a) -> dict:
+    """This script's push and copy measurements with wxfer from `a.compare` ("base") and from
+    this checkout ("this"), alternated in fresh processes; the medians per task."""
+    import subprocess
+
+    only = [a.only] if a.only in ("push", "copy") else ["push", "copy"]
+    runs: dict = {"base": [], "this": []}
+    for _ in range(a.rounds):
+        for who, root in (("base", os.path.abspath(a.compare)), ("this", HERE)):
+            for what in only:
+                cmd = [sys.executable, os.path.abspath(__file__), "--only", what, "--provider", a.provider]
+                cmd += ["--layers", str(a.layers), "--steps", str(a.steps)]
+                env = dict(os.environ, WXFER_BENCH_ROOT=root)
+                got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+                if got.returncode:
+                    raise RuntimeError(f"{who} {what}: {got.stderr[-2000:]}")
+                r = json.loads(got.stdout)
+                runs[who].append(dict(r[what], what=what, load_average=r["load_average"]))
+    keys = (
+        "last_submit_us_per_task",
+        "last_submit_min_us_per_task",
+        "loop_us_per_task",
+        "loop_min_us_per_task",
+        "queue_copy_us",
+        "queue_copy_min_us",
+        "launch_us",
+        "launch_min_us",
+        "bytes_ok",
+    )
+    table = {}
+    for who, rs in runs.items():
+        for what in only:
+            mine = [r for r in rs if r["what"] == what]
+            table[f"{who}:{what}"] = {k: [r.get(k) for r in mine] for k in keys if k in mine[0]}
+    return dict(base=os.path.abspath(a.compare), this=HERE, rounds=a.rounds, per_task_us=table, runs=runs)
 
 
 if __name__ == "__main__":

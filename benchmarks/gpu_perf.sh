@@ -20,7 +20,8 @@
 #    and FSDP2-offload rows) with the begin stamps waited for on the device (the default),
 #    then the same with WXFER_BEGIN_WAIT=host (today's host wait) for the A/B on the same
 #    machine; 4. one table of both: link, wxfer, ratio, and the fixed cost before the first
-#    write (the push's phases: rejoin_check, begin_stamps) per row.
+#    write (the push's phases: rejoin_check, begin_stamps) per row, the submit phase per task and
+#    the batched copy launches' host time (stats()["direct"]["last_push"]; issue 37).
 # Every step is bounded and runs even when an earlier one failed; the exit status says whether
 # all passed. Logs under $OUT.
 set -x
@@ -61,8 +62,8 @@ done
 timeout 30 python3 - "$OUT" <<'PY' || rc=1
 import json, os, sys
 out = sys.argv[1]
-print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | fit: push_begin / begin_fence us |")
-print("|---|---|---|---|---|---|---|---|---|")
+print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made | fit: push_begin / begin_fence us |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
 for wait in ("device", "host"):
     p = os.path.join(out, "bb-%s" % wait, "results.json")
     if not os.path.exists(p):
@@ -80,11 +81,18 @@ for wait in ("device", "host"):
             continue
         fit = byw[max(byw, key=int)].get("simulated_calibration") or {}
         fit = "%.0f / %.0f" % (fit.get("push_begin_s", 0) * 1e6, fit.get("begin_fence_s", 0) * 1e6) if fit else "-"
-        print("| %s | %s | %.2f | %s | %s | %s | %s | %s | %s |" % (
+        # issue 37: the submit phase per task, and the batched copy launches' share of it
+        rs = [byw[k] for k in sorted(byw, key=int, reverse=True)]
+        per = " / ".join("%.2f" % (p.get("submit", 0) * 1e6 / max(1, w.get("tasks") or 1)) for p, w in zip(ph, rs))
+        per += " (%s)" % rs[0].get("tasks")
+        lp = [(w.get("direct") or {}).get("last_push") or {} for w in rs]
+        cl = " / ".join("%d, %.2f (%.2f), %s" % (x.get("launches", 0), x.get("launch_s", 0) * 1e3,
+                                           x.get("begin_wait_s", 0) * 1e3, x.get("bound", "-")) for x in lp) if any(lp) else "-"
+        print("| %s | %s | %.2f | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             wait, name, link * 1e3, " / ".join("%.2f" % (w * 1e3) for w in ws),
             " / ".join("%.2fx" % (w / link) for w in ws),
             " / ".join("%.0f" % (p.get("rejoin_check", 0) * 1e6) for p in ph),
             " / ".join("%.0f" % (p.get("begin_stamps", 0) * 1e6) for p in ph),
-            " / ".join("%.2f" % (p.get("submit", 0) * 1e3) for p in ph), fit))
+            " / ".join("%.2f" % (p.get("submit", 0) * 1e3) for p in ph), per, cl, fit))
 PY
 exit $rc

@@ -502,10 +502,10 @@ def test_the_first_copy_launch_comes_after_the_begin_stamps_landed(store, monkey
     real, seen = copies.copy_ranges, []
     pushed = [0]
 
-    def spy(device, items):
+    def spy(device, items, **kw):
         begun = [r for r in s.engine.trace() if r["tag"] == STAMP_TAG and r["t_submit"] >= pushed[0]]
         seen.append(bool(begun) and all(r["status"] == 0 for r in begun))
-        return real(device, items)
+        return real(device, items, **kw)
 
     monkeypatch.setattr(copies, "copy_ranges", spy)
     for step in (1, 2):
@@ -662,3 +662,104 @@ def test_small_copies_skip_a_receiver_that_failed_after_they_were_queued():
     assert int(regions[b"g1"].count_nonzero()) == 0  # neither copy landed on the failed one
     assert s.n["copies"] == 2 and s.n["skipped_writes"] == 2
     assert s.engine.tasks == [([(b"g0", 0, 0, 16), (b"g0", 16, 0, 16)], direct.COPIES_TAG)]
+
+
+def test_queue_copys_fast_path_reuses_a_binding_only_for_the_same_prep_memory_and_push_state():
+    """queue_copy's per-task fast path (issue 37: the checks made once per push and per binding):
+    the cached binding is reused while the task's prep and memory are the same; memory that moved
+    or a new prep is bound again (the new bytes land); verify on or direct switched off in a push
+    copy nothing; the bytes queued are those of every destination; the counters are the push's."""
+    from types import SimpleNamespace
+
+    regions = {b"g0": torch.zeros(64, dtype=torch.uint8), b"g1": torch.zeros(64, dtype=torch.uint8)}
+    s = _CopySender(regions, {b"g0": 0, b"g1": 1})
+    s.off = lambda: None if s.enabled else "off"  # switch() is seen, as the product's off() sees it
+    dests = [(b"g0", 8, 0, 16), (b"g1", 24, 0, 16)]
+    prep = SimpleNamespace(
+        zero_copy=True, direct=None, whole=[("w", torch.full((16,), 7, dtype=torch.uint8))], dests=dests, best=_COPY
+    )
+    op = SimpleNamespace(prep=prep, sends=True, nbytes=16, task=0)
+
+    def push(version, verify=False):
+        s.start(version, verify, lambda: None)
+        got = s.queue_copy(op)
+        queued = s.copy_q_bytes
+        s.flush_copies()
+        return got, queued
+
+    assert push(1) == (True, 32)  # 16 bytes to each of the two receivers
+    host = s.stats()["last_push"]  # the push's launches and their host seconds
+    assert host["launches"] == 1 and host["launch_s"] >= host["begin_wait_s"] >= 0 and host["bound"] == 1
+    bound = s.copy_plans[0]
+    assert torch.equal(regions[b"g0"][8:24], prep.whole[0][1]) and torch.equal(regions[b"g1"][24:40], prep.whole[0][1])
+    prep.whole[0][1].fill_(3)  # same memory, new bytes: the same binding copies them
+    assert push(2) == (True, 32) and s.copy_plans[0] is bound and s.n["copies"] == 1
+    assert s.stats()["last_push"]["bound"] == 0  # nothing bound again
+    assert int(regions[b"g1"][24:40].sum()) == 3 * 16
+    prep.whole = [("w", torch.full((16,), 9, dtype=torch.uint8))]  # the memory moved: bound again
+    assert push(3) == (True, 32) and s.copy_plans[0] is not bound
+    assert int(regions[b"g0"][8:24].sum()) == 9 * 16
+    bound = s.copy_plans[0]
+    op.prep = prep = SimpleNamespace(**vars(prep))  # prepared again (same memory): bound again
+    prep.whole[0][1].fill_(5)
+    assert push(4) == (True, 32) and s.copy_plans[0] is not bound and s.copy_plans[0][0] is prep
+    assert int(regions[b"g1"][24:40].sum()) == 5 * 16
+    prep.whole[0][1].fill_(6)
+    assert push(5, verify=True) == (False, 0)  # verify on: the engine's way, nothing copied
+    s.start(6, False, lambda: None)
+    s.switch(False)  # direct off within a push: from the next task on
+    assert s.queue_copy(op) is False and s.copy_q == []
+    s.switch(True)
+    assert s.queue_copy(op) is True and s.n["copies"] == 1
+    s.flush_copies()
+    assert int(regions[b"g0"][8:24].sum()) == 6 * 16
+    assert len(s.engine.tasks) == 5 and all(t[1] == direct.COPIES_TAG for t in s.engine.tasks)
+
+
+def test_a_launchs_range_table_is_kept_only_for_the_same_bound_items(monkeypatch):
+    """The batched copy kernel's range table of a push's i-th launch is the last push's when its
+    items are the same bindings' (no table made per launch per push), and made again -- the new
+    addresses -- when a task was bound again or the batch differs; always copies.table(items)."""
+    from types import SimpleNamespace
+
+    from wxfer.runtime import copies
+
+    seen = []
+    real = copies.copy_ranges
+
+    def record(device, items, copier=None, ranges=None):
+        assert ranges is not None and list(ranges) == list(copies.table(items))
+        seen.append(ranges)
+        return real(device, items, copier)
+
+    monkeypatch.setattr(copies, "copy_ranges", record)
+    regions = {b"g0": torch.zeros(256, dtype=torch.uint8)}
+    s = _CopySender(regions, {b"g0": 0})
+    srcs = [torch.full((16,), i + 1, dtype=torch.uint8) for i in range(3)]
+    ops = [
+        SimpleNamespace(
+            prep=SimpleNamespace(whole=[("w", srcs[i])], dests=[(b"g0", 16 * i, 0, 16)], best=_COPY),
+            sends=True,
+            nbytes=16,
+            task=i,
+        )
+        for i in range(3)
+    ]
+
+    def push(version, which):
+        s.start(version, False, lambda: None)
+        for i in which:
+            assert s.queue_copy(ops[i])
+        s.flush_copies()
+
+    push(1, [0, 1, 2])
+    push(2, [0, 1, 2])
+    assert seen[1] is seen[0]  # the same bindings: the same table
+    ops[1].prep.whole = [("w", torch.full((16,), 7, dtype=torch.uint8))]  # task 1's memory moved
+    push(3, [0, 1, 2])
+    assert seen[2] is not seen[1] and int(regions[b"g0"][16:32].sum()) == 7 * 16
+    push(4, [0, 2])  # another batch at that launch
+    assert seen[3] is not seen[2] and len(seen[3]) == 2 * 4
+    s.forget(0, [b"g0"])
+    push(5, [0, 2])
+    assert seen[4] is not seen[3]  # bound again after the restart: made again

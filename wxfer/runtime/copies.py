@@ -114,11 +114,12 @@ def table(items) -> array.array:
     return t
 
 
-def copy_ranges(device, items, copier: str | None = None) -> str:
+def copy_ranges(device, items, copier: str | None = None, ranges: array.array | None = None) -> str:
     """Copy every item [(dst tensor, src tensor, dst address, src address, nbytes)] on the
     current stream of CUDA `device` in one call; returns the copier that ran ("native",
     "driver" or "torch._foreach_copy_"). `copier`: "kernel" or "driver" (default ``COPIER``).
-    The tensors are byte views (the fallback copies them)."""
+    The tensors are byte views (the fallback copies them). `ranges`: ``table(items)`` made
+    by the caller (kept from an earlier launch of the same items), else made here."""
     global _last
     if not items:
         return "none"
@@ -129,7 +130,7 @@ def copy_ranges(device, items, copier: str | None = None) -> str:
         device = torch.device("cuda", torch.cuda.current_device())
     ran, why = _pick(device, copier)
     if ran == "native":
-        _native(device, items)
+        _native(device, items, ranges)
         _calls["native"] += 1
     elif ran == "driver":
         _driver(device, items)
@@ -152,14 +153,14 @@ def _driver(device, items) -> None:
     _wxfer.copy_batch(device.index, _raw_stream(device), triples)
 
 
-def _native(device, items) -> None:
+def _native(device, items, ranges=None) -> None:
     import torch
 
     from .. import _wxfer
     from .fp8 import _raw_stream
 
     stream = _raw_stream(device)
-    t = table(items)
+    t = table(items) if ranges is None else ranges
     key = (stream, t.tobytes())
     dev = _tables.get(key)
     if dev is None:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import struct
 import itertools
+import operator
+import time
 from itertools import zip_longest
 
 from .. import envs, taskpath
@@ -253,6 +255,12 @@ class InPlaceWriter:
         self.copy_q: list = []
         self.copy_q_bytes = 0  # their bytes
         self.copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
+        self.copy_live = False  # this push copies (``_copies_on``)
+        self.copy_events: list = []  # the CUDA event of each batched copy launch of a push, reused
+        self.copy_tables: list = []  # (items, copies.table of them) of each launch of the last push
+        # this push's batched copy launches, their host seconds, the copy bindings it made
+        # (stats()["direct"]["last_push"]; a push after the first should make none)
+        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
 
     def start(self, version: int, verify: bool, wait_begin) -> None:
@@ -260,10 +268,18 @@ class InPlaceWriter:
         once its begin stamps landed (waited for before its first in-place write)."""
         self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
         self.launched = False  # the last push's writes were waited for by the engine
+        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
+        self._copies_on()
 
     def switch(self, on: bool) -> None:
         """Turn the in-place writes on or off (``Sender.direct``), from the next task on."""
         self.enabled = bool(on)
+        self._copies_on()
+
+    def _copies_on(self) -> None:
+        """Whether this push copies at all (in-place writes on, verify off), decided once per
+        push (``start``, ``switch``) for queue_copy's per-task fast path (issue 37)."""
+        self.copy_live = self.off() is None and not self.verify
 
     def off(self) -> str | None:
         """Why no task of this Sender can be written in place, or None."""
@@ -335,18 +351,34 @@ class InPlaceWriter:
         (fewer bytes than copy_max()) and every destination is mapped here; False: the engine
         writes it (``_fast_task``). The copies go out in batches (``flush_copies``).  Per task
         per push: the classifier's answer for a copy candidate (``prep.best``, decided once) is
-        copy exactly when ``copy_why`` finds nothing against it."""
-        why, hit = self._copy_check(op)
-        if hit is not None:
+        copy exactly when ``copy_why`` finds nothing against it.  Its fast path (this push
+        copies, and the task's binding is cached for the same prep and memory) does not make
+        again the checks that cannot have changed since that binding was made (issue 37: the
+        per-task Python of the 1.7B-class push's 309 copy tasks)."""
+        prep = op.prep
+        hit = self.copy_plans.get(op.task)
+        if self.copy_live and hit is not None and hit[0] is prep and hit[3] is not None and op.nbytes < self.copy_max:
+            src = prep.whole[0][1]
+            src = getattr(src, "_local_tensor", src)
+            if hit[1] != src.data_ptr() or hit[2] != src.numel():
+                hit = None  # the memory moved: bound again by _copy_check
+        else:
+            hit = None
+        if hit is None:
+            why, hit = self._copy_check(op)
+            if hit is not None:
+                self._count_push()
+            if why is not None:
+                if hit is not None:  # a destination not mapped here: counted
+                    self.why[why] = self.why.get(why, 0) + 1
+                return False
+        elif self.counted != self.version:
             self._count_push()
-        if why is not None:
-            if hit is not None:  # a destination not mapped here: counted
-                self.why[why] = self.why.get(why, 0) + 1
-            return False
-        self.copy_q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
-        self.copy_q_bytes += sum(c[1][3] for c in hit[3])  # bytes written (every destination), as the simulator counts
+        q = self.copy_q
+        q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
+        self.copy_q_bytes += hit[5]  # bytes written (every destination), as the simulator counts
         self.n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
-        if copy_batch_full(len(self.copy_q), self.copy_q_bytes):
+        if copy_batch_full(len(q), self.copy_q_bytes):
             self.flush_copies()
         return True
 
@@ -379,11 +411,13 @@ class InPlaceWriter:
         hit = self.copy_plans.get(op.task)
         if hit is None or hit[0] is not prep or hit[1] != src.data_ptr() or hit[2] != src.numel():
             hit = self.copy_plans[op.task] = self._copy_bind(prep, src)
+            self.host["bound"] += 1  # (each push should make none after the first: stats' last_push)
         return hit
 
     def _copy_bind(self, prep, src) -> tuple:
-        """(prep, data_ptr, numel, [(gpu, destination view, source bytes)] or None, why not) of
-        a zero-copy task: each destination range checked by the transport (Transport.map)."""
+        """(prep, data_ptr, numel, [(gpu, engine destination, (destination view, source view,
+        their addresses, nbytes))] or None, why not, the bytes of them all) of a zero-copy
+        task: each destination range checked by the transport (Transport.map)."""
         import torch
 
         flat = src.detach().reshape(-1).view(torch.uint8)
@@ -398,8 +432,8 @@ class InPlaceWriter:
                 gpu = self.links.gpu_of_region.get(bytes(rdesc))
                 items.append((gpu, (rdesc, doff, soff, n), (d, sv, d.data_ptr(), sv.data_ptr(), n)))
         except _NotInPlace as e:
-            return (prep, src.data_ptr(), src.numel(), None, str(e))
-        return (prep, src.data_ptr(), src.numel(), items, None)
+            return (prep, src.data_ptr(), src.numel(), None, str(e), 0)
+        return (prep, src.data_ptr(), src.numel(), items, None, sum(c[1][3] for c in items))
 
     def flush_copies(self) -> None:
         """The queued small copies, in one batched launch (wxfer.runtime.copies: the native
@@ -411,16 +445,54 @@ class InPlaceWriter:
             return
         from . import copies
 
+        t0 = time.perf_counter()
         q, self.copy_q, self.copy_q_bytes = self.copy_q, [], 0
         # the begin stamps first (late: the engine's writes queued meanwhile were not held up), then
         # the receivers to skip: one that failed while its begin stamp was written is not copied to
         self._begin()
+        t1 = time.perf_counter()
         skip = self.links.skipped(self.engine)
         live = [c for c in q if c[0] not in skip] if skip else q
         self.n["skipped_writes"] += len(q) - len(live)
+        host = self.host
         if live:
-            self.copier = copies.copy_ranges(self.device, [c[2] for c in live])
-            self._submit([c[1] for c in live], COPIES_TAG)
+            i = host["launches"]
+            items = [c[2] for c in live]
+            self.copier = copies.copy_ranges(self.device, items, ranges=self._copy_table(i, items))
+            self._submit([c[1] for c in live], COPIES_TAG, event=self._copy_event(host["launches"]))
+            host["launches"] += 1
+        host["begin_wait_s"] += t1 - t0
+        host["launch_s"] += time.perf_counter() - t0
+
+    def _copy_table(self, i: int, items: list):
+        """The batched copy kernel's range table of a push's `i`-th launch of `items`: the last
+        push's when they are the same item objects (the cached bindings' tuples: the same
+        addresses and sizes; a binding made again has new ones), else made now and kept."""
+        from . import copies
+
+        tabs = self.copy_tables
+        if i < len(tabs):
+            old, t = tabs[i]
+            if len(old) == len(items) and all(map(operator.is_, old, items)):
+                return t
+        t = copies.table(items)
+        if i < len(tabs):
+            tabs[i] = (items, t)
+        elif i == len(tabs):
+            tabs.append((items, t))
+        return t
+
+    def _copy_event(self, i: int):
+        """The CUDA event recorded after a push's `i`-th batched copy launch (made once, reused
+        every push as a packed task's own is: the push before was waited for), or None (CPU)."""
+        if self.stream is None:
+            return None
+        evs = self.copy_events
+        while len(evs) <= i:
+            import torch
+
+            evs.append(torch.cuda.Event())
+        return evs[i]
 
     def _live(self, dests, skip: frozenset) -> list:
         """`dests` but those to the receivers in `skip` (not written: not the engine's)."""
@@ -429,11 +501,12 @@ class InPlaceWriter:
         gpu = self.links.gpu_of_region
         return [d for d in dests if gpu.get(bytes(d[0])) not in skip]
 
-    def _submit(self, dests, tag: int, plan: _Plan | None = None) -> None:
+    def _submit(self, dests, tag: int, plan: _Plan | None = None, event=None) -> None:
         """The writes just launched to `dests`, handed to the engine as one external task: with
-        a side stream, after a CUDA event recorded on it (`plan`'s own, re-recorded each push;
-        else a new one; the engine holds it until reaped); without one (the CPU) they ran on the
-        host and are done, signalled so at once.  The engine orders, skips, bounds and traces it."""
+        a side stream, after a CUDA event recorded on it (`plan`'s own or `event`, re-recorded
+        each push; else a new one; the engine holds it until reaped); without one (the CPU) they
+        ran on the host and are done, signalled so at once.  The engine orders, skips, bounds
+        and traces it."""
         if not dests:
             return
         eng = self.engine
@@ -442,7 +515,7 @@ class InPlaceWriter:
             return
         import torch
 
-        ev = None if plan is None else plan.event
+        ev = event if plan is None else plan.event
         if ev is None:
             ev = torch.cuda.Event()
             if plan is not None:
@@ -610,6 +683,8 @@ class InPlaceWriter:
         d = dict(self.n, enabled=self.enabled, total=self.total, copy_max=cm)
         if self.copier is not None:
             d["copier"] = self.copier  # the batched copies' last launch (wxfer.runtime.copies)
+        if self.host["launches"]:
+            d["last_push"] = dict(self.host)  # its batched copy launches' host seconds
         off = self.off()
         if off:
             d["why_not"] = off
@@ -630,9 +705,11 @@ class InPlaceWriter:
         for task, hit in list(self.copy_plans.items()):
             if hit[3] and any(c[0] == gpu for c in hit[3]):
                 del self.copy_plans[task]
+        self.copy_tables.clear()  # (made again at the next launches)
 
     def close(self) -> None:
         """Forget the views of the mapped regions (before the transport unmaps them)."""
         self.views.clear()
         self.plans.clear()
         self.copy_plans.clear()
+        self.copy_tables.clear()
