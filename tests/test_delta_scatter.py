@@ -215,6 +215,72 @@ def test_auto_scatters_where_cheapest_and_a_dropped_receiver_is_not_written(stor
             r.close()
 
 
+def _shards_equal(td, model, params, rank) -> bool:
+    """Receiver `rank` holds what a dense push of `model` writes there (no quantization)."""
+    for rk, dst, off, b in td.expected_shards(model, td.TINY, 2, None):
+        if rk == rank and not torch.equal(params[rk][dst].view(-1).view(torch.uint8)[off : off + b.numel()], b):
+            return False
+    return True
+
+
+def test_a_scattered_step_after_missed_records_is_refused_and_a_missed_empty_one_is_not(
+    store, emulated, monkeypatch  # noqa: F811
+):
+    """The scatter stores only the changed bytes: over a receiver that did not apply the records
+    before, the step it completes is wrong. Its apply() refuses it (DeltaError, resync asked)
+    though the step has no records of its own; a step without records that a receiver did not
+    apply (dense or scattered) is no reason to refuse the next."""
+    from wxfer.runtime import delta
+
+    td, model, params, sender, recvs = _sender_run(store, monkeypatch, "dmiss", "auto", {"scatter_Bps": 1.0}, 2, None)
+    gen = torch.Generator().manual_seed(8)
+    sc = sender.delta.scatter
+
+    def push(mode):
+        sc.mode = mode
+        td._touch(model, 0.01, gen)
+        sender.push()
+        return sender.stats()["delta"]["last"]
+
+    try:
+        sender.push()  # 1: dense (the first); receiver 1 does not apply it (no records in it)
+        recvs[0].apply()
+        last = push("force")  # 2: scattered over the dense bytes
+        assert last["tasks_scatter"] > 0 and last["tasks_delta"] == 0, last
+        assert [r.apply()["records"] for r in recvs] == [0, 0]
+        assert td._dense_equal(model, params, 2, None)
+        last = push("auto")  # 3: records (the scatter costed as slow as the link)
+        assert last["tasks_delta"] > 0 and last["tasks_scatter"] == 0, last
+        for r in recvs:
+            r.apply()
+        push("force")  # 4: scattered; receiver 1 does not apply it: nothing of it is missed
+        recvs[0].apply()
+        push("force")  # 5: scattered over step 3's applied records
+        assert [r.apply()["records"] for r in recvs] == [0, 0]
+        assert td._dense_equal(model, params, 2, None)
+        last = push("auto")  # 6: records; receiver 1 misses them
+        assert last["tasks_delta"] > 0, last
+        recvs[0].apply()
+        last = push("force")  # 7: every task scattered, no records: receiver 1's bytes are wrong
+        assert last["tasks_scatter"] > 0 and last["tasks_delta"] == 0, last
+        recvs[0].apply()
+        assert _shards_equal(td, model, params, 0)
+        assert recvs[1].version() == 7  # the stamps say complete: only apply() can tell
+        assert not _shards_equal(td, model, params, 1)
+        with pytest.raises(delta.DeltaError, match="records of step 6, which this worker did not apply"):
+            recvs[1].apply()
+        assert sender.delta.ctl.check("delta/resync/1")
+        last = push("force")  # 8: dense to receiver 1 (it asked), scattered to receiver 0
+        assert last["dense_why"].get("not_in_step", 0) > 0, last
+        for r in recvs:
+            r.apply()
+        assert td._dense_equal(model, params, 2, None)
+    finally:
+        sender.close()
+        for r in recvs:
+            r.close()
+
+
 def test_the_demo_flags_make_the_scatter_option():
     from argparse import Namespace as ns
 

@@ -204,7 +204,10 @@ class Staging:
                 magic, hv, last_rec, nrec, nb, _ = head
                 if magic != MAGIC or hv != v or self.applied.get(s, -1) >= hv:
                     continue
-                if nrec and last_rec >= 0 and self.applied_rec.get(s, -1) != last_rec:
+                # the bytes this step did not write (unchanged tasks, scattered ones: the
+                # scatter stores only the changed bytes) are right only over the records of
+                # step last_rec: required whether or not this step has records of its own
+                if last_rec >= 0 and self.applied_rec.get(s, -1) != last_rec:
                     self._resync(s, last_rec, hv)
                 if HEAD.size + nb > size:
                     raise DeltaError(f"trainer rank {s}'s records ({nb} bytes) overrun its slot of {size} bytes")

@@ -12,8 +12,9 @@ waited for before its first scatter launch (the engine's fence orders its own wr
 process's kernels); a receiver that failed or was dropped is not written (nor named in the
 task); each launch is handed to the engine as an external task (``Engine.submit_external``,
 a CUDA event recorded after it) so that the end stamps wait for it and torn detection is
-unchanged.  The shadow rule: a scattered receiver is in step like one that applied records,
-without a ``last_rec`` (its staging header, where it has one, says no records).
+unchanged.  The shadow rule: a scattered receiver is in step like one that applied records;
+its ``last_rec`` is kept (its staging header, where it has one, still names the last records
+sent to it, which its apply() checks: the scatter writes the changed bytes over them).
 
 ``Sender(delta={"scatter": ...})``: ``"auto"`` (default) a task the delta writer runs is
 scattered when that is the cheapest of dense, records and scatter (``changed /
