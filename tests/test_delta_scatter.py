@@ -223,9 +223,7 @@ def _shards_equal(td, model, params, rank) -> bool:
     return True
 
 
-def test_a_scattered_step_after_missed_records_is_refused_and_a_missed_empty_one_is_not(
-    store, emulated, monkeypatch  # noqa: F811
-):
+def test_a_scattered_step_after_missed_records_is_refused_and_a_missed_empty_one_is_not(store, emulated, monkeypatch):  # noqa: E501,F811
     """The scatter stores only the changed bytes: over a receiver that did not apply the records
     before, the step it completes is wrong. Its apply() refuses it (DeltaError, resync asked)
     though the step has no records of its own; a step without records that a receiver did not

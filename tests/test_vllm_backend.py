@@ -187,20 +187,54 @@ def test_delta_fields_are_checked_naming_the_field():
     assert WxferTrainerInitInfo(delta=False, delta_staging=0).delta is False  # dense: no staging needed
 
 
-class _Staging:
-    def __init__(self, apply):
-        self.apply = apply
+class _Ctl:
+    def __init__(self):
+        self.kv = {}
+
+    def set(self, k, v):
+        self.kv[k] = v
+
+    def add(self, k, n):
+        self.kv[k] = self.kv.get(k, 0) + n
+        return self.kv[k]
+
+
+def _with_staging(r, heads):
+    """The FakeReceiver `r` with a real delta.Staging (its buffer on the host, no transport): one
+    slot per trainer rank of `heads`, each holding a record-free header of that step; r.apply
+    applies it as Receiver.apply does (`calls`: the versions asked for)."""
+    from wxfer.runtime import delta
+
+    region = types.SimpleNamespace(descriptor=b"", close=lambda: None)
+    r.transport = types.SimpleNamespace(register=lambda buf, export: region)
+    r.device, r.gpu, r.ctl, r.senders = torch.device("cpu"), 1, _Ctl(), list(range(len(heads)))
+    r.version = lambda: r.v
+    r.staging = delta.Staging(r, 64 * len(heads))
+    for i, hv in enumerate(heads):
+        off, _ = r.staging.slot(i, len(heads))
+        head = delta.HEAD.pack(delta.MAGIC, hv, -1, 0, 0, 0)
+        r.staging.buf[off : off + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    calls = []
+
+    def apply(version=None, sender=None):
+        calls.append(version)
+        return r.staging.apply([], version, sender)
+
+    r.apply = apply
+    return calls
 
 
 def test_finish_applies_the_records_before_the_finalizers_timed(worker):
     from wxfer.integrations.vllm import Finalizer
 
     order, r = [], worker.receiver
-    r.staging = True
+    calls = _with_staging(r, [1, 1])
+    real = r.apply
 
-    def apply():
+    def apply(version=None):
         order.append("apply")
-        return dict(records=3, bytes=120, changed=7, applied_s=0.01, version=r.v)
+        real(version)
+        return dict(records=3, bytes=120, changed=7, applied_s=0.01, version=version)
 
     r.apply = apply
     worker.finalizers = [Finalizer("model.layers.0.mlp.experts", {}, lambda: order.append("finalize"))]
@@ -211,15 +245,16 @@ def test_finish_applies_the_records_before_the_finalizers_timed(worker):
     rep = worker.update_report
     assert order == ["apply", "finalize"] and rep["apply"] == dict(records=3, bytes=120, changed=7), rep
     assert rep["apply_s"] > 0 and rep["finish_s"] >= rep["apply_s"] + rep["finalize_s"], rep
+    assert calls == [1] and r.staging.applied == {0: 1, 1: 1}  # step 1's slots, asked by version
 
 
-def test_a_missed_apply_fails_the_update_naming_the_resync(worker):
+def test_a_missed_apply_fails_the_update_naming_the_mix_and_the_resync(worker):
     from wxfer.runtime.delta import DeltaError
 
     r = worker.receiver
-    r.staging = True
+    _with_staging(r, [2])
 
-    def apply():
+    def apply(version=None):
         raise DeltaError("the delta of step 2 from trainer rank 0 builds on the records of step 1")
 
     from wxfer.integrations.vllm import Finalizer
@@ -228,10 +263,37 @@ def test_a_missed_apply_fails_the_update_naming_the_resync(worker):
     worker.finalizers = [Finalizer("model.layers.0.mlp.experts", {}, lambda: ran.append(1))]
     worker.start_weight_update()
     worker.update_weights({"version": 2, "timeout": 5})
-    with pytest.raises(RuntimeError, match=r"version 2 failed.*records of step 1.*sen. to it dense") as e:
+    with pytest.raises(RuntimeError, match=r"version 2 failed.*records of step 1.*mix of versions.*send it dense") as e:
         worker.finish_weight_update()
+    assert "previous weight version" not in str(e.value)  # the dense and scattered tasks of 2 landed
     assert isinstance(e.value.__cause__, DeltaError) and worker.update_report is None
     assert ran == []  # nothing finalized over bytes the records did not bring in step
+
+
+@pytest.mark.parametrize("case", ["later push began", "a slot of another step"])
+def test_finish_applies_its_own_version_and_fails_where_a_slot_of_it_was_not_applied(worker, case):
+    """finish_weight_update(v) applies step v's records by version: a later push that began
+    after the completeness check (version() -1) or a slot whose header is of another step
+    leaves records of v unapplied: the update fails saying so and asks for a resync."""
+    from wxfer.integrations.vllm import Finalizer
+
+    r, ran = worker.receiver, []
+    calls = _with_staging(r, [2, 2] if case == "later push began" else [2, 3])
+    worker.finalizers = [Finalizer("model.layers.0.mlp.experts", {}, lambda: ran.append(1))]
+    r.v = 2
+    worker.start_weight_update()
+    worker.update_weights({"version": 2, "timeout": 5})
+    if case == "later push began":  # the stamps said complete; then the next push's begin stamps
+        r.st, r.v = dict(state="complete", version=2, ranks=[], message="step 2 complete"), -1
+    if case == "later push began":
+        want = r"version 2 failed.*records were applied while a later push was being written; version now -1"
+    else:
+        want = r"version 2 failed.*records of trainer rank\(s\) \[1\] were not applied.*version now 2"
+    with pytest.raises(RuntimeError, match=want + ".*mix of versions.*send it dense"):
+        worker.finish_weight_update()
+    assert calls == [2] and ran == [] and r.ctl.kv.get("delta/resync") == 1 and "delta/resync/1" in r.ctl.kv
+    if case == "later push began":
+        assert r.staging.applied == {0: 2, 1: 2}  # applied by version, though version() is -1
 
 
 def test_delta_is_refused_where_a_finalizer_rewrites_its_kept_memory(worker):
@@ -242,6 +304,9 @@ def test_delta_is_refused_where_a_finalizer_rewrites_its_kept_memory(worker):
     worker._refuse_delta_over_rewrites(E.WxferInitInfo(), "w")  # dense: fine
     with pytest.raises(RuntimeError, match=r"delta pushes .*model.layers.0.mlp.experts rewrites its kept memory"):
         worker._refuse_delta_over_rewrites(E.WxferInitInfo(delta_staging="1MiB"), "w")
+    # the cuda_ipc scatter writes the changed bytes with no staging area: delta on is enough
+    with pytest.raises(RuntimeError, match=r"delta pushes .*model.layers.0.mlp.experts rewrites its kept memory"):
+        worker._refuse_delta_over_rewrites(E.WxferInitInfo(extra=dict(delta=True)), "w")
 
 
 def test_the_worker_engine_builds_one_receiver_and_fails_stop(worker):

@@ -232,10 +232,19 @@ class Staging:
     def stats(self) -> dict:
         return dict(staging_bytes=self.nbytes, last=dict(self.last), total=dict(self.total))
 
-    def _resync(self, s: int, last_rec: int, v: int) -> None:
+    def unapplied(self, v: int) -> list:
+        """The trainer ranks whose slot of step `v` this worker has not applied (its header is of
+        another step: a later push began writing it, or it never came)."""
+        return [s for s in self.r.senders if self.applied.get(s, -1) < int(v)]
+
+    def ask_resync(self, v: int) -> None:
+        """Ask every trainer for a dense push to this worker (read at each push's start)."""
         ctl = self.r.ctl
         ctl.set("delta/resync/%d" % self.r.gpu, str(v).encode())
         ctl.add("delta/resync", 1)
+
+    def _resync(self, s: int, last_rec: int, v: int) -> None:
+        self.ask_resync(v)
         raise DeltaError(
             f"wxfer.Receiver gpu {self.r.gpu}: the delta of step {v} from trainer rank {s} builds on the "
             f"records of step {last_rec}, which this worker did not apply (apply() after every push); "

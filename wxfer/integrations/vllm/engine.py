@@ -195,12 +195,14 @@ class WorkerSide:
     def _refuse_delta_over_rewrites(self, info, where):
         """Delta records are the bytes that changed since the trainers' last push, applied over
         the memory they wrote: a finalizer whose post-processing rewrote its kept memory in place
-        (seen by the proof) would leave other bytes there, so delta is refused naming it."""
+        (seen by the proof) would leave other bytes there, so delta is refused naming it: where
+        the worker has a staging area, or the trainers say they push delta (``extra["delta"]``:
+        the cuda_ipc scatter writes the changed bytes with no staging area)."""
         bad = [f.module_name for f in self.finalizers if getattr(f, "rewrites_kept", False)]
-        if info.delta_staging and bad:
+        if (info.delta_staging or (info.extra or {}).get("delta")) and bad:
             raise RuntimeError(
-                f"wxfer: {where}: delta pushes (init_info delta_staging) need the memory the trainers "
-                f"write left as written, and vLLM's post-processing of {', '.join(bad[:6])} rewrites its "
+                f"wxfer: {where}: delta pushes (init_info delta_staging / extra['delta']) need the memory "
+                f"the trainers write left as written, and vLLM's post-processing of {', '.join(bad[:6])} rewrites its "
                 "kept memory in place; push dense (WxferTrainerInitInfo(delta=False))"
             )
 
@@ -313,23 +315,39 @@ class WorkerSide:
 
     def _apply_delta(self, r, v):
         """The trainers' delta records of step `v` applied into the registered memory (issue 36,
-        docs/delta.md): Receiver.apply()'s answer, or None where this worker has no staging area
-        (dense pushes only).  A worker that missed an earlier push's records (its
-        finish_weight_update never ran) cannot apply these: the Receiver has then asked the
-        trainers for a dense push, and the update fails here saying so."""
+        docs/delta.md): Receiver.apply(v)'s answer, or None where this worker has no staging area
+        (dense pushes only).  The update fails (the trainers asked for a dense push to this
+        worker) where they cannot be: the worker missed an earlier push's records (its
+        finish_weight_update never ran), or a later push began writing before they were applied."""
         if getattr(r, "staging", None) is None:
             return None
         from ...runtime.delta import DeltaError
 
+        mix = (
+            f"this worker's memory now holds a mix of versions: the tasks of version {v} sent dense or "
+            "scattered are in place, those sent as records are not, and the finalizers did not run; the "
+            "trainers send it dense from their next push (a resync), which brings it whole"
+        )
         try:
-            out = self.last_apply = r.apply()
+            out = self.last_apply = r.apply(v)
         except DeltaError as e:
             log.error("wxfer: update to version %d: delta records not applied: %s", v, e)
             raise RuntimeError(
                 f"wxfer: weight update to version {v} failed on this worker: its delta records cannot be "
-                f"applied ({e}). vLLM keeps its previous weight version; the worker's weights are stale "
-                "until the next send_weights, which the trainers send to it dense (a resync)"
+                f"applied ({e}); {mix}"
             ) from e
+        missing, now = r.staging.unapplied(v), r.version()
+        if missing or now != v:
+            r.staging.ask_resync(v)
+            what = (
+                f"the delta records of trainer rank(s) {missing} were not applied (their slots hold another step)"
+                if missing
+                else "its delta records were applied while a later push was being written"
+            )
+            raise RuntimeError(
+                f"wxfer: weight update to version {v} failed on this worker: {what}; version now {now} "
+                f"(a later push began); {mix}"
+            )
         return out
 
     def _report_update(self, v, t_finish, apply, t_fin, t_end) -> dict:

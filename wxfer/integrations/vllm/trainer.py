@@ -322,6 +322,7 @@ class TrainerSide:
                     replicas=info.replicas,
                     traced=traced,
                     delta_staging=info.delta_staging if info.delta else 0,
+                    **(dict(extra=dict(delta=True)) if info.delta else {}),  # the worker's rewrite check
                     **(dict(mapping=None) if traced else _worker_mapping(info.mapping)),
                 )
                 call = _Call(client.init_weight_transfer_engine, winfo)
