@@ -110,6 +110,29 @@ def test_no_scatter_without_the_kernels_or_a_mapped_destination(monkeypatch):
     assert sc.targets(_Op()) is None and not sc.chosen(_Op(), 10, 1.0, 1.0)
 
 
+def test_a_shadow_range_longer_than_its_mapped_destination_is_refused_before_anything_runs(monkeypatch):
+    """The scatter's store length is the shadow range's; the launcher knows only addresses, so the
+    writer refuses a destination whose shadow range (by source offset) is not its own length
+    (two destinations of one source offset, different lengths: the shadow keeps one of them),
+    naming the task and the destination, before the begin-stamp wait and any launch."""
+    import types
+
+    launched, begun = [], []
+    monkeypatch.setattr(delta_gpu, "scatter", lambda *a: launched.append(a))
+    ip = types.SimpleNamespace(external_begin=lambda: begun.append(1) or set(), external_done=lambda *a: None)
+    w = types.SimpleNamespace(gpu=True, runner=types.SimpleNamespace(inplace=ip), step={})
+    w.step.update(tasks_scatter=0, scatter_bytes=0, scatter_skipped=0)
+    sc = delta_scatter.Scatter("force", w)
+    monkeypatch.setattr(sc, "address", lambda rdesc, off, n: 4096 + off)
+    dests = [(b"r0", 0, 64, 32), (b"r1", 0, 64, 16)]  # one source offset, 32 then 16 bytes
+    op = types.SimpleNamespace(task=7, prep=types.SimpleNamespace(dests=dests))
+    sh = ([(64, 16, 0), (64, 32, 16)], torch.zeros(48, dtype=torch.uint8))  # sorted: by soff, n
+    with pytest.raises(ValueError, match=r"task 7: destination 1 \(offset 0, 16 bytes, source offset 64\) has a "
+                       r"shadow range of 32 bytes"):  # fmt: skip
+        sc.write(op, dests, [0, 1], sh, {"bits": None}, {64: (0, 5)})
+    assert launched == [] and begun == [] and sc.total["tasks"] == 0
+
+
 def _sender_run(store, monkeypatch, name, mode, costs, tp=2, quant="fp8", **kw):
     """A Sender with delta (scatter `mode`, `costs` and the link pinned) on the emulated kernel
     path, every destination "mapped" at its receiver's host address, and `tp` receivers:

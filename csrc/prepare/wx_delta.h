@@ -44,7 +44,10 @@ typedef struct wx_delta_rec {
 
 /* Scatter: the changed bytes of a shadow range of nbytes at bit0 (its offset in the shadow = its
  * first bit) stored at dst (the receiver's memory, mapped in the writer's context); seg0 as
- * above. */
+ * above. The launcher is given addresses only, not how many bytes are mapped at dst: the caller
+ * (wxfer/runtime/delta_scatter.py, Scatter.write) refuses a range whose nbytes is not the length
+ * it mapped for that destination (Transport.map of the destination's own range) before it
+ * builds the table; wx_delta_scatter_check checks dst non-null and the shadow/bitmask bounds. */
 typedef struct wx_delta_scat {
     uint64_t dst, bit0, nbytes, seg0;
 } wx_delta_scat_t;

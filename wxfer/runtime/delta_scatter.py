@@ -128,13 +128,21 @@ class Scatter:
         delta_gpu.count's state), handed to the engine as one external task to those receivers."""
         from . import delta_gpu
 
-        ip = self.w.runner.inplace
-        skip = ip.external_begin()
         shadow_of = {int(soff): (int(so), int(n)) for soff, n, so in sh[0]}
-        todo, live, stored, skipped = [], [], 0, 0
         addrs = self.targets(op)
         if len(addrs) != len(dests):  # (the same list: targets follows op.prep.dests)
             raise RuntimeError(f"delta scatter: task {op.task}: {len(dests)} destinations, {len(addrs)} mapped")
+        for i, d in enumerate(dests):  # each store inside the range mapped for it, before anything runs
+            so, n = shadow_of.get(int(d[2]), (None, None))
+            if n != int(d[3]):
+                raise ValueError(
+                    f"delta scatter: task {op.task}: destination {i} (offset {int(d[1])}, {int(d[3])} bytes, "
+                    f"source offset {int(d[2])}) has a shadow range of {n} bytes there: its length differs "
+                    "from the destination's mapped length; nothing scattered"
+                )
+        ip = self.w.runner.inplace
+        skip = ip.external_begin()
+        todo, live, stored, skipped = [], [], 0, 0
         for d, addr, g in zip(dests, addrs, gpus):
             if g in skip:
                 skipped += 1
