@@ -309,6 +309,56 @@ def test_delta_is_refused_where_a_finalizer_rewrites_its_kept_memory(worker):
         worker._refuse_delta_over_rewrites(E.WxferInitInfo(extra=dict(delta=True)), "w")
 
 
+class _Lin(torch.nn.Module):
+    """A layer whose post-processing keeps its weight transposed (as a GEMM packing would)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.weight = torch.nn.Parameter(w.t().contiguous(), requires_grad=False)
+
+
+@pytest.mark.parametrize("rewrites", [False, True])
+def test_the_proof_sees_a_finalizer_that_rewrites_its_kept_memory(monkeypatch, rewrites):
+    """postproc.classify (its real passes) with vLLM's reference load replaced by the same layer
+    built from the checkpoint's bytes: a hook's finalizer that transposes from its kept memory is
+    proven either way, and the one whose run rewrites that memory in place (here: transposes it
+    there first) is marked rewrites_kept, which the worker's delta refusal reads."""
+    from wxfer.integrations.vllm import Finalizer, postproc
+
+    w = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    live = torch.nn.Sequential()
+    live.add_module("lin", _Lin(torch.zeros(4, 4)))  # the worker's model: other weights loaded
+    ref = torch.nn.Sequential()
+    ref.add_module("lin", _Lin(w))  # vLLM's first load of `w`, post-processed
+
+    def reference(vllm_config, device, checkpoint):
+        names = dict(ref.named_modules())
+        return postproc._state(names, {}), postproc._fold({m: {} for m in names}), {}
+
+    monkeypatch.setattr(postproc, "_reference", reference)
+    kept = torch.zeros(4, 4)
+
+    def hook(model, name, module, ctx):
+        if name != "lin":
+            return None
+
+        def run():
+            if rewrites:
+                kept.copy_(kept.t().contiguous())  # post-processing in place, over the kept memory
+                module.weight.copy_(kept)
+            else:
+                module.weight.copy_(kept.t())
+
+        return Finalizer(name, {"weight": kept}, run)
+
+    dests = {"d": ("lin.weight", (4, 4), "float32")}
+    packed = {"d": w.view(-1).view(torch.uint8).clone()}
+    c = postproc.classify(live, types.SimpleNamespace(model_config=None), "cpu", dests, packed, [], hooks=[hook])
+    assert c.refused == [] and [f.module_name for f in c.finalize] == ["lin"], c.summary()
+    assert c.finalize[0].rewrites_kept is rewrites
+    assert torch.equal(live.lin.weight, torch.zeros(4, 4))  # the live model put back
+
+
 def test_the_worker_engine_builds_one_receiver_and_fails_stop(worker):
     r = worker.receiver
     assert (r.kw["replica"], r.kw["rank"], r.kw["tp"], r.kw["replicas"], r.kw["mapping"].name) == (
