@@ -44,7 +44,9 @@ class ReceiverState:
         """The step whose weights are all in place here; -1 before the first push, and while
         any trainer is writing (or gave up, or died, in the middle of writing) a step here.
         A reader that wants its use of the weights covered checks it again afterwards: the
-        same value, not -1, means no write touched them in between."""
+        same value, not -1, means no write touched them in between.  With delta pushes the
+        stamps say the step landed, not that its records were applied: call apply() after
+        every push (docs/delta.md); one that missed an apply() is told by the next apply()."""
         if not self.senders:
             return -1
         end, begin = self._stamps()
