@@ -228,17 +228,10 @@ def test_a_sender_on_the_kernel_path_is_bit_identical_to_dense(store, emulated, 
     used = []
     real = delta_gpu.emit
     monkeypatch.setattr(delta_gpu, "emit", lambda *a: (used.append(1), real(*a))[1])
-    from wxfer.models import TINY, preset_for
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     name, tp = "deltak" + str(quant), 2
-    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB")
-    model = td._model()
-    sender = Sender(
-        model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB", delta=td.SLOW
-    )
-    recvs = td.joined(ths, td.T)
+    model, params, sender, recvs = td._delta_run(addr, name, tp, quant)
     gen = torch.Generator().manual_seed(5)
     try:
         for step in range(1, 4):
@@ -271,17 +264,10 @@ def test_bypassed_pushes_drop_the_shadow_and_the_next_delta_starts_dense(store, 
     monkeypatch.setattr(delta_send, "_kernels", lambda device: (True, None))
     fast = {"on": False}
     monkeypatch.setattr(delta_send.DeltaWriter, "link_fast", lambda self: fast["on"])
-    from wxfer.models import TINY, preset_for
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     name, tp, quant = "deltabypass", 1, "fp8"
-    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB")
-    model = td._model()
-    sender = Sender(
-        model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB", delta=td.SLOW
-    )
-    recvs = td.joined(ths, td.T)
+    model, params, sender, recvs = td._delta_run(addr, name, tp, quant)
     gen = torch.Generator().manual_seed(9)
     lasts = []
     try:

@@ -118,19 +118,12 @@ def _sender_run(store, monkeypatch, name, mode, costs, tp=2, quant="fp8", **kw):
 
     if not td.FABRIC:
         pytest.skip("fabric transport not built")
-    from wxfer.models import TINY, preset_for
     from wxfer.runtime import delta_send
-    from wxfer.runtime.sender import Sender
 
     monkeypatch.setattr(delta_send, "_kernels", lambda device: (True, None))
     _, addr = store
-    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB", **kw)
-    model = td._model()
-    sender = Sender(
-        model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB",
-        delta=dict(td.SLOW, costs=dict(td.SLOW["costs"], **costs), scatter=mode),
-    )  # fmt: skip
-    recvs = td.joined(ths, td.T)
+    delta = dict(td.SLOW, costs=dict(td.SLOW["costs"], **costs), scatter=mode)
+    model, params, sender, recvs = td._delta_run(addr, name, tp, quant, delta, **kw)
     base = {}
     for r in recvs:
         for d, t in r.region_base.items():
