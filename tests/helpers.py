@@ -25,6 +25,22 @@ ONE_WRITE_PER_LINE = "import sys; sys.stdout.reconfigure(line_buffering=True, wr
 FABRIC_PROVIDERS = ["tcp", "shm"]
 
 
+def run_c_check(tmp_path, name, flags, after=()):
+    """Compiles the stand-alone check tests/c/`name`.c (`cc` `flags` -o EXE the source `after`:
+    more sources, libraries) and runs it: its CompletedProcess (text). Skips without a C compiler."""
+    import shutil
+
+    import pytest
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = str(tmp_path / name)
+    src = os.path.join(ROOT, "tests", "c", name + ".c")
+    subprocess.run([cc, *flags, "-o", exe, src, *after], check=True, capture_output=True, timeout=60)
+    return subprocess.run([exe], capture_output=True, text=True, timeout=60)
+
+
 def gpu_count() -> int:
     """CUDA GPUs torch sees here (0 where torch or the driver cannot tell: a broken install)."""
     try:
