@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from test_llm import NEW, ROOT, Trainers, tokens, ulp_bf16, worker_engine  # noqa: E402
+from vhelp import release  # noqa: E402
 
 ARCHS = ["qwen3", "llama", "mistral", "qwen2", "gemma2", "phi3", "olmo2"]
 # Llama with a vocabulary of 480: vLLM pads the embedding and head to 512 rows, set to zero at
@@ -132,10 +133,7 @@ def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, trainer
             f"proof {eng.proof_result['seconds']:.3f} s, test {time.monotonic() - t0:.1f} s"
         )
     finally:
-        try:
-            llm.shutdown_weight_transfer_engine()
-        except Exception:  # noqa: BLE001
-            pass
+        release(llm)
         # no reference may outlive this test (a failure's traceback keeps this frame): a vLLM
         # engine collected later tears down the distributed state the next engine runs in
         trainer.llm = trainer.client = llm = None

@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from test_llm import NEW, worker_engine, tokens  # noqa: E402
 from test_reach import Serving  # noqa: E402
+from vhelp import release  # noqa: E402
 
 import test_llm_moe  # noqa: E402 -- its leading_equal (not its fixtures)
 
@@ -179,9 +180,6 @@ def test_traced_map_through_finalize_gives_transformers_tokens(tmp_path, trainer
             f"{[round(s[3]['seconds'], 4) for s in seen]} s"
         )
     finally:
-        try:
-            llm.shutdown_weight_transfer_engine()
-        except Exception:  # noqa: BLE001
-            pass
+        release(llm)
         trainer.llm = trainer.client = llm = None
         gc.collect()

@@ -91,6 +91,16 @@ def wxfer_llm(path):
     return llm
 
 
+def release(llm):
+    """Closes the wxfer Receivers of a test's engine (``shutdown_weight_transfer_engine``) at its
+    teardown; an error there (nothing to release, an engine a failed test left half set up) is
+    not the test's result."""
+    try:
+        llm.shutdown_weight_transfer_engine()
+    except Exception:  # noqa: BLE001 -- nothing to release
+        pass
+
+
 def plant(kind):
     """Plant a post-processing of our own into vLLM's classes in this process (both the model
     built here and the proof's fresh reference instance get it): "transpose" re-lays
