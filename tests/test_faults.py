@@ -68,6 +68,16 @@ def _wait_registered(ctl, key, p):
         time.sleep(0.05)
 
 
+def _failing_push(sender, what):
+    """A push that must raise RuntimeError: (its seconds, its message), printed after `what`."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as ei:
+        sender.push()
+    took, msg = time.monotonic() - t0, str(ei.value)
+    print(f"{what} after {took:.2f} s: {msg}")
+    return took, msg
+
+
 def _dump(ctl, g, path, req=b"1"):
     """Worker gpu `g` (fault_worker.py) dumps what it holds to `path`; read back on the CPU."""
     ctl.set("test/dump/%d" % g, req)
@@ -137,12 +147,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, m
                     procs[1].send_signal(signal.SIGSTOP)
 
         sender._run_task = run_task
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError) as ei:
-            sender.push()
-        took = time.monotonic() - t0
-        msg = str(ei.value)
-        print(f"worker {fault} mid-step: push failed after {took:.2f} s: {msg}")
+        took, msg = _failing_push(sender, f"worker {fault} mid-step: push failed")
         assert took < wt + 5, took  # within write_timeout (+ slack)
         assert "step 2" in msg and "inference worker gpu 1 (replica 1 rank 0," in msg, msg
         if fault_name == "stop":
