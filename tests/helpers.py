@@ -252,3 +252,17 @@ def expected_shards(model, config: dict, tp: int = 1, quant: str | None = None) 
         preset_for(config).rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, False, quant), config
     )
     return [(sh.rank, sh.dst, sh.offset, pack_shard(sh, full)) for c in ex.components for sh in c.shards]
+
+
+def landed(model, params, rank, tp=2, config=None) -> bool:
+    """Every byte the plan of `config` (default: the tiny dense model, wxfer.models.TINY) writes
+    to TP rank `rank` of `tp` for `model`'s current weights is in that rank's `params`."""
+    import torch
+
+    from wxfer.models import TINY
+
+    return all(
+        torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b)
+        for r, dst, off, b in expected_shards(model, config or TINY, tp)
+        if r == rank
+    )
