@@ -138,16 +138,21 @@ def run_wxfer(*args, timeout: float, rc: int = 0, env: dict | None = None) -> su
     return p
 
 
-def run_json(*argv, timeout: float, env: dict | None = None) -> tuple[dict, str]:
+def run_script(*argv, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python argv...` run to its end from the repository root (on PYTHONPATH, `env` added to
-    the environment); its exit status must be 0.  (The JSON object of its last output line,
-    its whole output.)"""
-    import json
-
+    the environment): its CompletedProcess (text), whatever its exit status."""
     e = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-    p = subprocess.run(
+    return subprocess.run(
         [sys.executable, *map(str, argv)], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT
     )
+
+
+def run_json(*argv, timeout: float, env: dict | None = None) -> tuple[dict, str]:
+    """`python argv...` run as run_script() does; its exit status must be 0.  (The JSON object
+    of its last output line, its whole output.)"""
+    import json
+
+    p = run_script(*argv, timeout=timeout, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stdout
 
