@@ -137,24 +137,12 @@ def plant(kind):
         raise ValueError(kind)
 
 
-def build(path, tp=1, rank=0, port=29611, post=True, ep=False, keep=True):
-    """(vllm_config, model): vLLM's own model class for the checkpoint at `path`, TP rank `rank`
-    of `tp` (gloo), with vLLM's CPU GEMM dispatch kept on the parameters (keep_cpu_weights).
-    post: run vLLM's process_weights_after_loading too; ep: expert parallelism; keep: False
-    leaves vLLM's CPU GEMM dispatch as it is."""
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+def engine_config(path, tp=1, ep=False):
+    """vLLM's engine config of the checkpoint at `path` as the model builds here (this file's and
+    trace_proc.py's) make it: BF16, eager, 128 tokens, no tokenizer, `tp` ranks, `ep` expert parallel."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from wxfer.integrations.vllm import keep_cpu_weights
-
-    if keep:
-        keep_cpu_weights()
-    os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPU worker sets before its gloo groups
-    vc = EngineArgs(
+    return EngineArgs(
         model=path,
         skip_tokenizer_init=True,
         dtype="bfloat16",
@@ -164,6 +152,25 @@ def build(path, tp=1, rank=0, port=29611, post=True, ep=False, keep=True):
         enable_expert_parallel=ep,
         distributed_executor_backend="mp" if tp > 1 else None,
     ).create_engine_config()
+
+
+def build(path, tp=1, rank=0, port=29611, post=True, ep=False, keep=True):
+    """(vllm_config, model): vLLM's own model class for the checkpoint at `path`, TP rank `rank`
+    of `tp` (gloo), with vLLM's CPU GEMM dispatch kept on the parameters (keep_cpu_weights).
+    post: run vLLM's process_weights_after_loading too; ep: expert parallelism; keep: False
+    leaves vLLM's CPU GEMM dispatch as it is."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from wxfer.integrations.vllm import keep_cpu_weights
+
+    if keep:
+        keep_cpu_weights()
+    os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPU worker sets before its gloo groups
+    vc = engine_config(path, tp, ep)
     with set_current_vllm_config(vc):
         init_distributed_environment(
             world_size=tp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"
