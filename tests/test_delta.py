@@ -70,6 +70,15 @@ def _delta_run(addr, name, tp, quant, delta=SLOW, **recv_kw):
     return model, params, sender, joined(ths, T)
 
 
+def _push_equal(model, params, sender, recvs, tp, quant, what=""):
+    """One push, applied by every receiver (their apply() results returned); the receivers'
+    bytes then equal what a dense push of `model` writes."""
+    sender.push()
+    applied = [r.apply() for r in recvs]
+    assert _dense_equal(model, params, tp, quant), what
+    return applied
+
+
 def _dense_equal(model, params, tp, quant) -> bool:
     """The receivers hold what a dense push of `model`'s weights writes (the reference packing)."""
     for rank, dst, off, b in expected_shards(model, TINY, tp, quant):

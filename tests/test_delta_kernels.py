@@ -237,10 +237,7 @@ def test_a_sender_on_the_kernel_path_is_bit_identical_to_dense(store, emulated, 
         for step in range(1, 4):
             if step > 1:
                 td._touch(model, 0.01, gen)
-            sender.push()
-            for r in recvs:
-                r.apply()
-            assert td._dense_equal(model, params, tp, quant), f"step {step}"
+            td._push_equal(model, params, sender, recvs, tp, quant, f"step {step}")
         st = sender.stats()["delta"]
         assert st["encoder"] == "kernels" and st["last"]["tasks_delta"] > 0 and used
         # FP8: the tasks with FP8 pieces made in the shadow (the fused path), none for BF16
@@ -275,10 +272,7 @@ def test_bypassed_pushes_drop_the_shadow_and_the_next_delta_starts_dense(store, 
             fast["on"] = on
             if step > 1:
                 td._touch(model, 0.01, gen)
-            sender.push()
-            for r in recvs:
-                r.apply()
-            assert td._dense_equal(model, params, tp, quant), f"step {step}"
+            td._push_equal(model, params, sender, recvs, tp, quant, f"step {step}")
             st = sender.stats()["delta"]
             lasts.append((st["last"], st["shadow_bytes"]))
         (l1, s1), (l2, s2), (l3, s3), (l4, s4), (l5, s5) = lasts

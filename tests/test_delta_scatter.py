@@ -141,9 +141,7 @@ def test_a_forced_scatter_push_is_bit_identical_to_dense_and_sends_no_records(st
         for step in range(1, 4):
             if step > 1:
                 td._touch(model, 0.01, gen)
-            sender.push()
-            applied = [r.apply() for r in recvs]
-            assert td._dense_equal(model, params, 2, quant), f"step {step}"
+            applied = td._push_equal(model, params, sender, recvs, 2, quant, f"step {step}")
             lasts.append((sender.stats()["delta"]["last"], applied))
         (l1, _), (l2, a2), (l3, a3) = lasts
         assert l1["tasks_scatter"] == 0 and l1["dense_why"].get("first", 0) > 0  # dense by rule
@@ -168,19 +166,13 @@ def test_auto_scatters_where_cheapest_and_a_dropped_receiver_is_not_written(stor
         for step in range(1, 3):
             if step > 1:
                 td._touch(model, 0.01, gen)
-            sender.push()
-            for r in recvs:
-                r.apply()
-            assert td._dense_equal(model, params, 2, "fp8")
+            td._push_equal(model, params, sender, recvs, 2, "fp8")
         last = sender.stats()["delta"]["last"]
         assert last["tasks_scatter"] > 0 and last["tasks_delta"] == 0, last
         # the scatter as slow as the link: records again
         sender.delta.costs["scatter_Bps"] = 1.0
         td._touch(model, 0.01, gen)
-        sender.push()
-        for r in recvs:
-            r.apply()
-        assert td._dense_equal(model, params, 2, "fp8")
+        td._push_equal(model, params, sender, recvs, 2, "fp8")
         last = sender.stats()["delta"]["last"]
         assert last["tasks_scatter"] == 0 and last["tasks_delta"] > 0, last
         # worker gpu 1 given up on (dropped): the scatter skips it, gpu 0 gets the new bytes
