@@ -67,10 +67,10 @@ def save_checkpoint(path, moe=False, fp8=False, seed=0, **kw):
     return cfg
 
 
-def wxfer_llm(path):
+def wxfer_llm(path, **engine_kw):
     """The offline ``vllm.LLM`` every test here serves from the checkpoint at `path` with
-    ``WeightTransferConfig(backend="wxfer")`` (token ids in, no tokenizer, eager), with the
-    checkpoint and its start seconds on it (``wxfer_ckpt``, ``wxfer_start_s``)."""
+    ``WeightTransferConfig(backend="wxfer")`` (token ids in, no tokenizer, eager; `engine_kw`
+    added: TP), with the checkpoint and its start seconds on it (``wxfer_ckpt``, ``wxfer_start_s``)."""
     import time
 
     from vllm import LLM
@@ -85,6 +85,7 @@ def wxfer_llm(path):
         max_num_seqs=4,
         enforce_eager=True,
         weight_transfer_config=WeightTransferConfig(backend="wxfer"),
+        **engine_kw,
     )
     llm.wxfer_ckpt = path
     llm.wxfer_start_s = time.monotonic() - t0
