@@ -85,6 +85,15 @@ def _dump(ctl, g, path, req=b"1"):
     return torch.load(path, map_location="cpu")
 
 
+def _assert_kept_and_restarted(ctl, m, tmp_path, version):
+    """Worker gpu 0 (dumping to tmp_path/0.pt) and gpu 1's restart (tmp_path/new/1.pt) both hold
+    step `version`'s stamp and every byte of `m`."""
+    for g, path in ((0, tmp_path / "0.pt"), (1, tmp_path / "new" / "1.pt")):
+        got = _dump(ctl, g, path)
+        assert got["version"] == version, (g, got["version"])
+        _assert_bytes(got, m, g)
+
+
 def _assert_bytes(got, m, who):
     """Every byte of a dump `got` is what the mapping makes of `m`'s weights."""
     for dst, off, b in _expected(m):
@@ -172,10 +181,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, m
         assert sender.stats()["rejoined"] == 1
         # the other worker got every byte of steps 2, 3 and 4 and their version stamps, the
         # restarted one every byte of step 4 and its stamp
-        for g, path in ((0, tmp_path / "0.pt"), (1, tmp_path / "new" / "1.pt")):
-            got = _dump(ctl, g, path)
-            assert got["version"] == 4, (g, got["version"])
-            _assert_bytes(got, m, g)
+        _assert_kept_and_restarted(ctl, m, tmp_path, 4)
         sender.close()
     finally:
         if fault_name == "stop" and procs[1].poll() is None:

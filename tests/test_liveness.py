@@ -24,7 +24,7 @@ T = 30.0
 FABRIC = _wxfer.backends()["fabric"][0]
 sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
-from test_faults import _assert_bytes, _dump, _failing_push, _reap, _scaled, _spawn, _wait_registered  # noqa: E402
+from test_faults import _assert_kept_and_restarted, _failing_push, _reap, _scaled, _spawn, _wait_registered  # noqa: E402
 
 
 def _sleeper():
@@ -146,10 +146,7 @@ def test_a_worker_killed_between_pushes_is_named_by_its_pid_and_its_restart_take
         _scaled(m)
         sender.push()
         assert sender.stats()["rejoined"] == 1 and sender.links.dead == {}
-        for g, path in ((0, tmp_path / "0.pt"), (1, tmp_path / "new" / "1.pt")):
-            got = _dump(ctl, g, path)
-            assert got["version"] == 3, (g, got["version"])
-            _assert_bytes(got, m, g)
+        _assert_kept_and_restarted(ctl, m, tmp_path, 3)
         sender.close()
     finally:
         _reap(procs)
