@@ -74,7 +74,10 @@ class Serving(Trainers):
         ]
         self.conn = None  # accepted at the first job: its imports overlap the first engine's start
 
-    def job(self, llm, ckpt):
+    prefix = "reach"  # the jobs' names: PREFIX<port>
+
+    def job(self, llm, ckpt, *extra):
+        """The next job (`extra`: what trainer_proc.py's job takes past its name) for `llm`."""
         from wxfer.integrations.vllm import LLMClient
         from wxfer.runtime.control import free_port
 
@@ -82,19 +85,23 @@ class Serving(Trainers):
             self.conn = self._accept(180)
         self.llm, self.client, self.rpc_errors = llm, LLMClient(llm), []
         port = free_port()
-        self.conn.send(("job", ckpt, "127.0.0.1:%d" % port, "reach%d" % port))
+        self.conn.send(("job", ckpt, "127.0.0.1:%d" % port, "%s%d" % (self.prefix, port), *extra))
+
+    def quit(self):
+        """The serving process told to exit (unless it is gone already), then waited for."""
+        try:
+            if self.conn is not None:
+                self.conn.send(("quit",))
+        except OSError:
+            pass
+        self.close()
 
 
 @pytest.fixture(scope="module")
 def trainer():
     tr = Serving()
     yield tr
-    try:
-        if tr.conn is not None:
-            tr.conn.send(("quit",))
-    except OSError:
-        pass
-    tr.close()
+    tr.quit()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
