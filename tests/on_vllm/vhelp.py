@@ -138,9 +138,10 @@ def plant(kind):
         raise ValueError(kind)
 
 
-def engine_config(path, tp=1, ep=False):
-    """vLLM's engine config of the checkpoint at `path` as the model builds here (this file's and
-    trace_proc.py's) make it: BF16, eager, 128 tokens, no tokenizer, `tp` ranks, `ep` expert parallel."""
+def engine_config(path, tp=1, ep=False, **extra):
+    """vLLM's engine config of the checkpoint at `path` as the model builds here (this file's,
+    trace_proc.py's and mla_proc.py's) make it: BF16, eager, 128 tokens, no tokenizer, `tp` ranks,
+    `ep` expert parallel, `extra` more EngineArgs (mla_proc.py's MTP draft)."""
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
@@ -152,6 +153,7 @@ def engine_config(path, tp=1, ep=False):
         tensor_parallel_size=tp,
         enable_expert_parallel=ep,
         distributed_executor_backend="mp" if tp > 1 else None,
+        **extra,
     ).create_engine_config()
 
 
