@@ -25,6 +25,22 @@ ONE_WRITE_PER_LINE = "import sys; sys.stdout.reconfigure(line_buffering=True, wr
 FABRIC_PROVIDERS = ["tcp", "shm"]
 
 
+def run_c_check(tmp_path, name, flags, after=()):
+    """Compiles the stand-alone check tests/c/`name`.c (`cc` `flags` -o EXE the source `after`:
+    more sources, libraries) and runs it: its CompletedProcess (text). Skips without a C compiler."""
+    import shutil
+
+    import pytest
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = str(tmp_path / name)
+    src = os.path.join(ROOT, "tests", "c", name + ".c")
+    subprocess.run([cc, *flags, "-o", exe, src, *after], check=True, capture_output=True, timeout=60)
+    return subprocess.run([exe], capture_output=True, text=True, timeout=60)
+
+
 def gpu_count() -> int:
     """CUDA GPUs torch sees here (0 where torch or the driver cannot tell: a broken install)."""
     try:
@@ -122,16 +138,21 @@ def run_wxfer(*args, timeout: float, rc: int = 0, env: dict | None = None) -> su
     return p
 
 
-def run_json(*argv, timeout: float, env: dict | None = None) -> tuple[dict, str]:
+def run_script(*argv, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python argv...` run to its end from the repository root (on PYTHONPATH, `env` added to
-    the environment); its exit status must be 0.  (The JSON object of its last output line,
-    its whole output.)"""
-    import json
-
+    the environment): its CompletedProcess (text), whatever its exit status."""
     e = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-    p = subprocess.run(
+    return subprocess.run(
         [sys.executable, *map(str, argv)], capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT
     )
+
+
+def run_json(*argv, timeout: float, env: dict | None = None) -> tuple[dict, str]:
+    """`python argv...` run as run_script() does; its exit status must be 0.  (The JSON object
+    of its last output line, its whole output.)"""
+    import json
+
+    p = run_script(*argv, timeout=timeout, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stdout
 
@@ -236,3 +257,17 @@ def expected_shards(model, config: dict, tp: int = 1, quant: str | None = None) 
         preset_for(config).rules, {n: tuple(t.shape) for n, t in full.items()}, Layout(tp, False, quant), config
     )
     return [(sh.rank, sh.dst, sh.offset, pack_shard(sh, full)) for c in ex.components for sh in c.shards]
+
+
+def landed(model, params, rank, tp=2, config=None) -> bool:
+    """Every byte the plan of `config` (default: the tiny dense model, wxfer.models.TINY) writes
+    to TP rank `rank` of `tp` for `model`'s current weights is in that rank's `params`."""
+    import torch
+
+    from wxfer.models import TINY
+
+    return all(
+        torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b)
+        for r, dst, off, b in expected_shards(model, config or TINY, tp)
+        if r == rank
+    )

@@ -5,14 +5,13 @@ per-tensor pattern leave the inference memory bit-identical to wxfer's."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from helpers import run_json  # noqa: E402 -- tests/helpers.py
+from helpers import run_json, run_script  # noqa: E402 -- tests/helpers.py
 
 
 def test_buckets_hold_whole_components_and_every_source_once():
@@ -107,20 +106,8 @@ def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
 
 
 def test_unknown_method_is_refused():
-    p = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "bench_baselines.py"),
-            "--dry-run",
-            "--methods",
-            "wxfer,nope",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=dict(os.environ, PYTHONPATH=ROOT),
-        cwd=ROOT,
-    )
+    bench = os.path.join(ROOT, "benchmarks", "bench_baselines.py")
+    p = run_script(bench, "--dry-run", "--methods", "wxfer,nope", timeout=60)
     assert p.returncode != 0 and "unknown methods" in p.stderr + p.stdout
 
 
@@ -130,35 +117,29 @@ def test_a_failing_method_is_reported_and_the_others_still_run(tmp_path):
     watermarks, as many timed steps as the headline, the receiver's bytes after the last of
     them still the reference's."""
     out = tmp_path / "bb"
-    env = dict(os.environ, PYTHONPATH=ROOT, BB_FAIL_METHOD="rank0")  # the inference rank raises in rank0
-    p = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "bench_baselines.py"),
-            "--dry-run",
-            "--models",
-            "tiny",
-            "--quant",
-            "bf16",
-            "--layouts",
-            "disagg",  # (the one configuration checked below; colocated was a second, unchecked one)
-            "--reps",
-            "1",
-            "--timeout",
-            "30",
-            "--copy-max",
-            "0,all",
-            "--calibration",
-            "none",  # (predicted_s is the first test's; this one is about failures)
-            "--out",
-            str(out),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
+    env = dict(BB_FAIL_METHOD="rank0")  # the inference rank raises in rank0
+    p = run_script(
+        os.path.join(ROOT, "benchmarks", "bench_baselines.py"),
+        "--dry-run",
+        "--models",
+        "tiny",
+        "--quant",
+        "bf16",
+        "--layouts",
+        "disagg",  # (the one configuration checked below; colocated was a second, unchecked one)
+        "--reps",
+        "1",
+        "--timeout",
+        "30",
+        "--copy-max",
+        "0,all",
+        "--calibration",
+        "none",  # (predicted_s is the first test's; this one is about failures)
+        "--out",
+        str(out),
+        "--json",
         timeout=80,
         env=env,
-        cwd=ROOT,
     )
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])["results"][0]

@@ -59,6 +59,26 @@ def _touch(model, rate: float, gen) -> None:
             p[m] = p[m] * 1.07 + 0.01
 
 
+def _delta_run(addr, name, tp, quant, delta=SLOW, **recv_kw):
+    """`tp` receivers in threads (1 MiB delta staging) and a delta Sender (`delta`, 8 MiB
+    watermark) of a fresh tiny model: (the model, each receiver's params, the sender, the receivers)."""
+    from wxfer.runtime.sender import Sender
+
+    params, ths = receivers_in_threads(TINY, addr, name, tp, quant, timeout=T, delta_staging="1MiB", **recv_kw)
+    model = _model()
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=delta)
+    return model, params, sender, joined(ths, T)
+
+
+def _push_equal(model, params, sender, recvs, tp, quant, what=""):
+    """One push, applied by every receiver (their apply() results returned); the receivers'
+    bytes then equal what a dense push of `model` writes."""
+    sender.push()
+    applied = [r.apply() for r in recvs]
+    assert _dense_equal(model, params, tp, quant), what
+    return applied
+
+
 def _dense_equal(model, params, tp, quant) -> bool:
     """The receivers hold what a dense push of `model`'s weights writes (the reference packing)."""
     for rank, dst, off, b in expected_shards(model, TINY, tp, quant):
@@ -71,14 +91,10 @@ def _dense_equal(model, params, tp, quant) -> bool:
 @pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 @pytest.mark.parametrize("quant", [None, "fp8"])
 def test_delta_push_is_bit_identical_to_dense_every_step(store, quant):
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     name, tp = "delta" + str(quant), 2
-    params, ths = receivers_in_threads(TINY, addr, name, tp, quant, timeout=T, delta_staging="1MiB")
-    model = _model()
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=SLOW)
-    recvs = joined(ths, T)
+    model, params, sender, recvs = _delta_run(addr, name, tp, quant)
     gen = torch.Generator().manual_seed(0)
     kinds = []
     for step in range(1, 5):
@@ -112,14 +128,10 @@ def test_delta_push_is_bit_identical_to_dense_every_step(store, quant):
 
 @pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 def test_dense_after_a_failure_and_after_a_missed_apply(store):
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     name, tp = "deltafail", 1
-    params, ths = receivers_in_threads(TINY, addr, name, tp, "fp8", timeout=T, delta_staging="1MiB")
-    model = _model()
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=SLOW)
-    (recv,) = joined(ths, T)
+    model, params, sender, (recv,) = _delta_run(addr, name, tp, "fp8")
     gen = torch.Generator().manual_seed(2)
     sender.push()
     recv.apply()
@@ -166,14 +178,10 @@ def test_dense_after_a_failure_and_after_a_missed_apply(store):
 
 @pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 def test_verify_checks_the_whole_destination_of_a_delta_push(store):
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     name = "deltaverify"
-    params, ths = receivers_in_threads(TINY, addr, name, 1, None, timeout=T, delta_staging="1MiB", verify=True)
-    model = _model()
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=SLOW)
-    (recv,) = joined(ths, T)
+    model, params, sender, (recv,) = _delta_run(addr, name, 1, None, verify=True)
     gen = torch.Generator().manual_seed(4)
     for step in range(1, 4):
         if step > 1:
@@ -202,14 +210,10 @@ def test_a_restarted_worker_is_written_dense_then_in_delta_again(store):
     from wxfer.models import inference_params
     from wxfer.runtime import control
     from wxfer.runtime.receiver import Receiver
-    from wxfer.runtime.sender import Sender
 
     s, addr = store
     name, tp = "deltarestart", 2
-    params, ths = receivers_in_threads(TINY, addr, name, tp, None, timeout=T, delta_staging="1MiB")
-    model = _model()
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, watermark="8MiB", delta=SLOW)
-    recvs = joined(ths, T)
+    model, params, sender, recvs = _delta_run(addr, name, tp, None)
     gen = torch.Generator().manual_seed(5)
     for _ in range(2):
         _touch(model, 0.01, gen)

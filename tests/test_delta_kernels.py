@@ -228,26 +228,16 @@ def test_a_sender_on_the_kernel_path_is_bit_identical_to_dense(store, emulated, 
     used = []
     real = delta_gpu.emit
     monkeypatch.setattr(delta_gpu, "emit", lambda *a: (used.append(1), real(*a))[1])
-    from wxfer.models import TINY, preset_for
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     name, tp = "deltak" + str(quant), 2
-    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB")
-    model = td._model()
-    sender = Sender(
-        model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB", delta=td.SLOW
-    )
-    recvs = td.joined(ths, td.T)
+    model, params, sender, recvs = td._delta_run(addr, name, tp, quant)
     gen = torch.Generator().manual_seed(5)
     try:
         for step in range(1, 4):
             if step > 1:
                 td._touch(model, 0.01, gen)
-            sender.push()
-            for r in recvs:
-                r.apply()
-            assert td._dense_equal(model, params, tp, quant), f"step {step}"
+            td._push_equal(model, params, sender, recvs, tp, quant, f"step {step}")
         st = sender.stats()["delta"]
         assert st["encoder"] == "kernels" and st["last"]["tasks_delta"] > 0 and used
         # FP8: the tasks with FP8 pieces made in the shadow (the fused path), none for BF16
@@ -271,17 +261,10 @@ def test_bypassed_pushes_drop_the_shadow_and_the_next_delta_starts_dense(store, 
     monkeypatch.setattr(delta_send, "_kernels", lambda device: (True, None))
     fast = {"on": False}
     monkeypatch.setattr(delta_send.DeltaWriter, "link_fast", lambda self: fast["on"])
-    from wxfer.models import TINY, preset_for
-    from wxfer.runtime.sender import Sender
 
     _, addr = store
     name, tp, quant = "deltabypass", 1, "fp8"
-    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB")
-    model = td._model()
-    sender = Sender(
-        model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB", delta=td.SLOW
-    )
-    recvs = td.joined(ths, td.T)
+    model, params, sender, recvs = td._delta_run(addr, name, tp, quant)
     gen = torch.Generator().manual_seed(9)
     lasts = []
     try:
@@ -289,10 +272,7 @@ def test_bypassed_pushes_drop_the_shadow_and_the_next_delta_starts_dense(store, 
             fast["on"] = on
             if step > 1:
                 td._touch(model, 0.01, gen)
-            sender.push()
-            for r in recvs:
-                r.apply()
-            assert td._dense_equal(model, params, tp, quant), f"step {step}"
+            td._push_equal(model, params, sender, recvs, tp, quant, f"step {step}")
             st = sender.stats()["delta"]
             lasts.append((st["last"], st["shadow_bytes"]))
         (l1, s1), (l2, s2), (l3, s3), (l4, s4), (l5, s5) = lasts

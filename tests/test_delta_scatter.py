@@ -141,19 +141,12 @@ def _sender_run(store, monkeypatch, name, mode, costs, tp=2, quant="fp8", **kw):
 
     if not td.FABRIC:
         pytest.skip("fabric transport not built")
-    from wxfer.models import TINY, preset_for
     from wxfer.runtime import delta_send
-    from wxfer.runtime.sender import Sender
 
     monkeypatch.setattr(delta_send, "_kernels", lambda device: (True, None))
     _, addr = store
-    params, ths = td.receivers_in_threads(TINY, addr, name, tp, quant, timeout=td.T, delta_staging="1MiB", **kw)
-    model = td._model()
-    sender = Sender(
-        model, mapping=preset_for(TINY), store=addr, name=name, timeout=td.T, watermark="8MiB",
-        delta=dict(td.SLOW, costs=dict(td.SLOW["costs"], **costs), scatter=mode),
-    )  # fmt: skip
-    recvs = td.joined(ths, td.T)
+    delta = dict(td.SLOW, costs=dict(td.SLOW["costs"], **costs), scatter=mode)
+    model, params, sender, recvs = td._delta_run(addr, name, tp, quant, delta, **kw)
     base = {}
     for r in recvs:
         for d, t in r.region_base.items():
@@ -171,9 +164,7 @@ def test_a_forced_scatter_push_is_bit_identical_to_dense_and_sends_no_records(st
         for step in range(1, 4):
             if step > 1:
                 td._touch(model, 0.01, gen)
-            sender.push()
-            applied = [r.apply() for r in recvs]
-            assert td._dense_equal(model, params, 2, quant), f"step {step}"
+            applied = td._push_equal(model, params, sender, recvs, 2, quant, f"step {step}")
             lasts.append((sender.stats()["delta"]["last"], applied))
         (l1, _), (l2, a2), (l3, a3) = lasts
         assert l1["tasks_scatter"] == 0 and l1["dense_why"].get("first", 0) > 0  # dense by rule
@@ -198,19 +189,13 @@ def test_auto_scatters_where_cheapest_and_a_dropped_receiver_is_not_written(stor
         for step in range(1, 3):
             if step > 1:
                 td._touch(model, 0.01, gen)
-            sender.push()
-            for r in recvs:
-                r.apply()
-            assert td._dense_equal(model, params, 2, "fp8")
+            td._push_equal(model, params, sender, recvs, 2, "fp8")
         last = sender.stats()["delta"]["last"]
         assert last["tasks_scatter"] > 0 and last["tasks_delta"] == 0, last
         # the scatter as slow as the link: records again
         sender.delta.costs["scatter_Bps"] = 1.0
         td._touch(model, 0.01, gen)
-        sender.push()
-        for r in recvs:
-            r.apply()
-        assert td._dense_equal(model, params, 2, "fp8")
+        td._push_equal(model, params, sender, recvs, 2, "fp8")
         last = sender.stats()["delta"]["last"]
         assert last["tasks_scatter"] == 0 and last["tasks_delta"] > 0, last
         # worker gpu 1 given up on (dropped): the scatter skips it, gpu 0 gets the new bytes

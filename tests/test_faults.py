@@ -53,6 +53,54 @@ def _expected(model):
     return [(dst, off, b) for _, dst, off, b in expected_shards(model, TINY)]
 
 
+def _scaled(m, f=1.5):
+    """The trainer's next step: every weight of `m` times `f`."""
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(f)
+
+
+def _wait_registered(ctl, key, p):
+    """Until the (re)started worker process `p` has registered `key`; bounded by T, fails if it exits."""
+    deadline = time.monotonic() + T
+    while not ctl.check(key):
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()[0]
+        time.sleep(0.05)
+
+
+def _failing_push(sender, what):
+    """A push that must raise RuntimeError: (its seconds, its message), printed after `what`."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as ei:
+        sender.push()
+    took, msg = time.monotonic() - t0, str(ei.value)
+    print(f"{what} after {took:.2f} s: {msg}")
+    return took, msg
+
+
+def _dump(ctl, g, path, req=b"1"):
+    """Worker gpu `g` (fault_worker.py) dumps what it holds to `path`; read back on the CPU."""
+    ctl.set("test/dump/%d" % g, req)
+    ctl.get("test/dumped/%d" % g, f"worker {g}'s dump", T)
+    return torch.load(path, map_location="cpu")
+
+
+def _assert_kept_and_restarted(ctl, m, tmp_path, version):
+    """Worker gpu 0 (dumping to tmp_path/0.pt) and gpu 1's restart (tmp_path/new/1.pt) both hold
+    step `version`'s stamp and every byte of `m`."""
+    for g, path in ((0, tmp_path / "0.pt"), (1, tmp_path / "new" / "1.pt")):
+        got = _dump(ctl, g, path)
+        assert got["version"] == version, (g, got["version"])
+        _assert_bytes(got, m, g)
+
+
+def _assert_bytes(got, m, who):
+    """Every byte of a dump `got` is what the mapping makes of `m`'s weights."""
+    for dst, off, b in _expected(m):
+        flat = got["params"][dst].view(-1).view(torch.uint8)
+        assert torch.equal(flat[off : off + b.numel()], b), (who, dst)
+
+
 # issue 25's fault matrix over libfabric shm, run by hand on the 2-core VM (2026-12-02, 2 runs
 # of each): a worker SIGKILLed mid-step took the live one down with it (its writes refused,
 # -FI_EAGAIN, until write_timeout: not isolated), and a worker SIGSTOPped mid-step hung the
@@ -91,9 +139,7 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, m
         gate = "test/restart/kw" + fault
         (tmp_path / "new").mkdir()
         procs.append(_spawn("receiver", addr, "kw" + fault, 1, 2, tmp_path / "new", provider=provider, FAULT_GATE=gate))
-        with torch.no_grad():
-            for p in m.parameters():
-                p.mul_(1.5)
+        _scaled(m)
         real, n = sender._run_task, [0]
         # kill worker gpu 1 once step 2 is under way, with at least two tasks still to come
         # (one task per decoder layer: the tiny model has three)
@@ -110,21 +156,14 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, m
                     procs[1].send_signal(signal.SIGSTOP)
 
         sender._run_task = run_task
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError) as ei:
-            sender.push()
-        took = time.monotonic() - t0
-        msg = str(ei.value)
-        print(f"worker {fault} mid-step: push failed after {took:.2f} s: {msg}")
+        took, msg = _failing_push(sender, f"worker {fault} mid-step: push failed")
         assert took < wt + 5, took  # within write_timeout (+ slack)
         assert "step 2" in msg and "inference worker gpu 1 (replica 1 rank 0," in msg, msg
         if fault_name == "stop":
             assert "not complete after 2.0 s" in msg, msg
         assert "the other workers ([0]) received every byte of step 2" in msg
         # the next push skips the failed worker and still names it; the other one goes on
-        with torch.no_grad():
-            for p in m.parameters():
-                p.mul_(1.5)
+        _scaled(m)
         t0 = time.monotonic()
         with pytest.raises(RuntimeError) as ei:
             sender.push()
@@ -136,25 +175,13 @@ def test_an_inference_worker_killed_mid_step(store, tmp_path, fault, provider, m
         ctl = control.Control(s, "kw" + fault, T)
         assert not ctl.check("infer/1/e1")  # (the new process has not registered yet)
         s.set(gate, b"1")
-        deadline = time.monotonic() + T
-        while not ctl.check("infer/1/e1"):
-            assert time.monotonic() < deadline and procs[-1].poll() is None, procs[-1].communicate()[0]
-            time.sleep(0.05)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.mul_(1.5)
+        _wait_registered(ctl, "infer/1/e1", procs[-1])
+        _scaled(m)
         sender.push()
         assert sender.stats()["rejoined"] == 1
         # the other worker got every byte of steps 2, 3 and 4 and their version stamps, the
         # restarted one every byte of step 4 and its stamp
-        for g, path in ((0, tmp_path / "0.pt"), (1, tmp_path / "new" / "1.pt")):
-            ctl.set("test/dump/%d" % g, b"1")
-            ctl.get("test/dumped/%d" % g, f"worker {g}'s dump", T)
-            got = torch.load(path)
-            assert got["version"] == 4, (g, got["version"])
-            for dst, off, b in _expected(m):
-                flat = got["params"][dst].view(-1).view(torch.uint8)
-                assert torch.equal(flat[off : off + b.numel()], b), (g, dst)
+        _assert_kept_and_restarted(ctl, m, tmp_path, 4)
         sender.close()
     finally:
         if fault_name == "stop" and procs[1].poll() is None:

@@ -24,7 +24,7 @@ T = 30.0
 FABRIC = _wxfer.backends()["fabric"][0]
 sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
-from test_faults import _expected, _reap, _spawn  # noqa: E402
+from test_faults import _assert_kept_and_restarted, _failing_push, _reap, _scaled, _spawn, _wait_registered  # noqa: E402
 
 
 def _sleeper():
@@ -116,12 +116,6 @@ class _NoEngine:
         return []
 
 
-def _scaled(m, f=1.5):
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(f)
-
-
 @pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 def test_a_worker_killed_between_pushes_is_named_by_its_pid_and_its_restart_taken(store, tmp_path):
     """Fabric tcp: a worker SIGKILLed and reaped between pushes is named at the next push by
@@ -140,11 +134,7 @@ def test_a_worker_killed_between_pushes_is_named_by_its_pid_and_its_restart_take
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(10)
         _scaled(m)
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError) as ei:
-            sender.push()
-        took, msg = time.monotonic() - t0, str(ei.value)
-        print(f"killed between pushes: push 2 failed after {took:.2f} s: {msg}")
+        took, msg = _failing_push(sender, "killed between pushes: push 2 failed")
         assert took < wt / 2, took
         assert f"its process (pid {procs[1].pid}) has exited" in msg and "no write failed" in msg, msg
         assert "inference worker gpu 1 (replica 1 rank 0," in msg, msg
@@ -152,21 +142,11 @@ def test_a_worker_killed_between_pushes_is_named_by_its_pid_and_its_restart_take
         ctl = control.Control(s, name, T)
         (tmp_path / "new").mkdir()
         procs.append(_spawn("receiver", addr, name, 1, 2, tmp_path / "new"))
-        deadline = time.monotonic() + T
-        while not ctl.check("infer/1/e1"):
-            assert time.monotonic() < deadline and procs[-1].poll() is None, procs[-1].communicate()[0]
-            time.sleep(0.05)
+        _wait_registered(ctl, "infer/1/e1", procs[-1])
         _scaled(m)
         sender.push()
         assert sender.stats()["rejoined"] == 1 and sender.links.dead == {}
-        for g, path in ((0, tmp_path / "0.pt"), (1, tmp_path / "new" / "1.pt")):
-            ctl.set("test/dump/%d" % g, b"1")
-            ctl.get("test/dumped/%d" % g, f"worker {g}'s dump", T)
-            got = torch.load(path)
-            assert got["version"] == 3, (g, got["version"])
-            for dst, off, b in _expected(m):
-                flat = got["params"][dst].view(-1).view(torch.uint8)
-                assert torch.equal(flat[off : off + b.numel()], b), (g, dst)
+        _assert_kept_and_restarted(ctl, m, tmp_path, 3)
         sender.close()
     finally:
         _reap(procs)
@@ -196,11 +176,7 @@ def test_a_worker_whose_lease_stops_is_skipped_and_named_without_a_write_failing
         time.sleep(wt + 0.5)
         before = {n: t.clone() for n, t in params[1].items()}
         _scaled(m)
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError) as ei:
-            sender.push()
-        took, msg = time.monotonic() - t0, str(ei.value)
-        print(f"lease stopped: push 2 failed after {took:.2f} s: {msg}")
+        took, msg = _failing_push(sender, "lease stopped: push 2 failed")
         assert took < wt, took
         assert "lease/1/e0) was not renewed" in msg and "inference worker gpu 1" in msg, msg
         assert "the other workers ([0]) received every byte of step 2" in msg, msg

@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 T = 30.0
 sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
-from test_faults import _expected, _reap, _spawn  # noqa: E402
+from test_faults import _assert_bytes, _dump, _failing_push, _reap, _scaled, _spawn, _wait_registered  # noqa: E402
 
 CUDA_IPC = _wxfer.backends().get("cuda_ipc", (False, ""))[0]
 pytestmark = [
@@ -31,34 +31,11 @@ pytestmark = [
 ]
 
 
-def _scaled(m, f=1.5):
-    with torch.no_grad():
-        for p in m.parameters():
-            p.mul_(f)
-
-
-def _dump(ctl, g, path, req=b"1"):
-    ctl.set("test/dump/%d" % g, req)
-    ctl.get("test/dumped/%d" % g, f"worker {g}'s dump", T)
-    return torch.load(path, map_location="cpu")
-
-
 def _check_bytes(got, m, g):
     """Every byte worker `g` dumped is what the mapping makes of `m`'s weights (read on a CPU copy)."""
     cpu = fault_worker.model()
     cpu.load_state_dict({k: v.cpu() for k, v in m.state_dict().items()})
-    bad = []
-    for dst, off, b in _expected(cpu):
-        if not torch.equal(got["params"][dst].view(-1).view(torch.uint8)[off : off + b.numel()], b):
-            bad.append(dst)
-    assert not bad, (g, bad)
-
-
-def _wait_registered(ctl, key, p):
-    deadline = time.monotonic() + T
-    while not ctl.check(key):
-        assert time.monotonic() < deadline and p.poll() is None, p.communicate()[0]
-        time.sleep(0.05)
+    _assert_bytes(got, cpu, g)
 
 
 def test_cuda_ipc_one_gpu_kill_restart_and_kill_inside_a_push(store, tmp_path, monkeypatch):
@@ -82,11 +59,7 @@ def test_cuda_ipc_one_gpu_kill_restart_and_kill_inside_a_push(store, tmp_path, m
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(10)
         _scaled(m)
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError) as ei:
-            sender.push()
-        took, msg = time.monotonic() - t0, str(ei.value)
-        print(f"killed between pushes: push 2 raised after {took:.2f} s:\n{msg}")
+        took, msg = _failing_push(sender, "killed between pushes: push 2 raised")
         assert took < wt, took
         assert f"its process (pid {procs[1].pid}) has exited" in msg and "inference worker gpu 1" in msg, msg
         assert "the other workers ([0]) received every byte of step 2" in msg, msg
@@ -117,11 +90,7 @@ def test_cuda_ipc_one_gpu_kill_restart_and_kill_inside_a_push(store, tmp_path, m
             procs[-1].wait(10)
 
         sender.runner.write_begin = write_begin
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeError) as ei:
-            sender.push()
-        took, msg = time.monotonic() - t0, str(ei.value)
-        print(f"killed inside push 4 (after its begin stamps): raised after {took:.2f} s:\n{msg}")
+        took, msg = _failing_push(sender, "killed inside push 4 (after its begin stamps): raised")
         assert n[0] == 1 and took < 1.5 * wt + 1, (n, took)  # on cuda_ipc the writes succeed: well within
         assert f"its process (pid {procs[-1].pid}) has exited" in msg, msg
         assert "the other workers ([0]) received every byte of step 4" in msg, msg

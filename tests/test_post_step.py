@@ -5,28 +5,17 @@ with no engine, thread or lock.  The engine's own runs (tests/test_engine.py, `m
 tsan-test`) drive the same table from the post thread."""
 
 import os
-import shutil
-import subprocess
 
 import pytest
+
+from helpers import run_c_check  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.timeout(120)
 def test_every_post_stage_pair_moves_as_the_grid_says(tmp_path):
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    exe = str(tmp_path / "post_step_check")
     flags = ["-std=gnu11", "-O1", "-Wall", "-Wextra", "-Werror"]
-    subprocess.run(
-        [cc, *flags, "-I" + os.path.join(ROOT, "csrc", "engine"), "-I" + os.path.join(ROOT, "tests", "c")]
-        + ["-o", exe, os.path.join(ROOT, "tests", "c", "post_step_check.c")]
-        + [os.path.join(ROOT, "csrc", "engine", "wx_post_step.c")],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    p = subprocess.run([exe], capture_output=True, text=True, timeout=60)
+    flags += ["-I" + os.path.join(ROOT, "csrc", "engine"), "-I" + os.path.join(ROOT, "tests", "c")]
+    p = run_c_check(tmp_path, "post_step_check", flags, [os.path.join(ROOT, "csrc", "engine", "wx_post_step.c")])
     assert p.returncode == 0 and p.stdout.strip() == "post_step_check: ok 48", p.stdout + p.stderr

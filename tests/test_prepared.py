@@ -13,7 +13,7 @@ from wxfer import _wxfer
 from wxfer.models import TINY, inference_params, preset_for, train_model
 from wxfer.runtime import control
 from wxfer.runtime.receiver import Receiver
-from helpers import expected_shards  # tests/helpers.py
+from helpers import landed  # tests/helpers.py
 from wxfer.testing import connected_fabric, in_thread
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
@@ -92,14 +92,6 @@ def _bf16_model():
     return m
 
 
-def _landed(model, params, rank, tp=2):
-    return all(
-        torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b)
-        for r, dst, off, b in expected_shards(model, TINY, tp)
-        if r == rank
-    )
-
-
 def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restarts(store):
     from wxfer.runtime.sender import Sender
 
@@ -125,7 +117,7 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
     assert all(op.prep.fast is None for op in every)  # registered at the first push
     sender.push()
     assert [r.version() for r in recvs] == [1, 1]
-    assert _landed(model, params[0], 0) and _landed(model, params[1], 1)
+    assert landed(model, params[0], 0) and landed(model, params[1], 1)
     assert all(op.prep.fast is not None for op in ops)
     assert all(op.prep.fast is None for op in every if not op.prep.zero_copy)
     first = {op.task: op.prep.fast.task for op in ops}
@@ -136,14 +128,14 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
             p.add_(1.0)
     sender.push()
     assert sender.version == 2
-    assert _landed(model, params[0], 0) and _landed(model, params[1], 1)
+    assert landed(model, params[0], 0) and landed(model, params[1], 1)
     assert all(op.prep.fast.task is first[op.task] for op in ops)
 
     # a parameter given new memory: its task's source is registered again
     w = model.model.norm.weight
     w.data = w.data.clone() * 3
     sender.push(verify=True)
-    assert _landed(model, params[0], 0) and _landed(model, params[1], 1)
+    assert landed(model, params[0], 0) and landed(model, params[1], 1)
     moved = [op for op in ops if op.prep.fast.task is not first[op.task]]
     assert moved and all(op.sources[0][1] is w for op in moved)
     assert sender.last_verify is not None
@@ -166,8 +158,8 @@ def test_zero_copy_push_uses_prepared_tasks_and_follows_moved_memory_and_restart
     assert "error" not in box, box.get("error")
     new = box["value"]
     assert new.version() == 4 and recvs[0].version() == 4 and recvs[1].version() == 3
-    assert _landed(model, params[1], 1) and _landed(model, params[0], 0)
-    assert not _landed(model, old, 1)  # the replaced worker is no longer written
+    assert landed(model, params[1], 1) and landed(model, params[0], 0)
+    assert not landed(model, old, 1)  # the replaced worker is no longer written
     sender.close()
     for r in recvs + [new]:
         r.close()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 T = 20.0
 
 
-from helpers import expected_shards, frozen_model  # noqa: E402 -- tests/helpers.py
+from helpers import frozen_model, landed  # noqa: E402 -- tests/helpers.py
 from wxfer.testing import in_thread as _in_thread  # noqa: E402
 
 
@@ -215,15 +215,6 @@ def test_a_worker_that_never_registers_is_named_at_the_deadline(store):
     assert isinstance(box.get("error"), SetupError)
 
 
-def _landed(model, params, rank, tp=2):
-    """Every byte the plan writes to TP rank `rank` is in `params`."""
-    return all(
-        torch.equal(params[dst].view(-1).view(torch.uint8)[off : off + b.numel()], b)
-        for r, dst, off, b in expected_shards(model, TINY, tp)
-        if r == rank
-    )
-
-
 def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
     """A worker registered again for gpu 1 after setup (a restart: new memory, new transport
     address) is taken by the trainer at its next push() without restarting: a new
@@ -282,14 +273,14 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
     assert "error" not in box, box.get("error")
     new = box["value"]
     assert new.epoch == 1 and new.version() == 2 and recvs[0].version() == 2
-    assert _landed(model, params[1], 1) and _landed(model, params[0], 0)
-    assert recvs[1].version() == 1 and not _landed(model, old, 1)  # the replaced one: no longer written
+    assert landed(model, params[1], 1) and landed(model, params[0], 0)
+    assert recvs[1].version() == 1 and not landed(model, old, 1)  # the replaced one: no longer written
     assert sender.stats()["rejoined"] == 1
     assert ctl.get("plan", "plan") == plan_bytes  # the controller did not plan again
     assert dests_of(0) == dests0 and dests_of(1) != []
     bump()
     sender.push()
-    assert new.version() == 3 and _landed(model, params[1], 1)
+    assert new.version() == 3 and landed(model, params[1], 1)
 
     # a restart whose parameters differ is refused: the trainer says why, once; the restarted
     # worker raises; the worker in place keeps its place
@@ -304,10 +295,10 @@ def test_a_restarted_inference_worker_is_picked_up_at_the_next_push(store):
     assert "restarted inference worker(s) refused" in msg and "the other workers ([0, 1]) received" in msg, msg
     th.join(T)
     assert isinstance(box.get("error"), SetupError) and "refused by the trainers" in str(box["error"])
-    assert new.version() == 4 and _landed(model, params[1], 1) and recvs[0].version() == 4
+    assert new.version() == 4 and landed(model, params[1], 1) and recvs[0].version() == 4
     bump()
     sender.push()  # reported once; gpu 1 is still written
-    assert new.version() == 5 and _landed(model, params[1], 1)
+    assert new.version() == 5 and landed(model, params[1], 1)
     sender.close()
     for r in recvs + [new]:
         r.close()

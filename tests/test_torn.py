@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 T = 30.0
 sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
-from test_faults import _expected, _reap, _spawn  # noqa: E402
+from test_faults import _dump, _expected, _reap, _scaled, _spawn  # noqa: E402
 
 
 @pytest.mark.timeout(150)
@@ -39,9 +39,7 @@ def test_a_receiver_dropped_mid_step_learns_it_is_torn(store, tmp_path):
             m, mapping=preset_for(TINY), store=addr, name="torn", timeout=T, write_timeout=3, watermark="64KiB"
         )
         sender.push()
-        with torch.no_grad():
-            for p in m.parameters():
-                p.mul_(1.5)
+        _scaled(m)
         real, n = sender._run_task, [0]
 
         def run_task(op, keep):  # stop worker gpu 1 once step 2 is under way (after its first
@@ -59,17 +57,13 @@ def test_a_receiver_dropped_mid_step_learns_it_is_torn(store, tmp_path):
         sender._run_task = real
         procs[1].send_signal(signal.SIGCONT)  # what the trainer abandoned may land now
         time.sleep(1.0)
-        with torch.no_grad():
-            for p in m.parameters():
-                p.mul_(1.5)
+        _scaled(m)
         with pytest.raises(RuntimeError, match="inference worker gpu 1"):
             sender.push()  # step 3: gpu 1 is skipped, gpu 0 gets it all
         ctl = control.Control(s, "torn", T)
         got = {}
         for g in (0, 1):
-            ctl.set("test/dump/%d" % g, b"wait 3")
-            ctl.get("test/dumped/%d" % g, f"worker {g}'s dump", T)
-            got[g] = torch.load(tmp_path / ("%d.pt" % g))
+            got[g] = _dump(ctl, g, tmp_path / ("%d.pt" % g), b"wait 3")
         print({g: (d["version"], d["state"]["message"], d.get("wait_error"), d.get("wait_s")) for g, d in got.items()})
         # the worker that kept up: step 3 complete, every byte
         assert got[0]["version"] == 3 and got[0]["state"]["state"] == "complete", got[0]["state"]

@@ -133,21 +133,13 @@ _DIST = {"tp": 1, "rank": 0, "port": None}
 
 
 def engine_config(path, mtp=False):
-    from vllm.engine.arg_utils import EngineArgs
+    import vhelp
 
     from wxfer.integrations.vllm import keep_cpu_weights
 
     keep_cpu_weights()  # what the wxfer worker plugin does: linear weights stay in place
-    return EngineArgs(
-        model=path,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        enforce_eager=True,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 1} if mtp else None,
-        tensor_parallel_size=_DIST["tp"],
-        distributed_executor_backend="mp" if _DIST["tp"] > 1 else None,
-    ).create_engine_config()
+    spec = {"method": "mtp", "num_speculative_tokens": 1} if mtp else None
+    return vhelp.engine_config(path, _DIST["tp"], speculative_config=spec)
 
 
 def build(vc, draft=False):

@@ -62,7 +62,7 @@ def fp8_checkpoint_dir(path):
 
 @pytest.fixture(scope="module", params=["bf16", "fp8"])
 def llm(request, tmp_path_factory):
-    from vhelp import save_checkpoint, wxfer_llm
+    from vhelp import release, save_checkpoint, wxfer_llm
 
     fp8 = request.param == "fp8"
     if fp8 and not _amx():
@@ -84,10 +84,7 @@ def llm(request, tmp_path_factory):
     engine = wxfer_llm(ck)
     engine.wxfer_fp8 = fp8
     yield engine
-    try:
-        engine.shutdown_weight_transfer_engine()
-    except Exception:  # noqa: BLE001 -- nothing to release
-        pass
+    release(engine)
     U.dispatch_cpu_unquantized_gemm = patched
 
 

@@ -44,14 +44,11 @@ def llm(tmp_path_factory):
 
     ck = str(tmp_path_factory.mktemp("ckpt_moe"))
     save_checkpoint(ck, moe=True, seed=0)
-    from vhelp import wxfer_llm
+    from vhelp import release, wxfer_llm
 
     engine = wxfer_llm(ck)
     yield engine
-    try:
-        engine.shutdown_weight_transfer_engine()
-    except Exception:  # noqa: BLE001 -- nothing to release
-        pass
+    release(engine)
     U.dispatch_cpu_unquantized_gemm = patched
 
 

@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from test_llm import NEW, ROOT, Trainers, tokens, ulp_bf16, worker_engine  # noqa: E402
+from vhelp import release  # noqa: E402
 
 ARCHS = ["qwen3", "llama", "mistral", "qwen2", "gemma2", "phi3", "olmo2"]
 # Llama with a vocabulary of 480: vLLM pads the embedding and head to 512 rows, set to zero at
@@ -73,7 +74,10 @@ class Serving(Trainers):
         ]
         self.conn = None  # accepted at the first job: its imports overlap the first engine's start
 
-    def job(self, llm, ckpt):
+    prefix = "reach"  # the jobs' names: PREFIX<port>
+
+    def job(self, llm, ckpt, *extra):
+        """The next job (`extra`: what trainer_proc.py's job takes past its name) for `llm`."""
         from wxfer.integrations.vllm import LLMClient
         from wxfer.runtime.control import free_port
 
@@ -81,19 +85,23 @@ class Serving(Trainers):
             self.conn = self._accept(180)
         self.llm, self.client, self.rpc_errors = llm, LLMClient(llm), []
         port = free_port()
-        self.conn.send(("job", ckpt, "127.0.0.1:%d" % port, "reach%d" % port))
+        self.conn.send(("job", ckpt, "127.0.0.1:%d" % port, "%s%d" % (self.prefix, port), *extra))
+
+    def quit(self):
+        """The serving process told to exit (unless it is gone already), then waited for."""
+        try:
+            if self.conn is not None:
+                self.conn.send(("quit",))
+        except OSError:
+            pass
+        self.close()
 
 
 @pytest.fixture(scope="module")
 def trainer():
     tr = Serving()
     yield tr
-    try:
-        if tr.conn is not None:
-            tr.conn.send(("quit",))
-    except OSError:
-        pass
-    tr.close()
+    tr.quit()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -132,10 +140,7 @@ def test_two_pushes_by_the_traced_map_give_transformers_tokens(tmp_path, trainer
             f"proof {eng.proof_result['seconds']:.3f} s, test {time.monotonic() - t0:.1f} s"
         )
     finally:
-        try:
-            llm.shutdown_weight_transfer_engine()
-        except Exception:  # noqa: BLE001
-            pass
+        release(llm)
         # no reference may outlive this test (a failure's traceback keeps this frame): a vLLM
         # engine collected later tears down the distributed state the next engine runs in
         trainer.llm = trainer.client = llm = None

@@ -48,14 +48,11 @@ def llm(tmp_path_factory):
     cleanup_dist_env_and_memory()  # an earlier module's engine left process groups without EP
     ck = str(tmp_path_factory.mktemp("ds") / "deepseek_v3")
     save_tiny(ck, "deepseek_v3")
-    from vhelp import wxfer_llm
+    from vhelp import release, wxfer_llm
 
     engine = wxfer_llm(ck)
     yield engine
-    try:
-        engine.shutdown_weight_transfer_engine()
-    except Exception:  # noqa: BLE001
-        pass
+    release(engine)
     gc.collect()
 
 

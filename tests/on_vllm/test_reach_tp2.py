@@ -58,22 +58,9 @@ def llm(tmp_path_factory):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here, its workers vLLM's processes
     ck = str(tmp_path_factory.mktemp("tp2") / "qwen3")
     save_tiny(ck, "qwen3")
-    from vllm import LLM
-    from vllm.config.weight_transfer import WeightTransferConfig
+    from vhelp import wxfer_llm
 
-    t0 = time.monotonic()
-    engine = LLM(
-        model=ck,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        max_num_seqs=4,
-        enforce_eager=True,
-        tensor_parallel_size=2,
-        distributed_executor_backend="mp",
-        weight_transfer_config=WeightTransferConfig(backend="wxfer"),
-    )
-    engine.wxfer_ckpt, engine.wxfer_start_s = ck, time.monotonic() - t0
+    engine = wxfer_llm(ck, tensor_parallel_size=2, distributed_executor_backend="mp")
     yield engine
     try:
         engine.shutdown_weight_transfer_engine()

@@ -24,21 +24,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from test_llm import NEW, worker_engine, tokens  # noqa: E402
 from test_reach import Serving  # noqa: E402
+from vhelp import release  # noqa: E402
 
 import test_llm_moe  # noqa: E402 -- its leading_equal (not its fixtures)
 
 
 class Jobs(Serving):
+    prefix = "tproof"
+
     def job(self, llm, ckpt, seed0):
         """A traced job whose trainer weights are of seeds seed0 + 1 and seed0 + 2."""
-        from wxfer.integrations.vllm import LLMClient
-        from wxfer.runtime.control import free_port
-
-        if self.conn is None:
-            self.conn = self._accept(180)
-        self.llm, self.client, self.rpc_errors = llm, LLMClient(llm), []
-        port = free_port()
-        self.conn.send(("job", ckpt, "127.0.0.1:%d" % port, "tproof%d" % port, seed0))
+        super().job(llm, ckpt, seed0)
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +46,7 @@ def trainer():
     U.dispatch_cpu_unquantized_gemm = getattr(patched, "_wxfer_original", patched)
     tr = Jobs()
     yield tr
-    try:
-        if tr.conn is not None:
-            tr.conn.send(("quit",))
-    except OSError:
-        pass
-    tr.close()
+    tr.quit()
     U.dispatch_cpu_unquantized_gemm = patched
 
 
@@ -179,9 +170,6 @@ def test_traced_map_through_finalize_gives_transformers_tokens(tmp_path, trainer
             f"{[round(s[3]['seconds'], 4) for s in seen]} s"
         )
     finally:
-        try:
-            llm.shutdown_weight_transfer_engine()
-        except Exception:  # noqa: BLE001
-            pass
+        release(llm)
         trainer.llm = trainer.client = llm = None
         gc.collect()

@@ -97,20 +97,12 @@ def save_tiny(path, arch, fp8=False, seed=0, **over):
 def build(path, tp, ep=False):
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    vc = EngineArgs(
-        model=path,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        enforce_eager=True,
-        tensor_parallel_size=tp,
-        enable_expert_parallel=ep,
-        distributed_executor_backend="mp" if tp > 1 else None,
-    ).create_engine_config()
+    from vhelp import engine_config
+
+    vc = engine_config(path, tp, ep)
     with set_current_vllm_config(vc), set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
         model = initialize_model(vllm_config=vc, model_config=vc.model_config)
     return vc, model

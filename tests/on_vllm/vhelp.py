@@ -67,10 +67,10 @@ def save_checkpoint(path, moe=False, fp8=False, seed=0, **kw):
     return cfg
 
 
-def wxfer_llm(path):
+def wxfer_llm(path, **engine_kw):
     """The offline ``vllm.LLM`` every test here serves from the checkpoint at `path` with
-    ``WeightTransferConfig(backend="wxfer")`` (token ids in, no tokenizer, eager), with the
-    checkpoint and its start seconds on it (``wxfer_ckpt``, ``wxfer_start_s``)."""
+    ``WeightTransferConfig(backend="wxfer")`` (token ids in, no tokenizer, eager; `engine_kw`
+    added: TP), with the checkpoint and its start seconds on it (``wxfer_ckpt``, ``wxfer_start_s``)."""
     import time
 
     from vllm import LLM
@@ -85,10 +85,21 @@ def wxfer_llm(path):
         max_num_seqs=4,
         enforce_eager=True,
         weight_transfer_config=WeightTransferConfig(backend="wxfer"),
+        **engine_kw,
     )
     llm.wxfer_ckpt = path
     llm.wxfer_start_s = time.monotonic() - t0
     return llm
+
+
+def release(llm):
+    """Closes the wxfer Receivers of a test's engine (``shutdown_weight_transfer_engine``) at its
+    teardown; an error there (nothing to release, an engine a failed test left half set up) is
+    not the test's result."""
+    try:
+        llm.shutdown_weight_transfer_engine()
+    except Exception:  # noqa: BLE001 -- nothing to release
+        pass
 
 
 def plant(kind):
@@ -127,24 +138,13 @@ def plant(kind):
         raise ValueError(kind)
 
 
-def build(path, tp=1, rank=0, port=29611, post=True, ep=False, keep=True):
-    """(vllm_config, model): vLLM's own model class for the checkpoint at `path`, TP rank `rank`
-    of `tp` (gloo), with vLLM's CPU GEMM dispatch kept on the parameters (keep_cpu_weights).
-    post: run vLLM's process_weights_after_loading too; ep: expert parallelism; keep: False
-    leaves vLLM's CPU GEMM dispatch as it is."""
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+def engine_config(path, tp=1, ep=False, **extra):
+    """vLLM's engine config of the checkpoint at `path` as the model builds here (this file's,
+    trace_proc.py's and mla_proc.py's) make it: BF16, eager, 128 tokens, no tokenizer, `tp` ranks,
+    `ep` expert parallel, `extra` more EngineArgs (mla_proc.py's MTP draft)."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from wxfer.integrations.vllm import keep_cpu_weights
-
-    if keep:
-        keep_cpu_weights()
-    os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPU worker sets before its gloo groups
-    vc = EngineArgs(
+    return EngineArgs(
         model=path,
         skip_tokenizer_init=True,
         dtype="bfloat16",
@@ -153,7 +153,27 @@ def build(path, tp=1, rank=0, port=29611, post=True, ep=False, keep=True):
         tensor_parallel_size=tp,
         enable_expert_parallel=ep,
         distributed_executor_backend="mp" if tp > 1 else None,
+        **extra,
     ).create_engine_config()
+
+
+def build(path, tp=1, rank=0, port=29611, post=True, ep=False, keep=True):
+    """(vllm_config, model): vLLM's own model class for the checkpoint at `path`, TP rank `rank`
+    of `tp` (gloo), with vLLM's CPU GEMM dispatch kept on the parameters (keep_cpu_weights).
+    post: run vLLM's process_weights_after_loading too; ep: expert parallelism; keep: False
+    leaves vLLM's CPU GEMM dispatch as it is."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from wxfer.integrations.vllm import keep_cpu_weights
+
+    if keep:
+        keep_cpu_weights()
+    os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPU worker sets before its gloo groups
+    vc = engine_config(path, tp, ep)
     with set_current_vllm_config(vc):
         init_distributed_environment(
             world_size=tp, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"

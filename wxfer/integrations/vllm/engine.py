@@ -138,6 +138,7 @@ class WorkerSide:
     # ---- the RPCs
     def init_transfer_engine(self, init_info: WxferInitInfo) -> None:
         from ...runtime.receiver import Receiver
+        from .extension import receiver_place
 
         info = init_info
         if self.receiver is not None:
@@ -150,8 +151,8 @@ class WorkerSide:
             import torch
 
             major = torch.cuda.get_device_capability(self.device)[0]
-        replica = par["dp_rank"] if info.replica is None else int(info.replica)
-        replicas = par["dp"] if info.replicas is None else int(info.replicas)
+        place = receiver_place(par, info.replica, info.replicas)
+        replica, replicas = place["replica"], place["replicas"]
         self._refuse_draft_and_mla(where)
         # nothing of an earlier job on this engine (a traced job's map, its proof) outlives it
         self.finalizers, self.traced_map, self.proof_result, self.update_report = [], None, None, None
@@ -169,15 +170,11 @@ class WorkerSide:
             sel,
             mapping=preset,  # its rules too: the trainers compare them (issue 25.4); None when traced
             store=store,
-            replica=replica,
-            rank=par["rank"],
-            tp=par["tp"],
-            replicas=replicas,
-            ep=par["ep"],
             name=info.name,
             timeout=info.timeout,
             transport=info.transport,
             delta_staging=info.delta_staging,
+            **place,
         )
 
     def _refuse_draft_and_mla(self, where):

@@ -47,6 +47,19 @@ def parallel_info(vllm_config) -> dict:
     )
 
 
+def receiver_place(par: dict, replica=None, replicas=None) -> dict:
+    """The ``Receiver`` keywords that place one vLLM worker: its replica (the DP rank unless
+    given), the replica count (the DP size unless given), and its tp rank, tp size and EP flag
+    from ``parallel_info``. Both entry points (this extension and ``engine.py``) build theirs here."""
+    return dict(
+        replica=par["dp_rank"] if replica is None else int(replica),
+        rank=par["rank"],
+        tp=par["tp"],
+        replicas=par["dp"] if replicas is None else int(replicas),
+        ep=par["ep"],
+    )
+
+
 class WxferWorkerExtension:
     """Methods added to every vLLM worker (``worker_extension_cls``)."""
 
@@ -90,20 +103,9 @@ class WxferWorkerExtension:
             base = get_preset(mapping)
             mapping = from_config(base.name, dict(base.config, **hf))
         sel, left = writable_parameters(named, mapping, hf, info, quant, skip, f"vLLM worker tp rank {info['rank']}")
-        replica = info["dp_rank"] if replica is None else replica
-        replicas = info["dp"] if replicas is None else replicas
+        place = receiver_place(info, replica, replicas)
         self._wxfer = Receiver(
-            sel,
-            mapping=mapping,
-            store=store,
-            replica=replica,
-            rank=info["rank"],
-            tp=info["tp"],
-            replicas=replicas,
-            ep=info["ep"],
-            name=name,
-            timeout=timeout,
-            transport=transport,
+            sel, mapping=mapping, store=store, name=name, timeout=timeout, transport=transport, **place
         )
         out = self._wxfer.stats()
         out.update(left_out=left, quant=quant)
