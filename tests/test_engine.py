@@ -431,9 +431,13 @@ def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_f
     Engine.wait(fence=...) returns, but the fence word stays at the last fence released: a
     stream waiting for it would otherwise write that peer while its begin stamp still equals
     its end stamp. Fabric cannot fence a peer (its writes may still land): the word stays
-    held, later fences do not move it, and the engine's close sets it past every task."""
+    held while they are out, later fences do not move it, and word_state() names the peer.
+    Once the peer resumes and the writes abandoned to it have completed (none can land
+    later), the word goes on to the last fence finished (it used to stay until close: every
+    later device wait hung); the engine's close sets it past every task."""
     import os
     import signal
+    import time
 
     opts = {"provider": "tcp"}
     with TargetProcess("fabric", opts, [4 << 20]) as good, TargetProcess("fabric", opts, [4 << 20]) as bad:
@@ -445,8 +449,9 @@ def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_f
         n = 4 << 20
         f1 = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
         eng.wait(timeout=20, fence=f1)
-        assert word.value == f1  # every write of it landed: released as it finished
+        assert word.value == f1 and eng.word_state() is None  # every write landed: released
         os.kill(bad.proc.pid, signal.SIGSTOP)
+        stopped = True
         try:
             src = rand(n, 2)
             f2 = eng.submit(src, [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True, tag=2)
@@ -456,14 +461,29 @@ def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_f
             [fl] = eng.failed_peers()
             assert fl.peer == 1 and "NOT fenced" in fl.reason and fl.stage == "deadline", str(fl)
             assert word.value == f1  # not fenced: its stamp may land after the writes behind the wait
+            peer, name, held_s = eng.word_state()
+            assert peer == 1 and name.startswith("peer 1 (") and name in fl.reason and held_s > 0, (peer, name)
             assert good.read(0) == src.tobytes()
             f3 = eng.submit(rand(8, 3), [(good.descriptors[0], 0, 0, 8)], fence=True)
             eng.wait(timeout=20, fence=f3)
             assert word.value == f1  # a later fence does not release the earlier wait (cyclic >=)
+            os.kill(bad.proc.pid, signal.SIGCONT)  # its provider progresses: the writes complete
+            stopped = False
+            end = time.monotonic() + 15
+            while word.value != f3 and time.monotonic() < end:
+                time.sleep(0.02)
+            assert word.value == f3, (word.value, f1, f3)  # the last fence finished
+            assert eng.word_state() is None
+            [fl] = eng.failed_peers()
+            assert "abandoned writes have all completed" in fl.reason, str(fl)
+            f4 = eng.submit(rand(8, 4), [(good.descriptors[0], 0, 0, 8)], fence=True)
+            eng.wait(timeout=20, fence=f4)
+            assert word.value == f4  # released as it finishes again
             eng.close()
-            assert word.value == f3 + 1  # stopped: past every task
+            assert word.value == f4 + 1  # stopped: past every task
         finally:
-            os.kill(bad.proc.pid, signal.SIGCONT)
+            if stopped:
+                os.kill(bad.proc.pid, signal.SIGCONT)
         t.close()
 
 
