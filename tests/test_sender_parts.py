@@ -262,6 +262,29 @@ def test_inplace_waits_for_the_begin_stamps_once_per_push():
     assert waits == [1, 2]
 
 
+def test_a_failing_push_waits_for_its_inplace_writes_with_a_bound_naming_the_held_word(caplog):
+    """abandon(): a stream that does not finish (behind a begin-stamp device wait whose fence
+    word the engine holds) is waited for at most the bound -- no unbounded synchronize -- and
+    the log names the held word's receiver; a stream that finishes is waited for."""
+    import logging
+    import time
+
+    polls = []
+    never = SimpleNamespace(record_event=lambda: SimpleNamespace(query=lambda: polls.append(1) and False))
+    eng = SimpleNamespace(word_state=lambda: (1, "peer 1 (fi_sockaddr_in://127.0.0.1:9)", 3.5))
+    w = InPlaceWriter(True, 1 << 20, CPU, never, None, "cuda_ipc", eng, _links())
+    w.launched = True
+    caplog.set_level(logging.WARNING, logger="wxfer")
+    t0 = time.monotonic()
+    assert w.abandon(bound=0.2) is False
+    assert 0.2 <= time.monotonic() - t0 < 5 and len(polls) > 1 and w.launched is False
+    assert "did not finish within 0.2 s" in caplog.text and "held for peer 1 (peer 1 (fi_sockaddr" in caplog.text
+    done = SimpleNamespace(record_event=lambda: SimpleNamespace(query=lambda: True))
+    w = InPlaceWriter(True, 1 << 20, CPU, done, None, "cuda_ipc", eng, _links())
+    w.launched = True
+    assert w.abandon(bound=0.2) is True
+
+
 # ------------------------------------------------------------------ TaskRunner
 class _Engine:
     def __init__(self, refuse=False, fail_wait=None):
