@@ -425,6 +425,35 @@ def test_fence_word_mirrors_each_finished_fence_and_is_released_at_close(pair):
     assert word.value == f2 + 1  # past every task submitted: no stream waits on a closed engine
 
 
+def test_fence_word_is_held_for_a_fence_the_engine_error_cancelled_and_word_state_says_so(pair):
+    """A fence the engine's sticky error cancelled (not posted: its stamps are not known to
+    have landed) holds the word until the engine stops, also after clear_error and later
+    fences; word_state() says so (no peer: the engine's error) instead of letting a caller
+    queue a device wait that cannot pass."""
+    t, tgt = pair
+    eng = _wxfer.Engine(t, timeout=0.5)
+    word = ctypes.c_uint32(0)
+    eng.fence_word(ctypes.addressof(word), word)
+    f1 = eng.submit(rand(8, 1), [(tgt.descriptors[1], 0, 0, 8)], fence=True)
+    eng.wait(timeout=20, fence=f1)
+    assert word.value == f1 and eng.word_state() is None
+    eng.submit_external([(tgt.descriptors[0], 0, 0, 64)], tag=5)  # no signal: its deadline fails the engine
+    f2 = eng.submit(rand(8, 2), [(tgt.descriptors[1], 0, 0, 8)], fence=True)
+    with pytest.raises(Exception, match="deadline"):
+        eng.wait(timeout=20, fence=f2)
+    end = time.monotonic() + 10  # (the error raised at once; the cancelled fence finishes next)
+    while eng.word_state() is None and time.monotonic() < end:
+        time.sleep(0.01)
+    peer, name, held_s = eng.word_state()
+    assert (peer, name) == (None, None) and held_s >= 0 and word.value == f1
+    eng.clear_error()
+    f3 = eng.submit(rand(8, 3), [(tgt.descriptors[1], 0, 0, 8)], fence=True)
+    eng.wait(timeout=20, fence=f3)
+    assert word.value == f1 and eng.word_state()[0] is None  # until the stop
+    eng.close()
+    assert word.value == f3 + 1
+
+
 def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_fenced():
     """The begin stamps' hazard (docs/cuda_ipc.md): a fence task whose write to one peer is
     abandoned at its deadline (isolate; the target stopped, SIGSTOP) finishes, and

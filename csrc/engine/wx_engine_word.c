@@ -14,9 +14,11 @@
  * write error; the caller's writes queued behind the wait reach it as they would have
  * with the host wait). While held, wx_engine_word_state names the peer and since when, so the
  * caller waits on the host for a later push instead of queueing a device wait behind it.
- * A fence finished while the engine had its sticky error (its writes are not known to have
- * landed), or more failed peers than the engine names, hold the word until the engine stops
- * (the engine has failed: the caller's pushes fail on its error); the stop sets the word past
+ * A fence finished with writes not posted (the engine's sticky error cancelled them) or failed
+ * with no failed peer to wait for (no isolate), or more failed peers than the engine names,
+ * hold the word until the engine stops: its writes are not known to have landed (a fence that
+ * finishes while the engine has its error but whose writes all landed releases it as usual);
+ * wx_engine_word_state says so, and the caller's pushes wait on the host. The stop sets the word past
  * every task (wx_engine_stop), so no stream waits on a stopped engine, and nothing moves it
  * after that. Later fences do not move a held word (the wait is cyclic >=: a later id would
  * release the earlier waits too). Every function: mu held. */
@@ -71,17 +73,26 @@ void wx__word_release(wx_engine_t *e)
 
 void wx__word_fence_done(wx_engine_t *e, const wx__task_t *t)
 {
+    /* writes of it not posted (the engine failed: cancelled), or failed with no failed
+     * peer to wait for (no isolate): not known to have landed, held until the stop */
+    int unknown = t->posted + t->skipped < t->nchunks;
     if (e->stopped)
         return;
-    if (e->err && !e->stop) {
-        if (!e->nhold && !e->hold_err)
-            e->hold_since = wx_now_ns();
-        e->hold_err = 1; /* its writes are not known to have landed */
-    }
     for (uint32_t i = 0; i < t->posted; i++) {
         const wx__eop_t *eo = &t->ops[i];
-        if (eo->abandoned || eo->failed)
-            wx__word_hold(e, t->dests[eo->dest].peer);
+        if (eo->abandoned || eo->failed) {
+            if (wx__failed_entry(e, t->dests[eo->dest].peer))
+                wx__word_hold(e, t->dests[eo->dest].peer);
+            else
+                unknown = 1;
+        } else if (!eo->done) {
+            unknown = 1; /* (a finished task's live writes have completed: not reached) */
+        }
+    }
+    if (unknown && !e->stop) {
+        if (!e->nhold && !e->hold_err)
+            e->hold_since = wx_now_ns();
+        e->hold_err = 1;
     }
     wx__word_release(e);
 }
