@@ -101,6 +101,7 @@ struct wx_engine {
     uint32_t word_val, nhold;
     wx_peer_t *hold[WX__MAX_FAILED];
     uint64_t hold_since;
+    uint64_t word_released; /* when a held word last went on (wx_now_ns; 0: never held) */
     int hold_err;
 };
 
@@ -146,6 +147,10 @@ void wx__word_store(wx_engine_t *e, uint32_t v);
 /* an abandoned write eo (its peer failed) completed, or its post failed: its peer's count of
  * writes out goes down, and a held word may go on once it reaches 0 */
 void wx__word_abandoned_done(wx_engine_t *e, const wx__eop_t *eo);
+/* The ready stage's deadline of a task (mu held): pushed out while the fence word is held
+ * for a peer, and to a timeout after its release (work queued behind a device wait on the
+ * word cannot complete before: a late peer must not fail the other peers' tasks) */
+uint64_t wx__word_ready_deadline(wx_engine_t *e, uint64_t deadline);
 /* failed peer fl's fence finished (fenced or not): a held word may go on */
 void wx__word_fence_failed(wx_engine_t *e, wx__failed_t *fl);
 /* the failed entry of peer p, or NULL (alive); wx_engine_peers.c */

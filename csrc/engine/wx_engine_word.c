@@ -66,9 +66,22 @@ void wx__word_release(wx_engine_t *e)
     for (uint32_t i = 0; i < e->nhold; i++)
         if (wx__word_holds(e, e->hold[i]))
             return;
+    if (e->nhold)
+        e->word_released = wx_now_ns();
     e->nhold = 0;
     e->hold_since = 0;
     wx__word_store(e, (uint32_t)e->fence_done);
+}
+
+uint64_t wx__word_ready_deadline(wx_engine_t *e, uint64_t deadline)
+{
+    uint64_t later;
+    if (!e->fence_word || e->stopped || e->hold_err)
+        return deadline; /* no device wait, or held until the stop: the limit stands */
+    if (e->nhold)
+        return wx_now_ns() + e->o.timeout_ns;
+    later = e->word_released ? e->word_released + e->o.timeout_ns : 0;
+    return later > deadline ? later : deadline;
 }
 
 void wx__word_fence_done(wx_engine_t *e, const wx__task_t *t)
