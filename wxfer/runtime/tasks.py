@@ -28,7 +28,7 @@ def _host_int64(device):
 
 
 def begin_wait_word(engine, device):
-    """The begin stamps' device wait (``WXFER_BEGIN_WAIT=device``, the default; ``host``: the
+    """The begin stamps' device wait (``WXFER_BEGIN_WAIT=device``; ``host``, the default: the
     host waits): a uint32 in pinned host memory into which `engine` stores each fence task's
     id as it finishes -- held while a receiver whose stamp did not land is not fenced
     (``Engine.fence_word``, docs/cuda_ipc.md) -- and its device address for
@@ -39,7 +39,7 @@ def begin_wait_word(engine, device):
 
     from .. import _wxfer
 
-    choice = (envs.get("WXFER_BEGIN_WAIT") or "device").strip().lower()
+    choice = (envs.get("WXFER_BEGIN_WAIT") or "host").strip().lower()
     if choice not in ("device", "host"):
         raise ValueError(f"WXFER_BEGIN_WAIT must be device or host, got {choice!r}")
     if device.type != "cuda":
