@@ -17,8 +17,8 @@
 # 1. build; 2. the gpu tests touching the begin stamps' device wait and the in-place writes;
 # 3. bench_baselines --layouts colocated --curated qwen3-8b,qwen3-1.7b (the 8B BF16 plain and
 #    FSDP2 rows, the 8B FP8 FSDP2 row -- the curated list's fp8 entry -- and the 1.7B FSDP2
-#    and FSDP2-offload rows) with the begin stamps waited for on the device (the default),
-#    then the same with WXFER_BEGIN_WAIT=host (today's host wait) for the A/B on the same
+#    and FSDP2-offload rows) with the begin stamps waited for on the device (WXFER_BEGIN_WAIT=device),
+#    then the same with WXFER_BEGIN_WAIT=host (the default) for the A/B on the same
 #    machine; 4. one table of both: link, wxfer, ratio, and the fixed cost before the first
 #    write (the push's phases: rejoin_check, begin_stamps) per row, the submit phase per task and
 #    the batched copy launches' host time (stats()["direct"]["last_push"]; issue 37).

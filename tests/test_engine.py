@@ -425,15 +425,48 @@ def test_fence_word_mirrors_each_finished_fence_and_is_released_at_close(pair):
     assert word.value == f2 + 1  # past every task submitted: no stream waits on a closed engine
 
 
+def test_fence_word_is_held_for_a_fence_the_engine_error_cancelled_and_word_state_says_so(pair):
+    """A fence the engine's sticky error cancelled (not posted: its stamps are not known to
+    have landed) holds the word until the engine stops, also after clear_error and later
+    fences; word_state() says so (no peer: the engine's error) instead of letting a caller
+    queue a device wait that cannot pass."""
+    t, tgt = pair
+    eng = _wxfer.Engine(t, timeout=0.5)
+    word = ctypes.c_uint32(0)
+    eng.fence_word(ctypes.addressof(word), word)
+    f1 = eng.submit(rand(8, 1), [(tgt.descriptors[1], 0, 0, 8)], fence=True)
+    eng.wait(timeout=20, fence=f1)
+    assert word.value == f1 and eng.word_state() is None
+    eng.submit_external([(tgt.descriptors[0], 0, 0, 64)], tag=5)  # no signal: its deadline fails the engine
+    f2 = eng.submit(rand(8, 2), [(tgt.descriptors[1], 0, 0, 8)], fence=True)
+    with pytest.raises(Exception, match="deadline"):
+        eng.wait(timeout=20, fence=f2)
+    end = time.monotonic() + 10  # (the error raised at once; the cancelled fence finishes next)
+    while eng.word_state() is None and time.monotonic() < end:
+        time.sleep(0.01)
+    peer, name, held_s = eng.word_state()
+    assert (peer, name) == (None, None) and held_s >= 0 and word.value == f1
+    eng.clear_error()
+    f3 = eng.submit(rand(8, 3), [(tgt.descriptors[1], 0, 0, 8)], fence=True)
+    eng.wait(timeout=20, fence=f3)
+    assert word.value == f1 and eng.word_state()[0] is None  # until the stop
+    eng.close()
+    assert word.value == f3 + 1
+
+
 def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_fenced():
     """The begin stamps' hazard (docs/cuda_ipc.md): a fence task whose write to one peer is
     abandoned at its deadline (isolate; the target stopped, SIGSTOP) finishes, and
     Engine.wait(fence=...) returns, but the fence word stays at the last fence released: a
     stream waiting for it would otherwise write that peer while its begin stamp still equals
     its end stamp. Fabric cannot fence a peer (its writes may still land): the word stays
-    held, later fences do not move it, and the engine's close sets it past every task."""
+    held while they are out, later fences do not move it, and word_state() names the peer.
+    Once the peer resumes and the writes abandoned to it have completed (none can land
+    later), the word goes on to the last fence finished (it used to stay until close: every
+    later device wait hung); the engine's close sets it past every task."""
     import os
     import signal
+    import time
 
     opts = {"provider": "tcp"}
     with TargetProcess("fabric", opts, [4 << 20]) as good, TargetProcess("fabric", opts, [4 << 20]) as bad:
@@ -445,8 +478,9 @@ def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_f
         n = 4 << 20
         f1 = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
         eng.wait(timeout=20, fence=f1)
-        assert word.value == f1  # every write of it landed: released as it finished
+        assert word.value == f1 and eng.word_state() is None  # every write landed: released
         os.kill(bad.proc.pid, signal.SIGSTOP)
+        stopped = True
         try:
             src = rand(n, 2)
             f2 = eng.submit(src, [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True, tag=2)
@@ -456,14 +490,29 @@ def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_f
             [fl] = eng.failed_peers()
             assert fl.peer == 1 and "NOT fenced" in fl.reason and fl.stage == "deadline", str(fl)
             assert word.value == f1  # not fenced: its stamp may land after the writes behind the wait
+            peer, name, held_s = eng.word_state()
+            assert peer == 1 and name.startswith("peer 1 (") and name in fl.reason and held_s > 0, (peer, name)
             assert good.read(0) == src.tobytes()
             f3 = eng.submit(rand(8, 3), [(good.descriptors[0], 0, 0, 8)], fence=True)
             eng.wait(timeout=20, fence=f3)
             assert word.value == f1  # a later fence does not release the earlier wait (cyclic >=)
+            os.kill(bad.proc.pid, signal.SIGCONT)  # its provider progresses: the writes complete
+            stopped = False
+            end = time.monotonic() + 15
+            while word.value != f3 and time.monotonic() < end:
+                time.sleep(0.02)
+            assert word.value == f3, (word.value, f1, f3)  # the last fence finished
+            assert eng.word_state() is None
+            [fl] = eng.failed_peers()
+            assert "abandoned writes have all completed" in fl.reason, str(fl)
+            f4 = eng.submit(rand(8, 4), [(good.descriptors[0], 0, 0, 8)], fence=True)
+            eng.wait(timeout=20, fence=f4)
+            assert word.value == f4  # released as it finishes again
             eng.close()
-            assert word.value == f3 + 1  # stopped: past every task
+            assert word.value == f4 + 1  # stopped: past every task
         finally:
-            os.kill(bad.proc.pid, signal.SIGCONT)
+            if stopped:
+                os.kill(bad.proc.pid, signal.SIGCONT)
         t.close()
 
 

@@ -262,6 +262,29 @@ def test_inplace_waits_for_the_begin_stamps_once_per_push():
     assert waits == [1, 2]
 
 
+def test_a_failing_push_waits_for_its_inplace_writes_with_a_bound_naming_the_held_word(caplog):
+    """abandon(): a stream that does not finish (behind a begin-stamp device wait whose fence
+    word the engine holds) is waited for at most the bound -- no unbounded synchronize -- and
+    the log names the held word's receiver; a stream that finishes is waited for."""
+    import logging
+    import time
+
+    polls = []
+    never = SimpleNamespace(record_event=lambda: SimpleNamespace(query=lambda: polls.append(1) and False))
+    eng = SimpleNamespace(word_state=lambda: (1, "peer 1 (fi_sockaddr_in://127.0.0.1:9)", 3.5))
+    w = InPlaceWriter(True, 1 << 20, CPU, never, None, "cuda_ipc", eng, _links())
+    w.launched = True
+    caplog.set_level(logging.WARNING, logger="wxfer")
+    t0 = time.monotonic()
+    assert w.abandon(bound=0.2) is False
+    assert 0.2 <= time.monotonic() - t0 < 5 and len(polls) > 1 and w.launched is False
+    assert "did not finish within 0.2 s" in caplog.text and "held for peer 1 (peer 1 (fi_sockaddr" in caplog.text
+    done = SimpleNamespace(record_event=lambda: SimpleNamespace(query=lambda: True))
+    w = InPlaceWriter(True, 1 << 20, CPU, done, None, "cuda_ipc", eng, _links())
+    w.launched = True
+    assert w.abandon(bound=0.2) is True
+
+
 # ------------------------------------------------------------------ TaskRunner
 class _Engine:
     def __init__(self, refuse=False, fail_wait=None):
@@ -538,3 +561,73 @@ def test_inplace_on_a_transport_that_cannot_map_sends_the_task_the_staging_way_s
         assert w.views == {}
         with pytest.raises(_NotInPlace, match="outside the 4096-byte region"):
             w._map(d, 4000, 200)  # the generic layer's range check, as for a write
+
+
+def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monkeypatch, caplog):
+    """The begin stamps' device wait: a receiver stopped mid-push (SIGSTOP) has its begin stamp
+    abandoned and NOT fenced (fabric), so the engine holds the fence word. The next push must
+    not queue a device wait that cannot pass before the word is released (a hang of the
+    stream and of every host wait on it): it waits for its begin stamps on the host, bounded,
+    and the log names the worker. Once the receiver resumes and its abandoned writes
+    complete, the word goes on and the device wait is used again. A real engine over fabric
+    tcp; the CPU stands in for the device (stream_wait recorded, not run)."""
+    import ctypes
+    import logging
+    import os
+    import signal
+    import time
+
+    from wxfer.testing import TargetProcess
+    from wxfer.testing import pattern as rand
+
+    opts = {"provider": "tcp"}
+    with TargetProcess("fabric", opts, [4 << 20]) as good, TargetProcess("fabric", opts, [4 << 20]) as bad:
+        t = _wxfer.Transport("fabric", opts)
+        assert good.connect(t) == 0 and bad.connect(t) == 1
+        eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
+        word = ctypes.c_uint32(0)
+        eng.fence_word(ctypes.addressof(word), word)
+        ln = _links()
+        ln.peers, ln.gpu_of_peer = {0: 0, 1: 1}, {0: 0, 1: 1}
+        ln.begin_dest = {0: (good.descriptors[0], 0, 0, 8), 1: (bad.descriptors[0], 0, 0, 8)}
+        ip = _Started()
+        r = TaskRunner(eng, t, torch.device("cpu", 0), None, 0, _program(), ln, ip, 20.0)
+        r.begin_word_dev = 0xDE00  # as begin_wait_word leaves it on a GPU
+        waits = []
+        monkeypatch.setattr(_wxfer, "stream_wait", lambda *a: waits.append(a[-1]), raising=False)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: SimpleNamespace(cuda_stream=7))
+        r.start(1, verify=False)
+        r.write_begin()
+        ip.starts[-1][2]()  # no word held: the device wait
+        assert waits == [r.begin_fence & 0xFFFFFFFF]
+        os.kill(bad.proc.pid, signal.SIGSTOP)
+        stopped = True
+        try:
+            n = 4 << 20  # a fence task whose write to the stopped receiver is abandoned at 1 s
+            f = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
+            eng.wait(timeout=20)  # the stopped receiver failed at its deadline, NOT fenced
+            assert word.value < f and eng.word_state()[0] == 1
+            r.start(2, verify=False)
+            r.write_begin()
+            caplog.set_level(logging.WARNING, logger="wxfer")
+            t0 = time.monotonic()
+            ip.starts[-1][2]()
+            assert time.monotonic() - t0 < 10  # the host wait for the live receiver's stamp
+            assert len(waits) == 1 and r.word_held_pushes == 1  # no device wait queued
+            msg = caplog.text
+            assert "fence word is held" in msg and "peer 1" in msg and "inference worker gpu 1" in msg, msg
+            os.kill(bad.proc.pid, signal.SIGCONT)
+            stopped = False
+            end = time.monotonic() + 15
+            while eng.word_state() is not None and time.monotonic() < end:
+                time.sleep(0.02)
+            assert eng.word_state() is None and word.value == r.begin_fence
+            r.start(3, verify=False)
+            r.write_begin()
+            ip.starts[-1][2]()
+            assert waits[-1] == r.begin_fence & 0xFFFFFFFF and r.word_held_pushes == 1  # the device again
+        finally:
+            if stopped:
+                os.kill(bad.proc.pid, signal.SIGCONT)
+        eng.close()
+        t.close()

@@ -139,7 +139,8 @@ def test_a_receiver_whose_begin_stamp_is_late_is_not_written_before_it_is_fenced
     memory, queued behind the device wait before the host could see the failure, must not run
     until the engine has fenced it: fenced in time (1.4 s < the deadline plus half the timeout)
     the word goes on, its late stamp is there (a reader reads torn: begin != end); not fenced
-    (3 s), the word is held until the engine closes."""
+    (3 s), the word is held (``Engine.word_state`` names b) until b's abandoned copy has
+    completed, then goes on."""
     from test_external_gpu import _Mapped
 
     torch.cuda.set_device(0)
@@ -189,7 +190,16 @@ def test_a_receiver_whose_begin_stamp_is_late_is_not_written_before_it_is_fenced
         else:
             assert "NOT fenced" in fl.reason, fl.reason
             time.sleep(0.1)
-            assert not ev.query() and word.value != fid & 0xFFFFFFFF  # held until the close
+            assert not ev.query() and word.value != fid & 0xFFFFFFFF  # held while its copy is out
+            held = eng.word_state()
+            assert held is not None and held[0] == 1, held  # for b (a push now waits on the host)
+            # its late copy completes at late_ms: nothing of it lands later, the word goes on
+            # (it used to stay held until the close: every later device wait hung)
+            assert _done_within(ev, 10.0), "the word was not released once b's abandoned copy completed"
+            assert word.value == fid & 0xFFFFFFFF and eng.word_state() is None
+            assert "abandoned writes have all completed" in eng.failed_peers()[0].reason
+            torch.cuda.synchronize()
+            assert int(dst_b.min()) == 9
         assert stamps_a[:8].tolist() == [5] * 8
     finally:
         eng.close()

@@ -75,10 +75,11 @@ _VARS = (
     Var(
         "WXFER_BEGIN_WAIT",
         "choice",
-        "device",
+        "host",
         "Python",
-        "in-place writes wait for the begin stamps on the device (cuStreamWaitValue32, the "
-        "default where the driver has it) or the host (docs/cuda_ipc.md)",
+        "in-place writes wait for the begin stamps on the host (the default: bounded) or the "
+        "device (cuStreamWaitValue32 where the driver has it; docs/cuda_ipc.md says what is "
+        "left of its liveness findings)",
     ),
     # libraries (dlopened by the C extension)
     _c("WXFER_LIBCUDA"),

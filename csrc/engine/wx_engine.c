@@ -193,6 +193,8 @@ static void wx__op_done(wx_op_t *op, int status, const char *why)
     if (!eo->abandoned) {
         e->inflight--;
         t->live--;
+    } else {
+        wx__word_abandoned_done(e, eo); /* its peer: none out, a held word may go on */
     }
     if (status == 0) {
         e->bytes_written += eo->len;
@@ -363,6 +365,8 @@ static int wx__post_chunk(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
         if (!eo->abandoned) { /* else wx__fail_peer ran meanwhile and counted it */
             t->live--;
             e->inflight--;
+        } else {
+            wx__word_abandoned_done(e, eo); /* it will not complete: not out */
         }
         e->refs--;
         memset(eo, 0, sizeof *eo);
@@ -556,7 +560,7 @@ void wx_engine_stop(wx_engine_t *e)
     /* a fence whose writes are still out will not finish, a held word is not released: past
      * every task submitted (no stream waits on a stopped engine) */
     e->nhold = 0;
-    e->hold_stuck = 0;
+    e->hold_err = 0;
     wx__word_store(e, (uint32_t)e->next_id);
     pthread_mutex_unlock(&e->mu);
 }

@@ -149,12 +149,19 @@ int wx_engine_wait_posted(wx_engine_t *e, uint64_t slice_ns, uint64_t id);
 /* Mirror the fences' progress into `word` (pinned host memory the caller keeps alive until
  * no stream can wait on it any more; NULL: stop): the low 32 bits of the id of the last fence
  * task finished, stored (release) as each fence finishes, and once at this call. A fence whose
- * write to a peer did not land (isolate) holds the word until that peer is fenced, or until
- * the engine stops if its fence failed (wx_engine_word.c says why). A CUDA stream waits for
+ * write to a peer did not land (isolate) holds the word until that peer is fenced or, its fence
+ * failed, until the writes abandoned to it have all completed; a fence finished with the
+ * engine's error holds it until the engine stops (wx_engine_word.c says why). A CUDA stream waits for
  * fence `id` on the device with cuStreamWaitValue32(word, (uint32_t)id, GEQ) (cyclic: right
  * while fewer than 2^31 tasks separate the two). Once the engine stops, and when a word is
  * replaced or dropped, it is set past every task submitted, so no stream waits forever. */
 void wx_engine_set_fence_word(wx_engine_t *e, uint32_t *word);
+/* Whether the fence word is held now: 0 no; 1 for a failed peer (its id in *peer_id, its name
+ * in peer, of len bytes, and since when in *since_ns, wx_now_ns's clock) until it is fenced or its abandoned
+ * writes have completed; 2 for the engine's error (until the engine stops). A caller about to
+ * queue a device wait for a later fence waits on the host instead while it is held. */
+int wx_engine_word_state(wx_engine_t *e, uint64_t *since_ns, int64_t *peer_id, char *peer,
+                         size_t len);
 /* Hand the owners of finished tasks to cb (on the caller's thread). Returns the count. */
 int wx_engine_reap(wx_engine_t *e, void (*cb)(void *owner, void *arg), void *arg);
 /* isolate: the peers that failed (each one's first failure), at most max of them; returns

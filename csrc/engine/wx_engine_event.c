@@ -1,5 +1,6 @@
 /* wx_engine_event.c - the ready stage's wait for a task's CUDA event (libcuda through the
- * dlopen table): polled with a bounded sleep, until the task's deadline or the engine stops;
+ * dlopen table): polled with a bounded sleep, until the task's deadline (pushed out while the
+ * fence word is held for a peer: wx__word_ready_deadline) or the engine stops;
  * or looked at once (an external task's wait, wx_engine_ext.c, which also waits for the host). */
 #include "wx_engine_int.h"
 
@@ -53,6 +54,11 @@ int wx__wait_event(wx_engine_t *e, wx__task_t *t, wx_engine_fail_t *f)
         int rc = wx__query_event(e, t, f);
         if (rc)
             return rc < 0 ? rc : 0;
+        if (wx_now_ns() > deadline && !wx__stopping(e)) { /* behind a held fence word? */
+            pthread_mutex_lock(&e->mu);
+            deadline = wx__word_ready_deadline(e, deadline);
+            pthread_mutex_unlock(&e->mu);
+        }
         if (wx_now_ns() > deadline || wx__stopping(e)) {
             wx__fail_fill(f, -ETIMEDOUT, t, NULL, "ready",
                           "its CUDA event did not complete in %.1f s",

@@ -91,6 +91,8 @@ void wx__ext_ready(wx_engine_t *e, wx__task_t *t)
         }
         if (t->spec.cuda_event && wx__ext_event(e, t))
             break; /* done, or the engine failed */
+        if (wx_now_ns() > deadline)
+            deadline = wx__word_ready_deadline(e, deadline); /* behind a held fence word */
         if (wx_now_ns() > deadline) {
             snprintf(what, sizeof what,
                      "(%llu bytes) not signalled complete after %.1f s (%s; is the writer "

@@ -31,6 +31,8 @@ typedef struct wx__failed {
                      * once none is FAILING */
     uint8_t fencing; /* FAILING: its fence is running (mu released around it) */
     uint8_t fenced;  /* DEAD: its fence succeeded (wx_fence returned 0) */
+    uint8_t drained; /* DEAD, NOT fenced: every write abandoned to it has completed since */
+    uint32_t out;    /* its abandoned writes not completed yet */
 } wx__failed_t;
 
 struct wx__task {
@@ -93,11 +95,14 @@ struct wx_engine {
     size_t ntrace, cap_trace, trace_head; /* trace_head: the oldest record once full */
     uint64_t trace_dropped;
     /* what the fence word holds (stored into a word set later); while held (wx_engine_word.c),
-     * the peers whose fence write did not land, until each is fenced, and whether it is held
-     * until stop (a peer NOT fenced, or a fence finished with the engine's error) */
+     * the peers whose fence write did not land, until each is fenced or its abandoned writes
+     * have all completed, since when (hold_since, ns), and whether it is held until stop for
+     * the engine's error (a fence finished with it, or more failed peers than it names) */
     uint32_t word_val, nhold;
     wx_peer_t *hold[WX__MAX_FAILED];
-    int hold_stuck;
+    uint64_t hold_since;
+    uint64_t word_released; /* when a held word last went on (wx_now_ns; 0: never held) */
+    int hold_err;
 };
 
 /* e->stop is written under mu (atomically), read under mu by the stage loops and without
@@ -139,6 +144,15 @@ wx__task_t *wx__q_pop(wx__queue_t *q);
 void wx__word_fence_done(wx_engine_t *e, const wx__task_t *t);
 void wx__word_release(wx_engine_t *e);
 void wx__word_store(wx_engine_t *e, uint32_t v);
+/* an abandoned write eo (its peer failed) completed, or its post failed: its peer's count of
+ * writes out goes down, and a held word may go on once it reaches 0 */
+void wx__word_abandoned_done(wx_engine_t *e, const wx__eop_t *eo);
+/* The ready stage's deadline of a task (mu held): pushed out while the fence word is held
+ * for a peer, and to a timeout after its release (work queued behind a device wait on the
+ * word cannot complete before: a late peer must not fail the other peers' tasks) */
+uint64_t wx__word_ready_deadline(wx_engine_t *e, uint64_t deadline);
+/* failed peer fl's fence finished (fenced or not): a held word may go on */
+void wx__word_fence_failed(wx_engine_t *e, wx__failed_t *fl);
 /* the failed entry of peer p, or NULL (alive); wx_engine_peers.c */
 wx__failed_t *wx__failed_entry(wx_engine_t *e, const wx_peer_t *p);
 

@@ -60,10 +60,11 @@ void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *f)
     }
     if (wx_peer_next(WX_PEER_ALIVE, WX_PEV_WRITE_FAILED, &next)) /* (legal: FAILING) */
         next = WX_PEER_FAILING;
-    e->failed[e->nfailed].peer = p;
-    e->failed[e->nfailed].f = *f;
-    e->failed[e->nfailed].state = next;
-    e->failed[e->nfailed].fencing = 0;
+    had = &e->failed[e->nfailed];
+    memset(had, 0, sizeof *had);
+    had->peer = p;
+    had->f = *f;
+    had->state = next;
     e->nfailed++;
     e->fencing_peers++;
     for (wx__task_t *t = e->active; t; t = t->act_next) {
@@ -72,6 +73,7 @@ void wx__fail_peer(wx_engine_t *e, wx_peer_t *p, const wx_engine_fail_t *f)
             wx__eop_t *eo = &t->ops[i];
             if (!eo->done && !eo->abandoned && t->dests[eo->dest].peer == p) {
                 eo->abandoned = 1;
+                had->out++; /* (wx__word_abandoned_done counts it back) */
                 t->live--;
                 e->inflight--;
                 hit = 1;
@@ -130,7 +132,7 @@ void wx__fence_failed_peers(wx_engine_t *e)
         if (wx_peer_next(fl->state, WX_PEV_GIVE_UP, &next) == 0) /* FAILING -> DEAD */
             fl->state = next;
         e->fencing_peers--;
-        wx__word_release(e); /* a fence word held for this peer's stamp may go on */
+        wx__word_fence_failed(e, fl); /* a fence word held for this peer's stamp may go on */
         pthread_cond_broadcast(&e->cv_done);
     }
 }

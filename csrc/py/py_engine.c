@@ -594,6 +594,27 @@ static PyObject *wx_engine_failed_peers_py(PyObject *op, PyObject *noargs)
     return out;
 }
 
+/* word_state() -> None, or (peer id, peer name, seconds held); (None, None, s): the error */
+static PyObject *wx_engine_word_state_py(PyObject *op, PyObject *noargs)
+{
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    char peer[WX_NAME_MAX];
+    uint64_t since = 0, now = wx_now_ns();
+    int64_t id = -1;
+    double s;
+    int held;
+    WX_UNUSED(noargs);
+    if (!wx_py_engine_live(self))
+        return NULL;
+    held = wx_engine_word_state(self->e, &since, &id, peer, sizeof peer);
+    if (!held)
+        Py_RETURN_NONE;
+    s = since && now > since ? (double)(now - since) / 1e9 : 0.0;
+    if (held == 1 && id >= 0)
+        return Py_BuildValue("(Lsd)", (long long)id, peer, s);
+    return Py_BuildValue("(OOd)", Py_None, Py_None, s);
+}
+
 static PyObject *wx_engine_clear_error_py(PyObject *op, PyObject *noargs)
 {
     wx_py_engine_t *self = (wx_py_engine_t *)op;
@@ -711,8 +732,9 @@ static PyMethodDef wx_engine_methods[] = {
      "finishes (and now) into the uint32 at address (pinned host memory held by keep, kept "
      "by the engine until close() or the next call; 0, None: stop), so that a CUDA stream can "
      "wait for a fence on the device (stream_wait). A fence whose write to a peer did not land "
-     "(isolate) holds the word until that peer is fenced (until the engine stops if its fence "
-     "fails). Once the engine stops, and when the word is replaced, it is set past every task "
+     "(isolate) holds the word until that peer is fenced or its abandoned writes completed "
+     "(word_state() says which peer; a fence finished with the engine's error: until close). "
+     "Once the engine stops, and when the word is replaced, it is set past every task "
      "submitted; the caller keeps its memory until no stream can still wait on it."},
     {"wait", (PyCFunction)(void (*)(void))wx_engine_wait_py, METH_VARARGS | METH_KEYWORDS,
      "wait(timeout=None, fence=None, posted=False): until every submitted task finished (fence: "
@@ -723,6 +745,11 @@ static PyMethodDef wx_engine_methods[] = {
     {"error", wx_engine_error_py, METH_NOARGS,
      "The sticky error as an Error (not raised; its fields say task, tag, peer, stage), or None."},
     {"clear_error", wx_engine_clear_error_py, METH_NOARGS, "Forget the sticky error."},
+    {"word_state", wx_engine_word_state_py, METH_NOARGS,
+     "word_state() -> None while the fence word follows the fences, else (peer, name, seconds): "
+     "held that long for that peer (a fence write to it did not land; until it is fenced or its "
+     "abandoned writes complete), or for the engine's error (None, None, s: until close). A device "
+     "wait for a later fence queued now would not pass before then: wait on the host."},
     {"failed_peers", wx_engine_failed_peers_py, METH_NOARGS,
      "With isolate=True: [Error] of the peers that failed (each one's first failure, not raised: "
      "fields peer, errno, task, tag, stage, reason); their writes are skipped, the other peers' "

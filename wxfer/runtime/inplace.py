@@ -35,6 +35,7 @@ a push goes the staging way (a checksum of the receiver's own memory would prove
 
 from __future__ import annotations
 
+import logging
 import struct
 import itertools
 import operator
@@ -46,6 +47,24 @@ from ..zerocopy import COPY_MAX, copy_batch_full
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+
+
+log = logging.getLogger(__name__)
+
+# at most this long a failing push waits for its in-place writes (InPlaceWriter.abandon)
+ABANDON_BOUND_S = 60.0
+
+
+def stream_done_within(stream, bound: float) -> bool:
+    """Whether the work queued on CUDA `stream` so far finishes within `bound` seconds
+    (an event recorded now, polled; no unbounded synchronize)."""
+    ev = stream.record_event()
+    end = time.monotonic() + bound
+    while not ev.query():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.0005)
+    return True
 
 
 COPY_ALL = 1 << 62  # copy_max "all" / -1: no upper bound (every task has fewer bytes)
@@ -667,16 +686,31 @@ class InPlaceWriter:
             if part:
                 fp8.quantize_into(view, part)
 
-    def abandon(self) -> None:
+    def abandon(self, bound: float = ABANDON_BOUND_S) -> bool:
         """A failing push: its in-place writes land before it raises (best effort: a failed
-        engine need not have waited for their events)."""
+        engine need not have waited for their events), waited for at most `bound` seconds: a
+        stream behind a begin-stamp device wait whose fence word the engine holds (a receiver
+        not fenced yet, or the engine's error: ``Engine.word_state``) does not pass before the
+        word goes on, and an unbounded synchronize would hang the push.  False: still running
+        at the bound (logged, naming the held word's receiver)."""
         self.copy_q, self.copy_q_bytes = [], 0
+        done = True
         try:
             if self.launched and self.stream is not None:
-                self.stream.synchronize()
+                done = stream_done_within(self.stream, bound)
         except Exception:  # noqa: BLE001 -- the device itself failed; the push's error says more
             pass
+        if not done:
+            held = self.engine.word_state() if hasattr(self.engine, "word_state") else None
+            log.warning(
+                "wxfer: step %d: the in-place writes did not finish within %.1f s of the push's "
+                "failure (the fence word %s): the push raises without them",
+                self.version,
+                bound,
+                "is not held" if held is None else f"is held for peer {held[0]} ({held[1]}), {held[2]:.1f} s",
+            )
         self.launched = False
+        return done
 
     def stats(self) -> dict:
         cm = -1 if self.copy_max >= COPY_ALL else self.copy_max  # -1: no bound ("all")

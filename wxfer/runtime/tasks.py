@@ -28,7 +28,7 @@ def _host_int64(device):
 
 
 def begin_wait_word(engine, device):
-    """The begin stamps' device wait (``WXFER_BEGIN_WAIT=device``, the default; ``host``: the
+    """The begin stamps' device wait (``WXFER_BEGIN_WAIT=device``; ``host``, the default: the
     host waits): a uint32 in pinned host memory into which `engine` stores each fence task's
     id as it finishes -- held while a receiver whose stamp did not land is not fenced
     (``Engine.fence_word``, docs/cuda_ipc.md) -- and its device address for
@@ -39,7 +39,7 @@ def begin_wait_word(engine, device):
 
     from .. import _wxfer
 
-    choice = (envs.get("WXFER_BEGIN_WAIT") or "device").strip().lower()
+    choice = (envs.get("WXFER_BEGIN_WAIT") or "host").strip().lower()
     if choice not in ("device", "host"):
         raise ValueError(f"WXFER_BEGIN_WAIT must be device or host, got {choice!r}")
     if device.type != "cuda":
@@ -134,6 +134,7 @@ class TaskRunner:
         # (begin_wait_word); else (why_host_wait says why) on the host, as before
         self.begin_word, self.begin_word_dev, self.why_host_wait = None, 0, "no in-place writes"
         self.wait_streams = {}  # the streams a device wait was queued on (by handle): retire_word
+        self.word_held_pushes = 0  # pushes that waited on the host because the word was held
         off = getattr(inplace, "off", None)  # why no task is written in place, or None
         if off is not None and off() is None:
             self.begin_word, self.begin_word_dev, self.why_host_wait = begin_wait_word(engine, device)
@@ -189,7 +190,7 @@ class TaskRunner:
         it can (``begin_wait_word``): the current (side) stream waits for the fence's id in the
         word the engine stores it into, and this thread goes on launching; a refusal falls
         back to the host wait for good, its reason logged."""
-        if self.begin_word_dev and self.begin_fence is not None:
+        if self.begin_word_dev and self.begin_fence is not None and not self._word_held():
             import torch
 
             from .. import _wxfer
@@ -218,6 +219,30 @@ class TaskRunner:
             "writing the begin stamps (before the in-place writes)",
             fence=self.begin_fence,
         )
+
+    def _word_held(self) -> bool:
+        """Whether the engine holds the fence word for an earlier fence (a receiver whose stamp
+        did not land and is not fenced yet, or the engine's error: ``Engine.word_state``): a
+        device wait queued now would not pass before it is released, so this push waits for
+        its begin stamps on the host (bounded), logged naming the receiver."""
+        held = self.engine.word_state()
+        if held is None:
+            return False
+        peer, name, secs = held
+        who = "the engine's error (until close)" if peer is None else f"peer {peer}, whose begin stamp did not land"
+        wname = None if peer is None else self.links.peer_name(peer)
+        if wname or name:
+            who += f" ({wname or name})"
+        self.word_held_pushes += 1
+        log.warning(
+            "wxfer: trainer rank %d, step %d: the fence word is held (%.1f s) for %s: this push "
+            "waits for its begin stamps on the host",
+            self.rank,
+            self.version,
+            secs,
+            who,
+        )
+        return True
 
     def close(self) -> None:
         """After the engine's close (the word set past every task): the word is kept until the
