@@ -51,9 +51,10 @@ timeout 200 python3 -m pytest -q -ra --durations=8 -m gpu tests/test_stream_wait
   tests/test_direct_gpu.py >"$OUT/gpu_tests.log" 2>&1 || rc=1
 tail -25 "$OUT/gpu_tests.log"
 fi
-for wait in ${WAITS:-device host}; do  # WAITS=device: the device-wait rows only
-  # the device-wait run also profiles one more push per row (bb_profile.py: where its time goes)
-  prof=0; [ $wait = device ] && prof=1
+WAITS=${WAITS:-host device}
+for wait in $WAITS; do  # WAITS=device: the device-wait rows only
+  # the first wait's run also profiles one more push per row (bb_profile.py: where its time goes)
+  prof=0; [ $wait = "${WAITS%% *}" ] && prof=1
   WXFER_BB_PROFILE=$prof WXFER_BEGIN_WAIT=$wait timeout $((MAXS + 20)) python3 benchmarks/bench_baselines.py --layouts colocated \
     --curated $MODELS --methods link,wxfer --calibration none --max-s $MAXS \
     --out "$OUT/bb-$wait" --json >"$OUT/bb-$wait.log" 2>&1 || rc=1
