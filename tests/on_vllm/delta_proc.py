@@ -1,4 +1,4 @@
-"""A trainer rank of tests/on_vllm/test_delta.py (not a test module); the arguments of
+"""A trainer rank of tests/on_vllm/test_vllm_delta.py (not a test module); the arguments of
 trainer_proc.py (MODE "delta").
 
 Two ranks (gloo) push transformers' Qwen3ForCausalLM into the test's vllm.LLM through vLLM's
