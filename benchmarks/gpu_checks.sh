@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call's checks of the 2026-12-07 session's GPU work, at most ~9.5 minutes, each step
+# bounded (OUT=/some/dir bash benchmarks/gpu_checks.sh):
+#   1. benchmarks/gpu_perf.sh: build, the begin stamps' / in-place GPU tests (test_stream_wait_gpu:
+#      the fence word held for a late receiver; test_external_gpu, test_direct_gpu), the colocated
+#      rows (8B BF16 / FP8 FSDP2, 1.7B) with the host wait (the default; one more push per row
+#      profiled: bb_profile.py) and the device wait;
+#   2. the delta GPU tests: test_delta_scatter_gpu.py (the cuda_ipc scatter), test_delta_gpu.py;
+#   3. bench_delta --parts colocated (delta=True against delta=False on one GPU, 0.4% and 50%).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log --oneline -1 2>/dev/null; date -u
+echo "=== gpu_perf (build, stream-wait/external/direct gpu tests, host then device-wait rows, the host ones profiled)"
+(OUT=$OUT/perf WAITS="host device" bash benchmarks/gpu_perf.sh 2>&1 | grep -v "^+" | tail -45)
+echo "=== delta gpu tests at ${SECONDS}s"
+timeout 150 python3 -m pytest -q -ra -m gpu tests/test_delta_scatter_gpu.py tests/test_delta_gpu.py --maxfail=5 2>&1 | tail -15
+echo "=== colocated delta at ${SECONDS}s"
+if [ $SECONDS -lt 420 ]; then
+timeout $((570 - SECONDS)) python3 benchmarks/bench_delta.py --parts colocated --push-model medium --push-fp8 1 \
+  --colocated-rates 0.004,0.5 --out "$OUT/colocated.json" >"$OUT/colocated.log" 2>&1 || tail -5 "$OUT/colocated.log"
+python3 - "$OUT/colocated.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+for x in r["colocated"]:
+    why = [(s.get("tasks_delta"), s.get("tasks_dense"), s.get("tasks_bypassed")) for s in x["delta_steps"] or []]
+    print("colocated fp8=%s rate %g (%s): dense %.4f s, delta %.4f s, delta/dense %.3f, verified %s/%s; tasks (delta, dense, bypassed) per step %s" % (
+        x["fp8"], x["change_rate_requested"], x["transport"], x["dense_push_s"], x["delta_push_s"],
+        x["delta_vs_dense_s"], x["verified"], x["dense_verified"], why))
+PY
+fi
+echo "=== end at ${SECONDS}s"; cp $OUT/perf/bb-device.log $OUT/perf/gpu_tests.log $OUT/ 2>/dev/null
