@@ -285,6 +285,20 @@ static int wx__ci_write_check(wx__ci_t *c, wx_peer_t *p, const wx_wr_t *wr, wx__
     return 0;
 }
 
+/* How many pieces a write of len bytes is split into: one per c->split bytes, at most
+ * WX_CI_SPLIT_MAX and the transport's streams (1 when splitting is off). */
+static uint32_t wx__ci_pieces(const wx__ci_t *c, uint64_t len)
+{
+    uint32_t pieces = 1;
+    if (c->split && len > c->split) {
+        uint64_t k = (len + c->split - 1) / c->split;
+        pieces = (uint32_t)(k < WX_CI_SPLIT_MAX ? k : WX_CI_SPLIT_MAX);
+        if (pieces > c->nstreams)
+            pieces = c->nstreams;
+    }
+    return pieces;
+}
+
 int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op)
 {
     wx__ci_t *c = (wx__ci_t *)t;
@@ -293,7 +307,7 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
     CUcontext saved;
     CUdeviceptr dst, from;
     uint64_t off, piece, len = wr->len;
-    uint32_t pieces = 1;
+    uint32_t pieces;
     int rc;
 
     pthread_mutex_lock(&c->mu);
@@ -302,12 +316,7 @@ int wx__ci_write(wx_transport_t *t, wx_peer_t *p, const wx_wr_t *wr, wx_op_t *op
     s = &c->slots[c->free_head];
     dst = m->dptr + off + wr->roff;
     from = (CUdeviceptr)(uintptr_t)wr->local->addr + wr->loff;
-    if (c->split && len > c->split) {
-        uint64_t k = (len + c->split - 1) / c->split;
-        pieces = (uint32_t)(k < WX_CI_SPLIT_MAX ? k : WX_CI_SPLIT_MAX);
-        if (pieces > c->nstreams)
-            pieces = c->nstreams;
-    }
+    pieces = wx__ci_pieces(c, len);
     piece = ((len + pieces - 1) / pieces + 4095) & ~4095ull;
     if ((rc = wx__ci_push(c, c->ctx, &saved)) != 0)
         goto out;
