@@ -1,7 +1,8 @@
 """What the fault runs (gpu_faults.py, store_faults.py) share: the trainer's weights per step
-(``next_weights``), the parent's reading of the children's logs back (``read_logs``, ``events``, ``after``, ``keep_logs``), and the inference
-worker once its Receiver is set up (``watch``): what it saw, one JSON line per event on
-stdout, until POLL_AFTER_S after the parent wrote ``<out>/done``.
+(``next_weights``), the parent's reading of the children's logs back (``read_logs``,
+``events``, ``after``, ``keep_logs``), and the inference worker once its Receiver is set up
+(``watch``): what it saw, one JSON line per event on stdout, until POLL_AFTER_S after the
+parent wrote ``<out>/done``.
 
 - ``version``: each change of ``recv.version()``, polled in its own thread (a ``state()`` blocked
   in the store does not hide it); at versions 3 and 4 a host copy of its parameters, saved as

@@ -253,8 +253,8 @@ static const struct {
 static int wx__dtable(int kind, PyObject *obj, Py_buffer *view, const void **p, void **copy)
 {
     if (kind < 0 || kind > 3) {
-        PyErr_Format(PyExc_ValueError, "delta table kind %d (0 compare, 1 count, 2 emit, 3 scatter)",
-                     kind);
+        PyErr_Format(PyExc_ValueError,
+                     "delta table kind %d (0 compare, 1 count, 2 emit, 3 scatter)", kind);
         return -1;
     }
     return wx__table(obj, view, p, copy, wx__dtables[kind].name, "entries", wx__dtables[kind].esize,
