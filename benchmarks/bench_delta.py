@@ -182,27 +182,48 @@ def _median(xs) -> float:
     return xs[len(xs) // 2]
 
 
+def _against_dense(model: str, fp8: bool, rates, steps: int, watermark: str, delta, row) -> list:
+    """A ``delta=False`` run of `model` on this GPU, then one run per rate of `rates` with
+    ``Sender(delta=delta)``: ``row(rate, run, dense_run, dense_s, s)`` for each, `s` and
+    `dense_s` the median push of steps 2.. of the run and of the dense run."""
+    dense = _colocated_run(model, fp8, rates[0], steps, watermark, False)
+    d_s = _median(dense["step_s"][1:])
+    rows = []
+    for rate in rates:
+        res = _colocated_run(model, fp8, rate, steps, watermark, delta)
+        rows.append(row(rate, res, dense, d_s, _median(res["step_s"][1:])))
+    return rows
+
+
 def bench_colocated(model: str, fp8: bool, rates, steps: int, watermark: str) -> list:
     """Colocated on one GPU (GPU only): ``Sender(delta=True)`` (link measured) at each of
     `rates` against a ``delta=False`` run of the same model: the median push of steps 2.. of
     each. The chooser should send dense by itself (there is no link to save): its tasks bypass
     the delta writer (``tasks_bypassed``), delta_vs_dense_s near 1 (target within 5%), at 50%
-    changed no slower."""
-    dense = _colocated_run(model, fp8, rates[0], steps, watermark, False)
-    d_s = _median(dense["step_s"][1:])
-    rows = []
-    for rate in rates:
-        res = _colocated_run(model, fp8, rate, steps, watermark, True)
-        s = _median(res["step_s"][1:])
-        rows.append(
-            dict(
-                model=model, fp8=fp8, change_rate_requested=rate, transport=res.get("transport"),
-                dense_push_s=d_s, delta_push_s=s, delta_vs_dense_s=s / d_s,
-                verified=res.get("verified"), dense_verified=dense.get("verified"),
-                bitexact=res.get("bitexact"), delta_steps=res.get("delta_steps"),
-            )
+    changed no slower. Each row is also printed (``colocated_line``)."""
+
+    def row(rate, res, dense, d_s, s):
+        r = dict(
+            model=model, fp8=fp8, change_rate_requested=rate, transport=res.get("transport"),
+            dense_push_s=d_s, delta_push_s=s, delta_vs_dense_s=s / d_s,
+            verified=res.get("verified"), dense_verified=dense.get("verified"),
+            bitexact=res.get("bitexact"), delta_steps=res.get("delta_steps"),
         )  # fmt: skip
-    return rows
+        print(colocated_line(r), flush=True)
+        return r
+
+    return _against_dense(model, fp8, rates, steps, watermark, True, row)
+
+
+def colocated_line(x: dict) -> str:
+    """One colocated row as the GPU scripts print it (gpu_fused.sh, gpu_checks.sh grep it)."""
+    why = [(s.get("tasks_delta"), s.get("tasks_dense"), s.get("tasks_bypassed")) for s in x["delta_steps"] or []]
+    return (
+        "colocated fp8=%s rate %g (%s): dense %.4f s, delta %.4f s, delta/dense %.3f, verified %s/%s; "
+        "tasks (delta, dense, bypassed) per step %s"
+        % (x["fp8"], x["change_rate_requested"], x["transport"], x["dense_push_s"], x["delta_push_s"],
+           x["delta_vs_dense_s"], x["verified"], x["dense_verified"], why)
+    )  # fmt: skip
 
 
 def bench_scatter_kernel(device, nbytes: int, rate: float, reps: int) -> dict:
@@ -234,24 +255,19 @@ def bench_scatter_kernel(device, nbytes: int, rate: float, reps: int) -> dict:
 def bench_scatter_push(model: str, fp8: bool, rates, steps: int, watermark: str) -> list:
     """One trainer and one receiver on this GPU (cuda_ipc): forced scatter at each of `rates`
     against a ``delta=False`` run (dense, in place): the median push of steps 2.. of each."""
-    dense = _colocated_run(model, fp8, rates[0], steps, watermark, False)
-    d_s = _median(dense["step_s"][1:])
-    rows = []
-    for rate in rates:
-        res = _colocated_run(model, fp8, rate, steps, watermark, {"scatter": "force"})
-        s = _median(res["step_s"][1:])
+
+    def row(rate, res, dense, d_s, s):
         later = (res.get("delta_steps") or [])[1:]
-        rows.append(
-            dict(
-                model=model, fp8=fp8, change_rate_requested=rate, transport=res.get("transport"),
-                dense_push_s=d_s, scatter_push_s=s, scatter_vs_dense_s=s / d_s,
-                change_rate=res.get("change_rate"), verified=res.get("verified"),
-                dense_verified=dense.get("verified"), bitexact=res.get("bitexact"),
-                tasks_scatter=[x.get("tasks_scatter") for x in later],
-                scatter_bytes=[x.get("scatter_bytes") for x in later],
-            )
+        return dict(
+            model=model, fp8=fp8, change_rate_requested=rate, transport=res.get("transport"),
+            dense_push_s=d_s, scatter_push_s=s, scatter_vs_dense_s=s / d_s,
+            change_rate=res.get("change_rate"), verified=res.get("verified"),
+            dense_verified=dense.get("verified"), bitexact=res.get("bitexact"),
+            tasks_scatter=[x.get("tasks_scatter") for x in later],
+            scatter_bytes=[x.get("scatter_bytes") for x in later],
         )  # fmt: skip
-    return rows
+
+    return _against_dense(model, fp8, rates, steps, watermark, {"scatter": "force"}, row)
 
 
 def _paired(steps: list, dense: set) -> list:

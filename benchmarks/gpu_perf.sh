@@ -41,12 +41,10 @@ if [ "${1:-rows}" = sweep ]; then
   timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force >>"$OUT/build.log" 2>&1 || rc=1
   exit $rc
 fi
+MODELS=qwen3-8b,qwen3-1.7b; MAXS=150
 if [ "${1:-rows}" = big ]; then  # no tests: the 30B rows take the call's time
   MODELS=qwen3-30b-a3b; MAXS=230
-elif [ "${1:-rows}" = bench ]; then  # the rows only (the tests run elsewhere in the same call)
-  MODELS=qwen3-8b,qwen3-1.7b; MAXS=150
-else
-  MODELS=qwen3-8b,qwen3-1.7b; MAXS=150
+elif [ "${1:-rows}" != bench ]; then  # bench: the rows only (the tests run elsewhere in the same call)
 timeout 200 python3 -m pytest -q -ra --durations=8 -m gpu tests/test_stream_wait_gpu.py tests/test_external_gpu.py \
   tests/test_direct_gpu.py >"$OUT/gpu_tests.log" 2>&1 || rc=1
 tail -25 "$OUT/gpu_tests.log"
