@@ -407,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
             for (wx_u64 q = (wx_u64)(segx[sg] - segx[r.seg0]) + pre; m; q++) {
                 const int b = __ffs(m) - 1;
                 m &= m - 1;
-                dst[b] = vals[q];
+                dst[b] = __ldg(vals + q);
             }
             continue;
         }
@@ -425,8 +425,22 @@ extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
                 ((wx_u32 *)a.counts)[sg] = 0;
             continue;
         }
+        /* four pairs a thread loaded before their stores (a byte store may alias the loads
+         * otherwise; the records are read-only here: not the regions' memory) */
         unsigned char *dst = (unsigned char *)r.dst;
-        for (wx_u64 j = s * WX_DSEG + threadIdx.x; j < end; j += WX_DTHREADS)
-            dst[offs[j]] = vals[j];
+        for (wx_u64 j = s * WX_DSEG + threadIdx.x; j < end; j += 4 * WX_DTHREADS) {
+            wx_u32 o[4];
+            unsigned char v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const wx_u64 jj = j + (wx_u64)u * WX_DTHREADS;
+                o[u] = jj < end ? __ldg(offs + jj) : 0;
+                v[u] = jj < end ? __ldg(vals + jj) : 0;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (j + (wx_u64)u * WX_DTHREADS < end)
+                    dst[o[u]] = v[u];
+        }
     }
 }
