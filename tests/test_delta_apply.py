@@ -296,12 +296,15 @@ def test_the_applier_and_why_the_kernel_does_not_run(monkeypatch):
     cpu = torch.zeros(8, dtype=torch.uint8)
     assert delta.applier(cpu, [cpu]) == ("host", None)
     assert delta.applier(cpu, [cpu[::2]])[0] == "torch"
-    fake = types.SimpleNamespace(device=torch.device("cuda", 0), is_contiguous=lambda: True)
+    fake = types.SimpleNamespace(device=torch.device("cuda", 0), is_contiguous=lambda: True, dtype=torch.uint8)
     how, why = delta.applier(fake, [fake])
     if torch.cuda.is_available():
         assert (how, why) == ("kernel", None)
     else:  # the probe's own reason (this VM: no libcuda)
         assert how == "torch" and ("libcuda" in why or "cuda" in why), why
+    if torch.cuda.is_available():  # a region of another dtype: the torch ops, saying why
+        bf16 = types.SimpleNamespace(device=fake.device, is_contiguous=lambda: True, dtype=torch.bfloat16)
+        assert delta.applier(fake, [fake, bf16]) == ("torch", "region 1 is not contiguous uint8 memory on cuda:0")
     monkeypatch.setenv("WXFER_DELTA_APPLY", "torch")
     delta_gpu._APPLY_PROBE._probed.clear()
     assert delta.applier(fake, [fake]) == ("torch", "WXFER_DELTA_APPLY=torch")

@@ -111,10 +111,13 @@ def applier(buf, regions: list) -> tuple:
 
         why = delta_gpu.apply_why(buf.device)
         if why is None:
-            bad = [i for i, r in enumerate(regions) if r.device != buf.device or not r.is_contiguous()]
+            bad = [
+                i for i, r in enumerate(regions)
+                if r.device != buf.device or not r.is_contiguous() or str(r.dtype) != "torch.uint8"
+            ]  # fmt: skip
             if not bad:
                 return "kernel", None
-            why = f"region {bad[0]} is not contiguous memory on {buf.device}"
+            why = f"region {bad[0]} is not contiguous uint8 memory on {buf.device}"
         return "torch", why
     if _native_apply(buf, regions) is not None:
         return "host", None
