@@ -109,7 +109,7 @@ def applier(buf, regions: list) -> tuple:
     if buf.device.type == "cuda":
         from . import delta_gpu
 
-        why = delta_gpu.apply_why(buf.device)
+        why = delta_gpu.apply_why(buf.device) if regions else "no regions"
         if why is None:
             bad = [
                 i for i, r in enumerate(regions)
