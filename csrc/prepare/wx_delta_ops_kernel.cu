@@ -362,6 +362,41 @@ __device__ __forceinline__ wx_u32 wx_dap_word(const unsigned char *bits, wx_u64 
     return w;
 }
 
+/* A PAIRS segment: WX_DSEG pairs, strided over the threads (coalesced); phase 1 checks every
+ * offset inside the range, phase 3 stores the values. */
+__device__ __forceinline__ void wx_dap_pairs(const unsigned char *rec, const wx_delta_ap &r,
+                                             wx_u64 s, int i, int phase, wx_u64 *st)
+{
+    const wx_u32 *offs = (const wx_u32 *)(rec + r.pay);
+    const unsigned char *vals = rec + r.pay + wx_dpad8(4 * r.c);
+    const wx_u64 end = r.c < (s + 1) * WX_DSEG ? r.c : (s + 1) * WX_DSEG;
+    if (phase == 1) {
+        int bad = 0;
+        for (wx_u64 j = s * WX_DSEG + threadIdx.x; j < end; j += WX_DTHREADS)
+            bad |= offs[j] >= r.n;
+        if (bad)
+            wx_dap_flag(st, (wx_u64)i, WX_DAP_BAD);
+        return;
+    }
+    /* four pairs a thread loaded before their stores (a byte store may alias the loads
+     * otherwise; the records are read-only here: not the regions' memory) */
+    unsigned char *dst = (unsigned char *)r.dst;
+    for (wx_u64 j = s * WX_DSEG + threadIdx.x; j < end; j += 4 * WX_DTHREADS) {
+        wx_u32 o[4];
+        unsigned char v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const wx_u64 jj = j + (wx_u64)u * WX_DTHREADS;
+            o[u] = jj < end ? __ldg(offs + jj) : 0;
+            v[u] = jj < end ? __ldg(vals + jj) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (j + (wx_u64)u * WX_DTHREADS < end)
+                dst[o[u]] = v[u];
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
     wx_delta_apply(const wx_delta_recs a, int phase)
 {
@@ -411,36 +446,8 @@ extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
             }
             continue;
         }
-        /* PAIRS: WX_DSEG pairs a segment, strided over the threads (coalesced) */
-        const wx_u32 *offs = (const wx_u32 *)(rec + r.pay);
-        const unsigned char *vals = rec + r.pay + wx_dpad8(4 * r.c);
-        const wx_u64 end = r.c < (s + 1) * WX_DSEG ? r.c : (s + 1) * WX_DSEG;
-        if (phase == 1) {
-            int bad = 0;
-            for (wx_u64 j = s * WX_DSEG + threadIdx.x; j < end; j += WX_DTHREADS)
-                bad |= offs[j] >= r.n;
-            if (bad)
-                wx_dap_flag(st, i, WX_DAP_BAD);
-            if (threadIdx.x == 0)
-                ((wx_u32 *)a.counts)[sg] = 0;
-            continue;
-        }
-        /* four pairs a thread loaded before their stores (a byte store may alias the loads
-         * otherwise; the records are read-only here: not the regions' memory) */
-        unsigned char *dst = (unsigned char *)r.dst;
-        for (wx_u64 j = s * WX_DSEG + threadIdx.x; j < end; j += 4 * WX_DTHREADS) {
-            wx_u32 o[4];
-            unsigned char v[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const wx_u64 jj = j + (wx_u64)u * WX_DTHREADS;
-                o[u] = jj < end ? __ldg(offs + jj) : 0;
-                v[u] = jj < end ? __ldg(vals + jj) : 0;
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++)
-                if (j + (wx_u64)u * WX_DTHREADS < end)
-                    dst[o[u]] = v[u];
-        }
+        wx_dap_pairs(rec, r, s, i, phase, st);
+        if (phase == 1 && threadIdx.x == 0)
+            ((wx_u32 *)a.counts)[sg] = 0;
     }
 }
