@@ -359,3 +359,53 @@ def test_a_delta_push_applied_by_the_kernel_path_is_bit_identical_to_dense(store
         sender.close()
         for r in recvs:
             r.close()
+
+
+# what NVRTC declares by itself, for clang's CUDA front end without a CUDA installation
+_CLANG_PRELUDE = """
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __shared__ __attribute__((shared))
+#define __forceinline__ __attribute__((always_inline)) inline
+#define __launch_bounds__(x) __attribute__((launch_bounds(x)))
+#include <__clang_cuda_builtin_vars.h>
+struct uint4 { unsigned x, y, z, w; };
+__device__ unsigned atomicOr(unsigned *, unsigned);
+__device__ unsigned long long atomicOr(unsigned long long *, unsigned long long);
+__device__ unsigned long long atomicMin(unsigned long long *, unsigned long long);
+__device__ int __popc(unsigned);
+__device__ int __ffs(int);
+__device__ unsigned __shfl_up_sync(unsigned, unsigned, int);
+__device__ void __syncthreads();
+__device__ uint4 __ldg(const uint4 *);
+__device__ unsigned __ldg(const unsigned *);
+__device__ unsigned char __ldg(const unsigned char *);
+__device__ unsigned __funnelshift_r(unsigned, unsigned, int);
+"""
+
+
+def test_the_ops_kernel_source_compiles_for_a_gpu_with_clang(tmp_path):
+    """No nvcc here: clang's CUDA front end compiles csrc/prepare/wx_delta_ops_kernel.cu (the apply
+    kernel with the others) to PTX for sm_80, warnings as errors, with NVRTC's builtins declared;
+    the entry points the launchers name are in it."""
+    import os
+    import shutil
+    import subprocess
+
+    clang = shutil.which("clang++")
+    if clang is None:
+        pytest.skip("no clang++")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "prepare")
+    pre = tmp_path / "prelude.h"
+    pre.write_text(_CLANG_PRELUDE)
+    out = tmp_path / "ops.ptx"
+    cmd = [clang, "-x", "cuda", "-nocudainc", "-nocudalib", "--cuda-gpu-arch=sm_80", "--cuda-device-only", "-S",
+           "-O2", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-cuda-version", "-include", str(pre),
+           os.path.join(src, "wx_delta_ops_kernel.cu"), "-o", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if r.returncode and "unsupported" in r.stderr and "arch" in r.stderr:
+        pytest.skip(f"this clang cannot target sm_80: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0, r.stderr
+    ptx = out.read_text()
+    for fn in ("wx_delta_cmp", "wx_delta_count", "wx_delta_emit", "wx_delta_scatter", "wx_delta_apply"):
+        assert f".entry {fn}(" in ptx, fn

@@ -214,9 +214,13 @@ def apply_cap(rec_nbytes: int, nrec: int) -> int:
     return int(rec_nbytes) // 1024 + int(nrec) + 1
 
 
+_TABLES: dict = {}  # (device, the table's values) -> the table in device memory (its content is its key)
+
+
 def region_table(regions, device):
     """The {base address, nbytes} table of the regions (uint8 tensors on `device`), in device
-    memory; a region elsewhere or not contiguous is refused naming its index."""
+    memory (kept for the next call with the same regions: a receiver's are fixed); a region
+    elsewhere or not contiguous is refused naming its index."""
     import torch
 
     flat = []
@@ -227,7 +231,13 @@ def region_table(regions, device):
                 f"kernel writes contiguous uint8 memory on {device}"
             )
         flat.extend((r.data_ptr(), r.numel()))
-    return _dev(array.array("Q", flat), device)
+    key = (str(device), tuple(flat))
+    t = _TABLES.get(key)
+    if t is None:
+        if len(_TABLES) >= 16:
+            _TABLES.pop(next(iter(_TABLES)))
+        t = _TABLES[key] = _dev(array.array("Q", flat), device)
+    return t
 
 
 def apply(buf, nrec: int, regions, table=None) -> int:
