@@ -70,6 +70,13 @@ _VARS = (
     Var("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "Python", "zero-copy tasks below this are copied by kernels"),
     Var("WXFER_DELTA_STAGING", "size", "0", "Python", "Receiver delta staging area bytes (docs/delta.md)"),
     Var("WXFER_DELTA_GPU", "choice", "native", "Python", "delta pushes on CUDA: native (the delta kernels) or torch"),
+    Var(
+        "WXFER_DELTA_APPLY",
+        "choice",
+        "native",
+        "Python",
+        "a CUDA receiver's apply of delta records: native (the wx_delta_apply kernel) or torch",
+    ),
     Var("WXFER_COPY", "choice", "native", "Python", "the batched copy: native (copies.COPIER's) or torch"),
     Var("WXFER_FP8", "choice", "native", "Python", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
     Var(

@@ -47,12 +47,14 @@ static const wx_kernel_src_t wx__cmp_src = WX__OPS("wx_delta_cmp");
 static const wx_kernel_src_t wx__count_src = WX__OPS("wx_delta_count");
 static const wx_kernel_src_t wx__emit_src = WX__OPS("wx_delta_emit");
 static const wx_kernel_src_t wx__scat_src = WX__OPS("wx_delta_scatter");
+static const wx_kernel_src_t wx__apply_src = WX__OPS("wx_delta_apply");
 
 static wx_kernel_t wx__kq = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static wx_kernel_t wx__kc = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static wx_kernel_t wx__kn = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static wx_kernel_t wx__ke = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static wx_kernel_t wx__ks = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static wx_kernel_t wx__ka = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len)
 {
@@ -64,6 +66,12 @@ int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, si
         (rc = wx_kernel_get(&wx__ks, &wx__scat_src, device, dirs, ndirs, &d, why, why_len)))
         return rc;
     return wx_kernel_get(&wx__kq, &wx__quant_src, device, dirs, ndirs, &d, why, why_len);
+}
+
+int wx_delta_apply_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len)
+{
+    wx_kernel_dev_t d;
+    return wx_kernel_get(&wx__ka, &wx__apply_src, device, dirs, ndirs, &d, why, why_len);
 }
 
 static uint64_t wx__segs(uint64_t n) { return (n + WX_DELTA_SEG - 1) / WX_DELTA_SEG; }
@@ -325,4 +333,58 @@ int wx_delta_scatter_launch(int device, uint64_t stream, const wx_delta_scat_t *
         return rc;
     void *args[] = {&dp, &n, &nsegs, &bp, &sp};
     return wx_kernel_launch(&d, "wx_delta_scatter", grid, WX__THREADS, 0, stream, args);
+}
+
+int wx_delta_apply_check(const wx_delta_recs_t *a)
+{
+    if (!a->rec || a->rec % 8)
+        return wx_errf(-EINVAL, "delta apply: the records' address 0x%llx is null or not 8-aligned",
+                       (unsigned long long)a->rec);
+    if (a->nrec < 1 || a->nrec > WX_DELTA_MAX)
+        return wx_errf(-EINVAL, "delta apply: %llu records (expected 1 to %d)",
+                       (unsigned long long)a->nrec, WX_DELTA_MAX);
+    if (a->rec_nbytes < 32 || a->rec_nbytes > (1ull << 40))
+        return wx_errf(-EINVAL, "delta apply: %llu bytes of records (expected 32 to 2^40)",
+                       (unsigned long long)a->rec_nbytes);
+    if (!a->regions || a->nregions < 1 || a->nregions > 0xffffffffull)
+        return wx_errf(-EINVAL,
+                       "delta apply: %llu regions at 0x%llx (expected a table of 1 to 2^32)",
+                       (unsigned long long)a->nregions, (unsigned long long)a->regions);
+    if (!a->work || !a->state || !a->counts || !a->segx)
+        return wx_errf(-EINVAL, "delta apply: null %s address",
+                       !a->work     ? "work"
+                       : !a->state  ? "state"
+                       : !a->counts ? "counts"
+                                    : "segx");
+    if (a->cap < WX_DELTA_AP_CAP(a->rec_nbytes, a->nrec))
+        return wx_errf(-EINVAL,
+                       "delta apply: counts for %llu segments, %llu bytes of %llu records "
+                       "may need %llu",
+                       (unsigned long long)a->cap, (unsigned long long)a->rec_nbytes,
+                       (unsigned long long)a->nrec,
+                       (unsigned long long)WX_DELTA_AP_CAP(a->rec_nbytes, a->nrec));
+    return 0;
+}
+
+int wx_delta_apply_launch(int device, uint64_t stream, const wx_delta_recs_t *a, int phase)
+{
+    wx_kernel_dev_t d;
+    wx_delta_recs_t arg = *a;
+    uint64_t grid = 0;
+    int rc = wx_delta_apply_check(a), ph;
+    if (rc)
+        return rc;
+    if (phase != 0 && phase != 1)
+        return wx_errf(-EINVAL, "delta apply: phase %d (expected 0 or 1)", phase);
+    /* the persistent grid of the count and the apply; their segments are the walk's (on the
+     * device), at most cap */
+    if ((rc = wx__get(&wx__ka, &wx__apply_src, device, a->cap, WX__OPS_CTAS_PER_SM, &d, &grid)))
+        return rc;
+    void *args[] = {&arg, &ph};
+    ph = phase == 0 ? 0 : 2;
+    if ((rc = wx_kernel_launch(&d, "wx_delta_apply", phase == 0 ? 1 : (a->nrec + 255) / 256,
+                               WX__THREADS, 0, stream, args)))
+        return rc;
+    ph = phase == 0 ? 1 : 3;
+    return wx_kernel_launch(&d, "wx_delta_apply", grid, WX__THREADS, 0, stream, args);
 }

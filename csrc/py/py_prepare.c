@@ -350,6 +350,50 @@ static PyObject *wx_delta_launch_py(PyObject *m, PyObject *args)
     return wx__launched(st, rc, &view, copy, "delta_launch");
 }
 
+static PyObject *wx_delta_apply_probe_py(PyObject *m, PyObject *args)
+{
+    return wx__probe(args, "i|O:delta_apply_probe", wx_delta_apply_probe);
+}
+
+/* The apply's addresses and sizes: (rec, rec_nbytes, nrec, regions, nregions, work, state,
+ * counts, segx, cap), after `head` leading arguments parsed by the caller's format. */
+#define WX__RECS_FMT "KKKKKKKKKK"
+#define WX__RECS_ARGS(a)                                                                           \
+    (unsigned long long *)&(a).rec, (unsigned long long *)&(a).rec_nbytes,                         \
+        (unsigned long long *)&(a).nrec, (unsigned long long *)&(a).regions,                       \
+        (unsigned long long *)&(a).nregions, (unsigned long long *)&(a).work,                      \
+        (unsigned long long *)&(a).state, (unsigned long long *)&(a).counts,                       \
+        (unsigned long long *)&(a).segx, (unsigned long long *)&(a).cap
+
+static PyObject *wx_delta_apply_check_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    wx_delta_recs_t a;
+    int rc;
+    if (!PyArg_ParseTuple(args, WX__RECS_FMT ":delta_apply_check", WX__RECS_ARGS(a)))
+        return NULL;
+    if ((rc = wx_delta_apply_check(&a)) != 0)
+        return wx_py_raise(st, rc, "delta_apply_check");
+    Py_RETURN_NONE;
+}
+
+static PyObject *wx_delta_apply_launch_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    wx_delta_recs_t a;
+    unsigned long long stream;
+    int device, phase, rc;
+    if (!PyArg_ParseTuple(args, "iKi" WX__RECS_FMT ":delta_apply_launch", &device, &stream, &phase,
+                          WX__RECS_ARGS(a)))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_delta_apply_launch(device, stream, &a, phase);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return wx_py_raise(st, rc, "delta_apply_launch");
+    Py_RETURN_NONE;
+}
+
 /* stream_wait_addr(device, host_address) -> (device_address, why_not): 0 and the reason when
  * the device wait cannot be used (wx_streamwait.h). */
 static PyObject *wx_stream_wait_addr_py(PyObject *m, PyObject *args)
@@ -540,6 +584,16 @@ static PyMethodDef wx__prepare_methods[] = {
      "a_n=0, b=0, b_n=0, out=0, out_n=0): kind 0 compare, 1 count (a: u32 counts), 2 emit (a: "
      "shadow, b: int64 prefix sum, out: the records), 3 scatter (a: shadow; each range's changed "
      "bytes stored at its destination address)."},
+    {"delta_apply_probe", wx_delta_apply_probe_py, METH_VARARGS,
+     "delta_apply_probe(device, dirs=()) -> (usable, why_not): compiles the receiver's apply "
+     "kernel (wx_delta_apply, any compute capability) for the device at first use."},
+    {"delta_apply_check", wx_delta_apply_check_py, METH_VARARGS,
+     "delta_apply_check(rec, rec_nbytes, nrec, regions, nregions, work, state, counts, segx, "
+     "cap): raises Error naming the bad address or size of a records apply (wx_delta.h)."},
+    {"delta_apply_launch", wx_delta_apply_launch_py, METH_VARARGS,
+     "delta_apply_launch(device, stream, phase, rec, rec_nbytes, nrec, regions, nregions, work, "
+     "state, counts, segx, cap): phase 0 (walk + count) or 1 (check + apply) of a slot's "
+     "records on the stream; segx[1:] = cumsum(counts) between them (wx_delta.h)."},
     {"delta_scan", wx_delta_scan_py, METH_VARARGS,
      "delta_scan(cur, shadow, n, idx, cap) -> changed: the bytes of host range cur[0, n) that "
      "differ from shadow[0, n); the first cap offsets (u32, ascending) written at idx (0: none)."},
