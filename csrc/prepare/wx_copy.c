@@ -78,7 +78,7 @@ int wx_copy_probe(int device, const char *const *dirs, int ndirs, char *why, siz
 }
 
 int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uint64_t dev_ranges,
-                   int n)
+                   int n, int ctas_per_sm)
 {
     char why[WX_ERRMSG_MAX];
     const wx_kernel_cfg_t *cfg = wx__cfg();
@@ -92,7 +92,10 @@ int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uin
         return wx_errf(-EINVAL, "copy: null range table address");
     if ((rc = wx_kernel_get(&wx__kernel, &cfg->src, device, NULL, 0, &d, why, sizeof why)) != 0)
         return wx_errf(rc, "copy kernel unavailable: %s", why);
-    grid = (uint64_t)d.sms * (uint64_t)cfg->ctas_per_sm;
+    if (ctas_per_sm < 0 || ctas_per_sm > 64)
+        return wx_errf(-EINVAL, "copy: ctas_per_sm %d (expected 0, the product's, to 64)",
+                       ctas_per_sm);
+    grid = (uint64_t)d.sms * (uint64_t)(ctas_per_sm ? ctas_per_sm : cfg->ctas_per_sm);
     if (grid > nchunks)
         grid = nchunks;
     void *args[] = {&dp, &n, &nchunks};

@@ -37,9 +37,11 @@ int wx_copy_probe(int device, const char *const *dirs, int ndirs, char *why, siz
 
 /* Copy on `stream` (a CUstream) of `device` the n validated ranges `host` with one launch of
  * the kernel (`dev_ranges`: the device address of the same bytes, valid until the kernel ran,
- * stream order). Returns 0 or a negative errno (wx_last_error says why). */
+ * stream order). ctas_per_sm: the persistent grid's CTAs per SM (0: the product's 16; a few
+ * leave room on every SM for a kernel running beside it, wxfer/runtime/overlap.py). Returns 0
+ * or a negative errno (wx_last_error says why). */
 int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uint64_t dev_ranges,
-                   int n);
+                   int n, int ctas_per_sm);
 
 /* The kernel's settings: 16-byte loads in flight per thread (compiled in) and CTAs per SM of
  * its grid (the product's 4 and 16; another pair only in a WXFER_KERNEL_SWEEP build). */

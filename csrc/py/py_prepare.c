@@ -186,18 +186,18 @@ static PyObject *wx_copy_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_copy_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc;
+    int device, n, rc, ctas = 0;
     unsigned long long stream, dev_ranges;
     PyObject *obj;
     Py_buffer view;
     const wx_copy_range_t *p;
     void *copy;
-    if (!PyArg_ParseTuple(args, "iKOK:copy_launch", &device, &stream, &obj, &dev_ranges))
+    if (!PyArg_ParseTuple(args, "iKOK|i:copy_launch", &device, &stream, &obj, &dev_ranges, &ctas))
         return NULL;
     if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_copy_launch(device, stream, p, dev_ranges, n);
+        rc = wx_copy_launch(device, stream, p, dev_ranges, n, ctas);
     Py_END_ALLOW_THREADS
     return wx__launched(st, rc, &view, copy, "copy_launch");
 }
@@ -504,9 +504,10 @@ static PyMethodDef wx__prepare_methods[] = {
      "copy_probe(device, dirs=()) -> (usable, why_not): loads libnvrtc (also from dirs) and "
      "compiles the batched copy kernel for the device at first use."},
     {"copy_launch", wx_copy_launch_py, METH_VARARGS,
-     "copy_launch(device, stream, ranges, device_ranges_ptr): one launch of the batched copy "
-     "kernel on the stream (ranges as for copy_check; device_ranges_ptr the same bytes in "
-     "device memory, valid until the kernel ran)."},
+     "copy_launch(device, stream, ranges, device_ranges_ptr, ctas_per_sm=0): one launch of the "
+     "batched copy kernel on the stream (ranges as for copy_check; device_ranges_ptr the same "
+     "bytes in device memory, valid until the kernel ran; ctas_per_sm: the grid's CTAs per SM, "
+     "0 the product's)."},
     {"copy_settings", wx_copy_settings_py, METH_NOARGS,
      "copy_settings() -> {unroll, ctas_per_sm}: the copy kernel's loads in flight per thread "
      "and CTAs per SM."},
