@@ -90,11 +90,11 @@ int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uin
         return rc;
     if (!dev_ranges)
         return wx_errf(-EINVAL, "copy: null range table address");
-    if ((rc = wx_kernel_get(&wx__kernel, &cfg->src, device, NULL, 0, &d, why, sizeof why)) != 0)
-        return wx_errf(rc, "copy kernel unavailable: %s", why);
     if (ctas_per_sm < 0 || ctas_per_sm > 64)
         return wx_errf(-EINVAL, "copy: ctas_per_sm %d (expected 0, the product's, to 64)",
                        ctas_per_sm);
+    if ((rc = wx_kernel_get(&wx__kernel, &cfg->src, device, NULL, 0, &d, why, sizeof why)) != 0)
+        return wx_errf(rc, "copy kernel unavailable: %s", why);
     grid = (uint64_t)d.sms * (uint64_t)(ctas_per_sm ? ctas_per_sm : cfg->ctas_per_sm);
     if (grid > nchunks)
         grid = nchunks;
