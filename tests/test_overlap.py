@@ -153,6 +153,13 @@ def test_a_quantizing_push_copies_the_large_bf16_tasks_beside_the_quantizer(stor
         assert [e[0] for e in log[2:]] == ["quant"] * (len(log) - 2), log  # the rest not held back
         _check_trace(s, tags)
         assert any(r["tag"] == OVERLAP_TAG for r in s.engine.trace())
+        kinds = s.task_kinds()  # (as the next push runs them: the simulator's and the host fit's kinds)
+        assert {t for t, k in kinds.items() if k == "copy"} >= {op.task for op in big}, kinds
+    # the in-run host fit (bench_baselines' fitted_s) takes those tasks as copies: no record each
+    from wxfer.tools.calibrate_host import host_costs
+
+    fit = host_costs(s, 2)
+    assert fit["host_kinds"].get("copy", 0) >= len(big) and fit["host_push_s"] > 0, fit
     # off: the engine's writes again
     monkeypatch.setenv("WXFER_DIRECT_OVERLAP", "0")
     s.inplace.overlap.on = overlap.enabled()
@@ -161,6 +168,7 @@ def test_a_quantizing_push_copies_the_large_bf16_tasks_beside_the_quantizer(stor
     _check(model, params, 1, "fp8")
     assert s.engine.stats()["bytes_written"] - moved == sum(op.nbytes for op in big) + 2 * 8
     assert "overlap" not in s.stats()["direct"]
+    assert all(s.task_kinds()[op.task] == "zero_copy" for op in big)
     _closed(s, recvs)
 
 

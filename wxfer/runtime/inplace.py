@@ -435,7 +435,10 @@ class InPlaceWriter:
         """Why a push does not copy zero-copy task `op` straight into the receivers' memory, or
         None (queue_copy's tests without its side effects; the binding is cached as there): the
         copy fact of wxfer.taskpath.classify, what Sender.task_kinds() reports "copy" from."""
-        return self._copy_check(op)[0]
+        why = self._copy_check(op)[0]
+        if why is _TOO_BIG and self.overlap.next_live() and self.off() is None and not self.verify:  # overlap.py
+            why = self._copy_hit(op)[4]
+        return why
 
     def _copy_check(self, op) -> tuple:
         """(why not copied or None, the task's binding where it was looked at): a copy

@@ -90,6 +90,11 @@ class Overlap:
         self.n = {"tasks": 0, "bytes": 0, "launches": 0}
         self.host_s = 0.0
 
+    def next_live(self) -> bool:
+        """Between pushes: whether the next one defers (this one launched the quantizer; the
+        writer's copy_why, so that Sender.task_kinds() says "copy" for these tasks)."""
+        return self.on and self.quant > 0
+
     def take(self, hit) -> bool:
         """Queue a zero-copy task's copies (its binding `hit`, InPlaceWriter._copy_bind, every
         destination mapped) when this push defers them; False: the engine writes it."""
