@@ -9,9 +9,12 @@ engine as soon as the begin stamps' fence finished -- the moment the Sender's th
 that same fence, launches its first quantizer kernel on the side stream.  Different streams, no
 event or fence between them, and yet they ran one after the other (one H100, the profiled push
 of benchmarks/runs/h100-2026-12-07-b: busy 9.74 ms = the quantizer's 8.14 ms + 1.6 ms of copies,
-the kernels at their standalone rate, the copies straight after the begin stamp): the copies
-came first and filled the GPU, and the quantizer's persistent grid (2 CTAs of 256 threads and
-96 KiB of shared memory per SM, csrc/prepare/wx_fp8.c) waited for the SMs they held.  The
+the kernels at their standalone rate, the copies straight after the begin stamp, the host done
+launching long before the device was).  Our reading: the copies came first and held the SMs
+(a copy within one GPU runs at its memory's rate, as a kernel does), and the quantizer's
+persistent grid (2 CTAs of 256 threads and 96 KiB of shared memory per SM,
+csrc/prepare/wx_fp8.c) started only where they left room; bb_profile's ``overlap`` figures
+(which began first, the time beside and alone) check it on the next GPU run.  The
 quantizer alone moves about 2.65 TB/s where a copy moves 3.0 (that H100): the copies can take
 the rest of the memory's bandwidth while it runs, if both are resident at once.
 
