@@ -93,6 +93,8 @@ def test_the_driver_batch_validates_its_copies_and_says_why_it_cannot_run():
     ):
         with pytest.raises(_wxfer.Error, match=says):
             _wxfer.copy_batch(0, 0, array.array("Q", [1 << 20, 1 << 21, 8, *bad]))
+        with pytest.raises(_wxfer.Error, match=says):  # (beside the SMs' work: wxfer.runtime.overlap)
+            _wxfer.copy_batch(0, 0, array.array("Q", [1 << 20, 1 << 21, 8, *bad]), True)
     if not torch.cuda.is_available():
         ok, why = _wxfer.copy_batch_probe(0)
         assert not ok and ("libcuda" in why or "cuInit" in why)

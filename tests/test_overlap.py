@@ -67,8 +67,14 @@ def test_a_large_copy_is_deferred_only_after_a_quantizing_push_and_launched_afte
     assert not s.overlap.live and not s.queue_copy(op)
 
 
-def test_the_ctas_variable_is_checked(monkeypatch):
-    assert overlap.ctas() == overlap.CTAS
+def test_the_mode_and_ctas_variables_are_checked(monkeypatch):
+    assert overlap.mode() == "engines" and overlap.ctas() == overlap.CTAS
+    for v, want in (("1", "engines"), ("kernel", "kernel"), ("ENGINES", "engines"), ("off", None), ("0", None)):
+        monkeypatch.setenv("WXFER_DIRECT_OVERLAP", v)
+        assert overlap.mode() == want and overlap.enabled() == (want is not None)
+    monkeypatch.setenv("WXFER_DIRECT_OVERLAP", "dma")
+    with pytest.raises(ValueError, match="WXFER_DIRECT_OVERLAP must be engines, kernel or 0"):
+        overlap.mode()
     monkeypatch.setenv("WXFER_DIRECT_OVERLAP_CTAS", "3")
     assert overlap.ctas() == 3
     for bad in ("0", "65", "two"):

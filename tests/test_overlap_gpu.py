@@ -2,7 +2,8 @@
 (wxfer.runtime.overlap; the CPU's decisions and order: tests/test_overlap.py).  Trainer (this
 process) and a receiver (a spawned process) share GPU 0 over cuda_ipc; a BF16 model into FP8,
 copy_max cut low so that its embeddings and lm_head are "large".  From the second push on they
-are copied by the batched copy kernel on a second stream: every inference byte is the
+are copied on a second stream (WXFER_DIRECT_OVERLAP: by the driver's batched copy on the copy
+engines, or by the copy kernel with a small grid): every inference byte is the
 reference's, the engine writes only the version stamps, the end stamps are posted after the
 copies landed even when they are late, and the quantizer on the side stream does not wait for
 them (the two streams really run side by side)."""
@@ -47,16 +48,20 @@ def _stamps(s):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.timeout(300)
-def test_large_copies_beside_the_quantizer_give_the_reference_bytes_before_the_end_stamps(store, monkeypatch):
+@pytest.mark.parametrize("mode", ["engines", "kernel"])
+def test_large_copies_beside_the_quantizer_give_the_reference_bytes_before_the_end_stamps(store, monkeypatch, mode):
     from wxfer.runtime import copies
     from wxfer.runtime.inplace import COPIES_TAG
     from wxfer.runtime.overlap import OVERLAP_TAG
 
     monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", str(CUT))
+    monkeypatch.setenv("WXFER_DIRECT_OVERLAP", mode)
     _, addr = store
-    rx = _Receivers(addr, "ovl_gpu", TINY, "fp8")
+    name = "ovl_" + mode
+    rx = _Receivers(addr, name, TINY, "fp8")
     try:
-        model, s, ops, big = _sender(addr, "ovl_gpu")
+        model, s, ops, big = _sender(addr, name)
+        driver = copies.driver_why(torch.device("cuda", 0)) is None
         for step in (1, 2, 3):
             if step > 1:
                 _step(model, step)
@@ -74,7 +79,7 @@ def test_large_copies_beside_the_quantizer_give_the_reference_bytes_before_the_e
             assert engine == 2 * 8, engine  # the stamps only
             o = d["overlap"]
             assert o["tasks"] == len(big) and o["bytes"] == sum(op.nbytes for op in big) and o["launches"] >= 1, o
-            assert copies.last()["copier"] == "native", copies.last()
+            assert o["mode"] == mode and o["copier"] == ("driver" if mode == "engines" and driver else "native"), o
             _check_trace(s, {op.task for op in ops} | {COPIES_TAG, OVERLAP_TAG})
             recs, (begin, end) = _stamps(s)
             ovl = [r for r in recs if r["tag"] == OVERLAP_TAG]
@@ -106,7 +111,7 @@ def test_a_late_overlap_copy_holds_the_end_stamps_and_not_the_quantizer(store, m
         seen = {}
 
         def slow(device, items, **kw):
-            if kw.get("ctas") and "slept" not in seen:  # the overlap's launch (on its own stream)
+            if (kw.get("ctas") or kw.get("beside")) and "slept" not in seen:  # the overlap's launch (its stream)
                 seen["slept"] = True
                 torch.cuda._sleep(int(0.3 * 2e9))
             return real_copy(device, items, **kw)

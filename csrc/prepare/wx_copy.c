@@ -143,7 +143,7 @@ static int wx__columns(const uint64_t *triples, int n, CUdeviceptr **dst, CUdevi
     return 0;
 }
 
-int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n)
+int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n, int beside_compute)
 {
     char why[WX_ERRMSG_MAX];
     const wx_cuda_api_t *cu;
@@ -151,7 +151,8 @@ int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n)
     CUmemcpyAttributes attr = {CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
                                {CU_MEM_LOCATION_TYPE_DEVICE, device},
                                {CU_MEM_LOCATION_TYPE_DEVICE, device},
-                               CU_MEMCPY_FLAG_DEFAULT};
+                               beside_compute ? CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+                                              : CU_MEMCPY_FLAG_DEFAULT};
     CUdeviceptr *dst = NULL, *src = NULL;
     CUcontext prev;
     CUstream hs;

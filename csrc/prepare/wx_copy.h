@@ -53,8 +53,10 @@ void wx_copy_settings(int *unroll, int *ctas);
 int wx_copy_batch_probe(int device, char *why, size_t why_len);
 
 /* The same copies by one cuMemcpyBatchAsync on `stream` of `device`: n (dst, src, nbytes)
- * uint64 triples, device addresses of `device`, the sources read in stream order. Returns 0
- * or a negative errno (wx_last_error names the call and, where the driver says, the copy). */
-int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n);
+ * uint64 triples, device addresses of `device`, the sources read in stream order;
+ * beside_compute: the driver's hint CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE (run them on the
+ * copy engines, beside the kernels on the SMs; wxfer/runtime/overlap.py). Returns 0 or a
+ * negative errno (wx_last_error names the call and, where the driver says, the copy). */
+int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n, int beside_compute);
 
 #endif

@@ -16,23 +16,31 @@ persistent grid (2 CTAs of 256 threads and 96 KiB of shared memory per SM,
 csrc/prepare/wx_fp8.c) started only where they left room; bb_profile's ``overlap`` figures
 (which began first, the time beside and alone) check it on the next GPU run.  The
 quantizer alone moves about 2.65 TB/s where a copy moves 3.0 (that H100): the copies can take
-the rest of the memory's bandwidth while it runs, if both are resident at once.
+the rest of the memory's bandwidth while it runs -- but not on the SMs: the quantizer's 2 CTAs
+of 256 threads use 128 registers a thread (ptxas -v of wx_fp8_kernel.cu for sm_90, nvcc 13.0;
+its launch bound allows that many),
+65,536 registers, the whole register file of an SM, so no other CTA (a copy kernel's, or the
+driver's copy if it runs on the SMs) is resident beside them while a quantizer launch runs.
+The copy engines need no SM.
 
 How.  In a push after one that launched the quantizer in place (``start``: the first push of a
 Sender keeps the engine path), a zero-copy task that ``InPlaceWriter.queue_copy`` would leave
 to the engine only for its size, every destination mapped, is queued here instead (``take``).
 The queue is launched (``launch``) right after the push's next quantizer launch -- else at its
-mesh group's end (``InPlaceWriter.end_group``) -- as one launch of the batched copy kernel
-(wxfer.runtime.copies) on a second stream of its own, with a small persistent grid (``ctas()``
-CTAs per SM, default 2: every CTA resident beside the quantizer's, none waiting for an SM, so
-the quantizer's later launches are not held back either).
+mesh group's end (``InPlaceWriter.end_group``) -- on a second stream of its own, by ``mode()``:
+"engines" (the default) one ``cuMemcpyBatchAsync`` with the driver's hint to run it beside the
+SMs' work (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: the copy engines; a driver without the
+batched copy (before 12.8) gets "kernel"); "kernel" one launch of the batched copy kernel
+(wxfer.runtime.copies) with a small persistent grid (``ctas()`` CTAs per SM, default 2: they take
+an SM between two quantizer launches and keep it, the next launch running beside them with one
+CTA there instead of two -- measured against "engines" by ``gpu_perf.sh fp8``).
 
 Order (docs/cuda_ipc.md).  The second stream waits for an event recorded on the side stream
 before the quantizer's launch (``gate``): after the push's start (the training stream's work)
 and after the begin stamps (waited for on the host, or on the side stream by the device wait),
 not after the quantizer.  The copies are one external engine task (tag ``OVERLAP_TAG``) waiting
 for their own event: the end stamps' fence is posted only after it, as after every in-place
-write.  At the group's end (``join``) the side stream waits for that event, so the training
+write.  At the group's end (``end_group``) the side stream waits for that event, so the training
 stream, which waits for the side stream when push() returns, does not change a source before
 it was read.  A receiver that failed or was dropped is not written (as the batched copies).
 Off: ``WXFER_DIRECT_OVERLAP=0`` (the engine writes them, as before)."""
@@ -43,13 +51,26 @@ import time
 
 from .. import envs
 
+MODES = ("engines", "kernel")
 OVERLAP_TAG = (1 << 62) + 2  # engine tag of a launch of these copies (COPIES_TAG + 1)
 CTAS = 2  # CTAs per SM of the copy kernel's grid beside the quantizer
 
 
+def mode() -> str | None:
+    """$WXFER_DIRECT_OVERLAP: "engines" (the default; also 1/on), "kernel", or None for 0/off."""
+    v = envs.get("WXFER_DIRECT_OVERLAP", "").strip().lower()
+    if v in ("0", "off", "false", "no"):
+        return None
+    if v in ("", "1", "on", "true", "yes"):
+        return MODES[0]
+    if v not in MODES:
+        raise ValueError(f"WXFER_DIRECT_OVERLAP must be engines, kernel or 0 (off), got {v!r}")
+    return v
+
+
 def enabled() -> bool:
-    """$WXFER_DIRECT_OVERLAP: on unless 0/off/false/no."""
-    return envs.get("WXFER_DIRECT_OVERLAP", "1").strip().lower() not in ("0", "off", "false", "no")
+    """Whether $WXFER_DIRECT_OVERLAP turns the overlap on."""
+    return mode() is not None
 
 
 def ctas() -> int:
@@ -72,8 +93,10 @@ class Overlap:
 
     def __init__(self, writer):
         self.w = writer
-        self.on = enabled()
+        self.mode = mode()
+        self.on = self.mode is not None
         self.ctas = ctas()
+        self.ran = None  # the copier of the last launch (wxfer.runtime.copies)
         self.live = False  # this push defers (``start``)
         self.q: list = []  # [(gpu, engine destination, copy item)] queued
         self.q_tasks = 0
@@ -136,7 +159,7 @@ class Overlap:
         items = [c[2] for c in live]
         i = self.n["launches"]
         if self.w.stream is None:  # the host: in order with everything else
-            copies.copy_ranges(self.w.device, items)
+            self.ran = copies.copy_ranges(self.w.device, items)
             self.w._submit([c[1] for c in live], OVERLAP_TAG)
         else:
             import torch
@@ -145,7 +168,10 @@ class Overlap:
                 self.stream = torch.cuda.Stream(self.w.device)
             self.stream.wait_event(gate)
             with torch.cuda.stream(self.stream):
-                copies.copy_ranges(self.w.device, items, ctas=self.ctas)
+                if self.mode == "engines" and copies.driver_why(self.w.device) is None:
+                    self.ran = copies.copy_ranges(self.w.device, items, copier="driver", beside=True)
+                else:
+                    self.ran = copies.copy_ranges(self.w.device, items, ctas=self.ctas)
             ev = self._event(i)
             ev.record(self.stream)
             self.unjoined.append(ev)
@@ -188,4 +214,4 @@ class Overlap:
         """stats()["direct"]["overlap"] of the last push, or None when it deferred nothing."""
         if not self.n["tasks"]:
             return None
-        return dict(self.n, ctas=self.ctas, host_s=self.host_s)
+        return dict(self.n, mode=self.mode, copier=self.ran, ctas=self.ctas, host_s=self.host_s)
