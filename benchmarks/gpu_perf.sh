@@ -9,9 +9,9 @@
 #                                                      # FSDP2; they need an H200's memory; about 9 min)
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh fp8      # the 8B FP8 FSDP2 row alone, with the large BF16
 #                                                      # copies beside the quantizer and without
-#                                                      # (WXFER_DIRECT_OVERLAP=engines / 0; OVERLAPS="engines
-#                                                      # kernel 0" adds the copy kernel), each push
-#                                                      # profiled, after tests/test_overlap_gpu.py (about 3 min)
+#                                                      # (WXFER_DIRECT_OVERLAP=engines / kernel / 0, or
+#                                                      # OVERLAPS="..."), each row's pushes profiled, after
+#                                                      # tests/test_overlap_gpu.py (about 3 min)
 #
 # sweep: the product kernel (v6, 2 CTAs per SM) was chosen on an H200; on an H100 the 8B FP8
 # row's kernel term is its largest (its quantizer ran at about 2.65 TB/s of traffic against
@@ -50,7 +50,7 @@ if [ "${1:-rows}" = fp8 ]; then  # issue 37's FP8 row: the overlap (wxfer/runtim
   timeout -k 5 100 python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler_timeout=45 -m gpu \
     tests/test_overlap_gpu.py >"$OUT/overlap_tests.log" 2>&1 || rc=1
   tail -8 "$OUT/overlap_tests.log"
-  for ovl in ${OVERLAPS:-engines 0}; do
+  for ovl in ${OVERLAPS:-engines kernel 0}; do
     WXFER_DIRECT_OVERLAP=$ovl WXFER_BB_PROFILE=1 WXFER_BEGIN_WAIT=${WAITS:-host} timeout -k 5 110 python3 \
       benchmarks/bench_baselines.py --layouts colocated --models qwen3-8b --quant fp8 --trainers fsdp2 \
       --methods link,wxfer --calibration none --max-s 90 --out "$OUT/fp8-overlap$ovl" --json \

@@ -83,6 +83,18 @@ def test_the_mode_and_ctas_variables_are_checked(monkeypatch):
             overlap.ctas()
 
 
+def test_the_engines_batch_cuts_each_range_into_pieces():
+    items = [("d", "s", 1000, 5000, 10), ("d2", "s2", 9000, 20000, 4)]
+    got = overlap.pieces(items, piece=4)
+    assert got == [
+        (None, None, 1000, 5000, 4),
+        (None, None, 1004, 5004, 4),
+        (None, None, 1008, 5008, 2),
+        (None, None, 9000, 20000, 4),
+    ]
+    assert overlap.pieces(items) == [(None, None, 1000, 5000, 10), (None, None, 9000, 20000, 4)]
+
+
 def test_a_failing_push_drops_the_queued_copies():
     regions = {b"g0": torch.zeros(256, dtype=torch.uint8)}
     s = _CopySender(regions, {b"g0": 0})

@@ -29,8 +29,9 @@ to the engine only for its size, every destination mapped, is queued here instea
 The queue is launched (``launch``) right after the push's next quantizer launch -- else at its
 mesh group's end (``InPlaceWriter.end_group``) -- on a second stream of its own, by ``mode()``:
 "engines" (the default) one ``cuMemcpyBatchAsync`` with the driver's hint to run it beside the
-SMs' work (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: the copy engines; a driver without the
-batched copy (before 12.8) gets "kernel"); "kernel" one launch of the batched copy kernel
+SMs' work (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: the copy engines; each range cut into
+copies of ``PIECE`` bytes, which the driver may spread over several engines; a driver without
+the batched copy (before 12.8) gets "kernel"); "kernel" one launch of the batched copy kernel
 (wxfer.runtime.copies) with a small persistent grid (``ctas()`` CTAs per SM, default 2: they take
 an SM between two quantizer launches and keep it, the next launch running beside them with one
 CTA there instead of two -- measured against "engines" by ``gpu_perf.sh fp8``).
@@ -54,6 +55,7 @@ from .. import envs
 MODES = ("engines", "kernel")
 OVERLAP_TAG = (1 << 62) + 2  # engine tag of a launch of these copies (COPIES_TAG + 1)
 CTAS = 2  # CTAs per SM of the copy kernel's grid beside the quantizer
+PIECE = 64 << 20  # "engines": a range cut into copies of at most this (the driver may spread them)
 
 
 def mode() -> str | None:
@@ -85,6 +87,16 @@ def ctas() -> int:
     if not 1 <= n <= 64:
         raise ValueError(f"WXFER_DIRECT_OVERLAP_CTAS must be an int from 1 to 64, got {v!r}")
     return n
+
+
+def pieces(items, piece: int = PIECE) -> list:
+    """`items` [(dst, src, dst address, src address, nbytes)] with every range cut into copies of
+    at most `piece` bytes, as addresses only (dst, src None: for the driver's batch alone)."""
+    out = []
+    for _d, _s, dp, sp, n in items:
+        for a in range(0, n, piece):
+            out.append((None, None, dp + a, sp + a, min(piece, n - a)))
+    return out
 
 
 class Overlap:
@@ -169,7 +181,7 @@ class Overlap:
             self.stream.wait_event(gate)
             with torch.cuda.stream(self.stream):
                 if self.mode == "engines" and copies.driver_why(self.w.device) is None:
-                    self.ran = copies.copy_ranges(self.w.device, items, copier="driver", beside=True)
+                    self.ran = copies.copy_ranges(self.w.device, pieces(items), copier="driver", beside=True)
                 else:
                     self.ran = copies.copy_ranges(self.w.device, items, ctas=self.ctas)
             ev = self._event(i)
