@@ -95,6 +95,28 @@ def test_the_engines_batch_cuts_each_range_into_pieces():
     assert overlap.pieces(items) == [(None, None, 1000, 5000, 10), (None, None, 9000, 20000, 4)]
 
 
+def test_a_driver_refusing_the_engines_batch_sends_the_copies_to_the_kernel_for_good():
+    """The driver's batch raising (a hint or memory it does not take): the same items copied by
+    the kernel with the small grid, and every later launch of that Sender too."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    def copy_ranges(device, items, copier=None, ctas=0, beside=False):
+        calls.append((copier, ctas, beside, len(items)))
+        if copier == "driver":
+            raise RuntimeError("cuMemcpyBatchAsync: invalid value")
+        return "native"
+
+    fake = SimpleNamespace(driver_why=lambda d: None, copy_ranges=copy_ranges)
+    o = overlap.Overlap(SimpleNamespace(device="cuda:0"))
+    items = [(None, None, 1 << 20, 1 << 30, 3 * overlap.PIECE)]
+    o._copy(fake, items)
+    assert calls == [("driver", 0, True, 3), (None, o.ctas, False, 1)] and o.mode == "kernel" and o.ran == "native"
+    o._copy(fake, items)
+    assert calls[2:] == [(None, o.ctas, False, 1)]
+
+
 def test_a_failing_push_drops_the_queued_copies():
     regions = {b"g0": torch.zeros(256, dtype=torch.uint8)}
     s = _CopySender(regions, {b"g0": 0})

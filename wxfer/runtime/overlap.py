@@ -48,9 +48,12 @@ Off: ``WXFER_DIRECT_OVERLAP=0`` (the engine writes them, as before)."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from .. import envs
+
+log = logging.getLogger(__name__)
 
 MODES = ("engines", "kernel")
 OVERLAP_TAG = (1 << 62) + 2  # engine tag of a launch of these copies (COPIES_TAG + 1)
@@ -180,10 +183,7 @@ class Overlap:
                 self.stream = torch.cuda.Stream(self.w.device)
             self.stream.wait_event(gate)
             with torch.cuda.stream(self.stream):
-                if self.mode == "engines" and copies.driver_why(self.w.device) is None:
-                    self.ran = copies.copy_ranges(self.w.device, pieces(items), copier="driver", beside=True)
-                else:
-                    self.ran = copies.copy_ranges(self.w.device, items, ctas=self.ctas)
+                self._copy(copies, items)
             ev = self._event(i)
             ev.record(self.stream)
             self.unjoined.append(ev)
@@ -192,6 +192,19 @@ class Overlap:
         self.n["launches"] += 1
         self.n["bytes"] += sum(c[2][4] for c in live)
         self.host_s += time.perf_counter() - t0
+
+    def _copy(self, copies, items) -> None:
+        """The copies on the current (second) stream, by the mode; the driver refusing its batch
+        (a hint it does not take, or memory it does not copy that way) sends this Sender to the
+        kernel for good, logged: the same bytes, so the kernel copies them all again."""
+        if self.mode == "engines" and copies.driver_why(self.w.device) is None:
+            try:
+                self.ran = copies.copy_ranges(self.w.device, pieces(items), copier="driver", beside=True)
+                return
+            except Exception as e:  # noqa: BLE001 -- the kernel below gives the same bytes
+                log.warning("wxfer: the copies beside the quantizer go to the copy kernel: %s", e)
+                self.mode = "kernel"
+        self.ran = copies.copy_ranges(self.w.device, items, ctas=self.ctas)
 
     def _event(self, i: int):
         """The CUDA event of a push's `i`-th launch, made once and reused (the push before was
