@@ -47,11 +47,11 @@ if [ "${1:-rows}" = sweep ]; then
   exit $rc
 fi
 if [ "${1:-rows}" = fp8 ]; then  # issue 37's FP8 row: the overlap (wxfer/runtime/overlap.py) on and off
-  timeout -k 5 100 python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler_timeout=45 -m gpu \
+  timeout -k 5 150 python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler_timeout=45 -m gpu \
     tests/test_overlap_gpu.py >"$OUT/overlap_tests.log" 2>&1 || rc=1
   tail -8 "$OUT/overlap_tests.log"
   for ovl in ${OVERLAPS:-engines kernel 0}; do
-    WXFER_DIRECT_OVERLAP=$ovl WXFER_BB_PROFILE=1 WXFER_BEGIN_WAIT=${WAITS:-host} timeout -k 5 110 python3 \
+    WXFER_DIRECT_OVERLAP=$ovl WXFER_BB_PROFILE=1 WXFER_BEGIN_WAIT=${BEGIN_WAIT:-host} timeout -k 5 110 python3 \
       benchmarks/bench_baselines.py --layouts colocated --models qwen3-8b --quant fp8 --trainers fsdp2 \
       --methods link,wxfer --calibration none --max-s 90 --out "$OUT/fp8-overlap$ovl" --json \
       >"$OUT/fp8-overlap$ovl.log" 2>&1 || rc=1
