@@ -7,6 +7,11 @@
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh bench    # the rows without the tests (about 6 min)
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh big      # the Qwen3-30B-A3B rows only (BF16 and FP8
 #                                                      # FSDP2; they need an H200's memory; about 9 min)
+#   OUT=/some/dir bash benchmarks/gpu_perf.sh fp8      # the 8B FP8 FSDP2 row alone, with the large BF16
+#                                                      # copies beside the quantizer and without
+#                                                      # (WXFER_DIRECT_OVERLAP=engines / kernel / 0, or
+#                                                      # OVERLAPS="..."), each row's pushes profiled, after
+#                                                      # tests/test_overlap_gpu.py (about 3 min)
 #
 # sweep: the product kernel (v6, 2 CTAs per SM) was chosen on an H200; on an H100 the 8B FP8
 # row's kernel term is its largest (its quantizer ran at about 2.65 TB/s of traffic against
@@ -39,6 +44,44 @@ if [ "${1:-rows}" = sweep ]; then
     >"$OUT/quant-sweep.log" 2>&1 || rc=1
   tail -30 "$OUT/quant-sweep.log"
   timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force >>"$OUT/build.log" 2>&1 || rc=1
+  exit $rc
+fi
+if [ "${1:-rows}" = fp8 ]; then  # issue 37's FP8 row: the overlap (wxfer/runtime/overlap.py) on and off
+  timeout -k 5 150 python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler_timeout=45 -m gpu \
+    tests/test_overlap_gpu.py >"$OUT/overlap_tests.log" 2>&1 || rc=1
+  tail -8 "$OUT/overlap_tests.log"
+  for ovl in ${OVERLAPS:-engines kernel 0}; do
+    WXFER_DIRECT_OVERLAP=$ovl WXFER_BB_PROFILE=1 WXFER_BEGIN_WAIT=${BEGIN_WAIT:-host} timeout -k 5 110 python3 \
+      benchmarks/bench_baselines.py --layouts colocated --models qwen3-8b --quant fp8 --trainers fsdp2 \
+      --methods link,wxfer --calibration none --max-s 90 --out "$OUT/fp8-overlap$ovl" --json \
+      >"$OUT/fp8-overlap$ovl.log" 2>&1 || rc=1
+    grep -E "^\[|skipped|failed|Error" "$OUT/fp8-overlap$ovl.log" | head -20
+  done
+  timeout 30 python3 - "$OUT" <<'PY' || rc=1
+import json, os, sys
+out = sys.argv[1]
+print("| overlap | link ms | wxfer ms (2 GiB / 256 MiB) | wxfer / FP8 copy | overlap stats | profiled: busy, quant, copies beside / alone ms |")
+print("|---|---|---|---|---|---|")
+for ovl in sorted((d[len("fp8-overlap"):] for d in os.listdir(out) if d.startswith("fp8-overlap") and "." not in d), reverse=True):
+    p = os.path.join(out, "fp8-overlap" + ovl, "results.json")
+    if not os.path.exists(p):
+        print("| %s | (no results.json) |" % ovl)
+        continue
+    for r in json.load(open(p))["results"]:
+        link = r.get("methods", {}).get("link", {}).get("seconds")
+        byw = r.get("wxfer_by_watermark") or {}
+        ks = sorted(byw, key=int, reverse=True)
+        if not ks or not link:
+            print("| %s | error: %s |" % (ovl, r.get("error") or r.get("errors")))
+            continue
+        ws = [byw[k]["seconds"] for k in ks]
+        o = (byw[ks[0]].get("direct") or {}).get("overlap")
+        pr = [byw[k].get("profile") or {} for k in ks]
+        prof = " / ".join("%.2f, %.2f, %.2f / %.2f" % (x.get("gpu_busy_ms", 0), (x.get("overlap") or {}).get("quant_ms", 0),
+                          (x.get("overlap") or {}).get("beside_ms", 0), (x.get("overlap") or {}).get("copy_alone_ms", 0)) for x in pr)
+        print("| %s | %.2f | %s | %s | %s | %s |" % (ovl, link * 1e3, " / ".join("%.2f" % (w * 1e3) for w in ws),
+              " / ".join("%.2fx" % (w / link) for w in ws), json.dumps(o), prof))
+PY
   exit $rc
 fi
 MODELS=qwen3-8b,qwen3-1.7b; MAXS=150

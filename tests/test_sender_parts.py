@@ -423,11 +423,11 @@ def test_the_step_loop_runs_copies_batches_and_tasks_in_order_group_by_group():
     h = loop.push(4, False, seen.run_task, threading.RLock())
     kinds = [e[0] for e in seen.log]
     assert kinds[:2] == ["start", "write_begin"]
-    body = [e for e in seen.log if e[0] in ("copy", "batch", "run", "flush_copies")]
+    body = [e for e in seen.log if e[0] in ("copy", "batch", "run", "end_group")]
     assert body[0] == ("copy", 0)
     assert body[1] == ("batch", list(range(1, FAST_BATCH + 1)))  # a full batch goes at once
     assert body[2] == ("batch", list(range(FAST_BATCH + 1, n + 1)))  # the rest before the next packed task
-    assert body[3:] == [("run", n + 1), ("flush_copies",), ("run", 100), ("flush_copies",)]
+    assert body[3:] == [("run", n + 1), ("end_group",), ("run", 100), ("end_group",)]
     assert set(loop.last_phases) == {"rejoin_check", "begin_stamps", "submit"} and loop.pending is h
     assert h.wait() == loop.last_phases["done"] and h.done()
     assert ("write_end",) in seen.log and ("verify_landed", None, 2.5) in seen.log

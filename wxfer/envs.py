@@ -68,6 +68,14 @@ _VARS = (
     Var("WXFER_VERIFY", "flag", "off", "Python", "checksum every write (Sender.push / Receiver verify=)"),
     Var("WXFER_DIRECT", "flag", "on", "Python", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
     Var("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "Python", "zero-copy tasks below this are copied by kernels"),
+    Var(
+        "WXFER_DIRECT_OVERLAP",
+        "choice",
+        "engines",
+        "Python",
+        "larger zero-copy tasks copied beside the FP8 kernel: engines, kernel or 0 (off)",
+    ),
+    Var("WXFER_DIRECT_OVERLAP_CTAS", "int", "2", "Python", "CTAs per SM of the copy kernel's grid there (kernel)"),
     Var("WXFER_DELTA_STAGING", "size", "0", "Python", "Receiver delta staging area bytes (docs/delta.md)"),
     Var("WXFER_DELTA_GPU", "choice", "native", "Python", "delta pushes on CUDA: native (the delta kernels) or torch"),
     Var(

@@ -78,7 +78,7 @@ int wx_copy_probe(int device, const char *const *dirs, int ndirs, char *why, siz
 }
 
 int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uint64_t dev_ranges,
-                   int n)
+                   int n, int ctas_per_sm)
 {
     char why[WX_ERRMSG_MAX];
     const wx_kernel_cfg_t *cfg = wx__cfg();
@@ -90,9 +90,12 @@ int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uin
         return rc;
     if (!dev_ranges)
         return wx_errf(-EINVAL, "copy: null range table address");
+    if (ctas_per_sm < 0 || ctas_per_sm > 64)
+        return wx_errf(-EINVAL, "copy: ctas_per_sm %d (expected 0, the product's, to 64)",
+                       ctas_per_sm);
     if ((rc = wx_kernel_get(&wx__kernel, &cfg->src, device, NULL, 0, &d, why, sizeof why)) != 0)
         return wx_errf(rc, "copy kernel unavailable: %s", why);
-    grid = (uint64_t)d.sms * (uint64_t)cfg->ctas_per_sm;
+    grid = (uint64_t)d.sms * (uint64_t)(ctas_per_sm ? ctas_per_sm : cfg->ctas_per_sm);
     if (grid > nchunks)
         grid = nchunks;
     void *args[] = {&dp, &n, &nchunks};
@@ -140,7 +143,7 @@ static int wx__columns(const uint64_t *triples, int n, CUdeviceptr **dst, CUdevi
     return 0;
 }
 
-int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n)
+int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n, int beside_compute)
 {
     char why[WX_ERRMSG_MAX];
     const wx_cuda_api_t *cu;
@@ -148,7 +151,8 @@ int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n)
     CUmemcpyAttributes attr = {CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
                                {CU_MEM_LOCATION_TYPE_DEVICE, device},
                                {CU_MEM_LOCATION_TYPE_DEVICE, device},
-                               CU_MEMCPY_FLAG_DEFAULT};
+                               beside_compute ? CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+                                              : CU_MEMCPY_FLAG_DEFAULT};
     CUdeviceptr *dst = NULL, *src = NULL;
     CUcontext prev;
     CUstream hs;

@@ -186,18 +186,18 @@ static PyObject *wx_copy_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_copy_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc;
+    int device, n, rc, ctas = 0;
     unsigned long long stream, dev_ranges;
     PyObject *obj;
     Py_buffer view;
     const wx_copy_range_t *p;
     void *copy;
-    if (!PyArg_ParseTuple(args, "iKOK:copy_launch", &device, &stream, &obj, &dev_ranges))
+    if (!PyArg_ParseTuple(args, "iKOK|i:copy_launch", &device, &stream, &obj, &dev_ranges, &ctas))
         return NULL;
     if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_copy_launch(device, stream, p, dev_ranges, n);
+        rc = wx_copy_launch(device, stream, p, dev_ranges, n, ctas);
     Py_END_ALLOW_THREADS
     return wx__launched(st, rc, &view, copy, "copy_launch");
 }
@@ -224,19 +224,19 @@ static PyObject *wx_copy_batch_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_copy_batch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc;
+    int device, n, rc, beside = 0;
     unsigned long long stream;
     PyObject *obj;
     Py_buffer view;
     const void *p;
     void *copy;
-    if (!PyArg_ParseTuple(args, "iKO:copy_batch", &device, &stream, &obj))
+    if (!PyArg_ParseTuple(args, "iKO|p:copy_batch", &device, &stream, &obj, &beside))
         return NULL;
     if ((n = wx__table(obj, &view, &p, &copy, "copy_batch", "(dst, src, nbytes) triples",
                        3 * sizeof(uint64_t), WX_COPY_MAX_RANGES)) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_copy_batch(device, stream, p, n);
+        rc = wx_copy_batch(device, stream, p, n, beside);
     Py_END_ALLOW_THREADS
     return wx__launched(st, rc, &view, copy, "copy_batch");
 }
@@ -548,9 +548,10 @@ static PyMethodDef wx__prepare_methods[] = {
      "copy_probe(device, dirs=()) -> (usable, why_not): loads libnvrtc (also from dirs) and "
      "compiles the batched copy kernel for the device at first use."},
     {"copy_launch", wx_copy_launch_py, METH_VARARGS,
-     "copy_launch(device, stream, ranges, device_ranges_ptr): one launch of the batched copy "
-     "kernel on the stream (ranges as for copy_check; device_ranges_ptr the same bytes in "
-     "device memory, valid until the kernel ran)."},
+     "copy_launch(device, stream, ranges, device_ranges_ptr, ctas_per_sm=0): one launch of the "
+     "batched copy kernel on the stream (ranges as for copy_check; device_ranges_ptr the same "
+     "bytes in device memory, valid until the kernel ran; ctas_per_sm: the grid's CTAs per SM, "
+     "0 the product's)."},
     {"copy_settings", wx_copy_settings_py, METH_NOARGS,
      "copy_settings() -> {unroll, ctas_per_sm}: the copy kernel's loads in flight per thread "
      "and CTAs per SM."},
@@ -566,8 +567,10 @@ static PyMethodDef wx__prepare_methods[] = {
      "(cuStreamWaitValue32, GEQ: cyclic (int32)(*word - value) >= 0) before its later work; "
      "the host does not wait."},
     {"copy_batch", wx_copy_batch_py, METH_VARARGS,
-     "copy_batch(device, stream, copies): the copies, a buffer of (dst, src, nbytes) uint64 "
-     "triples, by one cuMemcpyBatchAsync on the stream (sources read in stream order)."},
+     "copy_batch(device, stream, copies, beside_compute=False): the copies, a buffer of (dst, "
+     "src, nbytes) uint64 triples, by one cuMemcpyBatchAsync on the stream (sources read in "
+     "stream order); beside_compute: the driver is asked to run them beside the SMs' work "
+     "(CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: the copy engines)."},
     {"delta_probe", wx_delta_probe_py, METH_VARARGS,
      "delta_probe(device, dirs=()) -> (usable, why_not): compiles the delta kernels (the fused "
      "FP8 one needs compute capability 8.9) for the device at first use."},

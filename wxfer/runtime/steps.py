@@ -177,7 +177,7 @@ class StepLoop:
                 run_task(op, ev)
             if len(batch):
                 runner.submit_fast(batch.take(), ev)
-            inplace.flush_copies()
+            inplace.end_group()  # the copies still queued, the second stream joined (overlap.py)
             # stage 4: the barrier overlaps this group's writes
             state["at"] = (gi, len(ops))
             state["barrier"] = control.Barrier(
