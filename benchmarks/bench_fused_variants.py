@@ -24,7 +24,8 @@ Each variant runs in a child process (a kernel is compiled once per process) tha
      the same in every child) and the fused kernel, with CUDA events over --iters launches
      queued behind a sleep kernel (no host time in the figure), alternating the old and new
      weights so that every launch sees the rate's changes (the shadow toggles between the
-     two); fused+zero also clears the bitmask before each launch (a push's bits_for).
+     two); fused+zero also clears the bitmask before each launch (a push's bits_for); count:
+     the count kernel alone over the bitmask (the pass a count fused into the kernel saves).
 The ratio is taken within the child (the same process, GPU and minute). Prints one table
 and, with --json, one JSON line; exits 1 when a variant failed or differed.
 """
@@ -40,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CHECK_SHAPES = [(4096, 4096), (300, 200), (129, 1000), (77, 130)]
+CHECK_SHAPES = [(4096, 4096), (200, 336), (300, 200), (129, 1000), (77, 130)]  # (200, 336): partial tiles, aligned rows
 DRY_SHAPES = [(256, 384), (129, 200)]
 CHECK_RATES = [0.0, 0.004, 0.5, 1.0]
 
@@ -175,6 +176,27 @@ def launches(dev, out, shadow, bits, jobs_a, jobs_b):
     return quant, fused
 
 
+def count_launch(dev, bits, n):
+    """The count kernel over the whole shadow's bitmask (one launch, its table made once; the
+    pass a fused count would save), or None on CPU."""
+    if dev.type != "cuda":
+        return None
+    import array
+
+    import torch
+
+    from wxfer import _wxfer
+    from wxfer.runtime import delta_gpu, fp8
+
+    segs = (n + delta_gpu.SEG - 1) // delta_gpu.SEG
+    table = array.array("Q", (0, n, 0))
+    dtab, counts = delta_gpu._dev(table, dev), torch.empty(segs, dtype=torch.int32, device=dev)
+    st = fp8._raw_stream(dev)
+    return lambda i: _wxfer.delta_launch(
+        1, dev.index, st, table, dtab.data_ptr(), bits.data_ptr(), bits.numel() * 4, counts.data_ptr(), segs
+    )
+
+
 def bench(dev, rows, cols, rates, iters, reps):
     """The timed rows of one rows x cols BF16 weight (one piece: fp8 bytes then scales)."""
     import torch
@@ -202,6 +224,8 @@ def bench(dev, rows, cols, rates, iters, reps):
         q_s = timed(dev, iters, reps, quant)
         f_s = timed(dev, iters, reps, fused)
         fz_s = timed(dev, iters, reps, fused, lambda i: bits.zero_())
+        count = count_launch(dev, bits, n)
+        c_s = timed(dev, iters, reps, count) if count else None
         ok = torch.equal(shadow, a if iters % 2 == 0 else b)  # after an even count: back to a
         res.append(
             dict(
@@ -212,6 +236,7 @@ def bench(dev, rows, cols, rates, iters, reps):
                 fused_zero_ms=fz_s * 1e3,
                 fused_vs_quantize=f_s / q_s,
                 fused_zero_vs_quantize=fz_s / q_s,
+                count_ms=None if c_s is None else c_s * 1e3,
                 quantize_GBps=3 * nq / q_s / 1e9,
                 copy_GBps=2 * 2 * nq / copy_s / 1e9,
                 shadow_toggled=bool(ok),
@@ -285,14 +310,15 @@ def sweep(a) -> int:
     gpu = out[0]["gpu"] if out else "?"
     shape = "x".join(str(x) for x in out[0]["shape"]) if out else a.shape
     print(f"bench_fused_variants on {platform.node()}, {gpu}, {shape} BF16, {a.iters} launches x {a.reps}")
-    print("| variant | changed | quantize ms | GB/s | fused ms | x | fused+zero ms | x | exact (cases) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| variant | changed | quantize ms | GB/s | fused ms | x | fused+zero ms | x | count ms | exact (cases) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in out:
         for x in r["rows"]:
             print(
                 f"| {r['variant']} | {x['rate']:g} | {x['quantize_ms']:.4f} | {x['quantize_GBps']:.1f} | "
                 f"{x['fused_ms']:.4f} | {x['fused_vs_quantize']:.3f} | {x['fused_zero_ms']:.4f} | "
-                f"{x['fused_zero_vs_quantize']:.3f} | {not r['mismatches'] and x['shadow_toggled']} ({r['cases']}) |"
+                f"{x['fused_zero_vs_quantize']:.3f} | {'-' if x['count_ms'] is None else '%.4f' % x['count_ms']} | "
+                f"{not r['mismatches'] and x['shadow_toggled']} ({r['cases']}) |"
             )
     if out:
         print(f"(copy of the BF16 source: {out[0]['rows'][0]['copy_GBps']:.1f} GB/s read + written)")
