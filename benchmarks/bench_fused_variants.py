@@ -9,11 +9,11 @@ WX_DPF / WX_DPAIR switches; wx_sweep.c's kernel "delta") in a build made for the
   python3 benchmarks/bench_fused_variants.py --variants p,d1:2,d2:2,d4:2,d5:2,d0:1,d1:1,d2:1
   python3 benchmarks/bench_fused_variants.py --dry-run   # CPU: the checks and the table only
 
-A variant is `p` (the product, no kernel_sweep call) or d<v>:<CTAs per SM>: WX_DPF = v % 3
+A variant is `p` (the product, no kernel_sweep call) or d<v>:<CTAs per SM>: WX_DPF = v % 4
 (0 the old bytes loaded when the tile is quantized, 1 prefetched into L2 when the tile enters
-the ring, 2 copied into a shadow ring in shared memory), WX_DPAIR = v // 3 (1: one bitmask
-atomic per 32 bytes, not per 16); 2 CTAs per SM is the product's shape (ring of 3 tiles), 1
-takes 6 (4 with WX_DPF 2). d0:2 is the product.
+the ring, 2 copied into a shadow ring in shared memory, 3 prefetched into L2 one tile ahead),
+WX_DPAIR = v // 4 (1: one bitmask atomic per 32 bytes, not per 16); 2 CTAs per SM is the
+product's shape (ring of 3 tiles), 1 takes 6 (4 with WX_DPF 2). d0:2 is the product.
 
 Each variant runs in a child process (a kernel is compiled once per process) that:
   1. checks the fused kernel byte for byte: the shadow after it equals the product FP8
@@ -290,8 +290,8 @@ def sweep(a) -> int:
 
     specs = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in specs:
-        if not re.fullmatch(r"p|d[0-5](:[0-2])?", v):
-            sys.exit(f"bench_fused_variants: --variants {v!r}: expected p or d<0-5>[:<0-2>]")
+        if not re.fullmatch(r"p|d[0-7](:[0-2])?", v):
+            sys.exit(f"bench_fused_variants: --variants {v!r}: expected p or d<0-7>[:<0-2>]")
     out, failed = [], []
     for v in specs:
         cmd = [sys.executable, os.path.abspath(__file__), "--kernel", v, "--shape", a.shape, "--rates", a.rates,

@@ -24,7 +24,9 @@
  *            shadow rows and scale prefetched into L2 (the loads then hit L2); 2 its shadow
  *            rows copied by cp.async into a second ring of WX_STAGES 16 KiB buffers after the
  *            tiles' (the launch's shared memory is WX_STAGES x 48 KiB), read from there, for
- *            16-bit sources whose shadow rows are 16-byte aligned (else as 0);
+ *            16-bit sources whose shadow rows are 16-byte aligned (else as 0); 3 as 1, but
+ *            one tile ahead only (the next tile's, when the current one starts: less time for
+ *            the lines to leave L2 than WX_STAGES - 1 tiles ahead);
  *   WX_DPAIR 1: the two threads of 32 adjacent bytes of a tile row merge their 16-bit masks
  *            (one shuffle) into one 32-bit OR: half the bitmask atomics (one per word where the
  *            shadow's rows are 32-aligned).
@@ -55,24 +57,31 @@ __device__ __forceinline__ uint4 *wx_dbuf(uint4 *ring, int s)
     return ring + WX_STAGES * WX_TCH + s * WX_SCH;
 }
 
-/* The tile's old bytes fetched ahead (WX_DPF). 1: its shadow rows (nr rows of nc bytes at dst,
- * pitch apart, any alignment) and scale into L2: thread t takes row t % 128 at byte offsets 0
- * and 64 (t < 128) or 32, 96 and nc - 1 (t >= 128), every 32-byte sector the row touches. 2:
- * chunk q = p*256 + t (row q / 8, chunk q % 8 of the row) into stage s's shadow buffer by
- * cp.async, zero-filled outside [nr, nc), in the commit group of the tile's own copies. */
+/* Tile j's shadow rows (nr rows of nc bytes at dst, pitch apart, any alignment) and scale into
+ * L2: thread t takes row t % 128 at byte offsets 0 and 64 (t < 128) or 32, 96 and nc - 1
+ * (t >= 128), every 32-byte sector the row touches. */
+__device__ __forceinline__ void wx_dprefetch(const wx_job &j)
+{
+    const int row = threadIdx.x & 127, half = threadIdx.x >> 7;
+    if (j.dst && row < j.nr) {
+        const unsigned char *r = j.dst + (wx_i64)row * j.pitch;
+        for (int o = 32 * half; o < j.nc; o += 64)
+            asm volatile("prefetch.L2 [%0];" ::"l"(r + o));
+        if (half)
+            asm volatile("prefetch.L2 [%0];" ::"l"(r + j.nc - 1));
+    }
+    if (threadIdx.x == 0 && j.sp)
+        asm volatile("prefetch.L2 [%0];" ::"l"(j.sp));
+}
+
+/* The tile's old bytes fetched ahead when it is put in the ring (WX_DPF). 1: into L2
+ * (wx_dprefetch). 2: chunk q = p*256 + t (row q / 8, chunk q % 8 of the row) into stage s's
+ * shadow buffer by cp.async, zero-filled outside [nr, nc), in the commit group of the tile's
+ * own copies. */
 __device__ __forceinline__ void wx_dring_hook(const wx_job &j, int s, uint4 *ring)
 {
     if (WX_DPF == 1) {
-        const int row = threadIdx.x & 127, half = threadIdx.x >> 7;
-        if (j.dst && row < j.nr) {
-            const unsigned char *r = j.dst + (wx_i64)row * j.pitch;
-            for (int o = 32 * half; o < j.nc; o += 64)
-                asm volatile("prefetch.L2 [%0];" ::"l"(r + o));
-            if (half)
-                asm volatile("prefetch.L2 [%0];" ::"l"(r + j.nc - 1));
-        }
-        if (threadIdx.x == 0 && j.sp)
-            asm volatile("prefetch.L2 [%0];" ::"l"(j.sp));
+        wx_dprefetch(j);
     } else if (WX_DPF == 2 && wx_dsmem(j)) {
         const int c = threadIdx.x % 8, row0 = threadIdx.x / 8;
         const int nb = 16 * c < j.nc ? min(16, j.nc - 16 * c) : 0;
@@ -282,6 +291,11 @@ extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
         wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, k + WX_STAGES - 1, g),
                     (s + WX_STAGES - 1) % WX_STAGES, jobs, ring);
         const wx_job j = jobs[s];
+        if (WX_DPF == 3 && wx_tile_at(b, k + 1, g) < ntiles) { /* the next tile's, into L2 */
+            wx_job nj;
+            wx_job_of(pieces, inl, n, wx_tile_at(b, k + 1, g), out, nj);
+            wx_dprefetch(nj);
+        }
         if (j.dt == 2) {
             wx_dtile32(j, red[k & 1], out, bits);
             continue;

@@ -71,12 +71,12 @@ static void wx__copy_cfg(int unroll, int ctas)
     wx__copy.unroll = unroll;
 }
 
-/* The fused delta kernel (csrc/prepare/wx_delta_kernel.cu) with WX_DPF = v % 3, WX_DPAIR = v / 3
+/* The fused delta kernel (csrc/prepare/wx_delta_kernel.cu) with WX_DPF = v % 4, WX_DPAIR = v / 4
  * at c CTAs per SM (0: the product's 2), its ring as deep as the shared memory allows (tile
  * buffers of 32 KiB, plus 16 KiB each for the shadow ring of WX_DPF 2). */
 static void wx__delta_cfg(int v, int c)
 {
-    const int dpf = v % 3, pair = v / 3;
+    const int dpf = v % 4, pair = v / 4;
     int stages, n = 0;
     wx_kernel_src_t *s = &wx__delta.src;
     if (c == 0)
@@ -116,11 +116,11 @@ int wx_sweep_set(const char *kernel, int variant, int ctas_per_sm, int unroll, c
         return -EINVAL;
     }
     if (fp8     ? (variant < 0 || variant > 8 || ctas_per_sm < 0 || ctas_per_sm > 32)
-        : delta ? (variant < 0 || variant > 5 || ctas_per_sm < 0 || ctas_per_sm > 2)
+        : delta ? (variant < 0 || variant > 7 || ctas_per_sm < 0 || ctas_per_sm > 2)
                 : (unroll < 1 || unroll > 16 || ctas_per_sm < 1 || ctas_per_sm > 32)) {
         snprintf(why, why_len,
                  fp8     ? "fp8: variant %d, ctas_per_sm %d (expected 0-8, 0-32)"
-                 : delta ? "delta: variant %d, ctas_per_sm %d (expected 0-5, 0-2: at 3 it spills)"
+                 : delta ? "delta: variant %d, ctas_per_sm %d (expected 0-7, 0-2: at 3 it spills)"
                          : "copy: unroll %d, ctas_per_sm %d (expected 1-16, 1-32)",
                  fp8 || delta ? variant : unroll, ctas_per_sm);
         return -EINVAL;
