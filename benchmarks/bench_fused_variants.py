@@ -41,7 +41,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CHECK_SHAPES = [(4096, 4096), (200, 336), (300, 200), (129, 1000), (77, 130)]  # (200, 336): partial tiles, aligned rows
+# (200, 336): partial tiles on 16-aligned rows; (300, 200), (129, 1000): rows 8-aligned; (64, 300): 4-aligned
+CHECK_SHAPES = [(4096, 4096), (200, 336), (300, 200), (129, 1000), (64, 300), (77, 130)]
 DRY_SHAPES = [(256, 384), (129, 200)]
 CHECK_RATES = [0.0, 0.004, 0.5, 1.0]
 

@@ -7,9 +7,10 @@
  * and its persistent loop's ring of tile buffers, so the bytes are the FP8 kernel's, bit for
  * bit. Only the stores differ: `out` is the shadow, holding the bytes of the last push; each
  * thread reads the old bytes of its chunk (before the tile's amax reduction, so that the load
- * overlaps it), writes the chunk only where a byte differs, and sets bit i of the bitmask
- * `bits` (u32 words, little-endian bit order, zeroed by the caller) for every byte i of out
- * that changed, fp8 bytes and scales alike. The records are made from the bitmask and the
+ * overlaps it; 16, 8 or 4 bytes at a time as the piece's rows are aligned), writes the chunk
+ * (the words holding a changed byte, where only 4-aligned) only where a byte differs, and sets
+ * bit i of the bitmask `bits` (u32 words, little-endian bit order, zeroed by the caller) for
+ * every byte i of out that changed, fp8 bytes and scales alike. The records are made from the bitmask and the
  * updated shadow by wx_delta_ops_kernel.cu.
  *
  * Per element of a BF16 source this kernel reads 2 bytes (the source) and 1 (the old shadow
@@ -124,17 +125,43 @@ __device__ __forceinline__ void wx_set_bits(wx_u32 *bits, wx_u64 pos, wx_u32 m)
         atomicOr(w + 1, (wx_u32)(x >> 32));
 }
 
-/* The nb (<= 16) bytes at p as two little-endian u64 (zero above nb); v16: p 16-aligned. */
-__device__ __forceinline__ void wx_old16(const unsigned char *p, int nb, bool v16, wx_u64 &lo,
+/* The widest access p's alignment allows: al is 16, 8, 4 or 1 (p al-byte aligned). */
+__device__ __forceinline__ int wx_align_of(int salign)
+{
+    return salign == 0 ? 16 : (salign & 7) == 0 ? 8 : (salign & 3) == 0 ? 4 : 1;
+}
+
+/* The nb (<= 16) bytes at p as two little-endian u64 (zero above nb), read 16, 8 or 4 bytes at
+ * a time where p is al-byte aligned (al from wx_align_of; with al >= 4, nb is a multiple of 4:
+ * the rows' length is). Plain loads: this thread writes them afterwards. */
+__device__ __forceinline__ void wx_old16(const unsigned char *p, int nb, int al, wx_u64 &lo,
                                          wx_u64 &hi)
 {
-    if (v16 && nb == 16) {
-        uint4 o = *(const uint4 *)p; /* plain load: written below by this thread */
+    if (al == 16 && nb == 16) {
+        uint4 o = *(const uint4 *)p;
         lo = (wx_u64)o.x | ((wx_u64)o.y << 32);
         hi = (wx_u64)o.z | ((wx_u64)o.w << 32);
         return;
     }
+    if (al >= 8 && nb == 16) {
+        lo = ((const wx_u64 *)p)[0];
+        hi = ((const wx_u64 *)p)[1];
+        return;
+    }
     lo = hi = 0;
+    if (al >= 4) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (4 * k < nb) {
+                const wx_u64 w = ((const wx_u32 *)p)[k];
+                if (k < 2)
+                    lo |= w << (32 * k);
+                else
+                    hi |= w << (32 * (k - 2));
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int k = 0; k < 16; k++) {
         if (k < nb) {
@@ -147,12 +174,26 @@ __device__ __forceinline__ void wx_old16(const unsigned char *p, int nb, bool v1
     }
 }
 
-/* Write the bytes of lo:hi that m marks (bit k: byte k) at p, nb <= 16 valid; v16: p aligned. */
-__device__ __forceinline__ void wx_put16(unsigned char *p, int nb, bool v16, wx_u32 m, wx_u64 lo,
+/* Write the bytes of lo:hi that m marks (bit k: byte k, only below nb <= 16) at p: the whole
+ * chunk where it is 16 bytes at a 16- or 8-aligned p (al), the 4-byte words holding a marked
+ * byte where al >= 4, else the marked bytes. */
+__device__ __forceinline__ void wx_put16(unsigned char *p, int nb, int al, wx_u32 m, wx_u64 lo,
                                          wx_u64 hi)
 {
-    if (v16 && nb == 16) {
+    if (al == 16 && nb == 16) {
         *(uint4 *)p = make_uint4((wx_u32)lo, (wx_u32)(lo >> 32), (wx_u32)hi, (wx_u32)(hi >> 32));
+        return;
+    }
+    if (al >= 8 && nb == 16) {
+        ((wx_u64 *)p)[0] = lo;
+        ((wx_u64 *)p)[1] = hi;
+        return;
+    }
+    if (al >= 4) {
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if ((m >> (4 * k)) & 0xfu)
+                ((wx_u32 *)p)[k] = (wx_u32)((k < 2 ? lo : hi) >> (32 * (k & 1)));
         return;
     }
 #pragma unroll
@@ -186,7 +227,7 @@ __device__ __forceinline__ void wx_dtile16(const wx_job &j, const uint4 *v, wx_u
 {
     const int tid = threadIdx.x, col = (tid % wx_g16::TPR) * wx_g16::SPAN;
     const int row0 = tid / wx_g16::TPR;
-    const bool v16 = j.salign == 0;
+    const int al = wx_align_of(j.salign);
     wx_u64 olo[wx_g16::NP], ohi[wx_g16::NP];
     const wx_u32 old_s = wx_old_scale(j);
     const int nb = min(16, j.nc - col);
@@ -199,7 +240,7 @@ __device__ __forceinline__ void wx_dtile16(const wx_job &j, const uint4 *v, wx_u
             olo[p] = (wx_u64)o.x | ((wx_u64)o.y << 32);
             ohi[p] = (wx_u64)o.z | ((wx_u64)o.w << 32);
         } else if (j.dst && row < j.nr && nb > 0) {
-            wx_old16(j.dst + (wx_i64)row * j.pitch + col, nb, v16, olo[p], ohi[p]);
+            wx_old16(j.dst + (wx_i64)row * j.pitch + col, nb, al, olo[p], ohi[p]);
         }
     }
     wx_u32 m = 0;
@@ -222,7 +263,7 @@ __device__ __forceinline__ void wx_dtile16(const wx_job &j, const uint4 *v, wx_u
             if (a != olo[p] || (nb > 8 && b != ohi[p]))
                 d = wx_ne8(a, olo[p], min(nb, 8)) | (wx_ne8(b, ohi[p], nb - 8) << 8);
             if (d)
-                wx_put16(q, nb, v16, d, a, b);
+                wx_put16(q, nb, al, d, a, b);
         }
         if (WX_DPAIR) { /* lanes 2i, 2i+1: bytes [0, 16) and [16, 32) from q of lane 2i */
             const wx_u32 o = __shfl_down_sync(0xffffffffu, d, 1);
@@ -261,11 +302,11 @@ __device__ __forceinline__ void wx_dtile32(const wx_job &j, wx_u32 *red, const u
         const wx_u64 q = wx_quant<4, 2>(c, dv) & 0xffffffffull;
         unsigned char *pp = j.dst + (wx_i64)row * j.pitch + col;
         wx_u64 olo, ohi;
-        wx_old16(pp, nb, false, olo, ohi);
+        wx_old16(pp, nb, wx_align_of(j.salign) >= 4 ? 4 : 1, olo, ohi);
         const wx_u32 d = wx_ne8(q, olo, nb);
         if (!d)
             continue;
-        wx_put16(pp, nb, false, d, q, 0);
+        wx_put16(pp, nb, wx_align_of(j.salign) >= 4 ? 4 : 1, d, q, 0);
         wx_set_bits(bits, (wx_u64)(pp - out), d);
     }
 }
