@@ -285,8 +285,18 @@ def child(a) -> int:
     return 1 if bad else 0
 
 
+def _row(r: dict, x: dict) -> str:
+    count = "-" if x["count_ms"] is None else "%.4f" % x["count_ms"]
+    return (
+        f"| {r['variant']} | {x['rate']:g} | {x['changed_bytes']} | {x['quantize_ms']:.4f} | "
+        f"{x['quantize_GBps']:.1f} | "
+        f"{x['fused_ms']:.4f} | {x['fused_vs_quantize']:.3f} | {x['fused_zero_ms']:.4f} | "
+        f"{x['fused_zero_vs_quantize']:.3f} | {count} | {not r['mismatches'] and x['shadow_toggled']} ({r['cases']}) |"
+    )
+
+
 def sweep(a) -> int:
-    """One child per variant, one table."""
+    """One child per variant; each variant's rows printed as it ends (a bound run keeps what ran)."""
     import re
 
     specs = [v.strip() for v in a.variants.split(",") if v.strip()]
@@ -294,6 +304,12 @@ def sweep(a) -> int:
         if not re.fullmatch(r"p|d[0-7](:[0-2])?", v):
             sys.exit(f"bench_fused_variants: --variants {v!r}: expected p or d<0-7>[:<0-2>]")
     out, failed = [], []
+    print(f"bench_fused_variants on {platform.node()}, {a.shape} BF16, {a.iters} launches x {a.reps}", flush=True)
+    print(
+        "| variant | changed | bytes changed | quantize ms | GB/s | fused ms | x | fused+zero ms | x | count ms "
+        "| exact (cases) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for v in specs:
         cmd = [sys.executable, os.path.abspath(__file__), "--kernel", v, "--shape", a.shape, "--rates", a.rates,
                "--iters", str(a.iters), "--reps", str(a.reps)] + (["--dry-run"] if a.dry_run else [])  # fmt: skip
@@ -308,21 +324,12 @@ def sweep(a) -> int:
         if r["mismatches"]:
             failed.append(v)
             print(f"bench_fused_variants: {v}: " + "; ".join(r["mismatches"][:5]), file=sys.stderr)
-    gpu = out[0]["gpu"] if out else "?"
-    shape = "x".join(str(x) for x in out[0]["shape"]) if out else a.shape
-    print(f"bench_fused_variants on {platform.node()}, {gpu}, {shape} BF16, {a.iters} launches x {a.reps}")
-    print("| variant | changed | quantize ms | GB/s | fused ms | x | fused+zero ms | x | count ms | exact (cases) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in out:
         for x in r["rows"]:
-            print(
-                f"| {r['variant']} | {x['rate']:g} | {x['quantize_ms']:.4f} | {x['quantize_GBps']:.1f} | "
-                f"{x['fused_ms']:.4f} | {x['fused_vs_quantize']:.3f} | {x['fused_zero_ms']:.4f} | "
-                f"{x['fused_zero_vs_quantize']:.3f} | {'-' if x['count_ms'] is None else '%.4f' % x['count_ms']} | "
-                f"{not r['mismatches'] and x['shadow_toggled']} ({r['cases']}) |"
-            )
+            print(_row(r, x), flush=True)
+    gpu = out[0]["gpu"] if out else "?"
     if out:
-        print(f"(copy of the BF16 source: {out[0]['rows'][0]['copy_GBps']:.1f} GB/s read + written)")
+        shape = "x".join(str(x) for x in out[0]["shape"])
+        print(f"({gpu}, {shape}; copy of the BF16 source: {out[0]['rows'][0]['copy_GBps']:.1f} GB/s read + written)")
     if a.json:
         print(json.dumps(dict(bench="fused-variants", machine=platform.node(), gpu=gpu, failed=failed, results=out)))
     return 1 if failed or any(not x["shadow_toggled"] for r in out for x in r["rows"]) else 0
