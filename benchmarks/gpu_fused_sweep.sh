@@ -16,9 +16,9 @@
 #    in the same process, the dense quantize alone and the fused kernel (and with the bitmask
 #    cleared before each launch) on one 8192x8192 BF16 weight at 0, 0.4, 3 and 50% of its
 #    elements changed: CUDA events over 20 launches queued behind a sleep kernel, median of 5.
-# A variant whose fused / quantize is lowest at 0-0.4% and exact everywhere becomes the product
-# (WX_DPF / WX_DPAIR defaults in wx_delta_kernel.cu, WX__CTAS_PER_SM / WX__STAGES and the smem
-# in wx_delta.c: bench_fused_variants.py's docstring maps d<v>:<c> to them). Logs under $OUT.
+# A variant whose fused / quantize is lowest at 0-0.4% and exact everywhere becomes the product:
+# WX__DPF, WX__DPAIR, WX__CTAS_PER_SM and WX__STAGES in csrc/prepare/wx_delta.c (its comment maps
+# d<v>:<c> to them). Logs under $OUT.
 set -x
 OUT=${OUT:-.out}
 mkdir -p "$OUT"

@@ -16,9 +16,9 @@
  * Per element of a BF16 source this kernel reads 2 bytes (the source) and 1 (the old shadow
  * byte) and writes only the 16-byte chunks holding a changed byte (DRAM writes whole 32-byte
  * sectors) plus the bitmask's words of those chunks; the dense quantizer reads 2 and writes 1
- * (docs/delta.md works out the bound). Switches (#ifndef: the values below are the product's,
- * wx_delta.c; a WXFER_KERNEL_SWEEP build compiles the others from this same file, wx_sweep.c,
- * for benchmarks/bench_fused_variants.py):
+ * (docs/delta.md works out the bound). Switches (wx_delta.c passes the product's, 0 and 0 as
+ * the #ifndef defaults below; a WXFER_KERNEL_SWEEP build compiles the others from this same
+ * file, wx_sweep.c, for benchmarks/bench_fused_variants.py):
  *   WX_DPF   how the old bytes of a tile are fetched ahead, when the tile is put in the ring
  *            (WX_STAGES - 1 tiles ahead: wx_fp8_pipe.cu's WX_RING_HOOK): 0 not at all (loaded
  *            from global memory when the tile is quantized, before its amax reduction); 1 its
