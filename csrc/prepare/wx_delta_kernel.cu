@@ -10,8 +10,8 @@
  * overlaps it; 16, 8 or 4 bytes at a time as the piece's rows are aligned), writes the chunk
  * (the words holding a changed byte, where only 4-aligned) only where a byte differs, and sets
  * bit i of the bitmask `bits` (u32 words, little-endian bit order, zeroed by the caller) for
- * every byte i of out that changed, fp8 bytes and scales alike. The records are made from the bitmask and the
- * updated shadow by wx_delta_ops_kernel.cu.
+ * every byte i of out that changed, fp8 bytes and scales alike. The records are made from the
+ * bitmask and the updated shadow by wx_delta_ops_kernel.cu.
  *
  * Per element of a BF16 source this kernel reads 2 bytes (the source) and 1 (the old shadow
  * byte) and writes only the 16-byte chunks holding a changed byte (DRAM writes whole 32-byte
