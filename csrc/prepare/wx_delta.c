@@ -15,27 +15,41 @@
 #include "wx_fp8_kernel_src.h"       /* the FP8 kernel, which wx_delta_kernel.cu includes */
 #include "wx_fp8_pipe_src.h"
 
-/* The FP8 kernel's launch shape and options (wx_fp8.c): the same tile code, the same ring. */
-#define WX__STAGES 3
+/* The fused kernel's launch shape and options: the FP8 kernel's (wx_fp8.c; the same tile code,
+ * the same ring: 2 CTAs of 256 threads per SM, 3 tile buffers each), with wx_delta_kernel.cu's
+ * WX_DPF and WX_DPAIR switches off. A WXFER_KERNEL_SWEEP build may compile another variant of
+ * the same source instead (wx_sweep.c, kernel "delta"; benchmarks/bench_fused_variants.py, whose
+ * d<v>:<c> is WX__DPF = v % 4, WX__DPAIR = v / 4, WX__CTAS_PER_SM = c, WX__STAGES = 3 at c = 2
+ * and 6 at c = 1, or 2 and 4 with WX__DPF 2). */
 #define WX__STR2(x) #x
 #define WX__STR(x) WX__STR2(x)
 #define WX__THREADS 256
 #define WX__CTAS_PER_SM 2
+#define WX__STAGES 3
+#define WX__DPF 0
+#define WX__DPAIR 0
 #define WX__OPS_CTAS_PER_SM 16
 
-static const wx_kernel_src_t wx__quant_src = {
-    .what = "the fused FP8 delta kernel",
-    .file = "wx_delta_kernel.cu",
-    .src = wx_delta_kernel_src,
-    .nhdr = 2,
-    .hdr_name = {"wx_fp8_kernel.cu", "wx_fp8_pipe.cu"},
-    .hdr_src = {wx_fp8_kernel_src, wx_fp8_pipe_src},
-    .nopt = 2, /* as the FP8 kernel: no contraction, the same ring */
-    .opt = {"--fmad=false", "-DWX_STAGES=" WX__STR(WX__STAGES)},
-    .fn = "wx_delta_quant",
-    .smem = WX__STAGES * 128u * 128u * 2u,
-    .min_cc = 89,
-    .min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)",
+static const wx_kernel_cfg_t wx__quant = {
+    .src =
+        {
+            .what = "the fused FP8 delta kernel",
+            .file = "wx_delta_kernel.cu",
+            .src = wx_delta_kernel_src,
+            .nhdr = 2,
+            .hdr_name = {"wx_fp8_kernel.cu", "wx_fp8_pipe.cu"},
+            .hdr_src = {wx_fp8_kernel_src, wx_fp8_pipe_src},
+            .nopt = 5, /* as the FP8 kernel: no contraction, the same ring; the switches */
+            .opt = {"--fmad=false", "-DWX_STAGES=" WX__STR(WX__STAGES),
+                    "-DWX_MINB=" WX__STR(WX__CTAS_PER_SM), "-DWX_DPF=" WX__STR(WX__DPF),
+                    "-DWX_DPAIR=" WX__STR(WX__DPAIR)},
+            .fn = "wx_delta_quant",
+            .smem = WX__STAGES * 128u * 128u * (WX__DPF == 2 ? 3u : 2u), /* the rings' bytes */
+            .min_cc = 89,
+            .min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)",
+        },
+    .threads = WX__THREADS,
+    .ctas_per_sm = WX__CTAS_PER_SM,
 };
 
 #define WX__OPS(name)                                                                              \
@@ -56,6 +70,9 @@ static wx_kernel_t wx__ke = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static wx_kernel_t wx__ks = {.mu = PTHREAD_MUTEX_INITIALIZER};
 static wx_kernel_t wx__ka = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
+/* The fused kernel's configuration: the product's, or a sweep build's variant. */
+static const wx_kernel_cfg_t *wx__qcfg(void) { return wx_kernel_cfg(&wx__kq, "delta", &wx__quant); }
+
 int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len)
 {
     wx_kernel_dev_t d;
@@ -65,7 +82,7 @@ int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, si
         (rc = wx_kernel_get(&wx__ke, &wx__emit_src, device, dirs, ndirs, &d, why, why_len)) ||
         (rc = wx_kernel_get(&wx__ks, &wx__scat_src, device, dirs, ndirs, &d, why, why_len)))
         return rc;
-    return wx_kernel_get(&wx__kq, &wx__quant_src, device, dirs, ndirs, &d, why, why_len);
+    return wx_kernel_get(&wx__kq, &wx__qcfg()->src, device, dirs, ndirs, &d, why, why_len);
 }
 
 int wx_delta_apply_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len)
@@ -224,6 +241,7 @@ int wx_delta_quant_launch(int device, uint64_t stream, uint64_t out, uint64_t ou
                           const wx_fp8_piece_t *host, uint64_t dev_pieces, int n, uint64_t bits,
                           uint64_t bits_nbytes)
 {
+    const wx_kernel_cfg_t *cfg = wx__qcfg();
     wx_kernel_dev_t d;
     CUdeviceptr dp = (CUdeviceptr)dev_pieces, op = (CUdeviceptr)out, bp = (CUdeviceptr)bits;
     uint64_t ntiles = 0, grid = 0;
@@ -250,12 +268,11 @@ int wx_delta_quant_launch(int device, uint64_t stream, uint64_t out, uint64_t ou
     memset(&inl, 0, sizeof inl);
     if (!dev_pieces)
         memcpy(inl.p, host, (size_t)n * sizeof *host);
-    if ((rc = wx__get(&wx__kq, &wx__quant_src, device, ntiles, WX__CTAS_PER_SM, &d, &grid)) != 0)
+    if ((rc = wx__get(&wx__kq, &cfg->src, device, ntiles, cfg->ctas_per_sm, &d, &grid)) != 0)
         return rc;
     nt = (int)ntiles;
     void *args[] = {&dp, &n, &op, &nt, &inl, &bp};
-    return wx_kernel_launch(&d, "wx_delta_quant", grid, WX__THREADS, wx__quant_src.smem, stream,
-                            args);
+    return wx_kernel_launch(&d, "wx_delta_quant", grid, cfg->threads, cfg->src.smem, stream, args);
 }
 
 int wx_delta_cmp_launch(int device, uint64_t stream, const wx_delta_cmp_t *host, uint64_t dev,

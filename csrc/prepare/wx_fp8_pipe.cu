@@ -100,6 +100,9 @@ __device__ __forceinline__ void wx_ring_put(const wx_fp8_piece *pieces, const wx
     if (t < ntiles) {
         wx_job j;
         wx_job_of(pieces, inl, n, t, out, j);
+#ifdef WX_RING_HOOK
+        WX_RING_HOOK(j, s, ring); /* wx_delta_kernel.cu: the tile's shadow bytes fetched ahead */
+#endif
         if (threadIdx.x == 0)
             jobs[s] = j;
         if (wx_ringed(j)) {
