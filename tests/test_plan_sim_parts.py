@@ -115,7 +115,24 @@ def test_rings_use_the_nic_receive_links():
     for step in range(3):
         _, rd, _, agb = net.step(net.active_pairs(), float(step), 1.0)
         rings += rd
-    assert rings == [(3, 7, 0.0)] and not net.rings and not net.ag_live  # 10 B per flow at 5 B/s: 2 steps
+    assert rings == [(3, 7, 0.0, 2.0)] and not net.rings and not net.ag_live  # 10 B per flow at 5 B/s: 2 steps
+
+
+def test_a_ring_ends_where_its_last_byte_moved_not_at_a_step_boundary():
+    # 10 B per flow at 5 B/s from t = 0.3 with 0.7 s steps: 2 s of bytes, so it ends at 2.3 s, not
+    # at the end of a step (2.8 s), and moves nothing before its start (the first step's 0.3 s)
+    jb = _two_jobs(sizes=())
+    net = _Network(jb, world=2, ngpu=1, nic_bw=5.0, write_bw=5.0, max_posted=1e9, write_latency_s=0.0)
+    net.add_ring(m=3, ti=7, start=0.3, ranks=(0, 1), nbytes=10.0)
+    rings, moved, now = [], [], 0.0
+    while net.rings:
+        _, rd, _, agb = net.step(net.active_pairs(), now, 0.7)
+        rings += rd
+        moved.append(agb)
+        now += 0.7
+    assert moved[0] == pytest.approx(2 * 5.0 * 0.4)  # two flows, 0.4 s of the first step
+    assert len(rings) == 1 and rings[0][:3] == (3, 7, 0.3)
+    assert rings[0][3] == pytest.approx(2.3)
 
 
 # ---------------------------------------------------------------- the stage model

@@ -234,6 +234,8 @@ class _Network:
         self.ag_src: list = []
         self.ag_dst: list = []
         self.ag_rem: list = []
+        self.ag_start: list = []  # when each flow's all-gather started (its bytes move from then on)
+        self.ag_end: dict = {}  # flow -> when its last byte moved
         self.ag_live: set = set()
         self.ag_done: set = set()
         self.rings: dict = {}  # mesh -> (task, start, flow ids)
@@ -277,6 +279,7 @@ class _Network:
             self.ag_src.append(ranks[i])
             self.ag_dst.append(ranks[(i + 1) % k])
             self.ag_rem.append(nbytes)
+            self.ag_start.append(start)
             self.ag_live.add(ids[-1])
         self.rings[m] = (ti, start, ids)
 
@@ -313,7 +316,9 @@ class _Network:
 
     def step(self, ap, now: float, dt: float):
         """Move one step of bytes.  Returns (finished jobs [(job, end time)], finished rings
-        [(mesh, task, start)], bytes written, bytes of rings)."""
+        [(mesh, task, start, end time)], bytes written, bytes of rings).  A ring flow moves bytes
+        from its start on (one that starts inside the step gets the rest of the step), and ends
+        inside the step where its last byte moved (_ring_ends)."""
         agi = np.array(sorted(self.ag_live), np.int64)
         nap = ap.size
         fa = self.pair_rank[ap]
@@ -322,7 +327,9 @@ class _Network:
         if agi.size:
             fa = np.concatenate([fa, np.array(self.ag_src, np.int64)[agi]])
             fb = np.concatenate([fb, self.world + np.array(self.ag_dst, np.int64)[agi]])
-            dem = np.concatenate([dem, np.array(self.ag_rem)[agi]])
+            t0 = np.maximum(np.array(self.ag_start)[agi], now)
+            lim = np.minimum(self.cap[fa[nap:]], self.cap[fb[nap:]]) * np.maximum(now + dt - t0, 0.0)
+            dem = np.concatenate([dem, np.minimum(np.array(self.ag_rem)[agi], lim)])
         alloc = _waterfill(fa, fb, self.cap * dt, dem)
         palloc = alloc[:nap]
         jobs_done = []
@@ -337,16 +344,33 @@ class _Network:
                 if self.queued[r]:
                     self.post_ranks.add(r)
                 jobs_done.append((j, te + self.write_latency_s))
+        fin = []
         for q, i in enumerate(agi.tolist()):
             got = alloc[nap + q]
             self.ag_rem[i] -= got
             if self.ag_rem[i] <= 1e-6 * max(got, 1):
                 self.ag_done.add(i)
                 self.ag_live.discard(i)
+                fin.append((q, i, got))
+        if fin:
+            self._ring_ends(fin, fa, fb, dem, alloc, nap, now, dt)
         rings_done = []
         for m in list(self.rings):
             ti, s, ids = self.rings[m]
             if all(i in self.ag_done for i in ids):
                 del self.rings[m]
-                rings_done.append((m, ti, s))
+                rings_done.append((m, ti, s, max(self.ag_end.pop(i) for i in ids)))
         return jobs_done, rings_done, float(palloc.sum()), float(alloc[nap:].sum())
+
+    def _ring_ends(self, fin, fa, fb, dem, alloc, nap: int, now: float, dt: float) -> None:
+        """When each finishing ring flow's last byte moved: its bytes in the step at the rate it
+        would have had with more to send (the step water-filled again with those flows' demand at
+        what their links allow), from its start or the step's, whichever is later."""
+        more = dem.copy()
+        for q, i, _ in fin:
+            more[nap + q] = np.inf
+        full = _waterfill(fa, fb, self.cap * dt, more)
+        for q, i, got in fin:
+            t0 = max(now, float(self.ag_start[i]))
+            rate = full[nap + q] / dt  # bytes/s: its share of the step, had it more bytes
+            self.ag_end[i] = min(now + dt, t0 + got / rate) if rate > 0 else now + dt

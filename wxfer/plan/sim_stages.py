@@ -29,6 +29,9 @@ class _StageModel:
         self.small_elems = float(cal.small_piece_elems)
         self.barrier_s = float(cluster.barrier_s)
         self.serial, self.host_sync = bool(cal.serial), bool(cal.host_sync)
+        # the host waits for each task's packing before it goes on (a delta push on a GPU: it reads back
+        # the count of changed bytes per task, wxfer.runtime.delta_send); set by simulate(host_waits_pack=)
+        self.host_waits = False
         self.zc_batch = max(1, int(cal.zc_batch))
         self.write_bw = cluster.write_bw
         self.begin_s = float(cal.push_begin_s)
@@ -130,6 +133,9 @@ class _Meshes:
         b0 = model.begin_s
         self.release = np.full(G + 1, np.inf)
         self.release[0] = b0
+        # per mesh group: when the last of its ranks' hosts was done with its tasks (the runtime's
+        # barrier is the hosts': each rank issues it after its last task of the group)
+        self.group_host = np.full(G, b0)
         for g in range(G):  # empty groups release at once
             if self.group_left[g] == 0:
                 self.release[g + 1] = self.release[g]
@@ -264,7 +270,8 @@ class _Meshes:
         if self.h2d_stream:
             s = max(s, max(self.h2d_done[(r, ti)] for r in ranks))
         hg = self.model.host_parts(self.plan.tasks[ti], 0, self._kind(m, ti) == _DIRECT)[0]
-        adm = max(self.admit_t.get(m, 0.0), self._engine_idle(m, ti))
+        # (the host does the task's work after the barrier before its group: it waits for it first)
+        adm = max(self.admit_t.get(m, 0.0), self._engine_idle(m, ti), self.release[self.group_of_mesh[m]])
         if hg > 0 or adm > 0:
             s = max(s, max(max(self.host_free[r], adm) for r in ranks) + hg)
         if self.model.serial and (len(ranks) > 1 or self.model.offload):  # a collective or an H2D on the stream
@@ -408,7 +415,7 @@ class _Meshes:
             for r in plan.meshes[m]:
                 self.timeline.append(("allgather", r, ti, start, t_end))
         self.stage_end["allgather"] = max(self.stage_end["allgather"], t_end)
-        adm = self.admit_t.pop(m, 0.0)
+        adm = max(self.admit_t.pop(m, 0.0), float(self.release[self.group_of_mesh[m]]))  # (after the barrier)
         for r in plan.meshes[m]:
             j = jb.job_of.get((r, ti))
             direct = j is not None and self.kind[j] == _DIRECT
@@ -438,7 +445,7 @@ class _Meshes:
                 q1 = q0 + q
                 self.quant_free[r] = q1
                 self.dev_free[r] = q1
-                self.host_free[r] = q1 if md.host_sync else hp
+                self.host_free[r] = q1 if md.host_sync or md.host_waits else hp
                 self.busy_s["host"][r] += hpk
                 self.busy_s["pack"][r] += q1 - q0
                 self.stage_end["quant"] = max(self.stage_end["quant"], q1)
@@ -455,9 +462,10 @@ class _Meshes:
                     self._copy_flush(r, float(self.host_free[r]))
         self.busy[m] = t_end
         g = self.group_of_mesh[m]
+        self.group_host[g] = max(self.group_host[g], max(float(self.host_free[r]) for r in plan.meshes[m]))
         self.group_left[g] -= 1
-        if self.group_left[g] == 0:
-            self.release[g + 1] = self.stage_end["allgather"] + self.model.barrier_s
+        if self.group_left[g] == 0:  # every all-gather of the group ended and every host reached the barrier
+            self.release[g + 1] = max(self.stage_end["allgather"], self.group_host[g]) + self.model.barrier_s
             for g2 in range(g + 1, self.G):  # cascade over empty groups
                 if self.group_left[g2] == 0:
                     self.release[g2 + 1] = self.release[g2]
