@@ -153,6 +153,7 @@ def test_stage_model_formulas():
     assert m.allgather_s(T, 1) == 0.0
     assert m.ring_bytes(T, 2) == 4e9
     assert m.pack_s(T, 2e9) == pytest.approx(10e9 / 1000e9)
+    assert m.pack_s(T, 2e9, src_read=4e9) == pytest.approx(6e9 / 1000e9)  # the rank's own pieces read
     assert m.host_gather_s(T) == 0.0 and m.write_post_s(10) == 0.0 and not m.serial
     from wxfer.meta import Calibration
 
@@ -201,6 +202,21 @@ def test_jobs_group_the_transfer_table_by_sender_and_task():
         assert jb.wbytes[j] == plan.nbytes[sel].sum()
         assert jb.packed[j] == (plan.src_offset[sel] + plan.nbytes[sel]).max()
         assert (np.diff(jb.egpu[jb.start[j] : jb.end[j]]) > 0).all()  # one entry per receiver
+
+
+def test_a_rank_of_a_mesh_reads_only_the_sources_of_its_own_pieces():
+    # two ranks share each task (one destination per piece: infer TP1): each packs only the pieces it
+    # sends, so between them they read each task's sources once, not twice
+    plan, _, jb, _, _ = _meshes(train_gpus=2, gpus_per_node=2, dense_shard=2, infer_gpus=1, infer_tp=1)
+    assert jb.src_read is not None
+    two = 0
+    for t in plan.tasks:
+        js = jb.of_task.get(t.id, [])
+        assert sum(jb.src_read[j] for j in js) == pytest.approx(t.src_bytes)
+        if len(js) == 2:
+            two += 1
+            assert all(jb.src_read[j] < t.src_bytes for j in js)
+    assert two > 0
 
 
 def test_allgathers_follow_plan_order_and_packing_follows_them():

@@ -74,6 +74,9 @@ class _Jobs:
     # [J] bytes and ranges of the job's transfers, whoever writes them (a copy job's batched copies)
     xbytes: np.ndarray | None = None
     xwrites: np.ndarray | None = None
+    # [J] bytes of the full tensors the job's packing reads: its own pieces' (a rank of a mesh quantizes
+    # only the pieces it sends, wxfer.runtime.prepare.pack_into), at the sources' bytes per element
+    src_read: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -101,7 +104,11 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
     of_task: dict = {}
     for j in range(J):
         of_task.setdefault(int(jtask[j]), []).append(j)
-    pieces, fp8, nwrites, launches, fp8_elems = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
+    pieces, fp8, nwrites, launches, fp8_elems, read = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
+    per_elem = {}  # task -> its sources' bytes per element
+    for t in set(jtask.tolist()) if J else ():
+        per_elem[t] = _bytes_per_elem(plan.tasks[t])
+    src_read = np.array([read[j] * per_elem[int(jtask[j])] for j in range(J)]) if J else np.zeros(0)
     code = {k: i for i, k in enumerate(KINDS)}
     kind = np.array([code[(kinds or {}).get(int(t), "packed")] for t in jtask], np.int64)
     xbytes = np.bincount(ejob, ebytes, J) if J else np.zeros(0)
@@ -133,7 +140,21 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
         ewrites,
         xbytes,
         xwrites,
+        src_read,
     )
+
+
+def _bytes_per_elem(task) -> float:
+    """The task's sources' bytes per element: its src_bytes over their elements (each source's
+    rows and columns as far as the task's pieces reach)."""
+    rows: dict = {}
+    cols: dict = {}
+    for sh in task.shards:
+        for pc in sh.pieces:
+            rows[pc.src] = max(rows.get(pc.src, 0), pc.r1)
+            cols[pc.src] = max(cols.get(pc.src, 0), pc.c1)
+    n = sum(rows[k] * max(cols[k], 1) for k in rows)
+    return task.src_bytes / n if n else 0.0
 
 
 def _job_pieces(plan, job_of, J: int):
@@ -147,8 +168,9 @@ def _job_pieces(plan, job_of, J: int):
     fp8 = np.zeros(J, bool)
     elems = np.zeros(J)
     npc = np.zeros(J)
+    read = np.zeros(J)  # source elements its packing reads (each packed shard's pieces; a scale shard's none)
     if not J:
-        return pieces, fp8, nwrites, launches, elems
+        return pieces, fp8, nwrites, launches, elems, read
     key = job_of * (int(plan.src_offset.max()) + 1) + plan.src_offset  # one per packed shard
     _, first = np.unique(key, return_index=True)
     for i in first.tolist():
@@ -160,9 +182,10 @@ def _job_pieces(plan, job_of, J: int):
             npc[j] += len(sh.pieces)
         if sh.kind != "scale":
             pieces[j] += len(sh.pieces)
+            read[j] += sum(pc.numel() for pc in sh.pieces)
         if sh.kind == "raw":
             launches[j] += _merged(sh.pieces)
-    return pieces, fp8, nwrites, launches + fp8, elems / np.maximum(npc, 1)
+    return pieces, fp8, nwrites, launches + fp8, elems / np.maximum(npc, 1), read
 
 
 def _merged(pieces) -> int:

@@ -74,14 +74,24 @@ class _StageModel:
         """Bytes each ring flow of a cross-node all-gather carries."""
         return task.src_bytes * (k - 1) / k
 
-    def pack_s(self, task, packed: float, pieces: int = 0, fp8: bool = False, piece_elems: float = 0.0) -> float:
-        """Fuse / quantize / pack: `pieces` launches (see launches()), the full tensors read and
-        the packed buffer written at the quantizer's rate (FP8; its rate on small pieces when
+    def pack_s(
+        self,
+        task,
+        packed: float,
+        pieces: int = 0,
+        fp8: bool = False,
+        piece_elems: float = 0.0,
+        src_read: float | None = None,
+    ) -> float:
+        """Fuse / quantize / pack: `pieces` launches (see launches()), the sources read (`src_read`:
+        the bytes of the rank's own pieces of the full tensors; None: all of the task's sources)
+        and the packed buffer written at the quantizer's rate (FP8; its rate on small pieces when
         they average at most small_piece_elems elements) or the copy rate."""
         bw = self.copy_bw
         if fp8:
             bw = self.quant_small_bw if 0 < piece_elems <= self.small_elems else self.quant_bw
-        return self.cal.pack_launch_s * pieces + (task.src_bytes + packed) / bw
+        read = task.src_bytes if src_read is None else src_read
+        return self.cal.pack_launch_s * pieces + (read + packed) / bw
 
     def launches(self, pieces: int, merged: int) -> int:
         """Kernel launches of a packing: one per piece (the reference quantizer), or the native
@@ -441,7 +451,8 @@ class _Meshes:
                 q0 = max(t_end, self.quant_free[r], hp)
                 pe = float(jb.fp8_piece_elems[j]) if jb.fp8_piece_elems is not None else 0.0
                 # direct: the same kernel, its output at the receivers' addresses (sources read + packed written)
-                q = md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]), pe)
+                rd = float(jb.src_read[j]) if jb.src_read is not None else None
+                q = md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]), pe, rd)
                 q1 = q0 + q
                 self.quant_free[r] = q1
                 self.dev_free[r] = q1
