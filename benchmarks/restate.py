@@ -244,6 +244,8 @@ def main(argv=None) -> int:
         rows = []
         for label, c, e in variants(cal)[: 1 if a.base_only else None]:
             r = simulate_job(spec, c, e, terms)
+            if rows:  # (a variant changes one figure: its sources are the base row's but that one)
+                r.pop("sources", None)
             rows.append(dict(r, variant=label))
             print(
                 "%s / %s: %.3f s (bound %.3f s, %s)"
