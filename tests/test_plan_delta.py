@@ -43,6 +43,7 @@ def test_the_simulated_delta_push_is_no_shorter_than_dense_when_every_byte_is_se
     assert out["delta_simulated_s"] >= out["simulated_s"] - 1e-4  # simulated_s: 4 digits
     assert out["delta_s"] == pytest.approx(out["delta_simulated_s"] + out["delta_apply_s"], rel=1e-4)
     assert out["delta_terms"]["source"].startswith("compare: given")
+    assert "issue 13" in out["calibration_source"]  # the default calibration says whose figures it holds
 
 
 def test_cross_node_all_gathers_no_longer_share_the_nics_with_dense_writes(capsys):

@@ -192,6 +192,7 @@ def run(args) -> dict:
             bound_by=r.bound_by,
             stage_busy_s={k: round(v, 4) for k, v in r.stage_busy_s.items()},
             calibration=cluster.cal.name,
+            calibration_source=cluster.cal.source,  # its measured terms' source (the default: issue 13's runtime)
             assumptions=r.assumptions,
             sim_s=round(time.perf_counter() - t1, 3),
         )

@@ -120,12 +120,15 @@ _ZC, _STAGED, _PACKED, _DIRECT, _COLL, _COPY = (KINDS.index(k) for k in KINDS)
 class _Meshes:
     """The order of stage events.  A mesh runs its tasks' all-gathers in plan order, the
     next one when the previous ended, its group was released (the previous group's last
-    all-gather ended, plus the barrier), its ranks' host has issued it (after its earlier
+    all-gather ended and every rank's host was done with its tasks of that group, plus the
+    barrier; the host starts the task's work only then), its ranks' host has issued it (after its earlier
     tasks and its admission under the watermark), its ranks' H2D of the task is done
     (offload: on the rank's one stream before the gather when serial, else a stream of its
     own), and every sending rank has room under the watermark for its buffer (what the
     engine holds: nothing for a zero-copy task).  A sending rank packs each task after its
-    all-gather, one task at a time; a zero-copy task costs only host time, its batch's jobs
+    all-gather, one task at a time (reading its own pieces of the full tensors; with
+    host_waits, its host waits for the packing before its next task: a delta push's count read
+    back); a zero-copy task costs only host time, its batch's jobs
     are handed over when the batch's last task is; jobs become ready in their rank's order
     (the engine's FIFO), each after its predecessor's writes were posted."""
 
