@@ -76,8 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--delta-compare-gbytes",
         type=float,
-        default=167.3,
-        help="trainer compare + encode, GB/s of bytes read (fresh + shadow); default: measured on one H100 (unfused)",
+        default=None,
+        help="trainer compare + count + records beyond the quantize, GB/s of bytes read (fresh + shadow); default: "
+        "the fused kernel's, measured on one H100 (785; the torch ops' path: 167.3)",
     )
     p.add_argument(
         "--delta-apply-gbytes",
@@ -192,6 +193,7 @@ def run(args) -> dict:
             bound_by=r.bound_by,
             stage_busy_s={k: round(v, 4) for k, v in r.stage_busy_s.items()},
             calibration=cluster.cal.name,
+            calibration_source=cluster.cal.source,  # its measured terms' source (the default: issue 13's runtime)
             assumptions=r.assumptions,
             sim_s=round(time.perf_counter() - t1, 3),
         )
@@ -217,26 +219,19 @@ def run(args) -> dict:
 
 def _delta_terms(args, cal):
     """The delta term's inputs: the flags, else the calibration's measured apply rate
-    (Calibration.delta_apply_GBps), else wxfer.plan.delta's defaults; `source` says which."""
-    from .delta import DeltaTerms
+    (Calibration.delta_apply_GBps), else wxfer.plan.delta's measured defaults; `source` says
+    where each figure comes from."""
+    from .delta import delta_terms
 
-    apply, given = args.delta_apply_gbytes, []
-    if args.delta_compare_gbytes != DeltaTerms.compare_GBps:
-        given.append("--delta-compare-gbytes")
-    if apply is not None:
-        given.append("--delta-apply-gbytes")
-    terms = DeltaTerms(args.delta_rate, args.delta_compare_gbytes)
+    apply = args.delta_apply_gbytes
+    terms = delta_terms(args.delta_rate, args.delta_compare_gbytes, apply)
     if apply is None and getattr(cal, "delta_apply_GBps", None):
         terms.apply_GBps = cal.delta_apply_GBps
+        cmp_src = terms.source.split("; apply: ")[0]
         terms.source = (
-            f"apply {cal.delta_apply_GBps:.4g} GB/s of records from the calibration {cal.name} "
-            f"(delta_apply_GBps: {cal.source})" + (f"; given: {', '.join(given)}" if given else "")
+            f"{cmp_src}; apply: {cal.delta_apply_GBps:.4g} GB/s of records from the calibration {cal.name} "
+            f"(delta_apply_GBps: {cal.source})"
         )
-    else:
-        if apply is not None:
-            terms.apply_GBps = apply
-        if given:
-            terms.source = f"given ({' / '.join(given)})"
     return terms
 
 
