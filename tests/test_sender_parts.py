@@ -631,3 +631,84 @@ def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monk
                 os.kill(bad.proc.pid, signal.SIGCONT)
         eng.close()
         t.close()
+
+
+class _Stamping(_Started):
+    """An in-place writer that records the begin stamps it is asked to write on the stream."""
+
+    def __init__(self, why=None):
+        super().__init__()
+        self.stamped, self.why = [], why
+
+    def off(self):
+        return None
+
+    def stamp_begin(self, dests, version):
+        self.stamped.append((dict(dests), version))
+        return self.why
+
+
+def test_stream_order_neither_waits_nor_reads_a_fence_word_the_engines_error_holds(monkeypatch):
+    """WXFER_BEGIN_WAIT=stream (the default): the begin stamps are written on the side stream
+    ahead of the in-place writes (InPlaceWriter.stamp_begin), so nothing waits on the fence
+    word.  A real engine over fabric tcp whose sticky error cancelled a fence (the word held
+    until close, Engine.word_state): the next push's _wait_begin returns at once, queues no
+    device wait and no host wait, and the stamps asked for are this push's, to every receiver.
+    A stamp that cannot be written there (stamp_begin says why) falls back to the host wait,
+    bounded, for good."""
+    import ctypes
+    import time
+
+    from wxfer.testing import TargetProcess
+    from wxfer.testing import pattern as rand
+
+    monkeypatch.delenv("WXFER_BEGIN_WAIT", raising=False)  # the default
+    opts = {"provider": "tcp"}
+    with TargetProcess("fabric", opts, [4 << 20, 4096]) as tgt:
+        t = _wxfer.Transport("fabric", opts)
+        assert tgt.connect(t) == 0
+        eng = _wxfer.Engine(t, timeout=0.5)  # (no isolate: a missed deadline is the engine's error)
+        word = ctypes.c_uint32(0)
+        eng.fence_word(ctypes.addressof(word), word)  # (as the device mode would have it)
+        eng.submit_external([(tgt.descriptors[0], 0, 0, 64)], tag=5)  # no signal: its deadline fails the engine
+        f = eng.submit(rand(8, 2), [(tgt.descriptors[1], 0, 0, 8)], fence=True)
+        with pytest.raises(Exception, match="deadline"):
+            eng.wait(timeout=20, fence=f)
+        end = time.monotonic() + 10
+        while eng.word_state() is None and time.monotonic() < end:
+            time.sleep(0.01)
+        assert eng.word_state()[0] is None  # held for the engine's error, until close
+        eng.clear_error()
+        ln = _links(gpus=(0,))
+        ln.peers, ln.gpu_of_peer = {0: 0}, {0: 0}
+        ln.begin_dest = {0: (tgt.descriptors[1], 8, 0, 8)}
+        ip = _Stamping()
+        r = TaskRunner(eng, t, torch.device("cpu", 0), None, 0, _program(), ln, ip, 20.0)
+        assert r.begin_on_stream and r.begin_word is None and r.why_host_wait is None
+        queued = []
+        monkeypatch.setattr(_wxfer, "stream_wait", lambda *a: queued.append(a), raising=False)
+        calls = []
+        real_wait = eng.wait
+        eng_wait = lambda *a, **kw: calls.append(kw) or real_wait(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(r, "engine", SimpleNamespace(wait=eng_wait, submit=eng.submit, word_state=eng.word_state))
+        for step in (1, 2):
+            r.start(step, verify=False)
+            r.write_begin()
+            t0 = time.monotonic()
+            ip.starts[-1][2]()
+            assert time.monotonic() - t0 < 0.5
+            assert ip.stamped[-1] == ({0: ln.begin_dest[0]}, step)
+        assert queued == [] and calls == [] and r.word_held_pushes == 0 and eng.word_state()[0] is None
+        # a stamp that cannot be written on the stream: the host wait (bounded), from then on
+        ip.why = "the begin stamp of inference worker gpu 0: not mapped"
+        r.start(3, verify=False)
+        r.write_begin()
+        ip.starts[-1][2]()
+        assert calls and calls[-1]["fence"] == r.begin_fence and not r.begin_on_stream
+        assert "not mapped" in r.why_host_wait and len(ip.stamped) == 3
+        r.start(4, verify=False)
+        r.write_begin()
+        ip.starts[-1][2]()
+        assert len(ip.stamped) == 3 and len(calls) == 2  # not asked again
+        eng.close()
+        t.close()

@@ -280,12 +280,17 @@ class InPlaceWriter:
         # this push's batched copy launches, their host seconds, the copy bindings it made
         # (stats()["direct"]["last_push"]; a push after the first should make none)
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
+        # gpu -> (its begin stamp destination, an int64 view of that stamp mapped here, or None:
+        # mapped on another GPU, where no in-place write reaches it) (stamp_begin)
+        self.stamp_views: dict = {}
+        self.unstamped = frozenset()  # the receivers stamp_begin skipped this push: not written in place
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
 
     def start(self, version: int, verify: bool, wait_begin) -> None:
         """A push begins: its number, whether it verifies, and `wait_begin()`, which returns
         once its begin stamps landed (waited for before its first in-place write)."""
         self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
+        self.unstamped = frozenset()
         self.launched = False  # the last push's writes were waited for by the engine
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
         self._copies_on()
@@ -332,12 +337,74 @@ class InPlaceWriter:
         a push, as before an in-place write), then the receivers not to write (failed or
         dropped by now)."""
         self._begin()
-        return self.links.skipped(self.engine)
+        return self._skip()
 
     def external_done(self, dests, tag: int) -> None:
         """Those writes, just launched on the side stream to `dests` (the receivers not
         skipped), handed to the engine as one external task, as an in-place task's are."""
         self._submit(dests, tag)
+
+    def stamp_begin(self, dests: dict, version: int) -> str | None:
+        """This push's begin stamps (`dests`: {gpu: begin stamp destination}), written on the
+        current (side) stream ahead of every in-place write of the push (``WXFER_BEGIN_WAIT=stream``,
+        TaskRunner._wait_begin): one fill of `version` into each receiver's stamp, mapped here, to
+        the receivers not skipped (failed or dropped: not written in place either).  None, or why
+        not (nothing of this push is launched yet: the caller waits on the host instead).
+
+        Why this orders the in-place writes as the begin stamps' fence would (docs/cuda_ipc.md):
+        a receiver takes a step as complete when its begin and end stamps both read it.  Every
+        in-place write of this push is queued on this stream after the fill, so no byte of it
+        reaches a receiver before that receiver's begin stamp says `version` (its end stamp still
+        says the step before: torn).  The end stamps are the engine's fence after every task,
+        the in-place ones included (each waits for its CUDA event, recorded after its launch on
+        this stream), so they land after the fill and after every write.  The engine's own begin
+        stamp writes the same value (either may land first).  A receiver whose stamp the engine
+        fails to write still reads torn (the fill wrote it); one the engine fails later is
+        skipped by the launches after that, and its end stamp is not written: torn.  Nothing here
+        waits on a value the host or the engine sets, so a fence word the engine holds (a late
+        receiver, or its sticky error until close) cannot stall this stream nor the training
+        stream behind it.  A receiver whose stamp is mapped on another GPU is not filled: its
+        weights, on the same GPU as its stamps, are mapped there too, and an in-place write goes
+        only to memory on the writer's own GPU (``_view``)."""
+        skip = self.links.skipped(self.engine) if dests else frozenset()
+        todo = []
+        for g, d in dests.items():
+            if g in skip:
+                continue
+            hit = self.stamp_views.get(g)
+            if hit is None or hit[0] is not d:
+                try:
+                    hit = self.stamp_views[g] = (d, self._stamp_view(d))
+                except _NotInPlace as e:
+                    return f"the begin stamp of inference worker gpu {g}: {e}"
+            if hit[1] is not None:
+                todo.append(hit[1])
+        self.unstamped = skip  # (a receiver not filled is not written this push, whatever comes later)
+        for t in todo:
+            t.fill_(version)  # a kernel with the value in its arguments: later host stores do not change it
+        return None
+
+    def _stamp_view(self, dest):
+        """An int64 tensor over begin stamp destination `dest` (region, offset, _, 8) mapped
+        here, or None when the transport maps it on another GPU; _NotInPlace when it cannot."""
+        import torch
+
+        rdesc, off, nb = bytes(dest[0]), int(dest[1]), int(dest[3])
+        if nb != 8 or off % 8:
+            raise _NotInPlace(f"the stamp [{off}, +{nb}) is not one aligned int64")
+        addr, dev = self._map(rdesc, off, nb)
+        if dev != self.device.index:
+            return None
+        view, base = self._view(rdesc)
+        if addr != base + off or base % 8:
+            raise _NotInPlace(f"the stamp [{off}, +8) of its region is mapped at {addr:#x}, not {base + off:#x}")
+        return view[off : off + 8].view(torch.int64)
+
+    def _skip(self) -> frozenset:
+        """The receivers not to write now: failed or dropped (Links.skipped), and those whose
+        begin stamp this push did not write on the stream (stamp_begin)."""
+        skip = self.links.skipped(self.engine)
+        return skip | self.unstamped if self.unstamped else skip
 
     def write_task(self, op) -> bool:
         """Run packed task `op` straight into the receivers' memory when it can be; False: the
@@ -358,7 +425,7 @@ class InPlaceWriter:
 
         fulls, _ = prepare.gather(prep, op, self.device)
         self._begin()  # after the gathers were queued: the stamps land meanwhile
-        skip = self.links.skipped(self.engine)
+        skip = self._skip()
         self._write(op, plan, fulls, skip)
         self._submit(self._live(op.dests, skip), op.task, plan)
         self.n["tasks"] += 1
@@ -470,7 +537,7 @@ class InPlaceWriter:
         # the receivers to skip: one that failed while its begin stamp was written is not copied to
         self._begin()
         t1 = time.perf_counter()
-        skip = self.links.skipped(self.engine)
+        skip = self._skip()
         live = [c for c in q if c[0] not in skip] if skip else q
         self.n["skipped_writes"] += len(q) - len(live)
         host = self.host
@@ -733,6 +800,7 @@ class InPlaceWriter:
         regions = {bytes(r) for r in regions}
         for r in regions:
             self.views.pop(r, None)
+        self.stamp_views.pop(gpu, None)
         for task, (_, plan, _) in list(self.plans.items()):
             if plan is not None and regions & {bytes(r) for r in plan.regions}:
                 del self.plans[task]
@@ -744,6 +812,7 @@ class InPlaceWriter:
     def close(self) -> None:
         """Forget the views of the mapped regions (before the transport unmaps them)."""
         self.views.clear()
+        self.stamp_views.clear()
         self.plans.clear()
         self.copy_plans.clear()
         self.copy_tables.clear()
