@@ -406,7 +406,10 @@ def test_a_receiver_that_failed_before_the_data_is_not_written_direct(store, mon
     if wait == "host":
         assert d["skipped_writes"] > 0 and unchanged, d
     else:
-        assert recvs[1].version() == -1 and not unchanged  # written, and torn by its stamps
+        r1 = recvs[1]
+        begin, end = int(r1.stamps[r1.stamp_slots]), int(r1.stamps[0])
+        assert not unchanged and (begin, end) == (1, -1)  # written, after its begin stamp: torn
+        assert r1.version() == -1
         assert s.runner.begin_on_stream and s.runner.why_host_wait is None
     _closed(s, recvs)
 
