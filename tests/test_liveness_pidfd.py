@@ -206,7 +206,6 @@ def test_the_pid_waiter_reports_an_exit_at_once_and_stops_at_close():
     """PidWatch.wait_exits: a thread blocked in poll(2) on the bound pidfds calls back as soon
     as a process exits (once per exit, while its pidfd stays bound), sees pidfds bound after it
     started, and ends at close()."""
-    import threading
 
     a, b = _sleeper(), _sleeper()
     pw = _watch()

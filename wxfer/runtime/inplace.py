@@ -22,13 +22,12 @@ the peers it wrote, waiting for a CUDA event recorded after it on the side strea
 host, without CUDA, signalled done at once: ``complete_external``).  So the engine finishes
 it after the begin stamps' fence, holds the end stamps' fence (a plain one) until it landed,
 applies its deadline, skips a peer that failed, counts its bytes (``bytes_external``) and
-traces it (kind "external"); ``push()``'s wait is the engine's.  The begin stamps are
-waited for before the first launch of a push (after its first task's gathers were queued; on
-the device where it can, TaskRunner._wait_begin): the engine orders its tasks, not this
-process's kernels, and a kernel that ran before a receiver's begin stamp landed would make a
-torn read look complete.  A receiver
-that failed (the engine's failed peers) or that the Sender dropped is not written (no kernel
-can be called back) nor named in the task.  Off with ``Sender(direct=False)`` or
+traces it (kind "external"); ``push()``'s wait is the engine's.  The engine orders its tasks,
+not this process's kernels, and a kernel that ran before a receiver's begin stamp landed would
+make a torn read look complete: the first launch of a push comes after its begin stamps, written
+on the side stream ahead of it (``stamp_begin``, the default) or waited for (TaskRunner._wait_begin).
+A receiver that failed or was dropped is not written (no kernel can be called back) nor named
+in the task.  Off with ``Sender(direct=False)`` or
 ``WXFER_DIRECT=0`` (the user-facing name, and ``stats()["direct"]``, are kept); with verify on
 a push goes the staging way (a checksum of the receiver's own memory would prove nothing).
 """
@@ -280,9 +279,7 @@ class InPlaceWriter:
         # this push's batched copy launches, their host seconds, the copy bindings it made
         # (stats()["direct"]["last_push"]; a push after the first should make none)
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
-        # gpu -> (its begin stamp destination, an int64 view of that stamp mapped here, or None:
-        # mapped on another GPU, where no in-place write reaches it) (stamp_begin)
-        self.stamp_views: dict = {}
+        self.stamp_views: dict = {}  # gpu -> (begin stamp destination, its int64 view or None) (stamp_begin)
         self.unstamped = frozenset()  # the receivers stamp_begin skipped this push: not written in place
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
 
@@ -345,27 +342,16 @@ class InPlaceWriter:
         self._submit(dests, tag)
 
     def stamp_begin(self, dests: dict, version: int) -> str | None:
-        """This push's begin stamps (`dests`: {gpu: begin stamp destination}), written on the
-        current (side) stream ahead of every in-place write of the push (``WXFER_BEGIN_WAIT=stream``,
-        TaskRunner._wait_begin): one fill of `version` into each receiver's stamp, mapped here, to
-        the receivers not skipped (failed or dropped: not written in place either).  None, or why
-        not (nothing of this push is launched yet: the caller waits on the host instead).
-
-        Why this orders the in-place writes as the begin stamps' fence would (docs/cuda_ipc.md):
-        a receiver takes a step as complete when its begin and end stamps both read it.  Every
-        in-place write of this push is queued on this stream after the fill, so no byte of it
-        reaches a receiver before that receiver's begin stamp says `version` (its end stamp still
-        says the step before: torn).  The end stamps are the engine's fence after every task,
-        the in-place ones included (each waits for its CUDA event, recorded after its launch on
-        this stream), so they land after the fill and after every write.  The engine's own begin
-        stamp writes the same value (either may land first).  A receiver whose stamp the engine
-        fails to write still reads torn (the fill wrote it); one the engine fails later is
-        skipped by the launches after that, and its end stamp is not written: torn.  Nothing here
-        waits on a value the host or the engine sets, so a fence word the engine holds (a late
-        receiver, or its sticky error until close) cannot stall this stream nor the training
-        stream behind it.  A receiver whose stamp is mapped on another GPU is not filled: its
-        weights, on the same GPU as its stamps, are mapped there too, and an in-place write goes
-        only to memory on the writer's own GPU (``_view``)."""
+        """This push's begin stamps ({gpu: begin stamp destination}) written on the current (side)
+        stream ahead of its in-place writes (``WXFER_BEGIN_WAIT=stream``): `version` filled into
+        each receiver's stamp mapped here, but those skipped (failed, dropped: not written this
+        push).  None, or why not (nothing launched yet: the caller waits on the host).  Why it
+        is safe (docs/cuda_ipc.md): every in-place byte of the push follows the fill on this
+        stream, so a receiver it reaches reads begin == version != end (torn) until the engine's
+        end fence, which waits for each in-place write's CUDA event; a receiver whose engine
+        stamp fails still reads torn.  Nothing waits on the fence word, so a word the engine
+        holds cannot stall this stream nor the training stream behind it.  A stamp mapped on
+        another GPU is not filled: an in-place write reaches only memory on this GPU (_view)."""
         skip = self.links.skipped(self.engine) if dests else frozenset()
         todo = []
         for g, d in dests.items():
@@ -377,16 +363,13 @@ class InPlaceWriter:
                     hit = self.stamp_views[g] = (d, self._stamp_view(d))
                 except _NotInPlace as e:
                     return f"the begin stamp of inference worker gpu {g}: {e}"
-            if hit[1] is not None:
-                todo.append(hit[1])
-        self.unstamped = skip  # (a receiver not filled is not written this push, whatever comes later)
+            todo += [] if hit[1] is None else [hit[1]]
+        self.unstamped = skip  # (not filled: not written this push, whatever comes later)
         for t in todo:
-            t.fill_(version)  # a kernel with the value in its arguments: later host stores do not change it
-        return None
+            t.fill_(version)  # (the value is the kernel's argument, not read from host memory)
 
     def _stamp_view(self, dest):
-        """An int64 tensor over begin stamp destination `dest` (region, offset, _, 8) mapped
-        here, or None when the transport maps it on another GPU; _NotInPlace when it cannot."""
+        """An int64 view of begin stamp `dest` mapped here; None: on another GPU; or _NotInPlace."""
         import torch
 
         rdesc, off, nb = bytes(dest[0]), int(dest[1]), int(dest[3])
@@ -401,8 +384,7 @@ class InPlaceWriter:
         return view[off : off + 8].view(torch.int64)
 
     def _skip(self) -> frozenset:
-        """The receivers not to write now: failed or dropped (Links.skipped), and those whose
-        begin stamp this push did not write on the stream (stamp_begin)."""
+        """Not to write now: failed or dropped (Links.skipped), or not stamped (stamp_begin)."""
         skip = self.links.skipped(self.engine)
         return skip | self.unstamped if self.unstamped else skip
 
