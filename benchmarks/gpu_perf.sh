@@ -17,9 +17,10 @@
 # 1. build; 2. the gpu tests touching the begin stamps' device wait and the in-place writes;
 # 3. bench_baselines --layouts colocated --curated qwen3-8b,qwen3-1.7b (the 8B BF16 plain and
 #    FSDP2 rows, the 8B FP8 FSDP2 row -- the curated list's fp8 entry -- and the 1.7B FSDP2
-#    and FSDP2-offload rows) with the begin stamps waited for on the device (WXFER_BEGIN_WAIT=device),
-#    then the same with WXFER_BEGIN_WAIT=host (the default) for the A/B on the same
-#    machine; 4. one table of both: link, wxfer, ratio, and the fixed cost before the first
+#    and FSDP2-offload rows) for each begin-stamp order in WAITS (default "stream host": the
+#    stamps written on the side stream, WXFER_BEGIN_WAIT=stream, the default; then the host
+#    wait, for the A/B on the same machine; "device" also runs the cuStreamWaitValue32 wait;
+#    MODELS=qwen3-8b: the 8B rows only); 4. one table of both: link, wxfer, ratio, and the fixed cost before the first
 #    write (the push's phases: rejoin_check, begin_stamps) per row, the submit phase per task and
 #    the batched copy launches' host time (stats()["direct"]["last_push"]; issue 37).
 # Every step is bounded and runs even when an earlier one failed; the exit status says whether
@@ -41,7 +42,7 @@ if [ "${1:-rows}" = sweep ]; then
   timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force >>"$OUT/build.log" 2>&1 || rc=1
   exit $rc
 fi
-MODELS=qwen3-8b,qwen3-1.7b; MAXS=150
+MODELS=${MODELS:-qwen3-8b,qwen3-1.7b}; MAXS=150
 if [ "${1:-rows}" = big ]; then  # no tests: the 30B rows take the call's time
   MODELS=qwen3-30b-a3b; MAXS=230
 elif [ "${1:-rows}" != bench ]; then  # bench: the rows only (the tests run elsewhere in the same call)
@@ -49,8 +50,8 @@ timeout 200 python3 -m pytest -q -ra --durations=8 -m gpu tests/test_stream_wait
   tests/test_direct_gpu.py >"$OUT/gpu_tests.log" 2>&1 || rc=1
 tail -25 "$OUT/gpu_tests.log"
 fi
-WAITS=${WAITS:-host device}
-for wait in $WAITS; do  # WAITS=device: the device-wait rows only
+WAITS=${WAITS:-stream host}
+for wait in $WAITS; do  # WAITS=stream: the default order's rows only
   # the first wait's run also profiles one more push per row (bb_profile.py: where its time goes)
   prof=0; [ $wait = "${WAITS%% *}" ] && prof=1
   WXFER_BB_PROFILE=$prof WXFER_BEGIN_WAIT=$wait timeout $((MAXS + 20)) python3 benchmarks/bench_baselines.py --layouts colocated \
@@ -63,10 +64,11 @@ import json, os, sys
 out = sys.argv[1]
 print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made | fit: push_begin / begin_fence us |")
 print("|---|---|---|---|---|---|---|---|---|---|---|")
-for wait in ("device", "host"):
+for wait in ("stream", "device", "host"):
     p = os.path.join(out, "bb-%s" % wait, "results.json")
     if not os.path.exists(p):
-        print("| %s | (no results.json) |" % wait)
+        if os.path.isdir(os.path.dirname(p)):
+            print("| %s | (no results.json) |" % wait)
         continue
     for r in json.load(open(p))["results"]:
         c = r["config"]
