@@ -62,8 +62,8 @@ done
 timeout 30 python3 - "$OUT" <<'PY' || rc=1
 import json, os, sys
 out = sys.argv[1]
-print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made | fit: push_begin / begin_fence us |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
+print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made | fit: push_begin / begin_fence us | begin order (stats) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
 for wait in ("stream", "device", "host"):
     p = os.path.join(out, "bb-%s" % wait, "results.json")
     if not os.path.exists(p):
@@ -89,11 +89,12 @@ for wait in ("stream", "device", "host"):
         lp = [(w.get("direct") or {}).get("last_push") or {} for w in rs]
         cl = " / ".join("%d, %.2f (%.2f), %s" % (x.get("launches", 0), x.get("launch_s", 0) * 1e3,
                                            x.get("begin_wait_s", 0) * 1e3, x.get("bound", "-")) for x in lp) if any(lp) else "-"
-        print("| %s | %s | %.2f | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        order = (rs[0].get("direct") or {}).get("begin", "-")
+        print("| %s | %s | %.2f | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             wait, name, link * 1e3, " / ".join("%.2f" % (w * 1e3) for w in ws),
             " / ".join("%.2fx" % (w / link) for w in ws),
             " / ".join("%.0f" % (p.get("rejoin_check", 0) * 1e6) for p in ph),
             " / ".join("%.0f" % (p.get("begin_stamps", 0) * 1e6) for p in ph),
-            " / ".join("%.2f" % (p.get("submit", 0) * 1e3) for p in ph), per, cl, fit))
+            " / ".join("%.2f" % (p.get("submit", 0) * 1e3) for p in ph), per, cl, fit, order))
 PY
 exit $rc

@@ -245,6 +245,13 @@ class TaskRunner:
             fence=self.begin_fence,
         )
 
+    def begin_order(self) -> str:
+        """How this Sender's in-place writes follow the begin stamps now (``stats()["direct"]
+        ["begin"]``): "stream", "device", or "host: <why>" (WXFER_BEGIN_WAIT, docs/cuda_ipc.md)."""
+        if self.begin_on_stream:
+            return "stream"
+        return "device" if self.begin_word_dev else f"host: {self.why_host_wait}"
+
     def _word_held(self) -> bool:
         """Whether the engine holds the fence word for an earlier fence (a receiver whose stamp
         did not land and is not fenced yet, or the engine's error: ``Engine.word_state``): a
