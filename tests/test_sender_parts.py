@@ -712,3 +712,51 @@ def test_stream_order_neither_waits_nor_reads_a_fence_word_the_engines_error_hol
         assert len(ip.stamped) == 3 and len(calls) == 2  # not asked again
         eng.close()
         t.close()
+
+
+def test_stream_stamps_fill_the_receivers_mapped_here_and_keep_the_others_from_in_place_writes(monkeypatch):
+    """InPlaceWriter.stamp_begin (the stream order): the begin stamp of each receiver mapped
+    here is filled with the push's version; one the transport refuses (another GPU) is not,
+    and then no region of that receiver is mapped for in-place writes (its tasks go the
+    engine's way); one whose memory is mapped already but whose stamp cannot be sends the push
+    to the host wait (a reason naming it); a receiver failed in the engine is neither filled
+    nor written for the rest of the push."""
+    from wxfer.runtime import inplace as ipm
+    from wxfer.runtime.inplace import _NotInPlace
+
+    mem = {r: torch.zeros(64, dtype=torch.uint8) for r in (b"stamp0", b"stamp1", b"region0", b"region1")}
+    monkeypatch.setattr(ipm, "region_nbytes", lambda r: mem[bytes(r)].numel())
+    failed = []
+    eng = SimpleNamespace(failed_peers=lambda: list(failed))
+
+    def writer(refuse):
+        w = InPlaceWriter(True, 1 << 20, CPU, None, None, "cuda_ipc", eng, _links())
+
+        def fake_map(r, off, nb):
+            if r in refuse:
+                raise _NotInPlace("the memory is not on the writer GPU cpu")
+            return mem[r].data_ptr() + off, None
+
+        w._map = fake_map
+        w._tensor = lambda addr, n: next(t for t in mem.values() if t.data_ptr() == addr)
+        return w
+
+    def stamp(g):
+        return int(mem[b"stamp%d" % g][8:16].view(torch.int64))
+
+    w = writer({b"stamp1", b"region1"})  # receiver 1 on another GPU
+    dests = w.links.begin_dest
+    assert w.stamp_begin(dests, 5) is None
+    assert (stamp(0), stamp(1)) == (5, 0) and w.stamp_views[1][1] is None and w.unstamped == frozenset()
+    w._view(b"region0")
+    with pytest.raises(_NotInPlace, match="begin stamp is not mapped here"):
+        w._view(b"region1")
+    failed.append(SimpleNamespace(peer=10))  # receiver 0 failed in the engine (its peer 10)
+    assert w.stamp_begin(dests, 6) is None
+    assert stamp(0) == 5 and w.unstamped == {0} and 0 in w._skip()
+    failed.clear()
+    w2 = writer(set())
+    w2.links.begin_dest[1] = (b"stamp1", 12, 0, 8)  # receiver 1's stamp not one aligned int64
+    w2._view(b"region1")  # its memory mapped first (the push's first task)
+    why = w2.stamp_begin(w2.links.begin_dest, 7)
+    assert why is not None and "gpu 1" in why and "mapped here" in why

@@ -43,6 +43,7 @@ from itertools import zip_longest
 
 from .. import envs, taskpath
 from ..zerocopy import COPY_MAX, copy_batch_full
+from .inplace_stamps import StampOrder, _NotInPlace
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -233,10 +234,6 @@ class _Plan:
         self.event = None  # recorded after its writes, each push (InPlaceWriter._submit)
 
 
-class _NotInPlace(Exception):
-    pass
-
-
 def options(direct, copy_max_arg) -> tuple:
     """(enabled, copy_max) from the Sender's ``direct`` and ``copy_max`` arguments, checked
     before anything is set up (a bad value raises naming it)."""
@@ -244,7 +241,7 @@ def options(direct, copy_max_arg) -> tuple:
     return enabled(direct), cm
 
 
-class InPlaceWriter:
+class InPlaceWriter(StampOrder):
     """The Sender's in-place writes (a collaborator): packed tasks written straight into the
     receivers' mapped memory, small zero-copy tasks copied there in batches.
 
@@ -340,53 +337,6 @@ class InPlaceWriter:
         """Those writes, just launched on the side stream to `dests` (the receivers not
         skipped), handed to the engine as one external task, as an in-place task's are."""
         self._submit(dests, tag)
-
-    def stamp_begin(self, dests: dict, version: int) -> str | None:
-        """This push's begin stamps ({gpu: begin stamp destination}) written on the current (side)
-        stream ahead of its in-place writes (``WXFER_BEGIN_WAIT=stream``): `version` filled into
-        each receiver's stamp mapped here, but those skipped (failed, dropped: not written this
-        push).  None, or why not (nothing launched yet: the caller waits on the host).  Why it
-        is safe (docs/cuda_ipc.md): every in-place byte of the push follows the fill on this
-        stream, so a receiver it reaches reads begin == version != end (torn) until the engine's
-        end fence, which waits for each in-place write's CUDA event; a receiver whose engine
-        stamp fails still reads torn.  Nothing waits on the fence word, so a word the engine
-        holds cannot stall this stream nor the training stream behind it.  A stamp mapped on
-        another GPU is not filled: an in-place write reaches only memory on this GPU (_view)."""
-        skip = self.links.skipped(self.engine) if dests else frozenset()
-        todo = []
-        for g, d in dests.items():
-            if g in skip:
-                continue
-            hit = self.stamp_views.get(g)
-            if hit is None or hit[0] is not d:
-                try:
-                    hit = self.stamp_views[g] = (d, self._stamp_view(d))
-                except _NotInPlace as e:
-                    return f"the begin stamp of inference worker gpu {g}: {e}"
-            todo += [] if hit[1] is None else [hit[1]]
-        self.unstamped = skip  # (not filled: not written this push, whatever comes later)
-        for t in todo:
-            t.fill_(version)  # (the value is the kernel's argument, not read from host memory)
-
-    def _stamp_view(self, dest):
-        """An int64 view of begin stamp `dest` mapped here; None: on another GPU; or _NotInPlace."""
-        import torch
-
-        rdesc, off, nb = bytes(dest[0]), int(dest[1]), int(dest[3])
-        if nb != 8 or off % 8:
-            raise _NotInPlace(f"the stamp [{off}, +{nb}) is not one aligned int64")
-        addr, dev = self._map(rdesc, off, nb)
-        if dev != self.device.index:
-            return None
-        view, base = self._view(rdesc)
-        if addr != base + off or base % 8:
-            raise _NotInPlace(f"the stamp [{off}, +8) of its region is mapped at {addr:#x}, not {base + off:#x}")
-        return view[off : off + 8].view(torch.int64)
-
-    def _skip(self) -> frozenset:
-        """Not to write now: failed or dropped (Links.skipped), or not stamped (stamp_begin)."""
-        skip = self.links.skipped(self.engine)
-        return skip | self.unstamped if self.unstamped else skip
 
     def write_task(self, op) -> bool:
         """Run packed task `op` straight into the receivers' memory when it can be; False: the
@@ -625,6 +575,7 @@ class InPlaceWriter:
         hit = self.views.get(rdesc)
         if hit is not None:
             return hit
+        self._stamp_check(rdesc)  # (its worker's begin stamp mapped, where the stream writes it)
         try:
             n = region_nbytes(rdesc)
         except ValueError as e:
