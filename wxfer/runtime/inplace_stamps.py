@@ -31,6 +31,8 @@ as safe as waiting for the engine's begin-stamp fence (docs/cuda_ipc.md):
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class _NotInPlace(Exception):
     pass
@@ -40,6 +42,15 @@ class StampOrder:
     """Uses the writer's ``links``, ``engine``, ``device``, ``views`` and its ``_map`` /
     ``_view``; keeps ``stamp_views`` ({gpu: (begin stamp destination, an int64 view of it mapped
     here, or None)}) and ``unstamped`` (the receivers not filled this push)."""
+
+    links: Any
+    engine: Any
+    device: Any
+    views: dict
+    stamp_views: dict
+    unstamped: frozenset
+    _map: Any
+    _view: Any
 
     def stamp_begin(self, dests: dict, version: int) -> str | None:
         """This push's begin stamps ({gpu: begin stamp destination}) filled with `version` on the

@@ -134,7 +134,7 @@ class PidWatch:
         self._poll = select.poll() if hasattr(select, "poll") else None  # None: /proc reads only
         self._fin = weakref.finalize(self, _close_fds, self._fd)
         self._lk = threading.Lock()  # _fd / _who as the waiter thread reads them (wait_exits)
-        self._waiter = None  # the thread blocked in poll(2) on the pidfds, or None
+        self._waiter: threading.Thread | None = None  # the thread blocked in poll(2) on the pidfds
         self._wake_w = -1  # the write end of its wake pipe
         self._closed = False
         self.fired = 0  # exits the waiter reported
@@ -154,9 +154,9 @@ class PidWatch:
             os.set_blocking(r, False)
             os.set_blocking(w, False)
             self._wake_w = w
-            self._waiter = threading.Thread(target=self._wait_loop, args=(on_exit, r), daemon=True)
-            self._waiter.name = "wxfer-pidwait"
-            self._waiter.start()
+            th = threading.Thread(target=self._wait_loop, args=(on_exit, r), daemon=True, name="wxfer-pidwait")
+            self._waiter = th
+            th.start()
         return True
 
     def waiting(self) -> bool:
