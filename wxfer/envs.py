@@ -90,11 +90,12 @@ _VARS = (
     Var(
         "WXFER_BEGIN_WAIT",
         "choice",
-        "host",
+        "stream",
         "Python",
-        "in-place writes wait for the begin stamps on the host (the default: bounded) or the "
-        "device (cuStreamWaitValue32 where the driver has it; docs/cuda_ipc.md says what is "
-        "left of its liveness findings)",
+        "how in-place writes follow the begin stamps: stream (the default: written on the side "
+        "stream ahead of them, no wait), device (the stream waits with cuStreamWaitValue32 on the "
+        "fence word: opt-in, a word held until close stalls it) or host (the host waits, bounded); "
+        "docs/cuda_ipc.md",
     ),
     # libraries (dlopened by the C extension)
     _c("WXFER_LIBCUDA"),

@@ -22,13 +22,12 @@ the peers it wrote, waiting for a CUDA event recorded after it on the side strea
 host, without CUDA, signalled done at once: ``complete_external``).  So the engine finishes
 it after the begin stamps' fence, holds the end stamps' fence (a plain one) until it landed,
 applies its deadline, skips a peer that failed, counts its bytes (``bytes_external``) and
-traces it (kind "external"); ``push()``'s wait is the engine's.  The begin stamps are
-waited for before the first launch of a push (after its first task's gathers were queued; on
-the device where it can, TaskRunner._wait_begin): the engine orders its tasks, not this
-process's kernels, and a kernel that ran before a receiver's begin stamp landed would make a
-torn read look complete.  A receiver
-that failed (the engine's failed peers) or that the Sender dropped is not written (no kernel
-can be called back) nor named in the task.  Off with ``Sender(direct=False)`` or
+traces it (kind "external"); ``push()``'s wait is the engine's.  The engine orders its tasks,
+not this process's kernels, and a kernel that ran before a receiver's begin stamp landed would
+make a torn read look complete: the first launch of a push comes after its begin stamps, written
+on the side stream ahead of it (``stamp_begin``, the default) or waited for (TaskRunner._wait_begin).
+A receiver that failed or was dropped is not written (no kernel can be called back) nor named
+in the task.  Off with ``Sender(direct=False)`` or
 ``WXFER_DIRECT=0`` (the user-facing name, and ``stats()["direct"]``, are kept); with verify on
 a push goes the staging way (a checksum of the receiver's own memory would prove nothing).
 """
@@ -44,6 +43,7 @@ from itertools import zip_longest
 
 from .. import envs, taskpath
 from ..zerocopy import COPY_MAX, copy_batch_full
+from .inplace_stamps import StampOrder, _NotInPlace
 from .overlap import Overlap
 
 _U32 = struct.Struct("<I")
@@ -236,10 +236,6 @@ class _Plan:
         self.event = None  # recorded after its writes, each push (InPlaceWriter._submit)
 
 
-class _NotInPlace(Exception):
-    pass
-
-
 def options(direct, copy_max_arg) -> tuple:
     """(enabled, copy_max) from the Sender's ``direct`` and ``copy_max`` arguments, checked
     before anything is set up (a bad value raises naming it)."""
@@ -247,7 +243,7 @@ def options(direct, copy_max_arg) -> tuple:
     return enabled(direct), cm
 
 
-class InPlaceWriter:
+class InPlaceWriter(StampOrder):
     """The Sender's in-place writes (a collaborator): packed tasks written straight into the
     receivers' mapped memory, small zero-copy tasks copied there in batches.
 
@@ -282,6 +278,8 @@ class InPlaceWriter:
         # this push's batched copy launches, their host seconds, the copy bindings it made
         # (stats()["direct"]["last_push"]; a push after the first should make none)
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
+        self.stamp_views: dict = {}  # gpu -> (begin stamp destination, its int64 view or None) (stamp_begin)
+        self.unstamped = frozenset()  # the receivers stamp_begin skipped this push: not written in place
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
         self.overlap = Overlap(self)  # large copies beside the quantizer (wxfer.runtime.overlap)
 
@@ -289,6 +287,7 @@ class InPlaceWriter:
         """A push begins: its number, whether it verifies, and `wait_begin()`, which returns
         once its begin stamps landed (waited for before its first in-place write)."""
         self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
+        self.unstamped = frozenset()
         self.launched = False  # the last push's writes were waited for by the engine
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
         self._copies_on()
@@ -336,7 +335,7 @@ class InPlaceWriter:
         a push, as before an in-place write), then the receivers not to write (failed or
         dropped by now)."""
         self._begin()
-        return self.links.skipped(self.engine)
+        return self._skip()
 
     def external_done(self, dests, tag: int) -> None:
         """Those writes, just launched on the side stream to `dests` (the receivers not
@@ -362,7 +361,7 @@ class InPlaceWriter:
 
         fulls, _ = prepare.gather(prep, op, self.device)
         self._begin()  # after the gathers were queued: the stamps land meanwhile
-        skip = self.links.skipped(self.engine)
+        skip = self._skip()
         ovl = self.overlap
         gate = ovl.gate() if plan.fp8 else None  # (before the quantizer: the copies do not wait for it)
         self._write(op, plan, fulls, skip)
@@ -503,7 +502,7 @@ class InPlaceWriter:
         # the receivers to skip: one that failed while its begin stamp was written is not copied to
         self._begin()
         t1 = time.perf_counter()
-        skip = self.links.skipped(self.engine)
+        skip = self._skip()
         live = [c for c in q if c[0] not in skip] if skip else q
         self.n["skipped_writes"] += len(q) - len(live)
         host = self.host
@@ -609,6 +608,7 @@ class InPlaceWriter:
         hit = self.views.get(rdesc)
         if hit is not None:
             return hit
+        self._stamp_check(rdesc)  # (its worker's begin stamp mapped, where the stream writes it)
         try:
             n = region_nbytes(rdesc)
         except ValueError as e:
@@ -773,6 +773,7 @@ class InPlaceWriter:
         regions = {bytes(r) for r in regions}
         for r in regions:
             self.views.pop(r, None)
+        self.stamp_views.pop(gpu, None)
         for task, (_, plan, _) in list(self.plans.items()):
             if plan is not None and regions & {bytes(r) for r in plan.regions}:
                 del self.plans[task]
@@ -784,6 +785,7 @@ class InPlaceWriter:
     def close(self) -> None:
         """Forget the views of the mapped regions (before the transport unmaps them)."""
         self.views.clear()
+        self.stamp_views.clear()
         self.plans.clear()
         self.copy_plans.clear()
         self.copy_tables.clear()
