@@ -6,6 +6,7 @@ checkout puts it there itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -129,6 +130,43 @@ def connected_pair(request, sizes):
 
     with connected_fabric(request.param, sizes) as pair:
         yield pair
+
+
+@contextlib.contextmanager
+def held_word_engine(size: int = 4 << 20):
+    """The held fence word's setup (test_engine, test_sender_parts): two fabric tcp targets of one
+    `size`-byte region, `good` (peer 0) and `bad` (peer 1), a Transport `t` connected to both, an
+    isolating Engine `eng` with a 1 s deadline and its fence word `word` (a ctypes uint32).
+    Yields them as a namespace with stop() (SIGSTOP to `bad`: its writes miss their deadline,
+    NOT fenced) and resume() (SIGCONT); a `bad` still stopped is resumed at the exit, before
+    the targets go, and the transport is closed after a clean exit."""
+    import ctypes
+    import signal
+    from types import SimpleNamespace
+
+    from wxfer import _wxfer
+    from wxfer.testing import TargetProcess
+
+    opts = {"provider": "tcp"}
+    with TargetProcess("fabric", opts, [size]) as good, TargetProcess("fabric", opts, [size]) as bad:
+        t = _wxfer.Transport("fabric", opts)
+        assert good.connect(t) == 0 and bad.connect(t) == 1
+        eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
+        word = ctypes.c_uint32(0)
+        eng.fence_word(ctypes.addressof(word), word)
+        h = SimpleNamespace(good=good, bad=bad, t=t, eng=eng, word=word, stopped=False)
+
+        def send(sig, stopped):
+            os.kill(bad.proc.pid, sig)
+            h.stopped = stopped
+
+        h.stop, h.resume = lambda: send(signal.SIGSTOP, True), lambda: send(signal.SIGCONT, False)
+        try:
+            yield h
+        finally:
+            if h.stopped:
+                h.resume()
+        t.close()
 
 
 def run_wxfer(*args, timeout: float, rc: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -571,27 +571,19 @@ def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monk
     and the log names the worker. Once the receiver resumes and its abandoned writes
     complete, the word goes on and the device wait is used again. A real engine over fabric
     tcp; the CPU stands in for the device (stream_wait recorded, not run)."""
-    import ctypes
     import logging
-    import os
-    import signal
     import time
 
-    from wxfer.testing import TargetProcess
+    from helpers import held_word_engine
     from wxfer.testing import pattern as rand
 
-    opts = {"provider": "tcp"}
-    with TargetProcess("fabric", opts, [4 << 20]) as good, TargetProcess("fabric", opts, [4 << 20]) as bad:
-        t = _wxfer.Transport("fabric", opts)
-        assert good.connect(t) == 0 and bad.connect(t) == 1
-        eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
-        word = ctypes.c_uint32(0)
-        eng.fence_word(ctypes.addressof(word), word)
+    with held_word_engine() as h:
+        good, bad, eng, word = h.good, h.bad, h.eng, h.word
         ln = _links()
         ln.peers, ln.gpu_of_peer = {0: 0, 1: 1}, {0: 0, 1: 1}
         ln.begin_dest = {0: (good.descriptors[0], 0, 0, 8), 1: (bad.descriptors[0], 0, 0, 8)}
         ip = _Started()
-        r = TaskRunner(eng, t, torch.device("cpu", 0), None, 0, _program(), ln, ip, 20.0)
+        r = TaskRunner(eng, h.t, torch.device("cpu", 0), None, 0, _program(), ln, ip, 20.0)
         r.begin_word_dev = 0xDE00  # as begin_wait_word leaves it on a GPU
         waits = []
         monkeypatch.setattr(_wxfer, "stream_wait", lambda *a: waits.append(a[-1]), raising=False)
@@ -600,34 +592,27 @@ def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monk
         r.write_begin()
         ip.starts[-1][2]()  # no word held: the device wait
         assert waits == [r.begin_fence & 0xFFFFFFFF]
-        os.kill(bad.proc.pid, signal.SIGSTOP)
-        stopped = True
-        try:
-            n = 4 << 20  # a fence task whose write to the stopped receiver is abandoned at 1 s
-            f = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
-            eng.wait(timeout=20)  # the stopped receiver failed at its deadline, NOT fenced
-            assert word.value < f and eng.word_state()[0] == 1
-            r.start(2, verify=False)
-            r.write_begin()
-            caplog.set_level(logging.WARNING, logger="wxfer")
-            t0 = time.monotonic()
-            ip.starts[-1][2]()
-            assert time.monotonic() - t0 < 10  # the host wait for the live receiver's stamp
-            assert len(waits) == 1 and r.word_held_pushes == 1  # no device wait queued
-            msg = caplog.text
-            assert "fence word is held" in msg and "peer 1" in msg and "inference worker gpu 1" in msg, msg
-            os.kill(bad.proc.pid, signal.SIGCONT)
-            stopped = False
-            end = time.monotonic() + 15
-            while eng.word_state() is not None and time.monotonic() < end:
-                time.sleep(0.02)
-            assert eng.word_state() is None and word.value == r.begin_fence
-            r.start(3, verify=False)
-            r.write_begin()
-            ip.starts[-1][2]()
-            assert waits[-1] == r.begin_fence & 0xFFFFFFFF and r.word_held_pushes == 1  # the device again
-        finally:
-            if stopped:
-                os.kill(bad.proc.pid, signal.SIGCONT)
+        h.stop()
+        n = 4 << 20  # a fence task whose write to the stopped receiver is abandoned at 1 s
+        f = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
+        eng.wait(timeout=20)  # the stopped receiver failed at its deadline, NOT fenced
+        assert word.value < f and eng.word_state()[0] == 1
+        r.start(2, verify=False)
+        r.write_begin()
+        caplog.set_level(logging.WARNING, logger="wxfer")
+        t0 = time.monotonic()
+        ip.starts[-1][2]()
+        assert time.monotonic() - t0 < 10  # the host wait for the live receiver's stamp
+        assert len(waits) == 1 and r.word_held_pushes == 1  # no device wait queued
+        msg = caplog.text
+        assert "fence word is held" in msg and "peer 1" in msg and "inference worker gpu 1" in msg, msg
+        h.resume()
+        end = time.monotonic() + 15
+        while eng.word_state() is not None and time.monotonic() < end:
+            time.sleep(0.02)
+        assert eng.word_state() is None and word.value == r.begin_fence
+        r.start(3, verify=False)
+        r.write_begin()
+        ip.starts[-1][2]()
+        assert waits[-1] == r.begin_fence & 0xFFFFFFFF and r.word_held_pushes == 1  # the device again
         eng.close()
-        t.close()
