@@ -137,11 +137,14 @@ def held_word_engine(size: int = 4 << 20):
     """The held fence word's setup (test_engine, test_sender_parts): two fabric tcp targets of one
     `size`-byte region, `good` (peer 0) and `bad` (peer 1), a Transport `t` connected to both, an
     isolating Engine `eng` with a 1 s deadline and its fence word `word` (a ctypes uint32).
-    Yields them as a namespace with stop() (SIGSTOP to `bad`: its writes miss their deadline,
-    NOT fenced) and resume() (SIGCONT); a `bad` still stopped is resumed at the exit, before
-    the targets go, and the transport is closed after a clean exit."""
+    Yields them as a namespace with both(n) (one write of n bytes at 0 to each target), stop()
+    (SIGSTOP to `bad`: its writes miss their deadline, NOT fenced), resume() (SIGCONT) and
+    released() (waits up to 15 s for the engine to hold the word no longer: whether it does
+    not); a `bad` still stopped is resumed at the exit, before the targets go, and the
+    transport is closed after a clean exit."""
     import ctypes
     import signal
+    import time
     from types import SimpleNamespace
 
     from wxfer import _wxfer
@@ -160,7 +163,15 @@ def held_word_engine(size: int = 4 << 20):
             os.kill(bad.proc.pid, sig)
             h.stopped = stopped
 
+        def released():
+            end = time.monotonic() + 15
+            while eng.word_state() is not None and time.monotonic() < end:
+                time.sleep(0.02)
+            return eng.word_state() is None
+
         h.stop, h.resume = lambda: send(signal.SIGSTOP, True), lambda: send(signal.SIGCONT, False)
+        h.released = released
+        h.both = lambda n: [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)]
         try:
             yield h
         finally:

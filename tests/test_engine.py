@@ -469,12 +469,12 @@ def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_f
     with held_word_engine() as h:
         good, eng, word = h.good, h.eng, h.word
         n = 4 << 20
-        f1 = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (h.bad.descriptors[0], 0, 0, n)], fence=True)
+        f1 = eng.submit(rand(n, 1), h.both(n), fence=True)
         eng.wait(timeout=20, fence=f1)
         assert word.value == f1 and eng.word_state() is None  # every write landed: released
         h.stop()
         src = rand(n, 2)
-        f2 = eng.submit(src, [(good.descriptors[0], 0, 0, n), (h.bad.descriptors[0], 0, 0, n)], fence=True, tag=2)
+        f2 = eng.submit(src, h.both(n), fence=True, tag=2)
         eng.wait(timeout=20, fence=f2)  # finished at the stopped peer's deadline
         assert word.value == f1, (word.value, f1, f2)  # (was f2: released, failed or not)
         eng.wait(timeout=20)  # the failed peer's fence was tried

@@ -594,7 +594,7 @@ def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monk
         assert waits == [r.begin_fence & 0xFFFFFFFF]
         h.stop()
         n = 4 << 20  # a fence task whose write to the stopped receiver is abandoned at 1 s
-        f = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
+        f = eng.submit(rand(n, 1), h.both(n), fence=True)
         eng.wait(timeout=20)  # the stopped receiver failed at its deadline, NOT fenced
         assert word.value < f and eng.word_state()[0] == 1
         r.start(2, verify=False)
@@ -607,10 +607,7 @@ def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monk
         msg = caplog.text
         assert "fence word is held" in msg and "peer 1" in msg and "inference worker gpu 1" in msg, msg
         h.resume()
-        end = time.monotonic() + 15
-        while eng.word_state() is not None and time.monotonic() < end:
-            time.sleep(0.02)
-        assert eng.word_state() is None and word.value == r.begin_fence
+        assert h.released() and word.value == r.begin_fence
         r.start(3, verify=False)
         r.write_begin()
         ip.starts[-1][2]()
