@@ -60,6 +60,15 @@ def small_moe(config: dict, experts: int, layers: int = 1, vocab: int = 256) -> 
     return dict(config, num_hidden_layers=layers, num_experts=experts, **heads, **widths)
 
 
+def small_dense(arch: str, layers: int, head_dim: int, **over) -> dict:
+    """A dense decoder's config dict at CPU size, of the HF architecture `arch`: 4 heads of
+    `head_dim` (2 KV), hidden 256, intermediate 512, a 1024-token vocabulary, `layers` layers;
+    `over` added."""
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+    widths = dict(hidden_size=256, intermediate_size=512, vocab_size=1024)
+    return dict(architectures=[arch], num_hidden_layers=layers, **heads, **widths, **over)
+
+
 def frozen_model(config: dict, seed: int | None = None):
     """wxfer.models.train_model(config) with every parameter's requires_grad off (its random
     weights from torch.manual_seed(seed) first, where a seed is given)."""
