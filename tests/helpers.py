@@ -289,6 +289,22 @@ def receivers_in_threads(config: dict, store, name: str, tp: int = 1, quant=None
     return params, [in_thread(Receiver, params[r], rank=r, timeout=timeout, **common, **kw) for r in range(tp)]
 
 
+def gpu_receiver(config: dict, store, name: str, timeout: float, **kw):
+    """cuda:0 made this process's device and a Receiver of `config`'s inference model there, the
+    one worker of one replica (ONE_WORKER), on freshly allocated parameters: (params, receiver).
+    `kw`: more Receiver arguments (verify, ...). For the GPU tests' receiver processes."""
+    import torch
+
+    from wxfer.models import inference_params, preset_for
+    from wxfer.runtime.receiver import Receiver
+    from wxfer.testing import ONE_WORKER
+
+    torch.cuda.set_device(0)
+    params = inference_params(config, 1, 0, None, device="cuda:0")
+    mapping = preset_for(config).name
+    return params, Receiver(params, mapping=mapping, store=store, **ONE_WORKER, name=name, timeout=timeout, **kw)
+
+
 def shard(kind: str, dtype: str, *pieces, rank: int = 0, dst: str = "d"):
     """A mapping Shard of `pieces` at offset 0 with its byte count worked out: raw pieces in
     `dtype`, e4m3 bytes (fp8) or their float32 block scales (scale)."""

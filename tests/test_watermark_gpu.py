@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from wxfer.models import train_model
-from wxfer.testing import ONE_WORKER
-from wxfer.models.infer import inference_params, preset_for
+from wxfer.models.infer import preset_for
 from wxfer.models import TINY
+from helpers import gpu_receiver  # tests/helpers.py
 
 T = 120.0
 MiB = 1 << 20
@@ -33,19 +33,8 @@ CONFIG = dict(
 
 
 def _receiver(addr, name, q_in, q_out):
-    from wxfer.runtime.receiver import Receiver
-
     try:
-        torch.cuda.set_device(0)
-        params = inference_params(CONFIG, 1, 0, None, device="cuda:0")
-        r = Receiver(
-            params,
-            mapping=preset_for(CONFIG).name,
-            store=addr,
-            **ONE_WORKER,
-            name=name,
-            timeout=T,
-        )
+        _, r = gpu_receiver(CONFIG, addr, name, T)
         q_in.get(timeout=T)
         q_out.put(r.version())
         r.close()

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from wxfer import _wxfer
-from wxfer.testing import ONE_WORKER
 from wxfer.mapping import Layout, Piece, Shard, expand, pack_shard, pack_task
-from wxfer.models import TINY_MOE, inference_params, preset_for, train_model
+from wxfer.models import TINY_MOE, preset_for, train_model
 from wxfer.runtime import prepare, program
-from helpers import joined, receivers_in_threads  # tests/helpers.py
+from helpers import gpu_receiver, joined, receivers_in_threads  # tests/helpers.py
 from wxfer.zerocopy import merged_rows
 
 FABRIC = _wxfer.backends()["fabric"][0]
@@ -301,20 +300,8 @@ def test_fsdp2_one_rank_mesh_fused_experts_are_zero_copy(store):
 
 
 def _gpu_receiver(addr, name, q_in, q_out):
-    from wxfer.runtime.receiver import Receiver
-
     try:
-        torch.cuda.set_device(0)
-        params = inference_params(TINY_MOE, 1, 0, None, device="cuda:0")
-        r = Receiver(
-            params,
-            mapping=preset_for(TINY_MOE).name,
-            store=addr,
-            **ONE_WORKER,
-            name=name,
-            timeout=T,
-            verify=True,
-        )
+        params, r = gpu_receiver(TINY_MOE, addr, name, T, verify=True)
         for v in (1, 2):
             assert r.wait_version(v, T) == v
             q_out.put({n: t.cpu() for n, t in params.items()})
