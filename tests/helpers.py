@@ -305,6 +305,40 @@ def gpu_receiver(config: dict, store, name: str, timeout: float, **kw):
     return params, Receiver(params, mapping=mapping, store=store, **ONE_WORKER, name=name, timeout=timeout, **kw)
 
 
+def hold_up_first_call(monkeypatch, owner, attr: str) -> list:
+    """`owner.attr` patched to queue about 0.3 s of GPU sleep (torch.cuda._sleep) on the current
+    stream before its first call, and torch.cuda.Stream.synchronize to fail the test: returns
+    the list that is non-empty once the sleep was queued."""
+    import pytest
+    import torch
+
+    real, slept = getattr(owner, attr), []
+
+    def slow(*args, **kw):
+        if not slept:
+            slept.append(1)
+            torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s at up to 2 GHz
+        return real(*args, **kw)
+
+    monkeypatch.setattr(owner, attr, slow)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: pytest.fail("a stream synchronize"))
+    return slept
+
+
+def externals_before_the_end_stamp(engine) -> list:
+    """The external tasks of `engine`'s trace (the in-place kernels' CUDA events), each asserted
+    finished with status 0 before the step's last stamp task was first posted: the end stamps
+    waited for them. For the GPU tests that hold the side stream up."""
+    from wxfer.runtime.tasks import STAMP_TAG
+
+    recs = engine.trace()
+    ext = [r for r in recs if r["kind"] == "external"]
+    end = max((r for r in recs if r["tag"] == STAMP_TAG), key=lambda r: r["id"])
+    assert ext and all(r["status"] == 0 for r in ext)
+    assert all(r["t_done"] <= end["t_post_first"] for r in ext)
+    return ext
+
+
 def shard(kind: str, dtype: str, *pieces, rank: int = 0, dst: str = "d"):
     """A mapping Shard of `pieces` at offset 0 with its byte count worked out: raw pieces in
     `dtype`, e4m3 bytes (fp8) or their float32 block scales (scale)."""

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from wxfer import _wxfer  # noqa: E402
 from wxfer.models import TINY, TINY_MOE, train_model  # noqa: E402
 from wxfer.models.infer import inference_params, preset_for  # noqa: E402
-from helpers import expected_shards  # noqa: E402 -- tests/helpers.py
+from helpers import expected_shards, externals_before_the_end_stamp, hold_up_first_call  # noqa: E402 -- tests/helpers.py
 from test_watermark_gpu import CONFIG as WATERMARK_MODEL  # noqa: E402 -- tests/test_watermark_gpu.py
 from test_direct import _check_trace  # noqa: E402 -- tests/test_direct.py
 
@@ -185,7 +185,6 @@ def test_the_end_stamps_wait_for_slow_inplace_kernels_without_a_host_synchronize
 
     from wxfer.runtime import prepare
     from wxfer.runtime.sender import Sender
-    from wxfer.runtime.tasks import STAMP_TAG
 
     _, addr = store
     cfg = TINY
@@ -196,16 +195,7 @@ def test_the_end_stamps_wait_for_slow_inplace_kernels_without_a_host_synchronize
         s = Sender(model, mapping=preset_for(cfg), store=addr, name=name, timeout=T, direct=True)
         s.push()  # warm-up (kernels compiled, regions mapped)
         s.engine.trace(clear=True)
-        real, slept = prepare.gather, []
-
-        def slow(prep, op, device):
-            if not slept:
-                slept.append(1)
-                torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s at up to 2 GHz, on the side stream
-            return real(prep, op, device)
-
-        monkeypatch.setattr(prepare, "gather", slow)
-        monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: pytest.fail("a stream synchronize"))
+        slept = hold_up_first_call(monkeypatch, prepare, "gather")  # (the gathers run on the side stream)
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(-0.5)
@@ -215,13 +205,9 @@ def test_the_end_stamps_wait_for_slow_inplace_kernels_without_a_host_synchronize
         got, version = rx.read(0)
         assert slept and version == 2
         _check_bytes(model, cfg, quant, got)
-        recs = s.engine.trace()
-        ext = [r for r in recs if r["kind"] == "external"]
-        end = max((r for r in recs if r["tag"] == STAMP_TAG), key=lambda r: r["id"])
-        assert ext and all(r["status"] == 0 for r in ext)
+        ext = externals_before_the_end_stamp(s.engine)
         first_ready = min(r["t_ready"] for r in ext)
         assert first_ready - t0 > 0.1e9, (first_ready - t0, took)  # the events waited for the sleep
-        assert all(r["t_done"] <= end["t_post_first"] for r in ext)
         assert took > 0.1, took
         s.close()
     finally:
