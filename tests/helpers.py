@@ -339,6 +339,44 @@ def externals_before_the_end_stamp(engine) -> list:
     return ext
 
 
+class StoreCtl:
+    """A store as Control shows it, in memory (`kv`): counters, records, the calls made
+    (`calls`); `down`: every call fails. For the tests of the parts that take a Control."""
+
+    def __init__(self):
+        self.kv, self.calls, self.down = {}, [], False
+
+    def _call(self, what):
+        self.calls.append(what)
+        if self.down:
+            raise ConnectionError("the store is gone")
+
+    def add(self, key, n):
+        self._call(("add", key))
+        self.kv[key] = self.kv.get(key, 0) + n
+        return self.kv[key]
+
+    def counters(self, keys):
+        self._call(("counters", tuple(keys)))
+        return [self.kv.get(k, 0) for k in keys]
+
+    def set(self, key, value):
+        self._call(("set", key))
+        self.kv[key] = value
+
+    def set_json(self, key, value):
+        self.set(key, value)
+
+    def get_json(self, key, what, timeout=None):
+        self._call(("get", key))
+        if key not in self.kv:
+            raise KeyError(f"{what}: {key} not in the store")
+        return self.kv[key]
+
+    def check(self, key):
+        return key in self.kv
+
+
 def shard(kind: str, dtype: str, *pieces, rank: int = 0, dst: str = "d"):
     """A mapping Shard of `pieces` at offset 0 with its byte count worked out: raw pieces in
     `dtype`, e4m3 bytes (fp8) or their float32 block scales (scale)."""

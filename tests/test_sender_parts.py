@@ -19,45 +19,9 @@ from wxfer.runtime.links import Links  # noqa: E402
 from wxfer.runtime.steps import StepLoop  # noqa: E402
 from wxfer.zerocopy import ZERO_COPY_BATCH as FAST_BATCH  # noqa: E402
 from wxfer.runtime.tasks import STAMP_TAG, TaskRunner  # noqa: E402
+from helpers import StoreCtl, held_word_engine  # noqa: E402 -- tests/helpers.py
 
 CPU = torch.device("cpu")
-
-
-class _Ctl:
-    """A store as Control shows it: counters, records; `down`: every call fails."""
-
-    def __init__(self):
-        self.kv, self.calls, self.down = {}, [], False
-
-    def _call(self, what):
-        self.calls.append(what)
-        if self.down:
-            raise ConnectionError("the store is gone")
-
-    def add(self, key, n):
-        self._call(("add", key))
-        self.kv[key] = self.kv.get(key, 0) + n
-        return self.kv[key]
-
-    def counters(self, keys):
-        self._call(("counters", tuple(keys)))
-        return [self.kv.get(k, 0) for k in keys]
-
-    def set(self, key, value):
-        self._call(("set", key))
-        self.kv[key] = value
-
-    def set_json(self, key, value):
-        self.set(key, value)
-
-    def get_json(self, key, what, timeout=None):
-        self._call(("get", key))
-        if key not in self.kv:
-            raise KeyError(f"{what}: {key} not in the store")
-        return self.kv[key]
-
-    def check(self, key):
-        return key in self.kv
 
 
 def _worker(g, **kw):
@@ -69,7 +33,7 @@ def _worker(g, **kw):
 
 
 def _links(ctl=None, gpus=(0, 1)):
-    ln = Links(ctl or _Ctl(), None, 0, None, None, {g: _worker(g) for g in gpus}, 1.0)
+    ln = Links(ctl or StoreCtl(), None, 0, None, None, {g: _worker(g) for g in gpus}, 1.0)
     for g in gpus:  # as connect() leaves them
         ln.peers[g] = 10 + g
         ln.gpu_of_peer[10 + g] = g
@@ -100,7 +64,7 @@ def test_links_drop_skip_and_name_the_failed_workers():
 
 
 def test_links_refuse_a_restart_that_does_not_match_and_report_it_once():
-    ctl = _Ctl()
+    ctl = StoreCtl()
     ln = _links(ctl)
     ctl.kv["infer/0"] = _worker(0)
     assert ln.adopt_rejoins() is None and ctl.calls == [("counters", ("infer/rejoins",))]  # none: one round trip
@@ -137,7 +101,7 @@ def test_links_refuse_a_malformed_restart_record_by_name_before_changing_anythin
 
     connects = []
     monkeypatch.setattr(control, "writer_connect", lambda *a, **k: connects.append(a) or 77)
-    ctl = _Ctl()
+    ctl = StoreCtl()
     ln = _links(ctl)
     ln.plan = SimpleNamespace(descriptors={(0, "w"): b"old"})
     ln.program = SimpleNamespace(retarget=lambda plan, g: None)
@@ -201,7 +165,7 @@ def test_links_say_the_watchers_trouble_once_when_the_watcher_and_the_push_both_
 
 
 def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
-    ctl = _Ctl()
+    ctl = StoreCtl()
     ln = _links(ctl)
     ln.epoch[1] = 3
     ln.failed(SimpleNamespace(failed_peers=lambda: [_Err(10)]), str)  # gpu 0's writes failed
@@ -220,7 +184,7 @@ def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
 
 
 def test_failures_name_a_gone_rank_and_mark_every_worker_of_the_plan(monkeypatch):
-    ctl = _Ctl()
+    ctl = StoreCtl()
     fx = FailureExchange(ctl, object(), 1, 2, 1.0, 1.0, False, _links(ctl), [0, 1, 2])
     monkeypatch.setattr(control, "roll_call", lambda *a: ["trainer rank 0 (pid 5, host h)"])
     assert fx.mark_other_rank_gone(4, "closed") == "trainer rank 0 (pid 5, host h) died or hung"
@@ -574,7 +538,6 @@ def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monk
     import logging
     import time
 
-    from helpers import held_word_engine
     from wxfer.testing import pattern as rand
 
     with held_word_engine() as h:
