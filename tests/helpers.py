@@ -215,6 +215,12 @@ def run_json(*argv, timeout: float, env: dict | None = None) -> tuple[dict, str]
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stdout
 
 
+def bench_dry_run(script: str, out, *args, timeout: float, env: dict | None = None) -> tuple[dict, str]:
+    """benchmarks/`script` --dry-run --reps 1 --out `out` --json `args...`, as run_json runs it."""
+    bench = os.path.join(ROOT, "benchmarks", script)
+    return run_json(bench, "--dry-run", "--reps", "1", "--out", out, "--json", *args, timeout=timeout, env=env)
+
+
 def python(*args, env: dict, cwd) -> subprocess.Popen:
     """A child `python args...` whose stdout and stderr come back in one text pipe."""
     return subprocess.Popen(
