@@ -853,6 +853,20 @@ static int sc_emu_rules(void)
     return 0;
 }
 
+/* The scenarios: test_verbs <name> [key=value ...]; the paired ones get the writer's options
+ * (the key=value arguments) and the target's. */
+static const struct {
+    const char *name;
+    int (*run)(void);
+} plain[] = {
+    {"emu_rules", sc_emu_rules}, {"choice", sc_choice}, {"parse", sc_parse}, {"topo", sc_topo}};
+static const struct {
+    const char *name;
+    int (*run)(const wx_opts_t *wo, const wx_opts_t *to);
+} paired[] = {{"options", sc_options}, {"basic", sc_basic}, {"selective", sc_selective},
+              {"badkey", sc_badkey},   {"range", sc_range}, {"stale", sc_stale},
+              {"lkey", sc_lkey},       {"gone", sc_gone},   {"cache", sc_cache}};
+
 int main(int argc, char **argv)
 {
     const char *sc = argc > 1 ? argv[1] : "basic";
@@ -872,32 +886,12 @@ int main(int argc, char **argv)
     }
     wo = mkopts(kv, n);
     to = (wx_opts_t){0, NULL, NULL};
-    if (!strcmp(sc, "emu_rules"))
-        return sc_emu_rules();
-    if (!strcmp(sc, "choice"))
-        return sc_choice();
-    if (!strcmp(sc, "parse"))
-        return sc_parse();
-    if (!strcmp(sc, "topo"))
-        return sc_topo();
-    if (!strcmp(sc, "options"))
-        return sc_options(&wo, &to);
-    if (!strcmp(sc, "basic"))
-        return sc_basic(&wo, &to);
-    if (!strcmp(sc, "selective"))
-        return sc_selective(&wo, &to);
-    if (!strcmp(sc, "badkey"))
-        return sc_badkey(&wo, &to);
-    if (!strcmp(sc, "range"))
-        return sc_range(&wo, &to);
-    if (!strcmp(sc, "stale"))
-        return sc_stale(&wo, &to);
-    if (!strcmp(sc, "lkey"))
-        return sc_lkey(&wo, &to);
-    if (!strcmp(sc, "gone"))
-        return sc_gone(&wo, &to);
-    if (!strcmp(sc, "cache"))
-        return sc_cache(&wo, &to);
+    for (size_t i = 0; i < sizeof(plain) / sizeof(plain[0]); i++)
+        if (!strcmp(sc, plain[i].name))
+            return plain[i].run();
+    for (size_t i = 0; i < sizeof(paired) / sizeof(paired[0]); i++)
+        if (!strcmp(sc, paired[i].name))
+            return paired[i].run(&wo, &to);
     fprintf(stderr, "unknown scenario %s\n", sc);
     return 2;
 }
