@@ -69,6 +69,18 @@ def small_dense(arch: str, layers: int, head_dim: int, **over) -> dict:
     return dict(architectures=[arch], num_hidden_layers=layers, **heads, **widths, **over)
 
 
+def random_fulls(seed: int, **more) -> dict:
+    """Full tensors for the pipeline's packing tests, from one seeded generator: "a" [300, 260]
+    float32, "b" [300, 260] and "n" [257] BF16, then `more` ({name: shape}, BF16) in order."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {"a": torch.randn(300, 260, generator=g, dtype=torch.float32)}
+    for name, shape in dict(b=(300, 260), n=(257,), **more).items():
+        out[name] = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    return out
+
+
 def frozen_model(config: dict, seed: int | None = None):
     """wxfer.models.train_model(config) with every parameter's requires_grad off (its random
     weights from torch.manual_seed(seed) first, where a seed is given)."""
@@ -293,6 +305,18 @@ def receivers_in_threads(config: dict, store, name: str, tp: int = 1, quant=None
     if ep:
         common["ep"] = True
     return params, [in_thread(Receiver, params[r], rank=r, timeout=timeout, **common, **kw) for r in range(tp)]
+
+
+def native_gpu(info, key: str, what: str):
+    """The current CUDA device, asserted to run `what` natively: info(device)[key] must be
+    "native" (copies.info / fp8.info), its reason shown otherwise. For the kernel tests'
+    device fixtures."""
+    import torch
+
+    d = torch.device("cuda", torch.cuda.current_device())
+    inf = info(d)
+    assert inf[key] == "native", f"{what} is not used: {inf['reason']}"
+    return d
 
 
 def gpu_receiver(config: dict, store, name: str, timeout: float, **kw):

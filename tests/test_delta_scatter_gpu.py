@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from wxfer.models import TINY  # noqa: E402
 from wxfer.models.infer import preset_for  # noqa: E402
-from test_direct_gpu import NGPU, T, _check_bytes, _model, _Receivers  # noqa: E402 -- tests/test_direct_gpu.py
+from test_direct_gpu import NGPU, T, _check_bytes, _model, _Receivers, _timed_push  # noqa: E402 -- tests/test_direct_gpu.py
 from helpers import externals_before_the_end_stamp, hold_up_first_call  # noqa: E402 -- tests/helpers.py
 
 pytestmark = [
@@ -124,7 +124,6 @@ def test_the_end_stamps_wait_for_a_late_scatter_kernel(store, monkeypatch):
     launch of a push: push() returns only after the scatter landed (the engine waited for the
     external tasks' CUDA events, no stream synchronize), the end stamps were posted after them,
     and the bytes are the reference's."""
-    import time
 
     from wxfer.runtime import delta_gpu
 
@@ -141,10 +140,7 @@ def test_the_end_stamps_wait_for_a_late_scatter_kernel(store, monkeypatch):
         s.engine.trace(clear=True)
         slept = hold_up_first_call(monkeypatch, delta_gpu, "scatter")  # (on the current: the side stream)
         _touch(model, 0.01, 3)
-        t0 = time.monotonic_ns()
-        s.push()
-        took = (time.monotonic_ns() - t0) / 1e9
-        got, version = rx.read(0)
+        t0, took, got, version = _timed_push(s, rx)
         assert slept and version == 3
         _check_bytes(model, TINY, quant, got)
         ext = externals_before_the_end_stamp(s.engine)

@@ -69,6 +69,17 @@ def _receiver(addr, name, cfg, quant, replica, replicas, q_in, q_out, read):
             r.close()
 
 
+def _timed_push(s, rx):
+    """s.push(), timed: (its start in monotonic_ns, its seconds, then the bytes and the version
+    that receiver 0 of `rx` holds)."""
+    import time
+
+    t0 = time.monotonic_ns()
+    s.push()
+    took = (time.monotonic_ns() - t0) / 1e9
+    return (t0, took, *rx.read(0))
+
+
 class _Receivers:
     """`replicas` receiver processes on GPU 0 for one Sender name."""
 
@@ -181,7 +192,6 @@ def test_the_end_stamps_wait_for_slow_inplace_kernels_without_a_host_synchronize
     gathers): the in-place kernels run late; push() returns only after they landed (the
     engine waited for their CUDA events: no stream synchronize), the end stamps were posted
     after them, the bytes are the reference's and the version is the step's."""
-    import time
 
     from wxfer.runtime import prepare
     from wxfer.runtime.sender import Sender
@@ -199,10 +209,7 @@ def test_the_end_stamps_wait_for_slow_inplace_kernels_without_a_host_synchronize
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(-0.5)
-        t0 = time.monotonic_ns()
-        s.push()
-        took = (time.monotonic_ns() - t0) / 1e9
-        got, version = rx.read(0)
+        t0, took, got, version = _timed_push(s, rx)
         assert slept and version == 2
         _check_bytes(model, cfg, quant, got)
         ext = externals_before_the_end_stamp(s.engine)
