@@ -97,8 +97,8 @@ def frozen_model(config: dict, seed: int | None = None):
 
 
 def module_with(params: dict):
-    """A torch.nn.Module holding `params` ({dotted name: tensor}) as frozen parameters under
-    nested modules named like vLLM's."""
+    """A torch.nn.Module holding `params` ({dotted name: tensor}) under nested modules named
+    like vLLM's: a Parameter as it is, any other tensor as a frozen Parameter of its memory."""
     import torch
 
     model = torch.nn.Module()
@@ -109,7 +109,7 @@ def module_with(params: dict):
             if not hasattr(mod, part):
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+        mod.register_parameter(leaf, t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, False))
     return model
 
 

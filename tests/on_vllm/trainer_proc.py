@@ -70,8 +70,6 @@ def checkpoint_named(model):
     (``experts.<e>.gate_proj.weight``...), a module of views of its parameters under the
     checkpoint's names (storage shared: the Sender reads the model's own memory).  The traced
     map speaks the checkpoint's names."""
-    import torch
-
     from wxfer.integrations.vllm.trainer import with_persistent_buffers
 
     model = with_persistent_buffers(model)  # a persistent buffer the checkpoint holds (DeepSeek-V3's bias)
@@ -91,16 +89,10 @@ def checkpoint_named(model):
                 out[f"{pre}.{e}.down_proj.weight"] = p.data[e]
         else:
             out[n] = p
-    root = torch.nn.Module()
-    for n, t in out.items():
-        mod = root
-        *path, leaf = n.split(".")
-        for k in path:
-            if not hasattr(mod, k):
-                mod.add_module(k, torch.nn.Module())
-            mod = getattr(mod, k)
-        mod.register_parameter(leaf, t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, False))
-    return root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+    from helpers import module_with
+
+    return module_with(out)
 
 
 def greedy(model):
