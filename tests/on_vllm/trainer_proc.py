@@ -26,6 +26,13 @@ PROMPT = [3, 17, 101, 45, 9, 250]
 NEW = 8
 
 
+def completion_request(model: str) -> dict:
+    """The body of `vllm serve`'s /v1/completions request for the greedy tokens of PROMPT (NEW of
+    them, EOS ignored, their ids returned) from `model` (test_serve, serve_trainer)."""
+    greedy = dict(max_tokens=NEW, min_tokens=NEW, temperature=0.0, ignore_eos=True)
+    return dict(model=model, prompt=PROMPT, return_token_ids=True, **greedy)
+
+
 class ConnClient:
     """VLLMWeightSyncClient over a connection to the test process (one call in flight at a time)."""
 
