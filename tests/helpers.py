@@ -319,10 +319,12 @@ def native_gpu(info, key: str, what: str):
     return d
 
 
-def gpu_receiver(config: dict, store, name: str, timeout: float, **kw):
-    """cuda:0 made this process's device and a Receiver of `config`'s inference model there, the
-    one worker of one replica (ONE_WORKER), on freshly allocated parameters: (params, receiver).
-    `kw`: more Receiver arguments (verify, ...). For the GPU tests' receiver processes."""
+def gpu_receiver(config: dict, store, name: str, timeout: float, quant=None, before=None, **kw):
+    """cuda:0 made this process's device and a Receiver of `config`'s inference model (`quant`)
+    there, on freshly allocated parameters, by default the one worker of one replica
+    (ONE_WORKER; `kw` may say replica=, replicas=): (params, receiver). `before(params)` is
+    called before the Receiver is constructed; `kw`: more Receiver arguments (verify, ...).
+    For the GPU tests' receiver processes."""
     import torch
 
     from wxfer.models import inference_params, preset_for
@@ -330,9 +332,11 @@ def gpu_receiver(config: dict, store, name: str, timeout: float, **kw):
     from wxfer.testing import ONE_WORKER
 
     torch.cuda.set_device(0)
-    params = inference_params(config, 1, 0, None, device="cuda:0")
-    mapping = preset_for(config).name
-    return params, Receiver(params, mapping=mapping, store=store, **ONE_WORKER, name=name, timeout=timeout, **kw)
+    params = inference_params(config, 1, 0, quant, device="cuda:0")
+    if before is not None:
+        before(params)
+    kw = dict(ONE_WORKER, mapping=preset_for(config).name, store=store, name=name, timeout=timeout, **kw)
+    return params, Receiver(params, **kw)
 
 
 def hold_up_first_call(monkeypatch, owner, attr: str) -> list:

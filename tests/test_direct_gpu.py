@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from wxfer import _wxfer  # noqa: E402
 from wxfer.models import TINY, TINY_MOE, train_model  # noqa: E402
-from wxfer.models.infer import inference_params, preset_for  # noqa: E402
-from helpers import expected_shards, externals_before_the_end_stamp, hold_up_first_call  # noqa: E402 -- tests/helpers.py
+from wxfer.models.infer import preset_for  # noqa: E402
+from helpers import expected_shards, externals_before_the_end_stamp, gpu_receiver, hold_up_first_call  # noqa: E402 -- tests/helpers.py
 from test_watermark_gpu import CONFIG as WATERMARK_MODEL  # noqa: E402 -- tests/test_watermark_gpu.py
 from test_direct import _check_trace  # noqa: E402 -- tests/test_direct.py
 
@@ -37,24 +37,10 @@ def _bytes(params) -> dict:
 
 
 def _receiver(addr, name, cfg, quant, replica, replicas, q_in, q_out, read):
-    from wxfer.runtime.receiver import Receiver
-
     r = None
     try:
-        torch.cuda.set_device(0)
-        params = inference_params(cfg, 1, 0, quant, device="cuda:0")
-        q_out.put(("before", _bytes(params) if read else None))
-        r = Receiver(
-            params,
-            mapping=preset_for(cfg).name,
-            store=addr,
-            replica=replica,
-            rank=0,
-            tp=1,
-            replicas=replicas,
-            name=name,
-            timeout=T,
-        )
+        said = lambda params: q_out.put(("before", _bytes(params) if read else None))
+        params, r = gpu_receiver(cfg, addr, name, T, quant, before=said, replica=replica, replicas=replicas)
         while True:
             msg = q_in.get(timeout=T)
             if msg == "read":
