@@ -14,6 +14,7 @@ ranks; rank 1 SIGKILLs itself in the middle of the second push).  Rank 0 reports
 round, tokens) / ("error", message).
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -31,6 +32,21 @@ def completion_request(model: str) -> dict:
     them, EOS ignored, their ids returned) from `model` (test_serve, serve_trainer)."""
     greedy = dict(max_tokens=NEW, min_tokens=NEW, temperature=0.0, ignore_eos=True)
     return dict(model=model, prompt=PROMPT, return_token_ids=True, **greedy)
+
+
+@contextlib.contextmanager
+def reported(conn, rank: int, reraise: bool):
+    """A trainer's job: rank 0 tells the test ("done", None) at its end, or ("error", "Type: msg")
+    when it raises; the exception goes on on the other ranks, and on rank 0 where `reraise`."""
+    try:
+        yield
+        if rank == 0:
+            conn.send(("done", None))
+    except Exception as e:  # noqa: BLE001 -- reported to the test
+        if rank == 0:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        if reraise or rank != 0:
+            raise
 
 
 class ConnClient:
@@ -172,7 +188,7 @@ def job(ckpt, store, name, mode, rank, conn):
     info = WxferTrainerInitInfo(
         store=store, mapping=mapping, name=name, timeout=60.0, update_timeout=15.0, watermark="64KiB", rank=rank
     )
-    try:
+    with reported(conn, rank, reraise=False):
         src = checkpoint_named(model) if mode == "traced" else model
         eng = WeightTransferTrainerFactory.trainer_init(info, client=ConnClient(conn), source=ModuleSource(src))
         for rnd in (1, 2):
@@ -194,13 +210,6 @@ def job(ckpt, store, name, mode, rank, conn):
                 assert conn.recv() == ("next", None)
         if mode == "traced":
             eng.shutdown()
-        if rank == 0:
-            conn.send(("done", None))
-    except Exception as e:  # noqa: BLE001 -- reported to the test
-        if rank == 0:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        else:
-            raise
 
 
 if __name__ == "__main__":
