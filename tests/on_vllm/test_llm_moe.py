@@ -13,12 +13,9 @@ import sys
 
 import pytest
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+# (test_llm sets vLLM's in-process CPU environment on import, before anything imports vLLM)
 from test_llm import served, tokens, ulp_bf16, worker_engine  # noqa: E402
 from trainer_proc import PROMPT  # noqa: E402
 
