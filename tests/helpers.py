@@ -319,6 +319,15 @@ def native_gpu(info, key: str, what: str):
     return d
 
 
+def reporting(target, *args):
+    """A child process's target: target(*args), where an exception is put on the out queue (the
+    last argument) as its repr instead of only ending the child."""
+    try:
+        target(*args)
+    except BaseException as e:  # noqa: BLE001 -- reported to the parent
+        args[-1].put(repr(e))
+
+
 def gpu_receiver(config: dict, store, name: str, timeout: float, quant=None, before=None, **kw):
     """cuda:0 made this process's device and a Receiver of `config`'s inference model (`quant`)
     there, on freshly allocated parameters, by default the one worker of one replica

@@ -13,7 +13,7 @@ import torch
 from wxfer.models import train_model
 from wxfer.models.infer import preset_for
 from wxfer.models import TINY
-from helpers import gpu_receiver  # tests/helpers.py
+from helpers import gpu_receiver, reporting  # tests/helpers.py
 
 T = 120.0
 MiB = 1 << 20
@@ -33,13 +33,10 @@ CONFIG = dict(
 
 
 def _receiver(addr, name, q_in, q_out):
-    try:
-        _, r = gpu_receiver(CONFIG, addr, name, T)
-        q_in.get(timeout=T)
-        q_out.put(r.version())
-        r.close()
-    except BaseException as e:  # noqa: BLE001
-        q_out.put(repr(e))
+    _, r = gpu_receiver(CONFIG, addr, name, T)
+    q_in.get(timeout=T)
+    q_out.put(r.version())
+    r.close()
 
 
 @pytest.mark.gpu
@@ -59,7 +56,7 @@ def test_push_peak_memory_is_within_the_watermark_plus_the_largest_task(store):
     for wm in (64 * MiB, 512 * MiB):
         name = "wm%d" % wm
         q_in, q_out = ctx.Queue(), ctx.Queue()
-        proc = ctx.Process(target=_receiver, args=(addr, name, q_in, q_out), daemon=True)
+        proc = ctx.Process(target=reporting, args=(_receiver, addr, name, q_in, q_out), daemon=True)
         proc.start()
         try:
             with warnings.catch_warnings(record=True) as caught:
