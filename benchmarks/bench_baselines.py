@@ -73,6 +73,8 @@ from common.baselines import (  # noqa: F401 -- ROOT: the checkout, for the chil
     model_spec,
     parse_size,
     reset,
+    run_store,
+    step_options,
     summary,
     sync_dev,
     train_params,
@@ -422,8 +424,6 @@ def _refused(ci: int, configs: list, args, a: dict, results: list) -> bool:
 
 def run(args) -> dict:
     import multiprocessing as mp
-    import torch.distributed as dist
-    from wxfer.runtime import control
     import signal
 
     for k, v in NO_MULTICAST.items():
@@ -439,18 +439,11 @@ def run(args) -> dict:
     out = args.out
     if out:
         os.makedirs(out, exist_ok=True)
-    port = control.free_port()
-    store = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout), wait_for_workers=False
-    )
+    store, run = run_store(args)
     a = dict(
-        store="127.0.0.1:%d" % port,
+        run,
         name="bb%d" % os.getpid(),
-        dry_run=args.dry_run,
-        timeout=args.timeout,
         methods=methods,
-        warmup=args.warmup,
-        reps=args.reps,
         per_tensor_reps=args.per_tensor_reps,
         bucket=parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
         watermarks=[parse_size(args.watermark), parse_size(args.watermark2)],
@@ -568,8 +561,7 @@ def main(argv=None) -> int:
         "(dry run: separate CPU processes; colocated shares memory)",
     )
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=5, help="timed steps per method after --warmup (median reported)")
+    step_options(ap, 5, " per method")
     ap.add_argument(
         "--per-tensor-reps",
         type=int,

@@ -582,8 +582,6 @@ def _why(ctl, f, procs, step_s: float) -> str:
 
 def run(args, emit=print) -> dict:
     import multiprocessing as mp
-    import torch.distributed as dist
-    from wxfer.runtime import control
 
     for k, v in bb.NO_MULTICAST.items():
         os.environ.setdefault(k, v)
@@ -594,18 +592,11 @@ def run(args, emit=print) -> dict:
     if logs:
         os.makedirs(logs, exist_ok=True)
     t_start = time.time()
-    port = control.free_port()
-    store = dist.TCPStore(
-        "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout), wait_for_workers=False
-    )
+    store, run = bb.run_store(args)
     mod, why = ckpt_engine()
     a = dict(
-        store="127.0.0.1:%d" % port,
-        dry_run=args.dry_run,
-        timeout=args.timeout,
+        run,
         step_timeout=args.step_timeout,
-        warmup=args.warmup,
-        reps=args.reps,
         method_s=args.method_s,
         deadline=t_start + args.max_s,
         watermark=args.watermark,
@@ -685,8 +676,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="comma list (default qwen3-8b,qwen3-30b-a3b; dry run tiny,tiny-moe)")
     ap.add_argument("--quant", default="bf16,fp8", help="comma list of bf16, fp8 (the inference side)")
     ap.add_argument("--jobs", default="gpu,host", help="comma list: gpu (weights on the GPU), host (in host memory)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=5, help="timed steps after --warmup (median reported)")
+    bb.step_options(ap, 5)
     ap.add_argument(
         "--method-s",
         type=float,

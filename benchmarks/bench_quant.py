@@ -33,6 +33,7 @@ from it: 1: 6 tile buffers, 2: 3, 3 or more: 2).
 """
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -240,32 +241,25 @@ def main(argv=None):
     )
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none (CPU dry run)"
     print(f"bench_quant on {platform.node()}, {gpu}; native quantizer: {inf['quantizer']} ({inf['reason']})")
-    print("| case | quantizer | launches | ms | effective GB/s | on-device copy GB/s | vs copy |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['case']} | {r['quantizer']} | {r['launches']} | {r['ms']:.3f} | {r['GBps']:.1f} | "
-            f"{r['copy_GBps']:.1f} | {r['vs_copy']:.3f} |"
-        )
+    heads = ("case", "quantizer", "launches", "ms", "effective GB/s", "on-device copy GB/s", "vs copy")
+    cells = "{case} | {quantizer} | {launches} | {ms:.3f} | {GBps:.1f} | {copy_GBps:.1f} | {vs_copy:.3f}"
+    extra = dict(torch=torch.__version__, native=inf, variant=variant or "product", minb=minb)
+    report(a, "quant", gpu, heads, cells, rows, **extra)
     if any(r.get("identical") is False for r in rows):
         print("bench_quant: the native bytes differ from the reference", file=sys.stderr)
-    if a.json:
-        print(
-            json.dumps(
-                dict(
-                    bench="quant",
-                    machine=platform.node(),
-                    gpu=gpu,
-                    torch=torch.__version__,
-                    dry_run=a.dry_run,
-                    native=inf,
-                    variant=variant or "product",
-                    minb=minb,
-                    results=rows,
-                )
-            )
-        )
     return 1 if any(r.get("identical") is False for r in rows) else 0
+
+
+def report(a, bench: str, gpu: str, heads, cells: str, rows: list, **extra) -> None:
+    """The rows as a markdown table (`cells` formatted with each row's fields, None where a row
+    has none) and, with --json, one JSON object last: bench, machine, gpu, dry_run, `extra`,
+    results."""
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "---|" * len(heads))
+    for r in rows:
+        print("| " + cells.format_map(collections.defaultdict(lambda: None, r)) + " |")
+    if a.json:
+        print(json.dumps(dict(bench=bench, machine=platform.node(), gpu=gpu, dry_run=a.dry_run, **extra, results=rows)))
 
 
 def pick_variant(variant: str, minb: str, dry_run: bool) -> None:
@@ -328,26 +322,9 @@ def sweep_variants(a):
         want = "reference" if a.dry_run else "native"
         rows += [dict(r, variant=v) for r in res["results"] if r["quantizer"] == want]
     print(f"bench_quant --variants on {platform.node()}, {gpu}")
-    print("| case | variant | ms | effective GB/s | vs copy | identical to the reference |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['case']} | {r['variant']} | {r['ms']:.3f} | {r['GBps']:.1f} | {r['vs_copy']:.3f} | "
-            f"{r.get('identical')} |"
-        )
-    if a.json:
-        print(
-            json.dumps(
-                dict(
-                    bench="quant-variants",
-                    machine=platform.node(),
-                    gpu=gpu,
-                    dry_run=a.dry_run,
-                    failed=bad,
-                    results=rows,
-                )
-            )
-        )
+    heads = ("case", "variant", "ms", "effective GB/s", "vs copy", "identical to the reference")
+    cells = "{case} | {variant} | {ms:.3f} | {GBps:.1f} | {vs_copy:.3f} | {identical}"
+    report(a, "quant-variants", gpu, heads, cells, rows, failed=bad)
     differ = [r for r in rows if r.get("identical") is False]
     if differ:
         print(

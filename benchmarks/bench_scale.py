@@ -392,8 +392,6 @@ def _phase(ctx, a, cfg, phase, timeout) -> dict:
 def run(args) -> dict:
     import multiprocessing as mp
     import torch
-    import torch.distributed as dist
-    from wxfer.runtime import control
 
     for k, v in bb.NO_MULTICAST.items():
         os.environ.setdefault(k, v)
@@ -412,20 +410,13 @@ def run(args) -> dict:
         )
     models = args.models.split(",") if args.models else list(bb.CPU_MODELS if args.dry_run else bb.GPU_MODELS)
     configs = [dict(model=mo, quant=q) for mo in models for q in args.quant.split(",")]
-    port = control.free_port()
-    store = dist.TCPStore(  # noqa: F841 -- the store server lives as long as this reference
-        "127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=args.timeout), wait_for_workers=False
-    )
+    store, run = bb.run_store(args)  # (the store server lives as long as this reference)
     out = os.path.abspath(args.out) if args.out else None
     if out:
         os.makedirs(out, exist_ok=True)
     base = dict(
         lay,
-        store="127.0.0.1:%d" % port,
-        dry_run=args.dry_run,
-        timeout=args.timeout,
-        warmup=args.warmup,
-        reps=args.reps,
+        **run,
         watermark=args.watermark,
         out=out,
         bucket=bb.parse_size(args.bucket or ("1MiB" if args.dry_run else "1GiB")),
@@ -506,8 +497,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU: gloo, fabric tcp, tiny models")
     ap.add_argument("--models", default=None, help="comma list (default qwen3-8b,qwen3-30b-a3b; dry run tiny,tiny-moe)")
     ap.add_argument("--quant", default="bf16,fp8")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=3)
+    bb.step_options(ap, 3)
     ap.add_argument("--bucket", default=None, help="rank-0 bucket size (default 1GiB; dry run 1MiB)")
     ap.add_argument("--watermark", default="2GiB")
     ap.add_argument("--timeout", type=float, default=300.0)

@@ -102,42 +102,7 @@ for wait in $WAITS; do  # WAITS=stream: the default order's rows only
     --out "$OUT/bb-$wait" --json >"$OUT/bb-$wait.log" 2>&1 || rc=1
   grep -E "^\[|skipped|failed|Error" "$OUT/bb-$wait.log" | head -40
 done
-timeout 30 python3 - "$OUT" <<'PY' || rc=1
-import json, os, sys
-out = sys.argv[1]
-print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made | fit: push_begin / begin_fence us | begin order (stats) |")
-print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-for wait in ("stream", "device", "host"):
-    p = os.path.join(out, "bb-%s" % wait, "results.json")
-    if not os.path.exists(p):
-        if os.path.isdir(os.path.dirname(p)):
-            print("| %s | (no results.json) |" % wait)
-        continue
-    for r in json.load(open(p))["results"]:
-        c = r["config"]
-        name = "%s-%s-%s" % (c["model"], c["quant"], c.get("trainer", "plain"))
-        link = r.get("methods", {}).get("link", {}).get("seconds")
-        byw = r.get("wxfer_by_watermark") or {}
-        ws = [byw[k]["seconds"] for k in sorted(byw, key=int, reverse=True)]
-        ph = [byw[k].get("phases", {}) for k in sorted(byw, key=int, reverse=True)]
-        if not ws or not link:
-            print("| %s | %s | error: %s |" % (wait, name, r.get("error") or r.get("errors")))
-            continue
-        fit = byw[max(byw, key=int)].get("simulated_calibration") or {}
-        fit = "%.0f / %.0f" % (fit.get("push_begin_s", 0) * 1e6, fit.get("begin_fence_s", 0) * 1e6) if fit else "-"
-        # issue 37: the submit phase per task, and the batched copy launches' share of it
-        rs = [byw[k] for k in sorted(byw, key=int, reverse=True)]
-        per = " / ".join("%.2f" % (p.get("submit", 0) * 1e6 / max(1, w.get("tasks") or 1)) for p, w in zip(ph, rs))
-        per += " (%s)" % rs[0].get("tasks")
-        lp = [(w.get("direct") or {}).get("last_push") or {} for w in rs]
-        cl = " / ".join("%d, %.2f (%.2f), %s" % (x.get("launches", 0), x.get("launch_s", 0) * 1e3,
-                                           x.get("begin_wait_s", 0) * 1e3, x.get("bound", "-")) for x in lp) if any(lp) else "-"
-        order = (rs[0].get("direct") or {}).get("begin", "-")
-        print("| %s | %s | %.2f | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-            wait, name, link * 1e3, " / ".join("%.2f" % (w * 1e3) for w in ws),
-            " / ".join("%.2fx" % (w / link) for w in ws),
-            " / ".join("%.0f" % (p.get("rejoin_check", 0) * 1e6) for p in ph),
-            " / ".join("%.0f" % (p.get("begin_stamps", 0) * 1e6) for p in ph),
-            " / ".join("%.2f" % (p.get("submit", 0) * 1e3) for p in ph), per, cl, fit, order))
-PY
+runs=""; for wait in $WAITS; do runs="$runs $wait=$OUT/bb-$wait"; done
+timeout 30 python3 benchmarks/common/phase_table.py --label wait \
+  --columns rejoin_check,begin_stamps,submit,per_task,launches,fit,order $runs || rc=1
 exit $rc

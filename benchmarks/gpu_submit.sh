@@ -38,35 +38,6 @@ for us in 20 200; do
 done
 cp "$OUT/wx_engine_ext.c.orig" "$SRC"
 timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force >>"$OUT/build.log" 2>&1 || rc=1
-timeout 30 python3 - "$OUT" <<'PY' || rc=1
-import json, os, sys
-out = sys.argv[1]
-print("| event poll | row | link ms | wxfer ms (per watermark) | wxfer / link | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made |")
-print("|---|---|---|---|---|---|---|---|---|")
-for us in (20, 200):
-    p = os.path.join(out, "bb-poll%d" % us, "results.json")
-    if not os.path.exists(p):
-        print("| %d us | (no results.json) |" % us)
-        continue
-    for r in json.load(open(p))["results"]:
-        c = r["config"]
-        name = "%s-%s-%s" % (c["model"], c["quant"], c.get("trainer", "plain"))
-        link = r.get("methods", {}).get("link", {}).get("seconds")
-        byw = r.get("wxfer_by_watermark") or {}
-        rs = [byw[k] for k in sorted(byw, key=int, reverse=True)]
-        if not rs or not link:
-            print("| %d us | %s | error: %s |" % (us, name, r.get("error") or r.get("errors")))
-            continue
-        ph = [w.get("phases", {}) for w in rs]
-        lp = [(w.get("direct") or {}).get("last_push") or {} for w in rs]
-        print("| %d us | %s | %.2f | %s | %s | %s | %s | %s (%s) | %s |" % (
-            us, name, link * 1e3, " / ".join("%.2f" % (w["seconds"] * 1e3) for w in rs),
-            " / ".join("%.2fx" % (w["seconds"] / link) for w in rs),
-            " / ".join("%.0f" % (p.get("begin_stamps", 0) * 1e6) for p in ph),
-            " / ".join("%.2f" % (p.get("submit", 0) * 1e3) for p in ph),
-            " / ".join("%.2f" % (p.get("submit", 0) * 1e6 / max(1, w.get("tasks") or 1)) for p, w in zip(ph, rs)),
-            rs[0].get("tasks"),
-            " / ".join("%d, %.2f (%.2f), %s" % (x.get("launches", 0), x.get("launch_s", 0) * 1e3,
-                                            x.get("begin_wait_s", 0) * 1e3, x.get("bound", "-")) for x in lp)))
-PY
+timeout 30 python3 benchmarks/common/phase_table.py --label "event poll" \
+  --columns begin_stamps,submit,per_task,launches "20 us=$OUT/bb-poll20" "200 us=$OUT/bb-poll200" || rc=1
 exit $rc

@@ -24,30 +24,21 @@ from wxfer.plan import plan_for  # noqa: E402
 from wxfer.plan.cli import sizes  # noqa: E402
 from wxfer.plan.simulate import simulate  # noqa: E402
 
+
+def _cfg(preset: str, train: int, infer: int, tp: int, quant="fp8", **kw):
+    """(preset, Cluster fields) of `train` trainer GPUs writing `infer` inference GPUs at TP `tp`."""
+    return preset, dict(train_gpus=train, infer_gpus=infer, infer_tp=tp, quant=quant, **kw)
+
+
 CONFIGS = {
-    "kimi-k2 256->8x16 EP fp8": (
-        "kimi-k2",
-        dict(train_gpus=256, infer_gpus=128, infer_tp=16, infer_ep=True, quant="fp8"),
-    ),
-    "qwen3-235b 128->4x8 EP fp8": (
-        "qwen3-235b",
-        dict(train_gpus=128, infer_gpus=32, infer_tp=8, infer_ep=True, quant="fp8"),
-    ),
+    "kimi-k2 256->8x16 EP fp8": _cfg("kimi-k2", 256, 128, 16, infer_ep=True),
+    "qwen3-235b 128->4x8 EP fp8": _cfg("qwen3-235b", 128, 32, 8, infer_ep=True),
 }
 EXTRA = {
-    "kimi-k2 256->8x16 TP-experts fp8": (
-        "kimi-k2",
-        dict(train_gpus=256, infer_gpus=128, infer_tp=16, infer_ep=False, quant="fp8"),
-    ),
-    "kimi-k2 256->8x16 EP fp8 cpu-offload": (
-        "kimi-k2",
-        dict(train_gpus=256, infer_gpus=128, infer_tp=16, infer_ep=True, quant="fp8", cpu_offload=True),
-    ),
-    "qwen3-235b 128->4x8 EP bf16": (
-        "qwen3-235b",
-        dict(train_gpus=128, infer_gpus=32, infer_tp=8, infer_ep=True, quant=None),
-    ),
-    "qwen3-8b 16->4x2 fp8": ("qwen3-8b", dict(train_gpus=16, infer_gpus=8, infer_tp=2, quant="fp8")),
+    "kimi-k2 256->8x16 TP-experts fp8": _cfg("kimi-k2", 256, 128, 16, infer_ep=False),
+    "kimi-k2 256->8x16 EP fp8 cpu-offload": _cfg("kimi-k2", 256, 128, 16, infer_ep=True, cpu_offload=True),
+    "qwen3-235b 128->4x8 EP bf16": _cfg("qwen3-235b", 128, 32, 8, quant=None, infer_ep=True),
+    "qwen3-8b 16->4x2 fp8": _cfg("qwen3-8b", 16, 8, 2),
 }
 
 

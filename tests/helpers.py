@@ -6,6 +6,7 @@ checkout puts it there itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -59,6 +60,27 @@ def small_moe(config: dict, experts: int, layers: int = 1, vocab: int = 256) -> 
     return dict(config, num_hidden_layers=layers, num_experts=experts, **heads, **widths)
 
 
+def small_dense(arch: str, layers: int, head_dim: int, **over) -> dict:
+    """A dense decoder's config dict at CPU size, of the HF architecture `arch`: 4 heads of
+    `head_dim` (2 KV), hidden 256, intermediate 512, a 1024-token vocabulary, `layers` layers;
+    `over` added."""
+    heads = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+    widths = dict(hidden_size=256, intermediate_size=512, vocab_size=1024)
+    return dict(architectures=[arch], num_hidden_layers=layers, **heads, **widths, **over)
+
+
+def random_fulls(seed: int, **more) -> dict:
+    """Full tensors for the pipeline's packing tests, from one seeded generator: "a" [300, 260]
+    float32, "b" [300, 260] and "n" [257] BF16, then `more` ({name: shape}, BF16) in order."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {"a": torch.randn(300, 260, generator=g, dtype=torch.float32)}
+    for name, shape in dict(b=(300, 260), n=(257,), **more).items():
+        out[name] = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    return out
+
+
 def frozen_model(config: dict, seed: int | None = None):
     """wxfer.models.train_model(config) with every parameter's requires_grad off (its random
     weights from torch.manual_seed(seed) first, where a seed is given)."""
@@ -75,8 +97,8 @@ def frozen_model(config: dict, seed: int | None = None):
 
 
 def module_with(params: dict):
-    """A torch.nn.Module holding `params` ({dotted name: tensor}) as frozen parameters under
-    nested modules named like vLLM's."""
+    """A torch.nn.Module holding `params` ({dotted name: tensor}) under nested modules named
+    like vLLM's: a Parameter as it is, any other tensor as a frozen Parameter of its memory."""
     import torch
 
     model = torch.nn.Module()
@@ -87,7 +109,7 @@ def module_with(params: dict):
             if not hasattr(mod, part):
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+        mod.register_parameter(leaf, t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, False))
     return model
 
 
@@ -131,6 +153,54 @@ def connected_pair(request, sizes):
         yield pair
 
 
+@contextlib.contextmanager
+def held_word_engine(size: int = 4 << 20):
+    """The held fence word's setup (test_engine, test_sender_parts): two fabric tcp targets of one
+    `size`-byte region, `good` (peer 0) and `bad` (peer 1), a Transport `t` connected to both, an
+    isolating Engine `eng` with a 1 s deadline and its fence word `word` (a ctypes uint32).
+    Yields them as a namespace with both(n) (one write of n bytes at 0 to each target), stop()
+    (SIGSTOP to `bad`: its writes miss their deadline, NOT fenced), resume() (SIGCONT) and
+    released() (waits up to 15 s for the engine to hold the word no longer: whether it does
+    not); a `bad` still stopped is resumed at the exit, before the targets go, and the
+    transport is closed after a clean exit."""
+    import ctypes
+    import signal
+    import time
+    from types import SimpleNamespace
+
+    from wxfer import _wxfer
+    from wxfer.testing import TargetProcess
+
+    opts = {"provider": "tcp"}
+    with TargetProcess("fabric", opts, [size]) as good, TargetProcess("fabric", opts, [size]) as bad:
+        t = _wxfer.Transport("fabric", opts)
+        assert good.connect(t) == 0 and bad.connect(t) == 1
+        eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
+        word = ctypes.c_uint32(0)
+        eng.fence_word(ctypes.addressof(word), word)
+        h = SimpleNamespace(good=good, bad=bad, t=t, eng=eng, word=word, stopped=False)
+
+        def send(sig, stopped):
+            os.kill(bad.proc.pid, sig)
+            h.stopped = stopped
+
+        def released():
+            end = time.monotonic() + 15
+            while eng.word_state() is not None and time.monotonic() < end:
+                time.sleep(0.02)
+            return eng.word_state() is None
+
+        h.stop, h.resume = lambda: send(signal.SIGSTOP, True), lambda: send(signal.SIGCONT, False)
+        h.released = released
+        h.both = lambda n: [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)]
+        try:
+            yield h
+        finally:
+            if h.stopped:
+                h.resume()
+        t.close()
+
+
 def run_wxfer(*args, timeout: float, rc: int = 0, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m wxfer *args` to its end (output captured); its exit status must be rc."""
     p = subprocess.run([sys.executable, "-m", "wxfer", *args], capture_output=True, text=True, timeout=timeout, env=env)
@@ -155,6 +225,12 @@ def run_json(*argv, timeout: float, env: dict | None = None) -> tuple[dict, str]
     p = run_script(*argv, timeout=timeout, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stdout
+
+
+def bench_dry_run(script: str, out, *args, timeout: float, env: dict | None = None) -> tuple[dict, str]:
+    """benchmarks/`script` --dry-run --reps 1 --out `out` --json `args...`, as run_json runs it."""
+    bench = os.path.join(ROOT, "benchmarks", script)
+    return run_json(bench, "--dry-run", "--reps", "1", "--out", out, "--json", *args, timeout=timeout, env=env)
 
 
 def python(*args, env: dict, cwd) -> subprocess.Popen:
@@ -229,6 +305,119 @@ def receivers_in_threads(config: dict, store, name: str, tp: int = 1, quant=None
     if ep:
         common["ep"] = True
     return params, [in_thread(Receiver, params[r], rank=r, timeout=timeout, **common, **kw) for r in range(tp)]
+
+
+def native_gpu(info, key: str, what: str):
+    """The current CUDA device, asserted to run `what` natively: info(device)[key] must be
+    "native" (copies.info / fp8.info), its reason shown otherwise. For the kernel tests'
+    device fixtures."""
+    import torch
+
+    d = torch.device("cuda", torch.cuda.current_device())
+    inf = info(d)
+    assert inf[key] == "native", f"{what} is not used: {inf['reason']}"
+    return d
+
+
+def reporting(target, *args):
+    """A child process's target: target(*args), where an exception is put on the out queue (the
+    last argument) as its repr instead of only ending the child."""
+    try:
+        target(*args)
+    except BaseException as e:  # noqa: BLE001 -- reported to the parent
+        args[-1].put(repr(e))
+
+
+def gpu_receiver(config: dict, store, name: str, timeout: float, quant=None, before=None, **kw):
+    """cuda:0 made this process's device and a Receiver of `config`'s inference model (`quant`)
+    there, on freshly allocated parameters, by default the one worker of one replica
+    (ONE_WORKER; `kw` may say replica=, replicas=): (params, receiver). `before(params)` is
+    called before the Receiver is constructed; `kw`: more Receiver arguments (verify, ...).
+    For the GPU tests' receiver processes."""
+    import torch
+
+    from wxfer.models import inference_params, preset_for
+    from wxfer.runtime.receiver import Receiver
+    from wxfer.testing import ONE_WORKER
+
+    torch.cuda.set_device(0)
+    params = inference_params(config, 1, 0, quant, device="cuda:0")
+    if before is not None:
+        before(params)
+    kw = dict(ONE_WORKER, mapping=preset_for(config).name, store=store, name=name, timeout=timeout, **kw)
+    return params, Receiver(params, **kw)
+
+
+def hold_up_first_call(monkeypatch, owner, attr: str) -> list:
+    """`owner.attr` patched to queue about 0.3 s of GPU sleep (torch.cuda._sleep) on the current
+    stream before its first call, and torch.cuda.Stream.synchronize to fail the test: returns
+    the list that is non-empty once the sleep was queued."""
+    import pytest
+    import torch
+
+    real, slept = getattr(owner, attr), []
+
+    def slow(*args, **kw):
+        if not slept:
+            slept.append(1)
+            torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s at up to 2 GHz
+        return real(*args, **kw)
+
+    monkeypatch.setattr(owner, attr, slow)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: pytest.fail("a stream synchronize"))
+    return slept
+
+
+def externals_before_the_end_stamp(engine) -> list:
+    """The external tasks of `engine`'s trace (the in-place kernels' CUDA events), each asserted
+    finished with status 0 before the step's last stamp task was first posted: the end stamps
+    waited for them. For the GPU tests that hold the side stream up."""
+    from wxfer.runtime.tasks import STAMP_TAG
+
+    recs = engine.trace()
+    ext = [r for r in recs if r["kind"] == "external"]
+    end = max((r for r in recs if r["tag"] == STAMP_TAG), key=lambda r: r["id"])
+    assert ext and all(r["status"] == 0 for r in ext)
+    assert all(r["t_done"] <= end["t_post_first"] for r in ext)
+    return ext
+
+
+class StoreCtl:
+    """A store as Control shows it, in memory (`kv`): counters, records, the calls made
+    (`calls`); `down`: every call fails. For the tests of the parts that take a Control."""
+
+    def __init__(self):
+        self.kv, self.calls, self.down = {}, [], False
+
+    def _call(self, what):
+        self.calls.append(what)
+        if self.down:
+            raise ConnectionError("the store is gone")
+
+    def add(self, key, n):
+        self._call(("add", key))
+        self.kv[key] = self.kv.get(key, 0) + n
+        return self.kv[key]
+
+    def counters(self, keys):
+        self._call(("counters", tuple(keys)))
+        return [self.kv.get(k, 0) for k in keys]
+
+    def set(self, key, value):
+        self._call(("set", key))
+        self.kv[key] = value
+
+    def set_json(self, key, value):
+        self.set(key, value)
+
+    def get_json(self, key, what, timeout=None):
+        self._call(("get", key))
+        if key not in self.kv:
+            raise KeyError(f"{what}: {key} not in the store")
+        return self.kv[key]
+
+    def check(self, key):
+        return key in self.kv
 
 
 def shard(kind: str, dtype: str, *pieces, rank: int = 0, dst: str = "d"):

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from helpers import run_json, run_script  # noqa: E402 -- tests/helpers.py
+from helpers import bench_dry_run, run_script  # noqa: E402 -- tests/helpers.py
 
 
 def test_buckets_hold_whole_components_and_every_source_once():
@@ -39,18 +39,7 @@ def test_buckets_hold_whole_components_and_every_source_once():
 @pytest.mark.timeout(200)
 def test_dry_run_runs_every_method_and_baselines_match_wxfer(tmp_path):
     out = tmp_path / "bb"
-    res, log = run_json(
-        os.path.join(ROOT, "benchmarks", "bench_baselines.py"),
-        "--dry-run",
-        "--reps",
-        "1",
-        "--out",
-        str(out),
-        "--json",
-        "--max-s",
-        "150",
-        timeout=180,
-    )
+    res, log = bench_dry_run("bench_baselines.py", out, "--max-s", "150", timeout=180)
     assert res["dry_run"] and res["machine"]["cpus"]
     names = [
         (r["config"]["layout"], r["config"]["model"], r["config"]["quant"], r["config"]["trainer"])

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from helpers import run_json  # noqa: E402 -- tests/helpers.py
+from helpers import bench_dry_run  # noqa: E402 -- tests/helpers.py
 
 
 def test_row_shards_are_torch_chunk_and_weights_are_deterministic():
@@ -33,25 +33,8 @@ def test_row_shards_are_torch_chunk_and_weights_are_deterministic():
 @pytest.mark.timeout(240)
 def test_dry_run_wxfer_and_rank0_agree_and_the_simulator_is_reported(tmp_path):
     out = tmp_path / "bs"
-    res, _ = run_json(
-        os.path.join(ROOT, "benchmarks", "bench_scale.py"),
-        "--dry-run",
-        "--models",
-        "tiny",
-        "--quant",
-        "bf16,fp8",
-        "--reps",
-        "1",
-        "--out",
-        str(out),
-        "--json",
-        "--config-timeout",
-        "100",
-        "--max-s",
-        "200",
-        timeout=230,
-        env=dict(WXFER_FABRIC_PROVIDER="tcp"),
-    )
+    args = ("--models", "tiny", "--quant", "bf16,fp8", "--config-timeout", "100", "--max-s", "200")
+    res, _ = bench_dry_run("bench_scale.py", out, *args, timeout=230, env=dict(WXFER_FABRIC_PROVIDER="tcp"))
     assert res["layout"] == dict(trainers=2, replicas=1, tp=2, colocated=True)
     assert [r["config"]["quant"] for r in res["results"]] == ["bf16", "fp8"]
     for r in res["results"]:

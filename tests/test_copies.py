@@ -13,6 +13,7 @@ import torch
 
 from wxfer import _wxfer
 from wxfer.runtime import copies
+from helpers import native_gpu  # tests/helpers.py
 
 FILL = 0x5A
 
@@ -132,10 +133,7 @@ def test_an_empty_batch_launches_nothing():
 
 @pytest.fixture(scope="module")
 def gpu():
-    d = torch.device("cuda", torch.cuda.current_device())
-    inf = copies.info(d)
-    assert inf["copier"] == "native", f"the native copy kernel is not used: {inf['reason']}"
-    return d
+    return native_gpu(copies.info, "copier", "the native copy kernel")
 
 
 def _cases(rng):

@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from wxfer.models import TINY  # noqa: E402
 from wxfer.models.infer import preset_for  # noqa: E402
-from test_direct_gpu import NGPU, T, _check_bytes, _model, _Receivers  # noqa: E402 -- tests/test_direct_gpu.py
+from test_direct_gpu import NGPU, T, _check_bytes, _model, _Receivers, _timed_push  # noqa: E402 -- tests/test_direct_gpu.py
+from helpers import externals_before_the_end_stamp, hold_up_first_call  # noqa: E402 -- tests/helpers.py
 
 pytestmark = [
     pytest.mark.gpu,
@@ -123,10 +124,8 @@ def test_the_end_stamps_wait_for_a_late_scatter_kernel(store, monkeypatch):
     launch of a push: push() returns only after the scatter landed (the engine waited for the
     external tasks' CUDA events, no stream synchronize), the end stamps were posted after them,
     and the bytes are the reference's."""
-    import time
 
     from wxfer.runtime import delta_gpu
-    from wxfer.runtime.tasks import STAMP_TAG
 
     _, addr = store
     quant = "fp8"
@@ -139,29 +138,13 @@ def test_the_end_stamps_wait_for_a_late_scatter_kernel(store, monkeypatch):
         _touch(model, 0.01, 2)
         s.push()  # warm: the scatter ran once
         s.engine.trace(clear=True)
-        real, slept = delta_gpu.scatter, []
-
-        def slow(shadow, bits, targets):
-            if not slept:
-                slept.append(1)
-                torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s at up to 2 GHz, on the current (side) stream
-            return real(shadow, bits, targets)
-
-        monkeypatch.setattr(delta_gpu, "scatter", slow)
-        monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: pytest.fail("a stream synchronize"))
+        slept = hold_up_first_call(monkeypatch, delta_gpu, "scatter")  # (on the current: the side stream)
         _touch(model, 0.01, 3)
-        t0 = time.monotonic_ns()
-        s.push()
-        took = (time.monotonic_ns() - t0) / 1e9
-        got, version = rx.read(0)
+        t0, took, got, version = _timed_push(s, rx)
         assert slept and version == 3
         _check_bytes(model, TINY, quant, got)
-        recs = s.engine.trace()
-        ext = [r for r in recs if r["kind"] == "external"]
-        end = max((r for r in recs if r["tag"] == STAMP_TAG), key=lambda r: r["id"])
-        assert ext and all(r["status"] == 0 for r in ext)
+        ext = externals_before_the_end_stamp(s.engine)
         assert max(r["t_done"] for r in ext) - t0 > 0.1e9, took  # the events waited for the sleep
-        assert all(r["t_done"] <= end["t_post_first"] for r in ext)
         assert took > 0.1, took
         s.close()
     finally:

@@ -48,20 +48,14 @@ torch = pytest.importorskip("torch")
 from wxfer.mapping.reference import pack_task  # noqa: E402
 from wxfer.mapping.rules import Piece  # noqa: E402
 from wxfer.runtime import inplace as direct  # noqa: E402
-from helpers import shard as _shard  # noqa: E402 -- tests/helpers.py
+from helpers import random_fulls, shard as _shard  # noqa: E402 -- tests/helpers.py
 from wxfer.runtime.inplace import COPIES_TAG  # noqa: E402
 from wxfer.zerocopy import COPY_BATCH  # noqa: E402
 from wxfer import taskpath  # noqa: E402
 
 
 def _fulls():
-    g = torch.Generator().manual_seed(11)
-    return {
-        "a": torch.randn(300, 260, generator=g, dtype=torch.float32),
-        "b": torch.randn(300, 260, generator=g).to(torch.bfloat16),
-        "n": torch.randn(257, generator=g).to(torch.bfloat16),
-        "e": torch.randn(4, 96, 130, generator=g).to(torch.bfloat16),  # 3-D experts
-    }
+    return random_fulls(11, e=(4, 96, 130))  # 3-D experts
 
 
 def _task():

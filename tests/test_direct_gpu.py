@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from wxfer import _wxfer  # noqa: E402
 from wxfer.models import TINY, TINY_MOE, train_model  # noqa: E402
-from wxfer.models.infer import inference_params, preset_for  # noqa: E402
-from helpers import expected_shards  # noqa: E402 -- tests/helpers.py
+from wxfer.models.infer import preset_for  # noqa: E402
+from helpers import expected_shards, externals_before_the_end_stamp, gpu_receiver, hold_up_first_call  # noqa: E402 -- tests/helpers.py
 from test_watermark_gpu import CONFIG as WATERMARK_MODEL  # noqa: E402 -- tests/test_watermark_gpu.py
 from test_direct import _check_trace  # noqa: E402 -- tests/test_direct.py
 
@@ -37,24 +37,10 @@ def _bytes(params) -> dict:
 
 
 def _receiver(addr, name, cfg, quant, replica, replicas, q_in, q_out, read):
-    from wxfer.runtime.receiver import Receiver
-
     r = None
     try:
-        torch.cuda.set_device(0)
-        params = inference_params(cfg, 1, 0, quant, device="cuda:0")
-        q_out.put(("before", _bytes(params) if read else None))
-        r = Receiver(
-            params,
-            mapping=preset_for(cfg).name,
-            store=addr,
-            replica=replica,
-            rank=0,
-            tp=1,
-            replicas=replicas,
-            name=name,
-            timeout=T,
-        )
+        said = lambda params: q_out.put(("before", _bytes(params) if read else None))
+        params, r = gpu_receiver(cfg, addr, name, T, quant, before=said, replica=replica, replicas=replicas)
         while True:
             msg = q_in.get(timeout=T)
             if msg == "read":
@@ -67,6 +53,17 @@ def _receiver(addr, name, cfg, quant, replica, replicas, q_in, q_out, read):
         q_out.put(("error", repr(e)))
         if r is not None:
             r.close()
+
+
+def _timed_push(s, rx):
+    """s.push(), timed: (its start in monotonic_ns, its seconds, then the bytes and the version
+    that receiver 0 of `rx` holds)."""
+    import time
+
+    t0 = time.monotonic_ns()
+    s.push()
+    took = (time.monotonic_ns() - t0) / 1e9
+    return (t0, took, *rx.read(0))
 
 
 class _Receivers:
@@ -181,11 +178,9 @@ def test_the_end_stamps_wait_for_slow_inplace_kernels_without_a_host_synchronize
     gathers): the in-place kernels run late; push() returns only after they landed (the
     engine waited for their CUDA events: no stream synchronize), the end stamps were posted
     after them, the bytes are the reference's and the version is the step's."""
-    import time
 
     from wxfer.runtime import prepare
     from wxfer.runtime.sender import Sender
-    from wxfer.runtime.tasks import STAMP_TAG
 
     _, addr = store
     cfg = TINY
@@ -196,32 +191,16 @@ def test_the_end_stamps_wait_for_slow_inplace_kernels_without_a_host_synchronize
         s = Sender(model, mapping=preset_for(cfg), store=addr, name=name, timeout=T, direct=True)
         s.push()  # warm-up (kernels compiled, regions mapped)
         s.engine.trace(clear=True)
-        real, slept = prepare.gather, []
-
-        def slow(prep, op, device):
-            if not slept:
-                slept.append(1)
-                torch.cuda._sleep(int(0.3 * 2e9))  # ~0.3 s at up to 2 GHz, on the side stream
-            return real(prep, op, device)
-
-        monkeypatch.setattr(prepare, "gather", slow)
-        monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: pytest.fail("a stream synchronize"))
+        slept = hold_up_first_call(monkeypatch, prepare, "gather")  # (the gathers run on the side stream)
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(-0.5)
-        t0 = time.monotonic_ns()
-        s.push()
-        took = (time.monotonic_ns() - t0) / 1e9
-        got, version = rx.read(0)
+        t0, took, got, version = _timed_push(s, rx)
         assert slept and version == 2
         _check_bytes(model, cfg, quant, got)
-        recs = s.engine.trace()
-        ext = [r for r in recs if r["kind"] == "external"]
-        end = max((r for r in recs if r["tag"] == STAMP_TAG), key=lambda r: r["id"])
-        assert ext and all(r["status"] == 0 for r in ext)
+        ext = externals_before_the_end_stamp(s.engine)
         first_ready = min(r["t_ready"] for r in ext)
         assert first_ready - t0 > 0.1e9, (first_ready - t0, took)  # the events waited for the sleep
-        assert all(r["t_done"] <= end["t_post_first"] for r in ext)
         assert took > 0.1, took
         s.close()
     finally:

@@ -2,8 +2,6 @@
 replica 1 of 2) are refused at setup on every process: the trainer names the worker outside
 gpu 0's layout, and both workers raise, promptly.  Real worker processes over fabric tcp."""
 
-import os
-import sys
 import time
 
 import pytest
@@ -14,9 +12,7 @@ from wxfer.runtime.control import SetupError
 from wxfer.models import TINY, preset_for
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
-HERE = os.path.dirname(os.path.abspath(__file__))
 T = 30.0
-sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
 from test_faults import _reap, _spawn  # noqa: E402
 

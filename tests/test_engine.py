@@ -15,7 +15,7 @@ import pytest
 from wxfer import _wxfer
 from wxfer.testing import TargetProcess
 from wxfer.testing import pattern as rand
-from helpers import FABRIC_PROVIDERS, connected_pair, needs_fabric  # tests/helpers.py
+from helpers import FABRIC_PROVIDERS, connected_pair, held_word_engine, needs_fabric  # tests/helpers.py
 from wxfer.runtime.trace import held_over_time, to_chrome
 
 PROVIDERS = FABRIC_PROVIDERS
@@ -464,56 +464,42 @@ def test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_f
     Once the peer resumes and the writes abandoned to it have completed (none can land
     later), the word goes on to the last fence finished (it used to stay until close: every
     later device wait hung); the engine's close sets it past every task."""
-    import os
-    import signal
     import time
 
-    opts = {"provider": "tcp"}
-    with TargetProcess("fabric", opts, [4 << 20]) as good, TargetProcess("fabric", opts, [4 << 20]) as bad:
-        t = _wxfer.Transport("fabric", opts)
-        assert good.connect(t) == 0 and bad.connect(t) == 1
-        eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
-        word = ctypes.c_uint32(0)
-        eng.fence_word(ctypes.addressof(word), word)
+    with held_word_engine() as h:
+        good, eng, word = h.good, h.eng, h.word
         n = 4 << 20
-        f1 = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
+        f1 = eng.submit(rand(n, 1), h.both(n), fence=True)
         eng.wait(timeout=20, fence=f1)
         assert word.value == f1 and eng.word_state() is None  # every write landed: released
-        os.kill(bad.proc.pid, signal.SIGSTOP)
-        stopped = True
-        try:
-            src = rand(n, 2)
-            f2 = eng.submit(src, [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True, tag=2)
-            eng.wait(timeout=20, fence=f2)  # finished at the stopped peer's deadline
-            assert word.value == f1, (word.value, f1, f2)  # (was f2: released, failed or not)
-            eng.wait(timeout=20)  # the failed peer's fence was tried
-            [fl] = eng.failed_peers()
-            assert fl.peer == 1 and "NOT fenced" in fl.reason and fl.stage == "deadline", str(fl)
-            assert word.value == f1  # not fenced: its stamp may land after the writes behind the wait
-            peer, name, held_s = eng.word_state()
-            assert peer == 1 and name.startswith("peer 1 (") and name in fl.reason and held_s > 0, (peer, name)
-            assert good.read(0) == src.tobytes()
-            f3 = eng.submit(rand(8, 3), [(good.descriptors[0], 0, 0, 8)], fence=True)
-            eng.wait(timeout=20, fence=f3)
-            assert word.value == f1  # a later fence does not release the earlier wait (cyclic >=)
-            os.kill(bad.proc.pid, signal.SIGCONT)  # its provider progresses: the writes complete
-            stopped = False
-            end = time.monotonic() + 15
-            while word.value != f3 and time.monotonic() < end:
-                time.sleep(0.02)
-            assert word.value == f3, (word.value, f1, f3)  # the last fence finished
-            assert eng.word_state() is None
-            [fl] = eng.failed_peers()
-            assert "abandoned writes have all completed" in fl.reason, str(fl)
-            f4 = eng.submit(rand(8, 4), [(good.descriptors[0], 0, 0, 8)], fence=True)
-            eng.wait(timeout=20, fence=f4)
-            assert word.value == f4  # released as it finishes again
-            eng.close()
-            assert word.value == f4 + 1  # stopped: past every task
-        finally:
-            if stopped:
-                os.kill(bad.proc.pid, signal.SIGCONT)
-        t.close()
+        h.stop()
+        src = rand(n, 2)
+        f2 = eng.submit(src, h.both(n), fence=True, tag=2)
+        eng.wait(timeout=20, fence=f2)  # finished at the stopped peer's deadline
+        assert word.value == f1, (word.value, f1, f2)  # (was f2: released, failed or not)
+        eng.wait(timeout=20)  # the failed peer's fence was tried
+        [fl] = eng.failed_peers()
+        assert fl.peer == 1 and "NOT fenced" in fl.reason and fl.stage == "deadline", str(fl)
+        assert word.value == f1  # not fenced: its stamp may land after the writes behind the wait
+        peer, name, held_s = eng.word_state()
+        assert peer == 1 and name.startswith("peer 1 (") and name in fl.reason and held_s > 0, (peer, name)
+        assert good.read(0) == src.tobytes()
+        f3 = eng.submit(rand(8, 3), [(good.descriptors[0], 0, 0, 8)], fence=True)
+        eng.wait(timeout=20, fence=f3)
+        assert word.value == f1  # a later fence does not release the earlier wait (cyclic >=)
+        h.resume()  # its provider progresses: the writes complete
+        end = time.monotonic() + 15
+        while word.value != f3 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert word.value == f3, (word.value, f1, f3)  # the last fence finished
+        assert eng.word_state() is None
+        [fl] = eng.failed_peers()
+        assert "abandoned writes have all completed" in fl.reason, str(fl)
+        f4 = eng.submit(rand(8, 4), [(good.descriptors[0], 0, 0, 8)], fence=True)
+        eng.wait(timeout=20, fence=f4)
+        assert word.value == f4  # released as it finishes again
+        eng.close()
+        assert word.value == f4 + 1  # stopped: past every task
 
 
 def test_trace_is_a_bounded_ring(pair):

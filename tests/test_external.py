@@ -15,7 +15,7 @@ import pytest
 from wxfer import _wxfer
 from wxfer.testing import TargetProcess, connected_fabric
 from wxfer.testing import pattern as rand
-from helpers import FABRIC_PROVIDERS, connected_pair, needs_fabric  # tests/helpers.py
+from helpers import FABRIC_PROVIDERS, connected_pair, held_word_engine, needs_fabric  # tests/helpers.py
 
 PROVIDERS = FABRIC_PROVIDERS
 
@@ -295,44 +295,24 @@ def test_an_external_task_behind_a_held_fence_word_gets_its_time_from_the_releas
     not run out meanwhile (it used to start when the ready stage picked it up: the live
     receiver failed for the late one). Its signal, later than the engine's timeout, still
     counts; once the stopped receiver resumes and the word goes on, the limit applies again."""
-    import ctypes
-    import os
-    import signal
-
-    opts = {"provider": "tcp"}
     n = 4 << 20
-    with TargetProcess("fabric", opts, [n]) as good, TargetProcess("fabric", opts, [n]) as bad:
-        t = _wxfer.Transport("fabric", opts)
-        assert good.connect(t) == 0 and bad.connect(t) == 1
-        eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
-        word = ctypes.c_uint32(0)
-        eng.fence_word(ctypes.addressof(word), word)
-        both = [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)]
-        eng.wait(timeout=20, fence=eng.submit(rand(n, 0), both, fence=True))  # (connected)
-        os.kill(bad.proc.pid, signal.SIGSTOP)
-        stopped = True
-        try:
-            f = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
-            eng.wait(timeout=20)  # the stopped receiver failed at its deadline, NOT fenced
-            assert eng.word_state()[0] == 1 and word.value < f
-            x = eng.submit_external([(good.descriptors[0], 0, 0, 64)], tag=7)
-            time.sleep(2.0)  # twice the engine's timeout, the word held all along
-            assert eng.complete_external(x) is True  # still waiting: not failed at its deadline
-            eng.wait(timeout=20)
-            assert [fl.peer for fl in eng.failed_peers()] == [1]  # the live receiver did not fail
-            os.kill(bad.proc.pid, signal.SIGCONT)
-            stopped = False
-            end = time.monotonic() + 15
-            while eng.word_state() is not None and time.monotonic() < end:
-                time.sleep(0.02)
-            assert eng.word_state() is None
-            y = eng.submit_external([(good.descriptors[0], 0, 0, 64)], tag=8)
-            eng.wait(timeout=20)  # its limit applies again: the writer (here: nobody) is late
-            fls = {fl.peer: fl for fl in eng.failed_peers()}
-            assert sorted(fls) == [0, 1] and "not signalled complete" in fls[0].reason, fls
-            assert eng.complete_external(y) is False
-        finally:
-            if stopped:
-                os.kill(bad.proc.pid, signal.SIGCONT)
+    with held_word_engine(n) as h:
+        good, eng, word = h.good, h.eng, h.word
+        eng.wait(timeout=20, fence=eng.submit(rand(n, 0), h.both(n), fence=True))  # (connected)
+        h.stop()
+        f = eng.submit(rand(n, 1), h.both(n), fence=True)
+        eng.wait(timeout=20)  # the stopped receiver failed at its deadline, NOT fenced
+        assert eng.word_state()[0] == 1 and word.value < f
+        x = eng.submit_external([(good.descriptors[0], 0, 0, 64)], tag=7)
+        time.sleep(2.0)  # twice the engine's timeout, the word held all along
+        assert eng.complete_external(x) is True  # still waiting: not failed at its deadline
+        eng.wait(timeout=20)
+        assert [fl.peer for fl in eng.failed_peers()] == [1]  # the live receiver did not fail
+        h.resume()
+        assert h.released()
+        y = eng.submit_external([(good.descriptors[0], 0, 0, 64)], tag=8)
+        eng.wait(timeout=20)  # its limit applies again: the writer (here: nobody) is late
+        fls = {fl.peer: fl for fl in eng.failed_peers()}
+        assert sorted(fls) == [0, 1] and "not signalled complete" in fls[0].reason, fls
+        assert eng.complete_external(y) is False
         eng.close()
-        t.close()

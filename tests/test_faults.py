@@ -68,6 +68,16 @@ def _wait_registered(ctl, key, p):
         time.sleep(0.05)
 
 
+def _respawn(s, addr, name, procs, tmp_path):
+    """A new receiver process for the killed worker gpu 1 (replica 1 of 2) of `name`, its
+    files under tmp_path/new, appended to `procs`; once it has registered: the Control."""
+    ctl = control.Control(s, name, T)
+    (tmp_path / "new").mkdir()
+    procs.append(_spawn("receiver", addr, name, 1, 2, tmp_path / "new"))
+    _wait_registered(ctl, "infer/1/e1", procs[-1])
+    return ctl
+
+
 def _failing_push(sender, what):
     """A push that must raise RuntimeError: (its seconds, its message), printed after `what`."""
     t0 = time.monotonic()

@@ -13,6 +13,7 @@ import torch
 
 from wxfer.mapping.reference import quantize_fp8_block
 from wxfer.runtime import fp8
+from helpers import native_gpu  # tests/helpers.py
 
 pytestmark = pytest.mark.gpu
 FILL = 0xA5
@@ -21,10 +22,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 @pytest.fixture(scope="module")
 def dev():
-    d = torch.device("cuda", torch.cuda.current_device())
-    inf = fp8.info(d)
-    assert inf["quantizer"] == "native", f"the native FP8 kernel is not used: {inf['reason']}"
-    return d
+    return native_gpu(fp8.info, "quantizer", "the native FP8 kernel")
 
 
 def _data(shape, dtype, dev, seed=0):

@@ -24,7 +24,7 @@ T = 30.0
 FABRIC = _wxfer.backends()["fabric"][0]
 sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
-from test_faults import _assert_kept_and_restarted, _failing_push, _reap, _scaled, _spawn, _wait_registered  # noqa: E402
+from test_faults import _assert_kept_and_restarted, _failing_push, _reap, _respawn, _scaled, _spawn  # noqa: E402
 
 
 def _sleeper():
@@ -139,10 +139,7 @@ def test_a_worker_killed_between_pushes_is_named_by_its_pid_and_its_restart_take
         assert f"its process (pid {procs[1].pid}) has exited" in msg and "no write failed" in msg, msg
         assert "inference worker gpu 1 (replica 1 rank 0," in msg, msg
         assert "the other workers ([0]) received every byte of step 2" in msg, msg
-        ctl = control.Control(s, name, T)
-        (tmp_path / "new").mkdir()
-        procs.append(_spawn("receiver", addr, name, 1, 2, tmp_path / "new"))
-        _wait_registered(ctl, "infer/1/e1", procs[-1])
+        ctl = _respawn(s, addr, name, procs, tmp_path)
         _scaled(m)
         sender.push()
         assert sender.stats()["rejoined"] == 1 and sender.links.dead == {}

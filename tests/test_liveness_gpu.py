@@ -16,13 +16,12 @@ import torch
 
 from wxfer import _wxfer
 from wxfer.models import TINY, preset_for
-from wxfer.runtime import control
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 T = 30.0
 sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
-from test_faults import _assert_bytes, _dump, _failing_push, _reap, _scaled, _spawn, _wait_registered  # noqa: E402
+from test_faults import _assert_bytes, _dump, _failing_push, _reap, _respawn, _scaled, _spawn  # noqa: E402
 
 CUDA_IPC = _wxfer.backends().get("cuda_ipc", (False, ""))[0]
 pytestmark = [
@@ -64,10 +63,7 @@ def test_cuda_ipc_one_gpu_kill_restart_and_kill_inside_a_push(store, tmp_path, m
         assert f"its process (pid {procs[1].pid}) has exited" in msg and "inference worker gpu 1" in msg, msg
         assert "the other workers ([0]) received every byte of step 2" in msg, msg
         # 2. a replacement for replica 1: the next push takes it
-        ctl = control.Control(s, name, T)
-        (tmp_path / "new").mkdir()
-        procs.append(_spawn("receiver", addr, name, 1, 2, tmp_path / "new"))
-        _wait_registered(ctl, "infer/1/e1", procs[-1])
+        ctl = _respawn(s, addr, name, procs, tmp_path)
         _scaled(m)
         t0 = time.monotonic()
         sender.push()

@@ -15,6 +15,16 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 T = 30.0
 
 
+def _connected(addr, name: str, model, **kw):
+    """A Sender of `model` (TINY's) and the one Receiver it writes (constructed in a thread),
+    both set up: (sender, [receiver]). `kw`: more Sender arguments."""
+    from wxfer.runtime.sender import Sender
+
+    _, ths = receivers_in_threads(TINY, addr, name, 1, None, timeout=T)
+    sender = Sender(model, mapping=preset_for(TINY), store=addr, name=name, timeout=T, **kw)
+    return sender, joined(ths, T)
+
+
 def test_the_library_installs_only_a_null_handler():
     import wxfer  # noqa: F401
 
@@ -26,14 +36,9 @@ def test_the_library_installs_only_a_null_handler():
 
 
 def test_setup_at_info_and_each_push_at_debug(store, caplog):
-    from wxfer.runtime.sender import Sender
-
     _, addr = store
     caplog.set_level(logging.DEBUG, logger="wxfer")
-    params, ths = receivers_in_threads(TINY, addr, "log", 1, None, timeout=T)
-    model = frozen_model(TINY)
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name="log", timeout=T)
-    recvs = joined(ths, T)
+    sender, recvs = _connected(addr, "log", frozen_model(TINY))
     try:
         sender.push()
         sender.push()
@@ -59,14 +64,9 @@ def test_setup_at_info_and_each_push_at_debug(store, caplog):
 
 def test_nothing_at_info_reaches_a_logger_left_at_warning(store, caplog):
     """The library sets no level: an application at WARNING sees no setup line."""
-    from wxfer.runtime.sender import Sender
-
     _, addr = store
     caplog.set_level(logging.WARNING, logger="wxfer")
-    params, ths = receivers_in_threads(TINY, addr, "logw", 1, None, timeout=T)
-    model = train_model(TINY)
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name="logw", timeout=T)
-    recvs = joined(ths, T)
+    sender, recvs = _connected(addr, "logw", train_model(TINY))
     with torch.no_grad():
         sender.push()
     sender.close()
@@ -76,14 +76,9 @@ def test_nothing_at_info_reaches_a_logger_left_at_warning(store, caplog):
 
 
 def test_a_failed_worker_at_warning_and_the_failed_step_at_error(store, caplog):
-    from wxfer.runtime.sender import Sender
-
     _, addr = store
     caplog.set_level(logging.INFO, logger="wxfer")
-    params, ths = receivers_in_threads(TINY, addr, "logf", 1, None, timeout=T)
-    model = frozen_model(TINY)
-    sender = Sender(model, mapping=preset_for(TINY), store=addr, name="logf", timeout=T, write_timeout=5)
-    (recv,) = joined(ths, T)
+    sender, (recv,) = _connected(addr, "logf", frozen_model(TINY), write_timeout=5)
     sender.push()
     recv.close()  # the worker's memory and transport are gone
     with pytest.raises(RuntimeError, match="step 2"):

@@ -20,6 +20,7 @@ from wxfer.mapping import (
 )
 from wxfer.runtime import prepare
 from test_mapping import assemble_bytes  # tests/test_mapping.py
+from helpers import small_moe  # tests/helpers.py
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,18 +28,8 @@ E, H, I = 4, 256, 256  # 128-multiples: FP8 splits on whole blocks at TP 2
 
 
 def _qwen3_moe_cfg():
-    return transformers.Qwen3MoeConfig(
-        hidden_size=H,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        num_experts=E,
-        num_experts_per_tok=2,
-        moe_intermediate_size=I,
-        intermediate_size=512,
-        vocab_size=512,
-    )
+    assert (H, I) == (256, 256)  # small_moe's widths
+    return transformers.Qwen3MoeConfig(**small_moe({"num_experts_per_tok": 2, "intermediate_size": 512}, E, 2, 512))
 
 
 def _deepseek_cfg():

@@ -13,18 +13,12 @@ from wxfer.runtime import program
 from wxfer.runtime import prepare
 from wxfer.mapping.reference import pack_task
 from wxfer.mapping.rules import Piece
-from helpers import shard as _shard  # tests/helpers.py
+from helpers import random_fulls, shard as _shard  # tests/helpers.py
 from wxfer.zerocopy import merged_rows
 
 
 def _fulls():
-    g = torch.Generator().manual_seed(7)
-    return {
-        "a": torch.randn(300, 260, generator=g, dtype=torch.float32),
-        "b": torch.randn(300, 260, generator=g).to(torch.bfloat16),
-        "n": torch.randn(257, generator=g).to(torch.bfloat16),
-        "odd": torch.randn(5, 3, generator=g).to(torch.bfloat16),
-    }
+    return random_fulls(7, odd=(5, 3))
 
 
 def test_pack_into_matches_the_reference_packing():

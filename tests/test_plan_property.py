@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from wxfer.mapping import from_config
 from wxfer.meta import Cluster, TrainParam, synthesize
 from wxfer.plan import Plan, build_plan
+from helpers import small_dense  # tests/helpers.py
 
 ARCHS = {
     "qwen3": "Qwen3ForCausalLM",
@@ -140,17 +141,7 @@ def test_random_models_and_meshes_cover_and_never_deadlock(model, cl, random_mes
 def test_overlapping_random_meshes_group_and_balance(world, layers, seed):
     """Every layer on its own random mesh (heavy overlap): still covered and deadlock-free;
     when every rank can produce every tensor alone, the tasks spread over all trainers."""
-    cfg = dict(
-        architectures=["LlamaForCausalLM"],
-        hidden_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=512,
-        vocab_size=1024,
-    )
-    pre = from_config("prop", cfg)
+    pre = from_config("prop", small_dense("LlamaForCausalLM", layers, head_dim=64))
     cluster = Cluster(train_gpus=world, infer_gpus=4, infer_tp=2, dense_shard=1, expert_shard=1)
     s = synthesize(pre, cluster)
     train = _random_meshes(s.train, world, seed)

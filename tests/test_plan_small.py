@@ -7,6 +7,7 @@ import torch
 from wxfer.mapping import Fuse, Ignore, Preset, pack_shard, quantize_fp8_block
 from wxfer.meta import InferParam, InferWorker, TrainParam
 from wxfer.plan import PlanError, build_plan
+from helpers import small_dense  # tests/helpers.py
 
 W, S = "attn.qkv.weight", "attn.qkv.weight_scale_inv"
 
@@ -237,18 +238,7 @@ def test_inconsistent_workers_are_refused_by_name():
 def _layered(layers=3):
     from wxfer.mapping import from_config
 
-    cfg = dict(
-        architectures=["Qwen3ForCausalLM"],
-        hidden_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=128,
-        intermediate_size=512,
-        vocab_size=1024,
-        tie_word_embeddings=False,
-    )
-    return from_config("layered", cfg)
+    return from_config("layered", small_dense("Qwen3ForCausalLM", layers, head_dim=128, tie_word_embeddings=False))
 
 
 def test_coarse_tasks_one_per_layer_and_destination_set_bytes_unchanged():

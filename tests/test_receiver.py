@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from wxfer import _wxfer
-from wxfer.testing import ONE_WORKER
 from wxfer.runtime import control
 from wxfer.runtime.control import SetupError
 from wxfer.models import TINY, train_model, inference_params, preset_for
@@ -118,16 +117,7 @@ def test_a_parameter_over_the_watermark_is_named_at_setup(store):
     from wxfer.runtime.sender import Sender
 
     s, addr = store
-    params = inference_params(TINY, 1, 0, None)
-    th, box = _in_thread(
-        Receiver,
-        params,
-        mapping=preset_for(TINY).name,
-        store=addr,
-        **ONE_WORKER,
-        name="wmw",
-        timeout=T,
-    )
+    [params], [(th, box)] = receivers_in_threads(TINY, addr, "wmw", timeout=T)
     model = _tiny_model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

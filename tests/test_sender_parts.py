@@ -19,45 +19,9 @@ from wxfer.runtime.links import Links  # noqa: E402
 from wxfer.runtime.steps import StepLoop  # noqa: E402
 from wxfer.zerocopy import ZERO_COPY_BATCH as FAST_BATCH  # noqa: E402
 from wxfer.runtime.tasks import STAMP_TAG, TaskRunner  # noqa: E402
+from helpers import StoreCtl, held_word_engine  # noqa: E402 -- tests/helpers.py
 
 CPU = torch.device("cpu")
-
-
-class _Ctl:
-    """A store as Control shows it: counters, records; `down`: every call fails."""
-
-    def __init__(self):
-        self.kv, self.calls, self.down = {}, [], False
-
-    def _call(self, what):
-        self.calls.append(what)
-        if self.down:
-            raise ConnectionError("the store is gone")
-
-    def add(self, key, n):
-        self._call(("add", key))
-        self.kv[key] = self.kv.get(key, 0) + n
-        return self.kv[key]
-
-    def counters(self, keys):
-        self._call(("counters", tuple(keys)))
-        return [self.kv.get(k, 0) for k in keys]
-
-    def set(self, key, value):
-        self._call(("set", key))
-        self.kv[key] = value
-
-    def set_json(self, key, value):
-        self.set(key, value)
-
-    def get_json(self, key, what, timeout=None):
-        self._call(("get", key))
-        if key not in self.kv:
-            raise KeyError(f"{what}: {key} not in the store")
-        return self.kv[key]
-
-    def check(self, key):
-        return key in self.kv
 
 
 def _worker(g, **kw):
@@ -69,7 +33,7 @@ def _worker(g, **kw):
 
 
 def _links(ctl=None, gpus=(0, 1)):
-    ln = Links(ctl or _Ctl(), None, 0, None, None, {g: _worker(g) for g in gpus}, 1.0)
+    ln = Links(ctl or StoreCtl(), None, 0, None, None, {g: _worker(g) for g in gpus}, 1.0)
     for g in gpus:  # as connect() leaves them
         ln.peers[g] = 10 + g
         ln.gpu_of_peer[10 + g] = g
@@ -100,7 +64,7 @@ def test_links_drop_skip_and_name_the_failed_workers():
 
 
 def test_links_refuse_a_restart_that_does_not_match_and_report_it_once():
-    ctl = _Ctl()
+    ctl = StoreCtl()
     ln = _links(ctl)
     ctl.kv["infer/0"] = _worker(0)
     assert ln.adopt_rejoins() is None and ctl.calls == [("counters", ("infer/rejoins",))]  # none: one round trip
@@ -137,7 +101,7 @@ def test_links_refuse_a_malformed_restart_record_by_name_before_changing_anythin
 
     connects = []
     monkeypatch.setattr(control, "writer_connect", lambda *a, **k: connects.append(a) or 77)
-    ctl = _Ctl()
+    ctl = StoreCtl()
     ln = _links(ctl)
     ln.plan = SimpleNamespace(descriptors={(0, "w"): b"old"})
     ln.program = SimpleNamespace(retarget=lambda plan, g: None)
@@ -201,7 +165,7 @@ def test_links_say_the_watchers_trouble_once_when_the_watcher_and_the_push_both_
 
 
 def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
-    ctl = _Ctl()
+    ctl = StoreCtl()
     ln = _links(ctl)
     ln.epoch[1] = 3
     ln.failed(SimpleNamespace(failed_peers=lambda: [_Err(10)]), str)  # gpu 0's writes failed
@@ -220,7 +184,7 @@ def test_failures_mark_torn_records_once_per_worker_epoch_writer_and_step():
 
 
 def test_failures_name_a_gone_rank_and_mark_every_worker_of_the_plan(monkeypatch):
-    ctl = _Ctl()
+    ctl = StoreCtl()
     fx = FailureExchange(ctl, object(), 1, 2, 1.0, 1.0, False, _links(ctl), [0, 1, 2])
     monkeypatch.setattr(control, "roll_call", lambda *a: ["trainer rank 0 (pid 5, host h)"])
     assert fx.mark_other_rank_gone(4, "closed") == "trainer rank 0 (pid 5, host h) died or hung"
@@ -571,27 +535,18 @@ def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monk
     and the log names the worker. Once the receiver resumes and its abandoned writes
     complete, the word goes on and the device wait is used again. A real engine over fabric
     tcp; the CPU stands in for the device (stream_wait recorded, not run)."""
-    import ctypes
     import logging
-    import os
-    import signal
     import time
 
-    from wxfer.testing import TargetProcess
     from wxfer.testing import pattern as rand
 
-    opts = {"provider": "tcp"}
-    with TargetProcess("fabric", opts, [4 << 20]) as good, TargetProcess("fabric", opts, [4 << 20]) as bad:
-        t = _wxfer.Transport("fabric", opts)
-        assert good.connect(t) == 0 and bad.connect(t) == 1
-        eng = _wxfer.Engine(t, timeout=1.0, isolate=True)
-        word = ctypes.c_uint32(0)
-        eng.fence_word(ctypes.addressof(word), word)
+    with held_word_engine() as h:
+        good, bad, eng, word = h.good, h.bad, h.eng, h.word
         ln = _links()
         ln.peers, ln.gpu_of_peer = {0: 0, 1: 1}, {0: 0, 1: 1}
         ln.begin_dest = {0: (good.descriptors[0], 0, 0, 8), 1: (bad.descriptors[0], 0, 0, 8)}
         ip = _Started()
-        r = TaskRunner(eng, t, torch.device("cpu", 0), None, 0, _program(), ln, ip, 20.0)
+        r = TaskRunner(eng, h.t, torch.device("cpu", 0), None, 0, _program(), ln, ip, 20.0)
         r.begin_word_dev = 0xDE00  # as begin_wait_word leaves it on a GPU
         waits = []
         monkeypatch.setattr(_wxfer, "stream_wait", lambda *a: waits.append(a[-1]), raising=False)
@@ -600,37 +555,27 @@ def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monk
         r.write_begin()
         ip.starts[-1][2]()  # no word held: the device wait
         assert waits == [r.begin_fence & 0xFFFFFFFF]
-        os.kill(bad.proc.pid, signal.SIGSTOP)
-        stopped = True
-        try:
-            n = 4 << 20  # a fence task whose write to the stopped receiver is abandoned at 1 s
-            f = eng.submit(rand(n, 1), [(good.descriptors[0], 0, 0, n), (bad.descriptors[0], 0, 0, n)], fence=True)
-            eng.wait(timeout=20)  # the stopped receiver failed at its deadline, NOT fenced
-            assert word.value < f and eng.word_state()[0] == 1
-            r.start(2, verify=False)
-            r.write_begin()
-            caplog.set_level(logging.WARNING, logger="wxfer")
-            t0 = time.monotonic()
-            ip.starts[-1][2]()
-            assert time.monotonic() - t0 < 10  # the host wait for the live receiver's stamp
-            assert len(waits) == 1 and r.word_held_pushes == 1  # no device wait queued
-            msg = caplog.text
-            assert "fence word is held" in msg and "peer 1" in msg and "inference worker gpu 1" in msg, msg
-            os.kill(bad.proc.pid, signal.SIGCONT)
-            stopped = False
-            end = time.monotonic() + 15
-            while eng.word_state() is not None and time.monotonic() < end:
-                time.sleep(0.02)
-            assert eng.word_state() is None and word.value == r.begin_fence
-            r.start(3, verify=False)
-            r.write_begin()
-            ip.starts[-1][2]()
-            assert waits[-1] == r.begin_fence & 0xFFFFFFFF and r.word_held_pushes == 1  # the device again
-        finally:
-            if stopped:
-                os.kill(bad.proc.pid, signal.SIGCONT)
+        h.stop()
+        n = 4 << 20  # a fence task whose write to the stopped receiver is abandoned at 1 s
+        f = eng.submit(rand(n, 1), h.both(n), fence=True)
+        eng.wait(timeout=20)  # the stopped receiver failed at its deadline, NOT fenced
+        assert word.value < f and eng.word_state()[0] == 1
+        r.start(2, verify=False)
+        r.write_begin()
+        caplog.set_level(logging.WARNING, logger="wxfer")
+        t0 = time.monotonic()
+        ip.starts[-1][2]()
+        assert time.monotonic() - t0 < 10  # the host wait for the live receiver's stamp
+        assert len(waits) == 1 and r.word_held_pushes == 1  # no device wait queued
+        msg = caplog.text
+        assert "fence word is held" in msg and "peer 1" in msg and "inference worker gpu 1" in msg, msg
+        h.resume()
+        assert h.released() and word.value == r.begin_fence
+        r.start(3, verify=False)
+        r.write_begin()
+        ip.starts[-1][2]()
+        assert waits[-1] == r.begin_fence & 0xFFFFFFFF and r.word_held_pushes == 1  # the device again
         eng.close()
-        t.close()
 
 
 class _Stamping(_Started):

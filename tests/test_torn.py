@@ -5,9 +5,7 @@ state() says it was dropped in the middle of step 2, its weights torn (trainer r
 up; issue 35.8: it had said "torn"), and wait_version raises at once
 instead of waiting out its timeout.  Real processes over fabric tcp."""
 
-import os
 import signal
-import sys
 import time
 
 import pytest
@@ -18,9 +16,7 @@ from wxfer.runtime import control
 from wxfer.models import TINY, preset_for
 
 pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabric transport not built")
-HERE = os.path.dirname(os.path.abspath(__file__))
 T = 30.0
-sys.path.insert(0, HERE)
 import fault_worker  # noqa: E402
 from test_faults import _dump, _expected, _reap, _scaled, _spawn  # noqa: E402
 

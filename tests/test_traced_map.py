@@ -15,6 +15,7 @@ import torch
 from wxfer.integrations.vllm.trace import trace_load, trace_model
 from wxfer.mapping import pack_shard
 from wxfer.mapping.traced import TracedMap, element_table, rank_shards, traced_preset
+from helpers import StoreCtl  # tests/helpers.py
 
 H, Q, KV, TP = 8, 8, 4, 2
 
@@ -231,17 +232,6 @@ def test_traced_proof_packs_whole_parameters_and_registers_by_class():
     assert all(sel[n].data_ptr() == live[n].data_ptr() for n in direct)
 
 
-class _Ctl:
-    def __init__(self):
-        self.kv = {}
-
-    def set(self, k, v):
-        self.kv[k] = v
-
-    def set_json(self, k, v):
-        self.kv[k] = v
-
-
 def test_worker_trace_publishes_the_proofs_refusals(tmp_path):
     """worker_trace runs `prove` before publishing: its refusals go into the map's meta as the
     worker's errors (the trainers raise them) and the worker raises them by name; a clean proof's
@@ -264,12 +254,12 @@ def test_worker_trace_publishes_the_proofs_refusals(tmp_path):
 
         return run
 
-    ctl = _Ctl()
+    ctl = StoreCtl()
     with pytest.raises(TraceError, match="post-processing proof refused 1 tensor.*o: bytes differ"):
         worker_trace(Toy(), vc, par, 0, 1, ctl, None, "worker", prove(["o: bytes differ"]))
     meta = ctl.kv["vllm/trace/1/meta"]
     assert meta["errors"] == ["post-processing proof: o: bytes differ"] and "vllm/trace/1" in ctl.kv
-    ctl = _Ctl()
+    ctl = StoreCtl()
     m, windows, cls = worker_trace(Toy(), vc, par, 0, 1, ctl, None, "worker", prove([]))
     assert ctl.kv["vllm/trace/1/meta"]["errors"] == [] and ctl.kv["vllm/trace/1/meta"]["proof"]["direct"] == 6
     assert windows["emb"] == (0, 10 * H) and cls.refused == [] and seen[0] == seen[1] == sorted(windows)

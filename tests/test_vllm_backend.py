@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from helpers import module_with  # tests/helpers.py
+from helpers import StoreCtl, module_with  # tests/helpers.py
 from wxfer.integrations.vllm import engine as E
 from wxfer.integrations.vllm.layout import expected_destinations, proof_digests, select_parameters
 from wxfer.mapping import Fuse, Preset, from_config, router_quantized
@@ -187,18 +187,6 @@ def test_delta_fields_are_checked_naming_the_field():
     assert WxferTrainerInitInfo(delta=False, delta_staging=0).delta is False  # dense: no staging needed
 
 
-class _Ctl:
-    def __init__(self):
-        self.kv = {}
-
-    def set(self, k, v):
-        self.kv[k] = v
-
-    def add(self, k, n):
-        self.kv[k] = self.kv.get(k, 0) + n
-        return self.kv[k]
-
-
 def _with_staging(r, heads):
     """The FakeReceiver `r` with a real delta.Staging (its buffer on the host, no transport): one
     slot per trainer rank of `heads`, each holding a record-free header of that step; r.apply
@@ -207,7 +195,7 @@ def _with_staging(r, heads):
 
     region = types.SimpleNamespace(descriptor=b"", close=lambda: None)
     r.transport = types.SimpleNamespace(register=lambda buf, export: region)
-    r.device, r.gpu, r.ctl, r.senders = torch.device("cpu"), 1, _Ctl(), list(range(len(heads)))
+    r.device, r.gpu, r.ctl, r.senders = torch.device("cpu"), 1, StoreCtl(), list(range(len(heads)))
     r.version = lambda: r.v
     r.staging = delta.Staging(r, 64 * len(heads))
     for i, hv in enumerate(heads):

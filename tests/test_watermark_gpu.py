@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from wxfer.models import train_model
-from wxfer.testing import ONE_WORKER
-from wxfer.models.infer import inference_params, preset_for
+from wxfer.models.infer import preset_for
 from wxfer.models import TINY
+from helpers import gpu_receiver, reporting  # tests/helpers.py
 
 T = 120.0
 MiB = 1 << 20
@@ -33,24 +33,10 @@ CONFIG = dict(
 
 
 def _receiver(addr, name, q_in, q_out):
-    from wxfer.runtime.receiver import Receiver
-
-    try:
-        torch.cuda.set_device(0)
-        params = inference_params(CONFIG, 1, 0, None, device="cuda:0")
-        r = Receiver(
-            params,
-            mapping=preset_for(CONFIG).name,
-            store=addr,
-            **ONE_WORKER,
-            name=name,
-            timeout=T,
-        )
-        q_in.get(timeout=T)
-        q_out.put(r.version())
-        r.close()
-    except BaseException as e:  # noqa: BLE001
-        q_out.put(repr(e))
+    _, r = gpu_receiver(CONFIG, addr, name, T)
+    q_in.get(timeout=T)
+    q_out.put(r.version())
+    r.close()
 
 
 @pytest.mark.gpu
@@ -70,7 +56,7 @@ def test_push_peak_memory_is_within_the_watermark_plus_the_largest_task(store):
     for wm in (64 * MiB, 512 * MiB):
         name = "wm%d" % wm
         q_in, q_out = ctx.Queue(), ctx.Queue()
-        proc = ctx.Process(target=_receiver, args=(addr, name, q_in, q_out), daemon=True)
+        proc = ctx.Process(target=reporting, args=(_receiver, addr, name, q_in, q_out), daemon=True)
         proc.start()
         try:
             with warnings.catch_warnings(record=True) as caught:

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from wxfer import _wxfer
-from wxfer.testing import ONE_WORKER
 from wxfer.mapping import Layout, Piece, Shard, expand, pack_shard, pack_task
-from wxfer.models import TINY_MOE, inference_params, preset_for, train_model
+from wxfer.models import TINY_MOE, preset_for, train_model
 from wxfer.runtime import prepare, program
-from helpers import joined, receivers_in_threads  # tests/helpers.py
+from helpers import gpu_receiver, joined, receivers_in_threads, reporting  # tests/helpers.py
 from wxfer.zerocopy import merged_rows
 
 FABRIC = _wxfer.backends()["fabric"][0]
@@ -301,27 +300,12 @@ def test_fsdp2_one_rank_mesh_fused_experts_are_zero_copy(store):
 
 
 def _gpu_receiver(addr, name, q_in, q_out):
-    from wxfer.runtime.receiver import Receiver
-
-    try:
-        torch.cuda.set_device(0)
-        params = inference_params(TINY_MOE, 1, 0, None, device="cuda:0")
-        r = Receiver(
-            params,
-            mapping=preset_for(TINY_MOE).name,
-            store=addr,
-            **ONE_WORKER,
-            name=name,
-            timeout=T,
-            verify=True,
-        )
-        for v in (1, 2):
-            assert r.wait_version(v, T) == v
-            q_out.put({n: t.cpu() for n, t in params.items()})
-            q_in.get(timeout=T)
-        r.close()
-    except BaseException as e:  # noqa: BLE001
-        q_out.put(repr(e))
+    params, r = gpu_receiver(TINY_MOE, addr, name, T, verify=True)
+    for v in (1, 2):
+        assert r.wait_version(v, T) == v
+        q_out.put({n: t.cpu() for n, t in params.items()})
+        q_in.get(timeout=T)
+    r.close()
 
 
 @pytest.mark.gpu
@@ -339,7 +323,7 @@ def test_gpu_fused_experts_zero_copy_over_cuda_ipc(store):
         model = _model()
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_gpu_receiver, args=(addr, "gpu-moe", q_in, q_out), daemon=True)
+    proc = ctx.Process(target=reporting, args=(_gpu_receiver, addr, "gpu-moe", q_in, q_out), daemon=True)
     proc.start()
     try:
         s = Sender(model, mapping=preset_for(TINY_MOE), store=addr, name="gpu-moe", timeout=T)

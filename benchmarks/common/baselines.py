@@ -35,6 +35,28 @@ def sync_dev(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
+def step_options(ap, reps: int, per: str = "") -> None:
+    """The runs' step counts on argparse parser `ap`: --warmup (1) and --reps (`reps`: the timed
+    steps `per` after --warmup, their median reported)."""
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=reps, help=f"timed steps{per} after --warmup (median reported)")
+
+
+def run_store(args):
+    """The parent's TCPStore server on a free local port (args.timeout its bound; it serves as
+    long as the returned store is referenced) and what every child process of the run is told
+    from the command line: (store, dict(store=its address, dry_run, timeout, warmup, reps))."""
+    import torch.distributed as dist
+
+    from wxfer.runtime import control
+
+    port = control.free_port()
+    timeout = datetime.timedelta(seconds=args.timeout)
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout, wait_for_workers=False)
+    run = dict(store="127.0.0.1:%d" % port, dry_run=args.dry_run, timeout=args.timeout)
+    return store, dict(run, warmup=args.warmup, reps=args.reps)
+
+
 # --------------------------------------------------------------------------- models
 
 

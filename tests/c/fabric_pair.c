@@ -721,6 +721,14 @@ static void sc_external(void)
     printf("external ok\n");
 }
 
+/* The scenarios, by the name main's second argument gives. */
+static const struct {
+    const char *name;
+    void (*run)(void);
+} scenarios[] = {{"basic", sc_basic},   {"landed", sc_landed},     {"small", sc_small},
+                 {"refuse", sc_refuse}, {"dead", sc_dead},         {"closeout", sc_closeout},
+                 {"engine", sc_engine}, {"external", sc_external}, {"bench", sc_bench}};
+
 int main(int argc, char **argv)
 {
     int n = 0;
@@ -743,25 +751,11 @@ int main(int argc, char **argv)
     }
     g_opts = mkopts(g_keys, g_vals, n);
     signal(SIGPIPE, SIG_IGN);
-    if (!strcmp(argv[2], "basic"))
-        sc_basic();
-    else if (!strcmp(argv[2], "landed"))
-        sc_landed();
-    else if (!strcmp(argv[2], "small"))
-        sc_small();
-    else if (!strcmp(argv[2], "refuse"))
-        sc_refuse();
-    else if (!strcmp(argv[2], "dead"))
-        sc_dead();
-    else if (!strcmp(argv[2], "closeout"))
-        sc_closeout();
-    else if (!strcmp(argv[2], "engine"))
-        sc_engine();
-    else if (!strcmp(argv[2], "external"))
-        sc_external();
-    else if (!strcmp(argv[2], "bench"))
-        sc_bench();
-    else
-        FAIL("unknown scenario %s", argv[2]);
+    for (size_t i = 0; i < sizeof(scenarios) / sizeof(scenarios[0]); i++)
+        if (!strcmp(argv[2], scenarios[i].name)) {
+            scenarios[i].run();
+            return 0;
+        }
+    FAIL("unknown scenario %s", argv[2]);
     return 0;
 }

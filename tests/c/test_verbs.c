@@ -365,6 +365,17 @@ static int sc_badkey(const wx_opts_t *wo, const wx_opts_t *to)
     return 0;
 }
 
+/* The write `o` (posted) fails with `status` and a message naming the work completion status
+ * `wc`; printed as `what`; then the target is stopped: the scenario's exit status. */
+static int refused(wctx_t *w, top_t *o, const char *what, int status, const char *wc)
+{
+    wait_op(o, 5);
+    printf("%s: status %d: %s\n", what, o->status, o->msg);
+    CHECK(o->status == status && strstr(o->msg, wc), "%s: %d %s", what, o->status, o->msg);
+    finish(w);
+    return 0;
+}
+
 static int sc_range(const wx_opts_t *wo, const wx_opts_t *to)
 {
     wctx_t w = {0};
@@ -374,12 +385,7 @@ static int sc_range(const wx_opts_t *wo, const wx_opts_t *to)
     big = w.dst;
     big.len = 2ull * BUF; /* pretend the region is larger than the target registered */
     forged_write(&w, &o, &big, BUF - 32, 64);
-    wait_op(&o, 5);
-    printf("out of range: status %d: %s\n", o.status, o.msg);
-    CHECK(o.status == -EACCES && strstr(o.msg, "IBV_WC_REM_ACCESS_ERR"), "out of range: %d %s",
-          o.status, o.msg);
-    finish(&w);
-    return 0;
+    return refused(&w, &o, "out of range", -EACCES, "IBV_WC_REM_ACCESS_ERR");
 }
 
 static int sc_stale(const wx_opts_t *wo, const wx_opts_t *to)
@@ -393,12 +399,7 @@ static int sc_stale(const wx_opts_t *wo, const wx_opts_t *to)
     send_msg(to_child[1], "D", 1);
     recv_msg(to_parent[0], res, sizeof res);
     CHECK(gwrite(&w, &o, 0, 0, 100) == 0, "%s", wx_last_error());
-    wait_op(&o, 5);
-    printf("stale key: status %d: %s\n", o.status, o.msg);
-    CHECK(o.status == -EACCES && strstr(o.msg, "IBV_WC_REM_ACCESS_ERR"), "stale: %d %s", o.status,
-          o.msg);
-    finish(&w);
-    return 0;
+    return refused(&w, &o, "stale key", -EACCES, "IBV_WC_REM_ACCESS_ERR");
 }
 
 static int sc_lkey(const wx_opts_t *wo, const wx_opts_t *to)
@@ -420,12 +421,7 @@ static int sc_lkey(const wx_opts_t *wo, const wx_opts_t *to)
     o.op.done = on_done;
     wr = (wx_wr_t){&fake, 0, &w.p->regions[0], 0, 64};
     CHECK(w.t->ops->write(w.t, w.p, &wr, &o.op) == 0, "post: %s", wx_last_error());
-    wait_op(&o, 5);
-    printf("bad lkey: status %d: %s\n", o.status, o.msg);
-    CHECK(o.status == -EFAULT && strstr(o.msg, "IBV_WC_LOC_PROT_ERR"), "lkey: %d %s", o.status,
-          o.msg);
-    finish(&w);
-    return 0;
+    return refused(&w, &o, "bad lkey", -EFAULT, "IBV_WC_LOC_PROT_ERR");
 }
 
 static int sc_gone(const wx_opts_t *wo, const wx_opts_t *to)
@@ -853,6 +849,20 @@ static int sc_emu_rules(void)
     return 0;
 }
 
+/* The scenarios: test_verbs <name> [key=value ...]; the paired ones get the writer's options
+ * (the key=value arguments) and the target's. */
+static const struct {
+    const char *name;
+    int (*run)(void);
+} plain[] = {
+    {"emu_rules", sc_emu_rules}, {"choice", sc_choice}, {"parse", sc_parse}, {"topo", sc_topo}};
+static const struct {
+    const char *name;
+    int (*run)(const wx_opts_t *wo, const wx_opts_t *to);
+} paired[] = {{"options", sc_options}, {"basic", sc_basic}, {"selective", sc_selective},
+              {"badkey", sc_badkey},   {"range", sc_range}, {"stale", sc_stale},
+              {"lkey", sc_lkey},       {"gone", sc_gone},   {"cache", sc_cache}};
+
 int main(int argc, char **argv)
 {
     const char *sc = argc > 1 ? argv[1] : "basic";
@@ -872,32 +882,12 @@ int main(int argc, char **argv)
     }
     wo = mkopts(kv, n);
     to = (wx_opts_t){0, NULL, NULL};
-    if (!strcmp(sc, "emu_rules"))
-        return sc_emu_rules();
-    if (!strcmp(sc, "choice"))
-        return sc_choice();
-    if (!strcmp(sc, "parse"))
-        return sc_parse();
-    if (!strcmp(sc, "topo"))
-        return sc_topo();
-    if (!strcmp(sc, "options"))
-        return sc_options(&wo, &to);
-    if (!strcmp(sc, "basic"))
-        return sc_basic(&wo, &to);
-    if (!strcmp(sc, "selective"))
-        return sc_selective(&wo, &to);
-    if (!strcmp(sc, "badkey"))
-        return sc_badkey(&wo, &to);
-    if (!strcmp(sc, "range"))
-        return sc_range(&wo, &to);
-    if (!strcmp(sc, "stale"))
-        return sc_stale(&wo, &to);
-    if (!strcmp(sc, "lkey"))
-        return sc_lkey(&wo, &to);
-    if (!strcmp(sc, "gone"))
-        return sc_gone(&wo, &to);
-    if (!strcmp(sc, "cache"))
-        return sc_cache(&wo, &to);
+    for (size_t i = 0; i < sizeof(plain) / sizeof(plain[0]); i++)
+        if (!strcmp(sc, plain[i].name))
+            return plain[i].run();
+    for (size_t i = 0; i < sizeof(paired) / sizeof(paired[0]); i++)
+        if (!strcmp(sc, paired[i].name))
+            return paired[i].run(&wo, &to);
     fprintf(stderr, "unknown scenario %s\n", sc);
     return 2;
 }

@@ -16,7 +16,7 @@ memory), delta (Sender.stats()["delta"]["last"]), error}).
 import os
 import sys
 
-from trainer_proc import ConnClient, greedy, seeded
+from trainer_proc import ConnClient, greedy, reported, seeded
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -69,7 +69,7 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
         delta_staging="1MiB",
         rank=rank,
     )
-    try:
+    with reported(conn, rank, reraise=True):
         eng = WeightTransferTrainerFactory.trainer_init(info, client=ConnClient(conn), source=ModuleSource(model))
         for rnd in range(1, 7):
             if rnd > 1:
@@ -93,12 +93,6 @@ def main(ckpt, store, name, mode, rank, world, dist_port, conn_port):
                 assert conn.recv() == ("next", None)
             dist.barrier()
         eng.shutdown()
-        if rank == 0:
-            conn.send(("done", None))
-    except Exception as e:  # noqa: BLE001 -- reported to the test
-        if rank == 0:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        raise
 
 
 if __name__ == "__main__":

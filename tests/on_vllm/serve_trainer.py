@@ -54,18 +54,9 @@ def wait_health(url, start_s):
 
 def completion_tokens(url, model, what):
     """vLLM's greedy tokens for trainer_proc.PROMPT over /v1/completions."""
-    from trainer_proc import NEW, PROMPT
+    from trainer_proc import completion_request
 
-    body = dict(
-        model=model,
-        prompt=PROMPT,
-        max_tokens=NEW,
-        min_tokens=NEW,
-        temperature=0.0,
-        ignore_eos=True,
-        return_token_ids=True,
-    )
-    return call("POST", url, "v1/completions", what, json=body)["choices"][0]["token_ids"]
+    return call("POST", url, "v1/completions", what, json=completion_request(model))["choices"][0]["token_ids"]
 
 
 def main(ckpt, url, store, start_s):

@@ -176,6 +176,18 @@ class Trainers:
         self.listener.close()
 
 
+def served(llm, mode, on_pushed, shutdown=False, **kw):
+    """Trainers(llm, mode, **kw) served (on_pushed after each push) until they report done,
+    asserted, and closed; `shutdown`: the engine's weight transfer shut down first (its
+    Receivers closed before the trainers' store goes)."""
+    tr = Trainers(llm, mode, **kw)
+    kind, msg = tr.serve(on_pushed)
+    if shutdown:
+        llm.shutdown_weight_transfer_engine()
+    tr.close()
+    assert kind == "done", (kind, msg)
+
+
 def test_a_wrong_mapping_is_refused_by_the_layout_proof(llm):
     before = tokens(llm)
     tr = Trainers(llm, "wrong")
@@ -227,10 +239,7 @@ def test_c_pushes_change_the_tokens_to_the_trainers(llm):
         if v == 1:
             assert_bytes_equal_vllms_loader(llm, seed=1)
 
-    tr = Trainers(llm, "ok")
-    kind, msg = tr.serve(on_pushed)
-    tr.close()
-    assert kind == "done", (kind, msg)
+    served(llm, "ok", on_pushed)
     assert [s[0] for s in seen] == [1, 2]
     for v, got, hf, version in seen:
         assert same_greedy(got, hf) >= NEW // 2, f"version {v}: vLLM greedy {got} != transformers greedy {hf}"

@@ -13,13 +13,10 @@ import sys
 
 import pytest
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_llm import Trainers, tokens, ulp_bf16, worker_engine  # noqa: E402
+# (test_llm sets vLLM's in-process CPU environment on import, before anything imports vLLM)
+from test_llm import served, tokens, ulp_bf16, worker_engine  # noqa: E402
 from trainer_proc import PROMPT  # noqa: E402
 
 
@@ -157,10 +154,7 @@ def test_moe_two_pushes_through_finalize(llm, monkeypatch):
                 all_equal(wrong, hf_tokens)
             assert tokens(llm) == seen[-1][1]
 
-    tr = Trainers(llm, "ok")
-    kind, msg = tr.serve(on_pushed)
-    tr.close()
-    assert kind == "done", (kind, msg)
+    served(llm, "ok", on_pushed)
     assert [s[0] for s in seen] == [1, 2]
     for v, got, hf, _ in seen:
         all_equal(got, hf)  # all 8 (the bytes are vLLM's own first load's, checked above)

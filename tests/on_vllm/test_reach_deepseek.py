@@ -26,13 +26,10 @@ import sys
 
 import pytest
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_llm import Trainers, tokens, worker_engine  # noqa: E402
+# (test_llm sets vLLM's in-process CPU environment on import, before anything imports vLLM)
+from test_llm import served, tokens, worker_engine  # noqa: E402
 from test_traced_proof import every_tensor_equals_vllms_first_load  # noqa: E402
 
 
@@ -67,11 +64,7 @@ def test_deepseek_v3_two_pushes(llm, mode, monkeypatch):
         seen.append((v, tokens(llm), hf, dict(eng.update_report or {}), sorted(eng.receiver.params)))
         every_tensor_equals_vllms_first_load(llm, llm.wxfer_ckpt, seed=seed0 + v)
 
-    tr = Trainers(llm, mode)
-    kind, msg = tr.serve(pushed)
-    llm.shutdown_weight_transfer_engine()
-    tr.close()
-    assert kind == "done", (kind, msg)
+    served(llm, mode, pushed, shutdown=True)
     assert [s[0] for s in seen] == [1, 2]
     for v, got, hf, up, _ in seen:
         assert up["version"] == v and up["total_s"] >= up["write_s"] + up["finish_s"], up

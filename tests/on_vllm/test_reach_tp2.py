@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_llm import Trainers, tokens  # noqa: E402
+from test_llm import served, tokens  # noqa: E402
 from test_llm_moe import all_equal  # noqa: E402
 
 
@@ -83,11 +83,7 @@ def two_pushes(llm, mode, seed0, monkeypatch):
         seen.append((v, tokens(llm), hf, llm.get_weight_version(), llm.collective_rpc(summary)))
 
     t0 = time.monotonic()
-    tr = Trainers(llm, mode)
-    kind, msg = tr.serve(pushed)
-    llm.shutdown_weight_transfer_engine()  # the Receivers closed before the trainer's store goes
-    tr.close()
-    assert kind == "done", (kind, msg)
+    served(llm, mode, pushed, shutdown=True)  # (the Receivers closed before the trainer's store goes)
     assert [s[0] for s in seen] == [1, 2]
     for v, got, hf, version, workers in seen:
         all_equal(got, hf)

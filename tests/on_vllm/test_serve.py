@@ -61,7 +61,7 @@ def test_vllm_serve_over_http_with_two_fsdp2_trainer_ranks(tmp_path):
     import requests
     from helpers import child_env, torchrun_args
     from test_llm import same_greedy
-    from trainer_proc import NEW, PROMPT
+    from trainer_proc import NEW, completion_request
     from trace_proc import save_tiny
 
     from wxfer.runtime.control import free_port
@@ -135,17 +135,8 @@ def test_vllm_serve_over_http_with_two_fsdp2_trainer_ranks(tmp_path):
         lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
         assert len(lines) == 1, out[-6000:]
         res = json.loads(lines[0][len("RESULT ") :])
-        body = dict(
-            model=ck,
-            prompt=PROMPT,
-            max_tokens=NEW,
-            min_tokens=NEW,
-            temperature=0.0,
-            ignore_eos=True,
-            return_token_ids=True,
-        )
         try:
-            r = requests.post(f"{url}/v1/completions", json=body, timeout=60)
+            r = requests.post(f"{url}/v1/completions", json=completion_request(ck), timeout=60)
         except requests.RequestException as e:
             raise AssertionError(f"/v1/completions after the push failed: {e}\n" + tail(slog)) from e
         assert r.status_code == 200, (r.status_code, r.text[:1000])

@@ -29,7 +29,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_llm import Trainers, same_greedy, tokens, worker_engine  # noqa: E402
+from test_llm import same_greedy, served, tokens, worker_engine  # noqa: E402
 from trainer_proc import NEW  # noqa: E402
 
 
@@ -147,10 +147,7 @@ def test_delta_pushes_through_finalize_equal_vllms_own_load(llm):
             llm.shutdown_weight_transfer_engine()
         seen[rnd] = out
 
-    tr = Trainers(llm, "delta", world=2, script="delta_proc.py")
-    kind, msg = tr.serve(on_pushed)
-    tr.close()
-    assert kind == "done", (kind, msg)
+    served(llm, "delta", on_pushed, world=2, script="delta_proc.py")
     assert sorted(seen) == [1, 2, 3, 5, 6], sorted(seen)
     first = seen[1]["delta"]
     assert first["tasks_delta"] == 0 and first["dense_why"].get("first", 0) == first["tasks_dense"] > 0, first

@@ -14,24 +14,9 @@ import os
 import sys
 import time
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+from vhelp import FP8, TINY  # (also sets vLLM's CPU environment: HF offline, 1 GiB KV cache)
 
-FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    tie_word_embeddings=False,
-    initializer_range=0.2,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+COMMON = dict(TINY, intermediate_size=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def tiny_config(arch, head_dim=64, **over):

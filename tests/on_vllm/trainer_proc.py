@@ -14,6 +14,7 @@ ranks; rank 1 SIGKILLs itself in the middle of the second push).  Rank 0 reports
 round, tokens) / ("error", message).
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -24,6 +25,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PROMPT = [3, 17, 101, 45, 9, 250]
 NEW = 8
+
+
+def completion_request(model: str) -> dict:
+    """The body of `vllm serve`'s /v1/completions request for the greedy tokens of PROMPT (NEW of
+    them, EOS ignored, their ids returned) from `model` (test_serve, serve_trainer)."""
+    greedy = dict(max_tokens=NEW, min_tokens=NEW, temperature=0.0, ignore_eos=True)
+    return dict(model=model, prompt=PROMPT, return_token_ids=True, **greedy)
+
+
+@contextlib.contextmanager
+def reported(conn, rank: int, reraise: bool):
+    """A trainer's job: rank 0 tells the test ("done", None) at its end, or ("error", "Type: msg")
+    when it raises; the exception goes on on the other ranks, and on rank 0 where `reraise`."""
+    try:
+        yield
+        if rank == 0:
+            conn.send(("done", None))
+    except Exception as e:  # noqa: BLE001 -- reported to the test
+        if rank == 0:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        if reraise or rank != 0:
+            raise
 
 
 class ConnClient:
@@ -70,8 +93,6 @@ def checkpoint_named(model):
     (``experts.<e>.gate_proj.weight``...), a module of views of its parameters under the
     checkpoint's names (storage shared: the Sender reads the model's own memory).  The traced
     map speaks the checkpoint's names."""
-    import torch
-
     from wxfer.integrations.vllm.trainer import with_persistent_buffers
 
     model = with_persistent_buffers(model)  # a persistent buffer the checkpoint holds (DeepSeek-V3's bias)
@@ -91,16 +112,10 @@ def checkpoint_named(model):
                 out[f"{pre}.{e}.down_proj.weight"] = p.data[e]
         else:
             out[n] = p
-    root = torch.nn.Module()
-    for n, t in out.items():
-        mod = root
-        *path, leaf = n.split(".")
-        for k in path:
-            if not hasattr(mod, k):
-                mod.add_module(k, torch.nn.Module())
-            mod = getattr(mod, k)
-        mod.register_parameter(leaf, t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, False))
-    return root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: helpers
+    from helpers import module_with
+
+    return module_with(out)
 
 
 def greedy(model):
@@ -173,7 +188,7 @@ def job(ckpt, store, name, mode, rank, conn):
     info = WxferTrainerInitInfo(
         store=store, mapping=mapping, name=name, timeout=60.0, update_timeout=15.0, watermark="64KiB", rank=rank
     )
-    try:
+    with reported(conn, rank, reraise=False):
         src = checkpoint_named(model) if mode == "traced" else model
         eng = WeightTransferTrainerFactory.trainer_init(info, client=ConnClient(conn), source=ModuleSource(src))
         for rnd in (1, 2):
@@ -195,13 +210,6 @@ def job(ckpt, store, name, mode, rank, conn):
                 assert conn.recv() == ("next", None)
         if mode == "traced":
             eng.shutdown()
-        if rank == 0:
-            conn.send(("done", None))
-    except Exception as e:  # noqa: BLE001 -- reported to the test
-        if rank == 0:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-        else:
-            raise
 
 
 if __name__ == "__main__":

@@ -12,20 +12,18 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
+# The tiny checkpoints' common config (hf_config's, trace_proc's), as helpers.small_moe groups
+# it: 2 layers of 4 heads (2 KV), hidden 256, a 512-token vocabulary, untied, random weights
+# at initializer_range 0.2.
+_HEADS = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+_WIDTHS = dict(vocab_size=512, hidden_size=256, max_position_embeddings=256)
+TINY = dict(**_HEADS, **_WIDTHS, tie_word_embeddings=False, initializer_range=0.2)
+
+
 def hf_config(moe=False, fp8=False, layers=2, vocab=512, head_dim=64, moe_inter=128):
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    kw = dict(
-        vocab_size=vocab,
-        hidden_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=head_dim,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )
+    kw = dict(TINY, vocab_size=vocab, num_hidden_layers=layers, head_dim=head_dim)
     if moe:
         c = Qwen3MoeConfig(
             intermediate_size=256,
