@@ -7,13 +7,13 @@
 #      test_external_gpu, test_direct_gpu's reference-bytes and failed-receiver tests), the copies
 #      beside the quantizer (test_overlap_gpu) and delta (test_delta_apply_gpu: the receiver's
 #      native apply; test_delta_gpu: the fused kernel), verbose, faulthandler stacks past 60 s;
-#   3. the Qwen3-8B colocated rows (BF16 plain / FSDP2, FP8 FSDP2) in the product's defaults (the
+#   3. (after 4) the Qwen3-8B colocated rows (BF16 plain / FSDP2, FP8 FSDP2) in the product's defaults (the
 #      begin stamps in stream order, the FP8 row's large copies beside the quantizer), one more
 #      push per row profiled (gpu_perf.sh bench; the FP8 row's overlap figures printed);
-#   4. bench_delta --parts apply (native apply against the torch apply and a device copy, per MB
+#   4. (before 3) bench_delta --parts apply (native apply against the torch apply and a device copy, per MB
 #      of records) writing a copy of the H100 calibration with the measured native rate (the
 #      8B FP8 and Kimi-K2 restatements with it run on any CPU: benchmarks/README.md);
-#   5. the fused delta kernel's variants against the quantize alone (bench_fused_variants.py,
+#   5. (when END, default 575 s, leaves 75 s) the fused delta kernel's variants against the quantize alone (bench_fused_variants.py,
 #      VARIANTS below; the build of step 1 serves it).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-.out}; mkdir -p "$OUT"; W=$(mktemp -d); mkdir -p "$W/r"  # at most 8 files come back: chosen at the end
@@ -21,11 +21,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; d
 timeout 150 env WXFER_TESTING=1 WXFER_KERNEL_SWEEP=1 python3 setup.py -q build_ext --inplace --force -j 16 \
   >"$W/r/build.log" 2>&1 || tail -20 "$W/r/build.log"
 echo "=== built at ${SECONDS}s"
-timeout -k 5 200 python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler_timeout=60 -m gpu \
+timeout -k 5 150 python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler_timeout=60 -m gpu \
   tests/test_stream_wait_gpu.py tests/test_external_gpu.py tests/test_overlap_gpu.py tests/test_delta_apply_gpu.py \
   tests/test_delta_gpu.py tests/test_direct_gpu.py -k "not test_direct_gpu or failed_is_not_written or reference_bytes" \
   >"$W/gpu_tests.log" 2>&1
 echo "tests rc=$?"; grep -E "FAILED|ERROR|Timeout|^E |passed|failed" "$W/gpu_tests.log" | head -40
+echo "=== apply at ${SECONDS}s"
+timeout -k 5 100 python3 benchmarks/bench_delta.py --parts apply --out "$W/r/apply.json" \
+  --cal-in benchmarks/runs/h100-2026-12-07-b/cal-8b-fp8.json --cal-out "$W/cal-8b-fp8-apply.json" \
+  >"$W/r/apply.log" 2>&1; echo "rc=$?"; grep -E "^apply|machine|Error" "$W/r/apply.log" | head -12
 echo "=== 8B rows at ${SECONDS}s"
 (OUT=$W/perf WAITS=stream MODELS=qwen3-8b bash benchmarks/gpu_perf.sh bench 2>&1 | grep -v "^+" | tail -12)
 python3 - "$W/perf/bb-stream/results.json" <<'PY'
@@ -36,13 +40,10 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(r["config"].get("quant"), r["config"].get("trainer"), k, "overlap:", json.dumps(w.get("direct", {}).get("overlap")),
               "profile:", json.dumps({x: pr.get(x) for x in ("gpu_busy_ms", "lead_ms", "tail_ms", "overlap")}))
 PY
-echo "=== apply at ${SECONDS}s"
-timeout -k 5 100 python3 benchmarks/bench_delta.py --parts apply --out "$W/r/apply.json" \
-  --cal-in benchmarks/runs/h100-2026-12-07-b/cal-8b-fp8.json --cal-out "$W/cal-8b-fp8-apply.json" \
-  >"$W/r/apply.log" 2>&1; echo "rc=$?"; grep -E "^apply|machine|Error" "$W/r/apply.log" | head -12
 echo "=== fused sweep at ${SECONDS}s"
-if [ $SECONDS -lt 500 ]; then
-  timeout -k 5 $((575 - SECONDS)) python3 benchmarks/bench_fused_variants.py --variants "${VARIANTS:-p,d1:2,d3:2,d4:2}" \
+END=${END:-575}  # the call's own bound, seconds
+if [ $SECONDS -lt $((END - 75)) ]; then
+  timeout -k 5 $((END - SECONDS)) python3 benchmarks/bench_fused_variants.py --variants "${VARIANTS:-p,d1:2,d3:2,d4:2}" \
     --json >"$W/r/fused-sweep.log" 2>"$W/r/fused-sweep.err"; echo "rc=$?"
   grep -v '^{' "$W/r/fused-sweep.log" | tail -30; tail -5 "$W/r/fused-sweep.err"
 fi
