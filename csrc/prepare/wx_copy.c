@@ -80,23 +80,17 @@ int wx_copy_probe(int device, const char *const *dirs, int ndirs, char *why, siz
 int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uint64_t dev_ranges,
                    int n)
 {
-    char why[WX_ERRMSG_MAX];
     const wx_kernel_cfg_t *cfg = wx__cfg();
-    wx_kernel_dev_t d;
     CUdeviceptr dp = (CUdeviceptr)dev_ranges;
-    uint64_t nchunks = 0, grid;
+    uint64_t nchunks = 0;
     int rc = wx_copy_check(host, n, &nchunks);
     if (rc)
         return rc;
     if (!dev_ranges)
         return wx_errf(-EINVAL, "copy: null range table address");
-    if ((rc = wx_kernel_get(&wx__kernel, &cfg->src, device, NULL, 0, &d, why, sizeof why)) != 0)
-        return wx_errf(rc, "copy kernel unavailable: %s", why);
-    grid = (uint64_t)d.sms * (uint64_t)cfg->ctas_per_sm;
-    if (grid > nchunks)
-        grid = nchunks;
     void *args[] = {&dp, &n, &nchunks};
-    return wx_kernel_launch(&d, "wx_copy_ranges", grid, cfg->threads, 0, stream, args);
+    return wx_kernel_run(&wx__kernel, &cfg->src, device, nchunks, cfg->ctas_per_sm, cfg->threads,
+                         stream, args);
 }
 
 /* The device's context, when the driver has cuMemcpyBatchAsync. */

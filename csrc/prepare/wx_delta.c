@@ -38,31 +38,39 @@ static const wx_kernel_src_t wx__quant_src = {
     .min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)",
 };
 
-#define WX__OPS(name)                                                                              \
+/* The four kernels of wx_delta_ops_kernel.cu, one row each: the launch's name in messages, the
+ * entry point, and the names of the device addresses the launch takes, in the order its
+ * launcher hands them to wx__ops_run. */
+enum { WX__CMP, WX__COUNT, WX__EMIT, WX__SCAT, WX__NOPS };
+#define WX__OPS(call, name, ...)                                                                   \
     {                                                                                              \
-        .what = "the delta kernel " name, .file = "wx_delta_ops_kernel.cu",                        \
-        .src = wx_delta_ops_kernel_src, .fn = name,                                                \
+        .src = {.what = "the delta kernel " name,                                                  \
+                .file = "wx_delta_ops_kernel.cu",                                                  \
+                .src = wx_delta_ops_kernel_src,                                                    \
+                .fn = name},                                                                       \
+        .k = {.mu = PTHREAD_MUTEX_INITIALIZER}, .what = call, .addr = {__VA_ARGS__},               \
     }
-static const wx_kernel_src_t wx__cmp_src = WX__OPS("wx_delta_cmp");
-static const wx_kernel_src_t wx__count_src = WX__OPS("wx_delta_count");
-static const wx_kernel_src_t wx__emit_src = WX__OPS("wx_delta_emit");
-static const wx_kernel_src_t wx__scat_src = WX__OPS("wx_delta_scatter");
-
+static struct {
+    const wx_kernel_src_t src;
+    wx_kernel_t k;
+    const char *what, *addr[5];
+} wx__ops[WX__NOPS] = {
+    [WX__CMP] = WX__OPS("compare", "wx_delta_cmp", "range table", "bitmask"),
+    [WX__COUNT] = WX__OPS("count", "wx_delta_count", "range table", "bitmask", "counts"),
+    [WX__EMIT] = WX__OPS("emit", "wx_delta_emit", "record table", "bitmask", "shadow", "prefix sum",
+                         "output"),
+    [WX__SCAT] = WX__OPS("scatter", "wx_delta_scatter", "range table", "bitmask", "shadow"),
+};
 static wx_kernel_t wx__kq = {.mu = PTHREAD_MUTEX_INITIALIZER};
-static wx_kernel_t wx__kc = {.mu = PTHREAD_MUTEX_INITIALIZER};
-static wx_kernel_t wx__kn = {.mu = PTHREAD_MUTEX_INITIALIZER};
-static wx_kernel_t wx__ke = {.mu = PTHREAD_MUTEX_INITIALIZER};
-static wx_kernel_t wx__ks = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len)
 {
     wx_kernel_dev_t d;
     int rc;
-    if ((rc = wx_kernel_get(&wx__kc, &wx__cmp_src, device, dirs, ndirs, &d, why, why_len)) ||
-        (rc = wx_kernel_get(&wx__kn, &wx__count_src, device, dirs, ndirs, &d, why, why_len)) ||
-        (rc = wx_kernel_get(&wx__ke, &wx__emit_src, device, dirs, ndirs, &d, why, why_len)) ||
-        (rc = wx_kernel_get(&wx__ks, &wx__scat_src, device, dirs, ndirs, &d, why, why_len)))
-        return rc;
+    for (int op = 0; op < WX__NOPS; op++)
+        if ((rc = wx_kernel_get(&wx__ops[op].k, &wx__ops[op].src, device, dirs, ndirs, &d, why,
+                                why_len)) != 0)
+            return rc;
     return wx_kernel_get(&wx__kq, &wx__quant_src, device, dirs, ndirs, &d, why, why_len);
 }
 
@@ -70,16 +78,19 @@ static uint64_t wx__segs(uint64_t n) { return (n + WX_DELTA_SEG - 1) / WX_DELTA_
 
 static uint64_t wx__pad8(uint64_t n) { return (n + 7) & ~(uint64_t)7; }
 
-/* Common checks of one entry: length, running seg0, bits [bit0, bit0 + nbytes) in the bitmask. */
+/* Common checks of one entry: length, running seg0, bits [bit0, bit0 + nbytes) in the bitmask
+ * and, for shadow_nbytes other than UINT64_MAX, bytes [bit0, bit0 + nbytes) in the shadow; then
+ * its segments are added to *segs. */
 static int wx__entry(const char *what, int i, uint64_t nbytes, uint64_t seg0, uint64_t bit0,
-                     uint64_t segs, uint64_t bits_nbytes)
+                     uint64_t *segs, uint64_t bits_nbytes, uint64_t shadow_nbytes)
 {
+    const uint64_t expect = *segs;
     if (nbytes < 1 || nbytes > (1ull << 40))
         return wx_errf(-EINVAL, "delta %s %d: %llu bytes (expected 1 to 2^40)", what, i,
                        (unsigned long long)nbytes);
-    if (seg0 != segs)
+    if (seg0 != expect)
         return wx_errf(-EINVAL, "delta %s %d: seg0 %llu, expected %llu (the segments before it)",
-                       what, i, (unsigned long long)seg0, (unsigned long long)segs);
+                       what, i, (unsigned long long)seg0, (unsigned long long)expect);
     if (bit0 > (1ull << 50) || WX_DELTA_WORDS(bit0 + nbytes) * 4 > bits_nbytes)
         return wx_errf(-EINVAL,
                        "delta %s %d: its bits [%llu, %llu) need %llu bytes of bitmask, "
@@ -87,6 +98,12 @@ static int wx__entry(const char *what, int i, uint64_t nbytes, uint64_t seg0, ui
                        what, i, (unsigned long long)bit0, (unsigned long long)(bit0 + nbytes),
                        (unsigned long long)(WX_DELTA_WORDS(bit0 + nbytes) * 4),
                        (unsigned long long)bits_nbytes);
+    if (shadow_nbytes != UINT64_MAX && bit0 + nbytes > shadow_nbytes)
+        return wx_errf(-EINVAL,
+                       "delta %s %d: its range [%llu, %llu) is not inside the %llu-byte shadow",
+                       what, i, (unsigned long long)bit0, (unsigned long long)(bit0 + nbytes),
+                       (unsigned long long)shadow_nbytes);
+    *segs += wx__segs(nbytes);
     return 0;
 }
 
@@ -105,10 +122,9 @@ int wx_delta_cmp_check(const wx_delta_cmp_t *r, int n, uint64_t bits_nbytes, uin
         if (!r[i].dst || !r[i].src)
             return wx_errf(-EINVAL, "delta compare range %d: null %s address", i,
                            r[i].dst ? "source" : "shadow");
-        if ((rc = wx__entry("compare range", i, r[i].nbytes, r[i].seg0, r[i].bit0, segs,
-                            bits_nbytes)) != 0)
+        if ((rc = wx__entry("compare range", i, r[i].nbytes, r[i].seg0, r[i].bit0, &segs,
+                            bits_nbytes, UINT64_MAX)) != 0)
             return rc;
-        segs += wx__segs(r[i].nbytes);
     }
     *nsegs = segs;
     return rc;
@@ -118,12 +134,9 @@ int wx_delta_count_check(const wx_delta_range_t *r, int n, uint64_t bits_nbytes,
 {
     uint64_t segs = 0;
     int rc = wx__count_n("count", n);
-    for (int i = 0; !rc && i < n; i++) {
-        if ((rc = wx__entry("count range", i, r[i].nbytes, r[i].seg0, r[i].bit0, segs,
-                            bits_nbytes)) != 0)
-            return rc;
-        segs += wx__segs(r[i].nbytes);
-    }
+    for (int i = 0; !rc && i < n; i++)
+        rc = wx__entry("count range", i, r[i].nbytes, r[i].seg0, r[i].bit0, &segs, bits_nbytes,
+                       UINT64_MAX);
     *nsegs = segs;
     return rc;
 }
@@ -138,7 +151,8 @@ int wx_delta_emit_check(const wx_delta_rec_t *r, int n, uint64_t bits_nbytes,
         const wx_delta_rec_t *q = &r[i];
         const uint64_t enc = q->head0 >> 32, ns = wx__segs(q->nbytes);
         uint64_t size;
-        if ((rc = wx__entry("record", i, q->nbytes, q->seg0, q->bit0, segs, bits_nbytes)) != 0)
+        if ((rc = wx__entry("record", i, q->nbytes, q->seg0, q->bit0, &segs, bits_nbytes,
+                            shadow_nbytes)) != 0)
             return rc;
         if (q->nbytes > 0xffffffffull || q->count < 1 || q->count > q->nbytes ||
             (enc != WX_DELTA_PAIRS && enc != WX_DELTA_MASK))
@@ -155,20 +169,12 @@ int wx_delta_emit_check(const wx_delta_rec_t *r, int n, uint64_t bits_nbytes,
                            "the %llu-byte output",
                            i, (unsigned long long)size, (unsigned long long)q->out_off,
                            (unsigned long long)out_nbytes);
-        if (q->bit0 + q->nbytes > shadow_nbytes)
-            return wx_errf(-EINVAL,
-                           "delta record %d: its range [%llu, %llu) is not inside the "
-                           "%llu-byte shadow",
-                           i, (unsigned long long)q->bit0,
-                           (unsigned long long)(q->bit0 + q->nbytes),
-                           (unsigned long long)shadow_nbytes);
         if (nsegx < 2 || q->rseg0 > nsegx - 1 || ns > nsegx - 1 - q->rseg0)
             return wx_errf(-EINVAL,
                            "delta record %d: segments [%llu, %llu) of its range, the "
                            "prefix sum has %llu entries",
                            i, (unsigned long long)q->rseg0, (unsigned long long)(q->rseg0 + ns),
                            (unsigned long long)nsegx);
-        segs += ns;
     }
     *nsegs = segs;
     return rc;
@@ -182,47 +188,21 @@ int wx_delta_scatter_check(const wx_delta_scat_t *r, int n, uint64_t bits_nbytes
     for (int i = 0; !rc && i < n; i++) {
         if (!r[i].dst)
             return wx_errf(-EINVAL, "delta scatter range %d: null destination address", i);
-        if ((rc = wx__entry("scatter range", i, r[i].nbytes, r[i].seg0, r[i].bit0, segs,
-                            bits_nbytes)) != 0)
-            return rc;
-        if (r[i].bit0 + r[i].nbytes > shadow_nbytes)
-            return wx_errf(-EINVAL,
-                           "delta scatter range %d: its range [%llu, %llu) is not inside the "
-                           "%llu-byte shadow",
-                           i, (unsigned long long)r[i].bit0,
-                           (unsigned long long)(r[i].bit0 + r[i].nbytes),
-                           (unsigned long long)shadow_nbytes);
-        segs += wx__segs(r[i].nbytes);
+        rc = wx__entry("scatter range", i, r[i].nbytes, r[i].seg0, r[i].bit0, &segs, bits_nbytes,
+                       shadow_nbytes);
     }
     *nsegs = segs;
     return rc;
-}
-
-/* The kernel on `device`, and a persistent grid of at most ctas per SM over `work` items. */
-static int wx__get(wx_kernel_t *k, const wx_kernel_src_t *src, int device, uint64_t work, int ctas,
-                   wx_kernel_dev_t *d, uint64_t *grid)
-{
-    char why[WX_ERRMSG_MAX];
-    int rc = wx_kernel_get(k, src, device, NULL, 0, d, why, sizeof why);
-    if (rc)
-        return wx_errf(rc, "%s unavailable: %s", src->what, why);
-    *grid = work;
-    if (*grid > (uint64_t)d->sms * (uint64_t)ctas)
-        *grid = (uint64_t)d->sms * (uint64_t)ctas;
-    return 0;
 }
 
 int wx_delta_quant_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes,
                           const wx_fp8_piece_t *host, uint64_t dev_pieces, int n, uint64_t bits,
                           uint64_t bits_nbytes)
 {
-    wx_kernel_dev_t d;
     CUdeviceptr dp = (CUdeviceptr)dev_pieces, op = (CUdeviceptr)out, bp = (CUdeviceptr)bits;
-    uint64_t ntiles = 0, grid = 0;
+    uint64_t ntiles = 0;
+    wx_fp8_inline_t inl;
     int rc = wx_fp8_check(host, n, out_nbytes, &ntiles), nt;
-    struct {
-        wx_fp8_piece_t p[WX_FP8_INLINE]; /* the kernel's wx_fp8_inline */
-    } inl;
     if (rc)
         return rc;
     if (!out || !bits)
@@ -234,58 +214,52 @@ int wx_delta_quant_launch(int device, uint64_t stream, uint64_t out, uint64_t ou
                        (unsigned long long)out_nbytes,
                        (unsigned long long)(WX_DELTA_WORDS(out_nbytes) * 4),
                        (unsigned long long)bits_nbytes);
-    if (!dev_pieces && n > WX_FP8_INLINE)
-        return wx_errf(-EINVAL,
-                       "delta quant: null piece table address with %d pieces (at most "
-                       "%d travel in the launch's parameters)",
-                       n, WX_FP8_INLINE);
-    memset(&inl, 0, sizeof inl);
-    if (!dev_pieces)
-        memcpy(inl.p, host, (size_t)n * sizeof *host);
-    if ((rc = wx__get(&wx__kq, &wx__quant_src, device, ntiles, WX__CTAS_PER_SM, &d, &grid)) != 0)
+    if ((rc = wx_fp8_table("delta quant", host, dev_pieces, n, &inl)) != 0)
         return rc;
     nt = (int)ntiles;
     void *args[] = {&dp, &n, &op, &nt, &inl, &bp};
-    return wx_kernel_launch(&d, "wx_delta_quant", grid, WX__THREADS, wx__quant_src.smem, stream,
-                            args);
+    return wx_kernel_run(&wx__kq, &wx__quant_src, device, ntiles, WX__CTAS_PER_SM, WX__THREADS,
+                         stream, args);
+}
+
+/* One launch of kernel `op` over nsegs segments, once its table passed its check (rc 0): each of
+ * its device addresses (addr, named by its row) must be set. */
+static int wx__ops_run(int op, int rc, const uint64_t *addr, int device, uint64_t stream,
+                       uint64_t nsegs, void **args)
+{
+    for (int i = 0; !rc && i < 5 && wx__ops[op].addr[i]; i++)
+        if (!addr[i])
+            return wx_errf(-EINVAL, "delta %s: null %s address", wx__ops[op].what,
+                           wx__ops[op].addr[i]);
+    if (rc)
+        return rc;
+    return wx_kernel_run(&wx__ops[op].k, &wx__ops[op].src, device, nsegs, WX__OPS_CTAS_PER_SM,
+                         WX__THREADS, stream, args);
 }
 
 int wx_delta_cmp_launch(int device, uint64_t stream, const wx_delta_cmp_t *host, uint64_t dev,
                         int n, uint64_t bits, uint64_t bits_nbytes)
 {
-    wx_kernel_dev_t d;
     CUdeviceptr dp = (CUdeviceptr)dev, bp = (CUdeviceptr)bits;
-    uint64_t nsegs = 0, grid = 0;
+    uint64_t nsegs = 0;
     int rc = wx_delta_cmp_check(host, n, bits_nbytes, &nsegs);
-    if (rc)
-        return rc;
-    if (!dev || !bits)
-        return wx_errf(-EINVAL, "delta compare: null %s address", dev ? "bitmask" : "range table");
-    if ((rc = wx__get(&wx__kc, &wx__cmp_src, device, nsegs, WX__OPS_CTAS_PER_SM, &d, &grid)))
-        return rc;
     void *args[] = {&dp, &n, &nsegs, &bp};
-    return wx_kernel_launch(&d, "wx_delta_cmp", grid, WX__THREADS, 0, stream, args);
+    return wx__ops_run(WX__CMP, rc, (const uint64_t[]){dev, bits}, device, stream, nsegs, args);
 }
 
 int wx_delta_count_launch(int device, uint64_t stream, const wx_delta_range_t *host, uint64_t dev,
                           int n, uint64_t bits, uint64_t bits_nbytes, uint64_t counts,
                           uint64_t counts_n)
 {
-    wx_kernel_dev_t d;
     CUdeviceptr dp = (CUdeviceptr)dev, bp = (CUdeviceptr)bits, cp = (CUdeviceptr)counts;
-    uint64_t nsegs = 0, grid = 0;
+    uint64_t nsegs = 0;
     int rc = wx_delta_count_check(host, n, bits_nbytes, &nsegs);
-    if (rc)
-        return rc;
-    if (!dev || !bits || !counts)
-        return wx_errf(-EINVAL, "delta count: null table, bitmask or counts address");
-    if (counts_n < nsegs)
-        return wx_errf(-EINVAL, "delta count: %llu counts for %llu segments",
-                       (unsigned long long)counts_n, (unsigned long long)nsegs);
-    if ((rc = wx__get(&wx__kn, &wx__count_src, device, nsegs, WX__OPS_CTAS_PER_SM, &d, &grid)))
-        return rc;
+    if (!rc && counts_n < nsegs)
+        rc = wx_errf(-EINVAL, "delta count: %llu counts for %llu segments",
+                     (unsigned long long)counts_n, (unsigned long long)nsegs);
     void *args[] = {&dp, &n, &nsegs, &bp, &cp};
-    return wx_kernel_launch(&d, "wx_delta_count", grid, WX__THREADS, 0, stream, args);
+    return wx__ops_run(WX__COUNT, rc, (const uint64_t[]){dev, bits, counts}, device, stream, nsegs,
+                       args);
 }
 
 int wx_delta_emit_launch(int device, uint64_t stream, const wx_delta_rec_t *host, uint64_t dev,
@@ -293,36 +267,26 @@ int wx_delta_emit_launch(int device, uint64_t stream, const wx_delta_rec_t *host
                          uint64_t shadow_nbytes, uint64_t segx, uint64_t nsegx, uint64_t out,
                          uint64_t out_nbytes)
 {
-    wx_kernel_dev_t d;
     CUdeviceptr dp = (CUdeviceptr)dev, bp = (CUdeviceptr)bits, sp = (CUdeviceptr)shadow;
     CUdeviceptr xp = (CUdeviceptr)segx, op = (CUdeviceptr)out;
-    uint64_t nsegs = 0, grid = 0;
+    uint64_t nsegs = 0;
     int rc = wx_delta_emit_check(host, n, bits_nbytes, shadow_nbytes, out_nbytes, nsegx, &nsegs);
-    if (rc)
-        return rc;
-    if (!dev || !bits || !shadow || !segx || !out || out % 8)
-        return wx_errf(-EINVAL, "delta emit: null (or, for the output, not 8-aligned) table, "
-                                "bitmask, shadow, prefix sum or output address");
-    if ((rc = wx__get(&wx__ke, &wx__emit_src, device, nsegs, WX__OPS_CTAS_PER_SM, &d, &grid)))
-        return rc;
+    if (!rc && out % 8)
+        rc = wx_errf(-EINVAL, "delta emit: output address 0x%llx is not 8-aligned",
+                     (unsigned long long)out);
     void *args[] = {&dp, &n, &nsegs, &bp, &sp, &xp, &op};
-    return wx_kernel_launch(&d, "wx_delta_emit", grid, WX__THREADS, 0, stream, args);
+    return wx__ops_run(WX__EMIT, rc, (const uint64_t[]){dev, bits, shadow, segx, out}, device,
+                       stream, nsegs, args);
 }
 
 int wx_delta_scatter_launch(int device, uint64_t stream, const wx_delta_scat_t *host, uint64_t dev,
                             int n, uint64_t bits, uint64_t bits_nbytes, uint64_t shadow,
                             uint64_t shadow_nbytes)
 {
-    wx_kernel_dev_t d;
     CUdeviceptr dp = (CUdeviceptr)dev, bp = (CUdeviceptr)bits, sp = (CUdeviceptr)shadow;
-    uint64_t nsegs = 0, grid = 0;
+    uint64_t nsegs = 0;
     int rc = wx_delta_scatter_check(host, n, bits_nbytes, shadow_nbytes, &nsegs);
-    if (rc)
-        return rc;
-    if (!dev || !bits || !shadow)
-        return wx_errf(-EINVAL, "delta scatter: null range table, bitmask or shadow address");
-    if ((rc = wx__get(&wx__ks, &wx__scat_src, device, nsegs, WX__OPS_CTAS_PER_SM, &d, &grid)))
-        return rc;
     void *args[] = {&dp, &n, &nsegs, &bp, &sp};
-    return wx_kernel_launch(&d, "wx_delta_scatter", grid, WX__THREADS, 0, stream, args);
+    return wx__ops_run(WX__SCAT, rc, (const uint64_t[]){dev, bits, shadow}, device, stream, nsegs,
+                       args);
 }

@@ -95,4 +95,12 @@ void wx_kernel_leave(CUcontext ctx, CUcontext prev);
 int wx_kernel_launch(const wx_kernel_dev_t *d, const char *what, uint64_t grid, unsigned threads,
                      unsigned smem, uint64_t stream, void **args);
 
+/* Kernel k (src) on `device` (wx_kernel_get, no extra libnvrtc directories), launched once on
+ * `stream` over `work` items: a persistent grid of at most ctas_per_sm CTAs per multiprocessor
+ * (0: one CTA per item) of `threads` threads, src->smem bytes of dynamic shared memory, the
+ * kernel's parameters args. Returns 0, or a negative errno (wx_last_error: "<src->what>
+ * unavailable: <why>", or the launch's failure). */
+int wx_kernel_run(wx_kernel_t *k, const wx_kernel_src_t *src, int device, uint64_t work,
+                  int ctas_per_sm, unsigned threads, uint64_t stream, void **args);
+
 #endif
