@@ -20,7 +20,7 @@
 #define WX_KERNEL_MAX_ARCH 8 /* GPU architectures one process may compile a kernel for */
 #define WX_KERNEL_MAX_DEV 64 /* CUDA ordinals */
 #define WX_KERNEL_MAX_OPT 8
-#define WX_KERNEL_MAX_HDR 2
+#define WX_KERNEL_MAX_HDR 3
 
 /* What to compile. Fixed for the life of the process (the first use compiles it). */
 typedef struct wx_kernel_src {

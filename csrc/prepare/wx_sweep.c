@@ -11,6 +11,7 @@
 #include "sweep_fp8_pipe_src.h"
 #include "wx_fp8_kernel_src.h" /* the product kernel, whose tile code the sweep's includes */
 #include "wx_copy_kernel_src.h"
+#include "wx_dev_src.h" /* wx_dev.cuh, which the copy kernel includes */
 
 static pthread_mutex_t wx__mu = PTHREAD_MUTEX_INITIALIZER;
 static wx_kernel_cfg_t wx__fp8, wx__copy;
@@ -60,6 +61,9 @@ static void wx__copy_cfg(int unroll, int ctas)
     s->what = "the copy sweep kernel";
     s->file = "wx_copy_kernel.cu";
     s->src = wx_copy_kernel_src;
+    s->nhdr = 1;
+    s->hdr_name[0] = "wx_dev.cuh";
+    s->hdr_src[0] = wx_dev_src;
     snprintf(wx__opt[3], sizeof wx__opt[3], "-DWX_UNROLL=%d", unroll);
     s->opt[0] = wx__opt[3];
     s->nopt = 1;
