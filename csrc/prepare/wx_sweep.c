@@ -18,17 +18,26 @@ static wx_kernel_cfg_t wx__fp8, wx__copy;
 static int wx__fp8_set, wx__copy_set, wx__fp8_used, wx__copy_used;
 static char wx__opt[4][48];
 
+/* c cleared, then its source: the kernel's text, file name, entry point, name in messages. */
+static wx_kernel_src_t *wx__src(wx_kernel_cfg_t *c, const char *what, const char *file,
+                                const char *src, const char *fn)
+{
+    memset(c, 0, sizeof *c);
+    c->src.what = what;
+    c->src.file = file;
+    c->src.src = src;
+    c->src.fn = fn;
+    return &c->src;
+}
+
 /* The FP8 variant's shape, as the sweep's kernel expects it (its WX_* macros). */
 static void wx__fp8_cfg(int v, int minb)
 {
     int persistent = (v >= 2 && v <= 4) || v >= 6;
     int c = minb > 0 ? minb : v == 4 ? 1 : 2;
     int stages = c == 1 ? 6 : c == 2 ? 3 : 2, n = 0;
-    wx_kernel_src_t *s = &wx__fp8.src;
-    memset(&wx__fp8, 0, sizeof wx__fp8);
-    s->what = "the FP8 sweep kernel";
-    s->file = "sweep_fp8_kernel.cu";
-    s->src = sweep_fp8_kernel_src;
+    wx_kernel_src_t *s = wx__src(&wx__fp8, "the FP8 sweep kernel", "sweep_fp8_kernel.cu",
+                                 sweep_fp8_kernel_src, "wx_fp8_quant");
     s->nhdr = 2;
     s->hdr_name[0] = "sweep_fp8_pipe.cu";
     s->hdr_src[0] = sweep_fp8_pipe_src;
@@ -47,7 +56,6 @@ static void wx__fp8_cfg(int v, int minb)
         s->smem = (unsigned)stages * 128u * 128u * 2u;
     }
     s->nopt = n;
-    s->fn = "wx_fp8_quant";
     s->min_cc = 89;
     s->min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)";
     wx__fp8.threads = v == 5 ? 128 : 256;
@@ -56,18 +64,14 @@ static void wx__fp8_cfg(int v, int minb)
 
 static void wx__copy_cfg(int unroll, int ctas)
 {
-    wx_kernel_src_t *s = &wx__copy.src;
-    memset(&wx__copy, 0, sizeof wx__copy);
-    s->what = "the copy sweep kernel";
-    s->file = "wx_copy_kernel.cu";
-    s->src = wx_copy_kernel_src;
+    wx_kernel_src_t *s = wx__src(&wx__copy, "the copy sweep kernel", "wx_copy_kernel.cu",
+                                 wx_copy_kernel_src, "wx_copy_ranges");
     s->nhdr = 1;
     s->hdr_name[0] = "wx_dev.cuh";
     s->hdr_src[0] = wx_dev_src;
     snprintf(wx__opt[3], sizeof wx__opt[3], "-DWX_UNROLL=%d", unroll);
     s->opt[0] = wx__opt[3];
     s->nopt = 1;
-    s->fn = "wx_copy_ranges";
     wx__copy.threads = 256;
     wx__copy.ctas_per_sm = ctas;
     wx__copy.unroll = unroll;
