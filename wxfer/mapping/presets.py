@@ -307,20 +307,34 @@ DEEPSEEK_V3 = dict(
     first_k_dense_replace=3,
     vocab_size=129280,
 )
-QWEN3_235B = dict(
-    architectures=["Qwen3MoeForCausalLM"],
-    hidden_size=4096,
-    num_hidden_layers=94,
-    num_attention_heads=64,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=1536,
-    intermediate_size=12288,
-    vocab_size=151936,
-    tie_word_embeddings=False,
-)
+
+
+def decoder(
+    arch: str,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    inter: int,
+    vocab: int,
+    head_dim: int | None = None,
+    tie: bool = False,
+    **more,
+) -> dict:
+    """A decoder's Hugging Face config in the keys the presets read: its architecture, sizes,
+    vocabulary, head_dim only where given (Llama and Qwen2 take hidden / heads) and tied
+    embeddings, then any further keys (`more`: the experts of a MoE, norms)."""
+    cfg = dict(architectures=[arch], hidden_size=hidden, num_hidden_layers=layers)
+    cfg.update(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    if head_dim is not None:
+        cfg["head_dim"] = head_dim
+    cfg.update(intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tie, **more)
+    return cfg
+
+
+# architecture, hidden, layers, heads, kv heads, intermediate, vocabulary
+QWEN3_235B = decoder("Qwen3MoeForCausalLM", 4096, 94, 64, 4, 12288, 151936, head_dim=128)
+QWEN3_235B.update(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536)
 QWEN3_30B = dict(
     QWEN3_235B,
     hidden_size=2048,
@@ -329,48 +343,10 @@ QWEN3_30B = dict(
     moe_intermediate_size=768,
     intermediate_size=6144,
 )
-QWEN3_8B = dict(
-    architectures=["Qwen3ForCausalLM"],
-    hidden_size=4096,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=12288,
-    vocab_size=151936,
-    tie_word_embeddings=False,
-)
-QWEN3_TINY = dict(
-    architectures=["Qwen3ForCausalLM"],
-    hidden_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=512,
-    vocab_size=1024,
-    tie_word_embeddings=True,
-)
-LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"],
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-)
-QWEN2_7B = dict(
-    architectures=["Qwen2ForCausalLM"],
-    hidden_size=3584,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    intermediate_size=18944,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-)
+QWEN3_8B = decoder("Qwen3ForCausalLM", 4096, 36, 32, 8, 12288, 151936, head_dim=128)
+QWEN3_TINY = decoder("Qwen3ForCausalLM", 256, 2, 4, 2, 512, 1024, head_dim=64, tie=True)
+LLAMA3_8B = decoder("LlamaForCausalLM", 4096, 32, 32, 8, 14336, 128256)
+QWEN2_7B = decoder("Qwen2ForCausalLM", 3584, 28, 28, 4, 18944, 152064)
 
 ARCH_OF = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
