@@ -132,6 +132,10 @@ def _check_logits(a: dict):
     return logits_ok, logit_err, train_err
 
 
+# The run's settings its result repeats, as given.
+_SETTINGS = ("trainers", "replicas", "tp", "fp8", "cpu_offload", "moe", "ep")
+
+
 def _result(a: dict, res: dict, per_step: list, total_s: float, load0) -> dict:
     """The demo's result (what --json prints) from the trainers' result and the step reports."""
     bitexact = all(r["ok"] for s in per_step for r in s["reports"])
@@ -156,13 +160,7 @@ def _result(a: dict, res: dict, per_step: list, total_s: float, load0) -> dict:
         step_s=step_s,
         gbps=bps / min(step_s) / 1e9,
         gbps_mean=bps * len(step_s) / sum(step_s) / 1e9,
-        trainers=a["trainers"],
-        replicas=a["replicas"],
-        tp=a["tp"],
-        fp8=a["fp8"],
-        cpu_offload=a["cpu_offload"],
-        moe=a["moe"],
-        ep=a["ep"],
+        **{k: a[k] for k in _SETTINGS},
         model=a["size"] if not a["moe"] else "tiny-moe",
         tasks=res["tasks"],
         mesh_groups=res["groups"],
