@@ -375,9 +375,7 @@ static PyObject *wx_stream_wait_py(PyObject *m, PyObject *args)
     if (!PyArg_ParseTuple(args, "iKKI:stream_wait", &device, &stream, &dev, &value))
         return NULL;
     rc = wx_stream_wait_u32(device, stream, dev, value);
-    if (rc)
-        return wx_py_raise(st, rc, "stream_wait");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "stream_wait");
 }
 
 #ifdef WX_KERNEL_SWEEP
@@ -431,9 +429,7 @@ static PyObject *wx_delta_encode_py(PyObject *m, PyObject *args)
                              c, (const uint32_t *)(uintptr_t)idx, region, doff,
                              (uint8_t *)(uintptr_t)out, out_len);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return wx_py_raise(st, rc, "delta_encode");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "delta_encode");
 }
 
 static PyObject *wx_delta_sync_py(PyObject *m, PyObject *args)
@@ -447,9 +443,7 @@ static PyObject *wx_delta_sync_py(PyObject *m, PyObject *args)
         rc = wx_delta_sync((const uint8_t *)(uintptr_t)cur, (uint8_t *)(uintptr_t)shadow, n, c,
                            (const uint32_t *)(uintptr_t)idx);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return wx_py_raise(st, rc, "delta_sync");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "delta_sync");
 }
 
 static PyObject *wx_delta_apply_py(PyObject *m, PyObject *args)
@@ -463,9 +457,7 @@ static PyObject *wx_delta_apply_py(PyObject *m, PyObject *args)
         rc = wx_delta_apply((const uint8_t *)(uintptr_t)payload, len, enc, n, c,
                             (uint8_t *)(uintptr_t)dst);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return wx_py_raise(st, rc, "delta_apply");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "delta_apply");
 }
 
 static PyObject *wx_fp8_host_py(PyObject *m, PyObject *args)
@@ -481,9 +473,7 @@ static PyObject *wx_fp8_host_py(PyObject *m, PyObject *args)
         rc = wx_fp8_host((const void *)(uintptr_t)src, dtype, ld, rows, cols,
                          (uint8_t *)(uintptr_t)q, (uint8_t *)(uintptr_t)sc, nthreads);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return wx_py_raise(st, rc, "fp8_host");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "fp8_host");
 }
 
 static PyMethodDef wx__prepare_methods[] = {

@@ -639,9 +639,7 @@ static PyObject *wx_transport_write(PyObject *op, PyObject *args, PyObject *kw)
         return NULL;
     if (rc && rc == fail.err)
         return wx_py_raise_fail(st, &fail, "Transport.write");
-    if (rc)
-        return wx_py_raise(st, rc, "Transport.write");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "Transport.write");
 }
 
 static PyObject *wx_transport_fence(PyObject *op, PyObject *args, PyObject *kw)
