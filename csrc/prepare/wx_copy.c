@@ -49,12 +49,8 @@ int wx_copy_check(const wx_copy_range_t *r, int n, uint64_t *nchunks)
 static const wx_kernel_cfg_t wx__product = {
     .src =
         {
-            .what = "the copy kernel",
-            .file = "wx_copy_kernel.cu",
-            .src = wx_copy_kernel_src,
-            .nhdr = 1,
-            .hdr_name = {"wx_dev.cuh"},
-            .hdr_src = {wx_dev_src},
+            WX_KERNEL_FILE("the copy kernel", wx_copy_kernel),
+            WX_KERNEL_DEV_HDR,
             .fn = "wx_copy_ranges",
         },
     .threads = 256,

@@ -25,9 +25,7 @@
 #define WX__OPS_CTAS_PER_SM 16
 
 static const wx_kernel_src_t wx__quant_src = {
-    .what = "the fused FP8 delta kernel",
-    .file = "wx_delta_kernel.cu",
-    .src = wx_delta_kernel_src,
+    WX_KERNEL_FILE("the fused FP8 delta kernel", wx_delta_kernel),
     .nhdr = 3,
     .hdr_name = {"wx_fp8_kernel.cu", "wx_fp8_pipe.cu", "wx_dev.cuh"},
     .hdr_src = {wx_fp8_kernel_src, wx_fp8_pipe_src, wx_dev_src},
@@ -45,12 +43,7 @@ static const wx_kernel_src_t wx__quant_src = {
 enum { WX__CMP, WX__COUNT, WX__EMIT, WX__SCAT, WX__NOPS };
 #define WX__OPS(call, name, ...)                                                                   \
     {                                                                                              \
-        .src = {.what = "the delta kernel " name,                                                  \
-                .file = "wx_delta_ops_kernel.cu",                                                  \
-                .src = wx_delta_ops_kernel_src,                                                    \
-                .nhdr = 1,                                                                         \
-                .hdr_name = {"wx_dev.cuh"},                                                        \
-                .hdr_src = {wx_dev_src},                                                           \
+        .src = {WX_KERNEL_FILE("the delta kernel " name, wx_delta_ops_kernel), WX_KERNEL_DEV_HDR,  \
                 .fn = name},                                                                       \
         .k = {.mu = PTHREAD_MUTEX_INITIALIZER}, .what = call, .addr = {__VA_ARGS__},               \
     }

@@ -85,9 +85,7 @@ int wx_fp8_check(const wx_fp8_piece_t *p, int n, uint64_t out_nbytes, uint64_t *
 static const wx_kernel_cfg_t wx__product = {
     .src =
         {
-            .what = "the FP8 kernel",
-            .file = "wx_fp8_kernel.cu",
-            .src = wx_fp8_kernel_src,
+            WX_KERNEL_FILE("the FP8 kernel", wx_fp8_kernel),
             .nhdr = 1,
             .hdr_name = {"wx_fp8_pipe.cu"},
             .hdr_src = {wx_fp8_pipe_src},

@@ -37,6 +37,12 @@ typedef struct wx_kernel_src {
     const char *min_why; /* what needs min_cc, for the refusal */
 } wx_kernel_src_t;
 
+/* A kernel's source as setup.py embeds it: the file csrc/prepare/<name>.cu, its text
+ * <name>_src (build/gen/<name>_src.h), `what_` in messages. */
+#define WX_KERNEL_FILE(what_, name) .what = what_, .file = #name ".cu", .src = name##_src
+/* The in-memory header of a kernel that includes wx_dev.cuh only (wx_dev_src.h). */
+#define WX_KERNEL_DEV_HDR .nhdr = 1, .hdr_name = {"wx_dev.cuh"}, .hdr_src = {wx_dev_src}
+
 /* A kernel and its launch shape: the product's (wx_fp8.c, wx_copy.c) or, in a build with
  * WXFER_KERNEL_SWEEP=1, a benchmark's variant (wx_sweep.c). */
 typedef struct wx_kernel_cfg {
