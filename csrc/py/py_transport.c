@@ -146,13 +146,9 @@ static PyType_Slot wx_region_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec wx_region_spec = {
-    .name = "wxfer._wxfer.Region",
-    .basicsize = sizeof(wx_py_region_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
-             Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = wx_region_slots,
-};
+static PyType_Spec wx_region_spec =
+    WX_PY_TYPE_SPEC("Region", wx_py_region_t,
+                    Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION, wx_region_slots);
 
 /* ---- Transport ---------------------------------------------------------------------- */
 
@@ -714,12 +710,8 @@ static PyType_Slot wx_transport_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec wx_transport_spec = {
-    .name = "wxfer._wxfer.Transport",
-    .basicsize = sizeof(wx_py_transport_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
-    .slots = wx_transport_slots,
-};
+static PyType_Spec wx_transport_spec =
+    WX_PY_TYPE_SPEC("Transport", wx_py_transport_t, 0, wx_transport_slots);
 
 int wx_py_transport_init_types(PyObject *m, wx_py_state_t *st)
 {

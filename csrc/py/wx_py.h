@@ -17,6 +17,13 @@ typedef struct {
     PyTypeObject *Engine;
     PyTypeObject *Prepared; /* Engine.prepare's tasks */
 } wx_py_state_t;
+/* A type of the module: wxfer._wxfer.<pyname> (a string literal), instances of ctype, immutable
+ * with `flags` besides, its slots. */
+#define WX_PY_TYPE_SPEC(pyname, ctype, flags_, slots_)                                             \
+    {                                                                                              \
+        .name = "wxfer._wxfer." pyname, .basicsize = sizeof(ctype),                                \
+        .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | (flags_), .slots = (slots_),      \
+    }
 /* Every object of the state, X(field) each: the module's traverse and clear go through it. */
 #define WX_PY_STATE_OBJECTS(X) X(Error) X(DecodeError) X(Transport) X(Region) X(Engine) X(Prepared)
 
