@@ -551,19 +551,6 @@ static int wx__ci_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, si
     return 0;
 }
 
-static int wx__ci_conn_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
-                              size_t *rep_len)
-{
-    WX_UNUSED(t);
-    WX_UNUSED(req);
-    WX_UNUSED(rep);
-    WX_UNUSED(rep_len);
-    return wx_errf(-EPROTO,
-                   "cuda_ipc: got a %zu-byte connection request, but cuda_ipc needs "
-                   "no handshake (is the writer another transport?)",
-                   req_len);
-}
-
 /* Open every allocation the peer exported now, so that writes never open handles. */
 static int wx__ci_conn_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len)
 {
@@ -624,5 +611,6 @@ const wx_transport_ops_t wx_cuda_ipc_ops = {
     .auto_cuda = 1,
     .options = wx__ci_known,
     WX_TRANSPORT_OPS(ci),
+    .conn_accept = wx_no_handshake,
     .map = wx__ci_map,
 };

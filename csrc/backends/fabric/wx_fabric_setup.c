@@ -573,21 +573,6 @@ static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, s
     return 0;
 }
 
-static int wx__fab_conn_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
-                               size_t *rep_len)
-{
-    WX_UNUSED(t);
-    WX_UNUSED(req);
-    WX_UNUSED(rep);
-    if (req_len)
-        return wx_errf(-EPROTO,
-                       "fabric: unexpected %zu-byte connection request (fabric needs "
-                       "no handshake; is the writer another transport?)",
-                       req_len);
-    *rep_len = 0;
-    return 0;
-}
-
 static int wx__fab_conn_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len)
 {
     WX_UNUSED(t);
@@ -681,4 +666,5 @@ const wx_transport_ops_t wx_fabric_ops = {
     .gpu_check = wx__fab_gpu_check,
     .default_of = wx__fab_default_of,
     WX_TRANSPORT_OPS(fab),
+    .conn_accept = wx_no_handshake,
 };

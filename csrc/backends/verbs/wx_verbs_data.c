@@ -670,4 +670,5 @@ const wx_transport_ops_t wx_verbs_ops = {
     .host_options = wx__verbs_host_opts,
     .gpu_check = wx__verbs_gpu_opts,
     WX_TRANSPORT_OPS(verbs),
+    .conn_accept = wx__verbs_conn_accept,
 };
