@@ -23,6 +23,14 @@ Parts (``--parts``, default all but ``kernels``):
   checked; with ``--scatter-push 1`` also one trainer and one receiver on this GPU, forced
   scatter (``Sender(delta={"scatter": "force"})``) at each rate against a ``delta=False`` run
   (dense, in place; the median push of steps 2-5 of each).
+* ``apply`` (GPU; on CPU the host apply against torch, small): the receiver's apply of one
+  slot's records (``--apply-mib`` MiB of destination in ranges of ``--apply-range-kib`` KiB, odd,
+  at ``--apply-rates`` of its bytes changed): the native kernel (``delta_gpu.apply``,
+  wx_delta_apply) against the torch apply (``delta.apply_records(how="torch")``) and a device copy
+  of the same destination bytes, per MB of records and in GB/s, the L2 flushed before each run;
+  every row checked bit-exact against the new bytes. ``--cal-in FILE --cal-out FILE`` writes a
+  copy of a calibration with ``delta_apply_GBps``, the native rate at the row nearest
+  ``--apply-cal-rate``, which ``python -m wxfer plan --delta-rate`` takes for its apply term.
 * ``fused`` (GPU only): the delta kernels (wxfer.runtime.delta_gpu) on one 2-D BF16 weight at
   ``--fused-rates``: the fused quantize + compare kernel, and with the count and the records,
   against the dense quantize alone and the torch path (quantize, compare, encode) they replace.
@@ -301,6 +309,95 @@ def _best(device, reps: int, fn, setup=None) -> float:
     return t
 
 
+def _apply_records(device, nbytes: int, range_bytes: int, rate: float):
+    """(old, new, the records of new against old in ranges of range_bytes, their count): about
+    `rate` of the bytes changed (a byte-level rate, as the simulator's)."""
+    import torch
+    from wxfer.runtime import delta, delta_gpu
+
+    g = torch.Generator(device=device).manual_seed(int(rate * 1e5) + 1)
+    old = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device=device)
+    new = old.clone()
+    for o in range(0, nbytes, 1 << 26):  # the mask in 64 MiB pieces (its floats)
+        m = torch.rand(min(1 << 26, nbytes - o), generator=g, device=device) < rate
+        new[o : o + m.numel()] ^= m.to(torch.uint8)
+    ranges = [(o, min(range_bytes, nbytes - o)) for o in range(0, nbytes, range_bytes)]
+    if device.type == "cuda" and delta_gpu.why(device) is None:  # the kernels: fast at any size
+        shadow = old.clone()
+        cs, st = delta_gpu.compare_count(shadow, new, [(o, n, o) for o, n in ranges])
+        recs = delta_gpu.emit(shadow, st, [(i, 0, ranges[i][0]) for i, c in enumerate(cs) if c])
+    else:
+        recs = []
+        for o, n in ranges:
+            d, c = delta.changed(new[o : o + n], old[o : o + n])
+            if c:
+                recs.append(delta.encode(new[o : o + n], d, c, 0, o))
+    buf = torch.cat(recs) if recs else torch.zeros(8, dtype=torch.uint8, device=device)
+    return old, new, buf, len(recs)
+
+
+def bench_apply(device, nbytes: int, range_bytes: int, rate: float, reps: int) -> dict:
+    """One slot's records applied by the native path (the kernel on a GPU, wx_delta_host.c on
+    the CPU) against the torch apply and a copy of the destination bytes."""
+    import torch
+    from wxfer.runtime import delta
+
+    old, new, buf, nrec = _apply_records(device, nbytes, range_bytes, rate)
+    dst = old.clone()
+    flush = torch.empty(256 << 20 if device.type == "cuda" else 1 << 20, dtype=torch.uint8, device=device)
+    how, why = delta.applier(buf, [dst])
+    ok = {}
+
+    def run(h):
+        def fn():
+            delta.apply_records(buf, nrec, [dst], how=h)
+
+        dst.copy_(old)
+        fn()
+        ok[h] = bool(torch.equal(dst, new))
+        return _best(device, reps, fn, flush.zero_)  # absolute values: the same bytes each run
+
+    t_native = run(how)
+    t_torch = run("torch") if how != "torch" else t_native
+    t_copy = _best(device, reps, lambda: dst.copy_(new), flush.zero_)
+    rb, changed = buf.numel(), int((new != old).sum())
+    return dict(
+        device=str(device), name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
+        nbytes=nbytes, range_bytes=range_bytes, rate=rate, changed=changed, records=nrec, record_bytes=rb,
+        applier=how, applier_why=why,
+        native_s=t_native, torch_s=t_torch, dense_copy_s=t_copy,
+        native_s_per_MB=t_native / (rb / 1e6), torch_s_per_MB=t_torch / (rb / 1e6),
+        native_GBps=rb / t_native / 1e9, torch_GBps=rb / t_torch / 1e9,
+        native_vs_torch=t_native / t_torch, native_vs_copy=t_native / t_copy,
+        bitexact=ok.get(how, False) and ok.get("torch", True),
+    )  # fmt: skip
+
+
+def apply_line(x: dict) -> str:
+    """One row of the apply part, for the log."""
+    return "apply %s: %.2f%% changed, %d records %.2f MB: %s %.3f ms (%.1f GB/s of records), torch %.3f ms " \
+        "(%.1f GB/s), copy of the %d MiB %.3f ms; native/torch %.3f, native/copy %.2f, bit-exact %s" % (
+            x["name"], 100 * x["rate"], x["records"], x["record_bytes"] / 1e6, x["applier"], 1e3 * x["native_s"],
+            x["native_GBps"], 1e3 * x["torch_s"], x["torch_GBps"], x["nbytes"] >> 20, 1e3 * x["dense_copy_s"],
+            x["native_vs_torch"], x["native_vs_copy"], x["bitexact"],
+        )  # fmt: skip
+
+
+def apply_calibration(rows: list, rate: float, cal_in: str, cal_out: str, machine: str) -> dict:
+    """A copy of calibration `cal_in` with delta_apply_GBps, the native apply's rate at the row
+    nearest `rate`, written to `cal_out`: what ``plan --delta-rate`` takes for its apply term."""
+    from wxfer.plan.calibrate import load, save
+
+    row = min(rows, key=lambda x: abs(x["rate"] - rate))
+    cal = load(cal_in)
+    cal.delta_apply_GBps = row["native_GBps"]
+    cal.source += "; delta_apply_GBps: bench_delta.py --parts apply (%s, %s) at %.2f%% changed on %s" % (
+        row["applier"], row["name"], 100 * row["rate"], machine,
+    )  # fmt: skip
+    save(cal, cal_out)
+    return dict(cal_in=cal_in, cal_out=cal_out, delta_apply_GBps=row["native_GBps"], rate=row["rate"])
+
+
 def bench_kernels(device, rows: int, cols: int, rate: float, reps: int) -> dict:
     """Dense quantize alone vs quantize + compare + encode, and apply per MB of records."""
     import torch
@@ -474,6 +571,12 @@ def main() -> None:
     ap.add_argument("--scatter-rates", default="0.001,0.01,0.03,0.1,0.5", help="scatter part: fractions changed")
     ap.add_argument("--scatter-mib", type=int, default=256, help="scatter part: the kernel rows' range, MiB")
     ap.add_argument("--scatter-push", type=int, default=0, help="scatter part: 1 also runs the push rows (demo)")
+    ap.add_argument("--apply-rates", default="0.001,0.0031,0.01,0.03,0.1,0.5", help="apply part: bytes changed")
+    ap.add_argument("--apply-mib", type=int, default=512, help="apply part: MiB of destination (GPU; CPU: 16)")
+    ap.add_argument("--apply-range-kib", type=int, default=4099, help="apply part: KiB per range (one record each)")
+    ap.add_argument("--apply-cal-rate", type=float, default=0.0031, help="apply part: the row --cal-out takes")
+    ap.add_argument("--cal-in", default=None, help="apply part: a calibration to copy with delta_apply_GBps")
+    ap.add_argument("--cal-out", default=None, help="apply part: where that copy goes")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     parts = set(a.parts.split(","))
@@ -527,6 +630,16 @@ def main() -> None:
                 for f in a.push_fp8.split(",")
                 for row in bench_scatter_push(a.push_model, f == "1", rates, 5, a.watermark)
             ]
+    if "apply" in parts:  # the receiver's apply: native against torch and a copy
+        mib = a.apply_mib if device.type == "cuda" else min(a.apply_mib, 16)
+        res["apply"] = []
+        for r in a.apply_rates.split(","):
+            res["apply"].append(bench_apply(device, mib << 20, a.apply_range_kib << 10, float(r), 5))
+            print(apply_line(res["apply"][-1]), file=sys.stderr, flush=True)
+        if a.cal_in and a.cal_out:
+            res["apply_calibration"] = apply_calibration(
+                res["apply"], a.apply_cal_rate, a.cal_in, a.cal_out, res["machine"]
+            )
     if "fused" in parts:  # GPU only: the delta kernels
         r, c = (int(x) for x in a.kernel_shape.split("x"))
         res["fused"] = [bench_fused(device, r, c, float(x), 10) for x in a.fused_rates.split(",")]

@@ -7,6 +7,11 @@
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh bench    # the rows without the tests (about 6 min)
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh big      # the Qwen3-30B-A3B rows only (BF16 and FP8
 #                                                      # FSDP2; they need an H200's memory; about 9 min)
+#   OUT=/some/dir bash benchmarks/gpu_perf.sh fp8      # the 8B FP8 FSDP2 row alone, with the large BF16
+#                                                      # copies beside the quantizer and without
+#                                                      # (WXFER_DIRECT_OVERLAP=engines / kernel / 0, or
+#                                                      # OVERLAPS="..."), each row's pushes profiled, after
+#                                                      # tests/test_overlap_gpu.py (about 3 min)
 #
 # sweep: the product kernel (v6, 2 CTAs per SM) was chosen on an H200; on an H100 the 8B FP8
 # row's kernel term is its largest (its quantizer ran at about 2.65 TB/s of traffic against
@@ -17,9 +22,10 @@
 # 1. build; 2. the gpu tests touching the begin stamps' device wait and the in-place writes;
 # 3. bench_baselines --layouts colocated --curated qwen3-8b,qwen3-1.7b (the 8B BF16 plain and
 #    FSDP2 rows, the 8B FP8 FSDP2 row -- the curated list's fp8 entry -- and the 1.7B FSDP2
-#    and FSDP2-offload rows) with the begin stamps waited for on the device (WXFER_BEGIN_WAIT=device),
-#    then the same with WXFER_BEGIN_WAIT=host (the default) for the A/B on the same
-#    machine; 4. one table of both: link, wxfer, ratio, and the fixed cost before the first
+#    and FSDP2-offload rows) for each begin-stamp order in WAITS (default "stream host": the
+#    stamps written on the side stream, WXFER_BEGIN_WAIT=stream, the default; then the host
+#    wait, for the A/B on the same machine; "device" also runs the cuStreamWaitValue32 wait;
+#    MODELS=qwen3-8b: the 8B rows only); 4. one table of both: link, wxfer, ratio, and the fixed cost before the first
 #    write (the push's phases: rejoin_check, begin_stamps) per row, the submit phase per task and
 #    the batched copy launches' host time (stats()["direct"]["last_push"]; issue 37).
 # Every step is bounded and runs even when an earlier one failed; the exit status says whether
@@ -41,7 +47,45 @@ if [ "${1:-rows}" = sweep ]; then
   timeout 240 env WXFER_TESTING=1 python3 setup.py -q build_ext --inplace --force >>"$OUT/build.log" 2>&1 || rc=1
   exit $rc
 fi
-MODELS=qwen3-8b,qwen3-1.7b; MAXS=150
+if [ "${1:-rows}" = fp8 ]; then  # issue 37's FP8 row: the overlap (wxfer/runtime/overlap.py) on and off
+  timeout -k 5 150 python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler_timeout=45 -m gpu \
+    tests/test_overlap_gpu.py >"$OUT/overlap_tests.log" 2>&1 || rc=1
+  tail -8 "$OUT/overlap_tests.log"
+  for ovl in ${OVERLAPS:-engines kernel 0}; do
+    WXFER_DIRECT_OVERLAP=$ovl WXFER_BB_PROFILE=1 WXFER_BEGIN_WAIT=${BEGIN_WAIT:-stream} timeout -k 5 110 python3 \
+      benchmarks/bench_baselines.py --layouts colocated --models qwen3-8b --quant fp8 --trainers fsdp2 \
+      --methods link,wxfer --calibration none --max-s 90 --out "$OUT/fp8-overlap$ovl" --json \
+      >"$OUT/fp8-overlap$ovl.log" 2>&1 || rc=1
+    grep -E "^\[|skipped|failed|Error" "$OUT/fp8-overlap$ovl.log" | head -20
+  done
+  timeout 30 python3 - "$OUT" <<'PY' || rc=1
+import json, os, sys
+out = sys.argv[1]
+print("| overlap | link ms | wxfer ms (2 GiB / 256 MiB) | wxfer / FP8 copy | overlap stats | profiled: busy, quant, copies beside / alone ms |")
+print("|---|---|---|---|---|---|")
+for ovl in sorted((d[len("fp8-overlap"):] for d in os.listdir(out) if d.startswith("fp8-overlap") and "." not in d), reverse=True):
+    p = os.path.join(out, "fp8-overlap" + ovl, "results.json")
+    if not os.path.exists(p):
+        print("| %s | (no results.json) |" % ovl)
+        continue
+    for r in json.load(open(p))["results"]:
+        link = r.get("methods", {}).get("link", {}).get("seconds")
+        byw = r.get("wxfer_by_watermark") or {}
+        ks = sorted(byw, key=int, reverse=True)
+        if not ks or not link:
+            print("| %s | error: %s |" % (ovl, r.get("error") or r.get("errors")))
+            continue
+        ws = [byw[k]["seconds"] for k in ks]
+        o = (byw[ks[0]].get("direct") or {}).get("overlap")
+        pr = [byw[k].get("profile") or {} for k in ks]
+        prof = " / ".join("%.2f, %.2f, %.2f / %.2f" % (x.get("gpu_busy_ms", 0), (x.get("overlap") or {}).get("quant_ms", 0),
+                          (x.get("overlap") or {}).get("beside_ms", 0), (x.get("overlap") or {}).get("copy_alone_ms", 0)) for x in pr)
+        print("| %s | %.2f | %s | %s | %s | %s |" % (ovl, link * 1e3, " / ".join("%.2f" % (w * 1e3) for w in ws),
+              " / ".join("%.2fx" % (w / link) for w in ws), json.dumps(o), prof))
+PY
+  exit $rc
+fi
+MODELS=${MODELS:-qwen3-8b,qwen3-1.7b}; MAXS=150
 if [ "${1:-rows}" = big ]; then  # no tests: the 30B rows take the call's time
   MODELS=qwen3-30b-a3b; MAXS=230
 elif [ "${1:-rows}" != bench ]; then  # bench: the rows only (the tests run elsewhere in the same call)
@@ -49,8 +93,8 @@ timeout 200 python3 -m pytest -q -ra --durations=8 -m gpu tests/test_stream_wait
   tests/test_direct_gpu.py >"$OUT/gpu_tests.log" 2>&1 || rc=1
 tail -25 "$OUT/gpu_tests.log"
 fi
-WAITS=${WAITS:-host device}
-for wait in $WAITS; do  # WAITS=device: the device-wait rows only
+WAITS=${WAITS:-stream host}
+for wait in $WAITS; do  # WAITS=stream: the default order's rows only
   # the first wait's run also profiles one more push per row (bb_profile.py: where its time goes)
   prof=0; [ $wait = "${WAITS%% *}" ] && prof=1
   WXFER_BB_PROFILE=$prof WXFER_BEGIN_WAIT=$wait timeout $((MAXS + 20)) python3 benchmarks/bench_baselines.py --layouts colocated \
@@ -61,12 +105,13 @@ done
 timeout 30 python3 - "$OUT" <<'PY' || rc=1
 import json, os, sys
 out = sys.argv[1]
-print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made | fit: push_begin / begin_fence us |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
-for wait in ("device", "host"):
+print("| wait | row | link ms | wxfer ms (wm 2 GiB / 256 MiB) | wxfer / link | rejoin_check us | begin_stamps us | submit ms | submit us/task (tasks) | copy launches: n, host ms (begin wait ms), bindings made | fit: push_begin / begin_fence us | begin order (stats) |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+for wait in ("stream", "device", "host"):
     p = os.path.join(out, "bb-%s" % wait, "results.json")
     if not os.path.exists(p):
-        print("| %s | (no results.json) |" % wait)
+        if os.path.isdir(os.path.dirname(p)):
+            print("| %s | (no results.json) |" % wait)
         continue
     for r in json.load(open(p))["results"]:
         c = r["config"]
@@ -87,11 +132,12 @@ for wait in ("device", "host"):
         lp = [(w.get("direct") or {}).get("last_push") or {} for w in rs]
         cl = " / ".join("%d, %.2f (%.2f), %s" % (x.get("launches", 0), x.get("launch_s", 0) * 1e3,
                                            x.get("begin_wait_s", 0) * 1e3, x.get("bound", "-")) for x in lp) if any(lp) else "-"
-        print("| %s | %s | %.2f | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        order = (rs[0].get("direct") or {}).get("begin", "-")
+        print("| %s | %s | %.2f | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             wait, name, link * 1e3, " / ".join("%.2f" % (w * 1e3) for w in ws),
             " / ".join("%.2fx" % (w / link) for w in ws),
             " / ".join("%.0f" % (p.get("rejoin_check", 0) * 1e6) for p in ph),
             " / ".join("%.0f" % (p.get("begin_stamps", 0) * 1e6) for p in ph),
-            " / ".join("%.2f" % (p.get("submit", 0) * 1e3) for p in ph), per, cl, fit))
+            " / ".join("%.2f" % (p.get("submit", 0) * 1e3) for p in ph), per, cl, fit, order))
 PY
 exit $rc

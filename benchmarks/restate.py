@@ -19,6 +19,16 @@ that the plan needs is used as a named assumption (listed with the result), neve
 Sensitivity (one figure changed at a time from the base): NIC efficiency 0.8, 0.9, 1.0 (the
 fraction of 400 Gb/s the writes and cross-node all-gathers get); every host cost x0.5 and
 x2; the quantizer at half its measured rate and at the reference quantizer's 170 GB/s.
+
+With ``--delta-rate R`` (issue 36) every row also simulates the delta push at that fraction of
+destination bytes changed (wxfer.plan.delta.simulate_delta: the records instead of the bytes,
+the pack stage with the fused kernel's compare, each host waiting for each task's count, then
+the receivers' apply), and the output lists every input term with its source: the
+calibration's terms the plan charges (measured in the file, or a named assumption), the delta
+terms (measured, or given), the links (assumed: this job's NICs at line rate, NVLink at the
+2 x H200 broadcast rate) and what is not measured and not charged.
+
+    python benchmarks/restate.py --calibration cal-h200.json --jobs kimi-k2 --delta-rate 0.0031
 """
 
 from __future__ import annotations
@@ -80,7 +90,8 @@ def job_calibration(path: str):
     return cal
 
 
-def simulate_job(spec: dict, cal, nic_eff: float = 1.0) -> dict:
+def simulate_job(spec: dict, cal, nic_eff: float = 1.0, delta=None) -> dict:
+    """One job simulated; `delta` (wxfer.plan.delta.DeltaTerms): its delta push too."""
     from wxfer.meta import Cluster
     from wxfer.plan import plan_for
     from wxfer.plan.simulate import simulate
@@ -91,7 +102,7 @@ def simulate_job(spec: dict, cal, nic_eff: float = 1.0) -> dict:
     t0 = time.perf_counter()
     plan = plan_for(preset, c)
     r = simulate(plan, c, steps=400, record=False, kinds="auto")
-    return dict(
+    out = dict(
         simulated_s=r.simulated_s,
         lower_bound_s=r.lower_bound_s,
         bound_by=r.bound_by,
@@ -99,8 +110,43 @@ def simulate_job(spec: dict, cal, nic_eff: float = 1.0) -> dict:
             host=r.stage_busy_s.get("host"), allgather=r.stage_busy_s.get("allgather"), pack=r.stage_busy_s.get("pack")
         ),
         assumptions=r.assumptions,
-        wall_s=time.perf_counter() - t0,
     )
+    if delta is not None:
+        from wxfer.plan.delta import simulate_delta
+
+        out["delta"] = simulate_delta(plan, c, delta, r.simulated_s, r.lower_bound_s, steps=400)
+        out["sources"] = term_sources(plan, c)
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def term_sources(plan, cluster) -> dict:
+    """{input term: "source: value (why)"} of a simulation of `plan` on `cluster`: each
+    calibration term the plan charges (wxfer.plan.simulate.needed_terms: measured in the file,
+    or a named assumption), the rates whose None means another figure, and the links."""
+    from wxfer.plan.kinds import task_kinds
+    from wxfer.plan.simulate import needed_terms
+
+    cal = cluster.cal
+    need = needed_terms(plan, cluster, task_kinds(plan, plan.train_params or None, cluster.cpu_offload))
+    out = {}
+    for k in sorted(set(need) | {"quant_GBps", "quant_small_GBps", "copy_GBps"}):
+        src, why = cal.source_of(k)
+        v = getattr(cal, k)
+        out[k] = "%s: %r (%s)" % (src, v, why if src != "measured" else "the file's: " + why)
+    gpn = cluster.gpus_per_node
+    cross = sum(len({r // gpn for r in plan.meshes[t.mesh]}) > 1 for t in plan.tasks)
+    out["nic_GBps"] = (
+        "assumed: %g GB/s per GPU and direction (%g Gb/s line rate x efficiency %g; not measured): the writes "
+        "and the %d tasks' all-gathers across nodes (a ring over the NICs)"
+        % (cluster.nic_GBps, cluster.nic_gbps, cluster.nic_efficiency, cross)
+    )
+    out["nvlink_GBps"] = (
+        "assumed: %g GB/s, the all-gathers inside a node (measured: NCCL broadcast on 2 x H200, DESIGN.md; not an "
+        "all-gather over 8 GPUs)" % cluster.nvlink_GBps
+    )
+    out["barrier_s"] = "assumed: %g s, the gloo barrier between mesh groups (not measured)" % cluster.barrier_s
+    return out
 
 
 def variants(cal) -> list:
@@ -127,22 +173,85 @@ def variants(cal) -> list:
     return out
 
 
+def delta_lines(name: str, rows: list, terms) -> list:
+    """The delta table of one job's rows, and every input term's source (the base row's)."""
+    from wxfer.plan.delta import NOT_MEASURED
+
+    out = [
+        "",
+        "%s, delta push at %.4g of destination bytes changed" % (name, terms.rate),
+        "",
+        "| variant | dense | delta: simulated push + apply = total | x dense | busiest rank: all-gather / pack |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        d = r["delta"]
+        b = d["delta_stage_busy_s"]
+        out.append(
+            "| %s | %.3f s | %.3f + %.3f = **%.3f s** | %.3f | %.3f / %.3f s |"
+            % (
+                r["variant"],
+                d["dense_s"],
+                d["delta_simulated_s"],
+                d["delta_apply_s"],
+                d["delta_s"],
+                d["delta_vs_dense"],
+                b["allgather"],
+                b["pack"],
+            )
+        )
+    out += ["", "Every input term of the base row, with its source:", ""]
+    out += ["- rate %g: given (--delta-rate)" % terms.rate]
+    out += ["- compare %g GB/s, apply %g GB/s: %s" % (terms.compare_GBps, terms.apply_GBps, terms.source)]
+    out += ["- %s: %s" % kv for kv in sorted(rows[0]["sources"].items())]
+    out += ["- not measured, not charged: %s" % v for v in NOT_MEASURED.values()]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calibration", required=True, help="a python -m wxfer calibrate --json --out FILE")
     ap.add_argument("--jobs", default="all", help="comma list of kimi-k2, qwen3-235b (default all)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--delta-rate", type=float, default=None, help="also the delta push at this byte change rate")
+    ap.add_argument("--delta-compare-gbytes", type=float, default=None, help="default: the fused kernel's (H100)")
+    ap.add_argument("--delta-apply-gbytes", type=float, default=None, help="default: the torch apply's (H100)")
+    ap.add_argument("--base-only", action="store_true", help="the base row only (no sensitivity rows)")
+    ap.add_argument(
+        "--expert-shard",
+        type=int,
+        default=None,
+        help="the routed experts' FSDP size (default 2, across nodes; 1: every expert rank holds its experts whole, "
+        "no all-gather: what a rank quantizing its own block-aligned rows would send)",
+    )
     a = ap.parse_args(argv)
     cal = job_calibration(a.calibration)
     want = None if a.jobs == "all" else set(a.jobs.split(","))
     res: dict = dict(calibration=a.calibration, source=cal.source, assumptions=cal.assumptions, jobs={})
+    terms = None
+    if a.delta_rate is not None:
+        from wxfer.plan.delta import NOT_MEASURED, delta_terms
+
+        terms = delta_terms(a.delta_rate, a.delta_compare_gbytes, a.delta_apply_gbytes)
+        if a.delta_apply_gbytes is None and getattr(cal, "delta_apply_GBps", None):  # bench_delta --parts apply
+            terms.apply_GBps = cal.delta_apply_GBps
+            terms.source = "%s; apply: %.4g GB/s of records from the calibration (delta_apply_GBps)" % (
+                terms.source.split("; apply: ")[0],
+                cal.delta_apply_GBps,
+            )
+        res.update(delta_terms=terms.__dict__, delta_not_measured=NOT_MEASURED)
     lines = []
     for name, spec in JOBS.items():
         if want and spec["preset"] not in want:
             continue
+        if a.expert_shard is not None:
+            spec = dict(spec, expert_shard=a.expert_shard)
+            name += ", expert FSDP %d" % a.expert_shard
         rows = []
-        for label, c, e in variants(cal):
-            r = simulate_job(spec, c, e)
+        for label, c, e in variants(cal)[: 1 if a.base_only else None]:
+            r = simulate_job(spec, c, e, terms)
+            if rows:  # (a variant changes one figure: its sources are the base row's but that one)
+                r.pop("sources", None)
             rows.append(dict(r, variant=label))
             print(
                 "%s / %s: %.3f s (bound %.3f s, %s)"
@@ -173,6 +282,8 @@ def main(argv=None) -> int:
                     b["pack"] or 0.0,
                 )
             )
+        if terms is not None:
+            lines += delta_lines(name, rows, terms)
     if cal.assumptions:
         lines += ["", "Assumed (the file did not measure them):"] + ["- " + v for v in cal.assumptions.values()]
     print("\n".join(lines))

@@ -14,6 +14,8 @@ pytestmark = pytest.mark.skipif(not _wxfer.backends()["fabric"][0], reason="fabr
 @pytest.fixture
 def emulated(monkeypatch):
     """Direct writes and copies into the live receivers' memory (no cuda_ipc mapping)."""
+    import torch
+
     from wxfer.runtime import receiver as rmod
     from wxfer.runtime.inplace import InPlaceWriter
 
@@ -25,7 +27,14 @@ def emulated(monkeypatch):
         live.append(self)
 
     def regions():
-        return {d: t for r in live for d, t in r.region_base.items()}
+        out = {d: t for r in live for d, t in r.region_base.items()}
+        # the stamps too (WXFER_BEGIN_WAIT=stream writes the begin stamps in place)
+        for r in live:
+            try:
+                out[bytes(r.stamp_region.descriptor)] = r.stamps.view(torch.uint8)
+            except ValueError:  # (a receiver of an earlier probe, closed)
+                pass
+        return out
 
     def fake_map(self, rdesc, off, nb):
         t = regions()[bytes(rdesc)]

@@ -51,6 +51,15 @@ def test_a_bad_range_is_refused_naming_it(field, value, says):
         _wxfer.copy_check(t)
 
 
+def test_a_launch_with_a_bad_grid_is_refused_before_any_device_is_touched():
+    """copy_launch's ctas_per_sm (wxfer.runtime.overlap's small grid): 0 (the product's) to 64;
+    another value refused naming it, before the kernel or a device is looked at."""
+    t, _ = _table([100, 200])
+    for bad in (-1, 65):
+        with pytest.raises(_wxfer.Error, match=f"copy: ctas_per_sm {bad} \\(expected 0"):
+            _wxfer.copy_launch(0, 0, t, 1 << 20, bad)
+
+
 def test_a_table_of_the_wrong_size_is_refused():
     with pytest.raises(ValueError, match="copy range table: 24 bytes"):
         _wxfer.copy_check(array.array("Q", [1, 2, 3]))
@@ -84,6 +93,8 @@ def test_the_driver_batch_validates_its_copies_and_says_why_it_cannot_run():
     ):
         with pytest.raises(_wxfer.Error, match=says):
             _wxfer.copy_batch(0, 0, array.array("Q", [1 << 20, 1 << 21, 8, *bad]))
+        with pytest.raises(_wxfer.Error, match=says):  # (beside the SMs' work: wxfer.runtime.overlap)
+            _wxfer.copy_batch(0, 0, array.array("Q", [1 << 20, 1 << 21, 8, *bad]), True)
     if not torch.cuda.is_available():
         ok, why = _wxfer.copy_batch_probe(0)
         assert not ok and ("libcuda" in why or "cuInit" in why)

@@ -62,7 +62,7 @@ def test_bench_kernels_on_the_gpu():
 # that differ, the counts and every record equal delta.changed / delta.encode of the same range,
 # and the records applied over the old bytes give the new ones.
 
-SHAPES = [(256, 512), (300, 200), (129, 1000), (77, 130), (1, 3)]
+SHAPES = [(256, 512), (300, 200), (129, 1000), (64, 300), (77, 130), (1, 3)]  # rows 16/8/8/4/1/1-aligned
 RATES = [0.0, 0.004, 0.5, 1.0]
 
 

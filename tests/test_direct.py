@@ -226,6 +226,8 @@ def _emulate(monkeypatch, recvs):
     from wxfer.runtime.inplace import InPlaceWriter
 
     by_desc = {d: t for r in recvs for d, t in r.region_base.items()}
+    # the stamps too (WXFER_BEGIN_WAIT=stream writes the begin stamps in place)
+    by_desc.update((bytes(r.stamp_region.descriptor), r.stamps.view(torch.uint8)) for r in recvs)
     by_addr = {t.data_ptr(): t for t in by_desc.values()}
 
     def fake_map(self, rdesc, off, nb):
@@ -359,12 +361,22 @@ def _tiny():
 @needs_fabric
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not _wxfer.TESTING, reason="needs a test build (WXFER_TESTING=1) for _test_refuse_peer")
-def test_a_receiver_that_failed_before_the_data_is_not_written_direct(store, monkeypatch):
+@pytest.mark.parametrize("wait", ["host", "stream"])
+def test_a_receiver_that_failed_before_the_data_is_not_written_direct(store, monkeypatch, wait):
+    """Receiver 1's every engine write is refused (TEST-ONLY), so its begin stamp fails at the
+    write deadline.  The host wait (WXFER_BEGIN_WAIT=host) sees that before the first in-place
+    launch: receiver 1 keeps its bytes from before.  The stream order (the default) launches
+    without waiting: receiver 1 gets its begin stamp from the side stream ahead of the writes,
+    so it reads torn (version -1), never the old step over new bytes.  Either way the push
+    fails within its bound naming the worker, and receiver 0 holds the step."""
+    import time
+
     from wxfer.models import preset_for
     from wxfer.runtime.sender import Sender
 
+    monkeypatch.setenv("WXFER_BEGIN_WAIT", wait)
     _, addr = store
-    tp, quant, name = 2, "fp8", "dirfail"
+    tp, quant, name = 2, "fp8", "dirfail" + wait
     params, ths = _receivers(addr, name, tp, quant)
     before = [{k: v.clone() for k, v in p.items()} for p in params]
     _emulate(monkeypatch, [])
@@ -381,13 +393,24 @@ def test_a_receiver_that_failed_before_the_data_is_not_written_direct(store, mon
     recvs = _joined(ths)
     _emulate(monkeypatch, recvs)
     assert s.peers == {0: 0, 1: 1}
-    with pytest.raises(RuntimeError, match="failed"):
-        s.push()  # rank 1's begin stamp is never accepted: it fails before any data
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="failed") as e:
+        s.push()  # rank 1's begin stamp is never accepted: it fails
+    assert time.monotonic() - t0 < 15  # its deadline (1.5 s), not close()
+    assert "gpu 1" in str(e.value), e.value
     d = s.stats()["direct"]
-    assert d["tasks"] > 0 and d["staged"] == 0 and d["skipped_writes"] > 0, d
+    assert d["tasks"] > 0 and d["staged"] == 0, d
     _check(model, params, tp, quant, skip={1})
     assert recvs[0].version() == 1
-    assert all(torch.equal(before[1][k].view(torch.uint8), params[1][k].view(torch.uint8)) for k in params[1])
+    unchanged = all(torch.equal(before[1][k].view(torch.uint8), params[1][k].view(torch.uint8)) for k in params[1])
+    if wait == "host":
+        assert d["skipped_writes"] > 0 and unchanged and d["begin"].startswith("host: "), d
+    else:
+        r1 = recvs[1]
+        begin, end = int(r1.stamps[r1.stamp_slots]), int(r1.stamps[0])
+        assert not unchanged and (begin, end) == (1, -1)  # written, after its begin stamp: torn
+        assert r1.version() == -1
+        assert s.runner.begin_on_stream and s.runner.why_host_wait is None and d["begin"] == "stream"
     _closed(s, recvs)
 
 
@@ -485,31 +508,39 @@ def test_a_bad_copy_max_raises_naming_it_before_anything_is_set_up(monkeypatch):
 
 @needs_fabric
 @pytest.mark.timeout(120)
-def test_the_first_copy_launch_comes_after_the_begin_stamps_landed(store, monkeypatch):
+@pytest.mark.parametrize("wait", ["host", "stream"])
+def test_the_first_copy_launch_comes_after_the_begin_stamps_landed(store, monkeypatch, wait):
     """The batched copies write the receivers' memory outside the engine: each push's first
-    launch waits for the begin stamps (Engine.wait(fence=...), that fence task alone), so at
-    every launch this push's begin stamps have finished; the bytes are the reference's."""
+    launch comes after the begin stamps.  host: it waits for them (Engine.wait(fence=...), that
+    fence task alone), so at every launch this push's begin stamps have finished.  stream (the
+    default): the launch does not wait; the begin stamps were written ahead of it on its stream
+    (here the CPU: at once), so at every launch each receiver's begin stamp reads this push.
+    The bytes are the reference's."""
     import time
 
     from wxfer.runtime import copies
     from wxfer.runtime.tasks import STAMP_TAG
 
+    monkeypatch.setenv("WXFER_BEGIN_WAIT", wait)
     _, addr = store
-    name = "dirbegin"
+    name = "dirbegin" + wait
     model = _model().to(torch.bfloat16)
     monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", "all")
     s, params, recvs = _direct_sender(monkeypatch, addr, name, model)
     real, seen = copies.copy_ranges, []
-    pushed = [0]
+    pushed = [0, 0]  # the push's start, its version
 
     def spy(device, items, **kw):
-        begun = [r for r in s.engine.trace() if r["tag"] == STAMP_TAG and r["t_submit"] >= pushed[0]]
-        seen.append(bool(begun) and all(r["status"] == 0 for r in begun))
+        if wait == "host":
+            begun = [r for r in s.engine.trace() if r["tag"] == STAMP_TAG and r["t_submit"] >= pushed[0]]
+            seen.append(bool(begun) and all(r["status"] == 0 for r in begun))
+        else:  # the begin stamps in the receivers' own memory (slot stamp_slots + rank 0)
+            seen.append(all(int(r.stamps[r.stamp_slots]) == pushed[1] for r in recvs))
         return real(device, items, **kw)
 
     monkeypatch.setattr(copies, "copy_ranges", spy)
     for step in (1, 2):
-        pushed[0] = time.monotonic_ns()
+        pushed[:] = [time.monotonic_ns(), step]
         s.push()
         assert recvs[0].version() == step
         _check(model, params, 1, None)

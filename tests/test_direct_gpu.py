@@ -271,18 +271,28 @@ def test_direct_push_holds_nothing_under_the_watermark(store, quant):
 @needs_gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not _wxfer.TESTING, reason="needs a test build (WXFER_TESTING=1) for _test_refuse_peer")
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
-def test_a_receiver_that_failed_is_not_written(store, direct):
+@pytest.mark.parametrize(
+    "direct,wait", [(True, "host"), (True, "stream"), (False, "stream")], ids=["direct-host", "direct-stream", "staged"]
+)
+def test_a_receiver_that_failed_is_not_written(store, monkeypatch, direct, wait):
     """Two replicas on the GPU; every write to the second (peer 1) is refused (TEST-ONLY
-    cuda_ipc option), so it fails at its begin stamp's deadline, before any data: the push
-    raises naming it, the first replica holds the reference bytes, the second its bytes from
-    before the push (neither the direct kernels nor the engine wrote it)."""
+    cuda_ipc option), so it fails at its begin stamp's deadline: the push raises naming it
+    within its bound, the first replica holds the reference bytes.  The staged push and the
+    direct one with the host wait (WXFER_BEGIN_WAIT=host): the second keeps its bytes from
+    before the push (neither the direct kernels nor the engine wrote it).  The direct push in
+    stream order (the default): its kernels launched without waiting, after the begin stamps
+    written on the same stream, so the second replica reads torn (version -1), never the old
+    step over new bytes; and the training stream is not held up (it finishes its work at once
+    after the failed push)."""
+    import time
+
     from wxfer.runtime.sender import Sender
 
+    monkeypatch.setenv("WXFER_BEGIN_WAIT", wait)
     _, addr = store
     cfg, quant = TINY, "fp8"
     model = _model(cfg)
-    name = f"dfail_{int(direct)}"
+    name = f"dfail_{int(direct)}_{wait}"
     rx = _Receivers(addr, name, cfg, quant, replicas=2)
     try:
         s = Sender(
@@ -296,16 +306,31 @@ def test_a_receiver_that_failed_is_not_written(store, direct):
             direct=direct,
         )
         assert s.peers == {0: 0, 1: 1}
-        with pytest.raises(RuntimeError, match="failed"):
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="failed") as e:
             s.push()
+        assert time.monotonic() - t0 < 30 and "gpu 1" in str(e.value), e.value
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())  # the training stream, after the failed push
+        end = time.monotonic() + 10
+        while not ev.query() and time.monotonic() < end:
+            time.sleep(0.001)
+        assert ev.query(), "the training stream is held up after the failed push"
         d = s.stats()["direct"]
-        if direct:
-            assert d["tasks"] == _packed(s) > 0 and d["skipped_writes"] > 0, d
         got0, v0 = rx.read(0)
         got1, v1 = rx.read(1)
         _check_bytes(model, cfg, quant, got0)
         assert v0 == 1
-        assert got1 == rx.before[1], "the failed receiver was written"
+        if direct and wait == "stream":
+            # written or not (the launches do not wait to see its failure: its refused stamp fails
+            # at the write deadline, 2 s, long after them), it never reads a step complete
+            assert d["tasks"] == _packed(s) > 0 and d["begin"] == "stream", d
+            assert v1 == -1, v1
+            print("the refused receiver was", "written (torn)" if got1 != rx.before[1] else "not written")
+        else:
+            if direct:
+                assert d["tasks"] == _packed(s) > 0 and d["skipped_writes"] > 0, d
+            assert got1 == rx.before[1], "the failed receiver was written"
         s.close()
     finally:
         rx.close()

@@ -199,3 +199,72 @@ def test_links_read_each_lease_at_most_twice_a_period_and_pids_by_one_poll(store
     finally:
         p.kill()
         p.wait(10)
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no os.pidfd_open")
+def test_the_pid_waiter_reports_an_exit_at_once_and_stops_at_close():
+    """PidWatch.wait_exits: a thread blocked in poll(2) on the bound pidfds calls back as soon
+    as a process exits (once per exit, while its pidfd stays bound), sees pidfds bound after it
+    started, and ends at close()."""
+
+    a, b = _sleeper(), _sleeper()
+    pw = _watch()
+    hits = []
+    try:
+        assert pw.dead({0: _record(a)}) == {}
+        assert pw.wait_exits(lambda: hits.append(time.monotonic())) and pw.waiting()
+        assert pw.dead({0: _record(a), 1: _record(b)}) == {}  # b bound after the waiter started
+        time.sleep(0.2)
+        assert hits == []  # alive: nothing reported
+        for p in (b, a):
+            t0 = time.monotonic()
+            p.kill()
+            end = t0 + 5
+            while len(hits) < (1 if p is b else 2) and time.monotonic() < end:
+                time.sleep(0.002)
+            assert hits and hits[-1] - t0 < 1.0, (hits, t0)
+        time.sleep(0.2)
+        assert len(hits) == 2 and pw.fired == 2  # once each, though their pidfds stay readable
+        waiter = pw._waiter
+        pw.close()
+        waiter.join(5)
+        assert not waiter.is_alive() and not pw.waiting()
+    finally:
+        pw.close()
+        for p in (a, b):
+            p.kill()
+            p.wait(10)
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no os.pidfd_open")
+def test_a_push_reads_the_pid_waiters_flag_and_still_names_a_death_just_before_it(store, monkeypatch):
+    """With the watcher (a long period: it does not look during the test) and the pid waiter, a
+    push's start polls this host's pids only until they are all bound, then reads the flag;
+    a worker killed just before a push is named by that push (the waiter's report, no watcher
+    look, no write failing)."""
+    s, _ = store
+    ctl = control.Control(s, "lwait", T)
+    ctl.add("infer/rejoins", 0)
+    p = _sleeper()
+    try:
+        ln = Links(ctl, None, 0, None, None, {0: _record(p, gpu=0, replica=0, rank=0)}, 30.0)
+        polls = []
+        real = ln.pids.dead
+        monkeypatch.setattr(ln.pids, "dead", lambda recs: polls.append(1) or real(recs))
+        ln.start_watch(every=600.0)
+        ln.adopt_rejoins()
+        assert len(polls) == 1 and ln.pids.waiting()  # bound by the push's own check
+        for _ in range(20):
+            ln.adopt_rejoins()
+        assert len(polls) == 1 and ln.dead == {}  # the flag alone
+        p.kill()
+        end = time.monotonic() + 5
+        while ln.pids.fired == 0 and time.monotonic() < end:
+            time.sleep(0.002)
+        ln.adopt_rejoins()
+        assert list(ln.dead) == [0] and f"pid {p.pid}" in ln.dead[0], ln.dead
+        assert ln._looks == 0  # the watcher did not look: the waiter's report named it
+        ln.close()
+    finally:
+        p.kill()
+        p.wait(10)

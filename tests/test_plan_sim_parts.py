@@ -115,7 +115,24 @@ def test_rings_use_the_nic_receive_links():
     for step in range(3):
         _, rd, _, agb = net.step(net.active_pairs(), float(step), 1.0)
         rings += rd
-    assert rings == [(3, 7, 0.0)] and not net.rings and not net.ag_live  # 10 B per flow at 5 B/s: 2 steps
+    assert rings == [(3, 7, 0.0, 2.0)] and not net.rings and not net.ag_live  # 10 B per flow at 5 B/s: 2 steps
+
+
+def test_a_ring_ends_where_its_last_byte_moved_not_at_a_step_boundary():
+    # 10 B per flow at 5 B/s from t = 0.3 with 0.7 s steps: 2 s of bytes, so it ends at 2.3 s, not
+    # at the end of a step (2.8 s), and moves nothing before its start (the first step's 0.3 s)
+    jb = _two_jobs(sizes=())
+    net = _Network(jb, world=2, ngpu=1, nic_bw=5.0, write_bw=5.0, max_posted=1e9, write_latency_s=0.0)
+    net.add_ring(m=3, ti=7, start=0.3, ranks=(0, 1), nbytes=10.0)
+    rings, moved, now = [], [], 0.0
+    while net.rings:
+        _, rd, _, agb = net.step(net.active_pairs(), now, 0.7)
+        rings += rd
+        moved.append(agb)
+        now += 0.7
+    assert moved[0] == pytest.approx(2 * 5.0 * 0.4)  # two flows, 0.4 s of the first step
+    assert len(rings) == 1 and rings[0][:3] == (3, 7, 0.3)
+    assert rings[0][3] == pytest.approx(2.3)
 
 
 # ---------------------------------------------------------------- the stage model
@@ -136,6 +153,7 @@ def test_stage_model_formulas():
     assert m.allgather_s(T, 1) == 0.0
     assert m.ring_bytes(T, 2) == 4e9
     assert m.pack_s(T, 2e9) == pytest.approx(10e9 / 1000e9)
+    assert m.pack_s(T, 2e9, src_read=4e9) == pytest.approx(6e9 / 1000e9)  # the rank's own pieces read
     assert m.host_gather_s(T) == 0.0 and m.write_post_s(10) == 0.0 and not m.serial
     from wxfer.meta import Calibration
 
@@ -184,6 +202,21 @@ def test_jobs_group_the_transfer_table_by_sender_and_task():
         assert jb.wbytes[j] == plan.nbytes[sel].sum()
         assert jb.packed[j] == (plan.src_offset[sel] + plan.nbytes[sel]).max()
         assert (np.diff(jb.egpu[jb.start[j] : jb.end[j]]) > 0).all()  # one entry per receiver
+
+
+def test_a_rank_of_a_mesh_reads_only_the_sources_of_its_own_pieces():
+    # two ranks share each task (one destination per piece: infer TP1): each packs only the pieces it
+    # sends, so between them they read each task's sources once, not twice
+    plan, _, jb, _, _ = _meshes(train_gpus=2, gpus_per_node=2, dense_shard=2, infer_gpus=1, infer_tp=1)
+    assert jb.src_read is not None
+    two = 0
+    for t in plan.tasks:
+        js = jb.of_task.get(t.id, [])
+        assert sum(jb.src_read[j] for j in js) == pytest.approx(t.src_bytes)
+        if len(js) == 2:
+            two += 1
+            assert all(jb.src_read[j] < t.src_bytes for j in js)
+    assert two > 0
 
 
 def test_allgathers_follow_plan_order_and_packing_follows_them():

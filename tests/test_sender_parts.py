@@ -423,11 +423,11 @@ def test_the_step_loop_runs_copies_batches_and_tasks_in_order_group_by_group():
     h = loop.push(4, False, seen.run_task, threading.RLock())
     kinds = [e[0] for e in seen.log]
     assert kinds[:2] == ["start", "write_begin"]
-    body = [e for e in seen.log if e[0] in ("copy", "batch", "run", "flush_copies")]
+    body = [e for e in seen.log if e[0] in ("copy", "batch", "run", "end_group")]
     assert body[0] == ("copy", 0)
     assert body[1] == ("batch", list(range(1, FAST_BATCH + 1)))  # a full batch goes at once
     assert body[2] == ("batch", list(range(FAST_BATCH + 1, n + 1)))  # the rest before the next packed task
-    assert body[3:] == [("run", n + 1), ("flush_copies",), ("run", 100), ("flush_copies",)]
+    assert body[3:] == [("run", n + 1), ("end_group",), ("run", 100), ("end_group",)]
     assert set(loop.last_phases) == {"rejoin_check", "begin_stamps", "submit"} and loop.pending is h
     assert h.wait() == loop.last_phases["done"] and h.done()
     assert ("write_end",) in seen.log and ("verify_landed", None, 2.5) in seen.log
@@ -631,3 +631,132 @@ def test_a_push_after_a_held_fence_word_waits_on_the_host_naming_the_worker(monk
                 os.kill(bad.proc.pid, signal.SIGCONT)
         eng.close()
         t.close()
+
+
+class _Stamping(_Started):
+    """An in-place writer that records the begin stamps it is asked to write on the stream."""
+
+    def __init__(self, why=None):
+        super().__init__()
+        self.stamped, self.why = [], why
+
+    def off(self):
+        return None
+
+    def stamp_begin(self, dests, version):
+        self.stamped.append((dict(dests), version))
+        return self.why
+
+
+def test_stream_order_neither_waits_nor_reads_a_fence_word_the_engines_error_holds(monkeypatch):
+    """WXFER_BEGIN_WAIT=stream (the default): the begin stamps are written on the side stream
+    ahead of the in-place writes (InPlaceWriter.stamp_begin), so nothing waits on the fence
+    word.  A real engine over fabric tcp whose sticky error cancelled a fence (the word held
+    until close, Engine.word_state): the next push's _wait_begin returns at once, queues no
+    device wait and no host wait, and the stamps asked for are this push's, to every receiver.
+    A stamp that cannot be written there (stamp_begin says why) falls back to the host wait,
+    bounded, for good."""
+    import ctypes
+    import time
+
+    from wxfer.testing import TargetProcess
+    from wxfer.testing import pattern as rand
+
+    monkeypatch.delenv("WXFER_BEGIN_WAIT", raising=False)  # the default
+    opts = {"provider": "tcp"}
+    with TargetProcess("fabric", opts, [4 << 20, 4096]) as tgt:
+        t = _wxfer.Transport("fabric", opts)
+        assert tgt.connect(t) == 0
+        eng = _wxfer.Engine(t, timeout=0.5)  # (no isolate: a missed deadline is the engine's error)
+        word = ctypes.c_uint32(0)
+        eng.fence_word(ctypes.addressof(word), word)  # (as the device mode would have it)
+        eng.submit_external([(tgt.descriptors[0], 0, 0, 64)], tag=5)  # no signal: its deadline fails the engine
+        f = eng.submit(rand(8, 2), [(tgt.descriptors[1], 0, 0, 8)], fence=True)
+        with pytest.raises(Exception, match="deadline"):
+            eng.wait(timeout=20, fence=f)
+        end = time.monotonic() + 10
+        while eng.word_state() is None and time.monotonic() < end:
+            time.sleep(0.01)
+        assert eng.word_state()[0] is None  # held for the engine's error, until close
+        eng.clear_error()
+        ln = _links(gpus=(0,))
+        ln.peers, ln.gpu_of_peer = {0: 0}, {0: 0}
+        ln.begin_dest = {0: (tgt.descriptors[1], 8, 0, 8)}
+        ip = _Stamping()
+        r = TaskRunner(eng, t, torch.device("cpu", 0), None, 0, _program(), ln, ip, 20.0)
+        assert r.begin_on_stream and r.begin_word is None and r.why_host_wait is None
+        queued = []
+        monkeypatch.setattr(_wxfer, "stream_wait", lambda *a: queued.append(a), raising=False)
+        calls = []
+        real_wait = eng.wait
+        eng_wait = lambda *a, **kw: calls.append(kw) or real_wait(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(r, "engine", SimpleNamespace(wait=eng_wait, submit=eng.submit, word_state=eng.word_state))
+        for step in (1, 2):
+            r.start(step, verify=False)
+            r.write_begin()
+            t0 = time.monotonic()
+            ip.starts[-1][2]()
+            assert time.monotonic() - t0 < 0.5
+            assert ip.stamped[-1] == ({0: ln.begin_dest[0]}, step)
+        assert queued == [] and calls == [] and r.word_held_pushes == 0 and eng.word_state()[0] is None
+        # a stamp that cannot be written on the stream: the host wait (bounded), from then on
+        ip.why = "the begin stamp of inference worker gpu 0: not mapped"
+        r.start(3, verify=False)
+        r.write_begin()
+        ip.starts[-1][2]()
+        assert calls and calls[-1]["fence"] == r.begin_fence and not r.begin_on_stream
+        assert "not mapped" in r.why_host_wait and len(ip.stamped) == 3
+        r.start(4, verify=False)
+        r.write_begin()
+        ip.starts[-1][2]()
+        assert len(ip.stamped) == 3 and len(calls) == 2  # not asked again
+        eng.close()
+        t.close()
+
+
+def test_stream_stamps_fill_the_receivers_mapped_here_and_keep_the_others_from_in_place_writes(monkeypatch):
+    """InPlaceWriter.stamp_begin (the stream order): the begin stamp of each receiver mapped
+    here is filled with the push's version; one the transport refuses (another GPU) is not,
+    and then no region of that receiver is mapped for in-place writes (its tasks go the
+    engine's way); one whose memory is mapped already but whose stamp cannot be sends the push
+    to the host wait (a reason naming it); a receiver failed in the engine is neither filled
+    nor written for the rest of the push."""
+    from wxfer.runtime import inplace as ipm
+    from wxfer.runtime.inplace import _NotInPlace
+
+    mem = {r: torch.zeros(64, dtype=torch.uint8) for r in (b"stamp0", b"stamp1", b"region0", b"region1")}
+    monkeypatch.setattr(ipm, "region_nbytes", lambda r: mem[bytes(r)].numel())
+    failed = []
+    eng = SimpleNamespace(failed_peers=lambda: list(failed))
+
+    def writer(refuse):
+        w = InPlaceWriter(True, 1 << 20, CPU, None, None, "cuda_ipc", eng, _links())
+
+        def fake_map(r, off, nb):
+            if r in refuse:
+                raise _NotInPlace("the memory is not on the writer GPU cpu")
+            return mem[r].data_ptr() + off, None
+
+        w._map = fake_map
+        w._tensor = lambda addr, n: next(t for t in mem.values() if t.data_ptr() == addr)
+        return w
+
+    def stamp(g):
+        return int(mem[b"stamp%d" % g][8:16].view(torch.int64))
+
+    w = writer({b"stamp1", b"region1"})  # receiver 1 on another GPU
+    dests = w.links.begin_dest
+    assert w.stamp_begin(dests, 5) is None
+    assert (stamp(0), stamp(1)) == (5, 0) and w.stamp_views[1][1] is None and w.unstamped == frozenset()
+    w._view(b"region0")
+    with pytest.raises(_NotInPlace, match="begin stamp is not mapped here"):
+        w._view(b"region1")
+    failed.append(SimpleNamespace(peer=10))  # receiver 0 failed in the engine (its peer 10)
+    assert w.stamp_begin(dests, 6) is None
+    assert stamp(0) == 5 and w.unstamped == {0} and 0 in w._skip()
+    failed.clear()
+    w2 = writer(set())
+    w2.links.begin_dest[1] = (b"stamp1", 12, 0, 8)  # receiver 1's stamp not one aligned int64
+    w2._view(b"region1")  # its memory mapped first (the push's first task)
+    why = w2.stamp_begin(w2.links.begin_dest, 7)
+    assert why is not None and "gpu 1" in why and "mapped here" in why

@@ -7,7 +7,9 @@ lands after the fence's stamp was written; a receiver whose begin stamp is late 
 before the engine fenced it.  The CPU half (the word's values):
 tests/test_engine.py::test_fence_word_mirrors_each_finished_fence_and_is_released_at_close and
 ::test_fence_word_is_held_while_a_peer_whose_fence_write_did_not_land_is_not_fenced,
-tests/test_verbs.py::test_python_fence_word_goes_on_once_the_peer_whose_fence_write_was_abandoned_is_fenced."""
+tests/test_verbs.py::test_python_fence_word_goes_on_once_the_peer_whose_fence_write_was_abandoned_is_fenced.
+The default order since (``WXFER_BEGIN_WAIT=stream``): the begin stamp written on the side stream
+ahead of the in-place copy, with no wait on the fence word, which the engine's error holds."""
 
 import ctypes
 import time
@@ -51,18 +53,23 @@ def test_a_stream_waits_on_the_device_until_the_word_reaches_the_value(start, wa
     torch.cuda.set_device(0)
     w, dev = _word(start)
     x = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+    seen = torch.zeros(8, dtype=torch.uint8).pin_memory()  # read by the host with no CUDA call
     side, ev = torch.cuda.Stream(), torch.cuda.Event()
+    torch.cuda.synchronize()
     t = time.perf_counter()
     with torch.cuda.stream(side):
         _wxfer.stream_wait(0, side.cuda_stream, dev, wait_for)
         x.fill_(7)
+        seen.copy_(x[:8], non_blocking=True)
         ev.record(side)
     assert time.perf_counter() - t < 0.05  # the host did not wait
     time.sleep(0.1)
-    assert not ev.query() and int(x.max()) == 0  # blocked on the device
+    # blocked on the device.  Nothing is read on another stream while the side stream waits: a
+    # read there may queue behind the wait in a hardware queue the streams share (it hung here)
+    assert not ev.query() and seen.tolist() == [0] * 8
     _set(w, release)
     assert _done_within(ev, 10.0), "the stream did not go on once the word was set"
-    assert int(x.min()) == 7
+    assert seen.tolist() == [7] * 8 and int(x.min()) == 7
 
 
 @pytest.mark.gpu
@@ -166,9 +173,11 @@ def test_a_receiver_whose_begin_stamp_is_late_is_not_written_before_it_is_fenced
         fid = eng.submit(stamp_src, [(rsa.descriptor, 0, 0, 8), (rsb.descriptor, 0, 0, 8)], tag=100, fence=True)
         eng.wait(timeout=30, fence=fid, posted=True)
         assert eng.failed_peers() == []  # the host sees no failure: it writes receiver b
+        seen = torch.zeros(8, dtype=torch.uint8).pin_memory()
         with torch.cuda.stream(side):
             _wxfer.stream_wait(0, side.cuda_stream, dev, fid & 0xFFFFFFFF)
             view_b.copy_(src)
+            seen.copy_(view_b[:8], non_blocking=True)
             ev.record(side)
         t0 = time.monotonic()
         eng.wait(timeout=30, fence=fid)  # finished at b's deadline, b failed alone
@@ -177,7 +186,7 @@ def test_a_receiver_whose_begin_stamp_is_late_is_not_written_before_it_is_fenced
         assert fl.peer == 1 and fl.stage == "deadline", str(fl)
         time.sleep(0.1)
         assert word.value != fid & 0xFFFFFFFF and not ev.query()  # (was: released, b written)
-        assert int(dst_b.max()) == 0
+        assert seen.tolist() == [0] * 8  # (read from pinned memory: no CUDA call while side waits)
         eng.wait(timeout=30)  # b's fence done (in time or not)
         [fl] = eng.failed_peers()
         if fenced:
@@ -233,3 +242,78 @@ def test_a_retired_word_is_kept_until_the_streams_that_waited_on_it_have_passed(
     side.synchronize()
     tasks.retire_word(None, ())
     assert ref() is None  # passed: let go
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_stream_order_stamps_ahead_of_the_in_place_copy_and_never_waits_on_a_held_word():
+    """WXFER_BEGIN_WAIT=stream (the default): ``InPlaceWriter.stamp_begin`` maps the receiver's
+    begin stamp through the real cuda_ipc transport and fills it on the side stream, ahead of
+    the in-place copy queued after it; the host does not wait.  The engine's sticky error holds
+    its fence word until close (the case that stalled the device wait's stream until
+    ``Sender.close()``): the side stream's stamp and copy run anyway, within a bound, while
+    the word is still held.  The side stream is first held by a test word of its own, so that
+    nothing has run when the host returns: then neither the stamp nor the copy is there."""
+    from types import SimpleNamespace
+
+    from test_external_gpu import _colocated
+
+    from wxfer.runtime.inplace import InPlaceWriter
+
+    n = 8 << 20
+    rx, (r, rs), (dst, stamps), tx, view = _colocated(n)
+    eng = _wxfer.Engine(tx, timeout=0.5)
+    w, _ = _word(0)
+    eng.fence_word(w.data_ptr(), w)
+    side = torch.cuda.Stream()
+    links = SimpleNamespace(on_adopt=[], skipped=lambda e: frozenset(), gpu_of_region={})
+    ip = InPlaceWriter(True, 1 << 20, torch.device("cuda", 0), side, tx, "cuda_ipc", eng, links)
+    try:
+        stamp_src = torch.full((8,), 5, dtype=torch.uint8, device="cuda:0")
+        eng.submit_external([(r.descriptor, 0, 0, 64)], tag=5)  # never signalled: the engine's error
+        f = eng.submit(stamp_src, [(rs.descriptor, 0, 0, 8)], fence=True)
+        with pytest.raises(Exception, match="deadline"):
+            eng.wait(timeout=20, fence=f)
+        end = time.monotonic() + 10
+        while eng.word_state() is None and time.monotonic() < end:
+            time.sleep(0.01)
+        assert eng.word_state() is not None and eng.word_state()[0] is None  # held until close
+        eng.clear_error()
+        src = torch.full((n,), 9, dtype=torch.uint8, device="cuda:0")
+        dest = (rs.descriptor, 8, 0, 8)
+        with torch.cuda.stream(side):
+            assert ip.stamp_begin({0: dest}, 1) is None  # (the stamp mapped: not while held below)
+        torch.cuda.synchronize()
+        assert stamps[8:16].view(torch.int64).item() == 1
+        # read by the host with no CUDA call: nothing is read on another stream while the side
+        # stream is held (a read there may queue behind the hold in a hardware queue they share)
+        probe = torch.zeros(2, dtype=torch.int64).pin_memory()
+        for version in (7, 8):
+            hold, hdev = _word(0)
+            ev = torch.cuda.Event()
+            probe.zero_()
+            with torch.cuda.stream(side):
+                _wxfer.stream_wait(0, side.cuda_stream, hdev, 1)  # the test's own hold
+                t = time.perf_counter()
+                assert ip.stamp_begin({0: dest}, version) is None
+                probe[:1].copy_(ip.stamp_views[0][1], non_blocking=True)  # the stamp at this point
+                view.copy_(src)
+                probe[1:].view(torch.uint8)[:8].copy_(view[:8], non_blocking=True)
+                ev.record(side)
+                took = time.perf_counter() - t
+            assert took < 0.05, took  # the host did not wait
+            time.sleep(0.05)
+            assert not ev.query() and probe.tolist() == [0, 0]  # nothing ran before the release
+            _set(hold, 1)
+            assert _done_within(ev, 10.0), "the side stream waited on the engine's held word"
+            assert eng.word_state() is not None  # still held: nothing waited on it
+            assert probe.tolist() == [version, 0x0909090909090909]  # the stamp, then the bytes
+            torch.cuda.synchronize()
+            assert stamps[8:16].view(torch.int64).item() == version and int(dst.min()) == 9
+            dst.zero_()
+            torch.cuda.synchronize()
+    finally:
+        ip.close()
+        eng.close()
+        tx.close()
+        rx.close()

@@ -72,17 +72,31 @@ _VARS = (
     _py("WXFER_VERIFY", "flag", "off", "checksum every write (Sender.push / Receiver verify=)"),
     _py("WXFER_DIRECT", "flag", "on", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
     _py("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "zero-copy tasks below this are copied by kernels"),
+    _py(
+        "WXFER_DIRECT_OVERLAP",
+        "choice",
+        "engines",
+        "larger zero-copy tasks copied beside the FP8 kernel: engines, kernel or 0 (off)",
+    ),
+    _py("WXFER_DIRECT_OVERLAP_CTAS", "int", "2", "CTAs per SM of the copy kernel's grid there (kernel)"),
     _py("WXFER_DELTA_STAGING", "size", "0", "Receiver delta staging area bytes (docs/delta.md)"),
     _py("WXFER_DELTA_GPU", "choice", "native", "delta pushes on CUDA: native (the delta kernels) or torch"),
+    _py(
+        "WXFER_DELTA_APPLY",
+        "choice",
+        "native",
+        "a CUDA receiver's apply of delta records: native (the wx_delta_apply kernel) or torch",
+    ),
     _py("WXFER_COPY", "choice", "native", "the batched copy: native (copies.COPIER's) or torch"),
     _py("WXFER_FP8", "choice", "native", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
     _py(
         "WXFER_BEGIN_WAIT",
         "choice",
-        "host",
-        "in-place writes wait for the begin stamps on the host (the default: bounded) or the "
-        "device (cuStreamWaitValue32 where the driver has it; docs/cuda_ipc.md says what is "
-        "left of its liveness findings)",
+        "stream",
+        "how in-place writes follow the begin stamps: stream (the default: written on the side "
+        "stream ahead of them, no wait), device (the stream waits with cuStreamWaitValue32 on the "
+        "fence word: opt-in, a word held until close stalls it) or host (the host waits, bounded); "
+        "docs/cuda_ipc.md",
     ),
     # libraries (dlopened by the C extension)
     _c("WXFER_LIBCUDA"),

@@ -166,6 +166,11 @@ class Calibration:
     allgather_GBps: float | None = None  # the trainers' all-gather bus rate
     write_GBps: float | None = None  # the write path (transport) between two processes
     h2d_GBps: float | None = None  # pinned host-to-device
+    # the receiver's apply of delta records, GB/s of records (the delta term's input, wxfer.plan.delta;
+    # not a stage-2 term): None, the delta term's default (its --delta-apply-gbytes, else
+    # wxfer.plan.delta.APPLY_GBPS); benchmarks/bench_delta.py --parts apply --cal-in/--cal-out puts
+    # the native apply's measured rate here
+    delta_apply_GBps: float | None = None
     source: str = "defaults: one H200, wxfer at issue 13 (per-parameter Python, reference quantizer)"
     # terms a measurement could not take, term -> why (``python -m wxfer calibrate`` records them
     # rather than a 0): the simulator refuses a plan that needs one (wxfer.plan.simulate.check_terms,

@@ -78,7 +78,7 @@ int wx_copy_probe(int device, const char *const *dirs, int ndirs, char *why, siz
 }
 
 int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uint64_t dev_ranges,
-                   int n)
+                   int n, int ctas_per_sm)
 {
     const wx_kernel_cfg_t *cfg = wx__cfg();
     CUdeviceptr dp = (CUdeviceptr)dev_ranges;
@@ -88,9 +88,12 @@ int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uin
         return rc;
     if (!dev_ranges)
         return wx_errf(-EINVAL, "copy: null range table address");
+    if (ctas_per_sm < 0 || ctas_per_sm > 64)
+        return wx_errf(-EINVAL, "copy: ctas_per_sm %d (expected 0, the product's, to 64)",
+                       ctas_per_sm);
     void *args[] = {&dp, &n, &nchunks};
-    return wx_kernel_run(&wx__kernel, &cfg->src, device, nchunks, cfg->ctas_per_sm, cfg->threads,
-                         stream, args);
+    return wx_kernel_run(&wx__kernel, &cfg->src, device, nchunks,
+                         ctas_per_sm ? ctas_per_sm : cfg->ctas_per_sm, cfg->threads, stream, args);
 }
 
 /* The device's context, when the driver has cuMemcpyBatchAsync. */
@@ -134,7 +137,7 @@ static int wx__columns(const uint64_t *triples, int n, CUdeviceptr **dst, CUdevi
     return 0;
 }
 
-int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n)
+int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n, int beside_compute)
 {
     char why[WX_ERRMSG_MAX];
     const wx_cuda_api_t *cu;
@@ -142,7 +145,8 @@ int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n)
     CUmemcpyAttributes attr = {CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
                                {CU_MEM_LOCATION_TYPE_DEVICE, device},
                                {CU_MEM_LOCATION_TYPE_DEVICE, device},
-                               CU_MEMCPY_FLAG_DEFAULT};
+                               beside_compute ? CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+                                              : CU_MEMCPY_FLAG_DEFAULT};
     CUdeviceptr *dst = NULL, *src = NULL;
     CUcontext prev;
     CUstream hs;

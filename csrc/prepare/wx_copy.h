@@ -37,9 +37,11 @@ int wx_copy_probe(int device, const char *const *dirs, int ndirs, char *why, siz
 
 /* Copy on `stream` (a CUstream) of `device` the n validated ranges `host` with one launch of
  * the kernel (`dev_ranges`: the device address of the same bytes, valid until the kernel ran,
- * stream order). Returns 0 or a negative errno (wx_last_error says why). */
+ * stream order). ctas_per_sm: the persistent grid's CTAs per SM (0: the product's 16; a few
+ * leave room on every SM for a kernel running beside it, wxfer/runtime/overlap.py). Returns 0
+ * or a negative errno (wx_last_error says why). */
 int wx_copy_launch(int device, uint64_t stream, const wx_copy_range_t *host, uint64_t dev_ranges,
-                   int n);
+                   int n, int ctas_per_sm);
 
 /* The kernel's settings: 16-byte loads in flight per thread (compiled in) and CTAs per SM of
  * its grid (the product's 4 and 16; another pair only in a WXFER_KERNEL_SWEEP build). */
@@ -51,8 +53,10 @@ void wx_copy_settings(int *unroll, int *ctas);
 int wx_copy_batch_probe(int device, char *why, size_t why_len);
 
 /* The same copies by one cuMemcpyBatchAsync on `stream` of `device`: n (dst, src, nbytes)
- * uint64 triples, device addresses of `device`, the sources read in stream order. Returns 0
- * or a negative errno (wx_last_error names the call and, where the driver says, the copy). */
-int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n);
+ * uint64 triples, device addresses of `device`, the sources read in stream order;
+ * beside_compute: the driver's hint CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE (run them on the
+ * copy engines, beside the kernels on the SMs; wxfer/runtime/overlap.py). Returns 0 or a
+ * negative errno (wx_last_error names the call and, where the driver says, the copy). */
+int wx_copy_batch(int device, uint64_t stream, const uint64_t *triples, int n, int beside_compute);
 
 #endif

@@ -16,31 +16,45 @@
 #include "wx_fp8_kernel_src.h"       /* the FP8 kernel, which wx_delta_kernel.cu includes */
 #include "wx_fp8_pipe_src.h"
 
-/* The FP8 kernel's launch shape and options (wx_fp8.c): the same tile code, the same ring. */
-#define WX__STAGES 3
+/* The fused kernel's launch shape and options: the FP8 kernel's (wx_fp8.c; the same tile code,
+ * the same ring: 2 CTAs of 256 threads per SM, 3 tile buffers each), with wx_delta_kernel.cu's
+ * WX_DPF and WX_DPAIR switches off. A WXFER_KERNEL_SWEEP build may compile another variant of
+ * the same source instead (wx_sweep.c, kernel "delta"; benchmarks/bench_fused_variants.py, whose
+ * d<v>:<c> is WX__DPF = v % 4, WX__DPAIR = v / 4, WX__CTAS_PER_SM = c, WX__STAGES = 3 at c = 2
+ * and 6 at c = 1, or 2 and 4 with WX__DPF 2). */
 #define WX__STR2(x) #x
 #define WX__STR(x) WX__STR2(x)
 #define WX__THREADS 256
 #define WX__CTAS_PER_SM 2
+#define WX__STAGES 3
+#define WX__DPF 0
+#define WX__DPAIR 0
 #define WX__OPS_CTAS_PER_SM 16
 
-static const wx_kernel_src_t wx__quant_src = {
-    WX_KERNEL_FILE("the fused FP8 delta kernel", wx_delta_kernel),
-    .nhdr = 3,
-    .hdr_name = {"wx_fp8_kernel.cu", "wx_fp8_pipe.cu", "wx_dev.cuh"},
-    .hdr_src = {wx_fp8_kernel_src, wx_fp8_pipe_src, wx_dev_src},
-    .nopt = 2, /* as the FP8 kernel: no contraction, the same ring */
-    .opt = {"--fmad=false", "-DWX_STAGES=" WX__STR(WX__STAGES)},
-    .fn = "wx_delta_quant",
-    .smem = WX__STAGES * 128u * 128u * 2u,
-    .min_cc = 89,
-    .min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)",
+static const wx_kernel_cfg_t wx__quant = {
+    .src =
+        {
+            WX_KERNEL_FILE("the fused FP8 delta kernel", wx_delta_kernel),
+            .nhdr = 3,
+            .hdr_name = {"wx_fp8_kernel.cu", "wx_fp8_pipe.cu", "wx_dev.cuh"},
+            .hdr_src = {wx_fp8_kernel_src, wx_fp8_pipe_src, wx_dev_src},
+            .nopt = 5, /* as the FP8 kernel: no contraction, the same ring; the switches */
+            .opt = {"--fmad=false", "-DWX_STAGES=" WX__STR(WX__STAGES),
+                    "-DWX_MINB=" WX__STR(WX__CTAS_PER_SM), "-DWX_DPF=" WX__STR(WX__DPF),
+                    "-DWX_DPAIR=" WX__STR(WX__DPAIR)},
+            .fn = "wx_delta_quant",
+            .smem = WX__STAGES * 128u * 128u * (WX__DPF == 2 ? 3u : 2u), /* the rings' bytes */
+            .min_cc = 89,
+            .min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)",
+        },
+    .threads = WX__THREADS,
+    .ctas_per_sm = WX__CTAS_PER_SM,
 };
 
-/* The four kernels of wx_delta_ops_kernel.cu, one row each: the launch's name in messages, the
- * entry point, and the names of the device addresses the launch takes, in the order its
- * launcher hands them to wx__ops_run. */
-enum { WX__CMP, WX__COUNT, WX__EMIT, WX__SCAT, WX__NOPS };
+/* The kernels of wx_delta_ops_kernel.cu, one row each: the launch's name in messages, the entry
+ * point, and the names of the device addresses the launch takes, in the order its launcher hands
+ * them to wx__ops_run (none for the apply, whose launcher checks its own and runs it twice). */
+enum { WX__CMP, WX__COUNT, WX__EMIT, WX__SCAT, WX__APPLY, WX__NOPS };
 #define WX__OPS(call, name, ...)                                                                   \
     {                                                                                              \
         .src = {WX_KERNEL_FILE("the delta kernel " name, wx_delta_ops_kernel), WX_KERNEL_DEV_HDR,  \
@@ -57,18 +71,29 @@ static struct {
     [WX__EMIT] = WX__OPS("emit", "wx_delta_emit", "record table", "bitmask", "shadow", "prefix sum",
                          "output"),
     [WX__SCAT] = WX__OPS("scatter", "wx_delta_scatter", "range table", "bitmask", "shadow"),
+    [WX__APPLY] = WX__OPS("apply", "wx_delta_apply", NULL),
 };
 static wx_kernel_t wx__kq = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* The fused kernel's configuration: the product's, or a sweep build's variant. */
+static const wx_kernel_cfg_t *wx__qcfg(void) { return wx_kernel_cfg(&wx__kq, "delta", &wx__quant); }
 
 int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len)
 {
     wx_kernel_dev_t d;
     int rc;
-    for (int op = 0; op < WX__NOPS; op++)
+    for (int op = 0; op < WX__APPLY; op++) /* the apply has its own probe */
         if ((rc = wx_kernel_get(&wx__ops[op].k, &wx__ops[op].src, device, dirs, ndirs, &d, why,
                                 why_len)) != 0)
             return rc;
-    return wx_kernel_get(&wx__kq, &wx__quant_src, device, dirs, ndirs, &d, why, why_len);
+    return wx_kernel_get(&wx__kq, &wx__qcfg()->src, device, dirs, ndirs, &d, why, why_len);
+}
+
+int wx_delta_apply_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len)
+{
+    wx_kernel_dev_t d;
+    return wx_kernel_get(&wx__ops[WX__APPLY].k, &wx__ops[WX__APPLY].src, device, dirs, ndirs, &d,
+                         why, why_len);
 }
 
 static uint64_t wx__segs(uint64_t n) { return (n + WX_DELTA_SEG - 1) / WX_DELTA_SEG; }
@@ -196,6 +221,7 @@ int wx_delta_quant_launch(int device, uint64_t stream, uint64_t out, uint64_t ou
                           const wx_fp8_piece_t *host, uint64_t dev_pieces, int n, uint64_t bits,
                           uint64_t bits_nbytes)
 {
+    const wx_kernel_cfg_t *cfg = wx__qcfg();
     CUdeviceptr dp = (CUdeviceptr)dev_pieces, op = (CUdeviceptr)out, bp = (CUdeviceptr)bits;
     uint64_t ntiles = 0;
     wx_fp8_inline_t inl;
@@ -215,8 +241,8 @@ int wx_delta_quant_launch(int device, uint64_t stream, uint64_t out, uint64_t ou
         return rc;
     nt = (int)ntiles;
     void *args[] = {&dp, &n, &op, &nt, &inl, &bp};
-    return wx_kernel_run(&wx__kq, &wx__quant_src, device, ntiles, WX__CTAS_PER_SM, WX__THREADS,
-                         stream, args);
+    return wx_kernel_run(&wx__kq, &cfg->src, device, ntiles, cfg->ctas_per_sm, cfg->threads, stream,
+                         args);
 }
 
 /* One launch of kernel `op` over nsegs segments, once its table passed its check (rc 0): each of
@@ -286,4 +312,56 @@ int wx_delta_scatter_launch(int device, uint64_t stream, const wx_delta_scat_t *
     void *args[] = {&dp, &n, &nsegs, &bp, &sp};
     return wx__ops_run(WX__SCAT, rc, (const uint64_t[]){dev, bits, shadow}, device, stream, nsegs,
                        args);
+}
+
+int wx_delta_apply_check(const wx_delta_recs_t *a)
+{
+    if (!a->rec || a->rec % 8)
+        return wx_errf(-EINVAL, "delta apply: the records' address 0x%llx is null or not 8-aligned",
+                       (unsigned long long)a->rec);
+    if (a->nrec < 1 || a->nrec > WX_DELTA_MAX)
+        return wx_errf(-EINVAL, "delta apply: %llu records (expected 1 to %d)",
+                       (unsigned long long)a->nrec, WX_DELTA_MAX);
+    if (a->rec_nbytes < 32 || a->rec_nbytes > (1ull << 40))
+        return wx_errf(-EINVAL, "delta apply: %llu bytes of records (expected 32 to 2^40)",
+                       (unsigned long long)a->rec_nbytes);
+    if (!a->regions || a->nregions < 1 || a->nregions > 0xffffffffull)
+        return wx_errf(-EINVAL,
+                       "delta apply: %llu regions at 0x%llx (expected a table of 1 to 2^32)",
+                       (unsigned long long)a->nregions, (unsigned long long)a->regions);
+    if (!a->work || !a->state || !a->counts || !a->segx)
+        return wx_errf(-EINVAL, "delta apply: null %s address",
+                       !a->work     ? "work"
+                       : !a->state  ? "state"
+                       : !a->counts ? "counts"
+                                    : "segx");
+    if (a->cap < WX_DELTA_AP_CAP(a->rec_nbytes, a->nrec))
+        return wx_errf(-EINVAL,
+                       "delta apply: counts for %llu segments, %llu bytes of %llu records "
+                       "may need %llu",
+                       (unsigned long long)a->cap, (unsigned long long)a->rec_nbytes,
+                       (unsigned long long)a->nrec,
+                       (unsigned long long)WX_DELTA_AP_CAP(a->rec_nbytes, a->nrec));
+    return 0;
+}
+
+int wx_delta_apply_launch(int device, uint64_t stream, const wx_delta_recs_t *a, int phase)
+{
+    wx_kernel_t *k = &wx__ops[WX__APPLY].k;
+    const wx_kernel_src_t *src = &wx__ops[WX__APPLY].src;
+    wx_delta_recs_t arg = *a;
+    int rc = wx_delta_apply_check(a), ph = phase == 0 ? 0 : 2;
+    void *args[] = {&arg, &ph};
+    if (rc)
+        return rc;
+    if (phase != 0 && phase != 1)
+        return wx_errf(-EINVAL, "delta apply: phase %d (expected 0 or 1)", phase);
+    /* the walk (one CTA) or the MASK records' counts (a thread per record) */
+    if ((rc = wx_kernel_run(k, src, device, phase == 0 ? 1 : (a->nrec + 255) / 256, 0, WX__THREADS,
+                            stream, args)) != 0)
+        return rc;
+    /* the persistent grid of the count and the apply; their segments are the walk's (on the
+     * device), at most cap */
+    ph = phase == 0 ? 1 : 3;
+    return wx_kernel_run(k, src, device, a->cap, WX__OPS_CTAS_PER_SM, WX__THREADS, stream, args);
 }

@@ -52,10 +52,33 @@ typedef struct wx_delta_scat {
     uint64_t dst, bit0, nbytes, seg0;
 } wx_delta_scat_t;
 
+/* Apply (the receiver's side, wx_delta_apply): a slot's nrec records at rec (device memory,
+ * 8-aligned, rec_nbytes bytes: the payload after the slot's header, wxfer/runtime/delta.py's
+ * format) written into the regions (a device table of {base address, nbytes} u64 pairs, one per
+ * region index). Scratch the caller allocates on the device: work, nrec x 64 bytes (the walk's
+ * table); state, 8 u64 (the phases' answer: [0] error bits WX_DELTA_AP_*, [1] the first bad
+ * record, [2] segments, [3] the head offset where the walk stopped, [4] changed bytes, [5] 1
+ * when the walk itself failed; zeroed by the caller); counts,
+ * cap u32 and segx, cap + 1 int64 (segx[0] = 0), cap >= WX_DELTA_AP_CAP(rec_nbytes, nrec). */
+typedef struct wx_delta_recs {
+    uint64_t rec, rec_nbytes, nrec, regions, nregions, work, state, counts, segx, cap;
+} wx_delta_recs_t;
+#define WX_DELTA_AP_HEAD 1 /* a head's region, encoding or range outside the registered memory */
+#define WX_DELTA_AP_OVER 2 /* a head or payload past the records' end */
+#define WX_DELTA_AP_BAD 4  /* a malformed payload (changed > length, an offset, the mask's count) */
+#define WX_DELTA_AP_SEGS 8 /* more segments than cap (not with a cap of WX_DELTA_AP_CAP) */
+#define WX_DELTA_AP_WORK 64 /* bytes of the walk's entry per record */
+/* Segments of a slot at most: a MASK record's bitmask holds 1 byte per 8 of its range (8 KiB a
+ * segment), a PAIRS record 4 bytes a pair (8192 pairs a segment); one more per record. */
+#define WX_DELTA_AP_CAP(rec_nbytes, nrec) ((uint64_t)(rec_nbytes) / 1024u + (uint64_t)(nrec) + 1u)
+
 /* Can the kernels run on CUDA device `device`? Compiles and loads both modules (once). The fused
  * quantizer needs compute capability 8.9 (e4m3 conversion); the others run on any. Returns 0, or
  * a negative errno with the reason in why. */
 int wx_delta_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len);
+
+/* Can the apply kernel (wx_delta_apply) run on `device` (any compute capability)? */
+int wx_delta_apply_probe(int device, const char *const *dirs, int ndirs, char *why, size_t why_len);
 
 /* Validation (no GPU): 0 with *nsegs (the grid's work), or -EINVAL naming the entry. */
 int wx_delta_cmp_check(const wx_delta_cmp_t *r, int n, uint64_t bits_nbytes, uint64_t *nsegs);
@@ -65,6 +88,8 @@ int wx_delta_emit_check(const wx_delta_rec_t *r, int n, uint64_t bits_nbytes,
                         uint64_t *nsegs);
 int wx_delta_scatter_check(const wx_delta_scat_t *r, int n, uint64_t bits_nbytes,
                            uint64_t shadow_nbytes, uint64_t *nsegs);
+/* The addresses and sizes of an apply (what the records hold is the walk's to check). */
+int wx_delta_apply_check(const wx_delta_recs_t *a);
 
 /* The FP8 kernel's pieces (wx_fp8_check) quantized into the shadow `out` (the fp8 bytes and
  * scales compared, the changed ones written and marked in `bits`). As wx_fp8_launch otherwise. */
@@ -86,5 +111,10 @@ int wx_delta_emit_launch(int device, uint64_t stream, const wx_delta_rec_t *host
 int wx_delta_scatter_launch(int device, uint64_t stream, const wx_delta_scat_t *host, uint64_t dev,
                             int n, uint64_t bits, uint64_t bits_nbytes, uint64_t shadow,
                             uint64_t shadow_nbytes);
+/* Phase 0 (the walk, then the count) or 1 (the check of the masks' counts, then the apply) of
+ * the records; between them the caller writes segx[1..cap] = the inclusive prefix sum of counts
+ * on the same stream. Reading state after phase 1 (once the stream ran it) says whether every
+ * record was applied (state[0] == 0) or none, and why. */
+int wx_delta_apply_launch(int device, uint64_t stream, const wx_delta_recs_t *a, int phase);
 
 #endif

@@ -3,17 +3,103 @@
  *
  * Compiled with NVRTC at first use by wx_delta.c, like the FP8 kernel, from whose source it is
  * made: it includes wx_fp8_kernel.cu (and so wx_fp8_pipe.cu) and wx_dev.cuh (wx_delta.c hands
- * them to NVRTC as in-memory headers) and reuses its tile code (loads, amax, scale, division, e4m3 conversion)
- * and its persistent loop's ring of tile buffers, so the bytes are the FP8 kernel's, bit for
+ * them to NVRTC as in-memory headers) and reuses its tile code (loads, amax, scale, division,
+ * e4m3 conversion) and its persistent loop's ring of tile buffers, so the bytes are the FP8 kernel's, bit for
  * bit. Only the stores differ: `out` is the shadow, holding the bytes of the last push; each
  * thread reads the old bytes of its chunk (before the tile's amax reduction, so that the load
- * overlaps it), writes the chunk only where a byte differs, and sets bit i of the bitmask
- * `bits` (u32 words, little-endian bit order, zeroed by the caller) for every byte i of out
- * that changed, fp8 bytes and scales alike. The records are made from the bitmask and the
- * updated shadow by wx_delta_ops_kernel.cu.
+ * overlaps it; 16, 8 or 4 bytes at a time as the piece's rows are aligned), writes the chunk
+ * (the words holding a changed byte, where only 4-aligned) only where a byte differs, and sets
+ * bit i of the bitmask `bits` (u32 words, little-endian bit order, zeroed by the caller) for
+ * every byte i of out that changed, fp8 bytes and scales alike. The records are made from the
+ * bitmask and the updated shadow by wx_delta_ops_kernel.cu.
+ *
+ * Per element of a BF16 source this kernel reads 2 bytes (the source) and 1 (the old shadow
+ * byte) and writes only the 16-byte chunks holding a changed byte (DRAM writes whole 32-byte
+ * sectors) plus the bitmask's words of those chunks; the dense quantizer reads 2 and writes 1
+ * (docs/delta.md works out the bound). Switches (wx_delta.c passes the product's, 0 and 0 as
+ * the #ifndef defaults below; a WXFER_KERNEL_SWEEP build compiles the others from this same
+ * file, wx_sweep.c, for benchmarks/bench_fused_variants.py):
+ *   WX_DPF   how the old bytes of a tile are fetched ahead, when the tile is put in the ring
+ *            (WX_STAGES - 1 tiles ahead: wx_fp8_pipe.cu's WX_RING_HOOK): 0 not at all (loaded
+ *            from global memory when the tile is quantized, before its amax reduction); 1 its
+ *            shadow rows and scale prefetched into L2 (the loads then hit L2); 2 its shadow
+ *            rows copied by cp.async into a second ring of WX_STAGES 16 KiB buffers after the
+ *            tiles' (the launch's shared memory is WX_STAGES x 48 KiB), read from there, for
+ *            16-bit sources whose shadow rows are 16-byte aligned (else as 0); 3 as 1, but
+ *            one tile ahead only (the next tile's, when the current one starts: less time for
+ *            the lines to leave L2 than WX_STAGES - 1 tiles ahead);
+ *   WX_DPAIR 1: the two threads of 32 adjacent bytes of a tile row merge their 16-bit masks
+ *            (one shuffle) into one 32-bit OR: half the bitmask atomics (one per word where the
+ *            shadow's rows are 32-aligned).
+ * WX_MINB (CTAs per SM) and WX_STAGES (ring buffers per CTA) come from the launch shape.
  */
+#ifndef WX_DPF
+#define WX_DPF 0
+#endif
+#ifndef WX_DPAIR
+#define WX_DPAIR 0
+#endif
+#define WX_SCH (128 * 128 / 16) /* 16-byte chunks of a tile's shadow bytes (WX_DPF 2) */
+
+struct wx_job;
+__device__ __forceinline__ void wx_dring_hook(const wx_job &j, int s, uint4 *ring);
+#define WX_RING_HOOK(j, s, ring) wx_dring_hook(j, s, ring)
 #include "wx_fp8_kernel.cu"
 #include "wx_dev.cuh" /* wx_set_bits */
+
+/* Are tile j's old bytes in the shadow ring (WX_DPF 2)? */
+__device__ __forceinline__ bool wx_dsmem(const wx_job &j)
+{
+    return WX_DPF == 2 && j.dst && j.salign == 0 && j.dt != 2;
+}
+
+/* Stage s's shadow buffer (WX_DPF 2), after the WX_STAGES tile buffers. */
+__device__ __forceinline__ uint4 *wx_dbuf(uint4 *ring, int s)
+{
+    return ring + WX_STAGES * WX_TCH + s * WX_SCH;
+}
+
+/* Tile j's shadow rows (nr rows of nc bytes at dst, pitch apart, any alignment) and scale into
+ * L2: thread t takes row t % 128 at byte offsets 0 and 64 (t < 128) or 32, 96 and nc - 1
+ * (t >= 128), every 32-byte sector the row touches. */
+__device__ __forceinline__ void wx_dprefetch(const wx_job &j)
+{
+    const int row = threadIdx.x & 127, half = threadIdx.x >> 7;
+    if (j.dst && row < j.nr) {
+        const unsigned char *r = j.dst + (wx_i64)row * j.pitch;
+        for (int o = 32 * half; o < j.nc; o += 64)
+            asm volatile("prefetch.L2 [%0];" ::"l"(r + o));
+        if (half)
+            asm volatile("prefetch.L2 [%0];" ::"l"(r + j.nc - 1));
+    }
+    if (threadIdx.x == 0 && j.sp)
+        asm volatile("prefetch.L2 [%0];" ::"l"(j.sp));
+}
+
+/* The tile's old bytes fetched ahead when it is put in the ring (WX_DPF). 1: into L2
+ * (wx_dprefetch). 2: chunk q = p*256 + t (row q / 8, chunk q % 8 of the row) into stage s's
+ * shadow buffer by cp.async, zero-filled outside [nr, nc), in the commit group of the tile's
+ * own copies. */
+__device__ __forceinline__ void wx_dring_hook(const wx_job &j, int s, uint4 *ring)
+{
+    if (WX_DPF == 1) {
+        wx_dprefetch(j);
+    } else if (WX_DPF == 2 && wx_dsmem(j)) {
+        const int c = threadIdx.x % 8, row0 = threadIdx.x / 8;
+        const int nb = 16 * c < j.nc ? min(16, j.nc - 16 * c) : 0;
+        wx_u32 d = wx_saddr(wx_dbuf(ring, s) + threadIdx.x);
+#pragma unroll
+        for (int p = 0; p < WX_SCH / WX_THREADS; p++) {
+            const int row = p * (WX_THREADS / 8) + row0;
+            const bool in = row < j.nr && nb;
+            const unsigned char *g = j.dst + (wx_i64)(in ? row : 0) * j.pitch + 16 * c;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d),
+                         "l"(in ? g : j.dst), "r"(in ? nb : 0)
+                         : "memory");
+            d += WX_THREADS * 16;
+        }
+    }
+}
 
 /* Bit k set when byte k of x and y differ (nb <= 8 bytes looked at). */
 __device__ __forceinline__ wx_u32 wx_ne8(wx_u64 x, wx_u64 y, int nb)
@@ -27,17 +113,43 @@ __device__ __forceinline__ wx_u32 wx_ne8(wx_u64 x, wx_u64 y, int nb)
     return m;
 }
 
-/* The nb (<= 16) bytes at p as two little-endian u64 (zero above nb); v16: p 16-aligned. */
-__device__ __forceinline__ void wx_old16(const unsigned char *p, int nb, bool v16, wx_u64 &lo,
+/* The widest access p's alignment allows: al is 16, 8, 4 or 1 (p al-byte aligned). */
+__device__ __forceinline__ int wx_align_of(int salign)
+{
+    return salign == 0 ? 16 : (salign & 7) == 0 ? 8 : (salign & 3) == 0 ? 4 : 1;
+}
+
+/* The nb (<= 16) bytes at p as two little-endian u64 (zero above nb), read 16, 8 or 4 bytes at
+ * a time where p is al-byte aligned (al from wx_align_of; with al >= 4, nb is a multiple of 4:
+ * the rows' length is). Plain loads: this thread writes them afterwards. */
+__device__ __forceinline__ void wx_old16(const unsigned char *p, int nb, int al, wx_u64 &lo,
                                          wx_u64 &hi)
 {
-    if (v16 && nb == 16) {
-        uint4 o = *(const uint4 *)p; /* plain load: written below by this thread */
+    if (al == 16 && nb == 16) {
+        uint4 o = *(const uint4 *)p;
         lo = (wx_u64)o.x | ((wx_u64)o.y << 32);
         hi = (wx_u64)o.z | ((wx_u64)o.w << 32);
         return;
     }
+    if (al >= 8 && nb == 16) {
+        lo = ((const wx_u64 *)p)[0];
+        hi = ((const wx_u64 *)p)[1];
+        return;
+    }
     lo = hi = 0;
+    if (al >= 4) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (4 * k < nb) {
+                const wx_u64 w = ((const wx_u32 *)p)[k];
+                if (k < 2)
+                    lo |= w << (32 * k);
+                else
+                    hi |= w << (32 * (k - 2));
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int k = 0; k < 16; k++) {
         if (k < nb) {
@@ -50,12 +162,26 @@ __device__ __forceinline__ void wx_old16(const unsigned char *p, int nb, bool v1
     }
 }
 
-/* Write the bytes of lo:hi that m marks (bit k: byte k) at p, nb <= 16 valid; v16: p aligned. */
-__device__ __forceinline__ void wx_put16(unsigned char *p, int nb, bool v16, wx_u32 m, wx_u64 lo,
+/* Write the bytes of lo:hi that m marks (bit k: byte k, only below nb <= 16) at p: the whole
+ * chunk where it is 16 bytes at a 16- or 8-aligned p (al), the 4-byte words holding a marked
+ * byte where al >= 4, else the marked bytes. */
+__device__ __forceinline__ void wx_put16(unsigned char *p, int nb, int al, wx_u32 m, wx_u64 lo,
                                          wx_u64 hi)
 {
-    if (v16 && nb == 16) {
+    if (al == 16 && nb == 16) {
         *(uint4 *)p = make_uint4((wx_u32)lo, (wx_u32)(lo >> 32), (wx_u32)hi, (wx_u32)(hi >> 32));
+        return;
+    }
+    if (al >= 8 && nb == 16) {
+        ((wx_u64 *)p)[0] = lo;
+        ((wx_u64 *)p)[1] = hi;
+        return;
+    }
+    if (al >= 4) {
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if ((m >> (4 * k)) & 0xfu)
+                ((wx_u32 *)p)[k] = (wx_u32)((k < 2 ? lo : hi) >> (32 * (k & 1)));
         return;
     }
 #pragma unroll
@@ -85,11 +211,11 @@ __device__ __forceinline__ void wx_mark_scale(const wx_job &j, float s, wx_u32 o
 /* wx_tile16's work into the shadow: quantize, compare, write the changed chunks, mark them. */
 template <int DT>
 __device__ __forceinline__ void wx_dtile16(const wx_job &j, const uint4 *v, wx_u32 *red,
-                                           const unsigned char *out, wx_u32 *bits)
+                                           const unsigned char *out, wx_u32 *bits, const uint4 *osh)
 {
     const int tid = threadIdx.x, col = (tid % wx_g16::TPR) * wx_g16::SPAN;
     const int row0 = tid / wx_g16::TPR;
-    const bool v16 = j.salign == 0;
+    const int al = wx_align_of(j.salign);
     wx_u64 olo[wx_g16::NP], ohi[wx_g16::NP];
     const wx_u32 old_s = wx_old_scale(j);
     const int nb = min(16, j.nc - col);
@@ -97,8 +223,13 @@ __device__ __forceinline__ void wx_dtile16(const wx_job &j, const uint4 *v, wx_u
     for (int p = 0; p < wx_g16::NP; p++) { /* the old bytes, loaded before the reduction */
         const int row = p * wx_g16::RPP + row0;
         olo[p] = ohi[p] = 0;
-        if (j.dst && row < j.nr && nb > 0)
-            wx_old16(j.dst + (wx_i64)row * j.pitch + col, nb, v16, olo[p], ohi[p]);
+        if (wx_dsmem(j) && row < j.nr && nb > 0) { /* zero-filled above nb, as wx_old16 */
+            const uint4 o = osh[row * (WX_TILE / 16) + tid % wx_g16::TPR];
+            olo[p] = (wx_u64)o.x | ((wx_u64)o.y << 32);
+            ohi[p] = (wx_u64)o.z | ((wx_u64)o.w << 32);
+        } else if (j.dst && row < j.nr && nb > 0) {
+            wx_old16(j.dst + (wx_i64)row * j.pitch + col, nb, al, olo[p], ohi[p]);
+        }
     }
     wx_u32 m = 0;
 #pragma unroll
@@ -113,17 +244,22 @@ __device__ __forceinline__ void wx_dtile16(const wx_job &j, const uint4 *v, wx_u
 #pragma unroll
     for (int p = 0; p < wx_g16::NP; p++) {
         const int row = p * wx_g16::RPP + row0;
-        if (row >= j.nr || nb <= 0)
-            continue;
-        const wx_u64 a = wx_quant<2, DT>(v[2 * p], dv), b = wx_quant<2, DT>(v[2 * p + 1], dv);
-        if (a == olo[p] && (nb <= 8 || b == ohi[p]))
-            continue;
-        const wx_u32 d = wx_ne8(a, olo[p], min(nb, 8)) | (wx_ne8(b, ohi[p], nb - 8) << 8);
-        if (!d)
-            continue;
         unsigned char *q = j.dst + (wx_i64)row * j.pitch + col;
-        wx_put16(q, nb, v16, d, a, b);
-        wx_set_bits(bits, (wx_u64)(q - out), d);
+        wx_u32 d = 0;
+        if (row < j.nr && nb > 0) {
+            const wx_u64 a = wx_quant<2, DT>(v[2 * p], dv), b = wx_quant<2, DT>(v[2 * p + 1], dv);
+            if (a != olo[p] || (nb > 8 && b != ohi[p]))
+                d = wx_ne8(a, olo[p], min(nb, 8)) | (wx_ne8(b, ohi[p], nb - 8) << 8);
+            if (d)
+                wx_put16(q, nb, al, d, a, b);
+        }
+        if (WX_DPAIR) { /* lanes 2i, 2i+1: bytes [0, 16) and [16, 32) from q of lane 2i */
+            const wx_u32 o = __shfl_down_sync(0xffffffffu, d, 1);
+            if (!(tid & 1))
+                wx_set_bits(bits, (wx_u64)(q - out), d | (o << 16));
+        } else {
+            wx_set_bits(bits, (wx_u64)(q - out), d);
+        }
     }
 }
 
@@ -154,11 +290,11 @@ __device__ __forceinline__ void wx_dtile32(const wx_job &j, wx_u32 *red, const u
         const wx_u64 q = wx_quant<4, 2>(c, dv) & 0xffffffffull;
         unsigned char *pp = j.dst + (wx_i64)row * j.pitch + col;
         wx_u64 olo, ohi;
-        wx_old16(pp, nb, false, olo, ohi);
+        wx_old16(pp, nb, wx_align_of(j.salign) >= 4 ? 4 : 1, olo, ohi);
         const wx_u32 d = wx_ne8(q, olo, nb);
         if (!d)
             continue;
-        wx_put16(pp, nb, false, d, q, 0);
+        wx_put16(pp, nb, wx_align_of(j.salign) >= 4 ? 4 : 1, d, q, 0);
         wx_set_bits(bits, (wx_u64)(pp - out), d);
     }
 }
@@ -167,14 +303,25 @@ __device__ __forceinline__ void wx_dtile32(const wx_job &j, wx_u32 *red, const u
 struct wx_delta_tiles {
     const unsigned char *out;
     wx_u32 *bits;
+    /* WX_DPF 3: the CTA's next tile's old bytes into L2 when the current one starts */
+    __device__ __forceinline__ void next(const wx_fp8_piece *pieces, const wx_fp8_inline &inl,
+                                         int n, unsigned char *shadow, int ntiles, wx_i64 t) const
+    {
+        if (WX_DPF == 3 && t < ntiles) {
+            wx_job nj;
+            wx_job_of(pieces, inl, n, t, shadow, nj);
+            wx_dprefetch(nj);
+        }
+    }
     __device__ __forceinline__ void tile32(const wx_job &j, wx_u32 *red) const
     {
         wx_dtile32(j, red, out, bits);
     }
     template <int DT>
-    __device__ __forceinline__ void tile16(const wx_job &j, const uint4 *v, wx_u32 *red) const
+    __device__ __forceinline__ void tile16(const wx_job &j, const uint4 *v, wx_u32 *red,
+                                           uint4 *ring, int s) const
     {
-        wx_dtile16<DT>(j, v, red, out, bits);
+        wx_dtile16<DT>(j, v, red, out, bits, wx_dbuf(ring, s));
     }
 };
 

@@ -22,6 +22,18 @@
  *                   of the range, dst[b] = shadow[bit0 + b] (a byte store straight into the
  *                   receiver's memory, mapped here by cuda_ipc; a word whose 32 bits are all set
  *                   and whose addresses are 16-aligned is two 16-byte stores).
+ *   wx_delta_apply  the receiver's side (wx_delta_recs: a slot's records in device memory, as
+ *                   wxfer.runtime.delta.apply_records reads them), one entry point launched in
+ *                   four phases on one stream: 0 the walk (one thread: each 32-byte head checked
+ *                   against the regions, its payload against the records, its table entry
+ *                   written); 1 the count (per segment: the mask bits of a MASK record, as
+ *                   wx_delta_count counts a range, and every offset of a PAIRS record checked
+ *                   inside its range); the launcher's exclusive prefix sum of the counts; 2 the
+ *                   check that each MASK record holds its count of bits; 3 the apply (a MASK
+ *                   segment as wx_delta_emit walks one, a block scan giving each thread's first
+ *                   value; a PAIRS segment 8192 pairs, coalesced). A phase does nothing once an
+ *                   earlier one set an error in state[0]: nothing is written unless every record
+ *                   of the slot is well formed.
  */
 #include "wx_dev.cuh" /* wx_u32, wx_u64, wx_i64, wx_last_le, wx_set_bits */
 
@@ -229,5 +241,190 @@ extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
             w &= w - 1;
             dst[b] = src[b];
         }
+    }
+}
+
+/* ------------------------------------------------------------------ the receiver's apply */
+
+#define WX_DAP_HEAD 1ull /* a head's region, encoding or range outside the registered memory */
+#define WX_DAP_OVER 2ull /* a head or payload past the records' end */
+#define WX_DAP_BAD 4ull  /* a malformed payload: changed > length, an offset, the mask's count */
+#define WX_DAP_CAP 8ull  /* more segments than the launcher's counts hold */
+
+struct wx_delta_recs {            /* = wx_delta_recs_t */
+    wx_u64 rec, rec_nbytes, nrec; /* the records (8-aligned), their bytes, how many */
+    wx_u64 regions, nregions;     /* {base address, nbytes} per region index */
+    wx_u64 work;                  /* nrec wx_delta_ap, written by the walk */
+    wx_u64 state;                 /* 8 u64 (zeroed): error bits, first bad record, segments,
+                                     the walk's last head offset, changed bytes, 1 when the
+                                     walk failed */
+    wx_u64 counts, segx, cap;     /* u32[cap], i64[cap + 1]: the prefix sum of counts */
+};
+
+struct wx_delta_ap { /* the walk's entry of one record */
+    wx_u64 seg0;     /* its first segment (wx_dfind) */
+    wx_u64 pay;      /* its payload's first byte in the records */
+    wx_u64 dst;      /* the address of its range */
+    wx_u64 n, c, enc, head, nseg;
+};
+
+__device__ __forceinline__ void wx_dap_flag(wx_u64 *st, wx_u64 i, wx_u64 err)
+{
+    atomicOr(&st[0], err);
+    atomicMin(&st[1], i);
+}
+
+/* Phase 0, one thread: the chain of heads (each record's size follows from its head). */
+__device__ void wx_dap_walk(const wx_delta_recs &a, wx_u64 *st)
+{
+    const wx_u64 *reg = (const wx_u64 *)a.regions;
+    wx_delta_ap *w = (wx_delta_ap *)a.work;
+    const unsigned char *rec = (const unsigned char *)a.rec;
+    wx_u64 p = 0, segs = 0, changed = 0, err = 0, i;
+    for (i = 0; i < a.nrec; i++) {
+        if (a.rec_nbytes < 32 || p > a.rec_nbytes - 32) {
+            err = WX_DAP_OVER;
+            break;
+        }
+        const wx_u64 *h = (const wx_u64 *)(rec + p);
+        const wx_u64 h0 = h[0], doff = h[1], n = h[2], c = h[3];
+        const wx_u64 region = h0 & 0xffffffffull, enc = h0 >> 32;
+        if (region >= a.nregions || enc > 1 || n > reg[2 * region + 1] ||
+            doff > reg[2 * region + 1] - n) {
+            err = WX_DAP_HEAD;
+            break;
+        }
+        if (c > n || (enc == 0 && n > (1ull << 32))) {
+            err = WX_DAP_BAD;
+            break;
+        }
+        const wx_u64 size = (enc == 0 ? wx_dpad8(4 * c) : wx_dpad8((n + 7) / 8)) + wx_dpad8(c);
+        if (size > a.rec_nbytes - 32 - p) {
+            err = WX_DAP_OVER;
+            break;
+        }
+        wx_delta_ap e;
+        e.seg0 = segs;
+        e.pay = p + 32;
+        e.dst = reg[2 * region] + doff;
+        e.n = n;
+        e.c = c;
+        e.enc = enc;
+        e.head = p;
+        e.nseg = ((enc == 0 ? c : n) + WX_DSEG - 1) / WX_DSEG;
+        w[i] = e;
+        segs += e.nseg;
+        changed += c;
+        p += 32 + size;
+    }
+    if (!err && segs > a.cap)
+        err = WX_DAP_CAP;
+    st[1] = err ? i : ~0ull;
+    st[2] = err ? 0 : segs;
+    st[3] = p;
+    st[4] = changed;
+    st[5] = err ? 1 : 0; /* the walk's error: st[3] is the head it stopped at */
+    st[0] = err;
+}
+
+/* Word k of a MASK record's bitmask, zero above its n bits (the bitmask is padded to 8). */
+__device__ __forceinline__ wx_u32 wx_dap_word(const unsigned char *bits, wx_u64 k, wx_u64 n)
+{
+    if (32 * k >= n)
+        return 0;
+    wx_u32 w = ((const wx_u32 *)bits)[k];
+    const wx_u64 rem = n - 32 * k;
+    if (rem < 32)
+        w &= (1u << rem) - 1u;
+    return w;
+}
+
+/* A PAIRS segment: WX_DSEG pairs, strided over the threads (coalesced); phase 1 checks every
+ * offset inside the range, phase 3 stores the values. */
+__device__ __forceinline__ void wx_dap_pairs(const unsigned char *rec, const wx_delta_ap &r,
+                                             wx_u64 s, int i, int phase, wx_u64 *st)
+{
+    const wx_u32 *offs = (const wx_u32 *)(rec + r.pay);
+    const unsigned char *vals = rec + r.pay + wx_dpad8(4 * r.c);
+    const wx_u64 end = r.c < (s + 1) * WX_DSEG ? r.c : (s + 1) * WX_DSEG;
+    if (phase == 1) {
+        int bad = 0;
+        for (wx_u64 j = s * WX_DSEG + threadIdx.x; j < end; j += WX_DTHREADS)
+            bad |= offs[j] >= r.n;
+        if (bad)
+            wx_dap_flag(st, (wx_u64)i, WX_DAP_BAD);
+        return;
+    }
+    /* four pairs a thread loaded before their stores (a byte store may alias the loads
+     * otherwise; the records are read-only here: not the regions' memory) */
+    unsigned char *dst = (unsigned char *)r.dst;
+    for (wx_u64 j = s * WX_DSEG + threadIdx.x; j < end; j += 4 * WX_DTHREADS) {
+        wx_u32 o[4];
+        unsigned char v[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const wx_u64 jj = j + (wx_u64)u * WX_DTHREADS;
+            o[u] = jj < end ? __ldg(offs + jj) : 0;
+            v[u] = jj < end ? __ldg(vals + jj) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++)
+            if (j + (wx_u64)u * WX_DTHREADS < end)
+                dst[o[u]] = v[u];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
+    wx_delta_apply(const wx_delta_recs a, int phase)
+{
+    __shared__ wx_u32 sm[WX_DWARPS];
+    __shared__ wx_u64 err;
+    wx_u64 *st = (wx_u64 *)a.state;
+    if (phase == 0) {
+        if (blockIdx.x == 0 && threadIdx.x == 0)
+            wx_dap_walk(a, st);
+        return;
+    }
+    if (threadIdx.x == 0) /* one answer for the whole CTA: the scans below sync its threads */
+        err = *(volatile wx_u64 *)st;
+    __syncthreads();
+    if (err)
+        return;
+    const wx_delta_ap *w = (const wx_delta_ap *)a.work;
+    const unsigned char *rec = (const unsigned char *)a.rec;
+    const wx_i64 *segx = (const wx_i64 *)a.segx;
+    if (phase == 2) { /* each MASK record holds its count of bits */
+        for (wx_u64 i = (wx_u64)blockIdx.x * WX_DTHREADS + threadIdx.x; i < a.nrec;
+             i += (wx_u64)gridDim.x * WX_DTHREADS)
+            if (w[i].enc == 1 && (wx_u64)(segx[w[i].seg0 + w[i].nseg] - segx[w[i].seg0]) != w[i].c)
+                wx_dap_flag(st, i, WX_DAP_BAD);
+        return;
+    }
+    const wx_u64 nsegs = st[2];
+    for (wx_u64 sg = blockIdx.x; sg < nsegs; sg += gridDim.x) {
+        const int i = wx_dfind(w, (int)a.nrec, sg);
+        const wx_delta_ap r = w[i];
+        const wx_u64 s = sg - r.seg0;
+        if (r.enc == 1) { /* MASK: one bitmask word a thread, its values after the scan */
+            const wx_u64 k = s * WX_DTHREADS + threadIdx.x;
+            wx_u32 m = wx_dap_word(rec + r.pay, k, r.n), total;
+            const wx_u32 pre = wx_dscan(__popc(m), sm, &total);
+            if (phase == 1) {
+                if (threadIdx.x == 0)
+                    ((wx_u32 *)a.counts)[sg] = total;
+                continue;
+            }
+            const unsigned char *vals = rec + r.pay + wx_dpad8((r.n + 7) / 8);
+            unsigned char *dst = (unsigned char *)r.dst + 32 * k;
+            for (wx_u64 q = (wx_u64)(segx[sg] - segx[r.seg0]) + pre; m; q++) {
+                const int b = __ffs(m) - 1;
+                m &= m - 1;
+                dst[b] = __ldg(vals + q);
+            }
+            continue;
+        }
+        wx_dap_pairs(rec, r, s, i, phase, st);
+        if (phase == 1 && threadIdx.x == 0)
+            ((wx_u32 *)a.counts)[sg] = 0;
     }
 }

@@ -100,6 +100,9 @@ __device__ __forceinline__ void wx_ring_put(const wx_fp8_piece *pieces, const wx
     if (t < ntiles) {
         wx_job j;
         wx_job_of(pieces, inl, n, t, out, j);
+#ifdef WX_RING_HOOK
+        WX_RING_HOOK(j, s, ring); /* wx_delta_kernel.cu: the tile's shadow bytes fetched ahead */
+#endif
         if (threadIdx.x == 0)
             jobs[s] = j;
         if (wx_ringed(j)) {
@@ -121,9 +124,10 @@ __device__ __forceinline__ void wx_ring_put(const wx_fp8_piece *pieces, const wx
 
 /* The persistent loop over this CTA's tiles, each handed to the tile code T once its bytes are
  * in: t.tile32(j, red) for a float32 source (read from global memory), else
- * t.tile16<DT>(j, v, red) (DT 0 bfloat16, 1 float16) with the thread's chunks v. The FP8
- * kernel's T (below) writes the FP8 bytes; the fused delta kernel's (wx_delta_kernel.cu)
- * compares them with the shadow and marks the changes. */
+ * t.tile16<DT>(j, v, red, ring, s) (DT 0 bfloat16, 1 float16) with the thread's chunks v and
+ * the tile's stage s; before either, t.next(pieces, inl, n, out, ntiles, t1) with the CTA's
+ * next tile t1 (ntiles or more: none). The FP8 kernel's T (below) writes the FP8 bytes; the fused delta
+ * kernel's (wx_delta_kernel.cu) compares them with the shadow and marks the changes. */
 template <typename T>
 __device__ __forceinline__ void wx_ring_loop(const wx_fp8_piece *pieces, int n, unsigned char *out,
                                              int ntiles, const wx_fp8_inline &inl, const T &t,
@@ -143,6 +147,7 @@ __device__ __forceinline__ void wx_ring_loop(const wx_fp8_piece *pieces, int n, 
         wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, k + WX_STAGES - 1, g),
                     (s + WX_STAGES - 1) % WX_STAGES, jobs, ring);
         const wx_job j = jobs[s];
+        t.next(pieces, inl, n, out, ntiles, wx_tile_at(b, k + 1, g));
         if (j.dt == 2) {
             t.tile32(j, red[k & 1]);
             continue;
@@ -153,20 +158,25 @@ __device__ __forceinline__ void wx_ring_loop(const wx_fp8_piece *pieces, int n, 
         else
             wx_load16(j, v);
         if (j.dt == 0)
-            t.template tile16<0>(j, v, red[k & 1]);
+            t.template tile16<0>(j, v, red[k & 1], ring, s);
         else
-            t.template tile16<1>(j, v, red[k & 1]);
+            t.template tile16<1>(j, v, red[k & 1], ring, s);
     }
 }
 
 /* The FP8 kernel's tile code: quantize, write the bytes and the scale. */
 struct wx_fp8_tiles {
+    __device__ __forceinline__ void next(const wx_fp8_piece *, const wx_fp8_inline &, int,
+                                         unsigned char *, int, wx_i64) const
+    {
+    }
     __device__ __forceinline__ void tile32(const wx_job &j, wx_u32 *red) const
     {
         wx_tile32(j, red);
     }
     template <int DT>
-    __device__ __forceinline__ void tile16(const wx_job &j, const uint4 *v, wx_u32 *red) const
+    __device__ __forceinline__ void tile16(const wx_job &j, const uint4 *v, wx_u32 *red, uint4 *,
+                                           int) const
     {
         wx_tile16<DT>(j, v, red);
     }

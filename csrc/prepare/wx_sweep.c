@@ -9,14 +9,16 @@
 
 #include "sweep_fp8_kernel_src.h" /* benchmarks/kernels/sweep_fp8_kernel.cu, by setup.py */
 #include "sweep_fp8_pipe_src.h"
-#include "wx_fp8_kernel_src.h" /* the product kernel, whose tile code the sweep's includes */
 #include "wx_copy_kernel_src.h"
-#include "wx_dev_src.h" /* wx_dev.cuh, which the copy kernel includes */
+#include "wx_delta_kernel_src.h" /* the fused delta kernel: its variants are its own switches */
+#include "wx_dev_src.h"          /* wx_dev.cuh, which the copy and the delta kernels include */
+#include "wx_fp8_kernel_src.h"   /* the product kernel, whose tile code the sweep's includes */
+#include "wx_fp8_pipe_src.h"
 
 static pthread_mutex_t wx__mu = PTHREAD_MUTEX_INITIALIZER;
-static wx_kernel_cfg_t wx__fp8, wx__copy;
-static int wx__fp8_set, wx__copy_set, wx__fp8_used, wx__copy_used;
-static char wx__opt[4][48];
+static wx_kernel_cfg_t wx__fp8, wx__copy, wx__delta;
+static int wx__fp8_set, wx__copy_set, wx__fp8_used, wx__copy_used, wx__delta_set, wx__delta_used;
+static char wx__opt[8][48];
 
 /* c cleared, then its source: the kernel's text, file name, entry point, name in messages. */
 static wx_kernel_src_t *wx__src(wx_kernel_cfg_t *c, const char *what, const char *file,
@@ -77,29 +79,68 @@ static void wx__copy_cfg(int unroll, int ctas)
     wx__copy.unroll = unroll;
 }
 
+/* The fused delta kernel (csrc/prepare/wx_delta_kernel.cu) with WX_DPF = v % 4, WX_DPAIR = v / 4
+ * at c CTAs per SM (0: the product's 2), its ring as deep as the shared memory allows (tile
+ * buffers of 32 KiB, plus 16 KiB each for the shadow ring of WX_DPF 2). */
+static void wx__delta_cfg(int v, int c)
+{
+    const int dpf = v % 4, pair = v / 4;
+    int stages, n = 0;
+    wx_kernel_src_t *s = wx__src(&wx__delta, "the fused delta sweep kernel", "wx_delta_kernel.cu",
+                                 wx_delta_kernel_src, "wx_delta_quant");
+    if (c == 0)
+        c = 2;
+    stages = dpf == 2 ? (c == 1 ? 4 : 2) : (c == 1 ? 6 : c == 2 ? 3 : 2);
+    s->nhdr = 3; /* as wx_delta.c's */
+    s->hdr_name[0] = "wx_fp8_kernel.cu";
+    s->hdr_src[0] = wx_fp8_kernel_src;
+    s->hdr_name[1] = "wx_fp8_pipe.cu";
+    s->hdr_src[1] = wx_fp8_pipe_src;
+    s->hdr_name[2] = "wx_dev.cuh";
+    s->hdr_src[2] = wx_dev_src;
+    s->opt[n++] = "--fmad=false";
+    snprintf(wx__opt[4], sizeof wx__opt[4], "-DWX_STAGES=%d", stages);
+    snprintf(wx__opt[5], sizeof wx__opt[5], "-DWX_MINB=%d", c);
+    snprintf(wx__opt[6], sizeof wx__opt[6], "-DWX_DPF=%d", dpf);
+    snprintf(wx__opt[7], sizeof wx__opt[7], "-DWX_DPAIR=%d", pair);
+    for (int i = 4; i < 8; i++)
+        s->opt[n++] = wx__opt[i];
+    s->nopt = n;
+    s->smem = (unsigned)stages * 128u * 128u * (dpf == 2 ? 3u : 2u);
+    s->min_cc = 89;
+    s->min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)";
+    wx__delta.threads = 256;
+    wx__delta.ctas_per_sm = c;
+}
+
 int wx_sweep_set(const char *kernel, int variant, int ctas_per_sm, int unroll, char *why,
                  size_t why_len)
 {
-    int fp8 = strcmp(kernel, "fp8") == 0, rc = 0;
-    if (!fp8 && strcmp(kernel, "copy") != 0) {
-        snprintf(why, why_len, "kernel %.40s (expected fp8 or copy)", kernel);
+    int fp8 = strcmp(kernel, "fp8") == 0, delta = strcmp(kernel, "delta") == 0, rc = 0;
+    if (!fp8 && !delta && strcmp(kernel, "copy") != 0) {
+        snprintf(why, why_len, "kernel %.40s (expected fp8, delta or copy)", kernel);
         return -EINVAL;
     }
-    if (fp8 ? (variant < 0 || variant > 8 || ctas_per_sm < 0 || ctas_per_sm > 32)
-            : (unroll < 1 || unroll > 16 || ctas_per_sm < 1 || ctas_per_sm > 32)) {
+    if (fp8     ? (variant < 0 || variant > 8 || ctas_per_sm < 0 || ctas_per_sm > 32)
+        : delta ? (variant < 0 || variant > 7 || ctas_per_sm < 0 || ctas_per_sm > 2)
+                : (unroll < 1 || unroll > 16 || ctas_per_sm < 1 || ctas_per_sm > 32)) {
         snprintf(why, why_len,
-                 fp8 ? "fp8: variant %d, ctas_per_sm %d (expected 0-8, 0-32)"
-                     : "copy: unroll %d, ctas_per_sm %d (expected 1-16, 1-32)",
-                 fp8 ? variant : unroll, ctas_per_sm);
+                 fp8     ? "fp8: variant %d, ctas_per_sm %d (expected 0-8, 0-32)"
+                 : delta ? "delta: variant %d, ctas_per_sm %d (expected 0-7, 0-2: at 3 it spills)"
+                         : "copy: unroll %d, ctas_per_sm %d (expected 1-16, 1-32)",
+                 fp8 || delta ? variant : unroll, ctas_per_sm);
         return -EINVAL;
     }
     pthread_mutex_lock(&wx__mu);
-    if (fp8 ? wx__fp8_used : wx__copy_used) {
+    if (fp8 ? wx__fp8_used : delta ? wx__delta_used : wx__copy_used) {
         snprintf(why, why_len, "%s: the kernel was used already in this process", kernel);
         rc = -EBUSY;
     } else if (fp8) {
         wx__fp8_cfg(variant, ctas_per_sm);
         wx__fp8_set = 1;
+    } else if (delta) {
+        wx__delta_cfg(variant, ctas_per_sm);
+        wx__delta_set = 1;
     } else {
         wx__copy_cfg(unroll, ctas_per_sm);
         wx__copy_set = 1;
@@ -111,13 +152,18 @@ int wx_sweep_set(const char *kernel, int variant, int ctas_per_sm, int unroll, c
 const wx_kernel_cfg_t *wx_sweep_cfg(const char *kernel)
 {
     const wx_kernel_cfg_t *c;
-    int fp8 = strcmp(kernel, "fp8") == 0;
+    int fp8 = strcmp(kernel, "fp8") == 0, delta = strcmp(kernel, "delta") == 0;
     pthread_mutex_lock(&wx__mu);
-    if (fp8)
+    if (fp8) {
         wx__fp8_used = 1;
-    else
+        c = wx__fp8_set ? &wx__fp8 : NULL;
+    } else if (delta) {
+        wx__delta_used = 1;
+        c = wx__delta_set ? &wx__delta : NULL;
+    } else {
         wx__copy_used = 1;
-    c = fp8 ? (wx__fp8_set ? &wx__fp8 : NULL) : (wx__copy_set ? &wx__copy : NULL);
+        c = wx__copy_set ? &wx__copy : NULL;
+    }
     pthread_mutex_unlock(&wx__mu);
     return c;
 }

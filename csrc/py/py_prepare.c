@@ -188,18 +188,18 @@ static PyObject *wx_copy_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_copy_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc;
+    int device, n, rc, ctas = 0;
     unsigned long long stream, dev_ranges;
     PyObject *obj;
     Py_buffer view;
     const wx_copy_range_t *p;
     void *copy;
-    if (!PyArg_ParseTuple(args, "iKOK:copy_launch", &device, &stream, &obj, &dev_ranges))
+    if (!PyArg_ParseTuple(args, "iKOK|i:copy_launch", &device, &stream, &obj, &dev_ranges, &ctas))
         return NULL;
     if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_copy_launch(device, stream, p, dev_ranges, n);
+        rc = wx_copy_launch(device, stream, p, dev_ranges, n, ctas);
     Py_END_ALLOW_THREADS
     return wx__launched(st, rc, &view, copy, "copy_launch");
 }
@@ -226,19 +226,19 @@ static PyObject *wx_copy_batch_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_copy_batch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc;
+    int device, n, rc, beside = 0;
     unsigned long long stream;
     PyObject *obj;
     Py_buffer view;
     const void *p;
     void *copy;
-    if (!PyArg_ParseTuple(args, "iKO:copy_batch", &device, &stream, &obj))
+    if (!PyArg_ParseTuple(args, "iKO|p:copy_batch", &device, &stream, &obj, &beside))
         return NULL;
     if ((n = wx__table(obj, &view, &p, &copy, "copy_batch", "(dst, src, nbytes) triples",
                        3 * sizeof(uint64_t), WX_COPY_MAX_RANGES)) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_copy_batch(device, stream, p, n);
+        rc = wx_copy_batch(device, stream, p, n, beside);
     Py_END_ALLOW_THREADS
     return wx__launched(st, rc, &view, copy, "copy_batch");
 }
@@ -346,6 +346,50 @@ static PyObject *wx_delta_launch_py(PyObject *m, PyObject *args)
             rc = wx_delta_scatter_launch(device, stream, p, dev, n, bits, bits_nb, a, an);
     Py_END_ALLOW_THREADS
     return wx__launched(st, rc, &view, copy, "delta_launch");
+}
+
+static PyObject *wx_delta_apply_probe_py(PyObject *m, PyObject *args)
+{
+    return wx__probe(args, "i|O:delta_apply_probe", wx_delta_apply_probe);
+}
+
+/* The apply's addresses and sizes: (rec, rec_nbytes, nrec, regions, nregions, work, state,
+ * counts, segx, cap), after `head` leading arguments parsed by the caller's format. */
+#define WX__RECS_FMT "KKKKKKKKKK"
+#define WX__RECS_ARGS(a)                                                                           \
+    (unsigned long long *)&(a).rec, (unsigned long long *)&(a).rec_nbytes,                         \
+        (unsigned long long *)&(a).nrec, (unsigned long long *)&(a).regions,                       \
+        (unsigned long long *)&(a).nregions, (unsigned long long *)&(a).work,                      \
+        (unsigned long long *)&(a).state, (unsigned long long *)&(a).counts,                       \
+        (unsigned long long *)&(a).segx, (unsigned long long *)&(a).cap
+
+static PyObject *wx_delta_apply_check_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    wx_delta_recs_t a;
+    int rc;
+    if (!PyArg_ParseTuple(args, WX__RECS_FMT ":delta_apply_check", WX__RECS_ARGS(a)))
+        return NULL;
+    if ((rc = wx_delta_apply_check(&a)) != 0)
+        return wx_py_raise(st, rc, "delta_apply_check");
+    Py_RETURN_NONE;
+}
+
+static PyObject *wx_delta_apply_launch_py(PyObject *m, PyObject *args)
+{
+    wx_py_state_t *st = PyModule_GetState(m);
+    wx_delta_recs_t a;
+    unsigned long long stream;
+    int device, phase, rc;
+    if (!PyArg_ParseTuple(args, "iKi" WX__RECS_FMT ":delta_apply_launch", &device, &stream, &phase,
+                          WX__RECS_ARGS(a)))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+        rc = wx_delta_apply_launch(device, stream, &a, phase);
+    Py_END_ALLOW_THREADS
+    if (rc)
+        return wx_py_raise(st, rc, "delta_apply_launch");
+    Py_RETURN_NONE;
 }
 
 /* stream_wait_addr(device, host_address) -> (device_address, why_not): 0 and the reason when
@@ -492,9 +536,10 @@ static PyMethodDef wx__prepare_methods[] = {
      "copy_probe(device, dirs=()) -> (usable, why_not): loads libnvrtc (also from dirs) and "
      "compiles the batched copy kernel for the device at first use."},
     {"copy_launch", wx_copy_launch_py, METH_VARARGS,
-     "copy_launch(device, stream, ranges, device_ranges_ptr): one launch of the batched copy "
-     "kernel on the stream (ranges as for copy_check; device_ranges_ptr the same bytes in "
-     "device memory, valid until the kernel ran)."},
+     "copy_launch(device, stream, ranges, device_ranges_ptr, ctas_per_sm=0): one launch of the "
+     "batched copy kernel on the stream (ranges as for copy_check; device_ranges_ptr the same "
+     "bytes in device memory, valid until the kernel ran; ctas_per_sm: the grid's CTAs per SM, "
+     "0 the product's)."},
     {"copy_settings", wx_copy_settings_py, METH_NOARGS,
      "copy_settings() -> {unroll, ctas_per_sm}: the copy kernel's loads in flight per thread "
      "and CTAs per SM."},
@@ -510,8 +555,10 @@ static PyMethodDef wx__prepare_methods[] = {
      "(cuStreamWaitValue32, GEQ: cyclic (int32)(*word - value) >= 0) before its later work; "
      "the host does not wait."},
     {"copy_batch", wx_copy_batch_py, METH_VARARGS,
-     "copy_batch(device, stream, copies): the copies, a buffer of (dst, src, nbytes) uint64 "
-     "triples, by one cuMemcpyBatchAsync on the stream (sources read in stream order)."},
+     "copy_batch(device, stream, copies, beside_compute=False): the copies, a buffer of (dst, "
+     "src, nbytes) uint64 triples, by one cuMemcpyBatchAsync on the stream (sources read in "
+     "stream order); beside_compute: the driver is asked to run them beside the SMs' work "
+     "(CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: the copy engines)."},
     {"delta_probe", wx_delta_probe_py, METH_VARARGS,
      "delta_probe(device, dirs=()) -> (usable, why_not): compiles the delta kernels (the fused "
      "FP8 one needs compute capability 8.9) for the device at first use."},
@@ -528,6 +575,16 @@ static PyMethodDef wx__prepare_methods[] = {
      "a_n=0, b=0, b_n=0, out=0, out_n=0): kind 0 compare, 1 count (a: u32 counts), 2 emit (a: "
      "shadow, b: int64 prefix sum, out: the records), 3 scatter (a: shadow; each range's changed "
      "bytes stored at its destination address)."},
+    {"delta_apply_probe", wx_delta_apply_probe_py, METH_VARARGS,
+     "delta_apply_probe(device, dirs=()) -> (usable, why_not): compiles the receiver's apply "
+     "kernel (wx_delta_apply, any compute capability) for the device at first use."},
+    {"delta_apply_check", wx_delta_apply_check_py, METH_VARARGS,
+     "delta_apply_check(rec, rec_nbytes, nrec, regions, nregions, work, state, counts, segx, "
+     "cap): raises Error naming the bad address or size of a records apply (wx_delta.h)."},
+    {"delta_apply_launch", wx_delta_apply_launch_py, METH_VARARGS,
+     "delta_apply_launch(device, stream, phase, rec, rec_nbytes, nrec, regions, nregions, work, "
+     "state, counts, segx, cap): phase 0 (walk + count) or 1 (check + apply) of a slot's "
+     "records on the stream; segx[1:] = cumsum(counts) between them (wx_delta.h)."},
     {"delta_scan", wx_delta_scan_py, METH_VARARGS,
      "delta_scan(cur, shadow, n, idx, cap) -> changed: the bytes of host range cur[0, n) that "
      "differ from shadow[0, n); the first cap offsets (u32, ascending) written at idx (0: none)."},
@@ -548,8 +605,10 @@ static PyMethodDef wx__prepare_methods[] = {
     {"kernel_sweep", (PyCFunction)(void (*)(void))wx_kernel_sweep_py, METH_VARARGS | METH_KEYWORDS,
      "kernel_sweep(kernel, *, variant=6, ctas_per_sm=0, unroll=4): before the kernel's first "
      "use, compile the benchmark variant instead (kernel 'fp8': variant 0-8 of "
-     "benchmarks/kernels/sweep_fp8_kernel.cu, ctas_per_sm 0 for the variant's own; 'copy': "
-     "unroll and ctas_per_sm). Only in builds made with WXFER_KERNEL_SWEEP=1."},
+     "benchmarks/kernels/sweep_fp8_kernel.cu, ctas_per_sm 0 for the variant's own; 'delta': "
+     "variant 0-7 of the fused delta kernel (WX_DPF = variant % 4, WX_DPAIR = variant / 4), "
+     "ctas_per_sm 0-2; 'copy': unroll and ctas_per_sm). Only in builds made with "
+     "WXFER_KERNEL_SWEEP=1."},
 #endif
     {NULL, NULL, 0, NULL},
 };

@@ -77,6 +77,7 @@ TERMS = frozenset(
     for f in fields(Calibration)
     if f.name not in ("name", "source", "unmeasured", "assumptions", "serial", "host_sync", "cpu_shared")
     and f.name not in ("launch_per_piece", "device_shared", "zc_batch", "small_piece_elems")
+    and f.name != "delta_apply_GBps"  # the delta term's input (wxfer.plan.delta), None: its default
 )
 
 

@@ -76,11 +76,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--delta-compare-gbytes",
         type=float,
-        default=167.3,
-        help="trainer compare + encode, GB/s of bytes read (fresh + shadow); default: measured on one H100 (unfused)",
+        default=None,
+        help="trainer compare + count + records beyond the quantize, GB/s of bytes read (fresh + shadow); default: "
+        "the fused kernel's, measured on one H100 (785; the torch ops' path: 167.3)",
     )
     p.add_argument(
-        "--delta-apply-gbytes", type=float, default=6.89, help="receiver apply, GB/s of records (measured on one H100)"
+        "--delta-apply-gbytes",
+        type=float,
+        default=None,
+        help="receiver apply, GB/s of records; default: the calibration's delta_apply_GBps where it has one "
+        "(bench_delta.py --parts apply --cal-out), else 6.89 (the torch apply measured on one H100)",
     )
     p.add_argument("--no-sim", action="store_true")
     p.add_argument("--out", help="write the serialized plan to this file")
@@ -188,6 +193,7 @@ def run(args) -> dict:
             bound_by=r.bound_by,
             stage_busy_s={k: round(v, 4) for k, v in r.stage_busy_s.items()},
             calibration=cluster.cal.name,
+            calibration_source=cluster.cal.source,  # its measured terms' source (the default: issue 13's runtime)
             assumptions=r.assumptions,
             sim_s=round(time.perf_counter() - t1, 3),
         )
@@ -197,11 +203,9 @@ def run(args) -> dict:
         lb, bn = lower_bound(plan, cluster)
         out.update(lower_bound_s=round(lb, 4), simulated_s=None, bottleneck=bn)
     if getattr(args, "delta_rate", None) is not None:
-        from .delta import DeltaTerms, estimate, simulate_delta
+        from .delta import estimate, simulate_delta
 
-        terms = DeltaTerms(args.delta_rate, args.delta_compare_gbytes, args.delta_apply_gbytes)
-        if args.delta_compare_gbytes != DeltaTerms.compare_GBps or args.delta_apply_gbytes != DeltaTerms.apply_GBps:
-            terms.source = "given (--delta-compare-gbytes / --delta-apply-gbytes)"
+        terms = _delta_terms(args, cluster.cal)
         if out.get("simulated_s") is not None:  # the delta push simulated (its all-gathers without the dense writes)
             out.update(simulate_delta(plan, cluster, terms, out["simulated_s"], out["lower_bound_s"], args.steps))
         else:
@@ -211,6 +215,24 @@ def run(args) -> dict:
         machine += f", load average {os.getloadavg()[0]:.1f}"
     out["machine"] = machine
     return out
+
+
+def _delta_terms(args, cal):
+    """The delta term's inputs: the flags, else the calibration's measured apply rate
+    (Calibration.delta_apply_GBps), else wxfer.plan.delta's measured defaults; `source` says
+    where each figure comes from."""
+    from .delta import delta_terms
+
+    apply = args.delta_apply_gbytes
+    terms = delta_terms(args.delta_rate, args.delta_compare_gbytes, apply)
+    if apply is None and getattr(cal, "delta_apply_GBps", None):
+        terms.apply_GBps = cal.delta_apply_GBps
+        cmp_src = terms.source.split("; apply: ")[0]
+        terms.source = (
+            f"{cmp_src}; apply: {cal.delta_apply_GBps:.4g} GB/s of records from the calibration {cal.name} "
+            f"(delta_apply_GBps: {cal.source})"
+        )
+    return terms
 
 
 def main(argv: list[str] | None = None) -> int:

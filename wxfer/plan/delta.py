@@ -18,17 +18,29 @@ receivers apply them after the step.  ``simulate_delta`` runs the simulator itse
 
 The runtime writes a receiver's records in one write after the task loop, the model per task
 (the records are 1-2% of the bytes: the difference is the records' own link time, in
-``delta_link_s``).  ``estimate`` is the closed form used without a simulation (``--no-sim``):
-max(busiest non-link stage + compare, link, dense_s - lower_bound_s + link) + apply.  The
-chooser falls back to dense (``delta_pays`` False, ``chosen_s`` = the dense push) where delta
-is not shorter.  ``rate`` is the fraction of destination *bytes* that changed (the FP8 bytes
-rate for an FP8 destination, as benchmarks/bench_delta.py measures it).
+``delta_link_s``).  On a GPU the runtime reads back each task's count of changed bytes before it
+chooses and goes on to the next task (wxfer.runtime.delta_send), so the delta simulation's hosts
+wait for each packing (``simulate(host_waits_pack=True)``): a rank's next all-gather is issued
+after its last task's fused kernel, count and records.  ``estimate`` is the closed form used
+without a simulation (``--no-sim``): max(busiest non-link stage + compare, link, dense_s -
+lower_bound_s + link) + apply.  The chooser falls back to dense (``delta_pays`` False,
+``chosen_s`` = the dense push) where delta is not shorter.  ``rate`` is the fraction of
+destination *bytes* that changed (the FP8 bytes rate for an FP8 destination, as
+benchmarks/bench_delta.py measures it).
 
-The default rates are measured on one H100 (benchmarks/runs/h100-2026-12-06-session/
-delta_gpu.json, one 8192 x 8192 weight, 0.4% changed): compare + encode 0.803 ms beyond the
-quantize for 67.1 MB of FP8 bytes and their shadow (2 x 67.1 MB read: 167 GB/s; unfused torch
-ops, the fused kernel's figure replaces it once measured), apply 0.495 ms for 3.41 MB of records
-(6.9 GB/s).
+Where the default rates come from (``SOURCE``; each run on one H100):
+
+  * compare 785 GB/s of bytes read (fresh + shadow): the fused kernel the GPU runtime runs
+    (quantize + compare in one pass, then the count and the records), its time beyond the dense
+    quantize alone, on one 8192 x 8192 BF16 weight at 0.4% changed: 0.2667 - 0.0958 ms for
+    2 x 67.1 MB (benchmarks/runs/h100-2026-12-07-session/fused/fused.json).  Applied per byte
+    to every task of a plan: that it scales from one 8192 x 8192 weight to the plan's tasks is
+    an assumption.  The torch ops' path (no NVRTC, ``WXFER_DELTA_GPU=torch``) is
+    ``TORCH_COMPARE_GBPS``: 167 GB/s (runs/h100-2026-12-06-session/delta_gpu.json);
+  * apply 6.9 GB/s of records: the receiver's torch apply (the runtime's on a GPU:
+    wxfer.runtime.delta.apply_records), one record of 3.41 MB in 0.495 ms (delta_gpu.json).
+    Its cost per record (a loop of torch ops per record, thousands of records per receiver
+    on a large plan) was not measured and is not charged: the apply term is a lower bound.
 """
 
 from __future__ import annotations
@@ -36,14 +48,24 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 REC_HEAD = 32  # bytes of a record's head (wxfer.runtime.delta.REC)
-# measured on one H100, 2026-12-06 (the module docstring): 2 x 67,125,248 bytes read by the compare +
-# encode in 0.000901057 - 0.000098486 s; 3,413,424 bytes of records applied in 0.000495156 s
-COMPARE_GBPS = 167.3
+# the fused kernel (quantize + compare, count, records) beyond the quantize alone, one H100, 2026-12-07
+# 00:35 UTC: 2 x 67,125,248 bytes read in 0.000266656 - 0.000095755 s (fused.json, the 0.4% row)
+COMPARE_GBPS = 785.5
+# the torch ops' compare + encode (the path without the kernels), one H100, 2026-12-06: 2 x 67,125,248
+# bytes in 0.000901057 - 0.000098486 s; the torch apply: 3,413,424 bytes of records in 0.000495156 s
+TORCH_COMPARE_GBPS = 167.3
 APPLY_GBPS = 6.89
 SOURCE = (
-    "measured on one H100 (benchmarks/runs/h100-2026-12-06-session/delta_gpu.json: unfused torch "
-    "compare + encode 167 GB/s of bytes read, apply 6.9 GB/s of records)"
+    "measured on one H100: compare 785 GB/s of bytes read, the fused kernel with the count and the records "
+    "beyond the quantize alone (benchmarks/runs/h100-2026-12-07-session/fused/fused.json, 8192 x 8192 at 0.4%); "
+    "apply 6.9 GB/s of records, the torch apply (benchmarks/runs/h100-2026-12-06-session/delta_gpu.json)"
 )
+# what the delta term does not charge because nobody measured it (reported with every restatement)
+NOT_MEASURED = {
+    "apply_per_record_s": "the receiver's apply per record (a loop of torch ops per record): not measured, "
+    "not charged (the apply is charged per record byte only: a lower bound)",
+    "compare_scaling": "the compare rate was measured on one 8192 x 8192 weight; applied per byte to every task",
+}
 
 
 def records_fraction(rate: float, range_bytes: int = 1 << 20) -> float:
@@ -67,6 +89,26 @@ class DeltaTerms:
     source: str = SOURCE
 
 
+COMPARE_SOURCE = (
+    "measured on one H100: the fused kernel with the count and the records beyond the quantize alone "
+    "(benchmarks/runs/h100-2026-12-07-session/fused/fused.json, 8192 x 8192 at 0.4%)"
+)
+APPLY_SOURCE = "measured on one H100: the torch apply (benchmarks/runs/h100-2026-12-06-session/delta_gpu.json)"
+
+
+def delta_terms(rate: float, compare_GBps: float | None = None, apply_GBps: float | None = None) -> DeltaTerms:
+    """DeltaTerms at change rate `rate`; a rate left None is the measured default, and `source`
+    says for each term where its figure comes from (measured, or given)."""
+    cmp_src = COMPARE_SOURCE if compare_GBps is None else "given (%g GB/s)" % compare_GBps
+    app_src = APPLY_SOURCE if apply_GBps is None else "given (%g GB/s)" % apply_GBps
+    return DeltaTerms(
+        rate,
+        COMPARE_GBPS if compare_GBps is None else float(compare_GBps),
+        APPLY_GBPS if apply_GBps is None else float(apply_GBps),
+        "compare: %s; apply: %s" % (cmp_src, app_src),
+    )
+
+
 def _sig(x: float) -> float:
     return float(f"{x:.6g}")
 
@@ -88,6 +130,7 @@ def estimate(
     pays = delta_s < dense_s
     return dict(
         delta_terms=asdict(terms),
+        delta_not_measured=dict(NOT_MEASURED),
         delta_records_fraction=frac,
         delta_link_s=_sig(link),
         delta_compare_s=_sig(compare),
@@ -117,16 +160,22 @@ def simulate_delta(plan, cluster, terms: DeltaTerms, dense_s: float, lower_bound
     rp.nbytes = np.maximum(np.ceil(plan.nbytes * frac), 1).astype(plan.nbytes.dtype)
     cal = cluster.cal
     # the pack stage per byte of (sources + packed): the quantizer's, plus the compare reading
-    # the packed bytes and the shadow (2 x packed; BF16 sources are 2 x packed: 2 of 3 bytes)
+    # the packed bytes and the shadow (2 x packed; BF16 sources are 2 x packed: 2 of 3 bytes); a
+    # raw piece's copy likewise (its sources are its packed bytes: 1 of 2).  A rate that is None
+    # stays None where None means the (slowed) quantizer's or copy's (quant_small_GBps), else it is
+    # the cluster's memory rate, slowed
     mem = cluster.mem_GBps
 
-    def slowed(q):
+    def slowed(q, share=2.0 / 3.0):
         q = mem if q is None else q
-        return 1.0 / (1.0 / q + (2.0 / 3.0) / terms.compare_GBps)
+        return 1.0 / (1.0 / q + share / terms.compare_GBps)
 
+    small = None if cal.quant_small_GBps is None else slowed(cal.quant_small_GBps)
     dc = copy.copy(cluster)
-    dc.calibration = replace(cal, quant_GBps=slowed(cal.quant_GBps), quant_small_GBps=slowed(cal.quant_small_GBps))
-    r = simulate(rp, dc, steps=steps, record=False, kinds="auto")
+    dc.calibration = replace(
+        cal, quant_GBps=slowed(cal.quant_GBps), quant_small_GBps=small, copy_GBps=slowed(cal.copy_GBps, 1.0)
+    )
+    r = simulate(rp, dc, steps=steps, record=False, kinds="auto", host_waits_pack=True)
     apply = s["max_bytes_per_infer_gpu"] * frac / (terms.apply_GBps * 1e9)
     per_trainer = s["bytes_per_replica"] / max(plan.train_world, 1)
     delta_s = r.simulated_s + apply
@@ -135,6 +184,7 @@ def simulate_delta(plan, cluster, terms: DeltaTerms, dense_s: float, lower_bound
     return dict(
         delta_model="simulated",
         delta_terms=asdict(terms),
+        delta_not_measured=dict(NOT_MEASURED),
         delta_records_fraction=frac,
         delta_link_s=_sig(lower_bound_s * frac),
         delta_compare_s=_sig(2 * per_trainer / (terms.compare_GBps * 1e9)),

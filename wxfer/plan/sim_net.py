@@ -74,6 +74,9 @@ class _Jobs:
     # [J] bytes and ranges of the job's transfers, whoever writes them (a copy job's batched copies)
     xbytes: np.ndarray | None = None
     xwrites: np.ndarray | None = None
+    # [J] bytes of the full tensors the job's packing reads: its own pieces' (a rank of a mesh quantizes
+    # only the pieces it sends, wxfer.runtime.prepare.pack_into), at the sources' bytes per element
+    src_read: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -101,7 +104,11 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
     of_task: dict = {}
     for j in range(J):
         of_task.setdefault(int(jtask[j]), []).append(j)
-    pieces, fp8, nwrites, launches, fp8_elems = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
+    pieces, fp8, nwrites, launches, fp8_elems, read = _job_pieces(plan, job_of if n else np.empty(0, np.int64), J)
+    per_elem = {}  # task -> its sources' bytes per element
+    for t in set(jtask.tolist()) if J else ():
+        per_elem[t] = _bytes_per_elem(plan.tasks[t])
+    src_read = np.array([read[j] * per_elem[int(jtask[j])] for j in range(J)]) if J else np.zeros(0)
     code = {k: i for i, k in enumerate(KINDS)}
     kind = np.array([code[(kinds or {}).get(int(t), "packed")] for t in jtask], np.int64)
     xbytes = np.bincount(ejob, ebytes, J) if J else np.zeros(0)
@@ -133,7 +140,21 @@ def _jobs(plan, ngpu: int, kinds: dict | None = None) -> _Jobs:
         ewrites,
         xbytes,
         xwrites,
+        src_read,
     )
+
+
+def _bytes_per_elem(task) -> float:
+    """The task's sources' bytes per element: its src_bytes over their elements (each source's
+    rows and columns as far as the task's pieces reach)."""
+    rows: dict = {}
+    cols: dict = {}
+    for sh in task.shards:
+        for pc in sh.pieces:
+            rows[pc.src] = max(rows.get(pc.src, 0), pc.r1)
+            cols[pc.src] = max(cols.get(pc.src, 0), pc.c1)
+    n = sum(rows[k] * max(cols[k], 1) for k in rows)
+    return task.src_bytes / n if n else 0.0
 
 
 def _job_pieces(plan, job_of, J: int):
@@ -147,8 +168,9 @@ def _job_pieces(plan, job_of, J: int):
     fp8 = np.zeros(J, bool)
     elems = np.zeros(J)
     npc = np.zeros(J)
+    read = np.zeros(J)  # source elements its packing reads (each packed shard's pieces; a scale shard's none)
     if not J:
-        return pieces, fp8, nwrites, launches, elems
+        return pieces, fp8, nwrites, launches, elems, read
     key = job_of * (int(plan.src_offset.max()) + 1) + plan.src_offset  # one per packed shard
     _, first = np.unique(key, return_index=True)
     for i in first.tolist():
@@ -160,9 +182,10 @@ def _job_pieces(plan, job_of, J: int):
             npc[j] += len(sh.pieces)
         if sh.kind != "scale":
             pieces[j] += len(sh.pieces)
+            read[j] += sum(pc.numel() for pc in sh.pieces)
         if sh.kind == "raw":
             launches[j] += _merged(sh.pieces)
-    return pieces, fp8, nwrites, launches + fp8, elems / np.maximum(npc, 1)
+    return pieces, fp8, nwrites, launches + fp8, elems / np.maximum(npc, 1), read
 
 
 def _merged(pieces) -> int:
@@ -234,6 +257,8 @@ class _Network:
         self.ag_src: list = []
         self.ag_dst: list = []
         self.ag_rem: list = []
+        self.ag_start: list = []  # when each flow's all-gather started (its bytes move from then on)
+        self.ag_end: dict = {}  # flow -> when its last byte moved
         self.ag_live: set = set()
         self.ag_done: set = set()
         self.rings: dict = {}  # mesh -> (task, start, flow ids)
@@ -277,6 +302,7 @@ class _Network:
             self.ag_src.append(ranks[i])
             self.ag_dst.append(ranks[(i + 1) % k])
             self.ag_rem.append(nbytes)
+            self.ag_start.append(start)
             self.ag_live.add(ids[-1])
         self.rings[m] = (ti, start, ids)
 
@@ -313,7 +339,9 @@ class _Network:
 
     def step(self, ap, now: float, dt: float):
         """Move one step of bytes.  Returns (finished jobs [(job, end time)], finished rings
-        [(mesh, task, start)], bytes written, bytes of rings)."""
+        [(mesh, task, start, end time)], bytes written, bytes of rings).  A ring flow moves bytes
+        from its start on (one that starts inside the step gets the rest of the step), and ends
+        inside the step where its last byte moved (_ring_ends)."""
         agi = np.array(sorted(self.ag_live), np.int64)
         nap = ap.size
         fa = self.pair_rank[ap]
@@ -322,7 +350,9 @@ class _Network:
         if agi.size:
             fa = np.concatenate([fa, np.array(self.ag_src, np.int64)[agi]])
             fb = np.concatenate([fb, self.world + np.array(self.ag_dst, np.int64)[agi]])
-            dem = np.concatenate([dem, np.array(self.ag_rem)[agi]])
+            t0 = np.maximum(np.array(self.ag_start)[agi], now)
+            lim = np.minimum(self.cap[fa[nap:]], self.cap[fb[nap:]]) * np.maximum(now + dt - t0, 0.0)
+            dem = np.concatenate([dem, np.minimum(np.array(self.ag_rem)[agi], lim)])
         alloc = _waterfill(fa, fb, self.cap * dt, dem)
         palloc = alloc[:nap]
         jobs_done = []
@@ -337,16 +367,33 @@ class _Network:
                 if self.queued[r]:
                     self.post_ranks.add(r)
                 jobs_done.append((j, te + self.write_latency_s))
+        fin = []
         for q, i in enumerate(agi.tolist()):
             got = alloc[nap + q]
             self.ag_rem[i] -= got
             if self.ag_rem[i] <= 1e-6 * max(got, 1):
                 self.ag_done.add(i)
                 self.ag_live.discard(i)
+                fin.append((q, i, got))
+        if fin:
+            self._ring_ends(fin, fa, fb, dem, alloc, nap, now, dt)
         rings_done = []
         for m in list(self.rings):
             ti, s, ids = self.rings[m]
             if all(i in self.ag_done for i in ids):
                 del self.rings[m]
-                rings_done.append((m, ti, s))
+                rings_done.append((m, ti, s, max(self.ag_end.pop(i) for i in ids)))
         return jobs_done, rings_done, float(palloc.sum()), float(alloc[nap:].sum())
+
+    def _ring_ends(self, fin, fa, fb, dem, alloc, nap: int, now: float, dt: float) -> None:
+        """When each finishing ring flow's last byte moved: its bytes in the step at the rate it
+        would have had with more to send (the step water-filled again with those flows' demand at
+        what their links allow), from its start or the step's, whichever is later."""
+        more = dem.copy()
+        for q, i, _ in fin:
+            more[nap + q] = np.inf
+        full = _waterfill(fa, fb, self.cap * dt, more)
+        for q, i, got in fin:
+            t0 = max(now, float(self.ag_start[i]))
+            rate = full[nap + q] / dt  # bytes/s: its share of the step, had it more bytes
+            self.ag_end[i] = min(now + dt, t0 + got / rate) if rate > 0 else now + dt

@@ -29,6 +29,9 @@ class _StageModel:
         self.small_elems = float(cal.small_piece_elems)
         self.barrier_s = float(cluster.barrier_s)
         self.serial, self.host_sync = bool(cal.serial), bool(cal.host_sync)
+        # the host waits for each task's packing before it goes on (a delta push on a GPU: it reads back
+        # the count of changed bytes per task, wxfer.runtime.delta_send); set by simulate(host_waits_pack=)
+        self.host_waits = False
         self.zc_batch = max(1, int(cal.zc_batch))
         self.write_bw = cluster.write_bw
         self.begin_s = float(cal.push_begin_s)
@@ -71,14 +74,24 @@ class _StageModel:
         """Bytes each ring flow of a cross-node all-gather carries."""
         return task.src_bytes * (k - 1) / k
 
-    def pack_s(self, task, packed: float, pieces: int = 0, fp8: bool = False, piece_elems: float = 0.0) -> float:
-        """Fuse / quantize / pack: `pieces` launches (see launches()), the full tensors read and
-        the packed buffer written at the quantizer's rate (FP8; its rate on small pieces when
+    def pack_s(
+        self,
+        task,
+        packed: float,
+        pieces: int = 0,
+        fp8: bool = False,
+        piece_elems: float = 0.0,
+        src_read: float | None = None,
+    ) -> float:
+        """Fuse / quantize / pack: `pieces` launches (see launches()), the sources read (`src_read`:
+        the bytes of the rank's own pieces of the full tensors; None: all of the task's sources)
+        and the packed buffer written at the quantizer's rate (FP8; its rate on small pieces when
         they average at most small_piece_elems elements) or the copy rate."""
         bw = self.copy_bw
         if fp8:
             bw = self.quant_small_bw if 0 < piece_elems <= self.small_elems else self.quant_bw
-        return self.cal.pack_launch_s * pieces + (task.src_bytes + packed) / bw
+        read = task.src_bytes if src_read is None else src_read
+        return self.cal.pack_launch_s * pieces + (read + packed) / bw
 
     def launches(self, pieces: int, merged: int) -> int:
         """Kernel launches of a packing: one per piece (the reference quantizer), or the native
@@ -107,12 +120,15 @@ _ZC, _STAGED, _PACKED, _DIRECT, _COLL, _COPY = (KINDS.index(k) for k in KINDS)
 class _Meshes:
     """The order of stage events.  A mesh runs its tasks' all-gathers in plan order, the
     next one when the previous ended, its group was released (the previous group's last
-    all-gather ended, plus the barrier), its ranks' host has issued it (after its earlier
+    all-gather ended and every rank's host was done with its tasks of that group, plus the
+    barrier; the host starts the task's work only then), its ranks' host has issued it (after its earlier
     tasks and its admission under the watermark), its ranks' H2D of the task is done
     (offload: on the rank's one stream before the gather when serial, else a stream of its
     own), and every sending rank has room under the watermark for its buffer (what the
     engine holds: nothing for a zero-copy task).  A sending rank packs each task after its
-    all-gather, one task at a time; a zero-copy task costs only host time, its batch's jobs
+    all-gather, one task at a time (reading its own pieces of the full tensors; with
+    host_waits, its host waits for the packing before its next task: a delta push's count read
+    back); a zero-copy task costs only host time, its batch's jobs
     are handed over when the batch's last task is; jobs become ready in their rank's order
     (the engine's FIFO), each after its predecessor's writes were posted."""
 
@@ -130,6 +146,9 @@ class _Meshes:
         b0 = model.begin_s
         self.release = np.full(G + 1, np.inf)
         self.release[0] = b0
+        # per mesh group: when the last of its ranks' hosts was done with its tasks (the runtime's
+        # barrier is the hosts': each rank issues it after its last task of the group)
+        self.group_host = np.full(G, b0)
         for g in range(G):  # empty groups release at once
             if self.group_left[g] == 0:
                 self.release[g + 1] = self.release[g]
@@ -264,7 +283,8 @@ class _Meshes:
         if self.h2d_stream:
             s = max(s, max(self.h2d_done[(r, ti)] for r in ranks))
         hg = self.model.host_parts(self.plan.tasks[ti], 0, self._kind(m, ti) == _DIRECT)[0]
-        adm = max(self.admit_t.get(m, 0.0), self._engine_idle(m, ti))
+        # (the host does the task's work after the barrier before its group: it waits for it first)
+        adm = max(self.admit_t.get(m, 0.0), self._engine_idle(m, ti), self.release[self.group_of_mesh[m]])
         if hg > 0 or adm > 0:
             s = max(s, max(max(self.host_free[r], adm) for r in ranks) + hg)
         if self.model.serial and (len(ranks) > 1 or self.model.offload):  # a collective or an H2D on the stream
@@ -408,7 +428,7 @@ class _Meshes:
             for r in plan.meshes[m]:
                 self.timeline.append(("allgather", r, ti, start, t_end))
         self.stage_end["allgather"] = max(self.stage_end["allgather"], t_end)
-        adm = self.admit_t.pop(m, 0.0)
+        adm = max(self.admit_t.pop(m, 0.0), float(self.release[self.group_of_mesh[m]]))  # (after the barrier)
         for r in plan.meshes[m]:
             j = jb.job_of.get((r, ti))
             direct = j is not None and self.kind[j] == _DIRECT
@@ -434,11 +454,12 @@ class _Meshes:
                 q0 = max(t_end, self.quant_free[r], hp)
                 pe = float(jb.fp8_piece_elems[j]) if jb.fp8_piece_elems is not None else 0.0
                 # direct: the same kernel, its output at the receivers' addresses (sources read + packed written)
-                q = md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]), pe)
+                rd = float(jb.src_read[j]) if jb.src_read is not None else None
+                q = md.pack_s(task, jb.packed[j], md.launches(pieces, int(jb.launches[j])), bool(jb.fp8[j]), pe, rd)
                 q1 = q0 + q
                 self.quant_free[r] = q1
                 self.dev_free[r] = q1
-                self.host_free[r] = q1 if md.host_sync else hp
+                self.host_free[r] = q1 if md.host_sync or md.host_waits else hp
                 self.busy_s["host"][r] += hpk
                 self.busy_s["pack"][r] += q1 - q0
                 self.stage_end["quant"] = max(self.stage_end["quant"], q1)
@@ -455,9 +476,10 @@ class _Meshes:
                     self._copy_flush(r, float(self.host_free[r]))
         self.busy[m] = t_end
         g = self.group_of_mesh[m]
+        self.group_host[g] = max(self.group_host[g], max(float(self.host_free[r]) for r in plan.meshes[m]))
         self.group_left[g] -= 1
-        if self.group_left[g] == 0:
-            self.release[g + 1] = self.stage_end["allgather"] + self.model.barrier_s
+        if self.group_left[g] == 0:  # every all-gather of the group ended and every host reached the barrier
+            self.release[g + 1] = max(self.stage_end["allgather"], self.group_host[g]) + self.model.barrier_s
             for g2 in range(g + 1, self.G):  # cascade over empty groups
                 if self.group_left[g2] == 0:
                     self.release[g2 + 1] = self.release[g2]

@@ -1,7 +1,9 @@
 """Flow-level simulation of one weight update following a plan on a modelled cluster.
 
 Stages per task (a task's mesh runs its tasks in plan order; mesh groups are separated
-by a barrier over all trainer ranks):
+by a barrier over all trainer ranks: the next group starts once every all-gather of the
+group ended and every rank's host was done with its tasks of the group, plus `barrier_s`;
+the runtime's barrier is the hosts', issued after a rank's last task of the group):
 
 1. H2D: with CPU offload, each rank copies its local shard over PCIe (a sequential
    stream per rank that may run ahead of the other stages).
@@ -326,8 +328,8 @@ def _run(meshes: _Meshes, net: _Network, dt: float, max_steps: int) -> tuple:
         for j, te in jobs_done:
             meshes.job_done(j, te)
             last_write = max(last_write, te)
-        for m, ti, s in rings_done:
-            meshes.ring_end(m, ti, s, now + dt)
+        for m, ti, s, te in rings_done:
+            meshes.ring_end(m, ti, s, te)
         now += dt
         nstep += 1
         if nstep > max_steps:
@@ -335,7 +337,14 @@ def _run(meshes: _Meshes, net: _Network, dt: float, max_steps: int) -> tuple:
     return nstep, last_write, (tr_t, tr_w, tr_ag)
 
 
-def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict | str | None = None) -> SimResult:
+def simulate(
+    plan,
+    cluster,
+    steps: int = 1500,
+    record: bool = True,
+    kinds: dict | str | None = None,
+    host_waits_pack: bool = False,
+) -> SimResult:
     """Predict one update of `plan` on `cluster` (a wxfer.meta.Cluster).
 
     steps: network time steps per lower bound (accuracy vs. speed); record: keep the
@@ -343,7 +352,9 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
     work on its senders (wxfer.plan.kinds; a Sender's ``task_kinds()``), "auto": as the
     runtime decides them from the plan's training parameters (``task_kinds(plan,
     plan.train_params, cluster.cpu_offload)``), None: every task packed (the model before
-    zero-copy tasks)."""
+    zero-copy tasks); host_waits_pack: each rank's host waits for every packing it issued before
+    its next task (a delta push on a GPU reads back each task's count of changed bytes,
+    wxfer.plan.delta)."""
     import time as _time
 
     w0 = _time.perf_counter()
@@ -365,7 +376,9 @@ def simulate(plan, cluster, steps: int = 1500, record: bool = True, kinds: dict 
         cluster.write_latency_s,
         float(getattr(cluster.cal, "write_dev_s", 0.0)),
     )
-    meshes = _Meshes(plan, cluster, _StageModel(cluster), jobs, record)
+    model = _StageModel(cluster)
+    model.host_waits = bool(host_waits_pack)
+    meshes = _Meshes(plan, cluster, model, jobs, record)
     dt = max(lb, 1e-6) / steps
     nstep, last_write, (tr_t, tr_w, tr_ag) = _run(meshes, net, dt, steps * 200)
     stage_end = meshes.stage_end

@@ -114,12 +114,18 @@ def table(items) -> array.array:
     return t
 
 
-def copy_ranges(device, items, copier: str | None = None, ranges: array.array | None = None) -> str:
+def copy_ranges(
+    device, items, copier: str | None = None, ranges: array.array | None = None, ctas: int = 0, beside: bool = False
+) -> str:
     """Copy every item [(dst tensor, src tensor, dst address, src address, nbytes)] on the
     current stream of CUDA `device` in one call; returns the copier that ran ("native",
     "driver" or "torch._foreach_copy_"). `copier`: "kernel" or "driver" (default ``COPIER``).
     The tensors are byte views (the fallback copies them). `ranges`: ``table(items)`` made
-    by the caller (kept from an earlier launch of the same items), else made here."""
+    by the caller (kept from an earlier launch of the same items), else made here. `ctas`:
+    the native kernel's CTAs per SM (0: its own; a few leave room for a kernel beside it,
+    wxfer.runtime.overlap); `beside`: the driver's batch is asked to run beside the SMs' work
+    (its copy engines: ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``, a hint); each only
+    where that copier runs."""
     global _last
     if not items:
         return "none"
@@ -130,10 +136,10 @@ def copy_ranges(device, items, copier: str | None = None, ranges: array.array | 
         device = torch.device("cuda", torch.cuda.current_device())
     ran, why = _pick(device, copier)
     if ran == "native":
-        _native(device, items, ranges)
+        _native(device, items, ranges, ctas)
         _calls["native"] += 1
     elif ran == "driver":
-        _driver(device, items)
+        _driver(device, items, beside)
         _calls["driver"] += 1
     else:
         ran = "torch._foreach_copy_"
@@ -143,17 +149,20 @@ def copy_ranges(device, items, copier: str | None = None, ranges: array.array | 
     return ran
 
 
-def _driver(device, items) -> None:
+def _driver(device, items, beside: bool = False) -> None:
     from .. import _wxfer
     from .fp8 import _raw_stream
 
     triples = array.array("Q")
     for i in items:
         triples.extend(i[2:])
-    _wxfer.copy_batch(device.index, _raw_stream(device), triples)
+    if beside:
+        _wxfer.copy_batch(device.index, _raw_stream(device), triples, True)
+    else:
+        _wxfer.copy_batch(device.index, _raw_stream(device), triples)
 
 
-def _native(device, items, ranges=None) -> None:
+def _native(device, items, ranges=None, ctas: int = 0) -> None:
     import torch
 
     from .. import _wxfer
@@ -168,4 +177,7 @@ def _native(device, items, ranges=None) -> None:
             _tables.clear()  # freed in stream order: later work on these streams comes after the kernels
         dev = torch.frombuffer(bytearray(key[1]), dtype=torch.uint8).to(device, non_blocking=True)
         _tables[key] = dev
-    _wxfer.copy_launch(device.index, stream, t, dev.data_ptr())
+    if ctas:
+        _wxfer.copy_launch(device.index, stream, t, dev.data_ptr(), int(ctas))
+    else:
+        _wxfer.copy_launch(device.index, stream, t, dev.data_ptr())

@@ -101,13 +101,41 @@ def encode(new, d, c: int, region: int, doff: int):
     return out
 
 
-def apply_records(buf, nrec: int, regions: list) -> int:
+def applier(buf, regions: list) -> tuple:
+    """How apply_records applies records in `buf` to `regions`, and why not natively: ("kernel",
+    None) on a CUDA device where wx_delta_apply runs (delta_gpu.apply: every region contiguous
+    on that device); ("host", None) on host memory (wx_delta_host.c, one C call per record);
+    else ("torch", the reason)."""
+    if buf.device.type == "cuda":
+        from . import delta_gpu
+
+        why = delta_gpu.apply_why(buf.device) if regions else "no regions"
+        if why is None:
+            bad = [
+                i for i, r in enumerate(regions)
+                if r.device != buf.device or not r.is_contiguous() or str(r.dtype) != "torch.uint8"
+            ]  # fmt: skip
+            if not bad:
+                return "kernel", None
+            why = f"region {bad[0]} is not contiguous uint8 memory on {buf.device}"
+        return "torch", why
+    if _native_apply(buf, regions) is not None:
+        return "host", None
+    return "torch", "the records or a region are not contiguous host memory, or the extension lacks delta_apply"
+
+
+def apply_records(buf, nrec: int, regions: list, how: str | None = None) -> int:
     """Apply `nrec` records from uint8 tensor `buf` (the payload after a slot's header) to
-    `regions` (uint8 tensors, by region index); returns the bytes written."""
+    `regions` (uint8 tensors, by region index); returns the bytes written. how: applier()'s
+    choice (None: asked here); "torch" forces the torch ops."""
     import torch
 
+    if (how or applier(buf, regions)[0]) == "kernel":
+        from . import delta_gpu
+
+        return delta_gpu.apply(buf, nrec, regions) if nrec else 0
     heads = buf.cpu() if buf.device.type != "cpu" else buf
-    native = _native_apply(buf, regions)
+    native = _native_apply(buf, regions) if how != "torch" else None
     p, total = 0, 0
     for _ in range(nrec):
         region, enc, doff, n, c = REC.unpack(heads[p : p + REC.size].numpy().tobytes())
@@ -172,6 +200,7 @@ class Staging:
         self.region = receiver.transport.register(self.buf, export=True)
         self.applied: dict = {}  # sender rank -> version of the last slot applied
         self.applied_rec: dict = {}  # sender rank -> version of the last records applied
+        self.applier, self.applier_why = None, None  # delta.applier's answer, at the first records
         self.last = dict(applied_s=0.0, records=0, bytes=0, changed=0, version=-1)
         self.total = dict(applied_s=0.0, records=0, bytes=0, changed=0, applies=0)
 
@@ -212,7 +241,9 @@ class Staging:
                 if HEAD.size + nb > size:
                     raise DeltaError(f"trainer rank {s}'s records ({nb} bytes) overrun its slot of {size} bytes")
                 payload = self.buf[off + HEAD.size : off + HEAD.size + nb]
-                out["changed"] += apply_records(payload, nrec, regions)
+                if nrec and self.applier is None:
+                    self._choose(payload, regions)
+                out["changed"] += apply_records(payload, nrec, regions, self.applier)
                 out["records"] += nrec
                 out["bytes"] += nb
                 self.applied[s] = hv
@@ -229,8 +260,24 @@ class Staging:
         self.total["applies"] += 1
         return out
 
+    def _choose(self, payload, regions: list) -> None:
+        """The applier of this receiver's records (delta.applier), chosen once and logged."""
+        self.applier, self.applier_why = applier(payload, regions)
+        if self.applier_why is None:
+            log.info("wxfer.Receiver gpu %s: delta records applied by the %s path", self.r.gpu, self.applier)
+        else:
+            log.warning(
+                "wxfer.Receiver gpu %s: delta records applied by torch ops on %s (%s)",
+                self.r.gpu,
+                payload.device,
+                self.applier_why,
+            )
+
     def stats(self) -> dict:
-        return dict(staging_bytes=self.nbytes, last=dict(self.last), total=dict(self.total))
+        d = dict(staging_bytes=self.nbytes, last=dict(self.last), total=dict(self.total), applier=self.applier)
+        if self.applier_why is not None:
+            d["applier_why"] = self.applier_why
+        return d
 
     def unapplied(self, v: int) -> list:
         """The trainer ranks whose slot of step `v` this worker has not applied (its header is of

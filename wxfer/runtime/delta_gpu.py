@@ -18,6 +18,13 @@ order); or ``scatter(shadow, bits, targets)`` stores each changed byte of a rang
 its destination (the receiver's memory, mapped here: docs/delta.md). ``why(device)`` is None
 where the kernels run, else the reason (``WXFER_DELTA_GPU=torch`` forces the torch ops of
 delta.py).
+
+The receiver's side: ``apply(buf, nrec, regions)`` applies a slot's records (delta.py's format,
+in device memory) with the kernel ``wx_delta_apply`` (four phases on the current stream: the walk
+over the heads, the count of each MASK record's bits and the check of each PAIRS offset, the
+check of the counts, the apply), every record checked before any byte is written; one read back
+(the answer) per call. ``apply_why(device)`` is None where it runs (any compute capability),
+else the reason (``WXFER_DELTA_APPLY=torch`` forces delta.apply_records' torch ops).
 """
 
 from __future__ import annotations
@@ -29,11 +36,20 @@ from .nvrtc import Probe
 
 SEG = 8192  # bytes of a range per segment of the count / emit kernels (WX_DELTA_SEG)
 _PROBE = Probe("WXFER_DELTA_GPU", "torch", "the torch ops of wxfer.runtime.delta", "delta_probe")
+_APPLY_PROBE = Probe("WXFER_DELTA_APPLY", "torch", "the torch apply of wxfer.runtime.delta", "delta_apply_probe")
+# the answer of wx_delta_apply (state[0]): error bits (wx_delta.h WX_DELTA_AP_*)
+AP_HEAD, AP_OVER, AP_BAD, AP_SEGS = 1, 2, 4, 8
+AP_WORK = 64  # bytes of the walk's entry per record
 
 
 def why(device, probe: bool = True) -> str | None:
     """None when the delta kernels run on `device`, else why not."""
     return _PROBE.why(device, probe)
+
+
+def apply_why(device, probe: bool = True) -> str | None:
+    """None when the apply kernel runs on `device`, else why not."""
+    return _APPLY_PROBE.why(device, probe)
 
 
 def bits_for(nbytes: int, device):
@@ -191,3 +207,93 @@ def compare_count(shadow, buf, layout) -> tuple:
     bits = bits_for(shadow.numel(), shadow.device)
     compare(shadow, bits, buf, layout)
     return count(bits, [(so, n) for _, n, so in layout])
+
+
+def apply_cap(rec_nbytes: int, nrec: int) -> int:
+    """Segments of a slot's records at most (wx_delta.h WX_DELTA_AP_CAP)."""
+    return int(rec_nbytes) // 1024 + int(nrec) + 1
+
+
+_TABLES: dict = {}  # (device, the table's values) -> the table in device memory (its content is its key)
+
+
+def region_table(regions, device):
+    """The {base address, nbytes} table of the regions (uint8 tensors on `device`), in device
+    memory (kept for the next call with the same regions: a receiver's are fixed); a region
+    elsewhere or not contiguous is refused naming its index."""
+    import torch
+
+    flat = []
+    for i, r in enumerate(regions):
+        if r.device != device or not r.is_contiguous() or r.dtype != torch.uint8:
+            raise ValueError(
+                f"delta apply: region {i} is {r.dtype} on {r.device} (contiguous: {r.is_contiguous()}); the "
+                f"kernel writes contiguous uint8 memory on {device}"
+            )
+        flat.extend((r.data_ptr(), r.numel()))
+    key = (str(device), tuple(flat))
+    t = _TABLES.get(key)
+    if t is None:
+        if len(_TABLES) >= 16:
+            _TABLES.pop(next(iter(_TABLES)))
+        t = _TABLES[key] = _dev(array.array("Q", flat), device)
+    return t
+
+
+def apply(buf, nrec: int, regions, table=None) -> int:
+    """Apply `nrec` records from the uint8 CUDA tensor `buf` (a slot's payload after its header,
+    8-aligned) to `regions` (uint8 tensors on its device, by region index; `table`: their
+    region_table, made here when None) with wx_delta_apply; returns the changed bytes written.
+    Raises delta.DeltaError naming the first malformed record (nothing written then)."""
+    import torch
+
+    from .. import _wxfer
+
+    dev = buf.device
+    nrec = int(nrec)
+    if nrec == 0:
+        return 0
+    if not buf.is_contiguous() or buf.data_ptr() % 8:
+        raise ValueError("delta apply: the records must be contiguous and 8-aligned")
+    if table is None:
+        table = region_table(regions, dev)
+    cap = apply_cap(buf.numel(), nrec)
+    work = torch.empty(nrec * AP_WORK // 8, dtype=torch.int64, device=dev)
+    state = torch.zeros(8, dtype=torch.int64, device=dev)
+    counts = torch.zeros(cap, dtype=torch.int32, device=dev)
+    segx = torch.zeros(cap + 1, dtype=torch.int64, device=dev)
+    args = (
+        buf.data_ptr(), buf.numel(), nrec, table.data_ptr(), len(regions), work.data_ptr(), state.data_ptr(),
+        counts.data_ptr(), segx.data_ptr(), cap,
+    )  # fmt: skip
+    stream = _stream(dev)
+    _wxfer.delta_apply_launch(dev.index, stream, 0, *args)
+    torch.cumsum(counts, 0, dtype=torch.int64, out=segx[1:])
+    _wxfer.delta_apply_launch(dev.index, stream, 1, *args)
+    st = state.tolist()  # the one read back: waits for the apply
+    if st[0]:
+        raise _apply_error(buf, st, work, nrec)
+    return int(st[4])
+
+
+def _apply_error(buf, st, work, nrec):
+    """The DeltaError of a refused apply, naming the record as delta.apply_records does."""
+    err, i = int(st[0]), int(st[1])
+    if err & AP_SEGS:
+        return delta.DeltaError(f"delta apply: the records need more than {apply_cap(buf.numel(), nrec)} segments")
+    # the walk stopped at the head at st[3]; the later phases name a record the walk entered
+    p = int(st[3]) if st[5] else int(work.view(-1, AP_WORK // 8)[i, 6])
+    if p + delta.REC.size > buf.numel():
+        return delta.DeltaError(f"record {i}: its head at byte {p} overruns the {buf.numel()} bytes of records")
+    region, enc, doff, n, c = delta.REC.unpack(buf[p : p + delta.REC.size].cpu().numpy().tobytes())
+    what = f"record {region}/{enc} [{doff}, {doff + n})"
+    if err & AP_HEAD:
+        return delta.DeltaError(f"{what} outside the registered memory")
+    if err & AP_OVER:
+        return delta.DeltaError(f"{what}: its payload overruns the records")
+    why = (
+        f"{c} changed bytes of a range of {n}" if c > n
+        else "an offset outside the range" if enc == delta.PAIRS
+        else f"the mask does not hold {c} bits"
+    )  # fmt: skip
+    return delta.DeltaError(f"{what}: delta apply: {why}")

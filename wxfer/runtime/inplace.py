@@ -22,13 +22,12 @@ the peers it wrote, waiting for a CUDA event recorded after it on the side strea
 host, without CUDA, signalled done at once: ``complete_external``).  So the engine finishes
 it after the begin stamps' fence, holds the end stamps' fence (a plain one) until it landed,
 applies its deadline, skips a peer that failed, counts its bytes (``bytes_external``) and
-traces it (kind "external"); ``push()``'s wait is the engine's.  The begin stamps are
-waited for before the first launch of a push (after its first task's gathers were queued; on
-the device where it can, TaskRunner._wait_begin): the engine orders its tasks, not this
-process's kernels, and a kernel that ran before a receiver's begin stamp landed would make a
-torn read look complete.  A receiver
-that failed (the engine's failed peers) or that the Sender dropped is not written (no kernel
-can be called back) nor named in the task.  Off with ``Sender(direct=False)`` or
+traces it (kind "external"); ``push()``'s wait is the engine's.  The engine orders its tasks,
+not this process's kernels, and a kernel that ran before a receiver's begin stamp landed would
+make a torn read look complete: the first launch of a push comes after its begin stamps, written
+on the side stream ahead of it (``stamp_begin``, the default) or waited for (TaskRunner._wait_begin).
+A receiver that failed or was dropped is not written (no kernel can be called back) nor named
+in the task.  Off with ``Sender(direct=False)`` or
 ``WXFER_DIRECT=0`` (the user-facing name, and ``stats()["direct"]``, are kept); with verify on
 a push goes the staging way (a checksum of the receiver's own memory would prove nothing).
 """
@@ -44,6 +43,8 @@ from itertools import zip_longest
 
 from .. import envs, taskpath
 from ..zerocopy import COPY_MAX, copy_batch_full
+from .inplace_stamps import StampOrder, _NotInPlace
+from .overlap import Overlap
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -69,6 +70,7 @@ def stream_done_within(stream, bound: float) -> bool:
 
 COPY_ALL = 1 << 62  # copy_max "all" / -1: no upper bound (every task has fewer bytes)
 COPIES_TAG = (1 << 62) + 1  # engine tag of a batched copy launch (plan tasks: their index; stamps: 1 << 62)
+_TOO_BIG = "not fewer bytes than copy_max"  # (_copy_check; the overlap takes such a task)
 
 
 def copy_max(value=None) -> int:
@@ -234,10 +236,6 @@ class _Plan:
         self.event = None  # recorded after its writes, each push (InPlaceWriter._submit)
 
 
-class _NotInPlace(Exception):
-    pass
-
-
 def options(direct, copy_max_arg) -> tuple:
     """(enabled, copy_max) from the Sender's ``direct`` and ``copy_max`` arguments, checked
     before anything is set up (a bad value raises naming it)."""
@@ -245,7 +243,7 @@ def options(direct, copy_max_arg) -> tuple:
     return enabled(direct), cm
 
 
-class InPlaceWriter:
+class InPlaceWriter(StampOrder):
     """The Sender's in-place writes (a collaborator): packed tasks written straight into the
     receivers' mapped memory, small zero-copy tasks copied there in batches.
 
@@ -280,15 +278,20 @@ class InPlaceWriter:
         # this push's batched copy launches, their host seconds, the copy bindings it made
         # (stats()["direct"]["last_push"]; a push after the first should make none)
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
+        self.stamp_views: dict = {}  # gpu -> (begin stamp destination, its int64 view or None) (stamp_begin)
+        self.unstamped = frozenset()  # the receivers stamp_begin skipped this push: not written in place
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
+        self.overlap = Overlap(self)  # large copies beside the quantizer (wxfer.runtime.overlap)
 
     def start(self, version: int, verify: bool, wait_begin) -> None:
         """A push begins: its number, whether it verifies, and `wait_begin()`, which returns
         once its begin stamps landed (waited for before its first in-place write)."""
         self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
+        self.unstamped = frozenset()
         self.launched = False  # the last push's writes were waited for by the engine
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
         self._copies_on()
+        self.overlap.start(self.copy_live)
 
     def switch(self, on: bool) -> None:
         """Turn the in-place writes on or off (``Sender.direct``), from the next task on."""
@@ -332,7 +335,7 @@ class InPlaceWriter:
         a push, as before an in-place write), then the receivers not to write (failed or
         dropped by now)."""
         self._begin()
-        return self.links.skipped(self.engine)
+        return self._skip()
 
     def external_done(self, dests, tag: int) -> None:
         """Those writes, just launched on the side stream to `dests` (the receivers not
@@ -358,9 +361,15 @@ class InPlaceWriter:
 
         fulls, _ = prepare.gather(prep, op, self.device)
         self._begin()  # after the gathers were queued: the stamps land meanwhile
-        skip = self.links.skipped(self.engine)
+        skip = self._skip()
+        ovl = self.overlap
+        gate = ovl.gate() if plan.fp8 else None  # (before the quantizer: the copies do not wait for it)
         self._write(op, plan, fulls, skip)
         self._submit(self._live(op.dests, skip), op.task, plan)
+        if plan.fp8:
+            ovl.quant += 1
+            if gate is not None:  # the large copies queued so far, beside this quantizer launch
+                ovl.launch(gate, skip)
         self.n["tasks"] += 1
         self.total += 1
         return True
@@ -385,6 +394,8 @@ class InPlaceWriter:
             hit = None
         if hit is None:
             why, hit = self._copy_check(op)
+            if why is _TOO_BIG and self.overlap.live:
+                return self._defer(op)
             if hit is not None:
                 self._count_push()
             if why is not None:
@@ -401,11 +412,32 @@ class InPlaceWriter:
             self.flush_copies()
         return True
 
+    def _defer(self, op) -> bool:
+        """A zero-copy task too large for the batched copies, in a push that quantizes: copied
+        beside the quantizer (wxfer.runtime.overlap) when every destination is mapped; False:
+        the engine writes it."""
+        hit = self._copy_hit(op)
+        if hit[3] is None:
+            return False
+        self._count_push()
+        return self.overlap.take(hit)
+
+    def end_group(self) -> None:
+        """A mesh group's end: the queued small copies launched, then the large ones still
+        queued (wxfer.runtime.overlap, after the begin stamps), the side stream joined to them."""
+        self.flush_copies()
+        if self.overlap.q:
+            self._begin()
+        self.overlap.end_group(lambda: self.links.skipped(self.engine))
+
     def copy_why(self, op) -> str | None:
         """Why a push does not copy zero-copy task `op` straight into the receivers' memory, or
         None (queue_copy's tests without its side effects; the binding is cached as there): the
         copy fact of wxfer.taskpath.classify, what Sender.task_kinds() reports "copy" from."""
-        return self._copy_check(op)[0]
+        why = self._copy_check(op)[0]
+        if why is _TOO_BIG and self.overlap.next_live() and self.off() is None and not self.verify:  # overlap.py
+            why = self._copy_hit(op)[4]
+        return why
 
     def _copy_check(self, op) -> tuple:
         """(why not copied or None, the task's binding where it was looked at): a copy
@@ -415,7 +447,7 @@ class InPlaceWriter:
         if prep is None or prep.best.path != taskpath.COPY:
             return "not a zero-copy task on the device", None
         if op.nbytes >= self.copy_max:
-            return "not fewer bytes than copy_max", None
+            return _TOO_BIG, None
         why = self.off() or ("verify is on" if self.verify else None)
         if why is not None:
             return why, None
@@ -470,7 +502,7 @@ class InPlaceWriter:
         # the receivers to skip: one that failed while its begin stamp was written is not copied to
         self._begin()
         t1 = time.perf_counter()
-        skip = self.links.skipped(self.engine)
+        skip = self._skip()
         live = [c for c in q if c[0] not in skip] if skip else q
         self.n["skipped_writes"] += len(q) - len(live)
         host = self.host
@@ -576,6 +608,7 @@ class InPlaceWriter:
         hit = self.views.get(rdesc)
         if hit is not None:
             return hit
+        self._stamp_check(rdesc)  # (its worker's begin stamp mapped, where the stream writes it)
         try:
             n = region_nbytes(rdesc)
         except ValueError as e:
@@ -694,10 +727,14 @@ class InPlaceWriter:
         word goes on, and an unbounded synchronize would hang the push.  False: still running
         at the bound (logged, naming the held word's receiver)."""
         self.copy_q, self.copy_q_bytes = [], 0
+        self.overlap.drop()
         done = True
         try:
             if self.launched and self.stream is not None:
                 done = stream_done_within(self.stream, bound)
+                second = self.overlap.pending()  # the large copies' own stream
+                if done and second is not None:
+                    done = stream_done_within(second, bound)
         except Exception:  # noqa: BLE001 -- the device itself failed; the push's error says more
             pass
         if not done:
@@ -719,6 +756,9 @@ class InPlaceWriter:
             d["copier"] = self.copier  # the batched copies' last launch (wxfer.runtime.copies)
         if self.host["launches"]:
             d["last_push"] = dict(self.host)  # its batched copy launches' host seconds
+        ovl = self.overlap.stats()
+        if ovl:
+            d["overlap"] = ovl  # the last push's large copies beside the quantizer
         off = self.off()
         if off:
             d["why_not"] = off
@@ -733,6 +773,7 @@ class InPlaceWriter:
         regions = {bytes(r) for r in regions}
         for r in regions:
             self.views.pop(r, None)
+        self.stamp_views.pop(gpu, None)
         for task, (_, plan, _) in list(self.plans.items()):
             if plan is not None and regions & {bytes(r) for r in plan.regions}:
                 del self.plans[task]
@@ -744,6 +785,7 @@ class InPlaceWriter:
     def close(self) -> None:
         """Forget the views of the mapped regions (before the transport unmaps them)."""
         self.views.clear()
+        self.stamp_views.clear()
         self.plans.clear()
         self.copy_plans.clear()
         self.copy_tables.clear()

@@ -71,6 +71,10 @@ class Links:
         self._stop = threading.Event()
         self._watcher = None
         self._any_local = None  # _local_pids, until a restart is taken
+        # whether a push's start checks this host's pids itself: until one check has bound every
+        # worker to the pid waiter (liveness.PidWatch.wait_exits), after a restart taken, and
+        # once the waiter reports an exit
+        self._pids_dirty = True
         self.watch_error = None  # the last look's failure (the store unreachable), None once one passes
         self._look_since = None  # when the look in progress began (monotonic), None between looks
         self._said = None  # the watcher trouble last reported (watch_trouble), None when none
@@ -260,9 +264,16 @@ class Links:
     # ------------------------------------------------------------------ the watcher
     def start_watch(self, every: float = WATCH_S) -> None:
         """Look every `every` seconds in a daemon thread until close(); a push then reads a flag."""
+        self.pids.wait_exits(self._pid_exited)  # a death of this host's workers: the flag at once
         self._watcher = threading.Thread(target=self._watch, args=(float(every),), daemon=True)
         self._watcher.name = f"wxfer-links rank {self.rank}"
         self._watcher.start()
+
+    def _pid_exited(self) -> None:
+        """The pid waiter's report (its thread): a process of this host's workers exited; the
+        next push's start checks the pids (``adopt_rejoins``)."""
+        self._pids_dirty = True
+        self._news = True
 
     def _watch(self, every: float) -> None:
         while not self._stop.wait(every):
@@ -374,14 +385,20 @@ class Links:
             self.look()
         else:
             self.say_watch()
-            if self._local_pids:  # this host's workers: one poll(2) here, a death just before the push seen
+            # this host's workers: the pid waiter's flag, or (until it watches them all, and
+            # after it reported an exit) one poll(2) here: a death just before the push is seen
+            if self._local_pids and (self._pids_dirty or not self.pids.waiting()):
                 with self._mu:
+                    self._pids_dirty = False
                     self._check_pids(self._found)
                     self._news = self._news or bool(self._found)
         if not self._news:
             return
         with self._mu:
             self._news = False
+            if self._pids_dirty and self._local_pids:  # (the waiter fired meanwhile)
+                self._pids_dirty = False
+                self._check_pids(self._found)
             self._take_found()
             pending, self._pending = self._pending, {}
             for g, e in sorted(pending.items()):
@@ -436,6 +453,7 @@ class Links:
         self.begin_dest[g] = (rec["stamp"], w["stamp_begin"] + off, 0, 8)
         self.workers[g] = w
         self._any_local = None
+        self._pids_dirty = True
         # the worker replaced is forgotten: failed, dead or not, the new one is written from now on
         self.states.apply(g, Event.ADOPTED)
         self.failed_in_engine.discard(g)

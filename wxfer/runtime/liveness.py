@@ -133,6 +133,68 @@ class PidWatch:
         self._slow: set = set()  # (pid, start) read from /proc at each check
         self._poll = select.poll() if hasattr(select, "poll") else None  # None: /proc reads only
         self._fin = weakref.finalize(self, _close_fds, self._fd)
+        self._lk = threading.Lock()  # _fd / _who as the waiter thread reads them (wait_exits)
+        self._waiter: threading.Thread | None = None  # the thread blocked in poll(2) on the pidfds
+        self._wake_w = -1  # the write end of its wake pipe
+        self._closed = False
+        self.fired = 0  # exits the waiter reported
+
+    def wait_exits(self, on_exit) -> bool:
+        """Start a daemon thread blocked in poll(2) on these pidfds (the set as ``dead`` binds
+        and releases them, a wake pipe telling it of each change) that calls ``on_exit()`` as
+        soon as one becomes readable: its process exited.  A push then reads a flag instead of
+        polling itself (issue 37: one poll(2) was 14 us of a push's start after an idle gap),
+        and a death is still seen at once, not a watcher period later.  False: no poll(2)
+        here.  ``on_exit`` runs on that thread and must only set a flag; a process seen exited
+        is reported once (its pidfd stays readable until ``dead`` releases it)."""
+        if self._poll is None or self._closed:
+            return False
+        if self._waiter is None:
+            r, w = os.pipe()
+            os.set_blocking(r, False)
+            os.set_blocking(w, False)
+            self._wake_w = w
+            th = threading.Thread(target=self._wait_loop, args=(on_exit, r), daemon=True, name="wxfer-pidwait")
+            self._waiter = th
+            th.start()
+        return True
+
+    def waiting(self) -> bool:
+        """Whether the waiter reports every process bound here (none read from /proc instead)."""
+        return self._waiter is not None and not self._slow and not self._closed
+
+    def _wait_loop(self, on_exit, r: int) -> None:
+        fired: set = set()  # (pidfd, ident) reported: not polled again while bound
+        while True:
+            with self._lk:
+                if self._closed:
+                    break
+                live = {(fd, who[0]) for fd, who in self._who.items()}
+            fired &= live
+            p = select.poll()
+            p.register(r, select.POLLIN)
+            for fd, ident in live - fired:
+                p.register(fd, select.POLLIN)
+            idents = dict(live - fired)
+            for fd, ev in p.poll():
+                if fd == r:
+                    try:
+                        while os.read(r, 64):
+                            pass
+                    except OSError:  # (BlockingIOError: drained)
+                        pass
+                elif not ev & select.POLLNVAL:  # (closed meanwhile: the set is made again)
+                    fired.add((fd, idents[fd]))
+                    self.fired += 1
+                    on_exit()
+        os.close(r)
+
+    def _wake(self) -> None:
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:  # (full: a wake is pending anyway)
+                pass
 
     def dead(self, records: dict) -> dict:
         """{key: why} of `records` ({key: worker record}, each ``checkable_here``) whose process
@@ -173,17 +235,21 @@ class PidWatch:
             os.close(fd)
             self._gone[ident] = why
             return
-        self._fd[ident] = fd
-        self._who[fd] = (ident, w)
+        with self._lk:
+            self._fd[ident] = fd
+            self._who[fd] = (ident, w)
         self._poll.register(fd, select.POLLIN)
+        self._wake()
 
     def _release(self, ident: tuple) -> dict | None:
-        fd = self._fd.pop(ident, None)
-        if fd is None:
-            return None
-        _, w = self._who.pop(fd)
-        self._poll.unregister(fd)
-        os.close(fd)
+        with self._lk:
+            fd = self._fd.pop(ident, None)
+            if fd is None:
+                return None
+            _, w = self._who.pop(fd)
+            self._poll.unregister(fd)
+            os.close(fd)
+        self._wake()
         return w
 
     def _exited(self, fd: int, ev: int) -> None:
@@ -205,6 +271,12 @@ class PidWatch:
     def close(self) -> None:
         for ident in list(self._fd):
             self._release(ident)
+        with self._lk:
+            self._closed = True
+        self._wake()
+        if self._wake_w >= 0:
+            os.close(self._wake_w)  # (the waiter sees the pipe's end too)
+            self._wake_w = -1
 
 
 class LeaseWatch:

@@ -538,7 +538,7 @@ class Sender:
             transport=self.transport_name,
             setup_s=self.setup_s,
             quantizer=_quantizer_stats(self.device),
-            direct=self.inplace.stats(),
+            direct=dict(self.inplace.stats(), begin=self.runner.begin_order()),
             watcher=self.links.watch_trouble(),  # None while the watcher's store looks pass
         )
         if self.delta is not None:

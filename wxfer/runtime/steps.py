@@ -102,15 +102,16 @@ class StepLoop:
         ph["rejoin_check"] = time.perf_counter() - t0
         keep = []  # CUDA events must outlive the engine's wait on them
         ev = None
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            ev = torch.cuda.Event()  # what the zero-copy writes wait for
-            ev.record(self.stream)
-            keep.append(ev)
         state = {"barrier": None, "at": (0, -1)}  # (mesh group, task) reached: a failure drains from there
         try:
+            # the begin stamps first: the engine posts them while this thread orders the streams
             self.runner.write_begin()
             ph["begin_stamps"] = time.perf_counter() - t0
+            if self.stream is not None:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+                ev = torch.cuda.Event()  # what the zero-copy writes wait for
+                ev.record(self.stream)
+                keep.append(ev)
             with (
                 torch.no_grad(),
                 torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext(),
@@ -177,7 +178,7 @@ class StepLoop:
                 run_task(op, ev)
             if len(batch):
                 runner.submit_fast(batch.take(), ev)
-            inplace.flush_copies()
+            inplace.end_group()  # the copies still queued, the second stream joined (overlap.py)
             # stage 4: the barrier overlaps this group's writes
             state["at"] = (gi, len(ops))
             state["barrier"] = control.Barrier(

@@ -27,25 +27,37 @@ def _host_int64(device):
     return t.pin_memory() if device.type == "cuda" else t
 
 
+BEGIN_WAITS = ("stream", "device", "host")  # WXFER_BEGIN_WAIT's choices, the default first
+
+
+def begin_wait_choice() -> str:
+    """How the in-place writes are ordered after the begin stamps (``WXFER_BEGIN_WAIT``):
+    ``stream`` (the default) writes them on the side stream ahead of the writes
+    (``InPlaceWriter.stamp_begin``: no wait at all); ``device``, the side stream waits for the
+    begin fence's id in the fence word (cuStreamWaitValue32, begin_wait_word); ``host``, the
+    host waits for the begin fence (bounded).  docs/cuda_ipc.md compares them."""
+    choice = (envs.get("WXFER_BEGIN_WAIT") or BEGIN_WAITS[0]).strip().lower()
+    if choice not in BEGIN_WAITS:
+        raise ValueError(f"WXFER_BEGIN_WAIT must be one of {', '.join(BEGIN_WAITS)}, got {choice!r}")
+    return choice
+
+
 def begin_wait_word(engine, device):
-    """The begin stamps' device wait (``WXFER_BEGIN_WAIT=device``; ``host``, the default: the
-    host waits): a uint32 in pinned host memory into which `engine` stores each fence task's
-    id as it finishes -- held while a receiver whose stamp did not land is not fenced
-    (``Engine.fence_word``, docs/cuda_ipc.md) -- and its device address for
-    ``_wxfer.stream_wait`` (cuStreamWaitValue32).  (word, device address, None), or (None, 0,
-    why not): CPU, host chosen, the driver without cuStreamWaitValue32_v2, the memory with no
-    device address."""
+    """The begin stamps' device wait (``WXFER_BEGIN_WAIT=device``, opt-in): a uint32 in pinned
+    host memory into which `engine` stores each fence task's id as it finishes -- held while a
+    receiver whose stamp did not land is not fenced (``Engine.fence_word``, docs/cuda_ipc.md)
+    -- and its device address for ``_wxfer.stream_wait`` (cuStreamWaitValue32).  (word, device
+    address, None), or (None, 0, why not): CPU, another choice, the driver without
+    cuStreamWaitValue32_v2, the memory with no device address."""
     import torch
 
     from .. import _wxfer
 
-    choice = (envs.get("WXFER_BEGIN_WAIT") or "host").strip().lower()
-    if choice not in ("device", "host"):
-        raise ValueError(f"WXFER_BEGIN_WAIT must be device or host, got {choice!r}")
+    choice = begin_wait_choice()
     if device.type != "cuda":
         return None, 0, "not a CUDA device"
-    if choice == "host":
-        return None, 0, "WXFER_BEGIN_WAIT=host"
+    if choice != "device":
+        return None, 0, f"WXFER_BEGIN_WAIT={choice}"
     retire_word(None, ())  # (the words of closed Senders whose streams are past them go)
     word = torch.zeros(1, dtype=torch.int32).pin_memory()
     dev, why = _wxfer.stream_wait_addr(_index(device), word.data_ptr())
@@ -133,11 +145,15 @@ class TaskRunner:
         # the in-place writes wait for that fence on the device where the driver can
         # (begin_wait_word); else (why_host_wait says why) on the host, as before
         self.begin_word, self.begin_word_dev, self.why_host_wait = None, 0, "no in-place writes"
+        self.begin_on_stream = False  # WXFER_BEGIN_WAIT=stream: written on the side stream (stamp_begin)
         self.wait_streams = {}  # the streams a device wait was queued on (by handle): retire_word
         self.word_held_pushes = 0  # pushes that waited on the host because the word was held
         off = getattr(inplace, "off", None)  # why no task is written in place, or None
         if off is not None and off() is None:
-            self.begin_word, self.begin_word_dev, self.why_host_wait = begin_wait_word(engine, device)
+            if begin_wait_choice() == "stream" and hasattr(inplace, "stamp_begin"):
+                self.begin_on_stream, self.why_host_wait = True, None
+            else:
+                self.begin_word, self.begin_word_dev, self.why_host_wait = begin_wait_word(engine, device)
             if self.why_host_wait and device.type == "cuda":
                 log.info("wxfer: trainer rank %d: begin stamps waited for on the host: %s", rank, self.why_host_wait)
         self.verify = False  # whether it verifies (the last push's setting, between pushes)
@@ -185,11 +201,20 @@ class TaskRunner:
             self.begin_fence = self.submit_stamps(self.stamp_srcs["begin"], dests, "begin")
 
     def _wait_begin(self) -> None:
-        """Until this push's begin stamps landed (that fence task alone; with no stamps,
-        everything submitted so far): what the in-place writes wait for.  On the device where
-        it can (``begin_wait_word``): the current (side) stream waits for the fence's id in the
-        word the engine stores it into, and this thread goes on launching; a refusal falls
-        back to the host wait for good, its reason logged."""
+        """Before this push's first in-place write: its begin stamps ahead of it.  By default
+        (``WXFER_BEGIN_WAIT=stream``) written on the current (side) stream by
+        ``InPlaceWriter.stamp_begin``, which says why they order the writes (no host wait, no
+        device wait: nothing to stall on); where a stamp cannot be mapped here, the host wait
+        below, for good, its reason logged.  ``device``: the side stream waits for the fence's
+        id in the word the engine stores it into (``begin_wait_word``), this thread goes on
+        launching; a refusal falls back to the host wait for good.  ``host``: until the fence
+        task alone landed (with no stamps, everything submitted so far)."""
+        if self.begin_on_stream and self.begin_fence is not None:
+            why = self.inplace.stamp_begin(self.links.begin_dest, self.version)
+            if why is None:
+                return
+            self.begin_on_stream, self.why_host_wait = False, f"not written on the stream: {why}"
+            log.warning("wxfer: trainer rank %d: begin stamps waited for on the host: %s", self.rank, why)
         if self.begin_word_dev and self.begin_fence is not None and not self._word_held():
             import torch
 
@@ -219,6 +244,13 @@ class TaskRunner:
             "writing the begin stamps (before the in-place writes)",
             fence=self.begin_fence,
         )
+
+    def begin_order(self) -> str:
+        """How this Sender's in-place writes follow the begin stamps now (``stats()["direct"]
+        ["begin"]``): "stream", "device", or "host: <why>" (WXFER_BEGIN_WAIT, docs/cuda_ipc.md)."""
+        if self.begin_on_stream:
+            return "stream"
+        return "device" if self.begin_word_dev else f"host: {self.why_host_wait}"
 
     def _word_held(self) -> bool:
         """Whether the engine holds the fence word for an earlier fence (a receiver whose stamp
