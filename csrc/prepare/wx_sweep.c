@@ -32,6 +32,13 @@ static wx_kernel_src_t *wx__src(wx_kernel_cfg_t *c, const char *what, const char
     return &c->src;
 }
 
+/* One more in-memory header of s: the name the kernel includes, its text. */
+static void wx__hdr(wx_kernel_src_t *s, const char *name, const char *src)
+{
+    s->hdr_name[s->nhdr] = name;
+    s->hdr_src[s->nhdr++] = src;
+}
+
 /* The FP8 variant's shape, as the sweep's kernel expects it (its WX_* macros). */
 static void wx__fp8_cfg(int v, int minb)
 {
@@ -40,11 +47,8 @@ static void wx__fp8_cfg(int v, int minb)
     int stages = c == 1 ? 6 : c == 2 ? 3 : 2, n = 0;
     wx_kernel_src_t *s = wx__src(&wx__fp8, "the FP8 sweep kernel", "sweep_fp8_kernel.cu",
                                  sweep_fp8_kernel_src, "wx_fp8_quant");
-    s->nhdr = 2;
-    s->hdr_name[0] = "sweep_fp8_pipe.cu";
-    s->hdr_src[0] = sweep_fp8_pipe_src;
-    s->hdr_name[1] = "wx_fp8_kernel.cu";
-    s->hdr_src[1] = wx_fp8_kernel_src;
+    wx__hdr(s, "sweep_fp8_pipe.cu", sweep_fp8_pipe_src);
+    wx__hdr(s, "wx_fp8_kernel.cu", wx_fp8_kernel_src);
     s->opt[n++] = "--fmad=false";
     snprintf(wx__opt[0], sizeof wx__opt[0], "-DWX_VARIANT=%d", v);
     s->opt[n++] = wx__opt[0];
@@ -68,9 +72,7 @@ static void wx__copy_cfg(int unroll, int ctas)
 {
     wx_kernel_src_t *s = wx__src(&wx__copy, "the copy sweep kernel", "wx_copy_kernel.cu",
                                  wx_copy_kernel_src, "wx_copy_ranges");
-    s->nhdr = 1;
-    s->hdr_name[0] = "wx_dev.cuh";
-    s->hdr_src[0] = wx_dev_src;
+    wx__hdr(s, "wx_dev.cuh", wx_dev_src);
     snprintf(wx__opt[3], sizeof wx__opt[3], "-DWX_UNROLL=%d", unroll);
     s->opt[0] = wx__opt[3];
     s->nopt = 1;
@@ -91,13 +93,9 @@ static void wx__delta_cfg(int v, int c)
     if (c == 0)
         c = 2;
     stages = dpf == 2 ? (c == 1 ? 4 : 2) : (c == 1 ? 6 : c == 2 ? 3 : 2);
-    s->nhdr = 3; /* as wx_delta.c's */
-    s->hdr_name[0] = "wx_fp8_kernel.cu";
-    s->hdr_src[0] = wx_fp8_kernel_src;
-    s->hdr_name[1] = "wx_fp8_pipe.cu";
-    s->hdr_src[1] = wx_fp8_pipe_src;
-    s->hdr_name[2] = "wx_dev.cuh";
-    s->hdr_src[2] = wx_dev_src;
+    wx__hdr(s, "wx_fp8_kernel.cu", wx_fp8_kernel_src); /* as wx_delta.c's */
+    wx__hdr(s, "wx_fp8_pipe.cu", wx_fp8_pipe_src);
+    wx__hdr(s, "wx_dev.cuh", wx_dev_src);
     s->opt[n++] = "--fmad=false";
     snprintf(wx__opt[4], sizeof wx__opt[4], "-DWX_STAGES=%d", stages);
     snprintf(wx__opt[5], sizeof wx__opt[5], "-DWX_MINB=%d", c);
