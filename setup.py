@@ -54,10 +54,11 @@ GEN_DIR = os.path.join("build", "gen")
 
 
 def embed_kernels(sweep=False):
-    """Write build/gen/<name>_src.h, `static const char <name>_src[]`, for each .cu file of
-    csrc/prepare (and, for a sweep build, of benchmarks/kernels)."""
+    """Write build/gen/<name>_src.h, `static const char <name>_src[]`, for each .cu and .cuh
+    file of csrc/prepare (and, for a sweep build, each .cu of benchmarks/kernels)."""
     os.makedirs(os.path.join(HERE, GEN_DIR), exist_ok=True)
-    kernels = sorted(glob.glob(os.path.join(HERE, "csrc", "prepare", "*.cu")))
+    prepare = os.path.join(HERE, "csrc", "prepare")
+    kernels = sorted(glob.glob(os.path.join(prepare, "*.cu")) + glob.glob(os.path.join(prepare, "*.cuh")))
     if sweep:
         kernels += sorted(glob.glob(os.path.join(HERE, "benchmarks", "kernels", "*.cu")))
     for cu in kernels:

@@ -89,7 +89,7 @@ def test_the_sweep_variants_are_built_from_the_product_kernel():
         defined = re.compile(r"__device__ __forceinline__ [\w<>:, ]*\b%s\(" % fn)
         assert defined.search(product) and not defined.search(sweep), fn
     src = open(os.path.join(ROOT, "csrc", "prepare", "wx_sweep.c")).read()
-    assert 's->hdr_name[1] = "wx_fp8_kernel.cu";' in src and "s->hdr_src[1] = wx_fp8_kernel_src;" in src
+    assert 'wx__hdr(s, "wx_fp8_kernel.cu", wx_fp8_kernel_src);' in src
 
 
 def _ptx(tmp_path, name, *args):

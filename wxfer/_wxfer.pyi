@@ -163,6 +163,36 @@ def delta_launch(
     out_n: int = ...,
     /,
 ) -> None: ...
+def delta_apply_probe(device: int, dirs: Sequence[str] = ..., /) -> tuple[bool, str]: ...
+def delta_apply_check(
+    rec: int,
+    rec_nbytes: int,
+    nrec: int,
+    regions: int,
+    nregions: int,
+    work: int,
+    state: int,
+    counts: int,
+    segx: int,
+    cap: int,
+    /,
+) -> None: ...
+def delta_apply_launch(
+    device: int,
+    stream: int,
+    phase: int,
+    rec: int,
+    rec_nbytes: int,
+    nrec: int,
+    regions: int,
+    nregions: int,
+    work: int,
+    state: int,
+    counts: int,
+    segx: int,
+    cap: int,
+    /,
+) -> None: ...
 def delta_scan(cur: int, shadow: int, n: int, idx: int, cap: int, /) -> int: ...
 def delta_encode(
     cur: int, shadow: int, n: int, changed: int, idx: int, region: int, doff: int, out: int, out_len: int, /

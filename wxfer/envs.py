@@ -37,6 +37,11 @@ def _native_table() -> dict:
 NATIVE = _native_table()
 
 
+def _py(name: str, type: str, default: str, doc: str) -> Var:
+    """The row of a variable only the Python side reads, at run time."""
+    return Var(name, type, default, "Python", doc)
+
+
 def _c(name: str, also: str = "", when: str = "") -> Var:
     """The row of a variable the C code reads, from its table; `also`: who else reads it."""
     read_by = "C, " + also if also else "C"
@@ -48,50 +53,46 @@ def _c(name: str, also: str = "", when: str = "") -> Var:
 
 _VARS = (
     # transports and the store (Python: Sender / Receiver setup)
-    Var("WXFER_TRANSPORT", "choice", "auto", "Python", "the backend for transport=\"auto\": cuda_ipc, verbs or fabric"),
+    _py("WXFER_TRANSPORT", "choice", "auto", "the backend for transport=\"auto\": cuda_ipc, verbs or fabric"),
     _c("WXFER_FABRIC_PROVIDER"),
     _c("WXFER_IFACE"),
     _c("WXFER_FABRIC_IFACE"),
     _c("WXFER_IB_DEVICES"),
-    Var("WXFER_STORE", "str", "MASTER_ADDR:WXFER_STORE_PORT", "Python", "the rendezvous store, host:port"),
-    Var("WXFER_STORE_PORT", "int", "29650", "Python", "the store's port when WXFER_STORE is unset"),
-    Var("WXFER_STORE_BIND", "str", "the store's host if an IP", "Python", "the address rank 0's store listens on"),
-    Var("WXFER_SECRET", "str", "unset", "Python", "the job secret (>= 16 bytes) that authenticates store records"),
-    Var(
+    _py("WXFER_STORE", "str", "MASTER_ADDR:WXFER_STORE_PORT", "the rendezvous store, host:port"),
+    _py("WXFER_STORE_PORT", "int", "29650", "the store's port when WXFER_STORE is unset"),
+    _py("WXFER_STORE_BIND", "str", "the store's host if an IP", "the address rank 0's store listens on"),
+    _py("WXFER_SECRET", "str", "unset", "the job secret (>= 16 bytes) that authenticates store records"),
+    _py(
         "WXFER_LEASE_S",
         "float",
         "1.0",
-        "Python",
         "seconds between the lease renewals of a worker and of a trainer rank (liveness: a dead one is seen by it)",
     ),
     # a push
-    Var("WXFER_VERIFY", "flag", "off", "Python", "checksum every write (Sender.push / Receiver verify=)"),
-    Var("WXFER_DIRECT", "flag", "on", "Python", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
-    Var("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "Python", "zero-copy tasks below this are copied by kernels"),
-    Var(
+    _py("WXFER_VERIFY", "flag", "off", "checksum every write (Sender.push / Receiver verify=)"),
+    _py("WXFER_DIRECT", "flag", "on", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
+    _py("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "zero-copy tasks below this are copied by kernels"),
+    _py(
         "WXFER_DIRECT_OVERLAP",
         "choice",
         "engines",
-        "Python",
         "larger zero-copy tasks copied beside the FP8 kernel: engines, kernel or 0 (off)",
     ),
-    Var("WXFER_DIRECT_OVERLAP_CTAS", "int", "2", "Python", "CTAs per SM of the copy kernel's grid there (kernel)"),
-    Var("WXFER_DELTA_STAGING", "size", "0", "Python", "Receiver delta staging area bytes (docs/delta.md)"),
-    Var("WXFER_DELTA_GPU", "choice", "native", "Python", "delta pushes on CUDA: native (the delta kernels) or torch"),
-    Var(
+    _py("WXFER_DIRECT_OVERLAP_CTAS", "int", "2", "CTAs per SM of the copy kernel's grid there (kernel)"),
+    _py("WXFER_DELTA_STAGING", "size", "0", "Receiver delta staging area bytes (docs/delta.md)"),
+    _py("WXFER_DELTA_GPU", "choice", "native", "delta pushes on CUDA: native (the delta kernels) or torch"),
+    _py(
         "WXFER_DELTA_APPLY",
         "choice",
         "native",
-        "Python",
         "a CUDA receiver's apply of delta records: native (the wx_delta_apply kernel) or torch",
     ),
-    Var("WXFER_COPY", "choice", "native", "Python", "the batched copy: native (copies.COPIER's) or torch"),
-    Var("WXFER_FP8", "choice", "native", "Python", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
-    Var(
+    _py("WXFER_COPY", "choice", "native", "the batched copy: native (copies.COPIER's) or torch"),
+    _py("WXFER_FP8", "choice", "native", "FP8 quantization: native (NVRTC kernel) or reference (torch)"),
+    _py(
         "WXFER_BEGIN_WAIT",
         "choice",
         "stream",
-        "Python",
         "how in-place writes follow the begin stamps: stream (the default: written on the side "
         "stream ahead of them, no wait), device (the stream waits with cuStreamWaitValue32 on the "
         "fence word: opt-in, a word held until close stalls it) or host (the host waits, bounded); "
@@ -104,16 +105,15 @@ _VARS = (
     _c("WXFER_LIBNVRTC"),
     _c("WXFER_DEBUG", also="setup.py", when="run, build"),
     # tools and integrations
-    Var("WXFER_VLLM_CPU_KEEP_WEIGHTS", "flag", "off", "Python", "the vLLM plugin keeps CPU weights (=1)"),
-    Var(
+    _py("WXFER_VLLM_CPU_KEEP_WEIGHTS", "flag", "off", "the vLLM plugin keeps CPU weights (=1)"),
+    _py(
         "WXFER_VLLM_API",
         "str",
         "unset",
-        "Python",
         "the vLLM API form (0.26, 0.32, 0.33) for a vLLM version wxfer has not read (still signature-checked)",
     ),
-    Var("WXFER_DEMO_CPU", "flag", "off", "Python", "the demo runs on the CPU even with GPUs (=1)"),
-    Var("WXFER_SELFTEST_KEY", "str", "wxfer-selftest", "Python", "the verbs self-test's worker authentication key"),
+    _py("WXFER_DEMO_CPU", "flag", "off", "the demo runs on the CPU even with GPUs (=1)"),
+    _py("WXFER_SELFTEST_KEY", "str", "wxfer-selftest", "the verbs self-test's worker authentication key"),
     # the build (setup.py)
     Var("WXFER_SANITIZE", "flag", "off", "setup.py", "build with ASan + UBSan", "build"),
     Var("WXFER_WERROR", "flag", "off", "setup.py", "warnings are errors", "build"),

@@ -37,12 +37,14 @@ GROWS = {
     "sizeof(struct ibv_port_attr)": "passed with its size to the query_port op, which fills at most "
     "that much; newer rdma-core appends active_speed_ex (56 bytes), rdma-core 44 has 52",
 }
+FI_HEADERS = ("fabric", "fi_cm", "fi_domain", "fi_endpoint", "fi_eq", "fi_errno", "fi_rma")
 LIBS = [
-    # name, section macro, system header, what it was written against
-    ("verbs", "WX_ABI_VERBS", "infiniband/verbs.h", "wx_ibv_abi.h"),
-    ("fabric", "WX_ABI_FABRIC", "rdma/fabric.h", "wx_fi_abi.h"),
-    ("cuda", "WX_ABI_CUDA", "cuda.h", "wx_cuda_abi.h"),
-    ("nvrtc", "WX_ABI_NVRTC", "nvrtc.h", "wx_nvrtc_abi.h"),
+    # name, section macro, system headers (the first: the one looked for), what it was written
+    # against; wx_abi_dump.c gets one side's headers with -include
+    ("verbs", "WX_ABI_VERBS", ("infiniband/verbs.h",), "wx_ibv_abi.h"),
+    ("fabric", "WX_ABI_FABRIC", tuple("rdma/%s.h" % h for h in FI_HEADERS), "wx_fi_abi.h"),
+    ("cuda", "WX_ABI_CUDA", ("cuda.h",), "wx_cuda_abi.h"),
+    ("nvrtc", "WX_ABI_NVRTC", ("nvrtc.h",), "wx_nvrtc_abi.h"),
 ]
 
 
@@ -80,11 +82,13 @@ def _have(cc, header, incs):
     return r.returncode == 0
 
 
-def _dump(cc, section, system, incs, tmp, core=CORE):
+def _dump(cc, section, headers, system, incs, tmp, core=CORE):
     exe = os.path.join(tmp, "dump_%s_%s" % (section, "sys" if system else "ours"))
     cmd = cc + ["-std=gnu11", "-w", "-D" + section, "-I" + core, "-I" + HERE]
     if system:
         cmd += ["-DWX_ABI_SYSTEM"] + ["-I" + i for i in incs]
+    for h in headers:
+        cmd += ["-include", h]
     cmd += ["-o", exe, os.path.join(HERE, "wx_abi_dump.c")]
     r = subprocess.run(cmd, text=True, capture_output=True)
     if r.returncode != 0:
@@ -106,10 +110,10 @@ def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout, core
     cc = _cc(cc)
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
-        for name, section, header, ours in LIBS:
+        for name, section, headers, ours in LIBS:
             if only and name not in only:
                 continue
-            incs = _incs(name, cuda_home)
+            header, incs = headers[0], _incs(name, cuda_home)
             if not _have(cc, header, incs):
                 where = " (searched %s)" % ", ".join(incs) if incs else ""
                 msg = "abi-check: %s: %s not found%s: skipped" % (name, header, where)
@@ -119,8 +123,8 @@ def check(cc=None, cuda_home="/usr/local/cuda", require=(), out=sys.stdout, core
                 else:
                     print(msg, file=out)
                 continue
-            sysv = _dump(cc, section, True, incs, tmp)
-            oursv = _dump(cc, section, False, incs, tmp, core)
+            sysv = _dump(cc, section, headers, True, incs, tmp)
+            oursv = _dump(cc, section, (ours,), False, incs, tmp, core)
             if len(sysv) != len(oursv):
                 raise RuntimeError("abi-check: %s: the two dumps differ in length" % name)
             diff = [(a[0], a[1], b[1]) for a, b in zip(sysv, oursv) if a != b]

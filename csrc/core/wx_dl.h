@@ -44,6 +44,20 @@ int wx_dl_sym(void *lib, const char *libname, const char *name, void **slot, cha
 int wx_dl_vsym(void *lib, const char *libname, const char *name, const char *version, void **slot,
                char *why, size_t why_len);
 
+/* In a loader (a void function with the library open as `lib`): api.field = the symbol `sym` of
+ * the library, `libname` in messages. WX_DL_SYM returns from the loader with the reason in the
+ * array `why` when the symbol is missing; WX_DL_OPT leaves a missing optional one NULL. */
+#define WX_DL_SYM(libname, api, field, sym, why)                                                   \
+    do {                                                                                           \
+        if (wx_dl_sym(lib, libname, sym, (void **)&(api).field, why, sizeof why))                  \
+            return;                                                                                \
+    } while (0)
+#define WX_DL_OPT(libname, api, field, sym)                                                        \
+    do {                                                                                           \
+        char ignore_[64];                                                                          \
+        wx_dl_sym(lib, libname, sym, (void **)&(api).field, ignore_, sizeof ignore_);              \
+    } while (0)
+
 /* A loader's table: `load` runs once (through `once`) and sets *ok when the library and every
  * symbol it needs were found; then `api`, else NULL with the loader's `reason` copied into why
  * (which may be NULL). */

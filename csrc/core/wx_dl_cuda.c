@@ -13,17 +13,8 @@ static pthread_once_t wx__cuda_once = PTHREAD_ONCE_INIT;
 static char wx__cuda_why[256];
 static int wx__cuda_ok;
 
-#define WX__SYM(field, sym)                                                                        \
-    do {                                                                                           \
-        if (wx_dl_sym(lib, "libcuda.so.1", sym, (void **)&wx__cuda.field, wx__cuda_why,            \
-                      sizeof wx__cuda_why))                                                        \
-            return;                                                                                \
-    } while (0)
-#define WX__OPT(field, sym)                                                                        \
-    do {                                                                                           \
-        char ignore[64];                                                                           \
-        wx_dl_sym(lib, "libcuda.so.1", sym, (void **)&wx__cuda.field, ignore, sizeof ignore);      \
-    } while (0)
+#define WX__SYM(field, sym) WX_DL_SYM("libcuda.so.1", wx__cuda, field, sym, wx__cuda_why)
+#define WX__OPT(field, sym) WX_DL_OPT("libcuda.so.1", wx__cuda, field, sym)
 
 static void wx__cuda_load(void)
 {

@@ -7,6 +7,8 @@
  * source and destination are both 16-byte aligned there (else byte by byte). WX_UNROLL loads
  * in flight per thread before their stores, so each SM keeps enough bytes moving.
  */
+#include "wx_dev.cuh" /* wx_last_le (handed to NVRTC in memory by wx_copy.c) */
+
 #define WX_CHUNK (64u * 1024u)
 #define WX_THREADS 256
 #ifndef WX_UNROLL
@@ -22,15 +24,7 @@ typedef unsigned long long u64;
 /* The range holding chunk c: the last i with chunk0 <= c. */
 static __device__ __forceinline__ int wx_find(const wx_copy_range *r, int n, u64 c)
 {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (r[mid].chunk0 <= c)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
+    return wx_last_le<wx_copy_range, &wx_copy_range::chunk0>(r, n, c);
 }
 
 static __device__ __forceinline__ void wx_copy_vec(uint4 *d, const uint4 *s, u64 nv)

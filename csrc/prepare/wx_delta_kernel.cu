@@ -2,9 +2,9 @@
  * against the shadow (what the trainer last wrote) and the shadow's update, in one pass.
  *
  * Compiled with NVRTC at first use by wx_delta.c, like the FP8 kernel, from whose source it is
- * made: it includes wx_fp8_kernel.cu (and so wx_fp8_pipe.cu; wx_delta.c hands both to NVRTC as
- * in-memory headers) and reuses its tile code (loads, amax, scale, division, e4m3 conversion)
- * and its persistent loop's ring of tile buffers, so the bytes are the FP8 kernel's, bit for
+ * made: it includes wx_fp8_kernel.cu (and so wx_fp8_pipe.cu) and wx_dev.cuh (wx_delta.c hands
+ * them to NVRTC as in-memory headers) and reuses its tile code (loads, amax, scale, division,
+ * e4m3 conversion) and its persistent loop's ring of tile buffers, so the bytes are the FP8 kernel's, bit for
  * bit. Only the stores differ: `out` is the shadow, holding the bytes of the last push; each
  * thread reads the old bytes of its chunk (before the tile's amax reduction, so that the load
  * overlaps it; 16, 8 or 4 bytes at a time as the piece's rows are aligned), writes the chunk
@@ -45,6 +45,7 @@ struct wx_job;
 __device__ __forceinline__ void wx_dring_hook(const wx_job &j, int s, uint4 *ring);
 #define WX_RING_HOOK(j, s, ring) wx_dring_hook(j, s, ring)
 #include "wx_fp8_kernel.cu"
+#include "wx_dev.cuh" /* wx_set_bits */
 
 /* Are tile j's old bytes in the shadow ring (WX_DPF 2)? */
 __device__ __forceinline__ bool wx_dsmem(const wx_job &j)
@@ -110,19 +111,6 @@ __device__ __forceinline__ wx_u32 wx_ne8(wx_u64 x, wx_u64 y, int nb)
         if (k < nb && ((d >> (8 * k)) & 0xffu))
             m |= 1u << k;
     return m;
-}
-
-/* OR the 32-bit mask m into the bitmask at bit pos (two words at most). */
-__device__ __forceinline__ void wx_set_bits(wx_u32 *bits, wx_u64 pos, wx_u32 m)
-{
-    if (!m)
-        return;
-    wx_u64 x = (wx_u64)m << (pos & 31);
-    wx_u32 *w = bits + (pos >> 5);
-    if ((wx_u32)x)
-        atomicOr(w, (wx_u32)x);
-    if ((wx_u32)(x >> 32))
-        atomicOr(w + 1, (wx_u32)(x >> 32));
 }
 
 /* The widest access p's alignment allows: al is 16, 8, 4 or 1 (p al-byte aligned). */
@@ -311,44 +299,38 @@ __device__ __forceinline__ void wx_dtile32(const wx_job &j, wx_u32 *red, const u
     }
 }
 
+/* The delta kernel's tile code for wx_ring_loop: out is the shadow, bits the bitmask. */
+struct wx_delta_tiles {
+    const unsigned char *out;
+    wx_u32 *bits;
+    /* WX_DPF 3: the CTA's next tile's old bytes into L2 when the current one starts */
+    __device__ __forceinline__ void next(const wx_fp8_piece *pieces, const wx_fp8_inline &inl,
+                                         int n, unsigned char *shadow, int ntiles, wx_i64 t) const
+    {
+        if (WX_DPF == 3 && t < ntiles) {
+            wx_job nj;
+            wx_job_of(pieces, inl, n, t, shadow, nj);
+            wx_dprefetch(nj);
+        }
+    }
+    __device__ __forceinline__ void tile32(const wx_job &j, wx_u32 *red) const
+    {
+        wx_dtile32(j, red, out, bits);
+    }
+    template <int DT>
+    __device__ __forceinline__ void tile16(const wx_job &j, const uint4 *v, wx_u32 *red,
+                                           uint4 *ring, int s) const
+    {
+        wx_dtile16<DT>(j, v, red, out, bits, wx_dbuf(ring, s));
+    }
+};
+
 /* wx_fp8_quant's persistent loop (wx_fp8_pipe.cu) over the delta tiles; bits: the bitmask. */
 extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
     wx_delta_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles,
                    const __grid_constant__ wx_fp8_inline inl, wx_u32 *bits)
 {
-    extern __shared__ __align__(128) uint4 ring[]; /* WX_STAGES x WX_TCH chunks (wx_delta.c),
-                                                      then WX_STAGES x WX_SCH (WX_DPF 2) */
-    __shared__ wx_job jobs[WX_STAGES];
-    __shared__ wx_u32 red[2][WX_WARPS];
-    const wx_i64 g = gridDim.x, b = blockIdx.x;
-    if (wx_tile_at(b, 0, g) >= ntiles)
-        return;
-    for (int s = 0; s < WX_STAGES - 1; s++)
-        wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, s, g), s, jobs, ring);
-    for (int k = 0; wx_tile_at(b, k, g) < ntiles; k++) {
-        const int s = k % WX_STAGES;
-        wx_ring_wait();
-        __syncthreads();
-        wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, k + WX_STAGES - 1, g),
-                    (s + WX_STAGES - 1) % WX_STAGES, jobs, ring);
-        const wx_job j = jobs[s];
-        if (WX_DPF == 3 && wx_tile_at(b, k + 1, g) < ntiles) { /* the next tile's, into L2 */
-            wx_job nj;
-            wx_job_of(pieces, inl, n, wx_tile_at(b, k + 1, g), out, nj);
-            wx_dprefetch(nj);
-        }
-        if (j.dt == 2) {
-            wx_dtile32(j, red[k & 1], out, bits);
-            continue;
-        }
-        uint4 v[WX_NCH];
-        if (wx_ringed(j))
-            wx_ring_read(ring + (wx_i64)s * WX_TCH, v);
-        else
-            wx_load16(j, v);
-        if (j.dt == 0)
-            wx_dtile16<0>(j, v, red[k & 1], out, bits, wx_dbuf(ring, s));
-        else
-            wx_dtile16<1>(j, v, red[k & 1], out, bits, wx_dbuf(ring, s));
-    }
+    const wx_delta_tiles t = {out, bits};
+    WX_RING_SHARED;
+    wx_ring_loop(pieces, n, out, ntiles, inl, t, ring, jobs, red);
 }

@@ -1,7 +1,7 @@
 /* wx_delta_ops_kernel.cu - delta pushes (issue 36): the compare of raw bytes with the shadow
  * (BF16 and any bytes that are not quantized here) and the records made from the bitmask.
  *
- * Compiled with NVRTC at first use by wx_delta.c (no system header). Three entry points:
+ * Compiled with NVRTC at first use by wx_delta.c (no system header; wx_dev.cuh in memory). Three entry points:
  *
  *   wx_delta_cmp    per range (dst: in the shadow, src: the fresh bytes, nbytes, bit0): each
  *                   thread compares 32 bytes, writes them into the shadow where one differs and
@@ -35,9 +35,7 @@
  *                   earlier one set an error in state[0]: nothing is written unless every record
  *                   of the slot is well formed.
  */
-typedef unsigned int wx_u32;
-typedef unsigned long long wx_u64;
-typedef long long wx_i64;
+#include "wx_dev.cuh" /* wx_u32, wx_u64, wx_i64, wx_last_le, wx_set_bits */
 
 #define WX_DTHREADS 256
 #define WX_DSEG (WX_DTHREADS * 32) /* bytes of a range per segment (= WX_DELTA_SEG) */
@@ -69,28 +67,7 @@ struct wx_delta_rec { /* = wx_delta_rec_t */
 /* The last i with r[i].seg0 <= s (r[0].seg0 == 0). */
 template <typename T> __device__ __forceinline__ int wx_dfind(const T *r, int n, wx_u64 s)
 {
-    int lo = 0, hi = n - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) >> 1;
-        if (r[mid].seg0 <= s)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
-}
-
-/* OR the 32-bit mask m into the bitmask at bit pos (two words at most). */
-__device__ __forceinline__ void wx_dset(wx_u32 *bits, wx_u64 pos, wx_u32 m)
-{
-    if (!m)
-        return;
-    wx_u64 x = (wx_u64)m << (pos & 31);
-    wx_u32 *w = bits + (pos >> 5);
-    if ((wx_u32)x)
-        atomicOr(w, (wx_u32)x);
-    if ((wx_u32)(x >> 32))
-        atomicOr(w + 1, (wx_u32)(x >> 32));
+    return wx_last_le<T, &T::seg0>(r, n, s);
 }
 
 /* Bit k set when byte k of the words a and b differ. */
@@ -137,7 +114,7 @@ extern "C" __global__ void __launch_bounds__(WX_DTHREADS)
                 }
             }
         }
-        wx_dset(bits, r[i].bit0 + off, m);
+        wx_set_bits(bits, r[i].bit0 + off, m);
     }
 }
 

@@ -85,9 +85,7 @@ int wx_fp8_check(const wx_fp8_piece_t *p, int n, uint64_t out_nbytes, uint64_t *
 static const wx_kernel_cfg_t wx__product = {
     .src =
         {
-            .what = "the FP8 kernel",
-            .file = "wx_fp8_kernel.cu",
-            .src = wx_fp8_kernel_src,
+            WX_KERNEL_FILE("the FP8 kernel", wx_fp8_kernel),
             .nhdr = 1,
             .hdr_name = {"wx_fp8_pipe.cu"},
             .hdr_src = {wx_fp8_pipe_src},
@@ -115,36 +113,36 @@ int wx_fp8_probe(int device, const char *const *dirs, int ndirs, char *why, size
     return wx_kernel_get(&wx__kernel, &wx__cfg()->src, device, dirs, ndirs, &d, why, why_len);
 }
 
+int wx_fp8_table(const char *what, const wx_fp8_piece_t *host, uint64_t dev_pieces, int n,
+                 wx_fp8_inline_t *inl)
+{
+    if (!dev_pieces && n > WX_FP8_INLINE)
+        return wx_errf(-EINVAL,
+                       "%s: null piece table address with %d pieces (at most %d travel "
+                       "in the launch's parameters)",
+                       what, n, WX_FP8_INLINE);
+    memset(inl, 0, sizeof *inl);
+    if (!dev_pieces)
+        memcpy(inl->p, host, (size_t)n * sizeof *host);
+    return 0;
+}
+
 int wx_fp8_launch(int device, uint64_t stream, uint64_t out, uint64_t out_nbytes,
                   const wx_fp8_piece_t *host, uint64_t dev_pieces, int n)
 {
-    char why[WX_ERRMSG_MAX];
     const wx_kernel_cfg_t *cfg = wx__cfg();
-    wx_kernel_dev_t d;
     CUdeviceptr dp = (CUdeviceptr)dev_pieces, op = (CUdeviceptr)out;
-    uint64_t ntiles = 0, grid;
+    uint64_t ntiles = 0;
+    wx_fp8_inline_t inl;
     int rc = wx_fp8_check(host, n, out_nbytes, &ntiles), nt;
     if (rc)
         return rc;
-    struct {
-        wx_fp8_piece_t p[WX_FP8_INLINE]; /* the kernel's wx_fp8_inline */
-    } inl;
     if (!out)
         return wx_errf(-EINVAL, "fp8: null output address");
-    if (!dev_pieces && n > WX_FP8_INLINE)
-        return wx_errf(-EINVAL,
-                       "fp8: null piece table address with %d pieces (at most %d travel "
-                       "in the launch's parameters)",
-                       n, WX_FP8_INLINE);
-    memset(&inl, 0, sizeof inl);
-    if (!dev_pieces)
-        memcpy(inl.p, host, (size_t)n * sizeof *host);
-    if ((rc = wx_kernel_get(&wx__kernel, &cfg->src, device, NULL, 0, &d, why, sizeof why)) != 0)
-        return wx_errf(rc, "fp8 kernel unavailable: %s", why);
-    nt = (int)ntiles;
-    grid = ntiles; /* a persistent grid: as many CTAs as stay resident, at most one per tile */
-    if (cfg->ctas_per_sm > 0 && grid > (uint64_t)d.sms * (uint64_t)cfg->ctas_per_sm)
-        grid = (uint64_t)d.sms * (uint64_t)cfg->ctas_per_sm;
+    if ((rc = wx_fp8_table("fp8", host, dev_pieces, n, &inl)) != 0)
+        return rc;
+    nt = (int)ntiles; /* a persistent grid: as many CTAs as stay resident, at most one per tile */
     void *args[] = {&dp, &n, &op, &nt, &inl};
-    return wx_kernel_launch(&d, "wx_fp8_quant", grid, cfg->threads, cfg->src.smem, stream, args);
+    return wx_kernel_run(&wx__kernel, &cfg->src, device, ntiles, cfg->ctas_per_sm, cfg->threads,
+                         stream, args);
 }

@@ -35,6 +35,18 @@ typedef struct wx_fp8_piece {
  * Returns 0, or -EINVAL naming the piece and the field. Needs no GPU. */
 int wx_fp8_check(const wx_fp8_piece_t *p, int n, uint64_t out_nbytes, uint64_t *ntiles);
 
+/* The piece table as a launch's parameters carry it (the kernel's struct wx_fp8_inline). */
+typedef struct wx_fp8_inline {
+    wx_fp8_piece_t p[WX_FP8_INLINE];
+} wx_fp8_inline_t;
+
+/* A launch's piece table, of n pieces wx_fp8_check accepted: *inl zeroed, or holding host's
+ * pieces when dev_pieces is 0 (at most WX_FP8_INLINE of them). `what` names the call in
+ * messages. Returns 0 or -EINVAL. Shared by wx_fp8_launch and the fused delta kernel's
+ * (wx_delta.c). */
+int wx_fp8_table(const char *what, const wx_fp8_piece_t *host, uint64_t dev_pieces, int n,
+                 wx_fp8_inline_t *inl);
+
 /* Can the kernel run on CUDA device `device`? Loads libcuda and libnvrtc (dirs: extra
  * directories to look in, see wx_nvrtc), checks the architecture (FP8 conversion needs
  * compute capability 8.9), compiles and loads the kernel into the device's primary context

@@ -114,13 +114,25 @@ __device__ __forceinline__ void wx_ring_put(const wx_fp8_piece *pieces, const wx
     wx_ring_commit(); /* an empty group: the wait counts one per stage */
 }
 
-extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
-    wx_fp8_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles,
-                 const __grid_constant__ wx_fp8_inline inl)
+/* The shared memory of the persistent loop, declared by each kernel that runs it (so that the
+ * arrays keep the kernel's name in the PTX): the ring of WX_STAGES x WX_TCH chunks (sized by
+ * the launcher: wx_fp8.c, wx_delta.c), the stages' jobs, the reduction's two buffers. */
+#define WX_RING_SHARED                                                                             \
+    extern __shared__ __align__(128) uint4 ring[];                                                 \
+    __shared__ wx_job jobs[WX_STAGES];                                                             \
+    __shared__ wx_u32 red[2][WX_WARPS]
+
+/* The persistent loop over this CTA's tiles, each handed to the tile code T once its bytes are
+ * in: t.tile32(j, red) for a float32 source (read from global memory), else
+ * t.tile16<DT>(j, v, red, ring, s) (DT 0 bfloat16, 1 float16) with the thread's chunks v and
+ * the tile's stage s; before either, t.next(pieces, inl, n, out, ntiles, t1) with the CTA's
+ * next tile t1 (ntiles or more: none). The FP8 kernel's T (below) writes the FP8 bytes; the fused delta
+ * kernel's (wx_delta_kernel.cu) compares them with the shadow and marks the changes. */
+template <typename T>
+__device__ __forceinline__ void wx_ring_loop(const wx_fp8_piece *pieces, int n, unsigned char *out,
+                                             int ntiles, const wx_fp8_inline &inl, const T &t,
+                                             uint4 *ring, wx_job *jobs, wx_u32 (*red)[WX_WARPS])
 {
-    extern __shared__ __align__(128) uint4 ring[]; /* WX_STAGES x WX_TCH chunks (wx_fp8.c) */
-    __shared__ wx_job jobs[WX_STAGES];
-    __shared__ wx_u32 red[2][WX_WARPS];
     const wx_i64 g = gridDim.x, b = blockIdx.x;
     if (wx_tile_at(b, 0, g) >= ntiles)
         return;
@@ -135,8 +147,9 @@ extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
         wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, k + WX_STAGES - 1, g),
                     (s + WX_STAGES - 1) % WX_STAGES, jobs, ring);
         const wx_job j = jobs[s];
+        t.next(pieces, inl, n, out, ntiles, wx_tile_at(b, k + 1, g));
         if (j.dt == 2) {
-            wx_tile32(j, red[k & 1]);
+            t.tile32(j, red[k & 1]);
             continue;
         }
         uint4 v[WX_NCH];
@@ -145,8 +158,34 @@ extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
         else
             wx_load16(j, v);
         if (j.dt == 0)
-            wx_tile16<0>(j, v, red[k & 1]);
+            t.template tile16<0>(j, v, red[k & 1], ring, s);
         else
-            wx_tile16<1>(j, v, red[k & 1]);
+            t.template tile16<1>(j, v, red[k & 1], ring, s);
     }
+}
+
+/* The FP8 kernel's tile code: quantize, write the bytes and the scale. */
+struct wx_fp8_tiles {
+    __device__ __forceinline__ void next(const wx_fp8_piece *, const wx_fp8_inline &, int,
+                                         unsigned char *, int, wx_i64) const
+    {
+    }
+    __device__ __forceinline__ void tile32(const wx_job &j, wx_u32 *red) const
+    {
+        wx_tile32(j, red);
+    }
+    template <int DT>
+    __device__ __forceinline__ void tile16(const wx_job &j, const uint4 *v, wx_u32 *red, uint4 *,
+                                           int) const
+    {
+        wx_tile16<DT>(j, v, red);
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
+    wx_fp8_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles,
+                 const __grid_constant__ wx_fp8_inline inl)
+{
+    WX_RING_SHARED;
+    wx_ring_loop(pieces, n, out, ntiles, inl, wx_fp8_tiles(), ring, jobs, red);
 }

@@ -241,3 +241,17 @@ int wx_kernel_launch(const wx_kernel_dev_t *d, const char *what, uint64_t grid, 
     snprintf(call, sizeof call, "cuLaunchKernel(%s)", what);
     return wx_cuda_err(r, call);
 }
+
+int wx_kernel_run(wx_kernel_t *k, const wx_kernel_src_t *src, int device, uint64_t work,
+                  int ctas_per_sm, unsigned threads, uint64_t stream, void **args)
+{
+    char why[WX_ERRMSG_MAX];
+    wx_kernel_dev_t d;
+    uint64_t grid = work;
+    int rc = wx_kernel_get(k, src, device, NULL, 0, &d, why, sizeof why);
+    if (rc)
+        return wx_errf(rc, "%s unavailable: %s", src->what, why);
+    if (ctas_per_sm > 0 && grid > (uint64_t)d.sms * (uint64_t)ctas_per_sm)
+        grid = (uint64_t)d.sms * (uint64_t)ctas_per_sm;
+    return wx_kernel_launch(&d, src->fn, grid, threads, src->smem, stream, args);
+}

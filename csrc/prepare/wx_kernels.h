@@ -20,7 +20,7 @@
 #define WX_KERNEL_MAX_ARCH 8 /* GPU architectures one process may compile a kernel for */
 #define WX_KERNEL_MAX_DEV 64 /* CUDA ordinals */
 #define WX_KERNEL_MAX_OPT 8
-#define WX_KERNEL_MAX_HDR 2
+#define WX_KERNEL_MAX_HDR 3
 
 /* What to compile. Fixed for the life of the process (the first use compiles it). */
 typedef struct wx_kernel_src {
@@ -36,6 +36,12 @@ typedef struct wx_kernel_src {
     int min_cc;     /* 0, or the lowest compute capability (10 * major + minor) it runs on */
     const char *min_why; /* what needs min_cc, for the refusal */
 } wx_kernel_src_t;
+
+/* A kernel's source as setup.py embeds it: the file csrc/prepare/<name>.cu, its text
+ * <name>_src (build/gen/<name>_src.h), `what_` in messages. */
+#define WX_KERNEL_FILE(what_, name) .what = what_, .file = #name ".cu", .src = name##_src
+/* The in-memory header of a kernel that includes wx_dev.cuh only (wx_dev_src.h). */
+#define WX_KERNEL_DEV_HDR .nhdr = 1, .hdr_name = {"wx_dev.cuh"}, .hdr_src = {wx_dev_src}
 
 /* A kernel and its launch shape: the product's (wx_fp8.c, wx_copy.c) or, in a build with
  * WXFER_KERNEL_SWEEP=1, a benchmark's variant (wx_sweep.c). */
@@ -94,5 +100,13 @@ void wx_kernel_leave(CUcontext ctx, CUcontext prev);
  * `what`). */
 int wx_kernel_launch(const wx_kernel_dev_t *d, const char *what, uint64_t grid, unsigned threads,
                      unsigned smem, uint64_t stream, void **args);
+
+/* Kernel k (src) on `device` (wx_kernel_get, no extra libnvrtc directories), launched once on
+ * `stream` over `work` items: a persistent grid of at most ctas_per_sm CTAs per multiprocessor
+ * (0: one CTA per item) of `threads` threads, src->smem bytes of dynamic shared memory, the
+ * kernel's parameters args. Returns 0, or a negative errno (wx_last_error: "<src->what>
+ * unavailable: <why>", or the launch's failure). */
+int wx_kernel_run(wx_kernel_t *k, const wx_kernel_src_t *src, int device, uint64_t work,
+                  int ctas_per_sm, unsigned threads, uint64_t stream, void **args);
 
 #endif

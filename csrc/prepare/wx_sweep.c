@@ -11,6 +11,7 @@
 #include "sweep_fp8_pipe_src.h"
 #include "wx_copy_kernel_src.h"
 #include "wx_delta_kernel_src.h" /* the fused delta kernel: its variants are its own switches */
+#include "wx_dev_src.h"          /* wx_dev.cuh, which the copy and the delta kernels include */
 #include "wx_fp8_kernel_src.h"   /* the product kernel, whose tile code the sweep's includes */
 #include "wx_fp8_pipe_src.h"
 
@@ -19,22 +20,35 @@ static wx_kernel_cfg_t wx__fp8, wx__copy, wx__delta;
 static int wx__fp8_set, wx__copy_set, wx__fp8_used, wx__copy_used, wx__delta_set, wx__delta_used;
 static char wx__opt[8][48];
 
+/* c cleared, then its source: the kernel's text, file name, entry point, name in messages. */
+static wx_kernel_src_t *wx__src(wx_kernel_cfg_t *c, const char *what, const char *file,
+                                const char *src, const char *fn)
+{
+    memset(c, 0, sizeof *c);
+    c->src.what = what;
+    c->src.file = file;
+    c->src.src = src;
+    c->src.fn = fn;
+    return &c->src;
+}
+
+/* One more in-memory header of s: the name the kernel includes, its text. */
+static void wx__hdr(wx_kernel_src_t *s, const char *name, const char *src)
+{
+    s->hdr_name[s->nhdr] = name;
+    s->hdr_src[s->nhdr++] = src;
+}
+
 /* The FP8 variant's shape, as the sweep's kernel expects it (its WX_* macros). */
 static void wx__fp8_cfg(int v, int minb)
 {
     int persistent = (v >= 2 && v <= 4) || v >= 6;
     int c = minb > 0 ? minb : v == 4 ? 1 : 2;
     int stages = c == 1 ? 6 : c == 2 ? 3 : 2, n = 0;
-    wx_kernel_src_t *s = &wx__fp8.src;
-    memset(&wx__fp8, 0, sizeof wx__fp8);
-    s->what = "the FP8 sweep kernel";
-    s->file = "sweep_fp8_kernel.cu";
-    s->src = sweep_fp8_kernel_src;
-    s->nhdr = 2;
-    s->hdr_name[0] = "sweep_fp8_pipe.cu";
-    s->hdr_src[0] = sweep_fp8_pipe_src;
-    s->hdr_name[1] = "wx_fp8_kernel.cu";
-    s->hdr_src[1] = wx_fp8_kernel_src;
+    wx_kernel_src_t *s = wx__src(&wx__fp8, "the FP8 sweep kernel", "sweep_fp8_kernel.cu",
+                                 sweep_fp8_kernel_src, "wx_fp8_quant");
+    wx__hdr(s, "sweep_fp8_pipe.cu", sweep_fp8_pipe_src);
+    wx__hdr(s, "wx_fp8_kernel.cu", wx_fp8_kernel_src);
     s->opt[n++] = "--fmad=false";
     snprintf(wx__opt[0], sizeof wx__opt[0], "-DWX_VARIANT=%d", v);
     s->opt[n++] = wx__opt[0];
@@ -48,7 +62,6 @@ static void wx__fp8_cfg(int v, int minb)
         s->smem = (unsigned)stages * 128u * 128u * 2u;
     }
     s->nopt = n;
-    s->fn = "wx_fp8_quant";
     s->min_cc = 89;
     s->min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)";
     wx__fp8.threads = v == 5 ? 128 : 256;
@@ -57,15 +70,12 @@ static void wx__fp8_cfg(int v, int minb)
 
 static void wx__copy_cfg(int unroll, int ctas)
 {
-    wx_kernel_src_t *s = &wx__copy.src;
-    memset(&wx__copy, 0, sizeof wx__copy);
-    s->what = "the copy sweep kernel";
-    s->file = "wx_copy_kernel.cu";
-    s->src = wx_copy_kernel_src;
+    wx_kernel_src_t *s = wx__src(&wx__copy, "the copy sweep kernel", "wx_copy_kernel.cu",
+                                 wx_copy_kernel_src, "wx_copy_ranges");
+    wx__hdr(s, "wx_dev.cuh", wx_dev_src);
     snprintf(wx__opt[3], sizeof wx__opt[3], "-DWX_UNROLL=%d", unroll);
     s->opt[0] = wx__opt[3];
     s->nopt = 1;
-    s->fn = "wx_copy_ranges";
     wx__copy.threads = 256;
     wx__copy.ctas_per_sm = ctas;
     wx__copy.unroll = unroll;
@@ -78,19 +88,14 @@ static void wx__delta_cfg(int v, int c)
 {
     const int dpf = v % 4, pair = v / 4;
     int stages, n = 0;
-    wx_kernel_src_t *s = &wx__delta.src;
+    wx_kernel_src_t *s = wx__src(&wx__delta, "the fused delta sweep kernel", "wx_delta_kernel.cu",
+                                 wx_delta_kernel_src, "wx_delta_quant");
     if (c == 0)
         c = 2;
     stages = dpf == 2 ? (c == 1 ? 4 : 2) : (c == 1 ? 6 : c == 2 ? 3 : 2);
-    memset(&wx__delta, 0, sizeof wx__delta);
-    s->what = "the fused delta sweep kernel";
-    s->file = "wx_delta_kernel.cu";
-    s->src = wx_delta_kernel_src;
-    s->nhdr = 2;
-    s->hdr_name[0] = "wx_fp8_kernel.cu";
-    s->hdr_src[0] = wx_fp8_kernel_src;
-    s->hdr_name[1] = "wx_fp8_pipe.cu";
-    s->hdr_src[1] = wx_fp8_pipe_src;
+    wx__hdr(s, "wx_fp8_kernel.cu", wx_fp8_kernel_src); /* as wx_delta.c's */
+    wx__hdr(s, "wx_fp8_pipe.cu", wx_fp8_pipe_src);
+    wx__hdr(s, "wx_dev.cuh", wx_dev_src);
     s->opt[n++] = "--fmad=false";
     snprintf(wx__opt[4], sizeof wx__opt[4], "-DWX_STAGES=%d", stages);
     snprintf(wx__opt[5], sizeof wx__opt[5], "-DWX_MINB=%d", c);
@@ -99,7 +104,6 @@ static void wx__delta_cfg(int v, int c)
     for (int i = 4; i < 8; i++)
         s->opt[n++] = wx__opt[i];
     s->nopt = n;
-    s->fn = "wx_delta_quant";
     s->smem = (unsigned)stages * 128u * 128u * (dpf == 2 ? 3u : 2u);
     s->min_cc = 89;
     s->min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)";

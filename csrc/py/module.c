@@ -39,6 +39,13 @@ PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context)
     return wx__raise_as(st->Error, rc, context);
 }
 
+PyObject *wx_py_none(wx_py_state_t *st, int rc, const char *context)
+{
+    if (rc)
+        return wx_py_raise(st, rc, context);
+    Py_RETURN_NONE;
+}
+
 /* A failure on input from another process (an export blob, a handshake message): a
  * malformed one (-EBADMSG, -EPROTO; -EINVAL: the library refused an address it carried)
  * raises DecodeError, an Error that is also a ValueError; anything else Error. */
@@ -450,27 +457,20 @@ static int wx_exec(PyObject *m)
     return 0;
 }
 
+#define WX__VISIT(f) Py_VISIT(st->f);
+#define WX__CLEAR(f) Py_CLEAR(st->f);
+
 static int wx_traverse(PyObject *m, visitproc visit, void *arg)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    Py_VISIT(st->Error);
-    Py_VISIT(st->DecodeError);
-    Py_VISIT(st->Transport);
-    Py_VISIT(st->Region);
-    Py_VISIT(st->Engine);
-    Py_VISIT(st->Prepared);
+    WX_PY_STATE_OBJECTS(WX__VISIT)
     return 0;
 }
 
 static int wx_clear(PyObject *m)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    Py_CLEAR(st->Error);
-    Py_CLEAR(st->DecodeError);
-    Py_CLEAR(st->Transport);
-    Py_CLEAR(st->Region);
-    Py_CLEAR(st->Engine);
-    Py_CLEAR(st->Prepared);
+    WX_PY_STATE_OBJECTS(WX__CLEAR)
     return 0;
 }
 

@@ -774,12 +774,8 @@ static PyType_Slot wx_engine_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec wx_engine_spec = {
-    .name = "wxfer._wxfer.Engine",
-    .basicsize = sizeof(wx_py_engine_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_HAVE_GC,
-    .slots = wx_engine_slots,
-};
+static PyType_Spec wx_engine_spec =
+    WX_PY_TYPE_SPEC("Engine", wx_py_engine_t, Py_TPFLAGS_HAVE_GC, wx_engine_slots);
 
 int wx_py_engine_init_types(PyObject *m, wx_py_state_t *st)
 {

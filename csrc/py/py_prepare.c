@@ -77,6 +77,18 @@ static int wx__dirs(PyObject *dirs, PyObject **seq, const char ***d, int *nd)
     return 0;
 }
 
+/* After a check of the table of `view` (and its aligned `copy`): release both; raise for rc,
+ * else return the count the check gave (tiles, chunks, segments). */
+static PyObject *wx__checked(wx_py_state_t *st, int rc, Py_buffer *view, void *copy,
+                             const char *call, uint64_t count)
+{
+    free(copy);
+    PyBuffer_Release(view);
+    if (rc)
+        return wx_py_raise(st, rc, call);
+    return PyLong_FromUnsignedLongLong(count);
+}
+
 static PyObject *wx_fp8_check_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
@@ -92,11 +104,7 @@ static PyObject *wx_fp8_check_py(PyObject *m, PyObject *args)
     if ((n = wx__pieces(obj, &view, &p, &copy)) < 0)
         return NULL;
     rc = wx_fp8_check(p, n, out_nbytes, &ntiles);
-    free(copy);
-    PyBuffer_Release(&view);
-    if (rc)
-        return wx_py_raise(st, rc, "fp8_check");
-    return PyLong_FromUnsignedLongLong(ntiles);
+    return wx__checked(st, rc, &view, copy, "fp8_check", ntiles);
 }
 
 typedef int (*wx__probe_fn)(int, const char *const *, int, char *, size_t);
@@ -132,9 +140,7 @@ static PyObject *wx__launched(wx_py_state_t *st, int rc, Py_buffer *view, void *
 {
     free(copy);
     PyBuffer_Release(view);
-    if (rc)
-        return wx_py_raise(st, rc, call);
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, call);
 }
 
 static PyObject *wx_fp8_launch_py(PyObject *m, PyObject *args)
@@ -171,11 +177,7 @@ static PyObject *wx_copy_check_py(PyObject *m, PyObject *args)
     if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
         return NULL;
     rc = wx_copy_check(p, n, &nchunks);
-    free(copy);
-    PyBuffer_Release(&view);
-    if (rc)
-        return wx_py_raise(st, rc, "copy_check");
-    return PyLong_FromUnsignedLongLong(nchunks);
+    return wx__checked(st, rc, &view, copy, "copy_check", nchunks);
 }
 
 static PyObject *wx_copy_probe_py(PyObject *m, PyObject *args)
@@ -291,11 +293,7 @@ static PyObject *wx_delta_check_py(PyObject *m, PyObject *args)
         rc = wx_delta_emit_check(p, n, bits_nb, shadow_nb, out_nb, nsegx, &nsegs);
     else
         rc = wx_delta_scatter_check(p, n, bits_nb, shadow_nb, &nsegs);
-    free(copy);
-    PyBuffer_Release(&view);
-    if (rc)
-        return wx_py_raise(st, rc, "delta_check");
-    return PyLong_FromUnsignedLongLong(nsegs);
+    return wx__checked(st, rc, &view, copy, "delta_check", nsegs);
 }
 
 static PyObject *wx_delta_quant_launch_py(PyObject *m, PyObject *args)
@@ -419,9 +417,7 @@ static PyObject *wx_stream_wait_py(PyObject *m, PyObject *args)
     if (!PyArg_ParseTuple(args, "iKKI:stream_wait", &device, &stream, &dev, &value))
         return NULL;
     rc = wx_stream_wait_u32(device, stream, dev, value);
-    if (rc)
-        return wx_py_raise(st, rc, "stream_wait");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "stream_wait");
 }
 
 #ifdef WX_KERNEL_SWEEP
@@ -475,9 +471,7 @@ static PyObject *wx_delta_encode_py(PyObject *m, PyObject *args)
                              c, (const uint32_t *)(uintptr_t)idx, region, doff,
                              (uint8_t *)(uintptr_t)out, out_len);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return wx_py_raise(st, rc, "delta_encode");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "delta_encode");
 }
 
 static PyObject *wx_delta_sync_py(PyObject *m, PyObject *args)
@@ -491,9 +485,7 @@ static PyObject *wx_delta_sync_py(PyObject *m, PyObject *args)
         rc = wx_delta_sync((const uint8_t *)(uintptr_t)cur, (uint8_t *)(uintptr_t)shadow, n, c,
                            (const uint32_t *)(uintptr_t)idx);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return wx_py_raise(st, rc, "delta_sync");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "delta_sync");
 }
 
 static PyObject *wx_delta_apply_py(PyObject *m, PyObject *args)
@@ -507,9 +499,7 @@ static PyObject *wx_delta_apply_py(PyObject *m, PyObject *args)
         rc = wx_delta_apply((const uint8_t *)(uintptr_t)payload, len, enc, n, c,
                             (uint8_t *)(uintptr_t)dst);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return wx_py_raise(st, rc, "delta_apply");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "delta_apply");
 }
 
 static PyObject *wx_fp8_host_py(PyObject *m, PyObject *args)
@@ -525,9 +515,7 @@ static PyObject *wx_fp8_host_py(PyObject *m, PyObject *args)
         rc = wx_fp8_host((const void *)(uintptr_t)src, dtype, ld, rows, cols,
                          (uint8_t *)(uintptr_t)q, (uint8_t *)(uintptr_t)sc, nthreads);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return wx_py_raise(st, rc, "fp8_host");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "fp8_host");
 }
 
 static PyMethodDef wx__prepare_methods[] = {

@@ -51,12 +51,8 @@ static PyType_Slot wx_prepared_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec wx_prepared_spec = {
-    .name = "wxfer._wxfer.Prepared",
-    .basicsize = sizeof(wx_py_prepared_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = wx_prepared_slots,
-};
+static PyType_Spec wx_prepared_spec = WX_PY_TYPE_SPEC(
+    "Prepared", wx_py_prepared_t, Py_TPFLAGS_DISALLOW_INSTANTIATION, wx_prepared_slots);
 
 /* prepare(region, dests, tag=0) -> Prepared: the destinations decoded and validated against
  * the Region once (as submit does each call). */

@@ -146,13 +146,9 @@ static PyType_Slot wx_region_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec wx_region_spec = {
-    .name = "wxfer._wxfer.Region",
-    .basicsize = sizeof(wx_py_region_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE |
-             Py_TPFLAGS_DISALLOW_INSTANTIATION,
-    .slots = wx_region_slots,
-};
+static PyType_Spec wx_region_spec =
+    WX_PY_TYPE_SPEC("Region", wx_py_region_t,
+                    Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_DISALLOW_INSTANTIATION, wx_region_slots);
 
 /* ---- Transport ---------------------------------------------------------------------- */
 
@@ -639,9 +635,7 @@ static PyObject *wx_transport_write(PyObject *op, PyObject *args, PyObject *kw)
         return NULL;
     if (rc && rc == fail.err)
         return wx_py_raise_fail(st, &fail, "Transport.write");
-    if (rc)
-        return wx_py_raise(st, rc, "Transport.write");
-    Py_RETURN_NONE;
+    return wx_py_none(st, rc, "Transport.write");
 }
 
 static PyObject *wx_transport_fence(PyObject *op, PyObject *args, PyObject *kw)
@@ -716,12 +710,8 @@ static PyType_Slot wx_transport_slots[] = {
     {0, NULL},
 };
 
-static PyType_Spec wx_transport_spec = {
-    .name = "wxfer._wxfer.Transport",
-    .basicsize = sizeof(wx_py_transport_t),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
-    .slots = wx_transport_slots,
-};
+static PyType_Spec wx_transport_spec =
+    WX_PY_TYPE_SPEC("Transport", wx_py_transport_t, 0, wx_transport_slots);
 
 int wx_py_transport_init_types(PyObject *m, wx_py_state_t *st)
 {

@@ -17,6 +17,15 @@ typedef struct {
     PyTypeObject *Engine;
     PyTypeObject *Prepared; /* Engine.prepare's tasks */
 } wx_py_state_t;
+/* A type of the module: wxfer._wxfer.<pyname> (a string literal), instances of ctype, immutable
+ * with `flags` besides, its slots. */
+#define WX_PY_TYPE_SPEC(pyname, ctype, flags_, slots_)                                             \
+    {                                                                                              \
+        .name = "wxfer._wxfer." pyname, .basicsize = sizeof(ctype),                                \
+        .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE | (flags_), .slots = (slots_),      \
+    }
+/* Every object of the state, X(field) each: the module's traverse and clear go through it. */
+#define WX_PY_STATE_OBJECTS(X) X(Error) X(DecodeError) X(Transport) X(Region) X(Engine) X(Prepared)
 
 /* A buffer taken from a DLPack producer or the buffer protocol, kept alive until
  * wx_py_buf_release. */
@@ -61,6 +70,8 @@ int wx_py_append(PyObject *list, PyObject *item);
 
 /* Raise wxfer._wxfer.Error(-rc, "<context>: <wx_last_error()>"). Returns NULL. */
 PyObject *wx_py_raise(wx_py_state_t *st, int rc, const char *context);
+/* A call's result when it returns nothing: None for rc 0, else wx_py_raise's NULL. */
+PyObject *wx_py_none(wx_py_state_t *st, int rc, const char *context);
 PyObject *wx_py_raise_input(wx_py_state_t *st, int rc, const char *context);
 /* An engine failure as a wxfer._wxfer.Error: args (errno, "<context>: <message>"), and
  * the fields task, tag, peer, stage, reason from f (None where f has none). New

@@ -440,19 +440,27 @@ struct ibv_pd *ibv_alloc_pd(struct ibv_context *ctx)
     return &p->pd;
 }
 
+/* One resource of ec released, unless *users (read under ec's lock) still use it: 0, or EBUSY as
+ * the kernel says. */
+static int emu_release(emu_ctx_t *ec, const int *users)
+{
+    int rc = 0;
+    pthread_mutex_lock(&ec->lock);
+    if (*users > 0)
+        rc = EBUSY;
+    else
+        ec->nres--;
+    pthread_mutex_unlock(&ec->lock);
+    return rc;
+}
+
 int ibv_dealloc_pd(struct ibv_pd *pd)
 {
     emu_pd_t *p = (emu_pd_t *)pd;
-    emu_ctx_t *ec = (emu_ctx_t *)pd->context;
-    pthread_mutex_lock(&ec->lock);
-    if (p->nobj > 0) {
-        pthread_mutex_unlock(&ec->lock);
-        return EBUSY; /* MRs or QPs still use it, as the kernel says */
-    }
-    ec->nres--;
-    pthread_mutex_unlock(&ec->lock);
-    free(p);
-    return 0;
+    int rc = emu_release((emu_ctx_t *)pd->context, &p->nobj); /* MRs or QPs still use it */
+    if (!rc)
+        free(p);
+    return rc;
 }
 
 /* ---- completion queues ------------------------------------------------------------------ */
@@ -493,17 +501,12 @@ struct ibv_cq *ibv_create_cq(struct ibv_context *ctx, int cqe, void *cq_context,
 int ibv_destroy_cq(struct ibv_cq *cq)
 {
     emu_cq_t *c = (emu_cq_t *)cq;
-    emu_ctx_t *ec = (emu_ctx_t *)cq->context;
-    pthread_mutex_lock(&ec->lock);
-    if (c->nqp > 0) {
-        pthread_mutex_unlock(&ec->lock);
-        return EBUSY;
+    int rc = emu_release((emu_ctx_t *)cq->context, &c->nqp); /* QPs still use it */
+    if (!rc) {
+        free(c->ring);
+        free(c);
     }
-    ec->nres--;
-    pthread_mutex_unlock(&ec->lock);
-    free(c->ring);
-    free(c);
-    return 0;
+    return rc;
 }
 
 /* ---- queue pairs ------------------------------------------------------------------------ */

@@ -324,6 +324,18 @@ int wx_connect_request(wx_transport_t *t, const uint8_t *export_blob, size_t blo
     return 0;
 }
 
+int wx_no_handshake(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
+                    size_t *rep_len)
+{
+    (void)req;
+    (void)rep;
+    (void)rep_len;
+    return wx_errf(-EPROTO,
+                   "%s: unexpected %zu-byte connection request (%s needs no handshake; is the "
+                   "writer another transport?)",
+                   t->ops->name, req_len, t->ops->name);
+}
+
 int wx_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep, size_t *rep_len)
 {
     if (req_len == 0) {

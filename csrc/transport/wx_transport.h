@@ -195,6 +195,22 @@ typedef struct wx_transport_ops {
     int (*fence)(wx_transport_t *t, wx_peer_t *p, uint64_t timeout_ns, char *how, size_t len);
 } wx_transport_ops_t;
 
+/* The operations every backend has (info and fence included; conn_accept apart), named
+ * wx__<prefix>_<operation>: a backend's wx_transport_ops_t lists its name, capabilities and
+ * options, then WX_TRANSPORT_OPS(<prefix>), its conn_accept and its optional ones (map,
+ * default_of). */
+#define WX_TRANSPORT_OPS(p)                                                                        \
+    .probe = wx__##p##_probe, .open = wx__##p##_open, .close = wx__##p##_close,                    \
+    .address = wx__##p##_address, .reg = wx__##p##_reg, .dereg = wx__##p##_dereg,                  \
+    .conn_request = wx__##p##_conn_request, .conn_finish = wx__##p##_conn_finish,                  \
+    .disconnect = wx__##p##_disconnect, .write = wx__##p##_write, .info = wx__##p##_info,          \
+    .fence = wx__##p##_fence
+
+/* The conn_accept of a backend with no handshake (its conn_request sends nothing; wx_accept
+ * answers an empty request itself): a request is refused, -EPROTO naming its size. */
+int wx_no_handshake(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
+                    size_t *rep_len);
+
 struct wx_transport {
     const wx_transport_ops_t *ops;
     pthread_mutex_t lock; /* guards mrs and peers (not the backend's data path) */

@@ -87,17 +87,27 @@ def _ends(c, out):
         out["lm_head.weight"] = ((V, H), "bfloat16", None)
 
 
-def _dense_params(c, bias=False, qk_norm=False):
+def _decoder_params(c, attn, mlp):
+    """Every parameter of a decoder, in its order: the embedding; per layer i (prefix p) its input
+    norm, attn(i, p, out), its post-attention norm, mlp(i, p, out); the final norm and the head."""
     H = c["hidden_size"]
     out = {"model.embed_tokens.weight": ((c["vocab_size"], H), "bfloat16", None)}
     for i in range(c["num_hidden_layers"]):
         p = L.replace("{L}", str(i))
         out[p + "input_layernorm.weight"] = ((H,), "bfloat16", None)
-        _attn_gqa(c, i, out, bias, qk_norm)
+        attn(i, p, out)
         out[p + "post_attention_layernorm.weight"] = ((H,), "bfloat16", None)
-        _mlp(p + "mlp.", H, c["intermediate_size"], out)
+        mlp(i, p, out)
     _ends(c, out)
     return out
+
+
+def _dense_params(c, bias=False, qk_norm=False):
+    return _decoder_params(
+        c,
+        lambda i, p, out: _attn_gqa(c, i, out, bias, qk_norm),
+        lambda i, p, out: _mlp(p + "mlp.", c["hidden_size"], c["intermediate_size"], out),
+    )
 
 
 def _experts(prefix, H, E, I, out, fused):
@@ -112,16 +122,12 @@ def _experts(prefix, H, E, I, out, fused):
 def _qwen3_moe_params(c, fused=False):
     H = c["hidden_size"]
     E, I = c["num_experts"], c["moe_intermediate_size"]
-    out = {"model.embed_tokens.weight": ((c["vocab_size"], H), "bfloat16", None)}
-    for i in range(c["num_hidden_layers"]):
-        p = L.replace("{L}", str(i))
-        out[p + "input_layernorm.weight"] = ((H,), "bfloat16", None)
-        _attn_gqa(c, i, out, False, True)
-        out[p + "post_attention_layernorm.weight"] = ((H,), "bfloat16", None)
+
+    def mlp(i, p, out):
         out[p + "mlp.gate.weight"] = ((E, H), "bfloat16", None)
         _experts(p + "mlp.experts.", H, E, I, out, fused)
-    _ends(c, out)
-    return out
+
+    return _decoder_params(c, lambda i, p, out: _attn_gqa(c, i, out, False, True), mlp)
 
 
 def _deepseek_params(c, fused=False):
@@ -130,11 +136,9 @@ def _deepseek_params(c, fused=False):
     nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     E, I, Im = c["n_routed_experts"], c["intermediate_size"], c["moe_intermediate_size"]
     ns = c.get("n_shared_experts", 1)
-    out = {"model.embed_tokens.weight": ((c["vocab_size"], H), "bfloat16", None)}
-    for i in range(c["num_hidden_layers"]):
-        p = L.replace("{L}", str(i))
+
+    def attn(i, p, out):  # multi-head latent attention: low-rank q and kv
         a = p + "self_attn."
-        out[p + "input_layernorm.weight"] = ((H,), "bfloat16", None)
         out[a + "q_a_proj.weight"] = ((qr, H), "bfloat16", None)
         out[a + "q_a_layernorm.weight"] = ((qr,), "bfloat16", None)
         out[a + "q_b_proj.weight"] = ((nh * (nope + rope), qr), "bfloat16", None)
@@ -142,17 +146,18 @@ def _deepseek_params(c, fused=False):
         out[a + "kv_a_layernorm.weight"] = ((kr,), "bfloat16", None)
         out[a + "kv_b_proj.weight"] = ((nh * (nope + vd), kr), "bfloat16", None)
         out[a + "o_proj.weight"] = ((H, nh * vd), "bfloat16", None)
-        out[p + "post_attention_layernorm.weight"] = ((H,), "bfloat16", None)
+
+    def mlp(i, p, out):
         if i < c.get("first_k_dense_replace", 0):
             _mlp(p + "mlp.", H, I, out)
-        else:
-            out[p + "mlp.gate.weight"] = ((E, H), "bfloat16", None)
-            if not fused:  # transformers 5 keeps it as a buffer, not a parameter
-                out[p + "mlp.gate.e_score_correction_bias"] = ((E,), "float32", None)
-            _experts(p + "mlp.experts.", H, E, Im, out, fused)
-            _mlp(p + "mlp.shared_experts.", H, Im * ns, out)
-    _ends(c, out)
-    return out
+            return
+        out[p + "mlp.gate.weight"] = ((E, H), "bfloat16", None)
+        if not fused:  # transformers 5 keeps it as a buffer, not a parameter
+            out[p + "mlp.gate.e_score_correction_bias"] = ((E,), "float32", None)
+        _experts(p + "mlp.experts.", H, E, Im, out, fused)
+        _mlp(p + "mlp.shared_experts.", H, Im * ns, out)
+
+    return _decoder_params(c, attn, mlp)
 
 
 HF_PARAMS: dict[str, Callable] = {
@@ -279,98 +284,45 @@ ARCH_RULES: dict[str, Callable[[], list[Rule]]] = {
 
 # --------------------------------------------------------------------------- configs
 
-KIMI_K2 = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    hidden_size=7168,
-    num_hidden_layers=61,
-    first_k_dense_replace=1,
-    n_routed_experts=384,
-    n_shared_experts=1,
-    moe_intermediate_size=2048,
-    intermediate_size=18432,
-    vocab_size=163840,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    num_attention_heads=64,
-    num_key_value_heads=64,
-    num_experts_per_tok=8,
-    tie_word_embeddings=False,
-)
-DEEPSEEK_V3 = dict(
-    KIMI_K2,
-    num_attention_heads=128,
-    num_key_value_heads=128,
-    n_routed_experts=256,
-    first_k_dense_replace=3,
-    vocab_size=129280,
-)
-QWEN3_235B = dict(
-    architectures=["Qwen3MoeForCausalLM"],
-    hidden_size=4096,
-    num_hidden_layers=94,
-    num_attention_heads=64,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    moe_intermediate_size=1536,
-    intermediate_size=12288,
-    vocab_size=151936,
-    tie_word_embeddings=False,
-)
-QWEN3_30B = dict(
-    QWEN3_235B,
-    hidden_size=2048,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    moe_intermediate_size=768,
-    intermediate_size=6144,
-)
-QWEN3_8B = dict(
-    architectures=["Qwen3ForCausalLM"],
-    hidden_size=4096,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=12288,
-    vocab_size=151936,
-    tie_word_embeddings=False,
-)
-QWEN3_TINY = dict(
-    architectures=["Qwen3ForCausalLM"],
-    hidden_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    intermediate_size=512,
-    vocab_size=1024,
-    tie_word_embeddings=True,
-)
-LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"],
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-    tie_word_embeddings=False,
-)
-QWEN2_7B = dict(
-    architectures=["Qwen2ForCausalLM"],
-    hidden_size=3584,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    intermediate_size=18944,
-    vocab_size=152064,
-    tie_word_embeddings=False,
-)
+
+def decoder(
+    arch: str,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    inter: int,
+    vocab: int,
+    head_dim: int | None = None,
+    tie: bool = False,
+    **more,
+) -> dict:
+    """A decoder's Hugging Face config in the keys the presets read: its architecture, sizes,
+    vocabulary, head_dim only where given (Llama and Qwen2 take hidden / heads) and tied
+    embeddings, then any further keys (`more`: the experts of a MoE, norms)."""
+    cfg = dict(architectures=[arch], hidden_size=hidden, num_hidden_layers=layers)
+    cfg.update(num_attention_heads=heads, num_key_value_heads=kv_heads)
+    if head_dim is not None:
+        cfg["head_dim"] = head_dim
+    cfg.update(intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tie, **more)
+    return cfg
+
+
+# architecture, hidden, layers, heads, kv heads, intermediate, vocabulary
+KIMI_K2 = decoder("DeepseekV3ForCausalLM", 7168, 61, 64, 64, 18432, 163840, first_k_dense_replace=1)
+# (then the low-rank attention's dimensions, the routed and shared experts)
+KIMI_K2.update(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+KIMI_K2.update(n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=2048)
+DEEPSEEK_V3 = dict(KIMI_K2, num_attention_heads=128, num_key_value_heads=128, vocab_size=129280)
+DEEPSEEK_V3.update(n_routed_experts=256, first_k_dense_replace=3)
+QWEN3_235B = decoder("Qwen3MoeForCausalLM", 4096, 94, 64, 4, 12288, 151936, head_dim=128)
+QWEN3_235B.update(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536)
+QWEN3_30B = decoder("Qwen3MoeForCausalLM", 2048, 48, 32, 4, 6144, 151936, head_dim=128)
+QWEN3_30B.update(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768)
+QWEN3_8B = decoder("Qwen3ForCausalLM", 4096, 36, 32, 8, 12288, 151936, head_dim=128)
+QWEN3_TINY = decoder("Qwen3ForCausalLM", 256, 2, 4, 2, 512, 1024, head_dim=64, tie=True)
+LLAMA3_8B = decoder("LlamaForCausalLM", 4096, 32, 32, 8, 14336, 128256)
+QWEN2_7B = decoder("Qwen2ForCausalLM", 3584, 28, 28, 4, 18944, 152064)
 
 ARCH_OF = {
     "DeepseekV3ForCausalLM": "deepseek_v3",

@@ -11,40 +11,14 @@ the routed experts of a MoE layer as two fused 3-D parameters
 
 from __future__ import annotations
 
-# head_dim 128 and 128-row TP shards so that FP8 block quantization applies with TP=2
-TINY = dict(
-    architectures=["Qwen3ForCausalLM"],
-    hidden_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=128,
-    intermediate_size=512,
-    vocab_size=512,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-)
-SMALL = dict(
-    TINY,
-    hidden_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=4096,
-)
-MEDIUM = dict(
-    TINY,
-    hidden_size=1024,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=8192,
-)
+from ..mapping.presets import decoder
+
+_NORMS = dict(rms_norm_eps=1e-6, rope_theta=10000.0)
+# architecture, hidden, layers, heads, kv heads, intermediate, vocabulary (mapping.presets.decoder);
+# TINY: head_dim 128 and 128-row TP shards so that FP8 block quantization applies with TP=2
+TINY = decoder("Qwen3ForCausalLM", 256, 2, 4, 2, 512, 512, head_dim=128, **_NORMS)
+SMALL = decoder("Qwen3ForCausalLM", 512, 4, 8, 4, 1536, 4096, head_dim=64, **_NORMS)
+MEDIUM = decoder("Qwen3ForCausalLM", 1024, 8, 8, 4, 3072, 8192, head_dim=128, **_NORMS)
 TINY_MOE = dict(
     TINY,
     architectures=["Qwen3MoeForCausalLM"],

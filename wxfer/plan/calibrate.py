@@ -28,6 +28,12 @@ from typing import Any
 
 from ..meta import NONE_MEANS, Calibration, Cluster
 
+# Stage 2 free: no host time, quantize and pack at memory speed (None: Cluster.mem_GBps).
+_STAGE2_FREE: dict[str, Any] = dict.fromkeys(
+    ("host_task_s", "host_param_s", "host_piece_s", "host_zc_task_s", "pack_launch_s"), 0.0
+)
+_STAGE2_FREE.update(quant_GBps=None, copy_GBps=None)
+
 # Named calibrations.  "h200" is the default (Calibration()); see its field comments.
 CALIBRATIONS: dict[str, Calibration] = {
     "h200": Calibration(),
@@ -35,13 +41,7 @@ CALIBRATIONS: dict[str, Calibration] = {
     # and packs pipelined on separate streams; reproduces Kimi-K2 1.315 s / Qwen3-235B 0.594 s
     "free-stage2": Calibration(
         name="free-stage2",
-        host_task_s=0.0,
-        host_param_s=0.0,
-        host_piece_s=0.0,
-        host_zc_task_s=0.0,
-        pack_launch_s=0.0,
-        quant_GBps=None,
-        copy_GBps=None,
+        **_STAGE2_FREE,
         serial=False,
         source="the pre-issue-15 model: stage 2 free (memory speed, no host time)",
     ),

@@ -50,6 +50,10 @@ class Task:
     shards: list[Shard] = field(default_factory=list)
 
 
+# The transfer table: one int64 numpy column per field of Plan (below), in this order.
+TRANSFER_COLUMNS = ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset")
+
+
 @dataclass
 class Plan:
     """The static schedule.  Transfer columns are numpy arrays sorted by (sender, order)."""
@@ -572,7 +576,8 @@ def _mesh_groups(tasks, meshes):
 
 def _task_transfers(t: Task, ranks: np.ndarray, load: np.ndarray, replicas: int, tp: int, name_id) -> dict:
     """The transfers of one task: every (shard, replica) unit to a rank of the task's mesh,
-    in a per-sender pseudo-random destination order, with packed source offsets."""
+    in a per-sender pseudo-random destination order, with packed source offsets (the columns
+    of Plan's transfer table, TRANSFER_COLUMNS)."""
     S = len(t.shards)
     sb = np.array([s.nbytes for s in t.shards], np.int64)
     u_shard = np.repeat(np.arange(S), replicas)
@@ -597,11 +602,11 @@ def _task_transfers(t: Task, ranks: np.ndarray, load: np.ndarray, replicas: int,
         task=np.full(snd.size, ti, np.int64),
         shard=u_shard,
         replica=u_rep,
-        rank=sh_rank[u_shard],
+        infer_rank=sh_rank[u_shard],
         dst=sh_dst[u_shard],
-        off=sh_off[u_shard],
-        n=u_n,
-        src=src,
+        dst_offset=sh_off[u_shard],
+        nbytes=u_n,
+        src_offset=src,
     )
 
 
@@ -612,8 +617,7 @@ def _transfers(tasks, meshes, groups, mesh_tasks, replicas, tp, train_world, gpu
     for t in tasks:
         m = meshes[t.mesh]
         load[list(m)] += _ag_nic_bytes(t.src_bytes, m, gpus_per_node)
-    keys = ("sender", "task", "shard", "replica", "rank", "dst", "off", "n", "src")
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in TRANSFER_COLUMNS}
     seq = np.zeros(len(tasks), np.int64)
     k = 0
     for g in groups:
@@ -685,15 +689,7 @@ def build_plan(
         names=names,
         dest_nbytes=dest_nbytes,
         gpu_of=gpu_of,
-        sender=c["sender"],
-        task=c["task"],
-        shard=c["shard"],
-        replica=c["replica"],
-        infer_rank=c["rank"],
-        dst=c["dst"],
-        dst_offset=c["off"],
-        nbytes=c["n"],
-        src_offset=c["src"],
+        **c,
         train_params={p.name: (tuple(p.shape), p.dtype) for p in train},
         ignored=sorted(set(ex.ignored) | (set(ex.unmatched) & empty)),
         preset=preset.name,

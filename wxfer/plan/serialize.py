@@ -23,11 +23,13 @@ from typing import cast
 import numpy as np
 
 from ..mapping import Piece, Shard
-from .core import KINDS, Plan, Task
+from .core import KINDS, TRANSFER_COLUMNS, Plan, Task
 
 MAGIC = b"WXPLAN"
 VERSION = 1
 _HEAD = struct.Struct("<6sHII")
+# The plan's scalars, first in the header, in this order.
+_SCALARS = ("tp", "replicas", "quant", "ep", "train_world", "preset", "build_s")
 MAX_PAYLOAD = 1 << 32
 MAX_RATIO = 128
 DTYPES = ("float8_e4m3fn", "bfloat16", "float16", "float32", "float64", "int8", "uint8", "int32", "int64")
@@ -58,7 +60,7 @@ def encode(plan: Plan) -> bytes:
     arrays["piece"] = np.array(
         [(src_id[p.src], p.r0, p.r1, p.c0, p.c1) for s in shards for p in s.pieces], np.int64
     ).reshape(-1)
-    for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset"):
+    for k in TRANSFER_COLUMNS:
         arrays["t_" + k] = np.asarray(getattr(plan, k), np.int64)
     arrays["dest_nbytes"] = plan.dest_nbytes.reshape(-1).astype(np.int64)
     arrays["gpu_of"] = plan.gpu_of.reshape(-1).astype(np.int64)
@@ -66,14 +68,8 @@ def encode(plan: Plan) -> bytes:
     arrays["desc_key"] = np.array([(g, name_id.get(n, -1)) for (g, n), _ in descs], np.int64).reshape(-1)
     arrays["desc_len"] = np.array([len(d) for _, d in descs], np.int64)
     arrays["desc_blob"] = np.frombuffer(b"".join(d for _, d in descs), np.uint8)
-    header = dict(
-        tp=plan.tp,
-        replicas=plan.replicas,
-        quant=plan.quant,
-        ep=plan.ep,
-        train_world=plan.train_world,
-        preset=plan.preset,
-        build_s=plan.build_s,
+    header = {k: getattr(plan, k) for k in _SCALARS}
+    header.update(
         names=plan.names,
         src_names=src_names,
         n_train_params=len(plan.train_params),
@@ -199,10 +195,7 @@ def _build(h: dict, arrs: dict) -> Plan:
     mesh_tasks = {m: [int(t) for t in lst] for m, lst in enumerate(h["mesh_tasks"])}
     if len(mesh_tasks) != len(meshes) or sorted(t for l in mesh_tasks.values() for t in l) != list(range(T)):
         _fail("mesh task lists do not partition the tasks")
-    cols = {
-        k: arrs["t_" + k]
-        for k in ("sender", "task", "shard", "replica", "infer_rank", "dst", "dst_offset", "nbytes", "src_offset")
-    }
+    cols = {k: arrs["t_" + k] for k in TRANSFER_COLUMNS}
     n = cols["sender"].size
     if any(v.size != n for v in cols.values()):
         _fail("transfer columns differ in length")

@@ -229,24 +229,11 @@ class Sender:
 
     def _step_parts(self) -> tuple:
         """(FailureExchange, StepLoop) over the collaborators made at connect."""
-        failures = FailureExchange(
-            self.ctl,
-            self.group,
-            self.rank,
-            self.world,
-            self.timeout,
-            self.write_timeout,
-            self._store_host,
-            self.links,
-            program.receivers_of(self.plan),
-        )
+        # what both take first: the store, the trainer group, this rank's place, the bounds
+        job = (self.ctl, self.group, self.rank, self.world, self.timeout, self.write_timeout)
+        failures = FailureExchange(*job, self._store_host, self.links, program.receivers_of(self.plan))
         return failures, StepLoop(
-            self.ctl,
-            self.group,
-            self.rank,
-            self.world,
-            self.timeout,
-            self.write_timeout,
+            *job,
             self.device,
             self.stream,
             self.engine,

@@ -113,8 +113,8 @@ def _raise_failed(ctl, procs, failed, a: dict, log):
 def _check_logits(a: dict):
     """(b): every replica's logits, its model rebuilt from its shards, against transformers'
     forward of the trainers' weights at the inference side's BF16 precision (and against the
-    trainers' own FSDP2 forward in float32, reported beside it): (all close, the relative
-    errors, the float32 ones)."""
+    trainers' own FSDP2 forward in float32, reported beside it): the result's keys logits_ok
+    (all close), logits_rel_err and logits_rel_err_fp32 (per replica)."""
     import torch
     from ..models import logits_close, logits_from_shards, logits_of_weights
 
@@ -129,13 +129,17 @@ def _check_logits(a: dict):
         logits_ok &= ok
         logit_err.append(round(err, 5))
         train_err.append(round(logits_close(ref["logits"], got, None)[1], 5))
-    return logits_ok, logit_err, train_err
+    return dict(logits_ok=logits_ok, logits_rel_err=logit_err, logits_rel_err_fp32=train_err)
+
+
+# The run's settings its result repeats, as given.
+_SETTINGS = ("trainers", "replicas", "tp", "fp8", "cpu_offload", "moe", "ep")
 
 
 def _result(a: dict, res: dict, per_step: list, total_s: float, load0) -> dict:
     """The demo's result (what --json prints) from the trainers' result and the step reports."""
     bitexact = all(r["ok"] for s in per_step for r in s["reports"])
-    logits_ok, logit_err, train_err = _check_logits(a)
+    logits = _check_logits(a)
     unchanged_ok = None
     if a["unchanged_step"]:
         last, prev = per_step[-1], per_step[-2]
@@ -144,11 +148,9 @@ def _result(a: dict, res: dict, per_step: list, total_s: float, load0) -> dict:
     step_s = res["step_s"]
     return dict(
         steps=len(step_s),
-        verified=bool(bitexact and logits_ok and unchanged_ok is not False),
+        verified=bool(bitexact and logits["logits_ok"] and unchanged_ok is not False),
         bitexact=bitexact,
-        logits_ok=logits_ok,
-        logits_rel_err=logit_err,
-        logits_rel_err_fp32=train_err,
+        **logits,
         unchanged_ok=unchanged_ok,
         transport=res["transport"],
         bytes_per_step=bps,
@@ -156,13 +158,7 @@ def _result(a: dict, res: dict, per_step: list, total_s: float, load0) -> dict:
         step_s=step_s,
         gbps=bps / min(step_s) / 1e9,
         gbps_mean=bps * len(step_s) / sum(step_s) / 1e9,
-        trainers=a["trainers"],
-        replicas=a["replicas"],
-        tp=a["tp"],
-        fp8=a["fp8"],
-        cpu_offload=a["cpu_offload"],
-        moe=a["moe"],
-        ep=a["ep"],
+        **{k: a[k] for k in _SETTINGS},
         model=a["size"] if not a["moe"] else "tiny-moe",
         tasks=res["tasks"],
         mesh_groups=res["groups"],

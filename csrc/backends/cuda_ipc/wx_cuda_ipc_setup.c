@@ -551,19 +551,6 @@ static int wx__ci_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, si
     return 0;
 }
 
-static int wx__ci_conn_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
-                              size_t *rep_len)
-{
-    WX_UNUSED(t);
-    WX_UNUSED(req);
-    WX_UNUSED(rep);
-    WX_UNUSED(rep_len);
-    return wx_errf(-EPROTO,
-                   "cuda_ipc: got a %zu-byte connection request, but cuda_ipc needs "
-                   "no handshake (is the writer another transport?)",
-                   req_len);
-}
-
 /* Open every allocation the peer exported now, so that writes never open handles. */
 static int wx__ci_conn_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len)
 {
@@ -623,18 +610,7 @@ const wx_transport_ops_t wx_cuda_ipc_ops = {
     .auto_host = 0,
     .auto_cuda = 1,
     .options = wx__ci_known,
-    .probe = wx__ci_probe,
-    .open = wx__ci_open,
-    .close = wx__ci_close,
-    .address = wx__ci_address,
-    .reg = wx__ci_reg,
-    .dereg = wx__ci_dereg,
-    .conn_request = wx__ci_conn_request,
-    .conn_accept = wx__ci_conn_accept,
-    .conn_finish = wx__ci_conn_finish,
-    .disconnect = wx__ci_disconnect,
-    .write = wx__ci_write,
-    .info = wx__ci_info,
+    WX_TRANSPORT_OPS(ci),
+    .conn_accept = wx_no_handshake,
     .map = wx__ci_map,
-    .fence = wx__ci_fence,
 };

@@ -13,12 +13,7 @@ static pthread_once_t wx__fi_once = PTHREAD_ONCE_INIT;
 static char wx__fi_why[256];
 static int wx__fi_ok;
 
-#define WX__SYM(field)                                                                             \
-    do {                                                                                           \
-        if (wx_dl_sym(lib, "libfabric.so.1", #field, (void **)&wx__fi.field, wx__fi_why,           \
-                      sizeof wx__fi_why))                                                          \
-            return;                                                                                \
-    } while (0)
+#define WX__SYM(field) WX_DL_SYM("libfabric.so.1", wx__fi, field, #field, wx__fi_why)
 /* the calls whose structs changed across libfabric releases, at the version of wx_fi_abi.h */
 #define WX__VSYM(field, ver)                                                                       \
     do {                                                                                           \

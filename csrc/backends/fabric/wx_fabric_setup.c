@@ -573,21 +573,6 @@ static int wx__fab_conn_request(wx_transport_t *t, wx_peer_t *p, uint8_t *req, s
     return 0;
 }
 
-static int wx__fab_conn_accept(wx_transport_t *t, const uint8_t *req, size_t req_len, uint8_t *rep,
-                               size_t *rep_len)
-{
-    WX_UNUSED(t);
-    WX_UNUSED(req);
-    WX_UNUSED(rep);
-    if (req_len)
-        return wx_errf(-EPROTO,
-                       "fabric: unexpected %zu-byte connection request (fabric needs "
-                       "no handshake; is the writer another transport?)",
-                       req_len);
-    *rep_len = 0;
-    return 0;
-}
-
 static int wx__fab_conn_finish(wx_transport_t *t, wx_peer_t *p, const uint8_t *rep, size_t rep_len)
 {
     WX_UNUSED(t);
@@ -680,17 +665,6 @@ const wx_transport_ops_t wx_fabric_ops = {
     .shared_options = wx__fab_shared_opts,
     .gpu_check = wx__fab_gpu_check,
     .default_of = wx__fab_default_of,
-    .probe = wx__fab_probe,
-    .open = wx__fab_open,
-    .close = wx__fab_close,
-    .address = wx__fab_address,
-    .reg = wx__fab_reg,
-    .dereg = wx__fab_dereg,
-    .conn_request = wx__fab_conn_request,
-    .conn_accept = wx__fab_conn_accept,
-    .conn_finish = wx__fab_conn_finish,
-    .disconnect = wx__fab_disconnect,
-    .fence = wx__fab_fence,
-    .write = wx__fab_write,
-    .info = wx__fab_info,
+    WX_TRANSPORT_OPS(fab),
+    .conn_accept = wx_no_handshake,
 };

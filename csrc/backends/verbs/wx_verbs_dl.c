@@ -14,17 +14,8 @@ static pthread_once_t wx__ibv_once = PTHREAD_ONCE_INIT;
 static char wx__ibv_why[320];
 static int wx__ibv_ok;
 
-#define WX__SYM(field, sym)                                                                        \
-    do {                                                                                           \
-        if (wx_dl_sym(lib, wx__ibv.path, sym, (void **)&wx__ibv.field, wx__ibv_why,                \
-                      sizeof wx__ibv_why))                                                         \
-            return;                                                                                \
-    } while (0)
-#define WX__OPT(field, sym)                                                                        \
-    do {                                                                                           \
-        char ignore[64];                                                                           \
-        wx_dl_sym(lib, wx__ibv.path, sym, (void **)&wx__ibv.field, ignore, sizeof ignore);         \
-    } while (0)
+#define WX__SYM(field, sym) WX_DL_SYM(wx__ibv.path, wx__ibv, field, sym, wx__ibv_why)
+#define WX__OPT(field, sym) WX_DL_OPT(wx__ibv.path, wx__ibv, field, sym)
 
 static void wx__ibv_load(void)
 {

@@ -60,6 +60,13 @@ def receiver_place(par: dict, replica=None, replicas=None) -> dict:
     )
 
 
+def worker_place(par: dict, replica=None, replicas=None) -> dict:
+    """``receiver_place``'s keywords and the worker's GPU index in the job (replica * tp + rank):
+    the place the worker's published records carry (its proof, its traced map)."""
+    place = receiver_place(par, replica, replicas)
+    return dict(gpu=place["replica"] * place["tp"] + place["rank"], **place)
+
+
 class WxferWorkerExtension:
     """Methods added to every vLLM worker (``worker_extension_cls``)."""
 

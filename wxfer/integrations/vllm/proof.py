@@ -116,9 +116,10 @@ def worker_proof(model, preset, cfg, named, par, quant, replica, replicas, store
     """(record, Classification): the post-processing proof over every layer (postproc.classify),
     published for the trainers; LayoutProofError naming every refused parameter."""
     from ...runtime.control import Control, job_secret
+    from .extension import worker_place
 
-    tp, rank, ep = par["tp"], par["rank"], par["ep"]
-    gpu = replica * tp + rank
+    place = worker_place(par, replica, replicas)
+    gpu = place["gpu"]
     t0 = time.perf_counter()
     cls, dests = classify_worker(
         model, vllm_config, device, preset, cfg, named, par, quant, info.skip, info.proof_seed, where
@@ -127,13 +128,8 @@ def worker_proof(model, preset, cfg, named, par, quant, replica, replicas, store
     proven = set(cls.direct) | set(cls.finalize_dests)
     got = {d: h for d, h in cls.packed_digests.items() if d in proven}
     out = dict(
-        gpu=gpu,
-        tp=tp,
-        rank=rank,
-        replica=replica,
-        replicas=replicas,
+        place,
         quant=quant,
-        ep=ep,
         layers=list(range(int(cfg.get("num_hidden_layers", 1)))),
         seed=info.proof_seed,
         digests=got,

@@ -55,6 +55,7 @@ def worker_trace(
     import re
 
     from ...mapping.traced import rank_shards
+    from .extension import worker_place
     from .trace import checkpoint_of_dir, trace_model
 
     ckpt = checkpoint_of_dir(checkpoint_dir(vllm_config.model_config))
@@ -68,15 +69,11 @@ def worker_trace(
     if prove is not None and not problems:
         cls, _ = prove(m, params, shards)
         refused = list(cls.refused)
-    gpu = replica * par["tp"] + par["rank"]
+    place = worker_place(par, replica, replicas)
+    gpu = place["gpu"]
     blob = m.to_bytes()
     meta = dict(
-        gpu=gpu,
-        replica=replica,
-        replicas=replicas,
-        tp=par["tp"],
-        rank=par["rank"],
-        ep=par["ep"],
+        place,
         digest=m.digest(),
         seconds=m.seconds,
         nparams=sum(t.numel() for t in model.parameters()),
