@@ -16,7 +16,12 @@
 #   5. (when END, default 575 s, leaves 75 s) the fused delta kernel's variants against the quantize alone (bench_fused_variants.py,
 #      VARIANTS below; the build of step 1 serves it).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-.out}; mkdir -p "$OUT"; W=$(mktemp -d); mkdir -p "$W/r"  # at most 8 files come back: chosen at the end
+OUT=${OUT:-.out}; mkdir -p "$OUT"; W=$(mktemp -d); mkdir -p "$W/r"  # at most 8 files come back: saved after each step
+save() {
+  cp "$W/gpu_tests.log" "$W/cal-8b-fp8-apply.json" "$W/r/apply.json" "$W/r/fused-sweep.log" "$OUT/" 2>/dev/null
+  cp "$W/perf/bb-stream/results.json" "$OUT/rows-8b.json" 2>/dev/null
+  (cd "$W" && find . -type f -size -2M | tar czf "$OUT/logs.tgz" -T -) 2>/dev/null  # every log under 2 MB
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u
 timeout 150 env WXFER_TESTING=1 WXFER_KERNEL_SWEEP=1 python3 setup.py -q build_ext --inplace --force -j 16 \
   >"$W/r/build.log" 2>&1 || tail -20 "$W/r/build.log"
@@ -26,11 +31,11 @@ timeout -k 5 150 python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler
   tests/test_delta_gpu.py tests/test_direct_gpu.py -k "not test_direct_gpu or failed_is_not_written or reference_bytes" \
   >"$W/gpu_tests.log" 2>&1
 echo "tests rc=$?"; grep -E "FAILED|ERROR|Timeout|^E |passed|failed" "$W/gpu_tests.log" | head -40
-echo "=== apply at ${SECONDS}s"
+save; echo "=== apply at ${SECONDS}s"
 timeout -k 5 100 python3 benchmarks/bench_delta.py --parts apply --out "$W/r/apply.json" \
   --cal-in benchmarks/runs/h100-2026-12-07-b/cal-8b-fp8.json --cal-out "$W/cal-8b-fp8-apply.json" \
   >"$W/r/apply.log" 2>&1; echo "rc=$?"; grep -E "^apply|machine|Error" "$W/r/apply.log" | head -12
-echo "=== 8B rows at ${SECONDS}s"
+save; echo "=== 8B rows at ${SECONDS}s"
 (OUT=$W/perf WAITS=stream MODELS=qwen3-8b bash benchmarks/gpu_perf.sh bench 2>&1 | grep -v "^+" | tail -12)
 python3 - "$W/perf/bb-stream/results.json" <<'PY'
 import json, sys
@@ -40,14 +45,11 @@ for r in json.load(open(sys.argv[1]))["results"]:
         print(r["config"].get("quant"), r["config"].get("trainer"), k, "overlap:", json.dumps(w.get("direct", {}).get("overlap")),
               "profile:", json.dumps({x: pr.get(x) for x in ("gpu_busy_ms", "lead_ms", "tail_ms", "overlap")}))
 PY
-echo "=== fused sweep at ${SECONDS}s"
+save; echo "=== fused sweep at ${SECONDS}s"
 END=${END:-575}  # the call's own bound, seconds
 if [ $SECONDS -lt $((END - 75)) ]; then
   timeout -k 5 $((END - SECONDS)) python3 benchmarks/bench_fused_variants.py --variants "${VARIANTS:-p,d1:2,d3:2,d4:2}" \
     --json >"$W/r/fused-sweep.log" 2>"$W/r/fused-sweep.err"; echo "rc=$?"
   grep -v '^{' "$W/r/fused-sweep.log" | tail -30; tail -5 "$W/r/fused-sweep.err"
 fi
-echo "=== end at ${SECONDS}s"
-cp "$W/gpu_tests.log" "$W/cal-8b-fp8-apply.json" "$W/r/apply.json" "$W/r/fused-sweep.log" "$OUT/" 2>/dev/null
-cp "$W/perf/bb-stream/results.json" "$OUT/rows-8b.json" 2>/dev/null
-(cd "$W" && find . -type f -size -2M | tar czf "$OUT/logs.tgz" -T -) 2>/dev/null  # every log under 2 MB, in one file
+echo "=== end at ${SECONDS}s"; save
