@@ -18,6 +18,13 @@ FABRIC = _wxfer.backends()["fabric"][0]
 needs_fabric = pytest.mark.skipif(not FABRIC, reason="fabric transport not built")
 
 
+@pytest.fixture(autouse=True)
+def _overlap_on(monkeypatch):
+    """These tests are of the overlap: on (engines), as WXFER_DIRECT_OVERLAP=engines turns it on
+    (off by default until it has run on a GPU); a test that wants it off sets it again."""
+    monkeypatch.setenv("WXFER_DIRECT_OVERLAP", "engines")
+
+
 def _big_task(src, dests, task=0):
     from types import SimpleNamespace
 
@@ -68,7 +75,9 @@ def test_a_large_copy_is_deferred_only_after_a_quantizing_push_and_launched_afte
 
 
 def test_the_mode_and_ctas_variables_are_checked(monkeypatch):
-    assert overlap.mode() == "engines" and overlap.ctas() == overlap.CTAS
+    assert overlap.mode() == "engines" and overlap.ctas() == overlap.CTAS  # (the fixture's)
+    monkeypatch.delenv("WXFER_DIRECT_OVERLAP")
+    assert overlap.mode() is None  # off by default until measured on a GPU
     for v, want in (("1", "engines"), ("kernel", "kernel"), ("ENGINES", "engines"), ("off", None), ("0", None)):
         monkeypatch.setenv("WXFER_DIRECT_OVERLAP", v)
         assert overlap.mode() == want and overlap.enabled() == (want is not None)

@@ -594,7 +594,7 @@ class _Stamping(_Started):
 
 
 def test_stream_order_neither_waits_nor_reads_a_fence_word_the_engines_error_holds(monkeypatch):
-    """WXFER_BEGIN_WAIT=stream (the default): the begin stamps are written on the side stream
+    """WXFER_BEGIN_WAIT=stream (opt-in): the begin stamps are written on the side stream
     ahead of the in-place writes (InPlaceWriter.stamp_begin), so nothing waits on the fence
     word.  A real engine over fabric tcp whose sticky error cancelled a fence (the word held
     until close, Engine.word_state): the next push's _wait_begin returns at once, queues no
@@ -607,7 +607,7 @@ def test_stream_order_neither_waits_nor_reads_a_fence_word_the_engines_error_hol
     from wxfer.testing import TargetProcess
     from wxfer.testing import pattern as rand
 
-    monkeypatch.delenv("WXFER_BEGIN_WAIT", raising=False)  # the default
+    monkeypatch.setenv("WXFER_BEGIN_WAIT", "stream")  # (opt-in)
     opts = {"provider": "tcp"}
     with TargetProcess("fabric", opts, [4 << 20, 4096]) as tgt:
         t = _wxfer.Transport("fabric", opts)

@@ -75,8 +75,8 @@ _VARS = (
     _py(
         "WXFER_DIRECT_OVERLAP",
         "choice",
-        "engines",
-        "larger zero-copy tasks copied beside the FP8 kernel: engines, kernel or 0 (off)",
+        "0",
+        "larger zero-copy tasks copied beside the FP8 kernel: engines, kernel or 0 (off, the default: not run on a GPU yet)",
     ),
     _py("WXFER_DIRECT_OVERLAP_CTAS", "int", "2", "CTAs per SM of the copy kernel's grid there (kernel)"),
     _py("WXFER_DELTA_STAGING", "size", "0", "Receiver delta staging area bytes (docs/delta.md)"),
@@ -92,11 +92,11 @@ _VARS = (
     _py(
         "WXFER_BEGIN_WAIT",
         "choice",
-        "stream",
-        "how in-place writes follow the begin stamps: stream (the default: written on the side "
-        "stream ahead of them, no wait), device (the stream waits with cuStreamWaitValue32 on the "
-        "fence word: opt-in, a word held until close stalls it) or host (the host waits, bounded); "
-        "docs/cuda_ipc.md",
+        "host",
+        "how in-place writes follow the begin stamps: host (the default: the host waits, bounded), "
+        "stream (opt-in, not run on a GPU yet: written on the side stream ahead of them, no wait) or "
+        "device (the stream waits with cuStreamWaitValue32 on the fence word: a word held until close "
+        "stalls it); docs/cuda_ipc.md",
     ),
     # libraries (dlopened by the C extension)
     _c("WXFER_LIBCUDA"),

@@ -25,7 +25,7 @@ applies its deadline, skips a peer that failed, counts its bytes (``bytes_extern
 traces it (kind "external"); ``push()``'s wait is the engine's.  The engine orders its tasks,
 not this process's kernels, and a kernel that ran before a receiver's begin stamp landed would
 make a torn read look complete: the first launch of a push comes after its begin stamps, written
-on the side stream ahead of it (``stamp_begin``, the default) or waited for (TaskRunner._wait_begin).
+on the side stream ahead of it (``stamp_begin``, opt-in) or waited for (TaskRunner._wait_begin, the default).
 A receiver that failed or was dropped is not written (no kernel can be called back) nor named
 in the task.  Off with ``Sender(direct=False)`` or
 ``WXFER_DIRECT=0`` (the user-facing name, and ``stats()["direct"]``, are kept); with verify on

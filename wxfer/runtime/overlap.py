@@ -28,7 +28,7 @@ Sender keeps the engine path), a zero-copy task that ``InPlaceWriter.queue_copy`
 to the engine only for its size, every destination mapped, is queued here instead (``take``).
 The queue is launched (``launch``) right after the push's next quantizer launch -- else at its
 mesh group's end (``InPlaceWriter.end_group``) -- on a second stream of its own, by ``mode()``:
-"engines" (the default) one ``cuMemcpyBatchAsync`` with the driver's hint to run it beside the
+"engines" (``WXFER_DIRECT_OVERLAP=engines`` or 1; off by default until measured on a GPU) one ``cuMemcpyBatchAsync`` with the driver's hint to run it beside the
 SMs' work (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: the copy engines; each range cut into
 copies of ``PIECE`` bytes, which the driver may spread over several engines; a driver without
 the batched copy (before 12.8) gets "kernel"); "kernel" one launch of the batched copy kernel
@@ -62,11 +62,12 @@ PIECE = 64 << 20  # "engines": a range cut into copies of at most this (the driv
 
 
 def mode() -> str | None:
-    """$WXFER_DIRECT_OVERLAP: "engines" (the default; also 1/on), "kernel", or None for 0/off."""
+    """$WXFER_DIRECT_OVERLAP: "engines" (also 1/on), "kernel", or None for 0/off (the default,
+    until the overlap has run on a GPU: benchmarks/gpu_perf.sh fp8 measures it)."""
     v = envs.get("WXFER_DIRECT_OVERLAP", "").strip().lower()
-    if v in ("0", "off", "false", "no"):
+    if v in ("", "0", "off", "false", "no"):
         return None
-    if v in ("", "1", "on", "true", "yes"):
+    if v in ("1", "on", "true", "yes"):
         return MODES[0]
     if v not in MODES:
         raise ValueError(f"WXFER_DIRECT_OVERLAP must be engines, kernel or 0 (off), got {v!r}")

@@ -27,15 +27,16 @@ def _host_int64(device):
     return t.pin_memory() if device.type == "cuda" else t
 
 
-BEGIN_WAITS = ("stream", "device", "host")  # WXFER_BEGIN_WAIT's choices, the default first
+BEGIN_WAITS = ("host", "stream", "device")  # WXFER_BEGIN_WAIT's choices, the default first
 
 
 def begin_wait_choice() -> str:
     """How the in-place writes are ordered after the begin stamps (``WXFER_BEGIN_WAIT``):
-    ``stream`` (the default) writes them on the side stream ahead of the writes
-    (``InPlaceWriter.stamp_begin``: no wait at all); ``device``, the side stream waits for the
-    begin fence's id in the fence word (cuStreamWaitValue32, begin_wait_word); ``host``, the
-    host waits for the begin fence (bounded).  docs/cuda_ipc.md compares them."""
+    ``host`` (the default: the order measured on GPUs) waits on the host for the begin fence
+    (bounded); ``stream`` (opt-in until it has run on a GPU) writes them on the side stream
+    ahead of the writes (``InPlaceWriter.stamp_begin``: no wait at all); ``device``, the side
+    stream waits for the begin fence's id in the fence word (cuStreamWaitValue32,
+    begin_wait_word).  docs/cuda_ipc.md compares them."""
     choice = (envs.get("WXFER_BEGIN_WAIT") or BEGIN_WAITS[0]).strip().lower()
     if choice not in BEGIN_WAITS:
         raise ValueError(f"WXFER_BEGIN_WAIT must be one of {', '.join(BEGIN_WAITS)}, got {choice!r}")
