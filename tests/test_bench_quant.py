@@ -90,6 +90,14 @@ def test_the_sweep_variants_are_built_from_the_product_kernel():
         assert defined.search(product) and not defined.search(sweep), fn
     src = open(os.path.join(ROOT, "csrc", "prepare", "wx_sweep.c")).read()
     assert 'wx__hdr(s, "wx_fp8_kernel.cu", wx_fp8_kernel_src);' in src
+    # variants 6-8: the product's loop and copies (wx_fp8_pipe.cu), with 7's and 8's own steps
+    pipe = open(os.path.join(ROOT, "benchmarks", "kernels", "sweep_fp8_pipe.cu")).read()
+    product_pipe = open(os.path.join(ROOT, "csrc", "prepare", "wx_fp8_pipe.cu")).read()
+    assert '#include "wx_fp8_pipe.cu"' in pipe and "wx_fp8_quant" not in pipe
+    for fn in ("wx_tile_at", "wx_saddr", "wx_ringed", "wx_ring_read", "wx_ring_fill", "wx_ring_put", "wx_ring_loop"):
+        defined = re.compile(r"__device__ __forceinline__ [\w<>:, ]*\b%s\(" % fn)
+        assert defined.search(product_pipe) and not defined.search(pipe), fn
+    assert 'wx__hdr(s, "wx_fp8_pipe.cu", wx_fp8_pipe_src);' in src
 
 
 def _ptx(tmp_path, name, *args):

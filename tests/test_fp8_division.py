@@ -12,10 +12,11 @@ import pytest
 from helpers import run_c_check  # tests/helpers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREP = os.path.join(ROOT, "csrc", "prepare")  # wx_fp8_host.h: the bit casts
 
 
 @pytest.mark.timeout(120)
 def test_fast_division_is_correctly_rounded_for_16_bit_sources(tmp_path):
-    p = run_c_check(tmp_path, "fp8_div_check", ["-O2", "-ffp-contract=off"], ["-lm"])
+    p = run_c_check(tmp_path, "fp8_div_check", ["-O2", "-ffp-contract=off", "-I" + PREP], ["-lm"])
     assert p.returncode == 0 and p.stdout.startswith("ok "), p.stdout[-2000:]
     assert int(p.stdout.split()[1]) > 3_000_000

@@ -89,28 +89,11 @@ __device__ __forceinline__ void wx_tile(const wx_fp8_piece &pc, wx_i64 tr, wx_i6
     }
     if (ES == 2)
         m = max(m & 0xffffu, m >> 16);
-    m = wx_warp_max(m);
-    if ((tid & 31) == 0)
-        red[tid >> 5] = m;
-    __syncthreads();
-    m = red[0];
-#pragma unroll
-    for (int i = 1; i < WX_WARPS; i++)
-        m = max(m, red[i]);
-    float amax = wx_to_f32<DT>(m);
-    /* torch.clamp(amax, min=1e-12): 1e-12f is the float32 nearest 1e-12, as torch casts the
-     * bound; a NaN amax stays NaN. */
-    float s = wx_div_rn(amax < 1e-12f ? 1e-12f : amax, 448.0f);
-    if (tid == 0 && pc.s_off >= 0) {
-        unsigned char *sp = out + pc.s_off + (tr * cb + tc) * 4;
-        if (((wx_u64)sp & 3) == 0) {
-            *(float *)sp = s;
-        } else {
-            wx_u32 b = __float_as_uint(s);
-            for (int j = 0; j < 4; j++)
-                sp[j] = (unsigned char)(b >> (8 * j));
-        }
-    }
+    /* the product's block reduction, clamp, division and scale store (wx_block_scale reads
+     * only the job's scale address) */
+    wx_job sj = {};
+    sj.sp = pc.s_off >= 0 ? out + pc.s_off + (tr * cb + tc) * 4 : 0;
+    const float s = wx_block_scale<DT>(m, sj, red);
     if (pc.q_off < 0)
         return;
     unsigned char *dst = out + pc.q_off + tr * WX_TILE * pc.cols + tc * WX_TILE;

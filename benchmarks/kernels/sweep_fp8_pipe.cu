@@ -25,98 +25,57 @@
  *      ~0.55 of the on-device copy whatever their bytes in flight.
  * Float32 tiles and sources whose rows are not 16-byte aligned take variant 3's loads. The
  * tile's elements then reach the same registers as variant 3's (wx_tile16), so the bytes are
- * the same. */
+ * the same.
+ *
+ * The loop, the cp.async copies and the kernel are the product's (csrc/prepare/wx_fp8_pipe.cu,
+ * included below): variant 6 is the product kernel as it is; 7 and 8 define the ring's steps
+ * the product takes as macros (WX_TILE_AT, WX_RINGED, WX_RING_FILL/COMMIT/SKIP/WAIT,
+ * WX_RING_HOOK, WX_RING_INIT) before including it. */
 
-#if WX_K != 2 || WX_THREADS != 256
-#error "wx_fp8_pipe.cu expects variant 3's layout (16 elements a thread and row, 256 threads)"
-#endif
 #ifndef WX_STAGES
 #define WX_STAGES (WX_MINB == 1 ? 6 : WX_MINB == 2 ? 3 : 2) /* = wx__stages() in wx_fp8.c */
 #endif
-#if WX_STAGES < 2
-#error "WX_STAGES must be at least 2"
-#endif
-#define WX_TCH (WX_TILE * WX_TILE * 2 / 16) /* 16-byte chunks of a 16-bit tile (2048) */
-#define WX_RCH (WX_TILE * 2 / 16)           /* chunks of a tile row (16) */
 #define WX_BULK (WX_VARIANT == 7)
 #define WX_UNIT (WX_VARIANT == 8 ? 4 : 1) /* adjacent tiles a CTA takes in a row */
 
+#if WX_BULK
+__shared__ __align__(8) wx_u64 wx_bars[WX_STAGES]; /* the stages' mbarriers */
+__device__ __forceinline__ void wx_bulk_fill(const wx_job &j, uint4 *buf, wx_u64 *bar);
+__device__ __forceinline__ void wx_bulk_skip(wx_u64 *bar);
+__device__ __forceinline__ void wx_bulk_wait(wx_u64 *bar, int k);
+__device__ __forceinline__ void wx_bulk_init(wx_u64 *bar);
+/* only whole tiles are copied by the TMA engine; the others take variant 3's loads */
+#define WX_RINGED(j) (wx_ringed(j) && (j).nr == WX_TILE && (j).nc == WX_TILE)
+#define WX_RING_FILL(j, buf, s) wx_bulk_fill(j, buf, wx_bars + (s))
+#define WX_RING_COMMIT(s)
+#define WX_RING_SKIP(s) wx_bulk_skip(wx_bars + (s))
+#define WX_RING_WAIT(s, k) wx_bulk_wait(wx_bars + (s), k)
+#define WX_RING_INIT wx_bulk_init(wx_bars)
+#endif
+
+#if WX_UNIT > 1
 /* The CTA's k-th tile: units of WX_UNIT consecutive tiles, unit m of CTA b being b + m*G. */
-__device__ __forceinline__ wx_i64 wx_tile_at(wx_i64 b, int k, wx_i64 g)
+__device__ __forceinline__ wx_i64 wx_unit_tile_at(wx_i64 b, int k, wx_i64 g)
 {
     return WX_UNIT * (b + (wx_i64)(k / WX_UNIT) * g) + k % WX_UNIT;
 }
+__device__ __forceinline__ void wx_unit_prefetch(const wx_fp8_piece *pieces,
+                                                 const wx_fp8_inline &inl, int n,
+                                                 unsigned char *out, wx_i64 ntiles, wx_i64 t);
+#define WX_TILE_AT(b, k, g) wx_unit_tile_at(b, k, g)
+/* in wx_ring_put, where pieces .. t are its parameters: a unit's first tile prefetches it */
+#define WX_RING_HOOK(j, s, ring)                                                                   \
+    do {                                                                                           \
+        if (t % WX_UNIT == 0)                                                                      \
+            wx_unit_prefetch(pieces, inl, n, out, ntiles, t);                                      \
+    } while (0)
+#endif
 
-__device__ __forceinline__ wx_u32 wx_saddr(const void *p)
-{
-    wx_u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
+#include "wx_fp8_pipe.cu"
 
-/* Is tile j read through the ring (else: from global memory when it is quantized)? */
-__device__ __forceinline__ bool wx_ringed(const wx_job &j)
-{
-    if (j.dt == 2 || !j.lvec)
-        return false;
-    return !WX_BULK || (j.nr == WX_TILE && j.nc == WX_TILE);
-}
-
-/* The thread's 8 chunks of the tile in buf, into variant 3's registers: v[2p + k] is chunk
- * 2*cp + k of row p*RPP + row0. Threads 4..7 of each 8 read their odd chunk first, so that
- * each 8-thread phase of a 16-byte shared load touches 8 distinct 16-byte bank groups. */
-__device__ __forceinline__ void wx_ring_read(const uint4 *buf, uint4 *v)
-{
-    const int tid = threadIdx.x, cp = tid % wx_g16::TPR, row0 = tid / wx_g16::TPR;
-    const int sw = (cp >> 2) & 1;
-#pragma unroll
-    for (int p = 0; p < wx_g16::NP; p++) {
-        const uint4 *r = buf + (p * wx_g16::RPP + row0) * WX_RCH + 2 * cp;
-        uint4 a = r[sw], b = r[1 - sw];
-        v[2 * p] = sw ? b : a;
-        v[2 * p + 1] = sw ? a : b;
-    }
-}
-
-#if !WX_BULK
-/* cp.async of the tile's chunks into buf: chunk q = p*256 + tid (row q/16, chunk q%16 of
- * the row; a warp copies 512 contiguous bytes of two rows), zero-filled outside [nr, nc). */
-__device__ __forceinline__ void wx_ring_fill(const wx_job &j, uint4 *buf, wx_u64 *)
-{
-    const int rstep = WX_THREADS / WX_RCH, row0 = threadIdx.x / WX_RCH;
-    const int col = (threadIdx.x % WX_RCH) * 8;
-    const int nb = col < j.nc ? 2 * min(8, j.nc - col) : 0;
-    const char *g = j.src + (wx_i64)row0 * j.ldb + col * 2;
-    wx_u32 d = wx_saddr(buf + threadIdx.x);
-#pragma unroll
-    for (int p = 0; p < WX_TCH / WX_THREADS; p++) {
-        const bool in = p * rstep + row0 < j.nr && nb;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d),
-                     "l"(in ? g : j.src), "r"(in ? nb : 0)
-                     : "memory");
-        g += rstep * j.ldb;
-        d += WX_THREADS * 16;
-    }
-}
-
-__device__ __forceinline__ void wx_ring_commit(wx_u64 *)
-{
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-/* Wait for tile k (stage s) of this thread's copies; the caller's barrier makes every
- * thread's copies visible. */
-__device__ __forceinline__ void wx_ring_wait(wx_u64 *, int)
-{
-    asm volatile("cp.async.wait_group %0;" ::"n"(WX_STAGES - 2) : "memory");
-}
-
-__device__ __forceinline__ void wx_ring_init(wx_u64 *)
-{
-}
-#else
+#if WX_BULK
 /* The stage's mbarrier expects 32 KiB, then warp 0 copies the 128 rows (4 a lane). */
-__device__ __forceinline__ void wx_ring_fill(const wx_job &j, uint4 *buf, wx_u64 *bar)
+__device__ __forceinline__ void wx_bulk_fill(const wx_job &j, uint4 *buf, wx_u64 *bar)
 {
     if (threadIdx.x >= 32)
         return;
@@ -138,18 +97,14 @@ __device__ __forceinline__ void wx_ring_fill(const wx_job &j, uint4 *buf, wx_u64
 }
 
 /* A stage whose tile is not copied (or past the last) still completes its phase. */
-__device__ __forceinline__ void wx_ring_skip(wx_u64 *bar)
+__device__ __forceinline__ void wx_bulk_skip(wx_u64 *bar)
 {
     if (threadIdx.x == 0)
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(wx_saddr(bar)) : "memory");
 }
 
-__device__ __forceinline__ void wx_ring_commit(wx_u64 *)
-{
-}
-
 /* Wait for use k / WX_STAGES of the stage's mbarrier (phase parity (k / WX_STAGES) & 1). */
-__device__ __forceinline__ void wx_ring_wait(wx_u64 *bar, int k)
+__device__ __forceinline__ void wx_bulk_wait(wx_u64 *bar, int k)
 {
     const wx_u32 b = wx_saddr(bar), par = (wx_u32)((k / WX_STAGES) & 1);
     asm volatile("{\n\t.reg .pred p;\n"
@@ -160,7 +115,7 @@ __device__ __forceinline__ void wx_ring_wait(wx_u64 *bar, int k)
                  : "memory");
 }
 
-__device__ __forceinline__ void wx_ring_init(wx_u64 *bar)
+__device__ __forceinline__ void wx_bulk_init(wx_u64 *bar)
 {
     if (threadIdx.x == 0) {
         for (int s = 0; s < WX_STAGES; s++)
@@ -211,69 +166,3 @@ __device__ __forceinline__ void wx_unit_prefetch(const wx_fp8_piece *pieces,
     }
 }
 #endif
-
-/* Stage s gets tile t (when t < ntiles): its job for the quantizing threads, its copies
- * (variant 8: after the prefetch of its unit when it is the unit's first). */
-__device__ __forceinline__ void wx_ring_put(const wx_fp8_piece *pieces, const wx_fp8_inline &inl,
-                                            int n, unsigned char *out, wx_i64 ntiles, wx_i64 t,
-                                            int s, wx_job *jobs, uint4 *ring, wx_u64 *bars)
-{
-#if WX_UNIT > 1
-    if (t < ntiles && t % WX_UNIT == 0)
-        wx_unit_prefetch(pieces, inl, n, out, ntiles, t);
-#endif
-    if (t < ntiles) {
-        wx_job j;
-        wx_job_of(pieces, inl, n, t, out, j);
-        if (threadIdx.x == 0)
-            jobs[s] = j;
-        if (wx_ringed(j)) {
-            wx_ring_fill(j, ring + (wx_i64)s * WX_TCH, bars + s);
-            wx_ring_commit(bars + s);
-            return;
-        }
-    }
-#if WX_BULK
-    wx_ring_skip(bars + s);
-#endif
-    wx_ring_commit(bars + s);
-}
-
-extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
-    wx_fp8_quant(const wx_fp8_piece *pieces, int n, unsigned char *out, int ntiles,
-                 const __grid_constant__ wx_fp8_inline inl)
-{
-    extern __shared__ __align__(128) uint4 ring[]; /* WX_STAGES x WX_TCH chunks (wx_fp8.c) */
-    __shared__ wx_job jobs[WX_STAGES];
-    __shared__ __align__(8) wx_u64 bars[WX_STAGES]; /* variant 7's mbarriers */
-    __shared__ wx_u32 red[2][WX_WARPS];
-    const wx_i64 g = gridDim.x, b = blockIdx.x;
-    if (wx_tile_at(b, 0, g) >= ntiles)
-        return;
-    wx_ring_init(bars);
-    for (int s = 0; s < WX_STAGES - 1; s++)
-        wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, s, g), s, jobs, ring, bars);
-    /* k: tiles done by this CTA (ntiles < 2^31); its tiles increase with k */
-    for (int k = 0; wx_tile_at(b, k, g) < ntiles; k++) {
-        const int s = k % WX_STAGES;
-        wx_ring_wait(bars + s, k);
-        /* tile k's copies visible to all; every thread done with tile k-1's stage and job */
-        __syncthreads();
-        wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, k + WX_STAGES - 1, g),
-                    (s + WX_STAGES - 1) % WX_STAGES, jobs, ring, bars);
-        const wx_job j = jobs[s];
-        if (j.dt == 2) {
-            wx_tile32(j, red[k & 1]);
-            continue;
-        }
-        uint4 v[WX_NCH];
-        if (wx_ringed(j))
-            wx_ring_read(ring + (wx_i64)s * WX_TCH, v);
-        else
-            wx_load16(j, v);
-        if (j.dt == 0)
-            wx_tile16<0>(j, v, red[k & 1]);
-        else
-            wx_tile16<1>(j, v, red[k & 1]);
-    }
-}

@@ -1,5 +1,6 @@
 /* wx_post_step.c - the post stage's table of one write task (see wx_post_step.h). */
 #include "wx_post_step.h"
+#include "wx_post_step_letters.h" /* Q P F D B R: the states */
 
 #include <errno.h>
 
@@ -25,12 +26,6 @@ int wx_tpost_result(int rc, int isolate)
     return isolate ? WX_TPE_PEER_ERROR : WX_TPE_ERROR;
 }
 
-#define Q WX_TP_QUEUED
-#define P WX_TP_POSTING
-#define F WX_TP_WAIT_FENCE
-#define D WX_TP_WAIT_DEPTH
-#define B WX_TP_BACKOFF
-#define R WX_TP_RETIRED
 /* clang-format off */
 #define M(s, a) {(signed char)(s), (signed char)(a)}
 #define X {-1, -1} /* illegal */

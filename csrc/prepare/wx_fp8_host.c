@@ -10,23 +10,9 @@
 
 #define WX__T WX_FP8_TILE
 
-static uint32_t wx__bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-static float wx__float(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 uint8_t wx_fp8_e4m3(float x)
 {
-    uint32_t u = wx__bits(x), sign = (u >> 24) & 0x80, a = u & 0x7fffffffu;
+    uint32_t u = wx_f32_bits(x), sign = (u >> 24) & 0x80, a = u & 0x7fffffffu;
     int32_t e = (int32_t)(a >> 23) - 127;
     uint32_t sig = (a & 0x7fffffu) | 0x800000u, k;
     if (a > 0x7f800000u) /* NaN */
@@ -59,13 +45,13 @@ static float wx__at(const void *src, int dtype, int64_t ld, int64_t r, int64_t c
         return ((const float *)src)[i];
     uint16_t h = ((const uint16_t *)src)[i];
     if (dtype == WX_FP8_BF16)
-        return wx__float((uint32_t)h << 16);
+        return wx_f32_of((uint32_t)h << 16);
     /* IEEE half */
     uint32_t s = (uint32_t)(h & 0x8000) << 16, ex = (h >> 10) & 0x1f, m = h & 0x3ff;
     if (ex == 0x1f)
-        return wx__float(s | 0x7f800000u | (m << 13));
+        return wx_f32_of(s | 0x7f800000u | (m << 13));
     if (ex)
-        return wx__float(s | ((ex + 112) << 23) | (m << 13));
+        return wx_f32_of(s | ((ex + 112) << 23) | (m << 13));
     return (s ? -1.0f : 1.0f) * (float)m * 0x1p-24f; /* subnormal or zero: exact */
 }
 
@@ -100,7 +86,7 @@ static void wx__block_row(const void *src, int dtype, int64_t ld, int64_t r0, in
             n += w;
         }
         if (nan)
-            amax = wx__float(0x7fc00000u);
+            amax = wx_f32_of(0x7fc00000u);
         float s = (amax < 1e-12f ? 1e-12f : amax) / 448.0f;
         if (scales)
             memcpy(scales + 4 * ((r0 / WX__T) * cb + c0 / WX__T), &s, 4);

@@ -9,6 +9,22 @@
 #define WX_FP8_HOST_H
 
 #include <stdint.h>
+#include <string.h>
+
+/* The bits of float32 f, and the float32 of bits u (also tests/c/fp8_div_check.c's). */
+static inline uint32_t wx_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float wx_f32_of(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 /* The e4m3fn byte of float x, |x| <= 448 (NaN: 0x7f with x's sign), rounded to nearest even. */
 uint8_t wx_fp8_e4m3(float x);

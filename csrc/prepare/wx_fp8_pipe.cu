@@ -92,6 +92,22 @@ __device__ __forceinline__ void wx_ring_wait(void)
     asm volatile("cp.async.wait_group %0;" ::"n"(WX_STAGES - 2) : "memory");
 }
 
+/* The ring's steps as the loop below takes them: these defaults, or a sweep variant's
+ * (benchmarks/kernels/sweep_fp8_pipe.cu defines its own first: units of adjacent tiles, TMA
+ * copies completing on an mbarrier per stage s). */
+#ifndef WX_TILE_AT
+#define WX_TILE_AT(b, k, g) wx_tile_at(b, k, g)
+#endif
+#ifndef WX_RINGED
+#define WX_RINGED(j) wx_ringed(j)
+#endif
+#ifndef WX_RING_FILL
+#define WX_RING_FILL(j, buf, s) wx_ring_fill(j, buf)
+#define WX_RING_COMMIT(s) wx_ring_commit()
+#define WX_RING_SKIP(s) wx_ring_commit() /* an empty group: the wait counts one per stage */
+#define WX_RING_WAIT(s, k) wx_ring_wait()
+#endif
+
 /* Stage s gets tile t (when t < ntiles): its job for the quantizing threads, its copies. */
 __device__ __forceinline__ void wx_ring_put(const wx_fp8_piece *pieces, const wx_fp8_inline &inl,
                                             int n, unsigned char *out, wx_i64 ntiles, wx_i64 t,
@@ -105,13 +121,13 @@ __device__ __forceinline__ void wx_ring_put(const wx_fp8_piece *pieces, const wx
 #endif
         if (threadIdx.x == 0)
             jobs[s] = j;
-        if (wx_ringed(j)) {
-            wx_ring_fill(j, ring + (wx_i64)s * WX_TCH);
-            wx_ring_commit();
+        if (WX_RINGED(j)) {
+            WX_RING_FILL(j, ring + (wx_i64)s * WX_TCH, s);
+            WX_RING_COMMIT(s);
             return;
         }
     }
-    wx_ring_commit(); /* an empty group: the wait counts one per stage */
+    WX_RING_SKIP(s);
 }
 
 /* The shared memory of the persistent loop, declared by each kernel that runs it (so that the
@@ -134,26 +150,26 @@ __device__ __forceinline__ void wx_ring_loop(const wx_fp8_piece *pieces, int n, 
                                              uint4 *ring, wx_job *jobs, wx_u32 (*red)[WX_WARPS])
 {
     const wx_i64 g = gridDim.x, b = blockIdx.x;
-    if (wx_tile_at(b, 0, g) >= ntiles)
+    if (WX_TILE_AT(b, 0, g) >= ntiles)
         return;
     for (int s = 0; s < WX_STAGES - 1; s++)
-        wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, s, g), s, jobs, ring);
+        wx_ring_put(pieces, inl, n, out, ntiles, WX_TILE_AT(b, s, g), s, jobs, ring);
     /* k: tiles done by this CTA (ntiles < 2^31); its tiles increase with k */
-    for (int k = 0; wx_tile_at(b, k, g) < ntiles; k++) {
+    for (int k = 0; WX_TILE_AT(b, k, g) < ntiles; k++) {
         const int s = k % WX_STAGES;
-        wx_ring_wait();
+        WX_RING_WAIT(s, k);
         /* tile k's copies visible to all; every thread done with tile k-1's stage and job */
         __syncthreads();
-        wx_ring_put(pieces, inl, n, out, ntiles, wx_tile_at(b, k + WX_STAGES - 1, g),
+        wx_ring_put(pieces, inl, n, out, ntiles, WX_TILE_AT(b, k + WX_STAGES - 1, g),
                     (s + WX_STAGES - 1) % WX_STAGES, jobs, ring);
         const wx_job j = jobs[s];
-        t.next(pieces, inl, n, out, ntiles, wx_tile_at(b, k + 1, g));
+        t.next(pieces, inl, n, out, ntiles, WX_TILE_AT(b, k + 1, g));
         if (j.dt == 2) {
             t.tile32(j, red[k & 1]);
             continue;
         }
         uint4 v[WX_NCH];
-        if (wx_ringed(j))
+        if (WX_RINGED(j))
             wx_ring_read(ring + (wx_i64)s * WX_TCH, v);
         else
             wx_load16(j, v);
@@ -187,5 +203,8 @@ extern "C" __global__ void __launch_bounds__(WX_THREADS, WX_MINB)
                  const __grid_constant__ wx_fp8_inline inl)
 {
     WX_RING_SHARED;
+#ifdef WX_RING_INIT
+    WX_RING_INIT; /* a sweep variant's mbarriers (sweep_fp8_pipe.cu) */
+#endif
     wx_ring_loop(pieces, n, out, ntiles, inl, wx_fp8_tiles(), ring, jobs, red);
 }

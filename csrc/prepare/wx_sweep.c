@@ -49,6 +49,7 @@ static void wx__fp8_cfg(int v, int minb)
                                  sweep_fp8_kernel_src, "wx_fp8_quant");
     wx__hdr(s, "sweep_fp8_pipe.cu", sweep_fp8_pipe_src);
     wx__hdr(s, "wx_fp8_kernel.cu", wx_fp8_kernel_src);
+    wx__hdr(s, "wx_fp8_pipe.cu", wx_fp8_pipe_src); /* the loop sweep_fp8_pipe.cu includes */
     s->opt[n++] = "--fmad=false";
     snprintf(wx__opt[0], sizeof wx__opt[0], "-DWX_VARIANT=%d", v);
     s->opt[n++] = wx__opt[0];

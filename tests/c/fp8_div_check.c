@@ -12,26 +12,14 @@
  *      produce from that format (RN(amax / 448) for every significand of amax, and the
  *      1e-12 floor: RN(RN32(1e-12) / 448)).
  * It also checks signed zeros and subnormal a against every scale exponent.
- * Build: cc -O2 -ffp-contract=off -o fp8_div_check fp8_div_check.c -lm
+ * Build: cc -O2 -ffp-contract=off -I csrc/prepare -o fp8_div_check fp8_div_check.c -lm
  * Prints "ok <pairs>" and exits 0, or prints the first mismatches and exits 1. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
-static float f_of(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static uint32_t u_of(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
+#include "wx_fp8_host.h" /* wx_f32_bits, wx_f32_of: the bit casts of the product */
 
 static float fast_div(float a, float s, float r)
 {
@@ -47,12 +35,12 @@ static void check(float a, float s)
     volatile float vs = s;
     float r = 1.0f / vs; /* SSE division: IEEE round to nearest, like rcp.rn.f32 */
     float q = fast_div(a, s, r), want = a / vs;
-    if (u_of(q) != u_of(want) && bad++ < 10)
+    if (wx_f32_bits(q) != wx_f32_bits(want) && bad++ < 10)
         printf("mismatch: a %a s %a: fast %a, a/s %a\n", a, s, q, want);
 }
 
 /* Every significand in [1, 2) with `bits` explicit fraction bits (as float32). */
-static float sig(uint32_t i, int bits) { return f_of(0x3f800000u | (i << (23 - bits))); }
+static float sig(uint32_t i, int bits) { return wx_f32_of(0x3f800000u | (i << (23 - bits))); }
 
 int main(int argc, char **argv)
 {
@@ -67,7 +55,7 @@ int main(int argc, char **argv)
             float a = sig(i, fb);
             if (all) {
                 for (uint32_t j = 0; j < (1u << 23); j++)
-                    check(a, f_of(0x3f800000u | j));
+                    check(a, wx_f32_of(0x3f800000u | j));
                 pairs += 1l << 23;
             } else {
                 for (uint32_t j = 0; j < na; j++) {
@@ -90,11 +78,11 @@ int main(int argc, char **argv)
         volatile float zs[2] = {0.0f, -0.0f};
         for (int z = 0; z < 2; z++) {
             float q = fast_div(zs[z], s, r);
-            if (u_of(q) != u_of(zs[z]) && bad++ < 10)
+            if (wx_f32_bits(q) != wx_f32_bits(zs[z]) && bad++ < 10)
                 printf("signed zero: a %a s %a: fast %a\n", zs[z], s, q);
         }
         for (uint32_t m = 1; m < (1u << 23); m = m * 3 + 1) {
-            float a = f_of(m), q = fast_div(a, s, r), qn = fast_div(-a, s, r);
+            float a = wx_f32_of(m), q = fast_div(a, s, r), qn = fast_div(-a, s, r);
             if ((fabsf(q) >= 0x1p-10f || signbit(q) || !signbit(qn) || fabsf(qn) >= 0x1p-10f) &&
                 bad++ < 10)
                 printf("subnormal a %a s %a: fast %a, %a\n", a, s, q, qn);

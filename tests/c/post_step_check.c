@@ -8,13 +8,8 @@
 
 #include "check.h"
 #include "wx_post_step.h"
+#include "wx_post_step_letters.h" /* Q P F D B R: the states */
 
-#define Q WX_TP_QUEUED
-#define P WX_TP_POSTING
-#define F WX_TP_WAIT_FENCE
-#define D WX_TP_WAIT_DEPTH
-#define B WX_TP_BACKOFF
-#define R WX_TP_RETIRED
 /* clang-format off */
 #define NO {-1, -1}
 /* rows: states; columns: SETTLED FENCE_BUSY DEPTH_FULL ROOM POSTED AGAIN PEER_ERROR ERROR */
