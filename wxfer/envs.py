@@ -76,7 +76,8 @@ _VARS = (
         "WXFER_DIRECT_OVERLAP",
         "choice",
         "0",
-        "larger zero-copy tasks copied beside the FP8 kernel: engines, kernel or 0 (off, the default: not run on a GPU yet)",
+        "larger zero-copy tasks copied beside the FP8 kernel: engines, kernel or 0 (off, the default: "
+        "not run on a GPU yet)",
     ),
     _py("WXFER_DIRECT_OVERLAP_CTAS", "int", "2", "CTAs per SM of the copy kernel's grid there (kernel)"),
     _py("WXFER_DELTA_STAGING", "size", "0", "Receiver delta staging area bytes (docs/delta.md)"),

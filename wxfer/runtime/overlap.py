@@ -28,7 +28,8 @@ Sender keeps the engine path), a zero-copy task that ``InPlaceWriter.queue_copy`
 to the engine only for its size, every destination mapped, is queued here instead (``take``).
 The queue is launched (``launch``) right after the push's next quantizer launch -- else at its
 mesh group's end (``InPlaceWriter.end_group``) -- on a second stream of its own, by ``mode()``:
-"engines" (``WXFER_DIRECT_OVERLAP=engines`` or 1; off by default until measured on a GPU) one ``cuMemcpyBatchAsync`` with the driver's hint to run it beside the
+"engines" (``WXFER_DIRECT_OVERLAP=engines`` or 1; off by default until measured on a GPU) one
+``cuMemcpyBatchAsync`` with the driver's hint to run it beside the
 SMs' work (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: the copy engines; each range cut into
 copies of ``PIECE`` bytes, which the driver may spread over several engines; a driver without
 the batched copy (before 12.8) gets "kernel"); "kernel" one launch of the batched copy kernel
