@@ -7,8 +7,9 @@
 #      test_external_gpu, test_direct_gpu's reference-bytes and failed-receiver tests), the copies
 #      beside the quantizer (test_overlap_gpu) and delta (test_delta_apply_gpu: the receiver's
 #      native apply; test_delta_gpu: the fused kernel), verbose, faulthandler stacks past 60 s;
-#   3. (after 4) the Qwen3-8B colocated rows (BF16 plain / FSDP2, FP8 FSDP2) in the product's defaults (the
-#      begin stamps in stream order, the FP8 row's large copies beside the quantizer), one more
+#   3. (after 4) the Qwen3-8B colocated rows (BF16 plain / FSDP2, FP8 FSDP2) with this session's opt-in
+#      orders on (the begin stamps in stream order, the FP8 row's large copies beside the
+#      quantizer: WXFER_DIRECT_OVERLAP=engines), one more
 #      push per row profiled (gpu_perf.sh bench; the FP8 row's overlap figures printed);
 #   4. (before 3) bench_delta --parts apply (native apply against the torch apply and a device copy, per MB
 #      of records) writing a copy of the H100 calibration with the measured native rate (the
@@ -36,7 +37,7 @@ timeout -k 5 100 python3 benchmarks/bench_delta.py --parts apply --out "$W/r/app
   --cal-in benchmarks/runs/h100-2026-12-07-b/cal-8b-fp8.json --cal-out "$W/cal-8b-fp8-apply.json" \
   >"$W/r/apply.log" 2>&1; echo "rc=$?"; grep -E "^apply|machine|Error" "$W/r/apply.log" | head -12
 save; echo "=== 8B rows at ${SECONDS}s"
-(OUT=$W/perf WAITS=stream MODELS=qwen3-8b bash benchmarks/gpu_perf.sh bench 2>&1 | grep -v "^+" | tail -12)
+(OUT=$W/perf WAITS=stream MODELS=qwen3-8b WXFER_DIRECT_OVERLAP=engines bash benchmarks/gpu_perf.sh bench 2>&1 | grep -v "^+" | tail -12)
 python3 - "$W/perf/bb-stream/results.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:

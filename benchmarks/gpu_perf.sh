@@ -23,8 +23,8 @@
 # 3. bench_baselines --layouts colocated --curated qwen3-8b,qwen3-1.7b (the 8B BF16 plain and
 #    FSDP2 rows, the 8B FP8 FSDP2 row -- the curated list's fp8 entry -- and the 1.7B FSDP2
 #    and FSDP2-offload rows) for each begin-stamp order in WAITS (default "stream host": the
-#    stamps written on the side stream, WXFER_BEGIN_WAIT=stream, the default; then the host
-#    wait, for the A/B on the same machine; "device" also runs the cuStreamWaitValue32 wait;
+#    stamps written on the side stream, WXFER_BEGIN_WAIT=stream, opt-in; then the host
+#    wait, the default, for the A/B on the same machine; "device" also runs the cuStreamWaitValue32 wait;
 #    MODELS=qwen3-8b: the 8B rows only); 4. one table of both: link, wxfer, ratio, and the fixed cost before the first
 #    write (the push's phases: rejoin_check, begin_stamps) per row, the submit phase per task and
 #    the batched copy launches' host time (stats()["direct"]["last_push"]; issue 37).

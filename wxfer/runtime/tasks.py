@@ -202,14 +202,14 @@ class TaskRunner:
             self.begin_fence = self.submit_stamps(self.stamp_srcs["begin"], dests, "begin")
 
     def _wait_begin(self) -> None:
-        """Before this push's first in-place write: its begin stamps ahead of it.  By default
-        (``WXFER_BEGIN_WAIT=stream``) written on the current (side) stream by
+        """Before this push's first in-place write: its begin stamps ahead of it.  With
+        ``WXFER_BEGIN_WAIT=stream`` (opt-in) written on the current (side) stream by
         ``InPlaceWriter.stamp_begin``, which says why they order the writes (no host wait, no
         device wait: nothing to stall on); where a stamp cannot be mapped here, the host wait
         below, for good, its reason logged.  ``device``: the side stream waits for the fence's
         id in the word the engine stores it into (``begin_wait_word``), this thread goes on
-        launching; a refusal falls back to the host wait for good.  ``host``: until the fence
-        task alone landed (with no stamps, everything submitted so far)."""
+        launching; a refusal falls back to the host wait for good.  ``host`` (the default): until
+        the fence task alone landed (with no stamps, everything submitted so far)."""
         if self.begin_on_stream and self.begin_fence is not None:
             why = self.inplace.stamp_begin(self.links.begin_dest, self.version)
             if why is None:
