@@ -242,6 +242,9 @@ def test_a_push_reads_the_pid_waiters_flag_and_still_names_a_death_just_before_i
     push's start polls this host's pids only until they are all bound, then reads the flag;
     a worker killed just before a push is named by that push (the waiter's report, no watcher
     look, no write failing)."""
+    from wxfer.runtime import links
+
+    monkeypatch.setattr(links, "PID_WAITER", True)  # (off by default: links.start_watch)
     s, _ = store
     ctl = control.Control(s, "lwait", T)
     ctl.add("infer/rejoins", 0)
