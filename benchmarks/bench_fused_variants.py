@@ -271,7 +271,7 @@ def child(a) -> int:
 
     pick(a.kernel, a.dry_run)
     cuda = torch.cuda.is_available() and not a.dry_run
-    dev = torch.device("cuda" if cuda else "cpu")
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:
         why = delta_gpu.why(dev)
         if why is not None:

@@ -102,6 +102,7 @@ def test_a_late_overlap_copy_holds_the_end_stamps_and_not_the_quantizer(store, m
     from wxfer.runtime.overlap import OVERLAP_TAG
 
     monkeypatch.setenv("WXFER_DIRECT_COPY_MAX", str(CUT))
+    monkeypatch.setenv("WXFER_DIRECT_OVERLAP", "engines")  # opt-in; the driver's copy, else the kernel's
     _, addr = store
     rx = _Receivers(addr, "ovl_late", TINY, "fp8")
     try:

@@ -221,8 +221,8 @@ def _raw_stream(device) -> int:
     when it has one: no Stream object per call)."""
     torch = _torch()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device.index)
+    if raw is not None:  # it takes an index: a bare torch.device("cuda") is the current device
+        return raw(torch.cuda.current_device() if device.index is None else device.index)
     return torch.cuda.current_stream(device).cuda_stream
 
 
