@@ -37,10 +37,14 @@ Where the default rates come from (``SOURCE``; each run on one H100):
     to every task of a plan: that it scales from one 8192 x 8192 weight to the plan's tasks is
     an assumption.  The torch ops' path (no NVRTC, ``WXFER_DELTA_GPU=torch``) is
     ``TORCH_COMPARE_GBPS``: 167 GB/s (runs/h100-2026-12-06-session/delta_gpu.json);
-  * apply 6.9 GB/s of records: the receiver's torch apply (the runtime's on a GPU:
-    wxfer.runtime.delta.apply_records), one record of 3.41 MB in 0.495 ms (delta_gpu.json).
-    Its cost per record (a loop of torch ops per record, thousands of records per receiver
-    on a large plan) was not measured and is not charged: the apply term is a lower bound.
+  * apply 29.3 GB/s of records: the receiver's native apply kernel (the runtime's on a GPU:
+    ``wx_delta_apply`` through wxfer.runtime.delta_gpu.apply), 128 records of 8.32 MB over a
+    512 MiB destination at 0.31% of bytes changed in 0.284 ms, launch included, bit-exact
+    (benchmarks/runs/h100-2026-12-07-d/apply.json, ``bench_delta.py --parts apply``).  At 1%
+    and 3% the same kernel ran at 61 and 148 GB/s: its fixed cost (about 0.2 ms a launch) is
+    most of the 0.31% row, so per byte this rate is conservative for larger records.  Its cost
+    with thousands of records per receiver was not measured (``NOT_MEASURED``).  The torch
+    apply (``WXFER_DELTA_APPLY=torch``) is ``TORCH_APPLY_GBPS``: 6.9 GB/s (delta_gpu.json).
 """
 
 from __future__ import annotations
@@ -54,16 +58,20 @@ COMPARE_GBPS = 785.5
 # the torch ops' compare + encode (the path without the kernels), one H100, 2026-12-06: 2 x 67,125,248
 # bytes in 0.000901057 - 0.000098486 s; the torch apply: 3,413,424 bytes of records in 0.000495156 s
 TORCH_COMPARE_GBPS = 167.3
-APPLY_GBPS = 6.89
+TORCH_APPLY_GBPS = 6.89
+# the native apply kernel, one H100, 2026-12-07 09:09 UTC: 8,324,856 bytes of records (128 records,
+# 0.31% of a 512 MiB destination) in 0.000284371 s (runs/h100-2026-12-07-d/apply.json)
+APPLY_GBPS = 29.27
 SOURCE = (
     "measured on one H100: compare 785 GB/s of bytes read, the fused kernel with the count and the records "
     "beyond the quantize alone (benchmarks/runs/h100-2026-12-07-session/fused/fused.json, 8192 x 8192 at 0.4%); "
-    "apply 6.9 GB/s of records, the torch apply (benchmarks/runs/h100-2026-12-06-session/delta_gpu.json)"
+    "apply 29.3 GB/s of records, the native apply kernel at 0.31% changed "
+    "(benchmarks/runs/h100-2026-12-07-d/apply.json)"
 )
 # what the delta term does not charge because nobody measured it (reported with every restatement)
 NOT_MEASURED = {
-    "apply_per_record_s": "the receiver's apply per record (a loop of torch ops per record): not measured, "
-    "not charged (the apply is charged per record byte only: a lower bound)",
+    "apply_per_record_s": "the receiver's apply with thousands of records per receiver: not measured (the "
+    "native kernel's rate was measured with 128 records, its launch included; charged per record byte only)",
     "compare_scaling": "the compare rate was measured on one 8192 x 8192 weight; applied per byte to every task",
 }
 
@@ -93,7 +101,10 @@ COMPARE_SOURCE = (
     "measured on one H100: the fused kernel with the count and the records beyond the quantize alone "
     "(benchmarks/runs/h100-2026-12-07-session/fused/fused.json, 8192 x 8192 at 0.4%)"
 )
-APPLY_SOURCE = "measured on one H100: the torch apply (benchmarks/runs/h100-2026-12-06-session/delta_gpu.json)"
+APPLY_SOURCE = (
+    "measured on one H100: the native apply kernel, 128 records at 0.31% changed, launch included "
+    "(benchmarks/runs/h100-2026-12-07-d/apply.json)"
+)
 
 
 def delta_terms(rate: float, compare_GBps: float | None = None, apply_GBps: float | None = None) -> DeltaTerms:
