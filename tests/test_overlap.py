@@ -77,7 +77,19 @@ def test_a_large_copy_is_deferred_only_after_a_quantizing_push_and_launched_afte
 def test_the_mode_and_ctas_variables_are_checked(monkeypatch):
     assert overlap.mode() == "engines" and overlap.ctas() == overlap.CTAS  # (the fixture's)
     monkeypatch.delenv("WXFER_DIRECT_OVERLAP")
-    assert overlap.mode() is None  # off by default until measured on a GPU
+    assert overlap.mode() == "engines"  # the default (measured on one H100: overlap.mode's docstring)
+    # ... where the driver has the batched copy; without it, unset is off (set, the kernel's copy)
+    from types import SimpleNamespace
+
+    from wxfer.runtime import copies
+
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert copies.driver_why(cpu.device) and overlap.Overlap(cpu).mode is None and not overlap.Overlap(cpu).on
+    monkeypatch.setattr(copies, "driver_why", lambda device: None)
+    assert overlap.Overlap(cpu).mode == "engines" and overlap.Overlap(cpu).on
+    monkeypatch.setenv("WXFER_DIRECT_OVERLAP", "engines")
+    monkeypatch.setattr(copies, "driver_why", lambda device: "no batched copy")
+    assert overlap.Overlap(cpu).mode == "engines"  # asked for: the launch falls back to the kernel
     for v, want in (("1", "engines"), ("kernel", "kernel"), ("ENGINES", "engines"), ("off", None), ("0", None)):
         monkeypatch.setenv("WXFER_DIRECT_OVERLAP", v)
         assert overlap.mode() == want and overlap.enabled() == (want is not None)

@@ -75,9 +75,9 @@ _VARS = (
     _py(
         "WXFER_DIRECT_OVERLAP",
         "choice",
-        "0",
-        "larger zero-copy tasks copied beside the FP8 kernel: engines, kernel or 0 (off, the default: "
-        "not run on a GPU yet)",
+        "engines",
+        "larger zero-copy tasks copied beside the FP8 kernel: engines (the default where the driver has "
+        "the batched copy, else off), kernel or 0 (off)",
     ),
     _py("WXFER_DIRECT_OVERLAP_CTAS", "int", "2", "CTAs per SM of the copy kernel's grid there (kernel)"),
     _py("WXFER_DELTA_STAGING", "size", "0", "Receiver delta staging area bytes (docs/delta.md)"),
