@@ -9,7 +9,8 @@
 #      order of WAITS (default "stream host"), the FP8 row's large copies beside the quantizer
 #      (WXFER_DIRECT_OVERLAP=$OVERLAP, default engines) -- gpu_perf.sh bench;
 #   5. the 8B FP8 FSDP2 row with each overlap of OVERLAPS (default "engines 0"), profiled, the
-#      begin order BEGIN_WAIT (default stream) -- gpu_perf.sh fp8 without its tests.
+#      begin order BEGIN_WAIT (default stream) -- gpu_perf.sh fp8 without its tests; FP8=0 skips it.
+# TESTS: more test files for step 2 (bounded by TESTS_S seconds, default 120).
 # Only 8 files come back from $OUT: the logs are saved after each step into logs.tgz.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-.out}; mkdir -p "$OUT"; W=$(mktemp -d); mkdir -p "$W/r"
@@ -23,7 +24,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; d
 timeout 150 env WXFER_TESTING=1 WXFER_KERNEL_SWEEP=1 python3 setup.py -q build_ext --inplace --force -j 16 \
   >"$W/r/build.log" 2>&1 || tail -20 "$W/r/build.log"
 echo "=== built at ${SECONDS}s"
-timeout -k 5 120 python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler_timeout=45 -m gpu \
+timeout -k 5 ${TESTS_S:-120} python3 -u -m pytest -v -ra -p no:cacheprovider -o faulthandler_timeout=45 -m gpu \
   tests/test_overlap_gpu.py ${TESTS:-} >"$W/r/tests.log" 2>&1
 echo "tests rc=$?"; grep -E "FAILED|ERROR|Timeout|^E |passed|failed" "$W/r/tests.log" | head -20
 save; echo "=== fused sweep at ${SECONDS}s"
@@ -34,6 +35,6 @@ save; echo "=== rows at ${SECONDS}s"
 (OUT=$W/ab WAITS=${WAITS:-stream host} MODELS=${MODELS:-qwen3-8b,qwen3-1.7b} WXFER_DIRECT_OVERLAP=${OVERLAP:-engines} \
   bash benchmarks/gpu_perf.sh bench 2>&1 | grep -v "^+" | tail -40)
 save; echo "=== fp8 overlaps at ${SECONDS}s"
-(OUT=$W/fp8 OVERLAPS=${OVERLAPS:-engines 0} BEGIN_WAIT=${BEGIN_WAIT:-stream} NO_TESTS=1 bash benchmarks/gpu_perf.sh fp8 \
+[ "${FP8:-1}" = 0 ] || (OUT=$W/fp8 OVERLAPS=${OVERLAPS:-engines 0} BEGIN_WAIT=${BEGIN_WAIT:-stream} NO_TESTS=1 bash benchmarks/gpu_perf.sh fp8 \
   2>&1 | grep -v "^+" | tail -12)
 echo "=== end at ${SECONDS}s"; save
