@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 36: the fused FP8 quantize + compare kernel's variants (csrc/prepare/wx_delta_kernel.cu,
-# its WX_DPF / WX_DPAIR switches and CTAs per SM, compiled from that one source) against the
+# its WX_DPF / WX_DPAIR / WX_DBITS switches and CTAs per SM, compiled from that one source) against the
 # dense quantize kernel alone, on one H100/H200 (about 3 minutes: build 50 s, 12 variants of
 # about 10 s each):
 #
@@ -17,7 +17,7 @@
 #    cleared before each launch) on one 8192x8192 BF16 weight at 0, 0.4, 3 and 50% of its
 #    elements changed: CUDA events over 20 launches queued behind a sleep kernel, median of 5.
 # A variant whose fused / quantize is lowest at 0-0.4% and exact everywhere becomes the product:
-# WX__DPF, WX__DPAIR, WX__CTAS_PER_SM and WX__STAGES in csrc/prepare/wx_delta.c (its comment maps
+# WX__DPF, WX__DPAIR, WX__DBITS, WX__CTAS_PER_SM and WX__STAGES in csrc/prepare/wx_delta.c (its comment maps
 # d<v>:<c> to them). Logs under $OUT.
 set -x
 OUT=${OUT:-.out}

@@ -31,6 +31,17 @@
  *   WX_DPAIR 1: the two threads of 32 adjacent bytes of a tile row merge their 16-bit masks
  *            (one shuffle) into one 32-bit OR: half the bitmask atomics (one per word where the
  *            shadow's rows are 32-aligned).
+ *   WX_DBITS 16-bit sources whose rows start 32-aligned in the shadow ((offset | pitch) % 32
+ *            == 0: every bitmask word of a tile row's bytes is that row's alone): the 8 threads
+ *            of a tile row gather its 128 bits by shuffles (wx_dbits_row) and write the words
+ *            with plain stores, no atomics: one 16-byte store by the row's first thread where
+ *            the row is 128 bytes at a 128-aligned offset, else a 4-byte store per word by
+ *            every second thread (an atomic OR for a word the row only partly holds, at a
+ *            right edge). 1: only the words holding a changed byte are written; 2: every word
+ *            the tile row owns, zeros too (full 32-byte sectors of the bitmask, no read of
+ *            its old sectors, two tiles' rows a sector; a word left zero by the caller's
+ *            clearing gets the same value either way). Other tiles (unaligned rows, float32
+ *            sources, the scales) take WX_DPAIR's path.
  * WX_MINB (CTAs per SM) and WX_STAGES (ring buffers per CTA) come from the launch shape.
  */
 #ifndef WX_DPF
@@ -38,6 +49,9 @@
 #endif
 #ifndef WX_DPAIR
 #define WX_DPAIR 0
+#endif
+#ifndef WX_DBITS
+#define WX_DBITS 0
 #endif
 #define WX_SCH (128 * 128 / 16) /* 16-byte chunks of a tile's shadow bytes (WX_DPF 2) */
 
@@ -208,6 +222,34 @@ __device__ __forceinline__ void wx_mark_scale(const wx_job &j, float s, wx_u32 o
         wx_set_bits(bits, (wx_u64)(j.sp - out), wx_ne8(__float_as_uint(s), old, 4));
 }
 
+/* WX_DBITS: the bitmask words of the tile row whose 16-byte chunk `col` (bytes [pos, pos + 16)
+ * of the shadow, d its changed bytes) this thread holds; lanes 8r .. 8r+7 of the warp hold the
+ * row's chunks 0 .. 7 (all 32 lanes call it, d 0 outside the tile). own: the tile's rows start
+ * 32-aligned in the shadow; in: the row is inside the tile; nc: the row's bytes. */
+__device__ __forceinline__ void wx_dbits_row(wx_u32 *bits, wx_u64 pos, wx_u32 d, int col, int nc,
+                                             bool own, bool in)
+{
+    const wx_u32 w = d | (__shfl_down_sync(0xffffffffu, d, 1) << 16); /* even lanes: 32 bytes */
+    const wx_u32 w1 = __shfl_down_sync(0xffffffffu, w, 2), w2 = __shfl_down_sync(0xffffffffu, w, 4);
+    const wx_u32 w3 = __shfl_down_sync(0xffffffffu, w, 6);
+    if (!own) { /* as WX_DPAIR 1 */
+        if (!(threadIdx.x & 1))
+            wx_set_bits(bits, pos, w);
+        return;
+    }
+    if (!in || (threadIdx.x & 1))
+        return;
+    if (nc == WX_TILE && (((pos - col) | ((wx_u64)bits << 3)) & 127) == 0) { /* 16 bytes */
+        if (col == 0 && (WX_DBITS == 2 || (w | w1 | w2 | w3)))
+            *(uint4 *)(bits + (pos >> 5)) = make_uint4(w, w1, w2, w3);
+    } else if (col + 32 <= nc) { /* a whole word of the row */
+        if (WX_DBITS == 2 || w)
+            bits[pos >> 5] = w;
+    } else if (w) { /* the row's last bytes: the word's others are the next row's */
+        atomicOr(bits + (pos >> 5), w);
+    }
+}
+
 /* wx_tile16's work into the shadow: quantize, compare, write the changed chunks, mark them. */
 template <int DT>
 __device__ __forceinline__ void wx_dtile16(const wx_job &j, const uint4 *v, wx_u32 *red,
@@ -241,6 +283,7 @@ __device__ __forceinline__ void wx_dtile16(const wx_job &j, const uint4 *v, wx_u
     const wx_divisor dv = wx_divisor_of<2>(s);
     if (!j.dst)
         return;
+    const bool own = ((wx_u64)(j.dst - out) & 31) == 0 && (j.pitch & 31) == 0; /* WX_DBITS */
 #pragma unroll
     for (int p = 0; p < wx_g16::NP; p++) {
         const int row = p * wx_g16::RPP + row0;
@@ -253,7 +296,9 @@ __device__ __forceinline__ void wx_dtile16(const wx_job &j, const uint4 *v, wx_u
             if (d)
                 wx_put16(q, nb, al, d, a, b);
         }
-        if (WX_DPAIR) { /* lanes 2i, 2i+1: bytes [0, 16) and [16, 32) from q of lane 2i */
+        if (WX_DBITS) {
+            wx_dbits_row(bits, (wx_u64)(q - out), d, col, j.nc, own, row < j.nr);
+        } else if (WX_DPAIR) { /* lanes 2i, 2i+1: bytes [0, 16) and [16, 32) from q of lane 2i */
             const wx_u32 o = __shfl_down_sync(0xffffffffu, d, 1);
             if (!(tid & 1))
                 wx_set_bits(bits, (wx_u64)(q - out), d | (o << 16));

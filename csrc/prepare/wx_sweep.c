@@ -18,7 +18,7 @@
 static pthread_mutex_t wx__mu = PTHREAD_MUTEX_INITIALIZER;
 static wx_kernel_cfg_t wx__fp8, wx__copy, wx__delta;
 static int wx__fp8_set, wx__copy_set, wx__fp8_used, wx__copy_used, wx__delta_set, wx__delta_used;
-static char wx__opt[8][48];
+static char wx__opt[9][48];
 
 /* c cleared, then its source: the kernel's text, file name, entry point, name in messages. */
 static wx_kernel_src_t *wx__src(wx_kernel_cfg_t *c, const char *what, const char *file,
@@ -82,12 +82,12 @@ static void wx__copy_cfg(int unroll, int ctas)
     wx__copy.unroll = unroll;
 }
 
-/* The fused delta kernel (csrc/prepare/wx_delta_kernel.cu) with WX_DPF = v % 4, WX_DPAIR = v / 4
- * at c CTAs per SM (0: the product's 2), its ring as deep as the shared memory allows (tile
+/* The fused delta kernel (csrc/prepare/wx_delta_kernel.cu) with WX_DPF = v % 4, WX_DPAIR =
+ * v / 4 % 2, WX_DBITS = v / 8 at c CTAs per SM (0: the product's 2), its ring as deep as the shared memory allows (tile
  * buffers of 32 KiB, plus 16 KiB each for the shadow ring of WX_DPF 2). */
 static void wx__delta_cfg(int v, int c)
 {
-    const int dpf = v % 4, pair = v / 4;
+    const int dpf = v % 4, pair = v / 4 % 2, dbits = v / 8;
     int stages, n = 0;
     wx_kernel_src_t *s = wx__src(&wx__delta, "the fused delta sweep kernel", "wx_delta_kernel.cu",
                                  wx_delta_kernel_src, "wx_delta_quant");
@@ -102,7 +102,8 @@ static void wx__delta_cfg(int v, int c)
     snprintf(wx__opt[5], sizeof wx__opt[5], "-DWX_MINB=%d", c);
     snprintf(wx__opt[6], sizeof wx__opt[6], "-DWX_DPF=%d", dpf);
     snprintf(wx__opt[7], sizeof wx__opt[7], "-DWX_DPAIR=%d", pair);
-    for (int i = 4; i < 8; i++)
+    snprintf(wx__opt[8], sizeof wx__opt[8], "-DWX_DBITS=%d", dbits);
+    for (int i = 4; i < 9; i++)
         s->opt[n++] = wx__opt[i];
     s->nopt = n;
     s->smem = (unsigned)stages * 128u * 128u * (dpf == 2 ? 3u : 2u);
@@ -121,11 +122,11 @@ int wx_sweep_set(const char *kernel, int variant, int ctas_per_sm, int unroll, c
         return -EINVAL;
     }
     if (fp8     ? (variant < 0 || variant > 8 || ctas_per_sm < 0 || ctas_per_sm > 32)
-        : delta ? (variant < 0 || variant > 7 || ctas_per_sm < 0 || ctas_per_sm > 2)
+        : delta ? (variant < 0 || variant > 23 || ctas_per_sm < 0 || ctas_per_sm > 2)
                 : (unroll < 1 || unroll > 16 || ctas_per_sm < 1 || ctas_per_sm > 32)) {
         snprintf(why, why_len,
                  fp8     ? "fp8: variant %d, ctas_per_sm %d (expected 0-8, 0-32)"
-                 : delta ? "delta: variant %d, ctas_per_sm %d (expected 0-7, 0-2: at 3 it spills)"
+                 : delta ? "delta: variant %d, ctas_per_sm %d (expected 0-23, 0-2: at 3 it spills)"
                          : "copy: unroll %d, ctas_per_sm %d (expected 1-16, 1-32)",
                  fp8 || delta ? variant : unroll, ctas_per_sm);
         return -EINVAL;
