@@ -14,8 +14,10 @@ A variant is `p` (the product, no kernel_sweep call) or d<v>:<CTAs per SM>: WX_D
 the ring, 2 copied into a shadow ring in shared memory, 3 prefetched into L2 one tile ahead),
 WX_DPAIR = v // 4 % 2 (1: one bitmask atomic per 32 bytes, not per 16), WX_DBITS = v // 8 (1: the
 bitmask words of rows 32-aligned in the shadow gathered by shuffles and written with plain stores,
-no atomics, where a byte changed; 2: every such word, zeros too); 2 CTAs per SM is the product's
-shape (ring of 3 tiles), 1 takes 6 (4 with WX_DPF 2). d0:2 is the product.
+no atomics, where a byte changed; 2: every such word, zeros too); d24-d29: WX_DPF 4 (the old
+bytes copied by cp.async into one 16 KiB shared buffer one tile ahead, each thread its own
+chunks), WX_DPAIR = (v - 24) % 2, WX_DBITS = (v - 24) // 2; 2 CTAs per SM is the product's shape
+(ring of 3 tiles), 1 takes 6 (4 with WX_DPF 2, 3 with WX_DPF 4). d0:2 is the product.
 
 Each variant runs in a child process (a kernel is compiled once per process) that:
   1. checks the fused kernel byte for byte: the shadow after it equals the product FP8
@@ -304,8 +306,8 @@ def sweep(a) -> int:
 
     specs = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in specs:
-        if not re.fullmatch(r"p|d(1?[0-9]|2[0-3])(:[0-2])?", v):
-            sys.exit(f"bench_fused_variants: --variants {v!r}: expected p or d<0-23>[:<0-2>]")
+        if not re.fullmatch(r"p|d(1?[0-9]|2[0-9])(:[0-2])?", v):
+            sys.exit(f"bench_fused_variants: --variants {v!r}: expected p or d<0-29>[:<0-2>]")
     out, failed = [], []
     print(f"bench_fused_variants on {platform.node()}, {a.shape} BF16, {a.iters} launches x {a.reps}", flush=True)
     print(
