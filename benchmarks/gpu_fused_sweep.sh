@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 36: the fused FP8 quantize + compare kernel's variants (csrc/prepare/wx_delta_kernel.cu,
 # its WX_DPF / WX_DPAIR / WX_DBITS switches and CTAs per SM, compiled from that one source) against the
-# dense quantize kernel alone, on one H100/H200 (about 3 minutes: build 50 s, 9 variants of
+# dense quantize kernel alone, on one H100/H200 (about 3 minutes: build 50 s, 10 variants of
 # about 10-15 s each):
 #
 #   OUT=/some/dir bash benchmarks/gpu_fused_sweep.sh
@@ -29,8 +29,9 @@ cat "$OUT/gpu.txt"
 timeout 120 env WXFER_TESTING=1 WXFER_KERNEL_SWEEP=1 python3 setup.py -q build_ext --inplace --force -j 16 \
   >"$OUT/build-sweep.log" 2>&1 || { rc=1; tail -20 "$OUT/build-sweep.log"; }
 # d8/d16: the bitmask by plain stores (WX_DBITS 1/2); d11/d19: the same with d3's L2 prefetch;
-# d24/d26/d28: the old bytes one tile ahead in shared memory (WX_DPF 4), with WX_DBITS 0/1/2
-VARIANTS=${VARIANTS:-p,d3:2,d8:2,d11:2,d16:2,d19:2,d24:2,d26:2,d28:2}
+# d24/d26/d28: the old bytes one tile ahead in shared memory (WX_DPF 4), with WX_DBITS 0/1/2;
+# d2: a shared-memory shadow ring of 2 stages (WX_DPF 2), never timed before
+VARIANTS=${VARIANTS:-p,d2:2,d3:2,d8:2,d11:2,d16:2,d19:2,d24:2,d26:2,d28:2}
 timeout 280 python3 benchmarks/bench_fused_variants.py --variants "$VARIANTS" --json \
   >"$OUT/fused-sweep.log" 2>"$OUT/fused-sweep.err" || rc=1
 grep -v '^{' "$OUT/fused-sweep.log"
