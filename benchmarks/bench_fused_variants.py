@@ -3,7 +3,7 @@
 (issue 36's target: fused <= 1.2x), each checked byte for byte.
 
 The variants are compiled from the product's own source (csrc/prepare/wx_delta_kernel.cu, its
-WX_DPF / WX_DPAIR switches; wx_sweep.c's kernel "delta") in a build made for the sweep:
+WX_DPF / WX_DPAIR / WX_DBITS switches; wx_sweep.c's kernel "delta") in a build made for the sweep:
 
   WXFER_KERNEL_SWEEP=1 python3 setup.py build_ext --inplace --force
   python3 benchmarks/bench_fused_variants.py --variants p,d1:2,d2:2,d4:2,d5:2,d0:1,d1:1,d2:1
@@ -12,8 +12,12 @@ WX_DPF / WX_DPAIR switches; wx_sweep.c's kernel "delta") in a build made for the
 A variant is `p` (the product, no kernel_sweep call) or d<v>:<CTAs per SM>: WX_DPF = v % 4
 (0 the old bytes loaded when the tile is quantized, 1 prefetched into L2 when the tile enters
 the ring, 2 copied into a shadow ring in shared memory, 3 prefetched into L2 one tile ahead),
-WX_DPAIR = v // 4 (1: one bitmask atomic per 32 bytes, not per 16); 2 CTAs per SM is the
-product's shape (ring of 3 tiles), 1 takes 6 (4 with WX_DPF 2). d0:2 is the product.
+WX_DPAIR = v // 4 % 2 (1: one bitmask atomic per 32 bytes, not per 16), WX_DBITS = v // 8 (1: the
+bitmask words of rows 32-aligned in the shadow gathered by shuffles and written with plain stores,
+no atomics, where a byte changed; 2: every such word, zeros too); d24-d29: WX_DPF 4 (the old
+bytes copied by cp.async into one 16 KiB shared buffer one tile ahead, each thread its own
+chunks), WX_DPAIR = (v - 24) % 2, WX_DBITS = (v - 24) // 2; 2 CTAs per SM is the product's shape
+(ring of 3 tiles), 1 takes 6 (4 with WX_DPF 2, 3 with WX_DPF 4). d0:2 is the product.
 
 Each variant runs in a child process (a kernel is compiled once per process) that:
   1. checks the fused kernel byte for byte: the shadow after it equals the product FP8
@@ -41,8 +45,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (200, 336): partial tiles on 16-aligned rows; (300, 200), (129, 1000): rows 8-aligned; (64, 300): 4-aligned
-CHECK_SHAPES = [(4096, 4096), (200, 336), (300, 200), (129, 1000), (64, 300), (77, 130)]
+# (200, 336): partial tiles on 16-aligned rows; (300, 200), (129, 1000): rows 8-aligned; (64, 300): 4-aligned;
+# (160, 416), (130, 352): rows 32-aligned (not 128), right tiles 32 and 96 wide (WX_DBITS's word stores)
+CHECK_SHAPES = [(4096, 4096), (200, 336), (300, 200), (129, 1000), (64, 300), (77, 130), (160, 416), (130, 352)]
 DRY_SHAPES = [(256, 384), (129, 200)]
 CHECK_RATES = [0.0, 0.004, 0.5, 1.0]
 
@@ -301,8 +306,8 @@ def sweep(a) -> int:
 
     specs = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in specs:
-        if not re.fullmatch(r"p|d[0-7](:[0-2])?", v):
-            sys.exit(f"bench_fused_variants: --variants {v!r}: expected p or d<0-7>[:<0-2>]")
+        if not re.fullmatch(r"p|d(1?[0-9]|2[0-9])(:[0-2])?", v):
+            sys.exit(f"bench_fused_variants: --variants {v!r}: expected p or d<0-29>[:<0-2>]")
     out, failed = [], []
     print(f"bench_fused_variants on {platform.node()}, {a.shape} BF16, {a.iters} launches x {a.reps}", flush=True)
     print(

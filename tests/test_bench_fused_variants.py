@@ -50,7 +50,7 @@ def test_a_dry_child_times_both_and_toggles_the_shadow(capsys, monkeypatch):
 
 
 def test_odd_iters_and_bad_variants_are_refused():
-    for argv in (["--iters", "3"], ["--variants", "d8:2"], ["--variants", "d1:3"]):
+    for argv in (["--iters", "3"], ["--variants", "d30:2"], ["--variants", "d1:3"]):
         try:
             bfv.main(argv)
         except SystemExit as e:

@@ -62,7 +62,8 @@ def test_bench_kernels_on_the_gpu():
 # that differ, the counts and every record equal delta.changed / delta.encode of the same range,
 # and the records applied over the old bytes give the new ones.
 
-SHAPES = [(256, 512), (300, 200), (129, 1000), (64, 300), (77, 130), (1, 3)]  # rows 16/8/8/4/1/1-aligned
+# rows 16/8/8/4/1/1-aligned; (160, 416), (130, 352): rows 32-aligned, not 128 (the bitmask's word stores, WX_DBITS)
+SHAPES = [(256, 512), (300, 200), (129, 1000), (64, 300), (77, 130), (1, 3), (160, 416), (130, 352)]
 RATES = [0.0, 0.004, 0.5, 1.0]
 
 

@@ -18,10 +18,12 @@
 
 /* The fused kernel's launch shape and options: the FP8 kernel's (wx_fp8.c; the same tile code,
  * the same ring: 2 CTAs of 256 threads per SM, 3 tile buffers each), with wx_delta_kernel.cu's
- * WX_DPF and WX_DPAIR switches off. A WXFER_KERNEL_SWEEP build may compile another variant of
- * the same source instead (wx_sweep.c, kernel "delta"; benchmarks/bench_fused_variants.py, whose
- * d<v>:<c> is WX__DPF = v % 4, WX__DPAIR = v / 4, WX__CTAS_PER_SM = c, WX__STAGES = 3 at c = 2
- * and 6 at c = 1, or 2 and 4 with WX__DPF 2). */
+ * WX_DPF, WX_DPAIR and WX_DBITS switches off. A WXFER_KERNEL_SWEEP build may compile another
+ * variant of the same source instead (wx_sweep.c, kernel "delta"; benchmarks/
+ * bench_fused_variants.py, whose d<v>:<c> is WX__DPF = v % 4, WX__DPAIR = v / 4 % 2, WX__DBITS =
+ * v / 8 for v < 24, and WX__DPF = 4, WX__DPAIR = (v - 24) % 2, WX__DBITS = (v - 24) / 2 for v
+ * 24-29; WX__CTAS_PER_SM = c, WX__STAGES = 3 at c = 2 and 6 at c = 1, or 2 and 4 with WX__DPF 2,
+ * 3 with WX__DPF 4). */
 #define WX__STR2(x) #x
 #define WX__STR(x) WX__STR2(x)
 #define WX__THREADS 256
@@ -29,6 +31,7 @@
 #define WX__STAGES 3
 #define WX__DPF 0
 #define WX__DPAIR 0
+#define WX__DBITS 0
 #define WX__OPS_CTAS_PER_SM 16
 
 static const wx_kernel_cfg_t wx__quant = {
@@ -38,12 +41,14 @@ static const wx_kernel_cfg_t wx__quant = {
             .nhdr = 3,
             .hdr_name = {"wx_fp8_kernel.cu", "wx_fp8_pipe.cu", "wx_dev.cuh"},
             .hdr_src = {wx_fp8_kernel_src, wx_fp8_pipe_src, wx_dev_src},
-            .nopt = 5, /* as the FP8 kernel: no contraction, the same ring; the switches */
+            .nopt = 6, /* as the FP8 kernel: no contraction, the same ring; the switches */
             .opt = {"--fmad=false", "-DWX_STAGES=" WX__STR(WX__STAGES),
                     "-DWX_MINB=" WX__STR(WX__CTAS_PER_SM), "-DWX_DPF=" WX__STR(WX__DPF),
-                    "-DWX_DPAIR=" WX__STR(WX__DPAIR)},
+                    "-DWX_DPAIR=" WX__STR(WX__DPAIR), "-DWX_DBITS=" WX__STR(WX__DBITS)},
             .fn = "wx_delta_quant",
-            .smem = WX__STAGES * 128u * 128u * (WX__DPF == 2 ? 3u : 2u), /* the rings' bytes */
+            /* the rings' bytes: the tiles', the shadow's (WX_DPF 2: a stage each; 4: one) */
+            .smem = WX__STAGES * 128u * 128u * (WX__DPF == 2 ? 3u : 2u) +
+                    (WX__DPF == 4 ? 128u * 128u : 0u),
             .min_cc = 89,
             .min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)",
         },

@@ -142,7 +142,10 @@ __device__ __forceinline__ void wx_ring_put(const wx_fp8_piece *pieces, const wx
  * in: t.tile32(j, red) for a float32 source (read from global memory), else
  * t.tile16<DT>(j, v, red, ring, s) (DT 0 bfloat16, 1 float16) with the thread's chunks v and
  * the tile's stage s; before either, t.next(pieces, inl, n, out, ntiles, t1) with the CTA's
- * next tile t1 (ntiles or more: none). The FP8 kernel's T (below) writes the FP8 bytes; the fused delta
+ * next tile t1 (ntiles or more: none). t.first(pieces, inl, n, out, t0, ring) comes before the
+ * ring's first copies (t0: the CTA's first tile), t.ahead(jobs + s, jobs + s1, more, ring) after
+ * each tile's barrier, before the next copies into the ring (s1: the next tile's stage, its job in
+ * place when more; WX_STAGES >= 3). The FP8 kernel's T (below) writes the FP8 bytes; the fused delta
  * kernel's (wx_delta_kernel.cu) compares them with the shadow and marks the changes. */
 template <typename T>
 __device__ __forceinline__ void wx_ring_loop(const wx_fp8_piece *pieces, int n, unsigned char *out,
@@ -152,6 +155,7 @@ __device__ __forceinline__ void wx_ring_loop(const wx_fp8_piece *pieces, int n, 
     const wx_i64 g = gridDim.x, b = blockIdx.x;
     if (WX_TILE_AT(b, 0, g) >= ntiles)
         return;
+    t.first(pieces, inl, n, out, WX_TILE_AT(b, 0, g), ring);
     for (int s = 0; s < WX_STAGES - 1; s++)
         wx_ring_put(pieces, inl, n, out, ntiles, WX_TILE_AT(b, s, g), s, jobs, ring);
     /* k: tiles done by this CTA (ntiles < 2^31); its tiles increase with k */
@@ -160,6 +164,7 @@ __device__ __forceinline__ void wx_ring_loop(const wx_fp8_piece *pieces, int n, 
         WX_RING_WAIT(s, k);
         /* tile k's copies visible to all; every thread done with tile k-1's stage and job */
         __syncthreads();
+        t.ahead(jobs + s, jobs + (s + 1) % WX_STAGES, WX_TILE_AT(b, k + 1, g) < ntiles, ring);
         wx_ring_put(pieces, inl, n, out, ntiles, WX_TILE_AT(b, k + WX_STAGES - 1, g),
                     (s + WX_STAGES - 1) % WX_STAGES, jobs, ring);
         const wx_job j = jobs[s];
@@ -182,6 +187,13 @@ __device__ __forceinline__ void wx_ring_loop(const wx_fp8_piece *pieces, int n, 
 
 /* The FP8 kernel's tile code: quantize, write the bytes and the scale. */
 struct wx_fp8_tiles {
+    __device__ __forceinline__ void first(const wx_fp8_piece *, const wx_fp8_inline &, int,
+                                          unsigned char *, wx_i64, uint4 *) const
+    {
+    }
+    __device__ __forceinline__ void ahead(const wx_job *, const wx_job *, bool, uint4 *) const
+    {
+    }
     __device__ __forceinline__ void next(const wx_fp8_piece *, const wx_fp8_inline &, int,
                                          unsigned char *, int, wx_i64) const
     {

@@ -18,7 +18,7 @@
 static pthread_mutex_t wx__mu = PTHREAD_MUTEX_INITIALIZER;
 static wx_kernel_cfg_t wx__fp8, wx__copy, wx__delta;
 static int wx__fp8_set, wx__copy_set, wx__fp8_used, wx__copy_used, wx__delta_set, wx__delta_used;
-static char wx__opt[8][48];
+static char wx__opt[9][48];
 
 /* c cleared, then its source: the kernel's text, file name, entry point, name in messages. */
 static wx_kernel_src_t *wx__src(wx_kernel_cfg_t *c, const char *what, const char *file,
@@ -82,18 +82,21 @@ static void wx__copy_cfg(int unroll, int ctas)
     wx__copy.unroll = unroll;
 }
 
-/* The fused delta kernel (csrc/prepare/wx_delta_kernel.cu) with WX_DPF = v % 4, WX_DPAIR = v / 4
- * at c CTAs per SM (0: the product's 2), its ring as deep as the shared memory allows (tile
- * buffers of 32 KiB, plus 16 KiB each for the shadow ring of WX_DPF 2). */
+/* The fused delta kernel (csrc/prepare/wx_delta_kernel.cu) with WX_DPF = v % 4, WX_DPAIR =
+ * v / 4 % 2, WX_DBITS = v / 8 (v < 24) or WX_DPF = 4, WX_DPAIR = (v - 24) % 2, WX_DBITS =
+ * (v - 24) / 2 (v 24-29) at c CTAs per SM (0: the product's 2), its ring as deep as the shared
+ * memory allows (tile buffers of 32 KiB, plus 16 KiB each for the shadow ring of WX_DPF 2; 3
+ * buffers and one 16 KiB shadow buffer for WX_DPF 4, whose wait counts on 3). */
 static void wx__delta_cfg(int v, int c)
 {
-    const int dpf = v % 4, pair = v / 4;
+    const int dpf = v >= 24 ? 4 : v % 4, pair = v >= 24 ? (v - 24) % 2 : v / 4 % 2;
+    const int dbits = v >= 24 ? (v - 24) / 2 : v / 8;
     int stages, n = 0;
     wx_kernel_src_t *s = wx__src(&wx__delta, "the fused delta sweep kernel", "wx_delta_kernel.cu",
                                  wx_delta_kernel_src, "wx_delta_quant");
     if (c == 0)
         c = 2;
-    stages = dpf == 2 ? (c == 1 ? 4 : 2) : (c == 1 ? 6 : c == 2 ? 3 : 2);
+    stages = dpf == 2 ? (c == 1 ? 4 : 2) : dpf == 4 ? 3 : (c == 1 ? 6 : c == 2 ? 3 : 2);
     wx__hdr(s, "wx_fp8_kernel.cu", wx_fp8_kernel_src); /* as wx_delta.c's */
     wx__hdr(s, "wx_fp8_pipe.cu", wx_fp8_pipe_src);
     wx__hdr(s, "wx_dev.cuh", wx_dev_src);
@@ -102,10 +105,11 @@ static void wx__delta_cfg(int v, int c)
     snprintf(wx__opt[5], sizeof wx__opt[5], "-DWX_MINB=%d", c);
     snprintf(wx__opt[6], sizeof wx__opt[6], "-DWX_DPF=%d", dpf);
     snprintf(wx__opt[7], sizeof wx__opt[7], "-DWX_DPAIR=%d", pair);
-    for (int i = 4; i < 8; i++)
+    snprintf(wx__opt[8], sizeof wx__opt[8], "-DWX_DBITS=%d", dbits);
+    for (int i = 4; i < 9; i++)
         s->opt[n++] = wx__opt[i];
     s->nopt = n;
-    s->smem = (unsigned)stages * 128u * 128u * (dpf == 2 ? 3u : 2u);
+    s->smem = (unsigned)stages * 128u * 128u * (dpf == 2 ? 3u : 2u) + (dpf == 4 ? 128u * 128u : 0u);
     s->min_cc = 89;
     s->min_why = "the kernel's FP8 conversion (cvt.rn.satfinite.e4m3x2)";
     wx__delta.threads = 256;
@@ -121,11 +125,11 @@ int wx_sweep_set(const char *kernel, int variant, int ctas_per_sm, int unroll, c
         return -EINVAL;
     }
     if (fp8     ? (variant < 0 || variant > 8 || ctas_per_sm < 0 || ctas_per_sm > 32)
-        : delta ? (variant < 0 || variant > 7 || ctas_per_sm < 0 || ctas_per_sm > 2)
+        : delta ? (variant < 0 || variant > 29 || ctas_per_sm < 0 || ctas_per_sm > 2)
                 : (unroll < 1 || unroll > 16 || ctas_per_sm < 1 || ctas_per_sm > 32)) {
         snprintf(why, why_len,
                  fp8     ? "fp8: variant %d, ctas_per_sm %d (expected 0-8, 0-32)"
-                 : delta ? "delta: variant %d, ctas_per_sm %d (expected 0-7, 0-2: at 3 it spills)"
+                 : delta ? "delta: variant %d, ctas_per_sm %d (expected 0-29, 0-2: at 3 it spills)"
                          : "copy: unroll %d, ctas_per_sm %d (expected 1-16, 1-32)",
                  fp8 || delta ? variant : unroll, ctas_per_sm);
         return -EINVAL;

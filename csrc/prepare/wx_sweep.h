@@ -17,7 +17,9 @@
 
 #ifdef WX_KERNEL_SWEEP
 /* Choose kernel "fp8" (variant 0-8; ctas_per_sm 0: the variant's own, else 1-32), "delta"
- * (variant 0-7: WX_DPF = variant % 4, WX_DPAIR = variant / 4 of wx_delta_kernel.cu;
+ * (variant 0-29: WX_DPF = variant % 4, WX_DPAIR = variant / 4 % 2, WX_DBITS = variant / 8 of
+ * wx_delta_kernel.cu below 24; WX_DPF 4, WX_DPAIR = (variant - 24) % 2, WX_DBITS =
+ * (variant - 24) / 2 from 24;
  * ctas_per_sm 0: the product's 2, else 1-2) or "copy" (unroll 1-16 loads in flight per thread,
  * ctas_per_sm 1-32) for this process. Returns 0, or
  * -EINVAL / -EBUSY (the kernel was used already) with the reason in why. */

@@ -606,7 +606,9 @@ static PyMethodDef wx__prepare_methods[] = {
      "kernel_sweep(kernel, *, variant=6, ctas_per_sm=0, unroll=4): before the kernel's first "
      "use, compile the benchmark variant instead (kernel 'fp8': variant 0-8 of "
      "benchmarks/kernels/sweep_fp8_kernel.cu, ctas_per_sm 0 for the variant's own; 'delta': "
-     "variant 0-7 of the fused delta kernel (WX_DPF = variant % 4, WX_DPAIR = variant / 4), "
+     "variant 0-29 of the fused delta kernel (WX_DPF = variant % 4, WX_DPAIR = variant / 4 % 2, "
+     "WX_DBITS = variant / 8 below 24; WX_DPF 4, WX_DPAIR = (variant - 24) % 2, WX_DBITS = "
+     "(variant - 24) / 2 from 24), "
      "ctas_per_sm 0-2; 'copy': unroll and ctas_per_sm). Only in builds made with "
      "WXFER_KERNEL_SWEEP=1."},
 #endif
