@@ -16,9 +16,13 @@
 #include "wx_fp8_kernel_src.h"       /* the FP8 kernel, which wx_delta_kernel.cu includes */
 #include "wx_fp8_pipe_src.h"
 
-/* The fused kernel's launch shape and options: the FP8 kernel's (wx_fp8.c; the same tile code,
- * the same ring: 2 CTAs of 256 threads per SM, 3 tile buffers each), with wx_delta_kernel.cu's
- * WX_DPF, WX_DPAIR and WX_DBITS switches off. A WXFER_KERNEL_SWEEP build may compile another
+/* The fused kernel's launch shape and options: the FP8 kernel's tile code and ring (wx_fp8.c), 2
+ * CTAs of 256 threads per SM with 2 tile buffers each, and wx_delta_kernel.cu's WX_DPF 2 (the old
+ * bytes of a tile copied into a shadow ring in shared memory when the tile enters the ring; 96 KiB
+ * a CTA) -- the fastest variant on one H100 at every change rate (bench_fused_variants.py,
+ * benchmarks/runs/h100-2026-12-07-f: 1.005x / 1.213x / 1.335x / 1.357x the quantize alone at 0 /
+ * 0.4 / 3 / 50% changed, against 1.138x / 1.277x / 1.340x / 1.378x for WX_DPF 0, 3 tile buffers);
+ * WX_DPAIR and WX_DBITS off. A WXFER_KERNEL_SWEEP build may compile another
  * variant of the same source instead (wx_sweep.c, kernel "delta"; benchmarks/
  * bench_fused_variants.py, whose d<v>:<c> is WX__DPF = v % 4, WX__DPAIR = v / 4 % 2, WX__DBITS =
  * v / 8 for v < 24, and WX__DPF = 4, WX__DPAIR = (v - 24) % 2, WX__DBITS = (v - 24) / 2 for v
@@ -28,8 +32,8 @@
 #define WX__STR(x) WX__STR2(x)
 #define WX__THREADS 256
 #define WX__CTAS_PER_SM 2
-#define WX__STAGES 3
-#define WX__DPF 0
+#define WX__STAGES 2
+#define WX__DPF 2
 #define WX__DPAIR 0
 #define WX__DBITS 0
 #define WX__OPS_CTAS_PER_SM 16
