@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -6,6 +7,13 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+# A command a script starts in the background (`make test > log &`, nohup) starts with SIGINT
+# ignored, Python then leaves it so, and every process the tests spawn inherits it across exec:
+# their Ctrl-C tests (test_signals, test_waits) then time out.  The tests' children get
+# SIGINT as a terminal's Ctrl-C finds it (test_waits::test_the_suite_started_in_the_background_...).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _cuda_count() -> int:

@@ -202,7 +202,6 @@ def test_links_read_each_lease_at_most_twice_a_period_and_pids_by_one_poll(store
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no os.pidfd_open")
-@pytest.mark.slow  # (make test-slow: in make test, children spawned after it ignored SIGINT; links.PID_WAITER)
 def test_the_pid_waiter_reports_an_exit_at_once_and_stops_at_close():
     """PidWatch.wait_exits: a thread blocked in poll(2) on the bound pidfds calls back as soon
     as a process exits (once per exit, while its pidfd stays bound), sees pidfds bound after it
@@ -238,15 +237,11 @@ def test_the_pid_waiter_reports_an_exit_at_once_and_stops_at_close():
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no os.pidfd_open")
-@pytest.mark.slow  # (make test-slow: in make test, children spawned after it ignored SIGINT; links.PID_WAITER)
 def test_a_push_reads_the_pid_waiters_flag_and_still_names_a_death_just_before_it(store, monkeypatch):
     """With the watcher (a long period: it does not look during the test) and the pid waiter, a
     push's start polls this host's pids only until they are all bound, then reads the flag;
     a worker killed just before a push is named by that push (the waiter's report, no watcher
     look, no write failing)."""
-    from wxfer.runtime import links
-
-    monkeypatch.setattr(links, "PID_WAITER", True)  # (off by default: links.start_watch)
     s, _ = store
     ctl = control.Control(s, "lwait", T)
     ctl.add("infer/rejoins", 0)

