@@ -15,7 +15,6 @@
 #define WX__EAGAIN_MIN_NS (1000 * 1000ull)      /* retry after a transport's -EAGAIN ... */
 #define WX__EAGAIN_MAX_NS (32 * 1000 * 1000ull) /* ... backing off up to this */
 
-
 static void wx__q_push(wx__queue_t *q, wx__task_t *t)
 {
     t->next = NULL;
@@ -233,7 +232,7 @@ static void wx__op_done(wx_op_t *op, int status, const char *why)
         wx__free_engine(e);
 }
 
-/* Task t is ready: onto the post queue, the post thread woken. mu held. */
+/* t is ready: onto the post queue (mu held) */
 static void wx__to_post(wx_engine_t *e, wx__task_t *t)
 {
     t->rec.t_ready = wx_now_ns();
@@ -242,16 +241,12 @@ static void wx__to_post(wx_engine_t *e, wx__task_t *t)
     pthread_cond_broadcast(&e->cv_post);
 }
 
-/* Whether a task just submitted goes straight to the post queue, past the ready thread: it
- * has nothing to wait for there (a write task with no CUDA event: the version stamps, a
- * host buffer) and nothing is ahead of it in the ready stage (its queue empty, its thread
- * holding no task), so the order of the tasks is the same. This saves a thread's wake-up
- * (46-76 us each on one H100 host, the begin and the end stamps' ready stage in the engine
- * traces of runs/h100-2026-12-07-e; issue 37). mu held. */
+/* Whether a task just submitted skips the ready thread (its wake-up: 46-76 us on one H100
+ * host, issue 37): nothing to wait for (a write with no CUDA event: the version stamps) and
+ * nothing ahead of it in the ready stage, so the tasks' order is kept. mu held. */
 static int wx__ready_skip(const wx_engine_t *e, const wx__task_t *t)
 {
-    return !t->spec.external && !t->spec.cuda_event && !e->ready.head && !e->ready_busy &&
-           !e->stop;
+    return !t->spec.external && !t->spec.cuda_event && !e->ready.head && !e->ready_busy && !e->stop;
 }
 
 /* Stage: wait for the buffer to be produced. */
