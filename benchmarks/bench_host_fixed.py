@@ -95,16 +95,36 @@ def _setup(workers: int, provider: str, timeout: float):
     return store, sender, joined(ths, timeout)
 
 
-def _pushes(sender, n: int, gap: float, on_push=None) -> dict:
-    """n pushes, `gap` seconds apart; last_phases' rejoin_check and begin_stamps of each."""
+def _pushes(sender, n: int, gap: float, on_push=None, fence=None) -> dict:
+    """n pushes, `gap` seconds apart; last_phases' rejoin_check and begin_stamps of each
+    (and into `fence`, a dict, _fence_times of each push's engine trace)."""
     out = {"rejoin_check": [], "begin_stamps": []}
+    sender.trace(clear=True)
     for _ in range(n):
         time.sleep(gap)
         sender.push()
         for k in out:
             out[k].append(sender.last_phases[k])
+        if fence is not None:
+            for k, v in _fence_times(sender.trace(clear=True)).items():
+                fence.setdefault(k, []).append(v)
         if on_push is not None:
             on_push()
+    return out
+
+
+def _fence_times(recs) -> dict:
+    """The begin and end stamps' fence tasks of one push's engine trace (the first and last
+    records of the stamps' tag), in seconds from their submission: to the ready stage's end
+    (``ready``: the task on the post queue), to its first write posted (``posted``), to its
+    last write's completion (``done``: the fence finished, the next tasks may post)."""
+    from wxfer.runtime.tasks import STAMP_TAG
+
+    st = sorted((r for r in recs if r["tag"] == STAMP_TAG), key=lambda r: r["t_submit"])
+    out = {}
+    for which, r in (("begin", st[0]), ("end", st[-1])) if len(st) > 1 else ():
+        for k, f in (("ready", "t_ready"), ("posted", "t_post_first"), ("done", "t_done")):
+            out[f"{which}_fence_{k}"] = (r[f] - r["t_submit"]) / 1e9
     return out
 
 
@@ -245,7 +265,8 @@ def main() -> None:
     try:
         gap = a.gap_ms / 1e3
         _pushes(sender, 10, gap)  # warm-up
-        ph = _pushes(sender, a.pushes, gap)
+        fence: dict = {}
+        ph = _pushes(sender, a.pushes, gap, fence=fence)
         res = dict(
             machine=platform.node(),
             cpu=_cpu(),
@@ -256,6 +277,7 @@ def main() -> None:
             gap_ms=a.gap_ms,
             tasks=sum(len(g) for g in sender.program.groups),
             phases={k: _stats(v) for k, v in ph.items()},
+            fence={k: _stats(v) for k, v in fence.items()},
             parts=_parts(sender, a.pushes, gap),
             bounds=_bounds(sender, 1000, gap),
             version=[r.version() for r in recvs],
@@ -289,6 +311,7 @@ def _print(res: dict) -> None:
     )
     print(f"{'what':<40} {'median us':>10} {'p90 us':>10}")
     rows = [("phases: " + k, v) for k, v in res["phases"].items()]
+    rows += [("engine: " + k, v) for k, v in res.get("fence", {}).items()]
     rows += [("  part: " + k, v) for k, v in res["parts"].items()]
     rows += [("bound: " + k, v) for k, v in res["bounds"].items()]
     for k, v in rows:

@@ -151,6 +151,31 @@ def test_external_task_waiting_for_its_signal_holds_up_later_tasks_not_earlier(p
     eng.close()
 
 
+def test_a_task_with_nothing_to_wait_for_skips_an_idle_ready_stage(pair):
+    """A write with no CUDA event (the version stamps) submitted while the ready stage is idle
+    goes to the post queue in the submit call itself (no wake-up of the ready thread: issue
+    37's begin fence), and the same write behind an unsignalled external task does not: it
+    waits there in order (the test above says it is not written meanwhile)."""
+    t, tgt = pair
+    eng = _wxfer.Engine(t, timeout=30)
+    stamp = rand(8, 6)
+    for i in range(20):  # every time, not by luck of the threads' timing
+        f = eng.submit(stamp, [(tgt.descriptors[1], 8 * i, 0, 8)], tag=10 + i, fence=True)
+        returned = time.monotonic_ns()
+        eng.wait(timeout=30, fence=f)
+        (r,) = [r for r in eng.trace() if r["tag"] == 10 + i]
+        assert r["t_submit"] <= r["t_ready"] <= returned, (i, r, returned)
+    x = eng.submit_external([(tgt.descriptors[0], 0, 0, 4096)], tag=2)
+    f = eng.submit(stamp, [(tgt.descriptors[1], 0, 0, 8)], tag=3, fence=True)
+    returned = time.monotonic_ns()
+    assert _still_waiting(eng, fence=f)
+    eng.complete_external(x)
+    eng.wait(timeout=30)
+    recs = {r["tag"]: r for r in eng.trace()}
+    assert recs[3]["t_ready"] > returned and recs[3]["t_ready"] >= recs[2]["t_ready"]
+    eng.close()
+
+
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_an_unsignalled_external_task_fails_at_its_deadline_naming_it_and_its_peer(provider):
     with connected_fabric(provider, [4096]) as (t, tgt):

@@ -9,6 +9,10 @@
  *   (transport's thread) -> [done list] -> reap (caller's thread: release the buffer's
  *   owner, e.g. the DLPack deleter).
  *
+ * A write task with no CUDA event submitted while the ready stage is idle (its queue empty,
+ * its thread holding no task) goes straight onto the post queue in the submit call: the
+ * version stamps need no wake-up of the ready thread, and the tasks' order is the same.
+ *
  * An external task (spec.external) names destinations whose bytes the caller writes itself
  * (an in-place kernel into memory mapped from the peer): nothing is posted. Its ready stage
  * waits for its completion signal -- its CUDA event (polled, never blocking) or

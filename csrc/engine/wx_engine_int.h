@@ -83,6 +83,7 @@ struct wx_engine {
     int err;
     int fence_pending;     /* a fence task was posted: the next waits for inflight == 0 */
     int ready_dev;         /* the ready thread's current CUDA device (-1: none yet) */
+    int ready_busy;        /* the ready thread holds a task popped from ready (not yet on post) */
     wx_engine_fail_t fail; /* the sticky error's fields */
     int stop, stopped, destroyed;
     wx__failed_t failed[WX__MAX_FAILED];

@@ -32,6 +32,15 @@
  * slots completed in posting order, small writes queued behind 1.2 GB ones held every slot. */
 #define WX_CI_INFLIGHT 256
 #define WX_CI_POLL_US 20
+/* The version stamps' path (issue 37): a write of at most WX_CI_SPIN_BYTES is polled with
+ * sched_yield (up to 200 times) before the poll_us sleeps, since it lands within microseconds;
+ * and once no write is in flight the progress thread keeps looking for a new one for
+ * WX_CI_LINGER_NS before it sleeps on its condition variable, so that the write posted right
+ * after the last one completed (the end stamps after the step's last data write, the data
+ * after the begin stamps) needs no wake-up of a sleeping thread (46-85 us each on one H100
+ * host, runs/h100-2026-12-07-e's engine traces). */
+#define WX_CI_SPIN_BYTES (64u << 10)
+#define WX_CI_LINGER_NS (200 * 1000ull)
 #define WX_CI_DEV_MAX 64
 #define WX_CI_BUCKETS 1024
 

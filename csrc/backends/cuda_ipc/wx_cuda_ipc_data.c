@@ -7,7 +7,8 @@
  * process runs nothing. The progress thread holds the writer's context current, polls the
  * oldest write's events with cuEventQuery, and calls op->done() outside the lock. While writes are in
  * flight it polls (yield, then sleeps of a few microseconds with the timer slack lowered);
- * when none are, it sleeps on a condition variable. Every wait is bounded.
+ * when none are, it looks for a new one for WX_CI_LINGER_NS, then sleeps on a condition
+ * variable. Every wait is bounded.
  */
 #include "wx_cuda_ipc.h"
 
@@ -65,6 +66,7 @@ static void *wx__ci_progress(void *arg)
 {
     wx__ci_t *c = arg;
     unsigned idle = 0;
+    uint64_t linger_until = 0; /* looking for a new write until then (WX_CI_LINGER_NS) */
     wx__ci_comp_t k;
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0); /* short sleeps really short */
     c->cu->cuCtxSetCurrent(c->ctx);
@@ -74,6 +76,13 @@ static void *wx__ci_progress(void *arg)
         int fin;
         if (c->fcount == 0) {
             struct timespec ts;
+            if (linger_until && wx_now_ns() < linger_until) {
+                pthread_mutex_unlock(&c->mu);
+                sched_yield();
+                pthread_mutex_lock(&c->mu);
+                continue;
+            }
+            linger_until = 0;
             wx_deadline_after(&ts, 50 * 1000000ull);
             pthread_cond_timedwait(&c->cv, &c->mu, &ts);
             idle = 0;
@@ -83,7 +92,10 @@ static void *wx__ci_progress(void *arg)
         pthread_mutex_unlock(&c->mu);
         fin = wx__ci_slot_poll(c, s, &k.status, k.msg, sizeof k.msg);
         if (!fin) {
-            if (c->poll_us) {
+            if (c->poll_us && s->len <= WX_CI_SPIN_BYTES && idle < 200) {
+                idle++;
+                sched_yield(); /* a stamp: lands within microseconds */
+            } else if (c->poll_us) {
                 struct timespec ts = {0, (long)c->poll_us * 1000};
                 nanosleep(&ts, NULL);
             } else if (idle++ < 200) {
@@ -112,6 +124,7 @@ static void *wx__ci_progress(void *arg)
         pthread_mutex_unlock(&c->mu);
         k.op->done(k.op, k.status, k.status ? k.msg : NULL);
         idle = 0;
+        linger_until = wx_now_ns() + WX_CI_LINGER_NS;
         pthread_mutex_lock(&c->mu);
     }
     pthread_mutex_unlock(&c->mu);
