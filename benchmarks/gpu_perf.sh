@@ -107,5 +107,5 @@ for wait in $WAITS; do  # WAITS=stream: the default order's rows only
 done
 runs=""; for wait in $WAITS; do runs="$runs $wait=$OUT/bb-$wait"; done
 timeout 30 python3 benchmarks/common/phase_table.py --label wait \
-  --columns rejoin_check,begin_stamps,submit,per_task,launches,fit,order $runs || rc=1
+  --columns rejoin_check,begin_stamps,streams,groups,submit,per_task,launches,fit,order $runs || rc=1
 exit $rc

@@ -392,7 +392,9 @@ def test_the_step_loop_runs_copies_batches_and_tasks_in_order_group_by_group():
     assert body[1] == ("batch", list(range(1, FAST_BATCH + 1)))  # a full batch goes at once
     assert body[2] == ("batch", list(range(FAST_BATCH + 1, n + 1)))  # the rest before the next packed task
     assert body[3:] == [("run", n + 1), ("end_group",), ("run", 100), ("end_group",)]
-    assert set(loop.last_phases) == {"rejoin_check", "begin_stamps", "submit"} and loop.pending is h
+    ph = loop.last_phases
+    assert set(ph) == {"rejoin_check", "begin_stamps", "streams", "groups", "submit"} and loop.pending is h
+    assert ph["rejoin_check"] <= ph["begin_stamps"] <= ph["streams"] <= ph["groups"] <= ph["submit"]
     assert h.wait() == loop.last_phases["done"] and h.done()
     assert ("write_end",) in seen.log and ("verify_landed", None, 2.5) in seen.log
     # the in-place writes are engine tasks: the engine's wait is theirs, nothing waited for beside it

@@ -42,13 +42,15 @@ def _fit(rs, ph, lp, fit):
 
 
 def _phase(key, scale, fmt):
-    return lambda rs, ph, lp, fit: _each(lambda p: fmt % (p.get(key, 0) * scale), ph)
+    return lambda rs, ph, lp, fit: _each(lambda p: "-" if p.get(key) is None else fmt % (p[key] * scale), ph)
 
 
 # name -> (header, cell(rs, phases, last pushes, the largest watermark's fitted calibration))
 COLUMNS = {
     "rejoin_check": ("rejoin_check us", _phase("rejoin_check", 1e6, "%.0f")),
     "begin_stamps": ("begin_stamps us", _phase("begin_stamps", 1e6, "%.0f")),
+    "streams": ("streams ordered us", _phase("streams", 1e6, "%.0f")),
+    "groups": ("task loop begins us", _phase("groups", 1e6, "%.0f")),
     "submit": ("submit ms", _phase("submit", 1e3, "%.2f")),
     "per_task": ("submit us/task (tasks)", _per_task),
     "launches": ("copy launches: n, host ms (begin wait ms), bindings made", _launches),

@@ -112,11 +112,13 @@ class StepLoop:
                 ev = torch.cuda.Event()  # what the zero-copy writes wait for
                 ev.record(self.stream)
                 keep.append(ev)
+            ph["streams"] = time.perf_counter() - t0
             with (
                 torch.no_grad(),
                 torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext(),
                 prepare.bounded(self.timeout, f"trainer rank {self.rank}, step {version}"),
             ):
+                ph["groups"] = time.perf_counter() - t0  # the task loop begins (its first submission: the trace)
                 self._groups(version, run_task, ev, state)
                 if self.delta is not None:
                     self.delta.flush()  # each receiver's records, one write, before the end stamps
