@@ -363,13 +363,12 @@ class InPlaceWriter(StampOrder):
         self._begin()  # after the gathers were queued: the stamps land meanwhile
         skip = self._skip()
         ovl = self.overlap
-        gate = ovl.gate() if plan.fp8 else None  # (before the quantizer: the copies do not wait for it)
+        if plan.fp8:
+            ovl.gate()  # (before the quantizer: the copies queued do not wait for it)
         self._write(op, plan, fulls, skip)
         self._submit(self._live(op.dests, skip), op.task, plan)
         if plan.fp8:
-            ovl.quant += 1
-            if gate is not None:  # the large copies queued so far, beside this quantizer launch
-                ovl.launch(gate, skip)
+            ovl.quantized(skip)  # the large copies queued, beside the quantizer once it has work queued
         self.n["tasks"] += 1
         self.total += 1
         return True
