@@ -23,6 +23,7 @@ from .failures import and_own, is_gloo_failure
 from .tasks import writes_bound
 
 log = logging.getLogger(__name__)
+_PREP = operator.attrgetter("prep")
 
 
 class PushHandle:
@@ -205,7 +206,7 @@ class StepLoop:
         if self.delta is not None or getattr(self.inplace, "copy_live", False) is not True:
             return ops
         hit = self._leads.get(gi)
-        if hit is not None and hit[0] is ops and all(map(operator.is_, hit[1], (op.prep for op in ops))):
+        if hit is not None and hit[0] is ops and all(map(operator.is_, hit[1], map(_PREP, ops))):
             return hit[2]
         out, preps = ops, []
         for f, op in enumerate(ops):
