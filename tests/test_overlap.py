@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from wxfer import _wxfer  # noqa: E402
 from wxfer.runtime import inplace as direct  # noqa: E402
-from wxfer.runtime import overlap  # noqa: E402
+from wxfer.runtime import overlap, steps  # noqa: E402
 from wxfer.runtime.overlap import OVERLAP_TAG  # noqa: E402
 from test_direct import _CopySender, _COPY, _direct_sender, _check, _check_trace, _closed  # noqa: E402
 
@@ -264,10 +264,12 @@ def test_a_quantizing_push_copies_the_large_bf16_tasks_beside_the_quantizer(stor
         # layers): launched after `after` quantizer launches (push 3: 1), or at the group's end
         # after all of them when there are fewer
         nq = sum(1 for e in log if e[0] == "quant")
-        # (the first layer runs first, before the large tasks are queued: steps._ordered)
-        first = [t for t in s.steps.task_order()[0] if t in {op.task for op in quant + big}][0]
-        assert first == quant[0].task
-        k = min(1 + s.inplace.overlap.after, nq)
+        # (the first layers run first, before the large tasks are queued: steps._ordered; the
+        # gate is recorded before the first quantizer launch after that)
+        run = s.steps.task_order()[0]
+        ahead = run.index(big[0].task)
+        assert ahead == min(steps.LEAD, len(quant)) and set(run[:ahead]) <= {op.task for op in quant}, run
+        k = min(ahead + s.inplace.overlap.after, nq)
         assert nq == len(quant) and log[k] == ("overlap", len(big)), log
         assert [e[0] for e in log[:k] + log[k + 1 :]] == ["quant"] * nq, log  # the others not held back
         _check_trace(s, tags)

@@ -736,8 +736,8 @@ def _prep(path, collective=False):
 def test_the_first_task_written_in_place_goes_before_the_tasks_without_collectives_and_a_failure_drains_that_order(
     monkeypatch,
 ):
-    """Issue 37: a push that writes in place runs a group's first direct task (its quantizer
-    launch: the SMs' first work) before the tasks that hold their sources here (zero copy,
+    """Issue 37: a push that writes in place runs a group's first direct tasks (steps.LEAD: their
+    quantizer launches, the SMs' first work) before the tasks that hold their sources here (zero copy,
     copies queued for later launches, packed from whole tensors), never ahead of a collective
     (this rank's collectives keep their order: the ranks still pair); the plan's order without
     in-place writes, or where a collective comes first.  A failure's drain follows the order
@@ -767,10 +767,11 @@ def test_the_first_task_written_in_place_goes_before_the_tasks_without_collectiv
     loop.push(1, False, seen.run_task, threading.RLock()).wait()
     body = [e for e in seen.log if e[0] in ("copy", "run", "end_group")]
     assert body == [
-        ("run", 2), ("copy", 0), ("run", 1), ("run", 3), ("copy", 4), ("end_group",),
+        ("run", 2), ("run", 3), ("copy", 0), ("run", 1), ("copy", 4), ("end_group",),
         ("run", 10), ("run", 11), ("run", 12), ("end_group",),
     ], body  # fmt: skip
-    assert loop.task_order() == [[2, 0, 1, 3, 4], [10, 11, 12]]
+    # (2 and the next one written in place first: steps.LEAD)
+    assert loop.task_order() == [[2, 3, 0, 1, 4], [10, 11, 12]]
     # a prep made again (memory moved, a restarted worker): decided again -- here with a collective
     g0[1].prep = SimpleNamespace(best=cp.best, gathers=[1], generic=[], done=0)
     assert loop.task_order()[0] == [0, 1, 2, 3, 4]
@@ -779,8 +780,8 @@ def test_the_first_task_written_in_place_goes_before_the_tasks_without_collectiv
     seen.copy_live = False
     assert loop.task_order()[0] == [0, 1, 2, 3, 4]
     seen.copy_live = True
-    # a failure in task 1 (run third): its collectives and those after it in the order run,
-    # not task 2's again
+    # a failure in task 1 (run fourth): its collectives and those after it in the order run,
+    # not those of tasks 2 and 3 again
     seen = _InPlace(fail_at=1)
     seen.copy = {0, 4}
     loop = StepLoop(None, object(), 0, 2, 1.0, 1.0, CPU, None, _Engine(), prog, _links(), seen, seen, seen)
@@ -788,4 +789,4 @@ def test_the_first_task_written_in_place_goes_before_the_tasks_without_collectiv
     monkeypatch.setattr(loop, "_drain", lambda ops, resume=False: drained.append(([o.task for o in ops], resume)))
     with pytest.raises(ValueError, match="task 1 failed"):
         loop.push(2, False, seen.run_task, threading.RLock())
-    assert drained == [([1], True), ([3, 4], False), ([10, 11, 12], False)], drained
+    assert drained == [([1], True), ([4], False), ([10, 11, 12], False)], drained

@@ -24,6 +24,10 @@ from .tasks import writes_bound
 
 log = logging.getLogger(__name__)
 _PREP = operator.attrgetter("prep")
+# the tasks written in place a push runs first when tasks without collectives come before them
+# (StepLoop._ordered): two, so that the SMs have the second quantizer launch queued while the
+# host goes through the tasks that were ahead of them (the Qwen3-8B FP8 row's 75; ~0.23 ms)
+LEAD = 2
 
 
 class PushHandle:
@@ -197,7 +201,8 @@ class StepLoop:
         writer's ``copy_live``) and the group's first task written in place (the classifier's
         best path direct, its layout bound: ``InPlaceWriter.plan_of``) comes after tasks that
         hold all their sources here (no collective: zero copy, copied in batches or beside the
-        quantizer, or packed from whole tensors): that task goes first.  Why (issue 37): Qwen3-8B
+        quantizer, or packed from whole tensors): that task goes first, with the next ones
+        written in place right after it (``LEAD`` in all).  Why (issue 37): Qwen3-8B
         FP8 runs its 73 norms (copies, queued for one launch later) before its first layer, whose
         quantizer launch is the first work the SMs get; the H100's first quantizer task came
         0.69 ms after the begin stamps (benchmarks/runs/h100-2026-12-07-d).  This rank's
@@ -210,19 +215,32 @@ class StepLoop:
             return hit[2]
         out, preps = ops, []
         for f, op in enumerate(ops):
+            preps.append(op.prep)
+            if self._in_place(op):
+                lead = [op]  # ... and the next ones written in place, LEAD in all
+                for nxt in ops[f + 1 : f + LEAD]:
+                    preps.append(nxt.prep)
+                    if not self._in_place(nxt):
+                        break
+                    lead.append(nxt)
+                if f:
+                    out = [*lead, *ops[:f], *ops[f + len(lead) :]]
+                break
             prep = op.prep
-            preps.append(prep)
-            if prep is None:
-                break
-            best = getattr(prep, "best", None)
-            if op.sends and best is not None and best.path == taskpath.DIRECT:
-                if f and self.inplace.plan_of(op)[0] is not None:
-                    out = [op, *ops[:f], *ops[f + 1 :]]
-                break
-            if getattr(prep, "gathers", True) or getattr(prep, "generic", True):
+            if prep is None or getattr(prep, "gathers", True) or getattr(prep, "generic", True):
                 break  # a collective before it (or a task not known to have none): the plan's order
         self._leads[gi] = (ops, tuple(preps), out)
         return out
+
+    def _in_place(self, op) -> bool:
+        """Task `op` is written in place (its best path direct, its layout bound here)."""
+        best = getattr(op.prep, "best", None)
+        return (
+            bool(op.sends)
+            and best is not None
+            and best.path == taskpath.DIRECT
+            and self.inplace.plan_of(op)[0] is not None
+        )
 
     def task_order(self) -> list:
         """[[plan task, ...] of each mesh group] in the order a push runs them now (``_ordered``:
