@@ -100,10 +100,11 @@ def test_the_mode_and_ctas_variables_are_checked(monkeypatch):
 
 
 def test_the_copies_wait_for_a_gate_before_the_first_quantizer_and_go_after_a_few_launches(monkeypatch):
-    """The gate is recorded once, before the first quantizer launch that found copies queued,
-    and kept (not recorded again) until they are launched ``after`` quantizer launches later,
-    on the second stream after that gate; copies queued meanwhile go in the same launch; the
-    group's end launches what is still queued after the gate it has (a new one when none)."""
+    """Without a mark the gate is recorded once, before the first quantizer launch that found
+    copies queued, and kept (not recorded again) until they are launched ``after`` quantizer
+    launches later, on the second stream after that gate; copies queued meanwhile go in the same
+    launch; the group's end launches what is still queued after the gate it has (a new one when
+    none).  With the push's mark (right after its begin stamps) that is the gate."""
     from types import SimpleNamespace
 
     class Ev:
@@ -152,6 +153,22 @@ def test_the_copies_wait_for_a_gate_before_the_first_quantizer_and_go_after_a_fe
     assert o.take(hit)
     o.end_group(lambda: frozenset())
     assert launched == [2, 1] and g.records == 2 and o.stream.waited == [g, g] and Ev.n == 3
+    # the next push: its begin stamps mark the gate (InPlaceWriter._begin), before any quantizer
+    # launch; the copies wait for that one, however late they are queued (none recorded later)
+    o.start(True)
+    o.live = True
+    o.mark()
+    early = o.early
+    assert isinstance(early, Ev) and early is not g and early.records == 1 and Ev.n == 4
+    o.mark()  # once a push
+    assert early.records == 1
+    o.quantized(frozenset())
+    assert o.take(hit) and o.gate() is early and g.records == 2
+    o.end_group(lambda: frozenset())
+    assert launched == [2, 1, 1] and o.stream.waited[-1] is early and early.records == 1
+    o.start(False)  # a push that defers nothing marks nothing
+    o.mark()
+    assert o.early is None and early.records == 1
 
 
 def test_the_engines_batch_cuts_each_range_into_pieces():

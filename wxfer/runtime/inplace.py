@@ -349,6 +349,7 @@ class InPlaceWriter(StampOrder):
         if not self.begun:
             self.wait_begin()
             self.begun = True
+            self.overlap.mark()  # (the large copies' gate: after the stamps, before any quantizer)
 
     def external_begin(self) -> frozenset:
         """Before another part of this rank writes straight into the receivers' memory (the

@@ -48,9 +48,11 @@ four launches about 0.6 ms of quantizer work is queued (the host submits a layer
 quantizer (7 ms of it there; they need about 3 ms beside it).
 
 Order (docs/cuda_ipc.md).  The second stream waits for an event recorded on the side stream
-before the first quantizer launch that found copies queued (``gate``; one per launch of the
-copies): after the push's start (the training stream's work) and after the begin stamps
-(waited for on the host, or on the side stream by the device wait), not after the quantizer.
+right after the push's begin stamps (``mark``, from ``InPlaceWriter._begin``: written on the
+side stream, or waited for on the host or by the side stream's device wait), before any
+quantizer launch (``gate``; else one recorded before the first quantizer launch that found the
+copies queued): after the push's start (the training stream's work) and after the begin stamps,
+not after the quantizer.
 The copies are one external engine task (tag ``OVERLAP_TAG``) waiting for their own event:
 the end stamps' fence is posted only after it, as after every in-place write.  At the group's
 end (``end_group``) the side stream waits for that event, so the training stream, which waits
@@ -148,9 +150,11 @@ class Overlap:
         self.quant = 0  # quantizer launches in place in this push so far
         self.last_quant = 0  # ... in the push before
         self.stream = None  # the second CUDA stream (made at the first launch)
-        self.gated = None  # the gate of the copies queued, recorded and not launched yet (``gate``)
-        self.gated_n = 0  # ... quantizer launches since it was recorded
-        self.gate_ev = None  # the gate's CUDA event, made once and recorded again for each launch
+        self.gated = None  # the gate of the copies queued, taken and not launched yet (``gate``)
+        self.gated_n = 0  # ... quantizer launches since it was taken
+        self.gate_ev = None  # a gate's CUDA event recorded before a quantizer launch (no ``mark``)
+        self.early = None  # this push's gate recorded right after its begin stamps (``mark``)
+        self.early_ev = None  # its CUDA event, made once and recorded again each push
         self.events: list = []  # the CUDA event of each launch of a push, reused
         self.unjoined: list = []  # events of launches the side stream has not waited for yet
         self.n = {"tasks": 0, "bytes": 0, "launches": 0}
@@ -161,9 +165,22 @@ class Overlap:
         self.last_quant, self.quant = self.quant, 0
         self.live = bool(live and self.on and self.last_quant > 0)
         self.q, self.q_tasks, self.unjoined = [], 0, []
-        self.gated, self.gated_n = None, 0
+        self.gated, self.gated_n, self.early = None, 0, None
         self.n = {"tasks": 0, "bytes": 0, "launches": 0}
         self.host_s = 0.0
+
+    def mark(self) -> None:
+        """The push's begin stamps are ordered before the side stream's next work (written on
+        it, or waited for): when this push defers copies, an event recorded on the side stream
+        now -- the earliest point they may start from, before any quantizer launch -- their gate."""
+        if not self.live or self.early is not None or self.w.stream is None:
+            return
+        if self.early_ev is None:
+            import torch
+
+            self.early_ev = torch.cuda.Event()
+        self.early_ev.record(self.w.stream)  # (the last push's launches waited on its last record)
+        self.early = self.early_ev
 
     def next_live(self) -> bool:
         """Between pushes: whether the next one defers (this one launched the quantizer; the
@@ -181,16 +198,19 @@ class Overlap:
         return True
 
     def gate(self):
-        """Before a quantizer launch (the begin stamps waited for): when copies are queued, what
-        the second stream will wait for -- an event recorded on the side stream before the first
-        quantizer launch that found them queued, kept until they are launched (True without a
-        stream: the host runs every write in order); else None."""
+        """Before a quantizer launch (the begin stamps waited for) or at the group's end: when
+        copies are queued, what the second stream will wait for, kept until they are launched --
+        the push's event recorded right after its begin stamps (``mark``), else one recorded on
+        the side stream now (True without a stream: the host runs every write in order); else
+        None."""
         if not self.q:
             return None
         if self.gated is not None:
             return self.gated
         if self.w.stream is None:
             self.gated = True
+        elif self.early is not None:
+            self.gated = self.early
         else:
             if self.gate_ev is None:
                 import torch
@@ -287,7 +307,7 @@ class Overlap:
     def drop(self) -> None:
         """A failing push: nothing queued is launched."""
         self.q, self.q_tasks, self.unjoined = [], 0, []
-        self.gated, self.gated_n = None, 0
+        self.gated, self.gated_n, self.early = None, 0, None
 
     def stats(self) -> dict | None:
         """stats()["direct"]["overlap"] of the last push, or None when it deferred nothing."""
