@@ -714,8 +714,7 @@ class InPlaceWriter(StampOrder):
         self.n["skipped_writes"] += skipped
         if not jobs:
             return
-        # the sources' memory (address, strides, dtype: Tensor.stride() is a tuple) names the
-        # launch's piece table with the plan and the receivers skipped (fp8.quantize_cached)
+        # the sources' memory (address, strides: a tuple, dtype) names the launch's piece table
         srcs = tuple((t.data_ptr(), t.stride(), t.dtype) for t in map(fulls.__getitem__, plan.srcs))
         key = ("inplace", plan.uid, skip, srcs)
         if _fp8.quantize_span(lo, span, self.device, lambda: _fp8_jobs(plan, fulls, jobs, lo), key):
