@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from wxfer import _wxfer  # noqa: E402
 from wxfer.runtime import inplace as direct  # noqa: E402
-from wxfer.runtime import overlap  # noqa: E402
+from wxfer.runtime import overlap, steps  # noqa: E402
 from wxfer.runtime.overlap import OVERLAP_TAG  # noqa: E402
 from test_direct import _CopySender, _COPY, _direct_sender, _check, _check_trace, _closed  # noqa: E402
 
@@ -102,6 +102,85 @@ def test_the_mode_and_ctas_variables_are_checked(monkeypatch):
         monkeypatch.setenv("WXFER_DIRECT_OVERLAP_CTAS", bad)
         with pytest.raises(ValueError, match="WXFER_DIRECT_OVERLAP_CTAS"):
             overlap.ctas()
+    assert overlap.after() == overlap.AFTER == 4
+    monkeypatch.setenv("WXFER_DIRECT_OVERLAP_AFTER", "1")
+    assert overlap.after() == 1
+    for bad in ("0", "1001", "x"):
+        monkeypatch.setenv("WXFER_DIRECT_OVERLAP_AFTER", bad)
+        with pytest.raises(ValueError, match="WXFER_DIRECT_OVERLAP_AFTER"):
+            overlap.after()
+
+
+def test_the_copies_wait_for_a_gate_before_the_first_quantizer_and_go_after_a_few_launches(monkeypatch):
+    """Without a mark the gate is recorded once, before the first quantizer launch that found
+    copies queued, and kept (not recorded again) until they are launched ``after`` quantizer
+    launches later, on the second stream after that gate; copies queued meanwhile go in the same
+    launch; the group's end launches what is still queued after the gate it has (a new one when
+    none).  With the push's mark (right after its begin stamps) that is the gate."""
+    from types import SimpleNamespace
+
+    class Ev:
+        n = 0
+
+        def __init__(self):
+            Ev.n += 1
+            self.records = 0
+
+        def record(self, stream):
+            self.records += 1
+
+    class Stream:
+        def __init__(self, *a):
+            self.waited = []
+
+        def wait_event(self, ev):
+            self.waited.append(ev)
+
+    launched = []
+    fake_cuda = SimpleNamespace(Event=Ev, Stream=Stream, stream=lambda st: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch, "cuda", fake_cuda)
+    ext = []
+    w = SimpleNamespace(device=SimpleNamespace(index=0), stream=Stream(), n={"skipped_writes": 0}, launched=False)
+    w.engine = SimpleNamespace(submit_external=lambda dests, **kw: ext.append((dests, kw["tag"])))
+    o = overlap.Overlap(w)
+    assert o.after == 4
+    o._copy = lambda copies, items: launched.append(len(items))
+    o.start(True)
+    assert o.gate() is None  # nothing queued: no gate
+    o.quantized(frozenset())
+    hit = (None, 0, 0, [(0, ("d0", 0, 0, 8), ("dst", "src", 0, 0, 8))], None, 8)
+    o.live = True
+    assert o.take(hit)
+    g = o.gate()
+    assert isinstance(g, Ev) and g.records == 1
+    o.quantized(frozenset())
+    assert o.take(hit)  # queued after the gate: the same launch
+    for i in range(2, 5):
+        assert o.gate() is g and g.records == 1  # kept, not recorded again
+        assert launched == [], i
+        o.quantized(frozenset())
+    assert launched == [2] and o.stream.waited == [g] and o.q == [] and o.gated is None
+    assert [t for _, t in ext] == [OVERLAP_TAG] and o.quant == 5
+    # the group's end: what is queued goes after the gate recorded for it (a new record)
+    assert o.take(hit)
+    o.end_group(lambda: frozenset())
+    assert launched == [2, 1] and g.records == 2 and o.stream.waited == [g, g] and Ev.n == 3
+    # the next push: its begin stamps mark the gate (InPlaceWriter._begin), before any quantizer
+    # launch; the copies wait for that one, however late they are queued (none recorded later)
+    o.start(True)
+    o.live = True
+    o.mark()
+    early = o.early
+    assert isinstance(early, Ev) and early is not g and early.records == 1 and Ev.n == 4
+    o.mark()  # once a push
+    assert early.records == 1
+    o.quantized(frozenset())
+    assert o.take(hit) and o.gate() is early and g.records == 2
+    o.end_group(lambda: frozenset())
+    assert launched == [2, 1, 1] and o.stream.waited[-1] is early and early.records == 1
+    o.start(False)  # a push that defers nothing marks nothing
+    o.mark()
+    assert o.early is None and early.records == 1
 
 
 def test_the_engines_batch_cuts_each_range_into_pieces():
@@ -187,7 +266,7 @@ def test_a_quantizing_push_copies_the_large_bf16_tasks_beside_the_quantizer(stor
     ops = [op for g in s.program.groups for op in g if op.sends]
     big = [op for op in ops if op.prep.zero_copy and op.nbytes >= cut]
     quant = [op for op in ops if not op.prep.zero_copy]
-    assert big and quant
+    assert big and quant and s.inplace.overlap.after == overlap.AFTER
     log = _order_spy(monkeypatch, s.inplace)
     tags = {op.task for op in ops} | {direct.COPIES_TAG, OVERLAP_TAG}
     for step in (1, 2, 3):
@@ -198,6 +277,7 @@ def test_a_quantizing_push_copies_the_large_bf16_tasks_beside_the_quantizer(stor
         moved = s.engine.stats()["bytes_written"]
         s.engine.trace(clear=True)
         log.clear()
+        s.inplace.overlap.after = overlap.AFTER if step < 3 else 1
         s.push()
         assert recvs[0].version() == step
         _check(model, params, 1, "fp8")
@@ -209,9 +289,18 @@ def test_a_quantizing_push_copies_the_large_bf16_tasks_beside_the_quantizer(stor
             continue
         assert engine == 2 * 8, engine  # the stamps only
         assert d["overlap"]["tasks"] == len(big) and d["overlap"]["bytes"] == sum(op.nbytes for op in big), d
-        # (the tiny model's plan, as Qwen3's: the large tasks first, then the norms, then the layers)
-        assert log[0][0] == "quant" and log[1] == ("overlap", len(big)), log  # beside the first quantizer
-        assert [e[0] for e in log[2:]] == ["quant"] * (len(log) - 2), log  # the rest not held back
+        # (the tiny model's plan, as Qwen3's: the large tasks first, then the norms, then the
+        # layers): launched after `after` quantizer launches (push 3: 1), or at the group's end
+        # after all of them when there are fewer
+        nq = sum(1 for e in log if e[0] == "quant")
+        # (the first layers run first, before the large tasks are queued: steps._ordered; the
+        # gate is recorded before the first quantizer launch after that)
+        run = s.steps.task_order()[0]
+        ahead = run.index(big[0].task)
+        assert ahead == min(steps.LEAD, len(quant)) and set(run[:ahead]) <= {op.task for op in quant}, run
+        k = min(ahead + s.inplace.overlap.after, nq)
+        assert nq == len(quant) and log[k] == ("overlap", len(big)), log
+        assert [e[0] for e in log[:k] + log[k + 1 :]] == ["quant"] * nq, log  # the others not held back
         _check_trace(s, tags)
         assert any(r["tag"] == OVERLAP_TAG for r in s.engine.trace())
         kinds = s.task_kinds()  # (as the next push runs them: the simulator's and the host fit's kinds)

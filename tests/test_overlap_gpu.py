@@ -108,7 +108,7 @@ def test_a_late_overlap_copy_holds_the_end_stamps_and_not_the_quantizer(store, m
     try:
         model, s, ops, big = _sender(addr, "ovl_late")
         s.push()  # warm-up: kernels compiled, regions mapped; the next push defers
-        real_copy, real_end = copies.copy_ranges, overlap.Overlap.end_group
+        real_copy, real_launch = copies.copy_ranges, overlap.Overlap.launch
         seen = {}
 
         def slow(device, items, **kw):
@@ -117,19 +117,20 @@ def test_a_late_overlap_copy_holds_the_end_stamps_and_not_the_quantizer(store, m
                 torch.cuda._sleep(int(0.3 * 2e9))
             return real_copy(device, items, **kw)
 
-        def end_group(self, skip_of):
-            # the side stream's work so far (every quantizer launch of the group) against the
-            # late copy: done within 0.2 s while the copy still sleeps
+        def launch(self, gate, skip):
+            real_launch(self, gate, skip)
+            # the side stream's work so far (the quantizer launches before the copies' launch;
+            # the tiny model's both, its layers running first: steps._ordered) against the late
+            # copy: done within 0.2 s while the copy still sleeps (before the group's end joins them)
             side = self.w.stream.record_event()
             late = self.unjoined[-1] if self.unjoined else None
             t = time.monotonic() + 0.2
             while not side.query() and time.monotonic() < t:
                 time.sleep(0.001)
             seen["side_first"] = side.query() and late is not None and not late.query()
-            return real_end(self, skip_of)
 
         monkeypatch.setattr(copies, "copy_ranges", slow)
-        monkeypatch.setattr(overlap.Overlap, "end_group", end_group)
+        monkeypatch.setattr(overlap.Overlap, "launch", launch)
         monkeypatch.setattr(torch.cuda.Stream, "synchronize", lambda self: pytest.fail("a stream synchronize"))
         _step(model, 2)
         s.engine.trace(clear=True)

@@ -707,3 +707,88 @@ def test_stream_stamps_fill_the_receivers_mapped_here_and_keep_the_others_from_i
     w2._view(b"region1")  # its memory mapped first (the push's first task)
     why = w2.stamp_begin(w2.links.begin_dest, 7)
     assert why is not None and "gpu 1" in why and "mapped here" in why
+
+
+class _InPlace(_Agreeing):
+    """_Seen as a push that writes in place (``copy_live``): every task bound (``plan_of``)."""
+
+    copy_live = True
+
+    def __init__(self, fail_at=None):
+        super().__init__([])
+        self.fail_at = fail_at
+
+    def plan_of(self, op):
+        return object(), None
+
+
+def _prep(path, collective=False):
+    """A TaskPrep as StepLoop._ordered reads it: its best path and whether it has collectives."""
+    from wxfer import taskpath
+
+    facts = {
+        "copy": taskpath.Facts(True, taskpath.ROWS),
+        "direct": taskpath.Facts(True, taskpath.ROWS, held=False),
+    }[path]
+    best = taskpath.best(facts)
+    assert best.path == path, best
+    return SimpleNamespace(best=best, gathers=[1] if collective else [], generic=[], done=0)
+
+
+def test_the_first_task_written_in_place_goes_before_the_tasks_without_collectives_and_a_failure_drains_that_order(
+    monkeypatch,
+):
+    """Issue 37: a push that writes in place runs a group's first direct tasks (steps.LEAD: their
+    quantizer launches, the SMs' first work) before the tasks that hold their sources here (zero copy,
+    copies queued for later launches, packed from whole tensors), never ahead of a collective
+    (this rank's collectives keep their order: the ranks still pair); the plan's order without
+    in-place writes, or where a collective comes first.  A failure's drain follows the order
+    run: it does not drain the task already run again."""
+    import threading
+
+    class Barrier:
+        def __init__(self, group, what):
+            pass
+
+        def wait(self, timeout):
+            pass
+
+    monkeypatch.setattr(control, "Barrier", Barrier)
+
+    def op(t, prep, sends=True):
+        return SimpleNamespace(task=t, nbytes=1, prep=prep, sends=sends)
+
+    cp, packed = _prep("copy"), _prep("direct")
+    g0 = [op(0, cp), op(1, cp), op(2, _prep("direct", collective=True)), op(3, packed), op(4, cp)]
+    g1 = [op(10, cp), op(11, _prep("direct", collective=True)), op(12, _prep("direct", collective=True))]
+    g1[0].prep = SimpleNamespace(best=cp.best, gathers=[1], generic=[], done=0)  # a collective first
+    prog = SimpleNamespace(groups=[g0, g1], bytes_per_step=1)
+    seen = _InPlace()
+    seen.copy = {0, 4}
+    loop = StepLoop(None, object(), 0, 2, 1.0, 1.0, CPU, None, _Engine(), prog, _links(), seen, seen, seen)
+    loop.push(1, False, seen.run_task, threading.RLock()).wait()
+    body = [e for e in seen.log if e[0] in ("copy", "run", "end_group")]
+    assert body == [
+        ("run", 2), ("run", 3), ("copy", 0), ("run", 1), ("copy", 4), ("end_group",),
+        ("run", 10), ("run", 11), ("run", 12), ("end_group",),
+    ], body  # fmt: skip
+    # (2 and the next one written in place first: steps.LEAD)
+    assert loop.task_order() == [[2, 3, 0, 1, 4], [10, 11, 12]]
+    # a prep made again (memory moved, a restarted worker): decided again -- here with a collective
+    g0[1].prep = SimpleNamespace(best=cp.best, gathers=[1], generic=[], done=0)
+    assert loop.task_order()[0] == [0, 1, 2, 3, 4]
+    g0[1].prep = cp
+    # no in-place writes this push: the plan's order
+    seen.copy_live = False
+    assert loop.task_order()[0] == [0, 1, 2, 3, 4]
+    seen.copy_live = True
+    # a failure in task 1 (run fourth): its collectives and those after it in the order run,
+    # not those of tasks 2 and 3 again
+    seen = _InPlace(fail_at=1)
+    seen.copy = {0, 4}
+    loop = StepLoop(None, object(), 0, 2, 1.0, 1.0, CPU, None, _Engine(), prog, _links(), seen, seen, seen)
+    drained = []
+    monkeypatch.setattr(loop, "_drain", lambda ops, resume=False: drained.append(([o.task for o in ops], resume)))
+    with pytest.raises(ValueError, match="task 1 failed"):
+        loop.push(2, False, seen.run_task, threading.RLock())
+    assert drained == [([1], True), ([4], False), ([10, 11, 12], False)], drained

@@ -80,6 +80,7 @@ _VARS = (
         "the batched copy, else off), kernel or 0 (off)",
     ),
     _py("WXFER_DIRECT_OVERLAP_CTAS", "int", "2", "CTAs per SM of the copy kernel's grid there (kernel)"),
+    _py("WXFER_DIRECT_OVERLAP_AFTER", "int", "4", "those copies launched after this many quantizer launches"),
     _py("WXFER_DELTA_STAGING", "size", "0", "Receiver delta staging area bytes (docs/delta.md)"),
     _py("WXFER_DELTA_GPU", "choice", "native", "delta pushes on CUDA: native (the delta kernels) or torch"),
     _py(

@@ -43,6 +43,8 @@ from itertools import zip_longest
 
 from .. import envs, taskpath
 from ..zerocopy import COPY_MAX, copy_batch_full
+from . import fp8 as _fp8  # (the module: tests and the bench replace its functions)
+from . import prepare
 from .inplace_stamps import StampOrder, _NotInPlace
 from .overlap import Overlap
 
@@ -131,8 +133,6 @@ def _items(shards) -> tuple | str:
     [(piece, [(q start, q bytes)], [(s start, s bytes)])] -- or why the sizes do not add up."""
     import torch
 
-    from . import prepare
-
     _, raw, fp8_pieces, end, _ = prepare._layout(shards)
     items = []
     for sh, off, pieces in raw:
@@ -211,6 +211,27 @@ def _ranges(layout) -> list:
         out.extend((r, o, pc.rows * pc.cols) for r, o in qt)
         out.extend((r, o, pc.scale_nbytes()) for r, o in st)
     return out
+
+
+def _fp8_source(pc, fulls: dict):
+    """FP8 piece `pc`'s 2-D source view in `fulls` (a ValueError naming it otherwise)."""
+    from ..mapping.reference import _piece_tensor
+
+    t = _piece_tensor(pc, fulls)
+    if t.dim() != 2:
+        raise ValueError(f"FP8 piece {pc}: its source {pc.src!r} is {t.dim()}-D, FP8 needs a 2-D tensor")
+    return t
+
+
+def _fp8_jobs(plan, fulls: dict, jobs: list, lo: int) -> list:
+    """The quantizer's jobs [(source view, e4m3 offset | None, scales offset | None)] of `jobs`
+    (InPlaceWriter._jobs), the offsets from address `lo` (built only where no piece table is kept)."""
+    regions = plan.regions
+
+    def at(x):
+        return None if x is None else regions[x[0]].data_ptr() + x[1] - lo
+
+    return [(_fp8_source(pc, fulls), at(q), at(s)) for pc, q, s in jobs]
 
 
 class _Mapped:
@@ -328,6 +349,7 @@ class InPlaceWriter(StampOrder):
         if not self.begun:
             self.wait_begin()
             self.begun = True
+            self.overlap.mark()  # (the large copies' gate: after the stamps, before any quantizer)
 
     def external_begin(self) -> frozenset:
         """Before another part of this rank writes straight into the receivers' memory (the
@@ -357,19 +379,16 @@ class InPlaceWriter(StampOrder):
             self.n["staged"] += 1
             self.why[why] = self.why.get(why, 0) + 1
             return False
-        from . import prepare
-
         fulls, _ = prepare.gather(prep, op, self.device)
         self._begin()  # after the gathers were queued: the stamps land meanwhile
         skip = self._skip()
         ovl = self.overlap
-        gate = ovl.gate() if plan.fp8 else None  # (before the quantizer: the copies do not wait for it)
+        if plan.fp8:
+            ovl.gate()  # (before the quantizer: the copies queued do not wait for it)
         self._write(op, plan, fulls, skip)
         self._submit(self._live(op.dests, skip), op.task, plan)
         if plan.fp8:
-            ovl.quant += 1
-            if gate is not None:  # the large copies queued so far, beside this quantizer launch
-                ovl.launch(gate, skip)
+            ovl.quantized(skip)  # the large copies queued, beside the quantizer once it has work queued
         self.n["tasks"] += 1
         self.total += 1
         return True
@@ -564,10 +583,10 @@ class InPlaceWriter(StampOrder):
         if self.stream is None:
             eng.complete_external(eng.submit_external(dests, tag=tag))
             return
-        import torch
-
         ev = event if plan is None else plan.event
         if ev is None:
+            import torch
+
             ev = torch.cuda.Event()
             if plan is not None:
                 plan.event = ev
@@ -642,11 +661,18 @@ class InPlaceWriter(StampOrder):
 
     def _write(self, op, plan: _Plan, fulls: dict, skip: frozenset) -> None:
         """The task's raw copies and one quantizer launch, on the current (side) stream."""
+        if plan.raw:
+            self._write_raw(plan, fulls, skip)
+        if plan.fp8:
+            self._quantize(plan, fulls, skip)
+
+    def _write_raw(self, plan: _Plan, fulls: dict, skip: frozenset) -> None:
+        """The task's raw pieces copied (and cast) to their targets but in `skip`."""
         import torch
 
         from ..mapping.reference import _piece_tensor
-        from .prepare import copy_piece
 
+        copy_piece = prepare.copy_piece
         gpu = self.links.gpu_of_region
         for pc, dtype, ts in plan.raw:
             t = _piece_tensor(pc, fulls)
@@ -656,8 +682,6 @@ class InPlaceWriter(StampOrder):
                     self.n["skipped_writes"] += 1
                 else:
                     copy_piece(plan.regions[r], off, t, dt)
-        if plan.fp8:
-            self._quantize(plan, fulls, skip)
 
     def _jobs(self, plan: _Plan, skip: frozenset) -> tuple:
         """([(piece, (region, offset) | None, (region, offset) | None)], lowest address, span
@@ -683,9 +707,6 @@ class InPlaceWriter(StampOrder):
     def _quantize(self, plan: _Plan, fulls: dict, skip: frozenset) -> None:
         """Every FP8 job of the task: one native launch over the span of the regions it writes
         (offsets from the lowest address), else the reference per region on region tensors."""
-        from . import fp8
-        from ..mapping.reference import _piece_tensor
-
         hit = plan.spans.get(skip)
         if hit is None:
             hit = plan.spans[skip] = self._jobs(plan, skip)
@@ -693,31 +714,19 @@ class InPlaceWriter(StampOrder):
         self.n["skipped_writes"] += skipped
         if not jobs:
             return
-
-        def tensor(pc):
-            t = _piece_tensor(pc, fulls)
-            if t.dim() != 2:
-                raise ValueError(f"FP8 piece {pc}: its source {pc.src!r} is {t.dim()}-D, FP8 needs a 2-D tensor")
-            return t
-
-        def at(x):
-            return None if x is None else plan.regions[x[0]].data_ptr() + x[1] - lo
-
-        key = (
-            "inplace",
-            plan.uid,
-            skip,
-            tuple((fulls[n].data_ptr(), tuple(fulls[n].stride()), fulls[n].dtype) for n in plan.srcs),
-        )
-        if fp8.quantize_span(lo, span, self.device, lambda: [(tensor(pc), at(q), at(s)) for pc, q, s in jobs], key):
+        # the sources' memory (address, strides: a tuple, dtype) names the launch's piece table
+        srcs = tuple((t.data_ptr(), t.stride(), t.dtype) for t in map(fulls.__getitem__, plan.srcs))
+        key = ("inplace", plan.uid, skip, srcs)
+        if _fp8.quantize_span(lo, span, self.device, lambda: _fp8_jobs(plan, fulls, jobs, lo), key):
             return
         for r, view in plan.regions.items():  # no native kernel: the reference, per region
             part = [
-                (tensor(pc), q[1] if q and q[0] == r else None, s[1] if s and s[0] == r else None) for pc, q, s in jobs
+                (_fp8_source(pc, fulls), q[1] if q and q[0] == r else None, s[1] if s and s[0] == r else None)
+                for pc, q, s in jobs
             ]
             part = [j for j in part if j[1] is not None or j[2] is not None]
             if part:
-                fp8.quantize_into(view, part)
+                _fp8.quantize_into(view, part)
 
     def abandon(self, bound: float = ABANDON_BOUND_S) -> bool:
         """A failing push: its in-place writes land before it raises (best effort: a failed

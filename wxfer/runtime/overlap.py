@@ -26,8 +26,9 @@ The copy engines need no SM.
 How.  In a push after one that launched the quantizer in place (``start``: the first push of a
 Sender keeps the engine path), a zero-copy task that ``InPlaceWriter.queue_copy`` would leave
 to the engine only for its size, every destination mapped, is queued here instead (``take``).
-The queue is launched (``launch``) right after the push's next quantizer launch -- else at its
-mesh group's end (``InPlaceWriter.end_group``) -- on a second stream of its own, by ``mode()``:
+The queue is launched (``launch``) after ``after()`` quantizer launches of the push (default 4,
+counted from the first one that found copies queued) -- else at its mesh group's end
+(``InPlaceWriter.end_group``) -- on a second stream of its own, by ``mode()``:
 "engines" (``WXFER_DIRECT_OVERLAP=engines`` or 1; the default where the driver has the batched copy) one
 ``cuMemcpyBatchAsync`` with the driver's hint to run it beside the
 SMs' work (``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``: the copy engines; each range cut into
@@ -37,14 +38,26 @@ the batched copy (before 12.8) gets "kernel"); "kernel" one launch of the batche
 an SM between two quantizer launches and keep it, the next launch running beside them with one
 CTA there instead of two -- measured against "engines" by ``gpu_perf.sh fp8``).
 
+Why after a few launches, not right after the first (issue 37): the driver's batch took 0.46 ms
+of host time on the H100 (``stats()["direct"]["overlap"]["host_s"]``, benchmarks/runs/
+h100-2026-12-07-d), while one layer's quantizer launch (Qwen3-8B, 2 GiB watermark) runs about
+0.23 ms: launched right after the first quantizer, the second came 0.6 ms after it and the SMs
+waited, the copies running alone meanwhile (0.59 ms of the profiled push's 8.94 ms busy).  After
+four launches about 0.6 ms of quantizer work is queued (the host submits a layer in about
+0.08 ms), more than the batch's host time: the copies still run beside the rest of the
+quantizer (7 ms of it there; they need about 3 ms beside it).
+
 Order (docs/cuda_ipc.md).  The second stream waits for an event recorded on the side stream
-before the quantizer's launch (``gate``): after the push's start (the training stream's work)
-and after the begin stamps (waited for on the host, or on the side stream by the device wait),
-not after the quantizer.  The copies are one external engine task (tag ``OVERLAP_TAG``) waiting
-for their own event: the end stamps' fence is posted only after it, as after every in-place
-write.  At the group's end (``end_group``) the side stream waits for that event, so the training
-stream, which waits for the side stream when push() returns, does not change a source before
-it was read.  A receiver that failed or was dropped is not written (as the batched copies).
+right after the push's begin stamps (``mark``, from ``InPlaceWriter._begin``: written on the
+side stream, or waited for on the host or by the side stream's device wait), before any
+quantizer launch (``gate``; else one recorded before the first quantizer launch that found the
+copies queued): after the push's start (the training stream's work) and after the begin stamps,
+not after the quantizer.
+The copies are one external engine task (tag ``OVERLAP_TAG``) waiting for their own event:
+the end stamps' fence is posted only after it, as after every in-place write.  At the group's
+end (``end_group``) the side stream waits for that event, so the training stream, which waits
+for the side stream when push() returns, does not change a source before it was read.  A
+receiver that failed or was dropped is not written (as the batched copies).
 Off: ``WXFER_DIRECT_OVERLAP=0``, or unset where the driver has no batched copy (the engine
 writes them, as before)."""
 
@@ -60,6 +73,7 @@ log = logging.getLogger(__name__)
 MODES = ("engines", "kernel")
 OVERLAP_TAG = (1 << 62) + 2  # engine tag of a launch of these copies (COPIES_TAG + 1)
 CTAS = 2  # CTAs per SM of the copy kernel's grid beside the quantizer
+AFTER = 4  # quantizer launches queued before the copies are launched (``after()``)
 PIECE = 64 << 20  # "engines": a range cut into copies of at most this (the driver may spread them)
 
 
@@ -100,6 +114,21 @@ def ctas() -> int:
     return n
 
 
+def after() -> int:
+    """$WXFER_DIRECT_OVERLAP_AFTER: the quantizer launches of a push (from the first that found
+    copies queued) after which the copies are launched (1-1000; 1: right after the first)."""
+    v = envs.get("WXFER_DIRECT_OVERLAP_AFTER", "").strip()
+    if not v:
+        return AFTER
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 1000:
+        raise ValueError(f"WXFER_DIRECT_OVERLAP_AFTER must be an int from 1 to 1000, got {v!r}")
+    return n
+
+
 def pieces(items, piece: int = PIECE) -> list:
     """`items` [(dst, src, dst address, src address, nbytes)] with every range cut into copies of
     at most `piece` bytes, as addresses only (dst, src None: for the driver's batch alone)."""
@@ -123,6 +152,7 @@ class Overlap:
             self.mode = None if copies.driver_why(writer.device) else self.mode
         self.on = self.mode is not None
         self.ctas = ctas()
+        self.after = after()
         self.ran = None  # the copier of the last launch (wxfer.runtime.copies)
         self.live = False  # this push defers (``start``)
         self.q: list = []  # [(gpu, engine destination, copy item)] queued
@@ -130,6 +160,11 @@ class Overlap:
         self.quant = 0  # quantizer launches in place in this push so far
         self.last_quant = 0  # ... in the push before
         self.stream = None  # the second CUDA stream (made at the first launch)
+        self.gated = None  # the gate of the copies queued, taken and not launched yet (``gate``)
+        self.gated_n = 0  # ... quantizer launches since it was taken
+        self.gate_ev = None  # a gate's CUDA event recorded before a quantizer launch (no ``mark``)
+        self.early = None  # this push's gate recorded right after its begin stamps (``mark``)
+        self.early_ev = None  # its CUDA event, made once and recorded again each push
         self.events: list = []  # the CUDA event of each launch of a push, reused
         self.unjoined: list = []  # events of launches the side stream has not waited for yet
         self.n = {"tasks": 0, "bytes": 0, "launches": 0}
@@ -140,8 +175,22 @@ class Overlap:
         self.last_quant, self.quant = self.quant, 0
         self.live = bool(live and self.on and self.last_quant > 0)
         self.q, self.q_tasks, self.unjoined = [], 0, []
+        self.gated, self.gated_n, self.early = None, 0, None
         self.n = {"tasks": 0, "bytes": 0, "launches": 0}
         self.host_s = 0.0
+
+    def mark(self) -> None:
+        """The push's begin stamps are ordered before the side stream's next work (written on
+        it, or waited for): when this push defers copies, an event recorded on the side stream
+        now -- the earliest point they may start from, before any quantizer launch -- their gate."""
+        if not self.live or self.early is not None or self.w.stream is None:
+            return
+        if self.early_ev is None:
+            import torch
+
+            self.early_ev = torch.cuda.Event()
+        self.early_ev.record(self.w.stream)  # (the last push's launches waited on its last record)
+        self.early = self.early_ev
 
     def next_live(self) -> bool:
         """Between pushes: whether the next one defers (this one launched the quantizer; the
@@ -159,18 +208,39 @@ class Overlap:
         return True
 
     def gate(self):
-        """Before a quantizer launch (the begin stamps waited for): when copies are queued, what
-        the second stream will wait for -- an event recorded on the side stream now (True
-        without a stream: the host runs every write in order); else None."""
+        """Before a quantizer launch (the begin stamps waited for) or at the group's end: when
+        copies are queued, what the second stream will wait for, kept until they are launched --
+        the push's event recorded right after its begin stamps (``mark``), else one recorded on
+        the side stream now (True without a stream: the host runs every write in order); else
+        None."""
         if not self.q:
             return None
+        if self.gated is not None:
+            return self.gated
         if self.w.stream is None:
-            return True
-        import torch
+            self.gated = True
+        elif self.early is not None:
+            self.gated = self.early
+        else:
+            if self.gate_ev is None:
+                import torch
 
-        ev = torch.cuda.Event()
-        ev.record(self.w.stream)
-        return ev
+                self.gate_ev = torch.cuda.Event()
+            self.gate_ev.record(self.w.stream)  # (the launch before waited on its last record)
+            self.gated = self.gate_ev
+        self.gated_n = 0
+        return self.gated
+
+    def quantized(self, skip: frozenset) -> None:
+        """After a quantizer launch in place: counted; the copies queued are launched once
+        ``after`` quantizer launches followed their gate (work the SMs have queued while the
+        host makes the copies' call).  `skip`: the receivers not to write."""
+        self.quant += 1
+        if self.gated is None:
+            return
+        self.gated_n += 1
+        if self.gated_n >= self.after:
+            self.launch(self.gated, skip)
 
     def launch(self, gate, skip: frozenset) -> None:
         """The queued copies, one launch on the second stream after `gate` (``gate()``), handed
@@ -179,6 +249,7 @@ class Overlap:
 
         t0 = time.perf_counter()
         q, self.q, self.q_tasks = self.q, [], 0
+        self.gated, self.gated_n = None, 0
         live = [c for c in q if c[0] not in skip] if skip else q
         self.w.n["skipped_writes"] += len(q) - len(live)
         if not live:
@@ -233,7 +304,7 @@ class Overlap:
         read before the training stream, which waits for the side stream, goes on).
         `skip_of()`: the receivers not to write now."""
         if self.q:
-            self.launch(self.gate(), skip_of())
+            self.launch(self.gate(), skip_of())  # (the gate recorded before a quantizer, if any)
         if self.unjoined and self.w.stream is not None:
             for ev in self.unjoined:
                 self.w.stream.wait_event(ev)
@@ -246,9 +317,10 @@ class Overlap:
     def drop(self) -> None:
         """A failing push: nothing queued is launched."""
         self.q, self.q_tasks, self.unjoined = [], 0, []
+        self.gated, self.gated_n, self.early = None, 0, None
 
     def stats(self) -> dict | None:
         """stats()["direct"]["overlap"] of the last push, or None when it deferred nothing."""
         if not self.n["tasks"]:
             return None
-        return dict(self.n, mode=self.mode, copier=self.ran, ctas=self.ctas, host_s=self.host_s)
+        return dict(self.n, mode=self.mode, copier=self.ran, ctas=self.ctas, after=self.after, host_s=self.host_s)

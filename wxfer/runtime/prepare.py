@@ -425,10 +425,15 @@ def _is_whole(p) -> bool:
     return False
 
 
-def _local(p):
-    from torch.distributed.tensor import DTensor
+_DTENSOR: list = []  # [torch's DTensor class], imported at the first _local (not per call: per task)
 
-    return dtensor_local(p) if isinstance(p, DTensor) else p.detach()
+
+def _local(p):
+    if not _DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR.append(DTensor)
+    return dtensor_local(p) if isinstance(p, _DTENSOR[0]) else p.detach()
 
 
 def task_prep(op: TaskOp, device) -> TaskPrep:
@@ -572,9 +577,10 @@ def gather(prep: TaskPrep, op: TaskOp, device) -> tuple:
             fresh.add(name)
         fulls[name] = local
     prep.done = 0
-    collectives(prep, device, fulls, 0)
-    fresh.update(it[0] for g in prep.gathers for it in g.items)
-    fresh.update(name for name, _ in prep.generic)
+    if prep.gathers or prep.generic:  # (a task whose sources are all whole here has none)
+        collectives(prep, device, fulls, 0)
+        fresh.update(it[0] for g in prep.gathers for it in g.items)
+        fresh.update(name for name, _ in prep.generic)
     prep.gather_s = time.perf_counter() - t0  # stage 1 and the collectives (delta pushes' stats)
     return fulls, fresh
 

@@ -13,14 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import time
 
+from .. import taskpath
 from . import control, prepare
 from ..zerocopy import Batcher
 from .failures import and_own, is_gloo_failure
 from .tasks import writes_bound
 
 log = logging.getLogger(__name__)
+_PREP = operator.attrgetter("prep")
+# the tasks written in place a push runs first when tasks without collectives come before them
+# (StepLoop._ordered): two, so that the SMs have the second quantizer launch queued while the
+# host goes through the tasks that were ahead of them (the Qwen3-8B FP8 row's 75; ~0.23 ms)
+LEAD = 2
 
 
 class PushHandle:
@@ -80,6 +87,7 @@ class StepLoop:
         self.last_phases: dict = {}  # seconds from the start of the last push() to the end of each phase
         self.carried = None  # a failure after the last push's agreement (its end stamps): told with the next
         self.delta = None  # delta pushes: wxfer.runtime.delta_send.DeltaWriter (Sender(delta=True))
+        self._leads: dict = {}  # mesh group -> (its ops, the preps looked at, the order run: _ordered)
 
     def settle(self) -> None:
         """The last push finished (its writes waited for) before the next one begins."""
@@ -133,7 +141,7 @@ class StepLoop:
                 self.failures.mark_live(
                     version, f"trainer rank {self.rank} gave up on step {version} half written: {own}", final=False
                 )
-            self._join_failed(e, own, state["barrier"], state["at"], version)
+            self._join_failed(e, own, state["barrier"], state["at"], version, state.get("ops"))
             raise
         except BaseException as e:  # KeyboardInterrupt, SystemExit: record, no collectives
             if self.delta is not None:
@@ -156,6 +164,7 @@ class StepLoop:
         for gi, ops in enumerate(self.program.groups):
             if state["barrier"] is not None:
                 state["barrier"].wait(self.timeout)
+            ops = state["ops"] = self._ordered(gi, ops)  # (a failure's drain follows this order)
             batch = Batcher()  # zero-copy tasks, handed to the engine in one call (wxfer.zerocopy)
             for oi, op in enumerate(ops):
                 state["at"] = (gi, oi)
@@ -188,13 +197,65 @@ class StepLoop:
             )
             state["at"] = (gi + 1, -1)
 
+    def _ordered(self, gi: int, ops: list) -> list:
+        """The order a push runs mesh group `gi`'s tasks (`ops`, the plan's order) in: the plan's,
+        except where this push writes in place (cuda_ipc colocated, verify off: the in-place
+        writer's ``copy_live``) and the group's first task written in place (the classifier's
+        best path direct, its layout bound: ``InPlaceWriter.plan_of``) comes after tasks that
+        hold all their sources here (no collective: zero copy, copied in batches or beside the
+        quantizer, or packed from whole tensors): that task goes first, with the next ones
+        written in place right after it (``LEAD`` in all).  Why (issue 37): Qwen3-8B
+        FP8 runs its 73 norms (copies, queued for one launch later) before its first layer, whose
+        quantizer launch is the first work the SMs get; the H100's first quantizer task came
+        0.69 ms after the begin stamps (benchmarks/runs/h100-2026-12-07-d).  This rank's
+        collectives keep their order (only tasks without one move), so the ranks' collectives
+        still pair.  Decided once per group and kept while its tasks' preps are the same."""
+        if self.delta is not None or getattr(self.inplace, "copy_live", False) is not True:
+            return ops
+        hit = self._leads.get(gi)
+        if hit is not None and hit[0] is ops and all(map(operator.is_, hit[1], map(_PREP, ops))):
+            return hit[2]
+        out, preps = ops, []
+        for f, op in enumerate(ops):
+            preps.append(op.prep)
+            if self._in_place(op):
+                lead = [op]  # ... and the next ones written in place, LEAD in all
+                for nxt in ops[f + 1 : f + LEAD]:
+                    preps.append(nxt.prep)
+                    if not self._in_place(nxt):
+                        break
+                    lead.append(nxt)
+                if f:
+                    out = [*lead, *ops[:f], *ops[f + len(lead) :]]
+                break
+            prep = op.prep
+            if prep is None or getattr(prep, "gathers", True) or getattr(prep, "generic", True):
+                break  # a collective before it (or a task not known to have none): the plan's order
+        self._leads[gi] = (ops, tuple(preps), out)
+        return out
+
+    def _in_place(self, op) -> bool:
+        """Task `op` is written in place (its best path direct, its layout bound here)."""
+        best = getattr(op.prep, "best", None)
+        return (
+            bool(op.sends)
+            and best is not None
+            and best.path == taskpath.DIRECT
+            and self.inplace.plan_of(op)[0] is not None
+        )
+
+    def task_order(self) -> list:
+        """[[plan task, ...] of each mesh group] in the order a push runs them now (``_ordered``:
+        the in-place writer's state of the last push); the host fit's order."""
+        return [[op.task for op in self._ordered(gi, ops)] for gi, ops in enumerate(self.program.groups)]
+
     # ------------------------------------------------------------------ a failure inside the loop
     @staticmethod
     def _group_broken(exc) -> bool:
         """A collective among the trainer ranks failed or was late: a rank died or hung."""
         return isinstance(exc, control.CollectiveError) or is_gloo_failure(exc)
 
-    def _join_failed(self, exc, own: str, barrier, at, version) -> None:
+    def _join_failed(self, exc, own: str, barrier, at, version, ops=None) -> None:
         """This rank failed inside the task loop at task `at` = (mesh group, index): take part
         in what the other ranks are in -- the collectives (full_tensor) of the remaining tasks,
         run without writing, and the barriers of the remaining mesh groups -- then join the
@@ -206,7 +267,8 @@ class StepLoop:
         other ranks' own; only one raised inside a collective after it was posted (or between
         the collectives of one DTensor.full_tensor() on a 2-D mesh) leaves them one out of step,
         the others failing at their collective's timeout.  No rank stamps the step complete:
-        the flag says it is broken (``FailureExchange.agree``)."""
+        the flag says it is broken (``FailureExchange.agree``).  `ops`: the failed group's tasks in
+        the order the push ran them (``_ordered``; `at` indexes it), None: the plan's."""
         broken = self._group_broken(exc)
         if broken and self.group is not None and self.world > 1:
             gone = self.failures.mark_other_rank_gone(version, exc)
@@ -220,17 +282,18 @@ class StepLoop:
         gi, oi = at
         try:
             for g in range(gi, len(groups)):
+                cur = ops if g == gi and ops is not None else groups[g]
                 if g > gi and barrier is not None:
                     barrier.wait(self.timeout)
-                if g == gi and oi >= len(groups[g]):
+                if g == gi and oi >= len(cur):
                     continue  # this group's barrier was issued already
                 if g == gi and oi >= 0:
                     # the failed task's collectives not yet posted (a failure before them -- the
                     # watermark, an allocation -- or between them), then the later tasks'
-                    self._drain([groups[g][oi]], resume=True)
-                    self._drain(groups[g][oi + 1 :])
+                    self._drain([cur[oi]], resume=True)
+                    self._drain(cur[oi + 1 :])
                 else:
-                    self._drain(groups[g])
+                    self._drain(cur)
                 barrier = control.Barrier(
                     self.group,
                     f"the barrier after mesh group {g} (trainer rank {self.rank}, step {version}, after its failure)",

@@ -114,7 +114,7 @@ def trace_pushes(sender, pushes: int, copy_GBps=None, quant_GBps=None, between=N
 
     cpu = sender.device.type == "cpu"
     ops = {op.task: op for g in sender.program.groups for op in g}
-    order = [[op.task for op in g] for g in sender.program.groups]
+    order = [[op.task for op in g] for g in sender.program.groups]  # (the run's: after the warm-up)
     info = {
         t: (len(op.sources), sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")) for t, op in ops.items()
     }
@@ -127,6 +127,9 @@ def trace_pushes(sender, pushes: int, copy_GBps=None, quant_GBps=None, between=N
             work[t] = moved[t] / (rate * 1e9)
     sender.push()  # warm-up
     kinds = sender.task_kinds()  # after a push: zero copy as decided there
+    steps = getattr(sender, "steps", None)
+    if steps is not None and hasattr(steps, "task_order"):
+        order = steps.task_order()  # as the pushes run them (a task written in place may go first)
     traced, push_s = [], []
     for _ in range(pushes):
         if between is not None:
