@@ -11,6 +11,7 @@
 #   5. the 8B FP8 FSDP2 row with each overlap of OVERLAPS (default "engines 0"), profiled, the
 #      begin order BEGIN_WAIT (default stream) -- gpu_perf.sh fp8 without its tests; FP8=0 skips it.
 # TESTS: more test files for step 2 (bounded by TESTS_S seconds, default 120).
+# 6. the stamps' fences from the rows' engine traces (benchmarks/common/fence_parts.py).
 # Only 8 files come back from $OUT: the logs are saved after each step into logs.tgz.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-.out}; mkdir -p "$OUT"; W=$(mktemp -d); mkdir -p "$W/r"
@@ -37,4 +38,5 @@ save; echo "=== rows at ${SECONDS}s"
 save; echo "=== fp8 overlaps at ${SECONDS}s"
 [ "${FP8:-1}" = 0 ] || (OUT=$W/fp8 OVERLAPS=${OVERLAPS:-engines 0} BEGIN_WAIT=${BEGIN_WAIT:-stream} NO_TESTS=1 bash benchmarks/gpu_perf.sh fp8 \
   2>&1 | grep -v "^+" | tail -12)
+timeout 30 python3 benchmarks/common/fence_parts.py $W/ab/bb-* 2>&1 | tail -12 | tee "$W/r/fence_parts.txt"
 echo "=== end at ${SECONDS}s"; save
