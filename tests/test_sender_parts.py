@@ -792,3 +792,37 @@ def test_the_first_task_written_in_place_goes_before_the_tasks_without_collectiv
     with pytest.raises(ValueError, match="task 1 failed"):
         loop.push(2, False, seen.run_task, threading.RLock())
     assert drained == [([1], True), ([4], False), ([10, 11, 12], False)], drained
+
+
+@pytest.mark.parametrize("setting", ["", "0"])
+def test_the_collector_is_paused_while_a_push_submits_and_resumed_after(monkeypatch, setting):
+    """WXFER_GC_PAUSE (on by default): gc is off while push() submits its tasks, back on when it
+    returns and when it raises; 0: left as it was; a collector the user turned off stays off."""
+    import gc
+    import threading
+
+    monkeypatch.setenv("WXFER_GC_PAUSE", setting)
+    prog = SimpleNamespace(groups=[[SimpleNamespace(task=0, nbytes=1, prep=None)]], bytes_per_step=1)
+    states = []
+
+    class Probe(_Seen):
+        def run_task(self, op, ev):
+            states.append(gc.isenabled())
+            return super().run_task(op, ev)
+
+    assert gc.isenabled()
+    seen = Probe()
+    _loop(seen, prog).push(1, False, seen.run_task, threading.RLock()).wait()
+    assert states == [setting == "0"] and gc.isenabled()
+    seen = Probe()
+    seen.fail_at = 0
+    with pytest.raises(ValueError, match="task 0 failed"):
+        _loop(seen, prog).push(2, False, seen.run_task, threading.RLock())
+    assert states[-1] == (setting == "0") and gc.isenabled()
+    gc.disable()
+    try:
+        seen = Probe()
+        _loop(seen, prog).push(3, False, seen.run_task, threading.RLock()).wait()
+        assert states[-1] is False and not gc.isenabled()
+    finally:
+        gc.enable()

@@ -71,6 +71,7 @@ _VARS = (
     # a push
     _py("WXFER_VERIFY", "flag", "off", "checksum every write (Sender.push / Receiver verify=)"),
     _py("WXFER_DIRECT", "flag", "on", "colocated in-place writes on cuda_ipc (0/off/false/no: off)"),
+    _py("WXFER_GC_PAUSE", "flag", "on", "Python's cyclic garbage collector paused while push() submits (0: not)"),
     _py("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "zero-copy tasks below this are copied by kernels"),
     _py(
         "WXFER_DIRECT_OVERLAP",

@@ -12,11 +12,12 @@ ranks are in -- from the failed task's first one not posted -- before it is rais
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import operator
 import time
 
-from .. import taskpath
+from .. import envs, taskpath
 from . import control, prepare
 from ..zerocopy import Batcher
 from .failures import and_own, is_gloo_failure
@@ -28,6 +29,18 @@ _PREP = operator.attrgetter("prep")
 # (StepLoop._ordered): two, so that the SMs have the second quantizer launch queued while the
 # host goes through the tasks that were ahead of them (the Qwen3-8B FP8 row's 75; ~0.23 ms)
 LEAD = 2
+
+
+def gc_pause() -> bool:
+    """Pause Python's cyclic garbage collector while a push submits ($WXFER_GC_PAUSE, on unless
+    0/off/false/no): a push allocates a few small objects per task, enough to start collections
+    whose time on a trainer's large object graph (an FSDP2 model's modules and DTensors) lands
+    on the first writes.  Objects are still freed by their counts; the collector resumes when
+    push() returns (submitted, or raising).  True: paused here, to be enabled by the caller."""
+    if not gc.isenabled() or envs.get("WXFER_GC_PAUSE", "1").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    gc.disable()
+    return True
 
 
 class PushHandle:
@@ -98,6 +111,14 @@ class StepLoop:
     def push(self, version: int, verify: bool, run_task, lock) -> PushHandle:
         """Submit step `version` (`run_task(op, event)`: one task's stage 1-3, the runner's
         unless a caller wraps it); returns its handle (``PushHandle.wait`` finishes it)."""
+        paused = gc_pause()
+        try:
+            return self._push(version, verify, run_task, lock)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _push(self, version: int, verify: bool, run_task, lock) -> PushHandle:
         import torch
 
         self.runner.start(version, verify)
