@@ -100,33 +100,29 @@ def enabled() -> bool:
     return mode() is not None
 
 
-def ctas() -> int:
-    """$WXFER_DIRECT_OVERLAP_CTAS: the copy kernel's CTAs per SM beside the quantizer (1-64)."""
-    v = envs.get("WXFER_DIRECT_OVERLAP_CTAS", "").strip()
+def _int_env(name: str, default: int, lo: int, hi: int) -> int:
+    """$`name` as an int from `lo` to `hi` (`default` when unset); a ValueError naming it else."""
+    v = envs.get(name, "").strip()
     if not v:
-        return CTAS
+        return default
     try:
         n = int(v)
     except ValueError:
-        n = 0
-    if not 1 <= n <= 64:
-        raise ValueError(f"WXFER_DIRECT_OVERLAP_CTAS must be an int from 1 to 64, got {v!r}")
+        n = lo - 1
+    if not lo <= n <= hi:
+        raise ValueError(f"{name} must be an int from {lo} to {hi}, got {v!r}")
     return n
+
+
+def ctas() -> int:
+    """$WXFER_DIRECT_OVERLAP_CTAS: the copy kernel's CTAs per SM beside the quantizer (1-64)."""
+    return _int_env("WXFER_DIRECT_OVERLAP_CTAS", CTAS, 1, 64)
 
 
 def after() -> int:
     """$WXFER_DIRECT_OVERLAP_AFTER: the quantizer launches of a push (from the first that found
     copies queued) after which the copies are launched (1-1000; 1: right after the first)."""
-    v = envs.get("WXFER_DIRECT_OVERLAP_AFTER", "").strip()
-    if not v:
-        return AFTER
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 1000:
-        raise ValueError(f"WXFER_DIRECT_OVERLAP_AFTER must be an int from 1 to 1000, got {v!r}")
-    return n
+    return _int_env("WXFER_DIRECT_OVERLAP_AFTER", AFTER, 1, 1000)
 
 
 def pieces(items, piece: int = PIECE) -> list:
