@@ -792,6 +792,24 @@ def test_the_first_task_written_in_place_goes_before_the_tasks_without_collectiv
     with pytest.raises(ValueError, match="task 1 failed"):
         loop.push(2, False, seen.run_task, threading.RLock())
     assert drained == [([1], True), ([4], False), ([10, 11, 12], False)], drained
+    # a failure while the next group's order is decided (after group 0's barrier): group 1 is
+    # drained whole, in its order -- not group 0's tasks again
+    seen = _InPlace()
+    seen.copy = {0, 4}
+    loop = StepLoop(None, object(), 0, 2, 1.0, 1.0, CPU, None, _Engine(), prog, _links(), seen, seen, seen)
+    drained = []
+    monkeypatch.setattr(loop, "_drain", lambda ops, resume=False: drained.append(([o.task for o in ops], resume)))
+    real = loop._ordered
+
+    def ordered(gi, ops):
+        if gi == 1:
+            raise ValueError("group 1's order failed")
+        return real(gi, ops)
+
+    monkeypatch.setattr(loop, "_ordered", ordered)
+    with pytest.raises(ValueError, match="group 1's order failed"):
+        loop.push(3, False, seen.run_task, threading.RLock())
+    assert drained == [([10, 11, 12], False)], drained
 
 
 @pytest.mark.parametrize("setting", ["", "0"])

@@ -185,7 +185,9 @@ class StepLoop:
         for gi, ops in enumerate(self.program.groups):
             if state["barrier"] is not None:
                 state["barrier"].wait(self.timeout)
-            ops = state["ops"] = self._ordered(gi, ops)  # (a failure's drain follows this order)
+            state["ops"] = None  # (until this group's order is known: a failure here drains the plan's)
+            ops = self._ordered(gi, ops)
+            state["ops"] = (gi, ops)  # a failure's drain follows the order run, in this group only
             batch = Batcher()  # zero-copy tasks, handed to the engine in one call (wxfer.zerocopy)
             for oi, op in enumerate(ops):
                 state["at"] = (gi, oi)
@@ -288,8 +290,9 @@ class StepLoop:
         other ranks' own; only one raised inside a collective after it was posted (or between
         the collectives of one DTensor.full_tensor() on a 2-D mesh) leaves them one out of step,
         the others failing at their collective's timeout.  No rank stamps the step complete:
-        the flag says it is broken (``FailureExchange.agree``).  `ops`: the failed group's tasks in
-        the order the push ran them (``_ordered``; `at` indexes it), None: the plan's."""
+        the flag says it is broken (``FailureExchange.agree``).  `ops`: (group, its tasks in the
+        order the push ran them: ``_ordered``; `at` indexes it) for the group the push was in when
+        its order was known, None: the plan's order everywhere."""
         broken = self._group_broken(exc)
         if broken and self.group is not None and self.world > 1:
             gone = self.failures.mark_other_rank_gone(version, exc)
@@ -303,7 +306,7 @@ class StepLoop:
         gi, oi = at
         try:
             for g in range(gi, len(groups)):
-                cur = ops if g == gi and ops is not None else groups[g]
+                cur = ops[1] if g == gi and ops is not None and ops[0] == gi else groups[g]
                 if g > gi and barrier is not None:
                     barrier.wait(self.timeout)
                 if g == gi and oi >= len(cur):
