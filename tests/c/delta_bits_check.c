@@ -106,8 +106,8 @@ int main(void)
                 const int r = lane / 8, col = (lane % 8) * 16;
                 threadIdx.x = (unsigned)lane;
                 g_k = 0;
-                wx_dbits_row((last ? words : scratch) + boff, (wx_u64)base + (wx_u64)r * pitch + col,
-                             d[lane], col, nc, own, r < nr);
+                wx_dbits_row((last ? words : scratch) + boff,
+                             (wx_u64)base + (wx_u64)r * pitch + col, d[lane], col, nc, own, r < nr);
             }
         }
         cases++;
