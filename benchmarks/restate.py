@@ -215,7 +215,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--delta-rate", type=float, default=None, help="also the delta push at this byte change rate")
     ap.add_argument("--delta-compare-gbytes", type=float, default=None, help="default: the fused kernel's (H100)")
-    ap.add_argument("--delta-apply-gbytes", type=float, default=None, help="default: the torch apply's (H100)")
+    ap.add_argument(
+        "--delta-apply-gbytes",
+        type=float,
+        default=None,
+        help="default: the native apply kernel's (H100, 29.3 GB/s at 0.31%% changed)",
+    )
     ap.add_argument("--base-only", action="store_true", help="the base row only (no sensitivity rows)")
     ap.add_argument(
         "--expert-shard",
