@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -130,20 +129,13 @@ def bench(layers: int, steps: int, max_task_bytes: int | None) -> dict:
 def compare(a) -> dict:
     """bench() with wxfer from `a.compare` ("base") and from this checkout ("this"), alternated
     in fresh processes."""
-    import subprocess
+    from common.ab import alternated
 
-    runs: dict = {"base": [], "this": []}
-    for _ in range(a.rounds):
-        for who, root in (("base", os.path.abspath(a.compare)), ("this", HERE)):
-            cmd = [sys.executable, os.path.abspath(__file__), "--layers", str(a.layers), "--steps", str(a.steps)]
-            if a.max_task_bytes:
-                cmd += ["--max-task-bytes", str(a.max_task_bytes)]
-            got = subprocess.run(
-                cmd, env=dict(os.environ, WXFER_BENCH_ROOT=root), capture_output=True, text=True, timeout=600
-            )
-            if got.returncode:
-                raise RuntimeError(f"{who}: {got.stderr[-2000:]}")
-            runs[who].append(json.loads(got.stdout)["direct"])
+    args = ["--layers", str(a.layers), "--steps", str(a.steps)]
+    if a.max_task_bytes:
+        args += ["--max-task-bytes", str(a.max_task_bytes)]
+    got = alternated(__file__, a.compare, HERE, a.rounds, {"": args})
+    runs = {who: [r["direct"] for _, r in rs] for who, rs in got.items()}
     keys = ("first_launch_us", "first_launch_min_us", "direct_task_us", "direct_task_min_us", "order")
     table = {who: {k: [r[k] for r in rs] for k in keys} for who, rs in runs.items()}
     return dict(base=os.path.abspath(a.compare), this=HERE, rounds=a.rounds, table=table, runs=runs)
@@ -157,12 +149,13 @@ def main() -> None:
     ap.add_argument("--compare", default=None, help="another checkout (its extension built): before/after")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    out = dict(machine=platform.node(), cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
-    out["load_average"] = os.getloadavg()
+    from common.ab import machine, wxfer_from
+
+    out = machine()
     if a.compare:
         out.update(compare(a))
     else:
-        out["wxfer_from"] = os.path.dirname(os.path.dirname(__import__("wxfer").__file__))
+        out["wxfer_from"] = wxfer_from()
         out["direct"] = bench(a.layers, a.steps, a.max_task_bytes)
     print(json.dumps(out, indent=1))
 

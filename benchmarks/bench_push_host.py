@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -232,13 +231,14 @@ def main() -> None:
     ap.add_argument("--compare", default=None, help="another checkout (its extension built): before/after")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    out = dict(machine=platform.node(), cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
-    out["load_average"] = os.getloadavg()
+    from common.ab import machine, wxfer_from
+
+    out = machine()
     if a.compare:
         out.update(compare(a))
         print(json.dumps(out, indent=1))
         return
-    out["wxfer_from"] = os.path.dirname(os.path.dirname(__import__("wxfer").__file__))
+    out["wxfer_from"] = wxfer_from()
     if a.only in (None, "engine"):
         out["engine"] = bench_engine(a.provider, a.tasks, a.reps)
     if a.only in (None, "push"):
@@ -251,21 +251,14 @@ def main() -> None:
 def compare(a) -> dict:
     """This script's push and copy measurements with wxfer from `a.compare` ("base") and from
     this checkout ("this"), alternated in fresh processes; the medians per task."""
-    import subprocess
+    from common.ab import alternated
 
     only = [a.only] if a.only in ("push", "copy") else ["push", "copy"]
-    runs: dict = {"base": [], "this": []}
-    for _ in range(a.rounds):
-        for who, root in (("base", os.path.abspath(a.compare)), ("this", HERE)):
-            for what in only:
-                cmd = [sys.executable, os.path.abspath(__file__), "--only", what, "--provider", a.provider]
-                cmd += ["--layers", str(a.layers), "--steps", str(a.steps)]
-                env = dict(os.environ, WXFER_BENCH_ROOT=root)
-                got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-                if got.returncode:
-                    raise RuntimeError(f"{who} {what}: {got.stderr[-2000:]}")
-                r = json.loads(got.stdout)
-                runs[who].append(dict(r[what], what=what, load_average=r["load_average"]))
+    shared = ["--provider", a.provider, "--layers", str(a.layers), "--steps", str(a.steps)]
+    got = alternated(__file__, a.compare, HERE, a.rounds, {what: ["--only", what, *shared] for what in only})
+    runs = {
+        who: [dict(r[what], what=what, load_average=r["load_average"]) for what, r in rs] for who, rs in got.items()
+    }
     keys = (
         "last_submit_us_per_task",
         "last_submit_min_us_per_task",
