@@ -144,6 +144,14 @@ def get(name: str, fallback: str | None = None) -> str | None:
     return os.environ.get(name, fallback)
 
 
+OFF = ("0", "off", "false", "no")  # a flag's values that turn it off (any case, spaces around)
+
+
+def on(name: str) -> bool:
+    """The declared flag `name` of a default "on": on unless set to one of ``OFF``."""
+    return get(name, "1").strip().lower() not in OFF
+
+
 def values() -> dict:
     """{name: value} of the declared variables set now (those the C code reads, as its table
     sees them)."""

@@ -110,7 +110,7 @@ def copy_max(value=None) -> int:
 def enabled(direct) -> bool:
     """The Sender's ``direct`` argument; None: $WXFER_DIRECT (on unless 0/off/false/no)."""
     if direct is None:
-        return envs.get("WXFER_DIRECT", "1").strip().lower() not in ("0", "off", "false", "no")
+        return envs.on("WXFER_DIRECT")
     if direct not in (True, False):
         raise TypeError(f"wxfer.Sender: direct must be True, False or None, got {direct!r}")
     return bool(direct)

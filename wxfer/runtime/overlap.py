@@ -86,7 +86,7 @@ def mode() -> str | None:
     v = envs.get("WXFER_DIRECT_OVERLAP", "").strip().lower()
     if v == "":
         return MODES[0]
-    if v in ("0", "off", "false", "no"):
+    if v in envs.OFF:
         return None
     if v in ("1", "on", "true", "yes"):
         return MODES[0]

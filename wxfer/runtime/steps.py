@@ -37,7 +37,7 @@ def gc_pause() -> bool:
     whose time on a trainer's large object graph (an FSDP2 model's modules and DTensors) lands
     on the first writes.  Objects are still freed by their counts; the collector resumes when
     push() returns (submitted, or raising).  True: paused here, to be enabled by the caller."""
-    if not gc.isenabled() or envs.get("WXFER_GC_PAUSE", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not gc.isenabled() or not envs.on("WXFER_GC_PAUSE"):
         return False
     gc.disable()
     return True
