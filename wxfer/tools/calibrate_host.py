@@ -114,7 +114,6 @@ def trace_pushes(sender, pushes: int, copy_GBps=None, quant_GBps=None, between=N
 
     cpu = sender.device.type == "cpu"
     ops = {op.task: op for g in sender.program.groups for op in g}
-    order = [[op.task for op in g] for g in sender.program.groups]  # (the run's: after the warm-up)
     info = {
         t: (len(op.sources), sum(len(sh.pieces) for sh in op.shards if sh.kind != "scale")) for t, op in ops.items()
     }
@@ -130,6 +129,8 @@ def trace_pushes(sender, pushes: int, copy_GBps=None, quant_GBps=None, between=N
     steps = getattr(sender, "steps", None)
     if steps is not None and hasattr(steps, "task_order"):
         order = steps.task_order()  # as the pushes run them (a task written in place may go first)
+    else:  # a stand-in Sender: the plan's order
+        order = [[op.task for op in g] for g in sender.program.groups]
     traced, push_s = [], []
     for _ in range(pushes):
         if between is not None:
