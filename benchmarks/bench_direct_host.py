@@ -146,10 +146,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--max-task-bytes", type=int, default=None, help="Sender(max_task_bytes=): split the layers")
-    ap.add_argument("--compare", default=None, help="another checkout (its extension built): before/after")
-    ap.add_argument("--rounds", type=int, default=3)
+    from common.ab import add_compare, machine, wxfer_from
+
+    add_compare(ap)
     a = ap.parse_args()
-    from common.ab import machine, wxfer_from
 
     out = machine()
     if a.compare:

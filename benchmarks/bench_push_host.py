@@ -228,10 +228,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--only", choices=["engine", "push", "copy"], default=None)
-    ap.add_argument("--compare", default=None, help="another checkout (its extension built): before/after")
-    ap.add_argument("--rounds", type=int, default=3)
+    from common.ab import add_compare, machine, wxfer_from
+
+    add_compare(ap)
     a = ap.parse_args()
-    from common.ab import machine, wxfer_from
 
     out = machine()
     if a.compare:

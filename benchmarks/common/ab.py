@@ -12,6 +12,12 @@ import subprocess
 import sys
 
 
+def add_compare(ap) -> None:
+    """The benches' --compare CHECKOUT and --rounds N (``alternated``) on argparse parser `ap`."""
+    ap.add_argument("--compare", default=None, help="another checkout (its extension built): before/after")
+    ap.add_argument("--rounds", type=int, default=3)
+
+
 def machine() -> dict:
     """The machine a run's figures come from, and its load when it starts."""
     return dict(
