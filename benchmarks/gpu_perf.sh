@@ -6,7 +6,8 @@
 #                                                      # (a WXFER_KERNEL_SWEEP build; about 3 min)
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh bench    # the rows without the tests (about 6 min)
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh big      # the Qwen3-30B-A3B rows only (BF16 and FP8
-#                                                      # FSDP2; they need an H200's memory; about 9 min)
+#                                                      # FSDP2; they need an H200's memory; about 9 min;
+#                                                      # DEPTH=24: its first 24 layers, on an H100)
 #   OUT=/some/dir bash benchmarks/gpu_perf.sh fp8      # the 8B FP8 FSDP2 row alone, with the large BF16
 #                                                      # copies beside the quantizer and without
 #                                                      # (WXFER_DIRECT_OVERLAP=engines / kernel / 0, or
@@ -88,9 +89,12 @@ for ovl in sorted((d[len("fp8-overlap"):] for d in os.listdir(out) if d.startswi
 PY
   exit $rc
 fi
-MODELS=${MODELS:-qwen3-8b,qwen3-1.7b}; MAXS=150
+MODELS=${MODELS:-qwen3-8b,qwen3-1.7b}; MAXS=150; SEL=""
 if [ "${1:-rows}" = big ]; then  # no tests: the 30B rows take the call's time
   MODELS=qwen3-30b-a3b; MAXS=230
+  # DEPTH=24: the 30B-A3B's BF16 and FP8 FSDP2 rows cut to its first 24 of 48 layers (the same
+  # shapes per layer; about 64 GB colocated: they fit an 80 GB H100), named qwen3-30b-a3b-l24
+  [ -n "${DEPTH:-}" ] && SEL="--models qwen3-30b-a3b-l$DEPTH --quant bf16,fp8 --trainers fsdp2" && MAXS=200
 elif [ "${1:-rows}" != bench ]; then  # bench: the rows only (the tests run elsewhere in the same call)
 timeout 200 python3 -m pytest -q -ra --durations=8 -m gpu tests/test_stream_wait_gpu.py tests/test_external_gpu.py \
   tests/test_direct_gpu.py >"$OUT/gpu_tests.log" 2>&1 || rc=1
@@ -101,7 +105,7 @@ for wait in $WAITS; do  # WAITS=stream: the default order's rows only
   # the first wait's run also profiles one more push per row (bb_profile.py: where its time goes)
   prof=0; [ $wait = "${WAITS%% *}" ] && prof=1
   WXFER_BB_PROFILE=$prof WXFER_BEGIN_WAIT=$wait timeout $((MAXS + 20)) python3 benchmarks/bench_baselines.py --layouts colocated \
-    --curated $MODELS --methods link,wxfer --calibration none --max-s $MAXS \
+    ${SEL:---curated $MODELS} --methods link,wxfer --calibration none --max-s $MAXS \
     --out "$OUT/bb-$wait" --json >"$OUT/bb-$wait.log" 2>&1 || rc=1
   grep -E "^\[|skipped|failed|Error" "$OUT/bb-$wait.log" | head -40
 done

@@ -235,3 +235,28 @@ def test_a_colocated_row_that_does_not_fit_is_refused_up_front_in_one_line(capsy
     assert results[0]["error"] == line and results[1] is None
     assert refused(str(141 * 10**9))[0] == []
     assert refused(str(80 * 10**9), dry=True)[0] == []
+
+
+def test_a_model_cut_to_fewer_layers_keeps_its_shapes_and_fits_an_h100():
+    """qwen3-30b-a3b-l24: the 30B-A3B's first 24 of 48 layers (the same tensors per layer, the
+    same mapping rules), so its colocated rows run on an 80 GB H100 where the whole model is
+    refused; a depth the model does not have is refused naming the model and the bound."""
+    import argparse
+
+    import bench_baselines as bb
+    from common.baselines import model_spec
+
+    full_conf, full = model_spec("qwen3-30b-a3b")
+    conf, cut = model_spec("qwen3-30b-a3b-l24")
+    assert conf["num_hidden_layers"] == 24 and full_conf["num_hidden_layers"] == 48
+    assert cut.name == "qwen3-30b-a3b-l24" and (cut.arch, cut.quant, cut.infer_ep) == (full.arch, full.quant, full.infer_ep)
+    hf, hf_full = cut.hf_params(), full.hf_params()
+    layer0 = {k: v for k, v in hf_full.items() if ".layers.0." in k}
+    assert layer0 and all(hf[k] == v for k, v in layer0.items())
+    assert not any(".layers.24." in k for k in hf) and any(".layers.47." in k for k in hf_full)
+    assert len(hf_full) - len(hf) == 24 * len(layer0)
+    row = dict(model="qwen3-30b-a3b-l24", quant="bf16", layout="colocated", trainer="fsdp2")
+    args = argparse.Namespace(dry_run=False, gpu_free=str(80 * 10**9))
+    assert not bb._refused(0, [row], args, dict(watermarks=[2 << 30, 256 << 20]), [None])
+    with pytest.raises(ValueError, match=r"qwen3-8b has 36 layers; -l<N> must be 1..36, got 99"):
+        model_spec("qwen3-8b-l99")

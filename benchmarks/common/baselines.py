@@ -73,8 +73,25 @@ def model_spec(name: str):
         from wxfer.mapping import from_config
 
         return dict(QWEN3_1_7B), from_config(name, QWEN3_1_7B, infer_tp=1)
+    base, sep, depth = name.rpartition("-l")
+    if sep and depth.isdigit() and base:  # e.g. qwen3-30b-a3b-l24: the model cut to its first 24 layers
+        return _cut(base, int(depth), name)
     p = get_preset(name)
     return dict(p.config), p
+
+
+def _cut(base: str, layers: int, name: str):
+    """(config, preset) of benchmark model `base` with `layers` decoder layers instead of its
+    own (the same shapes per layer): the rows of a model one GPU cannot hold colocated, at a
+    depth it can (qwen3-30b-a3b-l24 on an 80 GB H100), named so wherever it is printed."""
+    from wxfer.mapping import from_config
+
+    conf, p = model_spec(base)
+    full = conf.get("num_hidden_layers")
+    if not isinstance(full, int) or not 1 <= layers <= full:
+        raise ValueError(f"benchmark model {name!r}: {base} has {full} layers; -l<N> must be 1..{full}, got {layers}")
+    conf = dict(conf, num_hidden_layers=layers)
+    return conf, from_config(name, conf, infer_tp=p.infer_tp, infer_ep=p.infer_ep, quant=p.quant)
 
 
 # a 1.7B-class dense model: 28 layers, hidden 2048, untied lm_head: 311 tensors, 4.06 GB BF16
