@@ -249,7 +249,8 @@ def test_a_model_cut_to_fewer_layers_keeps_its_shapes_and_fits_an_h100():
     full_conf, full = model_spec("qwen3-30b-a3b")
     conf, cut = model_spec("qwen3-30b-a3b-l24")
     assert conf["num_hidden_layers"] == 24 and full_conf["num_hidden_layers"] == 48
-    assert cut.name == "qwen3-30b-a3b-l24" and (cut.arch, cut.quant, cut.infer_ep) == (full.arch, full.quant, full.infer_ep)
+    assert cut.name == "qwen3-30b-a3b-l24"
+    assert (cut.arch, cut.quant, cut.infer_ep) == (full.arch, full.quant, full.infer_ep)
     hf, hf_full = cut.hf_params(), full.hf_params()
     layer0 = {k: v for k, v in hf_full.items() if ".layers.0." in k}
     assert layer0 and all(hf[k] == v for k, v in layer0.items())
