@@ -367,11 +367,8 @@ def simulated(sender, dev, a: dict, step=None) -> dict:
         # beside it, to judge that one term: the same with the kernels and the writes not sharing the GPU
         apart = run(sender.plan, replace(cal, device_shared=False), **kw) if cal.device_shared else r
         return dict(
-            simulated_s=r.simulated_s,
+            r.record("bound_by", "terms", "stage_busy_s"),
             simulated_unshared_s=apart.simulated_s,
-            simulated_bound_by=r.bound_by,
-            simulated_terms=r.terms,
-            simulated_stage_busy_s=r.stage_busy_s,
             simulated_kinds=dict(Counter(kinds.values())),
             simulated_calibration=dict(to_dict(cal), quantizer=k["quantizer"], h2d_measured=h2d is not None),
             simulated_fit={x: v for x, v in h.items() if x not in hostfit_keys()},

@@ -35,6 +35,11 @@ def test_balanced_plan_is_close_to_the_bound():
     assert 1.0 <= s["ratio"] < 1.03
     assert s["max_utilisation"]["infer_nic_recv"] <= 1.0 + 1e-9
     assert s["max_utilisation"]["infer_nic_recv"] > 0.97
+    # a measurement's record of the run (tools/calibrate.py, benchmarks/bb_fsdp.py): simulated_<name>
+    rec = r.record("lower_bound_s", "bound_by")
+    assert list(rec) == ["simulated_s", "simulated_lower_bound_s", "simulated_bound_by"]
+    assert rec["simulated_s"] == r.simulated_s and rec["simulated_lower_bound_s"] == r.lower_bound_s
+    assert rec["simulated_bound_by"] == r.bound_by in r.stage_busy_s
 
 
 def test_cross_node_allgathers_and_offload_count_in_the_bound():

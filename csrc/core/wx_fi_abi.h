@@ -432,35 +432,19 @@ struct fid_ep {
 /* What rdma/fi_*.h's static inlines do: dispatch through the object's ops. */
 static inline int fi_close(struct fid *fid) { return fid->ops->close(fid); }
 
-static inline int fi_domain(struct fid_fabric *fabric, struct fi_info *info,
-                            struct fid_domain **domain, void *context)
-{
-    return fabric->ops->domain(fabric, info, domain, context);
-}
-
-static inline int fi_av_open(struct fid_domain *domain, struct fi_av_attr *attr, struct fid_av **av,
-                             void *context)
-{
-    return domain->ops->av_open(domain, attr, av, context);
-}
-
-static inline int fi_cq_open(struct fid_domain *domain, struct fi_cq_attr *attr, struct fid_cq **cq,
-                             void *context)
-{
-    return domain->ops->cq_open(domain, attr, cq, context);
-}
-
-static inline int fi_cntr_open(struct fid_domain *domain, struct fi_cntr_attr *attr,
-                               struct fid_cntr **cntr, void *context)
-{
-    return domain->ops->cntr_open(domain, attr, cntr, context);
-}
-
-static inline int fi_endpoint(struct fid_domain *domain, struct fi_info *info, struct fid_ep **ep,
-                              void *context)
-{
-    return domain->ops->endpoint(domain, info, ep, context);
-}
+/* The constructors: int fn(struct parent *p, attr, struct child **out, void *context), which is
+ * p->ops->op(p, attr, out, context). */
+#define WX__FI_OPEN(fn, parent, op, attr_t, child)                                                 \
+    static inline int fn(struct parent *p, attr_t attr, struct child **out, void *context)         \
+    {                                                                                              \
+        return p->ops->op(p, attr, out, context);                                                  \
+    }
+WX__FI_OPEN(fi_domain, fid_fabric, domain, struct fi_info *, fid_domain)
+WX__FI_OPEN(fi_av_open, fid_domain, av_open, struct fi_av_attr *, fid_av)
+WX__FI_OPEN(fi_cq_open, fid_domain, cq_open, struct fi_cq_attr *, fid_cq)
+WX__FI_OPEN(fi_cntr_open, fid_domain, cntr_open, struct fi_cntr_attr *, fid_cntr)
+WX__FI_OPEN(fi_endpoint, fid_domain, endpoint, struct fi_info *, fid_ep)
+#undef WX__FI_OPEN
 
 static inline int fi_mr_regattr(struct fid_domain *domain, const struct fi_mr_attr *attr,
                                 uint64_t flags, struct fid_mr **mr)

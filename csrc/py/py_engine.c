@@ -308,15 +308,10 @@ static int wx__submit_held_event(wx_task_spec_t *spec, const wx_py_owner_t *own,
                                  PyObject *event, int device)
 {
     spec->held_bytes = spec->src->len;
-    if (held_obj != Py_None) {
-        spec->held_bytes = PyLong_AsUnsignedLongLong(held_obj);
-        if (PyErr_Occurred())
-            return -1;
-    }
+    if (wx_py_opt_u64(held_obj, &spec->held_bytes) < 0 ||
+        wx_py_opt_ptr(event, &spec->cuda_event) < 0)
+        return -1;
     if (event != Py_None) {
-        spec->cuda_event = PyLong_AsVoidPtr(event);
-        if (PyErr_Occurred())
-            return -1;
         spec->cuda_device = device >= 0 ? device : (own->buf.device >= 0 ? own->buf.device : 0);
     }
     return 0;
@@ -440,16 +435,10 @@ static PyObject *wx_engine_wait_py(PyObject *op, PyObject *args, PyObject *kw)
     }
     if (!wx_py_engine_live(self))
         return NULL;
-    if (tmo != Py_None) {
-        timeout = PyFloat_AsDouble(tmo);
-        if (PyErr_Occurred())
-            return NULL;
-    }
+    if (wx_py_opt_double(tmo, &timeout) < 0 || wx_py_opt_u64(fence, &fw.id) < 0)
+        return NULL;
     if (fence != Py_None) {
         fw.e = self->e;
-        fw.id = PyLong_AsUnsignedLongLong(fence);
-        if (PyErr_Occurred())
-            return NULL;
         rc = wx_py_wait(posted ? wx__wait_posted_fn : wx__wait_fence_fn, &fw, timeout);
     } else {
         rc = wx_py_wait(wx__wait_fn, self->e, timeout);

@@ -15,14 +15,24 @@
 #include "wx_streamwait.h"
 #include "wx_sweep.h"
 
-/* The table of `what` (entries of `esize` bytes, at most `max`, `many` in its error) in a buffer-protocol object
- * (e.g. array('Q')), 8-byte aligned; *copy is set when it had to be copied (free it). Returns
- * the count, or -1 with an exception. */
-static int wx__table(PyObject *obj, Py_buffer *view, const void **p, void **copy, const char *what,
-                     const char *many, size_t esize, int max)
+/* A table argument: `obj` (set by the caller's PyArg_ParseTuple) read by wx__table as `n`
+ * entries at `p`, from its buffer `view` or, where that is not 8-byte aligned, from `copy`. */
+typedef struct {
+    PyObject *obj;
+    Py_buffer view;
+    const void *p;
+    void *copy;
+    int n;
+} wx__tab_t;
+
+/* The table of `what` (entries of `esize` bytes, at most `max`, `many` in its error) in t->obj,
+ * a buffer-protocol object (e.g. array('Q')), 8-byte aligned; release it with wx__checked or
+ * wx__launched. Returns 0, or -1 with an exception (nothing to release). */
+static int wx__table(wx__tab_t *t, const char *what, const char *many, size_t esize, int max)
 {
-    *copy = NULL;
-    if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0)
+    Py_buffer *view = &t->view;
+    t->copy = NULL;
+    if (PyObject_GetBuffer(t->obj, view, PyBUF_SIMPLE) < 0)
         return -1;
     if (view->len <= 0 || view->len % (Py_ssize_t)esize || view->len / (Py_ssize_t)esize > max) {
         PyErr_Format(PyExc_ValueError, "%s table: %zd bytes (expected 1 to %d %s of %zu bytes)",
@@ -30,30 +40,29 @@ static int wx__table(PyObject *obj, Py_buffer *view, const void **p, void **copy
         PyBuffer_Release(view);
         return -1;
     }
-    *p = view->buf;
+    t->p = view->buf;
     if ((uintptr_t)view->buf % 8) {
-        *copy = malloc((size_t)view->len);
-        if (!*copy) {
+        t->copy = malloc((size_t)view->len);
+        if (!t->copy) {
             PyBuffer_Release(view);
             PyErr_NoMemory();
             return -1;
         }
-        memcpy(*copy, view->buf, (size_t)view->len);
-        *p = *copy;
+        memcpy(t->copy, view->buf, (size_t)view->len);
+        t->p = t->copy;
     }
-    return (int)(view->len / (Py_ssize_t)esize);
+    t->n = (int)(view->len / (Py_ssize_t)esize);
+    return 0;
 }
 
-static int wx__pieces(PyObject *obj, Py_buffer *view, const wx_fp8_piece_t **p, void **copy)
+static int wx__pieces(wx__tab_t *t)
 {
-    return wx__table(obj, view, (const void **)p, copy, "fp8 piece", "pieces",
-                     sizeof(wx_fp8_piece_t), WX_FP8_MAX_PIECES);
+    return wx__table(t, "fp8 piece", "pieces", sizeof(wx_fp8_piece_t), WX_FP8_MAX_PIECES);
 }
 
-static int wx__ranges(PyObject *obj, Py_buffer *view, const wx_copy_range_t **p, void **copy)
+static int wx__ranges(wx__tab_t *t)
 {
-    return wx__table(obj, view, (const void **)p, copy, "copy range", "ranges",
-                     sizeof(wx_copy_range_t), WX_COPY_MAX_RANGES);
+    return wx__table(t, "copy range", "ranges", sizeof(wx_copy_range_t), WX_COPY_MAX_RANGES);
 }
 
 /* dirs (a sequence of str, or None) as a C array *d of *nd entries (free *d, DECREF *seq). */
@@ -77,13 +86,13 @@ static int wx__dirs(PyObject *dirs, PyObject **seq, const char ***d, int *nd)
     return 0;
 }
 
-/* After a check of the table of `view` (and its aligned `copy`): release both; raise for rc,
- * else return the count the check gave (tiles, chunks, segments). */
-static PyObject *wx__checked(wx_py_state_t *st, int rc, Py_buffer *view, void *copy,
-                             const char *call, uint64_t count)
+/* After a check of the table `t`: release it; raise for rc, else return the count the check
+ * gave (tiles, chunks, segments). */
+static PyObject *wx__checked(wx_py_state_t *st, int rc, wx__tab_t *t, const char *call,
+                             uint64_t count)
 {
-    free(copy);
-    PyBuffer_Release(view);
+    free(t->copy);
+    PyBuffer_Release(&t->view);
     if (rc)
         return wx_py_raise(st, rc, call);
     return PyLong_FromUnsignedLongLong(count);
@@ -92,19 +101,16 @@ static PyObject *wx__checked(wx_py_state_t *st, int rc, Py_buffer *view, void *c
 static PyObject *wx_fp8_check_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    PyObject *obj;
+    wx__tab_t t;
     unsigned long long out_nbytes;
-    Py_buffer view;
-    const wx_fp8_piece_t *p;
-    void *copy;
     uint64_t ntiles = 0;
-    int n, rc;
-    if (!PyArg_ParseTuple(args, "OK:fp8_check", &obj, &out_nbytes))
+    int rc;
+    if (!PyArg_ParseTuple(args, "OK:fp8_check", &t.obj, &out_nbytes))
         return NULL;
-    if ((n = wx__pieces(obj, &view, &p, &copy)) < 0)
+    if (wx__pieces(&t) < 0)
         return NULL;
-    rc = wx_fp8_check(p, n, out_nbytes, &ntiles);
-    return wx__checked(st, rc, &view, copy, "fp8_check", ntiles);
+    rc = wx_fp8_check(t.p, t.n, out_nbytes, &ntiles);
+    return wx__checked(st, rc, &t, "fp8_check", ntiles);
 }
 
 typedef int (*wx__probe_fn)(int, const char *const *, int, char *, size_t);
@@ -133,51 +139,44 @@ static PyObject *wx_fp8_probe_py(PyObject *m, PyObject *args)
     return wx__probe(args, "i|O:fp8_probe", wx_fp8_probe);
 }
 
-/* After a launch on the pieces or ranges of `view` (and their aligned `copy`): release both;
- * None, or the error of `call` when rc is not 0. */
-static PyObject *wx__launched(wx_py_state_t *st, int rc, Py_buffer *view, void *copy,
-                              const char *call)
+/* After a launch on the table `t` (pieces, ranges, copies, delta entries): release it; None, or
+ * the error of `call` when rc is not 0. */
+static PyObject *wx__launched(wx_py_state_t *st, int rc, wx__tab_t *t, const char *call)
 {
-    free(copy);
-    PyBuffer_Release(view);
+    free(t->copy);
+    PyBuffer_Release(&t->view);
     return wx_py_none(st, rc, call);
 }
 
 static PyObject *wx_fp8_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc;
+    int device, rc;
     unsigned long long stream, out, out_nbytes, dev_pieces;
-    PyObject *obj;
-    Py_buffer view;
-    const wx_fp8_piece_t *p;
-    void *copy;
-    if (!PyArg_ParseTuple(args, "iKKKOK:fp8_launch", &device, &stream, &out, &out_nbytes, &obj,
+    wx__tab_t t;
+    if (!PyArg_ParseTuple(args, "iKKKOK:fp8_launch", &device, &stream, &out, &out_nbytes, &t.obj,
                           &dev_pieces))
         return NULL;
-    if ((n = wx__pieces(obj, &view, &p, &copy)) < 0)
+    if (wx__pieces(&t) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_fp8_launch(device, stream, out, out_nbytes, p, dev_pieces, n);
+        rc = wx_fp8_launch(device, stream, out, out_nbytes, t.p, dev_pieces, t.n);
     Py_END_ALLOW_THREADS
-    return wx__launched(st, rc, &view, copy, "fp8_launch");
+    return wx__launched(st, rc, &t, "fp8_launch");
 }
 
 static PyObject *wx_copy_check_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    PyObject *obj;
-    Py_buffer view;
-    const wx_copy_range_t *p;
-    void *copy;
+    wx__tab_t t;
     uint64_t nchunks = 0;
-    int n, rc;
-    if (!PyArg_ParseTuple(args, "O:copy_check", &obj))
+    int rc;
+    if (!PyArg_ParseTuple(args, "O:copy_check", &t.obj))
         return NULL;
-    if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
+    if (wx__ranges(&t) < 0)
         return NULL;
-    rc = wx_copy_check(p, n, &nchunks);
-    return wx__checked(st, rc, &view, copy, "copy_check", nchunks);
+    rc = wx_copy_check(t.p, t.n, &nchunks);
+    return wx__checked(st, rc, &t, "copy_check", nchunks);
 }
 
 static PyObject *wx_copy_probe_py(PyObject *m, PyObject *args)
@@ -188,20 +187,17 @@ static PyObject *wx_copy_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_copy_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc, ctas = 0;
+    int device, rc, ctas = 0;
     unsigned long long stream, dev_ranges;
-    PyObject *obj;
-    Py_buffer view;
-    const wx_copy_range_t *p;
-    void *copy;
-    if (!PyArg_ParseTuple(args, "iKOK|i:copy_launch", &device, &stream, &obj, &dev_ranges, &ctas))
+    wx__tab_t t;
+    if (!PyArg_ParseTuple(args, "iKOK|i:copy_launch", &device, &stream, &t.obj, &dev_ranges, &ctas))
         return NULL;
-    if ((n = wx__ranges(obj, &view, &p, &copy)) < 0)
+    if (wx__ranges(&t) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_copy_launch(device, stream, p, dev_ranges, n, ctas);
+        rc = wx_copy_launch(device, stream, t.p, dev_ranges, t.n, ctas);
     Py_END_ALLOW_THREADS
-    return wx__launched(st, rc, &view, copy, "copy_launch");
+    return wx__launched(st, rc, &t, "copy_launch");
 }
 
 static PyObject *wx_copy_settings_py(PyObject *m, PyObject *args)
@@ -226,21 +222,18 @@ static PyObject *wx_copy_batch_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_copy_batch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc, beside = 0;
+    int device, rc, beside = 0;
     unsigned long long stream;
-    PyObject *obj;
-    Py_buffer view;
-    const void *p;
-    void *copy;
-    if (!PyArg_ParseTuple(args, "iKO|p:copy_batch", &device, &stream, &obj, &beside))
+    wx__tab_t t;
+    if (!PyArg_ParseTuple(args, "iKO|p:copy_batch", &device, &stream, &t.obj, &beside))
         return NULL;
-    if ((n = wx__table(obj, &view, &p, &copy, "copy_batch", "(dst, src, nbytes) triples",
-                       3 * sizeof(uint64_t), WX_COPY_MAX_RANGES)) < 0)
+    if (wx__table(&t, "copy_batch", "(dst, src, nbytes) triples", 3 * sizeof(uint64_t),
+                  WX_COPY_MAX_RANGES) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_copy_batch(device, stream, p, n, beside);
+        rc = wx_copy_batch(device, stream, t.p, t.n, beside);
     Py_END_ALLOW_THREADS
-    return wx__launched(st, rc, &view, copy, "copy_batch");
+    return wx__launched(st, rc, &t, "copy_batch");
 }
 
 /* The delta tables: entries of 5 (compare), 3 (count), 8 (emit) or 4 (scatter) uint64. */
@@ -252,15 +245,14 @@ static const struct {
                    {"delta record", sizeof(wx_delta_rec_t)},
                    {"delta scatter", sizeof(wx_delta_scat_t)}};
 
-static int wx__dtable(int kind, PyObject *obj, Py_buffer *view, const void **p, void **copy)
+static int wx__dtable(int kind, wx__tab_t *t)
 {
     if (kind < 0 || kind > 3) {
         PyErr_Format(PyExc_ValueError,
                      "delta table kind %d (0 compare, 1 count, 2 emit, 3 scatter)", kind);
         return -1;
     }
-    return wx__table(obj, view, p, copy, wx__dtables[kind].name, "entries", wx__dtables[kind].esize,
-                     WX_DELTA_MAX);
+    return wx__table(t, wx__dtables[kind].name, "entries", wx__dtables[kind].esize, WX_DELTA_MAX);
 }
 
 static PyObject *wx_delta_probe_py(PyObject *m, PyObject *args)
@@ -273,48 +265,42 @@ static PyObject *wx_delta_probe_py(PyObject *m, PyObject *args)
 static PyObject *wx_delta_check_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int kind, n, rc;
+    int kind, rc;
     unsigned long long bits_nb, shadow_nb = 0, out_nb = 0, nsegx = 0;
     uint64_t nsegs = 0;
-    PyObject *obj;
-    Py_buffer view;
-    const void *p;
-    void *copy;
-    if (!PyArg_ParseTuple(args, "iOK|KKK:delta_check", &kind, &obj, &bits_nb, &shadow_nb, &out_nb,
+    wx__tab_t t;
+    if (!PyArg_ParseTuple(args, "iOK|KKK:delta_check", &kind, &t.obj, &bits_nb, &shadow_nb, &out_nb,
                           &nsegx))
         return NULL;
-    if ((n = wx__dtable(kind, obj, &view, &p, &copy)) < 0)
+    if (wx__dtable(kind, &t) < 0)
         return NULL;
     if (kind == 0)
-        rc = wx_delta_cmp_check(p, n, bits_nb, &nsegs);
+        rc = wx_delta_cmp_check(t.p, t.n, bits_nb, &nsegs);
     else if (kind == 1)
-        rc = wx_delta_count_check(p, n, bits_nb, &nsegs);
+        rc = wx_delta_count_check(t.p, t.n, bits_nb, &nsegs);
     else if (kind == 2)
-        rc = wx_delta_emit_check(p, n, bits_nb, shadow_nb, out_nb, nsegx, &nsegs);
+        rc = wx_delta_emit_check(t.p, t.n, bits_nb, shadow_nb, out_nb, nsegx, &nsegs);
     else
-        rc = wx_delta_scatter_check(p, n, bits_nb, shadow_nb, &nsegs);
-    return wx__checked(st, rc, &view, copy, "delta_check", nsegs);
+        rc = wx_delta_scatter_check(t.p, t.n, bits_nb, shadow_nb, &nsegs);
+    return wx__checked(st, rc, &t, "delta_check", nsegs);
 }
 
 static PyObject *wx_delta_quant_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int device, n, rc;
+    int device, rc;
     unsigned long long stream, out, out_nbytes, dev_pieces, bits, bits_nbytes;
-    PyObject *obj;
-    Py_buffer view;
-    const wx_fp8_piece_t *p;
-    void *copy;
+    wx__tab_t t;
     if (!PyArg_ParseTuple(args, "iKKKOKKK:delta_quant_launch", &device, &stream, &out, &out_nbytes,
-                          &obj, &dev_pieces, &bits, &bits_nbytes))
+                          &t.obj, &dev_pieces, &bits, &bits_nbytes))
         return NULL;
-    if ((n = wx__pieces(obj, &view, &p, &copy)) < 0)
+    if (wx__pieces(&t) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-        rc = wx_delta_quant_launch(device, stream, out, out_nbytes, p, dev_pieces, n, bits,
+        rc = wx_delta_quant_launch(device, stream, out, out_nbytes, t.p, dev_pieces, t.n, bits,
                                    bits_nbytes);
     Py_END_ALLOW_THREADS
-    return wx__launched(st, rc, &view, copy, "delta_quant_launch");
+    return wx__launched(st, rc, &t, "delta_quant_launch");
 }
 
 /* delta_launch(kind, device, stream, table, dev_table, bits, bits_nbytes, a=0, a_n=0, b=0, b_n=0,
@@ -323,29 +309,26 @@ static PyObject *wx_delta_quant_launch_py(PyObject *m, PyObject *args)
 static PyObject *wx_delta_launch_py(PyObject *m, PyObject *args)
 {
     wx_py_state_t *st = PyModule_GetState(m);
-    int kind, device, n, rc;
+    int kind, device, rc;
     unsigned long long stream, dev, bits, bits_nb, a = 0, an = 0, b = 0, bn = 0, o = 0, on = 0;
-    PyObject *obj;
-    Py_buffer view;
-    const void *p;
-    void *copy;
-    if (!PyArg_ParseTuple(args, "iiKOKKK|KKKKKK:delta_launch", &kind, &device, &stream, &obj, &dev,
-                          &bits, &bits_nb, &a, &an, &b, &bn, &o, &on))
+    wx__tab_t t;
+    if (!PyArg_ParseTuple(args, "iiKOKKK|KKKKKK:delta_launch", &kind, &device, &stream, &t.obj,
+                          &dev, &bits, &bits_nb, &a, &an, &b, &bn, &o, &on))
         return NULL;
-    if ((n = wx__dtable(kind, obj, &view, &p, &copy)) < 0)
+    if (wx__dtable(kind, &t) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
         if (kind == 0)
-            rc = wx_delta_cmp_launch(device, stream, p, dev, n, bits, bits_nb);
+            rc = wx_delta_cmp_launch(device, stream, t.p, dev, t.n, bits, bits_nb);
         else if (kind == 1)
-            rc = wx_delta_count_launch(device, stream, p, dev, n, bits, bits_nb, a, an);
+            rc = wx_delta_count_launch(device, stream, t.p, dev, t.n, bits, bits_nb, a, an);
         else if (kind == 2)
-            rc =
-                wx_delta_emit_launch(device, stream, p, dev, n, bits, bits_nb, a, an, b, bn, o, on);
+            rc = wx_delta_emit_launch(device, stream, t.p, dev, t.n, bits, bits_nb, a, an, b, bn, o,
+                                      on);
         else
-            rc = wx_delta_scatter_launch(device, stream, p, dev, n, bits, bits_nb, a, an);
+            rc = wx_delta_scatter_launch(device, stream, t.p, dev, t.n, bits, bits_nb, a, an);
     Py_END_ALLOW_THREADS
-    return wx__launched(st, rc, &view, copy, "delta_launch");
+    return wx__launched(st, rc, &t, "delta_launch");
 }
 
 static PyObject *wx_delta_apply_probe_py(PyObject *m, PyObject *args)

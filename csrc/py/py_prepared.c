@@ -176,11 +176,8 @@ PyObject *wx_py_engine_submit_prepared(PyObject *op, PyObject *args, PyObject *k
         return NULL;
     if (!wx_py_engine_live(self))
         return NULL;
-    if (event != Py_None) {
-        ev = PyLong_AsVoidPtr(event);
-        if (PyErr_Occurred())
-            return NULL;
-    }
+    if (wx_py_opt_ptr(event, &ev) < 0)
+        return NULL;
     seq = PySequence_Fast(tasks, "submit_prepared: tasks must be a sequence of Prepared");
     if (!seq)
         return NULL;

@@ -64,6 +64,28 @@ typedef struct {
 } wx_py_region_t;
 
 wx_py_state_t *wx_py_state_of(PyObject *obj);
+
+/* An optional argument's value: None leaves *out as it is (the caller's default); else *out
+ * is `o` read as a float (seconds), an address or a count. 0, or -1 with an exception set. */
+static inline int wx_py_opt_double(PyObject *o, double *out)
+{
+    if (o != Py_None && (*out = PyFloat_AsDouble(o)) == -1.0 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+static inline int wx_py_opt_ptr(PyObject *o, void **out)
+{
+    if (o != Py_None && !(*out = PyLong_AsVoidPtr(o)) && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+static inline int wx_py_opt_u64(PyObject *o, uint64_t *out)
+{
+    if (o != Py_None && (*out = PyLong_AsUnsignedLongLong(o)) == (uint64_t)-1 && PyErr_Occurred())
+        return -1;
+    return 0;
+}
+
 /* Append `item` (a new reference, or NULL where making it failed) to `list`, taking the
  * reference; -1 with an exception set when it was NULL or could not be appended. */
 int wx_py_append(PyObject *list, PyObject *item);

@@ -65,6 +65,11 @@ class SimResult:
         """Per link kind: bytes / (bandwidth x simulated time) for each link."""
         return {k: v / (self.link_bw[k] * self.simulated_s) for k, v in self.link_bytes.items()}
 
+    def record(self, *names: str) -> dict:
+        """This run as a measurement's record keeps it: simulated_s, then simulated_<name> for
+        each of `names` (an attribute: bound_by, stage_busy_s, terms, lower_bound_s, ...)."""
+        return dict(simulated_s=self.simulated_s, **{"simulated_" + n: getattr(self, n) for n in names})
+
     def summary(self) -> dict:
         u = self.utilisation()
         return dict(

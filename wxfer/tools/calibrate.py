@@ -651,11 +651,7 @@ def simulate_measured(plan, calibration=None, quick: bool = True, log=print) -> 
     except ValueError as e:  # a term this plan needs that the calibration did not measure, by name
         return dict(simulated_error=str(e), calibration=dict(to_dict(cal), measured=det))
     return dict(
-        simulated_s=r.simulated_s,
-        simulated_lower_bound_s=r.lower_bound_s,
-        simulated_bound_by=r.bound_by,
-        simulated_stage_busy_s=r.stage_busy_s,
-        simulated_assumptions=r.assumptions,
+        r.record("lower_bound_s", "bound_by", "stage_busy_s", "assumptions"),
         calibration=dict(to_dict(cal), measured=det),
     )
 
