@@ -130,3 +130,40 @@ def test_the_next_pushs_launches_reuse_their_device_table_on_the_same_stream():
     # each push's first launch chooses the copier (copy_ranges); its second reuses the table on
     # the stream it was uploaded on; on another stream (the third push) copy_ranges uploads its own
     assert calls == [side.cuda_stream, side.cuda_stream] and r.at[0] == other.cuda_stream
+
+
+def test_queue_run_queues_what_queue_copy_would_and_stops_where_queue_copy_must_decide(monkeypatch):
+    """InPlaceWriter.queue_run (the step loop's run of copy tasks): nothing before the tasks are
+    bound; then a whole run with queue_copy's queue, bytes and counters, a launch as a batch
+    fills; it stops at a task whose memory moved (queue_copy binds it, the run goes on after
+    it), and queues nothing in a push that does not copy (verify on)."""
+    from wxfer import zerocopy
+
+    monkeypatch.setattr(zerocopy, "COPY_BATCH", 4)  # a launch per 4 ranges
+    regions = {b"g0": torch.zeros(256, dtype=torch.uint8)}
+    s = _CopySender(regions, {b"g0": 0})
+    srcs = [torch.full((16,), i + 1, dtype=torch.uint8) for i in range(6)]
+    ops = _ops(srcs)
+    s.start(1, False, lambda: None)
+    assert s.queue_run(ops, 0) == 0  # not bound yet: queue_copy binds them
+    for op in ops:
+        assert s.queue_copy(op)
+    s.flush_copies()
+    assert [len(t[0]) for t in s.engine.tasks] == [4, 2]
+    for src in srcs:
+        src.add_(10)
+    s.start(2, False, lambda: None)
+    assert s.queue_run(ops, 0) == 6
+    assert (s.n["copies"], s.copy_q_bytes, len(s.copy_q)) == (6, 32, 2)  # 4 launched as they filled
+    s.flush_copies()
+    assert [len(t[0]) for t in s.engine.tasks] == [4, 2, 4, 2] and s.stats()["last_push"]["launches"] == 2
+    assert regions[b"g0"][:96].tolist() == [v for i in range(6) for v in [i + 11] * 16]
+    ops[3].prep.whole = [("w", torch.full((16,), 50, dtype=torch.uint8))]  # task 3's memory moved
+    s.start(3, False, lambda: None)
+    assert s.queue_run(ops, 0) == 3 and s.queue_run(ops, 3) == 3
+    assert s.queue_copy(ops[3])  # bound again
+    assert s.queue_run(ops, 4) == 6 and s.n["copies"] == 6
+    s.flush_copies()
+    assert int(regions[b"g0"][48]) == 50 and s.stats()["last_push"]["bound"] == 1
+    s.start(4, True, lambda: None)  # verify on: the engine's way
+    assert s.queue_run(ops, 0) == 0 and s.copy_q == []

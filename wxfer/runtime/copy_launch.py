@@ -1,5 +1,6 @@
-"""The batched copy launches of a push (``InPlaceWriter.flush_copies``), made once and launched
-again push after push.  Issue 37: the 1.7B-class push's 11 launches took 50-100 us of host time
+"""The batched copies' fast paths (issue 37): a run of copy tasks queued in one loop
+(``queue_run``), and the batched copy launches of a push (``InPlaceWriter.flush_copies``), made
+once and launched again push after push.  Issue 37: the 1.7B-class push's 11 launches took 50-100 us of host time
 each on one H100.  A push queues the same copies in the same batches every step, so the i-th
 launch of a push keeps what the i-th launch of the last push made:
 
@@ -23,7 +24,50 @@ from __future__ import annotations
 
 import operator
 
+from ..zerocopy import copy_batch_full
 from . import copies
+
+
+def queue_run(w, ops: list, i: int) -> int:
+    """``InPlaceWriter.queue_run``: queue_copy's fast path over consecutive tasks ``ops[i]``,
+    ``ops[i + 1]``, ... in one loop -- this push copies (``copy_live``), and each task's cached
+    binding is for its prep and its source's memory (``data_ptr``, ``numel``: checked for every
+    task), of fewer bytes than copy_max -- with the same queue, bytes, counters and launches as
+    queue_copy (a batch launched as it fills: ``flush_copies``).  Returns the index of the first
+    task not queued (`i`: none), which the caller runs the usual way (queue_copy and the rest).
+    Issue 37: the 1.7B-class push's 309 copy tasks, each a call of queue_copy from the step
+    loop's per-task body.  Such tasks have no collective (the rank holds each source whole), so
+    a failure's drain needs no per-task position inside the run (the step loop's ``state``)."""
+    if not w.copy_live:
+        return i
+    plans, cm, q, nb = w.copy_plans, w.copy_max, w.copy_q, w.copy_q_bytes
+    j, n, k = i, len(ops), 0  # k: tasks queued since the counters were last written
+    while j < n:
+        op = ops[j]
+        prep = op.prep
+        hit = plans.get(op.task)
+        if hit is None or hit[0] is not prep or hit[3] is None or op.nbytes >= cm:
+            break
+        src = prep.whole[0][1]
+        src = getattr(src, "_local_tensor", src)
+        if hit[1] != src.data_ptr() or hit[2] != src.numel():
+            break  # the memory moved: bound again by queue_copy
+        if j == i and w.counted != w.version:
+            w._count_push()  # (this push's counters, reset at its first in-place decision)
+        prep.done = 0  # (the step loop's per-task reset: none of its collectives posted)
+        q.extend(hit[3])
+        nb += hit[5]
+        k += 1
+        j += 1
+        if copy_batch_full(len(q), nb):
+            w.copy_q_bytes = nb
+            w.n["copies"] += k
+            k = 0
+            w.flush_copies()
+            q, nb = w.copy_q, w.copy_q_bytes  # (a new list)
+    w.copy_q_bytes = nb
+    w.n["copies"] += k
+    return j
 
 
 class Launch:

@@ -44,7 +44,7 @@ from .. import envs, taskpath
 from ..zerocopy import COPY_MAX, copy_batch_full
 from . import fp8 as _fp8  # (the module: tests and the bench replace its functions)
 from . import prepare
-from .copy_launch import Launches
+from .copy_launch import Launches, queue_run
 from .inplace_stamps import StampOrder, _NotInPlace
 from .overlap import Overlap
 
@@ -430,6 +430,8 @@ class InPlaceWriter(StampOrder):
         if copy_batch_full(len(q), self.copy_q_bytes):
             self.flush_copies()
         return True
+
+    queue_run = queue_run  # queue_copy's fast path over a run of tasks (copy_launch.py)
 
     def _defer(self, op) -> bool:
         """A zero-copy task too large for the batched copies, in a push that quantizes: copied

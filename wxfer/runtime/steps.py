@@ -215,6 +215,8 @@ class StepLoop:
         issued last and the (group, task) reached, for a failure's drain)."""
         runner, inplace, delta = self.runner, self.inplace, self.delta
         queue_copy = inplace.queue_copy  # (looked up once: per task it is most of the 1.7B-class loop)
+        # a run of copy tasks whose cached bindings hold, queued in one call (copy_launch.queue_run)
+        queue_run = inplace.queue_run if delta is None else None
         for gi, ops in enumerate(self.program.groups):
             if state["barrier"] is not None:
                 state["barrier"].wait(self.timeout)
@@ -222,8 +224,15 @@ class StepLoop:
             ops = self._ordered(gi, ops)
             state["ops"] = (gi, ops)  # a failure's drain follows the order run, in this group only
             batch = Batcher()  # zero-copy tasks, handed to the engine in one call (wxfer.zerocopy)
+            after = 0  # the tasks before it were queued by queue_run
             for oi, op in enumerate(ops):
+                if oi < after:
+                    continue
                 state["at"] = (gi, oi)
+                if queue_run is not None:
+                    after = queue_run(ops, oi)
+                    if after > oi:
+                        continue
                 prep = op.prep
                 if prep is not None:
                     prep.done = 0  # none of its collectives posted yet (a failure's drain resumes there)
