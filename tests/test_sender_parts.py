@@ -406,7 +406,9 @@ def test_the_step_loop_runs_copies_batches_and_tasks_in_order_group_by_group():
 
 class _Runs(_Seen):
     """_Seen whose in-place writer queues runs of consecutive copy tasks (``queue_run``): those in
-    `copy` from the task it is asked at on, logged as one ("run", first, end)."""
+    `copy` from the task it is asked at on, logged as one ("qrun", first, end)."""
+
+    copy_live = True  # (a push that copies: the step loop asks queue_run)
 
     def queue_run(self, ops, i):
         j = i
@@ -423,7 +425,8 @@ def test_the_step_loop_hands_runs_of_copy_tasks_to_queue_run_and_the_rest_as_bef
     cut by a run)."""
     import threading
 
-    prog = SimpleNamespace(groups=[[SimpleNamespace(task=i, nbytes=1, prep=None) for i in range(8)]], bytes_per_step=1)
+    ops = [SimpleNamespace(task=i, nbytes=1, prep=None, sends=True) for i in range(8)]
+    prog = SimpleNamespace(groups=[ops], bytes_per_step=1)
     seen = _Runs(copy={0, 1, 3, 4, 5}, fast={2, 6})
     loop = _loop(seen, prog)
     loop.push(1, False, seen.run_task, threading.RLock()).wait()

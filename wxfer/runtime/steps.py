@@ -215,8 +215,10 @@ class StepLoop:
         issued last and the (group, task) reached, for a failure's drain)."""
         runner, inplace, delta = self.runner, self.inplace, self.delta
         queue_copy = inplace.queue_copy  # (looked up once: per task it is most of the 1.7B-class loop)
-        # a run of copy tasks whose cached bindings hold, queued in one call (copy_launch.queue_run)
-        queue_run = inplace.queue_run if delta is None else None
+        # a run of copy tasks whose cached bindings hold, queued in one call (copy_launch.queue_run),
+        # in a push that copies (no call per task otherwise)
+        live = delta is None and getattr(inplace, "copy_live", False) is True
+        queue_run = inplace.queue_run if live else None
         for gi, ops in enumerate(self.program.groups):
             if state["barrier"] is not None:
                 state["barrier"].wait(self.timeout)
