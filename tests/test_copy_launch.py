@@ -95,6 +95,36 @@ def test_a_launch_of_another_engine_is_made_again():
     assert s.launches.recs[0] is not first and len(s.engine.prepared) == 1
 
 
+def test_a_kept_launch_reuses_its_device_table_only_on_its_stream_after_this_pushs_choice(monkeypatch):
+    """The native path's logic without a GPU (the copier, the stream and the launch stood in):
+    each push's first launch goes through copy_ranges (the copier chosen again, the table in
+    device memory looked up on the current stream); a later launch of a kept record on the same
+    stream is copies.launch_at with that table; on another stream, copy_ranges again; a push
+    whose copier is not native never takes it."""
+    from wxfer.runtime import fp8
+
+    stream, ran, log = [7], ["native"], []
+    monkeypatch.setattr(fp8, "_raw_stream", lambda dev: stream[0])
+    monkeypatch.setattr(copies, "copy_ranges", lambda dev, items, ranges=None: (log.append("ranges"), ran[0])[1])
+    monkeypatch.setattr(copies, "device_table", lambda dev, st, t: ("table", st))
+    monkeypatch.setattr(copies, "launch_at", lambda dev, st, t, d: log.append(("at", st, d)))
+    writer = SimpleNamespace(device=torch.device("cuda", 0), engine=SimpleNamespace(prepare_external=lambda d, tag: d))
+    ls = Launches(writer, direct.COPIES_TAG)
+    q = [(0, ("g", 0, 0, 16), (None, None, 1 << 20, 2 << 20, 16))]
+    ls.start()
+    assert [ls.launch(ls.get(0, q)) for _ in range(2)] == ["native", "native"]
+    assert log == ["ranges", ("at", 7, ("table", 7))]
+    ls.start()  # the next push: its first launch chooses again
+    ls.launch(ls.get(0, q))
+    stream[0] = 9  # another stream: not the table uploaded on 7
+    ls.launch(ls.get(0, q))
+    ls.launch(ls.get(0, q))
+    assert log[2:] == ["ranges", "ranges", ("at", 9, ("table", 9))]
+    ran[0] = "torch._foreach_copy_"  # (WXFER_COPY=torch set meanwhile)
+    ls.start()
+    assert [ls.launch(ls.get(0, q)) for _ in range(2)] == ["torch._foreach_copy_"] * 2 and log[5:] == ["ranges"] * 2
+
+
 @pytest.mark.gpu
 def test_the_next_pushs_launches_reuse_their_device_table_on_the_same_stream():
     """On a GPU: a push's second launch of the same copies runs copies.launch_at (the range table
