@@ -11,7 +11,8 @@ neither can run (no CUDA driver or libnvrtc, ``WXFER_COPY=torch``), with one
 on-device copy's rate, torch's batched copy at about half of it on an H200
 (benchmarks/README.md; benchmarks/bench_copies.py measures all three beside the bound). The
 kernel's range table is uploaded once per distinct batch and kept on the device (a push copies
-the same ranges every step). ``info()`` says which copier would run and why; ``last()`` which
+the same ranges every step: ``device_table``; ``launch_at`` launches again a table its caller
+kept, wxfer.runtime.copy_launch). ``info()`` says which copier would run and why; ``last()`` which
 one ran last.
 """
 
