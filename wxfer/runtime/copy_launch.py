@@ -84,7 +84,7 @@ class Launch:
         self.engine = engine
         # validated before anything is launched (a refusal raises here: nothing copied)
         self.prepared = engine.prepare_external([c[1] for c in q], tag=tag)
-        self.at = None  # (CUstream, the table in device memory) once launched natively
+        self.at: tuple | None = None  # (CUstream, the table in device memory) once launched natively
 
 
 class Launches:
