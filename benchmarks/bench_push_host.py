@@ -23,10 +23,12 @@ Two measurements, printed as one JSON object with the machine name:
 
     python3 benchmarks/bench_push_host.py [--provider shm] [--tasks 2000] [--layers 28] [--steps 7]
     python3 benchmarks/bench_push_host.py --only copy --compare /path/to/other/checkout  # before/after
+    python3 benchmarks/bench_push_host.py --only copy --fsdp2  # DTensor sources (the H100 FSDP2 rows')
 
 ``--compare DIR`` runs the ``copy`` and ``push`` measurements with ``wxfer`` imported from DIR
 (a checkout with its extension built) and from this checkout, alternated ``--rounds`` times,
-in fresh processes, and prints both.
+in fresh processes, and prints both (``--fsdp2`` passed on to both: a base checkout without it
+fails with argparse's message).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def bench_engine(provider: str, ntasks: int, reps: int) -> dict:
     return out
 
 
-def bench_push(provider: str, layers: int, steps: int, copy: bool = False) -> dict:
+def bench_push(provider: str, layers: int, steps: int, copy: bool = False, fsdp2: bool = False) -> dict:
     import torch
     from datetime import timedelta
     import torch.distributed as dist
@@ -112,6 +114,8 @@ def bench_push(provider: str, layers: int, steps: int, copy: bool = False) -> di
         transport_options={"provider": provider},
     )
     model = train_model(cfg).to(torch.bfloat16)  # the inference dtype: every task zero-copy
+    if fsdp2:  # the H100 rows' trainer: fully_shard per layer on a 1-rank mesh (DTensor sources)
+        _fsdp2(model, store)
     for p in model.parameters():
         p.requires_grad_(False)
     sender = Sender(model, mapping=preset_for(cfg), store=addr, name="bench", timeout=60, watermark="64MiB")
@@ -149,6 +153,7 @@ def bench_push(provider: str, layers: int, steps: int, copy: bool = False) -> di
         bytes_ok=_landed(model, params, cfg),
         layers=layers,
         provider=provider,
+        fsdp2=fsdp2,
     )
     if copier is not None:
         res.update(
@@ -156,8 +161,9 @@ def bench_push(provider: str, layers: int, steps: int, copy: bool = False) -> di
             loop_ms=statistics.median(loop) * 1e3,
             loop_us_per_task=statistics.median(loop) / max(1, len(ops)) * 1e6,
             loop_min_us_per_task=min(loop) / max(1, len(ops)) * 1e6,
-            # the parts, each timed around the call (~0.1 us per wrapper): queue_copy per task
-            # (without the launches it makes), a launch's host work but the copier's own
+            # the parts, each timed around the call (~0.1 us per wrapper): queue_copy per task, or
+            # queue_run per task it queued (without the launches they make), a launch's host
+            # work but the copier's own
             queue_copy_us=statistics.median(queue) * 1e6,
             queue_copy_min_us=min(queue) * 1e6,
             launch_us=statistics.median(launch) * 1e6,
@@ -165,7 +171,20 @@ def bench_push(provider: str, layers: int, steps: int, copy: bool = False) -> di
         )
     sender.close()
     recv.close()
+    if fsdp2:
+        dist.destroy_process_group()
     return res
+
+
+def _fsdp2(model, store) -> None:
+    """`model` sharded as bb_fsdp.py's trainer is (``fully_shard`` per decoder layer, then the
+    root) on a 1-rank gloo mesh: its parameters are DTensors, as the H100 FSDP2 rows' are."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from wxfer.models.train import shard_fsdp2
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("fsdp2", store), rank=0, world_size=1)
+    shard_fsdp2(model, init_device_mesh("cpu", (1,)))
 
 
 def _copy_path(sender, recv) -> dict:
@@ -199,6 +218,19 @@ def _copy_path(sender, recv) -> dict:
             timed["nf"] += 1 if n else 0
 
     ip.queue_copy, ip.flush_copies = queue, flush
+    queue_run = getattr(ip, "queue_run", None)  # (a checkout with it: a run of tasks in one call)
+    if queue_run is not None:
+
+        def run(ops, i):
+            t, f, j = time.perf_counter(), timed["f"], i
+            try:
+                j = queue_run(ops, i)
+                return j
+            finally:
+                timed["q"] += time.perf_counter() - t - (timed["f"] - f)
+                timed["nq"] += j - i
+
+        ip.queue_run = run
 
     def copy_ranges(device, items, *args, **kw):
         t = time.perf_counter()
@@ -217,6 +249,7 @@ def _landed(model, params, cfg) -> bool:
     from wxfer.models.infer import reconstruct_hf
 
     sd, got = model.state_dict(), reconstruct_hf(cfg, [params])
+    sd = {n: getattr(t, "_local_tensor", t) for n, t in sd.items()}  # FSDP2 on one rank: the whole tensor
     return bool(got) and all(torch.equal(t, sd[n]) for n, t in got.items())
 
 
@@ -228,6 +261,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--only", choices=["engine", "push", "copy"], default=None)
+    ap.add_argument("--fsdp2", action="store_true", help="push/copy: an FSDP2 trainer (DTensor sources)")
     from common.ab import add_compare, machine, wxfer_from
 
     add_compare(ap)
@@ -242,9 +276,9 @@ def main() -> None:
     if a.only in (None, "engine"):
         out["engine"] = bench_engine(a.provider, a.tasks, a.reps)
     if a.only in (None, "push"):
-        out["push"] = bench_push(a.provider, a.layers, a.steps)
+        out["push"] = bench_push(a.provider, a.layers, a.steps, fsdp2=a.fsdp2)
     if a.only in (None, "copy"):
-        out["copy"] = bench_push(a.provider, a.layers, a.steps, copy=True)
+        out["copy"] = bench_push(a.provider, a.layers, a.steps, copy=True, fsdp2=a.fsdp2)
     print(json.dumps(out, indent=1))
 
 
@@ -255,6 +289,7 @@ def compare(a) -> dict:
 
     only = [a.only] if a.only in ("push", "copy") else ["push", "copy"]
     shared = ["--provider", a.provider, "--layers", str(a.layers), "--steps", str(a.steps)]
+    shared += ["--fsdp2"] if a.fsdp2 else []
     got = alternated(__file__, a.compare, HERE, a.rounds, {what: ["--only", what, *shared] for what in only})
     runs = {
         who: [dict(r[what], what=what, load_average=r["load_average"]) for what, r in rs] for who, rs in got.items()

@@ -599,9 +599,16 @@ class _Tasks:
     tag) and their host signals (no stream: the copies ran on the host)."""
 
     def __init__(self):
-        self.tasks, self.signalled = [], []
+        self.tasks, self.signalled, self.prepared = [], [], []
+
+    def prepare_external(self, dests, tag=0):  # (the batched copies' destinations, made once)
+        self.prepared.append((list(dests), tag))
+        return self.prepared[-1]
 
     def submit_external(self, dests, tag=0):
+        if isinstance(dests, tuple):  # a prepare_external's: its own tag
+            (dests, tag2), tag = dests, tag or dests[1]
+            assert tag == tag2
         self.tasks.append((list(dests), tag))
         return len(self.tasks)
 

@@ -240,6 +240,40 @@ def test_signals_refused_where_they_do_not_apply(pair):
     eng.close()
 
 
+def test_prepared_destinations_are_validated_once_and_submitted_as_a_sequence_is(pair):
+    """Engine.prepare_external (the in-place writer's batched copies, each push the same
+    destinations): refused at prepare as submit_external refuses them; submitted again and
+    again with its own tag, each an external task as a sequence's (its signal, its bytes, a
+    fence after it waits for it); a Prepared of the other kind, or of another tag, refused."""
+    t, tgt = pair
+    eng = _wxfer.Engine(t, timeout=30)
+    d0, d1 = tgt.descriptors
+    with pytest.raises(_wxfer.Error, match="outside"):  # validated as submit_external's
+        eng.prepare_external([(d0, (1 << 20) - 8, 0, 64)], tag=3)
+    p = eng.prepare_external([(d0, 0, 0, 64), (d0, 64, 0, 32)], tag=3)
+    assert (p.tag, p.nbytes, p.region) == (3, 96, None)
+    for step in range(2):
+        x = eng.submit_external(p)
+        f = eng.submit(rand(8, step), [(d1, 0, 0, 8)], tag=4, fence=True)
+        assert _still_waiting(eng, fence=f)  # waits for the prepared task's signal
+        assert eng.complete_external(x) is True
+        eng.wait(timeout=30)
+        assert tgt.read(1)[:8] == rand(8, step).tobytes()
+    recs = [r for r in eng.trace() if r["tag"] == 3]
+    assert [(r["kind"], r["bytes"], r["nwrites"]) for r in recs] == [("external", 96, 2)] * 2
+    assert eng.stats()["bytes_external"] == 192
+    assert eng.submit_external(p, tag=3) > 0  # its own tag may be given
+    with pytest.raises(ValueError, match="tag 5, but dests is a Prepared of tag 3"):
+        eng.submit_external(p, tag=5)
+    with pytest.raises(TypeError, match="submit it with submit_external"):
+        eng.submit_prepared([p])
+    r = t.register(rand(64, 2), export=False)
+    with pytest.raises(TypeError, match="submit it with submit_prepared"):
+        eng.submit_external(eng.prepare(r, [(d0, 0, 0, 64)], tag=6))
+    eng.clear_error()
+    eng.close()
+
+
 NO_LIBCUDA = "libcuda" in _wxfer.backends().get("cuda_ipc", (False, "libcuda"))[1]
 
 
@@ -303,6 +337,11 @@ def test_isolate_skips_the_failed_peer_of_an_external_task():
         assert (recs[2]["status"], recs[2]["nwrites"]) == (-errno.EHOSTUNREACH, 1)
         assert (recs[3]["status"], recs[3]["nwrites"]) == (-errno.EHOSTUNREACH, 0)
         assert eng.stats()["bytes_external"] == 1000
+        p = eng.prepare_external([(gd, 0, 0, 200), (bd, 0, 0, 100)], tag=5)  # (validated before)
+        eng.complete_external(eng.submit_external(p))
+        eng.wait(timeout=20)
+        rec = [r for r in eng.trace() if r["tag"] == 5][-1]  # the failed peer skipped as with a list
+        assert (rec["status"], rec["nwrites"], eng.stats()["bytes_external"]) == (-errno.EHOSTUNREACH, 1, 1200)
         x = eng.submit_external([(gd, 0, 0, 8), (bd, 0, 0, 8)], tag=4)
         eng.complete_external(x, errno.EIO, "copy failed")
         eng.wait(timeout=20)

@@ -344,6 +344,9 @@ class _Seen:
     def __getattr__(self, name):  # anything else: recorded, returns None
         return lambda *a, **k: self.log.append((name,) + a)
 
+    def queue_run(self, ops, i):  # (no run queued at once: each task through queue_copy)
+        return i
+
     def queue_copy(self, op):
         if op.task in self.copy:
             self.log.append(("copy", op.task))
@@ -399,6 +402,37 @@ def test_the_step_loop_runs_copies_batches_and_tasks_in_order_group_by_group():
     assert ("write_end",) in seen.log and ("verify_landed", None, 2.5) in seen.log
     # the in-place writes are engine tasks: the engine's wait is theirs, nothing waited for beside it
     assert not any(e[0] in ("wait", "abandon") for e in seen.log), seen.log
+
+
+class _Runs(_Seen):
+    """_Seen whose in-place writer queues runs of consecutive copy tasks (``queue_run``): those in
+    `copy` from the task it is asked at on, logged as one ("qrun", first, end)."""
+
+    copy_live = True  # (a push that copies: the step loop asks queue_run)
+
+    def queue_run(self, ops, i):
+        j = i
+        while j < len(ops) and ops[j].task in self.copy:
+            j += 1
+        if j > i:
+            self.log.append(("qrun", ops[i].task, j))
+        return j
+
+
+def test_the_step_loop_hands_runs_of_copy_tasks_to_queue_run_and_the_rest_as_before():
+    """The step loop asks queue_run at each task not in a run already; the tasks of a run go to
+    neither queue_copy nor the engine; the others as before, in order (a zero-copy batch is not
+    cut by a run)."""
+    import threading
+
+    ops = [SimpleNamespace(task=i, nbytes=1, prep=None, sends=True) for i in range(8)]
+    prog = SimpleNamespace(groups=[ops], bytes_per_step=1)
+    seen = _Runs(copy={0, 1, 3, 4, 5}, fast={2, 6})
+    loop = _loop(seen, prog)
+    loop.push(1, False, seen.run_task, threading.RLock()).wait()
+    body = [e for e in seen.log if e[0] in ("copy", "batch", "run", "qrun", "end_group")]
+    assert body == [("qrun", 0, 2), ("qrun", 3, 6), ("batch", [2, 6]), ("run", 7), ("end_group",)]
+    assert loop.last_phases["submit"] > 0
 
 
 def test_a_failure_inside_the_loop_lands_the_inplace_writes_and_marks_the_live_workers_torn():

@@ -37,6 +37,20 @@ def _launches(rs, ph, lp, fit):
     )
 
 
+def _launch_parts(rs, ph, lp, fit):
+    """Per batched copy launch, host us: all of it, the copier's call, the event and engine
+    submission (copy_s / submit_s: runs from before they were recorded show '-')."""
+    if not any(x.get("launches") for x in lp):
+        return "-"
+
+    def one(x):
+        n = max(1, x.get("launches", 0))
+        parts = [x.get(k) for k in ("launch_s", "copy_s", "submit_s")]
+        return ", ".join("-" if v is None else "%.0f" % (v * 1e6 / n) for v in parts)
+
+    return _each(one, lp)
+
+
 def _fit(rs, ph, lp, fit):
     return "%.0f / %.0f" % (fit.get("push_begin_s", 0) * 1e6, fit.get("begin_fence_s", 0) * 1e6) if fit else "-"
 
@@ -54,6 +68,7 @@ COLUMNS = {
     "submit": ("submit ms", _phase("submit", 1e3, "%.2f")),
     "per_task": ("submit us/task (tasks)", _per_task),
     "launches": ("copy launches: n, host ms (begin wait ms), bindings made", _launches),
+    "launch_parts": ("per copy launch: host us, copier us, event + engine us", _launch_parts),
     "fit": ("fit: push_begin / begin_fence us", _fit),
     "order": ("begin order (stats)", lambda rs, ph, lp, fit: str((rs[0].get("direct") or {}).get("begin", "-"))),
 }

@@ -690,14 +690,18 @@ static PyMethodDef wx_engine_methods[] = {
      "order, with held=0 (never blocks on the watermark), all after the CUDA event; the Region "
      "is kept alive until its writes completed. Stops at the first refusal (raised; the tasks "
      "before it are submitted)."},
+    {"prepare_external", (PyCFunction)(void (*)(void))wx_py_engine_prepare_external,
+     METH_VARARGS | METH_KEYWORDS,
+     "prepare_external(dests, tag=0) -> Prepared: submit_external's dests (and tag) decoded and "
+     "validated once; pass it as dests (every step). Make it again as prepare's."},
     {"submit_external", (PyCFunction)(void (*)(void))wx_py_engine_submit_external,
      METH_VARARGS | METH_KEYWORDS,
      "submit_external(dests, event=None, device=-1, tag=0, fence=False) -> task id: an external "
      "task: the caller writes dests' bytes itself (an in-place kernel into memory Transport.map "
      "mapped); nothing is posted. dests as submit's (src_offset unused), validated the same "
-     "way. Its signal -- event: a CUDA event (a torch.cuda.Event, kept alive until the task "
-     "is reaped, or its int handle) recorded after the write, polled by "
-     "the engine (re-recorded before the task finished: it waits for the new record); None: "
+     "way, or a Prepared of prepare_external (its tag). Its signal -- event: a CUDA event (a "
+     "torch.cuda.Event, kept alive until the task is reaped, or its int handle) recorded after "
+     "the write, polled by the engine (re-recorded before the task finished: it waits for the new record); None: "
      "complete_external(id). device: the event's CUDA ordinal (default 0). It finishes once "
      "its signal came and the fence before it finished; a fence after it waits for it; "
      "fence=True: it also waits for every earlier write, and wait(fence=id) waits for it. Its "

@@ -51,12 +51,25 @@ PyObject *wx_py_engine_submit_external(PyObject *op, PyObject *args, PyObject *k
     unsigned long long tag = 0;
     wx_py_owner_t *own;
     wx_task_spec_t spec;
-    uint64_t t0 = wx_now_ns(), ta, id;
+    const wx_dest_t *pdv = NULL;
+    uint32_t pn = 0;
+    uint64_t t0 = wx_now_ns(), ta, id, ptag = 0;
+    int prepared;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OiKp:submit_external", kwlist, &dests, &event,
                                      &device, &tag, &fence))
         return NULL;
     if (!wx_py_engine_live(self))
         return NULL;
+    /* dests: a Prepared of prepare_external (validated once, its own tag), or a sequence */
+    if ((prepared = wx_py_prepared_external(self, st, dests, &pdv, &pn, &ptag)) < 0)
+        return NULL;
+    if (prepared && tag && tag != ptag) {
+        PyErr_Format(PyExc_ValueError,
+                     "submit_external: tag %llu, but dests is a Prepared of tag %llu (it has "
+                     "its own: leave tag out)",
+                     tag, (unsigned long long)ptag);
+        return NULL;
+    }
     tr = (wx_py_transport_t *)self->transport;
     if (!tr->t) {
         PyErr_SetString(PyExc_ValueError, "submit_external: transport is closed");
@@ -68,9 +81,15 @@ PyObject *wx_py_engine_submit_external(PyObject *op, PyObject *args, PyObject *k
     own->t = tr->t;
     memset(&spec, 0, sizeof spec);
     if (wx__external_event(event, &spec.cuda_event, &own->keep) < 0 ||
-        wx_py_submit_dests(st, tr, dests, tag, NULL, (wx_dest_t **)&spec.dests, &spec.ndests) < 0) {
+        (!prepared && wx_py_submit_dests(st, tr, dests, tag, NULL, (wx_dest_t **)&spec.dests,
+                                         &spec.ndests) < 0)) {
         wx_py_owner_free(own, NULL);
         return NULL;
+    }
+    if (prepared) { /* (wx_engine_submit copies them) */
+        spec.dests = pdv;
+        spec.ndests = pn;
+        tag = ptag;
     }
     spec.cuda_device = device >= 0 ? device : 0;
     spec.external = 1;
@@ -82,7 +101,8 @@ PyObject *wx_py_engine_submit_external(PyObject *op, PyObject *args, PyObject *k
     rc = wx_engine_admit(self->e, 0, 0, &ta); /* held 0: never waits (fails on a sticky error) */
     if (!rc)
         rc = wx_engine_submit(self->e, &spec, t0, ta, &id);
-    PyMem_Free((void *)spec.dests);
+    if (!prepared)
+        PyMem_Free((void *)spec.dests);
     if (rc) {
         wx_py_raise_engine(st, self->e, rc, "submit_external");
         wx_py_owner_free(own, NULL);

@@ -5,7 +5,8 @@
 #include <string.h>
 
 typedef struct {
-    PyObject_HEAD PyObject *region; /* wx_py_region_t of the engine's transport */
+    PyObject_HEAD PyObject *region; /* wx_py_region_t of the engine's transport; NULL: external */
+    PyObject *transport;            /* the transport whose peers dv names (prepare_external) */
     wx_dest_t *dv;                  /* validated destinations (their peers are the transport's) */
     uint32_t ndests;
     uint64_t tag, nbytes;
@@ -17,6 +18,7 @@ static void wx_prepared_dealloc(PyObject *op)
     PyTypeObject *tp = Py_TYPE(op);
     PyMem_Free(self->dv);
     Py_CLEAR(self->region);
+    Py_CLEAR(self->transport);
     tp->tp_free(op);
     Py_DECREF(tp);
 }
@@ -33,13 +35,14 @@ static PyObject *wx_prepared_nbytes(PyObject *op, void *closure)
 
 static PyObject *wx_prepared_region(PyObject *op, void *closure)
 {
-    return Py_NewRef(((wx_py_prepared_t *)op)->region);
+    PyObject *r = ((wx_py_prepared_t *)op)->region;
+    return Py_NewRef(r ? r : Py_None);
 }
 
 static PyGetSetDef wx_prepared_getset[] = {
     {"tag", wx_prepared_tag, NULL, "the engine tag of its tasks", NULL},
     {"nbytes", wx_prepared_nbytes, NULL, "bytes written per submission", NULL},
-    {"region", wx_prepared_region, NULL, "the source Region", NULL},
+    {"region", wx_prepared_region, NULL, "the source Region (None: prepare_external's)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -47,7 +50,9 @@ static PyType_Slot wx_prepared_slots[] = {
     {Py_tp_dealloc, wx_prepared_dealloc},
     {Py_tp_getset, wx_prepared_getset},
     {Py_tp_doc, "A task made by Engine.prepare(region, dests, tag): submitted (again and again) by "
-                "Engine.submit_prepared. Rebuild it when a destination's worker re-registered."},
+                "Engine.submit_prepared; or the destinations of an external task made by "
+                "Engine.prepare_external(dests, tag), submitted by Engine.submit_external. "
+                "Rebuild it when a destination's worker re-registered."},
     {0, NULL},
 };
 
@@ -86,6 +91,7 @@ PyObject *wx_py_engine_prepare(PyObject *op, PyObject *args, PyObject *kw)
     if (!p)
         return NULL;
     p->region = Py_NewRef(src);
+    p->transport = NULL;
     p->dv = NULL;
     p->ndests = 0;
     p->tag = tag;
@@ -98,6 +104,69 @@ PyObject *wx_py_engine_prepare(PyObject *op, PyObject *args, PyObject *kw)
     for (uint32_t i = 0; i < p->ndests; i++)
         p->nbytes += p->dv[i].len;
     return (PyObject *)p;
+}
+
+/* prepare_external(dests, tag=0) -> Prepared: an external task's destinations decoded and
+ * validated once (as submit_external does each call with a sequence). */
+PyObject *wx_py_engine_prepare_external(PyObject *op, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"dests", "tag", NULL};
+    wx_py_engine_t *self = (wx_py_engine_t *)op;
+    wx_py_state_t *st = wx_py_state_of(op);
+    PyObject *dests;
+    unsigned long long tag = 0;
+    wx_py_prepared_t *p;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|K:prepare_external", kwlist, &dests, &tag))
+        return NULL;
+    if (!wx_py_engine_live(self))
+        return NULL;
+    if (!((wx_py_transport_t *)self->transport)->t) {
+        PyErr_SetString(PyExc_ValueError, "prepare_external: transport is closed");
+        return NULL;
+    }
+    p = PyObject_New(wx_py_prepared_t, st->Prepared);
+    if (!p)
+        return NULL;
+    p->region = NULL;
+    p->transport = Py_NewRef(self->transport);
+    p->dv = NULL;
+    p->ndests = 0;
+    p->tag = tag;
+    p->nbytes = 0;
+    if (wx_py_submit_dests(st, (wx_py_transport_t *)self->transport, dests, tag, NULL, &p->dv,
+                           &p->ndests) < 0) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < p->ndests; i++)
+        p->nbytes += p->dv[i].len;
+    return (PyObject *)p;
+}
+
+int wx_py_prepared_external(wx_py_engine_t *self, wx_py_state_t *st, PyObject *obj,
+                            const wx_dest_t **dv, uint32_t *ndests, uint64_t *tag)
+{
+    wx_py_prepared_t *p = (wx_py_prepared_t *)obj;
+    if (!PyObject_TypeCheck(obj, st->Prepared))
+        return 0;
+    if (p->region) {
+        PyErr_Format(PyExc_TypeError,
+                     "submit_external: dests is a Prepared of Engine.prepare (tag %llu, a "
+                     "Region source): submit it with submit_prepared",
+                     (unsigned long long)p->tag);
+        return -1;
+    }
+    if (p->transport != self->transport) {
+        PyErr_Format(PyExc_ValueError,
+                     "submit_external: dests is a Prepared (tag %llu) of another transport's "
+                     "engine",
+                     (unsigned long long)p->tag);
+        return -1;
+    }
+    *dv = p->dv;
+    *ndests = p->ndests;
+    *tag = p->tag;
+    return 1;
 }
 
 /* One prepared task submitted: held 0 (the Region's memory is not the engine's), admitted
@@ -119,6 +188,13 @@ static int wx__submit_one_prepared(wx_py_engine_t *self, wx_py_state_t *st, PyOb
         return -1;
     }
     r = (wx_py_region_t *)p->region;
+    if (!r) {
+        PyErr_Format(PyExc_TypeError,
+                     "submit_prepared: tasks[%zd] (tag %llu) is an external task's destinations "
+                     "(Engine.prepare_external): submit it with submit_external",
+                     i, (unsigned long long)p->tag);
+        return -1;
+    }
     if (r->transport != self->transport || !r->mr || !((wx_py_transport_t *)self->transport)->t) {
         PyErr_Format(PyExc_ValueError,
                      "submit_prepared: tasks[%zd] (tag %llu): its Region is "

@@ -52,6 +52,13 @@ int wx_py_submit_dests(wx_py_state_t *st, wx_py_transport_t *tr, PyObject *dests
 /* Engine.prepare and Engine.submit_prepared (py_prepared.c; in Engine's method table). */
 PyObject *wx_py_engine_prepare(PyObject *op, PyObject *args, PyObject *kw);
 PyObject *wx_py_engine_submit_prepared(PyObject *op, PyObject *args, PyObject *kw);
+/* Engine.prepare_external (py_prepared.c): an external task's destinations validated once. */
+PyObject *wx_py_engine_prepare_external(PyObject *op, PyObject *args, PyObject *kw);
+/* submit_external's dests when obj is a Prepared of prepare_external for self's transport:
+ * its destinations (owned by obj) and tag, 1; 0 when obj is not a Prepared; -1 with an
+ * exception set for a Prepared that cannot be submitted there. */
+int wx_py_prepared_external(wx_py_engine_t *self, wx_py_state_t *st, PyObject *obj,
+                            const wx_dest_t **dv, uint32_t *ndests, uint64_t *tag);
 /* Engine.submit_external and Engine.complete_external (py_external.c). */
 PyObject *wx_py_engine_submit_external(PyObject *op, PyObject *args, PyObject *kw);
 PyObject *wx_py_engine_complete_external(PyObject *op, PyObject *args, PyObject *kw);

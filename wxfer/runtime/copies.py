@@ -11,7 +11,8 @@ neither can run (no CUDA driver or libnvrtc, ``WXFER_COPY=torch``), with one
 on-device copy's rate, torch's batched copy at about half of it on an H200
 (benchmarks/README.md; benchmarks/bench_copies.py measures all three beside the bound). The
 kernel's range table is uploaded once per distinct batch and kept on the device (a push copies
-the same ranges every step). ``info()`` says which copier would run and why; ``last()`` which
+the same ranges every step: ``device_table``; ``launch_at`` launches again a table its caller
+kept, wxfer.runtime.copy_launch). ``info()`` says which copier would run and why; ``last()`` which
 one ran last.
 """
 
@@ -162,14 +163,11 @@ def _driver(device, items, beside: bool = False) -> None:
         _wxfer.copy_batch(device.index, _raw_stream(device), triples)
 
 
-def _native(device, items, ranges=None, ctas: int = 0) -> None:
+def device_table(device, stream: int, t: array.array):
+    """Range table `t` in the memory of CUDA `device` (a uint8 tensor), uploaded on `stream` (a
+    CUstream value: the launches that read it go on that stream) once per distinct table."""
     import torch
 
-    from .. import _wxfer
-    from .fp8 import _raw_stream
-
-    stream = _raw_stream(device)
-    t = table(items) if ranges is None else ranges
     key = (stream, t.tobytes())
     dev = _tables.get(key)
     if dev is None:
@@ -177,6 +175,32 @@ def _native(device, items, ranges=None, ctas: int = 0) -> None:
             _tables.clear()  # freed in stream order: later work on these streams comes after the kernels
         dev = torch.frombuffer(bytearray(key[1]), dtype=torch.uint8).to(device, non_blocking=True)
         _tables[key] = dev
+    return dev
+
+
+def launch_at(device, stream: int, t: array.array, dev) -> None:
+    """One launch of the native kernel over range table `t` on `stream` of CUDA `device`, its copy
+    `dev` in device memory made by ``device_table`` on that stream (kept by the caller: the same
+    launch push after push, wxfer.runtime.copy_launch); the copier that ran recorded as
+    copy_ranges records it.  The caller has had copy_ranges run "native" on `device` (this push)."""
+    global _last
+    from .. import _wxfer
+
+    _wxfer.copy_launch(device.index, stream, t, dev.data_ptr())
+    _calls["native"] += 1
+    _last = _NATIVE_AGAIN
+
+
+_NATIVE_AGAIN = {"copier": "native", "reason": "the NVRTC-compiled kernel (its device table kept by the caller)"}
+
+
+def _native(device, items, ranges=None, ctas: int = 0) -> None:
+    from .. import _wxfer
+    from .fp8 import _raw_stream
+
+    stream = _raw_stream(device)
+    t = table(items) if ranges is None else ranges
+    dev = device_table(device, stream, t)
     if ctas:
         _wxfer.copy_launch(device.index, stream, t, dev.data_ptr(), int(ctas))
     else:

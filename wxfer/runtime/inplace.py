@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import struct
 import itertools
-import operator
 import time
 from itertools import zip_longest
 
@@ -45,6 +44,7 @@ from .. import envs, taskpath
 from ..zerocopy import COPY_MAX, copy_batch_full
 from . import fp8 as _fp8  # (the module: tests and the bench replace its functions)
 from . import prepare
+from .copy_launch import Launches, queue_run
 from .inplace_stamps import StampOrder, _NotInPlace
 from .overlap import Overlap
 
@@ -294,11 +294,10 @@ class InPlaceWriter(StampOrder):
         self.copy_q_bytes = 0  # their bytes
         self.copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
         self.copy_live = False  # this push copies (``_copies_on``)
-        self.copy_events: list = []  # the CUDA event of each batched copy launch of a push, reused
-        self.copy_tables: list = []  # (items, copies.table of them) of each launch of the last push
+        self.launches = Launches(self, COPIES_TAG)  # each launch of a push, kept for the next (copy_launch.py)
         # this push's batched copy launches, their host seconds, the copy bindings it made
         # (stats()["direct"]["last_push"]; a push after the first should make none)
-        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
+        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "copy_s": 0.0, "submit_s": 0.0, "bound": 0}
         self.stamp_views: dict = {}  # gpu -> (begin stamp destination, its int64 view or None) (stamp_begin)
         self.unstamped = frozenset()  # the receivers stamp_begin skipped this push: not written in place
         links.on_adopt.append(self.forget)  # a restarted worker: the old one's maps are dropped
@@ -310,8 +309,9 @@ class InPlaceWriter(StampOrder):
         self.version, self.verify, self.wait_begin, self.begun = version, bool(verify), wait_begin, False
         self.unstamped = frozenset()
         self.launched = False  # the last push's writes were waited for by the engine
-        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "bound": 0}
+        self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "copy_s": 0.0, "submit_s": 0.0, "bound": 0}
         self._copies_on()
+        self.launches.start()
         self.overlap.start(self.copy_live)
 
     def switch(self, on: bool) -> None:
@@ -431,6 +431,8 @@ class InPlaceWriter(StampOrder):
             self.flush_copies()
         return True
 
+    queue_run = queue_run  # queue_copy's fast path over a run of tasks (copy_launch.py)
+
     def _defer(self, op) -> bool:
         """A zero-copy task too large for the batched copies, in a push that quantizes: copied
         beside the quantizer (wxfer.runtime.overlap) when every destination is mapped; False:
@@ -513,8 +515,6 @@ class InPlaceWriter(StampOrder):
         launched after it is)."""
         if not self.copy_q:
             return
-        from . import copies
-
         t0 = time.perf_counter()
         q, self.copy_q, self.copy_q_bytes = self.copy_q, [], 0
         # the begin stamps first (late: the engine's writes queued meanwhile were not held up), then
@@ -527,37 +527,23 @@ class InPlaceWriter(StampOrder):
         host = self.host
         if live:
             i = host["launches"]
-            items = [c[2] for c in live]
-            self.copier = copies.copy_ranges(self.device, items, ranges=self._copy_table(i, items))
-            self._submit([c[1] for c in live], COPIES_TAG, event=self._copy_event(host["launches"]))
+            launch = self.launches.get(i, live)  # the last push's i-th when the same (copy_launch.py)
+            t2 = time.perf_counter()
+            self.copier = self.launches.launch(launch)
+            t3 = time.perf_counter()
+            self._submit(launch.prepared, COPIES_TAG, event=self._copy_event(i))
+            host["copy_s"] += t3 - t2  # the copier's call (on a GPU: the kernel's launch)
+            host["submit_s"] += time.perf_counter() - t3  # its event recorded, its engine task
             host["launches"] += 1
         host["begin_wait_s"] += t1 - t0
         host["launch_s"] += time.perf_counter() - t0
-
-    def _copy_table(self, i: int, items: list):
-        """The batched copy kernel's range table of a push's `i`-th launch of `items`: the last
-        push's when they are the same item objects (the cached bindings' tuples: the same
-        addresses and sizes; a binding made again has new ones), else made now and kept."""
-        from . import copies
-
-        tabs = self.copy_tables
-        if i < len(tabs):
-            old, t = tabs[i]
-            if len(old) == len(items) and all(map(operator.is_, old, items)):
-                return t
-        t = copies.table(items)
-        if i < len(tabs):
-            tabs[i] = (items, t)
-        elif i == len(tabs):
-            tabs.append((items, t))
-        return t
 
     def _copy_event(self, i: int):
         """The CUDA event recorded after a push's `i`-th batched copy launch (made once, reused
         every push as a packed task's own is: the push before was waited for), or None (CPU)."""
         if self.stream is None:
             return None
-        evs = self.copy_events
+        evs = self.launches.events
         while len(evs) <= i:
             import torch
 
@@ -572,7 +558,8 @@ class InPlaceWriter(StampOrder):
         return [d for d in dests if gpu.get(bytes(d[0])) not in skip]
 
     def _submit(self, dests, tag: int, plan: _Plan | None = None, event=None) -> None:
-        """The writes just launched to `dests`, handed to the engine as one external task: with
+        """The writes just launched to `dests` (a list, or an ``Engine.prepare_external`` of
+        them: copy_launch.py), handed to the engine as one external task: with
         a side stream, after a CUDA event recorded on it (`plan`'s own or `event`, re-recorded
         each push; else a new one; the engine holds it until reaped); without one (the CPU) they
         ran on the host and are done, signalled so at once.  The engine orders, skips, bounds
@@ -789,7 +776,7 @@ class InPlaceWriter(StampOrder):
         for task, hit in list(self.copy_plans.items()):
             if hit[3] and any(c[0] == gpu for c in hit[3]):
                 del self.copy_plans[task]
-        self.copy_tables.clear()  # (made again at the next launches)
+        self.launches.clear()  # (made again at the next launches)
 
     def close(self) -> None:
         """Forget the views of the mapped regions (before the transport unmaps them)."""
@@ -797,4 +784,4 @@ class InPlaceWriter(StampOrder):
         self.stamp_views.clear()
         self.plans.clear()
         self.copy_plans.clear()
-        self.copy_tables.clear()
+        self.launches.clear()

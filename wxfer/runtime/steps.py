@@ -101,6 +101,8 @@ class StepLoop:
         self.carried = None  # a failure after the last push's agreement (its end stamps): told with the next
         self.delta = None  # delta pushes: wxfer.runtime.delta_send.DeltaWriter (Sender(delta=True))
         self._leads: dict = {}  # mesh group -> (its ops, the preps looked at, the order run: _ordered)
+        self._events = None  # the CUDA events of the push's stream order, made at the first (_order_streams)
+        self._side_ctx = None  # the side stream's context, made at the first push (_on_side)
 
     def settle(self) -> None:
         """The last push finished (its writes waited for) before the next one begins."""
@@ -137,14 +139,12 @@ class StepLoop:
             self.runner.write_begin()
             ph["begin_stamps"] = time.perf_counter() - t0
             if self.stream is not None:
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))
-                ev = torch.cuda.Event()  # what the zero-copy writes wait for
-                ev.record(self.stream)
+                ev = self._order_streams(torch)  # what the zero-copy writes wait for
                 keep.append(ev)
             ph["streams"] = time.perf_counter() - t0
             with (
                 torch.no_grad(),
-                torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext(),
+                self._on_side(torch),
                 prepare.bounded(self.timeout, f"trainer rank {self.rank}, step {version}"),
             ):
                 ph["groups"] = time.perf_counter() - t0  # the task loop begins (its first submission: the trace)
@@ -172,16 +172,53 @@ class StepLoop:
             self.failures.mark_live(version, f"trainer rank {self.rank} stopped in step {version}: {type(e).__name__}")
             raise
         if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            join = self._events[2]  # (made by _order_streams; a temporary one each push otherwise)
+            join.record(self.stream)
+            torch.cuda.current_stream(self.device).wait_event(join)
         self.last_submit_s = ph["submit"] = time.perf_counter() - t0
         self.pending = PushHandle(self, lock, version, t0, state["barrier"], keep)
         return self.pending
+
+    def _order_streams(self, torch):
+        """The side stream ordered after the training stream's work so far, and the push's event
+        recorded after that on the side stream (returned: what the zero-copy writes wait for).
+        Its CUDA events are made once and recorded again each push (issue 37: ``wait_stream``'s
+        temporary event and a new event per push were two event creations and a destruction
+        on the way to the first write): a wait already queued keeps the record it was queued
+        after (cudaStreamWaitEvent uses the event's state at the call), and the push before,
+        whose writes the engine waited for on the push event, was finished (``settle``) or
+        abandoned before this one records it again (a task of it still polling it waits the
+        longer).  The third is the training stream's wait for the side stream at the submit's
+        end.  They live as long as this StepLoop (no destruction under an engine's wait)."""
+        evs = self._events
+        if evs is None:
+            evs = self._events = (torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event())
+        order, ev = evs[0], evs[1]
+        order.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(order)
+        ev.record(self.stream)
+        return ev
+
+    def _on_side(self, torch):
+        """The side stream made current for the task loop: one ``torch.cuda.StreamContext`` made
+        at the first push and entered again by each (its __init__ looks up the current device;
+        entered once at a time: a push holds the Sender's lock, and the failure's drain makes its
+        own); no stream: a null context."""
+        if self.stream is None:
+            return _nullcontext()
+        if self._side_ctx is None:
+            self._side_ctx = torch.cuda.stream(self.stream)
+        return self._side_ctx
 
     def _groups(self, version, run_task, ev, state) -> None:
         """Every mesh group's tasks in order, a barrier after each (`state`: the barrier
         issued last and the (group, task) reached, for a failure's drain)."""
         runner, inplace, delta = self.runner, self.inplace, self.delta
         queue_copy = inplace.queue_copy  # (looked up once: per task it is most of the 1.7B-class loop)
+        # a run of copy tasks whose cached bindings hold, queued in one call (copy_launch.queue_run),
+        # in a push that copies (no call per task otherwise)
+        live = delta is None and getattr(inplace, "copy_live", False) is True
+        queue_run = inplace.queue_run if live else None
         for gi, ops in enumerate(self.program.groups):
             if state["barrier"] is not None:
                 state["barrier"].wait(self.timeout)
@@ -189,8 +226,15 @@ class StepLoop:
             ops = self._ordered(gi, ops)
             state["ops"] = (gi, ops)  # a failure's drain follows the order run, in this group only
             batch = Batcher()  # zero-copy tasks, handed to the engine in one call (wxfer.zerocopy)
+            after = 0  # the tasks before it were queued by queue_run
             for oi, op in enumerate(ops):
+                if oi < after:
+                    continue
                 state["at"] = (gi, oi)
+                if queue_run is not None:
+                    after = queue_run(ops, oi)
+                    if after > oi:
+                        continue
                 prep = op.prep
                 if prep is not None:
                     prep.done = 0  # none of its collectives posted yet (a failure's drain resumes there)
