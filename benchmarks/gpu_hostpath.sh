@@ -6,7 +6,7 @@
 #   1. this tree built; its GPU tests of the changed code (TESTS, bounded by TESTS_S, default 150 s);
 #   2. the base tree: BASE_DIR (a copy of the base checkout) or BASE_REV (git archive of that
 #      revision, default main's fee52e2), built there; none of them: this tree's rows only;
-#   3. the colocated rows (MODELS, default the 1.7B and 8B rows) from each tree in the order of RUNS
+#   3. the colocated rows (ROWS: bench_baselines' selection, default the 1.7B and 8B BF16 FSDP2 rows) from each tree in the order of RUNS
 #      (default "this base this2"), one bench_baselines.py call each (ROW_S, default 80 s);
 #   4. one table (benchmarks/common/phase_table.py): the phases to the first submission, the
 #      submit per task, the copy launches and their host us per launch in parts (copy_s / submit_s,
@@ -41,7 +41,7 @@ runs=""
 for r in ${RUNS:-this base this2}; do
   case $r in base*) [ -n "$BASE" ] || continue; tree=$BASE ;; *) tree=$HERE ;; esac
   (cd "$tree" && timeout ${ROW_S:-80} python3 benchmarks/bench_baselines.py --layouts colocated \
-    --curated ${MODELS:-qwen3-1.7b,qwen3-8b} --methods link,wxfer --calibration none --max-s 70 \
+    ${ROWS:---models qwen3-1.7b,qwen3-8b --quant bf16 --trainers fsdp2} --methods link,wxfer --calibration none --max-s 70 \
     --out "$R/$r" --json >"$R/$r.log" 2>&1) || echo "$r: rc=$?"
   grep -E "^\[|Error" "$R/$r.log" | head -8
   runs="$runs $r=$R/$r"; save
