@@ -165,12 +165,18 @@ def _driver(device, items, beside: bool = False) -> None:
 
 def device_table(device, stream: int, t: array.array):
     """Range table `t` in the memory of CUDA `device` (a uint8 tensor), uploaded on `stream` (a
-    CUstream value: the launches that read it go on that stream) once per distinct table."""
+    CUstream value: the launches that read it go on that stream) once per distinct table.  The
+    upload runs on torch's current stream, so `stream` must be it (checked where it uploads)."""
     import torch
+
+    from .fp8 import _raw_stream
 
     key = (stream, t.tobytes())
     dev = _tables.get(key)
     if dev is None:
+        cur = _raw_stream(device)
+        if cur != stream:
+            raise ValueError(f"copies.device_table: stream {stream:#x} is not {device}'s current stream {cur:#x}")
         if len(_tables) >= TABLES_KEPT:
             _tables.clear()  # freed in stream order: later work on these streams comes after the kernels
         dev = torch.frombuffer(bytearray(key[1]), dtype=torch.uint8).to(device, non_blocking=True)
