@@ -27,9 +27,10 @@ def _one(cal, quant=None, write_GBps=1e5):
     return one_trainer_plan("qwen3-8b", quant, dict(ZERO, **cal), dict(direct=True), write_GBps=write_GBps, **FAST)
 
 
-def _launches(plan, kinds) -> list:
+def _launches(plan, kinds, first: int = 0) -> list:
     """[bytes of each batched copy launch] as the Sender issues them: its ranges queued task by
-    task, launched once COPY_BATCH are queued (or COPY_BATCH_BYTES) and at each mesh group's end."""
+    task, launched once COPY_BATCH are queued (or COPY_BATCH_BYTES; with `first`, the push's
+    n-th launch at min(first * 2**n, COPY_BATCH_BYTES)) and at each mesh group's end."""
     ranges = np.bincount(plan.task, minlength=len(plan.tasks))
     nbytes = np.bincount(plan.task, plan.nbytes, len(plan.tasks))
     out = []
@@ -38,7 +39,8 @@ def _launches(plan, kinds) -> list:
         for t, _ in g:
             if kinds[t] == "copy":
                 q, b = q + int(ranges[t]), b + float(nbytes[t])
-                if q >= COPY_BATCH or b >= COPY_BATCH_BYTES:
+                cap = COPY_BATCH_BYTES if not first else min(COPY_BATCH_BYTES, first << len(out))
+                if q >= COPY_BATCH or b >= cap:
                     out.append(b)
                     q, b = 0, 0.0
         if q:
@@ -75,6 +77,22 @@ def test_copy_tasks_cost_their_host_their_launches_and_no_engine_write():
     k0 = task_kinds(plan, {p.name: p for p in synthesize("qwen3-8b", c0).train}, direct=True, copy_max=0)
     r0 = simulate(plan, c0, kinds=k0)
     assert r0.terms["copy_tasks"] == 0 and r0.terms["post_s"] == pytest.approx(plan.n_transfers * 1e-6)
+
+
+def test_the_simulator_ramps_its_copy_launches_as_the_sender_does(monkeypatch):
+    """WXFER_DIRECT_COPY_FIRST: the simulated launches are the Sender's (the first closes at
+    that many bytes, each next at twice the last): more of them, the first smaller and
+    started earlier than without it."""
+    cal = dict(copy_GBps=1000.0, pack_launch_s=50e-6, host_copy_task_s=3e-6, write_call_s=1e-6)
+    c, plan, kinds = _one(cal)
+    base = simulate(plan, c, kinds=kinds, record=True)
+    monkeypatch.setenv("WXFER_DIRECT_COPY_FIRST", "16MiB")
+    r = simulate(plan, c, kinds=kinds, record=True)
+    lb, l0 = _launches(plan, kinds, 16 << 20), _launches(plan, kinds)
+    assert len(lb) > len(l0) and lb[0] < l0[0] and sum(lb) == pytest.approx(sum(l0))
+    q, q0 = _spans(r, "quant"), _spans(base, "quant")
+    assert len(q) == len(lb) and len(q0) == len(l0)
+    assert q[0][1] - q[0][0] < q0[0][1] - q0[0][0] and q[0][0] <= q0[0][0]
 
 
 def test_copies_and_direct_kernels_share_the_side_stream_in_order():

@@ -795,3 +795,39 @@ def test_a_launchs_range_table_is_kept_only_for_the_same_bound_items(monkeypatch
     s.forget(0, [b"g0"])
     push(5, [0, 2])
     assert seen[4] is not seen[3]  # bound again after the restart: made again
+
+
+def test_a_push_ramps_its_copy_launches_from_the_first_launchs_bytes(monkeypatch):
+    """WXFER_DIRECT_COPY_FIRST (issue 37: the GPU starts on a push's copies after a few tasks):
+    the push's first batched copy launch closes at that many bytes, each next at twice the last;
+    queue_copy (the first push binds) and queue_run (the next push's cached bindings) cut the
+    same launches, every byte lands, and without it one launch takes them all."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("WXFER_DIRECT_COPY_FIRST", "16")
+    regions = {b"g0": torch.zeros(7 * 16, dtype=torch.uint8)}
+    s = _CopySender(regions, {b"g0": 0})
+    ops = []
+    for i in range(7):
+        src = torch.full((16,), i + 1, dtype=torch.uint8)
+        dests = [(b"g0", 16 * i, 0, 16)]
+        prep = SimpleNamespace(zero_copy=True, direct=None, whole=[("w", src)], dests=dests, best=_COPY)
+        ops.append(SimpleNamespace(prep=prep, sends=True, nbytes=16, task=i))
+
+    def push(version, run):
+        s.engine.tasks.clear()
+        regions[b"g0"].zero_()
+        s.start(version, False, lambda: None)
+        if run:
+            assert s.queue_run(ops, 0) == len(ops)
+        else:
+            assert all(s.queue_copy(op) for op in ops)
+        s.flush_copies()
+        want = torch.arange(1, 8, dtype=torch.uint8).repeat_interleave(16)
+        assert torch.equal(regions[b"g0"], want)
+        return [len(t[0]) for t in s.engine.tasks], s.stats()["last_push"]["launches"]
+
+    assert push(1, run=False) == ([1, 2, 4], 3)  # 16, 32 and 64 bytes
+    assert push(2, run=True) == ([1, 2, 4], 3)
+    monkeypatch.delenv("WXFER_DIRECT_COPY_FIRST")
+    assert push(3, run=True) == ([7], 1)

@@ -18,7 +18,9 @@ from wxfer.zerocopy import (
     batch_ends,
     batches,
     contiguous_range,
+    COPY_FIRST_BYTES,
     copy_batch_full,
+    copy_first,
     merged_rows,
     whole_rows,
     zero_copy,
@@ -139,6 +141,25 @@ def test_copy_launches_are_cut_at_the_range_count_or_the_bytes():
     assert not copy_batch_full(COPY_BATCH - 1, COPY_BATCH_BYTES - 1)
     assert copy_batch_full(COPY_BATCH, 0) and copy_batch_full(1, COPY_BATCH_BYTES)
     assert copy_batch_full(1, float(COPY_BATCH_BYTES))  # the simulator counts bytes as floats
+
+
+def test_copy_launches_ramp_up_from_the_first_launchs_bytes(monkeypatch):
+    """WXFER_DIRECT_COPY_FIRST: a push's first launch closes at that many bytes, each next at
+    twice the last, up to COPY_BATCH_BYTES; 0 (the default) keeps COPY_BATCH_BYTES for each."""
+    mib = 1 << 20
+    sizes = range(0, COPY_BATCH_BYTES + 1, mib)
+    caps = [next(b for b in sizes if copy_batch_full(1, b, i, 32 * mib)) for i in range(5)]
+    assert caps == [32 * mib, 64 * mib, 128 * mib, 256 * mib, COPY_BATCH_BYTES]
+    assert not copy_batch_full(1, 31 * mib, 0, 32 * mib) and copy_batch_full(COPY_BATCH, 0, 0, 32 * mib)
+    assert not copy_batch_full(1, COPY_BATCH_BYTES - 1, 0, 0) and not copy_batch_full(1, 100 * mib, 10**6, 0)
+    assert copy_batch_full(1, COPY_BATCH_BYTES, 10**6, 1)  # no overflow far out
+    monkeypatch.delenv("WXFER_DIRECT_COPY_FIRST", raising=False)
+    assert copy_first() == COPY_FIRST_BYTES == 0
+    monkeypatch.setenv("WXFER_DIRECT_COPY_FIRST", "32MiB")
+    assert copy_first() == 32 * mib
+    monkeypatch.setenv("WXFER_DIRECT_COPY_FIRST", "lots")
+    with pytest.raises(ValueError, match=r"WXFER_DIRECT_COPY_FIRST must be a size in bytes .* got 'lots'"):
+        copy_first()
 
 
 # --------------------------------------------------------------------------- the rule

@@ -74,6 +74,12 @@ _VARS = (
     _py("WXFER_GC_PAUSE", "flag", "on", "Python's cyclic garbage collector paused while push() submits (0: not)"),
     _py("WXFER_DIRECT_COPY_MAX", "size", "32MiB", "zero-copy tasks below this are copied by kernels"),
     _py(
+        "WXFER_DIRECT_COPY_FIRST",
+        "size",
+        "0",
+        "a push's first batched copy launch closes at this many bytes, each next at twice the last (0: off)",
+    ),
+    _py(
         "WXFER_DIRECT_OVERLAP",
         "choice",
         "engines",

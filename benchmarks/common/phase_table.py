@@ -60,6 +60,14 @@ def _phase(key, scale, fmt):
 
 
 # name -> (header, cell(rs, phases, last pushes, the largest watermark's fitted calibration))
+def _profile(rs, ph, lp, fit):
+    pr = [r.get("profile") or {} for r in rs]
+    if not any(pr):
+        return "-"
+    keys = ("gpu_busy_ms", "lead_ms", "idle_ms", "tail_ms")
+    return _each(lambda x: ", ".join("%.2f" % (x.get(k) or 0) for k in keys) if x else "-", pr)
+
+
 COLUMNS = {
     "rejoin_check": ("rejoin_check us", _phase("rejoin_check", 1e6, "%.0f")),
     "begin_stamps": ("begin_stamps us", _phase("begin_stamps", 1e6, "%.0f")),
@@ -70,6 +78,7 @@ COLUMNS = {
     "launches": ("copy launches: n, host ms (begin wait ms), bindings made", _launches),
     "launch_parts": ("per copy launch: host us, copier us, event + engine us", _launch_parts),
     "fit": ("fit: push_begin / begin_fence us", _fit),
+    "profile": ("profiled push: busy, lead, idle, tail ms", _profile),
     "order": ("begin order (stats)", lambda rs, ph, lp, fit: str((rs[0].get("direct") or {}).get("begin", "-"))),
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..zerocopy import batch_ends, copy_batch_full
+from ..zerocopy import batch_ends, copy_batch_full, copy_first
 from .kinds import KINDS
 from .sim_net import _Jobs, _Network
 
@@ -183,6 +183,8 @@ class _Meshes:
         self.copy_open: list = [[] for _ in range(world)]  # copy jobs queued, not yet launched
         self.copy_n = np.zeros(world, np.int64)  # their ranges
         self.copy_b = np.zeros(world)  # and bytes
+        self.copy_launches = np.zeros(world, np.int64)  # the rank's batched copy launches so far
+        self.copy_first = copy_first()  # their ramp (zerocopy.copy_batch_full), as the runtime's
         self.stage_end = {"h2d": max(self.h2d_done.values(), default=0.0), "allgather": 0.0, "quant": 0.0, "write": 0.0}
 
     def _h2d(self) -> dict:
@@ -374,7 +376,7 @@ class _Meshes:
             self.copy_open[r].append(j)
             self.copy_n[r] += int(self.jobs.xwrites[j])
             self.copy_b[r] += float(self.jobs.xbytes[j])
-            if copy_batch_full(self.copy_n[r], self.copy_b[r]):
+            if copy_batch_full(self.copy_n[r], self.copy_b[r], int(self.copy_launches[r]), self.copy_first):
                 self._copy_flush(r, h)
         else:
             self.zc_open[r].append(j)
@@ -415,6 +417,7 @@ class _Meshes:
             self.act_time[jj] = k1
             self.direct_pend.append(jj)
         self.copy_open[r], self.copy_n[r], self.copy_b[r] = [], 0, 0.0
+        self.copy_launches[r] += 1
 
     def end_allgather(self, m: int, ti: int, start: float, t_end: float) -> None:
         """All-gather of task ti ended: pack on the senders, release the next group when this

@@ -59,7 +59,7 @@ def queue_run(w, ops: list, i: int) -> int:
         nb += hit[5]
         k += 1
         j += 1
-        if copy_batch_full(len(q), nb):
+        if copy_batch_full(len(q), nb, w.host["launches"], w.copy_first):
             w.copy_q_bytes = nb
             w.n["copies"] += k
             k = 0

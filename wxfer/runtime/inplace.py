@@ -41,7 +41,7 @@ import time
 from itertools import zip_longest
 
 from .. import envs, taskpath
-from ..zerocopy import COPY_MAX, copy_batch_full
+from ..zerocopy import COPY_MAX, copy_batch_full, copy_first
 from . import fp8 as _fp8  # (the module: tests and the bench replace its functions)
 from . import prepare
 from .copy_launch import Launches, queue_run
@@ -292,6 +292,7 @@ class InPlaceWriter(StampOrder):
         # queued small copies [(gpu, engine destination, (dst, src, dst addr, src addr, n))] (flush_copies)
         self.copy_q: list = []
         self.copy_q_bytes = 0  # their bytes
+        self.copy_first = 0  # bytes of a push's first launch, each next twice the last (0: COPY_BATCH_BYTES each)
         self.copier = None  # what the last batch of copies ran on (wxfer.runtime.copies)
         self.copy_live = False  # this push copies (``_copies_on``)
         self.launches = Launches(self, COPIES_TAG)  # each launch of a push, kept for the next (copy_launch.py)
@@ -310,6 +311,7 @@ class InPlaceWriter(StampOrder):
         self.unstamped = frozenset()
         self.launched = False  # the last push's writes were waited for by the engine
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "copy_s": 0.0, "submit_s": 0.0, "bound": 0}
+        self.copy_first = copy_first()  # the first launch's bytes, ramping up (zerocopy.copy_batch_full)
         self._copies_on()
         self.launches.start()
         self.overlap.start(self.copy_live)
@@ -427,7 +429,7 @@ class InPlaceWriter(StampOrder):
         q.extend(hit[3])  # the begin stamps are waited for at the launch, not here
         self.copy_q_bytes += hit[5]  # bytes written (every destination), as the simulator counts
         self.n["copies"] += 1  # zero-copy tasks copied this way (not in "tasks", "total")
-        if copy_batch_full(len(q), self.copy_q_bytes):
+        if copy_batch_full(len(q), self.copy_q_bytes, self.host["launches"], self.copy_first):
             self.flush_copies()
         return True
 
