@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from wxfer import envs
 from wxfer.mapping import Piece, Shard
 from wxfer.mapping.reference import pack_task
 from wxfer.zerocopy import (
@@ -20,7 +21,6 @@ from wxfer.zerocopy import (
     contiguous_range,
     COPY_FIRST_BYTES,
     copy_batch_full,
-    copy_first,
     merged_rows,
     whole_rows,
     zero_copy,
@@ -154,12 +154,12 @@ def test_copy_launches_ramp_up_from_the_first_launchs_bytes(monkeypatch):
     assert not copy_batch_full(1, COPY_BATCH_BYTES - 1, 0, 0) and not copy_batch_full(1, 100 * mib, 10**6, 0)
     assert copy_batch_full(1, COPY_BATCH_BYTES, 10**6, 1)  # no overflow far out
     monkeypatch.delenv("WXFER_DIRECT_COPY_FIRST", raising=False)
-    assert copy_first() == COPY_FIRST_BYTES == 0
+    assert envs.size("WXFER_DIRECT_COPY_FIRST", COPY_FIRST_BYTES) == COPY_FIRST_BYTES == 0
     monkeypatch.setenv("WXFER_DIRECT_COPY_FIRST", "32MiB")
-    assert copy_first() == 32 * mib
+    assert envs.size("WXFER_DIRECT_COPY_FIRST", COPY_FIRST_BYTES) == 32 * mib
     monkeypatch.setenv("WXFER_DIRECT_COPY_FIRST", "lots")
     with pytest.raises(ValueError, match=r"WXFER_DIRECT_COPY_FIRST must be a size in bytes .* got 'lots'"):
-        copy_first()
+        envs.size("WXFER_DIRECT_COPY_FIRST", 0)
 
 
 # --------------------------------------------------------------------------- the rule

@@ -158,6 +158,20 @@ def on(name: str) -> bool:
     return get(name, "1").strip().lower() not in OFF
 
 
+def size(name: str, default: int) -> int:
+    """The declared size variable `name` in bytes (e.g. ``32MiB``; unset or empty: `default`),
+    ValueError naming it when it is not a size."""
+    v = (get(name) or "").strip()
+    if not v:
+        return default
+    from . import _wxfer
+
+    try:
+        return max(0, int(_wxfer.parse_size(v)))
+    except ValueError:
+        raise ValueError(f"wxfer: ${name} must be a size in bytes (e.g. 32MiB) or 0, got {v!r}") from None
+
+
 def values() -> dict:
     """{name: value} of the declared variables set now (those the C code reads, as its table
     sees them)."""

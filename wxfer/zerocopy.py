@@ -159,27 +159,9 @@ def copy_batch_full(ranges: int, nbytes, launch: int = 0, first: int = 0) -> boo
     launch, the push's `launch`-th (from 0): launch them now.  With `first` (bytes, > 0) the
     launches ramp up: the first closes at `first` bytes, each next at twice the last, up to
     ``COPY_BATCH_BYTES`` (so the GPU starts on a push's copies after a few tasks, not after
-    ``COPY_BATCH_BYTES`` of them; ``copy_first``)."""
+    ``COPY_BATCH_BYTES`` of them; $WXFER_DIRECT_COPY_FIRST, ``envs.size``)."""
     cap = COPY_BATCH_BYTES if first <= 0 else min(COPY_BATCH_BYTES, first << min(max(launch, 0), 30))
     return ranges >= COPY_BATCH or nbytes >= cap
-
-
-def copy_first() -> int:
-    """$WXFER_DIRECT_COPY_FIRST (bytes, e.g. 32MiB; 0: off), else ``COPY_FIRST_BYTES``: the
-    bytes of a push's first batched copy launch (``copy_batch_full``'s `first`)."""
-    from . import envs
-
-    v = (envs.get("WXFER_DIRECT_COPY_FIRST") or "").strip()
-    if not v:
-        return COPY_FIRST_BYTES
-    from . import _wxfer
-
-    try:
-        n = int(_wxfer.parse_size(v))
-    except ValueError:
-        must = "wxfer: $WXFER_DIRECT_COPY_FIRST must be a size in bytes (e.g. 32MiB) or 0"
-        raise ValueError(f"{must}, got {v!r}") from None
-    return max(0, n)
 
 
 def batch_ends(

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..zerocopy import batch_ends, copy_batch_full, copy_first
+from .. import envs
+from ..zerocopy import COPY_FIRST_BYTES, batch_ends, copy_batch_full
 from .kinds import KINDS
 from .sim_net import _Jobs, _Network
 
@@ -184,7 +185,7 @@ class _Meshes:
         self.copy_n = np.zeros(world, np.int64)  # their ranges
         self.copy_b = np.zeros(world)  # and bytes
         self.copy_launches = np.zeros(world, np.int64)  # the rank's batched copy launches so far
-        self.copy_first = copy_first()  # their ramp (zerocopy.copy_batch_full), as the runtime's
+        self.copy_first = envs.size("WXFER_DIRECT_COPY_FIRST", COPY_FIRST_BYTES)  # their ramp, as the runtime's
         self.stage_end = {"h2d": max(self.h2d_done.values(), default=0.0), "allgather": 0.0, "quant": 0.0, "write": 0.0}
 
     def _h2d(self) -> dict:

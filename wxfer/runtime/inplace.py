@@ -41,7 +41,7 @@ import time
 from itertools import zip_longest
 
 from .. import envs, taskpath
-from ..zerocopy import COPY_MAX, copy_batch_full, copy_first
+from ..zerocopy import COPY_FIRST_BYTES, COPY_MAX, copy_batch_full
 from . import fp8 as _fp8  # (the module: tests and the bench replace its functions)
 from . import prepare
 from .copy_launch import Launches, queue_run
@@ -311,7 +311,8 @@ class InPlaceWriter(StampOrder):
         self.unstamped = frozenset()
         self.launched = False  # the last push's writes were waited for by the engine
         self.host = {"launches": 0, "launch_s": 0.0, "begin_wait_s": 0.0, "copy_s": 0.0, "submit_s": 0.0, "bound": 0}
-        self.copy_first = copy_first()  # the first launch's bytes, ramping up (zerocopy.copy_batch_full)
+        # the first launch's bytes, ramping up (zerocopy.copy_batch_full)
+        self.copy_first = envs.size("WXFER_DIRECT_COPY_FIRST", COPY_FIRST_BYTES)
         self._copies_on()
         self.launches.start()
         self.overlap.start(self.copy_live)
