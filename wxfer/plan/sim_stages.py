@@ -4,12 +4,24 @@ Split out of simulate.py; see its docstring for the model."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from .. import envs
 from ..zerocopy import COPY_FIRST_BYTES, batch_ends, copy_batch_full
 from .kinds import KINDS
 from .sim_net import _Jobs, _Network
+
+
+def _copy_first() -> int:
+    """$WXFER_DIRECT_COPY_FIRST as the runtime reads it (``envs.size``), for the simulated batched
+    copy launches to ramp as the Sender's do; wxfer.envs (which loads the native extension for
+    its C table) is imported only where the variable is set: a plan imports no extension."""
+    if not os.environ.get("WXFER_DIRECT_COPY_FIRST", "").strip():
+        return COPY_FIRST_BYTES
+    from .. import envs
+
+    return envs.size("WXFER_DIRECT_COPY_FIRST", COPY_FIRST_BYTES)
 
 
 class _StageModel:
@@ -185,7 +197,7 @@ class _Meshes:
         self.copy_n = np.zeros(world, np.int64)  # their ranges
         self.copy_b = np.zeros(world)  # and bytes
         self.copy_launches = np.zeros(world, np.int64)  # the rank's batched copy launches so far
-        self.copy_first = envs.size("WXFER_DIRECT_COPY_FIRST", COPY_FIRST_BYTES)  # their ramp, as the runtime's
+        self.copy_first = _copy_first()  # their ramp, as the runtime's
         self.stage_end = {"h2d": max(self.h2d_done.values(), default=0.0), "allgather": 0.0, "quant": 0.0, "write": 0.0}
 
     def _h2d(self) -> dict:
