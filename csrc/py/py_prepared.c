@@ -59,6 +59,31 @@ static PyType_Slot wx_prepared_slots[] = {
 static PyType_Spec wx_prepared_spec = WX_PY_TYPE_SPEC(
     "Prepared", wx_py_prepared_t, Py_TPFLAGS_DISALLOW_INSTANTIATION, wx_prepared_slots);
 
+/* A Prepared of `dests` (decoded and validated once): of Engine.prepare with `region` (its
+ * Region source, `mr` its registration), or of prepare_external with region NULL (then it keeps
+ * the engine's transport, which submit_external checks it against). */
+static PyObject *wx__prepared_new(wx_py_state_t *st, wx_py_engine_t *self, PyObject *region,
+                                  PyObject *dests, unsigned long long tag, const wx_mr_t *mr)
+{
+    wx_py_prepared_t *p = PyObject_New(wx_py_prepared_t, st->Prepared);
+    if (!p)
+        return NULL;
+    p->region = region ? Py_NewRef(region) : NULL;
+    p->transport = region ? NULL : Py_NewRef(self->transport);
+    p->dv = NULL;
+    p->ndests = 0;
+    p->tag = tag;
+    p->nbytes = 0;
+    if (wx_py_submit_dests(st, (wx_py_transport_t *)self->transport, dests, tag, mr, &p->dv,
+                           &p->ndests) < 0) {
+        Py_DECREF(p);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < p->ndests; i++)
+        p->nbytes += p->dv[i].len;
+    return (PyObject *)p;
+}
+
 /* prepare(region, dests, tag=0) -> Prepared: the destinations decoded and validated against
  * the Region once (as submit does each call). */
 PyObject *wx_py_engine_prepare(PyObject *op, PyObject *args, PyObject *kw)
@@ -69,7 +94,6 @@ PyObject *wx_py_engine_prepare(PyObject *op, PyObject *args, PyObject *kw)
     PyObject *src, *dests;
     unsigned long long tag = 0;
     wx_py_region_t *r;
-    wx_py_prepared_t *p;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|K:prepare", kwlist, &src, &dests, &tag))
         return NULL;
     if (!wx_py_engine_live(self))
@@ -87,23 +111,7 @@ PyObject *wx_py_engine_prepare(PyObject *op, PyObject *args, PyObject *kw)
                         "prepare: src Region is closed or belongs to another transport");
         return NULL;
     }
-    p = PyObject_New(wx_py_prepared_t, st->Prepared);
-    if (!p)
-        return NULL;
-    p->region = Py_NewRef(src);
-    p->transport = NULL;
-    p->dv = NULL;
-    p->ndests = 0;
-    p->tag = tag;
-    p->nbytes = 0;
-    if (wx_py_submit_dests(st, (wx_py_transport_t *)self->transport, dests, tag, r->mr, &p->dv,
-                           &p->ndests) < 0) {
-        Py_DECREF(p);
-        return NULL;
-    }
-    for (uint32_t i = 0; i < p->ndests; i++)
-        p->nbytes += p->dv[i].len;
-    return (PyObject *)p;
+    return wx__prepared_new(st, self, src, dests, tag, r->mr);
 }
 
 /* prepare_external(dests, tag=0) -> Prepared: an external task's destinations decoded and
@@ -115,7 +123,6 @@ PyObject *wx_py_engine_prepare_external(PyObject *op, PyObject *args, PyObject *
     wx_py_state_t *st = wx_py_state_of(op);
     PyObject *dests;
     unsigned long long tag = 0;
-    wx_py_prepared_t *p;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|K:prepare_external", kwlist, &dests, &tag))
         return NULL;
     if (!wx_py_engine_live(self))
@@ -124,23 +131,7 @@ PyObject *wx_py_engine_prepare_external(PyObject *op, PyObject *args, PyObject *
         PyErr_SetString(PyExc_ValueError, "prepare_external: transport is closed");
         return NULL;
     }
-    p = PyObject_New(wx_py_prepared_t, st->Prepared);
-    if (!p)
-        return NULL;
-    p->region = NULL;
-    p->transport = Py_NewRef(self->transport);
-    p->dv = NULL;
-    p->ndests = 0;
-    p->tag = tag;
-    p->nbytes = 0;
-    if (wx_py_submit_dests(st, (wx_py_transport_t *)self->transport, dests, tag, NULL, &p->dv,
-                           &p->ndests) < 0) {
-        Py_DECREF(p);
-        return NULL;
-    }
-    for (uint32_t i = 0; i < p->ndests; i++)
-        p->nbytes += p->dv[i].len;
-    return (PyObject *)p;
+    return wx__prepared_new(st, self, NULL, dests, tag, NULL);
 }
 
 int wx_py_prepared_external(wx_py_engine_t *self, wx_py_state_t *st, PyObject *obj,
