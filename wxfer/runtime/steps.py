@@ -172,7 +172,7 @@ class StepLoop:
             self.failures.mark_live(version, f"trainer rank {self.rank} stopped in step {version}: {type(e).__name__}")
             raise
         if self.stream is not None:
-            join = self._events[2]  # (made by _order_streams; a temporary one each push otherwise)
+            join = self._events[2]  # (made by _order_streams, above: the training stream waits for the side one)
             join.record(self.stream)
             torch.cuda.current_stream(self.device).wait_event(join)
         self.last_submit_s = ph["submit"] = time.perf_counter() - t0
